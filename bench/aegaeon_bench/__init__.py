@@ -1,0 +1,1 @@
+"""aegaeon_bench."""

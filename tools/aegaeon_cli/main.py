@@ -1,0 +1,58 @@
+"""The `aegaeon` console script.
+
+Each subcommand lives in its own room and is imported only when used, so
+`aegaeon market create` never pays for importing the proxy (or torch for the
+simulator). A room exposes ``register(subparsers)`` which adds its parser and
+sets ``func`` (``Callable[[argparse.Namespace], int]``) as a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from typing import cast
+
+# subcommand -> (module with register(), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "market": ("aegaeon_market.cli", "make a market of small seeded checkpoints"),
+    "generate": ("aegaeon_engine.cli", "generate text with the engine alone (no services)"),
+    "bench": ("aegaeon_bench.cli", "benchmarks: engine, switch, serve, sweep, report"),
+    "sim": ("aegaeon_bench.sim.cli", "discrete-event simulation of the paper's cluster"),
+    "serve": ("aegaeon_cli.serve", "start every service on this machine"),
+    "proxy": ("aegaeon_proxy.main", "run the OpenAI-compatible proxy"),
+    "prefill": ("aegaeon_prefill.main", "run one prefill instance"),
+    "decode": ("aegaeon_decode.main", "run one decode instance"),
+    "cachemgr": ("aegaeon_cachemgr.main", "run the node's cache manager"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aegaeon",
+        description="Aegaeon: token-level multi-model LLM serving.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in COMMANDS.items():
+        if name == wanted:
+            module = importlib.import_module(module_name)
+            module.register(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_list)
+    args = parser.parse_args(args_list)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.error(f"unknown command {args.command!r}")
+    return cast(Callable[[argparse.Namespace], int], func)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
