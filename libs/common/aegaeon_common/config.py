@@ -1,0 +1,270 @@
+"""One YAML file describes the models and the instances of a deployment.
+
+Frozen dataclasses, validated on load; a bad file fails with a
+:class:`ConfigError` naming the file and the field. Socket addresses and
+shared-memory names are derived here, never written as literals elsewhere.
+
+Minimal file (everything else has a default)::
+
+    market: ./market          # every model in it is served
+    decode: {instances: 1, device_memory: 600MiB, kv_memory: 256MiB}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes
+from aegaeon_common.env import read_env
+
+POLICIES = ("aegaeon", "request-level", "request-level-sjf")
+DTYPES = ("bfloat16", "float16", "float32")
+
+__all__ = [
+    "DTYPES",
+    "POLICIES",
+    "CacheConfig",
+    "Config",
+    "ConfigError",
+    "InstancesConfig",
+    "ModelConfig",
+    "ProxyConfig",
+    "SLOConfig",
+    "SchedulerConfig",
+    "load_config",
+    "parse_bytes",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A servable model: its name in the API and its checkpoint directory."""
+
+    name: str
+    path: Path
+    ttft_s: float | None = None  # per-model SLO override
+    tbt_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Default targets (paper: TTFT 10 s, TBT 100 ms)."""
+
+    ttft_s: float = 10.0
+    tbt_s: float = 0.1
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "aegaeon"
+    max_group_size: int = 8  # MAX_GPSIZE of Algorithm 1
+    q_max_s: float = 4.0  # Q_MAX of Eq. 3
+    max_batch_size: int = 32
+    prefetch: bool = True
+    switch_beta: float = 0.625  # Eq. 4 correction factor
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The node's cachemgr: Model Cache budget and unified CPU KV cache."""
+
+    model_cache_bytes: int = 4 << 30
+    kv_cache_bytes: int = 1 << 30
+    slab_bytes: int = 4 << 20
+    event_slots: int = 256
+    prewarm: tuple[str, ...] = ("*",)  # model names, "*" = all
+
+
+@dataclass(frozen=True)
+class InstancesConfig:
+    """A homogeneous set of worker instances (prefill or decode)."""
+
+    instances: int = 1
+    device: str = "cpu"
+    device_memory_bytes: int = 512 << 20  # the whole buffer: weights arena + KV region
+    kv_memory_bytes: int = 128 << 20  # KV region at the top of the buffer
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1 << 20
+    max_queued_requests: int = 512
+    request_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole deployment. Build with :func:`load_config`."""
+
+    models: tuple[ModelConfig, ...]
+    market_dir: Path | None = None
+    dtype: str = "bfloat16"
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    prefill: InstancesConfig = field(default_factory=InstancesConfig)
+    decode: InstancesConfig = field(default_factory=InstancesConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    run_dir: Path = Path("/tmp/aegaeon")
+    addresses: dict[str, str] = field(default_factory=dict)  # overrides, e.g. tcp:// in containers
+    source: str = "<defaults>"
+
+    # ---- derived names -------------------------------------------------
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.models)
+
+    def _address(self, key: str) -> str:
+        return self.addresses.get(key) or f"ipc://{self.run_dir / (key + '.sock')}"
+
+    @property
+    def proxy_address(self) -> str:
+        """Where instances push their messages to the proxy."""
+        return self._address("proxy")
+
+    @property
+    def cachemgr_address(self) -> str:
+        return self._address("cachemgr")
+
+    def prefill_address(self, index: int) -> str:
+        return self._address(f"prefill-{index}")
+
+    def decode_address(self, index: int) -> str:
+        return self._address(f"decode-{index}")
+
+    @property
+    def run_id(self) -> str:
+        """Short id of this deployment, used in shared-memory names."""
+        return hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:8]
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"aegaeon-{self.run_id}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for logs and for handing the exact config to children)."""
+        return json.loads(json.dumps(dataclasses.asdict(self), default=str))  # type: ignore[no-any-return]
+
+
+_SECTIONS: dict[str, type] = {
+    "slo": SLOConfig,
+    "scheduler": SchedulerConfig,
+    "cachemgr": CacheConfig,
+    "prefill": InstancesConfig,
+    "decode": InstancesConfig,
+    "proxy": ProxyConfig,
+}
+_TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", *_SECTIONS}
+
+
+def _market_models(market: Path, source: str) -> list[ModelConfig]:
+    index = market / "market.json"
+    try:
+        data = json.loads(index.read_text())
+        entries = data["models"]
+        return [ModelConfig(name=str(e["name"]), path=market / str(e["path"])) for e in entries]
+    except FileNotFoundError:
+        problem = f"{index} not found (run `aegaeon market create`)"
+        raise ConfigError(source, "market", problem) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(str(index), "models", f"malformed market index ({exc})") from None
+
+
+def _models(raw: Any, base: Path, source: str) -> list[ModelConfig]:
+    if not isinstance(raw, list):
+        raise ConfigError(source, "models", "must be a list of {name, path}")
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ConfigError(source, f"models[{i}]", "must be a map with name and path")
+        fields = dict(item)
+        if "path" in fields:
+            fields["path"] = str(base / str(fields["path"]))
+        out.append(build_section(ModelConfig, fields, source, f"models[{i}]"))
+    return out
+
+
+def config_from_dict(
+    raw: dict[str, Any], source: str = "<dict>", base: Path | None = None
+) -> Config:
+    """Validate plain data (a parsed YAML file) into a :class:`Config`."""
+    base = base or Path.cwd()
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "<top>", "must be a map")
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        known = ", ".join(sorted(_TOP_KEYS))
+        raise ConfigError(source, unknown[0], f"unknown key (known: {known})")
+    env = read_env()
+    market_raw = raw.get("market")
+    market = (base / str(market_raw)).resolve() if market_raw else env.market_dir
+    models = _models(raw["models"], base, source) if raw.get("models") else []
+    if not models:
+        if market is None:
+            raise ConfigError(source, "models", "no models: give `models` or `market`")
+        models = _market_models(market, source)
+    names = [m.name for m in models]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(source, "models", f"duplicate model name {dupes[0]!r}")
+    dtype = str(raw.get("dtype", "bfloat16"))
+    if dtype not in DTYPES:
+        raise ConfigError(source, "dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    sections: dict[str, Any] = {
+        key: build_section(cls, raw.get(key) or {}, source, key) for key, cls in _SECTIONS.items()
+    }
+    sched: SchedulerConfig = sections["scheduler"]
+    if sched.policy not in POLICIES:
+        raise ConfigError(source, "scheduler.policy", f"{sched.policy!r} is not one of {POLICIES}")
+    for key in ("prefill", "decode"):
+        inst: InstancesConfig = sections[key]
+        if inst.kv_memory_bytes >= inst.device_memory_bytes:
+            raise ConfigError(source, f"{key}.kv_memory", "must be smaller than device_memory")
+        if inst.instances < 0 or inst.threads < 1:
+            raise ConfigError(source, key, "instances must be >= 0 and threads >= 1")
+    run_raw = raw.get("run_dir")
+    run_dir = Path(str(run_raw)) if run_raw else (env.run_dir or Path("/tmp") / "aegaeon")
+    addresses = raw.get("addresses") or {}
+    if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
+        raise ConfigError(source, "addresses", "must map names to zmq addresses")
+    return Config(
+        models=tuple(models),
+        market_dir=market,
+        dtype=dtype,
+        slo=sections["slo"],
+        scheduler=sched,
+        cache=sections["cachemgr"],
+        prefill=sections["prefill"],
+        decode=sections["decode"],
+        proxy=sections["proxy"],
+        run_dir=run_dir,
+        addresses={str(k): v for k, v in addresses.items()},
+        source=source,
+    )
+
+
+def load_config(path: Path | str) -> Config:
+    """Load and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), "<file>", f"cannot read ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), "<yaml>", f"not valid YAML ({exc})") from None
+    return config_from_dict(raw, source=str(path), base=path.parent.resolve())

@@ -1,0 +1,36 @@
+"""Every environment variable the project reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Env:
+    log_level: str
+    log_json: bool | None  # None: JSON when stderr is not a TTY
+    market_dir: Path | None
+    run_dir: Path | None
+    threads: int | None
+
+
+def _flag(value: str | None) -> bool | None:
+    if value is None or value == "":
+        return None
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def read_env() -> Env:
+    """The project's settings from the environment (``AEGAEON_*``)."""
+    market = os.environ.get("AEGAEON_MARKET")
+    run_dir = os.environ.get("AEGAEON_RUN_DIR")
+    threads = os.environ.get("AEGAEON_THREADS")
+    return Env(
+        log_level=os.environ.get("AEGAEON_LOG_LEVEL", "info").lower(),
+        log_json=_flag(os.environ.get("AEGAEON_LOG_JSON")),
+        market_dir=Path(market) if market else None,
+        run_dir=Path(run_dir) if run_dir else None,
+        threads=int(threads) if threads else None,
+    )

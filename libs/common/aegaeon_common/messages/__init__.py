@@ -1,0 +1,1 @@
+"""Message schemas, one module per channel. Structs only; no behaviour."""

@@ -1,0 +1,168 @@
+"""ZeroMQ helpers: typed PUSH/PULL queues and a ROUTER/DEALER request-reply pair.
+
+Frames are :mod:`aegaeon_common.wire` messages. Request-reply adds one frame
+before the payload: an 8-byte request id, so one DEALER can have many calls in
+flight. A server answers a frame it cannot decode with a typed
+:class:`ErrorReply` and keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from aegaeon_common.messages.common import ErrorReply
+from aegaeon_common.wire import Channel, Message, WireError, encode
+
+_RID = struct.Struct("<Q")
+
+
+class RemoteError(RuntimeError):
+    """The peer answered with an :class:`ErrorReply`."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        super().__init__(f"{reply.code}: {reply.message}")
+        self.reply = reply
+        self.code = reply.code
+
+
+def prepare_address(address: str) -> None:
+    """Make the directory of an ``ipc://`` socket exist."""
+    if address.startswith("ipc://"):
+        Path(address[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+
+
+def new_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        prepare_address(address)
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class Pusher:
+    """Send typed messages on a PUSH socket (connects by default)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, bind: bool = False) -> None:
+        self.address = address
+        self._sock = new_socket(ctx, zmq.PUSH, address, bind)
+
+    async def send(self, msg: Message) -> None:
+        await self._sock.send(encode(msg))
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+class Puller:
+    """Receive typed messages on a PULL socket (binds by default)."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, channel: Channel, bind: bool = True
+    ) -> None:
+        self.address = address
+        self.channel = channel
+        self._sock = new_socket(ctx, zmq.PULL, address, bind)
+
+    async def recv(self) -> Message:
+        """The next message; raises :class:`WireError` for a frame that is not one."""
+        return self.channel.decode(await self._sock.recv())
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+Handler = Callable[[Message], Awaitable[Message]]
+
+
+class RpcServer:
+    """A ROUTER serving request-reply calls, one handler per request."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, channel: Channel, handler: Handler
+    ) -> None:
+        self.address = address
+        self.channel = channel
+        self._handler = handler
+        self._sock = new_socket(ctx, zmq.ROUTER, address, bind=True)
+        self.num_bad_frames = 0
+
+    async def serve_forever(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != _RID.size:
+                self.num_bad_frames += 1
+                if len(frames) >= 2:
+                    reply = ErrorReply("malformed", "want frames [request id (8 bytes), payload]")
+                    await self._sock.send_multipart([frames[0], b"\0" * 8, encode(reply)])
+                continue
+            identity, rid, payload = frames
+            try:
+                request = self.channel.decode(payload)
+            except WireError as exc:
+                self.num_bad_frames += 1
+                reply_msg: Message = ErrorReply(exc.code, exc.detail)
+            else:
+                reply_msg = await self._handler(request)
+            await self._sock.send_multipart([identity, rid, encode(reply_msg)])
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+class RpcClient:
+    """A DEALER with many calls in flight; replies matched by request id."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, replies: Channel) -> None:
+        self.address = address
+        self._replies = Channel(replies.name, [*replies._types.values(), ErrorReply])
+        self._sock = new_socket(ctx, zmq.DEALER, address, bind=False)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2 or len(frames[0]) != _RID.size:
+                continue
+            (rid,) = _RID.unpack(frames[0])
+            fut = self._pending.pop(rid, None)
+            if fut is None or fut.done():
+                continue
+            try:
+                fut.set_result(self._replies.decode(frames[1]))
+            except WireError as exc:
+                fut.set_exception(exc)
+
+    async def call(self, request: Message, timeout_s: float = 30.0) -> Message:
+        """Send ``request``; return its reply. :class:`RemoteError` for an ErrorReply."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        rid = next(self._ids)
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self._sock.send_multipart([_RID.pack(rid), encode(request)])
+            reply = await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply)
+        return reply
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for fut in self._pending.values():
+            fut.cancel()
+        self._sock.close(0)
