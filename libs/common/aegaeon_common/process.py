@@ -1,0 +1,72 @@
+"""Process entry habits: a title, logging, death with the parent, clean signals."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from aegaeon_common.logs import get_logger, setup_logging
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def set_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:
+        pass
+
+
+def run_service(
+    name: str, main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], *, child: bool = True
+) -> int:
+    """Run one service's asyncio ``main(stop_event)`` until SIGINT/SIGTERM.
+
+    ``main`` must return soon after ``stop_event`` is set, having released its
+    resources. A fatal error is logged and gives exit status 1.
+    """
+    set_title(f"aegaeon-{name}")
+    setup_logging(name)
+    if child:
+        die_with_parent()
+    log = get_logger("process")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    try:
+        asyncio.run(runner())
+    except Exception:
+        log.exception("fatal", service=name)
+        return 1
+    return 0
