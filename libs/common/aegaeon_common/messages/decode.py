@@ -1,0 +1,46 @@
+"""Proxy -> decode instance (PUSH/PULL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aegaeon_common.messages.prefill import CancelRequest, Shutdown
+from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
+from aegaeon_common.wire import Channel, Message
+
+
+@dataclass(frozen=True)
+class EnqueueDecode(Message):
+    """A prefilled request joins batch ``batch_id`` of its model (Alg. 2, line 2).
+
+    On accepting it the instance takes over the handoff's blocks (lease) and
+    frees them when the request ends.
+    """
+
+    TAG = "enqueue_decode"
+    request_id: str
+    model: str
+    batch_id: int
+    prompt_len: int
+    first_token_id: int
+    num_generated: int  # tokens already produced (1: the prefill's)
+    sampling: SamplingSpec
+    handoff: KVHandoff
+    arrival_s: float
+
+
+@dataclass(frozen=True)
+class RunRequest(Message):
+    """Request-level policies: prefill and decode the whole request here."""
+
+    TAG = "run_request"
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    arrival_s: float
+
+
+DECODE_CHANNEL = Channel(
+    "proxy->decode", [EnqueueDecode, RunRequest, CancelRequest, Shutdown]
+)

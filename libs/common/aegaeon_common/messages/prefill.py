@@ -1,0 +1,43 @@
+"""Proxy -> prefill instance (PUSH/PULL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.wire import Channel, Message
+
+
+@dataclass(frozen=True)
+class EnqueuePrefill(Message):
+    """Put a request into group ``group_id`` of this instance's job queue (Alg. 1).
+
+    The instance mirrors the proxy's view of its queue: a group id it has not
+    seen opens a new group at the tail.
+    """
+
+    TAG = "enqueue_prefill"
+    request_id: str
+    model: str
+    group_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    arrival_s: float  # proxy clock (time.time())
+
+
+@dataclass(frozen=True)
+class CancelRequest(Message):
+    """Stop work on a request and free everything it holds."""
+
+    TAG = "cancel"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """Finish nothing more; exit cleanly (the supervisor also sends SIGTERM)."""
+
+    TAG = "shutdown"
+
+
+PREFILL_CHANNEL = Channel("proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown])

@@ -1,0 +1,96 @@
+"""Instances -> proxy (PUSH/PULL): tokens, handoffs, failures, liveness and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aegaeon_common.messages.structs import KVHandoff, RequestTimings
+from aegaeon_common.wire import Channel, Message, Struct
+
+
+@dataclass(frozen=True)
+class InstanceHello(Message):
+    """Sent once when an instance is ready (and again after a restart)."""
+
+    TAG = "hello"
+    kind: str  # "prefill" | "decode"
+    index: int
+    pid: int
+    kv_capacity_bytes: int  # device KV region
+    weights_capacity_bytes: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class PrefillDone(Message):
+    """First token of a request, with its KV handoff (None when it already finished)."""
+
+    TAG = "prefill_done"
+    request_id: str
+    index: int  # prefill instance
+    token_id: int
+    finish_reason: str | None
+    handoff: KVHandoff | None
+    timings: RequestTimings
+    emitted_s: float
+
+
+@dataclass(frozen=True)
+class TokenItem(Struct):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    timings: RequestTimings | None = None  # with the last item of a request
+
+
+@dataclass(frozen=True)
+class StepTokens(Message):
+    """Tokens of one decode step (or several) of a batch."""
+
+    TAG = "step_tokens"
+    index: int  # decode instance
+    items: list[TokenItem]
+    emitted_s: float
+
+
+@dataclass(frozen=True)
+class RequestFailed(Message):
+    TAG = "request_failed"
+    request_id: str
+    kind: str
+    index: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SwitchRecord(Struct):
+    """One model switch (scale-down + scale-up) on an instance."""
+
+    from_model: str | None
+    to_model: str
+    total_s: float  # on the critical path
+    load_s: float
+    prefetched: bool
+    at_s: float
+
+
+@dataclass(frozen=True)
+class InstanceStats(Message):
+    """Periodic heartbeat with cumulative counters and new switch records."""
+
+    TAG = "instance_stats"
+    kind: str
+    index: int
+    active_model: str | None
+    queued: int
+    running: int
+    counters: dict[str, float] = field(default_factory=dict)
+    switches: list[SwitchRecord] = field(default_factory=list)
+    step_profile: dict[str, list[float]] = field(default_factory=dict)
+
+
+REPORT_CHANNEL = Channel(
+    "instance->proxy",
+    [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats],
+)

@@ -1,0 +1,70 @@
+"""Plain data shared by several channels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aegaeon_common.wire import Struct
+
+
+@dataclass(frozen=True)
+class SamplingSpec(Struct):
+    """How to sample a request's tokens (validated by the proxy)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # EOS included by the proxy unless ignore_eos
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class KVShapeSpec(Struct):
+    """A KV block shape; a slab of the unified cache serves exactly one."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class EventSpec(Struct):
+    """A transfer event another process can open (see aegaeon_gpumem events).
+
+    CPU: ``kind="cpu"``, complete when slot ``slot`` of table ``table`` >= ``value``.
+    CUDA: ``kind="cuda"``, ``handle`` is the IPC event handle on ``device``.
+    """
+
+    kind: str
+    table: str = ""
+    slot: int = 0
+    value: int = 0
+    handle: bytes = b""
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class KVHandoff(Struct):
+    """A prefilled request's KV in the unified CPU cache, on its way to decode."""
+
+    shape: KVShapeSpec
+    block_offsets: list[int]
+    num_tokens: int
+    event: EventSpec | None = None  # the swap-out copy; consumers wait on it
+
+
+@dataclass(frozen=True)
+class RequestTimings(Struct):
+    """Where a request's time went (paper Fig. 14), seconds."""
+
+    prefill_wait_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_wait_s: float = 0.0
+    decode_s: float = 0.0
+    kv_wait_s: float = 0.0  # data overhead: waiting for KV transfers
+    kv_control_s: float = 0.0  # control overhead: block bookkeeping, events
+    extra: dict[str, float] = field(default_factory=dict)
