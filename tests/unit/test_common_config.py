@@ -1,0 +1,84 @@
+"""Config files validate on load and errors name the file and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from aegaeon_common.config import ConfigError, config_from_dict, load_config, parse_bytes
+
+
+def _market(tmp_path: Path) -> Path:
+    market = tmp_path / "market"
+    market.mkdir()
+    (market / "market.json").write_text(
+        json.dumps({"seed": 0, "models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]})
+    )
+    return market
+
+
+def test_sizes_with_units() -> None:
+    assert parse_bytes("64MiB") == 64 << 20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes(512) == 512
+    for bad in ("lots", -1, True, "5 parsecs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) -> None:
+    market = _market(tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "market: market\n"
+        "run_dir: " + str(tmp_path / "run") + "\n"
+        "decode: {instances: 2, device_memory: 600MiB, kv_memory: 256MiB}\n"
+        "slo: {ttft: 2, tbt_s: 0.05}\n"
+    )
+    config = load_config(path)
+    assert config.model_names == ("a", "b")
+    assert config.model("a") is not None and config.model("a").path == market / "a"  # type: ignore[union-attr]
+    assert config.decode.instances == 2 and config.decode.kv_memory_bytes == 256 << 20
+    assert config.slo.ttft_s == 2.0 and config.slo.tbt_s == 0.05
+    assert config.decode_address(1) == f"ipc://{tmp_path / 'run' / 'decode-1.sock'}"
+    assert config.shm_prefix.startswith("aegaeon-")
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("models: [{name: a, path: x}]\ndecode: {device_memory: lots}\n", "decode.device_memory"),
+        ("modelz: []\n", "modelz"),
+        ("models: [{name: a, path: x}]\nscheduler: {policy: magic}\n", "scheduler.policy"),
+        ("models: [{name: a, path: x}]\nproxy: {port: eighty}\n", "proxy.port"),
+        ("models: [{name: a, path: x}, {name: a, path: y}]\n", "models"),
+        ("models: [{path: x}]\n", "models[0].name"),
+        ("models: [{name: a, path: x}]\ndecode: {device_memory: 1MiB, kv_memory: 2MiB}\n",
+         "decode.kv_memory"),
+        ("models: [{name: a, path: x}]\ndtype: float64\n", "dtype"),
+        ("market: nowhere\n", "market"),
+        (": : :\n", "<yaml>"),
+    ],
+)
+def test_errors_name_file_and_field(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.field == field
+    assert str(path) in str(err.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "absent.yaml")
+    assert err.value.field == "<file>"
+
+
+def test_defaults() -> None:
+    config = config_from_dict({"models": [{"name": "a", "path": "x"}]})
+    assert config.scheduler.policy == "aegaeon"
+    assert config.scheduler.max_group_size == 8
+    assert config.scheduler.q_max_s == 4.0
+    assert config.slo.ttft_s == 10.0 and config.slo.tbt_s == 0.1
