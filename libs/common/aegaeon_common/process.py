@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from aegaeon_common.logs import get_logger, setup_logging
@@ -70,3 +71,26 @@ def run_service(
         log.exception("fatal", service=name)
         return 1
     return 0
+
+
+def ready_path(run_dir: Path, name: str) -> Path:
+    """Where service ``name`` announces readiness (its pid) to the supervisor."""
+    return run_dir / f"{name}.ready"
+
+
+def mark_ready(run_dir: Path, name: str) -> Path:
+    """Write this process's pid to its ready file (atomically)."""
+    path = ready_path(run_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(path)
+    return path
+
+
+def is_ready(run_dir: Path, name: str, pid: int) -> bool:
+    """True once the process ``pid`` has marked service ``name`` ready."""
+    try:
+        return int(ready_path(run_dir, name).read_text().strip()) == pid
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,33 @@
+"""The processes of one node, in start order, derived from a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aegaeon_common.config import Config
+from aegaeon_common.process import is_ready
+
+from aegaeon_cli.supervisor import Child, python_argv
+
+
+def _child(config: Config, name: str, argv: list[str]) -> Child:
+    log_path = config.run_dir / f"{name}.log"
+    child = Child(name=name, argv=argv, ready=lambda: False, log_path=log_path)
+
+    def ready() -> bool:
+        return child.proc is not None and is_ready(config.run_dir, name, child.proc.pid)
+
+    child.ready = ready
+    return child
+
+
+def build_children(config: Config, config_path: Path) -> list[Child]:
+    """cachemgr, then the instances, then the proxy (which needs them all)."""
+    cfg = str(config_path)
+    children = [_child(config, "cachemgr", python_argv("cachemgr", "--config", cfg))]
+    for kind, count in (("prefill", config.prefill.instances), ("decode", config.decode.instances)):
+        for index in range(count):
+            argv = python_argv(kind, "--config", cfg, "--index", str(index))
+            children.append(_child(config, f"{kind}-{index}", argv))
+    children.append(_child(config, "proxy", python_argv("proxy", "--config", cfg)))
+    return children

@@ -1,0 +1,132 @@
+"""`aegaeon serve`: every service of one node as local processes.
+
+Without ``--config`` it serves the default market (built if missing) on the
+CPU with one prefill and one decode instance whose device memory holds only a
+few models at once, so model switching is real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aegaeon_common.config import Config, ConfigError, config_from_dict, load_config
+from aegaeon_common.logs import get_logger, setup_logging
+
+log = get_logger("serve")
+
+MiB = 1 << 20
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("serve", help="start every service on this machine")
+    parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
+    parser.add_argument("--market", type=Path, help="market directory (default: ./market)")
+    parser.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="proxy port (default 8000)")
+    parser.add_argument("--policy", help="aegaeon | request-level | request-level-sjf")
+    parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
+    parser.set_defaults(func=run)
+
+
+def _largest_model_bytes(market: Path) -> int:
+    entries = json.loads((market / "market.json").read_text())["models"]
+    sizes = {"bfloat16": 2, "float16": 2, "float32": 4}
+    return max(int(e["params"]) * sizes.get(str(e.get("dtype")), 2) for e in entries)
+
+
+def default_config_dict(market: Path, port: int) -> dict[str, Any]:
+    """The embedded default: 1 prefill + 1 decode instance on the CPU.
+
+    Each worker's weights arena holds the largest model twice over (the active
+    model plus one prefetched), far fewer than the market's models, so every
+    change of model is a real switch through the Model Cache.
+    """
+    largest = _largest_model_bytes(market)
+    arena = 2 * largest + 16 * MiB
+    return {
+        "market": str(market),
+        "prefill": {"instances": 1, "device_memory_bytes": arena + 64 * MiB,
+                    "kv_memory_bytes": 64 * MiB},
+        "decode": {"instances": 1, "device_memory_bytes": arena + 256 * MiB,
+                   "kv_memory_bytes": 256 * MiB},
+        "cachemgr": {"kv_cache_bytes": 1 << 30},
+        "proxy": {"port": port},
+    }  # fmt: skip
+
+
+def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]:
+    if args.config is not None:
+        raw = yaml.safe_load(args.config.read_text()) or {}
+        base = args.config.parent.resolve()
+        source = str(args.config)
+        load_config(args.config)  # validate the file as written first
+    else:
+        from aegaeon_market import default_market_dir, ensure_market
+
+        market = (args.market or default_market_dir()).resolve()
+        ensure_market(market)
+        raw = default_config_dict(market, args.port or 8000)
+        base = Path.cwd()
+        source = "<embedded default>"
+    if args.market is not None and args.config is not None:
+        raw["market"] = str(args.market.resolve())
+    proxy = dict(raw.get("proxy") or {})
+    if args.host:
+        proxy["host"] = args.host
+    if args.port:
+        proxy["port"] = args.port
+    raw["proxy"] = proxy
+    if args.policy:
+        raw["scheduler"] = {**(raw.get("scheduler") or {}), "policy": args.policy}
+    if args.run_dir:
+        raw["run_dir"] = str(args.run_dir.resolve())
+    elif not raw.get("run_dir"):
+        raw["run_dir"] = f"/tmp/aegaeon-{os.getuid()}-{proxy.get('port', 8000)}"
+    return config_from_dict(raw, source=source, base=base), raw
+
+
+def run(args: argparse.Namespace) -> int:
+    from aegaeon_cli.node import build_children
+    from aegaeon_cli.supervisor import StartupError, Supervisor, install_stop_handlers
+
+    setup_logging("serve")
+    try:
+        config, raw = _effective_config(args)
+    except ConfigError as exc:
+        print(f"aegaeon serve: {exc}", file=sys.stderr)
+        return 2
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    effective = config.run_dir / "config.yaml"
+    raw_abs = {**raw, "market": str(config.market_dir) if config.market_dir else None}
+    if raw.get("models"):
+        raw_abs["models"] = [
+            {"name": m.name, "path": str(m.path)} for m in config.models
+        ]
+    effective.write_text(yaml.safe_dump(raw_abs, sort_keys=False))
+    sup = Supervisor(build_children(config, effective))
+    install_stop_handlers(sup)
+    url = f"http://{config.proxy.host}:{config.proxy.port}"
+
+    def announce() -> None:
+        names = ", ".join(config.model_names)
+        print(f"Aegaeon is serving {len(config.models)} models at {url}/v1 ({names})", flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+
+    try:
+        sup.start_all()
+        sup.watch(on_ready=announce)
+    except StartupError as exc:
+        print(f"aegaeon serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sup.stop_all()
+        # cachemgr unlinks its segments; anything left means it was killed.
+        for path in Path("/dev/shm").glob(f"{config.shm_prefix}*"):
+            path.unlink(missing_ok=True)
+    return 0

@@ -1,0 +1,145 @@
+"""Start, watch and stop the service processes of one node.
+
+Children are started in dependency order (cachemgr, instances, proxy), each
+must report ready before the next starts; a child that dies unexpectedly is
+logged and restarted (with backoff); stop terminates them in reverse order so
+cachemgr, which owns every shared-memory segment, goes last and unlinks them.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aegaeon_common.logs import get_logger
+
+log = get_logger("supervisor")
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    backoff_s: float = 0.5
+    history: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = self.log_path.open("ab")
+        # A session of its own: a terminal's Ctrl-C reaches only the supervisor,
+        # which then stops the children in order (cachemgr last).
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        out.close()
+        self.started_at = time.monotonic()
+        log.info("started", child=self.name, pid=self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, num_lines: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    """Owns the children; ``run()`` blocks until a stop signal."""
+
+    def __init__(self, children: list[Child], ready_timeout_s: float = 180.0) -> None:
+        self.children = children
+        self.ready_timeout_s = ready_timeout_s
+        self._stopping = False
+
+    def request_stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def _wait_ready(self, child: Child) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._stopping:
+                raise StartupError("stopped during start-up")
+            if not child.alive():
+                code = child.proc.returncode if child.proc else None
+                raise StartupError(
+                    f"{child.name} exited with status {code} during start-up; "
+                    f"last log lines ({child.log_path}):\n{child.tail()}"
+                )
+            if child.ready():
+                log.info("ready", child=child.name)
+                return
+            time.sleep(0.1)
+        raise StartupError(f"{child.name} not ready after {self.ready_timeout_s:.0f} s")
+
+    def start_all(self) -> None:
+        for child in self.children:
+            child.start()
+            self._wait_ready(child)
+
+    def watch(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Restart children that die, until a stop is requested."""
+        if on_ready is not None:
+            on_ready()
+        while not self._stopping:
+            for child in self.children:
+                if child.alive() or self._stopping:
+                    continue
+                code = child.proc.returncode if child.proc else None
+                log.error("child died", child=child.name, status=code, log=str(child.log_path))
+                # Restart at once after a long healthy run; back off after quick crashes.
+                if time.monotonic() - child.started_at < 10.0:
+                    time.sleep(child.backoff_s)
+                    child.backoff_s = min(child.backoff_s * 2, 10.0)
+                else:
+                    child.backoff_s = 0.5
+                child.restarts += 1
+                child.start()
+            time.sleep(0.2)
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """Terminate in reverse start order; kill what does not exit in time."""
+        self._stopping = True
+        for child in reversed(self.children):
+            if not child.alive() or child.proc is None:
+                continue
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("killing", child=child.name)
+                child.proc.kill()
+                child.proc.wait()
+            log.info("stopped", child=child.name, status=child.proc.returncode)
+
+
+def python_argv(*args: str) -> list[str]:
+    """Run an ``aegaeon`` subcommand with this interpreter."""
+    return [sys.executable, "-m", "aegaeon_cli.main", *args]
+
+
+def install_stop_handlers(sup: Supervisor) -> None:
+    signal.signal(signal.SIGINT, sup.request_stop)
+    signal.signal(signal.SIGTERM, sup.request_stop)
