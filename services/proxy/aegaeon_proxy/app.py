@@ -1,0 +1,84 @@
+"""The aiohttp application: routes, the error middleware, the backend's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aegaeon_common.config import Config
+from aegaeon_common.logs import get_logger
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from aegaeon_proxy import handlers, info
+from aegaeon_proxy.backend import Backend
+from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.http_io import CLIENT_GONE, STREAMING
+from aegaeon_proxy.state import STATE, ProxyState
+
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
+
+log = get_logger("proxy")
+
+__all__ = ["make_app"]
+
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("POST", "/v1/completions", handlers.completions),
+    ("POST", "/v1/chat/completions", handlers.chat_completions),
+    ("GET", "/v1/models", info.list_models),
+    ("GET", "/v1/models/{model}", info.retrieve_model),
+    ("GET", "/health", info.health),
+    ("GET", "/ready", info.ready),
+    ("GET", "/metrics", info.metrics),
+]
+
+
+def _endpoint(request: web.Request) -> str:
+    route = request.match_info.route.resource
+    return route.canonical if route is not None else "other"
+
+
+@web.middleware
+async def api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as an OpenAI error object; counts requests by status."""
+    counter = request.app[STATE].metrics.requests
+    try:
+        response = await handler(request)
+    except APIError as exc:
+        response = exc.response()
+    except web.HTTPException as exc:  # routing: unknown path, wrong method
+        if exc.status < 400:
+            raise
+        response = APIError(
+            exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")
+        ).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        counter.inc(_endpoint(request), str(CLIENT_CLOSED))
+        raise
+    except Exception:
+        # a server bug: a 500 with the traceback logged, never a client's fault
+        counter.inc(_endpoint(request), "500")
+        log.exception("unhandled_error", path=request.path)
+        if request.get(STREAMING):
+            raise
+        return APIError(500, "internal server error", code="internal_error").response()
+    status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status
+    counter.inc(_endpoint(request), str(status))
+    return response
+
+
+def make_app(config: Config, backend: Backend) -> web.Application:
+    """The proxy as an aiohttp application; it starts and stops ``backend`` with itself."""
+    app = web.Application(client_max_size=config.proxy.max_body_bytes, middlewares=[api_errors])
+    app[STATE] = ProxyState.create(config, backend)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+
+    async def start_backend(app: web.Application) -> None:
+        await app[STATE].backend.start()
+
+    async def stop_backend(app: web.Application) -> None:
+        await app[STATE].backend.stop()
+
+    app.on_startup.append(start_backend)
+    app.on_cleanup.append(stop_backend)
+    return app

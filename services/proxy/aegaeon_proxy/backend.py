@@ -1,0 +1,176 @@
+"""The contract between the HTTP front and whatever produces tokens.
+
+The front (``aegaeon_proxy.app``) owns everything a client sees: validation,
+chat templates, tokenizing, detokenizing, stop strings, SSE, usage. A backend
+only turns a :class:`GenerationRequest` (token ids in) into a
+:class:`TokenStream` (token ids out). Two implementations exist: the
+distributed one (prefill/decode instances over ZeroMQ) and
+:class:`aegaeon_proxy.local_backend.LocalEngineBackend` (the engine on a thread,
+for development and tests).
+
+Stream contract:
+
+* ``submit`` returns at once (it never waits for the model); it raises
+  :class:`BackendError` when the request cannot be accepted.
+* The stream yields :class:`TokenChunk` objects in generation order. Every
+  sampled token is delivered, including a final stop token (EOS or one of
+  ``stop_token_ids``). Exactly one chunk, the last, has ``finish_reason`` set
+  (its ``token_ids`` may be empty); iteration ends after it.
+* ``cancel(request_id)`` frees the request's resources; the stream then ends
+  with ``finish_reason="cancelled"`` unless it had already finished. Cancelling
+  an unknown or finished request is a no-op. The front stops reading a stream
+  once it has cancelled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "FinishReason",
+    "GenerationRequest",
+    "SamplingParams",
+    "TokenChunk",
+    "TokenQueue",
+    "TokenStream",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; validated by the front before a backend sees it.
+
+    ``temperature == 0`` is greedy. ``top_k == -1`` and ``top_p == 1`` are off.
+    ``stop_token_ids`` already contains the model's EOS ids (from
+    ``generation_config.json``) unless ``ignore_eos``; a backend stops on any of
+    them and never needs to know the model's EOS itself.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as a backend sees it: a model name and prompt token ids."""
+
+    request_id: str
+    model: str  # a name in Config.models
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_s: float  # time.time() when the front accepted the request (wall clock, seconds)
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Newly generated token ids; the last chunk of a stream has ``finish_reason``."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why, when finish_reason == "error"
+
+
+TokenStream = AsyncIterator[TokenChunk]
+
+
+class BackendError(Exception):
+    """A request the backend cannot take now.
+
+    ``status`` is the HTTP status the front answers with: 429 (overloaded; the
+    front sends ``Retry-After: retry_after_s``) or 503 (unavailable).
+    """
+
+    def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def overloaded(cls, message: str, retry_after_s: float = 1.0) -> BackendError:
+        return cls(message, status=429, retry_after_s=retry_after_s)
+
+    @classmethod
+    def unavailable(cls, message: str) -> BackendError:
+        return cls(message, status=503)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the HTTP front needs from whatever generates tokens."""
+
+    async def start(self) -> None:
+        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
+
+    async def stop(self) -> None:
+        """Cancel every open request (their streams end) and release resources."""
+
+    def ready(self) -> bool:
+        """True when every configured instance is up and requests can be served."""
+
+    def health(self) -> dict[str, object]:
+        """A JSON-able description of the backend's state for ``GET /health``."""
+
+    def metrics(self) -> str:
+        """Prometheus text exposition of the backend's own counters ('' if none)."""
+
+    def submit(self, req: GenerationRequest) -> TokenStream:
+        """Accept a request and return its token stream; raises :class:`BackendError`."""
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request and free its resources; a no-op if unknown or finished."""
+
+
+class TokenQueue:
+    """A :data:`TokenStream` fed by a producer: ``push`` chunks, iterate on the loop.
+
+    ``push`` must be called on the event loop's thread; producers on other
+    threads use ``push_threadsafe``. Chunks pushed after the finishing chunk are
+    dropped, so a late token after a cancel cannot confuse the reader.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._closed = False  # a finishing chunk was pushed
+        self._done = False  # the finishing chunk was read
+
+    @property
+    def finished(self) -> bool:
+        return self._closed
+
+    def push(self, chunk: TokenChunk) -> None:
+        if self._closed:
+            return
+        if chunk.finish_reason is not None:
+            self._closed = True
+        self._queue.put_nowait(chunk)
+
+    def push_threadsafe(self, chunk: TokenChunk) -> None:
+        self._loop.call_soon_threadsafe(self.push, chunk)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.push(TokenChunk((), reason, error))
+
+    def __aiter__(self) -> TokenQueue:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if self._done:
+            raise StopAsyncIteration
+        chunk = await self._queue.get()
+        if chunk.finish_reason is not None:
+            self._done = True
+        return chunk

@@ -1,0 +1,68 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from aiohttp import web
+
+# status -> OpenAI error type
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client; ``param`` names the offending field."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def invalid(param: str, message: str, code: str | None = None) -> APIError:
+    """A 400 about one request field."""
+    return APIError(400, message, param=param, code=code)

@@ -1,0 +1,155 @@
+"""One generation: submit to the backend, turn its token stream into safe text.
+
+Owns the parts between token ids and text deltas: the stop token (not shown),
+incremental detokenizing, stop strings (a match cancels the backend request
+so its resources are freed), the request deadline, usage counts, TTFT/TBT.
+Whatever way the consumer stops (finish, error, client disconnect, i.e. task
+cancellation), ``close()`` cancels the backend request if it is still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import Literal
+
+from aegaeon_proxy.assets import ModelAssets
+from aegaeon_proxy.backend import Backend, BackendError, GenerationRequest, TokenChunk, TokenStream
+from aegaeon_proxy.detokenizer import IncrementalDetokenizer
+from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.metrics import ProxyMetrics
+from aegaeon_proxy.stop_strings import StopStringMatcher
+
+ClientFinish = Literal["stop", "length"]
+
+__all__ = ["ClientFinish", "Generation"]
+
+
+class Generation:
+    """Iterate :meth:`deltas` for text; then read ``finish_reason`` and the usage counts."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        assets: ModelAssets,
+        req: GenerationRequest,
+        *,
+        stop: Sequence[str],
+        metrics: ProxyMetrics,
+        timeout_s: float,
+    ) -> None:
+        self.req = req
+        self._backend = backend
+        self._metrics = metrics
+        self._detok = IncrementalDetokenizer(assets.decode)
+        self._stop = StopStringMatcher(stop)
+        self._stop_ids = frozenset(req.sampling.stop_token_ids)
+        # the arrival on the monotonic clock: latencies count from when the front accepted it
+        self._start = time.monotonic() - max(0.0, time.time() - req.arrival_s)
+        self._recorded = False
+        self._deadline = self._start + timeout_s
+        self._last_token_at: float | None = None
+        self._stream: TokenStream | None = None
+        self._open = False  # submitted, and its stream has not ended
+        self.completion_tokens = 0
+        self.finish_reason: ClientFinish | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.req.prompt_token_ids)
+
+    def submit(self) -> None:
+        """Hand the request to the backend; 429/503 :class:`APIError` if it refuses."""
+        try:
+            self._stream = self._backend.submit(self.req)
+        except BackendError as exc:
+            raise APIError(exc.status, exc.message, retry_after_s=exc.retry_after_s) from None
+        self._open = True
+        model = self.req.model
+        self._metrics.in_flight.inc(model)
+        self._metrics.prompt_tokens.inc(model, amount=self.prompt_tokens)
+
+    async def deltas(self) -> AsyncGenerator[str, None]:
+        """Text as it becomes safe to send ('' never yielded); raises APIError on failure."""
+        assert self._stream is not None, "submit() first"
+        try:
+            while self.finish_reason is None:
+                chunk = await self._next(self._stream)
+                text = self._on_chunk(chunk)
+                if self._stop.stopped:
+                    self.finish_reason = "stop"
+                    await self.close()
+                elif chunk.finish_reason is not None:
+                    self._open = False
+                    self.finish_reason = self._client_finish(chunk)
+                    text += self._stop.push(self._detok.finish()).text
+                    if self._stop.stopped:
+                        self.finish_reason = "stop"
+                    text += self._stop.flush()
+                if text:
+                    yield text
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Cancel the backend request if it is still open (idempotent)."""
+        if self._open:
+            self._open = False
+            await self._backend.cancel(self.req.request_id)
+        self._record_end()
+
+    async def _next(self, stream: TokenStream) -> TokenChunk:
+        try:
+            async with asyncio.timeout_at(self._loop_deadline()):
+                return await anext(stream)
+        except TimeoutError:
+            await self.close()
+            raise APIError(504, "the request timed out", code="timeout") from None
+
+    def _loop_deadline(self) -> float:
+        loop = asyncio.get_running_loop()
+        return loop.time() + max(0.0, self._deadline - time.monotonic())
+
+    def _on_chunk(self, chunk: TokenChunk) -> str:
+        ids = list(chunk.token_ids)
+        if not ids:
+            return ""
+        self._observe_tokens(len(ids))
+        # the token that matched stop_token_ids ends generation and is not shown
+        for i, token_id in enumerate(ids):
+            if token_id in self._stop_ids:
+                ids = ids[:i]
+                break
+        return self._stop.push(self._detok.push(ids)).text if ids else ""
+
+    def _client_finish(self, chunk: TokenChunk) -> ClientFinish:
+        reason = chunk.finish_reason
+        if reason in ("stop", "length"):
+            return reason
+        if reason == "cancelled":
+            raise APIError(503, "the request was cancelled by the server", code="cancelled")
+        message = f"generation failed: {chunk.error or 'unknown error'}"
+        raise APIError(500, message, code="backend_error")
+
+    def _observe_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        model = self.req.model
+        if self._last_token_at is None:
+            self._metrics.ttft.observe(model, value=now - self._start)
+        else:
+            per_token = (now - self._last_token_at) / n
+            for _ in range(n):
+                self._metrics.tbt.observe(model, value=per_token)
+        self._last_token_at = now
+        self.completion_tokens += n
+        self._metrics.generation_tokens.inc(model, amount=n)
+
+    def _record_end(self) -> None:
+        if self._stream is None or self._recorded:
+            return
+        self._recorded = True
+        model = self.req.model
+        self._metrics.in_flight.dec(model)
+        self._metrics.finished.inc(model, self.finish_reason or "aborted")
+        self._metrics.e2e.observe(model, value=time.monotonic() - self._start)

@@ -1,0 +1,148 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: one code path.
+
+An :class:`Endpoint` row says how the two differ (which fields, how the prompt
+becomes ids, which response shapes); :func:`generate` does the rest. Errors
+before the first byte is sent are HTTP errors; after (streaming), an
+``{"error": ...}`` event followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aegaeon_common.logs import get_logger
+from aiohttp import web
+
+from aegaeon_proxy.assets import AssetError, ModelAssets
+from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.generation import Generation
+from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
+from aegaeon_proxy.params import CHAT_FIELDS, FIELDS, Checker, CommonParams, parse_common
+from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
+from aegaeon_proxy.responses import CHAT, COMPLETION, Head, Shapes, Usage, new_id
+from aegaeon_proxy.state import STATE, ProxyState
+
+OFFLOAD_BODY_BYTES = 16 << 10  # prompts larger than this are tokenized on a thread
+
+log = get_logger("proxy")
+
+__all__ = ["chat_completions", "completions"]
+
+PromptFn = Callable[[Mapping[str, Any], ModelAssets], list[int]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    fields: Mapping[str, tuple[str, Checker]]
+    prompt_ids: PromptFn
+    shapes: Shapes
+    chat: bool
+
+
+COMPLETIONS = Endpoint(FIELDS, completion_prompt_ids, COMPLETION, chat=False)
+CHAT_COMPLETIONS = Endpoint(CHAT_FIELDS, chat_prompt_ids, CHAT, chat=True)
+
+
+async def _assets(state: ProxyState, model: str) -> ModelAssets:
+    if model not in state.assets:
+        raise APIError(
+            404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+        )
+    try:
+        return await state.assets.get(model)
+    except AssetError as exc:
+        log.error("model_assets_failed", model=model, error=str(exc))
+        raise APIError(
+            500, f"model '{model}' cannot be served: {exc}", code="model_unavailable"
+        ) from None
+
+
+async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonParams, Generation]:
+    state = request.app[STATE]
+    arrival_s = time.time()
+    body = await read_json_object(request, state.config.proxy.max_body_bytes)
+    params = parse_common(body, endpoint.fields)
+    assets = await _assets(state, params.model)
+    if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
+        prompt_ids = await asyncio.to_thread(endpoint.prompt_ids, body, assets)
+    else:
+        prompt_ids = endpoint.prompt_ids(body, assets)
+    request_id = new_id(endpoint.shapes.id_prefix)
+    req = build_request(
+        request_id, params, prompt_ids, assets, chat=endpoint.chat, arrival_s=arrival_s
+    )
+    timeout_s = state.config.proxy.request_timeout_s
+    gen = Generation(
+        state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s
+    )
+    gen.submit()
+    return params, gen
+
+
+def _head(gen: Generation) -> Head:
+    return Head(id=gen.req.request_id, created=int(gen.req.arrival_s), model=gen.req.model)
+
+
+def _usage(gen: Generation) -> Usage:
+    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens)
+
+
+async def _respond(gen: Generation, shapes: Shapes) -> web.Response:
+    parts: list[str] = []
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        async for text in deltas:
+            parts.append(text)
+    assert gen.finish_reason is not None
+    body = shapes.response(_head(gen), "".join(parts), gen.finish_reason, _usage(gen))
+    return web.json_response(body)
+
+
+async def _stream(
+    request: web.Request, gen: Generation, params: CommonParams, shapes: Shapes
+) -> web.StreamResponse:
+    sse = SSEWriter(request)
+    head = _head(gen)
+    usage_field = params.include_usage
+    try:
+        await sse.open()
+        first = shapes.first(head, usage_field)
+        if first is not None:
+            await sse.send(first)
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            async for text in deltas:
+                await sse.send(shapes.delta(head, text, usage_field))
+        assert gen.finish_reason is not None
+        await sse.send(shapes.finish(head, gen.finish_reason, usage_field))
+        if usage_field:
+            await sse.send(shapes.usage(head, _usage(gen)))
+    except APIError as exc:
+        await sse.send(exc.body())
+    except ConnectionResetError:
+        request[CLIENT_GONE] = True
+        return sse.response
+    await sse.done()
+    return sse.response
+
+
+async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """Validate, tokenize, submit, and answer in one piece or as SSE."""
+    params, gen = await _prepare(request, endpoint)
+    try:
+        if params.stream:
+            return await _stream(request, gen, params, endpoint.shapes)
+        return await _respond(gen, endpoint.shapes)
+    finally:
+        await gen.close()  # a disconnect (cancellation) or error: free the backend request
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, COMPLETIONS)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, CHAT_COMPLETIONS)

@@ -1,0 +1,68 @@
+"""Request bodies in (size-limited JSON objects) and server-sent events out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from aegaeon_proxy.errors import APIError
+
+# request keys: the SSE response has been sent; the client disconnected mid-stream
+STREAMING: web.RequestKey[bool] = web.RequestKey("aegaeon_streaming", bool)
+CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("aegaeon_client_gone", bool)
+
+__all__ = ["CLIENT_GONE", "STREAMING", "SSEWriter", "dumps", "read_json_object"]
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 when over ``max_bytes``, 400 when not a JSON object."""
+    too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    if len(raw) > max_bytes:
+        raise too_large
+    try:
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+class SSEWriter:
+    """OpenAI's framing: ``data: {json}\\n\\n`` per event, ``data: [DONE]\\n\\n`` last."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response = web.StreamResponse(
+            status=200,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.response.content_type = "text/event-stream"
+        self.response.charset = "utf-8"
+
+    async def open(self) -> None:
+        self._request[STREAMING] = True
+        await self.response.prepare(self._request)
+
+    async def send(self, obj: Any) -> None:
+        await self.response.write(f"data: {dumps(obj)}\n\n".encode())
+
+    async def done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()

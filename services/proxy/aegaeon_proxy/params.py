@@ -1,0 +1,190 @@
+"""Sampling and streaming fields shared by both endpoints, checked by a table.
+
+Each field has a checker ``(param, value) -> normalized value`` that raises a
+400 :class:`APIError` naming the field; a missing or ``null`` field takes its
+default. Unknown fields are ignored (as vLLM does); known OpenAI fields that we
+do not implement are accepted only with their neutral value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aegaeon_proxy.errors import invalid
+
+Checker = Callable[[str, Any], Any]
+
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed's range
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class CommonParams:
+    """The fields of a request that are not the prompt, validated."""
+
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None  # None: the endpoint's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+def _string(param: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(param, f"'{param}' must be a non-empty string")
+    return value
+
+
+def _bool(param: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(param, f"'{param}' must be a boolean")
+    return value
+
+
+def _int(param: str, value: Any, low: int, high: int | None = None) -> int:
+    # 2.0 is accepted as 2 (JSON encoders emit floats); 2.5 and true are not
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(param, f"'{param}' must be an integer")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise invalid(param, f"'{param}' must be {bound}, got {value}")
+    return value
+
+
+def _number(param: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise invalid(param, f"'{param}' must be a number")
+    below = value <= low if low_open else value < low
+    if below or value > high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise invalid(param, f"'{param}' must be in {interval}, got {value}")
+    return float(value)
+
+
+def _max_tokens(param: str, value: Any) -> int:
+    return _int(param, value, 1)
+
+
+def _temperature(param: str, value: Any) -> float:
+    return _number(param, value, 0.0, 2.0)
+
+
+def _top_p(param: str, value: Any) -> float:
+    return _number(param, value, 0.0, 1.0, low_open=True)
+
+
+def _top_k(param: str, value: Any) -> int:
+    top_k = _int(param, value, -1)
+    return -1 if top_k == 0 else top_k  # 0 and -1 both mean "off"
+
+
+def _seed(param: str, value: Any) -> int:
+    return _int(param, value, SEED_MIN, SEED_MAX)
+
+
+def _n(param: str, value: Any) -> int:
+    return _int(param, value, 1, 1)
+
+
+def _stop(param: str, value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise invalid(param, f"'{param}' must be a non-empty string or a list of them")
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid(param, f"'{param}' may hold at most {MAX_STOP_STRINGS} strings")
+    return tuple(items)
+
+
+def _token_ids(param: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise invalid(param, f"'{param}' must be a list of token ids")
+    return tuple(_int(param, v, 0) for v in value)
+
+
+def _stream_options(param: str, value: Any) -> bool:
+    if not isinstance(value, dict):
+        raise invalid(param, f"'{param}' must be an object")
+    include = value.get("include_usage", False)
+    if include is None:
+        return False
+    return _bool(f"{param}.include_usage", include)
+
+
+# request field -> (CommonParams field, checker)
+FIELDS: dict[str, tuple[str, Checker]] = {
+    "stream": ("stream", _bool),
+    "stream_options": ("include_usage", _stream_options),
+    "max_tokens": ("max_tokens", _max_tokens),
+    "temperature": ("temperature", _temperature),
+    "top_p": ("top_p", _top_p),
+    "top_k": ("top_k", _top_k),
+    "seed": ("seed", _seed),
+    "stop": ("stop", _stop),
+    "stop_token_ids": ("stop_token_ids", _token_ids),
+    "ignore_eos": ("ignore_eos", _bool),
+}
+CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
+    **FIELDS,
+    "max_completion_tokens": ("max_tokens", _max_tokens),  # wins over max_tokens (after it)
+}
+
+
+def _zero(value: Any) -> bool:
+    return value is None or (not isinstance(value, bool) and value == 0)
+
+
+def _false(value: Any) -> bool:
+    return value is None or value is False or value == 0
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value in ("", [], {})
+
+
+# OpenAI fields we do not implement -> "is this value neutral?"
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": _zero,
+    "frequency_penalty": _zero,
+    "logprobs": _false,
+    "top_logprobs": _zero,
+    "echo": _false,
+    "best_of": lambda v: v is None or (not isinstance(v, bool) and v == 1),
+    "suffix": _empty,
+    "logit_bias": _empty,
+    "tools": _empty,
+    "functions": _empty,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "repetition_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
+    "min_tokens": _zero,
+}
+
+
+def parse_common(
+    body: Mapping[str, Any], fields: Mapping[str, tuple[str, Checker]]
+) -> CommonParams:
+    """Validate the shared fields of a request body (a JSON object)."""
+    model = _string("model", body.get("model"))
+    if body.get("n") is not None:
+        _n("n", body["n"])
+    for name, neutral in NEUTRAL.items():
+        if not neutral(body.get(name)):
+            raise invalid(name, f"'{name}' is not supported by this server")
+    values: dict[str, Any] = {}
+    for name, (target, check) in fields.items():
+        value = body.get(name)
+        if value is not None:
+            values[target] = check(name, value)
+    return CommonParams(model=model, **values)
