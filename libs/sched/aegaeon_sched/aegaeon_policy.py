@@ -1,0 +1,85 @@
+"""Aegaeon: disaggregated token-level scheduling (Algorithms 1 and 2).
+
+Arrivals go to a prefill group (Alg. 1); a finished prefill is placed on a
+decode batch (Alg. 2, line 2). What runs when on an instance is decided there,
+on its mirror of the queue (prefill: :meth:`PrefillQueue.peek`; decode:
+:class:`~aegaeon_sched.quota.RoundRobinPlanner` over its work list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aegaeon_sched.actions import Action, Cancel, EnqueuePrefill, PlaceDecode
+from aegaeon_sched.decode import DecodeDispatcher
+from aegaeon_sched.latency import LatencyModel
+from aegaeon_sched.prefill import MAX_GPSIZE, PrefillDispatcher, PrefillJob
+from aegaeon_sched.request import InstanceId, Request
+
+
+class AegaeonPolicy:
+    """Policy ``"aegaeon"`` (see :mod:`aegaeon_sched.actions` for the contract)."""
+
+    name = "aegaeon"
+
+    def __init__(
+        self,
+        prefill_instances: Sequence[InstanceId],
+        decode_instances: Sequence[InstanceId],
+        latency: LatencyModel,
+        *,
+        max_group_size: int = MAX_GPSIZE,
+        max_batch_size: int = 256,
+        default_capacity_tokens: int | None = None,
+    ) -> None:
+        self.latency = latency
+        self.prefill = PrefillDispatcher(prefill_instances, latency, max_group_size=max_group_size)
+        self.decode = DecodeDispatcher(
+            decode_instances,
+            max_batch_size=max_batch_size,
+            default_capacity_tokens=default_capacity_tokens,
+        )
+
+    # ---- events --------------------------------------------------------
+    def on_arrival(self, request: Request, now_s: float) -> list[Action]:
+        instance, group_id = self.prefill.dispatch(request, now_s)
+        return [EnqueuePrefill(instance, group_id, request)]
+
+    def on_prefill_started(
+        self, instance: InstanceId, request_id: str, now_s: float
+    ) -> list[Action]:
+        self.prefill.on_started(instance, request_id, now_s)
+        return []
+
+    def on_prefill_done(
+        self, instance: InstanceId, request_id: str, measured_s: float, now_s: float
+    ) -> list[Action]:
+        request = self.prefill.on_done(instance, request_id, now_s)
+        if request is None:
+            return []  # cancelled meanwhile
+        if measured_s > 0:
+            self.latency.observe_prefill(request.model, [request.prompt_len], measured_s)
+        if request.max_tokens <= 1:
+            return []  # the prefill's token was the last one
+        decode_instance, batch_id = self.decode.place(request)
+        return [PlaceDecode(decode_instance, batch_id, request)]
+
+    def on_request_finished(self, request_id: str, now_s: float) -> list[Action]:
+        self.decode.remove(request_id)
+        self.prefill.cancel(request_id)  # finished during prefill (e.g. a stop token)
+        return []
+
+    def on_request_cancelled(self, request_id: str, now_s: float) -> list[Action]:
+        actions: list[Action] = []
+        prefill_instance = self.prefill.cancel(request_id)
+        if prefill_instance is not None:
+            actions.append(Cancel(prefill_instance, request_id))
+        decode_instance = self.decode.remove(request_id)
+        if decode_instance is not None:
+            actions.append(Cancel(decode_instance, request_id))
+        return actions
+
+    # ---- helpers for an instance loop sharing this process (simulator) --
+    def next_prefill(self, instance: InstanceId, now_s: float) -> PrefillJob | None:
+        """Take the next prefill job of ``instance`` from the global view."""
+        return self.prefill.next_job(instance, now_s)

@@ -1,0 +1,163 @@
+"""Decode placement (Algorithm 2, line 2) and the per-instance work list.
+
+:class:`DecodeWorkList` is one decode instance's list of per-model batches.
+Like :class:`~aegaeon_sched.prefill.PrefillQueue` it lives on both sides: the
+proxy's :class:`DecodeDispatcher` keeps one per instance, and each instance
+mirrors it by applying the same ``add(request, batch_id)`` calls (an unknown
+batch id opens a batch at the tail) and removals.
+
+Room: a batch of model M on instance I may take a request if it has fewer
+than ``max_batch_size`` requests and its reserved KV tokens plus the
+request's ``prompt_len + max_tokens`` fit in the instance-reported capacity
+for M's KV shape. Only the batch taking its turn is resident on the device
+(the others are swapped to the host cache), so capacity is per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from aegaeon_sched.request import InstanceId, Request
+
+
+@dataclass
+class DecodeBatch:
+    batch_id: int
+    model: str
+    requests: dict[str, Request] = field(default_factory=dict)
+    reserved_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class DecodeWorkList:
+    """One decode instance's ordered batches (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._batches: list[DecodeBatch] = []
+        self._by_id: dict[int, DecodeBatch] = {}
+        self._batch_of: dict[str, DecodeBatch] = {}
+
+    def __len__(self) -> int:
+        """Number of batches: the load measure of Algorithm 2."""
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[DecodeBatch]:
+        return iter(self._batches)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._batch_of
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._batch_of)
+
+    def batch(self, batch_id: int) -> DecodeBatch | None:
+        return self._by_id.get(batch_id)
+
+    def batch_of(self, request_id: str) -> DecodeBatch | None:
+        return self._batch_of.get(request_id)
+
+    def add(self, request: Request, batch_id: int) -> DecodeBatch:
+        """Add to batch ``batch_id``; an unknown id opens a batch at the tail."""
+        if request.request_id in self._batch_of:
+            raise ValueError(f"request {request.request_id!r} is already placed")
+        batch = self._by_id.get(batch_id)
+        if batch is None:
+            batch = DecodeBatch(batch_id, request.model)
+            self._batches.append(batch)
+            self._by_id[batch_id] = batch
+        elif batch.model != request.model:
+            raise ValueError(f"batch {batch_id} holds {batch.model!r}, not {request.model!r}")
+        batch.requests[request.request_id] = request
+        batch.reserved_tokens += request.kv_tokens
+        self._batch_of[request.request_id] = batch
+        return batch
+
+    def remove(self, request_id: str) -> bool:
+        """Finish or cancel; an emptied batch leaves the list at once."""
+        batch = self._batch_of.pop(request_id, None)
+        if batch is None:
+            return False
+        request = batch.requests.pop(request_id)
+        batch.reserved_tokens -= request.kv_tokens
+        if not batch.requests:
+            self._batches.remove(batch)
+            del self._by_id[batch.batch_id]
+        return True
+
+    def group_by_model(self) -> list[DecodeBatch]:
+        """Reorder in place so same-model batches are adjacent (Alg. 2, line 6).
+
+        Stable: models keep the order of their first batch, batches of one
+        model keep their relative order.
+        """
+        order: dict[str, list[DecodeBatch]] = {}
+        for batch in self._batches:
+            order.setdefault(batch.model, []).append(batch)
+        self._batches = [b for batches in order.values() for b in batches]
+        return list(self._batches)
+
+
+class DecodeDispatcher:
+    """The proxy's view of every decode instance's work list (Alg. 2, line 2)."""
+
+    def __init__(
+        self,
+        instances: Sequence[InstanceId],
+        *,
+        max_batch_size: int = 256,
+        default_capacity_tokens: int | None = None,
+    ) -> None:
+        if not instances:
+            raise ValueError("Algorithm 2 needs at least one decode instance")
+        self.max_batch_size = max_batch_size
+        self.default_capacity_tokens = default_capacity_tokens
+        self.work_lists: dict[InstanceId, DecodeWorkList] = {i: DecodeWorkList() for i in instances}
+        self._capacity: dict[tuple[InstanceId, str], int] = {}
+        self._instance_of: dict[str, InstanceId] = {}
+        self._next_batch_id = 0
+
+    def set_capacity(self, instance: InstanceId, model: str, kv_tokens: int) -> None:
+        """Instance-reported device KV capacity, in tokens of ``model``'s KV shape."""
+        self._capacity[(instance, model)] = kv_tokens
+
+    def capacity_tokens(self, instance: InstanceId, model: str) -> int | None:
+        """``None`` means unbounded (nothing reported and no default)."""
+        return self._capacity.get((instance, model), self.default_capacity_tokens)
+
+    def instance_of(self, request_id: str) -> InstanceId | None:
+        return self._instance_of.get(request_id)
+
+    def has_room(self, instance: InstanceId, batch: DecodeBatch, request: Request) -> bool:
+        if len(batch) >= self.max_batch_size:
+            return False
+        cap = self.capacity_tokens(instance, batch.model)
+        return cap is None or batch.reserved_tokens + request.kv_tokens <= cap
+
+    def place(self, request: Request) -> tuple[InstanceId, int]:
+        """Choose (instance, batch id) for a prefilled request and record it."""
+        for instance, work_list in self.work_lists.items():
+            for batch in work_list:
+                if batch.model == request.model and self.has_room(instance, batch, request):
+                    work_list.add(request, batch.batch_id)
+                    self._instance_of[request.request_id] = instance
+                    return instance, batch.batch_id
+        # No room anywhere: a new batch on the shortest work list (first on
+        # ties). A request larger than a whole batch's capacity still gets a
+        # batch of its own: refusing it here would only move the failure.
+        instance = min(self.work_lists, key=lambda i: len(self.work_lists[i]))
+        batch_id = self._next_batch_id
+        self._next_batch_id += 1
+        self.work_lists[instance].add(request, batch_id)
+        self._instance_of[request.request_id] = instance
+        return instance, batch_id
+
+    def remove(self, request_id: str) -> InstanceId | None:
+        """A request finished or was cancelled; the instance it was on."""
+        instance = self._instance_of.pop(request_id, None)
+        if instance is not None:
+            self.work_lists[instance].remove(request_id)
+        return instance

@@ -1,0 +1,30 @@
+"""Plain data shared by every policy: the request as the scheduler sees it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+InstanceId = str
+"""An instance's name as the driver (proxy or simulator) chose it, e.g. ``"decode-3"``."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a policy knows about a request: identity, model, sizes, arrival.
+
+    ``max_tokens`` bounds the output and is what KV room is reserved for
+    (``prompt_len + max_tokens``). ``oracle_output_len`` is the true output
+    length, known only to oracle policies (SJF) and to the simulator.
+    """
+
+    request_id: str
+    model: str
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    oracle_output_len: int | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV room the request may need by its end."""
+        return self.prompt_len + self.max_tokens

@@ -1,0 +1,161 @@
+"""Request-level auto-scaling (FCFS / SJF) and static multiplexing baselines."""
+
+from __future__ import annotations
+
+from aegaeon_sched import (
+    SLO,
+    Action,
+    AegaeonPolicy,
+    Cancel,
+    ClusterSpec,
+    EnqueuePrefill,
+    LatencyModel,
+    ModelSpec,
+    PlaceDecode,
+    Reject,
+    Request,
+    RequestLevelPolicy,
+    RequestTrace,
+    RunOnInstance,
+    StaticMuxPolicy,
+    attainment,
+    make_policy,
+)
+
+
+def _runs(actions: list[Action]) -> list[tuple[str, str, str]]:
+    """(instance, request id, model) of RunOnInstance actions; nothing else allowed."""
+    out = []
+    for act in actions:
+        assert isinstance(act, RunOnInstance)
+        out.append((act.instance, act.request.request_id, act.model))
+    return out
+
+
+def _req(i: int, model: str, at: float, out: int = 100) -> Request:
+    return Request(f"r{i}", model, at, 50, out, oracle_output_len=out)
+
+
+def _latency() -> LatencyModel:
+    specs = [ModelSpec(m, 64, 128, 1, 500_000_000, 1) for m in "xyz"]
+    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)  # 0.5 s switches
+    width = specs[0].layer_width
+    lat.set_prefill_coefficients("*", [1e-4 / width, 0.0, 0.0])  # 50 tokens: 5 ms
+    lat.set_decode_coefficients("*", [0.01 / width, 0.0])  # 10 ms per step
+    return lat
+
+
+def test_hol_blocking_request_level_vs_token_level() -> None:
+    """One GPU's worth of work: a long request of x, then a short one of y.
+
+    Request level: y waits for x to finish (1000 steps of 10 ms), then a
+    switch: its first token comes ~10.5 s after arrival and misses the 10 s
+    TTFT. Token level: y is prefilled at once on the prefill instance and
+    shares the decode instance by turns.
+    """
+    slo = SLO(10.0, 0.1)
+    long_x, short_y = _req(0, "x", 0.0, out=1000), _req(1, "y", 0.1, out=5)
+    step, switch, prefill = 0.01, 0.5, 0.005
+
+    fcfs = RequestLevelPolicy(["gpu0"])
+    assert fcfs.on_arrival(long_x, 0.0) == [RunOnInstance("gpu0", long_x, "x")]
+    assert fcfs.on_arrival(short_y, 0.1) == []  # head-of-line blocked
+    x_done = switch + prefill + (1000 - 1) * step
+    assert fcfs.on_request_finished("r0", x_done) == [RunOnInstance("gpu0", short_y, "y")]
+    y_first = x_done + switch + prefill
+    y_fcfs = RequestTrace("r1", 0.1, 5, [y_first + k * step for k in range(5)])
+
+    aeg = AegaeonPolicy(["p0"], ["d0"], _latency())
+    assert isinstance(aeg.on_arrival(long_x, 0.0)[0], EnqueuePrefill)
+    x_prefilled = switch + prefill
+    [place_x] = aeg.on_prefill_done("p0", "r0", prefill, x_prefilled)
+    assert isinstance(place_x, PlaceDecode)
+    assert isinstance(aeg.on_arrival(short_y, 0.1)[0], EnqueuePrefill)
+    y_prefilled = x_prefilled + switch + prefill  # right after x's prefill
+    [place_y] = aeg.on_prefill_done("p0", "r1", prefill, y_prefilled)
+    assert isinstance(place_y, PlaceDecode)
+    assert place_y.instance == "d0" and place_y.batch_id != place_x.batch_id
+    # On d0 the y batch gets its turn within one quota (<= 4 s) plus a switch.
+    y_turn = y_prefilled + 4.0 + switch
+    y_aeg = RequestTrace("r1", 0.1, 5, [y_prefilled] + [y_turn + k * step for k in range(4)])
+
+    assert attainment([y_fcfs], slo) == 0.0  # every token late
+    assert attainment([y_aeg], slo) == 1.0
+
+
+def test_idle_instance_takes_the_queue_head_and_its_model_mates() -> None:
+    p = RequestLevelPolicy(["g0", "g1"])
+    p.on_arrival(_req(0, "x", 0.0), 0.0)  # g0 <- x
+    p.on_arrival(_req(1, "y", 0.1), 0.1)  # g1 <- y
+    assert p.on_arrival(_req(2, "x", 0.2), 0.2) == [RunOnInstance("g0", _req(2, "x", 0.2), "x")]
+    for i, (m, t) in enumerate([("z", 0.3), ("y", 0.4), ("z", 0.5)], start=3):
+        # y is loaded on g1 with room: joins at once; z is loaded nowhere: queued
+        acts = p.on_arrival(_req(i, m, t), t)
+        assert acts == ([RunOnInstance("g1", _req(i, m, t), "y")] if m == "y" else [])
+    assert [r.request_id for r in p.queue] == ["r3", "r5"]
+    assert p.on_request_finished("r0", 5.0) == []  # g0 still runs r2
+    acts = p.on_request_finished("r2", 6.0)  # g0 idle: scales to z, takes both
+    assert _runs(acts) == [("g0", "r3", "z"), ("g0", "r5", "z")]
+    assert p.queue == []
+
+
+def test_sjf_orders_the_queue_by_oracle_output_length() -> None:
+    for sjf, first in ((False, "r1"), (True, "r2")):
+        p = RequestLevelPolicy(["g0"], sjf=sjf)
+        p.on_arrival(_req(0, "x", 0.0, out=500), 0.0)
+        p.on_arrival(_req(1, "y", 0.1, out=400), 0.1)
+        p.on_arrival(_req(2, "z", 0.2, out=10), 0.2)
+        assert [rid for _, rid, _ in _runs(p.on_request_finished("r0", 9.0))] == [first]
+
+
+def test_batch_limits_keep_requests_queued() -> None:
+    p = RequestLevelPolicy(["g0"], max_batch_size=2, capacity_tokens={"x": 10_000})
+    assert len(p.on_arrival(_req(0, "x", 0.0), 0.0)) == 1
+    assert len(p.on_arrival(_req(1, "x", 0.1), 0.1)) == 1
+    assert p.on_arrival(_req(2, "x", 0.2), 0.2) == []  # batch full
+    # room again: the queued x joins
+    assert _runs(p.on_request_finished("r0", 1.0)) == [("g0", "r2", "x")]
+
+
+def test_cancel_frees_room_and_leaves_queue() -> None:
+    p = RequestLevelPolicy(["g0"])
+    p.on_arrival(_req(0, "x", 0.0), 0.0)
+    p.on_arrival(_req(1, "y", 0.1), 0.1)
+    p.on_arrival(_req(2, "z", 0.2), 0.2)
+    assert p.on_request_cancelled("r1", 0.3) == []  # was only queued
+    acts = p.on_request_cancelled("r0", 0.4)
+    assert acts[0] == Cancel("g0", "r0")
+    assert _runs(acts[1:]) == [("g0", "r2", "z")]
+
+
+def test_static_mux_places_at_most_two_models_per_gpu() -> None:
+    loads = {f"m{i}": 1.0 for i in range(7)} | {"hot": 5.0}
+    p = StaticMuxPolicy(["g0", "g1", "g2"], loads)
+    per_gpu: dict[str, list[str]] = {}
+    for model, gpu in p.placement.items():
+        per_gpu.setdefault(gpu, []).append(model)
+    assert sorted(len(v) for v in per_gpu.values()) == [2, 2, 2]
+    # Heaviest first, each onto the least-loaded GPU with a free slot: the hot
+    # model's GPU is the last to get a second model.
+    assert per_gpu[p.placement["hot"]] == ["hot", "m4"]
+    unplaced = [m for m in loads if m not in p.placement]
+    assert len(unplaced) == 2
+    assert isinstance(p.on_arrival(_req(0, unplaced[0], 0.0), 0.0)[0], Reject)
+    act = p.on_arrival(_req(1, "hot", 0.0), 0.0)[0]
+    assert act == RunOnInstance(p.placement["hot"], _req(1, "hot", 0.0), "hot")
+
+
+def test_static_mux_respects_the_weight_budget() -> None:
+    p = StaticMuxPolicy(
+        ["g0", "g1"],
+        {"big": 1.0, "small": 1.0, "tiny": 1.0},
+        weight_bytes={"big": 30, "small": 20, "tiny": 10},
+        gpu_weight_budget_bytes=35,
+    )
+    assert p.placement == {"big": "g0", "small": "g1", "tiny": "g1"}
+
+
+def test_factory_builds_every_policy_by_name() -> None:
+    cluster = ClusterSpec(("p0",), ("d0", "d1"))
+    for name in ("aegaeon", "request-level", "request-level-sjf", "static-mux"):
+        assert make_policy(name, cluster, _latency()).name == name

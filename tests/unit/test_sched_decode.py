@@ -1,0 +1,65 @@
+"""Algorithm 2, line 2: decode placement, and the work list both sides keep."""
+
+from __future__ import annotations
+
+from aegaeon_sched import DecodeDispatcher, DecodeWorkList, Request
+
+
+def _req(i: int, model: str, prompt: int = 100, max_tokens: int = 100) -> Request:
+    return Request(f"r{i}", model, 0.0, prompt, max_tokens)
+
+
+def test_joins_a_batch_with_room_on_any_instance() -> None:
+    d = DecodeDispatcher(["d0", "d1"])
+    assert d.place(_req(0, "a")) == ("d0", 0)
+    assert d.place(_req(1, "b")) == ("d1", 1)
+    assert d.place(_req(2, "b")) == ("d1", 1)  # b's batch on d1, though d0 is scanned first
+    assert d.place(_req(3, "a")) == ("d0", 0)
+    assert [len(b) for b in d.work_lists["d0"]] == [2]
+
+
+def test_kv_room_and_max_batch_size_open_new_batches_on_the_shortest_list() -> None:
+    d = DecodeDispatcher(["d0", "d1", "d2"], max_batch_size=3)
+    d.set_capacity("d0", "a", 450)  # room for two requests of 200 tokens
+    d.place(_req(0, "a"))  # d0, batch 0
+    d.place(_req(1, "x"))  # d1
+    d.place(_req(2, "y"))  # d2
+    assert d.place(_req(3, "a")) == ("d0", 0)  # 400 <= 450
+    inst, bid = d.place(_req(4, "a"))  # 600 > 450: new batch on the shortest list
+    assert bid != 0 and inst == "d0"  # every list has 1 batch: the first one wins
+    # max batch size: d1's x batch takes 3 then overflows to the shortest list
+    assert d.place(_req(5, "x")) == ("d1", 1)
+    assert d.place(_req(6, "x")) == ("d1", 1)
+    inst7, bid7 = d.place(_req(7, "x"))
+    assert inst7 == "d1" and bid7 != 1  # d0 has 2 batches, d1 and d2 one each
+
+
+def test_requests_leave_on_finish_and_empty_batches_vanish() -> None:
+    d = DecodeDispatcher(["d0"])
+    d.place(_req(0, "a"))
+    d.place(_req(1, "a"))
+    assert d.remove("r0") == "d0"
+    assert len(d.work_lists["d0"]) == 1
+    assert d.remove("r1") == "d0"
+    assert len(d.work_lists["d0"]) == 0
+    assert d.remove("r1") is None
+
+
+def test_group_by_model_is_stable() -> None:
+    wl = DecodeWorkList()
+    for bid, model in enumerate("abacb"):
+        wl.add(_req(bid, model), bid)
+    ordered = wl.group_by_model()
+    assert [(b.batch_id, b.model) for b in ordered] == [
+        (0, "a"), (2, "a"), (1, "b"), (4, "b"), (3, "c"),
+    ]  # fmt: skip
+    assert [b.batch_id for b in wl] == [0, 2, 1, 4, 3]
+
+
+def test_reserved_tokens_track_prompt_plus_max_tokens() -> None:
+    wl = DecodeWorkList()
+    batch = wl.add(_req(0, "a", 30, 70), 5)
+    wl.add(_req(1, "a", 10, 10), 5)
+    assert batch.reserved_tokens == 120
+    wl.remove("r0")
+    assert batch.reserved_tokens == 20
