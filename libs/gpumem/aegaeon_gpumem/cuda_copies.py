@@ -1,0 +1,125 @@
+"""The CUDA backend's copies: a torch.cuda.Stream copy stream and the pinned stage
+buffer for pipelined host -> device weight loads (thin seams; need CUDA to run).
+
+Host -> device from pageable memory (the Model Cache is shared memory, not
+pinned) goes through a page-locked stage buffer split in slots: the host
+memcpy of chunk i+1 into one slot overlaps the DMA of chunk i from another,
+and a slot is reused only after the event of its last DMA completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from aegaeon_gpumem.copies import CopyStream
+from aegaeon_gpumem.cuda_events import CudaEvent
+from aegaeon_gpumem.errors import EventTimeoutError
+from aegaeon_gpumem.events import Event
+
+CUDA_CHUNK_BYTES = 32 << 20
+STAGE_SLOTS = 2
+
+
+class CudaCopyStream(CopyStream):
+    """A copy stream on a `torch.cuda.Stream` (the CopyStream interface, CUDA backend).
+
+    Events are interprocess CUDA events; `wait_event` on a CUDA event is
+    cudaStreamWaitEvent (no host blocking); on a CPU event (another backend's
+    producer) it blocks the caller until that event completes.
+    """
+
+    def __init__(self, device: torch.device | str | int) -> None:
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    @property
+    def torch_stream(self) -> torch.cuda.Stream:
+        """The underlying stream."""
+        return self._stream
+
+    def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue the copies in order (asynchronous for device and pinned host memory)."""
+        with torch.cuda.stream(self._stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+
+    def record(self) -> Event:
+        """Record an interprocess event after the work enqueued so far."""
+        return CudaEvent.record(self._stream)
+
+    def wait_event(self, event: Event, timeout_s: float | None = None) -> None:
+        """Order later work after `event` (see class docstring)."""
+        if isinstance(event, CudaEvent):
+            event.wait_on(self._stream)
+        elif not event.wait(timeout_s):
+            raise EventTimeoutError(f"waited {timeout_s} s for {event!r}")
+
+    def synchronize(self) -> None:
+        """Block until the stream is idle."""
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        """Wait for queued work (the stream itself needs no teardown)."""
+        self._stream.synchronize()
+
+
+class StageBuffer:
+    """Page-locked host memory in `num_slots` slots of `slot_bytes` for staging DMAs."""
+
+    def __init__(self, slot_bytes: int = CUDA_CHUNK_BYTES, num_slots: int = STAGE_SLOTS) -> None:
+        self.slot_bytes = slot_bytes
+        self._host = torch.empty(slot_bytes * num_slots, dtype=torch.uint8, pin_memory=True)
+        self._slots = [self._host[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
+        self._lock = threading.Lock()  # one pipelined load at a time per stage buffer
+
+    def load(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Copy host `src` to device `dst` (1-D uint8, equal sizes) through the slots; blocks
+        until the last DMA finished."""
+        pending: list[torch.cuda.Event | None] = [None] * len(self._slots)
+        with self._lock:
+            for i, start in enumerate(range(0, src.numel(), self.slot_bytes)):
+                size = min(self.slot_bytes, src.numel() - start)
+                k = i % len(self._slots)
+                previous = pending[k]
+                if previous is not None:
+                    previous.synchronize()  # the slot's last DMA has read it
+                slot = self._slots[k][:size]
+                slot.copy_(src[start : start + size])  # pageable -> pinned (host memcpy)
+                with torch.cuda.stream(stream):
+                    dst[start : start + size].copy_(slot, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                pending[k] = event
+            stream.synchronize()
+
+
+_stages: dict[int, StageBuffer] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
+_stage_lock = threading.Lock()
+
+
+def _stage_for(device: torch.device) -> tuple[StageBuffer, torch.cuda.Stream]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _stage_lock:
+        if index not in _stages:
+            _stages[index] = StageBuffer()
+            _streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+        return _stages[index], _streams[index]
+
+
+def copy_chunked_cuda(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int | None) -> None:
+    """Byte copy where at least one side is on CUDA (1-D uint8, equal sizes); blocking.
+
+    Pageable host -> device goes through the device's stage buffer (its slot
+    size, not `chunk_bytes`, sets the pipeline chunk); pinned host or device
+    sources are one asynchronous copy followed by a synchronize.
+    """
+    if dst.device.type == "cuda" and src.device.type == "cpu" and not src.is_pinned():
+        stage, stream = _stage_for(dst.device)
+        stage.load(dst, src, stream)
+        return
+    del chunk_bytes  # a single DMA needs no chunking
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(dst.device if dst.device.type == "cuda" else src.device)

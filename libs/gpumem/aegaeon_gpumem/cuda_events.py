@@ -1,0 +1,94 @@
+"""The CUDA backend's events: IPC CUDA events through torch (a thin seam).
+
+cudaEventRecord / cudaEventQuery / cudaStreamWaitEvent / cudaIpcGetEventHandle
+/ cudaIpcOpenEventHandle map to `torch.cuda.Event(interprocess=True)`,
+`.record(stream)`, `.query()`, `stream.wait_event(ev)`, `.ipc_handle()` and
+`torch.cuda.Event.from_ipc_handle(device, handle)`.
+
+A process cannot open its own IPC event handle (CUDA returns an error), so
+events recorded here are kept in a local table by handle, and `open_event`
+answers a local handle from it (the paper's artifact does the same). The
+table holds weak references: an event nobody holds any more cannot be
+waited on by this process, and other processes hold their own opened copy.
+
+Imported by the package `__init__`, which registers the "cuda" opener; all
+torch.cuda calls happen lazily, so importing on a CPU-only build is safe.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from aegaeon_gpumem.events import OPENERS, Event, EventHandle
+
+_local: weakref.WeakValueDictionary[bytes, CudaEvent] = weakref.WeakValueDictionary()
+
+
+class CudaEvent(Event):
+    """A torch CUDA event with an IPC handle (interprocess, no timing)."""
+
+    __slots__ = ("__weakref__", "_device", "_event", "_handle")
+
+    def __init__(self, event: torch.cuda.Event, device: int, ipc_handle: bytes | None) -> None:
+        self._event = event
+        self._device = device
+        self._handle = ipc_handle
+
+    @classmethod
+    def record(cls, stream: torch.cuda.Stream) -> CudaEvent:
+        """Create an interprocess event and record it on `stream`."""
+        # torch.cuda.Event's methods are untyped; the ignores below are only that.
+        event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)  # type: ignore[no-untyped-call]
+        event.record(stream)
+        self = cls(event, stream.device.index or 0, None)
+        _local[self.ipc_handle()] = self
+        return self
+
+    @property
+    def torch_event(self) -> torch.cuda.Event:
+        """The underlying torch event (for `stream.wait_event`)."""
+        return self._event
+
+    @property
+    def device(self) -> int:
+        """CUDA device index the event belongs to."""
+        return self._device
+
+    def ipc_handle(self) -> bytes:
+        """The raw CUDA IPC event handle."""
+        if self._handle is None:
+            self._handle = bytes(self._event.ipc_handle())  # type: ignore[no-untyped-call]
+        return self._handle
+
+    def query(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if timeout_s is None:
+            self._event.synchronize()
+            return True
+        return super().wait(timeout_s)
+
+    def wait_on(self, stream: torch.cuda.Stream) -> None:
+        """Make later work on `stream` wait for this event (cudaStreamWaitEvent)."""
+        stream.wait_event(self._event)
+
+    def handle(self) -> EventHandle:
+        return EventHandle("cuda", handle=self.ipc_handle(), device=self._device)
+
+    def __repr__(self) -> str:
+        return f"CudaEvent(device={self._device})"
+
+
+def open_cuda_event(handle: EventHandle) -> Event:
+    """Open a CUDA event handle: this process's own events from the local table."""
+    local = _local.get(handle.handle)
+    if local is not None:
+        return local
+    event = torch.cuda.Event.from_ipc_handle(handle.device, handle.handle)  # type: ignore[no-untyped-call]
+    return CudaEvent(event, handle.device, handle.handle)
+
+
+OPENERS["cuda"] = open_cuda_event
