@@ -1,0 +1,82 @@
+"""What a worker holds from the cachemgr: its lease's mappings and mapped model regions."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from aegaeon_common.messages.cache import ModelLoaded, TensorEntry
+from aegaeon_gpumem import EventTable, ShmRegion, Timeline
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A worker's lease: the unified KV region (read-write), the event table and its slots."""
+
+    worker_id: str
+    kv_region: ShmRegion
+    event_table: EventTable
+    event_slots: tuple[int, ...]
+    slab_bytes: int
+
+    @property
+    def kv_tensor(self) -> torch.Tensor:
+        """The whole KV region as a uint8 tensor (zero-copy)."""
+        return self.kv_region.tensor
+
+    def block(self, offset: int, block_bytes: int) -> torch.Tensor:
+        """The bytes of the block at ``offset`` (a zero-copy uint8 view)."""
+        return self.kv_region.tensor[offset : offset + block_bytes]
+
+    def timeline(self, index: int = 0) -> Timeline:
+        """The writer of this worker's ``index``-th event slot (one per copy stream)."""
+        return Timeline(self.event_table, self.event_slots[index])
+
+    def close(self) -> None:
+        self.event_table.close()
+        self.kv_region.close()
+
+
+@dataclass(frozen=True)
+class MappedModel:
+    """A Model Cache region mapped read-only, laid out as the engine's ``weight_layout``."""
+
+    name: str
+    region: ShmRegion
+    nbytes: int
+    dtype: str
+    tensors: tuple[TensorEntry, ...]
+    load_s: float = 0.0
+    hit: bool = False
+
+    @classmethod
+    def attach(cls, reply: ModelLoaded) -> MappedModel:
+        region = ShmRegion.attach(reply.region, readonly=True)
+        return cls(
+            reply.name,
+            region,
+            reply.nbytes,
+            reply.dtype,
+            tuple(reply.tensors),
+            reply.load_s,
+            reply.hit,
+        )
+
+    def with_reply(self, reply: ModelLoaded) -> MappedModel:
+        return dataclasses.replace(self, load_s=reply.load_s, hit=reply.hit)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The packed weights, ``nbytes`` uint8 (one flat copy scales a worker up)."""
+        return self.region.tensor[: self.nbytes]
+
+    def view(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a typed, shaped view (read-only memory: do not write)."""
+        entry = next((t for t in self.tensors if t.name == name), None)
+        if entry is None:
+            raise KeyError(f"model {self.name!r} has no tensor {name!r}")
+        raw = self.region.tensor[entry.offset : entry.offset + entry.nbytes]
+        return raw.view(_TORCH_DTYPES[entry.dtype]).view(entry.shape)

@@ -1,0 +1,281 @@
+"""The Model Cache: each model's packed weights in one shared-memory region, LRU under a budget.
+
+Invariants:
+- ``used_bytes`` (resident + being loaded) never exceeds ``budget_bytes``; a
+  load reserves its bytes before its region exists.
+- A pinned model (some worker is reading it) is never evicted.
+- A region is resident only once completely filled; a failed load unlinks its
+  region and changes nothing else. Concurrent requests for one model share
+  one load.
+- Loading runs on a thread, so the event loop keeps serving other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import os
+import re
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.cache import ModelCacheStats, ResidentModel
+from aegaeon_gpumem.shm import SHM_DIR, ShmRegion
+
+from aegaeon_cachemgr.errors import CacheError
+from aegaeon_cachemgr.model_loader import ModelPlan, fill_region, plan_model
+
+log = get_logger("cachemgr.models")
+
+
+@dataclass
+class ModelEntry:
+    """A resident model: its plan, its filled region and who pins it."""
+
+    plan: ModelPlan
+    region: ShmRegion
+    load_s: float = 0.0
+    pins: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass
+class _Loading:
+    plan: ModelPlan
+    region: ShmRegion
+    done: asyncio.Future[ModelEntry]
+    pins: Counter[str] = field(default_factory=Counter)
+
+
+def reserve_pages(name: str, nbytes: int) -> None:
+    """Commit a segment's pages now: ENOSPC here instead of SIGBUS on a later write."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+
+
+class ModelCache:
+    """Models by name -> resident regions; see the module docstring for the invariants."""
+
+    def __init__(
+        self,
+        models: Mapping[str, Path],
+        dtype: str,
+        budget_bytes: int,
+        name_prefix: str,
+        executor: Executor,
+    ) -> None:
+        self._paths = dict(models)
+        self._dtype = dtype
+        self.budget_bytes = budget_bytes
+        self._prefix = name_prefix
+        self._executor = executor
+        self._resident: OrderedDict[str, ModelEntry] = OrderedDict()  # LRU first
+        self._loading: dict[str, _Loading] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seq = itertools.count()
+        self.num_loads = 0
+        self.num_hits = 0
+        self.num_evictions = 0
+        self.load_s_total = 0.0
+        self.loaded_bytes_total = 0
+
+    @property
+    def used_bytes(self) -> int:
+        resident = sum(e.plan.nbytes for e in self._resident.values())
+        return resident + sum(ld.plan.nbytes for ld in self._loading.values())
+
+    async def acquire(
+        self, name: str, owner: str, pin: bool, evict: bool = True
+    ) -> tuple[ModelEntry, bool]:
+        """The resident entry of ``name`` (loading it first if needed) and whether it was a hit.
+
+        With ``pin`` the model is pinned for ``owner`` before this returns (pins
+        of a shared load are applied when it completes, so no eviction can
+        slip in between). ``evict=False`` refuses rather than evicts (prewarm).
+        """
+        if name not in self._paths:
+            known = ", ".join(sorted(self._paths))
+            raise CacheError(
+                "unknown_model", f"unknown model {name!r} (known: {known})", {"model": name}
+            )
+        entry = self._resident.get(name)
+        if entry is not None:
+            self._resident.move_to_end(name)
+            if pin:
+                entry.pins[owner] += 1
+            self.num_hits += 1
+            return entry, True
+        loading = self._loading.get(name) or self._start(name, evict)
+        if pin:
+            loading.pins[owner] += 1
+        # shield: a cancelled waiter must not cancel the load others share.
+        return await asyncio.shield(loading.done), False
+
+    def _start(self, name: str, evict: bool) -> _Loading:
+        plan = plan_model(name, self._paths[name], self._dtype)
+        self._make_room(plan, evict)
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64]
+        region = ShmRegion.create(
+            f"{self._prefix}model-{next(self._seq)}-{safe}", max(plan.nbytes, 1)
+        )
+        loop = asyncio.get_running_loop()
+        loading = _Loading(plan, region, loop.create_future())
+        self._loading[name] = loading
+        task = loop.create_task(self._fill(loading))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return loading
+
+    async def _fill(self, loading: _Loading) -> None:
+        plan, region = loading.plan, loading.region
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self._fill_sync, plan, region)
+        except (CacheError, OSError) as exc:
+            del self._loading[plan.name]
+            region.close()  # unlinks: nothing half-written stays in /dev/shm
+            err = exc if isinstance(exc, CacheError) else _no_space(plan, exc)
+            log.warning("model_load_failed", model=plan.name, code=err.code, error=err.message)
+            loading.done.set_exception(err)
+            loading.done.exception()  # retrieved: waiters may all be gone
+            return
+        load_s = time.perf_counter() - started
+        del self._loading[plan.name]
+        entry = ModelEntry(plan, region, load_s, loading.pins)
+        self._resident[plan.name] = entry
+        self.num_loads += 1
+        self.load_s_total += load_s
+        self.loaded_bytes_total += plan.nbytes
+        log.info(
+            "model_loaded",
+            model=plan.name,
+            region=region.name,
+            nbytes=plan.nbytes,
+            load_s=round(load_s, 4),
+            gb_per_s=round(plan.nbytes / max(load_s, 1e-9) / 1e9, 3),
+        )
+        loading.done.set_result(entry)
+
+    @staticmethod
+    def _fill_sync(plan: ModelPlan, region: ShmRegion) -> None:
+        reserve_pages(region.name, region.nbytes)
+        fill_region(plan, region.tensor[: plan.nbytes])
+
+    def _make_room(self, plan: ModelPlan, evict: bool) -> None:
+        """Evict least recently used unpinned models until ``plan`` fits; all or nothing."""
+        need, used = plan.nbytes, self.used_bytes
+        if used + need <= self.budget_bytes:
+            return
+        victims: list[str] = []
+        freed = 0
+        for name, entry in self._resident.items() if evict else ():
+            if used - freed + need <= self.budget_bytes:
+                break
+            if not entry.pins:
+                victims.append(name)
+                freed += entry.plan.nbytes
+        if used - freed + need > self.budget_bytes:
+            pinned = sum(e.plan.nbytes for e in self._resident.values() if e.pins)
+            raise CacheError(
+                "model_cache_full",
+                f"model {plan.name!r} needs {need} bytes; budget {self.budget_bytes} bytes, "
+                f"{used} used ({pinned} pinned){'' if evict else ', eviction not allowed'}",
+                {
+                    "requested_bytes": need,
+                    "budget_bytes": self.budget_bytes,
+                    "used_bytes": used,
+                    "pinned_bytes": pinned,
+                },
+            )
+        for name in victims:
+            self.evict(name)
+
+    def evict(self, name: str) -> None:
+        """Drop a resident, unpinned model; workers' existing mappings stay valid."""
+        entry = self._resident[name]
+        if entry.pins:
+            raise CacheError("bad_request", f"model {name!r} is pinned")
+        del self._resident[name]
+        entry.region.close()
+        self.num_evictions += 1
+        log.info("model_evicted", model=name, nbytes=entry.plan.nbytes)
+
+    def unpin(self, name: str, owner: str) -> int:
+        """Drop one pin of ``owner``; return the model's remaining pins."""
+        entry = self._resident.get(name)
+        pins = entry.pins if entry is not None else None
+        if pins is None and name in self._loading:
+            pins = self._loading[name].pins
+        if pins is None or pins[owner] <= 0:
+            raise CacheError(
+                "not_pinned",
+                f"model {name!r} is not pinned by {owner!r}",
+                {"model": name, "owner": owner},
+            )
+        pins[owner] -= 1
+        if pins[owner] == 0:
+            del pins[owner]
+        return sum(pins.values())
+
+    def release_owner(self, owner: str) -> list[str]:
+        """Drop every pin of ``owner`` (its process ended); return the models it pinned."""
+        released = []
+        for name, pins in self._all_pins():
+            if pins.pop(owner, 0):
+                released.append(name)
+        return released
+
+    def pinned_by(self, owner: str) -> list[str]:
+        return [name for name, pins in self._all_pins() if pins.get(owner)]
+
+    def _all_pins(self) -> list[tuple[str, Counter[str]]]:
+        return [(n, e.pins) for n, e in self._resident.items()] + [
+            (n, ld.pins) for n, ld in self._loading.items()
+        ]
+
+    def stats(self) -> ModelCacheStats:
+        return ModelCacheStats(
+            budget_bytes=self.budget_bytes,
+            used_bytes=self.used_bytes,
+            models=[
+                ResidentModel(n, e.region.name, e.plan.nbytes, sum(e.pins.values()), e.load_s)
+                for n, e in self._resident.items()
+            ],
+            loading=sorted(self._loading),
+            num_loads=self.num_loads,
+            num_hits=self.num_hits,
+            num_evictions=self.num_evictions,
+            load_s_total=self.load_s_total,
+            loaded_bytes_total=self.loaded_bytes_total,
+        )
+
+    def close(self) -> None:
+        """Unlink every region (a load still running on its thread writes into pages
+        that are freed when it finishes)."""
+        for task in self._tasks:
+            task.cancel()
+        for loading in self._loading.values():
+            loading.region.close()
+        for entry in self._resident.values():
+            entry.region.close()
+        self._loading.clear()
+        self._resident.clear()
+
+
+def _no_space(plan: ModelPlan, exc: OSError) -> CacheError:
+    code = "model_cache_full" if exc.errno == errno.ENOSPC else "internal"
+    return CacheError(
+        code,
+        f"cannot place model {plan.name!r} ({plan.nbytes} bytes) in shared memory: "
+        f"{exc.strerror or exc}",
+        {"requested_bytes": plan.nbytes},
+    )

@@ -1,0 +1,203 @@
+"""The Model Cache through a real cachemgr process: layout bytes, LRU and pins, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aegaeon_cachemgr.client import CacheClient
+from aegaeon_common.messages.cache import CacheStats
+from aegaeon_common.transport import RemoteError
+from aegaeon_engine.layout import weight_layout
+from aegaeon_engine.loader import fill_layout
+from aegaeon_engine.spec import ModelSpec
+from cachemgr_harness import CacheMgrProcess, checkpoint, shm_segments, write_config
+
+Start = Callable[..., CacheMgrProcess]
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Start]:
+    procs: list[CacheMgrProcess] = []
+
+    def _start(models: dict[str, Path], **kwargs: Any) -> CacheMgrProcess:
+        proc = CacheMgrProcess(write_config(tmp_path, models, **kwargs)).start()
+        procs.append(proc)
+        return proc
+
+    yield _start
+    for proc in procs:
+        assert proc.stop() == 0, proc.log()
+        assert shm_segments(proc.prefix) == []
+
+
+def resident(stats: CacheStats) -> dict[str, int]:
+    return {m.name: m.pins for m in stats.model_cache.models}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_region_bytes_are_the_engine_layout(start: Start, dtype: str) -> None:
+    path = checkpoint(0)
+    cm = start({"a": path}, dtype=dtype)
+    layout = weight_layout(ModelSpec.from_dir(path), dtype)
+    expected = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    fill_layout(path, layout, expected)
+
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        await client.register()
+        model = await client.load_model("a")
+        assert not model.hit and model.load_s > 0
+        assert model.dtype == dtype and model.nbytes == layout.total_bytes
+        assert model.region.readonly
+        assert torch.equal(model.data, expected)
+        assert [(t.name, t.offset, t.nbytes, tuple(t.shape)) for t in model.tensors] == [
+            (s.name, s.offset, s.nbytes, s.shape) for s in layout.slots
+        ]
+        assert model.view("norm").dtype == getattr(torch, dtype)
+        again = await client.load_model("a")
+        assert again.hit and again.region is model.region  # cached attachment
+        stats = await client.stats()
+        assert resident(stats) == {"a": 2}
+        assert stats.model_cache.num_loads == 1 and stats.model_cache.num_hits == 1
+        assert await client.unpin("a") == 1
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_lru_eviction_never_evicts_pinned(start: Start) -> None:
+    paths = {"a": checkpoint(0), "b": checkpoint(1), "c": checkpoint(2)}
+    size = weight_layout(ModelSpec.from_dir(paths["a"]), "bfloat16").total_bytes
+    cm = start(paths, model_cache=int(2.5 * size))
+
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        await client.register()
+        await client.load_model("a", pin=False)
+        await client.load_model("b", pin=False)
+        await client.load_model("a", pin=False)  # a is now the most recently used
+        await client.load_model("c", pin=False)
+        stats = await client.stats()
+        assert list(resident(stats)) == ["a", "c"]  # b was the least recently used
+        assert stats.model_cache.num_evictions == 1
+        assert not any(name.endswith("-b") for name in shm_segments(cm.prefix))
+
+        # Pinned models stay even when least recently used.
+        await client.load_model("a")
+        await client.load_model("c")
+        with pytest.raises(RemoteError) as err:
+            await client.load_model("b", pin=False)
+        assert err.value.code == "model_cache_full"
+        detail = err.value.reply.detail or {}
+        assert detail["budget_bytes"] == int(2.5 * size) and detail["requested_bytes"] == size
+        assert list(resident(await client.stats())) == ["a", "c"]
+
+        await client.unpin("a")  # a is LRU and now unpinned: it goes, c stays
+        await client.load_model("b")
+        stats = await client.stats()
+        assert resident(stats) == {"c": 1, "b": 1}
+        assert stats.model_cache.used_bytes == 2 * size <= stats.model_cache.budget_bytes
+        await client.close()
+        probe = CacheClient(cm.config.cachemgr_address, "probe")
+        assert resident(await probe.stats()) == {"c": 0, "b": 0}  # close ended the pins
+        await probe.close()
+
+    asyncio.run(go())
+
+
+def broken_checkpoints(tmp: Path) -> dict[str, Path]:
+    good = checkpoint(0)
+    out: dict[str, Path] = {}
+    for name in ("missing", "truncated", "garbage", "noconfig"):
+        out[name] = tmp / name
+        shutil.copytree(good, out[name])
+    (out["missing"] / "model.safetensors").unlink()
+    data = (good / "model.safetensors").read_bytes()
+    (out["truncated"] / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (out["garbage"] / "model.safetensors").write_bytes(b"\xff" * 64 + data[64:])
+    (out["noconfig"] / "config.json").unlink()
+    return out
+
+
+def test_bad_models_give_clear_errors_and_leave_the_cache_intact(
+    start: Start, tmp_path: Path
+) -> None:
+    broken = broken_checkpoints(tmp_path)
+    cm = start({"a": checkpoint(0), **broken})
+
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        await client.register()
+        await client.load_model("a")
+        before, segments = await client.stats(), shm_segments(cm.prefix)
+        with pytest.raises(RemoteError) as err:
+            await client.load_model("nope")
+        assert err.value.code == "unknown_model" and "'nope'" in str(err.value)
+        expect = {
+            "missing": "missing file",
+            "truncated": "model.safetensors",
+            "garbage": "corrupt safetensors header",
+            "noconfig": "config.json",
+        }
+        for name, words in expect.items():
+            with pytest.raises(RemoteError) as err:
+                await client.load_model(name)
+            assert err.value.code == "checkpoint_error", err.value
+            assert words in str(err.value) and str(broken[name]) in str(err.value)
+        after = await client.stats()
+        assert after.model_cache.models == before.model_cache.models
+        assert after.model_cache.used_bytes == before.model_cache.used_bytes
+        assert after.model_cache.loading == []
+        assert shm_segments(cm.prefix) == segments
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_concurrent_loads_share_one_load_while_serving(start: Start) -> None:
+    big = checkpoint(3, hidden=512, layers=4, vocab=8192, intermediate=1408)
+    cm = start({"big": big}, model_cache="256MiB")
+
+    async def go() -> None:
+        clients = [CacheClient(cm.config.cachemgr_address, f"w{i}") for i in range(3)]
+        for client in clients:
+            await client.register()
+        loads = [asyncio.create_task(c.load_model("big")) for c in clients[:2]]
+        seen_loading = 0
+        while not all(t.done() for t in loads):
+            stats = await clients[2].stats()  # answered while the load runs
+            seen_loading += stats.model_cache.loading == ["big"]
+        first, second = [t.result() for t in loads]
+        assert seen_loading > 0
+        assert first.region.name == second.region.name and not first.hit and not second.hit
+        stats = await clients[2].stats()
+        assert stats.model_cache.num_loads == 1 and resident(stats) == {"big": 2}
+        assert torch.equal(first.data, second.data)
+        for client in clients:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_prewarm_fills_the_budget_without_evicting(start: Start) -> None:
+    paths = {"a": checkpoint(0), "b": checkpoint(1)}
+    size = weight_layout(ModelSpec.from_dir(paths["a"]), "bfloat16").total_bytes
+    cm = start(paths, model_cache=int(1.5 * size), prewarm=["*"])
+
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        for _ in range(200):
+            stats = await client.stats()
+            if stats.model_cache.models and not stats.model_cache.loading:
+                break
+            await asyncio.sleep(0.01)
+        assert list(resident(stats)) == ["a"] and stats.model_cache.num_evictions == 0
+        await client.close()
+
+    asyncio.run(go())
