@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -96,6 +97,34 @@ def test_failed_stream_raises_and_never_signals(table: EventTable) -> None:
     stream.close()
     with pytest.raises(CopyStreamError, match="closed"):
         stream.copy(dst, dst)
+
+
+def test_records_from_many_threads_signal_in_order(table: EventTable) -> None:
+    stream = CpuCopyStream(table, 0)
+    events: list[CpuEvent] = []
+
+    def recorder() -> None:
+        for _ in range(200):
+            event = stream.record()
+            assert isinstance(event, CpuEvent)
+            events.append(event)
+
+    threads = [threading.Thread(target=recorder) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stream.synchronize()
+    assert all(e.query() for e in events)
+    assert table.read(0) == 800  # the last signal is the highest value
+    assert stream.close(timeout_s=5.0)
+
+
+def test_close_times_out_on_a_stuck_stream(table: EventTable) -> None:
+    stream = CpuCopyStream(table, 0)
+    stream.wait_event(CpuEvent(table, 1, 1), timeout_s=0.5)
+    assert not stream.close(timeout_s=0.01)  # still waiting for the event
+    assert stream.close(timeout_s=5.0)  # the wait timed out, the worker stopped
 
 
 def test_coalesce_merges_runs_contiguous_on_both_sides() -> None:

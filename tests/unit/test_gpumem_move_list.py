@@ -10,6 +10,7 @@ import pytest
 from aegaeon_gpumem import (
     CpuEvent,
     Event,
+    EventHandle,
     EventTable,
     InvalidFreeError,
     KVBlockPool,
@@ -48,8 +49,8 @@ class LateEvent(Event):
     def query(self) -> bool:
         return self.done
 
-    def handle(self):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
+    def handle(self) -> EventHandle:
+        raise NotImplementedError("only used in-process")
 
 
 def test_move_list_polls_per_slot_in_value_order(table: EventTable) -> None:

@@ -82,7 +82,8 @@ def test_handle_roundtrip_through_msgpack(table: EventTable) -> None:
     assert opened.query()
     # Opened events share one cached read-only attachment per table.
     assert attached_table(table.name) is opened.table and opened.table.readonly
-    assert open_event(EventHandle.from_dict(data)).table is opened.table
+    again = open_event(EventHandle.from_dict(data))
+    assert isinstance(again, CpuEvent) and again.table is opened.table
     cuda = EventHandle("cuda", handle=b"\x01" * 64, device=1)
     assert EventHandle.from_dict(msgpack.unpackb(msgpack.packb(cuda.to_dict()))) == cuda
 
@@ -111,6 +112,13 @@ def test_completed_event() -> None:
 def test_bad_handles_are_typed_errors(bad: dict[str, object]) -> None:
     with pytest.raises(BadEventHandleError):
         EventHandle.from_dict(bad)
+
+
+def test_opening_a_missing_table_or_slot_is_a_bad_handle(table: EventTable) -> None:
+    with pytest.raises(BadEventHandleError, match="cannot be opened"):
+        open_event({"kind": "cpu", "table": unique_name(TAG), "slot": 0, "value": 1})
+    with pytest.raises(BadEventHandleError, match="outside"):
+        open_event({"kind": "cpu", "table": table.name, "slot": 4, "value": 1})
 
 
 def test_query_is_cheap(table: EventTable) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from aegaeon_gpumem.errors import CopyStreamError, EventTimeoutError, GpuMemError
+from aegaeon_gpumem.errors import CopyStreamError, EventTimeoutError
 from aegaeon_gpumem.event_table import EventTable, Timeline
 from aegaeon_gpumem.events import CpuEvent, Event
 from aegaeon_gpumem.memcopy import byte_copy
@@ -52,8 +52,9 @@ class CopyStream(ABC):
         """Enqueue `dst.copy_(src)`."""
         self.copy_many([(dst, src)])
 
-    def close(self) -> None:  # noqa: B027 (optional hook, default no-op)
-        """Stop the stream after its queued work (idempotent)."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish queued work and stop (idempotent); False if `timeout_s` ran out first."""
+        return True
 
 
 def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -82,7 +83,10 @@ class CpuCopyStream(CopyStream):
         self._timeline = Timeline(table, slot)
         # None stops the worker.
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
+        # Issuing an event value and enqueueing its signal are one step, so
+        # signals reach the worker in value order even with many submitters.
+        self._record_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -107,9 +111,10 @@ class CpuCopyStream(CopyStream):
                 continue  # failed: skip work, but still release synchronize() callers
             try:
                 job()
-            except (GpuMemError, RuntimeError, ValueError) as exc:
-                # torch raises RuntimeError subclasses; anything else is a bug
-                # and should surface loudly in the thread.
+            except Exception as exc:
+                # Not swallowed: like a Future, the failure is re-raised to the
+                # submitter (record/synchronize raise CopyStreamError from it),
+                # and the stream stops running work, so no event after it lies.
                 self._error = exc
 
     def _raise_if_failed(self) -> None:
@@ -133,8 +138,9 @@ class CpuCopyStream(CopyStream):
 
     def record(self) -> Event:
         self._raise_if_failed()
-        value = self._timeline.issue()
-        self._submit(lambda: self._timeline.signal(value))
+        with self._record_lock:
+            value = self._timeline.issue()
+            self._submit(lambda: self._timeline.signal(value))
         return CpuEvent(self._timeline.table, self._timeline.slot, value)
 
     def wait_event(self, event: Event, timeout_s: float | None = None) -> None:
@@ -153,13 +159,17 @@ class CpuCopyStream(CopyStream):
         done.wait()
         self._raise_if_failed()
 
-    def close(self) -> None:
-        """Finish queued work and stop the worker (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish queued work and stop the worker (idempotent).
+
+        Returns False if the worker is still busy after `timeout_s` (e.g.
+        waiting for an event that never completes; it is a daemon thread).
+        """
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 def coalesce(pairs: Iterable[CopyPair]) -> list[CopyPair]:

@@ -60,9 +60,12 @@ class CudaCopyStream(CopyStream):
         """Block until the stream is idle."""
         self._stream.synchronize()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
         """Wait for queued work (the stream itself needs no teardown)."""
-        self._stream.synchronize()
+        if timeout_s is None:
+            self._stream.synchronize()
+            return True
+        return self.record().wait(timeout_s)
 
 
 class StageBuffer:

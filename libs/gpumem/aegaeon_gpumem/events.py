@@ -217,7 +217,15 @@ def close_attachments() -> None:
 def _open_cpu(handle: EventHandle) -> Event:
     if handle.trivially_complete:
         return Event.completed()
-    return CpuEvent(attached_table(handle.table), handle.slot, handle.value)
+    try:
+        table = attached_table(handle.table)
+    except (FileNotFoundError, ValueError) as exc:
+        raise BadEventHandleError(f"event table {handle.table!r} cannot be opened: {exc}") from exc
+    if not 0 <= handle.slot < table.num_slots:
+        raise BadEventHandleError(
+            f"slot {handle.slot} outside the {table.num_slots} of {table.name!r}"
+        )
+    return CpuEvent(table, handle.slot, handle.value)
 
 
 def _open_cuda_missing(handle: EventHandle) -> Event:
@@ -232,7 +240,10 @@ OPENERS: dict[str, Callable[[EventHandle], Event]] = {
 
 
 def open_event(handle: EventHandle | Mapping[str, object]) -> Event:
-    """Open an event from its handle (or the handle's dict form) in any process."""
+    """Open an event from its handle (or the handle's dict form) in any process.
+
+    BadEventHandleError if the handle is malformed or names a missing table/slot.
+    """
     if not isinstance(handle, EventHandle):
         handle = EventHandle.from_dict(handle)
     return OPENERS[handle.kind](handle)

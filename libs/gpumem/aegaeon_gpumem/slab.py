@@ -73,6 +73,7 @@ class _Shape:
 
 class SlabAllocator:
     """KV blocks of any shape in fixed-size slabs of one region (offsets only, no memory).
+    Not thread-safe: `KVBlockPool` puts it behind a lock.
 
     Args:
         region_bytes: bytes of the region the offsets index.
@@ -112,11 +113,14 @@ class SlabAllocator:
         """Number of slabs in the region."""
         return self._num_slabs
 
+    def _first_block(self, slab_index: int, block_bytes: int) -> int:
+        # The first multiple of block_bytes at or after the slab's start.
+        return -(-slab_index * self._slab_bytes // block_bytes) * block_bytes
+
     def slab_capacity(self, slab_index: int, block_bytes: int) -> int:
         """Blocks of `block_bytes` that slab `slab_index` holds under the placement invariant."""
-        start = slab_index * self._slab_bytes
-        first = -(-start // block_bytes) * block_bytes
-        return max(0, (start + self._slab_bytes - first) // block_bytes)
+        end = (slab_index + 1) * self._slab_bytes
+        return max(0, (end - self._first_block(slab_index, block_bytes)) // block_bytes)
 
     def capacity_blocks(self, block_bytes: int) -> int:
         """Blocks of `block_bytes` the whole region holds if every slab served them."""
@@ -138,8 +142,7 @@ class SlabAllocator:
 
     def free_blocks(self, shape_key: Hashable) -> int:
         """Free blocks in the slabs `shape_key` holds now (not counting pool slabs)."""
-        shape = self._shapes.get(shape_key)
-        return 0 if shape is None else shape.free_blocks
+        return shape.free_blocks if (shape := self._shapes.get(shape_key)) else 0
 
     def alloc(self, shape_key: Hashable, block_bytes: int, n: int) -> list[int]:
         """Allocate `n` blocks of `block_bytes` for `shape_key`; return their byte offsets.
@@ -161,19 +164,16 @@ class SlabAllocator:
         partial = shape.partial
         live = self._live
         while remaining:
-            # Newest partial slab first (LIFO): the slab that last gained free
-            # space, whose hole is usually one departed request, so a request's
-            # blocks stay together and leave together, letting slabs drain.
-            # Measured on mixed-shape churn this beats oldest-first and
-            # fullest-first (which scatters requests over many slabs).
+            # Newest partial slab first (LIFO): its hole is usually one departed
+            # request, so a request's blocks stay together and leave together,
+            # letting slabs drain. On mixed-shape churn this measured better
+            # than oldest-first and fullest-first (which scatters requests).
             slab = next(reversed(partial.values()))
             take = min(remaining, slab.capacity - slab.used)
             from_free = min(take, len(slab.free))
-            if from_free:
-                taken = slab.free[-from_free:]
-                del slab.free[-from_free:]
-            else:
-                taken = []
+            cut = len(slab.free) - from_free  # not [-from_free:]: -0 would take all
+            taken = slab.free[cut:]
+            del slab.free[cut:]
             fresh = take - from_free
             if fresh:
                 start = slab.first + slab.bump * block_bytes
@@ -220,9 +220,7 @@ class SlabAllocator:
             )
         # Reversed so the LIFO pick in alloc uses them in acquisition order.
         for index, capacity in reversed(taken):
-            start = index * self._slab_bytes
-            first = -(-start // shape.block_bytes) * shape.block_bytes
-            slab = _Slab(index, shape, first, capacity)
+            slab = _Slab(index, shape, self._first_block(index, shape.block_bytes), capacity)
             self._slabs[index] = slab
             shape.partial[index] = slab
         shape.held_slabs += len(taken)
