@@ -107,8 +107,12 @@ class EventTable:
             self._claimed.discard(self.check_slot(slot))
 
     def close(self) -> None:
-        """Drop the mapping; the owner also unlinks the segment."""
-        self._counters.release()
+        """Drop this object's mapping; the owner also unlinks the segment.
+
+        Like `ShmRegion.close`, nothing is unmapped under a live reference:
+        events made from this table keep reading their counters until they
+        are dropped (the memory goes with the last of them).
+        """
         self._region.close()
 
     def __enter__(self) -> EventTable:

@@ -207,7 +207,7 @@ def attached_table(name: str) -> EventTable:
 
 
 def close_attachments() -> None:
-    """Drop every cached table attachment (process shutdown; opened events stop working)."""
+    """Drop every cached table attachment (events already opened keep working)."""
     with _tables_lock:
         for table in _tables.values():
             table.close()

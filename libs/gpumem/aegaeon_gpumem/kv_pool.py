@@ -24,7 +24,10 @@ from aegaeon_gpumem.move_list import MoveList
 from aegaeon_gpumem.slab import SlabAllocator
 from aegaeon_gpumem.slab_stats import SlabStats
 
-DEFAULT_POLL_INTERVAL_S = 0.001
+# The daemon only keeps the pool tidy: alloc reclaims synchronously before it
+# fails, so a slower poll never causes an OutOfBlocks, and a Python thread
+# waking 200 times a second costs little on a shared CPU.
+DEFAULT_POLL_INTERVAL_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
