@@ -1,0 +1,221 @@
+"""The engine: made once per process, bound to any model by views.
+
+Everything model-agnostic (thread setup, attention kernels, rope tables keyed
+by their parameters, layouts keyed by spec) lives across ``bind`` calls, so
+switching to a model seen before costs the construction of a few hundred
+tensor views (paper §5.1, component reuse). Weights and KV live in memory the
+caller owns (§5.2); the engine never allocates either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .attention import Attention
+from .layout import WeightLayout, weight_layout
+from .model import KVViews, Tokens, forward, logits
+from .rope import RopeTable
+from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
+from .weights import TORCH_DTYPES, ModelWeights, bind_weights
+
+
+class DecodeSeq(NamedTuple):
+    """One sequence of a decode step: its newest token, that token's position, its blocks."""
+
+    token_id: int
+    position: int
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class _Bound:
+    spec: ModelSpec
+    weights: ModelWeights
+    kv: KVViews
+    kv_shape: KVShape
+    rope: RopeTable
+
+
+class Engine:
+    """Prefill and batched decode over a paged KV cache for one bound model at a time."""
+
+    def __init__(self, device: str | torch.device = "cpu", num_threads: int | None = 1,
+                 block_size: int = 16) -> None:
+        """``num_threads`` sets torch's intra-op threads for the process (None: leave it)."""
+        self.device = torch.device(device)
+        self.block_size = block_size
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.attention = Attention(self.device)
+        self._ropes: dict[tuple[int, RopeSpec, int, torch.dtype], RopeTable] = {}
+        self._layouts: dict[tuple[ModelSpec, str], WeightLayout] = {}
+        self._bound: _Bound | None = None
+
+    # -- binding ---------------------------------------------------------------------------
+
+    def layout(self, spec: ModelSpec, dtype: str | None = None) -> WeightLayout:
+        """``weight_layout(spec, dtype)``, memoised per engine."""
+        key = (spec, canonical_dtype(dtype or spec.dtype))
+        if key not in self._layouts:
+            self._layouts[key] = weight_layout(spec, key[1])
+        return self._layouts[key]
+
+    def bind(self, spec: ModelSpec, weights: torch.Tensor | ModelWeights,
+             kv_region: torch.Tensor, dtype: str | None = None) -> None:
+        """Serve ``spec`` from ``weights`` (its packed layout's bytes, or bound views).
+
+        ``kv_region`` is a uint8 byte range viewed as blocks of
+        ``kv_shape.block_bytes``; KV blocks are indices into it. Nothing is
+        copied or allocated; the previous model's views are simply dropped.
+        """
+        if isinstance(weights, ModelWeights):
+            bound = weights
+        else:
+            bound = bind_weights(spec, self.layout(spec, dtype), weights)
+        dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == bound.dtype)
+        kv_shape = spec.kv_shape(dtype_name, self.block_size)
+        kv = KVViews.over(kv_region, spec, self.block_size, bound.dtype)
+        key = (spec.head_dim, spec.rope, spec.max_model_len, bound.dtype)
+        rope = self._ropes.get(key)
+        if rope is None:
+            rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
+                                                bound.dtype, self.device)
+        self._bound = _Bound(spec, bound, kv, kv_shape, rope)
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The bound model's spec."""
+        return self._model().spec
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """The bound model's KV shape (block layout and ``block_bytes``)."""
+        return self._model().kv_shape
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks in the bound region."""
+        return self._model().kv.blocks.shape[0]
+
+    def _model(self) -> _Bound:
+        if self._bound is None:
+            raise RuntimeError("no model bound; call Engine.bind first")
+        return self._bound
+
+    # -- compute ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                start_pos: int = 0) -> torch.Tensor:
+        """Run ``token_ids`` (positions ``start_pos..``) of one sequence; return the
+        float32 logits ``[vocab]`` of its last position.
+
+        Writes K/V of every new position into ``block_ids`` (the sequence's blocks
+        from position 0). With ``start_pos > 0`` the earlier positions must already
+        be in those blocks (a cached prefix or an earlier chunk).
+        """
+        m = self._model()
+        num_new = len(token_ids)
+        total = start_pos + num_new
+        if num_new == 0 or start_pos < 0:
+            raise ValueError("prefill needs at least one token and start_pos >= 0")
+        self._check_len(m, total, len(block_ids))
+        dev, bs = self.device, self.block_size
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
+        positions = torch.arange(start_pos, total, device=dev)
+        blocks = torch.tensor(list(block_ids[:m.kv_shape.blocks_for(total)]), dtype=torch.long,
+                              device=dev)
+        table = m.rope.ensure(total)[:, :, start_pos:total]
+        attention = self.attention
+        if start_pos == 0:
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return attention.causal(q, k, v)
+        else:
+            spec = m.spec
+            mask = torch.arange(total, device=dev)[None, :] <= positions[:, None]
+            rows = m.kv.gather_rows(blocks)
+            ctx = (2, -1, spec.num_kv_heads, spec.head_dim)
+
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                # [2, S, Hkv, D] -> K and V as [Hkv, S, D]
+                both = m.kv.rows.index_select(0, rows[i]).view(ctx)[:, :total].transpose(1, 2)
+                return attention.masked(q, both[0], both[1], mask)
+
+        tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
+        hidden = forward(m.weights, m.kv, tokens, attend)
+        return logits(m.weights, hidden[:, -1:])[0]
+
+    @torch.inference_mode()
+    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """One step for a batch of sequences of any lengths: float32 logits ``[B, vocab]``.
+
+        Each sequence's token is at ``position`` (its context is positions
+        ``0..position``); its K/V are written into its block for that position.
+        """
+        m = self._model()
+        batch, bs = len(seqs), self.block_size
+        if batch == 0:
+            raise ValueError("decode needs at least one sequence")
+        positions = [s.position for s in seqs]
+        max_len = max(positions) + 1
+        num_blocks = -(-max_len // bs)
+        flat = [s.token_id for s in seqs] + positions
+        table: list[int] = []
+        for s in seqs:
+            used = s.position // bs + 1
+            self._check_len(m, s.position + 1, len(s.block_ids))
+            flat.append(s.block_ids[used - 1])
+            table.extend(s.block_ids[:used])
+            table.extend([s.block_ids[0]] * (num_blocks - used))  # padding, masked below
+        flat.extend(p % bs for p in positions)
+        idx = torch.tensor(flat + table, dtype=torch.long).to(self.device, non_blocking=True)
+        tokens, pos_t = idx[:batch], idx[batch:2 * batch]
+        slot_blocks, slot_offsets = idx[2 * batch:3 * batch], idx[3 * batch:4 * batch]
+        block_table = idx[4 * batch:]
+        cos_sin = m.rope.ensure(max_len).index_select(2, pos_t)
+        mask = None
+        if min(positions) != max_len - 1:
+            mask = (torch.arange(max_len, device=self.device)[None, :] <= pos_t[:, None])
+            mask = mask.view(batch, 1, 1, max_len)
+        ctx = (2, batch, num_blocks * bs, m.spec.num_kv_heads, m.spec.head_dim)
+        attention, kv = self.attention, m.kv
+        rows = kv.gather_rows(block_table)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # one contiguous-row gather per layer: K of all blocks, then V
+            both = kv.rows.index_select(0, rows[i]).view(ctx)[:, :, :max_len].transpose(2, 3)
+            return attention.decode(q, both[0], both[1], mask)
+
+        step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
+        hidden = forward(m.weights, kv, step, attend)
+        return logits(m.weights, hidden)
+
+    def _check_len(self, m: _Bound, num_tokens: int, num_blocks: int) -> None:
+        if num_tokens > m.spec.max_model_len:
+            raise ValueError(f"sequence of {num_tokens} tokens exceeds the window of "
+                             f"{m.spec.name!r} ({m.spec.max_model_len} tokens)")
+        if num_blocks * self.block_size < num_tokens:
+            raise ValueError(f"{num_blocks} blocks hold {num_blocks * self.block_size} "
+                             f"positions, the sequence needs {num_tokens}")
+
+    # -- KV handoff ------------------------------------------------------------------------
+
+    def export_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copies of blocks ``block_ids`` as ``[n, block_bytes]`` uint8 (same device)."""
+        kv = self._model().kv
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        return kv.blocks.index_select(0, index)
+
+    def import_kv(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Write exported blocks ``data [n, block_bytes]`` at ``block_ids`` of this region."""
+        kv = self._model().kv
+        if data.dtype != torch.uint8 or tuple(data.shape) != (len(block_ids),
+                                                              kv.blocks.shape[1]):
+            raise ValueError(f"expected uint8 [{len(block_ids)}, {kv.blocks.shape[1]}] blocks, "
+                             f"got {data.dtype} {tuple(data.shape)}")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        kv.blocks.index_copy_(0, index, data.to(self.device))

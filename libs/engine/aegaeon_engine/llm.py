@@ -1,0 +1,147 @@
+"""A standalone driver: one model, one buffer, continuous batching (tests, demo, bench).
+
+The driver owns one uint8 buffer holding the packed weights followed by the KV
+region, and a free list of block ids. ``generate`` admits prompts while blocks
+last (each request reserves the blocks of its whole budget up front, so a
+running request never waits for memory), prefills them one at a time, and
+decodes every running sequence together; finished sequences free their blocks
+and waiting ones join at the next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .engine import DecodeSeq, Engine
+from .loader import load_weights
+from .sampling import Sampler, SamplingParams
+from .spec import ModelSpec
+
+_PAGE = 4096
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def position(self) -> int:
+        """Position of the newest token (the next decode input)."""
+        return len(self.prompt) + len(self.output) - 1
+
+
+class LLM:
+    """Load one checkpoint and generate token ids for batches of prompts."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str | None = None,
+                 device: str = "cpu", num_threads: int | None = 1,
+                 kv_cache_bytes: int = 256 << 20, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, seed: int | None = None) -> None:
+        """``dtype`` defaults to the checkpoint's; ``kv_cache_bytes`` sizes the KV region."""
+        self.spec = ModelSpec.from_dir(model_dir, max_model_len)
+        self.engine = Engine(device, num_threads)
+        self.layout = self.engine.layout(self.spec, dtype)
+        self.kv_shape = self.spec.kv_shape(self.layout.dtype, self.engine.block_size)
+        num_blocks = max(1, kv_cache_bytes // self.kv_shape.block_bytes)
+        weights_bytes = -(-self.layout.total_bytes // _PAGE) * _PAGE
+        self.buffer = torch.empty(weights_bytes + num_blocks * self.kv_shape.block_bytes,
+                                  dtype=torch.uint8, device=device)
+        weights = self.buffer[:self.layout.total_bytes]
+        load_weights(model_dir, self.spec, self.layout, weights)
+        self.engine.bind(self.spec, weights, self.buffer[weights_bytes:], self.layout.dtype)
+        self.num_blocks = num_blocks
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.max_num_seqs = max_num_seqs
+        self.sampler = Sampler(device, seed)
+        self.finish_reasons: list[str] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[list[int]]:
+        """Generated token ids for each prompt (a stop or EOS token ends, and is included in,
+        its list). ``finish_reasons`` afterwards holds ``stop``/``length`` per prompt."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        requests = [self._request(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        waiting, running = deque(requests), list[_Request]()
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_num_seqs and self._admit(waiting[0]):
+                    req = waiting.popleft()
+                    logits = self.engine.prefill(req.prompt, req.block_ids)
+                    self._append(req, self.sampler.sample(logits[None], [req.params],
+                                                          [req.generator])[0])
+                    if req.finish_reason is None:
+                        running.append(req)
+                if waiting and not running:
+                    raise RuntimeError(f"a request needs {self._blocks_needed(waiting[0])} KV "
+                                       f"blocks, the cache has {self.num_blocks}; raise "
+                                       f"kv_cache_bytes")
+                if running:
+                    self._step(running)
+                    running = [r for r in running if r.finish_reason is None]
+        finally:
+            for req in requests:  # an error must not leak the blocks of unfinished requests
+                self.free_blocks.extend(reversed(req.block_ids))
+                req.block_ids = []
+        self.finish_reasons = [r.finish_reason or "length" for r in requests]
+        return [r.output for r in requests]
+
+    def _step(self, running: list[_Request]) -> None:
+        logits = self.engine.decode([DecodeSeq(r.output[-1], r.position, r.block_ids)
+                                     for r in running])
+        tokens = self.sampler.sample(logits, [r.params for r in running],
+                                     [r.generator for r in running])
+        for req, token in zip(running, tokens, strict=True):
+            self._append(req, token)
+
+    def _request(self, prompt: list[int], params: SamplingParams) -> _Request:
+        window, vocab = self.spec.max_model_len, self.spec.vocab_size
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= window:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the window of "
+                             f"{self.spec.name!r} ({window} tokens, prompt + 1 generated)")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.spec.eos_token_ids)
+        return _Request(prompt, params, params.make_generator(self.engine.device),
+                        frozenset(stops))
+
+    def _blocks_needed(self, req: _Request) -> int:
+        # positions that enter the KV cache: the prompt and every generated token but the last
+        positions = min(len(req.prompt) + req.params.max_tokens - 1, self.spec.max_model_len)
+        return self.kv_shape.blocks_for(positions)
+
+    def _admit(self, req: _Request) -> bool:
+        need = self._blocks_needed(req)
+        if need > len(self.free_blocks):
+            return False
+        req.block_ids = [self.free_blocks.pop() for _ in range(need)]
+        return True
+
+    def _append(self, req: _Request, token: int) -> None:
+        req.output.append(token)
+        if token in req.stop_ids:
+            req.finish_reason = "stop"
+        elif (len(req.output) >= req.params.max_tokens
+              or req.position + 1 >= self.spec.max_model_len):
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.free_blocks.extend(reversed(req.block_ids))
+            req.block_ids = []

@@ -1,0 +1,90 @@
+"""Typed views of a model's weights over a caller-owned byte buffer.
+
+Binding allocates nothing: every tensor is a dtype/shape view of ``buffer``,
+so a model switch is "copy the bytes, bind again" and the buffer's owner (the
+device buffer's bump arena, a shared-memory Model Cache) stays the owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import TensorSlot, WeightLayout
+from .spec import ModelSpec
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer. ``qkv`` rows are [q; k; v], ``gate_up`` rows are [gate; up]."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied."""
+
+    spec: ModelSpec
+    dtype: torch.dtype
+    embed_tokens: torch.Tensor
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def _view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    raw = buffer[slot.offset:slot.offset + slot.nbytes]
+    return raw.view(TORCH_DTYPES[slot.dtype]).view(slot.shape)
+
+
+def bind_weights(spec: ModelSpec, layout: WeightLayout, buffer: torch.Tensor) -> ModelWeights:
+    """Views of ``layout``'s slots over ``buffer`` (a 1-D uint8 tensor, any device).
+
+    ``buffer`` must start where the layout's byte 0 is and hold
+    ``layout.total_bytes``; its start must be aligned to the dtype's size.
+    """
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"weights buffer must be 1-D uint8, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)}")
+    if buffer.numel() < layout.total_bytes:
+        raise ValueError(f"weights buffer holds {buffer.numel()} bytes, layout of "
+                         f"{layout.model!r} needs {layout.total_bytes}")
+    dtype = TORCH_DTYPES[layout.dtype]
+    if buffer.data_ptr() % dtype.itemsize:
+        raise ValueError(f"weights buffer start is not {dtype.itemsize}-byte aligned")
+    slots = layout.by_name
+
+    def get(name: str) -> torch.Tensor:
+        return _view(buffer, slots[name])
+
+    def opt(name: str) -> torch.Tensor | None:
+        return _view(buffer, slots[name]) if name in slots else None
+
+    layers = tuple(
+        LayerWeights(
+            input_norm=get(f"layers.{i}.input_norm"), qkv=get(f"layers.{i}.qkv_proj"),
+            qkv_bias=opt(f"layers.{i}.qkv_bias"), q_norm=opt(f"layers.{i}.q_norm"),
+            k_norm=opt(f"layers.{i}.k_norm"), o_proj=get(f"layers.{i}.o_proj"),
+            o_bias=opt(f"layers.{i}.o_bias"), post_norm=get(f"layers.{i}.post_norm"),
+            gate_up=get(f"layers.{i}.gate_up_proj"), down=get(f"layers.{i}.down_proj"),
+        )
+        for i in range(spec.num_layers)
+    )
+    embed = get("embed_tokens")
+    lm_head = embed if spec.tie_word_embeddings else get("lm_head")
+    return ModelWeights(spec, dtype, embed, layers, get("norm"), lm_head)
