@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aegaeon_cachemgr.client import CacheClient
+from aegaeon_cachemgr.client import CacheClient, SyncCacheClient
 from aegaeon_common.messages.structs import EventSpec, KVShapeSpec
 from aegaeon_common.transport import RemoteError
 from cachemgr_harness import CacheMgrProcess, checkpoint, shm_segments, write_config
@@ -195,3 +195,27 @@ def test_killed_worker_lease_is_reclaimed(cm: CacheMgrProcess) -> None:
         time.sleep(0.1)
     assert stats.workers == [] and stats.kv.blocks_per_owner == {} and stats.kv.used_bytes == 0
     assert [(m.name, m.pins) for m in stats.model_cache.models] == [("a", 0)]
+
+
+def test_sync_facade_serves_a_compute_thread(cm: CacheMgrProcess) -> None:
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        reg = await client.register()
+        sync = SyncCacheClient(client, asyncio.get_running_loop())
+
+        def compute() -> tuple[int, int]:  # what a worker's compute thread does
+            alloc = sync.alloc_blocks(SHAPE, 2)
+            reg.block(alloc.offsets[0], alloc.block_bytes).fill_(7)
+            model = sync.load_model("a")
+            freed = sync.free_blocks(alloc.offsets)
+            sync.unpin("a")
+            return model.nbytes, freed.num_freed
+
+        nbytes, num_freed = await asyncio.to_thread(compute)
+        assert nbytes > 0 and num_freed == 2
+        with pytest.raises(RuntimeError, match="deadlock"):
+            sync.stats()  # on the loop itself it would block the loop forever
+        assert (await client.stats()).kv.used_bytes == 0
+        await client.close()
+
+    asyncio.run(go())

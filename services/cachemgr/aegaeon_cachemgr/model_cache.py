@@ -123,9 +123,12 @@ class ModelCache:
         plan = plan_model(name, self._paths[name], self._dtype)
         self._make_room(plan, evict)
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64]
-        region = ShmRegion.create(
-            f"{self._prefix}model-{next(self._seq)}-{safe}", max(plan.nbytes, 1)
-        )
+        try:
+            region = ShmRegion.create(
+                f"{self._prefix}model-{next(self._seq)}-{safe}", max(plan.nbytes, 1)
+            )
+        except OSError as exc:
+            raise _no_space(plan, exc) from None
         loop = asyncio.get_running_loop()
         loading = _Loading(plan, region, loop.create_future())
         self._loading[name] = loading

@@ -64,7 +64,14 @@ class ConcurrentRpcServer:
             task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, identity: bytes, rid: bytes, request: Message) -> None:
-        reply = await self._handler(request)
+        try:
+            reply = await self._handler(request)
+        except Exception as exc:
+            # The request boundary: a bug in one handler must neither kill the
+            # node's memory manager nor leave its caller waiting for a timeout.
+            # The caller gets a typed error; the traceback goes to the log.
+            log.exception("handler_failed", tag=request.TAG)
+            reply = ErrorReply("internal", f"{request.TAG}: {type(exc).__name__}: {exc}")
         await self._send(identity, rid, reply)
 
     async def _send(self, identity: bytes, rid: bytes, reply: Message) -> None:
