@@ -141,12 +141,21 @@ class ModelCache:
         plan, region = loading.plan, loading.region
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
+        err: CacheError | None = None
         try:
             await loop.run_in_executor(self._executor, self._fill_sync, plan, region)
-        except (CacheError, OSError) as exc:
+        except CacheError as exc:
+            err = exc
+        except OSError as exc:
+            err = _no_space(plan, exc)
+        except Exception as exc:
+            # A shared load must always resolve: otherwise every later request
+            # for this model would wait on it forever.
+            log.exception("model_load_crashed", model=plan.name)
+            err = CacheError("internal", f"loading {plan.name!r}: {type(exc).__name__}: {exc}")
+        if err is not None:
             del self._loading[plan.name]
             region.close()  # unlinks: nothing half-written stays in /dev/shm
-            err = exc if isinstance(exc, CacheError) else _no_space(plan, exc)
             log.warning("model_load_failed", model=plan.name, code=err.code, error=err.message)
             loading.done.set_exception(err)
             loading.done.exception()  # retrieved: waiters may all be gone
