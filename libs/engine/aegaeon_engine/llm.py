@@ -49,6 +49,7 @@ class LLM:
                  kv_cache_bytes: int = 256 << 20, max_num_seqs: int = 64,
                  max_model_len: int | None = None, seed: int | None = None) -> None:
         """``dtype`` defaults to the checkpoint's; ``kv_cache_bytes`` sizes the KV region."""
+        self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_dir(model_dir, max_model_len)
         self.engine = Engine(device, num_threads)
         self.layout = self.engine.layout(self.spec, dtype)
