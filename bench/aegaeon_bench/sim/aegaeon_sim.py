@@ -1,0 +1,293 @@
+"""Simulated Aegaeon instances: prefill (Alg. 1 execution) and decode (Alg. 2 rounds).
+
+Both keep the *same* mirror structures a live instance keeps
+(:class:`~aegaeon_sched.PrefillQueue`, :class:`~aegaeon_sched.DecodeWorkList`),
+fed by the policy's actions, and the decode instance plans its rounds with the
+same :class:`~aegaeon_sched.RoundRobinPlanner`.
+
+Costs on the decode side (per turn, on the critical path):
+
+- model switch: Eq. 4 if the model was not prefetched. Prefetching (section
+  5.2): when a turn starts decoding, the instance starts loading the model of
+  the next turn with a different model (or, at the end of a round, the first
+  other model of the work list) over PCIe in the background. At the next
+  switch, the part of Eq. 4 not yet elapsed is exposed, plus an on-device
+  copy of the weights to the front of the buffer (``weight_bytes / 1.5 TB/s``,
+  ~10-17 ms); a wrong guess is abandoned and the switch costs full Eq. 4.
+- KV swap-in of the batch (context tokens x KV bytes per token over PCIe at
+  51.2 GB/s) whenever the turn's batch differs from the previous turn's; the
+  swap-out of the previous batch overlaps (separate stream, section 5.3).
+- a newly placed request joins its batch once its prompt KV has gone device
+  -> host (prefill side) -> device: ``2 x prompt KV bytes`` over PCIe after
+  its prefill ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from enum import Enum
+
+from aegaeon_sched import (
+    BatchLoad,
+    DecodeWorkList,
+    LatencyModel,
+    PrefillQueue,
+    RoundRobinPlanner,
+    Turn,
+)
+
+from aegaeon_bench.sim.state import SimRequest, steps_until, steps_within
+
+
+class PrefillSim:
+    """One prefill instance: runs its mirror queue's front group one request at a time."""
+
+    def __init__(
+        self,
+        name: str,
+        latency: LatencyModel,
+        schedule: Callable[[float, Callable[[float], None]], None],
+        on_started: Callable[[str, str, float], None],
+        on_done: Callable[[str, str, float, float], None],
+    ) -> None:
+        self.name = name
+        self.latency = latency
+        self.queue = PrefillQueue()
+        self.loaded: str | None = None
+        self.busy = False
+        self.num_switches = 0
+        self._schedule = schedule
+        self._on_started = on_started
+        self._on_done = on_done
+
+    def enqueue(self, sim: SimRequest, group_id: int, now_s: float) -> None:
+        self.queue.add(sim.request, group_id)
+        if not self.busy:
+            self._start(now_s)
+
+    def _start(self, now_s: float) -> None:
+        head = self.queue.peek()
+        if head is None:
+            self.busy = False
+            return
+        group, request = head
+        self.queue.start(request.request_id, now_s)
+        self._on_started(self.name, request.request_id, now_s)
+        cost = self.latency.prefill_one_s(request.model, request.prompt_len)
+        measured = cost
+        if group.model != self.loaded:
+            cost += self.latency.switch_s(group.model)
+            self.loaded = group.model
+            self.num_switches += 1
+        self.busy = True
+        rid = request.request_id
+        self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t))
+
+    def _finish(self, request_id: str, measured_s: float, now_s: float) -> None:
+        self.queue.finish(request_id)
+        self._on_done(self.name, request_id, measured_s, now_s)
+        self._start(now_s)
+
+
+class Phase(Enum):
+    ROUND_START = 0
+    SWITCH = 1
+    DECODE = 2
+
+
+class DecodeSim:
+    """One decode instance: weighted round robin over its mirror work list."""
+
+    def __init__(
+        self,
+        name: str,
+        latency: LatencyModel,
+        planner: RoundRobinPlanner,
+        *,
+        kv_bytes_per_s: float,
+        d2d_bytes_per_s: float,
+        prefetch: bool = True,
+    ) -> None:
+        self.name = name
+        self.latency = latency
+        self.planner = planner
+        self.kv_bytes_per_s = kv_bytes_per_s
+        self.d2d_bytes_per_s = d2d_bytes_per_s
+        self.prefetch_enabled = prefetch
+        self.work = DecodeWorkList()
+        self.sims: dict[str, SimRequest] = {}
+        self.finished: list[SimRequest] = []
+        self.clock = 0.0
+        self.phase = Phase.ROUND_START
+        self.loaded: str | None = None
+        self.prefetch: tuple[str, float] | None = None
+        self.turns: list[Turn] = []
+        self.turn_idx = 0
+        self.batch_id = -1
+        self.last_batch_id = -1
+        self.busy_until = 0.0
+        self.quota_end = 0.0
+        self.switch_costs: list[float] = []  # exposed part of every model switch
+        self.num_rounds = 0
+        self.wake_s = math.inf
+
+    def place(self, sim: SimRequest, batch_id: int, now_s: float) -> None:
+        if not self.sims:
+            self.clock = max(self.clock, now_s)  # idle until now
+        self.work.add(sim.request, batch_id)
+        self.sims[sim.request.request_id] = sim
+        # The newcomer can end the current chunk (a join) or finish early.
+        self.wake_s = min(self.wake_s, self.clock, sim.ready_s)
+
+    # ---- turn bookkeeping ------------------------------------------------
+    def _plan_round(self) -> None:
+        loads = []
+        for batch in self.work.group_by_model():
+            ctx = sum(self.sims[rid].context for rid in batch.requests)
+            step = self.latency.decode_step_s(batch.model, len(batch), ctx)
+            loads.append(BatchLoad(batch.batch_id, batch.model, step))
+        switch = {b.model: self.latency.switch_s(b.model) for b in loads}
+        self.turns = list(self.planner.plan(loads, switch).turns)
+        self.turn_idx = -1
+        self.num_rounds += 1
+        self._next_turn()
+
+    def _next_turn(self) -> None:
+        self.turn_idx += 1
+        if self.turn_idx >= len(self.turns):
+            self.phase = Phase.ROUND_START
+            return
+        turn = self.turns[self.turn_idx]
+        batch = self.work.batch(turn.batch_id)
+        if batch is None:  # emptied since the round was planned
+            self._next_turn()
+            return
+        cost = 0.0
+        if turn.model != self.loaded:
+            cost += self._switch_cost(turn.model)
+            self.loaded = turn.model
+        if turn.batch_id != self.last_batch_id:
+            present = [self.sims[r] for r in batch.requests if self.sims[r].ready_s <= self.clock]
+            kv_bytes = self.latency.spec(turn.model).kv_bytes_per_token
+            cost += sum(s.context for s in present) * kv_bytes / self.kv_bytes_per_s
+        self.batch_id = self.last_batch_id = turn.batch_id
+        self.phase = Phase.SWITCH
+        self.busy_until = self.clock + cost
+        self.quota_end = self.busy_until + turn.quota_s
+
+    def _switch_cost(self, model: str) -> float:
+        full = self.latency.switch_s(model)
+        cost = full
+        if self.prefetch is not None and self.prefetch[0] == model:
+            elapsed = self.clock - self.prefetch[1]
+            weights = self.latency.spec(model).weight_bytes
+            cost = max(0.0, full - elapsed) + weights / self.d2d_bytes_per_s
+        self.prefetch = None
+        self.switch_costs.append(cost)
+        return cost
+
+    def _start_prefetch(self) -> None:
+        if not self.prefetch_enabled:
+            return
+        later = [t.model for t in self.turns[self.turn_idx + 1 :]]
+        later += [b.model for b in self.work]
+        nxt = next((m for m in later if m != self.loaded), None)
+        self.prefetch = (nxt, self.clock) if nxt is not None else None
+
+    # ---- simulation ------------------------------------------------------
+    def advance(self, horizon_s: float) -> float | None:
+        """Run until ``horizon_s``; stop early right after a step that finished
+        requests (returns its end time; they are in :attr:`finished`).
+
+        Sets :attr:`wake_s`: nothing the policy can see (a finish) happens on
+        this instance before it, so the driver need not advance it earlier.
+        """
+        while True:
+            if self.phase is Phase.ROUND_START:
+                if not self.sims:
+                    self.wake_s = math.inf
+                    return None
+                earliest = min(s.ready_s for s in self.sims.values())
+                if earliest > self.clock:  # nothing decodable yet: wait for KV
+                    if earliest > horizon_s:
+                        self.wake_s = earliest
+                        return None
+                    self.clock = earliest
+                self._plan_round()
+                continue
+            if self.phase is Phase.SWITCH:
+                if self.busy_until > horizon_s:
+                    self.wake_s = self.busy_until
+                    return None
+                self.clock = self.busy_until
+                self.phase = Phase.DECODE
+                self._start_prefetch()
+                continue
+            done = self._decode(horizon_s)
+            if done is None:
+                return None
+            if done:
+                self.wake_s = self.clock
+                return self.clock
+
+    def _decode(self, horizon_s: float) -> bool | None:
+        """One chunk of the current turn: ``True`` if requests finished,
+        ``False`` to keep going, ``None`` to stop at the horizon."""
+        batch = self.work.batch(self.batch_id)
+        clock = self.clock
+        if batch is None or clock >= self.quota_end:
+            self._next_turn()
+            return False
+        members: list[SimRequest] = []
+        next_join = math.inf
+        context = 0
+        min_remaining = 1 << 30
+        sims = self.sims
+        for rid in batch.requests:
+            sim = sims[rid]
+            if sim.ready_s <= clock:
+                members.append(sim)
+                context += sim.prompt_len + sim.generated
+                remaining = sim.output_len - sim.generated
+                if remaining < min_remaining:  # noqa: PLR1730 (hot loop: no call)
+                    min_remaining = remaining
+            elif sim.ready_s < next_join:
+                next_join = sim.ready_s
+        if not members:
+            if next_join >= self.quota_end:
+                self._next_turn()
+                return False
+            if next_join > horizon_s:
+                self.wake_s = next_join
+                return None
+            self.clock = next_join
+            return False
+        step = self.latency.decode_step_s(batch.model, len(members), context)
+        n = min(
+            min_remaining,
+            steps_until(clock, step, self.quota_end),
+            steps_until(clock, step, next_join),
+        )
+        fits = steps_within(clock, step, horizon_s)
+        cut = fits < n
+        if cut:  # the horizon falls inside the chunk: commit what ends before it
+            self.wake_s = clock + n * step  # the chunk's end, the next possible finish
+            n = fits
+            if n <= 0:
+                return None
+        for sim in members:
+            sim.chunks.append((clock + step, step, n))
+            sim.generated += n
+        self.clock = clock + n * step
+        if cut:
+            return None
+        if n < min_remaining:
+            return False
+        done = [s for s in members if s.generated >= s.output_len]
+        for sim in done:
+            sim.finished_s = self.clock
+            self.work.remove(sim.request.request_id)
+            del sims[sim.request.request_id]
+            self.finished.append(sim)
+        return True

@@ -1,0 +1,172 @@
+"""One simulated experiment: a policy, a cluster, a workload -> SLO metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aegaeon_sched import (
+    SLO,
+    ClusterSpec,
+    LatencyModel,
+    PolicyOptions,
+    RequestTrace,
+    RoundRobinPlanner,
+    SLOReport,
+    StaticMuxPolicy,
+    make_policy,
+    summarize,
+)
+
+from aegaeon_bench.sim.aegaeon_sim import DecodeSim
+from aegaeon_bench.sim.driver import Simulation
+from aegaeon_bench.sim.hardware import (
+    H800,
+    Arch,
+    Hardware,
+    decode_kv_bytes,
+    latency_model,
+    market,
+    unified_kv_bytes,
+)
+from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
+from aegaeon_bench.sim.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
+
+PAPER_SLO = SLO(ttft_s=10.0, tbt_s=0.1)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    policy: str
+    num_models: int
+    rps_per_model: float
+    duration_s: float = 600.0  # arrivals in [0, duration)
+    seed: int = 0
+    input_scale: float = 1.0
+    output_scale: float = 1.0
+    slo_scale: float = 1.0  # 0.5, 0.3, 0.2 for Fig. 13
+    drain_s: float = 300.0  # simulated time after the last arrival
+    num_prefill: int = 6
+    num_decode: int = 10
+    prefetch: bool = True
+    q_max_s: float = 4.0
+    max_batch_size: int = 256
+    # Request-level baselines' switch: None = Eq. 4 like Aegaeon (the same
+    # optimised loading); a rate = weight_bytes / rate (the artifact: 16e9).
+    baseline_switch_bytes_per_s: float | None = None
+
+    @property
+    def slo(self) -> SLO:
+        return PAPER_SLO.scaled(self.slo_scale)
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    scenario: Scenario
+    report: SLOReport
+    num_rejected: int
+    num_switches: int
+    exposed_switch_mean_s: float
+    near_instant_switch_share: float  # decode switches hidden to under 50 ms
+    wall_s: float
+    traces: list[RequestTrace] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class _Built:
+    sim: Simulation
+    count_switches: Callable[[], tuple[int, list[float]]]
+
+
+def _cluster(sc: Scenario) -> ClusterSpec:
+    return ClusterSpec(
+        tuple(f"prefill-{i}" for i in range(sc.num_prefill)),
+        tuple(f"decode-{i}" for i in range(sc.num_decode)),
+    )
+
+
+def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel) -> _Built:
+    cluster = _cluster(sc)
+    requests = generate(
+        WorkloadSpec(
+            tuple(models), sc.rps_per_model, sc.duration_s, sc.seed, sc.input_scale, sc.output_scale
+        )
+    )
+    decode_kv = decode_kv_bytes(models, hw)
+    mean_out = SHAREGPT_OUTPUT.mean * sc.output_scale
+    options = PolicyOptions(
+        max_batch_size=sc.max_batch_size,
+        decode_capacity_tokens={
+            m: int(decode_kv // a.kv_bytes_per_token) for m, a in models.items()
+        },
+        unified_capacity_tokens={
+            m: int(unified_kv_bytes(a, hw) // a.kv_bytes_per_token) for m, a in models.items()
+        },
+        model_loads={
+            m: sc.rps_per_model * mean_out * lat.decode_step_s(m, 1, 1000) for m in models
+        },
+        gpu_weight_budget_bytes=int(hw.usable_bytes),
+    )
+    policy = make_policy(sc.policy, cluster, lat, options)
+    sim = Simulation(policy, lat, requests, kv_bytes_per_s=hw.pcie_effective_bytes_per_s)
+    if sc.policy == "aegaeon":
+        planner = RoundRobinPlanner(tbt_s=sc.slo.tbt_s, q_max_s=sc.q_max_s)
+        prefills = [sim.add_prefill(name) for name in cluster.prefill_instances]
+        decodes = [
+            DecodeSim(
+                name, lat, planner, kv_bytes_per_s=hw.pcie_effective_bytes_per_s,
+                d2d_bytes_per_s=hw.d2d_bytes_per_s, prefetch=sc.prefetch,
+            )
+            for name in cluster.decode_instances
+        ]  # fmt: skip
+        for d in decodes:
+            sim.add_decode(d)
+
+        def aegaeon_switches() -> tuple[int, list[float]]:
+            costs = [c for d in decodes for c in d.switch_costs]
+            return sum(p.num_switches for p in prefills) + len(costs), costs
+
+        return _Built(sim, aegaeon_switches)
+    if isinstance(policy, StaticMuxPolicy):
+        for name in cluster.unified_instances:
+            resident = sum(models[m].weight_bytes for m in policy.models_on(name))
+            sim.add_unified(MuxSim(name, lat, hw.usable_bytes - resident))
+        return _Built(sim, lambda: (0, []))
+    unified = [
+        RequestLevelSim(name, lat, sc.baseline_switch_bytes_per_s)
+        for name in cluster.unified_instances
+    ]
+    for u in unified:
+        sim.add_unified(u)
+    return _Built(sim, lambda: (sum(u.num_switches for u in unified), []))
+
+
+def run_scenario(
+    sc: Scenario, *, hw: Hardware = H800, keep_traces: bool = False, tbt_percentiles: bool = False
+) -> ScenarioResult:
+    started = time.perf_counter()
+    models = market(sc.num_models)
+    lat = latency_model(models, hw)
+    built = _build(sc, models, hw, lat)
+    built.sim.run(sc.duration_s + sc.drain_s)
+    traces = []
+    for sim in built.sim.sims.values():
+        trace = sim.trace()
+        if sim.request.request_id in built.sim.rejected:
+            trace = RequestTrace(trace.request_id, trace.arrival_s, trace.expected_tokens, [], True)
+        traces.append(trace)
+    report = summarize(traces, sc.slo, tbt_percentiles=tbt_percentiles)
+    switches, decode_costs = built.count_switches()
+    return ScenarioResult(
+        scenario=sc,
+        report=report,
+        num_rejected=len(built.sim.rejected),
+        num_switches=switches,
+        exposed_switch_mean_s=sum(decode_costs) / len(decode_costs) if decode_costs else 0.0,
+        near_instant_switch_share=(
+            sum(c < 0.05 for c in decode_costs) / len(decode_costs) if decode_costs else 0.0
+        ),
+        wall_s=time.perf_counter() - started,
+        traces=traces if keep_traces else [],
+    )

@@ -1,0 +1,56 @@
+"""``aegaeon sim`` through the console-script table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aegaeon_cli.main import main
+
+
+def test_cli_module_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, aegaeon_bench.sim.cli;"
+        "print(sorted(m for m in ('matplotlib', 'numpy', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_figure_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--figure", "11a", "--points", "16,24", "--policies", "aegaeon,static-mux",
+            "--duration", "30", "--json", "--quiet", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["figure"] == "11a"
+    assert set(summary["max_models_at_90"]) == {"aegaeon", "static-mux"}
+    assert summary["points"]["aegaeon"][0][0] == 16.0
+    assert Path(summary["png"]).is_file() and Path(summary["png"]).stat().st_size > 10_000
+
+
+def test_multi_panel_figure_nests_by_panel(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--figure", "13", "--points", "8", "--policies", "aegaeon",
+            "--duration", "20", "--json", "--quiet", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["max_models_at_90"]) == {"slo0.5", "slo0.3", "slo0.2"}
+
+
+def test_theorem_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--theorem", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for case in summary["cases"]:
+        assert abs(case["rel_error"]) < 0.03
+
+
+def test_single_experiment(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sim", "--policy", "request-level", "--models", "8", "--rps", "0.2",
+            "--duration", "30", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["report"]["attainment"] == 1.0
