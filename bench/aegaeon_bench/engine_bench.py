@@ -1,0 +1,158 @@
+"""``aegaeon bench engine``: prefill and decode tokens/s of our engine, transformers and vLLM.
+
+One run, one checkpoint (default: the default market's bench model), one
+dtype (the checkpoint's unless ``--dtype``), the same thread count for every
+engine. ``greedy_match`` compares our batch-8 greedy tokens with transformers'
+greedy tokens of each prompt decoded alone (its bf16 results change with the
+batch size; ``greedy_match_hf_b8`` compares with its batch-8 run too).
+Each engine's numbers are medians over ``--repeats`` runs, ours and
+transformers' interleaved so a noisy neighbour hurts both alike; vLLM runs
+afterwards in a subprocess (``--vllm-python``, see scripts/install-vllm) and
+is reported as null when it is not installed. What each number means is in
+engine_runs.py and engine_vllm.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+KEYS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8")
+BATCH = 8
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``engine`` benchmark parser."""
+    parser = sub.add_parser("engine", help="engine tokens/s vs transformers and vLLM",
+                            description=__doc__)
+    parser.add_argument("--model", type=Path, help="checkpoint dir (default: market bench model)")
+    parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
+    parser.add_argument("--dtype", help="serving dtype (default: the checkpoint's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--vllm-python", help="interpreter with vllm installed "
+                        "(default: this one if it can import vllm)")
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
+    parser.set_defaults(func=run)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from aegaeon_market import default_bench_model, default_market_dir, ensure_market
+
+    market = Path(args.market) if args.market else default_market_dir()
+    ensure_market(market, progress=False)
+    return Path(default_bench_model(market).path)
+
+
+def _medians(values: Any) -> dict[str, float]:
+    runs = (values.prefill, values.decode_b1, values.decode_b8)
+    return {key: round(statistics.median(v), 1) for key, v in zip(KEYS, runs, strict=True)}
+
+
+def _vllm_python(args: argparse.Namespace) -> str | None:
+    if args.no_vllm:
+        return None
+    if args.vllm_python:
+        return str(args.vllm_python)
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def _run_vllm(python: str, work: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    script = Path(__file__).with_name("engine_vllm.py")
+    try:
+        proc = subprocess.run([python, str(script)], input=json.dumps(work), text=True,
+                              capture_output=True, timeout=3600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"vllm run failed: {exc}"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return None, f"vllm run failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+    try:
+        return json.loads(lines[-1]), None
+    except json.JSONDecodeError:
+        return None, f"vllm printed no JSON: {lines[-1][:200]}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print a table (and JSON); returns the exit code."""
+    import torch
+    from aegaeon_engine import CheckpointError, ModelSpec
+
+    from aegaeon_bench.engine_runs import OursRunner, Timings, TransformersRunner, Workload
+
+    try:
+        model_dir = _model_dir(args)
+        spec = ModelSpec.from_dir(model_dir)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"aegaeon bench engine: error: {exc}", file=sys.stderr)
+        return 2
+    dtype = args.dtype or spec.dtype
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, spec.vocab_size, (BATCH, args.prompt_len), generator=gen).tolist()
+    work = Workload(model_dir, dtype, prompts, args.new_tokens)
+    runners: dict[str, Any] = {"ours": OursRunner(work, args.threads)}
+    if not args.no_transformers:
+        runners["transformers"] = TransformersRunner(work, args.threads)
+    timings = {name: Timings() for name in runners}
+    for runner in runners.values():  # warm-up: allocator, oneDNN kernels, rope tables
+        runner.run(Timings())
+    for _ in range(args.repeats):
+        for name, runner in runners.items():
+            runner.run(timings[name])
+    result: dict[str, Any] = {
+        "model": str(model_dir), "dtype": dtype, "threads": args.threads,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
+        "repeats": args.repeats,
+    }
+    for name in ("ours", "transformers"):
+        result[name] = _medians(timings[name]) if name in timings else None
+    result["vllm"] = None
+    python = _vllm_python(args)
+    if python is not None:
+        vllm, error = _run_vllm(python, {"model": str(model_dir), "dtype": dtype,
+                                         "threads": args.threads, "prompts": prompts,
+                                         "num_new": args.new_tokens, "repeats": args.repeats})
+        if vllm is not None:
+            result["vllm"] = {key: round(vllm[key], 1) for key in KEYS}
+            result["vllm_greedy_match"] = vllm["tokens_b8"] == timings["ours"].tokens_b8
+        else:
+            result["vllm_error"] = error
+            print(f"aegaeon bench engine: {error}", file=sys.stderr)
+    hf = result["transformers"]
+    result["decode_speedup_vs_transformers_b8"] = (
+        round(result["ours"]["decode_tok_s_b8"] / hf["decode_tok_s_b8"], 2) if hf else None)
+    ours_tokens = timings["ours"].tokens_b8
+    result["greedy_match"] = (ours_tokens == runners["transformers"].greedy_alone()
+                              if hf else None)
+    result["greedy_match_hf_b8"] = ours_tokens == timings["transformers"].tokens_b8 if hf else None
+    _print_table(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"engine bench: {Path(result['model']).name} {result['dtype']}, "
+          f"{result['threads']} thread(s), prompts {result['batch']} x {result['prompt_len']}, "
+          f"{result['new_tokens']} new tokens, median of {result['repeats']} (tokens/s)")
+    print(f"{'engine':14}{'prefill':>12}{'decode b1':>12}{'decode b8':>12}")
+    for name in ("ours", "transformers", "vllm"):
+        row = result.get(name)
+        cells = [f"{row[k]:12.1f}" for k in KEYS] if row else [f"{'n/a':>12}"] * 3
+        print(f"{name:14}{''.join(cells)}")
+    print(f"decode speedup vs transformers at b8: {result['decode_speedup_vs_transformers_b8']}")
+    print(f"greedy tokens (ours, batch 8) equal transformers' decoding each prompt alone: "
+          f"{result['greedy_match']}; equal its batch-8 run: {result['greedy_match_hf_b8']}")
