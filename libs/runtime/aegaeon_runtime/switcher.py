@@ -1,0 +1,196 @@
+"""Model switching in a worker: scale-down is a pointer move, scale-up one flat copy.
+
+The worker's weights arena (the bottom of its :class:`DeviceBuffer`) holds the
+active model and, right after it, at most one prefetched model. Nothing is
+re-initialised on a switch (paper §5.1): the engine, its kernels, rope tables,
+the sampler and every buffer stay; only the engine's weight views change.
+
+- **Scale-up from the Model Cache**: reset the bump pointer (scale-down: no
+  free, no garbage collection), copy the model's packed bytes from its
+  shared-memory region with a chunked multi-threaded copy, bind views.
+- **Prefetch** (§5.2): while the active model serves, the next model is copied
+  into free arena space after it on a background thread. Activating it then
+  costs only binding its views where it already is. If the next prefetch
+  does not fit after the active model, the active model is first *promoted*
+  to the bottom of the arena (an overlap-safe on-device copy) to make room.
+
+All methods except the background copy run on the compute thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aegaeon_cachemgr.client import SyncCacheClient
+from aegaeon_common.messages.report import SwitchRecord
+from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
+from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
+
+
+@dataclass
+class Resident:
+    """A model's weights in the arena, with views bound over them."""
+
+    name: str
+    allocation: Allocation
+    weights: ModelWeights
+
+
+class _Prefetch:
+    """One background copy of a model into the arena."""
+
+    def __init__(self, name: str, allocation: Allocation) -> None:
+        self.name = name
+        self.allocation = allocation
+        self.done = threading.Event()
+        self.resident: Resident | None = None
+        self.error: BaseException | None = None
+        self.copy_s = 0.0
+
+
+class ModelSwitcher:
+    """Keeps one model active in ``engine`` and at most one prefetched."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        buffer: DeviceBuffer,
+        cache: SyncCacheClient,
+        specs: Mapping[str, ModelSpec],
+        dtype: str,
+        *,
+        prefetch: bool = True,
+        copy_threads: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.buffer = buffer
+        self.cache = cache
+        self.specs = dict(specs)
+        self.dtype = dtype
+        self.prefetch_enabled = prefetch
+        self.copy_threads = copy_threads
+        self.active: Resident | None = None
+        self._prefetch: _Prefetch | None = None
+        self.num_switches = 0
+        self.num_promotions = 0
+
+    # ---- queries ---------------------------------------------------------
+    @property
+    def active_model(self) -> str | None:
+        return self.active.name if self.active else None
+
+    def nbytes(self, name: str) -> int:
+        return self.engine.layout(self.specs[name], self.dtype).total_bytes
+
+    def _bind(self, name: str, allocation: Allocation) -> Resident:
+        spec = self.specs[name]
+        view = self.buffer.view(allocation.offset, allocation.nbytes)
+        return Resident(name, allocation, bind_weights(spec, self.engine.layout(spec, self.dtype),
+                                                        view))
+
+    def _copy_in(self, name: str, allocation: Allocation) -> float:
+        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent."""
+        mapped = self.cache.load_model(name, pin=True)
+        try:
+            if mapped.nbytes != allocation.nbytes:
+                raise RuntimeError(
+                    f"Model Cache region of {name!r} holds {mapped.nbytes} bytes, the engine's "
+                    f"layout {allocation.nbytes}: cachemgr and worker disagree on the dtype"
+                )
+            start = time.perf_counter()
+            copy_chunked(
+                self.buffer.view(allocation.offset, allocation.nbytes),
+                mapped.data,
+                num_threads=self.copy_threads,
+            )
+            return time.perf_counter() - start
+        finally:
+            self.cache.unpin(name)
+
+    def _activate(self, resident: Resident) -> None:
+        self.active = resident
+        self.engine.bind(self.specs[resident.name], resident.weights, self.buffer.kv_region)
+
+    # ---- switching -------------------------------------------------------
+    def activate(self, name: str, now_s: float | None = None) -> SwitchRecord | None:
+        """Make ``name`` the engine's model; ``None`` if it already is."""
+        if name not in self.specs:
+            raise KeyError(f"unknown model {name!r}")
+        if self.active is not None and self.active.name == name:
+            return None
+        start = time.perf_counter()
+        previous = self.active_model
+        pending = self._prefetch
+        self._prefetch = None
+        if pending is not None:
+            pending.done.wait()  # never reuse memory a copy is still writing
+        if pending is not None and pending.name == name and pending.resident is not None:
+            self._activate(pending.resident)
+            load_s, prefetched = pending.copy_s, True
+        else:
+            self.active = None
+            self.buffer.reset()  # scale-down: the old model's bytes are simply reused
+            allocation = self.buffer.alloc(self.nbytes(name))
+            load_s = self._copy_in(name, allocation)
+            self._activate(self._bind(name, allocation))
+            prefetched = False
+        self.num_switches += 1
+        return SwitchRecord(
+            from_model=previous,
+            to_model=name,
+            total_s=time.perf_counter() - start,
+            load_s=load_s,
+            prefetched=prefetched,
+            at_s=time.time() if now_s is None else now_s,
+        )
+
+    def prefetch(self, name: str) -> bool:
+        """Start copying ``name`` into free arena space; ``False`` if it cannot now."""
+        if not self.prefetch_enabled or name not in self.specs:
+            return False
+        if self.active is not None and self.active.name == name:
+            return False
+        if self._prefetch is not None:
+            return self._prefetch.name == name  # one at a time
+        nbytes = self.nbytes(name)
+        if self.active is not None:
+            # Only the active model stays: drop stale allocations above it.
+            self.buffer.arena.set_top(self.active.allocation)
+            if not self.buffer.fits(nbytes) and self.active.allocation.offset > 0:
+                self._promote_active()
+        if not self.buffer.fits(nbytes):
+            return False
+        job = _Prefetch(name, self.buffer.alloc(nbytes))
+        self._prefetch = job
+        threading.Thread(target=self._run_prefetch, args=(job,), daemon=True,
+                         name=f"aegaeon-prefetch-{name}").start()
+        return True
+
+    def _run_prefetch(self, job: _Prefetch) -> None:
+        try:
+            job.copy_s = self._copy_in(job.name, job.allocation)
+            job.resident = self._bind(job.name, job.allocation)
+        except BaseException as exc:  # reported when the model is activated
+            job.error = exc
+        finally:
+            job.done.set()
+
+    def _promote_active(self) -> None:
+        """Move the active model down to offset 0 (on-device copy), rebind its views."""
+        assert self.active is not None
+        old = self.active.allocation
+        moved = self.buffer.promote(old.offset, old.nbytes, 0)
+        self._activate(self._bind(self.active.name, moved))
+        self.num_promotions += 1
+
+    def prefetched_model(self) -> str | None:
+        return self._prefetch.name if self._prefetch else None
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.done.wait()
+            self._prefetch = None
+

@@ -1,0 +1,109 @@
+"""Everything one worker process builds once at start (paper §5.1, component reuse).
+
+The device buffer (weights arena + device KV region), the engine, the
+sampler, the copy streams, the cachemgr lease and every model's spec are made
+here once; serving only rebinds views.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from aegaeon_cachemgr.client import CacheClient, SyncCacheClient
+from aegaeon_cachemgr.mapped import Registration
+from aegaeon_common.config import Config, InstancesConfig
+from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
+from aegaeon_gpumem import DeviceBuffer, make_copy_stream
+
+from aegaeon_runtime.kv import KVSpace
+from aegaeon_runtime.switcher import ModelSwitcher
+
+# Copy streams per worker: one slot each in the cachemgr's event table.
+SWAP_OUT, SWAP_IN = 0, 1
+NUM_STREAMS = 2
+
+
+def instance_config(config: Config, kind: str) -> InstancesConfig:
+    """Prefill instances use ``prefill``; decode and unified instances ``decode``."""
+    return config.prefill if kind == "prefill" else config.decode
+
+
+@dataclass
+class Worker:
+    """One worker's long-lived components."""
+
+    config: Config
+    kind: str
+    index: int
+    specs: dict[str, ModelSpec]
+    engine: Engine
+    buffer: DeviceBuffer
+    client: CacheClient
+    cache: SyncCacheClient
+    registration: Registration
+    switcher: ModelSwitcher
+    kv: KVSpace
+    sampler: Sampler
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+    def kv_shape(self, model: str) -> KVShape:
+        return self.specs[model].kv_shape(self.config.dtype, self.engine.block_size)
+
+    def max_model_len(self, model: str) -> int:
+        return self.specs[model].max_model_len
+
+    def close(self) -> None:
+        self.switcher.close()
+        self.kv.close()
+
+
+async def build_worker(config: Config, kind: str, index: int, client: CacheClient) -> Worker:
+    """Register with the cachemgr and build the worker (on the event loop's thread).
+
+    Must be awaited on the loop that will serve ``client`` afterwards: the
+    compute thread reaches the cachemgr through a :class:`SyncCacheClient`.
+    """
+    import asyncio
+
+    inst = instance_config(config, kind)
+    registration = await client.register(os.getpid(), NUM_STREAMS)
+    loop = asyncio.get_running_loop()
+    cache = SyncCacheClient(client, loop)
+    specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
+    device = torch.device(inst.device)
+    engine = Engine(device, num_threads=inst.threads)
+    buffer = DeviceBuffer(inst.device_memory_bytes, inst.kv_memory_bytes, device)
+    table = registration.event_table
+    streams = [
+        make_copy_stream(device, table, registration.event_slots[i]) for i in range(NUM_STREAMS)
+    ]
+    kv = KVSpace(
+        buffer.kv_region,
+        registration.kv_tensor,
+        cache,
+        streams[SWAP_OUT],
+        streams[SWAP_IN],
+        registration.slab_bytes,
+    )
+    switcher = ModelSwitcher(
+        engine, buffer, cache, specs, config.dtype, prefetch=config.scheduler.prefetch
+    )
+    return Worker(
+        config=config,
+        kind=kind,
+        index=index,
+        specs=specs,
+        engine=engine,
+        buffer=buffer,
+        client=client,
+        cache=cache,
+        registration=registration,
+        switcher=switcher,
+        kv=kv,
+        sampler=Sampler(device),
+    )

@@ -1,0 +1,200 @@
+"""A prefill instance's compute loop (paper §4.2, Algorithm 1 line 15; §5.3).
+
+The instance mirrors its job queue of groups with the same
+:class:`~aegaeon_sched.PrefillQueue` the proxy keeps for it, applying the
+proxy's ``EnqueuePrefill(request, group)`` in order. It runs the front
+group's requests one at a time (batch 1): switch the model in if needed,
+prefetch the model of the next group, prefill, sample the first token, copy
+the prompt's KV out to the unified CPU cache on the swap-out stream and hand
+the request off with that copy's event — without waiting for the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aegaeon_cachemgr.client import to_event
+from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.report import (
+    InstanceStats,
+    PrefillDone,
+    RequestFailed,
+    SwitchRecord,
+)
+from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, RequestTimings
+from aegaeon_common.transport import RemoteError
+from aegaeon_common.wire import Message
+from aegaeon_gpumem import OutOfBlocks
+from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.sampling import engine_params, finish_reason
+from aegaeon_runtime.worker import Worker
+from aegaeon_sched import PrefillQueue, Request
+
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class Counters:
+    prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    switches: int = 0
+    switch_s: float = 0.0
+    failed: int = 0
+    new_switches: list[SwitchRecord] = field(default_factory=list)
+
+
+class PrefillLoop:
+    """Runs on the compute thread; see the module docstring."""
+
+    def __init__(self, worker: Worker, inbox: Inbox[Message], outbox: Outbox) -> None:
+        self.worker = worker
+        self.inbox = inbox
+        self.outbox = outbox
+        self.queue = PrefillQueue(worker.config.scheduler.max_group_size)
+        self.jobs: dict[str, EnqueuePrefill] = {}
+        self.counters = Counters()
+        self._lock = threading.Lock()  # counters are read by the heartbeat
+        self._stop = threading.Event()
+        self._depth = (0, 0)  # (queued, running): written here, read by the heartbeat
+        self._handlers = {
+            EnqueuePrefill: self._on_enqueue,
+            CancelRequest: self._on_cancel,
+            Shutdown: self._on_shutdown,
+        }
+
+    # ---- commands --------------------------------------------------------
+    def _on_enqueue(self, msg: Message) -> None:
+        assert isinstance(msg, EnqueuePrefill)
+        if msg.model not in self.worker.specs:
+            self._fail(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            return
+        request = Request(
+            msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
+            msg.sampling.max_tokens,
+        )  # fmt: skip
+        try:
+            self.queue.add(request, msg.group_id)
+        except ValueError as exc:  # a duplicate id or a group/model mismatch
+            self._fail(msg.request_id, "bad_request", str(exc))
+            return
+        self.jobs[msg.request_id] = msg
+
+    def _on_cancel(self, msg: Message) -> None:
+        assert isinstance(msg, CancelRequest)
+        self.queue.remove(msg.request_id)
+        self.jobs.pop(msg.request_id, None)
+
+    def _on_shutdown(self, msg: Message) -> None:
+        self._stop.set()
+
+    def _apply(self, msgs: list[Message]) -> None:
+        for msg in msgs:
+            self._handlers[type(msg)](msg)
+
+    # ---- the loop ----------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not (stop.is_set() or self._stop.is_set()):
+            head = self.queue.peek()
+            self._apply(self.inbox.drain() if head else self.inbox.wait(IDLE_WAIT_S))
+            head = self.queue.peek()
+            self._depth = (len(self.queue), 1 if head else 0)
+            if head is None:
+                continue
+            _, request = head
+            self.queue.start(request.request_id, time.time())
+            try:
+                self._prefill(request)
+            finally:
+                self.queue.finish(request.request_id)
+
+    def _next_model(self, current: str) -> str | None:
+        """The model of the first queued group that differs from ``current``."""
+        return next((g.model for g in self.queue if g.model != current), None)
+
+    def _prefill(self, request: Request) -> None:
+        msg = self.jobs.pop(request.request_id)
+        w = self.worker
+        started = time.time()
+        record = w.switcher.activate(msg.model, started)
+        if record is not None:
+            self._note_switch(record)
+        upcoming = self._next_model(msg.model)
+        if upcoming is not None:
+            w.switcher.prefetch(upcoming)
+        shape = w.kv_shape(msg.model)
+        prompt = msg.prompt_token_ids
+        try:
+            blocks = w.kv.alloc(shape, shape.blocks_for(len(prompt)))
+        except OutOfBlocks as exc:
+            self._fail(msg.request_id, "kv_capacity", f"prompt does not fit: {exc}")
+            return
+        params = engine_params(msg.sampling)
+        compute_start = time.perf_counter()
+        logits = w.engine.prefill(prompt, blocks)
+        gen = params.make_generator(w.engine.device)
+        token = w.sampler.sample(logits[None], [params], [gen])[0]
+        compute_s = time.perf_counter() - compute_start
+        finish = finish_reason(token, 1, params)
+        handoff = None
+        if finish is None:
+            try:
+                host, event = w.kv.swap_out(shape, blocks)
+            except RemoteError as exc:
+                w.kv.free(shape, blocks)
+                self._fail(msg.request_id, "kv_cache_full", f"unified KV cache: {exc}")
+                return
+            spec = KVShapeSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                               shape.block_size, shape.dtype)  # fmt: skip
+            handoff = KVHandoff(spec, host, len(prompt), to_event(event.handle()))
+        else:
+            w.kv.free(shape, blocks)
+        done = time.time()
+        timings = RequestTimings(
+            prefill_wait_s=max(0.0, started - msg.arrival_s),
+            prefill_s=done - started,
+            extra={"prefill_compute_s": compute_s, "switch_s": record.total_s if record else 0.0},
+        )
+        self.outbox.send(
+            PrefillDone(msg.request_id, w.index, token, finish, handoff, timings, done)
+        )
+        with self._lock:
+            self.counters.prefills += 1
+            self.counters.prefill_tokens += len(prompt)
+            self.counters.prefill_s += compute_s
+
+    def _note_switch(self, record: SwitchRecord) -> None:
+        with self._lock:
+            self.counters.switches += 1
+            self.counters.switch_s += record.total_s
+            self.counters.new_switches.append(record)
+
+    def _fail(self, request_id: str, code: str, message: str) -> None:
+        with self._lock:
+            self.counters.failed += 1
+        self.outbox.send(RequestFailed(request_id, "prefill", self.worker.index, code, message))
+
+    # ---- heartbeat -----------------------------------------------------------
+    def stats(self) -> InstanceStats:
+        with self._lock:
+            c = self.counters
+            switches, c.new_switches = c.new_switches, []
+            counters = {
+                "prefills": float(c.prefills),
+                "prefill_tokens": float(c.prefill_tokens),
+                "prefill_s": c.prefill_s,
+                "switches": float(c.switches),
+                "switch_s": c.switch_s,
+                "failed": float(c.failed),
+            }
+        return InstanceStats(
+            kind="prefill",
+            index=self.worker.index,
+            active_model=self.worker.switcher.active_model,
+            queued=self._depth[0],
+            running=self._depth[1],
+            counters=counters,
+            switches=switches,
+        )

@@ -1,0 +1,37 @@
+"""``aegaeon prefill --config FILE --index I``: one prefill instance."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("prefill", help="run one prefill instance")
+    parser.add_argument("--config", type=Path, required=True, help="deployment YAML file")
+    parser.add_argument("--index", type=int, default=0, help="which prefill instance")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aegaeon_common.config import ConfigError, load_config
+    from aegaeon_common.process import run_service
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"aegaeon prefill: {exc}", file=sys.stderr)
+        return 2
+    from aegaeon_common.messages.prefill import PREFILL_CHANNEL
+    from aegaeon_runtime.service import serve_instance
+
+    from aegaeon_prefill.loop import PrefillLoop
+
+    name = f"prefill-{args.index}"
+    return run_service(
+        name,
+        lambda stop: serve_instance(config, "prefill", args.index, PREFILL_CHANNEL, PrefillLoop,
+                                    stop),
+    )
