@@ -57,7 +57,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = None
+    seed: int | None = None  # in [0, 2**63); the front folds OpenAI's int64 seeds into it
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 

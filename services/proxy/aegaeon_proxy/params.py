@@ -17,8 +17,8 @@ from aegaeon_proxy.errors import invalid
 
 Checker = Callable[[str, Any], Any]
 
-SEED_MIN = -(1 << 63)
-SEED_MAX = (1 << 64) - 1  # torch.Generator.manual_seed's range
+SEED_MIN = -(1 << 63)  # OpenAI's seed is an int64
+SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
 
 

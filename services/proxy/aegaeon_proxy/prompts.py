@@ -21,6 +21,7 @@ from aegaeon_proxy.params import CommonParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ENGINE_SEED_RANGE = 1 << 63  # int64 seeds fold into the engine's [0, 2**63)
 
 __all__ = ["build_request", "chat_prompt_ids", "completion_prompt_ids"]
 
@@ -154,7 +155,7 @@ def build_request(
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
-        seed=params.seed,
+        seed=None if params.seed is None else params.seed % ENGINE_SEED_RANGE,
         stop_token_ids=tuple(dict.fromkeys((*params.stop_token_ids, *eos))),
         ignore_eos=params.ignore_eos,
     )

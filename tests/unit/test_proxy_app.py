@@ -1,0 +1,374 @@
+"""The HTTP front over a scripted backend: framing, errors, cancellation, metrics.
+
+The backend here is a test double that replays token ids; the real engine is
+exercised in tests/integration/test_proxy_http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aegaeon_common.config import Config, ModelConfig, ProxyConfig
+from aegaeon_proxy.app import make_app
+from aegaeon_proxy.backend import (
+    BackendError,
+    FinishReason,
+    GenerationRequest,
+    TokenChunk,
+    TokenQueue,
+    TokenStream,
+)
+from aiohttp.test_utils import TestClient, TestServer
+from proxy_support import market_dir
+
+MODEL = "llama-gqa-5m"
+
+
+@pytest.fixture(scope="session")
+def proxy_market() -> Path:
+    return market_dir()
+
+
+class ScriptedBackend:
+    """Replays ``token_ids`` (one per step) then finishes; records cancels."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.finish: FinishReason = "length"
+        self.step_s = 0.0
+        self.hang = False  # send nothing until cancelled
+        self.refuse: BackendError | None = None
+        self.is_ready = True
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[str] = []
+        self._queues: dict[str, TokenQueue] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def health(self) -> dict[str, object]:
+        return {"kind": "scripted"}
+
+    def metrics(self) -> str:
+        return "# TYPE scripted_up gauge\nscripted_up 1\n"
+
+    def submit(self, req: GenerationRequest) -> TokenStream:
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append(req)
+        queue = TokenQueue()
+        self._queues[req.request_id] = queue
+        task = asyncio.get_running_loop().create_task(self._play(queue, req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return queue
+
+    async def _play(self, queue: TokenQueue, req: GenerationRequest) -> None:
+        if self.hang:
+            return
+        ids = self.token_ids[: req.sampling.max_tokens]
+        for i, token_id in enumerate(ids):
+            await asyncio.sleep(self.step_s)
+            last = i == len(ids) - 1
+            queue.push(TokenChunk((token_id,), self.finish if last else None, "boom"))
+        if not ids:
+            queue.finish(self.finish, "boom")
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.finish("cancelled")
+
+
+Scenario = Callable[[TestClient[Any, Any], ScriptedBackend, Any], Awaitable[None]]
+
+
+def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
+    config = Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(**proxy))
+    backend = ScriptedBackend()
+
+    async def main() -> None:
+        app = make_app(config, backend)
+        async with TestClient(TestServer(app)) as client:
+            tok = await app[next(iter(app.keys()))].assets.get(MODEL)  # type: ignore[attr-defined]
+            await scenario(client, backend, tok)
+
+    asyncio.run(main())
+
+
+async def sse_events(resp: Any) -> list[str]:
+    raw = (await resp.read()).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    frames = raw.split("\n\n")
+    assert frames[-1] == ""
+    assert all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
+    return [f[len("data: ") :] for f in frames[:-1]]
+
+
+def test_completion_stream_framing_and_usage(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("Hello 🎉 world", add_special_tokens=False)
+        body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await sse_events(resp)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        ids = {c["id"] for c in chunks}
+        assert len(ids) == 1 and ids.pop().startswith("cmpl-")
+        assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert text == "Hello 🎉 world"
+        assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+        assert all(c["usage"] is None for c in chunks[:-1])
+        n, p = len(backend.token_ids), len(tok.encode("Hi", add_special_tokens=True))
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"] == {"prompt_tokens": p, "completion_tokens": n,
+                                       "total_tokens": p + n}  # fmt: skip
+
+    run(proxy_market, scenario)
+
+
+def test_chat_stream_first_chunk_has_role(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("Sure.", add_special_tokens=False)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        events = await sse_events(await client.post("/v1/chat/completions", json=body))
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["id"].startswith("chatcmpl-")
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert chunks[-1]["choices"][0]["delta"] == {}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "usage" not in chunks[-1]  # only with include_usage
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == "Sure."
+
+    run(proxy_market, scenario)
+
+
+def test_stop_string_trims_and_cancels(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("one two three four five", add_special_tokens=False)
+        for stream in (False, True):
+            backend.cancelled.clear()
+            body = {"model": MODEL, "prompt": "x", "stop": ["ee f", "three"], "stream": stream}
+            resp = await client.post("/v1/completions", json=body)
+            if stream:
+                chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                finish = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                data = await resp.json()
+                text, finish = data["choices"][0]["text"], data["choices"][0]["finish_reason"]
+            assert (text, finish) == ("one two ", "stop")
+            assert backend.cancelled == [backend.submitted[-1].request_id]
+
+    run(proxy_market, scenario)
+
+
+def test_stop_token_is_not_shown(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = [*tok.encode("done", add_special_tokens=False), tok.eos_token_ids[0]]
+        backend.finish = "stop"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        data = await (await client.post("/v1/chat/completions", json=body)).json()
+        choice = data["choices"][0]
+        assert choice == {"index": 0, "message": {"role": "assistant", "content": "done"},
+                          "logprobs": None, "finish_reason": "stop"}  # fmt: skip
+        assert data["object"] == "chat.completion"
+        assert data["usage"]["completion_tokens"] == len(backend.token_ids)
+        assert tok.eos_token_ids[0] in backend.submitted[-1].sampling.stop_token_ids
+
+    run(proxy_market, scenario)
+
+
+def test_backend_refusals(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        body = {"model": MODEL, "prompt": "x"}
+        backend.refuse = BackendError.overloaded("queue full", retry_after_s=2.5)
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 429
+        assert resp.headers["Retry-After"] == "3"
+        assert (await resp.json())["error"]["message"] == "queue full"
+        backend.refuse = BackendError.unavailable("no decode instance")
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 503
+        assert (await resp.json())["error"]["type"] == "service_unavailable"
+
+    run(proxy_market, scenario)
+
+
+def test_backend_error_finish(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("a b", add_special_tokens=False)
+        backend.finish = "error"
+        body = {"model": MODEL, "prompt": "x"}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 500
+        assert "boom" in (await resp.json())["error"]["message"]
+        resp = await client.post("/v1/completions", json={**body, "stream": True})
+        events = await sse_events(resp)
+        assert "boom" in json.loads(events[-2])["error"]["message"]
+
+    run(proxy_market, scenario)
+
+
+async def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met")
+
+
+def test_disconnect_cancels(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.hang = True
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: {")  # role chunk
+        resp.close()  # the client goes away mid-stream
+        rid = backend.submitted[-1].request_id
+        await _wait_for(lambda: rid in backend.cancelled)
+
+        task = asyncio.create_task(
+            client.post("/v1/completions", json={**body, "stream": False, "prompt": "x"})
+        )
+        await _wait_for(lambda: len(backend.submitted) == 2)
+        task.cancel()  # the client goes away before the answer
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        rid = backend.submitted[-1].request_id
+        await _wait_for(lambda: rid in backend.cancelled)
+
+    run(proxy_market, scenario)
+
+
+def test_request_timeout(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.hang = True
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert resp.status == 504
+        assert backend.cancelled == [backend.submitted[-1].request_id]
+
+    run(proxy_market, scenario, request_timeout_s=0.2)
+
+
+def test_models_health_ready_metrics(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        data = await (await client.get("/v1/models")).json()
+        assert data["object"] == "list"
+        assert [m["id"] for m in data["data"]] == [MODEL]
+        assert (await client.get(f"/v1/models/{MODEL}")).status == 200
+        assert (await client.get("/v1/models/nope")).status == 404
+        backend.is_ready = False
+        assert (await client.get("/ready")).status == 503
+        assert (await client.get("/health")).status == 200
+        backend.is_ready = True
+        assert (await client.get("/ready")).status == 200
+        backend.token_ids = [5, 6, 7]
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        text = await (await client.get("/metrics")).text()
+        assert 'aegaeon_proxy_requests_total{endpoint="/v1/completions",status="200"} 1' in text
+        assert f'aegaeon_proxy_generation_tokens_total{{model="{MODEL}"}} 3' in text
+        assert "aegaeon_proxy_ttft_seconds_bucket" in text
+        assert f'aegaeon_proxy_tbt_seconds_count{{model="{MODEL}"}} 2' in text
+        assert "scripted_up 1" in text
+
+    run(proxy_market, scenario)
+
+
+def test_unknown_model_and_routes(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        resp = await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+        assert resp.status == 404
+        err = (await resp.json())["error"]
+        assert (err["code"], err["param"]) == ("model_not_found", "model")
+        assert (await client.get("/v1/nothing")).status == 404
+        resp = await client.get("/v1/completions")
+        assert resp.status == 405
+        assert "error" in await resp.json()
+
+    run(proxy_market, scenario)
+
+
+def test_body_too_large(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        body = {"model": MODEL, "prompt": "x" * 5000}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == "request_too_large"
+
+        async def chunked() -> AsyncIterator[bytes]:
+            yield json.dumps(body).encode()
+
+        resp = await client.post("/v1/completions", data=chunked())
+        assert resp.status == 413
+        backend.token_ids = [5]
+        assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).ok
+
+    run(proxy_market, scenario, max_body_bytes=4096)
+
+
+def _cmpl(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "x", **fields}
+
+
+def _chat(*content: Any, **fields: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": c} for c in content] or "hi"
+    return {"model": MODEL, "messages": messages, **fields}
+
+
+MALFORMED: list[bytes | dict[str, Any] | list[Any]] = [
+    b"", b"{", b"nul", b"[]", b'"text"', b"42", b"null", b"\xff\xfe\x00garbage", b"{'a': 1}",
+    b'{"model": NaN}', b'{"model": "' + MODEL.encode() + b'", "temperature": Infinity}',
+    b"[" * 100_000, b'{"a":' * 50_000,
+    {}, {"model": None}, {"model": ["x"]}, {"model": MODEL}, [1, 2, 3],
+    {"model": "no-such-model", "prompt": "x"},
+    _cmpl(prompt=None), _cmpl(prompt={"x": 1}), _cmpl(prompt=[[1, 2], [3]]), _cmpl(prompt=[1.5]),
+    _cmpl(prompt=[99999999]), _cmpl(max_tokens=10**30), _cmpl(max_tokens=-5), _cmpl(n=3),
+    _cmpl(temperature=[1]), _cmpl(top_p=-1), _cmpl(top_k=-7), _cmpl(seed={}),
+    _cmpl(stop={"a": 1}), _cmpl(stop=[None]), _cmpl(stream=None, stream_options=3),
+    _cmpl(stop_token_ids=[1.5]), _cmpl(logit_bias={"1": 5}), _cmpl(echo=True),
+    _chat(), {"model": MODEL, "messages": [None]},
+    _chat([{"type": "image_url", "image_url": {}}]), _chat([None]),
+    {"model": MODEL, "messages": [{"role": 1, "content": "x"}]},
+    _chat("x", max_completion_tokens=0), _chat("x", max_tokens=10**9), _chat("x" * 40_000),
+]  # fmt: skip
+
+
+def test_malformed_bodies_are_4xx_and_server_survives(proxy_market: Path) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = [5, 6]
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body in MALFORMED:
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                resp = await client.post(path, data=data,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+                assert 400 <= resp.status < 500, (path, body if len(data) < 200 else data[:50])
+                err = (await resp.json())["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+        ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert ok.status == 200
+        assert (await ok.json())["usage"]["completion_tokens"] == 2
+        text = await (await client.get("/metrics")).text()
+        assert 'status="500"' not in text
+
+    run(proxy_market, scenario, max_body_bytes=200_000)

@@ -1,0 +1,173 @@
+"""Request validation: every bad field is a 400 naming it; good values normalize."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aegaeon_common.config import ModelConfig
+from aegaeon_proxy.assets import ModelAssets, load_assets
+from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.params import CHAT_FIELDS, FIELDS, parse_common
+from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
+from proxy_support import market_dir
+
+BASE = {"model": "m"}
+
+
+@pytest.fixture(scope="session")
+def proxy_market() -> Path:
+    return market_dir()
+
+
+@pytest.fixture(scope="module")
+def assets(proxy_market: Path) -> ModelAssets:
+    path = next(p for p in sorted(proxy_market.iterdir()) if p.name.startswith("llama"))
+    return load_assets(ModelConfig(name=path.name, path=path))
+
+
+BAD_FIELDS: list[tuple[dict[str, Any], str]] = [
+    ({"model": 3}, "model"),
+    ({"model": ""}, "model"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "10"}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"seed": "42"}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": 1 << 63}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stop": ["ok", 5]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["s"] * 17}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream_options": []}, "stream_options"),
+    ({"stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"best_of": 3}, "best_of"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), BAD_FIELDS)
+def test_bad_field_is_400_naming_it(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        parse_common({**BASE, **fields}, FIELDS)
+    assert info.value.status == 400
+    assert info.value.param == param
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_good_fields_normalize() -> None:
+    params = parse_common(
+        {
+            **BASE, "max_tokens": 5.0, "temperature": 0, "top_p": 1, "top_k": 0, "seed": -3,
+            "stop": "x", "stop_token_ids": [1, 2], "stream": True, "n": 1,
+            "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "presence_penalty": 0, "logprobs": None, "user": "u", "unknown_field": [1],
+        },
+        FIELDS,
+    )  # fmt: skip
+    assert params.max_tokens == 5
+    assert params.temperature == 0.0
+    assert params.top_k == -1
+    assert params.seed == -3
+    assert params.stop == ("x",)
+    assert params.stop_token_ids == (1, 2)
+    assert params.stream and params.include_usage and params.ignore_eos
+
+
+def test_max_completion_tokens_wins_for_chat() -> None:
+    params = parse_common({**BASE, "max_tokens": 5, "max_completion_tokens": 7}, CHAT_FIELDS)
+    assert params.max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [(None, "prompt"), (5, "prompt"), ([], "prompt"), (["a", "b"], "prompt"), ([1, "a"], "prompt"),
+     ([10**9], "prompt"), ([-1], "prompt"), ([True], "prompt"), ({"a": 1}, "prompt")],
+)  # fmt: skip
+def test_bad_completion_prompt(assets: ModelAssets, prompt: Any, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        completion_prompt_ids({"prompt": prompt}, assets)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_completion_prompt_forms(assets: ModelAssets) -> None:
+    ids = completion_prompt_ids({"prompt": "hi there"}, assets)
+    assert ids[0] == assets.tokenizer.token_to_id("<|begin_of_text|>")  # BOS added once
+    assert completion_prompt_ids({"prompt": ["hi there"]}, assets) == ids
+    assert completion_prompt_ids({"prompt": [ids]}, assets) == ids
+    assert completion_prompt_ids({"prompt": ids}, assets) == ids
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (None, "messages"),
+        ([], "messages"),
+        ("hi", "messages"),
+        ([1], "messages[0]"),
+        ([{"content": "x"}], "messages[0].role"),
+        ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 1}]}],
+            "messages[0].content[0].text",
+        ),
+    ],
+)
+def test_bad_messages(assets: ModelAssets, messages: Any, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat_prompt_ids({"messages": messages}, assets)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_context_window(assets: ModelAssets) -> None:
+    window = assets.max_model_len
+    params = parse_common({**BASE, "max_tokens": 10}, FIELDS)
+    req = build_request("r", params, [1] * (window - 10), assets, chat=False)
+    assert req.sampling.max_tokens == 10
+    with pytest.raises(APIError) as info:
+        build_request("r", params, [1] * (window - 9), assets, chat=False)
+    assert (info.value.param, info.value.code) == ("max_tokens", "context_length_exceeded")
+    with pytest.raises(APIError) as info:
+        build_request("r", params, [1] * window, assets, chat=True)
+    assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    unbounded = parse_common(BASE, FIELDS)
+    assert (
+        build_request("r", unbounded, [1] * 5, assets, chat=True).sampling.max_tokens == window - 5
+    )
+    assert build_request("r", unbounded, [1] * 5, assets, chat=False).sampling.max_tokens == 16
+
+
+def test_eos_added_unless_ignore_eos(assets: ModelAssets) -> None:
+    assert assets.eos_token_ids
+    req = build_request("r", parse_common({**BASE, "stop_token_ids": [5]}, FIELDS), [1], assets,
+                        chat=False)  # fmt: skip
+    assert req.sampling.stop_token_ids == (5, *assets.eos_token_ids)
+    ignore = parse_common({**BASE, "stop_token_ids": [5], "ignore_eos": True}, FIELDS)
+    req = build_request("r", ignore, [1], assets, chat=False)
+    assert req.sampling.stop_token_ids == (5,)
+    assert req.sampling.ignore_eos
+    with pytest.raises(APIError) as info:
+        build_request("r", parse_common({**BASE, "stop_token_ids": [10**7]}, FIELDS), [1], assets,
+                      chat=False)  # fmt: skip
+    assert info.value.param == "stop_token_ids"
