@@ -98,17 +98,20 @@ class KVSpace:
         return host, event
 
     def swap_in(
-        self, shape: KVShape, host_offsets: Sequence[int], after: Event | None
-    ) -> tuple[list[int], Event]:
-        """Copy host blocks into newly allocated device blocks once ``after`` (the
-        producer's swap-out) completes. Returns (device block ids, the copy's event)."""
-        block_ids = self.alloc(shape, len(host_offsets))
+        self,
+        shape: KVShape,
+        host_offsets: Sequence[int],
+        block_ids: Sequence[int],
+        after: Event | None,
+    ) -> Event:
+        """Copy host blocks into device blocks ``block_ids`` (same order) once ``after``
+        (the producer's swap-out) completes; returns the copy's event."""
         bb = shape.block_bytes
         if after is not None:
             self.swap_in_stream.wait_event(after)
         pairs = [(h, b * bb, bb) for h, b in zip(host_offsets, block_ids, strict=True)]
         copy_blocks(self.swap_in_stream, self.host_region, self.device_region, pairs)
-        return block_ids, self.swap_in_stream.record()
+        return self.swap_in_stream.record()
 
     def free_host(self, host_offsets: Sequence[int], event: Event | None) -> None:
         """Return host blocks to the cachemgr (kept from reuse until ``event``)."""

@@ -1,0 +1,101 @@
+"""The start-up profile a worker fits its latency model from (paper App. A.2).
+
+A few prefills and decode steps of a few market models on the real engine,
+and the measured switch times, give the samples for Eq. 4-6; the services
+refine the fit online from every measured step afterwards. Profiling runs on
+the compute thread before serving, through the same switcher and KV space as
+serving, and frees everything it used.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from aegaeon_engine import DecodeSeq
+from aegaeon_sched import DecodeSample, LatencyModel, PrefillSample
+from aegaeon_sched import ModelSpec as SchedSpec
+
+from aegaeon_runtime.worker import Worker
+
+PREFILL_LENS = (16, 64, 256)
+DECODE_BATCHES = ((1, 32), (4, 64), (8, 256))  # (batch size, context length)
+
+
+def sched_spec(worker: Worker, model: str) -> SchedSpec:
+    spec = worker.specs[model]
+    shape = worker.kv_shape(model)
+    return SchedSpec(
+        name=model,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_layers=spec.num_layers,
+        weight_bytes=worker.switcher.nbytes(model),
+        kv_bytes_per_token=shape.block_bytes // shape.block_size,
+    )
+
+
+def profile_models(worker: Worker) -> list[str]:
+    """Smallest, median and largest model by weight bytes (at most three)."""
+    by_size = sorted(worker.specs, key=worker.switcher.nbytes)
+    picks = [by_size[0], by_size[len(by_size) // 2], by_size[-1]]
+    return list(dict.fromkeys(picks))
+
+
+def _time(fn: object, *args: object) -> float:
+    start = time.perf_counter()
+    fn(*args)  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel:
+    """Measure, fit and return a latency model for every model of the worker."""
+    models = list(models or profile_models(worker))
+    prefills: list[PrefillSample] = []
+    decodes: list[DecodeSample] = []
+    switch_ratios: list[float] = []
+    bandwidth = 0.0
+    for model in models:
+        record = worker.switcher.activate(model)
+        if record is not None and record.load_s > 0:
+            nbytes = worker.switcher.nbytes(model)
+            bandwidth = max(bandwidth, nbytes / record.load_s)
+            switch_ratios.append(record.total_s / record.load_s)
+        shape = worker.kv_shape(model)
+        limit = worker.max_model_len(model)
+        for length in PREFILL_LENS:
+            if length > limit:
+                continue
+            blocks = worker.kv.alloc(shape, shape.blocks_for(length))
+            try:
+                tokens = [1] * length
+                worker.engine.prefill(tokens, blocks)  # warm-up of this shape
+                seconds = _time(worker.engine.prefill, tokens, blocks)
+                prefills.append(PrefillSample(model, (length,), seconds))
+            finally:
+                worker.kv.free(shape, blocks)
+        for batch, ctx in DECODE_BATCHES:
+            if ctx + 1 > limit:
+                continue
+            per_seq = shape.blocks_for(ctx + 1)
+            blocks = worker.kv.alloc(shape, per_seq * batch)
+            try:
+                seqs = [
+                    DecodeSeq(1, ctx, blocks[i * per_seq : (i + 1) * per_seq])
+                    for i in range(batch)
+                ]
+                worker.engine.decode(seqs)
+                seconds = min(_time(worker.engine.decode, seqs) for _ in range(3))
+                decodes.append(DecodeSample(model, batch, batch * (ctx + 1), seconds))
+            finally:
+                worker.kv.free(shape, blocks)
+    latency = LatencyModel(
+        [sched_spec(worker, m) for m in worker.specs],
+        pcie_bytes_per_s=bandwidth or 5e9,
+        switch_beta=statistics.median(switch_ratios) if switch_ratios else 1.0,
+        decode_per_seq_term=True,
+    )
+    latency.fit_prefill(prefills)
+    latency.fit_decode(decodes)
+    return latency

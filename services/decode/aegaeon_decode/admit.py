@@ -1,0 +1,129 @@
+"""Requests entering and leaving a decode instance (commands from the proxy)."""
+
+from __future__ import annotations
+
+import time
+
+from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
+from aegaeon_common.messages.prefill import CancelRequest
+from aegaeon_common.messages.report import RequestFailed, StepTokens, TokenItem
+from aegaeon_common.transport import RemoteError
+from aegaeon_common.wire import Message
+from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.kv import event_from_spec
+from aegaeon_runtime.sampling import engine_params, resume_generator
+from aegaeon_runtime.worker import Worker
+from aegaeon_sched import DecodeWorkList, Request
+
+from aegaeon_decode.residency import Residency
+from aegaeon_decode.seq import Seq
+from aegaeon_decode.stats import DecodeCounters
+
+
+class Admission:
+    """Owns the instance's requests: ``seqs`` and the work-list mirror."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        work: DecodeWorkList,
+        residency: Residency,
+        outbox: Outbox,
+        counters: DecodeCounters,
+    ) -> None:
+        self.worker = worker
+        self.work = work
+        self.residency = residency
+        self.outbox = outbox
+        self.counters = counters
+        self.seqs: dict[str, Seq] = {}
+        self._local_batches: dict[str, int] = {}
+
+    def _add(self, seq: Seq, max_tokens: int) -> bool:
+        request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens)
+        try:
+            self.work.add(request, seq.batch_id)
+        except ValueError as exc:
+            self.fail(seq, "bad_request", str(exc))
+            return False
+        self.seqs[seq.request_id] = seq
+        return True
+
+    def enqueue(self, msg: Message) -> None:
+        """A prefilled request joins its batch (Alg. 2 line 2); its KV is in the host cache."""
+        assert isinstance(msg, EnqueueDecode)
+        w = self.worker
+        if msg.model not in w.specs:
+            self._refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            return
+        params = engine_params(msg.sampling)
+        spec = w.specs[msg.model]
+        seq = Seq(
+            request_id=msg.request_id,
+            model=msg.model,
+            batch_id=msg.batch_id,
+            shape=w.kv_shape(msg.model),
+            params=params,
+            generator=resume_generator(params, w.engine.device, spec.vocab_size,
+                                       msg.num_generated),
+            prompt_len=msg.prompt_len,
+            arrival_s=msg.arrival_s,
+            tokens=[msg.first_token_id],
+            host_blocks=list(msg.handoff.block_offsets),
+            host_event=event_from_spec(msg.handoff.event),
+        )  # fmt: skip
+        try:
+            self.residency.accept(seq)
+        except RemoteError as exc:  # the blocks are gone (e.g. the prefill lease ended)
+            self.fail(seq, "kv_lost", f"handoff blocks unavailable: {exc}")
+            return
+        self._add(seq, msg.sampling.max_tokens)
+
+    def run_request(self, msg: Message) -> None:
+        """Request-level policies: the whole request runs here, prefill first."""
+        assert isinstance(msg, RunRequest)
+        w = self.worker
+        if msg.model not in w.specs:
+            self._refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            return
+        batch_id = self._local_batches.setdefault(msg.model, -1 - len(self._local_batches))
+        params = engine_params(msg.sampling)
+        seq = Seq(
+            request_id=msg.request_id,
+            model=msg.model,
+            batch_id=batch_id,
+            shape=w.kv_shape(msg.model),
+            params=params,
+            generator=params.make_generator(w.engine.device),
+            prompt_len=len(msg.prompt_token_ids),
+            arrival_s=msg.arrival_s,
+            tokens=[],
+            prompt_token_ids=list(msg.prompt_token_ids),
+        )
+        self._add(seq, msg.sampling.max_tokens)
+
+    def cancel(self, msg: Message) -> None:
+        assert isinstance(msg, CancelRequest)
+        seq = self.seqs.get(msg.request_id)
+        if seq is not None:
+            self.finish(seq)
+            self.counters.cancelled += 1
+
+    def finish(self, seq: Seq) -> None:
+        """Forget ``seq`` and free its KV (finished, cancelled or failed)."""
+        self.residency.release(seq)
+        self.work.remove(seq.request_id)
+        self.seqs.pop(seq.request_id, None)
+
+    def fail(self, seq: Seq, code: str, message: str) -> None:
+        self.finish(seq)
+        self._refuse(seq.request_id, code, message)
+
+    def _refuse(self, request_id: str, code: str, message: str) -> None:
+        self.counters.failed += 1
+        w = self.worker
+        self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))
+
+    def emit(self, items: list[TokenItem]) -> None:
+        if items:
+            self.outbox.send(StepTokens(self.worker.index, items, time.time()))

@@ -1,0 +1,102 @@
+"""A decode instance's compute loop: rounds of turns (paper §4.3, Algorithm 2).
+
+The instance mirrors its work list of per-model batches with the proxy's
+:class:`~aegaeon_sched.DecodeWorkList` (same ``add(request, batch)`` calls).
+Each round the :class:`~aegaeon_sched.RoundRobinPlanner` groups same-model
+batches and gives each a quota (Eq. 2-3); each turn switches the batch's
+model in (prefetching the next turn's model behind it), swaps its requests'
+KV in, and decodes it with continuous batching for its quota, streaming
+tokens every step. Requests join as soon as their own KV has arrived.
+
+Under request-level policies the same loop serves ``RunRequest``: the
+request is prefilled here first and its batch holds the instance's only
+model (the policy gives an instance one model at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
+from aegaeon_common.messages.prefill import CancelRequest, Shutdown
+from aegaeon_common.messages.report import InstanceStats
+from aegaeon_common.wire import Message
+from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.profile import profile
+from aegaeon_runtime.worker import Worker
+from aegaeon_sched import BatchLoad, DecodeBatch, DecodeWorkList, RoundRobinPlanner
+
+from aegaeon_decode.admit import Admission
+from aegaeon_decode.residency import Residency
+from aegaeon_decode.stats import DecodeCounters
+from aegaeon_decode.turn import TurnRunner
+
+IDLE_WAIT_S = 0.05
+
+
+class DecodeLoop:
+    """Runs on the compute thread; see the module docstring."""
+
+    def __init__(self, worker: Worker, inbox: Inbox[Message], outbox: Outbox) -> None:
+        config = worker.config
+        self.worker = worker
+        self.inbox = inbox
+        self.outbox = outbox
+        self.work = DecodeWorkList()
+        self.planner = RoundRobinPlanner(config.slo.tbt_s, config.scheduler.q_max_s)
+        self.counters = DecodeCounters()
+        self.residency = Residency(worker)
+        self.admission = Admission(worker, self.work, self.residency, outbox, self.counters)
+        self.turns = TurnRunner(
+            worker, self.work, self.admission, self.residency, outbox, self.counters
+        )
+        self._stop = threading.Event()
+        self._handlers: dict[type[Message], Callable[[Message], None]] = {
+            EnqueueDecode: self.admission.enqueue,
+            RunRequest: self.admission.run_request,
+            CancelRequest: self.admission.cancel,
+            Shutdown: self._on_shutdown,
+        }
+
+    def _on_shutdown(self, msg: Message) -> None:
+        self._stop.set()
+
+    def apply(self, msgs: list[Message]) -> None:
+        for msg in msgs:
+            self._handlers[type(msg)](msg)
+
+    def run(self, stop: threading.Event) -> None:
+        self.turns.latency = profile(self.worker)
+        self.turns.poll = lambda: self.apply(self.inbox.drain())
+        while not (stop.is_set() or self._stop.is_set()):
+            self.apply(self.inbox.drain() if len(self.work) else self.inbox.wait(IDLE_WAIT_S))
+            if not len(self.work):
+                continue
+            self.run_round(stop)
+
+    def run_round(self, stop: threading.Event) -> None:
+        batches = self.work.group_by_model()
+        loads = [BatchLoad(b.batch_id, b.model, self.turns.step_estimate(b)) for b in batches]
+        models = {b.model for b in batches}
+        plan = self.planner.plan(loads, {m: self.turns.switch_estimate(m) for m in models})
+        self.counters.rounds += 1
+        order = [t.batch_id for t in plan.turns]
+        for i, turn in enumerate(plan.turns):
+            if stop.is_set() or self._stop.is_set():
+                return
+            batch = self.work.batch(turn.batch_id)
+            if batch is None:
+                continue  # every request of it finished or was cancelled
+            following = order[i + 1 :] + order[: i + 1]
+            self.turns.run(batch, turn.quota_s, self._next_model(batch, following), following)
+
+    def _next_model(self, batch: DecodeBatch, following: list[int]) -> str | None:
+        for batch_id in following:
+            other = self.work.batch(batch_id)
+            if other is not None and other.model != batch.model:
+                return other.model
+        return None
+
+    def stats(self) -> InstanceStats:
+        return self.counters.snapshot(self.worker)

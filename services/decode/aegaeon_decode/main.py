@@ -1,0 +1,41 @@
+"""``aegaeon decode --config FILE --index I``: one decode instance.
+
+With a request-level policy the same process is a unified instance (it
+prefills the requests it is given, then decodes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("decode", help="run one decode instance")
+    parser.add_argument("--config", type=Path, required=True, help="deployment YAML file")
+    parser.add_argument("--index", type=int, default=0, help="which decode instance")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aegaeon_common.config import ConfigError, load_config
+    from aegaeon_common.process import run_service
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"aegaeon decode: {exc}", file=sys.stderr)
+        return 2
+    from aegaeon_common.messages.decode import DECODE_CHANNEL
+    from aegaeon_runtime.service import serve_instance
+
+    from aegaeon_decode.loop import DecodeLoop
+
+    name = f"decode-{args.index}"
+    return run_service(
+        name,
+        lambda stop: serve_instance(config, "decode", args.index, DECODE_CHANNEL, DecodeLoop,
+                                    stop),
+    )

@@ -1,0 +1,117 @@
+"""Moving decode requests' KV between the unified CPU cache and the device region.
+
+Batches that do not fit on the device stay (or are put back) in the host
+cache: before a batch's turn its requests are swapped in; when the device
+region is full, requests of *other* batches are swapped out, those whose
+turn comes last first (the batch that just ran). Every copy is asynchronous
+with an event; see :mod:`aegaeon_runtime.kv`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from aegaeon_common.transport import RemoteError
+from aegaeon_gpumem import OutOfBlocks
+from aegaeon_runtime.worker import Worker
+
+from aegaeon_decode.seq import Seq
+
+
+class KVCapacityError(RuntimeError):
+    """A single request needs more device KV than the whole region has."""
+
+
+class Residency:
+    """Swap-in/out decisions and bookkeeping for one decode instance."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.kv = worker.kv
+        self.num_swap_in = 0
+        self.num_swap_out = 0
+        self.control_s = 0.0  # bookkeeping time (paper Fig. 14: control overhead)
+
+    def accept(self, seq: Seq) -> None:
+        """Take over the handoff's host blocks from the prefill instance (lease)."""
+        if seq.host_blocks:
+            self.worker.cache.reassign_blocks(seq.host_blocks, self.worker.name, owner="")
+
+    def _alloc(self, seq: Seq, num_blocks: int, victims: Callable[[], Iterable[Seq]]) -> list[int]:
+        """Device blocks for ``seq``, swapping victims out until they fit."""
+        while True:
+            try:
+                return self.kv.alloc(seq.shape, num_blocks)
+            except OutOfBlocks:
+                victim = next(iter(victims()), None)
+                if victim is None:
+                    raise
+                self.swap_out(victim)
+
+    def swap_in(self, seq: Seq, victims: Callable[[], Iterable[Seq]]) -> None:
+        """Bring ``seq``'s KV to the device (asynchronously; ``seq.ready()`` tells when).
+
+        Room for its next write is allocated too. Raises KVCapacityError if it can
+        never fit, OutOfBlocks if it does not fit now and nothing can be evicted.
+        """
+        if seq.on_device:
+            return
+        start = time.perf_counter()
+        need = seq.blocks_needed()
+        if need > self.kv.capacity_blocks(seq.shape):
+            raise KVCapacityError(
+                f"request needs {need} KV blocks, the device region holds "
+                f"{self.kv.capacity_blocks(seq.shape)} of its shape"
+            )
+        num_host = len(seq.host_blocks)
+        blocks = self._alloc(seq, need, victims)
+        seq.ready_event = None
+        if num_host:
+            # The swap-in stream waits for the producer's copy (rule 2), not us.
+            event = self.kv.swap_in(seq.shape, seq.host_blocks, blocks[:num_host],
+                                    seq.host_event)
+            # The host copy can go once the swap-in has read it (rule 3).
+            self.kv.free_host(seq.host_blocks, event)
+            seq.ready_event = event
+        seq.device_blocks = blocks
+        seq.host_blocks, seq.host_event = [], None
+        seq.on_device = True
+        seq.num_swaps += 1
+        self.num_swap_in += 1
+        self.control_s += time.perf_counter() - start
+
+    def swap_out(self, seq: Seq) -> None:
+        """Put ``seq``'s KV back in the host cache and free its device blocks
+        once the copy has read them."""
+        if not seq.on_device:
+            return
+        start = time.perf_counter()
+        used = seq.shape.blocks_for(seq.num_tokens_in_kv)
+        keep, spare = seq.device_blocks[:used], seq.device_blocks[used:]
+        self.kv.free(seq.shape, spare, seq.ready_event)
+        if keep:
+            try:
+                seq.host_blocks, seq.host_event = self.kv.swap_out(seq.shape, keep)
+            except RemoteError:
+                # The host cache is full: keep the KV where it is.
+                seq.device_blocks = keep
+                raise
+        seq.device_blocks, seq.ready_event, seq.on_device = [], None, False
+        self.num_swap_out += 1
+        self.control_s += time.perf_counter() - start
+
+    def grow(self, seq: Seq, victims: Callable[[], Iterable[Seq]]) -> None:
+        """Make sure ``seq`` has a block for its next write."""
+        missing = seq.blocks_needed() - len(seq.device_blocks)
+        if missing > 0:
+            seq.device_blocks += self._alloc(seq, missing, victims)
+
+    def release(self, seq: Seq) -> None:
+        """The request ended: free whatever KV it holds, wherever it is."""
+        if seq.on_device:
+            self.kv.free(seq.shape, seq.device_blocks, seq.ready_event)
+        if seq.host_blocks:
+            self.kv.free_host(seq.host_blocks, seq.host_event)
+        seq.device_blocks, seq.host_blocks = [], []
+        seq.on_device = False

@@ -1,0 +1,87 @@
+"""A request on a decode instance: its tokens, sampling state and where its KV is.
+
+KV residency (paper §5.3):
+
+- ``host``: the KV is in the unified CPU cache (``host_blocks``); the copy that
+  put it there may still run (``host_event``, the producer's swap-out).
+- ``device``: the KV is in this instance's device region (``device_blocks``);
+  the swap-in copy may still run (``ready_event``): the request joins
+  decoding as soon as its own event completes (rule 1), not the batch's.
+- ``prefill``: request-level policies only: no KV yet, the prompt must be
+  prefilled here first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_engine import KVShape, SamplingParams
+from aegaeon_gpumem import Event
+
+
+@dataclass
+class Seq:
+    request_id: str
+    model: str
+    batch_id: int
+    shape: KVShape
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_len: int
+    arrival_s: float
+    tokens: list[int]  # generated so far (the prefill's first token included)
+    prompt_token_ids: list[int] | None = None  # request-level: prefill here
+    host_blocks: list[int] = field(default_factory=list)
+    host_event: Event | None = None
+    device_blocks: list[int] = field(default_factory=list)
+    ready_event: Event | None = None
+    on_device: bool = False
+    joined_s: float = field(default_factory=time.time)
+    prefill_timings: RequestTimings | None = None
+    decode_s: float = 0.0
+    kv_wait_s: float = 0.0
+    num_swaps: int = 0
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.prompt_token_ids is not None
+
+    @property
+    def position(self) -> int:
+        """Position of the newest token, the one the next decode step feeds."""
+        return self.prompt_len + len(self.tokens) - 1
+
+    @property
+    def num_tokens_in_kv(self) -> int:
+        """Positions whose K/V exist (the newest token's are written by the next step)."""
+        return self.position
+
+    def blocks_needed(self) -> int:
+        """Device blocks the next step needs (its write goes to ``position``)."""
+        return self.shape.blocks_for(self.position + 1)
+
+    def ready(self) -> bool:
+        """On device with its swap-in complete (rule 1 of §5.3)."""
+        if not self.on_device:
+            return False
+        if self.ready_event is not None:
+            if not self.ready_event.query():
+                return False
+            self.ready_event = None
+        return True
+
+    def timings(self, now_s: float) -> RequestTimings:
+        base = self.prefill_timings or RequestTimings()
+        total = max(0.0, now_s - self.joined_s)
+        return RequestTimings(
+            prefill_wait_s=base.prefill_wait_s,
+            prefill_s=base.prefill_s,
+            decode_wait_s=max(0.0, total - self.decode_s - self.kv_wait_s),
+            decode_s=self.decode_s,
+            kv_wait_s=self.kv_wait_s,
+            kv_control_s=base.kv_control_s,
+            extra={**base.extra, "swaps": float(self.num_swaps)},
+        )

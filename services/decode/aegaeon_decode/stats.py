@@ -1,0 +1,66 @@
+"""Counters a decode instance reports in its heartbeat."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from aegaeon_common.messages.report import InstanceStats, SwitchRecord
+from aegaeon_runtime.worker import Worker
+
+
+@dataclass
+class DecodeCounters:
+    """Written by the compute thread; ``snapshot`` runs on the event loop."""
+
+    rounds: int = 0
+    turns: int = 0
+    steps: int = 0
+    tokens: int = 0
+    decode_s: float = 0.0
+    switches: int = 0
+    switch_s: float = 0.0
+    prefetched_switches: int = 0
+    prefills: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    queued: int = 0
+    running: int = 0
+    new_switches: list[SwitchRecord] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def note_switch(self, record: SwitchRecord) -> None:
+        with self.lock:
+            self.switches += 1
+            self.switch_s += record.total_s
+            self.prefetched_switches += int(record.prefetched)
+            self.new_switches.append(record)
+
+    def snapshot(self, worker: Worker) -> InstanceStats:
+        with self.lock:
+            switches, self.new_switches = self.new_switches, []
+        pool = worker.kv.pool.stats()
+        counters = {
+            "rounds": float(self.rounds),
+            "turns": float(self.turns),
+            "steps": float(self.steps),
+            "tokens": float(self.tokens),
+            "decode_s": self.decode_s,
+            "switches": float(self.switches),
+            "switch_s": self.switch_s,
+            "prefetched_switches": float(self.prefetched_switches),
+            "prefills": float(self.prefills),
+            "cancelled": float(self.cancelled),
+            "failed": float(self.failed),
+            "kv_used_bytes": float(pool.slabs.used_bytes),
+            "kv_fragmentation": float(pool.slabs.fragmentation),
+        }
+        return InstanceStats(
+            kind=worker.kind,
+            index=worker.index,
+            active_model=worker.switcher.active_model,
+            queued=self.queued,
+            running=self.running,
+            counters=counters,
+            switches=switches,
+        )

@@ -1,0 +1,187 @@
+"""One turn: a batch decoded for its quota (paper §4.3, Alg. 2 lines 10-11; §5.3).
+
+Before the first step the batch's model is switched in and the next turn's
+model prefetched; every request's KV swap-in is launched. Then steps run until
+the quota is spent or the batch is empty: each step decodes the requests
+whose own KV has arrived (continuous batching: requests that arrive for the
+batch mid-turn join at the next step), streams their tokens and retires the
+finished ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from aegaeon_common.messages.report import PrefillDone, TokenItem
+from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_engine import DecodeSeq
+from aegaeon_gpumem import OutOfBlocks
+from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.sampling import finish_reason
+from aegaeon_runtime.worker import Worker
+from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel
+
+from aegaeon_decode.admit import Admission
+from aegaeon_decode.residency import KVCapacityError, Residency
+from aegaeon_decode.seq import Seq
+from aegaeon_decode.stats import DecodeCounters
+
+KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        worker: Worker,
+        work: DecodeWorkList,
+        admission: Admission,
+        residency: Residency,
+        outbox: Outbox,
+        counters: DecodeCounters,
+    ) -> None:
+        self.worker = worker
+        self.work = work
+        self.admission = admission
+        self.residency = residency
+        self.outbox = outbox
+        self.counters = counters
+        self.latency: LatencyModel | None = None
+        # Drains the instance's inbox between steps (set by the loop that owns it).
+        self.poll: Callable[[], None] = lambda: None
+        self._following: list[int] = []
+
+    # ---- estimates for the planner ---------------------------------------
+    def step_estimate(self, batch: DecodeBatch) -> float:
+        seqs = [self.admission.seqs[r] for r in batch.requests if r in self.admission.seqs]
+        context = sum(s.position + 1 for s in seqs)
+        assert self.latency is not None
+        return self.latency.decode_step_s(batch.model, max(1, len(seqs)), context)
+
+    def switch_estimate(self, model: str) -> float:
+        assert self.latency is not None
+        return self.latency.switch_s(model)
+
+    # ---- a turn ----------------------------------------------------------
+    def _seqs(self, batch: DecodeBatch) -> list[Seq]:
+        return [self.admission.seqs[r] for r in list(batch.requests) if r in self.admission.seqs]
+
+    def _victims(self, batch_id: int) -> Iterator[Seq]:
+        """Device-resident requests of other batches, the latest turn first."""
+        for other_id in reversed(self._following):
+            if other_id == batch_id:
+                continue
+            other = self.work.batch(other_id)
+            if other is None:
+                continue
+            for seq in self._seqs(other):
+                if seq.on_device:
+                    yield seq
+
+    def _make_resident(self, batch: DecodeBatch) -> None:
+        for seq in self._seqs(batch):
+            if seq.on_device or seq.needs_prefill:
+                continue
+            try:
+                self.residency.swap_in(seq, lambda: self._victims(batch.batch_id))
+            except KVCapacityError as exc:
+                self.admission.fail(seq, "kv_capacity", str(exc))
+            except OutOfBlocks:
+                return  # the rest waits for room (a later step or turn)
+
+    def run(
+        self, batch: DecodeBatch, quota_s: float, next_model: str | None, following: list[int]
+    ) -> None:
+        w = self.worker
+        self._following = following
+        self.counters.turns += 1
+        record = w.switcher.activate(batch.model)
+        if record is not None:
+            self.counters.note_switch(record)
+        if next_model is not None:
+            w.switcher.prefetch(next_model)
+        deadline = time.perf_counter() + quota_s
+        while time.perf_counter() < deadline:
+            self.poll()
+            if self.work.batch(batch.batch_id) is None:
+                return  # emptied
+            self._prefill_new(batch)
+            self._make_resident(batch)
+            seqs = self._seqs(batch)
+            ready = [s for s in seqs if s.ready()]
+            if not ready:
+                waiting = [s for s in seqs if s.on_device]
+                time.sleep(KV_POLL_S)
+                for s in waiting:
+                    s.kv_wait_s += KV_POLL_S
+                if not waiting and not any(s.needs_prefill for s in seqs):
+                    return  # nothing can run this turn (no room)
+                continue
+            self._step(batch, ready)
+
+    def _prefill_new(self, batch: DecodeBatch) -> None:
+        """Request-level policies: prefill the batch's new requests (prefill-first)."""
+        w = self.worker
+        for seq in self._seqs(batch):
+            if not seq.needs_prefill or seq.prompt_token_ids is None:
+                continue
+            start = time.time()
+            try:
+                blocks = self.residency._alloc(seq, seq.shape.blocks_for(seq.prompt_len + 1),
+                                               lambda: self._victims(batch.batch_id))
+            except OutOfBlocks:
+                return
+            seq.device_blocks, seq.on_device, seq.ready_event = blocks, True, None
+            logits = w.engine.prefill(seq.prompt_token_ids, blocks)
+            token = w.sampler.sample(logits[None], [seq.params], [seq.generator])[0]
+            seq.prompt_token_ids = None
+            seq.tokens.append(token)
+            done = time.time()
+            finish = finish_reason(token, 1, seq.params)
+            timings = RequestTimings(prefill_wait_s=max(0.0, start - seq.arrival_s),
+                                     prefill_s=done - start)  # fmt: skip
+            seq.prefill_timings = timings
+            seq.joined_s = done
+            self.counters.prefills += 1
+            self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
+                                         done))  # fmt: skip
+            if finish is not None:
+                self.admission.finish(seq)
+
+    def _step(self, batch: DecodeBatch, ready: list[Seq]) -> None:
+        w = self.worker
+        stepping: list[Seq] = []
+        for seq in ready:
+            try:
+                self.residency.grow(seq, lambda: self._victims(batch.batch_id))
+                stepping.append(seq)
+            except OutOfBlocks:
+                continue  # waits for room; decoded when blocks free up
+        if not stepping:
+            return
+        start = time.perf_counter()
+        logits = w.engine.decode(
+            [DecodeSeq(s.tokens[-1], s.position, s.device_blocks) for s in stepping]
+        )
+        tokens = w.sampler.sample(
+            logits, [s.params for s in stepping], [s.generator for s in stepping]
+        )
+        seconds = time.perf_counter() - start
+        now = time.time()
+        items: list[TokenItem] = []
+        context = 0
+        for seq, token in zip(stepping, tokens, strict=True):
+            context += seq.position + 1
+            seq.tokens.append(token)
+            seq.decode_s += seconds
+            finish = finish_reason(token, len(seq.tokens), seq.params)
+            timings = seq.timings(now) if finish else None
+            items.append(TokenItem(seq.request_id, [token], finish, timings))
+            if finish:
+                self.admission.finish(seq)
+        self.admission.emit(items)
+        self.counters.steps += 1
+        self.counters.tokens += len(stepping)
+        self.counters.decode_s += seconds
+        if self.latency is not None:
+            self.latency.observe_decode(batch.model, len(stepping), context, seconds)
