@@ -149,6 +149,7 @@ class LocalWorker:
     def _switch(self, model: str) -> bool:
         """Load ``model`` in place of the current one; on failure fail its waiting requests."""
         self._stepper = None  # drop the old weights and KV before allocating new ones
+        self.stats.loaded_model = None
         try:
             self._stepper = self._make_stepper(self._models[model])
         except Exception as exc:  # a model that cannot load fails its requests, not the worker

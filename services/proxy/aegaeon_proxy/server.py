@@ -43,9 +43,8 @@ class ProxyServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.proxy.host, self.config.proxy.port)
         await site.start()
-        server = site._server  # aiohttp exposes no public accessor for the bound port
-        sockets = getattr(server, "sockets", None) or ()
-        self.port = sockets[0].getsockname()[1] if sockets else self.config.proxy.port
+        addresses = self._runner.addresses  # (host, port, ...) of the bound sockets
+        self.port = int(addresses[0][1]) if addresses else self.config.proxy.port
         log.info("listening", url=self.url, models=list(self.config.model_names))
 
     async def stop(self) -> None:
