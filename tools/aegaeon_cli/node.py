@@ -7,6 +7,8 @@ from pathlib import Path
 from aegaeon_common.config import Config
 from aegaeon_common.process import is_ready
 
+UNIFIED_POLICIES = ("request-level", "request-level-sjf")
+
 from aegaeon_cli.supervisor import Child, python_argv
 
 
@@ -25,7 +27,12 @@ def build_children(config: Config, config_path: Path) -> list[Child]:
     """cachemgr, then the instances, then the proxy (which needs them all)."""
     cfg = str(config_path)
     children = [_child(config, "cachemgr", python_argv("cachemgr", "--config", cfg))]
-    for kind, count in (("prefill", config.prefill.instances), ("decode", config.decode.instances)):
+    counts = [("prefill", config.prefill.instances), ("decode", config.decode.instances)]
+    if config.scheduler.policy in UNIFIED_POLICIES:
+        # Request-level baselines: every worker is a unified instance (a decode
+        # process that also prefills), so both policies use the same workers.
+        counts = [("decode", config.prefill.instances + config.decode.instances)]
+    for kind, count in counts:
         for index in range(count):
             argv = python_argv(kind, "--config", cfg, "--index", str(index))
             children.append(_child(config, f"{kind}-{index}", argv))

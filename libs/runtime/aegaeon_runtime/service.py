@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.process import mark_ready, ready_path
 from aegaeon_common.transport import Puller, Pusher
 from aegaeon_common.wire import Channel, Message, WireError
+from aegaeon_sched import LatencyModel
 
 from aegaeon_runtime.bridge import ComputeThread, Inbox, Outbox
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
@@ -33,7 +35,15 @@ HEARTBEAT_S = 0.5
 
 
 class InstanceLoop(Protocol):
-    """What runs on an instance's compute thread."""
+    """What runs on an instance's compute thread.
+
+    ``run`` first profiles the worker (the latency model of its start-up
+    profile goes in ``latency``) and then sets ``ready``; the instance
+    announces itself only then.
+    """
+
+    ready: threading.Event
+    latency: LatencyModel | None
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (drain ``inbox``, compute, send via ``outbox``)."""
@@ -43,6 +53,25 @@ class InstanceLoop(Protocol):
 
 
 LoopFactory = Callable[[Worker, Inbox[Message], Outbox], InstanceLoop]
+
+
+def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
+    inst = instance_config(worker.config, worker.kind)
+    capacity = {
+        m: worker.kv.capacity_blocks(worker.kv_shape(m)) * worker.engine.block_size
+        for m in worker.specs
+    }
+    latency = json.dumps(instance.latency.to_dict()) if instance.latency else ""
+    return InstanceHello(
+        kind=worker.kind,
+        index=worker.index,
+        pid=os.getpid(),
+        kv_capacity_bytes=inst.kv_memory_bytes,
+        weights_capacity_bytes=worker.buffer.weights_capacity,
+        max_batch_size=worker.config.scheduler.max_batch_size,
+        capacity_tokens=capacity,
+        latency_json=latency,
+    )
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:
@@ -76,15 +105,10 @@ async def serve_instance(
 
     compute = ComputeThread(f"aegaeon-{name}", instance.run, loop, on_crash)
     compute.start()
-    inst = instance_config(config, kind)
-    hello = InstanceHello(
-        kind=kind,
-        index=index,
-        pid=os.getpid(),
-        kv_capacity_bytes=inst.kv_memory_bytes,
-        weights_capacity_bytes=worker.buffer.weights_capacity,
-        max_batch_size=config.scheduler.max_batch_size,
-    )
+    while not instance.ready.wait(0.05):  # the start-up profile
+        if crashed:
+            raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
+    hello = _hello(worker, instance)
 
     async def receive() -> None:
         while True:

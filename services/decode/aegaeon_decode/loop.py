@@ -25,7 +25,13 @@ from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Inbox, Outbox
 from aegaeon_runtime.profile import profile
 from aegaeon_runtime.worker import Worker
-from aegaeon_sched import BatchLoad, DecodeBatch, DecodeWorkList, RoundRobinPlanner
+from aegaeon_sched import (
+    BatchLoad,
+    DecodeBatch,
+    DecodeWorkList,
+    LatencyModel,
+    RoundRobinPlanner,
+)
 
 from aegaeon_decode.admit import Admission
 from aegaeon_decode.residency import Residency
@@ -52,6 +58,8 @@ class DecodeLoop:
             worker, self.work, self.admission, self.residency, outbox, self.counters
         )
         self._stop = threading.Event()
+        self.ready = threading.Event()
+        self.latency: LatencyModel | None = None
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
             EnqueueDecode: self.admission.enqueue,
             RunRequest: self.admission.run_request,
@@ -67,7 +75,8 @@ class DecodeLoop:
             self._handlers[type(msg)](msg)
 
     def run(self, stop: threading.Event) -> None:
-        self.turns.latency = profile(self.worker)
+        self.latency = self.turns.latency = profile(self.worker)
+        self.ready.set()
         self.turns.poll = lambda: self.apply(self.inbox.drain())
         while not (stop.is_set() or self._stop.is_set()):
             self.apply(self.inbox.drain() if len(self.work) else self.inbox.wait(IDLE_WAIT_S))

@@ -28,9 +28,10 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_common.wire import Message
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.profile import profile
 from aegaeon_runtime.sampling import engine_params, finish_reason
 from aegaeon_runtime.worker import Worker
-from aegaeon_sched import PrefillQueue, Request
+from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
 IDLE_WAIT_S = 0.05
 
@@ -58,6 +59,8 @@ class PrefillLoop:
         self.counters = Counters()
         self._lock = threading.Lock()  # counters are read by the heartbeat
         self._stop = threading.Event()
+        self.ready = threading.Event()
+        self.latency: LatencyModel | None = None
         self._depth = (0, 0)  # (queued, running): written here, read by the heartbeat
         self._handlers = {
             EnqueuePrefill: self._on_enqueue,
@@ -96,6 +99,8 @@ class PrefillLoop:
 
     # ---- the loop ----------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        self.latency = profile(self.worker)
+        self.ready.set()
         while not (stop.is_set() or self._stop.is_set()):
             head = self.queue.peek()
             self._apply(self.inbox.drain() if head else self.inbox.wait(IDLE_WAIT_S))

@@ -1,8 +1,8 @@
 """The hook that picks the backend ``aegaeon proxy`` serves with.
 
 The distributed backend (dispatch to prefill/decode instances over ZeroMQ)
-plugs in here; until it exists, the proxy command refuses to start rather
-than serve from something that is not the product.
+is the product; ``aegaeon proxy --local`` uses the in-process engine instead
+(development).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ __all__ = ["build_backend"]
 
 
 def build_backend(config: Config) -> Backend:
-    """The backend for a deployment described by ``config``."""
-    raise NotImplementedError(
-        "the distributed backend (prefill/decode instances over ZeroMQ) is not written yet; "
-        "for development use aegaeon_proxy.local_backend.LocalEngineBackend"
-    )
+    """The backend for a deployment described by ``config``: the distributed one."""
+    from aegaeon_proxy.cluster.backend import ClusterBackend
+
+    return ClusterBackend(config)

@@ -19,6 +19,11 @@ class InstanceHello(Message):
     kv_capacity_bytes: int  # device KV region
     weights_capacity_bytes: int
     max_batch_size: int
+    # Device KV capacity in tokens of each model's KV shape (decode placement).
+    capacity_tokens: dict[str, int] = field(default_factory=dict)
+    # The instance's fitted latency model (aegaeon_sched.LatencyModel.to_dict()
+    # as JSON), from its start-up profile; "" until profiled.
+    latency_json: str = ""
 
 
 @dataclass(frozen=True)

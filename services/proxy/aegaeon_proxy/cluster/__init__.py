@@ -1,0 +1,1 @@
+"""The distributed backend: policy-driven dispatch to prefill/decode instances."""

@@ -1,0 +1,112 @@
+"""Carrying out a policy's actions as messages to instances, in order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
+from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
+from aegaeon_common.wire import Message
+from aegaeon_sched import Action, Cancel, PlaceDecode, Reject, RunOnInstance
+from aegaeon_sched import EnqueuePrefill as EnqueuePrefillAction
+
+from aegaeon_proxy.cluster.instances import InstanceView
+
+if TYPE_CHECKING:
+    from aegaeon_proxy.cluster.backend import ClusterBackend
+
+log = get_logger("cluster")
+
+
+class ActionRunner:
+    """Turns actions into messages; one ordered outgoing queue for all instances."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self.backend = backend
+        self._out: asyncio.Queue[tuple[InstanceView, Message]] | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._table = {
+            EnqueuePrefillAction: self._enqueue_prefill,
+            PlaceDecode: self._place_decode,
+            RunOnInstance: self._run_on_instance,
+            Cancel: self._cancel,
+            Reject: self._reject,
+        }
+
+    def _send(self, instance: str, msg: Message) -> None:
+        view = self.backend.instances.views.get(instance)
+        if view is None:
+            log.error("action for an unknown instance", instance=instance, tag=msg.TAG)
+            return
+        if self._out is None:
+            self._out = asyncio.Queue()
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump())
+        self._out.put_nowait((view, msg))
+
+    async def _run_pump(self) -> None:
+        assert self._out is not None
+        while True:
+            view, msg = await self._out.get()
+            await view.send(msg)
+
+    async def flush(self) -> None:
+        if self._out is not None:
+            while not self._out.empty():
+                view, msg = self._out.get_nowait()
+                await view.send(msg)
+        if self._pump is not None:
+            self._pump.cancel()
+
+    def run(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            self._table[type(action)](action)  # type: ignore[operator]
+
+    # ---- one handler per action type -----------------------------------------
+    def _enqueue_prefill(self, action: EnqueuePrefillAction) -> None:
+        tracked = self.backend.requests.get(action.request.request_id)
+        if tracked is None:
+            return
+        tracked.instance = action.instance
+        gen = tracked.gen
+        self._send(
+            action.instance,
+            EnqueuePrefill(gen.request_id, gen.model, action.group_id,
+                           list(gen.prompt_token_ids), tracked.sampling, gen.arrival_s),
+        )  # fmt: skip
+
+    def _place_decode(self, action: PlaceDecode) -> None:
+        tracked = self.backend.requests.get(action.request.request_id)
+        if tracked is None or tracked.handoff is None or tracked.first_token_id is None:
+            return
+        tracked.instance = action.instance
+        gen = tracked.gen
+        self._send(
+            action.instance,
+            EnqueueDecode(
+                request_id=gen.request_id, model=gen.model, batch_id=action.batch_id,
+                prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
+                num_generated=tracked.num_generated, sampling=tracked.sampling,
+                handoff=tracked.handoff, arrival_s=gen.arrival_s,
+            ),
+        )  # fmt: skip
+
+    def _run_on_instance(self, action: RunOnInstance) -> None:
+        tracked = self.backend.requests.get(action.request.request_id)
+        if tracked is None:
+            return
+        tracked.instance = action.instance
+        gen = tracked.gen
+        self._send(
+            action.instance,
+            RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), tracked.sampling,
+                       gen.arrival_s),
+        )  # fmt: skip
+
+    def _cancel(self, action: Cancel) -> None:
+        self._send(action.instance, CancelRequest(action.request_id))
+
+    def _reject(self, action: Reject) -> None:
+        self.backend._end(action.request.request_id, "error", action.reason)

@@ -1,0 +1,264 @@
+"""The distributed backend: the global scheduler driving instances over ZeroMQ.
+
+The proxy owns the configured policy (``libs/sched``: Aegaeon's Algorithms 1-2,
+or a request-level baseline) and carries out its actions as messages to the
+instances; instances report first tokens with their KV handoffs, step tokens,
+failures and heartbeats on one PULL socket. Everything here runs on the
+proxy's event loop; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq.asyncio
+from aegaeon_common.config import Config
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.cache import REPLIES, CacheStats, FreeBlocks, GetStats
+from aegaeon_common.messages.report import (
+    REPORT_CHANNEL,
+    InstanceHello,
+    InstanceStats,
+    PrefillDone,
+    RequestFailed,
+    StepTokens,
+)
+from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.transport import Puller, RemoteError, RpcClient
+from aegaeon_common.wire import Message, WireError, to_plain
+from aegaeon_sched import Policy, Request
+
+from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
+from aegaeon_proxy.cluster.actions import ActionRunner
+from aegaeon_proxy.cluster.instances import Instances
+from aegaeon_proxy.cluster.policy import UNIFIED_POLICIES, build_policy
+from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
+
+log = get_logger("cluster")
+MONITOR_S = 0.5
+
+
+class ClusterBackend:
+    """A :class:`~aegaeon_proxy.backend.Backend` over prefill/decode instances."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.unified = config.scheduler.policy in UNIFIED_POLICIES
+        self.ctx = zmq.asyncio.Context()
+        self.instances = Instances.connect(config, self.ctx, self.unified)
+        self.requests: dict[str, Tracked] = {}
+        self.policy: Policy | None = None
+        self.timings = TimingLog()
+        self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0}
+        self._reports = Puller(self.ctx, config.proxy_address, REPORT_CHANNEL, bind=True)
+        self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._actions = ActionRunner(self)
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            InstanceHello: self._on_hello,
+            InstanceStats: self._on_stats,
+            PrefillDone: self._on_prefill_done,
+            StepTokens: self._on_step_tokens,
+            RequestFailed: self._on_failed,
+        }
+
+    # ---- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._monitor())]
+
+    async def stop(self) -> None:
+        for tracked in list(self.requests.values()):
+            tracked.queue.finish("cancelled")
+        self.requests.clear()
+        for task in self._tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._actions.flush()
+        self._reports.close()
+        self._cache.close()
+        self.instances.close()
+        self.ctx.term()
+
+    def ready(self) -> bool:
+        return self.policy is not None and self.instances.all_alive()
+
+    # ---- requests ------------------------------------------------------------
+    def submit(self, req: GenerationRequest) -> TokenQueue:
+        if not self.ready() or self.policy is None:
+            down = [v.name for v in self.instances if not v.alive(time.monotonic())]
+            what = ", ".join(down) or "starting"
+            raise BackendError.unavailable(f"instances unavailable: {what}")
+        if len(self.requests) >= self.config.proxy.max_queued_requests:
+            raise BackendError.overloaded(
+                f"{len(self.requests)} requests in flight (limit "
+                f"{self.config.proxy.max_queued_requests})",
+                retry_after_s=1.0,
+            )
+        s = req.sampling
+        sampling = SamplingSpec(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )  # fmt: skip
+        sched = Request(
+            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
+            oracle_output_len=s.max_tokens if s.ignore_eos else None,
+        )  # fmt: skip
+        tracked = Tracked(req, sched, sampling, TokenQueue())
+        self.requests[req.request_id] = tracked
+        self._actions.run(self.policy.on_arrival(sched, time.time()))
+        return tracked.queue
+
+    async def cancel(self, request_id: str) -> None:
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None or self.policy is None:
+            return
+        self.counters["cancelled"] += 1
+        self.timings.add(tracked, "cancelled", None)
+        self._actions.run(self.policy.on_request_cancelled(request_id, time.time()))
+        tracked.queue.finish("cancelled")
+
+    def _end(self, request_id: str, reason: str, error: str | None = None) -> Tracked | None:
+        """The request is over (finished or failed): tell the policy, close the stream."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        if reason == "error":
+            self.counters["failed"] += 1
+            tracked.queue.finish("error", error)
+        else:
+            self.counters["finished"] += 1
+        if self.policy is not None:
+            self._actions.run(self.policy.on_request_finished(request_id, time.time()))
+        return tracked
+
+    # ---- reports -------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            try:
+                msg = await self._reports.recv()
+            except WireError as exc:
+                log.warning("bad report frame", error=str(exc))
+                continue
+            self._handlers[type(msg)](msg)
+
+    def _on_hello(self, msg: InstanceHello) -> None:
+        view, restarted = self.instances.on_hello(msg)
+        if view is None:
+            log.warning("hello from an unknown instance", kind=msg.kind, index=msg.index)
+            return
+        if restarted:
+            self._fail_instance(view.name, f"instance {view.name} restarted")
+        if self.policy is None and all(v.hello is not None for v in self.instances):
+            self.policy = build_policy(self.config, self.instances, self.unified)
+            log.info("policy ready", policy=self.policy.name)
+
+    def _on_stats(self, msg: InstanceStats) -> None:
+        self.instances.on_stats(msg)
+
+    def _on_prefill_done(self, msg: PrefillDone) -> None:
+        tracked = self.requests.get(msg.request_id)
+        if tracked is None:
+            if msg.handoff is not None:  # cancelled meanwhile: nobody will claim the KV
+                self._free_orphan(f"prefill-{msg.index}", msg.handoff.block_offsets)
+            return
+        tracked.num_generated = 1
+        tracked.first_token_id = msg.token_id
+        tracked.handoff = msg.handoff
+        tracked.prefill_timings = msg.timings
+        tracked.queue.push(TokenChunk((msg.token_id,), msg.finish_reason))  # type: ignore[arg-type]
+        if msg.finish_reason is not None:
+            self.timings.add(tracked, msg.finish_reason, msg.timings)
+            self._end(msg.request_id, msg.finish_reason)
+            return
+        assert self.policy is not None
+        instance = tracked.instance or ""
+        measured = msg.timings.extra.get("prefill_compute_s", msg.timings.prefill_s)
+        self._actions.run(
+            self.policy.on_prefill_done(instance, msg.request_id, measured, time.time())
+        )
+
+    def _on_step_tokens(self, msg: StepTokens) -> None:
+        for item in msg.items:
+            tracked = self.requests.get(item.request_id)
+            if tracked is None:
+                continue  # cancelled; the instance already got the cancel
+            tracked.num_generated += len(item.token_ids)
+            reason = item.finish_reason
+            tracked.queue.push(TokenChunk(tuple(item.token_ids), reason))  # type: ignore[arg-type]
+            if reason is not None:
+                self.timings.add(tracked, reason, item.timings)
+                self._end(item.request_id, reason)
+
+    def _on_failed(self, msg: RequestFailed) -> None:
+        tracked = self.requests.get(msg.request_id)
+        if tracked is not None:
+            self.timings.add(tracked, "error", None)
+        self._end(msg.request_id, "error", f"{msg.kind}-{msg.index}: {msg.code}: {msg.message}")
+
+    # ---- failures --------------------------------------------------------------
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_S)
+            for view in self.instances.newly_dead():
+                log.error("instance down", instance=view.name)
+                self._fail_instance(view.name, f"instance {view.name} is down")
+
+    def _fail_instance(self, name: str, why: str) -> None:
+        for request_id in [r for r, t in self.requests.items() if t.instance == name]:
+            self._end(request_id, "error", why)
+
+    def _free_orphan(self, owner: str, offsets: list[int]) -> None:
+        async def free() -> None:
+            with contextlib.suppress(RemoteError, TimeoutError):
+                await self._cache.call(FreeBlocks(owner, list(offsets), None), timeout_s=5.0)
+
+        self._tasks.append(asyncio.get_running_loop().create_task(free()))
+
+    # ---- observability ---------------------------------------------------------
+    def health(self) -> dict[str, object]:
+        now = time.monotonic()
+        return {
+            "policy": self.config.scheduler.policy,
+            "ready": self.ready(),
+            "requests": len(self.requests),
+            "instances": {
+                v.name: {"alive": v.alive(now), "pid": v.pid,
+                         "active_model": v.stats.active_model if v.stats else None}
+                for v in self.instances
+            },
+        }
+
+    def metrics(self) -> str:
+        from aegaeon_proxy.cluster.metrics import render_metrics
+
+        return render_metrics(self)
+
+    async def stats(self) -> dict[str, object]:
+        """Everything the benchmarks read: instance counters, switches, timings, cache."""
+        cache: dict[str, Any] | None = None
+        with contextlib.suppress(RemoteError, TimeoutError):
+            reply = await self._cache.call(GetStats(), timeout_s=5.0)
+            if isinstance(reply, CacheStats):
+                cache = to_plain(reply)
+        return {
+            "policy": self.config.scheduler.policy,
+            "counters": dict(self.counters),
+            "instances": {
+                v.name: to_plain(v.stats) if v.stats else None for v in self.instances
+            },
+            "switches": [{"instance": n, **to_plain(r)} for n, r in self.instances.switches],
+            "timings": [
+                {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
+                 "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
+                 **to_plain(r.timings)}
+                for r in self.timings.records
+            ],
+            "cache": cache,
+        }

@@ -1,0 +1,113 @@
+"""The proxy's view of the instances: addresses, liveness, counters, switches.
+
+Liveness comes from the instances' heartbeats (hello + stats every 0.5 s): an
+instance silent for ``DEAD_AFTER_S`` is down, and one that says hello with a
+new pid was restarted; in both cases the requests it held are lost and fail.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+from aegaeon_common.config import Config
+from aegaeon_common.messages.report import InstanceHello, InstanceStats, SwitchRecord
+from aegaeon_common.transport import Pusher
+from aegaeon_common.wire import Message
+
+DEAD_AFTER_S = 5.0
+MAX_SWITCH_RECORDS = 20000
+
+
+@dataclass
+class InstanceView:
+    name: str  # "prefill-0", "decode-1": the policy's InstanceId
+    kind: str  # the process kind: "prefill" | "decode"
+    index: int
+    pusher: Pusher
+    pid: int | None = None
+    last_seen_s: float = 0.0
+    hello: InstanceHello | None = None
+    stats: InstanceStats | None = None
+
+    def alive(self, now_s: float) -> bool:
+        return self.pid is not None and now_s - self.last_seen_s < DEAD_AFTER_S
+
+    async def send(self, msg: Message) -> None:
+        await self.pusher.send(msg)
+
+
+@dataclass
+class Instances:
+    """Every configured instance, alive or not."""
+
+    views: dict[str, InstanceView]
+    switches: deque[tuple[str, SwitchRecord]] = field(
+        default_factory=lambda: deque(maxlen=MAX_SWITCH_RECORDS)
+    )
+
+    @classmethod
+    def connect(cls, config: Config, ctx: zmq.asyncio.Context, unified: bool) -> Instances:
+        """Pushers to every instance the node runs (see ``aegaeon_cli.node``).
+
+        Request-level policies run every worker as a unified instance: decode
+        processes ``decode-0..P+D-1``.
+        """
+        views: dict[str, InstanceView] = {}
+        if unified:
+            total = config.prefill.instances + config.decode.instances
+            kinds = [("decode", i, config.decode_address(i)) for i in range(total)]
+        else:
+            kinds = [
+                ("prefill", i, config.prefill_address(i)) for i in range(config.prefill.instances)
+            ]
+            kinds += [
+                ("decode", i, config.decode_address(i)) for i in range(config.decode.instances)
+            ]
+        for kind, index, address in kinds:
+            name = f"{kind}-{index}"
+            views[name] = InstanceView(name, kind, index, Pusher(ctx, address))
+        return cls(views)
+
+    def __iter__(self) -> Iterator[InstanceView]:
+        return iter(self.views.values())
+
+    def get(self, kind: str, index: int) -> InstanceView | None:
+        return self.views.get(f"{kind}-{index}")
+
+    def on_hello(self, msg: InstanceHello) -> tuple[InstanceView | None, bool]:
+        """Record a hello; returns (view, restarted: it had another pid before)."""
+        view = self.get(msg.kind, msg.index)
+        if view is None:
+            return None, False
+        restarted = view.pid is not None and view.pid != msg.pid
+        view.pid, view.hello, view.last_seen_s = msg.pid, msg, time.monotonic()
+        return view, restarted
+
+    def on_stats(self, msg: InstanceStats) -> InstanceView | None:
+        view = self.get(msg.kind, msg.index)
+        if view is None or view.pid is None:
+            return None
+        view.stats, view.last_seen_s = msg, time.monotonic()
+        for record in msg.switches:
+            self.switches.append((view.name, record))
+        return view
+
+    def all_alive(self) -> bool:
+        now = time.monotonic()
+        return all(v.alive(now) for v in self)
+
+    def newly_dead(self) -> list[InstanceView]:
+        """Instances whose heartbeat stopped; they are forgotten until a new hello."""
+        now = time.monotonic()
+        dead = [v for v in self if v.pid is not None and not v.alive(now)]
+        for view in dead:
+            view.pid = None
+        return dead
+
+    def close(self) -> None:
+        for view in self:
+            view.pusher.close()

@@ -1,0 +1,51 @@
+"""Building the configured policy once every instance has announced itself."""
+
+from __future__ import annotations
+
+import json
+
+from aegaeon_common.config import Config
+from aegaeon_sched import ClusterSpec, LatencyModel, Policy, PolicyOptions, make_policy
+
+from aegaeon_proxy.cluster.instances import Instances
+
+UNIFIED_POLICIES = ("request-level", "request-level-sjf")
+
+
+def _latency(instances: Instances) -> LatencyModel:
+    """The prefill instances' start-up profile (Alg. 1 needs prefill estimates);
+    any instance's when the policy has no prefill instances."""
+    ordered = sorted(instances, key=lambda v: v.kind != "prefill")
+    for view in ordered:
+        if view.hello is not None and view.hello.latency_json:
+            return LatencyModel.from_dict(json.loads(view.hello.latency_json))
+    raise RuntimeError("no instance reported a latency profile")
+
+
+def _min_capacity(instances: Instances, kind: str) -> dict[str, int]:
+    capacity: dict[str, int] = {}
+    for view in instances:
+        if view.kind != kind or view.hello is None:
+            continue
+        for model, tokens in view.hello.capacity_tokens.items():
+            capacity[model] = min(tokens, capacity.get(model, tokens))
+    return capacity
+
+
+def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
+    names = [v.name for v in instances]
+    if unified:
+        cluster = ClusterSpec(prefill_instances=(), decode_instances=tuple(names))
+    else:
+        cluster = ClusterSpec(
+            prefill_instances=tuple(n for n in names if n.startswith("prefill-")),
+            decode_instances=tuple(n for n in names if n.startswith("decode-")),
+        )
+    capacity = _min_capacity(instances, "decode")
+    options = PolicyOptions(
+        max_group_size=config.scheduler.max_group_size,
+        max_batch_size=config.scheduler.max_batch_size,
+        decode_capacity_tokens=capacity,
+        unified_capacity_tokens=capacity,
+    )
+    return make_policy(config.scheduler.policy, cluster, _latency(instances), options)
