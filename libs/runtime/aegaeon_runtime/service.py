@@ -105,7 +105,8 @@ async def serve_instance(
 
     compute = ComputeThread(f"aegaeon-{name}", instance.run, loop, on_crash)
     compute.start()
-    while not instance.ready.wait(0.05):  # the start-up profile
+    while not instance.ready.is_set():  # the start-up profile (needs this loop running)
+        await asyncio.sleep(0.05)
         if crashed:
             raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
     hello = _hello(worker, instance)
