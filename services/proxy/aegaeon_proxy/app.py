@@ -29,6 +29,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/health", info.health),
     ("GET", "/ready", info.ready),
     ("GET", "/metrics", info.metrics),
+    ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
 ]
 
 

@@ -53,3 +53,12 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     text = state.metrics.render() + state.backend.metrics()
     return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
+async def aegaeon_stats(request: web.Request) -> web.Response:
+    """``GET /v1/aegaeon/stats``: the backend's detailed counters as JSON (benchmarks
+    read switches, per-request timings and cache stats here); 404 if it has none."""
+    stats = getattr(request.app[STATE].backend, "stats", None)
+    if stats is None:
+        raise APIError(404, "this backend reports no detailed stats", code="not_found")
+    return web.json_response(await stats())
