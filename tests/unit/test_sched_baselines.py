@@ -157,5 +157,23 @@ def test_static_mux_respects_the_weight_budget() -> None:
 
 def test_factory_builds_every_policy_by_name() -> None:
     cluster = ClusterSpec(("p0",), ("d0", "d1"))
-    for name in ("aegaeon", "request-level", "request-level-sjf", "static-mux"):
+    for name in (
+        "aegaeon", "request-level", "request-level-sjf", "request-level-pinned", "static-mux",
+    ):  # fmt: skip
         assert make_policy(name, cluster, _latency()).name == name
+
+
+def test_pinned_requests_wait_for_their_instance_even_if_another_goes_idle() -> None:
+    from aegaeon_sched import PinnedRequestLevelPolicy
+
+    for policy, expect in ((RequestLevelPolicy(["g0", "g1"]), "g1"),
+                           (PinnedRequestLevelPolicy(["g0", "g1"]), None)):  # fmt: skip
+        policy.on_arrival(_req(0, "x", 0.0, out=1000), 0.0)  # g0, long
+        policy.on_arrival(_req(1, "y", 0.1, out=10), 0.1)  # g1, short
+        assert policy.on_arrival(_req(2, "z", 0.2), 0.2) == []  # nowhere to start
+        runs = _runs(policy.on_request_finished("r1", 1.0))  # g1 goes idle
+        if expect is None:
+            assert runs == []  # z is pinned behind x on g0
+            assert _runs(policy.on_request_finished("r0", 10.0)) == [("g0", "r2", "z")]
+        else:
+            assert runs == [("g1", "r2", "z")]

@@ -18,6 +18,7 @@ POLICY_LABELS = {
     "aegaeon": "Aegaeon",
     "request-level": "ServerlessLLM (request-level FCFS)",
     "request-level-sjf": "ServerlessLLM+ (request-level SJF)",
+    "request-level-pinned": "ServerlessLLM, pinned at arrival (artifact-style)",
     "static-mux": "MuxServe-like (static, 2 models/GPU)",
 }
 THRESHOLD = 0.9
@@ -52,7 +53,7 @@ def _models(lo: int, hi: int, step: int) -> tuple[float, ...]:
     return tuple(float(m) for m in range(lo, hi + 1, step))
 
 
-_RPS_GRID = tuple(round(0.05 * i, 2) for i in range(1, 16))
+_RPS_GRID = tuple(round(0.05 * i, 2) for i in range(1, 21))
 
 FIGURES: dict[str, tuple[Panel, ...]] = {
     "11a": (Panel("rps0.1", "ShareGPT, RPS = 0.1 per model", "models", _models(16, 112, 8)),),

@@ -11,6 +11,7 @@ COLORS = {
     "aegaeon": "#d62728",
     "request-level": "#1f77b4",
     "request-level-sjf": "#2ca02c",
+    "request-level-pinned": "#9467bd",
     "static-mux": "#7f7f7f",
 }
 

@@ -55,6 +55,7 @@ class Scenario:
     # Request-level baselines' switch: None = Eq. 4 like Aegaeon (the same
     # optimised loading); a rate = weight_bytes / rate (the artifact: 16e9).
     baseline_switch_bytes_per_s: float | None = None
+    always_advance: bool = False  # see Simulation: validates the lazy advancement
 
     @property
     def slo(self) -> SLO:
@@ -109,7 +110,10 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
         gpu_weight_budget_bytes=int(hw.usable_bytes),
     )
     policy = make_policy(sc.policy, cluster, lat, options)
-    sim = Simulation(policy, lat, requests, kv_bytes_per_s=hw.pcie_effective_bytes_per_s)
+    sim = Simulation(
+        policy, lat, requests, kv_bytes_per_s=hw.pcie_effective_bytes_per_s,
+        always_advance=sc.always_advance,
+    )  # fmt: skip
     if sc.policy == "aegaeon":
         planner = RoundRobinPlanner(tbt_s=sc.slo.tbt_s, q_max_s=sc.q_max_s)
         prefills = [sim.add_prefill(name) for name in cluster.prefill_instances]

@@ -93,3 +93,29 @@ def check(case: TheoremCase, *, horizon_s: float, seed: int) -> tuple[float, flo
     warmup = min(10 * case.service_s, horizon_s / 2)
     series = active_count_series(intervals, warmup, horizon_s)
     return time_average(series, horizon_s), case.expected
+
+
+def serving_check(
+    traces: list[tuple[str, float, float]],
+    num_models: int,
+    rate: float,
+    start_s: float,
+    end_s: float,
+) -> tuple[float, float, float]:
+    """Theorem 3.1 on a served run: (time-average active models, formula, mean T).
+
+    ``traces``: (model, arrival, finish) of every request; a model is active
+    while one of its requests is in the system (queued or running), and T is
+    the mean time in the system.
+    """  # fmt: skip
+    per_model: dict[str, list[tuple[float, float]]] = {}
+    for model, a, b in sorted(traces, key=lambda t: t[1]):
+        merged = per_model.setdefault(model, [])
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    series = active_count_series(list(per_model.values()), start_s, end_s)
+    mean_t = sum(b - a for _, a, b in traces) / len(traces)
+    expected = num_models * (1.0 - math.exp(-rate * mean_t))
+    return time_average(series, end_s), expected, mean_t

@@ -5,8 +5,8 @@ figures: the median and mean of the (input, output) token lengths of the
 request traces the paper's artifact sampled from ShareGPT
 (``aegaeon/sim/simdata/synth-*-1.0-1.0.csv`` in the 25SOSP-Aegaeon
 repository, 71.8k rows): input median 585 / mean 699 tokens, output median
-265 / mean 294 tokens (their p90s are 1556 and 574; the fits give 1267 and
-476, so the lognormal tails are lighter than the data's, which if anything
+265 / mean 294 tokens (their p90s are 1556 and 574; the fits give 1257 and
+475, so the lognormal tails are lighter than the data's, which if anything
 spares the request-level baselines some head-of-line blocking). A lognormal
 with median ``M`` and mean ``A`` has ``mu = ln M``, ``sigma = sqrt(2 ln(A/M))``.
 

@@ -34,6 +34,7 @@ from aegaeon_sched.prefill import (
 from aegaeon_sched.quota import Q_MAX_S, BatchLoad, RoundPlan, RoundRobinPlanner, Turn
 from aegaeon_sched.request import InstanceId, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
+from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
 from aegaeon_sched.slo import (
     SLO,
     RequestTrace,
@@ -65,6 +66,7 @@ __all__ = [
     "InstanceId",
     "LatencyModel",
     "ModelSpec",
+    "PinnedRequestLevelPolicy",
     "PlaceDecode",
     "Policy",
     "PolicyOptions",

@@ -11,6 +11,7 @@ from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.prefill import MAX_GPSIZE
 from aegaeon_sched.request import InstanceId
 from aegaeon_sched.request_level import RequestLevelPolicy
+from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
 from aegaeon_sched.static_mux import StaticMuxPolicy
 
 
@@ -68,6 +69,16 @@ def _request_level(sjf: bool) -> Callable[[ClusterSpec, LatencyModel, PolicyOpti
     return build
 
 
+def _request_level_pinned(
+    cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions
+) -> Policy:
+    return PinnedRequestLevelPolicy(
+        cluster.unified_instances,
+        max_batch_size=opts.max_batch_size,
+        capacity_tokens=opts.unified_capacity_tokens,
+    )
+
+
 def _static_mux(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
     loads = dict(opts.model_loads) or dict.fromkeys(latency.specs, 1.0)
     return StaticMuxPolicy(
@@ -83,6 +94,7 @@ POLICIES: dict[str, Callable[[ClusterSpec, LatencyModel, PolicyOptions], Policy]
     "aegaeon": _aegaeon,
     "request-level": _request_level(sjf=False),
     "request-level-sjf": _request_level(sjf=True),
+    "request-level-pinned": _request_level_pinned,
     "static-mux": _static_mux,
 }
 
