@@ -70,7 +70,9 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]
         from aegaeon_market import default_market_dir, ensure_market
 
         market = (args.market or default_market_dir()).resolve()
-        ensure_market(market)
+        if not (market / "market.json").exists():  # an existing market is served as it is
+            print(f"Building the default market in {market} ...", file=sys.stderr, flush=True)
+            ensure_market(market)
         raw = default_config_dict(market, args.port or 8000)
         base = Path.cwd()
         source = "<embedded default>"

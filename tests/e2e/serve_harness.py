@@ -1,0 +1,97 @@
+"""Start `aegaeon serve` as a user would, and stop it; check it leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+READY_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Served:
+    url: str
+    run_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def get_json(self, path: str) -> dict[str, object]:
+        with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+            data = json.loads(resp.read())
+        assert isinstance(data, dict)
+        return data
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+
+def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
+    port = free_port()
+    log_path = run_dir.parent / f"{run_dir.name}-serve.log"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = log_path.open("wb")
+    argv = [sys.executable, "-m", "aegaeon_cli.main", "serve", "--market", str(market),
+            "--port", str(port), "--run-dir", str(run_dir), *extra]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    out.close()
+    served = Served(f"http://127.0.0.1:{port}", run_dir, proc, log_path)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"aegaeon serve exited ({proc.returncode}):\n{served.log_tail()}")
+        if "Aegaeon is serving" in log_path.read_text(errors="replace"):
+            return served
+        time.sleep(0.2)
+    stop_serve(served)
+    raise RuntimeError(f"aegaeon serve not ready in {READY_TIMEOUT_S} s:\n{served.log_tail()}")
+
+
+def shm_segments(run_dir: Path) -> list[str]:
+    """Shared-memory segments of this deployment (named after its run dir)."""
+    from aegaeon_common.config import Config
+
+    prefix = Config(models=(), run_dir=run_dir).shm_prefix
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}*"))
+
+
+def stop_serve(served: Served, timeout_s: float = 60.0) -> list[psutil.Process]:
+    """SIGINT (Ctrl-C) and wait; returns the processes that outlived it (killed)."""
+    children = served.children()
+    if served.proc.poll() is None:
+        served.proc.send_signal(signal.SIGINT)
+        try:
+            served.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+            served.proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    for proc in alive:
+        proc.kill()
+    return alive

@@ -1,0 +1,165 @@
+"""Through `aegaeon serve` with the official `openai` client: what a user does."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import openai
+import pytest
+from serve_harness import Served
+
+
+def _client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def _models(served: Served) -> list[str]:
+    return [m.id for m in _client(served).models.list().data]
+
+
+def test_models_come_from_the_market(served: Served, small_market: Path) -> None:
+    index = json.loads((small_market / "market.json").read_text())
+    assert _models(served) == [m["name"] for m in index["models"]]
+
+
+def test_three_models_stream_and_not(served: Served) -> None:
+    client = _client(served)
+    models = _models(served)[:3]
+    assert len(set(models)) == 3
+    results: dict[str, tuple[str, str]] = {}
+
+    def one(model: str) -> None:
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Tell me about ships."}],
+            max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage is not None and chat.usage.completion_tokens == 12
+        stream = client.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        pieces, usage, finish = [], None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.text)
+                finish = choice.finish_reason or finish
+        assert finish == "length"
+        assert usage is not None and usage.completion_tokens == 12
+        results[model] = (chat.choices[0].message.content or "", "".join(pieces))
+
+    threads = [threading.Thread(target=one, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results) == sorted(models)
+    assert all(stream_text for _, stream_text in results.values())
+
+
+def _engine_alone(model_dir: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    from aegaeon_engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="bfloat16")
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    return llm.generate([prompt_ids], params)[0]
+
+
+def test_greedy_tokens_equal_the_engine_alone_across_switches(
+    served: Served, small_market: Path
+) -> None:
+    """A -> B -> A on the same instances gives A the same tokens as a fresh engine."""
+    from tokenizers import Tokenizer
+
+    client = _client(served)
+    model_a, model_b = _models(served)[:2]
+    prompt_ids = [5, 17, 99, 3, 250, 41, 7, 12, 600, 33, 21, 8, 19, 77, 101, 4, 16, 2]
+    n = 24
+    want = _engine_alone(small_market / model_a, prompt_ids, n)
+    tokenizer = Tokenizer.from_file(str(small_market / model_a / "tokenizer.json"))
+    want_text = tokenizer.decode(want, skip_special_tokens=True)
+
+    def ask(model: str) -> str:
+        reply = client.completions.create(
+            model=model, prompt=prompt_ids, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return reply.choices[0].text
+
+    first = ask(model_a)
+    ask(model_b)  # forces both instances to switch away from A ...
+    again = ask(model_a)  # ... and back
+    assert first == want_text
+    assert again == want_text
+
+
+def _stats(served: Served) -> dict[str, object]:
+    return served.get_json("/v1/aegaeon/stats")
+
+
+def _kv_in_use(served: Served) -> tuple[float, float]:
+    stats = _stats(served)
+    cache = stats["cache"]
+    assert isinstance(cache, dict)
+    host_used = float(cache["kv"]["used_bytes"]) + float(cache["kv"]["move_list_blocks"])
+    instances = stats["instances"]
+    assert isinstance(instances, dict)
+    device_used = sum(
+        float(s["counters"].get("kv_used_bytes", 0.0)) for s in instances.values() if s
+    )
+    return host_used, device_used
+
+
+def test_disconnect_cancels_and_frees_every_block(served: Served) -> None:
+    model = _models(served)[0]
+    url = urlparse(served.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = json.dumps({"model": model, "prompt": "Keep talking", "max_tokens": 1000,
+                       "ignore_eos": True, "stream": True, "temperature": 0})  # fmt: skip
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    seen = 0
+    while seen < 20:  # some tokens are flowing: the request holds KV on the instances
+        line = resp.readline()
+        seen += line.startswith(b"data: {")
+    conn.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _kv_in_use(served) == (0.0, 0.0) and _stats(served)["counters"]["cancelled"] >= 1:  # type: ignore[index]
+            break
+        time.sleep(0.5)  # heartbeats report every 0.5 s
+    assert _kv_in_use(served) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": "no-such-model", "prompt": "x"}, 404),
+        ({"prompt": "x", "max_tokens": -1}, 400),
+        ({"prompt": "x", "temperature": -0.5}, 400),
+        ({"prompt": "x", "top_p": 0}, 400),
+        ({"prompt": [1] * 100000, "max_tokens": 4}, 400),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_serving_goes_on(
+    served: Served, body: dict[str, object], status: int
+) -> None:
+    model = _models(served)[0]
+    url = urlparse(served.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": model, **body}),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    resp = conn.getresponse()
+    error = json.loads(resp.read())
+    assert resp.status == status
+    assert set(error["error"]) >= {"message", "type", "param", "code"}
+    ok = _client(served).completions.create(model=model, prompt="Hi", max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
