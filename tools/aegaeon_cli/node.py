@@ -7,8 +7,6 @@ from pathlib import Path
 from aegaeon_common.config import Config
 from aegaeon_common.process import is_ready
 
-UNIFIED_POLICIES = ("request-level", "request-level-sjf")
-
 from aegaeon_cli.supervisor import Child, python_argv
 
 
@@ -28,7 +26,7 @@ def build_children(config: Config, config_path: Path) -> list[Child]:
     cfg = str(config_path)
     children = [_child(config, "cachemgr", python_argv("cachemgr", "--config", cfg))]
     counts = [("prefill", config.prefill.instances), ("decode", config.decode.instances)]
-    if config.scheduler.policy in UNIFIED_POLICIES:
+    if config.unified:
         # Request-level baselines: every worker is a unified instance (a decode
         # process that also prefills), so both policies use the same workers.
         counts = [("decode", config.prefill.instances + config.decode.instances)]

@@ -25,11 +25,14 @@ from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes
 from aegaeon_common.env import read_env
 
 POLICIES = ("aegaeon", "request-level", "request-level-sjf")
+# Request-level baselines run every worker as a unified instance (prefill + decode).
+UNIFIED_POLICIES = ("request-level", "request-level-sjf")
 DTYPES = ("bfloat16", "float16", "float32")
 
 __all__ = [
     "DTYPES",
     "POLICIES",
+    "UNIFIED_POLICIES",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -129,6 +132,11 @@ class Config:
 
     def _address(self, key: str) -> str:
         return self.addresses.get(key) or f"ipc://{self.run_dir / (key + '.sock')}"
+
+    @property
+    def unified(self) -> bool:
+        """True when every worker is a unified instance (request-level policies)."""
+        return self.scheduler.policy in UNIFIED_POLICIES
 
     @property
     def proxy_address(self) -> str:

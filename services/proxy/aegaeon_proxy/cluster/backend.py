@@ -35,7 +35,7 @@ from aegaeon_sched import Policy, Request
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
 from aegaeon_proxy.cluster.instances import Instances
-from aegaeon_proxy.cluster.policy import UNIFIED_POLICIES, build_policy
+from aegaeon_proxy.cluster.policy import build_policy
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 
 log = get_logger("cluster")
@@ -47,7 +47,7 @@ class ClusterBackend:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.unified = config.scheduler.policy in UNIFIED_POLICIES
+        self.unified = config.unified
         self.ctx = zmq.asyncio.Context()
         self.instances = Instances.connect(config, self.ctx, self.unified)
         self.requests: dict[str, Tracked] = {}

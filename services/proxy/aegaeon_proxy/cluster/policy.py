@@ -9,8 +9,6 @@ from aegaeon_sched import ClusterSpec, LatencyModel, Policy, PolicyOptions, make
 
 from aegaeon_proxy.cluster.instances import Instances
 
-UNIFIED_POLICIES = ("request-level", "request-level-sjf")
-
 
 def _latency(instances: Instances) -> LatencyModel:
     """The prefill instances' start-up profile (Alg. 1 needs prefill estimates);
