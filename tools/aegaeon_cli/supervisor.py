@@ -100,11 +100,15 @@ class Supervisor:
             self._wait_ready(child)
 
     def watch(self, on_ready: Callable[[], None] | None = None) -> None:
-        """Restart children that die, until a stop is requested."""
+        """Restart children that die, until a stop is requested.
+
+        The first child (cachemgr) owns the shared memory every later child has
+        mapped: when it dies, the others are restarted with it, in order.
+        """
         if on_ready is not None:
             on_ready()
         while not self._stopping:
-            for child in self.children:
+            for position, child in enumerate(self.children):
                 if child.alive() or self._stopping:
                     continue
                 code = child.proc.returncode if child.proc else None
@@ -115,14 +119,27 @@ class Supervisor:
                     child.backoff_s = min(child.backoff_s * 2, 10.0)
                 else:
                     child.backoff_s = 0.5
+                if position == 0:
+                    self._restart_all()
+                    break
                 child.restarts += 1
                 child.start()
             time.sleep(0.2)
 
-    def stop_all(self, timeout_s: float = 15.0) -> None:
-        """Terminate in reverse start order; kill what does not exit in time."""
-        self._stopping = True
-        for child in reversed(self.children):
+    def _restart_all(self) -> None:
+        log.warning("restarting every service: the cache manager went away")
+        self._terminate(self.children[1:])
+        for child in self.children:
+            child.restarts += 1
+            child.start()
+            try:
+                self._wait_ready(child)
+            except StartupError as exc:
+                log.error("restart failed", child=child.name, error=str(exc))
+                return
+
+    def _terminate(self, children: list[Child], timeout_s: float = 15.0) -> None:
+        for child in reversed(children):
             if not child.alive() or child.proc is None:
                 continue
             child.proc.send_signal(signal.SIGTERM)
@@ -133,6 +150,11 @@ class Supervisor:
                 child.proc.kill()
                 child.proc.wait()
             log.info("stopped", child=child.name, status=child.proc.returncode)
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """Terminate in reverse start order; kill what does not exit in time."""
+        self._stopping = True
+        self._terminate(self.children, timeout_s)
 
 
 def python_argv(*args: str) -> list[str]:
