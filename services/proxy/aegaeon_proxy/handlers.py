@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aegaeon_common.logs import get_logger
@@ -54,12 +54,19 @@ async def _assets(state: ProxyState, model: str) -> ModelAssets:
             404, f"The model '{model}' does not exist", param="model", code="model_not_found"
         )
     try:
-        return await state.assets.get(model)
+        assets = await state.assets.get(model)
     except AssetError as exc:
         log.error("model_assets_failed", model=model, error=str(exc))
         raise APIError(
             500, f"model '{model}' cannot be served: {exc}", code="model_unavailable"
         ) from None
+    # The deployment may hold fewer tokens of KV per request than the model's
+    # window (device KV regions): the smaller bound is the context length.
+    limit = getattr(state.backend, "context_limit", None)
+    bound = limit(model) if limit is not None else None
+    if bound is not None and bound < assets.max_model_len:
+        assets = replace(assets, max_model_len=bound)
+    return assets
 
 
 async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonParams, Generation]:

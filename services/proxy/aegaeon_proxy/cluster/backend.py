@@ -88,6 +88,15 @@ class ClusterBackend:
     def ready(self) -> bool:
         return self.policy is not None and self.instances.all_alive()
 
+    def context_limit(self, model: str) -> int | None:
+        """Tokens of KV one request may hold on every instance (prompt + output)."""
+        limits = [
+            v.hello.capacity_tokens[model]
+            for v in self.instances
+            if v.hello is not None and model in v.hello.capacity_tokens
+        ]
+        return min(limits) if limits else None
+
     # ---- requests ------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> TokenQueue:
         if not self.ready() or self.policy is None:
