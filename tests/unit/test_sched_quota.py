@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from aegaeon_sched import BatchLoad, RoundRobinPlanner
+from aegaeon_sched import (
+    BatchLoad,
+    DecodeWorkList,
+    LatencyModel,
+    ModelSpec,
+    Request,
+    RoundRobinPlanner,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,3 +86,20 @@ def test_every_batch_gets_at_least_one_step_and_at_most_q_max(
             earned = turn.quota_s / items[turn.batch_id][1]
             needed = plan.round_s / 0.1
             assert earned / needed == pytest.approx(1 / plan.alpha, rel=1e-6)
+
+
+def test_plan_work_list_estimates_steps_from_contexts() -> None:
+    specs = [ModelSpec(m, 64, 128, 1, 2_000_000_000, 1) for m in "ab"]
+    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=0.5)  # 1 s switches
+    width = specs[0].layer_width
+    lat.set_decode_coefficients("*", [0.02 / width, 1e-5 / (3 * 64)])  # 20 ms + 10 us/token
+    wl = DecodeWorkList()
+    for i, (model, bid) in enumerate([("a", 0), ("b", 1), ("a", 2)]):
+        wl.add(Request(f"r{i}", model, 0.0, 100, 100), bid)
+    plan = RoundRobinPlanner(tbt_s=0.1, q_max_s=4.0).plan_work_list(wl, lat, lambda rid: 1000)
+    assert [t.batch_id for t in plan.turns] == [0, 2, 1]  # regrouped
+    assert [b.batch_id for b in wl] == [0, 2, 1]  # in place, too
+    assert plan.switch_s == 2.0
+    # every batch: 20 ms + 1000 tokens * 10 us = 30 ms -> n = 10/3, equal quotas
+    quotas = {t.quota_s for t in plan.turns}
+    assert len(quotas) == 1 and quotas.pop() == pytest.approx(4.0)

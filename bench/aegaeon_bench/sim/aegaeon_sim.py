@@ -29,7 +29,6 @@ from collections.abc import Callable
 from enum import Enum
 
 from aegaeon_sched import (
-    BatchLoad,
     DecodeWorkList,
     LatencyModel,
     PrefillQueue,
@@ -142,13 +141,10 @@ class DecodeSim:
 
     # ---- turn bookkeeping ------------------------------------------------
     def _plan_round(self) -> None:
-        loads = []
-        for batch in self.work.group_by_model():
-            ctx = sum(self.sims[rid].context for rid in batch.requests)
-            step = self.latency.decode_step_s(batch.model, len(batch), ctx)
-            loads.append(BatchLoad(batch.batch_id, batch.model, step))
-        switch = {b.model: self.latency.switch_s(b.model) for b in loads}
-        self.turns = list(self.planner.plan(loads, switch).turns)
+        plan = self.planner.plan_work_list(
+            self.work, self.latency, lambda rid: self.sims[rid].context
+        )
+        self.turns = list(plan.turns)
         self.turn_idx = -1
         self.num_rounds += 1
         self._next_turn()

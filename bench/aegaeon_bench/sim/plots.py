@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -32,9 +33,8 @@ def plot_figure(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(max(6.5, 5.2 * len(panels)), 4.6), squeeze=False
-    )
+    width = max(6.5, 5.2 * len(panels))
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         for policy, points in results[panel.key].items():
             if not points:
@@ -56,10 +56,10 @@ def plot_figure(
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(
         f"Fig. {name} (simulated; solid: token-deadline attainment, dotted: artifact qos)"
-        + (f"\n{note}" if note else ""),
-        fontsize=10,
+        + (f"\n{textwrap.fill(note, int(14 * width))}" if note else ""),
+        fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -11,8 +11,9 @@ spares the request-level baselines some head-of-line blocking). A lognormal
 with median ``M`` and mean ``A`` has ``mu = ln M``, ``sigma = sqrt(2 ln(A/M))``.
 
 ``input_scale``/``output_scale`` make ShareGPT-ix2/ox2 (section 7.1). A
-request never exceeds the models' 4096-token context: an over-long pair is
-scaled down proportionally (as the artifact does).
+request never exceeds the models' 4096-token context (or its model's entry of
+``context_limits``, which live benchmarks set from the checkpoints' windows):
+an over-long pair is scaled down proportionally (as the artifact does).
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class WorkloadSpec:
     seed: int
     input_scale: float = 1.0
     output_scale: float = 1.0
+    # per model (aligned with ``models``): prompt + output tokens; empty = CONTEXT_LIMIT each
+    context_limits: tuple[int, ...] = ()
+
+    def context_limit(self, index: int) -> int:
+        """The token budget (prompt + output) of the ``index``-th model's requests."""
+        return self.context_limits[index] if self.context_limits else CONTEXT_LIMIT
 
 
 def generate(spec: WorkloadSpec) -> list[Request]:
@@ -66,6 +73,7 @@ def generate(spec: WorkloadSpec) -> list[Request]:
     requests: list[Request] = []
     for index, model in enumerate(spec.models):
         rng = random.Random(f"{spec.seed}/{index}")
+        limit = spec.context_limit(index)
         t = 0.0
         n = 0
         while spec.rps_per_model > 0:
@@ -74,8 +82,8 @@ def generate(spec: WorkloadSpec) -> list[Request]:
                 break
             prompt = max(1, round(SHAREGPT_INPUT.sample(rng) * spec.input_scale))
             output = max(1, round(SHAREGPT_OUTPUT.sample(rng) * spec.output_scale))
-            if prompt + output > CONTEXT_LIMIT:
-                scale = CONTEXT_LIMIT / (prompt + output)
+            if prompt + output > limit:
+                scale = limit / (prompt + output)
                 prompt = max(1, int(prompt * scale))
                 output = max(1, int(output * scale))
             requests.append(Request(f"{model}/{n}", model, t, prompt, output, output))

@@ -29,8 +29,11 @@ Edge cases (the equations are silent on them):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from aegaeon_sched.decode import DecodeWorkList
+from aegaeon_sched.latency import LatencyModel
 
 Q_MAX_S = 4.0
 ALPHA_MIN = 0.5
@@ -108,3 +111,23 @@ class RoundRobinPlanner:
             turns_list.append(Turn(b.batch_id, b.model, max(q, t)))
         turns = tuple(turns_list)
         return RoundPlan(turns, alpha, c, sum(t.quota_s for t in turns) + c)
+
+    def plan_work_list(
+        self,
+        work_list: DecodeWorkList,
+        latency: LatencyModel,
+        context_tokens: Callable[[str], int],
+    ) -> RoundPlan:
+        """Alg. 2, lines 5-7, on a decode instance's work list.
+
+        Regroups the list by model (in place), estimates each batch's step
+        time with Eq. 6 from its requests' current context lengths
+        (``context_tokens(request_id)``: prompt plus tokens generated so far)
+        and plans the quotas with Eq. 4 switch estimates.
+        """
+        loads = []
+        for batch in work_list.group_by_model():
+            context = sum(context_tokens(rid) for rid in batch.requests)
+            step = latency.decode_step_s(batch.model, len(batch), context)
+            loads.append(BatchLoad(batch.batch_id, batch.model, step))
+        return self.plan(loads, {b.model: latency.switch_s(b.model) for b in loads})

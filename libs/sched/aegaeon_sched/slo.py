@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 # Tokens stamped at exactly their deadline must count as met despite float
@@ -62,12 +62,20 @@ class RequestTrace:
         return not self.failed and len(self.token_times_s) >= self.expected_tokens
 
 
-def tokens_met(trace: RequestTrace, slo: SLO) -> int:
-    """Number of the request's tokens emitted by their deadlines."""
+def _deadlines(trace: RequestTrace, slo: SLO) -> Iterator[float]:
     # Deadlines come from itertools.count (C speed); its repeated float
     # additions drift by ~1e-13 s over thousands of tokens, far below _EPS_S.
-    deadlines = itertools.count(trace.arrival_s + slo.ttft_s + _EPS_S, slo.tbt_s)
-    return sum(map(operator.le, trace.token_times_s, deadlines))
+    return itertools.count(trace.arrival_s + slo.ttft_s + _EPS_S, slo.tbt_s)
+
+
+def tokens_met(trace: RequestTrace, slo: SLO) -> int:
+    """Number of the request's tokens emitted by their deadlines."""
+    return sum(map(operator.le, trace.token_times_s, _deadlines(trace, slo)))
+
+
+def token_hits(trace: RequestTrace, slo: SLO) -> list[bool]:
+    """For each emitted token, whether it met its deadline (for plots of Fig. 3)."""
+    return list(map(operator.le, trace.token_times_s, _deadlines(trace, slo)))
 
 
 def attainment(traces: Iterable[RequestTrace], slo: SLO) -> float:
