@@ -1,0 +1,138 @@
+"""The HTTP side of `bench serve`: one streaming completion, the model list, the stats.
+
+A request is ``POST /v1/completions`` with the prompt as token ids,
+``max_tokens`` and ``ignore_eos`` (forced length), ``stream`` with usage.
+:func:`stream_completion` fills a :class:`Progress` as SSE events arrive, so
+whoever cancels it at the run's deadline still has what came (the tokens
+that arrived count; the rest are missed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from aegaeon_bench.serve_workload import PlannedRequest
+
+ERROR_TEXT_CHARS = 300
+
+
+class ServiceError(RuntimeError):
+    """The service answered something a benchmark cannot use."""
+
+
+@dataclass
+class Progress:
+    """What has happened to one request so far (mutated while it streams)."""
+
+    planned: PlannedRequest
+    arrival_s: float
+    sent_s: float | None = None
+    event_times_s: list[float] = field(default_factory=list)
+    num_tokens: int | None = None  # the final usage's completion_tokens
+    server_id: str | None = None  # the response's "id" (the services' request id)
+    finish_s: float | None = None  # when the event with the finish_reason came
+    done: bool = False  # the stream ended with [DONE] after a finish_reason
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.error is None
+
+
+def completion_body(planned: PlannedRequest) -> dict[str, Any]:
+    return {
+        "model": planned.model,
+        "prompt": planned.prompt_ids(),
+        "max_tokens": planned.max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _on_event(progress: Progress, event: dict[str, Any], now_s: float) -> bool:
+    """Record one SSE event; True once it finished the request (a finish_reason)."""
+    if "error" in event:
+        error = event["error"]
+        progress.error = (
+            f"stream error: {error.get('message') if isinstance(error, dict) else error}"
+        )
+        return False
+    if progress.server_id is None and isinstance(event.get("id"), str):
+        progress.server_id = event["id"]
+    usage = event.get("usage")
+    if isinstance(usage, dict) and "completion_tokens" in usage:
+        progress.num_tokens = int(usage["completion_tokens"])
+    finished = False
+    for choice in event.get("choices") or []:
+        if choice.get("text"):
+            progress.event_times_s.append(now_s)
+        if choice.get("finish_reason") is not None:
+            finished = True
+            progress.finish_s = now_s
+    return finished
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, base_url: str, progress: Progress
+) -> None:
+    """Send the request and read its stream to the end; errors land in ``progress.error``."""
+    body = completion_body(progress.planned)
+    progress.sent_s = time.time()
+    finished = False
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                progress.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
+                return
+            async for raw in resp.content:
+                now_s = time.time()
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    progress.done = finished
+                    break
+                finished = _on_event(progress, json.loads(payload), now_s) or finished
+    except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a bad JSON event
+        progress.error = f"{type(exc).__name__}: {exc}"
+        return
+    if not progress.done and progress.error is None:
+        progress.error = "the stream ended without a finish"
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as resp:
+        if resp.status != 200:
+            raise ServiceError(f"GET {url}: HTTP {resp.status}")
+        return await resp.json()
+
+
+async def list_models(session: aiohttp.ClientSession, base_url: str) -> list[str]:
+    """The ids of ``GET /v1/models``, in the server's order."""
+    listing = await get_json(session, f"{base_url}/v1/models")
+    try:
+        return [str(m["id"]) for m in listing["data"]]
+    except (KeyError, TypeError) as exc:
+        raise ServiceError(f"GET {base_url}/v1/models: unexpected answer ({exc})") from None
+
+
+async def get_stats(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
+    """``GET /v1/aegaeon/stats``, or ``None`` when the backend keeps no stats (404)."""
+    async with session.get(f"{base_url}/v1/aegaeon/stats") as resp:
+        if resp.status == 404:
+            return None
+        if resp.status != 200:
+            raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}")
+        stats = await resp.json()
+    if not isinstance(stats, dict):
+        raise ServiceError("GET /v1/aegaeon/stats: not a JSON object")
+    return stats
