@@ -98,7 +98,14 @@ class DecodeLoop:
             if batch is None:
                 continue  # every request of it finished or was cancelled
             following = order[i + 1 :] + order[: i + 1]
-            self.turns.run(batch, turn.quota_s, self._next_model(batch, following), following)
+            # A round without switches (one model) ends as soon as another
+            # model's batch arrives: its quota was never meant to block others.
+            watch = len(self.work) if plan.switch_s == 0 else None
+            self.turns.run(
+                batch, turn.quota_s, self._next_model(batch, following), following, watch
+            )
+            if watch is not None and len(self.work) > watch:
+                return
 
     def _next_model(self, batch: DecodeBatch, following: list[int]) -> str | None:
         for batch_id in following:

@@ -90,8 +90,15 @@ class TurnRunner:
                 return  # the rest waits for room (a later step or turn)
 
     def run(
-        self, batch: DecodeBatch, quota_s: float, next_model: str | None, following: list[int]
+        self,
+        batch: DecodeBatch,
+        quota_s: float,
+        next_model: str | None,
+        following: list[int],
+        end_when_batches_exceed: int | None = None,
     ) -> None:
+        """Decode ``batch`` for ``quota_s``; end early once the work list holds more
+        than ``end_when_batches_exceed`` batches (a new model arrived)."""
         w = self.worker
         self._following = following
         self.counters.turns += 1
@@ -105,6 +112,8 @@ class TurnRunner:
             self.poll()
             if self.work.batch(batch.batch_id) is None:
                 return  # emptied
+            if end_when_batches_exceed is not None and len(self.work) > end_when_batches_exceed:
+                return
             self._prefill_new(batch)
             self._make_resident(batch)
             seqs = self._seqs(batch)
