@@ -143,5 +143,11 @@ def plot_sweep(sweep: Sweep, path: Path) -> Path:
     ax.set_ylim(0, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("SLO attainment vs number of models", fontsize=10)
+    targets = ", ".join(
+        f"{name} {value:g} s"
+        for key, name in (("ttft_s", "TTFT"), ("tbt_s", "TBT"))
+        if isinstance(value := sweep.meta.get(key), int | float)
+    )
+    title = "SLO attainment vs number of models" + (f" ({targets})" if targets else "")
+    ax.set_title(title, fontsize=10)
     return save(fig, path)

@@ -8,11 +8,13 @@ collects one point per run::
                  "rps_per_model": 0.2, "qos": ..., "ttft_p50": ..., "ttft_p99": ...,
                  "tbt_p50": ..., "tbt_p99": ..., "switches": ..., "completed": ...,
                  "failed": ..., "requests": ..., "trace": "path or null"}, ...],
-     "meta": {...anything: SLO targets, scales, duration, market, host...}}
+     "meta": {"ttft_s": ..., "tbt_s": ..., ...anything else: scales, duration, market}}
 
 ``policy``, ``models`` and ``slo_attainment`` are required; every other
 point key is optional (``null`` when unknown) and unknown keys are kept in
 ``extra``. Attainment and qos are fractions in [0, 1]; times are seconds.
+``meta`` is free-form; the report shows ``ttft_s`` and ``tbt_s`` (the SLO
+targets every point was scored with) when present.
 """
 
 from __future__ import annotations
