@@ -158,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     except (ServiceError, aiohttp.ClientError, TimeoutError) as exc:
         print(f"aegaeon bench serve: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the open streams are closed by asyncio.run's cleanup
+        print("aegaeon bench serve: interrupted, nothing written", file=sys.stderr)
+        return 130
     finally:
         bar.close()
     records = outcome.records()
