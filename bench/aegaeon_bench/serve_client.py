@@ -125,9 +125,13 @@ async def list_models(session: aiohttp.ClientSession, base_url: str) -> list[str
         raise ServiceError(f"GET {base_url}/v1/models: unexpected answer ({exc})") from None
 
 
-async def get_stats(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
-    """``GET /v1/aegaeon/stats``, or ``None`` when the backend keeps no stats (404)."""
-    async with session.get(f"{base_url}/v1/aegaeon/stats") as resp:
+async def get_stats(
+    session: aiohttp.ClientSession, base_url: str, light: bool = False
+) -> dict[str, Any] | None:
+    """``GET /v1/aegaeon/stats`` (``light``: counters only), or ``None`` when the
+    backend keeps no stats (404)."""
+    query = "?light=1" if light else ""
+    async with session.get(f"{base_url}/v1/aegaeon/stats{query}") as resp:
         if resp.status == 404:
             return None
         if resp.status != 200:

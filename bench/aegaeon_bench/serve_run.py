@@ -74,7 +74,7 @@ async def _sample_kv(
     while True:
         started = time.monotonic()
         with contextlib.suppress(ServiceError, aiohttp.ClientError, TimeoutError):
-            stats = await get_stats(session, options.base_url)
+            stats = await get_stats(session, options.base_url, light=True)
             if stats is None:
                 return
             samples.append(kv_sample(stats, time.time()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from aegaeon_common.messages.report import InstanceStats, SwitchRecord
+from aegaeon_common.messages.report import InstanceStats, SwitchRecord, TurnRecord
 from aegaeon_runtime.worker import Worker
 
 
@@ -27,6 +27,7 @@ class DecodeCounters:
     queued: int = 0
     running: int = 0
     new_switches: list[SwitchRecord] = field(default_factory=list)
+    new_turns: list[TurnRecord] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def note_switch(self, record: SwitchRecord) -> None:
@@ -36,9 +37,14 @@ class DecodeCounters:
             self.prefetched_switches += int(record.prefetched)
             self.new_switches.append(record)
 
+    def note_turn(self, record: TurnRecord) -> None:
+        with self.lock:
+            self.new_turns.append(record)
+
     def snapshot(self, worker: Worker) -> InstanceStats:
         with self.lock:
             switches, self.new_switches = self.new_switches, []
+            turns, self.new_turns = self.new_turns, []
         pool = worker.kv.pool.stats()
         counters = {
             "rounds": float(self.rounds),
@@ -63,4 +69,5 @@ class DecodeCounters:
             running=self.running,
             counters=counters,
             switches=switches,
+            turns=turns,
         )

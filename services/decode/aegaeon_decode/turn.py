@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from aegaeon_common.messages.report import PrefillDone, TokenItem
+from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_engine import DecodeSeq
 from aegaeon_gpumem import OutOfBlocks
@@ -102,31 +102,46 @@ class TurnRunner:
         w = self.worker
         self._following = following
         self.counters.turns += 1
+        start_wall, start = time.time(), time.perf_counter()
+        steps_before, tokens_before = self.counters.steps, self.counters.tokens
         record = w.switcher.activate(batch.model)
         if record is not None:
             self.counters.note_switch(record)
         if next_model is not None:
             w.switcher.prefetch(next_model)
+        switch_s = time.perf_counter() - start
+        kv_wait_s = 0.0
         deadline = time.perf_counter() + quota_s
-        while time.perf_counter() < deadline:
-            self.poll()
-            if self.work.batch(batch.batch_id) is None:
-                return  # emptied
-            if end_when_batches_exceed is not None and len(self.work) > end_when_batches_exceed:
-                return
-            self._prefill_new(batch)
-            self._make_resident(batch)
-            seqs = self._seqs(batch)
-            ready = [s for s in seqs if s.ready()]
-            if not ready:
-                waiting = [s for s in seqs if s.on_device]
-                time.sleep(KV_POLL_S)
-                for s in waiting:
-                    s.kv_wait_s += KV_POLL_S
-                if not waiting and not any(s.needs_prefill for s in seqs):
-                    return  # nothing can run this turn (no room)
-                continue
-            self._step(batch, ready)
+        try:
+            while time.perf_counter() < deadline:
+                self.poll()
+                if self.work.batch(batch.batch_id) is None:
+                    return  # emptied
+                if end_when_batches_exceed is not None and len(self.work) > end_when_batches_exceed:
+                    return
+                self._prefill_new(batch)
+                self._make_resident(batch)
+                seqs = self._seqs(batch)
+                ready = [s for s in seqs if s.ready()]
+                if not ready:
+                    waiting = [s for s in seqs if s.on_device]
+                    time.sleep(KV_POLL_S)
+                    kv_wait_s += KV_POLL_S
+                    for s in waiting:
+                        s.kv_wait_s += KV_POLL_S
+                    if not waiting and not any(s.needs_prefill for s in seqs):
+                        return  # nothing can run this turn (no room)
+                    continue
+                self._step(batch, ready)
+        finally:
+            self.counters.note_turn(
+                TurnRecord(
+                    model=batch.model, batch_id=batch.batch_id, start_s=start_wall,
+                    end_s=time.time(), quota_s=quota_s, switch_s=switch_s, kv_wait_s=kv_wait_s,
+                    steps=self.counters.steps - steps_before,
+                    tokens=self.counters.tokens - tokens_before,
+                )
+            )  # fmt: skip
 
     def _prefill_new(self, batch: DecodeBatch) -> None:
         """Request-level policies: prefill the batch's new requests (prefill-first)."""

@@ -56,9 +56,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def aegaeon_stats(request: web.Request) -> web.Response:
-    """``GET /v1/aegaeon/stats``: the backend's detailed counters as JSON (benchmarks
-    read switches, per-request timings and cache stats here); 404 if it has none."""
+    """``GET /v1/aegaeon/stats[?light=1]``: the backend's detailed counters as JSON
+    (benchmarks read switches, turns, per-request timings and cache stats here;
+    ``light`` leaves the record lists out); 404 if it has none."""
     stats = getattr(request.app[STATE].backend, "stats", None)
     if stats is None:
         raise APIError(404, "this backend reports no detailed stats", code="not_found")
-    return web.json_response(await stats())
+    light = request.query.get("light", "") in ("1", "true")  # counters only, no records
+    return web.json_response(await stats(light=light))

@@ -81,6 +81,21 @@ class SwitchRecord(Struct):
 
 
 @dataclass(frozen=True)
+class TurnRecord(Struct):
+    """One decode turn (Alg. 2 line 11): where its time went."""
+
+    model: str
+    batch_id: int
+    start_s: float
+    end_s: float
+    quota_s: float
+    switch_s: float  # activating the model (critical path)
+    kv_wait_s: float  # no request ready: waiting for KV swap-ins
+    steps: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class InstanceStats(Message):
     """Periodic heartbeat with cumulative counters and new switch records."""
 
@@ -92,6 +107,7 @@ class InstanceStats(Message):
     running: int
     counters: dict[str, float] = field(default_factory=dict)
     switches: list[SwitchRecord] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
     step_profile: dict[str, list[float]] = field(default_factory=dict)
 
 

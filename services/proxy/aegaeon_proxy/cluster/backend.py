@@ -249,25 +249,30 @@ class ClusterBackend:
 
         return render_metrics(self)
 
-    async def stats(self) -> dict[str, object]:
-        """Everything the benchmarks read: instance counters, switches, timings, cache."""
+    async def stats(self, light: bool = False) -> dict[str, object]:
+        """Everything the benchmarks read: instance counters, switches, turns, request
+        timings, cache; ``light`` leaves the record lists out (for frequent polls)."""
         cache: dict[str, Any] | None = None
         with contextlib.suppress(RemoteError, TimeoutError):
             reply = await self._cache.call(GetStats(), timeout_s=5.0)
             if isinstance(reply, CacheStats):
                 cache = to_plain(reply)
-        return {
+        out: dict[str, object] = {
             "policy": self.config.scheduler.policy,
             "counters": dict(self.counters),
             "instances": {
                 v.name: to_plain(v.stats) if v.stats else None for v in self.instances
             },
-            "switches": [{"instance": n, **to_plain(r)} for n, r in self.instances.switches],
-            "timings": [
-                {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
-                 "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
-                 **to_plain(r.timings)}
-                for r in self.timings.records
-            ],
             "cache": cache,
         }
+        if light:
+            return out
+        out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.switches]
+        out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.turns]
+        out["timings"] = [
+            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
+             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
+             **to_plain(r.timings)}
+            for r in self.timings.records
+        ]  # fmt: skip
+        return out

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 from aegaeon_common.config import Config
-from aegaeon_common.messages.report import InstanceHello, InstanceStats, SwitchRecord
+from aegaeon_common.messages.report import (
+    InstanceHello,
+    InstanceStats,
+    SwitchRecord,
+    TurnRecord,
+)
 from aegaeon_common.transport import Pusher
 from aegaeon_common.wire import Message
 
@@ -46,6 +51,9 @@ class Instances:
 
     views: dict[str, InstanceView]
     switches: deque[tuple[str, SwitchRecord]] = field(
+        default_factory=lambda: deque(maxlen=MAX_SWITCH_RECORDS)
+    )
+    turns: deque[tuple[str, TurnRecord]] = field(
         default_factory=lambda: deque(maxlen=MAX_SWITCH_RECORDS)
     )
 
@@ -94,6 +102,8 @@ class Instances:
         view.stats, view.last_seen_s = msg, time.monotonic()
         for record in msg.switches:
             self.switches.append((view.name, record))
+        for turn in msg.turns:
+            self.turns.append((view.name, turn))
         return view
 
     def all_alive(self) -> bool:

@@ -38,12 +38,35 @@ class TimingRecord:
     timings: RequestTimings
 
 
+def merge_timings(
+    prefill: RequestTimings | None, decode: RequestTimings | None
+) -> RequestTimings:
+    """One request's breakdown: the prefill instance's part and the decode's part.
+
+    A unified instance (request-level policies) reports both parts itself, in
+    ``decode``; a decode instance never sees the prefill's, so they are merged here.
+    """
+    if decode is None:
+        return prefill or RequestTimings()
+    if prefill is None or decode.prefill_s > 0:
+        return decode
+    return RequestTimings(
+        prefill_wait_s=prefill.prefill_wait_s,
+        prefill_s=prefill.prefill_s,
+        decode_wait_s=decode.decode_wait_s,
+        decode_s=decode.decode_s,
+        kv_wait_s=decode.kv_wait_s,
+        kv_control_s=prefill.kv_control_s + decode.kv_control_s,
+        extra={**prefill.extra, **decode.extra},
+    )
+
+
 @dataclass
 class TimingLog:
     records: deque[TimingRecord] = field(default_factory=lambda: deque(maxlen=MAX_TIMING_RECORDS))
 
     def add(self, tracked: Tracked, reason: str, timings: RequestTimings | None) -> None:
-        t = timings or tracked.prefill_timings or RequestTimings()
+        t = merge_timings(tracked.prefill_timings, timings)
         self.records.append(
             TimingRecord(
                 tracked.gen.request_id, tracked.gen.model, tracked.gen.arrival_s, reason,
