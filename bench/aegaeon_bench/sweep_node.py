@@ -1,0 +1,74 @@
+"""Start and stop a whole `aegaeon serve` node for one sweep point."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_LINE = "Aegaeon is serving"
+
+
+class NodeError(RuntimeError):
+    """The node did not come up (its log tail is in the message)."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def aegaeon_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "aegaeon_cli.main", *args]
+
+
+@dataclass
+class Node:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def tail(self, num_lines: int = 30) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Ctrl-C, as a user would; kill if it does not stop in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_node(
+    market: Path, policy: str, run_dir: Path, config: Path | None, timeout_s: float = 300.0
+) -> Node:
+    """`aegaeon serve` with ``policy`` on a free port; returns once it serves."""
+    port = free_port()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "serve.log"
+    argv = ["serve", "--market", str(market), "--policy", policy, "--port", str(port),
+            "--run-dir", str(run_dir / "run")]  # fmt: skip
+    if config is not None:
+        argv += ["--config", str(config)]
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(aegaeon_argv(*argv), stdout=out, stderr=subprocess.STDOUT)
+    node = Node(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise NodeError(f"aegaeon serve exited ({proc.returncode}):\n{node.tail()}")
+        if READY_LINE in log_path.read_text(errors="replace"):
+            return node
+        time.sleep(0.2)
+    node.stop()
+    raise NodeError(f"aegaeon serve not ready after {timeout_s:.0f} s:\n{node.tail()}")
