@@ -20,6 +20,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -70,20 +71,61 @@ def _vllm_python(args: argparse.Namespace) -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
-def _run_vllm(python: str, work: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    script = Path(__file__).with_name("engine_vllm.py")
+class VllmWorker:
+    """engine_vllm.py in a subprocess of another interpreter, one repeat per ``run``."""
+
+    def __init__(self, python: str, work: dict[str, Any]) -> None:
+        script = Path(__file__).with_name("engine_vllm.py")
+        # lives as long as the worker: its stderr, shown if it dies
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self._send(json.dumps(work))
+        self._receive()  # {"ready": true}
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self.log.seek(0)
+            raise RuntimeError(f"vllm worker exited ({self.proc.returncode}): "
+                               f"{self.log.read()[-2000:]}")
+        return dict(json.loads(line))
+
+    def run(self) -> dict[str, Any]:
+        """One repeat of the workload: tokens/s and the batch-8 greedy tokens."""
+        self._send("run")
+        return self._receive()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._send("quit")
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+def _start_vllm(args: argparse.Namespace, result: dict[str, Any],
+                prompts: list[list[int]]) -> tuple[VllmWorker | None, list[dict[str, Any]]]:
+    python = _vllm_python(args)
+    if python is None:
+        return None, []
+    work = {"model": result["model"], "dtype": result["dtype"], "threads": args.threads,
+            "prompts": prompts, "num_new": args.new_tokens}
     try:
-        proc = subprocess.run([python, str(script)], input=json.dumps(work), text=True,
-                              capture_output=True, timeout=3600, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"vllm run failed: {exc}"
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return None, f"vllm run failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
-    try:
-        return json.loads(lines[-1]), None
-    except json.JSONDecodeError:
-        return None, f"vllm printed no JSON: {lines[-1][:200]}"
+        return VllmWorker(python, work), []
+    except (OSError, RuntimeError) as exc:
+        result["vllm_error"] = str(exc)
+        print(f"aegaeon bench engine: vllm unavailable: {exc}", file=sys.stderr)
+        return None, []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,28 +151,30 @@ def run(args: argparse.Namespace) -> int:
     timings = {name: Timings() for name in runners}
     for runner in runners.values():  # warm-up: allocator, oneDNN kernels, rope tables
         runner.run(Timings())
-    for _ in range(args.repeats):
-        for name, runner in runners.items():
-            runner.run(timings[name])
     result: dict[str, Any] = {
         "model": str(model_dir), "dtype": dtype, "threads": args.threads,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "vllm": None,
     }
+    vllm, vllm_runs = _start_vllm(args, result, prompts)
+    try:
+        for _ in range(args.repeats):  # interleaved rounds: every engine sees the same noise
+            for name, runner in runners.items():
+                runner.run(timings[name])
+            if vllm is not None:
+                vllm_runs.append(vllm.run())
+    except RuntimeError as exc:
+        result["vllm_error"] = str(exc)
+        print(f"aegaeon bench engine: {exc}", file=sys.stderr)
+        vllm_runs.clear()
+    finally:
+        if vllm is not None:
+            vllm.close()
     for name in ("ours", "transformers"):
         result[name] = _medians(timings[name]) if name in timings else None
-    result["vllm"] = None
-    python = _vllm_python(args)
-    if python is not None:
-        vllm, error = _run_vllm(python, {"model": str(model_dir), "dtype": dtype,
-                                         "threads": args.threads, "prompts": prompts,
-                                         "num_new": args.new_tokens, "repeats": args.repeats})
-        if vllm is not None:
-            result["vllm"] = {key: round(vllm[key], 1) for key in KEYS}
-            result["vllm_greedy_match"] = vllm["tokens_b8"] == timings["ours"].tokens_b8
-        else:
-            result["vllm_error"] = error
-            print(f"aegaeon bench engine: {error}", file=sys.stderr)
+    if vllm_runs:
+        result["vllm"] = {k: round(statistics.median(r[k] for r in vllm_runs), 1) for k in KEYS}
+        result["vllm_greedy_match"] = vllm_runs[-1]["tokens_b8"] == timings["ours"].tokens_b8
     hf = result["transformers"]
     result["decode_speedup_vs_transformers_b8"] = (
         round(result["ours"]["decode_tok_s_b8"] / hf["decode_tok_s_b8"], 2) if hf else None)

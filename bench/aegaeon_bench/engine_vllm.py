@@ -1,8 +1,12 @@
-"""The engine-bench workload on vLLM's CPU build, run as a script by any interpreter.
+"""The engine-bench workload on vLLM's CPU build, as a worker any interpreter can run.
 
 Imports only the standard library and vllm, so it runs in a scratch venv
-(scripts/install-vllm) that never sees our packages. Reads the workload as
-JSON on stdin, prints one JSON line with tokens/s medians on stdout.
+(scripts/install-vllm) that never sees our packages. Protocol (JSON lines):
+the first stdin line is the workload; the worker answers ``{"ready": true}``
+once the model is loaded and warm, then runs one repeat per ``run`` line and
+answers with that repeat's tokens/s; ``quit`` (or EOF) ends it. The bench
+interleaves these repeats with ours so a noisy neighbour hurts every engine
+alike.
 
 What is measured (greedy, ``ignore_eos``, prefix caching off so repeats are
 not free): prefill = each prompt alone with ``max_tokens=1``; decode at batch
@@ -14,15 +18,33 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import shutil
 import sys
+import tempfile
 import time
-from typing import Any
+from typing import Any, TextIO
 
 
 def main() -> int:
-    work = json.load(sys.stdin)
+    # our JSON lines get the real stdout; anything vLLM prints goes to stderr
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    work = json.loads(sys.stdin.readline())
+    scratch = tempfile.mkdtemp(prefix="aegaeon-vllm-")
+    try:
+        return _bench(work, scratch, protocol)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _bench(work: dict[str, Any], scratch: str, protocol: TextIO) -> int:
     threads = int(work["threads"])
+    # vLLM writes caches and temp files; keep them in a scratch dir we remove
+    for var, sub in (("VLLM_CACHE_ROOT", "cache"), ("TMPDIR", "tmp")):
+        os.makedirs(os.path.join(scratch, sub), exist_ok=True)
+        os.environ.setdefault(var, os.path.join(scratch, sub))
+    tempfile.tempdir = None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
@@ -45,24 +67,23 @@ def main() -> int:
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
     generate(prompts, num_new)  # warm-up
-    prefill: list[float] = []
-    b1: list[float] = []
-    b8: list[float] = []
-    tokens: list[list[int]] = []
-    for _ in range(int(work["repeats"])):
+    _send(protocol, {"ready": True})
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
         seconds = sum(generate([p], 1)[0] for p in prompts)
-        prefill.append(len(prompts) * len(prompts[0]) / seconds)
-        for batch, sink in ((1, b1), (len(prompts), b8)):
+        result: dict[str, Any] = {"prefill_tok_s": len(prompts) * len(prompts[0]) / seconds}
+        for batch, key in ((1, "decode_tok_s_b1"), (len(prompts), "decode_tok_s_b8")):
             first, _ = generate(prompts[:batch], 1)
-            full, tokens_now = generate(prompts[:batch], num_new)
-            sink.append(batch * (num_new - 1) / max(full - first, 1e-9))
-            if batch == len(prompts):
-                tokens = tokens_now
-    print(json.dumps({
-        "prefill_tok_s": statistics.median(prefill), "decode_tok_s_b1": statistics.median(b1),
-        "decode_tok_s_b8": statistics.median(b8), "tokens_b8": tokens,
-    }))
+            full, tokens = generate(prompts[:batch], num_new)
+            result[key] = batch * (num_new - 1) / max(full - first, 1e-9)
+        result["tokens_b8"] = tokens
+        _send(protocol, result)
     return 0
+
+
+def _send(protocol: TextIO, message: dict[str, Any]) -> None:
+    print(json.dumps(message), file=protocol, flush=True)
 
 
 if __name__ == "__main__":

@@ -181,14 +181,19 @@ class Engine:
         if min(positions) != max_len - 1:
             mask = (torch.arange(max_len, device=self.device)[None, :] <= pos_t[:, None])
             mask = mask.view(batch, 1, 1, max_len)
-        ctx = (2, batch, num_blocks * bs, m.spec.num_kv_heads, m.spec.head_dim)
+        heads, dim = m.spec.num_kv_heads, m.spec.head_dim
+        # K and V of the gathered rows as [B, heads, max_len, dim] views
+        size = (batch, heads, max_len, dim)
+        stride = (num_blocks * bs * heads * dim, dim, heads * dim, 1)
+        v_offset = batch * num_blocks * bs * heads * dim
         attention, kv = self.attention, m.kv
         rows = kv.gather_rows(block_table)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # one contiguous-row gather per layer: K of all blocks, then V
-            both = kv.rows.index_select(0, rows[i]).view(ctx)[:, :, :max_len].transpose(2, 3)
-            return attention.decode(q, both[0], both[1], mask)
+            both = kv.rows.index_select(0, rows[i])
+            return attention.decode(q, both.as_strided(size, stride),
+                                    both.as_strided(size, stride, v_offset), mask)
 
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
         hidden = forward(m.weights, kv, step, attend)

@@ -21,7 +21,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer. ``qkv`` rows are [q; k; v], ``gate_up`` rows are [gate; up]."""
+    """One decoder layer. ``qkv`` rows are [q; k; v], ``gate_up`` rows are [gate; up].
+
+    Norm weights are ``[n, 1]`` columns and biases 1-D: the engine keeps
+    activations feature-major (``[features, tokens]``, see model.py).
+    """
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -37,7 +41,8 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class ModelWeights:
-    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied."""
+    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied; ``norm`` is a
+    ``[hidden, 1]`` column."""
 
     spec: ModelSpec
     dtype: torch.dtype
@@ -49,7 +54,8 @@ class ModelWeights:
 
 def _view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     raw = buffer[slot.offset:slot.offset + slot.nbytes]
-    return raw.view(TORCH_DTYPES[slot.dtype]).view(slot.shape)
+    shape = (*slot.shape, 1) if slot.name.endswith("norm") else slot.shape
+    return raw.view(TORCH_DTYPES[slot.dtype]).view(shape)
 
 
 def bind_weights(spec: ModelSpec, layout: WeightLayout, buffer: torch.Tensor) -> ModelWeights:
