@@ -51,8 +51,10 @@ def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     arena = 2 * largest + 16 * MiB
     return {
         "market": str(market),
-        "prefill": {"instances": 1, "device_memory_bytes": arena + 64 * MiB,
-                    "kv_memory_bytes": 64 * MiB},
+        # The prefill instance decodes when idle (scheduler.prefill_decodes_when_idle),
+        # so it gets the decode instance's KV room.
+        "prefill": {"instances": 1, "device_memory_bytes": arena + 256 * MiB,
+                    "kv_memory_bytes": 256 * MiB},
         "decode": {"instances": 1, "device_memory_bytes": arena + 256 * MiB,
                    "kv_memory_bytes": 256 * MiB},
         "cachemgr": {"kv_cache_bytes": 1 << 30},

@@ -72,6 +72,8 @@ class SchedulerConfig:
     max_batch_size: int = 32
     prefetch: bool = True
     switch_beta: float = 0.625  # Eq. 4 correction factor
+    # Beyond the paper: prefill instances decode when no prefill waits (hybrid).
+    prefill_decodes_when_idle: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,11 @@ class Config:
     def unified(self) -> bool:
         """True when every worker is a unified instance (request-level policies)."""
         return self.scheduler.policy in UNIFIED_POLICIES
+
+    @property
+    def hybrid_prefill(self) -> bool:
+        """True when prefill instances also decode (Aegaeon policy only)."""
+        return not self.unified and self.scheduler.prefill_decodes_when_idle
 
     @property
     def proxy_address(self) -> str:

@@ -54,7 +54,7 @@ class Admission:
         assert isinstance(msg, EnqueueDecode)
         w = self.worker
         if msg.model not in w.specs:
-            self._refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            self.refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
             return
         params = engine_params(msg.sampling)
         spec = w.specs[msg.model]
@@ -84,7 +84,7 @@ class Admission:
         assert isinstance(msg, RunRequest)
         w = self.worker
         if msg.model not in w.specs:
-            self._refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            self.refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
             return
         batch_id = self._local_batches.setdefault(msg.model, -1 - len(self._local_batches))
         params = engine_params(msg.sampling)
@@ -117,9 +117,9 @@ class Admission:
 
     def fail(self, seq: Seq, code: str, message: str) -> None:
         self.finish(seq)
-        self._refuse(seq.request_id, code, message)
+        self.refuse(seq.request_id, code, message)
 
-    def _refuse(self, request_id: str, code: str, message: str) -> None:
+    def refuse(self, request_id: str, code: str, message: str) -> None:
         self.counters.failed += 1
         w = self.worker
         self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
-from aegaeon_common.messages.prefill import CancelRequest, Shutdown
+from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Inbox, Outbox
@@ -34,6 +34,7 @@ from aegaeon_sched import (
 )
 
 from aegaeon_decode.admit import Admission
+from aegaeon_decode.prefill_side import PrefillSide
 from aegaeon_decode.residency import Residency
 from aegaeon_decode.stats import DecodeCounters
 from aegaeon_decode.turn import TurnRunner
@@ -44,7 +45,9 @@ IDLE_WAIT_S = 0.05
 class DecodeLoop:
     """Runs on the compute thread; see the module docstring."""
 
-    def __init__(self, worker: Worker, inbox: Inbox[Message], outbox: Outbox) -> None:
+    def __init__(
+        self, worker: Worker, inbox: Inbox[Message], outbox: Outbox, hybrid: bool = False
+    ) -> None:
         config = worker.config
         self.worker = worker
         self.inbox = inbox
@@ -57,15 +60,33 @@ class DecodeLoop:
         self.turns = TurnRunner(
             worker, self.work, self.admission, self.residency, outbox, self.counters
         )
+        # A hybrid instance (a prefill instance decoding when idle) runs prefills first.
+        self.prefill = PrefillSide(worker, outbox, self.counters) if hybrid else None
+        if self.prefill is not None:
+            self.turns.preempt = self.prefill.pending
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
             EnqueueDecode: self.admission.enqueue,
             RunRequest: self.admission.run_request,
-            CancelRequest: self.admission.cancel,
+            CancelRequest: self._on_cancel,
+            EnqueuePrefill: self._on_enqueue_prefill,
             Shutdown: self._on_shutdown,
         }
+
+    def _on_cancel(self, msg: Message) -> None:
+        assert isinstance(msg, CancelRequest)
+        if self.prefill is not None and self.prefill.cancel(msg.request_id):
+            return
+        self.admission.cancel(msg)
+
+    def _on_enqueue_prefill(self, msg: Message) -> None:
+        assert isinstance(msg, EnqueuePrefill)
+        if self.prefill is None:
+            self.admission.refuse(msg.request_id, "bad_request", "not a prefill instance")
+            return
+        self.prefill.enqueue(msg)
 
     def _on_shutdown(self, msg: Message) -> None:
         self._stop.set()
@@ -79,7 +100,10 @@ class DecodeLoop:
         self.ready.set()
         self.turns.poll = lambda: self.apply(self.inbox.drain())
         while not (stop.is_set() or self._stop.is_set()):
-            self.apply(self.inbox.drain() if len(self.work) else self.inbox.wait(IDLE_WAIT_S))
+            busy = len(self.work) or (self.prefill is not None and self.prefill.pending())
+            self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))
+            if self.prefill is not None:
+                self.prefill.run_all()
             if not len(self.work):
                 continue
             self.run_round(stop)
@@ -94,6 +118,8 @@ class DecodeLoop:
         for i, turn in enumerate(plan.turns):
             if stop.is_set() or self._stop.is_set():
                 return
+            if self.prefill is not None and self.prefill.pending():
+                return  # prefills first; the next round is planned afresh
             batch = self.work.batch(turn.batch_id)
             if batch is None:
                 continue  # every request of it finished or was cancelled

@@ -22,6 +22,8 @@ class DecodeCounters:
     switch_s: float = 0.0
     prefetched_switches: int = 0
     prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
     cancelled: int = 0
     failed: int = 0
     queued: int = 0
@@ -56,6 +58,8 @@ class DecodeCounters:
             "switch_s": self.switch_s,
             "prefetched_switches": float(self.prefetched_switches),
             "prefills": float(self.prefills),
+            "prefill_tokens": float(self.prefill_tokens),
+            "prefill_s": self.prefill_s,
             "cancelled": float(self.cancelled),
             "failed": float(self.failed),
             "kv_used_bytes": float(pool.slabs.used_bytes),

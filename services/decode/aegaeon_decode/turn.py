@@ -49,6 +49,8 @@ class TurnRunner:
         self.latency: LatencyModel | None = None
         # Drains the instance's inbox between steps (set by the loop that owns it).
         self.poll: Callable[[], None] = lambda: None
+        # True when something more urgent waits (a hybrid instance's prefill).
+        self.preempt: Callable[[], bool] = lambda: False
         self._following: list[int] = []
 
     # ---- estimates for the planner ---------------------------------------
@@ -118,6 +120,8 @@ class TurnRunner:
                 if self.work.batch(batch.batch_id) is None:
                     return  # emptied
                 if end_when_batches_exceed is not None and len(self.work) > end_when_batches_exceed:
+                    return
+                if self.preempt():
                     return
                 self._prefill_new(batch)
                 self._make_resident(batch)

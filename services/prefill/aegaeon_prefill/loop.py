@@ -15,7 +15,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from aegaeon_cachemgr.client import to_event
 from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.report import (
     InstanceStats,
@@ -23,13 +22,10 @@ from aegaeon_common.messages.report import (
     RequestFailed,
     SwitchRecord,
 )
-from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, RequestTimings
-from aegaeon_common.transport import RemoteError
 from aegaeon_common.wire import Message
-from aegaeon_gpumem import OutOfBlocks
 from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.prefill import run_prefill
 from aegaeon_runtime.profile import profile
-from aegaeon_runtime.sampling import engine_params, finish_reason
 from aegaeon_runtime.worker import Worker
 from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
@@ -121,54 +117,17 @@ class PrefillLoop:
 
     def _prefill(self, request: Request) -> None:
         msg = self.jobs.pop(request.request_id)
-        w = self.worker
-        started = time.time()
-        record = w.switcher.activate(msg.model, started)
-        if record is not None:
-            self._note_switch(record)
-        upcoming = self._next_model(msg.model)
-        if upcoming is not None:
-            w.switcher.prefetch(upcoming)
-        shape = w.kv_shape(msg.model)
-        prompt = msg.prompt_token_ids
-        try:
-            blocks = w.kv.alloc(shape, shape.blocks_for(len(prompt)))
-        except OutOfBlocks as exc:
-            self._fail(msg.request_id, "kv_capacity", f"prompt does not fit: {exc}")
-            return
-        params = engine_params(msg.sampling)
-        compute_start = time.perf_counter()
-        logits = w.engine.prefill(prompt, blocks)
-        gen = params.make_generator(w.engine.device)
-        token = w.sampler.sample(logits[None], [params], [gen])[0]
-        compute_s = time.perf_counter() - compute_start
-        finish = finish_reason(token, 1, params)
-        handoff = None
-        if finish is None:
-            try:
-                host, event = w.kv.swap_out(shape, blocks)
-            except RemoteError as exc:
-                w.kv.free(shape, blocks)
-                self._fail(msg.request_id, "kv_cache_full", f"unified KV cache: {exc}")
-                return
-            spec = KVShapeSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                               shape.block_size, shape.dtype)  # fmt: skip
-            handoff = KVHandoff(spec, host, len(prompt), to_event(event.handle()))
-        else:
-            w.kv.free(shape, blocks)
-        done = time.time()
-        timings = RequestTimings(
-            prefill_wait_s=max(0.0, started - msg.arrival_s),
-            prefill_s=done - started,
-            extra={"prefill_compute_s": compute_s, "switch_s": record.total_s if record else 0.0},
-        )
-        self.outbox.send(
-            PrefillDone(msg.request_id, w.index, token, finish, handoff, timings, done)
-        )
+        outcome = run_prefill(self.worker, msg, self._next_model(msg.model))
+        if outcome.switch is not None:
+            self._note_switch(outcome.switch)
+        self.outbox.send(outcome.message)
         with self._lock:
-            self.counters.prefills += 1
-            self.counters.prefill_tokens += len(prompt)
-            self.counters.prefill_s += compute_s
+            if isinstance(outcome.message, PrefillDone):
+                self.counters.prefills += 1
+                self.counters.prefill_tokens += outcome.num_tokens
+                self.counters.prefill_s += outcome.compute_s
+            else:
+                self.counters.failed += 1
 
     def _note_switch(self, record: SwitchRecord) -> None:
         with self._lock:

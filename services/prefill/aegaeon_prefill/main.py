@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 
 def register(subparsers: Any) -> None:
@@ -24,14 +25,20 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"aegaeon prefill: {exc}", file=sys.stderr)
         return 2
+    from aegaeon_common.messages.decode import HYBRID_CHANNEL
     from aegaeon_common.messages.prefill import PREFILL_CHANNEL
-    from aegaeon_runtime.service import serve_instance
+    from aegaeon_runtime.service import LoopFactory, serve_instance
 
     from aegaeon_prefill.loop import PrefillLoop
 
+    channel, make_loop = PREFILL_CHANNEL, cast(LoopFactory, PrefillLoop)
+    if config.hybrid_prefill:
+        # Decodes when no prefill waits: the decode instance's loop with prefills first.
+        from aegaeon_decode.loop import DecodeLoop
+
+        channel = HYBRID_CHANNEL
+        make_loop = partial(DecodeLoop, hybrid=True)
     name = f"prefill-{args.index}"
     return run_service(
-        name,
-        lambda stop: serve_instance(config, "prefill", args.index, PREFILL_CHANNEL, PrefillLoop,
-                                    stop),
+        name, lambda stop: serve_instance(config, "prefill", args.index, channel, make_loop, stop)
     )

@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 
 from aegaeon_common.config import Config
-from aegaeon_sched import ClusterSpec, LatencyModel, Policy, PolicyOptions, make_policy
+from aegaeon_sched import (
+    ClusterSpec,
+    DecodeDispatcher,
+    LatencyModel,
+    Policy,
+    PolicyOptions,
+    make_policy,
+)
 
 from aegaeon_proxy.cluster.instances import Instances
 
@@ -35,10 +42,11 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
     if unified:
         cluster = ClusterSpec(prefill_instances=(), decode_instances=tuple(names))
     else:
-        cluster = ClusterSpec(
-            prefill_instances=tuple(n for n in names if n.startswith("prefill-")),
-            decode_instances=tuple(n for n in names if n.startswith("decode-")),
-        )
+        prefill = tuple(n for n in names if n.startswith("prefill-"))
+        decode = tuple(n for n in names if n.startswith("decode-"))
+        if config.hybrid_prefill:
+            decode += prefill  # decode instances first: Alg. 2 breaks ties by order
+        cluster = ClusterSpec(prefill_instances=prefill, decode_instances=decode)
     capacity = _min_capacity(instances, "decode")
     options = PolicyOptions(
         max_group_size=config.scheduler.max_group_size,
@@ -46,4 +54,11 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         decode_capacity_tokens=capacity,
         unified_capacity_tokens=capacity,
     )
-    return make_policy(config.scheduler.policy, cluster, _latency(instances), options)
+    policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
+    dispatcher = getattr(policy, "decode", None)
+    if isinstance(dispatcher, DecodeDispatcher):  # each instance's own KV capacity
+        for view in instances:
+            if view.name in cluster.decode_instances and view.hello is not None:
+                for model, tokens in view.hello.capacity_tokens.items():
+                    dispatcher.set_capacity(view.name, model, tokens)
+    return policy

@@ -1,0 +1,78 @@
+"""The prefill work of a hybrid instance: a prefill instance that decodes when idle.
+
+Beyond the paper (DESIGN.md "Beyond the paper"; TokenScale and HyperFlexis
+move capacity between the phases): with few workers, a prefill instance idle
+between prompts is decode capacity lost. A hybrid instance keeps Algorithm 1's
+job queue (the same :class:`~aegaeon_sched.PrefillQueue` mirror a prefill
+instance keeps) and gives it strict priority: a queued prefill runs at the
+next decode step boundary (the turn in progress ends), so TTFT sees at most
+one decode step of delay; the instance decodes only when no prefill waits.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aegaeon_common.messages.prefill import EnqueuePrefill
+from aegaeon_common.messages.report import PrefillDone, RequestFailed
+from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.prefill import run_prefill
+from aegaeon_runtime.worker import Worker
+from aegaeon_sched import PrefillQueue, Request
+
+from aegaeon_decode.stats import DecodeCounters
+
+
+class PrefillSide:
+    def __init__(self, worker: Worker, outbox: Outbox, counters: DecodeCounters) -> None:
+        self.worker = worker
+        self.outbox = outbox
+        self.counters = counters
+        self.queue = PrefillQueue(worker.config.scheduler.max_group_size)
+        self.jobs: dict[str, EnqueuePrefill] = {}
+
+    def enqueue(self, msg: EnqueuePrefill) -> None:
+        if msg.model not in self.worker.specs:
+            self._fail(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            return
+        request = Request(msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
+                          msg.sampling.max_tokens)  # fmt: skip
+        try:
+            self.queue.add(request, msg.group_id)
+        except ValueError as exc:
+            self._fail(msg.request_id, "bad_request", str(exc))
+            return
+        self.jobs[msg.request_id] = msg
+
+    def cancel(self, request_id: str) -> bool:
+        self.jobs.pop(request_id, None)
+        return self.queue.remove(request_id)
+
+    def pending(self) -> bool:
+        return self.queue.peek() is not None
+
+    def run_all(self) -> None:
+        """Run every queued prefill job, front group first (Algorithm 1, line 15)."""
+        while (head := self.queue.peek()) is not None:
+            _, request = head
+            self.queue.start(request.request_id, time.time())
+            try:
+                msg = self.jobs.pop(request.request_id)
+                nxt = next((g.model for g in self.queue if g.model != msg.model), None)
+                outcome = run_prefill(self.worker, msg, nxt)
+            finally:
+                self.queue.finish(request.request_id)
+            if outcome.switch is not None:
+                self.counters.note_switch(outcome.switch)
+            self.outbox.send(outcome.message)
+            if isinstance(outcome.message, PrefillDone):
+                self.counters.prefills += 1
+                self.counters.prefill_tokens += outcome.num_tokens
+                self.counters.prefill_s += outcome.compute_s
+            else:
+                self.counters.failed += 1
+
+    def _fail(self, request_id: str, code: str, message: str) -> None:
+        self.counters.failed += 1
+        w = self.worker
+        self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))
