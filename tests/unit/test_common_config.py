@@ -82,3 +82,14 @@ def test_defaults() -> None:
     assert config.scheduler.max_group_size == 8
     assert config.scheduler.q_max_s == 4.0
     assert config.slo.ttft_s == 10.0 and config.slo.tbt_s == 0.1
+
+
+def test_the_docker_example_config_validates(tmp_path: Path) -> None:
+    import yaml
+
+    example = Path(__file__).parents[2] / "docker" / "config.example.yaml"
+    raw = yaml.safe_load(example.read_text())
+    raw["market"] = str(_market(tmp_path))
+    config = config_from_dict(raw, source=str(example))
+    assert config.scheduler.policy == "aegaeon"
+    assert config.model_names == ("a", "b")
