@@ -52,6 +52,11 @@ class TurnRunner:
         # True when something more urgent waits (a hybrid instance's prefill).
         self.preempt: Callable[[], bool] = lambda: False
         self._following: list[int] = []
+        # Per model, a moving average of a turn's time not spent in decode steps
+        # (switch-in, waiting for a prefetch to land, swap-ins, bookkeeping): the
+        # switch cost the planner's c should count, which the Eq. 4 estimate
+        # (bytes over bandwidth) alone underestimates on a busy host.
+        self._overhead_s: dict[str, float] = {}
 
     # ---- estimates for the planner ---------------------------------------
     def step_estimate(self, batch: DecodeBatch) -> float:
@@ -62,7 +67,11 @@ class TurnRunner:
 
     def switch_estimate(self, model: str) -> float:
         assert self.latency is not None
-        return self.latency.switch_s(model)
+        return max(self.latency.switch_s(model), self._overhead_s.get(model, 0.0))
+
+    def _observe_overhead(self, model: str, seconds: float) -> None:
+        old = self._overhead_s.get(model)
+        self._overhead_s[model] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     # ---- a turn ----------------------------------------------------------
     def _seqs(self, batch: DecodeBatch) -> list[Seq]:
@@ -106,6 +115,7 @@ class TurnRunner:
         self.counters.turns += 1
         start_wall, start = time.time(), time.perf_counter()
         steps_before, tokens_before = self.counters.steps, self.counters.tokens
+        decode_before = self.counters.decode_s
         record = w.switcher.activate(batch.model)
         if record is not None:
             self.counters.note_switch(record)
@@ -138,6 +148,9 @@ class TurnRunner:
                     continue
                 self._step(batch, ready)
         finally:
+            busy_s = time.perf_counter() - start - (self.counters.decode_s - decode_before)
+            if self.counters.steps > steps_before:  # a turn that decoded nothing says little
+                self._observe_overhead(batch.model, busy_s)
             self.counters.note_turn(
                 TurnRecord(
                     model=batch.model, batch_id=batch.batch_id, start_s=start_wall,
