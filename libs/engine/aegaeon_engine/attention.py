@@ -62,7 +62,11 @@ class Attention:
         """
         num_q, dim, batch = q.shape
         num_kv = k.shape[1]
-        # SDPA's fused CPU kernel needs unit stride in head_dim (else: the slow math path)
-        grouped = q.view(num_kv, num_q // num_kv, dim, batch).permute(3, 0, 1, 2).contiguous()
+        group = num_q // num_kv
+        # [B, Hkv, G, D]; SDPA's fused CPU kernel needs unit stride in head_dim
+        # (else it takes the slow math path), hence the copy
+        grouped = q.as_strided((batch, num_kv, group, dim),
+                               (1, group * dim * batch, dim * batch, batch),
+                               q.storage_offset()).contiguous()
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
         return out.view(batch, num_q * dim).t()

@@ -129,25 +129,26 @@ class Engine:
         positions = torch.arange(start_pos, total, device=dev)
         blocks = torch.tensor(list(block_ids[:m.kv_shape.blocks_for(total)]), dtype=torch.long,
                               device=dev)
-        table = m.rope.ensure(total)[:, :, start_pos:total]
+        table = m.rope.ensure(total)[:, start_pos:total]
         attention = self.attention
+        heads_q, heads_qk = m.spec.num_heads, m.spec.num_heads + m.spec.num_kv_heads
         if start_pos == 0:
-            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return attention.causal(q, k, v)
+            def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
+                return attention.causal(qkv[:heads_q], qkv[heads_q:heads_qk], qkv[heads_qk:])
         else:
             spec = m.spec
             mask = torch.arange(total, device=dev)[None, :] <= positions[:, None]
             rows = m.kv.gather_rows(blocks)
             ctx = (2, -1, spec.num_kv_heads, spec.head_dim)
 
-            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # [2, S, Hkv, D] -> K and V as [Hkv, S, D]
                 both = m.kv.rows.index_select(0, rows[i]).view(ctx)[:, :total].transpose(1, 2)
-                return attention.masked(q, both[0], both[1], mask)
+                return attention.masked(qkv[:heads_q], both[0], both[1], mask)
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
         hidden = forward(m.weights, m.kv, tokens, attend)
-        return logits(m.weights, hidden[:, -1:])[0]
+        return logits(m.weights, hidden[-1:])[0]
 
     @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
@@ -176,7 +177,7 @@ class Engine:
         tokens, pos_t = idx[:batch], idx[batch:2 * batch]
         slot_blocks, slot_offsets = idx[2 * batch:3 * batch], idx[3 * batch:4 * batch]
         block_table = idx[4 * batch:]
-        cos_sin = m.rope.ensure(max_len).index_select(2, pos_t)
+        cos_sin = m.rope.ensure(max_len).index_select(1, pos_t)
         mask = None
         if min(positions) != max_len - 1:
             mask = (torch.arange(max_len, device=self.device)[None, :] <= pos_t[:, None])
@@ -189,10 +190,12 @@ class Engine:
         attention, kv = self.attention, m.kv
         rows = kv.gather_rows(block_table)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        heads_q = m.spec.num_heads
+
+        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             # one contiguous-row gather per layer: K of all blocks, then V
             both = kv.rows.index_select(0, rows[i])
-            return attention.decode(q, both.as_strided(size, stride),
+            return attention.decode(qkv[:heads_q], both.as_strided(size, stride),
                                     both.as_strided(size, stride, v_offset), mask)
 
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)

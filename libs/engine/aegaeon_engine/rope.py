@@ -36,10 +36,7 @@ def inv_freq(head_dim: int, rope: RopeSpec) -> torch.Tensor:
 
 
 class RopeTable:
-    """``[2, head_dim, positions]``: (cos, sin_signed) columns per position, grown on demand.
-
-    Feature-major like the activations, so a slice or a gather of positions
-    broadcasts over ``[heads, head_dim, tokens]`` directly.
+    """``[2, positions, head_dim]``: (cos, sin_signed) rows per position, grown on demand.
 
     Grows by doubling up to ``max_positions`` so a model that only ever sees
     short contexts never pays for a 128k-row table.
@@ -50,15 +47,15 @@ class RopeTable:
         self.head_dim, self.max_positions = head_dim, max_positions
         self.dtype, self.device = dtype, device
         self._inv_freq = inv_freq(head_dim, rope)
-        self.table = torch.empty(2, head_dim, 0, dtype=dtype, device=device)
+        self.table = torch.empty(2, 0, head_dim, dtype=dtype, device=device)
 
     def ensure(self, num_positions: int) -> torch.Tensor:
         """The table, covering at least positions ``[0, num_positions)``."""
-        if num_positions > self.table.shape[2]:
+        if num_positions > self.table.shape[1]:
             if num_positions > self.max_positions:
                 raise ValueError(f"position {num_positions - 1} is outside the model's "
                                  f"window of {self.max_positions}")
-            size = min(max(num_positions, 2 * self.table.shape[2], 256), self.max_positions)
+            size = min(max(num_positions, 2 * self.table.shape[1], 256), self.max_positions)
             self.table = self._build(size)
         return self.table
 
@@ -69,4 +66,4 @@ class RopeTable:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         half = self.head_dim // 2
         sin[:, :half].neg_()
-        return torch.stack((cos.t(), sin.t())).contiguous().to(self.device)
+        return torch.stack((cos, sin)).to(self.device)

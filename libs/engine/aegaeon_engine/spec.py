@@ -17,10 +17,8 @@ from .errors import CheckpointError
 
 # Serving dtypes by canonical name, with their item sizes in bytes.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16",
-}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "f32": "float32", "bf16": "bfloat16",
+                  "fp16": "float16", "half": "float16", "f16": "float16"}
 
 
 def canonical_dtype(name: str) -> str:
@@ -122,11 +120,11 @@ class ModelSpec:
     bos_token_id: int | None = None
 
     @property
-    def q_size(self) -> int:
+    def q_size(self) -> int:  # rows of q in the fused qkv projection
         return self.num_heads * self.head_dim
 
     @property
-    def kv_size(self) -> int:
+    def kv_size(self) -> int:  # rows of k (and of v)
         return self.num_kv_heads * self.head_dim
 
     def kv_shape(self, dtype: str | None = None, block_size: int = 16) -> KVShape:

@@ -23,8 +23,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 class LayerWeights:
     """One decoder layer. ``qkv`` rows are [q; k; v], ``gate_up`` rows are [gate; up].
 
-    Norm weights are ``[n, 1]`` columns and biases 1-D: the engine keeps
-    activations feature-major (``[features, tokens]``, see model.py).
+    Norms and biases are 1-D.
     """
 
     input_norm: torch.Tensor
@@ -41,8 +40,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class ModelWeights:
-    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied; ``norm`` is a
-    ``[hidden, 1]`` column."""
+    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied."""
 
     spec: ModelSpec
     dtype: torch.dtype
@@ -54,8 +52,7 @@ class ModelWeights:
 
 def _view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     raw = buffer[slot.offset:slot.offset + slot.nbytes]
-    shape = (*slot.shape, 1) if slot.name.endswith("norm") else slot.shape
-    return raw.view(TORCH_DTYPES[slot.dtype]).view(shape)
+    return raw.view(TORCH_DTYPES[slot.dtype]).view(slot.shape)
 
 
 def bind_weights(spec: ModelSpec, layout: WeightLayout, buffer: torch.Tensor) -> ModelWeights:
