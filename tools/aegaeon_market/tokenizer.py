@@ -1,0 +1,113 @@
+"""Byte-level BPE tokenizers trained on the shipped corpus, one per family.
+
+Training is deterministic (same corpus and settings give the same
+``tokenizer.json``) and cached per process: families whose vocabularies differ
+only in the strings of their trailing special tokens share one training run.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+from aegaeon_market.families import Family, Vocab
+
+# Long enough for any prompt the benchmarks send; the model's window is in config.json.
+MODEL_MAX_LENGTH = 32_768
+
+
+def corpus_text() -> str:
+    """The training corpus shipped in ``corpus/corpus.txt``."""
+    path = resources.files("aegaeon_market") / "corpus" / "corpus.txt"
+    return path.read_text(encoding="utf-8")
+
+
+def special_token_ids(vocab: Vocab) -> dict[str, int]:
+    """Id of every special token: front ones from 0, back ones after the learned tokens."""
+    ids = {tok: i for i, tok in enumerate(vocab.front_specials)}
+    start = vocab.size - len(vocab.back_specials)
+    ids.update({tok: start + i for i, tok in enumerate(vocab.back_specials)})
+    return ids
+
+
+TrainingKey = tuple[int, tuple[str, ...], str, bool]
+
+
+def training_key(vocab: Vocab) -> TrainingKey:
+    """Vocabularies with equal keys share one trained BPE (only back specials differ)."""
+    num_tokens = vocab.size - len(vocab.back_specials)
+    return num_tokens, vocab.front_specials, vocab.split_pattern, vocab.nfc
+
+
+@functools.lru_cache(maxsize=8)
+def _trained(key: TrainingKey) -> str:
+    """JSON of a BPE trained to ``num_tokens`` (front specials included)."""
+    num_tokens, front_specials, split_pattern, nfc = key
+    tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=num_tokens,
+        special_tokens=list(front_specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().split("\n\n"), trainer)
+    if tok.get_vocab_size() != num_tokens:
+        # the corpus ran out of merges: a larger vocab needs a larger corpus
+        raise RuntimeError(f"BPE reached {tok.get_vocab_size()} tokens, wanted {num_tokens}")
+    return tok.to_str()
+
+
+def build_tokenizer(family: Family) -> Tokenizer:
+    """The family's tokenizer: the shared BPE plus its specials and BOS rule."""
+    vocab = family.vocab
+    tok = Tokenizer.from_str(_trained(training_key(vocab)))
+    tok.add_special_tokens(list(vocab.back_specials))
+    if family.add_bos_token and family.bos_token is not None:
+        bos = family.bos_token
+        bos_id = special_token_ids(vocab)[bos]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    if tok.get_vocab_size() != vocab.size:
+        raise RuntimeError(f"{family.key}: tokenizer has {tok.get_vocab_size()} tokens, "
+                           f"config says {vocab.size}")
+    return tok
+
+
+def tokenizer_config_json(family: Family) -> dict[str, Any]:
+    """``tokenizer_config.json`` for ``AutoTokenizer`` (fast tokenizer, chat template)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": family.bos_token,
+        "eos_token": family.eos_token,
+        "pad_token": family.pad_token,
+        "unk_token": family.unk_token,
+        "add_bos_token": family.add_bos_token,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_MAX_LENGTH,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "chat_template": family.chat_template,
+    }

@@ -1,0 +1,55 @@
+"""Write one model directory in the Hugging Face layout."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from aegaeon_market.families import FAMILIES
+from aegaeon_market.hfconfig import config_json, generation_config_json
+from aegaeon_market.plan import ModelPlan
+from aegaeon_market.tokenizer import build_tokenizer, tokenizer_config_json
+from aegaeon_market.weights import init_weights
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+MODEL_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Stable JSON: same document, same bytes."""
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=16)
+def tokenizer_json(family_key: str) -> str:
+    """The family's ``tokenizer.json`` text, built once per process."""
+    return build_tokenizer(FAMILIES[family_key]).to_str(pretty=True)
+
+
+def write_model(plan: ModelPlan, model_dir: Path, dtype: str) -> None:
+    """Write the five files of ``plan`` into ``model_dir`` (created if missing)."""
+    recipe = plan.recipe
+    family = FAMILIES[recipe.family]
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tensors = init_weights(recipe, plan.seed, TORCH_DTYPES[dtype])
+    # save() + write_bytes rather than save_file: the file then gets the usual
+    # umask permissions (save_file leaves it readable by its owner only)
+    blob = save(tensors, metadata={"format": "pt"})
+    (model_dir / "model.safetensors").write_bytes(blob)
+    write_json(model_dir / "config.json", config_json(recipe, dtype))
+    write_json(model_dir / "generation_config.json", generation_config_json(recipe))
+    (model_dir / "tokenizer.json").write_text(tokenizer_json(family.key) + "\n", encoding="utf-8")
+    write_json(model_dir / "tokenizer_config.json", tokenizer_config_json(family))
