@@ -128,3 +128,16 @@ def test_attach_in_another_process_no_resource_tracker() -> None:
         # The attacher's exit did not unlink the owner's segment.
         assert os.path.exists(f"/dev/shm/{owner.name}")
         assert int(owner.tensor[0]) == 3
+
+
+def test_populated_attach_and_linked_after_unlink() -> None:
+    name = unique_name(TAG)
+    owner = ShmRegion.create(name, 1 << 20)
+    owner.tensor[-1] = 7
+    reader = ShmRegion.attach(name, readonly=True, populate=True)
+    assert int(reader.tensor[-1]) == 7 and reader.linked() and owner.linked()
+    data = reader.tensor
+    owner.close()  # unlinks the name; the reader's pages stay while it maps them
+    assert not reader.linked() and not owner.linked()
+    assert int(data[-1]) == 7
+    reader.close()

@@ -96,8 +96,13 @@ class ShmRegion:
         return cls(name, mapping, nbytes, owner=True, readonly=False)
 
     @classmethod
-    def attach(cls, name: str, readonly: bool = False) -> ShmRegion:
-        """Map the existing segment `name` (FileNotFoundError if absent); never owns it."""
+    def attach(cls, name: str, readonly: bool = False, populate: bool = False) -> ShmRegion:
+        """Map the existing segment `name` (FileNotFoundError if absent); never owns it.
+
+        `populate` maps every page now (MAP_POPULATE: one pass in the kernel)
+        instead of on first touch, where the page faults of a fresh mapping
+        slow the first bulk read of it down (see `aegaeon_gpumem.memcopy`).
+        """
         validate_name(name)
         fd = os.open(SHM_DIR / name, os.O_RDONLY if readonly else os.O_RDWR)
         try:
@@ -105,7 +110,8 @@ class ShmRegion:
             if nbytes <= 0:
                 raise ValueError(f"shared memory segment {name!r} is empty")
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
         finally:
             os.close(fd)
         return cls(name, mapping, nbytes, owner=False, readonly=readonly)
@@ -134,6 +140,14 @@ class ShmRegion:
     def closed(self) -> bool:
         """True after `close()`."""
         return self._mapping is None
+
+    def linked(self) -> bool:
+        """True while the segment's name is in /dev/shm (its owner has not unlinked it).
+
+        An attacher's mapping outlives an unlink (the pages stay until the
+        last mapping goes); this is how it learns that the owner let go.
+        """
+        return (SHM_DIR / self._name).exists()
 
     @property
     def mapping(self) -> mmap.mmap:

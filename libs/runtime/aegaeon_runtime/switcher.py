@@ -7,7 +7,12 @@ the sampler and every buffer stay; only the engine's weight views change.
 
 - **Scale-up from the Model Cache**: reset the bump pointer (scale-down: no
   free, no garbage collection), copy the model's packed bytes from its
-  shared-memory region with a chunked multi-threaded copy, bind views.
+  shared-memory region with a chunked copy, bind views. The region's mapping
+  is kept by the cache client after the first scale-up, so later ones copy
+  from it with no round trip to the cachemgr on the critical path (the use
+  is reported later by the client); the views bound over an arena
+  offset are kept too, so a model coming back to the same place is bound
+  without rebuilding them.
 - **Prefetch** (§5.2): while the active model serves, the next model is copied
   into free arena space after it on a background thread. Activating it then
   costs only binding its views where it already is. If the next prefetch
@@ -25,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aegaeon_cachemgr.client import SyncCacheClient
+from aegaeon_cachemgr.mapped import MappedModel
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
@@ -74,6 +80,11 @@ class ModelSwitcher:
         self.copy_threads = copy_threads
         self.active: Resident | None = None
         self._prefetch: _Prefetch | None = None
+        # (model, arena offset) -> views over those bytes, at most _max_views;
+        # used by the compute and the prefetch thread.
+        self._views: dict[tuple[str, int], ModelWeights] = {}
+        self._views_lock = threading.Lock()
+        self._max_views = 2 * max(len(self.specs), 1)
         self.num_switches = 0
         self.num_promotions = 0
 
@@ -86,29 +97,49 @@ class ModelSwitcher:
         return self.engine.layout(self.specs[name], self.dtype).total_bytes
 
     def _bind(self, name: str, allocation: Allocation) -> Resident:
-        spec = self.specs[name]
-        view = self.buffer.view(allocation.offset, allocation.nbytes)
-        return Resident(name, allocation, bind_weights(spec, self.engine.layout(spec, self.dtype),
-                                                        view))
+        key = (name, allocation.offset)
+        with self._views_lock:
+            weights = self._views.get(key)
+        if weights is None:
+            spec = self.specs[name]
+            view = self.buffer.view(allocation.offset, allocation.nbytes)
+            weights = bind_weights(spec, self.engine.layout(spec, self.dtype), view)
+            with self._views_lock:
+                if len(self._views) >= self._max_views:
+                    del self._views[next(iter(self._views))]  # the oldest
+                self._views[key] = weights
+        return Resident(name, allocation, weights)
 
     def _copy_in(self, name: str, allocation: Allocation) -> float:
-        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent."""
+        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent.
+
+        Fast path: the client's kept mapping, then the use is noted (reported
+        later by the client). Else (first use, or evicted since) a pinned load.
+        """
+        mapped = self.cache.cached_model(name)
+        if mapped is not None:
+            seconds = self._copy_from(mapped, allocation)
+            self.cache.note_use(name)
+            return seconds
         mapped = self.cache.load_model(name, pin=True)
         try:
-            if mapped.nbytes != allocation.nbytes:
-                raise RuntimeError(
-                    f"Model Cache region of {name!r} holds {mapped.nbytes} bytes, the engine's "
-                    f"layout {allocation.nbytes}: cachemgr and worker disagree on the dtype"
-                )
-            start = time.perf_counter()
-            copy_chunked(
-                self.buffer.view(allocation.offset, allocation.nbytes),
-                mapped.data,
-                num_threads=self.copy_threads,
-            )
-            return time.perf_counter() - start
+            return self._copy_from(mapped, allocation)
         finally:
             self.cache.unpin(name)
+
+    def _copy_from(self, mapped: MappedModel, allocation: Allocation) -> float:
+        if mapped.nbytes != allocation.nbytes:
+            raise RuntimeError(
+                f"Model Cache region of {mapped.name!r} holds {mapped.nbytes} bytes, the "
+                f"engine's layout {allocation.nbytes}: cachemgr and worker disagree on the dtype"
+            )
+        start = time.perf_counter()
+        copy_chunked(
+            self.buffer.view(allocation.offset, allocation.nbytes),
+            mapped.data,
+            num_threads=self.copy_threads,
+        )
+        return time.perf_counter() - start
 
     def _activate(self, resident: Resident) -> None:
         self.active = resident

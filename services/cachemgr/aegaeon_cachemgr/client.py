@@ -5,7 +5,18 @@ wraps it for the worker's compute thread, which never runs on the loop.
 
 Mappings: the KV region and the event table are attached read-write at
 :meth:`CacheClient.register`; model regions read-only (writes fault) at
-:meth:`CacheClient.load_model`, cached per model while this client pins it.
+:meth:`CacheClient.load_model`, and then *kept* across pins. A resident
+region is never written again and its pages live as long as some mapping of
+it does, so a kept mapping is safe to read even if the cachemgr evicts the
+model meanwhile. (Mapping again at every pin cost each switch an mmap, the
+page faults of the first read and, at the unpin, an munmap of the region.)
+A kept mapping is dropped once its region's name is gone from /dev/shm
+(evicted; the cachemgr never reuses a name): checked at every load and use
+report, so a worker holds an evicted model's pages for at most
+``use_report_interval_s`` after registering. :meth:`CacheClient.cached_model`
+returns a kept mapping without a round trip; the switcher copies from it and
+notes the use (:meth:`CacheClient.note_use`), which a task on the loop
+reports (LRU recency) on its own schedule, off the switch's critical path.
 Nothing is ever unmapped under a live tensor (see ``aegaeon_gpumem.shm``).
 """
 
@@ -14,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Coroutine, Mapping
-from typing import Any, Protocol, TypeVar
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import zmq.asyncio
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
     REPLIES,
     AllocBlocks,
@@ -37,55 +50,26 @@ from aegaeon_common.messages.cache import (
     WorkerRegistered,
     WorkerUnregistered,
 )
-from aegaeon_common.messages.structs import EventSpec, KVShapeSpec
 from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message
-from aegaeon_gpumem import EventHandle, EventTable, ShmRegion
+from aegaeon_gpumem import EventTable, ShmRegion
 
+from aegaeon_cachemgr.convert import EventLike, ShapeLike, to_event, to_shape
 from aegaeon_cachemgr.mapped import MappedModel, Registration
+
+__all__ = [
+    "CacheClient", "EventLike", "ShapeLike", "SyncCacheClient", "to_event", "to_shape",
+]  # fmt: skip
 
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
+log = get_logger("cachemgr.client")
 
-
-class ShapeLike(Protocol):
-    """``KVShapeSpec`` or the engine's ``KVShape``."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def dtype(self) -> str: ...
-
-
-EventLike = EventSpec | EventHandle | Mapping[str, Any]
-
-
-def to_shape(shape: ShapeLike) -> KVShapeSpec:
-    if isinstance(shape, KVShapeSpec):
-        return shape
-    return KVShapeSpec(
-        shape.num_layers,
-        shape.num_kv_heads,
-        shape.head_dim,
-        shape.block_size,
-        str(shape.dtype).removeprefix("torch."),
-    )
-
-
-def to_event(event: EventLike) -> EventSpec:
-    """An event in its message form (from a gpumem ``EventHandle`` or its dict form)."""
-    if isinstance(event, EventSpec):
-        return event
-    handle = event if isinstance(event, EventHandle) else EventHandle.from_dict(event)
-    return EventSpec(
-        handle.kind, handle.table, handle.slot, handle.value, handle.handle, handle.device
-    )
+# How often noted model uses are reported. Noting one wakes no thread (on the
+# 2-core machine a woken loop thread preempted the switch for up to ~10 ms);
+# the report's round trip then rarely meets a switch, and all uses of a model
+# within an interval cost one. The cachemgr's LRU order lags by up to this.
+USE_REPORT_INTERVAL_S = 0.25
 
 
 class CacheClient:
@@ -101,6 +85,7 @@ class CacheClient:
         worker_id: str,
         ctx: zmq.asyncio.Context | None = None,
         timeout_s: float = 60.0,
+        use_report_interval_s: float = USE_REPORT_INTERVAL_S,
     ) -> None:
         self.address = address
         self.worker_id = worker_id
@@ -109,8 +94,14 @@ class CacheClient:
         self._ctx = ctx or zmq.asyncio.Context()
         self._rpc = RpcClient(self._ctx, address, REPLIES)
         self.registration: Registration | None = None
+        # Kept model mappings; read by other threads through cached_model().
         self._models: dict[str, MappedModel] = {}
+        self._models_lock = threading.Lock()
         self._pins: dict[str, int] = {}
+        self._uses: set[str] = set()  # noted by any thread, reported by _report_uses
+        self._uses_lock = threading.Lock()
+        self._use_report_interval_s = use_report_interval_s
+        self._reporter: asyncio.Task[None] | None = None
 
     async def _call(
         self, request: Message, reply_type: type[R], timeout_s: float | None = None
@@ -138,31 +129,73 @@ class CacheClient:
             event_slots=tuple(reply.event_slots),
             slab_bytes=reply.slab_bytes,
         )
+        if self._reporter is None:
+            self._reporter = asyncio.get_running_loop().create_task(self._report_uses())
         return self.registration
 
     async def load_model(self, name: str, pin: bool = True) -> MappedModel:
         """The model's region mapped read-only, with its manifest (loads it if needed)."""
         reply = await self._call(LoadModel(name, pin, self.worker_id if pin else ""), ModelLoaded)
-        cached = self._models.get(name)
-        if cached is None or cached.region.name != reply.region:
-            cached = MappedModel.attach(reply)
-            self._models[name] = cached
+        self._drop_evicted()
+        with self._models_lock:
+            cached = self._models.get(name)
+            if cached is None or cached.region.name != reply.region:
+                # A replaced mapping is not closed: another thread may be copying from it
+                # (its pages go with the last reference).
+                cached = self._models[name] = MappedModel.attach(reply, populate=True)
         if pin:
             self._pins[name] = self._pins.get(name, 0) + 1
         return cached.with_reply(reply)
 
+    def cached_model(self, name: str) -> MappedModel | None:
+        """The kept mapping of ``name`` if its region is still resident, without a round
+        trip (any thread); ``None``: call :meth:`load_model`. Not a pin: see the module
+        docstring for why reading it is safe anyway."""
+        with self._models_lock:
+            model = self._models.get(name)
+            if model is not None and not model.region.linked():
+                del self._models[name]  # evicted (not closed: see _drop_evicted)
+                model = None
+        return model
+
+    async def touch(self, name: str) -> None:
+        """Count a use of ``name`` in the Model Cache (LRU recency), without pinning it."""
+        await self.load_model(name, pin=False)
+
+    def note_use(self, name: str) -> None:
+        """Note a use of ``name`` (any thread; wakes nothing). Reported by :meth:`touch`
+        within ``use_report_interval_s`` once :meth:`register` started the reporter."""
+        with self._uses_lock:
+            self._uses.add(name)
+
+    async def _report_uses(self) -> None:
+        while True:
+            await asyncio.sleep(self._use_report_interval_s)
+            with self._uses_lock:
+                names, self._uses = self._uses, set()
+            for name in sorted(names):
+                try:
+                    await self.touch(name)
+                except (RemoteError, TimeoutError) as exc:
+                    log.warning("model_use_report_failed", model=name, error=str(exc))
+            self._drop_evicted()
+
+    def _drop_evicted(self) -> None:
+        """Forget the mappings whose region the cachemgr unlinked (not closed: a thread
+        may still be reading one; the pages go with the last reference)."""
+        with self._models_lock:
+            for name in [n for n, m in self._models.items() if not m.region.linked()]:
+                del self._models[name]
+
     async def unpin(self, name: str) -> int:
-        """Drop one of this worker's pins; the mapping is dropped with the last one
-        (tensors made from it stay valid). Returns the model's remaining pins."""
+        """Drop one of this worker's pins (the mapping is kept: module docstring).
+        Returns the model's remaining pins."""
         reply = await self._call(UnpinModel(name, self.worker_id), ModelUnpinned)
         left = self._pins.get(name, 0) - 1
         if left > 0:
             self._pins[name] = left
         else:
             self._pins.pop(name, None)
-            cached = self._models.pop(name, None)
-            if cached is not None:
-                cached.region.close()
         return reply.pins
 
     async def alloc_blocks(self, shape: ShapeLike, num_blocks: int) -> BlocksAllocated:
@@ -203,15 +236,20 @@ class CacheClient:
         if unregister and self.registration is not None:
             with contextlib.suppress(RemoteError, TimeoutError):
                 await self.unregister()
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.gather(self._reporter, return_exceptions=True)
+            self._reporter = None
         self._detach()
         self._rpc.close()
         if self._own_ctx:
             self._ctx.term()
 
     def _detach(self) -> None:
-        for model in self._models.values():
-            model.region.close()
-        self._models.clear()
+        with self._models_lock:
+            for model in self._models.values():
+                model.region.close()
+            self._models.clear()
         self._pins.clear()
         if self.registration is not None:
             self.registration.close()
@@ -237,6 +275,14 @@ class SyncCacheClient:
 
     def load_model(self, name: str, pin: bool = True) -> MappedModel:
         return self._run(self.client.load_model(name, pin))
+
+    def cached_model(self, name: str) -> MappedModel | None:
+        """:meth:`CacheClient.cached_model` (local: no round trip, no loop hop)."""
+        return self.client.cached_model(name)
+
+    def note_use(self, name: str) -> None:
+        """:meth:`CacheClient.note_use` (local: no round trip, no loop hop)."""
+        self.client.note_use(name)
 
     def unpin(self, name: str) -> int:
         return self._run(self.client.unpin(name))

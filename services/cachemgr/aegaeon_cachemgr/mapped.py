@@ -53,8 +53,9 @@ class MappedModel:
     hit: bool = False
 
     @classmethod
-    def attach(cls, reply: ModelLoaded) -> MappedModel:
-        region = ShmRegion.attach(reply.region, readonly=True)
+    def attach(cls, reply: ModelLoaded, populate: bool = False) -> MappedModel:
+        """Map the region of ``reply`` (``populate``: every page now, see ``ShmRegion``)."""
+        region = ShmRegion.attach(reply.region, readonly=True, populate=populate)
         return cls(
             reply.name,
             region,
