@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import zmq
 from aegaeon_common.logs import get_logger
-from aegaeon_common.transport import Pusher
-from aegaeon_common.wire import Message
+from aegaeon_common.wire import Message, encode
 
 T = TypeVar("T")
 log = get_logger("bridge")
@@ -49,26 +49,48 @@ class Inbox(Generic[T]):
 
 
 class Outbox:
-    """Messages from the compute thread, sent by the event loop in order."""
+    """Messages from the compute thread straight to the proxy's PULL socket.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pusher: Pusher) -> None:
-        self._loop = loop
-        self._pusher = pusher
-        self._queue: asyncio.Queue[Message] = asyncio.Queue()
+    Each sending thread gets its own blocking PUSH socket (ZeroMQ sockets are
+    not thread-safe), so a decode step's tokens leave without waking the event
+    loop; messages of one thread stay in order.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket[bytes]] = []
+        self._lock = threading.Lock()
+        self.num_dropped = 0
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] | None = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)  # deliver what is queued at close
+            sock.setsockopt(zmq.SNDHWM, 100_000)  # queue while the proxy restarts
+            sock.connect(self.address)
+            self._local.sock = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
 
     def send(self, msg: Message) -> None:
-        """Callable from any thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, msg)
+        """Callable from any thread; never blocks (a proxy gone for good loses messages,
+        as its requests are lost with it)."""
+        try:
+            self._socket().send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1
+            log.warning("proxy unreachable: message dropped", tag=msg.TAG)
 
-    async def pump(self) -> None:
-        """Run on the event loop: forward queued messages to the socket."""
-        while True:
-            msg = await self._queue.get()
-            await self._pusher.send(msg)
-
-    async def flush(self) -> None:
-        while not self._queue.empty():
-            await self._pusher.send(self._queue.get_nowait())
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+        self._ctx.term()
 
 
 class ComputeThread:

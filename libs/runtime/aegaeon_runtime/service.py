@@ -95,7 +95,7 @@ async def serve_instance(
     commands = Puller(ctx, instance_address(config, kind, index), channel, bind=True)
     to_proxy = Pusher(ctx, config.proxy_address)
     inbox: Inbox[Message] = Inbox()
-    outbox = Outbox(loop, to_proxy)
+    outbox = Outbox(config.proxy_address)
     instance = make_loop(worker, inbox, outbox)
     crashed: list[BaseException] = []
 
@@ -124,14 +124,14 @@ async def serve_instance(
             await to_proxy.send(instance.stats())
             await asyncio.sleep(HEARTBEAT_S)
 
-    tasks = [loop.create_task(t) for t in (receive(), heartbeat(), outbox.pump())]
+    tasks = [loop.create_task(t) for t in (receive(), heartbeat())]
     mark_ready(config.run_dir, name)
     log.info("ready", instance=name, models=len(worker.specs))
     try:
         await stop.wait()
     finally:
         compute.join()
-        await outbox.flush()
+        outbox.close()
         for task in tasks:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
