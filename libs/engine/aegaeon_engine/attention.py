@@ -30,43 +30,43 @@ class Attention:
         self.flash = _flash_attn_func() if device.type == "cuda" else None
 
     def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention of one sequence: feature-major ``[H, D, T]`` inputs ->
-        ``[Hq * D, T]``."""
-        num_q, dim, num_tokens = q.shape
+        """Causal self-attention of one sequence: ``[T, H, D]`` inputs -> ``[T, Hq * D]``."""
+        num_tokens = q.shape[0]
         if self.flash is not None:
-            q_, k_, v_ = (x.permute(2, 0, 1).contiguous()[None] for x in (q, k, v))
-            out = self.flash(q_, k_, v_, causal=True)[0]  # [T, Hq, D]
-            return out.permute(1, 2, 0).reshape(num_q * dim, num_tokens)  # type: ignore[no-any-return]
-        q_, k_, v_ = (x.transpose(1, 2).contiguous()[None] for x in (q, k, v))
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
-                                             enable_gqa=num_q != k.shape[0])
-        return out[0].transpose(1, 2).reshape(num_q * dim, num_tokens)
+            out = self.flash(*(_unit_last(x)[None] for x in (q, k, v)), causal=True)
+            return out[0].reshape(num_tokens, -1)  # type: ignore[no-any-return]
+        out = F.scaled_dot_product_attention(
+            *(_unit_last(x.transpose(0, 1))[None] for x in (q, k, v)), is_causal=True,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """New tokens ``q [Hq, D, T]`` of one sequence over its context ``k/v [Hkv, S, D]``.
+        """New tokens ``q [T, Hq, D]`` of one sequence over its context ``k/v [Hkv, S, D]``.
 
         ``mask [T, S]`` is True where a query may attend (causal with an offset).
         """
-        num_q, dim, num_tokens = q.shape
-        out = F.scaled_dot_product_attention(q.transpose(1, 2)[None], k[None], v[None],
-                                             attn_mask=mask, enable_gqa=num_q != k.shape[0])
-        return out[0].transpose(1, 2).reshape(num_q * dim, num_tokens)
+        num_tokens = q.shape[0]
+        out = F.scaled_dot_product_attention(_unit_last(q.transpose(0, 1))[None], k[None],
+                                             v[None], attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[0])
+        return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """One query per sequence: ``q [Hq, D, B]``, ``k/v [B, Hkv, T, D]`` -> ``[Hq * D, B]``.
+        """One query per sequence: ``q [B, Hq, D]``, ``k/v [B, Hkv, T, D]`` -> ``[B, Hq * D]``.
 
         ``mask [B, 1, 1, T]`` (True = attend) hides the padding of shorter
         sequences; ``None`` when all sequences have length ``T``.
         """
-        num_q, dim, batch = q.shape
+        batch, num_q, dim = q.shape
         num_kv = k.shape[1]
-        group = num_q // num_kv
-        # [B, Hkv, G, D]; SDPA's fused CPU kernel needs unit stride in head_dim
-        # (else it takes the slow math path), hence the copy
-        grouped = q.as_strided((batch, num_kv, group, dim),
-                               (1, group * dim * batch, dim * batch, batch),
-                               q.storage_offset()).contiguous()
+        # [B, Hkv, G, D], copied: SDPA's fused CPU kernel wants it dense (else: math path)
+        grouped = q.reshape(batch, num_kv, num_q // num_kv, dim).contiguous()
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
-        return out.view(batch, num_q * dim).t()
+        return out.view(batch, num_q * dim)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    # fused attention kernels need a unit stride in head_dim
+    return x if x.stride(-1) == 1 else x.contiguous()

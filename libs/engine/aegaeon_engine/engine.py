@@ -129,12 +129,13 @@ class Engine:
         positions = torch.arange(start_pos, total, device=dev)
         blocks = torch.tensor(list(block_ids[:m.kv_shape.blocks_for(total)]), dtype=torch.long,
                               device=dev)
-        table = m.rope.ensure(total)[:, start_pos:total]
+        table = m.rope.ensure(total)[:, start_pos:total, None]
         attention = self.attention
         heads_q, heads_qk = m.spec.num_heads, m.spec.num_heads + m.spec.num_kv_heads
         if start_pos == 0:
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-                return attention.causal(qkv[:heads_q], qkv[heads_q:heads_qk], qkv[heads_qk:])
+                return attention.causal(qkv[:, :heads_q], qkv[:, heads_q:heads_qk],
+                                        qkv[:, heads_qk:])
         else:
             spec = m.spec
             mask = torch.arange(total, device=dev)[None, :] <= positions[:, None]
@@ -144,7 +145,7 @@ class Engine:
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 # [2, S, Hkv, D] -> K and V as [Hkv, S, D]
                 both = m.kv.rows.index_select(0, rows[i]).view(ctx)[:, :total].transpose(1, 2)
-                return attention.masked(qkv[:heads_q], both[0], both[1], mask)
+                return attention.masked(qkv[:, :heads_q], both[0], both[1], mask)
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
         hidden = forward(m.weights, m.kv, tokens, attend)
@@ -177,7 +178,7 @@ class Engine:
         tokens, pos_t = idx[:batch], idx[batch:2 * batch]
         slot_blocks, slot_offsets = idx[2 * batch:3 * batch], idx[3 * batch:4 * batch]
         block_table = idx[4 * batch:]
-        cos_sin = m.rope.ensure(max_len).index_select(1, pos_t)
+        cos_sin = m.rope.ensure(max_len).index_select(1, pos_t)[:, :, None]
         mask = None
         if min(positions) != max_len - 1:
             mask = (torch.arange(max_len, device=self.device)[None, :] <= pos_t[:, None])
@@ -195,7 +196,7 @@ class Engine:
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             # one contiguous-row gather per layer: K of all blocks, then V
             both = kv.rows.index_select(0, rows[i])
-            return attention.decode(qkv[:heads_q], both.as_strided(size, stride),
+            return attention.decode(qkv[:, :heads_q], both.as_strided(size, stride),
                                     both.as_strided(size, stride, v_offset), mask)
 
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)

@@ -5,12 +5,14 @@ cache, and writes the new tokens' K/V into their slots. The families differ
 only in optional tensors (q/k/v and o biases, q/k norms) and tied embeddings,
 all resolved when the weights were bound.
 
-The residual stream is ``[N, hidden]``; projections run as ``W @ x.T`` with
-the checkpoint's ``[out, in]`` weight as the left operand (oneDNN's bf16
-kernels are ~30% faster for a skinny right operand than ``x @ W.T``, and a
-single token takes the matrix-vector kernel, ~1.5x faster again), so their
-outputs are feature-major ``[out, N]``: q, k and v of the fused projection are
-contiguous row ranges ``[heads, head_dim, N]``, and gate/up are two halves.
+Activations are ``[N, features]`` tensors whose memory layout depends on N.
+For decoding (few tokens) a projection runs as ``(W @ x.T).T`` with the
+checkpoint's ``[out, in]`` weight as the left operand: oneDNN's bf16 kernels
+are ~30% faster for a skinny right operand than ``x @ W.T``, and a single
+token takes the matrix-vector kernel, ~1.5x faster again; the outputs are then
+column-major views, which costs little on a handful of rows. From
+``ROW_MAJOR_TOKENS`` tokens (prefill) projections are plain ``x @ W.T`` so the
+elementwise work on long rows stays contiguous.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch.nn.functional as F
 from .spec import ModelSpec
 from .weights import ModelWeights
 
-# attend(layer, qkv [Hq + 2 * Hkv, D, N] after rope) -> [Hq * D, N] (any strides)
+# attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
+ROW_MAJOR_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -85,25 +88,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def project(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``w @ x (+ bias)`` for feature-major ``x [in, N]`` (any strides) -> ``[out, N]``.
-
-    One token takes oneDNN's matrix-vector kernel, ~1.5x faster than a matmul
-    with a one-column operand (what decoding at batch 1 is bound by).
-    """
-    if x.shape[1] == 1:
-        vec = x.view(-1) if x.is_contiguous() else x.reshape(-1)
-        out = torch.mv(w, vec) if bias is None else torch.addmv(bias, w, vec)
-        return out.view(-1, 1)
-    if bias is None:
-        return torch.mm(w, x)
-    return torch.addmm(bias[:, None], w, x)
+    """``x @ w.T (+ bias)`` for ``x [N, in]`` (any strides) -> ``[N, out]`` (see above)."""
+    n = x.shape[0]
+    if n == 1:
+        out = torch.mv(w, x[0]) if bias is None else torch.addmv(bias, w, x[0])
+        return out[None]
+    if n < ROW_MAJOR_TOKENS:
+        out = torch.mm(w, x.t()) if bias is None else torch.addmm(bias[:, None], w, x.t())
+        return out.t()
+    return F.linear(x, w, bias)
 
 
 @dataclass(frozen=True)
 class Tokens:
     """The ``N`` tokens of one forward pass and where their K/V go.
 
-    ``cos``/``sin`` are ``[N, D]`` rope rows of the tokens' positions (``sin``
+    ``cos``/``sin`` are ``[N, 1, D]`` rope rows of the tokens' positions (``sin``
     with its first half negated, see rope.py); token ``n``'s K/V go to block
     ``slot_blocks[n]``, row ``slot_offsets[n]``.
     """
@@ -125,31 +125,25 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn) -> t
     slot = (tokens.slot_blocks, tokens.slot_offsets)
     h = F.embedding(tokens.token_ids, w.embed_tokens)  # the residual stream, [N, hidden]
     heads_qk = num_q + num_kv
-    # each token's K and V of a layer as [N, 2, Hkv, D] rows of the qkv output
-    kv_size = (n, 2, num_kv, dim)
-    kv_stride = (1, num_kv * dim * n, dim * n, n)
-    kv_offset = num_q * dim * n
     for i, lw in enumerate(w.layers):
-        qkv = project(lw.qkv, rms_norm(h, lw.input_norm, eps).t(), lw.qkv_bias)
-        qkv = qkv.view(heads_qk + num_kv, dim, n)
-        qk = qkv[:heads_qk].transpose(1, 2)  # [heads, N, D] view
+        qkv = project(lw.qkv, rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
+        qkv = qkv.view(n, heads_qk + num_kv, dim)
+        qk = qkv[:, :heads_qk]
         src = qk
         if lw.q_norm is not None and lw.k_norm is not None:
             src = rms_norm(qk, None, eps)
-            src[:num_q].mul_(lw.q_norm)
-            src[num_q:].mul_(lw.k_norm)
-        # rope, written back into qkv
+            src[:, :num_q].mul_(lw.q_norm)
+            src[:, num_q:].mul_(lw.k_norm)
+        # rope, written back into qkv so K and V stay adjacent for one slot write
         torch.add(src * cos, src.roll(half, -1).mul_(sin), out=qk)
-        kv.kv[i].index_put_(slot, qkv.as_strided(kv_size, kv_stride, kv_offset))
-        h.add_(project(lw.o_proj, attend(i, qkv), lw.o_bias).t())
-        gate, up = project(lw.gate_up, rms_norm(h, lw.post_norm, eps).t()).chunk(2)
-        h.add_(project(lw.down, F.silu(gate, inplace=True).mul_(up)).t())
+        kv.kv[i].index_put_(slot, qkv[:, num_q:].view(n, 2, num_kv, dim))
+        h.add_(project(lw.o_proj, attend(i, qkv), lw.o_bias))
+        gate, up = project(lw.gate_up, rms_norm(h, lw.post_norm, eps)).chunk(2, -1)
+        h.add_(project(lw.down, F.silu(gate, inplace=True).mul_(up)))
     return h
 
 
 def logits(w: ModelWeights, hidden: torch.Tensor) -> torch.Tensor:
     """float32 logits ``[N, vocab]`` of hidden states ``[N, hidden]``."""
-    x = rms_norm(hidden, w.norm, w.spec.rms_norm_eps)
-    out = project(w.lm_head, x.t())  # [vocab, N]
-    return torch.empty(out.shape[1], out.shape[0], dtype=torch.float32,
-                       device=out.device).copy_(out.t())
+    out = project(w.lm_head, rms_norm(hidden, w.norm, w.spec.rms_norm_eps))
+    return torch.empty(out.shape, dtype=torch.float32, device=out.device).copy_(out)
