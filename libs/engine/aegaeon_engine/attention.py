@@ -33,11 +33,12 @@ class Attention:
         """Causal self-attention of one sequence: ``[T, H, D]`` inputs -> ``[T, Hq * D]``."""
         num_tokens = q.shape[0]
         if self.flash is not None:
-            out = self.flash(*(_unit_last(x)[None] for x in (q, k, v)), causal=True)
+            q_, k_, v_ = (_unit_last(x)[None] for x in (q, k, v))
+            out = self.flash(q_, k_, v_, causal=True)
             return out[0].reshape(num_tokens, -1)  # type: ignore[no-any-return]
-        out = F.scaled_dot_product_attention(
-            *(_unit_last(x.transpose(0, 1))[None] for x in (q, k, v)), is_causal=True,
-            enable_gqa=q.shape[1] != k.shape[1])
+        q_, k_, v_ = (_unit_last(x.transpose(0, 1))[None] for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
