@@ -162,3 +162,23 @@ def test_market_variants_match_transformers(request: pytest.FixtureRequest) -> N
     for entry in seen.values():
         ours = Bound(Path(entry.path)).greedy(prompts, NUM_TOKENS, block_lists(3, 5))
         assert ours == hf_greedy(Path(entry.path), prompts, NUM_TOKENS), entry.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 200])  # the fused path and the plain one
+def test_rms_norm_rounds_like_transformers(dtype: torch.dtype, rows: int) -> None:
+    from aegaeon_engine.model import rms_norm
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 384, generator=g).to(dtype)
+    w = torch.randn(384, generator=g).to(dtype)
+    before = x.clone()
+    xf = x.float()
+    expect = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    out = rms_norm(x, w, 1e-6)
+    assert torch.equal(x, before)
+    if dtype == torch.bfloat16 and rows == 3:  # the fused path: a rare last-bit difference
+        assert (out != expect).float().mean() < 1e-3
+        torch.testing.assert_close(out, expect, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(out, expect)
