@@ -137,6 +137,10 @@ def test_window_is_enforced(ckpts: dict[str, Path]) -> None:
         bound.engine.decode([DecodeSeq(5, window, list(range(20)))])
     with pytest.raises(ValueError, match="blocks"):
         bound.engine.prefill([5] * 20, [0])
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 20\)"):
+        bound.engine.decode([DecodeSeq(5, 3, [20])])
+    with pytest.raises(ValueError, match="block ids"):
+        bound.engine.import_kv([99], bound.engine.export_kv([0]))
 
 
 def _market_entries(request: pytest.FixtureRequest) -> list[Any]:

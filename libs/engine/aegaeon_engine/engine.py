@@ -124,11 +124,12 @@ class Engine:
         if num_new == 0 or start_pos < 0:
             raise ValueError("prefill needs at least one token and start_pos >= 0")
         self._check_len(m, total, len(block_ids))
+        used = list(block_ids[:m.kv_shape.blocks_for(total)])
+        self._check_blocks(used)
         dev, bs = self.device, self.block_size
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
         positions = torch.arange(start_pos, total, device=dev)
-        blocks = torch.tensor(list(block_ids[:m.kv_shape.blocks_for(total)]), dtype=torch.long,
-                              device=dev)
+        blocks = torch.tensor(used, dtype=torch.long, device=dev)
         table = m.rope.ensure(total)[:, start_pos:total, None]
         attention = self.attention
         heads_q, heads_qk = m.spec.num_heads, m.spec.num_heads + m.spec.num_kv_heads
@@ -168,11 +169,14 @@ class Engine:
         flat = [s.token_id for s in seqs] + positions
         table: list[int] = []
         for s in seqs:
+            if s.position < 0:
+                raise ValueError(f"negative position {s.position}")
             used = s.position // bs + 1
             self._check_len(m, s.position + 1, len(s.block_ids))
             flat.append(s.block_ids[used - 1])
             table.extend(s.block_ids[:used])
             table.extend([s.block_ids[0]] * (num_blocks - used))  # padding, masked below
+        self._check_blocks(table)
         flat.extend(p % bs for p in positions)
         idx = torch.tensor(flat + table, dtype=torch.long).to(self.device, non_blocking=True)
         tokens, pos_t = idx[:batch], idx[batch:2 * batch]
@@ -211,11 +215,18 @@ class Engine:
             raise ValueError(f"{num_blocks} blocks hold {num_blocks * self.block_size} "
                              f"positions, the sequence needs {num_tokens}")
 
+    def _check_blocks(self, block_ids: Sequence[int]) -> None:
+        count = self.num_blocks
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= count):
+            raise ValueError(f"block ids must be in [0, {count}) (the bound KV region), got "
+                             f"{min(block_ids)}..{max(block_ids)}")
+
     # -- KV handoff ------------------------------------------------------------------------
 
     def export_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copies of blocks ``block_ids`` as ``[n, block_bytes]`` uint8 (same device)."""
         kv = self._model().kv
+        self._check_blocks(block_ids)
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         return kv.blocks.index_select(0, index)
 
@@ -226,5 +237,6 @@ class Engine:
                                                               kv.blocks.shape[1]):
             raise ValueError(f"expected uint8 [{len(block_ids)}, {kv.blocks.shape[1]}] blocks, "
                              f"got {data.dtype} {tuple(data.shape)}")
+        self._check_blocks(block_ids)
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         kv.blocks.index_copy_(0, index, data.to(self.device))
