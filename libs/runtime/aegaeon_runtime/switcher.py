@@ -14,10 +14,15 @@ the sampler and every buffer stay; only the engine's weight views change.
   offset are kept too, so a model coming back to the same place is bound
   without rebuilding them.
 - **Prefetch** (§5.2): while the active model serves, the next model is copied
-  into free arena space after it on a background thread. Activating it then
-  costs only binding its views where it already is. If the next prefetch
-  does not fit after the active model, the active model is first *promoted*
-  to the bottom of the arena (an overlap-safe on-device copy) to make room.
+  into free arena space on the worker's prefetch thread. Activating it then
+  costs only binding its views where it already is. Placement: right after
+  the active model (bump allocation) if it fits, else in the free space
+  below the active model (left by the model before it); only when neither
+  fits is the active model *promoted* to the bottom of the arena (an
+  overlap-safe on-device copy) to make room. The paper promotes every
+  prefetched model; on a CPU that copy costs as much as the load it saves,
+  so promotion here is the last resort. Activating a model other than the
+  one being prefetched cancels that copy within one chunk.
 
 All methods except the background copy run on the compute thread.
 """
@@ -35,6 +40,8 @@ from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
+from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
+
 
 @dataclass
 class Resident:
@@ -43,18 +50,6 @@ class Resident:
     name: str
     allocation: Allocation
     weights: ModelWeights
-
-
-class _Prefetch:
-    """One background copy of a model into the arena."""
-
-    def __init__(self, name: str, allocation: Allocation) -> None:
-        self.name = name
-        self.allocation = allocation
-        self.done = threading.Event()
-        self.resident: Resident | None = None
-        self.error: BaseException | None = None
-        self.copy_s = 0.0
 
 
 class ModelSwitcher:
@@ -79,7 +74,8 @@ class ModelSwitcher:
         self.prefetch_enabled = prefetch
         self.copy_threads = copy_threads
         self.active: Resident | None = None
-        self._prefetch: _Prefetch | None = None
+        self._prefetch: PrefetchJob | None = None
+        self._prefetcher = Prefetcher(self._run_prefetch)
         # (model, arena offset) -> views over those bytes, at most _max_views;
         # used by the compute and the prefetch thread.
         self._views: dict[tuple[str, int], ModelWeights] = {}
@@ -87,6 +83,7 @@ class ModelSwitcher:
         self._max_views = 2 * max(len(self.specs), 1)
         self.num_switches = 0
         self.num_promotions = 0
+        self.num_placed_below = 0
 
     # ---- queries ---------------------------------------------------------
     @property
@@ -110,7 +107,9 @@ class ModelSwitcher:
                 self._views[key] = weights
         return Resident(name, allocation, weights)
 
-    def _copy_in(self, name: str, allocation: Allocation) -> float:
+    def _copy_in(
+        self, name: str, allocation: Allocation, job: PrefetchJob | None = None
+    ) -> float:
         """Copy ``name`` from the Model Cache into ``allocation``; seconds spent.
 
         Fast path: the client's kept mapping, then the use is noted (reported
@@ -118,27 +117,33 @@ class ModelSwitcher:
         """
         mapped = self.cache.cached_model(name)
         if mapped is not None:
-            seconds = self._copy_from(mapped, allocation)
+            seconds = self._copy_from(mapped, allocation, job)
             self.cache.note_use(name)
             return seconds
         mapped = self.cache.load_model(name, pin=True)
         try:
-            return self._copy_from(mapped, allocation)
+            return self._copy_from(mapped, allocation, job)
         finally:
             self.cache.unpin(name)
 
-    def _copy_from(self, mapped: MappedModel, allocation: Allocation) -> float:
+    def _copy_from(
+        self, mapped: MappedModel, allocation: Allocation, job: PrefetchJob | None = None
+    ) -> float:
         if mapped.nbytes != allocation.nbytes:
             raise RuntimeError(
                 f"Model Cache region of {mapped.name!r} holds {mapped.nbytes} bytes, the "
                 f"engine's layout {allocation.nbytes}: cachemgr and worker disagree on the dtype"
             )
         start = time.perf_counter()
-        copy_chunked(
-            self.buffer.view(allocation.offset, allocation.nbytes),
-            mapped.data,
-            num_threads=self.copy_threads,
-        )
+        dst = self.buffer.view(allocation.offset, allocation.nbytes)
+        if job is None:  # on the critical path: one copy at full speed
+            copy_chunked(dst, mapped.data, num_threads=self.copy_threads)
+        else:  # in the background: chunks, so that a cancel stops it quickly
+            src = mapped.data
+            for first in range(0, allocation.nbytes, PREFETCH_CHUNK_BYTES):
+                job.check()
+                last = min(first + PREFETCH_CHUNK_BYTES, allocation.nbytes)
+                copy_chunked(dst[first:last], src[first:last], num_threads=1)
         return time.perf_counter() - start
 
     def _activate(self, resident: Resident) -> None:
@@ -157,9 +162,11 @@ class ModelSwitcher:
         pending = self._prefetch
         self._prefetch = None
         if pending is not None:
+            if pending.name != name:
+                pending.cancelled.set()  # its bytes are not needed: stop within a chunk
             pending.done.wait()  # never reuse memory a copy is still writing
-        if pending is not None and pending.name == name and pending.resident is not None:
-            self._activate(pending.resident)
+        if pending is not None and pending.name == name and isinstance(pending.result, Resident):
+            self._activate(pending.result)
             load_s, prefetched = pending.copy_s, True
         else:
             self.active = None
@@ -187,27 +194,35 @@ class ModelSwitcher:
         if self._prefetch is not None:
             return self._prefetch.name == name  # one at a time
         nbytes = self.nbytes(name)
-        if self.active is not None:
-            # Only the active model stays: drop stale allocations above it.
-            self.buffer.arena.set_top(self.active.allocation)
-            if not self.buffer.fits(nbytes) and self.active.allocation.offset > 0:
-                self._promote_active()
-        if not self.buffer.fits(nbytes):
+        allocation = self._place(nbytes)
+        if allocation is None:
             return False
-        job = _Prefetch(name, self.buffer.alloc(nbytes))
+        job = PrefetchJob(name, allocation)
         self._prefetch = job
-        threading.Thread(target=self._run_prefetch, args=(job,), daemon=True,
-                         name=f"aegaeon-prefetch-{name}").start()
+        self._prefetcher.submit(job)
         return True
 
-    def _run_prefetch(self, job: _Prefetch) -> None:
-        try:
-            job.copy_s = self._copy_in(job.name, job.allocation)
-            job.resident = self._bind(job.name, job.allocation)
-        except BaseException as exc:  # reported when the model is activated
-            job.error = exc
-        finally:
-            job.done.set()
+    def _place(self, nbytes: int) -> Allocation | None:
+        """Free arena space for a prefetch (see the module docstring), or None."""
+        if self.active is None:
+            return self.buffer.alloc(nbytes) if self.buffer.fits(nbytes) else None
+        active = self.active.allocation
+        # Only the active model stays: drop stale allocations above it.
+        self.buffer.arena.set_top(active)
+        if self.buffer.fits(nbytes):
+            return self.buffer.alloc(nbytes)
+        if active.offset >= nbytes:
+            self.num_placed_below += 1
+            return Allocation(0, nbytes)  # the gap the previous model left below
+        if active.offset > 0:
+            self._promote_active()
+            if self.buffer.fits(nbytes):
+                return self.buffer.alloc(nbytes)
+        return None
+
+    def _run_prefetch(self, job: PrefetchJob) -> None:
+        job.copy_s = self._copy_in(job.name, job.allocation, job)
+        job.result = self._bind(job.name, job.allocation)
 
     def _promote_active(self) -> None:
         """Move the active model down to offset 0 (on-device copy), rebind its views."""
@@ -222,6 +237,8 @@ class ModelSwitcher:
 
     def close(self) -> None:
         if self._prefetch is not None:
+            self._prefetch.cancelled.set()
             self._prefetch.done.wait()
             self._prefetch = None
+        self._prefetcher.close()
 

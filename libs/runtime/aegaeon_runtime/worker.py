@@ -93,6 +93,9 @@ async def build_worker(config: Config, kind: str, index: int, client: CacheClien
     switcher = ModelSwitcher(
         engine, buffer, cache, specs, config.dtype, prefetch=config.scheduler.prefetch
     )
+    for name in specs:  # map every Model Cache region now, off the critical path
+        await client.load_model(name, pin=True)
+        await client.unpin(name)
     return Worker(
         config=config,
         kind=kind,

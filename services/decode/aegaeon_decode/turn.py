@@ -116,6 +116,9 @@ class TurnRunner:
         start_wall, start = time.time(), time.perf_counter()
         steps_before, tokens_before = self.counters.steps, self.counters.tokens
         decode_before = self.counters.decode_s
+        # Swap-ins first: their copies run on the swap-in stream while the model
+        # is switched in (§5.3), instead of after it.
+        self._make_resident(batch)
         record = w.switcher.activate(batch.model)
         if record is not None:
             self.counters.note_switch(record)
