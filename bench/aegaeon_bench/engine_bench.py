@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +38,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
     parser.add_argument("--dtype", help="serving dtype (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument("--cpus", help="cores every engine is pinned to, e.g. 0 or 0-3 "
+                        "(default: 0..threads-1, as vLLM pins itself; 'none': no pinning)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -63,6 +67,24 @@ def _medians(values: Any) -> dict[str, float]:
     return {key: round(statistics.median(v), 1) for key, v in zip(KEYS, runs, strict=True)}
 
 
+def _pin(args: argparse.Namespace) -> str | None:
+    """Pin this process (ours and transformers) to the cores vLLM's worker will use.
+
+    vLLM binds its compute threads to cores; on a shared machine a pinned
+    process keeps its core while unpinned ones get migrated around it, so
+    every engine gets the same binding or none does.
+    """
+    spec = args.cpus or (f"0-{args.threads - 1}" if args.threads > 1 else "0")
+    if spec == "none" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    os.sched_setaffinity(0, cpus)
+    return spec
+
+
 def _vllm_python(args: argparse.Namespace) -> str | None:
     if args.no_vllm:
         return None
@@ -82,6 +104,7 @@ class VllmWorker:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         self._send(json.dumps(work))
         self._receive()  # {"ready": true}
+        self.pause()
 
     def _send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -100,10 +123,24 @@ class VllmWorker:
 
     def run(self) -> dict[str, Any]:
         """One repeat of the workload: tokens/s and the batch-8 greedy tokens."""
+        self._signal(signal.SIGCONT)
         self._send("run")
-        return self._receive()
+        try:
+            return self._receive()
+        finally:
+            self.pause()
+
+    def pause(self) -> None:
+        """Stop the worker between its repeats: an idle vLLM engine still burns a good
+        part of a core, which would be taken from the other engines' measurements."""
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         if self.proc.poll() is None:
             try:
                 self._send("quit")
@@ -119,7 +156,7 @@ def _start_vllm(args: argparse.Namespace, result: dict[str, Any],
     if python is None:
         return None, []
     work = {"model": result["model"], "dtype": result["dtype"], "threads": args.threads,
-            "prompts": prompts, "num_new": args.new_tokens}
+            "cpus": result["cpus"], "prompts": prompts, "num_new": args.new_tokens}
     try:
         return VllmWorker(python, work), []
     except (OSError, RuntimeError) as exc:
@@ -142,6 +179,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench engine: error: {exc}", file=sys.stderr)
         return 2
     dtype = args.dtype or spec.dtype
+    try:
+        cpus = _pin(args)
+    except (ValueError, OSError) as exc:
+        print(f"aegaeon bench engine: error: --cpus {args.cpus!r}: {exc}", file=sys.stderr)
+        return 2
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, spec.vocab_size, (BATCH, args.prompt_len), generator=gen).tolist()
     work = Workload(model_dir, dtype, prompts, args.new_tokens)
@@ -154,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "model": str(model_dir), "dtype": dtype, "threads": args.threads,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
-        "repeats": args.repeats, "vllm": None,
+        "repeats": args.repeats, "cpus": cpus, "vllm": None,
     }
     vllm, vllm_runs = _start_vllm(args, result, prompts)
     try:
@@ -190,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(result: dict[str, Any]) -> None:
     print(f"engine bench: {Path(result['model']).name} {result['dtype']}, "
-          f"{result['threads']} thread(s), prompts {result['batch']} x {result['prompt_len']}, "
+          f"{result['threads']} thread(s) on cpus {result['cpus']}, "
+          f"prompts {result['batch']} x {result['prompt_len']}, "
           f"{result['new_tokens']} new tokens, median of {result['repeats']} (tokens/s)")
     print(f"{'engine':14}{'prefill':>12}{'decode b1':>12}{'decode b8':>12}")
     for name in ("ours", "transformers", "vllm"):

@@ -47,7 +47,8 @@ def _bench(work: dict[str, Any], scratch: str, protocol: TextIO) -> int:
     tempfile.tempdir = None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
+    # the same cores as the bench process (vLLM's own default pins to cores too)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", work.get("cpus") or "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
