@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -267,6 +268,23 @@ class ClusterBackend:
         }
         if light:
             return out
+        # Each instance's start-up latency profile (aegaeon_sched.LatencyModel
+        # dicts): what a simulation of this deployment should use.
+        out["latency"] = {
+            v.name: json.loads(v.hello.latency_json)
+            for v in self.instances
+            if v.hello is not None and v.hello.latency_json
+        }
+        out["layout"] = {
+            "policy": self.config.scheduler.policy,
+            "unified": self.config.unified,
+            "hybrid_prefill": self.config.hybrid_prefill,
+            "prefill": self.config.prefill.instances,
+            "decode": self.config.decode.instances,
+            "q_max_s": self.config.scheduler.q_max_s,
+            "max_group_size": self.config.scheduler.max_group_size,
+            "max_batch_size": self.config.scheduler.max_batch_size,
+        }
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.turns]
         out["timings"] = [
