@@ -87,6 +87,10 @@ class OursRunner:
                 o.append(t)
         return outs
 
+    def greedy(self) -> list[list[int]]:
+        """Greedy tokens of all prompts decoded together (untimed)."""
+        return self._decode(self._prefill(len(self.work.prompts)))
+
     def run(self, into: Timings) -> None:
         count, length, steps = len(self.work.prompts), len(self.work.prompts[0]), self.work.num_new
         seconds, _ = _clock(lambda: self._prefill(count))
