@@ -11,8 +11,9 @@ checkpoint's ``[out, in]`` weight as the left operand: oneDNN's bf16 kernels
 are ~30% faster for a skinny right operand than ``x @ W.T``, and a single
 token takes the matrix-vector kernel, ~1.5x faster again; the outputs are then
 column-major views, which costs little on a handful of rows. From
-``ROW_MAJOR_TOKENS`` tokens (prefill) projections are plain ``x @ W.T`` so the
-elementwise work on long rows stays contiguous.
+``ROW_MAJOR_TOKENS`` tokens (prefill) each output is transposed once to
+row-major, so the elementwise work on long rows stays contiguous (still ~10%
+faster than ``x @ W.T``).
 """
 
 from __future__ import annotations
@@ -100,12 +101,10 @@ def project(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) 
     """``x @ w.T (+ bias)`` for ``x [N, in]`` (any strides) -> ``[N, out]`` (see above)."""
     n = x.shape[0]
     if n == 1:
-        out = torch.mv(w, x[0]) if bias is None else torch.addmv(bias, w, x[0])
-        return out[None]
-    if n < ROW_MAJOR_TOKENS:
-        out = torch.mm(w, x.t()) if bias is None else torch.addmm(bias[:, None], w, x.t())
-        return out.t()
-    return F.linear(x, w, bias)
+        vec = torch.mv(w, x[0]) if bias is None else torch.addmv(bias, w, x[0])
+        return vec[None]
+    out = torch.mm(w, x.t()) if bias is None else torch.addmm(bias[:, None], w, x.t())
+    return out.t() if n < ROW_MAJOR_TOKENS else out.t().contiguous()
 
 
 @dataclass(frozen=True)
