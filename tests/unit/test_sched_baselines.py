@@ -1,4 +1,6 @@
-"""Request-level auto-scaling (FCFS / SJF) and static multiplexing baselines."""
+"""Request-level auto-scaling with a global queue (FCFS / SJF), static
+multiplexing, and the policy table. The bound-at-arrival ServerlessLLM(+)
+baselines: test_sched_pinned.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from aegaeon_sched import (
     EnqueuePrefill,
     LatencyModel,
     ModelSpec,
+    PinnedRequestLevelPolicy,
     PlaceDecode,
     Reject,
     Request,
@@ -158,22 +161,25 @@ def test_static_mux_respects_the_weight_budget() -> None:
 def test_factory_builds_every_policy_by_name() -> None:
     cluster = ClusterSpec(("p0",), ("d0", "d1"))
     for name in (
-        "aegaeon", "request-level", "request-level-sjf", "request-level-pinned", "static-mux",
+        "aegaeon", "request-level", "request-level-sjf", "request-level-global",
+        "request-level-global-sjf", "static-mux",
     ):  # fmt: skip
         assert make_policy(name, cluster, _latency()).name == name
+    # ServerlessLLM(+) as the paper evaluated them bind requests at arrival.
+    assert isinstance(make_policy("request-level", cluster, _latency()), PinnedRequestLevelPolicy)
+    assert isinstance(
+        make_policy("request-level-sjf", cluster, _latency()), PinnedRequestLevelPolicy
+    )
+    assert not isinstance(
+        make_policy("request-level-global", cluster, _latency()), PinnedRequestLevelPolicy
+    )
 
 
-def test_pinned_requests_wait_for_their_instance_even_if_another_goes_idle() -> None:
-    from aegaeon_sched import PinnedRequestLevelPolicy
+def test_config_policies_are_factory_policies() -> None:
+    from aegaeon_common.config import POLICIES as CONFIG_POLICIES
+    from aegaeon_common.config import UNIFIED_POLICIES
+    from aegaeon_sched import POLICIES
 
-    for policy, expect in ((RequestLevelPolicy(["g0", "g1"]), "g1"),
-                           (PinnedRequestLevelPolicy(["g0", "g1"]), None)):  # fmt: skip
-        policy.on_arrival(_req(0, "x", 0.0, out=1000), 0.0)  # g0, long
-        policy.on_arrival(_req(1, "y", 0.1, out=10), 0.1)  # g1, short
-        assert policy.on_arrival(_req(2, "z", 0.2), 0.2) == []  # nowhere to start
-        runs = _runs(policy.on_request_finished("r1", 1.0))  # g1 goes idle
-        if expect is None:
-            assert runs == []  # z is pinned behind x on g0
-            assert _runs(policy.on_request_finished("r0", 10.0)) == [("g0", "r2", "z")]
-        else:
-            assert runs == [("g1", "r2", "z")]
+    assert set(CONFIG_POLICIES) <= set(POLICIES)
+    # Unified (every worker prefills and decodes): every request-level variant.
+    assert set(UNIFIED_POLICIES) == {p for p in POLICIES if p.startswith("request-level")}

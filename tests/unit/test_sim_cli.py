@@ -54,3 +54,31 @@ def test_single_experiment(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["report"]["attainment"] == 1.0
+
+
+def _scenario(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    base = ["sim", "--policy", "aegaeon", "--models", "4", "--rps", "0.1", "--duration", "10"]
+    assert main([*base, *argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    scenario: dict[str, object] = summary["scenario"]
+    return scenario
+
+
+def test_planner_and_baseline_switch_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from aegaeon_bench.sim import cli
+    from aegaeon_bench.sim.runner import SLLM_SWITCH_BYTES_PER_S
+    from aegaeon_sched import ROUND_TTFT_FRACTION
+
+    assert cli.ROUND_TTFT_FRACTION == ROUND_TTFT_FRACTION
+    assert cli.SLLM_SWITCH_GBPS * 1e9 == SLLM_SWITCH_BYTES_PER_S
+    default = _scenario([], capsys)
+    assert default["round_ttft_fraction"] == ROUND_TTFT_FRACTION
+    assert default["fresh_first"] is False
+    assert default["baseline_switch_bytes_per_s"] == SLLM_SWITCH_BYTES_PER_S
+    paper = _scenario(["--paper", "--fresh-first", "--round-ttft-fraction", "0.3"], capsys)
+    assert paper["round_ttft_fraction"] is None and paper["fresh_first"] is False
+    tuned = _scenario(["--round-ttft-fraction", "0.3", "--fresh-first"], capsys)
+    assert tuned["round_ttft_fraction"] == 0.3 and tuned["fresh_first"] is True
+    assert _scenario(["--round-ttft-fraction", "none"], capsys)["round_ttft_fraction"] is None
+    eq4 = _scenario(["--baseline-switch-gbps", "eq4"], capsys)
+    assert eq4["baseline_switch_bytes_per_s"] is None

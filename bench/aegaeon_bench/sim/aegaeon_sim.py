@@ -1,9 +1,11 @@
-"""Simulated Aegaeon instances: prefill (Alg. 1 execution) and decode (Alg. 2 rounds).
+"""A simulated Aegaeon decode instance (Algorithm 2 rounds).
 
-Both keep the *same* mirror structures a live instance keeps
-(:class:`~aegaeon_sched.PrefillQueue`, :class:`~aegaeon_sched.DecodeWorkList`),
-fed by the policy's actions, and the decode instance plans its rounds with the
-same :class:`~aegaeon_sched.RoundRobinPlanner`.
+It keeps the *same* mirror work list a live decode instance keeps
+(:class:`~aegaeon_sched.DecodeWorkList`), fed by the policy's actions, and
+plans its rounds with the same :class:`~aegaeon_sched.RoundRobinPlanner`,
+asking it (:meth:`~aegaeon_sched.RoundRobinPlanner.replan_due`) whether a
+batch that arrived mid-round ends the round early: at once when the round
+has no switch (one model), at the next turn boundary with ``fresh_first``.
 
 Costs on the decode side (per turn, on the critical path):
 
@@ -25,68 +27,11 @@ Costs on the decode side (per turn, on the critical path):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from enum import Enum
 
-from aegaeon_sched import (
-    DecodeWorkList,
-    LatencyModel,
-    PrefillQueue,
-    RoundRobinPlanner,
-    Turn,
-)
+from aegaeon_sched import DecodeWorkList, LatencyModel, RoundPlan, RoundRobinPlanner, Turn
 
 from aegaeon_bench.sim.state import SimRequest, steps_until, steps_within
-
-
-class PrefillSim:
-    """One prefill instance: runs its mirror queue's front group one request at a time."""
-
-    def __init__(
-        self,
-        name: str,
-        latency: LatencyModel,
-        schedule: Callable[[float, Callable[[float], None]], None],
-        on_started: Callable[[str, str, float], None],
-        on_done: Callable[[str, str, float, float], None],
-    ) -> None:
-        self.name = name
-        self.latency = latency
-        self.queue = PrefillQueue()
-        self.loaded: str | None = None
-        self.busy = False
-        self.num_switches = 0
-        self._schedule = schedule
-        self._on_started = on_started
-        self._on_done = on_done
-
-    def enqueue(self, sim: SimRequest, group_id: int, now_s: float) -> None:
-        self.queue.add(sim.request, group_id)
-        if not self.busy:
-            self._start(now_s)
-
-    def _start(self, now_s: float) -> None:
-        head = self.queue.peek()
-        if head is None:
-            self.busy = False
-            return
-        group, request = head
-        self.queue.start(request.request_id, now_s)
-        self._on_started(self.name, request.request_id, now_s)
-        cost = self.latency.prefill_one_s(request.model, request.prompt_len)
-        measured = cost
-        if group.model != self.loaded:
-            cost += self.latency.switch_s(group.model)
-            self.loaded = group.model
-            self.num_switches += 1
-        self.busy = True
-        rid = request.request_id
-        self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t))
-
-    def _finish(self, request_id: str, measured_s: float, now_s: float) -> None:
-        self.queue.finish(request_id)
-        self._on_done(self.name, request_id, measured_s, now_s)
-        self._start(now_s)
 
 
 class Phase(Enum):
@@ -121,8 +66,11 @@ class DecodeSim:
         self.phase = Phase.ROUND_START
         self.loaded: str | None = None
         self.prefetch: tuple[str, float] | None = None
+        self.plan = RoundPlan((), 0.0, 0.0, 0.0)
         self.turns: list[Turn] = []
         self.turn_idx = 0
+        self.turned: set[int] = set()  # batches that have had a turn (not fresh)
+        self.served: set[int] = set()  # ... in the current round
         self.batch_id = -1
         self.last_batch_id = -1
         self.busy_until = 0.0
@@ -134,22 +82,46 @@ class DecodeSim:
     def place(self, sim: SimRequest, batch_id: int, now_s: float) -> None:
         if not self.sims:
             self.clock = max(self.clock, now_s)  # idle until now
+        new_batch = self.work.batch(batch_id) is None
         self.work.add(sim.request, batch_id)
         self.sims[sim.request.request_id] = sim
-        # The newcomer can end the current chunk (a join) or finish early.
+        # The newcomer can end the current chunk (a join), the turn (a new
+        # batch may end a one-model round) or finish early.
         self.wake_s = min(self.wake_s, self.clock, sim.ready_s)
+        if new_batch and self.planner.fresh_first and self.phase is Phase.DECODE:
+            self._retarget_prefetch(sim.request.model, max(now_s, self.clock))
+
+    def _retarget_prefetch(self, model: str, now_s: float) -> None:
+        """A fresh batch takes the next turn: load its model instead, unless
+        an earlier fresh batch is already waiting for that turn."""
+        planned = {t.batch_id for t in self.turns}
+        unplanned = [b for b in self.work if b.batch_id not in planned]
+        if self.prefetch_enabled and len(unplanned) == 1 and model != self.loaded:
+            self.prefetch = (model, now_s)
 
     # ---- turn bookkeeping ------------------------------------------------
     def _plan_round(self) -> None:
-        plan = self.planner.plan_work_list(
-            self.work, self.latency, lambda rid: self.sims[rid].context
-        )
-        self.turns = list(plan.turns)
+        """Plan a round; a re-plan puts the batches served so far last."""
+        self.turned &= {b.batch_id for b in self.work}
+        self.plan = self.planner.plan_work_list(
+            self.work, self.latency, lambda rid: self.sims[rid].context,
+            turned_ids=self.turned, served_ids=self.served,
+        )  # fmt: skip
+        self.served = set()
+        self.turns = list(self.plan.turns)
         self.turn_idx = -1
         self.num_rounds += 1
         self._next_turn()
 
+    def _replan_due(self, *, mid_turn: bool) -> bool:
+        return self.planner.replan_due(
+            self.plan, (b.batch_id for b in self.work), mid_turn=mid_turn
+        )
+
     def _next_turn(self) -> None:
+        if self.turn_idx >= 0 and self._replan_due(mid_turn=False):
+            self._plan_round()
+            return
         self.turn_idx += 1
         if self.turn_idx >= len(self.turns):
             self.phase = Phase.ROUND_START
@@ -168,6 +140,8 @@ class DecodeSim:
             kv_bytes = self.latency.spec(turn.model).kv_bytes_per_token
             cost += sum(s.context for s in present) * kv_bytes / self.kv_bytes_per_s
         self.batch_id = self.last_batch_id = turn.batch_id
+        self.turned.add(turn.batch_id)
+        self.served.add(turn.batch_id)
         self.phase = Phase.SWITCH
         self.busy_until = self.clock + cost
         self.quota_end = self.busy_until + turn.quota_s
@@ -234,6 +208,9 @@ class DecodeSim:
         clock = self.clock
         if batch is None or clock >= self.quota_end:
             self._next_turn()
+            return False
+        if self.plan.switch_s == 0 and self._replan_due(mid_turn=True):
+            self._plan_round()  # a one-model round ends when another batch arrives
             return False
         members: list[SimRequest] = []
         next_join = math.inf

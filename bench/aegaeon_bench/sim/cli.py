@@ -4,6 +4,12 @@
     aegaeon sim --theorem [--json]
     aegaeon sim --policy aegaeon --models 70 --rps 0.1      # one experiment
 
+Aegaeon's decode rounds are bounded by default (``--round-ttft-fraction``,
+see aegaeon_sched.quota); ``--paper`` plans them with Eq. 2-3 exactly as
+published. Request-level baselines switch at ServerlessLLM's 16 GB/s, as the
+paper's artifact simulated them (``--baseline-switch-gbps eq4`` gives them
+Aegaeon's Eq. 4 instead).
+
 Nothing heavy is imported at module level (matplotlib only when plotting).
 """
 
@@ -19,6 +25,16 @@ if TYPE_CHECKING:
     from aegaeon_bench.sim.runner import Scenario
 
 DEFAULT_DURATION_S = 300.0
+ROUND_TTFT_FRACTION = 0.7  # aegaeon_sched.ROUND_TTFT_FRACTION (checked in the tests)
+SLLM_SWITCH_GBPS = 16.0  # runner.SLLM_SWITCH_BYTES_PER_S / 1e9 (checked in the tests)
+
+
+def _fraction(value: str) -> float | None:
+    return None if value.lower() == "none" else float(value)
+
+
+def _gbps(value: str) -> float | None:
+    return None if value.lower() == "eq4" else float(value)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,11 +61,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--q-max", type=float, default=4.0, help="Aegaeon's Q_MAX (s)")
     parser.add_argument(
-        "--baseline-switch-gbps",
-        type=float,
-        help="request-level switch = weight bytes / this rate (default: Eq. 4 like Aegaeon; "
-        "the paper's artifact charged 16)",
-    )
+        "--round-ttft-fraction", type=_fraction, default=ROUND_TTFT_FRACTION,
+        help=f"bound each decode round's quotas by this x TTFT; 'none': Eq. 3 only "
+        f"(default {ROUND_TTFT_FRACTION})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fresh-first", action="store_true",
+        help="a batch that has not had a turn takes the next turn (re-plan mid-round)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--paper", action="store_true",
+        help="Aegaeon's rounds exactly as published (no round bound, no fresh-first)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline-switch-gbps", type=_gbps, default=SLLM_SWITCH_GBPS,
+        help="request-level switch = weight bytes / this rate; 'eq4': Aegaeon's Eq. 4 "
+        f"(default {SLLM_SWITCH_GBPS:g}: ServerlessLLM in the paper's artifact)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for PNGs")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -58,7 +86,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.theorem:
-        summary = _theorem(args)
+        from aegaeon_bench.sim.cli_theorem import theorem
+
+        summary = theorem(args, _base(args))
     elif args.figure:
         summary = _figure(args)
     else:
@@ -79,8 +109,22 @@ def _base(args: argparse.Namespace) -> Scenario:
     gbps = args.baseline_switch_gbps
     return Scenario(
         "aegaeon", 1, 0.0, duration_s=args.duration, seed=args.seed, q_max_s=args.q_max,
+        round_ttft_fraction=None if args.paper else args.round_ttft_fraction,
+        fresh_first=args.fresh_first and not args.paper,
         baseline_switch_bytes_per_s=gbps * 1e9 if gbps else None,
     )  # fmt: skip
+
+
+def _planner_note(args: argparse.Namespace) -> str:
+    sc = _base(args)
+    if sc.round_ttft_fraction is None and not sc.fresh_first:
+        return f"Eq. 2-3 as published (Q_MAX {sc.q_max_s:g} s)"
+    parts = [f"Q_MAX {sc.q_max_s:g} s"]
+    if sc.round_ttft_fraction is not None:
+        parts.append(f"round quotas <= {sc.round_ttft_fraction:g} x TTFT")
+    if sc.fresh_first:
+        parts.append("fresh batches first")
+    return ", ".join(parts)
 
 
 def _single(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,11 +151,11 @@ def _single(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _figure(args: argparse.Namespace) -> dict[str, Any]:
-    from aegaeon_bench.sim.figures import FIGURES, POLICY_LABELS, crossing_at, max_at, sweep
+    from aegaeon_bench.sim.figures import FIGURE_POLICIES, FIGURES, crossing_at, max_at, sweep
     from aegaeon_bench.sim.plots import plot_figure
 
     panels = FIGURES[args.figure]
-    policies = args.policies.split(",") if args.policies else list(POLICY_LABELS)
+    policies = args.policies.split(",") if args.policies else list(FIGURE_POLICIES)
     xs = [float(v) for v in args.points.split(",")] if args.points else None
     results = {}
     for panel in panels:
@@ -121,7 +165,7 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
     png = plot_figure(
         args.figure, panels, results, args.out / f"fig{args.figure}.png",
         note=f"H800 x16 (6 prefill + 10 decode for Aegaeon), {args.duration:g} s of arrivals, "
-        f"seed {args.seed}, Q_MAX {args.q_max:g} s, baseline switch "
+        f"seed {args.seed}; Aegaeon: {_planner_note(args)}; request-level switch "
         + (f"{args.baseline_switch_gbps:g} GB/s" if args.baseline_switch_gbps else "Eq. 4"),
     )  # fmt: skip
     key = "max_rps_at_90" if args.figure == "11c" else "max_models_at_90"
@@ -144,6 +188,9 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": args.duration,
         "seed": args.seed,
         "q_max_s": args.q_max,
+        "planner": _planner_note(args),
+        "round_ttft_fraction": _base(args).round_ttft_fraction,
+        "fresh_first": _base(args).fresh_first,
         "baseline_switch_gbps": args.baseline_switch_gbps,
         "metric": "token-deadline SLO attainment (qos: the artifact's per-request time fraction)",
         "points_format": "[x, attainment, qos]",
@@ -165,86 +212,3 @@ def _print_table(title: str, key: str, data: dict[str, Any]) -> None:
         print(
             f"  {policy:18s} {key}={data[key][policy]} (qos: {data[key + '_qos'][policy]})  {pts}"
         )
-
-
-def _theorem(args: argparse.Namespace) -> dict[str, Any]:
-    from aegaeon_bench.sim.theorem import PAPER_FIG4, TheoremCase, check
-
-    cases = [
-        PAPER_FIG4,
-        TheoremCase(100, 0.037, 16.79, "exponential"),
-        TheoremCase(40, 0.1, 3.0),
-        TheoremCase(70, 0.1, 30.0, "exponential"),
-        TheoremCase(20, 0.5, 10.0, "exponential"),
-    ]
-    rows = []
-    horizon = max(args.duration, 20000.0)
-    for case in cases:
-        simulated, expected = check(case, horizon_s=horizon, seed=args.seed)
-        rows.append({
-            "num_models": case.num_models, "rate": case.rate, "service_s": case.service_s,
-            "service": case.service, "simulated": round(simulated, 3),
-            "expected": round(expected, 3), "rel_error": round(simulated / expected - 1, 4),
-        })  # fmt: skip
-        print(
-            f"M={case.num_models:3d} lambda={case.rate:<6g} T={case.service_s:<6g} "
-            f"({case.service:11s}) simulated E[m]={simulated:7.2f} formula={expected:7.2f}"
-        )
-    served = _theorem_served(args)
-    png = _theorem_plot(args)
-    return {"theorem": "3.1", "horizon_s": horizon, "cases": rows, "served": served,
-            "png": str(png)}  # fmt: skip
-
-
-def _theorem_served(args: argparse.Namespace) -> dict[str, Any]:
-    """The active-model count of a served (request-level) run against the formula."""
-    from dataclasses import replace
-
-    from aegaeon_bench.sim.runner import run_scenario
-    from aegaeon_bench.sim.theorem import serving_check
-
-    sc = replace(_base(args), policy="request-level", num_models=40, rps_per_model=0.1,
-                 duration_s=max(args.duration, 1200.0))  # fmt: skip
-    result = run_scenario(sc, keep_traces=True)
-    spans = [
-        (t.request_id.split("/")[0], t.arrival_s, t.token_times_s[-1])
-        for t in result.traces if t.token_times_s
-    ]  # fmt: skip
-    active, expected, mean_t = serving_check(spans, sc.num_models, sc.rps_per_model,
-                                             60.0, sc.duration_s)  # fmt: skip
-    print(
-        f"served run (request-level, {sc.num_models} models x {sc.rps_per_model} RPS): "
-        f"mean T={mean_t:.2f} s, active models {active:.2f}, formula {expected:.2f}"
-    )
-    return {"num_models": sc.num_models, "rate": sc.rps_per_model, "mean_service_s": mean_t,
-            "simulated": round(active, 3), "expected": round(expected, 3)}  # fmt: skip
-
-
-def _theorem_plot(args: argparse.Namespace) -> Path:
-    """Fig. 4 of the paper: the active-model count over time, M=100, lambda=0.037, T=16.79."""
-    import random
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from aegaeon_bench.sim.theorem import PAPER_FIG4, active_count_series, active_intervals
-
-    intervals = active_intervals(PAPER_FIG4, 1200.0, random.Random(args.seed))
-    series = active_count_series(intervals, 200.0, 1200.0)
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.step([t for t, _ in series], [c for _, c in series], where="post", lw=0.8)
-    ax.axhline(PAPER_FIG4.expected, color="red", ls="--",
-               label=f"M(1 - e^(-lambda T)) = {PAPER_FIG4.expected:.2f}")  # fmt: skip
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("active models")
-    ax.set_title("Theorem 3.1: M=100, lambda=0.037, T=16.79 s (simulated)", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out: Path = args.out / "theorem31.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {out}")
-    return out

@@ -30,7 +30,8 @@ from aegaeon_sched import (
     RunOnInstance,
 )
 
-from aegaeon_bench.sim.aegaeon_sim import DecodeSim, PrefillSim
+from aegaeon_bench.sim.aegaeon_sim import DecodeSim
+from aegaeon_bench.sim.prefill_sim import PrefillSim
 from aegaeon_bench.sim.state import SimRequest
 from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
 
@@ -79,10 +80,11 @@ class Simulation:
         }
 
     # ---- wiring ---------------------------------------------------------
-    def add_prefill(self, name: str) -> PrefillSim:
+    def add_prefill(self, name: str, *, d2d_bytes_per_s: float, prefetch: bool) -> PrefillSim:
         sim = PrefillSim(
-            name, self.latency, self.schedule, self._prefill_started, self._prefill_done
-        )
+            name, self.latency, self.schedule, self._prefill_started, self._prefill_done,
+            d2d_bytes_per_s=d2d_bytes_per_s, prefetch=prefetch,
+        )  # fmt: skip
         self.prefill[name] = sim
         return sim
 
@@ -113,7 +115,14 @@ class Simulation:
         sim = self.sims[action.request.request_id]
         kv = action.request.prompt_len * self.latency.spec(action.request.model).kv_bytes_per_token
         sim.ready_s = now_s + 2.0 * kv / self.kv_bytes_per_s  # device -> host -> device
-        self.decode[action.instance].place(sim, action.batch_id, now_s)
+        decode = self.decode[action.instance]
+        # Bring a lazy instance up to now first (exact: it has no finish before
+        # its wake time, which is after now), so it sees the newcomer no earlier
+        # than it was placed (a new batch may end a one-model round, or take
+        # the next turn).
+        if decode.advance(now_s) is not None:
+            raise RuntimeError(f"{decode.name}: a finish before its wake time")
+        decode.place(sim, action.batch_id, now_s)
 
     def _run_on_instance(self, action: RunOnInstance, now_s: float) -> None:
         self.unified[action.instance].run(self.sims[action.request.request_id], action.model, now_s)

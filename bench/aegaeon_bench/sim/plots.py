@@ -12,7 +12,8 @@ COLORS = {
     "aegaeon": "#d62728",
     "request-level": "#1f77b4",
     "request-level-sjf": "#2ca02c",
-    "request-level-pinned": "#9467bd",
+    "request-level-global": "#9467bd",
+    "request-level-global-sjf": "#8c564b",
     "static-mux": "#7f7f7f",
 }
 

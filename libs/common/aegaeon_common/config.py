@@ -24,9 +24,17 @@ import yaml
 from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes
 from aegaeon_common.env import read_env
 
-POLICIES = ("aegaeon", "request-level", "request-level-sjf")
-# Request-level baselines run every worker as a unified instance (prefill + decode).
-UNIFIED_POLICIES = ("request-level", "request-level-sjf")
+# Request-level baselines run every worker as a unified instance (prefill +
+# decode). request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper
+# evaluated them (requests bound to an instance at arrival); -global: an
+# idealised global queue (aegaeon_sched.factory.POLICIES).
+UNIFIED_POLICIES = (
+    "request-level",
+    "request-level-sjf",
+    "request-level-global",
+    "request-level-global-sjf",
+)
+POLICIES = ("aegaeon", *UNIFIED_POLICIES)
 DTYPES = ("bfloat16", "float16", "float32")
 
 __all__ = [
@@ -69,6 +77,9 @@ class SchedulerConfig:
     policy: str = "aegaeon"
     max_group_size: int = 8  # MAX_GPSIZE of Algorithm 1
     q_max_s: float = 4.0  # Q_MAX of Eq. 3
+    # Beyond the paper: each decode round's quotas sum to at most this x the
+    # TTFT target (aegaeon_sched.quota); null: Eq. 3 as published.
+    round_ttft_fraction: float | None = 0.7
     max_batch_size: int = 32
     prefetch: bool = True
     switch_beta: float = 0.625  # Eq. 4 correction factor

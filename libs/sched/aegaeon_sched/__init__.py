@@ -31,7 +31,14 @@ from aegaeon_sched.prefill import (
     PrefillJob,
     PrefillQueue,
 )
-from aegaeon_sched.quota import Q_MAX_S, BatchLoad, RoundPlan, RoundRobinPlanner, Turn
+from aegaeon_sched.quota import (
+    Q_MAX_S,
+    ROUND_TTFT_FRACTION,
+    BatchLoad,
+    RoundPlan,
+    RoundRobinPlanner,
+    Turn,
+)
 from aegaeon_sched.request import InstanceId, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
@@ -51,6 +58,7 @@ __all__ = [
     "MAX_GPSIZE",
     "POLICIES",
     "Q_MAX_S",
+    "ROUND_TTFT_FRACTION",
     "SHARED",
     "SLO",
     "Action",

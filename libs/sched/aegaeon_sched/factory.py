@@ -57,9 +57,11 @@ def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -
     return policy
 
 
-def _request_level(sjf: bool) -> Callable[[ClusterSpec, LatencyModel, PolicyOptions], Policy]:
+def _request_level(
+    cls: type[RequestLevelPolicy], sjf: bool
+) -> Callable[[ClusterSpec, LatencyModel, PolicyOptions], Policy]:
     def build(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
-        return RequestLevelPolicy(
+        return cls(
             cluster.unified_instances,
             sjf=sjf,
             max_batch_size=opts.max_batch_size,
@@ -67,16 +69,6 @@ def _request_level(sjf: bool) -> Callable[[ClusterSpec, LatencyModel, PolicyOpti
         )
 
     return build
-
-
-def _request_level_pinned(
-    cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions
-) -> Policy:
-    return PinnedRequestLevelPolicy(
-        cluster.unified_instances,
-        max_batch_size=opts.max_batch_size,
-        capacity_tokens=opts.unified_capacity_tokens,
-    )
 
 
 def _static_mux(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
@@ -90,11 +82,16 @@ def _static_mux(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions
     )
 
 
+# The request-level baselines: ServerlessLLM (FCFS) and ServerlessLLM+ (oracle
+# SJF) as the paper evaluated them, requests bound to an instance at arrival
+# (request_pinned.py); "-global": the idealised global-queue variants
+# (request_level.py), stronger, reported as an extra line.
 POLICIES: dict[str, Callable[[ClusterSpec, LatencyModel, PolicyOptions], Policy]] = {
     "aegaeon": _aegaeon,
-    "request-level": _request_level(sjf=False),
-    "request-level-sjf": _request_level(sjf=True),
-    "request-level-pinned": _request_level_pinned,
+    "request-level": _request_level(PinnedRequestLevelPolicy, sjf=False),
+    "request-level-sjf": _request_level(PinnedRequestLevelPolicy, sjf=True),
+    "request-level-global": _request_level(RequestLevelPolicy, sjf=False),
+    "request-level-global-sjf": _request_level(RequestLevelPolicy, sjf=True),
     "static-mux": _static_mux,
 }
 

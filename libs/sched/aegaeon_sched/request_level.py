@@ -1,4 +1,10 @@
-"""Request-level auto-scaling baselines (ServerlessLLM and ServerlessLLM+).
+"""Request-level auto-scaling with a global queue (an idealised ServerlessLLM).
+
+``"request-level-global"`` (FCFS) and ``"request-level-global-sjf"`` (oracle
+SJF). Stronger than the baselines the paper evaluated
+(:mod:`aegaeon_sched.request_pinned`, ``"request-level"``): a waiting request
+goes to whichever instance frees up first, so it never waits behind another
+instance's backlog. Reported as an extra line.
 
 Instances are unified: each runs the prefill and the decode of the requests
 it is given, serves one model at a time and batches every request of that
@@ -14,10 +20,9 @@ capacity). Scaling happens only at request boundaries:
   request of that model that fits; when a request ends on a busy instance,
   queued requests of that instance's model that now fit join it.
 
-The head is the earliest arrival (``"request-level"``, FCFS, ServerlessLLM)
-or the shortest oracle output length (``"request-level-sjf"``,
-ServerlessLLM+). Head-of-line blocking is the point: a long request holds its
-instance and everything queued behind it waits.
+The head is the earliest arrival (FCFS) or the shortest oracle output length
+(SJF). Head-of-line blocking remains: a long request holds its instance, and
+a queued request of another model waits until some instance drains.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class _Unified:
 
 
 class RequestLevelPolicy:
-    """Policies ``"request-level"`` (FCFS) and ``"request-level-sjf"`` (oracle SJF)."""
+    """Policies ``"request-level-global"`` (FCFS) and ``"request-level-global-sjf"``."""
 
     def __init__(
         self,
@@ -51,7 +56,7 @@ class RequestLevelPolicy:
     ) -> None:
         if not instances:
             raise ValueError("request-level policies need at least one instance")
-        self.name = "request-level-sjf" if sjf else "request-level"
+        self.name = "request-level-global-sjf" if sjf else "request-level-global"
         self.sjf = sjf
         self.max_batch_size = max_batch_size
         self.capacity_tokens: dict[str, int] = dict(capacity_tokens or {})

@@ -1,0 +1,91 @@
+"""A simulated prefill instance (Algorithm 1's execution side).
+
+It keeps the *same* mirror queue a live prefill instance keeps
+(:class:`~aegaeon_sched.PrefillQueue`), fed by the policy's actions, and runs
+its front group one request at a time (batch size 1, section 4.2), switching
+models when the group's model is not the loaded one. Like the live instance
+(services/prefill) and the paper's artifact (``PrefillStageUniBatchScheduler``
+prefetches the first queued group of another model), each prefill starts
+loading the model of the first queued group that differs from its own behind
+it; a switch to that model then costs what is left of Eq. 4 plus the on-device
+copy (as on decode instances), any other switch the full Eq. 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aegaeon_sched import LatencyModel, PrefillQueue
+
+from aegaeon_bench.sim.state import SimRequest
+
+
+class PrefillSim:
+    """One prefill instance: runs its mirror queue's front group one request at a time."""
+
+    def __init__(
+        self,
+        name: str,
+        latency: LatencyModel,
+        schedule: Callable[[float, Callable[[float], None]], None],
+        on_started: Callable[[str, str, float], None],
+        on_done: Callable[[str, str, float, float], None],
+        *,
+        d2d_bytes_per_s: float,
+        prefetch: bool = True,
+    ) -> None:
+        self.name = name
+        self.latency = latency
+        self.queue = PrefillQueue()
+        self.loaded: str | None = None
+        self.busy = False
+        self.num_switches = 0
+        self.d2d_bytes_per_s = d2d_bytes_per_s
+        self.prefetch_enabled = prefetch
+        self.prefetch: tuple[str, float] | None = None  # (model, load started at)
+        self._schedule = schedule
+        self._on_started = on_started
+        self._on_done = on_done
+
+    def enqueue(self, sim: SimRequest, group_id: int, now_s: float) -> None:
+        self.queue.add(sim.request, group_id)
+        if not self.busy:
+            self._start(now_s)
+
+    def _start(self, now_s: float) -> None:
+        head = self.queue.peek()
+        if head is None:
+            self.busy = False
+            return
+        group, request = head
+        self.queue.start(request.request_id, now_s)
+        self._on_started(self.name, request.request_id, now_s)
+        measured = self.latency.prefill_one_s(request.model, request.prompt_len)
+        cost = 0.0
+        if group.model != self.loaded:
+            cost = self._switch_cost(group.model, now_s)
+            self.loaded = group.model
+            self.num_switches += 1
+        if self.prefetch_enabled:
+            nxt = next((g.model for g in self.queue if g.model != group.model), None)
+            if nxt is not None and (self.prefetch is None or self.prefetch[0] != nxt):
+                self.prefetch = (nxt, now_s + cost)  # behind the prefill
+        cost += measured
+        self.busy = True
+        rid = request.request_id
+        self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t))
+
+    def _switch_cost(self, model: str, now_s: float) -> float:
+        full = self.latency.switch_s(model)
+        if self.prefetch is None or self.prefetch[0] != model:
+            self.prefetch = None
+            return full
+        elapsed = max(0.0, now_s - self.prefetch[1])
+        self.prefetch = None
+        weights = self.latency.spec(model).weight_bytes
+        return max(0.0, full - elapsed) + weights / self.d2d_bytes_per_s
+
+    def _finish(self, request_id: str, measured_s: float, now_s: float) -> None:
+        self.queue.finish(request_id)
+        self._on_done(self.name, request_id, measured_s, now_s)
+        self._start(now_s)
