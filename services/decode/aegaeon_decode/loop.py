@@ -53,7 +53,10 @@ class DecodeLoop:
         self.inbox = inbox
         self.outbox = outbox
         self.work = DecodeWorkList()
-        self.planner = RoundRobinPlanner(config.slo.tbt_s, config.scheduler.q_max_s)
+        # Eq. 2-3 plus the round bound (rounds within 0.7 x TTFT; see aegaeon_sched.quota).
+        self.planner = RoundRobinPlanner(
+            config.slo.tbt_s, config.scheduler.q_max_s, ttft_s=config.slo.ttft_s
+        )
         self.counters = DecodeCounters()
         self.residency = Residency(worker)
         self.admission = Admission(worker, self.work, self.residency, outbox, self.counters)
