@@ -80,5 +80,7 @@ def test_planner_and_baseline_switch_flags(capsys: pytest.CaptureFixture[str]) -
     tuned = _scenario(["--round-ttft-fraction", "0.3", "--fresh-first"], capsys)
     assert tuned["round_ttft_fraction"] == 0.3 and tuned["fresh_first"] is True
     assert _scenario(["--round-ttft-fraction", "none"], capsys)["round_ttft_fraction"] is None
+    assert default["hybrid_prefill"] is False
+    assert _scenario(["--hybrid-prefill"], capsys)["hybrid_prefill"] is True
     eq4 = _scenario(["--baseline-switch-gbps", "eq4"], capsys)
     assert eq4["baseline_switch_bytes_per_s"] is None

@@ -16,7 +16,8 @@ and the clock. Metrics come from :mod:`aegaeon_sched.slo`, as live.
 Modules: ``hardware`` (H800 and model sizes -> Eq. 4-6 coefficients, with
 sources), ``workload`` (arrivals and lengths), ``state`` (per-request state,
 chunked token times), ``prefill_sim`` and ``aegaeon_sim`` (Aegaeon's prefill
-and decode instances, prefetch model), ``unified_sim`` (baseline instances),
+and decode instances, prefetch model), ``hybrid_sim`` (a prefill instance
+that decodes when idle), ``unified_sim`` (baseline instances),
 ``driver`` (the event loop), ``runner`` (one experiment), ``figures``/``plots``
 (sweeps and PNGs), ``cli``/``cli_theorem`` and ``theorem`` (Theorem 3.1).
 """

@@ -70,6 +70,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a batch that has not had a turn takes the next turn (re-plan mid-round)",
     )  # fmt: skip
     parser.add_argument(
+        "--hybrid-prefill", action="store_true",
+        help="prefill instances decode when no prefill waits (as the live system can)",
+    )  # fmt: skip
+    parser.add_argument(
         "--paper", action="store_true",
         help="Aegaeon's rounds exactly as published (no round bound, no fresh-first)",
     )  # fmt: skip
@@ -110,20 +114,22 @@ def _base(args: argparse.Namespace) -> Scenario:
     return Scenario(
         "aegaeon", 1, 0.0, duration_s=args.duration, seed=args.seed, q_max_s=args.q_max,
         round_ttft_fraction=None if args.paper else args.round_ttft_fraction,
-        fresh_first=args.fresh_first and not args.paper,
+        fresh_first=args.fresh_first and not args.paper, hybrid_prefill=args.hybrid_prefill,
         baseline_switch_bytes_per_s=gbps * 1e9 if gbps else None,
     )  # fmt: skip
 
 
 def _planner_note(args: argparse.Namespace) -> str:
     sc = _base(args)
-    if sc.round_ttft_fraction is None and not sc.fresh_first:
+    if sc.round_ttft_fraction is None and not sc.fresh_first and not sc.hybrid_prefill:
         return f"Eq. 2-3 as published (Q_MAX {sc.q_max_s:g} s)"
     parts = [f"Q_MAX {sc.q_max_s:g} s"]
     if sc.round_ttft_fraction is not None:
         parts.append(f"round quotas <= {sc.round_ttft_fraction:g} x TTFT")
     if sc.fresh_first:
         parts.append("fresh batches first")
+    if sc.hybrid_prefill:
+        parts.append("prefill instances decode when idle")
     return ", ".join(parts)
 
 
@@ -191,6 +197,7 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
         "planner": _planner_note(args),
         "round_ttft_fraction": _base(args).round_ttft_fraction,
         "fresh_first": _base(args).fresh_first,
+        "hybrid_prefill": args.hybrid_prefill,
         "baseline_switch_gbps": args.baseline_switch_gbps,
         "metric": "token-deadline SLO attainment (qos: the artifact's per-request time fraction)",
         "points_format": "[x, attainment, qos]",

@@ -107,21 +107,28 @@ class Simulation:
             self._handlers[type(action)](action, now_s)
 
     def _enqueue_prefill(self, action: EnqueuePrefill, now_s: float) -> None:
+        index = self._lazy_index.get(action.instance)
+        if index is not None:  # a hybrid: its decoding pauses from now on
+            self._catch_up(self.lazy[index], now_s)
         self.prefill[action.instance].enqueue(
             self.sims[action.request.request_id], action.group_id, now_s
         )
+
+    @staticmethod
+    def _catch_up(instance: LazyInstance, now_s: float) -> None:
+        """Bring a lazy instance up to now before it is handed work (exact: it
+        has no finish before its wake time, which is after now)."""
+        if instance.advance(now_s) is not None:
+            raise RuntimeError(f"{instance.name}: a finish before its wake time")
 
     def _place_decode(self, action: PlaceDecode, now_s: float) -> None:
         sim = self.sims[action.request.request_id]
         kv = action.request.prompt_len * self.latency.spec(action.request.model).kv_bytes_per_token
         sim.ready_s = now_s + 2.0 * kv / self.kv_bytes_per_s  # device -> host -> device
         decode = self.decode[action.instance]
-        # Bring a lazy instance up to now first (exact: it has no finish before
-        # its wake time, which is after now), so it sees the newcomer no earlier
-        # than it was placed (a new batch may end a one-model round, or take
-        # the next turn).
-        if decode.advance(now_s) is not None:
-            raise RuntimeError(f"{decode.name}: a finish before its wake time")
+        # It sees the newcomer no earlier than it was placed (a new batch may
+        # end a one-model round, or take the next turn).
+        self._catch_up(decode, now_s)
         decode.place(sim, action.batch_id, now_s)
 
     def _run_on_instance(self, action: RunOnInstance, now_s: float) -> None:

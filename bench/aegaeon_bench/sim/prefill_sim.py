@@ -43,6 +43,9 @@ class PrefillSim:
         self.d2d_bytes_per_s = d2d_bytes_per_s
         self.prefetch_enabled = prefetch
         self.prefetch: tuple[str, float] | None = None  # (model, load started at)
+        # A hybrid instance pauses its decoding while prefills wait (hybrid_sim.py).
+        self.on_busy: Callable[[float], None] = lambda now_s: None
+        self.on_idle: Callable[[float], None] = lambda now_s: None
         self._schedule = schedule
         self._on_started = on_started
         self._on_done = on_done
@@ -50,12 +53,14 @@ class PrefillSim:
     def enqueue(self, sim: SimRequest, group_id: int, now_s: float) -> None:
         self.queue.add(sim.request, group_id)
         if not self.busy:
+            self.on_busy(now_s)
             self._start(now_s)
 
     def _start(self, now_s: float) -> None:
         head = self.queue.peek()
         if head is None:
             self.busy = False
+            self.on_idle(now_s)
             return
         group, request = head
         self.queue.start(request.request_id, now_s)

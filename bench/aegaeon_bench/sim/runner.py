@@ -31,6 +31,7 @@ from aegaeon_bench.sim.hardware import (
     market,
     unified_kv_bytes,
 )
+from aegaeon_bench.sim.hybrid_sim import HybridSim
 from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
 from aegaeon_bench.sim.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
@@ -62,6 +63,9 @@ class Scenario:
     # fresh-first re-planning: see aegaeon_sched.quota.
     round_ttft_fraction: float | None = ROUND_TTFT_FRACTION
     fresh_first: bool = False
+    # Beyond the paper (as the live system): prefill instances decode when no
+    # prefill waits (hybrid_sim.py).
+    hybrid_prefill: bool = False
     max_batch_size: int = 256
     # Request-level baselines' switch: weight_bytes / this rate (default: the
     # artifact's ServerlessLLM); None = Eq. 4 like Aegaeon.
@@ -92,10 +96,11 @@ class _Built:
 
 
 def _cluster(sc: Scenario) -> ClusterSpec:
-    return ClusterSpec(
-        tuple(f"prefill-{i}" for i in range(sc.num_prefill)),
-        tuple(f"decode-{i}" for i in range(sc.num_decode)),
-    )
+    prefill = tuple(f"prefill-{i}" for i in range(sc.num_prefill))
+    decode = tuple(f"decode-{i}" for i in range(sc.num_decode))
+    if sc.policy == "aegaeon" and sc.hybrid_prefill:
+        decode += prefill  # decode instances first: Alg. 2 breaks ties by order
+    return ClusterSpec(prefill, decode)
 
 
 def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel) -> _Built:
@@ -134,13 +139,17 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             sim.add_prefill(name, d2d_bytes_per_s=hw.d2d_bytes_per_s, prefetch=sc.prefetch)
             for name in cluster.prefill_instances
         ]
+        kv, d2d, pf = hw.pcie_effective_bytes_per_s, hw.d2d_bytes_per_s, sc.prefetch
         decodes = [
-            DecodeSim(
-                name, lat, planner, kv_bytes_per_s=hw.pcie_effective_bytes_per_s,
-                d2d_bytes_per_s=hw.d2d_bytes_per_s, prefetch=sc.prefetch,
-            )
+            DecodeSim(name, lat, planner, kv_bytes_per_s=kv, d2d_bytes_per_s=d2d, prefetch=pf)
             for name in cluster.decode_instances
-        ]  # fmt: skip
+            if name not in cluster.prefill_instances
+        ]
+        if sc.hybrid_prefill:
+            decodes += [
+                HybridSim(p, lat, planner, kv_bytes_per_s=kv, d2d_bytes_per_s=d2d, prefetch=pf)
+                for p in prefills
+            ]
         for d in decodes:
             sim.add_decode(d)
 
