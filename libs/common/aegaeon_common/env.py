@@ -14,6 +14,8 @@ class Env:
     market_dir: Path | None
     run_dir: Path | None
     threads: int | None
+    native_kernels: bool  # AEGAEON_NATIVE=0 forces the engine's torch-only path
+    cache_dir: Path  # $XDG_CACHE_HOME/aegaeon: builds kept across runs (native kernels)
 
 
 def _flag(value: str | None) -> bool | None:
@@ -27,10 +29,13 @@ def read_env() -> Env:
     market = os.environ.get("AEGAEON_MARKET")
     run_dir = os.environ.get("AEGAEON_RUN_DIR")
     threads = os.environ.get("AEGAEON_THREADS")
+    xdg_cache = os.environ.get("XDG_CACHE_HOME")
     return Env(
         log_level=os.environ.get("AEGAEON_LOG_LEVEL", "info").lower(),
         log_json=_flag(os.environ.get("AEGAEON_LOG_JSON")),
         market_dir=Path(market) if market else None,
         run_dir=Path(run_dir) if run_dir else None,
         threads=int(threads) if threads else None,
+        native_kernels=_flag(os.environ.get("AEGAEON_NATIVE")) is not False,
+        cache_dir=(Path(xdg_cache) if xdg_cache else Path.home() / ".cache") / "aegaeon",
     )

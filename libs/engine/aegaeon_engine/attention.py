@@ -1,17 +1,24 @@
-"""Attention kernels: torch SDPA everywhere, flash-attn for prefill on CUDA if installed.
+"""Attention kernels: torch SDPA everywhere, flash-attn for prefill on CUDA if installed,
+and on CPU the native paged decode kernel (native.py) when it builds.
 
-Decode attention runs one query per head with ``enable_gqa`` (K/V are never
-repeated) and no causal mask: a decode query sees its whole context; only the
-padding of shorter sequences is masked.
+Decode attention is one query token per sequence over its whole context (no
+causal mask). The native kernel reads each sequence's K/V in place from its
+blocks; the torch path (CUDA, or CPU with ``AEGAEON_NATIVE=0`` or no
+compiler) gathers the blocks of every sequence into dense rows once per layer
+and runs SDPA with one query per head and ``enable_gqa`` (K/V are never
+repeated), masking the padding of shorter sequences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .model import AttendFn, KVViews
+from .native import native_ops
 
 
 def _flash_attn_func() -> Callable[..., Any] | None:
@@ -25,8 +32,10 @@ def _flash_attn_func() -> Callable[..., Any] | None:
 class Attention:
     """Device-specific attention entry points (chosen once per engine)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, native: bool = True) -> None:
+        """``native=False`` keeps the torch decode path even where the native kernel loads."""
         self.flash = _flash_attn_func() if device.type == "cuda" else None
+        self.native = native_ops() if native and device.type == "cpu" else None
 
     def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal self-attention of one sequence: ``[T, H, D]`` inputs -> ``[T, Hq * D]``."""
@@ -51,6 +60,47 @@ class Attention:
                                              v[None], attn_mask=mask,
                                              enable_gqa=q.shape[1] != k.shape[0])
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
+
+    def paged_decode(self, kv: KVViews, num_q_heads: int, block_table: torch.Tensor,
+                     context_lens: torch.Tensor, lengths: Sequence[int]) -> AttendFn:
+        """The attention of one decode step, for every layer: ``attend(layer, qkv)``.
+
+        Sequence ``b`` (of ``B``) has ``lengths[b]`` positions (``context_lens``
+        on the device) in blocks ``block_table[b]`` (``[B, max_blocks]``, int64,
+        padded with any valid id); its query is ``qkv[b, :num_q_heads]``.
+        """
+        batch, dim = block_table.shape[0], kv.cache.shape[-1]
+        if self.native is not None:
+            paged, scale = self.native.paged_decode, dim ** -0.5
+            out = torch.empty(batch, num_q_heads, dim, dtype=kv.cache.dtype,
+                              device=kv.cache.device)
+
+            def attend_native(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+                # one buffer per step: layer i's output is consumed by its o_proj
+                paged(out, qkv[:, :num_q_heads], kv.cache, block_table, context_lens, layer,
+                      scale)
+                return out.view(batch, -1)
+
+            return attend_native
+        max_len, num_blocks = max(lengths), block_table.shape[1]
+        mask = None
+        if min(lengths) != max_len:
+            mask = torch.arange(max_len, device=block_table.device) < context_lens[:, None]
+            mask = mask.view(batch, 1, 1, max_len)
+        heads, tokens = kv.cache.shape[-2], num_blocks * kv.cache.shape[3]
+        # K and V of the gathered rows as [B, heads, max_len, dim] views
+        size = (batch, heads, max_len, dim)
+        stride = (tokens * heads * dim, dim, heads * dim, 1)
+        v_offset = batch * tokens * heads * dim
+        rows = kv.gather_rows(block_table.view(-1))
+
+        def attend_torch(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+            # one contiguous-row gather per layer: K of all blocks, then V
+            both = kv.rows.index_select(0, rows[layer])
+            return self.decode(qkv[:, :num_q_heads], both.as_strided(size, stride),
+                               both.as_strided(size, stride, v_offset), mask)
+
+        return attend_torch
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from .attention import Attention
 from .layout import WeightLayout, weight_layout
+from .linear import Linear
 from .model import KVViews, Tokens, forward, logits
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
@@ -44,13 +45,15 @@ class Engine:
     """Prefill and batched decode over a paged KV cache for one bound model at a time."""
 
     def __init__(self, device: str | torch.device = "cpu", num_threads: int | None = 1,
-                 block_size: int = 16) -> None:
-        """``num_threads`` sets torch's intra-op threads for the process (None: leave it)."""
+                 block_size: int = 16, native: bool = True) -> None:
+        """``num_threads`` sets torch's intra-op threads for the process (None: leave it);
+        ``native=False`` keeps the torch decode attention where the native kernel loads."""
         self.device = torch.device(device)
         self.block_size = block_size
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.attention = Attention(self.device)
+        self.attention = Attention(self.device, native)
+        self.linear = Linear(self.device, native)
         self._ropes: dict[tuple[int, RopeSpec, int, torch.dtype], RopeTable] = {}
         self._layouts: dict[tuple[ModelSpec, str], WeightLayout] = {}
         self._bound: _Bound | None = None
@@ -149,8 +152,8 @@ class Engine:
                 return attention.masked(qkv[:, :heads_q], both[0], both[1], mask)
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
-        hidden = forward(m.weights, m.kv, tokens, attend)
-        return logits(m.weights, hidden[-1:])[0]
+        hidden = forward(m.weights, m.kv, tokens, attend, self.linear)
+        return logits(m.weights, hidden[-1:], self.linear)[0]
 
     @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
@@ -164,8 +167,8 @@ class Engine:
         if batch == 0:
             raise ValueError("decode needs at least one sequence")
         positions = [s.position for s in seqs]
-        max_len = max(positions) + 1
-        num_blocks = -(-max_len // bs)
+        lengths = [p + 1 for p in positions]
+        num_blocks = -(-max(lengths) // bs)
         flat = [s.token_id for s in seqs] + positions
         table: list[int] = []
         for s in seqs:
@@ -178,34 +181,17 @@ class Engine:
             table.extend([s.block_ids[0]] * (num_blocks - used))  # padding, masked below
         self._check_blocks(table)
         flat.extend(p % bs for p in positions)
+        flat.extend(lengths)
         idx = torch.tensor(flat + table, dtype=torch.long).to(self.device, non_blocking=True)
         tokens, pos_t = idx[:batch], idx[batch:2 * batch]
         slot_blocks, slot_offsets = idx[2 * batch:3 * batch], idx[3 * batch:4 * batch]
-        block_table = idx[4 * batch:]
-        cos_sin = m.rope.ensure(max_len).index_select(1, pos_t)[:, :, None]
-        mask = None
-        if min(positions) != max_len - 1:
-            mask = (torch.arange(max_len, device=self.device)[None, :] <= pos_t[:, None])
-            mask = mask.view(batch, 1, 1, max_len)
-        heads, dim = m.spec.num_kv_heads, m.spec.head_dim
-        # K and V of the gathered rows as [B, heads, max_len, dim] views
-        size = (batch, heads, max_len, dim)
-        stride = (num_blocks * bs * heads * dim, dim, heads * dim, 1)
-        v_offset = batch * num_blocks * bs * heads * dim
-        attention, kv = self.attention, m.kv
-        rows = kv.gather_rows(block_table)
-
-        heads_q = m.spec.num_heads
-
-        def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            # one contiguous-row gather per layer: K of all blocks, then V
-            both = kv.rows.index_select(0, rows[i])
-            return attention.decode(qkv[:, :heads_q], both.as_strided(size, stride),
-                                    both.as_strided(size, stride, v_offset), mask)
-
+        context_lens, block_table = idx[4 * batch:5 * batch], idx[5 * batch:].view(batch, -1)
+        cos_sin = m.rope.ensure(max(lengths)).index_select(1, pos_t)[:, :, None]
+        attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table, context_lens,
+                                             lengths)
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
-        hidden = forward(m.weights, kv, step, attend)
-        return logits(m.weights, hidden)
+        hidden = forward(m.weights, m.kv, step, attend, self.linear)
+        return logits(m.weights, hidden, self.linear)
 
     def _check_len(self, m: _Bound, num_tokens: int, num_blocks: int) -> None:
         if num_tokens > m.spec.max_model_len:

@@ -29,6 +29,8 @@ from .weights import ModelWeights
 
 # attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
+# project(w [out, in], x [N, in], bias [out] | None) -> x @ w.T (+ bias) as [N, out]
+ProjectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 ROW_MAJOR_TOKENS = 16
 _FUSED_NORM_MAX = 16384  # elements
 
@@ -37,13 +39,15 @@ _FUSED_NORM_MAX = 16384  # elements
 class KVViews:
     """Views of a KV region of blocks laid out ``[layers, 2, block_size, kv_heads, head_dim]``.
 
-    ``kv[layer]`` is ``[num_blocks, block_size, 2, heads, dim]`` striding over
-    whole blocks, so one index_put writes a token's K and V of that layer;
-    ``rows`` views the region as ``[num_blocks * layers * 2, block_size * heads
-    * dim]`` so one index_select gathers a layer's K and V of many blocks as
-    contiguous token rows.
+    ``cache`` is the region typed, ``[num_blocks, layers, 2, block_size, heads,
+    dim]`` (what the native decode kernel reads in place); ``kv[layer]`` is
+    ``[num_blocks, block_size, 2, heads, dim]`` striding over whole blocks, so
+    one index_put writes a token's K and V of that layer; ``rows`` views the
+    region as ``[num_blocks * layers * 2, block_size * heads * dim]`` so one
+    index_select gathers a layer's K and V of many blocks as contiguous token rows.
     """
 
+    cache: torch.Tensor
     kv: tuple[torch.Tensor, ...]
     blocks: torch.Tensor  # the region as [num_blocks, block_bytes] uint8
     rows: torch.Tensor
@@ -66,7 +70,7 @@ class KVViews:
         typed = blocks.view(dtype).view(num_blocks, layers, 2, block_size,
                                         spec.num_kv_heads, spec.head_dim)
         offsets = torch.arange(layers * 2, device=region.device).view(layers, 2, 1)
-        return cls(tuple(typed[:, i].transpose(1, 2) for i in range(layers)), blocks,
+        return cls(typed, tuple(typed[:, i].transpose(1, 2) for i in range(layers)), blocks,
                    typed.view(num_blocks * layers * 2, -1), offsets)
 
     def gather_rows(self, block_table: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -123,7 +127,8 @@ class Tokens:
     slot_offsets: torch.Tensor
 
 
-def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn) -> torch.Tensor:
+def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
+            project: ProjectFn = project) -> torch.Tensor:
     """Hidden states ``[N, hidden]`` (before the final norm) of ``tokens``."""
     spec = w.spec
     n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
@@ -146,12 +151,12 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn) -> t
         torch.add(src * cos, src.roll(half, -1).mul_(sin), out=qk)
         kv.kv[i].index_put_(slot, qkv[:, num_q:].view(n, 2, num_kv, dim))
         h.add_(project(lw.o_proj, attend(i, qkv), lw.o_bias))
-        gate, up = project(lw.gate_up, rms_norm(h, lw.post_norm, eps)).chunk(2, -1)
-        h.add_(project(lw.down, F.silu(gate, inplace=True).mul_(up)))
+        gate, up = project(lw.gate_up, rms_norm(h, lw.post_norm, eps), None).chunk(2, -1)
+        h.add_(project(lw.down, F.silu(gate, inplace=True).mul_(up), None))
     return h
 
 
-def logits(w: ModelWeights, hidden: torch.Tensor) -> torch.Tensor:
+def logits(w: ModelWeights, hidden: torch.Tensor, project: ProjectFn = project) -> torch.Tensor:
     """float32 logits ``[N, vocab]`` of hidden states ``[N, hidden]``."""
-    out = project(w.lm_head, rms_norm(hidden, w.norm, w.spec.rms_norm_eps))
+    out = project(w.lm_head, rms_norm(hidden, w.norm, w.spec.rms_norm_eps), None)
     return torch.empty(out.shape, dtype=torch.float32, device=out.device).copy_(out)

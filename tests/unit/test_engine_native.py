@@ -1,0 +1,167 @@
+"""The native CPU kernels (paged decode attention, decode linear) against the torch path,
+and the fallback when they are turned off or cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aegaeon_engine import DecodeSeq, Engine, ModelSpec, RopeSpec
+from aegaeon_engine import native as native_mod
+from aegaeon_engine.attention import Attention
+from aegaeon_engine.linear import Linear
+from aegaeon_engine.model import KVViews, project
+from engine_support import Bound, block_lists, hf_greedy, make_checkpoint, prompts_of
+
+CPU = torch.device("cpu")
+# per dtype: (atol, rtol) of the native result against the float64 / torch reference
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2),
+             torch.float16: (1e-3, 1e-3)}
+
+
+@pytest.fixture
+def fresh_native() -> Iterator[None]:
+    """Forget the loaded kernels' status before and after (the env is restored by then)."""
+    native_mod.native_ops.cache_clear()
+    yield
+    native_mod.native_ops.cache_clear()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The kernels' serial and parallel (at::parallel_for) paths."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _native_expected() -> bool:
+    return os.environ.get("AEGAEON_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def test_native_kernels_load() -> None:
+    if not _native_expected():
+        pytest.skip("AEGAEON_NATIVE=0")
+    assert native_mod.native_ops() is not None, "the native kernels failed to build (see log)"
+    assert Attention(CPU).native is not None
+
+
+def _kv(dtype: torch.dtype, q_heads: int, kv_heads: int, dim: int, num_blocks: int,
+        layers: int, g: torch.Generator) -> KVViews:
+    spec = ModelSpec("t", "LlamaForCausalLM", 100, q_heads * dim, 100, layers, q_heads, kv_heads,
+                     dim, 1e-6, RopeSpec(1e4), 4096)
+    region = torch.empty(num_blocks * 2 * layers * 16 * kv_heads * dim * dtype.itemsize,
+                         dtype=torch.uint8)
+    kv = KVViews.over(region, spec, 16, dtype)
+    kv.cache.copy_(torch.randn(kv.cache.shape, generator=g).to(dtype))
+    return kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [
+    (4, 4, 16), (8, 2, 64), (8, 4, 128), (6, 2, 40), (16, 1, 32), (12, 4, 128),
+])  # MHA, GQA 2..16 (16: split into two groups of 8), head_dim off the vector width (40)
+def test_paged_decode_matches_torch_path(dtype: torch.dtype, q_heads: int, kv_heads: int,
+                                         dim: int, threads: int) -> None:
+    if not _native_expected():
+        pytest.skip("AEGAEON_NATIVE=0")
+    g = torch.Generator().manual_seed(q_heads * dim)
+    layers, lengths = 3, [1, 17, 33, 150, 16, 32, 5]
+    kv = _kv(dtype, q_heads, kv_heads, dim, 80, layers, g)
+    per_seq = -(-max(lengths) // 16)
+    table = torch.randperm(80, generator=g)[:len(lengths) * per_seq].view(len(lengths), -1)
+    lens = torch.tensor(lengths)
+    # column-major, as decode's projections leave it
+    qkv = torch.randn((q_heads + 2 * kv_heads) * dim, len(lengths), generator=g).to(dtype)
+    qkv = qkv.t().view(len(lengths), -1, dim)
+    native = Attention(CPU).paged_decode(kv, q_heads, table, lens, lengths)
+    reference = Attention(CPU, native=False)
+    exact = _kv(torch.float32, q_heads, kv_heads, dim, 80, layers, g)
+    exact.cache.copy_(kv.cache)
+    atol, rtol = TOLERANCE[dtype]
+    for layer in range(layers):
+        got = native(layer, qkv).float()
+        want = reference.paged_decode(exact, q_heads, table, lens, lengths)(layer, qkv.float())
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+        same = reference.paged_decode(kv, q_heads, table, lens, lengths)(layer, qkv).float()
+        torch.testing.assert_close(got, same, atol=2 * atol, rtol=2 * rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (100, 160), (37, 50),
+                                                           (8, 96), (272, 1664)])
+def test_linear_matches_torch(dtype: torch.dtype, rows: int, out_features: int,
+                              in_features: int, threads: int) -> None:
+    linear = Linear(CPU)
+    if dtype not in linear.native_dtypes:
+        pytest.skip(f"no native linear for {dtype} in this build")
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    x = torch.randn(rows, 2 * in_features, generator=g).to(dtype)[:, ::2]  # strided rows
+    for b in (None, bias):
+        got = linear(w, x, b)
+        assert got.shape == (rows, out_features) and got.is_contiguous()
+        want = x.double() @ w.double().t() + (0 if b is None else b.double())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+        else:  # as close as torch's own bfloat16 matmul, up to one rounding
+            scale = want.abs().max().item()
+            err = (got.double() - want).abs().max().item()
+            ref = (project(w, x, b).double() - want).abs().max().item()
+            assert err <= max(2 * ref, 2**-8 * scale)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3"])
+def test_engine_native_equals_torch_path(tmp_path: Path, variant: str) -> None:
+    """Ragged batched decode, float32 and bfloat16: both paths agree step by step."""
+    ckpt = make_checkpoint(tmp_path / variant, variant, seed=3)
+    prompts = prompts_of((3, 16, 30, 47), seed=9)
+    blocks = block_lists(4, 6)
+    for dtype, atol in (("float32", 1e-5), ("bfloat16", 0.1)):
+        fast = Bound(ckpt, dtype=dtype)
+        slow = Bound(ckpt, dtype=dtype, engine=Engine(native=False))
+        outs = [[int(fast.engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
+                                                                         strict=True)]
+        for p, b in zip(prompts, blocks, strict=True):
+            slow.engine.prefill(p, b)
+        for _ in range(6):
+            seqs = [DecodeSeq(o[-1], len(p) + len(o) - 1, b)
+                    for p, o, b in zip(prompts, outs, blocks, strict=True)]
+            got, want = fast.engine.decode(seqs), slow.engine.decode(seqs)
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            outs = [[*o, t] for o, t in zip(outs, want.argmax(-1).tolist(), strict=True)]
+
+
+def test_torch_path_greedy_equals_transformers(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=4)
+    prompts = prompts_of((5, 17, 33), seed=1)
+    ours = Bound(ckpt, engine=Engine(native=False)).greedy(prompts, 32, block_lists(3, 5))
+    assert ours == hf_greedy(ckpt, prompts, 32)
+
+
+def test_env_forces_torch_path(monkeypatch: pytest.MonkeyPatch, fresh_native: None) -> None:
+    monkeypatch.setenv("AEGAEON_NATIVE", "0")
+    assert native_mod.native_ops() is None
+    engine = Engine()
+    assert engine.attention.native is None
+    assert not engine.linear.native_dtypes
+
+
+def test_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                  fresh_native: None, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("AEGAEON_NATIVE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native_mod, "_CFLAGS", ("-fno-such-flag-aegaeon",))
+    with caplog.at_level(logging.WARNING, logger="aegaeon_engine.native"):
+        assert native_mod.native_ops() is None
+        assert native_mod.native_ops() is None  # tried once, logged once
+    assert len([r for r in caplog.records if "torch path" in r.getMessage()]) == 1
+    engine = Engine()
+    assert engine.attention.native is None and not engine.linear.native_dtypes
