@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,3 +295,13 @@ def load_config(path: Path | str) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "<yaml>", f"not valid YAML ({exc})") from None
     return config_from_dict(raw, source=str(path), base=path.parent.resolve())
+
+
+def load_config_or_exit(path: Path | str, command: str) -> Config:
+    """:func:`load_config` for a command's entry: a bad file is one clean line on
+    stderr (``aegaeon COMMAND: FILE: FIELD: problem``) and exit status 2."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"aegaeon {command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -17,10 +17,12 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.wire import Channel, Message, WireError, encode
 
 _RID = struct.Struct("<Q")
+log = get_logger("transport")
 
 
 class RemoteError(RuntimeError):
@@ -85,7 +87,14 @@ Handler = Callable[[Message], Awaitable[Message]]
 
 
 class RpcServer:
-    """A ROUTER serving request-reply calls, one handler per request."""
+    """A ROUTER that answers each request from its own task.
+
+    Requests never queue behind a slow one (the cachemgr's model loads take
+    seconds while alloc/free calls must not wait). A frame that is not a valid
+    request gets an :class:`ErrorReply` (``malformed``, ``bad_version``,
+    ``unknown_tag``, ...); a handler that raises gets the caller an
+    ``internal`` error; either way the server keeps serving.
+    """
 
     def __init__(
         self, ctx: zmq.asyncio.Context, address: str, channel: Channel, handler: Handler
@@ -94,6 +103,8 @@ class RpcServer:
         self.channel = channel
         self._handler = handler
         self._sock = new_socket(ctx, zmq.ROUTER, address, bind=True)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.num_requests = 0
         self.num_bad_frames = 0
 
     async def serve_forever(self) -> None:
@@ -103,19 +114,45 @@ class RpcServer:
                 self.num_bad_frames += 1
                 if len(frames) >= 2:
                     reply = ErrorReply("malformed", "want frames [request id (8 bytes), payload]")
-                    await self._sock.send_multipart([frames[0], b"\0" * 8, encode(reply)])
+                    await self._send(frames[0], b"\0" * _RID.size, reply)
                 continue
             identity, rid, payload = frames
             try:
                 request = self.channel.decode(payload)
             except WireError as exc:
                 self.num_bad_frames += 1
-                reply_msg: Message = ErrorReply(exc.code, exc.detail)
-            else:
-                reply_msg = await self._handler(request)
-            await self._sock.send_multipart([identity, rid, encode(reply_msg)])
+                await self._send(identity, rid, ErrorReply(exc.code, exc.detail))
+                continue
+            self.num_requests += 1
+            task = asyncio.get_running_loop().create_task(self._serve(identity, rid, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, identity: bytes, rid: bytes, request: Message) -> None:
+        try:
+            reply = await self._handler(request)
+        except Exception as exc:
+            # The request boundary: a bug in one handler must neither kill the
+            # service nor leave its caller waiting for a timeout. The caller
+            # gets a typed error; the traceback goes to the log.
+            log.exception("handler_failed", tag=request.TAG)
+            reply = ErrorReply("internal", f"{request.TAG}: {type(exc).__name__}: {exc}")
+        await self._send(identity, rid, reply)
+
+    async def _send(self, identity: bytes, rid: bytes, reply: Message) -> None:
+        try:
+            await self._sock.send_multipart([identity, rid, encode(reply)])
+        except zmq.ZMQError as exc:
+            # The peer is gone: the reply has nobody to go to; the effect stands.
+            log.warning("reply_dropped", tag=reply.TAG, error=str(exc))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tasks)
 
     def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         self._sock.close(0)
 
 

@@ -7,7 +7,6 @@ build its parser.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aegaeon_common.config import ConfigError, load_config
+    from aegaeon_common.config import load_config_or_exit
     from aegaeon_common.process import run_service
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"aegaeon cachemgr: {exc}", file=sys.stderr)
-        return 2
+    config = load_config_or_exit(args.config, "cachemgr")
     from aegaeon_cachemgr.service import serve
 
     return run_service("cachemgr", lambda stop: serve(config, stop))

@@ -21,11 +21,11 @@ from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import REQUESTS
 from aegaeon_common.process import mark_ready, ready_path
+from aegaeon_common.transport import RpcServer
 from aegaeon_gpumem import cleanup_prefix
 
 from aegaeon_cachemgr.errors import CacheError
 from aegaeon_cachemgr.manager import CacheManager
-from aegaeon_cachemgr.rpc import ConcurrentRpcServer
 
 log = get_logger("cachemgr")
 
@@ -105,7 +105,7 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
 
 async def _serve(config: Config, manager: CacheManager, stop: asyncio.Event) -> None:
     ctx = zmq.asyncio.Context()
-    server = ConcurrentRpcServer(ctx, config.cachemgr_address, REQUESTS, manager.handle)
+    server = RpcServer(ctx, config.cachemgr_address, REQUESTS, manager.handle)
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = [
         loop.create_task(server.serve_forever(), name="rpc"),

@@ -7,7 +7,6 @@ prefills the requests it is given, then decodes them).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aegaeon_common.config import ConfigError, load_config
+    from aegaeon_common.config import load_config_or_exit
     from aegaeon_common.process import run_service
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"aegaeon decode: {exc}", file=sys.stderr)
-        return 2
+    config = load_config_or_exit(args.config, "decode")
     from aegaeon_common.messages.decode import DECODE_CHANNEL
     from aegaeon_runtime.service import serve_instance
 

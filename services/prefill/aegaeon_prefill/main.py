@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -17,14 +16,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aegaeon_common.config import ConfigError, load_config
+    from aegaeon_common.config import load_config_or_exit
     from aegaeon_common.process import run_service
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"aegaeon prefill: {exc}", file=sys.stderr)
-        return 2
+    config = load_config_or_exit(args.config, "prefill")
     from aegaeon_common.messages.decode import HYBRID_CHANNEL
     from aegaeon_common.messages.prefill import PREFILL_CHANNEL
     from aegaeon_runtime.service import LoopFactory, serve_instance

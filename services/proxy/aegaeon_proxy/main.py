@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aegaeon_common.config import ConfigError, load_config
+    from aegaeon_common.config import load_config_or_exit
     from aegaeon_common.process import run_service
 
     from aegaeon_proxy.backend import Backend
@@ -27,11 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_proxy.local_backend import LocalEngineBackend
     from aegaeon_proxy.server import ProxyServer
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"aegaeon proxy: {exc}", file=sys.stderr)
-        return 2
+    config = load_config_or_exit(args.config, "proxy")
     try:
         backend: Backend = LocalEngineBackend(config) if args.local else build_backend(config)
     except NotImplementedError as exc:
