@@ -41,8 +41,8 @@ def test_multi_panel_figure_nests_by_panel(
     assert set(summary["max_models_at_90"]) == {"slo0.5", "slo0.3", "slo0.2"}
 
 
-def test_theorem_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "--theorem", "--json"]) == 0
+def test_theorem_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--theorem", "--json", "--out", str(tmp_path)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for case in summary["cases"]:
         assert abs(case["rel_error"]) < 0.03
