@@ -55,7 +55,10 @@ class DecodeLoop:
         self.work = DecodeWorkList()
         # Eq. 2-3 plus the round bound (rounds within 0.7 x TTFT; see aegaeon_sched.quota).
         self.planner = RoundRobinPlanner(
-            config.slo.tbt_s, config.scheduler.q_max_s, ttft_s=config.slo.ttft_s
+            config.slo.tbt_s,
+            config.scheduler.q_max_s,
+            ttft_s=config.slo.ttft_s,
+            round_ttft_fraction=config.scheduler.round_ttft_fraction,
         )
         self.counters = DecodeCounters()
         self.residency = Residency(worker)
