@@ -63,3 +63,20 @@ def test_reserved_tokens_track_prompt_plus_max_tokens() -> None:
     assert batch.reserved_tokens == 120
     wl.remove("r0")
     assert batch.reserved_tokens == 20
+
+
+def test_new_batches_go_where_decode_time_per_batch_is_lowest() -> None:
+    from aegaeon_sched import DecodeDispatcher, Request
+
+    dispatcher = DecodeDispatcher(["decode-0", "prefill-0"], max_batch_size=1)
+    dispatcher.set_decode_share("prefill-0", 0.25)  # a hybrid busy 75% with prefills
+
+    def place(i: int) -> str:
+        return dispatcher.place(Request(f"r{i}", f"m{i}", 0.0, 8, 8))[0]
+
+    # Equal shares would alternate; with a quarter share the hybrid takes a new
+    # batch only once the decode instance holds about four times as many.
+    placed = [place(i) for i in range(10)]
+    assert placed.count("decode-0") == 8 and placed.count("prefill-0") == 2
+    dispatcher.set_decode_share("prefill-0", 1.0)
+    assert place(10) == "prefill-0"  # 8 vs 2 batches at equal shares

@@ -117,8 +117,20 @@ class DecodeDispatcher:
         self.default_capacity_tokens = default_capacity_tokens
         self.work_lists: dict[InstanceId, DecodeWorkList] = {i: DecodeWorkList() for i in instances}
         self._capacity: dict[tuple[InstanceId, str], int] = {}
+        self._share: dict[InstanceId, float] = {}
         self._instance_of: dict[str, InstanceId] = {}
         self._next_batch_id = 0
+
+    def set_decode_share(self, instance: InstanceId, share: float) -> None:
+        """The share of ``instance``'s time left for decoding, in (0, 1] (default 1).
+
+        Past the paper: a hybrid instance (a prefill instance that decodes when
+        idle) reports ``1 - its prefill busy fraction``; a new batch goes to the
+        instance with the fewest batches *per unit of decode time*, so a busy
+        prefill instance takes decode work only when the decode instances hold
+        proportionally more.
+        """
+        self._share[instance] = min(1.0, max(share, 1e-3))
 
     def set_capacity(self, instance: InstanceId, model: str, kv_tokens: int) -> None:
         """Instance-reported device KV capacity, in tokens of ``model``'s KV shape."""
@@ -146,9 +158,13 @@ class DecodeDispatcher:
                     self._instance_of[request.request_id] = instance
                     return instance, batch.batch_id
         # No room anywhere: a new batch on the shortest work list (first on
-        # ties). A request larger than a whole batch's capacity still gets a
-        # batch of its own: refusing it here would only move the failure.
-        instance = min(self.work_lists, key=lambda i: len(self.work_lists[i]))
+        # ties), lengths counted per unit of decode share. A request larger
+        # than a whole batch's capacity still gets a batch of its own:
+        # refusing it here would only move the failure.
+        instance = min(
+            self.work_lists,
+            key=lambda i: (len(self.work_lists[i]) + 1) / self._share.get(i, 1.0),
+        )
         batch_id = self._next_batch_id
         self._next_batch_id += 1
         self.work_lists[instance].add(request, batch_id)

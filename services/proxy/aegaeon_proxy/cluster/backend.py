@@ -31,11 +31,11 @@ from aegaeon_common.messages.report import (
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.transport import Puller, RemoteError, RpcClient
 from aegaeon_common.wire import Message, WireError, to_plain
-from aegaeon_sched import Policy, Request
+from aegaeon_sched import DecodeDispatcher, Policy, Request
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
-from aegaeon_proxy.cluster.instances import Instances
+from aegaeon_proxy.cluster.instances import DecodeShares, Instances
 from aegaeon_proxy.cluster.policy import build_policy
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 
@@ -59,6 +59,7 @@ class ClusterBackend:
         self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
         self._tasks: list[asyncio.Task[None]] = []
         self._actions = ActionRunner(self)
+        self._shares = DecodeShares()
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             InstanceHello: self._on_hello,
             InstanceStats: self._on_stats,
@@ -170,7 +171,12 @@ class ClusterBackend:
             log.info("policy ready", policy=self.policy.name)
 
     def _on_stats(self, msg: InstanceStats) -> None:
-        self.instances.on_stats(msg)
+        view = self.instances.on_stats(msg)
+        if view is not None and self.config.hybrid_prefill and msg.kind == "prefill":
+            share = self._shares.observe(view.name, msg.counters.get("prefill_s", 0.0))
+            dispatcher = getattr(self.policy, "decode", None)
+            if isinstance(dispatcher, DecodeDispatcher):
+                dispatcher.set_decode_share(view.name, share)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         tracked = self.requests.get(msg.request_id)

@@ -121,3 +121,26 @@ class Instances:
     def close(self) -> None:
         for view in self:
             view.pusher.close()
+
+
+@dataclass
+class DecodeShares:
+    """Each hybrid instance's share of time left for decoding, from its heartbeats.
+
+    ``1 - (prefill compute seconds / wall seconds)`` between heartbeats,
+    smoothed (a moving average over ~5 s), for Algorithm 2's placement.
+    """
+
+    smoothing: float = 0.1
+    _last: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _busy: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, instance: str, prefill_s: float) -> float:
+        now = time.monotonic()
+        last = self._last.get(instance)
+        self._last[instance] = (now, prefill_s)
+        if last is not None and now > last[0] and prefill_s >= last[1]:
+            busy = min(1.0, (prefill_s - last[1]) / (now - last[0]))
+            old = self._busy.get(instance, busy)
+            self._busy[instance] = old + self.smoothing * (busy - old)
+        return 1.0 - self._busy.get(instance, 0.0)
