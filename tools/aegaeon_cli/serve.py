@@ -29,7 +29,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--market", type=Path, help="market directory (default: ./market)")
     parser.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="proxy port (default 8000)")
-    parser.add_argument("--policy", help="aegaeon | request-level | request-level-sjf")
+    parser.add_argument(
+        "--policy",
+        help="aegaeon (default) | request-level (ServerlessLLM as the paper evaluated it: "
+        "requests bound to an instance at arrival) | request-level-sjf (ServerlessLLM+) | "
+        "request-level-global (one global FCFS queue) | request-level-global-sjf",
+    )
     parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
     parser.set_defaults(func=run)
 
