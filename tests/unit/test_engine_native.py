@@ -1,5 +1,6 @@
-"""The native CPU kernels (paged decode attention, decode linear) against the torch path,
-and the fallback when they are turned off or cannot be built."""
+"""The native CPU kernels (paged decode attention, decode projections, the fused elementwise
+ops of a layer) against the torch path, and the fallback when they are turned off or
+cannot be built."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 from aegaeon_engine import DecodeSeq, Engine, ModelSpec, RopeSpec
 from aegaeon_engine import native as native_mod
 from aegaeon_engine.attention import Attention
-from aegaeon_engine.linear import Linear
-from aegaeon_engine.model import KVViews, project
+from aegaeon_engine.kernels import NativeOps, layer_ops
+from aegaeon_engine.model import KVViews, LayerOps, Tokens, project
+from aegaeon_engine.rope import RopeTable
+from aegaeon_engine.weights import LayerWeights
 from engine_support import Bound, block_lists, hf_greedy, make_checkpoint, prompts_of
 
 CPU = torch.device("cpu")
@@ -51,10 +54,21 @@ def test_native_kernels_load() -> None:
     assert Attention(CPU).native is not None
 
 
+def _native() -> NativeOps:
+    ops = layer_ops(CPU)
+    if not isinstance(ops, NativeOps):
+        pytest.skip("native kernels off")
+    return ops
+
+
+def _spec(q_heads: int, kv_heads: int, dim: int, layers: int) -> ModelSpec:
+    return ModelSpec("t", "Qwen3ForCausalLM", 100, q_heads * dim, 100, layers, q_heads, kv_heads,
+                     dim, 1e-6, RopeSpec(1e4), 4096)
+
+
 def _kv(dtype: torch.dtype, q_heads: int, kv_heads: int, dim: int, num_blocks: int,
         layers: int, g: torch.Generator) -> KVViews:
-    spec = ModelSpec("t", "LlamaForCausalLM", 100, q_heads * dim, 100, layers, q_heads, kv_heads,
-                     dim, 1e-6, RopeSpec(1e4), 4096)
+    spec = _spec(q_heads, kv_heads, dim, layers)
     region = torch.empty(num_blocks * 2 * layers * 16 * kv_heads * dim * dtype.itemsize,
                          dtype=torch.uint8)
     kv = KVViews.over(region, spec, 16, dtype)
@@ -96,17 +110,18 @@ def test_paged_decode_matches_torch_path(dtype: torch.dtype, q_heads: int, kv_he
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (100, 160), (37, 50),
                                                            (8, 96), (272, 1664)])
-def test_linear_matches_torch(dtype: torch.dtype, rows: int, out_features: int,
-                              in_features: int, threads: int) -> None:
-    linear = Linear(CPU)
-    if dtype not in linear.native_dtypes:
-        pytest.skip(f"no native linear for {dtype} in this build")
+def test_project_matches_torch(dtype: torch.dtype, rows: int, out_features: int,
+                               in_features: int, threads: int) -> None:
+    """AMX (in % 32 == 0, out >= 16), AVX512-BF16 / AVX-512 otherwise; strided x."""
+    ops = _native()
+    if dtype not in ops.project_dtypes:
+        pytest.skip(f"no native projection for {dtype} in this build")
     g = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
     x = torch.randn(rows, 2 * in_features, generator=g).to(dtype)[:, ::2]  # strided rows
     for b in (None, bias):
-        got = linear(w, x, b)
+        got = ops.project(w, x, b)
         assert got.shape == (rows, out_features) and got.is_contiguous()
         want = x.double() @ w.double().t() + (0 if b is None else b.double())
         if dtype == torch.float32:
@@ -116,6 +131,66 @@ def test_linear_matches_torch(dtype: torch.dtype, rows: int, out_features: int,
             err = (got.double() - want).abs().max().item()
             ref = (project(w, x, b).double() - want).abs().max().item()
             assert err <= max(2 * ref, 2**-8 * scale)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16: the same bits as the torch path; float32: up to float32 sum order."""
+    if got.dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "size"), [(1, 512), (8, 1664), (3, 40), (40, 64)])
+def test_rms_norm_and_silu_mul_match_torch(dtype: torch.dtype, rows: int, size: int,
+                                           threads: int) -> None:
+    ops, torch_ops = _native(), LayerOps()
+    g = torch.Generator().manual_seed(size)
+    x = (3 * torch.randn(rows, size, generator=g)).to(dtype)
+    w = torch.randn(size, generator=g).to(dtype)
+    for weight in (w, None):
+        _same(ops.rms_norm(x, weight, 1e-6), torch_ops.rms_norm(x.clone(), weight, 1e-6))
+    gate_up = (3 * torch.randn(rows, 2 * size, generator=g)).to(dtype)
+    got = ops.silu_mul(gate_up.clone())
+    want = torch_ops.silu_mul(gate_up.clone())
+    if dtype == torch.bfloat16:  # its own exp: a rare last-bit difference after rounding
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim", "qk_norm"), [
+    (8, 4, 128, True), (4, 2, 64, False), (4, 2, 16, True), (2, 1, 40, True),
+])
+def test_rope_write_matches_torch(dtype: torch.dtype, q_heads: int, kv_heads: int, dim: int,
+                                  qk_norm: bool, threads: int) -> None:
+    """q/k norm + rope in place and the K/V slot writes, as the torch path does them."""
+    ops, torch_ops = _native(), LayerOps()
+    g = torch.Generator().manual_seed(dim)
+    spec = _spec(q_heads, kv_heads, dim, 2)
+    block_bytes = 2 * 2 * 16 * kv_heads * dim * dtype.itemsize
+    regions = [torch.zeros(20 * block_bytes, dtype=torch.uint8) for _ in range(2)]
+    kvs = [KVViews.over(r, spec, 16, dtype) for r in regions]
+    table = RopeTable(dim, spec.rope, 4096, dtype, CPU).ensure(200)
+    positions = torch.tensor([5, 100, 150, 151])
+    cos_sin = table.index_select(1, positions)[:, :, None]
+    tokens = Tokens(torch.zeros(4, dtype=torch.long), cos_sin[0], cos_sin[1],
+                    torch.tensor([3, 7, 9, 9]), positions % 16)
+    norms = [torch.randn(dim, generator=g).to(dtype) if qk_norm else None for _ in range(2)]
+    unused = torch.empty(0)
+    lw = LayerWeights(input_norm=unused, qkv=unused, qkv_bias=None, q_norm=norms[0],
+                      k_norm=norms[1], o_proj=unused, o_bias=None, post_norm=unused,
+                      gate_up=unused, down=unused)
+    qkv = torch.randn(4, q_heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    got, want = qkv.clone(), qkv.clone()
+    ops.rope_write(got, lw, kvs[0], 1, tokens, q_heads, 1e-6)
+    torch_ops.rope_write(want, lw, kvs[1], 1, tokens, q_heads, 1e-6)
+    _same(got, want)
+    _same(kvs[0].cache, kvs[1].cache)
+    assert kvs[0].cache[:, 0].abs().sum() == 0  # layer 0 untouched
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen3"])
@@ -151,7 +226,7 @@ def test_env_forces_torch_path(monkeypatch: pytest.MonkeyPatch, fresh_native: No
     assert native_mod.native_ops() is None
     engine = Engine()
     assert engine.attention.native is None
-    assert not engine.linear.native_dtypes
+    assert type(engine.ops) is LayerOps
 
 
 def test_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -164,4 +239,4 @@ def test_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         assert native_mod.native_ops() is None  # tried once, logged once
     assert len([r for r in caplog.records if "torch path" in r.getMessage()]) == 1
     engine = Engine()
-    assert engine.attention.native is None and not engine.linear.native_dtypes
+    assert engine.attention.native is None and type(engine.ops) is LayerOps

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from .attention import Attention
+from .kernels import layer_ops
 from .layout import WeightLayout, weight_layout
-from .linear import Linear
 from .model import KVViews, Tokens, forward, logits
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
@@ -53,7 +53,7 @@ class Engine:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.attention = Attention(self.device, native)
-        self.linear = Linear(self.device, native)
+        self.ops = layer_ops(self.device, native)
         self._ropes: dict[tuple[int, RopeSpec, int, torch.dtype], RopeTable] = {}
         self._layouts: dict[tuple[ModelSpec, str], WeightLayout] = {}
         self._bound: _Bound | None = None
@@ -152,8 +152,8 @@ class Engine:
                 return attention.masked(qkv[:, :heads_q], both[0], both[1], mask)
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
-        hidden = forward(m.weights, m.kv, tokens, attend, self.linear)
-        return logits(m.weights, hidden[-1:], self.linear)[0]
+        hidden = forward(m.weights, m.kv, tokens, attend, self.ops)
+        return logits(m.weights, hidden[-1:], self.ops)[0]
 
     @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
@@ -190,8 +190,8 @@ class Engine:
         attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table, context_lens,
                                              lengths)
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
-        hidden = forward(m.weights, m.kv, step, attend, self.linear)
-        return logits(m.weights, hidden, self.linear)
+        hidden = forward(m.weights, m.kv, step, attend, self.ops)
+        return logits(m.weights, hidden, self.ops)
 
     def _check_len(self, m: _Bound, num_tokens: int, num_blocks: int) -> None:
         if num_tokens > m.spec.max_model_len:

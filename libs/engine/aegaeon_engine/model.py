@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from .spec import ModelSpec
-from .weights import ModelWeights
+from .weights import LayerWeights, ModelWeights
 
 # attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
-# project(w [out, in], x [N, in], bias [out] | None) -> x @ w.T (+ bias) as [N, out]
-ProjectFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 ROW_MAJOR_TOKENS = 16
 _FUSED_NORM_MAX = 16384  # elements
 
@@ -127,36 +125,64 @@ class Tokens:
     slot_offsets: torch.Tensor
 
 
-def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
-            project: ProjectFn = project) -> torch.Tensor:
-    """Hidden states ``[N, hidden]`` (before the final norm) of ``tokens``."""
-    spec = w.spec
-    n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
-    num_q, num_kv, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    half = dim // 2
-    cos, sin = tokens.cos, tokens.sin
-    slot = (tokens.slot_blocks, tokens.slot_offsets)
-    h = F.embedding(tokens.token_ids, w.embed_tokens)  # the residual stream, [N, hidden]
-    heads_qk = num_q + num_kv
-    for i, lw in enumerate(w.layers):
-        qkv = project(lw.qkv, rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
-        qkv = qkv.view(n, heads_qk + num_kv, dim)
-        qk = qkv[:, :heads_qk]
+class LayerOps:
+    """A layer's per-token work around attention, in torch (any device); kernels.py
+    overrides it with native kernels on CPU."""
+
+    def project(self, w: torch.Tensor, x: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ w.T (+ bias)`` for ``x [N, in]`` -> ``[N, out]``."""
+        return project(w, x, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` (see ``rms_norm``)."""
+        return rms_norm(x, weight, eps)
+
+    def rope_write(self, qkv: torch.Tensor, lw: LayerWeights, kv: KVViews, layer: int,
+                   tokens: Tokens, num_q: int, eps: float) -> None:
+        """In place on ``qkv [N, Hq + 2 Hkv, D]``: q/k norm (if the model has it) and
+        rope of the q and k heads; then K and V of every token into its KV slot."""
+        n, heads, dim = qkv.shape
+        num_kv = (heads - num_q) // 2
+        qk = qkv[:, :num_q + num_kv]
         src = qk
         if lw.q_norm is not None and lw.k_norm is not None:
             src = rms_norm(qk, None, eps)
             src[:, :num_q].mul_(lw.q_norm)
             src[:, num_q:].mul_(lw.k_norm)
         # rope, written back into qkv so K and V stay adjacent for one slot write
-        torch.add(src * cos, src.roll(half, -1).mul_(sin), out=qk)
-        kv.kv[i].index_put_(slot, qkv[:, num_q:].view(n, 2, num_kv, dim))
-        h.add_(project(lw.o_proj, attend(i, qkv), lw.o_bias))
-        gate, up = project(lw.gate_up, rms_norm(h, lw.post_norm, eps), None).chunk(2, -1)
-        h.add_(project(lw.down, F.silu(gate, inplace=True).mul_(up), None))
+        torch.add(src * tokens.cos, src.roll(dim // 2, -1).mul_(tokens.sin), out=qk)
+        kv.kv[layer].index_put_((tokens.slot_blocks, tokens.slot_offsets),
+                                qkv[:, num_q:].view(n, 2, num_kv, dim))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up [N, 2F] = [gate | up]`` -> ``[N, F]``."""
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate, inplace=True).mul_(up)
+
+
+TORCH_OPS = LayerOps()
+
+
+def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
+            ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+    """Hidden states ``[N, hidden]`` (before the final norm) of ``tokens``."""
+    spec = w.spec
+    n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
+    heads = spec.num_heads + 2 * spec.num_kv_heads
+    h = F.embedding(tokens.token_ids, w.embed_tokens)  # the residual stream, [N, hidden]
+    for i, lw in enumerate(w.layers):
+        qkv = ops.project(lw.qkv, ops.rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
+        qkv = qkv.view(n, heads, spec.head_dim)
+        ops.rope_write(qkv, lw, kv, i, tokens, spec.num_heads, eps)
+        h.add_(ops.project(lw.o_proj, attend(i, qkv), lw.o_bias))
+        gate_up = ops.project(lw.gate_up, ops.rms_norm(h, lw.post_norm, eps), None)
+        h.add_(ops.project(lw.down, ops.silu_mul(gate_up), None))
     return h
 
 
-def logits(w: ModelWeights, hidden: torch.Tensor, project: ProjectFn = project) -> torch.Tensor:
+def logits(w: ModelWeights, hidden: torch.Tensor, ops: LayerOps = TORCH_OPS) -> torch.Tensor:
     """float32 logits ``[N, vocab]`` of hidden states ``[N, hidden]``."""
-    out = project(w.lm_head, rms_norm(hidden, w.norm, w.spec.rms_norm_eps), None)
+    out = ops.project(w.lm_head, ops.rms_norm(hidden, w.norm, w.spec.rms_norm_eps), None)
     return torch.empty(out.shape, dtype=torch.float32, device=out.device).copy_(out)

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-_SOURCES = ("decode_attention.cpp", "decode_linear.cpp")
+_SOURCES = ("attention.cpp", "dense.cpp")
+_HEADERS = ("simd.h",)
 _NAME = "aegaeon_native"
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall")
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-Wall")
 _LDFLAGS = ("-fopenmp",)
 _DONE = "built"  # marker written after a build loaded successfully
 
@@ -50,7 +51,7 @@ def _cpu_features() -> str:
 def build_key() -> str:
     """Identifies one build: sources, torch, flags and CPU features."""
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         digest.update((Path(__file__).parent / "csrc" / name).read_bytes())
     for part in (torch.__version__, platform.machine(), " ".join(_CFLAGS), _cpu_features()):
         digest.update(part.encode())

@@ -9,17 +9,19 @@
 // one position every kv_heads * head_dim elements; the V rows follow
 // block_size * kv_heads * head_dim elements later.
 //
-// Algorithm: one task per (sequence, kv head, query group). A group is the
-// G <= 8 q heads sharing the kv head (GQA: q head j reads kv head j / (q_heads
-// / kv_heads), as transformers' repeat_kv), so each K/V row is read from memory
-// once for G queries. The task walks the sequence's blocks in chunks of <= 16
-// positions with an online softmax in float32 (running max m, running sum l,
-// accumulator acc[G, head_dim]):
+// Algorithm: the work of a sequence is cut into units, one per (kv head, query
+// group): a group is the G <= 8 q heads sharing the kv head (GQA: q head j reads
+// kv head j / (q_heads / kv_heads), as transformers' repeat_kv; larger groups
+// are split), so each K/V row is read once for G queries. A task (the parallel
+// unit) is a sequence and a range of its units, all of them when there are
+// enough sequences for the threads: the task walks the sequence's blocks once,
+// and per block each unit takes the block in chunks of <= 16 positions with an
+// online softmax in float32 (running max m, running sum l, accumulator
+// acc[G, head_dim]):
 //   s = scale * q.K^T,  m' = max(m, max s),  p = exp(s - m'),
 //   acc = acc * exp(m - m') + p.V,  l = l * exp(m - m') + sum p,  out = acc / l.
 // Nothing is gathered; no score row longer than one chunk exists. The next
-// block's rows of the head are prefetched while a block is computed (a head's
-// rows are scattered, head_dim of every kv_heads * head_dim elements).
+// block's rows of the task's heads are prefetched while a block is computed.
 //
 // Inputs are float32, bfloat16 or float16; arithmetic is float32. Code paths,
 // chosen per call from the head_dim and what the compiler targets:
@@ -40,17 +42,20 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
+#include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
+#if defined(__AVX512F__)
+using namespace aegaeon_simd;
+#endif
+
 constexpr int kChunk = 16;     // positions per online-softmax step (one AVX-512 vector)
 constexpr int kMaxGroup = 8;   // q heads per task; larger GQA groups are split
-constexpr int kMaxDim = 1024;  // head_dim bound of the per-task stack buffers
 
 // Where everything is, in elements of the input dtype.
 struct Args {
@@ -70,11 +75,11 @@ struct Args {
   float scale;
 };
 
-// Per-task state of G queries: m, l and acc as in the algorithm above.
-template <int G>
+// One unit's state (G queries): m, l and acc as in the algorithm above, in a task buffer.
 struct State {
-  float m[G], l[G];
-  alignas(64) float acc[G * kMaxDim];
+  float* m;
+  float* l;
+  float* acc;  // [G, head_dim]
 };
 
 enum class Path { kGeneric, kAvx512, kBf16Pairs };
@@ -101,56 +106,9 @@ inline void prefetch_rows(const T* p, int64_t row_stride, int64_t rows, int64_t 
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  // bfloat16 is the top half of a float32: widen and shift
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln2 / 2; degree-7 Taylor
-// polynomial for exp(r) (relative error < 1e-8 before float32 rounding).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 split in two
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 y = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(y, n);
-}
-
-// Lane t of the result is the sum of the 16 lanes of v[t]: pairs are
-// interleaved and added in four levels (45 instructions instead of 16 reductions).
-inline __m512 sum16x16(const __m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: 2 partial sums of v[2i], v[2i+1]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of 4 vectors
-    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i) {  // 128-bit lanes (0+1, 2+3) of 4 vectors, then of the next 4
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
 // The online-softmax update of query g for raw scores s (lanes < n valid):
 // updates m and l, writes p, returns the factor exp(m - m') for acc.
-template <int G>
-inline float softmax_step(State<G>& st, int g, __m512 s, int n, float scale, float* p) {
+inline float softmax_step(const State& st, int g, __m512 s, int n, float scale, float* p) {
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
   s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
   const float m_new = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, s));
@@ -165,7 +123,7 @@ inline float softmax_step(State<G>& st, int g, __m512 s, int n, float scale, flo
 // One chunk of n <= 16 positions; q is float32 [G, dim], acc in natural order.
 template <typename T, int G>
 inline void chunk_avx512(const float* q, const T* k, const T* v, int64_t rs, int n,
-                         int64_t dim, float scale, State<G>& st) {
+                         int64_t dim, float scale, const State& st) {
   alignas(64) float p[G][kChunk];
   float alpha[G];
   for (int g = 0; g < G; ++g) {
@@ -211,7 +169,7 @@ inline void chunk_avx512(const float* q, const T* k, const T* v, int64_t rs, int
 template <int G>
 inline void chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k,
                        const c10::BFloat16* v, int64_t rs, int n, int64_t dim, float scale,
-                       State<G>& st) {
+                       const State& st) {
   alignas(64) float p[G][kChunk];
   float alpha[G];
   for (int g = 0; g < G; ++g) {
@@ -267,7 +225,7 @@ inline void chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k,
 // The chunk step in plain loops (any head_dim, any target); q float32, acc natural order.
 template <typename T, int G>
 inline void chunk_generic(const float* q, const T* k, const T* v, int64_t rs, int n,
-                          int64_t dim, float scale, State<G>& st) {
+                          int64_t dim, float scale, const State& st) {
   float s[kChunk];
   for (int g = 0; g < G; ++g) {
     float m_new = st.m[g];
@@ -292,76 +250,97 @@ inline void chunk_generic(const float* q, const T* k, const T* v, int64_t rs, in
   }
 }
 
-// One task: sequence b, kv head h, q heads h * group + g0 .. + G.
+// One task: sequence b, units [u0, u1) (unit u: kv head u / parts, its q heads
+// from (u % parts) * G, G of them). Blocks are walked once for all the units,
+// so a task over every kv head reads each block's K and V rows whole.
 template <typename T, int G>
-void attend(const Args& a, int64_t b, int64_t h, int64_t g0) {
+void attend(const Args& a, int64_t b, int64_t u0, int64_t u1, int64_t parts) {
   const int64_t dim = a.head_dim, rs = a.row_stride;
   const Path path = pick_path<T>(dim);
-  alignas(64) float qf[G * kMaxDim];  // q in float32, or its bf16 bits for kBf16Pairs
-  State<G> st;
-  const int64_t head0 = h * a.group + g0;
-  const T* qb = static_cast<const T*>(a.q) + b * a.q_stride_b + head0 * a.q_stride_h;
-  for (int g = 0; g < G; ++g) {
-    const T* qh = qb + g * a.q_stride_h;
-    for (int64_t d = 0; d < dim; ++d) {
-      if (path == Path::kBf16Pairs) {
-        reinterpret_cast<T*>(qf)[g * dim + d] = qh[d * a.q_stride_d];
-      } else {
-        qf[g * dim + d] = static_cast<float>(qh[d * a.q_stride_d]);
+  // per unit: q (float32, or its bf16 bits for kBf16Pairs), acc, m, l
+  const int64_t unit_floats = (2 * G * dim + 2 * G + 15) / 16 * 16;
+  thread_local std::vector<float> buffer;
+  buffer.resize((u1 - u0) * unit_floats + 16);
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~63);
+  auto q_of = [&](int64_t u) { return base + (u - u0) * unit_floats; };
+  auto state_of = [&](int64_t u) {
+    float* q = q_of(u);
+    return State{q + 2 * G * dim, q + 2 * G * dim + G, q + G * dim};
+  };
+  auto head_of = [&](int64_t u) { return u / parts * a.group + u % parts * G; };  // first q head
+  for (int64_t u = u0; u < u1; ++u) {
+    const T* qh = static_cast<const T*>(a.q) + b * a.q_stride_b + head_of(u) * a.q_stride_h;
+    float* q = q_of(u);
+    const State st = state_of(u);
+    for (int g = 0; g < G; ++g, qh += a.q_stride_h) {
+      for (int64_t d = 0; d < dim; ++d) {
+        if (path == Path::kBf16Pairs) {
+          reinterpret_cast<T*>(q)[g * dim + d] = qh[d * a.q_stride_d];
+        } else {
+          q[g * dim + d] = static_cast<float>(qh[d * a.q_stride_d]);
+        }
       }
+      st.m[g] = -std::numeric_limits<float>::infinity();
+      st.l[g] = 0.f;
     }
-    st.m[g] = -std::numeric_limits<float>::infinity();
-    st.l[g] = 0.f;
+    std::fill(st.acc, st.acc + G * dim, 0.f);
   }
-  std::fill(st.acc, st.acc + G * dim, 0.f);
-  const T* cache = static_cast<const T*>(a.cache) + a.layer_offset + h * dim;
+  const T* cache = static_cast<const T*>(a.cache) + a.layer_offset;
   const int64_t len = a.lens[b];
   TORCH_CHECK(len >= 1 && len <= a.table_stride * a.block_size, "context length ", len,
               " of sequence ", b, " outside its block table");
   const int64_t* blocks = a.table + b * a.table_stride;
+  // the kv heads of the units: one contiguous span of every K/V row
+  const int64_t span_first = u0 / parts * dim, span = ((u1 - 1) / parts + 1) * dim - span_first;
   for (int64_t pos = 0; pos < len; pos += a.block_size) {
     const int64_t block = blocks[pos / a.block_size];
     TORCH_CHECK(block >= 0 && block < a.num_blocks, "block id ", block, " out of range");
     if (pos + a.block_size < len) {
       const int64_t next = blocks[pos / a.block_size + 1];
       if (next >= 0 && next < a.num_blocks) {
-        const T* nk = cache + next * a.block_elems;
-        prefetch_rows(nk, rs, a.block_size, dim);
-        prefetch_rows(nk + a.v_offset, rs, a.block_size, dim);
+        const T* nk = cache + next * a.block_elems + span_first;
+        prefetch_rows(nk, rs, a.block_size, span);
+        prefetch_rows(nk + a.v_offset, rs, a.block_size, span);
       }
     }
-    const T* k = cache + block * a.block_elems;
     const int64_t in_block = std::min(a.block_size, len - pos);
-    for (int64_t t = 0; t < in_block; t += kChunk) {
-      const int n = static_cast<int>(std::min<int64_t>(kChunk, in_block - t));
-      const T* kt = k + t * rs;
-      const T* vt = kt + a.v_offset;
+    for (int64_t u = u0; u < u1; ++u) {
+      const State st = state_of(u);
+      const float* q = q_of(u);
+      const T* k = cache + block * a.block_elems + u / parts * dim;
+      for (int64_t t = 0; t < in_block; t += kChunk) {
+        const int n = static_cast<int>(std::min<int64_t>(kChunk, in_block - t));
+        const T* kt = k + t * rs;
+        const T* vt = kt + a.v_offset;
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (path == Path::kBf16Pairs) {
-          chunk_bf16<G>(reinterpret_cast<const T*>(qf), kt, vt, rs, n, dim, a.scale, st);
-          continue;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (path == Path::kBf16Pairs) {
+            chunk_bf16<G>(reinterpret_cast<const T*>(q), kt, vt, rs, n, dim, a.scale, st);
+            continue;
+          }
         }
-      }
 #endif
 #if defined(__AVX512F__)
-      if (path == Path::kAvx512) {
-        chunk_avx512<T, G>(qf, kt, vt, rs, n, dim, a.scale, st);
-        continue;
-      }
+        if (path == Path::kAvx512) {
+          chunk_avx512<T, G>(q, kt, vt, rs, n, dim, a.scale, st);
+          continue;
+        }
 #endif
-      chunk_generic<T, G>(qf, kt, vt, rs, n, dim, a.scale, st);
+        chunk_generic<T, G>(q, kt, vt, rs, n, dim, a.scale, st);
+      }
     }
   }
-  T* ob = static_cast<T*>(a.out) + b * a.out_stride_b + head0 * a.out_stride_h;
-  for (int g = 0; g < G; ++g) {
-    const float inv = 1.f / st.l[g];
-    const float* acc = st.acc + g * dim;
-    T* o = ob + g * a.out_stride_h;
-    for (int64_t d = 0; d < dim; ++d) {
-      // kBf16Pairs: element c + 2i of a 32-chunk c is acc[c + i], c + 2i + 1 is acc[c + 16 + i]
-      const int64_t i = path == Path::kBf16Pairs ? (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1) : d;
-      o[d] = T(acc[i] * inv);
+  for (int64_t u = u0; u < u1; ++u) {
+    const State st = state_of(u);
+    T* o = static_cast<T*>(a.out) + b * a.out_stride_b + head_of(u) * a.out_stride_h;
+    for (int g = 0; g < G; ++g, o += a.out_stride_h) {
+      const float inv = 1.f / st.l[g];
+      const float* acc = st.acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        // kBf16Pairs: element c + 2i of a 32-chunk c is acc[c + i], c + 2i + 1 acc[c + 16 + i]
+        const int64_t i = path == Path::kBf16Pairs ? (d & ~31) + (d & 1) * 16 + ((d & 31) >> 1) : d;
+        o[d] = T(acc[i] * inv);
+      }
     }
   }
 }
@@ -371,14 +350,18 @@ void run(const Args& a, int64_t batch, int64_t kv_heads) {
   // a group larger than kMaxGroup is split into equal parts of at most kMaxGroup
   int64_t parts = (a.group + kMaxGroup - 1) / kMaxGroup;
   while (a.group % parts) ++parts;
-  const int64_t size = a.group / parts;
-  using Fn = void (*)(const Args&, int64_t, int64_t, int64_t);
+  const int64_t size = a.group / parts, units = kv_heads * parts;
+  // one task per sequence when that keeps the threads busy, else split its kv heads
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = threads == 1 ? 1 : std::min(units, (4 * threads + batch - 1) / batch);
+  using Fn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
   static constexpr Fn fns[kMaxGroup] = {attend<T, 1>, attend<T, 2>, attend<T, 3>, attend<T, 4>,
                                         attend<T, 5>, attend<T, 6>, attend<T, 7>, attend<T, 8>};
   const Fn fn = fns[size - 1];
-  at::parallel_for(0, batch * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      fn(a, i / (kv_heads * parts), (i / parts) % kv_heads, (i % parts) * size);
+      const int64_t b = i / splits, s = i % splits;
+      fn(a, b, s * units / splits, (s + 1) * units / splits, parts);
     }
   });
 }
@@ -404,7 +387,7 @@ void paged_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "context_lens must be contiguous int64 [B]");
   const int64_t layers = cache.size(1), block_size = cache.size(3);
   const int64_t kv_heads = cache.size(4), dim = cache.size(5);
-  TORCH_CHECK(cache.size(2) == 2 && dim == q.size(2) && dim <= kMaxDim, "bad head_dim");
+  TORCH_CHECK(cache.size(2) == 2 && dim == q.size(2), "q and cache head_dim differ");
   TORCH_CHECK(layer >= 0 && layer < layers, "layer out of range");
   TORCH_CHECK(q.size(1) % kv_heads == 0, "q heads must be a multiple of kv heads");
   const int64_t block_rows = block_size * kv_heads * dim;
@@ -421,11 +404,153 @@ void paged_decode(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   }
 }
 
+// ---- the attention's prologue for new tokens: q/k norm, rope, K/V into the cache ----
+// qkv [N, Hq + 2 Hkv, D] (rows of heads: q, then k, then v) is rewritten in place:
+// q and k heads get the optional per-head RMSNorm (qwen3's q_norm / k_norm) and
+// rope; then K and V of token n go to the cache at block slot_blocks[n], row
+// slot_offsets[n] of `layer`. Rope, with sin_signed = sin with its first half
+// negated (see rope.py): out = T(y * cos) + T(roll(y, D/2) * sin_signed), rounded
+// where transformers' q * cos + rotate_half(q) * sin rounds.
+
+struct RopeArgs {
+  void* qkv;
+  int64_t qkv_stride_n, qkv_stride_h;
+  const void *q_norm, *k_norm, *cos, *sin;
+  int64_t cos_stride, sin_stride;
+  void* cache;
+  int64_t block_elems, layer_offset, v_offset, row_stride, num_blocks, block_size;
+  const int64_t *slot_blocks, *slot_offsets;
+  int64_t num_q, num_kv, dim;
+  float eps;
+};
+
+template <typename T>
+void rope_head(const RopeArgs& a, T* x, const T* norm, const T* cos, const T* sin, float* buf) {
+  const int64_t dim = a.dim, half = dim / 2;
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, c10::Half>) {
+    if (dim % 16 == 0) {
+      __m512 sv = _mm512_set1_ps(1.f);
+      if (norm) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < dim; c += 16) acc = _mm512_fmadd_ps(load16(x + c), load16(x + c), acc);
+        sv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / dim + a.eps));
+      }
+      for (int64_t c = 0; c < dim; c += 16) {
+        __m512 y = load16(x + c);
+        if (norm) y = round_to(x, _mm512_mul_ps(round_to(x, _mm512_mul_ps(y, sv)), load16(norm + c)));
+        _mm512_storeu_ps(buf + c, y);
+        _mm512_storeu_ps(buf + c + dim, y);
+      }
+      for (int64_t c = 0; c < dim; c += 16) {
+        const __m512 yc = round_to(x, _mm512_mul_ps(_mm512_loadu_ps(buf + c), load16(cos + c)));
+        const __m512 ys = round_to(x, _mm512_mul_ps(_mm512_loadu_ps(buf + c + half), load16(sin + c)));
+        store16(x + c, _mm512_add_ps(yc, ys));
+      }
+      return;
+    }
+  }
+#endif
+  float scale = 1.f;
+  if (norm) {
+    float ss = 0.f;
+    for (int64_t d = 0; d < dim; ++d) ss += static_cast<float>(x[d]) * static_cast<float>(x[d]);
+    scale = 1.f / std::sqrt(ss / static_cast<float>(dim) + a.eps);
+  }
+  for (int64_t d = 0; d < dim; ++d) {  // y, twice, so that roll(y)[d] = buf[d + half]
+    float y = static_cast<float>(x[d]);
+    if (norm) y = static_cast<float>(T(static_cast<float>(T(y * scale)) * norm[d]));
+    buf[d] = buf[d + dim] = y;
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    const float c = static_cast<float>(T(buf[d] * static_cast<float>(cos[d])));
+    const float s = static_cast<float>(T(buf[d + half] * static_cast<float>(sin[d])));
+    x[d] = T(c + s);
+  }
+}
+
+template <typename T>
+void rope_write_tokens(const RopeArgs& a, int64_t begin, int64_t end) {
+  std::vector<float> buf(2 * a.dim);
+  T* cache = static_cast<T*>(a.cache) + a.layer_offset;
+  for (int64_t n = begin; n < end; ++n) {
+    T* row = static_cast<T*>(a.qkv) + n * a.qkv_stride_n;
+    const T* cos = static_cast<const T*>(a.cos) + n * a.cos_stride;
+    const T* sin = static_cast<const T*>(a.sin) + n * a.sin_stride;
+    for (int64_t h = 0; h < a.num_q + a.num_kv; ++h) {
+      const void* norm = h < a.num_q ? a.q_norm : a.k_norm;
+      rope_head<T>(a, row + h * a.qkv_stride_h, static_cast<const T*>(norm), cos, sin,
+                   buf.data());
+    }
+    const int64_t block = a.slot_blocks[n], offset = a.slot_offsets[n];
+    TORCH_CHECK(block >= 0 && block < a.num_blocks && offset >= 0 && offset < a.block_size,
+                "KV slot (", block, ", ", offset, ") out of range");
+    T* k = cache + block * a.block_elems + offset * a.row_stride;
+    for (int64_t h = 0; h < a.num_kv; ++h) {
+      const T* src_k = row + (a.num_q + h) * a.qkv_stride_h;
+      const T* src_v = row + (a.num_q + a.num_kv + h) * a.qkv_stride_h;
+      std::copy(src_k, src_k + a.dim, k + h * a.dim);
+      std::copy(src_v, src_v + a.dim, k + a.v_offset + h * a.dim);
+    }
+  }
+}
+
+void rope_write(const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm,
+                const std::optional<at::Tensor>& k_norm, const at::Tensor& cos,
+                const at::Tensor& sin, const at::Tensor& cache, int64_t layer,
+                const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, int64_t num_q,
+                double eps) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "qkv must be [N, heads, D], D unit-stride");
+  TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "cache must be contiguous 6-D");
+  const int64_t n = qkv.size(0), dim = qkv.size(2), num_kv = cache.size(4);
+  TORCH_CHECK(qkv.size(1) == num_q + 2 * num_kv && cache.size(5) == dim && dim % 2 == 0,
+              "qkv heads / head_dim do not match the cache");
+  TORCH_CHECK(layer >= 0 && layer < cache.size(1), "layer out of range");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == dim && t->stride(1) == 1,
+                "cos/sin must be [N, D] with unit-stride rows");
+  }
+  for (const auto* t : {&q_norm, &k_norm}) {
+    TORCH_CHECK(!t->has_value() || ((*t)->is_contiguous() && (*t)->numel() == dim &&
+                                    (*t)->scalar_type() == qkv.scalar_type()),
+                "q_norm / k_norm must be contiguous [D]");
+  }
+  for (const at::Tensor* t : {&slot_blocks, &slot_offsets}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                "slots must be contiguous int64 [N]");
+  }
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+                  cache.scalar_type() == qkv.scalar_type(), "qkv, cos, sin, cache: one dtype");
+  const int64_t block_size = cache.size(3), rows = block_size * num_kv * dim;
+  RopeArgs a{qkv.data_ptr(), qkv.stride(0), qkv.stride(1),
+             q_norm.has_value() ? q_norm->data_ptr() : nullptr,
+             k_norm.has_value() ? k_norm->data_ptr() : nullptr, cos.data_ptr(), sin.data_ptr(),
+             cos.stride(0), sin.stride(0), cache.data_ptr(), cache.size(1) * 2 * rows,
+             layer * 2 * rows, rows, num_kv * dim, cache.size(0), block_size,
+             slot_blocks.data_ptr<int64_t>(), slot_offsets.data_ptr<int64_t>(), num_q, num_kv,
+             dim, static_cast<float>(eps)};
+  auto go = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) { rope_write_tokens<T>(a, b, e); });
+  };
+  switch (qkv.scalar_type()) {
+    case at::kFloat: return go(static_cast<float*>(nullptr));
+    case at::kBFloat16: return go(static_cast<c10::BFloat16*>(nullptr));
+    default: TORCH_CHECK(false, "rope_write: unsupported dtype ", qkv.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aegaeon, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor cache, Tensor block_table, "
         "Tensor context_lens, int layer, float scale) -> ()");
+  m.def("rope_write(Tensor(a!) qkv, Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, "
+        "Tensor(b!) cache, int layer, Tensor slot_blocks, Tensor slot_offsets, int num_q, "
+        "float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(aegaeon, CPU, m) { m.impl("paged_decode", paged_decode); }
+TORCH_LIBRARY_IMPL(aegaeon, CPU, m) {
+  m.impl("paged_decode", paged_decode);
+  m.impl("rope_write", rope_write);
+}

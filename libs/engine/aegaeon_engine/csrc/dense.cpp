@@ -27,13 +27,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -46,25 +47,7 @@ constexpr int kTile = 16;   // output rows per parallel task
 constexpr int kMaxRows = 16;  // x rows the kernel takes (decode batches)
 
 #if defined(__AVX512F__)
-// See decode_attention.cpp: lane t of the result is the sum of the lanes of v[t].
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
+using namespace aegaeon_simd;
 
 // Per-dtype steps: kStep elements of I per multiply-add, with a masked variant.
 template <typename T>
@@ -124,7 +107,7 @@ inline __m512 dots(const T* w, int64_t w_stride, int64_t rows, const T* x, int64
       for (int r = 0; r < R; ++r) acc[r * NB + n] = S::madd(acc[r * NB + n], wv[r], xv);
     }
   }
-  return sum16(acc);
+  return sum16x16(acc);
 }
 
 struct LinearArgs {
@@ -300,11 +283,128 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
 #endif
 }
 
+// ---- elementwise ops of a layer, one pass each (float32, bfloat16) ----------------
+// They round where transformers rounds, so that a bfloat16 model gives the same
+// bits up to the order of a float32 sum: RMSNorm normalises in float32, rounds,
+// then multiplies by the weight in the dtype; silu(gate) is rounded before the
+// multiply by up. In float32 every rounding is the identity.
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  int64_t c = 0;
+  float ss = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; c + 16 <= n; c += 16) acc = _mm512_fmadd_ps(load16(x + c), load16(x + c), acc);
+  if (c < n) {
+    const __m512 v = load16(x + c, static_cast<int>(n - c));
+    acc = _mm512_fmadd_ps(v, v, acc);
+    c = n;
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; c < n; ++c) ss += static_cast<float>(x[c]) * static_cast<float>(x[c]);
+  return ss;
+}
+
+// out = T(x * rsqrt(mean(x^2) + eps)) (* w, rounded again) for one row of n.
+template <typename T>
+inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  const float scale = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (; c < n; c += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - c));
+    __m512 y = round_to(x, _mm512_mul_ps(load16(x + c, m), sv));
+    if (w) y = _mm512_mul_ps(y, load16(w + c, m));
+    store16(out + c, y, m);
+  }
+#endif
+  for (; c < n; ++c) {
+    const T y = T(static_cast<float>(x[c]) * scale);
+    out[c] = w ? T(static_cast<float>(y) * static_cast<float>(w[c])) : y;
+  }
+}
+
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& w,
+              double eps) {
+  TORCH_CHECK(x.dim() == 2 && out.sizes() == x.sizes(), "x and out must be [N, H]");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "rows must be unit-stride");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "x and out must share a dtype");
+  TORCH_CHECK(!w.has_value() || (w->scalar_type() == x.scalar_type() && w->is_contiguous() &&
+                                 w->numel() == x.size(1)), "w must be contiguous [H]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto go = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    const T* wp = w.has_value() ? static_cast<const T*>(w->data_ptr()) : nullptr;
+    T* op = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        rms_norm_row(xp + r * x.stride(0), wp, op + r * out.stride(0), n,
+                     static_cast<float>(eps));
+      }
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: return go(static_cast<float*>(nullptr));
+    case at::kBFloat16: return go(static_cast<c10::BFloat16*>(nullptr));
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// out [N, F] = T(silu(gate)) * up with gate_up [N, 2F] = [gate | up].
+void silu_mul(const at::Tensor& out, const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && out.dim() == 2 && gate_up.size(1) == 2 * out.size(1) &&
+                  gate_up.size(0) == out.size(0), "gate_up [N, 2F], out [N, F]");
+  TORCH_CHECK(gate_up.stride(1) == 1 && out.stride(1) == 1, "rows must be unit-stride");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type(), "gate_up and out must share a dtype");
+  const int64_t rows = out.size(0), n = out.size(1);
+  auto go = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* g = static_cast<const T*>(gate_up.data_ptr()) + r * gate_up.stride(0);
+        const T* u = g + n;
+        T* o = static_cast<T*>(out.data_ptr()) + r * out.stride(0);
+        int64_t c = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; c < n; c += 16) {
+          const int m = static_cast<int>(std::min<int64_t>(16, n - c));
+          const __m512 gv = load16(g + c, m);
+          const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+          const __m512 s = round_to(g, _mm512_div_ps(gv, _mm512_add_ps(one, exp16(neg))));
+          store16(o + c, _mm512_mul_ps(s, load16(u + c, m)), m);
+        }
+#endif
+        for (; c < n; ++c) {
+          const float gf = static_cast<float>(g[c]);
+          const T s = T(gf / (1.f + std::exp(-gf)));
+          o[c] = T(static_cast<float>(s) * static_cast<float>(u[c]));
+        }
+      }
+    });
+  };
+  switch (out.scalar_type()) {
+    case at::kFloat: return go(static_cast<float*>(nullptr));
+    case at::kBFloat16: return go(static_cast<c10::BFloat16*>(nullptr));
+    default: TORCH_CHECK(false, "silu_mul: unsupported dtype ", out.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aegaeon, m) {
   m.def("linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
   m.def("linear_supported(ScalarType dtype) -> bool", linear_supported);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? w, float eps) -> ()");
+  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(aegaeon, CPU, m) { m.impl("linear", linear); }
+TORCH_LIBRARY_IMPL(aegaeon, CPU, m) {
+  m.impl("linear", linear);
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
+}
