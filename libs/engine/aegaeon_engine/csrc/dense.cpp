@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -205,8 +206,19 @@ void run_amx(const LinearArgs& a, const at::Tensor& x_in) {
   packed.resize(num * in);
   const auto* x = static_cast<const c10::BFloat16*>(x_in.data_ptr());
   const int64_t sn = x_in.stride(0), si = x_in.stride(1);
-  for (int64_t n = 0; n < num; ++n) {
-    for (int64_t i = 0; i < in; ++i) packed[(i / 2) * num * 2 + n * 2 + (i % 2)] = x[n * sn + i * si];
+  if (si == 1) {  // a pair of inputs is one 32-bit word: a [N, I/2] -> [I/2, N] transpose
+    auto* dst = reinterpret_cast<uint32_t*>(packed.data());
+    for (int64_t n = 0; n < num; ++n) {
+      uint32_t pair;
+      for (int64_t i = 0; i < in / 2; ++i) {
+        std::memcpy(&pair, x + n * sn + 2 * i, sizeof pair);
+        dst[i * num + n] = pair;
+      }
+    }
+  } else {
+    for (int64_t n = 0; n < num; ++n) {
+      for (int64_t i = 0; i < in; ++i) packed[(i / 2) * num * 2 + n * 2 + i % 2] = x[n * sn + i * si];
+    }
   }
   const int64_t blocks = (a.rows + 15) / 16;
   const c10::BFloat16* xp = packed.data();  // this thread's buffer, not a worker's
