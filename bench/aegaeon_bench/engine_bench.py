@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         "model": str(model_dir), "dtype": dtype, "threads": args.threads,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
         "repeats": args.repeats, "cpus": cpus, "vllm": None,
+        "native_kernels": runners["ours"].engine.native_kernels,
     }
     vllm, vllm_runs = _start_vllm(args, result, prompts)
     try:
@@ -240,7 +241,8 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"engine bench: {Path(result['model']).name} {result['dtype']}, "
           f"{result['threads']} thread(s) on cpus {result['cpus']}, "
           f"prompts {result['batch']} x {result['prompt_len']}, "
-          f"{result['new_tokens']} new tokens, median of {result['repeats']} (tokens/s)")
+          f"{result['new_tokens']} new tokens, median of {result['repeats']} (tokens/s); "
+          f"ours on {'native kernels' if result['native_kernels'] else 'torch only'}")
     print(f"{'engine':14}{'prefill':>12}{'decode b1':>12}{'decode b8':>12}")
     for name in ("ours", "transformers", "vllm"):
         row = result.get(name)

@@ -90,6 +90,11 @@ class Engine:
         self._bound = _Bound(spec, bound, kv, kv_shape, rope)
 
     @property
+    def native_kernels(self) -> bool:
+        """Whether decode runs on the native CPU kernels (else the torch path)."""
+        return self.attention.native is not None
+
+    @property
     def spec(self) -> ModelSpec:
         """The bound model's spec."""
         return self._model().spec
