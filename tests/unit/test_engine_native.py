@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -219,6 +221,14 @@ def test_torch_path_greedy_equals_transformers(tmp_path: Path) -> None:
     prompts = prompts_of((5, 17, 33), seed=1)
     ours = Bound(ckpt, engine=Engine(native=False)).greedy(prompts, 32, block_lists(3, 5))
     assert ours == hf_greedy(ckpt, prompts, 32)
+
+
+def test_imports_do_not_build() -> None:
+    """Only making an Engine (or calling native_ops) loads or builds the kernels."""
+    code = ("import aegaeon_engine.engine, aegaeon_engine.kernels, aegaeon_engine.llm\n"
+            "from aegaeon_engine.native import native_ops\n"
+            "assert native_ops.cache_info().misses == 0\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_env_forces_torch_path(monkeypatch: pytest.MonkeyPatch, fresh_native: None) -> None:
