@@ -9,19 +9,24 @@ has no switch (one model), at the next turn boundary with ``fresh_first``.
 
 Costs on the decode side (per turn, on the critical path):
 
-- model switch: Eq. 4 if the model was not prefetched. Prefetching (section
-  5.2): when a turn starts decoding, the instance starts loading the model of
-  the next turn with a different model (or, at the end of a round, the first
-  other model of the work list) over PCIe in the background. At the next
-  switch, the part of Eq. 4 not yet elapsed is exposed, plus an on-device
-  copy of the weights to the front of the buffer (``weight_bytes / 1.5 TB/s``,
-  ~10-17 ms); a wrong guess is abandoned and the switch costs full Eq. 4.
-- KV swap-in of the batch (context tokens x KV bytes per token over PCIe at
-  51.2 GB/s) whenever the turn's batch differs from the previous turn's; the
-  swap-out of the previous batch overlaps (separate stream, section 5.3).
+- model switch, priced by ``costs.switching`` (switching.py). Prefetching
+  (section 5.2): when a turn starts decoding, the instance starts loading the
+  model of the next turn with a different model (or, at the end of a round,
+  the first other model of the work list) in the background; a switch to it
+  exposes what is left of that load (a wrong guess: a full switch).
+- KV swap-in of the batch (context tokens x KV bytes per token at
+  ``kv_bytes_per_s``) whenever the turn's batch differs from the previous
+  turn's; the swap-out of the previous batch overlaps (section 5.3).
 - a newly placed request joins its batch once its prompt KV has gone device
-  -> host (prefill side) -> device: ``2 x prompt KV bytes`` over PCIe after
-  its prefill ends.
+  -> host -> device: ``2 x prompt KV bytes`` after its prefill ends.
+- ``costs``' per-turn and per-step overheads and the planner's switch
+  estimate (Eq. 4, or as live, learned from turns): zero and Eq. 4 for the
+  paper's H800s, measured for a replayed CPU node (node.py).
+
+``estimator``: the latency model the planner estimates step times with
+(default: ``latency``, what steps take). ``served_last``: a round re-planned
+mid-way puts the batches it already served last (the live decode loop plans
+every round afresh in work-list order).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from enum import Enum
 from aegaeon_sched import DecodeWorkList, LatencyModel, RoundPlan, RoundRobinPlanner, Turn
 
 from aegaeon_bench.sim.state import SimRequest, steps_until, steps_within
+from aegaeon_bench.sim.switching import InstanceCosts, SwitchEstimate, switch_cost
+from aegaeon_bench.sim.turn_meter import TurnMeter
 
 
 class Phase(Enum):
@@ -50,15 +57,21 @@ class DecodeSim:
         planner: RoundRobinPlanner,
         *,
         kv_bytes_per_s: float,
-        d2d_bytes_per_s: float,
+        costs: InstanceCosts,
         prefetch: bool = True,
+        estimator: LatencyModel | None = None,
+        served_last: bool = True,
     ) -> None:
         self.name = name
         self.latency = latency
+        self.estimator = estimator or latency
         self.planner = planner
         self.kv_bytes_per_s = kv_bytes_per_s
-        self.d2d_bytes_per_s = d2d_bytes_per_s
+        self.costs = costs
+        self.switch_estimate = SwitchEstimate(self.estimator, costs.learned_switch_estimate)
+        self.meter = TurnMeter(self.estimator, self.switch_estimate)
         self.prefetch_enabled = prefetch
+        self.served_last = served_last
         self.work = DecodeWorkList()
         self.sims: dict[str, SimRequest] = {}
         self.finished: list[SimRequest] = []
@@ -104,8 +117,9 @@ class DecodeSim:
         """Plan a round; a re-plan puts the batches served so far last."""
         self.turned &= {b.batch_id for b in self.work}
         self.plan = self.planner.plan_work_list(
-            self.work, self.latency, lambda rid: self.sims[rid].context,
-            turned_ids=self.turned, served_ids=self.served,
+            self.work, self.estimator, lambda rid: self.sims[rid].context,
+            turned_ids=self.turned, served_ids=self.served if self.served_last else (),
+            switch_s=self.switch_estimate,
         )  # fmt: skip
         self.served = set()
         self.turns = list(self.plan.turns)
@@ -119,6 +133,7 @@ class DecodeSim:
         )
 
     def _next_turn(self) -> None:
+        self.meter.end(self.clock)  # the turn in progress, if any, ends now
         if self.turn_idx >= 0 and self._replan_due(mid_turn=False):
             self._plan_round()
             return
@@ -131,8 +146,9 @@ class DecodeSim:
         if batch is None:  # emptied since the round was planned
             self._next_turn()
             return
-        cost = 0.0
-        if turn.model != self.loaded:
+        cost = self.costs.turn_overhead_s
+        switched = turn.model != self.loaded
+        if switched:
             cost += self._switch_cost(turn.model)
             self.loaded = turn.model
         if turn.batch_id != self.last_batch_id:
@@ -143,16 +159,12 @@ class DecodeSim:
         self.turned.add(turn.batch_id)
         self.served.add(turn.batch_id)
         self.phase = Phase.SWITCH
+        self.meter.start(turn.model, self.clock, turn.quota_s, switched)
         self.busy_until = self.clock + cost
         self.quota_end = self.busy_until + turn.quota_s
 
     def _switch_cost(self, model: str) -> float:
-        full = self.latency.switch_s(model)
-        cost = full
-        if self.prefetch is not None and self.prefetch[0] == model:
-            elapsed = self.clock - self.prefetch[1]
-            weights = self.latency.spec(model).weight_bytes
-            cost = max(0.0, full - elapsed) + weights / self.d2d_bytes_per_s
+        cost = switch_cost(self.costs.switching, model, self.prefetch, self.clock)
         self.prefetch = None
         self.switch_costs.append(cost)
         return cost
@@ -236,9 +248,13 @@ class DecodeSim:
                 return None
             self.clock = next_join
             return False
-        step = self.latency.decode_step_s(batch.model, len(members), context)
+        engine = self.latency.decode_step_s(batch.model, len(members), context)
+        cold = self.meter.cold
+        if cold:  # the first step after a switch, on its own
+            engine += self.costs.cold_step_s
+        step = engine + self.costs.step_overhead_s
         n = min(
-            min_remaining,
+            1 if cold else min_remaining,
             steps_until(clock, step, self.quota_end),
             steps_until(clock, step, next_join),
         )
@@ -253,6 +269,8 @@ class DecodeSim:
             sim.chunks.append((clock + step, step, n))
             sim.generated += n
         self.clock = clock + n * step
+        self.meter.steps(batch.model, len(members), context, engine, n)
+        self.meter.cold = False
         if cut:
             return None
         if n < min_remaining:

@@ -3,6 +3,7 @@
     aegaeon sim --figure 11a|11b|11c|12|13 [--json] [--seed N] [--out DIR] [--duration S]
     aegaeon sim --theorem [--json]
     aegaeon sim --policy aegaeon --models 70 --rps 0.1      # one experiment
+    aegaeon sim --replay TRACE [TRACE ...] [--json]         # a live run, simulated
 
 Aegaeon's decode rounds are bounded by default (``--round-ttft-fraction``,
 see aegaeon_sched.quota); ``--paper`` plans them with Eq. 2-3 exactly as
@@ -20,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from aegaeon_bench.sim.cli_replay import add_arguments as add_replay_arguments
 
 if TYPE_CHECKING:
     from aegaeon_bench.sim.runner import Scenario
@@ -48,6 +51,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     mode.add_argument("--figure", choices=["11a", "11b", "11c", "12", "13"])
     mode.add_argument("--theorem", action="store_true", help="check Theorem 3.1 by simulation")
     mode.add_argument("--policy", help="run one experiment with this policy")
+    mode.add_argument(
+        "--replay", nargs="+", metavar="TRACE",
+        help="simulate the deployment and workload of live `bench serve --trace` runs "
+        "and compare attainment (reads TRACE.stats.json and TRACE.summary.json)",
+    )  # fmt: skip
     parser.add_argument("--models", type=int, default=40, help="with --policy")
     parser.add_argument("--rps", type=float, default=0.1, help="per model, with --policy")
     parser.add_argument("--input-scale", type=float, default=1.0, help="with --policy")
@@ -74,6 +82,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="prefill instances decode when no prefill waits (as the live system can)",
     )  # fmt: skip
     parser.add_argument(
+        "--hybrid-placement", choices=["decode-share", "busy-share", "shortest"],
+        default="decode-share",
+        help="with --hybrid-prefill: a new decode batch goes to the fewest batches per unit "
+        "of decode share (1 - prefill compute busy fraction, as the live proxy; default), "
+        "the same counting the prefills' switches as busy (busy-share), or to the "
+        "strictly shortest work list",
+    )  # fmt: skip
+    parser.add_argument(
         "--paper", action="store_true",
         help="Aegaeon's rounds exactly as published (no round bound, no fresh-first)",
     )  # fmt: skip
@@ -82,6 +98,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="request-level switch = weight bytes / this rate; 'eq4': Aegaeon's Eq. 4 "
         f"(default {SLLM_SWITCH_GBPS:g}: ServerlessLLM in the paper's artifact)",
     )  # fmt: skip
+    add_replay_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for PNGs")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -93,6 +110,10 @@ def main(args: argparse.Namespace) -> int:
         from aegaeon_bench.sim.cli_theorem import theorem
 
         summary = theorem(args, _base(args))
+    elif args.replay:
+        from aegaeon_bench.sim.cli_replay import replay_main
+
+        summary = replay_main(args)
     elif args.figure:
         summary = _figure(args)
     else:
@@ -115,6 +136,7 @@ def _base(args: argparse.Namespace) -> Scenario:
         "aegaeon", 1, 0.0, duration_s=args.duration, seed=args.seed, q_max_s=args.q_max,
         round_ttft_fraction=None if args.paper else args.round_ttft_fraction,
         fresh_first=args.fresh_first and not args.paper, hybrid_prefill=args.hybrid_prefill,
+        hybrid_placement=args.hybrid_placement,
         baseline_switch_bytes_per_s=gbps * 1e9 if gbps else None,
     )  # fmt: skip
 
@@ -129,7 +151,7 @@ def _planner_note(args: argparse.Namespace) -> str:
     if sc.fresh_first:
         parts.append("fresh batches first")
     if sc.hybrid_prefill:
-        parts.append("prefill instances decode when idle")
+        parts.append(f"prefill instances decode when idle ({sc.hybrid_placement} placement)")
     return ", ".join(parts)
 
 
@@ -198,6 +220,7 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
         "round_ttft_fraction": _base(args).round_ttft_fraction,
         "fresh_first": _base(args).fresh_first,
         "hybrid_prefill": args.hybrid_prefill,
+        "hybrid_placement": args.hybrid_placement,
         "baseline_switch_gbps": args.baseline_switch_gbps,
         "metric": "token-deadline SLO attainment (qos: the artifact's per-request time fraction)",
         "points_format": "[x, attainment, qos]",

@@ -33,6 +33,7 @@ from aegaeon_sched import (
 from aegaeon_bench.sim.aegaeon_sim import DecodeSim
 from aegaeon_bench.sim.prefill_sim import PrefillSim
 from aegaeon_bench.sim.state import SimRequest
+from aegaeon_bench.sim.switching import Switching
 from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
 
 
@@ -80,10 +81,19 @@ class Simulation:
         }
 
     # ---- wiring ---------------------------------------------------------
-    def add_prefill(self, name: str, *, d2d_bytes_per_s: float, prefetch: bool) -> PrefillSim:
+    def add_prefill(
+        self,
+        name: str,
+        *,
+        switching: Switching,
+        prefetch: bool,
+        latency: LatencyModel | None = None,
+        overhead_s: float = 0.0,
+    ) -> PrefillSim:
+        """A prefill instance; ``latency``: what its prefills take (default: the policy's)."""
         sim = PrefillSim(
-            name, self.latency, self.schedule, self._prefill_started, self._prefill_done,
-            d2d_bytes_per_s=d2d_bytes_per_s, prefetch=prefetch,
+            name, latency or self.latency, self.schedule, self._prefill_started,
+            self._prefill_done, switching=switching, prefetch=prefetch, overhead_s=overhead_s,
         )  # fmt: skip
         self.prefill[name] = sim
         return sim

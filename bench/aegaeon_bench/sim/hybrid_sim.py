@@ -2,13 +2,15 @@
 
 Beyond the paper, as the live system does it (``scheduler.prefill_decodes_when_idle``,
 services/decode ``prefill_side.py``): the proxy lists prefill instances after
-the decode instances as decode targets too (Algorithm 2 places a new batch on
-the shortest work list, the first on ties, so a hybrid only gets batches when
-it is strictly the least loaded), and a hybrid runs Algorithm 1's job queue
+the decode instances as decode targets too; Algorithm 2 places a new batch on
+the work list with the fewest batches per unit of decode share, which the
+proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;
+:mod:`aegaeon_bench.sim.shares`), and a hybrid runs Algorithm 1's job queue
 with strict priority: a queued prefill ends the decode turn in progress and
 the instance decodes again only once its job queue is empty, planning a fresh
-round (the batches served in the interrupted round go last). Prefill and
-decode share one GPU: one loaded model, one prefetch in flight.
+round (with ``served_last``, the batches served in the interrupted round go
+last; the live loop starts over in work-list order). Prefill and decode share
+one GPU: one loaded model, one prefetch in flight.
 
 Simplification: the prefill starts when it is enqueued, not at the end of the
 decode step in progress (at most one step, ~10-30 ms, early).
@@ -22,6 +24,7 @@ from aegaeon_sched import LatencyModel, RoundRobinPlanner
 
 from aegaeon_bench.sim.aegaeon_sim import DecodeSim, Phase
 from aegaeon_bench.sim.prefill_sim import PrefillSim
+from aegaeon_bench.sim.switching import InstanceCosts
 
 
 class HybridSim(DecodeSim):
@@ -34,12 +37,14 @@ class HybridSim(DecodeSim):
         planner: RoundRobinPlanner,
         *,
         kv_bytes_per_s: float,
-        d2d_bytes_per_s: float,
+        costs: InstanceCosts,
         prefetch: bool = True,
+        estimator: LatencyModel | None = None,
+        served_last: bool = True,
     ) -> None:
         super().__init__(
-            prefill.name, latency, planner, kv_bytes_per_s=kv_bytes_per_s,
-            d2d_bytes_per_s=d2d_bytes_per_s, prefetch=prefetch,
+            prefill.name, latency, planner, kv_bytes_per_s=kv_bytes_per_s, costs=costs,
+            prefetch=prefetch, estimator=estimator, served_last=served_last,
         )  # fmt: skip
         self.prefill = prefill
         self.paused = False
@@ -48,6 +53,7 @@ class HybridSim(DecodeSim):
 
     def _pause(self, now_s: float) -> None:
         """A prefill arrived (the driver advanced this instance to ``now_s``)."""
+        self.meter.end(self.clock)
         self.paused = True
         self.prefill.loaded, self.prefill.prefetch = self.loaded, self.prefetch
         self.wake_s = math.inf

@@ -7,8 +7,12 @@ models when the group's model is not the loaded one. Like the live instance
 (services/prefill) and the paper's artifact (``PrefillStageUniBatchScheduler``
 prefetches the first queued group of another model), each prefill starts
 loading the model of the first queued group that differs from its own behind
-it; a switch to that model then costs what is left of Eq. 4 plus the on-device
-copy (as on decode instances), any other switch the full Eq. 4.
+it; a switch to that model then costs what is left of its load (as on decode
+instances, priced by a :class:`~aegaeon_bench.sim.switching.Switching`), any
+other switch a full one. ``overhead_s``: a prefill's wall time beyond its
+compute and switch (KV allocation, the swap-out order); :attr:`compute_s`
+sums the compute of finished prefills (a hybrid's heartbeat reports it),
+:attr:`switch_s` the switches before them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable
 from aegaeon_sched import LatencyModel, PrefillQueue
 
 from aegaeon_bench.sim.state import SimRequest
+from aegaeon_bench.sim.switching import Switching, switch_cost
 
 
 class PrefillSim:
@@ -31,8 +36,9 @@ class PrefillSim:
         on_started: Callable[[str, str, float], None],
         on_done: Callable[[str, str, float, float], None],
         *,
-        d2d_bytes_per_s: float,
+        switching: Switching,
         prefetch: bool = True,
+        overhead_s: float = 0.0,
     ) -> None:
         self.name = name
         self.latency = latency
@@ -40,7 +46,10 @@ class PrefillSim:
         self.loaded: str | None = None
         self.busy = False
         self.num_switches = 0
-        self.d2d_bytes_per_s = d2d_bytes_per_s
+        self.switching = switching
+        self.overhead_s = overhead_s
+        self.compute_s = 0.0
+        self.switch_s = 0.0  # exposed switch time of its prefills
         self.prefetch_enabled = prefetch
         self.prefetch: tuple[str, float] | None = None  # (model, load started at)
         # A hybrid instance pauses its decoding while prefills wait (hybrid_sim.py).
@@ -71,26 +80,23 @@ class PrefillSim:
             cost = self._switch_cost(group.model, now_s)
             self.loaded = group.model
             self.num_switches += 1
+            self.switch_s += cost
         if self.prefetch_enabled:
             nxt = next((g.model for g in self.queue if g.model != group.model), None)
             if nxt is not None and (self.prefetch is None or self.prefetch[0] != nxt):
                 self.prefetch = (nxt, now_s + cost)  # behind the prefill
-        cost += measured
+        cost += measured + self.overhead_s
         self.busy = True
         rid = request.request_id
         self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t))
 
     def _switch_cost(self, model: str, now_s: float) -> float:
-        full = self.latency.switch_s(model)
-        if self.prefetch is None or self.prefetch[0] != model:
-            self.prefetch = None
-            return full
-        elapsed = max(0.0, now_s - self.prefetch[1])
+        cost = switch_cost(self.switching, model, self.prefetch, now_s)
         self.prefetch = None
-        weights = self.latency.spec(model).weight_bytes
-        return max(0.0, full - elapsed) + weights / self.d2d_bytes_per_s
+        return cost
 
     def _finish(self, request_id: str, measured_s: float, now_s: float) -> None:
         self.queue.finish(request_id)
+        self.compute_s += measured_s
         self._on_done(self.name, request_id, measured_s, now_s)
         self._start(now_s)

@@ -32,6 +32,8 @@ from aegaeon_bench.sim.hardware import (
     unified_kv_bytes,
 )
 from aegaeon_bench.sim.hybrid_sim import HybridSim
+from aegaeon_bench.sim.shares import DecodeShareFeed
+from aegaeon_bench.sim.switching import Eq4Switching, InstanceCosts
 from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
 from aegaeon_bench.sim.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
@@ -64,8 +66,13 @@ class Scenario:
     round_ttft_fraction: float | None = ROUND_TTFT_FRACTION
     fresh_first: bool = False
     # Beyond the paper (as the live system): prefill instances decode when no
-    # prefill waits (hybrid_sim.py).
+    # prefill waits (hybrid_sim.py); a new decode batch goes to the work list
+    # with the fewest batches per unit of decode share (shares.py, as the live
+    # proxy), or with "shortest" to the strictly shortest (decode instances
+    # first on ties); "busy-share": decode share counting the prefills'
+    # switches as busy too (not the proxy's rule).
     hybrid_prefill: bool = False
+    hybrid_placement: str = "decode-share"
     max_batch_size: int = 256
     # Request-level baselines' switch: weight_bytes / this rate (default: the
     # artifact's ServerlessLLM); None = Eq. 4 like Aegaeon.
@@ -135,21 +142,28 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             sc.slo.tbt_s, sc.q_max_s, ttft_s=sc.slo.ttft_s,
             round_ttft_fraction=sc.round_ttft_fraction, fresh_first=sc.fresh_first,
         )  # fmt: skip
+        switching = Eq4Switching(lat, hw.d2d_bytes_per_s)
         prefills = [
-            sim.add_prefill(name, d2d_bytes_per_s=hw.d2d_bytes_per_s, prefetch=sc.prefetch)
+            sim.add_prefill(name, switching=switching, prefetch=sc.prefetch)
             for name in cluster.prefill_instances
         ]
-        kv, d2d, pf = hw.pcie_effective_bytes_per_s, hw.d2d_bytes_per_s, sc.prefetch
+        kv, costs, pf = hw.pcie_effective_bytes_per_s, InstanceCosts(switching), sc.prefetch
         decodes = [
-            DecodeSim(name, lat, planner, kv_bytes_per_s=kv, d2d_bytes_per_s=d2d, prefetch=pf)
+            DecodeSim(name, lat, planner, kv_bytes_per_s=kv, costs=costs, prefetch=pf)
             for name in cluster.decode_instances
             if name not in cluster.prefill_instances
         ]
         if sc.hybrid_prefill:
             decodes += [
-                HybridSim(p, lat, planner, kv_bytes_per_s=kv, d2d_bytes_per_s=d2d, prefetch=pf)
+                HybridSim(p, lat, planner, kv_bytes_per_s=kv, costs=costs, prefetch=pf)
                 for p in prefills
             ]
+            if sc.hybrid_placement in ("decode-share", "busy-share"):
+                feed = DecodeShareFeed(policy, prefills,
+                                       with_switches=sc.hybrid_placement == "busy-share")
+                feed.start(sim.schedule, sc.duration_s + sc.drain_s)  # fmt: skip
+            elif sc.hybrid_placement != "shortest":
+                raise ValueError(f"unknown hybrid placement {sc.hybrid_placement!r}")
         for d in decodes:
             sim.add_decode(d)
 

@@ -6,7 +6,10 @@ requests take one decode step together (continuous batching).
 
 - :class:`RequestLevelSim` serves one model at a time; the policy switches it
   (Eq. 4, no prefetch: the next model is unknown until the instance is idle)
-  only when it is idle.
+  only when it is idle. A replayed live node (node.py) prices its switches as
+  measured, prefills one request at a time as the live unified instance does
+  (``prefill_one_by_one``) and adds the live loop's wall time per step
+  (``step_overhead_s``).
 - :class:`MuxSim` holds its (at most two) placed models resident: no switch
   ever; when both have running requests one step of each alternates, so each
   model's tokens come every ``t_a + t_b``. Requests are admitted while their
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 
 from aegaeon_sched import LatencyModel
 
@@ -30,6 +34,10 @@ class _UnifiedEngine:
     def __init__(self, name: str, latency: LatencyModel) -> None:
         self.name = name
         self.latency = latency
+        self.prefill_one_by_one = False
+        self.step_overhead_s = 0.0
+        self.num_steps = 0
+        self.engine_s = 0.0
         self.waiting: dict[str, deque[SimRequest]] = {}
         self.running: dict[str, list[SimRequest]] = {}
         self.finished: list[SimRequest] = []
@@ -97,7 +105,7 @@ class _UnifiedEngine:
         tokens = 0
         while queue and queue[0].ready_s <= self.clock:
             prompt = queue[0].prompt_len
-            if batch and tokens + prompt > MAX_PREFILL_TOKENS:
+            if batch and (self.prefill_one_by_one or tokens + prompt > MAX_PREFILL_TOKENS):
                 break
             batch.append(queue.popleft())
             tokens += prompt
@@ -127,7 +135,8 @@ class _UnifiedEngine:
                 if remaining < min_remaining:  # noqa: PLR1730 (hot loop: no call)
                     min_remaining = remaining
             active.append((model, sims))
-            steps.append(self.latency.decode_step_s(model, len(sims), context))
+            step = self.latency.decode_step_s(model, len(sims), context)
+            steps.append(step + self.step_overhead_s)
         period = sum(steps)
         n = min(min_remaining, steps_until(clock, period, next_ready))
         fits = steps_within(clock, period, horizon_s)
@@ -144,6 +153,8 @@ class _UnifiedEngine:
                 sim.chunks.append((clock + offset, period, n))
                 sim.generated += n
         self.clock = clock + n * period
+        self.num_steps += n * len(active)
+        self.engine_s += n * (period - len(active) * self.step_overhead_s)
         if cut:
             return None
         if n < min_remaining:
@@ -158,17 +169,25 @@ class RequestLevelSim(_UnifiedEngine):
     """A unified instance of the request-level auto-scaling baselines.
 
     ``switch_bytes_per_s`` replaces Eq. 4 by ``weight_bytes / switch_bytes_per_s``
-    (e.g. 16 GB/s, what the paper's artifact simulator charged ServerlessLLM).
+    (e.g. 16 GB/s, what the paper's artifact simulator charged ServerlessLLM);
+    ``switch_cost(model)``, if given, prices every switch instead.
     """
 
     def __init__(
-        self, name: str, latency: LatencyModel, switch_bytes_per_s: float | None = None
+        self,
+        name: str,
+        latency: LatencyModel,
+        switch_bytes_per_s: float | None = None,
+        switch_cost: Callable[[str], float] | None = None,
     ) -> None:
         super().__init__(name, latency)
         self.model: str | None = None
         self.switch_bytes_per_s = switch_bytes_per_s
+        self.switch_cost = switch_cost
 
     def switch_s(self, model: str) -> float:
+        if self.switch_cost is not None:
+            return self.switch_cost(model)
         if self.switch_bytes_per_s is None:
             return self.latency.switch_s(model)
         return self.latency.spec(model).weight_bytes / self.switch_bytes_per_s

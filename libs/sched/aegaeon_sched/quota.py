@@ -213,13 +213,15 @@ class RoundRobinPlanner:
         *,
         turned_ids: Collection[int] | None = None,
         served_ids: Collection[int] = (),
+        switch_s: Callable[[str], float] | None = None,
     ) -> RoundPlan:
         """Alg. 2, lines 5-7, on a decode instance's work list.
 
         Regroups the list by model (in place), estimates each batch's step
         time with Eq. 6 from its requests' current context lengths
         (``context_tokens(request_id)``: prompt plus tokens generated so far)
-        and plans the quotas with Eq. 4 switch estimates. ``turned_ids``: the
+        and plans the quotas with Eq. 4 switch estimates (or ``switch_s(model)``,
+        e.g. a live instance's measured switch overheads). ``turned_ids``: the
         batches that have had a turn (the others are fresh; ``None``: none is
         fresh); ``served_ids``: those served in the round being re-planned.
         """
@@ -230,4 +232,5 @@ class RoundRobinPlanner:
             fresh = turned_ids is not None and batch.batch_id not in turned_ids
             served = batch.batch_id in served_ids
             loads.append(BatchLoad(batch.batch_id, batch.model, step, fresh, served))
-        return self.plan(loads, {b.model: latency.switch_s(b.model) for b in loads})
+        estimate = switch_s or latency.switch_s
+        return self.plan(loads, {b.model: estimate(b.model) for b in loads})

@@ -1,0 +1,84 @@
+"""Hybrid instances' decode shares, fed to Algorithm 2's placement as the live proxy does.
+
+The live proxy (services/proxy ``cluster.instances.DecodeShares``) receives
+each instance's heartbeat every 0.5 s; for a hybrid (a prefill instance that
+decodes when idle) it computes the busy fraction ``d prefill_s / d t`` of
+prefill *compute* seconds since the previous heartbeat, smooths it with a
+moving average (``busy += 0.1 (new - busy)``, first value as is) and calls
+``DecodeDispatcher.set_decode_share(instance, 1 - busy)``: a new decode batch
+goes to the work list with the fewest batches per unit of decode share.
+
+The same rule here, on the simulated clock: a heartbeat event every
+``interval_s`` reads each hybrid :class:`PrefillSim`'s ``compute_s``
+(finished prefills, as the live counter). The first heartbeat only records
+(share 1, as live). ``with_switches=True`` (not what the proxy does) counts
+the prefills' model switches as busy time too: at H800 scale a prefill takes
+~30 ms and the switch before it ~0.35 s, so compute alone says a hybrid that
+is mostly switching is nearly idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from aegaeon_sched import DecodeDispatcher, Policy
+
+from aegaeon_bench.sim.prefill_sim import PrefillSim
+
+HEARTBEAT_S = 0.5  # services' InstanceStats period
+SMOOTHING = 0.1  # the proxy's DecodeShares.smoothing
+
+
+class DecodeShareFeed:
+    """Heartbeats that set each hybrid's decode share on the policy's dispatcher."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        hybrids: Sequence[PrefillSim],
+        *,
+        interval_s: float = HEARTBEAT_S,
+        smoothing: float = SMOOTHING,
+        with_switches: bool = False,
+    ) -> None:
+        dispatcher = getattr(policy, "decode", None)
+        if not isinstance(dispatcher, DecodeDispatcher):
+            raise TypeError(f"policy {type(policy).__name__} has no decode dispatcher")
+        self.dispatcher = dispatcher
+        self.hybrids = list(hybrids)
+        self.interval_s = interval_s
+        self.smoothing = smoothing
+        self.with_switches = with_switches
+        self._last: dict[str, tuple[float, float]] = {}
+        self._busy: dict[str, float] = {}
+        self.shares: dict[str, list[tuple[float, float]]] = {h.name: [] for h in self.hybrids}
+
+    def observe(self, name: str, prefill_s: float, now_s: float) -> float:
+        """The proxy's rule for one heartbeat; returns the decode share."""
+        last = self._last.get(name)
+        self._last[name] = (now_s, prefill_s)
+        if last is not None and now_s > last[0] and prefill_s >= last[1]:
+            busy = min(1.0, (prefill_s - last[1]) / (now_s - last[0]))
+            old = self._busy.get(name, busy)
+            self._busy[name] = old + self.smoothing * (busy - old)
+        return 1.0 - self._busy.get(name, 0.0)
+
+    def start(
+        self, schedule: Callable[[float, Callable[[float], None]], None], end_s: float
+    ) -> None:
+        """Schedule heartbeats every ``interval_s`` from 0 until ``end_s``."""
+
+        def beat(now_s: float) -> None:
+            for hybrid in self.hybrids:
+                busy = hybrid.compute_s + (hybrid.switch_s if self.with_switches else 0.0)
+                share = self.observe(hybrid.name, busy, now_s)
+                self.dispatcher.set_decode_share(hybrid.name, share)
+                self.shares[hybrid.name].append((now_s, share))
+            if now_s + self.interval_s <= end_s:
+                schedule(now_s + self.interval_s, beat)
+
+        schedule(0.0, beat)
+
+    def mean_share(self, name: str) -> float:
+        points = self.shares.get(name) or []
+        return sum(s for _, s in points) / len(points) if points else 1.0
