@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 
 @dataclass(frozen=True)
 class LiveCase:
@@ -53,21 +51,11 @@ class LiveCase:
                 f"-x{self.scale:g}-s{self.seed}")  # fmt: skip
 
 
-def serve_config(market: Path, case: LiveCase) -> dict[str, object]:
-    """`aegaeon serve`'s embedded default for ``market`` with the case's SLO."""
-    from aegaeon_cli.serve import default_config_dict
-
-    raw = default_config_dict(market, 0)
-    raw["slo"] = {"ttft_s": case.ttft_s, "tbt_s": case.tbt_s}
-    return raw
-
-
 def write_serve_config(market: Path, case: LiveCase, out: Path) -> Path:
-    """``out/serve-config.yaml``: :func:`serve_config` for `aegaeon serve --config`."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "serve-config.yaml"
-    path.write_text(yaml.safe_dump(serve_config(market, case), sort_keys=False))
-    return path
+    """``out/serve-config.yaml``: `aegaeon serve`'s default for ``market`` with the case's SLO."""
+    from aegaeon_bench.sweep_node import slo_config
+
+    return slo_config(market, None, case.ttft_s, case.tbt_s, out)
 
 
 def run_bench(

@@ -84,8 +84,10 @@ def max_models_at(points: list[tuple[int, float]], target: float = TARGET) -> in
 
 
 def run(args: argparse.Namespace) -> int:
+    import yaml
+
     from aegaeon_bench.report_timeline import plot_sweep
-    from aegaeon_bench.sweep_node import NodeError, start_node
+    from aegaeon_bench.sweep_node import NodeError, slo_config, start_node
     from aegaeon_bench.sweep_schema import SweepPoint, dump_sweep, load_sweep
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -97,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         args.market = Path("runs") / f"sweep-market-small{max(counts)}"
         ensure_market(args.market, num_models=max(counts), profile="small")
     args.market = args.market.resolve()
+    try:
+        config = slo_config(args.market, args.config, args.ttft, args.tbt, args.out)
+    except (OSError, yaml.YAMLError, NodeError) as exc:
+        print(f"aegaeon bench sweep: --config: {exc}", file=sys.stderr)
+        return 2
     points: list[SweepPoint] = []
     best: dict[str, int] = {}
     for policy in policies:
@@ -106,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             point_dir = args.out / f"{policy}-{models}"
             started = time.monotonic()
             try:
-                node = start_node(args.market, policy, point_dir, args.config)
+                node = start_node(args.market, policy, point_dir, config)
             except NodeError as exc:
                 print(f"aegaeon bench sweep: {exc}", file=sys.stderr)
                 return 1

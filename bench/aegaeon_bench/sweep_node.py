@@ -13,6 +13,28 @@ from pathlib import Path
 READY_LINE = "Aegaeon is serving"
 
 
+def slo_config(market: Path, config: Path | None, ttft_s: float, tbt_s: float, out: Path) -> Path:
+    """``out/serve-config.yaml``: ``config`` (default: `aegaeon serve`'s embedded one for
+    ``market``) with its ``slo`` set to the SLO the run is scored with, so the
+    planner (Eq. 2's TBT, the decode round bound) plans for the same targets."""
+    import yaml
+
+    if config is None:
+        from aegaeon_cli.serve import default_config_dict
+
+        raw = default_config_dict(market, 0)
+    else:
+        loaded = yaml.safe_load(config.read_text())
+        if not isinstance(loaded, dict):
+            raise NodeError(f"{config}: expected a mapping at the top level")
+        raw = loaded
+    raw["slo"] = {**(raw.get("slo") or {}), "ttft_s": ttft_s, "tbt_s": tbt_s}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "serve-config.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 class NodeError(RuntimeError):
     """The node did not come up (its log tail is in the message)."""
 
