@@ -32,6 +32,29 @@ def test_continuous_batching_equals_one_at_a_time(model_dir: Path) -> None:
     assert len(small.free_blocks) == small.num_blocks
 
 
+def test_step_wise_api(model_dir: Path) -> None:
+    """request/start/step/release, as a server drives them, equal generate."""
+    prompts = prompts_of((9, 14), seed=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32")
+    expect = llm.generate(prompts, params)
+    block_bytes = llm.kv_shape.block_bytes
+    small = LLM(model_dir, dtype="float32", kv_cache_bytes=2 * block_bytes)
+    first, second = (small.request(p, params) for p in prompts)
+    assert small.start(first) and len(first.output) == 1
+    assert not small.start(second) and second.block_ids == [] and second.output == []
+    while first.finish_reason is None:
+        small.step([first])
+    assert first.output == expect[0] and first.finish_reason == "length"
+    assert len(small.free_blocks) == small.num_blocks  # a finished request has freed its own
+    assert small.start(second)
+    small.step([second])
+    small.release(second)  # abandoned mid-way
+    assert second.output == expect[1][:2] and len(small.free_blocks) == small.num_blocks
+    with pytest.raises(ValueError, match="empty prompt"):
+        small.request([], params)
+
+
 def test_window_limits(model_dir: Path) -> None:
     llm = LLM(model_dir, dtype="float32")
     with pytest.raises(ValueError, match="does not fit the window"):

@@ -6,6 +6,11 @@ last (each request reserves the blocks of its whole budget up front, so a
 running request never waits for memory), prefills them one at a time, and
 decodes every running sequence together; finished sequences free their blocks
 and waiting ones join at the next step.
+
+A server drives the same rules one step at a time: :meth:`LLM.request`
+validates a prompt, :meth:`LLM.start` reserves its blocks and prefills it,
+:meth:`LLM.step` decodes running requests together, :meth:`LLM.release`
+frees an unfinished one.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ _PAGE = 4096
 
 
 @dataclass
-class _Request:
+class LLMRequest:
+    """One prompt's state in :class:`LLM`: its output so far, its blocks, why it ended."""
+
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
@@ -76,32 +83,50 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._request(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
-        waiting, running = deque(requests), list[_Request]()
+        requests = [self.request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        waiting, running = deque(requests), list[LLMRequest]()
         try:
             while waiting or running:
-                while waiting and len(running) < self.max_num_seqs and self._admit(waiting[0]):
+                while waiting and len(running) < self.max_num_seqs and self.start(waiting[0]):
                     req = waiting.popleft()
-                    logits = self.engine.prefill(req.prompt, req.block_ids)
-                    self._append(req, self.sampler.sample(logits[None], [req.params],
-                                                          [req.generator])[0])
                     if req.finish_reason is None:
                         running.append(req)
                 if waiting and not running:
-                    raise RuntimeError(f"a request needs {self._blocks_needed(waiting[0])} KV "
+                    raise RuntimeError(f"a request needs {self.blocks_needed(waiting[0])} KV "
                                        f"blocks, the cache has {self.num_blocks}; raise "
                                        f"kv_cache_bytes")
                 if running:
-                    self._step(running)
+                    self.step(running)
                     running = [r for r in running if r.finish_reason is None]
         finally:
             for req in requests:  # an error must not leak the blocks of unfinished requests
-                self.free_blocks.extend(reversed(req.block_ids))
-                req.block_ids = []
+                self.release(req)
         self.finish_reasons = [r.finish_reason or "length" for r in requests]
         return [r.output for r in requests]
 
-    def _step(self, running: list[_Request]) -> None:
+    def start(self, req: LLMRequest) -> bool:
+        """Reserve ``req``'s blocks and prefill it (its first token is in ``req.output``);
+        False, with nothing changed, when the free blocks do not hold its budget now."""
+        need = self.blocks_needed(req)
+        if need > len(self.free_blocks):
+            return False
+        req.block_ids = [self.free_blocks.pop() for _ in range(need)]
+        try:
+            logits = self.engine.prefill(req.prompt, req.block_ids)
+            token = self.sampler.sample(logits[None], [req.params], [req.generator])[0]
+        except BaseException:
+            self.release(req)
+            raise
+        self._append(req, token)
+        return True
+
+    def release(self, req: LLMRequest) -> None:
+        """Free the blocks of a request that has not finished (a finished one has none)."""
+        self.free_blocks.extend(reversed(req.block_ids))
+        req.block_ids = []
+
+    def step(self, running: list[LLMRequest]) -> None:
+        """One decode step of every request in ``running`` (all started, none finished)."""
         logits = self.engine.decode([DecodeSeq(r.output[-1], r.position, r.block_ids)
                                      for r in running])
         tokens = self.sampler.sample(logits, [r.params for r in running],
@@ -109,7 +134,9 @@ class LLM:
         for req, token in zip(running, tokens, strict=True):
             self._append(req, token)
 
-    def _request(self, prompt: list[int], params: SamplingParams) -> _Request:
+    def request(self, prompt: Sequence[int], params: SamplingParams) -> LLMRequest:
+        """A validated request for :meth:`start`; ValueError for a prompt the model cannot take."""
+        prompt = list(prompt)
         window, vocab = self.spec.max_model_len, self.spec.vocab_size
         if not prompt:
             raise ValueError("empty prompt")
@@ -121,22 +148,16 @@ class LLM:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.spec.eos_token_ids)
-        return _Request(prompt, params, params.make_generator(self.engine.device),
+        return LLMRequest(prompt, params, params.make_generator(self.engine.device),
                         frozenset(stops))
 
-    def _blocks_needed(self, req: _Request) -> int:
+    def blocks_needed(self, req: LLMRequest) -> int:
+        """KV blocks ``req`` reserves for its whole budget."""
         # positions that enter the KV cache: the prompt and every generated token but the last
         positions = min(len(req.prompt) + req.params.max_tokens - 1, self.spec.max_model_len)
         return self.kv_shape.blocks_for(positions)
 
-    def _admit(self, req: _Request) -> bool:
-        need = self._blocks_needed(req)
-        if need > len(self.free_blocks):
-            return False
-        req.block_ids = [self.free_blocks.pop() for _ in range(need)]
-        return True
-
-    def _append(self, req: _Request, token: int) -> None:
+    def _append(self, req: LLMRequest, token: int) -> None:
         req.output.append(token)
         if token in req.stop_ids:
             req.finish_reason = "stop"
@@ -144,5 +165,4 @@ class LLM:
               or req.position + 1 >= self.spec.max_model_len):
             req.finish_reason = "length"
         if req.finish_reason is not None:
-            self.free_blocks.extend(reversed(req.block_ids))
-            req.block_ids = []
+            self.release(req)

@@ -2,17 +2,17 @@
 
 ``LLM.generate`` runs a whole batch to completion; a server needs the same
 continuous batching one step at a time, with requests joining and leaving
-between steps, so that tokens stream as they are made. This adapter drives
-LLM's own admission, prefill, decode and finish rules (its ``_request``,
-``_admit``, ``_step`` and ``_append``) so that the engine keeps one definition
-of them; it is the only place that reaches into LLM and goes away once LLM
-offers ``add``/``step``/``abort`` itself. Runs on the worker thread only.
+between steps, so that tokens stream as they are made. This adapter keys
+LLM's step-wise API (``request``, ``start``, ``step``, ``release``: the
+engine's one definition of admission, prefill, decode and finish rules) by
+request id and translates sampling parameters and finish reasons. Runs on
+the worker thread only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aegaeon_common.config import ModelConfig
 
@@ -20,6 +20,8 @@ from aegaeon_proxy.backend import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from aegaeon_engine import LLM
+    from aegaeon_engine import SamplingParams as EngineSampling
+    from aegaeon_engine.llm import LLMRequest
 
 __all__ = ["EngineStepper", "StepEvent"]
 
@@ -57,13 +59,13 @@ class EngineStepper:
             max_num_seqs=max_num_seqs,
             num_threads=num_threads,
         )
-        self._running: dict[str, Any] = {}  # request_id -> LLM's request record
+        self._running: dict[str, LLMRequest] = {}
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
-    def _engine_params(self, sampling: SamplingParams) -> Any:
+    def _engine_params(self, sampling: SamplingParams) -> EngineSampling:
         from aegaeon_engine import SamplingParams as EngineSampling
 
         return EngineSampling(
@@ -87,26 +89,19 @@ class EngineStepper:
         """Reserve blocks and prefill; None when the batch or the cache is full now."""
         if len(self._running) >= self.llm.max_num_seqs:
             return None
-        req = self.llm._request(list(prompt), self._engine_params(sampling))
-        if not self.llm._admit(req):
+        req = self.llm.request(prompt, self._engine_params(sampling))
+        if not self.llm.start(req):
             return None
-        try:
-            logits = self.llm.engine.prefill(req.prompt, req.block_ids)
-            token = self.llm.sampler.sample(logits[None], [req.params], [req.generator])[0]
-        except BaseException:
-            self._free(req)
-            raise
-        self.llm._append(req, token)
         if req.finish_reason is None:
             self._running[request_id] = req
-        return StepEvent(request_id, int(token), _FINISH[req.finish_reason])
+        return StepEvent(request_id, int(req.output[-1]), _FINISH[req.finish_reason])
 
     def step(self) -> list[StepEvent]:
         """One decode step of every running request."""
         if not self._running:
             return []
         ids, reqs = list(self._running), list(self._running.values())
-        self.llm._step(reqs)
+        self.llm.step(reqs)
         events = []
         for request_id, req in zip(ids, reqs, strict=True):
             events.append(StepEvent(request_id, int(req.output[-1]), _FINISH[req.finish_reason]))
@@ -119,7 +114,7 @@ class EngineStepper:
         req = self._running.pop(request_id, None)
         if req is None:
             return False
-        self._free(req)
+        self.llm.release(req)
         return True
 
     def abort_all(self) -> list[str]:
@@ -127,7 +122,3 @@ class EngineStepper:
         for request_id in ids:
             self.abort(request_id)
         return ids
-
-    def _free(self, req: Any) -> None:
-        self.llm.free_blocks.extend(reversed(req.block_ids))
-        req.block_ids = []
