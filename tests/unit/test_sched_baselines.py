@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from aegaeon_sched import (
     SLO,
-    Action,
     AegaeonPolicy,
     Cancel,
     ClusterSpec,
@@ -16,7 +15,6 @@ from aegaeon_sched import (
     PinnedRequestLevelPolicy,
     PlaceDecode,
     Reject,
-    Request,
     RequestLevelPolicy,
     RequestTrace,
     RunOnInstance,
@@ -24,19 +22,7 @@ from aegaeon_sched import (
     attainment,
     make_policy,
 )
-
-
-def _runs(actions: list[Action]) -> list[tuple[str, str, str]]:
-    """(instance, request id, model) of RunOnInstance actions; nothing else allowed."""
-    out = []
-    for act in actions:
-        assert isinstance(act, RunOnInstance)
-        out.append((act.instance, act.request.request_id, act.model))
-    return out
-
-
-def _req(i: int, model: str, at: float, out: int = 100) -> Request:
-    return Request(f"r{i}", model, at, 50, out, oracle_output_len=out)
+from sched_support import req, run_actions
 
 
 def _latency() -> LatencyModel:
@@ -57,7 +43,7 @@ def test_hol_blocking_request_level_vs_token_level() -> None:
     shares the decode instance by turns.
     """
     slo = SLO(10.0, 0.1)
-    long_x, short_y = _req(0, "x", 0.0, out=1000), _req(1, "y", 0.1, out=5)
+    long_x, short_y = req(0, "x", 0.0, out=1000), req(1, "y", 0.1, out=5)
     step, switch, prefill = 0.01, 0.5, 0.005
 
     fcfs = RequestLevelPolicy(["gpu0"])
@@ -88,47 +74,47 @@ def test_hol_blocking_request_level_vs_token_level() -> None:
 
 def test_idle_instance_takes_the_queue_head_and_its_model_mates() -> None:
     p = RequestLevelPolicy(["g0", "g1"])
-    p.on_arrival(_req(0, "x", 0.0), 0.0)  # g0 <- x
-    p.on_arrival(_req(1, "y", 0.1), 0.1)  # g1 <- y
-    assert p.on_arrival(_req(2, "x", 0.2), 0.2) == [RunOnInstance("g0", _req(2, "x", 0.2), "x")]
+    p.on_arrival(req(0, "x", 0.0), 0.0)  # g0 <- x
+    p.on_arrival(req(1, "y", 0.1), 0.1)  # g1 <- y
+    assert p.on_arrival(req(2, "x", 0.2), 0.2) == [RunOnInstance("g0", req(2, "x", 0.2), "x")]
     for i, (m, t) in enumerate([("z", 0.3), ("y", 0.4), ("z", 0.5)], start=3):
         # y is loaded on g1 with room: joins at once; z is loaded nowhere: queued
-        acts = p.on_arrival(_req(i, m, t), t)
-        assert acts == ([RunOnInstance("g1", _req(i, m, t), "y")] if m == "y" else [])
+        acts = p.on_arrival(req(i, m, t), t)
+        assert acts == ([RunOnInstance("g1", req(i, m, t), "y")] if m == "y" else [])
     assert [r.request_id for r in p.queue] == ["r3", "r5"]
     assert p.on_request_finished("r0", 5.0) == []  # g0 still runs r2
     acts = p.on_request_finished("r2", 6.0)  # g0 idle: scales to z, takes both
-    assert _runs(acts) == [("g0", "r3", "z"), ("g0", "r5", "z")]
+    assert run_actions(acts) == [("g0", "r3", "z"), ("g0", "r5", "z")]
     assert p.queue == []
 
 
 def test_sjf_orders_the_queue_by_oracle_output_length() -> None:
     for sjf, first in ((False, "r1"), (True, "r2")):
         p = RequestLevelPolicy(["g0"], sjf=sjf)
-        p.on_arrival(_req(0, "x", 0.0, out=500), 0.0)
-        p.on_arrival(_req(1, "y", 0.1, out=400), 0.1)
-        p.on_arrival(_req(2, "z", 0.2, out=10), 0.2)
-        assert [rid for _, rid, _ in _runs(p.on_request_finished("r0", 9.0))] == [first]
+        p.on_arrival(req(0, "x", 0.0, out=500), 0.0)
+        p.on_arrival(req(1, "y", 0.1, out=400), 0.1)
+        p.on_arrival(req(2, "z", 0.2, out=10), 0.2)
+        assert [rid for _, rid, _ in run_actions(p.on_request_finished("r0", 9.0))] == [first]
 
 
 def test_batch_limits_keep_requests_queued() -> None:
     p = RequestLevelPolicy(["g0"], max_batch_size=2, capacity_tokens={"x": 10_000})
-    assert len(p.on_arrival(_req(0, "x", 0.0), 0.0)) == 1
-    assert len(p.on_arrival(_req(1, "x", 0.1), 0.1)) == 1
-    assert p.on_arrival(_req(2, "x", 0.2), 0.2) == []  # batch full
+    assert len(p.on_arrival(req(0, "x", 0.0), 0.0)) == 1
+    assert len(p.on_arrival(req(1, "x", 0.1), 0.1)) == 1
+    assert p.on_arrival(req(2, "x", 0.2), 0.2) == []  # batch full
     # room again: the queued x joins
-    assert _runs(p.on_request_finished("r0", 1.0)) == [("g0", "r2", "x")]
+    assert run_actions(p.on_request_finished("r0", 1.0)) == [("g0", "r2", "x")]
 
 
 def test_cancel_frees_room_and_leaves_queue() -> None:
     p = RequestLevelPolicy(["g0"])
-    p.on_arrival(_req(0, "x", 0.0), 0.0)
-    p.on_arrival(_req(1, "y", 0.1), 0.1)
-    p.on_arrival(_req(2, "z", 0.2), 0.2)
+    p.on_arrival(req(0, "x", 0.0), 0.0)
+    p.on_arrival(req(1, "y", 0.1), 0.1)
+    p.on_arrival(req(2, "z", 0.2), 0.2)
     assert p.on_request_cancelled("r1", 0.3) == []  # was only queued
     acts = p.on_request_cancelled("r0", 0.4)
     assert acts[0] == Cancel("g0", "r0")
-    assert _runs(acts[1:]) == [("g0", "r2", "z")]
+    assert run_actions(acts[1:]) == [("g0", "r2", "z")]
 
 
 def test_static_mux_places_at_most_two_models_per_gpu() -> None:
@@ -143,9 +129,9 @@ def test_static_mux_places_at_most_two_models_per_gpu() -> None:
     assert per_gpu[p.placement["hot"]] == ["hot", "m4"]
     unplaced = [m for m in loads if m not in p.placement]
     assert len(unplaced) == 2
-    assert isinstance(p.on_arrival(_req(0, unplaced[0], 0.0), 0.0)[0], Reject)
-    act = p.on_arrival(_req(1, "hot", 0.0), 0.0)[0]
-    assert act == RunOnInstance(p.placement["hot"], _req(1, "hot", 0.0), "hot")
+    assert isinstance(p.on_arrival(req(0, unplaced[0], 0.0), 0.0)[0], Reject)
+    act = p.on_arrival(req(1, "hot", 0.0), 0.0)[0]
+    assert act == RunOnInstance(p.placement["hot"], req(1, "hot", 0.0), "hot")
 
 
 def test_static_mux_respects_the_weight_budget() -> None:
