@@ -153,8 +153,12 @@ class LLM:
 
     def blocks_needed(self, req: LLMRequest) -> int:
         """KV blocks ``req`` reserves for its whole budget."""
+        return self.blocks_for_budget(len(req.prompt), req.params.max_tokens)
+
+    def blocks_for_budget(self, prompt_len: int, max_tokens: int) -> int:
+        """KV blocks of a prompt of ``prompt_len`` tokens generating up to ``max_tokens``."""
         # positions that enter the KV cache: the prompt and every generated token but the last
-        positions = min(len(req.prompt) + req.params.max_tokens - 1, self.spec.max_model_len)
+        positions = min(prompt_len + max_tokens - 1, self.spec.max_model_len)
         return self.kv_shape.blocks_for(positions)
 
     def _append(self, req: LLMRequest, token: int) -> None:

@@ -80,8 +80,7 @@ class EngineStepper:
 
     def fits_ever(self, prompt_len: int, sampling: SamplingParams) -> bool:
         """Whether the request's KV budget fits the empty cache at all."""
-        positions = min(prompt_len + sampling.max_tokens - 1, self.llm.spec.max_model_len)
-        return self.llm.kv_shape.blocks_for(positions) <= self.llm.num_blocks
+        return self.llm.blocks_for_budget(prompt_len, sampling.max_tokens) <= self.llm.num_blocks
 
     def try_admit(
         self, request_id: str, prompt: tuple[int, ...], sampling: SamplingParams
