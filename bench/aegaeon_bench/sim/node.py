@@ -94,15 +94,23 @@ class NodeSpec:
 
     def truth(self, instance: str) -> LatencyModel:
         """What ``instance``'s work takes: its profile with Eq. 5 as refitted to the
-        run and Eq. 6 scaled by the measured ``decode_scale``."""
+        run (times ``prefill_scale``) and Eq. 6 scaled by the measured ``decode_scale``
+        (and ``model_scale``)."""
         lat = self.profile(instance)
         for model, coef in self.costs.prefill_coef.items():
             lat.set_prefill_coefficients(model, coef)
-        scale = self.costs.decode_scale
-        if scale != 1.0:
-            for model in {*lat.specs, SHARED}:
-                coef = lat.decode_coefficients(model)
-                lat.set_decode_coefficients(model, [c * scale for c in coef])
+        if self.costs.prefill_scale != 1.0:
+            base = {m: lat.prefill_coefficients(m) for m in sorted({*lat.specs, SHARED})}
+            for model, coef in base.items():
+                lat.set_prefill_coefficients(model, [c * self.costs.prefill_scale for c in coef])
+        scale, per_model = self.costs.decode_scale, self.costs.model_scale
+        if scale != 1.0 or per_model:
+            # Read every model's coefficients before scaling any: a model without
+            # its own fit reads the shared one, which must not be scaled yet.
+            base = {m: lat.decode_coefficients(m) for m in sorted({*lat.specs, SHARED})}
+            for model, coef in base.items():
+                factor = scale * per_model.get(model, 1.0)
+                lat.set_decode_coefficients(model, [c * factor for c in coef])
         return lat
 
     def switching(self, lat: LatencyModel) -> Switching:

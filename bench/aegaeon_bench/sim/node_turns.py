@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aegaeon_sched import LatencyModel
 
 MIN_TURNS = 20
 COLD_SHARE = 0.05
+MIN_MODEL_WARM_S = 0.5  # a model's recorded Eq. 6 seconds before it gets its own scale
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class DecodeCosts:
     decode_scale: float
     switch_turns: int  # live turns that began with a switch and decoded
     turn_steps: int
+    # Per model, its engine seconds over its Eq. 6 share, relative to the node's.
+    model_scale: Mapping[str, float] = field(default_factory=dict)
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -96,6 +99,7 @@ def decode_costs(
     for s in stats.get("switches") or []:
         switch_at.setdefault(str(s.get("instance")), []).append(float(s["at_s"]))
     rows: list[tuple[int, float, float, bool]] = []  # steps, warm engine, wall, switched
+    per_model: dict[str, list[float]] = {}  # model -> [warm, engine] over its recorded turns
     plain: list[float] = []
     for t in turns:
         start, span, steps = float(t["start_s"]), float(t["switch_s"]), int(t["steps"])
@@ -104,11 +108,15 @@ def decode_costs(
             plain.append(span)
         if steps <= 0:
             continue
-        batch = max(1, round(int(t["tokens"]) / steps))
-        context = round(batch * statistics.fmean(ctx.get(t["model"], [1000.0])))
+        batch = max(1.0, int(t["tokens"]) / steps)
+        context = batch * statistics.fmean(ctx.get(t["model"], [1000.0]))
         warm = steps * profiles[t["instance"]].decode_step_s(t["model"], batch, context)
         wall = float(t["end_s"]) - start - span - float(t["kv_wait_s"])
         rows.append((steps, warm, wall, switched))
+        if "engine_s" in t:
+            acc = per_model.setdefault(str(t["model"]), [0.0, 0.0])
+            acc[0] += warm
+            acc[1] += float(t["engine_s"])
     counters = [(v or {}).get("counters") or {} for v in (stats.get("instances") or {}).values()]
     steps_total = sum(r[0] for r in rows)
     counted = sum(float(c.get("steps", 0.0)) for c in counters)
@@ -123,7 +131,7 @@ def decode_costs(
         rest = sum(r[2] for r in rows) - engine - prefill
         scale = engine / warm_total if warm_total > 0 else 1.0
         return DecodeCosts(max(0.0, rest / steps_total), pre, 0.0, scale, switch_turns,
-                           steps_total)  # fmt: skip
+                           steps_total, _model_scale(per_model))  # fmt: skip
     cold_regime = switch_turns >= COLD_SHARE * steps_total
     fit = [(float(n), wall - warm) for n, warm, wall, sw in rows if sw or not cold_regime]
     per_step, per_turn = _line(fit) if len(fit) >= MIN_TURNS else (0.0, 0.0)
@@ -138,4 +146,17 @@ def decode_costs(
         step_overhead_s=max(0.0, per_step - (scale - 1.0) * mean_warm),
         turn_overhead_s=pre + max(0.0, loop_per_turn), cold_step_s=cold,
         decode_scale=scale, switch_turns=switch_turns, turn_steps=steps_total,
+        model_scale=_model_scale(per_model),
     )  # fmt: skip
+
+
+def _model_scale(per_model: Mapping[str, list[float]]) -> dict[str, float]:
+    """Each model's engine/Eq. 6 ratio over the node's (1 on average): the start-up
+    profile fits some models on their own and the rest on shared coefficients,
+    which can be several percent apart for models of one shape."""
+    warm = sum(w for w, _ in per_model.values())
+    engine = sum(e for _, e in per_model.values())
+    if warm <= 0 or engine <= 0:
+        return {}
+    node = engine / warm
+    return {m: (e / w) / node for m, (w, e) in per_model.items() if w >= MIN_MODEL_WARM_S}

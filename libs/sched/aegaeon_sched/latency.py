@@ -224,8 +224,9 @@ class LatencyModel:
         lin = self._prefill_lin.get(model) or self._build_prefill_lin(model)
         return max(0.0, lin[0] * prompt_len + lin[1] * prompt_len * prompt_len + lin[2])
 
-    def decode_step_s(self, model: str, batch_size: int, context_tokens: int) -> float:
-        """Eq. 6 for one step of a batch holding ``context_tokens`` tokens."""
+    def decode_step_s(self, model: str, batch_size: float, context_tokens: float) -> float:
+        """Eq. 6 for one step of a batch holding ``context_tokens`` tokens (linear in
+        both, so a mean batch over many steps gives their mean step)."""
         lin = self._decode_lin.get(model) or self._build_decode_lin(model)
         return max(0.0, lin[0] + lin[1] * context_tokens + lin[2] * batch_size)
 

@@ -160,6 +160,7 @@ class TurnRunner:
                     end_s=time.time(), quota_s=quota_s, switch_s=switch_s, kv_wait_s=kv_wait_s,
                     steps=self.counters.steps - steps_before,
                     tokens=self.counters.tokens - tokens_before,
+                    engine_s=self.counters.decode_s - decode_before,
                 )
             )  # fmt: skip
 

@@ -93,6 +93,7 @@ class TurnRecord(Struct):
     kv_wait_s: float  # no request ready: waiting for KV swap-ins
     steps: int
     tokens: int
+    engine_s: float = 0.0  # in the engine's decode steps (forward and sampling)
 
 
 @dataclass(frozen=True)
