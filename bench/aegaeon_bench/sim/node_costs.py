@@ -26,7 +26,7 @@ client's trace:
   token at the client minus the end of its prefill (ZeroMQ, proxy, SSE), medians.
 
 Where a run has too few records of a kind, the :data:`CPU_DEFAULTS` (measured
-on this project's 2-core CPU node, see docs/sim-vs-live.md) stand in.
+on this project's 2-core CPU node, the sweep runs of docs/results.md) stand in.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class NodeCosts:
         }  # fmt: skip
 
 
-# Medians over this node's calibration runs (docs/sim-vs-live.md); used only
+# Medians over this node's sweep runs (docs/results.md); used only
 # where a run has fewer than MIN_RECORDS records of a kind.
 CPU_DEFAULTS = NodeCosts(
     switch=SwitchCosts(LinearCopy(0.4e-3, 7.0e9), LinearCopy(0.4e-3, 4.0e9), 0.15e-3),

@@ -32,6 +32,12 @@ plus the median ``switch_s`` of turns that did not switch (what a turn
 spends before its first step besides switching). Unified instances prefill inside
 their turns, and only totals are known there: Eq. 6 is scaled to the
 engine seconds, and the loop time per step is the rest, less every prefill.
+
+Turn records that carry their engine seconds (``engine_s``) also give each
+model its own factor on top (``model_scale``, its engine over Eq. 6 relative
+to the node's): the start-up profile fits some models on their own and the
+rest on shared coefficients, which here were up to 30% apart for models of
+one shape, and small models spend more per step than Eq. 6's width term says.
 """
 
 from __future__ import annotations
