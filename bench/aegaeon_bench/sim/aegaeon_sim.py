@@ -25,8 +25,7 @@ Costs on the decode side (per turn, on the critical path):
 
 ``estimator``: the latency model the planner estimates step times with
 (default: ``latency``, what steps take). ``served_last``: a round re-planned
-mid-way puts the batches it already served last (the live decode loop plans
-every round afresh in work-list order).
+mid-way puts the batches it already served last (as the live decode loop does).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;
 :mod:`aegaeon_bench.sim.shares`), and a hybrid runs Algorithm 1's job queue
 with strict priority: a queued prefill ends the decode turn in progress and
 the instance decodes again only once its job queue is empty, planning a fresh
-round (with ``served_last``, the batches served in the interrupted round go
-last; the live loop starts over in work-list order). Prefill and decode share
+round (with ``served_last``, as the live loop does, the batches served in the
+interrupted round go last). Prefill and decode share
 one GPU: one loaded model, one prefetch in flight.
 
 Simplification: the prefill starts when it is enqueued, not at the end of the

@@ -8,8 +8,8 @@ same policy object over it:
 - Aegaeon: ``prefill-0..P-1`` and ``decode-0..D-1``; with ``hybrid_prefill``
   the prefill instances are hybrids listed after the decode instances as
   Algorithm 2 targets, fed decode shares every 0.5 s as the proxy does
-  (shares.py), re-planning in work-list order after a preemption as the
-  live loop does (``served_last=False``, also on decode instances).
+  (shares.py), a re-planned round serving the interrupted one's batches
+  last as the live loop does (``served_last``, also on decode instances).
 - Request-level policies: ``decode-0..P+D-1`` unified instances that prefill
   one request at a time before their decode steps (as the live decode loop's
   ``_prefill_new``) and switch only when idle.
@@ -181,7 +181,7 @@ def simulate_node(spec: NodeSpec, requests: Sequence[Request], end_s: float) -> 
                                        costs.cold_step_s, learned_switch_estimate=True)  # fmt: skip
             common: dict[str, Any] = {
                 "kv_bytes_per_s": kv_rate, "costs": inst_costs, "prefetch": spec.prefetch,
-                "estimator": spec.profile(name), "served_last": False,
+                "estimator": spec.profile(name),
             }  # fmt: skip
             if name.startswith("prefill-"):
                 prefill = sim.add_prefill(name, switching=switching, prefetch=spec.prefetch,

@@ -70,6 +70,11 @@ class DecodeLoop:
         self.prefill = PrefillSide(worker, outbox, self.counters) if hybrid else None
         if self.prefill is not None:
             self.turns.preempt = self.prefill.pending
+        # Batches whose turn began in the current round: when the round is cut
+        # short (a prefill first, a new batch), the next one serves them last,
+        # so that a batch late in the work list is not starved by a stream of
+        # interruptions that always restart from the list's head.
+        self._served: set[int] = set()
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
@@ -116,20 +121,26 @@ class DecodeLoop:
 
     def run_round(self, stop: threading.Event) -> None:
         batches = self.work.group_by_model()
-        loads = [BatchLoad(b.batch_id, b.model, self.turns.step_estimate(b)) for b in batches]
+        loads = [
+            BatchLoad(b.batch_id, b.model, self.turns.step_estimate(b),
+                      served=b.batch_id in self._served)
+            for b in batches
+        ]  # fmt: skip
         models = {b.model for b in batches}
         plan = self.planner.plan(loads, {m: self.turns.switch_estimate(m) for m in models})
+        self._served = set()
         self.counters.rounds += 1
         order = [t.batch_id for t in plan.turns]
         for i, turn in enumerate(plan.turns):
             if stop.is_set() or self._stop.is_set():
                 return
             if self.prefill is not None and self.prefill.pending():
-                return  # prefills first; the next round is planned afresh
+                return  # prefills first; the next round serves this one's batches last
             batch = self.work.batch(turn.batch_id)
             if batch is None:
                 continue  # every request of it finished or was cancelled
             following = order[i + 1 :] + order[: i + 1]
+            self._served.add(batch.batch_id)
             # A round without switches (one model) ends as soon as another
             # model's batch arrives: its quota was never meant to block others.
             watch = len(self.work) if plan.switch_s == 0 else None
