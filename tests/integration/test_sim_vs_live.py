@@ -11,11 +11,11 @@ the live attainment.
 Two cases at 0.6 RPS per model, ShareGPT lengths x 0.5, TTFT 1 s / TBT 10 ms
 (about 4 warm decode steps), 25 s of arrivals, both just below their knee:
 
-- aegaeon, 8 models (live 96-98%, simulated 99-100% over four runs; 10 models
-  ~92%, 12 ~59%). Decode rounds, learned switch estimates, the hybrid's
+- aegaeon, 8 models (live 98.9-99.6%, simulated 100% over two runs; 10 models
+  87-90%, 12 ~59%). Decode rounds, learned switch estimates, the hybrid's
   preemptions and the decode-share placement all act.
 - request-level, 8 models (live 95.0-98.7%, simulated within 2.1 points over
-  three runs; 9 models ~63-83%, 10 ~30%, 12 ~15%): switching only between
+  four runs; 9 models ~63-83%, 10 ~30%, 12 ~15%): switching only between
   requests, and the queueing behind other models' requests it starts to cause.
 
 Past the knee single live runs of the same workload differ from each other by
