@@ -17,7 +17,8 @@ client's trace:
 - prefill: Eq. 5 refitted to the measured prefill compute times (batch 1, so
   each request is one exact sample): the start-up profile samples prompts of
   16-256 tokens and extrapolates to ShareGPT's ~600 (it underestimates them
-  1.2-1.9x here); plus the prefill's wall time beyond compute and switch
+  1.2-1.9x here), scaled so that it spends the run's measured prefill
+  seconds (``prefill_scale``); plus the prefill's wall time beyond compute and switch
   (KV allocation and the swap-out order), median;
 - decode: the engine's step time (Eq. 6 plus a cold first step after a
   switch, or Eq. 6 scaled) and the decode loop's own time per step and per
