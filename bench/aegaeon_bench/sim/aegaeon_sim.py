@@ -24,8 +24,9 @@ Costs on the decode side (per turn, on the critical path):
   paper's H800s, measured for a replayed CPU node (node.py).
 
 ``estimator``: the latency model the planner estimates step times with
-(default: ``latency``, what steps take). ``served_last``: a round re-planned
-mid-way puts the batches it already served last (as the live decode loop does).
+(default: ``latency``, what steps take). A round re-planned mid-way serves
+the batches that have had a turn since the last complete round last, as the
+live decode loop does (:class:`~aegaeon_sched.ServedInRound`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from __future__ import annotations
 import math
 from enum import Enum
 
-from aegaeon_sched import DecodeWorkList, LatencyModel, RoundPlan, RoundRobinPlanner, Turn
+from aegaeon_sched import (
+    DecodeWorkList,
+    LatencyModel,
+    RoundPlan,
+    RoundRobinPlanner,
+    ServedInRound,
+    Turn,
+)
 
 from aegaeon_bench.sim.state import SimRequest, steps_until, steps_within
 from aegaeon_bench.sim.switching import InstanceCosts, SwitchEstimate, switch_cost
@@ -59,7 +67,6 @@ class DecodeSim:
         costs: InstanceCosts,
         prefetch: bool = True,
         estimator: LatencyModel | None = None,
-        served_last: bool = True,
     ) -> None:
         self.name = name
         self.latency = latency
@@ -70,7 +77,6 @@ class DecodeSim:
         self.switch_estimate = SwitchEstimate(self.estimator, costs.learned_switch_estimate)
         self.meter = TurnMeter(self.estimator, self.switch_estimate)
         self.prefetch_enabled = prefetch
-        self.served_last = served_last
         self.work = DecodeWorkList()
         self.sims: dict[str, SimRequest] = {}
         self.finished: list[SimRequest] = []
@@ -82,7 +88,7 @@ class DecodeSim:
         self.turns: list[Turn] = []
         self.turn_idx = 0
         self.turned: set[int] = set()  # batches that have had a turn (not fresh)
-        self.served: set[int] = set()  # ... in the current round
+        self.served = ServedInRound()
         self.batch_id = -1
         self.last_batch_id = -1
         self.busy_until = 0.0
@@ -113,14 +119,14 @@ class DecodeSim:
 
     # ---- turn bookkeeping ------------------------------------------------
     def _plan_round(self) -> None:
-        """Plan a round; a re-plan puts the batches served so far last."""
+        """Plan a round; after a cut one, the batches already served go last."""
         self.turned &= {b.batch_id for b in self.work}
         self.plan = self.planner.plan_work_list(
             self.work, self.estimator, lambda rid: self.sims[rid].context,
-            turned_ids=self.turned, served_ids=self.served if self.served_last else (),
+            turned_ids=self.turned,
+            served_ids=self.served.for_plan(b.batch_id for b in self.work),
             switch_s=self.switch_estimate,
         )  # fmt: skip
-        self.served = set()
         self.turns = list(self.plan.turns)
         self.turn_idx = -1
         self.num_rounds += 1
@@ -138,6 +144,7 @@ class DecodeSim:
             return
         self.turn_idx += 1
         if self.turn_idx >= len(self.turns):
+            self.served.round_ended()
             self.phase = Phase.ROUND_START
             return
         turn = self.turns[self.turn_idx]
@@ -156,7 +163,7 @@ class DecodeSim:
             cost += sum(s.context for s in present) * kv_bytes / self.kv_bytes_per_s
         self.batch_id = self.last_batch_id = turn.batch_id
         self.turned.add(turn.batch_id)
-        self.served.add(turn.batch_id)
+        self.served.turn_began(turn.batch_id)
         self.phase = Phase.SWITCH
         self.meter.start(turn.model, self.clock, turn.quota_s, switched)
         self.busy_until = self.clock + cost

@@ -8,8 +8,8 @@ proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;
 :mod:`aegaeon_bench.sim.shares`), and a hybrid runs Algorithm 1's job queue
 with strict priority: a queued prefill ends the decode turn in progress and
 the instance decodes again only once its job queue is empty, planning a fresh
-round (with ``served_last``, as the live loop does, the batches served in the
-interrupted round go last). Prefill and decode share
+round (as the live loop does, the batches already served since the last
+complete round go last: :class:`~aegaeon_sched.ServedInRound`). Prefill and decode share
 one GPU: one loaded model, one prefetch in flight.
 
 Simplification: the prefill starts when it is enqueued, not at the end of the
@@ -40,11 +40,10 @@ class HybridSim(DecodeSim):
         costs: InstanceCosts,
         prefetch: bool = True,
         estimator: LatencyModel | None = None,
-        served_last: bool = True,
     ) -> None:
         super().__init__(
             prefill.name, latency, planner, kv_bytes_per_s=kv_bytes_per_s, costs=costs,
-            prefetch=prefetch, estimator=estimator, served_last=served_last,
+            prefetch=prefetch, estimator=estimator,
         )  # fmt: skip
         self.prefill = prefill
         self.paused = False

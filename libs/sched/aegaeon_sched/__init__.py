@@ -42,6 +42,7 @@ from aegaeon_sched.quota import (
 from aegaeon_sched.request import InstanceId, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
+from aegaeon_sched.rounds import ServedInRound
 from aegaeon_sched.slo import (
     SLO,
     RequestTrace,
@@ -91,6 +92,7 @@ __all__ = [
     "RoundRobinPlanner",
     "RunOnInstance",
     "SLOReport",
+    "ServedInRound",
     "StaticMuxPolicy",
     "Turn",
     "artifact_qos",

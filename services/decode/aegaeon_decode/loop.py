@@ -31,6 +31,7 @@ from aegaeon_sched import (
     DecodeWorkList,
     LatencyModel,
     RoundRobinPlanner,
+    ServedInRound,
 )
 
 from aegaeon_decode.admit import Admission
@@ -70,11 +71,9 @@ class DecodeLoop:
         self.prefill = PrefillSide(worker, outbox, self.counters) if hybrid else None
         if self.prefill is not None:
             self.turns.preempt = self.prefill.pending
-        # Batches whose turn began in the current round: when the round is cut
-        # short (a prefill first, a new batch), the next one serves them last,
-        # so that a batch late in the work list is not starved by a stream of
-        # interruptions that always restart from the list's head.
-        self._served: set[int] = set()
+        # After a round cut short (a prefill first, a new batch) the batches that
+        # have not had a turn since the last complete round go first.
+        self._served = ServedInRound()
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
@@ -121,26 +120,26 @@ class DecodeLoop:
 
     def run_round(self, stop: threading.Event) -> None:
         batches = self.work.group_by_model()
+        served = self._served.for_plan(b.batch_id for b in batches)
         loads = [
             BatchLoad(b.batch_id, b.model, self.turns.step_estimate(b),
-                      served=b.batch_id in self._served)
+                      served=b.batch_id in served)
             for b in batches
         ]  # fmt: skip
         models = {b.model for b in batches}
         plan = self.planner.plan(loads, {m: self.turns.switch_estimate(m) for m in models})
-        self._served = set()
         self.counters.rounds += 1
         order = [t.batch_id for t in plan.turns]
         for i, turn in enumerate(plan.turns):
             if stop.is_set() or self._stop.is_set():
                 return
             if self.prefill is not None and self.prefill.pending():
-                return  # prefills first; the next round serves this one's batches last
+                return  # prefills first; the round is cut (ServedInRound)
             batch = self.work.batch(turn.batch_id)
             if batch is None:
                 continue  # every request of it finished or was cancelled
             following = order[i + 1 :] + order[: i + 1]
-            self._served.add(batch.batch_id)
+            self._served.turn_began(batch.batch_id)
             # A round without switches (one model) ends as soon as another
             # model's batch arrives: its quota was never meant to block others.
             watch = len(self.work) if plan.switch_s == 0 else None
@@ -149,6 +148,7 @@ class DecodeLoop:
             )
             if watch is not None and len(self.work) > watch:
                 return
+        self._served.round_ended()
 
     def _next_model(self, batch: DecodeBatch, following: list[int]) -> str | None:
         for batch_id in following:
