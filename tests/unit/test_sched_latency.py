@@ -134,3 +134,18 @@ def test_dict_round_trip_through_json() -> None:
         assert copy.switch_s(model) == lat.switch_s(model)
     with pytest.raises(ValueError):
         LatencyModel.from_dict({"version": 99})
+
+
+def test_scaling_touches_every_model_once() -> None:
+    # qwen has its own fit, llama reads the shared one: the shared key sorts first,
+    # so scaling in place in that order would scale llama twice.
+    lat = _truth()
+    lat.set_decode_coefficients("qwen", [2 * c for c in TRUE_DECODE])
+    before = {m: lat.decode_step_s(m, 4, 4000) for m in ("qwen", "llama")}
+    lat.scale_coefficients("decode", {"qwen": 3.0}, 1.5)
+    assert lat.decode_step_s("qwen", 4, 4000) == pytest.approx(3.0 * before["qwen"])
+    assert lat.decode_step_s("llama", 4, 4000) == pytest.approx(1.5 * before["llama"])
+    assert lat.decode_coefficients(SHARED) == pytest.approx([1.5 * c for c in TRUE_DECODE])
+    prefill = lat.prefill_s("llama", [500])
+    lat.scale_coefficients("prefill", {}, 0.5)
+    assert lat.prefill_s("llama", [500]) == pytest.approx(0.5 * prefill)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aegaeon_sched import (
-    SHARED,
     SLO,
     ClusterSpec,
     LatencyModel,
@@ -101,17 +100,11 @@ class NodeSpec:
         for model, coef in self.costs.prefill_coef.items():
             lat.set_prefill_coefficients(model, coef)
         if self.costs.prefill_scale != 1.0:
-            base = {m: lat.prefill_coefficients(m) for m in sorted({*lat.specs, SHARED})}
-            for model, coef in base.items():
-                lat.set_prefill_coefficients(model, [c * self.costs.prefill_scale for c in coef])
+            lat.scale_coefficients("prefill", {}, self.costs.prefill_scale)
         scale, per_model = self.costs.decode_scale, self.costs.model_scale
         if scale != 1.0 or per_model:
-            # Read every model's coefficients before scaling any: a model without
-            # its own fit reads the shared one, which must not be scaled yet.
-            base = {m: lat.decode_coefficients(m) for m in sorted({*lat.specs, SHARED})}
-            for model, coef in base.items():
-                factor = scale * per_model.get(model, 1.0)
-                lat.set_decode_coefficients(model, [c * factor for c in coef])
+            factors = {m: scale * f for m, f in per_model.items()}
+            lat.scale_coefficients("decode", factors, scale)
         return lat
 
     def switching(self, lat: LatencyModel) -> Switching:

@@ -117,6 +117,21 @@ class LatencyModel:
         self._decode_coef[model] = tuple(float(c) for c in coef)
         self._decode_lin.clear()
 
+    def scale_coefficients(self, phase: str, factor: Mapping[str, float], default: float) -> None:
+        """Multiply Eq. 5 (``phase="prefill"``) or Eq. 6 (``"decode"``) by ``factor[model]``
+        (``default`` for models not in it, and for the shared fit), every model once.
+
+        A model without its own fit reads the shared coefficients, so all of them
+        are read before any is written (scaling in place in some order would scale
+        such a model twice whenever the shared key came first); afterwards every
+        model has its own."""
+        table = self._prefill_coef if phase == "prefill" else self._decode_coef
+        models = [m for m in sorted({*self.specs, SHARED}) if m in table or SHARED in table]
+        base = {m: self._get(phase, m) for m in models}
+        for model, coef in base.items():
+            f = factor.get(model, default)
+            self._set(phase, model, [c * f for c in coef])
+
     def prefill_coefficients(self, model: str) -> tuple[float, ...]:
         coef = self._prefill_coef.get(model) or self._prefill_coef.get(SHARED)
         if coef is None:
