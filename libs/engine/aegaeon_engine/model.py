@@ -11,9 +11,12 @@ checkpoint's ``[out, in]`` weight as the left operand: oneDNN's bf16 kernels
 are ~30% faster for a skinny right operand than ``x @ W.T``, and a single
 token takes the matrix-vector kernel, ~1.5x faster again; the outputs are then
 column-major views, which costs little on a handful of rows. From
-``ROW_MAJOR_TOKENS`` tokens (prefill) each output is transposed once to
-row-major, so the elementwise work on long rows stays contiguous (still ~10%
-faster than ``x @ W.T``).
+``ROW_MAJOR_TOKENS`` tokens each output is transposed once to row-major, so
+the elementwise work on long rows stays contiguous (still faster than ``x @
+W.T`` on short prompts). From ``LINEAR_TOKENS`` tokens (prefill) the
+projection is plain ``x @ W.T``: that transposing copy grows with the rows and
+cost more than the matmul itself (bf16, 1 thread, a 19M Qwen2's shapes: 1.3-2x
+the time of ``F.linear`` at 700 tokens, 1.4-4.8x at 1500; even at 256).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .weights import LayerWeights, ModelWeights
 # attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
 ROW_MAJOR_TOKENS = 16
+LINEAR_TOKENS = 192
 _FUSED_NORM_MAX = 16384  # elements
 
 
@@ -105,6 +109,8 @@ def project(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) 
     if n == 1:
         vec = torch.mv(w, x[0]) if bias is None else torch.addmv(bias, w, x[0])
         return vec[None]
+    if n >= LINEAR_TOKENS:
+        return F.linear(x, w, bias)
     out = torch.mm(w, x.t()) if bias is None else torch.addmm(bias[:, None], w, x.t())
     return out.t() if n < ROW_MAJOR_TOKENS else out.t().contiguous()
 
