@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from aegaeon_sched import DecodeDispatcher, DecodeWorkList, Request
 
 
@@ -80,3 +81,55 @@ def test_new_batches_go_where_decode_time_per_batch_is_lowest() -> None:
     assert placed.count("decode-0") == 8 and placed.count("prefill-0") == 2
     dispatcher.set_decode_share("prefill-0", 1.0)
     assert place(10) == "prefill-0"  # 8 vs 2 batches at equal shares
+
+
+def _demand_dispatcher(share: float) -> DecodeDispatcher:
+    """decode-0 plus a hybrid at ``share``; steps of 2.5 ms + 1 ms per sequence, TBT 20 ms."""
+    from aegaeon_sched import LatencyModel, ModelSpec
+
+    specs = [ModelSpec(m, 64, 128, 1, 1_000_000, 1) for m in "abc"]
+    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, decode_per_seq_term=True)
+    width = specs[0].layer_width
+    lat.set_decode_coefficients("*", [0.0025 / width, 0.0, 0.001 / width])
+    dispatcher = DecodeDispatcher(["decode-0", "prefill-0"], latency=lat, tbt_s=0.02)
+    dispatcher.set_decode_share("prefill-0", share)
+    return dispatcher
+
+
+def test_demand_is_step_time_over_tbt_per_unit_of_share() -> None:
+    d = _demand_dispatcher(0.5)
+    d.place(_req(0, "a"))  # decode-0: (2.5 + 1) ms / 20 ms = 0.175
+    assert d.load("decode-0") == pytest.approx(0.175)
+    assert d.load("decode-0", _req(1, "a"), join=0) == pytest.approx(0.225)  # +1 ms
+    assert d.load("decode-0", _req(1, "b")) == pytest.approx(0.35)  # a new batch: +3.5 ms
+    assert d.load("prefill-0", _req(1, "b")) == pytest.approx(0.35)  # 0.175 at half a share
+
+
+def test_a_model_with_a_steady_stream_is_not_pinned_to_an_overloaded_instance() -> None:
+    """The paper's rule joins a model's batch wherever it is; a model whose batch
+    never empties then stays on that instance however loaded. Joins stand while
+    the instance keeps up (demand <= 1); past that the request goes where the
+    resulting demand is lowest."""
+    d = _demand_dispatcher(0.2)  # the hybrid: 20% of its time left for decoding
+    d.work_lists["prefill-0"].add(_req(0, "a"), 100)  # placed while the hybrid was idle
+    placed = [d.place(_req(i, "a")) for i in range(1, 8)]
+    # On the hybrid a batch of n costs (2.5 + n) ms / 20 ms / 0.2: it keeps up to n = 1.5.
+    assert {p for p in placed} == {("decode-0", placed[0][1])}  # one new batch
+    assert placed[0][1] != 100
+    assert len(d.work_lists["prefill-0"].batch(100) or []) == 1
+    # Without a latency model: the paper's rule, every request joins the batch.
+    paper = DecodeDispatcher(["decode-0", "prefill-0"])
+    paper.set_decode_share("prefill-0", 0.2)
+    paper.work_lists["prefill-0"].add(_req(0, "a"), 100)
+    assert {paper.place(_req(i, "a")) for i in range(1, 8)} == {("prefill-0", 100)}
+
+
+def test_joins_are_kept_while_the_instance_keeps_up() -> None:
+    d = _demand_dispatcher(1.0)
+    d.place(_req(0, "a"))  # decode-0
+    d.place(_req(1, "b"))  # prefill-0 (decode-0 would be 0.35, prefill-0 0.175)
+    # a's batch grows on decode-0 though prefill-0 is less loaded: 17 sequences
+    # cost (2.5 + 17) ms / 20 ms = 0.975 <= 1.
+    assert {d.place(_req(i, "a"))[0] for i in range(2, 18)} == {"decode-0"}
+    inst, _ = d.place(_req(18, "a"))  # 1.025: a new batch on prefill-0 (0.35)
+    assert inst == "prefill-0"

@@ -145,7 +145,8 @@ def simulate_node(spec: NodeSpec, requests: Sequence[Request], end_s: float) -> 
     cap = dict(spec.capacity_tokens)
     options = PolicyOptions(max_group_size=spec.max_group_size,
                             max_batch_size=spec.max_batch_size,
-                            decode_capacity_tokens=cap, unified_capacity_tokens=cap)  # fmt: skip
+                            decode_capacity_tokens=cap, unified_capacity_tokens=cap,
+                            decode_tbt_s=spec.planner_slo.tbt_s)  # fmt: skip
     policy = make_policy(spec.policy, cluster, policy_latency, options)
     kv_rate = policy_latency.pcie_bytes_per_s
     sim = Simulation(policy, policy_latency, requests, kv_bytes_per_s=kv_rate)

@@ -131,6 +131,7 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             m: sc.rps_per_model * mean_out * lat.decode_step_s(m, 1, 1000) for m in models
         },
         gpu_weight_budget_bytes=int(hw.usable_bytes),
+        decode_tbt_s=sc.slo.tbt_s,
     )
     policy = make_policy(sc.policy, cluster, lat, options)
     sim = Simulation(

@@ -31,13 +31,19 @@ class AegaeonPolicy:
         max_group_size: int = MAX_GPSIZE,
         max_batch_size: int = 256,
         default_capacity_tokens: int | None = None,
+        decode_tbt_s: float | None = None,
     ) -> None:
+        """``decode_tbt_s``: the decode instances' TBT target; with it, decode
+        placement weighs instances by their work lists' demand (see
+        :class:`DecodeDispatcher`), without it by their batch counts."""
         self.latency = latency
         self.prefill = PrefillDispatcher(prefill_instances, latency, max_group_size=max_group_size)
         self.decode = DecodeDispatcher(
             decode_instances,
             max_batch_size=max_batch_size,
             default_capacity_tokens=default_capacity_tokens,
+            latency=latency,
+            tbt_s=decode_tbt_s,
         )
 
     # ---- events --------------------------------------------------------

@@ -41,6 +41,9 @@ class PolicyOptions:
     model_loads: Mapping[str, float] = field(default_factory=dict)
     gpu_weight_budget_bytes: int | None = None
     max_models_per_gpu: int = 2
+    # Aegaeon: the TBT target the decode instances plan for, to place batches
+    # by decode demand; None: by batch count (the paper).
+    decode_tbt_s: float | None = None
 
 
 def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
@@ -50,6 +53,7 @@ def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -
         latency,
         max_group_size=opts.max_group_size,
         max_batch_size=opts.max_batch_size,
+        decode_tbt_s=opts.decode_tbt_s,
     )
     for instance in cluster.decode_instances:
         for model, tokens in opts.decode_capacity_tokens.items():

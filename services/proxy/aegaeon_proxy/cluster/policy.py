@@ -53,6 +53,7 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         max_batch_size=config.scheduler.max_batch_size,
         decode_capacity_tokens=capacity,
         unified_capacity_tokens=capacity,
+        decode_tbt_s=config.slo.tbt_s,  # what every decode instance plans for
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
     dispatcher = getattr(policy, "decode", None)
