@@ -144,10 +144,12 @@ def plot_sweep(sweep: Sweep, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     targets = ", ".join(
-        f"{name} {value:g} s"
-        for key, name in (("ttft_s", "TTFT"), ("tbt_s", "TBT"))
+        f"{name} {value:g}{unit}"
+        for key, name, unit in (
+            ("rps_per_model", "RPS/model", ""), ("ttft_s", "TTFT", " s"), ("tbt_s", "TBT", " s"),
+        )
         if isinstance(value := sweep.meta.get(key), int | float)
-    )
+    )  # fmt: skip
     title = "SLO attainment vs number of models" + (f" ({targets})" if targets else "")
     ax.set_title(title, fontsize=10)
     return save(fig, path)

@@ -15,9 +15,11 @@ stepping a 7B model in ~10 ms and serving a ShareGPT request in ~3-4 s.
 This CPU steps the small market's models in ~2.5 ms and serves a request
 in ~0.8 s, so the defaults keep the two ratios that decide the comparison:
 TBT = 10 decode steps (25 ms), TTFT = ~2.5 service times (2 s), at 0.3
-requests/s per model (docs/results.md has the table and the other scalings
-tried). Use ``--output-scale``/``--input-scale`` with a TTFT scaled by the
-same factor to shorten runs.
+requests/s per model. Rate x service time (Theorem 3.1's lambda T) is 0.24
+at 0.3 RPS and 0.8 at ``--rps 1`` (the paper's Fig. 11a/11b: 0.35/1.75);
+docs/results.md has both sweeps and the other scalings tried. Use
+``--output-scale``/``--input-scale`` with a TTFT scaled by the same factor
+to shorten runs.
 """
 
 from __future__ import annotations
