@@ -123,8 +123,9 @@ class DecodeDispatcher:
     times over the TBT target, Eq. 3's ``S``), per unit of decode share.
     Without them every batch counts one (the paper's count of batches).
     Switches are left out of the demand: prefetching hides most of them, and
-    counting them (Eq. 3's round term) moved batches off instances that kept
-    up (simulated: 90% against 98% attainment, 40 models on 4 decode GPUs).
+    counting them (Eq. 3's round term) made instances that kept up look
+    overloaded (simulated with an earlier, eager version of :meth:`place`:
+    90% against 98% attainment, 40 models on 4 decode GPUs).
     """
 
     def __init__(
@@ -183,12 +184,12 @@ class DecodeDispatcher:
         """``instance``'s load per unit of decode share, with ``request`` added to
         batch ``join`` (or to a new batch when ``join`` is ``None``)."""
         share = self._share.get(instance, 1.0)
-        batches = list(self.work_lists[instance])
+        work_list = self.work_lists[instance]
         if self.latency is None:
-            return (len(batches) + (request is not None and join is None)) / share
+            return (len(work_list) + (request is not None and join is None)) / share
         lat = self.latency
         step_s = 0.0
-        for b in batches:
+        for b in work_list:
             n, ctx = len(b), b.mean_context_tokens
             if request is not None and b.batch_id == join:
                 n, ctx = n + 1, ctx + DecodeBatch.mean_context(request)
