@@ -218,17 +218,20 @@ class DecodeDispatcher:
         Fig. 11a at 96 models: 78% attainment against 98% when moving to the
         least loaded instance regardless).
         """
-        joins = [
-            (self.load(i, request, b.batch_id), i, b.batch_id)
+        rooms = (
+            (i, b.batch_id)
             for i, work_list in self.work_lists.items()
             for b in work_list
             if b.model == request.model and self.has_room(i, b, request)
-        ]
+        )
         if self.latency is None:  # the paper's rule: the first batch found, always
-            joins, limit = joins[:1], float("inf")
+            first = next(rooms, None)
+            choice = (0.0, *first) if first is not None else None
+            limit = float("inf")
         else:
+            joins = [(self.load(i, request, bid), i, bid) for i, bid in rooms]
+            choice = min(joins, key=lambda j: j[0], default=None)
             limit = JOIN_LOAD_LIMIT
-        choice = min(joins, key=lambda j: j[0], default=None)
         if choice is None or choice[0] > limit:
             # min keeps the first of equals: the first instance.
             fresh = min(((self.load(i, request), i, -1) for i in self.work_lists),
