@@ -84,9 +84,15 @@ class Rig:
 
 
 def write_config(
-    run_root: Path, models: dict[str, Path], dtype: str, sizes: RigSizes, threads: int
+    run_root: Path,
+    models: dict[str, Path],
+    dtype: str,
+    sizes: RigSizes,
+    threads: int,
+    weights: str = "copy",
 ) -> Path:
-    """The deployment YAML of the rig (one decode instance, prefetch on)."""
+    """The deployment YAML of the rig (one decode instance, prefetch on; ``weights``:
+    the worker's mode, ``copy`` by default since the rig measures scale-up copies)."""
     raw = {
         "models": [{"name": n, "path": str(p)} for n, p in models.items()],
         "dtype": dtype,
@@ -103,6 +109,7 @@ def write_config(
             "device_memory": sizes.device_memory_bytes,
             "kv_memory": sizes.kv_memory_bytes,
             "threads": threads,
+            "weights": weights,
         },
         "scheduler": {"prefetch": True},
     }
@@ -164,7 +171,11 @@ def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 @contextmanager
 def switch_rig(
-    models: dict[str, Path], dtype: str, sizes: RigSizes, threads: int = 1
+    models: dict[str, Path],
+    dtype: str,
+    sizes: RigSizes,
+    threads: int = 1,
+    weights: str = "copy",
 ) -> Iterator[Rig]:
     """A cachemgr process with every model of ``models`` warm, and a worker on it."""
     from aegaeon_cachemgr.client import CacheClient
@@ -179,7 +190,7 @@ def switch_rig(
     worker: Worker | None = None
     prefix = ""
     try:
-        config_path = write_config(run_root, models, dtype, sizes, threads)
+        config_path = write_config(run_root, models, dtype, sizes, threads, weights)
         config = load_config(config_path)
         prefix = f"{config.shm_prefix}-"
         proc = _start_cachemgr(config_path, config, run_root / "cachemgr.log")

@@ -57,6 +57,9 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
         ("models: [{name: a, path: x}]\ndecode: {device_memory: 1MiB, kv_memory: 2MiB}\n",
          "decode.kv_memory"),
         ("models: [{name: a, path: x}]\ndtype: float64\n", "dtype"),
+        ("models: [{name: a, path: x}]\ndecode: {weights: mmap}\n", "decode.weights"),
+        ("models: [{name: a, path: x}]\nprefill: {device: cuda, weights: map}\n",
+         "prefill.weights"),
         ("market: nowhere\n", "market"),
         (": : :\n", "<yaml>"),
     ],
@@ -82,6 +85,15 @@ def test_defaults() -> None:
     assert config.scheduler.max_group_size == 8
     assert config.scheduler.q_max_s == 4.0
     assert config.slo.ttft_s == 10.0 and config.slo.tbt_s == 0.1
+    assert config.decode.weights == "auto" and config.decode.maps_weights  # CPU: in place
+
+
+def test_weights_auto_copies_on_a_gpu() -> None:
+    config = config_from_dict(
+        {"models": [{"name": "a", "path": "x"}], "decode": {"device": "cuda:0"},
+         "prefill": {"weights": "copy"}}
+    )  # fmt: skip
+    assert not config.decode.maps_weights and not config.prefill.maps_weights
 
 
 def test_the_docker_example_config_validates(tmp_path: Path) -> None:

@@ -37,11 +37,13 @@ UNIFIED_POLICIES = (
 )
 POLICIES = ("aegaeon", *UNIFIED_POLICIES)
 DTYPES = ("bfloat16", "float16", "float32")
+WEIGHTS_MODES = ("auto", "copy", "map")
 
 __all__ = [
     "DTYPES",
     "POLICIES",
     "UNIFIED_POLICIES",
+    "WEIGHTS_MODES",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -108,6 +110,16 @@ class InstancesConfig:
     device_memory_bytes: int = 512 << 20  # the whole buffer: weights arena + KV region
     kv_memory_bytes: int = 128 << 20  # KV region at the top of the buffer
     threads: int = 1
+    # Where the engine reads a model's weights: "copy" (scale-up copies them from
+    # the Model Cache into the worker's buffer, as a GPU must), "map" (the engine
+    # reads the Model Cache's shared memory in place: CPU only, a switch copies
+    # nothing), "auto" (map on CPU, copy elsewhere).
+    weights: str = "auto"
+
+    @property
+    def maps_weights(self) -> bool:
+        """True when the engine reads weights in place from the Model Cache."""
+        return self.weights == "map" or (self.weights == "auto" and self.device.startswith("cpu"))
 
 
 @dataclass(frozen=True)
@@ -262,6 +274,13 @@ def config_from_dict(
             raise ConfigError(source, f"{key}.kv_memory", "must be smaller than device_memory")
         if inst.instances < 0 or inst.threads < 1:
             raise ConfigError(source, key, "instances must be >= 0 and threads >= 1")
+        if inst.weights not in WEIGHTS_MODES:
+            modes = ", ".join(WEIGHTS_MODES)
+            raise ConfigError(source, f"{key}.weights", f"{inst.weights!r} is not one of {modes}")
+        if inst.weights == "map" and not inst.device.startswith("cpu"):
+            raise ConfigError(
+                source, f"{key}.weights", f"'map' needs a CPU device, not {inst.device!r}"
+            )
     run_raw = raw.get("run_dir")
     run_dir = Path(str(run_raw)) if run_raw else (env.run_dir or Path("/tmp") / "aegaeon")
     addresses = raw.get("addresses") or {}

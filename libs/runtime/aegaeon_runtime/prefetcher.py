@@ -24,9 +24,10 @@ class PrefetchCancelledError(Exception):
 
 
 class PrefetchJob:
-    """One model being copied into ``allocation`` (results set by the copier)."""
+    """One model being copied into ``allocation`` (None: mapped in place; results set by
+    the copier)."""
 
-    def __init__(self, name: str, allocation: Allocation) -> None:
+    def __init__(self, name: str, allocation: Allocation | None) -> None:
         self.name = name
         self.allocation = allocation
         self.cancelled = threading.Event()

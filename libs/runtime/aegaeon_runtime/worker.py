@@ -91,7 +91,13 @@ async def build_worker(config: Config, kind: str, index: int, client: CacheClien
         registration.slab_bytes,
     )
     switcher = ModelSwitcher(
-        engine, buffer, cache, specs, config.dtype, prefetch=config.scheduler.prefetch
+        engine,
+        buffer,
+        cache,
+        specs,
+        config.dtype,
+        prefetch=config.scheduler.prefetch,
+        map_weights=inst.maps_weights,
     )
     for name in specs:  # map every Model Cache region now, off the critical path
         await client.load_model(name, pin=True)

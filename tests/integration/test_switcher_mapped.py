@@ -1,0 +1,91 @@
+"""The switcher with mapped weights (``decode.weights: map``): the engine reads the
+Model Cache's shared memory in place, a switch copies nothing, tokens are the same."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
+from aegaeon_engine import DecodeSeq
+
+MiB = 1 << 20
+NAMES = ["llama-gqa-5m", "mistral-11m", "qwen2-19m"]
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+def _sizes() -> RigSizes:
+    return RigSizes(
+        model_cache_bytes=256 * MiB, kv_cache_bytes=64 * MiB, slab_bytes=4 * MiB,
+        device_memory_bytes=(58 + 32) * MiB, kv_memory_bytes=32 * MiB,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mapped(default_market: Path) -> Iterator[Rig]:
+    with switch_rig({n: default_market / n for n in NAMES}, "bfloat16", _sizes(),
+                    weights="map") as running:  # fmt: skip
+        yield running
+
+
+def _greedy(rig: Rig, n: int = 10) -> list[int]:
+    w = rig.worker
+    model = w.switcher.active_model
+    assert model is not None
+    shape = w.kv_shape(model)
+    blocks = w.kv.alloc(shape, shape.blocks_for(len(PROMPT) + n))
+    try:
+        out = [int(w.engine.prefill(PROMPT, blocks).argmax())]
+        for i in range(n - 1):
+            logits = w.engine.decode([DecodeSeq(out[-1], len(PROMPT) + i, blocks)])
+            out.append(int(logits[0].argmax()))
+        return out
+    finally:
+        w.kv.free(shape, blocks)
+
+
+def test_mapped_weights_are_the_model_cache_region(mapped: Rig) -> None:
+    switcher = mapped.worker.switcher
+    record = switcher.activate("qwen2-19m")
+    assert record is not None and not record.prefetched
+    active = switcher.active
+    assert active is not None and active.allocation is None
+    weights = active.weights
+    tensors = [weights.embed_tokens, weights.norm, weights.lm_head]
+    for layer in weights.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    region = mapped.worker.cache.load_model("qwen2-19m", pin=True)
+    try:
+        start = region.data.data_ptr()
+        assert all(start <= t.data_ptr() < start + region.nbytes for t in tensors)
+    finally:
+        mapped.worker.cache.unpin("qwen2-19m")
+    assert mapped.worker.buffer.stats().used_bytes == 0  # the arena is not used
+
+
+def test_mapped_switches_give_the_tokens_of_a_copied_model(
+    mapped: Rig, default_market: Path
+) -> None:
+    switcher = mapped.worker.switcher
+    got: dict[str, list[int]] = {}
+    for name in ["mistral-11m", "llama-gqa-5m", "qwen2-19m", "mistral-11m"]:
+        assert switcher.prefetch(name) or switcher.active_model == name
+        record = switcher.activate(name)
+        assert record is None or record.prefetched
+        tokens = _greedy(mapped)
+        assert got.setdefault(name, tokens) == tokens, name  # the same after A -> B -> A
+    with switch_rig({n: default_market / n for n in NAMES}, "bfloat16", _sizes()) as copied:
+        for name, tokens in got.items():
+            copied.worker.switcher.activate(name)
+            assert _greedy(copied) == tokens, name
+
+
+def test_activating_another_model_drops_the_mapped_prefetch(mapped: Rig) -> None:
+    switcher = mapped.worker.switcher
+    switcher.activate("llama-gqa-5m")
+    assert switcher.prefetch("qwen2-19m")
+    record = switcher.activate("mistral-11m")
+    assert record is not None and not record.prefetched
+    assert switcher.prefetched_model() is None and switcher.active_model == "mistral-11m"
