@@ -26,11 +26,14 @@ class SwitchCheck:
 
 
 def active_bytes_equal(worker: Worker) -> bool:
-    """True if the active model's arena bytes equal its Model Cache region."""
+    """True if the active model's arena bytes equal its Model Cache region (a model
+    mapped in place is the region itself)."""
     switcher = worker.switcher
     active = switcher.active
     if active is None:
         raise RuntimeError("no active model")
+    if active.allocation is None:  # mapped in place: the bytes are the region's own
+        return True
     mapped = worker.cache.load_model(active.name, pin=True)
     try:
         if not mapped.nbytes == active.allocation.nbytes == switcher.nbytes(active.name):

@@ -129,7 +129,7 @@ def measure_bind(switcher: ModelSwitcher, name: str) -> tuple[float, float]:
     """Seconds to build ``name``'s weight views, and of ``Engine.bind`` (it is activated)."""
     switcher.activate(name)
     active = switcher.active
-    assert active is not None
+    assert active is not None and active.allocation is not None  # the rig copies
     spec = switcher.specs[name]
     layout = switcher.engine.layout(spec, switcher.dtype)
     view = switcher.buffer.view(active.allocation.offset, active.allocation.nbytes)
