@@ -150,6 +150,10 @@ def plot_sweep(sweep: Sweep, path: Path) -> Path:
         )
         if isinstance(value := sweep.meta.get(key), int | float)
     )  # fmt: skip
+    for key, name in (("input_scale", "prompts"), ("output_scale", "outputs")):
+        scale = sweep.meta.get(key)
+        if isinstance(scale, int | float) and scale != 1:
+            targets += f", {name} x{scale:g}"
     title = "SLO attainment vs number of models" + (f" ({targets})" if targets else "")
     ax.set_title(title, fontsize=10)
     return save(fig, path)
