@@ -35,7 +35,8 @@ the sampler and every buffer stay; only the engine's weight views change.
   long as a tensor over them does, so an eviction while a model is active
   only delays the release of its pages until the worker moves on (at most the
   active and the prefetched model per worker, no more than the arena a copy
-  would hold). Only the last views bound per model are kept.
+  would hold). The last views bound per model are kept; those over an
+  evicted region are dropped at the next prefetch.
 
 All methods except the background copy run on the compute thread.
 """
@@ -88,8 +89,9 @@ class ModelSwitcher:
         self.prefetch_enabled = prefetch
         self.copy_threads = copy_threads
         self.map_weights = map_weights
-        # map_weights: model -> (its region's name, views over it), the last bound
-        self._mapped_views: dict[str, tuple[str, ModelWeights]] = {}
+        # map_weights: model -> (its mapping, views over it), the last bound; entries
+        # whose region the cachemgr evicted are dropped by the prefetch thread
+        self._mapped_views: dict[str, tuple[MappedModel, ModelWeights]] = {}
         self.active: Resident | None = None
         self._prefetch: PrefetchJob | None = None
         self._prefetcher = Prefetcher(self._run_prefetch)
@@ -184,18 +186,30 @@ class ModelSwitcher:
             )
         with self._views_lock:
             kept = self._mapped_views.get(name)
-        if kept is not None and kept[0] == mapped.region.name:
+        if kept is not None and kept[0].region.name == mapped.region.name:
             weights = kept[1]
         else:
             weights = bind_weights(spec, layout, mapped.data)
             with self._views_lock:
-                self._mapped_views[name] = (mapped.region.name, weights)
+                self._mapped_views[name] = (mapped, weights)
         resident = Resident(name, None, weights)
         if job is not None:
             job.result = resident
         else:
             self._activate(resident)
         return time.perf_counter() - start
+
+    def _drop_evicted_views(self) -> None:
+        """Forget the views over regions the cachemgr evicted, so that their pages go
+        once no active or prefetched model uses them (a stat per kept model)."""
+        with self._views_lock:
+            kept = list(self._mapped_views.items())
+        gone = [name for name, (mapped, _) in kept if not mapped.region.linked()]
+        with self._views_lock:
+            for name in gone:
+                entry = self._mapped_views.get(name)
+                if entry is not None and not entry[0].region.linked():
+                    del self._mapped_views[name]
 
     def _activate(self, resident: Resident) -> None:
         self.active = resident
@@ -279,6 +293,7 @@ class ModelSwitcher:
     def _run_prefetch(self, job: PrefetchJob) -> None:
         if job.allocation is None:  # map_weights
             job.copy_s = self._map(job.name, job)
+            self._drop_evicted_views()
             return
         job.copy_s = self._copy_in(job.name, job.allocation, job)
         job.result = self._bind(job.name, job.allocation)
