@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
+from aegaeon_cachemgr.mapped import MappedModel
 from aegaeon_engine import DecodeSeq
+from aegaeon_gpumem.shm import ShmRegion, unique_name
 
 MiB = 1 << 20
 NAMES = ["llama-gqa-5m", "mistral-11m", "qwen2-19m"]
@@ -89,3 +91,21 @@ def test_activating_another_model_drops_the_mapped_prefetch(mapped: Rig) -> None
     record = switcher.activate("mistral-11m")
     assert record is not None and not record.prefetched
     assert switcher.prefetched_model() is None and switcher.active_model == "mistral-11m"
+
+
+def test_views_over_an_evicted_region_are_dropped(mapped: Rig) -> None:
+    switcher = mapped.worker.switcher
+    switcher.activate("llama-gqa-5m")
+    assert switcher.prefetch("mistral-11m")
+    switcher.activate("mistral-11m")
+    kept = dict(switcher._mapped_views)
+    assert {"llama-gqa-5m", "mistral-11m"} <= set(kept)
+    # a region the cachemgr has since unlinked (evicted), kept for a model
+    owner = ShmRegion.create(unique_name("evicted-test"), 4096)
+    gone = MappedModel("gone", ShmRegion.attach(owner.name, readonly=True), 4096, "bfloat16", ())
+    switcher._mapped_views["gone"] = (gone, kept["llama-gqa-5m"][1])
+    owner.close()  # the owner unlinks the name
+    assert switcher.prefetch("qwen2-19m")  # the prefetch thread drops it
+    switcher.activate("qwen2-19m")
+    assert "gone" not in switcher._mapped_views
+    assert {"llama-gqa-5m", "mistral-11m", "qwen2-19m"} <= set(switcher._mapped_views)
