@@ -126,33 +126,37 @@ class ModelSwitcher:
                 self._views[key] = weights
         return Resident(name, allocation, weights)
 
+    def _region(self, name: str) -> MappedModel:
+        """``name``'s Model Cache region: the client's kept mapping (the use is noted,
+        reported later by the client), else (first use, or evicted since) mapped under
+        a pin that is dropped at once; a kept mapping is safe to read unpinned (see
+        ``aegaeon_cachemgr.client``)."""
+        mapped = self.cache.cached_model(name)
+        if mapped is not None:
+            self.cache.note_use(name)
+            return mapped
+        mapped = self.cache.load_model(name, pin=True)
+        self.cache.unpin(name)
+        return mapped
+
+    @staticmethod
+    def _check_size(mapped: MappedModel, nbytes: int) -> None:
+        if mapped.nbytes != nbytes:
+            raise RuntimeError(
+                f"Model Cache region of {mapped.name!r} holds {mapped.nbytes} bytes, the "
+                f"engine's layout {nbytes}: cachemgr and worker disagree on the dtype"
+            )
+
     def _copy_in(
         self, name: str, allocation: Allocation, job: PrefetchJob | None = None
     ) -> float:
-        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent.
-
-        Fast path: the client's kept mapping, then the use is noted (reported
-        later by the client). Else (first use, or evicted since) a pinned load.
-        """
-        mapped = self.cache.cached_model(name)
-        if mapped is not None:
-            seconds = self._copy_from(mapped, allocation, job)
-            self.cache.note_use(name)
-            return seconds
-        mapped = self.cache.load_model(name, pin=True)
-        try:
-            return self._copy_from(mapped, allocation, job)
-        finally:
-            self.cache.unpin(name)
+        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent."""
+        return self._copy_from(self._region(name), allocation, job)
 
     def _copy_from(
         self, mapped: MappedModel, allocation: Allocation, job: PrefetchJob | None = None
     ) -> float:
-        if mapped.nbytes != allocation.nbytes:
-            raise RuntimeError(
-                f"Model Cache region of {mapped.name!r} holds {mapped.nbytes} bytes, the "
-                f"engine's layout {allocation.nbytes}: cachemgr and worker disagree on the dtype"
-            )
+        self._check_size(mapped, allocation.nbytes)
         start = time.perf_counter()
         dst = self.buffer.view(allocation.offset, allocation.nbytes)
         if job is None:  # on the critical path: one copy at full speed
@@ -171,19 +175,10 @@ class ModelSwitcher:
         The result goes to ``job`` (a prefetch) or becomes the active model.
         """
         start = time.perf_counter()
-        mapped = self.cache.cached_model(name)
-        if mapped is not None:
-            self.cache.note_use(name)
-        else:  # first use, or evicted since: map it under a pin, keep the mapping
-            mapped = self.cache.load_model(name, pin=True)
-            self.cache.unpin(name)
+        mapped = self._region(name)
         spec = self.specs[name]
         layout = self.engine.layout(spec, self.dtype)
-        if mapped.nbytes != layout.total_bytes:
-            raise RuntimeError(
-                f"Model Cache region of {name!r} holds {mapped.nbytes} bytes, the engine's "
-                f"layout {layout.total_bytes}: cachemgr and worker disagree on the dtype"
-            )
+        self._check_size(mapped, layout.total_bytes)
         with self._views_lock:
             kept = self._mapped_views.get(name)
         if kept is not None and kept[0].region.name == mapped.region.name:
@@ -204,11 +199,10 @@ class ModelSwitcher:
         once no active or prefetched model uses them (a stat per kept model)."""
         with self._views_lock:
             kept = list(self._mapped_views.items())
-        gone = [name for name, (mapped, _) in kept if not mapped.region.linked()]
+        gone = [(name, entry) for name, entry in kept if not entry[0].region.linked()]
         with self._views_lock:
-            for name in gone:
-                entry = self._mapped_views.get(name)
-                if entry is not None and not entry[0].region.linked():
+            for name, entry in gone:
+                if self._mapped_views.get(name) is entry:  # not re-bound meanwhile
                     del self._mapped_views[name]
 
     def _activate(self, resident: Resident) -> None:
