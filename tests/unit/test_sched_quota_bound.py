@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from aegaeon_sched import (
     BatchLoad,
+    DecodeShare,
     DecodeWorkList,
     LatencyModel,
     ModelSpec,
@@ -41,6 +42,35 @@ def test_the_bound_shrinks_the_worked_example_evenly() -> None:
     # Each batch emits 80 tokens in a 9 s round that needs 90: attainment 8/9.
     assert plan.alpha == pytest.approx(9 / 8)
     assert plan.round_s == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.8, 0.5])
+def test_a_decode_share_keeps_each_batch_on_its_wall_clock_pace(share: float) -> None:
+    """Prefills take 1 - share of a hybrid's time: a round of quotas q and
+    switches c lasts (sum q + c) / share on the wall clock, and every batch
+    still earns 1/alpha of the tokens its deadlines ask for in that time."""
+    loads = [BatchLoad(0, "a", 0.01), BatchLoad(1, "b", 0.02), BatchLoad(2, "c", 0.015)]
+    switch = {"a": 0.2, "b": 0.1, "c": 0.3}
+    for planner in (RoundRobinPlanner(0.1, 4.0), RoundRobinPlanner(0.1, 4.0, ttft_s=2.0)):
+        plan = planner.plan(loads, switch, decode_share=share)
+        wall_s = (sum(t.quota_s for t in plan.turns) + plan.switch_s) / share
+        for turn, load in zip(plan.turns, loads, strict=True):
+            earned = turn.quota_s / load.step_s
+            assert earned / (wall_s / 0.1) == pytest.approx(1 / plan.alpha)
+        if planner.round_bound_s is not None:  # the bound holds on the wall clock
+            assert sum(t.quota_s for t in plan.turns) / share <= planner.round_bound_s + 1e-9
+    with pytest.raises(ValueError):
+        RoundRobinPlanner().plan(loads, switch, decode_share=0.0)
+
+
+def test_decode_share_smooths_the_prefill_busy_fraction() -> None:
+    share = DecodeShare(smoothing=0.5, min_interval_s=0.5)
+    assert share.observe(0.0, 0.0) == 1.0  # nothing to compare with yet
+    assert share.observe(1.0, 0.4) == pytest.approx(0.6)  # the first fraction as is
+    assert share.observe(1.2, 0.6) == pytest.approx(0.6)  # too soon: ignored
+    assert share.observe(2.0, 0.4 + 0.8) == pytest.approx(1 - (0.4 + 0.5 * (0.8 - 0.4)))
+    assert share.observe(3.0, 0.0) == share.share  # a counter reset is not an observation
+    assert share.observe(4.0, 5.0) == pytest.approx(share.share) and share.share >= 0.0
 
 
 def test_one_model_rounds_are_bounded_too() -> None:

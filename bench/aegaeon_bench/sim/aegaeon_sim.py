@@ -125,12 +125,16 @@ class DecodeSim:
             self.work, self.estimator, lambda rid: self.sims[rid].context,
             turned_ids=self.turned,
             served_ids=self.served.for_plan(b.batch_id for b in self.work),
-            switch_s=self.switch_estimate,
+            switch_s=self.switch_estimate, decode_share=self.decode_share(),
         )  # fmt: skip
         self.turns = list(self.plan.turns)
         self.turn_idx = -1
         self.num_rounds += 1
         self._next_turn()
+
+    def decode_share(self) -> float:
+        """The part of this instance's time left for decoding (hybrids: below 1)."""
+        return 1.0
 
     def _replan_due(self, *, mid_turn: bool) -> bool:
         return self.planner.replan_due(

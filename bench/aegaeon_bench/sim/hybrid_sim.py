@@ -9,8 +9,11 @@ proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;
 with strict priority: a queued prefill ends the decode turn in progress and
 the instance decodes again only once its job queue is empty, planning a fresh
 round (as the live loop does, the batches already served since the last
-complete round go last: :class:`~aegaeon_sched.ServedInRound`). Prefill and decode share
-one GPU: one loaded model, one prefetch in flight.
+complete round go last: :class:`~aegaeon_sched.ServedInRound`), with its TBT
+target and round bound scaled by its own decode share
+(:class:`~aegaeon_sched.DecodeShare` over its prefill compute seconds, as the
+live loop). Prefill and decode share one GPU: one loaded model, one prefetch
+in flight.
 
 Simplification: the prefill starts when it is enqueued, not at the end of the
 decode step in progress (at most one step, ~10-30 ms, early).
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from aegaeon_sched import LatencyModel, RoundRobinPlanner
+from aegaeon_sched import DecodeShare, LatencyModel, RoundRobinPlanner
 
 from aegaeon_bench.sim.aegaeon_sim import DecodeSim, Phase
 from aegaeon_bench.sim.prefill_sim import PrefillSim
@@ -46,6 +49,7 @@ class HybridSim(DecodeSim):
             prefetch=prefetch, estimator=estimator,
         )  # fmt: skip
         self.prefill = prefill
+        self.share = DecodeShare()
         self.paused = False
         prefill.on_busy = self._pause
         prefill.on_idle = self._resume
@@ -64,6 +68,9 @@ class HybridSim(DecodeSim):
         self.clock = max(self.clock, now_s)
         self.phase = Phase.ROUND_START
         self.wake_s = self.clock
+
+    def decode_share(self) -> float:
+        return self.share.observe(self.clock, self.prefill.compute_s)
 
     def advance(self, horizon_s: float) -> float | None:
         if self.paused:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from aegaeon_sched import DecodeDispatcher, Policy
+from aegaeon_sched import DecodeDispatcher, DecodeShare, Policy
+from aegaeon_sched.share import SMOOTHING
 
 from aegaeon_bench.sim.prefill_sim import PrefillSim
 
 HEARTBEAT_S = 0.5  # services' InstanceStats period
-SMOOTHING = 0.1  # the proxy's DecodeShares.smoothing
 
 
 class DecodeShareFeed:
@@ -49,19 +49,13 @@ class DecodeShareFeed:
         self.interval_s = interval_s
         self.smoothing = smoothing
         self.with_switches = with_switches
-        self._last: dict[str, tuple[float, float]] = {}
-        self._busy: dict[str, float] = {}
+        self._shares: dict[str, DecodeShare] = {}
         self.shares: dict[str, list[tuple[float, float]]] = {h.name: [] for h in self.hybrids}
 
     def observe(self, name: str, prefill_s: float, now_s: float) -> float:
         """The proxy's rule for one heartbeat; returns the decode share."""
-        last = self._last.get(name)
-        self._last[name] = (now_s, prefill_s)
-        if last is not None and now_s > last[0] and prefill_s >= last[1]:
-            busy = min(1.0, (prefill_s - last[1]) / (now_s - last[0]))
-            old = self._busy.get(name, busy)
-            self._busy[name] = old + self.smoothing * (busy - old)
-        return 1.0 - self._busy.get(name, 0.0)
+        share = self._shares.setdefault(name, DecodeShare(self.smoothing, min_interval_s=0.0))
+        return share.observe(now_s, prefill_s)
 
     def start(
         self, schedule: Callable[[float, Callable[[float], None]], None], end_s: float

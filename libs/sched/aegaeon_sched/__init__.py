@@ -43,6 +43,7 @@ from aegaeon_sched.request import InstanceId, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
 from aegaeon_sched.rounds import ServedInRound
+from aegaeon_sched.share import DecodeShare
 from aegaeon_sched.slo import (
     SLO,
     RequestTrace,
@@ -70,6 +71,7 @@ __all__ = [
     "DecodeBatch",
     "DecodeDispatcher",
     "DecodeSample",
+    "DecodeShare",
     "DecodeWorkList",
     "EnqueuePrefill",
     "InstanceId",

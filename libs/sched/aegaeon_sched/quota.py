@@ -158,22 +158,40 @@ class RoundRobinPlanner:
             by_model.setdefault(b.model, []).append(b)
         return [b for group in by_model.values() for b in group]
 
-    def plan(self, batches: Sequence[BatchLoad], switch_s: Mapping[str, float]) -> RoundPlan:
-        """Plan one round. ``switch_s`` maps each model to its switch estimate."""
+    def plan(
+        self,
+        batches: Sequence[BatchLoad],
+        switch_s: Mapping[str, float],
+        *,
+        decode_share: float = 1.0,
+    ) -> RoundPlan:
+        """Plan one round. ``switch_s`` maps each model to its switch estimate.
+
+        ``decode_share`` (in (0, 1]; past the paper): the part of the
+        instance's time left for decoding, below 1 on a hybrid instance whose
+        prefills cut in (:class:`~aegaeon_sched.DecodeShare`). A round of
+        decode time ``R`` then lasts ``R / share`` on the wall clock, so the
+        TBT target and the round bound are planned as ``share`` times theirs:
+        every batch still earns ``1/alpha`` of its deadlines' tokens.
+        """
         ordered = self.order(batches)
         if not ordered:
             return RoundPlan((), 0.0, 0.0, 0.0)
+        if not 0 < decode_share <= 1:
+            raise ValueError("decode_share must be in (0, 1]")
+        tbt_s = self.tbt_s * decode_share
+        bound_s = None if self.round_bound_s is None else self.round_bound_s * decode_share
         models = {b.model for b in ordered}
         steps = [max(b.step_s, _MIN_STEP_S) for b in ordered]
         c = sum(switch_s[m] for m in models) if len(models) > 1 else 0.0
-        n = [self.tbt_s / t for t in steps]
+        n = [tbt_s / t for t in steps]
         inv_sum = sum(1.0 / nk for nk in n)
         if c <= 0:
             # No switch in the round (one model, or zero estimates): Q_MAX each,
             # shortened evenly to fit the round bound.
             quota = self.q_max_s
-            if self.round_bound_s is not None:
-                quota = min(quota, self.round_bound_s / len(ordered))
+            if bound_s is not None:
+                quota = min(quota, bound_s / len(ordered))
             turns = tuple(
                 Turn(b.batch_id, b.model, max(quota, t))
                 for b, t in zip(ordered, steps, strict=True)
@@ -182,8 +200,8 @@ class RoundRobinPlanner:
                 turns, max(inv_sum, self.alpha_min), 0.0, sum(t.quota_s for t in turns)
             )
         alpha = max(c / (min(n) * self.q_max_s) + inv_sum, self.alpha_min)
-        if self.round_bound_s is not None:
-            alpha = max(alpha, inv_sum + c * inv_sum / self.round_bound_s)
+        if bound_s is not None:
+            alpha = max(alpha, inv_sum + c * inv_sum / bound_s)
         slack = alpha - inv_sum  # > 0: alpha >= inv_sum + c / (min n Q_MAX)
         turns = tuple(
             Turn(b.batch_id, b.model, max(c / (nk * slack), t))
@@ -214,6 +232,7 @@ class RoundRobinPlanner:
         turned_ids: Collection[int] | None = None,
         served_ids: Collection[int] = (),
         switch_s: Callable[[str], float] | None = None,
+        decode_share: float = 1.0,
     ) -> RoundPlan:
         """Alg. 2, lines 5-7, on a decode instance's work list.
 
@@ -223,7 +242,8 @@ class RoundRobinPlanner:
         and plans the quotas with Eq. 4 switch estimates (or ``switch_s(model)``,
         e.g. a live instance's measured switch overheads). ``turned_ids``: the
         batches that have had a turn (the others are fresh; ``None``: none is
-        fresh); ``served_ids``: those served in the round being re-planned.
+        fresh); ``served_ids``: those served in the round being re-planned;
+        ``decode_share``: as :meth:`plan`.
         """
         loads = []
         for batch in work_list.group_by_model():
@@ -233,4 +253,5 @@ class RoundRobinPlanner:
             served = batch.batch_id in served_ids
             loads.append(BatchLoad(batch.batch_id, batch.model, step, fresh, served))
         estimate = switch_s or latency.switch_s
-        return self.plan(loads, {b.model: estimate(b.model) for b in loads})
+        switches = {b.model: estimate(b.model) for b in loads}
+        return self.plan(loads, switches, decode_share=decode_share)

@@ -11,11 +11,15 @@ tokens every step. Requests join as soon as their own KV has arrived.
 Under request-level policies the same loop serves ``RunRequest``: the
 request is prefilled here first and its batch holds the instance's only
 model (the policy gives an instance one model at a time).
+
+A hybrid instance (a prefill instance decoding when idle) plans its rounds for
+the share of its time its prefills leave (:class:`~aegaeon_sched.DecodeShare`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
@@ -28,6 +32,7 @@ from aegaeon_runtime.worker import Worker
 from aegaeon_sched import (
     BatchLoad,
     DecodeBatch,
+    DecodeShare,
     DecodeWorkList,
     LatencyModel,
     RoundRobinPlanner,
@@ -71,6 +76,8 @@ class DecodeLoop:
         self.prefill = PrefillSide(worker, outbox, self.counters) if hybrid else None
         if self.prefill is not None:
             self.turns.preempt = self.prefill.pending
+        # Its prefills take part of its time: rounds are planned for the rest.
+        self._share = DecodeShare()
         # After a round cut short (a prefill first, a new batch) the batches that
         # have not had a turn since the last complete round go first.
         self._served = ServedInRound()
@@ -127,7 +134,11 @@ class DecodeLoop:
             for b in batches
         ]  # fmt: skip
         models = {b.model for b in batches}
-        plan = self.planner.plan(loads, {m: self.turns.switch_estimate(m) for m in models})
+        share = 1.0
+        if self.prefill is not None:
+            share = self._share.observe(time.monotonic(), self.counters.prefill_s)
+        switches = {m: self.turns.switch_estimate(m) for m in models}
+        plan = self.planner.plan(loads, switches, decode_share=share)
         self.counters.rounds += 1
         order = [t.batch_id for t in plan.turns]
         for i, turn in enumerate(plan.turns):

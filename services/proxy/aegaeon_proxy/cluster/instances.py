@@ -22,6 +22,7 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.transport import Pusher
 from aegaeon_common.wire import Message
+from aegaeon_sched import DecodeShare
 
 DEAD_AFTER_S = 5.0
 MAX_SWITCH_RECORDS = 20000
@@ -123,24 +124,13 @@ class Instances:
             view.pusher.close()
 
 
-@dataclass
 class DecodeShares:
-    """Each hybrid instance's share of time left for decoding, from its heartbeats.
+    """Each hybrid instance's share of time left for decoding, from its heartbeats
+    (:class:`~aegaeon_sched.DecodeShare`'s rule, one per instance, on this clock)."""
 
-    ``1 - (prefill compute seconds / wall seconds)`` between heartbeats,
-    smoothed (a moving average over ~5 s), for Algorithm 2's placement.
-    """
-
-    smoothing: float = 0.1
-    _last: dict[str, tuple[float, float]] = field(default_factory=dict)
-    _busy: dict[str, float] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self._shares: dict[str, DecodeShare] = {}
 
     def observe(self, instance: str, prefill_s: float) -> float:
-        now = time.monotonic()
-        last = self._last.get(instance)
-        self._last[instance] = (now, prefill_s)
-        if last is not None and now > last[0] and prefill_s >= last[1]:
-            busy = min(1.0, (prefill_s - last[1]) / (now - last[0]))
-            old = self._busy.get(instance, busy)
-            self._busy[instance] = old + self.smoothing * (busy - old)
-        return 1.0 - self._busy.get(instance, 0.0)
+        share = self._shares.setdefault(instance, DecodeShare(min_interval_s=0.0))
+        return share.observe(time.monotonic(), prefill_s)
