@@ -106,9 +106,8 @@ def _settings(
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     import aiohttp
+    from aegaeon_common.process import run_fast
     from aegaeon_sched.slo import SLO
     from tqdm import tqdm
 
@@ -121,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
     base_url = _base_url(args.url)
     try:
-        served = asyncio.run(_models(base_url))
+        served = run_fast(_models(base_url))
         models = served[: args.models] if args.models else served
         limits = model_limits(
             models, args.market, vocab_size=args.vocab_size, max_context=args.max_context
@@ -154,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
 
     options = RunOptions(base_url, args.duration, grace_s=args.grace)
     try:
-        outcome = asyncio.run(run_load(planned, options, on_done=on_done))
+        outcome = run_fast(run_load(planned, options, on_done=on_done))
     except (ServiceError, aiohttp.ClientError, TimeoutError) as exc:
         print(f"aegaeon bench serve: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # the open streams are closed by asyncio.run's cleanup
+    except KeyboardInterrupt:  # the open streams are closed by the runner's cleanup
         print("aegaeon bench serve: interrupted, nothing written", file=sys.stderr)
         return 130
     finally:

@@ -92,16 +92,25 @@ async def stream_completion(
                 text = await resp.text()
                 progress.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
                 return
-            async for raw in resp.content:
+            # Whatever the socket has is read at once and split into lines: an
+            # event's tokens are stamped when its bytes arrived, and a read
+            # carrying several events costs one wake-up, not two per event.
+            pending = b""
+            async for data in resp.content.iter_any():
                 now_s = time.time()
-                line = raw.strip()
-                if not line.startswith(b"data:"):
+                *lines, pending = (pending + data).split(b"\n")
+                for raw in lines:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        progress.done = finished
+                        break
+                    finished = _on_event(progress, json.loads(payload), now_s) or finished
+                else:
                     continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    progress.done = finished
-                    break
-                finished = _on_event(progress, json.loads(payload), now_s) or finished
+                break  # [DONE]
     except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a bad JSON event
         progress.error = f"{type(exc).__name__}: {exc}"
         return

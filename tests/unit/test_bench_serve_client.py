@@ -41,6 +41,13 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         await resp.write(_event({"error": {"message": "generation failed"}}))
         await resp.write(b"data: [DONE]\n\n")
         return resp
+    if model == "split":  # the same stream cut anywhere: events across and within reads
+        data = b"".join(_chunk(f"t{k}") for k in range(n - 1))
+        data += _chunk("", finish="length") + _chunk(None, usage=n) + b"data: [DONE]\n\n"
+        for i in range(0, len(data), 7):
+            await resp.write(data[i : i + 7])
+            await asyncio.sleep(0.002)
+        return resp
     for k in range(n - 1):  # the last token's text is held back, as a detokenizer may
         await resp.write(_chunk(f"t{k}"))
         await asyncio.sleep(0.01)
@@ -84,7 +91,8 @@ async def _run(planned: list[PlannedRequest], options: dict[str, float]) -> RunO
 
 def test_open_loop_run_records_every_outcome() -> None:
     planned = [_planned("stuck", 0.0), _planned("good", 0.1, n=5), _planned("refused", 0.2),
-               _planned("broken", 0.25), _planned("good", 0.3, n=1)]  # fmt: skip
+               _planned("broken", 0.25), _planned("good", 0.3, n=1),
+               _planned("split", 0.05, n=6)]  # fmt: skip
     opts = {"duration_s": 0.4, "grace_s": 0.6, "sample_interval_s": 0.1}
     outcome = asyncio.run(_run(planned, opts))
     records = {r.request_id: r for r in outcome.records()}
@@ -98,6 +106,8 @@ def test_open_loop_run_records_every_outcome() -> None:
     assert good.num_events == 4 and len(good.token_times_s) == 5  # 5 tokens in 4 events
     assert good.token_times_s[-1] >= good.token_times_s[-2]  # the held token: at the finish
     assert records["good/0.3"].status == "ok" and len(records["good/0.3"].token_times_s) == 1
+    split = records["split/0.05"]
+    assert split.status == "ok" and split.num_events == 5 and len(split.token_times_s) == 6
     stuck = records["stuck/0.0"]
     assert stuck.status == "failed" and "unfinished" in (stuck.error or "")
     assert len(stuck.token_times_s) == 1  # what came before the deadline still counts

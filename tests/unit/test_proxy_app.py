@@ -41,6 +41,7 @@ class ScriptedBackend:
         self.token_ids: list[int] = []
         self.finish: FinishReason = "length"
         self.step_s = 0.0
+        self.burst = False  # push every chunk at once (a busy proxy finds them queued)
         self.hang = False  # send nothing until cancelled
         self.refuse: BackendError | None = None
         self.is_ready = True
@@ -81,7 +82,8 @@ class ScriptedBackend:
             return
         ids = self.token_ids[: req.sampling.max_tokens]
         for i, token_id in enumerate(ids):
-            await asyncio.sleep(self.step_s)
+            if not self.burst:
+                await asyncio.sleep(self.step_s)
             last = i == len(ids) - 1
             queue.push(TokenChunk((token_id,), self.finish if last else None, "boom"))
         if not ids:
@@ -141,6 +143,36 @@ def test_completion_stream_framing_and_usage(proxy_market: Path) -> None:
         assert chunks[-1]["choices"] == []
         assert chunks[-1]["usage"] == {"prompt_tokens": p, "completion_tokens": n,
                                        "total_tokens": p + n}  # fmt: skip
+
+    run(proxy_market, scenario)
+
+
+def test_tokens_found_queued_leave_in_one_write_as_separate_events(
+    proxy_market: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiohttp import web
+
+    writes: list[bytes] = []
+    original = web.StreamResponse.write
+
+    async def counting_write(self: web.StreamResponse, data: Any) -> None:
+        writes.append(bytes(data))
+        await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counting_write)
+
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("one two three four five", add_special_tokens=False)
+        backend.burst = True
+        body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        events = await sse_events(await client.post("/v1/completions", json=body))
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+        # one event per token, then the finish and the usage: as if written one by one
+        assert len(chunks) == len(backend.token_ids) + 2
+        assert "".join(texts) == "one two three four five"
+        assert len(writes) == 1 and writes[0].decode().endswith("data: [DONE]\n\n")
 
     run(proxy_market, scenario)
 

@@ -9,11 +9,12 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aegaeon_common.logs import get_logger, setup_logging
 
 _PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
 
 
 def die_with_parent() -> None:
@@ -38,6 +39,16 @@ def set_title(title: str) -> None:
         pass
 
 
+def run_fast(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)`` on uvloop when it is installed (the services' loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def run_service(
     name: str, main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], *, child: bool = True
 ) -> int:
@@ -51,12 +62,6 @@ def run_service(
     if child:
         die_with_parent()
     log = get_logger("process")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -66,7 +71,7 @@ def run_service(
         await main(stop)
 
     try:
-        asyncio.run(runner())
+        run_fast(runner())
     except Exception:
         log.exception("fatal", service=name)
         return 1

@@ -158,6 +158,10 @@ class TokenQueue:
             self._closed = True
         self._queue.put_nowait(chunk)
 
+    def ready(self) -> bool:
+        """A chunk can be read without waiting."""
+        return not self._queue.empty()
+
     def push_threadsafe(self, chunk: TokenChunk) -> None:
         self._loop.call_soon_threadsafe(self.push, chunk)
 

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Literal
 
 from aegaeon_proxy.assets import ModelAssets
-from aegaeon_proxy.backend import Backend, BackendError, GenerationRequest, TokenChunk, TokenStream
+from aegaeon_proxy.backend import (
+    Backend,
+    BackendError,
+    GenerationRequest,
+    TokenChunk,
+    TokenQueue,
+    TokenStream,
+)
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.metrics import ProxyMetrics
@@ -70,11 +77,20 @@ class Generation:
         self._metrics.in_flight.inc(model)
         self._metrics.prompt_tokens.inc(model, amount=self.prompt_tokens)
 
-    async def deltas(self) -> AsyncGenerator[str, None]:
-        """Text as it becomes safe to send ('' never yielded); raises APIError on failure."""
+    async def deltas(
+        self, before_wait: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncGenerator[str, None]:
+        """Text as it becomes safe to send ('' never yielded); raises APIError on failure.
+
+        ``before_wait`` is awaited whenever the next chunk is not there yet, so
+        a consumer may hold what it got while more is ready (one socket write
+        for the tokens a busy proxy finds queued) and send it before a wait.
+        """
         assert self._stream is not None, "submit() first"
         try:
             while self.finish_reason is None:
+                if before_wait is not None and not self._ready(self._stream):
+                    await before_wait()
                 chunk = await self._next(self._stream)
                 text = self._on_chunk(chunk)
                 if self._stop.stopped:
@@ -99,7 +115,13 @@ class Generation:
             await self._backend.cancel(self.req.request_id)
         self._record_end()
 
+    @staticmethod
+    def _ready(stream: TokenStream) -> bool:
+        return isinstance(stream, TokenQueue) and stream.ready()
+
     async def _next(self, stream: TokenStream) -> TokenChunk:
+        if self._ready(stream):  # no wait, so no deadline to arm
+            return await anext(stream)
         try:
             async with asyncio.timeout_at(self._loop_deadline()):
                 return await anext(stream)

@@ -120,13 +120,15 @@ async def _stream(
         first = shapes.first(head, usage_field)
         if first is not None:
             await sse.send(first)
-        async with contextlib.aclosing(gen.deltas()) as deltas:
+        # Each token is its own event; the events a busy proxy finds ready
+        # leave in one write (flushed whenever the next token is not there yet).
+        async with contextlib.aclosing(gen.deltas(sse.flush)) as deltas:
             async for text in deltas:
-                await sse.send(shapes.delta(head, text, usage_field))
+                sse.add(shapes.delta(head, text, usage_field))
         assert gen.finish_reason is not None
-        await sse.send(shapes.finish(head, gen.finish_reason, usage_field))
+        sse.add(shapes.finish(head, gen.finish_reason, usage_field))
         if usage_field:
-            await sse.send(shapes.usage(head, _usage(gen)))
+            sse.add(shapes.usage(head, _usage(gen)))
     except APIError as exc:
         await sse.send(exc.body())
     except ConnectionResetError:

@@ -55,14 +55,28 @@ class SSEWriter:
         )
         self.response.content_type = "text/event-stream"
         self.response.charset = "utf-8"
+        self._held: list[str] = []
 
     async def open(self) -> None:
         self._request[STREAMING] = True
         await self.response.prepare(self._request)
 
+    def add(self, obj: Any) -> None:
+        """Queue an event; it leaves with the next :meth:`flush`, :meth:`send` or :meth:`done`."""
+        self._held.append(f"data: {dumps(obj)}\n\n")
+
+    async def flush(self) -> None:
+        """Write the queued events, as one write."""
+        if self._held:
+            data = "".join(self._held).encode()
+            self._held.clear()
+            await self.response.write(data)
+
     async def send(self, obj: Any) -> None:
-        await self.response.write(f"data: {dumps(obj)}\n\n".encode())
+        self.add(obj)
+        await self.flush()
 
     async def done(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
+        self._held.append("data: [DONE]\n\n")
+        await self.flush()
         await self.response.write_eof()
