@@ -90,9 +90,9 @@ async def _run(planned: list[PlannedRequest], options: dict[str, float]) -> RunO
 
 
 def test_open_loop_run_records_every_outcome() -> None:
-    planned = [_planned("stuck", 0.0), _planned("good", 0.1, n=5), _planned("refused", 0.2),
-               _planned("broken", 0.25), _planned("good", 0.3, n=1),
-               _planned("split", 0.05, n=6)]  # fmt: skip
+    planned = [_planned("stuck", 0.0), _planned("split", 0.05, n=6), _planned("good", 0.1, n=5),
+               _planned("refused", 0.2), _planned("broken", 0.25),
+               _planned("good", 0.3, n=1)]  # fmt: skip
     opts = {"duration_s": 0.4, "grace_s": 0.6, "sample_interval_s": 0.1}
     outcome = asyncio.run(_run(planned, opts))
     records = {r.request_id: r for r in outcome.records()}
