@@ -56,6 +56,24 @@ def test_top_k_and_top_p_restrict_support() -> None:
     assert drawn <= set(order[:nucleus]) and len(drawn) > 1
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_draws_follow_the_tempered_distribution(seeded: bool) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0, -0.5])
+    params = SamplingParams(temperature=0.8, top_k=5, seed=11 if seeded else None)
+    probs = (logits / 0.8).masked_fill(logits == logits.min(), -torch.inf).softmax(-1)
+    sampler = Sampler(seed=3)
+    rows, steps = 500, 40
+    gens = [SamplingParams(seed=i).make_generator(torch.device("cpu")) if seeded else None
+            for i in range(rows)]  # fmt: skip
+    counts = torch.zeros(6)
+    for _ in range(steps):
+        drawn = sampler.sample(logits.expand(rows, 6), [params] * rows, gens)
+        counts += torch.bincount(torch.tensor(drawn), minlength=6)
+    freq = counts / (rows * steps)
+    assert freq[3] == 0  # cut by top_k: never drawn
+    assert torch.allclose(freq, probs, atol=0.01), (freq, probs)
+
+
 def test_seeded_rows_ignore_their_neighbours() -> None:
     logits = _logits(4, 64, seed=2)
     sampler = Sampler(seed=9)
