@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import CancelRequest
-from aegaeon_common.messages.report import RequestFailed, StepTokens, TokenItem
+from aegaeon_common.messages.report import RequestFailed
 from aegaeon_common.transport import RemoteError
 from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Outbox
@@ -15,6 +13,7 @@ from aegaeon_runtime.sampling import engine_params, resume_generator
 from aegaeon_runtime.worker import Worker
 from aegaeon_sched import DecodeWorkList, Request
 
+from aegaeon_decode.emit import HOLD_TBT_FRACTION, TokenEmitter
 from aegaeon_decode.residency import Residency
 from aegaeon_decode.seq import Seq
 from aegaeon_decode.stats import DecodeCounters
@@ -38,6 +37,8 @@ class Admission:
         self.counters = counters
         self.seqs: dict[str, Seq] = {}
         self._local_batches: dict[str, int] = {}
+        hold_s = HOLD_TBT_FRACTION * worker.config.slo.tbt_s
+        self.tokens = TokenEmitter(outbox, worker.index, hold_s)
 
     def _add(self, seq: Seq, max_tokens: int) -> bool:
         request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens)
@@ -122,8 +123,5 @@ class Admission:
     def refuse(self, request_id: str, code: str, message: str) -> None:
         self.counters.failed += 1
         w = self.worker
+        self.tokens.flush()  # what a request got before its failure arrives first
         self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))
-
-    def emit(self, items: list[TokenItem]) -> None:
-        if items:
-            self.outbox.send(StepTokens(self.worker.index, items, time.time()))

@@ -52,6 +52,7 @@ class TurnRunner:
         # True when something more urgent waits (a hybrid instance's prefill).
         self.preempt: Callable[[], bool] = lambda: False
         self._following: list[int] = []
+        self._turn_steps = 0  # decode steps of the turn in progress
         # Per model, a moving average of a turn's time not spent in decode steps
         # (switch-in, waiting for a prefetch to land, swap-ins, bookkeeping): the
         # switch cost the planner's c should count, which the Eq. 4 estimate
@@ -127,6 +128,7 @@ class TurnRunner:
         switch_s = time.perf_counter() - start
         kv_wait_s = 0.0
         deadline = time.perf_counter() + quota_s
+        self._turn_steps = 0
         try:
             while time.perf_counter() < deadline:
                 self.poll()
@@ -142,6 +144,7 @@ class TurnRunner:
                 ready = [s for s in seqs if s.ready()]
                 if not ready:
                     waiting = [s for s in seqs if s.on_device]
+                    self.admission.tokens.flush()
                     time.sleep(KV_POLL_S)
                     kv_wait_s += KV_POLL_S
                     for s in waiting:
@@ -151,6 +154,7 @@ class TurnRunner:
                     continue
                 self._step(batch, ready)
         finally:
+            self.admission.tokens.flush()
             busy_s = time.perf_counter() - start - (self.counters.decode_s - decode_before)
             if self.counters.steps > steps_before:  # a turn that decoded nothing says little
                 self._observe_overhead(batch.model, busy_s)
@@ -224,7 +228,13 @@ class TurnRunner:
             items.append(TokenItem(seq.request_id, [token], finish, timings))
             if finish:
                 self.admission.finish(seq)
-        self.admission.emit(items)
+        # a turn's first tokens may have waited a round: they leave at once, as
+        # do tokens close to their deadlines (aegaeon_decode.emit)
+        slo = w.config.slo
+        due = (s.arrival_s + slo.ttft_s + (len(s.tokens) - 1) * slo.tbt_s for s in stepping)
+        emitter = self.admission.tokens
+        emitter.add(items, urgent=self._turn_steps == 0 or emitter.near(due, now, seconds))
+        self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)
         self.counters.decode_s += seconds

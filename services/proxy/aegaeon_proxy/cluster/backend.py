@@ -207,7 +207,12 @@ class ClusterBackend:
                 continue  # cancelled; the instance already got the cancel
             tracked.num_generated += len(item.token_ids)
             reason = item.finish_reason
-            tracked.queue.push(TokenChunk(tuple(item.token_ids), reason))  # type: ignore[arg-type]
+            # One chunk per token, so each reaches the client as its own event
+            # (an instance sends several steps' tokens of a request together).
+            ids = item.token_ids
+            for token_id in ids[:-1]:
+                tracked.queue.push(TokenChunk((token_id,), None))
+            tracked.queue.push(TokenChunk(tuple(ids[-1:]), reason))  # type: ignore[arg-type]
             if reason is not None:
                 self.timings.add(tracked, reason, item.timings)
                 self._end(item.request_id, reason)

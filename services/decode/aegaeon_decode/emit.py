@@ -1,0 +1,70 @@
+"""Tokens leaving a decode instance: one message per few steps of a running turn.
+
+Every message costs the same on its way out whatever it carries: a send here,
+a receive and a wake-up of each request's stream in the proxy, a socket
+write there and a read in the client. Inside a turn steps come every few
+milliseconds, far inside the TBT target, so the tokens of consecutive steps
+may travel together (each is still its own event to the client):
+
+- the tokens of a turn's first step leave at once: they may have waited a
+  whole round;
+- so do a step's tokens when one of them is due (``arrival + TTFT + k TBT``
+  for token ``k``, the SLO's deadline) within ``hold_s`` plus a step: holding
+  a token never makes it late (one already late is held: it is missed
+  either way, and sending it alone would cost the others their time);
+- a request's last token (its finish) leaves at once;
+- otherwise tokens are held until the oldest has waited ``hold_s`` (one TBT
+  target by default), and whatever is held leaves when the turn ends or the
+  instance is about to wait.
+
+``hold_s = 0`` sends every step's tokens as they come.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from aegaeon_common.messages.report import StepTokens, TokenItem
+from aegaeon_runtime.bridge import Outbox
+
+HOLD_TBT_FRACTION = 1.0
+
+
+class TokenEmitter:
+    """See the module docstring."""
+
+    def __init__(self, outbox: Outbox, index: int, hold_s: float) -> None:
+        self.outbox = outbox
+        self.index = index
+        self.hold_s = max(0.0, hold_s)
+        self._held: dict[str, TokenItem] = {}
+        self._since: float | None = None  # perf_counter of the oldest held token
+
+    def near(self, deadlines_s: Iterable[float], now_s: float, step_s: float) -> bool:
+        """Is one of these deadlines (wall clock) ahead, but closer than a hold and a step?"""
+        return any(0.0 <= d - now_s < self.hold_s + step_s for d in deadlines_s)
+
+    def add(self, items: list[TokenItem], *, urgent: bool = False) -> None:
+        """A step's tokens; ``urgent``: send now (a turn's first step, a deadline near)."""
+        if not items:
+            return
+        for item in items:
+            held = self._held.get(item.request_id)
+            self._held[item.request_id] = item if held is None else TokenItem(
+                item.request_id, held.token_ids + item.token_ids, item.finish_reason,
+                item.timings,
+            )  # the same request's earlier steps: one item, tokens in order
+        now = time.perf_counter()
+        if self._since is None:
+            self._since = now
+        finished = any(item.finish_reason is not None for item in items)
+        if urgent or finished or now - self._since >= self.hold_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._held:
+            items = list(self._held.values())
+            self._held.clear()
+            self.outbox.send(StepTokens(self.index, items, time.time()))
+        self._since = None
