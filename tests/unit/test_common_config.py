@@ -51,6 +51,7 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
         ("models: [{name: a, path: x}]\ndecode: {device_memory: lots}\n", "decode.device_memory"),
         ("modelz: []\n", "modelz"),
         ("models: [{name: a, path: x}]\nscheduler: {policy: magic}\n", "scheduler.policy"),
+        ("models: [{name: a, path: x}]\nscheduler: {token_hold: 2}\n", "scheduler.token_hold"),
         ("models: [{name: a, path: x}]\nproxy: {port: eighty}\n", "proxy.port"),
         ("models: [{name: a, path: x}, {name: a, path: y}]\n", "models"),
         ("models: [{path: x}]\n", "models[0].name"),
@@ -84,6 +85,7 @@ def test_defaults() -> None:
     assert config.scheduler.policy == "aegaeon"
     assert config.scheduler.max_group_size == 8
     assert config.scheduler.q_max_s == 4.0
+    assert config.scheduler.token_hold == 1.0
     assert config.slo.ttft_s == 10.0 and config.slo.tbt_s == 0.1
     assert config.decode.weights == "auto" and config.decode.maps_weights  # CPU: in place
 

@@ -88,6 +88,10 @@ class SchedulerConfig:
     switch_beta: float = 0.625  # Eq. 4 correction factor
     # Beyond the paper: prefill instances decode when no prefill waits (hybrid).
     prefill_decodes_when_idle: bool = True
+    # A decode instance holds a turn's tokens up to this x the TBT target and
+    # sends them together, never past a deadline (aegaeon_decode.emit); 0: every
+    # step's tokens as they come.
+    token_hold: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,8 @@ def config_from_dict(
     sched: SchedulerConfig = sections["scheduler"]
     if sched.policy not in POLICIES:
         raise ConfigError(source, "scheduler.policy", f"{sched.policy!r} is not one of {POLICIES}")
+    if not 0 <= sched.token_hold <= 1:
+        raise ConfigError(source, "scheduler.token_hold", "must be in [0, 1] (x the TBT target)")
     for key in ("prefill", "decode"):
         inst: InstancesConfig = sections[key]
         if inst.kv_memory_bytes >= inst.device_memory_bytes:

@@ -13,7 +13,7 @@ from aegaeon_runtime.sampling import engine_params, resume_generator
 from aegaeon_runtime.worker import Worker
 from aegaeon_sched import DecodeWorkList, Request
 
-from aegaeon_decode.emit import HOLD_TBT_FRACTION, TokenEmitter
+from aegaeon_decode.emit import TokenEmitter
 from aegaeon_decode.residency import Residency
 from aegaeon_decode.seq import Seq
 from aegaeon_decode.stats import DecodeCounters
@@ -37,7 +37,8 @@ class Admission:
         self.counters = counters
         self.seqs: dict[str, Seq] = {}
         self._local_batches: dict[str, int] = {}
-        hold_s = HOLD_TBT_FRACTION * worker.config.slo.tbt_s
+        config = worker.config
+        hold_s = config.scheduler.token_hold * config.slo.tbt_s
         self.tokens = TokenEmitter(outbox, worker.index, hold_s)
 
     def _add(self, seq: Seq, max_tokens: int) -> bool:

@@ -13,9 +13,9 @@ may travel together (each is still its own event to the client):
   a token never makes it late (one already late is held: it is missed
   either way, and sending it alone would cost the others their time);
 - a request's last token (its finish) leaves at once;
-- otherwise tokens are held until the oldest has waited ``hold_s`` (one TBT
-  target by default), and whatever is held leaves when the turn ends or the
-  instance is about to wait.
+- otherwise tokens are held until the oldest has waited ``hold_s``
+  (``scheduler.token_hold`` x the TBT target, 1 by default), and whatever is
+  held leaves when the turn ends or the instance is about to wait.
 
 ``hold_s = 0`` sends every step's tokens as they come.
 """
@@ -27,8 +27,6 @@ from collections.abc import Iterable
 
 from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_runtime.bridge import Outbox
-
-HOLD_TBT_FRACTION = 1.0
 
 
 class TokenEmitter:
