@@ -7,6 +7,7 @@ from typing import Any
 from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_decode.emit import TokenEmitter
+from aegaeon_sched import SLO
 
 
 class Sent:
@@ -29,7 +30,7 @@ def _step(*tokens: tuple[str, int]) -> list[TokenItem]:
 
 def test_steps_travel_together_in_order_until_the_turn_flushes() -> None:
     sent = Sent()
-    emit = TokenEmitter(sent, index=3, hold_s=60.0)  # type: ignore[arg-type]
+    emit = TokenEmitter(sent, index=3, slo=SLO(2.0, 60.0), hold=1.0)  # type: ignore[arg-type]
     emit.add(_step(("a", 1), ("b", 10)), urgent=True)  # a turn's first step: at once
     assert sent.tokens(0) == {"a": [1], "b": [10]} and sent.messages[0].index == 3
     emit.add(_step(("a", 2), ("b", 11)))
@@ -43,7 +44,7 @@ def test_steps_travel_together_in_order_until_the_turn_flushes() -> None:
 
 def test_a_finish_leaves_at_once_with_what_its_request_held() -> None:
     sent = Sent()
-    emit = TokenEmitter(sent, index=0, hold_s=60.0)  # type: ignore[arg-type]
+    emit = TokenEmitter(sent, index=0, slo=SLO(2.0, 60.0), hold=1.0)  # type: ignore[arg-type]
     emit.add(_step(("a", 1), ("b", 10)))
     timings = RequestTimings(decode_s=1.0)
     emit.add([TokenItem("a", [2], "length", timings), TokenItem("b", [11])])
@@ -55,7 +56,7 @@ def test_a_finish_leaves_at_once_with_what_its_request_held() -> None:
 
 def test_without_a_hold_every_step_leaves_as_it_comes() -> None:
     sent = Sent()
-    emit = TokenEmitter(sent, index=0, hold_s=0.0)  # type: ignore[arg-type]
+    emit = TokenEmitter(sent, index=0, slo=SLO(2.0, 0.025), hold=0.0)  # type: ignore[arg-type]
     for token in range(3):
         emit.add(_step(("a", token)))
     assert [sent.tokens(i) for i in range(3)] == [{"a": [0]}, {"a": [1]}, {"a": [2]}]
@@ -64,9 +65,12 @@ def test_without_a_hold_every_step_leaves_as_it_comes() -> None:
 
 
 def test_only_a_deadline_ahead_and_closer_than_a_hold_and_a_step_is_near() -> None:
-    emit = TokenEmitter(Sent(), index=0, hold_s=0.025)  # type: ignore[arg-type]
-    now, step = 100.0, 0.003
-    assert emit.near([now + 0.02], now, step)  # within the hold: holding could make it late
-    assert not emit.near([now + 0.5, now + 0.029], now, step)  # room for a hold and a step
-    assert not emit.near([now - 0.01], now, step)  # already late: held, missed either way
-    assert emit.near([now + 1.0, now + 0.001], now, step)
+    # TTFT 2 s, TBT 25 ms, hold one TBT: token k of a request that arrived at 0
+    # is due at 2 + 0.025 k
+    emit = TokenEmitter(Sent(), index=0, slo=SLO(2.0, 0.025), hold=1.0)  # type: ignore[arg-type]
+    step = 0.003
+    now = 2.0 + 0.025 * 10 - 0.02  # token 10 is due in 20 ms
+    assert emit.near([(0.0, 10)], now, step)  # within the hold: holding could make it late
+    assert not emit.near([(0.0, 30), (0.0, 12)], now, step)  # 30 ms: room for a hold and a step
+    assert not emit.near([(0.0, 9)], now, step)  # already late: held, missed either way
+    assert emit.near([(0.0, 50), (0.0, 10)], now, step)  # any one of them

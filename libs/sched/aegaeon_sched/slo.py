@@ -46,6 +46,10 @@ class SLO:
     def scaled(self, factor: float) -> SLO:
         return SLO(self.ttft_s * factor, self.tbt_s * factor)
 
+    def deadline_s(self, arrival_s: float, k: int) -> float:
+        """When token ``k`` (0: the first) of a request that arrived at ``arrival_s`` is due."""
+        return arrival_s + self.ttft_s + k * self.tbt_s
+
 
 @dataclass(frozen=True)
 class RequestTrace:
@@ -65,7 +69,7 @@ class RequestTrace:
 def _deadlines(trace: RequestTrace, slo: SLO) -> Iterator[float]:
     # Deadlines come from itertools.count (C speed); its repeated float
     # additions drift by ~1e-13 s over thousands of tokens, far below _EPS_S.
-    return itertools.count(trace.arrival_s + slo.ttft_s + _EPS_S, slo.tbt_s)
+    return itertools.count(slo.deadline_s(trace.arrival_s, 0) + _EPS_S, slo.tbt_s)
 
 
 def tokens_met(trace: RequestTrace, slo: SLO) -> int:

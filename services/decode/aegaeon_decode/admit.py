@@ -11,7 +11,7 @@ from aegaeon_runtime.bridge import Outbox
 from aegaeon_runtime.kv import event_from_spec
 from aegaeon_runtime.sampling import engine_params, resume_generator
 from aegaeon_runtime.worker import Worker
-from aegaeon_sched import DecodeWorkList, Request
+from aegaeon_sched import SLO, DecodeWorkList, Request
 
 from aegaeon_decode.emit import TokenEmitter
 from aegaeon_decode.residency import Residency
@@ -38,8 +38,8 @@ class Admission:
         self.seqs: dict[str, Seq] = {}
         self._local_batches: dict[str, int] = {}
         config = worker.config
-        hold_s = config.scheduler.token_hold * config.slo.tbt_s
-        self.tokens = TokenEmitter(outbox, worker.index, hold_s)
+        slo = SLO(config.slo.ttft_s, config.slo.tbt_s)
+        self.tokens = TokenEmitter(outbox, worker.index, slo, config.scheduler.token_hold)
 
     def _add(self, seq: Seq, max_tokens: int) -> bool:
         request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens)

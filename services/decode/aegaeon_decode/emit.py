@@ -27,21 +27,28 @@ from collections.abc import Iterable
 
 from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_runtime.bridge import Outbox
+from aegaeon_sched import SLO
 
 
 class TokenEmitter:
     """See the module docstring."""
 
-    def __init__(self, outbox: Outbox, index: int, hold_s: float) -> None:
+    def __init__(self, outbox: Outbox, index: int, slo: SLO, hold: float) -> None:
+        """``hold``: how long tokens may wait, as a fraction of ``slo.tbt_s``."""
         self.outbox = outbox
         self.index = index
-        self.hold_s = max(0.0, hold_s)
+        self.slo = slo
+        self.hold_s = max(0.0, hold * slo.tbt_s)
         self._held: dict[str, TokenItem] = {}
         self._since: float | None = None  # perf_counter of the oldest held token
 
-    def near(self, deadlines_s: Iterable[float], now_s: float, step_s: float) -> bool:
-        """Is one of these deadlines (wall clock) ahead, but closer than a hold and a step?"""
-        return any(0.0 <= d - now_s < self.hold_s + step_s for d in deadlines_s)
+    def near(self, tokens: Iterable[tuple[float, int]], now_s: float, step_s: float) -> bool:
+        """Is one of these tokens (request arrival, index) due ahead of ``now_s``
+        (wall clock), but sooner than a hold and a step?"""
+        return any(
+            0.0 <= self.slo.deadline_s(arrival_s, k) - now_s < self.hold_s + step_s
+            for arrival_s, k in tokens
+        )
 
     def add(self, items: list[TokenItem], *, urgent: bool = False) -> None:
         """A step's tokens; ``urgent``: send now (a turn's first step, a deadline near)."""

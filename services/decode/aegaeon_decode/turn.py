@@ -230,10 +230,9 @@ class TurnRunner:
                 self.admission.finish(seq)
         # a turn's first tokens may have waited a round: they leave at once, as
         # do tokens close to their deadlines (aegaeon_decode.emit)
-        slo = w.config.slo
-        due = (s.arrival_s + slo.ttft_s + (len(s.tokens) - 1) * slo.tbt_s for s in stepping)
         emitter = self.admission.tokens
-        emitter.add(items, urgent=self._turn_steps == 0 or emitter.near(due, now, seconds))
+        new = ((s.arrival_s, len(s.tokens) - 1) for s in stepping)
+        emitter.add(items, urgent=self._turn_steps == 0 or emitter.near(new, now, seconds))
         self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)

@@ -82,7 +82,12 @@ class TokenChunk:
     error: str | None = None  # why, when finish_reason == "error"
 
 
-TokenStream = AsyncIterator[TokenChunk]
+class TokenStream(Protocol):
+    """A request's chunks, in order; ``ready()``: the next one is there (no wait)."""
+
+    def __aiter__(self) -> AsyncIterator[TokenChunk]: ...
+    async def __anext__(self) -> TokenChunk: ...
+    def ready(self) -> bool: ...
 
 
 class BackendError(Exception):

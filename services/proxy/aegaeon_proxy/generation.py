@@ -20,7 +20,6 @@ from aegaeon_proxy.backend import (
     BackendError,
     GenerationRequest,
     TokenChunk,
-    TokenQueue,
     TokenStream,
 )
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
@@ -89,7 +88,7 @@ class Generation:
         assert self._stream is not None, "submit() first"
         try:
             while self.finish_reason is None:
-                if before_wait is not None and not self._ready(self._stream):
+                if before_wait is not None and not self._stream.ready():
                     await before_wait()
                 chunk = await self._next(self._stream)
                 text = self._on_chunk(chunk)
@@ -115,12 +114,8 @@ class Generation:
             await self._backend.cancel(self.req.request_id)
         self._record_end()
 
-    @staticmethod
-    def _ready(stream: TokenStream) -> bool:
-        return isinstance(stream, TokenQueue) and stream.ready()
-
     async def _next(self, stream: TokenStream) -> TokenChunk:
-        if self._ready(stream):  # no wait, so no deadline to arm
+        if stream.ready():  # no wait, so no deadline to arm
             return await anext(stream)
         try:
             async with asyncio.timeout_at(self._loop_deadline()):
