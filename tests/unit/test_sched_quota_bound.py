@@ -71,6 +71,13 @@ def test_decode_share_smooths_the_prefill_busy_fraction() -> None:
     assert share.observe(2.0, 0.4 + 0.8) == pytest.approx(1 - (0.4 + 0.5 * (0.8 - 0.4)))
     assert share.observe(3.0, 0.0) == share.share  # a counter reset is not an observation
     assert share.observe(4.0, 5.0) == pytest.approx(share.share) and share.share >= 0.0
+    busy = DecodeShare()
+    busy.observe(0.0, 0.0)
+    assert busy.observe(1.0, 1.0) > 0  # all prefill: still a share a planner can divide by
+    assert RoundRobinPlanner(0.1, ttft_s=2.0).plan(
+        [BatchLoad(0, "a", 0.01), BatchLoad(1, "b", 0.01)], {"a": 0.1, "b": 0.1},
+        decode_share=busy.share,
+    ).turns
 
 
 def test_one_model_rounds_are_bounded_too() -> None:

@@ -11,7 +11,8 @@ earn their tokens in less decode time).
 Rule: at each observation, the busy fraction since the previous one is
 ``d busy_s / d t`` (``busy_s``: the instance's cumulative prefill compute
 seconds), smoothed as ``busy += smoothing * (new - busy)`` with the first
-value taken as is; the share is ``1 - busy``. Observations closer than
+value taken as is; the share is ``1 - busy``, at least :data:`MIN_SHARE`
+(a planner divides by it). Observations closer than
 ``min_interval_s`` are ignored, so a caller may observe at every round
 (the proxy observes heartbeats, every 0.5 s).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 SMOOTHING = 0.1
 MIN_INTERVAL_S = 0.5
+MIN_SHARE = 1e-3
 
 
 class DecodeShare:
@@ -37,7 +39,7 @@ class DecodeShare:
 
     @property
     def share(self) -> float:
-        return 1.0 - (self._busy or 0.0)
+        return max(MIN_SHARE, 1.0 - (self._busy or 0.0))
 
     def observe(self, now_s: float, busy_s: float) -> float:
         """Note the cumulative busy seconds at ``now_s``; returns the share."""
