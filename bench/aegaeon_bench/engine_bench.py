@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
     parser.add_argument("--dtype", help="serving dtype (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument("--device", default="cpu",
+                        help="where ours and transformers run: cpu (default) or cuda[:N]")
     parser.add_argument("--cpus", help="cores every engine is pinned to, e.g. 0 or 0-3 "
                         "(default: 0..threads-1, as vLLM pins itself; 'none': no pinning)")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -194,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, spec.vocab_size, (BATCH, args.prompt_len), generator=gen).tolist()
-    work = Workload(model_dir, dtype, prompts, args.new_tokens)
+    work = Workload(model_dir, dtype, prompts, args.new_tokens, args.device)
     runners: dict[str, Any] = {"ours": OursRunner(work, args.threads)}
     if not args.no_transformers:
         runners["transformers"] = TransformersRunner(work, args.threads)
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
         "repeats": args.repeats, "cpus": cpus, "vllm": None,
         "native_kernels": runners["ours"].engine.native_kernels,
+        "device": args.device, "device_name": _device_name(args.device),
     }
     vllm, vllm_runs = _start_vllm(args, result, prompts)
     try:
@@ -234,13 +237,20 @@ def run(args: argparse.Namespace) -> int:
         _compare_greedy(result, timings["ours"].tokens_b8, timings["transformers"].tokens_b8,
                         runners["transformers"].greedy_alone())  # fmt: skip
     if hf and dtype != "float32":
-        exact = Workload(model_dir, "float32", prompts, args.new_tokens)
+        exact = Workload(model_dir, "float32", prompts, args.new_tokens, args.device)
         result["greedy_match"] = (OursRunner(exact, args.threads).greedy()
                                   == TransformersRunner(exact, args.threads).greedy_alone())
     _print_table(result)
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _device_name(device: str) -> str | None:
+    """The GPU's name for a CUDA device (None on the CPU)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else None
 
 
 def _print_table(result: dict[str, Any]) -> None:

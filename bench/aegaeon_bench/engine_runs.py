@@ -33,6 +33,7 @@ class Workload:
     dtype: str
     prompts: list[list[int]]
     num_new: int
+    device: str = "cpu"
 
 
 @dataclass
@@ -48,6 +49,8 @@ class Timings:
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn()
+    if torch.cuda.is_initialized():  # kernels still queued belong to this run
+        torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
 
@@ -60,13 +63,13 @@ class OursRunner:
         self.work = work
         spec = ModelSpec.from_dir(work.model_dir)
         layout = weight_layout(spec, work.dtype)
-        self.weights = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        self.weights = torch.empty(layout.total_bytes, dtype=torch.uint8, device=work.device)
         load_weights(work.model_dir, spec, layout, self.weights)
         kv = spec.kv_shape(work.dtype)
         self.per_seq = kv.blocks_for(len(work.prompts[0]) + work.num_new)
         self.kv = torch.zeros(len(work.prompts) * self.per_seq * kv.block_bytes,
-                              dtype=torch.uint8)
-        self.engine = Engine(num_threads=threads)
+                              dtype=torch.uint8, device=work.device)
+        self.engine = Engine(work.device, num_threads=threads)
         self.engine.bind(spec, self.weights, self.kv, work.dtype)
 
     def _blocks(self, i: int) -> list[int]:
@@ -112,7 +115,7 @@ class TransformersRunner:
         torch.set_num_threads(threads)
         self.work = work
         self.model = AutoModelForCausalLM.from_pretrained(
-            work.model_dir, dtype=getattr(torch, work.dtype))
+            work.model_dir, dtype=getattr(torch, work.dtype)).to(work.device)
 
     @torch.inference_mode()
     def _prefill(self, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -136,12 +139,12 @@ class TransformersRunner:
         bf16 transformers' own tokens vary with the batch size."""
         outs = []
         for prompt in self.work.prompts:
-            cache, first = self._prefill(torch.tensor([prompt]))
+            cache, first = self._prefill(torch.tensor([prompt], device=self.work.device))
             outs.extend(self._decode(cache, first))
         return outs
 
     def run(self, into: Timings) -> None:
-        ids = torch.tensor(self.work.prompts)
+        ids = torch.tensor(self.work.prompts, device=self.work.device)
         count, length, steps = ids.shape[0], ids.shape[1], self.work.num_new
         seconds, _ = _clock(lambda: [self._prefill(ids[i:i + 1]) for i in range(count)])
         into.prefill.append(count * length / seconds)
