@@ -49,7 +49,7 @@ class Timings:
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn()
-    if torch.cuda.is_initialized():  # kernels still queued belong to this run
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # queued kernels count
         torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
@@ -114,8 +114,9 @@ class TransformersRunner:
 
         torch.set_num_threads(threads)
         self.work = work
-        self.model = AutoModelForCausalLM.from_pretrained(
-            work.model_dir, dtype=getattr(torch, work.dtype)).to(work.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            work.model_dir, dtype=getattr(torch, work.dtype))
+        self.model = model.to(work.device)
 
     @torch.inference_mode()
     def _prefill(self, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:

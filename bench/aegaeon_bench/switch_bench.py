@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--cold-repeats", type=int, default=3, help="cold workers per model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    parser.add_argument("--device", default="cpu",
+                        help="the worker's device: cpu (default) or cuda[:N]; on CUDA the "
+                        "memcpy baseline is a pinned host -> device copy")
     parser.add_argument("--vllm-python", help="interpreter with vllm installed "
                         "(default: /tmp/vllm-venv/bin/python if it exists)")
     parser.add_argument("--no-vllm", action="store_true")
@@ -91,7 +94,12 @@ def measure_worker(models: dict[str, Path], args: argparse.Namespace,
     from aegaeon_bench.switch_kvfrag import run_kv_workload
     from aegaeon_bench.switch_preempt import measure_switches
     from aegaeon_bench.switch_rig import rig_sizes, switch_rig
-    from aegaeon_bench.switch_scaleup import PlainCopy, measure_scale_ups, scale_up_rows
+    from aegaeon_bench.switch_scaleup import (
+        PlainCopy,
+        measure_scale_ups,
+        plain_kind,
+        scale_up_rows,
+    )
 
     say = log or (lambda _msg: None)
     names = list(models)
@@ -100,14 +108,15 @@ def measure_worker(models: dict[str, Path], args: argparse.Namespace,
     shapes = [ModelSpec.from_dir(p).kv_shape(args.dtype) for p in models.values()]
     per_token = max(shape.block_bytes // shape.block_size for shape in shapes)
     kv_bytes = per_token * args.batch * (args.context + 16)
-    with switch_rig(models, args.dtype, rig_sizes(weight_bytes, kv_bytes), args.threads) as rig:
+    sizes = rig_sizes(weight_bytes, kv_bytes)
+    with switch_rig(models, args.dtype, sizes, args.threads, device=args.device) as rig:
         worker = rig.worker
         say("kv fragmentation workload")
         frag = run_kv_workload(worker.cache, {n: worker.kv_shape(n) for n in names},
                                args.kv_ops, args.seed)
         say("scale-ups")
         worker.switcher.prefetch_enabled = False
-        plain = PlainCopy(max(weight_bytes))
+        plain = PlainCopy(max(weight_bytes), args.device)
         scale = scale_up_rows(measure_scale_ups(worker.switcher, names, args.repeats, plain))
         del plain
         rows: dict[str, dict[str, Any]] = {r.model: asdict(r) for r in scale}
@@ -126,6 +135,10 @@ def measure_worker(models: dict[str, Path], args: argparse.Namespace,
             "kv_workload": asdict(frag),
             "check": {"models": small, **asdict(check)},
             "num_promotions": worker.switcher.num_promotions,
+            "device": args.device,
+            "memcpy": plain_kind(args.device),
+            "model_cache_pinned": {n: getattr(worker.cache.cached_model(n), "pinned", None)
+                                   for n in names},
         }
     return rows, extra
 

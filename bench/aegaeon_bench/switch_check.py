@@ -62,9 +62,10 @@ def greedy_tokens(worker: Worker, prompt: list[int], num_tokens: int) -> list[in
         worker.kv.free(shape, blocks)
 
 
-def reference_tokens(model_dir: Path, dtype: str, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy tokens of a fresh engine that loaded the checkpoint from disk."""
-    llm = LLM(model_dir, dtype=dtype, kv_cache_bytes=8 << 20, max_num_seqs=1)
+def reference_tokens(model_dir: Path, dtype: str, prompt: list[int], num_tokens: int,
+                     device: str = "cpu") -> list[int]:
+    """Greedy tokens of a fresh engine on ``device`` that loaded the checkpoint from disk."""
+    llm = LLM(model_dir, dtype=dtype, device=device, kv_cache_bytes=8 << 20, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     return llm.generate([prompt], params)[0]
 
@@ -80,7 +81,8 @@ def check_switches(worker: Worker, a: str, b: str, model_dirs: dict[str, Path], 
     for name in (a, b):
         vocab = worker.specs[name].vocab_size
         prompts[name] = torch.randint(0, vocab, (12,), generator=gen).tolist()
-        expected[name] = reference_tokens(model_dirs[name], dtype, prompts[name], num_tokens)
+        expected[name] = reference_tokens(model_dirs[name], dtype, prompts[name], num_tokens,
+                                          str(worker.engine.device))
     tokens_equal = True
     bytes_equal = True
     for name in (a, b, a):

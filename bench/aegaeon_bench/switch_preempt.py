@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from aegaeon_engine import DecodeSeq, KVShape
 from aegaeon_runtime.worker import Worker
 
@@ -88,6 +89,8 @@ def _decode_slice(worker: Worker, batch: Batch, blocks: list[int], context: int,
     while True:
         start = time.perf_counter()
         worker.engine.decode(seqs)
+        if worker.engine.device.type == "cuda":  # a step ends when its kernels do
+            torch.cuda.synchronize(worker.engine.device)
         end = time.perf_counter()
         steps.append((start - origin, end - start))
         if end >= deadline:

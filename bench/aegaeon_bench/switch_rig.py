@@ -90,9 +90,11 @@ def write_config(
     sizes: RigSizes,
     threads: int,
     weights: str = "copy",
+    device: str = "cpu",
 ) -> Path:
-    """The deployment YAML of the rig (one decode instance, prefetch on; ``weights``:
-    the worker's mode, ``copy`` by default since the rig measures scale-up copies)."""
+    """The deployment YAML of the rig (one decode instance on ``device``, prefetch on;
+    ``weights``: the worker's mode, ``copy`` by default since the rig measures
+    scale-up copies)."""
     raw = {
         "models": [{"name": n, "path": str(p)} for n, p in models.items()],
         "dtype": dtype,
@@ -110,6 +112,7 @@ def write_config(
             "kv_memory": sizes.kv_memory_bytes,
             "threads": threads,
             "weights": weights,
+            "device": device,
         },
         "scheduler": {"prefetch": True},
     }
@@ -176,6 +179,7 @@ def switch_rig(
     sizes: RigSizes,
     threads: int = 1,
     weights: str = "copy",
+    device: str = "cpu",
 ) -> Iterator[Rig]:
     """A cachemgr process with every model of ``models`` warm, and a worker on it."""
     from aegaeon_cachemgr.client import CacheClient
@@ -190,7 +194,7 @@ def switch_rig(
     worker: Worker | None = None
     prefix = ""
     try:
-        config_path = write_config(run_root, models, dtype, sizes, threads, weights)
+        config_path = write_config(run_root, models, dtype, sizes, threads, weights, device)
         config = load_config(config_path)
         prefix = f"{config.shm_prefix}-"
         proc = _start_cachemgr(config_path, config, run_root / "cachemgr.log")
