@@ -40,7 +40,10 @@ class CudaCopyStream(CopyStream):
         return self._stream
 
     def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Enqueue the copies in order (asynchronous for device and pinned host memory)."""
+        """Enqueue the copies in order (asynchronous for device and pinned host memory),
+        behind the work the caller already enqueued on its current stream: a swap-out
+        must not read KV blocks before the prefill writing them has run."""
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
@@ -103,13 +106,22 @@ _streams: dict[int, torch.cuda.Stream] = {}
 _stage_lock = threading.Lock()
 
 
-def _stage_for(device: torch.device) -> tuple[StageBuffer, torch.cuda.Stream]:
+def _stream_for(device: torch.device) -> torch.cuda.Stream:
+    """The device's load stream (weight loads and prefetches, one at a time)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    with _stage_lock:
+        if index not in _streams:
+            _streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+        return _streams[index]
+
+
+def _stage_for(device: torch.device) -> tuple[StageBuffer, torch.cuda.Stream]:
+    stream = _stream_for(device)
+    index = stream.device.index or 0
     with _stage_lock:
         if index not in _stages:
             _stages[index] = StageBuffer()
-            _streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-        return _stages[index], _streams[index]
+        return _stages[index], stream
 
 
 def copy_chunked_cuda(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int | None) -> None:
@@ -119,10 +131,18 @@ def copy_chunked_cuda(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int | N
     size, not `chunk_bytes`, sets the pipeline chunk); pinned host or device
     sources are one asynchronous copy followed by a synchronize.
     """
+    device = dst.device if dst.device.type == "cuda" else src.device
+    # On the load stream, synchronized alone: on the default stream (or with a
+    # whole-device synchronize) a prefetch would wait for every decode kernel
+    # running beside it. It starts behind the work already queued on the
+    # caller's current stream, which may still read the bytes it overwrites.
+    stream = _stream_for(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     if dst.device.type == "cuda" and src.device.type == "cpu" and not src.is_pinned():
-        stage, stream = _stage_for(dst.device)
+        stage, _ = _stage_for(dst.device)
         stage.load(dst, src, stream)
         return
     del chunk_bytes  # a single DMA needs no chunking
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(dst.device if dst.device.type == "cuda" else src.device)
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    stream.synchronize()

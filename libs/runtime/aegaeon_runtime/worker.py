@@ -71,11 +71,15 @@ async def build_worker(config: Config, kind: str, index: int, client: CacheClien
     import asyncio
 
     inst = instance_config(config, kind)
+    device = torch.device(inst.device)
+    if device.type == "cuda":
+        if device.index is not None:  # streams, events and the stage buffer follow it
+            torch.cuda.set_device(device)
+        client.pin_host_memory()  # scale-ups and KV copies as single DMAs
     registration = await client.register(os.getpid(), NUM_STREAMS)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
     specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
-    device = torch.device(inst.device)
     engine = Engine(device, num_threads=inst.threads)
     buffer = DeviceBuffer(inst.device_memory_bytes, inst.kv_memory_bytes, device)
     table = registration.event_table

@@ -102,6 +102,12 @@ class CacheClient:
         self._uses_lock = threading.Lock()
         self._use_report_interval_s = use_report_interval_s
         self._reporter: asyncio.Task[None] | None = None
+        self._pin_host = False
+
+    def pin_host_memory(self) -> None:
+        """Page-lock the regions this client maps from now on (a CUDA worker: its copies
+        from and to them are then single DMAs, see ``aegaeon_gpumem.cuda_host``)."""
+        self._pin_host = True
 
     async def _call(
         self, request: Message, reply_type: type[R], timeout_s: float | None = None
@@ -122,9 +128,16 @@ class CacheClient:
             WorkerRegistered,
         )
         self._detach()
+        kv_region = ShmRegion.attach(reply.kv_region)
+        if self._pin_host:
+            from aegaeon_gpumem.cuda_host import pin_region
+
+            pin, why = pin_region(kv_region)
+            if pin is None:
+                log.warning("kv_region_not_pinned", region=kv_region.name, error=why)
         self.registration = Registration(
             worker_id=self.worker_id,
-            kv_region=ShmRegion.attach(reply.kv_region),
+            kv_region=kv_region,
             event_table=EventTable.attach(reply.event_table),
             event_slots=tuple(reply.event_slots),
             slab_bytes=reply.slab_bytes,
@@ -142,7 +155,8 @@ class CacheClient:
             if cached is None or cached.region.name != reply.region:
                 # A replaced mapping is not closed: another thread may be copying from it
                 # (its pages go with the last reference).
-                cached = self._models[name] = MappedModel.attach(reply, populate=True)
+                cached = self._models[name] = MappedModel.attach(
+                    reply, populate=True, pin=self._pin_host)
         if pin:
             self._pins[name] = self._pins.get(name, 0) + 1
         return cached.with_reply(reply)

@@ -6,9 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import ModelLoaded, TensorEntry
 from aegaeon_gpumem import EventTable, ShmRegion, Timeline
 
+log = get_logger("cachemgr.mapped")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,11 +53,18 @@ class MappedModel:
     tensors: tuple[TensorEntry, ...]
     load_s: float = 0.0
     hit: bool = False
+    # page-locked for CUDA copies: "ro" (a read-only mapping), "rw" (the device
+    # cannot pin read-only memory, so it is mapped read-write), "" (pageable)
+    pinned: str = ""
 
     @classmethod
-    def attach(cls, reply: ModelLoaded, populate: bool = False) -> MappedModel:
-        """Map the region of ``reply`` (``populate``: every page now, see ``ShmRegion``)."""
+    def attach(cls, reply: ModelLoaded, populate: bool = False, pin: bool = False) -> MappedModel:
+        """Map the region of ``reply`` (``populate``: every page now, see ``ShmRegion``;
+        ``pin``: page-locked for CUDA copies where the device allows, see ``_pinned``)."""
         region = ShmRegion.attach(reply.region, readonly=True, populate=populate)
+        pinned = ""
+        if pin:
+            region, pinned = _pinned(region, populate)
         return cls(
             reply.name,
             region,
@@ -64,6 +73,7 @@ class MappedModel:
             tuple(reply.tensors),
             reply.load_s,
             reply.hit,
+            pinned,
         )
 
     def with_reply(self, reply: ModelLoaded) -> MappedModel:
@@ -81,3 +91,24 @@ class MappedModel:
             raise KeyError(f"model {self.name!r} has no tensor {name!r}")
         raw = self.region.tensor[entry.offset : entry.offset + entry.nbytes]
         return raw.view(_TORCH_DTYPES[entry.dtype]).view(entry.shape)
+
+
+def _pinned(region: ShmRegion, populate: bool) -> tuple[ShmRegion, str]:
+    """``region`` page-locked (cudaHostRegister), read-only where the device can pin
+    read-only memory, else mapped again read-write (the device's DMA needs the pages
+    pinned for writing; losing the MMU's guard is the price of a full-speed
+    scale-up). Where neither pins, the pageable mapping and ``""``."""
+    from aegaeon_gpumem.cuda_host import pin_region
+
+    pin, why_ro = pin_region(region)
+    if pin is not None:
+        return region, "ro"
+    writable = ShmRegion.attach(region.name, readonly=False, populate=populate)
+    pin, why_rw = pin_region(writable)
+    if pin is not None:
+        region.close()
+        return writable, "rw"
+    writable.close()
+    log.warning("model_region_not_pinned", region=region.name, read_only=why_ro,
+                read_write=why_rw)
+    return region, ""
