@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from aegaeon_common.config import Config, ConfigError, config_from_dict, load_config
+from aegaeon_common.config import (
+    DTYPES,
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    serving_dtype,
+)
 from aegaeon_common.logs import get_logger, setup_logging
 
 log = get_logger("serve")
@@ -40,9 +47,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _largest_model_bytes(market: Path) -> int:
+    """Bytes of the market's largest model in the dtype it is served in."""
     entries = json.loads((market / "market.json").read_text())["models"]
-    sizes = {"bfloat16": 2, "float16": 2, "float32": 4}
-    return max(int(e["params"]) * sizes.get(str(e.get("dtype")), 2) for e in entries)
+    dtype = serving_dtype([str(e.get("dtype")) for e in entries if e.get("dtype") in DTYPES])
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    return max(int(e["params"]) * itemsize for e in entries)
 
 
 def default_config_dict(market: Path, port: int) -> dict[str, Any]:

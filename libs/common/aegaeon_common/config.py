@@ -8,6 +8,9 @@ Minimal file (everything else has a default)::
 
     market: ./market          # every model in it is served
     decode: {instances: 1, device_memory: 600MiB, kv_memory: 256MiB}
+
+Without ``dtype`` a deployment serves in the dtype its market records for its
+models (`serving_dtype`), so a float32 checkpoint is served in float32.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ __all__ = [
     "SchedulerConfig",
     "load_config",
     "parse_bytes",
+    "serving_dtype",
 ]
 
 
@@ -213,12 +217,28 @@ _SECTIONS: dict[str, type] = {
 _TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", *_SECTIONS}
 
 
-def _market_models(market: Path, source: str) -> list[ModelConfig]:
+def serving_dtype(recorded: list[str]) -> str:
+    """The dtype a deployment serves its models in, from the dtypes they are stored in.
+
+    One dtype serves every model of a deployment. The dtype the models share;
+    float32 when they differ (it holds bfloat16 and float16 values exactly, so
+    no model is served below its own precision); bfloat16 when none is recorded.
+    """
+    kinds = set(recorded)
+    if not kinds:
+        return "bfloat16"
+    return kinds.pop() if len(kinds) == 1 else "float32"
+
+
+def _market_models(market: Path, source: str) -> tuple[list[ModelConfig], list[str]]:
+    """The market's models and the dtypes its ``market.json`` records for them."""
     index = market / "market.json"
     try:
         data = json.loads(index.read_text())
         entries = data["models"]
-        return [ModelConfig(name=str(e["name"]), path=market / str(e["path"])) for e in entries]
+        models = [ModelConfig(name=str(e["name"]), path=market / str(e["path"])) for e in entries]
+        dtypes = [str(e["dtype"]) for e in entries if e.get("dtype") in DTYPES]
+        return models, dtypes
     except FileNotFoundError:
         problem = f"{index} not found (run `aegaeon market create`)"
         raise ConfigError(source, "market", problem) from None
@@ -255,15 +275,18 @@ def config_from_dict(
     market_raw = raw.get("market")
     market = (base / str(market_raw)).resolve() if market_raw else env.market_dir
     models = _models(raw["models"], base, source) if raw.get("models") else []
+    stored: list[str] = []
     if not models:
         if market is None:
             raise ConfigError(source, "models", "no models: give `models` or `market`")
-        models = _market_models(market, source)
+        models, stored = _market_models(market, source)
     names = [m.name for m in models]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(source, "models", f"duplicate model name {dupes[0]!r}")
-    dtype = str(raw.get("dtype", "bfloat16"))
+    # an explicit dtype wins; else the market's (a float32 checkpoint served in
+    # bfloat16 drifts from its reference after a few tokens)
+    dtype = str(raw["dtype"]) if raw.get("dtype") is not None else serving_dtype(stored)
     if dtype not in DTYPES:
         raise ConfigError(source, "dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
     sections: dict[str, Any] = {
