@@ -15,6 +15,7 @@ class Env:
     run_dir: Path | None
     threads: int | None
     native_kernels: bool  # AEGAEON_NATIVE=0 forces the engine's torch-only path
+    isa: str | None  # AEGAEON_ISA: the native kernels' level (avx2, avx512, amx, neon); None: best
     cache_dir: Path  # $XDG_CACHE_HOME/aegaeon: builds kept across runs (native kernels)
 
 
@@ -37,5 +38,6 @@ def read_env() -> Env:
         run_dir=Path(run_dir) if run_dir else None,
         threads=int(threads) if threads else None,
         native_kernels=_flag(os.environ.get("AEGAEON_NATIVE")) is not False,
+        isa=os.environ.get("AEGAEON_ISA", "").strip().lower() or None,
         cache_dir=(Path(xdg_cache) if xdg_cache else Path.home() / ".cache") / "aegaeon",
     )

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import AttendFn, KVViews
-from .native import native_ops
+from .native import native_isa, native_ops
 
 
 def _flash_attn_func() -> Callable[..., Any] | None:
@@ -32,10 +32,13 @@ def _flash_attn_func() -> Callable[..., Any] | None:
 class Attention:
     """Device-specific attention entry points (chosen once per engine)."""
 
-    def __init__(self, device: torch.device, native: bool = True) -> None:
-        """``native=False`` keeps the torch decode path even where the native kernel loads."""
+    def __init__(self, device: torch.device, native: bool = True, isa: str | None = None) -> None:
+        """``native=False`` keeps the torch decode path even where the native kernel loads;
+        ``isa`` picks the kernels' level (default: ``native_isa()``)."""
         self.flash = _flash_attn_func() if device.type == "cuda" else None
-        self.native = native_ops() if native and device.type == "cpu" else None
+        on_cpu = native and device.type == "cpu"
+        self.native = native_ops(isa) if on_cpu else None
+        self.isa = (isa or native_isa()) if self.native is not None else None
 
     def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal self-attention of one sequence: ``[T, H, D]`` inputs -> ``[T, Hq * D]``."""

@@ -9,6 +9,8 @@ caller owns (§5.2); the engine never allocates either.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -19,9 +21,20 @@ from .attention import Attention
 from .kernels import layer_ops
 from .layout import WeightLayout, weight_layout
 from .model import KVViews, Tokens, forward, logits
+from .native import bf16_native, cpu_model, supported_levels
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
 from .weights import TORCH_DTYPES, ModelWeights, bind_weights
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _log_start(isa: str | None) -> None:
+    """One line per process and level: the CPU, the kernels' level, the compute dtype."""
+    log.info("engine on %s (levels %s): kernels %s, bfloat16 arithmetic in %s", cpu_model(),
+             ", ".join(supported_levels()) or "none", isa or "torch",
+             "bfloat16" if isa is None or bf16_native(isa) else "float32")
 
 
 class DecodeSeq(NamedTuple):
@@ -45,15 +58,18 @@ class Engine:
     """Prefill and batched decode over a paged KV cache for one bound model at a time."""
 
     def __init__(self, device: str | torch.device = "cpu", num_threads: int | None = 1,
-                 block_size: int = 16, native: bool = True) -> None:
+                 block_size: int = 16, native: bool = True, isa: str | None = None) -> None:
         """``num_threads`` sets torch's intra-op threads for the process (None: leave it);
-        ``native=False`` keeps the torch decode attention where the native kernel loads."""
+        ``native=False`` keeps the torch path where the native kernels load; ``isa``
+        runs that level's kernels (default: ``native_isa()``, see native.py)."""
         self.device = torch.device(device)
         self.block_size = block_size
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.attention = Attention(self.device, native)
-        self.ops = layer_ops(self.device, native)
+        self.attention = Attention(self.device, native, isa)
+        self.ops = layer_ops(self.device, native, isa)
+        if self.device.type == "cpu":
+            _log_start(self.isa if self.native_kernels else None)
         self._ropes: dict[tuple[int, RopeSpec, int, torch.dtype], RopeTable] = {}
         self._layouts: dict[tuple[ModelSpec, str], WeightLayout] = {}
         self._bound: _Bound | None = None
@@ -93,6 +109,19 @@ class Engine:
     def native_kernels(self) -> bool:
         """Whether decode runs on the native CPU kernels (else the torch path)."""
         return self.attention.native is not None
+
+    @property
+    def isa(self) -> str:
+        """The native kernels' level (``avx2``, ``avx512``, ``amx``, ``neon``), or ``torch``."""
+        return self.attention.isa or "torch"
+
+    @property
+    def compute_dtype(self) -> str:
+        """What bfloat16 weights are multiplied in: ``float32`` (the weights stay
+        bfloat16) where the CPU, at the level in use, has no native bfloat16
+        arithmetic, else ``bfloat16`` (and always on the torch path)."""
+        isa = self.attention.isa
+        return "bfloat16" if isa is None or bf16_native(isa) else "float32"
 
     @property
     def spec(self) -> ModelSpec:

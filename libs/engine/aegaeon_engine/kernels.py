@@ -4,13 +4,21 @@ applies (dtype, strides, batch size), per call, and defers to torch elsewhere.
 
 - ``project`` for decode-sized batches (<= 16 rows): a decode step streams every
   weight once, and the kernel reads the row-major ``[out, in]`` views in place
-  (AMX tiles on bfloat16) at close to memory bandwidth, ~1.3-3x faster than
-  oneDNN through ``torch.mm``; it returns row-major ``[N, out]``.
+  at close to memory bandwidth (AMX tiles on bfloat16 at the amx level,
+  bfloat16 widened to float32 in registers below it), faster than oneDNN
+  through ``torch.mm``; it returns row-major ``[N, out]``.
+- ``project`` for prefill-sized inputs with bfloat16 weights on a CPU that has
+  no native bfloat16 arithmetic (``bf16_native`` false: AVX2, AVX-512 without
+  BF16, NEON): the weight stays bfloat16 in memory, but is converted to
+  float32 a block of rows at a time (a block stays in cache for its matmul)
+  and multiplied by float32 ``x`` with torch's float32 GEMM; the result is
+  rounded to bfloat16 once, as a bfloat16 matmul rounds. Torch's own bfloat16
+  matmul there is emulated, several times slower.
 - ``rms_norm``, ``rope_write`` (q/k norm, rope and the K/V slot write) and
   ``silu_mul``: one pass each instead of 4-6 torch kernels (a decode step
   runs hundreds of such small kernels), rounding where transformers rounds.
 
-Float16, and bfloat16 projections without AVX512-BF16, stay on torch.
+Float16 stays on torch.
 """
 
 from __future__ import annotations
@@ -20,26 +28,49 @@ from typing import Any
 import torch
 
 from .model import KVViews, LayerOps, Tokens
-from .native import native_ops
+from .native import bf16_native, native_isa, native_ops
 from .weights import LayerWeights
 
 NATIVE_MAX_ROWS = 16  # the native projection's limit: decode batches
 _ELEMENTWISE = frozenset((torch.float32, torch.bfloat16))
+_BLOCK_ELEMS = 1 << 17  # weight elements converted per block: 512 KiB of float32
+
+
+def project_widened(w: torch.Tensor, x: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in float32 arithmetic for reduced-precision ``w`` and ``x``:
+    ``w`` converted a block of rows at a time, the result rounded to ``w.dtype`` once."""
+    xf = x.float()
+    out_features = w.shape[0]
+    out = torch.empty(x.shape[0], out_features, dtype=w.dtype, device=w.device)
+    rows = max(16, _BLOCK_ELEMS // max(1, w.shape[1]))
+    for start in range(0, out_features, rows):
+        end = min(start + rows, out_features)
+        block = torch.mm(xf, w[start:end].float().t())
+        if bias is not None:
+            block += bias[start:end]
+        out[:, start:end] = block
+    return out
 
 
 class NativeOps(LayerOps):
     """The native kernels where they apply, else the torch code of ``LayerOps``."""
 
-    def __init__(self, ops: Any) -> None:
-        """``ops``: ``torch.ops.aegaeon`` with the kernels loaded."""
+    def __init__(self, ops: Any, isa: str) -> None:
+        """``ops``: ``torch.ops.aegaeon_<isa>`` with the kernels loaded."""
         self._ops = ops
+        self.isa = isa
         self.project_dtypes: frozenset[torch.dtype] = frozenset(
             dtype for dtype in _ELEMENTWISE if ops.linear_supported(dtype))
+        # bfloat16 prefill projections in float32 where bfloat16 is not native
+        self.bf16_native = bf16_native(isa)
 
     def project(self, w: torch.Tensor, x: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[0]
         if n > NATIVE_MAX_ROWS or w.dtype not in self.project_dtypes:
+            if w.dtype == torch.bfloat16 and not self.bf16_native:
+                return project_widened(w, x, bias)
             return super().project(w, x, bias)
         out = torch.empty(n, w.shape[0], dtype=w.dtype, device=w.device)
         self._ops.linear(out, x, w, bias)
@@ -71,7 +102,11 @@ class NativeOps(LayerOps):
         return out
 
 
-def layer_ops(device: torch.device, native: bool = True) -> LayerOps:
-    """The native kernels on CPU when they load (and ``native``), else the torch code."""
-    ops = native_ops() if native and device.type == "cpu" else None
-    return LayerOps() if ops is None else NativeOps(ops)
+def layer_ops(device: torch.device, native: bool = True, isa: str | None = None) -> LayerOps:
+    """The native kernels on CPU when they load (and ``native``), else the torch code;
+    ``isa``: that level's kernels (default: ``native_isa()``)."""
+    if not native or device.type != "cpu":
+        return LayerOps()
+    level = isa or native_isa()
+    ops = native_ops(isa) if level is not None else None
+    return LayerOps() if ops is None or level is None else NativeOps(ops, level)

@@ -1,6 +1,7 @@
 // Paged decode attention on CPU: each sequence's one new query token (all q
 // heads) attends over that sequence's K/V, read in place from the paged KV
-// cache of the Aegaeon engine. Registered as torch.ops.aegaeon.paged_decode.
+// cache of the Aegaeon engine. Registered as torch.ops.<ns>.paged_decode
+// (<ns> = aegaeon_<level>, one namespace per ISA level, see native.py).
 //
 // KV cache layout (one model's region, see model.py KVViews):
 //   cache[num_blocks, layers, 2 (K, V), block_size, kv_heads, head_dim]
@@ -27,10 +28,11 @@
 //
 // Inputs are float32, bfloat16 or float16; arithmetic is float32. Code paths,
 // chosen per call from the head_dim and what the compiler targets:
-// - bf16 pairs (AVX512-BF16, head_dim % 32 == 0): q.K with vdpbf16ps (products
-//   of bfloat16 are exact in float32), V widened as even/odd lanes by a shift
-//   and a mask, so acc holds each 32-wide chunk as [16 even, 16 odd] elements;
-// - AVX-512 (head_dim % 16 == 0): q in float32, K and V widened 16 at a time;
+// - bf16 pairs (amx level: AVX512-BF16, head_dim % 32 == 0): q.K with vdpbf16ps
+//   (products of bfloat16 are exact in float32), V widened as even/odd lanes by
+//   a shift and a mask, so acc holds each 32-wide chunk as [16 even, 16 odd];
+// - vector (every level, head_dim % 16 == 0): q in float32, K and V widened 16
+//   at a time (simd.h F16: one AVX-512 register, two AVX2, four NEON);
 // - generic: plain loops (the compiler vectorises the head_dim loops).
 // The two vector paths sum 16 positions' dot products with one transpose-add.
 
@@ -50,13 +52,20 @@
 
 #include "simd.h"
 
+#if !defined(AEGAEON_OPS)
+#define AEGAEON_OPS aegaeon
+#endif
+// TORCH_LIBRARY stringifies its argument: expand AEGAEON_OPS first
+#define AEGAEON_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define AEGAEON_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(AEGAEON_SIMD)
 using namespace aegaeon_simd;
 #endif
 
-constexpr int kChunk = 16;     // positions per online-softmax step (one AVX-512 vector)
+constexpr int kChunk = 16;     // positions per online-softmax step (one F16)
 constexpr int kMaxGroup = 8;   // q heads per task; larger GQA groups are split
 
 // Where everything is, in elements of the input dtype.
@@ -84,15 +93,15 @@ struct State {
   float* acc;  // [G, head_dim]
 };
 
-enum class Path { kGeneric, kAvx512, kBf16Pairs };
+enum class Path { kGeneric, kVector, kBf16Pairs };
 
 template <typename T>
 Path pick_path(int64_t dim) {
-#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
   if (std::is_same_v<T, c10::BFloat16> && dim % 32 == 0) return Path::kBf16Pairs;
 #endif
-  if (dim % 16 == 0) return Path::kAvx512;
+#if defined(AEGAEON_SIMD)
+  if (dim % 16 == 0) return Path::kVector;
 #endif
   return Path::kGeneric;
 }
@@ -111,34 +120,36 @@ inline void prefetch_rows(const T* p, int64_t row_stride, int64_t rows, int64_t 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(AEGAEON_SIMD)
 // The online-softmax update of query g for raw scores s (lanes < n valid):
 // updates m and l, writes p, returns the factor exp(m - m') for acc.
-inline float softmax_step(const State& st, int g, __m512 s, int n, float scale, float* p) {
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
-  const float m_new = std::max(st.m[g], _mm512_mask_reduce_max_ps(valid, s));
-  __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+inline float softmax_step(const State& st, int g, F16 s, int n, float scale, float* p) {
+  s = s * set16(scale);
+  alignas(64) float raw[kChunk];
+  store16(raw, s);
+  float m_new = st.m[g];
+  for (int t = 0; t < n; ++t) m_new = std::max(m_new, raw[t]);
+  const F16 pv = keep_first16(exp16(s - set16(m_new)), n);
   const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first chunk (m = -inf)
-  st.l[g] = st.l[g] * alpha + _mm512_reduce_add_ps(pv);
+  st.l[g] = st.l[g] * alpha + reduce_add16(pv);
   st.m[g] = m_new;
-  _mm512_storeu_ps(p, pv);
+  store16(p, pv);
   return alpha;
 }
 
 // One chunk of n <= 16 positions; q is float32 [G, dim], acc in natural order.
 template <typename T, int G>
-inline void chunk_avx512(const float* q, const T* k, const T* v, int64_t rs, int n,
+inline void chunk_vector(const float* q, const T* k, const T* v, int64_t rs, int n,
                          int64_t dim, float scale, const State& st, const T* pf) {
   alignas(64) float p[G][kChunk];
   float alpha[G];
   for (int g = 0; g < G; ++g) {
-    __m512 dot[kChunk];
-    for (int t = 0; t < kChunk; ++t) dot[t] = _mm512_setzero_ps();
+    F16 dot[kChunk];
+    for (int t = 0; t < kChunk; ++t) dot[t] = zero16();
     for (int64_t c = 0; c < dim; c += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + g * dim + c);
+      const F16 qv = load16(q + g * dim + c);
       for (int t = 0; t < kChunk; ++t) {  // rows past n repeat row n - 1 (masked out)
-        dot[t] = _mm512_fmadd_ps(qv, load16(k + std::min(t, n - 1) * rs + c), dot[t]);
+        dot[t] = fmadd16(qv, load16(k + std::min(t, n - 1) * rs + c), dot[t]);
         if (pf && g == 0 && c % (64 / sizeof(T)) == 0) __builtin_prefetch(pf + t * rs + c);
       }
     }
@@ -147,12 +158,11 @@ inline void chunk_avx512(const float* q, const T* k, const T* v, int64_t rs, int
   // CB 16-wide chunks per pass: >= 8 independent FMA chains over the positions
   constexpr int CB = G >= 8 ? 1 : 8 / G;
   for (int64_t c0 = 0; c0 < dim; c0 += 16 * CB) {
-    __m512 a[CB][G];
+    F16 a[CB][G];
     for (int j = 0; j < CB; ++j) {
       if (c0 + 16 * j >= dim) break;
       for (int g = 0; g < G; ++g) {
-        a[j][g] = _mm512_mul_ps(_mm512_loadu_ps(st.acc + g * dim + c0 + 16 * j),
-                                _mm512_set1_ps(alpha[g]));
+        a[j][g] = load16(st.acc + g * dim + c0 + 16 * j) * set16(alpha[g]);
       }
     }
     for (int t = 0; t < n; ++t) {
@@ -161,15 +171,13 @@ inline void chunk_avx512(const float* q, const T* k, const T* v, int64_t rs, int
         if (pf && (c0 + 16 * j) % (64 / sizeof(T)) == 0) {
           __builtin_prefetch(pf + v_offset_of(k, v) + t * rs + c0 + 16 * j);
         }
-        const __m512 vv = load16(v + t * rs + c0 + 16 * j);
-        for (int g = 0; g < G; ++g) {
-          a[j][g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), vv, a[j][g]);
-        }
+        const F16 vv = load16(v + t * rs + c0 + 16 * j);
+        for (int g = 0; g < G; ++g) a[j][g] = fmadd16(set16(p[g][t]), vv, a[j][g]);
       }
     }
     for (int j = 0; j < CB; ++j) {
       if (c0 + 16 * j >= dim) break;
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(st.acc + g * dim + c0 + 16 * j, a[j][g]);
+      for (int g = 0; g < G; ++g) store16(st.acc + g * dim + c0 + 16 * j, a[j][g]);
     }
   }
 }
@@ -193,7 +201,7 @@ inline void chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k,
         if (pf && g == 0) __builtin_prefetch(pf + t * rs + c);
       }
     }
-    alpha[g] = softmax_step(st, g, sum16x16(dot), n, scale, p[g]);
+    alpha[g] = softmax_step(st, g, F16{{transpose_sum(dot)}}, n, scale, p[g]);
   }
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   // CB 32-wide chunks per pass: >= 8 independent FMA chains over the positions
@@ -330,9 +338,9 @@ void attend(const Args& a, int64_t b, int64_t u0, int64_t u1, int64_t parts) {
           }
         }
 #endif
-#if defined(__AVX512F__)
-        if (path == Path::kAvx512) {
-          chunk_avx512<T, G>(q, kt, vt, rs, n, dim, a.scale, st, pf);
+#if defined(AEGAEON_SIMD)
+        if (path == Path::kVector) {
+          chunk_vector<T, G>(q, kt, vt, rs, n, dim, a.scale, st, pf);
           continue;
         }
 #endif
@@ -441,25 +449,25 @@ struct RopeArgs {
 template <typename T>
 void rope_head(const RopeArgs& a, T* x, const T* norm, const T* cos, const T* sin, float* buf) {
   const int64_t dim = a.dim, half = dim / 2;
-#if defined(__AVX512F__)
+#if defined(AEGAEON_SIMD)
   if constexpr (!std::is_same_v<T, c10::Half>) {
     if (dim % 16 == 0) {
-      __m512 sv = _mm512_set1_ps(1.f);
+      F16 sv = set16(1.f);
       if (norm) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < dim; c += 16) acc = _mm512_fmadd_ps(load16(x + c), load16(x + c), acc);
-        sv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / dim + a.eps));
+        F16 acc = zero16();
+        for (int64_t c = 0; c < dim; c += 16) acc = fmadd16(load16(x + c), load16(x + c), acc);
+        sv = set16(1.f / std::sqrt(reduce_add16(acc) / dim + a.eps));
       }
       for (int64_t c = 0; c < dim; c += 16) {
-        __m512 y = load16(x + c);
-        if (norm) y = round_to(x, _mm512_mul_ps(round_to(x, _mm512_mul_ps(y, sv)), load16(norm + c)));
-        _mm512_storeu_ps(buf + c, y);
-        _mm512_storeu_ps(buf + c + dim, y);
+        F16 y = load16(x + c);
+        if (norm) y = round_to(x, round_to(x, y * sv) * load16(norm + c));
+        store16(buf + c, y);
+        store16(buf + c + dim, y);
       }
       for (int64_t c = 0; c < dim; c += 16) {
-        const __m512 yc = round_to(x, _mm512_mul_ps(_mm512_loadu_ps(buf + c), load16(cos + c)));
-        const __m512 ys = round_to(x, _mm512_mul_ps(_mm512_loadu_ps(buf + c + half), load16(sin + c)));
-        store16(x + c, _mm512_add_ps(yc, ys));
+        const F16 yc = round_to(x, load16(buf + c) * load16(cos + c));
+        const F16 ys = round_to(x, load16(buf + c + half) * load16(sin + c));
+        store16(x + c, yc + ys);
       }
       return;
     }
@@ -556,7 +564,7 @@ void rope_write(const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm,
 
 }  // namespace
 
-TORCH_LIBRARY(aegaeon, m) {
+AEGAEON_LIBRARY(AEGAEON_OPS, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor cache, Tensor block_table, "
         "Tensor context_lens, int layer, float scale) -> ()");
   m.def("rope_write(Tensor(a!) qkv, Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, "
@@ -564,7 +572,7 @@ TORCH_LIBRARY(aegaeon, m) {
         "float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(aegaeon, CPU, m) {
+AEGAEON_LIBRARY_IMPL(AEGAEON_OPS, CPU, m) {
   m.impl("paged_decode", paged_decode);
   m.impl("rope_write", rope_write);
 }

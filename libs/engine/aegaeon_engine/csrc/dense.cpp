@@ -1,5 +1,6 @@
 // Skinny matmul for decode: out[N, O] = x[N, I] @ w[O, I]^T (+ bias) for a few
-// rows N (one per sequence of a decode step). Registered as torch.ops.aegaeon.linear.
+// rows N (one per sequence of a decode step). Registered as torch.ops.<ns>.linear
+// (<ns> = aegaeon_<level>, one namespace per ISA level, see native.py).
 //
 // Why: a decode step streams every weight once; at N <= 16 the work is bound
 // by that stream, and oneDNN through torch.mm reaches ~10-15 GB/s here (with
@@ -8,18 +9,20 @@
 // row-major [O, I] as the checkpoint (and the engine's packed layout) stores
 // it: nothing is prepacked, so the weights stay views of caller-owned bytes.
 //
-// Algorithm: the output is cut into tiles of 16 rows of w (the parallel unit).
-// Within a tile, x's rows go in blocks of NB (8, 4, 2 or 1) and the tile's rows
-// in sub-blocks of R = 16 / NB, so that R * NB = 16 accumulators (16-lane
-// float32 vectors) hold partial dot products of every (row, x row) pair while
-// the inner loop walks I: per step, R loads of w, R * NB fused multiply-adds
-// (vdpbf16ps on bfloat16: 32 products each, exact in float32; FMA on float32).
-// The 16 accumulators are then summed lane-wise with one transpose-add
-// (sum16x16) into 16 outputs. x is packed once per call into a contiguous
-// buffer; a ragged end of I is handled with masked loads.
+// Algorithm (every level): the output is cut into tiles of 16 rows of w (the
+// parallel unit). Within a tile, x's rows go in blocks of NB and the tile's
+// rows in sub-blocks of R = kAcc / NB, so that kAcc accumulators (one register
+// each: 16 on AVX-512 and NEON, 8 on AVX2's 16 registers) hold partial dot
+// products of every (row, x row) pair while the inner loop walks I; they are
+// summed lane-wise with transposes (simd.h sum_lanes). Arithmetic is float32:
+// x is packed once per call as float32, and a bfloat16 weight is widened in
+// registers, 2 * kLanes elements per load split into even and odd elements
+// (a shift and a mask, no shuffle), x packed in that order. A ragged end of I
+// is read through a zeroed buffer.
 //
-// Needs AVX-512 (float32) and AVX512-BF16 (bfloat16); `linear_supported`
-// tells Python which dtypes this build can run (the rest stays on torch.mm).
+// Specialisations on the amx level (bfloat16 only): AMX tiles (I % 32 == 0,
+// O >= 16), else vdpbf16ps on bfloat16 x (32 exact products per instruction).
+// `linear_supported` tells Python which dtypes this build can run.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,6 +39,13 @@
 
 #include "simd.h"
 
+#if !defined(AEGAEON_OPS)
+#define AEGAEON_OPS aegaeon
+#endif
+// TORCH_LIBRARY stringifies its argument: expand AEGAEON_OPS first
+#define AEGAEON_LIBRARY_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define AEGAEON_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -47,69 +57,8 @@ namespace {
 constexpr int kTile = 16;   // output rows per parallel task
 constexpr int kMaxRows = 16;  // x rows the kernel takes (decode batches)
 
-#if defined(__AVX512F__)
+#if defined(AEGAEON_SIMD)
 using namespace aegaeon_simd;
-
-// Per-dtype steps: kStep elements of I per multiply-add, with a masked variant.
-template <typename T>
-struct Step;
-
-template <>
-struct Step<float> {
-  static constexpr int kStep = 16;
-  using W = __m512;
-  static W load(const float* p) { return _mm512_loadu_ps(p); }
-  static W load_tail(const float* p, int n) {
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-  }
-  static __m512 madd(__m512 acc, W w, W x) { return _mm512_fmadd_ps(w, x, acc); }
-};
-
-#if defined(__AVX512BF16__)
-template <>
-struct Step<c10::BFloat16> {
-  static constexpr int kStep = 32;
-  using W = __m512bh;
-  static W load(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static W load_tail(const c10::BFloat16* p, int n) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
-  }
-  static __m512 madd(__m512 acc, W w, W x) { return _mm512_dpbf16_ps(acc, w, x); }
-};
-#endif
-
-// The 16 dot products of w rows o0 .. o0 + R (clamped to the last row) with x
-// rows n0 .. n0 + NB; result lane r * NB + n.
-template <typename T, int R, int NB>
-inline __m512 dots(const T* w, int64_t w_stride, int64_t rows, const T* x, int64_t in,
-                   int64_t o0, int64_t n0) {
-  using S = Step<T>;
-  static_assert(R * NB == 16, "16 accumulators");
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  const T* wr[R];
-  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(o0 + r, rows - 1) * w_stride;
-  const T* xr = x + n0 * in;
-  int64_t c = 0;
-  for (; c + S::kStep <= in; c += S::kStep) {
-    typename S::W wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = S::load(wr[r] + c);
-    for (int n = 0; n < NB; ++n) {
-      const typename S::W xv = S::load(xr + n * in + c);
-      for (int r = 0; r < R; ++r) acc[r * NB + n] = S::madd(acc[r * NB + n], wv[r], xv);
-    }
-  }
-  if (c < in) {
-    const int tail = static_cast<int>(in - c);
-    typename S::W wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = S::load_tail(wr[r] + c, tail);
-    for (int n = 0; n < NB; ++n) {
-      const typename S::W xv = S::load_tail(xr + n * in + c, tail);
-      for (int r = 0; r < R; ++r) acc[r * NB + n] = S::madd(acc[r * NB + n], wv[r], xv);
-    }
-  }
-  return sum16x16(acc);
-}
 
 struct LinearArgs {
   const void* w;
@@ -119,16 +68,95 @@ struct LinearArgs {
   int64_t out_stride_n, out_stride_o;
 };
 
+// How a weight of dtype T is widened: kStep elements of a row per step, as kVecs
+// float32 registers; element i of a step lands in lane slot(i) of those registers
+// (x is packed in the same order).
+template <typename T>
+struct Widen;
+
+template <>
+struct Widen<float> {
+  static constexpr int kStep = kLanes, kVecs = 1;
+  static void load(const float* p, VF* out) { out[0] = vload(p); }
+  static int slot(int i) { return i; }
+};
+
+template <>
+struct Widen<c10::BFloat16> {
+  static constexpr int kStep = 2 * kLanes, kVecs = 2;
+  static void load(const c10::BFloat16* p, VF* out) { vload_bf16_pairs(p, out[0], out[1]); }
+  static int slot(int i) { return (i & 1) * kLanes + i / 2; }  // even elements, then odd
+};
+
+// x [N, I] (any strides) as float32 [N, I'] in Widen's order, I' = I rounded up
+// to whole steps, zero-padded; a per-thread buffer (no allocation per call).
+template <typename T>
+const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
+  using W = Widen<T>;
+  const int64_t num = x_in.size(0), in = x_in.size(1);
+  const int64_t sn = x_in.stride(0), si = x_in.stride(1);
+  const T* x = static_cast<const T*>(x_in.data_ptr());
+  thread_local std::vector<float> packed;
+  packed.assign(num * in_padded, 0.f);
+  for (int64_t n = 0; n < num; ++n) {
+    float* dst = packed.data() + n * in_padded;
+    for (int64_t i = 0; i < in; ++i) {
+      dst[i / W::kStep * W::kStep + W::slot(static_cast<int>(i % W::kStep))] =
+          static_cast<float>(x[n * sn + i * si]);
+    }
+  }
+  return packed.data();
+}
+
+// The kAcc dot products of w rows o0 .. o0 + R (clamped to the last row) with x
+// rows n0 .. n0 + NB (packed, row length in_padded) into res[r * NB + n].
+template <typename T, int R, int NB>
+inline void dots(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o0,
+                 int64_t n0, float* res) {
+  using W = Widen<T>;
+  static_assert(R * NB == kAcc, "kAcc accumulators");
+  const T* w = static_cast<const T*>(a.w);
+  VF acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = vzero();
+  const T* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(o0 + r, a.rows - 1) * a.w_stride;
+  const float* xr = x + n0 * in_padded;
+  auto step = [&](int64_t c, auto&& widen_row) {
+    for (int r = 0; r < R; ++r) {
+      VF wv[W::kVecs];
+      widen_row(r, wv);
+      for (int n = 0; n < NB; ++n) {
+        for (int k = 0; k < W::kVecs; ++k) {
+          acc[r * NB + n] = vfmadd(wv[k], vload(xr + n * in_padded + c + k * kLanes),
+                                   acc[r * NB + n]);
+        }
+      }
+    }
+  };
+  int64_t c = 0;
+  for (; c + W::kStep <= a.in; c += W::kStep) {
+    step(c, [&](int r, VF* wv) { W::load(wr[r] + c, wv); });
+  }
+  if (c < a.in) {  // the ragged end through a zeroed buffer (x is zero-padded there)
+    const auto tail = static_cast<size_t>(a.in - c);
+    step(c, [&](int r, VF* wv) {
+      T buf[W::kStep] = {};
+      std::memcpy(buf, wr[r] + c, tail * sizeof(T));
+      W::load(buf, wv);
+    });
+  }
+  sum_lanes(acc, res);
+}
+
 // Rows o0 .. o0 + kTile of out for x rows n0 .. n0 + NB.
 template <typename T, int NB>
-void tile_rows(const LinearArgs& a, const T* x, int64_t o0, int64_t n0) {
-  constexpr int R = 16 / NB;
-  const T* w = static_cast<const T*>(a.w);
+void tile_rows(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o0, int64_t n0) {
+  constexpr int R = kAcc / NB;
   const T* bias = static_cast<const T*>(a.bias);
   T* out = static_cast<T*>(a.out);
   for (int64_t s = o0; s < std::min(o0 + kTile, a.rows); s += R) {
-    alignas(64) float res[16];
-    _mm512_store_ps(res, dots<T, R, NB>(w, a.w_stride, a.rows, x, a.in, s, n0));
+    alignas(64) float res[kAcc];
+    dots<T, R, NB>(a, x, in_padded, s, n0, res);
     for (int r = 0; r < R && s + r < a.rows; ++r) {
       const float b = bias ? static_cast<float>(bias[s + r]) : 0.f;
       for (int n = 0; n < NB; ++n) {
@@ -137,6 +165,102 @@ void tile_rows(const LinearArgs& a, const T* x, int64_t o0, int64_t n0) {
     }
   }
 }
+
+template <typename T>
+void run_linear(const LinearArgs& a, const at::Tensor& x_in) {
+  constexpr int kStep = Widen<T>::kStep;
+  const int64_t num = x_in.size(0), in_padded = (a.in + kStep - 1) / kStep * kStep;
+  const float* x = pack_x<T>(x_in, in_padded);  // this thread's buffer, not a worker's
+  const int64_t tiles = (a.rows + kTile - 1) / kTile;
+  // NB = kAcc, kAcc / 2, ... 1 (kAcc / NB rows of w per pass)
+  constexpr int kBig = kAcc >= 8 ? 8 : kAcc;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t n0 = 0;
+      for (; n0 + kBig <= num; n0 += kBig) tile_rows<T, kBig>(a, x, in_padded, t * kTile, n0);
+      if (n0 + 4 <= num) { tile_rows<T, 4>(a, x, in_padded, t * kTile, n0); n0 += 4; }
+      if (n0 + 2 <= num) { tile_rows<T, 2>(a, x, in_padded, t * kTile, n0); n0 += 2; }
+      if (n0 < num) tile_rows<T, 1>(a, x, in_padded, t * kTile, n0);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// amx level: bfloat16 x kept as bfloat16, 32 exact products per vdpbf16ps.
+template <int R, int NB>
+inline __m512 dots_bf16(const LinearArgs& a, const c10::BFloat16* x, int64_t o0, int64_t n0) {
+  static_assert(R * NB == 16, "16 accumulators");
+  const auto* w = static_cast<const c10::BFloat16*>(a.w);
+  const int64_t in = a.in;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const c10::BFloat16* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(o0 + r, a.rows - 1) * a.w_stride;
+  const c10::BFloat16* xr = x + n0 * in;
+  int64_t c = 0;
+  for (; c + 32 <= in; c += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + c);
+    for (int n = 0; n < NB; ++n) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + n * in + c);
+      for (int r = 0; r < R; ++r) acc[r * NB + n] = _mm512_dpbf16_ps(acc[r * NB + n], wv[r], xv);
+    }
+  }
+  if (c < in) {
+    const auto mask = static_cast<__mmask32>((1ull << (in - c)) - 1);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[r] + c);
+    for (int n = 0; n < NB; ++n) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr + n * in + c);
+      for (int r = 0; r < R; ++r) acc[r * NB + n] = _mm512_dpbf16_ps(acc[r * NB + n], wv[r], xv);
+    }
+  }
+  return transpose_sum(acc);
+}
+
+template <int NB>
+void tile_rows_bf16(const LinearArgs& a, const c10::BFloat16* x, int64_t o0, int64_t n0) {
+  constexpr int R = 16 / NB;
+  const auto* bias = static_cast<const c10::BFloat16*>(a.bias);
+  auto* out = static_cast<c10::BFloat16*>(a.out);
+  for (int64_t s = o0; s < std::min(o0 + kTile, a.rows); s += R) {
+    alignas(64) float res[16];
+    _mm512_store_ps(res, dots_bf16<R, NB>(a, x, s, n0));
+    for (int r = 0; r < R && s + r < a.rows; ++r) {
+      const float b = bias ? static_cast<float>(bias[s + r]) : 0.f;
+      for (int n = 0; n < NB; ++n) {
+        out[(n0 + n) * a.out_stride_n + (s + r) * a.out_stride_o] =
+            c10::BFloat16(res[r * NB + n] + b);
+      }
+    }
+  }
+}
+
+void run_linear_dpbf16(const LinearArgs& a, const at::Tensor& x_in) {
+  // x packed as contiguous [N, I] in a per-thread buffer (no allocation per call)
+  const int64_t num = x_in.size(0), in = a.in;
+  thread_local std::vector<c10::BFloat16> packed;
+  const auto* x = static_cast<const c10::BFloat16*>(x_in.data_ptr());
+  if (!(x_in.stride(1) == 1 && x_in.stride(0) == in)) {
+    packed.resize(num * in);
+    const int64_t sn = x_in.stride(0), si = x_in.stride(1);
+    for (int64_t n = 0; n < num; ++n) {
+      for (int64_t i = 0; i < in; ++i) packed[n * in + i] = x[n * sn + i * si];
+    }
+    x = packed.data();
+  }
+  const int64_t tiles = (a.rows + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t n0 = 0;
+      for (; n0 + 8 <= num; n0 += 8) tile_rows_bf16<8>(a, x, t * kTile, n0);
+      if (n0 + 4 <= num) { tile_rows_bf16<4>(a, x, t * kTile, n0); n0 += 4; }
+      if (n0 + 2 <= num) { tile_rows_bf16<2>(a, x, t * kTile, n0); n0 += 2; }
+      if (n0 < num) tile_rows_bf16<1>(a, x, t * kTile, n0);
+    }
+  });
+}
+#endif
 
 #if defined(AEGAEON_AMX)
 // AMX path (bfloat16, I % 32 == 0, O >= 16). Tiles: C0/C1 (0, 1) hold float32
@@ -228,41 +352,25 @@ void run_amx(const LinearArgs& a, const at::Tensor& x_in) {
 }
 #endif
 
-template <typename T>
-void run_linear(const LinearArgs& a, const at::Tensor& x_in) {
-  // x packed as contiguous [N, I] in a per-thread buffer (no allocation per call)
-  const int64_t num = x_in.size(0), in = a.in;
-  thread_local std::vector<T> packed;
-  const T* x = static_cast<const T*>(x_in.data_ptr());
-  if (!(x_in.stride(1) == 1 && x_in.stride(0) == in)) {
-    packed.resize(num * in);
-    const int64_t sn = x_in.stride(0), si = x_in.stride(1);
-    for (int64_t n = 0; n < num; ++n) {
-      for (int64_t i = 0; i < in; ++i) packed[n * in + i] = x[n * sn + i * si];
-    }
-    x = packed.data();
-  }
-  const int64_t tiles = (a.rows + kTile - 1) / kTile;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t n0 = 0;
-      for (; n0 + 8 <= num; n0 += 8) tile_rows<T, 8>(a, x, t * kTile, n0);
-      if (n0 + 4 <= num) { tile_rows<T, 4>(a, x, t * kTile, n0); n0 += 4; }
-      if (n0 + 2 <= num) { tile_rows<T, 2>(a, x, t * kTile, n0); n0 += 2; }
-      if (n0 < num) tile_rows<T, 1>(a, x, t * kTile, n0);
-    }
-  });
-}
-#endif
+#endif  // AEGAEON_SIMD
 
 bool linear_supported(c10::ScalarType dtype) {
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#endif
+#if defined(AEGAEON_SIMD)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
+  (void)dtype;
   return false;
+#endif
+}
+
+// Whether this build multiplies bfloat16 natively (AVX512-BF16 / AMX) rather than
+// widening it to float32 (Python picks the prefill path by it).
+bool bf16_native() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
@@ -280,17 +388,19 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                     bias->numel() == w.size(0), "bias must be contiguous [O]");
     b = bias->data_ptr();
   }
-#if defined(__AVX512F__)
+#if defined(AEGAEON_SIMD)
   LinearArgs a{w.data_ptr(), w.stride(0), w.size(0), w.size(1), b, out.data_ptr(),
                out.stride(0), out.stride(1)};
+  if (x.scalar_type() == at::kBFloat16) {
 #if defined(AEGAEON_AMX)
-  if (x.scalar_type() == at::kBFloat16 && a.in % 32 == 0 && a.rows >= 16 && amx_usable()) {
-    return run_amx(a, x);
-  }
+    if (a.in % 32 == 0 && a.rows >= 16 && amx_usable()) return run_amx(a, x);
 #endif
 #if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) return run_linear<c10::BFloat16>(a, x);
+    return run_linear_dpbf16(a, x);
+#else
+    return run_linear<c10::BFloat16>(a, x);
 #endif
+  }
   return run_linear<float>(a, x);
 #endif
 }
@@ -305,15 +415,15 @@ template <typename T>
 inline float sum_squares(const T* x, int64_t n) {
   int64_t c = 0;
   float ss = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; c + 16 <= n; c += 16) acc = _mm512_fmadd_ps(load16(x + c), load16(x + c), acc);
+#if defined(AEGAEON_SIMD)
+  F16 acc = zero16();
+  for (; c + 16 <= n; c += 16) acc = fmadd16(load16(x + c), load16(x + c), acc);
   if (c < n) {
-    const __m512 v = load16(x + c, static_cast<int>(n - c));
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const F16 v = load16(x + c, static_cast<int>(n - c));
+    acc = fmadd16(v, v, acc);
     c = n;
   }
-  ss = _mm512_reduce_add_ps(acc);
+  ss = reduce_add16(acc);
 #endif
   for (; c < n; ++c) ss += static_cast<float>(x[c]) * static_cast<float>(x[c]);
   return ss;
@@ -324,13 +434,19 @@ template <typename T>
 inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   const float scale = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
   int64_t c = 0;
-#if defined(__AVX512F__)
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (; c < n; c += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, n - c));
-    __m512 y = round_to(x, _mm512_mul_ps(load16(x + c, m), sv));
-    if (w) y = _mm512_mul_ps(y, load16(w + c, m));
+#if defined(AEGAEON_SIMD)
+  const F16 sv = set16(scale);
+  for (; c + 16 <= n; c += 16) {
+    F16 y = round_to(x, load16(x + c) * sv);
+    if (w) y = y * load16(w + c);
+    store16(out + c, y);
+  }
+  if (c < n) {
+    const int m = static_cast<int>(n - c);
+    F16 y = round_to(x, load16(x + c, m) * sv);
+    if (w) y = y * load16(w + c, m);
     store16(out + c, y, m);
+    c = n;
   }
 #endif
   for (; c < n; ++c) {
@@ -366,6 +482,15 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const std::optional<at
   }
 }
 
+#if defined(AEGAEON_SIMD)
+// T(silu(g)) * u of 16 lanes
+template <typename T>
+inline F16 silu_mul16(const T* tag, F16 g, F16 u) {
+  const F16 s = round_to(tag, g / (set16(1.f) + exp16(zero16() - g)));
+  return s * u;
+}
+#endif
+
 // out [N, F] = T(silu(gate)) * up with gate_up [N, 2F] = [gate | up].
 void silu_mul(const at::Tensor& out, const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && out.dim() == 2 && gate_up.size(1) == 2 * out.size(1) &&
@@ -381,14 +506,12 @@ void silu_mul(const at::Tensor& out, const at::Tensor& gate_up) {
         const T* u = g + n;
         T* o = static_cast<T*>(out.data_ptr()) + r * out.stride(0);
         int64_t c = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; c < n; c += 16) {
-          const int m = static_cast<int>(std::min<int64_t>(16, n - c));
-          const __m512 gv = load16(g + c, m);
-          const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
-          const __m512 s = round_to(g, _mm512_div_ps(gv, _mm512_add_ps(one, exp16(neg))));
-          store16(o + c, _mm512_mul_ps(s, load16(u + c, m)), m);
+#if defined(AEGAEON_SIMD)
+        for (; c + 16 <= n; c += 16) store16(o + c, silu_mul16(g, load16(g + c), load16(u + c)));
+        if (c < n) {
+          const int m = static_cast<int>(n - c);
+          store16(o + c, silu_mul16(g, load16(g + c, m), load16(u + c, m)), m);
+          c = n;
         }
 #endif
         for (; c < n; ++c) {
@@ -408,14 +531,15 @@ void silu_mul(const at::Tensor& out, const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(aegaeon, m) {
+AEGAEON_LIBRARY_FRAGMENT(AEGAEON_OPS, m) {
   m.def("linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
   m.def("linear_supported(ScalarType dtype) -> bool", linear_supported);
+  m.def("bf16_native() -> bool", bf16_native);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? w, float eps) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(aegaeon, CPU, m) {
+AEGAEON_LIBRARY_IMPL(AEGAEON_OPS, CPU, m) {
   m.impl("linear", linear);
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);
