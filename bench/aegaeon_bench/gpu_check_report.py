@@ -1,0 +1,110 @@
+"""What ``scripts/gpu-check`` shows: each step's few headline numbers, and a console summary.
+
+The operator of a device run sees only the end of the console, so the
+summary fits in a few kilobytes: a line per step, the error tail of each
+step that did not pass, and the highlights as one JSON line. Standard
+library only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+ERROR_LINES_CHARS = 1200
+
+_SERVE_KEYS = ("slo_attainment", "requests", "completed", "failed", "switches",
+               "prefetched_switches", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99", "qos")
+_SWITCH_ROW_KEYS = ("nbytes", "scale_up_ms", "scale_up_gb_s", "memcpy_gb_s", "load_over_memcpy",
+                    "first_scale_up_ms")  # fmt: skip
+
+
+def _imports(r: dict[str, Any]) -> Any:
+    return {"missing": sorted(k for k, v in r.items() if str(v).startswith("MISSING"))}
+
+
+def _probe(r: dict[str, Any]) -> Any:
+    cache = r.get("model_cache") or {}
+    return {"gpu": (r.get("gpu") or {}).get("name"), "copies": r.get("copies"),
+            "model_cache_pinned": cache.get("pinned"),
+            "shm_pinned_gb_s": cache.get("shm_pinned_gb_s"),
+            "shm_pageable_gb_s": cache.get("shm_pageable_gb_s"),
+            "read_only_register": cache.get("host_register_read_only_supported")}  # fmt: skip
+
+
+def _market(r: list[dict[str, Any]]) -> Any:
+    return {"models": len(r)}
+
+
+def _tests(r: dict[str, Any]) -> Any:
+    return {k: r.get(k) for k in ("passed", "failed", "skipped")} | {
+        "failing": [f["test"] for f in r.get("failures", [])]}
+
+
+def _engine(r: dict[str, Any]) -> Any:
+    return {k: r.get(k) for k in ("device", "device_name", "model", "dtype", "ours",
+                                  "transformers", "decode_speedup_vs_transformers_b8",
+                                  "greedy_match", "greedy_match_bench_dtype")}
+
+
+def _switch(r: dict[str, Any]) -> Any:
+    rows = r.get("models") or {}
+    return {
+        "device": r.get("device"), "memcpy": r.get("memcpy"),
+        "load_over_memcpy": r.get("load_over_memcpy"),
+        "model_cache_pinned": r.get("model_cache_pinned"),
+        "per_model": {m: {k: row.get(k) for k in _SWITCH_ROW_KEYS} for m, row in rows.items()},
+        "switch_ms": r.get("switch_ms"), "switch_ms_prefetch": r.get("switch_ms_prefetch"),
+        "check": r.get("check"),
+    }  # fmt: skip
+
+
+def _serve(r: dict[str, Any]) -> Any:
+    bench = r.get("bench") or {}
+    return {
+        "startup_s": r.get("startup_s"), "stop_s": r.get("stop_s"),
+        **{k: bench.get(k) for k in _SERVE_KEYS},
+        "service_errors": len(r.get("service_errors") or []),
+        "leaked_processes": len(r.get("leaked_processes") or []),
+        "leaked_shm": len(r.get("leaked_shm") or []),
+        "gpu_processes_serving": r.get("gpu_processes_serving"),
+    }  # fmt: skip
+
+
+def _leaks(r: dict[str, Any]) -> Any:
+    return {"processes": len(r.get("processes") or []),
+            "new_shm_segments": len(r.get("new_shm_segments") or [])}
+
+
+_HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
+    "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
+    "bench_engine": _engine, "bench_switch": _switch, "serve": _serve, "leaks": _leaks,
+}  # fmt: skip
+
+
+def step_highlights(name: str, results: Any) -> Any:
+    """The headline of one step's results (they may be partial: missing keys are None)."""
+    fn = _HIGHLIGHTS.get(name)
+    if fn is None or not results:
+        return None
+    try:
+        return fn(results)
+    except (AttributeError, KeyError, TypeError) as exc:
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The console's last screen (module docstring)."""
+    m = summary.get("machine") or {}
+    print(f"gpu-check {'(dry run) ' if summary.get('dry_run') else ''}on {m.get('gpu') or 'no GPU'}"
+          f" (driver {m.get('driver')}, {m.get('pcie')}), torch {m.get('torch')} cuda "
+          f"{m.get('cuda')}, {m.get('cpu_count')} x {m.get('cpu')}: "
+          f"{'ok' if summary.get('ok') else 'NOT ok'} in {summary.get('total_s')} s")
+    for step in summary.get("steps", []):
+        print(f"  {step['name']:13} {step['status']:8} {step['duration_s']:7.1f} s")
+    for step in summary.get("steps", []):
+        if step["status"] not in ("ok", "skipped") and step.get("error"):
+            print(f"--- {step['name']} ({step['status']}):")
+            print(str(step["error"])[-ERROR_LINES_CHARS:])
+    print("highlights: " + json.dumps(summary.get("highlights"), default=str))

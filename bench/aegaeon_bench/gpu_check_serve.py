@@ -1,0 +1,206 @@
+"""The serving step of ``scripts/gpu-check``: ``aegaeon serve`` under ``aegaeon bench serve``.
+
+One prefill and one decode instance share one device (both ``device:
+cuda:0`` on a GPU) over four models of the market, each worker's arena
+holding two of them, so switches are real. ``aegaeon bench serve`` drives a
+modest open-loop load (the sweep's ratios: prompts and outputs x 0.25, TTFT
+2 s, TBT 25 ms), then ``aegaeon serve`` gets a Ctrl-C, and the step checks
+that nothing outlived it: no process naming its run directory, no segment
+of its deployment in /dev/shm, no GPU process of it in nvidia-smi.
+
+Standard library only, like ``gpu_check_run``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aegaeon_bench.gpu_check_run import (
+    Runner,
+    StepResult,
+    end_session,
+    last_json_line,
+    processes_mentioning,
+    shm_segments,
+    tail,
+)
+
+MiB = 1 << 20
+STOP_TIMEOUT_S = 30.0
+NUM_MODELS = 4
+BYTES_PER_PARAM = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What to serve and how hard to drive it."""
+
+    device: str
+    load_s: float  # seconds of arrivals
+    grace_s: float  # after the last arrival, before open requests fail
+    startup_s: float  # the most to wait for "Aegaeon is serving"
+    rps: float = 0.5  # per model
+    scale: float = 0.25  # prompt and output lengths x (ShareGPT-like)
+    ttft_s: float = 2.0
+    tbt_s: float = 0.025
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pick_models(market: Path, count: int = NUM_MODELS) -> list[dict[str, Any]]:
+    """``count`` market entries spread over its sizes (smallest and largest included)."""
+    entries = sorted(json.loads((market / "market.json").read_text())["models"],
+                     key=lambda e: int(e["params"]))
+    if len(entries) <= count:
+        return entries
+    step = (len(entries) - 1) / (count - 1)
+    return [entries[round(i * step)] for i in range(count)]
+
+
+def serve_config(market: Path, run_dir: Path, port: int, device: str) -> dict[str, Any]:
+    """The deployment (JSON is YAML): both instances on ``device``, arenas of two models."""
+    models = pick_models(market)
+    largest = max(int(e["params"]) * BYTES_PER_PARAM.get(str(e["dtype"]), 2) for e in models)
+    gpu = device.startswith("cuda")
+    kv = (1024 if gpu else 192) * MiB
+    instance = {"instances": 1, "device": device, "device_memory_bytes":
+                2 * largest + 64 * MiB + kv, "kv_memory_bytes": kv}  # fmt: skip
+    return {
+        "models": [{"name": e["name"], "path": str(market / e["path"])} for e in models],
+        "dtype": str(models[0]["dtype"]),
+        "run_dir": str(run_dir),
+        "cachemgr": {"model_cache_bytes": (4096 if gpu else 1024) * MiB,
+                     "kv_cache_bytes": (2048 if gpu else 512) * MiB},
+        "prefill": instance,
+        "decode": dict(instance),
+        "proxy": {"host": "127.0.0.1", "port": port},
+    }
+
+
+def shm_prefix(run_dir: Path) -> str:
+    """The deployment's segment prefix (``aegaeon_common.config.Config.shm_prefix``)."""
+    return "aegaeon-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def gpu_processes() -> list[dict[str, str]] | None:
+    """nvidia-smi's compute processes (None without nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                          "--format=csv,noheader"], capture_output=True, text=True,
+                         timeout=30, check=False)
+    rows = [line.split(",") for line in out.stdout.strip().splitlines() if line.strip()]
+    return [{"pid": r[0].strip(), "name": r[1].strip() if len(r) > 1 else "",
+             "memory": r[2].strip() if len(r) > 2 else ""} for r in rows]  # fmt: skip
+
+
+def service_errors(run_dir: Path, limit: int = 20) -> list[str]:
+    """The last lines at level error or above in the services' logs."""
+    found: list[str] = []
+    for path in sorted(run_dir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            lowered = line.lower()
+            if any(f'"level": "{lv}"' in lowered or f"[{lv}" in lowered
+                   for lv in ("error", "critical")) or "traceback" in lowered:
+                found.append(f"{path.stem}: {line[:400]}")
+    return found[-limit:]
+
+
+def _wait_serving(proc: subprocess.Popen[bytes], out: Path, deadline: float) -> str | None:
+    """None once serve announced itself, else why not."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"aegaeon serve exited {proc.returncode} while starting"
+        if "Aegaeon is serving" in out.read_text(errors="replace"):
+            return None
+        time.sleep(0.25)
+    return "aegaeon serve not ready in time"
+
+
+def run_serve_step(runner: Runner, market: Path, work: Path, plan: ServePlan) -> StepResult:
+    """The whole step (module docstring); its result is recorded in ``runner``."""
+    return runner.call("serve", lambda result: _serve(runner, market, work, plan, result))
+
+
+def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
+           result: StepResult) -> None:
+    run_dir = (work / "serve-run").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = serve_config(market, run_dir, port, plan.device)
+    config_path = work / "serve-config.yaml"
+    config_path.write_text(json.dumps(config, indent=1))
+    out, err = runner.logs / "serve.out", runner.logs / "serve.err"
+    result.logs = [out.name, err.name, "serve-bench.out", "serve-bench.err", "serve-run/"]
+    res: dict[str, Any] = {"config": config, "url": f"http://127.0.0.1:{port}"}
+    result.results = res
+    shm_before = shm_segments()
+    python = sys.executable
+    argv = [python, "-m", "aegaeon_cli.main", "serve", "--config", str(config_path),
+            "--run-dir", str(run_dir)]  # fmt: skip
+    start = time.monotonic()
+    with out.open("wb") as fout, err.open("wb") as ferr:
+        proc = subprocess.Popen(argv, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL,
+                                cwd=runner.cwd, env=dict(runner.env), start_new_session=True)
+    try:
+        problem = _wait_serving(proc, out, start + plan.startup_s)
+        res["startup_s"] = round(time.monotonic() - start, 2)
+        if problem is not None:
+            result.status, result.error = "failed", f"{problem}\n{tail(err) or tail(out)}"
+            return
+        res["gpu_processes_serving"] = gpu_processes()
+        bench = [python, "-m", "aegaeon_cli.main", "bench", "serve", "--url", res["url"],
+                 "--models", str(NUM_MODELS), "--rps", str(plan.rps),
+                 "--duration", str(plan.load_s), "--grace", str(plan.grace_s),
+                 "--input-scale", str(plan.scale), "--output-scale", str(plan.scale),
+                 "--ttft", str(plan.ttft_s), "--tbt", str(plan.tbt_s), "--market", str(market),
+                 "--trace", str(runner.logs / "serve-trace.jsonl"), "--json", "--quiet"]
+        bench_out, bench_err = runner.logs / "serve-bench.out", runner.logs / "serve-bench.err"
+        status, code = runner.spawn(bench, bench_out, bench_err,
+                                    plan.load_s + plan.grace_s + 60)
+        res["bench_status"], res["bench_returncode"] = status, code
+        res["bench"] = last_json_line(bench_out)
+        if status != "ok":
+            result.status, result.error = "failed", f"bench serve {status}\n{tail(bench_err)}"
+    finally:
+        _stop(proc, res)
+        res["service_errors"] = service_errors(run_dir)
+        res["leaked_processes"] = processes_mentioning(str(run_dir))
+        res["leaked_shm"] = sorted(shm_segments(shm_prefix(run_dir)) - shm_before)
+        res["gpu_processes_after"] = gpu_processes()
+        shutil.copytree(run_dir, runner.logs / "serve-run", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.sock"))
+    leaks = [k for k in ("leaked_processes", "leaked_shm") if res[k]]
+    if leaks and result.status == "ok":
+        result.status, result.error = "failed", f"left behind: {', '.join(leaks)}"
+    if result.status == "ok" and res.get("stop_returncode") not in (0, None):
+        result.status = "failed"
+        result.error = f"aegaeon serve exited {res['stop_returncode']} on Ctrl-C"
+
+
+def _stop(proc: subprocess.Popen[bytes], res: dict[str, Any]) -> None:
+    """Ctrl-C as a user would (the supervisor stops its children, cachemgr last)."""
+    start = time.monotonic()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            res["stop_timed_out"] = True
+    res["stop_s"] = round(time.monotonic() - start, 2)
+    res["stop_returncode"] = proc.returncode
+    end_session(proc, grace_s=5.0)
