@@ -174,12 +174,13 @@ def test_cli_create_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
     out = tmp_path / "cli"
     assert main(["market", "create", "--out", str(out), "--models", "1", "--dtype", "float32",
-                 "--quiet"]) == 0
+                 "--random-only", "--quiet"]) == 0
     (entry,) = load_market(out)
     assert entry.dtype == "float32" and _config(entry)["dtype"] == "float32"
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("mine")
-    assert main(["market", "create", "--out", str(tmp_path / "junk"), "--quiet"]) == 2
+    assert main(["market", "create", "--out", str(tmp_path / "junk"), "--random-only",
+                 "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert (tmp_path / "junk" / "notes.txt").read_text() == "mine"
     with pytest.raises(SystemExit) as exc:

@@ -16,7 +16,7 @@ from typing import cast
 
 # subcommand -> (module with register(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "market": ("aegaeon_market.cli", "make a market of small seeded checkpoints"),
+    "market": ("aegaeon_market.cli", "make a market, import HF or GGUF checkpoints into it"),
     "generate": ("aegaeon_engine.cli", "generate text with the engine alone (no services)"),
     "bench": ("aegaeon_bench.cli", "benchmarks: engine, switch, serve, sweep, report"),
     "sim": ("aegaeon_bench.sim.cli", "discrete-event simulation of the paper's cluster"),

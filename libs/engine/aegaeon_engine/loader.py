@@ -122,6 +122,23 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def read_tensor(entry: TensorEntry, name: str) -> torch.Tensor:
+    """One float tensor of a checkpoint, read into memory in its stored dtype."""
+    if entry.code not in _FLOAT_CODES:
+        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; only float tensors "
+                              "load")
+    dtype = _FLOAT_CODES[entry.code][0]
+    staging = bytearray(entry.nbytes)
+    try:
+        with entry.file.open("rb") as f:
+            _read_exact(f, entry, name, memoryview(staging))
+    except OSError as exc:
+        raise CheckpointError(entry.file, name, f"cannot read ({exc.strerror})") from None
+    if not staging:
+        return torch.empty(entry.shape, dtype=dtype)
+    return torch.frombuffer(staging, dtype=dtype).reshape(entry.shape)
+
+
 def fill_layout(model_dir: str | Path, layout: WeightLayout,
                 dest: torch.Tensor | bytearray | memoryview) -> None:
     """Write ``layout``'s bytes into host memory ``dest`` (no engine needed).

@@ -39,6 +39,13 @@ class ArchTraits:
     qk_norm: bool
 
 
+# config.json ``model_type`` -> architecture, for configs without ``architectures``
+# (e.g. ones written from a GGUF file's metadata)
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
+
 ARCHITECTURES: dict[str, ArchTraits] = {
     "LlamaForCausalLM": ArchTraits(qkv_bias="attention_bias", o_bias="attention_bias",
                                    qk_norm=False),
@@ -154,12 +161,7 @@ class ModelSpec:
                     max_model_len: int | None = None) -> ModelSpec:
         """Build a spec from already-parsed config dicts (see ``from_dir``)."""
         cfg = _Fields(config, source)
-        archs = cfg.get("architectures", list)
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise CheckpointError(source, "architectures",
-                                  f"unsupported architecture {archs!r}; "
-                                  f"supported: {sorted(ARCHITECTURES)}")
+        arch = _architecture(cfg)
         traits = ARCHITECTURES[arch]
         act = cfg.get("hidden_act", str, "silu")
         if act != "silu":
@@ -229,6 +231,26 @@ class _Fields:
         if kind is int and value <= 0 and key not in ("bos_token_id", "eos_token_id"):
             raise CheckpointError(self.source, key, f"must be positive, got {value}")
         return value
+
+
+def _architecture(cfg: _Fields) -> str:
+    """The served architecture: from ``architectures``, else from ``model_type``."""
+    archs = cfg.get("architectures", list, None)
+    if archs is None:
+        model_type = cfg.get("model_type", str, None)
+        if model_type is None:
+            raise CheckpointError(cfg.source, "architectures", "missing (and no model_type)")
+        if model_type not in MODEL_TYPES:
+            raise CheckpointError(cfg.source, "model_type",
+                                  f"unsupported model type {model_type!r}; "
+                                  f"supported: {sorted(MODEL_TYPES)}")
+        return MODEL_TYPES[model_type]
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(cfg.source, "architectures",
+                              f"unsupported architecture {archs!r}; "
+                              f"supported: {sorted(ARCHITECTURES)}")
+    return str(arch)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

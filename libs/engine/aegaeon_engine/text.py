@@ -36,6 +36,7 @@ class TextCodec:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise CheckpointError(config_path, None, f"not valid JSON ({exc})") from None
         self.config_path = config_path
+        self.chat_template = _template_source(root, self.config)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain prompt, with the tokenizer's own special tokens (e.g. BOS)."""
@@ -51,8 +52,8 @@ class TextCodec:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        source = self.config.get("chat_template")
-        if not isinstance(source, str):
+        source = self.chat_template
+        if source is None:
             raise CheckpointError(self.config_path, "chat_template", "missing (needed by --chat)")
 
         def raise_exception(message: str) -> None:
@@ -71,6 +72,24 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` without special tokens."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _template_source(root: Path, config: dict[str, Any]) -> str | None:
+    """The chat template: ``tokenizer_config.json``'s (a string, or the ``default`` of a
+    named list), else ``chat_template.jinja`` beside it (as transformers 5 saves it)."""
+    raw = config.get("chat_template")
+    if isinstance(raw, list):
+        raw = next((t.get("template") for t in raw
+                    if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(raw, str):
+        return raw
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(jinja, None, f"unreadable ({exc})") from None
+    return None
 
 
 def _token_text(token: object) -> str:

@@ -1,0 +1,212 @@
+"""Change a market in place: import a model (``add``), ``remove`` one, ``list`` them.
+
+Every change leaves the market whole or as it was. An import is checked and
+converted into a private folder inside the market (same file system), then,
+under the market's lock, moved into place by rename and committed by the
+atomic rewrite of ``market.json``; a failure before that commit undoes the
+renames, and the private folder is removed whatever happens. A removal
+commits ``market.json`` first and deletes the files after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from aegaeon_engine.errors import CheckpointError
+from aegaeon_engine.loader import checkpoint_index
+from aegaeon_engine.spec import ModelSpec
+from tqdm import tqdm
+
+from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
+from aegaeon_market.plan import MarketError
+
+DTYPES = ("bfloat16", "float16", "float32")
+GGUF_DEFAULT_DTYPE = "bfloat16"  # the market's own models are bfloat16 too
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One model of `list_models`: its entry and the bytes its files take."""
+
+    entry: MarketEntry
+    nbytes: int
+
+
+@contextlib.contextmanager
+def market_lock(root: Path) -> Iterator[None]:
+    """Serialise changes to the market in ``root`` (a lock file beside it)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with (root.parent / f".{root.name}.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _manifest_or_new(root: Path, staging: Path | None = None) -> Manifest:
+    """The market in ``root``; an empty one if ``root`` is missing or an empty folder
+    (but for our own ``staging`` folder)."""
+    if (root / MANIFEST).is_file():
+        return read_manifest(root)
+    if root.exists() and (not root.is_dir() or any(p != staging for p in root.iterdir())):
+        raise MarketError(f"{root}: not a market (no {MANIFEST}) and not empty")
+    return Manifest(seed=0, profile="", generator="", entries=())
+
+
+def check_name(name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise MarketError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 64, "
+                          "starting with a letter or digit)")
+
+
+def _kind(source: Path) -> str:
+    """``gguf`` or ``hf``; `CheckpointError` for anything else."""
+    if source.is_dir():
+        return "hf"
+    if source.suffix.lower() == ".gguf" or source.is_file():
+        return "gguf"
+    raise CheckpointError(source, None, "missing (expected a Hugging Face checkpoint directory "
+                                        "or a .gguf file)")
+
+
+def _check_clash(manifest: Manifest, root: Path, name: str, replace_existing: bool) -> None:
+    names = {e.name for e in manifest.entries}
+    if name in names and not replace_existing:
+        raise MarketError(f"{root / MANIFEST}: models: a model named {name!r} exists "
+                          "(pass --replace to overwrite it)")
+    if name not in names and (root / name).exists():
+        raise MarketError(f"{root / name}: exists and is not a model of this market; "
+                          "choose another --name")
+
+
+def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str | None = None,
+              *, replace_existing: bool = False, progress: bool = True,
+              source_label: str | None = None) -> MarketEntry:
+    """Import ``source`` (HF directory or ``.gguf`` file) into the market as ``name``.
+
+    ``dtype`` defaults to the checkpoint's own (HF) or bfloat16 (GGUF).
+    Raises `CheckpointError` for a defective source and `MarketError` for a
+    name clash or a broken market; either way the market is unchanged.
+    """
+    root, src = Path(market_dir).resolve(), Path(source).resolve()
+    check_name(name)
+    if dtype is not None and dtype not in DTYPES:
+        raise MarketError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    _check_clash(_manifest_or_new(root), root, name, replace_existing)
+    _kind(src)  # a missing source is refused before anything is made
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".add-{name}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        entry = convert_source(src, staging, name, dtype, progress)
+        entry = replace(entry, path=root / name, source=source_label or str(src))
+        with market_lock(root):
+            manifest = _manifest_or_new(root, staging)
+            _check_clash(manifest, root, name, replace_existing)
+            _commit(root, manifest, entry, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return entry
+
+
+def convert_source(src: Path, staging: Path, name: str, dtype: str | None,
+                   progress: bool) -> MarketEntry:
+    """Check ``src`` (HF directory or GGUF file) and write it into ``staging``; its entry."""
+    kind = _kind(src)
+    if kind == "gguf":
+        from aegaeon_market.gguf_import import convert_gguf, read_gguf
+
+        gguf_model = read_gguf(src)
+        serve_dtype = dtype or GGUF_DEFAULT_DTYPE
+        spec, params, count = gguf_model.spec, gguf_model.params, len(gguf_model.sources)
+        with _bar(count, f"convert {src.name}", progress) as step:
+            convert_gguf(gguf_model, staging, serve_dtype, step)
+    else:
+        from aegaeon_market.hf_import import convert_hf, read_hf_dir
+
+        hf_model = read_hf_dir(src)
+        serve_dtype = dtype or hf_model.spec.dtype
+        spec, params, count = hf_model.spec, hf_model.params, len(hf_model.tensors)
+        with _bar(count, f"import {src.name}", progress) as step:
+            convert_hf(hf_model, staging, serve_dtype, step)
+    # what the engine will read: the written directory must parse and index cleanly
+    written = ModelSpec.from_dir(staging)
+    checkpoint_index(staging)
+    if written.architecture != spec.architecture:
+        raise CheckpointError(staging / "config.json", "architectures",
+                              f"{written.architecture} written for {spec.architecture}")
+    return MarketEntry(name, staging, spec.architecture, params, serve_dtype)
+
+
+@contextlib.contextmanager
+def _bar(total: int, label: str, progress: bool) -> Iterator[Callable[[int], None]]:
+    with tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, mininterval=0.5,
+              disable=not progress) as bar:
+
+        def step(count: int) -> None:
+            bar.update(count)
+
+        yield step
+
+
+def _commit(root: Path, manifest: Manifest, entry: MarketEntry, staging: Path) -> None:
+    """Move ``staging`` to ``entry.path`` and rewrite ``market.json``; undo on failure."""
+    final = entry.path
+    old = root / f".old-{entry.name}.{os.getpid()}"
+    replacing = final.exists()
+    if replacing:
+        os.rename(final, old)
+    try:
+        os.rename(staging, final)
+        try:
+            kept = [e for e in manifest.entries if e.name != entry.name]
+            at = next((i for i, e in enumerate(manifest.entries) if e.name == entry.name),
+                      len(kept))
+            role = next((e.role for e in manifest.entries if e.name == entry.name), "")
+            kept.insert(at, replace(entry, role=role))
+            write_manifest(root, replace(manifest, entries=tuple(kept)))
+        except BaseException:
+            os.rename(final, staging)
+            raise
+    except BaseException:
+        if replacing:
+            os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_model(market_dir: Path | str, name: str) -> MarketEntry:
+    """Remove ``name`` from the market (its entry, then its files)."""
+    root = Path(market_dir).resolve()
+    with market_lock(root):
+        manifest = read_manifest(root)
+        entry = next((e for e in manifest.entries if e.name == name), None)
+        if entry is None:
+            known = ", ".join(e.name for e in manifest.entries) or "none"
+            raise MarketError(f"{root / MANIFEST}: models: no model named {name!r} "
+                              f"(the market has: {known})")
+        kept = tuple(e for e in manifest.entries if e.name != name)
+        write_manifest(root, replace(manifest, entries=kept))
+    if entry.path.parent == root and entry.path.is_dir():
+        shutil.rmtree(entry.path, ignore_errors=True)
+    return entry
+
+
+def list_models(market_dir: Path | str) -> list[Listed]:
+    """The market's models and the bytes each one's files take on disk."""
+    root = Path(market_dir).resolve()
+    out = []
+    for entry in read_manifest(root).entries:
+        files = entry.path.rglob("*") if entry.path.is_dir() else iter(())
+        out.append(Listed(entry, sum(p.stat().st_size for p in files if p.is_file())))
+    return out

