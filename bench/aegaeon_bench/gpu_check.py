@@ -192,11 +192,11 @@ class Check:
                             parse=_json_results)
 
     def make_market(self) -> bool:
-        if (self.market / "market.json").is_file():
-            self.runner.skip("market", f"using the market in {self.market}")
-            return True
-        argv = _cli("market", "create", "--out", str(self.market), "--quiet",
-                    *(("--profile", "small", "--models", "4") if self.dry else ()))
+        """The market (``ensure_market``: one already there and current is kept as it is)."""
+        size = "num_models=4, profile='small'" if self.dry else "num_models=8"
+        code = ("import sys\nfrom aegaeon_market import ensure_market\n"
+                f"ensure_market(sys.argv[1], {size}, progress=False)\n")
+        argv = _py("-c", code, str(self.market))
         result = self.runner.command(
             "market", argv, 60 if self.dry else 120, reserve_s=self.reserve(),
             parse=lambda _o, _e: market_models(self.market))

@@ -1,0 +1,74 @@
+"""``scripts/gpu-check --dry-run``: the GPU check's whole sequence on the CPU, offline.
+
+Proves the plumbing the one GPU run depends on: every step runs and is
+recorded with a status, the JSON and the log archive are written, and
+nothing is left running or mapped afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["install", "imports", "probe", "market", "gpu_tests", "bench_engine", "bench_switch",
+         "serve", "leaks"]  # fmt: skip
+STATUSES = {"ok", "failed", "timeout", "error", "skipped"}
+
+
+@pytest.fixture(scope="session")
+def small_market(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the dry run keeps its small market across sessions (it builds it if missing)."""
+    cache = getattr(pytestconfig, "cache", None)
+    base = cache.mkdir("aegaeon-market") if cache is not None else tmp_path_factory.mktemp("m")
+    return base / "gpu-check-small"
+
+
+def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
+                                                       small_market: Path) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ, AEGAEON_PYTHON=sys.executable)
+    env.pop("OUT", None)
+    argv = ["bash", str(ROOT / "scripts" / "gpu-check"), "--dry-run", "--out", str(out),
+            "--market", str(small_market)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240,
+                          check=False)
+    console = proc.stdout + proc.stderr
+    summary = json.loads((out / "gpu-check.json").read_text())
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert list(steps) == STEPS, console[-3000:]
+    for step in steps.values():
+        assert step["status"] in STATUSES
+        assert isinstance(step["duration_s"], float | int)
+    failed = {n: s["error"] for n, s in steps.items() if s["status"] not in ("ok", "skipped")}
+    assert not failed, json.dumps(failed, indent=1)[-4000:]
+    assert proc.returncode == 0, console[-3000:]
+    assert summary["dry_run"] and summary["device"] == "cpu" and summary["ok"]
+
+    # each step's results are there, parsed
+    assert steps["gpu_tests"]["results"]["files"]
+    assert steps["bench_engine"]["results"]["device"] == "cpu"
+    assert steps["bench_switch"]["results"]["memcpy"] == "host memcpy"
+    serve = steps["serve"]["results"]
+    assert serve["bench"]["requests"] > 0 and serve["bench"]["failed"] == 0
+    assert serve["leaked_processes"] == [] and serve["leaked_shm"] == []
+    assert summary["highlights"]["serve"]["completed"] == serve["bench"]["completed"]
+
+    with tarfile.open(out / "gpu-check-logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "logs/serve-run/proxy.log" in names and "logs/gpu-tests.xml" in names
+
+    # the work folder is gone and nothing of it runs
+    work = next(line.split(" work in ")[1].strip() for line in proc.stdout.splitlines()
+                if " work in " in line)
+    assert not Path(work).exists()
+    running = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+               if any(work in part or str(out) in part for part in p.info["cmdline"] or [])]
+    assert running == []

@@ -1,0 +1,114 @@
+"""The engine and the sampler on CUDA against the CPU's torch path (the reference).
+
+Marked `gpu` and skipped without CUDA. Float32 on both sides: the logits
+agree to rounding (SDPA's CUDA kernels sum in another order), greedy tokens
+exactly; bfloat16 on CUDA must at least run and stay finite.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from aegaeon_engine import DecodeSeq, Engine, Sampler, SamplingParams
+from engine_support import VARIANTS, Bound, block_lists, decode_step, make_checkpoint, prompts_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+LENGTHS = (5, 17, 33)  # crossing block boundaries (block size 16)
+NUM_TOKENS = 16
+
+
+class CudaBound(Bound):
+    """``Bound`` with its weights and KV region on the GPU."""
+
+    def __init__(self, model_dir: Path, dtype: str = "float32") -> None:
+        super().__init__(model_dir, engine=Engine("cpu", native=False), dtype=dtype)
+        self.weights = self.weights.cuda()
+        self.kv = self.kv.cuda()
+        self.engine = Engine("cuda")
+        self.bind()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-cuda-ckpts")
+    return {v: make_checkpoint(root / v, v, seed=i) for i, v in enumerate(VARIANTS)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_and_decode_logits_match_cpu(ckpts: dict[str, Path], variant: str) -> None:
+    cpu = Bound(ckpts[variant], engine=Engine("cpu", native=False))
+    gpu = CudaBound(ckpts[variant])
+    prompt = prompts_of([40], seed=2)[0]
+    blocks = block_lists(1, 4)[0]
+    ours = gpu.engine.prefill(prompt[:37], blocks)
+    assert ours.device.type == "cuda"
+    torch.testing.assert_close(ours.cpu(), cpu.engine.prefill(prompt[:37], blocks),
+                               atol=1e-3, rtol=0)
+    for pos in range(37, 40):
+        step = [DecodeSeq(prompt[pos], pos, blocks)]
+        torch.testing.assert_close(gpu.engine.decode(step)[0].cpu(),
+                                   cpu.engine.decode(step)[0], atol=1e-3, rtol=0)
+
+
+def test_batched_greedy_matches_cpu(ckpts: dict[str, Path]) -> None:
+    prompts = prompts_of(LENGTHS, seed=1)
+    blocks = block_lists(3, 5)
+    cpu = Bound(ckpts["qwen3"], engine=Engine("cpu", native=False))
+    assert CudaBound(ckpts["qwen3"]).greedy(prompts, NUM_TOKENS, blocks) == cpu.greedy(
+        prompts, NUM_TOKENS, blocks)
+
+
+def test_chunked_prefill_on_cuda_equals_whole(ckpts: dict[str, Path]) -> None:
+    gpu = CudaBound(ckpts["llama-gqa"])
+    prompt = prompts_of([45], seed=4)[0]
+    whole = gpu.engine.prefill(prompt, list(range(3)))
+    gpu.engine.prefill(prompt[:20], list(range(3, 6)))
+    chunked = gpu.engine.prefill(prompt[20:], list(range(3, 6)), start_pos=20)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_batched_decode_runs(ckpts: dict[str, Path]) -> None:
+    gpu = CudaBound(ckpts["mistral"], dtype="bfloat16")
+    prompts = prompts_of(LENGTHS, seed=5)
+    blocks = block_lists(3, 5)
+    outs = [[int(gpu.engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
+                                                                     strict=True)]
+    for _ in range(8):
+        outs = decode_step(gpu.engine, prompts, outs, blocks)
+    logits = gpu.engine.decode([DecodeSeq(o[-1], len(p) + len(o) - 1, b)
+                                for p, o, b in zip(prompts, outs, blocks, strict=True)])
+    assert logits.dtype == torch.float32 and bool(torch.isfinite(logits).all())
+
+
+def test_kv_export_moves_between_devices(ckpts: dict[str, Path]) -> None:
+    gpu = CudaBound(ckpts["qwen2"])
+    cpu = Bound(ckpts["qwen2"], engine=Engine("cpu", native=False))
+    prompt = prompts_of([30], seed=6)[0]
+    gpu.engine.prefill(prompt, [0, 1])
+    cpu.engine.import_kv([2, 3], gpu.engine.export_kv([0, 1]).cpu())
+    step_gpu = gpu.engine.decode([DecodeSeq(prompt[-1], 30, [0, 1])])[0].cpu()
+    step_cpu = cpu.engine.decode([DecodeSeq(prompt[-1], 30, [2, 3])])[0]
+    torch.testing.assert_close(step_gpu, step_cpu, atol=1e-3, rtol=0)
+
+
+def test_sampler_on_cuda_is_seeded_and_respects_top_k() -> None:
+    logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).cuda()
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=7),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=8),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2)]
+
+    def draw() -> list[int]:
+        gens = [p.make_generator(torch.device("cuda")) for p in params]
+        return Sampler("cuda", seed=1).sample(logits, params, gens)
+
+    first = draw()
+    assert first == draw()
+    assert first[0] in logits[0].topk(5).indices.tolist()
+    assert first[2] == int(logits[2].argmax())
