@@ -206,8 +206,8 @@ class Check:
         files = gpu_test_files()
         xml = self.logs / "gpu-tests.xml"
         argv = _py("-m", "pytest", "-q", "-m", "gpu", "-o", f"cache_dir={self.work / 'pytest'}",
-                   "--timeout", "120", f"--junitxml={xml}", "-W", "ignore::DeprecationWarning",
-                   *files)
+                   "--timeout", "45", "-rfE", "--durations=8", f"--junitxml={xml}",
+                   "-W", "ignore::DeprecationWarning", *files)
         result = self.runner.command("gpu_tests", argv, 60 if self.dry else 110,
                                      reserve_s=self.reserve(),
                                      parse=lambda _o, _e: parse_junit(xml) if xml.is_file()

@@ -39,7 +39,7 @@ def active_bytes_equal(worker: Worker) -> bool:
         if not mapped.nbytes == active.allocation.nbytes == switcher.nbytes(active.name):
             return False
         arena = worker.buffer.view(active.allocation.offset, active.allocation.nbytes)
-        return torch.equal(arena, mapped.data)
+        return torch.equal(arena.cpu(), mapped.data)  # the arena may be on a GPU
     finally:
         worker.cache.unpin(active.name)
 

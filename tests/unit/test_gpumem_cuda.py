@@ -105,3 +105,30 @@ def test_kv_pool_holds_blocks_until_the_cuda_event() -> None:
         assert pool.stats().pending_blocks == 16
         assert event.wait(30.0)
         assert pool.reclaim() == 16
+
+
+def test_exported_event_outlives_its_last_local_reference() -> None:
+    """A consumer may open a handle after the producer dropped the event (a prefill's
+    swap-out event, reclaimed before the decode instance admits the request)."""
+    stream = make_copy_stream("cuda")
+    assert isinstance(stream, CudaCopyStream)
+    with torch.cuda.stream(stream.torch_stream):
+        torch.cuda._sleep(SPIN_CYCLES * 5)  # type: ignore[no-untyped-call]
+    event = stream.record()
+    pending = msgpack.packb(event.handle().to_dict()).hex()
+    assert event.wait(60.0)
+    done = msgpack.packb(event.handle().to_dict()).hex()
+    del event  # only the export keep-alive holds it now
+    code = textwrap.dedent(f"""
+        import msgpack
+        import aegaeon_gpumem as g
+        for wire in ({pending!r}, {done!r}):
+            ev = g.open_event(msgpack.unpackb(bytes.fromhex(wire)))
+            assert ev.query() and not isinstance(ev, g.CudaEvent), ev
+        print("ok")
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -11,19 +11,46 @@ answers a local handle from it (the paper's artifact does the same). The
 table holds weak references: an event nobody holds any more cannot be
 waited on by this process, and other processes hold their own opened copy.
 
+Lifetime across processes: using an imported event after its exporter
+destroyed it is undefined (cuIpcOpenEventHandle), and an exporter drops an
+event as soon as its own bookkeeping is done with it (a prefill's swap-out
+event once the copy finished and the device blocks were reclaimed), maybe
+before the consumer (the decode instance, the cachemgr) even opened it. So
+an exported event is kept alive here for ``KEEP_EXPORTED_S`` after its
+handle was last taken, and an importer that finds the event already
+complete when it opens it keeps no CUDA event at all (``Event.completed()``),
+so later waits on it, seconds or minutes on, never touch a dead event.
+
 Imported by the package `__init__`, which registers the "cuda" opener; all
 torch.cuda calls happen lazily, so importing on a CPU-only build is safe.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
+from collections import deque
 
 import torch
 
 from aegaeon_gpumem.events import OPENERS, Event, EventHandle
 
+KEEP_EXPORTED_S = 60.0
+MAX_KEPT = 1 << 16  # a bound on the kept events, whatever the rate of exports
+
 _local: weakref.WeakValueDictionary[bytes, CudaEvent] = weakref.WeakValueDictionary()
+_exported: deque[tuple[float, CudaEvent]] = deque()
+_exported_lock = threading.Lock()
+
+
+def _keep_exported(event: CudaEvent) -> None:
+    """Hold ``event`` for ``KEEP_EXPORTED_S`` (module docstring); drop the expired ones."""
+    now = time.monotonic()
+    with _exported_lock:
+        _exported.append((now + KEEP_EXPORTED_S, event))
+        while _exported and (_exported[0][0] < now or len(_exported) > MAX_KEPT):
+            _exported.popleft()
 
 
 class CudaEvent(Event):
@@ -76,6 +103,8 @@ class CudaEvent(Event):
         stream.wait_event(self._event)
 
     def handle(self) -> EventHandle:
+        """The IPC handle; the event is kept alive for other processes (module docstring)."""
+        _keep_exported(self)
         return EventHandle("cuda", handle=self.ipc_handle(), device=self._device)
 
     def __repr__(self) -> str:
@@ -83,11 +112,14 @@ class CudaEvent(Event):
 
 
 def open_cuda_event(handle: EventHandle) -> Event:
-    """Open a CUDA event handle: this process's own events from the local table."""
+    """Open a CUDA event handle: this process's own events from the local table; another
+    process's, already complete, as ``Event.completed()`` (module docstring)."""
     local = _local.get(handle.handle)
     if local is not None:
         return local
     event = torch.cuda.Event.from_ipc_handle(handle.device, handle.handle)  # type: ignore[no-untyped-call]
+    if event.query():
+        return Event.completed()
     return CudaEvent(event, handle.device, handle.handle)
 
 
