@@ -76,7 +76,7 @@ class GGUFFile:
 def _reader_problem(exc: Exception) -> str:
     """One line about why the ``gguf`` reader refused the file."""
     text = str(exc)
-    unknown = re.search(r"(\d+) is not a valid GGMLQuantizationType", text)
+    unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
     if unknown:
         return f"a tensor has unknown GGML type {unknown.group(1)} (newer than this gguf reader?)"
     if "cannot reshape" in text or "out of bounds" in text or isinstance(exc, IndexError):
