@@ -252,7 +252,7 @@ class Check:
 
     def reserve(self) -> float:
         """Seconds kept for the serving step while earlier steps run."""
-        return 30.0 if self.dry else SERVE_LOAD_S + 60.0
+        return 30.0 if self.dry else SERVE_LOAD_S + 80.0
 
     def leaks(self, shm_before: set[str]) -> None:
         def check(result: StepResult) -> None:

@@ -71,8 +71,10 @@ def pick_models(market: Path, count: int = NUM_MODELS) -> list[dict[str, Any]]:
     return [entries[round(i * step)] for i in range(count)]
 
 
-def serve_config(market: Path, run_dir: Path, port: int, device: str) -> dict[str, Any]:
-    """The deployment (JSON is YAML): both instances on ``device``, arenas of two models."""
+def serve_config(market: Path, run_dir: Path, port: int, plan: ServePlan) -> dict[str, Any]:
+    """The deployment (JSON is YAML): both instances on the plan's device, arenas of two
+    models, the SLO the load is scored by."""
+    device = plan.device
     models = pick_models(market)
     largest = max(int(e["params"]) * BYTES_PER_PARAM.get(str(e["dtype"]), 2) for e in models)
     gpu = device.startswith("cuda")
@@ -83,6 +85,7 @@ def serve_config(market: Path, run_dir: Path, port: int, device: str) -> dict[st
         "models": [{"name": e["name"], "path": str(market / e["path"])} for e in models],
         "dtype": str(models[0]["dtype"]),
         "run_dir": str(run_dir),
+        "slo": {"ttft_s": plan.ttft_s, "tbt_s": plan.tbt_s},
         "cachemgr": {"model_cache_bytes": (4096 if gpu else 1024) * MiB,
                      "kv_cache_bytes": (2048 if gpu else 512) * MiB},
         "prefill": instance,
@@ -141,7 +144,7 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
     run_dir = (work / "serve-run").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    config = serve_config(market, run_dir, port, plan.device)
+    config = serve_config(market, run_dir, port, plan)
     config_path = work / "serve-config.yaml"
     config_path.write_text(json.dumps(config, indent=1))
     out, err = runner.logs / "serve.out", runner.logs / "serve.err"
@@ -170,8 +173,9 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
                  "--ttft", str(plan.ttft_s), "--tbt", str(plan.tbt_s), "--market", str(market),
                  "--trace", str(runner.logs / "serve-trace.jsonl"), "--json", "--quiet"]
         bench_out, bench_err = runner.logs / "serve-bench.out", runner.logs / "serve-bench.err"
-        status, code = runner.spawn(bench, bench_out, bench_err,
-                                    plan.load_s + plan.grace_s + 60)
+        # its stop and the leak checks still fit before the deadline
+        bench_s = max(min(plan.load_s + plan.grace_s + 60, runner.left_s() - 40), 10.0)
+        status, code = runner.spawn(bench, bench_out, bench_err, bench_s)
         res["bench_status"], res["bench_returncode"] = status, code
         res["bench"] = last_json_line(bench_out)
         if status != "ok":

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
+import torch
 from aegaeon_engine import DecodeSeq
 from aegaeon_sched import DecodeSample, LatencyModel, PrefillSample
 from aegaeon_sched import ModelSpec as SchedSpec
@@ -43,9 +44,12 @@ def profile_models(worker: Worker) -> list[str]:
     return list(dict.fromkeys(picks))
 
 
-def _time(fn: object, *args: object) -> float:
+def _time(worker: Worker, fn: object, *args: object) -> float:
     start = time.perf_counter()
     fn(*args)  # type: ignore[operator]
+    device = worker.engine.device
+    if device.type == "cuda":  # the kernels' time, not their launch
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -71,7 +75,7 @@ def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel
             try:
                 tokens = [1] * length
                 worker.engine.prefill(tokens, blocks)  # warm-up of this shape
-                seconds = _time(worker.engine.prefill, tokens, blocks)
+                seconds = _time(worker, worker.engine.prefill, tokens, blocks)
                 prefills.append(PrefillSample(model, (length,), seconds))
             finally:
                 worker.kv.free(shape, blocks)
@@ -86,7 +90,7 @@ def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel
                     for i in range(batch)
                 ]
                 worker.engine.decode(seqs)
-                seconds = min(_time(worker.engine.decode, seqs) for _ in range(3))
+                seconds = min(_time(worker, worker.engine.decode, seqs) for _ in range(3))
                 decodes.append(DecodeSample(model, batch, batch * (ctx + 1), seconds))
             finally:
                 worker.kv.free(shape, blocks)
