@@ -134,6 +134,7 @@ def pin_region(region: ShmRegion) -> tuple[HostPin | None, str]:
     pin, why = register(ptr, nbytes, flags)
     if pin is None:
         return None, why
-    weakref.finalize(region.mapping, unregister, pin)
+    ender = weakref.finalize(region.mapping, unregister, pin)
+    ender.atexit = False  # the process's exit releases its pins; CUDA may be gone by then
     _pins[region] = pin
     return pin, ""
