@@ -13,6 +13,13 @@ transformers alone), ``greedy_match_hf_b8`` (ours vs transformers' batch-8 run),
 runs) and ``greedy_prefix_match_bench_dtype`` (mean share of each prompt's
 tokens that agree before the first flip; ``hf_self_prefix_match_bench_dtype``
 the same for transformers against itself).
+``--isa LEVEL`` runs ours at that kernel level (``AEGAEON_ISA``) and emulates a
+CPU of that level for every engine: the bench re-runs itself in a child
+process with ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` capped (set
+before torch is imported; torch's capability is in the JSON as
+``aten_capability``), so e.g. transformers' bfloat16 matmuls are emulated as
+on an AVX2-only CPU. ``isa`` and ``compute_dtype`` (what ours multiplies
+bfloat16 weights in) are reported with the machine (``machine.py``).
 Each engine's numbers are medians over ``--repeats`` runs, ours and
 transformers' interleaved so a noisy neighbour hurts both alike; vLLM runs
 afterwards in a subprocess (``--vllm-python``, see scripts/install-vllm) and
@@ -36,6 +43,13 @@ from typing import Any
 
 KEYS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8")
 BATCH = 8
+# per level, the environment that caps torch (ATen kernels, oneDNN) to what such a CPU has
+EMULATE: dict[str, dict[str, str]] = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
+    "neon": {},
+}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,8 +72,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "(default: this one if it can import vllm)")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--isa", choices=sorted(EMULATE),
+                        help="our kernels' level, every engine capped to such a CPU "
+                        "(default: the best this CPU has, nothing capped)")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     parser.set_defaults(func=run)
+
+
+def _emulate(args: argparse.Namespace) -> int | None:
+    """With ``--isa``: run this bench again in a child whose environment caps torch and
+    names the level (torch reads its caps once, at import); its exit code. None: this
+    process is that child, or there is nothing to cap."""
+    from aegaeon_common.env import read_env
+
+    if args.isa is None or read_env().isa == args.isa:
+        return None
+    env = dict(os.environ, AEGAEON_ISA=args.isa, **EMULATE[args.isa])
+    argv = [sys.executable, "-m", "aegaeon_cli.main", *sys.argv[1:]]
+    return subprocess.run(argv, env=env, check=False).returncode
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
@@ -177,10 +207,14 @@ def _start_vllm(args: argparse.Namespace, result: dict[str, Any],
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print a table (and JSON); returns the exit code."""
+    code = _emulate(args)
+    if code is not None:
+        return code
     import torch
     from aegaeon_engine import CheckpointError, ModelSpec
 
     from aegaeon_bench.engine_runs import OursRunner, Timings, TransformersRunner, Workload
+    from aegaeon_bench.machine import machine_info
 
     try:
         model_dir = _model_dir(args)
@@ -203,11 +237,14 @@ def run(args: argparse.Namespace) -> int:
     timings = {name: Timings() for name in runners}
     for runner in runners.values():  # warm-up: allocator, oneDNN kernels, rope tables
         runner.run(Timings())
+    engine = runners["ours"].engine
     result: dict[str, Any] = {
-        "model": str(model_dir), "dtype": dtype, "threads": args.threads,
+        **machine_info(engine.isa, args.threads),
+        "model": str(model_dir), "dtype": dtype, "compute_dtype": (
+            engine.compute_dtype if dtype == "bfloat16" else dtype),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
         "repeats": args.repeats, "cpus": cpus, "vllm": None,
-        "native_kernels": runners["ours"].engine.native_kernels,
+        "native_kernels": engine.native_kernels,
         "device": args.device, "device_name": _device_name(args.device),
     }
     vllm, vllm_runs = _start_vllm(args, result, prompts)
@@ -257,8 +294,9 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"engine bench: {Path(result['model']).name} {result['dtype']}, "
           f"{result['threads']} thread(s) on cpus {result['cpus']}, "
           f"prompts {result['batch']} x {result['prompt_len']}, "
-          f"{result['new_tokens']} new tokens, median of {result['repeats']} (tokens/s); "
-          f"ours on {'native kernels' if result['native_kernels'] else 'torch only'}")
+          f"{result['new_tokens']} new tokens, median of {result['repeats']} (tokens/s)")
+    print(f"{result['cpu_model']}, torch {result['torch']} (ATen {result['aten_capability']}); "
+          f"ours on {result['isa']} kernels, arithmetic in {result['compute_dtype']}")
     print(f"{'engine':14}{'prefill':>12}{'decode b1':>12}{'decode b8':>12}")
     for name in ("ours", "transformers", "vllm"):
         row = result.get(name)

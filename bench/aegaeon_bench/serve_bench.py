@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_sched.slo import SLO
     from tqdm import tqdm
 
+    from aegaeon_bench.machine import machine_info
     from aegaeon_bench.serve_client import ServiceError
     from aegaeon_bench.serve_metrics import counter_delta, per_model, summary
     from aegaeon_bench.serve_output import print_result
@@ -172,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         prefetched_switches=counter_delta(before, after, "prefetched_switches"),
     )
     models_result = per_model(records, slo)
+    # the server's engines run on this machine's CPU and level; their threads are the
+    # server config's, which a client cannot see
+    result = {**machine_info(), **result}
     if args.trace is not None:
         files = RunFiles(args.trace)
         write_trace(files.trace, records)

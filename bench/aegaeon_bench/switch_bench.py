@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_engine import CheckpointError
     from aegaeon_market import MarketError
 
+    from aegaeon_bench.machine import machine_info
     from aegaeon_bench.switch_report import print_tables, summarize
 
     def log(message: str) -> None:
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     extra.update({"dtype": args.dtype, "repeats": args.repeats, "batch": args.batch,
                   "context": args.context, "slice_ms": args.slice_ms,
                   "switch_repeats": args.switch_repeats})
-    summary = summarize(rows, extra)
+    summary = {**machine_info(threads=args.threads), **summarize(rows, extra)}
     print_tables(summary)
     if args.json:
         print(json.dumps(summary))

@@ -254,6 +254,17 @@ def _select() -> tuple[str | None, Any]:
     return None, None
 
 
+def expected_isa() -> str | None:
+    """The level ``native_isa()`` will pick, from the CPU and the environment alone
+    (nothing built or loaded; a level whose build would fail is not foreseen)."""
+    from aegaeon_common.env import read_env
+
+    if not read_env().native_kernels:
+        return None
+    supported = supported_levels()
+    return forced_isa() or (supported[-1] if supported else None)
+
+
 def native_isa() -> str | None:
     """The level the engine's kernels run at (None: the torch path)."""
     return _select()[0]

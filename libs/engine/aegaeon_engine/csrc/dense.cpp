@@ -56,6 +56,10 @@ namespace {
 
 constexpr int kTile = 16;   // output rows per parallel task
 constexpr int kMaxRows = 16;  // x rows the kernel takes (decode batches)
+#if !defined(AEGAEON_PREFETCH)
+#define AEGAEON_PREFETCH 1024
+#endif
+constexpr int kPrefetch = AEGAEON_PREFETCH;  // bytes ahead in a weight row
 
 #if defined(AEGAEON_SIMD)
 using namespace aegaeon_simd;
@@ -121,21 +125,42 @@ inline void dots(const LinearArgs& a, const float* x, int64_t in_padded, int64_t
   const T* wr[R];
   for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(o0 + r, a.rows - 1) * a.w_stride;
   const float* xr = x + n0 * in_padded;
+  // Every row's widened step stays in registers while each x row's step is loaded
+  // once, when they fit (else x is re-read per row, from L1).
+  constexpr bool kHoldW = NB == 1 || (R + 1) * W::kVecs + kAcc <= kRegs;
   auto step = [&](int64_t c, auto&& widen_row) {
-    for (int r = 0; r < R; ++r) {
-      VF wv[W::kVecs];
-      widen_row(r, wv);
+    if constexpr (kHoldW) {
+      VF wv[R][W::kVecs];
+      for (int r = 0; r < R; ++r) widen_row(r, wv[r]);
       for (int n = 0; n < NB; ++n) {
-        for (int k = 0; k < W::kVecs; ++k) {
-          acc[r * NB + n] = vfmadd(wv[k], vload(xr + n * in_padded + c + k * kLanes),
-                                   acc[r * NB + n]);
+        VF xv[W::kVecs];
+        for (int k = 0; k < W::kVecs; ++k) xv[k] = vload(xr + n * in_padded + c + k * kLanes);
+        for (int r = 0; r < R; ++r) {
+          for (int k = 0; k < W::kVecs; ++k) {
+            acc[r * NB + n] = vfmadd(wv[r][k], xv[k], acc[r * NB + n]);
+          }
+        }
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        VF wv[W::kVecs];
+        widen_row(r, wv);
+        for (int n = 0; n < NB; ++n) {
+          for (int k = 0; k < W::kVecs; ++k) {
+            acc[r * NB + n] = vfmadd(wv[k], vload(xr + n * in_padded + c + k * kLanes),
+                                     acc[r * NB + n]);
+          }
         }
       }
     }
   };
   int64_t c = 0;
   for (; c + W::kStep <= a.in; c += W::kStep) {
-    step(c, [&](int r, VF* wv) { W::load(wr[r] + c, wv); });
+    step(c, [&](int r, VF* wv) {
+      // the stream of each row, kPrefetch bytes ahead (past its end: the next rows')
+      __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kPrefetch);
+      W::load(wr[r] + c, wv);
+    });
   }
   if (c < a.in) {  // the ragged end through a zeroed buffer (x is zero-padded there)
     const auto tail = static_cast<size_t>(a.in - c);
@@ -173,7 +198,11 @@ void run_linear(const LinearArgs& a, const at::Tensor& x_in) {
   const float* x = pack_x<T>(x_in, in_padded);  // this thread's buffer, not a worker's
   const int64_t tiles = (a.rows + kTile - 1) / kTile;
   // NB = kAcc, kAcc / 2, ... 1 (kAcc / NB rows of w per pass)
-  constexpr int kBig = kAcc >= 8 ? 8 : kAcc;
+#if defined(AEGAEON_BIG)
+  constexpr int kBig = AEGAEON_BIG;
+#else
+  constexpr int kBig = kAcc >= 16 ? 8 : 4;  // AVX2: 4 x rows by 2 w rows
+#endif
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t n0 = 0;

@@ -54,7 +54,8 @@ namespace {
 using VF = __m512;
 using VI = __m512i;
 constexpr int kLanes = 16;
-constexpr int kAcc = 16;  // accumulators of the decode projection (of 32 registers)
+constexpr int kRegs = 32;
+constexpr int kAcc = 16;  // accumulators of the decode projection
 
 inline VF vzero() { return _mm512_setzero_ps(); }
 inline VF vset1(float x) { return _mm512_set1_ps(x); }
@@ -130,7 +131,8 @@ inline VF transpose_sum(const VF v[16]) {
 using VF = __m256;
 using VI = __m256i;
 constexpr int kLanes = 8;
-constexpr int kAcc = 8;  // of 16 registers: 8 accumulators, 2 widened weights, spare
+constexpr int kRegs = 16;
+constexpr int kAcc = 8;
 
 inline VF vzero() { return _mm256_setzero_ps(); }
 inline VF vset1(float x) { return _mm256_set1_ps(x); }
@@ -172,8 +174,16 @@ inline VF vload_half(const c10::Half* p) {
 }
 inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#if defined(AEGAEON_SHUF)
+  // a byte shuffle and a word blend: both on Intel's port 5, leaving 0 and 1 to the FMAs
+  const __m256i up = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13,
+                                      -1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
+  even = _mm256_castsi256_ps(_mm256_shuffle_epi8(x, up));
+  odd = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_setzero_si256(), x, 0xAA));
+#else
   even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
 }
 inline VI bf16_bits(VF v) {
   const __m256i x = _mm256_castps_si256(v);
@@ -204,7 +214,8 @@ inline VF transpose_sum(const VF v[8]) {
 using VF = float32x4_t;
 using VI = uint32x4_t;
 constexpr int kLanes = 4;
-constexpr int kAcc = 16;  // of 32 registers
+constexpr int kRegs = 32;
+constexpr int kAcc = 16;
 
 inline VF vzero() { return vdupq_n_f32(0.f); }
 inline VF vset1(float x) { return vdupq_n_f32(x); }
