@@ -102,9 +102,21 @@ def print_summary(summary: dict[str, Any]) -> None:
           f"{m.get('cuda')}, {m.get('cpu_count')} x {m.get('cpu')}: "
           f"{'ok' if summary.get('ok') else 'NOT ok'} in {summary.get('total_s')} s")
     for step in summary.get("steps", []):
-        print(f"  {step['name']:13} {step['status']:8} {step['duration_s']:7.1f} s")
+        why = f"  ({step['error']})" if step["status"] == "skipped" and step.get("error") else ""
+        print(f"  {step['name']:13} {step['status']:8} {step['duration_s']:7.1f} s{why}")
     for step in summary.get("steps", []):
         if step["status"] not in ("ok", "skipped") and step.get("error"):
             print(f"--- {step['name']} ({step['status']}):")
             print(str(step["error"])[-ERROR_LINES_CHARS:])
-    print("highlights: " + json.dumps(summary.get("highlights"), default=str))
+    print("highlights: " + json.dumps(_rounded(summary.get("highlights")), default=str))
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 4 significant digits, all the way down (the console is short)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value

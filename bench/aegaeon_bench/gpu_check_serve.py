@@ -112,15 +112,31 @@ def gpu_processes() -> list[dict[str, str]] | None:
 
 
 def service_errors(run_dir: Path, limit: int = 20) -> list[str]:
-    """The last lines at level error or above in the services' logs."""
+    """The last records at level error or above in the services' logs (JSON lines: the
+    event and the end of its exception; other lines as they are)."""
     found: list[str] = []
     for path in sorted(run_dir.glob("*.log")):
         for line in path.read_text(errors="replace").splitlines():
-            lowered = line.lower()
-            if any(f'"level": "{lv}"' in lowered or f"[{lv}" in lowered
-                   for lv in ("error", "critical")) or "traceback" in lowered:
-                found.append(f"{path.stem}: {line[:400]}")
+            entry = _error_entry(line)
+            if entry is not None:
+                found.append(f"{path.stem}: {entry}")
     return found[-limit:]
+
+
+def _error_entry(line: str) -> str | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if isinstance(record, dict):
+        if str(record.get("level", "")).lower() not in ("error", "critical"):
+            return None
+        detail = str(record.get("exception") or record.get("error") or "")
+        return f"{record.get('event')}: {detail[-1500:]}"
+    lowered = line.lower()
+    if "traceback" in lowered or " error" in lowered or "[error" in lowered:
+        return line[-600:]
+    return None
 
 
 def _wait_serving(proc: subprocess.Popen[bytes], out: Path, deadline: float) -> str | None:
@@ -152,8 +168,7 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
     res: dict[str, Any] = {"config": config, "url": f"http://127.0.0.1:{port}"}
     result.results = res
     shm_before = shm_segments()
-    python = sys.executable
-    argv = [python, "-m", "aegaeon_cli.main", "serve", "--config", str(config_path),
+    argv = [sys.executable, "-m", "aegaeon_cli.main", "serve", "--config", str(config_path),
             "--run-dir", str(run_dir)]  # fmt: skip
     start = time.monotonic()
     with out.open("wb") as fout, err.open("wb") as ferr:
@@ -163,23 +178,9 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
         problem = _wait_serving(proc, out, start + plan.startup_s)
         res["startup_s"] = round(time.monotonic() - start, 2)
         if problem is not None:
-            result.status, result.error = "failed", f"{problem}\n{tail(err) or tail(out)}"
-            return
-        res["gpu_processes_serving"] = gpu_processes()
-        bench = [python, "-m", "aegaeon_cli.main", "bench", "serve", "--url", res["url"],
-                 "--models", str(NUM_MODELS), "--rps", str(plan.rps),
-                 "--duration", str(plan.load_s), "--grace", str(plan.grace_s),
-                 "--input-scale", str(plan.scale), "--output-scale", str(plan.scale),
-                 "--ttft", str(plan.ttft_s), "--tbt", str(plan.tbt_s), "--market", str(market),
-                 "--trace", str(runner.logs / "serve-trace.jsonl"), "--json", "--quiet"]
-        bench_out, bench_err = runner.logs / "serve-bench.out", runner.logs / "serve-bench.err"
-        # its stop and the leak checks still fit before the deadline
-        bench_s = max(min(plan.load_s + plan.grace_s + 60, runner.left_s() - 40), 10.0)
-        status, code = runner.spawn(bench, bench_out, bench_err, bench_s)
-        res["bench_status"], res["bench_returncode"] = status, code
-        res["bench"] = last_json_line(bench_out)
-        if status != "ok":
-            result.status, result.error = "failed", f"bench serve {status}\n{tail(bench_err)}"
+            result.status, result.error = "failed", f"{problem}\n{tail(err, 1500)}"
+        else:
+            _drive(runner, market, plan, res, result)
     finally:
         _stop(proc, res)
         res["service_errors"] = service_errors(run_dir)
@@ -188,12 +189,34 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
         res["gpu_processes_after"] = gpu_processes()
         shutil.copytree(run_dir, runner.logs / "serve-run", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.sock"))
+    if result.status != "ok" and res["service_errors"]:
+        result.error = f"{result.error}\nservice errors:\n" + "\n".join(res["service_errors"][-3:])
     leaks = [k for k in ("leaked_processes", "leaked_shm") if res[k]]
     if leaks and result.status == "ok":
         result.status, result.error = "failed", f"left behind: {', '.join(leaks)}"
     if result.status == "ok" and res.get("stop_returncode") not in (0, None):
         result.status = "failed"
         result.error = f"aegaeon serve exited {res['stop_returncode']} on Ctrl-C"
+
+
+def _drive(runner: Runner, market: Path, plan: ServePlan, res: dict[str, Any],
+           result: StepResult) -> None:
+    """``aegaeon bench serve`` against the running deployment; its JSON into ``res``."""
+    res["gpu_processes_serving"] = gpu_processes()
+    bench = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", res["url"],
+             "--models", str(NUM_MODELS), "--rps", str(plan.rps),
+             "--duration", str(plan.load_s), "--grace", str(plan.grace_s),
+             "--input-scale", str(plan.scale), "--output-scale", str(plan.scale),
+             "--ttft", str(plan.ttft_s), "--tbt", str(plan.tbt_s), "--market", str(market),
+             "--trace", str(runner.logs / "serve-trace.jsonl"), "--json", "--quiet"]
+    out, err = runner.logs / "serve-bench.out", runner.logs / "serve-bench.err"
+    # its stop and the leak checks still fit before the deadline
+    bench_s = max(min(plan.load_s + plan.grace_s + 60, runner.left_s() - 40), 10.0)
+    status, code = runner.spawn(bench, out, err, bench_s)
+    res["bench_status"], res["bench_returncode"] = status, code
+    res["bench"] = last_json_line(out)
+    if status != "ok":
+        result.status, result.error = "failed", f"bench serve {status}\n{tail(err)}"
 
 
 def _stop(proc: subprocess.Popen[bytes], res: dict[str, Any]) -> None:
