@@ -27,7 +27,8 @@ from typing import Any
 
 ERROR_TAIL_CHARS = 4000
 KILL_GRACE_S = 10.0
-LOG_TAIL_BYTES = 2 << 20  # per file in the tarball: the returned files are capped at 16 MiB
+LOG_TAIL_BYTES = 2 << 20  # per file in the tarball
+MAX_ARCHIVE_BYTES = 15 << 20  # a file the device tool returns holds at most 16 MiB
 
 STATUSES = ("ok", "failed", "timeout", "error", "skipped")
 
@@ -230,8 +231,9 @@ class Runner:
         return result
 
 
-def pack_logs(folders: Sequence[Path], out: Path) -> list[str]:
-    """A tar.gz of every file under ``folders`` (the tail of each big one); its members."""
+def pack_logs(folders: Sequence[Path], out: Path, tail_bytes: int = LOG_TAIL_BYTES) -> list[str]:
+    """A tar.gz of every file under ``folders`` (the last ``tail_bytes`` of each), under
+    ``MAX_ARCHIVE_BYTES`` (packed again with shorter tails until it is); its members."""
     members = []
     with tarfile.open(out, "w:gz") as tar:
         for folder in folders:
@@ -244,7 +246,7 @@ def pack_logs(folders: Sequence[Path], out: Path) -> list[str]:
                 try:
                     size = path.stat().st_size
                     with path.open("rb") as f:
-                        f.seek(max(size - LOG_TAIL_BYTES, 0))
+                        f.seek(max(size - tail_bytes, 0))
                         data = f.read()
                 except OSError:
                     continue
@@ -252,4 +254,6 @@ def pack_logs(folders: Sequence[Path], out: Path) -> list[str]:
                 info.size, info.mtime = len(data), int(time.time())
                 tar.addfile(info, io.BytesIO(data))
                 members.append(name)
+    if out.stat().st_size > MAX_ARCHIVE_BYTES and tail_bytes > 4096:
+        return pack_logs(folders, out, tail_bytes // 4)
     return members
