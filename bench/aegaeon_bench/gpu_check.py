@@ -82,6 +82,23 @@ def step_env(work: Path, site: Path | None, device: str) -> dict[str, str]:
     return env
 
 
+IMPORT_NAMES = {"pyzmq": "zmq", "pyyaml": "yaml", "prometheus-client": "prometheus_client"}
+
+
+def runtime_modules(root: Path = ROOT) -> list[str]:
+    """The import names of pyproject's dependencies (for this platform)."""
+    import re
+
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    names = []
+    for spec in data["project"]["dependencies"]:
+        if re.search(r"sys_platform\s*==\s*['\"](win32|darwin)", spec.partition(";")[2]):
+            continue
+        name = re.split(r"[\s<>=!~;\[(]", spec.strip(), maxsplit=1)[0].lower()
+        names.append(IMPORT_NAMES.get(name, name.replace("-", "_")))
+    return names
+
+
 def gpu_test_files(root: Path = ROOT) -> list[str]:
     """Test modules that mark tests ``gpu`` (relative paths)."""
     return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
@@ -179,9 +196,7 @@ class Check:
                 "        out[m] = 'MISSING: ' + type(exc).__name__ + ': ' + str(exc)\n"
                 "print(json.dumps(out))\n"
                 "sys.exit(1 if any(v.startswith('MISSING') for v in out.values()) else 0)\n")
-        mods = ["torch", "numpy", "safetensors", "tokenizers", "jinja2", "yaml", "msgpack",
-                "zmq", "structlog", "aiohttp", "uvloop", "tqdm", "psutil", "setproctitle",
-                "matplotlib", "transformers", "pytest", "pytest_timeout", "hypothesis",
+        mods = [*runtime_modules(), "transformers", "pytest", "pytest_timeout", "hypothesis",
                 "aegaeon_cli.main", "aegaeon_runtime.worker", "aegaeon_proxy.app"]
         self.runner.command("imports", _py("-c", code, *mods), 60, parse=_json_results)
 

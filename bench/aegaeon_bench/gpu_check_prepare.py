@@ -68,7 +68,9 @@ def _applies(spec: str) -> bool:
     marker = spec.partition(";")[2]
     if not marker:
         return True
-    if any(word in marker for word in ("extra", "win32", "darwin", "pypy")):
+    if "extra" in marker or "pypy" in marker:
+        return False
+    if re.search(r"sys_platform\s*==\s*['\"](win32|darwin)", marker):
         return False
     match = re.search(r'python_version\s*<\s*"(\d+)\.(\d+)"', marker)
     return not (match and (int(match.group(1)), int(match.group(2))) <= (3, 12))
