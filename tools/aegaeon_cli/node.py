@@ -10,9 +10,9 @@ from aegaeon_common.process import is_ready
 from aegaeon_cli.supervisor import Child, python_argv
 
 
-def _child(config: Config, name: str, argv: list[str]) -> Child:
+def _child(config: Config, name: str, argv: list[str], stage: int) -> Child:
     log_path = config.run_dir / f"{name}.log"
-    child = Child(name=name, argv=argv, ready=lambda: False, log_path=log_path)
+    child = Child(name=name, argv=argv, ready=lambda: False, log_path=log_path, stage=stage)
 
     def ready() -> bool:
         return child.proc is not None and is_ready(config.run_dir, name, child.proc.pid)
@@ -22,9 +22,10 @@ def _child(config: Config, name: str, argv: list[str]) -> Child:
 
 
 def build_children(config: Config, config_path: Path) -> list[Child]:
-    """cachemgr, then the instances, then the proxy (which needs them all)."""
+    """cachemgr (stage 0), then every instance at once (1), then the proxy, which needs
+    them all (2)."""
     cfg = str(config_path)
-    children = [_child(config, "cachemgr", python_argv("cachemgr", "--config", cfg))]
+    children = [_child(config, "cachemgr", python_argv("cachemgr", "--config", cfg), 0)]
     counts = [("prefill", config.prefill.instances), ("decode", config.decode.instances)]
     if config.unified:
         # Request-level baselines: every worker is a unified instance (a decode
@@ -33,6 +34,6 @@ def build_children(config: Config, config_path: Path) -> list[Child]:
     for kind, count in counts:
         for index in range(count):
             argv = python_argv(kind, "--config", cfg, "--index", str(index))
-            children.append(_child(config, f"{kind}-{index}", argv))
-    children.append(_child(config, "proxy", python_argv("proxy", "--config", cfg)))
+            children.append(_child(config, f"{kind}-{index}", argv, 1))
+    children.append(_child(config, "proxy", python_argv("proxy", "--config", cfg), 2))
     return children

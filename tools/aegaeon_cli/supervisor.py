@@ -1,7 +1,8 @@
 """Start, watch and stop the service processes of one node.
 
-Children are started in dependency order (cachemgr, instances, proxy), each
-must report ready before the next starts; a child that dies unexpectedly is
+Children are started in dependency stages (cachemgr; every instance at once;
+the proxy), a stage's children all ready before the next stage starts; a
+child that dies unexpectedly is
 logged and restarted (with backoff); stop terminates them in reverse order so
 cachemgr, which owns every shared-memory segment, goes last and unlinks them.
 """
@@ -29,6 +30,7 @@ class Child:
     argv: list[str]
     ready: Callable[[], bool]
     log_path: Path
+    stage: int = 0  # started with the other children of its stage, after every earlier one
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -77,27 +79,43 @@ class Supervisor:
     def request_stop(self, *_: object) -> None:
         self._stopping = True
 
-    def _wait_ready(self, child: Child) -> None:
+    def _wait_ready(self, children: list[Child]) -> None:
+        """Until every one of ``children`` reports ready (one deadline for all)."""
         deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
+        waiting = list(children)
+        while waiting:
             if self._stopping:
                 raise StartupError("stopped during start-up")
-            if not child.alive():
-                code = child.proc.returncode if child.proc else None
-                raise StartupError(
-                    f"{child.name} exited with status {code} during start-up; "
-                    f"last log lines ({child.log_path}):\n{child.tail()}"
-                )
-            if child.ready():
-                log.info("ready", child=child.name)
-                return
-            time.sleep(0.1)
-        raise StartupError(f"{child.name} not ready after {self.ready_timeout_s:.0f} s")
+            for child in list(waiting):
+                if not child.alive():
+                    code = child.proc.returncode if child.proc else None
+                    raise StartupError(
+                        f"{child.name} exited with status {code} during start-up; "
+                        f"last log lines ({child.log_path}):\n{child.tail()}"
+                    )
+                if child.ready():
+                    log.info("ready", child=child.name)
+                    waiting.remove(child)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in waiting)
+                raise StartupError(f"{names} not ready after {self.ready_timeout_s:.0f} s")
+            if waiting:
+                time.sleep(0.1)
+
+    def _stages(self, children: list[Child]) -> list[list[Child]]:
+        stages: dict[int, list[Child]] = {}
+        for child in children:
+            stages.setdefault(child.stage, []).append(child)
+        return [stages[k] for k in sorted(stages)]
+
+    def _start_stages(self, children: list[Child]) -> None:
+        for stage in self._stages(children):
+            for child in stage:
+                child.start()
+            self._wait_ready(stage)
 
     def start_all(self) -> None:
-        for child in self.children:
-            child.start()
-            self._wait_ready(child)
+        self._start_stages(self.children)
 
     def watch(self, on_ready: Callable[[], None] | None = None) -> None:
         """Restart children that die, until a stop is requested.
@@ -131,12 +149,10 @@ class Supervisor:
         self._terminate(self.children[1:])
         for child in self.children:
             child.restarts += 1
-            child.start()
-            try:
-                self._wait_ready(child)
-            except StartupError as exc:
-                log.error("restart failed", child=child.name, error=str(exc))
-                return
+        try:
+            self._start_stages(self.children)
+        except StartupError as exc:
+            log.error("restart failed", error=str(exc))
 
     def _terminate(self, children: list[Child], timeout_s: float = 15.0) -> None:
         for child in reversed(children):

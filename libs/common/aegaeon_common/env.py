@@ -17,6 +17,7 @@ class Env:
     native_kernels: bool  # AEGAEON_NATIVE=0 forces the engine's torch-only path
     isa: str | None  # AEGAEON_ISA: the native kernels' level (avx2, avx512, amx, neon); None: best
     cache_dir: Path  # $XDG_CACHE_HOME/aegaeon: builds kept across runs (native kernels)
+    profile_cache: bool  # AEGAEON_PROFILE_CACHE=0: every worker start measures its profile
 
 
 def _flag(value: str | None) -> bool | None:
@@ -39,5 +40,6 @@ def read_env() -> Env:
         threads=int(threads) if threads else None,
         native_kernels=_flag(os.environ.get("AEGAEON_NATIVE")) is not False,
         isa=os.environ.get("AEGAEON_ISA", "").strip().lower() or None,
+        profile_cache=_flag(os.environ.get("AEGAEON_PROFILE_CACHE")) is not False,
         cache_dir=(Path(xdg_cache) if xdg_cache else Path.home() / ".cache") / "aegaeon",
     )

@@ -27,7 +27,7 @@ from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutd
 from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Inbox, Outbox
-from aegaeon_runtime.profile import profile
+from aegaeon_runtime.profile_cache import cached_profile
 from aegaeon_runtime.worker import Worker
 from aegaeon_sched import (
     BatchLoad,
@@ -113,7 +113,7 @@ class DecodeLoop:
             self._handlers[type(msg)](msg)
 
     def run(self, stop: threading.Event) -> None:
-        self.latency = self.turns.latency = profile(self.worker)
+        self.latency = self.turns.latency = cached_profile(self.worker)
         self.ready.set()
         self.turns.poll = lambda: self.apply(self.inbox.drain())
         while not (stop.is_set() or self._stop.is_set()):

@@ -25,7 +25,7 @@ from aegaeon_common.messages.report import (
 from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Inbox, Outbox
 from aegaeon_runtime.prefill import run_prefill
-from aegaeon_runtime.profile import profile
+from aegaeon_runtime.profile_cache import cached_profile
 from aegaeon_runtime.worker import Worker
 from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
@@ -95,7 +95,7 @@ class PrefillLoop:
 
     # ---- the loop ----------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        self.latency = profile(self.worker)
+        self.latency = cached_profile(self.worker)
         self.ready.set()
         while not (stop.is_set() or self._stop.is_set()):
             head = self.queue.peek()
