@@ -67,6 +67,10 @@ using namespace aegaeon_simd;
 
 constexpr int kChunk = 16;     // positions per online-softmax step (one F16)
 constexpr int kMaxGroup = 8;   // q heads per task; larger GQA groups are split
+#if defined(AEGAEON_SIMD)
+// F16 accumulators of p.V: 8 (AVX-512), 4 on AVX2 and NEON (2 and 4 registers each)
+constexpr int kChains = std::min(8, kRegs / (2 * kParts));
+#endif
 
 // Where everything is, in elements of the input dtype.
 struct Args {
@@ -144,19 +148,25 @@ inline void chunk_vector(const float* q, const T* k, const T* v, int64_t rs, int
   alignas(64) float p[G][kChunk];
   float alpha[G];
   for (int g = 0; g < G; ++g) {
-    F16 dot[kChunk];
-    for (int t = 0; t < kChunk; ++t) dot[t] = zero16();
-    for (int64_t c = 0; c < dim; c += 16) {
-      const F16 qv = load16(q + g * dim + c);
-      for (int t = 0; t < kChunk; ++t) {  // rows past n repeat row n - 1 (masked out)
-        dot[t] = fmadd16(qv, load16(k + std::min(t, n - 1) * rs + c), dot[t]);
-        if (pf && g == 0 && c % (64 / sizeof(T)) == 0) __builtin_prefetch(pf + t * rs + c);
+    // kLanes positions per pass, one register each (16 registers would not fit AVX2's)
+    F16 scores;
+    for (int j = 0; j < kParts; ++j) {
+      VF dot[kLanes];
+      for (int t = 0; t < kLanes; ++t) dot[t] = vzero();
+      for (int64_t c = 0; c < dim; c += kLanes) {
+        const VF qv = vload(q + g * dim + c);
+        for (int t = 0; t < kLanes; ++t) {  // rows past n repeat row n - 1 (masked out)
+          const int pos = j * kLanes + t;
+          dot[t] = vfmadd(qv, vloadw(k + std::min(pos, n - 1) * rs + c), dot[t]);
+          if (pf && g == 0 && c % (64 / sizeof(T)) == 0) __builtin_prefetch(pf + pos * rs + c);
+        }
       }
+      scores.v[j] = transpose_sum(dot);
     }
-    alpha[g] = softmax_step(st, g, sum16x16(dot), n, scale, p[g]);
+    alpha[g] = softmax_step(st, g, scores, n, scale, p[g]);
   }
-  // CB 16-wide chunks per pass: >= 8 independent FMA chains over the positions
-  constexpr int CB = G >= 8 ? 1 : 8 / G;
+  // CB 16-wide chunks per pass: >= kChains independent FMA chains over the positions
+  constexpr int CB = G >= kChains ? 1 : kChains / G;
   for (int64_t c0 = 0; c0 < dim; c0 += 16 * CB) {
     F16 a[CB][G];
     for (int j = 0; j < CB; ++j) {

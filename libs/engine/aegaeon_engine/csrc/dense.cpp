@@ -81,6 +81,7 @@ struct Widen;
 template <>
 struct Widen<float> {
   static constexpr int kStep = kLanes, kVecs = 1;
+  template <bool kBusy>
   static void load(const float* p, VF* out) { out[0] = vload(p); }
   static int slot(int i) { return i; }
 };
@@ -88,7 +89,15 @@ struct Widen<float> {
 template <>
 struct Widen<c10::BFloat16> {
   static constexpr int kStep = 2 * kLanes, kVecs = 2;
-  static void load(const c10::BFloat16* p, VF* out) { vload_bf16_pairs(p, out[0], out[1]); }
+  // kBusy: FMAs fill their ports (NB >= 4), the widening goes to other ports
+  template <bool kBusy>
+  static void load(const c10::BFloat16* p, VF* out) {
+    if constexpr (kBusy) {
+      vload_bf16_pairs_shuffled(p, out[0], out[1]);
+    } else {
+      vload_bf16_pairs(p, out[0], out[1]);
+    }
+  }
   static int slot(int i) { return (i & 1) * kLanes + i / 2; }  // even elements, then odd
 };
 
@@ -101,12 +110,22 @@ const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
   const int64_t sn = x_in.stride(0), si = x_in.stride(1);
   const T* x = static_cast<const T*>(x_in.data_ptr());
   thread_local std::vector<float> packed;
-  packed.assign(num * in_padded, 0.f);
+  packed.resize(num * in_padded);
   for (int64_t n = 0; n < num; ++n) {
     float* dst = packed.data() + n * in_padded;
-    for (int64_t i = 0; i < in; ++i) {
+    const T* row = x + n * sn;
+    int64_t c = 0;
+    if (si == 1) {  // whole steps widened as the weight's are: Widen's order for free
+      for (; c + W::kStep <= in; c += W::kStep) {
+        VF v[W::kVecs];
+        W::template load<false>(row + c, v);
+        for (int k = 0; k < W::kVecs; ++k) vstore(dst + c + k * kLanes, v[k]);
+      }
+    }
+    std::fill(dst + c, dst + in_padded, 0.f);
+    for (int64_t i = c; i < in; ++i) {
       dst[i / W::kStep * W::kStep + W::slot(static_cast<int>(i % W::kStep))] =
-          static_cast<float>(x[n * sn + i * si]);
+          static_cast<float>(row[i * si]);
     }
   }
   return packed.data();
@@ -159,7 +178,7 @@ inline void dots(const LinearArgs& a, const float* x, int64_t in_padded, int64_t
     step(c, [&](int r, VF* wv) {
       // the stream of each row, kPrefetch bytes ahead (past its end: the next rows')
       __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kPrefetch);
-      W::load(wr[r] + c, wv);
+      W::template load<(NB >= 4)>(wr[r] + c, wv);
     });
   }
   if (c < a.in) {  // the ragged end through a zeroed buffer (x is zero-padded there)
@@ -167,7 +186,7 @@ inline void dots(const LinearArgs& a, const float* x, int64_t in_padded, int64_t
     step(c, [&](int r, VF* wv) {
       T buf[W::kStep] = {};
       std::memcpy(buf, wr[r] + c, tail * sizeof(T));
-      W::load(buf, wv);
+      W::template load<false>(buf, wv);
     });
   }
   sum_lanes(acc, res);

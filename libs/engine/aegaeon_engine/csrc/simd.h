@@ -90,6 +90,9 @@ inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
   odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+inline void vload_bf16_pairs_shuffled(const c10::BFloat16* p, VF& even, VF& odd) {
+  vload_bf16_pairs(p, even, odd);
+}
 inline VI bf16_bits(VF v) {
   const __m512i x = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
@@ -174,16 +177,17 @@ inline VF vload_half(const c10::Half* p) {
 }
 inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-#if defined(AEGAEON_SHUF)
-  // a byte shuffle and a word blend: both on Intel's port 5, leaving 0 and 1 to the FMAs
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// The same with a byte shuffle and a word blend, both on Intel's port 5: when FMAs
+// keep ports 0 and 1 busy (several x rows per weight), the shift would take their slot.
+inline void vload_bf16_pairs_shuffled(const c10::BFloat16* p, VF& even, VF& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i up = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13,
                                       -1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
   even = _mm256_castsi256_ps(_mm256_shuffle_epi8(x, up));
   odd = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_setzero_si256(), x, 0xAA));
-#else
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-#endif
 }
 inline VI bf16_bits(VF v) {
   const __m256i x = _mm256_castps_si256(v);
@@ -252,6 +256,9 @@ inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   even = vreinterpretq_f32_u32(vshlq_n_u32(x, 16));
   odd = vreinterpretq_f32_u32(vandq_u32(x, vdupq_n_u32(0xFFFF0000u)));
 }
+inline void vload_bf16_pairs_shuffled(const c10::BFloat16* p, VF& even, VF& odd) {
+  vload_bf16_pairs(p, even, odd);
+}
 inline VI bf16_bits(VF v) {
   const uint32x4_t x = vreinterpretq_u32_f32(v);
   const uint32x4_t lsb = vandq_u32(vshrq_n_u32(x, 16), vdupq_n_u32(1));
@@ -270,6 +277,11 @@ inline VF transpose_sum(const VF v[4]) {
   return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
 }
 #endif
+
+// kLanes elements of any input dtype, widened to float32
+inline VF vloadw(const float* p) { return vload(p); }
+inline VF vloadw(const c10::BFloat16* p) { return vload_bf16(p); }
+inline VF vloadw(const c10::Half* p) { return vload_half(p); }
 
 // out[i] = the sum of the lanes of acc[i], i < kAcc (a multiple of kLanes).
 inline void sum_lanes(const VF acc[kAcc], float out[kAcc]) {
