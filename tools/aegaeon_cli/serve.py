@@ -88,7 +88,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]
         market = (args.market or default_market_dir()).resolve()
         if not (market / "market.json").exists():  # an existing market is served as it is
             print(f"Building the default market in {market} ...", file=sys.stderr, flush=True)
-            ensure_market(market)
+            ensure_market(market, real_models=True)
         raw = default_config_dict(market, args.port or 8000)
         base = Path.cwd()
         source = "<embedded default>"
