@@ -252,18 +252,45 @@ class Check:
         self.runner.command("bench_switch", argv, 60 if self.dry else 90,
                             reserve_s=self.reserve(), parse=_json_results)
 
-    def serve(self) -> None:
+    def serve(self, name: str = "serve") -> None:
         left = self.runner.left_s() - 5
         if self.dry:
             plan = ServePlan("cpu", load_s=4.0, grace_s=10.0, startup_s=60.0, rps=0.5)
         else:
-            load = max(min(SERVE_LOAD_S, left - SERVE_OVERHEAD_S), 20.0)
+            load = max(min(self.args.serve_load_s, left - SERVE_OVERHEAD_S), 20.0)
             device = self.device if ":" in self.device else f"{self.device}:0"
             plan = ServePlan(device, load_s=load, grace_s=15.0, startup_s=90.0)
         if left < plan.load_s + 20:
-            self.runner.skip("serve", f"{left:.0f} s left")
+            self.runner.skip(name, f"{left:.0f} s left")
             return
-        run_serve_step(self.runner, self.market, self.work, plan)
+        run_serve_step(self.runner, self.market, self.work, plan, name)
+
+    def serve_mps(self) -> None:
+        """The serving step again with both instances as clients of one CUDA MPS server:
+        without it two processes' kernels time-slice the GPU instead of sharing it."""
+        if self.dry or shutil.which("nvidia-cuda-mps-control") is None:
+            self.runner.skip("serve_mps", "dry run" if self.dry else "no nvidia-cuda-mps-control")
+            return
+        mps = {"CUDA_MPS_PIPE_DIRECTORY": str(self.work / "mps-pipe"),
+               "CUDA_MPS_LOG_DIRECTORY": str(self.work / "mps-log")}  # fmt: skip
+        for path in mps.values():
+            Path(path).mkdir(parents=True, exist_ok=True)
+        env = {**self.runner.env, **mps}
+        import subprocess
+
+        started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, timeout=30,
+                                 capture_output=True, text=True, check=False)  # fmt: skip
+        if started.returncode != 0:
+            self.runner.skip("serve_mps", f"MPS did not start: {started.stderr.strip()}")
+            return
+        saved, self.runner.env = self.runner.env, env
+        try:
+            self.serve("serve_mps")
+        finally:
+            self.runner.env = saved
+            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, timeout=30,
+                           capture_output=True, text=True, check=False)  # fmt: skip
+            shutil.copytree(self.work / "mps-log", self.logs / "mps-log", dirs_exist_ok=True)
 
     def reserve(self) -> float:
         """Seconds kept for the serving step while earlier steps run."""
@@ -285,13 +312,19 @@ class Check:
         self.runner.env = step_env(self.work, self.site, self.device)
         self.imports()
         self.probe()
+        steps = {"gpu_tests": self.gpu_tests, "bench_engine": self.bench_engine,
+                 "bench_switch": self.bench_switch, "serve": self.serve,
+                 "serve_mps": self.serve_mps}  # fmt: skip
+        chosen = self.args.steps.split(",") if self.args.steps else [
+            name for name in steps if name != "serve_mps" or self.args.mps]
+        unknown = sorted(set(chosen) - set(steps))
+        if unknown:
+            raise SystemExit(f"gpu-check: unknown steps {unknown}; known: {sorted(steps)}")
         if self.make_market():
-            self.gpu_tests()
-            self.bench_engine()
-            self.bench_switch()
-            self.serve()
+            for name in chosen:
+                steps[name]()
         else:
-            for name in ("gpu_tests", "bench_engine", "bench_switch", "serve"):
+            for name in chosen:
                 self.runner.skip(name, "no market")
         self.leaks(shm_before)
         return self.runner.results
@@ -361,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{BUDGET_S:g}, dry run {DRY_BUDGET_S:g})")
     parser.add_argument("--install-wheels", action="store_true",
                         help="dry run: install .whl/ into a temporary folder as well")
+    parser.add_argument("--steps", help="comma-separated steps after the probe and market "
+                        "(default: gpu_tests,bench_engine,bench_switch,serve[,serve_mps])")
+    parser.add_argument("--mps", action="store_true",
+                        help="also serve with both instances under one CUDA MPS server")
+    parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
+                        help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
     parser.add_argument("--keep-work", action="store_true",
                         help="keep the work folder (market, run dirs) for a look")
     return parser

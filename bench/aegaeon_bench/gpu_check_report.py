@@ -69,6 +69,7 @@ def _serve(r: dict[str, Any]) -> Any:
         "leaked_processes": len(r.get("leaked_processes") or []),
         "leaked_shm": len(r.get("leaked_shm") or []),
         "gpu_processes_serving": r.get("gpu_processes_serving"),
+        "engine_ms_per_step": r.get("engine_ms_per_step"),
     }  # fmt: skip
 
 
@@ -79,7 +80,8 @@ def _leaks(r: dict[str, Any]) -> Any:
 
 _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
-    "bench_engine": _engine, "bench_switch": _switch, "serve": _serve, "leaks": _leaks,
+    "bench_engine": _engine, "bench_switch": _switch, "serve": _serve, "serve_mps": _serve,
+    "leaks": _leaks,
 }  # fmt: skip
 
 

@@ -150,21 +150,23 @@ def _wait_serving(proc: subprocess.Popen[bytes], out: Path, deadline: float) -> 
     return "aegaeon serve not ready in time"
 
 
-def run_serve_step(runner: Runner, market: Path, work: Path, plan: ServePlan) -> StepResult:
-    """The whole step (module docstring); its result is recorded in ``runner``."""
-    return runner.call("serve", lambda result: _serve(runner, market, work, plan, result))
+def run_serve_step(runner: Runner, market: Path, work: Path, plan: ServePlan,
+                   name: str = "serve") -> StepResult:
+    """The whole step (module docstring) as step ``name`` (its logs and run dir named
+    after it); its result is recorded in ``runner``."""
+    return runner.call(name, lambda result: _serve(runner, market, work, plan, result, name))
 
 
 def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
-           result: StepResult) -> None:
-    run_dir = (work / "serve-run").resolve()
+           result: StepResult, name: str) -> None:
+    run_dir = (work / f"{name}-run").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     config = serve_config(market, run_dir, port, plan)
-    config_path = work / "serve-config.yaml"
+    config_path = work / f"{name}-config.yaml"
     config_path.write_text(json.dumps(config, indent=1))
-    out, err = runner.logs / "serve.out", runner.logs / "serve.err"
-    result.logs = [out.name, err.name, "serve-bench.out", "serve-bench.err", "serve-run/"]
+    out, err = runner.logs / f"{name}.out", runner.logs / f"{name}.err"
+    result.logs = [out.name, err.name, f"{name}-bench.out", f"{name}-bench.err", f"{name}-run/"]
     res: dict[str, Any] = {"config": config, "url": f"http://127.0.0.1:{port}"}
     result.results = res
     shm_before = shm_segments()
@@ -180,14 +182,14 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
         if problem is not None:
             result.status, result.error = "failed", f"{problem}\n{tail(err, 1500)}"
         else:
-            _drive(runner, market, plan, res, result)
+            _drive(runner, market, plan, res, result, name)
     finally:
         _stop(proc, res)
         res["service_errors"] = service_errors(run_dir)
         res["leaked_processes"] = processes_mentioning(str(run_dir))
         res["leaked_shm"] = sorted(shm_segments(shm_prefix(run_dir)) - shm_before)
         res["gpu_processes_after"] = gpu_processes()
-        shutil.copytree(run_dir, runner.logs / "serve-run", dirs_exist_ok=True,
+        shutil.copytree(run_dir, runner.logs / f"{name}-run", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.sock"))
     if result.status != "ok" and res["service_errors"]:
         result.error = f"{result.error}\nservice errors:\n" + "\n".join(res["service_errors"][-3:])
@@ -200,7 +202,7 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
 
 
 def _drive(runner: Runner, market: Path, plan: ServePlan, res: dict[str, Any],
-           result: StepResult) -> None:
+           result: StepResult, name: str) -> None:
     """``aegaeon bench serve`` against the running deployment; its JSON into ``res``."""
     res["gpu_processes_serving"] = gpu_processes()
     bench = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", res["url"],
@@ -208,15 +210,33 @@ def _drive(runner: Runner, market: Path, plan: ServePlan, res: dict[str, Any],
              "--duration", str(plan.load_s), "--grace", str(plan.grace_s),
              "--input-scale", str(plan.scale), "--output-scale", str(plan.scale),
              "--ttft", str(plan.ttft_s), "--tbt", str(plan.tbt_s), "--market", str(market),
-             "--trace", str(runner.logs / "serve-trace.jsonl"), "--json", "--quiet"]
-    out, err = runner.logs / "serve-bench.out", runner.logs / "serve-bench.err"
+             "--trace", str(runner.logs / f"{name}-trace.jsonl"), "--json", "--quiet"]
+    out, err = runner.logs / f"{name}-bench.out", runner.logs / f"{name}-bench.err"
     # its stop and the leak checks still fit before the deadline
     bench_s = max(min(plan.load_s + plan.grace_s + 60, runner.left_s() - 40), 10.0)
     status, code = runner.spawn(bench, out, err, bench_s)
     res["bench_status"], res["bench_returncode"] = status, code
     res["bench"] = last_json_line(out)
+    res["engine_ms_per_step"] = engine_ms_per_step(runner.logs / f"{name}-trace.jsonl.stats.json")
     if status != "ok":
         result.status, result.error = "failed", f"bench serve {status}\n{tail(err)}"
+
+
+def engine_ms_per_step(stats_path: Path) -> dict[str, float] | None:
+    """Median engine milliseconds per decode step of each instance's turns (the run's
+    ``/v1/aegaeon/stats`` as ``bench serve`` saved it), None when it is missing."""
+    import statistics
+
+    try:
+        turns = json.loads(stats_path.read_text())["turns"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    per: dict[str, list[float]] = {}
+    for turn in turns:
+        if turn.get("steps"):
+            per.setdefault(str(turn["instance"]), []).append(
+                1000 * float(turn["engine_s"]) / int(turn["steps"]))
+    return {inst: round(statistics.median(v), 2) for inst, v in sorted(per.items())}
 
 
 def _stop(proc: subprocess.Popen[bytes], res: dict[str, Any]) -> None:

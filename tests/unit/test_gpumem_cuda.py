@@ -65,25 +65,41 @@ def test_stream_events_and_wait_event_ordering() -> None:
 
 
 def test_ipc_event_in_another_process() -> None:
-    stream = make_copy_stream("cuda")
-    assert isinstance(stream, CudaCopyStream)
-    with torch.cuda.stream(stream.torch_stream):
-        torch.cuda._sleep(SPIN_CYCLES * 5)  # type: ignore[no-untyped-call]
-    event = stream.record()
-    wire = msgpack.packb(event.handle().to_dict()).hex()
-    code = textwrap.dedent(f"""
-        import msgpack
+    """The importer opens a still-pending event as a CUDA event and waits for it.
+
+    The child imports torch first and only then gets the handle, so the event
+    (seconds of GPU spinning) is still pending when it opens it; an event found
+    complete on opening holds no CUDA object (cuda_events.py).
+    """
+    code = textwrap.dedent("""
+        import sys, msgpack
         import aegaeon_gpumem as g
-        ev = g.open_event(msgpack.unpackb(bytes.fromhex({wire!r})))
-        assert isinstance(ev, g.CudaEvent)
+        import torch
+        torch.cuda.init()
+        print("ready", flush=True)
+        ev = g.open_event(msgpack.unpackb(bytes.fromhex(sys.stdin.readline().strip())))
+        print(type(ev).__name__, flush=True)
         assert ev.wait(60.0)
-        print("ok")
+        print("ok", flush=True)
     """)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "ok"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        stream = make_copy_stream("cuda")
+        assert isinstance(stream, CudaCopyStream)
+        with torch.cuda.stream(stream.torch_stream):
+            torch.cuda._sleep(SPIN_CYCLES * 20)  # type: ignore[no-untyped-call]
+        event = stream.record()
+        proc.stdin.write(msgpack.packb(event.handle().to_dict()).hex() + "\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert out.split() == ["CudaEvent", "ok"], err
 
 
 def test_copy_chunked_host_to_device_through_stage_buffer() -> None:
