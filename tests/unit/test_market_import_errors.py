@@ -22,9 +22,9 @@ Q = GGMLQuantizationType
 
 
 def _tree(root: Path) -> dict[str, str]:
-    """Every file under the market's parent (the market, its lock, anything left aside)."""
+    """Every file and folder under the market's parent (the market, anything left aside)."""
     return {p.relative_to(root.parent).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.parent.rglob("*")) if p.is_file()}
+            if p.is_file() else "dir" for p in sorted(root.parent.rglob("*"))}
 
 
 @pytest.fixture
@@ -62,6 +62,7 @@ def _refused(market: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
 def _gguf(tmp_path: Path, name: str, tiny: Tiny | None = None, **kwargs: object) -> Path:
     tiny = tiny or Tiny()
     path = tmp_path / "src" / name
+    path.parent.mkdir(exist_ok=True)
     write_gguf(path, tiny, hf_tensors(tiny), Q.Q8_0, **kwargs)  # type: ignore[arg-type]
     return path
 
@@ -256,3 +257,14 @@ def test_failure_at_commit_undoes_everything(market: Path, hf_dir: Path,
                      str(hf_dir)]) == 2
         assert "No space left on device" in capsys.readouterr().err
         assert _tree(market) == before
+
+
+def test_a_failed_add_to_a_new_market_leaves_nothing(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _truncate(_gguf(tmp_path, "bad.gguf"))
+    new = tmp_path / "fresh" / "market"
+    assert main(["market", "add", "--market", str(new), "--name", "x", "--quiet", str(bad)]) == 2
+    assert "truncated" in capsys.readouterr().err
+    assert not new.exists()
+    assert main(["market", "remove", "--market", str(new), "x"]) == 2
+    assert "market.json not found" in capsys.readouterr().err

@@ -43,14 +43,14 @@ class Listed:
 
 @contextlib.contextmanager
 def market_lock(root: Path) -> Iterator[None]:
-    """Serialise changes to the market in ``root`` (a lock file beside it)."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with (root.parent / f".{root.name}.lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """Serialise changes to the market in ``root`` (an flock on the folder itself, so no
+    lock file is left beside or inside it)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _manifest_or_new(root: Path, staging: Path | None = None) -> Manifest:
@@ -104,6 +104,7 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
         raise MarketError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     _check_clash(_manifest_or_new(root), root, name, replace_existing)
     _kind(src)  # a missing source is refused before anything is made
+    created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".add-{name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -114,8 +115,13 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
             manifest = _manifest_or_new(root, staging)
             _check_clash(manifest, root, name, replace_existing)
             _commit(root, manifest, entry, staging)
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if created:  # a market this call began: nothing of it stays
+            with contextlib.suppress(OSError):
+                root.rmdir()
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
     return entry
 
 
@@ -188,6 +194,7 @@ def _commit(root: Path, manifest: Manifest, entry: MarketEntry, staging: Path) -
 def remove_model(market_dir: Path | str, name: str) -> MarketEntry:
     """Remove ``name`` from the market (its entry, then its files)."""
     root = Path(market_dir).resolve()
+    read_manifest(root)  # a missing or broken market is refused before the lock
     with market_lock(root):
         manifest = read_manifest(root)
         entry = next((e for e in manifest.entries if e.name == name), None)
