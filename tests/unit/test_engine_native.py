@@ -129,6 +129,9 @@ def test_env_unknown_or_unsupported_level_is_an_error(monkeypatch: pytest.Monkey
     monkeypatch.setenv("AEGAEON_ISA", missing[0])  # another machine's level, or amx etc.
     with pytest.raises(ValueError, match="this CPU"):
         Engine()
+    monkeypatch.delenv("AEGAEON_ISA")
+    with pytest.raises(ValueError, match="not supported by this CPU"):
+        Engine(isa=missing[0])
 
 
 def _native(isa: str) -> NativeOps:

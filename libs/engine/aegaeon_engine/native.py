@@ -275,6 +275,10 @@ def native_ops(name: str | None = None) -> Any | None:
     ``name``; None when unavailable (turned off, or it failed to build: logged)."""
     if name is None:
         return _select()[1]
+    if name not in supported_levels():  # it would build, then die on an illegal instruction
+        level(name)
+        raise ValueError(f"ISA level {name} is not supported by this CPU ({cpu_model()}: "
+                         f"{', '.join(supported_levels()) or 'no native level'})")
     ops = _load(name)
     if isinstance(ops, str):
         log.warning("native kernels: %s unavailable (%s)", name, ops)
