@@ -255,11 +255,13 @@ class Check:
     def serve(self, name: str = "serve") -> None:
         left = self.runner.left_s() - 5
         if self.dry:
-            plan = ServePlan("cpu", load_s=4.0, grace_s=10.0, startup_s=60.0, rps=0.5)
+            plan = ServePlan("cpu", load_s=4.0, grace_s=10.0, startup_s=60.0, rps=0.5,
+                             profile_s=self.args.profile_s)
         else:
             load = max(min(self.args.serve_load_s, left - SERVE_OVERHEAD_S), 20.0)
             device = self.device if ":" in self.device else f"{self.device}:0"
-            plan = ServePlan(device, load_s=load, grace_s=15.0, startup_s=90.0)
+            plan = ServePlan(device, load_s=load, grace_s=15.0, startup_s=90.0,
+                             profile_s=self.args.profile_s)
         if left < plan.load_s + 20:
             self.runner.skip(name, f"{left:.0f} s left")
             return
@@ -400,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
                         help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
+    parser.add_argument("--profile-s", type=float, default=0.0,
+                        help="py-spy each worker this long during a serving step (needs py-spy "
+                        "in .whl/ or on PATH; default 0: off)")
     parser.add_argument("--keep-work", action="store_true",
                         help="keep the work folder (market, run dirs) for a look")
     return parser

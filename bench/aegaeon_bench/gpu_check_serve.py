@@ -53,6 +53,7 @@ class ServePlan:
     scale: float = 0.25  # prompt and output lengths x (ShareGPT-like)
     ttft_s: float = 2.0
     tbt_s: float = 0.025
+    profile_s: float = 0.0  # py-spy each worker this long, from 10 s into the load (0: off)
 
 
 def free_port() -> int:
@@ -214,12 +215,58 @@ def _drive(runner: Runner, market: Path, plan: ServePlan, res: dict[str, Any],
     out, err = runner.logs / f"{name}-bench.out", runner.logs / f"{name}-bench.err"
     # its stop and the leak checks still fit before the deadline
     bench_s = max(min(plan.load_s + plan.grace_s + 60, runner.left_s() - 40), 10.0)
+    profilers = start_profilers(runner, res["url"], name, plan.profile_s)
     status, code = runner.spawn(bench, out, err, bench_s)
+    res["profiles"] = finish_profilers(profilers)
     res["bench_status"], res["bench_returncode"] = status, code
     res["bench"] = last_json_line(out)
     res["engine_ms_per_step"] = engine_ms_per_step(runner.logs / f"{name}-trace.jsonl.stats.json")
     if status != "ok":
         result.status, result.error = "failed", f"bench serve {status}\n{tail(err)}"
+
+
+def _py_spy(runner: Runner) -> str | None:
+    """py-spy from the carried wheels (``--target`` puts its binary under bin/), else PATH."""
+    for entry in runner.env.get("PYTHONPATH", "").split(":"):
+        candidate = Path(entry) / "bin" / "py-spy"
+        if entry and candidate.is_file():
+            return str(candidate)
+    return shutil.which("py-spy")
+
+
+def start_profilers(runner: Runner, url: str, name: str,
+                    seconds: float) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+    """One ``py-spy record`` (native frames, idle threads too, collapsed stacks) per worker,
+    starting 10 s into the load; none when ``seconds`` is 0 or py-spy is missing."""
+    import urllib.request
+
+    spy = _py_spy(runner)
+    if seconds <= 0 or spy is None:
+        return []
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        instances = json.loads(resp.read())["backend"]["instances"]
+    started = []
+    for inst, info in sorted(instances.items()):
+        path = runner.logs / f"{name}-{inst}.pyspy.txt"
+        argv = ["bash", "-c", f"sleep 10; exec {spy} record --pid {int(info['pid'])} "
+                f"--duration {int(seconds)} --rate 100 --native --idle --format raw "
+                f"--output {path}"]  # fmt: skip
+        log = (runner.logs / f"{name}-{inst}.pyspy.err").open("wb")
+        started.append((inst, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), path))
+        log.close()
+    return started
+
+
+def finish_profilers(started: list[tuple[str, subprocess.Popen[bytes], Path]]) -> dict[str, Any]:
+    """Wait for the profilers; each worker's profile file, or why there is none."""
+    out: dict[str, Any] = {}
+    for inst, proc, path in started:
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out[inst] = path.name if path.is_file() else f"no profile (py-spy {proc.returncode})"
+    return out
 
 
 def engine_ms_per_step(stats_path: Path) -> dict[str, float] | None:
