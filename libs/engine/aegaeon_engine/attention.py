@@ -11,14 +11,30 @@ repeated), masking the padding of shorter sequences.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .model import AttendFn, KVViews
 from .native import native_isa, native_ops
+
+# SDPA's backends on CUDA, cuDNN's left out: it compiles (NVRTC) a kernel for every new
+# shape, and a serving engine's shapes change every step (context lengths, batch sizes).
+# Measured on an H200 (docs/results.md, GPU): 78% of a decode step compiling, ~40 ms
+# per step where the kernels take ~3.
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH]
+
+
+def _sdpa_backends(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """What each SDPA call of an engine on ``device`` runs under."""
+    if device.type == "cuda":
+        return lambda: sdpa_kernel(_CUDA_SDPA_BACKENDS)
+    return contextlib.nullcontext
 
 
 def _flash_attn_func() -> Callable[..., Any] | None:
@@ -36,6 +52,7 @@ class Attention:
         """``native=False`` keeps the torch decode path even where the native kernel loads;
         ``isa`` picks the kernels' level (default: ``native_isa()``)."""
         self.flash = _flash_attn_func() if device.type == "cuda" else None
+        self._backends = _sdpa_backends(device)
         on_cpu = native and device.type == "cpu"
         self.native = native_ops(isa) if on_cpu else None
         self.isa = (isa or native_isa()) if self.native is not None else None
@@ -48,8 +65,9 @@ class Attention:
             out = self.flash(q_, k_, v_, causal=True)
             return out[0].reshape(num_tokens, -1)  # type: ignore[no-any-return]
         q_, k_, v_ = (_unit_last(x.transpose(0, 1))[None] for x in (q, k, v))
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        with self._backends():
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -59,9 +77,10 @@ class Attention:
         ``mask [T, S]`` is True where a query may attend (causal with an offset).
         """
         num_tokens = q.shape[0]
-        out = F.scaled_dot_product_attention(_unit_last(q.transpose(0, 1))[None], k[None],
-                                             v[None], attn_mask=mask,
-                                             enable_gqa=q.shape[1] != k.shape[0])
+        with self._backends():
+            out = F.scaled_dot_product_attention(_unit_last(q.transpose(0, 1))[None], k[None],
+                                                 v[None], attn_mask=mask,
+                                                 enable_gqa=q.shape[1] != k.shape[0])
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def paged_decode(self, kv: KVViews, num_q_heads: int, block_table: torch.Tensor,
@@ -117,8 +136,9 @@ class Attention:
         # One query per head with enable_gqa takes its decode path, ~1.6x faster
         # than folding each GQA group into the query axis.
         queries = q.reshape(batch, num_q, 1, dim).contiguous()
-        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask,
-                                             enable_gqa=num_q != k.shape[1])
+        with self._backends():
+            out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask,
+                                                 enable_gqa=num_q != k.shape[1])
         return out.view(batch, num_q * dim)
 
 
