@@ -296,7 +296,7 @@ class Check:
 
     def reserve(self) -> float:
         """Seconds kept for the serving step while earlier steps run."""
-        return 30.0 if self.dry else SERVE_LOAD_S + 80.0
+        return 30.0 if self.dry else self.args.serve_load_s + 80.0
 
     def leaks(self, shm_before: set[str]) -> None:
         def check(result: StepResult) -> None:
