@@ -24,11 +24,15 @@ def resume_generator(
     params: SamplingParams, device: torch.device, vocab_size: int, num_drawn: int
 ) -> torch.Generator | None:
     """A seeded request's generator, advanced past the ``num_drawn`` steps already
-    sampled elsewhere (the sampler draws one ``[vocab]`` row of noise per step), so a
-    request continues the exact random stream it would have had on one engine."""
+    sampled elsewhere, so a request continues the exact random stream it would have had
+    on one engine. The sampler draws one uniform per step from a seeded request's own
+    generator (``Sampler.sample``), so the same draws are made here and dropped.
+    ``vocab_size`` is kept for callers; the stream no longer depends on it."""
+    del vocab_size
     gen = params.make_generator(device)
-    if gen is not None and num_drawn > 0:
-        torch.empty(num_drawn, vocab_size, device=device).exponential_(generator=gen)
+    if gen is not None:
+        for _ in range(num_drawn):
+            torch.rand(1, 1, generator=gen, device=device)
     return gen
 
 
