@@ -172,7 +172,10 @@ def test_disconnect_cancels(server: ServerThread) -> None:
 
 
 def test_metrics(server: ServerThread) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = Raw(server.url).request("GET", "/metrics")[2]
-    assert 'aegaeon_proxy_requests_total{endpoint="/v1/completions",status="200"}' in text
-    assert f'aegaeon_proxy_ttft_seconds_count{{model="{SMALL}"}}' in text
-    assert "aegaeon_local_model_switches" in text
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    assert 'aegaeon_proxy_http_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert f'aegaeon_ttft_seconds_count{{model="{SMALL}"}}' in text
+    assert {"aegaeon_local_model_switches", "aegaeon_local_submitted_total"} <= names

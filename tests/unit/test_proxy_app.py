@@ -24,6 +24,8 @@ from aegaeon_proxy.backend import (
     TokenStream,
 )
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import market_dir
 
 MODEL = "llama-gqa-5m"
@@ -63,8 +65,8 @@ class ScriptedBackend:
     def health(self) -> dict[str, object]:
         return {"kind": "scripted"}
 
-    def metrics(self) -> str:
-        return "# TYPE scripted_up gauge\nscripted_up 1\n"
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        Gauge("scripted_up", "The scripted backend", registry=registry).set(1)
 
     def submit(self, req: GenerationRequest) -> TokenStream:
         if self.refuse is not None:
@@ -318,11 +320,22 @@ def test_models_health_ready_metrics(proxy_market: Path) -> None:
         backend.token_ids = [5, 6, 7]
         await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         text = await (await client.get("/metrics")).text()
-        assert 'aegaeon_proxy_requests_total{endpoint="/v1/completions",status="200"} 1' in text
-        assert f'aegaeon_proxy_generation_tokens_total{{model="{MODEL}"}} 3' in text
-        assert "aegaeon_proxy_ttft_seconds_bucket" in text
-        assert f'aegaeon_proxy_tbt_seconds_count{{model="{MODEL}"}} 2' in text
-        assert "scripted_up 1" in text
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        http = ("endpoint", "/v1/completions"), ("status", "200")
+        assert samples[("aegaeon_proxy_http_requests_total", http)] == 1
+        assert samples[("aegaeon_requests_total", (("model", MODEL), ("outcome", "length")))] == 1
+        assert samples[("aegaeon_generation_tokens_total", (("model", MODEL),))] == 3
+        assert samples[("aegaeon_ttft_seconds_count", (("model", MODEL),))] == 1
+        assert samples[("aegaeon_tbt_seconds_count", (("model", MODEL),))] == 2
+        assert samples[("aegaeon_slo_attainment_ratio", (("model", MODEL),))] == 1.0
+        assert samples[("aegaeon_requests_in_flight", (("model", MODEL),))] == 0
+        assert samples[("scripted_up", ())] == 1
+        assert any(name == "process_resident_memory_bytes" for name, _ in samples)
+        assert any(name == "process_open_fds" for name, _ in samples)
 
     run(proxy_market, scenario)
 

@@ -107,6 +107,10 @@ class CacheConfig:
     slab_bytes: int = 4 << 20
     event_slots: int = 256
     prewarm: tuple[str, ...] = ("*",)  # model names, "*" = all
+    # The side HTTP server (/health, /ready, /metrics): 0 = an ephemeral port
+    # (the embedded default; the bound address goes to RUN_DIR/cachemgr.http).
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,15 @@ class InstancesConfig:
     # reads the Model Cache's shared memory in place: CPU only, a switch copies
     # nothing), "auto" (map on CPU, copy elsewhere).
     weights: str = "auto"
+    # Each instance's side HTTP server (/health, /ready, /metrics): instance i
+    # binds http_port + i; 0 = ephemeral ports (the bound address goes to
+    # RUN_DIR/<kind>-<i>.http). Containers set http_host 0.0.0.0.
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+
+    def http_port_of(self, index: int) -> int:
+        """Instance ``index``'s side HTTP port (0: ephemeral)."""
+        return self.http_port + index if self.http_port else 0
 
     @property
     def maps_weights(self) -> bool:
@@ -154,6 +167,9 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     run_dir: Path = Path("/tmp/aegaeon")
     addresses: dict[str, str] = field(default_factory=dict)  # overrides, e.g. tcp:// in containers
+    # SIGTERM: a service turns unready, stops taking work and finishes what it
+    # holds within this many seconds, then exits (supervisors wait a little longer).
+    drain_timeout_s: float = 30.0
     source: str = "<defaults>"
 
     # ---- derived names -------------------------------------------------
@@ -214,7 +230,7 @@ _SECTIONS: dict[str, type] = {
     "decode": InstancesConfig,
     "proxy": ProxyConfig,
 }
-_TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", *_SECTIONS}
+_TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout", *_SECTIONS}
 
 
 def serving_dtype(recorded: list[str]) -> str:
@@ -310,11 +326,19 @@ def config_from_dict(
             raise ConfigError(
                 source, f"{key}.weights", f"'map' needs a CPU device, not {inst.device!r}"
             )
+    ports = {"cachemgr": sections["cachemgr"].http_port, "prefill": sections["prefill"].http_port,
+             "decode": sections["decode"].http_port}  # fmt: skip
+    for key, port in ports.items():
+        if not 0 <= port < 65536:
+            raise ConfigError(source, f"{key}.http_port", "must be a TCP port (0 = ephemeral)")
     run_raw = raw.get("run_dir")
     run_dir = Path(str(run_raw)) if run_raw else (env.run_dir or Path("/tmp") / "aegaeon")
     addresses = raw.get("addresses") or {}
     if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
         raise ConfigError(source, "addresses", "must map names to zmq addresses")
+    drain_raw = raw.get("drain_timeout", 30.0)
+    if isinstance(drain_raw, bool) or not isinstance(drain_raw, int | float) or drain_raw < 0:
+        raise ConfigError(source, "drain_timeout", "must be a number of seconds >= 0")
     return Config(
         models=tuple(models),
         market_dir=market,
@@ -327,6 +351,7 @@ def config_from_dict(
         proxy=sections["proxy"],
         run_dir=run_dir,
         addresses={str(k): v for k, v in addresses.items()},
+        drain_timeout_s=float(drain_raw),
         source=source,
     )
 

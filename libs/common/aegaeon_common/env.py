@@ -18,6 +18,10 @@ class Env:
     isa: str | None  # AEGAEON_ISA: the native kernels' level (avx2, avx512, amx, neon); None: best
     cache_dir: Path  # $XDG_CACHE_HOME/aegaeon: builds kept across runs (native kernels)
     profile_cache: bool  # AEGAEON_PROFILE_CACHE=0: every worker start measures its profile
+    # AEGAEON_ADVERTISE_HOST: the host name other services and `aegaeon serve` are
+    # told to reach a side HTTP server at when it binds every interface
+    # (0.0.0.0); None: this machine's host name (a container's, in compose).
+    advertise_host: str | None = None
 
 
 def _flag(value: str | None) -> bool | None:
@@ -42,4 +46,5 @@ def read_env() -> Env:
         isa=os.environ.get("AEGAEON_ISA", "").strip().lower() or None,
         profile_cache=_flag(os.environ.get("AEGAEON_PROFILE_CACHE")) is not False,
         cache_dir=(Path(xdg_cache) if xdg_cache else Path.home() / ".cache") / "aegaeon",
+        advertise_host=os.environ.get("AEGAEON_ADVERTISE_HOST", "").strip() or None,
     )

@@ -39,7 +39,7 @@ from aegaeon_sched.quota import (
     RoundRobinPlanner,
     Turn,
 )
-from aegaeon_sched.request import InstanceId, Request
+from aegaeon_sched.request import InstanceId, NoInstance, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
 from aegaeon_sched.rounds import ServedInRound
@@ -77,6 +77,7 @@ __all__ = [
     "InstanceId",
     "LatencyModel",
     "ModelSpec",
+    "NoInstance",
     "PinnedRequestLevelPolicy",
     "PlaceDecode",
     "Policy",

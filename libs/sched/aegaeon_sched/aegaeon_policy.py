@@ -14,7 +14,7 @@ from aegaeon_sched.actions import Action, Cancel, EnqueuePrefill, PlaceDecode
 from aegaeon_sched.decode import DecodeDispatcher
 from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.prefill import MAX_GPSIZE, PrefillDispatcher, PrefillJob
-from aegaeon_sched.request import InstanceId, Request
+from aegaeon_sched.request import InstanceId, NoInstance, Request
 
 
 class AegaeonPolicy:
@@ -45,10 +45,50 @@ class AegaeonPolicy:
             latency=latency,
             tbt_s=decode_tbt_s,
         )
+        # Work no instance may take now (every one of its kind is paused), in
+        # arrival order; dispatched when an instance resumes.
+        self.held_arrivals: dict[str, Request] = {}
+        self.held_placements: dict[str, Request] = {}
+
+    # ---- instances leaving and rejoining (drain, restart) ---------------
+    def pause(self, instance: InstanceId) -> list[Action]:
+        """``instance`` takes no new work (it drains what it holds)."""
+        if instance in self.prefill.queues:
+            self.prefill.paused.add(instance)
+        if instance in self.decode.work_lists:
+            self.decode.paused.add(instance)
+        return []
+
+    def resume(self, instance: InstanceId, now_s: float) -> list[Action]:
+        """``instance`` takes work again; held work is dispatched now."""
+        self.prefill.paused.discard(instance)
+        self.decode.paused.discard(instance)
+        actions: list[Action] = []
+        if self.prefill.can_dispatch():
+            held, self.held_arrivals = self.held_arrivals, {}
+            for request in held.values():
+                actions += self.on_arrival(request, now_s)
+        if self.decode.can_place():
+            placements, self.held_placements = self.held_placements, {}
+            for request in placements.values():
+                actions += self._place(request)
+        return actions
+
+    def _place(self, request: Request) -> list[Action]:
+        try:
+            decode_instance, batch_id = self.decode.place(request)
+        except NoInstance:
+            self.held_placements[request.request_id] = request
+            return []
+        return [PlaceDecode(decode_instance, batch_id, request)]
 
     # ---- events --------------------------------------------------------
     def on_arrival(self, request: Request, now_s: float) -> list[Action]:
-        instance, group_id = self.prefill.dispatch(request, now_s)
+        try:
+            instance, group_id = self.prefill.dispatch(request, now_s)
+        except NoInstance:
+            self.held_arrivals[request.request_id] = request
+            return []
         return [EnqueuePrefill(instance, group_id, request)]
 
     def on_prefill_started(
@@ -67,15 +107,18 @@ class AegaeonPolicy:
             self.latency.observe_prefill(request.model, [request.prompt_len], measured_s)
         if request.max_tokens <= 1:
             return []  # the prefill's token was the last one
-        decode_instance, batch_id = self.decode.place(request)
-        return [PlaceDecode(decode_instance, batch_id, request)]
+        return self._place(request)
 
     def on_request_finished(self, request_id: str, now_s: float) -> list[Action]:
+        self.held_arrivals.pop(request_id, None)
+        self.held_placements.pop(request_id, None)
         self.decode.remove(request_id)
         self.prefill.cancel(request_id)  # finished during prefill (e.g. a stop token)
         return []
 
     def on_request_cancelled(self, request_id: str, now_s: float) -> list[Action]:
+        self.held_arrivals.pop(request_id, None)
+        self.held_placements.pop(request_id, None)
         actions: list[Action] = []
         prefill_instance = self.prefill.cancel(request_id)
         if prefill_instance is not None:

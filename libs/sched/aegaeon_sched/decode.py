@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from aegaeon_sched.request import InstanceId, Request
+from aegaeon_sched.request import InstanceId, NoInstance, Request
 
 if TYPE_CHECKING:
     from aegaeon_sched.latency import LatencyModel
@@ -150,6 +150,13 @@ class DecodeDispatcher:
         self._share: dict[InstanceId, float] = {}
         self._instance_of: dict[str, InstanceId] = {}
         self._next_batch_id = 0
+        # Instances that take no new requests (draining; restarting): their
+        # batches still run, nothing joins them.
+        self.paused: set[InstanceId] = set()
+
+    def can_place(self) -> bool:
+        """Some instance takes new requests."""
+        return any(i not in self.paused for i in self.work_lists)
 
     def set_decode_share(self, instance: InstanceId, share: float) -> None:
         """The share of ``instance``'s time left for decoding, in (0, 1] (default 1).
@@ -217,10 +224,16 @@ class DecodeDispatcher:
         joins: a new batch would only add a switch to every round (simulated,
         Fig. 11a at 96 models: 78% attainment against 98% when moving to the
         least loaded instance regardless).
+
+        Paused instances are skipped; raises :class:`NoInstance` when every
+        instance is paused.
         """
+        if not self.can_place():
+            raise NoInstance("every decode instance is paused")
+        open_lists = {i: w for i, w in self.work_lists.items() if i not in self.paused}
         rooms = (
             (i, b.batch_id)
-            for i, work_list in self.work_lists.items()
+            for i, work_list in open_lists.items()
             for b in work_list
             if b.model == request.model and self.has_room(i, b, request)
         )
@@ -234,7 +247,7 @@ class DecodeDispatcher:
             limit = JOIN_LOAD_LIMIT
         if choice is None or choice[0] > limit:
             # min keeps the first of equals: the first instance.
-            fresh = min(((self.load(i, request), i, -1) for i in self.work_lists),
+            fresh = min(((self.load(i, request), i, -1) for i in open_lists),
                         key=lambda j: j[0])  # fmt: skip
             if choice is None or fresh[0] <= limit:
                 choice = fresh

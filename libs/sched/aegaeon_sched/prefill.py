@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from aegaeon_sched.latency import LatencyModel
-from aegaeon_sched.request import InstanceId, Request
+from aegaeon_sched.request import InstanceId, NoInstance, Request
 
 MAX_GPSIZE = 8
 
@@ -185,14 +185,28 @@ class PrefillDispatcher:
         }
         self._instance_of: dict[str, InstanceId] = {}
         self._next_group_id = 0
+        # Instances that take no new work (draining; restarting): their queues
+        # still run, nothing joins them.
+        self.paused: set[InstanceId] = set()
 
     def instance_of(self, request_id: str) -> InstanceId | None:
         return self._instance_of.get(request_id)
 
+    def can_dispatch(self) -> bool:
+        """Some instance takes new requests."""
+        return any(i not in self.paused for i in self.queues)
+
     def dispatch(self, request: Request, now_s: float) -> tuple[InstanceId, int]:
-        """Choose (instance, group id) for a new request and record it."""
+        """Choose (instance, group id) for a new request and record it.
+
+        Paused instances are skipped; raises :class:`NoInstance` when every
+        instance is paused.
+        """
+        if not self.can_dispatch():
+            raise NoInstance("every prefill instance is paused")
+        open_queues = [(i, q) for i, q in self.queues.items() if i not in self.paused]
         # Lines 4-8: an open group of the model on any instance wins.
-        for instance, queue in self.queues.items():
+        for instance, queue in open_queues:
             group = queue.open_group(request.model)
             if group is not None:
                 queue.add(request, group.group_id)
@@ -201,7 +215,7 @@ class PrefillDispatcher:
         # Lines 9-13: a new group at the tail of the least-loaded queue
         # (first instance on ties, as in the paper's strict '<').
         best, best_load = None, float("inf")
-        for instance, queue in self.queues.items():
+        for instance, queue in open_queues:
             load = queue.load_s(self.latency, now_s)
             if load < best_load:
                 best, best_load = instance, load

@@ -28,3 +28,7 @@ class Request:
     def kv_tokens(self) -> int:
         """Tokens of KV room the request may need by its end."""
         return self.prompt_len + self.max_tokens
+
+
+class NoInstance(LookupError):  # noqa: N818 (reads as the condition)
+    """Every instance a dispatcher could choose is paused (draining or restarting)."""

@@ -30,6 +30,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/ready", info.ready),
     ("GET", "/metrics", info.metrics),
     ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
+    ("GET", "/v1/aegaeon/services", info.aegaeon_services),
 ]
 
 
@@ -41,7 +42,7 @@ def _endpoint(request: web.Request) -> str:
 @web.middleware
 async def api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure as an OpenAI error object; counts requests by status."""
-    counter = request.app[STATE].metrics.requests
+    counter = request.app[STATE].metrics.http_requests
     try:
         response = await handler(request)
     except APIError as exc:
@@ -53,17 +54,17 @@ async def api_errors(request: web.Request, handler: Handler) -> web.StreamRespon
             exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")
         ).response()
     except (asyncio.CancelledError, ConnectionResetError):
-        counter.inc(_endpoint(request), str(CLIENT_CLOSED))
+        counter.labels(_endpoint(request), str(CLIENT_CLOSED)).inc()
         raise
     except Exception:
         # a server bug: a 500 with the traceback logged, never a client's fault
-        counter.inc(_endpoint(request), "500")
+        counter.labels(_endpoint(request), "500").inc()
         log.exception("unhandled_error", path=request.path)
         if request.get(STREAMING):
             raise
         return APIError(500, "internal server error", code="internal_error").response()
     status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status
-    counter.inc(_endpoint(request), str(status))
+    counter.labels(_endpoint(request), str(status)).inc()
     return response
 
 

@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from prometheus_client import CollectorRegistry
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 __all__ = [
@@ -128,8 +130,9 @@ class Backend(Protocol):
     def health(self) -> dict[str, object]:
         """A JSON-able description of the backend's state for ``GET /health``."""
 
-    def metrics(self) -> str:
-        """Prometheus text exposition of the backend's own counters ('' if none)."""
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Add the backend's own metrics (collectors that only read) to the proxy's
+        registry; called once, before ``start``."""
 
     def submit(self, req: GenerationRequest) -> TokenStream:
         """Accept a request and return its token stream; raises :class:`BackendError`."""

@@ -44,7 +44,10 @@ class Generation:
         stop: Sequence[str],
         metrics: ProxyMetrics,
         timeout_s: float,
+        slo: tuple[float, float] = (10.0, 0.1),
     ) -> None:
+        """``slo``: the model's (TTFT, TBT) targets in seconds; token k meets its
+        deadline when it arrives by arrival + TTFT + k x TBT."""
         self.req = req
         self._backend = backend
         self._metrics = metrics
@@ -58,8 +61,12 @@ class Generation:
         self._last_token_at: float | None = None
         self._stream: TokenStream | None = None
         self._open = False  # submitted, and its stream has not ended
+        self._ttft_s, self._tbt_s = slo
         self.completion_tokens = 0
         self.finish_reason: ClientFinish | None = None
+        # How it ended, for aegaeon_requests_total (metrics.OUTCOMES); None: the
+        # consumer stopped reading first (a client disconnect).
+        self.outcome: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -70,11 +77,13 @@ class Generation:
         try:
             self._stream = self._backend.submit(self.req)
         except BackendError as exc:
+            self._metrics.requests.labels(self.req.model, "rejected").inc()
             raise APIError(exc.status, exc.message, retry_after_s=exc.retry_after_s) from None
         self._open = True
         model = self.req.model
-        self._metrics.in_flight.inc(model)
-        self._metrics.prompt_tokens.inc(model, amount=self.prompt_tokens)
+        self._metrics.num_open += 1
+        self._metrics.in_flight.labels(model).inc()
+        self._metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
 
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
@@ -93,7 +102,7 @@ class Generation:
                 chunk = await self._next(self._stream)
                 text = self._on_chunk(chunk)
                 if self._stop.stopped:
-                    self.finish_reason = "stop"
+                    self.finish_reason = self.outcome = "stop"
                     await self.close()
                 elif chunk.finish_reason is not None:
                     self._open = False
@@ -101,6 +110,7 @@ class Generation:
                     text += self._stop.push(self._detok.finish()).text
                     if self._stop.stopped:
                         self.finish_reason = "stop"
+                    self.outcome = self.finish_reason
                     text += self._stop.flush()
                 if text:
                     yield text
@@ -121,6 +131,7 @@ class Generation:
             async with asyncio.timeout_at(self._loop_deadline()):
                 return await anext(stream)
         except TimeoutError:
+            self.outcome = "timeout"
             await self.close()
             raise APIError(504, "the request timed out", code="timeout") from None
 
@@ -145,28 +156,43 @@ class Generation:
         if reason in ("stop", "length"):
             return reason
         if reason == "cancelled":
+            self.outcome = "cancelled"
             raise APIError(503, "the request was cancelled by the server", code="cancelled")
+        self.outcome = "error"
         message = f"generation failed: {chunk.error or 'unknown error'}"
         raise APIError(500, message, code="backend_error")
 
     def _observe_tokens(self, n: int) -> None:
         now = time.monotonic()
         model = self.req.model
+        m = self._metrics
         if self._last_token_at is None:
-            self._metrics.ttft.observe(model, value=now - self._start)
+            m.ttft.labels(model).observe(now - self._start)
         else:
             per_token = (now - self._last_token_at) / n
+            tbt = m.tbt.labels(model)
             for _ in range(n):
-                self._metrics.tbt.observe(model, value=per_token)
+                tbt.observe(per_token)
+        # token k is due at arrival + TTFT + k x TBT (paper §2.1)
+        first = self.completion_tokens
+        late = now - self._start - self._ttft_s
+        met = sum(1 for k in range(first, first + n) if late <= k * self._tbt_s)
+        m.observe_slo(model, met, n - met)
         self._last_token_at = now
         self.completion_tokens += n
-        self._metrics.generation_tokens.inc(model, amount=n)
+        m.generation_tokens.labels(model).inc(n)
 
     def _record_end(self) -> None:
         if self._stream is None or self._recorded:
             return
         self._recorded = True
         model = self.req.model
-        self._metrics.in_flight.dec(model)
-        self._metrics.finished.inc(model, self.finish_reason or "aborted")
-        self._metrics.e2e.observe(model, value=time.monotonic() - self._start)
+        m = self._metrics
+        outcome = self.outcome or "client_closed"
+        if outcome not in ("stop", "length", "client_closed"):
+            # a failed request's tokens that never came missed their deadlines
+            m.observe_slo(model, 0, max(0, self.req.sampling.max_tokens - self.completion_tokens))
+        m.num_open -= 1
+        m.in_flight.labels(model).dec()
+        m.requests.labels(model, outcome).inc()
+        m.e2e.labels(model).observe(time.monotonic() - self._start)

@@ -72,6 +72,8 @@ async def _assets(state: ProxyState, model: str) -> ModelAssets:
 async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonParams, Generation]:
     state = request.app[STATE]
     arrival_s = time.time()
+    if state.readiness.draining:
+        raise APIError(503, "the proxy is draining (shutting down)", code="draining")
     body = await read_json_object(request, state.config.proxy.max_body_bytes)
     params = parse_common(body, endpoint.fields)
     assets = await _assets(state, params.model)
@@ -85,9 +87,12 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     )
     timeout_s = state.config.proxy.request_timeout_s
     gen = Generation(
-        state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s
-    )
+        state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s,
+        slo=state.slo(params.model),
+    )  # fmt: skip
     gen.submit()
+    log.debug("request_accepted", request_id=request_id, model=params.model,
+              prompt_tokens=len(prompt_ids), max_tokens=req.sampling.max_tokens)  # fmt: skip
     return params, gen
 
 

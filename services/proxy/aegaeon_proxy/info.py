@@ -1,19 +1,29 @@
-"""``GET /v1/models``, ``/health``, ``/ready``, ``/metrics``."""
+"""``GET /v1/models``, ``/health``, ``/ready``, ``/metrics``, ``/v1/aegaeon/*``."""
 
 from __future__ import annotations
 
 import time
 
+from aegaeon_common.config import Config
+from aegaeon_common.http_side import ServiceAddress, metrics_response, read_http_address
 from aiohttp import web
 
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.state import STATE
 
 OWNER = "aegaeon"
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _STARTED = int(time.time())
 
-__all__ = ["health", "list_models", "metrics", "ready", "retrieve_model"]
+__all__ = [
+    "aegaeon_services",
+    "aegaeon_stats",
+    "health",
+    "list_models",
+    "metrics",
+    "ready",
+    "retrieve_model",
+    "service_names",
+]
 
 
 def _model_obj(name: str) -> dict[str, object]:
@@ -38,21 +48,54 @@ async def retrieve_model(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """Liveness: the proxy answers; the backend's state is reported, not judged."""
     state = request.app[STATE]
-    body = {"status": "ok", "ready": state.backend.ready(), "backend": state.backend.health()}
+    body = {
+        "status": "ok",
+        "service": "proxy",
+        "role": "proxy",
+        "ready": state.ready(),
+        "draining": state.readiness.draining,
+        "backend": state.backend.health(),
+    }
     return web.json_response(body)
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once every configured instance is up, 503 until then."""
-    if request.app[STATE].backend.ready():
+    """200 once every configured instance is up, 503 until then and while draining."""
+    state = request.app[STATE]
+    if state.ready():
         return web.json_response({"ready": True})
-    raise APIError(503, "the backend is not ready", code="not_ready")
+    code = "draining" if state.readiness.draining else "not_ready"
+    raise APIError(503, f"the proxy is not ready ({code})", code=code)
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The proxy's registry (its own metrics and the backend's collectors)."""
+    return metrics_response(request.app[STATE].metrics.registry)
+
+
+def service_names(config: Config) -> list[tuple[str, str]]:
+    """``(name, role)`` of every service of the node besides the proxy, in start order
+    (``aegaeon_cli.node`` starts the same set)."""
+    names = [("cachemgr", "cachemgr")]
+    if config.unified:
+        total = config.prefill.instances + config.decode.instances
+        return names + [(f"decode-{i}", "decode") for i in range(total)]
+    names += [(f"prefill-{i}", "prefill") for i in range(config.prefill.instances)]
+    return names + [(f"decode-{i}", "decode") for i in range(config.decode.instances)]
+
+
+async def aegaeon_services(request: web.Request) -> web.Response:
+    """``GET /v1/aegaeon/services``: every service's health, readiness and metrics URLs
+    (the proxy's own first; the others as they recorded them in the run directory)."""
     state = request.app[STATE]
-    text = state.metrics.render() + state.backend.metrics()
-    return web.Response(body=text.encode(), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+    services: list[dict[str, str]] = []
+    if state.url is not None:
+        services.append(ServiceAddress("proxy", "proxy", state.url).to_dict())
+    for name, _ in service_names(state.config):
+        address = read_http_address(state.config.run_dir, name)
+        if address is not None:
+            services.append(address.to_dict())
+    return web.json_response({"services": services})
 
 
 async def aegaeon_stats(request: web.Request) -> web.Response:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 
 from aegaeon_common.config import Config, ModelConfig
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from aegaeon_proxy.backend import (
     BackendError,
@@ -23,7 +27,6 @@ from aegaeon_proxy.backend import (
 )
 from aegaeon_proxy.local_stepper import EngineStepper
 from aegaeon_proxy.local_worker import Cancel, LocalWorker, Shutdown, Submit
-from aegaeon_proxy.prom import Counter, Gauge
 
 RETRY_AFTER_S = 1.0
 
@@ -60,8 +63,8 @@ class LocalEngineBackend:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open: dict[str, TokenQueue] = {}
-        self._submitted = Counter("aegaeon_local_submitted_total", "Requests accepted")
-        self._rejected = Counter("aegaeon_local_rejected_total", "Requests refused (overload)")
+        self._submitted: Counter | None = None
+        self._rejected: Counter | None = None
 
     def _make_stepper(self, model: ModelConfig) -> EngineStepper:
         return EngineStepper(
@@ -107,21 +110,14 @@ class LocalEngineBackend:
             "model_switches": stats.num_switches,
         }
 
-    def metrics(self) -> str:
-        stats = self._worker.stats
-        gauges = [
-            ("aegaeon_local_open_requests", "Requests waiting or running", len(self._open)),
-            ("aegaeon_local_waiting", "Requests waiting for admission", stats.num_waiting),
-            ("aegaeon_local_running", "Requests in the running batch", stats.num_running),
-            ("aegaeon_local_model_switches", "Models loaded since start", stats.num_switches),
-            ("aegaeon_local_steps", "Decode steps since start", stats.num_steps),
-        ]
-        lines = [*self._submitted.render(), *self._rejected.render()]
-        for name, help_text, value in gauges:
-            gauge = Gauge(name, help_text)
-            gauge.set(value=value)
-            lines.extend(gauge.render())
-        return "\n".join(lines) + "\n"
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        self._submitted = Counter(
+            "aegaeon_local_submitted", "Requests accepted", registry=registry
+        )
+        self._rejected = Counter(
+            "aegaeon_local_rejected", "Requests refused (overload)", registry=registry
+        )
+        registry.register(_LocalCollector(self))
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -131,13 +127,15 @@ class LocalEngineBackend:
         if self._config.model(req.model) is None:
             raise BackendError.unavailable(f"model {req.model!r} is not served here")
         if len(self._open) >= self._max_open:
-            self._rejected.inc()
+            if self._rejected is not None:
+                self._rejected.inc()
             raise BackendError.overloaded(
                 f"{len(self._open)} requests are open (max {self._max_open})", RETRY_AFTER_S
             )
         queue = TokenQueue(self._loop)
         self._open[req.request_id] = queue
-        self._submitted.inc()
+        if self._submitted is not None:
+            self._submitted.inc()
         self._worker.inbox.put(Submit(req))
         return queue
 
@@ -157,3 +155,24 @@ class LocalEngineBackend:
         queue.push(chunk)
         if chunk.finish_reason is not None:
             del self._open[request_id]
+
+
+class _LocalCollector(Collector):
+    """The local engine's state at scrape time (reads only)."""
+
+    def __init__(self, backend: LocalEngineBackend) -> None:
+        self._backend = backend
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        b = self._backend
+        stats = b._worker.stats
+        gauges = [
+            ("aegaeon_local_open_requests", "Requests waiting or running", len(b._open)),
+            ("aegaeon_local_waiting_requests", "Requests waiting for admission",
+             stats.num_waiting),
+            ("aegaeon_local_running_requests", "Requests in the running batch", stats.num_running),
+            ("aegaeon_local_model_switches", "Models loaded since start", stats.num_switches),
+            ("aegaeon_local_steps", "Decode steps since start", stats.num_steps),
+        ]  # fmt: skip
+        for name, help_text, value in gauges:
+            yield GaugeMetricFamily(name, help_text, value=float(value))

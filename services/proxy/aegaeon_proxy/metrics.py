@@ -1,58 +1,89 @@
-"""The proxy's own metrics (``GET /metrics``), before the backend's."""
+"""The proxy's metrics (``GET /metrics``): HTTP, requests, latency, SLO attainment.
+
+Everything lives in the proxy's own registry (:func:`aegaeon_common.metrics.new_registry`);
+the backend adds its collectors to it (``Backend.register_metrics``).
+"""
 
 from __future__ import annotations
 
-from aegaeon_proxy.prom import Counter, Gauge, Histogram, Metric
+import threading
 
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
-TBT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
-E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+from aegaeon_common.metrics import E2E_BUCKETS_S, TBT_BUCKETS_S, TTFT_BUCKETS_S, new_registry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["ProxyMetrics"]
+__all__ = ["OUTCOMES", "ProxyMetrics"]
+
+# aegaeon_requests_total{outcome}: how a request accepted by the HTTP front ended.
+OUTCOMES = (
+    "stop",  # a stop token or string
+    "length",  # max_tokens
+    "rejected",  # refused at submit (429 overloaded, 503 unavailable or draining)
+    "timeout",  # the request deadline (504)
+    "error",  # the backend failed it
+    "cancelled",  # cancelled by the server (shutdown)
+    "client_closed",  # the client went away first
+)
 
 
 class ProxyMetrics:
-    """Counters and histograms updated by the handlers; rendered as Prometheus text."""
+    """Counters and histograms the HTTP front updates; read by a scrape."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else new_registry()
+        r = self.registry
+        self.http_requests = Counter(
+            "aegaeon_proxy_http_requests", "HTTP requests by endpoint and status",
+            ("endpoint", "status"), registry=r,
+        )  # fmt: skip
         self.requests = Counter(
-            "aegaeon_proxy_requests_total",
-            "HTTP requests by endpoint and status",
-            ("endpoint", "status"),
-        )
-        self.finished = Counter(
-            "aegaeon_proxy_finished_total",
-            "Generations by model and finish reason",
-            ("model", "reason"),
-        )
+            "aegaeon_requests", "Generation requests by model and outcome",
+            ("model", "outcome"), registry=r,
+        )  # fmt: skip
         self.prompt_tokens = Counter(
-            "aegaeon_proxy_prompt_tokens_total", "Prompt tokens of accepted requests", ("model",)
+            "aegaeon_prompt_tokens", "Prompt tokens of accepted requests", ("model",), registry=r
         )
         self.generation_tokens = Counter(
-            "aegaeon_proxy_generation_tokens_total", "Generated tokens received", ("model",)
+            "aegaeon_generation_tokens", "Generated tokens received", ("model",), registry=r
         )
         self.in_flight = Gauge(
-            "aegaeon_proxy_requests_in_flight", "Generations submitted and not finished", ("model",)
-        )
-        self.ttft = Histogram(
-            "aegaeon_proxy_ttft_seconds", "Time to first token", TTFT_BUCKETS_S, ("model",)
-        )
-        self.tbt = Histogram(
-            "aegaeon_proxy_tbt_seconds", "Time between tokens", TBT_BUCKETS_S, ("model",)
-        )
-        self.e2e = Histogram(
-            "aegaeon_proxy_e2e_seconds", "Request latency, arrival to last token", E2E_BUCKETS_S,
-            ("model",),
+            "aegaeon_requests_in_flight", "Generations submitted and not finished", ("model",),
+            registry=r,
         )  # fmt: skip
+        self.ttft = Histogram(
+            "aegaeon_ttft_seconds", "Time to first token", ("model",), buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )  # fmt: skip
+        self.tbt = Histogram(
+            "aegaeon_tbt_seconds", "Time between tokens", ("model",), buckets=TBT_BUCKETS_S,
+            registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "aegaeon_request_duration_seconds", "Request latency, arrival to last token",
+            ("model",), buckets=E2E_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.slo_tokens = Counter(
+            "aegaeon_slo_tokens",
+            "Tokens by whether they met their deadline (arrival + TTFT + k x TBT); the "
+            "tokens a failed request never produced count as missed",
+            ("model", "met"), registry=r,
+        )  # fmt: skip
+        self.attainment = Gauge(
+            "aegaeon_slo_attainment_ratio", "Share of tokens that met their deadlines, since start",
+            ("model",), registry=r,
+        )  # fmt: skip
+        self.num_open = 0  # generations submitted and not ended (the drain waits for 0)
+        self._slo_counts: dict[str, list[int]] = {}  # model -> [met, total]
+        self._lock = threading.Lock()
 
-    def all(self) -> list[Metric]:
-        return [
-            self.requests, self.finished, self.prompt_tokens, self.generation_tokens,
-            self.in_flight, self.ttft, self.tbt, self.e2e,
-        ]  # fmt: skip
-
-    def render(self) -> str:
-        lines: list[str] = []
-        for metric in self.all():
-            lines.extend(metric.render())
-        return "\n".join(lines) + "\n"
+    def observe_slo(self, model: str, met: int, missed: int) -> None:
+        """Count ``met`` and ``missed`` token deadlines of ``model``; update its attainment."""
+        if met:
+            self.slo_tokens.labels(model, "true").inc(met)
+        if missed:
+            self.slo_tokens.labels(model, "false").inc(missed)
+        with self._lock:
+            counts = self._slo_counts.setdefault(model, [0, 0])
+            counts[0] += met
+            counts[1] += met + missed
+            if counts[1]:
+                self.attainment.labels(model).set(counts[0] / counts[1])

@@ -1,18 +1,27 @@
-"""Run the proxy's application on a TCP port until told to stop."""
+"""Run the proxy's application on a TCP port until told to stop, then drain."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aegaeon_common.config import Config
+from aegaeon_common.http_side import (
+    ServiceAddress,
+    advertised_url,
+    remove_http_address,
+    write_http_address,
+)
 from aegaeon_common.logs import get_logger
 from aegaeon_common.process import mark_ready
 from aiohttp import web
 
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import Backend
+from aegaeon_proxy.state import STATE
 
 READY_POLL_S = 0.1
+DRAIN_POLL_S = 0.05
 
 log = get_logger("proxy")
 
@@ -45,10 +54,16 @@ class ProxyServer:
         await site.start()
         addresses = self._runner.addresses  # (host, port, ...) of the bound sockets
         self.port = int(addresses[0][1]) if addresses else self.config.proxy.port
+        public = advertised_url(self.config.proxy.host, self.port)
+        self.app[STATE].url = public
+        write_http_address(self.config.run_dir, ServiceAddress("proxy", "proxy", public))
         log.info("listening", url=self.url, models=list(self.config.model_names))
 
     async def stop(self) -> None:
         """Stop listening and stop the backend."""
+        url = self.app[STATE].url
+        if url is not None:
+            remove_http_address(self.config.run_dir, "proxy", url)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -60,13 +75,29 @@ class ProxyServer:
             await asyncio.sleep(READY_POLL_S)
         return True
 
+    async def drain(self, timeout_s: float) -> int:
+        """Unready, refuse new generations, let open ones finish (up to ``timeout_s``);
+        returns how many were still open."""
+        state = self.app[STATE]
+        state.readiness.set_draining()
+        metrics = state.metrics
+        log.info("draining", open_requests=metrics.num_open, timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while metrics.num_open > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if metrics.num_open:
+            log.warning("drain_timeout", open_requests=metrics.num_open)
+        return metrics.num_open
+
     async def serve(self, stop: asyncio.Event) -> None:
-        """``run_service`` entry: serve until ``stop`` is set; mark ready once the backend is."""
+        """``run_service`` entry: serve until ``stop`` (SIGTERM) is set, then drain;
+        mark ready once the backend is."""
         await self.start()
         try:
             if await self.wait_backend_ready(stop):
                 mark_ready(self.config.run_dir, "proxy")
                 log.info("ready")
             await stop.wait()
+            await self.drain(self.config.drain_timeout_s)
         finally:
             await self.stop()

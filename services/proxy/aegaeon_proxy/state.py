@@ -1,10 +1,11 @@
-"""What the handlers share: config, backend, text assets, metrics."""
+"""What the handlers share: config, backend, text assets, metrics, readiness."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from aegaeon_common.config import Config
+from aegaeon_common.http_side import Readiness
 from aiohttp import web
 
 from aegaeon_proxy.assets import AssetRegistry
@@ -20,10 +21,28 @@ class ProxyState:
     backend: Backend
     assets: AssetRegistry
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    # draining (SIGTERM): /ready answers 503 and new generations are refused
+    readiness: Readiness = field(default_factory=Readiness)
+    # where the proxy's API is reached (for /v1/aegaeon/services); set when it listens
+    url: str | None = None
 
     @classmethod
     def create(cls, config: Config, backend: Backend) -> ProxyState:
-        return cls(config=config, backend=backend, assets=AssetRegistry(config.models))
+        state = cls(config=config, backend=backend, assets=AssetRegistry(config.models))
+        state.readiness.set_ready()  # the front is; the backend's readiness is its own
+        backend.register_metrics(state.metrics.registry)
+        return state
+
+    def ready(self) -> bool:
+        return self.readiness.ok and self.backend.ready()
+
+    def slo(self, model: str) -> tuple[float, float]:
+        """The (TTFT, TBT) targets of ``model`` in seconds."""
+        m = self.config.model(model)
+        slo = self.config.slo
+        ttft = m.ttft_s if m is not None and m.ttft_s is not None else slo.ttft_s
+        tbt = m.tbt_s if m is not None and m.tbt_s is not None else slo.tbt_s
+        return ttft, tbt
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("aegaeon_proxy_state", ProxyState)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
 from aegaeon_common.wire import Channel, Message
 
@@ -42,10 +42,11 @@ class RunRequest(Message):
 
 
 DECODE_CHANNEL = Channel(
-    "proxy->decode", [EnqueueDecode, RunRequest, CancelRequest, Shutdown]
+    "proxy->decode", [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain]
 )
 
 # A hybrid instance: a prefill instance that decodes when it has no prefill work.
 HYBRID_CHANNEL = Channel(
-    "proxy->hybrid", [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown]
+    "proxy->hybrid",
+    [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain],
 )

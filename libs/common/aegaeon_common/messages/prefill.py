@@ -40,4 +40,16 @@ class Shutdown(Message):
     TAG = "shutdown"
 
 
-PREFILL_CHANNEL = Channel("proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown])
+@dataclass(frozen=True)
+class AckDrain(Message):
+    """The proxy's answer to ``InstanceDraining``: it sends this instance no new
+    work after this message (the channel is ordered), so once what it holds is
+    done the instance may exit."""
+
+    TAG = "ack_drain"
+    pid: int  # the draining process (a restarted instance ignores an old ack)
+
+
+PREFILL_CHANNEL = Channel(
+    "proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown, AckDrain]
+)

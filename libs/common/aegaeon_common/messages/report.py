@@ -112,7 +112,19 @@ class InstanceStats(Message):
     step_profile: dict[str, list[float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class InstanceDraining(Message):
+    """The instance got SIGTERM: send it no new work (answer with ``AckDrain``);
+    it finishes what it holds, exits, and says hello again once restarted."""
+
+    TAG = "instance_draining"
+    kind: str
+    index: int
+    pid: int
+    timeout_s: float  # it exits by then, finished or not
+
+
 REPORT_CHANNEL = Channel(
     "instance->proxy",
-    [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats],
+    [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats, InstanceDraining],
 )

@@ -36,6 +36,10 @@ class ActionRunner:
             Reject: self._reject,
         }
 
+    def send(self, instance: str, msg: Message) -> None:
+        """Queue ``msg`` for ``instance`` behind every message queued before it."""
+        self._send(instance, msg)
+
     def _send(self, instance: str, msg: Message) -> None:
         view = self.backend.instances.views.get(instance)
         if view is None:

@@ -20,8 +20,10 @@ import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import REPLIES, CacheStats, FreeBlocks, GetStats
+from aegaeon_common.messages.prefill import AckDrain
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
+    InstanceDraining,
     InstanceHello,
     InstanceStats,
     PrefillDone,
@@ -32,9 +34,11 @@ from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.transport import Puller, RemoteError, RpcClient
 from aegaeon_common.wire import Message, WireError, to_plain
 from aegaeon_sched import DecodeDispatcher, Policy, Request
+from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
+from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances
 from aegaeon_proxy.cluster.policy import build_policy
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
@@ -66,6 +70,7 @@ class ClusterBackend:
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,
             RequestFailed: self._on_failed,
+            InstanceDraining: self._on_draining,
         }
 
     # ---- lifecycle ---------------------------------------------------------
@@ -88,7 +93,17 @@ class ClusterBackend:
         self.ctx.term()
 
     def ready(self) -> bool:
+        """Every instance is up, or restarting after a drain (its work waits here)."""
         return self.policy is not None and self.instances.all_alive()
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        registry.register(ClusterCollector(self))
+
+    def held_counts(self) -> tuple[int, int]:
+        """Requests the policy holds: (waiting for a prefill instance, for a decode one)."""
+        arrivals = getattr(self.policy, "held_arrivals", {})
+        placements = getattr(self.policy, "held_placements", {})
+        return len(arrivals), len(placements)
 
     def context_limit(self, model: str) -> int | None:
         """Tokens of KV one request may hold on every instance (prompt + output)."""
@@ -165,10 +180,29 @@ class ClusterBackend:
             log.warning("hello from an unknown instance", kind=msg.kind, index=msg.index)
             return
         if restarted:
+            log.info("instance_restarted", instance=view.name, pid=msg.pid)
             self._fail_instance(view.name, f"instance {view.name} restarted")
         if self.policy is None and all(v.hello is not None for v in self.instances):
             self.policy = build_policy(self.config, self.instances, self.unified)
             log.info("policy ready", policy=self.policy.name)
+        if view.paused and not view.draining:  # back from a drain or from the dead
+            view.paused = False
+            resume = getattr(self.policy, "resume", None)
+            if resume is not None:
+                self._actions.run(resume(view.name, time.time()))
+            log.info("instance_rejoined", instance=view.name, pid=msg.pid)
+
+    def _on_draining(self, msg: InstanceDraining) -> None:
+        """Send the instance no new work; the ack follows everything sent to it so far."""
+        view = self.instances.on_draining(msg.kind, msg.index, msg.pid, msg.timeout_s)
+        if view is None:
+            return
+        pause = getattr(self.policy, "pause", None)
+        if pause is not None:
+            self._actions.run(pause(view.name))
+        held = sum(1 for t in self.requests.values() if t.instance == view.name)
+        log.info("instance_draining", instance=view.name, pid=msg.pid, requests=held)
+        self._actions.send(view.name, AckDrain(msg.pid))
 
     def _on_stats(self, msg: InstanceStats) -> None:
         view = self.instances.on_stats(msg)
@@ -221,6 +255,10 @@ class ClusterBackend:
         tracked = self.requests.get(msg.request_id)
         if tracked is not None:
             self.timings.add(tracked, "error", None)
+            log.warning(
+                "request_failed", request_id=msg.request_id, model=tracked.gen.model,
+                instance=f"{msg.kind}-{msg.index}", code=msg.code, error=msg.message,
+            )  # fmt: skip
         self._end(msg.request_id, "error", f"{msg.kind}-{msg.index}: {msg.code}: {msg.message}")
 
     # ---- failures --------------------------------------------------------------
@@ -229,10 +267,16 @@ class ClusterBackend:
             await asyncio.sleep(MONITOR_S)
             for view in self.instances.newly_dead():
                 log.error("instance down", instance=view.name)
+                pause = getattr(self.policy, "pause", None)
+                if pause is not None:  # its successor resumes it (hello)
+                    self._actions.run(pause(view.name))
                 self._fail_instance(view.name, f"instance {view.name} is down")
 
     def _fail_instance(self, name: str, why: str) -> None:
         for request_id in [r for r, t in self.requests.items() if t.instance == name]:
+            tracked = self.requests[request_id]
+            log.warning("request_lost", request_id=request_id, model=tracked.gen.model,
+                        instance=name, error=why)  # fmt: skip
             self._end(request_id, "error", why)
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:
@@ -255,11 +299,6 @@ class ClusterBackend:
                 for v in self.instances
             },
         }
-
-    def metrics(self) -> str:
-        from aegaeon_proxy.cluster.metrics import render_metrics
-
-        return render_metrics(self)
 
     async def stats(self, light: bool = False) -> dict[str, object]:
         """Everything the benchmarks read: instance counters, switches, turns, request

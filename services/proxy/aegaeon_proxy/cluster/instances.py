@@ -3,6 +3,9 @@
 Liveness comes from the instances' heartbeats (hello + stats every 0.5 s): an
 instance silent for ``DEAD_AFTER_S`` is down, and one that says hello with a
 new pid was restarted; in both cases the requests it held are lost and fail.
+An instance that announced a drain (``InstanceDraining``) finishes what it
+holds and exits; it counts as alive (restarting) until its drain timeout
+plus ``RESTART_GRACE_S`` has passed without a hello from its successor.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from aegaeon_common.wire import Message
 from aegaeon_sched import DecodeShare
 
 DEAD_AFTER_S = 5.0
+RESTART_GRACE_S = 60.0  # a drained instance's successor says hello within this
 MAX_SWITCH_RECORDS = 20000
 
 
@@ -38,8 +42,13 @@ class InstanceView:
     last_seen_s: float = 0.0
     hello: InstanceHello | None = None
     stats: InstanceStats | None = None
+    draining: bool = False  # announced a drain; back when a new pid says hello
+    restart_by_s: float = 0.0  # (draining) down if no successor by then
+    paused: bool = False  # the policy gives it no new work (draining or down)
 
     def alive(self, now_s: float) -> bool:
+        if self.draining and now_s < self.restart_by_s:
+            return True
         return self.pid is not None and now_s - self.last_seen_s < DEAD_AFTER_S
 
     async def send(self, msg: Message) -> None:
@@ -93,8 +102,19 @@ class Instances:
         if view is None:
             return None, False
         restarted = view.pid is not None and view.pid != msg.pid
+        if restarted:
+            view.draining = False
         view.pid, view.hello, view.last_seen_s = msg.pid, msg, time.monotonic()
         return view, restarted
+
+    def on_draining(self, kind: str, index: int, pid: int, timeout_s: float) -> InstanceView | None:
+        """Record a drain announcement (from the instance's current process)."""
+        view = self.get(kind, index)
+        if view is None or view.pid != pid:
+            return None
+        view.draining, view.paused = True, True
+        view.restart_by_s = time.monotonic() + timeout_s + RESTART_GRACE_S
+        return view
 
     def on_stats(self, msg: InstanceStats) -> InstanceView | None:
         view = self.get(msg.kind, msg.index)
@@ -116,7 +136,7 @@ class Instances:
         now = time.monotonic()
         dead = [v for v in self if v.pid is not None and not v.alive(now)]
         for view in dead:
-            view.pid = None
+            view.pid, view.draining, view.paused = None, False, True
         return dead
 
     def close(self) -> None:

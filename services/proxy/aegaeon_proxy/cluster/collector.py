@@ -1,0 +1,57 @@
+"""The distributed backend's state as metrics, read at scrape time (reads only)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from aegaeon_proxy.cluster.backend import ClusterBackend
+
+__all__ = ["ClusterCollector"]
+
+
+class ClusterCollector(Collector):
+    """Instances as the proxy sees them (heartbeats, drains), requests it tracks."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self._backend = backend
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._backend
+        now = time.monotonic()
+        up = GaugeMetricFamily(
+            "aegaeon_instance_up", "Whether an instance's heartbeat is current", labels=["instance"]
+        )
+        draining = GaugeMetricFamily(
+            "aegaeon_instance_draining", "Whether an instance announced it is draining",
+            labels=["instance"],
+        )  # fmt: skip
+        for view in b.instances:
+            up.add_metric([view.name], float(view.alive(now)))
+            draining.add_metric([view.name], float(view.draining))
+        yield up
+        yield draining
+        yield GaugeMetricFamily(
+            "aegaeon_backend_requests", "Requests the backend tracks now", value=len(b.requests)
+        )
+        held = GaugeMetricFamily(
+            "aegaeon_held_requests",
+            "Requests waiting in the proxy because every instance of a stage is paused",
+            labels=["stage"],
+        )
+        arrivals, placements = b.held_counts()
+        held.add_metric(["prefill"], float(arrivals))
+        held.add_metric(["decode"], float(placements))
+        yield held
+        ended = CounterMetricFamily(
+            "aegaeon_backend_requests_ended", "Requests the backend ended, by outcome",
+            labels=["outcome"],
+        )  # fmt: skip
+        for outcome, count in sorted(b.counters.items()):
+            ended.add_metric([outcome], float(count))
+        yield ended
