@@ -109,9 +109,31 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]
     return config_from_dict(raw, source=source, base=base), raw
 
 
+def service_lines(config: Config, names: list[str]) -> list[str]:
+    """One line per service: its health, readiness and metrics URLs (as it recorded them)."""
+    from aegaeon_common.http_side import read_http_address
+
+    lines = []
+    width = max((len(n) for n in names), default=0)
+    for name in names:
+        address = read_http_address(config.run_dir, name)
+        if address is None:
+            lines.append(f"  {name:<{width}}  (no HTTP address recorded)")
+            continue
+        urls = address.to_dict()
+        lines.append(f"  {name:<{width}}  health {urls['health_url']}  ready {urls['ready_url']}"
+                     f"  metrics {urls['metrics_url']}")  # fmt: skip
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from aegaeon_cli.node import build_children
-    from aegaeon_cli.supervisor import StartupError, Supervisor, install_stop_handlers
+    from aegaeon_cli.supervisor import (
+        DRAIN_MARGIN_S,
+        StartupError,
+        Supervisor,
+        install_stop_handlers,
+    )
 
     setup_logging("serve")
     try:
@@ -127,13 +149,20 @@ def run(args: argparse.Namespace) -> int:
             {"name": m.name, "path": str(m.path)} for m in config.models
         ]
     effective.write_text(yaml.safe_dump(raw_abs, sort_keys=False))
-    sup = Supervisor(build_children(config, effective))
+    sup = Supervisor(
+        build_children(config, effective),
+        stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,
+    )
     install_stop_handlers(sup)
     url = f"http://{config.proxy.host}:{config.proxy.port}"
 
     def announce() -> None:
         names = ", ".join(config.model_names)
         print(f"Aegaeon is serving {len(config.models)} models at {url}/v1 ({names})", flush=True)
+        print("Services (also at GET /v1/aegaeon/services):", flush=True)
+        order = ["proxy", *(c.name for c in sup.children if c.name != "proxy")]
+        for line in service_lines(config, order):
+            print(line, flush=True)
         print("Press Ctrl-C to stop.", flush=True)
 
     try:

@@ -2,9 +2,13 @@
 
 Children are started in dependency stages (cachemgr; every instance at once;
 the proxy), a stage's children all ready before the next stage starts; a
-child that dies unexpectedly is
-logged and restarted (with backoff); stop terminates them in reverse order so
-cachemgr, which owns every shared-memory segment, goes last and unlinks them.
+child that exits while the supervisor is not stopping is logged and
+restarted (with backoff), whether it died or drained after a SIGTERM sent to
+it alone (a rolling restart: the others keep serving). Stop sends SIGTERM
+stage by stage in reverse order (the proxy first, then every instance at
+once, the cachemgr last, which owns every shared-memory segment and unlinks
+them), waits up to the drain timeout plus a margin for each stage to drain
+and exit, and kills what is left.
 """
 
 from __future__ import annotations
@@ -68,12 +72,25 @@ class StartupError(RuntimeError):
     pass
 
 
-class Supervisor:
-    """Owns the children; ``run()`` blocks until a stop signal."""
+DRAIN_MARGIN_S = 10.0  # past a child's own drain timeout before it is killed
 
-    def __init__(self, children: list[Child], ready_timeout_s: float = 180.0) -> None:
+
+class Supervisor:
+    """Owns the children; ``run()`` blocks until a stop signal.
+
+    ``stop_timeout_s``: how long a stage may take to exit after SIGTERM (the
+    services' drain timeout plus :data:`DRAIN_MARGIN_S`) before SIGKILL.
+    """
+
+    def __init__(
+        self,
+        children: list[Child],
+        ready_timeout_s: float = 180.0,
+        stop_timeout_s: float = 15.0,
+    ) -> None:
         self.children = children
         self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
         self._stopping = False
 
     def request_stop(self, *_: object) -> None:
@@ -130,7 +147,11 @@ class Supervisor:
                 if child.alive() or self._stopping:
                     continue
                 code = child.proc.returncode if child.proc else None
-                log.error("child died", child=child.name, status=code, log=str(child.log_path))
+                if code == 0:  # drained after a SIGTERM of its own: a rolling restart
+                    log.info("child exited", child=child.name, status=code)
+                else:
+                    log.error("child died", child=child.name, status=code,
+                              log=str(child.log_path))  # fmt: skip
                 # Restart at once after a long healthy run; back off after quick crashes.
                 if time.monotonic() - child.started_at < 10.0:
                     time.sleep(child.backoff_s)
@@ -154,20 +175,27 @@ class Supervisor:
         except StartupError as exc:
             log.error("restart failed", error=str(exc))
 
-    def _terminate(self, children: list[Child], timeout_s: float = 15.0) -> None:
-        for child in reversed(children):
-            if not child.alive() or child.proc is None:
-                continue
-            child.proc.send_signal(signal.SIGTERM)
-            try:
-                child.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("killing", child=child.name)
-                child.proc.kill()
-                child.proc.wait()
-            log.info("stopped", child=child.name, status=child.proc.returncode)
+    def _terminate(self, children: list[Child], timeout_s: float | None = None) -> None:
+        """SIGTERM each stage at once, last stage first; wait for it to drain and exit
+        (up to ``timeout_s``, default ``stop_timeout_s``), then kill what is left."""
+        limit = self.stop_timeout_s if timeout_s is None else timeout_s
+        for stage in reversed(self._stages(children)):
+            running = [c for c in stage if c.alive() and c.proc is not None]
+            for child in running:
+                assert child.proc is not None
+                child.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + limit
+            for child in running:
+                assert child.proc is not None
+                try:
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("killing", child=child.name, after_s=limit)
+                    child.proc.kill()
+                    child.proc.wait()
+                log.info("stopped", child=child.name, status=child.proc.returncode)
 
-    def stop_all(self, timeout_s: float = 15.0) -> None:
+    def stop_all(self, timeout_s: float | None = None) -> None:
         """Terminate in reverse start order; kill what does not exit in time."""
         self._stopping = True
         self._terminate(self.children, timeout_s)

@@ -64,7 +64,8 @@ class Readiness:
 
     def set_ready(self) -> None:
         self._ready = True
-        self.reason = "ready"
+        if not self.draining:
+            self.reason = "ready"
 
     def set_draining(self) -> None:
         self.draining = True

@@ -1,14 +1,37 @@
-"""structlog set-up: JSON lines when not on a TTY (containers), readable otherwise."""
+"""structlog set-up: JSON lines when not on a TTY (containers), readable otherwise.
+
+Every line of a process carries its ``service`` (and, in a worker, its
+``instance``): fields bound with :func:`bind_process` reach every thread,
+which context variables would not (a compute thread starts with an empty
+context). A line about a request also names its ``request_id`` and ``model``.
+Prompt text and API keys are never logged at info level or above.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
 from aegaeon_common.env import read_env
+
+_PROCESS_FIELDS: dict[str, Any] = {}
+
+
+def bind_process(**fields: Any) -> None:
+    """Add ``fields`` to every later log line of this process, from any thread."""
+    _PROCESS_FIELDS.update(fields)
+
+
+def _add_process_fields(
+    _: Any, __: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    for key, value in _PROCESS_FIELDS.items():
+        event.setdefault(key, value)
+    return event
 
 
 def setup_logging(service: str, level: str | None = None, json: bool | None = None) -> None:
@@ -26,6 +49,7 @@ def setup_logging(service: str, level: str | None = None, json: bool | None = No
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_process_fields,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -37,7 +61,7 @@ def setup_logging(service: str, level: str | None = None, json: bool | None = No
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(service=service)
+    bind_process(service=service)
     logging.basicConfig(level=level_name, stream=sys.stderr, format="%(name)s %(message)s")
 
 

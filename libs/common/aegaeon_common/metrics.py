@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -47,6 +47,7 @@ VELOCITY_WINDOW_S = 10.0
 def new_registry() -> CollectorRegistry:
     """A registry for one service process, with the process collector (RSS, open
     fds, CPU seconds: ``process_*``) and the platform collector (``python_info``)."""
+    disable_created_metrics()  # no *_created series: counters start at process start
     registry = CollectorRegistry(auto_describe=True)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)

@@ -123,6 +123,10 @@ class ComputeThread:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        """The body is still running (it returns when its loop drained or was stopped)."""
+        return self._thread.is_alive()
+
     def join(self, timeout_s: float = 10.0) -> None:
         self.stop.set()
         self._thread.join(timeout_s)

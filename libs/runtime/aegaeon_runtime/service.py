@@ -4,6 +4,14 @@ An instance is an asyncio program whose loop only moves messages: commands
 from the proxy go to the compute thread's inbox; messages the compute thread
 produces go back to the proxy in order; a heartbeat reports stats. Torch runs
 only on the compute thread (an :class:`InstanceLoop`).
+
+Beside its sockets it serves ``/health``, ``/ready`` and ``/metrics`` on a
+side port (``<kind>.http_host``/``http_port``): ready once registered with the
+cachemgr, built, profiled (warm) and announced to the proxy. SIGTERM drains
+it: unready, the proxy is told (``InstanceDraining``) and stops giving it
+work, the loop finishes what it holds (a decode instance its running
+requests, a prefill instance its queue), the KV it handed off is claimed,
+then it exits, all within ``drain_timeout``.
 """
 
 from __future__ import annotations
@@ -13,25 +21,32 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
-from typing import Protocol
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import zmq.asyncio
 from aegaeon_cachemgr.client import CacheClient
 from aegaeon_common.config import Config
-from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.report import InstanceHello, InstanceStats
+from aegaeon_common.http_side import Readiness, SideServer
+from aegaeon_common.logs import bind_process, get_logger
+from aegaeon_common.messages.report import InstanceDraining, InstanceHello, InstanceStats
+from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import mark_ready, ready_path
-from aegaeon_common.transport import Puller, Pusher
+from aegaeon_common.transport import Puller, Pusher, RemoteError
 from aegaeon_common.wire import Channel, Message, WireError
 from aegaeon_sched import LatencyModel
 
 from aegaeon_runtime.bridge import ComputeThread, Inbox, Outbox
+from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
 
 log = get_logger("instance")
 
 HEARTBEAT_S = 0.5
+POLL_S = 0.05
+T = TypeVar("T")
 
 
 class InstanceLoop(Protocol):
@@ -39,11 +54,14 @@ class InstanceLoop(Protocol):
 
     ``run`` first profiles the worker (the latency model of its start-up
     profile goes in ``latency``) and then sets ``ready``; the instance
-    announces itself only then.
+    announces itself only then. ``run`` returns when stopped, or once
+    ``drain`` says it drained.
     """
 
     ready: threading.Event
     latency: LatencyModel | None
+    load: InstanceLoad  # queue depths for /metrics, replaced whole by the compute thread
+    drain: Drain
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (drain ``inbox``, compute, send via ``outbox``)."""
@@ -78,6 +96,31 @@ def instance_address(config: Config, kind: str, index: int) -> str:
     return config.prefill_address(index) if kind == "prefill" else config.decode_address(index)
 
 
+class _Live:
+    """What a scrape may read of an instance that is still starting."""
+
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+        self.instance: InstanceLoop | None = None
+
+    def load(self) -> InstanceLoad:
+        return self.instance.load if self.instance is not None else InstanceLoad()
+
+
+async def _until_stop(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``work``'s result, or None if ``stop`` is set first (``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
 async def serve_instance(
     config: Config,
     kind: str,
@@ -86,17 +129,62 @@ async def serve_instance(
     make_loop: LoopFactory,
     stop: asyncio.Event,
 ) -> None:
-    """Run one instance until ``stop``; raises if the compute thread crashes."""
+    """Run one instance until ``stop`` (SIGTERM: drain first); raises if the compute
+    thread crashes."""
+    name = f"{kind}-{index}"
+    bind_process(instance=name)  # every line of this process names its instance
+    inst = instance_config(config, kind)
+    registry = new_registry()
+    metrics = WorkerMetrics(name, registry)
+    live = _Live()
+    registry.register(InstanceCollector(metrics, lambda: live.worker, live.load))
+    readiness = Readiness()
+
+    def health() -> dict[str, Any]:
+        worker = live.worker
+        active = worker.switcher.active_model if worker is not None else None
+        return {"instance": name, "active_model": active}
+
+    side = SideServer(
+        name, kind, registry, readiness, host=inst.http_host, port=inst.http_port_of(index),
+        run_dir=config.run_dir, health=health,
+    )  # fmt: skip
+    await side.start()
+    log.info("http", instance=name, url=side.url)
+    try:
+        await _serve(config, kind, index, channel, make_loop, stop, metrics, live, readiness)
+    finally:
+        await side.stop()
+
+
+async def _serve(
+    config: Config,
+    kind: str,
+    index: int,
+    channel: Channel,
+    make_loop: LoopFactory,
+    stop: asyncio.Event,
+    metrics: WorkerMetrics,
+    live: _Live,
+    readiness: Readiness,
+) -> None:
     name = f"{kind}-{index}"
     ctx = zmq.asyncio.Context()
     client = CacheClient(config.cachemgr_address, name, ctx)
-    worker = await build_worker(config, kind, index, client)
+    readiness.set_reason("registering with the cachemgr and building the worker")
+    worker = await _until_stop(build_worker(config, kind, index, client, metrics), stop)
+    if worker is None:  # stopped while starting
+        await client.close(unregister=False)
+        ctx.term()
+        return
+    live.worker = worker
     loop = asyncio.get_running_loop()
     commands = Puller(ctx, instance_address(config, kind, index), channel, bind=True)
     to_proxy = Pusher(ctx, config.proxy_address)
     inbox: Inbox[Message] = Inbox()
     outbox = Outbox(config.proxy_address)
     instance = make_loop(worker, inbox, outbox)
+    live.instance = instance
     crashed: list[BaseException] = []
 
     def on_crash(exc: BaseException) -> None:
@@ -105,30 +193,37 @@ async def serve_instance(
 
     compute = ComputeThread(f"aegaeon-{name}", instance.run, loop, on_crash)
     compute.start()
-    while not instance.ready.is_set():  # the start-up profile (needs this loop running)
-        await asyncio.sleep(0.05)
-        if crashed:
-            raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
-    hello = _hello(worker, instance)
-
-    async def receive() -> None:
-        while True:
-            try:
-                inbox.put(await commands.recv())
-            except WireError as exc:  # nobody to answer on PULL: count and go on
-                log.warning("bad command frame", error=str(exc))
-
-    async def heartbeat() -> None:
-        while True:
-            await to_proxy.send(hello)  # cheap; lets a restarted proxy learn us again
-            await to_proxy.send(instance.stats())
-            await asyncio.sleep(HEARTBEAT_S)
-
-    tasks = [loop.create_task(t) for t in (receive(), heartbeat())]
-    mark_ready(config.run_dir, name)
-    log.info("ready", instance=name, models=len(worker.specs))
+    readiness.set_reason("warming up (start-up profile)")
+    tasks: list[asyncio.Task[None]] = []
     try:
+        while not instance.ready.is_set():  # the start-up profile (needs this loop running)
+            await asyncio.sleep(POLL_S)
+            if crashed:
+                raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
+            if stop.is_set():
+                return
+        hello = _hello(worker, instance)
+
+        async def receive() -> None:
+            while True:
+                try:
+                    inbox.put(await commands.recv())
+                except WireError as exc:  # nobody to answer on PULL: count and go on
+                    log.warning("bad command frame", instance=name, error=str(exc))
+
+        async def heartbeat() -> None:
+            while True:
+                await to_proxy.send(hello)  # cheap; lets a restarted proxy learn us again
+                await to_proxy.send(instance.stats())
+                readiness.set_ready()  # announced: the proxy can place work here
+                await asyncio.sleep(HEARTBEAT_S)
+
+        tasks = [loop.create_task(t) for t in (receive(), heartbeat())]
+        mark_ready(config.run_dir, name)
+        log.info("ready", instance=name, models=len(worker.specs))
         await stop.wait()
+        if not crashed:
+            await _drain(config, kind, index, name, instance, compute, to_proxy, worker, readiness)
     finally:
         compute.join()
         outbox.close()
@@ -144,3 +239,48 @@ async def serve_instance(
         ready_path(config.run_dir, name).unlink(missing_ok=True)
     if crashed:
         raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
+
+
+async def _drain(
+    config: Config,
+    kind: str,
+    index: int,
+    name: str,
+    instance: InstanceLoop,
+    compute: ComputeThread,
+    to_proxy: Pusher,
+    worker: Worker,
+    readiness: Readiness,
+) -> None:
+    """Finish what the instance holds (see the module docstring), within the drain timeout."""
+    timeout_s = config.drain_timeout_s
+    deadline = time.monotonic() + timeout_s
+    readiness.set_draining()
+    instance.drain.request()
+    await to_proxy.send(InstanceDraining(kind, index, os.getpid(), timeout_s))
+    load = instance.load
+    log.info(
+        "draining", instance=name, timeout_s=timeout_s,
+        prefill_requests=load.prefill_requests, decode_requests=load.decode_requests,
+    )  # fmt: skip
+    while compute.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+    # Host KV blocks this instance still owns are handoffs no decode instance has
+    # claimed yet: ending the lease now would free them under their requests.
+    held = await _owned_blocks(worker, name)
+    while held and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+        held = await _owned_blocks(worker, name)
+    if compute.is_alive() or held:
+        log.warning("drain_timeout", instance=name, still_running=compute.is_alive(),
+                    unclaimed_blocks=held)  # fmt: skip
+    else:
+        log.info("drained", instance=name)
+
+
+async def _owned_blocks(worker: Worker, name: str) -> int:
+    try:
+        stats = await worker.client.stats()
+    except (RemoteError, TimeoutError):
+        return 0  # no cachemgr: nothing to protect
+    return int(stats.kv.blocks_per_owner.get(name, 0))

@@ -8,7 +8,7 @@ here once; serving only rebinds views.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from aegaeon_cachemgr.client import CacheClient, SyncCacheClient
@@ -18,6 +18,7 @@ from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 
 from aegaeon_runtime.kv import KVSpace
+from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
 
 # Copy streams per worker: one slot each in the cachemgr's event table.
@@ -46,6 +47,8 @@ class Worker:
     switcher: ModelSwitcher
     kv: KVSpace
     sampler: Sampler
+    # what the compute thread counts for /metrics (a registry of its own by default)
+    metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
 
     @property
     def name(self) -> str:
@@ -62,7 +65,13 @@ class Worker:
         self.kv.close()
 
 
-async def build_worker(config: Config, kind: str, index: int, client: CacheClient) -> Worker:
+async def build_worker(
+    config: Config,
+    kind: str,
+    index: int,
+    client: CacheClient,
+    metrics: WorkerMetrics | None = None,
+) -> Worker:
     """Register with the cachemgr and build the worker (on the event loop's thread).
 
     Must be awaited on the loop that will serve ``client`` afterwards: the
@@ -119,4 +128,5 @@ async def build_worker(config: Config, kind: str, index: int, client: CacheClien
         switcher=switcher,
         kv=kv,
         sampler=Sampler(device),
+        metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
     )

@@ -25,6 +25,7 @@ from aegaeon_gpumem import (
     KVBlockPool,
     OutOfBlocks,
     ShmRegion,
+    SlabStats,
     open_event,
 )
 
@@ -176,6 +177,10 @@ class UnifiedKVCache:
 
     def num_blocks(self, owner: str) -> int:
         return len(self._blocks_of.get(owner, ()))
+
+    def slab_stats(self) -> SlabStats:
+        """The slab allocator's counts (per shape: used and free blocks)."""
+        return self._pool.stats().slabs
 
     def stats(self) -> KVCacheStats:
         pool = self._pool.stats()

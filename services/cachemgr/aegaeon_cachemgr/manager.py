@@ -38,6 +38,7 @@ from aegaeon_common.messages.cache import (
 )
 from aegaeon_common.wire import Message
 from aegaeon_gpumem import EventTable, ShmRegion
+from prometheus_client import Counter
 
 from aegaeon_cachemgr.errors import CacheError
 from aegaeon_cachemgr.kv_cache import UnifiedKVCache
@@ -52,7 +53,11 @@ DEFAULT_SLOTS_PER_WORKER = 4  # one timeline per copy stream; a worker runs 2-3
 class CacheManager:
     """Model Cache + unified KV cache + worker leases, behind typed requests."""
 
-    def __init__(self, config: Config, executor: Executor) -> None:
+    def __init__(
+        self, config: Config, executor: Executor, requests: Counter | None = None
+    ) -> None:
+        """``requests``: counts each answered request by tag and outcome (/metrics)."""
+        self.requests = requests
         cache = config.cache
         # Names are unique per cachemgr process: a worker's cached attachment by
         # name (gpumem's event tables) must never meet a recreated segment.
@@ -84,10 +89,17 @@ class CacheManager:
 
     async def handle(self, request: Message) -> Message:
         """Answer one decoded request; a refused one gets its ``ErrorReply``."""
+        outcome = "internal"  # until it is answered (an unexpected error propagates)
         try:
-            return await self._handlers[type(request)](request)
+            reply = await self._handlers[type(request)](request)
+            outcome = "ok"
+            return reply
         except CacheError as exc:
+            outcome = exc.code
             return exc.reply()
+        finally:
+            if self.requests is not None:
+                self.requests.labels(request.TAG, outcome).inc()
 
     # ---- leases ---------------------------------------------------------
 

@@ -83,6 +83,7 @@ class ModelCache:
         self._seq = itertools.count()
         self.num_loads = 0
         self.num_hits = 0
+        self.num_misses = 0  # acquisitions that waited for a load (started or shared)
         self.num_evictions = 0
         self.load_s_total = 0.0
         self.loaded_bytes_total = 0
@@ -114,6 +115,7 @@ class ModelCache:
             self.num_hits += 1
             return entry, True
         loading = self._loading.get(name) or self._start(name, evict)
+        self.num_misses += 1
         if pin:
             loading.pins[owner] += 1
         # shield: a cancelled waiter must not cancel the load others share.

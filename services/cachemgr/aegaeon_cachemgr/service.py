@@ -1,9 +1,13 @@
 """The cachemgr process: start, serve, watch workers, prewarm, and leave nothing behind.
 
-Start: take the run directory's lock (one cachemgr per run), unlink stale
-segments of a crashed earlier run (they carry this run's ``shm_prefix``),
-create the KV region and the event table, bind the ROUTER, mark ready.
-Stop (SIGTERM/SIGINT, or a fatal error): unlink every segment it made.
+Start: serve ``/health``, ``/ready`` (503 until ready) and ``/metrics`` on the
+side port (``cachemgr.http_host``/``http_port``), take the run directory's
+lock (one cachemgr per run), unlink stale segments of a crashed earlier run
+(they carry this run's ``shm_prefix``), create the KV region and the event
+table, bind the ROUTER, mark ready.
+Stop (SIGTERM/SIGINT): unready, keep answering the workers until none holds a
+lease (they drain and unregister first) or ``drain_timeout`` passes, then
+unlink every segment it made. A fatal error unlinks them at once.
 """
 
 from __future__ import annotations
@@ -12,20 +16,25 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq.asyncio
 from aegaeon_common.config import Config
+from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import REQUESTS
+from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import mark_ready, ready_path
 from aegaeon_common.transport import RpcServer
 from aegaeon_gpumem import cleanup_prefix
+from prometheus_client import CollectorRegistry
 
 from aegaeon_cachemgr.errors import CacheError
 from aegaeon_cachemgr.manager import CacheManager
+from aegaeon_cachemgr.metrics import CacheCollector, request_counter
 
 log = get_logger("cachemgr")
 
@@ -84,17 +93,37 @@ async def monitor(manager: CacheManager) -> None:
 
 
 async def serve(config: Config, stop: asyncio.Event) -> None:
-    """Run the cachemgr until ``stop`` is set."""
+    """Run the cachemgr until ``stop`` is set (then drain)."""
+    registry = new_registry()
+    readiness = Readiness()
+    side = SideServer(
+        SERVICE, SERVICE, registry, readiness, host=config.cache.http_host,
+        port=config.cache.http_port, run_dir=config.run_dir,
+    )  # fmt: skip
+    await side.start()
+    log.info("http", url=side.url)
+    try:
+        await _serve_locked(config, stop, registry, readiness)
+    finally:
+        await side.stop()
+
+
+async def _serve_locked(
+    config: Config, stop: asyncio.Event, registry: CollectorRegistry, readiness: Readiness
+) -> None:
     with run_lock(config.run_dir):
         removed = cleanup_prefix(f"{config.shm_prefix}-")
         if removed:
             log.warning("stale_segments_removed", segments=removed)
         executor = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="cachemgr-load")
         try:
-            manager = CacheManager(config, executor)
+            manager = CacheManager(config, executor, request_counter(registry))
+            collector = CacheCollector(manager)
+            registry.register(collector)
             try:
-                await _serve(config, manager, stop)
+                await _serve(config, manager, stop, readiness)
             finally:
+                registry.unregister(collector)  # a scrape must not read closed segments
                 manager.close()
                 ready_path(config.run_dir, SERVICE).unlink(missing_ok=True)
                 log.info("stopped")
@@ -103,7 +132,21 @@ async def serve(config: Config, stop: asyncio.Event) -> None:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def _serve(config: Config, manager: CacheManager, stop: asyncio.Event) -> None:
+async def _drain(manager: CacheManager, timeout_s: float) -> None:
+    """Answer the workers until none holds a lease (or ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    leases = manager.workers.leases()
+    log.info("draining", workers=[lease.worker_id for lease in leases], timeout_s=timeout_s)
+    while manager.workers.leases() and time.monotonic() < deadline:
+        await asyncio.sleep(MONITOR_INTERVAL_S / 5)
+    left = [lease.worker_id for lease in manager.workers.leases()]
+    if left:
+        log.warning("drain_timeout", workers=left)
+
+
+async def _serve(
+    config: Config, manager: CacheManager, stop: asyncio.Event, readiness: Readiness
+) -> None:
     ctx = zmq.asyncio.Context()
     server = RpcServer(ctx, config.cachemgr_address, REQUESTS, manager.handle)
     loop = asyncio.get_running_loop()
@@ -115,6 +158,7 @@ async def _serve(config: Config, manager: CacheManager, stop: asyncio.Event) -> 
     stopping: asyncio.Task[bool] = loop.create_task(stop.wait(), name="stop")
     try:
         mark_ready(config.run_dir, SERVICE)
+        readiness.set_ready()
         log.info(
             "ready",
             address=config.cachemgr_address,
@@ -126,6 +170,13 @@ async def _serve(config: Config, manager: CacheManager, stop: asyncio.Event) -> 
         )
         # The rpc and monitor tasks never end; if one does, it failed: raise it.
         await asyncio.wait([stopping, *tasks[:2]], return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks[:2]:
+            if task.done():
+                task.result()
+        readiness.set_draining()
+        drain = loop.create_task(_drain(manager, config.drain_timeout_s), name="drain")
+        await asyncio.wait([drain, *tasks[:2]], return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
         for task in tasks[:2]:
             if task.done():
                 task.result()

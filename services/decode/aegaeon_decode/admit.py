@@ -79,7 +79,8 @@ class Admission:
         except RemoteError as exc:  # the blocks are gone (e.g. the prefill lease ended)
             self.fail(seq, "kv_lost", f"handoff blocks unavailable: {exc}")
             return
-        self._add(seq, msg.sampling.max_tokens)
+        if self._add(seq, msg.sampling.max_tokens):
+            w.metrics.tokens("arrival", msg.model, msg.prompt_len)
 
     def run_request(self, msg: Message) -> None:
         """Request-level policies: the whole request runs here, prefill first."""
@@ -102,7 +103,8 @@ class Admission:
             tokens=[],
             prompt_token_ids=list(msg.prompt_token_ids),
         )
-        self._add(seq, msg.sampling.max_tokens)
+        if self._add(seq, msg.sampling.max_tokens):
+            w.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
     def cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
@@ -110,6 +112,7 @@ class Admission:
         if seq is not None:
             self.finish(seq)
             self.counters.cancelled += 1
+            self.worker.metrics.request_done("decode", seq.model, "cancelled")
 
     def finish(self, seq: Seq) -> None:
         """Forget ``seq`` and free its KV (finished, cancelled or failed)."""
@@ -119,10 +122,11 @@ class Admission:
 
     def fail(self, seq: Seq, code: str, message: str) -> None:
         self.finish(seq)
-        self.refuse(seq.request_id, code, message)
+        self.refuse(seq.request_id, code, message, seq.model)
 
-    def refuse(self, request_id: str, code: str, message: str) -> None:
+    def refuse(self, request_id: str, code: str, message: str, model: str = "unknown") -> None:
         self.counters.failed += 1
         w = self.worker
+        w.metrics.request_done("decode", model, "failed")
         self.tokens.flush()  # what a request got before its failure arrives first
         self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))

@@ -23,10 +23,12 @@ import time
 from collections.abc import Callable
 
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.profile_cache import cached_profile
 from aegaeon_runtime.worker import Worker
 from aegaeon_sched import (
@@ -66,7 +68,7 @@ class DecodeLoop:
             ttft_s=config.slo.ttft_s,
             round_ttft_fraction=config.scheduler.round_ttft_fraction,
         )
-        self.counters = DecodeCounters()
+        self.counters = DecodeCounters(metrics=worker.metrics)
         self.residency = Residency(worker)
         self.admission = Admission(worker, self.work, self.residency, outbox, self.counters)
         self.turns = TurnRunner(
@@ -84,12 +86,15 @@ class DecodeLoop:
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
+        self.load = InstanceLoad()  # written here, read by a scrape
+        self.drain = Drain()
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
             EnqueueDecode: self.admission.enqueue,
             RunRequest: self.admission.run_request,
             CancelRequest: self._on_cancel,
             EnqueuePrefill: self._on_enqueue_prefill,
             Shutdown: self._on_shutdown,
+            AckDrain: self.drain.on_ack,
         }
 
     def _on_cancel(self, msg: Message) -> None:
@@ -119,11 +124,28 @@ class DecodeLoop:
         while not (stop.is_set() or self._stop.is_set()):
             busy = len(self.work) or (self.prefill is not None and self.prefill.pending())
             self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))
+            self._publish_load()
             if self.prefill is not None:
                 self.prefill.run_all()
             if not len(self.work):
+                if self.drain.done(idle=not self._pending_prefill()):
+                    self.admission.tokens.flush()
+                    return  # drained: every request finished, nothing more comes
                 continue
             self.run_round(stop)
+            self._publish_load()
+
+    def _pending_prefill(self) -> bool:
+        return self.prefill is not None and self.prefill.pending()
+
+    def _publish_load(self) -> None:
+        queue = self.prefill.queue if self.prefill is not None else None
+        self.load = InstanceLoad(
+            prefill_requests=len(queue) if queue is not None else 0,
+            prefill_groups=sum(1 for _ in queue) if queue is not None else 0,
+            decode_requests=self.work.num_requests,
+            decode_batches=len(self.work),
+        )
 
     def run_round(self, stop: threading.Event) -> None:
         batches = self.work.group_by_model()

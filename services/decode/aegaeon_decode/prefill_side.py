@@ -33,16 +33,18 @@ class PrefillSide:
 
     def enqueue(self, msg: EnqueuePrefill) -> None:
         if msg.model not in self.worker.specs:
-            self._fail(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            self._fail(msg.request_id, msg.model, "unknown_model",
+                       f"model {msg.model!r} is not served")  # fmt: skip
             return
         request = Request(msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
                           msg.sampling.max_tokens)  # fmt: skip
         try:
             self.queue.add(request, msg.group_id)
         except ValueError as exc:
-            self._fail(msg.request_id, "bad_request", str(exc))
+            self._fail(msg.request_id, msg.model, "bad_request", str(exc))
             return
         self.jobs[msg.request_id] = msg
+        self.worker.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
     def cancel(self, request_id: str) -> bool:
         self.jobs.pop(request_id, None)
@@ -65,14 +67,19 @@ class PrefillSide:
             if outcome.switch is not None:
                 self.counters.note_switch(outcome.switch)
             self.outbox.send(outcome.message)
-            if isinstance(outcome.message, PrefillDone):
+            done = isinstance(outcome.message, PrefillDone)
+            metrics = self.worker.metrics
+            metrics.request_done("prefill", msg.model, "ok" if done else "failed")
+            if done:
+                metrics.tokens("prefill", msg.model, outcome.num_tokens)
                 self.counters.prefills += 1
                 self.counters.prefill_tokens += outcome.num_tokens
                 self.counters.prefill_s += outcome.compute_s
             else:
                 self.counters.failed += 1
 
-    def _fail(self, request_id: str, code: str, message: str) -> None:
+    def _fail(self, request_id: str, model: str, code: str, message: str) -> None:
         self.counters.failed += 1
+        self.worker.metrics.request_done("prefill", model, "failed")
         w = self.worker
         self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))

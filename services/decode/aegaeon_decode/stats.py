@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 
 from aegaeon_common.messages.report import InstanceStats, SwitchRecord, TurnRecord
+from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.worker import Worker
 
 
@@ -31,8 +32,11 @@ class DecodeCounters:
     new_switches: list[SwitchRecord] = field(default_factory=list)
     new_turns: list[TurnRecord] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    metrics: WorkerMetrics | None = None  # the instance's /metrics, when served
 
     def note_switch(self, record: SwitchRecord) -> None:
+        if self.metrics is not None:
+            self.metrics.switch(record)
         with self.lock:
             self.switches += 1
             self.switch_s += record.total_s

@@ -192,6 +192,8 @@ class TurnRunner:
             seq.prefill_timings = timings
             seq.joined_s = done
             self.counters.prefills += 1
+            w.metrics.tokens("prefill", seq.model, seq.prompt_len)
+            w.metrics.request_done("prefill", seq.model, "ok")
             self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
                                          done))  # fmt: skip
             if finish is not None:
@@ -228,6 +230,7 @@ class TurnRunner:
             items.append(TokenItem(seq.request_id, [token], finish, timings))
             if finish:
                 self.admission.finish(seq)
+                w.metrics.request_done("decode", seq.model, finish)
         # a turn's first tokens may have waited a round: they leave at once, as
         # do tokens close to their deadlines (aegaeon_decode.emit)
         emitter = self.admission.tokens
@@ -236,6 +239,7 @@ class TurnRunner:
         self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)
+        w.metrics.tokens("decode", batch.model, len(stepping))
         self.counters.decode_s += seconds
         if self.latency is not None:
             self.latency.observe_decode(batch.model, len(stepping), context, seconds)

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.report import (
     InstanceStats,
     PrefillDone,
@@ -24,6 +24,8 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.wire import Message
 from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.prefill import run_prefill
 from aegaeon_runtime.profile_cache import cached_profile
 from aegaeon_runtime.worker import Worker
@@ -58,17 +60,22 @@ class PrefillLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self._depth = (0, 0)  # (queued, running): written here, read by the heartbeat
+        self.load = InstanceLoad()  # written here, read by a scrape
+        self.drain = Drain()
+        self.metrics = worker.metrics
         self._handlers = {
             EnqueuePrefill: self._on_enqueue,
             CancelRequest: self._on_cancel,
             Shutdown: self._on_shutdown,
+            AckDrain: self.drain.on_ack,
         }
 
     # ---- commands --------------------------------------------------------
     def _on_enqueue(self, msg: Message) -> None:
         assert isinstance(msg, EnqueuePrefill)
         if msg.model not in self.worker.specs:
-            self._fail(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
+            self._fail(msg.request_id, msg.model, "unknown_model",
+                       f"model {msg.model!r} is not served")  # fmt: skip
             return
         request = Request(
             msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
@@ -77,9 +84,10 @@ class PrefillLoop:
         try:
             self.queue.add(request, msg.group_id)
         except ValueError as exc:  # a duplicate id or a group/model mismatch
-            self._fail(msg.request_id, "bad_request", str(exc))
+            self._fail(msg.request_id, msg.model, "bad_request", str(exc))
             return
         self.jobs[msg.request_id] = msg
+        self.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
     def _on_cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
@@ -102,7 +110,10 @@ class PrefillLoop:
             self._apply(self.inbox.drain() if head else self.inbox.wait(IDLE_WAIT_S))
             head = self.queue.peek()
             self._depth = (len(self.queue), 1 if head else 0)
+            self.load = InstanceLoad(len(self.queue), sum(1 for _ in self.queue))
             if head is None:
+                if self.drain.done(idle=True):
+                    return  # drained: the queue is empty and nothing more comes
                 continue
             _, request = head
             self.queue.start(request.request_id, time.time())
@@ -121,8 +132,12 @@ class PrefillLoop:
         if outcome.switch is not None:
             self._note_switch(outcome.switch)
         self.outbox.send(outcome.message)
+        done = isinstance(outcome.message, PrefillDone)
+        self.metrics.request_done("prefill", msg.model, "ok" if done else "failed")
+        if done:
+            self.metrics.tokens("prefill", msg.model, outcome.num_tokens)
         with self._lock:
-            if isinstance(outcome.message, PrefillDone):
+            if done:
                 self.counters.prefills += 1
                 self.counters.prefill_tokens += outcome.num_tokens
                 self.counters.prefill_s += outcome.compute_s
@@ -130,12 +145,14 @@ class PrefillLoop:
                 self.counters.failed += 1
 
     def _note_switch(self, record: SwitchRecord) -> None:
+        self.metrics.switch(record)
         with self._lock:
             self.counters.switches += 1
             self.counters.switch_s += record.total_s
             self.counters.new_switches.append(record)
 
-    def _fail(self, request_id: str, code: str, message: str) -> None:
+    def _fail(self, request_id: str, model: str, code: str, message: str) -> None:
+        self.metrics.request_done("prefill", model, "failed")
         with self._lock:
             self.counters.failed += 1
         self.outbox.send(RequestFailed(request_id, "prefill", self.worker.index, code, message))

@@ -1,0 +1,90 @@
+"""The cachemgr's metrics: Model Cache, unified CPU KV cache, leases, requests.
+
+Counters of requests are prometheus_client counters updated by the request
+handler; the rest is read from the manager at scrape time, on the event loop
+that owns it (reads only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from aegaeon_common.metrics import kv_block_counts
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from aegaeon_cachemgr.manager import CacheManager
+
+__all__ = ["CacheCollector", "request_counter"]
+
+INSTANCE = "cachemgr"
+
+
+def request_counter(registry: CollectorRegistry) -> Counter:
+    """``aegaeon_cachemgr_requests_total{type, outcome}``: requests answered, by message
+    tag and outcome (ok, or the error code)."""
+    return Counter(
+        "aegaeon_cachemgr_requests", "Requests the cachemgr answered, by type and outcome",
+        ("type", "outcome"), registry=registry,
+    )  # fmt: skip
+
+
+class CacheCollector(Collector):
+    def __init__(self, manager: CacheManager) -> None:
+        self._manager = manager
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._manager
+        models = m.models
+        gauges: list[tuple[str, str, float]] = [
+            ("aegaeon_model_cache_used_bytes", "Model Cache bytes resident or being loaded",
+             models.used_bytes),
+            ("aegaeon_model_cache_capacity_bytes", "Model Cache budget", models.budget_bytes),
+        ]  # fmt: skip
+        for name, help_text, value in gauges:
+            yield GaugeMetricFamily(name, help_text, value=float(value))
+        stats = models.stats()
+        resident = GaugeMetricFamily(
+            "aegaeon_model_cache_models", "Models in the Model Cache, by state",
+            labels=["state"],
+        )  # fmt: skip
+        resident.add_metric(["resident"], float(len(stats.models)))
+        resident.add_metric(["loading"], float(len(stats.loading)))
+        yield resident
+        counters: list[tuple[str, str, float]] = [
+            ("aegaeon_model_cache_hits", "Model Cache lookups found resident", models.num_hits),
+            ("aegaeon_model_cache_misses", "Model Cache lookups that waited for a load",
+             models.num_misses),
+            ("aegaeon_model_cache_evictions", "Models evicted (LRU)", models.num_evictions),
+            ("aegaeon_model_cache_loads", "Models loaded from disk", models.num_loads),
+            ("aegaeon_model_cache_loaded_bytes", "Bytes loaded from disk",
+             models.loaded_bytes_total),
+            ("aegaeon_model_cache_load_seconds", "Time spent loading from disk",
+             models.load_s_total),
+        ]  # fmt: skip
+        for counter, counter_help, total in counters:
+            yield CounterMetricFamily(counter, counter_help, value=float(total))
+        kv = m.kv.stats()
+        kv_gauges: list[tuple[str, str, float]] = [
+            ("aegaeon_kv_cache_capacity_bytes", "Unified CPU KV cache size", kv.capacity_bytes),
+            ("aegaeon_kv_cache_used_bytes", "Bytes of live KV blocks", kv.used_bytes),
+            ("aegaeon_kv_cache_held_bytes", "Bytes of slabs given to a shape", kv.held_bytes),
+            ("aegaeon_kv_cache_move_list_blocks", "Freed blocks waiting for their copy event",
+             kv.move_list_blocks),
+        ]  # fmt: skip
+        for gauge, gauge_help, level in kv_gauges:
+            yield GaugeMetricFamily(gauge, gauge_help, value=float(level))
+        blocks = GaugeMetricFamily(
+            "aegaeon_kv_blocks", "KV blocks by shape and state (used|free)",
+            labels=["instance", "location", "shape", "state"],
+        )  # fmt: skip
+        for shape, used, free in kv_block_counts(m.kv.slab_stats()):
+            blocks.add_metric([INSTANCE, "cpu", shape, "used"], float(used))
+            blocks.add_metric([INSTANCE, "cpu", shape, "free"], float(free))
+        yield blocks
+        yield GaugeMetricFamily(
+            "aegaeon_cachemgr_workers", "Workers holding a lease", value=len(m.workers.leases())
+        )
