@@ -107,3 +107,23 @@ def test_the_docker_example_config_validates(tmp_path: Path) -> None:
     config = config_from_dict(raw, source=str(example))
     assert config.scheduler.policy == "aegaeon"
     assert config.model_names == ("a", "b")
+
+
+def test_side_http_ports_and_drain_timeout() -> None:
+    models = [{"name": "a", "path": "x"}]
+    config = config_from_dict({"models": models})
+    assert (config.cache.http_host, config.cache.http_port) == ("127.0.0.1", 0)
+    assert config.decode.http_port_of(3) == 0  # ephemeral by default
+    assert config.drain_timeout_s == 30.0
+    config = config_from_dict({
+        "models": models, "drain_timeout": 5,
+        "cachemgr": {"http_host": "0.0.0.0", "http_port": 9100},
+        "prefill": {"http_port": 9200}, "decode": {"http_port": 9300, "http_host": "0.0.0.0"},
+    })  # fmt: skip
+    assert (config.cache.http_host, config.cache.http_port) == ("0.0.0.0", 9100)
+    assert config.prefill.http_port_of(1) == 9201 and config.decode.http_port_of(2) == 9302
+    assert config.drain_timeout_s == 5.0
+    with pytest.raises(ConfigError, match="decode.http_port"):
+        config_from_dict({"models": models, "decode": {"http_port": 70000}})
+    with pytest.raises(ConfigError, match="drain_timeout"):
+        config_from_dict({"models": models, "drain_timeout": -1})

@@ -417,3 +417,22 @@ def test_malformed_bodies_are_4xx_and_server_survives(proxy_market: Path) -> Non
         assert 'status="500"' not in text
 
     run(proxy_market, scenario, max_body_bytes=200_000)
+
+
+def test_draining_is_unready_and_refuses_new_generations(proxy_market: Path) -> None:
+    from aegaeon_proxy.state import STATE
+
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = [5, 6]
+        assert (await client.get("/ready")).status == 200
+        client.server.app[STATE].readiness.set_draining()
+        resp = await client.get("/ready")
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "draining"
+        assert (await (await client.get("/health")).json())["draining"] is True
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "draining"
+        assert backend.submitted == []
+
+    run(proxy_market, scenario)

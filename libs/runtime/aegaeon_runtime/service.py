@@ -46,6 +46,7 @@ log = get_logger("instance")
 
 HEARTBEAT_S = 0.5
 POLL_S = 0.05
+NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
 
 
@@ -257,7 +258,10 @@ async def _drain(
     deadline = time.monotonic() + timeout_s
     readiness.set_draining()
     instance.drain.request()
-    await to_proxy.send(InstanceDraining(kind, index, os.getpid(), timeout_s))
+    with contextlib.suppress(TimeoutError):  # a proxy gone for long: its queue may be full
+        await asyncio.wait_for(
+            to_proxy.send(InstanceDraining(kind, index, os.getpid(), timeout_s)), NOTICE_S
+        )
     load = instance.load
     log.info(
         "draining", instance=name, timeout_s=timeout_s,

@@ -1,0 +1,129 @@
+"""The side HTTP servers of the cachemgr and of a worker instance, as real processes.
+
+A worker is unready (503) before it has a cachemgr and warmed up, ready once
+it has, unready again while it drains after SIGTERM, and gone (its address
+file removed) after a clean exit; the cachemgr counts every request it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+from aegaeon_cachemgr.client import CacheClient
+from aegaeon_common.http_side import read_http_address
+from cachemgr_harness import CacheMgrProcess, checkpoint, write_config
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _wait_for(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_cachemgr_counts_the_requests_it_answers(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path, {"m": checkpoint()})
+    with CacheMgrProcess(config_path) as mgr:
+        run_dir = mgr.config.run_dir
+        address = read_http_address(run_dir, "cachemgr")
+        assert address is not None and address.role == "cachemgr"
+        assert _get(f"{address.url}/health")[0] == 200
+        assert _get(f"{address.url}/ready")[0] == 200
+
+        async def talk() -> None:
+            client = CacheClient(mgr.config.cachemgr_address, "probe")
+            try:
+                for _ in range(5):
+                    await client.stats()
+            finally:
+                await client.close(unregister=False)
+
+        asyncio.run(talk())
+        status, text = _get(f"{address.url}/metrics")
+        assert status == 200
+        got = _samples(text)
+        ok = ("outcome", "ok"), ("type", "cache.get_stats")
+        assert got[("aegaeon_cachemgr_requests_total", ok)] == 5
+        assert got[("aegaeon_model_cache_capacity_bytes", ())] == 64 << 20
+        assert ("aegaeon_model_cache_misses_total", ()) in got
+        assert ("process_open_fds", ()) in got
+        assert mgr.stop() == 0
+        assert read_http_address(run_dir, "cachemgr") is None
+
+
+def test_a_worker_is_unready_until_warm_and_while_draining(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path, {"m": checkpoint()})
+    raw = yaml.safe_load(config_path.read_text())
+    raw["decode"] = {"instances": 1, "device_memory": "48MiB", "kv_memory": "16MiB"}
+    raw["prefill"] = {"instances": 0}
+    raw["drain_timeout"] = 30
+    config_path.write_text(yaml.safe_dump(raw))
+    run_dir = Path(raw["run_dir"])
+    log_path = tmp_path / "decode-0.log"
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "aegaeon_cli.main", "decode", "--config", str(config_path),
+             "--index", "0"], stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    mgr = CacheMgrProcess(config_path)
+    try:
+        address = _wait_for(lambda: read_http_address(run_dir, "decode-0"), 60, "decode-0.http")
+        assert address.role == "decode"
+        # no cachemgr yet: alive, not ready
+        status, body = _get(f"{address.url}/ready")
+        assert status == 503 and json.loads(body)["reason"] != "ready"
+        assert _get(f"{address.url}/health")[0] == 200
+        mgr.start()
+        _wait_for(lambda: _get(f"{address.url}/ready")[0] == 200, 180, "decode-0 ready")
+        got = _samples(_get(f"{address.url}/metrics")[1])
+        inst = (("instance", "decode-0"),)
+        assert got[("aegaeon_decode_worklist_requests", inst)] == 0
+        assert ("aegaeon_token_velocity_tokens_per_second", (*inst, ("stage", "decode"))) in got
+        assert ("process_resident_memory_bytes", ()) in got
+
+        worker.send_signal(signal.SIGTERM)
+        # no proxy acknowledges the drain: the idle instance waits a moment for one
+        def unready() -> tuple[int, str] | None:
+            answer = _get(f"{address.url}/ready")
+            return answer if answer[0] != 200 else None
+
+        seen = _wait_for(unready, 10, "/ready to turn 503 after SIGTERM")
+        assert seen[0] == 503 and json.loads(seen[1])["reason"] == "draining"
+        assert worker.wait(timeout=60) == 0, log_path.read_text(errors="replace")[-3000:]
+        assert read_http_address(run_dir, "decode-0") is None
+        assert '"drained"' in log_path.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        if mgr.proc is not None:
+            mgr.stop()
