@@ -123,7 +123,7 @@ def test_side_http_ports_and_drain_timeout() -> None:
     assert (config.cache.http_host, config.cache.http_port) == ("0.0.0.0", 9100)
     assert config.prefill.http_port_of(1) == 9201 and config.decode.http_port_of(2) == 9302
     assert config.drain_timeout_s == 5.0
-    with pytest.raises(ConfigError, match="decode.http_port"):
+    with pytest.raises(ConfigError, match=r"decode\.http_port"):
         config_from_dict({"models": models, "decode": {"http_port": 70000}})
     with pytest.raises(ConfigError, match="drain_timeout"):
         config_from_dict({"models": models, "drain_timeout": -1})

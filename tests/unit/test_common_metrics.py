@@ -72,7 +72,8 @@ def test_worker_metric_names_and_labels() -> None:
     inst = ("instance", "prefill-0")
     assert got[("aegaeon_instance_requests_total",
                 (inst, ("model", "m1"), ("outcome", "ok"), ("stage", "prefill")))] == 2
-    assert got[("aegaeon_instance_tokens_total", (inst, ("model", "m1"), ("stage", "arrival")))] == 7
+    arrival = (inst, ("model", "m1"), ("stage", "arrival"))
+    assert got[("aegaeon_instance_tokens_total", arrival)] == 7
     assert got[("aegaeon_model_switches_total", (inst, ("prefetched", "true")))] == 1
     assert got[("aegaeon_model_switch_duration_seconds_count", (inst, ("prefetched", "true")))] == 1
     assert got[("aegaeon_prefill_queue_requests", (inst,))] == 3
