@@ -66,7 +66,8 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"aegaeon serve exited ({proc.returncode}):\n{served.log_tail()}")
-        if "Aegaeon is serving" in log_path.read_text(errors="replace"):
+        # the last line of the announcement (after every service's URLs)
+        if "Press Ctrl-C to stop." in log_path.read_text(errors="replace"):
             return served
         time.sleep(0.2)
     stop_serve(served)

@@ -1,0 +1,185 @@
+"""Every service's /health, /ready and /metrics through `aegaeon serve`, and a rolling
+restart of each worker kind under a steady stream of requests that loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import Served
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _services(served: Served) -> dict[str, dict[str, str]]:
+    data = served.get_json("/v1/aegaeon/services")
+    return {s["name"]: s for s in data["services"]}  # type: ignore[union-attr,index]
+
+
+def _scrape(url: str) -> Samples:
+    status, text = _get(url)
+    assert status == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of ``name`` over the samples whose labels include ``labels``."""
+    return sum(
+        v for (n, lbl), v in samples.items()
+        if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
+    )  # fmt: skip
+
+
+def _client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+def _models(served: Served) -> list[str]:
+    return [m.id for m in _client(served).models.list().data][:3]
+
+
+def test_services_list_every_service_with_working_urls(served: Served) -> None:
+    services = _services(served)
+    assert list(services) == ["proxy", "cachemgr", "prefill-0", "decode-0"]
+    for name, service in services.items():
+        assert set(service) == {"name", "role", "health_url", "ready_url", "metrics_url"}
+        assert service["role"] == name.split("-")[0]
+        status, body = _get(service["health_url"])
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        assert _get(service["ready_url"])[0] == 200
+        samples = _scrape(service["metrics_url"])
+        assert ("process_resident_memory_bytes", ()) in samples, name
+        assert ("process_open_fds", ()) in samples, name
+    assert "metrics http://" in served.log_path.read_text()  # serve printed them
+
+
+def test_request_counters_equal_the_requests_sent(served: Served) -> None:
+    services = _services(served)
+    urls = {name: s["metrics_url"] for name, s in services.items()}
+    before = {name: _scrape(url) for name, url in urls.items()}
+    models = _models(served)
+    sent = Counter(m for m in models for _ in range(2))
+    client = _client(served)
+    threads = [
+        threading.Thread(target=client.completions.create, kwargs={
+            "model": m, "prompt": "Count with me", "max_tokens": 6, "temperature": 0,
+            "extra_body": {"ignore_eos": True}})
+        for m in sent.elements()
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    total = sum(sent.values())
+
+    def delta(name: str, metric: str, **labels: str) -> float:
+        return _total(_scrape(urls[name]), metric, **labels) - _total(
+            before[name], metric, **labels
+        )
+
+    for model, count in sent.items():
+        assert delta("proxy", "aegaeon_requests_total", model=model, outcome="length") == count
+        assert delta("proxy", "aegaeon_requests_total", model=model) == count
+    workers = ["prefill-0", "decode-0"]
+    # each request is prefilled once and decoded to its length once, on some instance
+    deadline = time.monotonic() + 10
+    while True:
+        prefilled = sum(delta(w, "aegaeon_instance_requests_total", stage="prefill",
+                              outcome="ok") for w in workers)  # fmt: skip
+        decoded = sum(delta(w, "aegaeon_instance_requests_total", stage="decode",
+                            outcome="length") for w in workers)  # fmt: skip
+        if (prefilled, decoded) == (total, total) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (prefilled, decoded) == (total, total)
+    # every decoded request took over its prefill's KV blocks once
+    claims = delta("cachemgr", "aegaeon_cachemgr_requests_total",
+                   type="cache.reassign_blocks", outcome="ok")  # fmt: skip
+    assert claims == total
+    proxy = _scrape(urls["proxy"])
+    for model in sent:
+        assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
+        assert 0.0 <= _total(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
+    assert _total(proxy, "aegaeon_instance_up") == 2
+
+
+def _instance_pid(served: Served, name: str) -> int | None:
+    health = served.get_json("/health")
+    return health["backend"]["instances"][name]["pid"]  # type: ignore[index,no-any-return]
+
+
+def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> None:
+    models = _models(served)
+    client = _client(served)
+    results: list[tuple[str, object]] = []
+    stop = threading.Event()
+
+    def one(i: int) -> None:
+        try:
+            reply = client.completions.create(
+                model=models[i % len(models)], prompt=f"Request {i}", max_tokens=12,
+                temperature=0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            choice = reply.choices[0]
+            assert reply.usage is not None
+            results.append((choice.finish_reason or "", reply.usage.completion_tokens))
+        except Exception as exc:  # the test's point: count every failure
+            results.append(("error", repr(exc)))
+
+    def stream() -> None:
+        workers: list[threading.Thread] = []
+        i = 0
+        while not stop.is_set():
+            t = threading.Thread(target=one, args=(i,))
+            t.start()
+            workers.append(t)
+            i += 1
+            time.sleep(0.1)
+        for t in workers:
+            t.join(timeout=180)
+
+    feeder = threading.Thread(target=stream)
+    feeder.start()
+    try:
+        for name in ("prefill-0", "decode-0"):
+            time.sleep(1.5)  # requests in every stage when the signal comes
+            old = _instance_pid(served, name)
+            assert old is not None
+            old_url = _services(served)[name]["ready_url"]
+            os.kill(old, signal.SIGTERM)
+            deadline = time.monotonic() + 120
+            while _instance_pid(served, name) in (old, None):
+                assert time.monotonic() < deadline, f"{name} did not come back"
+                time.sleep(0.1)
+            url = _services(served)[name]["ready_url"]
+            assert url != old_url or _get(url)[0] == 200  # its new address works
+        time.sleep(1.5)
+    finally:
+        stop.set()
+        feeder.join(timeout=240)
+    errors = [r for r in results if r != ("length", 12)]
+    assert len(results) > 30
+    assert errors == []
+    log = served.log_path.read_text()
+    assert "child exited" in log  # drained and exited 0, then restarted
+    assert "child died" not in log
