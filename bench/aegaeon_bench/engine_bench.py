@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``engine`` benchmark parser."""
     parser = sub.add_parser("engine", help="engine tokens/s vs transformers and vLLM",
                             description=__doc__)
-    parser.add_argument("--model", type=Path, help="checkpoint dir (default: market bench model)")
+    parser.add_argument("--model", help="checkpoint dir, or the name of a model of the market "
+                        "(default: the market's bench model)")
     parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
     parser.add_argument("--dtype", help="serving dtype (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
@@ -93,11 +94,14 @@ def _emulate(args: argparse.Namespace) -> int | None:
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model is not None:
+    if args.model is not None and Path(args.model).is_dir():
         return Path(args.model)
     from aegaeon_market import default_bench_model, default_market_dir, ensure_market
+    from aegaeon_market.manifest import market_model
 
     market = Path(args.market) if args.market else default_market_dir()
+    if args.model is not None:  # a market name (ValueError names the market's models)
+        return Path(market_model(market, args.model).path)
     ensure_market(market, progress=False)
     return Path(default_bench_model(market).path)
 

@@ -168,5 +168,6 @@ def run_create(args: argparse.Namespace) -> int:
           f"to {out} in {elapsed_s:.1f} s")
     for entry in entries:
         role = f"  [{entry.role}]" if entry.role else ""
-        print(f"  {entry.name:<16} {entry.arch:<20} {entry.params / 1e6:7.1f}M{role}")
+        role += f"  [{entry.source}]" if entry.source else ""
+        print(f"  {entry.name:<22} {entry.arch:<20} {entry.params / 1e6:7.1f}M{role}")
     return 0

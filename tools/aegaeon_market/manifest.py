@@ -125,6 +125,17 @@ def load_market(market_dir: Path | str) -> list[MarketEntry]:
     return list(read_manifest(Path(market_dir)).entries)
 
 
+def market_model(market_dir: Path | str, name: str) -> MarketEntry:
+    """The model called ``name``; `MarketError` naming the market's models otherwise."""
+    entries = load_market(market_dir)
+    for entry in entries:
+        if entry.name == name:
+            return entry
+    known = ", ".join(e.name for e in entries) or "none"
+    raise MarketError(f"{Path(market_dir) / MANIFEST}: no model named {name!r} and no such "
+                      f"directory (the market has: {known})")
+
+
 def default_bench_model(market_dir: Path | str) -> MarketEntry:
     """The market's mid-size benchmark model (role ``bench``; else the median size)."""
     entries = load_market(market_dir)
