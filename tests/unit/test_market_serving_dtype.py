@@ -53,3 +53,13 @@ def test_embedded_default_sizes_the_arena_in_the_served_dtype(tmp_path: Path) ->
     mixed = default_config_dict(_market(tmp_path, ["bfloat16", "float32"]), 8000)
     # the largest model (2000 params) in float32, twice, plus 16 MiB
     assert mixed["prefill"]["device_memory_bytes"] == 2 * 2000 * 4 + (16 << 20) + (256 << 20)
+
+
+def test_an_entry_without_dtype_takes_its_checkpoints(tmp_path: Path) -> None:
+    """A hand-written market.json entry: the checkpoint's config.json says float32."""
+    market = tmp_path / "market"
+    (market / "real").mkdir(parents=True)
+    (market / "real" / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    (market / "market.json").write_text(json.dumps({"models": [{"name": "real",
+                                                                "path": "real"}]}))
+    assert config_from_dict({"market": str(market)}).dtype == "float32"

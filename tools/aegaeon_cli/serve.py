@@ -16,12 +16,11 @@ from typing import Any
 
 import yaml
 from aegaeon_common.config import (
-    DTYPES,
     Config,
     ConfigError,
     config_from_dict,
     load_config,
-    serving_dtype,
+    market_dtype,
 )
 from aegaeon_common.logs import get_logger, setup_logging
 
@@ -49,8 +48,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _largest_model_bytes(market: Path) -> int:
     """Bytes of the market's largest model in the dtype it is served in."""
     entries = json.loads((market / "market.json").read_text())["models"]
-    dtype = serving_dtype([str(e.get("dtype")) for e in entries if e.get("dtype") in DTYPES])
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[market_dtype(market)]
     return max(int(e["params"]) * itemsize for e in entries)
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "SLOConfig",
     "SchedulerConfig",
     "load_config",
+    "market_dtype",
     "parse_bytes",
     "serving_dtype",
 ]
@@ -246,15 +247,34 @@ def serving_dtype(recorded: list[str]) -> str:
     return kinds.pop() if len(kinds) == 1 else "float32"
 
 
+def _checkpoint_dtype(model_dir: Path) -> str | None:
+    """The dtype a checkpoint's ``config.json`` names (``dtype`` or ``torch_dtype``), if any."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the model's own checks report a broken checkpoint
+    if not isinstance(config, dict):
+        return None
+    name = str(config.get("dtype") or config.get("torch_dtype") or "").removeprefix("torch.")
+    return name if name in DTYPES else None
+
+
+def market_dtype(market: Path) -> str:
+    """The dtype a deployment of ``market`` serves in when its config names none."""
+    return serving_dtype(_market_models(market, str(market / "market.json"))[1])
+
+
 def _market_models(market: Path, source: str) -> tuple[list[ModelConfig], list[str]]:
-    """The market's models and the dtypes its ``market.json`` records for them."""
+    """The market's models and their stored dtypes (``market.json``'s, else each
+    checkpoint's ``config.json``)."""
     index = market / "market.json"
     try:
         data = json.loads(index.read_text())
         entries = data["models"]
         models = [ModelConfig(name=str(e["name"]), path=market / str(e["path"])) for e in entries]
-        dtypes = [str(e["dtype"]) for e in entries if e.get("dtype") in DTYPES]
-        return models, dtypes
+        recorded = [str(e["dtype"]) if e.get("dtype") in DTYPES else _checkpoint_dtype(m.path)
+                    for e, m in zip(entries, models, strict=True)]
+        return models, [d for d in recorded if d is not None]
     except FileNotFoundError:
         problem = f"{index} not found (run `aegaeon market create`)"
         raise ConfigError(source, "market", problem) from None
