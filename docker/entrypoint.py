@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""The images' entrypoint (``aegaeon-container``): one Aegaeon service as this container's PID 1.
+
+    aegaeon-container cachemgr|prefill|decode|proxy   run that service (compose.yaml)
+    aegaeon-container health [URL]                   GET /health of it (the HEALTHCHECK)
+    aegaeon-container ARGS...                        any other ``aegaeon`` command
+
+For a service it writes the deployment's effective config for this container to
+``/tmp/aegaeon/config.yaml`` and then *execs* ``aegaeon SERVICE`` (no init above
+it: a service whose parent is PID 1 takes itself for orphaned and stops).
+Settings, from the environment compose passes:
+
+- ``AEGAEON_CONFIG``: the deployment YAML, or ``embedded``: the embedded default
+  of ``aegaeon serve`` (one prefill, one decode instance on the CPU) over
+  ``AEGAEON_MARKET``.
+- ``AEGAEON_PREFILL_INSTANCES`` / ``AEGAEON_DECODE_INSTANCES``: instance counts
+  (override the file's, so ``--scale`` and the config agree).
+- ``AEGAEON_INDEX``: this worker's instance index. Unset: the compose replica
+  number less one (the container's name, ``<project>-<service>-<n>``, found by
+  a reverse lookup of its own address on the compose network), else 0.
+- ``AEGAEON_HTTP_PORT``: where this container's ``/health``, ``/ready`` and
+  ``/metrics`` listen (on 0.0.0.0). Defaults: cachemgr 9100, prefill 9200,
+  decode 9300; the proxy serves them on its API port (``proxy.port``). Every
+  replica of a kind uses the same port in its own network namespace, so one
+  Prometheus DNS lookup per service finds them all.
+- ``AEGAEON_GPUS``: on a GPU, the devices (nvidia-smi numbers) a kind's
+  instances take in turn (instance i: the i-th, round robin). Unset: prefill i
+  takes device i, decode j device ``prefill instances + j``, modulo the devices
+  the container sees (``/dev/nvidia<N>``). Sets ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SERVICES = ("cachemgr", "prefill", "decode", "proxy")
+WORKERS = ("prefill", "decode")
+DEFAULT_PORTS = {"cachemgr": 9100, "prefill": 9200, "decode": 9300}
+STATE_DIR = Path("/tmp/aegaeon")
+HEALTH_FILE = STATE_DIR / "health-url"
+DEFAULT_CONFIG = "/etc/aegaeon/config.yaml"
+DEFAULT_MARKET = "/data/market"
+DEFAULT_RUN_DIR = "/run/aegaeon"
+
+
+class SettingError(Exception):
+    """A setting this container cannot run with (one line on stderr, exit status 2)."""
+
+
+def replica_number(container_name: str) -> int | None:
+    """The compose replica number in a container name: ``proj-prefill-2`` (compose v2),
+    ``proj_prefill_2`` (1.x), ``proj-prefill-2.proj_default`` (a reverse lookup)."""
+    match = re.search(r"[-_](\d+)$", container_name.split(".", 1)[0])
+    return int(match.group(1)) if match else None
+
+
+DOCKER_DNS = ("127.0.0.11", 53)  # the embedded resolver of every user-defined network
+
+
+def _dns_name(packet: bytes, offset: int) -> tuple[str, int]:
+    """The (possibly compressed) domain name at ``offset`` and the offset after it."""
+    labels: list[str] = []
+    end = None
+    for _ in range(128):  # a bound on pointer loops
+        length = packet[offset]
+        if length & 0xC0 == 0xC0:  # a pointer to an earlier name
+            end = offset + 2 if end is None else end
+            offset = int.from_bytes(packet[offset : offset + 2], "big") & 0x3FFF
+        elif length == 0:
+            return ".".join(labels), offset + 1 if end is None else end
+        else:
+            labels.append(packet[offset + 1 : offset + 1 + length].decode())
+            offset += 1 + length
+    raise ValueError("DNS name loops")
+
+
+def reverse_lookup(address: str, server: tuple[str, int] = DOCKER_DNS) -> str | None:
+    """The PTR name of an IPv4 ``address`` from ``server`` (Docker's DNS knows the
+    container's name; /etc/hosts, which the resolver reads first, only its id)."""
+    query_id = int.from_bytes(os.urandom(2), "big")
+    qname = ".".join(reversed(address.split("."))) + ".in-addr.arpa"
+    question = b"".join(bytes([len(p)]) + p.encode() for p in qname.split(".")) + b"\0"
+    packet = query_id.to_bytes(2, "big") + bytes.fromhex("0100 0001 0000 0000 0000")
+    packet += question + bytes.fromhex("000c 0001")  # PTR, IN
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.sendto(packet, server)
+            reply = sock.recv(4096)
+        except OSError:
+            return None
+    if len(reply) < 12 or int.from_bytes(reply[:2], "big") != query_id:
+        return None
+    answers = int.from_bytes(reply[6:8], "big")
+    offset = 12 + len(question) + 4
+    for _ in range(answers):
+        _, offset = _dns_name(reply, offset)
+        rtype = int.from_bytes(reply[offset : offset + 2], "big")
+        length = int.from_bytes(reply[offset + 8 : offset + 10], "big")
+        if rtype == 12:
+            return _dns_name(reply, offset + 10)[0]
+        offset += 10 + length
+    return None
+
+
+def own_container_name() -> str | None:
+    """This container's name on its compose network (``proj-prefill-2``), or None."""
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+    name = reverse_lookup(address)
+    return name.split(".", 1)[0] if name else None
+
+
+def instance_index(env: Mapping[str, str], container_name: str | None) -> int:
+    if env.get("AEGAEON_INDEX", "").strip():
+        return int(env["AEGAEON_INDEX"])
+    number = replica_number(container_name) if container_name else None
+    return number - 1 if number else 0
+
+
+def gpu_for(kind: str, index: int, prefill_instances: int, env: Mapping[str, str],
+            num_devices: int) -> str | None:
+    """The device (nvidia-smi number) instance ``index`` of ``kind`` runs on, or None."""
+    listed = [g.strip() for g in env.get("AEGAEON_GPUS", "").split(",") if g.strip()]
+    if listed:
+        return listed[index % len(listed)]
+    if num_devices <= 0:
+        return None
+    slot = index if kind == "prefill" else prefill_instances + index
+    return str(slot % num_devices)
+
+
+def visible_devices() -> int:
+    return sum(1 for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name))
+
+
+def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
+    """The deployment as plain data: the mounted file, or the embedded default."""
+    import yaml
+
+    source = env.get("AEGAEON_CONFIG", DEFAULT_CONFIG)
+    market = Path(env.get("AEGAEON_MARKET", DEFAULT_MARKET))
+    if source == "embedded":
+        from aegaeon_cli.serve import default_config_dict
+
+        if not (market / "market.json").is_file():
+            raise SettingError(f"no market at {market} (mount one: AEGAEON_MARKET_DIR in compose)")
+        return default_config_dict(market, 8000)
+    path = Path(source)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise SettingError(f"cannot read the config {path}: {exc.strerror}") from None
+    if not isinstance(raw, dict):
+        raise SettingError(f"{path}: not a map")
+    # relative paths in the file are relative to it, as load_config reads them
+    if raw.get("market"):
+        raw["market"] = str((path.parent / str(raw["market"])).resolve())
+    for model in raw.get("models") or []:
+        if isinstance(model, dict) and model.get("path"):
+            model["path"] = str((path.parent / str(model["path"])).resolve())
+    return raw
+
+
+def effective_config(raw: dict[str, Any], kind: str, index: int, port: int,
+                     env: Mapping[str, str]) -> dict[str, Any]:
+    """``raw`` as this container runs it: shared run dir, instance counts, this
+    service's side HTTP server on 0.0.0.0:``port``, the proxy on every interface."""
+    out = dict(raw)
+    out["run_dir"] = env.get("AEGAEON_RUN_DIR", DEFAULT_RUN_DIR)
+    for worker in WORKERS:
+        section = dict(out.get(worker) or {})
+        count = env.get(f"AEGAEON_{worker.upper()}_INSTANCES", "").strip()
+        if count:
+            section["instances"] = int(count)
+        out[worker] = section
+    out["proxy"] = {**(out.get("proxy") or {}), "host": "0.0.0.0"}
+    if kind == "cachemgr":
+        out["cachemgr"] = {**(out.get("cachemgr") or {}), "http_host": "0.0.0.0",
+                           "http_port": port}
+    elif kind in WORKERS:
+        # instance i binds http_port + i; in its own network namespace every replica
+        # takes the same port
+        out[kind] = {**out[kind], "http_host": "0.0.0.0", "http_port": port - index}
+    return out
+
+
+def service_argv(kind: str, index: int, raw: dict[str, Any], config_path: Path) -> list[str]:
+    """The ``aegaeon`` command line of this container's service."""
+    argv = ["aegaeon", kind, "--config", str(config_path)]
+    if kind not in WORKERS:
+        return argv
+    from aegaeon_common.config import UNIFIED_POLICIES
+
+    policy = (raw.get("scheduler") or {}).get("policy", "aegaeon")
+    if policy in UNIFIED_POLICIES:
+        # request-level baselines: every worker is a unified (decode) instance, the
+        # prefill containers first (aegaeon_cli.node)
+        prefill_instances = int(raw["prefill"].get("instances", 1))
+        return [*argv[:1], "decode", *argv[2:], "--index",
+                str(index if kind == "prefill" else prefill_instances + index)]
+    return [*argv, "--index", str(index)]
+
+
+def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
+    import yaml
+
+    raw = load_raw(env)
+    container = own_container_name()
+    index = instance_index(env, container) if kind in WORKERS else 0
+    if kind == "proxy":
+        port = int((raw.get("proxy") or {}).get("port", 8000))
+    else:
+        port = int(env.get("AEGAEON_HTTP_PORT") or DEFAULT_PORTS[kind])
+    config = effective_config(raw, kind, index, port, env)
+    if kind in WORKERS:
+        count = int(config[kind].get("instances", 1))
+        if index >= count:
+            raise SettingError(
+                f"{kind} instance {index} (container {container}), but the config has "
+                f"{count}: set AEGAEON_{kind.upper()}_INSTANCES to the replica count")
+        device = str(config[kind].get("device", "cpu"))
+        if device.startswith("cuda") and "CUDA_VISIBLE_DEVICES" not in env:
+            gpu = gpu_for(kind, index, int(config["prefill"].get("instances", 1)), env,
+                          visible_devices())
+            if gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+    if container and not env.get("AEGAEON_ADVERTISE_HOST"):
+        env["AEGAEON_ADVERTISE_HOST"] = container  # resolvable by the compose network's DNS
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    config_path = STATE_DIR / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    HEALTH_FILE.write_text(f"http://127.0.0.1:{port}/health")
+    argv = [*service_argv(kind, index, config, config_path), *args]
+    print(json.dumps({"event": "container_start", "service": kind, "index": index,
+                      "container": container, "argv": argv,
+                      "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES")}),
+          file=sys.stderr, flush=True)
+    os.execvpe(argv[0], argv, env)
+    return 127  # not reached
+
+
+def health(args: list[str]) -> int:
+    """GET /health (of ``args[0]`` or of the service this container started): 0 when 200."""
+    if args:
+        url = args[0]
+    elif HEALTH_FILE.is_file():
+        url = HEALTH_FILE.read_text().strip()
+    else:
+        print("no service started in this container", file=sys.stderr)
+        return 0
+    try:
+        with urllib.request.urlopen(url, timeout=4) as response:
+            return 0 if response.status == 200 else 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{url}: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "health":
+        return health(rest)
+    if command in SERVICES:
+        try:
+            return run_service(command, rest, dict(os.environ))
+        except (SettingError, ValueError) as exc:
+            print(f"aegaeon-container {command}: {exc}", file=sys.stderr)
+            return 2
+    os.execvp("aegaeon", ["aegaeon", *argv])
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

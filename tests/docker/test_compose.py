@@ -1,0 +1,289 @@
+"""The CPU compose stack for real: the image built by `scripts/images cpu`, the root
+compose.yaml's `--profile cpu` up, three models streamed through the proxy, every
+service's /metrics parsed and its request counters checked, then down leaving no
+container, volume or network of the project (checked in the fixture's teardown).
+
+Marked ``docker``: not in the default run (CI has no Docker daemon, and the first image
+build takes minutes); skipped with the reason when ``docker info`` fails. Run it with
+
+    .venv/bin/python -m pytest -m docker tests/docker -s
+
+``AEGAEON_COMPOSE`` picks the compose command (default: ``docker compose`` where it
+works, else ``docker-compose``); ``AEGAEON_TEST_BUILD=0`` uses the image as it is.
+The timings are printed (``-s``) as one JSON line.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = os.environ.get("AEGAEON_CPU_IMAGE", "aegaeon:cpu")
+# each service's side port in its container (docker/entrypoint.py); the proxy: its API port
+PORTS = {"proxy-cpu": 8000, "cachemgr-cpu": 9100, "prefill-cpu": 9200, "decode-cpu": 9300}
+MARKET_MODELS = 4  # the "small" profile: 3 families, as tests/e2e use
+MAX_TOKENS = 12
+UP_TIMEOUT_S = 420
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _run(
+    argv: list[str], timeout: float = 600, cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
+                          cwd=cwd, env=env)
+
+
+def _compose_command() -> list[str]:
+    forced = os.environ.get("AEGAEON_COMPOSE", "").split()
+    if forced:
+        return forced
+    if _run(["docker", "compose", "version"], timeout=30).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    pytest.skip("neither `docker compose` (v2) nor `docker-compose` (1.x) is installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    compose: list[str]
+    project: str
+    env: dict[str, str]
+    api_url: str
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    def __call__(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return _run([*self.compose, "-p", self.project, "--profile", "cpu", *args],
+                    timeout=timeout, cwd=ROOT, env=self.env)
+
+    def logs(self) -> str:
+        return self("logs", "--no-color", "--tail", "60", timeout=60).stdout[-12000:]
+
+    def containers(self) -> dict[str, str]:
+        """service -> the IP of its (one) container on the project's network."""
+        ids = _run(["docker", "ps", "-q", "--filter",
+                    f"label=com.docker.compose.project={self.project}"]).stdout.split()
+        out = {}
+        for cid in ids:
+            info = json.loads(_run(["docker", "inspect", cid]).stdout)[0]
+            service = info["Config"]["Labels"]["com.docker.compose.service"]
+            networks = info["NetworkSettings"]["Networks"].values()
+            out[service] = next(n["IPAddress"] for n in networks if n["IPAddress"])
+        return out
+
+
+def _leftovers(project: str) -> dict[str, list[str]]:
+    label = f"label=com.docker.compose.project={project}"
+    kinds = {
+        "containers": ["docker", "ps", "-aq", "--filter", label],
+        "volumes": ["docker", "volume", "ls", "-q", "--filter", label],
+        "networks": ["docker", "network", "ls", "-q", "--filter", label],
+    }
+    return {kind: _run(argv).stdout.split() for kind, argv in kinds.items()}
+
+
+@pytest.fixture(scope="module")
+def docker_ready() -> None:
+    if shutil.which("docker") is None:
+        pytest.skip("no docker client")
+    info = _run(["docker", "info"], timeout=60)
+    if info.returncode != 0:
+        pytest.skip(f"no Docker daemon answers `docker info`: {info.stderr.strip()[-200:]}")
+
+
+@pytest.fixture(scope="module")
+def image(docker_ready: None) -> dict[str, float]:
+    """The CPU image, built (or brought up to date) by scripts/images."""
+    timings: dict[str, float] = {}
+    if os.environ.get("AEGAEON_TEST_BUILD", "1") != "0":
+        start = time.monotonic()
+        built = _run([str(ROOT / "scripts" / "images"), "cpu"], timeout=1500, cwd=ROOT)
+        assert built.returncode == 0, built.stderr[-4000:]
+        timings["build_s"] = time.monotonic() - start
+    if _run(["docker", "image", "inspect", IMAGE]).returncode != 0:
+        pytest.skip(f"no image {IMAGE} (AEGAEON_TEST_BUILD=0 and scripts/images not run)")
+    size = _run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE]).stdout.strip()
+    timings["image_mb"] = int(size) / 1e6
+    return timings
+
+
+@pytest.fixture(scope="module")
+def market() -> Path:
+    from aegaeon_market import ensure_market
+
+    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
+    path = root / f"aegaeon-e2e-market-{os.getuid()}-small{MARKET_MODELS}"
+    ensure_market(path, num_models=MARKET_MODELS, profile="small", progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(image: dict[str, float], market: Path) -> Iterator[Stack]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "AEGAEON_"))}
+    env.update(AEGAEON_MARKET_DIR=str(market), AEGAEON_API_PORT=str(port))
+    s = Stack(_compose_command(), f"aegaeon-test-{os.getpid()}", env, f"http://127.0.0.1:{port}")
+    s.timings_s.update(image)
+    start = time.monotonic()
+    up = s("up", "-d", timeout=UP_TIMEOUT_S)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:] + s.logs()
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while _get(f"{s.api_url}/ready")[0] != 200:
+            assert time.monotonic() < deadline, "the proxy never got ready\n" + s.logs()
+            time.sleep(1)
+        s.timings_s["up_to_ready_s"] = time.monotonic() - start
+        yield s
+    finally:
+        start = time.monotonic()
+        down = s("down", "-v", "--remove-orphans", "--timeout", "60", timeout=300)
+        s.timings_s["down_s"] = time.monotonic() - start
+        print("compose-timings", json.dumps({k: round(v, 1) for k, v in s.timings_s.items()}))
+        assert down.returncode == 0, down.stderr[-2000:]
+        # brought down leaving nothing of the project
+        assert _leftovers(s.project) == {"containers": [], "volumes": [], "networks": []}
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _stream_chat(api_url: str, model: str) -> tuple[str, int, str | None]:
+    """One streamed chat completion: (text, content chunks, finish_reason)."""
+    host, port = api_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    body = {"model": model, "messages": [{"role": "user", "content": f"Hello {model}"}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:500]
+    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+    text, chunks, finish = "", 0, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            break
+        for choice in json.loads(data)["choices"]:
+            content = choice.get("delta", {}).get("content")
+            if content:
+                text, chunks = text + content, chunks + 1
+            finish = choice.get("finish_reason") or finish
+    conn.close()
+    return text, chunks, finish
+
+
+def _scrape(url: str) -> Samples:
+    status, text = _get(url)
+    assert status == 200, f"{url}: {status}"
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _total(samples: Samples, name: str, **labels: str) -> float:
+    return sum(
+        v for (n, lbl), v in samples.items()
+        if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
+    )  # fmt: skip
+
+
+def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: Stack) -> None:
+    status, body = _get(f"{stack.api_url}/v1/models")
+    assert status == 200
+    models = [m["id"] for m in json.loads(body)["data"]][:3]
+    assert len(models) == 3
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(len(models)) as pool:
+        results = dict(zip(models, pool.map(lambda m: _stream_chat(stack.api_url, m), models),
+                           strict=True))
+    stack.timings_s["three_streams_s"] = time.monotonic() - start
+    for model, (text, chunks, finish) in results.items():
+        assert chunks >= 1 and text, model
+        assert finish == "length", (model, finish)
+
+    containers = stack.containers()
+    assert set(containers) == set(PORTS), containers
+    start = time.monotonic()
+    deadline = time.monotonic() + 15
+    while True:  # worker counters land when the stage's message is handled
+        scraped = {svc: _scrape(f"http://{ip}:{PORTS[svc]}/metrics")
+                   for svc, ip in containers.items()}
+        workers = [scraped["prefill-cpu"], scraped["decode-cpu"]]
+        prefilled = sum(_total(w, "aegaeon_instance_requests_total", stage="prefill",
+                               outcome="ok") for w in workers)  # fmt: skip
+        decoded = sum(_total(w, "aegaeon_instance_requests_total", stage="decode",
+                             outcome="length") for w in workers)  # fmt: skip
+        if (prefilled, decoded) == (3, 3) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    stack.timings_s["scrape_s"] = time.monotonic() - start
+    assert (prefilled, decoded) == (3, 3)
+    for svc, samples in scraped.items():
+        assert ("process_resident_memory_bytes", ()) in samples, svc
+        assert ("process_open_fds", ()) in samples, svc
+    proxy = scraped["proxy-cpu"]
+    for model in models:
+        assert _total(proxy, "aegaeon_requests_total", model=model) == 1
+        assert _total(proxy, "aegaeon_requests_total", model=model, outcome="length") == 1
+        assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) == 1
+    assert _total(proxy, "aegaeon_instance_up") == 2
+    cachemgr = scraped["cachemgr-cpu"]
+    assert _total(cachemgr, "aegaeon_cachemgr_workers") == 2
+    assert _total(cachemgr, "aegaeon_model_cache_models", state="resident") >= 3
+
+    # the proxy lists every service, at addresses the compose network resolves
+    status, body = _get(f"{stack.api_url}/v1/aegaeon/services")
+    assert status == 200
+    names = {s["name"] for s in json.loads(body)["services"]}
+    assert names == {"proxy", "cachemgr", "prefill-0", "decode-0"}
+
+    # compose's own view: every container healthy (the /health checks of compose.yaml)
+    deadline = time.monotonic() + 30
+    for svc in PORTS:
+        cid = stack("ps", "-q", svc).stdout.strip()
+        while True:
+            health = _run(["docker", "inspect", "-f", "{{.State.Health.Status}}", cid]).stdout
+            if health.strip() == "healthy" or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert health.strip() == "healthy", (svc, health)
