@@ -121,6 +121,10 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
         assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
         assert 0.0 <= _total(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
     assert _total(proxy, "aegaeon_instance_up") == 2
+    # no prompt text (nor the client's API key) in any service's log
+    for log in served.run_dir.glob("*.log"):
+        text = log.read_text(errors="replace")
+        assert "Count with me" not in text and "Bearer" not in text, log.name
 
 
 def _instance_pid(served: Served, name: str) -> int | None:
