@@ -127,3 +127,34 @@ def test_a_worker_is_unready_until_warm_and_while_draining(tmp_path: Path) -> No
             worker.wait()
         if mgr.proc is not None:
             mgr.stop()
+
+
+def test_a_draining_cachemgr_serves_its_workers_until_they_leave(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path, {"m": checkpoint()})
+    mgr = CacheMgrProcess(config_path).start()
+    assert mgr.proc is not None
+    address = read_http_address(mgr.config.run_dir, "cachemgr")
+    assert address is not None
+
+    async def scenario() -> None:
+        client = CacheClient(mgr.config.cachemgr_address, "decode-0")
+        await client.register(num_event_slots=1)
+        try:
+            assert mgr.proc is not None
+            mgr.proc.send_signal(signal.SIGTERM)
+            status, body = await asyncio.to_thread(_wait_for, lambda: (
+                answer if (answer := _get(f"{address.url}/ready"))[0] != 200 else None
+            ), 10, "/ready to turn 503")  # fmt: skip
+            assert status == 503 and json.loads(body)["reason"] == "draining"
+            await client.stats()  # still answered while a worker holds a lease
+            assert mgr.proc.poll() is None
+        finally:
+            await client.close()  # unregisters: the last lease ends
+
+    try:
+        asyncio.run(scenario())
+        assert mgr.proc.wait(timeout=15) == 0
+        assert '"draining"' in mgr.log()
+    finally:
+        if mgr.proc.poll() is None:
+            mgr.stop(signal.SIGKILL)
