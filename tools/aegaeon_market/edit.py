@@ -90,8 +90,7 @@ def _check_clash(manifest: Manifest, root: Path, name: str, replace_existing: bo
 
 
 def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str | None = None,
-              *, replace_existing: bool = False, progress: bool = True,
-              source_label: str | None = None) -> MarketEntry:
+              *, replace_existing: bool = False, progress: bool = True) -> MarketEntry:
     """Import ``source`` (HF directory or ``.gguf`` file) into the market as ``name``.
 
     ``dtype`` defaults to the checkpoint's own (HF) or bfloat16 (GGUF).
@@ -110,7 +109,7 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
     shutil.rmtree(staging, ignore_errors=True)
     try:
         entry = convert_source(src, staging, name, dtype, progress)
-        entry = replace(entry, path=root / name, source=source_label or str(src))
+        entry = replace(entry, path=root / name, source=str(src))
         with market_lock(root):
             manifest = _manifest_or_new(root, staging)
             _check_clash(manifest, root, name, replace_existing)
