@@ -15,11 +15,12 @@ tokens that agree before the first flip; ``hf_self_prefix_match_bench_dtype``
 the same for transformers against itself).
 ``--isa LEVEL`` runs ours at that kernel level (``AEGAEON_ISA``) and emulates a
 CPU of that level for every engine: the bench re-runs itself in a child
-process with ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA`` capped (set
-before torch is imported; torch's capability is in the JSON as
-``aten_capability``), so e.g. transformers' bfloat16 matmuls are emulated as
-on an AVX2-only CPU. ``isa`` and ``compute_dtype`` (what ours multiplies
-bfloat16 weights in) are reported with the machine (``machine.py``).
+process with ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and
+``MKL_ENABLE_INSTRUCTIONS`` capped (set before torch is imported; torch's
+capability is in the JSON as ``aten_capability``), so e.g. transformers'
+bfloat16 matmuls are emulated and float32 GEMMs use AVX2 as on an AVX2-only
+CPU. ``isa`` and ``compute_dtype`` (what ours multiplies bfloat16 weights in)
+are reported with the machine (``machine.py``).
 Each engine's numbers are medians over ``--repeats`` runs, ours and
 transformers' interleaved so a noisy neighbour hurts both alike; vLLM runs
 afterwards in a subprocess (``--vllm-python``, see scripts/install-vllm) and
@@ -44,9 +45,12 @@ from typing import Any
 KEYS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8")
 BATCH = 8
 # per level, the environment that caps torch (ATen kernels, oneDNN) to what such a CPU has
+# (MKL runs torch's float32 GEMMs: capped too, else an "AVX2" float32 matmul uses AVX-512)
 EMULATE: dict[str, dict[str, str]] = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "amx": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
     "neon": {},
 }

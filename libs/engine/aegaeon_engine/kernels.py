@@ -14,6 +14,8 @@ applies (dtype, strides, batch size), per call, and defers to torch elsewhere.
   and multiplied by float32 ``x`` with torch's float32 GEMM; the result is
   rounded to bfloat16 once, as a bfloat16 matmul rounds. Torch's own bfloat16
   matmul there is emulated, several times slower.
+- ``project`` for float32 prefill: ``F.linear`` (row-major ``[N, out]`` straight
+  from MKL; ``model.project``'s ``W @ x.T`` suits oneDNN's bfloat16 kernels).
 - ``rms_norm``, ``rope_write`` (q/k norm, rope and the K/V slot write) and
   ``silu_mul``: one pass each instead of 4-6 torch kernels (a decode step
   runs hundreds of such small kernels), rounding where transformers rounds.
@@ -26,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .model import KVViews, LayerOps, Tokens
 from .native import bf16_native, native_isa, native_ops
@@ -71,6 +74,8 @@ class NativeOps(LayerOps):
         if n > NATIVE_MAX_ROWS or w.dtype not in self.project_dtypes:
             if w.dtype == torch.bfloat16 and not self.bf16_native:
                 return project_widened(w, x, bias)
+            if w.dtype == torch.float32:  # MKL's sgemm, row-major out: no transposing copy
+                return F.linear(x, w, bias)
             return super().project(w, x, bias)
         out = torch.empty(n, w.shape[0], dtype=w.dtype, device=w.device)
         self._ops.linear(out, x, w, bias)
