@@ -223,6 +223,8 @@ HF_CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "unsupported rope scaling": (
         _edit_config("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
         ("config.json", "rope_scaling.rope_type", "'yarn'")),
+    "quantized checkpoint": (_edit_config("quantization_config", {"quant_method": "gptq"}),
+                             ("config.json", "quantization_config", "gptq")),
     "missing tensor": (_drop_tensor, ("model.safetensors", "model.layers.1.mlp.down_proj.weight",
                                       "missing")),
     "truncated weights": (_truncate_weights, ("model.safetensors",)),

@@ -92,6 +92,12 @@ def read_hf_dir(root: Path) -> HFModel:
     spec = ModelSpec.from_dir(root)
     config = _json_object(root / "config.json", required=True)
     assert config is not None
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(root / "config.json", "quantization_config",
+                              f"quantized checkpoints ({method or 'unknown method'}) are not "
+                              "supported; import the GGUF file or a float checkpoint")
     text, tokenizer_config = _tokenizer(root, spec)
     index = checkpoint_index(root)
     tensors: dict[str, TensorEntry] = {}
