@@ -132,6 +132,23 @@ def _instance_pid(served: Served, name: str) -> int | None:
     return health["backend"]["instances"][name]["pid"]  # type: ignore[index,no-any-return]
 
 
+def _service_pids(served: Served) -> dict[str, int]:
+    """Each service's pid, from its own /health."""
+    out = {}
+    for name, service in _services(served).items():
+        status, body = _get(service["health_url"])
+        assert status == 200
+        out[name] = int(json.loads(body)["pid"])
+    return out
+
+
+def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _get(url)[0] != 200:
+        assert time.monotonic() < deadline, f"{url} not ready"
+        time.sleep(0.1)
+
+
 def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> None:
     models = _models(served)
     client = _client(served)
@@ -167,16 +184,21 @@ def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> No
     try:
         for name in ("prefill-0", "decode-0"):
             time.sleep(1.5)  # requests in every stage when the signal comes
+            pids = _service_pids(served)
             old = _instance_pid(served, name)
-            assert old is not None
-            old_url = _services(served)[name]["ready_url"]
+            assert old is not None and old == pids[name]
             os.kill(old, signal.SIGTERM)
             deadline = time.monotonic() + 120
             while _instance_pid(served, name) in (old, None):
                 assert time.monotonic() < deadline, f"{name} did not come back"
                 time.sleep(0.1)
-            url = _services(served)[name]["ready_url"]
-            assert url != old_url or _get(url)[0] == 200  # its new address works
+            _wait_ready(_services(served)[name]["ready_url"])  # its new address works
+            after = _service_pids(served)
+            assert after[name] != old
+            # it rejoined alone: no other service restarted
+            assert {n: p for n, p in after.items() if n != name} == {
+                n: p for n, p in pids.items() if n != name
+            }
         time.sleep(1.5)
     finally:
         stop.set()

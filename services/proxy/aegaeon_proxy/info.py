@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from aegaeon_common.config import Config
@@ -52,6 +53,7 @@ async def health(request: web.Request) -> web.Response:
         "status": "ok",
         "service": "proxy",
         "role": "proxy",
+        "pid": os.getpid(),
         "ready": state.ready(),
         "draining": state.readiness.draining,
         "backend": state.backend.health(),

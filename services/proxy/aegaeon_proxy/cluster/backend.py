@@ -185,6 +185,10 @@ class ClusterBackend:
         if self.policy is None and all(v.hello is not None for v in self.instances):
             self.policy = build_policy(self.config, self.instances, self.unified)
             log.info("policy ready", policy=self.policy.name)
+            pause = getattr(self.policy, "pause", None)
+            for other in self.instances:  # drained or died before the policy existed
+                if other.paused and pause is not None:
+                    self._actions.run(pause(other.name))
         if view.paused and not view.draining:  # back from a drain or from the dead
             view.paused = False
             resume = getattr(self.policy, "resume", None)
