@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from aegaeon_common.config import ModelConfig
 from tokenizers import Tokenizer
 
 from aegaeon_proxy.chat_template import ChatTemplate
+from aegaeon_proxy.params import model_defaults
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -40,6 +41,9 @@ class ModelAssets:
     eos_token_ids: tuple[int, ...]
     max_model_len: int  # config.json max_position_embeddings: prompt + completion
     vocab_size: int  # ids at or above are invalid
+    # generation_config.json's temperature / top_p / top_k: what a request leaving the
+    # field out gets (an explicit value, 0 included, wins)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -114,6 +118,10 @@ def load_assets(model: ModelConfig) -> ModelAssets:
         raise AssetError(f"{path / 'config.json'}: max_position_embeddings missing or invalid")
     vocab = config.get("vocab_size")
     vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else tokenizer.get_vocab_size(True)
+    try:
+        defaults = model_defaults(gen_config)
+    except ValueError as exc:
+        raise AssetError(f"{path / 'generation_config.json'}: {exc}") from None
     return ModelAssets(
         name=model.name,
         tokenizer=tokenizer,
@@ -121,6 +129,7 @@ def load_assets(model: ModelConfig) -> ModelAssets:
         eos_token_ids=_unique([*eos_ids, *([eos_id] if eos_id is not None else [])]),
         max_model_len=max_len,
         vocab_size=vocab_size,
+        sampling_defaults=defaults,
     )
 
 

@@ -22,7 +22,14 @@ from aegaeon_proxy.assets import AssetError, ModelAssets
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Generation
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
-from aegaeon_proxy.params import CHAT_FIELDS, FIELDS, Checker, CommonParams, parse_common
+from aegaeon_proxy.params import (
+    CHAT_FIELDS,
+    FIELDS,
+    Checker,
+    CommonParams,
+    parse_common,
+    with_model_defaults,
+)
 from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
 from aegaeon_proxy.responses import CHAT, COMPLETION, Head, Shapes, Usage, new_id
 from aegaeon_proxy.state import STATE, ProxyState
@@ -77,6 +84,7 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     body = await read_json_object(request, state.config.proxy.max_body_bytes)
     params = parse_common(body, endpoint.fields)
     assets = await _assets(state, params.model)
+    params = with_model_defaults(params, body, assets.sampling_defaults)
     if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
         prompt_ids = await asyncio.to_thread(endpoint.prompt_ids, body, assets)
     else:

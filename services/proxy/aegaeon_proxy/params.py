@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from aegaeon_proxy.errors import invalid
+from aegaeon_proxy.errors import APIError, invalid
 
 Checker = Callable[[str, Any], Any]
 
@@ -170,6 +170,32 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "repetition_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
     "min_tokens": _zero,
 }
+
+
+# generation_config.json keys a model may default (vLLM's `--generation-config auto`)
+MODEL_DEFAULTS: dict[str, Checker] = {
+    "temperature": _temperature, "top_p": _top_p, "top_k": _top_k,
+}  # fmt: skip
+
+
+def model_defaults(generation: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a model's ``generation_config.json`` sets, checked like a
+    request's fields (ValueError naming the key on a bad value)."""
+    found: dict[str, Any] = {}
+    for key, check in MODEL_DEFAULTS.items():
+        if generation.get(key) is not None:
+            try:
+                found[key] = check(key, generation[key])
+            except APIError as exc:
+                raise ValueError(f"{key}: {exc.message}") from None
+    return found
+
+
+def with_model_defaults(params: CommonParams, body: Mapping[str, Any],
+                        defaults: Mapping[str, Any]) -> CommonParams:
+    """``params`` with the model's defaults for the sampling fields the body left unset."""
+    unset = {k: v for k, v in defaults.items() if body.get(k) is None}
+    return replace(params, **unset) if unset else params
 
 
 def parse_common(
