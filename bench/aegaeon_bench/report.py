@@ -22,6 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from aegaeon_bench.plotting import PlotsUnavailableError
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``report`` parser."""
@@ -47,10 +49,11 @@ def write_report(
     ttft_s: float | None = None,
     tbt_s: float | None = None,
 ) -> list[Path]:
-    """Write every figure the inputs allow; returns the paths written."""
-    import matplotlib
+    """Write every figure the inputs allow; returns the paths written (PlotsUnavailableError
+    without matplotlib)."""
+    from aegaeon_bench.plotting import use_agg
 
-    matplotlib.use("Agg")
+    use_agg()
     from aegaeon_bench.report_data import load_run
     from aegaeon_bench.report_plots import plot_breakdown, plot_kv, plot_switch_cdf
     from aegaeon_bench.report_timeline import plot_attainment, plot_sweep, plot_timeline
@@ -83,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # SweepError and bad trace lines are ValueErrors
         print(f"aegaeon bench report: {exc}", file=sys.stderr)
         return 1
+    except PlotsUnavailableError as exc:
+        print(f"aegaeon bench report: {exc}", file=sys.stderr)
+        return 2
     for path in paths:
         print(path)
     return 0

@@ -3,7 +3,7 @@
 Each of the first ``--models`` models of ``GET /v1/models`` receives a
 Poisson stream of ``--rps`` requests per second for ``--duration`` seconds.
 Lengths follow the ShareGPT-like lognormals of the simulator
-(``aegaeon_bench.sim.workload``: input median 585 / mean 699 tokens, output
+(``aegaeon_bench.workload``: input median 585 / mean 699 tokens, output
 median 265 / mean 294 tokens, the ShareGPT traces of the paper's artifact),
 times ``--input-scale`` / ``--output-scale``: 2 gives the paper's
 ShareGPT-ix2 / -ox2 (section 7.1); values below 1 shrink ShareGPT to what a

@@ -1,7 +1,7 @@
 """What `aegaeon bench serve` sends, and when: the plan of an open-loop run.
 
 Arrivals and lengths come from the simulator's generator
-(:func:`aegaeon_bench.sim.workload.generate`): a Poisson process of rate
+(:func:`aegaeon_bench.workload.generate`): a Poisson process of rate
 ``rps`` per model, each model on its own seeded stream, and ShareGPT-like
 lognormal lengths (input median 585 / mean 699 tokens, output median 265 /
 mean 294 tokens, fitted to the ShareGPT traces of the paper's artifact),
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from aegaeon_bench.sim.workload import CONTEXT_LIMIT, WorkloadSpec, generate
+from aegaeon_bench.workload import CONTEXT_LIMIT, WorkloadSpec, generate
 
 # Every byte-level tokenizer has at least 256 ids; 2048 tokens fit every model here.
 DEFAULT_VOCAB_SIZE = 256

@@ -12,7 +12,7 @@ set from ``--ttft``/``--tbt``).
 
 Scaling: the defaults keep the ratios that decide the comparison at the
 paper's values, from the H800 step times its artifact profiled
-(``aegaeon_bench.sim.hardware.PUBLISHED_H800_MS``) and this node's live runs:
+(``aegaeon_sim.hardware.PUBLISHED_H800_MS``) and this node's live runs:
 
 - TBT / decode step: the paper's 6:2:2 mix steps in ~12 ms at small batches
   and ~1k-token contexts, so TBT 100 ms is ~8 steps; here a step in a
@@ -102,12 +102,25 @@ def max_models_at(points: list[tuple[int, float]], target: float = TARGET) -> in
     return best
 
 
+def _plot(sweep_path: Path) -> Path | str:
+    """The sweep's PNG beside its JSON, or why there is none (no matplotlib)."""
+    from aegaeon_bench.plotting import PlotsUnavailableError, use_agg
+    from aegaeon_bench.sweep_schema import load_sweep
+
+    try:
+        use_agg()
+    except PlotsUnavailableError as exc:
+        return f"none ({exc})"
+    from aegaeon_bench.report_timeline import plot_sweep
+
+    return plot_sweep(load_sweep(sweep_path), sweep_path.with_name("sweep.png"))
+
+
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    from aegaeon_bench.report_timeline import plot_sweep
     from aegaeon_bench.sweep_node import NodeError, slo_config, start_node
-    from aegaeon_bench.sweep_schema import SweepPoint, dump_sweep, load_sweep
+    from aegaeon_bench.sweep_schema import SweepPoint, dump_sweep
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     counts = sorted({int(n) for n in args.models.split(",")})
@@ -157,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     }  # fmt: skip
     sweep_path = args.out / "sweep.json"
     dump_sweep(sweep_path, points, meta)
-    png = plot_sweep(load_sweep(sweep_path), args.out / "sweep.png")
+    png = _plot(sweep_path)
     print(f"\n{'policy':>20}  max models at >= 90%")
     for policy, n in best.items():
         print(f"{policy:>20}  {n}")

@@ -1,6 +1,6 @@
 """Discrete-event simulator driving the same libs/sched policy objects as the services.
 
-``aegaeon sim`` (see :mod:`aegaeon_bench.sim.cli`) reproduces the paper's
+``aegaeon sim`` (see :mod:`aegaeon_sim.cli`) reproduces the paper's
 end-to-end experiments on a simulated cluster: 16 H800 GPUs (Aegaeon: 6
 prefill + 10 decode instances; the request-level and static baselines use all
 16 as unified instances), a market of 6-14B models mixed 6:2:2 like

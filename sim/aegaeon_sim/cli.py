@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aegaeon_bench.sim.cli_replay import add_arguments as add_replay_arguments
+from aegaeon_sim.cli_replay import add_arguments as add_replay_arguments
 
 if TYPE_CHECKING:
-    from aegaeon_bench.sim.runner import Scenario
+    from aegaeon_sim.runner import Scenario
 
 DEFAULT_DURATION_S = 300.0
 ROUND_TTFT_FRACTION = 0.7  # aegaeon_sched.ROUND_TTFT_FRACTION (checked in the tests)
@@ -106,12 +106,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from aegaeon_bench.plotting import PlotsUnavailableError
+
+    try:
+        return _main(args)
+    except PlotsUnavailableError as exc:
+        print(f"aegaeon sim: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.theorem:
-        from aegaeon_bench.sim.cli_theorem import theorem
+        from aegaeon_sim.cli_theorem import theorem
 
         summary = theorem(args, _base(args))
     elif args.replay:
-        from aegaeon_bench.sim.cli_replay import replay_main
+        from aegaeon_sim.cli_replay import replay_main
 
         summary = replay_main(args)
     elif args.figure:
@@ -129,7 +139,7 @@ def _progress(args: argparse.Namespace, line: str) -> None:
 
 
 def _base(args: argparse.Namespace) -> Scenario:
-    from aegaeon_bench.sim.runner import Scenario
+    from aegaeon_sim.runner import Scenario
 
     gbps = args.baseline_switch_gbps
     return Scenario(
@@ -158,7 +168,7 @@ def _planner_note(args: argparse.Namespace) -> str:
 def _single(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import asdict, replace
 
-    from aegaeon_bench.sim.runner import run_scenario
+    from aegaeon_sim.runner import run_scenario
 
     sc = replace(
         _base(args), policy=args.policy, num_models=args.models, rps_per_model=args.rps,
@@ -179,8 +189,8 @@ def _single(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _figure(args: argparse.Namespace) -> dict[str, Any]:
-    from aegaeon_bench.sim.figures import FIGURE_POLICIES, FIGURES, crossing_at, max_at, sweep
-    from aegaeon_bench.sim.plots import plot_figure
+    from aegaeon_sim.figures import FIGURE_POLICIES, FIGURES, crossing_at, max_at, sweep
+    from aegaeon_sim.plots import plot_figure
 
     panels = FIGURES[args.figure]
     policies = args.policies.split(",") if args.policies else list(FIGURE_POLICIES)

@@ -3,12 +3,12 @@
 Prints, per trace, the live and the simulated SLO attainment and their
 difference in points (plus TTFT/TBT percentiles, switches and decode steps
 of both); ``--json``: the last stdout line is a JSON object with every
-comparison (:func:`aegaeon_bench.sim.replay.compare_json`).
+comparison (:func:`aegaeon_sim.replay.compare_json`).
 
 ``--replay-costs measured`` (default): the instances' start-up profiles
 plus the costs measured from the run's own records (switches, per-step and
 per-turn overheads, Eq. 5 refitted to the measured prefills, lags; see
-:mod:`aegaeon_bench.sim.node_costs`); ``profile``: the start-up profiles
+:mod:`aegaeon_sim.node_costs`); ``profile``: the start-up profiles
 alone (Eq. 4 switches, no overheads, no lags), to see what the measurements add.
 """
 
@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def replay_main(args: argparse.Namespace) -> dict[str, Any]:
-    from aegaeon_bench.sim.replay import load_case
-    from aegaeon_bench.sim.replay_run import compare_json, replay, table
+    from aegaeon_sim.replay import load_case
+    from aegaeon_sim.replay_run import compare_json, replay, table
 
     rows = []
     for trace in args.replay:

@@ -6,13 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from aegaeon_bench.sim.runner import Scenario
+from aegaeon_sim.runner import Scenario
 
 
 def theorem(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:
     """Theorem 3.1: the formula against simulated active-model counts (synthetic
     cases, and a served request-level run), and the paper's Fig. 4 as a PNG."""
-    from aegaeon_bench.sim.theorem import PAPER_FIG4, TheoremCase, check
+    from aegaeon_sim.theorem import PAPER_FIG4, TheoremCase, check
 
     cases = [
         PAPER_FIG4,
@@ -44,8 +44,8 @@ def _theorem_served(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:
     """The active-model count of a served (request-level) run against the formula."""
     from dataclasses import replace
 
-    from aegaeon_bench.sim.runner import run_scenario
-    from aegaeon_bench.sim.theorem import serving_check
+    from aegaeon_sim.runner import run_scenario
+    from aegaeon_sim.theorem import serving_check
 
     sc = replace(base, policy="request-level", num_models=40, rps_per_model=0.1,
                  duration_s=max(args.duration, 1200.0))  # fmt: skip
@@ -68,12 +68,10 @@ def _theorem_plot(args: argparse.Namespace) -> Path:
     """Fig. 4 of the paper: the active-model count over time, M=100, lambda=0.037, T=16.79."""
     import random
 
-    import matplotlib
+    from aegaeon_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from aegaeon_bench.sim.theorem import PAPER_FIG4, active_count_series, active_intervals
+    plt = pyplot()
+    from aegaeon_sim.theorem import PAPER_FIG4, active_count_series, active_intervals
 
     intervals = active_intervals(PAPER_FIG4, 1200.0, random.Random(args.seed))
     series = active_count_series(intervals, 200.0, 1200.0)

@@ -43,9 +43,9 @@ from aegaeon_sched import (
     Turn,
 )
 
-from aegaeon_bench.sim.state import SimRequest, steps_until, steps_within
-from aegaeon_bench.sim.switching import InstanceCosts, SwitchEstimate, switch_cost
-from aegaeon_bench.sim.turn_meter import TurnMeter
+from aegaeon_sim.state import SimRequest, steps_until, steps_within
+from aegaeon_sim.switching import InstanceCosts, SwitchEstimate, switch_cost
+from aegaeon_sim.turn_meter import TurnMeter
 
 
 class Phase(Enum):

@@ -30,11 +30,11 @@ from aegaeon_sched import (
     RunOnInstance,
 )
 
-from aegaeon_bench.sim.aegaeon_sim import DecodeSim
-from aegaeon_bench.sim.prefill_sim import PrefillSim
-from aegaeon_bench.sim.state import SimRequest
-from aegaeon_bench.sim.switching import Switching
-from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
+from aegaeon_sim.decode_sim import DecodeSim
+from aegaeon_sim.prefill_sim import PrefillSim
+from aegaeon_sim.state import SimRequest
+from aegaeon_sim.switching import Switching
+from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
 
 
 class LazyInstance(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from aegaeon_bench.sim.runner import Scenario, ScenarioResult, run_scenario
+from aegaeon_sim.runner import Scenario, ScenarioResult, run_scenario
 
 # Every policy a figure can show; FIGURE_POLICIES are drawn unless --policies.
 POLICY_LABELS = {

@@ -5,7 +5,7 @@ services/decode ``prefill_side.py``): the proxy lists prefill instances after
 the decode instances as decode targets too; Algorithm 2 places a new batch on
 the work list with the fewest batches per unit of decode share, which the
 proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;
-:mod:`aegaeon_bench.sim.shares`), and a hybrid runs Algorithm 1's job queue
+:mod:`aegaeon_sim.shares`), and a hybrid runs Algorithm 1's job queue
 with strict priority: a queued prefill ends the decode turn in progress and
 the instance decodes again only once its job queue is empty, planning a fresh
 round (as the live loop does, the batches already served since the last
@@ -25,9 +25,9 @@ import math
 
 from aegaeon_sched import DecodeShare, LatencyModel, RoundRobinPlanner
 
-from aegaeon_bench.sim.aegaeon_sim import DecodeSim, Phase
-from aegaeon_bench.sim.prefill_sim import PrefillSim
-from aegaeon_bench.sim.switching import InstanceCosts
+from aegaeon_sim.decode_sim import DecodeSim, Phase
+from aegaeon_sim.prefill_sim import PrefillSim
+from aegaeon_sim.switching import InstanceCosts
 
 
 class HybridSim(DecodeSim):

@@ -1,9 +1,9 @@
 """Live run + replay: is the simulator right about this machine?
 
-``python -m aegaeon_bench.sim_check --market DIR --out DIR CASE [CASE ...]``
+``python -m aegaeon_sim.live_check --market DIR --out DIR CASE [CASE ...]``
 runs each case live (`aegaeon serve` with the case's policy and SLO, driven
 by `aegaeon bench serve --trace`), stops the node, replays the trace in the
-simulator (:mod:`aegaeon_bench.sim.replay`) and prints the table of live vs
+simulator (:mod:`aegaeon_sim.replay`) and prints the table of live vs
 simulated attainment. A case is ``POLICY:MODELS:RPS:TTFT:TBT[:SCALE]``, e.g.
 ``aegaeon:8:0.3:2:0.025`` (SCALE multiplies ShareGPT's input and output
 lengths). The serve config gives the planner the same SLO the run is scored
@@ -95,8 +95,8 @@ def run_live(market: Path, case: LiveCase, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from aegaeon_bench.sim.replay import load_case
-    from aegaeon_bench.sim.replay_run import compare_json, replay, table
+    from aegaeon_sim.replay import load_case
+    from aegaeon_sim.replay_run import compare_json, replay, table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="+", help="POLICY:MODELS:RPS:TTFT:TBT[:SCALE]")

@@ -2,7 +2,7 @@
 
 :class:`NodeSpec` describes what a live run used (``TRACE.stats.json``'s
 ``layout`` and ``latency``, the serve config's planner settings, the costs
-:mod:`aegaeon_bench.sim.node_costs` measured); :func:`simulate_node` plays the
+:mod:`aegaeon_sim.node_costs` measured); :func:`simulate_node` plays the
 same policy object over it:
 
 - Aegaeon: ``prefill-0..P-1`` and ``decode-0..D-1``; with ``hybrid_prefill``
@@ -44,19 +44,19 @@ from aegaeon_sched import (
     make_policy,
 )
 
-from aegaeon_bench.sim.aegaeon_sim import DecodeSim
-from aegaeon_bench.sim.driver import Simulation
-from aegaeon_bench.sim.hybrid_sim import HybridSim
-from aegaeon_bench.sim.node_costs import NodeCosts
-from aegaeon_bench.sim.shares import DecodeShareFeed
-from aegaeon_bench.sim.switching import (
+from aegaeon_sim.decode_sim import DecodeSim
+from aegaeon_sim.driver import Simulation
+from aegaeon_sim.hybrid_sim import HybridSim
+from aegaeon_sim.node_costs import NodeCosts
+from aegaeon_sim.shares import DecodeShareFeed
+from aegaeon_sim.switching import (
     Eq4Switching,
     InstanceCosts,
     MeasuredSwitching,
     Switching,
 )
-from aegaeon_bench.sim.turn_meter import TurnLog
-from aegaeon_bench.sim.unified_sim import RequestLevelSim
+from aegaeon_sim.turn_meter import TurnLog
+from aegaeon_sim.unified_sim import RequestLevelSim
 
 
 @dataclass(frozen=True)

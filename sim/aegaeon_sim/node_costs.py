@@ -22,7 +22,7 @@ client's trace:
   (KV allocation and the swap-out order), median;
 - decode: the engine's step time (Eq. 6 plus a cold first step after a
   switch, or Eq. 6 scaled) and the decode loop's own time per step and per
-  turn, from the turn records: :mod:`aegaeon_bench.sim.node_turns`;
+  turn, from the turn records: :mod:`aegaeon_sim.node_turns`;
 - lags: proxy arrival minus planned arrival (HTTP, tokenising), and first
   token at the client minus the end of its prefill (ZeroMQ, proxy, SSE), medians.
 
@@ -39,8 +39,8 @@ from typing import Any
 
 from aegaeon_sched import LatencyModel, PrefillSample
 
-from aegaeon_bench.sim.node_turns import DecodeCosts, decode_costs
-from aegaeon_bench.sim.switching import LinearCopy, SwitchCosts
+from aegaeon_sim.node_turns import DecodeCosts, decode_costs
+from aegaeon_sim.switching import LinearCopy, SwitchCosts
 
 MIN_RECORDS = 5
 

@@ -6,7 +6,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from aegaeon_bench.sim.figures import POLICY_LABELS, THRESHOLD, Panel, Point, max_at
+from aegaeon_sim.figures import POLICY_LABELS, THRESHOLD, Panel, Point, max_at
 
 COLORS = {
     "aegaeon": "#d62728",
@@ -29,11 +29,9 @@ def plot_figure(
     """One subplot per panel: SLO attainment (solid) and the artifact's qos
     (dotted) against the swept x, the 90% line, and a vertical line at each
     policy's largest x meeting 90% attainment."""
-    import matplotlib
+    from aegaeon_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     width = max(6.5, 5.2 * len(panels))
     fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):

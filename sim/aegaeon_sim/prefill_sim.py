@@ -8,7 +8,7 @@ models when the group's model is not the loaded one. Like the live instance
 prefetches the first queued group of another model), each prefill starts
 loading the model of the first queued group that differs from its own behind
 it; a switch to that model then costs what is left of its load (as on decode
-instances, priced by a :class:`~aegaeon_bench.sim.switching.Switching`), any
+instances, priced by a :class:`~aegaeon_sim.switching.Switching`), any
 other switch a full one. ``overhead_s``: a prefill's wall time beyond its
 compute and switch (KV allocation, the swap-out order); :attr:`compute_s`
 sums the compute of finished prefills (a hybrid's heartbeat reports it),
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from aegaeon_sched import LatencyModel, PrefillQueue
 
-from aegaeon_bench.sim.state import SimRequest
-from aegaeon_bench.sim.switching import Switching, switch_cost
+from aegaeon_sim.state import SimRequest
+from aegaeon_sim.switching import Switching, switch_cost
 
 
 class PrefillSim:

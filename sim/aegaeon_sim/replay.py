@@ -16,7 +16,7 @@ from the summary's ``WorkloadSpec`` and seed (:func:`workload_check`). The
 simulated token times get the measured delivery lag and are scored with the
 run's SLO against the planned arrivals, like the live ones; the simulation
 ends where the live run did (duration + grace: open requests are charged
-every missing token). Running and comparing: :mod:`aegaeon_bench.sim.replay_run`.
+every missing token). Running and comparing: :mod:`aegaeon_sim.replay_run`.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from aegaeon_bench.serve_trace import RunFiles, TraceRecord, read_trace
+from aegaeon_bench.serve_workload import ModelLimits, plan_requests
 from aegaeon_common.config import InstancesConfig, SchedulerConfig, SLOConfig
 from aegaeon_common.config_parse import build_section
 from aegaeon_sched import SLO, LatencyModel, Request
 
-from aegaeon_bench.serve_trace import RunFiles, TraceRecord, read_trace
-from aegaeon_bench.serve_workload import ModelLimits, plan_requests
-from aegaeon_bench.sim.node import NodeSpec
-from aegaeon_bench.sim.node_costs import measure, without_measurements
+from aegaeon_sim.node import NodeSpec
+from aegaeon_sim.node_costs import measure, without_measurements
 
 
 @dataclass(frozen=True)

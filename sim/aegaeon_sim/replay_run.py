@@ -1,4 +1,4 @@
-"""Run a replay (:mod:`aegaeon_bench.sim.replay`) and compare it with the live run.
+"""Run a replay (:mod:`aegaeon_sim.replay`) and compare it with the live run.
 
 The node is simulated
 ``replicas`` times: replica 0 with every request's own measured arrival lag,
@@ -19,8 +19,8 @@ from typing import Any
 
 from aegaeon_sched import RequestTrace, SLOReport, summarize
 
-from aegaeon_bench.sim.node import NodeRun, simulate_node
-from aegaeon_bench.sim.replay import ReplayCase, arrival_lags, sim_requests, workload_check
+from aegaeon_sim.node import NodeRun, simulate_node
+from aegaeon_sim.replay import ReplayCase, arrival_lags, sim_requests, workload_check
 
 DEFAULT_REPLICAS = 5
 

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aegaeon_bench.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
 from aegaeon_sched import (
     ROUND_TTFT_FRACTION,
     SLO,
@@ -20,9 +21,9 @@ from aegaeon_sched import (
     summarize,
 )
 
-from aegaeon_bench.sim.aegaeon_sim import DecodeSim
-from aegaeon_bench.sim.driver import Simulation
-from aegaeon_bench.sim.hardware import (
+from aegaeon_sim.decode_sim import DecodeSim
+from aegaeon_sim.driver import Simulation
+from aegaeon_sim.hardware import (
     H800,
     Arch,
     Hardware,
@@ -31,11 +32,10 @@ from aegaeon_bench.sim.hardware import (
     market,
     unified_kv_bytes,
 )
-from aegaeon_bench.sim.hybrid_sim import HybridSim
-from aegaeon_bench.sim.shares import DecodeShareFeed
-from aegaeon_bench.sim.switching import Eq4Switching, InstanceCosts
-from aegaeon_bench.sim.unified_sim import MuxSim, RequestLevelSim
-from aegaeon_bench.sim.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
+from aegaeon_sim.hybrid_sim import HybridSim
+from aegaeon_sim.shares import DecodeShareFeed
+from aegaeon_sim.switching import Eq4Switching, InstanceCosts
+from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
 
 PAPER_SLO = SLO(ttft_s=10.0, tbt_s=0.1)
 # ServerlessLLM's loading rate as the paper's artifact simulated it: its

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from aegaeon_sched import DecodeDispatcher, DecodeShare, Policy
 from aegaeon_sched.share import SMOOTHING
 
-from aegaeon_bench.sim.prefill_sim import PrefillSim
+from aegaeon_sim.prefill_sim import PrefillSim
 
 HEARTBEAT_S = 0.5  # services' InstanceStats period
 

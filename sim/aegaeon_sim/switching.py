@@ -7,7 +7,7 @@ Two switch-cost models behind one protocol (:class:`Switching`):
   started ``e`` seconds ago costs what is left of Eq. 4 plus the on-device
   copy that promotes it to the front of the buffer (section 5.2).
 - :class:`MeasuredSwitching`, a node whose switches were measured
-  (:mod:`aegaeon_bench.sim.node_costs`): a switch from the Model Cache costs
+  (:mod:`aegaeon_sim.node_costs`): a switch from the Model Cache costs
   ``fixed + bytes / rate`` fitted to the live switch records that were not
   prefetched; a prefetched one what is left of the background copy
   (``fixed + bytes / rate`` of the prefetch thread's copies) plus the
@@ -64,7 +64,7 @@ class LinearCopy:
 
 @dataclass(frozen=True)
 class SwitchCosts:
-    """Switch costs measured on one node (see :mod:`aegaeon_bench.sim.node_costs`)."""
+    """Switch costs measured on one node (see :mod:`aegaeon_sim.node_costs`)."""
 
     load: LinearCopy  # critical path, from the Model Cache
     prefetch: LinearCopy  # the prefetch thread's background copy

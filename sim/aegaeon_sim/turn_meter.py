@@ -5,7 +5,7 @@ The live loop (services/decode ``TurnRunner``) times every decode step
 with each (``LatencyModel.observe_decode``) and, per model, keeps a moving
 average of a turn's time outside its steps, which becomes the planner's
 switch estimate when it exceeds Eq. 4. :class:`TurnMeter` does the same on
-simulated time for :class:`~aegaeon_bench.sim.aegaeon_sim.DecodeSim`, and
+simulated time for :class:`~aegaeon_sim.decode_sim.DecodeSim`, and
 keeps what a replay compares with the live counters (steps, engine seconds,
 a log of turns). It also carries the cold-step flag: the first step of a
 turn that began with a switch costs ``InstanceCosts.cold_step_s`` more.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from aegaeon_sched import LatencyModel
 
-from aegaeon_bench.sim.switching import SwitchEstimate
+from aegaeon_sim.switching import SwitchEstimate
 
 TurnLog = tuple[str, float, float, int, float]  # model, start, end, steps, quota
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from aegaeon_sched import LatencyModel
 
-from aegaeon_bench.sim.state import SimRequest, steps_until, steps_within
+from aegaeon_sim.state import SimRequest, steps_until, steps_within
 
 MAX_PREFILL_TOKENS = 8192  # vLLM's max_num_batched_tokens
 

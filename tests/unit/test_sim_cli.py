@@ -13,7 +13,7 @@ from aegaeon_cli.main import main
 
 def test_cli_module_imports_nothing_heavy() -> None:
     code = (
-        "import sys, aegaeon_bench.sim.cli;"
+        "import sys, aegaeon_sim.cli;"
         "print(sorted(m for m in ('matplotlib', 'numpy', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -65,9 +65,9 @@ def _scenario(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, 
 
 
 def test_planner_and_baseline_switch_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    from aegaeon_bench.sim import cli
-    from aegaeon_bench.sim.runner import SLLM_SWITCH_BYTES_PER_S
     from aegaeon_sched import ROUND_TTFT_FRACTION
+    from aegaeon_sim import cli
+    from aegaeon_sim.runner import SLLM_SWITCH_BYTES_PER_S
 
     assert cli.ROUND_TTFT_FRACTION == ROUND_TTFT_FRACTION
     assert cli.SLLM_SWITCH_GBPS * 1e9 == SLLM_SWITCH_BYTES_PER_S

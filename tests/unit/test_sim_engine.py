@@ -6,7 +6,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
-from aegaeon_bench.sim.runner import Scenario, run_scenario
+from aegaeon_sim.runner import Scenario, run_scenario
 
 UNIFIED = ["request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf"]
 

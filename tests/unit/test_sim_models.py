@@ -6,21 +6,21 @@ import random
 import statistics
 
 import pytest
-from aegaeon_bench.sim.hardware import (
-    ARCHS,
-    PUBLISHED_H800_MS,
-    decode_kv_bytes,
-    latency_model,
-    market,
-)
-from aegaeon_bench.sim.theorem import PAPER_FIG4, TheoremCase, check
-from aegaeon_bench.sim.workload import (
+from aegaeon_bench.workload import (
     CONTEXT_LIMIT,
     SHAREGPT_INPUT,
     SHAREGPT_OUTPUT,
     WorkloadSpec,
     generate,
 )
+from aegaeon_sim.hardware import (
+    ARCHS,
+    PUBLISHED_H800_MS,
+    decode_kv_bytes,
+    latency_model,
+    market,
+)
+from aegaeon_sim.theorem import PAPER_FIG4, TheoremCase, check
 
 
 def test_model_sizes_match_the_real_checkpoints() -> None:

@@ -7,14 +7,14 @@ import math
 import random
 
 import pytest
-from aegaeon_bench.sim.hardware import QWEN25_7B, latency_model
-from aegaeon_bench.sim.node import NodeSpec, simulate_node
-from aegaeon_bench.sim.node_costs import CPU_DEFAULTS, fit_copy, prefill_scale, refit_prefill
-from aegaeon_bench.sim.node_turns import DecodeCosts, _line, decode_costs
-from aegaeon_bench.sim.shares import DecodeShareFeed
-from aegaeon_bench.sim.switching import LinearCopy, MeasuredSwitching, SwitchCosts, switch_cost
-from aegaeon_bench.sim.workload import WorkloadSpec, generate
+from aegaeon_bench.workload import WorkloadSpec, generate
 from aegaeon_sched import SLO, ClusterSpec, LatencyModel, PrefillSample, make_policy
+from aegaeon_sim.hardware import QWEN25_7B, latency_model
+from aegaeon_sim.node import NodeSpec, simulate_node
+from aegaeon_sim.node_costs import CPU_DEFAULTS, fit_copy, prefill_scale, refit_prefill
+from aegaeon_sim.node_turns import DecodeCosts, _line, decode_costs
+from aegaeon_sim.shares import DecodeShareFeed
+from aegaeon_sim.switching import LinearCopy, MeasuredSwitching, SwitchCosts, switch_cost
 
 
 def test_fit_copy_recovers_fixed_cost_and_rate() -> None:

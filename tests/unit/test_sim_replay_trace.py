@@ -1,14 +1,14 @@
 """A recorded live run replayed through the simulator gives exactly the recorded numbers.
 
 ``tests/data/replay-m6-r1.2.tgz`` holds the files of two live runs made with
-``python -m aegaeon_bench.sim_check --duration 10 --seed 3
+``python -m aegaeon_sim.live_check --duration 10 --seed 3
 aegaeon:6:1.2:1:0.01:0.5 request-level:6:1.2:1:0.01:0.5`` (6 models of the small
 market at 1.2 RPS each, past both knees, so queueing, switches and the hybrid's
 preemptions all act). The replay is deterministic (pure Python, seeded), so its
 result is pinned: a change to the policies, the latency fit or the simulator
 that moves it shows here and must update the numbers on purpose. Whether the
 simulator agrees with a live run on *this* machine is a benchmark
-(`python -m aegaeon_bench.sim_check`, docs/results.md), not a test: live
+(`python -m aegaeon_sim.live_check`, docs/results.md), not a test: live
 attainment depends on the machine's speed and load.
 """
 
@@ -18,8 +18,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from aegaeon_bench.sim.replay import load_case
-from aegaeon_bench.sim.replay_run import replay
+from aegaeon_sim.replay import load_case
+from aegaeon_sim.replay_run import replay
 
 ARCHIVE = Path(__file__).resolve().parents[1] / "data" / "replay-m6-r1.2.tgz"
 # live attainment as recorded; the simulator's mean over its 5 replicas

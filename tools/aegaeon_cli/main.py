@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "market": ("aegaeon_market.cli", "make a market, import HF or GGUF checkpoints into it"),
     "generate": ("aegaeon_engine.cli", "generate text with the engine alone (no services)"),
     "bench": ("aegaeon_bench.cli", "benchmarks: engine, switch, serve, sweep, report"),
-    "sim": ("aegaeon_bench.sim.cli", "discrete-event simulation of the paper's cluster"),
+    "sim": ("aegaeon_sim.cli", "discrete-event simulation of the paper's cluster"),
     "serve": ("aegaeon_cli.serve", "start every service on this machine"),
     "proxy": ("aegaeon_proxy.main", "run the OpenAI-compatible proxy"),
     "prefill": ("aegaeon_prefill.main", "run one prefill instance"),
