@@ -9,7 +9,7 @@ buffer, IPC events through torch). Bookkeeping (`BumpArena`,
 from __future__ import annotations
 
 from aegaeon_gpumem.arena import DEFAULT_ALIGN, Allocation, ArenaStats, BumpArena
-from aegaeon_gpumem.backend import make_copy_stream
+from aegaeon_gpumem.backend import copy_chunked, make_copy_stream
 from aegaeon_gpumem.copies import CopyPair, CopyStream, CpuCopyStream, coalesce, copy_blocks
 from aegaeon_gpumem.cuda_events import CudaEvent  # also registers the "cuda" opener
 from aegaeon_gpumem.device_buffer import DeviceBuffer, promote_copy
@@ -37,7 +37,6 @@ from aegaeon_gpumem.memcopy import (
     CPU_CHUNK_BYTES,
     CPU_COPY_THREADS,
     byte_copy,
-    copy_chunked,
     flat_bytes,
 )
 from aegaeon_gpumem.move_list import MoveList

@@ -74,7 +74,7 @@ def _pool(num_threads: int) -> ThreadPoolExecutor:
         return pool
 
 
-def copy_chunked(
+def copy_chunked_cpu(
     dst: torch.Tensor,
     src: torch.Tensor,
     chunk_bytes: int | None = None,
@@ -84,18 +84,13 @@ def copy_chunked(
 
     Both tensors must be contiguous and of equal byte size (dtypes may differ:
     this is a byte copy, e.g. a checkpoint slot into a uint8 arena range).
-    CPU: chunks of `chunk_bytes` (default CPU_CHUNK_BYTES) on `num_threads`
-    threads (default CPU_COPY_THREADS; 1 = the calling thread). Host -> CUDA:
-    pipelined through a pinned stage buffer (`cuda_copies.copy_chunked_cuda`).
+    CPU to CPU: chunks of `chunk_bytes` (default CPU_CHUNK_BYTES) on `num_threads`
+    threads (default CPU_COPY_THREADS; 1 = the calling thread). `backend.copy_chunked`
+    picks this or the CUDA one by device.
     """
     d, s = flat_bytes(dst), flat_bytes(src)
     if d.numel() != s.numel():
         raise ValueError(f"copy_chunked size mismatch: dst {d.numel()}, src {s.numel()} bytes")
-    if d.device.type == "cuda" or s.device.type == "cuda":
-        from aegaeon_gpumem.cuda_copies import copy_chunked_cuda
-
-        copy_chunked_cuda(d, s, chunk_bytes)
-        return
     chunk = chunk_bytes or CPU_CHUNK_BYTES
     if chunk <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk}")
