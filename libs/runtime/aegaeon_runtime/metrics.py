@@ -12,17 +12,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.metrics import SWITCH_BUCKETS_S, TokenRate, kv_block_counts, new_registry
+from aegaeon_gpumem import KVBlockPool
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from aegaeon_runtime.worker import Worker
+
+class WorkerState(Protocol):
+    """What the collector reads of a built worker (``aegaeon_runtime.worker.Worker``)."""
+
+    @property
+    def switcher(self) -> _Switcher: ...
+
+    @property
+    def kv(self) -> _KV: ...
+
+
+class _Switcher(Protocol):
+    @property
+    def active_model(self) -> str | None: ...
+
+
+class _KV(Protocol):
+    @property
+    def pool(self) -> KVBlockPool: ...
+
 
 __all__ = ["STAGES", "InstanceCollector", "InstanceLoad", "WorkerMetrics"]
 
@@ -102,7 +121,7 @@ class InstanceCollector(Collector):
     def __init__(
         self,
         metrics: WorkerMetrics,
-        worker: Callable[[], Worker | None],
+        worker: Callable[[], WorkerState | None],
         load: Callable[[], InstanceLoad],
     ) -> None:
         self._metrics = metrics

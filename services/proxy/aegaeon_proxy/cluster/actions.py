@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
@@ -13,10 +13,20 @@ from aegaeon_common.wire import Message
 from aegaeon_sched import Action, Cancel, PlaceDecode, Reject, RunOnInstance
 from aegaeon_sched import EnqueuePrefill as EnqueuePrefillAction
 
-from aegaeon_proxy.cluster.instances import InstanceView
+from aegaeon_proxy.cluster.instances import Instances, InstanceView
+from aegaeon_proxy.cluster.tracked import Tracked
 
-if TYPE_CHECKING:
-    from aegaeon_proxy.cluster.backend import ClusterBackend
+
+class ActionHost(Protocol):
+    """What the runner needs of the backend (``cluster.backend.ClusterBackend``)."""
+
+    @property
+    def instances(self) -> Instances: ...
+
+    @property
+    def requests(self) -> Mapping[str, Tracked]: ...
+
+    def end_request(self, request_id: str, reason: str, error: str | None = None) -> object: ...
 
 log = get_logger("cluster")
 
@@ -24,7 +34,7 @@ log = get_logger("cluster")
 class ActionRunner:
     """Turns actions into messages; one ordered outgoing queue for all instances."""
 
-    def __init__(self, backend: ClusterBackend) -> None:
+    def __init__(self, backend: ActionHost) -> None:
         self.backend = backend
         self._out: asyncio.Queue[tuple[InstanceView, Message]] | None = None
         self._pump: asyncio.Task[None] | None = None
@@ -113,4 +123,4 @@ class ActionRunner:
         self._send(action.instance, CancelRequest(action.request_id))
 
     def _reject(self, action: Reject) -> None:
-        self.backend._end(action.request.request_id, "error", action.reason)
+        self.backend.end_request(action.request.request_id, "error", action.reason)

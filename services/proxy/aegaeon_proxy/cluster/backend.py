@@ -150,7 +150,7 @@ class ClusterBackend:
         self._actions.run(self.policy.on_request_cancelled(request_id, time.time()))
         tracked.queue.finish("cancelled")
 
-    def _end(self, request_id: str, reason: str, error: str | None = None) -> Tracked | None:
+    def end_request(self, request_id: str, reason: str, error: str | None = None) -> Tracked | None:
         """The request is over (finished or failed): tell the policy, close the stream."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
@@ -229,7 +229,7 @@ class ClusterBackend:
         tracked.queue.push(TokenChunk((msg.token_id,), msg.finish_reason))  # type: ignore[arg-type]
         if msg.finish_reason is not None:
             self.timings.add(tracked, msg.finish_reason, msg.timings)
-            self._end(msg.request_id, msg.finish_reason)
+            self.end_request(msg.request_id, msg.finish_reason)
             return
         assert self.policy is not None
         instance = tracked.instance or ""
@@ -253,7 +253,7 @@ class ClusterBackend:
             tracked.queue.push(TokenChunk(tuple(ids[-1:]), reason))  # type: ignore[arg-type]
             if reason is not None:
                 self.timings.add(tracked, reason, item.timings)
-                self._end(item.request_id, reason)
+                self.end_request(item.request_id, reason)
 
     def _on_failed(self, msg: RequestFailed) -> None:
         tracked = self.requests.get(msg.request_id)
@@ -263,7 +263,8 @@ class ClusterBackend:
                 "request_failed", request_id=msg.request_id, model=tracked.gen.model,
                 instance=f"{msg.kind}-{msg.index}", code=msg.code, error=msg.message,
             )  # fmt: skip
-        self._end(msg.request_id, "error", f"{msg.kind}-{msg.index}: {msg.code}: {msg.message}")
+        where = f"{msg.kind}-{msg.index}"
+        self.end_request(msg.request_id, "error", f"{where}: {msg.code}: {msg.message}")
 
     # ---- failures --------------------------------------------------------------
     async def _monitor(self) -> None:
@@ -281,7 +282,7 @@ class ClusterBackend:
             tracked = self.requests[request_id]
             log.warning("request_lost", request_id=request_id, model=tracked.gen.model,
                         instance=name, error=why)  # fmt: skip
-            self._end(request_id, "error", why)
+            self.end_request(request_id, "error", why)
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:
         async def free() -> None:

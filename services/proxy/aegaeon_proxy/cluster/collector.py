@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from aegaeon_proxy.cluster.backend import ClusterBackend
+from aegaeon_proxy.cluster.instances import InstanceView
+
+
+class CollectedBackend(Protocol):
+    """What a scrape reads of the backend (``cluster.backend.ClusterBackend``)."""
+
+    @property
+    def instances(self) -> Iterable[InstanceView]: ...
+
+    @property
+    def requests(self) -> Sized: ...
+
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+
+    def held_counts(self) -> tuple[int, int]: ...
 
 __all__ = ["ClusterCollector"]
 
@@ -18,7 +32,7 @@ __all__ = ["ClusterCollector"]
 class ClusterCollector(Collector):
     """Instances as the proxy sees them (heartbeats, drains), requests it tracks."""
 
-    def __init__(self, backend: ClusterBackend) -> None:
+    def __init__(self, backend: CollectedBackend) -> None:
         self._backend = backend
 
     def collect(self) -> Iterator[Metric]:
