@@ -17,9 +17,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from aegaeon_cachemgr.client import SyncCacheClient
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import KVShape
+from aegaeon_runtime.cacheclient.client import SyncCacheClient
 
 MIN_TOKENS = 16
 MAX_TOKENS = 1024

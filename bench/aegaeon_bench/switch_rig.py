@@ -182,7 +182,7 @@ def switch_rig(
     device: str = "cpu",
 ) -> Iterator[Rig]:
     """A cachemgr process with every model of ``models`` warm, and a worker on it."""
-    from aegaeon_cachemgr.client import CacheClient
+    from aegaeon_runtime.cacheclient.client import CacheClient
     from aegaeon_runtime.worker import build_worker
 
     run_root = make_run_root()

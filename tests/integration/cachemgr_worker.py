@@ -16,9 +16,9 @@ import sys
 import time
 
 import torch
-from aegaeon_cachemgr.client import CacheClient
 from aegaeon_common.messages.structs import KVShapeSpec
 from aegaeon_gpumem import open_event
+from aegaeon_runtime.cacheclient.client import CacheClient
 
 SHAPE = KVShapeSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")
 NUM_BLOCKS = 4

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aegaeon_cachemgr.client import CacheClient, SyncCacheClient
 from aegaeon_common.messages.structs import EventSpec, KVShapeSpec
 from aegaeon_common.transport import RemoteError
+from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
 from cachemgr_harness import CacheMgrProcess, checkpoint, shm_segments, write_config
 
 SHAPE = KVShapeSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")

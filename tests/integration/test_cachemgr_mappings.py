@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from aegaeon_cachemgr.client import CacheClient
 from aegaeon_engine.layout import weight_layout
 from aegaeon_engine.spec import ModelSpec
+from aegaeon_runtime.cacheclient.client import CacheClient
 from cachemgr_harness import CacheMgrProcess, checkpoint, shm_segments, write_config
 
 

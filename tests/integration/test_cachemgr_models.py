@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from aegaeon_cachemgr.client import CacheClient
 from aegaeon_common.messages.cache import CacheStats
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine.layout import weight_layout
 from aegaeon_engine.loader import fill_layout
 from aegaeon_engine.spec import ModelSpec
+from aegaeon_runtime.cacheclient.client import CacheClient
 from cachemgr_harness import CacheMgrProcess, checkpoint, shm_segments, write_config
 
 Start = Callable[..., CacheMgrProcess]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from aegaeon_cachemgr.client import CacheClient
 from aegaeon_common.messages.cache import CacheStats, GetStats
 from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.wire import Channel, encode
+from aegaeon_runtime.cacheclient.client import CacheClient
 from cachemgr_harness import CacheMgrProcess, checkpoint, shm_segments, write_config
 
 REPLY_CHANNEL = Channel("test.replies", [ErrorReply, CacheStats])

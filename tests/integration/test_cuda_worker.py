@@ -15,8 +15,8 @@ import pytest
 import torch
 from aegaeon_bench.switch_check import check_switches, greedy_tokens
 from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
-from aegaeon_cachemgr.client import to_event
 from aegaeon_gpumem.cuda_copies import CudaCopyStream
+from aegaeon_runtime.cacheclient.client import to_event
 from cachemgr_harness import checkpoint
 
 pytestmark = [

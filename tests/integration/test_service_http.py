@@ -18,8 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from aegaeon_cachemgr.client import CacheClient
 from aegaeon_common.http_side import read_http_address
+from aegaeon_runtime.cacheclient.client import CacheClient
 from cachemgr_harness import CacheMgrProcess, checkpoint, write_config
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from aegaeon_cachemgr.client import SyncCacheClient, to_event
 from aegaeon_common.messages.structs import EventSpec
 from aegaeon_engine import KVShape
 from aegaeon_gpumem import (
@@ -31,6 +30,8 @@ from aegaeon_gpumem import (
     copy_blocks,
     open_event,
 )
+
+from aegaeon_runtime.cacheclient.client import SyncCacheClient, to_event
 
 __all__ = ["KVSpace", "OutOfBlocks", "event_from_spec", "shape_key"]
 

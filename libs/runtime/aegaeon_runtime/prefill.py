@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from aegaeon_cachemgr.client import to_event
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed, SwitchRecord
 from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, RequestTimings
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
 
+from aegaeon_runtime.cacheclient.client import to_event
 from aegaeon_runtime.sampling import engine_params, finish_reason
 from aegaeon_runtime.worker import Worker
 

@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import zmq.asyncio
-from aegaeon_cachemgr.client import CacheClient
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
@@ -38,6 +37,7 @@ from aegaeon_common.wire import Channel, Message, WireError
 from aegaeon_sched import LatencyModel
 
 from aegaeon_runtime.bridge import ComputeThread, Inbox, Outbox
+from aegaeon_runtime.cacheclient.client import CacheClient
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.worker import Worker, build_worker, instance_config

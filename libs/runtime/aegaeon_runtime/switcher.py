@@ -48,12 +48,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from aegaeon_cachemgr.client import SyncCacheClient
-from aegaeon_cachemgr.mapped import MappedModel
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
+from aegaeon_runtime.cacheclient.client import SyncCacheClient
+from aegaeon_runtime.cacheclient.mapped import MappedModel
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
 
 
@@ -130,7 +130,7 @@ class ModelSwitcher:
         """``name``'s Model Cache region: the client's kept mapping (the use is noted,
         reported later by the client), else (first use, or evicted since) mapped under
         a pin that is dropped at once; a kept mapping is safe to read unpinned (see
-        ``aegaeon_cachemgr.client``)."""
+        ``aegaeon_runtime.cacheclient.client``)."""
         mapped = self.cache.cached_model(name)
         if mapped is not None:
             self.cache.note_use(name)

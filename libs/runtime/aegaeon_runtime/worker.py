@@ -11,12 +11,12 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from aegaeon_cachemgr.client import CacheClient, SyncCacheClient
-from aegaeon_cachemgr.mapped import Registration
 from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 
+from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
+from aegaeon_runtime.cacheclient.mapped import Registration
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher

@@ -54,8 +54,8 @@ from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message
 from aegaeon_gpumem import EventTable, ShmRegion
 
-from aegaeon_cachemgr.convert import EventLike, ShapeLike, to_event, to_shape
-from aegaeon_cachemgr.mapped import MappedModel, Registration
+from aegaeon_runtime.cacheclient.convert import EventLike, ShapeLike, to_event, to_shape
+from aegaeon_runtime.cacheclient.mapped import MappedModel, Registration
 
 __all__ = [
     "CacheClient", "EventLike", "ShapeLike", "SyncCacheClient", "to_event", "to_shape",
