@@ -6,7 +6,7 @@ from typing import Any
 
 from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_common.messages.structs import RequestTimings
-from aegaeon_decode.emit import TokenEmitter
+from aegaeon_runtime.decode.emit import TokenEmitter
 from aegaeon_sched import SLO
 
 

@@ -94,7 +94,7 @@ class SchedulerConfig:
     # Beyond the paper: prefill instances decode when no prefill waits (hybrid).
     prefill_decodes_when_idle: bool = True
     # A decode instance holds a turn's tokens up to this x the TBT target and
-    # sends them together, never past a deadline (aegaeon_decode.emit); 0: every
+    # sends them together, never past a deadline (aegaeon_runtime.decode.emit); 0: every
     # step's tokens as they come.
     token_hold: float = 1.0
 

@@ -24,9 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_config_or_exit(args.config, "decode")
     from aegaeon_common.messages.decode import DECODE_CHANNEL
+    from aegaeon_runtime.decode.loop import DecodeLoop
     from aegaeon_runtime.service import serve_instance
-
-    from aegaeon_decode.loop import DecodeLoop
 
     name = f"decode-{args.index}"
     return run_service(

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     channel, make_loop = PREFILL_CHANNEL, cast(LoopFactory, PrefillLoop)
     if config.hybrid_prefill:
         # Decodes when no prefill waits: the decode instance's loop with prefills first.
-        from aegaeon_decode.loop import DecodeLoop
+        from aegaeon_runtime.decode.loop import DecodeLoop
 
         channel = HYBRID_CHANNEL
         make_loop = partial(DecodeLoop, hybrid=True)

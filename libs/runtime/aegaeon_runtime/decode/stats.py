@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 
 from aegaeon_common.messages.report import InstanceStats, SwitchRecord, TurnRecord
+
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.worker import Worker
 

@@ -26,8 +26,9 @@ import time
 from collections.abc import Iterable
 
 from aegaeon_common.messages.report import StepTokens, TokenItem
-from aegaeon_runtime.bridge import Outbox
 from aegaeon_sched import SLO
+
+from aegaeon_runtime.bridge import Outbox
 
 
 class TokenEmitter:

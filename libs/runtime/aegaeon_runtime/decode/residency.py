@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
-from aegaeon_runtime.worker import Worker
 
-from aegaeon_decode.seq import Seq
+from aegaeon_runtime.decode.seq import Seq
+from aegaeon_runtime.worker import Worker
 
 
 class KVCapacityError(RuntimeError):

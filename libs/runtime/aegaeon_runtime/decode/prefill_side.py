@@ -15,12 +15,12 @@ import time
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed
-from aegaeon_runtime.bridge import Outbox
-from aegaeon_runtime.prefill import run_prefill
-from aegaeon_runtime.worker import Worker
 from aegaeon_sched import PrefillQueue, Request
 
-from aegaeon_decode.stats import DecodeCounters
+from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.decode.stats import DecodeCounters
+from aegaeon_runtime.prefill import run_prefill
+from aegaeon_runtime.worker import Worker
 
 
 class PrefillSide:

@@ -7,16 +7,16 @@ from aegaeon_common.messages.prefill import CancelRequest
 from aegaeon_common.messages.report import RequestFailed
 from aegaeon_common.transport import RemoteError
 from aegaeon_common.wire import Message
+from aegaeon_sched import SLO, DecodeWorkList, Request
+
 from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.decode.emit import TokenEmitter
+from aegaeon_runtime.decode.residency import Residency
+from aegaeon_runtime.decode.seq import Seq
+from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.kv import event_from_spec
 from aegaeon_runtime.sampling import engine_params, resume_generator
 from aegaeon_runtime.worker import Worker
-from aegaeon_sched import SLO, DecodeWorkList, Request
-
-from aegaeon_decode.emit import TokenEmitter
-from aegaeon_decode.residency import Residency
-from aegaeon_decode.seq import Seq
-from aegaeon_decode.stats import DecodeCounters
 
 
 class Admission:

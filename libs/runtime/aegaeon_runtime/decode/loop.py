@@ -26,11 +26,6 @@ from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.wire import Message
-from aegaeon_runtime.bridge import Inbox, Outbox
-from aegaeon_runtime.drain import Drain
-from aegaeon_runtime.metrics import InstanceLoad
-from aegaeon_runtime.profile_cache import cached_profile
-from aegaeon_runtime.worker import Worker
 from aegaeon_sched import (
     BatchLoad,
     DecodeBatch,
@@ -41,11 +36,16 @@ from aegaeon_sched import (
     ServedInRound,
 )
 
-from aegaeon_decode.admit import Admission
-from aegaeon_decode.prefill_side import PrefillSide
-from aegaeon_decode.residency import Residency
-from aegaeon_decode.stats import DecodeCounters
-from aegaeon_decode.turn import TurnRunner
+from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.decode.admit import Admission
+from aegaeon_runtime.decode.prefill_side import PrefillSide
+from aegaeon_runtime.decode.residency import Residency
+from aegaeon_runtime.decode.stats import DecodeCounters
+from aegaeon_runtime.decode.turn import TurnRunner
+from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.metrics import InstanceLoad
+from aegaeon_runtime.profile_cache import cached_profile
+from aegaeon_runtime.worker import Worker
 
 IDLE_WAIT_S = 0.05
 

@@ -17,15 +17,15 @@ from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_engine import DecodeSeq
 from aegaeon_gpumem import OutOfBlocks
-from aegaeon_runtime.bridge import Outbox
-from aegaeon_runtime.sampling import finish_reason
-from aegaeon_runtime.worker import Worker
 from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel
 
-from aegaeon_decode.admit import Admission
-from aegaeon_decode.residency import KVCapacityError, Residency
-from aegaeon_decode.seq import Seq
-from aegaeon_decode.stats import DecodeCounters
+from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.decode.admit import Admission
+from aegaeon_runtime.decode.residency import KVCapacityError, Residency
+from aegaeon_runtime.decode.seq import Seq
+from aegaeon_runtime.decode.stats import DecodeCounters
+from aegaeon_runtime.sampling import finish_reason
+from aegaeon_runtime.worker import Worker
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
 
@@ -232,7 +232,7 @@ class TurnRunner:
                 self.admission.finish(seq)
                 w.metrics.request_done("decode", seq.model, finish)
         # a turn's first tokens may have waited a round: they leave at once, as
-        # do tokens close to their deadlines (aegaeon_decode.emit)
+        # do tokens close to their deadlines (aegaeon_runtime.decode.emit)
         emitter = self.admission.tokens
         new = ((s.arrival_s, len(s.tokens) - 1) for s in stepping)
         emitter.add(items, urgent=self._turn_steps == 0 or emitter.near(new, now, seconds))
