@@ -1,4 +1,5 @@
-"""The switch bench's setup: a real cachemgr process and one worker built from a Config.
+"""A worker over a real cachemgr in one process (the switch bench's and the switcher
+tests' setup): a cachemgr process and one worker built from a Config.
 
 :func:`switch_rig` starts ``aegaeon cachemgr --config FILE`` in a temporary run
 directory, waits until every model is resident in the Model Cache (prewarm
@@ -29,6 +30,7 @@ import yaml
 from aegaeon_common.config import CacheConfig, Config, load_config
 from aegaeon_common.process import is_ready
 from aegaeon_gpumem import cleanup_prefix
+
 from aegaeon_runtime.worker import Worker
 
 T = TypeVar("T")
