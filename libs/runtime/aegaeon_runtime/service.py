@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+import msgspec
 import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
 from aegaeon_common.messages.report import InstanceDraining, InstanceHello, InstanceStats
+from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import mark_ready, ready_path
 from aegaeon_common.transport import Puller, Pusher, RemoteError
@@ -80,7 +81,8 @@ def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
         m: worker.kv.capacity_blocks(worker.kv_shape(m)) * worker.engine.block_size
         for m in worker.specs
     }
-    latency = json.dumps(instance.latency.to_dict()) if instance.latency else ""
+    latency = (msgspec.convert(instance.latency.to_dict(), LatencyProfile)
+               if instance.latency else None)  # fmt: skip
     return InstanceHello(
         kind=worker.kind,
         index=worker.index,
@@ -89,7 +91,7 @@ def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
         weights_capacity_bytes=worker.buffer.weights_capacity,
         max_batch_size=worker.config.scheduler.max_batch_size,
         capacity_tokens=capacity,
-        latency_json=latency,
+        latency=latency,
     )
 
 

@@ -8,7 +8,7 @@ from :data:`ERROR_CODES`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from aegaeon_common.messages.structs import EventSpec, KVShapeSpec
 from aegaeon_common.wire import Channel, Message, Struct
@@ -32,8 +32,7 @@ ERROR_CODES = (
 # ---- shared structs --------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TensorEntry(Struct):
+class TensorEntry(Struct, frozen=True):
     """One tensor of a model region (the engine's packed weight layout)."""
 
     name: str
@@ -46,8 +45,7 @@ class TensorEntry(Struct):
 # ---- requests --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RegisterWorker(Message):
+class RegisterWorker(Message, frozen=True):
     """Start (or restart) the lease of ``worker_id``; a previous lease is ended first.
 
     ``pid`` is watched (every ~0.5 s): when it dies, its blocks, pins and event
@@ -61,16 +59,14 @@ class RegisterWorker(Message):
     num_event_slots: int = 0  # 0: the cachemgr's default
 
 
-@dataclass(frozen=True)
-class UnregisterWorker(Message):
+class UnregisterWorker(Message, frozen=True):
     """End ``worker_id``'s lease now: free its blocks, drop its pins and slots."""
 
     TAG = "cache.unregister_worker"
     worker_id: str
 
 
-@dataclass(frozen=True)
-class LoadModel(Message):
+class LoadModel(Message, frozen=True):
     """Make ``name`` resident in the Model Cache (loading it if needed); pin it for
     ``worker_id`` when ``pin`` (a pinned model is never evicted)."""
 
@@ -80,15 +76,13 @@ class LoadModel(Message):
     worker_id: str = ""  # "" pins anonymously (released only by UnpinModel)
 
 
-@dataclass(frozen=True)
-class UnpinModel(Message):
+class UnpinModel(Message, frozen=True):
     TAG = "cache.unpin_model"
     name: str
     worker_id: str = ""
 
 
-@dataclass(frozen=True)
-class AllocBlocks(Message):
+class AllocBlocks(Message, frozen=True):
     """``num_blocks`` blocks of ``shape`` in the unified KV cache, leased to ``owner``."""
 
     TAG = "cache.alloc_blocks"
@@ -97,8 +91,7 @@ class AllocBlocks(Message):
     num_blocks: int
 
 
-@dataclass(frozen=True)
-class FreeBlocks(Message):
+class FreeBlocks(Message, frozen=True):
     """Free blocks; with ``event`` they wait in the move list until it completes."""
 
     TAG = "cache.free_blocks"
@@ -107,8 +100,7 @@ class FreeBlocks(Message):
     event: EventSpec | None = None
 
 
-@dataclass(frozen=True)
-class ReassignBlocks(Message):
+class ReassignBlocks(Message, frozen=True):
     """Move the lease of blocks to ``new_owner`` (a prefill hands KV to a decode)."""
 
     TAG = "cache.reassign_blocks"
@@ -117,8 +109,7 @@ class ReassignBlocks(Message):
     owner: str = ""  # when given, every block must be leased to it
 
 
-@dataclass(frozen=True)
-class GetStats(Message):
+class GetStats(Message, frozen=True):
     """Occupancy of both caches; also the readiness probe."""
 
     TAG = "cache.get_stats"
@@ -127,8 +118,7 @@ class GetStats(Message):
 # ---- replies ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WorkerRegistered(Message):
+class WorkerRegistered(Message, frozen=True):
     TAG = "cache.worker_registered"
     kv_region: str  # shared-memory name of the unified KV region
     kv_region_bytes: int
@@ -137,14 +127,12 @@ class WorkerRegistered(Message):
     slab_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class WorkerUnregistered(Message):
+class WorkerUnregistered(Message, frozen=True):
     TAG = "cache.worker_unregistered"
     num_blocks_freed: int
 
 
-@dataclass(frozen=True)
-class ModelLoaded(Message):
+class ModelLoaded(Message, frozen=True):
     """A resident model: map ``region`` read-only; tensors at their offsets."""
 
     TAG = "cache.model_loaded"
@@ -157,35 +145,30 @@ class ModelLoaded(Message):
     hit: bool = False  # it was already resident
 
 
-@dataclass(frozen=True)
-class ModelUnpinned(Message):
+class ModelUnpinned(Message, frozen=True):
     TAG = "cache.model_unpinned"
     name: str
     pins: int  # remaining pins of every owner
 
 
-@dataclass(frozen=True)
-class BlocksAllocated(Message):
+class BlocksAllocated(Message, frozen=True):
     TAG = "cache.blocks_allocated"
     offsets: list[int]
     block_bytes: int
 
 
-@dataclass(frozen=True)
-class BlocksFreed(Message):
+class BlocksFreed(Message, frozen=True):
     TAG = "cache.blocks_freed"
     num_freed: int  # back in the free pool now
     num_deferred: int  # in the move list until the event completes
 
 
-@dataclass(frozen=True)
-class BlocksReassigned(Message):
+class BlocksReassigned(Message, frozen=True):
     TAG = "cache.blocks_reassigned"
     num_blocks: int
 
 
-@dataclass(frozen=True)
-class ResidentModel(Struct):
+class ResidentModel(Struct, frozen=True):
     name: str
     region: str
     nbytes: int
@@ -193,8 +176,7 @@ class ResidentModel(Struct):
     load_s: float
 
 
-@dataclass(frozen=True)
-class ModelCacheStats(Struct):
+class ModelCacheStats(Struct, frozen=True):
     budget_bytes: int
     used_bytes: int  # resident + being loaded
     models: list[ResidentModel]  # least recently used first
@@ -206,8 +188,7 @@ class ModelCacheStats(Struct):
     loaded_bytes_total: int
 
 
-@dataclass(frozen=True)
-class ShapeCount(Struct):
+class ShapeCount(Struct, frozen=True):
     shape: KVShapeSpec
     block_bytes: int
     used_blocks: int
@@ -215,8 +196,7 @@ class ShapeCount(Struct):
     fragmentation: float
 
 
-@dataclass(frozen=True)
-class KVCacheStats(Struct):
+class KVCacheStats(Struct, frozen=True):
     capacity_bytes: int
     slab_bytes: int
     used_bytes: int  # bytes of live blocks
@@ -229,8 +209,7 @@ class KVCacheStats(Struct):
     shapes: list[ShapeCount]
 
 
-@dataclass(frozen=True)
-class WorkerInfo(Struct):
+class WorkerInfo(Struct, frozen=True):
     worker_id: str
     pid: int
     event_slots: list[int]
@@ -238,12 +217,11 @@ class WorkerInfo(Struct):
     pinned: list[str]
 
 
-@dataclass(frozen=True)
-class CacheStats(Message):
+class CacheStats(Message, frozen=True):
     TAG = "cache.stats"
     model_cache: ModelCacheStats
     kv: KVCacheStats
-    workers: list[WorkerInfo] = field(default_factory=list)
+    workers: list[WorkerInfo] = msgspec.field(default_factory=list)
     uptime_s: float = 0.0
 
 

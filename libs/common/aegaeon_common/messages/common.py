@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from aegaeon_common.wire import Message
 
 
-@dataclass(frozen=True)
-class ErrorReply(Message):
+class ErrorReply(Message, frozen=True):
     """A typed refusal: ``code`` is machine-readable, ``message`` is for people."""
 
     TAG = "error"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
 from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
 from aegaeon_common.wire import Channel, Message
 
 
-@dataclass(frozen=True)
-class EnqueueDecode(Message):
+class EnqueueDecode(Message, frozen=True):
     """A prefilled request joins batch ``batch_id`` of its model (Alg. 2, line 2).
 
     On accepting it the instance takes over the handoff's blocks (lease) and
@@ -29,8 +26,7 @@ class EnqueueDecode(Message):
     arrival_s: float
 
 
-@dataclass(frozen=True)
-class RunRequest(Message):
+class RunRequest(Message, frozen=True):
     """Request-level policies: prefill and decode the whole request here."""
 
     TAG = "run_request"

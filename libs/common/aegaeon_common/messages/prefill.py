@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.wire import Channel, Message
 
 
-@dataclass(frozen=True)
-class EnqueuePrefill(Message):
+class EnqueuePrefill(Message, frozen=True):
     """Put a request into group ``group_id`` of this instance's job queue (Alg. 1).
 
     The instance mirrors the proxy's view of its queue: a group id it has not
@@ -25,23 +22,20 @@ class EnqueuePrefill(Message):
     arrival_s: float  # proxy clock (time.time())
 
 
-@dataclass(frozen=True)
-class CancelRequest(Message):
+class CancelRequest(Message, frozen=True):
     """Stop work on a request and free everything it holds."""
 
     TAG = "cancel"
     request_id: str
 
 
-@dataclass(frozen=True)
-class Shutdown(Message):
+class Shutdown(Message, frozen=True):
     """Finish nothing more; exit cleanly (the supervisor also sends SIGTERM)."""
 
     TAG = "shutdown"
 
 
-@dataclass(frozen=True)
-class AckDrain(Message):
+class AckDrain(Message, frozen=True):
     """The proxy's answer to ``InstanceDraining``: it sends this instance no new
     work after this message (the channel is ordered), so once what it holds is
     done the instance may exit."""

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
-from aegaeon_common.messages.structs import KVHandoff, RequestTimings
+from aegaeon_common.messages.structs import KVHandoff, LatencyProfile, RequestTimings
 from aegaeon_common.wire import Channel, Message, Struct
 
 
-@dataclass(frozen=True)
-class InstanceHello(Message):
+class InstanceHello(Message, frozen=True):
     """Sent once when an instance is ready (and again after a restart)."""
 
     TAG = "hello"
@@ -20,14 +19,13 @@ class InstanceHello(Message):
     weights_capacity_bytes: int
     max_batch_size: int
     # Device KV capacity in tokens of each model's KV shape (decode placement).
-    capacity_tokens: dict[str, int] = field(default_factory=dict)
-    # The instance's fitted latency model (aegaeon_sched.LatencyModel.to_dict()
-    # as JSON), from its start-up profile; "" until profiled.
-    latency_json: str = ""
+    capacity_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # The instance's fitted latency model, from its start-up profile; None until
+    # profiled.
+    latency: LatencyProfile | None = None
 
 
-@dataclass(frozen=True)
-class PrefillDone(Message):
+class PrefillDone(Message, frozen=True):
     """First token of a request, with its KV handoff (None when it already finished)."""
 
     TAG = "prefill_done"
@@ -40,16 +38,14 @@ class PrefillDone(Message):
     emitted_s: float
 
 
-@dataclass(frozen=True)
-class TokenItem(Struct):
+class TokenItem(Struct, frozen=True):
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     timings: RequestTimings | None = None  # with the last item of a request
 
 
-@dataclass(frozen=True)
-class StepTokens(Message):
+class StepTokens(Message, frozen=True):
     """Tokens of one decode step (or several) of a batch."""
 
     TAG = "step_tokens"
@@ -58,8 +54,7 @@ class StepTokens(Message):
     emitted_s: float
 
 
-@dataclass(frozen=True)
-class RequestFailed(Message):
+class RequestFailed(Message, frozen=True):
     TAG = "request_failed"
     request_id: str
     kind: str
@@ -68,8 +63,7 @@ class RequestFailed(Message):
     message: str
 
 
-@dataclass(frozen=True)
-class SwitchRecord(Struct):
+class SwitchRecord(Struct, frozen=True):
     """One model switch (scale-down + scale-up) on an instance."""
 
     from_model: str | None
@@ -80,8 +74,7 @@ class SwitchRecord(Struct):
     at_s: float
 
 
-@dataclass(frozen=True)
-class TurnRecord(Struct):
+class TurnRecord(Struct, frozen=True):
     """One decode turn (Alg. 2 line 11): where its time went."""
 
     model: str
@@ -96,8 +89,7 @@ class TurnRecord(Struct):
     engine_s: float = 0.0  # in the engine's decode steps (forward and sampling)
 
 
-@dataclass(frozen=True)
-class InstanceStats(Message):
+class InstanceStats(Message, frozen=True):
     """Periodic heartbeat with cumulative counters and new switch records."""
 
     TAG = "instance_stats"
@@ -106,14 +98,13 @@ class InstanceStats(Message):
     active_model: str | None
     queued: int
     running: int
-    counters: dict[str, float] = field(default_factory=dict)
-    switches: list[SwitchRecord] = field(default_factory=list)
-    turns: list[TurnRecord] = field(default_factory=list)
-    step_profile: dict[str, list[float]] = field(default_factory=dict)
+    counters: dict[str, float] = msgspec.field(default_factory=dict)
+    switches: list[SwitchRecord] = msgspec.field(default_factory=list)
+    turns: list[TurnRecord] = msgspec.field(default_factory=list)
+    step_profile: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class InstanceDraining(Message):
+class InstanceDraining(Message, frozen=True):
     """The instance got SIGTERM: send it no new work (answer with ``AckDrain``);
     it finishes what it holds, exits, and says hello again once restarted."""
 

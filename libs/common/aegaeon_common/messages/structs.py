@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from aegaeon_common.wire import Struct
 
 
-@dataclass(frozen=True)
-class SamplingSpec(Struct):
+class SamplingSpec(Struct, frozen=True):
     """How to sample a request's tokens (validated by the proxy)."""
 
     max_tokens: int = 16
@@ -20,8 +19,7 @@ class SamplingSpec(Struct):
     ignore_eos: bool = False
 
 
-@dataclass(frozen=True)
-class KVShapeSpec(Struct):
+class KVShapeSpec(Struct, frozen=True):
     """A KV block shape; a slab of the unified cache serves exactly one."""
 
     num_layers: int
@@ -31,8 +29,7 @@ class KVShapeSpec(Struct):
     dtype: str
 
 
-@dataclass(frozen=True)
-class EventSpec(Struct):
+class EventSpec(Struct, frozen=True):
     """A transfer event another process can open (see aegaeon_gpumem events).
 
     CPU: ``kind="cpu"``, complete when slot ``slot`` of table ``table`` >= ``value``.
@@ -47,8 +44,7 @@ class EventSpec(Struct):
     device: int = 0
 
 
-@dataclass(frozen=True)
-class KVHandoff(Struct):
+class KVHandoff(Struct, frozen=True):
     """A prefilled request's KV in the unified CPU cache, on its way to decode."""
 
     shape: KVShapeSpec
@@ -57,8 +53,7 @@ class KVHandoff(Struct):
     event: EventSpec | None = None  # the swap-out copy; consumers wait on it
 
 
-@dataclass(frozen=True)
-class RequestTimings(Struct):
+class RequestTimings(Struct, frozen=True):
     """Where a request's time went (paper Fig. 14), seconds."""
 
     prefill_wait_s: float = 0.0
@@ -67,4 +62,29 @@ class RequestTimings(Struct):
     decode_s: float = 0.0
     kv_wait_s: float = 0.0  # data overhead: waiting for KV transfers
     kv_control_s: float = 0.0  # control overhead: block bookkeeping, events
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class ModelSizes(Struct, frozen=True):
+    """The sizes a latency model estimates one model with (``aegaeon_sched.ModelSpec``)."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
+class LatencyProfile(Struct, frozen=True):
+    """An instance's fitted latency model: ``aegaeon_sched.LatencyModel.to_dict()``
+    typed for the wire (``from_dict`` takes its plain form back)."""
+
+    version: int
+    pcie_bytes_per_s: float
+    switch_beta: float
+    attn_block: int
+    decode_per_seq_term: bool
+    models: dict[str, ModelSizes]
+    prefill_coef: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    decode_coef: dict[str, list[float]] = msgspec.field(default_factory=dict)

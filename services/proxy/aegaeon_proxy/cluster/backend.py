@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -326,9 +325,9 @@ class ClusterBackend:
         # Each instance's start-up latency profile (aegaeon_sched.LatencyModel
         # dicts): what a simulation of this deployment should use.
         out["latency"] = {
-            v.name: json.loads(v.hello.latency_json)
+            v.name: to_plain(v.hello.latency)
             for v in self.instances
-            if v.hello is not None and v.hello.latency_json
+            if v.hello is not None and v.hello.latency is not None
         }
         out["layout"] = {
             "policy": self.config.scheduler.policy,

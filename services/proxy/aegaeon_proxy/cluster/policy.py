@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from aegaeon_common.config import Config
+from aegaeon_common.wire import to_plain
 from aegaeon_sched import (
     ClusterSpec,
     DecodeDispatcher,
@@ -22,8 +21,8 @@ def _latency(instances: Instances) -> LatencyModel:
     any instance's when the policy has no prefill instances."""
     ordered = sorted(instances, key=lambda v: v.kind != "prefill")
     for view in ordered:
-        if view.hello is not None and view.hello.latency_json:
-            return LatencyModel.from_dict(json.loads(view.hello.latency_json))
+        if view.hello is not None and view.hello.latency is not None:
+            return LatencyModel.from_dict(to_plain(view.hello.latency))
     raise RuntimeError("no instance reported a latency profile")
 
 
