@@ -22,8 +22,10 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -80,8 +82,10 @@ class Stack:
     timings_s: dict[str, float] = field(default_factory=dict)
 
     def __call__(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        return _run([*self.compose, "-p", self.project, "--profile", "cpu", *args],
-                    timeout=timeout, cwd=ROOT, env=self.env)
+        # both profiles, services named on `up`: Grafana's image (from a registry) is
+        # never needed
+        return _run([*self.compose, "-p", self.project, "--profile", "cpu", "--profile",
+                     "monitoring", *args], timeout=timeout, cwd=ROOT, env=self.env)
 
     def logs(self) -> str:
         return self("logs", "--no-color", "--tail", "60", timeout=60).stdout[-12000:]
@@ -148,11 +152,12 @@ def market() -> Path:
 def stack(image: dict[str, float], market: Path) -> Iterator[Stack]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "AEGAEON_"))}
-    env.update(AEGAEON_MARKET_DIR=str(market), AEGAEON_API_PORT=str(port))
+    env.update(AEGAEON_CPU_IMAGE=IMAGE, AEGAEON_MARKET_DIR=str(market), AEGAEON_API_PORT=str(port),
+               AEGAEON_PROMETHEUS_PORT=f"127.0.0.1:{_free_port()}")
     s = Stack(_compose_command(), f"aegaeon-test-{os.getpid()}", env, f"http://127.0.0.1:{port}")
     s.timings_s.update(image)
     start = time.monotonic()
-    up = s("up", "-d", timeout=UP_TIMEOUT_S)
+    up = s("up", "-d", "proxy-cpu", timeout=UP_TIMEOUT_S)  # and what it depends on
     try:
         assert up.returncode == 0, up.stderr[-3000:] + s.logs()
         deadline = time.monotonic() + UP_TIMEOUT_S
@@ -287,3 +292,89 @@ def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: 
                 break
             time.sleep(1)
         assert health.strip() == "healthy", (svc, health)
+
+
+def test_prometheus_scrapes_every_service_and_the_dashboard_queries_answer(stack: Stack) -> None:
+    """The monitoring profile's Prometheus (scripts/images prometheus) beside the stack: every
+    service's job is up, and each query of the Grafana dashboard runs against what it
+    scraped (Grafana itself comes from a registry, so only its provisioning is checked)."""
+    image = os.environ.get("AEGAEON_PROMETHEUS_IMAGE", "aegaeon-prometheus:bookworm")
+    stack.env["AEGAEON_PROMETHEUS_IMAGE"] = image
+    if _run(["docker", "image", "inspect", image]).returncode != 0:
+        pytest.skip(f"no image {image} (scripts/images prometheus)")
+    start = time.monotonic()
+    up = stack("up", "-d", "prometheus")
+    assert up.returncode == 0, up.stderr[-2000:]
+    url = "http://" + stack.env["AEGAEON_PROMETHEUS_PORT"]
+    jobs = {f"aegaeon-{k}" for k in ("proxy", "cachemgr", "prefill", "decode")}
+    deadline = time.monotonic() + 90
+    while True:
+        status, body = _get(f"{url}/api/v1/targets")
+        targets = json.loads(body)["data"]["activeTargets"] if status == 200 else []
+        healthy = {t["labels"]["job"] for t in targets if t["health"] == "up"}
+        if jobs <= healthy or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert jobs <= healthy, targets
+    time.sleep(11)  # two more scrapes: rates have two samples
+    stack.timings_s["prometheus_up_s"] = time.monotonic() - start
+
+    dashboard = json.loads((ROOT / "docker/monitoring/grafana/dashboards/aegaeon.json").read_text())
+    empty = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$model", ".*").replace("$__rate_interval", "1m")
+            status, body = _get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+            assert status == 200, (panel["title"], expr, body[:300])
+            if not json.loads(body)["data"]["result"]:
+                empty.append(panel["title"])
+    assert set(empty) <= {"Errors by model"}, empty  # no request failed, all else has data
+
+
+def _complete(api_url: str, model: str, i: int) -> tuple[str, object]:
+    body = json.dumps({"model": model, "prompt": f"Request {i}", "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{api_url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=180) as resp:
+            reply = json.load(resp)
+        return reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
+    except (OSError, ValueError, KeyError) as exc:  # the test's point: count every failure
+        return "error", repr(exc)[:300]
+
+
+def test_compose_restart_of_each_worker_under_load_loses_nothing(stack: Stack) -> None:
+    """`docker compose restart prefill-cpu` / `decode-cpu` while requests stream: SIGTERM
+    drains the worker (stop_grace_period covers drain_timeout), the container comes back
+    and rejoins the cachemgr and proxy, no request fails."""
+    models = [m["id"] for m in json.loads(_get(f"{stack.api_url}/v1/models")[1])["data"]][:3]
+    results: list[tuple[str, object]] = []
+    stop = threading.Event()
+
+    def feed() -> None:
+        with ThreadPoolExecutor(32) as pool:
+            futures, i = [], 0
+            while not stop.is_set():
+                futures.append(pool.submit(_complete, stack.api_url, models[i % 3], i))
+                i += 1
+                time.sleep(0.1)
+            results.extend(f.result() for f in futures)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        for service in ("decode-cpu", "prefill-cpu"):
+            time.sleep(2)  # requests in every stage when the signal comes
+            start = time.monotonic()
+            restarted = stack("restart", service, timeout=180)
+            assert restarted.returncode == 0, restarted.stderr[-2000:]
+            stack.timings_s[f"restart_{service}_s"] = time.monotonic() - start
+        time.sleep(2)
+    finally:
+        stop.set()
+        feeder.join(timeout=300)
+    assert len(results) > 50
+    assert [r for r in results if r != ("length", MAX_TOKENS)] == []
+    logs = stack("logs", "--no-color", "decode-cpu", timeout=60).stdout
+    assert '"event": "drained"' in logs
