@@ -204,7 +204,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def prebuild(names: tuple[str, ...] | list[str]) -> None:
-    """Build the levels ``names`` not built yet, in parallel processes (loads nothing here)."""
+    """Build the levels ``names`` not built yet, in parallel: one in this process (which
+    loads it), the others in child processes (loaded here when first used)."""
     missing = [n for n in names if not (_directory(n) / _DONE).exists()]
     procs = [subprocess.Popen([sys.executable, "-m", "aegaeon_engine.native", "--build", n],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
