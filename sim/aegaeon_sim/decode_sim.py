@@ -2,31 +2,37 @@
 
 It keeps the *same* mirror work list a live decode instance keeps
 (:class:`~aegaeon_sched.DecodeWorkList`), fed by the policy's actions, and
-plans its rounds with the same :class:`~aegaeon_sched.RoundRobinPlanner`,
-asking it (:meth:`~aegaeon_sched.RoundRobinPlanner.replan_due`) whether a
-batch that arrived mid-round ends the round early: at once when the round
-has no switch (one model), at the next turn boundary with ``fresh_first``.
+runs its rounds with the same :class:`~aegaeon_sched.RoundController` the
+live decode loop runs (aegaeon_runtime.decode): the controller plans each
+round (Eq. 2-3 and the round bound), says which batch takes the next turn,
+when a turn is over (quota spent, batch emptied, a one-model round cut by a
+new batch) and which model to prefetch behind it; this file only prices
+what the live loop would spend.
+
+As the live loop, which reads its inbox between decode steps, the instance
+sees a placement at its next step boundary: a request placed while a step
+(or a switch) is in progress waits in :attr:`DecodeSim.inbox` until it ends,
+and the step in progress ends the chunk.
 
 Costs on the decode side (per turn, on the critical path):
 
 - model switch, priced by ``costs.switching`` (switching.py). Prefetching
-  (section 5.2): when a turn starts decoding, the instance starts loading the
-  model of the next turn with a different model (or, at the end of a round,
-  the first other model of the work list) in the background; a switch to it
-  exposes what is left of that load (a wrong guess: a full switch).
+  (section 5.2): the model the controller names when a turn starts is loaded
+  in the background from the turn's first step; a switch to it exposes what
+  is left of that load (a wrong guess: a full switch).
 - KV swap-in of the batch (context tokens x KV bytes per token at
   ``kv_bytes_per_s``) whenever the turn's batch differs from the previous
   turn's; the swap-out of the previous batch overlaps (section 5.3).
 - a newly placed request joins its batch once its prompt KV has gone device
-  -> host -> device: ``2 x prompt KV bytes`` after its prefill ends.
+  -> host -> device: ``2 x prompt KV bytes`` after its prefill ends; a turn
+  whose requests all wait for their KV waits (as the live loop polls its
+  events) until one arrives or the quota is spent.
 - ``costs``' per-turn and per-step overheads and the planner's switch
   estimate (Eq. 4, or as live, learned from turns): zero and Eq. 4 for the
   paper's H800s, measured for a replayed CPU node (node.py).
 
 ``estimator``: the latency model the planner estimates step times with
-(default: ``latency``, what steps take). A round re-planned mid-way serves
-the batches that have had a turn since the last complete round last, as the
-live decode loop does (:class:`~aegaeon_sched.ServedInRound`).
+(default: ``latency``, what steps take).
 """
 
 from __future__ import annotations
@@ -37,15 +43,18 @@ from enum import Enum
 from aegaeon_sched import (
     DecodeWorkList,
     LatencyModel,
-    RoundPlan,
+    RoundController,
     RoundRobinPlanner,
-    ServedInRound,
-    Turn,
 )
 
 from aegaeon_sim.state import SimRequest, steps_until, steps_within
 from aegaeon_sim.switching import InstanceCosts, SwitchEstimate, switch_cost
 from aegaeon_sim.turn_meter import TurnMeter
+
+# A step takes at least this long. Eq. 6 is clamped at zero, and a profile fitted
+# on a busy machine can have a negative context slope (seen: a 19M model at 2k
+# tokens); a step of no time would emit a whole request at one instant.
+MIN_STEP_S = 1e-6
 
 
 class Phase(Enum):
@@ -55,7 +64,10 @@ class Phase(Enum):
 
 
 class DecodeSim:
-    """One decode instance: weighted round robin over its mirror work list."""
+    """One decode instance: weighted round robin over its mirror work list.
+
+    ``rounds``: its round controller (default: one over ``planner``).
+    """
 
     def __init__(
         self,
@@ -67,11 +79,12 @@ class DecodeSim:
         costs: InstanceCosts,
         prefetch: bool = True,
         estimator: LatencyModel | None = None,
+        rounds: RoundController | None = None,
     ) -> None:
         self.name = name
         self.latency = latency
         self.estimator = estimator or latency
-        self.planner = planner
+        self.rounds = rounds or RoundController(planner)
         self.kv_bytes_per_s = kv_bytes_per_s
         self.costs = costs
         self.switch_estimate = SwitchEstimate(self.estimator, costs.learned_switch_estimate)
@@ -79,83 +92,81 @@ class DecodeSim:
         self.prefetch_enabled = prefetch
         self.work = DecodeWorkList()
         self.sims: dict[str, SimRequest] = {}
+        # Placements not seen yet (made during a step or a switch): (time, request, batch).
+        self.inbox: list[tuple[float, SimRequest, int]] = []
         self.finished: list[SimRequest] = []
         self.clock = 0.0
         self.phase = Phase.ROUND_START
         self.loaded: str | None = None
         self.prefetch: tuple[str, float] | None = None
-        self.plan = RoundPlan((), 0.0, 0.0, 0.0)
-        self.turns: list[Turn] = []
-        self.turn_idx = 0
-        self.turned: set[int] = set()  # batches that have had a turn (not fresh)
-        self.served = ServedInRound()
+        self.next_prefetch: str | None = None  # named at a turn's start, loaded from its first step
         self.batch_id = -1
         self.last_batch_id = -1
         self.busy_until = 0.0
-        self.quota_end = 0.0
         self.switch_costs: list[float] = []  # exposed part of every model switch
-        self.num_rounds = 0
         self.wake_s = math.inf
 
+    @property
+    def num_rounds(self) -> int:
+        return self.rounds.num_rounds
+
+    @property
+    def quota_end(self) -> float:
+        return self.rounds.quota_end_s
+
     def place(self, sim: SimRequest, batch_id: int, now_s: float) -> None:
-        if not self.sims:
-            self.clock = max(self.clock, now_s)  # idle until now
+        self.sims[sim.request.request_id] = sim
+        if self.phase is Phase.ROUND_START or self.clock >= now_s:
+            if self.phase is Phase.ROUND_START and not self.work.num_requests:
+                self.clock = max(self.clock, now_s)  # idle until now
+            self._receive_one(sim, batch_id)
+        else:  # seen when the step or switch in progress ends
+            self.inbox.append((now_s, sim, batch_id))
+        # The newcomer can end the current chunk (a join, a cut), the turn or
+        # the wait for a round's first ready request.
+        self.wake_s = min(self.wake_s, self.clock, sim.ready_s)
+
+    def _receive(self, until_s: float) -> None:
+        """Take the placements made by ``until_s`` into the work list."""
+        while self.inbox and self.inbox[0][0] <= until_s:
+            _, sim, batch_id = self.inbox.pop(0)
+            self._receive_one(sim, batch_id)
+
+    def _receive_one(self, sim: SimRequest, batch_id: int) -> None:
         new_batch = self.work.batch(batch_id) is None
         self.work.add(sim.request, batch_id)
-        self.sims[sim.request.request_id] = sim
-        # The newcomer can end the current chunk (a join), the turn (a new
-        # batch may end a one-model round) or finish early.
-        self.wake_s = min(self.wake_s, self.clock, sim.ready_s)
-        if new_batch and self.planner.fresh_first and self.phase is Phase.DECODE:
-            self._retarget_prefetch(sim.request.model, max(now_s, self.clock))
+        if new_batch and self.rounds.planner.fresh_first and self.phase is Phase.DECODE:
+            self._retarget_prefetch()
 
-    def _retarget_prefetch(self, model: str, now_s: float) -> None:
-        """A fresh batch takes the next turn: load its model instead, unless
-        an earlier fresh batch is already waiting for that turn."""
-        planned = {t.batch_id for t in self.turns}
-        unplanned = [b for b in self.work if b.batch_id not in planned]
-        if self.prefetch_enabled and len(unplanned) == 1 and model != self.loaded:
-            self.prefetch = (model, now_s)
+    def _retarget_prefetch(self) -> None:
+        """A fresh batch takes the next turn: load what the controller names now."""
+        if not self.prefetch_enabled:
+            return
+        model = self.rounds.prefetch_model(self.work)
+        current = self.prefetch[0] if self.prefetch is not None else None
+        if model is not None and model not in (self.loaded, current):
+            self.prefetch = (model, self.clock)
 
     # ---- turn bookkeeping ------------------------------------------------
     def _plan_round(self) -> None:
-        """Plan a round; after a cut one, the batches already served go last."""
-        self.turned &= {b.batch_id for b in self.work}
-        self.plan = self.planner.plan_work_list(
+        self.rounds.plan_round(
             self.work, self.estimator, lambda rid: self.sims[rid].context,
-            turned_ids=self.turned,
-            served_ids=self.served.for_plan(b.batch_id for b in self.work),
-            switch_s=self.switch_estimate, decode_share=self.decode_share(),
+            self.switch_estimate, now_s=self.clock, prefill_busy_s=self.prefill_busy_s(),
         )  # fmt: skip
-        self.turns = list(self.plan.turns)
-        self.turn_idx = -1
-        self.num_rounds += 1
         self._next_turn()
 
-    def decode_share(self) -> float:
-        """The part of this instance's time left for decoding (hybrids: below 1)."""
-        return 1.0
-
-    def _replan_due(self, *, mid_turn: bool) -> bool:
-        return self.planner.replan_due(
-            self.plan, (b.batch_id for b in self.work), mid_turn=mid_turn
-        )
+    def prefill_busy_s(self) -> float:
+        """Seconds this instance has spent prefilling (a hybrid's decode share)."""
+        return 0.0
 
     def _next_turn(self) -> None:
         self.meter.end(self.clock)  # the turn in progress, if any, ends now
-        if self.turn_idx >= 0 and self._replan_due(mid_turn=False):
-            self._plan_round()
-            return
-        self.turn_idx += 1
-        if self.turn_idx >= len(self.turns):
-            self.served.round_ended()
+        turn = self.rounds.next_turn(self.work)
+        if turn is None:
             self.phase = Phase.ROUND_START
             return
-        turn = self.turns[self.turn_idx]
         batch = self.work.batch(turn.batch_id)
-        if batch is None:  # emptied since the round was planned
-            self._next_turn()
-            return
+        assert batch is not None  # the controller skips emptied batches
         cost = self.costs.turn_overhead_s
         switched = turn.model != self.loaded
         if switched:
@@ -165,27 +176,18 @@ class DecodeSim:
             present = [self.sims[r] for r in batch.requests if self.sims[r].ready_s <= self.clock]
             kv_bytes = self.latency.spec(turn.model).kv_bytes_per_token
             cost += sum(s.context for s in present) * kv_bytes / self.kv_bytes_per_s
+        if self.prefetch_enabled:
+            self.next_prefetch = self.rounds.prefetch_model(self.work)
         self.batch_id = self.last_batch_id = turn.batch_id
-        self.turned.add(turn.batch_id)
-        self.served.turn_began(turn.batch_id)
         self.phase = Phase.SWITCH
         self.meter.start(turn.model, self.clock, turn.quota_s, switched)
         self.busy_until = self.clock + cost
-        self.quota_end = self.busy_until + turn.quota_s
 
     def _switch_cost(self, model: str) -> float:
         cost = switch_cost(self.costs.switching, model, self.prefetch, self.clock)
         self.prefetch = None
         self.switch_costs.append(cost)
         return cost
-
-    def _start_prefetch(self) -> None:
-        if not self.prefetch_enabled:
-            return
-        later = [t.model for t in self.turns[self.turn_idx + 1 :]]
-        later += [b.model for b in self.work]
-        nxt = next((m for m in later if m != self.loaded), None)
-        self.prefetch = (nxt, self.clock) if nxt is not None else None
 
     # ---- simulation ------------------------------------------------------
     def advance(self, horizon_s: float) -> float | None:
@@ -197,15 +199,23 @@ class DecodeSim:
         """
         while True:
             if self.phase is Phase.ROUND_START:
-                if not self.sims:
-                    self.wake_s = math.inf
-                    return None
-                earliest = min(s.ready_s for s in self.sims.values())
+                self._receive(self.clock)
+                if not self.work.num_requests:
+                    if not self.inbox:
+                        self.wake_s = math.inf
+                        return None
+                    if self.inbox[0][0] > horizon_s:
+                        self.wake_s = self.inbox[0][0]
+                        return None
+                    self.clock = self.inbox[0][0]
+                    continue
+                earliest = min(self.sims[r].ready_s for b in self.work for r in b.requests)
                 if earliest > self.clock:  # nothing decodable yet: wait for KV
                     if earliest > horizon_s:
                         self.wake_s = earliest
                         return None
                     self.clock = earliest
+                    continue
                 self._plan_round()
                 continue
             if self.phase is Phase.SWITCH:
@@ -214,7 +224,10 @@ class DecodeSim:
                     return None
                 self.clock = self.busy_until
                 self.phase = Phase.DECODE
-                self._start_prefetch()
+                self.rounds.start_quota(self.clock)
+                if self.prefetch_enabled:
+                    nxt = self.next_prefetch
+                    self.prefetch = (nxt, self.clock) if nxt is not None else None
                 continue
             done = self._decode(horizon_s)
             if done is None:
@@ -226,16 +239,17 @@ class DecodeSim:
     def _decode(self, horizon_s: float) -> bool | None:
         """One chunk of the current turn: ``True`` if requests finished,
         ``False`` to keep going, ``None`` to stop at the horizon."""
-        batch = self.work.batch(self.batch_id)
         clock = self.clock
-        if batch is None or clock >= self.quota_end:
+        self._receive(clock)
+        if self.rounds.turn_over(self.work, clock) is not None:
             self._next_turn()
             return False
-        if self.plan.switch_s == 0 and self._replan_due(mid_turn=True):
-            self._plan_round()  # a one-model round ends when another batch arrives
-            return False
+        batch = self.work.batch(self.batch_id)
+        assert batch is not None
+        quota_end = self.rounds.quota_end_s
         members: list[SimRequest] = []
-        next_join = math.inf
+        # The chunk ends at the first step boundary after a join or a placement.
+        next_join = self.inbox[0][0] if self.inbox else math.inf
         context = 0
         min_remaining = 1 << 30
         sims = self.sims
@@ -249,23 +263,21 @@ class DecodeSim:
                     min_remaining = remaining
             elif sim.ready_s < next_join:
                 next_join = sim.ready_s
-        if not members:
-            if next_join >= self.quota_end:
-                self._next_turn()
-                return False
-            if next_join > horizon_s:
-                self.wake_s = next_join
+        if not members:  # every request waits for its KV: wait, up to the quota's end
+            until = min(next_join, quota_end)
+            if until > horizon_s:
+                self.wake_s = until
                 return None
-            self.clock = next_join
+            self.clock = until
             return False
         engine = self.latency.decode_step_s(batch.model, len(members), context)
         cold = self.meter.cold
         if cold:  # the first step after a switch, on its own
             engine += self.costs.cold_step_s
-        step = engine + self.costs.step_overhead_s
+        step = max(engine + self.costs.step_overhead_s, MIN_STEP_S)
         n = min(
             1 if cold else min_remaining,
-            steps_until(clock, step, self.quota_end),
+            steps_until(clock, step, quota_end),
             steps_until(clock, step, next_join),
         )
         fits = steps_within(clock, step, horizon_s)

@@ -8,12 +8,11 @@ proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;
 :mod:`aegaeon_sim.shares`), and a hybrid runs Algorithm 1's job queue
 with strict priority: a queued prefill ends the decode turn in progress and
 the instance decodes again only once its job queue is empty, planning a fresh
-round (as the live loop does, the batches already served since the last
-complete round go last: :class:`~aegaeon_sched.ServedInRound`), with its TBT
-target and round bound scaled by its own decode share
-(:class:`~aegaeon_sched.DecodeShare` over its prefill compute seconds, as the
-live loop). Prefill and decode share one GPU: one loaded model, one prefetch
-in flight.
+round. Its :class:`~aegaeon_sched.RoundController` is the live hybrid's: a
+waiting prefill cuts the round (the batches already served since the last
+complete round go last), and rounds are planned for its decode share
+(:class:`~aegaeon_sched.DecodeShare` over its prefill compute seconds).
+Prefill and decode share one GPU: one loaded model, one prefetch in flight.
 
 Simplification: the prefill starts when it is enqueued, not at the end of the
 decode step in progress (at most one step, ~10-30 ms, early).
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from aegaeon_sched import DecodeShare, LatencyModel, RoundRobinPlanner
+from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner
 
 from aegaeon_sim.decode_sim import DecodeSim, Phase
 from aegaeon_sim.prefill_sim import PrefillSim
@@ -43,19 +42,21 @@ class HybridSim(DecodeSim):
         costs: InstanceCosts,
         prefetch: bool = True,
         estimator: LatencyModel | None = None,
+        rounds: RoundController | None = None,
     ) -> None:
         super().__init__(
             prefill.name, latency, planner, kv_bytes_per_s=kv_bytes_per_s, costs=costs,
             prefetch=prefetch, estimator=estimator,
+            rounds=rounds or RoundController(planner, share=DecodeShare()),
         )  # fmt: skip
         self.prefill = prefill
-        self.share = DecodeShare()
         self.paused = False
         prefill.on_busy = self._pause
         prefill.on_idle = self._resume
 
     def _pause(self, now_s: float) -> None:
-        """A prefill arrived (the driver advanced this instance to ``now_s``)."""
+        """A prefill arrived (the driver advanced this instance to ``now_s``): it goes
+        first, the round is cut (what the controller rules for a waiting prefill)."""
         self.meter.end(self.clock)
         self.paused = True
         self.prefill.loaded, self.prefill.prefetch = self.loaded, self.prefetch
@@ -69,8 +70,8 @@ class HybridSim(DecodeSim):
         self.phase = Phase.ROUND_START
         self.wake_s = self.clock
 
-    def decode_share(self) -> float:
-        return self.share.observe(self.clock, self.prefill.compute_s)
+    def prefill_busy_s(self) -> float:
+        return self.prefill.compute_s
 
     def advance(self, horizon_s: float) -> float | None:
         if self.paused:

@@ -9,7 +9,6 @@ nothing here waits for the copy.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
@@ -19,8 +18,9 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
 
 from aegaeon_runtime.cacheclient.client import to_event
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.port import WorkerPort
 from aegaeon_runtime.sampling import engine_params, finish_reason
-from aegaeon_runtime.worker import Worker
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,12 @@ class PrefillOutcome:
     num_tokens: int
 
 
-def run_prefill(worker: Worker, msg: EnqueuePrefill, prefetch: str | None) -> PrefillOutcome:
+def run_prefill(
+    worker: WorkerPort, msg: EnqueuePrefill, prefetch: str | None, clock: Clock = SYSTEM_CLOCK
+) -> PrefillOutcome:
     """Prefill ``msg`` on ``worker``; ``prefetch`` is the model to load behind it."""
     w = worker
-    started = time.time()
+    started = clock.wall()
     record = w.switcher.activate(msg.model, started)
     if prefetch is not None:
         w.switcher.prefetch(prefetch)
@@ -50,11 +52,11 @@ def run_prefill(worker: Worker, msg: EnqueuePrefill, prefetch: str | None) -> Pr
     except OutOfBlocks as exc:
         return fail("kv_capacity", f"prompt does not fit: {exc}")
     params = engine_params(msg.sampling)
-    compute_start = time.perf_counter()
+    compute_start = clock.now()
     logits = w.engine.prefill(prompt, blocks)
     gen = params.make_generator(w.engine.device)
     token = w.sampler.sample(logits[None], [params], [gen])[0]
-    compute_s = time.perf_counter() - compute_start
+    compute_s = clock.now() - compute_start
     finish = finish_reason(token, 1, params)
     handoff = None
     if finish is None:
@@ -68,7 +70,7 @@ def run_prefill(worker: Worker, msg: EnqueuePrefill, prefetch: str | None) -> Pr
         handoff = KVHandoff(spec, host, len(prompt), to_event(event.handle()))
     else:
         w.kv.free(shape, blocks)
-    done = time.time()
+    done = clock.wall()
     timings = RequestTimings(
         prefill_wait_s=max(0.0, started - msg.arrival_s),
         prefill_s=done - started,

@@ -28,6 +28,7 @@ from aegaeon_common.logs import get_logger
 from aegaeon_engine import DecodeSeq
 from aegaeon_sched import LatencyModel
 
+from aegaeon_runtime.port import WorkerPort
 from aegaeon_runtime.profile import profile, profile_models
 from aegaeon_runtime.worker import Worker, instance_config
 
@@ -141,3 +142,11 @@ def cached_profile(worker: Worker, measure: Callable[[Worker], LatencyModel] = p
     except OSError as exc:  # a read-only cache costs the next start a profile, nothing more
         log.warning("start-up profile not kept", path=str(path), error=str(exc))
     return latency
+
+
+def start_up_profile(worker: WorkerPort) -> Callable[[], LatencyModel]:
+    """A compute loop's latency model source: :func:`cached_profile` of a built
+    worker (any other worker, e.g. a test's fake, must bring its own)."""
+    if not isinstance(worker, Worker):
+        raise TypeError("a worker other than aegaeon_runtime.worker.Worker needs a profile")
+    return lambda: cached_profile(worker)

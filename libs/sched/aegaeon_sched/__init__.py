@@ -42,7 +42,7 @@ from aegaeon_sched.quota import (
 from aegaeon_sched.request import InstanceId, NoInstance, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
-from aegaeon_sched.rounds import ServedInRound
+from aegaeon_sched.rounds import RoundController, ServedInRound, TurnEnd
 from aegaeon_sched.share import DecodeShare
 from aegaeon_sched.slo import (
     SLO,
@@ -91,6 +91,7 @@ __all__ = [
     "Request",
     "RequestLevelPolicy",
     "RequestTrace",
+    "RoundController",
     "RoundPlan",
     "RoundRobinPlanner",
     "RunOnInstance",
@@ -98,6 +99,7 @@ __all__ = [
     "ServedInRound",
     "StaticMuxPolicy",
     "Turn",
+    "TurnEnd",
     "artifact_qos",
     "attainment",
     "make_policy",

@@ -12,7 +12,7 @@ the request off with that copy's event — without waiting for the copy.
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
@@ -23,12 +23,12 @@ from aegaeon_common.messages.report import (
     SwitchRecord,
 )
 from aegaeon_common.wire import Message
-from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
+from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill import run_prefill
-from aegaeon_runtime.profile_cache import cached_profile
-from aegaeon_runtime.worker import Worker
+from aegaeon_runtime.profile_cache import start_up_profile
 from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
 IDLE_WAIT_S = 0.05
@@ -46,10 +46,21 @@ class Counters:
 
 
 class PrefillLoop:
-    """Runs on the compute thread; see the module docstring."""
+    """Runs on the compute thread; see the module docstring. ``clock`` and
+    ``profile`` (default: the worker's cached start-up profile) are for tests."""
 
-    def __init__(self, worker: Worker, inbox: Inbox[Message], outbox: Outbox) -> None:
+    def __init__(
+        self,
+        worker: WorkerPort,
+        inbox: MessageSource,
+        outbox: MessageSink,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        profile: Callable[[], LatencyModel] | None = None,
+    ) -> None:
         self.worker = worker
+        self.clock = clock
+        self._profile = profile or start_up_profile(worker)
         self.inbox = inbox
         self.outbox = outbox
         self.queue = PrefillQueue(worker.config.scheduler.max_group_size)
@@ -103,7 +114,7 @@ class PrefillLoop:
 
     # ---- the loop ----------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        self.latency = cached_profile(self.worker)
+        self.latency = self._profile()
         self.ready.set()
         while not (stop.is_set() or self._stop.is_set()):
             head = self.queue.peek()
@@ -116,7 +127,7 @@ class PrefillLoop:
                     return  # drained: the queue is empty and nothing more comes
                 continue
             _, request = head
-            self.queue.start(request.request_id, time.time())
+            self.queue.start(request.request_id, self.clock.wall())
             try:
                 self._prefill(request)
             finally:
@@ -128,7 +139,7 @@ class PrefillLoop:
 
     def _prefill(self, request: Request) -> None:
         msg = self.jobs.pop(request.request_id)
-        outcome = run_prefill(self.worker, msg, self._next_model(msg.model))
+        outcome = run_prefill(self.worker, msg, self._next_model(msg.model), self.clock)
         if outcome.switch is not None:
             self._note_switch(outcome.switch)
         self.outbox.send(outcome.message)
@@ -179,3 +190,4 @@ class PrefillLoop:
             counters=counters,
             switches=switches,
         )
+

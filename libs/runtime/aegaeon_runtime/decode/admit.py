@@ -9,14 +9,14 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_common.wire import Message
 from aegaeon_sched import SLO, DecodeWorkList, Request
 
-from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.emit import TokenEmitter
 from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.seq import Seq
 from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.kv import event_from_spec
+from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.sampling import engine_params, resume_generator
-from aegaeon_runtime.worker import Worker
 
 
 class Admission:
@@ -24,13 +24,15 @@ class Admission:
 
     def __init__(
         self,
-        worker: Worker,
+        worker: WorkerPort,
         work: DecodeWorkList,
         residency: Residency,
-        outbox: Outbox,
+        outbox: MessageSink,
         counters: DecodeCounters,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.worker = worker
+        self.clock = clock
         self.work = work
         self.residency = residency
         self.outbox = outbox
@@ -39,7 +41,7 @@ class Admission:
         self._local_batches: dict[str, int] = {}
         config = worker.config
         slo = SLO(config.slo.ttft_s, config.slo.tbt_s)
-        self.tokens = TokenEmitter(outbox, worker.index, slo, config.scheduler.token_hold)
+        self.tokens = TokenEmitter(outbox, worker.index, slo, config.scheduler.token_hold, clock)
 
     def _add(self, seq: Seq, max_tokens: int) -> bool:
         request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens)
@@ -73,6 +75,7 @@ class Admission:
             tokens=[msg.first_token_id],
             host_blocks=list(msg.handoff.block_offsets),
             host_event=event_from_spec(msg.handoff.event),
+            joined_s=self.clock.wall(),
         )  # fmt: skip
         try:
             self.residency.accept(seq)
@@ -102,6 +105,7 @@ class Admission:
             arrival_s=msg.arrival_s,
             tokens=[],
             prompt_token_ids=list(msg.prompt_token_ids),
+            joined_s=self.clock.wall(),
         )
         if self._add(seq, msg.sampling.max_tokens):
             w.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))

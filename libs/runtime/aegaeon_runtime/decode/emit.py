@@ -22,26 +22,29 @@ may travel together (each is still its own event to the client):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_sched import SLO
 
-from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.port import MessageSink
 
 
 class TokenEmitter:
     """See the module docstring."""
 
-    def __init__(self, outbox: Outbox, index: int, slo: SLO, hold: float) -> None:
+    def __init__(
+        self, outbox: MessageSink, index: int, slo: SLO, hold: float, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         """``hold``: how long tokens may wait, as a fraction of ``slo.tbt_s``."""
         self.outbox = outbox
+        self.clock = clock
         self.index = index
         self.slo = slo
         self.hold_s = max(0.0, hold * slo.tbt_s)
         self._held: dict[str, TokenItem] = {}
-        self._since: float | None = None  # perf_counter of the oldest held token
+        self._since: float | None = None  # clock.now() of the oldest held token
 
     def near(self, tokens: Iterable[tuple[float, int]], now_s: float, step_s: float) -> bool:
         """Is one of these tokens (request arrival, index) due ahead of ``now_s``
@@ -61,7 +64,7 @@ class TokenEmitter:
                 item.request_id, held.token_ids + item.token_ids, item.finish_reason,
                 item.timings,
             )  # the same request's earlier steps: one item, tokens in order
-        now = time.perf_counter()
+        now = self.clock.now()
         if self._since is None:
             self._since = now
         finished = any(item.finish_reason is not None for item in items)
@@ -72,5 +75,5 @@ class TokenEmitter:
         if self._held:
             items = list(self._held.values())
             self._held.clear()
-            self.outbox.send(StepTokens(self.index, items, time.time()))
+            self.outbox.send(StepTokens(self.index, items, self.clock.wall()))
         self._since = None

@@ -2,11 +2,13 @@
 
 The instance mirrors its work list of per-model batches with the proxy's
 :class:`~aegaeon_sched.DecodeWorkList` (same ``add(request, batch)`` calls).
-Each round the :class:`~aegaeon_sched.RoundRobinPlanner` groups same-model
-batches and gives each a quota (Eq. 2-3); each turn switches the batch's
-model in (prefetching the next turn's model behind it), swaps its requests'
-KV in, and decodes it with continuous batching for its quota, streaming
-tokens every step. Requests join as soon as their own KV has arrived.
+Its :class:`~aegaeon_sched.RoundController` (the one the simulator's decode
+instance runs) plans each round (same-model batches adjacent, Eq. 2-3
+quotas), names each turn, ends it and cuts the round; each turn switches the
+batch's model in (prefetching the model the controller names behind it),
+swaps its requests' KV in, and decodes it with continuous batching,
+streaming tokens every step. Requests join as soon as their own KV has
+arrived.
 
 Under request-level policies the same loop serves ``RunRequest``: the
 request is prefilled here first and its batch holds the instance's only
@@ -19,7 +21,6 @@ the share of its time its prefills leave (:class:`~aegaeon_sched.DecodeShare`).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
@@ -27,16 +28,14 @@ from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePref
 from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.wire import Message
 from aegaeon_sched import (
-    BatchLoad,
-    DecodeBatch,
     DecodeShare,
     DecodeWorkList,
     LatencyModel,
+    RoundController,
     RoundRobinPlanner,
-    ServedInRound,
 )
 
-from aegaeon_runtime.bridge import Inbox, Outbox
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.prefill_side import PrefillSide
 from aegaeon_runtime.decode.residency import Residency
@@ -44,45 +43,57 @@ from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.decode.turn import TurnRunner
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
-from aegaeon_runtime.profile_cache import cached_profile
-from aegaeon_runtime.worker import Worker
+from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
+from aegaeon_runtime.profile_cache import start_up_profile
 
 IDLE_WAIT_S = 0.05
 
 
 class DecodeLoop:
-    """Runs on the compute thread; see the module docstring."""
+    """Runs on the compute thread; see the module docstring.
+
+    ``clock``, ``rounds`` and ``profile`` (the latency model's source; default:
+    the worker's cached start-up profile) are for tests.
+    """
 
     def __init__(
-        self, worker: Worker, inbox: Inbox[Message], outbox: Outbox, hybrid: bool = False
+        self,
+        worker: WorkerPort,
+        inbox: MessageSource,
+        outbox: MessageSink,
+        hybrid: bool = False,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        rounds: RoundController | None = None,
+        profile: Callable[[], LatencyModel] | None = None,
     ) -> None:
         config = worker.config
         self.worker = worker
         self.inbox = inbox
         self.outbox = outbox
+        self.clock = clock
         self.work = DecodeWorkList()
-        # Eq. 2-3 plus the round bound (rounds within 0.7 x TTFT; see aegaeon_sched.quota).
-        self.planner = RoundRobinPlanner(
+        # Eq. 2-3 plus the round bound (rounds within 0.7 x TTFT; see aegaeon_sched.quota);
+        # a hybrid's prefills take part of its time: rounds are planned for the rest.
+        planner = RoundRobinPlanner(
             config.slo.tbt_s,
             config.scheduler.q_max_s,
             ttft_s=config.slo.ttft_s,
             round_ttft_fraction=config.scheduler.round_ttft_fraction,
         )
+        self.rounds = rounds or RoundController(planner, share=DecodeShare() if hybrid else None)
         self.counters = DecodeCounters(metrics=worker.metrics)
-        self.residency = Residency(worker)
-        self.admission = Admission(worker, self.work, self.residency, outbox, self.counters)
+        self.residency = Residency(worker, clock)
+        self.admission = Admission(worker, self.work, self.residency, outbox, self.counters, clock)
         self.turns = TurnRunner(
-            worker, self.work, self.admission, self.residency, outbox, self.counters
-        )
+            worker, self.work, self.rounds, self.admission, self.residency, outbox,
+            self.counters, clock,
+        )  # fmt: skip
         # A hybrid instance (a prefill instance decoding when idle) runs prefills first.
-        self.prefill = PrefillSide(worker, outbox, self.counters) if hybrid else None
+        self.prefill = PrefillSide(worker, outbox, self.counters, clock) if hybrid else None
         if self.prefill is not None:
             self.turns.preempt = self.prefill.pending
-        # Its prefills take part of its time: rounds are planned for the rest.
-        self._share = DecodeShare()
-        # After a round cut short (a prefill first, a new batch) the batches that
-        # have not had a turn since the last complete round go first.
-        self._served = ServedInRound()
+        self._profile = profile or start_up_profile(worker)
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
@@ -118,7 +129,7 @@ class DecodeLoop:
             self._handlers[type(msg)](msg)
 
     def run(self, stop: threading.Event) -> None:
-        self.latency = self.turns.latency = cached_profile(self.worker)
+        self.latency = self.turns.latency = self._profile()
         self.ready.set()
         self.turns.poll = lambda: self.apply(self.inbox.drain())
         while not (stop.is_set() or self._stop.is_set()):
@@ -148,47 +159,23 @@ class DecodeLoop:
         )
 
     def run_round(self, stop: threading.Event) -> None:
-        batches = self.work.group_by_model()
-        served = self._served.for_plan(b.batch_id for b in batches)
-        loads = [
-            BatchLoad(b.batch_id, b.model, self.turns.step_estimate(b),
-                      served=b.batch_id in served)
-            for b in batches
-        ]  # fmt: skip
-        models = {b.model for b in batches}
-        share = 1.0
-        if self.prefill is not None:
-            share = self._share.observe(time.monotonic(), self.counters.prefill_s)
-        switches = {m: self.turns.switch_estimate(m) for m in models}
-        plan = self.planner.plan(loads, switches, decode_share=share)
+        """Plan a round and run its turns until the controller ends it (all turns
+        run, or cut: a hybrid's prefill waits, a batch the round did not plan for)."""
+        assert self.latency is not None
+        prefill_s = self.counters.prefill_s if self.prefill is not None else 0.0
+        self.rounds.plan_round(
+            self.work, self.latency, self.turns.context_tokens, self.turns.switch_estimate,
+            now_s=self.clock.now(), prefill_busy_s=prefill_s,
+        )  # fmt: skip
         self.counters.rounds += 1
-        order = [t.batch_id for t in plan.turns]
-        for i, turn in enumerate(plan.turns):
-            if stop.is_set() or self._stop.is_set():
+        while not (stop.is_set() or self._stop.is_set()):
+            turn = self.rounds.next_turn(self.work, prefill_waiting=self._pending_prefill())
+            if turn is None:
                 return
-            if self.prefill is not None and self.prefill.pending():
-                return  # prefills first; the round is cut (ServedInRound)
             batch = self.work.batch(turn.batch_id)
-            if batch is None:
-                continue  # every request of it finished or was cancelled
-            following = order[i + 1 :] + order[: i + 1]
-            self._served.turn_began(batch.batch_id)
-            # A round without switches (one model) ends as soon as another
-            # model's batch arrives: its quota was never meant to block others.
-            watch = len(self.work) if plan.switch_s == 0 else None
-            self.turns.run(
-                batch, turn.quota_s, self._next_model(batch, following), following, watch
-            )
-            if watch is not None and len(self.work) > watch:
-                return
-        self._served.round_ended()
-
-    def _next_model(self, batch: DecodeBatch, following: list[int]) -> str | None:
-        for batch_id in following:
-            other = self.work.batch(batch_id)
-            if other is not None and other.model != batch.model:
-                return other.model
-        return None
+            assert batch is not None  # the controller skips emptied batches
+            self.turns.run(batch)
 
     def stats(self) -> InstanceStats:
         return self.counters.snapshot(self.worker)
+

@@ -11,21 +11,26 @@ one decode step of delay; the instance decodes only when no prefill waits.
 
 from __future__ import annotations
 
-import time
-
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed
 from aegaeon_sched import PrefillQueue, Request
 
-from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.stats import DecodeCounters
+from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.prefill import run_prefill
-from aegaeon_runtime.worker import Worker
 
 
 class PrefillSide:
-    def __init__(self, worker: Worker, outbox: Outbox, counters: DecodeCounters) -> None:
+    def __init__(
+        self,
+        worker: WorkerPort,
+        outbox: MessageSink,
+        counters: DecodeCounters,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self.worker = worker
+        self.clock = clock
         self.outbox = outbox
         self.counters = counters
         self.queue = PrefillQueue(worker.config.scheduler.max_group_size)
@@ -57,11 +62,11 @@ class PrefillSide:
         """Run every queued prefill job, front group first (Algorithm 1, line 15)."""
         while (head := self.queue.peek()) is not None:
             _, request = head
-            self.queue.start(request.request_id, time.time())
+            self.queue.start(request.request_id, self.clock.wall())
             try:
                 msg = self.jobs.pop(request.request_id)
                 nxt = next((g.model for g in self.queue if g.model != msg.model), None)
-                outcome = run_prefill(self.worker, msg, nxt)
+                outcome = run_prefill(self.worker, msg, nxt, self.clock)
             finally:
                 self.queue.finish(request.request_id)
             if outcome.switch is not None:

@@ -9,14 +9,14 @@ with an event; see :mod:`aegaeon_runtime.kv`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
 
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.seq import Seq
-from aegaeon_runtime.worker import Worker
+from aegaeon_runtime.port import WorkerPort
 
 
 class KVCapacityError(RuntimeError):
@@ -26,9 +26,10 @@ class KVCapacityError(RuntimeError):
 class Residency:
     """Swap-in/out decisions and bookkeeping for one decode instance."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerPort, clock: Clock = SYSTEM_CLOCK) -> None:
         self.worker = worker
         self.kv = worker.kv
+        self.clock = clock
         self.num_swap_in = 0
         self.num_swap_out = 0
         self.control_s = 0.0  # bookkeeping time (paper Fig. 14: control overhead)
@@ -57,7 +58,7 @@ class Residency:
         """
         if seq.on_device:
             return
-        start = time.perf_counter()
+        start = self.clock.now()
         need = seq.blocks_needed()
         if need > self.kv.capacity_blocks(seq.shape):
             raise KVCapacityError(
@@ -79,14 +80,14 @@ class Residency:
         seq.on_device = True
         seq.num_swaps += 1
         self.num_swap_in += 1
-        self.control_s += time.perf_counter() - start
+        self.control_s += self.clock.now() - start
 
     def swap_out(self, seq: Seq) -> None:
         """Put ``seq``'s KV back in the host cache and free its device blocks
         once the copy has read them."""
         if not seq.on_device:
             return
-        start = time.perf_counter()
+        start = self.clock.now()
         used = seq.shape.blocks_for(seq.num_tokens_in_kv)
         keep, spare = seq.device_blocks[:used], seq.device_blocks[used:]
         self.kv.free(seq.shape, spare, seq.ready_event)
@@ -99,7 +100,7 @@ class Residency:
                 raise
         seq.device_blocks, seq.ready_event, seq.on_device = [], None, False
         self.num_swap_out += 1
-        self.control_s += time.perf_counter() - start
+        self.control_s += self.clock.now() - start
 
     def grow(self, seq: Seq, victims: Callable[[], Iterable[Seq]]) -> None:
         """Make sure ``seq`` has a block for its next write."""

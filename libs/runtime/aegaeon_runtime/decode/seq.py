@@ -13,7 +13,6 @@ KV residency (paper §5.3):
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +38,7 @@ class Seq:
     device_blocks: list[int] = field(default_factory=list)
     ready_event: Event | None = None
     on_device: bool = False
-    joined_s: float = field(default_factory=time.time)
+    joined_s: float = 0.0  # wall clock: when it joined this instance
     prefill_timings: RequestTimings | None = None
     decode_s: float = 0.0
     kv_wait_s: float = 0.0

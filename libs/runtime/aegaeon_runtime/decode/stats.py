@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from aegaeon_common.messages.report import InstanceStats, SwitchRecord, TurnRecord
 
 from aegaeon_runtime.metrics import WorkerMetrics
-from aegaeon_runtime.worker import Worker
+from aegaeon_runtime.port import WorkerPort
 
 
 @dataclass
@@ -48,7 +48,7 @@ class DecodeCounters:
         with self.lock:
             self.new_turns.append(record)
 
-    def snapshot(self, worker: Worker) -> InstanceStats:
+    def snapshot(self, worker: WorkerPort) -> InstanceStats:
         with self.lock:
             switches, self.new_switches = self.new_switches, []
             turns, self.new_turns = self.new_turns, []

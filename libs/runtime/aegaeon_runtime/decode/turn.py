@@ -1,31 +1,32 @@
 """One turn: a batch decoded for its quota (paper §4.3, Alg. 2 lines 10-11; §5.3).
 
-Before the first step the batch's model is switched in and the next turn's
-model prefetched; every request's KV swap-in is launched. Then steps run until
-the quota is spent or the batch is empty: each step decodes the requests
-whose own KV has arrived (continuous batching: requests that arrive for the
-batch mid-turn join at the next step), streams their tokens and retires the
-finished ones.
+Before the first step the batch's model is switched in and the model the
+round controller names (:meth:`~aegaeon_sched.RoundController.prefetch_model`)
+prefetched; every request's KV swap-in is launched. Then steps run until the
+controller says the turn is over (:meth:`~aegaeon_sched.RoundController.turn_over`:
+quota spent, batch emptied, a one-model round cut by a new batch, a hybrid's
+prefill waiting): each step decodes the requests whose own KV has arrived
+(continuous batching: requests that arrive for the batch mid-turn join at
+the next step), streams their tokens and retires the finished ones.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_engine import DecodeSeq
 from aegaeon_gpumem import OutOfBlocks
-from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel
+from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
 
-from aegaeon_runtime.bridge import Outbox
+from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
 from aegaeon_runtime.decode.stats import DecodeCounters
+from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.sampling import finish_reason
-from aegaeon_runtime.worker import Worker
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
 
@@ -33,15 +34,19 @@ KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its 
 class TurnRunner:
     def __init__(
         self,
-        worker: Worker,
+        worker: WorkerPort,
         work: DecodeWorkList,
+        rounds: RoundController,
         admission: Admission,
         residency: Residency,
-        outbox: Outbox,
+        outbox: MessageSink,
         counters: DecodeCounters,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.worker = worker
         self.work = work
+        self.rounds = rounds
+        self.clock = clock
         self.admission = admission
         self.residency = residency
         self.outbox = outbox
@@ -60,11 +65,10 @@ class TurnRunner:
         self._overhead_s: dict[str, float] = {}
 
     # ---- estimates for the planner ---------------------------------------
-    def step_estimate(self, batch: DecodeBatch) -> float:
-        seqs = [self.admission.seqs[r] for r in batch.requests if r in self.admission.seqs]
-        context = sum(s.position + 1 for s in seqs)
-        assert self.latency is not None
-        return self.latency.decode_step_s(batch.model, max(1, len(seqs)), context)
+    def context_tokens(self, request_id: str) -> int:
+        """Prompt plus tokens so far: the context the next step reads."""
+        seq = self.admission.seqs.get(request_id)
+        return seq.position + 1 if seq is not None else 0
 
     def switch_estimate(self, model: str) -> float:
         assert self.latency is not None
@@ -101,20 +105,16 @@ class TurnRunner:
             except OutOfBlocks:
                 return  # the rest waits for room (a later step or turn)
 
-    def run(
-        self,
-        batch: DecodeBatch,
-        quota_s: float,
-        next_model: str | None,
-        following: list[int],
-        end_when_batches_exceed: int | None = None,
-    ) -> None:
-        """Decode ``batch`` for ``quota_s``; end early once the work list holds more
-        than ``end_when_batches_exceed`` batches (a new model arrived)."""
-        w = self.worker
-        self._following = following
+    def run(self, batch: DecodeBatch) -> TurnEnd | None:
+        """Decode ``batch``, the controller's turn in progress, until the controller
+        says the turn is over; ``None`` when nothing of it can run (no device room)."""
+        w, clock, rounds = self.worker, self.clock, self.rounds
+        turn = rounds.turn
+        assert turn is not None and turn.batch_id == batch.batch_id
+        self._following = rounds.following(self.work)
+        next_model = rounds.prefetch_model(self.work)
         self.counters.turns += 1
-        start_wall, start = time.time(), time.perf_counter()
+        start_wall, start = clock.wall(), clock.now()
         steps_before, tokens_before = self.counters.steps, self.counters.tokens
         decode_before = self.counters.decode_s
         # Swap-ins first: their copies run on the swap-in stream while the model
@@ -125,44 +125,41 @@ class TurnRunner:
             self.counters.note_switch(record)
         if next_model is not None:
             w.switcher.prefetch(next_model)
-        switch_s = time.perf_counter() - start
+        switch_s = clock.now() - start
         kv_wait_s = 0.0
-        deadline = time.perf_counter() + quota_s
+        rounds.start_quota(clock.now())
         self._turn_steps = 0
         try:
-            while time.perf_counter() < deadline:
+            while True:
                 self.poll()
-                if self.work.batch(batch.batch_id) is None:
-                    return  # emptied
-                if end_when_batches_exceed is not None and len(self.work) > end_when_batches_exceed:
-                    return
-                if self.preempt():
-                    return
+                end = rounds.turn_over(self.work, clock.now(), prefill_waiting=self.preempt())
+                if end is not None:
+                    return end
                 self._prefill_new(batch)
                 self._make_resident(batch)
                 seqs = self._seqs(batch)
                 ready = [s for s in seqs if s.ready()]
                 if not ready:
                     waiting = [s for s in seqs if s.on_device]
+                    if not waiting and not any(s.needs_prefill for s in seqs):
+                        return None  # nothing can run this turn (no room)
                     self.admission.tokens.flush()
-                    time.sleep(KV_POLL_S)
+                    clock.sleep(KV_POLL_S)
                     kv_wait_s += KV_POLL_S
                     for s in waiting:
                         s.kv_wait_s += KV_POLL_S
-                    if not waiting and not any(s.needs_prefill for s in seqs):
-                        return  # nothing can run this turn (no room)
                     continue
                 self._step(batch, ready)
         finally:
             self.admission.tokens.flush()
-            busy_s = time.perf_counter() - start - (self.counters.decode_s - decode_before)
+            busy_s = clock.now() - start - (self.counters.decode_s - decode_before)
             if self.counters.steps > steps_before:  # a turn that decoded nothing says little
                 self._observe_overhead(batch.model, busy_s)
             self.counters.note_turn(
                 TurnRecord(
                     model=batch.model, batch_id=batch.batch_id, start_s=start_wall,
-                    end_s=time.time(), quota_s=quota_s, switch_s=switch_s, kv_wait_s=kv_wait_s,
-                    steps=self.counters.steps - steps_before,
+                    end_s=clock.wall(), quota_s=turn.quota_s, switch_s=switch_s,
+                    kv_wait_s=kv_wait_s, steps=self.counters.steps - steps_before,
                     tokens=self.counters.tokens - tokens_before,
                     engine_s=self.counters.decode_s - decode_before,
                 )
@@ -174,7 +171,7 @@ class TurnRunner:
         for seq in self._seqs(batch):
             if not seq.needs_prefill or seq.prompt_token_ids is None:
                 continue
-            start = time.time()
+            start = self.clock.wall()
             try:
                 blocks = self.residency._alloc(seq, seq.shape.blocks_for(seq.prompt_len + 1),
                                                lambda: self._victims(batch.batch_id))
@@ -185,7 +182,7 @@ class TurnRunner:
             token = w.sampler.sample(logits[None], [seq.params], [seq.generator])[0]
             seq.prompt_token_ids = None
             seq.tokens.append(token)
-            done = time.time()
+            done = self.clock.wall()
             finish = finish_reason(token, 1, seq.params)
             timings = RequestTimings(prefill_wait_s=max(0.0, start - seq.arrival_s),
                                      prefill_s=done - start)  # fmt: skip
@@ -210,15 +207,15 @@ class TurnRunner:
                 continue  # waits for room; decoded when blocks free up
         if not stepping:
             return
-        start = time.perf_counter()
+        start = self.clock.now()
         logits = w.engine.decode(
             [DecodeSeq(s.tokens[-1], s.position, s.device_blocks) for s in stepping]
         )
         tokens = w.sampler.sample(
             logits, [s.params for s in stepping], [s.generator for s in stepping]
         )
-        seconds = time.perf_counter() - start
-        now = time.time()
+        seconds = self.clock.now() - start
+        now = self.clock.wall()
         items: list[TokenItem] = []
         context = 0
         for seq, token in zip(stepping, tokens, strict=True):

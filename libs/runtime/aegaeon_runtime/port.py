@@ -1,0 +1,147 @@
+"""What the compute loops use of a worker: a narrow protocol over its ``Worker``.
+
+The decode instance's turn runner, admission and residency
+(:mod:`aegaeon_runtime.decode`), a hybrid's prefill side and the prefill loop
+depend on :class:`WorkerPort`, not on the worker that builds a device
+buffer, an engine and a cachemgr lease: a test drives them with an in-memory
+fake (tests/unit/fake_worker.py: deterministic tokens, steps that advance a
+fake clock, copy events that complete when the test says), the way vLLM
+tests its scheduler without a GPU. ``Worker`` satisfies it as it is.
+
+Members are read-only properties, so an implementation may narrow their
+types (``Worker.engine`` is an ``Engine``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+from aegaeon_common.config import Config
+from aegaeon_common.messages.report import SwitchRecord
+from aegaeon_common.wire import Message
+from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, SamplingParams
+from aegaeon_gpumem import Event, KVBlockPool
+
+from aegaeon_runtime.metrics import WorkerMetrics
+
+
+class EnginePort(Protocol):
+    @property
+    def device(self) -> torch.device: ...
+
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
+        """One prompt's K/V into ``block_ids``; the logits ``[vocab]`` of its last position."""
+        ...
+
+    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        """One step of a batch: logits ``[B, vocab]``."""
+        ...
+
+
+class SamplerPort(Protocol):
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]: ...
+
+
+class SwitcherPort(Protocol):
+    @property
+    def active_model(self) -> str | None: ...
+
+    def activate(self, name: str, now_s: float | None = None) -> SwitchRecord | None:
+        """Make ``name`` the engine's model (blocking); ``None`` if it already is."""
+        ...
+
+    def prefetch(self, name: str) -> bool:
+        """Start loading ``name`` behind the active model; ``False`` if it cannot now."""
+        ...
+
+
+class KVPort(Protocol):
+    """The device KV region and its copies to and from the unified CPU cache."""
+
+    @property
+    def pool(self) -> KVBlockPool: ...
+
+    def alloc(self, shape: KVShape, num_blocks: int) -> list[int]: ...
+
+    def free(
+        self, shape: KVShape, block_ids: Sequence[int], event: Event | None = None
+    ) -> None: ...
+
+    def capacity_blocks(self, shape: KVShape) -> int: ...
+
+    def swap_out(self, shape: KVShape, block_ids: Sequence[int]) -> tuple[list[int], Event]: ...
+
+    def swap_in(
+        self, shape: KVShape, host_offsets: Sequence[int], block_ids: Sequence[int],
+        after: Event | None,
+    ) -> Event: ...  # fmt: skip
+
+    def free_host(self, host_offsets: Sequence[int], event: Event | None) -> None: ...
+
+
+class HostCachePort(Protocol):
+    def reassign_blocks(self, offsets: list[int], new_owner: str, owner: str | None = None) -> int:
+        """Move host blocks' lease to ``new_owner`` (a handoff taken over)."""
+        ...
+
+
+class WorkerPort(Protocol):
+    """What the compute loops use of a worker (see the module docstring)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def specs(self) -> Mapping[str, ModelSpec]: ...
+
+    @property
+    def engine(self) -> EnginePort: ...
+
+    @property
+    def sampler(self) -> SamplerPort: ...
+
+    @property
+    def switcher(self) -> SwitcherPort: ...
+
+    @property
+    def kv(self) -> KVPort: ...
+
+    @property
+    def cache(self) -> HostCachePort: ...
+
+    @property
+    def metrics(self) -> WorkerMetrics: ...
+
+    def kv_shape(self, model: str) -> KVShape: ...
+
+    def max_model_len(self, model: str) -> int: ...
+
+
+class MessageSink(Protocol):
+    """Where a compute loop's messages go (:class:`~aegaeon_runtime.bridge.Outbox`)."""
+
+    def send(self, msg: Message) -> None: ...
+
+
+class MessageSource(Protocol):
+    """A compute loop's commands (:class:`~aegaeon_runtime.bridge.Inbox`)."""
+
+    def drain(self) -> list[Message]: ...
+
+    def wait(self, timeout_s: float) -> list[Message]: ...
