@@ -1,6 +1,6 @@
 """One YAML file describes the models and the instances of a deployment.
 
-Frozen dataclasses, validated on load; a bad file fails with a
+Frozen msgspec structs, decoded and validated on load; a bad file fails with a
 :class:`ConfigError` naming the file and the field. Socket addresses and
 shared-memory names are derived here, never written as literals elsewhere.
 
@@ -15,17 +15,16 @@ models (`serving_dtype`), so a float32 checkpoint is served in float32.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 
-from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes
+from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes, plain
 from aegaeon_common.env import read_env
 
 # Request-level baselines run every worker as a unified instance (prefill +
@@ -62,8 +61,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A servable model: its name in the API and its checkpoint directory."""
 
     name: str
@@ -72,16 +70,14 @@ class ModelConfig:
     tbt_s: float | None = None
 
 
-@dataclass(frozen=True)
-class SLOConfig:
+class SLOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Default targets (paper: TTFT 10 s, TBT 100 ms)."""
 
     ttft_s: float = 10.0
     tbt_s: float = 0.1
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: str = "aegaeon"
     max_group_size: int = 8  # MAX_GPSIZE of Algorithm 1
     q_max_s: float = 4.0  # Q_MAX of Eq. 3
@@ -99,8 +95,7 @@ class SchedulerConfig:
     token_hold: float = 1.0
 
 
-@dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The node's cachemgr: Model Cache budget and unified CPU KV cache."""
 
     model_cache_bytes: int = 4 << 30
@@ -114,13 +109,13 @@ class CacheConfig:
     http_port: int = 0
 
 
-@dataclass(frozen=True)
-class InstancesConfig:
+class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A homogeneous set of worker instances (prefill or decode)."""
 
     instances: int = 1
     device: str = "cpu"
-    device_memory_bytes: int = 512 << 20  # the whole buffer: weights arena + KV region
+    # the whole buffer: weights arena + KV region
+    device_memory_bytes: int = 512 << 20
     kv_memory_bytes: int = 128 << 20  # KV region at the top of the buffer
     threads: int = 1
     # Where the engine reads a model's weights: "copy" (scale-up copies them from
@@ -144,8 +139,7 @@ class InstancesConfig:
         return self.weights == "map" or (self.weights == "auto" and self.device.startswith("cpu"))
 
 
-@dataclass(frozen=True)
-class ProxyConfig:
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
@@ -153,21 +147,21 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(msgspec.Struct, frozen=True):
     """A whole deployment. Build with :func:`load_config`."""
 
     models: tuple[ModelConfig, ...]
     market_dir: Path | None = None
     dtype: str = "bfloat16"
-    slo: SLOConfig = field(default_factory=SLOConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    prefill: InstancesConfig = field(default_factory=InstancesConfig)
-    decode: InstancesConfig = field(default_factory=InstancesConfig)
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    prefill: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
+    decode: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     run_dir: Path = Path("/tmp/aegaeon")
-    addresses: dict[str, str] = field(default_factory=dict)  # overrides, e.g. tcp:// in containers
+    # address overrides, e.g. tcp:// in containers
+    addresses: dict[str, str] = msgspec.field(default_factory=dict)
     # SIGTERM: a service turns unready, stops taking work and finishes what it
     # holds within this many seconds, then exits (supervisors wait a little longer).
     drain_timeout_s: float = 30.0
@@ -220,7 +214,9 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for logs and for handing the exact config to children)."""
-        return json.loads(json.dumps(dataclasses.asdict(self), default=str))  # type: ignore[no-any-return]
+        out = plain(self)
+        assert isinstance(out, dict)
+        return out
 
 
 _SECTIONS: dict[str, type] = {

@@ -1,12 +1,13 @@
-"""Validation helpers for config sections: typed fields, sizes with units, clear errors."""
+"""Config sections on msgspec: typed fields, sizes with units, errors naming the file and field."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
+
+import msgspec
 
 T = TypeVar("T")
 
@@ -45,70 +46,72 @@ def parse_bytes(value: object) -> int:
     raise ValueError(f"{value!r} is not a size (like 512MiB)")
 
 
-def _coerce(hint: Any, value: Any, name: str) -> Any:
-    """Check/convert one YAML value to the field's type; ValueError on mismatch."""
-    if name.endswith("_bytes"):
-        return parse_bytes(value)
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, name)
-    if origin is tuple:
-        items = value if isinstance(value, list | tuple) else [value]
-        return tuple(_coerce(args[0], v, name) for v in items)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"expected true/false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {value!r}")
-        return value
-    if hint is Path:
+def _dec_hook(kind: type, value: Any) -> Any:
+    """msgspec's hook for the types it leaves to us: paths."""
+    if kind is Path:
         if not isinstance(value, str):
             raise ValueError(f"expected a path, got {value!r}")
         return Path(value)
-    raise ValueError(f"unsupported type {hint!r}")
+    raise NotImplementedError(kind)
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    raise NotImplementedError(type(obj))
+
+
+def plain(value: Any) -> Any:
+    """A config struct as JSON data (paths as strings, sizes as ints, tuples as lists)."""
+    return msgspec.json.decode(msgspec.json.encode(value, enc_hook=_enc_hook))
+
+
+_AT = re.compile(r"^(?P<problem>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
 def build_section(cls: type[T], raw: Any, source: str, section: str) -> T:
-    """Build the frozen dataclass ``cls`` from a YAML map.
+    """Decode the frozen msgspec struct ``cls`` from a YAML map (``msgspec.convert``).
 
     A field ``x_bytes`` may be written ``x`` with a unit (``device_memory: 512MiB``)
-    and a field ``x_s`` may be written ``x`` (seconds).
+    and a field ``x_s`` may be written ``x`` (seconds); a tuple field takes a
+    single value as a one-item tuple. Errors name the file and the field as written.
     """
     if not isinstance(raw, dict):
         raise ConfigError(source, section, "must be a map")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}  # type: ignore[arg-type]
     aliases = {}
     for name in fields:
         for suffix in ("_bytes", "_s"):
             if name.endswith(suffix):
                 aliases[name[: -len(suffix)]] = name
-    kwargs: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    written: dict[str, str] = {}
     for key, value in raw.items():
         name = aliases.get(str(key), str(key))
         if name not in fields:
             known = ", ".join(sorted(set(fields) | set(aliases)))
             raise ConfigError(source, f"{section}.{key}", f"unknown field (known: {known})")
-        try:
-            kwargs[name] = _coerce(hints[name], value, name)
-        except ValueError as exc:
-            raise ConfigError(source, f"{section}.{key}", str(exc)) from None
-    for name, f in fields.items():
-        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if missing and name not in kwargs:
-            raise ConfigError(source, f"{section}.{name}", "is required")
-    return cls(**kwargs)
+        is_tuple = typing.get_origin(fields[name].type) is tuple
+        if name.endswith("_bytes"):  # names carry units: a size, maybe written 512MiB
+            try:
+                data[name] = parse_bytes(value)
+            except ValueError as exc:
+                raise ConfigError(source, f"{section}.{key}", str(exc)) from None
+        elif is_tuple and not isinstance(value, list | tuple):
+            data[name] = [value]
+        else:
+            data[name] = value
+        written[name] = str(key)
+    try:
+        return msgspec.convert(data, cls, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        match = _AT.match(str(exc))
+        assert match is not None
+        problem, path = match.group("problem"), (match.group("path") or "").lstrip(".")
+        missing = re.search(r"missing required field `(\w+)`", problem)
+        head, _, rest = path.partition(".")
+        if missing:
+            field, problem = missing.group(1), "is required"
+        else:
+            field = written.get(head, head) + (f".{rest}" if rest else "")
+        raise ConfigError(source, f"{section}.{field}" if field else section, problem) from None

@@ -141,7 +141,12 @@ class RpcServer:
 
     async def _send(self, identity: bytes, rid: bytes, reply: Message) -> None:
         try:
-            await self._sock.send_multipart([identity, rid, encode(reply)])
+            frame = encode(reply)
+        except (TypeError, ValueError) as exc:  # a reply that cannot be encoded: a bug here
+            log.exception("reply_unencodable", tag=reply.TAG)
+            frame = encode(ErrorReply("internal", f"{reply.TAG}: cannot encode the reply ({exc})"))
+        try:
+            await self._sock.send_multipart([identity, rid, frame])
         except zmq.ZMQError as exc:
             # The peer is gone: the reply has nobody to go to; the effect stands.
             log.warning("reply_dropped", tag=reply.TAG, error=str(exc))
