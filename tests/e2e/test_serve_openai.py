@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import openai
@@ -163,3 +164,65 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(
     assert set(error["error"]) >= {"message", "type", "param", "code"}
     ok = _client(served).completions.create(model=model, prompt="Hi", max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_seeded_completion_streams_what_it_answers(served: Served) -> None:
+    """The same seed gives the same text, streamed or not; other seeds differ."""
+    client = _client(served)
+    model = _models(served)[0]
+    args: dict[str, Any] = dict(model=model, prompt="Once upon a time", max_tokens=8,
+                                temperature=0.9, seed=11,
+                                extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**args)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 8
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **args))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert client.completions.create(**args).choices[0].text == whole.choices[0].text
+    others = [client.completions.create(**{**args, "seed": s}).choices[0].text for s in (1, 2, 3)]
+    assert any(text != whole.choices[0].text for text in others)
+
+
+def test_chat_streams_what_it_answers(served: Served) -> None:
+    client = _client(served)
+    args: dict[str, Any] = dict(model=_models(served)[1], max_completion_tokens=6,
+                                messages=[{"role": "user", "content": "Hi! 👋"}], temperature=0,
+                                extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    assert whole.id.startswith("chatcmpl-") and whole.choices[0].message.role == "assistant"
+    assert whole.usage is not None and whole.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        whole.choices[0].message.content)
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_trims_the_engine_text(served: Served) -> None:
+    client = _client(served)
+    args: dict[str, Any] = dict(model=_models(served)[0], prompt="The weather today",
+                                max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**args).choices[0].text
+    assert len(full) > 4
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expect = full[: full.find(stop)]
+    chunks = list(client.completions.create(stop=[stop], stream=True, **args))
+    streamed = ("".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason)
+    choice = client.completions.create(stop=stop, **args).choices[0]
+    assert streamed == (choice.text, choice.finish_reason) == (expect, "stop")
+
+
+def test_a_prompt_past_the_window_is_context_length_exceeded(served: Served) -> None:
+    client = _client(served)
+    model = _models(served)[0]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=[5] * 9000, max_tokens=2)
+    assert info.value.code == "context_length_exceeded"
+    ok = client.completions.create(model=model, prompt="x", max_tokens=1,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+    assert ok.usage is not None and ok.usage.completion_tokens == 1
