@@ -3,10 +3,9 @@
 The front (``aegaeon_proxy.app``) owns everything a client sees: validation,
 chat templates, tokenizing, detokenizing, stop strings, SSE, usage. A backend
 only turns a :class:`GenerationRequest` (token ids in) into a
-:class:`TokenStream` (token ids out). Two implementations exist: the
-distributed one (prefill/decode instances over ZeroMQ) and
-:class:`aegaeon_proxy.local_backend.LocalEngineBackend` (the engine on a thread,
-for development and tests).
+:class:`TokenStream` (token ids out). The product's is the distributed one
+(``cluster.backend``: prefill/decode instances over ZeroMQ); the proxy's unit
+tests drive the front with a scripted one.
 
 Stream contract:
 
