@@ -22,6 +22,7 @@ from aegaeon_common.config import (
     load_config,
     market_dtype,
 )
+from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.logs import get_logger, setup_logging
 
 log = get_logger("serve")
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _largest_model_bytes(market: Path) -> int:
     """Bytes of the market's largest model in the dtype it is served in."""
     entries = json.loads((market / "market.json").read_text())["models"]
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[market_dtype(market)]
+    itemsize = DTYPE_BYTES[market_dtype(market)]
     return max(int(e["params"]) * itemsize for e in entries)
 
 

@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from aegaeon_common.dtypes import DTYPES
 from tqdm import tqdm
 
 from aegaeon_market.families import FAMILIES
@@ -31,7 +32,7 @@ from aegaeon_market.manifest import (
 )
 from aegaeon_market.plan import MarketError, ModelPlan, plan_market
 from aegaeon_market.wheel_models import DEFAULT_MODELS, FetchError, WheelModel
-from aegaeon_market.writer import TORCH_DTYPES, tokenizer_json, write_model
+from aegaeon_market.writer import tokenizer_json, write_model
 
 
 def _clear_old_market(out: Path) -> None:
@@ -105,8 +106,8 @@ def create_market(
     `MarketError` for bad arguments or an ``out`` that is not empty and not a
     market, `OSError` when writing fails.
     """
-    if dtype not in TORCH_DTYPES:
-        raise MarketError(f"unknown dtype {dtype!r}; choose from {', '.join(TORCH_DTYPES)}")
+    if dtype not in DTYPES:
+        raise MarketError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     plans = plan_market(num_models, seed, profile)
     root = Path(out).resolve()
     _clear_old_market(root)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.weights import TORCH_DTYPES
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
@@ -270,8 +271,7 @@ def _gguf_name(hf: str) -> str:
 def convert_gguf(model: GGUFModel, out: Path, dtype: str,
                  progress: Callable[[int], None] | None = None) -> None:
     """Write ``model`` into ``out`` (an empty directory) in the HF layout, in ``dtype``."""
-    target = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-              "float16": torch.float16}[dtype]
+    target = TORCH_DTYPES[dtype]
     spec, gguf = model.spec, model.gguf
     arch = ARCHS[gguf.arch]
 

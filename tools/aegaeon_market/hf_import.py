@@ -23,6 +23,7 @@ import torch
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import TensorEntry, checkpoint_index, read_tensor
 from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.weights import TORCH_DTYPES
 from tokenizers import Tokenizer
 
 from aegaeon_market.model_files import expected_tensors, write_model_files
@@ -31,7 +32,6 @@ from aegaeon_market.safetensors_out import TensorPlan
 # copied as they are when present (tokenizer.json and tokenizer_config.json are read)
 TEXT_FILES = ("generation_config.json", "special_tokens_map.json", "chat_template.jinja",
               "chat_template.json")
-_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def read_hf_dir(root: Path) -> HFModel:
 def convert_hf(model: HFModel, out: Path, dtype: str,
                progress: Callable[[int], None] | None = None) -> None:
     """Write ``model`` into ``out`` in ``dtype`` (tensors one at a time)."""
-    target = _TORCH[dtype]
+    target = TORCH_DTYPES[dtype]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, entry in model.tensors.items():

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
+from aegaeon_engine.weights import TORCH_DTYPES
 from safetensors.torch import save
 
 from aegaeon_market.families import FAMILIES
@@ -15,12 +15,6 @@ from aegaeon_market.hfconfig import config_json, generation_config_json
 from aegaeon_market.plan import ModelPlan
 from aegaeon_market.tokenizer import build_tokenizer, tokenizer_config_json
 from aegaeon_market.weights import init_weights
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 
 MODEL_FILES = (
     "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

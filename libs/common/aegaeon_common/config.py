@@ -25,6 +25,7 @@ import msgspec
 import yaml
 
 from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes, plain
+from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.env import read_env
 
 # Request-level baselines run every worker as a unified instance (prefill +
@@ -38,7 +39,6 @@ UNIFIED_POLICIES = (
     "request-level-global-sjf",
 )
 POLICIES = ("aegaeon", *UNIFIED_POLICIES)
-DTYPES = ("bfloat16", "float16", "float32")
 WEIGHTS_MODES = ("auto", "copy", "map")
 
 __all__ = [

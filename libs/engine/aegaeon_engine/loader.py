@@ -20,6 +20,7 @@ import torch
 from .errors import CheckpointError
 from .layout import WeightLayout
 from .spec import ModelSpec
+from .weights import TORCH_DTYPES
 
 # safetensors dtype code -> (torch dtype, item size); only float types load.
 _FLOAT_CODES: dict[str, tuple[torch.dtype, int]] = {
@@ -28,7 +29,6 @@ _FLOAT_CODES: dict[str, tuple[torch.dtype, int]] = {
 }
 _CODE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, **{k: v[1] for k, v in _FLOAT_CODES.items()}}
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_HEADER_BYTES = 100 << 20
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -173,7 +173,7 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
                 if entry.file not in files:
                     files[entry.file] = entry.file.open("rb")
                 pos = _copy_tensor(files[entry.file], entry, name, out, pos=pos,
-                                   dtype=_TORCH_DTYPES[slot.dtype])
+                                   dtype=TORCH_DTYPES[slot.dtype])
             end = pos
         out[end:layout.total_bytes].zero_()
     finally:

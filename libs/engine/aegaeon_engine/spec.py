@@ -13,21 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.dtypes import DTYPE_BYTES, canonical_dtype
+
 from .errors import CheckpointError
 
-# Serving dtypes by canonical name, with their item sizes in bytes.
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "f32": "float32", "bf16": "bfloat16",
-                  "fp16": "float16", "half": "float16", "f16": "float16"}
-
-
-def canonical_dtype(name: str) -> str:
-    """``"bf16"`` -> ``"bfloat16"`` etc.; ``ValueError`` for dtypes the engine cannot serve."""
-    key = name.removeprefix("torch.")
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPE_BYTES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPE_BYTES)}")
-    return key
+__all__ = ["DTYPE_BYTES", "ArchTraits", "KVShape", "ModelSpec", "RopeSpec", "canonical_dtype"]
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import ModelLoaded, TensorEntry
+from aegaeon_engine.weights import TORCH_DTYPES
 from aegaeon_gpumem import EventTable, ShmRegion, Timeline
 
 log = get_logger("cachemgr.mapped")
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class MappedModel:
         if entry is None:
             raise KeyError(f"model {self.name!r} has no tensor {name!r}")
         raw = self.region.tensor[entry.offset : entry.offset + entry.nbytes]
-        return raw.view(_TORCH_DTYPES[entry.dtype]).view(entry.shape)
+        return raw.view(TORCH_DTYPES[entry.dtype]).view(entry.shape)
 
 
 def _pinned(region: ShmRegion, populate: bool) -> tuple[ShmRegion, str]:
