@@ -4,21 +4,37 @@ The market's tokenizers are trained on ``corpus/corpus.txt``, which ships with
 the package. This module is how that file was made (``python -m
 aegaeon_market.corpus_gen``): the hand-written ``corpus/passages.txt`` followed
 by seeded, template-generated everyday prose, dialogue, chat turns,
-instructions, numbers and a little code. Generation is deterministic, so the
-shipped file can be re-derived and checked.
+instructions, numbers and a little code. The word lists (``corpus/words.json``)
+and sentence templates (``corpus/templates.json``: slots in braces are filled by
+:class:`Slots`; a trailing digit makes a second, independent value of the same
+kind, ``{name2}``) are plain data written for this project; the word lists are
+long on purpose: a byte-level BPE with 8k tokens needs a few thousand distinct
+words to learn merges that look like a real English tokenizer's. Generation is
+deterministic, so the shipped file can be re-derived and checked.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-from aegaeon_market import corpus_texts as texts
-from aegaeon_market import corpus_words as w
+from types import SimpleNamespace
+from typing import Any
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
+
+
+def _lists(name: str) -> Any:
+    """A JSON file of named lists as attributes of tuples (a list item a tuple too)."""
+    data = json.loads((CORPUS_DIR / name).read_text(encoding="utf-8"))
+    return SimpleNamespace(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                              for k, v in data.items()})  # fmt: skip
+
+
+w = _lists("words.json")
+texts = _lists("templates.json")
 CORPUS_SEED = 2025
 CORPUS_CHARS = 1_600_000
 
@@ -192,7 +208,7 @@ def numbers(rng: random.Random) -> str:
 def code(rng: random.Random) -> str:
     """A small Python, shell or JSON snippet."""
     # Templates escape literal braces as {{ and }} (str.format rules).
-    return rng.choice(texts.CODE).format_map(Slots(rng))
+    return str(rng.choice(texts.CODE).format_map(Slots(rng)))
 
 
 def letter(rng: random.Random) -> str:
