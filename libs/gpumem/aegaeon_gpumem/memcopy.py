@@ -7,21 +7,14 @@ torch's copy kernel here (torch's vector loop does not switch to
 non-temporal stores for large copies; glibc does above
 `x86_non_temporal_threshold`, ~181 MiB on this machine).
 
-`copy_chunked` is the weight-load copy (Model Cache -> device buffer).
-Measured on this 2-core VM (shared, GB/s best/median of 15 interleaved
-rounds; warm pages):
-
-    size     plain memcpy   torch copy_   memmove 256MiB   memmove 32MiB   32MiB x2 threads
-    50 MiB   13.8 / 12.9    11.4 / 7.1    13.7 / 6.7       13.3 / 11.8     13.9 / 12.7
-    100 MiB   9.0 / 8.6      7.7 / 6.6     8.2 / 6.5        8.9 / 8.4       8.6 / 8.1
-    200 MiB  12.2 / 11.9     6.8 / 6.3    12.5 / 10.4       7.4 / 7.1       7.3 / 7.0
-
-A second thread buys nothing (the copy is memory-bound and the other core
-is busy), and chunks below the non-temporal threshold lose the fast path
-for big loads, hence the defaults: one thread, 256 MiB chunks (each chunk
-of a large load is itself a plain memcpy). Cold destination pages cost far
-more than any of this (first touch ran at 0.2-1.4 GB/s), which is why
-`DeviceBuffer` touches its pages at construction.
+`copy_chunked_cpu` is the CPU weight-load copy (Model Cache -> device
+buffer; `backend.copy_chunked` picks it or the CUDA one). A second thread buys
+nothing (the copy is memory-bound and the other core is busy), and chunks
+below the non-temporal threshold lose the fast path for big loads, hence the
+defaults: one thread, 256 MiB chunks (each chunk of a large load is itself a
+plain memcpy). Cold destination pages cost far more than any of this, which
+is why `DeviceBuffer` touches its pages at construction. The measurements
+behind these defaults: docs/results.md, "Numbers behind defaults".
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ def suggest_slab_bytes(max_block_bytes: int, blocks_per_slab: int = 8, align: in
 
     Larger slabs hold more slack (a shape's partially filled slabs); smaller
     ones waste up to a block per slab in tail/alignment and turn over more
-    often (cheap). Measured fragmentation (unused / peak held) on mixed
-    shapes (16-512 KiB blocks, requests of 1-64 blocks, Poisson churn): ~7%
-    mean, ~15% worst at 8 largest blocks per slab; ~10%/20% at 16; ~15%/30%
-    at 32.
+    often (cheap). The fragmentation measured at 8, 16 and 32 blocks per slab
+    is in docs/results.md ("Numbers behind defaults").
     """
     raw = max_block_bytes * blocks_per_slab
     return -(-raw // align) * align
