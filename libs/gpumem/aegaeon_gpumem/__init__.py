@@ -41,8 +41,7 @@ from aegaeon_gpumem.memcopy import (
 )
 from aegaeon_gpumem.move_list import MoveList
 from aegaeon_gpumem.shm import ShmRegion, cleanup_prefix, list_segments, unique_name
-from aegaeon_gpumem.slab import SlabAllocator
-from aegaeon_gpumem.slab_stats import ShapeStats, SlabStats, suggest_slab_bytes
+from aegaeon_gpumem.slab import ShapeStats, SlabAllocator, SlabStats, suggest_slab_bytes
 
 __all__ = [
     "CPU_CHUNK_BYTES",

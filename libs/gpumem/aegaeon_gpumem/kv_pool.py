@@ -21,8 +21,7 @@ from types import TracebackType
 from aegaeon_gpumem.errors import IntegrityError, InvalidFreeError, OutOfBlocks
 from aegaeon_gpumem.events import Event
 from aegaeon_gpumem.move_list import MoveList
-from aegaeon_gpumem.slab import SlabAllocator
-from aegaeon_gpumem.slab_stats import SlabStats
+from aegaeon_gpumem.slab import SlabAllocator, SlabStats
 
 # The daemon only keeps the pool tidy: alloc reclaims synchronously before it
 # fails, so a slower poll never causes an OutOfBlocks, and a Python thread
@@ -43,7 +42,7 @@ class KVBlockPool:
 
     Args:
         region_bytes: bytes of the KV region the offsets index.
-        slab_bytes: slab size (see `slab_stats.suggest_slab_bytes`).
+        slab_bytes: slab size (see `slab.suggest_slab_bytes`).
         poll_interval_s: how often the daemon polls pending events.
         reclaimer: start the daemon thread (tests may drive `reclaim()` alone).
     """
