@@ -7,6 +7,8 @@ from typing import Any
 
 from aiohttp import web
 
+from aegaeon_proxy.jsonfmt import json_response
+
 # status -> OpenAI error type
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -60,7 +62,7 @@ class APIError(Exception):
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        return json_response(self.body(), status=self.status, headers=headers)
 
 
 def invalid(param: str, message: str, code: str | None = None) -> APIError:

@@ -22,6 +22,7 @@ from aegaeon_proxy.assets import AssetError, ModelAssets
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Generation
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
+from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.params import (
     CHAT_FIELDS,
     FIELDS,
@@ -119,7 +120,7 @@ async def _respond(gen: Generation, shapes: Shapes) -> web.Response:
             parts.append(text)
     assert gen.finish_reason is not None
     body = shapes.response(_head(gen), "".join(parts), gen.finish_reason, _usage(gen))
-    return web.json_response(body)
+    return json_response(body)
 
 
 async def _stream(

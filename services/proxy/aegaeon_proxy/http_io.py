@@ -1,27 +1,21 @@
-"""Request bodies in (size-limited JSON objects) and server-sent events out."""
+"""Request bodies in (size-limited JSON objects) and server-sent events out, through
+orjson (RFC 8259 strict: no NaN or Infinity, valid UTF-8 only, integers within 64 bits)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.jsonfmt import sse_event
 
 # request keys: the SSE response has been sent; the client disconnected mid-stream
 STREAMING: web.RequestKey[bool] = web.RequestKey("aegaeon_streaming", bool)
 CLIENT_GONE: web.RequestKey[bool] = web.RequestKey("aegaeon_client_gone", bool)
 
-__all__ = ["CLIENT_GONE", "STREAMING", "SSEWriter", "dumps", "read_json_object"]
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+__all__ = ["CLIENT_GONE", "STREAMING", "SSEWriter", "read_json_object"]
 
 
 async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
@@ -36,8 +30,8 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, An
     if len(raw) > max_bytes:
         raise too_large
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # also invalid UTF-8, NaN, ints past 64 bits, depth
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
@@ -55,7 +49,7 @@ class SSEWriter:
         )
         self.response.content_type = "text/event-stream"
         self.response.charset = "utf-8"
-        self._held: list[str] = []
+        self._held: list[bytes] = []
 
     async def open(self) -> None:
         self._request[STREAMING] = True
@@ -63,12 +57,12 @@ class SSEWriter:
 
     def add(self, obj: Any) -> None:
         """Queue an event; it leaves with the next :meth:`flush`, :meth:`send` or :meth:`done`."""
-        self._held.append(f"data: {dumps(obj)}\n\n")
+        self._held.append(sse_event(obj))
 
     async def flush(self) -> None:
         """Write the queued events, as one write."""
         if self._held:
-            data = "".join(self._held).encode()
+            data = b"".join(self._held)
             self._held.clear()
             await self.response.write(data)
 
@@ -77,6 +71,6 @@ class SSEWriter:
         await self.flush()
 
     async def done(self) -> None:
-        self._held.append("data: [DONE]\n\n")
+        self._held.append(b"data: [DONE]\n\n")
         await self.flush()
         await self.response.write_eof()

@@ -10,6 +10,7 @@ from aegaeon_common.http_side import ServiceAddress, metrics_response, read_http
 from aiohttp import web
 
 from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
 
 OWNER = "aegaeon"
@@ -34,7 +35,7 @@ def _model_obj(name: str) -> dict[str, object]:
 async def list_models(request: web.Request) -> web.Response:
     """The configured registry (never derived from which workers are alive)."""
     names = request.app[STATE].config.model_names
-    return web.json_response({"object": "list", "data": [_model_obj(n) for n in names]})
+    return json_response({"object": "list", "data": [_model_obj(n) for n in names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -43,7 +44,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
         raise APIError(
             404, f"The model '{name}' does not exist", param="model", code="model_not_found"
         )
-    return web.json_response(_model_obj(name))
+    return json_response(_model_obj(name))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -58,14 +59,14 @@ async def health(request: web.Request) -> web.Response:
         "draining": state.readiness.draining,
         "backend": state.backend.health(),
     }
-    return web.json_response(body)
+    return json_response(body)
 
 
 async def ready(request: web.Request) -> web.Response:
     """200 once every configured instance is up, 503 until then and while draining."""
     state = request.app[STATE]
     if state.ready():
-        return web.json_response({"ready": True})
+        return json_response({"ready": True})
     code = "draining" if state.readiness.draining else "not_ready"
     raise APIError(503, f"the proxy is not ready ({code})", code=code)
 
@@ -97,7 +98,7 @@ async def aegaeon_services(request: web.Request) -> web.Response:
         address = read_http_address(state.config.run_dir, name)
         if address is not None:
             services.append(address.to_dict())
-    return web.json_response({"services": services})
+    return json_response({"services": services})
 
 
 async def aegaeon_stats(request: web.Request) -> web.Response:
@@ -108,4 +109,4 @@ async def aegaeon_stats(request: web.Request) -> web.Response:
     if stats is None:
         raise APIError(404, "this backend reports no detailed stats", code="not_found")
     light = request.query.get("light", "") in ("1", "true")  # counters only, no records
-    return web.json_response(await stats(light=light))
+    return json_response(await stats(light=light))
