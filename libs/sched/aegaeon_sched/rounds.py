@@ -34,26 +34,27 @@ Rules, where the live loop and the simulator used to differ:
 - **The prefetch is the first model other than the turn's in**
   :meth:`~RoundController.following`: the round's remaining turns whose batch
   still has requests, then every batch in the order the next round will plan
-  them (the work list grouped by model), new batches included (with
-  ``fresh_first``, unplanned batches first: they take the next turn). The
+  them (the work list grouped by model), new batches included; when the
+  round will be re-planned at the turn's end (``fresh_first`` and a batch it
+  did not plan for), the order that re-plan will give. The
   live loop looked at this round's turns only (a model that arrived in the
   round and runs next round was never prefetched) and the simulator's list
   kept turns of emptied batches (it could prefetch a model nothing waits for).
 
-Pure: no clock, no I/O. A caller that cannot observe a change before a given
-time (the simulator between two steps) passes the batches it has not seen yet
-as ``unseen``.
+Pure: no clock, no I/O. The work list is what the instance has seen: the live
+loop reads its inbox between steps, the simulator keeps placements made
+during a step in its own inbox until the step ends.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 
 from aegaeon_sched.decode import DecodeBatch, DecodeWorkList
 from aegaeon_sched.latency import LatencyModel
-from aegaeon_sched.quota import RoundPlan, RoundRobinPlanner, Turn
+from aegaeon_sched.quota import BatchLoad, RoundPlan, RoundRobinPlanner, Turn
 from aegaeon_sched.share import DecodeShare
 
 
@@ -84,11 +85,16 @@ class ServedInRound:
 
     def for_plan(self, batch_ids: Iterable[int]) -> frozenset[int]:
         """The batches of ``batch_ids`` (the work list now) to plan as served."""
-        current = set(batch_ids)
-        self._ids &= current
-        if self._ids == current:  # every batch has had its turn: start over
-            self._ids.clear()
+        self._ids = set(self.peek(batch_ids))
         return frozenset(self._ids)
+
+    def peek(self, batch_ids: Iterable[int]) -> frozenset[int]:
+        """What :meth:`for_plan` would return now, without keeping it."""
+        current = set(batch_ids)
+        served = self._ids & current
+        if served == current:  # every batch has had its turn: start over
+            return frozenset()
+        return frozenset(served)
 
 
 class TurnEnd(Enum):
@@ -144,9 +150,7 @@ class RoundController:
         self._index, self._open = -1, True
         return self.plan
 
-    def next_turn(
-        self, work: DecodeWorkList, *, prefill_waiting: bool = False, unseen: Collection[int] = ()
-    ) -> Turn | None:
+    def next_turn(self, work: DecodeWorkList, *, prefill_waiting: bool = False) -> Turn | None:
         """At a turn boundary: the turn to run now, or ``None`` when the round is
         over (plan the next one). The round is cut when a prefill waits, or
         when the planner asks for a re-plan (a batch it did not plan for);
@@ -154,7 +158,7 @@ class RoundController:
         self.turn, self.quota_end_s = None, math.inf
         if not self._open:
             return None
-        if prefill_waiting or (self._index >= 0 and self._replan_due(work, unseen, False)):
+        if prefill_waiting or (self._index >= 0 and self._replan_due(work, False)):
             self._open = False  # cut: served marks stay for the next plan
             return None
         turns = self.plan.turns
@@ -185,7 +189,6 @@ class RoundController:
         now_s: float,
         *,
         prefill_waiting: bool = False,
-        unseen: Collection[int] = (),
     ) -> TurnEnd | None:
         """Between two steps at ``now_s``: why the turn in progress ends, or ``None``."""
         turn = self.turn
@@ -194,38 +197,42 @@ class RoundController:
             return TurnEnd.EMPTIED
         if prefill_waiting:
             return TurnEnd.PREEMPTED
-        if self._replan_due(work, unseen, True):
+        if self._replan_due(work, True):
             return TurnEnd.CUT
         if now_s >= self.quota_end_s:
             return TurnEnd.QUOTA
         return None
 
-    def following(self, work: DecodeWorkList, *, unseen: Collection[int] = ()) -> list[int]:
+    def following(self, work: DecodeWorkList) -> list[int]:
         """Batch ids in the order their next turns are expected (see the module
         docstring); the turn's own batch is among the last."""
-        turn = self.turn
-        assert turn is not None, "no turn in progress"
-        grouped = [b.batch_id for b in _grouped(work) if b.batch_id not in unseen]
-        present = set(grouped)
+        assert self.turn is not None, "no turn in progress"
+        grouped = _grouped(work)
+        if self._replan_due(work, False):  # the order the re-plan will give
+            served = self.served.peek(b.batch_id for b in grouped)
+            loads = [
+                BatchLoad(b.batch_id, b.model, 0.0, fresh=b.batch_id not in self.turned,
+                          served=b.batch_id in served)
+                for b in grouped
+            ]  # fmt: skip
+            return [b.batch_id for b in self.planner.order(loads)]
+        present = {b.batch_id for b in grouped}
         head = [t.batch_id for t in self.plan.turns[self._index + 1 :] if t.batch_id in present]
-        if self.planner.fresh_first:
-            planned = {t.batch_id for t in self.plan.turns}
-            head = [b for b in grouped if b not in planned] + head
         listed = set(head)
-        return head + [b for b in grouped if b not in listed]
+        return head + [b.batch_id for b in grouped if b.batch_id not in listed]
 
-    def prefetch_model(self, work: DecodeWorkList, *, unseen: Collection[int] = ()) -> str | None:
+    def prefetch_model(self, work: DecodeWorkList) -> str | None:
         """The model to load behind the turn in progress: the first in
         :meth:`following` other than the turn's (``None``: nothing to load)."""
         assert self.turn is not None, "no turn in progress"
-        for batch_id in self.following(work, unseen=unseen):
+        for batch_id in self.following(work):
             batch = work.batch(batch_id)
             if batch is not None and batch.model != self.turn.model:
                 return batch.model
         return None
 
-    def _replan_due(self, work: DecodeWorkList, unseen: Collection[int], mid_turn: bool) -> bool:
-        ids = (b.batch_id for b in work if b.batch_id not in unseen)
+    def _replan_due(self, work: DecodeWorkList, mid_turn: bool) -> bool:
+        ids = (b.batch_id for b in work)
         return self.planner.replan_due(self.plan, ids, mid_turn=mid_turn)
 
 

@@ -59,12 +59,7 @@ class Residency:
         if seq.on_device:
             return
         start = self.clock.now()
-        need = seq.blocks_needed()
-        if need > self.kv.capacity_blocks(seq.shape):
-            raise KVCapacityError(
-                f"request needs {need} KV blocks, the device region holds "
-                f"{self.kv.capacity_blocks(seq.shape)} of its shape"
-            )
+        need = self._check_capacity(seq)
         num_host = len(seq.host_blocks)
         blocks = self._alloc(seq, need, victims)
         seq.ready_event = None
@@ -103,10 +98,22 @@ class Residency:
         self.control_s += self.clock.now() - start
 
     def grow(self, seq: Seq, victims: Callable[[], Iterable[Seq]]) -> None:
-        """Make sure ``seq`` has a block for its next write."""
+        """Make sure ``seq`` has a block for its next write (KVCapacityError: it
+        has outgrown the whole region)."""
         missing = seq.blocks_needed() - len(seq.device_blocks)
         if missing > 0:
+            self._check_capacity(seq)
             seq.device_blocks += self._alloc(seq, missing, victims)
+
+    def _check_capacity(self, seq: Seq) -> int:
+        """The blocks ``seq``'s next step needs; KVCapacityError beyond the region."""
+        need = seq.blocks_needed()
+        capacity = self.kv.capacity_blocks(seq.shape)
+        if need > capacity:
+            raise KVCapacityError(
+                f"request needs {need} KV blocks, the device region holds {capacity} of its shape"
+            )
+        return need
 
     def release(self, seq: Seq) -> None:
         """The request ended: free whatever KV it holds, wherever it is."""

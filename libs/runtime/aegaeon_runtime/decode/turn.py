@@ -149,7 +149,8 @@ class TurnRunner:
                     for s in waiting:
                         s.kv_wait_s += KV_POLL_S
                     continue
-                self._step(batch, ready)
+                if not self._step(batch, ready) and self.work.batch(batch.batch_id) is not None:
+                    return None  # no room for any of them and nothing left to swap out
         finally:
             self.admission.tokens.flush()
             busy_s = clock.now() - start - (self.counters.decode_s - decode_before)
@@ -196,17 +197,20 @@ class TurnRunner:
             if finish is not None:
                 self.admission.finish(seq)
 
-    def _step(self, batch: DecodeBatch, ready: list[Seq]) -> None:
+    def _step(self, batch: DecodeBatch, ready: list[Seq]) -> int:
+        """One decode step of the ``ready`` requests that have room; how many stepped."""
         w = self.worker
         stepping: list[Seq] = []
         for seq in ready:
             try:
                 self.residency.grow(seq, lambda: self._victims(batch.batch_id))
                 stepping.append(seq)
+            except KVCapacityError as exc:  # it outgrew the whole device region
+                self.admission.fail(seq, "kv_capacity", str(exc))
             except OutOfBlocks:
                 continue  # waits for room; decoded when blocks free up
         if not stepping:
-            return
+            return 0
         start = self.clock.now()
         logits = w.engine.decode(
             [DecodeSeq(s.tokens[-1], s.position, s.device_blocks) for s in stepping]
@@ -240,3 +244,4 @@ class TurnRunner:
         self.counters.decode_s += seconds
         if self.latency is not None:
             self.latency.observe_decode(batch.model, len(stepping), context, seconds)
+        return len(stepping)

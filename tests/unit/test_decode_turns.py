@@ -1,0 +1,199 @@
+"""A decode instance's turns, admission and KV residency on an in-memory worker (fake_worker.py).
+
+The live loop (aegaeon_runtime.decode.DecodeLoop) runs here as it does in a
+service, on a fake clock: engine steps and switches advance it by their
+modelled times, commands arrive when the clock reaches their times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
+from aegaeon_common.messages.report import PrefillDone, RequestFailed, StepTokens, TurnRecord
+from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_runtime.decode.loop import DecodeLoop
+from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner, TurnEnd
+from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
+
+STEP_S = 0.005  # one sequence: 4 ms + 1 ms per sequence
+SWITCH_S = 0.05
+
+
+class Recording(RoundController):
+    """The controller, keeping every plan and how each turn ended."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plans: list[list[tuple[int, str, float]]] = []
+        self.ends: list[tuple[int, TurnEnd]] = []
+
+    def plan_round(self, *args: Any, **kwargs: Any) -> Any:
+        plan = super().plan_round(*args, **kwargs)
+        self.plans.append([(t.batch_id, t.model, t.quota_s) for t in plan.turns])
+        return plan
+
+    def turn_over(self, work: Any, now_s: float, **kwargs: Any) -> TurnEnd | None:
+        end = super().turn_over(work, now_s, **kwargs)
+        if end is not None and self.turn is not None:
+            self.ends.append((self.turn.batch_id, end))
+        return end
+
+
+def _run(
+    worker: FakeWorker, timed: list[tuple[float, Any]], *, hybrid: bool = False
+) -> tuple[DecodeLoop, Outbox]:
+    inbox = TimedInbox(worker.clock, timed)
+    outbox = Outbox()
+    estimator = LatencyModel.from_dict(worker.truth.to_dict())
+    planner = RoundRobinPlanner(worker.tbt_s, worker.q_max_s, ttft_s=worker.ttft_s,
+                                round_ttft_fraction=worker.round_ttft_fraction)  # fmt: skip
+    rounds = Recording(planner, share=DecodeShare() if hybrid else None)
+    loop = DecodeLoop(worker, inbox, outbox, hybrid, clock=worker.clock, rounds=rounds,
+                      profile=lambda: estimator)  # fmt: skip
+    loop.run(inbox.stop)
+    return loop, outbox
+
+
+def _tokens(outbox: Outbox) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for msg in outbox.of_type(StepTokens):
+        for item in msg.items:
+            out.setdefault(item.request_id, []).extend(item.token_ids)
+    return out
+
+
+def _turns(loop: DecodeLoop) -> list[TurnRecord]:
+    return list(loop.counters.new_turns)
+
+
+def test_quota_expiry_ends_a_turn_mid_batch_and_the_next_batch_runs() -> None:
+    w = FakeWorker(latency_model(["a", "b"], switch_s=SWITCH_S), tbt_s=0.05)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 400, 0.0)),
+             (0.0, w.enqueue("b1", "b", 1, 20, 400, 0.0))]  # fmt: skip
+    loop, outbox = _run(w, timed)
+    turns = _turns(loop)
+    first = turns[0]
+    assert (first.model, first.batch_id) == ("a", 0)
+    decode_s = first.end_s - first.start_s - first.switch_s
+    # Steps start while the quota lasts: the last one ends past it, by less than a step.
+    assert first.quota_s <= decode_s < first.quota_s + STEP_S + 1e-9
+    assert first.steps == pytest.approx(first.quota_s / STEP_S, abs=1)
+    assert turns[1].model == "b" and turns[2].model == "a"  # round robin
+    assert (0, TurnEnd.QUOTA) in loop.rounds.ends  # type: ignore[attr-defined]
+    # Every token came, in order, and each request finished once.
+    tokens = _tokens(outbox)
+    for rid in ("a1", "b1"):
+        assert tokens[rid] == [token_at(20 + k) for k in range(399)]
+    assert loop.work.num_requests == 0 and not loop.admission.seqs
+
+
+def test_a_request_joins_when_its_own_swap_in_completes() -> None:
+    w = FakeWorker(latency_model(["a"]))
+    early = w.enqueue("early", "a", 0, 20, 60, 0.0)
+    late = w.enqueue("late", "a", 0, 40, 60, 0.0)
+    w.kv.ready_at[tuple(late.handoff.block_offsets)] = 0.1  # its copy lands at t = 0.1
+    _, outbox = _run(w, [(0.0, early), (0.0, late)])
+    # "early" steps alone from the switch's end (t = 0.05) until "late"'s copy lands.
+    before = [pos for t, _, pos in w.engine.steps if t < 0.1]
+    after = [pos for t, _, pos in w.engine.steps if t >= 0.1]
+    assert len(before) == pytest.approx((0.1 - SWITCH_S) / STEP_S, abs=1)
+    assert all(len(pos) == 1 and pos[0] < 40 for pos in before)  # early's positions: 20..
+    assert after[0] == (20 + len(before), 40)  # late joins at the first step after
+    assert _tokens(outbox)["late"][:2] == [token_at(40), token_at(41)]
+
+
+def test_cancellation_mid_turn_frees_the_request_and_the_turn_goes_on() -> None:
+    w = FakeWorker(latency_model(["a"]))  # one model: a turn of 0.7 s (the round bound)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 300, 0.0)),
+             (0.0, w.enqueue("a2", "a", 0, 20, 300, 0.0)),
+             (0.2, CancelRequest("a2"))]  # fmt: skip
+    loop, outbox = _run(w, timed)
+    first = _turns(loop)[0]
+    assert first.start_s < 0.2 < first.end_s  # the cancel came mid-turn
+    # Both stepped until the first step boundary after t = 0.2, a1 alone after it.
+    sizes = [(t, len(pos)) for t, _, pos in w.engine.steps]
+    assert all(n == 2 for t, n in sizes if t < 0.2 - STEP_S)
+    assert all(n == 1 for t, n in sizes if t >= 0.2)
+    tokens = _tokens(outbox)
+    assert 0 < len(tokens["a2"]) < 299 and len(tokens["a1"]) == 299
+    assert loop.counters.cancelled == 1
+    assert w.kv.device_bytes_used() == 0  # every device block came back
+    assert set(w.kv.host_freed) == set(w.cache.reassigned)  # and every host block
+
+
+def test_cancelling_the_whole_batch_ends_its_turn_at_once() -> None:
+    w = FakeWorker(latency_model(["a"]))
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 500, 0.0)), (0.1, CancelRequest("a1"))]
+    loop, _ = _run(w, timed)
+    (turn,) = _turns(loop)
+    assert turn.quota_s > 0.5  # quota left, batch gone: the turn ends at the next step
+    assert 0.1 <= turn.end_s < 0.1 + STEP_S + 1e-9
+    assert loop.rounds.ends == [(0, TurnEnd.EMPTIED)]  # type: ignore[attr-defined]
+
+
+def test_a_batch_that_does_not_fit_swaps_others_out() -> None:
+    # 16 blocks of device KV: each batch holds one request of 150 + 80 tokens
+    # (10 to 15 blocks), so only one batch fits at a time.
+    w = FakeWorker(latency_model(["a", "b"]), kv_region_bytes=16 * 8192, slab_bytes=8192)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 150, 80, 0.0)),
+             (0.0, w.enqueue("b1", "b", 1, 150, 80, 0.0))]  # fmt: skip
+    loop, outbox = _run(w, timed)
+    assert len(w.kv.swapped_out) >= 2  # a out for b, then b out for a, ...
+    assert loop.residency.num_swap_in >= 3  # a, b, a again (back from the host)
+    tokens = _tokens(outbox)
+    assert tokens["a1"] == [token_at(150 + k) for k in range(79)]
+    assert tokens["b1"] == [token_at(150 + k) for k in range(79)]
+    assert w.kv.device_bytes_used() == 0
+
+
+def test_a_request_that_can_never_fit_fails_and_the_rest_runs() -> None:
+    w = FakeWorker(latency_model(["a"]), kv_region_bytes=16 * 8192, slab_bytes=8192)
+    timed = [(0.0, w.enqueue("huge", "a", 0, 400, 10, 0.0)),  # 26 blocks > 16
+             (0.0, w.enqueue("grows", "a", 0, 250, 30, 0.0)),  # 16 blocks, then 17
+             (0.0, w.enqueue("small", "a", 0, 20, 10, 0.0))]  # fmt: skip
+    _, outbox = _run(w, timed)
+    failed = {m.request_id: m.code for m in outbox.of_type(RequestFailed)}
+    assert failed == {"huge": "kv_capacity", "grows": "kv_capacity"}
+    tokens = _tokens(outbox)
+    assert len(tokens["small"]) == 9 and "huge" not in tokens
+    assert len(tokens["grows"]) == 256 - 250  # until its 257th position needs a 17th block
+    assert w.kv.device_bytes_used() == 0
+
+
+def test_a_new_model_cuts_a_one_model_round_between_two_steps() -> None:
+    w = FakeWorker(latency_model(["a", "b"]), q_max_s=4.0, round_ttft_fraction=None)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 2000, 0.0)),
+             (0.5, w.enqueue("b1", "b", 1, 20, 20, 0.5))]  # fmt: skip
+    loop, _ = _run(w, timed)
+    rounds: Recording = loop.rounds  # type: ignore[assignment]
+    assert rounds.plans[0] == [(0, "a", 4.0)]  # one model: Q_MAX, no switch
+    first = _turns(loop)[0]
+    assert 0.5 <= first.end_s < 0.5 + STEP_S + 1e-9  # cut at the next step, not after 4 s
+    assert rounds.ends[0] == (0, TurnEnd.CUT)
+    assert [b for b, _, _ in rounds.plans[1]] == [1, 0]  # b has not had a turn: first
+    assert _turns(loop)[1].model == "b"
+
+
+def test_a_hybrids_prefill_preempts_the_decode_turn() -> None:
+    # Two batches of one model: turns of 0.35 s each (the round bound), the first
+    # from the switch's end at t = 0.05 to 0.4; a prefill arrives at t = 0.3.
+    w = FakeWorker(latency_model(["a", "b"]), kind="prefill")
+    greedy = SamplingSpec(max_tokens=4, temperature=0.0)
+    prefill = EnqueuePrefill("p1", "b", 0, list(range(30)), greedy, 0.3)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 400, 0.0)),
+             (0.0, w.enqueue("a2", "a", 1, 20, 400, 0.0)),
+             (0.3, prefill)]  # fmt: skip
+    loop, outbox = _run(w, timed, hybrid=True)
+    rounds: Recording = loop.rounds  # type: ignore[assignment]
+    assert rounds.plans[0] == [(0, "a", pytest.approx(0.35)), (1, "a", pytest.approx(0.35))]
+    first = _turns(loop)[0]
+    assert first.batch_id == 0 and 0.3 <= first.end_s < 0.3 + STEP_S + 1e-9
+    assert rounds.ends[0] == (0, TurnEnd.PREEMPTED)
+    (done,) = outbox.of_type(PrefillDone)
+    assert done.request_id == "p1" and done.token_id == token_at(29)
+    assert w.switcher.activations[:3] == ["a", "b", "a"]  # the prefill's model, then back
+    # The next round serves the batch that had no turn first.
+    assert [b for b, _, _ in rounds.plans[1]] == [1, 0]
+    assert _turns(loop)[1].batch_id == 1
