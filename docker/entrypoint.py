@@ -228,8 +228,10 @@ def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
         count = int(config[kind].get("instances", 1))
         if index >= count:
             raise SettingError(
-                f"{kind} instance {index} (container {container}), but the config has "
-                f"{count}: set AEGAEON_{kind.upper()}_INSTANCES to the replica count")
+                f"{kind} instance {index} (container {container}), but the deployment has "
+                f"{count}: the replica count and AEGAEON_{kind.upper()}_INSTANCES must agree "
+                f"(compose: set AEGAEON_{kind.upper()}_INSTANCES, or AEGAEON_CPU_"
+                f"{kind.upper()}_INSTANCES for the cpu profile, instead of --scale)")
         device = str(config[kind].get("device", "cpu"))
         if device.startswith("cuda") and "CUDA_VISIBLE_DEVICES" not in env:
             gpu = gpu_for(kind, index, int(config["prefill"].get("instances", 1)), env,

@@ -40,6 +40,7 @@ IMAGE = os.environ.get("AEGAEON_CPU_IMAGE", "aegaeon:cpu")
 # each service's side port in its container (docker/entrypoint.py); the proxy: its API port
 PORTS = {"proxy-cpu": 8000, "cachemgr-cpu": 9100, "prefill-cpu": 9200, "decode-cpu": 9300}
 MARKET_MODELS = 4  # the "small" profile: 3 families, as tests/e2e use
+DECODE_REPLICAS = 2  # two decode containers: instance indexes from replica names, DNS discovery
 MAX_TOKENS = 12
 UP_TIMEOUT_S = 420
 
@@ -90,8 +91,8 @@ class Stack:
     def logs(self) -> str:
         return self("logs", "--no-color", "--tail", "60", timeout=60).stdout[-12000:]
 
-    def containers(self) -> dict[str, str]:
-        """service -> the IP of its (one) container on the project's network."""
+    def containers(self) -> dict[str, tuple[str, str]]:
+        """container name -> (its service, its IP on the project's network)."""
         ids = _run(["docker", "ps", "-q", "--filter",
                     f"label=com.docker.compose.project={self.project}"]).stdout.split()
         out = {}
@@ -99,7 +100,8 @@ class Stack:
             info = json.loads(_run(["docker", "inspect", cid]).stdout)[0]
             service = info["Config"]["Labels"]["com.docker.compose.service"]
             networks = info["NetworkSettings"]["Networks"].values()
-            out[service] = next(n["IPAddress"] for n in networks if n["IPAddress"])
+            ip = next(n["IPAddress"] for n in networks if n["IPAddress"])
+            out[info["Name"].lstrip("/")] = (service, ip)
         return out
 
 
@@ -153,6 +155,7 @@ def stack(image: dict[str, float], market: Path) -> Iterator[Stack]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "AEGAEON_"))}
     env.update(AEGAEON_CPU_IMAGE=IMAGE, AEGAEON_MARKET_DIR=str(market), AEGAEON_API_PORT=str(port),
+               AEGAEON_CPU_DECODE_INSTANCES=str(DECODE_REPLICAS),
                AEGAEON_PROMETHEUS_PORT=f"127.0.0.1:{_free_port()}")
     s = Stack(_compose_command(), f"aegaeon-test-{os.getpid()}", env, f"http://127.0.0.1:{port}")
     s.timings_s.update(image)
@@ -247,13 +250,15 @@ def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: 
         assert finish == "length", (model, finish)
 
     containers = stack.containers()
-    assert set(containers) == set(PORTS), containers
+    services = sorted(svc for svc, _ in containers.values())
+    assert services == sorted([*PORTS, *["decode-cpu"] * (DECODE_REPLICAS - 1)]), containers
     start = time.monotonic()
     deadline = time.monotonic() + 15
     while True:  # worker counters land when the stage's message is handled
-        scraped = {svc: _scrape(f"http://{ip}:{PORTS[svc]}/metrics")
-                   for svc, ip in containers.items()}
-        workers = [scraped["prefill-cpu"], scraped["decode-cpu"]]
+        scraped = {name: _scrape(f"http://{ip}:{PORTS[svc]}/metrics")
+                   for name, (svc, ip) in containers.items()}
+        workers = [scraped[name] for name, (svc, _) in containers.items()
+                   if svc in ("prefill-cpu", "decode-cpu")]
         prefilled = sum(_total(w, "aegaeon_instance_requests_total", stage="prefill",
                                outcome="ok") for w in workers)  # fmt: skip
         decoded = sum(_total(w, "aegaeon_instance_requests_total", stage="decode",
@@ -263,35 +268,36 @@ def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: 
         time.sleep(0.5)
     stack.timings_s["scrape_s"] = time.monotonic() - start
     assert (prefilled, decoded) == (3, 3)
-    for svc, samples in scraped.items():
-        assert ("process_resident_memory_bytes", ()) in samples, svc
-        assert ("process_open_fds", ()) in samples, svc
-    proxy = scraped["proxy-cpu"]
+    for name, samples in scraped.items():
+        assert ("process_resident_memory_bytes", ()) in samples, name
+        assert ("process_open_fds", ()) in samples, name
+    by_service = {svc: scraped[name] for name, (svc, _) in containers.items()}
+    proxy = by_service["proxy-cpu"]
     for model in models:
         assert _total(proxy, "aegaeon_requests_total", model=model) == 1
         assert _total(proxy, "aegaeon_requests_total", model=model, outcome="length") == 1
         assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) == 1
-    assert _total(proxy, "aegaeon_instance_up") == 2
-    cachemgr = scraped["cachemgr-cpu"]
-    assert _total(cachemgr, "aegaeon_cachemgr_workers") == 2
+    assert _total(proxy, "aegaeon_instance_up") == 1 + DECODE_REPLICAS
+    cachemgr = by_service["cachemgr-cpu"]
+    assert _total(cachemgr, "aegaeon_cachemgr_workers") == 1 + DECODE_REPLICAS
     assert _total(cachemgr, "aegaeon_model_cache_models", state="resident") >= 3
 
     # the proxy lists every service, at addresses the compose network resolves
     status, body = _get(f"{stack.api_url}/v1/aegaeon/services")
     assert status == 200
     names = {s["name"] for s in json.loads(body)["services"]}
-    assert names == {"proxy", "cachemgr", "prefill-0", "decode-0"}
+    decodes = {f"decode-{i}" for i in range(DECODE_REPLICAS)}
+    assert names == {"proxy", "cachemgr", "prefill-0", *decodes}
 
     # compose's own view: every container healthy (the /health checks of compose.yaml)
     deadline = time.monotonic() + 30
-    for svc in PORTS:
-        cid = stack("ps", "-q", svc).stdout.strip()
+    for name in containers:
         while True:
-            health = _run(["docker", "inspect", "-f", "{{.State.Health.Status}}", cid]).stdout
+            health = _run(["docker", "inspect", "-f", "{{.State.Health.Status}}", name]).stdout
             if health.strip() == "healthy" or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        assert health.strip() == "healthy", (svc, health)
+        assert health.strip() == "healthy", (name, health)
 
 
 def test_prometheus_scrapes_every_service_and_the_dashboard_queries_answer(stack: Stack) -> None:
@@ -311,11 +317,11 @@ def test_prometheus_scrapes_every_service_and_the_dashboard_queries_answer(stack
     while True:
         status, body = _get(f"{url}/api/v1/targets")
         targets = json.loads(body)["data"]["activeTargets"] if status == 200 else []
-        healthy = {t["labels"]["job"] for t in targets if t["health"] == "up"}
-        if jobs <= healthy or time.monotonic() > deadline:
+        healthy = [t["labels"]["job"] for t in targets if t["health"] == "up"]
+        if jobs <= set(healthy) and healthy.count("aegaeon-decode") == DECODE_REPLICAS:
             break
+        assert time.monotonic() < deadline, targets
         time.sleep(1)
-    assert jobs <= healthy, targets
     time.sleep(11)  # two more scrapes: rates have two samples
     stack.timings_s["prometheus_up_s"] = time.monotonic() - start
 
