@@ -18,7 +18,8 @@
 // x is packed once per call as float32, and a bfloat16 weight is widened in
 // registers, 2 * kLanes elements per load split into even and odd elements
 // (a shift and a mask, no shuffle), x packed in that order. A ragged end of I
-// is read through a zeroed buffer.
+// is read through a zeroed buffer. A single x row (batch 1) reads the weight
+// rows one after another instead (rows_one): one sequential stream.
 //
 // Specialisations on the amx level (bfloat16 only): AMX tiles (I % 32 == 0,
 // O >= 16), else vdpbf16ps on bfloat16 x (32 exact products per instruction).
@@ -207,12 +208,56 @@ void tile_rows(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o
   }
 }
 
+// One x row: w rows [o0, o1) one after another, so the weight is read as one
+// sequential stream (the hardware prefetchers' best case; with R rows side by
+// side, batch 1 ran 12-19% slower here, with the weights in L3 or in DRAM);
+// 4 accumulator chains per row.
+template <typename T>
+void rows_one(const LinearArgs& a, const float* x, int64_t o0, int64_t o1) {
+  using W = Widen<T>;
+  constexpr int kStep = W::kStep, kChains = 4 / W::kVecs;  // steps in flight per row
+  const T* w = static_cast<const T*>(a.w);
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wr = w + o * a.w_stride;
+    VF acc[kChains][W::kVecs];
+    for (auto& chain : acc) for (VF& v : chain) v = vzero();
+    auto step = [&](int j, const T* wp, const float* xp) {
+      VF wv[W::kVecs];
+      W::template load<false>(wp, wv);
+      for (int k = 0; k < W::kVecs; ++k) acc[j][k] = vfmadd(wv[k], vload(xp + k * kLanes), acc[j][k]);
+    };
+    int64_t c = 0;
+    for (; c + kChains * kStep <= a.in; c += kChains * kStep) {
+      __builtin_prefetch(reinterpret_cast<const char*>(wr + c) + kPrefetch);
+      for (int j = 0; j < kChains; ++j) step(j, wr + c + j * kStep, x + c + j * kStep);
+    }
+    for (; c + kStep <= a.in; c += kStep) step(0, wr + c, x + c);
+    if (c < a.in) {  // the ragged end through a zeroed buffer (x is zero-padded there)
+      T buf[kStep] = {};
+      std::memcpy(buf, wr + c, static_cast<size_t>(a.in - c) * sizeof(T));
+      step(0, buf, x + c);
+    }
+    VF sum = vzero();
+    for (auto& chain : acc) for (VF& v : chain) sum = vadd(sum, v);
+    const float b = bias ? static_cast<float>(bias[o]) : 0.f;
+    out[o * a.out_stride_o] = T(vsum(sum) + b);
+  }
+}
+
 template <typename T>
 void run_linear(const LinearArgs& a, const at::Tensor& x_in) {
   constexpr int kStep = Widen<T>::kStep;
   const int64_t num = x_in.size(0), in_padded = (a.in + kStep - 1) / kStep * kStep;
   const float* x = pack_x<T>(x_in, in_padded);  // this thread's buffer, not a worker's
   const int64_t tiles = (a.rows + kTile - 1) / kTile;
+  if (num == 1) {
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+      rows_one<T>(a, x, begin * kTile, std::min(end * kTile, a.rows));
+    });
+    return;
+  }
   // x rows in blocks of NB = kBig, 4, 2, 1 (kAcc / NB rows of w per pass)
   constexpr int kBig = kAcc >= 16 ? 8 : 4;  // AVX2: 4 x rows by 2 w rows (each w load, 4 FMAs)
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
