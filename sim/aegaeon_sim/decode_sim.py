@@ -19,7 +19,9 @@ Costs on the decode side (per turn, on the critical path):
 - model switch, priced by ``costs.switching`` (switching.py). Prefetching
   (section 5.2): the model the controller names when a turn starts is loaded
   in the background from the turn's first step; a switch to it exposes what
-  is left of that load (a wrong guess: a full switch).
+  is left of that load (a wrong guess: a full switch). As the live switcher
+  (``ModelSwitcher.prefetch``), one prefetch at a time: one in flight (or
+  done) stays until a switch takes or drops it.
 - KV swap-in of the batch (context tokens x KV bytes per token at
   ``kv_bytes_per_s``) whenever the turn's batch differs from the previous
   turn's; the swap-out of the previous batch overlaps (section 5.3).
@@ -119,7 +121,7 @@ class DecodeSim:
         if self.phase is Phase.ROUND_START or self.clock >= now_s:
             if self.phase is Phase.ROUND_START and not self.work.num_requests:
                 self.clock = max(self.clock, now_s)  # idle until now
-            self._receive_one(sim, batch_id)
+            self.work.add(sim.request, batch_id)
         else:  # seen when the step or switch in progress ends
             self.inbox.append((now_s, sim, batch_id))
         # The newcomer can end the current chunk (a join, a cut), the turn or
@@ -130,22 +132,7 @@ class DecodeSim:
         """Take the placements made by ``until_s`` into the work list."""
         while self.inbox and self.inbox[0][0] <= until_s:
             _, sim, batch_id = self.inbox.pop(0)
-            self._receive_one(sim, batch_id)
-
-    def _receive_one(self, sim: SimRequest, batch_id: int) -> None:
-        new_batch = self.work.batch(batch_id) is None
-        self.work.add(sim.request, batch_id)
-        if new_batch and self.rounds.planner.fresh_first and self.phase is Phase.DECODE:
-            self._retarget_prefetch()
-
-    def _retarget_prefetch(self) -> None:
-        """A fresh batch takes the next turn: load what the controller names now."""
-        if not self.prefetch_enabled:
-            return
-        model = self.rounds.prefetch_model(self.work)
-        current = self.prefetch[0] if self.prefetch is not None else None
-        if model is not None and model not in (self.loaded, current):
-            self.prefetch = (model, self.clock)
+            self.work.add(sim.request, batch_id)
 
     # ---- turn bookkeeping ------------------------------------------------
     def _plan_round(self) -> None:
@@ -225,9 +212,8 @@ class DecodeSim:
                 self.clock = self.busy_until
                 self.phase = Phase.DECODE
                 self.rounds.start_quota(self.clock)
-                if self.prefetch_enabled:
-                    nxt = self.next_prefetch
-                    self.prefetch = (nxt, self.clock) if nxt is not None else None
+                if self.prefetch is None and self.next_prefetch is not None:
+                    self.prefetch = (self.next_prefetch, self.clock)
                 continue
             done = self._decode(horizon_s)
             if done is None:

@@ -170,7 +170,8 @@ class FakeEngine:
 
 class FakeSwitcher:
     """Switches cost ``switch_s(model, prefetch, now)`` (``prefetch``: the model being
-    prefetched and since when, or None) of fake time; records every call."""
+    prefetched and since when, or None) of fake time; records every call. As
+    ``ModelSwitcher``: one prefetch at a time, taken or dropped by the next switch."""
 
     def __init__(
         self, engine: FakeEngine, clock: FakeClock,
@@ -205,8 +206,9 @@ class FakeSwitcher:
         if name == self._active:
             return False
         self.prefetches.append(name)
-        if self.prefetching is None or self.prefetching[0] != name:
-            self.prefetching = (name, self.clock.now())
+        if self.prefetching is not None:
+            return self.prefetching[0] == name
+        self.prefetching = (name, self.clock.now())
         return True
 
 

@@ -57,6 +57,11 @@ from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.quota import BatchLoad, RoundPlan, RoundRobinPlanner, Turn
 from aegaeon_sched.share import DecodeShare
 
+# Times within this are equal: a turn that has run its quota to within a nanosecond
+# has run it, whether its steps' times were summed one by one (the live loop) or
+# multiplied out (the simulator's chunks, aegaeon_sim.state.steps_until).
+TIME_EPS_S = 1e-9
+
 
 class ServedInRound:
     """Which batches have had a turn since the last decode round that ran to its end.
@@ -199,7 +204,7 @@ class RoundController:
             return TurnEnd.PREEMPTED
         if self._replan_due(work, True):
             return TurnEnd.CUT
-        if now_s >= self.quota_end_s:
+        if now_s >= self.quota_end_s - TIME_EPS_S:
             return TurnEnd.QUOTA
         return None
 
