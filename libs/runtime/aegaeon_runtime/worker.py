@@ -72,7 +72,7 @@ async def build_worker(
     client: CacheClient,
     metrics: WorkerMetrics | None = None,
 ) -> Worker:
-    """Register with the cachemgr and build the worker (on the event loop's thread).
+    """Register with the cachemgr and build the worker (its slow parts on threads).
 
     Must be awaited on the loop that will serve ``client`` afterwards: the
     compute thread reaches the cachemgr through a :class:`SyncCacheClient`.
@@ -89,8 +89,12 @@ async def build_worker(
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
     specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
-    engine = Engine(device, num_threads=inst.threads)
-    buffer = DeviceBuffer(inst.device_memory_bytes, inst.kv_memory_bytes, device)
+    # Off the loop: the engine may build its native kernels (tens of seconds on a
+    # machine that has none yet) and the buffer touches every page; the loop keeps
+    # answering /health meanwhile.
+    engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads)
+    buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
+                                     inst.kv_memory_bytes, device)  # fmt: skip
     table = registration.event_table
     streams = [
         make_copy_stream(device, table, registration.event_slots[i]) for i in range(NUM_STREAMS)
