@@ -33,77 +33,73 @@ def cm(tmp_path: Path) -> Iterator[CacheMgrProcess]:
     assert shm_segments(proc.prefix) == []
 
 
-def test_alloc_beyond_capacity_is_a_typed_error(cm: CacheMgrProcess) -> None:
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        await client.register()
+async def test_alloc_beyond_capacity_is_a_typed_error(cm: CacheMgrProcess) -> None:
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    await client.register()
+    with pytest.raises(RemoteError) as err:
+        await client.alloc_blocks(SHAPE, CAPACITY + 1)
+    assert err.value.code == "out_of_blocks"
+    detail = err.value.reply.detail or {}
+    assert detail["capacity_blocks"] == CAPACITY and detail["requested_blocks"] == CAPACITY + 1
+    assert detail["capacity_bytes"] == KV_BYTES and detail["block_bytes"] == BLOCK_BYTES
+    assert f"requested {CAPACITY + 1} blocks" in str(err.value) and str(KV_BYTES) in str(
+        err.value
+    )
+    alloc = await client.alloc_blocks(SHAPE, CAPACITY)  # the failure allocated nothing
+    assert alloc.block_bytes == BLOCK_BYTES
+    assert len(set(alloc.offsets)) == CAPACITY
+    assert all(off % BLOCK_BYTES == 0 and off < KV_BYTES for off in alloc.offsets)
+    with pytest.raises(RemoteError, match="0 available"):
+        await client.alloc_blocks(SHAPE, 1)
+    huge = KVShapeSpec(64, 16, 128, 16, "float32")  # one block > a 1 MiB slab
+    for shape, code in ((huge, "bad_request"), (KVShapeSpec(0, 2, 16, 16, "x"), "bad_request")):
         with pytest.raises(RemoteError) as err:
-            await client.alloc_blocks(SHAPE, CAPACITY + 1)
-        assert err.value.code == "out_of_blocks"
-        detail = err.value.reply.detail or {}
-        assert detail["capacity_blocks"] == CAPACITY and detail["requested_blocks"] == CAPACITY + 1
-        assert detail["capacity_bytes"] == KV_BYTES and detail["block_bytes"] == BLOCK_BYTES
-        assert f"requested {CAPACITY + 1} blocks" in str(err.value) and str(KV_BYTES) in str(
-            err.value
-        )
-        alloc = await client.alloc_blocks(SHAPE, CAPACITY)  # the failure allocated nothing
-        assert alloc.block_bytes == BLOCK_BYTES
-        assert len(set(alloc.offsets)) == CAPACITY
-        assert all(off % BLOCK_BYTES == 0 and off < KV_BYTES for off in alloc.offsets)
-        with pytest.raises(RemoteError, match="0 available"):
-            await client.alloc_blocks(SHAPE, 1)
-        huge = KVShapeSpec(64, 16, 128, 16, "float32")  # one block > a 1 MiB slab
-        for shape, code in ((huge, "bad_request"), (KVShapeSpec(0, 2, 16, 16, "x"), "bad_request")):
-            with pytest.raises(RemoteError) as err:
-                await client.alloc_blocks(shape, 1)
-            assert err.value.code == code
-        stranger = CacheClient(cm.config.cachemgr_address, "stranger")
-        with pytest.raises(RemoteError) as err:
-            await stranger.alloc_blocks(SHAPE, 1)
-        assert err.value.code == "unknown_owner"
-        kv = (await client.stats()).kv
-        assert kv.used_bytes == KV_BYTES and kv.blocks_per_owner == {"w0": CAPACITY}
-        assert [(s.shape, s.used_blocks) for s in kv.shapes] == [(SHAPE, CAPACITY)]
-        await stranger.close()
-        await client.close()
-
-    asyncio.run(go())
+            await client.alloc_blocks(shape, 1)
+        assert err.value.code == code
+    stranger = CacheClient(cm.config.cachemgr_address, "stranger")
+    with pytest.raises(RemoteError) as err:
+        await stranger.alloc_blocks(SHAPE, 1)
+    assert err.value.code == "unknown_owner"
+    kv = (await client.stats()).kv
+    assert kv.used_bytes == KV_BYTES and kv.blocks_per_owner == {"w0": CAPACITY}
+    assert [(s.shape, s.used_blocks) for s in kv.shapes] == [(SHAPE, CAPACITY)]
+    await stranger.close()
+    await client.close()
 
 
-def test_blocks_freed_with_a_pending_event_are_not_reallocated(cm: CacheMgrProcess) -> None:
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        reg = await client.register()
-        timeline = reg.timeline(0)
-        alloc = await client.alloc_blocks(SHAPE, CAPACITY)
-        value = timeline.issue()
-        freed = await client.free_blocks(
-            alloc.offsets, timeline_event(reg.event_table.name, timeline.slot, value)
-        )
-        assert (freed.num_freed, freed.num_deferred) == (0, CAPACITY)
-        assert (await client.stats()).kv.move_list_blocks == CAPACITY
-        await asyncio.sleep(0.05)  # the reclaimer polls every millisecond
-        with pytest.raises(RemoteError) as err:
-            await client.alloc_blocks(SHAPE, 1)
-        assert err.value.code == "out_of_blocks"
-        timeline.signal(value)
-        again = await client.alloc_blocks(SHAPE, CAPACITY)  # reclaimed before failing
-        assert sorted(again.offsets) == sorted(alloc.offsets)
-        # A completed event frees at once; a foreign event table is refused.
-        done = await client.free_blocks(
-            again.offsets[:2], timeline_event(reg.event_table.name, timeline.slot, value)
-        )
-        assert (done.num_freed, done.num_deferred) == (2, 0)
-        with pytest.raises(RemoteError) as err:
-            await client.free_blocks(again.offsets[2:4], timeline_event("aegaeon-other", 0, 9))
-        assert err.value.code == "bad_request"
-        with pytest.raises(RemoteError) as err:  # already freed
-            await client.free_blocks(again.offsets[:1])
-        assert err.value.code == "bad_request"
-        await client.close()
-        assert (await probe_stats(cm)).kv.used_bytes == 0  # unregister freed the rest
 
-    asyncio.run(go())
+async def test_blocks_freed_with_a_pending_event_are_not_reallocated(cm: CacheMgrProcess) -> None:
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    reg = await client.register()
+    timeline = reg.timeline(0)
+    alloc = await client.alloc_blocks(SHAPE, CAPACITY)
+    value = timeline.issue()
+    freed = await client.free_blocks(
+        alloc.offsets, timeline_event(reg.event_table.name, timeline.slot, value)
+    )
+    assert (freed.num_freed, freed.num_deferred) == (0, CAPACITY)
+    assert (await client.stats()).kv.move_list_blocks == CAPACITY
+    await asyncio.sleep(0.05)  # the reclaimer polls every millisecond
+    with pytest.raises(RemoteError) as err:
+        await client.alloc_blocks(SHAPE, 1)
+    assert err.value.code == "out_of_blocks"
+    timeline.signal(value)
+    again = await client.alloc_blocks(SHAPE, CAPACITY)  # reclaimed before failing
+    assert sorted(again.offsets) == sorted(alloc.offsets)
+    # A completed event frees at once; a foreign event table is refused.
+    done = await client.free_blocks(
+        again.offsets[:2], timeline_event(reg.event_table.name, timeline.slot, value)
+    )
+    assert (done.num_freed, done.num_deferred) == (2, 0)
+    with pytest.raises(RemoteError) as err:
+        await client.free_blocks(again.offsets[2:4], timeline_event("aegaeon-other", 0, 9))
+    assert err.value.code == "bad_request"
+    with pytest.raises(RemoteError) as err:  # already freed
+        await client.free_blocks(again.offsets[:1])
+    assert err.value.code == "bad_request"
+    await client.close()
+    assert (await probe_stats(cm)).kv.used_bytes == 0  # unregister freed the rest
+
 
 
 def timeline_event(table: str, slot: int, value: int) -> EventSpec:
@@ -118,31 +114,29 @@ async def probe_stats(cm: CacheMgrProcess):  # type: ignore[no-untyped-def]
         await probe.close()
 
 
-def test_reassign_and_reregister(cm: CacheMgrProcess) -> None:
-    async def go() -> None:
-        w1 = CacheClient(cm.config.cachemgr_address, "w1")
-        w2 = CacheClient(cm.config.cachemgr_address, "w2")
-        await w1.register()
-        old_slots = (await w2.register()).event_slots
-        alloc = await w1.alloc_blocks(SHAPE, 3)
-        with pytest.raises(RemoteError) as err:
-            await w1.reassign_blocks(alloc.offsets, "nobody")
-        assert err.value.code == "unknown_owner"
-        assert await w1.reassign_blocks(alloc.offsets, "w2") == 3
-        assert (await w1.stats()).kv.blocks_per_owner == {"w2": 3}
-        with pytest.raises(RemoteError) as err:
-            await w1.free_blocks(alloc.offsets)
-        assert err.value.code == "not_owner"
-        # A restarted w2 registers again: its old lease (blocks, slots) ends.
-        reg = await w2.register()
-        assert set(reg.event_slots).isdisjoint(old_slots)
-        stats = await w1.stats()
-        assert stats.kv.blocks_per_owner == {} and stats.kv.used_bytes == 0
-        assert {w.worker_id for w in stats.workers} == {"w1", "w2"}
-        await w1.close()
-        await w2.close()
+async def test_reassign_and_reregister(cm: CacheMgrProcess) -> None:
+    w1 = CacheClient(cm.config.cachemgr_address, "w1")
+    w2 = CacheClient(cm.config.cachemgr_address, "w2")
+    await w1.register()
+    old_slots = (await w2.register()).event_slots
+    alloc = await w1.alloc_blocks(SHAPE, 3)
+    with pytest.raises(RemoteError) as err:
+        await w1.reassign_blocks(alloc.offsets, "nobody")
+    assert err.value.code == "unknown_owner"
+    assert await w1.reassign_blocks(alloc.offsets, "w2") == 3
+    assert (await w1.stats()).kv.blocks_per_owner == {"w2": 3}
+    with pytest.raises(RemoteError) as err:
+        await w1.free_blocks(alloc.offsets)
+    assert err.value.code == "not_owner"
+    # A restarted w2 registers again: its old lease (blocks, slots) ends.
+    reg = await w2.register()
+    assert set(reg.event_slots).isdisjoint(old_slots)
+    stats = await w1.stats()
+    assert stats.kv.blocks_per_owner == {} and stats.kv.used_bytes == 0
+    assert {w.worker_id for w in stats.workers} == {"w1", "w2"}
+    await w1.close()
+    await w2.close()
 
-    asyncio.run(go())
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
@@ -197,25 +191,23 @@ def test_killed_worker_lease_is_reclaimed(cm: CacheMgrProcess) -> None:
     assert [(m.name, m.pins) for m in stats.model_cache.models] == [("a", 0)]
 
 
-def test_sync_facade_serves_a_compute_thread(cm: CacheMgrProcess) -> None:
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        reg = await client.register()
-        sync = SyncCacheClient(client, asyncio.get_running_loop())
+async def test_sync_facade_serves_a_compute_thread(cm: CacheMgrProcess) -> None:
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    reg = await client.register()
+    sync = SyncCacheClient(client, asyncio.get_running_loop())
 
-        def compute() -> tuple[int, int]:  # what a worker's compute thread does
-            alloc = sync.alloc_blocks(SHAPE, 2)
-            reg.block(alloc.offsets[0], alloc.block_bytes).fill_(7)
-            model = sync.load_model("a")
-            freed = sync.free_blocks(alloc.offsets)
-            sync.unpin("a")
-            return model.nbytes, freed.num_freed
+    def compute() -> tuple[int, int]:  # what a worker's compute thread does
+        alloc = sync.alloc_blocks(SHAPE, 2)
+        reg.block(alloc.offsets[0], alloc.block_bytes).fill_(7)
+        model = sync.load_model("a")
+        freed = sync.free_blocks(alloc.offsets)
+        sync.unpin("a")
+        return model.nbytes, freed.num_freed
 
-        nbytes, num_freed = await asyncio.to_thread(compute)
-        assert nbytes > 0 and num_freed == 2
-        with pytest.raises(RuntimeError, match="deadlock"):
-            sync.stats()  # on the loop itself it would block the loop forever
-        assert (await client.stats()).kv.used_bytes == 0
-        await client.close()
+    nbytes, num_freed = await asyncio.to_thread(compute)
+    assert nbytes > 0 and num_freed == 2
+    with pytest.raises(RuntimeError, match="deadlock"):
+        sync.stats()  # on the loop itself it would block the loop forever
+    assert (await client.stats()).kv.used_bytes == 0
+    await client.close()
 
-    asyncio.run(go())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,29 +98,27 @@ def test_http_address_files_round_trip(tmp_path: Path) -> None:
     }  # fmt: skip
 
 
-def test_side_server_ready_only_when_ready_and_not_draining(tmp_path: Path) -> None:
-    async def main() -> None:
-        readiness = Readiness()
-        server = SideServer("cachemgr", "cachemgr", new_registry(), readiness,
-                            host="127.0.0.1", port=0, run_dir=tmp_path)  # fmt: skip
-        url = await server.start()
-        assert read_http_address(tmp_path, "cachemgr") is not None
-        try:
-            async with ClientSession() as http:
-                assert (await http.get(f"{url}/health")).status == 200
-                assert (await http.get(f"{url}/ready")).status == 503
-                readiness.set_ready()
-                assert (await http.get(f"{url}/ready")).status == 200
-                readiness.set_draining()
-                resp = await http.get(f"{url}/ready")
-                assert resp.status == 503
-                assert (await resp.json())["reason"] == "draining"
-                readiness.set_ready()  # a heartbeat after the drain began changes nothing
-                assert (await http.get(f"{url}/ready")).status == 503
-                text = await (await http.get(f"{url}/metrics")).text()
-                assert "process_open_fds" in text
-        finally:
-            await server.stop()
-        assert read_http_address(tmp_path, "cachemgr") is None
+async def test_side_server_ready_only_when_ready_and_not_draining(tmp_path: Path) -> None:
+    readiness = Readiness()
+    server = SideServer("cachemgr", "cachemgr", new_registry(), readiness,
+                        host="127.0.0.1", port=0, run_dir=tmp_path)  # fmt: skip
+    url = await server.start()
+    assert read_http_address(tmp_path, "cachemgr") is not None
+    try:
+        async with ClientSession() as http:
+            assert (await http.get(f"{url}/health")).status == 200
+            assert (await http.get(f"{url}/ready")).status == 503
+            readiness.set_ready()
+            assert (await http.get(f"{url}/ready")).status == 200
+            readiness.set_draining()
+            resp = await http.get(f"{url}/ready")
+            assert resp.status == 503
+            assert (await resp.json())["reason"] == "draining"
+            readiness.set_ready()  # a heartbeat after the drain began changes nothing
+            assert (await http.get(f"{url}/ready")).status == 503
+            text = await (await http.get(f"{url}/metrics")).text()
+            assert "process_open_fds" in text
+    finally:
+        await server.stop()
+    assert read_http_address(tmp_path, "cachemgr") is None
 
-    asyncio.run(main())
