@@ -46,15 +46,14 @@ def setup_logging(service: str, level: str | None = None, json: bool | None = No
         if as_json
         else structlog.dev.ConsoleRenderer(colors=False)
     )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        _add_process_fields,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            _add_process_fields,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelName(level_name) if level_name in logging._nameToLevel else 20
         ),
@@ -62,7 +61,16 @@ def setup_logging(service: str, level: str | None = None, json: bool | None = No
         cache_logger_on_first_use=True,
     )
     bind_process(service=service)
-    logging.basicConfig(level=level_name, stream=sys.stderr, format="%(name)s %(message)s")
+    # Lines of the stdlib's loggers (the engine's, libraries') in the same format
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer],
+    ))  # fmt: skip
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level_name if level_name in logging._nameToLevel else logging.INFO)
 
 
 def get_logger(name: str | None = None) -> Any:
