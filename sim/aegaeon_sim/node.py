@@ -8,9 +8,8 @@ same policy object over it:
 - Aegaeon: ``prefill-0..P-1`` and ``decode-0..D-1``; with ``hybrid_prefill``
   the prefill instances are hybrids listed after the decode instances as
   Algorithm 2 targets, fed decode shares every 0.5 s as the proxy does
-  (shares.py), a round re-planned after a cut one serving the batches
-  already served last, as the live loop does (``ServedInRound``, also on
-  decode instances).
+  (shares.py); every decode instance runs the live loop's round
+  controller (``aegaeon_sched.RoundController``).
 - Request-level policies: ``decode-0..P+D-1`` unified instances that prefill
   one request at a time before their decode steps (as the live decode loop's
   ``_prefill_new``) and switch only when idle.

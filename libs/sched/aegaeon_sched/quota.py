@@ -107,7 +107,8 @@ class RoundPlan:
 
 
 class RoundRobinPlanner:
-    """Computes a round's order and quotas; pure, so live and simulated decode share it.
+    """Computes a round's order and quotas; pure, so live and simulated decode share it
+    (through :class:`~aegaeon_sched.RoundController`, which runs the rounds).
 
     ``RoundRobinPlanner(tbt_s, q_max_s)`` is the paper's Eq. 2-3; pass
     ``ttft_s`` to bound each round's decode time by ``round_ttft_fraction *
