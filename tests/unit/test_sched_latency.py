@@ -149,3 +149,12 @@ def test_scaling_touches_every_model_once() -> None:
     prefill = lat.prefill_s("llama", [500])
     lat.scale_coefficients("prefill", {}, 0.5)
     assert lat.prefill_s("llama", [500]) == pytest.approx(0.5 * prefill)
+
+
+def test_a_step_never_gets_faster_as_its_context_grows() -> None:
+    # A start-up profile fitted on a busy machine can come out with a negative
+    # context term (seen live: a 19M model whose steps hit zero past 2k tokens).
+    lat = _model()
+    lat.set_decode_coefficients("qwen", (3.0e-13, -2.0e-12, 4.0e-16))
+    steps = [lat.decode_step_s("qwen", 4, ctx) for ctx in (0, 1_000, 100_000, 10_000_000)]
+    assert steps == [steps[0]] * 4 and steps[0] > 0

@@ -260,11 +260,10 @@ class LatencyModel:
         s = self.spec(model)
         coef = self.decode_coefficients(model)
         per_seq = coef[2] * s.num_layers * s.layer_width if len(coef) > 2 else 0.0
-        lin = (
-            coef[0] * s.num_layers * s.layer_width,
-            coef[1] * s.num_layers * 3.0 * s.hidden_size,
-            per_seq,
-        )
+        # A context term fitted below zero (a profile on a busy machine) counts as zero:
+        # a step never gets faster as its context grows.
+        per_token = max(0.0, coef[1]) * s.num_layers * 3.0 * s.hidden_size
+        lin = (coef[0] * s.num_layers * s.layer_width, per_token, per_seq)
         self._decode_lin[model] = lin
         return lin
 
