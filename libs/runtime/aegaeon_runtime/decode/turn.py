@@ -149,8 +149,12 @@ class TurnRunner:
                     for s in waiting:
                         s.kv_wait_s += KV_POLL_S
                     continue
-                if not self._step(batch, ready) and self.work.batch(batch.batch_id) is not None:
-                    return None  # no room for any of them and nothing left to swap out
+                if not self._step(batch, ready):
+                    # No room for any of them: the blocks of the victims just swapped
+                    # out come back when their copies complete (the move list).
+                    self.admission.tokens.flush()
+                    clock.sleep(KV_POLL_S)
+                    kv_wait_s += KV_POLL_S
         finally:
             self.admission.tokens.flush()
             busy_s = clock.now() - start - (self.counters.decode_s - decode_before)
