@@ -17,6 +17,7 @@ from typing import Any
 from aegaeon_sched.slo import SLO, summarize
 
 from aegaeon_bench.serve_trace import TraceRecord
+from aegaeon_bench.stats_json import heartbeats
 
 # The keys ``--json`` always prints, in this order (extras follow).
 SUMMARY_KEYS = ("slo_attainment", "qos", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99",
@@ -55,7 +56,7 @@ def instance_counter(stats: Mapping[str, Any] | None, name: str) -> float:
     if not stats:
         return 0.0
     total = 0.0
-    for inst in (stats.get("instances") or {}).values():
+    for inst in heartbeats(stats).values():
         if inst:
             total += float((inst.get("counters") or {}).get(name, 0.0))
     return total

@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 from aegaeon_sched.slo import RequestTrace
 
+from aegaeon_bench.stats_json import heartbeats
+
 Status = Literal["ok", "failed"]
 
 
@@ -186,7 +188,7 @@ def kv_sample(stats: Mapping[str, Any], t_s: float) -> dict[str, Any]:
     devices = {
         name: {key: (inst.get("counters") or {}).get(key)
                for key in ("kv_used_bytes", "kv_fragmentation")}
-        for name, inst in (stats.get("instances") or {}).items()
+        for name, inst in heartbeats(stats).items()
         if inst and "kv_used_bytes" in (inst.get("counters") or {})
     }  # fmt: skip
     return {

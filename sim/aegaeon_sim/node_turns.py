@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aegaeon_bench.stats_json import heartbeats
 from aegaeon_sched import LatencyModel
 
 MIN_TURNS = 20
@@ -123,7 +124,7 @@ def decode_costs(
             acc = per_model.setdefault(str(t["model"]), [0.0, 0.0])
             acc[0] += warm
             acc[1] += float(t["engine_s"])
-    counters = [(v or {}).get("counters") or {} for v in (stats.get("instances") or {}).values()]
+    counters = [(v or {}).get("counters") or {} for v in heartbeats(stats).values()]
     steps_total = sum(r[0] for r in rows)
     counted = sum(float(c.get("steps", 0.0)) for c in counters)
     engine = sum(float(c.get("decode_s", 0.0)) for c in counters) * min(

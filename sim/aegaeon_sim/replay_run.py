@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from aegaeon_bench.stats_json import heartbeats
 from aegaeon_sched import RequestTrace, SLOReport, summarize
 
 from aegaeon_sim.node import NodeRun, simulate_node
@@ -49,7 +50,7 @@ class ReplayResult:
 
 def live_engine_s(case: ReplayCase) -> float:
     """Seconds the live instances spent in decode steps (engine + sampling)."""
-    counters = [(v or {}).get("counters") or {} for v in case.stats["instances"].values()]
+    counters = [(v or {}).get("counters") or {} for v in heartbeats(case.stats).values()]
     return sum(float(c.get("decode_s", 0.0)) for c in counters)
 
 
@@ -78,7 +79,7 @@ def replay(case: ReplayCase, replicas: int = DEFAULT_REPLICAS) -> ReplayResult:
         first = first or (run, traces)
     assert first is not None
     run, traces = first
-    counters = [(v or {}).get("counters") or {} for v in case.stats["instances"].values()]
+    counters = [(v or {}).get("counters") or {} for v in heartbeats(case.stats).values()]
     extras: dict[str, Any] = {
         "switches": {"live": round(sum(float(c.get("switches", 0)) for c in counters)),
                      "sim": run.num_switches},

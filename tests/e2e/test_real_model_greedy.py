@@ -77,7 +77,7 @@ def _stream(client: openai.OpenAI, kind: str, prompt: Any) -> tuple[list[str], i
 
 
 def _switches(served: Served) -> float:
-    instances = served.get_json("/v1/aegaeon/stats")["instances"]
+    instances = served.get_json("/v1/aegaeon/stats")["instance_stats"]
     assert isinstance(instances, dict)
     return sum(float(s["counters"].get("switches", 0.0)) for s in instances.values() if s)
 

@@ -110,7 +110,7 @@ def _kv_in_use(served: Served) -> tuple[float, float]:
     cache = stats["cache"]
     assert isinstance(cache, dict)
     host_used = float(cache["kv"]["used_bytes"]) + float(cache["kv"]["move_list_blocks"])
-    instances = stats["instances"]
+    instances = stats["instance_stats"]
     assert isinstance(instances, dict)
     device_used = sum(
         float(s["counters"].get("kv_used_bytes", 0.0)) for s in instances.values() if s

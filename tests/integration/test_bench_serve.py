@@ -137,7 +137,7 @@ def test_bench_serve_live(small_market: Path, tmp_path: Path) -> None:
 
 
 def _switches(stats: dict[str, object]) -> float:
-    instances = stats["instances"]
+    instances = stats["instance_stats"]
     assert isinstance(instances, dict)
     return sum(float(s["counters"].get("switches", 0.0)) for s in instances.values() if s)
 
@@ -148,7 +148,7 @@ def _assert_no_kv_held(served: Served, timeout_s: float = 30.0) -> None:
     while True:
         stats = _stats(served)
         cache = stats["cache"]
-        instances = stats["instances"]
+        instances = stats["instance_stats"]
         assert isinstance(cache, dict) and isinstance(instances, dict)
         host = float(cache["kv"]["used_bytes"]) + float(cache["kv"]["move_list_blocks"])
         device = sum(float(s["counters"].get("kv_used_bytes", 0.0))

@@ -46,6 +46,7 @@ __all__ = [
     "POLICIES",
     "UNIFIED_POLICIES",
     "WEIGHTS_MODES",
+    "ApiKeyConfig",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -54,6 +55,7 @@ __all__ = [
     "ProxyConfig",
     "SLOConfig",
     "SchedulerConfig",
+    "SecurityConfig",
     "load_config",
     "market_dtype",
     "parse_bytes",
@@ -139,12 +141,57 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.weights == "map" or (self.weights == "auto" and self.device.startswith("cpu"))
 
 
+class ApiKeyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One API key the proxy accepts (``Authorization: Bearer KEY``); ``models``
+    limits it to those models (empty: every model); ``name`` is what logs show."""
+
+    key: str
+    models: tuple[str, ...] = ()
+    name: str = ""
+
+    def __repr__(self) -> str:  # the key never reaches a log line or a traceback
+        return f"ApiKeyConfig(name={self.name!r}, models={self.models!r}, key=<hidden>)"
+
+
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1 << 20
     max_queued_requests: int = 512
+    # The server's deadline for every request (a request's own `timeout` may only
+    # shorten it): past it the request ends with a `deadline_exceeded` error.
     request_timeout_s: float = 600.0
+    # Admission (429 + Retry-After before any work is spent): prompt tokens queued
+    # for prefill and KV blocks (16 tokens of prompt + max_tokens) reserved by the
+    # requests admitted, in total and per model. null: derived from the instances
+    # once they announce themselves (prefill: what the prefill instances prefill
+    # within the TTFT target; KV: the decode instances' device KV capacity).
+    max_prefill_tokens: int | None = None
+    max_prefill_tokens_per_model: int | None = None
+    max_kv_blocks: int | None = None
+    max_kv_blocks_per_model: int | None = None
+    retry_after_s: float = 1.0
+    # Slow clients: a request body must arrive within read_timeout, a write to a
+    # client that does not read must complete within write_timeout (else cut).
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
+    # API keys (empty: no authentication). Each: {key, models?, name?} or a string.
+    api_keys: tuple[ApiKeyConfig, ...] = ()
+    # /metrics and /v1/aegaeon/* on their own port (null: on the API port).
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+
+
+class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the node's services reach each other (``addresses``).
+
+    By default every socket is ``ipc://`` in ``run_dir`` (made 0700). A ``tcp://``
+    address must be on the loopback unless ``curve_key_file`` is set: a ZeroMQ
+    CURVE certificate (``aegaeon keys curve FILE``) every service of the node
+    holds; sockets then encrypt and accept only peers that prove they hold it.
+    """
+
+    curve_key_file: Path | None = None
 
 
 class Config(msgspec.Struct, frozen=True):
@@ -159,6 +206,7 @@ class Config(msgspec.Struct, frozen=True):
     prefill: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
     decode: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     run_dir: Path = Path("/tmp/aegaeon")
     # address overrides, e.g. tcp:// in containers
     addresses: dict[str, str] = msgspec.field(default_factory=dict)
@@ -226,6 +274,7 @@ _SECTIONS: dict[str, type] = {
     "prefill": InstancesConfig,
     "decode": InstancesConfig,
     "proxy": ProxyConfig,
+    "security": SecurityConfig,
 }
 _TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout", *_SECTIONS}
 
@@ -321,9 +370,12 @@ def config_from_dict(
     dtype = str(raw["dtype"]) if raw.get("dtype") is not None else serving_dtype(stored)
     if dtype not in DTYPES:
         raise ConfigError(source, "dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    raw_sections = {key: raw.get(key) or {} for key in _SECTIONS}
+    raw_sections["proxy"] = _proxy_raw(raw_sections["proxy"], source)
     sections: dict[str, Any] = {
-        key: build_section(cls, raw.get(key) or {}, source, key) for key, cls in _SECTIONS.items()
+        key: build_section(cls, raw_sections[key], source, key) for key, cls in _SECTIONS.items()
     }
+    _check_proxy(sections["proxy"], names, source)
     sched: SchedulerConfig = sections["scheduler"]
     if sched.policy not in POLICIES:
         raise ConfigError(source, "scheduler.policy", f"{sched.policy!r} is not one of {POLICIES}")
@@ -352,6 +404,7 @@ def config_from_dict(
     addresses = raw.get("addresses") or {}
     if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
         raise ConfigError(source, "addresses", "must map names to zmq addresses")
+    _check_addresses(addresses, sections["security"], source)
     drain_raw = raw.get("drain_timeout", 30.0)
     if isinstance(drain_raw, bool) or not isinstance(drain_raw, int | float) or drain_raw < 0:
         raise ConfigError(source, "drain_timeout", "must be a number of seconds >= 0")
@@ -365,11 +418,75 @@ def config_from_dict(
         prefill=sections["prefill"],
         decode=sections["decode"],
         proxy=sections["proxy"],
+        security=sections["security"],
         run_dir=run_dir,
         addresses={str(k): v for k, v in addresses.items()},
         drain_timeout_s=float(drain_raw),
         source=source,
     )
+
+
+def _proxy_raw(raw: Any, source: str) -> Any:
+    """``proxy.api_keys`` may list bare strings: each becomes ``{key: ...}``."""
+    if not isinstance(raw, dict) or "api_keys" not in raw:
+        return raw
+    keys = raw["api_keys"]
+    if keys is None:
+        keys = []
+    if not isinstance(keys, list):
+        raise ConfigError(source, "proxy.api_keys", "must be a list of keys or {key, models}")
+    return {**raw, "api_keys": [{"key": k} if isinstance(k, str) else k for k in keys]}
+
+
+def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
+    for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s", "retry_after_s"):
+        if not getattr(proxy, name) > 0:
+            raise ConfigError(source, f"proxy.{name.removesuffix('_s')}", "must be > 0 seconds")
+    for name in ("max_prefill_tokens", "max_prefill_tokens_per_model", "max_kv_blocks",
+                 "max_kv_blocks_per_model", "max_queued_requests", "max_body_bytes"):  # fmt: skip
+        value = getattr(proxy, name)
+        if value is not None and value < 1:
+            raise ConfigError(source, f"proxy.{name.removesuffix('_bytes')}", "must be >= 1")
+    for name in ("port", "admin_port"):
+        port = getattr(proxy, name)
+        if port is not None and not 0 <= port < 65536:
+            raise ConfigError(source, f"proxy.{name}", "must be a TCP port (0 = ephemeral)")
+    if proxy.admin_port and proxy.admin_port == proxy.port:
+        raise ConfigError(source, "proxy.admin_port", "must differ from proxy.port")
+    seen: set[str] = set()
+    for i, entry in enumerate(proxy.api_keys):
+        where = f"proxy.api_keys[{i}]"
+        if len(entry.key) < 8 or entry.key != entry.key.strip():
+            raise ConfigError(source, where, "a key has at least 8 characters and no spaces")
+        if entry.key in seen:
+            raise ConfigError(source, where, "duplicate key")
+        seen.add(entry.key)
+        unknown = [m for m in entry.models if m not in models]
+        if unknown:
+            raise ConfigError(source, f"{where}.models", f"unknown model {unknown[0]!r}")
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _check_addresses(addresses: dict[str, str], security: SecurityConfig, source: str) -> None:
+    """ipc:// anywhere; tcp:// on the loopback, or anywhere once CURVE is configured."""
+    for name, address in addresses.items():
+        scheme, _, rest = address.partition("://")
+        if scheme == "ipc":
+            continue
+        if scheme != "tcp":
+            raise ConfigError(source, f"addresses.{name}", f"{address!r}: ipc:// or tcp:// only")
+        host = rest.rpartition(":")[0]
+        if host not in LOOPBACK_HOSTS and security.curve_key_file is None:
+            raise ConfigError(
+                source, f"addresses.{name}",
+                f"{address!r} leaves this host: set security.curve_key_file (CURVE) "
+                "or bind tcp:// to 127.0.0.1",
+            )  # fmt: skip
+    key_file = security.curve_key_file
+    if key_file is not None and not key_file.is_file():
+        raise ConfigError(source, "security.curve_key_file", f"{key_file} is not a file")
 
 
 def load_config(path: Path | str) -> Config:

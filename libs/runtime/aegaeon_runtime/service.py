@@ -95,6 +95,21 @@ def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
     )
 
 
+def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> InstanceStats:
+    """``stats`` plus what the instance holds now, for the proxy's leak checks
+    (``/v1/aegaeon/stats``): ``kv_blocks_in_use`` (device KV blocks allocated or
+    waiting on the move list) and ``open_sequences`` (requests queued for prefill
+    or in the decode work list, as the compute thread last published them)."""
+    pool = worker.kv.pool.stats()
+    blocks = sum(shape.used_blocks for shape in pool.slabs.shapes.values())
+    counters = {
+        **stats.counters,
+        "kv_blocks_in_use": float(blocks),
+        "open_sequences": float(load.prefill_requests + load.decode_requests),
+    }
+    return msgspec.structs.replace(stats, counters=counters)
+
+
 def instance_address(config: Config, kind: str, index: int) -> str:
     return config.prefill_address(index) if kind == "prefill" else config.decode_address(index)
 
@@ -217,7 +232,7 @@ async def _serve(
         async def heartbeat() -> None:
             while True:
                 await to_proxy.send(hello)  # cheap; lets a restarted proxy learn us again
-                await to_proxy.send(instance.stats())
+                await to_proxy.send(with_holdings(instance.stats(), worker, instance.load))
                 readiness.set_ready()  # announced: the proxy can place work here
                 await asyncio.sleep(HEARTBEAT_S)
 

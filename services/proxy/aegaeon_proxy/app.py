@@ -10,24 +10,31 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy import handlers, info
+from aegaeon_proxy.auth import KeyRing
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.errors import APIError
-from aegaeon_proxy.http_io import CLIENT_GONE, STREAMING
+from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
 from aegaeon_proxy.state import STATE, ProxyState
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
 log = get_logger("proxy")
 
-__all__ = ["make_app"]
+__all__ = ["make_admin_app", "make_app"]
 
-ROUTES: list[tuple[str, str, Handler]] = [
+Route = tuple[str, str, Handler]
+PROBES: list[Route] = [
+    ("GET", "/health", info.health),
+    ("GET", "/ready", info.ready),
+]
+PUBLIC: list[Route] = [
     ("POST", "/v1/completions", handlers.completions),
     ("POST", "/v1/chat/completions", handlers.chat_completions),
     ("GET", "/v1/models", info.list_models),
     ("GET", "/v1/models/{model}", info.retrieve_model),
-    ("GET", "/health", info.health),
-    ("GET", "/ready", info.ready),
+]
+# Operators' endpoints: on the API port, or alone on ``proxy.admin_port``.
+ADMIN: list[Route] = [
     ("GET", "/metrics", info.metrics),
     ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
     ("GET", "/v1/aegaeon/services", info.aegaeon_services),
@@ -63,16 +70,25 @@ async def api_errors(request: web.Request, handler: Handler) -> web.StreamRespon
         if request.get(STREAMING):
             raise
         return APIError(500, "internal server error", code="internal_error").response()
+    if request.get(CLOSE_CONNECTION):
+        response.force_close()
     status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status
     counter.labels(_endpoint(request), str(status)).inc()
     return response
 
 
 def make_app(config: Config, backend: Backend) -> web.Application:
-    """The proxy as an aiohttp application; it starts and stops ``backend`` with itself."""
-    app = web.Application(client_max_size=config.proxy.max_body_bytes, middlewares=[api_errors])
+    """The proxy as an aiohttp application; it starts and stops ``backend`` with itself.
+
+    With ``proxy.admin_port`` set, the admin routes are left out (see
+    :func:`make_admin_app`); with API keys, every route but the probes needs one.
+    """
+    keys = KeyRing(config.proxy.api_keys)
+    app = web.Application(client_max_size=config.proxy.max_body_bytes,
+                          middlewares=[api_errors, keys.middleware()])  # fmt: skip
     app[STATE] = ProxyState.create(config, backend)
-    for method, path, handler in ROUTES:
+    routes = PUBLIC + PROBES + (ADMIN if config.proxy.admin_port is None else [])
+    for method, path, handler in routes:
         app.router.add_route(method, path, handler)
 
     async def start_backend(app: web.Application) -> None:
@@ -83,4 +99,14 @@ def make_app(config: Config, backend: Backend) -> web.Application:
 
     app.on_startup.append(start_backend)
     app.on_cleanup.append(stop_backend)
+    return app
+
+
+def make_admin_app(state: ProxyState) -> web.Application:
+    """``/metrics``, ``/v1/aegaeon/*`` and the probes on their own port
+    (``proxy.admin_host:admin_port``, loopback by default; no API key asked)."""
+    app = web.Application(middlewares=[api_errors])
+    app[STATE] = state
+    for method, path, handler in ADMIN + PROBES:
+        app.router.add_route(method, path, handler)
     return app

@@ -81,6 +81,9 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     error: str | None = None  # why, when finish_reason == "error"
+    # what kind of failure (finish_reason "error"): "instance_failed" (the instance
+    # holding it died or restarted: retrying may succeed), else a backend error
+    code: str | None = None
 
 
 class TokenStream(Protocol):
@@ -172,8 +175,9 @@ class TokenQueue:
     def push_threadsafe(self, chunk: TokenChunk) -> None:
         self._loop.call_soon_threadsafe(self.push, chunk)
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> None:
-        self.push(TokenChunk((), reason, error))
+    def finish(self, reason: FinishReason, error: str | None = None,
+               code: str | None = None) -> None:  # fmt: skip
+        self.push(TokenChunk((), reason, error, code))
 
     def __aiter__(self) -> TokenQueue:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -12,6 +13,8 @@ from aegaeon_proxy.jsonfmt import json_response
 # status -> OpenAI error type
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    408: "timeout",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -34,6 +37,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +45,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
 
     @property
     def type(self) -> str:
@@ -59,7 +64,7 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return json_response(self.body(), status=self.status, headers=headers)

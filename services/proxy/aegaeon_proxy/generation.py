@@ -57,6 +57,7 @@ class Generation:
         # the arrival on the monotonic clock: latencies count from when the front accepted it
         self._start = time.monotonic() - max(0.0, time.time() - req.arrival_s)
         self._recorded = False
+        self._timeout_s = timeout_s
         self._deadline = self._start + timeout_s
         self._last_token_at: float | None = None
         self._stream: TokenStream | None = None
@@ -133,7 +134,11 @@ class Generation:
         except TimeoutError:
             self.outcome = "timeout"
             await self.close()
-            raise APIError(504, "the request timed out", code="timeout") from None
+            raise APIError(
+                504, f"the request's deadline passed ({self._timeout_s:g} s after it arrived; "
+                "the request's `timeout` or the server's proxy.request_timeout)",
+                code="deadline_exceeded",
+            ) from None
 
     def _loop_deadline(self) -> float:
         loop = asyncio.get_running_loop()
@@ -160,6 +165,8 @@ class Generation:
             raise APIError(503, "the request was cancelled by the server", code="cancelled")
         self.outcome = "error"
         message = f"generation failed: {chunk.error or 'unknown error'}"
+        if chunk.code == "instance_failed":  # a fault, not this request's doing: retryable
+            raise APIError(503, message, code="instance_failed")
         raise APIError(500, message, code="backend_error")
 
     def _observe_tokens(self, n: int) -> None:

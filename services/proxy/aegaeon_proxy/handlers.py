@@ -19,6 +19,7 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 
 from aegaeon_proxy.assets import AssetError, ModelAssets
+from aegaeon_proxy.auth import allowed, model_not_found
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Generation
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
@@ -58,9 +59,7 @@ CHAT_COMPLETIONS = Endpoint(CHAT_FIELDS, chat_prompt_ids, CHAT, chat=True)
 
 async def _assets(state: ProxyState, model: str) -> ModelAssets:
     if model not in state.assets:
-        raise APIError(
-            404, f"The model '{model}' does not exist", param="model", code="model_not_found"
-        )
+        raise model_not_found(model)
     try:
         assets = await state.assets.get(model)
     except AssetError as exc:
@@ -82,8 +81,11 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     arrival_s = time.time()
     if state.readiness.draining:
         raise APIError(503, "the proxy is draining (shutting down)", code="draining")
-    body = await read_json_object(request, state.config.proxy.max_body_bytes)
+    proxy = state.config.proxy
+    body = await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
     params = parse_common(body, endpoint.fields)
+    if not allowed(request, params.model):
+        raise model_not_found(params.model)
     assets = await _assets(state, params.model)
     params = with_model_defaults(params, body, assets.sampling_defaults)
     if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
@@ -94,7 +96,8 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     req = build_request(
         request_id, params, prompt_ids, assets, chat=endpoint.chat, arrival_s=arrival_s
     )
-    timeout_s = state.config.proxy.request_timeout_s
+    # the server's deadline; a request's own `timeout` may only shorten it
+    timeout_s = min(params.timeout_s or proxy.request_timeout_s, proxy.request_timeout_s)
     gen = Generation(
         state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s,
         slo=state.slo(params.model),
@@ -126,7 +129,7 @@ async def _respond(gen: Generation, shapes: Shapes) -> web.Response:
 async def _stream(
     request: web.Request, gen: Generation, params: CommonParams, shapes: Shapes
 ) -> web.StreamResponse:
-    sse = SSEWriter(request)
+    sse = SSEWriter(request, request.app[STATE].config.proxy.write_timeout_s)
     head = _head(gen)
     usage_field = params.include_usage
     try:
@@ -144,11 +147,14 @@ async def _stream(
         if usage_field:
             sse.add(shapes.usage(head, _usage(gen)))
     except APIError as exc:
-        await sse.send(exc.body())
+        sse.add(exc.body())  # the error event, then [DONE]
     except ConnectionResetError:
         request[CLIENT_GONE] = True
         return sse.response
-    await sse.done()
+    try:
+        await sse.done()
+    except ConnectionResetError:
+        request[CLIENT_GONE] = True
     return sse.response
 
 

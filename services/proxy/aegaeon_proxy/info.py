@@ -9,6 +9,7 @@ from aegaeon_common.config import Config
 from aegaeon_common.http_side import ServiceAddress, metrics_response, read_http_address
 from aiohttp import web
 
+from aegaeon_proxy.auth import allowed, model_not_found
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
@@ -34,16 +35,14 @@ def _model_obj(name: str) -> dict[str, object]:
 
 async def list_models(request: web.Request) -> web.Response:
     """The configured registry (never derived from which workers are alive)."""
-    names = request.app[STATE].config.model_names
+    names = [n for n in request.app[STATE].config.model_names if allowed(request, n)]
     return json_response({"object": "list", "data": [_model_obj(n) for n in names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if name not in request.app[STATE].config.model_names:
-        raise APIError(
-            404, f"The model '{name}' does not exist", param="model", code="model_not_found"
-        )
+    if name not in request.app[STATE].config.model_names or not allowed(request, name):
+        raise model_not_found(name)
     return json_response(_model_obj(name))
 
 

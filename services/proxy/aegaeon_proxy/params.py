@@ -20,6 +20,8 @@ Checker = Callable[[str, Any], Any]
 SEED_MIN = -(1 << 63)  # OpenAI's seed is an int64
 SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: a match is checked against every new text piece
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class CommonParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    timeout_s: float | None = None  # the request's own deadline (None: the server's)
 
 
 def _string(param: str, value: Any) -> str:
@@ -104,13 +107,22 @@ def _stop(param: str, value: Any) -> tuple[str, ...]:
         raise invalid(param, f"'{param}' must be a non-empty string or a list of them")
     if len(items) > MAX_STOP_STRINGS:
         raise invalid(param, f"'{param}' may hold at most {MAX_STOP_STRINGS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise invalid(param, f"a '{param}' string may have at most {MAX_STOP_CHARS} characters")
     return tuple(items)
 
 
 def _token_ids(param: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise invalid(param, f"'{param}' must be a list of token ids")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise invalid(param, f"'{param}' may hold at most {MAX_STOP_TOKEN_IDS} token ids")
     return tuple(_int(param, v, 0) for v in value)
+
+
+def _timeout(param: str, value: Any) -> float:
+    # seconds until the server ends the request with a `deadline_exceeded` error
+    return _number(param, value, 0.0, 1e9, low_open=True)
 
 
 def _stream_options(param: str, value: Any) -> bool:
@@ -134,6 +146,7 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "stop": ("stop", _stop),
     "stop_token_ids": ("stop_token_ids", _token_ids),
     "ignore_eos": ("ignore_eos", _bool),
+    "timeout": ("timeout_s", _timeout),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,

@@ -16,7 +16,7 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.process import mark_ready
 from aiohttp import web
 
-from aegaeon_proxy.app import make_app
+from aegaeon_proxy.app import make_admin_app, make_app
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.state import STATE
 
@@ -40,30 +40,46 @@ class ProxyServer:
         self.backend = backend
         self.app = make_app(config, backend)
         self._runner: web.AppRunner | None = None
+        self._admin: web.AppRunner | None = None
         self.port: int | None = None
+        self.admin_port: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.config.proxy.host}:{self.port}"
 
     async def start(self) -> None:
-        """Start the backend (through the app) and listen."""
+        """Start the backend (through the app) and listen (the admin port too, if set)."""
+        proxy = self.config.proxy
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.proxy.host, self.config.proxy.port)
+        site = web.TCPSite(self._runner, proxy.host, proxy.port)
         await site.start()
         addresses = self._runner.addresses  # (host, port, ...) of the bound sockets
-        self.port = int(addresses[0][1]) if addresses else self.config.proxy.port
-        public = advertised_url(self.config.proxy.host, self.port)
-        self.app[STATE].url = public
-        write_http_address(self.config.run_dir, ServiceAddress("proxy", "proxy", public))
-        log.info("listening", url=self.url, models=list(self.config.model_names))
+        self.port = int(addresses[0][1]) if addresses else proxy.port
+        # where /health, /ready and /metrics are scraped: the admin port when there is one
+        url = advertised_url(proxy.host, self.port)
+        if proxy.admin_port is not None:
+            self._admin = web.AppRunner(make_admin_app(self.app[STATE]), access_log=None)
+            await self._admin.setup()
+            await web.TCPSite(self._admin, proxy.admin_host, proxy.admin_port).start()
+            bound = self._admin.addresses
+            self.admin_port = int(bound[0][1]) if bound else proxy.admin_port
+            url = advertised_url(proxy.admin_host, self.admin_port)
+            log.info("admin_listening", url=url)
+        self.app[STATE].url = url
+        write_http_address(self.config.run_dir, ServiceAddress("proxy", "proxy", url))
+        log.info("listening", url=self.url, models=list(self.config.model_names),
+                 api_keys=len(proxy.api_keys))  # fmt: skip
 
     async def stop(self) -> None:
         """Stop listening and stop the backend."""
         url = self.app[STATE].url
         if url is not None:
             remove_http_address(self.config.run_dir, "proxy", url)
+        if self._admin is not None:
+            await self._admin.cleanup()
+            self._admin = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

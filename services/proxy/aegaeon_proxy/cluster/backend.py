@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import REPLIES, CacheStats, FreeBlocks, GetStats
-from aegaeon_common.messages.prefill import AckDrain
+from aegaeon_common.messages.prefill import AckDrain, CancelRequest
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
     InstanceDraining,
@@ -37,13 +38,16 @@ from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
+from aegaeon_proxy.cluster.admission import AdmissionControl
 from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances
-from aegaeon_proxy.cluster.policy import build_policy
+from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 
 log = get_logger("cluster")
 MONITOR_S = 0.5
+MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
+RECENT_IDS = 4096  # request ids the proxy ended lately (their late tokens are expected)
 
 
 class ClusterBackend:
@@ -56,8 +60,14 @@ class ClusterBackend:
         self.instances = Instances.connect(config, self.ctx, self.unified)
         self.requests: dict[str, Tracked] = {}
         self.policy: Policy | None = None
+        self.admission: AdmissionControl | None = None  # with the policy
+        # ids ended here lately, oldest first: tokens of an id not in here and not
+        # open belong to a request this proxy never knew (it restarted) and are
+        # cancelled at their instance, so its KV and compute are freed
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self.timings = TimingLog()
-        self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0}
+        self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0,
+                                         "retried": 0, "rejected": 0, "orphans_cancelled": 0}
         self._reports = Puller(self.ctx, config.proxy_address, REPORT_CHANNEL, bind=True)
         self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
         self._tasks: list[asyncio.Task[None]] = []
@@ -119,13 +129,24 @@ class ClusterBackend:
             down = [v.name for v in self.instances if not v.alive(time.monotonic())]
             what = ", ".join(down) or "starting"
             raise BackendError.unavailable(f"instances unavailable: {what}")
+        retry_after_s = self.config.proxy.retry_after_s
         if len(self.requests) >= self.config.proxy.max_queued_requests:
+            self.counters["rejected"] += 1
             raise BackendError.overloaded(
                 f"{len(self.requests)} requests in flight (limit "
                 f"{self.config.proxy.max_queued_requests})",
-                retry_after_s=1.0,
+                retry_after_s=retry_after_s,
             )
         s = req.sampling
+        prompt_len = len(req.prompt_token_ids)
+        if self.admission is not None:
+            why = self.admission.refusal(req.model, prompt_len, s.max_tokens)
+            if why is not None:
+                self.counters["rejected"] += 1
+                raise BackendError.overloaded(
+                    f"the node is at its admission bound ({why}); retry later",
+                    retry_after_s=retry_after_s,
+                )
         sampling = SamplingSpec(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
@@ -137,6 +158,8 @@ class ClusterBackend:
         )  # fmt: skip
         tracked = Tracked(req, sched, sampling, TokenQueue())
         self.requests[req.request_id] = tracked
+        if self.admission is not None:
+            self.admission.admit(req.request_id, req.model, prompt_len, s.max_tokens)
         self._actions.run(self.policy.on_arrival(sched, time.time()))
         return tracked.queue
 
@@ -144,24 +167,49 @@ class ClusterBackend:
         tracked = self.requests.pop(request_id, None)
         if tracked is None or self.policy is None:
             return
+        self._forget(request_id)
         self.counters["cancelled"] += 1
         self.timings.add(tracked, "cancelled", None)
         self._actions.run(self.policy.on_request_cancelled(request_id, time.time()))
         tracked.queue.finish("cancelled")
 
-    def end_request(self, request_id: str, reason: str, error: str | None = None) -> Tracked | None:
+    def end_request(
+        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
+    ) -> Tracked | None:
         """The request is over (finished or failed): tell the policy, close the stream."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return None
+        self._forget(request_id)
         if reason == "error":
             self.counters["failed"] += 1
-            tracked.queue.finish("error", error)
+            tracked.queue.finish("error", error, code)
         else:
             self.counters["finished"] += 1
         if self.policy is not None:
             self._actions.run(self.policy.on_request_finished(request_id, time.time()))
         return tracked
+
+    def _forget(self, request_id: str) -> None:
+        """It ended here: release its admission, remember its id for a while."""
+        if self.admission is not None:
+            self.admission.release(request_id)
+        self._ended[request_id] = None
+        if len(self._ended) > RECENT_IDS:
+            self._ended.popitem(last=False)
+
+    def _cancel_orphan(self, request_id: str, index: int) -> None:
+        """Tokens of a request this proxy does not know (it was restarted while the
+        request ran): cancel it at the instance that sent them (prefill-i or decode-i:
+        a report names only the index; a cancel of an unknown id is a no-op)."""
+        if request_id in self._ended:
+            return  # ended here; the instance already got its cancel
+        self._forget(request_id)
+        self.counters["orphans_cancelled"] += 1
+        log.info("orphan_cancelled", request_id=request_id, index=index)
+        for kind in ("prefill", "decode"):
+            if self.instances.get(kind, index) is not None:
+                self._actions.send(f"{kind}-{index}", CancelRequest(request_id))
 
     # ---- reports -------------------------------------------------------------
     async def _receive(self) -> None:
@@ -183,7 +231,9 @@ class ClusterBackend:
             self._fail_instance(view.name, f"instance {view.name} restarted")
         if self.policy is None and all(v.hello is not None for v in self.instances):
             self.policy = build_policy(self.config, self.instances, self.unified)
-            log.info("policy ready", policy=self.policy.name)
+            self.admission = AdmissionControl(admission_bounds(self.config, self.instances))
+            log.info("policy ready", policy=self.policy.name,
+                     admission=self.admission.snapshot()["bounds"])  # fmt: skip
             pause = getattr(self.policy, "pause", None)
             for other in self.instances:  # drained or died before the policy existed
                 if other.paused and pause is not None:
@@ -221,6 +271,8 @@ class ClusterBackend:
             if msg.handoff is not None:  # cancelled meanwhile: nobody will claim the KV
                 self._free_orphan(f"prefill-{msg.index}", msg.handoff.block_offsets)
             return
+        if self.admission is not None:
+            self.admission.prefilled(msg.request_id)
         tracked.num_generated = 1
         tracked.first_token_id = msg.token_id
         tracked.handoff = msg.handoff
@@ -241,6 +293,8 @@ class ClusterBackend:
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
+                if item.finish_reason is None:
+                    self._cancel_orphan(item.request_id, msg.index)
                 continue  # cancelled; the instance already got the cancel
             tracked.num_generated += len(item.token_ids)
             reason = item.finish_reason
@@ -277,11 +331,32 @@ class ClusterBackend:
                 self._fail_instance(view.name, f"instance {view.name} is down")
 
     def _fail_instance(self, name: str, why: str) -> None:
+        """Its requests end with an ``instance_failed`` error, except those that had
+        no token yet: they are dispatched again (the instance is paused, so they go
+        elsewhere or wait for its successor), up to ``MAX_RETRIES`` times."""
         for request_id in [r for r, t in self.requests.items() if t.instance == name]:
             tracked = self.requests[request_id]
+            if (tracked.num_generated == 0 and tracked.retries < MAX_RETRIES
+                    and self.policy is not None):  # fmt: skip
+                self._redispatch(tracked, name)
+                continue
             log.warning("request_lost", request_id=request_id, model=tracked.gen.model,
                         instance=name, error=why)  # fmt: skip
-            self.end_request(request_id, "error", why)
+            self.end_request(request_id, "error", why, code="instance_failed")
+
+    def _redispatch(self, tracked: Tracked, name: str) -> None:
+        assert self.policy is not None
+        request_id = tracked.gen.request_id
+        tracked.retries += 1
+        tracked.instance = None
+        self.counters["retried"] += 1
+        if self.admission is not None:
+            self.admission.requeued(request_id, len(tracked.gen.prompt_token_ids))
+        log.info("request_retried", request_id=request_id, model=tracked.gen.model,
+                 instance=name, attempt=tracked.retries)  # fmt: skip
+        now = time.time()
+        self._actions.run(self.policy.on_request_cancelled(request_id, now))
+        self._actions.run(self.policy.on_arrival(tracked.sched, now))
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:
         async def free() -> None:
@@ -304,6 +379,24 @@ class ClusterBackend:
             },
         }
 
+    def _holdings(self, cache: dict[str, Any] | None) -> list[dict[str, object]]:
+        """What each instance holds now: device KV blocks and open sequences (its last
+        heartbeat), host KV blocks the cachemgr leases to it (``-1``: the cachemgr did
+        not answer). All 0 on an idle node that leaked nothing."""
+        now = time.monotonic()
+        owners = (cache or {}).get("kv", {}).get("blocks_per_owner", {})
+        out: list[dict[str, object]] = []
+        for v in self.instances:
+            counters = v.stats.counters if v.stats is not None else {}
+            out.append({
+                "name": v.name, "kind": v.kind, "index": v.index, "pid": v.pid,
+                "alive": v.alive(now), "draining": v.draining,
+                "kv_blocks_in_use": int(counters.get("kv_blocks_in_use", 0)),
+                "leases": int(owners.get(v.name, 0)) if cache is not None else -1,
+                "open_sequences": int(counters.get("open_sequences", 0)),
+            })  # fmt: skip
+        return out
+
     async def stats(self, light: bool = False) -> dict[str, object]:
         """Everything the benchmarks read: instance counters, switches, turns, request
         timings, cache; ``light`` leaves the record lists out (for frequent polls)."""
@@ -315,10 +408,15 @@ class ClusterBackend:
         out: dict[str, object] = {
             "policy": self.config.scheduler.policy,
             "counters": dict(self.counters),
-            "instances": {
+            "open_requests": len(self.requests),
+            "instances": self._holdings(cache),
+            # each instance's last heartbeat by name (the form readers used before
+            # `instances` became the list above)
+            "instance_stats": {
                 v.name: to_plain(v.stats) if v.stats else None for v in self.instances
             },
             "cache": cache,
+            "admission": self.admission.snapshot() if self.admission is not None else None,
         }
         if light:
             return out

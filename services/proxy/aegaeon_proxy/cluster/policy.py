@@ -13,7 +13,10 @@ from aegaeon_sched import (
     make_policy,
 )
 
+from aegaeon_proxy.cluster.admission import Bounds, derive_bounds
 from aegaeon_proxy.cluster.instances import Instances
+
+TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
 
 
 def _latency(instances: Instances) -> LatencyModel:
@@ -62,3 +65,26 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
                 for model, tokens in view.hello.capacity_tokens.items():
                     dispatcher.set_capacity(view.name, model, tokens)
     return policy
+
+
+def admission_bounds(config: Config, instances: Instances) -> Bounds:
+    """``proxy.max_*`` bounds, the unset ones derived from the instances' hellos
+    (:func:`~aegaeon_proxy.cluster.admission.derive_bounds`)."""
+    proxy = config.proxy
+    configured = Bounds(proxy.max_prefill_tokens, proxy.max_prefill_tokens_per_model,
+                        proxy.max_kv_blocks, proxy.max_kv_blocks_per_model)  # fmt: skip
+    per_token: list[float] = []
+    capacities: list[dict[str, int]] = []
+    for view in instances:
+        hello = view.hello
+        if hello is None:
+            continue
+        prefills = config.unified or view.kind == "prefill"
+        if prefills and hello.latency is not None and hello.capacity_tokens:
+            latency = LatencyModel.from_dict(to_plain(hello.latency))
+            n = TYPICAL_PROMPT_TOKENS
+            per_token.append(max(latency.prefill_one_s(m, n) / n for m in hello.capacity_tokens))
+        if config.unified or view.kind == "decode" or config.hybrid_prefill:  # it decodes
+            capacities.append(dict(hello.capacity_tokens))
+    return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
+                         decode_capacity_tokens=capacities)  # fmt: skip

@@ -24,6 +24,7 @@ class Tracked:
     first_token_id: int | None = None
     handoff: KVHandoff | None = None
     prefill_timings: RequestTimings | None = None
+    retries: int = 0  # dispatched again after its instance failed before its first token
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,149 @@
+"""Admission: bounds on the work a node has accepted, checked before any work is spent.
+
+Two quantities, each bounded per model and in total:
+
+* **queued prefill tokens**: the prompt tokens of admitted requests whose
+  first token has not come back yet (queued or prefilling);
+* **KV blocks**: the blocks of 16 tokens of ``prompt + max_tokens`` each
+  admitted request may fill by its end, reserved from admission until it ends.
+
+A request that would take a quantity past its bound is refused with a 429
+(and ``Retry-After``) unless nothing is admitted on that quantity yet, so a
+request larger than a bound is served alone rather than never. Pure
+bookkeeping: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 16  # the engine's KV block size (aegaeon_engine.KVShape.block_size)
+
+__all__ = ["BLOCK_TOKENS", "AdmissionControl", "Bounds", "derive_bounds"]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """None: unbounded."""
+
+    prefill_tokens: int | None = None
+    prefill_tokens_per_model: int | None = None
+    kv_blocks: int | None = None
+    kv_blocks_per_model: int | None = None
+
+
+def derive_bounds(
+    configured: Bounds,
+    *,
+    ttft_s: float,
+    prefill_s_per_token: Iterable[float],
+    decode_capacity_tokens: Iterable[Mapping[str, int]],
+) -> Bounds:
+    """The configured bounds, the unset ones derived from the instances.
+
+    Prefill: the tokens the prefill instances prefill within the TTFT target
+    (``ttft_s`` over each instance's slowest per-token prefill time, summed):
+    a request queued behind more would miss its TTFT anyway. KV: the decode
+    instances' device KV capacity in blocks (each instance's smallest per-model
+    capacity), what they can hold without swapping to the host. A per-model
+    bound left unset is the total.
+    """
+    rates = [ttft_s / s for s in prefill_s_per_token if s > 0]
+    prefill = configured.prefill_tokens
+    if prefill is None and rates:
+        prefill = max(1, int(sum(rates)))
+    kv = configured.kv_blocks
+    capacities = [min(c.values()) // BLOCK_TOKENS for c in decode_capacity_tokens if c]
+    if kv is None and capacities:
+        kv = max(1, sum(capacities))
+    return Bounds(
+        prefill_tokens=prefill,
+        prefill_tokens_per_model=configured.prefill_tokens_per_model or prefill,
+        kv_blocks=kv,
+        kv_blocks_per_model=configured.kv_blocks_per_model or kv,
+    )
+
+
+@dataclass(frozen=True)
+class _Held:
+    model: str
+    prefill_tokens: int
+    kv_blocks: int
+
+
+class AdmissionControl:
+    """What admitted requests hold; :meth:`refusal` says whether one more fits."""
+
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
+        self._held: dict[str, _Held] = {}
+        self._prefill: Counter[str] = Counter()  # model -> queued prefill tokens
+        self._kv: Counter[str] = Counter()  # model -> reserved KV blocks
+        self.refused: Counter[str] = Counter()  # reason -> requests refused
+
+    @staticmethod
+    def blocks(prompt_tokens: int, max_tokens: int) -> int:
+        return -(-(prompt_tokens + max_tokens) // BLOCK_TOKENS)
+
+    def refusal(self, model: str, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why the request may not be admitted now, or None when it fits."""
+        b = self.bounds
+        blocks = self.blocks(prompt_tokens, max_tokens)
+        checks = (
+            ("prefill_tokens", sum(self._prefill.values()), prompt_tokens, b.prefill_tokens),
+            ("prefill_tokens_per_model", self._prefill[model], prompt_tokens,
+             b.prefill_tokens_per_model),
+            ("kv_blocks", sum(self._kv.values()), blocks, b.kv_blocks),
+            ("kv_blocks_per_model", self._kv[model], blocks, b.kv_blocks_per_model),
+        )  # fmt: skip
+        for name, held, wanted, bound in checks:
+            if bound is not None and held > 0 and held + wanted > bound:
+                self.refused[name] += 1
+                return (f"{name.replace('_', ' ')}: {held} held + {wanted} asked > bound "
+                        f"{bound}")  # fmt: skip
+        return None
+
+    def admit(self, request_id: str, model: str, prompt_tokens: int, max_tokens: int) -> None:
+        held = _Held(model, prompt_tokens, self.blocks(prompt_tokens, max_tokens))
+        self.release(request_id)
+        self._held[request_id] = held
+        self._prefill[model] += held.prefill_tokens
+        self._kv[model] += held.kv_blocks
+
+    def prefilled(self, request_id: str) -> None:
+        """Its first token came back: its prompt leaves the prefill queue."""
+        held = self._held.get(request_id)
+        if held is not None and held.prefill_tokens:
+            self._prefill[held.model] -= held.prefill_tokens
+            self._held[request_id] = _Held(held.model, 0, held.kv_blocks)
+
+    def requeued(self, request_id: str, prompt_tokens: int) -> None:
+        """It goes back to the prefill queue (its instance failed before its first token)."""
+        held = self._held.get(request_id)
+        if held is not None:
+            self._prefill[held.model] += prompt_tokens - held.prefill_tokens
+            self._held[request_id] = _Held(held.model, prompt_tokens, held.kv_blocks)
+
+    def release(self, request_id: str) -> None:
+        """It ended (finished, failed, cancelled)."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._prefill[held.model] -= held.prefill_tokens
+            self._kv[held.model] -= held.kv_blocks
+
+    def snapshot(self) -> dict[str, object]:
+        """What is held and the bounds, for ``/v1/aegaeon/stats``."""
+        return {
+            "requests": len(self._held),
+            "prefill_tokens": sum(self._prefill.values()),
+            "kv_blocks": sum(self._kv.values()),
+            "bounds": {
+                "prefill_tokens": self.bounds.prefill_tokens,
+                "prefill_tokens_per_model": self.bounds.prefill_tokens_per_model,
+                "kv_blocks": self.bounds.kv_blocks,
+                "kv_blocks_per_model": self.bounds.kv_blocks_per_model,
+            },
+            "refused": dict(self.refused),
+        }
