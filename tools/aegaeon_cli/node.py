@@ -12,7 +12,8 @@ from aegaeon_cli.supervisor import Child, python_argv
 
 def _child(config: Config, name: str, argv: list[str], stage: int) -> Child:
     log_path = config.run_dir / f"{name}.log"
-    child = Child(name=name, argv=argv, ready=lambda: False, log_path=log_path, stage=stage)
+    child = Child(name=name, argv=argv, ready=lambda: False, log_path=log_path, stage=stage,
+                  maps_cache=stage == 1)  # the instances map the cachemgr's memory
 
     def ready() -> bool:
         return child.proc is not None and is_ready(config.run_dir, name, child.proc.pid)

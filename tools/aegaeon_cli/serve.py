@@ -18,12 +18,14 @@ import yaml
 from aegaeon_common.config import (
     Config,
     ConfigError,
+    api_key_entries,
     config_from_dict,
     load_config,
     market_dtype,
 )
 from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.logs import get_logger, setup_logging
+from aegaeon_proxy.main import add_api_key_args
 
 log = get_logger("serve")
 
@@ -43,6 +45,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "request-level-global (one global FCFS queue) | request-level-global-sjf",
     )
     parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
+    add_api_key_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -94,6 +97,9 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
     proxy = dict(raw.get("proxy") or {})
+    keys = api_key_entries(args.api_key, args.api_key_file)
+    if keys:
+        proxy["api_keys"] = [*(proxy.get("api_keys") or []), *keys]
     if args.host:
         proxy["host"] = args.host
     if args.port:
@@ -125,7 +131,18 @@ def service_lines(config: Config, names: list[str]) -> list[str]:
     return lines
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable by this user only (0600), atomically (aside, then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    tmp.replace(path)
+
+
 def run(args: argparse.Namespace) -> int:
+    from aegaeon_common.process import private_dir
+
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
         DRAIN_MARGIN_S,
@@ -140,14 +157,18 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"aegaeon serve: {exc}", file=sys.stderr)
         return 2
-    config.run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        private_dir(config.run_dir)  # 0700: the node's sockets and files are this user's
+    except PermissionError as exc:
+        print(f"aegaeon serve: run directory: {exc}", file=sys.stderr)
+        return 2
     effective = config.run_dir / "config.yaml"
     raw_abs = {**raw, "market": str(config.market_dir) if config.market_dir else None}
     if raw.get("models"):
         raw_abs["models"] = [
             {"name": m.name, "path": str(m.path)} for m in config.models
         ]
-    effective.write_text(yaml.safe_dump(raw_abs, sort_keys=False))
+    write_private(effective, yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
     sup = Supervisor(
         build_children(config, effective),
         stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,

@@ -35,6 +35,9 @@ class Child:
     ready: Callable[[], bool]
     log_path: Path
     stage: int = 0  # started with the other children of its stage, after every earlier one
+    # It maps the first child's (the cachemgr's) shared memory: when that child dies,
+    # this one is killed and started again with it (its state lived in that memory).
+    maps_cache: bool = False
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -137,8 +140,9 @@ class Supervisor:
     def watch(self, on_ready: Callable[[], None] | None = None) -> None:
         """Restart children that die, until a stop is requested.
 
-        The first child (cachemgr) owns the shared memory every later child has
-        mapped: when it dies, the others are restarted with it, in order.
+        The first child (cachemgr) owns the shared memory the instances map: when
+        it dies, they are killed and restarted with it, in order; the others (the
+        proxy) keep serving, answering 503 until the instances are back.
         """
         if on_ready is not None:
             on_ready()
@@ -159,19 +163,27 @@ class Supervisor:
                 else:
                     child.backoff_s = 0.5
                 if position == 0:
-                    self._restart_all()
+                    self._restart_with_cache()
                     break
                 child.restarts += 1
                 child.start()
             time.sleep(0.2)
 
-    def _restart_all(self) -> None:
-        log.warning("restarting every service: the cache manager went away")
-        self._terminate(self.children[1:])
-        for child in self.children:
+    def _restart_with_cache(self) -> None:
+        """The cachemgr and every child that maps its memory: killed (nothing they
+        hold outlives that memory; a drain would wait on a dead cachemgr), restarted
+        in stage order. The new cachemgr removes the old segments."""
+        group = [self.children[0], *(c for c in self.children[1:] if c.maps_cache)]
+        log.warning("restarting the cache manager and the instances that map its memory",
+                    children=[c.name for c in group])  # fmt: skip
+        for child in group[1:]:
+            if child.alive() and child.proc is not None:
+                child.proc.kill()
+                child.proc.wait()
+        for child in group:
             child.restarts += 1
         try:
-            self._start_stages(self.children)
+            self._start_stages(group)
         except StartupError as exc:
             log.error("restart failed", error=str(exc))
 

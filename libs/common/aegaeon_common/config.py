@@ -466,6 +466,37 @@ def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
             raise ConfigError(source, f"{where}.models", f"unknown model {unknown[0]!r}")
 
 
+def api_key_entries(args: list[str], files: list[Path]) -> list[dict[str, Any]]:
+    """``--api-key KEY[:MODEL,MODEL...]`` values and ``--api-key-file FILE`` lines
+    (the same form, one a line, ``#`` comments) as ``proxy.api_keys`` entries.
+    A file keeps keys out of the process list; a key holding ':' goes in the config."""
+    lines = list(args)
+    for path in files:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(str(path), "<file>", f"cannot read ({exc.strerror})") from None
+        lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    entries: list[dict[str, Any]] = []
+    for line in lines:
+        key, sep, models = line.partition(":")
+        entry: dict[str, Any] = {"key": key}
+        if sep:
+            entry["models"] = [m.strip() for m in models.split(",") if m.strip()]
+        entries.append(entry)
+    return entries
+
+
+def with_api_keys(config: Config, entries: list[dict[str, Any]], source: str) -> Config:
+    """``config`` with ``entries`` added to its API keys (validated as in a file)."""
+    if not entries:
+        return config
+    keys = build_section(ProxyConfig, {"api_keys": entries}, source, "proxy").api_keys
+    proxy = msgspec.structs.replace(config.proxy, api_keys=config.proxy.api_keys + keys)
+    _check_proxy(proxy, list(config.model_names), source)
+    return msgspec.structs.replace(config, proxy=proxy)
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from aegaeon_common.env import read_env
+from aegaeon_common.process import private_dir
 
 __all__ = [
     "Readiness",
@@ -113,7 +114,7 @@ def http_address_path(run_dir: Path, name: str) -> Path:
 def write_http_address(run_dir: Path, address: ServiceAddress) -> Path:
     """Record ``address`` in ``RUN_DIR/NAME.http`` (write aside, then rename)."""
     path = http_address_path(run_dir, address.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"name": address.name, "role": address.role, "url": address.url}))
     tmp.replace(path)

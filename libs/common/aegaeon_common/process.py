@@ -78,6 +78,19 @@ def run_service(
     return 0
 
 
+def private_dir(path: Path) -> Path:
+    """Make ``path`` (a run directory: sockets, ready and address files) exist with
+    mode 0700: only this user may connect to the node's ipc:// sockets or read its
+    files. A directory of another user is refused (PermissionError), not used."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {info.st_uid}, not this user")
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def ready_path(run_dir: Path, name: str) -> Path:
     """Where service ``name`` announces readiness (its pid) to the supervisor."""
     return run_dir / f"{name}.ready"
@@ -86,7 +99,7 @@ def ready_path(run_dir: Path, name: str) -> Path:
 def mark_ready(run_dir: Path, name: str) -> Path:
     """Write this process's pid to its ready file (atomically)."""
     path = ready_path(run_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(str(os.getpid()))
     tmp.replace(path)

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.common import ErrorReply
+from aegaeon_common.process import private_dir
 from aegaeon_common.wire import Channel, Message, WireError, encode
 
 _RID = struct.Struct("<Q")
@@ -35,9 +37,9 @@ class RemoteError(RuntimeError):
 
 
 def prepare_address(address: str) -> None:
-    """Make the directory of an ``ipc://`` socket exist."""
+    """Make the directory of an ``ipc://`` socket exist, private to this user (0700)."""
     if address.startswith("ipc://"):
-        Path(address[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+        private_dir(Path(address[len("ipc://") :]).parent)
 
 
 def new_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket:
@@ -60,6 +62,20 @@ class Pusher:
 
     async def send(self, msg: Message) -> None:
         await self._sock.send(encode(msg))
+
+    async def disconnected(self) -> None:
+        """Return when the connected peer goes away (its process ended or closed the
+        socket): a ZeroMQ socket monitor's ``EVENT_DISCONNECTED``, at once, where a
+        heartbeat would take seconds to miss. Cancel to stop watching."""
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    return
+        finally:
+            self._sock.disable_monitor()
+            monitor.close(0)
 
     def close(self) -> None:
         self._sock.close(0)

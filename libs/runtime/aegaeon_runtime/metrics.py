@@ -90,7 +90,15 @@ class WorkerMetrics:
             "A switch's time on the critical path, by whether the model was prefetched",
             ("instance", "prefetched"), buckets=SWITCH_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self._bad_frames = Counter(
+            "aegaeon_bad_frames", "Command frames dropped: not a message of the channel "
+            "(code: the WireError's) or work queued for a previous process (stale)",
+            ("instance", "code"), registry=r,
+        )  # fmt: skip
         self.velocity = {stage: TokenRate() for stage in STAGES}
+
+    def bad_frame(self, code: str) -> None:
+        self._bad_frames.labels(self.instance, code).inc()
 
     def request_done(self, stage: str, model: str, outcome: str) -> None:
         self._requests.labels(self.instance, stage, model, outcome).inc()

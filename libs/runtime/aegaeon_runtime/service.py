@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,7 @@ from aegaeon_runtime.worker import Worker, build_worker, instance_config
 log = get_logger("instance")
 
 HEARTBEAT_S = 0.5
+INCARNATION = secrets.randbits(62) + 1  # this process, in the proxy's eyes (never 0)
 POLL_S = 0.05
 NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
@@ -84,6 +86,7 @@ def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
     latency = (msgspec.convert(instance.latency.to_dict(), LatencyProfile)
                if instance.latency else None)  # fmt: skip
     return InstanceHello(
+        incarnation=INCARNATION,
         kind=worker.kind,
         index=worker.index,
         pid=os.getpid(),
@@ -225,9 +228,19 @@ async def _serve(
         async def receive() -> None:
             while True:
                 try:
-                    inbox.put(await commands.recv())
+                    msg = await commands.recv()
                 except WireError as exc:  # nobody to answer on PULL: count and go on
+                    metrics.bad_frame(exc.code)
                     log.warning("bad command frame", instance=name, error=str(exc))
+                    continue
+                meant = getattr(msg, "incarnation", 0)
+                if meant and meant != hello.incarnation:
+                    # queued for the process this one replaced; the proxy has failed
+                    # or re-dispatched that work since, so doing it now would do it twice
+                    metrics.bad_frame("stale")
+                    log.info("stale_command_dropped", instance=name, tag=msg.TAG)
+                    continue
+                inbox.put(msg)
 
         async def heartbeat() -> None:
             while True:

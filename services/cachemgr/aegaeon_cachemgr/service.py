@@ -27,7 +27,7 @@ from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import REQUESTS
 from aegaeon_common.metrics import new_registry
-from aegaeon_common.process import mark_ready, ready_path
+from aegaeon_common.process import mark_ready, private_dir, ready_path
 from aegaeon_common.transport import RpcServer
 from aegaeon_gpumem import cleanup_prefix
 from prometheus_client import CollectorRegistry
@@ -54,7 +54,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     Without it a second cachemgr on the same run would unlink the first one's
     segments as "stale" at start.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)
     fd = os.open(run_dir / f"{SERVICE}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         try:

@@ -24,6 +24,9 @@ class EnqueueDecode(Message, frozen=True):
     sampling: SamplingSpec
     handoff: KVHandoff
     arrival_s: float
+    # The instance process this is for (its hello's `incarnation`; 0: any). Its
+    # successor drops it: work queued for a process that died is not redone twice.
+    incarnation: int = 0
 
 
 class RunRequest(Message, frozen=True):
@@ -35,6 +38,9 @@ class RunRequest(Message, frozen=True):
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     arrival_s: float
+    # The instance process this is for (its hello's `incarnation`; 0: any). Its
+    # successor drops it: work queued for a process that died is not redone twice.
+    incarnation: int = 0
 
 
 DECODE_CHANNEL = Channel(

@@ -20,6 +20,9 @@ class EnqueuePrefill(Message, frozen=True):
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     arrival_s: float  # proxy clock (time.time())
+    # The instance process this is for (its hello's `incarnation`; 0: any). Its
+    # successor drops it: work queued for a process that died is not redone twice.
+    incarnation: int = 0
 
 
 class CancelRequest(Message, frozen=True):

@@ -23,6 +23,9 @@ class InstanceHello(Message, frozen=True):
     # The instance's fitted latency model, from its start-up profile; None until
     # profiled.
     latency: LatencyProfile | None = None
+    # Random per process (pids repeat: PID 1 in every container): the proxy tells a
+    # restarted instance by it, and stamps work for this process with it.
+    incarnation: int = 0
 
 
 class PrefillDone(Message, frozen=True):

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+import msgspec
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
@@ -15,6 +16,9 @@ from aegaeon_sched import EnqueuePrefill as EnqueuePrefillAction
 
 from aegaeon_proxy.cluster.instances import Instances, InstanceView
 from aegaeon_proxy.cluster.tracked import Tracked
+
+# work for one instance process (``incarnation``), never for its successor
+STAMPED = (EnqueuePrefill, EnqueueDecode, RunRequest)
 
 
 class ActionHost(Protocol):
@@ -55,6 +59,8 @@ class ActionRunner:
         if view is None:
             log.error("action for an unknown instance", instance=instance, tag=msg.TAG)
             return
+        if isinstance(msg, STAMPED):  # for this process only: its successor drops it
+            msg = msgspec.structs.replace(msg, incarnation=view.incarnation)
         if self._out is None:
             self._out = asyncio.Queue()
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())

@@ -40,7 +40,7 @@ from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, T
 from aegaeon_proxy.cluster.actions import ActionRunner
 from aegaeon_proxy.cluster.admission import AdmissionControl
 from aegaeon_proxy.cluster.collector import ClusterCollector
-from aegaeon_proxy.cluster.instances import DecodeShares, Instances
+from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 
@@ -67,7 +67,8 @@ class ClusterBackend:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self.timings = TimingLog()
         self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0,
-                                         "retried": 0, "rejected": 0, "orphans_cancelled": 0}
+                                         "retried": 0, "rejected": 0, "orphans_cancelled": 0,
+                                         "bad_frames": 0, "report_errors": 0}
         self._reports = Puller(self.ctx, config.proxy_address, REPORT_CHANNEL, bind=True)
         self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
         self._tasks: list[asyncio.Task[None]] = []
@@ -86,6 +87,7 @@ class ClusterBackend:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._receive()), loop.create_task(self._monitor())]
+        self._tasks += [loop.create_task(self._watch(view)) for view in self.instances]
 
     async def stop(self) -> None:
         for tracked in list(self.requests.values()):
@@ -217,9 +219,16 @@ class ClusterBackend:
             try:
                 msg = await self._reports.recv()
             except WireError as exc:
+                self.counters["bad_frames"] += 1
                 log.warning("bad report frame", error=str(exc))
                 continue
-            self._handlers[type(msg)](msg)
+            try:
+                self._handlers[type(msg)](msg)
+            except Exception:
+                # A bug handling one report must not stop every later one (heartbeats
+                # included: the instances would all look dead): log it and go on.
+                self.counters["report_errors"] += 1
+                log.exception("report_failed", tag=msg.TAG)
 
     def _on_hello(self, msg: InstanceHello) -> None:
         view, restarted = self.instances.on_hello(msg)
@@ -267,8 +276,10 @@ class ClusterBackend:
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         tracked = self.requests.get(msg.request_id)
-        if tracked is None:
-            if msg.handoff is not None:  # cancelled meanwhile: nobody will claim the KV
+        if tracked is None or tracked.num_generated > 0:
+            # cancelled meanwhile, or a second prefill of it (work queued for an
+            # instance that died reached its successor): nobody will claim this KV
+            if msg.handoff is not None:
                 self._free_orphan(f"prefill-{msg.index}", msg.handoff.block_offsets)
             return
         if self.admission is not None:
@@ -324,11 +335,23 @@ class ClusterBackend:
         while True:
             await asyncio.sleep(MONITOR_S)
             for view in self.instances.newly_dead():
-                log.error("instance down", instance=view.name)
-                pause = getattr(self.policy, "pause", None)
-                if pause is not None:  # its successor resumes it (hello)
-                    self._actions.run(pause(view.name))
-                self._fail_instance(view.name, f"instance {view.name} is down")
+                self._instance_down(view.name, "its heartbeat stopped")
+
+    async def _watch(self, view: InstanceView) -> None:
+        """An instance whose process ended (its command socket disconnected) is down
+        now, not a heartbeat timeout later; one draining exits on purpose."""
+        while True:
+            await view.pusher.disconnected()
+            if view.pid is not None and not view.draining:
+                self.instances.mark_dead(view)
+                self._instance_down(view.name, "its process ended")
+
+    def _instance_down(self, name: str, why: str) -> None:
+        log.error("instance down", instance=name, why=why)
+        pause = getattr(self.policy, "pause", None)
+        if pause is not None:  # its successor resumes it (hello)
+            self._actions.run(pause(name))
+        self._fail_instance(name, f"instance {name} is down ({why})")
 
     def _fail_instance(self, name: str, why: str) -> None:
         """Its requests end with an ``instance_failed`` error, except those that had

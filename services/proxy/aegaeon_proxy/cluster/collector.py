@@ -28,6 +28,8 @@ class CollectedBackend(Protocol):
 
 __all__ = ["ClusterCollector"]
 
+ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
+
 
 class ClusterCollector(Collector):
     """Instances as the proxy sees them (heartbeats, drains), requests it tracks."""
@@ -66,6 +68,14 @@ class ClusterCollector(Collector):
             "aegaeon_backend_requests_ended", "Requests the backend ended, by outcome",
             labels=["outcome"],
         )  # fmt: skip
-        for outcome, count in sorted(b.counters.items()):
-            ended.add_metric([outcome], float(count))
+        events = CounterMetricFamily(
+            "aegaeon_backend_events", "What the backend did besides ending requests: "
+            "retried (dispatched again after an instance failed), rejected (429), "
+            "orphans_cancelled, bad_frames (undecodable reports), report_errors",
+            labels=["event"],
+        )  # fmt: skip
+        for name, count in sorted(b.counters.items()):
+            family = ended if name in ENDINGS else events
+            family.add_metric([name], float(count))
         yield ended
+        yield events

@@ -46,6 +46,11 @@ class InstanceView:
     restart_by_s: float = 0.0  # (draining) down if no successor by then
     paused: bool = False  # the policy gives it no new work (draining or down)
 
+    @property
+    def incarnation(self) -> int:
+        """The process that said hello last (0: none yet): work is stamped with it."""
+        return self.hello.incarnation if self.hello is not None else 0
+
     def alive(self, now_s: float) -> bool:
         if self.draining and now_s < self.restart_by_s:
             return True
@@ -97,11 +102,14 @@ class Instances:
         return self.views.get(f"{kind}-{index}")
 
     def on_hello(self, msg: InstanceHello) -> tuple[InstanceView | None, bool]:
-        """Record a hello; returns (view, restarted: it had another pid before)."""
+        """Record a hello; returns (view, restarted: another process had said hello)."""
         view = self.get(msg.kind, msg.index)
         if view is None:
             return None, False
-        restarted = view.pid is not None and view.pid != msg.pid
+        before = view.hello
+        restarted = view.pid is not None and (
+            view.pid != msg.pid or (before is not None and before.incarnation != msg.incarnation)
+        )
         if restarted:
             view.draining = False
         view.pid, view.hello, view.last_seen_s = msg.pid, msg, time.monotonic()
@@ -136,8 +144,13 @@ class Instances:
         now = time.monotonic()
         dead = [v for v in self if v.pid is not None and not v.alive(now)]
         for view in dead:
-            view.pid, view.draining, view.paused = None, False, True
+            self.mark_dead(view)
         return dead
+
+    @staticmethod
+    def mark_dead(view: InstanceView) -> None:
+        """Forget its process until a new hello; it gets no work meanwhile."""
+        view.pid, view.draining, view.paused = None, False, True
 
     def close(self) -> None:
         for view in self:
