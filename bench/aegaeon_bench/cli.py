@@ -15,11 +15,12 @@ BENCHES: dict[str, str] = {
     "serve": "aegaeon_bench.serve_bench",
     "sweep": "aegaeon_bench.sweep",
     "report": "aegaeon_bench.report",
+    "chaos": "aegaeon_bench.chaos",
 }
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("bench", help="benchmarks: engine, switch, serve, sweep, report")
+    parser = sub.add_parser("bench", help="benchmarks (engine, switch, serve, sweep, chaos, ...)")
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for module_name in BENCHES.values():
         try:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class Node:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    run_dir: Path | None = None  # `aegaeon serve --run-dir`: sockets, logs, shm prefix
 
     def tail(self, num_lines: int = 30) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -72,9 +74,11 @@ class Node:
 
 
 def start_node(
-    market: Path, policy: str, run_dir: Path, config: Path | None, timeout_s: float = 300.0
+    market: Path, policy: str, run_dir: Path, config: Path | None, timeout_s: float = 300.0,
+    extra_args: Sequence[str] = (),
 ) -> Node:
-    """`aegaeon serve` with ``policy`` on a free port; returns once it serves."""
+    """`aegaeon serve` with ``policy`` on a free port (``extra_args`` appended); returns
+    once it serves."""
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "serve.log"
@@ -82,9 +86,10 @@ def start_node(
             "--run-dir", str(run_dir / "run")]  # fmt: skip
     if config is not None:
         argv += ["--config", str(config)]
+    argv += list(extra_args)
     with log_path.open("wb") as out:
         proc = subprocess.Popen(aegaeon_argv(*argv), stdout=out, stderr=subprocess.STDOUT)
-    node = Node(f"http://127.0.0.1:{port}", proc, log_path)
+    node = Node(f"http://127.0.0.1:{port}", proc, log_path, run_dir / "run")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

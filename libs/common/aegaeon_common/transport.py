@@ -24,6 +24,9 @@ from aegaeon_common.process import private_dir
 from aegaeon_common.wire import Channel, Message, WireError, encode
 
 _RID = struct.Struct("<Q")
+# No message of ours comes near this (a prompt of a 1 MiB body is ~1.3 MB of msgpack):
+# a bigger frame is an attack or a bug, refused before it takes memory.
+MAX_FRAME_BYTES = 64 << 20
 log = get_logger("transport")
 
 
@@ -45,6 +48,8 @@ def prepare_address(address: str) -> None:
 def new_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    # A frame past the limit is never buffered: ZeroMQ drops its sender's connection.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     if bind:
         prepare_address(address)
         sock.bind(address)

@@ -30,6 +30,7 @@ import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
+from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import InstanceDraining, InstanceHello, InstanceStats
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.metrics import new_registry
@@ -239,6 +240,8 @@ async def _serve(
                     # or re-dispatched that work since, so doing it now would do it twice
                     metrics.bad_frame("stale")
                     log.info("stale_command_dropped", instance=name, tag=msg.TAG)
+                    if isinstance(msg, EnqueueDecode):
+                        await _free_stale_handoff(client, msg)
                     continue
                 inbox.put(msg)
 
@@ -270,6 +273,15 @@ async def _serve(
         ready_path(config.run_dir, name).unlink(missing_ok=True)
     if crashed:
         raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
+
+
+async def _free_stale_handoff(client: CacheClient, msg: EnqueueDecode) -> None:
+    """The proxy leased this handoff's blocks to this instance's name before sending it
+    (for the process this one replaced): nobody else will free them. Stale messages all
+    come before this process's first real one (one ordered socket), so the blocks
+    cannot be this process's own yet; ``not_owner``: they were never moved here."""
+    with contextlib.suppress(RemoteError, TimeoutError):
+        await client.free_blocks(list(msg.handoff.block_offsets), msg.handoff.event)
 
 
 async def _drain(

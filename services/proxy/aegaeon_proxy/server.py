@@ -21,6 +21,9 @@ from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.state import STATE
 
 READY_POLL_S = 0.1
+# After answering a request whose body was not read to its end (413, 408), read what
+# still comes for at most this long, then close (aiohttp's default is 10 s).
+LINGER_S = 2.0
 DRAIN_POLL_S = 0.05
 
 log = get_logger("proxy")
@@ -51,7 +54,8 @@ class ProxyServer:
     async def start(self) -> None:
         """Start the backend (through the app) and listen (the admin port too, if set)."""
         proxy = self.config.proxy
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     lingering_time=LINGER_S)  # fmt: skip
         await self._runner.setup()
         site = web.TCPSite(self._runner, proxy.host, proxy.port)
         await site.start()

@@ -32,6 +32,8 @@ class ActionHost(Protocol):
 
     def end_request(self, request_id: str, reason: str, error: str | None = None) -> object: ...
 
+    async def claim_handoff(self, instance: str, msg: EnqueueDecode) -> bool: ...
+
 log = get_logger("cluster")
 
 
@@ -70,6 +72,12 @@ class ActionRunner:
         assert self._out is not None
         while True:
             view, msg = await self._out.get()
+            # A handoff's blocks become the decode instance's before it is told of
+            # them: if it dies first, the cachemgr reclaims them with its lease.
+            if isinstance(msg, EnqueueDecode) and not await self.backend.claim_handoff(
+                view.name, msg
+            ):
+                continue
             await view.send(msg)
 
     async def flush(self) -> None:

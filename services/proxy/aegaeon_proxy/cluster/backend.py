@@ -19,7 +19,14 @@ from typing import Any
 import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.cache import REPLIES, CacheStats, FreeBlocks, GetStats
+from aegaeon_common.messages.cache import (
+    REPLIES,
+    CacheStats,
+    FreeBlocks,
+    GetStats,
+    ReassignBlocks,
+)
+from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.prefill import AckDrain, CancelRequest
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
@@ -285,6 +292,7 @@ class ClusterBackend:
         if self.admission is not None:
             self.admission.prefilled(msg.request_id)
         tracked.num_generated = 1
+        tracked.handoff_owner = f"prefill-{msg.index}"
         tracked.first_token_id = msg.token_id
         tracked.handoff = msg.handoff
         tracked.prefill_timings = msg.timings
@@ -380,6 +388,29 @@ class ClusterBackend:
         now = time.time()
         self._actions.run(self.policy.on_request_cancelled(request_id, now))
         self._actions.run(self.policy.on_arrival(tracked.sched, now))
+
+    async def claim_handoff(self, instance: str, msg: EnqueueDecode) -> bool:
+        """Lease ``msg``'s handoff blocks to ``instance`` before it is sent there (the
+        ActionRunner's pump calls this in order): whatever becomes of the message, the
+        blocks are freed with the instance's lease. False: the blocks are gone (their
+        prefill instance died), the request fails here."""
+        tracked = self.requests.get(msg.request_id)
+        owner = tracked.handoff_owner if tracked is not None else None
+        if tracked is None or owner is None or owner == instance:
+            return tracked is not None
+        offsets = list(msg.handoff.block_offsets)
+        try:
+            await self._cache.call(ReassignBlocks(offsets, instance, owner), timeout_s=2.0)
+        except RemoteError as exc:
+            if exc.code in ("bad_request", "not_owner"):  # reclaimed: nothing to decode from
+                self.end_request(msg.request_id, "error", f"its KV was lost: {exc}",
+                                 code="instance_failed")  # fmt: skip
+                return False
+        except TimeoutError:
+            pass  # no cachemgr: the instance claims them itself, as before
+        else:
+            tracked.handoff_owner = instance
+        return True
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:
         async def free() -> None:

@@ -25,6 +25,7 @@ class Tracked:
     handoff: KVHandoff | None = None
     prefill_timings: RequestTimings | None = None
     retries: int = 0  # dispatched again after its instance failed before its first token
+    handoff_owner: str | None = None  # the instance whose lease holds the handoff's blocks
 
 
 @dataclass(frozen=True)
