@@ -94,10 +94,22 @@ def _fields(models: Sequence[str]) -> dict[str, st.SearchStrategy[Any]]:
 
 
 def _bodies(models: Sequence[str]) -> st.SearchStrategy[dict[str, Any]]:
-    return st.fixed_dictionaries(
-        {"max_tokens": _small_or_absurd_tokens()},
-        optional={**_fields(models), "max_completion_tokens": _small_or_absurd_tokens()},
-    )
+    """Half: a valid request for either endpoint with up to three fields replaced by
+    anything; half: any mix of the fields. ``max_tokens`` is always there."""
+    fields = {**_fields(models), "max_completion_tokens": _small_or_absurd_tokens()}
+    valid = st.fixed_dictionaries({
+        "model": st.sampled_from(list(models)),
+        "prompt": st.text(min_size=1, max_size=60),
+        "messages": st.just([{"role": "user", "content": "Hello"}]),
+        "max_tokens": st.integers(1, 8),
+        "stream": st.booleans(),
+    })  # fmt: skip
+    mutations = st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({n: fields[n] for n in names}))
+    mutated = st.builds(lambda base, changes: {**base, **changes}, valid, mutations)
+    anything = st.fixed_dictionaries({"max_tokens": _small_or_absurd_tokens()},
+                                     optional=fields)  # fmt: skip
+    return st.one_of(mutated, anything)
 
 
 @dataclass(frozen=True)
