@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,12 @@ def default_market(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPat
     market = base / "default"
     ensure_market(market, num_models=8, seed=0, progress=False)
     return market
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private redis-server for this session (see tests/redis_support.py)."""
+    from redis_support import running_redis
+
+    with running_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url

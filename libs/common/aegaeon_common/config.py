@@ -52,10 +52,12 @@ __all__ = [
     "ConfigError",
     "InstancesConfig",
     "ModelConfig",
+    "NodeConfig",
     "ProxyConfig",
     "SLOConfig",
     "SchedulerConfig",
     "SecurityConfig",
+    "StoreConfig",
     "load_config",
     "market_dtype",
     "parse_bytes",
@@ -194,6 +196,46 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     curve_key_file: Path | None = None
 
 
+class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """This machine's place in a deployment of many nodes (beyond one machine).
+
+    ``advertise_address`` (a host name or IP the other machines reach this one
+    at) puts the instances' command sockets on tcp: instance *i* of the prefill
+    kind at ``base_port + i``, decode instance *j* at ``base_port + P + j`` (P:
+    the prefill instances), and a proxy replica's report socket at
+    ``proxy_report_port`` (0: an ephemeral port, announced in the store).
+    ``bind_address`` is what those sockets bind (default: the advertised
+    address; ``0.0.0.0`` in a container). null: ipc:// in the run directory,
+    one machine. ``name`` names the node in the registry (default ``local``).
+    """
+
+    name: str = "local"
+    advertise_address: str | None = None
+    bind_address: str | None = None
+    base_port: int = 5600
+    proxy_report_port: int = 0
+
+
+STORE_KINDS = ("memory", "redis")
+
+
+class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the proxy layer and the nodes share state (``aegaeon_common.store``).
+
+    ``memory``: inside the one proxy (the embedded default; no Redis).
+    ``redis``: the instance registry, loads, dispatch state and request metadata
+    in Redis at ``url`` (password from ``password_file`` when set), every key
+    under ``namespace``; an instance or proxy whose heartbeat key is older than
+    ``heartbeat_ttl_s`` is dead.
+    """
+
+    kind: str = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "aegaeon"
+    password_file: Path | None = None
+    heartbeat_ttl_s: float = 3.0
+
+
 class Config(msgspec.Struct, frozen=True):
     """A whole deployment. Build with :func:`load_config`."""
 
@@ -207,6 +249,8 @@ class Config(msgspec.Struct, frozen=True):
     decode: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    node: NodeConfig = msgspec.field(default_factory=NodeConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     run_dir: Path = Path("/tmp/aegaeon")
     # address overrides, e.g. tcp:// in containers
     addresses: dict[str, str] = msgspec.field(default_factory=dict)
@@ -225,6 +269,27 @@ class Config(msgspec.Struct, frozen=True):
 
     def _address(self, key: str) -> str:
         return self.addresses.get(key) or f"ipc://{self.run_dir / (key + '.sock')}"
+
+    @property
+    def distributed(self) -> bool:
+        """True when the proxy layer and the nodes share state in Redis (many nodes)."""
+        return self.store.kind == "redis"
+
+    def instance_port(self, kind: str, index: int) -> int:
+        """The tcp port of an instance's command socket (``node.base_port``)."""
+        offset = index if kind == "prefill" else self.prefill.instances + index
+        return self.node.base_port + offset
+
+    def _instance_address(self, kind: str, index: int, host: str | None) -> str:
+        key = f"{kind}-{index}"
+        if key in self.addresses or host is None:
+            return self._address(key)
+        return f"tcp://{host}:{self.instance_port(kind, index)}"
+
+    def instance_bind_address(self, kind: str, index: int) -> str:
+        """What an instance binds its command socket to (``node.bind_address``)."""
+        node = self.node
+        return self._instance_address(kind, index, node.bind_address or node.advertise_address)
 
     @property
     def unified(self) -> bool:
@@ -246,10 +311,11 @@ class Config(msgspec.Struct, frozen=True):
         return self._address("cachemgr")
 
     def prefill_address(self, index: int) -> str:
-        return self._address(f"prefill-{index}")
+        """Where prefill instance ``index`` is reached (advertised)."""
+        return self._instance_address("prefill", index, self.node.advertise_address)
 
     def decode_address(self, index: int) -> str:
-        return self._address(f"decode-{index}")
+        return self._instance_address("decode", index, self.node.advertise_address)
 
     @property
     def run_id(self) -> str:
@@ -275,6 +341,8 @@ _SECTIONS: dict[str, type] = {
     "decode": InstancesConfig,
     "proxy": ProxyConfig,
     "security": SecurityConfig,
+    "node": NodeConfig,
+    "store": StoreConfig,
 }
 _TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout", *_SECTIONS}
 
@@ -405,6 +473,7 @@ def config_from_dict(
     if not isinstance(addresses, dict) or not all(isinstance(v, str) for v in addresses.values()):
         raise ConfigError(source, "addresses", "must map names to zmq addresses")
     _check_addresses(addresses, sections["security"], source)
+    _check_node(sections["node"], sections["store"], sections["security"], sched, source)
     drain_raw = raw.get("drain_timeout", 30.0)
     if isinstance(drain_raw, bool) or not isinstance(drain_raw, int | float) or drain_raw < 0:
         raise ConfigError(source, "drain_timeout", "must be a number of seconds >= 0")
@@ -419,6 +488,8 @@ def config_from_dict(
         decode=sections["decode"],
         proxy=sections["proxy"],
         security=sections["security"],
+        node=sections["node"],
+        store=sections["store"],
         run_dir=run_dir,
         addresses={str(k): v for k, v in addresses.items()},
         drain_timeout_s=float(drain_raw),
@@ -518,6 +589,55 @@ def _check_addresses(addresses: dict[str, str], security: SecurityConfig, source
     key_file = security.curve_key_file
     if key_file is not None and not key_file.is_file():
         raise ConfigError(source, "security.curve_key_file", f"{key_file} is not a file")
+
+
+def _check_node(
+    node: NodeConfig,
+    store: StoreConfig,
+    security: SecurityConfig,
+    sched: SchedulerConfig,
+    source: str,
+) -> None:
+    """The ``node`` and ``store`` sections (see their docstrings)."""
+    if not node.name or any(c in node.name for c in " /:\t\n"):
+        raise ConfigError(source, "node.name", f"{node.name!r}: a non-empty name without "
+                          "spaces, '/' or ':'")  # fmt: skip
+    for field in ("base_port", "proxy_report_port"):
+        port = getattr(node, field)
+        low = 0 if field == "proxy_report_port" else 1
+        if not low <= port < 65536:
+            raise ConfigError(source, f"node.{field}", "must be a TCP port")
+    for field in ("advertise_address", "bind_address"):
+        host = getattr(node, field)
+        if host is not None and (not host or "://" in host or " " in host):
+            raise ConfigError(source, f"node.{field}", f"{host!r}: a host name or IP, no scheme")
+    if node.advertise_address is not None and security.curve_key_file is None:
+        for host in (node.advertise_address, node.bind_address or node.advertise_address):
+            if host not in LOOPBACK_HOSTS and host != "0.0.0.0":
+                raise ConfigError(
+                    source, "node.advertise_address",
+                    f"{host!r} leaves this host: set security.curve_key_file (CURVE) "
+                    "or use 127.0.0.1",
+                )  # fmt: skip
+    if store.kind not in STORE_KINDS:
+        raise ConfigError(source, "store.kind", f"{store.kind!r} is not one of {STORE_KINDS}")
+    if not store.namespace or any(c in store.namespace for c in " :\t\n"):
+        raise ConfigError(source, "store.namespace", "a non-empty name without spaces or ':'")
+    if not store.heartbeat_ttl_s >= 1.0:
+        raise ConfigError(source, "store.heartbeat_ttl", "must be >= 1 second (2 heartbeats)")
+    if store.kind == "redis":
+        scheme = store.url.partition("://")[0]
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(source, "store.url", f"{store.url.partition('@')[2] or scheme!r}:"
+                              " a redis://, rediss:// or unix:// URL")  # fmt: skip
+        if store.password_file is not None and not store.password_file.is_file():
+            raise ConfigError(source, "store.password_file", f"{store.password_file} is not a file")
+        if node.advertise_address is None:
+            raise ConfigError(source, "node.advertise_address", "store.kind redis (many nodes) "
+                              "needs the address other machines reach this one at")  # fmt: skip
+        if sched.policy != "aegaeon":
+            raise ConfigError(source, "scheduler.policy", "many nodes (store.kind redis) run "
+                              "the aegaeon policy only; the baselines are single-node")  # fmt: skip
 
 
 def load_config(path: Path | str) -> Config:
