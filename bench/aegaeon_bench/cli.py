@@ -16,6 +16,8 @@ BENCHES: dict[str, str] = {
     "sweep": "aegaeon_bench.sweep",
     "report": "aegaeon_bench.report",
     "chaos": "aegaeon_bench.chaos",
+    "overload": "aegaeon_bench.overload",
+    "cancel": "aegaeon_bench.cancel",
 }
 
 

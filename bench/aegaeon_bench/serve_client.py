@@ -38,14 +38,19 @@ class Progress:
     finish_s: float | None = None  # when the event with the finish_reason came
     done: bool = False  # the stream ended with [DONE] after a finish_reason
     error: str | None = None
+    status: int | None = None  # the HTTP status
+    error_code: str | None = None  # the error's code (OpenAI's shape), when it ended in one
 
     @property
     def ok(self) -> bool:
         return self.done and self.error is None
 
 
-def completion_body(planned: PlannedRequest) -> dict[str, Any]:
+def completion_body(planned: PlannedRequest, timeout_s: float | None = None) -> dict[str, Any]:
+    """The request; ``timeout_s``: its own deadline (the server ends it past that)."""
+    extra = {} if timeout_s is None else {"timeout": timeout_s}
     return {
+        **extra,
         "model": planned.model,
         "prompt": planned.prompt_ids(),
         "max_tokens": planned.max_tokens,
@@ -63,6 +68,7 @@ def _on_event(progress: Progress, event: dict[str, Any], now_s: float) -> bool:
         progress.error = (
             f"stream error: {error.get('message') if isinstance(error, dict) else error}"
         )
+        progress.error_code = str(error.get("code")) if isinstance(error, dict) else "error"
         return False
     if progress.server_id is None and isinstance(event.get("id"), str):
         progress.server_id = event["id"]
@@ -80,17 +86,20 @@ def _on_event(progress: Progress, event: dict[str, Any], now_s: float) -> bool:
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, base_url: str, progress: Progress
-) -> None:
+    session: aiohttp.ClientSession, base_url: str, progress: Progress,
+    timeout_s: float | None = None,
+) -> None:  # fmt: skip
     """Send the request and read its stream to the end; errors land in ``progress.error``."""
-    body = completion_body(progress.planned)
+    body = completion_body(progress.planned, timeout_s)
     progress.sent_s = time.time()
     finished = False
     try:
         async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+            progress.status = resp.status
             if resp.status != 200:
                 text = await resp.text()
                 progress.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
+                progress.error_code = _code_of(text) or f"http_{resp.status}"
                 return
             # Whatever the socket has is read at once and split into lines: an
             # event's tokens are stamped when its bytes arrived, and a read
@@ -116,6 +125,14 @@ async def stream_completion(
         return
     if not progress.done and progress.error is None:
         progress.error = "the stream ended without a finish"
+
+
+def _code_of(text: str) -> str | None:
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return str(error.get("code")) if isinstance(error, dict) else None
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> Any:

@@ -33,6 +33,7 @@ class RunOptions:
     duration_s: float
     grace_s: float = 30.0
     sample_interval_s: float = 1.0
+    timeout_s: float | None = None  # each request's own deadline (None: the server's)
 
 
 @dataclass
@@ -105,7 +106,7 @@ async def run_load(
 
         async def one(progress: Progress) -> None:
             try:
-                await stream_completion(session, options.base_url, progress)
+                await stream_completion(session, options.base_url, progress, options.timeout_s)
             finally:
                 if on_done is not None:
                     on_done(progress)

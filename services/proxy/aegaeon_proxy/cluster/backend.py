@@ -397,7 +397,9 @@ class ClusterBackend:
         tracked = self.requests.get(msg.request_id)
         owner = tracked.handoff_owner if tracked is not None else None
         if tracked is None or owner is None or owner == instance:
-            return tracked is not None
+            # (cancelled since it was placed: its cancel follows this message, and the
+            # instance frees the blocks it takes over)
+            return True
         offsets = list(msg.handoff.block_offsets)
         try:
             await self._cache.call(ReassignBlocks(offsets, instance, owner), timeout_s=2.0)

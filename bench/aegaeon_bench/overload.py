@@ -1,0 +1,202 @@
+"""``aegaeon bench overload``: the node at 1x, 2x and 5x the rate it sustains.
+
+Starts ``aegaeon serve`` (``--market``/``--config``) and runs ``bench serve``'s
+open-loop Poisson load (``--rps`` per model is 1x: the rate the node sustains,
+found beforehand) at each multiple of ``--multiples``, one after another, the
+node idle in between. Every request carries its own ``timeout`` (``--timeout``).
+Each request ends one way: ``completed``, ``rejected`` (429 at admission, with
+``Retry-After``), ``deadline`` (``deadline_exceeded``), or ``other`` (must be
+0); ``accounted`` says completed + rejected + deadline == sent. ``goodput`` is
+the output tokens that met their SLO deadline (token k by arrival + TTFT + k x
+TBT) per second of arrivals; the run holds if goodput at the largest multiple
+is >= 80% of goodput at 1x. The proxy's resident memory is sampled every
+second (its peak per multiple), and the node must hold nothing once idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+GOODPUT_HELD = 0.8
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "overload", help="1x/2x/5x the sustainable rate: 429s, deadlines, goodput held",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--rps", type=float, required=True,
+                        help="requests/s per model the node sustains (1x)")
+    parser.add_argument("--multiples", default="1,2,5", help="rates to run, x --rps (1,2,5)")
+    parser.add_argument("--models", type=int, default=4, help="first M models (4)")
+    parser.add_argument("--duration", type=float, default=60.0, help="s of arrivals per rate")
+    parser.add_argument("--ttft", type=float, default=2.0, help="TTFT target, s (2)")
+    parser.add_argument("--tbt", type=float, default=0.025, help="TBT target, s (0.025)")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="each request's own timeout, s (10)")
+    parser.add_argument("--input-scale", type=float, default=0.25)
+    parser.add_argument("--output-scale", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--market", type=Path, help="market (default: ./market)")
+    parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--json", action="store_true", help="last stdout line: the report")
+    parser.set_defaults(func=run)
+
+
+def classify(progress: Any) -> str:
+    """completed | rejected | deadline | other, for one ``serve_client.Progress``."""
+    if progress.ok:
+        return "completed"
+    if progress.status == 429:
+        return "rejected"
+    if progress.error_code == "deadline_exceeded":
+        return "deadline"
+    return "other"
+
+
+async def _proxy_rss(serve_pid: int, peaks: list[int]) -> None:
+    import asyncio
+
+    from aegaeon_bench.node_probe import sample_processes
+
+    while True:
+        sample = sample_processes(serve_pid).get("proxy")
+        if sample is not None:
+            peaks.append(sample.rss_bytes)
+        await asyncio.sleep(1.0)
+
+
+async def run_multiple(
+    base_url: str, serve_pid: int, models: list[str], limits: dict[str, Any], rps: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """One rate: the load, the accounting, goodput, the proxy's peak memory."""
+    import asyncio
+    import contextlib
+    from collections import Counter
+
+    import aiohttp
+    from aegaeon_sched.slo import SLO, summarize
+
+    from aegaeon_bench.node_probe import wait_quiet
+    from aegaeon_bench.serve_run import RunOptions, run_load
+    from aegaeon_bench.serve_workload import plan_requests
+
+    planned = plan_requests(models, limits, rps_per_model=rps, duration_s=args.duration,
+                            seed=args.seed, input_scale=args.input_scale,
+                            output_scale=args.output_scale)  # fmt: skip
+    options = RunOptions(base_url, args.duration, grace_s=args.timeout + 15.0,
+                         timeout_s=args.timeout)  # fmt: skip
+    peaks: list[int] = []
+    sampler = asyncio.create_task(_proxy_rss(serve_pid, peaks))
+    try:
+        outcome = await run_load(planned, options)
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    kinds = Counter(classify(p) for p in outcome.progress)
+    records = outcome.records()
+    report = summarize([r.to_slo() for r in records], SLO(args.ttft, args.tbt))
+    span = args.duration
+    async with aiohttp.ClientSession() as session:
+        held = await wait_quiet(session, base_url, 60.0)
+    sent = len(outcome.progress)
+    row = {
+        "rps_per_model": rps,
+        "sent": sent,
+        **{k: kinds.get(k, 0) for k in ("completed", "rejected", "deadline", "other")},
+        "goodput_tokens_per_s": report.tokens_met / span,
+        "throughput_tokens_per_s": sum(len(r.token_times_s) for r in records) / span,
+        "completed_per_s": kinds.get("completed", 0) / span,
+        "slo_attainment": report.attainment,
+        "ttft_p50_s": report.ttft_p50_s,
+        "ttft_p99_s": report.ttft_p99_s,
+        "proxy_rss_peak_mib": max(peaks, default=0) / 2**20,
+        "holdings_after": held.to_dict(),
+        "other_errors": sorted({p.error_code or p.error or "?" for p in outcome.progress
+                                if classify(p) == "other"})[:10],
+    }  # fmt: skip
+    row["accounted"] = row["completed"] + row["rejected"] + row["deadline"] == sent
+    return row
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"{'x':>3} {'rps/model':>9} {'sent':>5} {'done':>5} {'429':>5} {'deadline':>8} "
+             f"{'other':>5} {'goodput tok/s':>13} {'attain':>6} {'proxy RSS':>9}"]  # fmt: skip
+    for row in report["rates"]:
+        lines.append(
+            f"{row['multiple']:>3g} {row['rps_per_model']:>9.3f} {row['sent']:>5} "
+            f"{row['completed']:>5} {row['rejected']:>5} {row['deadline']:>8} {row['other']:>5} "
+            f"{row['goodput_tokens_per_s']:>13.1f} {row['slo_attainment'] * 100:>5.1f}% "
+            f"{row['proxy_rss_peak_mib']:>6.1f} MiB"
+        )
+    lines.append(f"goodput at {report['rates'][-1]['multiple']:g}x / 1x: "
+                 f"{report['goodput_ratio']:.2f} (held: >= {GOODPUT_HELD}); every request "
+                 f"accounted for: {report['accounted']}; {'OK' if report['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import aiohttp
+    from aegaeon_common.process import run_fast
+    from aegaeon_market import default_market_dir, ensure_market
+
+    from aegaeon_bench.machine import machine_info
+    from aegaeon_bench.serve_client import list_models
+    from aegaeon_bench.serve_workload import model_limits
+    from aegaeon_bench.sweep_node import NodeError, slo_config, start_node
+
+    multiples = [float(x) for x in args.multiples.split(",") if x.strip()]
+    market = (args.market or default_market_dir()).resolve()
+    if args.config is None and not (market / "market.json").exists():
+        ensure_market(market, real_models=True)
+    root = Path(tempfile.mkdtemp(prefix="aegaeon-overload-"))
+    config = slo_config(market, args.config, args.ttft, args.tbt, root)
+    try:
+        node = start_node(market, "aegaeon", root, config)
+    except NodeError as exc:
+        print(f"aegaeon bench overload: {exc}", file=sys.stderr)
+        return 1
+
+    async def main() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            served = await list_models(session, node.url)
+        models = served[: args.models]
+        limits = model_limits(models, market)
+        rows = []
+        for multiple in multiples:
+            row = await run_multiple(node.url, node.proc.pid, models, limits,
+                                     args.rps * multiple, args)  # fmt: skip
+            rows.append({"multiple": multiple, **row})
+            print(format_report({"rates": rows, "goodput_ratio": 0.0, "accounted": True,
+                                 "ok": True}).splitlines()[-2], file=sys.stderr)  # fmt: skip
+        return rows
+
+    try:
+        rows = run_fast(main())
+    finally:
+        node.stop()
+    base = next((r for r in rows if r["multiple"] == 1.0), rows[0])
+    ratio = rows[-1]["goodput_tokens_per_s"] / max(base["goodput_tokens_per_s"], 1e-9)
+    report = {
+        **machine_info(),
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "rates": rows,
+        "goodput_ratio": ratio,
+        "accounted": all(r["accounted"] for r in rows),
+        "ok": ratio >= GOODPUT_HELD and all(r["accounted"] and r["other"] == 0 for r in rows)
+        and all(r["holdings_after"]["open_requests"] == 0 for r in rows),
+    }  # fmt: skip
+    print(format_report(report))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if args.json:
+        print(json.dumps(report, default=str))
+    return 0 if report["ok"] else 1
