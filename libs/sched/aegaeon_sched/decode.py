@@ -136,7 +136,9 @@ class DecodeDispatcher:
         default_capacity_tokens: int | None = None,
         latency: LatencyModel | None = None,
         tbt_s: float | None = None,
+        next_batch_id: int = 0,
     ) -> None:
+        """``next_batch_id``: the id the next new batch gets (then +1 each)."""
         if not instances:
             raise ValueError("Algorithm 2 needs at least one decode instance")
         self.max_batch_size = max_batch_size
@@ -149,7 +151,7 @@ class DecodeDispatcher:
         self._capacity: dict[tuple[InstanceId, str], int] = {}
         self._share: dict[InstanceId, float] = {}
         self._instance_of: dict[str, InstanceId] = {}
-        self._next_batch_id = 0
+        self._next_batch_id = next_batch_id
         # Instances that take no new requests (draining; restarting): their
         # batches still run, nothing joins them.
         self.paused: set[InstanceId] = set()

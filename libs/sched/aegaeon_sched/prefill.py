@@ -103,6 +103,11 @@ class PrefillQueue:
     def running(self) -> Request | None:
         return self._groups[0].running if self._groups else None
 
+    @property
+    def running_since_s(self) -> float:
+        """When the running request started (meaningful while one runs)."""
+        return self._running_since_s
+
     def start(self, request_id: str, now_s: float) -> Request:
         """Mark a pending request as executing (it becomes the loaded model's job)."""
         group = self._group_of[request_id]
@@ -176,7 +181,11 @@ class PrefillDispatcher:
         latency: LatencyModel,
         *,
         max_group_size: int = MAX_GPSIZE,
+        next_group_id: int = 0,
     ) -> None:
+        """``next_group_id``: the id the next new group gets (then +1 each); a
+        replica of the proxy layer starts it at a fresh random id
+        (:mod:`aegaeon_sched.shared`)."""
         if not instances:
             raise ValueError("Algorithm 1 needs at least one prefill instance")
         self.latency = latency
@@ -184,7 +193,7 @@ class PrefillDispatcher:
             i: PrefillQueue(max_group_size) for i in instances
         }
         self._instance_of: dict[str, InstanceId] = {}
-        self._next_group_id = 0
+        self._next_group_id = next_group_id
         # Instances that take no new work (draining; restarting): their queues
         # still run, nothing joins them.
         self.paused: set[InstanceId] = set()

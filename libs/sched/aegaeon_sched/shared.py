@@ -1,0 +1,169 @@
+"""Algorithms 1 and 2 over state that many proxy replicas share.
+
+A replica of the proxy layer keeps no queue of its own. Each instance's
+prefill queue and decode work list live in the shared store as plain data
+(``*_state`` here, lists of str/int/float that any codec carries), and one
+decision is: read the states of the candidate instances, rebuild the very
+:class:`~aegaeon_sched.prefill.PrefillDispatcher` /
+:class:`~aegaeon_sched.decode.DecodeDispatcher` the single proxy runs, decide,
+and hand back the one state the decision changed. The caller does that inside
+one store transaction, so a decision commits only on the states it read.
+
+Everything here is pure (no clock, no I/O); ids of new groups and batches come
+from the caller (random per decision: two replicas never mint the same one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aegaeon_sched.decode import DecodeDispatcher, DecodeWorkList
+from aegaeon_sched.latency import LatencyModel
+from aegaeon_sched.prefill import MAX_GPSIZE, PrefillDispatcher, PrefillQueue
+from aegaeon_sched.request import InstanceId, NoInstance, Request
+
+State = list[Any]
+
+
+def request_state(request: Request) -> State:
+    return [request.request_id, request.model, request.arrival_s, request.prompt_len,
+            request.max_tokens, request.oracle_output_len]  # fmt: skip
+
+
+def request_from_state(state: State) -> Request:
+    rid, model, arrival_s, prompt_len, max_tokens, oracle = state
+    return Request(str(rid), str(model), float(arrival_s), int(prompt_len), int(max_tokens),
+                   None if oracle is None else int(oracle))  # fmt: skip
+
+
+# ---- prefill queues ------------------------------------------------------------
+def prefill_queue_state(queue: PrefillQueue) -> State:
+    """``[loaded_model, running_since_s, [[group_id, model, num_added, running, [pending]]]]``."""
+    groups = [
+        [g.group_id, g.model, g.num_added,
+         None if g.running is None else request_state(g.running),
+         [request_state(r) for r in g.pending]]
+        for g in queue
+    ]  # fmt: skip
+    since_s = queue.running_since_s if queue.running() is not None else 0.0
+    return [queue.loaded_model, since_s, groups]
+
+
+def prefill_queue_from_state(state: State | None, max_group_size: int = MAX_GPSIZE) -> PrefillQueue:
+    """The queue ``state`` describes (``None``: an empty queue)."""
+    queue = PrefillQueue(max_group_size)
+    if state is None:
+        return queue
+    loaded_model, running_since_s, groups = state
+    for group_id, model, num_added, running, pending in groups:
+        group = None
+        if running is not None:
+            req = request_from_state(running)
+            group = queue.add(req, int(group_id))
+            queue.start(req.request_id, float(running_since_s))
+        for item in pending:
+            group = queue.add(request_from_state(item), int(group_id))
+        if group is None:
+            raise ValueError(f"group {group_id} of model {model!r} holds no request")
+        group.num_added = int(num_added)
+    queue.loaded_model = loaded_model
+    return queue
+
+
+def dispatch_prefill(
+    states: Mapping[InstanceId, State | None],
+    request: Request,
+    latency: LatencyModel,
+    now_s: float,
+    *,
+    new_group_id: int,
+    max_group_size: int = MAX_GPSIZE,
+) -> tuple[InstanceId, int, State]:
+    """Algorithm 1 over the instances of ``states`` (in its order: ties go to the first).
+
+    Returns (instance, group id, that instance's new state). Raises
+    :class:`~aegaeon_sched.request.NoInstance` when ``states`` is empty.
+    """
+    if not states:
+        raise NoInstance("no prefill instance is alive")
+    dispatcher = PrefillDispatcher(list(states), latency, max_group_size=max_group_size,
+                                   next_group_id=new_group_id)  # fmt: skip
+    for instance, state in states.items():
+        dispatcher.queues[instance] = prefill_queue_from_state(state, max_group_size)
+    instance, group_id = dispatcher.dispatch(request, now_s)
+    return instance, group_id, prefill_queue_state(dispatcher.queues[instance])
+
+
+def prefill_done(
+    state: State | None, request_id: str, now_s: float, max_group_size: int = MAX_GPSIZE
+) -> tuple[State, Request | None]:
+    """An instance prefilled ``request_id``: its queue without it (as
+    :meth:`PrefillDispatcher.on_done`: the instance's model is now the request's)."""
+    queue = prefill_queue_from_state(state, max_group_size)
+    if request_id not in queue:
+        return prefill_queue_state(queue), None
+    running = queue.running()
+    if running is None or running.request_id != request_id:
+        running = queue.start(request_id, now_s)
+    queue.finish(request_id)
+    return prefill_queue_state(queue), running
+
+
+def remove_from_prefill(
+    state: State | None, request_id: str, max_group_size: int = MAX_GPSIZE
+) -> tuple[State, bool]:
+    """Cancel: the queue without ``request_id``; False when it was not there."""
+    queue = prefill_queue_from_state(state, max_group_size)
+    removed = queue.remove(request_id)
+    return prefill_queue_state(queue), removed
+
+
+# ---- decode work lists -----------------------------------------------------------
+def work_list_state(work_list: DecodeWorkList) -> State:
+    """``[[batch_id, model, [requests]]]`` in the list's order."""
+    return [[b.batch_id, b.model, [request_state(r) for r in b.requests.values()]]
+            for b in work_list]  # fmt: skip
+
+
+def work_list_from_state(state: State | None) -> DecodeWorkList:
+    work_list = DecodeWorkList()
+    for batch_id, _model, requests in state or ():
+        for item in requests:
+            work_list.add(request_from_state(item), int(batch_id))
+    return work_list
+
+
+def place_decode(
+    states: Mapping[InstanceId, State | None],
+    request: Request,
+    *,
+    new_batch_id: int,
+    capacity_tokens: Mapping[InstanceId, Mapping[str, int]],
+    decode_shares: Mapping[InstanceId, float] | None = None,
+    latency: LatencyModel | None = None,
+    tbt_s: float | None = None,
+    max_batch_size: int = 256,
+) -> tuple[InstanceId, int, State]:
+    """Algorithm 2's placement over the instances of ``states`` (the prefill's
+    node's decode-capable instances, decode instances first). Returns (instance,
+    batch id, its new state); :class:`NoInstance` when ``states`` is empty."""
+    if not states:
+        raise NoInstance("no decode instance is alive on the node")
+    dispatcher = DecodeDispatcher(list(states), max_batch_size=max_batch_size, latency=latency,
+                                  tbt_s=tbt_s, next_batch_id=new_batch_id)  # fmt: skip
+    for instance, state in states.items():
+        dispatcher.work_lists[instance] = work_list_from_state(state)
+        for model, tokens in capacity_tokens.get(instance, {}).items():
+            dispatcher.set_capacity(instance, model, tokens)
+        if decode_shares and instance in decode_shares:
+            dispatcher.set_decode_share(instance, decode_shares[instance])
+    instance, batch_id = dispatcher.place(request)
+    return instance, batch_id, work_list_state(dispatcher.work_lists[instance])
+
+
+def remove_from_work_list(state: State | None, request_id: str) -> tuple[State, bool]:
+    """Finished or cancelled: the work list without ``request_id``."""
+    work_list = work_list_from_state(state)
+    removed = work_list.remove(request_id)
+    return work_list_state(work_list), removed
