@@ -18,6 +18,8 @@ BENCHES: dict[str, str] = {
     "chaos": "aegaeon_bench.chaos",
     "overload": "aegaeon_bench.overload",
     "cancel": "aegaeon_bench.cancel",
+    "soak": "aegaeon_bench.soak",
+    "fuzz": "aegaeon_bench.fuzz",
 }
 
 
