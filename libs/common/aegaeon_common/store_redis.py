@@ -32,6 +32,11 @@ def _ms(ttl_s: float) -> int:
     return max(1, int(ttl_s * 1000))
 
 
+def _as_bytes(values: list[bytes | str | None]) -> list[bytes | None]:
+    """MGET's values (bytes: the client never decodes responses here)."""
+    return [v.encode() if isinstance(v, str) else v for v in values]
+
+
 class RedisStore:
     """A store in Redis at ``url`` (``redis://[:password@]host:port/db``)."""
 
@@ -85,7 +90,7 @@ class RedisStore:
         if not keys:
             return []
         try:
-            return list(await self._redis.mget([self._k(k) for k in keys]))
+            return _as_bytes(await self._redis.mget([self._k(k) for k in keys]))
         except RedisError as exc:
             raise StoreError(f"redis: {exc}") from None
 
@@ -133,11 +138,11 @@ class RedisStore:
                     try:
                         if full:
                             await pipe.watch(*full)
-                            values = list(await pipe.mget(full))
+                            values = _as_bytes(await pipe.mget(full))
                         else:
                             values = []
                         writes, result = fn(values)
-                        pipe.multi()
+                        pipe.multi()  # type: ignore[no-untyped-call]
                         for key, value in writes.items():
                             if value is None:
                                 pipe.delete(self._k(key))
@@ -151,7 +156,7 @@ class RedisStore:
                         await asyncio.sleep(random.uniform(0, BACKOFF_S * (attempt + 1)))
                         continue
                     finally:
-                        await pipe.reset()
+                        await pipe.reset()  # type: ignore[no-untyped-call]
                     self.num_commits += 1
                     return result
         except RedisError as exc:

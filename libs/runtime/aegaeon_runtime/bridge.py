@@ -10,15 +10,19 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import msgspec
 import zmq
 from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_common.wire import Message, encode
 
 T = TypeVar("T")
 log = get_logger("bridge")
+MAX_ROUTES = 65536  # requests whose proxy an instance remembers
 
 
 class Inbox(Generic[T]):
@@ -51,39 +55,81 @@ class Inbox(Generic[T]):
 class Outbox:
     """Messages from the compute thread straight to the proxy's PULL socket.
 
-    Each sending thread gets its own blocking PUSH socket (ZeroMQ sockets are
-    not thread-safe), so a decode step's tokens leave without waking the event
-    loop; messages of one thread stay in order.
+    Each sending thread gets its own blocking PUSH socket per destination (ZeroMQ
+    sockets are not thread-safe), so a decode step's tokens leave without waking
+    the event loop; messages of one thread to one destination stay in order.
+
+    Many proxy replicas (``store.kind: redis``): each request's messages go to
+    the replica that dispatched it (:meth:`route`, from its work's ``reply_to``);
+    a ``StepTokens`` of several requests is split by destination. Messages with
+    no route go to ``address``; with no ``address`` they are dropped (counted).
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str | None) -> None:
         self.address = address
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket[bytes]] = []
         self._lock = threading.Lock()
+        self._routes: OrderedDict[str, str] = OrderedDict()
         self.num_dropped = 0
+        self.num_unrouted = 0
 
-    def _socket(self) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] | None = getattr(self._local, "sock", None)
+    def route(self, request_id: str, address: str) -> None:
+        """Messages about ``request_id`` go to ``address`` from now on (the newest
+        :data:`MAX_ROUTES` requests are remembered: late tokens of one that ended
+        still reach its proxy, which ignores them)."""
+        with self._lock:
+            self._routes[request_id] = address
+            self._routes.move_to_end(request_id)
+            if len(self._routes) > MAX_ROUTES:
+                self._routes.popitem(last=False)
+
+    def _socket(self, address: str) -> zmq.Socket[bytes]:
+        socks: dict[str, zmq.Socket[bytes]] | None = getattr(self._local, "socks", None)
+        if socks is None:
+            socks = self._local.socks = {}
+        sock = socks.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)  # deliver what is queued at close
             sock.setsockopt(zmq.SNDHWM, 100_000)  # queue while the proxy restarts
-            sock.connect(self.address)
-            self._local.sock = sock
+            sock.connect(address)
+            socks[address] = sock
             with self._lock:
                 self._sockets.append(sock)
         return sock
 
+    def _destinations(self, msg: Message) -> list[tuple[str | None, Message]]:
+        with self._lock:
+            if not self._routes:
+                return [(self.address, msg)]
+            if isinstance(msg, StepTokens):
+                parts: dict[str | None, list[TokenItem]] = {}
+                for item in msg.items:
+                    where = self._routes.get(item.request_id, self.address)
+                    parts.setdefault(where, []).append(item)
+                if len(parts) == 1:
+                    return [(next(iter(parts)), msg)]
+                return [(where, msgspec.structs.replace(msg, items=items))
+                        for where, items in parts.items()]  # fmt: skip
+            request_id = getattr(msg, "request_id", None)
+            if isinstance(request_id, str):
+                return [(self._routes.get(request_id, self.address), msg)]
+            return [(self.address, msg)]
+
     def send(self, msg: Message) -> None:
         """Callable from any thread; never blocks (a proxy gone for good loses messages,
         as its requests are lost with it)."""
-        try:
-            self._socket().send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            self.num_dropped += 1
-            log.warning("proxy unreachable: message dropped", tag=msg.TAG)
+        for address, part in self._destinations(msg):
+            if address is None:
+                self.num_unrouted += 1
+                continue
+            try:
+                self._socket(address).send(encode(part), zmq.NOBLOCK)
+            except zmq.Again:
+                self.num_dropped += 1
+                log.warning("proxy unreachable: message dropped", tag=msg.TAG)
 
     def close(self) -> None:
         with self._lock:

@@ -35,6 +35,8 @@ from aegaeon_common.messages.report import InstanceDraining, InstanceHello, Inst
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import mark_ready, ready_path
+from aegaeon_common.registry import open_store
+from aegaeon_common.store import Store
 from aegaeon_common.transport import Puller, Pusher, RemoteError
 from aegaeon_common.wire import Channel, Message, WireError
 from aegaeon_sched import LatencyModel
@@ -43,6 +45,7 @@ from aegaeon_runtime.bridge import ComputeThread, Inbox, Outbox
 from aegaeon_runtime.cacheclient.client import CacheClient
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
+from aegaeon_runtime.registrar import Registrar
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
 
 log = get_logger("instance")
@@ -115,7 +118,8 @@ def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> I
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:
-    return config.prefill_address(index) if kind == "prefill" else config.decode_address(index)
+    """What the instance binds its command socket to."""
+    return config.instance_bind_address(kind, index)
 
 
 class _Live:
@@ -173,9 +177,17 @@ async def serve_instance(
     )  # fmt: skip
     await side.start()
     log.info("http", instance=name, url=side.url)
+    # Many nodes: the registry in the shared store replaces hellos and heartbeats to
+    # one proxy; a store that cannot be reached at start is fatal (exit, restart).
+    store = open_store(config) if config.distributed else None
     try:
-        await _serve(config, kind, index, channel, make_loop, stop, metrics, live, readiness)
+        if store is not None:
+            await store.start()
+        await _serve(config, kind, index, channel, make_loop, stop, metrics, live, readiness,
+                     store, side.url or "")  # fmt: skip
     finally:
+        if store is not None:
+            await store.close()
         await side.stop()
 
 
@@ -189,6 +201,8 @@ async def _serve(
     metrics: WorkerMetrics,
     live: _Live,
     readiness: Readiness,
+    store: Store | None = None,
+    http_url: str = "",
 ) -> None:
     name = f"{kind}-{index}"
     ctx = zmq.asyncio.Context()
@@ -204,7 +218,9 @@ async def _serve(
     commands = Puller(ctx, instance_address(config, kind, index), channel, bind=True)
     to_proxy = Pusher(ctx, config.proxy_address)
     inbox: Inbox[Message] = Inbox()
-    outbox = Outbox(config.proxy_address)
+    # many proxies: every message follows its request's reply_to (no default proxy)
+    outbox = Outbox(None if store is not None else config.proxy_address)
+    registrar: Registrar | None = None
     instance = make_loop(worker, inbox, outbox)
     live.instance = instance
     crashed: list[BaseException] = []
@@ -225,6 +241,8 @@ async def _serve(
             if stop.is_set():
                 return
         hello = _hello(worker, instance)
+        if store is not None:
+            registrar = Registrar(config, store, hello, http_url)
 
         async def receive() -> None:
             while True:
@@ -243,12 +261,19 @@ async def _serve(
                     if isinstance(msg, EnqueueDecode):
                         await _free_stale_handoff(client, msg)
                     continue
+                reply_to = getattr(msg, "reply_to", "")
+                if reply_to:  # the proxy replica that holds this request's client
+                    outbox.route(msg.request_id, reply_to)  # type: ignore[attr-defined]
                 inbox.put(msg)
 
         async def heartbeat() -> None:
             while True:
-                await to_proxy.send(hello)  # cheap; lets a restarted proxy learn us again
-                await to_proxy.send(with_holdings(instance.stats(), worker, instance.load))
+                stats = with_holdings(instance.stats(), worker, instance.load)
+                if registrar is not None:
+                    await registrar.beat(stats)
+                else:
+                    await to_proxy.send(hello)  # cheap; lets a restarted proxy learn us again
+                    await to_proxy.send(stats)
                 readiness.set_ready()  # announced: the proxy can place work here
                 await asyncio.sleep(HEARTBEAT_S)
 
@@ -257,8 +282,14 @@ async def _serve(
         log.info("ready", instance=name, models=len(worker.specs))
         await stop.wait()
         if not crashed:
-            await _drain(config, kind, index, name, instance, compute, to_proxy, worker, readiness)
+            if registrar is not None:  # no new work from any replica; still beating
+                registrar.draining = True
+                await registrar.beat(instance.stats())
+            await _drain(config, kind, index, name, instance, compute, to_proxy, worker, readiness,
+                         notify=registrar is None)  # fmt: skip
     finally:
+        if registrar is not None:
+            await registrar.deregister()
         compute.join()
         outbox.close()
         for task in tasks:
@@ -294,16 +325,19 @@ async def _drain(
     to_proxy: Pusher,
     worker: Worker,
     readiness: Readiness,
+    notify: bool = True,
 ) -> None:
-    """Finish what the instance holds (see the module docstring), within the drain timeout."""
+    """Finish what the instance holds (see the module docstring), within the drain timeout.
+    ``notify``: tell the proxy (one node; with many, the registry record says it)."""
     timeout_s = config.drain_timeout_s
     deadline = time.monotonic() + timeout_s
     readiness.set_draining()
     instance.drain.request()
     with contextlib.suppress(TimeoutError):  # a proxy gone for long: its queue may be full
-        await asyncio.wait_for(
-            to_proxy.send(InstanceDraining(kind, index, os.getpid(), timeout_s)), NOTICE_S
-        )
+        if notify:
+            await asyncio.wait_for(
+                to_proxy.send(InstanceDraining(kind, index, os.getpid(), timeout_s)), NOTICE_S
+            )
     load = instance.load
     log.info(
         "draining", instance=name, timeout_s=timeout_s,

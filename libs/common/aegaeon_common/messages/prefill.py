@@ -23,6 +23,9 @@ class EnqueuePrefill(Message, frozen=True):
     # The instance process this is for (its hello's `incarnation`; 0: any). Its
     # successor drops it: work queued for a process that died is not redone twice.
     incarnation: int = 0
+    # Many proxy replicas: where the instance sends this request's tokens (the
+    # replica's report socket); "": the node's one proxy.
+    reply_to: str = ""
 
 
 class CancelRequest(Message, frozen=True):

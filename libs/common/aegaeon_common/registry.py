@@ -1,0 +1,152 @@
+"""What the nodes and the proxy replicas write in the shared store, and under which keys.
+
+Records are msgspec structs in msgpack with a version field first (new fields
+only with defaults), like the wire. Keys (each under the store's namespace):
+
+- ``instances``: set of instance ids (instances add; anyone removes the dead).
+- ``instance:{id}``: :class:`InstanceRecord` (who, where, models, profile, load),
+  rewritten by the instance every heartbeat, TTL ``store.heartbeat_ttl``.
+- ``proxies`` / ``proxy:{id}``: the replicas, likewise (:class:`ProxyRecord`).
+- ``req:{request id}``: :class:`RequestMeta` (model, proxy, instance, state,
+  tokens sent), by its proxy; TTL the request deadline plus a minute.
+- ``proxyreqs:{proxy id}``: set of that replica's open request ids.
+- ``pq:{id}:{incarnation}`` / ``dw:{id}:{incarnation}``: the instance's prefill
+  queue / decode work list (``aegaeon_sched.shared``), written only by dispatch
+  transactions; TTL an hour past the last write.
+- ``reap:{proxy id}``: a lease on cleaning up after a dead replica.
+
+An instance id is ``{node}/{kind}-{index}``. Queue keys carry the instance's
+incarnation, so a restarted instance starts from an empty queue, as the
+process itself does.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from aegaeon_common.config import Config
+from aegaeon_common.messages.structs import LatencyProfile
+from aegaeon_common.store import MemoryStore, Store
+
+INSTANCES = "instances"
+PROXIES = "proxies"
+QUEUE_TTL_S = 3600.0
+
+
+class InstanceLoadInfo(msgspec.Struct, frozen=True):
+    """An instance's load at its last heartbeat."""
+
+    active_model: str | None = None
+    queued: int = 0  # prefill requests queued (prefill) / requests in the work list
+    running: int = 0
+    prefill_s: float = 0.0  # seconds spent prefilling since start (hybrid decode share)
+    kv_blocks_in_use: int = 0
+    open_sequences: int = 0
+
+
+class InstanceRecord(msgspec.Struct, frozen=True):
+    """One instance as the registry holds it (rewritten whole every heartbeat)."""
+
+    v: int
+    instance_id: str
+    node: str
+    kind: str  # "prefill" | "decode"
+    index: int
+    address: str  # its command socket (tcp://host:port)
+    incarnation: int
+    pid: int
+    capacity_tokens: dict[str, int]  # the models it serves -> device KV room in tokens
+    max_batch_size: int
+    latency: LatencyProfile | None = None
+    http_url: str = ""
+    draining: bool = False
+    load: InstanceLoadInfo = msgspec.field(default_factory=InstanceLoadInfo)
+
+    @property
+    def models(self) -> list[str]:
+        return sorted(self.capacity_tokens)
+
+
+class ProxyRecord(msgspec.Struct, frozen=True):
+    v: int
+    proxy_id: str
+    report_address: str  # where instances send this replica's requests' tokens
+    pid: int
+    host: str = ""
+
+
+REQUEST_STATES = ("queued", "prefilled", "decoding")
+
+
+class RequestMeta(msgspec.Struct, frozen=True):
+    """A request in flight, as any replica may read it (the reaper does)."""
+
+    v: int
+    request_id: str
+    model: str
+    proxy: str
+    instance: str  # where it is now ("" while it waits for one)
+    state: str  # one of REQUEST_STATES
+    tokens_sent: int
+    arrival_s: float
+
+
+def instance_key(instance_id: str) -> str:
+    return f"instance:{instance_id}"
+
+
+def proxy_key(proxy_id: str) -> str:
+    return f"proxy:{proxy_id}"
+
+
+def request_key(request_id: str) -> str:
+    return f"req:{request_id}"
+
+
+def proxy_requests_key(proxy_id: str) -> str:
+    return f"proxyreqs:{proxy_id}"
+
+
+def prefill_queue_key(instance_id: str, incarnation: int) -> str:
+    return f"pq:{instance_id}:{incarnation}"
+
+
+def work_list_key(instance_id: str, incarnation: int) -> str:
+    return f"dw:{instance_id}:{incarnation}"
+
+
+def reap_key(proxy_id: str) -> str:
+    return f"reap:{proxy_id}"
+
+
+def instance_id(node: str, kind: str, index: int) -> str:
+    return f"{node}/{kind}-{index}"
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_instance(raw: bytes) -> InstanceRecord:
+    """Raises ``msgspec.DecodeError`` / ``ValidationError`` for a bad record."""
+    return msgspec.msgpack.decode(raw, type=InstanceRecord)
+
+
+def decode_proxy(raw: bytes) -> ProxyRecord:
+    return msgspec.msgpack.decode(raw, type=ProxyRecord)
+
+
+def decode_request(raw: bytes) -> RequestMeta:
+    return msgspec.msgpack.decode(raw, type=RequestMeta)
+
+
+def open_store(config: Config) -> Store:
+    """The store ``config.store`` names (not yet started)."""
+    if config.store.kind == "redis":
+        from aegaeon_common.store_redis import RedisStore
+
+        return RedisStore(config.store.url, config.store.namespace, config.store.password_file)
+    return MemoryStore()

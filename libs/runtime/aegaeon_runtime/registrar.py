@@ -1,0 +1,88 @@
+"""An instance's entry in the shared registry (many nodes, ``store.kind: redis``).
+
+Once ready, an instance writes its :class:`~aegaeon_common.registry.InstanceRecord`
+(who and where it is, the models it serves with their KV room, its fitted
+latency profile) with its load, every heartbeat, with a TTL of
+``store.heartbeat_ttl``: a node that dies simply stops writing, and every proxy
+replica drops it from dispatch once the key has expired. A drain marks the
+record ``draining`` (no new work); a clean exit deletes it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aegaeon_common.config import Config
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.report import InstanceHello, InstanceStats
+from aegaeon_common.registry import (
+    INSTANCES,
+    InstanceLoadInfo,
+    InstanceRecord,
+    encode,
+    instance_id,
+    instance_key,
+)
+from aegaeon_common.store import Store, StoreError
+
+log = get_logger("registrar")
+WARN_EVERY_S = 5.0
+
+
+def load_of(stats: InstanceStats) -> InstanceLoadInfo:
+    counters = stats.counters
+    return InstanceLoadInfo(
+        active_model=stats.active_model, queued=stats.queued, running=stats.running,
+        prefill_s=float(counters.get("prefill_s", 0.0)),
+        kv_blocks_in_use=int(counters.get("kv_blocks_in_use", 0)),
+        open_sequences=int(counters.get("open_sequences", 0)),
+    )  # fmt: skip
+
+
+class Registrar:
+    """Writes one instance's record; never raises for a store that is down (it logs
+    and tries again next beat: the proxies see it gone meanwhile, as they should)."""
+
+    def __init__(self, config: Config, store: Store, hello: InstanceHello, http_url: str) -> None:
+        self.store = store
+        self.ttl_s = config.store.heartbeat_ttl_s
+        kind, index = hello.kind, hello.index
+        address = (config.prefill_address(index) if kind == "prefill"
+                   else config.decode_address(index))  # fmt: skip
+        self.instance_id = instance_id(config.node.name, kind, index)
+        self.record = InstanceRecord(
+            v=1, instance_id=self.instance_id, node=config.node.name, kind=kind, index=index,
+            address=address, incarnation=hello.incarnation, pid=hello.pid,
+            capacity_tokens=dict(hello.capacity_tokens), max_batch_size=hello.max_batch_size,
+            latency=hello.latency, http_url=http_url,
+        )  # fmt: skip
+        self._listed = False
+        self.draining = False  # set on SIGTERM: the record says so until the exit
+        self._warned_at = 0.0
+        self.num_beats = 0
+        self.num_failed = 0
+
+    async def beat(self, stats: InstanceStats) -> None:
+        record = msgspec.structs.replace(self.record, load=load_of(stats), draining=self.draining)
+        try:
+            await self.store.put(instance_key(self.instance_id), encode(record), self.ttl_s)
+            if not self._listed:
+                await self.store.set_add(INSTANCES, self.instance_id)
+                self._listed = True
+                log.info("registered", instance=self.instance_id, address=record.address)
+            self.num_beats += 1
+        except StoreError as exc:
+            self.num_failed += 1
+            now = time.monotonic()
+            if now - self._warned_at > WARN_EVERY_S:
+                self._warned_at = now
+                log.warning("registry_unreachable", instance=self.instance_id, error=str(exc))
+
+    async def deregister(self) -> None:
+        try:
+            await self.store.delete(instance_key(self.instance_id))
+            await self.store.set_remove(INSTANCES, self.instance_id)
+            log.info("deregistered", instance=self.instance_id)
+        except StoreError as exc:
+            log.warning("deregister_failed", instance=self.instance_id, error=str(exc))
