@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY_LINE = "Aegaeon is serving"
+BENCH_STATS_RECORDS = 20000
 
 
 def slo_config(market: Path, config: Path | None, ttft_s: float, tbt_s: float, out: Path) -> Path:
@@ -30,6 +31,8 @@ def slo_config(market: Path, config: Path | None, ttft_s: float, tbt_s: float, o
             raise NodeError(f"{config}: expected a mapping at the top level")
         raw = loaded
     raw["slo"] = {**(raw.get("slo") or {}), "ttft_s": ttft_s, "tbt_s": tbt_s}
+    # a run's every request timing, switch and turn (the proxy keeps the last 2000 by default)
+    raw["proxy"] = {"stats_records": BENCH_STATS_RECORDS, **(raw.get("proxy") or {})}
     out.mkdir(parents=True, exist_ok=True)
     path = out / "serve-config.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -54,10 +54,12 @@ def test_a_requeued_request_holds_its_prompt_again() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("admit prefilled requeued release".split()),
+@given(st.lists(st.tuples(st.sampled_from(["admit", "prefilled", "requeued", "release"]),
                           st.integers(0, 5), st.sampled_from("ab"), st.integers(1, 300),
                           st.integers(1, 300)), max_size=60))  # fmt: skip
-def test_counts_return_to_zero_whatever_the_order(ops: list[tuple[str, int, str, int, int]]) -> None:
+def test_counts_return_to_zero_whatever_the_order(
+    ops: list[tuple[str, int, str, int, int]],
+) -> None:
     adm = AdmissionControl(Bounds(prefill_tokens=500, kv_blocks=40))
     for op, rid, model, prompt, out in ops:
         name = f"r{rid}"

@@ -182,6 +182,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # /metrics and /v1/aegaeon/* on their own port (null: on the API port).
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None
+    # The last N per-request timings, model switches and decode turns kept for
+    # /v1/aegaeon/stats (benchmarks read them); memory grows until each is full.
+    stats_records: int = 2000
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -514,7 +517,8 @@ def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
         if not getattr(proxy, name) > 0:
             raise ConfigError(source, f"proxy.{name.removesuffix('_s')}", "must be > 0 seconds")
     for name in ("max_prefill_tokens", "max_prefill_tokens_per_model", "max_kv_blocks",
-                 "max_kv_blocks_per_model", "max_queued_requests", "max_body_bytes"):  # fmt: skip
+                 "max_kv_blocks_per_model", "max_queued_requests", "max_body_bytes",
+                 "stats_records"):  # fmt: skip
         value = getattr(proxy, name)
         if value is not None and value < 1:
             raise ConfigError(source, f"proxy.{name.removesuffix('_bytes')}", "must be >= 1")

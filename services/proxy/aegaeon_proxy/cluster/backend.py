@@ -72,7 +72,7 @@ class ClusterBackend:
         # open belong to a request this proxy never knew (it restarted) and are
         # cancelled at their instance, so its KV and compute are freed
         self._ended: OrderedDict[str, None] = OrderedDict()
-        self.timings = TimingLog()
+        self.timings = TimingLog(config.proxy.stats_records)
         self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0,
                                          "retried": 0, "rejected": 0, "orphans_cancelled": 0,
                                          "bad_frames": 0, "report_errors": 0}

@@ -29,7 +29,6 @@ from aegaeon_sched import DecodeShare
 
 DEAD_AFTER_S = 5.0
 RESTART_GRACE_S = 60.0  # a drained instance's successor says hello within this
-MAX_SWITCH_RECORDS = 20000
 
 
 @dataclass
@@ -65,12 +64,13 @@ class Instances:
     """Every configured instance, alive or not."""
 
     views: dict[str, InstanceView]
-    switches: deque[tuple[str, SwitchRecord]] = field(
-        default_factory=lambda: deque(maxlen=MAX_SWITCH_RECORDS)
-    )
-    turns: deque[tuple[str, TurnRecord]] = field(
-        default_factory=lambda: deque(maxlen=MAX_SWITCH_RECORDS)
-    )
+    max_records: int = 2000  # proxy.stats_records
+    switches: deque[tuple[str, SwitchRecord]] = field(default_factory=deque)
+    turns: deque[tuple[str, TurnRecord]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.switches = deque(self.switches, maxlen=self.max_records)
+        self.turns = deque(self.turns, maxlen=self.max_records)
 
     @classmethod
     def connect(cls, config: Config, ctx: zmq.asyncio.Context, unified: bool) -> Instances:
@@ -93,7 +93,7 @@ class Instances:
         for kind, index, address in kinds:
             name = f"{kind}-{index}"
             views[name] = InstanceView(name, kind, index, Pusher(ctx, address))
-        return cls(views)
+        return cls(views, max_records=config.proxy.stats_records)
 
     def __iter__(self) -> Iterator[InstanceView]:
         return iter(self.views.values())

@@ -10,8 +10,6 @@ from aegaeon_sched import Request
 
 from aegaeon_proxy.backend import GenerationRequest, TokenQueue
 
-MAX_TIMING_RECORDS = 20000
-
 
 @dataclass
 class Tracked:
@@ -65,7 +63,11 @@ def merge_timings(
 
 @dataclass
 class TimingLog:
-    records: deque[TimingRecord] = field(default_factory=lambda: deque(maxlen=MAX_TIMING_RECORDS))
+    max_records: int = 2000  # proxy.stats_records
+    records: deque[TimingRecord] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.records = deque(self.records, maxlen=self.max_records)
 
     def add(self, tracked: Tracked, reason: str, timings: RequestTimings | None) -> None:
         t = merge_timings(tracked.prefill_timings, timings)
