@@ -89,6 +89,7 @@ class RequestMeta(msgspec.Struct, frozen=True):
     state: str  # one of REQUEST_STATES
     tokens_sent: int
     arrival_s: float
+    queue: str = ""  # the shared queue key it sits in (pq:... / dw:...), "" while none
 
 
 def instance_key(instance_id: str) -> str:

@@ -96,6 +96,12 @@ class Puller:
         self.channel = channel
         self._sock = new_socket(ctx, zmq.PULL, address, bind)
 
+    @property
+    def bound_address(self) -> str:
+        """The endpoint bound last (a ``tcp://host:0`` bind's real port)."""
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
     async def recv(self) -> Message:
         """The next message; raises :class:`WireError` for a frame that is not one."""
         return self.channel.decode(await self._sock.recv())

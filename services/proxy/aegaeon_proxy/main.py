@@ -45,4 +45,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"aegaeon proxy: {exc}", file=sys.stderr)
         return 2
+    if config.distributed:  # one replica of the proxy layer over many nodes
+        from aegaeon_proxy.cluster.distributed import DistributedBackend
+
+        return run_service("proxy", ProxyServer(config, DistributedBackend(config)).serve)
     return run_service("proxy", ProxyServer(config, ClusterBackend(config)).serve)

@@ -1,0 +1,705 @@
+"""One replica of a stateless proxy layer over many nodes (``store.kind: redis``).
+
+Any number of replicas run side by side. None owns an instance: the instance
+registry and loads, every instance's prefill queue and decode work list, and
+the metadata of every request in flight live in the shared store
+(``aegaeon_common.registry``); a replica holds only its clients' HTTP streams.
+
+* **Dispatch** (Algorithm 1 across every node's prefill instances) and
+  **placement** (Algorithm 2 within the prefill's node: the KV stays in that
+  node's host memory) are store transactions: read the candidates' queue
+  states, run the same dispatcher the single proxy runs
+  (``aegaeon_sched.shared``), write back the state it changed; the write
+  commits only if no other replica wrote any state read meanwhile (Redis
+  WATCH/MULTI/EXEC), else the decision is made again on fresh state. So two
+  replicas never both book an instance on the same picture of it.
+* Work carries ``reply_to`` (this replica's report socket): an instance sends
+  a request's tokens to the replica that holds its client.
+* **A node that dies** stops beating; once its records expire (TTL) every
+  replica drops it from dispatch, and each replica ends its own requests there
+  (``instance_failed``) or dispatches again those that had no token yet.
+* **A replica that dies** loses its open HTTP streams only: its record
+  expires, another replica takes the reap lease, cancels its requests at their
+  instances and takes them out of the shared queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq.asyncio
+from aegaeon_common.config import Config
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.decode import EnqueueDecode
+from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
+from aegaeon_common.messages.report import (
+    REPORT_CHANNEL,
+    InstanceDraining,
+    InstanceHello,
+    InstanceStats,
+    PrefillDone,
+    RequestFailed,
+    StepTokens,
+)
+from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.registry import (
+    PROXIES,
+    QUEUE_TTL_S,
+    InstanceRecord,
+    ProxyRecord,
+    RequestMeta,
+    decode_request,
+    encode,
+    open_store,
+    proxy_key,
+    proxy_requests_key,
+    reap_key,
+    request_key,
+)
+from aegaeon_common.store import StoreError
+from aegaeon_common.transport import Puller, Pusher
+from aegaeon_common.wire import Message, WireError
+from aegaeon_sched import NoInstance, Request
+from aegaeon_sched.shared import (
+    State,
+    dispatch_prefill,
+    place_decode,
+    prefill_done,
+    remove_from_prefill,
+    remove_from_work_list,
+)
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
+from aegaeon_proxy.cluster.instances import DecodeShares
+from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
+from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
+
+log = get_logger("cluster")
+MAX_RETRIES = 2  # dispatches again of a request whose node died before its first token
+BEAT_S = 0.5
+REAP_S = 1.0
+REAP_LEASE_S = 10.0
+META_GRACE_S = 60.0  # request metadata outlives the request deadline by this much
+DISPATCH_SAMPLES = 4096
+
+
+@dataclass
+class Where:
+    """Where a request sits: an instance (one process of it) and its shared queue."""
+
+    instance: str
+    incarnation: int
+    node: str
+    queue: str  # the store key of that instance's prefill queue or decode work list
+    stage: str  # "prefill" | "decode"
+
+
+def _load(raw: bytes | None) -> State | None:
+    return None if raw is None else msgspec.msgpack.decode(raw)
+
+
+def _dump(state: State) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def _fresh_id() -> int:
+    """A group or batch id no other replica mints (random, 52 bits)."""
+    return secrets.randbits(52)
+
+
+class DistributedBackend:
+    """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.proxy_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.store = open_store(config)
+        self.view = RegistryView(self.store, config.hybrid_prefill)
+        self.ctx = zmq.asyncio.Context()
+        node = config.node
+        bind_host = node.bind_address or node.advertise_address or "127.0.0.1"
+        self._reports = Puller(self.ctx, f"tcp://{bind_host}:{node.proxy_report_port}",
+                               REPORT_CHANNEL, bind=True)  # fmt: skip
+        port = self._reports.bound_address.rpartition(":")[2]
+        self.report_address = f"tcp://{node.advertise_address or '127.0.0.1'}:{port}"
+        self.requests: dict[str, Tracked] = {}
+        self.where: dict[str, Where] = {}
+        self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
+        self.timings = TimingLog()
+        self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
+        self.counters: dict[str, int] = {
+            "finished": 0, "failed": 0, "cancelled": 0, "retried": 0, "rejected": 0,
+            "bad_frames": 0, "report_errors": 0, "orphan_tokens": 0, "reaped": 0,
+            "instances_lost": 0, "store_errors": 0,
+        }  # fmt: skip
+        self._pushers: dict[str, Pusher] = {}
+        self._shares = DecodeShares()
+        self._decode_shares: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._store_ok = False
+        self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            PrefillDone: self._on_prefill_done,
+            StepTokens: self._on_step_tokens,
+            RequestFailed: self._on_failed,
+            # one node's messages, not sent with many; harmless if a stray one comes
+            InstanceHello: lambda msg: None,
+            InstanceStats: lambda msg: None,
+            InstanceDraining: lambda msg: None,
+        }
+
+    # ---- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(t) for t in
+                       (self._receive(), self._refresh_loop(), self._beat_loop(),
+                        self._reap_loop())]  # fmt: skip
+        log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
+
+    async def stop(self) -> None:
+        for request_id in list(self.requests):
+            await self.cancel(request_id)
+        for task in self._tasks:
+            task.cancel()
+        jobs = list(self._jobs)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 5.0)
+        with contextlib.suppress(StoreError):
+            await self.store.delete(proxy_key(self.proxy_id), proxy_requests_key(self.proxy_id))
+            await self.store.set_remove(PROXIES, self.proxy_id)
+        await self.store.close()
+        self._reports.close()
+        for pusher in self._pushers.values():
+            pusher.close()
+        self.ctx.term()
+
+    def ready(self) -> bool:
+        """The store answers and some prefill instance is registered."""
+        return self._store_ok and bool(self.view.prefill_candidates())
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        registry.register(_Collector(self))
+
+    def context_limit(self, model: str) -> int | None:
+        limits = [r.capacity_tokens[model] for r in self.view.live.values()
+                  if model in r.capacity_tokens]  # fmt: skip
+        return min(limits) if limits else None
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._jobs.add(task)
+        task.add_done_callback(self._job_done)
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self._jobs.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.counters["report_errors"] += 1
+            log.error("job_failed", error=repr(task.exception()))
+
+    # ---- requests ------------------------------------------------------------
+    def submit(self, req: GenerationRequest) -> TokenQueue:
+        if not self._store_ok:
+            raise BackendError.unavailable("the shared store (redis) is unreachable")
+        if not self.ready():
+            raise BackendError.unavailable("no prefill instance is registered")
+        if len(self.requests) >= self.config.proxy.max_queued_requests:
+            self.counters["rejected"] += 1
+            raise BackendError.overloaded(
+                f"{len(self.requests)} requests in flight at this replica (limit "
+                f"{self.config.proxy.max_queued_requests})",
+                retry_after_s=self.config.proxy.retry_after_s,
+            )
+        s = req.sampling
+        sampling = SamplingSpec(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )  # fmt: skip
+        sched = Request(
+            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
+            oracle_output_len=s.max_tokens if s.ignore_eos else None,
+        )  # fmt: skip
+        tracked = Tracked(req, sched, sampling, TokenQueue())
+        self.requests[req.request_id] = tracked
+        self._spawn(self._arrive(tracked))
+        return tracked.queue
+
+    async def _arrive(self, tracked: Tracked) -> None:
+        rid = tracked.gen.request_id
+        try:
+            await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
+            await self._put_meta(tracked, "queued")
+        except StoreError as exc:
+            self._store_failed(rid, exc)
+            return
+        await self._dispatch_prefill(tracked)
+
+    async def _dispatch_prefill(self, tracked: Tracked) -> None:
+        """Algorithm 1 across every node's prefill instances, one transaction."""
+        rid = tracked.gen.request_id
+        self.held.pop(rid, None)
+        candidates = self.view.prefill_candidates()
+        latency = self.view.latency()
+        if not candidates or latency is None:
+            self.held[rid] = tracked
+            return
+        keys = [RegistryView.queue_key(r, "prefill") for r in candidates]
+        by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
+        max_group = self.config.scheduler.max_group_size
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
+            states = {r.instance_id: _load(v) for r, v in zip(candidates, values, strict=True)}
+            instance, group_id, state = dispatch_prefill(
+                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
+                max_group_size=max_group,
+            )  # fmt: skip
+            return {by_id[instance][1]: _dump(state)}, (instance, group_id)
+
+        started = time.perf_counter()
+        try:
+            instance, group_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
+        except NoInstance:
+            self.held[rid] = tracked
+            return
+        except StoreError as exc:
+            self._store_failed(rid, exc)
+            return
+        self.dispatch_s.append(time.perf_counter() - started)
+        record, key = by_id[instance]
+        where = Where(instance, record.incarnation, record.node, key, "prefill")
+        if rid not in self.requests:  # cancelled while deciding: undo the booking
+            await self._unqueue(rid, where)
+            return
+        self.where[rid] = where
+        tracked.instance = instance
+        gen = tracked.gen
+        await self._send(record, EnqueuePrefill(
+            gen.request_id, gen.model, group_id, list(gen.prompt_token_ids), tracked.sampling,
+            gen.arrival_s, incarnation=record.incarnation, reply_to=self.report_address,
+        ))  # fmt: skip
+        with contextlib.suppress(StoreError):
+            await self._put_meta(tracked, "queued")
+
+    async def _place_decode(self, tracked: Tracked, node: str) -> None:
+        """Algorithm 2's placement over the decode-capable instances of ``node``."""
+        rid = tracked.gen.request_id
+        candidates = self.view.decode_candidates(node)
+        if not candidates:
+            self.end_request(rid, "error", f"node {node} has no decode instance alive",
+                             code="instance_failed")  # fmt: skip
+            return
+        keys = [RegistryView.queue_key(r, "decode") for r in candidates]
+        by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
+        capacity = {r.instance_id: r.capacity_tokens for r in candidates}
+        shares = {i: s for i, s in self._decode_shares.items() if i in by_id}
+        latency = self.view.latency()
+        sched = self.config.scheduler
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
+            states = {r.instance_id: _load(v) for r, v in zip(candidates, values, strict=True)}
+            instance, batch_id, state = place_decode(
+                states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
+                decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
+                max_batch_size=sched.max_batch_size,
+            )  # fmt: skip
+            return {by_id[instance][1]: _dump(state)}, (instance, batch_id)
+
+        started = time.perf_counter()
+        try:
+            instance, batch_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
+        except StoreError as exc:
+            self._store_failed(rid, exc)
+            return
+        self.dispatch_s.append(time.perf_counter() - started)
+        record, key = by_id[instance]
+        where = Where(instance, record.incarnation, record.node, key, "decode")
+        if rid not in self.requests or tracked.handoff is None or tracked.first_token_id is None:
+            await self._unqueue(rid, where)
+            return
+        self.where[rid] = where
+        tracked.instance = instance
+        gen = tracked.gen
+        await self._send(record, EnqueueDecode(
+            request_id=rid, model=gen.model, batch_id=batch_id,
+            prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
+            num_generated=tracked.num_generated, sampling=tracked.sampling,
+            handoff=tracked.handoff, arrival_s=gen.arrival_s, incarnation=record.incarnation,
+            reply_to=self.report_address,
+        ))  # fmt: skip
+        with contextlib.suppress(StoreError):
+            await self._put_meta(tracked, "decoding")
+
+    async def cancel(self, request_id: str) -> None:
+        tracked = self.requests.get(request_id)
+        if tracked is None:
+            return
+        where = self.where.get(request_id)
+        self.counters["cancelled"] += 1
+        self.timings.add(tracked, "cancelled", None)
+        self._close(request_id)
+        if where is not None:
+            record = self.view.live.get(where.instance)
+            if record is not None and record.incarnation == where.incarnation:
+                await self._send(record, CancelRequest(request_id))
+        tracked.queue.finish("cancelled")
+
+    def end_request(
+        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
+    ) -> Tracked | None:
+        """The request is over here: close its stream, free its shared state."""
+        tracked = self.requests.get(request_id)
+        if tracked is None:
+            return None
+        if reason == "error":
+            self.counters["failed"] += 1
+            tracked.queue.finish("error", error, code)
+        else:
+            self.counters["finished"] += 1
+        self._close(request_id)
+        return tracked
+
+    def _close(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.held.pop(request_id, None)
+        self._dirty.discard(request_id)
+        self._spawn(self._forget(request_id, self.where.pop(request_id, None)))
+
+    async def _forget(self, request_id: str, where: Where | None) -> None:
+        if where is not None:
+            await self._unqueue(request_id, where)
+        with contextlib.suppress(StoreError):
+            await self.store.delete(request_key(request_id))
+            await self.store.set_remove(proxy_requests_key(self.proxy_id), request_id)
+
+    async def _unqueue(self, request_id: str, where: Where) -> None:
+        """Take the request out of its instance's shared queue (a no-op if not there)."""
+        await _unqueue(self.store, where.queue, request_id, self.config.scheduler.max_group_size)
+
+    def _store_failed(self, request_id: str, exc: StoreError) -> None:
+        self.counters["store_errors"] += 1
+        log.warning("store_error", request_id=request_id, error=str(exc))
+        self.end_request(request_id, "error", f"the shared store failed: {exc}",
+                         code="store_unavailable")  # fmt: skip
+
+    async def _put_meta(self, tracked: Tracked, state: str) -> None:
+        gen = tracked.gen
+        where = self.where.get(gen.request_id)
+        meta = RequestMeta(
+            v=1, request_id=gen.request_id, model=gen.model, proxy=self.proxy_id,
+            instance=where.instance if where else "", state=state,
+            tokens_sent=tracked.num_generated, arrival_s=gen.arrival_s,
+            queue=where.queue if where else "",
+        )  # fmt: skip
+        ttl_s = self.config.proxy.request_timeout_s + META_GRACE_S
+        await self.store.put(request_key(gen.request_id), encode(meta), ttl_s)
+
+    async def _send(self, record: InstanceRecord, msg: Message) -> None:
+        pusher = self._pushers.get(record.instance_id)
+        if pusher is None or pusher.address != record.address:
+            if pusher is not None:
+                pusher.close()
+            pusher = self._pushers[record.instance_id] = Pusher(self.ctx, record.address)
+        await pusher.send(msg)
+
+    # ---- reports -------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            try:
+                msg = await self._reports.recv()
+            except WireError as exc:
+                self.counters["bad_frames"] += 1
+                log.warning("bad report frame", error=str(exc))
+                continue
+            try:
+                self._handlers[type(msg)](msg)
+            except Exception:  # one bad report must not stop the others
+                self.counters["report_errors"] += 1
+                log.exception("report_failed", tag=msg.TAG)
+
+    def _on_prefill_done(self, msg: PrefillDone) -> None:
+        tracked = self.requests.get(msg.request_id)
+        where = self.where.get(msg.request_id)
+        if tracked is None or where is None or tracked.num_generated > 0:
+            self.counters["orphan_tokens"] += 1
+            return
+        tracked.num_generated = 1
+        tracked.first_token_id = msg.token_id
+        tracked.handoff = msg.handoff
+        tracked.prefill_timings = msg.timings
+        tracked.queue.push(TokenChunk((msg.token_id,), msg.finish_reason))  # type: ignore[arg-type]
+        self._spawn(self._after_prefill(tracked, where, msg))
+
+    async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
+        rid = msg.request_id
+        max_group = self.config.scheduler.max_group_size
+
+        def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            state, _ = prefill_done(_load(values[0]), rid, time.time(), max_group)
+            return {where.queue: _dump(state)}, None
+
+        try:
+            await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
+        except StoreError as exc:
+            self._store_failed(rid, exc)
+            return
+        if self.where.get(rid) is where:
+            del self.where[rid]  # out of the prefill queue; not placed yet
+        if msg.finish_reason is not None:
+            self.timings.add(tracked, msg.finish_reason, msg.timings)
+            self.end_request(rid, msg.finish_reason)
+            return
+        if rid in self.requests:
+            await self._place_decode(tracked, where.node)
+
+    def _on_step_tokens(self, msg: StepTokens) -> None:
+        for item in msg.items:
+            tracked = self.requests.get(item.request_id)
+            if tracked is None:
+                self.counters["orphan_tokens"] += 1
+                continue
+            tracked.num_generated += len(item.token_ids)
+            self._dirty.add(item.request_id)
+            ids = item.token_ids
+            for token_id in ids[:-1]:
+                tracked.queue.push(TokenChunk((token_id,), None))
+            reason = item.finish_reason
+            tracked.queue.push(TokenChunk(tuple(ids[-1:]), reason))  # type: ignore[arg-type]
+            if reason is not None:
+                self.timings.add(tracked, reason, item.timings)
+                self.end_request(item.request_id, reason)
+
+    def _on_failed(self, msg: RequestFailed) -> None:
+        tracked = self.requests.get(msg.request_id)
+        if tracked is None:
+            return
+        self.timings.add(tracked, "error", None)
+        where = self.where.get(msg.request_id)
+        name = where.instance if where else f"{msg.kind}-{msg.index}"
+        self.end_request(msg.request_id, "error", f"{name}: {msg.code}: {msg.message}")
+
+    # ---- the registry, nodes joining and leaving -----------------------------
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                joined, left = await self.view.refresh()
+                self._store_ok = True
+            except StoreError as exc:
+                if self._store_ok:
+                    log.error("store_unreachable", error=str(exc))
+                self._store_ok = False
+                await asyncio.sleep(REFRESH_S)
+                continue
+            for record in joined:
+                log.info("instance_joined", instance=record.instance_id, node=record.node,
+                         address=record.address)  # fmt: skip
+            for record in left:
+                self._instance_left(record)
+            for record in self.view.live.values():
+                if record.kind == "prefill" and self.config.hybrid_prefill:
+                    share = self._shares.observe(record.instance_id, record.load.prefill_s)
+                    self._decode_shares[record.instance_id] = share
+            for rid, where in list(self.where.items()):
+                if not self.view.alive(where.instance, where.incarnation):
+                    self._lost(rid, where)
+            if self.held and self.view.prefill_candidates():
+                for tracked in list(self.held.values()):
+                    self._spawn(self._dispatch_prefill(tracked))
+            await asyncio.sleep(REFRESH_S)
+
+    def _instance_left(self, record: InstanceRecord) -> None:
+        self.counters["instances_lost"] += 1
+        log.warning("instance_left", instance=record.instance_id, node=record.node,
+                    why="its heartbeat expired or it restarted")  # fmt: skip
+        current = self.view.live.get(record.instance_id)
+        pusher = self._pushers.get(record.instance_id)
+        if pusher is not None and (current is None or current.address != pusher.address):
+            pusher.close()
+            del self._pushers[record.instance_id]
+        stale = [RegistryView.queue_key(record, stage) for stage in ("prefill", "decode")]
+
+        async def drop() -> None:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(*stale)
+
+        self._spawn(drop())
+
+    def _lost(self, rid: str, where: Where) -> None:
+        """``rid``'s instance is gone: dispatch it again when no token was sent, else
+        end it with ``instance_failed``."""
+        tracked = self.requests.get(rid)
+        self.where.pop(rid, None)
+        if tracked is None:
+            return
+        if tracked.num_generated == 0 and tracked.retries < MAX_RETRIES:
+            tracked.retries += 1
+            tracked.instance = None
+            self.counters["retried"] += 1
+            log.info("request_retried", request_id=rid, instance=where.instance,
+                     attempt=tracked.retries)  # fmt: skip
+            self._spawn(self._dispatch_prefill(tracked))
+            return
+        log.warning("request_lost", request_id=rid, instance=where.instance)
+        self.end_request(rid, "error", f"instance {where.instance} is gone (its heartbeat "
+                         "expired)", code="instance_failed")  # fmt: skip
+
+    # ---- this replica's heartbeat and the reaper -----------------------------
+    async def _beat_loop(self) -> None:
+        record = ProxyRecord(v=1, proxy_id=self.proxy_id, report_address=self.report_address,
+                             pid=os.getpid(), host=socket.gethostname())  # fmt: skip
+        ttl_s = self.config.store.heartbeat_ttl_s
+        while True:
+            try:
+                await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
+                await self.store.set_add(PROXIES, self.proxy_id)
+                dirty, self._dirty = self._dirty, set()
+                for rid in dirty:
+                    tracked = self.requests.get(rid)
+                    if tracked is not None:
+                        await self._put_meta(tracked, "decoding")
+            except StoreError as exc:
+                self.counters["store_errors"] += 1
+                log.warning("beat_failed", error=str(exc))
+            await asyncio.sleep(BEAT_S)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_S)
+            try:
+                ids = sorted(await self.store.set_members(PROXIES))
+                raws = await self.store.get_many([proxy_key(p) for p in ids])
+                for proxy_id, raw in zip(ids, raws, strict=True):
+                    if raw is not None or proxy_id == self.proxy_id:
+                        continue
+                    if await self.store.put_if_absent(reap_key(proxy_id),
+                                                      self.proxy_id.encode(), REAP_LEASE_S):
+                        await self._reap(proxy_id)
+            except StoreError as exc:
+                self.counters["store_errors"] += 1
+                log.warning("reap_failed", error=str(exc))
+
+    async def _reap(self, proxy_id: str) -> None:
+        """A dead replica's requests: cancelled at their instances, out of the queues."""
+        rids = sorted(await self.store.set_members(proxy_requests_key(proxy_id)))
+        raws = await self.store.get_many([request_key(r) for r in rids])
+        for rid, raw in zip(rids, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                meta = decode_request(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            record = self.view.live.get(meta.instance)
+            if record is not None:
+                await self._send(record, CancelRequest(rid))
+            if meta.queue:
+                await _unqueue(self.store, meta.queue, rid, self.config.scheduler.max_group_size)
+        await self.store.delete(*(request_key(r) for r in rids), proxy_requests_key(proxy_id))
+        await self.store.set_remove(PROXIES, proxy_id)
+        self.counters["reaped"] += len(rids)
+        log.warning("proxy_reaped", proxy=proxy_id, requests=len(rids))
+
+    # ---- observability ---------------------------------------------------------
+    def health(self) -> dict[str, object]:
+        return {
+            "policy": self.config.scheduler.policy,
+            "proxy_id": self.proxy_id,
+            "ready": self.ready(),
+            "store": "up" if self._store_ok else "unreachable",
+            "requests": len(self.requests),
+            "instances": {
+                r.instance_id: {"alive": True, "pid": r.pid, "node": r.node,
+                                "draining": r.draining, "active_model": r.load.active_model}
+                for r in self.view.live.values()
+            },
+        }
+
+    async def stats(self, light: bool = False) -> dict[str, object]:
+        samples = sorted(self.dispatch_s)
+
+        def pct(q: float) -> float | None:
+            return samples[min(len(samples) - 1, int(q * len(samples)))] if samples else None
+
+        out: dict[str, object] = {
+            "policy": self.config.scheduler.policy,
+            "proxy_id": self.proxy_id,
+            "counters": dict(self.counters),
+            "open_requests": len(self.requests),
+            "held_requests": len(self.held),
+            "instances": [
+                {"name": r.instance_id, "kind": r.kind, "index": r.index, "node": r.node,
+                 "pid": r.pid, "alive": True, "draining": r.draining,
+                 "kv_blocks_in_use": r.load.kv_blocks_in_use, "leases": -1,
+                 "open_sequences": r.load.open_sequences}
+                for r in self.view.live.values()
+            ],
+            "nodes": sorted({r.node for r in self.view.live.values()}),
+            "store": {"kind": self.config.store.kind, "commits": self.store.num_commits,
+                      "conflicts": self.store.num_conflicts},
+            "dispatch_s": {"count": len(samples), "p50": pct(0.5), "p99": pct(0.99)},
+        }
+        if light:
+            return out
+        out["timings"] = [
+            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
+             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
+             **msgspec.to_builtins(r.timings)}
+            for r in self.timings.records
+        ]  # fmt: skip
+        out["switches"], out["turns"] = [], []
+        return out
+
+
+async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int) -> None:
+    """Take ``request_id`` out of the shared queue at ``queue`` (prefill or decode)."""
+    prefill = queue.startswith("pq:")
+
+    def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+        if values[0] is None:
+            return {}, None  # the instance is gone and its queue with it
+        if prefill:
+            state, removed = remove_from_prefill(_load(values[0]), request_id, max_group_size)
+        else:
+            state, removed = remove_from_work_list(_load(values[0]), request_id)
+        return ({queue: _dump(state)} if removed else {}), None
+
+    with contextlib.suppress(StoreError):
+        await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
+
+
+class _Collector(Collector):
+    """The replica's view as metrics (read at scrape time)."""
+
+    def __init__(self, backend: DistributedBackend) -> None:
+        self._b = backend
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._b
+        up = GaugeMetricFamily("aegaeon_instance_up", "Instances registered and beating",
+                               labels=["instance"])  # fmt: skip
+        for iid in b.view.live:
+            up.add_metric([iid], 1.0)
+        yield up
+        yield GaugeMetricFamily("aegaeon_backend_requests", "Requests this replica tracks now",
+                                value=len(b.requests))  # fmt: skip
+        yield GaugeMetricFamily("aegaeon_held_requests", "Requests waiting for an instance",
+                                value=len(b.held))  # fmt: skip
+        tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
+                                 labels=["outcome"])  # fmt: skip
+        tx.add_metric(["committed"], float(b.store.num_commits))
+        tx.add_metric(["conflict"], float(b.store.num_conflicts))
+        yield tx

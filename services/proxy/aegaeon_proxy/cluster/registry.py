@@ -1,0 +1,101 @@
+"""A proxy replica's view of the instance registry in the shared store.
+
+Refreshed every :data:`REFRESH_S`: the ids listed in ``instances`` whose record
+has not expired are alive; an id whose record has expired is dead (its node
+stopped beating) and is taken out of the list. Between refreshes the view is
+what dispatch reads; a node that dies leaves it at most ``store.heartbeat_ttl``
++ :data:`REFRESH_S` later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from aegaeon_common.logs import get_logger
+from aegaeon_common.registry import (
+    INSTANCES,
+    InstanceRecord,
+    decode_instance,
+    instance_key,
+    prefill_queue_key,
+    work_list_key,
+)
+from aegaeon_common.store import Store
+from aegaeon_common.wire import to_plain
+from aegaeon_sched import LatencyModel
+
+log = get_logger("registry")
+REFRESH_S = 0.5
+
+
+@dataclass
+class RegistryView:
+    store: Store
+    hybrid_prefill: bool  # prefill instances also decode (decode placement includes them)
+    live: dict[str, InstanceRecord] = field(default_factory=dict)
+    num_refreshes: int = 0
+    _latency: tuple[str, int, LatencyModel] | None = None
+
+    async def refresh(self) -> tuple[list[InstanceRecord], list[InstanceRecord]]:
+        """Read the registry; returns (instances that joined, instances that left or
+        restarted) since the last refresh. Raises ``StoreError``."""
+        ids = sorted(await self.store.set_members(INSTANCES))
+        raws = await self.store.get_many([instance_key(i) for i in ids])
+        now: dict[str, InstanceRecord] = {}
+        expired: list[str] = []
+        for iid, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                expired.append(iid)
+                continue
+            try:
+                now[iid] = decode_instance(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("bad_registry_record", instance=iid, error=str(exc))
+        if expired:  # anyone may tidy the index; a restarted instance adds itself again
+            await self.store.set_remove(INSTANCES, *expired)
+        joined = [r for i, r in now.items()
+                  if i not in self.live or self.live[i].incarnation != r.incarnation]  # fmt: skip
+        left = [r for i, r in self.live.items()
+                if i not in now or now[i].incarnation != r.incarnation]  # fmt: skip
+        self.live = now
+        self.num_refreshes += 1
+        return joined, left
+
+    def alive(self, instance_id: str, incarnation: int) -> bool:
+        record = self.live.get(instance_id)
+        return record is not None and record.incarnation == incarnation
+
+    def prefill_candidates(self) -> list[InstanceRecord]:
+        """Every node's prefill instances that take new work (Algorithm 1's I_P)."""
+        return [r for r in self.live.values() if r.kind == "prefill" and not r.draining]
+
+    def decode_candidates(self, node: str) -> list[InstanceRecord]:
+        """``node``'s instances that take decode work: decode instances first, then the
+        hybrid prefill instances (Algorithm 2 breaks ties by order)."""
+        mine = [r for r in self.live.values() if r.node == node and not r.draining]
+        decode = [r for r in mine if r.kind == "decode"]
+        return decode + ([r for r in mine if r.kind == "prefill"] if self.hybrid_prefill else [])
+
+    def latency(self) -> LatencyModel | None:
+        """A prefill instance's start-up profile (any instance's when none prefills):
+        the estimates Algorithm 1 and the placement need (instances of a deployment
+        share one hardware kind)."""
+        ordered = sorted(self.live.values(), key=lambda r: (r.kind != "prefill", r.instance_id))
+        for record in ordered:
+            if record.latency is None:
+                continue
+            cached = self._latency
+            if cached is not None and cached[:2] == (record.instance_id, record.incarnation):
+                return cached[2]
+            model = LatencyModel.from_dict(to_plain(record.latency))
+            self._latency = (record.instance_id, record.incarnation, model)
+            return model
+        return None
+
+    @staticmethod
+    def queue_key(record: InstanceRecord, stage: str) -> str:
+        """Where the instance's prefill queue (``stage`` prefill) or work list lives."""
+        if stage == "prefill":
+            return prefill_queue_key(record.instance_id, record.incarnation)
+        return work_list_key(record.instance_id, record.incarnation)
