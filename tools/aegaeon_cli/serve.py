@@ -45,6 +45,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "request-level-global (one global FCFS queue) | request-level-global-sjf",
     )
     parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
+    parser.add_argument("--nodes", type=int, help="many nodes on this machine: N nodes (each a "
+                        "cachemgr and its instances) behind --proxies replicas sharing Redis")
+    parser.add_argument("--proxies", type=int, default=2,
+                        help="with --nodes: proxy replicas (API ports --port, --port + 1, ...)")
+    parser.add_argument("--store-url", help="with --nodes: an existing Redis (default: start "
+                        "a private redis-server)")
     add_api_key_args(parser)
     parser.set_defaults(func=run)
 
@@ -169,6 +175,12 @@ def run(args: argparse.Namespace) -> int:
             {"name": m.name, "path": str(m.path)} for m in config.models
         ]
     write_private(effective, yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
+    if args.nodes is not None:
+        from aegaeon_cli.cluster import run_cluster
+
+        base = args.config.parent.resolve() if args.config is not None else Path.cwd()
+        return run_cluster(raw_abs, base, config.source, args.nodes, args.proxies,
+                           args.store_url)  # fmt: skip
     sup = Supervisor(
         build_children(config, effective),
         stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,
