@@ -85,15 +85,20 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 
 async def cancel_run(base_url: str, requests: int, concurrency: int, max_tokens: int,
-                     seed: int, settle_s: float) -> dict[str, Any]:  # fmt: skip
+                     seed: int, settle_s: float, *, admin_url: str | None = None,
+                     headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``admin_url``: where ``/v1/aegaeon/stats`` is (default ``base_url``); ``headers``:
+    sent with every request (an API key)."""
     from aegaeon_bench.node_probe import read_holdings, wait_quiet
     from aegaeon_bench.serve_client import list_models
 
     rng = random.Random(seed)
     url = f"{base_url}/v1/completions"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    admin = admin_url or base_url
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         models = await list_models(session, base_url)
-        before = await read_holdings(session, base_url)
+        before = await read_holdings(session, admin)
         plans: list[tuple[dict[str, Any], int | None, float | None]] = []
         for _ in range(requests):
             tokens = rng.randint(4, max_tokens)
@@ -119,9 +124,9 @@ async def cancel_run(base_url: str, requests: int, concurrency: int, max_tokens:
         await asyncio.gather(*(run_one(p) for p in plans))
         sent_s = time.monotonic() - start
         settle_start = time.monotonic()
-        after = await wait_quiet(session, base_url, settle_s)
+        after = await wait_quiet(session, admin, settle_s)
         settled_s = time.monotonic() - settle_start
-        stats = await session.get(f"{base_url}/v1/aegaeon/stats?light=1")
+        stats = await session.get(f"{admin}/v1/aegaeon/stats?light=1")
         counters = (await stats.json()).get("counters", {})
     return {
         "requests": requests,

@@ -43,8 +43,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run)
 
 
-def fuzz_http(base_url: str, models: list[str], examples: int, seed: int) -> dict[str, Any]:
-    """``examples`` hypothesis cases against the endpoints; statuses and problems."""
+def fuzz_http(base_url: str, models: list[str], examples: int, seed: int,
+              headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``examples`` hypothesis cases against the endpoints (``headers``: an API key, sent
+    with each); statuses and problems."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hseed
 
@@ -53,7 +55,7 @@ def fuzz_http(base_url: str, models: list[str], examples: int, seed: int) -> dic
     statuses: Counter[int] = Counter()
     problems: list[str] = []
     with asyncio.Runner() as runner:
-        session = runner.run(_session())
+        session = runner.run(_session(headers))
 
         async def one(case: HttpCase) -> None:
             try:
@@ -81,8 +83,8 @@ def fuzz_http(base_url: str, models: list[str], examples: int, seed: int) -> dic
             "problems": problems[:20], "num_problems": len(problems)}  # fmt: skip
 
 
-async def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+async def _session(headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), headers=headers)
 
 
 def _frames(count: int, seed: int, valid: list[bytes]) -> list[bytes]:
@@ -196,6 +198,8 @@ async def _proxy_bad_frames(base_url: str) -> int:
 
 
 async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict[str, Any]:
+    """``frames`` frames to every socket of the node; ``base_url``: where its admin
+    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``)."""
     from aegaeon_common.messages.cache import REQUESTS
     from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL
     from aegaeon_common.messages.report import REPORT_CHANNEL

@@ -112,10 +112,12 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
             break
         time.sleep(0.2)
     assert (prefilled, decoded) == (total, total)
-    # every decoded request took over its prefill's KV blocks once
+    # every decoded request's KV blocks moved to its decode instance: the proxy leases
+    # them there before it places the request on another instance, and the instance
+    # takes them over (a no-op when it already holds them)
     claims = delta("cachemgr", "aegaeon_cachemgr_requests_total",
                    type="cache.reassign_blocks", outcome="ok")  # fmt: skip
-    assert claims == total
+    assert total <= claims <= 2 * total
     proxy = _scrape(urls["proxy"])
     for model in sent:
         assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]

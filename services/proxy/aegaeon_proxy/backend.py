@@ -98,14 +98,17 @@ class BackendError(Exception):
     """A request the backend cannot take now.
 
     ``status`` is the HTTP status the front answers with: 429 (overloaded; the
-    front sends ``Retry-After: retry_after_s``) or 503 (unavailable).
+    front sends ``Retry-After: retry_after_s``) or 503 (unavailable); ``code`` the
+    error's code (``overloaded``, ``unavailable``).
     """
 
-    def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None):
+    def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None,
+                 code: str | None = None):  # fmt: skip
         super().__init__(message)
         self.message = message
         self.status = status
         self.retry_after_s = retry_after_s
+        self.code = code or ("overloaded" if status == 429 else "unavailable")
 
     @classmethod
     def overloaded(cls, message: str, retry_after_s: float = 1.0) -> BackendError:

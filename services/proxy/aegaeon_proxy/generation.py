@@ -79,7 +79,8 @@ class Generation:
             self._stream = self._backend.submit(self.req)
         except BackendError as exc:
             self._metrics.requests.labels(self.req.model, "rejected").inc()
-            raise APIError(exc.status, exc.message, retry_after_s=exc.retry_after_s) from None
+            raise APIError(exc.status, exc.message, code=exc.code,
+                           retry_after_s=exc.retry_after_s) from None
         self._open = True
         model = self.req.model
         self._metrics.num_open += 1

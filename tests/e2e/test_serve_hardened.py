@@ -1,0 +1,237 @@
+"""A node started as an operator would harden it (`--api-key`, an admin port, tight
+admission bounds and timeouts), and the short CI versions of the reliability
+benchmarks against it: API keys and the admin port, files and logs, overload (every
+request accounted for), 100 cancelled streams (nothing left), hypothesis input on
+both endpoints and every ZeroMQ socket (no 5xx, every frame answered or counted), a
+body sent a byte at a time, and fds and shm segments that do not grow."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from aegaeon_bench.cancel import cancel_run
+from aegaeon_bench.chaos_load import Attempt, request_body, send
+from aegaeon_bench.fuzz import fuzz_http, fuzz_zmq
+from aegaeon_bench.node_probe import sample_processes, serve_children, shm_segments, wait_quiet
+from aegaeon_cli.serve import default_config_dict
+from serve_harness import Served, free_port, start_serve, stop_serve
+
+KEY = "sk-e2e-hardened-7f3a91"
+LIMITED = "sk-e2e-limited-11c0de"
+PROMPT_MARKER = "zebra-quartz-marker"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+ADMIN: dict[str, str] = {}  # the running node's admin URL
+LIMITED_MODEL: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def hardened(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    base = tmp_path_factory.mktemp("hardened")
+    admin_port = free_port()
+    raw = default_config_dict(small_market, 0)
+    first = json.loads((small_market / "market.json").read_text())["models"][0]["name"]
+    raw["proxy"] = {"admin_port": admin_port, "max_kv_blocks": 48, "read_timeout": 1.0,
+                    "write_timeout": 2.0,
+                    "api_keys": [{"key": LIMITED, "models": [first]}]}  # fmt: skip
+    config = base / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_dir = base / "run"
+    served = start_serve(small_market, run_dir, "--config", str(config), "--api-key", KEY)
+    ADMIN["url"] = f"http://127.0.0.1:{admin_port}"
+    LIMITED_MODEL[:] = [first]
+    try:
+        yield served
+    finally:
+        survivors = stop_serve(served)
+        assert served.proc.returncode == 0, served.log_tail()
+        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
+        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
+
+
+def _admin(served: Served) -> str:
+    return ADMIN["url"]
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                    timeout=30) as resp:  # fmt: skip
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        return exc.code, json.loads(body) if body.startswith(b"{") else {}
+
+
+def _models(served: Served) -> list[str]:
+    status, body = _get(served.url + "/v1/models", AUTH)
+    assert status == 200
+    return [m["id"] for m in body["data"]]  # type: ignore[union-attr,index]
+
+
+@pytest.fixture(scope="module")
+def baseline(hardened: Served) -> dict[str, dict[str, int]]:
+    """Each service's fds and the run's shm segments once the node served every model."""
+    for model in _models(hardened):
+        asyncio.run(_stream(hardened, model, 4))
+    asyncio.run(_quiet(hardened))
+    procs = sample_processes(hardened.proc.pid)
+    return {"fds": {n: s.num_fds for n, s in procs.items()},
+            "pids": {n: s.pid for n, s in procs.items()},
+            "shm": {"segments": len(shm_segments(hardened.run_dir))}}  # fmt: skip
+
+
+async def _stream(served: Served, model: str, max_tokens: int, timeout_s: float = 30.0,
+                  prompt: str | None = None) -> Attempt:  # fmt: skip
+    import random
+
+    body = request_body(model, random.Random(0), max_tokens, timeout_s)
+    if prompt is not None:
+        body["prompt"] = prompt
+    attempt = Attempt(0, model, time.time())
+    async with aiohttp.ClientSession() as session:
+        return await send(session, served.url + "/v1/completions", body, attempt, timeout_s + 15,
+                          AUTH)  # fmt: skip
+
+
+async def _quiet(served: Served) -> None:
+    async with aiohttp.ClientSession() as session:
+        held = await wait_quiet(session, _admin(served), 30.0)
+    assert held.quiet, held
+
+
+def test_files_are_private_to_the_user(hardened: Served, baseline: object) -> None:
+    assert stat.S_IMODE(hardened.run_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((hardened.run_dir / "config.yaml").stat().st_mode) == 0o600
+    sockets = list(hardened.run_dir.glob("*.sock"))
+    assert len(sockets) >= 4 and all(s.is_socket() for s in sockets)
+
+
+def test_keys_guard_the_api_and_admin_lives_on_its_own_port(hardened: Served) -> None:
+    status, body = _get(hardened.url + "/v1/models")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"  # type: ignore[index]
+    status, body = _get(hardened.url + "/v1/models", {"Authorization": "Bearer sk-nope-1234"})
+    assert status == 401
+    assert _get(hardened.url + "/health")[0] == 200  # probes need no key
+    models = _models(hardened)
+    limited = {"Authorization": f"Bearer {LIMITED}"}
+    status, body = _get(hardened.url + "/v1/models", limited)
+    assert status == 200 and [m["id"] for m in body["data"]] == LIMITED_MODEL  # type: ignore[index,union-attr]
+    other = next(m for m in models if m not in LIMITED_MODEL)
+    assert _get(f"{hardened.url}/v1/models/{other}", limited)[0] == 404
+    assert _get(f"{hardened.url}/v1/models/{other}", AUTH)[0] == 200
+    for path in ("/metrics", "/v1/aegaeon/stats", "/v1/aegaeon/services"):
+        assert _get(hardened.url + path, AUTH)[0] == 404, path  # not on the public port
+    status, body = _get(_admin(hardened) + "/v1/aegaeon/stats?light=1")
+    assert status == 200 and isinstance(body["instances"], list)
+    for inst in body["instances"]:  # type: ignore[union-attr]
+        assert {"kv_blocks_in_use", "leases", "open_sequences"} <= set(inst)  # type: ignore[arg-type]
+    assert isinstance(body["open_requests"], int)
+    assert _get(_admin(hardened) + "/v1/models")[0] == 404  # nor the API on the admin port
+
+
+def test_logs_hold_no_key_and_no_prompt(hardened: Served) -> None:
+    model = _models(hardened)[0]
+    attempt = asyncio.run(_stream(hardened, model, 4, prompt=f"{PROMPT_MARKER} say hi"))
+    assert attempt.outcome == "completed", attempt
+    logs = [*hardened.run_dir.glob("*.log"), hardened.log_path]
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert KEY not in text and LIMITED not in text, log.name
+        assert PROMPT_MARKER not in text, log.name
+
+
+def test_overload_accounts_for_every_request(hardened: Served) -> None:
+    """Past the KV bound new requests are 429s with Retry-After; requests with a short
+    deadline end with deadline_exceeded; nothing else, and nothing stays open."""
+    models = _models(hardened)
+
+    async def burst() -> list[Attempt]:
+        import random
+
+        rng = random.Random(1)
+        async with aiohttp.ClientSession() as session:
+            async def one(i: int) -> Attempt:
+                timeout = 0.3 if i % 4 == 0 else 60.0
+                body = request_body(models[i % len(models)], rng, 48, timeout)
+                return await send(session, hardened.url + "/v1/completions", body,
+                                  Attempt(i, body["model"], time.time()), 75.0, AUTH)  # fmt: skip
+
+            return await asyncio.gather(*(one(i) for i in range(40)))
+
+    attempts = asyncio.run(burst())
+    kinds = Counter("completed" if a.outcome == "completed" else a.code for a in attempts)
+    assert set(kinds) <= {"completed", "deadline_exceeded", "overloaded"}, kinds
+    assert kinds["overloaded"] > 0 and kinds["completed"] > 0, kinds
+    assert all(a.status == 429 for a in attempts if a.code == "overloaded")
+    asyncio.run(_quiet(hardened))
+
+
+def test_cancelled_streams_leave_nothing(hardened: Served) -> None:
+    report = asyncio.run(cancel_run(hardened.url, 100, 8, 32, 0, 30.0, admin_url=_admin(hardened),
+                                    headers=AUTH))  # fmt: skip
+    assert report["ok"], report
+    assert sum(report["outcomes"].values()) == 100
+
+
+def test_bad_input_on_both_endpoints_and_every_socket(hardened: Served) -> None:
+    models = [*_models(hardened), "no-such-model"]
+    http = fuzz_http(hardened.url, models, examples=60, seed=0, headers=AUTH)
+    assert http["5xx"] == 0 and http["num_problems"] == 0, http
+    report = asyncio.run(fuzz_zmq(_admin(hardened), hardened.run_dir, frames=40, seed=0))
+    assert report["cachemgr"]["unanswered"] == 0, report
+    for name in ("prefill-0", "decode-0", "proxy"):
+        assert report[name]["counted"] == report[name]["refused_by_channel"], report
+    asyncio.run(_quiet(hardened))
+
+
+def test_a_body_a_byte_a_second_is_cut(hardened: Served) -> None:
+    host, port = hardened.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "x", "prompt": "y" * 100}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+        start = time.monotonic()
+        reply = b""
+        for i in range(len(body)):
+            try:
+                sock.sendall(body[i : i + 1])
+            except OSError:
+                break
+            sock.settimeout(0.3)
+            try:
+                reply += sock.recv(65536)
+            except TimeoutError:
+                continue
+            if reply:
+                break
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
+    assert time.monotonic() - start < 10.0
+
+
+def test_no_fd_or_shm_growth_and_no_restart(
+    hardened: Served, baseline: dict[str, dict[str, int]]
+) -> None:
+    asyncio.run(_quiet(hardened))
+    procs = sample_processes(hardened.proc.pid)
+    assert {n: s.pid for n, s in procs.items()} == baseline["pids"]
+    for name, sample in procs.items():
+        assert sample.num_fds <= baseline["fds"][name] + 2, (name, sample, baseline["fds"])
+    assert len(shm_segments(hardened.run_dir)) == baseline["shm"]["segments"]
+    assert set(serve_children(hardened.proc.pid)) == set(baseline["pids"])
+    assert os.path.exists(hardened.run_dir / "cachemgr.sock")
