@@ -94,6 +94,7 @@ REAP_S = 1.0
 REAP_LEASE_S = 10.0
 META_GRACE_S = 60.0  # request metadata outlives the request deadline by this much
 DISPATCH_SAMPLES = 4096
+STOP_S = 5.0  # a stopping replica's last cancels and store writes
 
 
 @dataclass
@@ -171,22 +172,26 @@ class DistributedBackend:
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
     async def stop(self) -> None:
+        """Cancel this replica's requests at their instances, leave the store, close."""
+        try:
+            await asyncio.wait_for(self._leave(), STOP_S)
+        except TimeoutError:
+            log.warning("stop_timeout", after_s=STOP_S)
+        for task in (*self._tasks, *self._jobs):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._jobs, return_exceptions=True)
+        with contextlib.suppress(StoreError, TimeoutError):
+            await asyncio.wait_for(self.store.close(), 2.0)
+        self.ctx.destroy(linger=0)  # every socket of this replica, whatever is queued
+
+    async def _leave(self) -> None:
         for request_id in list(self.requests):
             await self.cancel(request_id)
-        for task in self._tasks:
-            task.cancel()
-        jobs = list(self._jobs)
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 5.0)
+        if self._jobs:
+            await asyncio.wait(list(self._jobs), timeout=STOP_S / 2)
         with contextlib.suppress(StoreError):
             await self.store.delete(proxy_key(self.proxy_id), proxy_requests_key(self.proxy_id))
             await self.store.set_remove(PROXIES, self.proxy_id)
-        await self.store.close()
-        self._reports.close()
-        for pusher in self._pushers.values():
-            pusher.close()
-        self.ctx.term()
 
     def ready(self) -> bool:
         """The store answers and some prefill instance is registered."""

@@ -1,0 +1,255 @@
+"""Many nodes behind a replicated proxy layer, through a real redis-server.
+
+``aegaeon serve --nodes 2 --proxies 2`` on loopback: two nodes (each a
+cachemgr, a prefill and a decode instance, its own process group and run
+directory), two proxy replicas, one Redis. Outcomes only: every request is
+served or ends with a clean error, a dead proxy loses only its own streams,
+a dead node leaves dispatch within the heartbeat TTL, and the shared queues
+are empty when the load is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+from serve_harness import Served, start_serve, stop_serve
+
+TTL_S = 3.0  # store.heartbeat_ttl's default
+MODELS = ("llama-gqa-5m", "mistral-11m", "qwen2-19m")
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    small_market: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    run_dir = tmp_path_factory.mktemp("multinode") / "run"
+    served = start_serve(small_market, run_dir, "--nodes", "2", "--proxies", "2",
+                         "--store-url", redis_url)  # fmt: skip
+    try:
+        yield served
+    finally:
+        stop_serve(served)
+        assert served.proc.returncode == 0, served.log_tail()
+
+
+def _proxy_urls(cluster: Served) -> list[str]:
+    port = int(cluster.url.rpartition(":")[2])
+    return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+
+
+def _models(market: Path) -> list[str]:
+    names = [m["name"] for m in json.loads((market / "market.json").read_text())["models"]]
+    return [n for n in MODELS if n in names] or names[:3]
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_tokens: int,
+                  started: asyncio.Queue[None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed completion: how it ended (finish reason, error code, or a cut)."""
+    body = {"model": model, "prompt": "tell me a story " * 4, "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    out: dict[str, Any] = {"tokens": 0, "finish": None, "error": None, "status": None,
+                           "ended_at": 0.0}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=90)) as resp:  # fmt: skip
+            out["status"] = resp.status
+            if resp.status != 200:
+                out["error"] = f"http {resp.status}"
+                return out
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if "error" in data:
+                    out["error"] = data["error"].get("code") or "error"
+                    continue
+                if started is not None and data.get("choices"):
+                    started.put_nowait(None)
+                    started = None
+                if data.get("usage"):
+                    out["tokens"] = data["usage"]["completion_tokens"]
+                for choice in data.get("choices") or ():
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        out["error"] = f"cut: {type(exc).__name__}"
+    out["ended_at"] = time.monotonic()
+    return out
+
+
+def _stats(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/aegaeon/stats?light=1", timeout=10) as resp:
+        data = json.loads(resp.read())
+    assert isinstance(data, dict)
+    return data
+
+
+def _wait(predicate: Any, timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _shared_queues_empty(redis_url: str) -> bool:
+    import msgspec
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for key in client.scan_iter("aegaeon:pq:*"):
+            state = msgspec.msgpack.decode(client.get(key) or b"[null, 0, []]")
+            if state[2]:
+                return False
+        for key in client.scan_iter("aegaeon:dw:*"):
+            if msgspec.msgpack.decode(client.get(key) or b"[]"):
+                return False
+        return True
+    finally:
+        client.close()
+
+
+def _node_pids(cluster: Served, node: str) -> list[int]:
+    """The node's supervisor and every service of it (their ready files hold pids)."""
+    return sorted({int(p.read_text()) for p in (cluster.run_dir / node).glob("*.ready")})
+
+
+def test_both_replicas_serve_every_model_on_both_nodes(
+    cluster: Served, small_market: Path, redis_url: str
+) -> None:
+    urls = _proxy_urls(cluster)
+    models = _models(small_market)
+
+    async def load() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            jobs = [_stream(session, urls[i % 2], models[i % len(models)], 24) for i in range(12)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(load())
+    assert [r["finish"] for r in results] == ["length"] * 12, results
+    assert all(r["tokens"] == 24 for r in results), results
+    for url in urls:  # each replica reads both nodes from the registry
+        assert _stats(url)["nodes"] == ["node-0", "node-1"]
+    _wait(lambda: _shared_queues_empty(redis_url), 5, "every shared queue empty")
+
+
+def test_a_killed_proxy_loses_only_its_own_streams(cluster: Served, small_market: Path,
+                                                   redis_url: str) -> None:  # fmt: skip
+    urls = _proxy_urls(cluster)
+    models = _models(small_market)
+    victim_pid = int((cluster.run_dir / "proxy-1" / "proxy.ready").read_text())
+    victim_id = _stats(urls[1])["proxy_id"]
+
+    async def load() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async with aiohttp.ClientSession() as session:
+            first: asyncio.Queue[None] = asyncio.Queue()
+            on_victim = [asyncio.ensure_future(_stream(session, urls[1], m, 600, first))
+                         for m in models]  # fmt: skip
+            survivors = [asyncio.ensure_future(_stream(session, urls[0], m, 48))
+                         for m in models * 2]  # fmt: skip
+            for _ in on_victim:  # every victim stream is under way
+                await asyncio.wait_for(first.get(), 60)
+            os.kill(victim_pid, signal.SIGKILL)
+            return list(await asyncio.gather(*on_victim)), list(await asyncio.gather(*survivors))
+
+    cut, served = asyncio.run(load())
+    assert all(r["finish"] == "length" and r["tokens"] == 48 for r in served), served
+    assert all(r["error"] is not None and r["finish"] is None for r in cut), cut
+    # a surviving replica reaps the dead one's requests (cancelled at their instances)
+    client = redis.Redis.from_url(redis_url)
+
+    def reaped() -> bool:
+        return (not client.exists(f"aegaeon:proxyreqs:{victim_id}")
+                and not client.sismember("aegaeon:proxies", victim_id))  # fmt: skip
+
+    started = time.monotonic()
+    _wait(reaped, 4 * TTL_S, "the dead replica's requests reaped")
+    print(f"reaped {time.monotonic() - started:.1f} s after the streams ended")
+    client.close()
+    _wait(lambda: _shared_queues_empty(redis_url), 10, "every shared queue empty")
+    _wait(lambda: all(i["open_sequences"] == 0 for i in _stats(urls[0])["instances"]), 15,
+          "no instance holds a sequence of the dead replica")  # fmt: skip
+
+
+def test_a_killed_node_leaves_dispatch_within_its_ttl(cluster: Served, small_market: Path,
+                                                      redis_url: str) -> None:  # fmt: skip
+    urls = _proxy_urls(cluster)
+    _wait(lambda: _stats(urls[0])["nodes"] == ["node-0", "node-1"], 60, "both nodes back")
+    models = _models(small_market)
+    client = redis.Redis.from_url(redis_url)
+    killed_at: list[float] = []
+    victims: list[str] = []
+
+    def busiest_node() -> str:
+        counts = {"node-0": 0, "node-1": 0}
+        for key in client.scan_iter("aegaeon:req:*"):
+            import msgspec
+
+            meta = msgspec.msgpack.decode(client.get(key) or b"{}")
+            node = str(meta.get("instance", "")).partition("/")[0] if meta else ""
+            if node in counts:
+                counts[node] += 1
+        return max(counts, key=lambda n: counts[n])
+
+    async def load() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            first: asyncio.Queue[None] = asyncio.Queue()
+            jobs = [asyncio.ensure_future(_stream(session, urls[i % 2], models[i % len(models)],
+                                                  600, first))
+                    for i in range(8)]
+            for _ in jobs:  # every stream is under way
+                await asyncio.wait_for(first.get(), 60)
+            victim = await asyncio.to_thread(busiest_node)
+            victims.append(victim)
+            for pid in _node_pids(cluster, victim):
+                os.kill(pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+            later = [asyncio.ensure_future(_stream(session, urls[i % 2], models[i % len(models)],
+                                                   16))
+                     for i in range(4)]
+            return list(await asyncio.gather(*jobs, *later))
+
+    results = asyncio.run(load())
+    client.close()
+    # every request is accounted for: served in full, or a clean instance_failed error
+    for r in results:
+        assert r["finish"] == "length" or r["error"] == "instance_failed", results
+    assert any(r["error"] == "instance_failed" for r in results), results
+    # its requests ended once its records expired: within the TTL (+ a refresh and slack)
+    lost = [r["ended_at"] - killed_at[0] for r in results if r["error"] == "instance_failed"]
+    assert max(lost) < TTL_S + 2.0, lost
+    assert all(r["finish"] == "length" for r in results[8:]), results[8:]  # the other node
+    # the supervisor starts the node again: it registers and takes new work
+    _wait(lambda: len(_stats(urls[0])["nodes"]) == 2, 90, "the node rejoined")
+    before = _queue_keys(redis_url, victims[0])
+
+    async def more() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            return list(await asyncio.gather(*(
+                _stream(session, urls[i % 2], models[i % len(models)], 32) for i in range(8))))
+
+    assert all(r["finish"] == "length" for r in asyncio.run(more()))
+    assert _queue_keys(redis_url, victims[0]) - before, "the rejoined node got no work"
+
+
+def _queue_keys(redis_url: str, node: str) -> set[bytes]:
+    """The node's shared queue keys: one per instance process that got work."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return set(client.scan_iter(f"aegaeon:pq:{node}/*"))
+    finally:
+        client.close()
