@@ -1,0 +1,110 @@
+"""deploy/k8s renders (``kubectl kustomize``) and every object validates, offline.
+
+Each rendered object is checked against the Kubernetes OpenAPI schemas that the
+``kubernetes-validate`` package ships (strict: unknown fields fail), except the
+ServiceMonitor: its schema is the Prometheus Operator's CRD, which that package
+does not carry, so its shape is checked here by hand. The config in the
+ConfigMap goes through Aegaeon's own loader, and the pods' wiring (shared
+/dev/shm, probes, GPUs, the HPA's target) is checked as a reader would.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S_VERSION = "1.33.0"
+
+
+def _render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl (kustomize) to render deploy/k8s")
+    done = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
+                          capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
+    assert len(found) == 1, f"{kind} {name}: {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_every_object_validates_against_the_kubernetes_schemas(overlay: str) -> None:
+    import kubernetes_validate
+
+    docs = _render(overlay)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("Deployment") == 2 and "StatefulSet" in kinds
+    assert {"HorizontalPodAutoscaler", "ConfigMap", "ServiceMonitor"} <= set(kinds)
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # the Prometheus Operator's CRD: checked below
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    monitor = _one(docs, "ServiceMonitor", "aegaeon")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    assert ports == {"http", "cachemgr-http", "prefill-http", "decode-http"}
+    services = [d for d in docs if d["kind"] == "Service"]
+    named = {p["name"] for s in services for p in s["spec"]["ports"]}
+    assert ports <= named  # every endpoint names a Service port
+
+
+def test_a_broken_object_fails_validation() -> None:
+    import kubernetes_validate
+
+    proxy = copy.deepcopy(_one(_render("cpu"), "Deployment", "aegaeon-proxy"))
+    proxy["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["pathh"] = "/"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(proxy, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_node_pods_share_host_memory_and_answer_probes(overlay: str) -> None:
+    docs = _render(overlay)
+    node = _one(docs, "StatefulSet", "aegaeon-node")["spec"]["template"]["spec"]
+    shm = next(v for v in node["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    containers = {c["name"]: c for c in node["containers"]}
+    assert set(containers) == {"cachemgr", "prefill", "decode"}
+    for name, container in containers.items():
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts["/dev/shm"] == "shm" and mounts["/run/aegaeon"] == "run"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        gpus = container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+        wants_gpu = overlay == "gpu" and name != "cachemgr"
+        assert (gpus == 1) if wants_gpu else gpus is None, (name, gpus)
+    config_map = _one(docs, "ConfigMap", "aegaeon-config")["metadata"]["name"]
+    assert any(v.get("configMap", {}).get("name") == config_map for v in node["volumes"])
+    hpa = _one(docs, "HorizontalPodAutoscaler", "aegaeon-proxy")["spec"]["scaleTargetRef"]
+    assert (hpa["kind"], hpa["name"]) == ("Deployment", "aegaeon-proxy")
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_the_config_map_is_a_valid_deployment(overlay: str, default_market: Path,
+                                              tmp_path: Path) -> None:  # fmt: skip
+    """The pods' config as a container renders it (pod IP and name filled in)."""
+    from aegaeon_common.config import config_from_dict
+
+    text = _one(_render(overlay), "ConfigMap", "aegaeon-config")["data"]["aegaeon.yaml"]
+    raw = yaml.safe_load(text.replace("__POD_IP__", "10.1.2.3").replace("__NODE_NAME__",
+                                                                         "aegaeon-node-0"))
+    key = tmp_path / "curve.key"
+    key.write_text("secret")
+    raw["market"] = str(default_market)  # /data/market is the pod's mount
+    raw["security"]["curve_key_file"] = str(key)
+    config = config_from_dict(raw, source=f"deploy/k8s/overlays/{overlay}")
+    assert config.distributed and config.node.name == "aegaeon-node-0"
+    assert config.prefill_address(0) == "tcp://10.1.2.3:5600"
+    assert config.instance_bind_address("decode", 0) == "tcp://0.0.0.0:5601"
+    assert config.prefill.device == ("cuda" if overlay == "gpu" else "cpu")
