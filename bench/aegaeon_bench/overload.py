@@ -60,16 +60,27 @@ def classify(progress: Any) -> str:
     return "other"
 
 
-async def _proxy_rss(serve_pid: int, peaks: list[int]) -> None:
+async def _sample(base_url: str, serve_pid: int, rss: list[int],
+                  held: list[tuple[int, int]]) -> None:  # fmt: skip
+    """Every second: the proxy's RSS, and what admission holds (prefill tokens, KV blocks)."""
     import asyncio
+    import contextlib
+
+    import aiohttp
 
     from aegaeon_bench.node_probe import sample_processes
+    from aegaeon_bench.serve_client import ServiceError, get_stats
 
-    while True:
-        sample = sample_processes(serve_pid).get("proxy")
-        if sample is not None:
-            peaks.append(sample.rss_bytes)
-        await asyncio.sleep(1.0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            sample = sample_processes(serve_pid).get("proxy")
+            if sample is not None:
+                rss.append(sample.rss_bytes)
+            with contextlib.suppress(ServiceError, aiohttp.ClientError, TimeoutError):
+                adm = ((await get_stats(session, base_url, light=True)) or {}).get("admission")
+                if adm:
+                    held.append((int(adm["prefill_tokens"]), int(adm["kv_blocks"])))
+            await asyncio.sleep(1.0)
 
 
 async def run_multiple(
@@ -94,7 +105,8 @@ async def run_multiple(
     options = RunOptions(base_url, args.duration, grace_s=args.timeout + 15.0,
                          timeout_s=args.timeout)  # fmt: skip
     peaks: list[int] = []
-    sampler = asyncio.create_task(_proxy_rss(serve_pid, peaks))
+    held_samples: list[tuple[int, int]] = []
+    sampler = asyncio.create_task(_sample(base_url, serve_pid, peaks, held_samples))
     try:
         outcome = await run_load(planned, options)
     finally:
@@ -119,6 +131,8 @@ async def run_multiple(
         "ttft_p50_s": report.ttft_p50_s,
         "ttft_p99_s": report.ttft_p99_s,
         "proxy_rss_peak_mib": max(peaks, default=0) / 2**20,
+        "admitted_peak": {"prefill_tokens": max((h[0] for h in held_samples), default=0),
+                          "kv_blocks": max((h[1] for h in held_samples), default=0)},
         "holdings_after": held.to_dict(),
         "other_errors": sorted({p.error_code or p.error or "?" for p in outcome.progress
                                 if classify(p) == "other"})[:10],
@@ -141,6 +155,16 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{report['goodput_ratio']:.2f} (held: >= {GOODPUT_HELD}); every request "
                  f"accounted for: {report['accounted']}; {'OK' if report['ok'] else 'FAILED'}")
     return "\n".join(lines)
+
+
+async def _bounds(base_url: str) -> dict[str, Any] | None:
+    import aiohttp
+
+    from aegaeon_bench.serve_client import get_stats
+
+    async with aiohttp.ClientSession() as session:
+        stats = await get_stats(session, base_url, light=True)
+    return ((stats or {}).get("admission") or {}).get("bounds")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         rows = run_fast(main())
+        bounds = run_fast(_bounds(node.url))
     finally:
         node.stop()
     base = next((r for r in rows if r["multiple"] == 1.0), rows[0])
@@ -188,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         **machine_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "admission_bounds": bounds,
         "rates": rows,
         "goodput_ratio": ratio,
         "accounted": all(r["accounted"] for r in rows),
