@@ -42,6 +42,36 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _instances(raw: dict[str, Any]) -> int:
+    """Command ports one node needs (its prefill and decode instances)."""
+    count = 0
+    for kind in ("prefill", "decode"):
+        section = raw.get(kind) or {}
+        count += int(section.get("instances", 1)) if isinstance(section, dict) else 1
+    return max(count, 1)
+
+
+def _free_ports(count: int, tries: int = 200) -> int:
+    """A base port whose ``count`` consecutive ports are free on the loopback now."""
+    import random
+
+    for _ in range(tries):
+        base = random.randint(20000, 60000 - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise StartupError(f"no {count} consecutive free ports found")
+
+
 def _redis_child(root: Path, port: int) -> Child:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -83,11 +113,15 @@ def cluster_children(
         store_url = f"redis://127.0.0.1:{port}/0"
         children.append(_redis_child(root, port))
     store = {"kind": "redis", "url": store_url}
-    base_port = int((raw.get("node") or {}).get("base_port", 5600))
+    per_node = _instances(raw)
+    configured = (raw.get("node") or {}).get("base_port")
     for i in range(nodes):
         run_dir = root / f"node-{i}"
-        node = {"name": f"node-{i}", "advertise_address": "127.0.0.1",
-                "base_port": base_port + PORT_STRIDE * i}  # fmt: skip
+        # a configured base_port: node i from base_port + 100 i; else free ports of this
+        # machine (several clusters, or tests, may run at once)
+        base_port = (int(configured) + PORT_STRIDE * i if configured is not None
+                     else _free_ports(per_node))  # fmt: skip
+        node = {"name": f"node-{i}", "advertise_address": "127.0.0.1", "base_port": base_port}
         member = _member(raw, node=node, store=store, run_dir=str(run_dir))
         config_from_dict(member, source=f"{source} (node-{i})", base=base)  # validate
         path = run_dir / "config.yaml"
