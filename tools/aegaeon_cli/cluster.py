@@ -13,6 +13,7 @@ directory. The same shape runs across machines from the same commands
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import socket
 import sys
@@ -30,10 +31,13 @@ PORT_STRIDE = 100  # node i's instances from base_port + PORT_STRIDE * i
 
 
 def _write(path: Path, raw: dict[str, Any]) -> None:
-    from aegaeon_cli.serve import write_private
-
+    """The member's config, this user's only (0600: it may hold API keys), atomically."""
     private_dir(path.parent)
-    write_private(path, yaml.safe_dump(raw, sort_keys=False))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(yaml.safe_dump(raw, sort_keys=False))
+    tmp.replace(path)
 
 
 def _free_port() -> int:
