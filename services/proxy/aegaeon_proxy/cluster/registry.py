@@ -67,8 +67,20 @@ class RegistryView:
         return record is not None and record.incarnation == incarnation
 
     def prefill_candidates(self) -> list[InstanceRecord]:
-        """Every node's prefill instances that take new work (Algorithm 1's I_P)."""
-        return [r for r in self.live.values() if r.kind == "prefill" and not r.draining]
+        """Every node's prefill instances that take new work (Algorithm 1's I_P), the
+        least busy node first.
+
+        Algorithm 1 gives ties (equal queued prefill time, e.g. every queue empty) to
+        the first instance, and decode placement stays on the prefill's node, so in
+        registry order one node would take every request a short prefill queue lets
+        through while the others idle. Ordered by the sequences each node holds (its
+        instances' last heartbeats), ties go to the least busy node instead.
+        """
+        busy: dict[str, int] = {}
+        for record in self.live.values():
+            busy[record.node] = busy.get(record.node, 0) + record.load.open_sequences
+        prefill = [r for r in self.live.values() if r.kind == "prefill" and not r.draining]
+        return sorted(prefill, key=lambda r: (busy[r.node], r.instance_id))
 
     def decode_candidates(self, node: str) -> list[InstanceRecord]:
         """``node``'s instances that take decode work: decode instances first, then the
