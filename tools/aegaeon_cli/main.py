@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("aegaeon_prefill.main", "run one prefill instance"),
     "decode": ("aegaeon_decode.main", "run one decode instance"),
     "cachemgr": ("aegaeon_cachemgr.main", "run the node's cache manager"),
+    "keys": ("aegaeon_cli.keys", "make the node's CURVE certificate (tcp:// sockets)"),
 }
 
 

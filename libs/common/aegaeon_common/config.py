@@ -662,7 +662,17 @@ def load_config_or_exit(path: Path | str, command: str) -> Config:
     """:func:`load_config` for a command's entry: a bad file is one clean line on
     stderr (``aegaeon COMMAND: FILE: FIELD: problem``) and exit status 2."""
     try:
-        return load_config(path)
+        config = load_config(path)
     except ConfigError as exc:
         print(f"aegaeon {command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # the process's tcp:// sockets use the node's CURVE certificate, if one is set
+    from aegaeon_common.transport import configure_security
+
+    key_file = config.security.curve_key_file
+    try:
+        configure_security(key_file)
+    except (OSError, ValueError) as exc:
+        print(f"aegaeon {command}: {path}: security.curve_key_file: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return config

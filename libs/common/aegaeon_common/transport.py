@@ -13,6 +13,7 @@ import itertools
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -45,11 +46,78 @@ def prepare_address(address: str) -> None:
         private_dir(Path(address[len("ipc://") :]).parent)
 
 
+class _Curve:
+    """The node's CURVE certificate (``security.curve_key_file``), once per process.
+
+    Every service of a node holds the same certificate: a socket on ``tcp://``
+    encrypts with it, and a bound one accepts only peers that prove they hold it
+    (a ZAP handler per context allows that one public key). ipc:// sockets are
+    guarded by the run directory's permissions instead.
+    """
+
+    keys: tuple[bytes, bytes] | None = None  # (public, secret), z85
+    _authenticators: dict[int, Any] = {}  # noqa: RUF012 (process-wide, by context)
+
+
+def configure_security(key_file: Path | None) -> None:
+    """Use CURVE on every tcp:// socket of this process from now on (None: off)."""
+    if key_file is None:
+        _Curve.keys = None
+        return
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(str(key_file))
+    if secret is None:
+        raise ValueError(f"{key_file} holds no secret key (pass the .key_secret file)")
+    _Curve.keys = (public, secret)
+
+
+def secure_socket(sock: zmq.Socket[Any], address: str, bind: bool) -> None:
+    """CURVE on ``sock`` when it speaks tcp:// and a certificate is configured."""
+    keys = _Curve.keys
+    if keys is None or not address.startswith("tcp://"):
+        return
+    public, secret = keys
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    if bind:
+        _authenticator(sock.context, public)
+        sock.curve_server = True
+    else:
+        sock.curve_serverkey = public
+
+
+def _authenticator(ctx: zmq.Context[Any], public: bytes) -> None:
+    """One ZAP handler per context, allowing only the node's own public key."""
+    key = int(ctx.underlying)  # the libzmq context's address (shared by shadows)
+    if key in _Curve._authenticators:
+        return
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class OnlyOurs:
+        def callback(self, domain: str, client_key: bytes) -> bool:
+            return client_key == public
+
+    auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
+    auth.start()
+    auth.configure_curve_callback("*", OnlyOurs())
+    _Curve._authenticators[key] = auth
+
+
+def release_security(ctx: zmq.Context[Any]) -> None:
+    """Stop ``ctx``'s ZAP handler, if it has one; before ``ctx.term()`` / ``destroy()``,
+    which would wait for its socket forever."""
+    auth = _Curve._authenticators.pop(int(ctx.underlying), None)
+    if auth is not None:
+        auth.stop()
+
+
 def new_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # A frame past the limit is never buffered: ZeroMQ drops its sender's connection.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    secure_socket(sock, address, bind)
     if bind:
         prepare_address(address)
         sock.bind(address)

@@ -18,6 +18,7 @@ import msgspec
 import zmq
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import StepTokens, TokenItem
+from aegaeon_common.transport import secure_socket
 from aegaeon_common.wire import Message, encode
 
 T = TypeVar("T")
@@ -94,6 +95,7 @@ class Outbox:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)  # deliver what is queued at close
             sock.setsockopt(zmq.SNDHWM, 100_000)  # queue while the proxy restarts
+            secure_socket(sock, address, bind=False)  # CURVE on tcp:// when configured
             sock.connect(address)
             socks[address] = sock
             with self._lock:

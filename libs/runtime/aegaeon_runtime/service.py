@@ -37,7 +37,7 @@ from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import mark_ready, ready_path
 from aegaeon_common.registry import open_store
 from aegaeon_common.store import Store
-from aegaeon_common.transport import Puller, Pusher, RemoteError
+from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
 from aegaeon_common.wire import Channel, Message, WireError
 from aegaeon_sched import LatencyModel
 
@@ -211,6 +211,7 @@ async def _serve(
     worker = await _until_stop(build_worker(config, kind, index, client, metrics), stop)
     if worker is None:  # stopped while starting
         await client.close(unregister=False)
+        release_security(ctx)
         ctx.term()
         return
     live.worker = worker
@@ -300,6 +301,7 @@ async def _serve(
         await client.close()
         commands.close()
         to_proxy.close()
+        release_security(ctx)
         ctx.term()
         ready_path(config.run_dir, name).unlink(missing_ok=True)
     if crashed:

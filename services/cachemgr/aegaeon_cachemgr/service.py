@@ -28,7 +28,7 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import REQUESTS
 from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import mark_ready, private_dir, ready_path
-from aegaeon_common.transport import RpcServer
+from aegaeon_common.transport import RpcServer, release_security
 from aegaeon_gpumem import cleanup_prefix
 from prometheus_client import CollectorRegistry
 
@@ -186,4 +186,5 @@ async def _serve(
             task.cancel()
         await asyncio.gather(stopping, *tasks, return_exceptions=True)
         server.close()
+        release_security(ctx)
         ctx.term()

@@ -38,7 +38,7 @@ from aegaeon_common.messages.report import (
     StepTokens,
 )
 from aegaeon_common.messages.structs import SamplingSpec
-from aegaeon_common.transport import Puller, RemoteError, RpcClient
+from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, WireError, to_plain
 from aegaeon_sched import DecodeDispatcher, Policy, Request
 from prometheus_client import CollectorRegistry
@@ -108,6 +108,7 @@ class ClusterBackend:
         self._reports.close()
         self._cache.close()
         self.instances.close()
+        release_security(self.ctx)
         self.ctx.term()
 
     def ready(self) -> bool:

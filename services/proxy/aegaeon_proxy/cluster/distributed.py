@@ -67,7 +67,7 @@ from aegaeon_common.registry import (
     request_key,
 )
 from aegaeon_common.store import StoreError
-from aegaeon_common.transport import Puller, Pusher
+from aegaeon_common.transport import Puller, Pusher, release_security
 from aegaeon_common.wire import Message, WireError
 from aegaeon_sched import NoInstance, Request
 from aegaeon_sched.shared import (
@@ -182,6 +182,7 @@ class DistributedBackend:
         await asyncio.gather(*self._tasks, *self._jobs, return_exceptions=True)
         with contextlib.suppress(StoreError, TimeoutError):
             await asyncio.wait_for(self.store.close(), 2.0)
+        release_security(self.ctx)  # its ZAP handler (CURVE) first: destroy would wait on it
         self.ctx.destroy(linger=0)  # every socket of this replica, whatever is queued
 
     async def _leave(self) -> None:
