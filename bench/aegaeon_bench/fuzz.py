@@ -8,8 +8,10 @@ sockets (the cachemgr's ROUTER, each instance's and the proxy's PULL): the
 ROUTER must answer every one with a typed reply, a PULL must count each frame
 its channel refuses (``aegaeon_bad_frames_total`` / the proxy's
 ``bad_frames``); frames past the size limit are dropped unread. Afterwards every
-service must still run, with the same pid, and be ready. Needs hypothesis
-(the ``dev`` extra).
+service must still run, with the same pid, and be ready. Last, ``--slow-clients``
+readers that never read a long stream and as many writers sending their body a
+byte a second (:mod:`aegaeon_bench.slow_clients`): the proxy's memory, and when
+it cut them. Needs hypothesis (the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--examples", type=int, default=2000, help="HTTP requests (2000)")
     parser.add_argument("--frames", type=int, default=500, help="frames per socket (500)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow-clients", type=int, default=20,
+                        help="never-reading readers and byte-a-second writers, each (20)")
+    parser.add_argument("--slow-max-tokens", type=int, default=8000,
+                        help="the length a never-reading reader asks for (8000)")
     parser.add_argument("--market", type=Path, help="market (default: ./market)")
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
@@ -262,6 +268,13 @@ def run(args: argparse.Namespace) -> int:
         http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed)
         http["seconds"] = round(time.monotonic() - start, 1)
         zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed))
+        slow = None
+        if args.slow_clients:
+            from aegaeon_bench.slow_clients import slow_clients
+
+            model = run_fast(models())[0]
+            slow = run_fast(slow_clients(node.url, node.proc.pid, model, args.slow_clients,
+                                         args.slow_max_tokens))  # fmt: skip
         after = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         ready = run_fast(_ready(node.url))
     finally:
@@ -269,14 +282,18 @@ def run(args: argparse.Namespace) -> int:
     zmq_ok = (zmq_report["cachemgr"]["unanswered"] == 0
               and all(zmq_report[n]["counted"] == zmq_report[n]["refused_by_channel"]
                       for n in ("prefill-0", "decode-0", "proxy")))  # fmt: skip
+    slow_ok = slow is None or (slow["readers_cut"] == slow["writers_cut"] == slow["count"])
     report = {**machine_info(), "seed": args.seed, "http": http, "zmq": zmq_report,
+              "slow_clients": slow,
               "pids_unchanged": pids == after, "ready_after": ready,
-              "ok": http["5xx"] == 0 and http["num_problems"] == 0 and zmq_ok
+              "ok": http["5xx"] == 0 and http["num_problems"] == 0 and zmq_ok and slow_ok
               and pids == after and ready}  # fmt: skip
     print(f"HTTP: {http['examples']} requests in {http['seconds']} s, statuses "
           f"{http['statuses']}, 5xx {http['5xx']}, problems {http['num_problems']}")
     for name in ("cachemgr", "prefill-0", "decode-0", "proxy"):
         print(f"ZeroMQ {name}: {zmq_report[name]}")
+    if slow is not None:
+        print(f"slow clients: {slow}")
     print(f"services unchanged {pids == after}, ready {ready}; "
           f"{'OK' if report['ok'] else 'FAILED'}")
     if args.out is not None:
