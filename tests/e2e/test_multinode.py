@@ -231,10 +231,10 @@ def test_a_killed_node_leaves_dispatch_within_its_ttl(cluster: Served, small_mar
     assert any(r["error"] == "instance_failed" for r in results), results
     # its requests ended once its records expired: within the TTL (+ a refresh and slack)
     lost = [r["ended_at"] - killed_at[0] for r in results if r["error"] == "instance_failed"]
-    assert max(lost) < TTL_S + 2.0, lost
+    assert max(lost) < TTL_S + 4.0, lost  # refresh 0.5 s; slack for a loaded machine
     assert all(r["finish"] == "length" for r in results[8:]), results[8:]  # the other node
     # the supervisor starts the node again: it registers and takes new work
-    _wait(lambda: len(_stats(urls[0])["nodes"]) == 2, 90, "the node rejoined")
+    _wait(lambda: len(_stats(urls[0])["nodes"]) == 2, 150, "the node rejoined")
     before = _queue_keys(redis_url, victims[0])
 
     async def more() -> list[dict[str, Any]]:
