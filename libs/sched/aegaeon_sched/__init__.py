@@ -31,6 +31,7 @@ from aegaeon_sched.prefill import (
     PrefillJob,
     PrefillQueue,
 )
+from aegaeon_sched.priority import CLASS_NAMES, SLOClass, SLOClasses, first_token_deadline_s
 from aegaeon_sched.quota import (
     Q_MAX_S,
     ROUND_TTFT_FRACTION,
@@ -42,8 +43,10 @@ from aegaeon_sched.quota import (
 from aegaeon_sched.request import InstanceId, NoInstance, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
+from aegaeon_sched.roles import RoleChange, RoleController, RoleSettings, RoleSignals
 from aegaeon_sched.rounds import RoundController, ServedInRound, TurnEnd
 from aegaeon_sched.share import DecodeShare
+from aegaeon_sched.shedding import Shedder, Verdict
 from aegaeon_sched.slo import (
     SLO,
     RequestTrace,
@@ -55,8 +58,10 @@ from aegaeon_sched.slo import (
     tokens_met,
 )
 from aegaeon_sched.static_mux import StaticMuxPolicy, place_models
+from aegaeon_sched.velocity import Velocity, cluster_velocity
 
 __all__ = [
+    "CLASS_NAMES",
     "MAX_GPSIZE",
     "POLICIES",
     "Q_MAX_S",
@@ -91,17 +96,28 @@ __all__ = [
     "Request",
     "RequestLevelPolicy",
     "RequestTrace",
+    "RoleChange",
+    "RoleController",
+    "RoleSettings",
+    "RoleSignals",
     "RoundController",
     "RoundPlan",
     "RoundRobinPlanner",
     "RunOnInstance",
+    "SLOClass",
+    "SLOClasses",
     "SLOReport",
     "ServedInRound",
+    "Shedder",
     "StaticMuxPolicy",
     "Turn",
     "TurnEnd",
+    "Velocity",
+    "Verdict",
     "artifact_qos",
     "attainment",
+    "cluster_velocity",
+    "first_token_deadline_s",
     "make_policy",
     "percentile",
     "place_models",

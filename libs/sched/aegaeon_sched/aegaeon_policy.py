@@ -32,12 +32,19 @@ class AegaeonPolicy:
         max_batch_size: int = 256,
         default_capacity_tokens: int | None = None,
         decode_tbt_s: float | None = None,
+        default_ttft_s: float = 0.0,
+        standby: Sequence[InstanceId] = (),
     ) -> None:
         """``decode_tbt_s``: the decode instances' TBT target; with it, decode
         placement weighs instances by their work lists' demand (see
-        :class:`DecodeDispatcher`), without it by their batch counts."""
+        :class:`DecodeDispatcher`), without it by their batch counts.
+        ``default_ttft_s``: the TTFT of a request that carries none (the order
+        of prefill groups, :mod:`aegaeon_sched.priority`). ``standby``: prefill
+        instances that start in the decode role (:meth:`set_role`)."""
         self.latency = latency
-        self.prefill = PrefillDispatcher(prefill_instances, latency, max_group_size=max_group_size)
+        self.prefill = PrefillDispatcher(prefill_instances, latency, max_group_size=max_group_size,
+                                         default_ttft_s=default_ttft_s)  # fmt: skip
+        self.prefill.standby.update(standby)
         self.decode = DecodeDispatcher(
             decode_instances,
             max_batch_size=max_batch_size,
@@ -73,6 +80,31 @@ class AegaeonPolicy:
             for request in placements.values():
                 actions += self._place(request)
         return actions
+
+    # ---- roles (aegaeon_sched.roles) -----------------------------------
+    def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
+        """``instance`` takes prefill work (``"prefill"``) or not (``"decode"``).
+
+        Leaving the prefill role drains safely: its queued groups still run, no
+        new group goes there; its decode batches are untouched either way.
+        Arrivals held while no instance could prefill go out on a return.
+        """
+        if instance not in self.prefill.queues:
+            raise ValueError(f"{instance!r} is not a prefill-capable instance")
+        if role == "decode":
+            self.prefill.standby.add(instance)
+            return []
+        self.prefill.standby.discard(instance)
+        if not self.prefill.can_dispatch():
+            return []
+        held, self.held_arrivals = self.held_arrivals, {}
+        actions: list[Action] = []
+        for request in held.values():
+            actions += self.on_arrival(request, now_s)
+        return actions
+
+    def prefill_role(self, instance: InstanceId) -> bool:
+        return instance in self.prefill.queues and instance not in self.prefill.standby
 
     def _place(self, request: Request) -> list[Action]:
         try:

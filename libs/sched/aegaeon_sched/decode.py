@@ -39,6 +39,13 @@ class DecodeBatch:
     def mean_context(request: Request) -> int:
         return request.prompt_len + request.max_tokens // 2
 
+    @property
+    def tbt_s(self) -> float | None:
+        """The tightest TBT target of its requests (SLO classes, :mod:`aegaeon_sched.priority`);
+        ``None`` when none carries one (the deployment's target)."""
+        targets = [r.tbt_s for r in self.requests.values() if r.tbt_s is not None]
+        return min(targets) if targets else None
+
     def __len__(self) -> int:
         return len(self.requests)
 
@@ -120,7 +127,8 @@ class DecodeDispatcher:
     With ``latency`` and ``tbt_s`` (as :class:`~aegaeon_sched.AegaeonPolicy`
     builds it), an instance's load is its decode demand: the share of its time
     its batches need to step every ``tbt_s`` (the sum of their Eq. 6 step
-    times over the TBT target, Eq. 3's ``S``), per unit of decode share.
+    times over the TBT target, Eq. 3's ``S``; a batch whose requests carry a
+    tighter target, :attr:`DecodeBatch.tbt_s`, over that), per unit of decode share.
     Without them every batch counts one (the paper's count of batches).
     Switches are left out of the demand: prefetching hides most of them, and
     counting them (Eq. 3's round term) made instances that kept up look
@@ -197,15 +205,22 @@ class DecodeDispatcher:
         if self.latency is None:
             return (len(work_list) + (request is not None and join is None)) / share
         lat = self.latency
-        step_s = 0.0
+        demand = 0.0
         for b in work_list:
-            n, ctx = len(b), b.mean_context_tokens
+            n, ctx, tbt = len(b), b.mean_context_tokens, b.tbt_s or self.tbt_s
             if request is not None and b.batch_id == join:
                 n, ctx = n + 1, ctx + DecodeBatch.mean_context(request)
-            step_s += lat.decode_step_s(b.model, n, ctx)
+                tbt = min(tbt, request.tbt_s or tbt)
+            demand += lat.decode_step_s(b.model, n, ctx) / tbt
         if request is not None and join is None:
-            step_s += lat.decode_step_s(request.model, 1, DecodeBatch.mean_context(request))
-        return step_s / self.tbt_s / share
+            step_s = lat.decode_step_s(request.model, 1, DecodeBatch.mean_context(request))
+            demand += step_s / (request.tbt_s or self.tbt_s)
+        return demand / share
+
+    def demand(self, instance: InstanceId) -> float:
+        """The share of ``instance``'s time its decode work needs (Eq. 3's ``S``; the
+        number of batches when loads are counts)."""
+        return self.load(instance) * self._share.get(instance, 1.0)
 
     def place(self, request: Request) -> tuple[InstanceId, int]:
         """Choose (instance, batch id) for a prefilled request and record it.

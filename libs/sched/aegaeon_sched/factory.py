@@ -44,6 +44,11 @@ class PolicyOptions:
     # Aegaeon: the TBT target the decode instances plan for, to place batches
     # by decode demand; None: by batch count (the paper).
     decode_tbt_s: float | None = None
+    # Aegaeon: the TTFT of a request carrying none (SLO classes order prefill
+    # groups by first-token deadline); prefill-capable instances that start in
+    # the decode role (role switching: aegaeon_sched.roles).
+    default_ttft_s: float = 0.0
+    standby: tuple[InstanceId, ...] = ()
 
 
 def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
@@ -54,6 +59,8 @@ def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -
         max_group_size=opts.max_group_size,
         max_batch_size=opts.max_batch_size,
         decode_tbt_s=opts.decode_tbt_s,
+        default_ttft_s=opts.default_ttft_s,
+        standby=opts.standby,
     )
     for instance in cluster.decode_instances:
         for model, tokens in opts.decode_capacity_tokens.items():

@@ -51,6 +51,12 @@ prefetch of the planned next model and starves batches with long requests):
 for a re-plan at a turn boundary when such a batch arrived mid-round (the
 batches already served in the round go last, :attr:`BatchLoad.served`).
 
+Past the paper, SLO classes (:mod:`aegaeon_sched.priority`): ``d`` is per
+batch, the tightest TBT of its requests (``BatchLoad.tbt_s``), so
+``n_k = d_k / t_k``; Eq. 2 keeps its form and every batch still earns
+``1/alpha`` of its own deadlines' tokens. A batch of interactive requests
+gets proportionally longer turns than one of batch requests of equal step.
+
 Edge cases (the equations are silent on them):
 
 - empty work list: an empty plan.
@@ -89,6 +95,7 @@ class BatchLoad:
     step_s: float  # estimated decode step time t_k
     fresh: bool = False  # has not had a turn yet (a new batch)
     served: bool = False  # had its turn in the round being re-planned
+    tbt_s: float | None = None  # its tightest TBT target d_k (None: the planner's)
 
 
 @dataclass(frozen=True)
@@ -180,12 +187,14 @@ class RoundRobinPlanner:
             return RoundPlan((), 0.0, 0.0, 0.0)
         if not 0 < decode_share <= 1:
             raise ValueError("decode_share must be in (0, 1]")
-        tbt_s = self.tbt_s * decode_share
         bound_s = None if self.round_bound_s is None else self.round_bound_s * decode_share
         models = {b.model for b in ordered}
         steps = [max(b.step_s, _MIN_STEP_S) for b in ordered]
         c = sum(switch_s[m] for m in models) if len(models) > 1 else 0.0
-        n = [tbt_s / t for t in steps]
+        # Each batch's own d_k (SLO classes): q_i / t_i tokens per round are still
+        # 1/alpha of the round's c alpha / (alpha - S) seconds over d_i, for every i.
+        targets = [(b.tbt_s or self.tbt_s) * decode_share for b in ordered]
+        n = [d / t for d, t in zip(targets, steps, strict=True)]
         inv_sum = sum(1.0 / nk for nk in n)
         if c <= 0:
             # No switch in the round (one model, or zero estimates): Q_MAX each,
@@ -252,7 +261,7 @@ class RoundRobinPlanner:
             step = latency.decode_step_s(batch.model, len(batch), context)
             fresh = turned_ids is not None and batch.batch_id not in turned_ids
             served = batch.batch_id in served_ids
-            loads.append(BatchLoad(batch.batch_id, batch.model, step, fresh, served))
+            loads.append(BatchLoad(batch.batch_id, batch.model, step, fresh, served, batch.tbt_s))
         estimate = switch_s or latency.switch_s
         switches = {b.model: estimate(b.model) for b in loads}
         return self.plan(loads, switches, decode_share=decode_share)

@@ -15,6 +15,11 @@ class Request:
     ``max_tokens`` bounds the output and is what KV room is reserved for
     (``prompt_len + max_tokens``). ``oracle_output_len`` is the true output
     length, known only to oracle policies (SJF) and to the simulator.
+
+    Past the paper (:mod:`aegaeon_sched.priority`): ``priority`` is the rank
+    of the request's SLO class (0 = interactive, the highest; 1 = standard;
+    2 = batch) and ``ttft_s`` / ``tbt_s`` its own targets, resolved by the
+    proxy (``None``: the deployment's, as in the paper).
     """
 
     request_id: str
@@ -23,6 +28,9 @@ class Request:
     prompt_len: int
     max_tokens: int
     oracle_output_len: int | None = None
+    priority: int = 1
+    ttft_s: float | None = None
+    tbt_s: float | None = None
 
     @property
     def kv_tokens(self) -> int:

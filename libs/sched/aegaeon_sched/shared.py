@@ -27,23 +27,33 @@ State = list[Any]
 
 
 def request_state(request: Request) -> State:
+    """``[id, model, arrival, prompt, max_tokens, oracle, priority, ttft_s, tbt_s]``."""
     return [request.request_id, request.model, request.arrival_s, request.prompt_len,
-            request.max_tokens, request.oracle_output_len]  # fmt: skip
+            request.max_tokens, request.oracle_output_len, request.priority, request.ttft_s,
+            request.tbt_s]  # fmt: skip
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def request_from_state(state: State) -> Request:
-    rid, model, arrival_s, prompt_len, max_tokens, oracle = state
+    # the SLO fields are optional: states written before them hold 6 items
+    rid, model, arrival_s, prompt_len, max_tokens, oracle = state[:6]
+    priority, ttft_s, tbt_s = list(state[6:9]) + [1, None, None][len(state[6:9]) :]
     return Request(str(rid), str(model), float(arrival_s), int(prompt_len), int(max_tokens),
-                   None if oracle is None else int(oracle))  # fmt: skip
+                   None if oracle is None else int(oracle), int(priority), _opt_float(ttft_s),
+                   _opt_float(tbt_s))  # fmt: skip
 
 
 # ---- prefill queues ------------------------------------------------------------
 def prefill_queue_state(queue: PrefillQueue) -> State:
-    """``[loaded_model, running_since_s, [[group_id, model, num_added, running, [pending]]]]``."""
+    """``[loaded_model, running_since_s, [[group_id, model, num_added, running, [pending],
+    key_s, priority]]]`` (groups in queue order)."""
     groups = [
         [g.group_id, g.model, g.num_added,
          None if g.running is None else request_state(g.running),
-         [request_state(r) for r in g.pending]]
+         [request_state(r) for r in g.pending], g.key_s, g.priority]
         for g in queue
     ]  # fmt: skip
     since_s = queue.running_since_s if queue.running() is not None else 0.0
@@ -56,17 +66,21 @@ def prefill_queue_from_state(state: State | None, max_group_size: int = MAX_GPSI
     if state is None:
         return queue
     loaded_model, running_since_s, groups = state
-    for group_id, model, num_added, running, pending in groups:
+    for group_id, model, num_added, running, pending, *rest in groups:
+        # the key and class are optional (states written before them): the first request's
+        key_s = _opt_float(rest[0]) if rest else None
         group = None
         if running is not None:
             req = request_from_state(running)
-            group = queue.add(req, int(group_id))
+            group = queue.add(req, int(group_id), key_s=key_s)
             queue.start(req.request_id, float(running_since_s))
         for item in pending:
-            group = queue.add(request_from_state(item), int(group_id))
+            group = queue.add(request_from_state(item), int(group_id), key_s=key_s)
         if group is None:
             raise ValueError(f"group {group_id} of model {model!r} holds no request")
         group.num_added = int(num_added)
+        if len(rest) > 1:
+            group.priority = int(rest[1])
     queue.loaded_model = loaded_model
     return queue
 

@@ -1,0 +1,94 @@
+"""Shedding by class under overload, and token velocity: pure, times passed in."""
+
+from __future__ import annotations
+
+import pytest
+from aegaeon_sched import Request, Shedder, SLOClasses, Velocity, Verdict, cluster_velocity
+
+CLASSES = SLOClasses.default(ttft_s=2.0, tbt_s=0.1)
+
+
+def _req(rid: str, cls: str, at: float = 0.0) -> Request:
+    c = CLASSES.get(cls)
+    return Request(rid, "m", at, 100, 10, priority=c.rank, ttft_s=c.ttft_s, tbt_s=c.tbt_s)
+
+
+class Node:
+    """A node whose admission holds ``held`` of a bound of 100 units; a request asks 10."""
+
+    def __init__(self, held: float) -> None:
+        self.held = held
+
+    def fits(self, request: Request, fraction: float) -> bool:
+        return self.held + 10 <= 100 * fraction
+
+
+@pytest.mark.parametrize(
+    ("held", "expected"),
+    [
+        (30, {"interactive": Verdict.ADMIT, "standard": Verdict.ADMIT, "batch": Verdict.ADMIT}),
+        (60, {"interactive": Verdict.ADMIT, "standard": Verdict.ADMIT, "batch": Verdict.DEFER}),
+        (95, {"interactive": Verdict.ADMIT, "standard": Verdict.REFUSE, "batch": Verdict.DEFER}),
+        (130, {"interactive": Verdict.REFUSE, "standard": Verdict.REFUSE,
+               "batch": Verdict.DEFER}),
+    ],
+)  # fmt: skip
+def test_the_lowest_class_is_shed_first_and_the_highest_last(
+    held: float, expected: dict[str, Verdict]
+) -> None:
+    node = Node(held)
+    for cls, verdict in expected.items():
+        shedder = Shedder(CLASSES)
+        assert shedder.decide(_req("r", cls), node.fits) is verdict, cls
+
+
+def test_deferred_requests_leave_earliest_deadline_first_when_room_is_freed() -> None:
+    shedder = Shedder(CLASSES)
+    node = Node(60)
+    explicit = Request("tight", "m", 1.0, 100, 10, priority=2, ttft_s=1.0)  # due at 2
+    for r in (_req("b0", "batch", 0.0), _req("b1", "batch", 0.5), explicit):
+        assert shedder.decide(r, node.fits) is Verdict.DEFER
+    assert len(shedder) == 3
+    assert shedder.release(node.fits) == []  # still no room under 50%
+    node.held = 30  # 30 + 10 <= 50: under half the bound again
+    first = shedder.release(node.fits)
+    assert [r.request_id for r in first] == ["tight", "b0", "b1"]  # (this node never fills)
+    assert len(shedder) == 0
+
+
+def test_a_deferrable_request_never_overtakes_those_waiting() -> None:
+    shedder = Shedder(CLASSES)
+    node = Node(60)
+    assert shedder.decide(_req("b0", "batch"), node.fits) is Verdict.DEFER
+    node.held = 0  # room now, but b0 waits until the next release
+    assert shedder.decide(_req("b1", "batch"), node.fits) is Verdict.DEFER
+    # Other classes are not held behind deferred batch work.
+    assert shedder.decide(_req("s0", "standard"), node.fits) is Verdict.ADMIT
+    assert [r.request_id for r in shedder.release(node.fits)] == ["b0", "b1"]
+
+
+def test_a_full_deferral_queue_refuses_and_a_cancel_leaves_it() -> None:
+    shedder = Shedder(CLASSES, max_deferred=1)
+    node = Node(60)
+    assert shedder.decide(_req("b0", "batch"), node.fits) is Verdict.DEFER
+    assert shedder.decide(_req("b1", "batch"), node.fits) is Verdict.REFUSE
+    assert shedder.refused["batch"] == 1
+    assert shedder.cancel("b0") and "b0" not in shedder
+    node.held = 0
+    assert shedder.release(node.fits) == []
+    assert not shedder.cancel("b0")
+
+
+def test_velocity_is_tokens_per_second_over_its_window() -> None:
+    v = Velocity(window_s=2.0)
+    assert v.rate(0.0) == 0.0
+    v.add(0.0, 100)
+    v.add(1.0, 300)
+    assert v.rate(1.5) == pytest.approx(200.0)
+    assert v.rate(2.5) == pytest.approx(150.0)  # the first burst left the window
+    assert v.rate(10.0) == 0.0 and v.total == 400
+
+
+def test_the_clusters_velocity_sums_its_instances() -> None:
+    reports = [{"arrival": 10.0, "prefill": 8.0, "decode": 3.0}, {"arrival": 5.0, "decode": 1.0}]
+    assert cluster_velocity(reports) == {"arrival": 15.0, "prefill": 8.0, "decode": 4.0}
