@@ -52,8 +52,12 @@ __all__ = [
     "ConfigError",
     "InstancesConfig",
     "ModelConfig",
+    "ModelSettings",
     "NodeConfig",
     "ProxyConfig",
+    "RolesConfig",
+    "SLOClassConfig",
+    "SLOClassesConfig",
     "SLOConfig",
     "SchedulerConfig",
     "SecurityConfig",
@@ -79,6 +83,68 @@ class SLOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ttft_s: float = 10.0
     tbt_s: float = 0.1
+
+
+SLO_CLASS_NAMES = ("interactive", "standard", "batch")  # aegaeon_sched.priority, by rank
+
+
+class SLOClassConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One SLO class (request field ``priority``); null: the default of
+    ``aegaeon_sched.priority`` (targets as multiples of ``slo``: interactive
+    0.5x TTFT, batch 5x TTFT and 4x TBT; admit fractions 1.25 / 1.0 / 0.5;
+    only batch deferred)."""
+
+    ttft_s: float | None = msgspec.field(default=None, name="ttft")
+    tbt_s: float | None = msgspec.field(default=None, name="tbt")
+    # the share of each admission bound this class may fill before it is shed
+    admit_fraction: float | None = None
+    defer: bool | None = None  # past it: wait in the proxy (true) or 429 (false)
+
+
+class SLOClassesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-request SLO classes and priorities (past the paper, HyperFlexis).
+
+    ``enabled: false`` schedules every request as ``standard`` (the paper's one
+    SLO per deployment); the request fields are still checked.
+    """
+
+    enabled: bool = True
+    interactive: SLOClassConfig = msgspec.field(default_factory=SLOClassConfig)
+    standard: SLOClassConfig = msgspec.field(default_factory=SLOClassConfig)
+    batch: SLOClassConfig = msgspec.field(default_factory=SLOClassConfig)
+    max_deferred: int = 256  # requests waiting in the proxy (deferred) at most
+
+
+class RolesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill/decode role switching by token velocity (``aegaeon_sched.roles``).
+
+    With ``enabled`` every instance can prefill and decode (decode instances run
+    the hybrid loop) and the proxy moves instances between the roles.
+    """
+
+    enabled: bool = False
+    high_util: float = 0.8  # convert a decoder when prefill demand > this x capacity
+    low_util: float = 0.5  # back when demand < this x the capacity left without it
+    up_hold_s: float = 0.5
+    down_hold_s: float = 5.0
+    min_dwell_s: float = 3.0
+    # queued prompt tokens count as demand of backlog / horizon (null: TTFT / 2)
+    backlog_horizon_s: float | None = None
+    decode_high: float = 0.9
+    min_prefill: int = 1
+    min_decode: int = 0
+
+
+class ModelSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-model lifecycle and SLO limits (``model_settings: {NAME|"*": {...}}``);
+    changed at run time by ``PATCH /v1/aegaeon/models/{model}``."""
+
+    pin: bool = False  # an operator pin: never evicted from the Model Cache
+    preload: bool = False  # in the Model Cache at start (before the prewarm list)
+    max_concurrency: int | None = None  # requests in flight; past it a 429
+    slo_classes: tuple[str, ...] = ()  # classes a request may ask for (empty: every one)
+    min_ttft_s: float | None = None  # the tightest explicit ttft_ms a request may ask
+    min_tbt_s: float | None = None
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -150,6 +216,11 @@ class ApiKeyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key: str
     models: tuple[str, ...] = ()
     name: str = ""
+    # SLO classes this key may ask for (empty: every one) and the tightest explicit
+    # targets (request fields ttft_ms / tbt_ms); null: no floor
+    slo_classes: tuple[str, ...] = ()
+    min_ttft_s: float | None = None
+    min_tbt_s: float | None = None
 
     def __repr__(self) -> str:  # the key never reaches a log line or a traceback
         return f"ApiKeyConfig(name={self.name!r}, models={self.models!r}, key=<hidden>)"
@@ -254,6 +325,10 @@ class Config(msgspec.Struct, frozen=True):
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     node: NodeConfig = msgspec.field(default_factory=NodeConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    slo_classes: SLOClassesConfig = msgspec.field(default_factory=SLOClassesConfig)
+    roles: RolesConfig = msgspec.field(default_factory=RolesConfig)
+    # per model ("*": every model without its own entry)
+    model_settings: dict[str, ModelSettings] = msgspec.field(default_factory=dict)
     run_dir: Path = Path("/tmp/aegaeon")
     # address overrides, e.g. tcp:// in containers
     addresses: dict[str, str] = msgspec.field(default_factory=dict)
@@ -269,6 +344,16 @@ class Config(msgspec.Struct, frozen=True):
     @property
     def model_names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.models)
+
+    def settings_of(self, name: str) -> ModelSettings:
+        """``model_settings`` of a model: its own entry, else ``"*"``, else the defaults."""
+        return self.model_settings.get(name) or self.model_settings.get("*") or ModelSettings()
+
+    @property
+    def role_switching(self) -> bool:
+        """True when instances move between the prefill and decode roles (every
+        instance prefills and decodes: decode instances run the hybrid loop)."""
+        return self.hybrid_prefill and self.roles.enabled
 
     def _address(self, key: str) -> str:
         return self.addresses.get(key) or f"ipc://{self.run_dir / (key + '.sock')}"
@@ -346,8 +431,11 @@ _SECTIONS: dict[str, type] = {
     "security": SecurityConfig,
     "node": NodeConfig,
     "store": StoreConfig,
+    "slo_classes": SLOClassesConfig,
+    "roles": RolesConfig,
 }
-_TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout", *_SECTIONS}
+_TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout",
+             "model_settings", *_SECTIONS}  # fmt: skip
 
 
 def serving_dtype(recorded: list[str]) -> str:
@@ -480,6 +568,8 @@ def config_from_dict(
     drain_raw = raw.get("drain_timeout", 30.0)
     if isinstance(drain_raw, bool) or not isinstance(drain_raw, int | float) or drain_raw < 0:
         raise ConfigError(source, "drain_timeout", "must be a number of seconds >= 0")
+    _check_classes(sections["slo_classes"], sections["roles"], source)
+    model_settings = _model_settings(raw.get("model_settings"), names, source)
     return Config(
         models=tuple(models),
         market_dir=market,
@@ -496,8 +586,58 @@ def config_from_dict(
         run_dir=run_dir,
         addresses={str(k): v for k, v in addresses.items()},
         drain_timeout_s=float(drain_raw),
+        slo_classes=sections["slo_classes"],
+        roles=sections["roles"],
+        model_settings=model_settings,
         source=source,
     )
+
+
+def _check_classes(classes: SLOClassesConfig, roles: RolesConfig, source: str) -> None:
+    for name in SLO_CLASS_NAMES:
+        c: SLOClassConfig = getattr(classes, name)
+        for field in ("ttft_s", "tbt_s", "admit_fraction"):
+            value = getattr(c, field)
+            if value is not None and not value > 0:
+                key = field.removesuffix("_s")
+                raise ConfigError(source, f"slo_classes.{name}.{key}", "must be > 0")
+    if classes.max_deferred < 0:
+        raise ConfigError(source, "slo_classes.max_deferred", "must be >= 0")
+    if not 0 < roles.low_util < roles.high_util:
+        raise ConfigError(source, "roles.low_util", "need 0 < low_util < high_util")
+    if min(roles.up_hold_s, roles.down_hold_s, roles.min_dwell_s) < 0:
+        raise ConfigError(source, "roles", "holds and min_dwell must be >= 0 seconds")
+    if roles.min_prefill < 1 or roles.min_decode < 0:
+        raise ConfigError(source, "roles.min_prefill", "min_prefill >= 1, min_decode >= 0")
+
+
+def check_slo_classes(names: tuple[str, ...], source: str, where: str) -> None:
+    """Raise a ConfigError unless every one of ``names`` is an SLO class."""
+    unknown = [n for n in names if n not in SLO_CLASS_NAMES]
+    if unknown:
+        raise ConfigError(source, where, f"{unknown[0]!r} is not one of {SLO_CLASS_NAMES}")
+
+
+def _model_settings(raw: Any, models: list[str], source: str) -> dict[str, ModelSettings]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "model_settings", "must map model names (or '*') to settings")
+    out: dict[str, ModelSettings] = {}
+    for name, section in raw.items():
+        where = f"model_settings.{name}"
+        if name != "*" and name not in models:
+            raise ConfigError(source, where, f"unknown model {name!r}")
+        settings = build_section(ModelSettings, section or {}, source, where)
+        check_slo_classes(settings.slo_classes, source, f"{where}.slo_classes")
+        if settings.max_concurrency is not None and settings.max_concurrency < 1:
+            raise ConfigError(source, f"{where}.max_concurrency", "must be >= 1")
+        for field in ("min_ttft_s", "min_tbt_s"):
+            value = getattr(settings, field)
+            if value is not None and not value > 0:
+                raise ConfigError(source, f"{where}.{field.removesuffix('_s')}", "must be > 0")
+        out[str(name)] = settings
+    return out
 
 
 def _proxy_raw(raw: Any, source: str) -> Any:
@@ -539,6 +679,7 @@ def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
         unknown = [m for m in entry.models if m not in models]
         if unknown:
             raise ConfigError(source, f"{where}.models", f"unknown model {unknown[0]!r}")
+        check_slo_classes(entry.slo_classes, source, f"{where}.slo_classes")
 
 
 def api_key_entries(args: list[str], files: list[Path]) -> list[dict[str, Any]]:

@@ -115,6 +115,34 @@ class GetStats(Message, frozen=True):
     TAG = "cache.get_stats"
 
 
+class RegisterModel(Message, frozen=True):
+    """Serve one more model (its checkpoint at ``path``) without a restart; idempotent."""
+
+    TAG = "cache.register_model"
+    name: str
+    path: str
+
+
+class ForgetModel(Message, frozen=True):
+    """Stop serving ``name``: no new loads; its operator pin is dropped and it is
+    evicted as soon as no worker pins it (the proxy sends this once its last
+    request has finished)."""
+
+    TAG = "cache.forget_model"
+    name: str
+
+
+class SetModelFlags(Message, frozen=True):
+    """The operator's wishes for a model: ``pinned`` (an operator pin: never evicted)
+    and ``preload`` (load it now if it is not resident). A load starts in the
+    background; the reply does not wait for it (``ModelFlagsSet.progress``)."""
+
+    TAG = "cache.set_model_flags"
+    name: str
+    pinned: bool = False
+    preload: bool = False
+
+
 # ---- replies ---------------------------------------------------------------
 
 
@@ -149,6 +177,25 @@ class ModelUnpinned(Message, frozen=True):
     TAG = "cache.model_unpinned"
     name: str
     pins: int  # remaining pins of every owner
+
+
+class ModelRegistered(Message, frozen=True):
+    TAG = "cache.model_registered"
+    name: str
+
+
+class ModelForgotten(Message, frozen=True):
+    TAG = "cache.model_forgotten"
+    name: str
+    evicted: bool  # out of the Model Cache now (else once its last worker pin goes)
+
+
+class ModelFlagsSet(Message, frozen=True):
+    TAG = "cache.model_flags_set"
+    name: str
+    pinned: bool
+    resident: bool
+    progress: float  # share of its bytes in the Model Cache (1.0: resident)
 
 
 class BlocksAllocated(Message, frozen=True):
@@ -186,6 +233,10 @@ class ModelCacheStats(Struct, frozen=True):
     num_evictions: int
     load_s_total: float
     loaded_bytes_total: int
+    # model -> share of its bytes filled, for loads in progress (0..1)
+    progress: dict[str, float] = msgspec.field(default_factory=dict)
+    operator_pinned: list[str] = msgspec.field(default_factory=list)  # SetModelFlags(pinned)
+    known: list[str] = msgspec.field(default_factory=list)  # models it may load
 
 
 class ShapeCount(Struct, frozen=True):
@@ -236,6 +287,9 @@ REQUESTS = Channel(
         FreeBlocks,
         ReassignBlocks,
         GetStats,
+        RegisterModel,
+        ForgetModel,
+        SetModelFlags,
     ],
 )
 REPLIES = Channel(
@@ -249,5 +303,8 @@ REPLIES = Channel(
         BlocksFreed,
         BlocksReassigned,
         CacheStats,
+        ModelRegistered,
+        ModelForgotten,
+        ModelFlagsSet,
     ],
 )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.prefill import (
+    AckDrain,
+    AddModel,
+    CancelRequest,
+    EnqueuePrefill,
+    Shutdown,
+)
 from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
 from aegaeon_common.wire import Channel, Message
 
@@ -30,6 +36,11 @@ class EnqueueDecode(Message, frozen=True):
     # Many proxy replicas: where the instance sends this request's tokens (the
     # replica's report socket); "": the node's one proxy.
     reply_to: str = ""
+    # SLO class and the request's own targets (0: the deployment's): a batch is
+    # planned for its tightest TBT; tokens are held only while none is due.
+    priority: int = 1
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
 
 
 class RunRequest(Message, frozen=True):
@@ -50,11 +61,11 @@ class RunRequest(Message, frozen=True):
 
 
 DECODE_CHANNEL = Channel(
-    "proxy->decode", [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain]
+    "proxy->decode", [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel]
 )
 
 # A hybrid instance: a prefill instance that decodes when it has no prefill work.
 HYBRID_CHANNEL = Channel(
     "proxy->hybrid",
-    [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain],
+    [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel],
 )

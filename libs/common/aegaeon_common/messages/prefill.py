@@ -26,6 +26,11 @@ class EnqueuePrefill(Message, frozen=True):
     # Many proxy replicas: where the instance sends this request's tokens (the
     # replica's report socket); "": the node's one proxy.
     reply_to: str = ""
+    # SLO class (aegaeon_sched.priority: 0 interactive, 1 standard, 2 batch) and the
+    # request's own targets (0: the deployment's): the queue's order on both sides.
+    priority: int = 1
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
 
 
 class CancelRequest(Message, frozen=True):
@@ -50,6 +55,15 @@ class AckDrain(Message, frozen=True):
     pid: int  # the draining process (a restarted instance ignores an old ack)
 
 
+class AddModel(Message, frozen=True):
+    """Serve one more model (its checkpoint at ``path``) without a restart; the
+    instance answers with ``InstanceModels``. Idempotent."""
+
+    TAG = "add_model"
+    name: str
+    path: str
+
+
 PREFILL_CHANNEL = Channel(
-    "proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown, AckDrain]
+    "proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown, AckDrain, AddModel]
 )

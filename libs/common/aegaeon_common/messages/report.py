@@ -39,6 +39,7 @@ class PrefillDone(Message, frozen=True):
     handoff: KVHandoff | None
     timings: RequestTimings
     emitted_s: float
+    kind: str = "prefill"  # the instance's kind: a decode instance prefills too (role switching)
 
 
 class TokenItem(Struct, frozen=True):
@@ -105,6 +106,9 @@ class InstanceStats(Message, frozen=True):
     switches: list[SwitchRecord] = msgspec.field(default_factory=list)
     turns: list[TurnRecord] = msgspec.field(default_factory=list)
     step_profile: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    # Token velocity (TokenScale §III-B): tokens/s over 10 s by stage (arrival,
+    # prefill, decode), as its /metrics exports them; the proxy sums the cluster's.
+    velocity: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class InstanceDraining(Message, frozen=True):
@@ -118,7 +122,20 @@ class InstanceDraining(Message, frozen=True):
     timeout_s: float  # it exits by then, finished or not
 
 
+class InstanceModels(Message, frozen=True):
+    """The models an instance serves changed (``AddModel``): its KV capacity in tokens
+    per model and its latency profile over them, as in a hello."""
+
+    TAG = "instance_models"
+    kind: str
+    index: int
+    incarnation: int
+    capacity_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    latency: LatencyProfile | None = None
+
+
 REPORT_CHANNEL = Channel(
     "instance->proxy",
-    [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats, InstanceDraining],
+    [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats, InstanceDraining,
+     InstanceModels],
 )
