@@ -24,6 +24,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, Sampler
 from aegaeon_gpumem import Event, EventHandle, KVBlockPool
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.metrics import WorkerMetrics
-from aegaeon_sched import LatencyModel
+from aegaeon_sched import SHARED, LatencyModel
 from aegaeon_sched import ModelSpec as SchedSpec
 
 VOCAB = 97
@@ -248,7 +249,7 @@ def latency_model(
         specs, pcie_bytes_per_s=(1 << 20) / switch_s, switch_beta=1.0, decode_per_seq_term=True
     )
     layer = spec.num_layers * width
-    for m in models:
+    for m in (*models, SHARED):  # the shared fit: what a model added later gets
         lat.set_decode_coefficients(m, (step_const_s / layer, 0.0, step_per_seq_s / layer))
         lat.set_prefill_coefficients(m, (prefill_per_token_s / layer, 0.0, 0.0))
     return lat
@@ -296,6 +297,16 @@ class FakeWorker:
 
     def max_model_len(self, model: str) -> int:
         return self.specs[model].max_model_len
+
+    def capacity_tokens(self) -> dict[str, int]:
+        return {m: self.kv.capacity_blocks(self.kv_shape(m)) * BLOCK_SIZE for m in self.specs}
+
+    def add_model(self, name: str, path: Path) -> SchedSpec:
+        """A fake checkpoint: ``path``'s name is the number of layers."""
+        self.specs[name] = engine_spec(name, int(path.name))
+        spec = SchedSpec(name, 64, 128, int(path.name), 1 << 20, 512)
+        self.truth.specs[name] = spec  # what its steps take here
+        return spec
 
     def enqueue(
         self, request_id: str, model: str, batch_id: int, prompt_len: int, max_tokens: int,

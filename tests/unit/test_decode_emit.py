@@ -74,3 +74,15 @@ def test_only_a_deadline_ahead_and_closer_than_a_hold_and_a_step_is_near() -> No
     assert not emit.near([(0.0, 30), (0.0, 12)], now, step)  # 30 ms: room for a hold and a step
     assert not emit.near([(0.0, 9)], now, step)  # already late: held, missed either way
     assert emit.near([(0.0, 50), (0.0, 10)], now, step)  # any one of them
+
+
+def test_a_request_with_its_own_targets_is_near_by_its_own_deadline() -> None:
+    from aegaeon_runtime.decode.seq import Seq
+
+    default = SLO(2.0, 0.025)
+    emit = TokenEmitter(Sent(), index=0, slo=default, hold=1.0)  # type: ignore[arg-type]
+    seq = Seq("r", "m", 0, None, None, None, 8, 0.0, [1], ttft_s=0.5, tbt_s=0.01)  # type: ignore[arg-type]
+    assert seq.deadline_s(10, default) == 0.5 + 0.1
+    now = 0.6 - 0.005  # its token 10 is due in 5 ms (by the default SLO: in 1.655 s)
+    assert emit.near_deadlines([seq.deadline_s(10, default)], now, 0.003)
+    assert not emit.near([(0.0, 10)], now, 0.003)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
-from aegaeon_common.messages.report import PrefillDone
+from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
+from aegaeon_common.messages.report import InstanceModels, PrefillDone
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
@@ -38,3 +38,22 @@ def test_groups_run_in_order_with_the_next_model_prefetched() -> None:
     # The clock: two switches and 90 prompt tokens at 0.1 ms each.
     assert w.clock.now() == pytest.approx(0.05 * 2 + 90 * 1e-4)
     assert loop.stats().counters["prefills"] == 3
+
+
+def test_an_added_model_is_served_without_a_restart_and_urgent_groups_go_first() -> None:
+    w = FakeWorker(latency_model(["a"], switch_s=0.05), kind="prefill")
+    batch = EnqueuePrefill("b1", "a", 0, list(range(40)), SamplingSpec(max_tokens=8), 0.0,
+                           priority=2, ttft_s=10.0)  # fmt: skip
+    urgent = EnqueuePrefill("n1", "new", 1, list(range(10)), SamplingSpec(max_tokens=8), 0.0,
+                            priority=0, ttft_s=0.5)  # fmt: skip
+    timed = [(0.0, AddModel("new", "/market/3")), (0.0, batch), (0.0, urgent)]
+    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(w.truth.to_dict())
+    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
+    loop.run(inbox.stop)
+    (models,) = outbox.of_type(InstanceModels)
+    assert set(models.capacity_tokens) == {"a", "new"} and models.capacity_tokens["new"] > 0
+    assert models.latency is not None and "new" in models.latency.models
+    assert "new" in estimator.specs  # the loop's own estimates cover it now
+    # The interactive request of the new model ran first, although it was queued last.
+    assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["n1", "b1"]

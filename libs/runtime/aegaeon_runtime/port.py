@@ -15,6 +15,7 @@ types (``Worker.engine`` is an ``Engine``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -23,6 +24,7 @@ from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.wire import Message
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, SamplingParams
 from aegaeon_gpumem import Event, KVBlockPool
+from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.metrics import WorkerMetrics
 
@@ -131,6 +133,14 @@ class WorkerPort(Protocol):
     def kv_shape(self, model: str) -> KVShape: ...
 
     def max_model_len(self, model: str) -> int: ...
+
+    def capacity_tokens(self) -> dict[str, int]:
+        """Device KV capacity in tokens, per model."""
+        ...
+
+    def add_model(self, name: str, path: Path) -> SchedSpec:
+        """Serve one more model; its spec for the latency model."""
+        ...
 
 
 class MessageSink(Protocol):

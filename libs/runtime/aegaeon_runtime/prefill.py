@@ -16,11 +16,20 @@ from aegaeon_common.messages.report import PrefillDone, RequestFailed, SwitchRec
 from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, RequestTimings
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
+from aegaeon_sched import Request
 
 from aegaeon_runtime.cacheclient.client import to_event
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.port import WorkerPort
 from aegaeon_runtime.sampling import engine_params, finish_reason
+
+
+def prefill_request(msg: EnqueuePrefill) -> Request:
+    """The queue's view of an enqueued request (as the proxy built it: same class,
+    same targets, so both sides order the queue alike)."""
+    return Request(msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
+                   msg.sampling.max_tokens, priority=msg.priority, ttft_s=msg.ttft_s or None,
+                   tbt_s=msg.tbt_s or None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,5 +85,5 @@ def run_prefill(
         prefill_s=done - started,
         extra={"prefill_compute_s": compute_s, "switch_s": record.total_s if record else 0.0},
     )
-    message = PrefillDone(msg.request_id, w.index, token, finish, handoff, timings, done)
+    message = PrefillDone(msg.request_id, w.index, token, finish, handoff, timings, done, w.kind)
     return PrefillOutcome(message, record, compute_s, len(prompt))

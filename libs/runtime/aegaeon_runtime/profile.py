@@ -25,16 +25,7 @@ DECODE_BATCHES = ((1, 32), (4, 64), (8, 256))  # (batch size, context length)
 
 
 def sched_spec(worker: Worker, model: str) -> SchedSpec:
-    spec = worker.specs[model]
-    shape = worker.kv_shape(model)
-    return SchedSpec(
-        name=model,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_layers=spec.num_layers,
-        weight_bytes=worker.switcher.nbytes(model),
-        kv_bytes_per_token=shape.block_bytes // shape.block_size,
-    )
+    return worker.sched_spec(model)
 
 
 def profile_models(worker: Worker) -> list[str]:

@@ -83,10 +83,7 @@ LoopFactory = Callable[[Worker, Inbox[Message], Outbox], InstanceLoop]
 
 def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
     inst = instance_config(worker.config, worker.kind)
-    capacity = {
-        m: worker.kv.capacity_blocks(worker.kv_shape(m)) * worker.engine.block_size
-        for m in worker.specs
-    }
+    capacity = worker.capacity_tokens()
     latency = (msgspec.convert(instance.latency.to_dict(), LatencyProfile)
                if instance.latency else None)  # fmt: skip
     return InstanceHello(
@@ -114,7 +111,9 @@ def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> I
         "kv_blocks_in_use": float(blocks),
         "open_sequences": float(load.prefill_requests + load.decode_requests),
     }
-    return msgspec.structs.replace(stats, counters=counters)
+    # token velocity by stage, as /metrics exports it (the proxy sums the cluster's)
+    velocity = {stage: rate.rate() for stage, rate in worker.metrics.velocity.items()}
+    return msgspec.structs.replace(stats, counters=counters, velocity=velocity)
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:
@@ -268,7 +267,10 @@ async def _serve(
                 inbox.put(msg)
 
         async def heartbeat() -> None:
+            nonlocal hello
             while True:
+                if len(hello.capacity_tokens) != len(worker.specs):  # a model was added
+                    hello = msgspec.structs.replace(hello, capacity_tokens=worker.capacity_tokens())
                 stats = with_holdings(instance.stats(), worker, instance.load)
                 if registrar is not None:
                     await registrar.beat(stats)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
+from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import Registration
@@ -59,6 +61,33 @@ class Worker:
 
     def max_model_len(self, model: str) -> int:
         return self.specs[model].max_model_len
+
+    def sched_spec(self, model: str) -> SchedSpec:
+        """What the latency model (Eq. 4-6) needs of ``model``."""
+        spec = self.specs[model]
+        shape = self.kv_shape(model)
+        return SchedSpec(
+            name=model,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_layers=spec.num_layers,
+            weight_bytes=self.switcher.nbytes(model),
+            kv_bytes_per_token=shape.block_bytes // shape.block_size,
+        )
+
+    def capacity_tokens(self) -> dict[str, int]:
+        """Device KV capacity in tokens of each model's KV shape (its hello's)."""
+        block = self.engine.block_size
+        return {m: self.kv.capacity_blocks(self.kv_shape(m)) * block for m in list(self.specs)}
+
+    def add_model(self, name: str, path: Path) -> SchedSpec:
+        """Serve one more model (``AddModel``, on the compute thread): its spec is read
+        from ``path`` (``CheckpointError`` if broken); its weights come through the
+        Model Cache at its first switch, as every model's."""
+        spec = ModelSpec.from_dir(path)
+        self.switcher.specs[name] = spec
+        self.specs[name] = spec
+        return self.sched_spec(name)
 
     def close(self) -> None:
         self.switcher.close()

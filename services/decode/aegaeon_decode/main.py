@@ -7,8 +7,9 @@ prefills the requests it is given, then decodes them).
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 
 def register(subparsers: Any) -> None:
@@ -23,13 +24,17 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_service
 
     config = load_config_or_exit(args.config, "decode")
-    from aegaeon_common.messages.decode import DECODE_CHANNEL
+    from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL
     from aegaeon_runtime.decode.loop import DecodeLoop
-    from aegaeon_runtime.service import serve_instance
+    from aegaeon_runtime.service import LoopFactory, serve_instance
 
+    channel, make_loop = DECODE_CHANNEL, cast(LoopFactory, DecodeLoop)
+    if config.role_switching:
+        # Roles move (roles.enabled): a decode instance takes prefill work when the
+        # proxy turns it to the prefill role, prefills first as a hybrid does.
+        channel, make_loop = HYBRID_CHANNEL, partial(DecodeLoop, hybrid=True)
     name = f"decode-{args.index}"
     return run_service(
         name,
-        lambda stop: serve_instance(config, "decode", args.index, DECODE_CHANNEL, DecodeLoop,
-                                    stop),
+        lambda stop: serve_instance(config, "decode", args.index, channel, make_loop, stop),
     )

@@ -15,7 +15,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.prefill import (
+    AckDrain,
+    AddModel,
+    CancelRequest,
+    EnqueuePrefill,
+    Shutdown,
+)
 from aegaeon_common.messages.report import (
     InstanceStats,
     PrefillDone,
@@ -26,8 +32,9 @@ from aegaeon_common.wire import Message
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
+from aegaeon_runtime.models import add_model
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
-from aegaeon_runtime.prefill import run_prefill
+from aegaeon_runtime.prefill import prefill_request, run_prefill
 from aegaeon_runtime.profile_cache import start_up_profile
 from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
@@ -63,7 +70,8 @@ class PrefillLoop:
         self._profile = profile or start_up_profile(worker)
         self.inbox = inbox
         self.outbox = outbox
-        self.queue = PrefillQueue(worker.config.scheduler.max_group_size)
+        self.queue = PrefillQueue(worker.config.scheduler.max_group_size,
+                                  worker.config.slo.ttft_s)  # fmt: skip
         self.jobs: dict[str, EnqueuePrefill] = {}
         self.counters = Counters()
         self._lock = threading.Lock()  # counters are read by the heartbeat
@@ -79,6 +87,7 @@ class PrefillLoop:
             CancelRequest: self._on_cancel,
             Shutdown: self._on_shutdown,
             AckDrain: self.drain.on_ack,
+            AddModel: self._on_add_model,
         }
 
     # ---- commands --------------------------------------------------------
@@ -88,10 +97,7 @@ class PrefillLoop:
             self._fail(msg.request_id, msg.model, "unknown_model",
                        f"model {msg.model!r} is not served")  # fmt: skip
             return
-        request = Request(
-            msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
-            msg.sampling.max_tokens,
-        )  # fmt: skip
+        request = prefill_request(msg)
         try:
             self.queue.add(request, msg.group_id)
         except ValueError as exc:  # a duplicate id or a group/model mismatch
@@ -107,6 +113,10 @@ class PrefillLoop:
 
     def _on_shutdown(self, msg: Message) -> None:
         self._stop.set()
+
+    def _on_add_model(self, msg: Message) -> None:
+        assert isinstance(msg, AddModel)
+        self.outbox.send(add_model(self.worker, self.latency, msg))
 
     def _apply(self, msgs: list[Message]) -> None:
         for msg in msgs:

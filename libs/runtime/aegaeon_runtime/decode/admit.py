@@ -43,8 +43,9 @@ class Admission:
         slo = SLO(config.slo.ttft_s, config.slo.tbt_s)
         self.tokens = TokenEmitter(outbox, worker.index, slo, config.scheduler.token_hold, clock)
 
-    def _add(self, seq: Seq, max_tokens: int) -> bool:
-        request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens)
+    def _add(self, seq: Seq, max_tokens: int, priority: int = 1) -> bool:
+        request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens,
+                          priority=priority, ttft_s=seq.ttft_s, tbt_s=seq.tbt_s)  # fmt: skip
         try:
             self.work.add(request, seq.batch_id)
         except ValueError as exc:
@@ -76,13 +77,15 @@ class Admission:
             host_blocks=list(msg.handoff.block_offsets),
             host_event=event_from_spec(msg.handoff.event),
             joined_s=self.clock.wall(),
+            ttft_s=msg.ttft_s or None,
+            tbt_s=msg.tbt_s or None,
         )  # fmt: skip
         try:
             self.residency.accept(seq)
         except RemoteError as exc:  # the blocks are gone (e.g. the prefill lease ended)
             self.fail(seq, "kv_lost", f"handoff blocks unavailable: {exc}")
             return
-        if self._add(seq, msg.sampling.max_tokens):
+        if self._add(seq, msg.sampling.max_tokens, msg.priority):
             w.metrics.tokens("arrival", msg.model, msg.prompt_len)
 
     def run_request(self, msg: Message) -> None:

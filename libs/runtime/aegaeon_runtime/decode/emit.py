@@ -49,10 +49,13 @@ class TokenEmitter:
     def near(self, tokens: Iterable[tuple[float, int]], now_s: float, step_s: float) -> bool:
         """Is one of these tokens (request arrival, index) due ahead of ``now_s``
         (wall clock), but sooner than a hold and a step?"""
-        return any(
-            0.0 <= self.slo.deadline_s(arrival_s, k) - now_s < self.hold_s + step_s
-            for arrival_s, k in tokens
-        )
+        deadlines = (self.slo.deadline_s(arrival_s, k) for arrival_s, k in tokens)
+        return self.near_deadlines(deadlines, now_s, step_s)
+
+    def near_deadlines(self, deadlines: Iterable[float], now_s: float, step_s: float) -> bool:
+        """:meth:`near` for tokens given by their deadlines (a request with its own
+        SLO class or targets: ``Seq.deadline_s``)."""
+        return any(0.0 <= due - now_s < self.hold_s + step_s for due in deadlines)
 
     def add(self, items: list[TokenItem], *, urgent: bool = False) -> None:
         """A step's tokens; ``urgent``: send now (a turn's first step, a deadline near)."""

@@ -24,7 +24,13 @@ import threading
 from collections.abc import Callable
 
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
-from aegaeon_common.messages.prefill import AckDrain, CancelRequest, EnqueuePrefill, Shutdown
+from aegaeon_common.messages.prefill import (
+    AckDrain,
+    AddModel,
+    CancelRequest,
+    EnqueuePrefill,
+    Shutdown,
+)
 from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.wire import Message
 from aegaeon_sched import (
@@ -43,6 +49,7 @@ from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.decode.turn import TurnRunner
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
+from aegaeon_runtime.models import add_model
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.profile_cache import start_up_profile
 
@@ -106,6 +113,7 @@ class DecodeLoop:
             EnqueuePrefill: self._on_enqueue_prefill,
             Shutdown: self._on_shutdown,
             AckDrain: self.drain.on_ack,
+            AddModel: self._on_add_model,
         }
 
     def _on_cancel(self, msg: Message) -> None:
@@ -123,6 +131,10 @@ class DecodeLoop:
 
     def _on_shutdown(self, msg: Message) -> None:
         self._stop.set()
+
+    def _on_add_model(self, msg: Message) -> None:
+        assert isinstance(msg, AddModel)
+        self.outbox.send(add_model(self.worker, self.latency, msg))
 
     def apply(self, msgs: list[Message]) -> None:
         for msg in msgs:

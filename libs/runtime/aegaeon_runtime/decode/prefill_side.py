@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed
-from aegaeon_sched import PrefillQueue, Request
+from aegaeon_sched import PrefillQueue
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.port import MessageSink, WorkerPort
-from aegaeon_runtime.prefill import run_prefill
+from aegaeon_runtime.prefill import prefill_request, run_prefill
 
 
 class PrefillSide:
@@ -33,7 +33,8 @@ class PrefillSide:
         self.clock = clock
         self.outbox = outbox
         self.counters = counters
-        self.queue = PrefillQueue(worker.config.scheduler.max_group_size)
+        self.queue = PrefillQueue(worker.config.scheduler.max_group_size,
+                                  worker.config.slo.ttft_s)  # fmt: skip
         self.jobs: dict[str, EnqueuePrefill] = {}
 
     def enqueue(self, msg: EnqueuePrefill) -> None:
@@ -41,8 +42,7 @@ class PrefillSide:
             self._fail(msg.request_id, msg.model, "unknown_model",
                        f"model {msg.model!r} is not served")  # fmt: skip
             return
-        request = Request(msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
-                          msg.sampling.max_tokens)  # fmt: skip
+        request = prefill_request(msg)
         try:
             self.queue.add(request, msg.group_id)
         except ValueError as exc:

@@ -19,6 +19,7 @@ import torch
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_engine import KVShape, SamplingParams
 from aegaeon_gpumem import Event
+from aegaeon_sched import SLO
 
 
 @dataclass
@@ -43,6 +44,14 @@ class Seq:
     decode_s: float = 0.0
     kv_wait_s: float = 0.0
     num_swaps: int = 0
+    ttft_s: float | None = None  # its own targets (SLO class); None: the deployment's
+    tbt_s: float | None = None
+
+    def deadline_s(self, k: int, default: SLO) -> float:
+        """When its token ``k`` (0: the first) is due: ``arrival + TTFT + k x TBT``."""
+        ttft = default.ttft_s if self.ttft_s is None else self.ttft_s
+        tbt = default.tbt_s if self.tbt_s is None else self.tbt_s
+        return self.arrival_s + ttft + k * tbt
 
     @property
     def needs_prefill(self) -> bool:

@@ -197,7 +197,7 @@ class TurnRunner:
             w.metrics.tokens("prefill", seq.model, seq.prompt_len)
             w.metrics.request_done("prefill", seq.model, "ok")
             self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
-                                         done))  # fmt: skip
+                                         done, w.kind))  # fmt: skip
             if finish is not None:
                 self.admission.finish(seq)
 
@@ -239,8 +239,9 @@ class TurnRunner:
         # a turn's first tokens may have waited a round: they leave at once, as
         # do tokens close to their deadlines (aegaeon_runtime.decode.emit)
         emitter = self.admission.tokens
-        new = ((s.arrival_s, len(s.tokens) - 1) for s in stepping)
-        emitter.add(items, urgent=self._turn_steps == 0 or emitter.near(new, now, seconds))
+        due = (s.deadline_s(len(s.tokens) - 1, emitter.slo) for s in stepping)
+        urgent = self._turn_steps == 0 or emitter.near_deadlines(due, now, seconds)
+        emitter.add(items, urgent=urgent)
         self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)
