@@ -201,3 +201,48 @@ def test_prewarm_fills_the_budget_without_evicting(start: Start) -> None:
         await client.close()
 
     asyncio.run(go())
+
+
+def test_models_come_and_go_and_operator_pins_hold_them() -> None:
+    """Model lifecycle on the Model Cache itself (in process): a model registered at run
+    time loads in the background with its progress known, an operator pin survives LRU
+    pressure, a forgotten model leaves once its last worker pin goes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aegaeon_cachemgr.errors import CacheError
+    from aegaeon_cachemgr.model_cache import OPERATOR, ModelCache
+    from aegaeon_cachemgr.model_loader import plan_model
+
+    paths = {name: checkpoint(seed) for seed, name in enumerate("abc")}
+    nbytes = plan_model("a", paths["a"], "bfloat16").nbytes
+
+    async def go() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            cache = ModelCache({"a": paths["a"]}, "bfloat16", 2 * nbytes + 100, "aegaeon-t-",
+                               pool)  # fmt: skip
+            try:
+                with pytest.raises(CacheError, match="unknown model 'b'"):
+                    cache.ensure_loading("b", pin=True)
+                cache.register("b", paths["b"])
+                cache.ensure_loading("b", pin=True)  # in the background
+                assert 0.0 <= cache.progress("b") < 1.0 and "b" in cache.stats().progress
+                entry, _ = await cache.acquire("b", "w0", pin=False)
+                assert cache.progress("b") == 1.0 and entry.pins == {OPERATOR: 1}
+                await cache.acquire("a", "w0", pin=False)
+                cache.register("c", paths["c"])
+                await cache.acquire("c", "w0", pin=False)  # room: a goes (LRU), b is pinned
+                assert [m.name for m in cache.stats().models] == ["b", "c"]
+                assert cache.stats().operator_pinned == ["b"]
+                cache.set_pinned("b", False)
+                await cache.acquire("c", "w0", pin=True)  # a worker reads c
+                assert not cache.forget("c")  # pinned by w0: it stays until unpinned
+                assert "c" not in cache.stats().known
+                with pytest.raises(CacheError, match="unknown model 'c'"):
+                    await cache.acquire("c", "w1", pin=False)
+                cache.unpin("c", "w0")
+                assert [m.name for m in cache.stats().models] == ["b"]
+                assert cache.forget("b") and cache.stats().models == []
+            finally:
+                cache.close()
+
+    asyncio.run(go())

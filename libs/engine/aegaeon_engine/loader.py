@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
@@ -140,12 +141,14 @@ def read_tensor(entry: TensorEntry, name: str) -> torch.Tensor:
 
 
 def fill_layout(model_dir: str | Path, layout: WeightLayout,
-                dest: torch.Tensor | bytearray | memoryview) -> None:
+                dest: torch.Tensor | bytearray | memoryview,
+                progress: Callable[[int], None] | None = None) -> None:
     """Write ``layout``'s bytes into host memory ``dest`` (no engine needed).
 
     ``dest`` is a CPU uint8 tensor or a writable bytes-like object (e.g. a
     shared-memory buffer) of at least ``layout.total_bytes`` bytes. Alignment
-    padding is zeroed so equal checkpoints give equal bytes.
+    padding is zeroed so equal checkpoints give equal bytes. ``progress`` is
+    told the bytes written so far after each tensor slot (loading progress).
     """
     out = dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
     _check_dest(out, layout)
@@ -175,6 +178,8 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
                 pos = _copy_tensor(files[entry.file], entry, name, out, pos=pos,
                                    dtype=TORCH_DTYPES[slot.dtype])
             end = pos
+            if progress is not None:
+                progress(end)
         out[end:layout.total_bytes].zero_()
     finally:
         for f in files.values():

@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
 from aegaeon_common.config import Config
@@ -23,13 +24,19 @@ from aegaeon_common.messages.cache import (
     BlocksFreed,
     BlocksReassigned,
     CacheStats,
+    ForgetModel,
     FreeBlocks,
     GetStats,
     LoadModel,
+    ModelFlagsSet,
+    ModelForgotten,
     ModelLoaded,
+    ModelRegistered,
     ModelUnpinned,
     ReassignBlocks,
+    RegisterModel,
     RegisterWorker,
+    SetModelFlags,
     UnpinModel,
     UnregisterWorker,
     WorkerInfo,
@@ -85,6 +92,9 @@ class CacheManager:
             FreeBlocks: self._free,
             ReassignBlocks: self._reassign,
             GetStats: self._stats,
+            RegisterModel: self._register_model,
+            ForgetModel: self._forget_model,
+            SetModelFlags: self._set_flags,
         }
 
     async def handle(self, request: Message) -> Message:
@@ -177,6 +187,27 @@ class CacheManager:
 
     async def _unpin(self, req: UnpinModel) -> Message:
         return ModelUnpinned(req.name, self.models.unpin(req.name, req.worker_id))
+
+    # ---- models at run time (the proxy's admin endpoints) ----------------
+
+    async def _register_model(self, req: RegisterModel) -> Message:
+        self.models.register(req.name, Path(req.path))
+        log.info("model_registered", model=req.name, path=req.path)
+        return ModelRegistered(req.name)
+
+    async def _forget_model(self, req: ForgetModel) -> Message:
+        evicted = self.models.forget(req.name)
+        log.info("model_forgotten", model=req.name, evicted=evicted)
+        return ModelForgotten(req.name, evicted)
+
+    async def _set_flags(self, req: SetModelFlags) -> Message:
+        if req.pinned or req.preload:
+            self.models.ensure_loading(req.name, pin=req.pinned)
+        if not req.pinned:
+            self.models.set_pinned(req.name, False)
+        pinned = req.name in self.models.operator_pinned()
+        progress = self.models.progress(req.name)
+        return ModelFlagsSet(req.name, pinned, progress >= 1.0, progress)
 
     # ---- unified KV cache ------------------------------------------------
 

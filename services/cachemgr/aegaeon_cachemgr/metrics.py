@@ -54,6 +54,14 @@ class CacheCollector(Collector):
         resident.add_metric(["resident"], float(len(stats.models)))
         resident.add_metric(["loading"], float(len(stats.loading)))
         yield resident
+        progress = GaugeMetricFamily(
+            "aegaeon_model_load_progress_ratio",
+            "Share of each served model's bytes in the Model Cache (1: resident, between: "
+            "loading, 0: on disk only)", labels=["model"],
+        )  # fmt: skip
+        for model in stats.known:
+            progress.add_metric([model], models.progress(model))
+        yield progress
         counters: list[tuple[str, str, float]] = [
             ("aegaeon_model_cache_hits", "Model Cache lookups found resident", models.num_hits),
             ("aegaeon_model_cache_misses", "Model Cache lookups that waited for a load",

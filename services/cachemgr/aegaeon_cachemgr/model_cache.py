@@ -3,7 +3,11 @@
 Invariants:
 - ``used_bytes`` (resident + being loaded) never exceeds ``budget_bytes``; a
   load reserves its bytes before its region exists.
-- A pinned model (some worker is reading it) is never evicted.
+- A pinned model (some worker is reading it, or the operator pinned it:
+  owner :data:`OPERATOR`, at most one such pin) is never evicted.
+- Models come and go at run time (:meth:`ModelCache.register`,
+  :meth:`ModelCache.forget`): a forgotten model takes no new load and
+  leaves the cache as soon as no worker pins it.
 - A region is resident only once completely filled; a failed load unlinks its
   region and changes nothing else. Concurrent requests for one model share
   one load.
@@ -44,12 +48,16 @@ class ModelEntry:
     pins: Counter[str] = field(default_factory=Counter)
 
 
+OPERATOR = "operator"  # the owner of pins the operator asked for (SetModelFlags)
+
+
 @dataclass
 class _Loading:
     plan: ModelPlan
     region: ShmRegion
     done: asyncio.Future[ModelEntry]
     pins: Counter[str] = field(default_factory=Counter)
+    filled_bytes: int = 0  # written by the loader thread: progress
 
 
 def reserve_pages(name: str, nbytes: int) -> None:
@@ -80,6 +88,7 @@ class ModelCache:
         self._resident: OrderedDict[str, ModelEntry] = OrderedDict()  # LRU first
         self._loading: dict[str, _Loading] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._forgotten: set[str] = set()  # removed while pinned or loading: evict when free
         self._seq = itertools.count()
         self.num_loads = 0
         self.num_hits = 0
@@ -102,11 +111,7 @@ class ModelCache:
         of a shared load are applied when it completes, so no eviction can
         slip in between). ``evict=False`` refuses rather than evicts (prewarm).
         """
-        if name not in self._paths:
-            known = ", ".join(sorted(self._paths))
-            raise CacheError(
-                "unknown_model", f"unknown model {name!r} (known: {known})", {"model": name}
-            )
+        self._check_known(name)
         entry = self._resident.get(name)
         if entry is not None:
             self._resident.move_to_end(name)
@@ -120,6 +125,77 @@ class ModelCache:
             loading.pins[owner] += 1
         # shield: a cancelled waiter must not cancel the load others share.
         return await asyncio.shield(loading.done), False
+
+    def _check_known(self, name: str) -> None:
+        if name not in self._paths:
+            known = ", ".join(sorted(self._paths))
+            raise CacheError(
+                "unknown_model", f"unknown model {name!r} (known: {known})", {"model": name}
+            )
+
+    # ---- models at run time (model lifecycle) ----------------------------
+    def register(self, name: str, path: Path) -> None:
+        """Serve ``name`` (its checkpoint at ``path``) from now on; idempotent."""
+        self._paths[name] = path
+        self._forgotten.discard(name)
+
+    def forget(self, name: str) -> bool:
+        """Stop serving ``name``: no new loads, its operator pin dropped; True when it is
+        out of the cache now (else it leaves once no worker pins it)."""
+        self._paths.pop(name, None)
+        self.set_pinned(name, False)
+        entry = self._resident.get(name)
+        if entry is not None and not entry.pins:
+            self.evict(name)
+        elif entry is not None or name in self._loading:
+            self._forgotten.add(name)
+            return False
+        return True
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        """The operator's pin on ``name`` (resident or loading): on (one pin) or off."""
+        pins = self._pins_of(name)
+        if pins is None:
+            return
+        if pinned:
+            pins[OPERATOR] = 1
+        else:
+            pins.pop(OPERATOR, None)
+
+    def ensure_loading(self, name: str, pin: bool) -> None:
+        """Start loading ``name`` in the background unless it is resident (evicting
+        unpinned models for room; a ``CacheError`` at once if it cannot fit), and set
+        the operator's pin on it when ``pin``. Does not wait for the load."""
+        self._check_known(name)
+        if name not in self._resident and name not in self._loading:
+            self._start(name, True)
+        if pin:
+            self.set_pinned(name, True)
+
+    def progress(self, name: str) -> float:
+        """Share of ``name``'s bytes in the cache: 1 resident, 0 absent, else loading."""
+        if name in self._resident:
+            return 1.0
+        loading = self._loading.get(name)
+        if loading is None:
+            return 0.0
+        return min(1.0, loading.filled_bytes / max(loading.plan.nbytes, 1))
+
+    def operator_pinned(self) -> list[str]:
+        return sorted(n for n, pins in self._all_pins() if pins.get(OPERATOR))
+
+    def _pins_of(self, name: str) -> Counter[str] | None:
+        entry = self._resident.get(name)
+        if entry is not None:
+            return entry.pins
+        loading = self._loading.get(name)
+        return loading.pins if loading is not None else None
+
+    def _evict_if_forgotten(self, name: str) -> None:
+        entry = self._resident.get(name)
+        if name in self._forgotten and entry is not None and not entry.pins:
+            self._forgotten.discard(name)
+            self.evict(name)
 
     def _start(self, name: str, evict: bool) -> _Loading:
         plan = plan_model(name, self._paths[name], self._dtype)
@@ -145,7 +221,7 @@ class ModelCache:
         loop = asyncio.get_running_loop()
         err: CacheError | None = None
         try:
-            await loop.run_in_executor(self._executor, self._fill_sync, plan, region)
+            await loop.run_in_executor(self._executor, self._fill_sync, loading)
         except CacheError as exc:
             err = exc
         except OSError as exc:
@@ -178,11 +254,17 @@ class ModelCache:
             gb_per_s=round(plan.nbytes / max(load_s, 1e-9) / 1e9, 3),
         )
         loading.done.set_result(entry)
+        self._evict_if_forgotten(plan.name)
 
     @staticmethod
-    def _fill_sync(plan: ModelPlan, region: ShmRegion) -> None:
+    def _fill_sync(loading: _Loading) -> None:
+        plan, region = loading.plan, loading.region
         reserve_pages(region.name, region.nbytes)
-        fill_region(plan, region.tensor[: plan.nbytes])
+
+        def progress(nbytes: int) -> None:  # an int store: read by the event loop
+            loading.filled_bytes = nbytes
+
+        fill_region(plan, region.tensor[: plan.nbytes], progress)
 
     def _make_room(self, plan: ModelPlan, evict: bool) -> None:
         """Evict least recently used unpinned models until ``plan`` fits; all or nothing."""
@@ -238,6 +320,7 @@ class ModelCache:
         pins[owner] -= 1
         if pins[owner] == 0:
             del pins[owner]
+        self._evict_if_forgotten(name)
         return sum(pins.values())
 
     def release_owner(self, owner: str) -> list[str]:
@@ -246,6 +329,8 @@ class ModelCache:
         for name, pins in self._all_pins():
             if pins.pop(owner, 0):
                 released.append(name)
+        for name in released:
+            self._evict_if_forgotten(name)
         return released
 
     def pinned_by(self, owner: str) -> list[str]:
@@ -270,6 +355,9 @@ class ModelCache:
             num_evictions=self.num_evictions,
             load_s_total=self.load_s_total,
             loaded_bytes_total=self.loaded_bytes_total,
+            progress={n: self.progress(n) for n in sorted(self._loading)},
+            operator_pinned=self.operator_pinned(),
+            known=sorted(self._paths),
         )
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ Every checkpoint defect surfaces as ``CacheError("checkpoint_error")``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,9 +53,12 @@ def plan_model(name: str, path: Path, dtype: str) -> ModelPlan:
     return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout)
 
 
-def fill_region(plan: ModelPlan, dest: torch.Tensor) -> None:
-    """Read the checkpoint into ``dest`` (runs on a loader thread, off the event loop)."""
+def fill_region(
+    plan: ModelPlan, dest: torch.Tensor, progress: Callable[[int], None] | None = None
+) -> None:
+    """Read the checkpoint into ``dest`` (runs on a loader thread, off the event loop);
+    ``progress`` is told the bytes filled so far."""
     try:
-        fill_layout(plan.path, plan.layout, dest)
+        fill_layout(plan.path, plan.layout, dest, progress)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from aegaeon_cachemgr.errors import CacheError
 from aegaeon_cachemgr.manager import CacheManager
 from aegaeon_cachemgr.metrics import CacheCollector, request_counter
+from aegaeon_cachemgr.model_cache import OPERATOR
 
 log = get_logger("cachemgr")
 
@@ -76,11 +77,22 @@ def prewarm_names(config: Config) -> list[str]:
     return [n for n in wanted if config.model(n) is not None]
 
 
-async def prewarm(manager: CacheManager, names: list[str]) -> None:
-    """Load the prewarm list one model at a time, never evicting (so order = priority)."""
-    for name in names:
+def start_loads(config: Config) -> list[tuple[str, bool]]:
+    """What the Model Cache loads at start, in order, and whether the operator pins it:
+    the models ``model_settings`` pins, those it preloads, then the prewarm list."""
+    names = config.model_names
+    pinned = [n for n in names if config.settings_of(n).pin]
+    preload = [n for n in names if config.settings_of(n).preload and n not in pinned]
+    rest = [n for n in prewarm_names(config) if n not in pinned and n not in preload]
+    return [(n, True) for n in pinned] + [(n, False) for n in preload + rest]
+
+
+async def prewarm(manager: CacheManager, loads: list[tuple[str, bool]]) -> None:
+    """Load one model at a time, never evicting (so order = priority); pin those the
+    operator pins."""
+    for name, pin in loads:
         try:
-            await manager.models.acquire(name, "", pin=False, evict=False)
+            await manager.models.acquire(name, OPERATOR if pin else "", pin=pin, evict=False)
         except CacheError as exc:
             log.warning("prewarm_skipped", model=name, code=exc.code, error=exc.message)
 
@@ -153,7 +165,7 @@ async def _serve(
     tasks: list[asyncio.Task[None]] = [
         loop.create_task(server.serve_forever(), name="rpc"),
         loop.create_task(monitor(manager), name="monitor"),
-        loop.create_task(prewarm(manager, prewarm_names(config)), name="prewarm"),
+        loop.create_task(prewarm(manager, start_loads(config)), name="prewarm"),
     ]
     stopping: asyncio.Task[bool] = loop.create_task(stop.wait(), name="stop")
     try:
