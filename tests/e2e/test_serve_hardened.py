@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 import yaml
 from aegaeon_bench.cancel import cancel_run
@@ -46,7 +47,7 @@ def hardened(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     raw = default_config_dict(small_market, 0)
     first = json.loads((small_market / "market.json").read_text())["models"][0]["name"]
     raw["proxy"] = {"admin_port": admin_port, "max_kv_blocks": 48, "read_timeout": 1.0,
-                    "write_timeout": 2.0,
+                    "write_timeout": 2.0, "send_buffer": "32KiB",
                     "api_keys": [{"key": LIMITED, "models": [first]}]}  # fmt: skip
     config = base / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -222,6 +223,34 @@ def test_a_body_a_byte_a_second_is_cut(hardened: Served) -> None:
                 break
     assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
     assert time.monotonic() - start < 10.0
+
+
+def test_a_reader_that_never_reads_is_cut_and_freed(hardened: Served) -> None:
+    host, port = hardened.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": _models(hardened)[0], "prompt": "Tell me a story.",
+                       "stream": True, "max_tokens": 1500, "ignore_eos": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+    client = sock.getsockname()[:2]
+    try:
+        # The client cannot see the proxy let go (its FIN waits behind the unread
+        # bytes), so look from the server's side: its end of the connection leaves
+        # ESTABLISHED (closed, or aborted at the write timeout).
+        deadline = time.monotonic() + 60.0
+        status = psutil.CONN_ESTABLISHED
+        while time.monotonic() < deadline and status == psutil.CONN_ESTABLISHED:
+            time.sleep(0.25)
+            ends = [c for c in psutil.net_connections(kind="tcp")
+                    if c.raddr and tuple(c.raddr) == client]  # fmt: skip
+            status = ends[0].status if ends else psutil.CONN_CLOSE
+        assert status != psutil.CONN_ESTABLISHED
+    finally:
+        sock.close()
+    asyncio.run(_quiet(hardened))  # its request ended and holds nothing
 
 
 def test_no_fd_or_shm_growth_and_no_restart(

@@ -248,6 +248,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # client that does not read must complete within write_timeout (else cut).
     read_timeout_s: float = 30.0
     write_timeout_s: float = 30.0
+    # Kernel send buffer of each client connection (SO_SNDBUF; 0: the kernel's
+    # autotuning, up to tcp_wmem's max, 4 MiB here): what a client that stops
+    # reading can pin, and how soon the proxy notices it (write_timeout).
+    send_buffer_bytes: int = 256 << 10
     # API keys (empty: no authentication). Each: {key, models?, name?} or a string.
     api_keys: tuple[ApiKeyConfig, ...] = ()
     # /metrics and /v1/aegaeon/* on their own port (null: on the API port).
@@ -666,6 +670,8 @@ def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
         port = getattr(proxy, name)
         if port is not None and not 0 <= port < 65536:
             raise ConfigError(source, f"proxy.{name}", "must be a TCP port (0 = ephemeral)")
+    if proxy.send_buffer_bytes < 0:
+        raise ConfigError(source, "proxy.send_buffer", "must be >= 0 (0: the kernel's)")
     if proxy.admin_port and proxy.admin_port == proxy.port:
         raise ConfigError(source, "proxy.admin_port", "must differ from proxy.port")
     seen: set[str] = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 from aegaeon_common.config import Config
@@ -31,6 +32,16 @@ log = get_logger("proxy")
 __all__ = ["ProxyServer"]
 
 
+def listen_socket(host: str, port: int, send_buffer_bytes: int) -> socket.socket:
+    """The API's listening socket; accepted connections inherit its send buffer size."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]  # fmt: skip
+    sock = socket.create_server((host, port), family=family)
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    return sock
+
+
 class ProxyServer:
     """The proxy on ``config.proxy.host:port`` (port 0 picks a free one).
 
@@ -57,7 +68,8 @@ class ProxyServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      lingering_time=LINGER_S)  # fmt: skip
         await self._runner.setup()
-        site = web.TCPSite(self._runner, proxy.host, proxy.port)
+        site = web.SockSite(self._runner, listen_socket(proxy.host, proxy.port,
+                                                        proxy.send_buffer_bytes))  # fmt: skip
         await site.start()
         addresses = self._runner.addresses  # (host, port, ...) of the bound sockets
         self.port = int(addresses[0][1]) if addresses else proxy.port
