@@ -64,6 +64,7 @@ __all__ = [
     "StoreConfig",
     "load_config",
     "market_dtype",
+    "market_models",
     "parse_bytes",
     "serving_dtype",
 ]
@@ -470,6 +471,12 @@ def _checkpoint_dtype(model_dir: Path) -> str | None:
 def market_dtype(market: Path) -> str:
     """The dtype a deployment of ``market`` serves in when its config names none."""
     return serving_dtype(_market_models(market, str(market / "market.json"))[1])
+
+
+def market_models(market: Path) -> list[ModelConfig]:
+    """The models ``market.json`` lists now (read on every call: the proxy's
+    ``POST /v1/aegaeon/models`` adds one without a restart); ConfigError if unreadable."""
+    return _market_models(market, str(market / "market.json"))[0]
 
 
 def _market_models(market: Path, source: str) -> tuple[list[ModelConfig], list[str]]:

@@ -9,7 +9,7 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy import handlers, info
+from aegaeon_proxy import admin_models, handlers, info
 from aegaeon_proxy.auth import KeyRing
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.errors import APIError
@@ -38,6 +38,7 @@ ADMIN: list[Route] = [
     ("GET", "/metrics", info.metrics),
     ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
     ("GET", "/v1/aegaeon/services", info.aegaeon_services),
+    *admin_models.ROUTES,  # model lifecycle: list, add, change, remove
 ]
 
 

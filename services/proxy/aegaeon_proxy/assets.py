@@ -134,7 +134,8 @@ def load_assets(model: ModelConfig) -> ModelAssets:
 
 
 class AssetRegistry:
-    """Lazily loaded, cached :class:`ModelAssets` for the configured models.
+    """Lazily loaded, cached :class:`ModelAssets` for the served models (the configured
+    ones, and those :meth:`add` adds at run time).
 
     Concurrent first requests for a model share one load, which runs on a
     worker thread; a failed load is not cached (the next request retries).
@@ -160,6 +161,15 @@ class AssetRegistry:
             if self._loads.get(name) is fut:
                 del self._loads[name]
             raise
+
+    def add(self, model: ModelConfig) -> None:
+        """Serve ``model``'s assets from now on (a model added at run time)."""
+        self._models[model.name] = model
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (removed at run time): it is unknown from now on."""
+        self._models.pop(name, None)
+        self._loads.pop(name, None)
 
     async def preload(self) -> None:
         """Load every model's assets now (at start-up), one after another."""

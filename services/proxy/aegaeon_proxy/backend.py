@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
+from aegaeon_common.config import ModelConfig
 from prometheus_client import CollectorRegistry
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -37,6 +38,7 @@ __all__ = [
     "BackendError",
     "FinishReason",
     "GenerationRequest",
+    "ModelControl",
     "SamplingParams",
     "TokenChunk",
     "TokenQueue",
@@ -144,6 +146,28 @@ class Backend(Protocol):
 
     async def cancel(self, request_id: str) -> None:
         """Stop a request and free its resources; a no-op if unknown or finished."""
+
+
+@runtime_checkable
+class ModelControl(Protocol):
+    """What a backend that adds and removes models at run time offers (optional; the
+    admin endpoints answer 501 without it). Failures are :class:`BackendError`s
+    whose ``status`` and ``code`` the endpoints answer with."""
+
+    async def add_model(self, model: ModelConfig) -> None:
+        """Serve ``model`` on every instance (cachemgr and instances told); returns
+        once every live instance serves it."""
+
+    async def forget_model(self, name: str) -> bool:
+        """Stop serving ``name`` (its requests have ended): the Model Cache frees its
+        bytes; True when it is out of the cache now."""
+
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        """The operator's pin (never evicted) and a preload (load it now) of ``name``."""
+
+    async def model_cache(self) -> dict[str, Any] | None:
+        """The Model Cache's stats (``ModelCacheStats`` as plain data; None if the
+        cachemgr did not answer)."""
 
 
 class TokenQueue:

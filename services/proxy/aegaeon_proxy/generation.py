@@ -25,6 +25,7 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.metrics import ProxyMetrics
+from aegaeon_proxy.model_table import ModelSettingsTable
 from aegaeon_proxy.stop_strings import StopStringMatcher
 
 ClientFinish = Literal["stop", "length"]
@@ -45,9 +46,13 @@ class Generation:
         metrics: ProxyMetrics,
         timeout_s: float,
         slo: tuple[float, float] = (10.0, 0.1),
+        models: ModelSettingsTable | None = None,
     ) -> None:
         """``slo``: the model's (TTFT, TBT) targets in seconds; token k meets its
-        deadline when it arrives by arrival + TTFT + k x TBT."""
+        deadline when it arrives by arrival + TTFT + k x TBT. ``models``: the live
+        model table, which counts the model's requests in flight (``max_concurrency``;
+        a removed model waits for them)."""
+        self._models = models
         self.req = req
         self._backend = backend
         self._metrics = metrics
@@ -74,13 +79,25 @@ class Generation:
         return len(self.req.prompt_token_ids)
 
     def submit(self) -> None:
-        """Hand the request to the backend; 429/503 :class:`APIError` if it refuses."""
+        """Hand the request to the backend; 429/503 :class:`APIError` if it refuses
+        (or the model's ``max_concurrency`` does), 404 if the model was removed."""
+        if self._models is not None:
+            try:
+                self._models.enter(self.req.model)
+            except APIError as exc:
+                if exc.status == 429:
+                    self._metrics.requests.labels(self.req.model, "rejected").inc()
+                raise
         try:
             self._stream = self._backend.submit(self.req)
         except BackendError as exc:
+            self._left()
             self._metrics.requests.labels(self.req.model, "rejected").inc()
             raise APIError(exc.status, exc.message, code=exc.code,
                            retry_after_s=exc.retry_after_s) from None
+        except BaseException:
+            self._left()
+            raise
         self._open = True
         model = self.req.model
         self._metrics.num_open += 1
@@ -190,6 +207,10 @@ class Generation:
         self.completion_tokens += n
         m.generation_tokens.labels(model).inc(n)
 
+    def _left(self) -> None:
+        if self._models is not None:
+            self._models.leave(self.req.model)
+
     def _record_end(self) -> None:
         if self._stream is None or self._recorded:
             return
@@ -202,5 +223,6 @@ class Generation:
             m.observe_slo(model, 0, max(0, self.req.sampling.max_tokens - self.completion_tokens))
         m.num_open -= 1
         m.in_flight.labels(model).dec()
+        self._left()
         m.requests.labels(model, outcome).inc()
         m.e2e.labels(model).observe(time.monotonic() - self._start)

@@ -100,7 +100,7 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     timeout_s = min(params.timeout_s or proxy.request_timeout_s, proxy.request_timeout_s)
     gen = Generation(
         state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s,
-        slo=state.slo(params.model),
+        slo=state.slo(params.model), models=state.models,
     )  # fmt: skip
     gen.submit()
     log.debug("request_accepted", request_id=request_id, model=params.model,

@@ -9,6 +9,7 @@ from aegaeon_common.config import Config
 from aegaeon_common.http_side import ServiceAddress, metrics_response, read_http_address
 from aiohttp import web
 
+from aegaeon_proxy.admin_models import model_rows
 from aegaeon_proxy.auth import allowed, model_not_found
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.jsonfmt import json_response
@@ -34,14 +35,15 @@ def _model_obj(name: str) -> dict[str, object]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """The configured registry (never derived from which workers are alive)."""
-    names = [n for n in request.app[STATE].config.model_names if allowed(request, n)]
+    """The served models: the configured ones, changed by the admin endpoints (never
+    derived from which workers are alive)."""
+    names = [n for n in request.app[STATE].models.names() if allowed(request, n)]
     return json_response({"object": "list", "data": [_model_obj(n) for n in names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if name not in request.app[STATE].config.model_names or not allowed(request, name):
+    if not request.app[STATE].models.serving(name) or not allowed(request, name):
         raise model_not_found(name)
     return json_response(_model_obj(name))
 
@@ -108,4 +110,9 @@ async def aegaeon_stats(request: web.Request) -> web.Response:
     if stats is None:
         raise APIError(404, "this backend reports no detailed stats", code="not_found")
     light = request.query.get("light", "") in ("1", "true")  # counters only, no records
-    return json_response(await stats(light=light))
+    out = await stats(light=light)
+    # per model: live settings, requests in flight, Model Cache state and load progress
+    cache = out.get("cache")
+    model_cache = cache.get("model_cache") if isinstance(cache, dict) else None
+    out["models"] = model_rows(request.app[STATE].models, model_cache)
+    return json_response(out)

@@ -11,6 +11,7 @@ from aiohttp import web
 from aegaeon_proxy.assets import AssetRegistry
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.metrics import ProxyMetrics
+from aegaeon_proxy.model_table import ModelSettingsTable
 
 __all__ = ["STATE", "ProxyState"]
 
@@ -20,6 +21,8 @@ class ProxyState:
     config: Config
     backend: Backend
     assets: AssetRegistry
+    # the models served now and their live model_settings (admin endpoints change them)
+    models: ModelSettingsTable
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     # draining (SIGTERM): /ready answers 503 and new generations are refused
     readiness: Readiness = field(default_factory=Readiness)
@@ -28,7 +31,8 @@ class ProxyState:
 
     @classmethod
     def create(cls, config: Config, backend: Backend) -> ProxyState:
-        state = cls(config=config, backend=backend, assets=AssetRegistry(config.models))
+        state = cls(config=config, backend=backend, assets=AssetRegistry(config.models),
+                    models=ModelSettingsTable.from_config(config))  # fmt: skip
         state.readiness.set_ready()  # the front is; the backend's readiness is its own
         backend.register_metrics(state.metrics.registry)
         return state
@@ -38,7 +42,7 @@ class ProxyState:
 
     def slo(self, model: str) -> tuple[float, float]:
         """The (TTFT, TBT) targets of ``model`` in seconds."""
-        m = self.config.model(model)
+        m = self.models.model_config(model)
         slo = self.config.slo
         ttft = m.ttft_s if m is not None and m.ttft_s is not None else slo.ttft_s
         tbt = m.tbt_s if m is not None and m.tbt_s is not None else slo.tbt_s

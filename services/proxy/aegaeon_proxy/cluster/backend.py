@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq.asyncio
-from aegaeon_common.config import Config
+from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
     REPLIES,
@@ -32,6 +32,7 @@ from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
     InstanceDraining,
     InstanceHello,
+    InstanceModels,
     InstanceStats,
     PrefillDone,
     RequestFailed,
@@ -48,6 +49,7 @@ from aegaeon_proxy.cluster.actions import ActionRunner
 from aegaeon_proxy.cluster.admission import AdmissionControl
 from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
+from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 
@@ -81,6 +83,7 @@ class ClusterBackend:
         self._tasks: list[asyncio.Task[None]] = []
         self._actions = ActionRunner(self)
         self._shares = DecodeShares()
+        self.models = ClusterModels(self)  # models added and removed at run time
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             InstanceHello: self._on_hello,
             InstanceStats: self._on_stats,
@@ -88,6 +91,7 @@ class ClusterBackend:
             StepTokens: self._on_step_tokens,
             RequestFailed: self._on_failed,
             InstanceDraining: self._on_draining,
+            InstanceModels: self.models.on_instance_models,
         }
 
     # ---- lifecycle ---------------------------------------------------------
@@ -132,6 +136,19 @@ class ClusterBackend:
             if v.hello is not None and model in v.hello.capacity_tokens
         ]
         return min(limits) if limits else None
+
+    # ---- models at run time (ModelControl; cluster.models) --------------------
+    async def add_model(self, model: ModelConfig) -> None:
+        await self.models.add(model)
+
+    async def forget_model(self, name: str) -> bool:
+        return await self.models.forget(name)
+
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        await self.models.set_flags(name, pinned=pinned, preload=preload)
+
+    async def model_cache(self) -> dict[str, Any] | None:
+        return await self.models.cache_stats()
 
     # ---- requests ------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> TokenQueue:
@@ -261,6 +278,7 @@ class ClusterBackend:
             if resume is not None:
                 self._actions.run(resume(view.name, time.time()))
             log.info("instance_rejoined", instance=view.name, pid=msg.pid)
+        self.models.on_hello(view, msg)
 
     def _on_draining(self, msg: InstanceDraining) -> None:
         """Send the instance no new work; the ack follows everything sent to it so far."""

@@ -1,0 +1,342 @@
+"""Model lifecycle on the admin API: ``/v1/aegaeon/models``.
+
+* ``GET /v1/aegaeon/models`` (and ``/{model}``): every model the proxy knows,
+  with its live settings and its Model Cache state.
+* ``PATCH /v1/aegaeon/models/{model}``: change ``pinned`` (or ``pin``),
+  ``preload``, ``max_concurrency``, ``slo_classes``, ``min_ttft_ms``,
+  ``min_tbt_ms``; applied at once (the cachemgr's flags; the next request reads
+  the rest from the :class:`~aegaeon_proxy.model_table.ModelSettingsTable`).
+* ``POST /v1/aegaeon/models`` ``{"name", ...settings}``: serve a model of the
+  market folder (``market.json`` read again) without a restart: the cachemgr
+  registers it, every instance reads it, the proxy loads its tokenizer.
+* ``DELETE /v1/aegaeon/models/{model}``: new requests get 404 at once; the
+  cachemgr forgets it (its Model Cache bytes freed) once its requests in
+  flight have ended: 200 when that is now, else 202 (``state: removing``).
+
+Errors are OpenAI error objects: 400 naming the field, 404 unknown model,
+409 a model already served (or being added or removed) or a pin that does not
+fit the Model Cache, 422 a checkpoint that cannot be served, 501 a backend
+that cannot change its models, 503 instances not up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+from aegaeon_common.config import SLO_CLASS_NAMES, ConfigError, market_models
+from aegaeon_common.logs import get_logger
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from aegaeon_proxy.assets import AssetError
+from aegaeon_proxy.backend import BackendError, ModelControl
+from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.http_io import read_json_object
+from aegaeon_proxy.jsonfmt import json_response
+from aegaeon_proxy.model_table import LiveModel, ModelSettingsTable
+from aegaeon_proxy.state import STATE, ProxyState
+
+log = get_logger("proxy")
+
+__all__ = ["ROUTES", "model_rows", "parse_settings"]
+
+
+# ---- request bodies ----------------------------------------------------------
+def _flag(param: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(param, f"'{param}' must be a boolean")
+    return value
+
+
+def _concurrency(param: str, value: Any) -> int | None:
+    if value is None:
+        return None  # unbounded
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid(param, f"'{param}' must be an integer >= 1 or null (unbounded)")
+    return value
+
+
+def _classes(param: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()  # every class
+    names = ", ".join(SLO_CLASS_NAMES)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise invalid(param, f"'{param}' must be a list of SLO class names ({names}) or null")
+    unknown = [v for v in value if v not in SLO_CLASS_NAMES]
+    if unknown:
+        raise invalid(param, f"'{param}': {unknown[0]!r} is not an SLO class ({names})")
+    return tuple(dict.fromkeys(value))
+
+
+def _ms(param: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise invalid(param, f"'{param}' must be a number of milliseconds > 0 or null")
+    return float(value) / 1000.0
+
+
+# request field -> (ModelSettings field, checker)
+FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "pinned": ("pin", _flag),
+    "pin": ("pin", _flag),
+    "preload": ("preload", _flag),
+    "max_concurrency": ("max_concurrency", _concurrency),
+    "slo_classes": ("slo_classes", _classes),
+    "min_ttft_ms": ("min_ttft_s", _ms),
+    "min_tbt_ms": ("min_tbt_s", _ms),
+}
+
+
+def parse_settings(body: Mapping[str, Any], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ModelSettings changes ``body`` asks for; a 400 naming the first bad field
+    (unknown, wrong type, out of range; ``pin`` and ``pinned`` disagreeing)."""
+    changes: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in extra:
+            continue
+        if key not in FIELDS:
+            known = ", ".join((*extra, *FIELDS))
+            raise APIError(400, f"unknown field '{key}' (known: {known})", param=key,
+                           code="unknown_parameter")  # fmt: skip
+        field, check = FIELDS[key]
+        normalized = check(key, value)
+        if field in changes and changes[field] != normalized:
+            raise invalid(key, "'pin' and 'pinned' disagree")
+        changes[field] = normalized
+    return changes
+
+
+# ---- answers -----------------------------------------------------------------
+def _ms_of(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
+def model_row(entry: LiveModel, cache: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One model as the admin API shows it; ``cache``: the Model Cache's stats (None:
+    not known, then the cache fields are null)."""
+    s = entry.settings
+    row: dict[str, Any] = {
+        "name": entry.name,
+        "object": "aegaeon.model",
+        "state": entry.state,  # adding | serving | removing
+        "source": "runtime" if entry.runtime else "config",
+        "path": str(entry.config.path),
+        "pinned": s.pin,
+        "preload": s.preload,
+        "max_concurrency": s.max_concurrency,  # null: unbounded
+        "slo_classes": list(s.slo_classes),  # []: every class
+        "min_ttft_ms": _ms_of(s.min_ttft_s),
+        "min_tbt_ms": _ms_of(s.min_tbt_s),
+        "in_flight": entry.in_flight,
+        "in_model_cache": None,
+        "loading": None,
+        "load_progress": None,
+        "bytes": None,
+    }
+    if cache is not None:
+        resident = {m["name"]: m for m in cache.get("models", [])}
+        loading = entry.name in cache.get("loading", [])
+        model = resident.get(entry.name)
+        progress = 1.0 if model is not None else cache.get("progress", {}).get(entry.name, 0.0)
+        row.update(in_model_cache=model is not None, loading=loading,
+                   load_progress=float(progress),
+                   bytes=int(model["nbytes"]) if model is not None else None)  # fmt: skip
+    return row
+
+
+def model_rows(table: ModelSettingsTable, cache: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    return [model_row(entry, cache) for entry in table]
+
+
+def _cache_summary(cache: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if cache is None:
+        return None
+    keys = ("budget_bytes", "used_bytes", "num_loads", "num_hits", "num_evictions")
+    return {k: cache.get(k) for k in keys}
+
+
+async def _model_cache(state: ProxyState) -> dict[str, Any] | None:
+    backend = state.backend
+    return await backend.model_cache() if isinstance(backend, ModelControl) else None
+
+
+def _control(state: ProxyState) -> ModelControl:
+    backend = state.backend
+    if not isinstance(backend, ModelControl):
+        raise APIError(501, "this backend cannot change its models at run time",
+                       code="not_supported")  # fmt: skip
+    return backend
+
+
+def _backend_error(exc: BackendError) -> APIError:
+    return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
+
+
+def _unknown(name: str) -> APIError:
+    return APIError(404, f"no model '{name}' is served", param="model", code="model_not_found")
+
+
+def _entry(state: ProxyState, name: str) -> LiveModel:
+    entry = state.models.get(name)
+    if entry is None or entry.state == "adding":
+        raise _unknown(name)
+    return entry
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    proxy = request.app[STATE].config.proxy
+    return await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
+
+
+# ---- handlers ----------------------------------------------------------------
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/aegaeon/models``."""
+    state = request.app[STATE]
+    cache = await _model_cache(state)
+    return json_response({"object": "list", "data": model_rows(state.models, cache),
+                          "model_cache": _cache_summary(cache)})  # fmt: skip
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """``GET /v1/aegaeon/models/{model}``."""
+    state = request.app[STATE]
+    entry = _entry(state, request.match_info["model"])
+    return json_response(model_row(entry, await _model_cache(state)))
+
+
+async def patch_model(request: web.Request) -> web.Response:
+    """``PATCH /v1/aegaeon/models/{model}``: change its settings now."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    entry = _entry(state, name)
+    changes = parse_settings(await _body(request))
+    if entry.state == "removing":
+        raise APIError(409, f"model '{name}' is being removed", code="model_removing")
+    settings = state.models.replaced(name, changes)
+    if "pin" in changes or "preload" in changes:
+        try:
+            await _control(state).set_model_flags(
+                name, pinned=settings.pin, preload=changes.get("preload") is True
+            )
+        except BackendError as exc:
+            raise _backend_error(exc) from None
+    if state.models.get(name) is not entry:
+        raise _unknown(name)  # removed meanwhile
+    # fields not in the body keep their value of now (another PATCH may have run)
+    state.models.update(name, msgspec.structs.replace(entry.settings, **changes))
+    log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
+    return json_response(model_row(entry, await _model_cache(state)))
+
+
+async def add_model(request: web.Request) -> web.Response:
+    """``POST /v1/aegaeon/models`` ``{"name": ..., settings}``: serve a model of the market."""
+    state = request.app[STATE]
+    body = await _body(request)
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid("name", "'name' must be the name of a model in the market folder")
+    changes = parse_settings(body, extra=("name",))
+    existing = state.models.get(name)
+    if existing is not None:
+        code = "model_exists" if existing.state == "serving" else f"model_{existing.state}"
+        raise APIError(409, f"model '{name}' is already {existing.state}", param="name",
+                       code=code)  # fmt: skip
+    control = _control(state)
+    market = state.config.market_dir
+    if market is None:
+        raise APIError(404, "this deployment names no market folder (`market:`)",
+                       param="name", code="model_not_in_market")  # fmt: skip
+    try:
+        offered = await asyncio.to_thread(market_models, market)
+    except ConfigError as exc:
+        raise APIError(500, f"the market cannot be read: {exc}", code="market_unreadable") from None
+    model = next((m for m in offered if m.name == name), None)
+    if model is None:
+        raise APIError(404, f"model '{name}' is not in the market folder {market}",
+                       param="name", code="model_not_in_market")  # fmt: skip
+    settings = msgspec.structs.replace(state.models.defaults, **changes)
+    entry = state.models.begin_add(model, settings)
+    registered = False
+    try:
+        state.assets.add(model)
+        await state.assets.get(name)  # tokenizer, template, window: a broken one fails here
+        registered = True
+        await control.add_model(model)
+        if settings.pin or settings.preload:
+            await control.set_model_flags(name, pinned=settings.pin, preload=settings.preload)
+    except (AssetError, BackendError) as exc:
+        state.assets.remove(name)
+        state.models.drop(name)
+        if registered:
+            await _forget(control, name)
+        log.error("model_add_failed", model=name, error=str(exc))
+        if isinstance(exc, BackendError):
+            raise _backend_error(exc) from None
+        raise APIError(422, f"model '{name}' cannot be served: {exc}", param="name",
+                       code="model_unavailable") from None  # fmt: skip
+    except BaseException:
+        state.assets.remove(name)
+        state.models.drop(name)
+        raise
+    state.models.finish_add(name)
+    log.info("model_added", model=name, path=str(model.path))
+    return json_response(model_row(entry, await _model_cache(state)), status=201)
+
+
+async def _forget(control: ModelControl, name: str) -> bool | None:
+    try:
+        return await control.forget_model(name)
+    except BackendError as exc:
+        log.warning("model_forget_failed", model=name, error=exc.message)
+        return None
+
+
+async def _finish_removal(
+    state: ProxyState, control: ModelControl, entry: LiveModel
+) -> bool | None:
+    """Once its last request has ended: the cachemgr forgets it, the table drops it."""
+    await entry.idle.wait()
+    evicted = await _forget(control, entry.name)
+    if state.models.get(entry.name) is entry:
+        state.models.drop(entry.name)
+    log.info("model_removed", model=entry.name, evicted=evicted)
+    return evicted
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    """``DELETE /v1/aegaeon/models/{model}``: 200 ``removed`` when nothing of it was in
+    flight, else 202 ``removing`` (it goes once its requests end)."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    entry = _entry(state, name)
+    if entry.state == "removing":
+        return json_response(_removal(entry, "removing"), status=202)
+    control = _control(state)
+    state.models.begin_remove(name)
+    state.assets.remove(name)  # new requests: 404 from now on
+    if entry.in_flight == 0:
+        evicted = await _finish_removal(state, control, entry)
+        return json_response({**_removal(entry, "removed"), "evicted": evicted})
+    task = asyncio.get_running_loop().create_task(_finish_removal(state, control, entry))
+    state.models.background.add(task)
+    task.add_done_callback(state.models.background.discard)
+    log.info("model_removing", model=name, in_flight=entry.in_flight)
+    return json_response(_removal(entry, "removing"), status=202)
+
+
+def _removal(entry: LiveModel, state: str) -> dict[str, Any]:
+    return {"name": entry.name, "object": "aegaeon.model", "state": state,
+            "in_flight": entry.in_flight}  # fmt: skip
+
+
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("GET", "/v1/aegaeon/models", list_models),
+    ("POST", "/v1/aegaeon/models", add_model),
+    ("GET", "/v1/aegaeon/models/{model}", get_model),
+    ("PATCH", "/v1/aegaeon/models/{model}", patch_model),
+    ("DELETE", "/v1/aegaeon/models/{model}", delete_model),
+]

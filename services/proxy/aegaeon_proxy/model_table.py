@@ -1,0 +1,163 @@
+"""The models the proxy serves now and their live settings (model lifecycle).
+
+One :class:`ModelSettingsTable` per proxy (``ProxyState.models``) is the one
+place that says which models are served and with which ``model_settings``:
+the config's at start, changed at run time by the admin endpoints
+(``aegaeon_proxy.admin_models``: ``PATCH``, ``POST``, ``DELETE
+/v1/aegaeon/models``). Everything that reads a model's settings per request
+(admission: ``max_concurrency``; the SLO class checks: ``slo_classes``,
+``min_ttft_s``, ``min_tbt_s``) reads :meth:`ModelSettingsTable.settings`, so a
+``PATCH`` applies to the next request.
+
+It also counts each model's requests in flight (:meth:`enter` when a
+generation is submitted, :meth:`leave` when it ends): ``max_concurrency`` is
+checked there, and a removed model leaves the cachemgr once its count is 0.
+Pure bookkeeping on the event loop: no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from aegaeon_common.config import Config, ModelConfig, ModelSettings
+
+from aegaeon_proxy.errors import APIError
+
+ModelState = Literal["adding", "serving", "removing"]
+
+__all__ = ["LiveModel", "ModelSettingsTable", "ModelState", "concurrency_refusal"]
+
+
+@dataclass
+class LiveModel:
+    """One model the proxy knows: its checkpoint, live settings, state, open requests."""
+
+    config: ModelConfig
+    settings: ModelSettings
+    state: ModelState = "serving"
+    runtime: bool = False  # added by POST /v1/aegaeon/models (not in the config file)
+    in_flight: int = 0
+    # set when it is being removed and its last request has ended
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+def concurrency_refusal(model: str, settings: ModelSettings, in_flight: int) -> str | None:
+    """Why one more request of ``model`` is refused (``max_concurrency`` reached), or None."""
+    bound = settings.max_concurrency
+    if bound is not None and in_flight >= bound:
+        return f"model '{model}' has {in_flight} requests in flight (max_concurrency {bound})"
+    return None
+
+
+class ModelSettingsTable:
+    """Served models in config order (runtime additions after them), by name."""
+
+    def __init__(self, models: Iterable[ModelConfig], settings: dict[str, ModelSettings]) -> None:
+        self._defaults = settings.get("*") or ModelSettings()
+        self._models: dict[str, LiveModel] = {
+            m.name: LiveModel(m, settings.get(m.name) or self._defaults) for m in models
+        }
+        # DELETEs waiting for their model's last request (held so they are not collected)
+        self.background: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def from_config(cls, config: Config) -> ModelSettingsTable:
+        return cls(config.models, config.model_settings)
+
+    # ---- reading -------------------------------------------------------------
+    def __iter__(self) -> Iterator[LiveModel]:
+        return iter(list(self._models.values()))
+
+    @property
+    def defaults(self) -> ModelSettings:
+        """``model_settings["*"]``: what a model without its own entry gets."""
+        return self._defaults
+
+    def get(self, name: str) -> LiveModel | None:
+        return self._models.get(name)
+
+    def serving(self, name: str) -> bool:
+        """True when ``name`` takes new requests."""
+        entry = self._models.get(name)
+        return entry is not None and entry.state == "serving"
+
+    def names(self) -> list[str]:
+        """The models that take new requests (``GET /v1/models``)."""
+        return [m.name for m in self._models.values() if m.state == "serving"]
+
+    def settings(self, name: str) -> ModelSettings:
+        """The live ``model_settings`` of ``name`` (the ``"*"`` defaults when unknown)."""
+        entry = self._models.get(name)
+        return entry.settings if entry is not None else self._defaults
+
+    def model_config(self, name: str) -> ModelConfig | None:
+        entry = self._models.get(name)
+        return entry.config if entry is not None else None
+
+    def in_flight(self, name: str) -> int:
+        entry = self._models.get(name)
+        return entry.in_flight if entry is not None else 0
+
+    # ---- requests ------------------------------------------------------------
+    def enter(self, name: str) -> None:
+        """One more request of ``name`` starts: 404 if it is not served (removed
+        meanwhile), 429 at its ``max_concurrency``."""
+        entry = self._models.get(name)
+        if entry is None or entry.state != "serving":
+            raise APIError(
+                404, f"The model '{name}' does not exist or you do not have access to it",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        why = concurrency_refusal(name, entry.settings, entry.in_flight)
+        if why is not None:
+            raise APIError(429, f"{why}; retry later", code="overloaded", retry_after_s=1.0)
+        entry.in_flight += 1
+
+    def leave(self, name: str) -> None:
+        """A request of ``name`` ended (it counted in :meth:`enter`)."""
+        entry = self._models.get(name)
+        if entry is None:
+            return
+        entry.in_flight = max(0, entry.in_flight - 1)
+        if entry.in_flight == 0 and entry.state == "removing":
+            entry.idle.set()
+
+    # ---- changes (the admin endpoints) ---------------------------------------
+    def update(self, name: str, settings: ModelSettings) -> None:
+        self._models[name].settings = settings
+
+    def begin_add(self, model: ModelConfig, settings: ModelSettings | None) -> LiveModel:
+        """Reserve ``model.name`` while it is being added (not served yet)."""
+        if model.name in self._models:
+            raise KeyError(model.name)
+        entry = LiveModel(model, settings or self._defaults, state="adding", runtime=True)
+        self._models[model.name] = entry
+        return entry
+
+    def finish_add(self, name: str) -> None:
+        self._models[name].state = "serving"
+
+    def drop(self, name: str) -> None:
+        """Forget ``name`` (an add that failed, or a removal that is complete)."""
+        self._models.pop(name, None)
+
+    def begin_remove(self, name: str) -> LiveModel:
+        """No new request of ``name`` from now on; :attr:`LiveModel.idle` is set once
+        the requests it has in flight have ended."""
+        entry = self._models[name]
+        entry.state = "removing"
+        if entry.in_flight == 0:
+            entry.idle.set()
+        return entry
+
+    def replaced(self, name: str, changes: dict[str, object]) -> ModelSettings:
+        """``name``'s settings with ``changes`` (ModelSettings field names) applied."""
+        return msgspec.structs.replace(self._models[name].settings, **changes)
