@@ -74,6 +74,12 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_s: float  # time.time() when the front accepted the request (wall clock, seconds)
+    # Its SLO class (aegaeon_proxy.slo_classes): the scheduler's rank (0 interactive,
+    # 1 standard, 2 batch) and its own targets (None: the deployment's).
+    priority: int = 1
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+    slo_class: str = "standard"
 
 
 @dataclass(frozen=True)

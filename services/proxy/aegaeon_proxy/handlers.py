@@ -19,7 +19,7 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 
 from aegaeon_proxy.assets import AssetError, ModelAssets
-from aegaeon_proxy.auth import allowed, model_not_found
+from aegaeon_proxy.auth import API_KEY, allowed, model_not_found
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Generation
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
@@ -34,6 +34,7 @@ from aegaeon_proxy.params import (
 )
 from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
 from aegaeon_proxy.responses import CHAT, COMPLETION, Head, Shapes, Usage, new_id
+from aegaeon_proxy.slo_classes import resolve
 from aegaeon_proxy.state import STATE, ProxyState
 
 OFFLOAD_BODY_BYTES = 16 << 10  # prompts larger than this are tokenized on a thread
@@ -86,6 +87,9 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     params = parse_common(body, endpoint.fields)
     if not allowed(request, params.model):
         raise model_not_found(params.model)
+    slo = resolve(state.config, params.model, state.model_settings(params.model),
+                  request.get(API_KEY), priority=params.priority, ttft_s=params.ttft_s,
+                  tbt_s=params.tbt_s, model_slo=state.slo(params.model))  # fmt: skip
     assets = await _assets(state, params.model)
     params = with_model_defaults(params, body, assets.sampling_defaults)
     if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
@@ -96,15 +100,18 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     req = build_request(
         request_id, params, prompt_ids, assets, chat=endpoint.chat, arrival_s=arrival_s
     )
+    req = replace(req, priority=slo.priority, ttft_s=slo.ttft_s, tbt_s=slo.tbt_s,
+                  slo_class=slo.slo_class)  # fmt: skip
     # the server's deadline; a request's own `timeout` may only shorten it
     timeout_s = min(params.timeout_s or proxy.request_timeout_s, proxy.request_timeout_s)
     gen = Generation(
         state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s,
-        slo=state.slo(params.model), models=state.models,
+        slo=slo.targets, models=state.models,
     )  # fmt: skip
     gen.submit()
     log.debug("request_accepted", request_id=request_id, model=params.model,
-              prompt_tokens=len(prompt_ids), max_tokens=req.sampling.max_tokens)  # fmt: skip
+              prompt_tokens=len(prompt_ids), max_tokens=req.sampling.max_tokens,
+              slo_class=slo.slo_class)  # fmt: skip
     return params, gen
 
 

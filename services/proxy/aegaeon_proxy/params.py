@@ -4,6 +4,12 @@ Each field has a checker ``(param, value) -> normalized value`` that raises a
 400 :class:`APIError` naming the field; a missing or ``null`` field takes its
 default. Unknown fields are ignored (as vLLM does); known OpenAI fields that we
 do not implement are accepted only with their neutral value.
+
+Aegaeon's extension fields (SLO classes, :mod:`aegaeon_proxy.slo_classes`):
+``priority`` (``"interactive"``, ``"standard"``, ``"batch"``) and explicit
+``ttft_ms`` / ``tbt_ms`` targets (positive numbers of milliseconds), checked
+here like every other field; what a caller may ask for is checked later,
+against its API key and the model.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+from aegaeon_common.config import SLO_CLASS_NAMES
 
 from aegaeon_proxy.errors import APIError, invalid
 
@@ -22,6 +30,7 @@ SEED_MAX = (1 << 63) - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: a match is checked against every new text piece
 MAX_STOP_TOKEN_IDS = 64
+MAX_TARGET_MS = 86_400_000.0  # a day: an explicit ttft_ms / tbt_ms beyond it is a typo
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,10 @@ class CommonParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     timeout_s: float | None = None  # the request's own deadline (None: the server's)
+    # Aegaeon's SLO extension (None: not given): the class asked for and explicit targets
+    priority: str | None = None
+    ttft_s: float | None = None  # from ttft_ms
+    tbt_s: float | None = None  # from tbt_ms
 
 
 def _string(param: str, value: Any) -> str:
@@ -125,6 +138,19 @@ def _timeout(param: str, value: Any) -> float:
     return _number(param, value, 0.0, 1e9, low_open=True)
 
 
+def _priority(param: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in SLO_CLASS_NAMES:
+        names = ", ".join(repr(n) for n in SLO_CLASS_NAMES)
+        shown = repr(value)[:60]  # a client's value, cut short
+        raise invalid(param, f"'{param}' must be one of {names}, got {shown}")
+    return value
+
+
+def _millis(param: str, value: Any) -> float:
+    """A target in milliseconds (> 0), as seconds."""
+    return _number(param, value, 0.0, MAX_TARGET_MS, low_open=True) / 1000.0
+
+
 def _stream_options(param: str, value: Any) -> bool:
     if not isinstance(value, dict):
         raise invalid(param, f"'{param}' must be an object")
@@ -147,6 +173,9 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "stop_token_ids": ("stop_token_ids", _token_ids),
     "ignore_eos": ("ignore_eos", _bool),
     "timeout": ("timeout_s", _timeout),
+    "priority": ("priority", _priority),
+    "ttft_ms": ("ttft_s", _millis),
+    "tbt_ms": ("tbt_s", _millis),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,

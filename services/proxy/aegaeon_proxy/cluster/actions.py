@@ -99,10 +99,13 @@ class ActionRunner:
             return
         tracked.instance = action.instance
         gen = tracked.gen
+        sched = tracked.sched
         self._send(
             action.instance,
             EnqueuePrefill(gen.request_id, gen.model, action.group_id,
-                           list(gen.prompt_token_ids), tracked.sampling, gen.arrival_s),
+                           list(gen.prompt_token_ids), tracked.sampling, gen.arrival_s,
+                           priority=sched.priority, ttft_s=sched.ttft_s or 0.0,
+                           tbt_s=sched.tbt_s or 0.0),
         )  # fmt: skip
 
     def _place_decode(self, action: PlaceDecode) -> None:
@@ -118,6 +121,8 @@ class ActionRunner:
                 prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
                 num_generated=tracked.num_generated, sampling=tracked.sampling,
                 handoff=tracked.handoff, arrival_s=gen.arrival_s,
+                priority=tracked.sched.priority, ttft_s=tracked.sched.ttft_s or 0.0,
+                tbt_s=tracked.sched.tbt_s or 0.0,
             ),
         )  # fmt: skip
 

@@ -11,6 +11,10 @@ A request that would take a quantity past its bound is refused with a 429
 (and ``Retry-After``) unless nothing is admitted on that quantity yet, so a
 request larger than a bound is served alone rather than never. Pure
 bookkeeping: no clock, no I/O.
+
+With SLO classes each class may fill its own fraction of every bound
+(``fraction``; :mod:`aegaeon_sched.shedding` decides who is deferred or
+refused past it: the lowest class first, never the highest first).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from aegaeon_sched import Request, Shedder, Verdict
+
 BLOCK_TOKENS = 16  # the engine's KV block size (aegaeon_engine.KVShape.block_size)
 
-__all__ = ["BLOCK_TOKENS", "AdmissionControl", "Bounds", "derive_bounds"]
+__all__ = ["BLOCK_TOKENS", "AdmissionControl", "Bounds", "ClassAdmission", "derive_bounds"]
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,10 @@ class AdmissionControl:
     def blocks(prompt_tokens: int, max_tokens: int) -> int:
         return -(-(prompt_tokens + max_tokens) // BLOCK_TOKENS)
 
-    def refusal(self, model: str, prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why the request may not be admitted now, or None when it fits."""
+    def refusal(self, model: str, prompt_tokens: int, max_tokens: int,
+                fraction: float = 1.0, *, count: bool = True) -> str | None:  # fmt: skip
+        """Why the request may not be admitted now under ``fraction`` x each bound,
+        or None when it fits; ``count``: add a refusal to :attr:`refused`."""
         b = self.bounds
         blocks = self.blocks(prompt_tokens, max_tokens)
         checks = (
@@ -98,9 +106,11 @@ class AdmissionControl:
             ("kv_blocks", sum(self._kv.values()), blocks, b.kv_blocks),
             ("kv_blocks_per_model", self._kv[model], blocks, b.kv_blocks_per_model),
         )  # fmt: skip
-        for name, held, wanted, bound in checks:
+        for name, held, wanted, full in checks:
+            bound = None if full is None else max(1, int(full * fraction))
             if bound is not None and held > 0 and held + wanted > bound:
-                self.refused[name] += 1
+                if count:
+                    self.refused[name] += 1
                 return (f"{name.replace('_', ' ')}: {held} held + {wanted} asked > bound "
                         f"{bound}")  # fmt: skip
         return None
@@ -147,3 +157,62 @@ class AdmissionControl:
             },
             "refused": dict(self.refused),
         }
+
+
+class ClassAdmission:
+    """Admission by SLO class: each class may fill its own fraction of the bounds of
+    ``admission``; past it a request is deferred (it waits here) or refused, as
+    ``shedder`` (:class:`aegaeon_sched.Shedder`) says: the lowest class first, never
+    the highest first. Without a shedder (classes off) every request is held to the
+    whole bounds and refused past them, as before classes. Pure bookkeeping."""
+
+    def __init__(self, admission: AdmissionControl, shedder: Shedder | None) -> None:
+        self.admission = admission
+        self.shedder = shedder
+
+    def fits(self, request: Request, fraction: float) -> bool:
+        """``request`` fits under ``fraction`` x each bound now (nothing counted)."""
+        why = self.admission.refusal(request.model, request.prompt_len, request.max_tokens,
+                                     fraction, count=False)  # fmt: skip
+        return why is None
+
+    def decide(self, request: Request) -> Verdict:
+        """Admit, defer (kept by the shedder until :meth:`release`) or refuse."""
+        if self.shedder is not None:
+            return self.shedder.decide(request, self.fits)
+        return Verdict.ADMIT if self.fits(request, 1.0) else Verdict.REFUSE
+
+    def why(self, request: Request) -> str:
+        """Why ``request`` was refused (counted in the admission's refusals)."""
+        fraction = self.shedder.fraction(request) if self.shedder is not None else 1.0
+        why = self.admission.refusal(request.model, request.prompt_len, request.max_tokens,
+                                     fraction)  # fmt: skip
+        if why is None and self.shedder is not None:
+            why = f"{len(self.shedder)} requests of lower classes wait already"
+        return why or "overloaded"
+
+    def admit(self, request: Request) -> None:
+        self.admission.admit(request.request_id, request.model, request.prompt_len,
+                             request.max_tokens)  # fmt: skip
+
+    def release(self) -> list[Request]:
+        """Deferred requests that fit now, earliest deadline first, admitted one by one
+        (each counts against the bounds before the next is tried): to dispatch."""
+        if self.shedder is None:
+            return []
+
+        def fits_and_admit(request: Request, fraction: float) -> bool:
+            if not self.fits(request, fraction):
+                return False
+            self.admit(request)
+            return True
+
+        return self.shedder.release(fits_and_admit)
+
+    def cancel(self, request_id: str) -> bool:
+        """A deferred request went away (``False``: it was not waiting)."""
+        return self.shedder.cancel(request_id) if self.shedder is not None else False
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self.shedder) if self.shedder is not None else 0

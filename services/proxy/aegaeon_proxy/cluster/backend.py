@@ -41,17 +41,19 @@ from aegaeon_common.messages.report import (
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, WireError, to_plain
-from aegaeon_sched import DecodeDispatcher, Policy, Request
+from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Request, Shedder, Verdict
 from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
-from aegaeon_proxy.cluster.admission import AdmissionControl
+from aegaeon_proxy.cluster.admission import AdmissionControl, ClassAdmission
 from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
 from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
+from aegaeon_proxy.cluster.roles import RoleSwitcher
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
+from aegaeon_proxy.slo_classes import class_table
 
 log = get_logger("cluster")
 MONITOR_S = 0.5
@@ -70,14 +72,28 @@ class ClusterBackend:
         self.requests: dict[str, Tracked] = {}
         self.policy: Policy | None = None
         self.admission: AdmissionControl | None = None  # with the policy
+        self.gate: ClassAdmission | None = None  # the admission by SLO class, with it
         # ids ended here lately, oldest first: tokens of an id not in here and not
         # open belong to a request this proxy never knew (it restarted) and are
         # cancelled at their instance, so its KV and compute are freed
         self._ended: OrderedDict[str, None] = OrderedDict()
         self.timings = TimingLog(config.proxy.stats_records)
         self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0,
-                                         "retried": 0, "rejected": 0, "orphans_cancelled": 0,
-                                         "bad_frames": 0, "report_errors": 0}
+                                         "retried": 0, "rejected": 0, "deferred": 0,
+                                         "orphans_cancelled": 0, "bad_frames": 0,
+                                         "report_errors": 0}  # fmt: skip
+        # SLO classes: under overload the lowest class is deferred or refused first
+        # (aegaeon_sched.shedding); None with classes off (one class, fraction 1.0)
+        self.shedder: Shedder | None = None
+        if config.slo_classes.enabled:
+            self.shedder = Shedder(class_table(config, config.slo.ttft_s, config.slo.tbt_s),
+                                   config.slo_classes.max_deferred)  # fmt: skip
+        self._releasing = False
+        # token velocity and, with roles.enabled, prefill/decode role switching
+        if config.roles.enabled and not config.role_switching:
+            log.warning("roles.enabled needs the aegaeon policy with "
+                        "scheduler.prefill_decodes_when_idle: roles stay fixed")  # fmt: skip
+        self.roles = RoleSwitcher(config, self.instances, config.role_switching)
         self._reports = Puller(self.ctx, config.proxy_address, REPORT_CHANNEL, bind=True)
         self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
         self._tasks: list[asyncio.Task[None]] = []
@@ -165,30 +181,64 @@ class ClusterBackend:
                 retry_after_s=retry_after_s,
             )
         s = req.sampling
-        prompt_len = len(req.prompt_token_ids)
-        if self.admission is not None:
-            why = self.admission.refusal(req.model, prompt_len, s.max_tokens)
-            if why is not None:
-                self.counters["rejected"] += 1
-                raise BackendError.overloaded(
-                    f"the node is at its admission bound ({why}); retry later",
-                    retry_after_s=retry_after_s,
-                )
+        sched = Request(
+            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
+            oracle_output_len=s.max_tokens if s.ignore_eos else None,
+            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s,
+        )  # fmt: skip
+        assert self.gate is not None  # made with the policy
+        verdict = self.gate.decide(sched)
+        if verdict is Verdict.REFUSE:
+            self.counters["rejected"] += 1
+            why = self.gate.why(sched)
+            raise BackendError.overloaded(
+                f"the node is at its admission bound for {req.slo_class} requests ({why}); "
+                "retry later", retry_after_s=retry_after_s,
+            )  # fmt: skip
         sampling = SamplingSpec(
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
         )  # fmt: skip
-        sched = Request(
-            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
-            oracle_output_len=s.max_tokens if s.ignore_eos else None,
-        )  # fmt: skip
         tracked = Tracked(req, sched, sampling, TokenQueue())
         self.requests[req.request_id] = tracked
-        if self.admission is not None:
-            self.admission.admit(req.request_id, req.model, prompt_len, s.max_tokens)
-        self._actions.run(self.policy.on_arrival(sched, time.time()))
+        self.roles.arrived(time.monotonic(), sched.prompt_len)
+        if verdict is Verdict.DEFER:  # it waits here for room (Shedder.release)
+            tracked.deferred = True
+            self.counters["deferred"] += 1
+            log.debug("request_deferred", request_id=req.request_id, model=req.model,
+                      slo_class=req.slo_class)  # fmt: skip
+            return tracked.queue
+        self._dispatch(tracked)
         return tracked.queue
+
+    def _dispatch(self, tracked: Tracked, admitted: bool = False) -> None:
+        """Admit it (unless ``admitted`` already) and hand it to the policy."""
+        assert self.policy is not None and self.gate is not None
+        if not admitted:
+            self.gate.admit(tracked.sched)
+        self._actions.run(self.policy.on_arrival(tracked.sched, time.time()))
+
+    def _release_deferred(self) -> None:
+        """Room was freed: deferred requests that fit now go out, earliest deadline first."""
+        gate = self.gate
+        if gate is None or self._releasing or not gate.num_deferred:
+            return
+        self._releasing = True  # dispatching may end requests (Reject): no re-entry
+        try:
+            while gate.num_deferred:
+                released = gate.release()
+                if not released:
+                    break
+                for sched in released:
+                    tracked = self.requests.get(sched.request_id)
+                    if tracked is not None and tracked.deferred:
+                        tracked.deferred = False
+                        self._dispatch(tracked, admitted=True)
+                    elif self.admission is not None:  # gone meanwhile
+                        self.admission.release(sched.request_id)
+        finally:
+            self._releasing = False
 
     async def cancel(self, request_id: str) -> None:
         tracked = self.requests.pop(request_id, None)
@@ -197,8 +247,12 @@ class ClusterBackend:
         self._forget(request_id)
         self.counters["cancelled"] += 1
         self.timings.add(tracked, "cancelled", None)
-        self._actions.run(self.policy.on_request_cancelled(request_id, time.time()))
+        if tracked.deferred and self.gate is not None:
+            self.gate.cancel(request_id)  # it never reached the policy
+        else:
+            self._actions.run(self.policy.on_request_cancelled(request_id, time.time()))
         tracked.queue.finish("cancelled")
+        self._release_deferred()
 
     def end_request(
         self, request_id: str, reason: str, error: str | None = None, code: str | None = None
@@ -213,8 +267,11 @@ class ClusterBackend:
             tracked.queue.finish("error", error, code)
         else:
             self.counters["finished"] += 1
-        if self.policy is not None:
+        if tracked.deferred and self.gate is not None:
+            self.gate.cancel(request_id)
+        elif self.policy is not None:
             self._actions.run(self.policy.on_request_finished(request_id, time.time()))
+        self._release_deferred()
         return tracked
 
     def _forget(self, request_id: str) -> None:
@@ -266,6 +323,7 @@ class ClusterBackend:
         if self.policy is None and all(v.hello is not None for v in self.instances):
             self.policy = build_policy(self.config, self.instances, self.unified)
             self.admission = AdmissionControl(admission_bounds(self.config, self.instances))
+            self.gate = ClassAdmission(self.admission, self.shedder)
             log.info("policy ready", policy=self.policy.name,
                      admission=self.admission.snapshot()["bounds"])  # fmt: skip
             pause = getattr(self.policy, "pause", None)
@@ -294,11 +352,22 @@ class ClusterBackend:
 
     def _on_stats(self, msg: InstanceStats) -> None:
         view = self.instances.on_stats(msg)
-        if view is not None and self.config.hybrid_prefill and msg.kind == "prefill":
+        if view is None:
+            return
+        # a prefill instance decodes when idle; with roles moving, a decode one prefills
+        prefills = msg.kind == "prefill" or self.config.role_switching
+        if self.config.hybrid_prefill and prefills:
             share = self._shares.observe(view.name, msg.counters.get("prefill_s", 0.0))
             dispatcher = getattr(self.policy, "decode", None)
             if isinstance(dispatcher, DecodeDispatcher):
                 dispatcher.set_decode_share(view.name, share)
+        now = time.monotonic()
+        self.roles.heartbeat(view, now)
+        if isinstance(self.policy, AegaeonPolicy):
+            views = list(self.instances)
+            steady = all(v.alive(now) and not v.paused for v in views)
+            for change in self.roles.observe(now, self.policy, views, steady):
+                self._actions.run(self.policy.set_role(change.instance, change.role, time.time()))
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         tracked = self.requests.get(msg.request_id)
@@ -306,12 +375,14 @@ class ClusterBackend:
             # cancelled meanwhile, or a second prefill of it (work queued for an
             # instance that died reached its successor): nobody will claim this KV
             if msg.handoff is not None:
-                self._free_orphan(f"prefill-{msg.index}", msg.handoff.block_offsets)
+                self._free_orphan(f"{msg.kind}-{msg.index}", msg.handoff.block_offsets)
             return
         if self.admission is not None:
             self.admission.prefilled(msg.request_id)
+            self._release_deferred()
         tracked.num_generated = 1
-        tracked.handoff_owner = f"prefill-{msg.index}"
+        # (a decode instance prefills too when roles move: the blocks are its own)
+        tracked.handoff_owner = f"{msg.kind}-{msg.index}"
         tracked.first_token_id = msg.token_id
         tracked.handoff = msg.handoff
         tracked.prefill_timings = msg.timings
@@ -363,6 +434,7 @@ class ClusterBackend:
             await asyncio.sleep(MONITOR_S)
             for view in self.instances.newly_dead():
                 self._instance_down(view.name, "its heartbeat stopped")
+            self._release_deferred()  # (room is freed by events; this is a safety net)
 
     async def _watch(self, view: InstanceView) -> None:
         """An instance whose process ended (its command socket disconnected) is down
@@ -469,7 +541,19 @@ class ClusterBackend:
                 "kv_blocks_in_use": int(counters.get("kv_blocks_in_use", 0)),
                 "leases": int(owners.get(v.name, 0)) if cache is not None else -1,
                 "open_sequences": int(counters.get("open_sequences", 0)),
+                "role": self.roles.role(v.name),
             })  # fmt: skip
+        return out
+
+    def _classes_snapshot(self) -> dict[str, object]:
+        """SLO classes: whether on, requests open by class, what shedding did."""
+        by_class: dict[str, int] = {}
+        for t in self.requests.values():
+            by_class[t.gen.slo_class] = by_class.get(t.gen.slo_class, 0) + 1
+        out: dict[str, object] = {"enabled": self.config.slo_classes.enabled,
+                                  "open_by_class": by_class}  # fmt: skip
+        if self.shedder is not None:
+            out["shedding"] = self.shedder.snapshot()
         return out
 
     async def stats(self, light: bool = False) -> dict[str, object]:
@@ -492,6 +576,8 @@ class ClusterBackend:
             },
             "cache": cache,
             "admission": self.admission.snapshot() if self.admission is not None else None,
+            "slo_classes": self._classes_snapshot(),
+            "roles": self.roles.snapshot(time.monotonic(), list(self.instances)),
         }
         if light:
             return out

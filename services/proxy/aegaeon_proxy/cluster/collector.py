@@ -6,10 +6,13 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Protocol
 
+from aegaeon_sched import Shedder
+from aegaeon_sched.velocity import STAGES
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from aegaeon_proxy.cluster.instances import InstanceView
+from aegaeon_proxy.cluster.roles import RoleSwitcher
 
 
 class CollectedBackend(Protocol):
@@ -23,6 +26,12 @@ class CollectedBackend(Protocol):
 
     @property
     def counters(self) -> Mapping[str, int]: ...
+
+    @property
+    def roles(self) -> RoleSwitcher: ...
+
+    @property
+    def shedder(self) -> Shedder | None: ...
 
     def held_counts(self) -> tuple[int, int]: ...
 
@@ -79,3 +88,62 @@ class ClusterCollector(Collector):
             family.add_metric([name], float(count))
         yield ended
         yield events
+        yield from self._velocity_and_roles()
+        shedder = b.shedder
+        if shedder is not None:
+            yield GaugeMetricFamily(
+                "aegaeon_deferred_requests",
+                "Requests waiting in the proxy for admission room (deferred by SLO class)",
+                value=len(shedder),
+            )  # fmt: skip
+            shed = CounterMetricFamily(
+                "aegaeon_shed_requests", "Requests shed under overload by SLO class: "
+                "deferred (waited in the proxy) or refused (429)", labels=["slo_class", "verdict"],
+            )  # fmt: skip
+            for name, count in sorted(shedder.refused.items()):
+                shed.add_metric([name, "refused"], float(count))
+            shed.add_metric(["*", "deferred"], float(shedder.num_deferred))
+            yield shed
+
+    def _velocity_and_roles(self) -> Iterator[Metric]:
+        b = self._backend
+        roles = b.roles
+        views = list(b.instances)
+        per_instance = GaugeMetricFamily(
+            "aegaeon_instance_velocity_tokens_per_second",
+            "Token velocity of an instance by stage (arrival, prefill, decode; TokenScale "
+            "III-B), from its last heartbeat", labels=["instance", "stage"],
+        )  # fmt: skip
+        for view in views:
+            velocity = view.stats.velocity if view.stats is not None else {}
+            for stage in STAGES:
+                per_instance.add_metric([view.name, stage], float(velocity.get(stage, 0.0)))
+        yield per_instance
+        cluster = GaugeMetricFamily(
+            "aegaeon_cluster_velocity_tokens_per_second",
+            "The cluster's token velocity by stage: its instances' summed", labels=["stage"],
+        )  # fmt: skip
+        for stage, rate in roles.cluster_velocity(views).items():
+            cluster.add_metric([stage], rate)
+        yield cluster
+        yield GaugeMetricFamily(
+            "aegaeon_proxy_arrival_velocity_tokens_per_second",
+            "Prompt tokens per second arriving at the proxy (the role policy's leading signal)",
+            value=roles.arrivals.rate(time.monotonic()),
+        )  # fmt: skip
+        role = GaugeMetricFamily(
+            "aegaeon_instance_role", "1 for an instance's current role (prefill or decode)",
+            labels=["instance", "role"],
+        )  # fmt: skip
+        for view in views:
+            current = roles.role(view.name)
+            for name in ("prefill", "decode"):
+                role.add_metric([view.name, name], float(current == name))
+        yield role
+        switches = CounterMetricFamily(
+            "aegaeon_role_switches", "Instances moved between the prefill and decode roles, "
+            "by the role taken", labels=["role"],
+        )  # fmt: skip
+        for name in ("prefill", "decode"):
+            switches.add_metric([name], float(roles.switches.get(name, 0)))
+        yield switches

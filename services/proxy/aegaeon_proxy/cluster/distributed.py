@@ -239,6 +239,7 @@ class DistributedBackend:
         sched = Request(
             req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
             oracle_output_len=s.max_tokens if s.ignore_eos else None,
+            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s,
         )  # fmt: skip
         tracked = Tracked(req, sched, sampling, TokenQueue())
         self.requests[req.request_id] = tracked
@@ -297,6 +298,8 @@ class DistributedBackend:
         await self._send(record, EnqueuePrefill(
             gen.request_id, gen.model, group_id, list(gen.prompt_token_ids), tracked.sampling,
             gen.arrival_s, incarnation=record.incarnation, reply_to=self.report_address,
+            priority=tracked.sched.priority, ttft_s=tracked.sched.ttft_s or 0.0,
+            tbt_s=tracked.sched.tbt_s or 0.0,
         ))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")
@@ -345,7 +348,8 @@ class DistributedBackend:
             prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
             num_generated=tracked.num_generated, sampling=tracked.sampling,
             handoff=tracked.handoff, arrival_s=gen.arrival_s, incarnation=record.incarnation,
-            reply_to=self.report_address,
+            reply_to=self.report_address, priority=tracked.sched.priority,
+            ttft_s=tracked.sched.ttft_s or 0.0, tbt_s=tracked.sched.tbt_s or 0.0,
         ))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")

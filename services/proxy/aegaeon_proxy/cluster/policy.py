@@ -41,12 +41,19 @@ def _min_capacity(instances: Instances, kind: str) -> dict[str, int]:
 
 def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
     names = [v.name for v in instances]
+    standby: tuple[str, ...] = ()
     if unified:
         cluster = ClusterSpec(prefill_instances=(), decode_instances=tuple(names))
     else:
         prefill = tuple(n for n in names if n.startswith("prefill-"))
         decode = tuple(n for n in names if n.startswith("decode-"))
-        if config.hybrid_prefill:
+        if config.role_switching:
+            # Every instance may prefill (decode instances run the hybrid loop); the
+            # decode ones start in the decode role (standby for prefill work) and the
+            # proxy moves them (aegaeon_proxy.cluster.roles).
+            standby = decode
+            prefill, decode = prefill + decode, decode + prefill
+        elif config.hybrid_prefill:
             decode += prefill  # decode instances first: Alg. 2 breaks ties by order
         cluster = ClusterSpec(prefill_instances=prefill, decode_instances=decode)
     capacity = _min_capacity(instances, "decode")
@@ -56,6 +63,10 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         decode_capacity_tokens=capacity,
         unified_capacity_tokens=capacity,
         decode_tbt_s=config.slo.tbt_s,  # what every decode instance plans for
+        # a request without its own TTFT (classes off) is keyed by the deployment's,
+        # as the instances key their mirrors
+        default_ttft_s=config.slo.ttft_s,
+        standby=standby,
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
     dispatcher = getattr(policy, "decode", None)

@@ -24,6 +24,7 @@ class Tracked:
     prefill_timings: RequestTimings | None = None
     retries: int = 0  # dispatched again after its instance failed before its first token
     handoff_owner: str | None = None  # the instance whose lease holds the handoff's blocks
+    deferred: bool = False  # waiting in the proxy for admission room (SLO class shedding)
 
 
 @dataclass(frozen=True)
