@@ -1,0 +1,192 @@
+"""Model lifecycle through `aegaeon serve`: a node serving part of a market takes a
+model of the market folder at run time (``POST /v1/aegaeon/models``), serves it,
+pins it, and removes it again (``DELETE``), leaving nothing behind; a removal
+waits for the requests in flight. No restart at any point."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aegaeon_cli.serve import default_config_dict
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import Served, shm_segments, start_serve, stop_serve
+
+SETTLE_S = 60.0  # heartbeats and background loads settle within this (a busy CI machine)
+
+
+@pytest.fixture(scope="module")
+def market_names(small_market: Path) -> list[str]:
+    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
+
+
+@pytest.fixture(scope="module")
+def partial(
+    small_market: Path, market_names: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    """`aegaeon serve` of the market's first two models only."""
+    base = tmp_path_factory.mktemp("models")
+    raw = default_config_dict(small_market, 0)
+    raw["models"] = [{"name": n, "path": str(small_market / n)} for n in market_names[:2]]
+    config = base / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_dir = base / "run"
+    served = start_serve(small_market, run_dir, "--config", str(config))
+    try:
+        yield served
+    finally:
+        survivors = stop_serve(served)
+        assert served.proc.returncode == 0, served.log_tail()
+        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
+        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
+
+
+def _call(served: Served, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(served.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _complete(served: Served, model: str, max_tokens: int = 4) -> tuple[int, Any]:
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return _call(served, "POST", "/v1/completions", body)
+
+
+def _rows(served: Served) -> dict[str, dict[str, Any]]:
+    status, body = _call(served, "GET", "/v1/aegaeon/models")
+    assert status == 200, body
+    return {row["name"]: row for row in body["data"]}
+
+
+def _listed(served: Served) -> list[str]:
+    return [m["id"] for m in _call(served, "GET", "/v1/models")[1]["data"]]
+
+
+def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.2)
+
+
+def _load_progress(served: Served) -> dict[str, float]:
+    services = _call(served, "GET", "/v1/aegaeon/services")[1]["services"]
+    url = next(s["metrics_url"] for s in services if s["name"] == "cachemgr")
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["model"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "aegaeon_model_load_progress_ratio"
+        for s in family.samples
+    }
+
+
+def _nothing_held(stats: dict[str, Any]) -> bool:
+    return stats["open_requests"] == 0 and all(
+        i["leases"] == 0 and i["open_sequences"] == 0 for i in stats["instances"]
+    )
+
+
+def test_hot_add_serve_pin_and_remove(partial: Served, market_names: list[str]) -> None:
+    configured, extra = market_names[:2], market_names[2]
+    assert _listed(partial) == configured
+    assert set(_rows(partial)) == set(configured)
+    assert _complete(partial, extra)[0] == 404
+
+    # errors: not in the market, already served, a bad field
+    status, body = _call(partial, "POST", "/v1/aegaeon/models", {"name": "no-such-model"})
+    assert status == 404 and body["error"]["code"] == "model_not_in_market"
+    assert _call(partial, "POST", "/v1/aegaeon/models", {"name": configured[0]})[0] == 409
+    status, body = _call(partial, "POST", "/v1/aegaeon/models", {"name": extra, "pin": 1})
+    assert status == 400 and body["error"]["param"] == "pin"
+
+    # add: served at once, without a restart
+    status, row = _call(partial, "POST", "/v1/aegaeon/models", {"name": extra})
+    assert status == 201, row
+    assert row["state"] == "serving" and row["source"] == "runtime" and row["pinned"] is False
+    assert _listed(partial) == [*configured, extra]
+    status, done = _complete(partial, extra)
+    assert status == 200, done
+    assert done["model"] == extra and done["usage"]["completion_tokens"] == 4
+    assert _complete(partial, configured[0])[0] == 200  # the others still serve
+
+    # pin: the cachemgr holds it as the operator's; its progress is a metric
+    status, row = _call(partial, "PATCH", f"/v1/aegaeon/models/{extra}",
+                        {"pinned": True, "max_concurrency": 8})  # fmt: skip
+    assert status == 200, row
+    assert row["pinned"] is True and row["max_concurrency"] == 8
+    _until("the pinned model is resident", lambda: _rows(partial)[extra]["load_progress"] == 1.0)
+    row = _rows(partial)[extra]
+    assert row["in_model_cache"] is True and row["bytes"] > 0
+    stats = _call(partial, "GET", "/v1/aegaeon/stats?light=1")[1]
+    assert extra in stats["cache"]["model_cache"]["operator_pinned"]
+    assert {m["name"]: m for m in stats["models"]}[extra]["load_progress"] == 1.0
+    assert _load_progress(partial).get(extra) == 1.0
+    status, body = _call(partial, "PATCH", f"/v1/aegaeon/models/{extra}", {"pinned": "yes"})
+    assert status == 400 and body["error"]["param"] == "pinned"
+
+    # remove: 404 at once, and nothing of it is left
+    status, body = _call(partial, "DELETE", f"/v1/aegaeon/models/{extra}")
+    assert status == 200 and body["state"] == "removed", body
+    status, body = _complete(partial, extra)
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert _listed(partial) == configured
+    assert _call(partial, "PATCH", f"/v1/aegaeon/models/{extra}", {"pin": True})[0] == 404
+
+    def clean() -> dict[str, Any] | None:
+        stats = _call(partial, "GET", "/v1/aegaeon/stats?light=1")[1]
+        return stats if _nothing_held(stats) else None
+
+    stats = _until("no request, lease or sequence left", clean)
+    assert stats["counters"]["report_errors"] == 0  # every InstanceModels was understood
+    cache = stats["cache"]["model_cache"]
+    assert extra not in [m["name"] for m in cache["models"]]
+    assert extra not in cache["known"] and extra not in cache["operator_pinned"]
+    assert extra not in cache["loading"] and extra not in cache["progress"]
+    assert extra not in [m["name"] for m in stats["models"]]
+    assert extra not in _load_progress(partial)
+    assert _complete(partial, configured[1])[0] == 200
+
+
+def test_removal_lets_requests_in_flight_finish(partial: Served, market_names: list[str]) -> None:
+    model = market_names[3]
+    status, row = _call(partial, "POST", "/v1/aegaeon/models", {"name": model})
+    assert status == 201, row
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        result["status"], result["body"] = _complete(partial, model, max_tokens=200)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    _until("the request is in flight", lambda: _rows(partial)[model]["in_flight"] == 1)
+    status, body = _call(partial, "DELETE", f"/v1/aegaeon/models/{model}")
+    # 202 while it runs (200 if it ended in between: a slow machine's scheduling)
+    assert status in (200, 202), body
+    assert body["state"] == ("removing" if status == 202 else "removed")
+    assert _complete(partial, model)[0] == 404  # new requests: at once
+    thread.join(timeout=300)
+    assert result["status"] == 200, result  # the one in flight finished
+    assert result["body"]["usage"]["completion_tokens"] == 200
+    _until("the model is gone", lambda: model not in _rows(partial))
+    cache = _call(partial, "GET", "/v1/aegaeon/stats?light=1")[1]["cache"]["model_cache"]
+    assert model not in [m["name"] for m in cache["models"]] and model not in cache["known"]
