@@ -96,6 +96,8 @@ def make_app(config: Config, backend: Backend) -> web.Application:
         await app[STATE].backend.start()
 
     async def stop_backend(app: web.Application) -> None:
+        for task in list(app[STATE].models.background):  # removals still waiting
+            task.cancel()
         await app[STATE].backend.stop()
 
     app.on_startup.append(start_backend)
