@@ -99,7 +99,9 @@ class ClusterBackend:
         self._tasks: list[asyncio.Task[None]] = []
         self._actions = ActionRunner(self)
         self._shares = DecodeShares()
-        self.models = ClusterModels(self)  # models added and removed at run time
+        # models added and removed at run time
+        self.models = ClusterModels(config, self.instances, self._cache, self._actions.send,
+                                    lambda: self.policy)  # fmt: skip
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             InstanceHello: self._on_hello,
             InstanceStats: self._on_stats,

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
-from aegaeon_common.config import ModelConfig
+from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
     CacheStats,
@@ -31,15 +32,12 @@ from aegaeon_common.messages.cache import (
 )
 from aegaeon_common.messages.prefill import AddModel
 from aegaeon_common.messages.report import InstanceHello, InstanceModels
-from aegaeon_common.transport import RemoteError
+from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import DecodeDispatcher, LatencyModel
+from aegaeon_sched import DecodeDispatcher, LatencyModel, Policy
 
 from aegaeon_proxy.backend import BackendError
-
-if TYPE_CHECKING:
-    from aegaeon_proxy.cluster.backend import ClusterBackend
-    from aegaeon_proxy.cluster.instances import InstanceView
+from aegaeon_proxy.cluster.instances import Instances, InstanceView
 
 log = get_logger("cluster")
 
@@ -64,10 +62,23 @@ def _cache_error(exc: RemoteError) -> BackendError:
 
 
 class ClusterModels:
-    """Adds, removes and flags models on the node a :class:`ClusterBackend` drives."""
+    """Adds, removes and flags models on the node the cluster backend drives: its
+    ``instances``, its cachemgr client, ``send`` (the backend's ordered sends to an
+    instance) and ``policy`` (the policy now; None until every instance said hello)."""
 
-    def __init__(self, backend: ClusterBackend) -> None:
-        self.backend = backend
+    def __init__(
+        self,
+        config: Config,
+        instances: Instances,
+        cache: RpcClient,
+        send: Callable[[str, Message], None],
+        policy: Callable[[], Policy | None],
+    ) -> None:
+        self.config = config
+        self.instances = instances
+        self._cache = cache
+        self._send = send
+        self._policy = policy
         self.added: dict[str, ModelConfig] = {}  # models added here (not in the config)
         self.removed: set[str] = set()  # configured models removed here
         self._sent: Counter[str] = Counter()  # AddModels sent, per instance
@@ -77,7 +88,7 @@ class ClusterModels:
 
     async def _call(self, msg: Message) -> Message:
         try:
-            return await self.backend._cache.call(msg, timeout_s=CACHE_TIMEOUT_S)
+            return await self._cache.call(msg, timeout_s=CACHE_TIMEOUT_S)
         except TimeoutError:
             raise BackendError.unavailable("the cachemgr did not answer") from None
         except RemoteError as exc:
@@ -87,18 +98,17 @@ class ClusterModels:
     async def add(self, model: ModelConfig) -> None:
         """Register ``model`` with the cachemgr, tell every instance, and wait until
         every live one serves it (a BackendError names the one that cannot)."""
-        backend = self.backend
-        if backend.policy is None:
+        if self._policy() is None:
             raise BackendError.unavailable("the instances are not all up yet")
         await self._call(RegisterModel(model.name, str(model.path)))
         self.added[model.name] = model
         self.removed.discard(model.name)
-        tickets = {view.name: self._send_add(view, model) for view in backend.instances}
+        tickets = {view.name: self._send_add(view, model) for view in self.instances}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ADD_TIMEOUT_S
         while True:
             waiting: list[str] = []
-            for view in backend.instances:
+            for view in self.instances:
                 if view.pid is None or self._serves(view, model.name):
                     continue  # down (its successor's hello gets it) or done
                 if self._answers[view.name] >= tickets[view.name]:
@@ -123,7 +133,7 @@ class ClusterModels:
         """The cachemgr forgets ``name`` (its last request ended); True: evicted now."""
         reply = await self._call(ForgetModel(name))
         self.added.pop(name, None)
-        if self.backend.config.model(name) is not None:
+        if self.config.model(name) is not None:
             self.removed.add(name)
         return isinstance(reply, ModelForgotten) and reply.evicted
 
@@ -142,7 +152,7 @@ class ClusterModels:
     # ---- reports --------------------------------------------------------------
     def _send_add(self, view: InstanceView, model: ModelConfig) -> int:
         self._sent[view.name] += 1
-        self.backend._actions.send(view.name, AddModel(model.name, str(model.path)))
+        self._send(view.name, AddModel(model.name, str(model.path)))
         return self._sent[view.name]
 
     @staticmethod
@@ -152,7 +162,7 @@ class ClusterModels:
     def on_instance_models(self, msg: InstanceModels) -> None:
         """An instance's models after an ``AddModel``: its KV capacity per model (the
         context bound, the decode dispatcher's room) and the new models' specs."""
-        view = self.backend.instances.get(msg.kind, msg.index)
+        view = self.instances.get(msg.kind, msg.index)
         if view is None or view.hello is None:
             return
         view.hello = msgspec.structs.replace(
@@ -165,7 +175,7 @@ class ClusterModels:
         changed.set()
 
     def _teach_policy(self, instance: str, msg: InstanceModels) -> None:
-        policy = self.backend.policy
+        policy = self._policy()
         if policy is None:
             return
         latency = getattr(policy, "latency", None)
