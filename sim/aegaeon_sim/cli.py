@@ -4,6 +4,7 @@
     aegaeon sim --theorem [--json]
     aegaeon sim --policy aegaeon --models 70 --rps 0.1      # one experiment
     aegaeon sim --replay TRACE [TRACE ...] [--json]         # a live run, simulated
+    aegaeon sim --compare classes|roles [--json]            # SLO classes / role switching
 
 Aegaeon's decode rounds are bounded by default (``--round-ttft-fraction``,
 see aegaeon_sched.quota); ``--paper`` plans them with Eq. 2-3 exactly as
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
 from aegaeon_sim.cli_replay import add_arguments as add_replay_arguments
 
 if TYPE_CHECKING:
@@ -55,6 +57,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--replay", nargs="+", metavar="TRACE",
         help="simulate the deployment and workload of live `bench serve --trace` runs "
         "and compare attainment (reads TRACE.stats.json and TRACE.summary.json)",
+    )  # fmt: skip
+    mode.add_argument(
+        "--compare", choices=["classes", "roles"],
+        help="issue 19: multi- vs single-SLO at --load x capacity (classes), dynamic vs fixed "
+        "roles on ON/OFF bursts (roles); see aegaeon_sim.cli_classes",
     )  # fmt: skip
     parser.add_argument("--models", type=int, default=40, help="with --policy")
     parser.add_argument("--rps", type=float, default=0.1, help="per model, with --policy")
@@ -99,6 +106,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"(default {SLLM_SWITCH_GBPS:g}: ServerlessLLM in the paper's artifact)",
     )  # fmt: skip
     add_replay_arguments(parser)
+    add_compare_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for PNGs")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -124,6 +132,10 @@ def _main(args: argparse.Namespace) -> int:
         from aegaeon_sim.cli_replay import replay_main
 
         summary = replay_main(args)
+    elif args.compare:
+        from aegaeon_sim.cli_classes import compare
+
+        summary = compare(args, _base(args))
     elif args.figure:
         summary = _figure(args)
     else:

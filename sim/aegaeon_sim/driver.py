@@ -89,11 +89,14 @@ class Simulation:
         prefetch: bool,
         latency: LatencyModel | None = None,
         overhead_s: float = 0.0,
+        default_ttft_s: float = 0.0,
     ) -> PrefillSim:
-        """A prefill instance; ``latency``: what its prefills take (default: the policy's)."""
+        """A prefill instance; ``latency``: what its prefills take (default: the policy's);
+        ``default_ttft_s``: the policy's (its mirror queue's order)."""
         sim = PrefillSim(
             name, latency or self.latency, self.schedule, self._prefill_started,
             self._prefill_done, switching=switching, prefetch=prefetch, overhead_s=overhead_s,
+            default_ttft_s=default_ttft_s,
         )  # fmt: skip
         self.prefill[name] = sim
         return sim

@@ -39,16 +39,20 @@ class PrefillSim:
         switching: Switching,
         prefetch: bool = True,
         overhead_s: float = 0.0,
+        default_ttft_s: float = 0.0,
     ) -> None:
+        """``default_ttft_s``: the policy's (the mirror queue orders groups as the
+        dispatcher's, :class:`~aegaeon_sched.PrefillQueue`)."""
         self.name = name
         self.latency = latency
-        self.queue = PrefillQueue()
+        self.queue = PrefillQueue(default_ttft_s=default_ttft_s)
         self.loaded: str | None = None
         self.busy = False
         self.num_switches = 0
         self.switching = switching
         self.overhead_s = overhead_s
         self.compute_s = 0.0
+        self.prefilled_tokens = 0  # prompt tokens of finished prefills (token velocity)
         self.switch_s = 0.0  # exposed switch time of its prefills
         self.prefetch_enabled = prefetch
         self.prefetch: tuple[str, float] | None = None  # (model, load started at)
@@ -87,16 +91,17 @@ class PrefillSim:
                 self.prefetch = (nxt, now_s + cost)  # behind the prefill
         cost += measured + self.overhead_s
         self.busy = True
-        rid = request.request_id
-        self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t))
+        rid, tokens = request.request_id, request.prompt_len
+        self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t, tokens))
 
     def _switch_cost(self, model: str, now_s: float) -> float:
         cost = switch_cost(self.switching, model, self.prefetch, now_s)
         self.prefetch = None
         return cost
 
-    def _finish(self, request_id: str, measured_s: float, now_s: float) -> None:
+    def _finish(self, request_id: str, measured_s: float, now_s: float, tokens: int = 0) -> None:
         self.queue.finish(request_id)
         self.compute_s += measured_s
+        self.prefilled_tokens += tokens
         self._on_done(self.name, request_id, measured_s, now_s)
         self._start(now_s)

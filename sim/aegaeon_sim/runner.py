@@ -3,24 +3,35 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aegaeon_bench.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
+from aegaeon_bench.workload_mix import Burst, Mix, assign_classes, generate_bursty
+from aegaeon_proxy.cluster.admission import Bounds, derive_bounds
 from aegaeon_sched import (
     ROUND_TTFT_FRACTION,
     SLO,
+    AegaeonPolicy,
     ClusterSpec,
     LatencyModel,
+    Policy,
     PolicyOptions,
+    Request,
     RequestTrace,
+    RoleController,
+    RoleSettings,
     RoundRobinPlanner,
+    Shedder,
+    SLOClasses,
     SLOReport,
     StaticMuxPolicy,
     make_policy,
     summarize,
 )
+from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
 
+from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve
 from aegaeon_sim.decode_sim import DecodeSim
 from aegaeon_sim.driver import Simulation
 from aegaeon_sim.hardware import (
@@ -33,6 +44,7 @@ from aegaeon_sim.hardware import (
     unified_kv_bytes,
 )
 from aegaeon_sim.hybrid_sim import HybridSim
+from aegaeon_sim.roles_feed import Absorb, RoleFeed, Sample, absorb_times
 from aegaeon_sim.shares import DecodeShareFeed
 from aegaeon_sim.switching import Eq4Switching, InstanceCosts
 from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
@@ -78,10 +90,31 @@ class Scenario:
     # artifact's ServerlessLLM); None = Eq. 4 like Aegaeon.
     baseline_switch_bytes_per_s: float | None = SLLM_SWITCH_BYTES_PER_S
     always_advance: bool = False  # see Simulation: validates the lazy advancement
+    # Past the paper (issue 19; classes.py, roles_feed.py). SLO classes drawn
+    # per request (e.g. (("interactive", 0.3), ("batch", 0.7))), scored per
+    # class against the class's targets; with ``slo_classes`` the scheduler sees
+    # them (False: the single-SLO scheduler on the same trace).
+    class_mix: Mix = ()
+    slo_classes: bool = True
+    # The proxy's admission bounds in front of the policy; with classes seen,
+    # shedding by class (aegaeon_sched.Shedder, at most ``max_deferred`` waiting).
+    admission: bool = False
+    max_deferred: int = 256
+    # the operator's proxy.max_kv_blocks (None: derived, the decoders' device KV)
+    kv_blocks_bound: int | None = None
+    # Role switching by token velocity (aegaeon_sched.RoleController): every
+    # instance prefill- and decode-capable, the decode ones starting in standby.
+    roles: bool = False
+    burst: Burst | None = None  # ON/OFF arrivals; rps_per_model is the OFF rate
 
     @property
     def slo(self) -> SLO:
         return PAPER_SLO.scaled(self.slo_scale)
+
+    @property
+    def slo_classes_spec(self) -> SLOClasses:
+        """The deployment's classes: the defaults of its SLO (aegaeon_sched.priority)."""
+        return SLOClasses.default(self.slo.ttft_s, self.slo.tbt_s)
 
 
 @dataclass(frozen=True)
@@ -94,29 +127,65 @@ class ScenarioResult:
     near_instant_switch_share: float  # decode switches hidden to under 50 ms
     wall_s: float
     traces: list[RequestTrace] = field(default_factory=list, repr=False)
+    by_class: dict[str, SLOReport] = field(default_factory=dict)  # with a class mix
+    admission: dict[str, object] = field(default_factory=dict)  # refused/deferred by class
+    role_changes: int = 0
+    samples: list[Sample] = field(default_factory=list, repr=False)  # heartbeats
+    absorb: list[Absorb] = field(default_factory=list)  # per burst
 
 
 @dataclass
 class _Built:
     sim: Simulation
     count_switches: Callable[[], tuple[int, list[float]]]
+    gate: AdmissionGate | None = None
+    feed: RoleFeed | None = None
+
+
+def _hybrid(sc: Scenario) -> bool:
+    return sc.policy == "aegaeon" and (sc.hybrid_prefill or sc.roles)
 
 
 def _cluster(sc: Scenario) -> ClusterSpec:
     prefill = tuple(f"prefill-{i}" for i in range(sc.num_prefill))
     decode = tuple(f"decode-{i}" for i in range(sc.num_decode))
-    if sc.policy == "aegaeon" and sc.hybrid_prefill:
+    if sc.policy == "aegaeon" and sc.roles:
+        # every instance can take either role; the decode ones start in standby
+        return ClusterSpec(prefill + decode, decode + prefill)
+    if _hybrid(sc):
         decode += prefill  # decode instances first: Alg. 2 breaks ties by order
     return ClusterSpec(prefill, decode)
 
 
+def workload(sc: Scenario, models: Sequence[str]) -> tuple[list[Request], dict[str, str]]:
+    """The scenario's requests (with their classes' targets when the scheduler sees
+    them) and each request's class (empty without a mix)."""
+    spec = WorkloadSpec(tuple(models), sc.rps_per_model, sc.duration_s, sc.seed,
+                        sc.input_scale, sc.output_scale)  # fmt: skip
+    requests = generate_bursty(spec, sc.burst) if sc.burst is not None else generate(spec)
+    if not sc.class_mix:
+        return requests, {}
+    class_of = assign_classes(requests, sc.class_mix, sc.seed)
+    if sc.slo_classes:
+        requests = resolve(requests, sc.slo_classes_spec, class_of)
+    return requests, class_of
+
+
+def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Sequence[str],
+            capacity: Mapping[str, int]) -> Bounds:  # fmt: skip
+    """The proxy's derived admission bounds (aegaeon_proxy.cluster.policy.admission_bounds):
+    what the configured prefill instances prefill within the TTFT, the decoders' KV."""
+    n = TYPICAL_PROMPT_TOKENS
+    per_token = [max(lat.prefill_one_s(m, n) / n for m in models)] * sc.num_prefill
+    capacities = [capacity] * len(cluster.decode_instances)
+    configured = Bounds(kv_blocks=sc.kv_blocks_bound)
+    return derive_bounds(configured, ttft_s=sc.slo.ttft_s, prefill_s_per_token=per_token,
+                         decode_capacity_tokens=capacities)  # fmt: skip
+
+
 def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel) -> _Built:
     cluster = _cluster(sc)
-    requests = generate(
-        WorkloadSpec(
-            tuple(models), sc.rps_per_model, sc.duration_s, sc.seed, sc.input_scale, sc.output_scale
-        )
-    )
+    requests, class_of = workload(sc, tuple(models))
     decode_kv = decode_kv_bytes(models, hw)
     mean_out = SHAREGPT_OUTPUT.mean * sc.output_scale
     options = PolicyOptions(
@@ -132,8 +201,17 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
         },
         gpu_weight_budget_bytes=int(hw.usable_bytes),
         decode_tbt_s=sc.slo.tbt_s,
+        default_ttft_s=sc.slo.ttft_s if sc.class_mix else 0.0,
+        standby=tuple(f"decode-{i}" for i in range(sc.num_decode)) if sc.roles else (),
     )
-    policy = make_policy(sc.policy, cluster, lat, options)
+    inner = make_policy(sc.policy, cluster, lat, options)
+    policy: Policy = inner
+    gate = None
+    if sc.admission:
+        bounds = _bounds(sc, cluster, lat, tuple(models), options.decode_capacity_tokens)
+        seen = bool(sc.class_mix) and sc.slo_classes
+        shedder = Shedder(sc.slo_classes_spec, sc.max_deferred) if seen else None
+        policy = gate = AdmissionGate(inner, bounds, shedder, class_of)
     sim = Simulation(
         policy, lat, requests, kv_bytes_per_s=hw.pcie_effective_bytes_per_s,
         always_advance=sc.always_advance,
@@ -144,8 +222,9 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             round_ttft_fraction=sc.round_ttft_fraction, fresh_first=sc.fresh_first,
         )  # fmt: skip
         switching = Eq4Switching(lat, hw.d2d_bytes_per_s)
+        ttft0 = options.default_ttft_s
         prefills = [
-            sim.add_prefill(name, switching=switching, prefetch=sc.prefetch)
+            sim.add_prefill(name, switching=switching, prefetch=sc.prefetch, default_ttft_s=ttft0)
             for name in cluster.prefill_instances
         ]
         kv, costs, pf = hw.pcie_effective_bytes_per_s, InstanceCosts(switching), sc.prefetch
@@ -154,15 +233,15 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             for name in cluster.decode_instances
             if name not in cluster.prefill_instances
         ]
-        if sc.hybrid_prefill:
+        if _hybrid(sc):
             decodes += [
                 HybridSim(p, lat, planner, kv_bytes_per_s=kv, costs=costs, prefetch=pf)
                 for p in prefills
             ]
             if sc.hybrid_placement in ("decode-share", "busy-share"):
-                feed = DecodeShareFeed(policy, prefills,
-                                       with_switches=sc.hybrid_placement == "busy-share")
-                feed.start(sim.schedule, sc.duration_s + sc.drain_s)  # fmt: skip
+                shares = DecodeShareFeed(inner, prefills,
+                                         with_switches=sc.hybrid_placement == "busy-share")
+                shares.start(sim.schedule, sc.duration_s + sc.drain_s)  # fmt: skip
             elif sc.hybrid_placement != "shortest":
                 raise ValueError(f"unknown hybrid placement {sc.hybrid_placement!r}")
         for d in decodes:
@@ -172,7 +251,18 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             costs = [c for d in decodes for c in d.switch_costs]
             return sum(p.num_switches for p in prefills) + len(costs), costs
 
-        return _Built(sim, aegaeon_switches)
+        feed = None
+        if sc.roles or sc.burst is not None:
+            assert isinstance(inner, AegaeonPolicy)
+            controller = None
+            if sc.roles:
+                base = {p.name: "prefill" for p in prefills[: sc.num_prefill]}
+                base |= {p.name: "decode" for p in prefills[sc.num_prefill :]}
+                settings = RoleSettings(backlog_horizon_s=sc.slo.ttft_s / 2)  # the config's null
+                controller = RoleController(base, settings)
+            feed = RoleFeed(inner, prefills, requests, lat, tuple(models), sim.apply, controller)
+            feed.start(sim.schedule, sc.duration_s + sc.drain_s)
+        return _Built(sim, aegaeon_switches, gate, feed)
     if isinstance(policy, StaticMuxPolicy):
         for name in cluster.unified_instances:
             resident = sum(models[m].weight_bytes for m in policy.models_on(name))
@@ -203,6 +293,12 @@ def run_scenario(
         traces.append(trace)
     report = summarize(traces, sc.slo, tbt_percentiles=tbt_percentiles)
     switches, decode_costs = built.count_switches()
+    feed = built.feed
+    by_class = {}
+    if sc.class_mix:
+        _, class_of = workload(sc, tuple(models))
+        by_class = reports_by_class(traces, sc.slo_classes_spec, class_of,
+                                    tbt_percentiles=tbt_percentiles)  # fmt: skip
     return ScenarioResult(
         scenario=sc,
         report=report,
@@ -214,4 +310,10 @@ def run_scenario(
         ),
         wall_s=time.perf_counter() - started,
         traces=traces if keep_traces else [],
-    )
+        by_class=by_class,
+        admission=built.gate.snapshot() if built.gate is not None else {},
+        role_changes=len(feed.controller.changes) if feed and feed.controller else 0,
+        samples=feed.samples if feed is not None else [],
+        absorb=(absorb_times(feed.samples, sc.burst.starts(sc.duration_s))
+                if feed is not None and sc.burst is not None else []),
+    )  # fmt: skip

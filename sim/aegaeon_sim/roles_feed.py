@@ -1,0 +1,162 @@
+"""Role switching in the simulator: heartbeats that feed :class:`aegaeon_sched.RoleController`.
+
+Every instance is prefill- and decode-capable (a :class:`~aegaeon_sim.prefill_sim.PrefillSim`
+with a :class:`~aegaeon_sim.hybrid_sim.HybridSim` on the same GPU), the
+configured decode instances start in standby (the policy's
+``PolicyOptions.standby``). Every heartbeat (0.5 s, the services' period)
+:class:`RoleFeed` observes what the live proxy observes and hands it to the
+controller; each change it returns is carried out with
+:meth:`AegaeonPolicy.set_role <aegaeon_sched.AegaeonPolicy.set_role>`, whose
+actions the simulation applies (an instance leaving the prefill role drains:
+its queued groups still run there). The signals (:class:`aegaeon_sched.RoleSignals`):
+
+- arrival velocity: prompt tokens arriving at the cluster over the last
+  window (:class:`aegaeon_sched.Velocity`, as the proxy counts them);
+- backlog: the prompt tokens queued (not running) in the dispatcher's queues;
+- each instance's prefill velocity while busy: the prompt tokens it has
+  prefilled over its prefill seconds (compute and switches); before its
+  first prefill, the latency model's estimate
+  (:func:`aegaeon_sched.roles.estimated_prefill_velocity`), as the proxy does;
+- decode demand per instance (the dispatcher's Eq. 3 ``S``) and the prefill
+  busy share of the last interval.
+
+Without a controller (fixed roles) the feed only samples, so both runs
+report the same burst figures: :func:`absorb_times`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from aegaeon_sched import (
+    Action,
+    AegaeonPolicy,
+    LatencyModel,
+    Request,
+    RoleController,
+    RoleSignals,
+    Velocity,
+)
+from aegaeon_sched.roles import estimated_prefill_velocity
+
+from aegaeon_sim.prefill_sim import PrefillSim
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass(frozen=True)
+class Sample:
+    t_s: float
+    backlog_tokens: int
+    prefill_role: int  # instances in the prefill role
+    arrival_tokens_per_s: float
+
+
+class RoleFeed:
+    """See the module docstring. ``apply``: the simulation's action handler."""
+
+    def __init__(
+        self,
+        policy: AegaeonPolicy,
+        prefills: Sequence[PrefillSim],
+        requests: Iterable[Request],
+        latency: LatencyModel,
+        models: Sequence[str],
+        apply: Callable[[list[Action], float], None],
+        controller: RoleController | None = None,
+        *,
+        interval_s: float = HEARTBEAT_S,
+    ) -> None:
+        self.policy = policy
+        self.prefills = list(prefills)
+        self.controller = controller
+        self.apply = apply
+        self.interval_s = interval_s
+        self._arrivals = sorted(((r.arrival_s, r.prompt_len) for r in requests), reverse=True)
+        self.velocity = Velocity()
+        self._estimate = estimated_prefill_velocity(latency, models) if models else 0.0
+        self._busy_prev: dict[str, float] = {}
+        self._prev_s = 0.0
+        self.samples: list[Sample] = []
+
+    def start(self, schedule: Callable[[float, Callable[[float], None]], None],
+              end_s: float) -> None:  # fmt: skip
+        def beat(now_s: float) -> None:
+            self.observe(now_s)
+            if now_s + self.interval_s <= end_s:
+                schedule(now_s + self.interval_s, beat)
+
+        schedule(0.0, beat)
+
+    def prefill_velocity(self) -> dict[str, float]:
+        measured = {
+            p.name: p.prefilled_tokens / (p.compute_s + p.switch_s)
+            for p in self.prefills
+            if p.compute_s > 0
+        }
+        return {p.name: measured.get(p.name, self._estimate) for p in self.prefills}
+
+    def observe(self, now_s: float) -> None:
+        while self._arrivals and self._arrivals[-1][0] <= now_s:
+            t, tokens = self._arrivals.pop()
+            self.velocity.add(t, tokens)
+        backlog = sum(q.pending_tokens() for q in self.policy.prefill.queues.values())
+        arrival = self.velocity.rate(now_s)
+        dt = now_s - self._prev_s
+        busy: dict[str, float] = {}
+        for p in self.prefills:
+            spent = p.compute_s + p.switch_s
+            prev = self._busy_prev.get(p.name, spent)
+            busy[p.name] = min(1.0, max(0.0, (spent - prev) / dt)) if dt > 0 else 0.0
+            self._busy_prev[p.name] = spent
+        self._prev_s = now_s
+        if self.controller is not None:
+            signals = RoleSignals(
+                arrival_tokens_per_s=arrival, backlog_tokens=backlog,
+                prefill_velocity=self.prefill_velocity(),
+                decode_demand={i: self.policy.decode.demand(i)
+                               for i in self.policy.decode.work_lists},
+                prefill_busy=busy,
+            )  # fmt: skip
+            for change in self.controller.observe(now_s, signals):
+                self.apply(self.policy.set_role(change.instance, change.role, now_s), now_s)
+        num_prefill = sum(self.policy.prefill_role(p.name) for p in self.prefills)
+        self.samples.append(Sample(now_s, backlog, num_prefill, arrival))
+
+
+@dataclass(frozen=True)
+class Absorb:
+    start_s: float
+    peak_backlog_tokens: int
+    absorbed_s: float | None  # from the burst's start; None: not before the next burst
+
+
+def absorb_times(samples: Sequence[Sample], starts: Sequence[float], *,
+                 slack_tokens: int = 2048, lookback_s: float = 5.0) -> list[Absorb]:  # fmt: skip
+    """How long each burst's prefill backlog took to drain.
+
+    The level before a burst is the highest backlog sampled in the
+    ``lookback_s`` before it; the burst is absorbed at the first sample after
+    its start where the backlog is back within ``slack_tokens`` of that level
+    (0 s when it never rose past it), and not absorbed (``None``) when that
+    happens only after the next burst started.
+    """
+    out = []
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else float("inf")
+        before = [s.backlog_tokens for s in samples if start - lookback_s <= s.t_s < start]
+        level = (max(before) if before else 0) + slack_tokens
+        window = [s for s in samples if start <= s.t_s < end]
+        peak = max((s.backlog_tokens for s in window), default=0)
+        absorbed: float | None = 0.0
+        if peak > level:
+            absorbed = None
+            risen = False
+            for s in window:
+                risen = risen or s.backlog_tokens > level
+                if risen and s.backlog_tokens <= level:
+                    absorbed = s.t_s - start
+                    break
+        out.append(Absorb(start, peak, absorbed))
+    return out
