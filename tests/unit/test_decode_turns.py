@@ -197,3 +197,16 @@ def test_a_hybrids_prefill_preempts_the_decode_turn() -> None:
     # The next round serves the batch that had no turn first.
     assert [b for b, _, _ in rounds.plans[1]] == [1, 0]
     assert _turns(loop)[1].batch_id == 1
+
+
+def test_a_hybrid_takes_a_more_urgent_prefill_between_two_queued_ones() -> None:
+    # Four batch prefills queued at once, an interactive one arriving while the first
+    # runs: it goes next (its group's first-token deadline is earliest), not after the
+    # whole backlog (the commands are read between two prefills).
+    w = FakeWorker(latency_model(["a"]), kind="prefill")
+    greedy = SamplingSpec(max_tokens=4, temperature=0.0)
+    batch = [EnqueuePrefill(f"b{k}", "a", 0, list(range(30)), greedy, 0.0, priority=2,
+                            ttft_s=50.0) for k in range(4)]  # fmt: skip
+    urgent = EnqueuePrefill("i", "a", 1, list(range(30)), greedy, 0.0001, priority=0, ttft_s=5.0)
+    _, outbox = _run(w, [*((0.0, m) for m in batch), (0.0001, urgent)], hybrid=True)
+    assert [m.request_id for m in outbox.of_type(PrefillDone)] == ["b0", "i", "b1", "b2", "b3"]

@@ -144,6 +144,8 @@ class DecodeLoop:
         self.latency = self.turns.latency = self._profile()
         self.ready.set()
         self.turns.poll = lambda: self.apply(self.inbox.drain())
+        if self.prefill is not None:
+            self.prefill.poll = self.turns.poll
         while not (stop.is_set() or self._stop.is_set()):
             busy = len(self.work) or (self.prefill is not None and self.prefill.pending())
             self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))

@@ -11,6 +11,8 @@ one decode step of delay; the instance decodes only when no prefill waits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed
 from aegaeon_sched import PrefillQueue
@@ -36,6 +38,10 @@ class PrefillSide:
         self.queue = PrefillQueue(worker.config.scheduler.max_group_size,
                                   worker.config.slo.ttft_s)  # fmt: skip
         self.jobs: dict[str, EnqueuePrefill] = {}
+        # Set by the loop: applies the commands that arrived meanwhile, between two
+        # prefills, so a more urgent group queued behind a deep backlog goes next
+        # (SLO classes) and a cancel takes effect before its turn.
+        self.poll: Callable[[], None] = lambda: None
 
     def enqueue(self, msg: EnqueuePrefill) -> None:
         if msg.model not in self.worker.specs:
@@ -82,6 +88,7 @@ class PrefillSide:
                 self.counters.prefill_s += outcome.compute_s
             else:
                 self.counters.failed += 1
+            self.poll()
 
     def _fail(self, request_id: str, model: str, code: str, message: str) -> None:
         self.counters.failed += 1
