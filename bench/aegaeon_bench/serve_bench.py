@@ -74,6 +74,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=30.0,
         help="seconds after the last arrival before open requests fail (30)",
     )
+    parser.add_argument(
+        "--priority-mix", metavar="MIX",
+        help="SLO classes, e.g. interactive=0.3,batch=0.7: each request sends its class as "
+        "\"priority\"; the JSON gains by_class (attainment per class against the class's "
+        "default targets: interactive 0.5x TTFT, batch 5x TTFT and 4x TBT)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--burst", metavar="SHAPE",
+        help="ON/OFF arrivals, e.g. on=5,period=30,factor=10,first=10 (--rps: the OFF rate)",
+    )  # fmt: skip
     parser.add_argument("--trace", type=Path, help="write the per-request trace here")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -101,6 +111,7 @@ def _settings(
         "url": _base_url(args.url), "models": models, "rps_per_model": args.rps,
         "duration_s": args.duration, "seed": args.seed, "input_scale": args.input_scale,
         "output_scale": args.output_scale, "grace_s": args.grace,
+        "priority_mix": args.priority_mix, "burst": args.burst,
         "limits": {m: asdict(lim) for m, lim in limits.items()},
     }  # fmt: skip
 
@@ -113,11 +124,19 @@ def run(args: argparse.Namespace) -> int:
 
     from aegaeon_bench.machine import machine_info
     from aegaeon_bench.serve_client import ServiceError
-    from aegaeon_bench.serve_metrics import counter_delta, per_model, summary
+    from aegaeon_bench.serve_metrics import by_class, counter_delta, per_model, summary
     from aegaeon_bench.serve_output import print_result
     from aegaeon_bench.serve_run import RunOptions, run_load
     from aegaeon_bench.serve_trace import RunFiles, write_json, write_jsonl, write_trace
     from aegaeon_bench.serve_workload import MarketError, model_limits, plan_requests
+    from aegaeon_bench.workload_mix import parse_burst, parse_mix
+
+    try:
+        mix = parse_mix(args.priority_mix) if args.priority_mix else ()
+        burst = parse_burst(args.burst) if args.burst else None
+    except ValueError as exc:
+        print(f"aegaeon bench serve: {exc}", file=sys.stderr)
+        return 2
 
     base_url = _base_url(args.url)
     try:
@@ -137,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         input_scale=args.input_scale,
         output_scale=args.output_scale,
+        mix=mix,
+        burst=burst,
     )
     print(
         f"{len(planned)} requests to {len(models)} models ({', '.join(models)}) over "
@@ -173,6 +194,11 @@ def run(args: argparse.Namespace) -> int:
         prefetched_switches=counter_delta(before, after, "prefetched_switches"),
     )
     models_result = per_model(records, slo)
+    if mix:
+        result["by_class"] = by_class(records, {p.request_id: p.priority for p in planned}, slo)
+    roles = (after or {}).get("roles")
+    if roles is not None:
+        result["roles"] = roles
     # the server's engines run on this machine's CPU and level; their threads are the
     # server config's, which a client cannot see
     result = {**machine_info(), **result}

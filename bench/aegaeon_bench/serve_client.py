@@ -48,7 +48,9 @@ class Progress:
 
 def completion_body(planned: PlannedRequest, timeout_s: float | None = None) -> dict[str, Any]:
     """The request; ``timeout_s``: its own deadline (the server ends it past that)."""
-    extra = {} if timeout_s is None else {"timeout": timeout_s}
+    extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+    if planned.priority is not None:
+        extra["priority"] = planned.priority
     return {
         **extra,
         "model": planned.model,

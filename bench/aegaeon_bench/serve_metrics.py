@@ -108,3 +108,19 @@ def per_model(records: Sequence[TraceRecord], slo: SLO) -> dict[str, dict[str, A
     """:func:`summary` of each model's requests (no switch counts)."""
     models = sorted({r.model for r in records})
     return {m: summary([r for r in records if r.model == m], slo) for m in models}
+
+
+def by_class(
+    records: Sequence[TraceRecord], class_of: Mapping[str, str | None], slo: SLO
+) -> dict[str, dict[str, Any]]:
+    """:func:`summary` of each SLO class's requests against the class's default targets
+    (:meth:`aegaeon_sched.SLOClasses.default` of ``slo``), no switch counts."""
+    from aegaeon_sched import SLOClasses
+
+    classes = SLOClasses.default(slo.ttft_s, slo.tbt_s)
+    out = {}
+    for c in classes.classes:
+        mine = [r for r in records if class_of.get(r.request_id) == c.name]
+        if mine:
+            out[c.name] = summary(mine, SLO(c.ttft_s, c.tbt_s))
+    return out

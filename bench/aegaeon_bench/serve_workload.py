@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aegaeon_bench.workload import CONTEXT_LIMIT, WorkloadSpec, generate
+from aegaeon_bench.workload_mix import Burst, Mix, assign_classes, generate_bursty
 
 # Every byte-level tokenizer has at least 256 ids; 2048 tokens fit every model here.
 DEFAULT_VOCAB_SIZE = 256
@@ -54,6 +55,7 @@ class PlannedRequest:
     max_tokens: int
     vocab_size: int
     seed: int
+    priority: str | None = None  # the request's SLO class (field "priority"); None: not sent
 
     def prompt_ids(self) -> list[int]:
         """The prompt: ``prompt_len`` random ids below ``vocab_size`` (deterministic)."""
@@ -113,8 +115,12 @@ def plan_requests(
     seed: int,
     input_scale: float = 1.0,
     output_scale: float = 1.0,
+    mix: Mix = (),
+    burst: Burst | None = None,
 ) -> list[PlannedRequest]:
-    """The run's requests sorted by arrival (same seed, same plan)."""
+    """The run's requests sorted by arrival (same seed, same plan). ``mix``: each
+    request's SLO class drawn from it; ``burst``: ON/OFF arrivals, ``rps_per_model``
+    the OFF rate (:mod:`aegaeon_bench.workload_mix`, as the simulator draws them)."""
     spec = WorkloadSpec(
         models=tuple(models),
         rps_per_model=rps_per_model,
@@ -124,6 +130,8 @@ def plan_requests(
         output_scale=output_scale,
         context_limits=tuple(limits[m].window for m in models),
     )
+    requests = generate_bursty(spec, burst) if burst is not None else generate(spec)
+    classes = assign_classes(requests, mix, seed) if mix else {}
     return [
         PlannedRequest(
             request_id=r.request_id,
@@ -133,6 +141,7 @@ def plan_requests(
             max_tokens=r.max_tokens,
             vocab_size=limits[r.model].vocab_size,
             seed=seed,
+            priority=classes.get(r.request_id),
         )
-        for r in generate(spec)
+        for r in requests
     ]
