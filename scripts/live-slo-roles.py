@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/slo-roles"))
     ap.add_argument("--only", help="comma-separated runs (default: both)")
     args = ap.parse_args()
+    args.market = args.market.resolve()
     rps = args.rps if args.rps is not None else (0.675 if args.compare == "classes" else 0.1)
     runs = RUNS[args.compare]
     names = args.only.split(",") if args.only else list(runs)
