@@ -1,0 +1,202 @@
+"""SLO classes and role switching through `aegaeon serve` (issue 19, past the paper):
+an interactive request overtakes batch requests queued before it, a priority that is
+not a class is a 400; with ``roles.enabled`` (low thresholds) a burst of prefill work
+turns the decode instance to the prefill role and back, every request completes and
+the node holds nothing afterwards. Behaviour only: no timing is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aegaeon_bench.node_probe import wait_quiet
+from aegaeon_cli.serve import default_config_dict
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import Served, shm_segments, start_serve, stop_serve
+
+BATCH = 24  # batch requests queued ahead of the interactive one
+WAVES = (48, 16)  # the role-switch burst: a backlog on the prefill instance, then more
+PROMPT_WORDS = 600  # a long prompt: prefill work that queues up
+REQUEST_TIMEOUT_S = 600.0  # a busy 2-core CI machine
+
+
+def _serve(small_market: Path, base: Path, extra: dict[str, Any]) -> Served:
+    raw = default_config_dict(small_market, 0)
+    raw.update(extra)
+    config = base / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    return start_serve(small_market, base / "run", "--config", str(config))
+
+
+def _stop(served: Served) -> None:
+    survivors = stop_serve(served)
+    assert served.proc.returncode == 0, served.log_tail()
+    assert not survivors, f"processes outlived aegaeon serve: {survivors}"
+    assert not shm_segments(served.run_dir), f"shared memory left: {shm_segments(served.run_dir)}"
+
+
+@pytest.fixture(scope="module")
+def model(small_market: Path) -> str:
+    return str(json.loads((small_market / "market.json").read_text())["models"][0]["name"])
+
+
+@pytest.fixture(scope="module")
+def classes(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """Fixed roles, SLO classes on (the default), one prefill and one decode instance."""
+    served = _serve(small_market, tmp_path_factory.mktemp("classes"), {})
+    try:
+        yield served
+    finally:
+        _stop(served)
+
+
+@pytest.fixture(scope="module")
+def moving(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """Roles move by token velocity, with thresholds any burst crosses."""
+    roles = {"enabled": True, "high_util": 0.001, "low_util": 0.0005, "up_hold": 0.0,
+             "down_hold": 1.0, "min_dwell": 0.5}  # fmt: skip
+    # no admission bound in the way: every request of the burst is queued at once
+    proxy = {"max_prefill_tokens": 100_000_000}
+    served = _serve(small_market, tmp_path_factory.mktemp("roles"),
+                    {"roles": roles, "proxy": proxy})  # fmt: skip
+    try:
+        yield served
+    finally:
+        _stop(served)
+
+
+def _prompt(k: int) -> str:
+    return f"request {k}: " + " ".join(f"w{(k * 7 + i) % 97}" for i in range(PROMPT_WORDS))
+
+
+async def _stream(session: aiohttp.ClientSession, served: Served, body: dict[str, Any],
+                  firsts: dict[str, float], name: str) -> tuple[int, str | None]:  # fmt: skip
+    """Stream one completion; note when its first token came; (status, finish reason)."""
+    finish: str | None = None
+    async with session.post(f"{served.base_url}/completions",
+                            json={**body, "stream": True}) as resp:  # fmt: skip
+        if resp.status != 200:
+            await resp.read()
+            return resp.status, None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            firsts.setdefault(name, time.monotonic())
+            finish = chunk["choices"][0].get("finish_reason") or finish
+    return 200, finish
+
+
+def _body(model: str, k: int, priority: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {"model": model, "prompt": _prompt(k), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "priority": priority}  # fmt: skip
+
+
+def test_a_priority_that_is_not_a_class_is_a_400(classes: Served, model: str) -> None:
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2, "priority": "urgent"})
+    req = urllib.request.Request(f"{classes.base_url}/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 400
+    error = json.loads(err.value.read())["error"]
+    assert error["param"] == "priority" and error["type"] == "invalid_request_error"
+
+
+def test_an_interactive_request_overtakes_queued_batch_ones(classes: Served, model: str) -> None:
+    async def main() -> tuple[list[tuple[int, str | None]], dict[str, float], float, Any]:
+        firsts: dict[str, float] = {}
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            batch = [asyncio.ensure_future(
+                _stream(session, classes, _body(model, k, "batch"), firsts, f"b{k}"))
+                for k in range(BATCH)]  # fmt: skip
+            # the interactive request once every batch request is queued at the proxy
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while time.monotonic() < deadline:
+                async with session.get(f"{classes.url}/v1/aegaeon/stats?light=1") as resp:
+                    if (await resp.json())["open_requests"] >= BATCH:
+                        break
+                await asyncio.sleep(0.02)
+            sent = time.monotonic()
+            urgent = await _stream(session, classes, _body(model, 999, "interactive"), firsts,
+                                   "i")  # fmt: skip
+            results = [*await asyncio.gather(*batch), urgent]
+            held = await wait_quiet(session, classes.url, 60.0)
+            return results, firsts, sent, held
+
+    results, firsts, sent, held = asyncio.run(main())
+    assert all(r == (200, "length") for r in results), results
+    assert held.quiet, held.to_dict()
+    pending = [name for name, t in firsts.items() if name != "i" and t > sent]
+    # FIFO would prefill every batch request queued before it first; by deadline the
+    # interactive one goes ahead of all but the prefills already running
+    assert len(pending) >= 4, f"the batch backlog drained before the interactive arrived: {firsts}"
+    overtaken = [name for name in pending if firsts[name] > firsts["i"]]
+    assert len(overtaken) >= len(pending) // 2, (len(overtaken), len(pending))
+
+
+def _metrics(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def test_a_burst_turns_the_decode_instance_to_prefill_and_nothing_is_lost(
+    moving: Served, model: str
+) -> None:
+    async def role_of(session: aiohttp.ClientSession, name: str) -> str:
+        async with session.get(f"{moving.url}/v1/aegaeon/stats?light=1") as resp:
+            stats = await resp.json()
+        return str(next(i["role"] for i in stats["instances"] if i["name"] == name))
+
+    async def main() -> tuple[list[tuple[int, str | None]], Any, dict[str, Any]]:
+        firsts: dict[str, float] = {}
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            assert await role_of(session, "decode-0") == "decode"
+
+            def wave(first: int, n: int) -> list[asyncio.Future[tuple[int, str | None]]]:
+                return [asyncio.ensure_future(_stream(
+                    session, moving, _body(model, k, "standard", 8), firsts, f"r{k}"))
+                    for k in range(first, first + n)]  # fmt: skip
+
+            # The first wave queues on the prefill instance; the demand turns the decode
+            # instance to prefill; the second wave, arriving behind that backlog, is
+            # prefilled there (new groups go to the least loaded prefill queue).
+            pending = wave(0, WAVES[0])
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while await role_of(session, "decode-0") != "prefill":
+                assert time.monotonic() < deadline, "decode-0 never took the prefill role"
+                await asyncio.sleep(0.02)
+            pending += wave(WAVES[0], WAVES[1])
+            results = list(await asyncio.gather(*pending))
+            held = await wait_quiet(session, moving.url, 60.0)
+            async with session.get(f"{moving.url}/v1/aegaeon/stats") as resp:
+                stats = await resp.json()
+            return results, held, stats
+
+    results, held, stats = asyncio.run(main())
+    assert all(r == (200, "length") for r in results), results
+    roles = stats["roles"]
+    assert roles["enabled"] is True and roles["switches"].get("prefill", 0) >= 1, roles
+    assert any(c["instance"] == "decode-0" and c["role"] == "prefill" for c in roles["changes"])
+    # the converted decode instance prefilled part of the second wave, handing its KV on
+    assert stats["instance_stats"]["decode-0"]["counters"]["prefills"] >= 1
+    assert held.quiet, held.to_dict()  # no request, sequence, KV block or lease left
+    assert stats["counters"]["failed"] == 0
+    metrics = _metrics(moving)
+    assert metrics[("aegaeon_role_switches_total", (("role", "prefill"),))] >= 1
+    assert ("aegaeon_instance_role", (("instance", "decode-0"), ("role", "prefill"))) in metrics
+    assert any(name == "aegaeon_cluster_velocity_tokens_per_second" for name, _ in metrics)
