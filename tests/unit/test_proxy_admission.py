@@ -89,6 +89,10 @@ def test_bounds_derived_from_the_instances_unless_configured() -> None:
     assert set_ == Bounds(7, 7, 10, 3)
     assert derive_bounds(Bounds(), ttft_s=1.0, prefill_s_per_token=[],
                          decode_capacity_tokens=[]) == Bounds()  # fmt: skip
+    # the host's KV cache adds its blocks to the devices'
+    host = derive_bounds(Bounds(), ttft_s=1.0, prefill_s_per_token=[],
+                         decode_capacity_tokens=[{"a": 160}], host_kv_tokens=1600)
+    assert (host.kv_blocks, host.kv_blocks_per_model) == (110, 110)
 
 
 def _config(**proxy: object) -> object:

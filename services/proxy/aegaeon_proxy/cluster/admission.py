@@ -46,15 +46,19 @@ def derive_bounds(
     ttft_s: float,
     prefill_s_per_token: Iterable[float],
     decode_capacity_tokens: Iterable[Mapping[str, int]],
+    host_kv_tokens: int = 0,
 ) -> Bounds:
     """The configured bounds, the unset ones derived from the instances.
 
     Prefill: the tokens the prefill instances prefill within the TTFT target
     (``ttft_s`` over each instance's slowest per-token prefill time, summed):
-    a request queued behind more would miss its TTFT anyway. KV: the decode
-    instances' device KV capacity in blocks (each instance's smallest per-model
-    capacity), what they can hold without swapping to the host. A per-model
-    bound left unset is the total.
+    a request queued behind more would miss its TTFT anyway. KV: what the node
+    holds of the model with the largest KV per token: the decode instances'
+    device KV regions (each instance's smallest per-model capacity) plus the
+    host's unified KV cache (``host_kv_tokens``), where the sequences of the
+    models not running wait swapped out (§5.2) — a deployment's device regions
+    alone hold a few requests per model, and the host cache is what lets many
+    models' requests be open at once. A per-model bound left unset is the total.
     """
     rates = [ttft_s / s for s in prefill_s_per_token if s > 0]
     prefill = configured.prefill_tokens
@@ -63,7 +67,7 @@ def derive_bounds(
     kv = configured.kv_blocks
     capacities = [min(c.values()) // BLOCK_TOKENS for c in decode_capacity_tokens if c]
     if kv is None and capacities:
-        kv = max(1, sum(capacities))
+        kv = max(1, sum(capacities) + host_kv_tokens // BLOCK_TOKENS)
     return Bounds(
         prefill_tokens=prefill,
         prefill_tokens_per_model=configured.prefill_tokens_per_model or prefill,

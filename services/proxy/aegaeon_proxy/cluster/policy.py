@@ -86,6 +86,7 @@ def admission_bounds(config: Config, instances: Instances) -> Bounds:
                         proxy.max_kv_blocks, proxy.max_kv_blocks_per_model)  # fmt: skip
     per_token: list[float] = []
     capacities: list[dict[str, int]] = []
+    host_kv_tokens = 0
     for view in instances:
         hello = view.hello
         if hello is None:
@@ -97,5 +98,13 @@ def admission_bounds(config: Config, instances: Instances) -> Bounds:
             per_token.append(max(latency.prefill_one_s(m, n) / n for m in hello.capacity_tokens))
         if config.unified or view.kind == "decode" or config.hybrid_prefill:  # it decodes
             capacities.append(dict(hello.capacity_tokens))
+            if hello.capacity_tokens:
+                # the host KV cache in tokens of the same (largest per-token) model:
+                # the device region scaled by the two regions' sizes
+                kind = config.decode if view.kind == "decode" else config.prefill
+                region = kind.kv_memory_bytes
+                tokens = min(hello.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
+                host_kv_tokens = max(host_kv_tokens, tokens)
     return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
-                         decode_capacity_tokens=capacities)  # fmt: skip
+                         decode_capacity_tokens=capacities,
+                         host_kv_tokens=host_kv_tokens)  # fmt: skip
