@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="never-reading readers and byte-a-second writers, each (20)")
     parser.add_argument("--slow-max-tokens", type=int, default=8000,
                         help="the length a never-reading reader asks for (8000)")
+    parser.add_argument("--slow-limit", type=float, default=300.0,
+                        help="s a slow client waits to be cut (300): a reader is cut "
+                        "write_timeout after its buffers filled, which takes a while")
     parser.add_argument("--market", type=Path, help="market (default: ./market)")
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
@@ -274,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
             model = run_fast(models())[0]
             slow = run_fast(slow_clients(node.url, node.proc.pid, model, args.slow_clients,
-                                         args.slow_max_tokens))  # fmt: skip
+                                         args.slow_max_tokens, args.slow_limit))  # fmt: skip
         after = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         ready = run_fast(_ready(node.url))
     finally:

@@ -47,7 +47,7 @@ def hardened(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     raw = default_config_dict(small_market, 0)
     first = json.loads((small_market / "market.json").read_text())["models"][0]["name"]
     raw["proxy"] = {"admin_port": admin_port, "max_kv_blocks": 48, "read_timeout": 1.0,
-                    "write_timeout": 2.0, "send_buffer": "32KiB",
+                    "write_timeout": 2.0, "send_buffer": "32KiB", "keepalive_timeout": 1.0,
                     "api_keys": [{"key": LIMITED, "models": [first]}]}  # fmt: skip
     config = base / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -251,6 +251,16 @@ def test_a_reader_that_never_reads_is_cut_and_freed(hardened: Served) -> None:
     finally:
         sock.close()
     asyncio.run(_quiet(hardened))  # its request ended and holds nothing
+
+
+def test_an_idle_keep_alive_connection_is_closed(hardened: Served) -> None:
+    host, port = hardened.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30.0) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive by default
+        received = b""
+        while chunk := sock.recv(4096):  # the answer, then the end: the proxy closed it
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
 
 
 def test_no_fd_or_shm_growth_and_no_restart(

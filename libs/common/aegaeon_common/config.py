@@ -249,6 +249,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # client that does not read must complete within write_timeout (else cut).
     read_timeout_s: float = 30.0
     write_timeout_s: float = 30.0
+    # An idle keep-alive connection is closed after this (nginx's default; the
+    # HTTP server's own would hold a client's idle connection for an hour).
+    keepalive_timeout_s: float = 75.0
     # Kernel send buffer of each client connection (SO_SNDBUF; 0: the kernel's
     # autotuning, up to tcp_wmem's max, 4 MiB here): what a client that stops
     # reading can pin, and how soon the proxy notices it (write_timeout).
@@ -664,7 +667,8 @@ def _proxy_raw(raw: Any, source: str) -> Any:
 
 
 def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
-    for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s", "retry_after_s"):
+    for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s", "retry_after_s",
+                 "keepalive_timeout_s"):  # fmt: skip
         if not getattr(proxy, name) > 0:
             raise ConfigError(source, f"proxy.{name.removesuffix('_s')}", "must be > 0 seconds")
     for name in ("max_prefill_tokens", "max_prefill_tokens_per_model", "max_kv_blocks",

@@ -66,7 +66,8 @@ class ProxyServer:
         """Start the backend (through the app) and listen (the admin port too, if set)."""
         proxy = self.config.proxy
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     lingering_time=LINGER_S)  # fmt: skip
+                                     lingering_time=LINGER_S,
+                                     keepalive_timeout=proxy.keepalive_timeout_s)  # fmt: skip
         await self._runner.setup()
         site = web.SockSite(self._runner, listen_socket(proxy.host, proxy.port,
                                                         proxy.send_buffer_bytes))  # fmt: skip
