@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--burst", default="on=5,period=20,factor=10,first=5")
     ap.add_argument("--out", type=Path, default=Path("runs/slo-roles"))
     ap.add_argument("--only", help="comma-separated runs (default: both)")
+    ap.add_argument("--max-kv-blocks", type=int,
+                    help="proxy.max_kv_blocks (default: derived from the decoders' device KV)")
     args = ap.parse_args()
     args.market = args.market.resolve()
     rps = args.rps if args.rps is not None else (0.675 if args.compare == "classes" else 0.1)
@@ -54,6 +56,8 @@ def main() -> int:
         config = slo_config(args.market, None, 10.0, 0.1, out)
         raw = yaml.safe_load(config.read_text())
         raw.update(runs[name])
+        if args.max_kv_blocks is not None:
+            raw["proxy"] = {**(raw.get("proxy") or {}), "max_kv_blocks": args.max_kv_blocks}
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
         node = start_node(args.market, "aegaeon", out, config)
         try:
