@@ -184,3 +184,31 @@ def test_sim_roles_move_on_a_burst_and_lose_nothing() -> None:
         assert r.report.num_failed == r.report.num_unfinished == 0  # no request lost
     assert max(s.prefill_role for s in dynamic.samples) > 2
     assert all(s.prefill_role == 2 for s in fixed.samples)
+
+
+def test_bench_serve_plans_the_simulators_classes_and_bursts() -> None:
+    from aegaeon_bench.serve_client import completion_body
+    from aegaeon_bench.serve_workload import ModelLimits, plan_requests
+
+    limits = {m: ModelLimits(256, 4096, "default") for m in ("a", "b")}
+    burst = Burst(2.0, 10.0, 5.0, 3.0)
+    planned = plan_requests(("a", "b"), limits, rps_per_model=1.0, duration_s=30.0, seed=2,
+                            mix=MIX, burst=burst)  # fmt: skip
+    spec = WorkloadSpec(("a", "b"), 1.0, 30.0, seed=2, context_limits=(4096, 4096))
+    sim = generate_bursty(spec, burst)
+    assert [p.request_id for p in planned] == [r.request_id for r in sim]
+    assert all(p.priority == class_of(p.request_id, MIX, 2) for p in planned)
+    assert completion_body(planned[0])["priority"] == planned[0].priority
+    plain = plan_requests(("a",), limits, rps_per_model=1.0, duration_s=5.0, seed=2)
+    assert "priority" not in completion_body(plain[0])
+
+
+def test_bench_serve_scores_each_class_against_its_targets() -> None:
+    from aegaeon_bench.serve_metrics import by_class
+    from aegaeon_bench.serve_trace import TraceRecord
+    from aegaeon_sched import SLO
+
+    times = tuple(8.0 + 0.3 * k for k in range(4))
+    records = [TraceRecord(rid, "m", 0.0, times, 4, "ok") for rid in ("i", "b")]
+    out = by_class(records, {"i": "interactive", "b": "batch"}, SLO(10.0, 0.1))
+    assert out["interactive"]["tokens_met"] == 0 and out["batch"]["tokens_met"] == 4
