@@ -53,6 +53,9 @@ class Hardware:
     prefill_layer_overhead_s: float = 0.2e-3
     decode_layer_overhead_s: float = 0.1e-3
     d2d_bytes_per_s: float = 1.5e12  # on-device copy of a prefetched model (read + write)
+    # The node's unified KV cache in host DRAM (section 5.2; the testbed's nodes have
+    # 2 TB): an assumption, half of it, the Model Cache (~0.7 TB for 40 models) beside.
+    host_kv_cache_bytes: float = 1e12
 
     @property
     def pcie_effective_bytes_per_s(self) -> float:

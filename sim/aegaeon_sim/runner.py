@@ -172,15 +172,17 @@ def workload(sc: Scenario, models: Sequence[str]) -> tuple[list[Request], dict[s
 
 
 def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Sequence[str],
-            capacity: Mapping[str, int]) -> Bounds:  # fmt: skip
+            capacity: Mapping[str, int], host_kv_tokens: int) -> Bounds:  # fmt: skip
     """The proxy's derived admission bounds (aegaeon_proxy.cluster.policy.admission_bounds):
-    what the configured prefill instances prefill within the TTFT, the decoders' KV."""
+    what the configured prefill instances prefill within the TTFT, the decoders' KV plus
+    one host's unified KV cache (``host_kv_tokens``, of the largest per-token model)."""
     n = TYPICAL_PROMPT_TOKENS
     per_token = [max(lat.prefill_one_s(m, n) / n for m in models)] * sc.num_prefill
     capacities = [capacity] * len(cluster.decode_instances)
     configured = Bounds(kv_blocks=sc.kv_blocks_bound)
     return derive_bounds(configured, ttft_s=sc.slo.ttft_s, prefill_s_per_token=per_token,
-                         decode_capacity_tokens=capacities)  # fmt: skip
+                         decode_capacity_tokens=capacities,
+                         host_kv_tokens=host_kv_tokens)  # fmt: skip
 
 
 def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel) -> _Built:
@@ -203,12 +205,14 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
         decode_tbt_s=sc.slo.tbt_s,
         default_ttft_s=sc.slo.ttft_s if sc.class_mix else 0.0,
         standby=tuple(f"decode-{i}" for i in range(sc.num_decode)) if sc.roles else (),
+        role_switching=sc.roles,
     )
     inner = make_policy(sc.policy, cluster, lat, options)
     policy: Policy = inner
     gate = None
     if sc.admission:
-        bounds = _bounds(sc, cluster, lat, tuple(models), options.decode_capacity_tokens)
+        host_kv = min(int(hw.host_kv_cache_bytes // a.kv_bytes_per_token) for a in models.values())
+        bounds = _bounds(sc, cluster, lat, tuple(models), options.decode_capacity_tokens, host_kv)
         seen = bool(sc.class_mix) and sc.slo_classes
         shedder = Shedder(sc.slo_classes_spec, sc.max_deferred) if seen else None
         policy = gate = AdmissionGate(inner, bounds, shedder, class_of)

@@ -7,6 +7,7 @@ from aegaeon_sched import (
     EnqueuePrefill,
     LatencyModel,
     ModelSpec,
+    PlaceDecode,
     Request,
     RoleController,
     RoleSettings,
@@ -16,7 +17,8 @@ from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
 
 V = {"p0": 1000.0, "d0": 1000.0, "d1": 1000.0}  # prompt tokens/s each prefills
 SETTINGS = RoleSettings(high_util=0.8, low_util=0.5, up_hold_s=0.5, down_hold_s=5.0,
-                        min_dwell_s=3.0, backlog_horizon_s=5.0)  # fmt: skip
+                        min_dwell_s=3.0, backlog_horizon_s=5.0,
+                        convert_max_demand=1.0)  # fmt: skip
 
 
 def _ctl() -> RoleController:
@@ -93,7 +95,7 @@ def test_min_decode_keeps_a_decoder() -> None:
 
 
 def _latency() -> LatencyModel:
-    specs = [ModelSpec("a", 64, 128, 1, int(1e8), 1)]
+    specs = [ModelSpec(m, 64, 128, 1, int(1e8), 1) for m in "abc"]
     lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)
     lat.set_prefill_coefficients("*", [1e-3 / specs[0].layer_width, 0.0, 0.0])
     lat.set_decode_coefficients("*", [1e-4, 0.0])
@@ -128,3 +130,62 @@ def test_the_policy_drains_a_role_safely_and_releases_held_work() -> None:
             if isinstance(a, EnqueuePrefill)] == [("d0", "r4")]  # fmt: skip
     policy.resume("p0", 0.7)
     assert policy.prefill_role("p0") is False  # resuming from a drain keeps the role
+
+
+def test_a_busy_decoder_is_not_converted() -> None:
+    """Every prefill of a converted decoder stalls the decode work it holds: only a
+    decoder with little of it converts, and none while the rest could not carry it."""
+    ctl = RoleController({"p0": PREFILL, "d0": DECODE, "d1": DECODE})  # the defaults
+    busy = _sig(5000.0, demand={"d0": 0.7, "d1": 0.5})
+    assert _run(ctl, 0.0, 3.0, busy) == []
+    # d1 nearly idle, but d0 alone could not carry the cluster's decode demand
+    crowded = _sig(5000.0, demand={"d0": 1.0, "p0": 0.5, "d1": 0.1}, busy={"p0": 1.0})
+    assert _run(ctl, 3.25, 6.0, crowded) == []
+    light = _sig(5000.0, demand={"d0": 0.7, "d1": 0.1})
+    assert [(i, r) for _, i, r in _run(ctl, 6.25, 7.0, light)] == [("d1", PREFILL)]
+
+
+def _decoded_on(actions: list[object]) -> list[str]:
+    return [a.instance for a in actions if isinstance(a, PlaceDecode)]
+
+
+def _prefilled(policy: AegaeonPolicy, rid: str, model: str, t: float) -> list[str]:
+    policy.on_arrival(Request(rid, model, t, 100, 8), t)
+    instance = policy.prefill.instance_of(rid)
+    assert instance is not None
+    return _decoded_on(policy.on_prefill_done(instance, rid, 0.0, t))
+
+
+def test_an_instance_in_the_prefill_role_gets_no_new_decode_work() -> None:
+    """Fails without role_switching's placement: d1 is empty (the least loaded) and
+    would take the new batch although it is prefilling."""
+    lat = _latency()
+    policy = AegaeonPolicy(["p0", "d0", "d1"], ["d0", "d1"], lat, decode_tbt_s=100.0,
+                           standby=["d0", "d1"], role_switching=True)  # fmt: skip
+    policy.set_role("d1", PREFILL, 0.0)  # d1 converts: a burst
+    assert policy.decode.reserved == {"d1"}
+    # d0 already decodes model a; b's request would open on the emptier d1
+    assert _prefilled(policy, "r0", "a", 0.0) == ["d0"]
+    assert _prefilled(policy, "r1", "b", 0.1) == ["d0"]
+    # back to decode: it takes new work again
+    policy.set_role("d1", DECODE, 1.0)
+    assert not policy.decode.reserved
+    assert _prefilled(policy, "r2", "c", 1.1) == ["d1"]
+
+
+def test_a_prefill_role_instance_decodes_when_no_decode_role_one_keeps_up() -> None:
+    lat = _latency()
+    policy = AegaeonPolicy(["p0", "d0"], ["d0", "p0"], lat, decode_tbt_s=100.0,
+                           standby=["d0"], role_switching=True)  # fmt: skip
+    assert policy.decode.reserved == {"p0"}
+    policy.decode.set_decode_share("d0", 1e-3)  # d0 cannot keep up with anything more
+    assert _prefilled(policy, "r0", "a", 0.0) == ["p0"]
+    policy.pause("d0")  # and with the only decode-role instance draining
+    policy.decode.set_decode_share("d0", 1.0)
+    assert _prefilled(policy, "r1", "b", 0.1) == ["p0"]
+
+
+def test_without_role_switching_a_hybrid_prefill_instance_is_placed_on_by_load() -> None:
+    policy = AegaeonPolicy(["p0"], ["d0", "p0"], _latency(), decode_tbt_s=100.0)
+    assert _prefilled(policy, "r0", "a", 0.0) == ["d0"]
+    assert _prefilled(policy, "r1", "b", 0.1) == ["p0"]  # the emptier: the hybrid rule

@@ -132,6 +132,9 @@ class RolesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # queued prompt tokens count as demand of backlog / horizon (null: TTFT / 2)
     backlog_horizon_s: float | None = None
     decode_high: float = 0.9
+    # a decoder converts only with decode demand (Eq. 3's S) at most this: the
+    # work it holds stalls behind every prefill (busy decoders stay decoders)
+    convert_max_demand: float = 0.2
     min_prefill: int = 1
     min_decode: int = 0
 

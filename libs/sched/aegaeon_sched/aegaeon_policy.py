@@ -34,13 +34,19 @@ class AegaeonPolicy:
         decode_tbt_s: float | None = None,
         default_ttft_s: float = 0.0,
         standby: Sequence[InstanceId] = (),
+        role_switching: bool = False,
     ) -> None:
         """``decode_tbt_s``: the decode instances' TBT target; with it, decode
         placement weighs instances by their work lists' demand (see
         :class:`DecodeDispatcher`), without it by their batch counts.
         ``default_ttft_s``: the TTFT of a request that carries none (the order
         of prefill groups, :mod:`aegaeon_sched.priority`). ``standby``: prefill
-        instances that start in the decode role (:meth:`set_role`)."""
+        instances that start in the decode role (:meth:`set_role`).
+        ``role_switching``: roles move (:mod:`aegaeon_sched.roles`), and an
+        instance in the prefill role takes new decode requests only when no
+        instance in the decode role is open (:attr:`DecodeDispatcher.reserved`);
+        without it a prefill instance that also decodes (hybrid) is placed on by
+        its decode share alone."""
         self.latency = latency
         self.prefill = PrefillDispatcher(prefill_instances, latency, max_group_size=max_group_size,
                                          default_ttft_s=default_ttft_s)  # fmt: skip
@@ -52,6 +58,11 @@ class AegaeonPolicy:
             latency=latency,
             tbt_s=decode_tbt_s,
         )
+        self.role_switching = role_switching
+        if role_switching:
+            self.decode.reserved.update(
+                i for i in decode_instances if self.prefill_role(i)
+            )
         # Work no instance may take now (every one of its kind is paused), in
         # arrival order; dispatched when an instance resumes.
         self.held_arrivals: dict[str, Request] = {}
@@ -87,14 +98,21 @@ class AegaeonPolicy:
 
         Leaving the prefill role drains safely: its queued groups still run, no
         new group goes there; its decode batches are untouched either way.
-        Arrivals held while no instance could prefill go out on a return.
+        Arrivals held while no instance could prefill go out on a return. With
+        ``role_switching``, an instance in the prefill role gets no new decode
+        requests while an instance in the decode role is open (each of its
+        prefills and their model switches would stall them); the ones it holds
+        run on, and it takes new ones again on its return.
         """
         if instance not in self.prefill.queues:
             raise ValueError(f"{instance!r} is not a prefill-capable instance")
         if role == "decode":
             self.prefill.standby.add(instance)
+            self.decode.reserved.discard(instance)
             return []
         self.prefill.standby.discard(instance)
+        if self.role_switching and instance in self.decode.work_lists:
+            self.decode.reserved.add(instance)
         if not self.prefill.can_dispatch():
             return []
         held, self.held_arrivals = self.held_arrivals, {}

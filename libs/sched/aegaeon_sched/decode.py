@@ -163,6 +163,9 @@ class DecodeDispatcher:
         # Instances that take no new requests (draining; restarting): their
         # batches still run, nothing joins them.
         self.paused: set[InstanceId] = set()
+        # Role switching: instances in the prefill role (each prefill stalls their
+        # batches), placed on only when no other keeps up (:meth:`place`).
+        self.reserved: set[InstanceId] = set()
 
     def can_place(self) -> bool:
         """Some instance takes new requests."""
@@ -242,32 +245,19 @@ class DecodeDispatcher:
         Fig. 11a at 96 models: 78% attainment against 98% when moving to the
         least loaded instance regardless).
 
-        Paused instances are skipped; raises :class:`NoInstance` when every
+        Paused instances are skipped. Reserved ones (:attr:`reserved`) are
+        left out while another instance is open and, when loads are demands,
+        keeps up with the request; only when none does is the choice made
+        over every open instance. Raises :class:`NoInstance` when every
         instance is paused.
         """
         if not self.can_place():
             raise NoInstance("every decode instance is paused")
-        open_lists = {i: w for i, w in self.work_lists.items() if i not in self.paused}
-        rooms = (
-            (i, b.batch_id)
-            for i, work_list in open_lists.items()
-            for b in work_list
-            if b.model == request.model and self.has_room(i, b, request)
-        )
-        if self.latency is None:  # the paper's rule: the first batch found, always
-            first = next(rooms, None)
-            choice = (0.0, *first) if first is not None else None
-            limit = float("inf")
-        else:
-            joins = [(self.load(i, request, bid), i, bid) for i, bid in rooms]
-            choice = min(joins, key=lambda j: j[0], default=None)
-            limit = JOIN_LOAD_LIMIT
-        if choice is None or choice[0] > limit:
-            # min keeps the first of equals: the first instance.
-            fresh = min(((self.load(i, request), i, -1) for i in open_lists),
-                        key=lambda j: j[0])  # fmt: skip
-            if choice is None or fresh[0] <= limit:
-                choice = fresh
+        open_lists = [i for i in self.work_lists if i not in self.paused]
+        preferred = [i for i in open_lists if i not in self.reserved]
+        choice = self._choose(request, preferred or open_lists)
+        if preferred and len(preferred) < len(open_lists) and choice[0] > self._limit():
+            choice = min(choice, self._choose(request, open_lists), key=lambda c: c[0])
         _, instance, batch_id = choice
         if batch_id < 0:
             batch_id = self._next_batch_id
@@ -275,6 +265,29 @@ class DecodeDispatcher:
         self.work_lists[instance].add(request, batch_id)
         self._instance_of[request.request_id] = instance
         return instance, batch_id
+
+    def _limit(self) -> float:
+        return float("inf") if self.latency is None else JOIN_LOAD_LIMIT
+
+    def _choose(self, request: Request, instances: Sequence[InstanceId]) -> tuple[float, str, int]:
+        """(load, instance, batch id or -1: new) by :meth:`place`'s rules over ``instances``."""
+        rooms = ((i, b.batch_id) for i in instances for b in self.work_lists[i]
+                 if b.model == request.model and self.has_room(i, b, request))  # fmt: skip
+        choice: tuple[float, InstanceId, int] | None
+        if self.latency is None:  # the paper's rule: the first batch found, always
+            first = next(rooms, None)
+            choice = (0.0, *first) if first is not None else None
+        else:
+            joins = [(self.load(i, request, bid), i, bid) for i, bid in rooms]
+            choice = min(joins, key=lambda j: j[0], default=None)
+        limit = self._limit()
+        if choice is None or choice[0] > limit:
+            # min keeps the first of equals: the first instance.
+            fresh = min(((self.load(i, request), i, -1) for i in instances),
+                        key=lambda j: j[0])  # fmt: skip
+            if choice is None or fresh[0] <= limit:
+                choice = fresh
+        return choice
 
     def remove(self, request_id: str) -> InstanceId | None:
         """A request finished or was cancelled; the instance it was on."""

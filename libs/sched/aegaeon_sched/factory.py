@@ -49,6 +49,9 @@ class PolicyOptions:
     # the decode role (role switching: aegaeon_sched.roles).
     default_ttft_s: float = 0.0
     standby: tuple[InstanceId, ...] = ()
+    # Roles move (aegaeon_sched.roles): new decode requests avoid the instances in
+    # the prefill role while one in the decode role is open.
+    role_switching: bool = False
 
 
 def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
@@ -61,6 +64,7 @@ def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -
         decode_tbt_s=opts.decode_tbt_s,
         default_ttft_s=opts.default_ttft_s,
         standby=opts.standby,
+        role_switching=opts.role_switching,
     )
     for instance in cluster.decode_instances:
         for model, tokens in opts.decode_capacity_tokens.items():

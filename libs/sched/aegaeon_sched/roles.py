@@ -22,9 +22,17 @@ Signals (:class:`RoleSignals`, observed every heartbeat):
 Rules, at most one change per observation, each instance keeping a role at
 least ``min_dwell_s``:
 
-1. **Up** (decode -> prefill): ``D > high_util x C`` for ``up_hold_s``:
-   the decode-role instance with the least decode demand takes prefill work
-   too (it keeps decoding what it holds, prefills first).
+1. **Up** (decode -> prefill): ``D > high_util x C`` for ``up_hold_s``,
+   while the decode role left carries the decode demand
+   (``S <= decode_high x (decode capacity - 1)``): the decode-role instance
+   with the least decode demand, if that is at most ``convert_max_demand``,
+   takes prefill work too (it keeps decoding what it holds, prefills first,
+   and gets no new decode requests while a decode-role instance keeps up:
+   :attr:`DecodeDispatcher.reserved`). Every prefill and its model switch
+   stalls the decode work a converted instance holds: at the paper's scale
+   (16 GPUs, 40 models) every decoder is busy and converting one cost
+   20 points of attainment for a faster-drained backlog the 10 s TTFT did
+   not need (docs/results.md), so a busy decoder stays a decoder.
 2. **Back** (prefill -> decode): an instance converted up returns to decode
    once ``D < low_util x (C - v_j)`` for ``down_hold_s``: what stays
    would be at most ``low_util`` busy.
@@ -40,7 +48,8 @@ instances always prefill, ``min_decode`` always decode.
 Draining is the caller's part and needs nothing here: an instance leaving
 the prefill role is put in standby (:attr:`PrefillDispatcher.standby`), so
 its queued groups still run and new groups go elsewhere; one joining it
-keeps its decode batches.
+keeps its decode batches (and, with ``AegaeonPolicy(role_switching=True)``,
+takes new ones only when no decode-role instance keeps up).
 
 Pure: the time and the signals are passed in.
 """
@@ -76,6 +85,7 @@ class RoleSettings:
     min_dwell_s: float = 3.0
     backlog_horizon_s: float = 5.0
     decode_high: float = 0.9
+    convert_max_demand: float = 0.2
     min_prefill: int = 1
     min_decode: int = 0
 
@@ -150,8 +160,11 @@ class RoleController:
         )
         self.last = {"prefill_demand": demand, "prefill_capacity": capacity,
                      "decode_demand": decode_need, "decode_capacity": decode_room}  # fmt: skip
-        up = self._held("up", demand > s.high_util * capacity, now_s, s.up_hold_s)
-        ups = [i for i in decode if self._settled(i, now_s)]
+        # a decoder converts only while the decode role left carries the decode demand
+        decode_spare = decode_need <= s.decode_high * (decode_room - 1)
+        up = self._held("up", demand > s.high_util * capacity and decode_spare, now_s, s.up_hold_s)
+        ups = [i for i in decode if self._settled(i, now_s)
+               and signals.decode_demand.get(i, 0.0) <= s.convert_max_demand]  # fmt: skip
         if up and ups and len(decode) > s.min_decode:
             pick = min(ups, key=lambda i: signals.decode_demand.get(i, 0.0))
             return self._change(now_s, pick, PREFILL, "prefill demand over capacity")

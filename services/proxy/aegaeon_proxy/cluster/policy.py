@@ -67,6 +67,7 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         # as the instances key their mirrors
         default_ttft_s=config.slo.ttft_s,
         standby=standby,
+        role_switching=config.role_switching and not unified,
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
     dispatcher = getattr(policy, "decode", None)

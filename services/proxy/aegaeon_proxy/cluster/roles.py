@@ -66,7 +66,8 @@ def settings_of(config: Config) -> RoleSettings:
         high_util=r.high_util, low_util=r.low_util, up_hold_s=r.up_hold_s,
         down_hold_s=r.down_hold_s, min_dwell_s=r.min_dwell_s,
         backlog_horizon_s=r.backlog_horizon_s or config.slo.ttft_s / 2,
-        decode_high=r.decode_high, min_prefill=r.min_prefill, min_decode=r.min_decode,
+        decode_high=r.decode_high, convert_max_demand=r.convert_max_demand,
+        min_prefill=r.min_prefill, min_decode=r.min_decode,
     )  # fmt: skip
 
 
