@@ -12,7 +12,9 @@ vLLM's scheduler tests build a real scheduler over a fake model runner:
   bookkeeping is pure), the host cache a counter of offsets;
 - every swap-in returns a :class:`FakeEvent`, complete at once unless the
   test said when: ``kv.ready_at[host_offsets] = t`` (the request's handoff
-  blocks) completes it at fake time ``t``.
+  blocks) completes it at fake time ``t``; a swap-out's event completes
+  ``kv.swap_out_s`` after it starts (at once by default), its device blocks
+  waiting in the pool's move list until then.
 
 :class:`TimedInbox` delivers each command once the clock reaches its time and
 sets ``stop`` when nothing is left and the loop would wait.
@@ -94,6 +96,7 @@ class FakeKV:
         self.swap_ins: list[tuple[int, ...]] = []  # host offsets swapped in, in order
         self.swapped_out: list[list[int]] = []  # device blocks copied out, in order
         self.host_freed: list[int] = []
+        self.swap_out_s = 0.0  # how long a swap-out copy runs (its event completes then)
         self._next_host = 1 << 20
 
     def alloc(self, shape: KVShape, num_blocks: int) -> list[int]:
@@ -111,7 +114,8 @@ class FakeKV:
 
     def swap_out(self, shape: KVShape, block_ids: Sequence[int]) -> tuple[list[int], Event]:
         host = [self.host_offsets(1)[0] for _ in block_ids]
-        event = FakeEvent(self.clock)
+        done_at = self.clock.now() + self.swap_out_s if self.swap_out_s else -math.inf
+        event = FakeEvent(self.clock, done_at)
         self.swapped_out.append(list(block_ids))
         self.free(shape, block_ids, event)
         return host, event

@@ -210,3 +210,35 @@ def test_a_hybrid_takes_a_more_urgent_prefill_between_two_queued_ones() -> None:
     urgent = EnqueuePrefill("i", "a", 1, list(range(30)), greedy, 0.0001, priority=0, ttft_s=5.0)
     _, outbox = _run(w, [*((0.0, m) for m in batch), (0.0001, urgent)], hybrid=True)
     assert [m.request_id for m in outbox.of_type(PrefillDone)] == ["b0", "i", "b1", "b2", "b3"]
+
+
+@pytest.mark.parametrize("swap_out_s", [0.0, 0.05])
+def test_a_hybrids_prefill_swaps_its_decode_sequences_out_instead_of_failing(
+    swap_out_s: float,
+) -> None:
+    # 16 blocks of device KV. A hybrid decodes a batch of two requests of 90 + 30
+    # tokens (6 to 8 blocks each): at t = 0.1 they hold 14 blocks. A prefill of
+    # 100 tokens (7 blocks) fits the region, not what is free: one decode sequence
+    # is swapped out to the host cache to make room (and back in afterwards), the
+    # prefill waiting, queued, until that copy has completed (``swap_out_s``), and
+    # every request completes. Only a prompt larger than the region (19 blocks) fails.
+    w = FakeWorker(latency_model(["a", "b"]), kind="prefill", kv_region_bytes=16 * 8192,
+                   slab_bytes=8192)  # fmt: skip
+    w.kv.swap_out_s = swap_out_s
+    greedy = SamplingSpec(max_tokens=4, temperature=0.0)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 90, 30, 0.0)),
+             (0.0, w.enqueue("a2", "a", 0, 90, 30, 0.0)),
+             (0.1, EnqueuePrefill("p1", "b", 0, list(range(100)), greedy, 0.1)),
+             (0.1, EnqueuePrefill("huge", "b", 1, list(range(300)), greedy, 0.1)),
+             (2.0, CancelRequest("nothing"))]  # keeps the inbox open until t = 2 s  # fmt: skip
+    loop, outbox = _run(w, timed, hybrid=True)
+    failed = {m.request_id: m.code for m in outbox.of_type(RequestFailed)}
+    assert failed == {"huge": "kv_capacity"}
+    (done,) = outbox.of_type(PrefillDone)
+    assert done.request_id == "p1" and done.token_id == token_at(99)
+    assert loop.residency.num_swap_out >= 1  # made room by swapping a decode sequence out
+    tokens = _tokens(outbox)
+    assert tokens["a1"] == [token_at(90 + k) for k in range(29)]
+    assert tokens["a2"] == [token_at(90 + k) for k in range(29)]
+    w.kv.pool.reclaim()
+    assert w.kv.device_bytes_used() == 0

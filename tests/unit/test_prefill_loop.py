@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
-from aegaeon_common.messages.report import InstanceModels, PrefillDone
+from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
@@ -57,3 +57,31 @@ def test_an_added_model_is_served_without_a_restart_and_urgent_groups_go_first()
     assert "new" in estimator.specs  # the loop's own estimates cover it now
     # The interactive request of the new model ran first, although it was queued last.
     assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["n1", "b1"]
+
+
+def test_a_prompt_waits_for_blocks_of_copies_in_flight_and_only_a_too_large_one_fails() -> None:
+    # 16 blocks of device KV; a 150-token prompt takes 10. The first prompt's blocks
+    # go back to the pool only when its swap-out copy completes, 0.2 s after it
+    # started: the second prompt (which fits the region) waits for them, queued,
+    # instead of failing; a 300-token prompt (19 blocks) can never fit and fails.
+    w = FakeWorker(latency_model(["a"], switch_s=0.05), kind="prefill",
+                   kv_region_bytes=16 * 8192, slab_bytes=8192)  # fmt: skip
+    w.kv.swap_out_s = 0.2
+    timed = [(0.0, _job("p1", "a", 0, 150, 0.0)), (0.0, _job("p2", "a", 0, 150, 0.0)),
+             (0.0, _job("huge", "a", 1, 300, 0.0)),
+             (1.0, CancelRequest("nothing"))]  # keeps the inbox open until t = 1 s  # fmt: skip
+    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(w.truth.to_dict())
+    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
+    loop.run(inbox.stop)
+    done = {d.request_id: d for d in outbox.of_type(PrefillDone)}
+    assert set(done) == {"p1", "p2"}
+    assert done["p2"].token_id == token_at(149)
+    assert done["p2"].emitted_s >= done["p1"].emitted_s + 0.2  # after p1's copy completed
+    failed = {f.request_id: (f.code, f.message) for f in outbox.of_type(RequestFailed)}
+    assert list(failed) == ["huge"]
+    code, message = failed["huge"]
+    assert code == "kv_capacity" and "holds at most 16" in message
+    w.kv.pool.reclaim()
+    assert w.kv.device_bytes_used() == 0
+    assert loop.stats().counters["failed"] == 1.0

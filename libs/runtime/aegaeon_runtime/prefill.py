@@ -5,10 +5,19 @@ the first token, copy the prompt's KV out to the unified CPU cache on the
 swap-out stream (the device blocks go back to the pool behind that copy's
 event) and describe the handoff. The caller sends the outcome to the proxy;
 nothing here waits for the copy.
+
+The prompt's device blocks are taken first (:func:`reserve_blocks`), before the
+job leaves its queue: a prompt that fits the region but not now (its blocks are
+held by copies still in flight, or by a hybrid's decode sequences, which are
+swapped out to the unified CPU cache to make room, as a model switch does)
+stays queued and is tried again when blocks come back; only a prompt larger
+than the whole region fails (``kv_capacity``). The proxy's deadline bounds the
+wait (it cancels the request with ``deadline_exceeded``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
@@ -20,6 +29,7 @@ from aegaeon_sched import Request
 
 from aegaeon_runtime.cacheclient.client import to_event
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.port import WorkerPort
 from aegaeon_runtime.sampling import engine_params, finish_reason
 
@@ -32,6 +42,12 @@ def prefill_request(msg: EnqueuePrefill) -> Request:
                    tbt_s=msg.tbt_s or None)  # fmt: skip
 
 
+# Makes room for a prompt: swaps sequences out until at least the given bytes of
+# device blocks are on their way back to the pool; returns the bytes (0: nothing
+# left to swap out). Raises RemoteError when the unified CPU cache is full.
+Evict = Callable[[int], int]
+
+
 @dataclass(frozen=True)
 class PrefillOutcome:
     message: PrefillDone | RequestFailed
@@ -40,26 +56,73 @@ class PrefillOutcome:
     num_tokens: int
 
 
+def _failed(worker: WorkerPort, msg: EnqueuePrefill, code: str, message: str) -> PrefillOutcome:
+    failed = RequestFailed(msg.request_id, worker.kind, worker.index, code, message)
+    return PrefillOutcome(failed, None, 0.0, 0)
+
+
+def reserve_blocks(
+    worker: WorkerPort, msg: EnqueuePrefill, evict: Evict | None = None
+) -> list[int] | PrefillOutcome | None:
+    """Device blocks for ``msg``'s prompt, taken before its job starts.
+
+    A failed outcome when it can never run here: ``kv_capacity`` when the prompt
+    needs more blocks than the whole region holds, ``kv_cache_full`` when room
+    could only be made by swapping out to a full unified CPU cache. ``None`` when
+    it fits the region but not now: nothing was allocated; blocks freed behind
+    copies still in flight (the move list) come back on their own, so the caller
+    keeps the job queued and tries again a little later. With ``evict`` (a hybrid
+    instance: its decode sequences) the missing blocks are first made free by
+    swapping sequences out, once nothing is already on its way back.
+    """
+    w = worker
+    shape = w.kv_shape(msg.model)
+    need = shape.blocks_for(len(msg.prompt_token_ids))
+    capacity = w.kv.capacity_blocks(shape)
+    if need > capacity:
+        message = (f"prompt does not fit: it needs {need} KV blocks of shape "
+                   f"{shape_key(shape)!r}; the device region holds at most {capacity}")  # fmt: skip
+        return _failed(w, msg, "kv_capacity", message)
+    while True:
+        try:
+            return w.kv.alloc(shape, need)
+        except OutOfBlocks as exc:
+            if evict is None or w.kv.pool.stats().pending_blocks:
+                return None  # blocks are on their way back: wait for them first
+            missing = max(1, exc.requested_blocks - exc.available_blocks) * shape.block_bytes
+            try:
+                if evict(missing) == 0:
+                    return None
+            except RemoteError as err:
+                return _failed(w, msg, "kv_cache_full",
+                               f"no room for the prompt: unified KV cache: {err}")  # fmt: skip
+
+
 def run_prefill(
-    worker: WorkerPort, msg: EnqueuePrefill, prefetch: str | None, clock: Clock = SYSTEM_CLOCK
+    worker: WorkerPort,
+    msg: EnqueuePrefill,
+    blocks: list[int],
+    prefetch: str | None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> PrefillOutcome:
-    """Prefill ``msg`` on ``worker``; ``prefetch`` is the model to load behind it."""
+    """Prefill ``msg`` on ``worker`` into ``blocks`` (from :func:`reserve_blocks`;
+    this call owns them); ``prefetch`` is the model to load behind it."""
     w = worker
     started = clock.wall()
-    record = w.switcher.activate(msg.model, started)
-    if prefetch is not None:
-        w.switcher.prefetch(prefetch)
     shape = w.kv_shape(msg.model)
+    try:
+        record = w.switcher.activate(msg.model, started)
+        if prefetch is not None:
+            w.switcher.prefetch(prefetch)
+    except BaseException:
+        w.kv.free(shape, blocks)
+        raise
     prompt = msg.prompt_token_ids
 
     def fail(code: str, message: str) -> PrefillOutcome:
         failed = RequestFailed(msg.request_id, w.kind, w.index, code, message)
         return PrefillOutcome(failed, record, 0.0, 0)
 
-    try:
-        blocks = w.kv.alloc(shape, shape.blocks_for(len(prompt)))
-    except OutOfBlocks as exc:
-        return fail("kv_capacity", f"prompt does not fit: {exc}")
     params = engine_params(msg.sampling)
     compute_start = clock.now()
     logits = w.engine.prefill(prompt, blocks)

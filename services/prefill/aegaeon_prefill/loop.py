@@ -7,6 +7,11 @@ group's requests one at a time (batch 1): switch the model in if needed,
 prefetch the model of the next group, prefill, sample the first token, copy
 the prompt's KV out to the unified CPU cache on the swap-out stream and hand
 the request off with that copy's event — without waiting for the copy.
+
+The front job's device KV blocks are taken before it starts: when the region
+is momentarily full (earlier prompts' blocks wait in the move list behind
+their copies) it stays queued and is tried again every ``KV_RETRY_S`` while
+the inbox is served; only a prompt larger than the region fails (``kv_capacity``).
 """
 
 from __future__ import annotations
@@ -34,11 +39,19 @@ from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.models import add_model
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
-from aegaeon_runtime.prefill import prefill_request, run_prefill
+from aegaeon_runtime.prefill import (
+    PrefillOutcome,
+    prefill_request,
+    reserve_blocks,
+    run_prefill,
+)
 from aegaeon_runtime.profile_cache import start_up_profile
 from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
 IDLE_WAIT_S = 0.05
+# A job whose prompt's device blocks are not free yet (freed behind copies still in
+# flight) is tried again this often; the wait is the inbox's, so commands are served.
+KV_RETRY_S = 0.005
 
 
 @dataclass
@@ -126,20 +139,29 @@ class PrefillLoop:
     def run(self, stop: threading.Event) -> None:
         self.latency = self._profile()
         self.ready.set()
+        waiting_for_kv = False
         while not (stop.is_set() or self._stop.is_set()):
             head = self.queue.peek()
-            self._apply(self.inbox.drain() if head else self.inbox.wait(IDLE_WAIT_S))
+            if head and waiting_for_kv:
+                self._apply(self.inbox.wait(KV_RETRY_S))
+            else:
+                self._apply(self.inbox.drain() if head else self.inbox.wait(IDLE_WAIT_S))
             head = self.queue.peek()
             self._depth = (len(self.queue), 1 if head else 0)
             self.load = InstanceLoad(len(self.queue), sum(1 for _ in self.queue))
+            waiting_for_kv = False
             if head is None:
                 if self.drain.done(idle=True):
                     return  # drained: the queue is empty and nothing more comes
                 continue
             _, request = head
+            blocks = reserve_blocks(self.worker, self.jobs[request.request_id])
+            if blocks is None:
+                waiting_for_kv = True  # it stays queued, at the front: tried again shortly
+                continue
             self.queue.start(request.request_id, self.clock.wall())
             try:
-                self._prefill(request)
+                self._prefill(request, blocks)
             finally:
                 self.queue.finish(request.request_id)
 
@@ -147,9 +169,13 @@ class PrefillLoop:
         """The model of the first queued group that differs from ``current``."""
         return next((g.model for g in self.queue if g.model != current), None)
 
-    def _prefill(self, request: Request) -> None:
+    def _prefill(self, request: Request, blocks: list[int] | PrefillOutcome) -> None:
         msg = self.jobs.pop(request.request_id)
-        outcome = run_prefill(self.worker, msg, self._next_model(msg.model), self.clock)
+        if isinstance(blocks, PrefillOutcome):
+            outcome = blocks  # it can never run here
+        else:
+            nxt = self._next_model(msg.model)
+            outcome = run_prefill(self.worker, msg, blocks, nxt, self.clock)
         if outcome.switch is not None:
             self._note_switch(outcome.switch)
         self.outbox.send(outcome.message)

@@ -54,6 +54,9 @@ from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.profile_cache import start_up_profile
 
 IDLE_WAIT_S = 0.05
+# A hybrid's prefill waiting for device KV blocks (copies in flight) is tried again
+# this often; the wait is the inbox's, so commands (a cancel) are served meanwhile.
+KV_RETRY_S = 0.005
 
 
 class DecodeLoop:
@@ -100,6 +103,7 @@ class DecodeLoop:
         self.prefill = PrefillSide(worker, outbox, self.counters, clock) if hybrid else None
         if self.prefill is not None:
             self.turns.preempt = self.prefill.pending
+            self.prefill.evict = self._evict_for_prefill
         self._profile = profile or start_up_profile(worker)
         self._stop = threading.Event()
         self.ready = threading.Event()
@@ -148,10 +152,15 @@ class DecodeLoop:
             self.prefill.poll = self.turns.poll
         while not (stop.is_set() or self._stop.is_set()):
             busy = len(self.work) or (self.prefill is not None and self.prefill.pending())
-            self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))
+            if self._prefill_waits_for_kv():
+                self.apply(self.inbox.wait(KV_RETRY_S))
+            else:
+                self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))
             self._publish_load()
             if self.prefill is not None:
                 self.prefill.run_all()
+                if self._prefill_waits_for_kv():
+                    continue  # no decoding meanwhile: its swap-ins would take the blocks
             if not len(self.work):
                 if self.drain.done(idle=not self._pending_prefill()):
                     self.admission.tokens.flush()
@@ -159,6 +168,15 @@ class DecodeLoop:
                 continue
             self.run_round(stop)
             self._publish_load()
+
+    def _prefill_waits_for_kv(self) -> bool:
+        return self.prefill is not None and self.prefill.waiting_for_kv and self.prefill.pending()
+
+    def _evict_for_prefill(self, num_bytes: int) -> int:
+        """Room for a hybrid's prompt: its decode sequences go to the host cache,
+        the latest to join first (they come back at their batches' next turns)."""
+        victims = [s for s in reversed(self.admission.seqs.values()) if s.on_device]
+        return self.residency.make_room(num_bytes, victims)
 
     def _pending_prefill(self) -> bool:
         return self.prefill is not None and self.prefill.pending()

@@ -7,6 +7,13 @@ job queue (the same :class:`~aegaeon_sched.PrefillQueue` mirror a prefill
 instance keeps) and gives it strict priority: a queued prefill runs at the
 next decode step boundary (the turn in progress ends), so TTFT sees at most
 one decode step of delay; the instance decodes only when no prefill waits.
+
+A prompt that fits the device KV region but not now takes its room from the
+instance's own decode sequences: they are swapped out to the unified CPU cache
+(as a model switch's turn does to another batch) and swapped back in at their
+next turn. Until their blocks are back (the copies complete) the prefill stays
+queued (``waiting_for_kv``) and the instance decodes nothing: a swap-in would
+take the blocks the prefill waits for.
 """
 
 from __future__ import annotations
@@ -20,7 +27,13 @@ from aegaeon_sched import PrefillQueue
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.port import MessageSink, WorkerPort
-from aegaeon_runtime.prefill import prefill_request, run_prefill
+from aegaeon_runtime.prefill import (
+    Evict,
+    PrefillOutcome,
+    prefill_request,
+    reserve_blocks,
+    run_prefill,
+)
 
 
 class PrefillSide:
@@ -42,6 +55,10 @@ class PrefillSide:
         # prefills, so a more urgent group queued behind a deep backlog goes next
         # (SLO classes) and a cancel takes effect before its turn.
         self.poll: Callable[[], None] = lambda: None
+        # Set by the loop: swaps its decode sequences out to make room for a prompt.
+        self.evict: Evict | None = None
+        # The front job waits for device KV blocks (retried by the loop shortly).
+        self.waiting_for_kv = False
 
     def enqueue(self, msg: EnqueuePrefill) -> None:
         if msg.model not in self.worker.specs:
@@ -65,14 +82,24 @@ class PrefillSide:
         return self.queue.peek() is not None
 
     def run_all(self) -> None:
-        """Run every queued prefill job, front group first (Algorithm 1, line 15)."""
+        """Run every queued prefill job, front group first (Algorithm 1, line 15);
+        stop at one whose KV blocks are not free yet (``waiting_for_kv``)."""
+        self.waiting_for_kv = False
         while (head := self.queue.peek()) is not None:
             _, request = head
+            msg = self.jobs[request.request_id]
+            blocks = reserve_blocks(self.worker, msg, self.evict)
+            if blocks is None:
+                self.waiting_for_kv = True  # it stays queued, at the front
+                return
             self.queue.start(request.request_id, self.clock.wall())
             try:
-                msg = self.jobs.pop(request.request_id)
-                nxt = next((g.model for g in self.queue if g.model != msg.model), None)
-                outcome = run_prefill(self.worker, msg, nxt, self.clock)
+                del self.jobs[request.request_id]
+                if isinstance(blocks, PrefillOutcome):
+                    outcome = blocks
+                else:
+                    nxt = next((g.model for g in self.queue if g.model != msg.model), None)
+                    outcome = run_prefill(self.worker, msg, blocks, nxt, self.clock)
             finally:
                 self.queue.finish(request.request_id)
             if outcome.switch is not None:

@@ -97,6 +97,22 @@ class Residency:
         self.num_swap_out += 1
         self.control_s += self.clock.now() - start
 
+    def make_room(self, num_bytes: int, victims: Iterable[Seq]) -> int:
+        """Swap ``victims`` out, in order, until at least ``num_bytes`` of their device
+        blocks are on their way back to the pool (behind the copies' events); the
+        bytes swapped out (0: no victim was on the device). RemoteError: the host
+        cache is full (what was swapped out so far stays out)."""
+        freed = 0
+        for seq in victims:
+            if freed >= num_bytes:
+                break
+            if not seq.on_device:
+                continue
+            held = len(seq.device_blocks) * seq.shape.block_bytes
+            self.swap_out(seq)
+            freed += held
+        return freed
+
     def grow(self, seq: Seq, victims: Callable[[], Iterable[Seq]]) -> None:
         """Make sure ``seq`` has a block for its next write (KVCapacityError: it
         has outgrown the whole region)."""
