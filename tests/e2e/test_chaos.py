@@ -42,7 +42,8 @@ def test_every_fault_ends_cleanly_recovers_and_leaks_nothing(served: Served) -> 
     for row in report["faults"]:
         assert row["hung"] == 0, row
         assert row["recovery_s"] is not None, row
-        assert not row["leaks"], row
+        assert not row["leaks"], {k: row[k] for k in (
+            "fault", "holdings", "stale_shm_segments", "stray_processes", "missing_services")}
         assert not row["unexpected_restarts"], row
         assert set(row["restarted"]) == set(
             next(f for f in CI_FAULTS if f.name == row["fault"]).restarts
