@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 from aegaeon_common.config import Config, SchedulerConfig, SLOConfig
+from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import SwitchRecord
-from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, SamplingSpec
+from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingSpec
+from aegaeon_common.transport import RemoteError
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, Sampler
 from aegaeon_gpumem import Event, EventHandle, KVBlockPool
 from aegaeon_runtime.kv import shape_key
@@ -218,11 +220,23 @@ class FakeSwitcher:
 
 
 class FakeCache:
+    """The cachemgr's leases as this worker sees them: blocks in ``moved`` are leased
+    to another owner now (a free of them is refused whole, as the cachemgr does)."""
+
     def __init__(self) -> None:
         self.reassigned: list[int] = []
+        self.moved: set[int] = set()
+        self.freed: list[int] = []
 
     def reassign_blocks(self, offsets: list[int], new_owner: str, owner: str | None = None) -> int:
         self.reassigned.extend(offsets)
+        return len(offsets)
+
+    def free_blocks(self, offsets: list[int], event: EventSpec | None = None) -> int:
+        foreign = [o for o in offsets if o in self.moved]
+        if foreign:
+            raise RemoteError(ErrorReply("not_owner", f"offsets {foreign} are leased elsewhere"))
+        self.freed.extend(offsets)
         return len(offsets)
 
 

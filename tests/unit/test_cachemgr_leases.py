@@ -81,3 +81,29 @@ def test_leases_stay_consistent(ops: list[tuple]) -> None:  # type: ignore[type-
         kv.close()
         table.close()
         region.close()
+
+
+def test_a_free_by_the_old_owner_of_a_reassigned_handoff_is_refused_whole() -> None:
+    # A prefill instance frees the handoffs it sent that nobody claimed (a new proxy
+    # started): one the proxy moved to a decode instance must stay that instance's.
+    region = ShmRegion.create(unique_name("test-kv"), 1 << 20)
+    table = EventTable.create(unique_name("test-ev"), 4)
+    kv = UnifiedKVCache(region, 64 << 10, table.name)
+    try:
+        claimed, _ = kv.alloc("prefill-0", SHAPES[0], 3)
+        unclaimed, _ = kv.alloc("prefill-0", SHAPES[0], 2)
+        kv.reassign(claimed, "decode-0", "prefill-0")
+        for offsets in (claimed, claimed[:1] + unclaimed):  # wholly or partly moved
+            try:
+                kv.free("prefill-0", offsets, None)
+            except CacheError as exc:
+                assert exc.code == "not_owner"
+            else:
+                raise AssertionError("a free of another owner's blocks went through")
+        assert kv.stats().blocks_per_owner == {"decode-0": 3, "prefill-0": 2}
+        assert kv.free("prefill-0", unclaimed, None) == (2, 0)
+        assert kv.stats().blocks_per_owner == {"decode-0": 3}
+    finally:
+        kv.close()
+        table.close()
+        region.close()

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 from aegaeon_common.config import Config
 from aegaeon_common.messages.report import SwitchRecord
+from aegaeon_common.messages.structs import EventSpec
 from aegaeon_common.wire import Message
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, SamplingParams
 from aegaeon_gpumem import Event, KVBlockPool
@@ -91,6 +92,11 @@ class KVPort(Protocol):
 class HostCachePort(Protocol):
     def reassign_blocks(self, offsets: list[int], new_owner: str, owner: str | None = None) -> int:
         """Move host blocks' lease to ``new_owner`` (a handoff taken over)."""
+        ...
+
+    def free_blocks(self, offsets: list[int], event: EventSpec | None = None) -> object:
+        """End this worker's lease of host blocks (``RemoteError`` ``not_owner`` when
+        any is leased to another owner: nothing is freed then)."""
         ...
 
 

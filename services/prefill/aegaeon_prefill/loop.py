@@ -20,11 +20,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import (
     AckDrain,
     AddModel,
     CancelRequest,
     EnqueuePrefill,
+    ProxyStarted,
     Shutdown,
 )
 from aegaeon_common.messages.report import (
@@ -36,6 +38,7 @@ from aegaeon_common.messages.report import (
 from aegaeon_common.wire import Message
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.handoffs import SentHandoffs
 from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.models import add_model
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
@@ -48,6 +51,7 @@ from aegaeon_runtime.prefill import (
 from aegaeon_runtime.profile_cache import start_up_profile
 from aegaeon_sched import LatencyModel, PrefillQueue, Request
 
+log = get_logger("prefill")
 IDLE_WAIT_S = 0.05
 # A job whose prompt's device blocks are not free yet (freed behind copies still in
 # flight) is tried again this often; the wait is the inbox's, so commands are served.
@@ -95,12 +99,16 @@ class PrefillLoop:
         self.load = InstanceLoad()  # written here, read by a scrape
         self.drain = Drain()
         self.metrics = worker.metrics
+        # handoffs sent, until a new proxy starts: it frees those nobody claimed
+        self.handoffs = SentHandoffs()
+        self._proxy = 0  # the proxy process that last said it started
         self._handlers = {
             EnqueuePrefill: self._on_enqueue,
             CancelRequest: self._on_cancel,
             Shutdown: self._on_shutdown,
             AckDrain: self.drain.on_ack,
             AddModel: self._on_add_model,
+            ProxyStarted: self._on_proxy_started,
         }
 
     # ---- commands --------------------------------------------------------
@@ -126,6 +134,21 @@ class PrefillLoop:
 
     def _on_shutdown(self, msg: Message) -> None:
         self._stop.set()
+
+    def _on_proxy_started(self, msg: Message) -> None:
+        """A new proxy (it sends this before any work): what the queue holds and the
+        handoffs sent so far are an old proxy's; nobody will end or claim them."""
+        assert isinstance(msg, ProxyStarted)
+        if msg.proxy == self._proxy:
+            return
+        self._proxy = msg.proxy
+        dropped = list(self.jobs)
+        for request_id in dropped:
+            self.queue.remove(request_id)
+        self.jobs.clear()
+        freed = self.handoffs.free_unclaimed(self.worker.cache)
+        if dropped or freed:
+            log.info("old_proxy_work_dropped", queued=len(dropped), handoffs_freed=freed)
 
     def _on_add_model(self, msg: Message) -> None:
         assert isinstance(msg, AddModel)
@@ -178,6 +201,8 @@ class PrefillLoop:
             outcome = run_prefill(self.worker, msg, blocks, nxt, self.clock)
         if outcome.switch is not None:
             self._note_switch(outcome.switch)
+        if isinstance(outcome.message, PrefillDone):
+            self.handoffs.record(msg.request_id, outcome.message.handoff)
         self.outbox.send(outcome.message)
         done = isinstance(outcome.message, PrefillDone)
         self.metrics.request_done("prefill", msg.model, "ok" if done else "failed")

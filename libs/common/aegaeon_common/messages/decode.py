@@ -7,6 +7,7 @@ from aegaeon_common.messages.prefill import (
     AddModel,
     CancelRequest,
     EnqueuePrefill,
+    ProxyStarted,
     Shutdown,
 )
 from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
@@ -61,11 +62,13 @@ class RunRequest(Message, frozen=True):
 
 
 DECODE_CHANNEL = Channel(
-    "proxy->decode", [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel]
+    "proxy->decode",
+    [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel, ProxyStarted],
 )
 
 # A hybrid instance: a prefill instance that decodes when it has no prefill work.
 HYBRID_CHANNEL = Channel(
     "proxy->hybrid",
-    [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel],
+    [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel,
+     ProxyStarted],
 )

@@ -64,6 +64,19 @@ class AddModel(Message, frozen=True):
     path: str
 
 
+class ProxyStarted(Message, frozen=True):
+    """A (single, non-distributed) proxy process started and sends this instance
+    this before any work: the instance drops every request it holds from an
+    earlier proxy (queued prefills, decode sequences with their KV, and the KV
+    handoffs it sent that no decode instance has claimed). That proxy died with
+    their clients; nobody else would end them. ``proxy``: the proxy process's
+    random incarnation (a repeat of the same one is ignored). Proxy replicas
+    sharing instances never send it."""
+
+    TAG = "proxy_started"
+    proxy: int
+
+
 PREFILL_CHANNEL = Channel(
-    "proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown, AckDrain, AddModel]
+    "proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown, AckDrain, AddModel, ProxyStarted]
 )

@@ -121,6 +121,16 @@ class Admission:
             self.counters.cancelled += 1
             self.worker.metrics.request_done("decode", seq.model, "cancelled")
 
+    def drop_all(self) -> int:
+        """Forget every request and free its KV (a new proxy started: the old one's
+        requests have no client left). Returns how many."""
+        seqs = list(self.seqs.values())
+        for seq in seqs:
+            self.finish(seq)
+            self.counters.cancelled += 1
+            self.worker.metrics.request_done("decode", seq.model, "cancelled")
+        return len(seqs)
+
     def finish(self, seq: Seq) -> None:
         """Forget ``seq`` and free its KV (finished, cancelled or failed)."""
         self.residency.release(seq)

@@ -23,12 +23,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import (
     AckDrain,
     AddModel,
     CancelRequest,
     EnqueuePrefill,
+    ProxyStarted,
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats
@@ -53,6 +55,7 @@ from aegaeon_runtime.models import add_model
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.profile_cache import start_up_profile
 
+log = get_logger("decode")
 IDLE_WAIT_S = 0.05
 # A hybrid's prefill waiting for device KV blocks (copies in flight) is tried again
 # this often; the wait is the inbox's, so commands (a cancel) are served meanwhile.
@@ -118,7 +121,9 @@ class DecodeLoop:
             Shutdown: self._on_shutdown,
             AckDrain: self.drain.on_ack,
             AddModel: self._on_add_model,
+            ProxyStarted: self._on_proxy_started,
         }
+        self._proxy = 0  # the proxy process that last said it started
 
     def _on_cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
@@ -132,6 +137,22 @@ class DecodeLoop:
             self.admission.refuse(msg.request_id, "bad_request", "not a prefill instance")
             return
         self.prefill.enqueue(msg)
+
+    def _on_proxy_started(self, msg: Message) -> None:
+        """A new proxy (it sends this before any work): every request held here and
+        every handoff sent from here are an old proxy's, which died with their
+        clients; nobody would end or claim them. Drop them and free their KV."""
+        assert isinstance(msg, ProxyStarted)
+        if msg.proxy == self._proxy:
+            return
+        self._proxy = msg.proxy
+        queued = self.prefill.drop_all() if self.prefill is not None else 0
+        dropped = self.admission.drop_all()
+        freed = (self.prefill.handoffs.free_unclaimed(self.worker.cache)
+                 if self.prefill is not None else 0)  # fmt: skip
+        if queued or dropped or freed:
+            log.info("old_proxy_work_dropped", queued=queued, sequences=dropped,
+                     handoffs_freed=freed)  # fmt: skip
 
     def _on_shutdown(self, msg: Message) -> None:
         self._stop.set()

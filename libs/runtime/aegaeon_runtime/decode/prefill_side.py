@@ -26,6 +26,7 @@ from aegaeon_sched import PrefillQueue
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.stats import DecodeCounters
+from aegaeon_runtime.handoffs import SentHandoffs
 from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.prefill import (
     Evict,
@@ -59,6 +60,8 @@ class PrefillSide:
         self.evict: Evict | None = None
         # The front job waits for device KV blocks (retried by the loop shortly).
         self.waiting_for_kv = False
+        # handoffs sent, until a new proxy starts: it frees those nobody claimed
+        self.handoffs = SentHandoffs()
 
     def enqueue(self, msg: EnqueuePrefill) -> None:
         if msg.model not in self.worker.specs:
@@ -77,6 +80,14 @@ class PrefillSide:
     def cancel(self, request_id: str) -> bool:
         self.jobs.pop(request_id, None)
         return self.queue.remove(request_id)
+
+    def drop_all(self) -> int:
+        """Forget every queued job (a new proxy started). Returns how many."""
+        dropped = list(self.jobs)
+        for request_id in dropped:
+            self.queue.remove(request_id)
+        self.jobs.clear()
+        return len(dropped)
 
     def pending(self) -> bool:
         return self.queue.peek() is not None
@@ -104,6 +115,8 @@ class PrefillSide:
                 self.queue.finish(request.request_id)
             if outcome.switch is not None:
                 self.counters.note_switch(outcome.switch)
+            if isinstance(outcome.message, PrefillDone):
+                self.handoffs.record(msg.request_id, outcome.message.handoff)
             self.outbox.send(outcome.message)
             done = isinstance(outcome.message, PrefillDone)
             metrics = self.worker.metrics

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from aegaeon_common.messages.cache import (
     ReassignBlocks,
 )
 from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.prefill import AckDrain, CancelRequest
+from aegaeon_common.messages.prefill import AckDrain, CancelRequest, ProxyStarted
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
     InstanceDraining,
@@ -59,6 +60,7 @@ log = get_logger("cluster")
 MONITOR_S = 0.5
 MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
 RECENT_IDS = 4096  # request ids the proxy ended lately (their late tokens are expected)
+INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
 
 
 class ClusterBackend:
@@ -315,10 +317,18 @@ class ClusterBackend:
                 log.exception("report_failed", tag=msg.TAG)
 
     def _on_hello(self, msg: InstanceHello) -> None:
+        known = self.instances.get(msg.kind, msg.index)
+        first = known is not None and known.hello is None  # first hello this process got
         view, restarted = self.instances.on_hello(msg)
         if view is None:
             log.warning("hello from an unknown instance", kind=msg.kind, index=msg.index)
             return
+        if first:
+            # Before any work of ours (no work goes to an instance before its hello; one
+            # ordered queue): what it holds is an earlier proxy's, whose clients are
+            # gone; it drops that and frees the KV handoffs nobody claimed. (Proxy
+            # replicas share instances: cluster.distributed never sends this.)
+            self._actions.send(view.name, ProxyStarted(INCARNATION))
         if restarted:
             log.info("instance_restarted", instance=view.name, pid=msg.pid)
             self._fail_instance(view.name, f"instance {view.name} restarted")
