@@ -234,7 +234,11 @@ def test_a_killed_node_leaves_dispatch_within_its_ttl(cluster: Served, small_mar
     assert max(lost) < TTL_S + 4.0, lost  # refresh 0.5 s; slack for a loaded machine
     assert all(r["finish"] == "length" for r in results[8:]), results[8:]  # the other node
     # the supervisor starts the node again: it registers and takes new work
-    _wait(lambda: len(_stats(urls[0])["nodes"]) == 2, 150, "the node rejoined")
+    def rejoined(url: str) -> bool:  # both of its instances are in this replica's view
+        kinds = {i["kind"] for i in _stats(url)["instances"] if i["node"] == victims[0]}
+        return kinds >= {"prefill", "decode"}
+
+    _wait(lambda: all(rejoined(url) for url in urls), 150, "the node rejoined")
     before = _queue_keys(redis_url, victims[0])
 
     async def more() -> list[dict[str, Any]]:

@@ -25,6 +25,9 @@ READY_POLL_S = 0.1
 # After answering a request whose body was not read to its end (413, 408), read what
 # still comes for at most this long, then close (aiohttp's default is 10 s).
 LINGER_S = 2.0
+# After the drain (which waits for open requests), handlers still running are
+# cancelled after this, not the HTTP server's default minute.
+SHUTDOWN_GRACE_S = 5.0
 DRAIN_POLL_S = 0.05
 
 log = get_logger("proxy")
@@ -66,7 +69,7 @@ class ProxyServer:
         """Start the backend (through the app) and listen (the admin port too, if set)."""
         proxy = self.config.proxy
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     lingering_time=LINGER_S,
+                                     lingering_time=LINGER_S, shutdown_timeout=SHUTDOWN_GRACE_S,
                                      keepalive_timeout=proxy.keepalive_timeout_s)  # fmt: skip
         await self._runner.setup()
         site = web.SockSite(self._runner, listen_socket(proxy.host, proxy.port,
@@ -77,7 +80,8 @@ class ProxyServer:
         # where /health, /ready and /metrics are scraped: the admin port when there is one
         url = advertised_url(proxy.host, self.port)
         if proxy.admin_port is not None:
-            self._admin = web.AppRunner(make_admin_app(self.app[STATE]), access_log=None)
+            self._admin = web.AppRunner(make_admin_app(self.app[STATE]), access_log=None,
+                                        shutdown_timeout=SHUTDOWN_GRACE_S)  # fmt: skip
             await self._admin.setup()
             await web.TCPSite(self._admin, proxy.admin_host, proxy.admin_port).start()
             bound = self._admin.addresses
