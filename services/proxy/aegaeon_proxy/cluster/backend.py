@@ -41,7 +41,7 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
-from aegaeon_common.wire import Message, WireError, to_plain
+from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Request, Shedder, Verdict
 from prometheus_client import CollectorRegistry
 
@@ -52,6 +52,7 @@ from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
 from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
+from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.roles import RoleSwitcher
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 from aegaeon_proxy.slo_classes import class_table
@@ -301,20 +302,7 @@ class ClusterBackend:
 
     # ---- reports -------------------------------------------------------------
     async def _receive(self) -> None:
-        while True:
-            try:
-                msg = await self._reports.recv()
-            except WireError as exc:
-                self.counters["bad_frames"] += 1
-                log.warning("bad report frame", error=str(exc))
-                continue
-            try:
-                self._handlers[type(msg)](msg)
-            except Exception:
-                # A bug handling one report must not stop every later one (heartbeats
-                # included: the instances would all look dead): log it and go on.
-                self.counters["report_errors"] += 1
-                log.exception("report_failed", tag=msg.TAG)
+        await receive_reports(self._reports, self._handlers, self.counters)
 
     def _on_hello(self, msg: InstanceHello) -> None:
         known = self.instances.get(msg.kind, msg.index)

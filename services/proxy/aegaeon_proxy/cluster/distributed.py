@@ -68,7 +68,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, release_security
-from aegaeon_common.wire import Message, WireError
+from aegaeon_common.wire import Message
 from aegaeon_sched import NoInstance, Request
 from aegaeon_sched.shared import (
     State,
@@ -85,6 +85,7 @@ from prometheus_client.registry import Collector
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
+from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
 
 log = get_logger("cluster")
@@ -428,18 +429,7 @@ class DistributedBackend:
 
     # ---- reports -------------------------------------------------------------
     async def _receive(self) -> None:
-        while True:
-            try:
-                msg = await self._reports.recv()
-            except WireError as exc:
-                self.counters["bad_frames"] += 1
-                log.warning("bad report frame", error=str(exc))
-                continue
-            try:
-                self._handlers[type(msg)](msg)
-            except Exception:  # one bad report must not stop the others
-                self.counters["report_errors"] += 1
-                log.exception("report_failed", tag=msg.TAG)
+        await receive_reports(self._reports, self._handlers, self.counters)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         tracked = self.requests.get(msg.request_id)
