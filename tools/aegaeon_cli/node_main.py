@@ -29,9 +29,9 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
         DRAIN_MARGIN_S,
-        StartupError,
         Supervisor,
         install_stop_handlers,
+        supervise,
     )
 
     setup_logging("node")
@@ -50,14 +50,4 @@ def run(args: argparse.Namespace) -> int:
               f"{config.node.advertise_address})", flush=True)  # fmt: skip
         mark_ready(config.run_dir, "node")
 
-    try:
-        sup.start_all()
-        sup.watch(on_ready=announce)
-    except StartupError as exc:
-        print(f"aegaeon node: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        sup.stop_all()
-        for path in Path("/dev/shm").glob(f"{config.shm_prefix}*"):
-            path.unlink(missing_ok=True)
-    return 0
+    return supervise(sup, announce, "aegaeon node", config.shm_prefix)

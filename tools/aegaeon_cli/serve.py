@@ -152,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
         DRAIN_MARGIN_S,
-        StartupError,
         Supervisor,
         install_stop_handlers,
+        supervise,
     )
 
     setup_logging("serve")
@@ -197,15 +197,4 @@ def run(args: argparse.Namespace) -> int:
             print(line, flush=True)
         print("Press Ctrl-C to stop.", flush=True)
 
-    try:
-        sup.start_all()
-        sup.watch(on_ready=announce)
-    except StartupError as exc:
-        print(f"aegaeon serve: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        sup.stop_all()
-        # cachemgr unlinks its segments; anything left means it was killed.
-        for path in Path("/dev/shm").glob(f"{config.shm_prefix}*"):
-            path.unlink(missing_ok=True)
-    return 0
+    return supervise(sup, announce, "aegaeon serve", config.shm_prefix)

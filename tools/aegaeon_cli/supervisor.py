@@ -221,3 +221,20 @@ def python_argv(*args: str) -> list[str]:
 def install_stop_handlers(sup: Supervisor) -> None:
     signal.signal(signal.SIGINT, sup.request_stop)
     signal.signal(signal.SIGTERM, sup.request_stop)
+
+
+def supervise(sup: Supervisor, on_ready: Callable[[], None], prog: str, shm_prefix: str) -> int:
+    """Start every child, watch them until stopped, stop them all; 1 if they could
+    not start. The cachemgr unlinks its shared memory; what is left (it was killed)
+    is removed here."""
+    try:
+        sup.start_all()
+        sup.watch(on_ready=on_ready)
+    except StartupError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        sup.stop_all()
+        for path in Path("/dev/shm").glob(f"{shm_prefix}*"):
+            path.unlink(missing_ok=True)
+    return 0
