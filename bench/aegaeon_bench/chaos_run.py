@@ -162,11 +162,12 @@ async def _one_fault(
         await asyncio.sleep(fault.hold_s)
         await _end(fault, done)
     fault_end = time.time()
-    # serve again (or give up), and let the load run to the end of the slot
+    # let the load run to the middle of the slot, then until probes succeed for good (or
+    # give up): a probe that fails late (a restarted service's first request) counts
+    await asyncio.sleep(max(0.0, t0 + opts.slot_s * 0.5 - time.time()))
     limit = t0 + RECOVERY_LIMIT_S
     while time.time() < limit and not probes.serving_again(t0):
         await asyncio.sleep(PROBE_S)
-    await asyncio.sleep(max(0.0, t0 + opts.slot_s * 0.5 - time.time()))
     probe_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await probe_task

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import openai
 from aegaeon_bench.chaos_run import ChaosNode, ChaosOptions, run_chaos
@@ -39,6 +40,7 @@ def test_every_fault_ends_cleanly_recovers_and_leaks_nothing(served: Served) -> 
     opts = ChaosOptions(faults=CI_FAULTS, slot_s=6.0, seed=0, concurrency=2,
                         request_timeout_s=20.0, shm_max_fill_bytes=64 << 20)  # fmt: skip
     report = asyncio.run(run_chaos(node, opts))
+    print(json.dumps(report["faults"], indent=1, default=str))  # whole rows, when one fails
     for row in report["faults"]:
         assert row["hung"] == 0, row
         assert row["recovery_s"] is not None, row

@@ -126,8 +126,9 @@ class MemoryStore:
         return [self._live(k) for k in keys]
 
     async def delete(self, *keys: str) -> None:
-        for key in keys:
+        for key in keys:  # a value or a set, as in Redis (one key space)
             self._values.pop(key, None)
+            self._sets.pop(key, None)
 
     async def set_add(self, name: str, *members: str) -> None:
         self._sets.setdefault(name, set()).update(members)

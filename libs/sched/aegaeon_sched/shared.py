@@ -176,6 +176,20 @@ def place_decode(
     return instance, batch_id, work_list_state(dispatcher.work_lists[instance])
 
 
+def queued_request_ids(state: State | None, prefill: bool) -> set[str]:
+    """The ids a prefill queue state (``prefill``) or a work list state holds."""
+    if state is None:
+        return set()
+    if prefill:
+        ids: set[str] = set()
+        for _group_id, _model, _num_added, running, pending, *_rest in state[2]:
+            ids.update(str(item[0]) for item in pending)
+            if running is not None:
+                ids.add(str(running[0]))
+        return ids
+    return {str(item[0]) for _batch_id, _model, requests in state for item in requests}
+
+
 def remove_from_work_list(state: State | None, request_id: str) -> tuple[State, bool]:
     """Finished or cancelled: the work list without ``request_id``."""
     work_list = work_list_from_state(state)

@@ -75,6 +75,7 @@ from aegaeon_sched.shared import (
     dispatch_prefill,
     place_decode,
     prefill_done,
+    queued_request_ids,
     remove_from_prefill,
     remove_from_work_list,
 )
@@ -593,25 +594,49 @@ class DistributedBackend:
                 log.warning("reap_failed", error=str(exc))
 
     async def _reap(self, proxy_id: str) -> None:
-        """A dead replica's requests: cancelled at their instances, out of the queues."""
+        """A dead replica's requests: cancelled at their instances, out of the queues.
+
+        Its request metadata names where each request was last written to be; a
+        replica killed between a queue transaction and that write (a first token
+        sent, the placement committed, the metadata not rewritten yet) leaves the
+        request in a queue the metadata does not name. So every live instance's
+        queues are searched for the dead replica's ids as well."""
         rids = sorted(await self.store.set_members(proxy_requests_key(proxy_id)))
-        raws = await self.store.get_many([request_key(r) for r in rids])
-        for rid, raw in zip(rids, raws, strict=True):
-            if raw is None:
-                continue
+        owned = set(rids)
+        cancel_at: dict[str, set[str]] = {}  # request id -> instances that may hold it
+        queued: dict[str, set[str]] = {}  # queue key -> the dead replica's ids in it
+        for rid, raw in zip(rids, await self.store.get_many([request_key(r) for r in rids]),
+                            strict=True):  # fmt: skip
             try:
-                meta = decode_request(raw)
+                meta = decode_request(raw) if raw is not None else None
             except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            record = self.view.live.get(meta.instance)
-            if record is not None:
-                await self._send(record, CancelRequest(rid))
-            if meta.queue:
-                await _unqueue(self.store, meta.queue, rid, self.config.scheduler.max_group_size)
+                meta = None
+            if meta is not None and meta.instance:
+                cancel_at.setdefault(rid, set()).add(meta.instance)
+            if meta is not None and meta.queue:
+                queued.setdefault(meta.queue, set()).add(rid)
+        if owned:
+            places = [(r.instance_id, RegistryView.queue_key(r, stage), stage == "prefill")
+                      for r in self.view.live.values() for stage in ("prefill", "decode")]
+            states = await self.store.get_many([key for _, key, _ in places])
+            for (instance, key, prefill), raw in zip(places, states, strict=True):
+                for rid in queued_request_ids(_load(raw), prefill) & owned:
+                    cancel_at.setdefault(rid, set()).add(instance)
+                    queued.setdefault(key, set()).add(rid)
+        for rid, instances in sorted(cancel_at.items()):
+            for instance in sorted(instances):
+                record = self.view.live.get(instance)
+                if record is not None:
+                    await self._send(record, CancelRequest(rid))
+        max_group = self.config.scheduler.max_group_size
+        for queue, ids in sorted(queued.items()):
+            for rid in sorted(ids):
+                await _unqueue(self.store, queue, rid, max_group)
         await self.store.delete(*(request_key(r) for r in rids), proxy_requests_key(proxy_id))
         await self.store.set_remove(PROXIES, proxy_id)
         self.counters["reaped"] += len(rids)
-        log.warning("proxy_reaped", proxy=proxy_id, requests=len(rids))
+        log.warning("proxy_reaped", proxy=proxy_id, requests=len(rids),
+                    queues=len(queued))  # fmt: skip
 
     # ---- observability ---------------------------------------------------------
     def health(self) -> dict[str, object]:

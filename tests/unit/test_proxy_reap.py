@@ -1,0 +1,105 @@
+"""A replica reaps a dead one: every request of it is cancelled where it may run and
+taken out of every shared queue, even where its metadata was not rewritten yet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import zmq.asyncio
+from aegaeon_common.config import config_from_dict
+from aegaeon_common.messages.prefill import PREFILL_CHANNEL, CancelRequest
+from aegaeon_common.registry import (
+    INSTANCES,
+    PROXIES,
+    InstanceRecord,
+    RequestMeta,
+    encode,
+    instance_key,
+    prefill_queue_key,
+    proxy_requests_key,
+    request_key,
+    work_list_key,
+)
+from aegaeon_common.transport import Puller
+from aegaeon_proxy.cluster.distributed import DistributedBackend
+from aegaeon_sched import Request
+from aegaeon_sched.shared import State, queued_request_ids, request_state
+
+
+def _req(rid: str) -> State:
+    return request_state(Request(rid, "m", 0.0, 8, 16))
+
+
+def _record(kind: str, address: str) -> InstanceRecord:
+    return InstanceRecord(
+        v=1, instance_id=f"a/{kind}-0", node="a", kind=kind, index=0, address=address,
+        incarnation=1, pid=1, capacity_tokens={"m": 1000}, max_batch_size=8,
+    )  # fmt: skip
+
+
+def _dump(state: State) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def _load(raw: bytes | None) -> State | None:
+    return None if raw is None else msgspec.msgpack.decode(raw)
+
+
+def _meta(rid: str, proxy: str, instance: str, queue: str) -> bytes:
+    meta = RequestMeta(v=1, request_id=rid, model="m", proxy=proxy, instance=instance,
+                       state="queued", tokens_sent=0, arrival_s=0.0, queue=queue)  # fmt: skip
+    return encode(meta)
+
+
+def test_queued_request_ids_reads_both_kinds_of_state() -> None:
+    prefill = [None, 0.0, [[7, "m", 2, _req("run"), [_req("wait")], 0.0, 1]]]
+    assert queued_request_ids(prefill, prefill=True) == {"run", "wait"}
+    assert queued_request_ids([[3, "m", [_req("x"), _req("y")]]], prefill=False) == {"x", "y"}
+    assert queued_request_ids(None, prefill=True) == set()
+
+
+async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metadata() -> None:
+    ctx = zmq.asyncio.Context()
+    pulls = {k: Puller(ctx, "tcp://127.0.0.1:0", PREFILL_CHANNEL) for k in ("prefill", "decode")}
+    backend = DistributedBackend(config_from_dict({"models": [{"name": "m", "path": "x"}]}))
+    store = backend.store
+    try:
+        for kind, pull in pulls.items():
+            record = _record(kind, pull.bound_address)
+            await store.put(instance_key(record.instance_id), encode(record), 30.0)
+            await store.set_add(INSTANCES, record.instance_id)
+        await backend.view.refresh()
+        pq, dw = prefill_queue_key("a/prefill-0", 1), work_list_key("a/decode-0", 1)
+        # "placed": its placement committed, its metadata still names the prefill queue;
+        # "dispatched": queued, no metadata written yet; "decoding": metadata up to date;
+        # "alive": another replica's request, left alone
+        await store.put(pq, _dump([None, 0.0, [[1, "m", 2, None,
+                                                      [_req("dispatched"), _req("alive")]]]]))
+        await store.put(dw, _dump([[5, "m", [_req("placed"), _req("decoding")]]]))
+        await store.put(request_key("placed"), _meta("placed", "dead", "a/prefill-0", pq))
+        await store.put(request_key("decoding"), _meta("decoding", "dead", "a/decode-0", dw))
+        await store.set_add(proxy_requests_key("dead"), "placed", "dispatched", "decoding")
+        await store.set_add(PROXIES, "dead")
+
+        await backend._reap("dead")
+
+        assert queued_request_ids(_load(await store.get(pq)), prefill=True) == {"alive"}
+        assert queued_request_ids(_load(await store.get(dw)), prefill=False) == set()
+        assert "dead" not in await store.set_members(PROXIES)
+        assert not await store.set_members(proxy_requests_key("dead"))
+        got: dict[str, set[str]] = {}
+        for kind, pull in pulls.items():
+            while True:
+                try:
+                    msg = await asyncio.wait_for(pull.recv(), 1.0)
+                except TimeoutError:
+                    break
+                assert isinstance(msg, CancelRequest)
+                got.setdefault(kind, set()).add(msg.request_id)
+        assert got == {"prefill": {"placed", "dispatched"}, "decode": {"placed", "decoding"}}
+    finally:
+        for pull in pulls.values():
+            pull.close()
+        await backend.stop()
+        ctx.destroy(linger=0)
