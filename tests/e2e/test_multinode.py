@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Served, start_serve, stop_serve
 
 TTL_S = 3.0  # store.heartbeat_ttl's default
@@ -89,7 +91,6 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_toke
 
 
 def _stats(url: str) -> dict[str, Any]:
-    import urllib.request
 
     with urllib.request.urlopen(f"{url}/v1/aegaeon/stats?light=1", timeout=10) as resp:
         data = json.loads(resp.read())
@@ -121,6 +122,19 @@ def _shared_queues_empty(redis_url: str) -> bool:
         return True
     finally:
         client.close()
+
+
+def _host_kv_used(cluster: Served) -> dict[str, float]:
+    """Bytes of live blocks in each node's unified CPU KV cache (its cachemgr's metrics)."""
+    used: dict[str, float] = {}
+    for node in ("node-0", "node-1"):
+        url = json.loads((cluster.run_dir / node / "cachemgr.http").read_text())["url"]
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "aegaeon_kv_cache_used_bytes":
+                used[node] = family.samples[0].value
+    return used
 
 
 def _node_pids(cluster: Served, node: str) -> list[int]:
@@ -183,6 +197,9 @@ def test_a_killed_proxy_loses_only_its_own_streams(cluster: Served, small_market
     _wait(lambda: _shared_queues_empty(redis_url), 60, "every shared queue empty")
     _wait(lambda: all(i["open_sequences"] == 0 for i in _stats(urls[0])["instances"]), 15,
           "no instance holds a sequence of the dead replica")  # fmt: skip
+    # nor KV: a handoff the dead replica got but never placed is freed at its prefill
+    _wait(lambda: _host_kv_used(cluster) == {"node-0": 0.0, "node-1": 0.0}, 30,
+          "no node's unified KV cache holds a block of the dead replica's requests")  # fmt: skip
 
 
 def test_a_killed_node_leaves_dispatch_within_its_ttl(cluster: Served, small_market: Path,

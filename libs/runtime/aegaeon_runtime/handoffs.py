@@ -42,6 +42,25 @@ class SentHandoffs:
         while len(self._sent) > self.limit:
             self._sent.popitem(last=False)
 
+    def free_one(self, request_id: str, cache: HostCachePort) -> bool:
+        """Free ``request_id``'s handoff if it is still leased here (its placement was
+        given up); forget it. False when there was none, a decode instance claimed
+        it, or its blocks were freed and handed out again since (a newer handoff
+        holds some of them: the newer record is the truth for those blocks)."""
+        if request_id not in self._sent:
+            return False
+        ids = list(self._sent)
+        offsets, event = self._sent.pop(request_id)
+        blocks = set(offsets)
+        for newer in ids[ids.index(request_id) + 1 :]:
+            if not blocks.isdisjoint(self._sent[newer][0]):
+                return False
+        try:
+            cache.free_blocks(list(offsets), event)
+        except (RemoteError, TimeoutError):  # claimed, freed already, or no cachemgr
+            return False
+        return True
+
     def free_unclaimed(self, cache: HostCachePort) -> int:
         """Free every recorded handoff still leased to this instance; forget them all.
         Returns how many were freed.

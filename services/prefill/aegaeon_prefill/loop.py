@@ -131,6 +131,8 @@ class PrefillLoop:
         assert isinstance(msg, CancelRequest)
         self.queue.remove(msg.request_id)
         self.jobs.pop(msg.request_id, None)
+        if msg.free_handoff and self.handoffs.free_one(msg.request_id, self.worker.cache):
+            log.info("handoff_freed", request_id=msg.request_id)
 
     def _on_shutdown(self, msg: Message) -> None:
         self._stop.set()

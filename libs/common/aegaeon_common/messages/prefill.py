@@ -38,6 +38,11 @@ class CancelRequest(Message, frozen=True):
 
     TAG = "cancel"
     request_id: str
+    # Also free the KV handoff sent for it, if no decode instance claimed it: the
+    # sender will never place it (a proxy replica that owns no cachemgr connection
+    # to free it with, or the reaper of a dead replica). The single proxy frees
+    # such handoffs itself and leaves this False.
+    free_handoff: bool = False
 
 
 class Shutdown(Message, frozen=True):

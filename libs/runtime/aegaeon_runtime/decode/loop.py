@@ -127,7 +127,7 @@ class DecodeLoop:
 
     def _on_cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
-        if self.prefill is not None and self.prefill.cancel(msg.request_id):
+        if self.prefill is not None and self.prefill.cancel(msg.request_id, msg.free_handoff):
             return
         self.admission.cancel(msg)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed
 from aegaeon_sched import PrefillQueue
@@ -35,6 +36,8 @@ from aegaeon_runtime.prefill import (
     reserve_blocks,
     run_prefill,
 )
+
+log = get_logger("decode")
 
 
 class PrefillSide:
@@ -77,8 +80,12 @@ class PrefillSide:
         self.jobs[msg.request_id] = msg
         self.worker.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, free_handoff: bool = False) -> bool:
+        """Out of the queue (True if it was there); ``free_handoff``: its sent, unclaimed
+        handoff is freed too (see ``CancelRequest.free_handoff``)."""
         self.jobs.pop(request_id, None)
+        if free_handoff and self.handoffs.free_one(request_id, self.worker.cache):
+            log.info("handoff_freed", request_id=request_id)
         return self.queue.remove(request_id)
 
     def drop_all(self) -> int:

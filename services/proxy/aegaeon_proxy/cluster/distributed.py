@@ -306,14 +306,15 @@ class DistributedBackend:
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")
 
-    async def _place_decode(self, tracked: Tracked, node: str) -> None:
-        """Algorithm 2's placement over the decode-capable instances of ``node``."""
+    async def _place_decode(self, tracked: Tracked, node: str) -> bool:
+        """Algorithm 2's placement over the decode-capable instances of ``node``; True
+        once the request was sent to one (its handoff is that instance's to claim)."""
         rid = tracked.gen.request_id
         candidates = self.view.decode_candidates(node)
         if not candidates:
             self.end_request(rid, "error", f"node {node} has no decode instance alive",
                              code="instance_failed")  # fmt: skip
-            return
+            return False
         keys = [RegistryView.queue_key(r, "decode") for r in candidates]
         by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
@@ -335,13 +336,13 @@ class DistributedBackend:
             instance, batch_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
         except StoreError as exc:
             self._store_failed(rid, exc)
-            return
+            return False
         self.dispatch_s.append(time.perf_counter() - started)
         record, key = by_id[instance]
         where = Where(instance, record.incarnation, record.node, key, "decode")
         if rid not in self.requests or tracked.handoff is None or tracked.first_token_id is None:
             await self._unqueue(rid, where)
-            return
+            return False
         self.where[rid] = where
         tracked.instance = instance
         gen = tracked.gen
@@ -355,6 +356,7 @@ class DistributedBackend:
         ))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")
+        return True
 
     async def cancel(self, request_id: str) -> None:
         tracked = self.requests.get(request_id)
@@ -365,9 +367,10 @@ class DistributedBackend:
         self.timings.add(tracked, "cancelled", None)
         self._close(request_id)
         if where is not None:
-            record = self.view.live.get(where.instance)
-            if record is not None and record.incarnation == where.incarnation:
-                await self._send(record, CancelRequest(request_id))
+            # at its prefill instance, its handoff may be sent already: this replica
+            # will not place it now
+            await self._send_to(where, CancelRequest(request_id,
+                                                     free_handoff=where.stage == "prefill"))
         tracked.queue.finish("cancelled")
 
     def end_request(
@@ -420,6 +423,12 @@ class DistributedBackend:
         ttl_s = self.config.proxy.request_timeout_s + META_GRACE_S
         await self.store.put(request_key(gen.request_id), encode(meta), ttl_s)
 
+    async def _send_to(self, where: Where, msg: Message) -> None:
+        """Send ``msg`` to the process ``where`` names, if it still runs."""
+        record = self.view.live.get(where.instance)
+        if record is not None and record.incarnation == where.incarnation:
+            await self._send(record, msg)
+
     async def _send(self, record: InstanceRecord, msg: Message) -> None:
         pusher = self._pushers.get(record.instance_id)
         if pusher is None or pusher.address != record.address:
@@ -457,6 +466,7 @@ class DistributedBackend:
             await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
         except StoreError as exc:
             self._store_failed(rid, exc)
+            await self._send_to(where, CancelRequest(rid, free_handoff=True))
             return
         if self.where.get(rid) is where:
             del self.where[rid]  # out of the prefill queue; not placed yet
@@ -464,8 +474,10 @@ class DistributedBackend:
             self.timings.add(tracked, msg.finish_reason, msg.timings)
             self.end_request(rid, msg.finish_reason)
             return
-        if rid in self.requests:
-            await self._place_decode(tracked, where.node)
+        if not (rid in self.requests and await self._place_decode(tracked, where.node)):
+            # ended or cancelled before its placement, or no placement: the KV handoff
+            # is still leased to the prefill instance, which frees it on this cancel
+            await self._send_to(where, CancelRequest(rid, free_handoff=True))
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
         for item in msg.items:
@@ -626,8 +638,8 @@ class DistributedBackend:
         for rid, instances in sorted(cancel_at.items()):
             for instance in sorted(instances):
                 record = self.view.live.get(instance)
-                if record is not None:
-                    await self._send(record, CancelRequest(rid))
+                if record is not None:  # (a handoff its replica never placed is freed)
+                    await self._send(record, CancelRequest(rid, free_handoff=True))
         max_group = self.config.scheduler.max_group_size
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
