@@ -53,3 +53,33 @@ def test_a_child_dying_in_its_stage_stops_the_start_with_its_log(tmp_path: Path)
     finally:
         sup.stop_all(timeout_s=5)
     assert not any(c.alive() for c in children)
+
+
+# A service that never returns after SIGTERM: its main waits on an event nobody sets.
+STUCK = """
+import asyncio, pathlib, sys
+from aegaeon_common.process import run_service
+
+async def main(stop):
+    pathlib.Path(sys.argv[1]).write_text("up")
+    await stop.wait()
+    await asyncio.Event().wait()  # stuck_after_stop
+
+run_service("stuck", main, child=False)
+"""
+
+
+def test_a_child_that_does_not_stop_leaves_its_stacks_in_its_log(tmp_path: Path) -> None:
+    flag, script = tmp_path / "stuck.ready", tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    child = Child(name="stuck", argv=[sys.executable, str(script), str(flag)],
+                  ready=flag.exists, log_path=tmp_path / "stuck.log")  # fmt: skip
+    sup = Supervisor([child], ready_timeout_s=60)
+    try:
+        sup.start_all()
+    finally:
+        sup.stop_all(timeout_s=1.0)
+    assert not child.alive() and child.proc is not None and child.proc.returncode == -9
+    log = child.log_path.read_text()
+    assert "Current thread" in log or "Thread 0x" in log  # every thread's stack
+    assert "asyncio tasks of pid" in log and "stuck_after_stop" in log  # the task, and where

@@ -130,8 +130,12 @@ def cluster_children(
         config_from_dict(member, source=f"{source} (node-{i})", base=base)  # validate
         path = run_dir / "config.yaml"
         _write(path, member)
+        # its own supervisor stops its instances, then its cachemgr, each stage within
+        # drain + margin, and kills (stacks first) what overstays: let it
+        node_stop_s = 2 * (float(raw.get("drain_timeout", 30.0)) + DRAIN_MARGIN_S) + 5.0
         child = Child(name=f"node-{i}", argv=python_argv("node", "--config", str(path)),
-                      ready=lambda: False, log_path=root / f"node-{i}.log", stage=1)  # fmt: skip
+                      ready=lambda: False, log_path=root / f"node-{i}.log", stage=1,
+                      stop_timeout_s=node_stop_s)  # fmt: skip
         child.ready = _ready(child, run_dir, "node")
         children.append(child)
     port = int((raw.get("proxy") or {}).get("port", 8000))

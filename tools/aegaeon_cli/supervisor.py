@@ -13,6 +13,8 @@ and exit, and kills what is left.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aegaeon_common.logs import get_logger
+from aegaeon_common.process import STACKS_SIGNAL, TASKS_SIGNAL
 
 log = get_logger("supervisor")
 
@@ -38,6 +41,9 @@ class Child:
     # It maps the first child's (the cachemgr's) shared memory: when that child dies,
     # this one is killed and started again with it (its state lived in that memory).
     maps_cache: bool = False
+    # how long it may take to stop after SIGTERM (None: the supervisor's stop_timeout_s);
+    # a child that supervises children of its own needs their timeout and a margin
+    stop_timeout_s: float | None = None
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -196,13 +202,17 @@ class Supervisor:
             for child in running:
                 assert child.proc is not None
                 child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + limit
+            began = time.monotonic()
             for child in running:
                 assert child.proc is not None
+                own = limit if timeout_s is not None or child.stop_timeout_s is None else (
+                    child.stop_timeout_s)  # fmt: skip
                 try:
-                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                    child.proc.wait(timeout=max(0.0, began + own - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.warning("killing", child=child.name, after_s=limit)
+                    log.warning("killing", child=child.name, after_s=own,
+                                stacks=str(child.log_path))  # fmt: skip
+                    dump_stacks(child.proc)
                     child.proc.kill()
                     child.proc.wait()
                 log.info("stopped", child=child.name, status=child.proc.returncode)
@@ -213,14 +223,37 @@ class Supervisor:
         self._terminate(self.children, timeout_s)
 
 
+def dump_stacks(proc: subprocess.Popen[bytes], wait_s: float = 1.0) -> None:
+    """Ask a service that did not stop in time where it is stuck: its threads' and its
+    asyncio tasks' stacks go to its log (``aegaeon_common.process``)."""
+    for sig in (STACKS_SIGNAL, TASKS_SIGNAL):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=wait_s)
+
+
 def python_argv(*args: str) -> list[str]:
     """Run an ``aegaeon`` subcommand with this interpreter."""
     return [sys.executable, "-m", "aegaeon_cli.main", *args]
 
 
 def install_stop_handlers(sup: Supervisor) -> None:
+    """Stop on SIGINT/SIGTERM. A request for stacks (:func:`dump_stacks`) is answered
+    with this process's and passed on to every live child (down a tree of supervisors
+    to the services)."""
     signal.signal(signal.SIGINT, sup.request_stop)
     signal.signal(signal.SIGTERM, sup.request_stop)
+
+    def pass_on(signum: int, _frame: object) -> None:
+        for child in sup.children:
+            if child.alive() and child.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signum)
+
+    signal.signal(STACKS_SIGNAL, pass_on)  # then this process's own stacks, then pass_on
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=True)
+    signal.signal(TASKS_SIGNAL, pass_on)
 
 
 def supervise(sup: Supervisor, on_ready: Callable[[], None], prog: str, shm_prefix: str) -> int:

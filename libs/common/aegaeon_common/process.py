@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import faulthandler
+import io
+import linecache
 import os
 import signal
 import sys
@@ -49,6 +52,34 @@ def run_fast(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
+# What a stuck process is asked for before it is killed (the supervisor sends both):
+# every thread's Python stack (faulthandler: answered even when the event loop is
+# blocked in C) and every asyncio task's stack (by the loop, if it still runs).
+STACKS_SIGNAL = signal.SIGUSR1
+TASKS_SIGNAL = signal.SIGUSR2
+
+
+def _await_chain(awaitable: object, out: io.StringIO) -> None:
+    """Where a task waits: each coroutine of its ``await`` chain, innermost last."""
+    for _ in range(64):
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if frame is None:
+            print(f"  awaiting {awaitable!r}", file=out)
+            return
+        code = frame.f_code
+        print(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}', file=out)
+        print(f"    {linecache.getline(code.co_filename, frame.f_lineno).strip()}", file=out)
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+
+
+def _print_tasks() -> None:
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}:", file=out)
+        _await_chain(task.get_coro(), out)
+    print(f"asyncio tasks of pid {os.getpid()}:\n{out.getvalue()}", file=sys.stderr, flush=True)
+
+
 def run_service(
     name: str, main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], *, child: bool = True
 ) -> int:
@@ -62,12 +93,14 @@ def run_service(
     if child:
         die_with_parent()
     log = get_logger("process")
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
     async def runner() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(TASKS_SIGNAL, _print_tasks)
         await main(stop)
 
     try:
