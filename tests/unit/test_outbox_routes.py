@@ -53,3 +53,18 @@ def test_one_node_sends_everything_to_its_proxy(tmp_path: Path) -> None:
     outbox.close()
     pull.close(0)
     ctx.term()
+
+
+def test_a_thread_sending_after_close_is_dropped_not_a_hang(tmp_path: Path) -> None:
+    import threading
+
+    address = f"ipc://{tmp_path}/p.sock"
+    outbox = Outbox(address)
+    msg = PrefillDone("r", 0, 7, None, None, RequestTimings(), 1.0)
+    outbox.send(msg)  # this thread's socket exists; the other thread has none yet
+    outbox.close()  # returns: nothing is left open in its context
+    late = threading.Thread(target=outbox.send, args=(msg,))
+    late.start()
+    late.join(5.0)
+    outbox.send(msg)
+    assert not late.is_alive() and outbox.num_dropped == 2

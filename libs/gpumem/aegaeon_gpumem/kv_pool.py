@@ -138,12 +138,13 @@ class KVBlockPool:
             if any(not self._slabs.is_live(o) for o in held):
                 raise IntegrityError("a move-list block is not live in the allocator")
 
-    def close(self) -> None:
-        """Stop the reclaimer thread (pending blocks stay pending; idempotent)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the reclaimer thread (pending blocks stay pending; idempotent); wait at
+        most ``timeout_s`` for it (it is a daemon)."""
         self._stop.set()
         self._has_pending.set()  # wake it if it sleeps on "nothing pending"
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
             self._thread = None
 
     def __enter__(self) -> KVBlockPool:

@@ -75,6 +75,7 @@ class Outbox:
         self._routes: OrderedDict[str, str] = OrderedDict()
         self.num_dropped = 0
         self.num_unrouted = 0
+        self._closed = False  # after close(), what is sent is dropped (no new socket)
 
     def route(self, request_id: str, address: str) -> None:
         """Messages about ``request_id`` go to ``address`` from now on (the newest
@@ -86,21 +87,24 @@ class Outbox:
             if len(self._routes) > MAX_ROUTES:
                 self._routes.popitem(last=False)
 
-    def _socket(self, address: str) -> zmq.Socket[bytes]:
+    def _socket(self, address: str) -> zmq.Socket[bytes] | None:
+        """This thread's socket to ``address``; None once closed."""
         socks: dict[str, zmq.Socket[bytes]] | None = getattr(self._local, "socks", None)
         if socks is None:
             socks = self._local.socks = {}
         sock = socks.get(address)
         if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 2000)  # deliver what is queued at close
-            sock.setsockopt(zmq.SNDHWM, 100_000)  # queue while the proxy restarts
-            secure_socket(sock, address, bind=False)  # CURVE on tcp:// when configured
-            sock.connect(address)
-            socks[address] = sock
             with self._lock:
+                if self._closed:
+                    return None
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 2000)  # deliver what is queued at close
+                sock.setsockopt(zmq.SNDHWM, 100_000)  # queue while the proxy restarts
+                secure_socket(sock, address, bind=False)  # CURVE on tcp:// when configured
+                sock.connect(address)
                 self._sockets.append(sock)
-        return sock
+            socks[address] = sock
+        return None if sock.closed else sock
 
     def _destinations(self, msg: Message) -> list[tuple[str | None, Message]]:
         with self._lock:
@@ -127,14 +131,23 @@ class Outbox:
             if address is None:
                 self.num_unrouted += 1
                 continue
+            sock = self._socket(address)
+            if sock is None:  # a late message of a thread that outlived close()
+                self.num_dropped += 1
+                continue
             try:
-                self._socket(address).send(encode(part), zmq.NOBLOCK)
+                sock.send(encode(part), zmq.NOBLOCK)
             except zmq.Again:
                 self.num_dropped += 1
                 log.warning("proxy unreachable: message dropped", tag=msg.TAG)
+            except zmq.ZMQError:  # closed meanwhile (the process is ending)
+                self.num_dropped += 1
 
     def close(self) -> None:
+        """Close every socket (each delivers what it queued for up to its linger) and the
+        context; a send from a thread still running after this is dropped."""
         with self._lock:
+            self._closed = True
             for sock in self._sockets:
                 sock.close()
             self._sockets.clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.structs import EventSpec
 from aegaeon_engine import KVShape
 from aegaeon_gpumem import (
@@ -34,6 +35,8 @@ from aegaeon_gpumem import (
 from aegaeon_runtime.cacheclient.client import SyncCacheClient, to_event
 
 __all__ = ["KVSpace", "OutOfBlocks", "event_from_spec", "shape_key"]
+
+log = get_logger("kv")
 
 
 def shape_key(shape: KVShape) -> tuple[int, int, int, int, str]:
@@ -120,7 +123,11 @@ class KVSpace:
             spec = None if event is None or event.query() else to_event(event.handle())
             self.cache.free_blocks(list(host_offsets), spec)
 
-    def close(self) -> None:
-        self.swap_out_stream.close()
-        self.swap_in_stream.close()
-        self.pool.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the copy streams and the reclaimer, waiting at most ``timeout_s`` for each:
+        a copy that waits on an event that never completes (its producer died) must not
+        keep the process alive (their threads are daemons)."""
+        for stream in (self.swap_out_stream, self.swap_in_stream):
+            if not stream.close(timeout_s):
+                log.warning("copy_stream_busy_at_close", after_s=timeout_s)
+        self.pool.close(timeout_s)

@@ -304,7 +304,7 @@ async def _serve(
         commands.close()
         to_proxy.close()
         release_security(ctx)
-        ctx.term()
+        ctx.destroy(linger=0)  # and any socket left open: term() would wait for it for good
         ready_path(config.run_dir, name).unlink(missing_ok=True)
     if crashed:
         raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]

@@ -303,10 +303,12 @@ class ModelSwitcher:
     def prefetched_model(self) -> str | None:
         return self._prefetch.name if self._prefetch else None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel a prefetch and stop its thread, waiting at most ``timeout_s`` for each
+        (a load stuck on a cachemgr that is gone must not keep the process alive)."""
         if self._prefetch is not None:
             self._prefetch.cancelled.set()
-            self._prefetch.done.wait()
+            self._prefetch.done.wait(timeout_s)
             self._prefetch = None
-        self._prefetcher.close()
+        self._prefetcher.close(timeout_s)
 
