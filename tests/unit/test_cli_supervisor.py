@@ -83,3 +83,29 @@ def test_a_child_that_does_not_stop_leaves_its_stacks_in_its_log(tmp_path: Path)
     log = child.log_path.read_text()
     assert "Current thread" in log or "Thread 0x" in log  # every thread's stack
     assert "asyncio tasks of pid" in log and "stuck_after_stop" in log  # the task, and where
+
+
+async def test_a_task_that_swallows_its_cancel_is_named_not_waited_for() -> None:
+    import asyncio
+
+    from aegaeon_common.process import cancel_tasks
+
+    stop = False
+
+    async def stubborn() -> None:  # a loop that catches what a cancelled call raised
+        while not stop:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                continue
+
+    async def polite() -> None:
+        await asyncio.sleep(60)
+
+    tasks = [asyncio.create_task(stubborn(), name="stubborn"),
+             asyncio.create_task(polite(), name="polite")]  # fmt: skip
+    await asyncio.sleep(0.01)
+    assert await cancel_tasks(tasks, timeout_s=0.5) == ["stubborn"]
+    assert tasks[1].cancelled()
+    stop = True  # its own flag ends it
+    await asyncio.wait_for(tasks[0], 5)

@@ -10,7 +10,7 @@ import linecache
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -78,6 +78,24 @@ def _print_tasks() -> None:
         print(f"--- task {task.get_name()}:", file=out)
         _await_chain(task.get_coro(), out)
     print(f"asyncio tasks of pid {os.getpid()}:\n{out.getvalue()}", file=sys.stderr, flush=True)
+
+
+async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 5.0) -> list[str]:
+    """Cancel ``tasks`` and wait at most ``timeout_s`` for them to end; returns the names
+    of those still running. A task can swallow its cancellation (a library that turns
+    it into an error the task's loop catches and carries on after): waiting for it
+    without a bound kept a process from ever exiting, so a loop that catches errors
+    must also stop on a flag of its own."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    pending: set[asyncio.Task[Any]] = set()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: an error of a task being stopped is not news
+    return sorted(task.get_name() for task in pending)
 
 
 def run_service(

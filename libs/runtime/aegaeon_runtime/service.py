@@ -34,7 +34,7 @@ from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import InstanceDraining, InstanceHello, InstanceStats
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.metrics import new_registry
-from aegaeon_common.process import mark_ready, ready_path
+from aegaeon_common.process import cancel_tasks, mark_ready, ready_path
 from aegaeon_common.registry import open_store
 from aegaeon_common.store import Store
 from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
@@ -224,6 +224,7 @@ async def _serve(
     instance = make_loop(worker, inbox, outbox)
     live.instance = instance
     crashed: list[BaseException] = []
+    closing = False
 
     def on_crash(exc: BaseException) -> None:
         crashed.append(exc)
@@ -268,7 +269,7 @@ async def _serve(
 
         async def heartbeat() -> None:
             nonlocal hello
-            while True:
+            while not closing:
                 if len(hello.capacity_tokens) != len(worker.specs):  # a model was added
                     hello = msgspec.structs.replace(hello, capacity_tokens=worker.capacity_tokens())
                 stats = with_holdings(instance.stats(), worker, instance.load)
@@ -291,14 +292,14 @@ async def _serve(
             await _drain(config, kind, index, name, instance, compute, to_proxy, worker, readiness,
                          notify=registrar is None)  # fmt: skip
     finally:
-        if registrar is not None:
+        closing = True  # the heartbeat stops beating even if its cancellation is lost
+        stuck = await cancel_tasks(tasks)
+        if stuck:
+            log.warning("tasks_not_cancelled", instance=name, tasks=stuck)
+        if registrar is not None:  # after the heartbeat: it would register us again
             await registrar.deregister()
         compute.join()
         outbox.close()
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
         worker.close()
         await client.close()
         commands.close()

@@ -40,6 +40,7 @@ from aegaeon_common.messages.report import (
     StepTokens,
 )
 from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Request, Shedder, Verdict
@@ -125,10 +126,9 @@ class ClusterBackend:
         for tracked in list(self.requests.values()):
             tracked.queue.finish("cancelled")
         self.requests.clear()
-        for task in self._tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        stuck = await cancel_tasks(self._tasks)
+        if stuck:
+            log.warning("tasks_not_cancelled", tasks=stuck)
         await self._actions.flush()
         self._reports.close()
         self._cache.close()

@@ -52,6 +52,7 @@ from aegaeon_common.messages.report import (
     StepTokens,
 )
 from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
     PROXIES,
     QUEUE_TTL_S,
@@ -154,6 +155,7 @@ class DistributedBackend:
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
+        self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             PrefillDone: self._on_prefill_done,
@@ -179,9 +181,10 @@ class DistributedBackend:
             await asyncio.wait_for(self._leave(), STOP_S)
         except TimeoutError:
             log.warning("stop_timeout", after_s=STOP_S)
-        for task in (*self._tasks, *self._jobs):
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._jobs, return_exceptions=True)
+        self._closing = True  # the loops end even if a cancellation is lost in the store
+        stuck = await cancel_tasks([*self._tasks, *self._jobs], STOP_S)
+        if stuck:
+            log.warning("tasks_not_cancelled", tasks=stuck)
         with contextlib.suppress(StoreError, TimeoutError):
             await asyncio.wait_for(self.store.close(), 2.0)
         release_security(self.ctx)  # its ZAP handler (CURVE) first: destroy would wait on it
@@ -507,7 +510,7 @@ class DistributedBackend:
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 joined, left = await self.view.refresh()
                 self._store_ok = True
@@ -575,7 +578,7 @@ class DistributedBackend:
         record = ProxyRecord(v=1, proxy_id=self.proxy_id, report_address=self.report_address,
                              pid=os.getpid(), host=socket.gethostname())  # fmt: skip
         ttl_s = self.config.store.heartbeat_ttl_s
-        while True:
+        while not self._closing:
             try:
                 await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
                 await self.store.set_add(PROXIES, self.proxy_id)
@@ -590,7 +593,7 @@ class DistributedBackend:
             await asyncio.sleep(BEAT_S)
 
     async def _reap_loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(REAP_S)
             try:
                 ids = sorted(await self.store.set_members(PROXIES))
