@@ -46,9 +46,9 @@ def _load(raw: bytes | None) -> State | None:
     return None if raw is None else msgspec.msgpack.decode(raw)
 
 
-def _meta(rid: str, proxy: str, instance: str, queue: str) -> bytes:
+def _meta(rid: str, proxy: str, instance: str, queue: str, state: str = "queued") -> bytes:
     meta = RequestMeta(v=1, request_id=rid, model="m", proxy=proxy, instance=instance,
-                       state="queued", tokens_sent=0, arrival_s=0.0, queue=queue)  # fmt: skip
+                       state=state, tokens_sent=0, arrival_s=0.0, queue=queue)  # fmt: skip
     return encode(meta)
 
 
@@ -78,7 +78,8 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
                                                       [_req("dispatched"), _req("alive")]]]]))
         await store.put(dw, _dump([[5, "m", [_req("placed"), _req("decoding")]]]))
         await store.put(request_key("placed"), _meta("placed", "dead", "a/prefill-0", pq))
-        await store.put(request_key("decoding"), _meta("decoding", "dead", "a/decode-0", dw))
+        await store.put(request_key("decoding"), _meta("decoding", "dead", "a/decode-0", dw,
+                                                         "decoding"))
         await store.set_add(proxy_requests_key("dead"), "placed", "dispatched", "decoding")
         await store.set_add(PROXIES, "dead")
 
@@ -88,7 +89,7 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
         assert queued_request_ids(_load(await store.get(dw)), prefill=False) == set()
         assert "dead" not in await store.set_members(PROXIES)
         assert not await store.set_members(proxy_requests_key("dead"))
-        got: dict[str, set[str]] = {}
+        got: dict[str, set[tuple[str, bool]]] = {}
         for kind, pull in pulls.items():
             while True:
                 try:
@@ -96,8 +97,10 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
                 except TimeoutError:
                     break
                 assert isinstance(msg, CancelRequest)
-                got.setdefault(kind, set()).add(msg.request_id)
-        assert got == {"prefill": {"placed", "dispatched"}, "decode": {"placed", "decoding"}}
+                got.setdefault(kind, set()).add((msg.request_id, msg.free_handoff))
+        # the handoff is freed where it was prefilled, never where it is decoded
+        assert got == {"prefill": {("placed", True), ("dispatched", True)},
+                       "decode": {("placed", False), ("decoding", False)}}  # fmt: skip
     finally:
         for pull in pulls.values():
             pull.close()

@@ -67,3 +67,15 @@ def test_blocks_given_to_a_newer_handoff_are_not_freed_for_an_older_one() -> Non
     assert not handoffs.free_one("old", cache)
     assert cache.owner == {2: "prefill-0", 3: "prefill-0"}
     assert handoffs.free_one("new", cache) and cache.freed == [[2, 3]]
+
+
+def test_a_handoff_this_instance_decodes_itself_is_never_freed_by_a_cancel() -> None:
+    cache, handoffs = Leases("prefill-0"), SentHandoffs()
+    _sent(handoffs, cache, "mine", [1, 2])
+    handoffs.forget("mine")  # a hybrid instance took its own handoff for decoding
+    assert not handoffs.free_one("mine", cache)
+    _sent(handoffs, cache, "sent", [3, 4])
+    # blocks 3-4 freed by their decoder, then taken by one of this instance's own
+    # sequences (a swap-out): held locally, so left alone
+    assert not handoffs.free_one("sent", cache, in_use={4, 9})
+    assert not cache.freed and cache.owner == dict.fromkeys([1, 2, 3, 4], "prefill-0")

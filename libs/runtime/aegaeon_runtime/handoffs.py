@@ -15,6 +15,7 @@ lease moved to another owner (``not_owner``) or that were freed already
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from aegaeon_common.messages.structs import EventSpec, KVHandoff
 from aegaeon_common.transport import RemoteError
@@ -42,16 +43,26 @@ class SentHandoffs:
         while len(self._sent) > self.limit:
             self._sent.popitem(last=False)
 
-    def free_one(self, request_id: str, cache: HostCachePort) -> bool:
+    def forget(self, request_id: str) -> None:
+        """This instance claimed the handoff itself (a hybrid instance decoding what it
+        prefilled): its sequence owns the blocks now."""
+        self._sent.pop(request_id, None)
+
+    def free_one(
+        self, request_id: str, cache: HostCachePort, in_use: Collection[int] = ()
+    ) -> bool:
         """Free ``request_id``'s handoff if it is still leased here (its placement was
         given up); forget it. False when there was none, a decode instance claimed
-        it, or its blocks were freed and handed out again since (a newer handoff
-        holds some of them: the newer record is the truth for those blocks)."""
+        it, or its blocks were freed and handed out again since: to a newer handoff
+        (the newer record is the truth for those blocks) or to this instance's own
+        sequences (``in_use``: the host blocks a hybrid instance's sequences hold)."""
         if request_id not in self._sent:
             return False
         ids = list(self._sent)
         offsets, event = self._sent.pop(request_id)
         blocks = set(offsets)
+        if not blocks.isdisjoint(in_use):
+            return False
         for newer in ids[ids.index(request_id) + 1 :]:
             if not blocks.isdisjoint(self._sent[newer][0]):
                 return False

@@ -93,6 +93,13 @@ class CacheCollector(Collector):
             blocks.add_metric([INSTANCE, "cpu", shape, "used"], float(used))
             blocks.add_metric([INSTANCE, "cpu", shape, "free"], float(free))
         yield blocks
+        owned = GaugeMetricFamily(
+            "aegaeon_kv_blocks_owned", "Unified KV cache blocks leased to each worker",
+            labels=["owner"],
+        )  # fmt: skip
+        for owner, count in kv.blocks_per_owner.items():
+            owned.add_metric([owner], float(count))
+        yield owned
         yield GaugeMetricFamily(
             "aegaeon_cachemgr_workers", "Workers holding a lease", value=len(m.workers.leases())
         )

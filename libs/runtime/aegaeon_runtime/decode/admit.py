@@ -113,6 +113,11 @@ class Admission:
         if self._add(seq, msg.sampling.max_tokens):
             w.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
+    def host_blocks_in_use(self) -> set[int]:
+        """The unified KV cache blocks this instance's sequences hold (swapped out, or a
+        handoff not yet swapped in)."""
+        return {offset for seq in self.seqs.values() for offset in seq.host_blocks}
+
     def cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
         seq = self.seqs.get(msg.request_id)

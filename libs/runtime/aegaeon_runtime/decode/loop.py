@@ -114,7 +114,7 @@ class DecodeLoop:
         self.load = InstanceLoad()  # written here, read by a scrape
         self.drain = Drain()
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
-            EnqueueDecode: self.admission.enqueue,
+            EnqueueDecode: self._on_enqueue_decode,
             RunRequest: self.admission.run_request,
             CancelRequest: self._on_cancel,
             EnqueuePrefill: self._on_enqueue_prefill,
@@ -127,9 +127,20 @@ class DecodeLoop:
 
     def _on_cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
-        if self.prefill is not None and self.prefill.cancel(msg.request_id, msg.free_handoff):
-            return
+        if self.prefill is not None:
+            # a handoff this instance claimed itself belongs to its sequence: the
+            # sequence's end frees it (and no block a sequence holds is freed here)
+            free = msg.free_handoff and msg.request_id not in self.admission.seqs
+            in_use = self.admission.host_blocks_in_use() if free else ()
+            if self.prefill.cancel(msg.request_id, free, in_use):
+                return
         self.admission.cancel(msg)
+
+    def _on_enqueue_decode(self, msg: Message) -> None:
+        assert isinstance(msg, EnqueueDecode)
+        if self.prefill is not None:  # decoding what it prefilled: the handoff is claimed
+            self.prefill.handoffs.forget(msg.request_id)
+        self.admission.enqueue(msg)
 
     def _on_enqueue_prefill(self, msg: Message) -> None:
         assert isinstance(msg, EnqueuePrefill)

@@ -18,7 +18,7 @@ take the blocks the prefill waits for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import EnqueuePrefill
@@ -80,11 +80,14 @@ class PrefillSide:
         self.jobs[msg.request_id] = msg
         self.worker.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
-    def cancel(self, request_id: str, free_handoff: bool = False) -> bool:
+    def cancel(
+        self, request_id: str, free_handoff: bool = False, in_use: Collection[int] = ()
+    ) -> bool:
         """Out of the queue (True if it was there); ``free_handoff``: its sent, unclaimed
-        handoff is freed too (see ``CancelRequest.free_handoff``)."""
+        handoff is freed too (see ``CancelRequest.free_handoff``), unless its blocks
+        are among ``in_use`` (this instance's own sequences hold them now)."""
         self.jobs.pop(request_id, None)
-        if free_handoff and self.handoffs.free_one(request_id, self.worker.cache):
+        if free_handoff and self.handoffs.free_one(request_id, self.worker.cache, in_use):
             log.info("handoff_freed", request_id=request_id)
         return self.queue.remove(request_id)
 

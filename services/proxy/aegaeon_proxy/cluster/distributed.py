@@ -618,7 +618,9 @@ class DistributedBackend:
         queues are searched for the dead replica's ids as well."""
         rids = sorted(await self.store.set_members(proxy_requests_key(proxy_id)))
         owned = set(rids)
-        cancel_at: dict[str, set[str]] = {}  # request id -> instances that may hold it
+        # request id -> instance that may hold it -> whether to free its handoff there
+        # (an instance that prefilled it, not one that decodes it)
+        cancel_at: dict[str, dict[str, bool]] = {}
         queued: dict[str, set[str]] = {}  # queue key -> the dead replica's ids in it
         for rid, raw in zip(rids, await self.store.get_many([request_key(r) for r in rids]),
                             strict=True):  # fmt: skip
@@ -627,7 +629,7 @@ class DistributedBackend:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 meta = None
             if meta is not None and meta.instance:
-                cancel_at.setdefault(rid, set()).add(meta.instance)
+                cancel_at.setdefault(rid, {})[meta.instance] = meta.state != "decoding"
             if meta is not None and meta.queue:
                 queued.setdefault(meta.queue, set()).add(rid)
         if owned:
@@ -636,13 +638,14 @@ class DistributedBackend:
             states = await self.store.get_many([key for _, key, _ in places])
             for (instance, key, prefill), raw in zip(places, states, strict=True):
                 for rid in queued_request_ids(_load(raw), prefill) & owned:
-                    cancel_at.setdefault(rid, set()).add(instance)
+                    at = cancel_at.setdefault(rid, {})
+                    at[instance] = at.get(instance, False) or prefill
                     queued.setdefault(key, set()).add(rid)
         for rid, instances in sorted(cancel_at.items()):
-            for instance in sorted(instances):
+            for instance, free in sorted(instances.items()):
                 record = self.view.live.get(instance)
                 if record is not None:  # (a handoff its replica never placed is freed)
-                    await self._send(record, CancelRequest(rid, free_handoff=True))
+                    await self._send(record, CancelRequest(rid, free_handoff=free))
         max_group = self.config.scheduler.max_group_size
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
