@@ -17,7 +17,6 @@ import os
 import shutil
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +163,7 @@ def _ready(child: Child, run_dir: Path, name: str) -> Any:
 
 def run_cluster(raw: dict[str, Any], base: Path, source: str, nodes: int, proxies: int,
                 store_url: str | None) -> int:  # fmt: skip
-    from aegaeon_cli.supervisor import install_stop_handlers
+    from aegaeon_cli.supervisor import install_stop_handlers, supervise
 
     try:
         children, configs = cluster_children(raw, base, source, nodes, proxies, store_url)
@@ -182,16 +181,7 @@ def run_cluster(raw: dict[str, Any], base: Path, source: str, nodes: int, proxie
         print(f"Store: {configs[0].store.url.rpartition('@')[2]}; run dirs under "
               f"{raw['run_dir']}. Press Ctrl-C to stop.", flush=True)  # fmt: skip
 
-    started = time.monotonic()
-    try:
-        sup.start_all()
-        sup.watch(on_ready=announce)
-    except StartupError as exc:
-        print(f"aegaeon serve: {exc} (after {time.monotonic() - started:.0f} s)", file=sys.stderr)
-        return 1
-    finally:
-        sup.stop_all()
-    return 0
+    return supervise(sup, announce, "aegaeon serve")  # each node's supervisor cleans its shm
 
 
 __all__ = ["cluster_children", "run_cluster"]

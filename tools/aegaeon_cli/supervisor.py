@@ -256,18 +256,22 @@ def install_stop_handlers(sup: Supervisor) -> None:
     signal.signal(TASKS_SIGNAL, pass_on)
 
 
-def supervise(sup: Supervisor, on_ready: Callable[[], None], prog: str, shm_prefix: str) -> int:
+def supervise(
+    sup: Supervisor, on_ready: Callable[[], None], prog: str, shm_prefix: str | None = None
+) -> int:
     """Start every child, watch them until stopped, stop them all; 1 if they could
-    not start. The cachemgr unlinks its shared memory; what is left (it was killed)
-    is removed here."""
+    not start. The cachemgr unlinks its shared memory; what is left under
+    ``shm_prefix`` (it was killed) is removed here."""
+    started = time.monotonic()
     try:
         sup.start_all()
         sup.watch(on_ready=on_ready)
     except StartupError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc} (after {time.monotonic() - started:.0f} s)", file=sys.stderr)
         return 1
     finally:
         sup.stop_all()
-        for path in Path("/dev/shm").glob(f"{shm_prefix}*"):
-            path.unlink(missing_ok=True)
+        if shm_prefix is not None:
+            for path in Path("/dev/shm").glob(f"{shm_prefix}*"):
+                path.unlink(missing_ok=True)
     return 0
