@@ -253,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
         "repeats": args.repeats, "cpus": cpus, "vllm": None,
         "native_kernels": engine.native_kernels,
+        "isa_choice": runners["ours"].choice.report(),
         "device": args.device, "device_name": _device_name(args.device),
     }
     vllm, vllm_runs = _start_vllm(args, result, prompts)

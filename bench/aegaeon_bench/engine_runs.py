@@ -70,6 +70,7 @@ class OursRunner:
         self.kv = torch.zeros(len(work.prompts) * self.per_seq * kv.block_bytes,
                               dtype=torch.uint8, device=work.device)
         self.engine = Engine(work.device, num_threads=threads)
+        self.choice = self.engine.tune(spec, work.dtype)  # the fastest kernels, measured
         self.engine.bind(spec, self.weights, self.kv, work.dtype)
 
     def _blocks(self, i: int) -> list[int]:

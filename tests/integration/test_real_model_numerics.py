@@ -1,16 +1,24 @@
 """The engine on the real SmolLM2-135M-Instruct against transformers on the same weights.
 
-First-step log-probabilities (the prefill's logits): within 1e-4 over the whole
-vocabulary in float32; within 0.25 over transformers' 20 most likely tokens in
-bfloat16 (logits are bfloat16 there, one step of 0.125 near 20). Next-token
-agreement under the reference's own context (teacher forcing): every token in
-float32, at least 90% in bfloat16, where near ties go either way (free-running
-greedy text then parts after a tie; docs/results.md reports both shares).
+The reference is transformers in float32 on this machine: its greedy
+continuation of each prompt, and its log-probabilities at every position of
+that continuation (one teacher-forced pass).
+
+- float32: ours equals it, first-step log-probabilities within 1e-4 over the
+  whole vocabulary and every teacher-forced next token the same.
+- bfloat16: no constant holds on every CPU (each rounds its bfloat16
+  arithmetic its own way), so ours is bounded by what transformers' own
+  bfloat16 run shows on the same machine, both measured against the float32
+  reference: the log-probability error over the reference's 20 most likely
+  tokens (prefill and every teacher-forced step) at most 1.5x transformers'
+  plus 0.02 nats, and the share of teacher-forced next tokens that differ from
+  the reference's at most 1.5x transformers' share plus 0.02.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +29,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from real_market import REAL, greedy_reference, real_market_dir
 
 NUM_TOKENS = 32
+TOP = 20
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
            "Water boils at a temperature of", "import numpy as np\n"]
 FP32_LOGPROB_TOL = 1e-4
-BF16_TOP20_LOGPROB_TOL = 0.25
-BF16_MIN_AGREEMENT = 0.9
+# bfloat16, relative to transformers' own bfloat16 error on this machine
+RELATIVE = 1.5
+LOGPROB_SLACK = 0.02  # nats
+MISS_SLACK = 0.02  # share of tokens
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Per prompt: its ids, the float32 greedy continuation, float32 log-probs
+    ``[NUM_TOKENS, vocab]`` of each next token under teacher forcing."""
+
+    prompts: list[list[int]]
+    greedy: list[list[int]]
+    logprobs: list[torch.Tensor]
 
 
 @pytest.fixture(scope="module")
@@ -33,49 +54,77 @@ def model_dir() -> Path:
     return real_market_dir() / REAL
 
 
-def _prompts(model_dir: Path) -> list[list[int]]:
+def _forced_logprobs(model: Any, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """transformers' log-probs of each next token (one pass over prompt + continuation)."""
+    ids = torch.tensor([prompt + continuation[:-1]])
+    with torch.inference_mode():
+        out = model(input_ids=ids).logits[0, len(prompt) - 1:].float()
+    return torch.log_softmax(out, -1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
     from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return [tokenizer.encode(p).ids for p in PROMPTS]
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    greedy = [greedy_reference(model, p, NUM_TOKENS) for p in prompts]
+    logprobs = [_forced_logprobs(model, p, g) for p, g in zip(prompts, greedy, strict=True)]
+    return Reference(prompts, greedy, logprobs)
 
 
-def _teacher_forced(llm: Any, prompt: list[int], reference: list[int]) -> list[int]:
-    """The engine's argmax at each step, fed the reference's tokens (prefill, then decode)."""
+def _ours_forced(llm: Any, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Our log-probs of each next token fed the reference's tokens (prefill, then decode)."""
     from aegaeon_engine.engine import DecodeSeq
 
-    blocks = list(range(llm.kv_shape.blocks_for(len(prompt) + len(reference))))
-    picks = [int(llm.engine.prefill(prompt, blocks).argmax())]
-    for k, token in enumerate(reference[:-1]):
-        logits = llm.engine.decode([DecodeSeq(token, len(prompt) + k, blocks)])[0]
-        picks.append(int(logits.argmax()))
-    return picks
+    blocks = list(range(llm.kv_shape.blocks_for(len(prompt) + len(continuation))))
+    rows = [llm.engine.prefill(prompt, blocks)]
+    for k, token in enumerate(continuation[:-1]):
+        rows.append(llm.engine.decode([DecodeSeq(token, len(prompt) + k, blocks)])[0])
+    return torch.log_softmax(torch.stack(rows).float(), -1)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_and_greedy_against_transformers(model_dir: Path, dtype: str) -> None:
+@dataclass(frozen=True)
+class Error:
+    logprob: float  # max |lp - ref| over the reference's top tokens, every position
+    miss: float  # share of positions whose argmax is not the reference's token
+
+
+def _error(ref: Reference, runs: list[torch.Tensor]) -> Error:
+    worst, misses, total = 0.0, 0, 0
+    for want, lp_ref, lp in zip(ref.greedy, ref.logprobs, runs, strict=True):
+        top = lp_ref.topk(TOP, -1).indices
+        worst = max(worst, (lp.gather(-1, top) - lp_ref.gather(-1, top)).abs().max().item())
+        misses += int((lp.argmax(-1) != torch.tensor(want)).sum())
+        total += len(want)
+    return Error(worst, misses / total)
+
+
+def test_float32_equals_transformers(model_dir: Path, reference: Reference) -> None:
+    from aegaeon_engine.llm import LLM
+
+    llm = LLM(model_dir, dtype="float32")  # float32 weights cast on load, as transformers does
+    ours = [_ours_forced(llm, p, g) for p, g in zip(reference.prompts, reference.greedy,
+                                                    strict=True)]
+    for lp, lp_ref in zip(ours, reference.logprobs, strict=True):
+        assert (lp[0] - lp_ref[0]).abs().max().item() <= FP32_LOGPROB_TOL
+    assert _error(reference, ours).miss == 0.0
+
+
+def test_bfloat16_as_close_to_float32_as_transformers_bfloat16(model_dir: Path,
+                                                               reference: Reference) -> None:
     from aegaeon_engine.llm import LLM
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype)).eval()
-    llm = LLM(model_dir, dtype=dtype)  # float32 weights cast on load, as transformers does
-    agree = total = 0
-    for prompt in _prompts(model_dir):
-        with torch.inference_mode():
-            ref_logits = reference(input_ids=torch.tensor([prompt])).logits[0, -1].float()
-        blocks = list(range(llm.kv_shape.blocks_for(len(prompt))))
-        ours = torch.log_softmax(llm.engine.prefill(prompt, blocks).float(), -1)
-        ref = torch.log_softmax(ref_logits, -1)
-        if dtype == "float32":
-            assert (ours - ref).abs().max().item() <= FP32_LOGPROB_TOL
-        else:
-            top = ref.topk(20).indices
-            assert (ours[top] - ref[top]).abs().max().item() <= BF16_TOP20_LOGPROB_TOL
-        want = greedy_reference(reference, prompt, NUM_TOKENS)
-        picks = _teacher_forced(llm, prompt, want)
-        agree += sum(a == b for a, b in zip(picks, want, strict=True))
-        total += NUM_TOKENS
-    share = agree / total
-    print(f"{dtype}: teacher-forced next-token agreement {share:.3f} ({agree}/{total})")
-    assert share == 1.0 if dtype == "float32" else share >= BF16_MIN_AGREEMENT
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    theirs = _error(reference, [_forced_logprobs(hf, p, g) for p, g in
+                                zip(reference.prompts, reference.greedy, strict=True)])
+    llm = LLM(model_dir, dtype="bfloat16")
+    ours = _error(reference, [_ours_forced(llm, p, g) for p, g in
+                              zip(reference.prompts, reference.greedy, strict=True)])
+    print(f"bfloat16 against float32 transformers ({llm.engine.isa} kernels, prefill in "
+          f"{llm.engine.compute_dtype}): ours {ours}, transformers {theirs}")
+    assert ours.logprob <= RELATIVE * theirs.logprob + LOGPROB_SLACK, (ours, theirs)
+    assert ours.miss <= RELATIVE * theirs.miss + MISS_SLACK, (ours, theirs)

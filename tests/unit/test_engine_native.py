@@ -180,7 +180,11 @@ def test_paged_decode_matches_torch_path(dtype: torch.dtype, q_heads: int, kv_he
         want = reference.paged_decode(exact, q_heads, table, lens, lengths)(layer, qkv.float())
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
         same = reference.paged_decode(kv, q_heads, table, lens, lengths)(layer, qkv).float()
-        torch.testing.assert_close(got, same, atol=2 * atol, rtol=2 * rtol)
+        if dtype == torch.bfloat16:  # no worse than torch's own bfloat16 on this CPU
+            err, torch_err = (got - want).abs().max(), (same - want).abs().max()
+            assert err <= 1.5 * torch_err + 2**-8 * want.abs().max()
+        else:
+            torch.testing.assert_close(got, same, atol=2 * atol, rtol=2 * rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -272,23 +276,31 @@ def test_rope_write_matches_torch(dtype: torch.dtype, q_heads: int, kv_heads: in
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen3"])
 def test_engine_native_equals_torch_path(tmp_path: Path, variant: str, isa: str) -> None:
-    """Ragged batched decode, float32 and bfloat16: both paths agree step by step."""
+    """Ragged batched decode step by step: float32 equal to the torch path up to sum
+    order; bfloat16 no farther from the float32 logits than the torch path's bfloat16
+    (whose rounding is this CPU's: no constant bound holds on every CPU)."""
     ckpt = make_checkpoint(tmp_path / variant, variant, seed=3)
     prompts = prompts_of((3, 16, 30, 47), seed=9)
     blocks = block_lists(4, 6)
-    for dtype, atol in (("float32", 1e-5), ("bfloat16", 0.1)):
+    exact = Bound(ckpt, dtype="float32", engine=Engine(native=False))
+    for dtype in ("float32", "bfloat16"):
         fast = Bound(ckpt, dtype=dtype, engine=Engine(isa=isa))
         slow = Bound(ckpt, dtype=dtype, engine=Engine(native=False))
-        outs = [[int(fast.engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
-                                                                         strict=True)]
+        outs = [[int(exact.engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
+                                                                          strict=True)]
         for p, b in zip(prompts, blocks, strict=True):
+            fast.engine.prefill(p, b)
             slow.engine.prefill(p, b)
         for _ in range(6):
             seqs = [DecodeSeq(o[-1], len(p) + len(o) - 1, b)
                     for p, o, b in zip(prompts, outs, blocks, strict=True)]
-            got, want = fast.engine.decode(seqs), slow.engine.decode(seqs)
-            torch.testing.assert_close(got, want, atol=atol, rtol=0)
-            outs = [[*o, t] for o, t in zip(outs, want.argmax(-1).tolist(), strict=True)]
+            got, want, ref = (e.engine.decode(seqs) for e in (fast, slow, exact))
+            if dtype == "float32":
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            else:
+                err, torch_err = (got - ref).abs().max(), (want - ref).abs().max()
+                assert err <= 1.5 * torch_err + 0.02, (err, torch_err)
+            outs = [[*o, t] for o, t in zip(outs, ref.argmax(-1).tolist(), strict=True)]
 
 
 def test_torch_path_greedy_equals_transformers(tmp_path: Path) -> None:

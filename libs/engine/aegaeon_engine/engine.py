@@ -18,12 +18,13 @@ from typing import NamedTuple
 import torch
 
 from .attention import Attention
-from .kernels import layer_ops
+from .kernels import NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
-from .model import KVViews, Tokens, forward, logits
-from .native import bf16_native, cpu_model, supported_levels
+from .model import KVViews, LayerOps, Tokens, forward, logits
+from .native import bf16_native, cpu_model, forced_isa, native_ops, supported_levels
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
+from .tuning import TORCH, KernelChoice, choose, shape_key
 from .weights import TORCH_DTYPES, ModelWeights, bind_weights
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,68 @@ class Engine:
             torch.set_num_threads(num_threads)
         self.attention = Attention(self.device, native, isa)
         self.ops = layer_ops(self.device, native, isa)
+        # the kernels a model's measured choice (tune) replaces these with, per shape
+        self._tunable = (self.device.type == "cpu" and isinstance(self.ops, NativeOps)
+                         and isa is None and forced_isa() is None)
+        self._default = (self.attention, self.ops)
+        self._choices: dict[tuple[object, ...], KernelChoice] = {}
+        self._kernels: dict[tuple[str, str, str], tuple[Attention, LayerOps]] = {}
         if self.device.type == "cpu":
             _log_start(self.isa if self.native_kernels else None)
         self._ropes: dict[tuple[int, RopeSpec, int, torch.dtype], RopeTable] = {}
         self._layouts: dict[tuple[ModelSpec, str], WeightLayout] = {}
         self._bound: _Bound | None = None
+
+    # -- kernels ---------------------------------------------------------------------------
+
+    def default_choice(self, dtype: torch.dtype) -> KernelChoice:
+        """The kernels used without a measurement: the chosen level for every operation,
+        bfloat16 prefill GEMMs in the CPU's own rule (tuning.py)."""
+        ops = self._default[1]
+        level = ops.isa if isinstance(ops, NativeOps) else TORCH
+        widen = isinstance(ops, NativeOps) and ops.widen_prefill and dtype == torch.bfloat16
+        prefill = "float32" if widen or dtype == torch.float32 else str(dtype).split(".")[-1]
+        return KernelChoice(level, prefill, self._default[0].isa or TORCH)
+
+    def tune(self, spec: ModelSpec, dtype: str | None = None) -> KernelChoice:
+        """The fastest kernels for ``spec`` on this machine (tuning.py: measured once per
+        machine and shape, kept on disk), used whenever a model of its shape is bound.
+        Without anything to choose (CUDA, the torch path, a forced level) the defaults."""
+        torch_dtype = TORCH_DTYPES[canonical_dtype(dtype or spec.dtype)]
+        key = shape_key(spec, torch_dtype)
+        if key not in self._choices:
+            default = self.default_choice(torch_dtype)
+            self._choices[key] = (choose(spec, torch_dtype, supported_levels(), default)
+                                  if self._tunable and torch_dtype != torch.float16
+                                  else default)
+        m = self._bound
+        if self._tunable and m is not None and shape_key(m.spec, m.weights.dtype) == key:
+            self._use(self._choices[key])
+        return self._choices[key]
+
+    def _use(self, choice: KernelChoice | None) -> None:
+        """Run ``choice``'s kernels from now on (None: the defaults)."""
+        if choice is None:
+            self.attention, self.ops = self._default
+            return
+        key = (choice.decode_projection, choice.prefill_gemm, choice.attention)
+        if key not in self._kernels:
+            base = self._default[1]
+            assert isinstance(base, NativeOps)
+            project = ((TORCH, None) if choice.decode_projection == TORCH else
+                       (choice.decode_projection, native_ops(choice.decode_projection)))
+            ops = NativeOps(base._ops, base.isa, project=project,
+                            widen_prefill=choice.prefill_gemm == "float32")
+            attention = (Attention(self.device, native=False) if choice.attention == TORCH
+                         else Attention(self.device, isa=choice.attention))
+            self._kernels[key] = (attention, ops)
+        self.attention, self.ops = self._kernels[key]
+
+    @property
+    def kernel_choice(self) -> KernelChoice | None:
+        """The bound model's measured choice (None: the defaults run it)."""
+        m = self._bound
+        return None if m is None else self._choices.get(shape_key(m.spec, m.weights.dtype))
 
     # -- binding ---------------------------------------------------------------------------
 
@@ -104,24 +162,29 @@ class Engine:
             rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
                                                 bound.dtype, self.device)
         self._bound = _Bound(spec, bound, kv, kv_shape, rope)
+        if self._tunable:
+            self._use(self._choices.get(shape_key(spec, bound.dtype)))
 
     @property
     def native_kernels(self) -> bool:
         """Whether decode runs on the native CPU kernels (else the torch path)."""
-        return self.attention.native is not None
+        return isinstance(self.ops, NativeOps) or self.attention.native is not None
 
     @property
     def isa(self) -> str:
-        """The native kernels' level (``avx2``, ``avx512``, ``amx``, ``neon``), or ``torch``."""
-        return self.attention.isa or "torch"
+        """The decode projection's level (``avx2``, ``avx512``, ``amx``, ``neon``), or
+        ``torch``: for the bound model's kernel choice, else the default level."""
+        return self.ops.project_isa if isinstance(self.ops, NativeOps) else TORCH
 
     @property
     def compute_dtype(self) -> str:
-        """What bfloat16 weights are multiplied in: ``float32`` (the weights stay
-        bfloat16) where the CPU, at the level in use, has no native bfloat16
-        arithmetic, else ``bfloat16`` (and always on the torch path)."""
-        isa = self.attention.isa
-        return "bfloat16" if isa is None or bf16_native(isa) else "float32"
+        """What a prefill GEMM multiplies bfloat16 weights in: ``float32`` (the weights
+        stay bfloat16, converted a block at a time) where the CPU has no native
+        bfloat16 arithmetic at the level in use or where that measured faster
+        (``tune``), else ``bfloat16`` (and always on the torch path)."""
+        if isinstance(self.ops, NativeOps):
+            return "float32" if self.ops.widen_prefill else "bfloat16"
+        return "bfloat16"
 
     @property
     def spec(self) -> ModelSpec:

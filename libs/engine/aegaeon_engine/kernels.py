@@ -59,26 +59,34 @@ def project_widened(w: torch.Tensor, x: torch.Tensor,
 class NativeOps(LayerOps):
     """The native kernels where they apply, else the torch code of ``LayerOps``."""
 
-    def __init__(self, ops: Any, isa: str) -> None:
-        """``ops``: ``torch.ops.aegaeon_<isa>`` with the kernels loaded."""
+    def __init__(self, ops: Any, isa: str, *, project: tuple[str, Any | None] | None = None,
+                 widen_prefill: bool | None = None) -> None:
+        """``ops``: ``torch.ops.aegaeon_<isa>`` with the kernels loaded (the elementwise
+        ops and, by default, the decode projection); ``project``: the decode
+        projection's level and namespace instead (``("torch", None)``: torch's
+        matmul); ``widen_prefill``: bfloat16 prefill GEMMs in float32 (default: where
+        bfloat16 is not native at ``isa``)."""
         self._ops = ops
         self.isa = isa
+        self.project_isa, project_ops = project or (isa, ops)
+        self._project_ops = project_ops
         self.project_dtypes: frozenset[torch.dtype] = frozenset(
-            dtype for dtype in _ELEMENTWISE if ops.linear_supported(dtype))
-        # bfloat16 prefill projections in float32 where bfloat16 is not native
+            dtype for dtype in _ELEMENTWISE
+            if project_ops is not None and project_ops.linear_supported(dtype))
         self.bf16_native = bf16_native(isa)
+        self.widen_prefill = not self.bf16_native if widen_prefill is None else widen_prefill
 
     def project(self, w: torch.Tensor, x: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[0]
         if n > NATIVE_MAX_ROWS or w.dtype not in self.project_dtypes:
-            if w.dtype == torch.bfloat16 and not self.bf16_native:
+            if w.dtype == torch.bfloat16 and self.widen_prefill and n > NATIVE_MAX_ROWS:
                 return project_widened(w, x, bias)
             if w.dtype == torch.float32:  # MKL's sgemm, row-major out: no transposing copy
                 return F.linear(x, w, bias)
             return super().project(w, x, bias)
         out = torch.empty(n, w.shape[0], dtype=w.dtype, device=w.device)
-        self._ops.linear(out, x, w, bias)
+        self._project_ops.linear(out, x, w, bias)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,

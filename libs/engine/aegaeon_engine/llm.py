@@ -60,6 +60,7 @@ class LLM:
         self.spec = ModelSpec.from_dir(model_dir, max_model_len)
         self.engine = Engine(device, num_threads)
         self.layout = self.engine.layout(self.spec, dtype)
+        self.engine.tune(self.spec, self.layout.dtype)  # the fastest kernels for its shapes
         self.kv_shape = self.spec.kv_shape(self.layout.dtype, self.engine.block_size)
         num_blocks = max(1, kv_cache_bytes // self.kv_shape.block_bytes)
         weights_bytes = -(-self.layout.total_bytes // _PAGE) * _PAGE

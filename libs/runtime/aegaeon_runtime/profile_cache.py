@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from aegaeon_common.env import read_env
+from aegaeon_common.kept import code_digest, cpu_identity, write_atomic
 from aegaeon_common.logs import get_logger
 from aegaeon_engine import DecodeSeq
 from aegaeon_sched import LatencyModel
@@ -38,47 +35,18 @@ log = get_logger("profile")
 _CODE_PACKAGES = ("aegaeon_engine", "aegaeon_runtime", "aegaeon_sched")
 
 
-def _code_digest() -> str:
-    import importlib
-
-    digest = hashlib.sha256()
-    for name in _CODE_PACKAGES:
-        root = Path(importlib.import_module(name).__file__ or "").parent
-        for path in sorted(root.rglob("*")):
-            if path.suffix in (".py", ".cpp", ".h") and path.is_file():
-                digest.update(path.relative_to(root).as_posix().encode())
-                digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _cpu_identity() -> str:
-    """The CPU's model name and feature flags (Linux), else what platform knows."""
-    model, flags = platform.processor(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model.strip():
-                model = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = " ".join(sorted(value.split()))
-    except OSError:
-        pass
-    return f"{platform.machine()}|{model}|{flags}|{os.cpu_count()}"
-
-
 def profile_key(worker: Worker) -> str:
     """What a kept profile must agree on to be reused (see the module docstring)."""
     inst = instance_config(worker.config, worker.kind)
     device = worker.engine.device
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else _cpu_identity())  # fmt: skip
+               else cpu_identity())  # fmt: skip
     models = {name: [repr(spec), worker.switcher.nbytes(name)]  # frozen dataclass: every field
               for name, spec in sorted(worker.specs.items())}  # fmt: skip
     parts = {
         "machine": machine,
         "torch": torch.__version__,
-        "code": _code_digest(),
+        "code": code_digest(_CODE_PACKAGES),
         "isa": worker.engine.isa if device.type == "cpu" else None,
         "device": device.type,
         "threads": inst.threads,
@@ -89,18 +57,6 @@ def profile_key(worker: Worker) -> str:
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def warm_up(worker: Worker) -> None:
@@ -138,7 +94,7 @@ def cached_profile(worker: Worker, measure: Callable[[Worker], LatencyModel] = p
             return latency
     latency = measure(worker)
     try:
-        _write_atomic(path, json.dumps(latency.to_dict()))
+        write_atomic(path, json.dumps(latency.to_dict()))
     except OSError as exc:  # a read-only cache costs the next start a profile, nothing more
         log.warning("start-up profile not kept", path=str(path), error=str(exc))
     return latency

@@ -85,6 +85,7 @@ class Worker:
         from ``path`` (``CheckpointError`` if broken); its weights come through the
         Model Cache at its first switch, as every model's."""
         spec = ModelSpec.from_dir(path)
+        self.engine.tune(spec, self.config.dtype)
         self.switcher.specs[name] = spec
         self.specs[name] = spec
         return self.sched_spec(name)
@@ -122,6 +123,8 @@ async def build_worker(
     # machine that has none yet) and the buffer touches every page; the loop keeps
     # answering /health meanwhile.
     engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads)
+    for spec in specs.values():  # the fastest kernels per model shape, measured once a machine
+        await asyncio.to_thread(engine.tune, spec, config.dtype)
     buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
                                      inst.kv_memory_bytes, device)  # fmt: skip
     table = registration.event_table
