@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_common.kept import write_first
-from aegaeon_engine import Engine
+from aegaeon_engine import Engine, tuning
 from aegaeon_engine import native as native_mod
-from aegaeon_engine import tuning
 from aegaeon_engine.kernels import NativeOps
 from aegaeon_engine.tuning import OPERATIONS, TORCH, KernelChoice
 from engine_support import Bound, block_lists, make_checkpoint, prompts_of

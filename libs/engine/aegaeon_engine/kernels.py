@@ -69,7 +69,7 @@ class NativeOps(LayerOps):
         self._ops = ops
         self.isa = isa
         self.project_isa, project_ops = project or (isa, ops)
-        self._project_ops = project_ops
+        self._project_ops: Any = project_ops
         self.project_dtypes: frozenset[torch.dtype] = frozenset(
             dtype for dtype in _ELEMENTWISE
             if project_ops is not None and project_ops.linear_supported(dtype))

@@ -7,11 +7,14 @@ Zen 5 the AVX2 decode projection beats the AVX-512 one, and whether a bfloat16
 prefill GEMM is faster widened to float32 or in torch's bfloat16 depends on the
 CPU's bfloat16 arithmetic. So an engine measures, once per machine:
 
-| operation | candidates | timed on |
-|---|---|---|
-| ``decode_projection`` | every supported level, ``torch`` | a layer's four projections (and the output layer) at batch 1 and 8, weights cycled through as many copies as the model streams (up to 64 MiB) |
-| ``prefill_gemm`` | ``float32`` (bfloat16 weights widened a block at a time), ``bfloat16`` (torch's matmul) | the same projections over 128 tokens (bfloat16 weights only) |
-| ``attention`` | every supported level, ``torch`` | paged decode attention of 8 sequences of 256 tokens |
+- ``decode_projection``: every supported level and ``torch``, timed on a
+  layer's four projections and the output layer at batch 1 and 8, the weights
+  cycled through as many copies as the model streams a token (up to 64 MiB);
+- ``prefill_gemm`` (bfloat16 weights): ``float32`` (weights widened a block of
+  rows at a time) and ``bfloat16`` (torch's matmul), on the same projections
+  over 128 tokens;
+- ``attention``: every supported level and ``torch``, paged decode attention of
+  8 sequences of 256 tokens.
 
 Candidates are timed interleaved (a noisy neighbour hurts all alike), the
 median of several rounds; the default (the highest level, the CPU's own
