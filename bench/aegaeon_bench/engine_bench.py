@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
 
     from aegaeon_bench.engine_runs import OursRunner, Timings, TransformersRunner, Workload
     from aegaeon_bench.machine import machine_info
+    from aegaeon_bench.roofline import machine_limits, model_costs, roofline
 
     try:
         model_dir = _model_dir(args)
@@ -256,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
         "isa_choice": runners["ours"].choice.report(),
         "device": args.device, "device_name": _device_name(args.device),
     }
+    if args.device == "cpu":  # the core's limits, measured here, at these threads and caps
+        result["machine"] = machine_limits(dtype)
     vllm, vllm_runs = _start_vllm(args, result, prompts)
     try:
         for _ in range(args.repeats):  # interleaved rounds: every engine sees the same noise
@@ -275,6 +278,11 @@ def run(args: argparse.Namespace) -> int:
     if vllm_runs:
         result["vllm"] = {k: round(statistics.median(r[k] for r in vllm_runs), 1) for k in KEYS}
         result["vllm_greedy_match"] = vllm_runs[-1]["tokens_b8"] == timings["ours"].tokens_b8
+    if "machine" in result:
+        costs = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
+        result["costs_per_token"] = costs
+        result["roofline"] = {name: roofline(costs, result["machine"], result[name])
+                              for name in ("ours", "transformers", "vllm") if result.get(name)}
     hf = result["transformers"]
     result["decode_speedup_vs_transformers_b8"] = (
         round(result["ours"]["decode_tok_s_b8"] / hf["decode_tok_s_b8"], 2) if hf else None)
@@ -312,6 +320,7 @@ def _print_table(result: dict[str, Any]) -> None:
         cells = [f"{row[k]:12.1f}" for k in KEYS] if row else [f"{'n/a':>12}"] * 3
         print(f"{name:14}{''.join(cells)}")
     print(f"decode speedup vs transformers at b8: {result['decode_speedup_vs_transformers_b8']}")
+    _print_roofline(result)
     print(f"greedy tokens (ours, batch 8) equal transformers' decoding each prompt alone, "
           f"in float32: {result['greedy_match']}")
     if result["dtype"] != "float32" and result.get("greedy_match_bench_dtype") is not None:
@@ -320,6 +329,25 @@ def _print_table(result: dict[str, Any]) -> None:
               f"the first flip); transformers' batch-8 run equals its own batch-1 runs: "
               f"{result['hf_self_match_bench_dtype']} "
               f"({100 * result['hf_self_prefix_match_bench_dtype']:.0f}% agree)")
+
+
+def _print_roofline(result: dict[str, Any]) -> None:
+    """The kernels chosen, the machine's limits and each engine against them."""
+    for op, chosen in result["isa_choice"].items():
+        timed = ", ".join(f"{k} {v:.0f}" for k, v in chosen["us"].items()) or "not measured"
+        print(f"kernels: {op} {chosen['level']} (µs: {timed})")
+    machine = result.get("machine")
+    if not machine:
+        return
+    print(f"machine: matmul peak {machine['peak_gflops']} GFLOP/s "
+          f"({', '.join(f'{k} {v}' for k, v in machine['peak_gflops_by_dtype'].items())}), "
+          f"read {machine['read_gb_s']} GB/s")
+    for name, row in result["roofline"].items():
+        print(f"  {name:12} prefill {row['prefill_gflops']} GFLOP/s "
+              f"({100 * row['prefill_peak_share']:.0f}% of peak); decode b1 "
+              f"{row['decode_b1_gb_s']} GB/s ({100 * row['decode_b1_read_share']:.0f}% of read); "
+              f"b8 {row['decode_b8_gflops']} GFLOP/s ({100 * row['decode_b8_peak_share']:.0f}%), "
+              f"{row['b8_over_b1']}x b1")
 
 
 def _compare_greedy(result: dict[str, Any], ours: list[list[int]], hf_b8: list[list[int]],

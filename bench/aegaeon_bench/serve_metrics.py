@@ -92,6 +92,9 @@ def summary(
         "completed": completed,
         "failed": len(records) - completed,
         "requests": len(records),
+        # of the failed: refused by admission (429 overloaded), as a node past its bound must
+        "refused": sum(r.status != "ok" and (r.error or "").startswith("HTTP 429")
+                       for r in records),
         "unfinished": report.num_unfinished,
         "tokens_expected": report.tokens_expected,
         "tokens_met": report.tokens_met,

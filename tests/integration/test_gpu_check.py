@@ -57,7 +57,11 @@ def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
     assert steps["bench_engine"]["results"]["device"] == "cpu"
     assert steps["bench_switch"]["results"]["memcpy"] == "host memcpy"
     serve = steps["serve"]["results"]
-    assert serve["bench"]["requests"] > 0 and serve["bench"]["failed"] == 0
+    # a slower CPU's node may refuse a request past its measured admission bound (429):
+    # the only failure allowed
+    bench = serve["bench"]
+    assert bench["requests"] > 0 and bench["completed"] > 0
+    assert bench["failed"] == bench["refused"], bench
     assert serve["leaked_processes"] == [] and serve["leaked_shm"] == []
     assert summary["highlights"]["serve"]["completed"] == serve["bench"]["completed"]
 

@@ -17,11 +17,12 @@ CPU's bfloat16 arithmetic. So an engine measures, once per machine:
   8 sequences of 256 tokens.
 
 Candidates are timed interleaved (a noisy neighbour hurts all alike), the
-median of several rounds; the default (the highest level, the CPU's own
+median of several rounds (one for a candidate 1.5x slower than the best after
+the first); the default (the highest level, the CPU's own
 bfloat16 rule) is kept unless another candidate is at least 5% faster, so
 noise does not flip a choice. The result is kept beside the start-up profiles
 (``$XDG_CACHE_HOME/aegaeon/profiles/kernels-<key>.json``), keyed by the CPU,
-torch, the engine's code, the thread count, the dtype and the shapes; the
+torch (and its ISA caps), the kernels' code, the thread count, the dtype and the shapes; the
 first process to finish measuring writes it and every later one (and any
 measuring at the same time) uses that file, so all instances of a machine
 run the same kernels. ``AEGAEON_ISA`` (or ``Engine(isa=...)``) forces one
@@ -49,11 +50,13 @@ from .spec import ModelSpec
 OPERATIONS = ("decode_projection", "prefill_gemm", "attention")
 TORCH = "torch"
 MARGIN = 0.95  # another candidate replaces the default only when at least 5% faster
-ROUNDS = 7
+ROUNDS = 5
+DROP = 1.5  # after one round, a candidate this much slower than the best is timed no more
 _STREAM_BYTES = 64 << 20  # weights a timed decode projection cycles through, at most
 _PREFILL_TOKENS = 128
 _DECODE_BATCHES = (1, 8)
 _ATTENTION_SHAPE = (8, 256)  # sequences, context length
+_TIMED_SOURCES = ("tuning.py", "kernels.py", "attention.py", "model.py", "native.py")
 
 
 @dataclass(frozen=True)
@@ -117,15 +120,21 @@ def _inputs(weights: list[torch.Tensor], rows: int) -> dict[int, torch.Tensor]:
 
 
 def _timed(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median µs per candidate over ``ROUNDS`` interleaved rounds (after one warm-up)."""
+    """Median µs per candidate over ``ROUNDS`` interleaved rounds, after one warm-up call;
+    a candidate over ``DROP`` times the best after the first round is timed no further
+    (it cannot win: its one time is reported)."""
     for fn in candidates.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(ROUNDS):
-        for name, fn in candidates.items():
+    running = dict(candidates)
+    for round_ in range(ROUNDS):
+        for name, fn in running.items():
             start = time.perf_counter()
             fn()
             samples[name].append((time.perf_counter() - start) * 1e6)
+        if round_ == 0:
+            best = min(s[0] for s in samples.values())
+            running = {n: fn for n, fn in running.items() if samples[n][0] <= DROP * best}
     return {name: round(statistics.median(s), 1) for name, s in samples.items()}
 
 
@@ -222,11 +231,23 @@ def _bind_attend(attend: Callable[[int, torch.Tensor], torch.Tensor],
     return lambda: attend(0, qkv)
 
 
+def _kernels_digest() -> str:
+    """The sources whose change changes what is timed: the kernels and their callers."""
+    from pathlib import Path
+
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("csrc/*"), *(root / f for f in _TIMED_SOURCES)]):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def choice_key(spec: ModelSpec, dtype: torch.dtype, levels: tuple[str, ...]) -> str:
     """The kept file's key: machine, torch (and its caps), code, threads, shapes, levels."""
     import os
 
-    from aegaeon_common.kept import code_digest, cpu_identity
+    from aegaeon_common.kept import cpu_identity
 
     parts = {
         "machine": cpu_identity(),
@@ -234,7 +255,7 @@ def choice_key(spec: ModelSpec, dtype: torch.dtype, levels: tuple[str, ...]) -> 
         "aten": torch.backends.cpu.get_cpu_capability(),
         "caps": [os.environ.get(k) for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
                                              "ATEN_CPU_CAPABILITY")],
-        "code": code_digest(("aegaeon_engine",)),
+        "code": _kernels_digest(),
         "threads": torch.get_num_threads(),
         "shape": shape_key(spec, dtype),
         "levels": levels,
