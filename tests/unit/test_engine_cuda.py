@@ -1,8 +1,10 @@
-"""The engine and the sampler on CUDA against the CPU's torch path (the reference).
+"""The engine and the sampler on a device against the CPU's torch path (the reference).
 
-Marked `gpu` and skipped without CUDA. Float32 on both sides: the logits
-agree to rounding (SDPA's CUDA kernels sum in another order), greedy tokens
-exactly; bfloat16 on CUDA must at least run and stay finite.
+Every test takes a ``device``: ``cuda`` (marked `gpu`, skipped without CUDA)
+and ``cpu`` (the engine with its native kernels), so a test's own bugs show in
+CI before a GPU is at hand. Float32 on both sides: the logits agree to
+rounding (the device's kernels sum in another order), greedy tokens exactly;
+bfloat16 must at least run and stay finite.
 """
 
 from __future__ import annotations
@@ -14,24 +16,27 @@ import torch
 from aegaeon_engine import DecodeSeq, Engine, Sampler, SamplingParams
 from engine_support import VARIANTS, Bound, block_lists, decode_step, make_checkpoint, prompts_of
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 LENGTHS = (5, 17, 33)  # crossing block boundaries (block size 16)
 NUM_TOKENS = 16
 
 
-class CudaBound(Bound):
-    """``Bound`` with its weights and KV region on the GPU."""
+class DeviceBound(Bound):
+    """``Bound`` with its weights and KV region on ``device``, its own engine there."""
 
-    def __init__(self, model_dir: Path, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: Path, device: str, dtype: str = "float32") -> None:
         super().__init__(model_dir, engine=Engine("cpu", native=False), dtype=dtype)
-        self.weights = self.weights.cuda()
-        self.kv = self.kv.cuda()
-        self.engine = Engine("cuda")
+        self.weights = self.weights.to(device)
+        self.kv = self.kv.to(device)
+        self.engine = Engine(device)
         self.bind()
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +46,14 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prefill_and_decode_logits_match_cpu(ckpts: dict[str, Path], variant: str) -> None:
+def test_prefill_and_decode_logits_match_cpu(ckpts: dict[str, Path], variant: str,
+                                              device: str) -> None:
     cpu = Bound(ckpts[variant], engine=Engine("cpu", native=False))
-    gpu = CudaBound(ckpts[variant])
+    gpu = DeviceBound(ckpts[variant], device)
     prompt = prompts_of([40], seed=2)[0]
     blocks = block_lists(1, 4)[0]
     ours = gpu.engine.prefill(prompt[:37], blocks)
-    assert ours.device.type == "cuda"
+    assert ours.device.type == device
     torch.testing.assert_close(ours.cpu(), cpu.engine.prefill(prompt[:37], blocks),
                                atol=1e-3, rtol=0)
     for pos in range(37, 40):
@@ -56,16 +62,16 @@ def test_prefill_and_decode_logits_match_cpu(ckpts: dict[str, Path], variant: st
                                    cpu.engine.decode(step)[0], atol=1e-3, rtol=0)
 
 
-def test_batched_greedy_matches_cpu(ckpts: dict[str, Path]) -> None:
+def test_batched_greedy_matches_cpu(ckpts: dict[str, Path], device: str) -> None:
     prompts = prompts_of(LENGTHS, seed=1)
     blocks = block_lists(3, 5)
     cpu = Bound(ckpts["qwen3"], engine=Engine("cpu", native=False))
-    assert CudaBound(ckpts["qwen3"]).greedy(prompts, NUM_TOKENS, blocks) == cpu.greedy(
+    assert DeviceBound(ckpts["qwen3"], device).greedy(prompts, NUM_TOKENS, blocks) == cpu.greedy(
         prompts, NUM_TOKENS, blocks)
 
 
-def test_chunked_prefill_on_cuda_equals_whole(ckpts: dict[str, Path]) -> None:
-    gpu = CudaBound(ckpts["llama-gqa"])
+def test_chunked_prefill_equals_whole(ckpts: dict[str, Path], device: str) -> None:
+    gpu = DeviceBound(ckpts["llama-gqa"], device)
     prompt = prompts_of([45], seed=4)[0]
     whole = gpu.engine.prefill(prompt, list(range(3)))
     gpu.engine.prefill(prompt[:20], list(range(3, 6)))
@@ -73,8 +79,8 @@ def test_chunked_prefill_on_cuda_equals_whole(ckpts: dict[str, Path]) -> None:
     torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
 
 
-def test_bfloat16_batched_decode_runs(ckpts: dict[str, Path]) -> None:
-    gpu = CudaBound(ckpts["mistral"], dtype="bfloat16")
+def test_bfloat16_batched_decode_runs(ckpts: dict[str, Path], device: str) -> None:
+    gpu = DeviceBound(ckpts["mistral"], device, dtype="bfloat16")
     prompts = prompts_of(LENGTHS, seed=5)
     blocks = block_lists(3, 5)
     outs = [[int(gpu.engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
@@ -86,8 +92,8 @@ def test_bfloat16_batched_decode_runs(ckpts: dict[str, Path]) -> None:
     assert logits.dtype == torch.float32 and bool(torch.isfinite(logits).all())
 
 
-def test_kv_export_moves_between_devices(ckpts: dict[str, Path]) -> None:
-    gpu = CudaBound(ckpts["qwen2"])
+def test_kv_export_moves_between_devices(ckpts: dict[str, Path], device: str) -> None:
+    gpu = DeviceBound(ckpts["qwen2"], device)
     cpu = Bound(ckpts["qwen2"], engine=Engine("cpu", native=False))
     prompt = prompts_of([30], seed=6)[0]
     gpu.engine.prefill(prompt, [0, 1])
@@ -97,16 +103,16 @@ def test_kv_export_moves_between_devices(ckpts: dict[str, Path]) -> None:
     torch.testing.assert_close(step_gpu, step_cpu, atol=1e-3, rtol=0)
 
 
-def test_sampler_on_cuda_is_seeded_and_respects_top_k() -> None:
-    logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).cuda()
+def test_sampler_is_seeded_and_respects_top_k(device: str) -> None:
+    logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)).to(device)
     params = [SamplingParams(temperature=0.8, top_k=5, seed=7),
               SamplingParams(temperature=1.0, top_p=0.5, seed=8),
               SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.2)]
 
     def draw() -> list[int]:
-        gens = [p.make_generator(torch.device("cuda")) for p in params]
-        return Sampler("cuda", seed=1).sample(logits, params, gens)
+        gens = [p.make_generator(torch.device(device)) for p in params]
+        return Sampler(device, seed=1).sample(logits, params, gens)
 
     first = draw()
     assert first == draw()
@@ -114,12 +120,12 @@ def test_sampler_on_cuda_is_seeded_and_respects_top_k() -> None:
     assert first[2] == int(logits[2].argmax())
 
 
-def test_attention_never_takes_the_cudnn_backend(ckpts: dict[str, Path]) -> None:
+def test_attention_never_takes_the_cudnn_backend(ckpts: dict[str, Path], device: str) -> None:
     """cuDNN's SDPA compiles a kernel per new shape (NVRTC): a serving engine, whose
     shapes change every step, spent ~90% of its decode time compiling (H200 run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    gpu = CudaBound(ckpts["qwen2"], dtype="bfloat16")
+    gpu = DeviceBound(ckpts["qwen2"], device, dtype="bfloat16")
     prompts = prompts_of(LENGTHS, seed=3)
     blocks = block_lists(len(prompts), 4)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -127,7 +133,7 @@ def test_attention_never_takes_the_cudnn_backend(ckpts: dict[str, Path]) -> None
             gpu.engine.prefill(prompt, own)
         for step in range(3):  # a new context length (and batch size) every step
             seqs = [DecodeSeq(p[-1], len(p) + step, b)
-                    for p, b in zip(prompts[: step + 1], blocks, strict=True)]
+                    for p, b in zip(prompts[: step + 1], blocks[: step + 1], strict=True)]
             gpu.engine.decode(seqs)
     ops = {event.key for event in prof.key_averages()}
     assert not [op for op in ops if "cudnn_attention" in op], sorted(ops)
