@@ -104,9 +104,10 @@ def _model_dir(args: argparse.Namespace) -> Path:
     from aegaeon_market.manifest import market_model
 
     market = Path(args.market) if args.market else default_market_dir()
+    if args.market is None:  # the default market as `aegaeon serve` builds it, once
+        ensure_market(market, progress=False, real_models=True)
     if args.model is not None:  # a market name (ValueError names the market's models)
         return Path(market_model(market, args.model).path)
-    ensure_market(market, progress=False)
     return Path(default_bench_model(market).path)
 
 

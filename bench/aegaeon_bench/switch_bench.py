@@ -72,7 +72,8 @@ def _models(args: argparse.Namespace) -> dict[str, Path]:
 
     market = Path(args.market) if args.market else default_market_dir()
     if not (market / "market.json").is_file():
-        ensure_market(market, progress=False)  # the default market, built once
+        # the default market as `aegaeon serve` builds it, once
+        ensure_market(market, progress=False, real_models=True)
     models = {e.name: Path(e.path) for e in load_market(market)}
     if args.models:
         wanted = [n.strip() for n in args.models.split(",") if n.strip()]
