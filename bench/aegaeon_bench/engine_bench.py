@@ -21,6 +21,18 @@ capability is in the JSON as ``aten_capability``), so e.g. transformers'
 bfloat16 matmuls are emulated and float32 GEMMs use AVX2 as on an AVX2-only
 CPU. ``isa`` and ``compute_dtype`` (what ours multiplies bfloat16 weights in)
 are reported with the machine (``machine.py``).
+``isa`` is the level of ours' decode projection and ``isa_choice`` maps each
+operation (``decode_projection``, ``prefill_gemm``, ``attention``) to the
+level chosen and the µs measured per level (aegaeon_engine.tuning: the
+fastest on this machine, measured once per machine and model shape; a forced
+``--isa`` measures nothing). On the CPU the run also measures the core's
+limits at the same threads and caps (``machine``: ``peak_gflops``, the better
+of torch's float32 and the bench dtype's GEMM, ``peak_gflops_by_dtype``,
+``read_gb_s`` of a STREAM-like sum), the model's ``costs_per_token``
+(``weight_bytes`` and ``decode_flops`` of a decode step, ``prefill_flops``)
+and, per engine, its ``roofline``: prefill GFLOP/s and share of the peak,
+decode batch 1's GB/s of weights and share of the read bandwidth, batch 8's
+GFLOP/s and share of the peak, batch 8 over batch 1 (roofline.py).
 Each engine's numbers are medians over ``--repeats`` runs, ours and
 transformers' interleaved so a noisy neighbour hurts both alike; vLLM runs
 afterwards in a subprocess (``--vllm-python``, see scripts/install-vllm) and

@@ -38,7 +38,7 @@ def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
     env.pop("OUT", None)
     argv = ["bash", str(ROOT / "scripts" / "gpu-check"), "--dry-run", "--out", str(out),
             "--market", str(small_market)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240,
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=330,
                           check=False)
     console = proc.stdout + proc.stderr
     summary = json.loads((out / "gpu-check.json").read_text())
