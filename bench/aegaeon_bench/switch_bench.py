@@ -121,6 +121,8 @@ def measure_worker(models: dict[str, Path], args: argparse.Namespace,
         scale = scale_up_rows(measure_scale_ups(worker.switcher, names, args.repeats, plain))
         del plain
         rows: dict[str, dict[str, Any]] = {r.model: asdict(r) for r in scale}
+        for name in names:  # the kernels each model runs (measured at the worker's start)
+            rows[name]["isa_choice"] = worker.engine.tune(worker.specs[name], args.dtype).report()
         say("preemptive switches")
         worker.switcher.prefetch_enabled = True
         switches = measure_switches(worker, names, args.batch, args.context,
