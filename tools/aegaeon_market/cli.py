@@ -15,6 +15,7 @@ from pathlib import Path
 from aegaeon_market.ladder import PROFILES
 from aegaeon_market.manifest import default_market_dir
 from aegaeon_market.plan import MarketError
+from aegaeon_market.presets import PRESETS, preset_named
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -66,19 +67,25 @@ def _market_arg(parser: argparse.ArgumentParser) -> None:
 
 def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = sub.add_parser(
-        "add", help="import a Hugging Face directory or a GGUF file",
+        "add", help="import a Hugging Face directory or a GGUF file, or write a preset",
         description="Check SOURCE, convert it once into the market's layout (HF directory, "
                     "safetensors in --dtype) and list it in market.json. A GGUF file is "
                     "dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and "
-                    "its tokenizer rebuilt. On any error the market is left as it was.")
+                    "its tokenizer rebuilt. --random PRESET instead writes a released model's "
+                    "config with random weights, in seconds. On any error the market is left "
+                    "as it was.")
     _market_arg(add)
     add.add_argument("--name", required=True, help="the model's name in the API")
     add.add_argument("--dtype", choices=DTYPES, default=None,
-                     help="stored and served dtype (default: the checkpoint's; bfloat16 for GGUF)")
+                     help="stored and served dtype (default: the checkpoint's; bfloat16 for GGUF "
+                          "and presets)")
     add.add_argument("--replace", action="store_true", help="overwrite a model of that name")
     add.add_argument("--quiet", action="store_true", help="no progress bar")
-    add.add_argument("source", type=Path, metavar="SOURCE",
-                     help="Hugging Face checkpoint directory or .gguf file")
+    what = add.add_mutually_exclusive_group(required=True)
+    what.add_argument("--random", metavar="PRESET",
+                      help=f"random weights in a real model's config: {', '.join(PRESETS)}")
+    what.add_argument("source", type=Path, metavar="SOURCE", nargs="?",
+                      help="Hugging Face checkpoint directory or .gguf file")
     add.set_defaults(func=run_add)
     listing = sub.add_parser("list", help="the market's models",
                              description="Name, architecture, parameters, dtype, bytes on disk "
@@ -103,16 +110,20 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def run_add(args: argparse.Namespace) -> int:
-    """Import SOURCE; the market is unchanged on any error."""
+    """Import SOURCE or write the --random preset; the market is unchanged on any error."""
     from aegaeon_engine.errors import CheckpointError
 
-    from aegaeon_market.edit import add_model
+    from aegaeon_market.edit import add_model, add_random
 
     market: Path = args.market if args.market is not None else default_market_dir()
     start = time.perf_counter()
     try:
-        entry = add_model(market, args.source, args.name, args.dtype,
-                          replace_existing=args.replace, progress=not args.quiet)
+        if args.random is not None:
+            entry = add_random(market, preset_named(args.random), args.name, args.dtype,
+                               replace_existing=args.replace, progress=not args.quiet)
+        else:
+            entry = add_model(market, args.source, args.name, args.dtype,
+                              replace_existing=args.replace, progress=not args.quiet)
     except (CheckpointError, MarketError, OSError) as exc:
         return _fail("add", exc)
     print(f"added {entry.name} ({entry.arch}, {entry.params / 1e6:.1f}M parameters, "

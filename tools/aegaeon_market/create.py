@@ -119,7 +119,7 @@ def create_market(
         for key in families:
             # tokenizers first: training dominates the first models' time otherwise
             bar.set_postfix_str(f"tokenizer {key}")
-            tokenizer_json(key)
+            tokenizer_json(FAMILIES[key])
             bar.update()
         for plan in plans:
             bar.set_postfix_str(plan.name)

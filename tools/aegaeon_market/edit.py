@@ -1,10 +1,12 @@
-"""Change a market in place: import a model (``add``), ``remove`` one, ``list`` them.
+"""Change a market in place: import a model or write a preset's (``add``), ``remove`` one,
+``list`` them.
 
 Every change leaves the market whole or as it was. An import is checked and
-converted into a private folder inside the market (same file system), then,
-under the market's lock, moved into place by rename and committed by the
-atomic rewrite of ``market.json``; a failure before that commit undoes the
-renames, and the private folder is removed whatever happens. A removal
+converted (a preset written) into a private folder inside the market (same
+file system), then, under the market's lock, moved into place by rename and
+committed by the atomic rewrite of ``market.json``; a failure before that
+commit undoes the renames, and the private folder is removed whatever
+happens. A removal
 commits ``market.json`` first and deletes the files after.
 """
 
@@ -27,6 +29,9 @@ from tqdm import tqdm
 
 from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
 from aegaeon_market.plan import MarketError
+from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset
+from aegaeon_market.presets import PRESET_DTYPE, Preset
+from aegaeon_market.shapes import tensor_shapes
 
 DTYPES = ("bfloat16", "float16", "float32")
 GGUF_DEFAULT_DTYPE = "bfloat16"  # the market's own models are bfloat16 too
@@ -98,18 +103,55 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
     name clash or a broken market; either way the market is unchanged.
     """
     root, src = Path(market_dir).resolve(), Path(source).resolve()
+    _check_request(root, name, dtype, replace_existing)
+    _kind(src)  # a missing source is refused before anything is made
+
+    def write(staging: Path) -> MarketEntry:
+        return replace(convert_source(src, staging, name, dtype, progress), source=str(src))
+
+    return _stage_and_commit(root, name, replace_existing, write)
+
+
+def add_random(market_dir: Path | str, preset: Preset, name: str, dtype: str | None = None,
+               *, replace_existing: bool = False, progress: bool = True,
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> MarketEntry:
+    """Write a random-weight model of ``preset`` (a real model's config) into the market as
+    ``name``, in ``dtype`` (default bfloat16), through the same staging and commit as an
+    import: on any error the market is unchanged. ``max_shard_bytes`` overrides the
+    safetensors shard size (tests)."""
+    root = Path(market_dir).resolve()
+    _check_request(root, name, dtype, replace_existing)
+    serve_dtype = dtype or PRESET_DTYPE
+
+    def write(staging: Path) -> MarketEntry:
+        count = len(tensor_shapes(preset.recipe))
+        with _bar(count, f"write {preset.name}", progress) as step:
+            write_preset(preset, staging, serve_dtype, step, max_shard_bytes)
+        _check_written(staging, preset.architecture)
+        return MarketEntry(name, staging, preset.architecture, preset.params, serve_dtype,
+                           source=preset.source)
+
+    return _stage_and_commit(root, name, replace_existing, write)
+
+
+def _check_request(root: Path, name: str, dtype: str | None, replace_existing: bool) -> None:
+    """Refuse a bad name or dtype, or a clash, before anything is written."""
     check_name(name)
     if dtype is not None and dtype not in DTYPES:
         raise MarketError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     _check_clash(_manifest_or_new(root), root, name, replace_existing)
-    _kind(src)  # a missing source is refused before anything is made
+
+
+def _stage_and_commit(root: Path, name: str, replace_existing: bool,
+                      write: Callable[[Path], MarketEntry]) -> MarketEntry:
+    """``write`` the model into a private folder of the market, then move it into place
+    and list it under the lock; on any error nothing of it stays."""
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".add-{name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        entry = convert_source(src, staging, name, dtype, progress)
-        entry = replace(entry, path=root / name, source=str(src))
+        entry = replace(write(staging), path=root / name)
         with market_lock(root):
             manifest = _manifest_or_new(root, staging)
             _check_clash(manifest, root, name, replace_existing)
@@ -144,13 +186,17 @@ def convert_source(src: Path, staging: Path, name: str, dtype: str | None,
         spec, params, count = hf_model.spec, hf_model.params, len(hf_model.tensors)
         with _bar(count, f"import {src.name}", progress) as step:
             convert_hf(hf_model, staging, serve_dtype, step)
-    # what the engine will read: the written directory must parse and index cleanly
+    _check_written(staging, spec.architecture)
+    return MarketEntry(name, staging, spec.architecture, params, serve_dtype)
+
+
+def _check_written(staging: Path, architecture: str) -> None:
+    """What the engine will read: the written directory must parse and index cleanly."""
     written = ModelSpec.from_dir(staging)
     checkpoint_index(staging)
-    if written.architecture != spec.architecture:
+    if written.architecture != architecture:
         raise CheckpointError(staging / "config.json", "architectures",
-                              f"{written.architecture} written for {spec.architecture}")
-    return MarketEntry(name, staging, spec.architecture, params, serve_dtype)
+                              f"{written.architecture} written for {architecture}")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,11 @@ class Vocab:
     ``back_specials`` follow the learned tokens (tiktoken-era models such as
     Llama 3 and Qwen). ``size`` counts everything, so config ``vocab_size``
     equals ``len(tokenizer)`` and every embedding row is reachable.
+
+    A real model's vocabulary (`presets`) is larger than the shipped corpus
+    can train: ``size`` is then the released ``vocab_size`` (embedding rows),
+    the BPE learns only ``learned`` tokens and the back specials keep their
+    released ids from ``back_start``; the ids in between name no token.
     """
 
     size: int
@@ -40,11 +45,43 @@ class Vocab:
     back_specials: tuple[str, ...]
     split_pattern: str
     nfc: bool = False
+    learned: int | None = None
+    back_start: int | None = None
 
     @property
     def num_learned(self) -> int:
         """Tokens the BPE learns: the 256 byte symbols plus merges."""
+        if self.learned is not None:
+            return self.learned
         return self.size - len(self.front_specials) - len(self.back_specials)
+
+    @property
+    def first_back_id(self) -> int:
+        """Id of the first back special (right after the learned tokens unless placed)."""
+        if self.back_start is not None:
+            return self.back_start
+        return len(self.front_specials) + self.num_learned
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """Id of every special token: front ones from 0, back ones from `first_back_id`."""
+        ids = {tok: i for i, tok in enumerate(self.front_specials)}
+        ids.update({tok: self.first_back_id + i for i, tok in enumerate(self.back_specials)})
+        return ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the tokenizer (``size`` unless it is a real model's larger vocabulary)."""
+        return len(self.front_specials) + self.num_learned + len(self.back_specials)
+
+    @property
+    def token_id_ranges(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` ranges of the ids that name a token."""
+        learned_end = len(self.front_specials) + self.num_learned
+        if self.first_back_id == learned_end:
+            return ((0, learned_end + len(self.back_specials)),)
+        return ((0, learned_end), (self.first_back_id,
+                                   self.first_back_id + len(self.back_specials)))
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from aegaeon_market.families import FAMILIES, Family
+from aegaeon_market.families import Family
 from aegaeon_market.ladder import Recipe
-from aegaeon_market.tokenizer import special_token_ids
 
 JsonDict = dict[str, Any]
 
@@ -35,7 +34,7 @@ def _rope(recipe: Recipe) -> tuple[JsonDict | None, JsonDict]:
 
 def _token_ids(family: Family) -> tuple[int, int | list[int], int | None]:
     """(bos, eos, pad) ids as the family's real configs give them."""
-    ids = special_token_ids(family.vocab)
+    ids = family.vocab.special_ids
     bos = ids[family.config_bos_token]
     stops = [ids[t] for t in family.stop_tokens]
     eos: int | list[int] = stops[0] if len(stops) == 1 else stops
@@ -45,7 +44,7 @@ def _token_ids(family: Family) -> tuple[int, int | list[int], int | None]:
 
 def config_json(recipe: Recipe, dtype: str) -> JsonDict:
     """The model's ``config.json``."""
-    family = FAMILIES[recipe.family]
+    family = recipe.family_spec
     rope_scaling, rope_parameters = _rope(recipe)
     bos, eos, _ = _token_ids(family)
     config: JsonDict = {
@@ -89,7 +88,7 @@ def config_json(recipe: Recipe, dtype: str) -> JsonDict:
 
 def generation_config_json(recipe: Recipe) -> JsonDict:
     """The model's ``generation_config.json``: special ids only, greedy by default."""
-    bos, eos, pad = _token_ids(FAMILIES[recipe.family])
+    bos, eos, pad = _token_ids(recipe.family_spec)
     config: JsonDict = {"bos_token_id": bos, "eos_token_id": eos}
     if pad is not None:
         config["pad_token_id"] = pad

@@ -8,7 +8,9 @@ ones and tens of ms for the largest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from aegaeon_market.families import FAMILIES, Family, Vocab
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,10 @@ class Rope:
 
 @dataclass(frozen=True)
 class Recipe:
-    """One rung of the ladder: a family plus the sizes of one model."""
+    """One rung of the ladder: a family plus the sizes of one model.
+
+    ``vocab`` replaces the family's vocabulary (a real model's, `presets`).
+    """
 
     stem: str
     family: str
@@ -37,6 +42,13 @@ class Recipe:
     rope: Rope
     # the mid-size model benchmarks use by default
     bench: bool = False
+    vocab: Vocab | None = None
+
+    @property
+    def family_spec(self) -> Family:
+        """The family, with this recipe's own vocabulary if it has one."""
+        family = FAMILIES[self.family]
+        return family if self.vocab is None else replace(family, vocab=self.vocab)
 
 
 _LLAMA3_ROPE = Rope(theta=500_000.0, max_positions=8192)

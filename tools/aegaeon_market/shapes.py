@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import math
 
-from aegaeon_market.families import FAMILIES
 from aegaeon_market.ladder import Recipe
 
 Shapes = dict[str, tuple[int, ...]]
@@ -16,7 +15,7 @@ Shapes = dict[str, tuple[int, ...]]
 
 def tensor_shapes(recipe: Recipe) -> Shapes:
     """Every checkpoint tensor, in the order HF checkpoints list them."""
-    family = FAMILIES[recipe.family]
+    family = recipe.family_spec
     h, d = recipe.hidden_size, recipe.head_dim
     q_dim, kv_dim = recipe.num_heads * d, recipe.num_kv_heads * d
     shapes: Shapes = {"model.embed_tokens.weight": (family.vocab.size, h)}

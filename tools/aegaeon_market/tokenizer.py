@@ -8,6 +8,7 @@ only in the strings of their trailing special tokens share one training run.
 from __future__ import annotations
 
 import functools
+import json
 from importlib import resources
 from typing import Any
 
@@ -34,20 +35,12 @@ def corpus_text() -> str:
     return path.read_text(encoding="utf-8")
 
 
-def special_token_ids(vocab: Vocab) -> dict[str, int]:
-    """Id of every special token: front ones from 0, back ones after the learned tokens."""
-    ids = {tok: i for i, tok in enumerate(vocab.front_specials)}
-    start = vocab.size - len(vocab.back_specials)
-    ids.update({tok: start + i for i, tok in enumerate(vocab.back_specials)})
-    return ids
-
-
 TrainingKey = tuple[int, tuple[str, ...], str, bool]
 
 
 def training_key(vocab: Vocab) -> TrainingKey:
     """Vocabularies with equal keys share one trained BPE (only back specials differ)."""
-    num_tokens = vocab.size - len(vocab.back_specials)
+    num_tokens = len(vocab.front_specials) + vocab.num_learned
     return num_tokens, vocab.front_specials, vocab.split_pattern, vocab.nfc
 
 
@@ -79,21 +72,37 @@ def _trained(key: TrainingKey) -> str:
 def build_tokenizer(family: Family) -> Tokenizer:
     """The family's tokenizer: the shared BPE plus its specials and BOS rule."""
     vocab = family.vocab
-    tok = Tokenizer.from_str(_trained(training_key(vocab)))
+    trained = _trained(training_key(vocab))
+    if vocab.first_back_id != len(vocab.front_specials) + vocab.num_learned:
+        trained = _with_placed_specials(trained, vocab)
+    tok = Tokenizer.from_str(trained)
     tok.add_special_tokens(list(vocab.back_specials))
     if family.add_bos_token and family.bos_token is not None:
         bos = family.bos_token
-        bos_id = special_token_ids(vocab)[bos]
+        bos_id = vocab.special_ids[bos]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, bos_id)],
         )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    if tok.get_vocab_size() != vocab.size:
+    if tok.get_vocab_size() != vocab.num_tokens:
         raise RuntimeError(f"{family.key}: tokenizer has {tok.get_vocab_size()} tokens, "
-                           f"config says {vocab.size}")
+                           f"expected {vocab.num_tokens}")
     return tok
+
+
+def _with_placed_specials(trained: str, vocab: Vocab) -> str:
+    """``trained`` with the back specials in the BPE's own vocabulary at their ids.
+
+    Added tokens absent from the model's vocabulary always get the ids right
+    after it (the ``id`` in ``tokenizer.json`` is not honoured on load); ids
+    the model's vocabulary holds are kept, gap or not.
+    """
+    doc = json.loads(trained)
+    ids = vocab.special_ids
+    doc["model"]["vocab"].update({tok: ids[tok] for tok in vocab.back_specials})
+    return json.dumps(doc, ensure_ascii=False)
 
 
 def tokenizer_config_json(family: Family) -> dict[str, Any]:

@@ -66,16 +66,30 @@ def _std(name: str, fan_in: int, recipe: Recipe, embed_rms: float) -> float:
     raise KeyError(name)
 
 
-def _value(name: str, shape: tuple[int, ...], recipe: Recipe, embed_rms: float,
+def embedding_rms(recipe: Recipe) -> float:
+    """RMS of the embedding: with tied embeddings it doubles as the output projection, so
+    it sets the logit spread; otherwise unit."""
+    return LOGIT_STD / math.sqrt(recipe.hidden_size) if recipe.tie_embeddings else 1.0
+
+
+def value_scale(name: str, shape: tuple[int, ...], recipe: Recipe) -> tuple[float, float]:
+    """(std, mean) of a weight's values: standard normal draws are scaled, then shifted."""
+    if name.endswith("norm.weight"):
+        gain = QK_GAIN if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+        return NORM_JITTER * gain, gain
+    if name == "model.embed_tokens.weight":
+        return embedding_rms(recipe), 0.0
+    return _std(name, shape[-1], recipe, embedding_rms(recipe)), 0.0
+
+
+def _value(name: str, shape: tuple[int, ...], recipe: Recipe,
            gen: torch.Generator) -> torch.Tensor:
     # in place: the largest tensors are ~100 MB, temporaries double the time
     value = torch.randn(shape, generator=gen)
-    if name.endswith("norm.weight"):
-        gain = QK_GAIN if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
-        return value.mul_(NORM_JITTER * gain).add_(gain)
-    if name == "model.embed_tokens.weight":
-        return value.mul_(embed_rms)
-    value.mul_(_std(name, shape[-1], recipe, embed_rms))
+    std, mean = value_scale(name, shape, recipe)
+    value.mul_(std)
+    if mean:
+        value.add_(mean)
     if name == "lm_head.weight":
         row_scale = torch.exp(torch.randn(shape[0], 1, generator=gen) * LM_HEAD_ROW_SIGMA)
         value.mul_(row_scale / row_scale.pow(2).mean().sqrt())
@@ -85,13 +99,11 @@ def _value(name: str, shape: tuple[int, ...], recipe: Recipe, embed_rms: float,
 def init_weights(recipe: Recipe, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Seeded random weights; the same (recipe, seed, dtype) gives the same bytes.
 
-    Values are drawn in float32 from one generator in checkpoint order, then
-    cast. With tied embeddings the embedding doubles as the output projection,
-    so its scale sets the logit spread; otherwise it has unit RMS.
+    Values are drawn in float32 from one generator in checkpoint order, scaled
+    by `value_scale`, then cast.
     """
     gen = torch.Generator().manual_seed(seed)
-    embed_rms = LOGIT_STD / math.sqrt(recipe.hidden_size) if recipe.tie_embeddings else 1.0
     return {
-        name: _value(name, shape, recipe, embed_rms, gen).to(dtype).contiguous()
+        name: _value(name, shape, recipe, gen).to(dtype).contiguous()
         for name, shape in tensor_shapes(recipe).items()
     }
