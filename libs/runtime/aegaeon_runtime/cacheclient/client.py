@@ -50,6 +50,7 @@ from aegaeon_common.messages.cache import (
     WorkerRegistered,
     WorkerUnregistered,
 )
+from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message
 from aegaeon_gpumem import EventTable, ShmRegion
@@ -93,6 +94,7 @@ class CacheClient:
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         self._rpc = RpcClient(self._ctx, address, REPLIES)
+        self._closing = False
         self.registration: Registration | None = None
         # Kept model mappings; read by other threads through cached_model().
         self._models: dict[str, MappedModel] = {}
@@ -183,7 +185,9 @@ class CacheClient:
             self._uses.add(name)
 
     async def _report_uses(self) -> None:
-        while True:
+        # stops on its flag too: a cancellation that lands while asyncio.wait_for
+        # finishes a touch is swallowed (Python 3.11), and the loop would carry on
+        while not self._closing:
             await asyncio.sleep(self._use_report_interval_s)
             with self._uses_lock:
                 names, self._uses = self._uses, set()
@@ -250,14 +254,16 @@ class CacheClient:
         if unregister and self.registration is not None:
             with contextlib.suppress(RemoteError, TimeoutError):
                 await self.unregister()
+        self._closing = True
         if self._reporter is not None:
-            self._reporter.cancel()
-            await asyncio.gather(self._reporter, return_exceptions=True)
+            left = await cancel_tasks([self._reporter])
+            if left:
+                log.warning("tasks_not_cancelled", tasks=left)
             self._reporter = None
         self._detach()
         self._rpc.close()
-        if self._own_ctx:
-            self._ctx.term()
+        if self._own_ctx:  # with any socket left open (term() would wait for it forever)
+            self._ctx.destroy(linger=0)
 
     def _detach(self) -> None:
         with self._models_lock:
