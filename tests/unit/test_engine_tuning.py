@@ -87,6 +87,9 @@ def test_measured_once_per_machine_then_kept(tmp_path: Path, cache_home: Path,
     kept.write_text("{not json")  # a broken file is measured again, not an error
     monkeypatch.setattr(tuning, "measure", measure)
     assert Engine().tune(spec, "bfloat16").timings_us
+    # a choice this CPU cannot run (another machine's file) is measured again too
+    kept.write_text(KernelChoice("sve9", "float32", TORCH).to_json())
+    assert Engine().tune(spec, "bfloat16").decode_projection in (*LEVELS, TORCH)
 
 
 @needs_native

@@ -264,6 +264,16 @@ def choice_key(spec: ModelSpec, dtype: torch.dtype, levels: tuple[str, ...]) -> 
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
+def _valid(choice: KernelChoice, levels: tuple[str, ...]) -> KernelChoice:
+    """``choice`` if this machine can run it (ValueError naming what it cannot)."""
+    for op in ("decode_projection", "attention"):
+        if getattr(choice, op) not in (*levels, TORCH):
+            raise ValueError(f"{op} {getattr(choice, op)!r} is not a level of this CPU")
+    if choice.prefill_gemm not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"prefill_gemm {choice.prefill_gemm!r} is not a dtype")
+    return choice
+
+
 def choose(spec: ModelSpec, dtype: torch.dtype, levels: tuple[str, ...],
            default: KernelChoice) -> KernelChoice:
     """The kept choice for this machine and shape, else :func:`measure` it and keep it
@@ -280,7 +290,7 @@ def choose(spec: ModelSpec, dtype: torch.dtype, levels: tuple[str, ...],
         return measure(spec, dtype, levels, default)
     path = env.cache_dir / "profiles" / f"kernels-{choice_key(spec, dtype, levels)}.json"
     try:
-        return KernelChoice.from_json(path.read_text())
+        return _valid(KernelChoice.from_json(path.read_text()), levels)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as exc:
