@@ -86,6 +86,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, max_toke
                     out["finish"] = choice.get("finish_reason") or out["finish"]
     except (TimeoutError, aiohttp.ClientError) as exc:
         out["error"] = f"cut: {type(exc).__name__}"
+    finally:
+        if started is not None:  # ended before its first token: the waiter sees it now,
+            started.put_nowait(None)  # and the test its error, not a timeout
     out["ended_at"] = time.monotonic()
     return out
 
