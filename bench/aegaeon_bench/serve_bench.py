@@ -25,7 +25,8 @@ the output length too: every token's deadline inherits the TTFT slack, so
 with ``--output-scale 0.25`` a TTFT of 10 s * 0.25 keeps the slack's share of
 a request's span as in the paper. Also reported: the artifact's per-request ``qos``,
 TTFT/TBT percentiles, model switches during the run (the instances'
-counters), completed and failed requests. ``--trace FILE`` writes one JSON
+counters), completed and failed requests (``refused``: the failed ones the node
+answered 429 past its admission bound). ``--trace FILE`` writes one JSON
 line per request plus ``FILE.stats.json`` (the final ``/v1/aegaeon/stats``),
 ``FILE.kv.jsonl`` (KV cache every ~1 s) and ``FILE.summary.json`` (see
 ``aegaeon_bench.serve_trace``); ``aegaeon bench report FILE`` draws them.
