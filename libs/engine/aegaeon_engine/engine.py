@@ -119,8 +119,7 @@ class Engine:
             assert isinstance(base, NativeOps)
             project = ((TORCH, None) if choice.decode_projection == TORCH else
                        (choice.decode_projection, native_ops(choice.decode_projection)))
-            ops = NativeOps(base._ops, base.isa, project=project,
-                            widen_prefill=choice.prefill_gemm == "float32")
+            ops = base.with_choice(project, widen_prefill=choice.prefill_gemm == "float32")
             attention = (Attention(self.device, native=False) if choice.attention == TORCH
                          else Attention(self.device, isa=choice.attention))
             self._kernels[key] = (attention, ops)

@@ -82,6 +82,11 @@ class NativeOps(LayerOps):
         self.bf16_native = bf16_native(isa)
         self.widen_prefill = not self.bf16_native if widen_prefill is None else widen_prefill
 
+    def with_choice(self, project: tuple[str, Any | None],
+                    widen_prefill: bool) -> NativeOps:
+        """These elementwise kernels with another decode projection and prefill rule."""
+        return NativeOps(self._ops, self.isa, project=project, widen_prefill=widen_prefill)
+
     def project(self, w: torch.Tensor, x: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         n = x.shape[0]

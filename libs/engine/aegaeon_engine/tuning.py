@@ -144,15 +144,12 @@ def _pick(timings: dict[str, float], default: str) -> str:
 
 
 def _projection_ops(levels: tuple[str, ...]) -> dict[str, LayerOps]:
-    from .native import native_ops
+    """Each level's layer ops that loads, and torch's."""
+    from .kernels import layer_ops
 
-    ops: dict[str, LayerOps] = {}
-    for name in levels:
-        namespace = native_ops(name)
-        if namespace is not None:
-            ops[name] = NativeOps(namespace, name)
-    ops[TORCH] = LayerOps()
-    return ops
+    cpu = torch.device("cpu")
+    ops = {name: layer_ops(cpu, isa=name) for name in levels}
+    return {**{n: o for n, o in ops.items() if isinstance(o, NativeOps)}, TORCH: LayerOps()}
 
 
 def measure(spec: ModelSpec, dtype: torch.dtype, levels: tuple[str, ...],
