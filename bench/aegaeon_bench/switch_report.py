@@ -86,18 +86,21 @@ def print_tables(summary: dict[str, Any]) -> None:
     print()
     print(f"preemptive switch ({summary['batch']} requests x {summary['context']} tokens of KV "
           f"each way, decode slice {summary['slice_ms']:.0f} ms), ms, prefetch off | on:")
-    print(f"{'model':14}{'KV MB':>7}{'swap-out':>9}{'scale-up':>10}{'swap-in':>9}{'total':>9}"
-          f"{' |':>3}{'scale-up':>10}{'total':>9}{'hidden':>8}{'step':>8}{'step+pf':>9}")
+    print(f"{'A -> B':30}{'KV MB':>7}{'swap-out':>9}{'scale-up':>10}{'swap-in':>9}"
+          f"{'total':>9}{' |':>3}{'scale-up':>10}{'total':>9}{'hidden':>8}{'A step':>8}"
+          f"{'+pf':>8}")
     for name, r in rows.items():
         off, on = r["switch_off"], r["switch_on"]
-        print(f"{name:14}{r['kv_batch_bytes'] / 1e6:7.1f}{off['swap_out_ms']:9.2f}"
+        pair = f"{r['switch_from']} -> {name}"
+        print(f"{pair:30}{r['kv_batch_bytes'] / 1e6:7.1f}{off['swap_out_ms']:9.2f}"
               f"{off['scale_up_ms']:10.2f}{off['swap_in_ms']:9.2f}{off['total_ms']:9.2f}{' |':>3}"
               f"{on['scale_up_ms']:10.2f}{on['total_ms']:9.2f}"
               f"{_cell(r['prefetch_hidden_fraction'], 8)}{_cell(off['decode_step_ms'], 8)}"
-              f"{_cell(on['decode_step_overlap_ms'], 9)}")
+              f"{_cell(on['decode_step_overlap_ms'], 8)}")
     print("(swap-out = enqueueing it, its copy runs concurrently; swap-in = its share of the "
           "critical path, it overlaps the scale-up; hidden = share of the scale-up hidden by "
-          "prefetch; step / step+pf = A's decode step alone / while the prefetch copy ran)")
+          "prefetch; A step / +pf = a decode step of A, the model switched FROM, alone / "
+          "while B's prefetch copy ran: a row's step is not B's)")
     print()
     for key in ("load_over_memcpy", "naive_over_ours"):
         met = "met" if summary["targets_met"][key] else "NOT met"
