@@ -1,7 +1,7 @@
 """A simulated hybrid instance: a prefill instance that decodes when no prefill waits.
 
 Beyond the paper, as the live system does it (``scheduler.prefill_decodes_when_idle``,
-services/decode ``prefill_side.py``): the proxy lists prefill instances after
+``aegaeon_runtime.prefill.loop``): the proxy lists prefill instances after
 the decode instances as decode targets too; Algorithm 2 places a new batch on
 the work list with the fewest batches per unit of decode share, which the
 proxy sets from each hybrid's heartbeats (``1 -`` its prefill busy fraction;

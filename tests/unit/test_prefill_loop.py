@@ -6,7 +6,7 @@ import pytest
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
 from aegaeon_common.messages.structs import SamplingSpec
-from aegaeon_prefill.loop import PrefillLoop
+from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
 

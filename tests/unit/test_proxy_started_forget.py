@@ -6,8 +6,8 @@ from __future__ import annotations
 from aegaeon_common.messages.prefill import EnqueuePrefill, ProxyStarted
 from aegaeon_common.messages.report import PrefillDone, StepTokens
 from aegaeon_common.messages.structs import SamplingSpec
-from aegaeon_prefill.loop import PrefillLoop
 from aegaeon_runtime.decode.loop import DecodeLoop
+from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model
 

@@ -22,9 +22,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config_or_exit(args.config, "prefill")
     from aegaeon_common.messages.decode import HYBRID_CHANNEL
     from aegaeon_common.messages.prefill import PREFILL_CHANNEL
+    from aegaeon_runtime.prefill.loop import PrefillLoop
     from aegaeon_runtime.service import LoopFactory, serve_instance
-
-    from aegaeon_prefill.loop import PrefillLoop
 
     channel, make_loop = PREFILL_CHANNEL, cast(LoopFactory, PrefillLoop)
     if config.hybrid_prefill:

@@ -10,10 +10,10 @@ from aegaeon_common.wire import Message
 from aegaeon_sched import SLO, DecodeWorkList, Request
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.emit import TokenEmitter
 from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.seq import Seq
-from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.kv import event_from_spec
 from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.sampling import engine_params, resume_generator
@@ -28,7 +28,7 @@ class Admission:
         work: DecodeWorkList,
         residency: Residency,
         outbox: MessageSink,
-        counters: DecodeCounters,
+        counters: InstanceCounters,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.worker = worker

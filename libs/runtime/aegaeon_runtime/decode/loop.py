@@ -14,8 +14,10 @@ Under request-level policies the same loop serves ``RunRequest``: the
 request is prefilled here first and its batch holds the instance's only
 model (the policy gives an instance one model at a time).
 
-A hybrid instance (a prefill instance decoding when idle) plans its rounds for
-the share of its time its prefills leave (:class:`~aegaeon_sched.DecodeShare`).
+A hybrid instance (a prefill instance decoding when idle) runs the prefill loop
+(:class:`~aegaeon_runtime.prefill.loop.PrefillLoop`) first, at every decode step
+boundary, and plans its rounds for the share of its time its prefills leave
+(:class:`~aegaeon_sched.DecodeShare`).
 """
 
 from __future__ import annotations
@@ -44,15 +46,15 @@ from aegaeon_sched import (
 )
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.admit import Admission
-from aegaeon_runtime.decode.prefill_side import PrefillSide
 from aegaeon_runtime.decode.residency import Residency
-from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.decode.turn import TurnRunner
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.models import add_model
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
+from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_runtime.profile_cache import start_up_profile
 
 log = get_logger("decode")
@@ -95,7 +97,7 @@ class DecodeLoop:
             round_ttft_fraction=config.scheduler.round_ttft_fraction,
         )
         self.rounds = rounds or RoundController(planner, share=DecodeShare() if hybrid else None)
-        self.counters = DecodeCounters(metrics=worker.metrics)
+        self.counters = InstanceCounters(metrics=worker.metrics)
         self.residency = Residency(worker, clock)
         self.admission = Admission(worker, self.work, self.residency, outbox, self.counters, clock)
         self.turns = TurnRunner(
@@ -103,7 +105,8 @@ class DecodeLoop:
             self.counters, clock,
         )  # fmt: skip
         # A hybrid instance (a prefill instance decoding when idle) runs prefills first.
-        self.prefill = PrefillSide(worker, outbox, self.counters, clock) if hybrid else None
+        self.prefill = (PrefillLoop(worker, inbox, outbox, counters=self.counters, clock=clock)
+                        if hybrid else None)  # fmt: skip
         if self.prefill is not None:
             self.turns.preempt = self.prefill.pending
             self.prefill.evict = self._evict_for_prefill

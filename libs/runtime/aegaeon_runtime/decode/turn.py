@@ -21,10 +21,10 @@ from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
-from aegaeon_runtime.decode.stats import DecodeCounters
 from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.sampling import finish_reason
 
@@ -40,7 +40,7 @@ class TurnRunner:
         admission: Admission,
         residency: Residency,
         outbox: MessageSink,
-        counters: DecodeCounters,
+        counters: InstanceCounters,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.worker = worker

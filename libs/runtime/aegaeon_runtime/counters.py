@@ -1,4 +1,4 @@
-"""Counters a decode instance reports in its heartbeat."""
+"""Counters an instance reports in its heartbeat (its decode work and its prefills)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from aegaeon_runtime.port import WorkerPort
 
 
 @dataclass
-class DecodeCounters:
+class InstanceCounters:
     """Written by the compute thread; ``snapshot`` runs on the event loop."""
 
     rounds: int = 0
