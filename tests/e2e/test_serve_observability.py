@@ -129,6 +129,90 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
         assert "Count with me" not in text and "Bearer" not in text, log.name
 
 
+# vLLM's families the proxy exports beside its own (docs/operations.md), by type
+VLLM_COUNTERS = (
+    "prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "gpu_prefix_cache_queries",
+    "gpu_prefix_cache_hits",
+)  # fmt: skip
+VLLM_GAUGES = (
+    "num_requests_running", "num_requests_waiting", "num_requests_swapped",
+    "kv_cache_usage_perc", "gpu_cache_usage_perc", "cpu_cache_usage_perc",
+    "gpu_prefix_cache_hit_rate", "cpu_prefix_cache_hit_rate",
+)  # fmt: skip
+# histograms every completed request is observed in, once
+VLLM_REQUEST_HISTOGRAMS = (
+    "time_to_first_token_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "time_in_queue_requests", "request_inference_time_seconds",
+    "request_prefill_time_seconds", "request_decode_time_seconds",
+    "request_time_per_output_token_seconds", "request_prompt_tokens",
+    "request_generation_tokens", "request_max_num_generation_tokens", "request_params_n",
+    "request_params_max_tokens",
+)  # fmt: skip
+# histograms observed per token or per engine step
+VLLM_STEP_HISTOGRAMS = (
+    "inter_token_latency_seconds", "time_per_output_token_seconds", "iteration_tokens_total",
+)  # fmt: skip
+
+
+def test_vllm_families_after_traffic(served: Served) -> None:
+    """Every vllm:* family on the proxy's /metrics, one series per served model
+    (model_name), moved by the traffic sent and with sane values."""
+    url = _services(served)["proxy"]["metrics_url"]
+    before = _scrape(url)
+    models = _models(served)[:2]
+    client = _client(served)
+    max_tokens = 5
+    for model in models:  # one streamed, one not, per model
+        client.completions.create(model=model, prompt="Count with me", max_tokens=max_tokens,
+                                  temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = client.completions.create(
+            model=model, prompt="Count with me too", max_tokens=max_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert sum(1 for _ in chunks) >= max_tokens
+    after = _scrape(url)
+
+    def delta(name: str, **labels: str) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    served_models = _models(served)
+    for model in served_models:  # one series per served model, traffic or not
+        for name in VLLM_GAUGES:
+            assert (f"vllm:{name}", (("model_name", model),)) in after, (name, model)
+        for name in VLLM_COUNTERS:
+            assert _total(after, f"vllm:{name}_total", model_name=model) >= 0, (name, model)
+            assert any(n == f"vllm:{name}_total" and dict(lbl).get("model_name") == model
+                       for n, lbl in after), (name, model)  # fmt: skip
+    for model in models:
+        sent = 2
+        assert delta("vllm:request_success_total", model_name=model, finished_reason="length") \
+            == sent
+        assert delta("vllm:generation_tokens_total", model_name=model) == sent * max_tokens
+        assert delta("vllm:prompt_tokens_total", model_name=model) >= sent
+        for name in VLLM_REQUEST_HISTOGRAMS:
+            assert delta(f"vllm:{name}_count", model_name=model) == sent, (name, model)
+            assert delta(f"vllm:{name}_sum", model_name=model) >= 0, (name, model)
+        for name in VLLM_STEP_HISTOGRAMS:
+            assert delta(f"vllm:{name}_count", model_name=model) >= sent, (name, model)
+        assert delta("vllm:request_generation_tokens_sum", model_name=model) == sent * max_tokens
+        assert delta("vllm:request_params_max_tokens_sum", model_name=model) == sent * max_tokens
+        # a latency is within the request's: queue + prefill <= TTFT <= e2e
+        e2e = delta("vllm:e2e_request_latency_seconds_sum", model_name=model)
+        ttft = delta("vllm:time_to_first_token_seconds_sum", model_name=model)
+        queue = delta("vllm:request_queue_time_seconds_sum", model_name=model)
+        prefill = delta("vllm:request_prefill_time_seconds_sum", model_name=model)
+        assert 0 < ttft <= e2e
+        assert prefill > 0 and queue + prefill <= ttft + 0.05 * sent  # wall vs monotonic clocks
+        # every request finished: nothing running or waiting
+        assert _total(after, "vllm:num_requests_running", model_name=model) == 0
+        assert _total(after, "vllm:num_requests_waiting", model_name=model) == 0
+    for model in served_models:
+        for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc", "cpu_cache_usage_perc"):
+            assert 0.0 <= after[(f"vllm:{name}", (("model_name", model),))] <= 1.0
+    assert _total(after, "vllm:cache_config_info") == 1
+
+
 def _instance_pid(served: Served, name: str) -> int | None:
     health = served.get_json("/health")
     return health["backend"]["instances"][name]["pid"]  # type: ignore[index,no-any-return]

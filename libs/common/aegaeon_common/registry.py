@@ -42,6 +42,8 @@ class InstanceLoadInfo(msgspec.Struct, frozen=True):
     prefill_s: float = 0.0  # seconds spent prefilling since start (hybrid decode share)
     kv_blocks_in_use: int = 0
     open_sequences: int = 0
+    kv_used_bytes: int = 0  # device KV: bytes of live blocks, of the usable region
+    kv_capacity_bytes: int = 0
 
 
 class InstanceRecord(msgspec.Struct, frozen=True):

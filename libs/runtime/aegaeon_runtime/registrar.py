@@ -37,6 +37,8 @@ def load_of(stats: InstanceStats) -> InstanceLoadInfo:
         prefill_s=float(counters.get("prefill_s", 0.0)),
         kv_blocks_in_use=int(counters.get("kv_blocks_in_use", 0)),
         open_sequences=int(counters.get("open_sequences", 0)),
+        kv_used_bytes=int(counters.get("kv_used_bytes", 0)),
+        kv_capacity_bytes=int(counters.get("kv_capacity_bytes", 0)),
     )  # fmt: skip
 
 

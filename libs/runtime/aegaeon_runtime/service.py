@@ -103,13 +103,18 @@ def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> I
     """``stats`` plus what the instance holds now, for the proxy's leak checks
     (``/v1/aegaeon/stats``): ``kv_blocks_in_use`` (device KV blocks allocated or
     waiting on the move list) and ``open_sequences`` (requests queued for prefill
-    or in the decode work list, as the compute thread last published them)."""
+    or in the decode work list, as the compute thread last published them); and
+    for its KV usage (``vllm:kv_cache_usage_perc``): ``kv_used_bytes`` (live
+    blocks) of ``kv_capacity_bytes`` (the region's whole slabs)."""
     pool = worker.kv.pool.stats()
-    blocks = sum(shape.used_blocks for shape in pool.slabs.shapes.values())
+    slabs = pool.slabs
+    blocks = sum(shape.used_blocks for shape in slabs.shapes.values())
     counters = {
         **stats.counters,
         "kv_blocks_in_use": float(blocks),
         "open_sequences": float(load.prefill_requests + load.decode_requests),
+        "kv_used_bytes": float(slabs.used_bytes),
+        "kv_capacity_bytes": float(slabs.num_slabs * slabs.slab_bytes),
     }
     # token velocity by stage, as /metrics exports it (the proxy sums the cluster's)
     velocity = {stage: rate.rate() for stage, rate in worker.metrics.velocity.items()}

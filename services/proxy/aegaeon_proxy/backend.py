@@ -19,6 +19,9 @@ Stream contract:
   with ``finish_reason="cancelled"`` unless it had already finished. Cancelling
   an unknown or finished request is a no-op. The front stops reading a stream
   once it has cancelled it.
+* The finishing chunk of a request that completed may carry ``timings``: where
+  its time went as the instances measured it (the vLLM-compatible queue and
+  prefill times, :mod:`aegaeon_proxy.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from aegaeon_common.config import ModelConfig
+from aegaeon_common.messages.structs import RequestTimings
 from prometheus_client import CollectorRegistry
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -36,6 +40,8 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 __all__ = [
     "Backend",
     "BackendError",
+    "EngineSnapshot",
+    "EngineStats",
     "FinishReason",
     "GenerationRequest",
     "ModelControl",
@@ -92,6 +98,8 @@ class TokenChunk:
     # what kind of failure (finish_reason "error"): "instance_failed" (the instance
     # holding it died or restarted: retrying may succeed), else a backend error
     code: str | None = None
+    # with the finishing chunk, when known: where the request's time went
+    timings: RequestTimings | None = None
 
 
 class TokenStream(Protocol):
@@ -152,6 +160,29 @@ class Backend(Protocol):
 
     async def cancel(self, request_id: str) -> None:
         """Stop a request and free its resources; a no-op if unknown or finished."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the instances hold now, as the vLLM-compatible gauges report it.
+
+    ``device_kv_*``: the device KV regions of the instances that decode (their
+    last heartbeats); ``host_kv_*``: the unified CPU KV cache (``None``: not
+    known to this backend).
+    """
+
+    device_kv_used_bytes: int = 0
+    device_kv_capacity_bytes: int = 0
+    host_kv_used_bytes: int | None = None
+    host_kv_capacity_bytes: int | None = None
+
+
+@runtime_checkable
+class EngineStats(Protocol):
+    """A backend that reports its instances' memory for ``/metrics`` (optional)."""
+
+    async def engine_snapshot(self) -> EngineSnapshot:
+        """What the instances hold now; called once per scrape, never raises."""
 
 
 @runtime_checkable

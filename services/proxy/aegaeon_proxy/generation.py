@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Literal
 
+from aegaeon_common.messages.structs import RequestTimings
+
 from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import (
     Backend,
@@ -27,6 +29,7 @@ from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.metrics import ProxyMetrics
 from aegaeon_proxy.model_table import ModelSettingsTable
 from aegaeon_proxy.stop_strings import StopStringMatcher
+from aegaeon_proxy.vllm_metrics import VllmRequest
 
 ClientFinish = Literal["stop", "length"]
 
@@ -73,6 +76,8 @@ class Generation:
         # How it ended, for aegaeon_requests_total (metrics.OUTCOMES); None: the
         # consumer stopped reading first (a client disconnect).
         self.outcome: str | None = None
+        self._vllm: VllmRequest | None = None  # its vllm:* observations, once submitted
+        self._timings: RequestTimings | None = None  # the instances' (finishing chunk)
 
     @property
     def prompt_tokens(self) -> int:
@@ -103,6 +108,9 @@ class Generation:
         self._metrics.num_open += 1
         self._metrics.in_flight.labels(model).inc()
         self._metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
+        self._vllm = self._metrics.vllm.request(
+            model, self.prompt_tokens, self.req.sampling.max_tokens, self._start
+        )
 
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
@@ -125,6 +133,7 @@ class Generation:
                     await self.close()
                 elif chunk.finish_reason is not None:
                     self._open = False
+                    self._timings = chunk.timings
                     self.finish_reason = self._client_finish(chunk)
                     text += self._stop.push(self._detok.finish()).text
                     if self._stop.stopped:
@@ -206,6 +215,8 @@ class Generation:
         self._last_token_at = now
         self.completion_tokens += n
         m.generation_tokens.labels(model).inc(n)
+        if self._vllm is not None:
+            self._vllm.tokens(n, now)
 
     def _left(self) -> None:
         if self._models is not None:
@@ -225,4 +236,7 @@ class Generation:
         m.in_flight.labels(model).dec()
         self._left()
         m.requests.labels(model, outcome).inc()
-        m.e2e.labels(model).observe(time.monotonic() - self._start)
+        now = time.monotonic()
+        m.e2e.labels(model).observe(now - self._start)
+        if self._vllm is not None:
+            self._vllm.end(outcome, now, self._timings)

@@ -73,8 +73,11 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """The proxy's registry (its own metrics and the backend's collectors)."""
-    return metrics_response(request.app[STATE].metrics.registry)
+    """The proxy's registry (its own metrics, vLLM's families and the backend's
+    collectors); the vLLM gauges read the backend's instances first."""
+    proxy_metrics = request.app[STATE].metrics
+    await proxy_metrics.vllm_gauges.refresh()
+    return metrics_response(proxy_metrics.registry)
 
 
 def service_names(config: Config) -> list[tuple[str, str]]:

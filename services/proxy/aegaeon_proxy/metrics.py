@@ -1,7 +1,8 @@
 """The proxy's metrics (``GET /metrics``): HTTP, requests, latency, SLO attainment.
 
 Everything lives in the proxy's own registry (:func:`aegaeon_common.metrics.new_registry`);
-the backend adds its collectors to it (``Backend.register_metrics``).
+the backend adds its collectors to it (``Backend.register_metrics``). vLLM's
+families (``vllm:*``) are beside these (:mod:`aegaeon_proxy.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import threading
 
 from aegaeon_common.metrics import E2E_BUCKETS_S, TBT_BUCKETS_S, TTFT_BUCKETS_S, new_registry
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from aegaeon_proxy.vllm_metrics import VllmGauges, VllmMetrics
 
 __all__ = ["OUTCOMES", "ProxyMetrics"]
 
@@ -71,6 +74,10 @@ class ProxyMetrics:
             "aegaeon_slo_attainment_ratio", "Share of tokens that met their deadlines, since start",
             ("model",), registry=r,
         )  # fmt: skip
+        # vLLM's families (vllm:*, by model_name), for dashboards and autoscalers made for it
+        self.vllm = VllmMetrics(r)
+        self.vllm_gauges = VllmGauges(self.vllm)
+        r.register(self.vllm_gauges)
         self.num_open = 0  # generations submitted and not ended (the drain waits for 0)
         self._slo_counts: dict[str, list[int]] = {}  # model -> [met, total]
         self._lock = threading.Lock()

@@ -9,7 +9,7 @@ from aegaeon_common.http_side import Readiness
 from aiohttp import web
 
 from aegaeon_proxy.assets import AssetRegistry
-from aegaeon_proxy.backend import Backend
+from aegaeon_proxy.backend import Backend, EngineStats
 from aegaeon_proxy.metrics import ProxyMetrics
 from aegaeon_proxy.model_table import ModelSettingsTable
 
@@ -35,6 +35,8 @@ class ProxyState:
                     models=ModelSettingsTable.from_config(config))  # fmt: skip
         state.readiness.set_ready()  # the front is; the backend's readiness is its own
         backend.register_metrics(state.metrics.registry)
+        engine = backend if isinstance(backend, EngineStats) else None
+        state.metrics.vllm_gauges.attach(state.models.names, engine, config.dtype)
         return state
 
     def ready(self) -> bool:

@@ -46,7 +46,7 @@ from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Request, Shedder, Verdict
 from prometheus_client import CollectorRegistry
 
-from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
+from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
 from aegaeon_proxy.cluster.admission import AdmissionControl, ClassAdmission
 from aegaeon_proxy.cluster.collector import ClusterCollector
@@ -55,12 +55,14 @@ from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.roles import RoleSwitcher
-from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
+from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
 from aegaeon_proxy.slo_classes import class_table
+from aegaeon_proxy.vllm_metrics import EngineSteps
 
 log = get_logger("cluster")
 MONITOR_S = 0.5
 MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
+ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgr's KV stats for a scrape
 RECENT_IDS = 4096  # request ids the proxy ended lately (their late tokens are expected)
 INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
 
@@ -82,6 +84,7 @@ class ClusterBackend:
         # cancelled at their instance, so its KV and compute are freed
         self._ended: OrderedDict[str, None] = OrderedDict()
         self.timings = TimingLog(config.proxy.stats_records)
+        self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
         self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0,
                                          "retried": 0, "rejected": 0, "deferred": 0,
                                          "orphans_cancelled": 0, "bad_frames": 0,
@@ -142,6 +145,21 @@ class ClusterBackend:
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(ClusterCollector(self))
+        self.steps.register(registry)
+
+    async def engine_snapshot(self) -> EngineSnapshot:
+        """Device KV of the instances in the decode role (their last heartbeats) and
+        the unified CPU KV cache (the cachemgr's stats; unknown if it does not answer)."""
+        decoding = [v.stats.counters for v in self.instances
+                    if v.stats is not None and self.roles.role(v.name) == "decode"]  # fmt: skip
+        used = int(sum(c.get("kv_used_bytes", 0.0) for c in decoding))
+        capacity = int(sum(c.get("kv_capacity_bytes", 0.0) for c in decoding))
+        host_used = host_capacity = None
+        with contextlib.suppress(RemoteError, TimeoutError):
+            reply = await self._cache.call(GetStats(), timeout_s=ENGINE_STATS_TIMEOUT_S)
+            if isinstance(reply, CacheStats):
+                host_used, host_capacity = reply.kv.used_bytes, reply.kv.capacity_bytes
+        return EngineSnapshot(used, capacity, host_used, host_capacity)
 
     def held_counts(self) -> tuple[int, int]:
         """Requests the policy holds: (waiting for a prefill instance, for a decode one)."""
@@ -386,7 +404,8 @@ class ClusterBackend:
         tracked.first_token_id = msg.token_id
         tracked.handoff = msg.handoff
         tracked.prefill_timings = msg.timings
-        tracked.queue.push(TokenChunk((msg.token_id,), msg.finish_reason))  # type: ignore[arg-type]
+        self.steps.prefill(tracked.gen.model, len(tracked.gen.prompt_token_ids))
+        deliver(tracked, (msg.token_id,), msg.finish_reason)
         if msg.finish_reason is not None:
             self.timings.add(tracked, msg.finish_reason, msg.timings)
             self.end_request(msg.request_id, msg.finish_reason)
@@ -399,6 +418,9 @@ class ClusterBackend:
         )
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
+        batch = step_batch(msg, self.requests)
+        if batch is not None:
+            self.steps.decode(*batch)
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
@@ -407,12 +429,7 @@ class ClusterBackend:
                 continue  # cancelled; the instance already got the cancel
             tracked.num_generated += len(item.token_ids)
             reason = item.finish_reason
-            # One chunk per token, so each reaches the client as its own event
-            # (an instance sends several steps' tokens of a request together).
-            ids = item.token_ids
-            for token_id in ids[:-1]:
-                tracked.queue.push(TokenChunk((token_id,), None))
-            tracked.queue.push(TokenChunk(tuple(ids[-1:]), reason))  # type: ignore[arg-type]
+            deliver(tracked, item.token_ids, reason, item.timings)
             if reason is not None:
                 self.timings.add(tracked, reason, item.timings)
                 self.end_request(item.request_id, reason)

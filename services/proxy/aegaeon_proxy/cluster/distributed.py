@@ -84,11 +84,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenChunk, TokenQueue
+from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
 from aegaeon_proxy.cluster.reports import receive_reports
-from aegaeon_proxy.cluster.tracked import TimingLog, Tracked
+from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
+from aegaeon_proxy.vllm_metrics import EngineSteps
 
 log = get_logger("cluster")
 MAX_RETRIES = 2  # dispatches again of a request whose node died before its first token
@@ -143,6 +144,7 @@ class DistributedBackend:
         self.where: dict[str, Where] = {}
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
         self.timings = TimingLog()
+        self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self.counters: dict[str, int] = {
             "finished": 0, "failed": 0, "cancelled": 0, "retried": 0, "rejected": 0,
@@ -205,6 +207,14 @@ class DistributedBackend:
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_Collector(self))
+        self.steps.register(registry)
+
+    async def engine_snapshot(self) -> EngineSnapshot:
+        """Device KV of every node's decode instances (their registry records); the
+        nodes' unified CPU KV caches are not known to a replica."""
+        decoding = [r.load for r in self.view.live.values() if r.kind == "decode"]
+        return EngineSnapshot(sum(x.kv_used_bytes for x in decoding),
+                              sum(x.kv_capacity_bytes for x in decoding))  # fmt: skip
 
     def context_limit(self, model: str) -> int | None:
         limits = [r.capacity_tokens[model] for r in self.view.live.values()
@@ -454,7 +464,8 @@ class DistributedBackend:
         tracked.first_token_id = msg.token_id
         tracked.handoff = msg.handoff
         tracked.prefill_timings = msg.timings
-        tracked.queue.push(TokenChunk((msg.token_id,), msg.finish_reason))  # type: ignore[arg-type]
+        self.steps.prefill(tracked.gen.model, len(tracked.gen.prompt_token_ids))
+        deliver(tracked, (msg.token_id,), msg.finish_reason)
         self._spawn(self._after_prefill(tracked, where, msg))
 
     async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
@@ -483,6 +494,9 @@ class DistributedBackend:
             await self._send_to(where, CancelRequest(rid, free_handoff=True))
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
+        batch = step_batch(msg, self.requests)
+        if batch is not None:
+            self.steps.decode(*batch)
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
@@ -490,11 +504,8 @@ class DistributedBackend:
                 continue
             tracked.num_generated += len(item.token_ids)
             self._dirty.add(item.request_id)
-            ids = item.token_ids
-            for token_id in ids[:-1]:
-                tracked.queue.push(TokenChunk((token_id,), None))
             reason = item.finish_reason
-            tracked.queue.push(TokenChunk(tuple(ids[-1:]), reason))  # type: ignore[arg-type]
+            deliver(tracked, item.token_ids, reason, item.timings)
             if reason is not None:
                 self.timings.add(tracked, reason, item.timings)
                 self.end_request(item.request_id, reason)

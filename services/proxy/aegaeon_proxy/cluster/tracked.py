@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
+from aegaeon_common.messages.report import StepTokens
 from aegaeon_common.messages.structs import KVHandoff, RequestTimings, SamplingSpec
 from aegaeon_sched import Request
 
-from aegaeon_proxy.backend import GenerationRequest, TokenQueue
+from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, TokenQueue
 
 
 @dataclass
@@ -60,6 +63,37 @@ def merge_timings(
         kv_control_s=prefill.kv_control_s + decode.kv_control_s,
         extra={**prefill.extra, **decode.extra},
     )
+
+
+def deliver(
+    tracked: Tracked, token_ids: Sequence[int], reason: str | None,
+    timings: RequestTimings | None = None,
+) -> None:
+    """Push ``token_ids`` to the request's stream one chunk per token (each reaches the
+    client as its own event: an instance sends several steps' tokens together); the
+    last carries ``reason`` and, when that ends the request, where its time went (the
+    prefill's part merged with ``timings``, the decode instance's)."""
+    for token_id in token_ids[:-1]:
+        tracked.queue.push(TokenChunk((token_id,), None))
+    final = None
+    if reason is not None and (tracked.prefill_timings is not None or timings is not None):
+        final = merge_timings(tracked.prefill_timings, timings)
+    tracked.queue.push(TokenChunk(tuple(token_ids[-1:]), cast(FinishReason | None, reason),
+                                  timings=final))  # fmt: skip
+
+
+def step_batch(msg: StepTokens, requests: Mapping[str, Tracked]) -> tuple[str, list[int]] | None:
+    """A decode report's model and each of its requests' new tokens (a report is one
+    batch's steps: one model), for ``vllm:iteration_tokens_total``; None when no
+    request of it is tracked here."""
+    model: str | None = None
+    counts: list[int] = []
+    for item in msg.items:
+        tracked = requests.get(item.request_id)
+        if tracked is not None:
+            model = model or tracked.gen.model
+            counts.append(len(item.token_ids))
+    return (model, counts) if model is not None else None
 
 
 @dataclass
