@@ -23,10 +23,17 @@ Settings, from the environment compose passes:
   decode 9300; the proxy serves them on its API port (``proxy.port``). Every
   replica of a kind uses the same port in its own network namespace, so one
   Prometheus DNS lookup per service finds them all.
-- ``AEGAEON_GPUS``: on a GPU, the devices (nvidia-smi numbers) a kind's
-  instances take in turn (instance i: the i-th, round robin). Unset: prefill i
-  takes device i, decode j device ``prefill instances + j``, modulo the devices
-  the container sees (``/dev/nvidia<N>``). Sets ``CUDA_VISIBLE_DEVICES``.
+- ``AEGAEON_GPUS``: ``all`` or CUDA indices (``0,1``): place and size from the
+  machine, as ``aegaeon serve --gpus`` (docs/gpu.md). A worker plans every
+  instance of the deployment on the GPUs it sees and takes its own device and
+  its kind's sizes; the cachemgr sizes the Model Cache and the CPU KV cache
+  from the host's memory; the proxy keeps the file's. Unset: the file's devices
+  and sizes, and ``AEGAEON_KIND_GPUS``.
+- ``AEGAEON_KIND_GPUS``: without ``AEGAEON_GPUS``, on a GPU, the devices
+  (nvidia-smi numbers) a kind's instances take in turn (instance i: the i-th,
+  round robin). Unset: prefill i takes device i, decode j device ``prefill
+  instances + j``, modulo the devices the container sees (``/dev/nvidia<N>``).
+  Sets ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -132,7 +139,7 @@ def instance_index(env: Mapping[str, str], container_name: str | None) -> int:
 def gpu_for(kind: str, index: int, prefill_instances: int, env: Mapping[str, str],
             num_devices: int) -> str | None:
     """The device (nvidia-smi number) instance ``index`` of ``kind`` runs on, or None."""
-    listed = [g.strip() for g in env.get("AEGAEON_GPUS", "").split(",") if g.strip()]
+    listed = [g.strip() for g in env.get("AEGAEON_KIND_GPUS", "").split(",") if g.strip()]
     if listed:
         return listed[index % len(listed)]
     if num_devices <= 0:
@@ -196,6 +203,26 @@ def effective_config(raw: dict[str, Any], kind: str, index: int, port: int,
     return out
 
 
+def planned(kind: str, config: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``config`` placed and sized for this machine when ``AEGAEON_GPUS`` is set: a
+    worker's instances on the GPUs (the whole deployment's plan, so instances sharing
+    a GPU split it), the cachemgr's memory from the host; the plan goes to stderr."""
+    spec = env.get("AEGAEON_GPUS", "").strip()
+    if not spec or kind not in (*WORKERS, "cachemgr"):
+        return config
+    if env.get("AEGAEON_KIND_GPUS", "").strip():
+        raise SettingError("AEGAEON_GPUS places every instance: unset AEGAEON_PREFILL_GPUS / "
+                           "AEGAEON_DECODE_GPUS (AEGAEON_KIND_GPUS), or AEGAEON_GPUS")
+    from aegaeon_cli.machine import explicit_counts, sized
+    from aegaeon_common.config import config_from_dict
+
+    parsed = config_from_dict(config, source="compose")
+    only = "cachemgr" if kind == "cachemgr" else "instances"
+    _, out, plan = sized(config, parsed, spec, explicit_counts(config), only)
+    print(plan.describe(), file=sys.stderr, flush=True)
+    return out
+
+
 def service_argv(kind: str, index: int, raw: dict[str, Any], config_path: Path) -> list[str]:
     """The ``aegaeon`` command line of this container's service."""
     argv = ["aegaeon", kind, "--config", str(config_path)]
@@ -223,7 +250,7 @@ def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
         port = int((raw.get("proxy") or {}).get("port", 8000))
     else:
         port = int(env.get("AEGAEON_HTTP_PORT") or DEFAULT_PORTS[kind])
-    config = effective_config(raw, kind, index, port, env)
+    config = planned(kind, effective_config(raw, kind, index, port, env), env)
     if kind in WORKERS:
         count = int(config[kind].get("instances", 1))
         if index >= count:
@@ -233,7 +260,8 @@ def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
                 f"(compose: set AEGAEON_{kind.upper()}_INSTANCES, or AEGAEON_CPU_"
                 f"{kind.upper()}_INSTANCES for the cpu profile, instead of --scale)")
         device = str(config[kind].get("device", "cpu"))
-        if device.startswith("cuda") and "CUDA_VISIBLE_DEVICES" not in env:
+        planned_devices = bool(config[kind].get("devices"))
+        if device.startswith("cuda") and not planned_devices and "CUDA_VISIBLE_DEVICES" not in env:
             gpu = gpu_for(kind, index, int(config["prefill"].get("instances", 1)), env,
                           visible_devices())
             if gpu is not None:

@@ -109,7 +109,7 @@ def test_instance_index_prefers_the_environment_then_the_replica() -> None:
 
 
 def test_gpu_for_round_robin_and_defaults() -> None:
-    assert ep.gpu_for("prefill", 3, 2, {"AEGAEON_GPUS": "4, 5"}, 8) == "5"
+    assert ep.gpu_for("prefill", 3, 2, {"AEGAEON_KIND_GPUS": "4, 5"}, 8) == "5"
     assert ep.gpu_for("prefill", 1, 2, {}, 4) == "1"
     assert ep.gpu_for("decode", 0, 2, {}, 4) == "2"
     assert ep.gpu_for("decode", 0, 1, {}, 1) == "0"  # one GPU: everyone shares it
@@ -189,3 +189,37 @@ def test_prometheus_scrapes_every_service_of_either_stack_on_its_port(compose: d
         assert sd["port"] == (8000 if kind == "proxy" else ep.DEFAULT_PORTS[kind])
         assert sorted(sd["names"]) == sorted(kind + s for s in STACKS.values())
         assert all(name in compose["services"] for name in sd["names"])
+
+
+def test_aegaeon_gpus_plans_a_worker_and_the_cachemgr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aegaeon_cli import machine
+    from aegaeon_common.placement import GpuInfo, HostInfo
+    from aegaeon_market.presets import preset_config, preset_named
+
+    gib = 1 << 30
+    monkeypatch.setattr(machine, "cuda_gpus",
+                        lambda: [GpuInfo(i, "H100", 80 * gib, 79 * gib) for i in range(2)])
+    monkeypatch.setattr(machine, "host_info", lambda: HostInfo(256 * gib, 128 * gib))
+    (tmp_path / "m").mkdir()
+    config = preset_config(preset_named("llama-3.1-8b"), "bfloat16")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    raw = yaml.safe_load((ROOT / "docker/config.compose.yaml").read_text())
+    raw["models"] = [{"name": "m", "path": str(tmp_path / "m")}]
+    del raw["market"]
+    env = {"AEGAEON_GPUS": "all", "AEGAEON_PREFILL_INSTANCES": "1",
+           "AEGAEON_DECODE_INSTANCES": "1"}  # fmt: skip
+    decode = ep.planned("decode", ep.effective_config(raw, "decode", 0, 9300, env), env)
+    assert decode["decode"]["devices"] == ["cuda:1"] and decode["decode"]["http_port"] == 9300
+    assert decode["decode"]["device_memory"] > 60 * gib
+    assert decode["cachemgr"] == raw["cachemgr"]  # a worker leaves the host to the cachemgr
+    cachemgr = ep.planned("cachemgr", ep.effective_config(raw, "cachemgr", 0, 9100, env), env)
+    assert cachemgr["cachemgr"]["model_cache"] < 16 * gib < cachemgr["cachemgr"]["kv_cache"]
+    assert cachemgr["cachemgr"]["http_port"] == 9100
+    assert cachemgr["decode"]["device_memory"] == raw["decode"]["device_memory"]
+    proxy = ep.effective_config(raw, "proxy", 0, 8000, env)
+    assert ep.planned("proxy", proxy, env) is proxy
+    assert ep.planned("decode", proxy, {}) is proxy  # unset: the file as it is
+    with pytest.raises(ep.SettingError, match="unset AEGAEON_PREFILL_GPUS"):
+        ep.planned("prefill", proxy, {**env, "AEGAEON_KIND_GPUS": "0"})

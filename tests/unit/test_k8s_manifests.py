@@ -108,3 +108,17 @@ def test_the_config_map_is_a_valid_deployment(overlay: str, default_market: Path
     assert config.prefill_address(0) == "tcp://10.1.2.3:5600"
     assert config.instance_bind_address("decode", 0) == "tcp://0.0.0.0:5601"
     assert config.prefill.device == ("cuda" if overlay == "gpu" else "cpu")
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_gpu_pods_size_each_container_from_the_machine(overlay: str) -> None:
+    """The gpu overlay sets AEGAEON_GPUS, and each node container then plans its own
+    part (`aegaeon plan --only NAME`) before it starts; the cpu overlay keeps its sizes."""
+    node = _one(_render(overlay), "StatefulSet", "aegaeon-node")["spec"]["template"]["spec"]
+    for container in node["containers"]:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env.get("AEGAEON_GPUS") == ("all" if overlay == "gpu" else None)
+        script = container["args"][0]
+        assert "aegaeon plan --config /run/aegaeon/" in script
+        assert f"--only {container['name']} --write" in script
+        subprocess.run(["sh", "-n", "-c", script], check=True, timeout=10)  # it parses

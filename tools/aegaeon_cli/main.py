@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("aegaeon_sim.cli", "discrete-event simulation of the paper's cluster"),
     "serve": ("aegaeon_cli.serve", "start every service on this machine"),
     "node": ("aegaeon_cli.node_main", "run one node's cachemgr and instances (many nodes)"),
+    "plan": ("aegaeon_cli.plan", "how --gpus places and sizes this machine's instances"),
     "proxy": ("aegaeon_proxy.main", "run the OpenAI-compatible proxy"),
     "prefill": ("aegaeon_prefill.main", "run one prefill instance"),
     "decode": ("aegaeon_decode.main", "run one decode instance"),

@@ -13,18 +13,49 @@ import argparse
 import sys
 from pathlib import Path
 
+from aegaeon_common.config import Config, ConfigError
+from aegaeon_common.process import private_dir
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("node", help="run one node's cachemgr and instances (many nodes)")
     parser.add_argument("--config", type=Path, required=True,
                         help="deployment YAML with node and store (kind: redis) sections")
+    parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU, sized from the "
+                        "machine, as `aegaeon serve --gpus` (docs/gpu.md)")
     parser.set_defaults(func=run)
+
+
+def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
+    """With ``--gpus``: the config sized for this machine, written (plan at its head) to
+    RUN_DIR/planned.yaml; else the config and its file as they are."""
+    if args.gpus is None:
+        return config, args.config.resolve()
+    import yaml
+    from aegaeon_common.placement import PlacementError
+
+    from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
+    from aegaeon_cli.serve import write_private
+
+    raw = yaml.safe_load(args.config.read_text()) or {}
+    base = args.config.parent.resolve()
+    try:
+        config, out, plan = sized(raw, config, args.gpus, explicit_counts(raw), base=base)
+    except (ConfigError, PlacementError) as exc:
+        print(f"aegaeon node: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(plan.describe(), file=sys.stderr, flush=True)
+    out = with_absolute_paths(out, config)  # the file moves to the run directory
+    path = config.run_dir / "planned.yaml"
+    private_dir(config.run_dir)
+    write_private(path, plan_comment(plan) + yaml.safe_dump(out, sort_keys=False))
+    return config, path
 
 
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import load_config_or_exit
     from aegaeon_common.logs import setup_logging
-    from aegaeon_common.process import mark_ready, private_dir
+    from aegaeon_common.process import mark_ready
 
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
@@ -40,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon node: {args.config}: store.kind: a node of many needs the shared "
               "store (redis); one machine alone is `aegaeon serve`", file=sys.stderr)  # fmt: skip
         return 2
+    config, path = _planned(args, config)
     private_dir(config.run_dir)
-    children = [c for c in build_children(config, args.config.resolve()) if c.name != "proxy"]
+    children = [c for c in build_children(config, path) if c.name != "proxy"]
     sup = Supervisor(children, stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S)
     install_stop_handlers(sup)
     def announce() -> None:

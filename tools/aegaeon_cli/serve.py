@@ -2,7 +2,9 @@
 
 Without ``--config`` it serves the default market (built if missing) on the
 CPU with one prefill and one decode instance whose device memory holds only a
-few models at once, so model switching is real.
+few models at once, so model switching is real. ``--gpus all|0,1,...`` places the
+instances one per GPU and sizes them and the cachemgr from the machine
+(``aegaeon_common.placement``, docs/gpu.md); without it nothing changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from aegaeon_common.config import (
 )
 from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.logs import get_logger, setup_logging
+from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_proxy.main import add_api_key_args
 
 log = get_logger("serve")
@@ -51,6 +54,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="with --nodes: proxy replicas (API ports --port, --port + 1, ...)")
     parser.add_argument("--store-url", help="with --nodes: an existing Redis (default: start "
                         "a private redis-server)")
+    parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
+                        "each sized from its GPU's free memory, the Model Cache from host memory "
+                        "(docs/gpu.md); default: the config's devices and sizes")
     add_api_key_args(parser)
     parser.set_defaults(func=run)
 
@@ -84,7 +90,9 @@ def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]:
+def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any], Plan | None]:
+    """The deployment this run serves, as a Config and as plain data, and the
+    ``--gpus`` plan that sized it (None without ``--gpus``)."""
     if args.config is not None:
         raw = yaml.safe_load(args.config.read_text()) or {}
         base = args.config.parent.resolve()
@@ -117,7 +125,14 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any]]
         raw["run_dir"] = str(args.run_dir.resolve())
     elif not raw.get("run_dir"):
         raw["run_dir"] = f"/tmp/aegaeon-{os.getuid()}-{proxy.get('port', 8000)}"
-    return config_from_dict(raw, source=source, base=base), raw
+    config = config_from_dict(raw, source=source, base=base)
+    if args.gpus is None:
+        return config, raw, None
+    from aegaeon_cli.machine import explicit_counts, sized
+
+    # the embedded default's counts are not the user's: with --gpus the plan picks them
+    counts = explicit_counts(raw) if args.config is not None else (None, None)
+    return sized(raw, config, args.gpus, counts, base=base)
 
 
 def service_lines(config: Config, names: list[str]) -> list[str]:
@@ -158,11 +173,17 @@ def run(args: argparse.Namespace) -> int:
     )
 
     setup_logging("serve")
+    if args.gpus is not None and args.nodes is not None:
+        print("aegaeon serve: --gpus places one node's instances; with --nodes every node "
+              "would take every GPU (give each node's config its devices)", file=sys.stderr)
+        return 2
     try:
-        config, raw = _effective_config(args)
-    except ConfigError as exc:
+        config, raw, plan = _effective_config(args)
+    except (ConfigError, PlacementError) as exc:
         print(f"aegaeon serve: {exc}", file=sys.stderr)
         return 2
+    if plan is not None:
+        print(plan.describe(), file=sys.stderr, flush=True)
     try:
         private_dir(config.run_dir)  # 0700: the node's sockets and files are this user's
     except PermissionError as exc:
@@ -174,7 +195,12 @@ def run(args: argparse.Namespace) -> int:
         raw_abs["models"] = [
             {"name": m.name, "path": str(m.path)} for m in config.models
         ]
-    write_private(effective, yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
+    head = ""
+    if plan is not None:
+        from aegaeon_cli.machine import plan_comment
+
+        head = plan_comment(plan)
+    write_private(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
     if args.nodes is not None:
         from aegaeon_cli.cluster import run_cluster
 

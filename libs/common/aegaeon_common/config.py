@@ -188,6 +188,9 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     instances: int = 1
     device: str = "cpu"
+    # One device per instance (instance i: devices[i], round and round), as `--gpus`
+    # places them (aegaeon_common.placement); empty: every instance on ``device``.
+    devices: tuple[str, ...] = ()
     # the whole buffer: weights arena + KV region
     device_memory_bytes: int = 512 << 20
     kv_memory_bytes: int = 128 << 20  # KV region at the top of the buffer
@@ -202,6 +205,10 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # RUN_DIR/<kind>-<i>.http). Containers set http_host 0.0.0.0.
     http_host: str = "127.0.0.1"
     http_port: int = 0
+
+    def device_of(self, index: int) -> str:
+        """The device instance ``index`` runs on."""
+        return self.devices[index % len(self.devices)] if self.devices else self.device
 
     def http_port_of(self, index: int) -> int:
         """Instance ``index``'s side HTTP port (0: ephemeral)."""
@@ -566,10 +573,13 @@ def config_from_dict(
         if inst.weights not in WEIGHTS_MODES:
             modes = ", ".join(WEIGHTS_MODES)
             raise ConfigError(source, f"{key}.weights", f"{inst.weights!r} is not one of {modes}")
-        if inst.weights == "map" and not inst.device.startswith("cpu"):
-            raise ConfigError(
-                source, f"{key}.weights", f"'map' needs a CPU device, not {inst.device!r}"
-            )
+        for device in (inst.device, *inst.devices):
+            if not device or " " in device:
+                raise ConfigError(source, f"{key}.devices", f"{device!r} is not a device")
+            if inst.weights == "map" and not device.startswith("cpu"):
+                raise ConfigError(
+                    source, f"{key}.weights", f"'map' needs a CPU device, not {device!r}"
+                )
     ports = {"cachemgr": sections["cachemgr"].http_port, "prefill": sections["prefill"].http_port,
              "decode": sections["decode"].http_port}  # fmt: skip
     for key, port in ports.items():

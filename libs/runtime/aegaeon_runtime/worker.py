@@ -110,7 +110,7 @@ async def build_worker(
     import asyncio
 
     inst = instance_config(config, kind)
-    device = torch.device(inst.device)
+    device = torch.device(inst.device_of(index))
     if device.type == "cuda":
         if device.index is not None:  # streams, events and the stage buffer follow it
             torch.cuda.set_device(device)

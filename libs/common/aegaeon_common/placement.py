@@ -1,0 +1,403 @@
+"""Where a node's instances run and how much memory each gets (``--gpus``).
+
+Pure: the machine's facts (its GPUs' free memory, the host's available
+memory, the models' weight bytes) come in as arguments; ``aegaeon_cli.machine``
+gathers them. The rules (docs/gpu.md says the same):
+
+- **Placement.** ``--gpus all`` or ``--gpus 0,2``: the GPUs to use, by CUDA
+  index. Prefill instances take them first, then decode instances, one per
+  GPU in order. With more instances than GPUs they go round and round, and
+  the instances on one GPU split it (one GPU: a prefill and a decode
+  instance share it, as the paper's one-GPU set-up). Counts the config does
+  not give: half of the GPUs prefill, the rest decode (one GPU: one of each).
+- **Device memory.** Each GPU keeps back :func:`gpu_reserve_bytes` (10% of
+  its memory, at least 1 GiB per instance on it: CUDA context, activations,
+  the tensor library's workspace); the rest of its *free* memory is split
+  evenly between its instances. The instances of a kind share one size (the
+  config's sections are homogeneous): the smallest share among them.
+- **KV region.** Device memory less the weights arena: twice the largest
+  model plus a margin (active + prefetched) when that leaves at least a
+  quarter of the device memory and 1 GiB for KV, else once (no room to
+  prefetch); a model that does not fit with 1 GiB of KV is an error naming it.
+- **Host.** The budget is half of MemAvailable, at most 90% of /dev/shm's free
+  space (the Model Cache and the CPU KV cache live there). CPU KV cache: a
+  quarter of the budget, between 1 and 64 GiB. Model Cache: every model of the
+  deployment when the rest of the budget holds them, else the rest (the
+  cache then evicts, least recently used); at least the largest model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = [
+    "CachePlan",
+    "GpuInfo",
+    "HostInfo",
+    "InstancePlan",
+    "KindPlan",
+    "PlacementError",
+    "Plan",
+    "apply_plan",
+    "default_counts",
+    "gpu_reserve_bytes",
+    "parse_gpus",
+    "place",
+    "plan_cache",
+    "plan_instances",
+    "plan_node",
+    "select_gpus",
+]
+
+MiB = 1 << 20
+GiB = 1 << 30
+KINDS = ("prefill", "decode")
+RESERVE_FRACTION = 0.10  # of a GPU's memory, kept back (DESIGN.md, "Memory": ~10%)
+RESERVE_MIN_BYTES = 1 * GiB  # per instance on a GPU: its CUDA context and activations
+WEIGHTS_MARGIN_BYTES = 64 * MiB  # the arena's alignment slack
+KV_MIN_BYTES = 1 * GiB
+KV_ALIGN_BYTES = 64 * MiB  # a multiple of any slab size up to 64 MiB
+HOST_FRACTION = 0.5  # of MemAvailable
+SHM_FRACTION = 0.9  # of /dev/shm's free space
+CPU_KV_FRACTION = 0.25  # of the host budget
+CPU_KV_MIN_BYTES = 1 * GiB
+CPU_KV_MAX_BYTES = 64 * GiB
+MODEL_MARGIN_BYTES = 16 * MiB  # per model in the Model Cache (page rounding)
+
+
+class PlacementError(ValueError):
+    """A ``--gpus`` spec or a plan the machine cannot hold; the message says why."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One CUDA device as ``torch.cuda`` sees it (``index``: its CUDA index)."""
+
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.index}"
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """The host's memory: MemAvailable and /dev/shm's free bytes (None: unknown)."""
+
+    mem_available_bytes: int
+    shm_free_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """Instance ``index`` of ``kind`` on ``gpu``, which ``sharing`` instances share."""
+
+    kind: str
+    index: int
+    gpu: GpuInfo
+    sharing: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+
+@dataclass(frozen=True)
+class KindPlan:
+    """The sizes every instance of one kind gets (the config's sections are homogeneous)."""
+
+    kind: str
+    devices: tuple[str, ...]
+    device_memory_bytes: int
+    kv_memory_bytes: int
+    weights_bytes: int
+    prefetch_room: bool  # the arena holds two of the largest model
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The cachemgr's sizes and what they came from."""
+
+    model_cache_bytes: int
+    kv_cache_bytes: int
+    budget_bytes: int
+    models_bytes: int  # every model, as the Model Cache holds them
+    holds_all: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``--gpus`` chose: instances on GPUs, their sizes, the cachemgr's sizes."""
+
+    spec: str | None
+    instances: tuple[InstancePlan, ...] = ()
+    kinds: tuple[KindPlan, ...] = ()
+    cache: CachePlan | None = None
+    unused: tuple[GpuInfo, ...] = ()
+    host: HostInfo | None = None
+    largest_model: str = ""
+    largest_bytes: int = 0
+    dtype: str = ""
+
+    def kind(self, kind: str) -> KindPlan | None:
+        return next((k for k in self.kinds if k.kind == kind), None)
+
+    def describe(self) -> str:
+        """What was chosen and why, a line each (printed at start, kept in the run dir)."""
+        lines = [f"GPU plan (--gpus {self.spec}):" if self.spec else "Memory plan:"]
+        by_gpu: dict[int, list[InstancePlan]] = {}
+        for inst in self.instances:
+            by_gpu.setdefault(inst.gpu.index, []).append(inst)
+        for placed in by_gpu.values():
+            gpu = placed[0].gpu
+            names = ", ".join(i.name for i in placed)
+            lines.append(f"  {gpu.device} {gpu.name}: {_gib(gpu.free_bytes)} free of "
+                         f"{_gib(gpu.total_bytes)}, {_gib(gpu_reserve_bytes(gpu, len(placed)))} "
+                         f"kept back -> {names}")  # fmt: skip
+        for gpu in self.unused:
+            lines.append(f"  {gpu.device} {gpu.name}: unused (more GPUs than instances)")
+        for k in self.kinds:
+            twice = "twice: active + prefetched" if k.prefetch_room else "once: no room to prefetch"
+            model = f"{self.largest_model}, {_gib(self.largest_bytes)} in {self.dtype}"
+            lines.append(
+                f"  {k.kind} x{len(k.devices)}: device memory {_gib(k.device_memory_bytes)} each "
+                f"= weights {_gib(k.weights_bytes)} (the largest model, {model}, {twice}) "
+                f"+ KV {_gib(k.kv_memory_bytes)}"
+            )
+        cache, host = self.cache, self.host
+        if cache is not None and host is not None:
+            shm = (f", /dev/shm {_gib(host.shm_free_bytes)} free"
+                   if host.shm_free_bytes is not None else "")  # fmt: skip
+            lines.append(f"  host: MemAvailable {_gib(host.mem_available_bytes)}{shm} -> budget "
+                         f"{_gib(cache.budget_bytes)} (half of MemAvailable, at most 90% of "
+                         f"/dev/shm)")  # fmt: skip
+            held = ("every model" if cache.holds_all else
+                    f"capped: the models need {_gib(cache.models_bytes)}; the rest load from "
+                    "disk on demand, least recently used evicted")  # fmt: skip
+            lines.append(
+                f"  Model Cache {_gib(cache.model_cache_bytes)} ({held}); CPU KV cache "
+                f"{_gib(cache.kv_cache_bytes)} (a quarter of the budget, 1-64 GiB)"
+            )
+        return "\n".join(lines)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+# ---- the spec and the GPUs -------------------------------------------------------------------
+def parse_gpus(spec: str) -> tuple[int, ...] | None:
+    """``all`` -> None (every GPU); ``0,2`` -> (0, 2). PlacementError on anything else."""
+    text = spec.strip()
+    if text.lower() == "all":
+        return None
+    if not text:
+        raise PlacementError("--gpus: empty (give `all` or CUDA indices like 0,1)")
+    indices: list[int] = []
+    for part in text.split(","):
+        item = part.strip()
+        if not item.lstrip("-").isdigit():
+            raise PlacementError(f"--gpus {spec}: {item!r} is not a GPU index (`all` or 0,1,...)")
+        index = int(item)
+        if index < 0:
+            raise PlacementError(f"--gpus {spec}: {index} is negative")
+        if index in indices:
+            raise PlacementError(f"--gpus {spec}: GPU {index} is listed twice")
+        indices.append(index)
+    return tuple(indices)
+
+
+def select_gpus(spec: str, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """The GPUs ``spec`` names among ``gpus`` (the machine's), in the spec's order."""
+    wanted = parse_gpus(spec)
+    if not gpus:
+        raise PlacementError(f"--gpus {spec}: no CUDA GPU on this machine")
+    if wanted is None:
+        return list(gpus)
+    by_index = {g.index: g for g in gpus}
+    missing = [i for i in wanted if i not in by_index]
+    if missing:
+        have = ", ".join(str(g.index) for g in gpus)
+        raise PlacementError(f"--gpus {spec}: GPU {missing[0]} is not on this machine "
+                             f"(it has {have})")  # fmt: skip
+    return [by_index[i] for i in wanted]
+
+
+def default_counts(num_gpus: int, prefill: int | None, decode: int | None) -> tuple[int, int]:
+    """Instance counts: the config's where it gives them; else half of the GPUs
+    prefill and the rest decode, at least one of each (one GPU: one of each)."""
+    if prefill is None and decode is None:
+        prefill = max(1, num_gpus // 2)
+        decode = max(1, num_gpus - prefill)
+    elif prefill is None:
+        assert decode is not None
+        prefill = max(1, num_gpus - decode)
+    elif decode is None:
+        decode = max(1, num_gpus - prefill)
+    if prefill < 0 or decode < 0 or prefill + decode < 1:
+        raise PlacementError(f"instances: {prefill} prefill + {decode} decode, need at least one")
+    return prefill, decode
+
+
+def place(gpus: Sequence[GpuInfo], prefill: int, decode: int) -> list[InstancePlan]:
+    """Prefill instances, then decode instances, one per GPU in order, round and
+    round when there are more instances than GPUs (those share a GPU)."""
+    if not gpus:
+        raise PlacementError("no GPU to place instances on")
+    slots = [("prefill", i) for i in range(prefill)] + [("decode", j) for j in range(decode)]
+    on = [gpus[n % len(gpus)] for n in range(len(slots))]
+    sharing = {g.index: sum(1 for o in on if o.index == g.index) for g in gpus}
+    return [InstancePlan(kind, index, gpu, sharing[gpu.index])
+            for (kind, index), gpu in zip(slots, on, strict=True)]  # fmt: skip
+
+
+def gpu_reserve_bytes(gpu: GpuInfo, instances: int) -> int:
+    """What a GPU keeps back from its instances: 10% of it, at least 1 GiB each."""
+    return max(int(gpu.total_bytes * RESERVE_FRACTION), RESERVE_MIN_BYTES * instances)
+
+
+# ---- sizes ----------------------------------------------------------------------------------
+def _largest(models: Mapping[str, int]) -> tuple[str, int]:
+    if not models:
+        raise PlacementError("no models to size for")
+    name = max(models, key=lambda n: (models[n], n))
+    return name, models[name]
+
+
+def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
+               dtype: str) -> KindPlan:  # fmt: skip
+    shares = [(max(0, i.gpu.free_bytes - gpu_reserve_bytes(i.gpu, i.sharing)) // i.sharing, i)
+              for i in placed]  # fmt: skip
+    share, tightest = min(shares, key=lambda s: s[0])
+    device_memory = share // MiB * MiB
+    name, model_bytes = largest
+    once = -(-(model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
+    twice = -(-(2 * model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
+    if device_memory - twice >= max(KV_MIN_BYTES, device_memory // 4):
+        weights, room = twice, True
+    elif device_memory - once >= KV_MIN_BYTES:
+        weights, room = once, False
+    else:
+        gpu = tightest.gpu
+        shared = f", shared by {tightest.sharing} instances" if tightest.sharing > 1 else ""
+        raise PlacementError(
+            f"model {name} ({_gib(model_bytes)} in {dtype}) does not fit {tightest.name} on "
+            f"{gpu.device} ({gpu.name}): {_gib(gpu.free_bytes)} free of {_gib(gpu.total_bytes)}"
+            f", {_gib(gpu_reserve_bytes(gpu, tightest.sharing))} kept back{shared} leaves "
+            f"{_gib(device_memory)}; it needs {_gib(once + KV_MIN_BYTES)} (the weights and "
+            f"1 GiB of KV). Free the GPU, give it fewer instances, or serve smaller models"
+        )
+    kv = (device_memory - weights) // KV_ALIGN_BYTES * KV_ALIGN_BYTES
+    return KindPlan(kind, tuple(i.gpu.device for i in placed), weights + kv, kv, weights, room)
+
+
+def plan_instances(gpus: Sequence[GpuInfo], prefill: int, decode: int,
+                   models: Mapping[str, int], dtype: str) -> Plan:  # fmt: skip
+    """Place ``prefill`` + ``decode`` instances on ``gpus`` and size each kind."""
+    instances = place(gpus, prefill, decode)
+    largest = _largest(models)
+    kinds = tuple(
+        _kind_plan(kind, [i for i in instances if i.kind == kind], largest, dtype)
+        for kind in KINDS if any(i.kind == kind for i in instances)
+    )  # fmt: skip
+    used = {i.gpu.index for i in instances}
+    return Plan(spec=None, instances=tuple(instances), kinds=kinds,
+                unused=tuple(g for g in gpus if g.index not in used),
+                largest_model=largest[0], largest_bytes=largest[1], dtype=dtype)  # fmt: skip
+
+
+def plan_cache(host: HostInfo, models: Mapping[str, int], dtype: str) -> CachePlan:
+    """The Model Cache and the CPU KV cache from the host's memory (module docstring)."""
+    budget = int(host.mem_available_bytes * HOST_FRACTION)
+    if host.shm_free_bytes is not None:
+        budget = min(budget, int(host.shm_free_bytes * SHM_FRACTION))
+    name, largest = _largest(models)
+    need = -(-(sum(models.values()) + MODEL_MARGIN_BYTES * len(models)) // MiB) * MiB
+    floor = largest + MODEL_MARGIN_BYTES
+    kv = min(max(int(budget * CPU_KV_FRACTION), CPU_KV_MIN_BYTES), CPU_KV_MAX_BYTES)
+    if budget - kv < floor:  # the KV cache gives way down to its minimum first
+        kv = CPU_KV_MIN_BYTES
+    if budget - kv < floor:
+        shm = (f", /dev/shm {_gib(host.shm_free_bytes)} free"
+               if host.shm_free_bytes is not None else "")  # fmt: skip
+        raise PlacementError(
+            f"host memory: MemAvailable {_gib(host.mem_available_bytes)}{shm} gives a budget of "
+            f"{_gib(budget)}, too small for the largest model {name} ({_gib(largest)} in "
+            f"{dtype}) beside a {_gib(kv)} CPU KV cache"
+        )
+    kv = kv // MiB * MiB
+    model_cache = min(need, (budget - kv) // MiB * MiB)
+    return CachePlan(model_cache, kv, budget, need, model_cache >= need)
+
+
+def plan_node(spec: str | None, gpus: Sequence[GpuInfo], host: HostInfo | None,
+              counts: tuple[int | None, int | None], models: Mapping[str, int],
+              dtype: str) -> Plan:  # fmt: skip
+    """The whole plan: instances on the GPUs ``spec`` selects (None: no instances
+    planned) and, given ``host``, the cachemgr's sizes."""
+    plan = Plan(spec=spec)
+    if spec is not None:
+        chosen = select_gpus(spec, gpus)
+        prefill, decode = default_counts(len(chosen), *counts)
+        plan = replace(plan_instances(chosen, prefill, decode, models, dtype), spec=spec)
+    if host is None:
+        return plan
+    name, largest = _largest(models)
+    return replace(
+        plan,
+        cache=plan_cache(host, models, dtype),
+        host=host,
+        largest_model=name,
+        largest_bytes=largest,
+        dtype=dtype,
+    )
+
+
+# ---- the config it makes --------------------------------------------------------------------
+_SIZE_KEYS = {
+    "prefill": ("device", "devices", "device_memory", "device_memory_bytes", "kv_memory",
+                "kv_memory_bytes", "instances"),
+    "cachemgr": ("model_cache", "model_cache_bytes", "kv_cache", "kv_cache_bytes"),
+}  # fmt: skip
+
+
+def _section(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    section = raw.get(key) or {}
+    return {k: v for k, v in section.items() if k not in _SIZE_KEYS.get(key, _SIZE_KEYS["prefill"])}
+
+
+def apply_plan(raw: dict[str, Any], plan: Plan, unified: bool = False) -> dict[str, Any]:
+    """``raw`` (a deployment as plain data) with the plan's devices, counts and sizes
+    in place of the config's; sections the plan did not size are left as they are.
+
+    ``unified`` (the request-level policies): every worker is a decode instance,
+    prefill's first, so the decode section takes every planned device and the
+    smaller of the two kinds' sizes.
+    """
+    out = dict(raw)
+    kinds = [k for k in (plan.kind("prefill"), plan.kind("decode")) if k is not None]
+    for k in kinds:
+        out[k.kind] = {
+            **_section(raw, k.kind),
+            "instances": len(k.devices),
+            "device": k.devices[0],
+            "devices": list(k.devices),
+            "device_memory": k.device_memory_bytes,
+            "kv_memory": k.kv_memory_bytes,
+        }
+    if unified and len(kinds) == 2:
+        decode = dict(out["decode"])
+        decode["devices"] = [*kinds[0].devices, *kinds[1].devices]
+        decode["device_memory"] = min(k.device_memory_bytes for k in kinds)
+        decode["kv_memory"] = min(k.kv_memory_bytes for k in kinds)
+        out["decode"] = decode
+    if plan.cache is not None:
+        out["cachemgr"] = {**_section(raw, "cachemgr"),
+                           "model_cache": plan.cache.model_cache_bytes,
+                           "kv_cache": plan.cache.kv_cache_bytes}  # fmt: skip
+    return out

@@ -1,0 +1,117 @@
+"""``--gpus``'s facts and wiring (aegaeon_cli.machine, ``aegaeon plan``, serve's
+parse stage), with the GPUs faked: no torch, no CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from aegaeon_cli import machine
+from aegaeon_cli.main import main
+from aegaeon_common.config import config_from_dict, load_config
+from aegaeon_common.placement import GpuInfo, HostInfo, PlacementError
+from aegaeon_market.presets import preset_config, preset_named
+
+GiB = 1 << 30
+H100 = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB) for i in range(4)]
+
+
+@pytest.fixture
+def market(tmp_path: Path) -> Path:
+    """Two real-shaped 7-8B models: their config.json only (sizing reads no weights)."""
+    entries = []
+    for name in ("llama-3.1-8b", "qwen2.5-7b"):
+        (tmp_path / name).mkdir()
+        config = preset_config(preset_named(name), "bfloat16")
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        entries.append({"name": name, "path": name, "dtype": "bfloat16", "params": 1})
+    (tmp_path / "market.json").write_text(json.dumps({"models": entries}))
+    return tmp_path
+
+
+@pytest.fixture
+def fake_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "cuda_gpus", lambda: list(H100))
+    monkeypatch.setattr(machine, "host_info", lambda: HostInfo(512 * GiB, 256 * GiB))
+
+
+def test_host_info_reads_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65536000 kB\nMemAvailable:   32768000 kB\n")
+    host = machine.host_info(meminfo, shm=tmp_path)
+    assert host.mem_available_bytes == 32768000 * 1024 and host.shm_free_bytes is not None
+    assert machine.host_info(meminfo, shm=tmp_path / "absent").shm_free_bytes is None
+    meminfo.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(PlacementError, match="no MemAvailable"):
+        machine.host_info(meminfo)
+
+
+def test_model_bytes_are_the_packed_layouts(market: Path) -> None:
+    config = config_from_dict({"market": str(market)})
+    assert machine.model_bytes(config) == {"llama-3.1-8b": 16_060_522_496,
+                                           "qwen2.5-7b": 15_231_233_024}  # fmt: skip
+
+
+def test_explicit_counts() -> None:
+    assert machine.explicit_counts({}) == (None, None)
+    assert machine.explicit_counts({"prefill": {"instances": 2}, "decode": None}) == (2, None)
+
+
+@pytest.mark.usefixtures("fake_machine")
+def test_sized_places_the_config_on_the_gpus(market: Path) -> None:
+    raw = {"market": str(market), "decode": {"instances": 3, "http_port": 9300}}
+    config, out, plan = machine.sized(raw, config_from_dict(raw), "all", (None, 3))
+    assert config.prefill.devices == ("cuda:0",)
+    assert config.decode.devices == ("cuda:1", "cuda:2", "cuda:3")
+    assert config.decode.http_port == 9300 and out["decode"]["instances"] == 3
+    assert plan.cache is not None and plan.cache.holds_all
+    assert config.cache.model_cache_bytes == plan.cache.models_bytes >= 31_291_755_520
+
+
+@pytest.mark.usefixtures("fake_machine")
+def test_a_container_plans_its_own_part(market: Path) -> None:
+    raw = {"market": str(market), "prefill": {"instances": 1}, "decode": {"instances": 1}}
+    config = config_from_dict(raw)
+    _, out, plan = machine.sized(raw, config, "all", (1, 1), only="decode")
+    assert [i.name for i in plan.instances] == ["decode-0"] and plan.cache is None
+    assert out["decode"]["devices"] == ["cuda:0"] and out["prefill"] == {"instances": 1}
+    _, out, plan = machine.sized(raw, config, None, (1, 1), only="cachemgr")
+    assert not plan.instances and plan.cache is not None
+    assert out["cachemgr"]["model_cache"] == plan.cache.model_cache_bytes
+
+
+@pytest.mark.usefixtures("fake_machine")
+def test_aegaeon_plan_prints_and_writes_the_config(
+    market: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "planned.yaml"
+    assert main(["plan", "--market", str(market), "--gpus", "0,1", "--write", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("GPU plan (--gpus 0,1):")
+    assert "prefill x1: device memory 71.0 GiB each" in printed
+    assert out.read_text().startswith("# GPU plan (--gpus 0,1):")
+    config = load_config(out)
+    assert config.prefill.device_of(0) == "cuda:0" and config.decode.device_of(0) == "cuda:1"
+    assert yaml.safe_load(out.read_text())["market"] == str(market)
+
+
+def test_aegaeon_plan_errors_are_one_line(market: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    def no_gpu() -> list[GpuInfo]:
+        raise PlacementError("--gpus: no CUDA GPU visible to torch")
+
+    monkeypatch.setattr(machine, "cuda_gpus", no_gpu)
+    assert main(["plan", "--market", str(market), "--gpus", "all"]) == 2
+    assert capsys.readouterr().err == "aegaeon plan: --gpus: no CUDA GPU visible to torch\n"
+
+
+def test_serve_refuses_a_bad_spec_before_anything_starts(
+    market: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["serve", "--market", str(market), "--run-dir", str(run_dir), "--gpus", "1,1"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == "aegaeon serve: --gpus 1,1: GPU 1 is listed twice"
+    assert not run_dir.exists()

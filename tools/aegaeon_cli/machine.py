@@ -1,0 +1,170 @@
+"""The machine's facts for ``--gpus`` (``aegaeon_common.placement`` decides from them).
+
+- GPUs: ``torch.cuda`` (``mem_get_info`` per device), asked in a child process
+  (``python -m aegaeon_cli.machine``) so the supervisor holds no CUDA context on
+  any GPU afterwards; indices are CUDA's (``CUDA_VISIBLE_DEVICES`` applies).
+- Host: ``MemAvailable`` from /proc/meminfo and /dev/shm's free space.
+- Models: each model's packed weight bytes in the serving dtype, from its
+  ``config.json`` (``aegaeon_engine.weight_layout``, what the Model Cache and
+  the arena hold; no tensor is read, torch is not imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from aegaeon_common.config import Config, ConfigError, config_from_dict
+from aegaeon_common.placement import (
+    GpuInfo,
+    HostInfo,
+    PlacementError,
+    Plan,
+    apply_plan,
+    parse_gpus,
+    plan_node,
+)
+
+PROBE_TIMEOUT_S = 120.0
+ONLY = ("prefill", "decode", "instances", "cachemgr")
+
+
+def cuda_gpus() -> list[GpuInfo]:
+    """Every CUDA device torch sees, with its free memory now; PlacementError (one
+    line) when torch has no CUDA device."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "aegaeon_cli.machine"], capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise PlacementError(f"--gpus: asking torch.cuda for the GPUs took over "
+                             f"{PROBE_TIMEOUT_S:g} s") from None  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer: dict[str, Any] = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PlacementError(f"--gpus: the GPU probe failed ({tail})") from None
+    if answer.get("error"):
+        raise PlacementError(f"--gpus: {answer['error']}")
+    return [GpuInfo(int(g["index"]), str(g["name"]), int(g["total"]), int(g["free"]))
+            for g in answer["gpus"]]  # fmt: skip
+
+
+def _probe() -> dict[str, Any]:
+    """This process's view of the GPUs (run as the child of :func:`cuda_gpus`)."""
+    try:
+        import torch
+    except ImportError:
+        return {"error": "torch is not installed"}
+    if not torch.cuda.is_available():
+        build = torch.version.cuda
+        why = f"CUDA {build} build, no device or driver" if build else "a CPU-only build"
+        return {"error": f"no CUDA GPU visible to torch {torch.__version__} ({why}); "
+                "run without --gpus to serve on the CPU"}  # fmt: skip
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(index)
+        gpus.append({"index": index, "name": torch.cuda.get_device_name(index),
+                     "total": int(total), "free": int(free)})  # fmt: skip
+    return {"gpus": gpus}
+
+
+def host_info(meminfo: Path = Path("/proc/meminfo"), shm: Path = Path("/dev/shm")) -> HostInfo:
+    """MemAvailable and /dev/shm's free bytes (None where there is no /dev/shm)."""
+    available = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == "MemAvailable":
+                available = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        available = None
+    if available is None:
+        raise PlacementError(f"--gpus: no MemAvailable in {meminfo}")
+    try:
+        stat = os.statvfs(shm)
+        shm_free: int | None = stat.f_bavail * stat.f_frsize
+    except OSError:
+        shm_free = None
+    return HostInfo(available, shm_free)
+
+
+def model_bytes(config: Config) -> dict[str, int]:
+    """Each model's weight bytes in the deployment's dtype (its packed layout)."""
+    from aegaeon_engine import CheckpointError, ModelSpec, weight_layout
+
+    out = {}
+    for model in config.models:
+        try:
+            spec = ModelSpec.from_dir(model.path)
+        except CheckpointError as exc:
+            raise PlacementError(f"model {model.name}: {exc}") from None
+        out[model.name] = weight_layout(spec, config.dtype).total_bytes
+    return out
+
+
+def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int | None],
+                 only: str | None = None) -> Plan:  # fmt: skip
+    """The plan for this machine: instances on the GPUs ``spec`` names and the
+    cachemgr's sizes. ``only`` (a container runs one service): ``prefill`` /
+    ``decode``, that kind's instances alone on the GPUs this process sees;
+    ``instances``, both kinds without the host; ``cachemgr``, the host alone."""
+    if only is not None and only not in ONLY:
+        raise PlacementError(f"--only {only}: one of {', '.join(ONLY)}")
+    if spec is not None:
+        parse_gpus(spec)  # a bad spec fails before the GPUs are asked
+    models = model_bytes(config)
+    if only == "cachemgr":
+        return plan_node(None, [], host_info(), counts, models, config.dtype)
+    gpus = cuda_gpus()
+    if only == "instances":
+        return plan_node(spec, gpus, None, counts, models, config.dtype)
+    if only is not None:
+        count = counts[0] if only == "prefill" else counts[1]
+        counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
+        return plan_node(spec, gpus, None, counts, models, config.dtype)
+    return plan_node(spec, gpus, host_info(), counts, models, config.dtype)
+
+
+def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The instance counts a deployment file gives (None: the plan chooses)."""
+    found: list[int | None] = []
+    for kind in ("prefill", "decode"):
+        value = (raw.get(kind) or {}).get("instances")
+        found.append(None if value is None else int(value))
+    return found[0], found[1]
+
+
+def sized(raw: dict[str, Any], config: Config, spec: str | None,
+          counts: tuple[int | None, int | None], only: str | None = None,
+          base: Path | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
+    """``raw`` planned for this machine: the config, its plain data and the plan.
+    Raises PlacementError or ConfigError with a one-line message."""
+    plan = plan_machine(config, spec, counts, only)
+    out = apply_plan(raw, plan, unified=config.unified)
+    try:
+        return config_from_dict(out, source=config.source, base=base), out, plan
+    except ConfigError as exc:  # a plan the config's own checks refuse: say both
+        raise PlacementError(f"the planned config does not validate: {exc}") from None
+
+
+def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:
+    """``raw`` with its market and model paths absolute (as ``config`` resolved them),
+    for a file written somewhere else than the one it was read from."""
+    out = {**raw, "market": str(config.market_dir) if config.market_dir else None}
+    if raw.get("models"):
+        out["models"] = [{"name": m.name, "path": str(m.path)} for m in config.models]
+    return out
+
+
+def plan_comment(plan: Plan) -> str:
+    """The plan as YAML comment lines (the head of the effective config)."""
+    return "".join(f"# {line}\n" for line in plan.describe().splitlines())
+
+
+if __name__ == "__main__":
+    print(json.dumps(_probe()), flush=True)
