@@ -3,40 +3,53 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from aegaeon_cli.supervisor import Child, StartupError, Supervisor
 
-# A child that becomes ready (writes its file) DELAY seconds after it starts, then idles.
-SCRIPT = ("import pathlib, sys, time; time.sleep(float(sys.argv[2])); "
-          "pathlib.Path(sys.argv[1]).write_text(str(time.time())); time.sleep(60)")  # fmt: skip
+# A child that, once started, notes which children were ready then (`<name>.saw`), waits
+# until the children named after it have started (their `.saw` exists: they run at the same
+# time as it, or it never gets ready), becomes ready (writes its file), then idles.
+SCRIPT = """
+import pathlib, sys, time
+tmp, name, watch, peers = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+ready = [n for n in watch.split(",") if n and (tmp / f"{n}.ready").exists()]
+(tmp / f"{name}.saw").write_text(",".join(ready))
+while not all((tmp / f"{n}.saw").exists() for n in peers.split(",") if n):
+    time.sleep(0.01)
+(tmp / f"{name}.ready").write_text("ready")
+time.sleep(60)
+"""
+NAMES = ("cachemgr", "prefill-0", "decode-0", "proxy")
 
 
-def _child(tmp: Path, name: str, stage: int, delay_s: float = 0.5) -> Child:
+def _child(tmp: Path, name: str, stage: int, peers: tuple[str, ...] = ()) -> Child:
     flag = tmp / f"{name}.ready"
-    return Child(name=name, argv=[sys.executable, "-c", SCRIPT, str(flag), str(delay_s)],
-                 ready=flag.exists, log_path=tmp / f"{name}.log", stage=stage)  # fmt: skip
+    argv = [sys.executable, "-c", SCRIPT, str(tmp), name, ",".join(NAMES), ",".join(peers)]
+    return Child(name=name, argv=argv, ready=flag.exists, log_path=tmp / f"{name}.log",
+                 stage=stage)  # fmt: skip
 
 
-def _ready_at(tmp: Path, name: str) -> float:
-    return float((tmp / f"{name}.ready").read_text())
+def _saw(tmp: Path, name: str) -> set[str]:
+    """The children that were ready when ``name`` started."""
+    return set(filter(None, (tmp / f"{name}.saw").read_text().split(",")))
 
 
 def test_instances_start_together_between_the_cachemgr_and_the_proxy(tmp_path: Path) -> None:
-    children = [_child(tmp_path, "cachemgr", 0), _child(tmp_path, "prefill-0", 1, 1.0),
-                _child(tmp_path, "decode-0", 1, 1.0), _child(tmp_path, "proxy", 2)]  # fmt: skip
+    # each instance gets ready only once the other has started: started one after the
+    # other's readiness, the start would time out
+    children = [_child(tmp_path, "cachemgr", 0),
+                _child(tmp_path, "prefill-0", 1, peers=("decode-0",)),
+                _child(tmp_path, "decode-0", 1, peers=("prefill-0",)),
+                _child(tmp_path, "proxy", 2)]  # fmt: skip
     sup = Supervisor(children, ready_timeout_s=60)
-    wall = time.time() - time.monotonic()  # started_at is monotonic
     try:
         sup.start_all()
-        started = {c.name: wall + c.started_at for c in children}
-        # stage 1: both started after the cachemgr was ready, before either was ready
-        for name in ("prefill-0", "decode-0"):
-            assert started[name] >= _ready_at(tmp_path, "cachemgr") - 0.05
-            assert started[name] < min(_ready_at(tmp_path, n) for n in ("prefill-0", "decode-0"))
-        assert started["proxy"] >= max(_ready_at(tmp_path, n) for n in ("prefill-0", "decode-0"))
+        # stage 1 started once the cachemgr was ready, before either instance was
+        assert _saw(tmp_path, "prefill-0") == _saw(tmp_path, "decode-0") == {"cachemgr"}
+        # stage 2 once every instance was ready
+        assert _saw(tmp_path, "proxy") == {"cachemgr", "prefill-0", "decode-0"}
     finally:
         sup.stop_all(timeout_s=5)
     assert not any(c.alive() for c in children)
@@ -45,7 +58,9 @@ def test_instances_start_together_between_the_cachemgr_and_the_proxy(tmp_path: P
 def test_a_child_dying_in_its_stage_stops_the_start_with_its_log(tmp_path: Path) -> None:
     bad = Child(name="decode-0", argv=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
                 ready=lambda: False, log_path=tmp_path / "decode-0.log", stage=1)  # fmt: skip
-    children = [_child(tmp_path, "cachemgr", 0), _child(tmp_path, "prefill-0", 1, 30.0), bad]
+    # prefill-0 waits for a peer that never starts: only decode-0's exit ends the stage
+    children = [_child(tmp_path, "cachemgr", 0),
+                _child(tmp_path, "prefill-0", 1, peers=("never",)), bad]  # fmt: skip
     sup = Supervisor(children, ready_timeout_s=60)
     try:
         with pytest.raises(StartupError, match=r"decode-0 exited with status 3(.|\n)*boom"):

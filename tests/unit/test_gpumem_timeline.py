@@ -64,9 +64,8 @@ def test_wait_wakes_when_signalled_from_another_thread(table: EventTable) -> Non
     timer = threading.Timer(0.05, line.signal, args=(1,))
     start = time.monotonic()
     timer.start()
-    assert event.wait(5.0)
-    elapsed = time.monotonic() - start
-    assert 0.04 <= elapsed < 1.0
+    assert event.wait(60.0)  # woken by the signal (a busy machine may take its time)
+    assert time.monotonic() - start >= 0.05 and event.query()  # not before it
     timer.join()
 
 

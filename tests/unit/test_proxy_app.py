@@ -49,6 +49,7 @@ class ScriptedBackend:
         self.is_ready = True
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
+        self.played = 0  # tokens pushed, over every request
         self._queues: dict[str, TokenQueue] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -87,6 +88,7 @@ class ScriptedBackend:
             if not self.burst:
                 await asyncio.sleep(self.step_s)
             last = i == len(ids) - 1
+            self.played += 1
             queue.push(TokenChunk((token_id,), self.finish if last else None, "boom"))
         if not ids:
             queue.finish(self.finish, "boom")

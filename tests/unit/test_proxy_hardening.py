@@ -94,11 +94,10 @@ def test_admin_routes_leave_the_public_port(proxy_market: Path) -> None:
 
 def test_a_request_timeout_ends_it_with_deadline_exceeded(proxy_market: Path) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
-        backend.hang = True
-        start = time.monotonic()
+        backend.hang = True  # nothing comes until it is cancelled: only the deadline ends it
         body = {"model": MODEL, "prompt": "x", "timeout": 0.2}
         resp = await client.post("/v1/completions", json=body)
-        assert resp.status == 504 and time.monotonic() - start < 5.0
+        assert resp.status == 504
         _error(await resp.json(), "deadline_exceeded")
         resp = await client.post("/v1/completions", json={**body, "stream": True})
         assert resp.status == 200
@@ -137,8 +136,10 @@ def test_stop_and_stop_token_ids_are_bounded(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-async def _raw_request(port: int, head: bytes, body: bytes, byte_every_s: float) -> bytes:
-    """Send ``head``, then ``body`` a byte at a time, reading the answer meanwhile."""
+async def _raw_request(port: int, head: bytes, body: bytes,
+                       byte_every_s: float) -> tuple[bytes, int]:  # fmt: skip
+    """Send ``head``, then ``body`` a byte at a time, reading the answer meanwhile: the
+    answer, and how many bytes of the body were sent when it came."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(head)
     received = bytearray()
@@ -149,16 +150,18 @@ async def _raw_request(port: int, head: bytes, body: bytes, byte_every_s: float)
                 received.extend(chunk)
 
     reading = asyncio.create_task(read())
+    sent = 0
     with contextlib.suppress(ConnectionError):
         for i in range(len(body)):
-            if reading.done():
+            if reading.done() or received:
                 break
             writer.write(body[i : i + 1])
             await writer.drain()
+            sent += 1
             await asyncio.sleep(byte_every_s)
-    await asyncio.wait_for(reading, 10.0)  # the server closes the connection
+    await asyncio.wait_for(reading, 60.0)  # the server closes the connection
     writer.close()
-    return bytes(received)
+    return bytes(received), sent
 
 
 def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_read_timeout(proxy_market: Path) -> None:
@@ -174,12 +177,10 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_read_timeout(proxy_market: P
             body = json.dumps({"model": MODEL, "prompt": "x" * 200}).encode()
             head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-            start = time.monotonic()
-            reply = await _raw_request(client.port, head, body, byte_every_s=0.05)  # type: ignore[arg-type]
+            reply, sent = await _raw_request(client.port, head, body, byte_every_s=0.05)  # type: ignore[arg-type]
             assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
             assert b'"code":"body_timeout"' in reply
-            # cut after the read timeout and the linger, not read to its end (~11 s)
-            assert time.monotonic() - start < 0.5 + LINGER_S + 4.0
+            assert sent < len(body)  # cut at the read timeout, not read to its end
             assert not backend.submitted
 
     asyncio.run(main())
@@ -206,15 +207,14 @@ def test_a_reader_that_stops_reading_is_cut_and_its_request_freed(
         backend.step_s = 0.01
         body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True,
                 "ignore_eos": True}  # fmt: skip
-        start = time.monotonic()
         with contextlib.suppress(Exception):  # the server cuts the connection
             resp = await client.post("/v1/completions", json=body)
             await resp.read()
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 60.0
         while not backend.cancelled and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert backend.cancelled == [backend.submitted[0].request_id]
-        assert time.monotonic() - start < 5.0  # the write timeout, not the tokens' end
+        assert backend.played < 200  # cut at the write timeout, before the tokens' end
         assert client.server.app[STATE].metrics.num_open == 0
 
     run(proxy_market, scenario, write_timeout_s=0.5)
