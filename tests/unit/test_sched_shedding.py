@@ -92,3 +92,34 @@ def test_velocity_is_tokens_per_second_over_its_window() -> None:
 def test_the_clusters_velocity_sums_its_instances() -> None:
     reports = [{"arrival": 10.0, "prefill": 8.0, "decode": 3.0}, {"arrival": 5.0, "decode": 1.0}]
     assert cluster_velocity(reports) == {"arrival": 15.0, "prefill": 8.0, "decode": 4.0}
+
+
+def test_with_classes_off_requests_wait_their_turn_until_their_first_token_deadline() -> None:
+    shed = Shedder.one_class(ttft_s=10.0, tbt_s=0.1, max_deferred=2)
+    full, room = Node(100), Node(0)
+    plain = [Request(f"r{i}", "m", float(i), 100, 10) for i in range(4)]  # no own targets
+    assert shed.decide(plain[0], room.fits) is Verdict.ADMIT
+    # past the bounds: the next ones wait (not a 429 at once), up to max_deferred
+    assert [shed.decide(r, full.fits) for r in plain[1:]] == [
+        Verdict.DEFER, Verdict.DEFER, Verdict.REFUSE]
+    assert shed.next_expiry_s() == 11.0  # r1 arrived at 1 s, TTFT 10 s (the class's)
+    # room for one: the earliest leaves first, the other keeps waiting
+    node = Node(85)
+
+    def fits_and_admit(request: Request, fraction: float) -> bool:
+        ok = node.fits(request, fraction)
+        node.held += 10 if ok else 0
+        return ok
+
+    assert [r.request_id for r in shed.release(fits_and_admit)] == ["r1"]
+    assert shed.expire(11.9) == []  # r2 may still meet its TTFT
+    assert [r.request_id for r in shed.expire(12.0)] == ["r2"]  # it cannot any more
+    assert len(shed) == 0 and shed.next_expiry_s() is None
+    assert shed.refused == {"default": 2}  # r3 at once, r2 at its deadline
+
+
+def test_a_request_cancelled_while_it_waits_never_expires() -> None:
+    shed = Shedder.one_class(ttft_s=1.0, tbt_s=0.1)
+    shed.decide(Request("a", "m", 0.0, 100, 10), Node(100).fits)
+    assert shed.cancel("a")
+    assert shed.next_expiry_s() is None and shed.expire(5.0) == []

@@ -16,8 +16,17 @@ So as load grows, batch requests are deferred or refused while the node is
 at half its bounds, standard ones at the bounds, and interactive ones only
 past 1.25 times the bounds, when everything of the other classes already is.
 A deferrable request also waits while others of its kind already wait (it
-never overtakes them). With classes off the caller never builds a
-:class:`Shedder` and admission is the single-SLO one (one fraction, 1.0).
+never overtakes them), and no longer than its first-token deadline
+(:meth:`Shedder.expire`): past it the request can no longer meet its TTFT and
+is refused then.
+
+With classes off (:meth:`Shedder.one_class`) every request fills the whole
+bounds and, past them, waits its turn (one TTFT: earliest deadline first is
+arrival order). Waiting instead of a 429 at once is what keeps goodput under
+a flood of clients that ignore ``Retry-After``: each refusal costs the node
+a parse and a tokenization, and a client that retries at once makes as many
+as the node can answer, on the cores the engine needs; a waiting request
+costs nothing until it is admitted or expires.
 
 Pure: the caller says what fits (``fits(request, fraction)``); no clock.
 """
@@ -29,7 +38,7 @@ import itertools
 from collections.abc import Callable
 from enum import Enum
 
-from aegaeon_sched.priority import SLOClasses, first_token_deadline_s
+from aegaeon_sched.priority import SLOClass, SLOClasses, first_token_deadline_s
 from aegaeon_sched.request import Request
 
 DEFAULT_MAX_DEFERRED = 256
@@ -58,6 +67,13 @@ class Shedder:
         self.num_deferred = 0  # ever
         self.refused: dict[str, int] = dict.fromkeys(classes.names, 0)
 
+    @classmethod
+    def one_class(cls, ttft_s: float, tbt_s: float,
+                  max_deferred: int = DEFAULT_MAX_DEFERRED) -> Shedder:  # fmt: skip
+        """Classes off: one class at the whole bounds, whose requests wait for room."""
+        only = SLOClass("default", 0, ttft_s, tbt_s, admit_fraction=1.0, defer=True)
+        return cls(SLOClasses((only,)), max_deferred)
+
     def __len__(self) -> int:
         """Requests waiting (deferred) now."""
         return len(self._deferred)
@@ -76,7 +92,8 @@ class Shedder:
             return Verdict.ADMIT
         if cls.defer and len(self._deferred) < self.max_deferred:
             self._deferred[request.request_id] = request
-            heapq.heappush(self._heap, (first_token_deadline_s(request), next(self._seq),
+            due = first_token_deadline_s(request, cls.ttft_s)  # its own TTFT, else its class's
+            heapq.heappush(self._heap, (due, next(self._seq),
                                         request.request_id))  # fmt: skip
             self.num_deferred += 1
             return Verdict.DEFER
@@ -99,6 +116,24 @@ class Shedder:
             del self._deferred[request_id]
             out.append(request)
         return out
+
+    def expire(self, now_s: float) -> list[Request]:
+        """The deferred requests whose first-token deadline passed while they waited
+        (it can no longer be met): out of the wait, for the caller to refuse."""
+        out: list[Request] = []
+        while self._heap and self._heap[0][0] <= now_s:
+            _, _, request_id = heapq.heappop(self._heap)
+            request = self._deferred.pop(request_id, None)
+            if request is not None:  # (None: cancelled while it waited)
+                self.refused[self.classes.by_rank(request.priority).name] += 1
+                out.append(request)
+        return out
+
+    def next_expiry_s(self) -> float | None:
+        """When the earliest deferred request's wait ends (None: nothing waits)."""
+        while self._heap and self._heap[0][2] not in self._deferred:
+            heapq.heappop(self._heap)  # cancelled while it waited
+        return self._heap[0][0] if self._heap else None
 
     def cancel(self, request_id: str) -> bool:
         """The client went away while its request waited; ``False`` if it was not waiting."""
