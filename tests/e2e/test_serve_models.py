@@ -190,3 +190,63 @@ def test_removal_lets_requests_in_flight_finish(partial: Served, market_names: l
     _until("the model is gone", lambda: model not in _rows(partial))
     cache = _call(partial, "GET", "/v1/aegaeon/stats?light=1")[1]["cache"]["model_cache"]
     assert model not in [m["name"] for m in cache["models"]] and model not in cache["known"]
+
+
+def _on_devices(served: Served, model: str) -> list[str]:
+    """The instances whose last heartbeat has ``model``'s weights on their device."""
+    stats = _call(served, "GET", "/v1/aegaeon/stats?light=1")[1]["instance_stats"]
+    return sorted(n for n, s in stats.items() if s and model in s["resident_models"])
+
+
+def _sleeping(served: Served, model: str) -> bool:
+    status, body = _call(served, "GET", f"/is_sleeping?model={model}")
+    assert status == 200, body
+    return bool(body["is_sleeping"])
+
+
+def test_sleep_and_wake_move_the_weights_off_and_onto_a_device(
+    partial: Served, market_names: list[str]
+) -> None:
+    """vLLM's /sleep -> /is_sleeping -> /wake_up round trip: the model's weights leave
+    every device (they stay in the Model Cache) and come back; a request for a
+    sleeping model is served; Ollama's keep_alive holds (Model Cache pin) and unloads."""
+    model = market_names[0]
+    assert _complete(partial, model)[0] == 200  # on the devices that served it
+    _until("its weights on a device", lambda: _on_devices(partial, model))
+    assert not _sleeping(partial, model)
+
+    status, body = _call(partial, "POST", f"/sleep?model={model}")
+    assert status == 200 and body == {"is_sleeping": True, "models": {model: True}}, body
+    assert _sleeping(partial, model)
+    _until("every heartbeat without it", lambda: _on_devices(partial, model) == [])
+    rows = _rows(partial)
+    assert rows[model]["in_model_cache"] is True  # asleep: off the devices, in host memory
+
+    status, body = _call(partial, "POST", f"/wake_up?model={model}")
+    assert status == 200 and body["is_sleeping"] is False, body
+    assert not _sleeping(partial, model)
+    assert _until("its weights back on a device", lambda: _on_devices(partial, model))
+
+    # asleep again, a request for it is served: its prefill switches it in
+    assert _call(partial, "POST", f"/sleep?model={model}")[1]["is_sleeping"] is True
+    status, done = _complete(partial, model)
+    assert status == 200 and done["usage"]["completion_tokens"] == 4
+    _until("awake (the next heartbeat)", lambda: not _sleeping(partial, model))
+    status, body = _call(partial, "GET", "/is_sleeping?model=no-such-model")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+    # keep_alive: -1 holds it in the Model Cache (pinned), 0 unloads it after the request
+    def pinned() -> bool:
+        stats = _call(partial, "GET", "/v1/aegaeon/stats?light=1")[1]
+        return model in stats["cache"]["model_cache"]["operator_pinned"]
+
+    body = {"model": model, "prompt": "Once", "max_tokens": 2, "keep_alive": -1}
+    assert _call(partial, "POST", "/v1/completions", body)[0] == 200
+    _until("held by keep_alive -1", pinned)
+    body["keep_alive"] = 0
+    assert _call(partial, "POST", "/v1/completions", body)[0] == 200
+    _until("unloaded by keep_alive 0", lambda: _sleeping(partial, model) and not pinned())
+    body["keep_alive"] = "soon"
+    status, err = _call(partial, "POST", "/v1/completions", body)
+    assert status == 400 and err["error"]["param"] == "keep_alive"
+    assert _complete(partial, market_names[1])[0] == 200  # the other model never slept

@@ -95,3 +95,39 @@ def test_activating_another_model_cancels_the_prefetch(rig: Rig) -> None:
     assert active is not None and active.name == "mistral-11m"
     view = rig.worker.buffer.view(active.allocation.offset, active.allocation.nbytes)
     assert torch.equal(view, _region_bytes(rig, "mistral-11m"))
+
+
+def test_a_sleeping_model_leaves_the_device_and_comes_back_intact(rig: Rig) -> None:
+    """``SetModelAwake`` on an instance: sleep drops the active model and a prefetch of
+    it (not while work of it is queued), wake switches it in when idle, else prefetches;
+    its tokens after are a fresh load's."""
+    from aegaeon_common.messages.prefill import SetModelAwake
+    from aegaeon_runtime.models import set_awake
+
+    w = rig.worker
+    switcher = w.switcher
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    switcher.activate("llama-gqa-5m")
+    fresh = _greedy(rig, prompt, 8)
+    version = switcher.residency_version
+
+    def sleep(name: str, busy: bool = False) -> list[str]:
+        answer = set_awake(w, SetModelAwake(name, False, 7), lambda m: busy, idle=not busy)
+        assert answer.ticket == 7 and answer.residency_version == switcher.residency_version
+        return answer.resident_models
+
+    assert sleep("llama-gqa-5m", busy=True) == ["llama-gqa-5m"]  # its work needs it
+    assert sleep("llama-gqa-5m") == []
+    assert switcher.active is None and switcher.residency_version > version
+    assert sleep("llama-gqa-5m") == []  # asleep already: nothing changes
+    awake = set_awake(w, SetModelAwake("llama-gqa-5m", True), lambda m: False, idle=True)
+    assert awake.resident_models == ["llama-gqa-5m"]
+    assert _greedy(rig, prompt, 8) == fresh
+    # busy with another model: a wake prefetches it; a sleep cancels that prefetch
+    awake = set_awake(w, SetModelAwake("mistral-11m", True), lambda m: True, idle=False)
+    assert awake.resident_models == ["llama-gqa-5m", "mistral-11m"]
+    assert sleep("mistral-11m") == ["llama-gqa-5m"]
+    assert switcher.prefetched_model() is None
+    assert _greedy(rig, prompt, 8) == fresh  # the active model was left alone
+    # unknown names are ignored
+    assert sleep("nope") == ["llama-gqa-5m"]

@@ -207,6 +207,7 @@ class FakeSwitcher:
         previous, self._active = self._active, name
         self.engine.model = name
         self.activations.append(name)
+        self.residency_version += 1
         return SwitchRecord(previous, name, cost, cost, prefetched, self.clock.wall())
 
     def prefetch(self, name: str) -> bool:
@@ -216,7 +217,26 @@ class FakeSwitcher:
         if self.prefetching is not None:
             return self.prefetching[0] == name
         self.prefetching = (name, self.clock.now())
+        self.residency_version += 1
         return True
+
+    residency_version = 0
+
+    def evict(self, name: str) -> bool:
+        evicted = False
+        if self.prefetching is not None and self.prefetching[0] == name:
+            self.prefetching, evicted = None, True
+        if self._active == name:
+            self._active, evicted = None, True
+            self.engine.model = None
+        self.residency_version += evicted
+        return evicted
+
+    def resident_models(self) -> list[str]:
+        names = [self._active] if self._active is not None else []
+        if self.prefetching is not None and self.prefetching[0] not in names:
+            names.append(self.prefetching[0])
+        return names
 
 
 class FakeCache:

@@ -10,8 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
-from aegaeon_common.messages.report import PrefillDone, RequestFailed, StepTokens, TurnRecord
+from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, SetModelAwake
+from aegaeon_common.messages.report import (
+    ModelsResident,
+    PrefillDone,
+    RequestFailed,
+    StepTokens,
+    TurnRecord,
+)
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner, TurnEnd
@@ -242,3 +248,22 @@ def test_a_hybrids_prefill_swaps_its_decode_sequences_out_instead_of_failing(
     assert tokens["a2"] == [token_at(90 + k) for k in range(29)]
     w.kv.pool.reclaim()
     assert w.kv.device_bytes_used() == 0
+
+
+def test_sleep_waits_for_the_models_work_and_wake_prefetches_while_busy() -> None:
+    """SetModelAwake between two steps: a model with a batch here stays on the device
+    (its turn needs it); another model is prefetched while the instance is busy; once
+    idle, a sleep takes the model off and a wake switches it in."""
+    w = FakeWorker(latency_model(["a", "b"]))
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 60, 0.0)),
+             (0.1, SetModelAwake("a", False, 1)),  # mid-turn: a1 needs it
+             (0.1, SetModelAwake("b", True, 2)),  # busy: prefetched behind "a"
+             (5.0, SetModelAwake("a", False, 3)),  # idle now: off the device
+             (6.0, SetModelAwake("a", True, 4))]  # idle: switched in now
+    _, outbox = _run(w, timed)
+    answers = {m.ticket: m.resident_models for m in outbox.of_type(ModelsResident)}
+    assert answers == {1: ["a"], 2: ["a", "b"], 3: ["b"], 4: ["a"]}
+    assert w.switcher.activations == ["a", "a"]
+    assert len(_tokens(outbox)["a1"]) == 59  # the request ran to its end
+    versions = [m.residency_version for m in outbox.of_type(ModelsResident)]
+    assert versions == sorted(versions) and versions[0] < versions[-1]

@@ -1,4 +1,5 @@
-"""Models added to a running instance (``AddModel``, model lifecycle): no restart.
+"""Models added to a running instance (``AddModel``, model lifecycle): no restart;
+and models put to sleep or woken on its device (``SetModelAwake``).
 
 On the compute thread (which owns the worker's specs and the latency model):
 the model's spec is read from its checkpoint, the switcher learns it (its
@@ -7,17 +8,23 @@ and the latency model gets its Eq. 4-6 features (the shared fit covers it
 until measured steps refine it). The answer, :class:`InstanceModels`, gives
 the proxy the new KV capacities and profile. A model that cannot be read is
 left out of the answer and logged; the proxy sees it missing.
+
+A sleeping model is off the device (``ModelSwitcher.evict``) and still in the
+host Model Cache; work of it queued here keeps it (the work needs it), and a
+request that comes later switches it back in as any switch does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.prefill import AddModel
-from aegaeon_common.messages.report import InstanceModels
+from aegaeon_common.messages.prefill import AddModel, SetModelAwake
+from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.messages.structs import LatencyProfile
+from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError
 from aegaeon_sched import LatencyModel
 
@@ -42,3 +49,27 @@ def add_model(worker: WorkerPort, latency: LatencyModel | None, msg: AddModel,
                if latency is not None else None)  # fmt: skip
     return InstanceModels(worker.kind, worker.index, incarnation, worker.capacity_tokens(),
                           profile)  # fmt: skip
+
+
+def set_awake(
+    worker: WorkerPort, msg: SetModelAwake, busy: Callable[[str], bool], idle: bool
+) -> ModelsResident:
+    """Sleep or wake ``msg.name`` on this device (on the compute thread, between two
+    steps). ``busy(model)``: work of it is queued here; ``idle``: no work at all."""
+    switcher = worker.switcher
+    name = msg.name
+    if name in worker.specs:
+        if not msg.awake:
+            if not busy(name) and switcher.evict(name):
+                log.info("model_asleep", model=name)
+        elif name not in switcher.resident_models():
+            try:
+                if idle:
+                    switcher.activate(name)  # the weights come in now
+                else:
+                    switcher.prefetch(name)  # behind the active model, if it fits
+                log.info("model_awake", model=name, loaded=idle)
+            except (RemoteError, TimeoutError, OSError) as exc:  # the Model Cache's load
+                log.error("model_wake_failed", model=name, error=str(exc))
+    return ModelsResident(worker.kind, worker.index, msg.ticket, switcher.resident_models(),
+                          switcher.residency_version)  # fmt: skip

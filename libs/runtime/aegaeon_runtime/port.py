@@ -64,6 +64,20 @@ class SwitcherPort(Protocol):
         """Start loading ``name`` behind the active model; ``False`` if it cannot now."""
         ...
 
+    def evict(self, name: str) -> bool:
+        """Take ``name`` off the device (nothing of it may run before its next
+        activation); True if it was there."""
+        ...
+
+    def resident_models(self) -> list[str]:
+        """The models on the device (the active one, the one being prefetched)."""
+        ...
+
+    @property
+    def residency_version(self) -> int:
+        """Changes to :meth:`resident_models` so far."""
+        ...
+
 
 class KVPort(Protocol):
     """The device KV region and its copies to and from the unified CPU cache."""

@@ -118,7 +118,11 @@ def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> I
     }
     # token velocity by stage, as /metrics exports it (the proxy sums the cluster's)
     velocity = {stage: rate.rate() for stage, rate in worker.metrics.velocity.items()}
-    return msgspec.structs.replace(stats, counters=counters, velocity=velocity)
+    # the version first: read with the names after it, it is never newer than they are
+    version = worker.switcher.residency_version
+    return msgspec.structs.replace(stats, counters=counters, velocity=velocity,
+                                   resident_models=worker.switcher.resident_models(),
+                                   residency_version=version)  # fmt: skip
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:

@@ -103,11 +103,22 @@ class ModelSwitcher:
         self.num_switches = 0
         self.num_promotions = 0
         self.num_placed_below = 0
+        # changes to the models on the device (switch, prefetch, eviction): a reader on
+        # another thread tells a newer picture of resident_models() from an older one
+        self.residency_version = 0
 
     # ---- queries ---------------------------------------------------------
     @property
     def active_model(self) -> str | None:
         return self.active.name if self.active else None
+
+    def resident_models(self) -> list[str]:
+        """The models on the device: the active one, the one being prefetched."""
+        pending = self._prefetch  # (read once: another thread may be asking)
+        names = [self.active.name] if self.active is not None else []
+        if pending is not None and pending.name not in names:
+            names.append(pending.name)
+        return names
 
     def nbytes(self, name: str) -> int:
         return self.engine.layout(self.specs[name], self.dtype).total_bytes
@@ -237,6 +248,7 @@ class ModelSwitcher:
             self._activate(self._bind(name, allocation))
             prefetched = False
         self.num_switches += 1
+        self.residency_version += 1
         return SwitchRecord(
             from_model=previous,
             to_model=name,
@@ -263,7 +275,29 @@ class ModelSwitcher:
         job = PrefetchJob(name, allocation)
         self._prefetch = job
         self._prefetcher.submit(job)
+        self.residency_version += 1
         return True
+
+    def evict(self, name: str) -> bool:
+        """Take ``name`` off the device (a sleeping model): its prefetch is cancelled,
+        or, active, it is scaled down (the engine's views stay bound over bytes that
+        are free now: the caller runs nothing of it before its next :meth:`activate`).
+        Its bytes stay in the Model Cache. True if it was on the device."""
+        evicted = False
+        pending = self._prefetch
+        if pending is not None and pending.name == name:
+            pending.cancelled.set()
+            pending.done.wait()  # never reuse memory a copy is still writing
+            self._prefetch = None
+            evicted = True
+        if self.active is not None and self.active.name == name:
+            self.active = None
+            if self._prefetch is None:  # a prefetch in flight keeps its allocation
+                self.buffer.reset()
+            evicted = True
+        if evicted:
+            self.residency_version += 1
+        return evicted
 
     def _place(self, nbytes: int) -> Allocation | None:
         """Free arena space for a prefetch (see the module docstring), or None."""

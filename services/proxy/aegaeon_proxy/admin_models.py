@@ -218,9 +218,11 @@ async def patch_model(request: web.Request) -> web.Response:
         raise APIError(409, f"model '{name}' is being removed", code="model_removing")
     settings = state.models.replaced(name, changes)
     if "pin" in changes or "preload" in changes:
+        # a request's keep_alive may hold it too (aegaeon_proxy.keep_alive)
+        pinned = settings.pin or state.keep_alive.held(name)
         try:
             await _control(state).set_model_flags(
-                name, pinned=settings.pin, preload=changes.get("preload") is True
+                name, pinned=pinned, preload=changes.get("preload") is True
             )
         except BackendError as exc:
             raise _backend_error(exc) from None

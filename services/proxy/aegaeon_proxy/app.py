@@ -9,7 +9,7 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy import admin_models, handlers, info
+from aegaeon_proxy import admin_models, handlers, info, vllm_controls
 from aegaeon_proxy.auth import KeyRing
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.errors import APIError
@@ -39,6 +39,7 @@ ADMIN: list[Route] = [
     ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
     ("GET", "/v1/aegaeon/services", info.aegaeon_services),
     *admin_models.ROUTES,  # model lifecycle: list, add, change, remove
+    *vllm_controls.ROUTES,  # vLLM's /sleep, /wake_up, /is_sleeping
 ]
 
 
@@ -98,6 +99,7 @@ def make_app(config: Config, backend: Backend) -> web.Application:
     async def stop_backend(app: web.Application) -> None:
         for task in list(app[STATE].models.background):  # removals still waiting
             task.cancel()
+        app[STATE].keep_alive.close()
         await app[STATE].backend.stop()
 
     app.on_startup.append(start_backend)

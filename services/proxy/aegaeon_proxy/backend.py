@@ -45,6 +45,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "ModelControl",
+    "ModelResidency",
     "SamplingParams",
     "TokenChunk",
     "TokenQueue",
@@ -205,6 +206,21 @@ class ModelControl(Protocol):
     async def model_cache(self) -> dict[str, Any] | None:
         """The Model Cache's stats (``ModelCacheStats`` as plain data; None if the
         cachemgr did not answer)."""
+
+
+@runtime_checkable
+class ModelResidency(Protocol):
+    """A backend that puts models to sleep and wakes them (optional; ``/sleep``,
+    ``/wake_up`` and ``/is_sleeping`` answer 501 without it). A sleeping model is on
+    no device; its weights stay in the host Model Cache, and a request for it
+    switches it back in as any switch does."""
+
+    async def set_model_awake(self, name: str, awake: bool) -> bool:
+        """Sleep ``name`` (off every device) or wake it (onto one); returns once the
+        instances answered, whether it sleeps now (a device with work of it keeps it)."""
+
+    def model_sleeping(self, name: str) -> bool:
+        """``name`` is on no device, as the instances last reported."""
 
 
 class TokenQueue:

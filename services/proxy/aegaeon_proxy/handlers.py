@@ -174,6 +174,8 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         return await _respond(gen, endpoint.shapes)
     finally:
         await gen.close()  # a disconnect (cancellation) or error: free the backend request
+        if params.keep_alive_s is not None:  # Ollama's: from the end of the request
+            request.app[STATE].keep_alive.after(params.model, params.keep_alive_s)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

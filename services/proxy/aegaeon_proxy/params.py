@@ -5,6 +5,10 @@ Each field has a checker ``(param, value) -> normalized value`` that raises a
 default. Unknown fields are ignored (as vLLM does); known OpenAI fields that we
 do not implement are accepted only with their neutral value.
 
+Ollama's ``keep_alive`` (seconds or a duration such as ``"5m"``; 0 unloads the
+model after the request, negative keeps it loaded) is taken with Ollama's
+meaning (:mod:`aegaeon_proxy.keep_alive`).
+
 Aegaeon's extension fields (SLO classes, :mod:`aegaeon_proxy.slo_classes`):
 ``priority`` (``"interactive"``, ``"standard"``, ``"batch"``) and explicit
 ``ttft_ms`` / ``tbt_ms`` targets (positive numbers of milliseconds), checked
@@ -22,6 +26,7 @@ from typing import Any
 from aegaeon_common.config import SLO_CLASS_NAMES
 
 from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.keep_alive import parse_keep_alive
 
 Checker = Callable[[str, Any], Any]
 
@@ -53,6 +58,8 @@ class CommonParams:
     priority: str | None = None
     ttft_s: float | None = None  # from ttft_ms
     tbt_s: float | None = None  # from tbt_ms
+    # Ollama's keep_alive in seconds (None: not given; 0: unload after; inf: keep)
+    keep_alive_s: float | None = None
 
 
 def _string(param: str, value: Any) -> str:
@@ -176,6 +183,7 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "priority": ("priority", _priority),
     "ttft_ms": ("ttft_s", _millis),
     "tbt_ms": ("tbt_s", _millis),
+    "keep_alive": ("keep_alive_s", parse_keep_alive),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from aegaeon_proxy.assets import AssetRegistry
 from aegaeon_proxy.backend import Backend, EngineStats
+from aegaeon_proxy.keep_alive import KeepAlive
 from aegaeon_proxy.metrics import ProxyMetrics
 from aegaeon_proxy.model_table import ModelSettingsTable
 
@@ -28,6 +29,8 @@ class ProxyState:
     readiness: Readiness = field(default_factory=Readiness)
     # where the proxy's API is reached (for /v1/aegaeon/services); set when it listens
     url: str | None = None
+    # Ollama's keep_alive of each model (the requests' last word)
+    keep_alive: KeepAlive = field(default_factory=KeepAlive)
 
     @classmethod
     def create(cls, config: Config, backend: Backend) -> ProxyState:
@@ -36,6 +39,7 @@ class ProxyState:
         state.readiness.set_ready()  # the front is; the backend's readiness is its own
         backend.register_metrics(state.metrics.registry)
         engine = backend if isinstance(backend, EngineStats) else None
+        state.keep_alive.attach(backend, state.models)
         state.metrics.vllm_gauges.attach(state.models.names, engine, config.dtype)
         return state
 

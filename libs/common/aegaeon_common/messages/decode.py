@@ -8,6 +8,7 @@ from aegaeon_common.messages.prefill import (
     CancelRequest,
     EnqueuePrefill,
     ProxyStarted,
+    SetModelAwake,
     Shutdown,
 )
 from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
@@ -63,12 +64,13 @@ class RunRequest(Message, frozen=True):
 
 DECODE_CHANNEL = Channel(
     "proxy->decode",
-    [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel, ProxyStarted],
+    [EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel, ProxyStarted,
+     SetModelAwake],
 )
 
 # A hybrid instance: a prefill instance that decodes when it has no prefill work.
 HYBRID_CHANNEL = Channel(
     "proxy->hybrid",
     [EnqueuePrefill, EnqueueDecode, RunRequest, CancelRequest, Shutdown, AckDrain, AddModel,
-     ProxyStarted],
+     ProxyStarted, SetModelAwake],
 )

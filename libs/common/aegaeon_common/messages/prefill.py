@@ -82,6 +82,21 @@ class ProxyStarted(Message, frozen=True):
     proxy: int
 
 
+class SetModelAwake(Message, frozen=True):
+    """Sleep or wake one model on this instance's device (the proxy's ``/sleep`` and
+    ``/wake_up``, Ollama's ``keep_alive: 0``). ``awake=False``: drop it from the
+    device now (its prefetch cancelled, or scaled down as the active model) unless
+    work of it is queued here, which needs it; its bytes stay in the host Model
+    Cache. ``awake=True``: switch it in now if the instance has no work, else
+    prefetch it behind the active model. Answered with ``ModelsResident``."""
+
+    TAG = "set_model_awake"
+    name: str
+    awake: bool
+    ticket: int = 0  # echoed in the answer
+
+
 PREFILL_CHANNEL = Channel(
-    "proxy->prefill", [EnqueuePrefill, CancelRequest, Shutdown, AckDrain, AddModel, ProxyStarted]
+    "proxy->prefill",
+    [EnqueuePrefill, CancelRequest, Shutdown, AckDrain, AddModel, ProxyStarted, SetModelAwake],
 )

@@ -109,6 +109,11 @@ class InstanceStats(Message, frozen=True):
     # Token velocity (TokenScale §III-B): tokens/s over 10 s by stage (arrival,
     # prefill, decode), as its /metrics exports them; the proxy sums the cluster's.
     velocity: dict[str, float] = msgspec.field(default_factory=dict)
+    # The models whose weights are on its device (active, being prefetched) and the
+    # switcher's count of changes to that set: a later report of an older count is
+    # stale (heartbeats and ModelsResident answers travel on different sockets).
+    resident_models: list[str] = msgspec.field(default_factory=list)
+    residency_version: int = 0
 
 
 class InstanceDraining(Message, frozen=True):
@@ -134,8 +139,20 @@ class InstanceModels(Message, frozen=True):
     latency: LatencyProfile | None = None
 
 
+class ModelsResident(Message, frozen=True):
+    """An instance's answer to ``SetModelAwake``: the models on its device after it
+    (as ``InstanceStats.resident_models``, with its ``residency_version``)."""
+
+    TAG = "models_resident"
+    kind: str
+    index: int
+    ticket: int
+    resident_models: list[str]
+    residency_version: int
+
+
 REPORT_CHANNEL = Channel(
     "instance->proxy",
     [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats, InstanceDraining,
-     InstanceModels],
+     InstanceModels, ModelsResident],
 )

@@ -33,6 +33,7 @@ from aegaeon_common.messages.prefill import (
     CancelRequest,
     EnqueuePrefill,
     ProxyStarted,
+    SetModelAwake,
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats
@@ -52,7 +53,7 @@ from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.turn import TurnRunner
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.metrics import InstanceLoad
-from aegaeon_runtime.models import add_model
+from aegaeon_runtime.models import add_model, set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_runtime.profile_cache import start_up_profile
@@ -125,6 +126,7 @@ class DecodeLoop:
             AckDrain: self.drain.on_ack,
             AddModel: self._on_add_model,
             ProxyStarted: self._on_proxy_started,
+            SetModelAwake: self._on_set_awake,
         }
         self._proxy = 0  # the proxy process that last said it started
 
@@ -174,6 +176,18 @@ class DecodeLoop:
     def _on_add_model(self, msg: Message) -> None:
         assert isinstance(msg, AddModel)
         self.outbox.send(add_model(self.worker, self.latency, msg))
+
+    def _on_set_awake(self, msg: Message) -> None:
+        """Sleep or wake a model here (applied between two steps: a batch of it in the
+        work list, which a turn in progress has, keeps it on the device)."""
+        assert isinstance(msg, SetModelAwake)
+
+        def busy(name: str) -> bool:
+            queued = self.prefill is not None and self.prefill.has_model(name)
+            return queued or any(batch.model == name for batch in self.work)
+
+        idle = not len(self.work) and not self._pending_prefill()
+        self.outbox.send(set_awake(self.worker, msg, busy, idle))
 
     def apply(self, msgs: list[Message]) -> None:
         for msg in msgs:

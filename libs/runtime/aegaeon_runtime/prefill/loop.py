@@ -38,6 +38,7 @@ from aegaeon_common.messages.prefill import (
     CancelRequest,
     EnqueuePrefill,
     ProxyStarted,
+    SetModelAwake,
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats, PrefillDone, RequestFailed
@@ -49,7 +50,7 @@ from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.handoffs import SentHandoffs
 from aegaeon_runtime.metrics import InstanceLoad
-from aegaeon_runtime.models import add_model
+from aegaeon_runtime.models import add_model, set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill.job import (
     Evict,
@@ -120,6 +121,7 @@ class PrefillLoop:
             AckDrain: self.drain.on_ack,
             AddModel: self._on_add_model,
             ProxyStarted: self._on_proxy_started,
+            SetModelAwake: self._on_set_awake,
         }
 
     # ---- the job queue (both roles) --------------------------------------------
@@ -158,6 +160,10 @@ class PrefillLoop:
 
     def pending(self) -> bool:
         return self.queue.peek() is not None
+
+    def has_model(self, name: str) -> bool:
+        """A queued job needs ``name``."""
+        return any(group.model == name for group in self.queue)
 
     def run_all(self) -> None:
         """Run every queued job, front group first (Algorithm 1, line 15), the
@@ -263,6 +269,10 @@ class PrefillLoop:
     def _on_add_model(self, msg: Message) -> None:
         assert isinstance(msg, AddModel)
         self.outbox.send(add_model(self.worker, self.latency, msg))
+
+    def _on_set_awake(self, msg: Message) -> None:
+        assert isinstance(msg, SetModelAwake)
+        self.outbox.send(set_awake(self.worker, msg, self.has_model, idle=not self.pending()))
 
     def stats(self) -> InstanceStats:
         """A prefill instance's heartbeat: its prefill counters only."""

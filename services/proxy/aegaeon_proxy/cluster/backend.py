@@ -35,6 +35,7 @@ from aegaeon_common.messages.report import (
     InstanceHello,
     InstanceModels,
     InstanceStats,
+    ModelsResident,
     PrefillDone,
     RequestFailed,
     StepTokens,
@@ -117,6 +118,7 @@ class ClusterBackend:
             RequestFailed: self._on_failed,
             InstanceDraining: self._on_draining,
             InstanceModels: self.models.on_instance_models,
+            ModelsResident: self.models.on_models_resident,
         }
 
     # ---- lifecycle ---------------------------------------------------------
@@ -188,6 +190,13 @@ class ClusterBackend:
 
     async def model_cache(self) -> dict[str, Any] | None:
         return await self.models.cache_stats()
+
+    # ---- sleep and wake (ModelResidency; cluster.models) -------------------------
+    async def set_model_awake(self, name: str, awake: bool) -> bool:
+        return await self.models.set_awake(name, awake)
+
+    def model_sleeping(self, name: str) -> bool:
+        return self.models.sleeping(name)
 
     # ---- requests ------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> TokenQueue:

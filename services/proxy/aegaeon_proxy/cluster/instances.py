@@ -44,6 +44,14 @@ class InstanceView:
     draining: bool = False  # announced a drain; back when a new pid says hello
     restart_by_s: float = 0.0  # (draining) down if no successor by then
     paused: bool = False  # the policy gives it no new work (draining or down)
+    # the models on its device and the instance's count of changes to them (-1: none
+    # heard from this process yet); an older report than the last one is stale
+    resident: tuple[str, ...] = ()
+    residency_version: int = -1
+
+    def note_residency(self, models: list[str], version: int) -> None:
+        if version >= self.residency_version:
+            self.resident, self.residency_version = tuple(models), version
 
     @property
     def incarnation(self) -> int:
@@ -112,6 +120,7 @@ class Instances:
         )
         if restarted:
             view.draining = False
+            view.resident, view.residency_version = (), -1  # a new process's count
         view.pid, view.hello, view.last_seen_s = msg.pid, msg, time.monotonic()
         return view, restarted
 
@@ -129,6 +138,7 @@ class Instances:
         if view is None or view.pid is None:
             return None
         view.stats, view.last_seen_s = msg, time.monotonic()
+        view.note_residency(msg.resident_models, msg.residency_version)
         for record in msg.switches:
             self.switches.append((view.name, record))
         for turn in msg.turns:

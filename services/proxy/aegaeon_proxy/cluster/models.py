@@ -1,4 +1,5 @@
-"""Models added and removed at run time, the cluster backend's half (model lifecycle).
+"""Models added and removed at run time, the cluster backend's half (model lifecycle);
+and models put to sleep and woken on the devices (``/sleep``, ``/wake_up``).
 
 The admin endpoints (``aegaeon_proxy.admin_models``) decide; this carries it
 out on one node: the cachemgr learns or forgets the model (``RegisterModel``,
@@ -9,6 +10,11 @@ model: the context bound) and the policy (the model's spec in the latency
 model, each decode instance's capacity). An instance or cachemgr that
 restarts comes back with the config file's models: a hello that lacks a
 model added here gets it again, and models removed here are forgotten again.
+
+A model sleeps when it is on no instance's device (the instances report the
+models on their device with every heartbeat and answer each
+``SetModelAwake``): sleeping sends it to every live instance, waking to the
+least busy prefill instance (where the model's next request starts).
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from aegaeon_common.messages.cache import (
     RegisterModel,
     SetModelFlags,
 )
-from aegaeon_common.messages.prefill import AddModel
-from aegaeon_common.messages.report import InstanceHello, InstanceModels
+from aegaeon_common.messages.prefill import AddModel, SetModelAwake
+from aegaeon_common.messages.report import InstanceHello, InstanceModels, ModelsResident
 from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import DecodeDispatcher, LatencyModel, Policy
@@ -45,6 +51,9 @@ CACHE_TIMEOUT_S = 10.0
 # every live instance serves an added model within this (it reads the model's
 # config between two steps; the weights come at its first switch)
 ADD_TIMEOUT_S = 60.0
+# an instance answers a sleep or a wake between two steps; a wake loads the weights
+# (from disk when the Model Cache does not hold them)
+AWAKE_TIMEOUT_S = 60.0
 
 # cachemgr ErrorReply codes -> (HTTP status, error code) of the admin endpoints
 _CACHE_ERRORS: dict[str, tuple[int, str]] = {
@@ -54,6 +63,13 @@ _CACHE_ERRORS: dict[str, tuple[int, str]] = {
 }
 
 __all__ = ["ClusterModels"]
+
+
+def _wake_rank(view: InstanceView) -> tuple[bool, int]:
+    """Prefill instances first (a model's next request starts there), least work first."""
+    stats = view.stats
+    work = stats.queued + stats.running if stats is not None else 0
+    return view.kind != "prefill", work
 
 
 def _cache_error(exc: RemoteError) -> BackendError:
@@ -83,6 +99,8 @@ class ClusterModels:
         self.removed: set[str] = set()  # configured models removed here
         self._sent: Counter[str] = Counter()  # AddModels sent, per instance
         self._answers: Counter[str] = Counter()  # InstanceModels received, per instance
+        self._awake_sent: Counter[str] = Counter()  # SetModelAwakes sent, per instance
+        self._awake_answered: Counter[str] = Counter()  # the last ticket each answered
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -139,6 +157,57 @@ class ClusterModels:
 
     async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
         await self._call(SetModelFlags(name, pinned=pinned, preload=preload))
+
+    def sleeping(self, name: str) -> bool:
+        """``name`` is on no live instance's device (as they last reported)."""
+        return not any(name in v.resident for v in self.instances if v.pid is not None)
+
+    async def set_awake(self, name: str, awake: bool) -> bool:
+        """Sleep ``name`` on every live instance, or wake it on the least busy
+        prefill instance (none, if it is on a device already); returns once they
+        answered whether it sleeps now."""
+        live = [v for v in self.instances if v.pid is not None]
+        if not live:
+            raise BackendError.unavailable("no instance is up")
+        if awake:
+            if not self.sleeping(name):
+                return False
+            targets = [min(live, key=_wake_rank)]
+        else:
+            targets = live
+        tickets = {}
+        for view in targets:
+            self._awake_sent[view.name] += 1
+            tickets[view.name] = self._awake_sent[view.name]
+            self._send(view.name, SetModelAwake(name, awake, tickets[view.name]))
+        await self._until(
+            lambda: [v.name for v in targets
+                     if v.pid is not None and self._awake_answered[v.name] < tickets[v.name]],
+            f"{'wake' if awake else 'sleep'} model '{name}'",
+        )  # fmt: skip
+        return self.sleeping(name)
+
+    async def _until(self, waiting: Callable[[], list[str]], what: str) -> None:
+        """Until ``waiting()`` names no instance (answers arrive), ``AWAKE_TIMEOUT_S``."""
+        deadline = asyncio.get_running_loop().time() + AWAKE_TIMEOUT_S
+        while names := waiting():
+            changed = self._changed
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await changed.wait()
+            except TimeoutError:
+                raise BackendError.unavailable(
+                    f"instances {', '.join(names)} did not {what} within {AWAKE_TIMEOUT_S:g} s"
+                ) from None
+
+    def on_models_resident(self, msg: ModelsResident) -> None:
+        view = self.instances.get(msg.kind, msg.index)
+        if view is None or view.pid is None:
+            return
+        view.note_residency(msg.resident_models, msg.residency_version)
+        self._awake_answered[view.name] = max(self._awake_answered[view.name], msg.ticket)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def cache_stats(self) -> dict[str, Any] | None:
         with contextlib.suppress(BackendError):
