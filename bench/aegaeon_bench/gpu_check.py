@@ -15,6 +15,11 @@ Three modes:
 - ``--dry-run`` (any CPU, CI): the same sequence on the CPU in seconds,
   offline, proving the plumbing.
 
+``--scenario paper`` runs the paper's comparison instead of the steps above
+(``gpu_check_paper``: real-shape models built on the machine, ``aegaeon`` vs
+the request-level baseline at rates from a capacity probe; ``--dry-run``
+too), with its ``paper`` section in the same JSON.
+
 A failed or timed-out step is recorded (status, duration, the tail of its
 stderr) and the next one still runs. Results: ``gpu-check.json`` (one object:
 the machine, each step's status, duration and parsed results, the
@@ -45,7 +50,7 @@ from aegaeon_bench.gpu_check_run import (
     processes_mentioning,
     shm_segments,
 )
-from aegaeon_bench.gpu_check_serve import ServePlan, run_serve_step
+from aegaeon_bench.gpu_check_serve import ServePlan, run_serve_step, start_mps, stop_mps
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".whl"
@@ -159,11 +164,12 @@ class Check:
         self.work = work
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        budget = args.budget_s or (DRY_BUDGET_S if self.dry else BUDGET_S)
+        budget = args.budget_s or default_budget_s(args.scenario, self.dry)
         self.started = time.time()
         self.runner = Runner(self.logs, time.monotonic() + budget, {}, ROOT, say=self.say)
         self.market = Path(args.market).resolve() if args.market else work / "market"
         self.site: Path | None = None
+        self.sections: dict[str, Any] = {}  # a scenario's own part of the JSON
 
     def say(self, message: str) -> None:
         print(message, flush=True)
@@ -276,26 +282,16 @@ class Check:
         if self.dry or shutil.which("nvidia-cuda-mps-control") is None:
             self.runner.skip("serve_mps", "dry run" if self.dry else "no nvidia-cuda-mps-control")
             return
-        mps = {"CUDA_MPS_PIPE_DIRECTORY": str(self.work / "mps-pipe"),
-               "CUDA_MPS_LOG_DIRECTORY": str(self.work / "mps-log")}  # fmt: skip
-        for path in mps.values():
-            Path(path).mkdir(parents=True, exist_ok=True)
-        env = {**self.runner.env, **mps}
-        import subprocess
-
-        started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, timeout=30,
-                                 capture_output=True, text=True, check=False)  # fmt: skip
-        if started.returncode != 0:
-            self.runner.skip("serve_mps", f"MPS did not start: {started.stderr.strip()}")
+        env, why = start_mps(self.runner.env, self.work)
+        if env is None:
+            self.runner.skip("serve_mps", why)
             return
         saved, self.runner.env = self.runner.env, env
         try:
             self.serve("serve_mps")
         finally:
             self.runner.env = saved
-            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=env, timeout=30,
-                           capture_output=True, text=True, check=False)  # fmt: skip
-            shutil.copytree(self.work / "mps-log", self.logs / "mps-log", dirs_exist_ok=True)
+            stop_mps(env, self.work, self.logs)
 
     def reserve(self) -> float:
         """Seconds kept for the serving step while earlier steps run."""
@@ -315,6 +311,13 @@ class Check:
         shm_before = shm_segments()
         self.install()
         self.runner.env = step_env(self.work, self.site, self.device)
+        if self.args.scenario == "paper":
+            from aegaeon_bench.gpu_check_paper import run_paper
+
+            self.sections["paper"] = run_paper(self.runner, self.work, self.market, self.dry,
+                                               self.device, self.args.paper_load_s)
+            self.leaks(shm_before)
+            return self.runner.results
         self.imports()
         self.probe()
         steps = {"gpu_tests": self.gpu_tests, "bench_engine": self.bench_engine,
@@ -336,14 +339,19 @@ class Check:
 
 
 def machine(results: list[StepResult]) -> dict[str, Any]:
-    """The GPU, driver and torch (from the probe, else the imports step)."""
+    """The GPU, driver and torch (from the probe, else the imports step or the paper
+    scenario's models step)."""
     probe = next((r.results for r in results if r.name == "probe"), None) or {}
     imports = next((r.results for r in results if r.name == "imports"), None) or {}
+    models = next((r.results for r in results if r.name == "paper_models"), None) or {}
+    probe = probe or {**(models.get("machine") or {}), "torch": models.get("torch"),
+                      "torch_cuda": models.get("torch_cuda")}
     smi = probe.get("nvidia_smi") or {}
-    gpu = probe.get("gpu") or {}
+    gpu = probe.get("gpu") or models.get("gpu") or {}
     return {
         "gpu": gpu.get("name") or smi.get("name"), "driver": smi.get("driver_version"),
-        "gpu_memory_bytes": gpu.get("memory_bytes"), "capability": gpu.get("capability"),
+        "gpu_memory_bytes": gpu.get("memory_bytes") or gpu.get("total_bytes"),
+        "capability": gpu.get("capability"),
         "pcie": (f"gen {smi['pcie.link.gen.current']} x{smi['pcie.link.width.current']}"
                  if "pcie.link.gen.current" in smi else None),
         "torch": probe.get("torch") or imports.get("torch"), "cuda": probe.get("torch_cuda"),
@@ -370,12 +378,22 @@ def write_outputs(out: Path, check: Check, results: list[StepResult]) -> Path:
         and any(r.status == "ok" for r in results),
         "machine": machine(results), "highlights": highlights(results),
         "steps": [r.to_dict() for r in results],
+        "scenario": check.args.scenario, **check.sections,
     }  # fmt: skip
     path = out / "gpu-check.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     (check.logs / "gpu-check.json").write_text(path.read_text())
     pack_logs([check.logs], out / "gpu-check-logs.tar.gz")
     return path
+
+
+def default_budget_s(scenario: str, dry: bool) -> float:
+    if scenario == "paper":
+        from aegaeon_bench.gpu_check_paper import BUDGET_S as PAPER_S
+        from aegaeon_bench.gpu_check_paper import DRY_BUDGET_S as PAPER_DRY_S
+
+        return PAPER_DRY_S if dry else PAPER_S
+    return DRY_BUDGET_S if dry else BUDGET_S
 
 
 def default_out() -> Path:
@@ -391,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--prepare", action="store_true",
                       help="fetch the wheels into .whl/ and print the device invocation")
     mode.add_argument("--dry-run", action="store_true", help="the sequence on the CPU, fast")
+    parser.add_argument("--scenario", choices=("default", "paper"), default="default",
+                        help="default: the steps below; paper: K real-shape models on the "
+                        "device, aegaeon vs the request-level baseline at rates from a "
+                        "capacity probe, the artifact's SLO (aegaeon_bench.gpu_check_paper)")
     parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else "
                         "runs/gpu-check-<time>)")
     parser.add_argument("--device", default="cuda", help="the GPU (default cuda)")
@@ -405,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
                         help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
+    parser.add_argument("--paper-load-s", type=float, default=20.0,
+                        help="--scenario paper: seconds of arrivals per rate (default 20)")
     parser.add_argument("--profile-s", type=float, default=0.0,
                         help="py-spy each worker this long during a serving step (needs py-spy "
                         "in .whl/ or on PATH; default 0: off)")

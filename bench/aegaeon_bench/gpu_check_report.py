@@ -73,6 +73,21 @@ def _serve(r: dict[str, Any]) -> Any:
     }  # fmt: skip
 
 
+def _paper_models(r: dict[str, Any]) -> Any:
+    choice = r.get("choice") or {}
+    return {"models": [m.get("preset") for m in r.get("models") or []],
+            "bytes": sum(int(m.get("bytes") or 0) for m in r.get("models") or []),
+            "binding": choice.get("binding"), "build_s": r.get("build_s")}  # fmt: skip
+
+
+def _paper_node(r: dict[str, Any]) -> Any:
+    return {"startup_s": r.get("startup_s"), "stop_s": r.get("stop_s"),
+            "service_errors": len(r.get("service_errors") or []),
+            "leaked_processes": len(r.get("leaked_processes") or []),
+            "leaked_shm": len(r.get("leaked_shm") or []),
+            "stopped_early": r.get("stopped_early")}  # fmt: skip
+
+
 def _leaks(r: dict[str, Any]) -> Any:
     return {"processes": len(r.get("processes") or []),
             "new_shm_segments": len(r.get("new_shm_segments") or [])}
@@ -81,7 +96,8 @@ def _leaks(r: dict[str, Any]) -> Any:
 _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
     "bench_engine": _engine, "bench_switch": _switch, "serve": _serve, "serve_mps": _serve,
-    "leaks": _leaks,
+    "leaks": _leaks, "paper_models": _paper_models, "paper_aegaeon": _paper_node,
+    "paper_request-level": _paper_node,
 }  # fmt: skip
 
 
@@ -111,6 +127,52 @@ def print_summary(summary: dict[str, Any]) -> None:
             print(f"--- {step['name']} ({step['status']}):")
             print(str(step["error"])[-ERROR_LINES_CHARS:])
     print("highlights: " + json.dumps(_rounded(summary.get("highlights")), default=str))
+    if summary.get("paper"):
+        print_paper(summary["paper"])
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * float(value):.1f}%"
+
+
+def _rate(entry: dict[str, Any]) -> str:
+    value, kind = entry.get("rps_per_model"), entry.get("kind")
+    if value is None:
+        bound = entry.get("upper_bound")
+        return f"< {bound:.4g}" if bound is not None else "none"
+    return f"{'>= ' if kind == 'at_least' else ''}{value:.4g}"
+
+
+def print_paper(paper: dict[str, Any]) -> None:
+    """The paper scenario's table: attainment per rate and policy, the sustainable rates
+    and their ratio, models per GPU, switches and memory."""
+    slo = paper.get("slo") or {}
+    gpu = (paper.get("gpu") or {}).get("name") or (paper.get("plan") or {}).get("device")
+    print(f"paper: {paper.get('models_per_gpu')} models on one {gpu} "
+          f"({(paper.get('model_bytes_total') or 0) / 1e9:.1f} GB of weights), TTFT "
+          f"{slo.get('ttft_s')} s / TPOT {1000 * float(slo.get('tbt_s') or 0):.0f} ms"
+          + (f" ({slo['scaled']})" if slo.get("scaled") else ""))
+    attainment = paper.get("attainment") or {}
+    policies = list(attainment)
+    rates = sorted({float(r) for p in policies for r in attainment[p]})
+    print(f"  {'RPS/model':>10}" + "".join(f"  {p:>14}" for p in policies))
+    for rate in rates:
+        cells = [attainment[p].get(f"{rate:.4g}") if f"{rate:.4g}" in attainment[p]
+                 else "n/a" for p in policies]  # fmt: skip
+        print(f"  {rate:10.4g}" + "".join(
+            f"  {c:>14}" if c == "n/a" else f"  {_pct(c):>14}" for c in cells))
+    sustainable = paper.get("sustainable") or {}
+    ratio = paper.get("ratio") or {}
+    value = ratio.get("value")
+    print("  sustainable at 90%: " + ", ".join(
+        f"{p} {_rate(v)}" for p, v in sustainable.items())
+        + f"; ratio {'-' if value is None else f'{value:.2f}x'} ({ratio.get('kind')})")
+    for policy, t in (paper.get("switches") or {}).items():
+        print(f"  {policy}: {t.get('switches')} switches ({t.get('prefetched')} prefetched), "
+              f"visible {t.get('visible_s')} s; device KV peak "
+              f"{_pct(t.get('device_kv_peak_share'))}; Model Cache "
+              f"{(t.get('model_cache_used_bytes') or 0) / 1e9:.2f} of "
+              f"{(t.get('model_cache_budget_bytes') or 0) / 1e9:.2f} GB")
 
 
 def _rounded(value: Any) -> Any:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,43 +159,90 @@ def run_serve_step(runner: Runner, market: Path, work: Path, plan: ServePlan,
     return runner.call(name, lambda result: _serve(runner, market, work, plan, result, name))
 
 
-def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
-           result: StepResult, name: str) -> None:
+@dataclass(frozen=True)
+class Load:
+    """One ``aegaeon bench serve`` run against a running node."""
+
+    num_models: int
+    rps: float  # per model
+    load_s: float
+    grace_s: float
+    ttft_s: float
+    tbt_s: float
+    input_scale: float
+    output_scale: float
+    seed: int = 0
+
+    @classmethod
+    def of(cls, plan: ServePlan) -> Load:
+        return cls(NUM_MODELS, plan.rps, plan.load_s, plan.grace_s, plan.ttft_s, plan.tbt_s,
+                   plan.scale, plan.scale)  # fmt: skip
+
+
+@dataclass
+class Node:
+    """One ``aegaeon serve`` of a step: started, driven one or more times, stopped and
+    checked. ``res`` collects what the step reports of it."""
+
+    runner: Runner
+    name: str
+    run_dir: Path
+    url: str
+    res: dict[str, Any]
+    proc: subprocess.Popen[bytes] | None = None
+    shm_before: frozenset[str] = frozenset()
+
+
+def start_node(runner: Runner, work: Path, config: dict[str, Any], name: str,
+               startup_s: float) -> tuple[Node, str | None]:
+    """``aegaeon serve`` with ``config`` (its ``run_dir`` and proxy port set here) as
+    step ``name``'s node; the node and None once it serves, else why not (stop it
+    either way)."""
     run_dir = (work / f"{name}-run").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    config = serve_config(market, run_dir, port, plan)
+    config = {**config, "run_dir": str(run_dir),
+              "proxy": {**(config.get("proxy") or {}), "host": "127.0.0.1", "port": port}}
     config_path = work / f"{name}-config.yaml"
     config_path.write_text(json.dumps(config, indent=1))
+    node = Node(runner, name, run_dir, f"http://127.0.0.1:{port}",
+                {"config": config, "url": f"http://127.0.0.1:{port}"},
+                shm_before=frozenset(shm_segments()))  # fmt: skip
     out, err = runner.logs / f"{name}.out", runner.logs / f"{name}.err"
-    result.logs = [out.name, err.name, f"{name}-bench.out", f"{name}-bench.err", f"{name}-run/"]
-    res: dict[str, Any] = {"config": config, "url": f"http://127.0.0.1:{port}"}
-    result.results = res
-    shm_before = shm_segments()
     argv = [sys.executable, "-m", "aegaeon_cli.main", "serve", "--config", str(config_path),
             "--run-dir", str(run_dir)]  # fmt: skip
     start = time.monotonic()
     with out.open("wb") as fout, err.open("wb") as ferr:
-        proc = subprocess.Popen(argv, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL,
-                                cwd=runner.cwd, env=dict(runner.env), start_new_session=True)
-    try:
-        problem = _wait_serving(proc, out, start + plan.startup_s)
-        res["startup_s"] = round(time.monotonic() - start, 2)
-        if problem is not None:
-            result.status, result.error = "failed", f"{problem}\n{tail(err, 1500)}"
-        else:
-            _drive(runner, market, plan, res, result, name)
-    finally:
-        _stop(proc, res)
-        res["service_errors"] = service_errors(run_dir)
-        res["leaked_processes"] = processes_mentioning(str(run_dir))
-        res["leaked_shm"] = sorted(shm_segments(shm_prefix(run_dir)) - shm_before)
-        res["gpu_processes_after"] = gpu_processes()
-        shutil.copytree(run_dir, runner.logs / f"{name}-run", dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("*.sock"))
+        node.proc = subprocess.Popen(argv, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL,
+                                     cwd=runner.cwd, env=dict(runner.env),
+                                     start_new_session=True)  # fmt: skip
+    problem = _wait_serving(node.proc, out, start + startup_s)
+    node.res["startup_s"] = round(time.monotonic() - start, 2)
+    if problem is not None:
+        problem = f"{problem}\n{tail(err, 1500)}"
+    return node, problem
+
+
+def stop_node(node: Node) -> list[str]:
+    """Ctrl-C the node and check that nothing outlived it; what was left behind."""
+    res = node.res
+    if node.proc is not None:
+        _stop(node.proc, res)
+    res["service_errors"] = service_errors(node.run_dir)
+    res["leaked_processes"] = processes_mentioning(str(node.run_dir))
+    res["leaked_shm"] = sorted(shm_segments(shm_prefix(node.run_dir)) - node.shm_before)
+    res["gpu_processes_after"] = gpu_processes()
+    shutil.copytree(node.run_dir, node.runner.logs / f"{node.name}-run", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.sock"))
+    return [k for k in ("leaked_processes", "leaked_shm") if res[k]]
+
+
+def judge_node(node: Node, result: StepResult, leaks: list[str]) -> None:
+    """The step fails on what the node left behind or a bad exit on Ctrl-C; a failed
+    step names the services' last errors."""
+    res = node.res
     if result.status != "ok" and res["service_errors"]:
         result.error = f"{result.error}\nservice errors:\n" + "\n".join(res["service_errors"][-3:])
-    leaks = [k for k in ("leaked_processes", "leaked_shm") if res[k]]
     if leaks and result.status == "ok":
         result.status, result.error = "failed", f"left behind: {', '.join(leaks)}"
     if result.status == "ok" and res.get("stop_returncode") not in (0, None):
@@ -202,27 +250,76 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
         result.error = f"aegaeon serve exited {res['stop_returncode']} on Ctrl-C"
 
 
-def _drive(runner: Runner, market: Path, plan: ServePlan, res: dict[str, Any],
+def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
            result: StepResult, name: str) -> None:
-    """``aegaeon bench serve`` against the running deployment; its JSON into ``res``."""
-    res["gpu_processes_serving"] = gpu_processes()
-    bench = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", res["url"],
-             "--models", str(NUM_MODELS), "--rps", str(plan.rps),
-             "--duration", str(plan.load_s), "--grace", str(plan.grace_s),
-             "--input-scale", str(plan.scale), "--output-scale", str(plan.scale),
-             "--ttft", str(plan.ttft_s), "--tbt", str(plan.tbt_s), "--market", str(market),
-             "--trace", str(runner.logs / f"{name}-trace.jsonl"), "--json", "--quiet"]
+    config = serve_config(market, work / f"{name}-run", 0, plan)
+    result.logs = [f"{name}.out", f"{name}.err", f"{name}-bench.out", f"{name}-bench.err",
+                   f"{name}-run/"]  # fmt: skip
+    node, problem = start_node(runner, work, config, name, plan.startup_s)
+    result.results = node.res
+    try:
+        if problem is not None:
+            result.status, result.error = "failed", problem
+        else:
+            node.res["gpu_processes_serving"] = gpu_processes()
+            profilers = start_profilers(runner, node.url, name, plan.profile_s)
+            bench = drive(runner, market, node.url, Load.of(plan), name)
+            node.res["profiles"] = finish_profilers(profilers)
+            node.res.update(bench)
+            if bench["bench_status"] != "ok":
+                result.status = "failed"
+                result.error = f"bench serve {bench['bench_status']}\n{bench['bench_error']}"
+    finally:
+        leaks = stop_node(node)
+    judge_node(node, result, leaks)
+
+
+def bench_serve_argv(url: str, market: Path, load: Load, trace: Path) -> list[str]:
+    """``aegaeon bench serve`` of ``load`` against ``url`` (JSON last, trace files)."""
+    return [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", url,
+            "--models", str(load.num_models), "--rps", f"{load.rps:.6g}",
+            "--duration", str(load.load_s), "--grace", str(load.grace_s),
+            "--input-scale", str(load.input_scale), "--output-scale", str(load.output_scale),
+            "--ttft", str(load.ttft_s), "--tbt", str(load.tbt_s), "--seed", str(load.seed),
+            "--market", str(market), "--trace", str(trace), "--json", "--quiet"]  # fmt: skip
+
+
+def drive(runner: Runner, market: Path, url: str, load: Load, name: str,
+          reserve_s: float = 40.0) -> dict[str, Any]:
+    """``aegaeon bench serve`` against the running node, as ``name`` (its stdout, stderr
+    and trace under the logs), ending ``reserve_s`` before the deadline at the latest (the
+    node's stop and the leak checks); its status, JSON and the engine's ms per decode
+    step."""
+    trace = runner.logs / f"{name}-trace.jsonl"
     out, err = runner.logs / f"{name}-bench.out", runner.logs / f"{name}-bench.err"
-    # its stop and the leak checks still fit before the deadline
-    bench_s = max(min(plan.load_s + plan.grace_s + 60, runner.left_s() - 40), 10.0)
-    profilers = start_profilers(runner, res["url"], name, plan.profile_s)
-    status, code = runner.spawn(bench, out, err, bench_s)
-    res["profiles"] = finish_profilers(profilers)
-    res["bench_status"], res["bench_returncode"] = status, code
-    res["bench"] = last_json_line(out)
-    res["engine_ms_per_step"] = engine_ms_per_step(runner.logs / f"{name}-trace.jsonl.stats.json")
-    if status != "ok":
-        result.status, result.error = "failed", f"bench serve {status}\n{tail(err)}"
+    bench_s = max(min(load.load_s + load.grace_s + 60, runner.left_s() - reserve_s), 10.0)
+    status, code = runner.spawn(bench_serve_argv(url, market, load, trace), out, err, bench_s)
+    return {"bench_status": status, "bench_returncode": code, "bench": last_json_line(out),
+            "bench_error": tail(err) if status != "ok" else None,
+            "engine_ms_per_step": engine_ms_per_step(Path(f"{trace}.stats.json"))}
+
+
+def start_mps(env: Mapping[str, str], work: Path) -> tuple[dict[str, str] | None, str]:
+    """One CUDA MPS server for the processes started with the environment it returns
+    (``env`` plus its pipe and log folders under ``work``); (None, why) when it did not
+    start."""
+    mps = {"CUDA_MPS_PIPE_DIRECTORY": str(work / "mps-pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(work / "mps-log")}  # fmt: skip
+    for path in mps.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    out = {**env, **mps}
+    started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=out, timeout=30,
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    if started.returncode != 0:
+        return None, f"MPS did not start: {started.stderr.strip()}"
+    return out, ""
+
+
+def stop_mps(env: Mapping[str, str], work: Path, logs: Path) -> None:
+    """Quit the MPS server of ``env`` (`start_mps`); its log joins the logs."""
+    subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=dict(env), timeout=30,
+                   capture_output=True, text=True, check=False)  # fmt: skip
+    shutil.copytree(work / "mps-log", logs / "mps-log", dirs_exist_ok=True)
 
 
 def _py_spy(runner: Runner) -> str | None:
