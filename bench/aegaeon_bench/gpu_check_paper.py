@@ -20,11 +20,16 @@ Steps (each recorded like the default check's, within ``--budget-s``):
    the run count or the time ends); the node idles between runs.
 3. ``paper_request-level``: the same node with the request-level baseline
    (every instance unified, requests bound to an instance), the same ladder.
+4. ``paper_predict`` (:mod:`aegaeon_sim.gpu_predict`): the simulator,
+   calibrated on the aegaeon node's measured costs (copy GB/s, per-model
+   decode step and prefill times, switch and turn overheads), plays both
+   policies at every rate of the ladder on the same requests.
 
 The ``paper`` section of ``gpu-check.json``: the machine and the choice,
 models per GPU, the capacity probe, attainment per policy and rate, the
 sustainable rate at 90% per policy and their ratio (a bound when a crossing
-was not bracketed), switches and their visible time, KV and Model Cache use.
+was not bracketed), switches and their visible time, KV and Model Cache use,
+and the prediction beside the measurement (``predicted``).
 ``--dry-run``: tiny
 versions of the same presets on the CPU, lengths and TTFT scaled (the JSON
 says how), a short load per rate.
@@ -102,6 +107,7 @@ class PaperPlan:
     start_multiplier: float
     max_runs: int  # per policy
     fallback_unit_rps: float  # per model, when the probe measured nothing
+    predict_s: float  # kept for the simulator's prediction at the end
     seed: int = 0
 
     def load(self, num_models: int, rps: float, probe: bool = False) -> Load:
@@ -119,7 +125,7 @@ def gpu_plan(device: str, load_s: float) -> PaperPlan:
                      input_scale=1.0, output_scale=1.0, slo_note=None, probe_load_s=12.0,
                      probe_grace_s=10.0, load_s=load_s, grace_s=25.0, startup_s=150.0,
                      multipliers=LADDER, start_multiplier=1.0, max_runs=4,
-                     fallback_unit_rps=0.05)  # fmt: skip
+                     fallback_unit_rps=0.05, predict_s=40.0)  # fmt: skip
 
 
 DRY_PLAN = PaperPlan(
@@ -129,6 +135,7 @@ DRY_PLAN = PaperPlan(
     "TTFT scaled with the outputs (10 s x 0.1 = 1 s), TPOT the paper's 100 ms",
     probe_load_s=3.0, probe_grace_s=4.0, load_s=4.0, grace_s=6.0, startup_s=90.0,
     multipliers=LADDER, start_multiplier=1.0, max_runs=2, fallback_unit_rps=0.5,
+    predict_s=20.0,
 )  # fmt: skip
 
 
@@ -195,6 +202,7 @@ class PaperScenario:
         self.startup_s: list[float] = []
         self.mps = False
         self.mps_note = ""
+        self.predicted: dict[str, Any] | None = None
 
     # ---- steps ---------------------------------------------------------------------
     def run(self) -> None:
@@ -214,6 +222,7 @@ class PaperScenario:
             if env is not None:
                 stop_mps(env, self.work, self.runner.logs)
         self.mps_note = mps_why
+        self.predict()
 
     def build_models(self) -> bool:
         plan = self.plan
@@ -238,13 +247,13 @@ class PaperScenario:
         return start_mps(self.runner.env, self.work)
 
     def reserve_s(self, policies_left: int) -> float:
-        """Seconds the policies still to run need at the least: a start, the probe (when
-        none ran), one run, a stop."""
+        """Seconds the policies still to run need at the least (a start, the probe when
+        none ran, one run, a stop), and the prediction after them."""
         plan = self.plan
         start = max(self.startup_s, default=plan.startup_s / 3)
         probe = 0.0 if self.ladder else plan.probe_load_s + plan.probe_grace_s
         one = start + probe + plan.load_s + plan.grace_s + 2 * STOP_RESERVE_S
-        return policies_left * one
+        return policies_left * one + plan.predict_s
 
     def serve_policy(self, policy: str, result: StepResult) -> None:
         plan = self.plan
@@ -336,6 +345,28 @@ class PaperScenario:
                         f"{point.get('requests')} requests")  # fmt: skip
         return point
 
+    def predict(self) -> None:
+        """``aegaeon_sim.gpu_predict``: the simulator calibrated on the aegaeon node (its
+        last run's stats hold every switch, turn and request timing of the node; its
+        profiles the copy rate), both policies at every rate of the ladder."""
+        node = next((p for p in POLICIES if self.runs[p]), None)
+        if node is None:
+            self.runner.skip("paper_predict", "no run to calibrate the simulator on")
+            return
+        inputs = self.work / "paper-predict.json"
+        inputs.write_text(json.dumps({
+            "logs": str(self.runner.logs), "calibration_trace": self.runs[node][-1]["trace"],
+            "calibration_config": f"paper_{node}-run/config.yaml", "plan": asdict(self.plan),
+            "ladder": self.ladder, "policies": list(POLICIES),
+            "runs": {p: [{"rps_per_model": r["rps_per_model"],
+                          "slo_attainment": r["slo_attainment"]} for r in runs]
+                     for p, runs in self.runs.items()},
+        }))  # fmt: skip
+        argv = [sys.executable, "-m", "aegaeon_sim.gpu_predict", str(inputs), "--json"]
+        result = self.runner.command("paper_predict", argv, 4 * self.plan.predict_s,
+                                     parse=lambda out, _err: last_json_line(out))
+        self.predicted = result.results
+
     # ---- the JSON section ----------------------------------------------------------
     def section(self) -> dict[str, Any]:
         plan = self.plan
@@ -365,6 +396,7 @@ class PaperScenario:
             "sustainable": sustainable, "ratio": ratio,
             "switches": {p: totals(runs) for p, runs in self.runs.items()},
             "runs": self.runs,
+            "predicted": self.predicted,
         }  # fmt: skip
 
 

@@ -154,19 +154,29 @@ def print_paper(paper: dict[str, Any]) -> None:
           + (f" ({slo['scaled']})" if slo.get("scaled") else ""))
     attainment = paper.get("attainment") or {}
     policies = list(attainment)
-    rates = sorted({float(r) for p in policies for r in attainment[p]})
-    print(f"  {'RPS/model':>10}" + "".join(f"  {p:>14}" for p in policies))
-    for rate in rates:
-        cells = [attainment[p].get(f"{rate:.4g}") if f"{rate:.4g}" in attainment[p]
-                 else "n/a" for p in policies]  # fmt: skip
-        print(f"  {rate:10.4g}" + "".join(
-            f"  {c:>14}" if c == "n/a" else f"  {_pct(c):>14}" for c in cells))
+    predicted = {p: {f"{q['rps_per_model']:.4g}": q.get("predicted") for q in e["points"]}
+                 for p, e in ((paper.get("predicted") or {}).get("policies") or {}).items()}
+    keys = {r for p in policies for r in attainment[p]} | {r for p in predicted
+                                                           for r in predicted[p]}
+    columns = [(p, attainment[p]) for p in policies]
+    columns += [(f"{p} (sim)", predicted[p]) for p in policies if p in predicted]
+    print(f"  {'RPS/model':>10}" + "".join(f"  {name:>19}" for name, _ in columns))
+    for key in sorted(keys, key=float):
+        cells = [_pct(col[key]) if key in col else "" for _, col in columns]
+        print(f"  {key:>10}" + "".join(f"  {c:>19}" for c in cells))
     sustainable = paper.get("sustainable") or {}
     ratio = paper.get("ratio") or {}
     value = ratio.get("value")
     print("  sustainable at 90%: " + ", ".join(
         f"{p} {_rate(v)}" for p, v in sustainable.items())
         + f"; ratio {'-' if value is None else f'{value:.2f}x'} ({ratio.get('kind')})")
+    sim = paper.get("predicted") or {}
+    if sim.get("policies"):
+        sim_ratio = sim.get("ratio") or {}
+        value = sim_ratio.get("value")
+        print("  simulated: " + ", ".join(f"{p} {_rate(e['sustainable'])}"
+                                          for p, e in sim["policies"].items())
+              + f"; ratio {'-' if value is None else f'{value:.2f}x'} ({sim_ratio.get('kind')})")
     for policy, t in (paper.get("switches") or {}).items():
         print(f"  {policy}: {t.get('switches')} switches ({t.get('prefetched')} prefetched), "
               f"visible {t.get('visible_s')} s; device KV peak "

@@ -3,7 +3,8 @@
 Tiny versions of the real presets are written, both policies serve them on
 one node each, and the JSON carries the whole ``paper`` section: every
 policy's runs with attainment in [0, 1], a sustainable rate or the reason
-there is none, their ratio, switches and memory. Behaviour only: the CPU's
+there is none, their ratio, switches and memory, and the simulator's
+prediction beside each measured run. Behaviour only: the CPU's
 numbers say nothing about the GPU's (nor how fast this machine is).
 """
 
@@ -19,7 +20,8 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["install", "paper_models", "paper_aegaeon", "paper_request-level", "leaks"]
+STEPS = ["install", "paper_models", "paper_aegaeon", "paper_request-level", "paper_predict",
+         "leaks"]
 POLICIES = ("aegaeon", "request-level")
 MAX_FILES = 8  # what the device tool brings back from one run
 
@@ -68,6 +70,17 @@ def test_paper_dry_run_measures_both_policies(tmp_path: Path) -> None:
     ratio = paper["ratio"]
     assert isinstance(ratio["value"], float) or ratio["reason"]
 
+    # the simulator, calibrated on the aegaeon node, beside every measured run
+    predicted = paper["predicted"]
+    assert predicted["calibration"]["node"] == "aegaeon"
+    for policy in POLICIES:
+        points = {p["rps_per_model"]: p for p in predicted["policies"][policy]["points"]}
+        assert set(ladder) <= set(points)
+        assert all(0.0 <= p["predicted"] <= 1.0 for p in points.values())
+        for run in paper["runs"][policy]:
+            assert points[run["rps_per_model"]]["measured"] == run["slo_attainment"]
+        assert "kind" in predicted["policies"][policy]["sustainable"]
+
     files = sorted(p.name for p in out.iterdir())
     assert files == ["gpu-check-logs.tar.gz", "gpu-check.json"] and len(files) <= MAX_FILES
     with tarfile.open(out / "gpu-check-logs.tar.gz") as tar:
@@ -75,6 +88,7 @@ def test_paper_dry_run_measures_both_policies(tmp_path: Path) -> None:
     assert "logs/paper_aegaeon-run/proxy.log" in names
     assert any(n.startswith("logs/paper_request-level-r0-trace.jsonl") for n in names)
     assert "paper:" in proc.stdout and "sustainable at 90%" in proc.stdout
+    assert "simulated:" in proc.stdout
 
     work = next(line.split(" work in ")[1].strip() for line in proc.stdout.splitlines()
                 if " work in " in line)
