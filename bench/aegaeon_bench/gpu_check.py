@@ -427,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
                         help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
-    parser.add_argument("--paper-load-s", type=float, default=20.0,
-                        help="--scenario paper: seconds of arrivals per rate (default 20)")
+    parser.add_argument("--paper-load-s", type=float, default=15.0,
+                        help="--scenario paper: seconds of arrivals per rate (default 15)")
     parser.add_argument("--profile-s", type=float, default=0.0,
                         help="py-spy each worker this long during a serving step (needs py-spy "
                         "in .whl/ or on PATH; default 0: off)")

@@ -15,9 +15,11 @@ Steps (each recorded like the default check's, within ``--budget-s``):
    would be always busy (:func:`~aegaeon_bench.gpu_check_paper_stats.capacity_unit`);
    the rate ladder is that unit times :attr:`PaperPlan.multipliers`. Then
    open-loop ShareGPT-like loads (``bench serve``, the same seed at every
-   rate), from the ladder's start up while attainment holds 90% and down
-   while it does not, until the 90% crossing is bracketed (or the ladder,
-   the run count or the time ends); the node idles between runs.
+   rate), from the policy's start on the ladder (:data:`STARTS`: aegaeon at
+   twice the unit, the baseline at half) up while attainment holds 90% and
+   down while it does not, until the 90% crossing is bracketed (or the
+   ladder, the run count or the time ends: the first policy takes at most
+   half the runs the time holds); the node idles between runs.
 3. ``paper_request-level``: the same node with the request-level baseline
    (every instance unified, requests bound to an instance), the same ladder.
 4. ``paper_predict`` (:mod:`aegaeon_sim.gpu_predict`): the simulator,
@@ -104,7 +106,9 @@ class PaperPlan:
     grace_s: float
     startup_s: float
     multipliers: tuple[float, ...]
-    start_multiplier: float
+    # where each policy starts on the ladder (x the unit rate): near where the probe puts
+    # its crossing (the baseline's instances busy half the time; aegaeon twice the unit)
+    starts: tuple[tuple[str, float], ...]
     max_runs: int  # per policy
     fallback_unit_rps: float  # per model, when the probe measured nothing
     predict_s: float  # kept for the simulator's prediction at the end
@@ -117,15 +121,16 @@ class PaperPlan:
 
 
 LADDER = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+STARTS = (("aegaeon", 2.0), ("request-level", 0.5))
 
 
 def gpu_plan(device: str, load_s: float) -> PaperPlan:
     """The artifact's SLO and ShareGPT's lengths as they are."""
     return PaperPlan(device, max_models=8, build_budget_s=60.0, ttft_s=10.0, tbt_s=0.1,
-                     input_scale=1.0, output_scale=1.0, slo_note=None, probe_load_s=12.0,
-                     probe_grace_s=10.0, load_s=load_s, grace_s=25.0, startup_s=150.0,
-                     multipliers=LADDER, start_multiplier=1.0, max_runs=4,
-                     fallback_unit_rps=0.05, predict_s=40.0)  # fmt: skip
+                     input_scale=1.0, output_scale=1.0, slo_note=None, probe_load_s=8.0,
+                     probe_grace_s=12.0, load_s=load_s, grace_s=15.0, startup_s=150.0,
+                     multipliers=LADDER, starts=STARTS, max_runs=3,
+                     fallback_unit_rps=0.05, predict_s=20.0)  # fmt: skip
 
 
 DRY_PLAN = PaperPlan(
@@ -134,8 +139,7 @@ DRY_PLAN = PaperPlan(
     slo_note="dry run: tiny models on a CPU; prompts x0.25 and outputs x0.1 of ShareGPT's, "
     "TTFT scaled with the outputs (10 s x 0.1 = 1 s), TPOT the paper's 100 ms",
     probe_load_s=3.0, probe_grace_s=4.0, load_s=4.0, grace_s=6.0, startup_s=90.0,
-    multipliers=LADDER, start_multiplier=1.0, max_runs=2, fallback_unit_rps=0.5,
-    predict_s=20.0,
+    multipliers=LADDER, starts=STARTS, max_runs=2, fallback_unit_rps=0.5, predict_s=20.0,
 )  # fmt: skip
 
 
@@ -200,6 +204,7 @@ class PaperScenario:
         self.ladder: list[float] = []
         self.runs: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
         self.startup_s: list[float] = []
+        self.stop_s: list[float] = []
         self.mps = False
         self.mps_note = ""
         self.predicted: dict[str, Any] | None = None
@@ -230,8 +235,8 @@ class PaperScenario:
                 str(self.market), "--device", plan.device, "--max-models", str(plan.max_models),
                 "--budget-s", str(plan.build_budget_s), "--json",
                 *(("--tiny",) if self.tiny else ())]  # fmt: skip
+        # nothing runs without the models: their cap is theirs, what is left the runs'
         result = self.runner.command("paper_models", argv, plan.build_budget_s * 2 + 60,
-                                     reserve_s=self.reserve_s(len(POLICIES)),
                                      parse=lambda out, _err: last_json_line(out))  # fmt: skip
         built = result.results or {}
         self.built = built
@@ -246,14 +251,26 @@ class PaperScenario:
             return None, "no nvidia-cuda-mps-control"
         return start_mps(self.runner.env, self.work)
 
-    def reserve_s(self, policies_left: int) -> float:
-        """Seconds the policies still to run need at the least (a start, the probe when
-        none ran, one run, a stop), and the prediction after them."""
+    # ---- time: estimates from what already ran, else the plan's worst cases ----------
+    def run_estimate_s(self) -> float:
+        measured = [r["run_s"] for runs in self.runs.values() for r in runs]
+        return max(measured, default=self.plan.load_s + self.plan.grace_s + 5.0)
+
+    def stop_estimate_s(self) -> float:
+        return max(self.stop_s, default=STOP_RESERVE_S)
+
+    def node_estimate_s(self) -> float:
+        """A later node's start, its probe when none ran, and its stop."""
         plan = self.plan
+        probe = 0.0 if self.ladder else plan.probe_load_s + plan.probe_grace_s + 5.0
         start = max(self.startup_s, default=plan.startup_s / 3)
-        probe = 0.0 if self.ladder else plan.probe_load_s + plan.probe_grace_s
-        one = start + probe + plan.load_s + plan.grace_s + 2 * STOP_RESERVE_S
-        return policies_left * one + plan.predict_s
+        return start + probe + self.stop_estimate_s()
+
+    def runs_affordable(self, later: int) -> int:
+        """Runs the time left holds, this node's stop, the later nodes and the prediction
+        kept aside."""
+        fixed = self.stop_estimate_s() + later * self.node_estimate_s() + self.plan.predict_s
+        return max(int((self.runner.left_s() - fixed) // self.run_estimate_s()), 0)
 
     def serve_policy(self, policy: str, result: StepResult) -> None:
         plan = self.plan
@@ -271,24 +288,30 @@ class PaperScenario:
                 self.load_ladder(node, policy, result)
         finally:
             leaks = stop_node(node)
+            self.stop_s.append(float(node.res.get("stop_s") or 0.0))
         judge_node(node, result, leaks)
-        node.res.pop("config", None)  # the JSON keeps it once, in the paper section
+        node.res.pop("config", None)  # the logs keep it (RUN_DIR/config.yaml)
 
     def load_ladder(self, node: Node, policy: str, result: StepResult) -> None:
+        """The policy's runs up the ladder (module docstring). Each policy but the last
+        takes at most its share of the runs the time holds (at least one), keeping a
+        start, a run and a stop for each later one."""
         plan = self.plan
         if not self.ladder:
             self.probe(node)
         later = len(POLICIES) - 1 - POLICIES.index(policy)
+        share = -(-self.runs_affordable(later) // (later + 1)) if later else plan.max_runs
+        allowed = min(plan.max_runs, max(share, 1))
+        node.res["runs_allowed"] = allowed
         tried: dict[float, float | None] = {}
-        start = self.ladder[plan.multipliers.index(plan.start_multiplier)]
-        while len(tried) < plan.max_runs:
+        start = self.ladder[plan.multipliers.index(dict(plan.starts)[policy])]
+        while len(tried) < allowed:
             rate = next_rate(tried, self.ladder, start)
             if rate is None:
                 break
-            need = plan.load_s + plan.grace_s + STOP_RESERVE_S + self.reserve_s(later)
-            if self.runner.left_s() < need:
-                node.res["stopped_early"] = f"{self.runner.left_s():.0f} s left, a run needs " \
-                                            f"{need:.0f}"
+            if self.runs_affordable(later) < 1 + later:
+                node.res["stopped_early"] = (f"{self.runner.left_s():.0f} s left: no run "
+                                             "beside the later policies'")  # fmt: skip
                 break
             point = self.load_once(node, policy, rate, f"{result.name}-r{len(tried)}")
             tried[rate] = point["slo_attainment"]
@@ -324,6 +347,7 @@ class PaperScenario:
 
     def load_once(self, node: Node, policy: str, rate: float, name: str) -> dict[str, Any]:
         plan, k = self.plan, len(self.models)
+        started = time.monotonic()
         out = drive_load(self.runner, self.market, node.url, plan.load(k, rate), name,
                          STOP_RESERVE_S)
         files = run_files(self.runner.logs / f"{name}-trace.jsonl")
@@ -337,6 +361,7 @@ class PaperScenario:
             "trace": f"{name}-trace.jsonl",
         }  # fmt: skip
         point["idle_wait_s"] = wait_idle(node.url, IDLE_WAIT_S)
+        point["run_s"] = round(time.monotonic() - started, 2)
         self.runs[policy].append(point)
         attainment = point["slo_attainment"]
         self.runner.say(f"gpu-check: {policy} at {rate:.4g} RPS per model ({rate * k:.3g} in "

@@ -139,7 +139,9 @@ def run_files(trace: Path) -> dict[str, Any]:
 def engine_costs(files: Mapping[str, Any]) -> dict[str, Any]:
     """Per model, from the request timings inside the run's window: the median engine
     seconds per decode step (a request's decode time over its tokens after the first)
-    and per prompt token (its prefill compute over the trace's prompt length)."""
+    and per prompt token (its prefill compute over the trace's prompt length). ``*``:
+    the node's, for models no finished request measured: the median of the decode turns
+    in the window (engine time over steps) and the instances' prefill counters."""
     summary, stats = files.get("summary") or {}, files.get("stats") or {}
     start_s, end_s = float(summary.get("start_s", 0.0)), float(summary.get("end_s", math.inf))
     prompts = {str(r.get("server_id")): int(r.get("prompt_tokens") or 0)
@@ -156,22 +158,43 @@ def engine_costs(files: Mapping[str, Any]) -> dict[str, Any]:
         if tokens > 0 and compute:
             prefill.setdefault(model, []).append(float(compute) / tokens)
     models = sorted(set(steps) | set(prefill))
-    return {m: {"decode_s_per_step": _median(steps.get(m, [])),
-                "prefill_s_per_token": _median(prefill.get(m, [])),
-                "requests": max(len(steps.get(m, [])), len(prefill.get(m, [])))}
-            for m in models}  # fmt: skip
+    out: dict[str, Any] = {
+        m: {"decode_s_per_step": _median(steps.get(m, [])),
+            "prefill_s_per_token": _median(prefill.get(m, [])),
+            "requests": max(len(steps.get(m, [])), len(prefill.get(m, [])))}
+        for m in models
+    }  # fmt: skip
+    turns = [float(t["engine_s"]) / int(t["steps"])
+             for t in _in_window(stats.get("turns") or [], "start_s", start_s, end_s)
+             if t.get("steps")]  # fmt: skip
+    counters = [(i or {}).get("counters") or {}
+                for i in (stats.get("instance_stats") or {}).values()]  # fmt: skip
+    prefill_tokens = sum(float(c.get("prefill_tokens") or 0.0) for c in counters)
+    prefill_s = sum(float(c.get("prefill_s") or 0.0) for c in counters)
+    out["*"] = {"decode_s_per_step": _median(turns),
+                "prefill_s_per_token": prefill_s / prefill_tokens if prefill_tokens else None,
+                "turns": len(turns)}  # fmt: skip
+    return out
 
 
 def capacity_unit(costs: Mapping[str, Mapping[str, Any]], mean_prompt: float,
                   mean_output: float, num_models: int, num_instances: int) -> float | None:
     """Requests/s per model at which ``num_instances`` instances serving one request at a
     time would be busy all the time: ``num_instances / (num_models * T)``, ``T`` the mean
-    over models of prefill + decode of a mean request (null without measured costs)."""
+    over the measured models of prefill + decode of a mean request (a model's missing
+    cost: the node's, ``*``; null without any measured decode step)."""
+    node = costs.get("*") or {}
     times = []
-    for cost in costs.values():
-        step, token = cost.get("decode_s_per_step"), cost.get("prefill_s_per_token")
+    for model, cost in costs.items():
+        if model == "*":
+            continue
+        step = cost.get("decode_s_per_step") or node.get("decode_s_per_step")
+        token = cost.get("prefill_s_per_token") or node.get("prefill_s_per_token")
         if step is not None:
             times.append((token or 0.0) * mean_prompt + step * mean_output)
+    if not times and node.get("decode_s_per_step") is not None:
+        token = node.get("prefill_s_per_token") or 0.0
+        times.append(token * mean_prompt + node["decode_s_per_step"] * mean_output)
     if not times or num_models <= 0:
         return None
     return num_instances / (num_models * statistics.fmean(times))

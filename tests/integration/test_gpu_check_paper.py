@@ -64,8 +64,8 @@ def test_paper_dry_run_measures_both_policies(tmp_path: Path) -> None:
         assert sustainable["kind"] in ("interpolated", "at_least", "below", None)
         assert isinstance(sustainable["rps_per_model"], float) or sustainable["reason"]
         assert paper["switches"][policy]["switches"] >= 0
-    # both policies start at the same rate of the ladder
-    assert paper["runs"]["aegaeon"][0]["rps_per_model"] == \
+    # each policy starts where the probe puts its crossing: aegaeon above the baseline
+    assert paper["runs"]["aegaeon"][0]["rps_per_model"] > \
         paper["runs"]["request-level"][0]["rps_per_model"]
     ratio = paper["ratio"]
     assert isinstance(ratio["value"], float) or ratio["reason"]

@@ -165,6 +165,10 @@ def _run(tmp_path: Path) -> Path:
                       "at_s": 10.0}],  # before the run: not its
         "cache": {"model_cache": {"used_bytes": 300, "budget_bytes": 1000,
                                   "models": [{}, {}], "num_loads": 2}},
+        "turns": [{"start_s": 104.0, "engine_s": 0.4, "steps": 10},
+                  {"start_s": 20.0, "engine_s": 9.0, "steps": 10}],
+        "instance_stats": {"p0": {"counters": {"prefill_tokens": 200.0, "prefill_s": 0.6}},
+                           "d0": None},
     }  # fmt: skip
     Path(f"{trace}.stats.json").write_text(json.dumps(stats))
     samples = [{"used_bytes": 10, "capacity_bytes": 100, "devices": {"d0": {"kv_used_bytes": 5}}},
@@ -180,8 +184,14 @@ def test_a_runs_files(tmp_path: Path) -> None:
     assert costs["m0"] == {"decode_s_per_step": 0.05, "prefill_s_per_token": 0.002,
                            "requests": 1}  # the timing before the window left out
     assert costs["m1"]["decode_s_per_step"] == 0.1
+    # the node's: the turn in the window, the instances' prefill counters
+    assert costs["*"] == {"decode_s_per_step": 0.04, "prefill_s_per_token": 0.003, "turns": 1}
     # two instances always busy: 2 / (2 models x mean(0.002 x 100 + step x 10))
     assert capacity_unit(costs, 100, 10, 2, 2) == pytest.approx(2 / (2 * 0.95))
+    # a model without a decode measured takes the node's step
+    partial = {"m0": {"decode_s_per_step": None, "prefill_s_per_token": 0.002}, "*": costs["*"]}
+    assert capacity_unit(partial, 100, 10, 2, 2) == pytest.approx(2 / (2 * 0.6))
+    assert capacity_unit({"*": costs["*"]}, 100, 10, 2, 2) == pytest.approx(2 / (2 * 0.7))
     assert capacity_unit({}, 100, 10, 2, 2) is None
     point = run_point({"slo_attainment": 0.9, "requests": 2, "switches": 2}, files,
                       {"m0": 4 * GB, "m1": 2 * GB}, 2, 100)
