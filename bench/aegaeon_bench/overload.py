@@ -30,8 +30,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "overload", help="1x/2x/5x the sustainable rate: 429s, deadlines, goodput held",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--rps", type=float, required=True,
-                        help="requests/s per model the node sustains (1x)")
+    parser.add_argument("--rps", type=float,
+                        help="requests/s per model the node sustains (1x); or --clients")
+    parser.add_argument("--clients",
+                        help="instead of rates: closed-loop clients that ignore Retry-After, "
+                        "these counts in turn (e.g. 1,4,256; overload_clients.py)")
+    parser.add_argument("--model", help="with --clients: the model (default: the market's "
+                        "bench model)")
+    parser.add_argument("--warmup", type=float, default=15.0,
+                        help="with --clients: s of load before counting (15)")
+    parser.add_argument("--prompt-words", type=int, default=200,
+                        help="with --clients: words per prompt (200)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="with --clients: tokens per completion (64)")
     parser.add_argument("--multiples", default="1,2,5", help="rates to run, x --rps (1,2,5)")
     parser.add_argument("--models", type=int, default=4, help="first M models (4)")
     parser.add_argument("--duration", type=float, default=60.0, help="s of arrivals per rate")
@@ -177,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_bench.serve_workload import model_limits
     from aegaeon_bench.sweep_node import NodeError, slo_config, start_node
 
+    if (args.rps is None) == (args.clients is None):
+        print("aegaeon bench overload: give --rps (open-loop rates) or --clients "
+              "(closed-loop clients)", file=sys.stderr)  # fmt: skip
+        return 2
     multiples = [float(x) for x in args.multiples.split(",") if x.strip()]
     market = (args.market or default_market_dir()).resolve()
     if args.config is None and not (market / "market.json").exists():
@@ -188,6 +203,12 @@ def run(args: argparse.Namespace) -> int:
     except NodeError as exc:
         print(f"aegaeon bench overload: {exc}", file=sys.stderr)
         return 1
+
+    if args.clients is not None:
+        try:
+            return _run_clients(args, node, market)
+        finally:
+            node.stop()
 
     async def main() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
@@ -221,6 +242,38 @@ def run(args: argparse.Namespace) -> int:
         and all(r["holdings_after"]["open_requests"] == 0 for r in rows),
     }  # fmt: skip
     print(format_report(report))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if args.json:
+        print(json.dumps(report, default=str))
+    return 0 if report["ok"] else 1
+
+
+def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
+    """``--clients``: closed-loop client counts in turn on the started node."""
+    from aegaeon_common.process import run_fast
+    from aegaeon_market import default_bench_model
+
+    from aegaeon_bench.machine import machine_info
+    from aegaeon_bench.overload_clients import closed_loop, format_rows, summarize
+
+    counts = [int(x) for x in args.clients.split(",") if x.strip()]
+    if len(counts) < 2 or min(counts) < 1:
+        print("aegaeon bench overload: --clients needs two counts or more, each >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    model = args.model or default_bench_model(market).name
+    rows = []
+    for n in counts:
+        row = run_fast(closed_loop(node.url, model, n, duration_s=args.duration,
+                                   warmup_s=args.warmup, prompt_words=args.prompt_words,
+                                   max_tokens=args.max_tokens, seed=args.seed))  # fmt: skip
+        rows.append(row)
+        print(format_rows(summarize(rows)).splitlines()[-2], file=sys.stderr)
+    report = {**machine_info(), "model": model,
+              "settings": {k: v for k, v in vars(args).items() if k != "func"},
+              **summarize(rows)}  # fmt: skip
+    print(format_rows(report))
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     if args.json:

@@ -46,8 +46,9 @@ def hardened(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     admin_port = free_port()
     raw = default_config_dict(small_market, 0)
     first = json.loads((small_market / "market.json").read_text())["models"][0]["name"]
-    raw["proxy"] = {"admin_port": admin_port, "max_kv_blocks": 48, "read_timeout": 1.0,
-                    "write_timeout": 2.0, "send_buffer": "32KiB", "keepalive_timeout": 1.0,
+    raw["proxy"] = {"admin_port": admin_port, "max_kv_blocks": 48, "admission_wait": False,
+                    "read_timeout": 1.0, "write_timeout": 2.0, "send_buffer": "32KiB",
+                    "keepalive_timeout": 1.0,
                     "api_keys": [{"key": LIMITED, "models": [first]}]}  # fmt: skip
     config = base / "config.yaml"
     config.write_text(yaml.safe_dump(raw))

@@ -23,6 +23,7 @@ from aegaeon_proxy.backend import (
     TokenQueue,
     TokenStream,
 )
+from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +46,7 @@ class ScriptedBackend:
         self.step_s = 0.0
         self.burst = False  # push every chunk at once (a busy proxy finds them queued)
         self.hang = False  # send nothing until cancelled
+        self.hold = False  # hold each request for room (admission) until the test says
         self.refuse: BackendError | None = None
         self.is_ready = True
         self.submitted: list[GenerationRequest] = []
@@ -74,6 +76,8 @@ class ScriptedBackend:
             raise self.refuse
         self.submitted.append(req)
         queue = TokenQueue()
+        if self.hold:
+            queue.hold()
         self._queues[req.request_id] = queue
         task = asyncio.get_running_loop().create_task(self._play(queue, req))
         self._tasks.add(task)
@@ -81,6 +85,10 @@ class ScriptedBackend:
         return queue
 
     async def _play(self, queue: TokenQueue, req: GenerationRequest) -> None:
+        try:
+            await queue.admitted()
+        except BackendError:
+            return
         if self.hang:
             return
         ids = self.token_ids[: req.sampling.max_tokens]
@@ -247,6 +255,46 @@ def test_backend_refusals(proxy_market: Path) -> None:
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 503
         assert (await resp.json())["error"]["type"] == "service_unavailable"
+
+    run(proxy_market, scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_held_for_room_is_answered_once_admitted_or_refused(
+    proxy_market: Path, stream: bool
+) -> None:
+    """Past the admission bounds the backend holds a request; the front answers
+    nothing until then: a 200 once admitted, a 429 (not an SSE stream) if refused."""
+
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("a b", add_special_tokens=False)
+        backend.hold = True
+        body = {"model": MODEL, "prompt": "x", "stream": stream}
+
+        async def held() -> tuple[asyncio.Task[Any], TokenQueue]:
+            task = asyncio.create_task(client.post("/v1/completions", json=body))
+            while not backend.submitted or task.done():
+                assert not task.done(), "answered while held"
+                await asyncio.sleep(0.01)
+            queue = backend._queues[backend.submitted[-1].request_id]
+            await asyncio.sleep(0.05)
+            assert not task.done()  # still held: no status line yet
+            return task, queue
+
+        task, queue = await held()
+        queue.admit()
+        resp = await task
+        assert resp.status == 200
+        text = await resp.text()
+        assert ("data: [DONE]" in text) if stream else ("a b" in text), text
+        backend.submitted.clear()
+        task, queue = await held()
+        queue.refuse(BackendError.overloaded("no room before its TTFT", retry_after_s=2.0))
+        resp = await task
+        assert resp.status == 429 and resp.headers["Retry-After"] == "2"
+        error = (await resp.json())["error"]
+        assert error["code"] == "overloaded" and "no room" in error["message"]
+        assert client.server.app[STATE].metrics.num_open == 0
 
     run(proxy_market, scenario)
 

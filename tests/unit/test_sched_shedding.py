@@ -123,3 +123,23 @@ def test_a_request_cancelled_while_it_waits_never_expires() -> None:
     shed.decide(Request("a", "m", 0.0, 100, 10), Node(100).fits)
     assert shed.cancel("a")
     assert shed.next_expiry_s() is None and shed.expire(5.0) == []
+
+
+def test_with_wait_all_every_class_waits_and_room_goes_to_the_highest_first() -> None:
+    shed = Shedder(CLASSES, wait_all=True)
+    full = Node(200)
+    late_batch = _req("b", "batch", at=0.0)  # deadline 10 s
+    std = _req("s", "standard", at=1.0)  # deadline 3 s
+    urgent = _req("i", "interactive", at=2.0)  # deadline 3 s
+    assert [shed.decide(r, full.fits) for r in (late_batch, std, urgent)] == [Verdict.DEFER] * 3
+    node = Node(80)  # room for two requests of 10 under the whole bound
+
+    def fits_and_admit(request: Request, fraction: float) -> bool:
+        ok = node.fits(request, fraction)
+        node.held += 10 if ok else 0
+        return ok
+
+    assert [r.request_id for r in shed.release(fits_and_admit)] == ["i", "s"]
+    assert shed.next_expiry_s() == 10.0 and shed.expire(9.9) == []
+    assert [r.request_id for r in shed.expire(10.0)] == ["b"]
+    assert shed.refused == {"interactive": 0, "standard": 0, "batch": 1}

@@ -255,6 +255,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_kv_blocks: int | None = None
     max_kv_blocks_per_model: int | None = None
     retry_after_s: float = 1.0
+    # A request past the admission bounds (with SLO classes, its class's share of them)
+    # waits for room, earliest first-token deadline first and the highest class first,
+    # until that deadline (arrival + its TTFT), and only then is a 429 (true); or is a
+    # 429 at once unless its class defers (false; slo_classes.*.defer). Waiting keeps
+    # goodput when many clients ignore Retry-After: a refusal costs a parse and a
+    # tokenization, and a client that retries at once makes as many as the proxy answers.
+    admission_wait: bool = True
     # Slow clients: a request body must arrive within read_timeout, a write to a
     # client that does not read must complete within write_timeout (else cut).
     read_timeout_s: float = 30.0

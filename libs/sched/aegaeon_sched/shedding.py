@@ -54,14 +54,23 @@ class Verdict(Enum):
 
 
 class Shedder:
-    """See the module docstring."""
+    """See the module docstring.
 
-    def __init__(self, classes: SLOClasses, max_deferred: int = DEFAULT_MAX_DEFERRED) -> None:
+    ``wait_all``: every class waits for room past its fraction (until its
+    first-token deadline), not only the classes marked ``defer``. Each class
+    waits in its own line, earliest deadline first; room goes to the highest
+    class first, so a lower class at the head never holds a higher one back.
+    """
+
+    def __init__(self, classes: SLOClasses, max_deferred: int = DEFAULT_MAX_DEFERRED,
+                 *, wait_all: bool = False) -> None:  # fmt: skip
         if max_deferred < 0:
             raise ValueError("max_deferred must be >= 0")
         self.classes = classes
         self.max_deferred = max_deferred
-        self._heap: list[tuple[float, int, str]] = []  # (deadline, seq, request id)
+        self.wait_all = wait_all
+        # one line per class (by rank): (first-token deadline, seq, request id)
+        self._lines: list[list[tuple[float, int, str]]] = [[] for _ in classes.classes]
         self._deferred: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_deferred = 0  # ever
@@ -84,56 +93,64 @@ class Shedder:
     def fraction(self, request: Request) -> float:
         return self.classes.by_rank(request.priority).admit_fraction
 
+    def _waits(self, cls: SLOClass) -> bool:
+        return cls.defer or self.wait_all
+
+    def _line(self, cls: SLOClass) -> list[tuple[float, int, str]]:
+        line = self._lines[cls.rank]
+        while line and line[0][2] not in self._deferred:
+            heapq.heappop(line)  # cancelled while it waited
+        return line
+
     def decide(self, request: Request, fits: Fits) -> Verdict:
         """What becomes of an arriving request (a deferred one is kept here)."""
         cls = self.classes.by_rank(request.priority)
-        waiting = cls.defer and bool(self._deferred)
+        waiting = self._waits(cls) and bool(self._line(cls))  # it never overtakes its class
         if not waiting and fits(request, cls.admit_fraction):
             return Verdict.ADMIT
-        if cls.defer and len(self._deferred) < self.max_deferred:
+        if self._waits(cls) and len(self._deferred) < self.max_deferred:
             self._deferred[request.request_id] = request
             due = first_token_deadline_s(request, cls.ttft_s)  # its own TTFT, else its class's
-            heapq.heappush(self._heap, (due, next(self._seq),
-                                        request.request_id))  # fmt: skip
+            heapq.heappush(self._lines[cls.rank], (due, next(self._seq), request.request_id))
             self.num_deferred += 1
             return Verdict.DEFER
         self.refused[cls.name] += 1
         return Verdict.REFUSE
 
     def release(self, fits: Fits) -> list[Request]:
-        """Room was freed: the deferred requests that fit now, earliest deadline first;
-        the first that does not fit stops the release (they leave in order)."""
+        """Room was freed: the deferred requests that fit now, the highest class first,
+        each class earliest deadline first; a class's first that does not fit stops
+        that class (its requests leave in order)."""
         out: list[Request] = []
-        while self._heap:
-            _, _, request_id = self._heap[0]
-            request = self._deferred.get(request_id)
-            if request is None:  # cancelled while it waited
-                heapq.heappop(self._heap)
-                continue
-            if not fits(request, self.fraction(request)):
-                break
-            heapq.heappop(self._heap)
-            del self._deferred[request_id]
-            out.append(request)
+        for cls in self.classes.classes:
+            line = self._line(cls)
+            while line:
+                request = self._deferred[line[0][2]]
+                if not fits(request, cls.admit_fraction):
+                    break
+                heapq.heappop(line)
+                del self._deferred[request.request_id]
+                out.append(request)
+                line = self._line(cls)
         return out
 
     def expire(self, now_s: float) -> list[Request]:
         """The deferred requests whose first-token deadline passed while they waited
         (it can no longer be met): out of the wait, for the caller to refuse."""
         out: list[Request] = []
-        while self._heap and self._heap[0][0] <= now_s:
-            _, _, request_id = heapq.heappop(self._heap)
-            request = self._deferred.pop(request_id, None)
-            if request is not None:  # (None: cancelled while it waited)
-                self.refused[self.classes.by_rank(request.priority).name] += 1
-                out.append(request)
+        for cls in self.classes.classes:
+            line = self._line(cls)
+            while line and line[0][0] <= now_s:
+                _, _, request_id = heapq.heappop(line)
+                out.append(self._deferred.pop(request_id))
+                self.refused[cls.name] += 1
+                line = self._line(cls)
         return out
 
     def next_expiry_s(self) -> float | None:
         """When the earliest deferred request's wait ends (None: nothing waits)."""
-        while self._heap and self._heap[0][2] not in self._deferred:
-            heapq.heappop(self._heap)  # cancelled while it waited
-        return self._heap[0][0] if self._heap else None
+        heads = [line[0][0] for cls in self.classes.classes if (line := self._line(cls))]
+        return min(heads, default=None)
 
     def cancel(self, request_id: str) -> bool:
         """The client went away while its request waited; ``False`` if it was not waiting."""

@@ -109,6 +109,9 @@ class TokenStream(Protocol):
     def __aiter__(self) -> AsyncIterator[TokenChunk]: ...
     async def __anext__(self) -> TokenChunk: ...
     def ready(self) -> bool: ...
+    async def admitted(self) -> None:
+        """Return once the backend admitted the request (it may hold it for room
+        first); raise :class:`BackendError` if it refused it after all."""
 
 
 class BackendError(Exception):
@@ -236,6 +239,8 @@ class TokenQueue:
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._closed = False  # a finishing chunk was pushed
         self._done = False  # the finishing chunk was read
+        self._held: asyncio.Future[None] | None = None  # waiting for room (admission)
+        self._refused: BackendError | None = None
 
     @property
     def finished(self) -> bool:
@@ -246,7 +251,31 @@ class TokenQueue:
             return
         if chunk.finish_reason is not None:
             self._closed = True
+            self.admit()  # ended while it waited (cancelled, failed): read how
         self._queue.put_nowait(chunk)
+
+    def hold(self) -> None:
+        """The backend holds the request until there is room for it (admission): the
+        front answers once it is admitted (:meth:`admit`) or refused (:meth:`refuse`)."""
+        self._held = self._loop.create_future()
+
+    def admit(self) -> None:
+        if self._held is not None and not self._held.done():
+            self._held.set_result(None)
+
+    def refuse(self, error: BackendError) -> None:
+        """Its wait ended without room: :meth:`admitted` raises ``error`` (a 429)."""
+        self._refused = error
+        self._closed = True
+        self.admit()
+
+    async def admitted(self) -> None:
+        """Return once the request was admitted (at once unless held); raise the
+        :class:`BackendError` it was refused with."""
+        if self._held is not None:
+            await asyncio.shield(self._held)
+        if self._refused is not None:
+            raise self._refused
 
     def ready(self) -> bool:
         """A chunk can be read without waiting."""

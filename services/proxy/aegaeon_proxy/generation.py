@@ -112,6 +112,21 @@ class Generation:
             model, self.prompt_tokens, self.req.sampling.max_tokens, self._start
         )
 
+    async def admitted(self) -> None:
+        """Wait while the backend holds the request for room (past the admission bounds);
+        a 429 :class:`APIError` if its wait ended without room, a 504 at its deadline."""
+        assert self._stream is not None, "submit() first"
+        try:
+            async with asyncio.timeout_at(self._loop_deadline()):
+                await self._stream.admitted()
+        except TimeoutError:
+            raise await self._deadline_passed() from None
+        except BackendError as exc:
+            self._open = False
+            self.outcome = "rejected"
+            raise APIError(exc.status, exc.message, code=exc.code,
+                           retry_after_s=exc.retry_after_s) from None
+
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
     ) -> AsyncGenerator[str, None]:
@@ -159,13 +174,16 @@ class Generation:
             async with asyncio.timeout_at(self._loop_deadline()):
                 return await anext(stream)
         except TimeoutError:
-            self.outcome = "timeout"
-            await self.close()
-            raise APIError(
-                504, f"the request's deadline passed ({self._timeout_s:g} s after it arrived; "
-                "the request's `timeout` or the server's proxy.request_timeout)",
-                code="deadline_exceeded",
-            ) from None
+            raise await self._deadline_passed() from None
+
+    async def _deadline_passed(self) -> APIError:
+        self.outcome = "timeout"
+        await self.close()
+        return APIError(
+            504, f"the request's deadline passed ({self._timeout_s:g} s after it arrived; "
+            "the request's `timeout` or the server's proxy.request_timeout)",
+            code="deadline_exceeded",
+        )
 
     def _loop_deadline(self) -> float:
         loop = asyncio.get_running_loop()

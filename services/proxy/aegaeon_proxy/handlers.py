@@ -169,6 +169,7 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
     """Validate, tokenize, submit, and answer in one piece or as SSE."""
     params, gen = await _prepare(request, endpoint)
     try:
+        await gen.admitted()  # past the admission bounds it waits for room, or is a 429
         if params.stream:
             return await _stream(request, gen, params, endpoint.shapes)
         return await _respond(gen, endpoint.shapes)

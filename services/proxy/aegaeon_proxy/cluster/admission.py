@@ -213,6 +213,10 @@ class ClassAdmission:
 
         return self.shedder.release(fits_and_admit)
 
+    def expire(self, now_s: float) -> list[Request]:
+        """Deferred requests whose wait ended (their first-token deadline passed)."""
+        return self.shedder.expire(now_s) if self.shedder is not None else []
+
     def cancel(self, request_id: str) -> bool:
         """A deferred request went away (``False``: it was not waiting)."""
         return self.shedder.cancel(request_id) if self.shedder is not None else False

@@ -92,10 +92,20 @@ class ClusterBackend:
                                          "report_errors": 0}  # fmt: skip
         # SLO classes: under overload the lowest class is deferred or refused first
         # (aegaeon_sched.shedding); None with classes off (one class, fraction 1.0)
+        # With proxy.admission_wait a request past the bounds (its class's share of them)
+        # waits its turn until its first-token deadline instead of a 429 at once; classes
+        # off: one class at the whole bounds.
         self.shedder: Shedder | None = None
+        wait = config.proxy.admission_wait
         if config.slo_classes.enabled:
+            max_deferred = config.slo_classes.max_deferred
+            if wait:  # as many as may be open
+                max_deferred = max(max_deferred, config.proxy.max_queued_requests)
             self.shedder = Shedder(class_table(config, config.slo.ttft_s, config.slo.tbt_s),
-                                   config.slo_classes.max_deferred)  # fmt: skip
+                                   max_deferred, wait_all=wait)  # fmt: skip
+        elif wait:
+            self.shedder = Shedder.one_class(config.slo.ttft_s, config.slo.tbt_s,
+                                             config.proxy.max_queued_requests)  # fmt: skip
         self._releasing = False
         # token velocity and, with roles.enabled, prefill/decode role switching
         if config.roles.enabled and not config.role_switching:
@@ -237,6 +247,7 @@ class ClusterBackend:
         self.roles.arrived(time.monotonic(), sched.prompt_len)
         if verdict is Verdict.DEFER:  # it waits here for room (Shedder.release)
             tracked.deferred = True
+            tracked.queue.hold()  # the front answers once it is admitted or refused
             self.counters["deferred"] += 1
             log.debug("request_deferred", request_id=req.request_id, model=req.model,
                       slo_class=req.slo_class)  # fmt: skip
@@ -249,6 +260,7 @@ class ClusterBackend:
         assert self.policy is not None and self.gate is not None
         if not admitted:
             self.gate.admit(tracked.sched)
+        tracked.queue.admit()
         self._actions.run(self.policy.on_arrival(tracked.sched, time.time()))
 
     def _release_deferred(self) -> None:
@@ -461,6 +473,25 @@ class ClusterBackend:
             for view in self.instances.newly_dead():
                 self._instance_down(view.name, "its heartbeat stopped")
             self._release_deferred()  # (room is freed by events; this is a safety net)
+            self._expire_deferred()
+
+    def _expire_deferred(self) -> None:
+        """Deferred requests whose first-token deadline passed while they waited: they
+        can no longer meet it, and are refused now (429, Retry-After)."""
+        if self.gate is None:
+            return
+        for sched in self.gate.expire(time.time()):
+            tracked = self.requests.pop(sched.request_id, None)
+            if tracked is None:
+                continue
+            self._forget(sched.request_id)
+            self.counters["rejected"] += 1
+            tracked.queue.refuse(BackendError.overloaded(
+                f"the node had no room for this request within its time to first token "
+                f"({sched.ttft_s or self.config.slo.ttft_s:g} s; it waited for room at the "
+                "admission bounds); retry later",
+                retry_after_s=self.config.proxy.retry_after_s,
+            ))  # fmt: skip
 
     async def _watch(self, view: InstanceView) -> None:
         """An instance whose process ended (its command socket disconnected) is down
