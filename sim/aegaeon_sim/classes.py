@@ -3,8 +3,8 @@
 Nothing here decides anything the services decide differently: a request's
 class is resolved into its own targets as the proxy does
 (:meth:`aegaeon_sched.SLOClasses.default` of the deployment's SLO); admission
-is the proxy's own :class:`~aegaeon_proxy.cluster.admission.AdmissionControl`
-with the bounds it derives (:func:`~aegaeon_proxy.cluster.admission.derive_bounds`);
+is the proxy's own :class:`~aegaeon_sched.admission.AdmissionControl`
+with the bounds it derives (:func:`~aegaeon_sched.admission.derive_bounds`);
 who is admitted, deferred or refused is :class:`aegaeon_sched.Shedder`'s call.
 :class:`AdmissionGate` only sits where the proxy sits, in front of the policy:
 
@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from aegaeon_proxy.cluster.admission import AdmissionControl, Bounds
 from aegaeon_sched import (
     SLO,
     Action,
@@ -43,6 +42,7 @@ from aegaeon_sched import (
     Verdict,
     summarize,
 )
+from aegaeon_sched.admission import AdmissionControl, Bounds
 
 
 def resolve(requests: Sequence[Request], classes: SLOClasses,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from aegaeon_bench.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
 from aegaeon_bench.workload_mix import Burst, Mix, assign_classes, generate_bursty
-from aegaeon_proxy.cluster.admission import Bounds, derive_bounds
 from aegaeon_sched import (
     ROUND_TTFT_FRACTION,
     SLO,
@@ -29,6 +28,7 @@ from aegaeon_sched import (
     make_policy,
     summarize,
 )
+from aegaeon_sched.admission import Bounds, derive_bounds
 from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
 
 from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve

@@ -20,11 +20,11 @@ from aegaeon_common.config import (
     SLOConfig,
 )
 from aegaeon_proxy.app import make_app
-from aegaeon_proxy.cluster.admission import AdmissionControl, Bounds, ClassAdmission
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.params import FIELDS, parse_common
 from aegaeon_proxy.slo_classes import class_table, resolve
 from aegaeon_sched import Request, Shedder, Verdict
+from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
 from aiohttp.test_utils import TestClient, TestServer
 from proxy_support import market_dir
 from test_proxy_app import ScriptedBackend

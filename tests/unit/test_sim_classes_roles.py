@@ -15,7 +15,6 @@ from aegaeon_bench.workload_mix import (
     parse_burst,
     parse_mix,
 )
-from aegaeon_proxy.cluster.admission import Bounds
 from aegaeon_sched import (
     Reject,
     Request,
@@ -23,6 +22,7 @@ from aegaeon_sched import (
     Shedder,
     SLOClasses,
 )
+from aegaeon_sched.admission import Bounds
 from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve
 from aegaeon_sim.roles_feed import Sample, absorb_times
 from aegaeon_sim.runner import Scenario, run_scenario

@@ -45,11 +45,11 @@ from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Request, Shedder, Verdict
+from aegaeon_sched.admission import AdmissionControl, ClassAdmission
 from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
-from aegaeon_proxy.cluster.admission import AdmissionControl, ClassAdmission
 from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
 from aegaeon_proxy.cluster.models import ClusterModels

@@ -12,8 +12,8 @@ from aegaeon_sched import (
     PolicyOptions,
     make_policy,
 )
+from aegaeon_sched.admission import Bounds, derive_bounds
 
-from aegaeon_proxy.cluster.admission import Bounds, derive_bounds
 from aegaeon_proxy.cluster.instances import Instances
 
 TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
@@ -81,7 +81,7 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
 
 def admission_bounds(config: Config, instances: Instances) -> Bounds:
     """``proxy.max_*`` bounds, the unset ones derived from the instances' hellos
-    (:func:`~aegaeon_proxy.cluster.admission.derive_bounds`)."""
+    (:func:`~aegaeon_sched.admission.derive_bounds`)."""
     proxy = config.proxy
     configured = Bounds(proxy.max_prefill_tokens, proxy.max_prefill_tokens_per_model,
                         proxy.max_kv_blocks, proxy.max_kv_blocks_per_model)  # fmt: skip

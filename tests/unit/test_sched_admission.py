@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from aegaeon_common.config import ConfigError, api_key_entries, config_from_dict
-from aegaeon_proxy.cluster.admission import AdmissionControl, Bounds, derive_bounds
+from aegaeon_sched.admission import AdmissionControl, Bounds, derive_bounds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

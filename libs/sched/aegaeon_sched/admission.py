@@ -23,7 +23,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from aegaeon_sched import Request, Shedder, Verdict
+from aegaeon_sched.request import Request
+from aegaeon_sched.shedding import Shedder, Verdict
 
 BLOCK_TOKENS = 16  # the engine's KV block size (aegaeon_engine.KVShape.block_size)
 
