@@ -90,11 +90,11 @@ def measure_worker(models: dict[str, Path], args: argparse.Namespace,
                    log: Log | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Steps 1-4 of the module docstring: per-model rows and run-wide figures."""
     from aegaeon_engine import ModelSpec, weight_layout
-    from aegaeon_runtime.rig import rig_sizes, switch_rig
 
     from aegaeon_bench.switch_check import check_switches
     from aegaeon_bench.switch_kvfrag import run_kv_workload
     from aegaeon_bench.switch_preempt import measure_switches
+    from aegaeon_bench.switch_rig import rig_sizes, switch_rig
     from aegaeon_bench.switch_scaleup import (
         PlainCopy,
         measure_scale_ups,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_bench.switch_check import check_switches, greedy_tokens
+from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
 from aegaeon_gpumem.cuda_copies import CudaCopyStream
 from aegaeon_runtime.cacheclient.client import to_event
-from aegaeon_runtime.rig import Rig, RigSizes, switch_rig
 from cachemgr_harness import checkpoint
 
 pytestmark = [

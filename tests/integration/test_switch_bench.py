@@ -12,11 +12,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from aegaeon_bench import switch_rig
 from aegaeon_cli.main import main
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_engine import ModelSpec, weight_layout
 from aegaeon_gpumem import list_segments
-from aegaeon_runtime import rig as switch_rig
 from cachemgr_harness import checkpoint
 
 SUMMARY_KEYS = {

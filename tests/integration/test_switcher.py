@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
 from aegaeon_engine import DecodeSeq
-from aegaeon_runtime.rig import Rig, RigSizes, switch_rig
 
 MiB = 1 << 20
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_bench.switch_check import greedy_tokens, reference_tokens
+from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
 from aegaeon_gpumem.shm import ShmRegion, unique_name
 from aegaeon_runtime.cacheclient.mapped import MappedModel
-from aegaeon_runtime.rig import Rig, RigSizes, switch_rig
 
 MiB = 1 << 20
 NAMES = ["llama-gqa-5m", "mistral-11m", "qwen2-19m"]

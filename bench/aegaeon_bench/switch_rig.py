@@ -30,7 +30,6 @@ import yaml
 from aegaeon_common.config import CacheConfig, Config, load_config
 from aegaeon_common.process import is_ready
 from aegaeon_gpumem import cleanup_prefix
-
 from aegaeon_runtime.worker import Worker
 
 T = TypeVar("T")
