@@ -94,7 +94,7 @@ def test_metadata_and_vocabulary(tmp_path: Path) -> None:
     assert field("qwen3.context_length") == spec.max_model_len
     tokens, merges = bpe()
     assert field("qwen3.vocab_size") == len(tokens) == spec.vocab_size
-    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "gpt2"
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "gpt-2"
     assert field("tokenizer.ggml.tokens") == tokens
     assert field("tokenizer.ggml.merges") == merges
     types = field("tokenizer.ggml.token_type")
@@ -143,7 +143,7 @@ def test_refuses_what_llama_cpp_is_not_given(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("name", "expected"), [
     ("qwen2", "qwen2"), ("llama3", "llama-bpe"), ("llama-bpe", "llama-bpe"),
-    ("smollm", "smollm"), ("gpt2", "gpt2"),
+    ("smollm", "smollm"), ("gpt2", "gpt-2"), ("gpt-2", "gpt-2"),
 ])
 def test_pre_tokenizer_names_invert_the_importers(name: str, expected: str) -> None:
     """The splitting rules the importer builds for a name are recognised as that name."""

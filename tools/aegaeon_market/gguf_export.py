@@ -157,7 +157,7 @@ def pre_tokenizer_name(tokenizer: dict[str, Any]) -> str:
     if kinds == ["Digits", "ByteLevel"]:
         return "smollm"
     if kinds == ["ByteLevel"]:
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's spelling (it refuses "gpt2")
     return "default"
 
 
