@@ -119,6 +119,7 @@ def _settings(
 
 def run(args: argparse.Namespace) -> int:
     import aiohttp
+    from aegaeon_common.market_index import MarketError
     from aegaeon_common.process import run_fast
     from aegaeon_sched.slo import SLO
     from tqdm import tqdm
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_bench.serve_output import print_result
     from aegaeon_bench.serve_run import RunOptions, run_load
     from aegaeon_bench.serve_trace import RunFiles, write_json, write_jsonl, write_trace
-    from aegaeon_bench.serve_workload import MarketError, model_limits, plan_requests
+    from aegaeon_bench.serve_workload import model_limits, plan_requests
     from aegaeon_bench.workload_mix import parse_burst, parse_mix
 
     try:

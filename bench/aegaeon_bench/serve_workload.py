@@ -23,16 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from aegaeon_common.market_index import MarketError, load_market
+
 from aegaeon_bench.workload import CONTEXT_LIMIT, WorkloadSpec, generate
 from aegaeon_bench.workload_mix import Burst, Mix, assign_classes, generate_bursty
 
 # Every byte-level tokenizer has at least 256 ids; 2048 tokens fit every model here.
 DEFAULT_VOCAB_SIZE = 256
 DEFAULT_WINDOW = 2048
-
-
-class MarketError(ValueError):
-    """The market directory given for the model limits cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +63,7 @@ class PlannedRequest:
 
 def _market_configs(market: Path) -> dict[str, Path]:
     """Model name -> its config.json, from the market's ``market.json``."""
-    manifest = market / "market.json"
-    try:
-        entries = json.loads(manifest.read_text())["models"]
-        return {str(e["name"]): market / str(e["path"]) / "config.json" for e in entries}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise MarketError(f"{manifest}: cannot read the models ({exc})") from None
+    return {e.name: e.path / "config.json" for e in load_market(market)}
 
 
 def _read_limits(config_path: Path) -> ModelLimits:

@@ -10,7 +10,6 @@ instances one per GPU and sizes them and the cachemgr from the machine
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from aegaeon_common.config import (
 )
 from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.logs import get_logger, setup_logging
+from aegaeon_common.market_index import load_market
 from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_proxy.main import add_api_key_args
 
@@ -63,9 +63,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _largest_model_bytes(market: Path) -> int:
     """Bytes of the market's largest model in the dtype it is served in."""
-    entries = json.loads((market / "market.json").read_text())["models"]
     itemsize = DTYPE_BYTES[market_dtype(market)]
-    return max(int(e["params"]) * itemsize for e in entries)
+    return max(e.params * itemsize for e in load_market(market))
 
 
 def default_config_dict(market: Path, port: int) -> dict[str, Any]:

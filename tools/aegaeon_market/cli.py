@@ -12,9 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+from aegaeon_common.market_index import MarketError
+
 from aegaeon_market.ladder import PROFILES
 from aegaeon_market.manifest import default_market_dir
-from aegaeon_market.plan import MarketError
 from aegaeon_market.presets import PRESETS, preset_named
 
 DTYPES = ("bfloat16", "float16", "float32")

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from aegaeon_common.dtypes import DTYPES
+from aegaeon_common.market_index import MarketError
 from tqdm import tqdm
 
 from aegaeon_market.families import FAMILIES
@@ -30,7 +31,7 @@ from aegaeon_market.manifest import (
     read_manifest,
     write_manifest,
 )
-from aegaeon_market.plan import MarketError, ModelPlan, plan_market
+from aegaeon_market.plan import ModelPlan, plan_market
 from aegaeon_market.wheel_models import DEFAULT_MODELS, FetchError, WheelModel
 from aegaeon_market.writer import tokenizer_json, write_model
 

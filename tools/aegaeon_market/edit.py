@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from aegaeon_common.market_index import MarketError
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
 from aegaeon_engine.spec import ModelSpec
 from tqdm import tqdm
 
 from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
-from aegaeon_market.plan import MarketError
 from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset
 from aegaeon_market.presets import PRESET_DTYPE, Preset
 from aegaeon_market.shapes import tensor_shapes

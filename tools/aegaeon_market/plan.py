@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from aegaeon_common.market_index import MarketError
+
 from aegaeon_market.ladder import PROFILES, Recipe
 from aegaeon_market.shapes import param_count, weight_seed
 
 ROLE_BENCH = "bench"
 
-
-class MarketError(ValueError):
-    """A market cannot be planned, written or read; the message says why."""
 
 
 @dataclass(frozen=True)

