@@ -33,20 +33,26 @@ of torch's float32 and the bench dtype's GEMM, ``peak_gflops_by_dtype``,
 and, per engine, its ``roofline``: prefill GFLOP/s and share of the peak,
 decode batch 1's GB/s of weights and share of the read bandwidth, batch 8's
 GFLOP/s and share of the peak, batch 8 over batch 1 (roofline.py).
-Each engine's numbers are medians over ``--repeats`` runs, ours and
-transformers' interleaved so a noisy neighbour hurts both alike; vLLM runs
-afterwards in a subprocess (``--vllm-python``, see scripts/install-vllm) and
-is reported as null when it is not installed. What each number means is in
-engine_runs.py and engine_vllm.py.
+Each engine's numbers are medians over ``--repeats`` runs, every engine's
+repeats interleaved so a noisy neighbour hurts all alike. The peers run in
+subprocesses of their own interpreters (engine_peers.py) and are null when not
+installed, with the reason in ``<peer>_error``: vLLM's CPU build
+(``--vllm-python``, scripts/install-vllm) on the checkpoint, llama.cpp
+(``--llamacpp-python``, scripts/install-llamacpp) on a GGUF file written from
+the checkpoint in the bench dtype (aegaeon_market.gguf_export: bf16 stays
+BF16), both with the bench's threads, cores, prompts and lengths.
+``ours_over_<peer>`` holds ours / the peer per number, ``<peer>_greedy_match``
+whether the peer's batch-8 greedy tokens equal ours (in bf16 a near tie may
+flip; ``<peer>_greedy_prefix_match`` is the share before the first flip) and
+``llamacpp_info`` llama.cpp's version, build flags and context settings. What
+each number means is in engine_runs.py, engine_vllm.py and engine_llamacpp.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 KEYS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8")
+PEERS = ("vllm", "llamacpp")  # engines in interpreters of their own (engine_peers.py)
+ENGINES = ("ours", "transformers", *PEERS)
 BATCH = 8
 # per level, the environment that caps torch (ATen kernels, oneDNN) to what such a CPU has
 # (MKL runs torch's float32 GEMMs: capped too, else an "AVX2" float32 matmul uses AVX-512)
@@ -70,7 +78,7 @@ EMULATE: dict[str, dict[str, str]] = {
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``engine`` benchmark parser."""
-    parser = sub.add_parser("engine", help="engine tokens/s vs transformers and vLLM",
+    parser = sub.add_parser("engine", help="engine tokens/s vs transformers, vLLM and llama.cpp",
                             description=__doc__)
     parser.add_argument("--model", help="checkpoint dir, or the name of a model of the market "
                         "(default: the market's bench model)")
@@ -86,8 +94,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--vllm-python", help="interpreter with vllm installed "
-                        "(default: this one if it can import vllm)")
+                        "(default: this one if it can import vllm; see scripts/install-vllm)")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--llamacpp-python", help="interpreter with llama_cpp installed "
+                        "(default: scripts/install-llamacpp's venv if there, else this one "
+                        "if it can import llama_cpp)")
+    parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--isa", choices=sorted(EMULATE),
                         help="our kernels' level, every engine capped to such a CPU "
@@ -146,84 +158,35 @@ def _pin(args: argparse.Namespace) -> str | None:
     return spec
 
 
-def _vllm_python(args: argparse.Namespace) -> str | None:
-    if args.no_vllm:
-        return None
-    if args.vllm_python:
-        return str(args.vllm_python)
-    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+def _start_peers(args: argparse.Namespace, result: dict[str, Any], prompts: list[list[int]],
+                 scratch: Path) -> dict[str, Any]:
+    """The peers' workers that started (name -> `PeerWorker`); why the others did not is in
+    ``result`` (``<name>_error``) and printed. llama.cpp gets the checkpoint as a GGUF file
+    in the bench dtype, written into ``scratch``."""
+    from aegaeon_bench.engine_peers import (
+        LLAMACPP,
+        VLLM,
+        peer_python,
+        start_peer,
+        write_peer_gguf,
+    )
 
-
-class VllmWorker:
-    """engine_vllm.py in a subprocess of another interpreter, one repeat per ``run``."""
-
-    def __init__(self, python: str, work: dict[str, Any]) -> None:
-        script = Path(__file__).with_name("engine_vllm.py")
-        # lives as long as the worker: its stderr, shown if it dies
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
-        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self._send(json.dumps(work))
-        self._receive()  # {"ready": true}
-        self.pause()
-
-    def _send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def _receive(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            self.log.seek(0)
-            raise RuntimeError(f"vllm worker exited ({self.proc.returncode}): "
-                               f"{self.log.read()[-2000:]}")
-        return dict(json.loads(line))
-
-    def run(self) -> dict[str, Any]:
-        """One repeat of the workload: tokens/s and the batch-8 greedy tokens."""
-        self._signal(signal.SIGCONT)
-        self._send("run")
-        try:
-            return self._receive()
-        finally:
-            self.pause()
-
-    def pause(self) -> None:
-        """Stop the worker between its repeats: an idle vLLM engine still burns a good
-        part of a core, which would be taken from the other engines' measurements."""
-        self._signal(signal.SIGSTOP)
-
-    def _signal(self, sig: signal.Signals) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def close(self) -> None:
-        self._signal(signal.SIGCONT)
-        if self.proc.poll() is None:
-            try:
-                self._send("quit")
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        self.log.close()
-
-
-def _start_vllm(args: argparse.Namespace, result: dict[str, Any],
-                prompts: list[list[int]]) -> tuple[VllmWorker | None, list[dict[str, Any]]]:
-    python = _vllm_python(args)
-    if python is None:
-        return None, []
-    work = {"model": result["model"], "dtype": result["dtype"], "threads": args.threads,
-            "cpus": result["cpus"], "prompts": prompts, "num_new": args.new_tokens}
-    try:
-        return VllmWorker(python, work), []
-    except (OSError, RuntimeError) as exc:
-        result["vllm_error"] = str(exc)
-        print(f"aegaeon bench engine: vllm unavailable: {exc}", file=sys.stderr)
-        return None, []
+    model_dir, dtype = Path(result["model"]), result["dtype"]
+    base = {"threads": args.threads, "cpus": result["cpus"], "prompts": prompts,
+            "num_new": args.new_tokens}
+    workers: dict[str, Any] = {}
+    python = None if args.no_vllm else peer_python(VLLM, args.vllm_python, result)
+    if python is not None:
+        work = {**base, "model": str(model_dir), "dtype": dtype}
+        workers[VLLM.name] = start_peer(VLLM, python, work, result)
+    python = None if args.no_llamacpp else peer_python(LLAMACPP, args.llamacpp_python, result)
+    gguf = None if python is None else write_peer_gguf(model_dir, dtype, scratch, result)
+    if python is not None and gguf is not None:
+        workers[LLAMACPP.name] = worker = start_peer(LLAMACPP, python,
+                                                     {**base, "gguf": str(gguf)}, result)
+        if worker is not None:
+            result["llamacpp_info"] = {k: v for k, v in worker.ready.items() if k != "ready"}
+    return {name: worker for name, worker in workers.items() if worker is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,37 +228,39 @@ def run(args: argparse.Namespace) -> int:
         "model": str(model_dir), "dtype": dtype, "compute_dtype": (
             engine.compute_dtype if dtype == "bfloat16" else dtype),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": BATCH,
-        "repeats": args.repeats, "cpus": cpus, "vllm": None,
+        "repeats": args.repeats, "cpus": cpus, **dict.fromkeys(PEERS),
         "native_kernels": engine.native_kernels,
         "isa_choice": runners["ours"].choice.report(),
         "device": args.device, "device_name": _device_name(args.device),
     }
     if args.device == "cpu":  # the core's limits, measured here, at these threads and caps
         result["machine"] = machine_limits(dtype)
-    vllm, vllm_runs = _start_vllm(args, result, prompts)
-    try:
-        for _ in range(args.repeats):  # interleaved rounds: every engine sees the same noise
-            for name, runner in runners.items():
-                runner.run(timings[name])
-            if vllm is not None:
-                vllm_runs.append(vllm.run())
-    except RuntimeError as exc:
-        result["vllm_error"] = str(exc)
-        print(f"aegaeon bench engine: {exc}", file=sys.stderr)
-        vllm_runs.clear()
-    finally:
-        if vllm is not None:
-            vllm.close()
+    with tempfile.TemporaryDirectory(prefix="aegaeon-engine-bench-") as scratch:
+        peers = _start_peers(args, result, prompts, Path(scratch))
+        peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
+        try:
+            for _ in range(args.repeats):  # interleaved rounds: every engine sees the same noise
+                for name, runner in runners.items():
+                    runner.run(timings[name])
+                for name, worker in list(peers.items()):
+                    try:
+                        peer_runs[name].append(worker.run())
+                    except RuntimeError as exc:
+                        result[f"{name}_error"] = str(exc)
+                        print(f"aegaeon bench engine: {exc}", file=sys.stderr)
+                        peer_runs[name].clear()
+                        peers.pop(name).close()
+        finally:
+            for worker in peers.values():
+                worker.close()
     for name in ("ours", "transformers"):
         result[name] = _medians(timings[name]) if name in timings else None
-    if vllm_runs:
-        result["vllm"] = {k: round(statistics.median(r[k] for r in vllm_runs), 1) for k in KEYS}
-        result["vllm_greedy_match"] = vllm_runs[-1]["tokens_b8"] == timings["ours"].tokens_b8
+    _peer_results(result, peer_runs, timings["ours"].tokens_b8)
     if "machine" in result:
         costs = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
         result["costs_per_token"] = costs
         result["roofline"] = {name: roofline(costs, result["machine"], result[name])
-                              for name in ("ours", "transformers", "vllm") if result.get(name)}
+                              for name in ENGINES if result.get(name)}
     hf = result["transformers"]
     result["decode_speedup_vs_transformers_b8"] = (
         round(result["ours"]["decode_tok_s_b8"] / hf["decode_tok_s_b8"], 2) if hf else None)
@@ -313,6 +278,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_results(result: dict[str, Any], peer_runs: dict[str, list[dict[str, Any]]],
+                  ours_b8: list[list[int]]) -> None:
+    """Each peer's medians (null when it did not run), ours over it, its greedy agreement."""
+    for name in PEERS:
+        runs = peer_runs.get(name)
+        if runs:
+            result[name] = {k: round(statistics.median(r[k] for r in runs), 1) for k in KEYS}
+            result[f"{name}_greedy_match"] = runs[-1]["tokens_b8"] == ours_b8
+            result[f"{name}_greedy_prefix_match"] = _prefix_share(runs[-1]["tokens_b8"], ours_b8)
+        peer = result.get(name)
+        result[f"ours_over_{name}"] = ({k: round(result["ours"][k] / peer[k], 2) for k in KEYS}
+                                       if peer else None)
+
+
 def _device_name(device: str) -> str | None:
     """The GPU's name for a CUDA device (None on the CPU)."""
     import torch
@@ -328,11 +307,18 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"{result['cpu_model']}, torch {result['torch']} (ATen {result['aten_capability']}); "
           f"ours on {result['isa']} kernels, arithmetic in {result['compute_dtype']}")
     print(f"{'engine':14}{'prefill':>12}{'decode b1':>12}{'decode b8':>12}")
-    for name in ("ours", "transformers", "vllm"):
+    for name in ENGINES:
         row = result.get(name)
         cells = [f"{row[k]:12.1f}" for k in KEYS] if row else [f"{'n/a':>12}"] * 3
         print(f"{name:14}{''.join(cells)}")
     print(f"decode speedup vs transformers at b8: {result['decode_speedup_vs_transformers_b8']}")
+    for name in PEERS:
+        ratios = result.get(f"ours_over_{name}")
+        if ratios:
+            shown = ", ".join(f"{k} {v}x" for k, v in ratios.items())
+            print(f"ours / {name}: {shown}; greedy tokens equal ours: "
+                  f"{result[f'{name}_greedy_match']} "
+                  f"({100 * result[f'{name}_greedy_prefix_match']:.0f}% before the first flip)")
     _print_roofline(result)
     print(f"greedy tokens (ours, batch 8) equal transformers' decoding each prompt alone, "
           f"in float32: {result['greedy_match']}")
