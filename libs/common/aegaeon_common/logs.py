@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -32,6 +33,28 @@ def _add_process_fields(
     for key, value in _PROCESS_FIELDS.items():
         event.setdefault(key, value)
     return event
+
+
+class _StderrLogger:
+    """structlog's print logger, to whatever ``sys.stderr`` is when a line is written,
+    and never raising: a closed or broken stream loses the line, not the work that
+    logged it (a load that logs its end must still end)."""
+
+    _lock = threading.Lock()
+
+    def msg(self, message: str) -> None:
+        try:
+            with self._lock:
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
+        except (OSError, ValueError):  # closed (a test's captured stream), or EPIPE
+            pass
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+def _stderr_logger(*_: Any) -> _StderrLogger:
+    return _StderrLogger()
 
 
 def setup_logging(service: str, level: str | None = None, json: bool | None = None) -> None:
@@ -57,7 +80,7 @@ def setup_logging(service: str, level: str | None = None, json: bool | None = No
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelName(level_name) if level_name in logging._nameToLevel else 20
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=True,
     )
     bind_process(service=service)
