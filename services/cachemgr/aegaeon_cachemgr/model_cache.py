@@ -245,6 +245,7 @@ class ModelCache:
         self.num_loads += 1
         self.load_s_total += load_s
         self.loaded_bytes_total += plan.nbytes
+        loading.done.set_result(entry)  # first: its waiters go on whatever follows
         log.info(
             "model_loaded",
             model=plan.name,
@@ -253,7 +254,6 @@ class ModelCache:
             load_s=round(load_s, 4),
             gb_per_s=round(plan.nbytes / max(load_s, 1e-9) / 1e9, 3),
         )
-        loading.done.set_result(entry)
         self._evict_if_forgotten(plan.name)
 
     @staticmethod
