@@ -9,17 +9,25 @@
 // row-major [O, I] as the checkpoint (and the engine's packed layout) stores
 // it: nothing is prepacked, so the weights stay views of caller-owned bytes.
 //
-// Algorithm (every level): the output is cut into tiles of 16 rows of w (the
-// parallel unit). Within a tile, x's rows go in blocks of NB and the tile's
-// rows in sub-blocks of R = kAcc / NB, so that kAcc accumulators (one register
-// each: 16 on AVX-512 and NEON, 8 on AVX2's 16 registers) hold partial dot
-// products of every (row, x row) pair while the inner loop walks I; they are
+// Algorithm (every level): the output is cut into tiles of kRowTile rows of w
+// (the parallel unit). Within a tile, x's rows go in blocks of NB (kBlockX: 4 in
+// AVX2's 16 registers, 8 in AVX-512's and NEON's 32; then 4, 2, 1) and the tile's
+// rows in blocks of R (block_rows(NB): 3 at NB 4 or 8), so that R * NB
+// accumulators hold partial dot products of every (row, x row) pair while the
+// inner loop walks I, each widened weight register feeding NB FMAs; they are
 // summed lane-wise with transposes (simd.h sum_lanes). Arithmetic is float32:
 // x is packed once per call as float32, and a bfloat16 weight is widened in
 // registers, 2 * kLanes elements per load split into even and odd elements
-// (a shift and a mask, no shuffle), x packed in that order. A ragged end of I
-// is read through a zeroed buffer. A single x row (batch 1) reads the weight
-// rows one after another instead (rows_one): one sequential stream.
+// (a shift and a mask, no shuffle), x packed in that order. The two halves go
+// one after the other, so only R weight registers are live beside the
+// accumulators and one of x (AVX2: 12 + 3 + 1 = 16; two live halves would leave
+// room for 8 accumulators, too few chains to keep both FMA ports busy at FMA
+// latency 4). Every pass prefetches each of its rows kAhead bytes ahead, so the
+// weight stream is spread over all passes of a tile (where only the first pass
+// fetched, it had to stream at twice the average rate and waited on memory).
+// A ragged end of I is read through a zeroed buffer. A single x row
+// (batch 1) reads the weight rows one after another instead (rows_one): one
+// sequential stream.
 //
 // Specialisations on the amx level (bfloat16 only): AMX tiles (I % 32 == 0,
 // O >= 16), else vdpbf16ps on bfloat16 x (32 exact products per instruction).
@@ -55,12 +63,21 @@
 
 namespace {
 
-constexpr int kTile = 16;   // output rows per parallel task
+constexpr int kTile = 16;   // output rows per parallel task (one x row; amx level)
 constexpr int kMaxRows = 16;  // x rows the kernel takes (decode batches)
 constexpr int kPrefetch = 1024;  // bytes ahead in a weight row (~1.1x on a cold stream)
 
 #if defined(AEGAEON_SIMD)
 using namespace aegaeon_simd;
+
+// Several x rows: x rows in blocks of kBlockX (4 in AVX2's 16 registers, 8 in 32)
+// against w rows in blocks of block_rows(NB): R * NB accumulators + R widened w + one
+// x in the registers (12 + 3 + 1 on AVX2, 24 + 3 + 1 on AVX-512 and NEON), at most 4
+// rows (their pointers stay in general registers).
+constexpr int kBlockX = kRegs >= 32 ? 8 : 4;
+constexpr int block_rows(int nb) { return std::min(4, (kRegs - 1) / (nb + 1)); }
+constexpr int64_t kRowTile = 24;  // w rows per parallel task: whole blocks of 2, 3 or 4
+constexpr int kAhead = 16384;  // bytes ahead in each row of a block, every pass
 
 struct LinearArgs {
   const void* w;
@@ -76,26 +93,22 @@ struct LinearArgs {
 template <typename T>
 struct Widen;
 
+// part<k>(p): register k of load(p) alone.
 template <>
 struct Widen<float> {
   static constexpr int kStep = kLanes, kVecs = 1;
-  template <bool kBusy>
   static void load(const float* p, VF* out) { out[0] = vload(p); }
+  template <int k>
+  static VF part(const float* p) { return vload(p); }
   static int slot(int i) { return i; }
 };
 
 template <>
 struct Widen<c10::BFloat16> {
   static constexpr int kStep = 2 * kLanes, kVecs = 2;
-  // kBusy: FMAs fill their ports (NB >= 4), the widening goes to other ports
-  template <bool kBusy>
-  static void load(const c10::BFloat16* p, VF* out) {
-    if constexpr (kBusy) {
-      vload_bf16_pairs_shuffled(p, out[0], out[1]);
-    } else {
-      vload_bf16_pairs(p, out[0], out[1]);
-    }
-  }
+  static void load(const c10::BFloat16* p, VF* out) { vload_bf16_pairs(p, out[0], out[1]); }
+  template <int k>
+  static VF part(const c10::BFloat16* p) { return k == 0 ? vload_bf16_even(p) : vload_bf16_odd(p); }
   static int slot(int i) { return (i & 1) * kLanes + i / 2; }  // even elements, then odd
 };
 
@@ -116,7 +129,7 @@ const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
     if (si == 1) {  // whole steps widened as the weight's are: Widen's order for free
       for (; c + W::kStep <= in; c += W::kStep) {
         VF v[W::kVecs];
-        W::template load<false>(row + c, v);
+        W::load(row + c, v);
         for (int k = 0; k < W::kVecs; ++k) vstore(dst + c + k * kLanes, v[k]);
       }
     }
@@ -129,77 +142,64 @@ const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
   return packed.data();
 }
 
-// The kAcc dot products of w rows o0 .. o0 + R (clamped to the last row) with x
-// rows n0 .. n0 + NB (packed, row length in_padded) into res[r * NB + n].
-template <typename T, int R, int NB>
-inline void dots(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o0,
-                 int64_t n0, float* res) {
+// The R * NB dot products of w rows wr[0 .. R) with x rows xr, xr + in_padded, ..
+// (NB of them, packed) into res[r * NB + n]. A step's kVecs parts go one at a time:
+// R registers of widened w, one of x, R * NB accumulators (kFetch: and the lines
+// kAhead bytes past each row's, one per cache line of it).
+template <typename T, int R, int NB, bool kFetch>
+inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_padded, float* res) {
   using W = Widen<T>;
-  static_assert(R * NB == kAcc, "kAcc accumulators");
-  const T* w = static_cast<const T*>(a.w);
-  VF acc[kAcc];
-  for (int i = 0; i < kAcc; ++i) acc[i] = vzero();
-  const T* wr[R];
-  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(o0 + r, a.rows - 1) * a.w_stride;
-  const float* xr = x + n0 * in_padded;
-  // Every row's widened step stays in registers while each x row's step is loaded
-  // once, when they fit (else x is re-read per row, from L1).
-  constexpr bool kHoldW = NB == 1 || (R + 1) * W::kVecs + kAcc <= kRegs;
-  auto step = [&](int64_t c, auto&& widen_row) {
-    if constexpr (kHoldW) {
-      VF wv[R][W::kVecs];
-      for (int r = 0; r < R; ++r) widen_row(r, wv[r]);
-      for (int n = 0; n < NB; ++n) {
-        VF xv[W::kVecs];
-        for (int k = 0; k < W::kVecs; ++k) xv[k] = vload(xr + n * in_padded + c + k * kLanes);
-        for (int r = 0; r < R; ++r) {
-          for (int k = 0; k < W::kVecs; ++k) {
-            acc[r * NB + n] = vfmadd(wv[r][k], xv[k], acc[r * NB + n]);
-          }
-        }
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        VF wv[W::kVecs];
-        widen_row(r, wv);
-        for (int n = 0; n < NB; ++n) {
-          for (int k = 0; k < W::kVecs; ++k) {
-            acc[r * NB + n] = vfmadd(wv[k], vload(xr + n * in_padded + c + k * kLanes),
-                                     acc[r * NB + n]);
-          }
-        }
-      }
+  VF acc[R * NB];
+  for (VF& v : acc) v = vzero();
+  auto part = [&](auto k_, const T* const* rows, int64_t c) {
+    constexpr int k = decltype(k_)::value;
+    VF wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = W::template part<k>(rows[r] + c);
+    for (int n = 0; n < NB; ++n) {
+      const VF xv = vload(xr + n * in_padded + c + k * kLanes);
+      for (int r = 0; r < R; ++r) acc[r * NB + n] = vfmadd(wv[r], xv, acc[r * NB + n]);
     }
   };
+  auto step = [&](const T* const* rows, int64_t c) {
+    part(std::integral_constant<int, 0>{}, rows, c);
+    if constexpr (W::kVecs == 2) part(std::integral_constant<int, 1>{}, rows, c);
+  };
+  constexpr int kLine = std::max<int>(1, 64 / static_cast<int>(W::kStep * sizeof(T)));  // steps
   int64_t c = 0;
-  for (; c + W::kStep <= a.in; c += W::kStep) {
-    step(c, [&](int r, VF* wv) {
-      // each row's stream kPrefetch bytes ahead (past its end: the next rows')
-      __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kPrefetch);
-      W::template load<(NB >= 4)>(wr[r] + c, wv);
-    });
+  for (; c + kLine * W::kStep <= in; c += kLine * W::kStep) {
+    if constexpr (kFetch) {
+      for (int r = 0; r < R; ++r) __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kAhead);
+    }
+    for (int j = 0; j < kLine; ++j) step(wr, c + j * W::kStep);
   }
-  if (c < a.in) {  // the ragged end through a zeroed buffer (x is zero-padded there)
-    const auto tail = static_cast<size_t>(a.in - c);
-    step(c, [&](int r, VF* wv) {
-      T buf[W::kStep] = {};
-      std::memcpy(buf, wr[r] + c, tail * sizeof(T));
-      W::template load<false>(buf, wv);
-    });
+  for (; c + W::kStep <= in; c += W::kStep) step(wr, c);
+  if (c < in) {  // the ragged end through zeroed buffers (x is zero-padded there)
+    T buf[R][W::kStep] = {};
+    const T* rows[R];
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(buf[r], wr[r] + c, static_cast<size_t>(in - c) * sizeof(T));
+      rows[r] = buf[r] - c;
+    }
+    step(rows, c);
   }
-  sum_lanes(acc, res);
+  sum_lanes<R * NB>(acc, res);
 }
 
-// Rows o0 .. o0 + kTile of out for x rows n0 .. n0 + NB.
-template <typename T, int NB>
-void tile_rows(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o0, int64_t n0) {
-  constexpr int R = kAcc / NB;
+// Rows [o0, o1) of out for x rows n0 .. n0 + NB, R rows of w at a time (a last
+// block past o1 repeats row o1 - 1, not stored).
+template <typename T, int NB, bool kFetch>
+void pass_rows(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o0, int64_t o1,
+               int64_t n0) {
+  constexpr int R = block_rows(NB);
+  const T* w = static_cast<const T*>(a.w);
   const T* bias = static_cast<const T*>(a.bias);
   T* out = static_cast<T*>(a.out);
-  for (int64_t s = o0; s < std::min(o0 + kTile, a.rows); s += R) {
-    alignas(64) float res[kAcc];
-    dots<T, R, NB>(a, x, in_padded, s, n0, res);
-    for (int r = 0; r < R && s + r < a.rows; ++r) {
+  for (int64_t s = o0; s < o1; s += R) {
+    const T* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(s + r, o1 - 1) * a.w_stride;
+    alignas(64) float res[(R * NB + kLanes - 1) / kLanes * kLanes];
+    dots<T, R, NB, kFetch>(wr, a.in, x + n0 * in_padded, in_padded, res);
+    for (int r = 0; r < R && s + r < o1; ++r) {
       const float b = bias ? static_cast<float>(bias[s + r]) : 0.f;
       for (int n = 0; n < NB; ++n) {
         out[(n0 + n) * a.out_stride_n + (s + r) * a.out_stride_o] = T(res[r * NB + n] + b);
@@ -225,7 +225,7 @@ void rows_one(const LinearArgs& a, const float* x, int64_t o0, int64_t o1) {
     for (auto& chain : acc) for (VF& v : chain) v = vzero();
     auto step = [&](int j, const T* wp, const float* xp) {
       VF wv[W::kVecs];
-      W::template load<false>(wp, wv);
+      W::load(wp, wv);
       for (int k = 0; k < W::kVecs; ++k) acc[j][k] = vfmadd(wv[k], vload(xp + k * kLanes), acc[j][k]);
     };
     int64_t c = 0;
@@ -251,22 +251,21 @@ void run_linear(const LinearArgs& a, const at::Tensor& x_in) {
   constexpr int kStep = Widen<T>::kStep;
   const int64_t num = x_in.size(0), in_padded = (a.in + kStep - 1) / kStep * kStep;
   const float* x = pack_x<T>(x_in, in_padded);  // this thread's buffer, not a worker's
-  const int64_t tiles = (a.rows + kTile - 1) / kTile;
   if (num == 1) {
-    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, (a.rows + kTile - 1) / kTile, 4, [&](int64_t begin, int64_t end) {
       rows_one<T>(a, x, begin * kTile, std::min(end * kTile, a.rows));
     });
     return;
   }
-  // x rows in blocks of NB = kBig, 4, 2, 1 (kAcc / NB rows of w per pass)
-  constexpr int kBig = kAcc >= 16 ? 8 : 4;  // AVX2: 4 x rows by 2 w rows (each w load, 4 FMAs)
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+  // per tile, x rows in blocks of kBlockX, then 4, 2, 1; every pass prefetches
+  at::parallel_for(0, (a.rows + kRowTile - 1) / kRowTile, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * kRowTile, o1 = std::min(o0 + kRowTile, a.rows);
       int64_t n0 = 0;
-      for (; n0 + kBig <= num; n0 += kBig) tile_rows<T, kBig>(a, x, in_padded, t * kTile, n0);
-      if (n0 + 4 <= num) { tile_rows<T, 4>(a, x, in_padded, t * kTile, n0); n0 += 4; }
-      if (n0 + 2 <= num) { tile_rows<T, 2>(a, x, in_padded, t * kTile, n0); n0 += 2; }
-      if (n0 < num) tile_rows<T, 1>(a, x, in_padded, t * kTile, n0);
+      for (; n0 + kBlockX <= num; n0 += kBlockX) pass_rows<T, kBlockX, true>(a, x, in_padded, o0, o1, n0);
+      if (kBlockX > 4 && n0 + 4 <= num) { pass_rows<T, 4, true>(a, x, in_padded, o0, o1, n0); n0 += 4; }
+      if (n0 + 2 <= num) { pass_rows<T, 2, true>(a, x, in_padded, o0, o1, n0); n0 += 2; }
+      if (n0 < num) pass_rows<T, 1, true>(a, x, in_padded, o0, o1, n0);
     }
   });
 }

@@ -10,7 +10,7 @@
 // The kernels are written once against F16 (elementwise work, attention: the
 // algorithm thinks in 16 lanes; on AVX2 and NEON each op is 2 or 4
 // instructions) and VF (the decode projection, whose register blocking
-// depends on the register width: kAcc accumulators of kLanes lanes).
+// depends on the register count kRegs: accumulators of kLanes lanes).
 // AVX512-BF16 / AMX specialisations stay in the kernels, under their macros.
 //
 // Everything here has internal linkage: the libraries of several levels are
@@ -46,7 +46,8 @@ namespace {
 // vfmadd(a, b, c) = a * b + c, fused. vload_bf16 widens kLanes bfloat16 (zero-extend,
 // shift left 16: bfloat16 is the top half of a float32). vload_bf16_pairs reads
 // 2 * kLanes bfloat16 as kLanes 32-bit words and splits them into the even elements
-// (low halves, shifted up) and the odd ones (high halves, masked): no shuffle.
+// (low halves, shifted up) and the odd ones (high halves, masked): no shuffle;
+// vload_bf16_even / _odd give one of the two (one register instead of two live).
 // bf16_bits(v): float32 -> bfloat16 rounding to nearest even as c10::BFloat16(float)
 // (NaN -> quiet NaN), the result in the high half of each 32-bit lane.
 
@@ -55,7 +56,6 @@ using VF = __m512;
 using VI = __m512i;
 constexpr int kLanes = 16;
 constexpr int kRegs = 32;
-constexpr int kAcc = 16;  // accumulators of the decode projection
 
 inline VF vzero() { return _mm512_setzero_ps(); }
 inline VF vset1(float x) { return _mm512_set1_ps(x); }
@@ -90,8 +90,12 @@ inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
   odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-inline void vload_bf16_pairs_shuffled(const c10::BFloat16* p, VF& even, VF& odd) {
-  vload_bf16_pairs(p, even, odd);
+inline VF vload_bf16_even(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+}
+inline VF vload_bf16_odd(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline VI bf16_bits(VF v) {
   const __m512i x = _mm512_castps_si512(v);
@@ -135,7 +139,6 @@ using VF = __m256;
 using VI = __m256i;
 constexpr int kLanes = 8;
 constexpr int kRegs = 16;
-constexpr int kAcc = 8;
 
 inline VF vzero() { return _mm256_setzero_ps(); }
 inline VF vset1(float x) { return _mm256_set1_ps(x); }
@@ -180,14 +183,16 @@ inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-// The same with a byte shuffle and a word blend, both on Intel's port 5: when FMAs
-// keep ports 0 and 1 busy (several x rows per weight), the shift would take their slot.
-inline void vload_bf16_pairs_shuffled(const c10::BFloat16* p, VF& even, VF& odd) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i up = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13,
-                                      -1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
-  even = _mm256_castsi256_ps(_mm256_shuffle_epi8(x, up));
-  odd = _mm256_castsi256_ps(_mm256_blend_epi16(_mm256_setzero_si256(), x, 0xAA));
+// A shift and a mask, as the pairs: a byte shuffle and a word blend (Intel's port 5,
+// away from the FMAs') ran no faster on AMD Zen 3 and cost the projection's 16-register
+// blocking a spilled accumulator (the blend's zero register).
+inline VF vload_bf16_even(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 16));
+}
+inline VF vload_bf16_odd(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                                              _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline VI bf16_bits(VF v) {
   const __m256i x = _mm256_castps_si256(v);
@@ -219,7 +224,6 @@ using VF = float32x4_t;
 using VI = uint32x4_t;
 constexpr int kLanes = 4;
 constexpr int kRegs = 32;
-constexpr int kAcc = 16;
 
 inline VF vzero() { return vdupq_n_f32(0.f); }
 inline VF vset1(float x) { return vdupq_n_f32(x); }
@@ -256,8 +260,12 @@ inline void vload_bf16_pairs(const c10::BFloat16* p, VF& even, VF& odd) {
   even = vreinterpretq_f32_u32(vshlq_n_u32(x, 16));
   odd = vreinterpretq_f32_u32(vandq_u32(x, vdupq_n_u32(0xFFFF0000u)));
 }
-inline void vload_bf16_pairs_shuffled(const c10::BFloat16* p, VF& even, VF& odd) {
-  vload_bf16_pairs(p, even, odd);
+inline VF vload_bf16_even(const c10::BFloat16* p) {
+  return vreinterpretq_f32_u32(vshlq_n_u32(vld1q_u32(reinterpret_cast<const uint32_t*>(p)), 16));
+}
+inline VF vload_bf16_odd(const c10::BFloat16* p) {
+  return vreinterpretq_f32_u32(
+      vandq_u32(vld1q_u32(reinterpret_cast<const uint32_t*>(p)), vdupq_n_u32(0xFFFF0000u)));
 }
 inline VI bf16_bits(VF v) {
   const uint32x4_t x = vreinterpretq_u32_f32(v);
@@ -283,10 +291,13 @@ inline VF vloadw(const float* p) { return vload(p); }
 inline VF vloadw(const c10::BFloat16* p) { return vload_bf16(p); }
 inline VF vloadw(const c10::Half* p) { return vload_half(p); }
 
-// out[i] = the sum of the lanes of acc[i], i < kAcc (a multiple of kLanes).
-inline void sum_lanes(const VF acc[kAcc], float out[kAcc]) {
-  static_assert(kAcc % kLanes == 0, "whole transposes");
-  for (int j = 0; j < kAcc; j += kLanes) vstore(out + j, transpose_sum(acc + j));
+// out[i] = the sum of the lanes of acc[i], i < n (out: n rounded up to kLanes).
+template <int n>
+inline void sum_lanes(const VF* acc, float* out) {
+  constexpr int kPadded = (n + kLanes - 1) / kLanes * kLanes;
+  VF all[kPadded];
+  for (int i = 0; i < kPadded; ++i) all[i] = i < n ? acc[i] : vzero();
+  for (int j = 0; j < kPadded; j += kLanes) vstore(out + j, transpose_sum(all + j));
 }
 
 // ---- F16: 16 float32 lanes as kParts registers -------------------------------------------
