@@ -179,7 +179,11 @@ def _start_peers(args: argparse.Namespace, result: dict[str, Any], prompts: list
     if python is not None:
         work = {**base, "model": str(model_dir), "dtype": dtype}
         workers[VLLM.name] = start_peer(VLLM, python, work, result)
-    python = None if args.no_llamacpp else peer_python(LLAMACPP, args.llamacpp_python, result)
+    python = None
+    if not args.no_llamacpp and args.device != "cpu":  # the build is llama.cpp's CPU backend
+        result["llamacpp_error"] = f"a CPU build; ours ran on {args.device}"
+    elif not args.no_llamacpp:
+        python = peer_python(LLAMACPP, args.llamacpp_python, result)
     gguf = None if python is None else write_peer_gguf(model_dir, dtype, scratch, result)
     if python is not None and gguf is not None:
         workers[LLAMACPP.name] = worker = start_peer(LLAMACPP, python,

@@ -18,7 +18,7 @@ from aegaeon_bench.engine_peers import LLAMACPP, peer_python
 
 def _args(**kwargs: Any) -> argparse.Namespace:
     base = {"no_vllm": True, "vllm_python": None, "no_llamacpp": False,
-            "llamacpp_python": None, "threads": 1, "new_tokens": 4}
+            "llamacpp_python": None, "threads": 1, "new_tokens": 4, "device": "cpu"}
     return argparse.Namespace(**{**base, **kwargs})
 
 
@@ -61,6 +61,13 @@ def test_disabled_peers_start_nothing_and_say_nothing(tmp_path: Path) -> None:
     result = _result(tmp_path)
     assert engine_bench._start_peers(_args(no_llamacpp=True), result, [[1]], tmp_path) == {}
     assert not any(key.endswith("_error") for key in result)
+
+
+def test_no_cpu_peer_beside_ours_on_a_gpu(tmp_path: Path) -> None:
+    result = _result(tmp_path)
+    args = _args(llamacpp_python=sys.executable, device="cuda:0")
+    assert engine_bench._start_peers(args, result, [[1]], tmp_path) == {}
+    assert "cuda:0" in result["llamacpp_error"]
 
 
 def test_unwritable_checkpoint_is_null(tmp_path: Path) -> None:
