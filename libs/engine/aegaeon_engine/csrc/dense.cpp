@@ -9,25 +9,25 @@
 // row-major [O, I] as the checkpoint (and the engine's packed layout) stores
 // it: nothing is prepacked, so the weights stay views of caller-owned bytes.
 //
-// Algorithm (every level): the output is cut into tiles of kRowTile rows of w
-// (the parallel unit). Within a tile, x's rows go in blocks of NB (kBlockX: 4 in
-// AVX2's 16 registers, 8 in AVX-512's and NEON's 32; then 4, 2, 1) and the tile's
-// rows in blocks of R (block_rows(NB): 3 at NB 4 or 8), so that R * NB
-// accumulators hold partial dot products of every (row, x row) pair while the
-// inner loop walks I, each widened weight register feeding NB FMAs; they are
-// summed lane-wise with transposes (simd.h sum_lanes). Arithmetic is float32:
+// Algorithm (every level): the rows of w are cut into tasks of kTaskRows (the
+// parallel unit; one task for everything on one thread), and a task's rows into
+// strips read side by side, each one sequential stream: one core keeps more lines
+// in flight on several streams than on one (docs/results.md, issue 28). One x row (batch 1)
+// takes a row of each of kStreams1 = 4 strips at a time. Several x rows go in
+// blocks of NB (kBlockX: 4 in AVX2's 16 registers, 8 in AVX-512's and NEON's 32;
+// then 4, 2, 1) against blocks of R = kStrips = 3 rows, one per strip, in tiles of
+// kStripTile rows per strip (every x block over a tile while its rows are in
+// cache), so that R * NB accumulators hold partial dot products of every (row, x
+// row) pair while the inner loop walks I, each widened weight register feeding NB
+// FMAs; they are summed lane-wise with transposes (simd.h sum_lanes). Every row is
+// prefetched kPrefetch bytes ahead, a cache line at a time. Arithmetic is float32:
 // x is packed once per call as float32, and a bfloat16 weight is widened in
-// registers, 2 * kLanes elements per load split into even and odd elements
-// (a shift and a mask, no shuffle), x packed in that order. The two halves go
-// one after the other, so only R weight registers are live beside the
-// accumulators and one of x (AVX2: 12 + 3 + 1 = 16; two live halves would leave
-// room for 8 accumulators, too few chains to keep both FMA ports busy at FMA
-// latency 4). Every pass prefetches each of its rows kAhead bytes ahead, so the
-// weight stream is spread over all passes of a tile (where only the first pass
-// fetched, it had to stream at twice the average rate and waited on memory).
-// A ragged end of I is read through a zeroed buffer. A single x row
-// (batch 1) reads the weight rows one after another instead (rows_one): one
-// sequential stream.
+// registers, 2 * kLanes elements per load split into even and odd elements (a
+// shift and a mask, no shuffle), x packed in that order. The two halves go one
+// after the other, so only R weight registers are live beside the accumulators and
+// one of x (AVX2: 12 + 3 + 1 = 16; two live halves would leave room for 8
+// accumulators, too few chains to keep both FMA ports busy at FMA latency 4). A
+// ragged end of I is read through zeroed buffers.
 //
 // Specialisations on the amx level (bfloat16 only): AMX tiles (I % 32 == 0,
 // O >= 16), else vdpbf16ps on bfloat16 x (32 exact products per instruction).
@@ -63,21 +63,21 @@
 
 namespace {
 
-constexpr int kTile = 16;   // output rows per parallel task (one x row; amx level)
+constexpr int kTile = 16;   // output rows per parallel task of the amx level
 constexpr int kMaxRows = 16;  // x rows the kernel takes (decode batches)
-constexpr int kPrefetch = 1024;  // bytes ahead in a weight row (~1.1x on a cold stream)
+constexpr int kPrefetch = 1024;  // bytes ahead in a weight row (farther ran slower)
 
 #if defined(AEGAEON_SIMD)
 using namespace aegaeon_simd;
 
-// Several x rows: x rows in blocks of kBlockX (4 in AVX2's 16 registers, 8 in 32)
-// against w rows in blocks of block_rows(NB): R * NB accumulators + R widened w + one
-// x in the registers (12 + 3 + 1 on AVX2, 24 + 3 + 1 on AVX-512 and NEON), at most 4
-// rows (their pointers stay in general registers).
+// Strips read side by side (see the top): kStreams1 for one x row, kStrips for
+// several, whose blocks of kBlockX x rows against kStrips w rows hold 12 + 3 + 1
+// registers on AVX2, 24 + 3 + 1 on AVX-512 and NEON.
+constexpr int kStreams1 = 4;
 constexpr int kBlockX = kRegs >= 32 ? 8 : 4;
-constexpr int block_rows(int nb) { return std::min(4, (kRegs - 1) / (nb + 1)); }
-constexpr int64_t kRowTile = 24;  // w rows per parallel task: whole blocks of 2, 3 or 4
-constexpr int kAhead = 16384;  // bytes ahead in each row of a block, every pass
+constexpr int kStrips = 3;
+constexpr int64_t kStripTile = 8;  // positions of the strips per tile (all x blocks)
+constexpr int64_t kTaskRows = 24;  // w rows per parallel task, at least 4 of them (grain)
 
 struct LinearArgs {
   const void* w;
@@ -145,7 +145,7 @@ const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
 // The R * NB dot products of w rows wr[0 .. R) with x rows xr, xr + in_padded, ..
 // (NB of them, packed) into res[r * NB + n]. A step's kVecs parts go one at a time:
 // R registers of widened w, one of x, R * NB accumulators (kFetch: and the lines
-// kAhead bytes past each row's, one per cache line of it).
+// kPrefetch bytes past each row's, one per cache line of it).
 template <typename T, int R, int NB, bool kFetch>
 inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_padded, float* res) {
   using W = Widen<T>;
@@ -168,7 +168,7 @@ inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_pad
   int64_t c = 0;
   for (; c + kLine * W::kStep <= in; c += kLine * W::kStep) {
     if constexpr (kFetch) {
-      for (int r = 0; r < R; ++r) __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kAhead);
+      for (int r = 0; r < R; ++r) __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kPrefetch);
     }
     for (int j = 0; j < kLine; ++j) step(wr, c + j * W::kStep);
   }
@@ -185,65 +185,48 @@ inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_pad
   sum_lanes<R * NB>(acc, res);
 }
 
-// Rows [o0, o1) of out for x rows n0 .. n0 + NB, R rows of w at a time (a last
-// block past o1 repeats row o1 - 1, not stored).
-template <typename T, int NB, bool kFetch>
-void pass_rows(const LinearArgs& a, const float* x, int64_t in_padded, int64_t o0, int64_t o1,
-               int64_t n0) {
-  constexpr int R = block_rows(NB);
+// x rows n0 .. n0 + NB against the R rows p0 + r * len + j (r < R) for positions j
+// in [j0, j1): one row of each strip per block.
+template <typename T, int R, int NB>
+void pass_strips(const LinearArgs& a, const float* x, int64_t in_padded, int64_t p0, int64_t len,
+                 int64_t j0, int64_t j1, int64_t n0) {
   const T* w = static_cast<const T*>(a.w);
   const T* bias = static_cast<const T*>(a.bias);
   T* out = static_cast<T*>(a.out);
-  for (int64_t s = o0; s < o1; s += R) {
+  for (int64_t j = j0; j < j1; ++j) {
     const T* wr[R];
-    for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(s + r, o1 - 1) * a.w_stride;
+    for (int r = 0; r < R; ++r) wr[r] = w + (p0 + r * len + j) * a.w_stride;
     alignas(64) float res[(R * NB + kLanes - 1) / kLanes * kLanes];
-    dots<T, R, NB, kFetch>(wr, a.in, x + n0 * in_padded, in_padded, res);
-    for (int r = 0; r < R && s + r < o1; ++r) {
-      const float b = bias ? static_cast<float>(bias[s + r]) : 0.f;
-      for (int n = 0; n < NB; ++n) {
-        out[(n0 + n) * a.out_stride_n + (s + r) * a.out_stride_o] = T(res[r * NB + n] + b);
-      }
+    dots<T, R, NB, true>(wr, a.in, x + n0 * in_padded, in_padded, res);
+    for (int r = 0; r < R; ++r) {
+      const int64_t o = p0 + r * len + j;
+      const float b = bias ? static_cast<float>(bias[o]) : 0.f;
+      for (int n = 0; n < NB; ++n) out[(n0 + n) * a.out_stride_n + o * a.out_stride_o] = T(res[r * NB + n] + b);
     }
   }
 }
 
-// One x row: w rows [o0, o1) one after another, so the weight is read as one
-// sequential stream (the hardware prefetchers' best case; with R rows side by
-// side, batch 1 ran 12-19% slower here, with the weights in L3 or in DRAM);
-// 4 accumulator chains per row.
-template <typename T>
-void rows_one(const LinearArgs& a, const float* x, int64_t o0, int64_t o1) {
-  using W = Widen<T>;
-  constexpr int kStep = W::kStep, kChains = 4 / W::kVecs;  // steps in flight per row
-  const T* w = static_cast<const T*>(a.w);
-  const T* bias = static_cast<const T*>(a.bias);
-  T* out = static_cast<T*>(a.out);
-  for (int64_t o = o0; o < o1; ++o) {
-    const T* wr = w + o * a.w_stride;
-    VF acc[kChains][W::kVecs];
-    for (auto& chain : acc) for (VF& v : chain) v = vzero();
-    auto step = [&](int j, const T* wp, const float* xp) {
-      VF wv[W::kVecs];
-      W::load(wp, wv);
-      for (int k = 0; k < W::kVecs; ++k) acc[j][k] = vfmadd(wv[k], vload(xp + k * kLanes), acc[j][k]);
-    };
-    int64_t c = 0;
-    for (; c + kChains * kStep <= a.in; c += kChains * kStep) {
-      __builtin_prefetch(reinterpret_cast<const char*>(wr + c) + kPrefetch);
-      for (int j = 0; j < kChains; ++j) step(j, wr + c + j * kStep, x + c + j * kStep);
-    }
-    for (; c + kStep <= a.in; c += kStep) step(0, wr + c, x + c);
-    if (c < a.in) {  // the ragged end through a zeroed buffer (x is zero-padded there)
-      T buf[kStep] = {};
-      std::memcpy(buf, wr + c, static_cast<size_t>(a.in - c) * sizeof(T));
-      step(0, buf, x + c);
-    }
-    VF sum = vzero();
-    for (auto& chain : acc) for (VF& v : chain) sum = vadd(sum, v);
-    const float b = bias ? static_cast<float>(bias[o]) : 0.f;
-    out[o * a.out_stride_o] = T(vsum(sum) + b);
+// x rows [0, num) in blocks of NB = kBlockX, then 4, 2, 1, against R strips' positions [j0, j1).
+template <typename T, int R>
+void passes(const LinearArgs& a, const float* x, int64_t in_padded, int64_t num, int64_t p0,
+            int64_t len, int64_t j0, int64_t j1) {
+  int64_t n0 = 0;
+  for (; n0 + kBlockX <= num; n0 += kBlockX) pass_strips<T, R, kBlockX>(a, x, in_padded, p0, len, j0, j1, n0);
+  if (kBlockX > 4 && n0 + 4 <= num) { pass_strips<T, R, 4>(a, x, in_padded, p0, len, j0, j1, n0); n0 += 4; }
+  if (n0 + 2 <= num) { pass_strips<T, R, 2>(a, x, in_padded, p0, len, j0, j1, n0); n0 += 2; }
+  if (n0 < num) pass_strips<T, R, 1>(a, x, in_padded, p0, len, j0, j1, n0);
+}
+
+// Rows [p0, p1) as R strips of len = (p1 - p0) / R rows, in tiles of `tile` positions
+// (every x block over a tile, whose rows stay in cache), then the < R rows left.
+template <typename T, int R>
+void strips(const LinearArgs& a, const float* x, int64_t in_padded, int64_t num, int64_t p0,
+            int64_t p1, int64_t tile) {
+  const int64_t len = (p1 - p0) / R;
+  for (int64_t j0 = 0; j0 < len; j0 += tile) {
+    passes<T, R>(a, x, in_padded, num, p0, len, j0, std::min(j0 + tile, len));
   }
+  passes<T, 1>(a, x, in_padded, num, p0 + R * len, 1, 0, p1 - p0 - R * len);
 }
 
 template <typename T>
@@ -251,21 +234,12 @@ void run_linear(const LinearArgs& a, const at::Tensor& x_in) {
   constexpr int kStep = Widen<T>::kStep;
   const int64_t num = x_in.size(0), in_padded = (a.in + kStep - 1) / kStep * kStep;
   const float* x = pack_x<T>(x_in, in_padded);  // this thread's buffer, not a worker's
-  if (num == 1) {
-    at::parallel_for(0, (a.rows + kTile - 1) / kTile, 4, [&](int64_t begin, int64_t end) {
-      rows_one<T>(a, x, begin * kTile, std::min(end * kTile, a.rows));
-    });
-    return;
-  }
-  // per tile, x rows in blocks of kBlockX, then 4, 2, 1; every pass prefetches
-  at::parallel_for(0, (a.rows + kRowTile - 1) / kRowTile, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = t * kRowTile, o1 = std::min(o0 + kRowTile, a.rows);
-      int64_t n0 = 0;
-      for (; n0 + kBlockX <= num; n0 += kBlockX) pass_rows<T, kBlockX, true>(a, x, in_padded, o0, o1, n0);
-      if (kBlockX > 4 && n0 + 4 <= num) { pass_rows<T, 4, true>(a, x, in_padded, o0, o1, n0); n0 += 4; }
-      if (n0 + 2 <= num) { pass_rows<T, 2, true>(a, x, in_padded, o0, o1, n0); n0 += 2; }
-      if (n0 < num) pass_rows<T, 1, true>(a, x, in_padded, o0, o1, n0);
+  at::parallel_for(0, (a.rows + kTaskRows - 1) / kTaskRows, 4, [&](int64_t begin, int64_t end) {
+    const int64_t p0 = begin * kTaskRows, p1 = std::min(end * kTaskRows, a.rows);
+    if (num == 1) {
+      strips<T, kStreams1>(a, x, in_padded, num, p0, p1, p1 - p0);
+    } else {
+      strips<T, kStrips>(a, x, in_padded, num, p0, p1, kStripTile);
     }
   });
 }
