@@ -472,8 +472,11 @@ class ClusterBackend:
             await asyncio.sleep(MONITOR_S)
             for view in self.instances.newly_dead():
                 self._instance_down(view.name, "its heartbeat stopped")
-            self._release_deferred()  # (room is freed by events; this is a safety net)
-            self._expire_deferred()
+            try:  # (room is freed by events; this is a safety net, which must not die)
+                self._release_deferred()
+                self._expire_deferred()
+            except Exception:
+                log.exception("deferred_requests_check_failed")
 
     def _expire_deferred(self) -> None:
         """Deferred requests whose first-token deadline passed while they waited: they
