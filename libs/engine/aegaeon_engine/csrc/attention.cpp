@@ -21,10 +21,10 @@
 // acc[G, head_dim]):
 //   s = scale * q.K^T,  m' = max(m, max s),  p = exp(s - m'),
 //   acc = acc * exp(m - m') + p.V,  l = l * exp(m - m') + sum p,  out = acc / l.
-// Nothing is gathered; no score row longer than one chunk exists. Each unit
-// prefetches its rows of the next block a cache line at a time along its work
-// on the current one (a burst of a whole block's lines stalls on the fill
-// buffers; interleaved, the loads overlap the arithmetic: ~1.3x).
+// Nothing is gathered; no score row longer than one chunk exists. Each kv head's
+// work prefetches the next head's rows (the first head's of the next block after
+// the last) a cache line at a time along its work (a burst of a whole block's
+// lines stalls on the fill buffers; interleaved, the loads overlap the arithmetic).
 //
 // Inputs are float32, bfloat16 or float16; arithmetic is float32. Code paths,
 // chosen per call from the head_dim and what the compiler targets:
@@ -323,7 +323,6 @@ void attend(const Args& a, int64_t b, int64_t u0, int64_t u1, int64_t parts) {
   for (int64_t pos = 0; pos < len; pos += a.block_size) {
     const int64_t block = blocks[pos / a.block_size];
     TORCH_CHECK(block >= 0 && block < a.num_blocks, "block id ", block, " out of range");
-    // the next block's rows are prefetched along the computation of this one
     const T* next_k = nullptr;
     if (pos + a.block_size < len) {
       const int64_t next = blocks[pos / a.block_size + 1];
@@ -333,13 +332,24 @@ void attend(const Args& a, int64_t b, int64_t u0, int64_t u1, int64_t parts) {
     for (int64_t u = u0; u < u1; ++u) {
       const State st = state_of(u);
       const float* q = q_of(u);
-      const T* k = cache + block * a.block_elems + u / parts * dim;
+      const int64_t head = u / parts;
+      const T* k = cache + block * a.block_elems + head * dim;
+      // the rows the next kv head reads, of this block (or the first head's of the next
+      // block), prefetched along this head's work: one head's rows ahead stay in L1,
+      // where a whole block ahead (as many bytes as L1 holds) was evicted before use
+      const T* ahead = nullptr;
+      if (u % parts == 0 || u == u0) {
+        if ((head + 1) * parts < u1) {
+          ahead = cache + block * a.block_elems + (head + 1) * dim;
+        } else if (next_k) {
+          ahead = next_k + u0 / parts * dim;
+        }
+      }
       for (int64_t t = 0; t < in_block; t += kChunk) {
         const int n = static_cast<int>(std::min<int64_t>(kChunk, in_block - t));
         const T* kt = k + t * rs;
         const T* vt = kt + a.v_offset;
-        // this unit's rows of the next block (once per kv head when a group is split)
-        const T* pf = next_k && u % parts == 0 ? next_k + u / parts * dim + t * rs : nullptr;
+        const T* pf = ahead ? ahead + t * rs : nullptr;
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (path == Path::kBf16Pairs) {
