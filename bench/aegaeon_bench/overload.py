@@ -192,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
         print("aegaeon bench overload: give --rps (open-loop rates) or --clients "
               "(closed-loop clients)", file=sys.stderr)  # fmt: skip
         return 2
+    if args.clients is not None and _client_counts(args.clients) is None:
+        print("aegaeon bench overload: --clients needs two counts or more, each >= 1 "
+              f"(got {args.clients!r})", file=sys.stderr)  # fmt: skip
+        return 2
     multiples = [float(x) for x in args.multiples.split(",") if x.strip()]
     market = (args.market or default_market_dir()).resolve()
     if args.config is None and not (market / "market.json").exists():
@@ -242,11 +246,7 @@ def run(args: argparse.Namespace) -> int:
         and all(r["holdings_after"]["open_requests"] == 0 for r in rows),
     }  # fmt: skip
     print(format_report(report))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    if args.json:
-        print(json.dumps(report, default=str))
-    return 0 if report["ok"] else 1
+    return _emit(args, report)
 
 
 def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
@@ -257,11 +257,8 @@ def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
     from aegaeon_bench.machine import machine_info
     from aegaeon_bench.overload_clients import closed_loop, format_rows, summarize
 
-    counts = [int(x) for x in args.clients.split(",") if x.strip()]
-    if len(counts) < 2 or min(counts) < 1:
-        print("aegaeon bench overload: --clients needs two counts or more, each >= 1",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    counts = _client_counts(args.clients)
+    assert counts is not None  # checked before the node started
     model = args.model or default_bench_model(market).name
     rows = []
     for n in counts:
@@ -274,8 +271,22 @@ def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
               "settings": {k: v for k, v in vars(args).items() if k != "func"},
               **summarize(rows)}  # fmt: skip
     print(format_rows(report))
+    return _emit(args, report)
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """The report to ``--out`` and, with ``--json``, as the last stdout line; the exit code."""
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     if args.json:
         print(json.dumps(report, default=str))
     return 0 if report["ok"] else 1
+
+
+def _client_counts(spec: str) -> list[int] | None:
+    """``--clients``: two counts or more, each >= 1 (None: not so)."""
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        return None
+    return counts if len(counts) >= 2 and min(counts) >= 1 else None

@@ -22,3 +22,11 @@ def test_nothing_completed_without_the_flood_is_no_verdict() -> None:
     report = summarize([_row(1, 0.0), _row(64, 1.0)])
     assert report["goodput_ratio"] is None and not report["ok"]
     assert not summarize([_row(1, 1.0), _row(64, 1.0, other=3)])["ok"]  # 5xx: not held
+
+
+def test_client_counts_are_checked_before_any_node_starts() -> None:
+    from aegaeon_bench.overload import _client_counts
+
+    assert _client_counts("1,4,256") == [1, 4, 256]
+    assert _client_counts("5") is None and _client_counts("0,8") is None
+    assert _client_counts("1,x") is None

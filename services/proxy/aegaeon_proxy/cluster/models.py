@@ -122,10 +122,9 @@ class ClusterModels:
         self.added[model.name] = model
         self.removed.discard(model.name)
         tickets = {view.name: self._send_add(view, model) for view in self.instances}
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ADD_TIMEOUT_S
-        while True:
-            waiting: list[str] = []
+
+        def waiting() -> list[str]:
+            names: list[str] = []
             for view in self.instances:
                 if view.pid is None or self._serves(view, model.name):
                     continue  # down (its successor's hello gets it) or done
@@ -134,18 +133,10 @@ class ClusterModels:
                         f"instance {view.name} cannot serve model '{model.name}' from "
                         f"{model.path} (see its log)", status=422, code="model_unavailable",
                     )  # fmt: skip
-                waiting.append(view.name)
-            if not waiting:
-                return
-            changed = self._changed
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await changed.wait()
-            except TimeoutError:
-                raise BackendError.unavailable(
-                    f"instances {', '.join(waiting)} did not take model '{model.name}' "
-                    f"within {ADD_TIMEOUT_S:g} s"
-                ) from None
+                names.append(view.name)
+            return names
+
+        await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
 
     async def forget(self, name: str) -> bool:
         """The cachemgr forgets ``name`` (its last request ended); True: evicted now."""
@@ -187,9 +178,10 @@ class ClusterModels:
         )  # fmt: skip
         return self.sleeping(name)
 
-    async def _until(self, waiting: Callable[[], list[str]], what: str) -> None:
-        """Until ``waiting()`` names no instance (answers arrive), ``AWAKE_TIMEOUT_S``."""
-        deadline = asyncio.get_running_loop().time() + AWAKE_TIMEOUT_S
+    async def _until(self, waiting: Callable[[], list[str]], what: str,
+                     timeout_s: float = AWAKE_TIMEOUT_S) -> None:  # fmt: skip
+        """Until ``waiting()`` names no instance (answers arrive), at most ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
         while names := waiting():
             changed = self._changed
             try:
@@ -197,7 +189,7 @@ class ClusterModels:
                     await changed.wait()
             except TimeoutError:
                 raise BackendError.unavailable(
-                    f"instances {', '.join(names)} did not {what} within {AWAKE_TIMEOUT_S:g} s"
+                    f"instances {', '.join(names)} did not {what} within {timeout_s:g} s"
                 ) from None
 
     def on_models_resident(self, msg: ModelsResident) -> None:
