@@ -211,10 +211,10 @@ def dashboard_queries(path: Path) -> list[tuple[str, str]]:
 
 def instantiate(expr: str, model: str, rate_interval: str) -> str:
     """A panel query with Grafana's variables filled in: ``$model``/``$model_name``
-    by one model (also inside ``=~``), ``$__rate_interval`` by ``rate_interval``."""
+    by one model name (as Grafana fills a single value), ``$__rate_interval`` by ``rate_interval``."""
 
     def fill(match: re.Match[str]) -> str:
-        return rate_interval if match.group(2) == "__rate_interval" else re.escape(model)
+        return rate_interval if match.group(2) == "__rate_interval" else model
 
     return _VARIABLE.sub(fill, expr)
 
