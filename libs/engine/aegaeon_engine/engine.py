@@ -20,7 +20,7 @@ import torch
 from .attention import Attention
 from .kernels import NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
-from .model import KVViews, LayerOps, Tokens, forward, logits
+from .model import KVViews, LayerOps, ReduceFn, Tokens, forward, logits
 from .native import bf16_native, cpu_model, forced_isa, native_ops, supported_levels
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
@@ -53,6 +53,7 @@ class _Bound:
     kv: KVViews
     kv_shape: KVShape
     rope: RopeTable
+    reduce: ReduceFn | None = None  # a tensor-parallel shard's all-reduce (tp.py)
 
 
 class Engine:
@@ -141,12 +142,15 @@ class Engine:
         return self._layouts[key]
 
     def bind(self, spec: ModelSpec, weights: torch.Tensor | ModelWeights,
-             kv_region: torch.Tensor, dtype: str | None = None) -> None:
+             kv_region: torch.Tensor, dtype: str | None = None,
+             reduce: ReduceFn | None = None) -> None:
         """Serve ``spec`` from ``weights`` (its packed layout's bytes, or bound views).
 
         ``kv_region`` is a uint8 byte range viewed as blocks of
         ``kv_shape.block_bytes``; KV blocks are indices into it. Nothing is
         copied or allocated; the previous model's views are simply dropped.
+        ``spec`` may be one tensor-parallel shard's, with its group's all-reduce
+        as ``reduce`` (``tp.bind_shard``).
         """
         if isinstance(weights, ModelWeights):
             bound = weights
@@ -160,7 +164,7 @@ class Engine:
         if rope is None:
             rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
                                                 bound.dtype, self.device)
-        self._bound = _Bound(spec, bound, kv, kv_shape, rope)
+        self._bound = _Bound(spec, bound, kv, kv_shape, rope, reduce)
         if self._tunable:
             self._use(self._choices.get(shape_key(spec, bound.dtype)))
 
@@ -248,7 +252,7 @@ class Engine:
                 return attention.masked(qkv[:, :heads_q], both[0], both[1], mask)
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
-        hidden = forward(m.weights, m.kv, tokens, attend, self.ops)
+        hidden = forward(m.weights, m.kv, tokens, attend, self.ops, m.reduce)
         return logits(m.weights, hidden[-1:], self.ops)[0]
 
     @torch.inference_mode()
@@ -286,7 +290,7 @@ class Engine:
         attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table, context_lens,
                                              lengths)
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
-        hidden = forward(m.weights, m.kv, step, attend, self.ops)
+        hidden = forward(m.weights, m.kv, step, attend, self.ops, m.reduce)
         return logits(m.weights, hidden, self.ops)
 
     def _check_len(self, m: _Bound, num_tokens: int, num_blocks: int) -> None:

@@ -32,6 +32,8 @@ from .weights import LayerWeights, ModelWeights
 
 # attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
+# reduce(partial [N, hidden]) -> the sum over a tensor-parallel group's ranks (tp.py)
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 ROW_MAJOR_TOKENS = 16
 LINEAR_TOKENS = 192
 _FUSED_NORM_MAX = 16384  # elements
@@ -172,8 +174,11 @@ TORCH_OPS = LayerOps()
 
 
 def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
-            ops: LayerOps = TORCH_OPS) -> torch.Tensor:
-    """Hidden states ``[N, hidden]`` (before the final norm) of ``tokens``."""
+            ops: LayerOps = TORCH_OPS, reduce: ReduceFn | None = None) -> torch.Tensor:
+    """Hidden states ``[N, hidden]`` (before the final norm) of ``tokens``.
+
+    ``w`` may be one tensor-parallel shard (tp_layout.py): then o_proj and
+    down_proj give partial sums, which ``reduce`` adds up over the group."""
     spec = w.spec
     n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
     heads = spec.num_heads + 2 * spec.num_kv_heads
@@ -182,9 +187,11 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
         qkv = ops.project(lw.qkv, ops.rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
         qkv = qkv.view(n, heads, spec.head_dim)
         ops.rope_write(qkv, lw, kv, i, tokens, spec.num_heads, eps)
-        h.add_(ops.project(lw.o_proj, attend(i, qkv), lw.o_bias))
+        attn_out = ops.project(lw.o_proj, attend(i, qkv), lw.o_bias)
+        h.add_(attn_out if reduce is None else reduce(attn_out))
         gate_up = ops.project(lw.gate_up, ops.rms_norm(h, lw.post_norm, eps), None)
-        h.add_(ops.project(lw.down, ops.silu_mul(gate_up), None))
+        mlp_out = ops.project(lw.down, ops.silu_mul(gate_up), None)
+        h.add_(mlp_out if reduce is None else reduce(mlp_out))
     return h
 
 
