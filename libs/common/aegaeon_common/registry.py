@@ -63,6 +63,10 @@ class InstanceRecord(msgspec.Struct, frozen=True):
     http_url: str = ""
     draining: bool = False
     load: InstanceLoadInfo = msgspec.field(default_factory=InstanceLoadInfo)
+    # its node's cachemgr: where the replicas send the operator's model flags (and ask
+    # for Model Cache stats), and its side HTTP server (health, ready, metrics)
+    cachemgr_address: str = ""
+    cachemgr_http_url: str = ""
 
     @property
     def models(self) -> list[str]:

@@ -14,6 +14,7 @@ import time
 
 import msgspec
 from aegaeon_common.config import Config
+from aegaeon_common.http_side import read_http_address
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.registry import (
@@ -57,8 +58,9 @@ class Registrar:
             v=1, instance_id=self.instance_id, node=config.node.name, kind=kind, index=index,
             address=address, incarnation=hello.incarnation, pid=hello.pid,
             capacity_tokens=dict(hello.capacity_tokens), max_batch_size=hello.max_batch_size,
-            latency=hello.latency, http_url=http_url,
+            latency=hello.latency, http_url=http_url, cachemgr_address=config.cachemgr_address,
         )  # fmt: skip
+        self._run_dir = config.run_dir
         self._listed = False
         self.draining = False  # set on SIGTERM: the record says so until the exit
         self._warned_at = 0.0
@@ -66,6 +68,11 @@ class Registrar:
         self.num_failed = 0
 
     async def beat(self, stats: InstanceStats) -> None:
+        if not self.record.cachemgr_http_url:  # (the cachemgr records it once it listens)
+            cachemgr = read_http_address(self._run_dir, "cachemgr")
+            if cachemgr is not None:
+                self.record = msgspec.structs.replace(self.record,
+                                                      cachemgr_http_url=cachemgr.url)  # fmt: skip
         record = msgspec.structs.replace(self.record, load=load_of(stats), draining=self.draining)
         try:
             await self.store.put(instance_key(self.instance_id), encode(record), self.ttl_s)

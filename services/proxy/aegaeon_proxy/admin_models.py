@@ -16,7 +16,8 @@
 Errors are OpenAI error objects: 400 naming the field, 404 unknown model,
 409 a model already served (or being added or removed) or a pin that does not
 fit the Model Cache, 422 a checkpoint that cannot be served, 501 a backend
-that cannot change its models, 503 instances not up.
+that cannot change its models (replicated proxies take ``PATCH`` but not yet
+``POST`` or ``DELETE``), 503 instances not up.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.assets import AssetError
-from aegaeon_proxy.backend import BackendError, ModelControl
+from aegaeon_proxy.backend import BackendError, ModelControl, ModelFlags
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
@@ -161,7 +162,15 @@ def _cache_summary(cache: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 async def _model_cache(state: ProxyState) -> dict[str, Any] | None:
     backend = state.backend
-    return await backend.model_cache() if isinstance(backend, ModelControl) else None
+    return await backend.model_cache() if isinstance(backend, ModelFlags) else None
+
+
+def _flags(state: ProxyState) -> ModelFlags:
+    backend = state.backend
+    if not isinstance(backend, ModelFlags):
+        raise APIError(501, "this backend cannot change its models' flags",
+                       code="not_supported")  # fmt: skip
+    return backend
 
 
 def _control(state: ProxyState) -> ModelControl:
@@ -221,7 +230,7 @@ async def patch_model(request: web.Request) -> web.Response:
         # a request's keep_alive may hold it too (aegaeon_proxy.keep_alive)
         pinned = settings.pin or state.keep_alive.held(name)
         try:
-            await _control(state).set_model_flags(
+            await _flags(state).set_model_flags(
                 name, pinned=pinned, preload=changes.get("preload") is True
             )
         except BackendError as exc:

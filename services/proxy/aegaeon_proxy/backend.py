@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from aegaeon_common.config import ModelConfig
+from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.messages.structs import RequestTimings
 from prometheus_client import CollectorRegistry
 
@@ -190,10 +191,25 @@ class EngineStats(Protocol):
 
 
 @runtime_checkable
-class ModelControl(Protocol):
+class ModelFlags(Protocol):
+    """A backend that takes the operator's model flags and shows its Model Cache
+    (optional; ``PATCH /v1/aegaeon/models`` of a pin or preload answers 501 without
+    it). Failures are :class:`BackendError`s whose ``status`` and ``code`` the
+    endpoints answer with."""
+
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        """The operator's pin (never evicted) and a preload (load it now) of ``name``,
+        on every node."""
+
+    async def model_cache(self) -> dict[str, Any] | None:
+        """The Model Cache's stats (``ModelCacheStats`` as plain data; None if the
+        cachemgr did not answer)."""
+
+
+@runtime_checkable
+class ModelControl(ModelFlags, Protocol):
     """What a backend that adds and removes models at run time offers (optional; the
-    admin endpoints answer 501 without it). Failures are :class:`BackendError`s
-    whose ``status`` and ``code`` the endpoints answer with."""
+    admin endpoints answer 501 without it)."""
 
     async def add_model(self, model: ModelConfig) -> None:
         """Serve ``model`` on every instance (cachemgr and instances told); returns
@@ -203,12 +219,13 @@ class ModelControl(Protocol):
         """Stop serving ``name`` (its requests have ended): the Model Cache frees its
         bytes; True when it is out of the cache now."""
 
-    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        """The operator's pin (never evicted) and a preload (load it now) of ``name``."""
 
-    async def model_cache(self) -> dict[str, Any] | None:
-        """The Model Cache's stats (``ModelCacheStats`` as plain data; None if the
-        cachemgr did not answer)."""
+@runtime_checkable
+class ServiceDirectory(Protocol):
+    """A backend that knows its services beyond the proxy's run directory (optional)."""
+
+    def services(self) -> list[ServiceAddress]:
+        """Every node's cachemgr and instances, as they registered."""
 
 
 @runtime_checkable

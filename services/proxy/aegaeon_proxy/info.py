@@ -11,6 +11,7 @@ from aiohttp import web
 
 from aegaeon_proxy.admin_models import model_rows
 from aegaeon_proxy.auth import allowed, model_not_found
+from aegaeon_proxy.backend import ServiceDirectory
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
@@ -93,11 +94,16 @@ def service_names(config: Config) -> list[tuple[str, str]]:
 
 async def aegaeon_services(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/services``: every service's health, readiness and metrics URLs
-    (the proxy's own first; the others as they recorded them in the run directory)."""
+    (the proxy's own first; the others as they recorded them in the run directory, or
+    with many nodes every node's, as they registered: ``node/cachemgr``,
+    ``node/prefill-0``, ...)."""
     state = request.app[STATE]
     services: list[dict[str, str]] = []
     if state.url is not None:
         services.append(ServiceAddress("proxy", "proxy", state.url).to_dict())
+    if isinstance(state.backend, ServiceDirectory):
+        services += [address.to_dict() for address in state.backend.services()]
+        return json_response({"services": services})
     for name, _ in service_names(state.config):
         address = read_http_address(state.config.run_dir, name)
         if address is not None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from aegaeon_common.logs import get_logger
 
-from aegaeon_proxy.backend import Backend, BackendError, ModelControl, ModelResidency
+from aegaeon_proxy.backend import Backend, BackendError, ModelFlags, ModelResidency
 from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.model_table import ModelSettingsTable
 
@@ -124,7 +124,7 @@ class KeepAlive:
     async def _apply_pin(self, model: str) -> None:
         """The cachemgr's pin of ``model``: the operator's or a keep-alive's."""
         backend, models = self._backend, self._models
-        if not isinstance(backend, ModelControl) or models is None or not models.serving(model):
+        if not isinstance(backend, ModelFlags) or models is None or not models.serving(model):
             return
         pinned = models.settings(model).pin or self.held(model)
         try:

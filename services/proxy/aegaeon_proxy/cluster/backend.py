@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -40,12 +39,11 @@ from aegaeon_common.messages.report import (
     RequestFailed,
     StepTokens,
 )
-from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Request, Shedder, Verdict
-from aegaeon_sched.admission import AdmissionControl, ClassAdmission
+from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Shedder
+from aegaeon_sched.admission import AdmissionControl
 from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
@@ -55,16 +53,13 @@ from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceVie
 from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.reports import receive_reports
+from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher
-from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
-from aegaeon_proxy.slo_classes import class_table
-from aegaeon_proxy.vllm_metrics import EngineSteps
+from aegaeon_proxy.cluster.tracked import Tracked
 
 log = get_logger("cluster")
 MONITOR_S = 0.5
-MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
 ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgr's KV stats for a scrape
-RECENT_IDS = 4096  # request ids the proxy ended lately (their late tokens are expected)
 INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
 
 
@@ -76,37 +71,11 @@ class ClusterBackend:
         self.unified = config.unified
         self.ctx = zmq.asyncio.Context()
         self.instances = Instances.connect(config, self.ctx, self.unified)
-        self.requests: dict[str, Tracked] = {}
         self.policy: Policy | None = None
-        self.admission: AdmissionControl | None = None  # with the policy
-        self.gate: ClassAdmission | None = None  # the admission by SLO class, with it
-        # ids ended here lately, oldest first: tokens of an id not in here and not
-        # open belong to a request this proxy never knew (it restarted) and are
-        # cancelled at their instance, so its KV and compute are freed
-        self._ended: OrderedDict[str, None] = OrderedDict()
-        self.timings = TimingLog(config.proxy.stats_records)
-        self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
-        self.counters: dict[str, int] = {"finished": 0, "failed": 0, "cancelled": 0,
-                                         "retried": 0, "rejected": 0, "deferred": 0,
-                                         "orphans_cancelled": 0, "bad_frames": 0,
-                                         "report_errors": 0}  # fmt: skip
-        # SLO classes: under overload the lowest class is deferred or refused first
-        # (aegaeon_sched.shedding); None with classes off (one class, fraction 1.0)
-        # With proxy.admission_wait a request past the bounds (its class's share of them)
-        # waits its turn until its first-token deadline instead of a 429 at once; classes
-        # off: one class at the whole bounds.
-        self.shedder: Shedder | None = None
-        wait = config.proxy.admission_wait
-        if config.slo_classes.enabled:
-            max_deferred = config.slo_classes.max_deferred
-            if wait:  # as many as may be open
-                max_deferred = max(max_deferred, config.proxy.max_queued_requests)
-            self.shedder = Shedder(class_table(config, config.slo.ttft_s, config.slo.tbt_s),
-                                   max_deferred, wait_all=wait)  # fmt: skip
-        elif wait:
-            self.shedder = Shedder.one_class(config.slo.ttft_s, config.slo.tbt_s,
-                                             config.proxy.max_queued_requests)  # fmt: skip
-        self._releasing = False
+        # requests, their admission by SLO class (the bounds come with the policy),
+        # streams, ends and retries; placement (the policy) is this backend's
+        self.table = RequestTable(config, self)
+        self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         # token velocity and, with roles.enabled, prefill/decode role switching
         if config.roles.enabled and not config.role_switching:
             log.warning("roles.enabled needs the aegaeon policy with "
@@ -138,9 +107,7 @@ class ClusterBackend:
         self._tasks += [loop.create_task(self._watch(view)) for view in self.instances]
 
     async def stop(self) -> None:
-        for tracked in list(self.requests.values()):
-            tracked.queue.finish("cancelled")
-        self.requests.clear()
+        self.table.cancel_all()
         stuck = await cancel_tasks(self._tasks)
         if stuck:
             log.warning("tasks_not_cancelled", tasks=stuck)
@@ -157,7 +124,7 @@ class ClusterBackend:
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(ClusterCollector(self))
-        self.steps.register(registry)
+        self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
         """Device KV of the instances in the decode role (their last heartbeats) and
@@ -208,136 +175,65 @@ class ClusterBackend:
     def model_sleeping(self, name: str) -> bool:
         return self.models.sleeping(name)
 
-    # ---- requests ------------------------------------------------------------
+    # ---- requests (the table; placement is the policy's) ----------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.table.counters
+
+    @property
+    def shedder(self) -> Shedder | None:
+        return self.table.shedder
+
+    @property
+    def admission(self) -> AdmissionControl | None:
+        return self.table.admission
+
     def submit(self, req: GenerationRequest) -> TokenQueue:
         if not self.ready() or self.policy is None:
             down = [v.name for v in self.instances if not v.alive(time.monotonic())]
             what = ", ".join(down) or "starting"
             raise BackendError.unavailable(f"instances unavailable: {what}")
-        retry_after_s = self.config.proxy.retry_after_s
-        if len(self.requests) >= self.config.proxy.max_queued_requests:
-            self.counters["rejected"] += 1
-            raise BackendError.overloaded(
-                f"{len(self.requests)} requests in flight (limit "
-                f"{self.config.proxy.max_queued_requests})",
-                retry_after_s=retry_after_s,
-            )
-        s = req.sampling
-        sched = Request(
-            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
-            oracle_output_len=s.max_tokens if s.ignore_eos else None,
-            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s,
-        )  # fmt: skip
-        assert self.gate is not None  # made with the policy
-        verdict = self.gate.decide(sched)
-        if verdict is Verdict.REFUSE:
-            self.counters["rejected"] += 1
-            why = self.gate.why(sched)
-            raise BackendError.overloaded(
-                f"the node is at its admission bound for {req.slo_class} requests ({why}); "
-                "retry later", retry_after_s=retry_after_s,
-            )  # fmt: skip
-        sampling = SamplingSpec(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-            top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-        )  # fmt: skip
-        tracked = Tracked(req, sched, sampling, TokenQueue())
-        self.requests[req.request_id] = tracked
-        self.roles.arrived(time.monotonic(), sched.prompt_len)
-        if verdict is Verdict.DEFER:  # it waits here for room (Shedder.release)
-            tracked.deferred = True
-            tracked.queue.hold()  # the front answers once it is admitted or refused
-            self.counters["deferred"] += 1
-            log.debug("request_deferred", request_id=req.request_id, model=req.model,
-                      slo_class=req.slo_class)  # fmt: skip
-            return tracked.queue
-        self._dispatch(tracked)
+        tracked = self.table.open(req)
+        self.roles.arrived(time.monotonic(), tracked.sched.prompt_len)
         return tracked.queue
 
-    def _dispatch(self, tracked: Tracked, admitted: bool = False) -> None:
-        """Admit it (unless ``admitted`` already) and hand it to the policy."""
-        assert self.policy is not None and self.gate is not None
-        if not admitted:
-            self.gate.admit(tracked.sched)
-        tracked.queue.admit()
+    def place(self, tracked: Tracked) -> None:
+        """(Placement) The policy takes it."""
+        assert self.policy is not None
         self._actions.run(self.policy.on_arrival(tracked.sched, time.time()))
 
-    def _release_deferred(self) -> None:
-        """Room was freed: deferred requests that fit now go out, earliest deadline first."""
-        gate = self.gate
-        if gate is None or self._releasing or not gate.num_deferred:
+    def replace(self, tracked: Tracked) -> None:
+        """(Placement) Its instance is paused: the policy places it elsewhere or holds it
+        for the instance's successor."""
+        assert self.policy is not None
+        now = time.time()
+        self._actions.run(self.policy.on_request_cancelled(tracked.gen.request_id, now))
+        self._actions.run(self.policy.on_arrival(tracked.sched, now))
+
+    def unplace(self, tracked: Tracked, cancelled: bool) -> None:
+        """(Placement) The policy lets it go (the cancel reaches its instance)."""
+        if self.policy is None:
             return
-        self._releasing = True  # dispatching may end requests (Reject): no re-entry
-        try:
-            while gate.num_deferred:
-                released = gate.release()
-                if not released:
-                    break
-                for sched in released:
-                    tracked = self.requests.get(sched.request_id)
-                    if tracked is not None and tracked.deferred:
-                        tracked.deferred = False
-                        self._dispatch(tracked, admitted=True)
-                    elif self.admission is not None:  # gone meanwhile
-                        self.admission.release(sched.request_id)
-        finally:
-            self._releasing = False
+        rid, now = tracked.gen.request_id, time.time()
+        ended = self.policy.on_request_cancelled if cancelled else self.policy.on_request_finished
+        self._actions.run(ended(rid, now))
+
+    def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
+        """(Placement) At prefill-i and decode-i: a report names only the index; a
+        cancel of an unknown id is a no-op."""
+        for kind in ("prefill", "decode"):
+            if self.instances.get(kind, msg.index) is not None:
+                self._actions.send(f"{kind}-{msg.index}", CancelRequest(request_id))
 
     async def cancel(self, request_id: str) -> None:
-        tracked = self.requests.pop(request_id, None)
-        if tracked is None or self.policy is None:
-            return
-        self._forget(request_id)
-        self.counters["cancelled"] += 1
-        self.timings.add(tracked, "cancelled", None)
-        if tracked.deferred and self.gate is not None:
-            self.gate.cancel(request_id)  # it never reached the policy
-        else:
-            self._actions.run(self.policy.on_request_cancelled(request_id, time.time()))
-        tracked.queue.finish("cancelled")
-        self._release_deferred()
+        if self.policy is not None:
+            self.table.cancel(request_id)
 
     def end_request(
         self, request_id: str, reason: str, error: str | None = None, code: str | None = None
     ) -> Tracked | None:
         """The request is over (finished or failed): tell the policy, close the stream."""
-        tracked = self.requests.pop(request_id, None)
-        if tracked is None:
-            return None
-        self._forget(request_id)
-        if reason == "error":
-            self.counters["failed"] += 1
-            tracked.queue.finish("error", error, code)
-        else:
-            self.counters["finished"] += 1
-        if tracked.deferred and self.gate is not None:
-            self.gate.cancel(request_id)
-        elif self.policy is not None:
-            self._actions.run(self.policy.on_request_finished(request_id, time.time()))
-        self._release_deferred()
-        return tracked
-
-    def _forget(self, request_id: str) -> None:
-        """It ended here: release its admission, remember its id for a while."""
-        if self.admission is not None:
-            self.admission.release(request_id)
-        self._ended[request_id] = None
-        if len(self._ended) > RECENT_IDS:
-            self._ended.popitem(last=False)
-
-    def _cancel_orphan(self, request_id: str, index: int) -> None:
-        """Tokens of a request this proxy does not know (it was restarted while the
-        request ran): cancel it at the instance that sent them (prefill-i or decode-i:
-        a report names only the index; a cancel of an unknown id is a no-op)."""
-        if request_id in self._ended:
-            return  # ended here; the instance already got its cancel
-        self._forget(request_id)
-        self.counters["orphans_cancelled"] += 1
-        log.info("orphan_cancelled", request_id=request_id, index=index)
-        for kind in ("prefill", "decode"):
-            if self.instances.get(kind, index) is not None:
-                self._actions.send(f"{kind}-{index}", CancelRequest(request_id))
+        return self.table.end(request_id, reason, error, code)
 
     # ---- reports -------------------------------------------------------------
     async def _receive(self) -> None:
@@ -361,10 +257,9 @@ class ClusterBackend:
             self._fail_instance(view.name, f"instance {view.name} restarted")
         if self.policy is None and all(v.hello is not None for v in self.instances):
             self.policy = build_policy(self.config, self.instances, self.unified)
-            self.admission = AdmissionControl(admission_bounds(self.config, self.instances))
-            self.gate = ClassAdmission(self.admission, self.shedder)
-            log.info("policy ready", policy=self.policy.name,
-                     admission=self.admission.snapshot()["bounds"])  # fmt: skip
+            bounds = admission_bounds(self.config, self.instances)
+            self.table.set_bounds(bounds)
+            log.info("policy ready", policy=self.policy.name, admission=bounds)
             pause = getattr(self.policy, "pause", None)
             for other in self.instances:  # drained or died before the policy existed
                 if other.paused and pause is not None:
@@ -409,27 +304,16 @@ class ClusterBackend:
                 self._actions.run(self.policy.set_role(change.instance, change.role, time.time()))
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
-        tracked = self.requests.get(msg.request_id)
-        if tracked is None or tracked.num_generated > 0:
+        # (a decode instance prefills too when roles move: the blocks are its own)
+        owner = f"{msg.kind}-{msg.index}"
+        tracked = self.table.prefilled(msg, owner)
+        if tracked is None:
             # cancelled meanwhile, or a second prefill of it (work queued for an
             # instance that died reached its successor): nobody will claim this KV
             if msg.handoff is not None:
-                self._free_orphan(f"{msg.kind}-{msg.index}", msg.handoff.block_offsets)
+                self._free_orphan(owner, msg.handoff.block_offsets)
             return
-        if self.admission is not None:
-            self.admission.prefilled(msg.request_id)
-            self._release_deferred()
-        tracked.num_generated = 1
-        # (a decode instance prefills too when roles move: the blocks are its own)
-        tracked.handoff_owner = f"{msg.kind}-{msg.index}"
-        tracked.first_token_id = msg.token_id
-        tracked.handoff = msg.handoff
-        tracked.prefill_timings = msg.timings
-        self.steps.prefill(tracked.gen.model, len(tracked.gen.prompt_token_ids))
-        deliver(tracked, (msg.token_id,), msg.finish_reason)
-        if msg.finish_reason is not None:
-            self.timings.add(tracked, msg.finish_reason, msg.timings)
-            self.end_request(msg.request_id, msg.finish_reason)
+        if self.table.finish_first(tracked, msg):
             return
         assert self.policy is not None
         instance = tracked.instance or ""
@@ -439,32 +323,10 @@ class ClusterBackend:
         )
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
-        batch = step_batch(msg, self.requests)
-        if batch is not None:
-            self.steps.decode(*batch)
-        for item in msg.items:
-            tracked = self.requests.get(item.request_id)
-            if tracked is None:
-                if item.finish_reason is None:
-                    self._cancel_orphan(item.request_id, msg.index)
-                continue  # cancelled; the instance already got the cancel
-            tracked.num_generated += len(item.token_ids)
-            reason = item.finish_reason
-            deliver(tracked, item.token_ids, reason, item.timings)
-            if reason is not None:
-                self.timings.add(tracked, reason, item.timings)
-                self.end_request(item.request_id, reason)
+        self.table.step_tokens(msg)
 
     def _on_failed(self, msg: RequestFailed) -> None:
-        tracked = self.requests.get(msg.request_id)
-        if tracked is not None:
-            self.timings.add(tracked, "error", None)
-            log.warning(
-                "request_failed", request_id=msg.request_id, model=tracked.gen.model,
-                instance=f"{msg.kind}-{msg.index}", code=msg.code, error=msg.message,
-            )  # fmt: skip
-        where = f"{msg.kind}-{msg.index}"
-        self.end_request(msg.request_id, "error", f"{where}: {msg.code}: {msg.message}")
+        self.table.failed(msg.request_id, f"{msg.kind}-{msg.index}", msg.code, msg.message)
 
     # ---- failures --------------------------------------------------------------
     async def _monitor(self) -> None:
@@ -473,28 +335,10 @@ class ClusterBackend:
             for view in self.instances.newly_dead():
                 self._instance_down(view.name, "its heartbeat stopped")
             try:  # (room is freed by events; this is a safety net, which must not die)
-                self._release_deferred()
-                self._expire_deferred()
+                self.table.release_deferred()
+                self.table.expire_deferred(time.time())
             except Exception:
                 log.exception("deferred_requests_check_failed")
-
-    def _expire_deferred(self) -> None:
-        """Deferred requests whose first-token deadline passed while they waited: they
-        can no longer meet it, and are refused now (429, Retry-After)."""
-        if self.gate is None:
-            return
-        for sched in self.gate.expire(time.time()):
-            tracked = self.requests.pop(sched.request_id, None)
-            if tracked is None:
-                continue
-            self._forget(sched.request_id)
-            self.counters["rejected"] += 1
-            tracked.queue.refuse(BackendError.overloaded(
-                f"the node had no room for this request within its time to first token "
-                f"({sched.ttft_s or self.config.slo.ttft_s:g} s; it waited for room at the "
-                "admission bounds); retry later",
-                retry_after_s=self.config.proxy.retry_after_s,
-            ))  # fmt: skip
 
     async def _watch(self, view: InstanceView) -> None:
         """An instance whose process ended (its command socket disconnected) is down
@@ -515,30 +359,9 @@ class ClusterBackend:
     def _fail_instance(self, name: str, why: str) -> None:
         """Its requests end with an ``instance_failed`` error, except those that had
         no token yet: they are dispatched again (the instance is paused, so they go
-        elsewhere or wait for its successor), up to ``MAX_RETRIES`` times."""
-        for request_id in [r for r, t in self.requests.items() if t.instance == name]:
-            tracked = self.requests[request_id]
-            if (tracked.num_generated == 0 and tracked.retries < MAX_RETRIES
-                    and self.policy is not None):  # fmt: skip
-                self._redispatch(tracked, name)
-                continue
-            log.warning("request_lost", request_id=request_id, model=tracked.gen.model,
-                        instance=name, error=why)  # fmt: skip
-            self.end_request(request_id, "error", why, code="instance_failed")
-
-    def _redispatch(self, tracked: Tracked, name: str) -> None:
-        assert self.policy is not None
-        request_id = tracked.gen.request_id
-        tracked.retries += 1
-        tracked.instance = None
-        self.counters["retried"] += 1
-        if self.admission is not None:
-            self.admission.requeued(request_id, len(tracked.gen.prompt_token_ids))
-        log.info("request_retried", request_id=request_id, model=tracked.gen.model,
-                 instance=name, attempt=tracked.retries)  # fmt: skip
-        now = time.time()
-        self._actions.run(self.policy.on_request_cancelled(request_id, now))
-        self._actions.run(self.policy.on_arrival(tracked.sched, now))
+        elsewhere or wait for its successor; ``RequestTable.lost``)."""
+        for tracked in [t for t in self.requests.values() if t.instance == name]:
+            self.table.lost(tracked, name, why)
 
     async def claim_handoff(self, instance: str, msg: EnqueueDecode) -> bool:
         """Lease ``msg``'s handoff blocks to ``instance`` before it is sent there (the
@@ -605,17 +428,6 @@ class ClusterBackend:
             })  # fmt: skip
         return out
 
-    def _classes_snapshot(self) -> dict[str, object]:
-        """SLO classes: whether on, requests open by class, what shedding did."""
-        by_class: dict[str, int] = {}
-        for t in self.requests.values():
-            by_class[t.gen.slo_class] = by_class.get(t.gen.slo_class, 0) + 1
-        out: dict[str, object] = {"enabled": self.config.slo_classes.enabled,
-                                  "open_by_class": by_class}  # fmt: skip
-        if self.shedder is not None:
-            out["shedding"] = self.shedder.snapshot()
-        return out
-
     async def stats(self, light: bool = False) -> dict[str, object]:
         """Everything the benchmarks read: instance counters, switches, turns, request
         timings, cache; ``light`` leaves the record lists out (for frequent polls)."""
@@ -636,7 +448,7 @@ class ClusterBackend:
             },
             "cache": cache,
             "admission": self.admission.snapshot() if self.admission is not None else None,
-            "slo_classes": self._classes_snapshot(),
+            "slo_classes": self.table.classes_snapshot(),
             "roles": self.roles.snapshot(time.monotonic(), list(self.instances)),
         }
         if light:
@@ -664,6 +476,6 @@ class ClusterBackend:
             {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
              "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
              **to_plain(r.timings)}
-            for r in self.timings.records
+            for r in self.table.timings.records
         ]  # fmt: skip
         return out

@@ -1,17 +1,18 @@
-"""The distributed backend's state as metrics, read at scrape time (reads only)."""
+"""A backend's state as metrics, read at scrape time (reads only): the request table's
+(:func:`request_metrics`, every backend) and the single proxy's instances."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sized
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from aegaeon_sched import Shedder
 from aegaeon_sched.velocity import STAGES
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from aegaeon_proxy.cluster.instances import InstanceView
+from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher
 
 
@@ -22,20 +23,14 @@ class CollectedBackend(Protocol):
     def instances(self) -> Iterable[InstanceView]: ...
 
     @property
-    def requests(self) -> Sized: ...
-
-    @property
-    def counters(self) -> Mapping[str, int]: ...
+    def table(self) -> RequestTable: ...
 
     @property
     def roles(self) -> RoleSwitcher: ...
 
-    @property
-    def shedder(self) -> Shedder | None: ...
-
     def held_counts(self) -> tuple[int, int]: ...
 
-__all__ = ["ClusterCollector"]
+__all__ = ["ClusterCollector", "request_metrics"]
 
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
 
@@ -61,9 +56,6 @@ class ClusterCollector(Collector):
             draining.add_metric([view.name], float(view.draining))
         yield up
         yield draining
-        yield GaugeMetricFamily(
-            "aegaeon_backend_requests", "Requests the backend tracks now", value=len(b.requests)
-        )
         held = GaugeMetricFamily(
             "aegaeon_held_requests",
             "Requests waiting in the proxy because every instance of a stage is paused",
@@ -73,37 +65,8 @@ class ClusterCollector(Collector):
         held.add_metric(["prefill"], float(arrivals))
         held.add_metric(["decode"], float(placements))
         yield held
-        ended = CounterMetricFamily(
-            "aegaeon_backend_requests_ended", "Requests the backend ended, by outcome",
-            labels=["outcome"],
-        )  # fmt: skip
-        events = CounterMetricFamily(
-            "aegaeon_backend_events", "What the backend did besides ending requests: "
-            "retried (dispatched again after an instance failed), rejected (429), "
-            "orphans_cancelled, bad_frames (undecodable reports), report_errors",
-            labels=["event"],
-        )  # fmt: skip
-        for name, count in sorted(b.counters.items()):
-            family = ended if name in ENDINGS else events
-            family.add_metric([name], float(count))
-        yield ended
-        yield events
+        yield from request_metrics(b.table)
         yield from self._velocity_and_roles()
-        shedder = b.shedder
-        if shedder is not None:
-            yield GaugeMetricFamily(
-                "aegaeon_deferred_requests",
-                "Requests waiting in the proxy for admission room (deferred by SLO class)",
-                value=len(shedder),
-            )  # fmt: skip
-            shed = CounterMetricFamily(
-                "aegaeon_shed_requests", "Requests shed under overload by SLO class: "
-                "deferred (waited in the proxy) or refused (429)", labels=["slo_class", "verdict"],
-            )  # fmt: skip
-            for name, count in sorted(shedder.refused.items()):
-                shed.add_metric([name, "refused"], float(count))
-            shed.add_metric(["*", "deferred"], float(shedder.num_deferred))
-            yield shed
 
     def _velocity_and_roles(self) -> Iterator[Metric]:
         b = self._backend
@@ -147,3 +110,41 @@ class ClusterCollector(Collector):
         for name in ("prefill", "decode"):
             switches.add_metric([name], float(roles.switches.get(name, 0)))
         yield switches
+
+
+def request_metrics(table: RequestTable) -> Iterator[Metric]:
+    """The request table's families: requests tracked now, ended by outcome, the
+    other events, and shedding by SLO class."""
+    yield GaugeMetricFamily(
+        "aegaeon_backend_requests", "Requests the backend tracks now", value=len(table)
+    )
+    ended = CounterMetricFamily(
+        "aegaeon_backend_requests_ended", "Requests the backend ended, by outcome",
+        labels=["outcome"],
+    )  # fmt: skip
+    events = CounterMetricFamily(
+        "aegaeon_backend_events", "What the backend did besides ending requests: "
+        "retried (dispatched again after an instance failed), rejected (429), "
+        "orphans_cancelled, bad_frames (undecodable reports), report_errors",
+        labels=["event"],
+    )  # fmt: skip
+    for name, count in sorted(table.counters.items()):
+        family = ended if name in ENDINGS else events
+        family.add_metric([name], float(count))
+    yield ended
+    yield events
+    shedder = table.shedder
+    if shedder is not None:
+        yield GaugeMetricFamily(
+            "aegaeon_deferred_requests",
+            "Requests waiting in the proxy for admission room (deferred by SLO class)",
+            value=len(shedder),
+        )  # fmt: skip
+        shed = CounterMetricFamily(
+            "aegaeon_shed_requests", "Requests shed under overload by SLO class: "
+            "deferred (waited in the proxy) or refused (429)", labels=["slo_class", "verdict"],
+        )  # fmt: skip
+        for name, count in sorted(shedder.refused.items()):
+            shed.add_metric([name, "refused"], float(count))
+        shed.add_metric(["*", "deferred"], float(shedder.num_deferred))
+        yield shed

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 import zmq.asyncio
 from aegaeon_common.config import Config
+from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
@@ -51,7 +52,6 @@ from aegaeon_common.messages.report import (
     RequestFailed,
     StepTokens,
 )
-from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
     PROXIES,
@@ -70,7 +70,7 @@ from aegaeon_common.registry import (
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, release_security
 from aegaeon_common.wire import Message
-from aegaeon_sched import NoInstance, Request
+from aegaeon_sched import NoInstance
 from aegaeon_sched.shared import (
     State,
     dispatch_prefill,
@@ -85,14 +85,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
+from aegaeon_proxy.cluster.collector import request_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
+from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
+from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
 from aegaeon_proxy.cluster.reports import receive_reports
-from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
-from aegaeon_proxy.vllm_metrics import EngineSteps
+from aegaeon_proxy.cluster.requests import RequestTable
+from aegaeon_proxy.cluster.tracked import Tracked
 
 log = get_logger("cluster")
-MAX_RETRIES = 2  # dispatches again of a request whose node died before its first token
 BEAT_S = 0.5
 REAP_S = 1.0
 REAP_LEASE_S = 10.0
@@ -140,23 +142,24 @@ class DistributedBackend:
                                REPORT_CHANNEL, bind=True)  # fmt: skip
         port = self._reports.bound_address.rpartition(":")[2]
         self.report_address = f"tcp://{node.advertise_address or '127.0.0.1'}:{port}"
-        self.requests: dict[str, Tracked] = {}
+        # requests, their admission by SLO class, streams, ends and retries; placement
+        # (store transactions) is this backend's
+        self.table = RequestTable(config, self, where="this replica")
+        self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
+        self.counters = self.table.counters
+        self.counters.update(dict.fromkeys(
+            ("orphan_tokens", "reaped", "instances_lost", "store_errors"), 0))  # fmt: skip
         self.where: dict[str, Where] = {}
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
-        self.timings = TimingLog()
-        self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
-        self.counters: dict[str, int] = {
-            "finished": 0, "failed": 0, "cancelled": 0, "retried": 0, "rejected": 0,
-            "bad_frames": 0, "report_errors": 0, "orphan_tokens": 0, "reaped": 0,
-            "instances_lost": 0, "store_errors": 0,
-        }  # fmt: skip
         self._pushers: dict[str, Pusher] = {}
+        self.caches = NodeCaches(self.ctx)  # every node's cachemgr (model flags, stats)
         self._shares = DecodeShares()
         self._decode_shares: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
+        self._replicas = 1  # replicas beating now (each admits its share of the bounds)
         self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -189,6 +192,7 @@ class DistributedBackend:
             log.warning("tasks_not_cancelled", tasks=stuck)
         with contextlib.suppress(StoreError, TimeoutError):
             await asyncio.wait_for(self.store.close(), 2.0)
+        self.caches.close()
         release_security(self.ctx)  # its ZAP handler (CURVE) first: destroy would wait on it
         self.ctx.destroy(linger=0)  # every socket of this replica, whatever is queued
 
@@ -207,7 +211,7 @@ class DistributedBackend:
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_Collector(self))
-        self.steps.register(registry)
+        self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
         """Device KV of every node's decode instances (their registry records); the
@@ -220,6 +224,17 @@ class DistributedBackend:
         limits = [r.capacity_tokens[model] for r in self.view.live.values()
                   if model in r.capacity_tokens]  # fmt: skip
         return min(limits) if limits else None
+
+    # ---- models (ModelFlags) and services (ServiceDirectory), every node's -----
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        await self.caches.set_flags(self.view.live.values(), name, pinned=pinned,
+                                    preload=preload)  # fmt: skip
+
+    async def model_cache(self) -> dict[str, Any] | None:
+        return await self.caches.model_cache(self.view.live.values())
+
+    def services(self) -> list[ServiceAddress]:
+        return node_services(self.view.live.values())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -238,28 +253,40 @@ class DistributedBackend:
             raise BackendError.unavailable("the shared store (redis) is unreachable")
         if not self.ready():
             raise BackendError.unavailable("no prefill instance is registered")
-        if len(self.requests) >= self.config.proxy.max_queued_requests:
-            self.counters["rejected"] += 1
-            raise BackendError.overloaded(
-                f"{len(self.requests)} requests in flight at this replica (limit "
-                f"{self.config.proxy.max_queued_requests})",
-                retry_after_s=self.config.proxy.retry_after_s,
-            )
-        s = req.sampling
-        sampling = SamplingSpec(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-            top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-        )  # fmt: skip
-        sched = Request(
-            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
-            oracle_output_len=s.max_tokens if s.ignore_eos else None,
-            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s,
-        )  # fmt: skip
-        tracked = Tracked(req, sched, sampling, TokenQueue())
-        self.requests[req.request_id] = tracked
+        return self.table.open(req).queue
+
+    # ---- placement (the request table's Placement) ----------------------------
+    def place(self, tracked: Tracked) -> None:
+        """Admitted: listed as this replica's, then dispatched (a store transaction)."""
         self._spawn(self._arrive(tracked))
-        return tracked.queue
+
+    def replace(self, tracked: Tracked) -> None:
+        self._spawn(self._dispatch_prefill(tracked))
+
+    def unplace(self, tracked: Tracked, cancelled: bool) -> None:
+        """Out of its shared queue and the store; a cancel reaches its instance (at its
+        prefill instance, its handoff may be sent already: this replica will not place
+        it now)."""
+        rid = tracked.gen.request_id
+        self.held.pop(rid, None)
+        self._dirty.discard(rid)
+        where = self.where.pop(rid, None)
+        if cancelled and where is not None:
+            cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
+            self._spawn(self._send_to(where, cancel))
+        self._spawn(self._forget(rid, where))
+
+    def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
+        """At every node's decode-i (a report names only the index; a cancel of an
+        unknown id is a no-op)."""
+        self._cancel_everywhere(request_id, None, msg.index, free_handoff=False)
+
+    def _cancel_everywhere(self, request_id: str, kind: str | None, index: int,
+                           free_handoff: bool) -> None:  # fmt: skip
+        for record in list(self.view.live.values()):
+            if record.index == index and kind in (None, record.kind):
+                self._spawn(self._send(record, CancelRequest(request_id,
+                                                             free_handoff=free_handoff)))
 
     async def _arrive(self, tracked: Tracked) -> None:
         rid = tracked.gen.request_id
@@ -372,40 +399,13 @@ class DistributedBackend:
         return True
 
     async def cancel(self, request_id: str) -> None:
-        tracked = self.requests.get(request_id)
-        if tracked is None:
-            return
-        where = self.where.get(request_id)
-        self.counters["cancelled"] += 1
-        self.timings.add(tracked, "cancelled", None)
-        self._close(request_id)
-        if where is not None:
-            # at its prefill instance, its handoff may be sent already: this replica
-            # will not place it now
-            await self._send_to(where, CancelRequest(request_id,
-                                                     free_handoff=where.stage == "prefill"))
-        tracked.queue.finish("cancelled")
+        self.table.cancel(request_id)
 
     def end_request(
         self, request_id: str, reason: str, error: str | None = None, code: str | None = None
     ) -> Tracked | None:
         """The request is over here: close its stream, free its shared state."""
-        tracked = self.requests.get(request_id)
-        if tracked is None:
-            return None
-        if reason == "error":
-            self.counters["failed"] += 1
-            tracked.queue.finish("error", error, code)
-        else:
-            self.counters["finished"] += 1
-        self._close(request_id)
-        return tracked
-
-    def _close(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.held.pop(request_id, None)
-        self._dirty.discard(request_id)
-        self._spawn(self._forget(request_id, self.where.pop(request_id, None)))
+        return self.table.end(request_id, reason, error, code)
 
     async def _forget(self, request_id: str, where: Where | None) -> None:
         if where is not None:
@@ -455,17 +455,16 @@ class DistributedBackend:
         await receive_reports(self._reports, self._handlers, self.counters)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
-        tracked = self.requests.get(msg.request_id)
         where = self.where.get(msg.request_id)
-        if tracked is None or where is None or tracked.num_generated > 0:
+        tracked = self.table.prefilled(msg, where.instance) if where is not None else None
+        if tracked is None or where is None:
             self.counters["orphan_tokens"] += 1
+            if msg.request_id not in self.requests and msg.handoff is not None:
+                # cancelled meanwhile, or a request of a replica that died: nobody will
+                # claim this KV. A report names only the kind and index, not the node:
+                # the cancel goes to that instance of every node (a no-op where unknown)
+                self._cancel_everywhere(msg.request_id, msg.kind, msg.index, free_handoff=True)
             return
-        tracked.num_generated = 1
-        tracked.first_token_id = msg.token_id
-        tracked.handoff = msg.handoff
-        tracked.prefill_timings = msg.timings
-        self.steps.prefill(tracked.gen.model, len(tracked.gen.prompt_token_ids))
-        deliver(tracked, (msg.token_id,), msg.finish_reason)
         self._spawn(self._after_prefill(tracked, where, msg))
 
     async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
@@ -484,9 +483,7 @@ class DistributedBackend:
             return
         if self.where.get(rid) is where:
             del self.where[rid]  # out of the prefill queue; not placed yet
-        if msg.finish_reason is not None:
-            self.timings.add(tracked, msg.finish_reason, msg.timings)
-            self.end_request(rid, msg.finish_reason)
+        if self.table.finish_first(tracked, msg):
             return
         if not (rid in self.requests and await self._place_decode(tracked, where.node)):
             # ended or cancelled before its placement, or no placement: the KV handoff
@@ -494,30 +491,12 @@ class DistributedBackend:
             await self._send_to(where, CancelRequest(rid, free_handoff=True))
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
-        batch = step_batch(msg, self.requests)
-        if batch is not None:
-            self.steps.decode(*batch)
-        for item in msg.items:
-            tracked = self.requests.get(item.request_id)
-            if tracked is None:
-                self.counters["orphan_tokens"] += 1
-                continue
-            tracked.num_generated += len(item.token_ids)
-            self._dirty.add(item.request_id)
-            reason = item.finish_reason
-            deliver(tracked, item.token_ids, reason, item.timings)
-            if reason is not None:
-                self.timings.add(tracked, reason, item.timings)
-                self.end_request(item.request_id, reason)
+        self._dirty.update(self.table.step_tokens(msg))
 
     def _on_failed(self, msg: RequestFailed) -> None:
-        tracked = self.requests.get(msg.request_id)
-        if tracked is None:
-            return
-        self.timings.add(tracked, "error", None)
         where = self.where.get(msg.request_id)
         name = where.instance if where else f"{msg.kind}-{msg.index}"
-        self.end_request(msg.request_id, "error", f"{name}: {msg.code}: {msg.message}")
+        self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
@@ -546,7 +525,25 @@ class DistributedBackend:
             if self.held and self.view.prefill_candidates():
                 for tracked in list(self.held.values()):
                     self._spawn(self._dispatch_prefill(tracked))
+            try:  # (room is freed by events; this is a safety net, which must not die)
+                self._admission_bounds()
+                self.table.release_deferred()
+                self.table.expire_deferred(time.time())
+            except Exception:
+                log.exception("deferred_requests_check_failed")
             await asyncio.sleep(REFRESH_S)
+
+    def _admission_bounds(self) -> None:
+        """The bounds of every node's instances, this replica's share of them."""
+        live = list(self.view.live.values())
+        if not any(r.latency is not None for r in live):
+            return  # (nothing to derive them from yet: admitted unbounded meanwhile)
+        members = [Member(r.kind, r.latency, r.capacity_tokens, r.node) for r in live]
+        bounds = bounds_of(self.config, members, self._replicas)
+        admission = self.table.admission
+        if admission is None or admission.bounds != bounds:
+            log.info("admission_bounds", bounds=bounds, replicas=self._replicas)
+            self.table.set_bounds(bounds)
 
     def _instance_left(self, record: InstanceRecord) -> None:
         self.counters["instances_lost"] += 1
@@ -570,19 +567,9 @@ class DistributedBackend:
         end it with ``instance_failed``."""
         tracked = self.requests.get(rid)
         self.where.pop(rid, None)
-        if tracked is None:
-            return
-        if tracked.num_generated == 0 and tracked.retries < MAX_RETRIES:
-            tracked.retries += 1
-            tracked.instance = None
-            self.counters["retried"] += 1
-            log.info("request_retried", request_id=rid, instance=where.instance,
-                     attempt=tracked.retries)  # fmt: skip
-            self._spawn(self._dispatch_prefill(tracked))
-            return
-        log.warning("request_lost", request_id=rid, instance=where.instance)
-        self.end_request(rid, "error", f"instance {where.instance} is gone (its heartbeat "
-                         "expired)", code="instance_failed")  # fmt: skip
+        if tracked is not None:
+            self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
+                            "heartbeat expired)")  # fmt: skip
 
     # ---- this replica's heartbeat and the reaper -----------------------------
     async def _beat_loop(self) -> None:
@@ -609,6 +596,7 @@ class DistributedBackend:
             try:
                 ids = sorted(await self.store.set_members(PROXIES))
                 raws = await self.store.get_many([proxy_key(p) for p in ids])
+                self._replicas = max(1, sum(1 for raw in raws if raw is not None))
                 for proxy_id, raw in zip(ids, raws, strict=True):
                     if raw is not None or proxy_id == self.proxy_id:
                         continue
@@ -705,6 +693,8 @@ class DistributedBackend:
             "store": {"kind": self.config.store.kind, "commits": self.store.num_commits,
                       "conflicts": self.store.num_conflicts},
             "dispatch_s": {"count": len(samples), "p50": pct(0.5), "p99": pct(0.99)},
+            "admission": self.table.admission.snapshot() if self.table.admission else None,
+            "slo_classes": self.table.classes_snapshot(),
         }
         if light:
             return out
@@ -712,7 +702,7 @@ class DistributedBackend:
             {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
              "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
              **msgspec.to_builtins(r.timings)}
-            for r in self.timings.records
+            for r in self.table.timings.records
         ]  # fmt: skip
         out["switches"], out["turns"] = [], []
         return out
@@ -748,8 +738,7 @@ class _Collector(Collector):
         for iid in b.view.live:
             up.add_metric([iid], 1.0)
         yield up
-        yield GaugeMetricFamily("aegaeon_backend_requests", "Requests this replica tracks now",
-                                value=len(b.requests))  # fmt: skip
+        yield from request_metrics(b.table)
         yield GaugeMetricFamily("aegaeon_held_requests", "Requests waiting for an instance",
                                 value=len(b.held))  # fmt: skip
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",

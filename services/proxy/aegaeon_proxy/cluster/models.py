@@ -72,7 +72,7 @@ def _wake_rank(view: InstanceView) -> tuple[bool, int]:
     return view.kind != "prefill", work
 
 
-def _cache_error(exc: RemoteError) -> BackendError:
+def cache_error(exc: RemoteError) -> BackendError:
     status, code = _CACHE_ERRORS.get(exc.code, (503, "unavailable"))
     return BackendError(f"cachemgr: {exc}", status=status, code=code)
 
@@ -110,7 +110,7 @@ class ClusterModels:
         except TimeoutError:
             raise BackendError.unavailable("the cachemgr did not answer") from None
         except RemoteError as exc:
-            raise _cache_error(exc) from None
+            raise cache_error(exc) from None
 
     # ---- the admin endpoints' operations ------------------------------------
     async def add(self, model: ModelConfig) -> None:

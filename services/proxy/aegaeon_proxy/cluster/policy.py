@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
 from aegaeon_common.config import Config
+from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import (
     ClusterSpec,
@@ -79,33 +83,62 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
     return policy
 
 
+@dataclass(frozen=True)
+class Member:
+    """One instance as the admission bounds see it (a hello, or a registry record)."""
+
+    kind: str  # "prefill" | "decode"
+    latency: LatencyProfile | None
+    capacity_tokens: Mapping[str, int]  # model -> device KV room in tokens
+    node: str = ""  # its node (one host KV cache per node)
+
+
 def admission_bounds(config: Config, instances: Instances) -> Bounds:
-    """``proxy.max_*`` bounds, the unset ones derived from the instances' hellos
-    (:func:`~aegaeon_sched.admission.derive_bounds`)."""
+    """One node's bounds: ``proxy.max_*``, the unset ones derived from the instances'
+    hellos (:func:`bounds_of`)."""
+    members = [Member(v.kind, v.hello.latency, v.hello.capacity_tokens)
+               for v in instances if v.hello is not None]  # fmt: skip
+    return bounds_of(config, members)
+
+
+def bounds_of(config: Config, members: Iterable[Member], replicas: int = 1) -> Bounds:
+    """``proxy.max_*`` bounds, the unset ones derived from ``members``
+    (:func:`~aegaeon_sched.admission.derive_bounds`: prefill within the TTFT target, the
+    decode instances' KV plus each node's host KV cache). With many proxy replicas,
+    each admits on its own: a derived bound is shared by the ``replicas`` evenly (a
+    configured one is each replica's as configured)."""
     proxy = config.proxy
-    configured = Bounds(proxy.max_prefill_tokens, proxy.max_prefill_tokens_per_model,
-                        proxy.max_kv_blocks, proxy.max_kv_blocks_per_model)  # fmt: skip
     per_token: list[float] = []
     capacities: list[dict[str, int]] = []
-    host_kv_tokens = 0
-    for view in instances:
-        hello = view.hello
-        if hello is None:
-            continue
-        prefills = config.unified or view.kind == "prefill"
-        if prefills and hello.latency is not None and hello.capacity_tokens:
-            latency = LatencyModel.from_dict(to_plain(hello.latency))
+    host_kv_tokens: dict[str, int] = {}  # node -> its host KV cache in tokens
+    for m in members:
+        prefills = config.unified or m.kind == "prefill"
+        if prefills and m.latency is not None and m.capacity_tokens:
+            latency = LatencyModel.from_dict(to_plain(m.latency))
             n = TYPICAL_PROMPT_TOKENS
-            per_token.append(max(latency.prefill_one_s(m, n) / n for m in hello.capacity_tokens))
-        if config.unified or view.kind == "decode" or config.hybrid_prefill:  # it decodes
-            capacities.append(dict(hello.capacity_tokens))
-            if hello.capacity_tokens:
+            per_token.append(max(latency.prefill_one_s(x, n) / n for x in m.capacity_tokens))
+        if config.unified or m.kind == "decode" or config.hybrid_prefill:  # it decodes
+            capacities.append(dict(m.capacity_tokens))
+            if m.capacity_tokens:
                 # the host KV cache in tokens of the same (largest per-token) model:
                 # the device region scaled by the two regions' sizes
-                kind = config.decode if view.kind == "decode" else config.prefill
+                kind = config.decode if m.kind == "decode" else config.prefill
                 region = kind.kv_memory_bytes
-                tokens = min(hello.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
-                host_kv_tokens = max(host_kv_tokens, tokens)
-    return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
-                         decode_capacity_tokens=capacities,
-                         host_kv_tokens=host_kv_tokens)  # fmt: skip
+                tokens = min(m.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
+                host_kv_tokens[m.node] = max(host_kv_tokens.get(m.node, 0), tokens)
+    derived = derive_bounds(Bounds(), ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
+                            decode_capacity_tokens=capacities,
+                            host_kv_tokens=sum(host_kv_tokens.values()))  # fmt: skip
+
+    def share(total: int | None) -> int | None:
+        return None if total is None else max(1, total // max(1, replicas))
+
+    configured = Bounds(
+        proxy.max_prefill_tokens or share(derived.prefill_tokens),
+        proxy.max_prefill_tokens_per_model,
+        proxy.max_kv_blocks or share(derived.kv_blocks),
+        proxy.max_kv_blocks_per_model,
+    )  # fmt: skip
+    # (nothing more to derive: the per-model bounds left unset are the totals)
+    return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=(),
+                         decode_capacity_tokens=())  # fmt: skip

@@ -1,0 +1,140 @@
+"""Every node's cachemgr as a proxy replica reaches it (many nodes, ``store.kind: redis``).
+
+A node's instances name their cachemgr in their registry records (its command
+address and its side HTTP server). A replica sends the operator's model flags
+(``SetModelFlags``: pin, preload) to every node's cachemgr, reads every node's
+Model Cache, and lists every node's services for ``GET /v1/aegaeon/services``.
+
+A node whose cachemgr is on another host is reached at the address its
+instances use (``addresses.cachemgr``): it must be routable from the replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import zmq.asyncio
+from aegaeon_common.http_side import ServiceAddress
+from aegaeon_common.messages.cache import REPLIES, CacheStats, GetStats, SetModelFlags
+from aegaeon_common.registry import InstanceRecord
+from aegaeon_common.transport import RemoteError, RpcClient
+from aegaeon_common.wire import Message, to_plain
+
+from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.cluster.models import CACHE_TIMEOUT_S, cache_error
+
+__all__ = ["NodeCaches", "merge_model_caches", "node_services"]
+
+SUMMED = ("budget_bytes", "used_bytes", "num_loads", "num_hits", "num_evictions",
+          "load_s_total", "loaded_bytes_total")  # fmt: skip
+
+
+def _cachemgrs(records: Iterable[InstanceRecord]) -> dict[str, str]:
+    """node -> its cachemgr's command address (as its instances last wrote it)."""
+    out: dict[str, str] = {}
+    for r in sorted(records, key=lambda r: r.instance_id):
+        if r.cachemgr_address:
+            out.setdefault(r.node, r.cachemgr_address)
+    return out
+
+
+def node_services(records: Iterable[InstanceRecord]) -> list[ServiceAddress]:
+    """Each node's cachemgr, then its prefill and decode instances, nodes in order."""
+    by_node: dict[str, list[InstanceRecord]] = {}
+    for r in records:
+        by_node.setdefault(r.node, []).append(r)
+    out: list[ServiceAddress] = []
+    for node, mine in sorted(by_node.items()):
+        cachemgr = next((r.cachemgr_http_url for r in mine if r.cachemgr_http_url), "")
+        if cachemgr:
+            out.append(ServiceAddress(f"{node}/cachemgr", "cachemgr", cachemgr))
+        for r in sorted(mine, key=lambda r: (r.kind != "prefill", r.index)):
+            if r.http_url:
+                out.append(ServiceAddress(r.instance_id, r.kind, r.http_url))
+    return out
+
+
+def merge_model_caches(by_node: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Many nodes' Model Caches as one (``ModelCacheStats`` as plain data): a model is
+    resident, pinned and known where it is on *every* node; its load progress is the
+    least of the nodes'; the byte and load counts are summed; ``nodes`` keeps each."""
+    caches = list(by_node.values())
+    out: dict[str, Any] = {key: sum(c.get(key, 0) for c in caches) for key in SUMMED}
+    resident = [{m["name"]: m for m in c.get("models", [])} for c in caches]
+    everywhere = set.intersection(*(set(r) for r in resident)) if resident else set()
+    out["models"] = [m for name, m in resident[0].items() if name in everywhere] if caches else []
+    out["loading"] = sorted({name for c in caches for name in c.get("loading", [])})
+    progress: dict[str, float] = {}
+    for name in {n for c in caches for n in c.get("progress", {})} - everywhere:
+        progress[name] = min(1.0 if name in r else float(c.get("progress", {}).get(name, 0.0))
+                             for c, r in zip(caches, resident, strict=True))  # fmt: skip
+    out["progress"] = progress
+
+    def common(key: str) -> list[str]:
+        sets = [set(c.get(key, [])) for c in caches]
+        return sorted(set.intersection(*sets)) if sets else []
+
+    out["operator_pinned"] = common("operator_pinned")
+    out["known"] = common("known")
+    out["nodes"] = dict(by_node)
+    return out
+
+
+class NodeCaches:
+    """One client per node's cachemgr, made on first use (see the module)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self._ctx = ctx
+        self._clients: dict[str, RpcClient] = {}  # address -> client
+
+    def _client(self, address: str) -> RpcClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = RpcClient(self._ctx, address, REPLIES)
+        return client
+
+    async def _call(self, address: str, msg: Message) -> Message:
+        try:
+            return await self._client(address).call(msg, timeout_s=CACHE_TIMEOUT_S)
+        except TimeoutError:
+            raise BackendError.unavailable(f"the cachemgr at {address} did not answer") from None
+        except RemoteError as exc:
+            raise cache_error(exc) from None
+
+    async def set_flags(self, records: Iterable[InstanceRecord], name: str, *, pinned: bool,
+                        preload: bool) -> None:  # fmt: skip
+        """The flags on every node's cachemgr at once; the first failure is raised
+        (after every call ended: the nodes that took them keep them)."""
+        nodes = _cachemgrs(records)
+        if not nodes:
+            raise BackendError.unavailable("no node has registered its cachemgr")
+        msg = SetModelFlags(name, pinned=pinned, preload=preload)
+        results = await asyncio.gather(*(self._call(a, msg) for a in nodes.values()),
+                                       return_exceptions=True)  # fmt: skip
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def model_cache(self, records: Iterable[InstanceRecord]) -> dict[str, Any] | None:
+        """Every answering node's Model Cache, merged (:func:`merge_model_caches`);
+        None when no node answered."""
+        nodes = _cachemgrs(records)
+
+        async def one(address: str) -> dict[str, Any] | None:
+            try:
+                reply = await self._call(address, GetStats())
+            except BackendError:
+                return None
+            stats = to_plain(reply.model_cache) if isinstance(reply, CacheStats) else None
+            return stats if isinstance(stats, dict) else None
+
+        answers = await asyncio.gather(*(one(a) for a in nodes.values()))
+        by_node = {n: s for n, s in zip(nodes, answers, strict=True) if s is not None}
+        return merge_model_caches(by_node) if by_node else None
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -1,0 +1,351 @@
+"""The request table: every request a proxy backend holds, once for every backend.
+
+The single proxy (:mod:`~aegaeon_proxy.cluster.backend`, the policy in process)
+and a replica over the shared store (:mod:`~aegaeon_proxy.cluster.distributed`)
+differ only in *placement*: where an admitted request goes, what is undone when
+it ends, and where a stray token's request is cancelled. Everything else is
+here, once: admission by SLO class (a request past its class's share of the
+bounds is deferred or refused; :mod:`aegaeon_sched.admission`), the streams
+(first token, step-token fan-out), ends and their counters, failures and
+retries, the timing records. A backend gives its :class:`Placement`.
+
+Invariants: a request is in :attr:`RequestTable.requests` from its admission
+(or deferral) until it ends, exactly once; an ended id is remembered for a
+while (:data:`RECENT_IDS`) so its late tokens are not taken for a stranger's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+from aegaeon_common.config import Config
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.report import PrefillDone, StepTokens
+from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_sched import Request, Shedder, Verdict
+from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
+
+from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenQueue
+from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
+from aegaeon_proxy.slo_classes import class_table
+from aegaeon_proxy.vllm_metrics import EngineSteps
+
+log = get_logger("cluster")
+
+__all__ = ["MAX_RETRIES", "RECENT_IDS", "Placement", "RequestTable", "make_shedder"]
+
+MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
+RECENT_IDS = 4096  # request ids ended lately (their late tokens are expected)
+COUNTERS = ("finished", "failed", "cancelled", "retried", "rejected", "deferred",
+            "orphans_cancelled", "bad_frames", "report_errors")  # fmt: skip
+
+
+class Placement(Protocol):
+    """What differs between backends: where requests go and how that is undone."""
+
+    def place(self, tracked: Tracked) -> None:
+        """``tracked`` was admitted: send it to an instance (or hold it for one)."""
+
+    def replace(self, tracked: Tracked) -> None:
+        """``tracked``'s instance failed before its first token: place it again."""
+
+    def unplace(self, tracked: Tracked, cancelled: bool) -> None:
+        """``tracked`` ended (``cancelled``: by its client) after it was placed: what
+        the placement holds of it goes (at its instance too when cancelled)."""
+
+    def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
+        """Tokens of ``request_id``, which this proxy never knew (it restarted while the
+        request ran), came in ``msg``: cancel it at the instance that sent them."""
+
+
+def make_shedder(config: Config) -> Shedder | None:
+    """Shedding by SLO class: under overload the lowest class is deferred or refused
+    first. With ``proxy.admission_wait`` a request past the bounds (its class's share
+    of them) waits its turn until its first-token deadline instead of a 429 at once;
+    classes off: one class at the whole bounds. None: classes off and no waiting."""
+    wait = config.proxy.admission_wait
+    if config.slo_classes.enabled:
+        max_deferred = config.slo_classes.max_deferred
+        if wait:  # as many as may be open
+            max_deferred = max(max_deferred, config.proxy.max_queued_requests)
+        return Shedder(class_table(config, config.slo.ttft_s, config.slo.tbt_s),
+                       max_deferred, wait_all=wait)  # fmt: skip
+    if wait:
+        return Shedder.one_class(config.slo.ttft_s, config.slo.tbt_s,
+                                 config.proxy.max_queued_requests)  # fmt: skip
+    return None
+
+
+class RequestTable:
+    """The requests a backend holds, their admission, streams and ends (see the module).
+
+    Runs on the proxy's event loop; nothing here blocks or awaits.
+    """
+
+    def __init__(self, config: Config, placement: Placement, where: str = "the node") -> None:
+        self.config = config
+        self.placement = placement
+        self.where = where  # how a 429 names what is full ("the node", "this replica")
+        self.requests: dict[str, Tracked] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.timings = TimingLog(config.proxy.stats_records)
+        self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
+        self.shedder = make_shedder(config)
+        self.admission: AdmissionControl | None = None  # once bounds are known
+        self.gate: ClassAdmission | None = None  # the admission by SLO class, with it
+        # ids ended here lately, oldest first: tokens of an id not in here and not
+        # open belong to a request this proxy never knew
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._releasing = False
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def set_bounds(self, bounds: Bounds) -> None:
+        """The admission bounds (again, when the instances behind them changed)."""
+        if self.admission is None:
+            self.admission = AdmissionControl(bounds)
+            self.gate = ClassAdmission(self.admission, self.shedder)
+        else:
+            self.admission.bounds = bounds
+        self.release_deferred()
+
+    # ---- arrivals ------------------------------------------------------------
+    def open(self, req: GenerationRequest) -> Tracked:
+        """Admit ``req`` and place it, defer it (it waits here for room), or raise a
+        ``BackendError`` (429) past the bounds."""
+        retry_after_s = self.config.proxy.retry_after_s
+        limit = self.config.proxy.max_queued_requests
+        if len(self.requests) >= limit:
+            self.counters["rejected"] += 1
+            raise BackendError.overloaded(
+                f"{len(self.requests)} requests in flight at {self.where} (limit {limit})",
+                retry_after_s=retry_after_s,
+            )  # fmt: skip
+        s = req.sampling
+        sched = Request(
+            req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
+            oracle_output_len=s.max_tokens if s.ignore_eos else None,
+            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s,
+        )  # fmt: skip
+        verdict = self.gate.decide(sched) if self.gate is not None else Verdict.ADMIT
+        if verdict is Verdict.REFUSE:
+            assert self.gate is not None
+            self.counters["rejected"] += 1
+            raise BackendError.overloaded(
+                f"{self.where} is at its admission bound for {req.slo_class} requests "
+                f"({self.gate.why(sched)}); retry later", retry_after_s=retry_after_s,
+            )  # fmt: skip
+        sampling = SamplingSpec(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )  # fmt: skip
+        tracked = Tracked(req, sched, sampling, TokenQueue())
+        self.requests[req.request_id] = tracked
+        if verdict is Verdict.DEFER:  # it waits here for room (release_deferred)
+            tracked.deferred = True
+            tracked.queue.hold()  # the front answers once it is admitted or refused
+            self.counters["deferred"] += 1
+            log.debug("request_deferred", request_id=req.request_id, model=req.model,
+                      slo_class=req.slo_class)  # fmt: skip
+            return tracked
+        self._place(tracked)
+        return tracked
+
+    def _place(self, tracked: Tracked, admitted: bool = False) -> None:
+        if not admitted and self.gate is not None:
+            self.gate.admit(tracked.sched)
+        tracked.queue.admit()
+        self.placement.place(tracked)
+
+    def release_deferred(self) -> None:
+        """Room was freed: deferred requests that fit now go out, earliest deadline first."""
+        gate = self.gate
+        if gate is None or self._releasing or not gate.num_deferred:
+            return
+        self._releasing = True  # placing may end requests: no re-entry
+        try:
+            while gate.num_deferred:
+                released = gate.release()
+                if not released:
+                    break
+                for sched in released:
+                    tracked = self.requests.get(sched.request_id)
+                    if tracked is not None and tracked.deferred:
+                        tracked.deferred = False
+                        self._place(tracked, admitted=True)
+                    elif self.admission is not None:  # gone meanwhile
+                        self.admission.release(sched.request_id)
+        finally:
+            self._releasing = False
+
+    def expire_deferred(self, now_s: float) -> None:
+        """Deferred requests whose first-token deadline passed while they waited: they
+        can no longer meet it, and are refused now (429, Retry-After)."""
+        if self.gate is None:
+            return
+        for sched in self.gate.expire(now_s):
+            tracked = self.requests.pop(sched.request_id, None)
+            if tracked is None:
+                continue
+            self._forget(sched.request_id)
+            self.counters["rejected"] += 1
+            tracked.queue.refuse(BackendError.overloaded(
+                f"{self.where} had no room for this request within its time to first token "
+                f"({sched.ttft_s or self.config.slo.ttft_s:g} s; it waited for room at the "
+                "admission bounds); retry later",
+                retry_after_s=self.config.proxy.retry_after_s,
+            ))  # fmt: skip
+
+    # ---- ends ----------------------------------------------------------------
+    def end(
+        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
+    ) -> Tracked | None:
+        """The request is over (finished or failed): undo its placement, close its stream."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        self._forget(request_id)
+        if reason == "error":
+            self.counters["failed"] += 1
+            tracked.queue.finish("error", error, code)
+        else:
+            self.counters["finished"] += 1
+        self._unplace(tracked, cancelled=False)
+        self.release_deferred()
+        return tracked
+
+    def cancel(self, request_id: str) -> Tracked | None:
+        """Its client went away: undo its placement (at its instance too)."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        self._forget(request_id)
+        self.counters["cancelled"] += 1
+        self.timings.add(tracked, "cancelled", None)
+        self._unplace(tracked, cancelled=True)
+        tracked.queue.finish("cancelled")
+        self.release_deferred()
+        return tracked
+
+    def _unplace(self, tracked: Tracked, cancelled: bool) -> None:
+        if tracked.deferred:
+            if self.gate is not None:
+                self.gate.cancel(tracked.gen.request_id)  # it never was placed
+        else:
+            self.placement.unplace(tracked, cancelled)
+
+    def _forget(self, request_id: str) -> None:
+        """It ended here: release its admission, remember its id for a while."""
+        if self.admission is not None:
+            self.admission.release(request_id)
+        self._ended[request_id] = None
+        if len(self._ended) > RECENT_IDS:
+            self._ended.popitem(last=False)
+
+    def ended_lately(self, request_id: str) -> bool:
+        return request_id in self._ended
+
+    def cancel_all(self) -> None:
+        """The backend stops: every stream ends ``cancelled`` (nothing is undone)."""
+        for tracked in list(self.requests.values()):
+            tracked.queue.finish("cancelled")
+        self.requests.clear()
+
+    # ---- reports -------------------------------------------------------------
+    def prefilled(self, msg: PrefillDone, owner: str) -> Tracked | None:
+        """A first token and its KV handoff (leased to ``owner``): delivered, its prompt
+        out of the admission's prefill tokens. None: not a request waiting for its
+        first token here (cancelled meanwhile, or a second prefill of it): the caller
+        sees the handoff freed."""
+        tracked = self.requests.get(msg.request_id)
+        if tracked is None or tracked.num_generated > 0:
+            return None
+        if self.admission is not None:
+            self.admission.prefilled(msg.request_id)
+        tracked.num_generated = 1
+        tracked.handoff_owner = owner
+        tracked.first_token_id = msg.token_id
+        tracked.handoff = msg.handoff
+        tracked.prefill_timings = msg.timings
+        self.steps.prefill(tracked.gen.model, len(tracked.gen.prompt_token_ids))
+        deliver(tracked, (msg.token_id,), msg.finish_reason)
+        self.release_deferred()
+        return tracked
+
+    def finish_first(self, tracked: Tracked, msg: PrefillDone) -> bool:
+        """The first token was the last (its finish reason): end it; True if so."""
+        if msg.finish_reason is None:
+            return False
+        self.timings.add(tracked, msg.finish_reason, msg.timings)
+        self.end(msg.request_id, msg.finish_reason)
+        return True
+
+    def step_tokens(self, msg: StepTokens) -> list[str]:
+        """One decode report's tokens, each to its request's stream (the ends ended);
+        returns the ids that got tokens and are still open. Tokens of an id neither
+        open nor ended lately are a stranger's: cancelled where they came from."""
+        batch = step_batch(msg, self.requests)
+        if batch is not None:
+            self.steps.decode(*batch)
+        progressed: list[str] = []
+        for item in msg.items:
+            tracked = self.requests.get(item.request_id)
+            if tracked is None:
+                if item.finish_reason is None and not self.ended_lately(item.request_id):
+                    self._forget(item.request_id)
+                    self.counters["orphans_cancelled"] += 1
+                    log.info("orphan_cancelled", request_id=item.request_id, index=msg.index)
+                    self.placement.cancel_orphan(item.request_id, msg)
+                continue
+            tracked.num_generated += len(item.token_ids)
+            reason = item.finish_reason
+            deliver(tracked, item.token_ids, reason, item.timings)
+            if reason is not None:
+                self.timings.add(tracked, reason, item.timings)
+                self.end(item.request_id, reason)
+            else:
+                progressed.append(item.request_id)
+        return progressed
+
+    def failed(self, request_id: str, instance: str, code: str, message: str) -> None:
+        """``instance`` could not serve the request: it ends with that error."""
+        tracked = self.requests.get(request_id)
+        if tracked is None:
+            return
+        self.timings.add(tracked, "error", None)
+        log.warning("request_failed", request_id=request_id, model=tracked.gen.model,
+                    instance=instance, code=code, error=message)  # fmt: skip
+        self.end(request_id, "error", f"{instance}: {code}: {message}")
+
+    def lost(self, tracked: Tracked, instance: str, why: str) -> None:
+        """``tracked``'s instance failed: placed again when it had no token yet (up to
+        ``MAX_RETRIES`` times), else it ends with ``instance_failed``."""
+        request_id = tracked.gen.request_id
+        if tracked.num_generated == 0 and tracked.retries < MAX_RETRIES:
+            tracked.retries += 1
+            tracked.instance = None
+            self.counters["retried"] += 1
+            if self.admission is not None:
+                self.admission.requeued(request_id, len(tracked.gen.prompt_token_ids))
+            log.info("request_retried", request_id=request_id, model=tracked.gen.model,
+                     instance=instance, attempt=tracked.retries)  # fmt: skip
+            self.placement.replace(tracked)
+            return
+        log.warning("request_lost", request_id=request_id, model=tracked.gen.model,
+                    instance=instance, error=why)  # fmt: skip
+        self.end(request_id, "error", why, code="instance_failed")
+
+    # ---- observability -------------------------------------------------------
+    def classes_snapshot(self) -> dict[str, object]:
+        """SLO classes: whether on, requests open by class, what shedding did."""
+        by_class: dict[str, int] = {}
+        for t in self.requests.values():
+            by_class[t.gen.slo_class] = by_class.get(t.gen.slo_class, 0) + 1
+        out: dict[str, object] = {"enabled": self.config.slo_classes.enabled,
+                                  "open_by_class": by_class}  # fmt: skip
+        if self.shedder is not None:
+            out["shedding"] = self.shedder.snapshot()
+        return out

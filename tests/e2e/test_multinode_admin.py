@@ -1,0 +1,215 @@
+"""What one node does, many nodes do too: ``aegaeon serve --nodes 2 --proxies 2``.
+
+Through a real redis-server, against the replicated proxies: a ``PATCH`` of a
+model's settings (a pin reaches every node's cachemgr, as on one node), batch
+requests shed before interactive ones at a replica's admission bounds (the
+same request table and shedder as one node), and ``GET /v1/aegaeon/services``
+listing every node's cachemgr and instances. Outcomes only: no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aegaeon_cli.serve import default_config_dict
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import Served, start_serve, stop_serve
+
+SETTLE_S = 120.0  # loads and heartbeats settle within this (a busy CI machine)
+MAX_TOKENS = 200  # a request's KV: ceil((prompt + 200) / 16) = 13-16 blocks
+KV_BLOCKS = 32  # each replica's bound: one such batch request (0.5 x 32), two interactive
+DEFERRED = 3  # batch requests that wait behind the first
+
+
+@pytest.fixture(scope="module")
+def cluster(small_market: Path, redis_url: str,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:  # fmt: skip
+    base = tmp_path_factory.mktemp("multinode-admin")
+    raw = default_config_dict(small_market, 0)
+    raw["proxy"] = {**raw.get("proxy", {}), "max_kv_blocks": KV_BLOCKS}
+    config = base / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    served = start_serve(small_market, base / "run", "--config", str(config), "--nodes", "2",
+                         "--proxies", "2", "--store-url", redis_url)  # fmt: skip
+    try:
+        yield served
+    finally:
+        stop_serve(served)
+        assert served.proc.returncode == 0, served.log_tail()
+
+
+@pytest.fixture(scope="module")
+def model(small_market: Path) -> str:
+    return str(json.loads((small_market / "market.json").read_text())["models"][0]["name"])
+
+
+def _urls(cluster: Served) -> list[str]:
+    port = int(cluster.url.rpartition(":")[2])
+    return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+
+
+def _call(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.2)
+
+
+def _both_nodes_up(url: str) -> bool:
+    try:
+        return _call(url, "GET", "/v1/aegaeon/stats?light=1")[1]["nodes"] == ["node-0", "node-1"]
+    except OSError:
+        return False
+
+
+def _services(url: str) -> list[dict[str, str]]:
+    status, body = _call(url, "GET", "/v1/aegaeon/services")
+    assert status == 200, body
+    return list(body["services"])
+
+
+def _load_progress(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["model"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "aegaeon_model_load_progress_ratio"
+        for s in family.samples
+    }
+
+
+def test_services_list_every_nodes_cachemgr_and_instances(cluster: Served) -> None:
+    urls = _urls(cluster)
+    _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in urls))
+
+    def listed() -> list[dict[str, str]] | None:
+        services = _services(urls[1])
+        names = [s["name"] for s in services]
+        want = ["proxy", "node-0/cachemgr", "node-0/prefill-0", "node-0/decode-0",
+                "node-1/cachemgr", "node-1/prefill-0", "node-1/decode-0"]  # fmt: skip
+        return services if names == want else None
+
+    services = _until("every node's services listed", listed)
+    assert [s["role"] for s in services] == ["proxy", *["cachemgr", "prefill", "decode"] * 2]
+    for service in services[1:]:  # each answers where it says
+        for key in ("health_url", "ready_url", "metrics_url"):
+            with urllib.request.urlopen(service[key], timeout=30) as resp:
+                assert resp.status == 200, (service["name"], key)
+
+
+def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
+    urls = _urls(cluster)
+    _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in urls))
+    status, row = _call(urls[0], "PATCH", f"/v1/aegaeon/models/{model}",
+                        {"pinned": True, "max_concurrency": 8})  # fmt: skip
+    assert status == 200, row
+    assert row["pinned"] is True and row["max_concurrency"] == 8
+
+    def resident() -> dict[str, Any] | None:
+        status, body = _call(urls[0], "GET", f"/v1/aegaeon/models/{model}")
+        assert status == 200, body
+        return body if body["in_model_cache"] and body["load_progress"] == 1.0 else None
+
+    row = _until("the pinned model is resident on both nodes", resident)
+    assert row["bytes"] > 0
+    status, body = _call(urls[0], "GET", "/v1/aegaeon/models")
+    assert status == 200 and body["model_cache"] is not None, body
+    # each node's cachemgr holds it as the operator's, and says so in its metrics
+    cachemgrs = [s for s in _services(urls[0]) if s["role"] == "cachemgr"]
+    assert len(cachemgrs) == 2
+    for service in cachemgrs:
+        assert _load_progress(service["metrics_url"]).get(model) == 1.0, service["name"]
+    # the same field errors as one node
+    status, body = _call(urls[0], "PATCH", f"/v1/aegaeon/models/{model}", {"pinned": "yes"})
+    assert status == 400 and body["error"]["param"] == "pinned"
+    status, body = _call(urls[0], "PATCH", "/v1/aegaeon/models/no-such-model", {"pin": True})
+    assert status == 404
+    status, row = _call(urls[0], "PATCH", f"/v1/aegaeon/models/{model}",
+                        {"pinned": False, "max_concurrency": None})  # fmt: skip
+    assert status == 200 and row["pinned"] is False
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                  firsts: dict[str, float], name: str) -> tuple[int, str | None]:  # fmt: skip
+    """Stream one completion; note when its first token came; (status, finish reason)."""
+    finish: str | None = None
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return resp.status, None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            firsts.setdefault(name, time.monotonic())
+            finish = chunk["choices"][0].get("finish_reason") or finish
+    return 200, finish
+
+
+def test_batch_is_shed_before_interactive_at_a_replicas_bounds(cluster: Served,
+                                                               model: str) -> None:  # fmt: skip
+    url = _urls(cluster)[0]
+    _until("the replica sees both nodes", lambda: _both_nodes_up(url))
+
+    def body(k: int, priority: str) -> dict[str, Any]:
+        return {"model": model, "prompt": f"request {k}", "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "priority": priority}  # fmt: skip
+
+    async def shedding(session: aiohttp.ClientSession) -> dict[str, Any]:
+        async with session.get(f"{url}/v1/aegaeon/stats?light=1") as resp:
+            stats = await resp.json()
+        return dict(stats["slo_classes"]["shedding"])
+
+    async def main() -> tuple[list[tuple[int, str | None]], dict[str, float], dict[str, Any],
+                              dict[str, Any]]:  # fmt: skip
+        firsts: dict[str, float] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            before = await shedding(session)
+            first = asyncio.ensure_future(_stream(session, url, body(0, "batch"), firsts, "b0"))
+            while "b0" not in firsts:  # admitted and under way: the bound is held
+                assert not first.done(), first.result()
+                await asyncio.sleep(0.02)
+            batch = [asyncio.ensure_future(_stream(session, url, body(k, "batch"), firsts,
+                                                   f"b{k}")) for k in range(1, DEFERRED + 1)]
+            while (await shedding(session))["deferred"] < DEFERRED:  # each waits its turn
+                await asyncio.sleep(0.02)
+            urgent = await _stream(session, url, body(99, "interactive"), firsts, "i")
+            results = [await first, *await asyncio.gather(*batch), urgent]
+            return results, firsts, before, await shedding(session)
+
+    results, firsts, before, after = asyncio.run(main())
+    assert all(r == (200, "length") for r in results), results
+    # the batch requests past their class's half of the bound waited; the interactive one,
+    # with headroom past the bound, never did: admitted at once, its first token before
+    # theirs (they wait for the first batch request's whole KV to be freed)
+    assert after["deferred_total"] - before["deferred_total"] == DEFERRED, (before, after)
+    assert after["refused_by_class"] == before["refused_by_class"], (before, after)
+    assert all(firsts["i"] < firsts[f"b{k}"] for k in range(1, DEFERRED + 1)), firsts

@@ -1,0 +1,153 @@
+"""The request table every proxy backend shares (``cluster.requests``), with a recording
+placement: shedding by class and release as room is freed, the step-token fan-out,
+strangers' tokens cancelled, retries up to MAX_RETRIES; and the replicated proxy's
+view of every node (``cluster.node_caches``)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from aegaeon_common.config import Config
+from aegaeon_common.messages.report import PrefillDone, StepTokens, TokenItem
+from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.registry import InstanceRecord
+from aegaeon_proxy.backend import BackendError, GenerationRequest, SamplingParams
+from aegaeon_proxy.cluster.node_caches import merge_model_caches, node_services
+from aegaeon_proxy.cluster.requests import MAX_RETRIES, RequestTable
+from aegaeon_proxy.cluster.tracked import Tracked
+from aegaeon_sched.admission import Bounds
+
+MODEL = "m"
+
+
+class Recorder:
+    """A Placement that records what the table asked of it."""
+
+    def __init__(self) -> None:
+        self.placed: list[str] = []
+        self.replaced: list[str] = []
+        self.unplaced: list[tuple[str, bool]] = []
+        self.orphans: list[str] = []
+
+    def place(self, tracked: Tracked) -> None:
+        self.placed.append(tracked.gen.request_id)
+
+    def replace(self, tracked: Tracked) -> None:
+        self.replaced.append(tracked.gen.request_id)
+
+    def unplace(self, tracked: Tracked, cancelled: bool) -> None:
+        self.unplaced.append((tracked.gen.request_id, cancelled))
+
+    def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
+        self.orphans.append(request_id)
+
+
+def _table(**proxy: object) -> tuple[RequestTable, Recorder]:
+    from aegaeon_common.config import config_from_dict
+
+    raw = {"models": [{"name": MODEL, "path": str(Path("/nonexistent"))}],
+           "proxy": {"admission_wait": True, **proxy}}  # fmt: skip
+    config: Config = config_from_dict(raw, source="test")
+    placement = Recorder()
+    return RequestTable(config, placement), placement
+
+
+def _gen(rid: str, priority: int, prompt: int = 8, max_tokens: int = 8) -> GenerationRequest:
+    name = ("interactive", "standard", "batch")[priority]
+    return GenerationRequest(rid, MODEL, tuple(range(prompt)), SamplingParams(max_tokens),
+                             arrival_s=0.0, priority=priority, ttft_s=(5.0, 10.0, 50.0)[priority],
+                             slo_class=name)  # fmt: skip
+
+
+def _first(rid: str, finish: str | None = None) -> PrefillDone:
+    return PrefillDone(rid, 0, 7, finish, None, RequestTimings(), 0.0)
+
+
+def test_batch_waits_past_its_share_and_goes_once_the_room_is_freed() -> None:
+    async def main() -> None:
+        table, placement = _table()
+        table.set_bounds(Bounds(prefill_tokens=100))
+        table.open(_gen("b0", 2, prompt=40))
+        waiting = table.open(_gen("b1", 2, prompt=20))  # 60 > 0.5 x 100: it waits
+        table.open(_gen("i0", 0, prompt=20))  # 60 <= 1.25 x 100: admitted at once
+        assert placement.placed == ["b0", "i0"] and waiting.deferred
+        assert table.prefilled(_first("b0"), "prefill-0") is not None  # its 40 tokens freed
+        assert placement.placed == ["b0", "i0", "b1"] and not waiting.deferred
+        assert table.counters["deferred"] == 1 and table.counters["rejected"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_full_table_is_a_429_naming_where() -> None:
+    async def main() -> None:
+        table, _ = _table(max_queued_requests=1)
+        table.open(_gen("a", 1))
+        with pytest.raises(BackendError) as err:
+            table.open(_gen("b", 1))
+        assert err.value.status == 429 and "the node" in err.value.message
+
+    asyncio.run(main())
+
+
+def test_tokens_fan_out_and_a_strangers_tokens_are_cancelled_once() -> None:
+    async def main() -> None:
+        table, placement = _table()
+        tracked = table.open(_gen("r", 1))
+        assert table.prefilled(_first("r"), "prefill-0") is tracked
+        assert table.prefilled(_first("r"), "prefill-0") is None  # a second prefill of it
+        msg = StepTokens(0, [TokenItem("r", [1, 2]), TokenItem("stranger", [3])], 0.0)
+        assert table.step_tokens(msg) == ["r"]
+        assert placement.orphans == ["stranger"]
+        table.step_tokens(StepTokens(0, [TokenItem("stranger", [4])], 0.0))
+        assert placement.orphans == ["stranger"]  # cancelled already
+        table.step_tokens(StepTokens(0, [TokenItem("r", [5], "length")], 0.0))
+        assert tracked.num_generated == 4 and "r" not in table.requests
+        assert placement.unplaced == [("r", False)]
+        table.step_tokens(StepTokens(0, [TokenItem("r", [6])], 0.0))  # late: ended here
+        assert placement.orphans == ["stranger"] and table.counters["finished"] == 1
+
+    asyncio.run(main())
+
+
+def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> None:
+    async def main() -> None:
+        table, placement = _table()
+        tracked = table.open(_gen("r", 1))
+        for _ in range(MAX_RETRIES):
+            table.lost(tracked, "prefill-0", "down")
+        assert placement.replaced == ["r"] * MAX_RETRIES and "r" in table.requests
+        table.lost(tracked, "prefill-0", "down")
+        assert "r" not in table.requests and table.counters["failed"] == 1
+
+    asyncio.run(main())
+
+
+def _record(node: str, kind: str, index: int) -> InstanceRecord:
+    return InstanceRecord(
+        v=1, instance_id=f"{node}/{kind}-{index}", node=node, kind=kind, index=index,
+        address="tcp://127.0.0.1:1", incarnation=1, pid=1, capacity_tokens={MODEL: 64},
+        max_batch_size=8, http_url=f"http://{node}-{kind}", cachemgr_address=f"ipc://{node}",
+        cachemgr_http_url=f"http://{node}-cachemgr",
+    )  # fmt: skip
+
+
+def test_services_list_each_nodes_cachemgr_then_its_instances() -> None:
+    records = [_record("n1", "decode", 0), _record("n0", "decode", 0), _record("n0", "prefill", 0)]
+    names = [(s.name, s.role) for s in node_services(records)]
+    assert names == [("n0/cachemgr", "cachemgr"), ("n0/prefill-0", "prefill"),
+                     ("n0/decode-0", "decode"), ("n1/cachemgr", "cachemgr"),
+                     ("n1/decode-0", "decode")]  # fmt: skip
+
+
+def test_model_caches_merge_as_resident_where_every_node_holds_it() -> None:
+    def cache(models: list[str], progress: dict[str, float]) -> dict[str, object]:
+        return {"budget_bytes": 10, "used_bytes": 4, "num_loads": 1,
+                "models": [{"name": m, "nbytes": 2} for m in models], "loading": list(progress),
+                "progress": progress, "operator_pinned": models, "known": ["a", "b"]}  # fmt: skip
+
+    merged = merge_model_caches({"n0": cache(["a", "b"], {}), "n1": cache(["a"], {"b": 0.5})})
+    assert [m["name"] for m in merged["models"]] == ["a"]
+    assert merged["progress"] == {"b": 0.5} and merged["operator_pinned"] == ["a"]
+    assert merged["budget_bytes"] == 20 and merged["loading"] == ["b"]
