@@ -8,7 +8,8 @@ Three modes:
 - no flag (on the GPU machine, no network, its ``python3`` with torch CUDA):
   install the carried wheels, then, each step with its own timeout and all
   within ``--budget-s``: the GPU and its copy limits (``gpu_probe``), a
-  market, the ``gpu``-marked tests, ``aegaeon bench engine`` and ``aegaeon
+  market, the ``gpu``-marked tests, the tensor-parallel tests over NCCL
+  (only where it finds more than one device), ``aegaeon bench engine`` and ``aegaeon
   bench switch`` on CUDA, and ``aegaeon serve`` (one prefill + one decode
   instance sharing the GPU, four models) under ``aegaeon bench serve``
   (``gpu_check_serve``); last, a check that nothing was left running.
@@ -35,10 +36,12 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 import tomllib
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +114,17 @@ def gpu_test_files(root: Path = ROOT) -> list[str]:
     """Test modules that mark tests ``gpu`` (relative paths)."""
     return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
                   if "mark.gpu" in p.read_text(errors="replace"))
+
+
+def cuda_device_count(env: Mapping[str, str]) -> int:
+    """CUDA devices torch sees under the steps' environment (0 when it cannot tell)."""
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        proc = subprocess.run(_py("-c", code), env=env, capture_output=True, text=True,
+                              timeout=60, check=False)
+        return int(proc.stdout.split()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return 0
 
 
 def parse_junit(path: Path) -> dict[str, Any]:
@@ -231,12 +245,32 @@ class Check:
         xml = self.logs / "gpu-tests.xml"
         argv = _py("-m", "pytest", "-q", "-m", "gpu", "-o", f"cache_dir={self.work / 'pytest'}",
                    "--timeout", "45", "-rfE", "--durations=8", f"--junitxml={xml}",
-                   "-W", "ignore::DeprecationWarning", *files)
+                   "-W", "ignore::DeprecationWarning", "-k", "not tensor_parallel", *files)
         result = self.runner.command("gpu_tests", argv, DRY_STEP_S if self.dry else 110,
                                      reserve_s=self.reserve(),
                                      parse=lambda _o, _e: parse_junit(xml) if xml.is_file()
                                      else None)
         result.results = {"files": files, **(result.results or {})}
+
+    def tensor_parallel(self) -> None:
+        """``tests/unit/test_engine_tp.py``'s NCCL tests (TP=2 on cuda:0 and cuda:1 against
+        one engine) where the machine has more than one CUDA device; skipped with one
+        (CI runs the same tests over gloo on the CPU)."""
+        name = "tensor_parallel"
+        if self.dry:
+            self.runner.skip(name, "dry run: CI runs the same tests over gloo")
+            return
+        count = cuda_device_count(self.runner.env)
+        if count < 2:
+            self.runner.skip(name, f"{count} CUDA device{'s' * (count != 1)}: TP=2 needs 2")
+            return
+        xml = self.logs / "tensor-parallel.xml"
+        argv = _py("-m", "pytest", "-q", "-m", "gpu", "-k", "tensor_parallel",
+                   "-o", f"cache_dir={self.work / 'pytest'}", "--timeout", "150", "-rfE",
+                   f"--junitxml={xml}", "-W", "ignore::DeprecationWarning",
+                   "tests/unit/test_engine_tp.py")
+        self.runner.command(name, argv, 180, reserve_s=self.reserve(),
+                            parse=lambda _o, _e: parse_junit(xml) if xml.is_file() else None)
 
     def bench_engine(self) -> None:
         size = (("--repeats", "1", "--prompt-len", "16", "--new-tokens", "4",
@@ -320,7 +354,8 @@ class Check:
             return self.runner.results
         self.imports()
         self.probe()
-        steps = {"gpu_tests": self.gpu_tests, "bench_engine": self.bench_engine,
+        steps = {"gpu_tests": self.gpu_tests, "tensor_parallel": self.tensor_parallel,
+                 "bench_engine": self.bench_engine,
                  "bench_switch": self.bench_switch, "serve": self.serve,
                  "serve_mps": self.serve_mps}  # fmt: skip
         chosen = self.args.steps.split(",") if self.args.steps else [

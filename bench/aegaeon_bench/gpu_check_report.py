@@ -95,6 +95,7 @@ def _leaks(r: dict[str, Any]) -> Any:
 
 _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
+    "tensor_parallel": _tests,
     "bench_engine": _engine, "bench_switch": _switch, "serve": _serve, "serve_mps": _serve,
     "leaks": _leaks, "paper_models": _paper_models, "paper_aegaeon": _paper_node,
     "paper_request-level": _paper_node,

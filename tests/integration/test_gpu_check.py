@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["install", "imports", "probe", "market", "gpu_tests", "bench_engine", "bench_switch",
-         "serve", "leaks"]  # fmt: skip
+STEPS = ["install", "imports", "probe", "market", "gpu_tests", "tensor_parallel",
+         "bench_engine", "bench_switch", "serve", "leaks"]  # fmt: skip
 STATUSES = {"ok", "failed", "timeout", "error", "skipped"}
 
 

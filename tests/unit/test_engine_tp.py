@@ -39,13 +39,26 @@ class GroupRun:
     greedy: dict[str, list[list[int]]]
     expected_greedy: dict[str, list[list[int]]]
     switch: dict[str, list[list[int]]]
+    mirrored: dict[str, list[list[int]]]  # the switch driven by rank 0 (tp_mirror)
     expected_switch: dict[str, list[list[int]]]
     shm_leftover: set[str]
 
 
 @pytest.fixture(scope="module")
 def group_run(ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
-    work = tmp_path_factory.mktemp("tp-group")
+    return _run(ckpts, tmp_path_factory.mktemp("tp-group"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def nccl_run(ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
+    return _run(ckpts, tmp_path_factory.mktemp("tp-nccl"), "cuda")
+
+
+def _run(ckpts: dict[str, Path], work: Path, device: str) -> GroupRun:
+    """The TP=2 group on ``device`` (``cuda``: NCCL over cuda:0 and cuda:1) against
+    one engine on the CPU in float32 (CUDA's float32 matmuls are not TF32 here)."""
     prompts, blocks = prompts_of(LENGTHS, seed=5), block_lists(len(LENGTHS), 3)
     expected = {v: Bound(ckpts[v]).greedy(prompts, NUM_TOKENS, blocks) for v in VARIANTS}
     jobs: list[dict[str, Any]] = [
@@ -70,16 +83,17 @@ def group_run(ckpts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     one = torch.empty(one_layout.total_bytes, dtype=torch.uint8)
     fill_layout(one_dir, one_layout, one)
     (work / "one.cache").write_bytes(one.numpy().tobytes())
-    jobs.append({"kind": "switch", "tp_model_dir": str(tp_dir),
-                 "tp_cache": str(work / "tp.cache"), "one_model_dir": str(one_dir),
-                 "one_cache": str(work / "one.cache"), "tp_prompts": tp_prompts,
-                 "tp_blocks": tp_blocks, "one_prompts": one_prompts,
-                 "one_blocks": one_blocks, "num_tokens": NUM_TOKENS})
+    switch = {"kind": "switch", "tp_model_dir": str(tp_dir),
+              "tp_cache": str(work / "tp.cache"), "one_model_dir": str(one_dir),
+              "one_cache": str(work / "one.cache"), "tp_prompts": tp_prompts,
+              "tp_blocks": tp_blocks, "one_prompts": one_prompts, "one_blocks": one_blocks,
+              "num_tokens": NUM_TOKENS}
+    jobs += [switch, {**switch, "mirror": True}]
 
     before = _shm_entries()
-    *greedy, switch = run_group(2, jobs, work)
+    *greedy, spmd, mirrored = run_group(2, jobs, work, device)
     leftover = {e for e in _shm_entries() - before if e.startswith(("torch", "gloo", "nccl"))}
-    return GroupRun(dict(zip(VARIANTS, greedy, strict=True)), expected, switch,
+    return GroupRun(dict(zip(VARIANTS, greedy, strict=True)), expected, spmd, mirrored,
                     expected_switch, leftover)
 
 
@@ -95,8 +109,23 @@ def test_tensor_parallel_greedy_equals_one_device(group_run: GroupRun) -> None:
 def test_tensor_parallel_switch_keeps_both_models_tokens(group_run: GroupRun) -> None:
     """A TP=2 model decodes, rank 0 switches its weight buffer to a single-device model
     and back, and the TP model finishes its sequences from their KV: both models'
-    tokens are their own."""
+    tokens are their own; the same when rank 0 alone drives the group (TPDriver, the
+    other rank mirroring its calls), as an instance's worker would."""
     assert group_run.switch == group_run.expected_switch
+    assert group_run.mirrored == group_run.expected_switch
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_nccl_greedy_equals_one_device(nccl_run: GroupRun) -> None:
+    """The same over NCCL on two CUDA devices (scripts/gpu-check's tensor_parallel step)."""
+    assert nccl_run.greedy == nccl_run.expected_greedy
+    assert not nccl_run.shm_leftover
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_nccl_switch_keeps_both_models_tokens(nccl_run: GroupRun) -> None:
+    assert nccl_run.switch == nccl_run.expected_switch
+    assert nccl_run.mirrored == nccl_run.expected_switch
 
 
 def test_tensor_parallel_shards_cover_the_model(ckpts: dict[str, Path]) -> None:

@@ -11,7 +11,8 @@ returns rank 0's results. A rank's jobs (``JOBS``):
   back to back, ``fill_tp_layout``) into the rank's one weight buffer; part of
   its decode, then rank 0 alone switches to a single-device model (its bytes
   into the same buffer) and decodes it, then the group switches back and
-  finishes the TP model's sequences from their KV.
+  finishes the TP model's sequences from their KV; with ``mirror`` the same
+  driven by rank 0 alone through ``TPDriver``, the other ranks in ``follow``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ Job = dict[str, Any]
 def run_group(size: int, jobs: Sequence[Job], work_dir: Path, device: str = "cpu",
               timeout_s: float = 300.0) -> list[Any]:
     """Run ``jobs`` on a ``size``-rank group; rank 0's result of each job, in order.
+    ``device`` ``cpu`` runs every rank on the CPU over gloo, ``cuda`` rank ``r`` on
+    ``cuda:r`` over NCCL.
 
     A rank that fails ends the others at once (they would wait in a collective);
     each rank's output is in ``work_dir/rank<r>.log``, quoted on failure."""
@@ -118,7 +121,7 @@ def _job_switch(group: Any, engine: Any, job: Job) -> Any:
     from aegaeon_engine import ModelSpec, weight_layout
     from aegaeon_engine.tp import bind_shard
     from aegaeon_engine.tp_layout import TPLayout, shard_spec
-    from engine_support import decode_step
+    from aegaeon_engine.tp_mirror import TPDriver, follow
 
     dtype, dev = "float32", str(group.device)
     tp_spec = ModelSpec.from_dir(job["tp_model_dir"])
@@ -131,21 +134,45 @@ def _job_switch(group: Any, engine: Any, job: Job) -> Any:
     kv_tp = _kv_region(shard_spec(tp_spec, group.rank, group.size), dtype, 32, dev)
     kv_one = _kv_region(one_spec, dtype, 32, dev)
 
-    def switch_to_tp() -> None:
-        _read_range(job["tp_cache"], *tp.shard_range(group.rank), buffer)
-        bind_shard(engine, tp_spec, buffer, kv_tp, group, dtype)
+    def bind(model: int) -> bool:
+        """Model 0: the TP model, every rank its own range of the cache; model 1: the
+        single-device model, on rank 0's device alone."""
+        if model == 0:
+            _read_range(job["tp_cache"], *tp.shard_range(group.rank), buffer)
+            bind_shard(engine, tp_spec, buffer, kv_tp, group, dtype)
+            return True
+        if group.rank == 0:
+            _read_range(job["one_cache"], 0, one.total_bytes, buffer)
+            engine.bind(one_spec, buffer, kv_one, dtype)
+        return False
+
+    if not job.get("mirror"):  # every rank runs the script (SPMD)
+        return _switch_script(engine, bind, job, run_one=group.rank == 0)
+    if group.rank != 0:  # rank 0 drives (TPDriver), the others mirror its calls
+        follow(engine, group, bind)
+        return {}
+    driver = TPDriver(engine, group, bind)
+    try:
+        return _switch_script(driver, driver.bind, job, run_one=True)
+    finally:
+        driver.close()
+
+
+def _switch_script(engine: Any, bind: Callable[[int], object], job: Job,
+                   run_one: bool) -> dict[str, list[list[int]]]:
+    """The TP model's decode interrupted by the single-device model's (if ``run_one``)."""
+    from engine_support import decode_step
 
     prompts, blocks, steps = job["tp_prompts"], job["tp_blocks"], job["num_tokens"]
-    switch_to_tp()
+    bind(0)
     outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks, strict=True)]
     for _ in range(steps // 2 - 1):
         outs = decode_step(engine, prompts, outs, blocks)
     one_outs: list[list[int]] = []
-    if group.rank == 0:  # the single-device model on this rank's device alone
-        _read_range(job["one_cache"], 0, one.total_bytes, buffer)
-        engine.bind(one_spec, buffer, kv_one, dtype)
+    if run_one:
+        bind(1)
         one_outs = _greedy(engine, job["one_prompts"], steps, job["one_blocks"])
-    switch_to_tp()
+    bind(0)
     for _ in range(steps - steps // 2):
         outs = decode_step(engine, prompts, outs, blocks)
     return {"tp": outs, "one": one_outs}
@@ -160,7 +187,9 @@ def main(arg_file: str) -> int:
 
     args = json.loads(Path(arg_file).read_text())
     store = TCPStore("127.0.0.1", args["port"], is_master=False)
-    group = join_group(store, args["rank"], args["size"], args["device"], timeout_s=120)
+    device = args["device"]  # "cuda": rank r on cuda:r (NCCL); "cpu": gloo
+    device = f"cuda:{args['rank']}" if device == "cuda" else device
+    group = join_group(store, args["rank"], args["size"], device, timeout_s=120)
     try:
         engine = Engine(group.device)
         results = [JOBS[job["kind"]](group, engine, job) for job in args["jobs"]]

@@ -46,6 +46,9 @@ class TPGroup:
     size: int
     device: torch.device
     group: dist.ProcessGroup | None = None  # None: the default (world) group
+    # a gloo group for the few words of a driver's commands (tp_mirror.py); None:
+    # the default group (gloo itself on CPUs)
+    control: dist.ProcessGroup | None = None
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of ``partial`` over the group's ranks (a new contiguous tensor when
@@ -72,7 +75,8 @@ def join_group(store: Store, rank: int, size: int, device: str | torch.device,
         torch.cuda.set_device(dev)
     dist.init_process_group(backend_for(dev), store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
-    return TPGroup(rank, size, dev)
+    control = dist.new_group(backend="gloo") if backend_for(dev) != "gloo" else None
+    return TPGroup(rank, size, dev, control=control)
 
 
 def leave_group() -> None:

@@ -32,6 +32,7 @@ from .spec import ModelSpec, canonical_dtype
 _ROW_SPLIT = ("qkv_proj", "qkv_bias", "gate_up_proj")  # by output rows (column parallel)
 _COLUMN_SPLIT = ("o_proj", "down_proj")  # by input columns (row parallel)
 _PAGE = 4096  # bytes; every shard of a TPLayout starts on a page
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # not yet quantized blocks
 
 
 def check_tp(spec: ModelSpec, size: int) -> None:
@@ -139,6 +140,9 @@ def tp_layout(spec: ModelSpec, size: int, dtype: str | None = None,
     range starts page-aligned like a single-device model's.
     """
     dtype = canonical_dtype(dtype or spec.dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{spec.name}: tensor parallelism serves {', '.join(_FLOAT_DTYPES)} "
+                         f"weights, not {dtype}")
     shards = tuple(weight_layout(shard_spec(spec, r, size), dtype, alignment)
                    for r in range(size))
     offsets: list[int] = []
