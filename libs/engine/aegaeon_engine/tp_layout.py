@@ -140,9 +140,10 @@ def tp_layout(spec: ModelSpec, size: int, dtype: str | None = None,
     range starts page-aligned like a single-device model's.
     """
     dtype = canonical_dtype(dtype or spec.dtype)
-    if dtype not in _FLOAT_DTYPES:
+    quantized = getattr(spec, "quant", None) is not None  # GGUF blocks kept as they are
+    if dtype not in _FLOAT_DTYPES or quantized:
         raise ValueError(f"{spec.name}: tensor parallelism serves {', '.join(_FLOAT_DTYPES)} "
-                         f"weights, not {dtype}")
+                         f"weights, not {'quantized blocks' if quantized else dtype}")
     shards = tuple(weight_layout(shard_spec(spec, r, size), dtype, alignment)
                    for r in range(size))
     offsets: list[int] = []
