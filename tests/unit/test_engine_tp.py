@@ -19,12 +19,17 @@ from tp_support import run_group
 
 NUM_TOKENS = 12
 LENGTHS = (5, 19)  # the second crosses a block boundary
+GREEDY = (*VARIANTS, "llama-bias")  # every market family, and a llama with biases
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-ckpts")
-    return {v: make_checkpoint(root / v, v, seed=10 + i) for i, v in enumerate(VARIANTS)}
+    out = {v: make_checkpoint(root / v, v, seed=10 + i) for i, v in enumerate(VARIANTS)}
+    # q/k/v and o biases: the o bias lives on rank 0's shard alone
+    out["llama-bias"] = make_checkpoint(root / "llama-bias", "llama-gqa", seed=20,
+                                        attention_bias=True)
+    return out
 
 
 def _shm_entries() -> set[str]:
@@ -60,10 +65,10 @@ def _run(ckpts: dict[str, Path], work: Path, device: str) -> GroupRun:
     """The TP=2 group on ``device`` (``cuda``: NCCL over cuda:0 and cuda:1) against
     one engine on the CPU in float32 (CUDA's float32 matmuls are not TF32 here)."""
     prompts, blocks = prompts_of(LENGTHS, seed=5), block_lists(len(LENGTHS), 3)
-    expected = {v: Bound(ckpts[v]).greedy(prompts, NUM_TOKENS, blocks) for v in VARIANTS}
+    expected = {v: Bound(ckpts[v]).greedy(prompts, NUM_TOKENS, blocks) for v in GREEDY}
     jobs: list[dict[str, Any]] = [
         {"kind": "greedy", "model_dir": str(ckpts[v]), "prompts": prompts, "blocks": blocks,
-         "num_tokens": NUM_TOKENS} for v in VARIANTS]
+         "num_tokens": NUM_TOKENS} for v in GREEDY]
 
     # the switch: a TP=2 llama whose shards come from a Model Cache file (each rank
     # copies its own range) and a single-device qwen3 on rank 0's device
@@ -93,14 +98,15 @@ def _run(ckpts: dict[str, Path], work: Path, device: str) -> GroupRun:
     before = _shm_entries()
     *greedy, spmd, mirrored = run_group(2, jobs, work, device)
     leftover = {e for e in _shm_entries() - before if e.startswith(("torch", "gloo", "nccl"))}
-    return GroupRun(dict(zip(VARIANTS, greedy, strict=True)), expected, spmd, mirrored,
+    return GroupRun(dict(zip(GREEDY, greedy, strict=True)), expected, spmd, mirrored,
                     expected_switch, leftover)
 
 
 def test_tensor_parallel_greedy_equals_one_device(group_run: GroupRun) -> None:
     """TP=2 greedy tokens equal TP=1's in float32 for every family (llama with GQA and
     llama3 rope, mistral, qwen2 with one kv head replicated on both ranks and tied
-    embeddings, qwen3 with q/k norm), the ranks loading only their shards; both
+    embeddings, qwen3 with q/k norm, a llama with q/k/v and o biases), the ranks
+    loading only their shards; both
     processes ended cleanly and left nothing in /dev/shm."""
     assert group_run.greedy == group_run.expected_greedy
     assert not group_run.shm_leftover
