@@ -153,6 +153,12 @@ def _job_switch(group: Any, engine: Any, job: Job) -> Any:
         return {}
     driver = TPDriver(engine, group, bind)
     try:
+        driver.bind(0)
+        try:  # a call the engine refuses leaves the group in step
+            driver.prefill([3, 4, 5], [10**6])
+            raise AssertionError("a block id out of the KV region was accepted")
+        except ValueError:
+            pass
         return _switch_script(driver, driver.bind, job, run_one=True)
     finally:
         driver.close()

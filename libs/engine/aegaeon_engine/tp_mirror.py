@@ -102,7 +102,13 @@ def follow(engine: Engine, group: TPGroup, bind: BindFn) -> None:
         handler = handlers.get(op)
         if handler is None:
             raise ValueError(f"rank {group.rank}: unknown tensor-parallel command {op}")
-        handler(words)
+        try:
+            handler(words)
+        except ValueError:
+            # a call's arguments the engine refuses (block ids, lengths): it checks
+            # them before any collective, so the driver refused the same call at the
+            # same point and told its caller; the group stays in step
+            continue
 
 
 def _prefill(engine: Engine, words: list[int]) -> None:
