@@ -51,6 +51,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     parser.add_argument("--url", required=True, help="the proxy, e.g. http://127.0.0.1:8000")
     parser.add_argument("--models", type=int, help="use the first M models (default: all)")
+    parser.add_argument("--model", default=None,
+                        help="these models by name, comma-separated (instead of --models)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="every prompt this long (default: ShareGPT-like lengths)")
+    parser.add_argument("--output-tokens", type=int, default=None,
+                        help="every output this long (default: ShareGPT-like lengths)")
     parser.add_argument("--rps", type=float, default=0.1, help="requests/s per model (0.1)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
     parser.add_argument("--ttft", type=float, default=10.0, help="TTFT target, s (paper: 10)")
@@ -113,6 +119,7 @@ def _settings(
         "duration_s": args.duration, "seed": args.seed, "input_scale": args.input_scale,
         "output_scale": args.output_scale, "grace_s": args.grace,
         "priority_mix": args.priority_mix, "burst": args.burst,
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
         "limits": {m: asdict(lim) for m, lim in limits.items()},
     }  # fmt: skip
 
@@ -144,10 +151,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         served = run_fast(_models(base_url))
         models = served[: args.models] if args.models else served
+        if args.model:
+            models = [m for m in args.model.split(",") if m]
+            unknown = sorted(set(models) - set(served))
+            if unknown:
+                raise ValueError(f"--model: not served by {base_url}: {', '.join(unknown)} "
+                                 f"(served: {', '.join(served)})")
         limits = model_limits(
             models, args.market, vocab_size=args.vocab_size, max_context=args.max_context
         )
-    except (ServiceError, aiohttp.ClientError, TimeoutError, MarketError) as exc:
+    except (ServiceError, aiohttp.ClientError, TimeoutError, MarketError, ValueError) as exc:
         print(f"aegaeon bench serve: {exc}", file=sys.stderr)
         return 2
     planned = plan_requests(
@@ -160,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         output_scale=args.output_scale,
         mix=mix,
         burst=burst,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
     )
     print(
         f"{len(planned)} requests to {len(models)} models ({', '.join(models)}) over "

@@ -110,10 +110,15 @@ def plan_requests(
     output_scale: float = 1.0,
     mix: Mix = (),
     burst: Burst | None = None,
+    prompt_tokens: int | None = None,
+    output_tokens: int | None = None,
 ) -> list[PlannedRequest]:
     """The run's requests sorted by arrival (same seed, same plan). ``mix``: each
     request's SLO class drawn from it; ``burst``: ON/OFF arrivals, ``rps_per_model``
-    the OFF rate (:mod:`aegaeon_bench.workload_mix`, as the simulator draws them)."""
+    the OFF rate (:mod:`aegaeon_bench.workload_mix`, as the simulator draws them).
+    ``prompt_tokens`` / ``output_tokens``: every request that long instead of the
+    drawn length (the load other benchmark clients send: fixed lengths), clipped to
+    the model's window as drawn lengths are."""
     spec = WorkloadSpec(
         models=tuple(models),
         rps_per_model=rps_per_model,
@@ -125,13 +130,22 @@ def plan_requests(
     )
     requests = generate_bursty(spec, burst) if burst is not None else generate(spec)
     classes = assign_classes(requests, mix, seed) if mix else {}
+
+    def fixed(r_prompt: int, r_output: int, window: int) -> tuple[int, int]:
+        prompt = prompt_tokens if prompt_tokens is not None else r_prompt
+        output = output_tokens if output_tokens is not None else r_output
+        prompt = max(1, min(prompt, window - 1))
+        return prompt, max(1, min(output, window - prompt))
+
+    lengths = {r.request_id: fixed(r.prompt_len, r.max_tokens, limits[r.model].window)
+               for r in requests}  # fmt: skip
     return [
         PlannedRequest(
             request_id=r.request_id,
             model=r.model,
             offset_s=r.arrival_s,
-            prompt_len=r.prompt_len,
-            max_tokens=r.max_tokens,
+            prompt_len=lengths[r.request_id][0],
+            max_tokens=lengths[r.request_id][1],
             vocab_size=limits[r.model].vocab_size,
             seed=seed,
             priority=classes.get(r.request_id),

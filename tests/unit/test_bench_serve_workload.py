@@ -60,6 +60,19 @@ def test_lengths_scale_and_clip_to_the_window() -> None:
     assert all(max(r.prompt_ids()) < 50 and len(r.prompt_ids()) == r.prompt_len for r in clipped)
 
 
+def test_fixed_lengths_keep_the_arrivals_and_clip_to_the_window() -> None:
+    drawn = _plan(duration=400.0)
+    fixed = plan_requests(("a", "b"), LIMITS, rps_per_model=0.5, duration_s=400.0, seed=0,
+                          prompt_tokens=256, output_tokens=64)  # fmt: skip
+    assert [r.offset_s for r in fixed] == [r.offset_s for r in drawn]
+    assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(256, 64)}
+    assert all(len(r.prompt_ids()) == 256 for r in fixed)
+    tight = {m: ModelLimits(50, 300, "test") for m in ("a", "b")}
+    clipped = plan_requests(("a", "b"), tight, rps_per_model=0.5, duration_s=100.0, seed=0,
+                            prompt_tokens=280, output_tokens=64)  # fmt: skip
+    assert {(r.prompt_len, r.max_tokens) for r in clipped} == {(280, 20)}
+
+
 def _market(tmp_path: Path) -> Path:
     models = {"big": (32000, 32768), "small": (4096, 1024)}
     for name, (vocab, window) in models.items():
