@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "cancel": "aegaeon_bench.cancel",
     "soak": "aegaeon_bench.soak",
     "fuzz": "aegaeon_bench.fuzz",
+    "clients": "aegaeon_bench.clients",
 }
 
 

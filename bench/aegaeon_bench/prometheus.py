@@ -10,6 +10,7 @@ query of the project's dashboard and of vLLM's example dashboard.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -144,9 +145,7 @@ class Prometheus:
 
 
 @contextmanager
-def running(
-    directory: Path, port: int, scrape_interval: str | None = None
-) -> Iterator[Prometheus]:
+def running(directory: Path, port: int, scrape_interval: str | None = None) -> Iterator[Prometheus]:
     """Start Prometheus on ``127.0.0.1:port`` with the config and targets in
     ``directory``; stop it (SIGTERM, then SIGKILL) on the way out."""
     listen = f"127.0.0.1:{port}"
@@ -211,7 +210,8 @@ def dashboard_queries(path: Path) -> list[tuple[str, str]]:
 
 def instantiate(expr: str, model: str, rate_interval: str) -> str:
     """A panel query with Grafana's variables filled in: ``$model``/``$model_name``
-    by one model name (as Grafana fills a single value), ``$__rate_interval`` by ``rate_interval``."""
+    by one model name (as Grafana fills a single value), ``$__rate_interval`` by
+    ``rate_interval``."""
 
     def fill(match: re.Match[str]) -> str:
         return rate_interval if match.group(2) == "__rate_interval" else model
@@ -235,19 +235,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--proxy", default="http://127.0.0.1:8000", help="the node's proxy URL")
     parser.add_argument("--port", type=int, default=9090, help="Prometheus listens here")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="config, targets and data (default: a temporary directory)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="config, targets and data (default: a temporary directory)",
+    )
     parser.add_argument("--scrape-interval", default=None, help="e.g. 1s (default: the config's)")
-    parser.add_argument("--api-key", default=os.environ.get("AEGAEON_API_KEY"),
-                        help="the proxy's key when it has one (default: $AEGAEON_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AEGAEON_API_KEY"),
+        help="the proxy's key when it has one (default: $AEGAEON_API_KEY)",
+    )
     args = parser.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="aegaeon-prometheus-"))
     directory.mkdir(parents=True, exist_ok=True)
     try:
         write_targets(directory, fetch_services(args.proxy, args.api_key))
     except (OSError, PrometheusError) as exc:
-        print(f"scripts/prometheus: cannot list the node's services at {args.proxy}: {exc}",
-              file=sys.stderr)
+        print(
+            f"scripts/prometheus: cannot list the node's services at {args.proxy}: {exc}",
+            file=sys.stderr,
+        )
         return 2
     stop = False
 
@@ -259,17 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         with running(directory, args.port, args.scrape_interval) as server:
-            print(f"prometheus at {server.url} scraping the node at {args.proxy} "
-                  f"(config, targets and data in {directory}); Ctrl-C stops it", flush=True)
+            print(
+                f"prometheus at {server.url} scraping the node at {args.proxy} "
+                f"(config, targets and data in {directory}); Ctrl-C stops it",
+                flush=True,
+            )
             next_refresh = time.monotonic() + REFRESH_S
             while not stop and server.proc.poll() is None:
                 time.sleep(0.5)
                 if time.monotonic() >= next_refresh:
                     next_refresh += REFRESH_S
-                    try:
+                    # the node restarting: keep the last targets
+                    with contextlib.suppress(OSError, PrometheusError):
                         write_targets(directory, fetch_services(args.proxy, args.api_key))
-                    except (OSError, PrometheusError):
-                        pass  # the node is restarting: keep the last targets
     except PrometheusError as exc:
         print(f"scripts/prometheus: {exc}", file=sys.stderr)
         return 1

