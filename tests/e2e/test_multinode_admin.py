@@ -4,7 +4,8 @@ Through a real redis-server, against the replicated proxies: a ``PATCH`` of a
 model's settings (a pin reaches every node's cachemgr, as on one node), batch
 requests shed before interactive ones at a replica's admission bounds (the
 same request table and shedder as one node), and ``GET /v1/aegaeon/services``
-listing every node's cachemgr and instances. Outcomes only: no timing is asserted.
+listing every node's cachemgr and instances; a PATCH on one replica reaches the
+other (the settings live in the store). Outcomes only: no timing is asserted.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def _services(url: str) -> list[dict[str, str]]:
     return list(body["services"])
 
 
+def _settings(url: str, model: str) -> tuple[bool, int | None]:
+    status, row = _call(url, "GET", f"/v1/aegaeon/models/{model}")
+    assert status == 200, row
+    return row["pinned"], row["max_concurrency"]
+
+
 def _load_progress(metrics_url: str) -> dict[str, float]:
     with urllib.request.urlopen(metrics_url, timeout=30) as resp:
         text = resp.read().decode()
@@ -130,6 +137,8 @@ def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
                         {"pinned": True, "max_concurrency": 8})  # fmt: skip
     assert status == 200, row
     assert row["pinned"] is True and row["max_concurrency"] == 8
+    _until("the other replica shows the new settings",
+           lambda: _settings(urls[1], model) == (True, 8))  # fmt: skip
 
     def resident() -> dict[str, Any] | None:
         status, body = _call(urls[0], "GET", f"/v1/aegaeon/models/{model}")
@@ -150,9 +159,11 @@ def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
     assert status == 400 and body["error"]["param"] == "pinned"
     status, body = _call(urls[0], "PATCH", "/v1/aegaeon/models/no-such-model", {"pin": True})
     assert status == 404
-    status, row = _call(urls[0], "PATCH", f"/v1/aegaeon/models/{model}",
+    status, row = _call(urls[1], "PATCH", f"/v1/aegaeon/models/{model}",
                         {"pinned": False, "max_concurrency": None})  # fmt: skip
     assert status == 200 and row["pinned"] is False
+    _until("the first replica shows the settings of the second's PATCH",
+           lambda: _settings(urls[0], model) == (False, None))  # fmt: skip
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],

@@ -14,6 +14,10 @@ only with defaults), like the wire. Keys (each under the store's namespace):
   queue / decode work list (``aegaeon_sched.shared``), written only by dispatch
   transactions; TTL an hour past the last write.
 - ``reap:{proxy id}``: a lease on cleaning up after a dead replica.
+- ``modelsettings:{model}``: :class:`ModelSettingsRecord`, a model's live settings
+  as the last ``PATCH /v1/aegaeon/models`` on any replica left them; every replica
+  applies it (no TTL: a replica that starts takes it too; a deployment that shares
+  a Redis with another uses its own ``store.namespace``).
 
 An instance id is ``{node}/{kind}-{index}``. Queue keys carry the instance's
 incarnation, so a restarted instance starts from an empty queue, as the
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import msgspec
 
-from aegaeon_common.config import Config
+from aegaeon_common.config import Config, ModelSettings
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.store import MemoryStore, Store
 
@@ -81,6 +85,15 @@ class ProxyRecord(msgspec.Struct, frozen=True):
     host: str = ""
 
 
+class ModelSettingsRecord(msgspec.Struct, frozen=True):
+    """A model's live settings, shared by the proxy replicas."""
+
+    v: int
+    model: str
+    settings: ModelSettings
+    proxy: str = ""  # the replica that wrote it
+
+
 REQUEST_STATES = ("queued", "prefilled", "decoding")
 
 
@@ -126,6 +139,10 @@ def reap_key(proxy_id: str) -> str:
     return f"reap:{proxy_id}"
 
 
+def model_settings_key(model: str) -> str:
+    return f"modelsettings:{model}"
+
+
 def instance_id(node: str, kind: str, index: int) -> str:
     return f"{node}/{kind}-{index}"
 
@@ -148,6 +165,10 @@ def decode_proxy(raw: bytes) -> ProxyRecord:
 
 def decode_request(raw: bytes) -> RequestMeta:
     return msgspec.msgpack.decode(raw, type=RequestMeta)
+
+
+def decode_model_settings(raw: bytes) -> ModelSettingsRecord:
+    return msgspec.msgpack.decode(raw, type=ModelSettingsRecord)
 
 
 def open_store(config: Config) -> Store:

@@ -33,7 +33,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.assets import AssetError
-from aegaeon_proxy.backend import BackendError, ModelControl, ModelFlags
+from aegaeon_proxy.backend import BackendError, ModelControl, ModelFlags, SharedModelSettings
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
@@ -238,7 +238,13 @@ async def patch_model(request: web.Request) -> web.Response:
     if state.models.get(name) is not entry:
         raise _unknown(name)  # removed meanwhile
     # fields not in the body keep their value of now (another PATCH may have run)
-    state.models.update(name, msgspec.structs.replace(entry.settings, **changes))
+    settings = msgspec.structs.replace(entry.settings, **changes)
+    state.models.update(name, settings)
+    if isinstance(state.backend, SharedModelSettings):  # the other replicas take them too
+        try:
+            await state.backend.publish_model_settings(name, settings)
+        except BackendError as exc:
+            raise _backend_error(exc) from None
     log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
     return json_response(model_row(entry, await _model_cache(state)))
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from aegaeon_common.config import Config
+from aegaeon_common.config import Config, ModelSettings
 from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy import admin_models, handlers, info, vllm_controls
 from aegaeon_proxy.auth import KeyRing
-from aegaeon_proxy.backend import Backend
+from aegaeon_proxy.backend import Backend, SharedModelSettings
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
 from aegaeon_proxy.state import STATE, ProxyState
@@ -94,7 +94,16 @@ def make_app(config: Config, backend: Backend) -> web.Application:
         app.router.add_route(method, path, handler)
 
     async def start_backend(app: web.Application) -> None:
-        await app[STATE].backend.start()
+        state = app[STATE]
+        if isinstance(state.backend, SharedModelSettings):  # PATCHes of other replicas
+            models = state.models
+
+            def apply(name: str, settings: ModelSettings) -> None:
+                if models.get(name) is not None:
+                    models.update(name, settings)
+
+            state.backend.follow_model_settings(apply)
+        await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:
         for task in list(app[STATE].models.background):  # removals still waiting

@@ -27,11 +27,11 @@ Stream contract:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from aegaeon_common.config import ModelConfig
+from aegaeon_common.config import ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.messages.structs import RequestTimings
 from prometheus_client import CollectorRegistry
@@ -218,6 +218,19 @@ class ModelControl(ModelFlags, Protocol):
     async def forget_model(self, name: str) -> bool:
         """Stop serving ``name`` (its requests have ended): the Model Cache frees its
         bytes; True when it is out of the cache now."""
+
+
+@runtime_checkable
+class SharedModelSettings(Protocol):
+    """A backend whose proxy replicas share the models' live settings (optional): a
+    ``PATCH /v1/aegaeon/models`` on one replica reaches every other."""
+
+    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
+        """``name``'s settings as this replica just changed them, for every replica."""
+
+    def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
+        """Call ``apply(name, settings)`` whenever a replica changed a model's settings
+        (this one included; also once at start for settings changed before it)."""
 
 
 @runtime_checkable

@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 import zmq.asyncio
-from aegaeon_common.config import Config
+from aegaeon_common.config import Config, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode
@@ -57,10 +57,13 @@ from aegaeon_common.registry import (
     PROXIES,
     QUEUE_TTL_S,
     InstanceRecord,
+    ModelSettingsRecord,
     ProxyRecord,
     RequestMeta,
+    decode_model_settings,
     decode_request,
     encode,
+    model_settings_key,
     open_store,
     proxy_key,
     proxy_requests_key,
@@ -160,6 +163,8 @@ class DistributedBackend:
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
+        self._apply_settings: Callable[[str, ModelSettings], None] | None = None
+        self._settings_seen: dict[str, bytes] = {}  # model -> the record applied last
         self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -225,7 +230,35 @@ class DistributedBackend:
                   if model in r.capacity_tokens]  # fmt: skip
         return min(limits) if limits else None
 
-    # ---- models (ModelFlags) and services (ServiceDirectory), every node's -----
+    # ---- models (ModelFlags, SharedModelSettings), services (ServiceDirectory) --
+    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
+        record = ModelSettingsRecord(v=1, model=name, settings=settings, proxy=self.proxy_id)
+        try:
+            await self.store.put(model_settings_key(name), encode(record))
+        except StoreError as exc:
+            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+
+    def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
+        self._apply_settings = apply
+
+    async def _follow_settings(self) -> None:
+        """The models' live settings as the replicas last changed them (one read)."""
+        apply = self._apply_settings
+        names = self.config.model_names
+        if apply is None or not names:
+            return
+        raws = await self.store.get_many([model_settings_key(n) for n in names])
+        for name, raw in zip(names, raws, strict=True):
+            if raw is None or self._settings_seen.get(name) == raw:
+                continue
+            self._settings_seen[name] = raw
+            try:
+                record = decode_model_settings(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("bad_model_settings_record", model=name, error=str(exc))
+                continue
+            apply(name, record.settings)
+
     async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
         await self.caches.set_flags(self.view.live.values(), name, pinned=pinned,
                                     preload=preload)  # fmt: skip
@@ -503,6 +536,7 @@ class DistributedBackend:
         while not self._closing:
             try:
                 joined, left = await self.view.refresh()
+                await self._follow_settings()
                 self._store_ok = True
             except StoreError as exc:
                 if self._store_ok:
