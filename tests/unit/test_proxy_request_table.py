@@ -151,3 +151,20 @@ def test_model_caches_merge_as_resident_where_every_node_holds_it() -> None:
     assert [m["name"] for m in merged["models"]] == ["a"]
     assert merged["progress"] == {"b": 0.5} and merged["operator_pinned"] == ["a"]
     assert merged["budget_bytes"] == 20 and merged["loading"] == ["b"]
+
+
+def test_replicas_share_the_derived_bounds_and_each_node_adds_its_host_cache() -> None:
+    from aegaeon_common.config import config_from_dict
+    from aegaeon_proxy.cluster.policy import Member, bounds_of
+
+    def config(**proxy: object) -> Config:
+        raw = {"models": [{"name": MODEL, "path": "/nonexistent"}], "proxy": proxy}
+        return config_from_dict(raw, source="test")
+
+    two_nodes = [Member("decode", None, {MODEL: 4096}, "n0"),
+                 Member("decode", None, {MODEL: 4096}, "n1")]  # fmt: skip
+    one_node = [Member("decode", None, {MODEL: 4096}, "n0")] * 2
+    whole = bounds_of(config(), two_nodes).kv_blocks
+    assert whole is not None and whole > (bounds_of(config(), one_node).kv_blocks or 0)
+    assert bounds_of(config(), two_nodes, replicas=2).kv_blocks == whole // 2
+    assert bounds_of(config(max_kv_blocks=32), two_nodes, replicas=2).kv_blocks == 32
