@@ -64,6 +64,7 @@ BUDGET_S = 450.0  # the device run has ~8 minutes of command time: this leaves t
 DRY_BUDGET_S = 240.0
 DRY_STEP_S = 120.0
 SERVE_LOAD_S = 120.0
+TP_TESTS = "tests/unit/test_engine_tp.py"  # the tensor_parallel step's (NCCL where >1 device)
 SERVE_OVERHEAD_S = 90.0  # startup, grace and stop around the load, on a GPU machine
 
 
@@ -241,11 +242,11 @@ class Check:
         return result.status == "ok"
 
     def gpu_tests(self) -> None:
-        files = gpu_test_files()
+        files = [f for f in gpu_test_files() if f != TP_TESTS]  # its own step
         xml = self.logs / "gpu-tests.xml"
         argv = _py("-m", "pytest", "-q", "-m", "gpu", "-o", f"cache_dir={self.work / 'pytest'}",
                    "--timeout", "45", "-rfE", "--durations=8", f"--junitxml={xml}",
-                   "-W", "ignore::DeprecationWarning", "-k", "not tensor_parallel", *files)
+                   "-W", "ignore::DeprecationWarning", *files)
         result = self.runner.command("gpu_tests", argv, DRY_STEP_S if self.dry else 110,
                                      reserve_s=self.reserve(),
                                      parse=lambda _o, _e: parse_junit(xml) if xml.is_file()
@@ -265,10 +266,9 @@ class Check:
             self.runner.skip(name, f"{count} CUDA device{'s' * (count != 1)}: TP=2 needs 2")
             return
         xml = self.logs / "tensor-parallel.xml"
-        argv = _py("-m", "pytest", "-q", "-m", "gpu", "-k", "tensor_parallel",
-                   "-o", f"cache_dir={self.work / 'pytest'}", "--timeout", "150", "-rfE",
-                   f"--junitxml={xml}", "-W", "ignore::DeprecationWarning",
-                   "tests/unit/test_engine_tp.py")
+        argv = _py("-m", "pytest", "-q", "-m", "gpu", "-o", f"cache_dir={self.work / 'pytest'}",
+                   "--timeout", "150", "-rfE", f"--junitxml={xml}",
+                   "-W", "ignore::DeprecationWarning", TP_TESTS)
         self.runner.command(name, argv, 180, reserve_s=self.reserve(),
                             parse=lambda _o, _e: parse_junit(xml) if xml.is_file() else None)
 
