@@ -78,8 +78,9 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _market_arg(add)
     add.add_argument("--name", required=True, help="the model's name in the API")
     add.add_argument("--dtype", choices=DTYPES, default=None,
-                     help="stored and served dtype (default: the checkpoint's; bfloat16 for GGUF "
-                          "and presets)")
+                     help="stored and served dtype (default: the checkpoint's; for GGUF its "
+                          "Q8_0/Q4_0/Q4_1 matrices kept quantized, the rest bfloat16; bfloat16 "
+                          "for presets); a float dtype dequantizes a GGUF file")
     add.add_argument("--replace", action="store_true", help="overwrite a model of that name")
     add.add_argument("--quiet", action="store_true", help="no progress bar")
     what = add.add_mutually_exclusive_group(required=True)

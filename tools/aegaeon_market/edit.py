@@ -98,7 +98,8 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
               *, replace_existing: bool = False, progress: bool = True) -> MarketEntry:
     """Import ``source`` (HF directory or ``.gguf`` file) into the market as ``name``.
 
-    ``dtype`` defaults to the checkpoint's own (HF) or bfloat16 (GGUF).
+    ``dtype`` defaults to the checkpoint's own (HF) or, for GGUF, its Q8_0/Q4_0/Q4_1
+    matrices kept quantized (the rest bfloat16); a dtype given dequantizes everything.
     Raises `CheckpointError` for a defective source and `MarketError` for a
     name clash or a broken market; either way the market is unchanged.
     """
@@ -167,17 +168,24 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
 
 
 def convert_source(src: Path, staging: Path, name: str, dtype: str | None,
-                   progress: bool) -> MarketEntry:
-    """Check ``src`` (HF directory or GGUF file) and write it into ``staging``; its entry."""
+                   progress: bool, quantized: bool | None = None) -> MarketEntry:
+    """Check ``src`` (HF directory or GGUF file) and write it into ``staging``; its entry.
+    ``quantized`` (GGUF): keep its Q8_0/Q4_0/Q4_1 matrices, the rest in ``dtype``
+    (default: when no dtype is given)."""
     kind = _kind(src)
     if kind == "gguf":
-        from aegaeon_market.gguf_import import convert_gguf, read_gguf
+        from aegaeon_market.gguf_import import convert_gguf, kept_quantization, read_gguf
 
         gguf_model = read_gguf(src)
+        # no dtype asked for: Q8_0/Q4_0/Q4_1 matrices stay quantized, the rest bfloat16
+        keep = dtype is None if quantized is None else quantized
+        quant = kept_quantization(gguf_model) if keep else None
         serve_dtype = dtype or GGUF_DEFAULT_DTYPE
         spec, params, count = gguf_model.spec, gguf_model.params, len(gguf_model.sources)
         with _bar(count, f"convert {src.name}", progress) as step:
-            convert_gguf(gguf_model, staging, serve_dtype, step)
+            convert_gguf(gguf_model, staging, serve_dtype, step, quant)
+        if quant is not None:
+            serve_dtype = quant.linear  # what market.json and `market list` show
     else:
         from aegaeon_market.hf_import import convert_hf, read_hf_dir
 

@@ -1,10 +1,16 @@
 """Convert a GGUF file (llama.cpp's format) into a model directory in the HF layout.
 
-The conversion runs once, at ``aegaeon market add``: tensors are dequantized
-by the ``gguf`` package, cast to the serving dtype and renamed to the Hugging
-Face names; the Q and K projections of a ``llama`` file get llama.cpp's row
-permutation undone (its converter interleaves each head's two rotary halves;
-HF Llama rotates the halves apart). The metadata becomes ``config.json`` and
+The conversion runs once, at ``aegaeon market add``. Matrices in Q8_0, Q4_0 or
+Q4_1 are kept as they are (``kept_quantization``: every layer projection in one
+of those types; the embeddings and output layer in theirs, else float): their
+blocks go into the safetensors file as U8 ``[rows, row_bytes]`` and
+``config.json`` names them in ``quantization_config`` (the engine serves them
+quantized, aegaeon_engine.quant). Every other tensor, and all of them when a
+float dtype is asked for, is dequantized by the ``gguf`` package, cast to the
+serving dtype; all are renamed to the Hugging Face names, and the Q and K
+projections of a ``llama`` file get llama.cpp's row permutation undone (its
+converter interleaves each head's two rotary halves; HF Llama rotates the halves
+apart; rows of blocks permute as rows of values). The metadata becomes ``config.json`` and
 ``generation_config.json``, the vocabulary ``tokenizer.json``
 (`aegaeon_market.gguf_vocab`), the chat template and special tokens
 ``tokenizer_config.json``. Everything is checked against the config before any
@@ -21,8 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from aegaeon_common.dtypes import quant_row_bytes
 from aegaeon_engine.errors import CheckpointError
-from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.spec import ModelSpec, QuantSpec
 from aegaeon_engine.weights import TORCH_DTYPES
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
@@ -33,6 +40,10 @@ from aegaeon_market.model_files import expected_tensors, write_model_files
 from aegaeon_market.safetensors_out import TensorPlan
 
 Q = GGMLQuantizationType
+# block quantizations the engine serves as such (aegaeon_common.dtypes.QUANT_BLOCKS)
+KEPT_TYPES: dict[GGMLQuantizationType, str] = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1"}
+_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 # Types the gguf package dequantizes that these checkpoints use; others are refused.
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -268,25 +279,68 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{short}"
 
 
+def kept_quantization(model: GGUFModel) -> QuantSpec | None:
+    """What ``convert_gguf`` keeps quantized: the layer projections' type when they
+    all share one of ``KEPT_TYPES`` (else None: everything is dequantized), the
+    embeddings' and the output layer's own types when kept (else float)."""
+    types = {hf: model.gguf.tensors[name].tensor_type for hf, name in model.sources.items()}
+    linear = {t for hf, t in types.items() if hf.endswith(_PROJECTIONS)}
+    if len(linear) != 1 or next(iter(linear)) not in KEPT_TYPES:
+        return None
+
+    def kept(hf: str) -> str | None:
+        return KEPT_TYPES.get(types[hf]) if hf in types else None
+
+    return QuantSpec(KEPT_TYPES[next(iter(linear))], kept("model.embed_tokens.weight"),
+                     kept("lm_head.weight"))
+
+
+def _kept_names(quant: QuantSpec | None) -> dict[str, str]:
+    """HF name suffix -> the quantization its tensors keep."""
+    if quant is None:
+        return {}
+    kept = {suffix: quant.linear for suffix in _PROJECTIONS}
+    if quant.embed_tokens is not None:
+        kept["model.embed_tokens.weight"] = quant.embed_tokens
+    if quant.lm_head is not None:
+        kept["lm_head.weight"] = quant.lm_head
+    return kept
+
+
+def _quant_of(kept: dict[str, str], hf: str) -> str | None:
+    return next((q for suffix, q in kept.items() if hf.endswith(suffix)), None)
+
+
 def convert_gguf(model: GGUFModel, out: Path, dtype: str,
-                 progress: Callable[[int], None] | None = None) -> None:
-    """Write ``model`` into ``out`` (an empty directory) in the HF layout, in ``dtype``."""
+                 progress: Callable[[int], None] | None = None,
+                 quant: QuantSpec | None = None) -> None:
+    """Write ``model`` into ``out`` (an empty directory) in the HF layout: the matrices
+    ``quant`` names (``kept_quantization``) as their blocks, everything else in ``dtype``."""
     target = TORCH_DTYPES[dtype]
     spec, gguf = model.spec, model.gguf
     arch = ARCHS[gguf.arch]
+    kept = _kept_names(quant)
 
     def tensors() -> Any:
         for hf, name in model.sources.items():
-            values = torch.from_numpy(_dequantized(gguf, gguf.tensors[name]))
+            tensor = gguf.tensors[name]
+            if _quant_of(kept, hf) is not None:  # rows of blocks, as uint8 [rows, row_bytes]
+                values = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+            else:
+                values = torch.from_numpy(_dequantized(gguf, tensor)).to(target)
             if arch.permute_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
                 values = unpermute_rows(values, spec.num_heads)
             elif arch.permute_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 values = unpermute_rows(values, spec.num_kv_heads)
-            yield hf, values.to(target)
+            yield hf, values
             if progress is not None:
                 progress(1)
 
-    plans = [TensorPlan(hf, target, shape) for hf, shape in expected_tensors(spec).items()]
+    plans = []
+    for hf, shape in expected_tensors(spec).items():
+        qtype = _quant_of(kept, hf)
+        plans.append(TensorPlan(hf, target, shape) if qtype is None else
+                     TensorPlan(hf, torch.uint8, (shape[0], quant_row_bytes(qtype, shape[1]))))
     vocab = model.vocab
     special = {"bos_token": vocab.text(vocab.bos_id), "eos_token": vocab.text(vocab.eos_ids[0])
                if vocab.eos_ids else None, "unk_token": vocab.text(vocab.unk_id),
@@ -300,6 +354,10 @@ def convert_gguf(model: GGUFModel, out: Path, dtype: str,
     if vocab.chat_template is not None:
         tokenizer_config["chat_template"] = vocab.chat_template
     config = {**model.config, "torch_dtype": dtype, "dtype": dtype}
+    if quant is not None:
+        config["quantization_config"] = {"quant_method": "gguf", "linear": quant.linear,
+                                         "embed_tokens": quant.embed_tokens,
+                                         "lm_head": quant.lm_head}
     write_model_files(out, config=config, generation=model.generation,
                       tokenizer_json=vocab.tokenizer.to_str(pretty=True),
                       tokenizer_config=tokenizer_config, plans=plans, tensors=tensors())

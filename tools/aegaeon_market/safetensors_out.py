@@ -24,6 +24,7 @@ import torch
 # torch dtype -> (safetensors code, item size)
 CODES: dict[torch.dtype, tuple[str, int]] = {
     torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2), torch.float16: ("F16", 2),
+    torch.uint8: ("U8", 1),  # GGUF blocks kept quantized (gguf_import)
 }
 
 

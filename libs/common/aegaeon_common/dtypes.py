@@ -20,3 +20,19 @@ def canonical_dtype(name: str) -> str:
     if key not in DTYPE_BYTES:
         raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPE_BYTES)}")
     return key
+
+
+# GGUF block quantizations served as such (CPU): name -> (elements per block, bytes per
+# block). A block is a float16 scale d (and, q4_1, a float16 minimum m) then the codes:
+# q8_0: d, 32 int8 (w = d q); q4_0: d, 16 bytes of nibbles (w = d (q - 8)); q4_1: d, m,
+# 16 bytes of nibbles (w = d q + m). Byte j's low nibble is element j, its high one j + 16.
+QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20)}
+
+
+def quant_row_bytes(qtype: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` elements in ``qtype`` (a whole number of blocks)."""
+    elems, nbytes = QUANT_BLOCKS[qtype]
+    if in_features % elems:
+        raise ValueError(f"{qtype}: a row of {in_features} elements is not whole blocks "
+                         f"of {elems}")
+    return in_features // elems * nbytes

@@ -20,6 +20,10 @@ applies (dtype, strides, batch size), per call, and defers to torch elsewhere.
   ``silu_mul``: one pass each instead of 4-6 torch kernels (a decode step
   runs hundreds of such small kernels), rounding where transformers rounds.
 
+- ``project`` of a block-quantized weight (quant.py): the level's kernel that
+  dequantizes in registers for decode batches, float32 GEMMs of blocks of
+  dequantized rows for prefill.
+
 Float16 stays on torch.
 """
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 
 from .model import KVViews, LayerOps, Tokens
 from .native import bf16_native, native_isa, native_ops
+from .quant import QuantTensor, project_quant
 from .weights import LayerWeights
 
 NATIVE_MAX_ROWS = 16  # the native projection's limit: decode batches
@@ -89,6 +94,8 @@ class NativeOps(LayerOps):
 
     def project(self, w: torch.Tensor, x: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(w, QuantTensor):  # the decode projection's level runs quantized too
+            return project_quant(self._project_ops or self._ops, w, x, bias)
         n = x.shape[0]
         if n > NATIVE_MAX_ROWS or w.dtype not in self.project_dtypes:
             if w.dtype == torch.bfloat16 and self.widen_prefill and n > NATIVE_MAX_ROWS:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype
+from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype, quant_row_bytes
 
 DEFAULT_ALIGNMENT = 64  # bytes; a cache line, and a multiple of every dtype's size
 
@@ -76,6 +76,10 @@ def weight_layout(spec: ModelSpec, dtype: str | None = None,
                   alignment: int = DEFAULT_ALIGNMENT) -> WeightLayout:
     """The packed layout of ``spec``'s weights when served in ``dtype``.
 
+    A quantized model's (``spec.quant``) matrices keep their block quantization:
+    such a slot's ``dtype`` is the quantization (``q4_1``), its ``shape`` the
+    logical ``[out, in]``, its bytes whole blocks row after row (GGUF's order).
+
     Slot names: ``embed_tokens``, ``layers.{i}.{input_norm, qkv_proj, qkv_bias,
     q_norm, k_norm, o_proj, o_bias, post_norm, gate_up_proj, down_proj}``,
     ``norm``, ``lm_head`` (absent when embeddings are tied). Optional slots
@@ -88,39 +92,45 @@ def weight_layout(spec: ModelSpec, dtype: str | None = None,
     slots: list[TensorSlot] = []
     offset = 0
 
-    def add(name: str, tail: tuple[int, ...], sources: list[tuple[str, int]]) -> None:
+    quant = spec.quant
+
+    def add(name: str, tail: tuple[int, ...], sources: list[tuple[str, int]],
+            qtype: str | None = None) -> None:
         nonlocal offset
         rows = sum(r for _, r in sources)
         numel = rows
         for dim in tail:
             numel *= dim
-        nbytes = numel * itemsize
-        slots.append(TensorSlot(name, dtype, (rows, *tail), offset, nbytes,
+        nbytes = numel * itemsize if qtype is None else rows * quant_row_bytes(qtype, tail[0])
+        slots.append(TensorSlot(name, qtype or dtype, (rows, *tail), offset, nbytes,
                                 tuple(s for s, _ in sources), tuple(r for _, r in sources)))
         offset += -(-nbytes // alignment) * alignment
 
     h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
-    add("embed_tokens", (h,), [("model.embed_tokens.weight", spec.vocab_size)])
+    linear = quant.linear if quant else None
+    add("embed_tokens", (h,), [("model.embed_tokens.weight", spec.vocab_size)],
+        quant.embed_tokens if quant else None)
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
         attn = f"{src}.self_attn"
         add(f"{dst}.input_norm", (), [(f"{src}.input_layernorm.weight", h)])
         add(f"{dst}.qkv_proj", (h,), [(f"{attn}.q_proj.weight", q), (f"{attn}.k_proj.weight", kv),
-                                      (f"{attn}.v_proj.weight", kv)])
+                                      (f"{attn}.v_proj.weight", kv)], linear)
         if spec.qkv_bias:
             add(f"{dst}.qkv_bias", (), [(f"{attn}.q_proj.bias", q), (f"{attn}.k_proj.bias", kv),
                                         (f"{attn}.v_proj.bias", kv)])
         if spec.qk_norm:
             add(f"{dst}.q_norm", (), [(f"{attn}.q_norm.weight", spec.head_dim)])
             add(f"{dst}.k_norm", (), [(f"{attn}.k_norm.weight", spec.head_dim)])
-        add(f"{dst}.o_proj", (q,), [(f"{attn}.o_proj.weight", h)])
+        add(f"{dst}.o_proj", (q,), [(f"{attn}.o_proj.weight", h)], linear)
         if spec.o_bias:
             add(f"{dst}.o_bias", (), [(f"{attn}.o_proj.bias", h)])
         add(f"{dst}.post_norm", (), [(f"{src}.post_attention_layernorm.weight", h)])
         add(f"{dst}.gate_up_proj", (h,), [(f"{src}.mlp.gate_proj.weight", inter),
-                                          (f"{src}.mlp.up_proj.weight", inter)])
-        add(f"{dst}.down_proj", (inter,), [(f"{src}.mlp.down_proj.weight", h)])
+                                          (f"{src}.mlp.up_proj.weight", inter)], linear)
+        add(f"{dst}.down_proj", (inter,), [(f"{src}.mlp.down_proj.weight", h)], linear)
     add("norm", (), [("model.norm.weight", h)])
     if not spec.tie_word_embeddings:
-        add("lm_head", (h,), [("lm_head.weight", spec.vocab_size)])
+        add("lm_head", (h,), [("lm_head.weight", spec.vocab_size)],
+            quant.lm_head if quant else None)
     return WeightLayout(spec.name, dtype, alignment, offset, tuple(slots))

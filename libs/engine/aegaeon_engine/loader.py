@@ -3,7 +3,8 @@
 The safetensors header is parsed here (it is 8 bytes of length + JSON) so that
 every defect is reported as a ``CheckpointError`` naming the file and tensor;
 tensor bytes are read straight into the destination when no dtype conversion
-is needed.
+is needed. A block-quantized slot (layout.py) reads its tensors' blocks, stored as
+U8 ``[rows, row_bytes]``, as they are.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from .errors import CheckpointError
 from .layout import WeightLayout
-from .spec import ModelSpec
+from .spec import QUANT_BLOCKS, ModelSpec, quant_row_bytes
 from .weights import TORCH_DTYPES
 
 # safetensors dtype code -> (torch dtype, item size); only float types load.
@@ -162,21 +163,28 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
         for slot in layout.slots:
             out[end:slot.offset].zero_()
             pos = slot.offset
-            for name, shape in zip(slot.sources, slot.source_shapes(), strict=True):
+            quantized = slot.dtype in QUANT_BLOCKS
+            for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
                 entry = index.get(name)
                 if entry is None:
                     where = root / (SINGLE_FILE if (root / SINGLE_FILE).is_file() else INDEX_FILE)
                     raise CheckpointError(where, name, "missing tensor")
+                # a quantized slot's blocks: uint8 [rows, row_bytes], copied as they are
+                shape = ((logical[0], quant_row_bytes(slot.dtype, logical[1])) if quantized
+                         else logical)
                 if entry.shape != shape:
                     raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
                                           f"expected {list(shape)}")
-                if entry.code not in _FLOAT_CODES:
+                if quantized and entry.code != "U8":
+                    raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; "
+                                          f"{slot.dtype} blocks are stored as U8")
+                if not quantized and entry.code not in _FLOAT_CODES:
                     raise CheckpointError(entry.file, name,
                                           f"wrong dtype {entry.code}; only float tensors load")
                 if entry.file not in files:
                     files[entry.file] = entry.file.open("rb")
                 pos = _copy_tensor(files[entry.file], entry, name, out, pos=pos,
-                                   dtype=TORCH_DTYPES[slot.dtype])
+                                   dtype=torch.uint8 if quantized else TORCH_DTYPES[slot.dtype])
             end = pos
             if progress is not None:
                 progress(end)
@@ -188,7 +196,7 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
 
 def _copy_tensor(f: BufferedReader, entry: TensorEntry, name: str, out: torch.Tensor, *,
                  pos: int, dtype: torch.dtype) -> int:
-    src_dtype, src_size = _FLOAT_CODES[entry.code]
+    src_dtype, src_size = _FLOAT_CODES.get(entry.code, (torch.uint8, 1))
     numel = entry.nbytes // src_size
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if numel == 0:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .quant import QuantTensor, embed, project_reference
 from .spec import ModelSpec
 from .weights import LayerWeights, ModelWeights
 
@@ -140,6 +141,8 @@ class LayerOps:
     def project(self, w: torch.Tensor, x: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ w.T (+ bias)`` for ``x [N, in]`` -> ``[N, out]``."""
+        if isinstance(w, QuantTensor):
+            return project_reference(w, x, bias)
         return project(w, x, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
@@ -182,7 +185,7 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
     spec = w.spec
     n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
     heads = spec.num_heads + 2 * spec.num_kv_heads
-    h = F.embedding(tokens.token_ids, w.embed_tokens)  # the residual stream, [N, hidden]
+    h = embed(tokens.token_ids, w.embed_tokens, w.dtype)  # the residual stream, [N, hidden]
     for i, lw in enumerate(w.layers):
         qkv = ops.project(lw.qkv, ops.rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
         qkv = qkv.view(n, heads, spec.head_dim)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aegaeon_common.dtypes import DTYPE_BYTES, canonical_dtype
+from aegaeon_common.dtypes import DTYPE_BYTES, QUANT_BLOCKS, canonical_dtype, quant_row_bytes
 
 from .errors import CheckpointError
 
-__all__ = ["DTYPE_BYTES", "ArchTraits", "KVShape", "ModelSpec", "RopeSpec", "canonical_dtype"]
+__all__ = ["DTYPE_BYTES", "QUANT_BLOCKS", "ArchTraits", "KVShape", "ModelSpec", "QuantSpec",
+           "RopeSpec", "canonical_dtype", "quant_row_bytes"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """GGUF block quantization kept in the served weights (``QUANT_BLOCKS``), from
+    ``config.json``'s ``quantization_config`` (``quant_method: gguf``): ``linear`` for
+    every layer projection; ``embed_tokens`` and ``lm_head`` their own type, or None
+    for float (the model's dtype). Norms and biases are always float."""
+
+    linear: str
+    embed_tokens: str | None = None
+    lm_head: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,12 @@ class ModelSpec:
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quant: QuantSpec | None = None  # block-quantized matrices (CPU); None: all float
+
+    @property
+    def weight_dtype(self) -> str:
+        """What the matrices are stored in: the quantization (``q4_1``), else ``dtype``."""
+        return self.quant.linear if self.quant is not None else self.dtype
 
     @property
     def q_size(self) -> int:  # rows of q in the fused qkv projection
@@ -195,6 +214,7 @@ class ModelSpec:
             qk_norm=traits.qk_norm, dtype=dtype,
             eos_token_ids=_token_ids(eos_src, "eos_token_id"),
             bos_token_id=next(iter(_token_ids(bos_src, "bos_token_id")), None),
+            quant=_parse_quant(cfg),
         )
 
 
@@ -264,6 +284,30 @@ def _token_ids(fields: _Fields, key: str) -> tuple[int, ...]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
         raise CheckpointError(fields.source, key, f"expected a token id or a list, got {value!r}")
     return tuple(dict.fromkeys(items))
+
+
+def _parse_quant(cfg: _Fields) -> QuantSpec | None:
+    """``quantization_config`` of a GGUF import (``QuantSpec``); other methods are refused."""
+    raw = cfg.get("quantization_config", dict, None)
+    if raw is None:
+        return None
+    sub = _Fields(raw, cfg.source)
+    method = sub.get("quant_method", str)
+    if method != "gguf":
+        raise CheckpointError(cfg.source, "quantization_config.quant_method",
+                              f"{method!r} is not supported (gguf)")
+
+    def qtype(key: str, default: str | None) -> str | None:
+        name: str | None = sub.get(key, str, default)
+        if name is not None and name not in QUANT_BLOCKS:
+            raise CheckpointError(cfg.source, f"quantization_config.{key}",
+                                  f"{name!r} is not one of {sorted(QUANT_BLOCKS)}")
+        return name
+
+    linear = qtype("linear", None)
+    if linear is None:
+        raise CheckpointError(cfg.source, "quantization_config.linear", "missing")
+    return QuantSpec(linear, qtype("embed_tokens", None), qtype("lm_head", None))
 
 
 def _parse_rope(cfg: _Fields) -> RopeSpec:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import TensorSlot, WeightLayout
+from .quant import QuantTensor
 from .spec import ModelSpec
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -40,7 +41,9 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class ModelWeights:
-    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied."""
+    """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied. A quantized
+    model's matrices are ``QuantTensor``s; ``dtype`` is its float tensors' (and the
+    activations')."""
 
     spec: ModelSpec
     dtype: torch.dtype
@@ -52,6 +55,8 @@ class ModelWeights:
 
 def _view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     raw = buffer[slot.offset:slot.offset + slot.nbytes]
+    if slot.dtype not in TORCH_DTYPES:  # a block quantization (quant.py)
+        return QuantTensor.over(raw, slot.dtype, slot.shape)
     return raw.view(TORCH_DTYPES[slot.dtype]).view(slot.shape)
 
 
