@@ -61,6 +61,8 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
         ("models: [{name: a, path: x}]\ndecode: {weights: mmap}\n", "decode.weights"),
         ("models: [{name: a, path: x}]\nprefill: {device: cuda, weights: map}\n",
          "prefill.weights"),
+        ("models: [{name: a, path: x}]\nproxy: {admission_max_wait: 0}\n",
+         "proxy.admission_max_wait"),
         ("market: nowhere\n", "market"),
         (": : :\n", "<yaml>"),
     ],

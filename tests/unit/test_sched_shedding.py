@@ -143,3 +143,19 @@ def test_with_wait_all_every_class_waits_and_room_goes_to_the_highest_first() ->
     assert shed.next_expiry_s() == 10.0 and shed.expire(9.9) == []
     assert [r.request_id for r in shed.expire(10.0)] == ["b"]
     assert shed.refused == {"interactive": 0, "standard": 0, "batch": 1}
+
+
+def test_max_wait_holds_a_waiter_past_its_deadline_in_arrival_order() -> None:
+    shed = Shedder.one_class(ttft_s=10.0, tbt_s=0.1, max_wait_s=30.0)
+    full = Node(100)
+    # r1 asks a tighter TTFT than r0's; both wait 30 s from their arrival, first come first
+    r0 = Request("r0", "m", 0.0, 100, 10)
+    r1 = Request("r1", "m", 1.0, 100, 10, ttft_s=2.0)
+    assert [shed.decide(r, full.fits) for r in (r0, r1)] == [Verdict.DEFER, Verdict.DEFER]
+    assert shed.next_expiry_s() == 30.0
+    assert shed.expire(12.0) == []  # past r0's first-token deadline, still waiting
+    room = iter([True, False])  # room for one
+    assert [r.request_id for r in shed.release(lambda r, f: next(room))] == ["r0"]
+    assert [r.request_id for r in shed.expire(31.0)] == ["r1"]
+    with pytest.raises(ValueError, match="max_wait_s"):
+        Shedder.one_class(ttft_s=10.0, tbt_s=0.1, max_wait_s=0.0)

@@ -263,6 +263,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # goodput when many clients ignore Retry-After: a refusal costs a parse and a
     # tokenization, and a client that retries at once makes as many as the proxy answers.
     admission_wait: bool = True
+    # How long that wait may last (YAML `admission_max_wait`, seconds after arrival;
+    # None: until the request's first-token deadline). Longer: fewer 429s, so fewer
+    # retries from clients that ignore Retry-After (closed-loop benchmark clients), and
+    # more completions per second when the client shares the node's cores; the
+    # waiters then run first come, first served, and start later than their TTFT.
+    admission_max_wait_s: float | None = None
     # Slow clients: a request body must arrive within read_timeout, a write to a
     # client that does not read must complete within write_timeout (else cut).
     read_timeout_s: float = 30.0
@@ -690,8 +696,11 @@ def _proxy_raw(raw: Any, source: str) -> Any:
 
 def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
     for name in ("request_timeout_s", "read_timeout_s", "write_timeout_s", "retry_after_s",
-                 "keepalive_timeout_s"):  # fmt: skip
-        if not getattr(proxy, name) > 0:
+                 "keepalive_timeout_s", "admission_max_wait_s"):  # fmt: skip
+        value = getattr(proxy, name)
+        if name == "admission_max_wait_s" and value is None:
+            continue
+        if not value > 0:
             raise ConfigError(source, f"proxy.{name.removesuffix('_s')}", "must be > 0 seconds")
     for name in ("max_prefill_tokens", "max_prefill_tokens_per_model", "max_kv_blocks",
                  "max_kv_blocks_per_model", "max_queued_requests", "max_body_bytes",

@@ -60,15 +60,21 @@ class Shedder:
     first-token deadline), not only the classes marked ``defer``. Each class
     waits in its own line, earliest deadline first; room goes to the highest
     class first, so a lower class at the head never holds a higher one back.
+    ``max_wait_s``: a request waits that long after its arrival instead (its line
+    then runs in arrival order): fewer refusals, so fewer retries from clients that
+    ignore ``Retry-After``, at the cost of first tokens later than their target.
     """
 
     def __init__(self, classes: SLOClasses, max_deferred: int = DEFAULT_MAX_DEFERRED,
-                 *, wait_all: bool = False) -> None:  # fmt: skip
+                 *, wait_all: bool = False, max_wait_s: float | None = None) -> None:  # fmt: skip
         if max_deferred < 0:
             raise ValueError("max_deferred must be >= 0")
+        if max_wait_s is not None and not max_wait_s > 0:
+            raise ValueError("max_wait_s must be > 0")
         self.classes = classes
         self.max_deferred = max_deferred
         self.wait_all = wait_all
+        self.max_wait_s = max_wait_s
         # one line per class (by rank): (first-token deadline, seq, request id)
         self._lines: list[list[tuple[float, int, str]]] = [[] for _ in classes.classes]
         self._deferred: dict[str, Request] = {}
@@ -77,11 +83,11 @@ class Shedder:
         self.refused: dict[str, int] = dict.fromkeys(classes.names, 0)
 
     @classmethod
-    def one_class(cls, ttft_s: float, tbt_s: float,
-                  max_deferred: int = DEFAULT_MAX_DEFERRED) -> Shedder:  # fmt: skip
+    def one_class(cls, ttft_s: float, tbt_s: float, max_deferred: int = DEFAULT_MAX_DEFERRED,
+                  max_wait_s: float | None = None) -> Shedder:  # fmt: skip
         """Classes off: one class at the whole bounds, whose requests wait for room."""
         only = SLOClass("default", 0, ttft_s, tbt_s, admit_fraction=1.0, defer=True)
-        return cls(SLOClasses((only,)), max_deferred)
+        return cls(SLOClasses((only,)), max_deferred, max_wait_s=max_wait_s)
 
     def __len__(self) -> int:
         """Requests waiting (deferred) now."""
@@ -110,7 +116,10 @@ class Shedder:
             return Verdict.ADMIT
         if self._waits(cls) and len(self._deferred) < self.max_deferred:
             self._deferred[request.request_id] = request
-            due = first_token_deadline_s(request, cls.ttft_s)  # its own TTFT, else its class's
+            if self.max_wait_s is None:
+                due = first_token_deadline_s(request, cls.ttft_s)  # its own TTFT, else its class's
+            else:
+                due = request.arrival_s + self.max_wait_s
             heapq.heappush(self._lines[cls.rank], (due, next(self._seq), request.request_id))
             self.num_deferred += 1
             return Verdict.DEFER
@@ -135,8 +144,8 @@ class Shedder:
         return out
 
     def expire(self, now_s: float) -> list[Request]:
-        """The deferred requests whose first-token deadline passed while they waited
-        (it can no longer be met): out of the wait, for the caller to refuse."""
+        """The deferred requests whose wait ended (their first-token deadline passed:
+        it can no longer be met; or ``max_wait_s``): out, for the caller to refuse."""
         out: list[Request] = []
         for cls in self.classes.classes:
             line = self._line(cls)

@@ -65,15 +65,16 @@ def make_shedder(config: Config) -> Shedder | None:
     of them) waits its turn until its first-token deadline instead of a 429 at once;
     classes off: one class at the whole bounds. None: classes off and no waiting."""
     wait = config.proxy.admission_wait
+    max_wait_s = config.proxy.admission_max_wait_s if wait else None
     if config.slo_classes.enabled:
         max_deferred = config.slo_classes.max_deferred
         if wait:  # as many as may be open
             max_deferred = max(max_deferred, config.proxy.max_queued_requests)
         return Shedder(class_table(config, config.slo.ttft_s, config.slo.tbt_s),
-                       max_deferred, wait_all=wait)  # fmt: skip
+                       max_deferred, wait_all=wait, max_wait_s=max_wait_s)  # fmt: skip
     if wait:
         return Shedder.one_class(config.slo.ttft_s, config.slo.tbt_s,
-                                 config.proxy.max_queued_requests)  # fmt: skip
+                                 config.proxy.max_queued_requests, max_wait_s)  # fmt: skip
     return None
 
 
@@ -192,10 +193,12 @@ class RequestTable:
                 continue
             self._forget(sched.request_id)
             self.counters["rejected"] += 1
+            max_wait_s = self.config.proxy.admission_max_wait_s
+            waited = (f"its time to first token ({sched.ttft_s or self.config.slo.ttft_s:g} s"
+                      if max_wait_s is None else f"proxy.admission_max_wait ({max_wait_s:g} s")
             tracked.queue.refuse(BackendError.overloaded(
-                f"{self.where} had no room for this request within its time to first token "
-                f"({sched.ttft_s or self.config.slo.ttft_s:g} s; it waited for room at the "
-                "admission bounds); retry later",
+                f"{self.where} had no room for this request within {waited}; it waited for "
+                "room at the admission bounds); retry later",
                 retry_after_s=self.config.proxy.retry_after_s,
             ))  # fmt: skip
 
