@@ -100,6 +100,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "(default: scripts/install-llamacpp's venv if there, else this one "
                         "if it can import llama_cpp)")
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--llamacpp-gguf", type=Path, help="the GGUF file llama.cpp runs "
+                        "(default: one written from the checkpoint in the bench dtype); e.g. "
+                        "the file a quantized model was imported from")
+    parser.add_argument("--reference", help="checkpoint dir or market model ours also runs "
+                        "in the same rounds (reference, ours_over_reference), and ours' top-1 "
+                        "agreement with it, teacher-forced over its greedy text "
+                        "(aegaeon_bench.agreement), in top1_agreement")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--isa", choices=sorted(EMULATE),
                         help="our kernels' level, every engine capped to such a CPU "
@@ -184,7 +191,8 @@ def _start_peers(args: argparse.Namespace, result: dict[str, Any], prompts: list
         result["llamacpp_error"] = f"a CPU build; ours ran on {args.device}"
     elif not args.no_llamacpp:
         python = peer_python(LLAMACPP, args.llamacpp_python, result)
-    gguf = None if python is None else write_peer_gguf(model_dir, dtype, scratch, result)
+    gguf = (None if python is None else args.llamacpp_gguf
+            or write_peer_gguf(model_dir, dtype, scratch, result))
     if python is not None and gguf is not None:
         workers[LLAMACPP.name] = worker = start_peer(LLAMACPP, python,
                                                      {**base, "gguf": str(gguf)}, result)
@@ -212,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench engine: error: {exc}", file=sys.stderr)
         return 2
     dtype = args.dtype or spec.dtype
+    if spec.quant is not None and not args.no_transformers:  # its blocks are ours alone
+        args.no_transformers = True
+        print(f"aegaeon bench engine: {spec.quant.linear} weights: transformers left out",
+              file=sys.stderr)
     try:
         cpus = _pin(args)
     except (ValueError, OSError) as exc:
@@ -223,6 +235,11 @@ def run(args: argparse.Namespace) -> int:
     runners: dict[str, Any] = {"ours": OursRunner(work, args.threads)}
     if not args.no_transformers:
         runners["transformers"] = TransformersRunner(work, args.threads)
+    ref_dir = None
+    if args.reference is not None:  # ours on the reference model, in the same rounds
+        ref_dir = _model_dir(argparse.Namespace(**{**vars(args), "model": args.reference}))
+        runners["reference"] = OursRunner(Workload(ref_dir, dtype, prompts, args.new_tokens,
+                                                   args.device), args.threads)
     timings = {name: Timings() for name in runners}
     for runner in runners.values():  # warm-up: allocator, oneDNN kernels, rope tables
         runner.run(Timings())
@@ -259,9 +276,16 @@ def run(args: argparse.Namespace) -> int:
                 worker.close()
     for name in ("ours", "transformers"):
         result[name] = _medians(timings[name]) if name in timings else None
+    if ref_dir is not None:
+        ref = result["reference"] = {**_medians(timings["reference"]), "model": str(ref_dir)}
+        result["ours_over_reference"] = {k: round(result["ours"][k] / ref[k], 2) for k in KEYS}
     _peer_results(result, peer_runs, timings["ours"].tokens_b8)
     if "machine" in result:
         costs = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
+        if spec.quant is not None:  # the bytes a decode step streams: all but the embeddings
+            layout = engine.layout(spec, dtype)
+            embed = 0 if spec.tie_word_embeddings else layout.slot("embed_tokens").nbytes
+            costs["weight_bytes"] = layout.total_bytes - embed
         result["costs_per_token"] = costs
         result["roofline"] = {name: roofline(costs, result["machine"], result[name])
                               for name in ENGINES if result.get(name)}
@@ -276,7 +300,15 @@ def run(args: argparse.Namespace) -> int:
         exact = Workload(model_dir, "float32", prompts, args.new_tokens, args.device)
         result["greedy_match"] = (OursRunner(exact, args.threads).greedy()
                                   == TransformersRunner(exact, args.threads).greedy_alone())
+    if ref_dir is not None:
+        from aegaeon_bench.agreement import top1_agreement
+
+        result["top1_agreement"] = top1_agreement(model_dir, ref_dir, prompts, args.new_tokens,
+                                                  dtype, args.threads)
     _print_table(result)
+    if ref_dir is not None:
+        print(f"ours on the reference {ref_dir.name}: {result['reference']}; ours over it: "
+              f"{result['ours_over_reference']}; top-1 agreement: {result['top1_agreement']}")
     if args.json:
         print(json.dumps(result))
     return 0

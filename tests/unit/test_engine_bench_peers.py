@@ -18,7 +18,8 @@ from aegaeon_bench.engine_peers import LLAMACPP, peer_python
 
 def _args(**kwargs: Any) -> argparse.Namespace:
     base = {"no_vllm": True, "vllm_python": None, "no_llamacpp": False,
-            "llamacpp_python": None, "threads": 1, "new_tokens": 4, "device": "cpu"}
+            "llamacpp_python": None, "llamacpp_gguf": None, "threads": 1, "new_tokens": 4,
+            "device": "cpu"}
     return argparse.Namespace(**{**base, **kwargs})
 
 

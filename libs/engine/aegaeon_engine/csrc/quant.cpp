@@ -12,11 +12,13 @@
 // Why: a decode step streams every weight once; a q4 block is 20 bytes for 32
 // weights where bfloat16 takes 64, so a step reads about a third of the bytes. But
 // widening 4-bit codes to float32 costs ~35 instructions per block and row (more
-// than the bfloat16 kernel's whole work on the same weights: measured 2.7x slower
-// than it on an AMD EPYC Zen 3), so decode multiplies integers as llama.cpp does:
+// than the bfloat16 kernel's whole work on the same weights, docs/results.md), so
+// decode multiplies integers as llama.cpp does:
 // x is quantized per block to int8 (Q8 activations, `quantize_x`), a block's dot
 // product is exact in int32 (maddubs + madd), then scaled by d_w * d_x in float32;
-// the offset term m_w * d_x * sum(q_x) is added apart. ~12 instructions per block.
+// the offset term m_w * d_x * sum(q_x) is added apart. Two 4-bit blocks go at a
+// time: one 32-byte register of codes, x's codes laid out to match (~10
+// instructions per block and row).
 // The result is x_q8 @ dequant(w)^T up to float32 rounding (quant.py's reference).
 //
 // Prefill dequantizes: the weights rounded once, as the reference (quant.py) does
