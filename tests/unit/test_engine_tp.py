@@ -20,6 +20,7 @@ from tp_support import run_group
 NUM_TOKENS = 12
 LENGTHS = (5, 19)  # the second crosses a block boundary
 GREEDY = (*VARIANTS, "llama-bias")  # every market family, and a llama with biases
+BF16 = ("llama-gqa", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ class GroupRun:
 
     greedy: dict[str, list[list[int]]]
     expected_greedy: dict[str, list[list[int]]]
+    # per model: TP=2's bfloat16 logits, TP=1's float32 and bfloat16 ones
+    bf16_logits: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     switch: dict[str, list[list[int]]]
     mirrored: dict[str, list[list[int]]]  # the switch driven by rank 0 (tp_mirror)
     expected_switch: dict[str, list[list[int]]]
@@ -88,6 +91,13 @@ def _run(ckpts: dict[str, Path], work: Path, device: str) -> GroupRun:
     one = torch.empty(one_layout.total_bytes, dtype=torch.uint8)
     fill_layout(one_dir, one_layout, one)
     (work / "one.cache").write_bytes(one.numpy().tobytes())
+    # bfloat16, the serving dtype: the partial sums are rounded before the reduce
+    prompt, bf16_blocks = prompts_of((21,), seed=8)[0], block_lists(1, 2)[0]
+    jobs += [{"kind": "logits", "model_dir": str(ckpts[v]), "dtype": "bfloat16",
+              "prompt": prompt, "blocks": bf16_blocks} for v in BF16]
+    references = {v: tuple(Bound(ckpts[v], dtype=d).engine.prefill(prompt, bf16_blocks)
+                           for d in ("float32", "bfloat16")) for v in BF16}
+
     switch = {"kind": "switch", "tp_model_dir": str(tp_dir),
               "tp_cache": str(work / "tp.cache"), "one_model_dir": str(one_dir),
               "one_cache": str(work / "one.cache"), "tp_prompts": tp_prompts,
@@ -96,10 +106,14 @@ def _run(ckpts: dict[str, Path], work: Path, device: str) -> GroupRun:
     jobs += [switch, {**switch, "mirror": True}]
 
     before = _shm_entries()
-    *greedy, spmd, mirrored = run_group(2, jobs, work, device)
+    results = run_group(2, jobs, work, device)
     leftover = {e for e in _shm_entries() - before if e.startswith(("torch", "gloo", "nccl"))}
-    return GroupRun(dict(zip(GREEDY, greedy, strict=True)), expected, spmd, mirrored,
-                    expected_switch, leftover)
+    greedy, bf16 = results[:len(GREEDY)], results[len(GREEDY):len(GREEDY) + len(BF16)]
+    spmd, mirrored = results[-2:]
+    bf16_logits = {v: (torch.tensor(got), *references[v])
+                   for v, got in zip(BF16, bf16, strict=True)}
+    return GroupRun(dict(zip(GREEDY, greedy, strict=True)), expected, bf16_logits, spmd,
+                    mirrored, expected_switch, leftover)
 
 
 def test_tensor_parallel_greedy_equals_one_device(group_run: GroupRun) -> None:
@@ -119,6 +133,15 @@ def test_tensor_parallel_switch_keeps_both_models_tokens(group_run: GroupRun) ->
     other rank mirroring its calls), as an instance's worker would."""
     assert group_run.switch == group_run.expected_switch
     assert group_run.mirrored == group_run.expected_switch
+
+
+def test_tensor_parallel_bfloat16_within_one_devices_rounding(group_run: GroupRun) -> None:
+    """In bfloat16 (the partial sums rounded before the reduce, as in vLLM) TP=2's
+    logits are off float32's by at most twice what bfloat16 moves TP=1's."""
+    for model, (tp2, f32, bf16) in group_run.bf16_logits.items():
+        bound = 2 * (bf16 - f32).abs().max().item()
+        error = (tp2 - f32).abs().max().item()
+        assert error <= bound, f"{model}: TP=2 bfloat16 off float32 by {error}, bound {bound}"
 
 
 @pytest.mark.gpu

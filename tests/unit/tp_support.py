@@ -7,6 +7,7 @@ returns rank 0's results. A rank's jobs (``JOBS``):
 
 - ``greedy``: load the rank's shard straight from the checkpoint, greedy
   tokens of the prompts (prefill each, then batched decode);
+- ``logits``: the same load in ``dtype``, a prompt's last logits;
 - ``switch``: a TP model's shard copied from a Model Cache file (every shard
   back to back, ``fill_tp_layout``) into the rank's one weight buffer; part of
   its decode, then rank 0 alone switches to a single-device model (its bytes
@@ -108,6 +109,22 @@ def _job_greedy(group: Any, engine: Any, job: Job) -> Any:
     return _greedy(engine, job["prompts"], job["num_tokens"], job["blocks"])
 
 
+def _job_logits(group: Any, engine: Any, job: Job) -> Any:
+    """The float32 logits of a prompt's last position, the model served in ``dtype``."""
+    from aegaeon_engine import ModelSpec
+    from aegaeon_engine.tp import bind_shard, load_shard
+    from aegaeon_engine.tp_layout import shard_spec, tp_layout
+
+    spec, dtype = ModelSpec.from_dir(job["model_dir"]), job["dtype"]
+    layout = tp_layout(spec, group.size, dtype)
+    weights = torch.empty(layout.shards[group.rank].total_bytes, dtype=torch.uint8,
+                          device=group.device)
+    load_shard(job["model_dir"], spec, layout, group.rank, weights)
+    kv = _kv_region(shard_spec(spec, group.rank, group.size), dtype, 8, str(group.device))
+    bind_shard(engine, spec, weights, kv, group, dtype)
+    return engine.prefill(job["prompt"], job["blocks"]).float().cpu().tolist()
+
+
 def _read_range(path: str, start: int, stop: int, dest: torch.Tensor) -> None:
     """A Model Cache's range ``[start, stop)`` into ``dest`` (a rank copying its shard)."""
     host = torch.empty(stop - start, dtype=torch.uint8)
@@ -184,7 +201,8 @@ def _switch_script(engine: Any, bind: Callable[[int], object], job: Job,
     return {"tp": outs, "one": one_outs}
 
 
-JOBS: dict[str, Callable[[Any, Any, Job], Any]] = {"greedy": _job_greedy, "switch": _job_switch}
+JOBS: dict[str, Callable[[Any, Any, Job], Any]] = {
+    "greedy": _job_greedy, "logits": _job_logits, "switch": _job_switch}
 
 
 def main(arg_file: str) -> int:
