@@ -327,6 +327,8 @@ class RequestTable:
         """``tracked``'s instance failed: placed again when it had no token yet (up to
         ``MAX_RETRIES`` times), else it ends with ``instance_failed``."""
         request_id = tracked.gen.request_id
+        if self.requests.get(request_id) is not tracked:
+            return  # it ended meanwhile (another's end released room and placed work)
         if tracked.num_generated == 0 and tracked.retries < MAX_RETRIES:
             tracked.retries += 1
             tracked.instance = None
