@@ -9,8 +9,10 @@ seconds, every prompt ``--prompt-tokens`` long and every output ``--output-token
   --output-tokens O`` (completions of random token ids);
 - ``vllm``: ``vllm bench serve --dataset-name random`` from vLLM's venv
   (``scripts/install-vllm``; its ``vllm.benchmarks.serve``), completions;
-- ``guidellm``: ``guidellm run --profile kind=poisson,rate=R`` with synthetic text
-  (``scripts/install-bench-clients``), chat completions;
+- ``guidellm``: ``guidellm run --profile kind=constant,rate=R`` with synthetic text
+  (``scripts/install-bench-clients``), chat completions: evenly spaced arrivals, as
+  GuideLLM 0.8.1's ``poisson`` profile sent 33 requests in 90 s at a rate of 0.15
+  (ten 6.8 s apart, then ten within 1.5 s, then 2.1 s apart);
 - ``aiperf``: ``aiperf profile --request-rate R`` with synthetic text, chat
   completions.
 
@@ -292,7 +294,7 @@ def run_guidellm(load: Load, out: Path) -> ClientResult:
     report = out / "guidellm.json"
     argv = [str(exe), "run",
             "--backend", f"kind=openai_http,target={load.url},model={load.model}",
-            "--profile", f"kind=poisson,rate={load.rate}",
+            "--profile", f"kind=constant,rate={load.rate}",
             "--constraint", f"kind=max_duration,seconds={load.duration_s:g}",
             "--data", f"kind=synthetic_text,prompt_tokens={load.prompt_tokens},"
                       f"output_tokens={load.output_tokens}",
