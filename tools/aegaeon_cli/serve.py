@@ -96,7 +96,8 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
         raw = yaml.safe_load(args.config.read_text()) or {}
         base = args.config.parent.resolve()
         source = str(args.config)
-        load_config(args.config)  # validate the file as written first
+        if args.market is None:  # (--market supplies what the file may leave out)
+            load_config(args.config)  # validate the file as written first
     else:
         from aegaeon_market import default_market_dir, ensure_market
 
