@@ -101,6 +101,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="Aegaeon's rounds exactly as published (no round bound, no fresh-first)",
     )  # fmt: skip
     parser.add_argument(
+        "--switch-scale", type=_positive, default=1.0,
+        help="every switch copies this share of a model's bf16 bytes (0.5: FP8/Q8 weights)",
+    )  # fmt: skip
+    parser.add_argument(
         "--baseline-switch-gbps", type=_gbps, default=SLLM_SWITCH_GBPS,
         help="request-level switch = weight bytes / this rate; 'eq4': Aegaeon's Eq. 4 "
         f"(default {SLLM_SWITCH_GBPS:g}: ServerlessLLM in the paper's artifact)",
@@ -145,6 +149,13 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _progress(args: argparse.Namespace, line: str) -> None:
     if not args.quiet:
         print(line, file=sys.stderr, flush=True)
@@ -160,6 +171,7 @@ def _base(args: argparse.Namespace) -> Scenario:
         fresh_first=args.fresh_first and not args.paper, hybrid_prefill=args.hybrid_prefill,
         hybrid_placement=args.hybrid_placement,
         baseline_switch_bytes_per_s=gbps * 1e9 if gbps else None,
+        switch_scale=args.switch_scale,
     )  # fmt: skip
 
 

@@ -89,6 +89,9 @@ class Scenario:
     # Request-level baselines' switch: weight_bytes / this rate (default: the
     # artifact's ServerlessLLM); None = Eq. 4 like Aegaeon.
     baseline_switch_bytes_per_s: float | None = SLLM_SWITCH_BYTES_PER_S
+    # Every switch copies this share of a model's bf16 bytes (0.5: FP8 or Q8_0
+    # weights; issue 27's density run): Aegaeon's Eq. 4 and the baselines' copy alike.
+    switch_scale: float = 1.0
     always_advance: bool = False  # see Simulation: validates the lazy advancement
     # Past the paper (issue 19; classes.py, roles_feed.py). SLO classes drawn
     # per request (e.g. (("interactive", 0.3), ("batch", 0.7))), scored per
@@ -273,7 +276,8 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             sim.add_unified(MuxSim(name, lat, hw.usable_bytes - resident))
         return _Built(sim, lambda: (0, []))
     unified = [
-        RequestLevelSim(name, lat, sc.baseline_switch_bytes_per_s)
+        RequestLevelSim(name, lat, None if sc.baseline_switch_bytes_per_s is None
+                        else sc.baseline_switch_bytes_per_s / sc.switch_scale)
         for name in cluster.unified_instances
     ]
     for u in unified:
@@ -287,6 +291,7 @@ def run_scenario(
     started = time.perf_counter()
     models = market(sc.num_models)
     lat = latency_model(models, hw)
+    lat.switch_beta *= sc.switch_scale  # Eq. 4 alone: KV moves keep the link's rate
     built = _build(sc, models, hw, lat)
     built.sim.run(sc.duration_s + sc.drain_s)
     traces = []
