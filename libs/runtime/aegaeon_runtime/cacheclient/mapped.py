@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from aegaeon_common.dtypes import QUANT_BLOCKS, quant_row_bytes
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import ModelLoaded, TensorEntry
 from aegaeon_engine.weights import TORCH_DTYPES
@@ -85,11 +86,16 @@ class MappedModel:
         return self.region.tensor[: self.nbytes]
 
     def view(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as a typed, shaped view (read-only memory: do not write)."""
+        """Tensor ``name`` as a typed, shaped view (read-only memory: do not write); a
+        block-quantized one (``q4_1``, ...) as its rows of blocks, uint8 of shape
+        ``(rows, row bytes)``."""
         entry = next((t for t in self.tensors if t.name == name), None)
         if entry is None:
             raise KeyError(f"model {self.name!r} has no tensor {name!r}")
         raw = self.region.tensor[entry.offset : entry.offset + entry.nbytes]
+        if entry.dtype in QUANT_BLOCKS:
+            rows = entry.shape[0]
+            return raw.view(rows, quant_row_bytes(entry.dtype, entry.shape[-1]))
         return raw.view(TORCH_DTYPES[entry.dtype]).view(entry.shape)
 
 
