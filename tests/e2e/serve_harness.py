@@ -9,9 +9,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -50,6 +52,51 @@ class Served:
     def log_tail(self, num_lines: int = 40) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
+
+
+def call_json(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """``(status, JSON body)`` of one request to ``url + path`` (errors included)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def until(what: str, check: Any, timeout_s: float) -> Any:
+    """``check()``'s first truthy value, polled every 0.2 s; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.2)
+
+
+async def stream_completion(
+    session: Any, base_url: str, body: dict[str, Any], firsts: dict[str, float], name: str
+) -> tuple[int, str | None]:
+    """Stream one completion from ``base_url`` (``.../v1``) with an aiohttp session; note
+    in ``firsts[name]`` when its first token came; ``(status, finish reason)``."""
+    finish: str | None = None
+    async with session.post(f"{base_url}/completions", json={**body, "stream": True}) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return resp.status, None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            firsts.setdefault(name, time.monotonic())
+            finish = chunk["choices"][0].get("finish_reason") or finish
+    return 200, finish
 
 
 def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:

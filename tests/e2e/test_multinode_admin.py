@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +23,14 @@ import pytest
 import yaml
 from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import Served, start_serve, stop_serve
+from serve_harness import (
+    Served,
+    call_json,
+    start_serve,
+    stop_serve,
+    stream_completion,
+    until,
+)
 
 SETTLE_S = 120.0  # loads and heartbeats settle within this (a busy CI machine)
 MAX_TOKENS = 200  # a request's KV: ceil((prompt + 200) / 16) = 13-16 blocks
@@ -59,43 +65,26 @@ def _urls(cluster: Served) -> list[str]:
     return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
 
 
-def _call(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-
-
 def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        time.sleep(0.2)
+    return until(what, check, timeout_s)
 
 
 def _both_nodes_up(url: str) -> bool:
     try:
-        return _call(url, "GET", "/v1/aegaeon/stats?light=1")[1]["nodes"] == ["node-0", "node-1"]
+        nodes = call_json(url, "GET", "/v1/aegaeon/stats?light=1")[1]["nodes"]
+        return bool(nodes == ["node-0", "node-1"])
     except OSError:
         return False
 
 
 def _services(url: str) -> list[dict[str, str]]:
-    status, body = _call(url, "GET", "/v1/aegaeon/services")
+    status, body = call_json(url, "GET", "/v1/aegaeon/services")
     assert status == 200, body
     return list(body["services"])
 
 
 def _settings(url: str, model: str) -> tuple[bool, int | None]:
-    status, row = _call(url, "GET", f"/v1/aegaeon/models/{model}")
+    status, row = call_json(url, "GET", f"/v1/aegaeon/models/{model}")
     assert status == 200, row
     return row["pinned"], row["max_concurrency"]
 
@@ -133,7 +122,7 @@ def test_services_list_every_nodes_cachemgr_and_instances(cluster: Served) -> No
 def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
     urls = _urls(cluster)
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in urls))
-    status, row = _call(urls[0], "PATCH", f"/v1/aegaeon/models/{model}",
+    status, row = call_json(urls[0], "PATCH", f"/v1/aegaeon/models/{model}",
                         {"pinned": True, "max_concurrency": 8})  # fmt: skip
     assert status == 200, row
     assert row["pinned"] is True and row["max_concurrency"] == 8
@@ -141,13 +130,13 @@ def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
            lambda: _settings(urls[1], model) == (True, 8))  # fmt: skip
 
     def resident() -> dict[str, Any] | None:
-        status, body = _call(urls[0], "GET", f"/v1/aegaeon/models/{model}")
+        status, body = call_json(urls[0], "GET", f"/v1/aegaeon/models/{model}")
         assert status == 200, body
         return body if body["in_model_cache"] and body["load_progress"] == 1.0 else None
 
     row = _until("the pinned model is resident on both nodes", resident)
     assert row["bytes"] > 0
-    status, body = _call(urls[0], "GET", "/v1/aegaeon/models")
+    status, body = call_json(urls[0], "GET", "/v1/aegaeon/models")
     assert status == 200 and body["model_cache"] is not None, body
     # each node's cachemgr holds it as the operator's, and says so in its metrics
     cachemgrs = [s for s in _services(urls[0]) if s["role"] == "cachemgr"]
@@ -155,34 +144,15 @@ def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
     for service in cachemgrs:
         assert _load_progress(service["metrics_url"]).get(model) == 1.0, service["name"]
     # the same field errors as one node
-    status, body = _call(urls[0], "PATCH", f"/v1/aegaeon/models/{model}", {"pinned": "yes"})
+    status, body = call_json(urls[0], "PATCH", f"/v1/aegaeon/models/{model}", {"pinned": "yes"})
     assert status == 400 and body["error"]["param"] == "pinned"
-    status, body = _call(urls[0], "PATCH", "/v1/aegaeon/models/no-such-model", {"pin": True})
+    status, body = call_json(urls[0], "PATCH", "/v1/aegaeon/models/no-such-model", {"pin": True})
     assert status == 404
-    status, row = _call(urls[1], "PATCH", f"/v1/aegaeon/models/{model}",
+    status, row = call_json(urls[1], "PATCH", f"/v1/aegaeon/models/{model}",
                         {"pinned": False, "max_concurrency": None})  # fmt: skip
     assert status == 200 and row["pinned"] is False
     _until("the first replica shows the settings of the second's PATCH",
            lambda: _settings(urls[0], model) == (False, None))  # fmt: skip
-
-
-async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                  firsts: dict[str, float], name: str) -> tuple[int, str | None]:  # fmt: skip
-    """Stream one completion; note when its first token came; (status, finish reason)."""
-    finish: str | None = None
-    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
-        if resp.status != 200:
-            await resp.read()
-            return resp.status, None
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            firsts.setdefault(name, time.monotonic())
-            finish = chunk["choices"][0].get("finish_reason") or finish
-    return 200, finish
 
 
 def test_batch_is_shed_before_interactive_at_a_replicas_bounds(cluster: Served,
@@ -204,15 +174,18 @@ def test_batch_is_shed_before_interactive_at_a_replicas_bounds(cluster: Served,
         firsts: dict[str, float] = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             before = await shedding(session)
-            first = asyncio.ensure_future(_stream(session, url, body(0, "batch"), firsts, "b0"))
+            api = f"{url}/v1"
+            first = asyncio.ensure_future(stream_completion(session, api, body(0, "batch"),
+                                                            firsts, "b0"))  # fmt: skip
             while "b0" not in firsts:  # admitted and under way: the bound is held
                 assert not first.done(), first.result()
                 await asyncio.sleep(0.02)
-            batch = [asyncio.ensure_future(_stream(session, url, body(k, "batch"), firsts,
-                                                   f"b{k}")) for k in range(1, DEFERRED + 1)]
+            batch = [asyncio.ensure_future(stream_completion(session, api, body(k, "batch"), firsts,
+                                                             f"b{k}"))
+                     for k in range(1, DEFERRED + 1)]  # fmt: skip
             while (await shedding(session))["deferred"] < DEFERRED:  # each waits its turn
                 await asyncio.sleep(0.02)
-            urgent = await _stream(session, url, body(99, "interactive"), firsts, "i")
+            urgent = await stream_completion(session, api, body(99, "interactive"), firsts, "i")
             results = [await first, *await asyncio.gather(*batch), urgent]
             return results, firsts, before, await shedding(session)
 

@@ -20,7 +20,13 @@ import yaml
 from aegaeon_bench.node_probe import wait_quiet
 from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import Served, shm_segments, start_serve, stop_serve
+from serve_harness import (
+    Served,
+    shm_segments,
+    start_serve,
+    stop_serve,
+    stream_completion,
+)
 
 BATCH = 24  # batch requests queued ahead of the interactive one
 WAVES = (48, 16)  # the role-switch burst: a backlog on the prefill instance, then more
@@ -79,26 +85,6 @@ def _prompt(k: int) -> str:
     return f"request {k}: " + " ".join(f"w{(k * 7 + i) % 97}" for i in range(PROMPT_WORDS))
 
 
-async def _stream(session: aiohttp.ClientSession, served: Served, body: dict[str, Any],
-                  firsts: dict[str, float], name: str) -> tuple[int, str | None]:  # fmt: skip
-    """Stream one completion; note when its first token came; (status, finish reason)."""
-    finish: str | None = None
-    async with session.post(f"{served.base_url}/completions",
-                            json={**body, "stream": True}) as resp:  # fmt: skip
-        if resp.status != 200:
-            await resp.read()
-            return resp.status, None
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            firsts.setdefault(name, time.monotonic())
-            finish = chunk["choices"][0].get("finish_reason") or finish
-    return 200, finish
-
-
 def _body(model: str, k: int, priority: str, max_tokens: int = 4) -> dict[str, Any]:
     return {"model": model, "prompt": _prompt(k), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "priority": priority}  # fmt: skip
@@ -120,8 +106,9 @@ def test_an_interactive_request_overtakes_queued_batch_ones(classes: Served, mod
         firsts: dict[str, float] = {}
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            url = classes.base_url
             batch = [asyncio.ensure_future(
-                _stream(session, classes, _body(model, k, "batch"), firsts, f"b{k}"))
+                stream_completion(session, url, _body(model, k, "batch"), firsts, f"b{k}"))
                 for k in range(BATCH)]  # fmt: skip
             # the interactive request once every batch request is queued at the proxy
             deadline = time.monotonic() + REQUEST_TIMEOUT_S
@@ -131,8 +118,8 @@ def test_an_interactive_request_overtakes_queued_batch_ones(classes: Served, mod
                         break
                 await asyncio.sleep(0.02)
             sent = time.monotonic()
-            urgent = await _stream(session, classes, _body(model, 999, "interactive"), firsts,
-                                   "i")  # fmt: skip
+            urgent = await stream_completion(session, url, _body(model, 999, "interactive"),
+                                             firsts, "i")  # fmt: skip
             results = [*await asyncio.gather(*batch), urgent]
             held = await wait_quiet(session, classes.url, 60.0)
             return results, firsts, sent, held
@@ -170,8 +157,8 @@ def test_a_burst_turns_the_decode_instance_to_prefill_and_nothing_is_lost(
             assert await role_of(session, "decode-0") == "decode"
 
             def wave(first: int, n: int) -> list[asyncio.Future[tuple[int, str | None]]]:
-                return [asyncio.ensure_future(_stream(
-                    session, moving, _body(model, k, "standard", 8), firsts, f"r{k}"))
+                return [asyncio.ensure_future(stream_completion(
+                    session, moving.base_url, _body(model, k, "standard", 8), firsts, f"r{k}"))
                     for k in range(first, first + n)]  # fmt: skip
 
             # The first wave queues on the prefill instance; the demand turns the decode

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,9 +17,24 @@ import pytest
 import yaml
 from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import Served, shm_segments, start_serve, stop_serve
+from serve_harness import (
+    Served,
+    call_json,
+    shm_segments,
+    start_serve,
+    stop_serve,
+    until,
+)
 
 SETTLE_S = 60.0  # heartbeats and background loads settle within this (a busy CI machine)
+
+
+def _call(served: Served, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    return call_json(served.url, method, path, body)
+
+
+def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
+    return until(what, check, timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +63,6 @@ def partial(
         assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
 
 
-def _call(served: Served, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(served.url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-
-
 def _complete(served: Served, model: str, max_tokens: int = 4) -> tuple[int, Any]:
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
@@ -74,17 +77,6 @@ def _rows(served: Served) -> dict[str, dict[str, Any]]:
 
 def _listed(served: Served) -> list[str]:
     return [m["id"] for m in _call(served, "GET", "/v1/models")[1]["data"]]
-
-
-def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        time.sleep(0.2)
 
 
 def _load_progress(served: Served) -> dict[str, float]:
