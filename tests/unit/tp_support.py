@@ -93,35 +93,32 @@ def _kv_region(spec: Any, dtype: str, num_blocks: int, device: str) -> torch.Ten
                        device=device)
 
 
-def _job_greedy(group: Any, engine: Any, job: Job) -> Any:
+def _bind_own_shard(group: Any, engine: Any, model_dir: str, dtype: str,
+                    kv_blocks: int) -> None:  # fmt: skip
+    """This rank's shard of ``model_dir`` read from the checkpoint and bound, with a KV
+    region of ``kv_blocks`` blocks."""
     from aegaeon_engine import ModelSpec
     from aegaeon_engine.tp import bind_shard, load_shard
     from aegaeon_engine.tp_layout import shard_spec, tp_layout
 
-    spec = ModelSpec.from_dir(job["model_dir"])
-    dtype = job.get("dtype", "float32")
+    spec = ModelSpec.from_dir(model_dir)
     layout = tp_layout(spec, group.size, dtype)
     weights = torch.empty(layout.shards[group.rank].total_bytes, dtype=torch.uint8,
                           device=group.device)
-    load_shard(job["model_dir"], spec, layout, group.rank, weights)
-    kv = _kv_region(shard_spec(spec, group.rank, group.size), dtype, 64, str(group.device))
+    load_shard(model_dir, spec, layout, group.rank, weights)
+    kv = _kv_region(shard_spec(spec, group.rank, group.size), dtype, kv_blocks,
+                    str(group.device))  # fmt: skip
     bind_shard(engine, spec, weights, kv, group, dtype)
+
+
+def _job_greedy(group: Any, engine: Any, job: Job) -> Any:
+    _bind_own_shard(group, engine, job["model_dir"], job.get("dtype", "float32"), 64)
     return _greedy(engine, job["prompts"], job["num_tokens"], job["blocks"])
 
 
 def _job_logits(group: Any, engine: Any, job: Job) -> Any:
     """The float32 logits of a prompt's last position, the model served in ``dtype``."""
-    from aegaeon_engine import ModelSpec
-    from aegaeon_engine.tp import bind_shard, load_shard
-    from aegaeon_engine.tp_layout import shard_spec, tp_layout
-
-    spec, dtype = ModelSpec.from_dir(job["model_dir"]), job["dtype"]
-    layout = tp_layout(spec, group.size, dtype)
-    weights = torch.empty(layout.shards[group.rank].total_bytes, dtype=torch.uint8,
-                          device=group.device)
-    load_shard(job["model_dir"], spec, layout, group.rank, weights)
-    kv = _kv_region(shard_spec(spec, group.rank, group.size), dtype, 8, str(group.device))
-    bind_shard(engine, spec, weights, kv, group, dtype)
+    _bind_own_shard(group, engine, job["model_dir"], job["dtype"], 8)
     return engine.prefill(job["prompt"], job["blocks"]).float().cpu().tolist()
 
 
