@@ -213,9 +213,8 @@ def run_aegaeon(load: Load, out: Path) -> ClientResult:
 
     def parse() -> ClientResult:
         lines = (out / "aegaeon.log").read_text().strip().splitlines()
-        data = json.loads(lines[-1])
-        report.write_text(json.dumps(data, indent=1))
-        summary = data.get("summary", data)
+        summary = json.loads(lines[-1])  # bench serve's --json line: a flat summary
+        report.write_text(json.dumps(summary, indent=1))
         completed = int(summary["completed"])
         span = load.duration_s
         itl, e2e = _trace_latencies(out / "aegaeon-trace.jsonl")
@@ -368,8 +367,8 @@ def run_aiperf(load: Load, out: Path) -> ClientResult:
 
 def aiperf_result(data: dict[str, Any], sent: int) -> ClientResult:
     completed = int(data["request_count"]["avg"])
-    errors = data.get("error_request_count") or {}
-    failed = int(errors.get("avg", sent - completed)) if errors else sent - completed
+    errors = data.get("error_request_count")  # absent when none failed
+    failed = int(errors["avg"]) if errors else sent - completed
     return ClientResult(
         "aiperf", "ok", completed=completed, failed=failed,
         req_s=float(data["request_throughput"]["avg"]),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -42,9 +43,7 @@ class ModelBytes:
 def model_bytes(name: str, shapes: dict[str, tuple[int, ...]], params: int) -> ModelBytes:
     out = dict.fromkeys(PRECISIONS, 0)
     for tensor, shape in shapes.items():
-        count = 1
-        for dim in shape:
-            count *= dim
+        count = math.prod(shape)
         matrix = len(shape) == 2
         edge = tensor in _EDGES
         out["bfloat16"] += 2 * count

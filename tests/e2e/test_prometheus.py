@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -23,7 +23,7 @@ from aegaeon_bench.prometheus import (
     running,
     write_targets,
 )
-from serve_harness import Served, free_port
+from serve_harness import Served, free_port, until
 
 pytestmark = pytest.mark.prometheus
 
@@ -40,7 +40,7 @@ def prometheus(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield server
 
 
-def _traffic(served: Served) -> str:
+def _traffic(served: Served, scraped: Callable[[list[str]], None]) -> str:
     """Completed and streamed requests to every model, one its client leaves, one past
     its deadline (the dashboard's error panel); returns the model they all reached."""
     client = openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
@@ -55,7 +55,12 @@ def _traffic(served: Served) -> str:
         for _ in stream:
             pass
 
-    threads = [threading.Thread(target=one, args=(m, i)) for i in range(3) for m in models]
+    # every model's series exist before most of the traffic: a rate needs the counters
+    # to rise between two scrapes, not to appear with their final values
+    for model in models:
+        one(model, 0)
+    scraped(models)
+    threads = [threading.Thread(target=one, args=(m, i)) for i in range(1, 3) for m in models]
     for t in threads:
         t.start()
     for t in threads:
@@ -76,22 +81,27 @@ def _traffic(served: Served) -> str:
 
 
 def _wait_scraped(server: Prometheus, expr: str, timeout_s: float = 60.0) -> None:
-    """Until Prometheus has two samples of ``expr`` after the traffic (a rate needs two)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if finite_values(server.query(f"count_over_time(({expr})[10s:1s])")):
-            time.sleep(3)  # a few more scrapes, so every target's last samples are in
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"prometheus never scraped {expr}:\n{server.log_tail()}")
+    """Until Prometheus holds a sample of ``expr`` taken after the traffic, then a few
+    more scrapes (a rate needs two samples, and every target its last ones)."""
+    query = f"count_over_time(({expr})[10s:1s])"
+    until(f"prometheus scraped {expr} (log: {server.directory / 'prometheus.log'})",
+          lambda: finite_values(server.query(query)), timeout_s)  # fmt: skip
+    time.sleep(3)
 
 
 @pytest.fixture(scope="module")
 def model_after_traffic(served: Served, prometheus: Prometheus) -> str:
-    before = time.time()
-    model = _traffic(served)
-    _wait_scraped(prometheus, f'vllm:e2e_request_latency_seconds_count{{model_name="{model}"}}')
-    assert before < time.time()
+    def scraped(models: list[str]) -> None:
+        for m in models:
+            _wait_scraped(prometheus, f'aegaeon_ttft_seconds_count{{model="{m}"}}')
+
+    model = _traffic(served, scraped)
+    # every request scored, and the counters' rise scraped
+    until("the traffic's rise scraped",
+          lambda: finite_values(prometheus.query(
+              f'increase(aegaeon_ttft_seconds_count{{model="{model}"}}[5m]) > 0')),
+          60.0)  # fmt: skip
+    time.sleep(3)
     return model
 
 
