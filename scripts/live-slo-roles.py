@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from aegaeon_bench.sweep_node import aegaeon_argv, slo_config, start_node
+from aegaeon_bench.node.launch import aegaeon_argv, slo_config, start_node
 
 RUNS = {
     "classes": {"single-slo": {"slo_classes": {"enabled": False}},

@@ -10,17 +10,17 @@ import argparse
 import importlib
 
 BENCHES: dict[str, str] = {
-    "engine": "aegaeon_bench.engine_bench",
-    "switch": "aegaeon_bench.switch_bench",
-    "serve": "aegaeon_bench.serve_bench",
-    "sweep": "aegaeon_bench.sweep",
-    "report": "aegaeon_bench.report",
-    "chaos": "aegaeon_bench.chaos",
-    "overload": "aegaeon_bench.overload",
-    "cancel": "aegaeon_bench.cancel",
-    "soak": "aegaeon_bench.soak",
-    "fuzz": "aegaeon_bench.fuzz",
-    "clients": "aegaeon_bench.clients",
+    "engine": "aegaeon_bench.engine.bench",
+    "switch": "aegaeon_bench.switch.bench",
+    "serve": "aegaeon_bench.serve.bench",
+    "sweep": "aegaeon_bench.serve.sweep",
+    "report": "aegaeon_bench.report.figures",
+    "chaos": "aegaeon_bench.reliability.chaos",
+    "overload": "aegaeon_bench.serve.overload",
+    "cancel": "aegaeon_bench.reliability.cancel",
+    "soak": "aegaeon_bench.reliability.soak",
+    "fuzz": "aegaeon_bench.reliability.fuzz",
+    "clients": "aegaeon_bench.serve.clients",
 }
 
 

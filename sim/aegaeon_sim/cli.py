@@ -118,7 +118,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from aegaeon_bench.plotting import PlotsUnavailableError
+    from aegaeon_bench.report.plotting import PlotsUnavailableError
 
     try:
         return _main(args)

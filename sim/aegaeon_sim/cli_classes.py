@@ -34,7 +34,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import Any
 
-from aegaeon_bench.workload_mix import format_mix, parse_burst, parse_mix
+from aegaeon_workload.mix import format_mix, parse_burst, parse_mix
 
 from aegaeon_sim.runner import Scenario, ScenarioResult, run_scenario
 

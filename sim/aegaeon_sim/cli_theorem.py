@@ -68,7 +68,7 @@ def _theorem_plot(args: argparse.Namespace) -> Path:
     """Fig. 4 of the paper: the active-model count over time, M=100, lambda=0.037, T=16.79."""
     import random
 
-    from aegaeon_bench.plotting import pyplot
+    from aegaeon_bench.report.plotting import pyplot
 
     plt = pyplot()
     from aegaeon_sim.theorem import PAPER_FIG4, active_count_series, active_intervals

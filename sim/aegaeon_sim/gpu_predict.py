@@ -16,7 +16,7 @@ delayed by the measured median lag), until the run's end (its duration +
 grace), scored with the run's SLO. The answer: per policy and rate the
 predicted attainment and, where a run measured it, the measured one and the
 difference; the sustainable rate at 90% and the ratio from the predicted
-curve (:mod:`aegaeon_bench.gpu_check_paper_stats`, as for the measured).
+curve (:mod:`aegaeon_bench.gpu_check.paper_stats`, as for the measured).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aegaeon_bench.gpu_check_paper_stats import rate_ratio, sustainable_rate
-from aegaeon_bench.serve_workload import ModelLimits, plan_requests
+from aegaeon_bench.gpu_check.paper_stats import rate_ratio, sustainable_rate
 from aegaeon_common.config import UNIFIED_POLICIES
 from aegaeon_sched import Request, RequestTrace, summarize
+from aegaeon_workload.plan import ModelLimits, plan_requests
 
 from aegaeon_sim.node import NodeSpec, simulate_node
 from aegaeon_sim.replay import ReplayCase, load_case

@@ -55,7 +55,7 @@ class LiveCase:
 
 def write_serve_config(market: Path, case: LiveCase, out: Path) -> Path:
     """``out/serve-config.yaml``: `aegaeon serve`'s default for ``market`` with the case's SLO."""
-    from aegaeon_bench.sweep_node import slo_config
+    from aegaeon_bench.node.launch import slo_config
 
     return slo_config(market, None, case.ttft_s, case.tbt_s, out)
 
@@ -64,7 +64,7 @@ def run_bench(
     url: str, market: Path, case: LiveCase, trace: Path, timeout_s: float = 600.0
 ) -> None:
     """`aegaeon bench serve` for ``case`` against ``url``, writing ``trace`` (+ its side files)."""
-    from aegaeon_bench.sweep_node import aegaeon_argv
+    from aegaeon_bench.node.launch import aegaeon_argv
 
     argv = aegaeon_argv(
         "bench", "serve", "--url", url, "--models", str(case.models),
@@ -81,7 +81,7 @@ def run_bench(
 
 def run_live(market: Path, case: LiveCase, out: Path) -> Path:
     """Serve ``case`` live; returns the trace (``out/trace.jsonl``, run dir ``out/run``)."""
-    from aegaeon_bench.sweep_node import start_node
+    from aegaeon_bench.node.launch import start_node
 
     node = start_node(market, case.policy, out, write_serve_config(market, case, out))
     trace = out / "trace.jsonl"

@@ -47,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aegaeon_bench.stats_json import heartbeats
 from aegaeon_sched import LatencyModel
+from aegaeon_workload.stats_json import heartbeats
 
 MIN_TURNS = 20
 COLD_SHARE = 0.05

@@ -29,7 +29,7 @@ def plot_figure(
     """One subplot per panel: SLO attainment (solid) and the artifact's qos
     (dotted) against the swept x, the 90% line, and a vertical line at each
     policy's largest x meeting 90% attainment."""
-    from aegaeon_bench.plotting import pyplot
+    from aegaeon_bench.report.plotting import pyplot
 
     plt = pyplot()
     width = max(6.5, 5.2 * len(panels))

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from aegaeon_bench.serve_trace import RunFiles, TraceRecord, read_trace
-from aegaeon_bench.serve_workload import ModelLimits, plan_requests
 from aegaeon_common.config import InstancesConfig, SchedulerConfig, SLOConfig
 from aegaeon_common.config_parse import build_section
 from aegaeon_sched import SLO, LatencyModel, Request
+from aegaeon_workload.plan import ModelLimits, plan_requests
+from aegaeon_workload.trace import RunFiles, TraceRecord, read_trace
 
 from aegaeon_sim.node import NodeSpec
 from aegaeon_sim.node_costs import measure, without_measurements

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aegaeon_bench.stats_json import heartbeats
 from aegaeon_sched import RequestTrace, SLOReport, summarize
+from aegaeon_workload.stats_json import heartbeats
 
 from aegaeon_sim.node import NodeRun, simulate_node
 from aegaeon_sim.replay import ReplayCase, arrival_lags, sim_requests, workload_check

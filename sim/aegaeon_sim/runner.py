@@ -6,8 +6,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from aegaeon_bench.workload import SHAREGPT_OUTPUT, WorkloadSpec, generate
-from aegaeon_bench.workload_mix import Burst, Mix, assign_classes, generate_bursty
 from aegaeon_sched import (
     ROUND_TTFT_FRACTION,
     SLO,
@@ -30,6 +28,8 @@ from aegaeon_sched import (
 )
 from aegaeon_sched.admission import Bounds, derive_bounds
 from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
+from aegaeon_workload.mix import Burst, Mix, assign_classes, generate_bursty
+from aegaeon_workload.synthetic import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
 from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve
 from aegaeon_sim.decode_sim import DecodeSim

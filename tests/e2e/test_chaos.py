@@ -10,8 +10,8 @@ import dataclasses
 import json
 
 import openai
-from aegaeon_bench.chaos_run import ChaosNode, ChaosOptions, run_chaos
-from aegaeon_bench.faults import FAULTS
+from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
+from aegaeon_bench.reliability.faults import FAULTS
 from serve_harness import Served
 
 # short holds: the stop still outlasts the proxy's heartbeat timeout (5 s)

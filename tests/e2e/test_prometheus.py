@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from aegaeon_bench.prometheus import (
+from aegaeon_bench.serve.prometheus import (
     DASHBOARD,
     Prometheus,
     dashboard_queries,

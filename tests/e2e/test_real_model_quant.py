@@ -3,7 +3,7 @@
 
 Its greedy tokens are stable: the same alone, batched with other prompts and run
 again. Its top-1 agreement with the float model, teacher-forced over the float
-model's greedy text (aegaeon_bench.agreement), is measured and printed; the bound
+model's greedy text (aegaeon_bench.engine.agreement), is measured and printed; the bound
 is a sanity floor (a broken dequantization agrees on almost nothing), not a target.
 """
 
@@ -53,7 +53,7 @@ def test_quantized_greedy_tokens_are_stable(market: Path) -> None:
 
 
 def test_quantized_top1_agreement_with_the_float_model(market: Path) -> None:
-    from aegaeon_bench.agreement import top1_agreement
+    from aegaeon_bench.engine.agreement import top1_agreement
 
     result = top1_agreement(market / QUANT, market / REAL, PROMPTS, NUM_TOKENS)
     print(f"\n{QUANT} vs {REAL}: {result}")

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from aegaeon_bench.node_probe import wait_quiet
+from aegaeon_bench.node.probe import wait_quiet
 from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import (

@@ -23,10 +23,10 @@ import aiohttp
 import psutil
 import pytest
 import yaml
-from aegaeon_bench.cancel import cancel_run
-from aegaeon_bench.chaos_load import Attempt, request_body, send
-from aegaeon_bench.fuzz import fuzz_http, fuzz_zmq
-from aegaeon_bench.node_probe import sample_processes, serve_children, shm_segments, wait_quiet
+from aegaeon_bench.node.probe import sample_processes, serve_children, shm_segments, wait_quiet
+from aegaeon_bench.reliability.cancel import cancel_run
+from aegaeon_bench.reliability.chaos_load import Attempt, request_body, send
+from aegaeon_bench.reliability.fuzz import fuzz_http, fuzz_zmq
 from aegaeon_cli.serve import default_config_dict
 from serve_harness import Served, free_port, start_serve, stop_serve
 

@@ -58,7 +58,7 @@ def probe_rps_per_model(served: Served, market: Path, models: list[str]) -> floa
     so the same lengths) sequentially after one warm-up per model, and takes
     the mean time a request occupies the node alone.
     """
-    from aegaeon_bench.serve_workload import model_limits, plan_requests
+    from aegaeon_workload.plan import model_limits, plan_requests
 
     plan = plan_requests(models, model_limits(models, market), rps_per_model=1.0,
                          duration_s=30.0, seed=SEED, input_scale=SCALE,

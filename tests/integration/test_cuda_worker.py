@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from aegaeon_bench.switch_check import check_switches, greedy_tokens
-from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
+from aegaeon_bench.switch.check import check_switches, greedy_tokens
+from aegaeon_bench.switch.rig import Rig, RigSizes, switch_rig
 from aegaeon_gpumem.cuda_copies import CudaCopyStream
 from aegaeon_runtime.cacheclient.client import to_event
 from cachemgr_harness import checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from aegaeon_bench import switch_rig
+from aegaeon_bench.switch import rig as switch_rig
 from aegaeon_cli.main import main
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_engine import ModelSpec, weight_layout

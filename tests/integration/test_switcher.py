@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
+from aegaeon_bench.switch.rig import Rig, RigSizes, switch_rig
 from aegaeon_engine import DecodeSeq
 
 MiB = 1 << 20

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from aegaeon_bench.switch_check import greedy_tokens, reference_tokens
-from aegaeon_bench.switch_rig import Rig, RigSizes, switch_rig
+from aegaeon_bench.switch.check import greedy_tokens, reference_tokens
+from aegaeon_bench.switch.rig import Rig, RigSizes, switch_rig
 from aegaeon_gpumem.shm import ShmRegion, unique_name
 from aegaeon_runtime.cacheclient.mapped import MappedModel
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from aegaeon_bench.density import PRECISIONS, fits, main, model_bytes, preset_bytes
+from aegaeon_bench.engine.density import PRECISIONS, fits, main, model_bytes, preset_bytes
 
 
 def test_bytes_per_precision_follow_the_formats() -> None:

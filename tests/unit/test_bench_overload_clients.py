@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aegaeon_bench.overload_clients import format_rows, summarize
+from aegaeon_bench.serve.overload_clients import format_rows, summarize
 
 
 def _row(clients: int, per_s: float, refused: int = 0, other: int = 0) -> dict[str, object]:
@@ -25,7 +25,7 @@ def test_nothing_completed_without_the_flood_is_no_verdict() -> None:
 
 
 def test_client_counts_are_checked_before_any_node_starts() -> None:
-    from aegaeon_bench.overload import _client_counts
+    from aegaeon_bench.serve.overload import _client_counts
 
     assert _client_counts("1,4,256") == [1, 4, 256]
     assert _client_counts("5") is None and _client_counts("0,8") is None

@@ -6,8 +6,8 @@ import asyncio
 import json
 from typing import Any
 
-from aegaeon_bench.serve_run import RunOptions, RunOutcome, run_load
-from aegaeon_bench.serve_workload import PlannedRequest
+from aegaeon_bench.serve.run import RunOptions, RunOutcome, run_load
+from aegaeon_workload.plan import PlannedRequest
 from aiohttp import web
 
 STALL_S = 30.0  # longer than any test: the run's deadline must cut it

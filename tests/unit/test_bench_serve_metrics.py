@@ -8,10 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from aegaeon_bench.serve_metrics import SUMMARY_KEYS, counter_delta, per_model, summary, token_times
-from aegaeon_bench.serve_output import format_table, print_result
-from aegaeon_bench.serve_trace import TraceRecord, read_trace, write_trace
+from aegaeon_bench.report.metrics import (
+    SUMMARY_KEYS,
+    counter_delta,
+    per_model,
+    summary,
+    token_times,
+)
+from aegaeon_bench.serve.output import format_table, print_result
 from aegaeon_sched import SLO
+from aegaeon_workload.trace import TraceRecord, read_trace, write_trace
 
 SLO_1S = SLO(ttft_s=1.0, tbt_s=0.5)  # deadlines of token k: arrival + 1 + 0.5 k
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aegaeon_bench.report_data import breakdown, load_run, run_switches, run_timings, shares
-from aegaeon_bench.serve_trace import RunFiles, TraceRecord, write_json, write_jsonl, write_trace
-from aegaeon_bench.sweep_schema import SweepPoint, dump_sweep
+from aegaeon_bench.report.data import breakdown, load_run, run_switches, run_timings, shares
+from aegaeon_bench.report.sweep_schema import SweepPoint, dump_sweep
+from aegaeon_workload.trace import RunFiles, TraceRecord, write_json, write_jsonl, write_trace
 
 T0 = 1795300000.0
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -89,7 +89,7 @@ def test_report_writes_every_png(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_report_of_an_empty_run_still_draws(tmp_path: Path) -> None:
-    from aegaeon_bench.report import write_report
+    from aegaeon_bench.report.figures import write_report
 
     trace = tmp_path / "empty.jsonl"
     trace.write_text("")

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from aegaeon_bench.serve_trace import (
+from aegaeon_bench.report.sweep_schema import Sweep, SweepError, SweepPoint, dump_sweep, load_sweep
+from aegaeon_workload.trace import (
     RunFiles,
     TraceRecord,
     kv_sample,
@@ -14,7 +15,6 @@ from aegaeon_bench.serve_trace import (
     write_jsonl,
     write_trace,
 )
-from aegaeon_bench.sweep_schema import Sweep, SweepError, SweepPoint, dump_sweep, load_sweep
 
 REQUIRED = {"request_id", "model", "arrival_s", "token_times_s", "expected_tokens", "status"}
 

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from aegaeon_bench.serve_workload import (
+from aegaeon_workload.plan import (
     DEFAULT_VOCAB_SIZE,
     DEFAULT_WINDOW,
     MarketError,

@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 import torch
-from aegaeon_bench import engine_bench
-from aegaeon_bench.machine import machine_info
+from aegaeon_bench.common import machine_info
+from aegaeon_bench.engine import bench as engine_bench
 from aegaeon_engine import native
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aegaeon_bench import engine_bench, engine_peers
-from aegaeon_bench.engine_peers import LLAMACPP, peer_python
+from aegaeon_bench.engine import bench as engine_bench
+from aegaeon_bench.engine import peers as engine_peers
+from aegaeon_bench.engine.peers import LLAMACPP, peer_python
 
 
 def _args(**kwargs: Any) -> argparse.Namespace:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from aegaeon_bench import gpu_check_paper
-from aegaeon_bench.gpu_check_models import (
+from aegaeon_bench.gpu_check import paper as gpu_check_paper
+from aegaeon_bench.gpu_check.models import (
     GPU_INSTANCE_MARGIN_BYTES,
     GPU_KV_MIN_BYTES,
     GPU_USABLE_FRACTION,
@@ -18,7 +18,7 @@ from aegaeon_bench.gpu_check_models import (
     gpu_model_cap,
     instance_layout,
 )
-from aegaeon_bench.gpu_check_paper_stats import (
+from aegaeon_bench.gpu_check.paper_stats import (
     capacity_unit,
     engine_costs,
     next_rate,
@@ -27,8 +27,8 @@ from aegaeon_bench.gpu_check_paper_stats import (
     run_point,
     sustainable_rate,
 )
-from aegaeon_bench.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT
 from aegaeon_market.presets import PRESETS
+from aegaeon_workload.synthetic import SHAREGPT_INPUT, SHAREGPT_OUTPUT
 
 GB = 10**9
 GiB = 1 << 30

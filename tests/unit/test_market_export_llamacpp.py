@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from aegaeon_bench.engine_peers import LLAMACPP_PYTHON
+from aegaeon_bench.engine.peers import LLAMACPP_PYTHON
 from aegaeon_market.gguf_export import write_gguf
 from engine_support import Bound, make_checkpoint
 from market_import_support import bpe, bpe_json

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-from aegaeon_bench.engine_bench import _model_dir
+from aegaeon_bench.engine.bench import _model_dir
 from aegaeon_market import MarketError
 from aegaeon_market.edit import add_model
 from gguf import GGMLQuantizationType

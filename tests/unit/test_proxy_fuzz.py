@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from aegaeon_bench.fuzz_inputs import HttpCase, check_http, http_cases
+from aegaeon_bench.reliability.fuzz_inputs import HttpCase, check_http, http_cases
 from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_app
 from aiohttp.test_utils import TestClient, TestServer

@@ -6,15 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from aegaeon_bench.workload import WorkloadSpec, generate
-from aegaeon_bench.workload_mix import (
-    Burst,
-    assign_classes,
-    class_of,
-    generate_bursty,
-    parse_burst,
-    parse_mix,
-)
 from aegaeon_sched import (
     Reject,
     Request,
@@ -26,6 +17,15 @@ from aegaeon_sched.admission import Bounds
 from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve
 from aegaeon_sim.roles_feed import Sample, absorb_times
 from aegaeon_sim.runner import Scenario, run_scenario
+from aegaeon_workload.mix import (
+    Burst,
+    assign_classes,
+    class_of,
+    generate_bursty,
+    parse_burst,
+    parse_mix,
+)
+from aegaeon_workload.synthetic import WorkloadSpec, generate
 
 MIX = (("interactive", 0.3), ("batch", 0.7))
 
@@ -187,8 +187,8 @@ def test_sim_roles_move_on_a_burst_and_lose_nothing() -> None:
 
 
 def test_bench_serve_plans_the_simulators_classes_and_bursts() -> None:
-    from aegaeon_bench.serve_client import completion_body
-    from aegaeon_bench.serve_workload import ModelLimits, plan_requests
+    from aegaeon_bench.node.client import completion_body
+    from aegaeon_workload.plan import ModelLimits, plan_requests
 
     limits = {m: ModelLimits(256, 4096, "default") for m in ("a", "b")}
     burst = Burst(2.0, 10.0, 5.0, 3.0)
@@ -204,9 +204,9 @@ def test_bench_serve_plans_the_simulators_classes_and_bursts() -> None:
 
 
 def test_bench_serve_scores_each_class_against_its_targets() -> None:
-    from aegaeon_bench.serve_metrics import by_class
-    from aegaeon_bench.serve_trace import TraceRecord
+    from aegaeon_bench.report.metrics import by_class
     from aegaeon_sched import SLO
+    from aegaeon_workload.trace import TraceRecord
 
     times = tuple(8.0 + 0.3 * k for k in range(4))
     records = [TraceRecord(rid, "m", 0.0, times, 4, "ok") for rid in ("i", "b")]

@@ -6,13 +6,6 @@ import random
 import statistics
 
 import pytest
-from aegaeon_bench.workload import (
-    CONTEXT_LIMIT,
-    SHAREGPT_INPUT,
-    SHAREGPT_OUTPUT,
-    WorkloadSpec,
-    generate,
-)
 from aegaeon_sim.hardware import (
     ARCHS,
     PUBLISHED_H800_MS,
@@ -21,6 +14,13 @@ from aegaeon_sim.hardware import (
     market,
 )
 from aegaeon_sim.theorem import PAPER_FIG4, TheoremCase, check
+from aegaeon_workload.synthetic import (
+    CONTEXT_LIMIT,
+    SHAREGPT_INPUT,
+    SHAREGPT_OUTPUT,
+    WorkloadSpec,
+    generate,
+)
 
 
 def test_model_sizes_match_the_real_checkpoints() -> None:

@@ -7,7 +7,6 @@ import math
 import random
 
 import pytest
-from aegaeon_bench.workload import WorkloadSpec, generate
 from aegaeon_sched import SLO, ClusterSpec, LatencyModel, PrefillSample, make_policy
 from aegaeon_sim.hardware import QWEN25_7B, latency_model
 from aegaeon_sim.node import NodeSpec, simulate_node
@@ -15,6 +14,7 @@ from aegaeon_sim.node_costs import CPU_DEFAULTS, fit_copy, prefill_scale, refit_
 from aegaeon_sim.node_turns import DecodeCosts, _line, decode_costs
 from aegaeon_sim.shares import DecodeShareFeed
 from aegaeon_sim.switching import LinearCopy, MeasuredSwitching, SwitchCosts, switch_cost
+from aegaeon_workload.synthetic import WorkloadSpec, generate
 
 
 def test_fit_copy_recovers_fixed_cost_and_rate() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from aegaeon_bench.sweep_node import NodeError, slo_config
+from aegaeon_bench.node.launch import NodeError, slo_config
 from aegaeon_common.config import load_config
 
 

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from aegaeon_bench.fuzz_inputs import zmq_frames
+from aegaeon_bench.reliability.fuzz_inputs import zmq_frames
 from aegaeon_common.messages.cache import REPLIES, REQUESTS, GetStats, UnpinModel
 from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL, EnqueueDecode

@@ -1,0 +1,66 @@
+"""What every bench command shares: the machine record, the arguments of a bench that
+starts its own node, and the report's way out (``--out`` and ``--json``).
+
+The machine record goes in every bench's JSON (engine, switch, serve, ...), so numbers
+from different CPUs or kernel levels are never confused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str, Any]:
+    """``cpu_model``, ``isa`` (the native kernels' level in use: ``isa`` when the bench
+    ran an engine, else the level an engine here would pick; ``torch`` for the torch
+    path), ``threads`` (torch threads per engine; None where the bench cannot know,
+    e.g. a server's) and ``torch`` (its version)."""
+    import torch
+    from aegaeon_engine.native import cpu_model, expected_isa
+
+    return {
+        "cpu_model": cpu_model(),
+        "isa": isa or expected_isa() or "torch",
+        "threads": threads,
+        "torch": torch.__version__,
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--market`` and ``--config`` of a bench that starts its own node."""
+    parser.add_argument("--market", type=Path, help="market (default: ./market)")
+    parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--out`` and ``--json``: where the JSON report goes."""
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    parser.add_argument("--json", action="store_true", help="last stdout line: the report")
+
+
+def node_market(args: argparse.Namespace) -> Path:
+    """``--market`` (default: ./market), resolved; built with the real models when it
+    has no index and no ``--config`` names the models instead."""
+    from aegaeon_common.market_index import MANIFEST
+    from aegaeon_market import default_market_dir, ensure_market
+
+    market: Path = (args.market or default_market_dir()).resolve()
+    if args.config is None and not (market / MANIFEST).exists():
+        ensure_market(market, real_models=True)
+    return market
+
+
+def emit_report(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """The report to ``--out`` (atomically) and, with ``--json``, as the last stdout line;
+    the exit code (0 when ``report["ok"]``)."""
+    from aegaeon_common.kept import write_atomic
+
+    if args.out is not None:
+        write_atomic(args.out, json.dumps(report, indent=1, default=str) + "\n")
+    if args.json:
+        print(json.dumps(report, default=str))
+    return 0 if report["ok"] else 1

@@ -1,0 +1,2 @@
+"""Reliability checks of a served node: chaos, injected faults, fuzzing, slow clients,
+cancellation, soak."""
