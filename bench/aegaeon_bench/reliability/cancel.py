@@ -25,13 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from aegaeon_bench.common import (
-    add_node_arguments,
-    add_report_arguments,
-    emit_report,
-    machine_info,
-    node_market,
-)
+from aegaeon_bench import common
 from aegaeon_bench.node.client import sse_events
 from aegaeon_bench.reliability.chaos_load import request_body
 
@@ -50,8 +44,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--settle", type=float, default=60.0,
                         help="s the node may take to free everything (60)")
     parser.add_argument("--url", help="a running proxy instead of starting a node")
-    add_node_arguments(parser)
-    add_report_arguments(parser)
+    common.add_node_arguments(parser)
+    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -154,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     node = None
     url = args.url
     if url is None:
-        market = node_market(args)
+        market = common.node_market(args)
         try:
             node = start_node(market, "aegaeon", Path(tempfile.mkdtemp(prefix="aegaeon-cancel-")),
                               args.config)  # fmt: skip
@@ -168,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if node is not None:
             node.stop()
-    report = {**machine_info(), **report}
+    report = {**common.machine_info(), **report}
     held = report["holdings_after"]
     print(f"{report['requests']} streams in {report['seconds']} s: {report['outcomes']}; "
           f"after {report['settled_in_s']} s: open requests {held['open_requests']}, KV blocks "
           f"{held['kv_blocks_in_use']}, leases {held['leases']}, sequences "
           f"{held['open_sequences']}; {'OK' if report['ok'] else 'LEAKED'}")  # fmt: skip
-    return emit_report(args, report)
+    return common.emit_report(args, report)

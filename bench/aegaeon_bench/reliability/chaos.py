@@ -32,13 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from aegaeon_bench.common import (
-    add_node_arguments,
-    add_report_arguments,
-    emit_report,
-    machine_info,
-    node_market,
-)
+from aegaeon_bench import common
 
 NAMESPACE_ENV = "AEGAEON_CHAOS_PRIVATE_SHM"  # set inside the re-executed run
 
@@ -55,14 +49,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help=f"comma list, in order (default: {','.join(_fault_names())})")
     parser.add_argument("--concurrency", type=int, default=4, help="load clients (4)")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's (30 s)")
-    add_node_arguments(parser)
+    common.add_node_arguments(parser)
     parser.add_argument("--shm-size", default="3GiB",
                         help="as root: a private /dev/shm of this size for the run ('0': "
                         "use the machine's) (3GiB)")
     parser.add_argument("--shm-headroom", default="64MiB", help="fill_shm leaves this free")
     parser.add_argument("--shm-max-fill", default="2GiB",
                         help="fill_shm writes at most this much (bounds memory) (2GiB)")
-    add_report_arguments(parser)
+    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -125,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench chaos: unknown fault {unknown[:1]} (known: {', '.join(FAULTS)})",
               file=sys.stderr)  # fmt: skip
         return 2
-    market = node_market(args)
+    market = common.node_market(args)
     opts = ChaosOptions(
         faults=[FAULTS[n] for n in names], slot_s=args.duration / len(names), seed=args.seed,
         concurrency=args.concurrency, request_timeout_s=args.timeout,
@@ -144,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         report = run_fast(run_chaos(target, opts))
     finally:
         node.stop()
-    report = {**machine_info(), "private_shm": os.environ.get(NAMESPACE_ENV), **report}
+    report = {**common.machine_info(), "private_shm": os.environ.get(NAMESPACE_ENV), **report}
     print(format_report(report))
-    code = emit_report(args, report)
+    code = common.emit_report(args, report)
     shutil.rmtree(root, ignore_errors=True)
     return code

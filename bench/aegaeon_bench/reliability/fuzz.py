@@ -28,13 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from aegaeon_bench.common import (
-    add_node_arguments,
-    add_report_arguments,
-    emit_report,
-    machine_info,
-    node_market,
-)
+from aegaeon_bench import common
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,8 +46,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--slow-limit", type=float, default=300.0,
                         help="s a slow client waits to be cut (300): a reader is cut "
                         "write_timeout after its buffers filled, which takes a while")
-    add_node_arguments(parser)
-    add_report_arguments(parser)
+    common.add_node_arguments(parser)
+    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -253,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_bench.node.launch import NodeError, start_node
     from aegaeon_bench.node.probe import serve_children
 
-    market = node_market(args)
+    market = common.node_market(args)
     try:
         node = start_node(market, "aegaeon", Path(tempfile.mkdtemp(prefix="aegaeon-fuzz-")),
                           args.config)  # fmt: skip
@@ -287,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
               and all(zmq_report[n]["counted"] == zmq_report[n]["refused_by_channel"]
                       for n in ("prefill-0", "decode-0", "proxy")))  # fmt: skip
     slow_ok = slow is None or (slow["readers_cut"] == slow["writers_cut"] == slow["count"])
-    report = {**machine_info(), "seed": args.seed, "http": http, "zmq": zmq_report,
+    report = {**common.machine_info(), "seed": args.seed, "http": http, "zmq": zmq_report,
               "slow_clients": slow,
               "pids_unchanged": pids == after, "ready_after": ready,
               "ok": http["5xx"] == 0 and http["num_problems"] == 0 and zmq_ok and slow_ok
@@ -300,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"slow clients: {slow}")
     print(f"services unchanged {pids == after}, ready {ready}; "
           f"{'OK' if report['ok'] else 'FAILED'}")
-    return emit_report(args, report)
+    return common.emit_report(args, report)
 
 
 async def _ready(base_url: str) -> bool:

@@ -28,13 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from aegaeon_bench.common import (
-    add_node_arguments,
-    add_report_arguments,
-    emit_report,
-    machine_info,
-    node_market,
-)
+from aegaeon_bench import common
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -51,8 +45,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="s between the other requests (0.5)")
     parser.add_argument("--sample-interval", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
-    add_node_arguments(parser)
-    add_report_arguments(parser)
+    common.add_node_arguments(parser)
+    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -187,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     from aegaeon_bench.node.launch import NodeError, start_node
 
-    market = node_market(args)
+    market = common.node_market(args)
     try:
         node = start_node(market, "aegaeon", Path(tempfile.mkdtemp(prefix="aegaeon-soak-")),
                           args.config)  # fmt: skip
@@ -199,6 +193,6 @@ def run(args: argparse.Namespace) -> int:
         report = run_fast(soak(node.url, node.proc.pid, node.run_dir, args))
     finally:
         node.stop()
-    report = {**machine_info(), **report}
+    report = {**common.machine_info(), **report}
     print(format_report(report))
-    return emit_report(args, report)
+    return common.emit_report(args, report)

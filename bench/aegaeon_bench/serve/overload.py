@@ -21,13 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from aegaeon_bench.common import (
-    add_node_arguments,
-    add_report_arguments,
-    emit_report,
-    machine_info,
-    node_market,
-)
+from aegaeon_bench import common
 
 GOODPUT_HELD = 0.8
 
@@ -60,8 +54,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--input-scale", type=float, default=0.25)
     parser.add_argument("--output-scale", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
-    add_node_arguments(parser)
-    add_report_arguments(parser)
+    common.add_node_arguments(parser)
+    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -200,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
               f"(got {args.clients!r})", file=sys.stderr)  # fmt: skip
         return 2
     multiples = [float(x) for x in args.multiples.split(",") if x.strip()]
-    market = node_market(args)
+    market = common.node_market(args)
     root = Path(tempfile.mkdtemp(prefix="aegaeon-overload-"))
     config = slo_config(market, args.config, args.ttft, args.tbt, root)
     try:
@@ -237,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     base = next((r for r in rows if r["multiple"] == 1.0), rows[0])
     ratio = rows[-1]["goodput_tokens_per_s"] / max(base["goodput_tokens_per_s"], 1e-9)
     report = {
-        **machine_info(),
+        **common.machine_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "admission_bounds": bounds,
         "rates": rows,
@@ -247,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         and all(r["holdings_after"]["open_requests"] == 0 for r in rows),
     }  # fmt: skip
     print(format_report(report))
-    return emit_report(args, report)
+    return common.emit_report(args, report)
 
 
 def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
@@ -267,11 +261,11 @@ def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
                                    max_tokens=args.max_tokens, seed=args.seed))  # fmt: skip
         rows.append(row)
         print(format_rows(summarize(rows)).splitlines()[-2], file=sys.stderr)
-    report = {**machine_info(), "model": model,
+    report = {**common.machine_info(), "model": model,
               "settings": {k: v for k, v in vars(args).items() if k != "func"},
               **summarize(rows)}  # fmt: skip
     print(format_rows(report))
-    return emit_report(args, report)
+    return common.emit_report(args, report)
 
 
 
