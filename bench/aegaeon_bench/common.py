@@ -30,6 +30,14 @@ def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str
     }
 
 
+def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+              help_line: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``aegaeon bench NAME``: its line in the list and, as its
+    description, the module's docstring kept as written."""
+    return sub.add_parser(name, help=help_line, description=doc,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     """``--market`` and ``--config`` of a bench that starts its own node."""
     parser.add_argument("--market", type=Path, help="market (default: ./market)")

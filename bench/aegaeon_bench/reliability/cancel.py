@@ -33,10 +33,9 @@ __all__ = ["cancel_run"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "cancel", help="streams dropped at random points: 0 KV blocks, leases, sequences left",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "cancel",
+        "streams dropped at random points: 0 KV blocks, leases, sequences left", __doc__)
     parser.add_argument("--requests", type=int, default=1000, help="streams to send (1000)")
     parser.add_argument("--concurrency", type=int, default=16, help="at a time (16)")
     parser.add_argument("--max-tokens", type=int, default=64, help="per request, at most (64)")

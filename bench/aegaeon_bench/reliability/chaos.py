@@ -38,10 +38,9 @@ NAMESPACE_ENV = "AEGAEON_CHAOS_PRIVATE_SHM"  # set inside the re-executed run
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "chaos", help="faults (kills, stops, a full /dev/shm) under load: hung, leaks, recovery",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "chaos",
+        "faults (kills, stops, a full /dev/shm) under load: hung, leaks, recovery", __doc__)
     parser.add_argument("--duration", type=float, default=180.0,
                         help="seconds of load, split into one slot per fault (180)")
     parser.add_argument("--seed", type=int, default=0, help="fault times and the load (0)")

@@ -32,10 +32,9 @@ from aegaeon_bench import common
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "fuzz", help="hypothesis bad input on both endpoints and every ZeroMQ socket: 0 5xx",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "fuzz",
+        "hypothesis bad input on both endpoints and every ZeroMQ socket: 0 5xx", __doc__)
     parser.add_argument("--examples", type=int, default=2000, help="HTTP requests (2000)")
     parser.add_argument("--frames", type=int, default=500, help="frames per socket (500)")
     parser.add_argument("--seed", type=int, default=0)

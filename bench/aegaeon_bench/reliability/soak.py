@@ -34,10 +34,9 @@ RSS_GROWTH_LIMIT = 0.05
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "soak", help="a long mixed load: RSS, fds and shm segments of every process, start/end",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "soak",
+        "a long mixed load: RSS, fds and shm segments of every process, start/end", __doc__)
     parser.add_argument("--duration", type=float, default=600.0, help="s measured (600)")
     parser.add_argument("--warmup", type=float, default=60.0, help="s before the start (60)")
     parser.add_argument("--concurrency", type=int, default=3, help="streaming clients (3)")

@@ -22,17 +22,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from aegaeon_bench import common
 from aegaeon_bench.report.plotting import PlotsUnavailableError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``report`` parser."""
-    parser = sub.add_parser(
-        "report",
-        help="PNG figures of a bench serve trace (and a sweep)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = common.add_bench(
+        sub, "report", "PNG figures of a bench serve trace (and a sweep)", __doc__)
     parser.add_argument("trace", type=Path, nargs="?", help="a bench serve --trace file")
     parser.add_argument("--out", type=Path, required=True, help="directory for the PNGs")
     parser.add_argument("--sweep", type=Path, help="a bench sweep JSON file")

@@ -40,15 +40,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench import common
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``serve`` benchmark parser."""
-    parser = sub.add_parser(
-        "serve",
-        help="open-loop load against a running proxy (SLO attainment)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = common.add_bench(
+        sub, "serve", "open-loop load against a running proxy (SLO attainment)", __doc__)
     parser.add_argument("--url", required=True, help="the proxy, e.g. http://127.0.0.1:8000")
     parser.add_argument("--models", type=int, help="use the first M models (default: all)")
     parser.add_argument("--model", default=None,

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench import common
+
 CLIENTS = ("aegaeon", "vllm", "guidellm", "aiperf")
 CACHE = Path(os.environ.get("AEGAEON_CLIENTS_DIR", Path.home() / ".cache" / "aegaeon"))
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
@@ -88,10 +90,9 @@ class Load:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "clients", help="vLLM's, GuideLLM's and AIPerf's clients beside bench serve, one load",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "clients",
+        "vLLM's, GuideLLM's and AIPerf's clients beside bench serve, one load", __doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the node's proxy")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the model asked for")
     parser.add_argument(

@@ -27,10 +27,8 @@ GOODPUT_HELD = 0.8
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "overload", help="1x/2x/5x the sustainable rate: 429s, deadlines, goodput held",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "overload", "1x/2x/5x the sustainable rate: 429s, deadlines, goodput held", __doc__)
     parser.add_argument("--rps", type=float,
                         help="requests/s per model the node sustains (1x); or --clients")
     parser.add_argument("--clients",

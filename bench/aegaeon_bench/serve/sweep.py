@@ -39,15 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench import common
+
 POLICIES = "aegaeon,request-level,request-level-sjf"
 TARGET = 0.9
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "sweep", help="live policy comparison: attainment vs number of models",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    parser = common.add_bench(
+        sub, "sweep", "live policy comparison: attainment vs number of models", __doc__)
     parser.add_argument("--policies", default=POLICIES, help=f"comma-separated ({POLICIES})")
     parser.add_argument("--models", default="3,4,5,6,7,8,9,10,11,12,13,14,16",
                         help="model counts (3,4,...,14,16)")

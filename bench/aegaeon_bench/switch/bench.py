@@ -33,14 +33,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench import common
+
 Log = Callable[[str], None]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``switch`` benchmark parser."""
-    parser = sub.add_parser("switch", help="model switch cost vs memcpy and naive restarts",
-                            description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.add_bench(
+        sub, "switch", "model switch cost vs memcpy and naive restarts", __doc__)
     parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
     parser.add_argument("--models", help="comma-separated subset of the market's models")
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype")
