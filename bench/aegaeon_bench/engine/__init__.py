@@ -1,2 +1,1 @@
-"""The engine benchmark: our engine against transformers, vLLM and llama.cpp; roofline,
-agreement, KV density."""
+"""The engine against transformers, vLLM and llama.cpp; roofline, agreement, density."""

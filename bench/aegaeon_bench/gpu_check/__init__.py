@@ -1,2 +1,1 @@
-"""The GPU check (`scripts/gpu-check`), standard library only: its steps, the serve load,
-the paper's comparison."""
+"""The GPU check (`scripts/gpu-check`), standard library only."""

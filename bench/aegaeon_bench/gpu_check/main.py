@@ -49,17 +49,12 @@ from aegaeon_bench.gpu_check.run import (
     Runner,
     StepResult,
     last_json_line,
+    market_models,
     pack_logs,
     processes_mentioning,
     shm_segments,
 )
-from aegaeon_bench.gpu_check.serve import (
-    ServePlan,
-    market_models,
-    run_serve_step,
-    start_mps,
-    stop_mps,
-)
+from aegaeon_bench.gpu_check.serve import ServePlan, run_serve_step, start_mps, stop_mps
 
 ROOT = Path(__file__).resolve().parents[3]
 WHEELS = ROOT / ".whl"

@@ -55,6 +55,11 @@ class StepResult:
         }  # fmt: skip
 
 
+def market_models(market: Path) -> list[dict[str, Any]]:
+    """``market.json``'s entries as written (read before the project is installed)."""
+    return list(json.loads((market / "market.json").read_text())["models"])
+
+
 def tail(path: Path, num_chars: int = ERROR_TAIL_CHARS) -> str:
     """The last ``num_chars`` characters of a text file ('' if it is missing)."""
     try:

@@ -31,6 +31,7 @@ from aegaeon_bench.gpu_check.run import (
     StepResult,
     end_session,
     last_json_line,
+    market_models,
     processes_mentioning,
     shm_segments,
     tail,
@@ -61,12 +62,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def market_models(market: Path) -> list[dict[str, Any]]:
-    """The entries of the market's ``market.json`` as written (the check runs before the
-    project's packages are installed, so not through ``aegaeon_common.market_index``)."""
-    return list(json.loads((market / "market.json").read_text())["models"])
 
 
 def pick_models(market: Path, count: int = NUM_MODELS) -> list[dict[str, Any]]:

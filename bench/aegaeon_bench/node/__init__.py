@@ -1,2 +1,1 @@
-"""A served node as the benchmarks reach it: start it, call it (one SSE reader), probe
-its processes."""
+"""A served node as the benches reach it: start it, call it (one SSE reader), probe it."""

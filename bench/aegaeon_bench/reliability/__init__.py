@@ -1,2 +1,1 @@
-"""Reliability checks of a served node: chaos, injected faults, fuzzing, slow clients,
-cancellation, soak."""
+"""Reliability of a served node: chaos, faults, fuzzing, slow clients, cancel, soak."""

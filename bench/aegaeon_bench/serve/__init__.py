@@ -1,2 +1,1 @@
-"""Benchmarks of a served node: open-loop load (`bench serve`), sweeps, overload,
-other clients, many nodes, Prometheus."""
+"""Benchmarks of a served node: load, sweeps, overload, other clients, many nodes."""

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,17 +30,12 @@ import aiohttp
 import yaml
 
 from aegaeon_bench.node.client import sse_events
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from aegaeon_bench.node.launch import free_port
 
 
 class Cluster:
     def __init__(self, market: Path, nodes: int, root: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.run_dir = root / f"n{nodes}-{self.port}"
         self.log = root / f"n{nodes}-{self.port}.log"
         self.nodes = nodes

@@ -1,2 +1,1 @@
-"""Benchmarks of switching models: the switcher on one rig, naive and vLLM starts,
-KV fragmentation, scale-up."""
+"""Benchmarks of model switching: the switcher's rig, naive and vLLM starts, KV."""

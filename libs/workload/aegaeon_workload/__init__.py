@@ -1,2 +1,1 @@
-"""What a benchmark or the simulator sends and records: synthetic arrivals and lengths, class mixes
-and bursts, the plan of a run, its trace files. Below both bench and sim."""
+"""What the bench and the simulator send and record: arrivals, mixes, plans, traces."""
