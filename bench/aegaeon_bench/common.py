@@ -1,9 +1,6 @@
-"""What every bench command shares: the machine record, the arguments of a bench that
-starts its own node, and the report's way out (``--out`` and ``--json``).
-
-The machine record goes in every bench's JSON (engine, switch, serve, ...), so numbers
-from different CPUs or kernel levels are never confused.
-"""
+"""What every bench command shares: its parser, the machine record (in every bench's JSON,
+so numbers from different CPUs or kernel levels are never confused), the arguments of a
+bench that starts its own node, and the report's way out (``--out`` and ``--json``)."""
 
 from __future__ import annotations
 

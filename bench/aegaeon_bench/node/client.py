@@ -47,14 +47,10 @@ class Progress:
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, Any]]:
-    """The events of an OpenAI stream as they arrive, the bench's one SSE reader:
-    ``(time.time() when its bytes came, the decoded JSON)`` per ``data:`` line, then
-    ``(t, None)`` for ``data: [DONE]`` and no more; it simply ends where the stream is cut.
-    ValueError on an event that is not JSON."""
-    # Whatever the socket has is read at once and split into lines: an event's tokens
-    # are stamped when its bytes arrived, and a read carrying several events costs one
-    # wake-up, not two per event.
-    pending = b""
+    """The bench's one SSE reader: ``(time.time() when its bytes came, the JSON)`` per
+    ``data:`` event, ``(t, None)`` for ``[DONE]``, then no more (nor where the stream is
+    cut); ValueError on an event that is not JSON."""
+    pending = b""  # whatever the socket has is read at once: one wake-up, not one per event
     async for data in resp.content.iter_any():
         now_s = time.time()
         *lines, pending = (pending + data).split(b"\n")
