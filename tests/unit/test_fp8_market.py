@@ -57,7 +57,7 @@ def market(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "aegaeon_cli.main", *args],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=True)
 
 
 def test_fp8_market_add_stores_and_lists_float8(market: Path, source: Path) -> None:
@@ -83,7 +83,8 @@ def test_fp8_market_add_stores_and_lists_float8(market: Path, source: Path) -> N
     assert len(projections) == 4 * spec.num_layers
     for slot in projections:
         rows, cols = slot.shape
-        assert fp8_layout.slot(slot.name).nbytes == rows * cols + 4 * rows == slot.nbytes // 2 + 4 * rows
+        nbytes = fp8_layout.slot(slot.name).nbytes
+        assert nbytes == rows * cols + 4 * rows == slot.nbytes // 2 + 4 * rows
     assert fp8_layout.total_bytes < 0.75 * bf16_layout.total_bytes  # embeddings stay bf16
 
 
@@ -166,7 +167,7 @@ def test_fp8_gguf_source_is_refused(tmp_path: Path) -> None:
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    with pytest.raises(MarketError, match="--dtype fp8: .* is a GGUF file"):
+    with pytest.raises(MarketError, match=r"--dtype fp8: .* is a GGUF file"):
         add_model(tmp_path / "m", gguf, "x", "fp8", progress=False)
 
 

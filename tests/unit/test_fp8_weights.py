@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,7 @@ def test_fp8_scaled_matmul_stays_within_its_activation_rounding() -> None:
 
 def test_fp8_fallback_is_the_dense_projection_of_the_dequantized_weight(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(fp8, "_fallback_logged", False)
+    monkeypatch.setattr(fp8, "_fallback_logged", threading.Event())
     codes, scale = quantize(random_weights(32, 64))
     raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)])
     w = Fp8Tensor.over(raw, (32, 64))

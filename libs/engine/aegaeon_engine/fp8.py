@@ -20,6 +20,7 @@ four per row.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from functools import cache
 
@@ -34,7 +35,7 @@ _SCALED_MM_ALIGN = 16  # cuBLASLt's FP8 GEMM: both matrix dims multiples of 16
 _SCALED_MM_OUT = frozenset((torch.bfloat16, torch.float16))
 _MIN_SCALE = 1e-12  # an all-zero activation row: any positive scale gives zero codes
 DenseProject = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-_fallback_logged = False
+_fallback_logged = threading.Event()  # set once the fallback's line is logged
 
 
 class Fp8Tensor(torch.Tensor):
@@ -108,9 +109,8 @@ def fallback_reason(w: Fp8Tensor, x: torch.Tensor) -> str | None:
 
 
 def _log_fallback(reason: str) -> None:
-    global _fallback_logged
-    if not _fallback_logged:
-        _fallback_logged = True
+    if not _fallback_logged.is_set():
+        _fallback_logged.set()
         log.warning("FP8 matmuls fall back to dequantized weights and a dense matmul: %s",
                     reason)
 
