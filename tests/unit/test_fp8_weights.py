@@ -192,3 +192,32 @@ def test_fp8_weights_bind_from_a_layout() -> None:
     assert bound.layers[1].down.shape == (64, 128) and bound.layers[1].down.scale.shape == (64,)
     assert bound.embed_tokens.dtype == torch.bfloat16
     assert bound.lm_head.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_fp8_projection_on_cuda_uses_scaled_mm_where_the_device_has_it() -> None:
+    """On a CUDA device of compute capability >= 8.9 ``project`` takes ``_scaled_mm`` (never
+    the dense fallback) within the activation rounding bound; below 8.9 it says why not."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = torch.device("cuda")
+    codes, scale = quantize(random_weights(256, 512, seed=3) * 1e-3)
+    raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)]).to(device)
+    w = Fp8Tensor.over(raw, (256, 512))
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 512, generator=gen)).to(torch.bfloat16)
+    reason = fp8.fallback_reason(w, x.to(device))
+    if torch.cuda.get_device_capability(device) < fp8.SCALED_MM_CAPABILITY:
+        assert reason is not None and "compute capability" in reason
+        return
+    assert reason is None
+
+    def dense(*_: object) -> torch.Tensor:
+        raise AssertionError("the dense fallback ran on an FP8-capable device")
+
+    out = fp8.project(w, x.to(device), None, dense).cpu()
+    wd = dequantize(codes, scale, torch.float64)
+    exact = x.double() @ wd.t()
+    bound = (rounding_bound(x.float()).double() @ wd.abs().t() + exact.abs() * EPS_BF16
+             + 1e-6 * exact.abs().amax())
+    assert bool(((out.double() - exact).abs() <= bound).all())
