@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from aegaeon_engine import CheckpointError, ModelSpec
 
+    from aegaeon_bench.agreement import bench_prompts
     from aegaeon_bench.engine_runs import OursRunner, Timings, TransformersRunner, Workload
     from aegaeon_bench.machine import machine_info
     from aegaeon_bench.roofline import machine_limits, model_costs, roofline
@@ -229,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"aegaeon bench engine: error: --cpus {args.cpus!r}: {exc}", file=sys.stderr)
         return 2
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, spec.vocab_size, (BATCH, args.prompt_len), generator=gen).tolist()
+    prompts = bench_prompts(spec.vocab_size, BATCH, args.prompt_len, args.seed)
     work = Workload(model_dir, dtype, prompts, args.new_tokens, args.device)
     runners: dict[str, Any] = {"ours": OursRunner(work, args.threads)}
     if not args.no_transformers:

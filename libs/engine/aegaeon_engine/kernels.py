@@ -23,6 +23,8 @@ applies (dtype, strides, batch size), per call, and defers to torch elsewhere.
 - ``project`` of a block-quantized weight (quant.py): the level's kernel that
   dequantizes in registers for decode batches, float32 GEMMs of blocks of
   dequantized rows for prefill.
+- ``project`` of an FP8 weight (fp8.py): on the CPU it is dequantized to the
+  activations' dtype per call and takes the dense paths above.
 - ``decode_layers``: a decode step's whole stack of layers in one native call
   (csrc/stack.cpp: the same kernels in the same order, called from C++), where
   every projection of the model runs on these kernels (``layer_stack``). A deep
@@ -40,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import fp8
+from .fp8 import Fp8Tensor
 from .model import KVViews, LayerOps, Tokens
 from .native import bf16_native, native_isa, native_ops
 from .quant import GGML_TYPES, QuantTensor, project_quant
@@ -115,6 +119,8 @@ class NativeOps(LayerOps):
                 bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(w, QuantTensor):  # the decode projection's level runs quantized too
             return project_quant(self._project_ops or self._ops, w, x, bias)
+        if isinstance(w, Fp8Tensor):  # dequantized rows take the dense paths below
+            return fp8.project(w, x, bias, self.project)
         n = x.shape[0]
         if n > NATIVE_MAX_ROWS or w.dtype not in self.project_dtypes:
             if w.dtype == torch.bfloat16 and self.widen_prefill and n > NATIVE_MAX_ROWS:
