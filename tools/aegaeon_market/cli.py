@@ -19,6 +19,7 @@ from aegaeon_market.manifest import default_market_dir
 from aegaeon_market.presets import PRESETS, preset_named
 
 DTYPES = ("bfloat16", "float16", "float32")
+ADD_DTYPES = (*DTYPES, "fp8")
 
 
 def _positive_int(text: str) -> int:
@@ -77,10 +78,12 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "as it was.")
     _market_arg(add)
     add.add_argument("--name", required=True, help="the model's name in the API")
-    add.add_argument("--dtype", choices=DTYPES, default=None,
+    add.add_argument("--dtype", choices=ADD_DTYPES, default=None,
                      help="stored and served dtype (default: the checkpoint's; for GGUF its "
                           "Q8_0/Q4_0/Q4_1 matrices kept quantized, the rest bfloat16; bfloat16 "
-                          "for presets); a float dtype dequantizes a GGUF file")
+                          "for presets); a float dtype dequantizes a GGUF file; fp8: the layer "
+                          "projections as float8_e4m3fn with per-row scales, the rest "
+                          "bfloat16 (from a Hugging Face checkpoint or a preset)")
     add.add_argument("--replace", action="store_true", help="overwrite a model of that name")
     add.add_argument("--quiet", action="store_true", help="no progress bar")
     what = add.add_mutually_exclusive_group(required=True)
@@ -141,10 +144,10 @@ def run_list(args: argparse.Namespace) -> int:
         rows = list_models(market)
     except (MarketError, OSError) as exc:
         return _fail("list", exc)
-    print(f"{'NAME':<24} {'ARCH':<20} {'PARAMS':>8} {'DTYPE':<9} {'BYTES':>9}  SOURCE")
+    print(f"{'NAME':<24} {'ARCH':<20} {'PARAMS':>8} {'DTYPE':<13} {'BYTES':>9}  SOURCE")
     for row in rows:
         e = row.entry
-        print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<9} "
+        print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<13} "
               f"{row.nbytes / 2**20:7.1f}Mi  {e.source or 'random (seeded)'}")
     return 0
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from aegaeon_common.market_index import MarketError
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
-from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.spec import FP8, ModelSpec
 from tqdm import tqdm
 
 from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
@@ -33,7 +33,7 @@ from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset
 from aegaeon_market.presets import PRESET_DTYPE, Preset
 from aegaeon_market.shapes import tensor_shapes
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float16", "float32", "fp8", FP8)  # fp8: FP8 projections (fp8_out)
 GGUF_DEFAULT_DTYPE = "bfloat16"  # the market's own models are bfloat16 too
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -104,8 +104,11 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
     name clash or a broken market; either way the market is unchanged.
     """
     root, src = Path(market_dir).resolve(), Path(source).resolve()
-    _check_request(root, name, dtype, replace_existing)
-    _kind(src)  # a missing source is refused before anything is made
+    dtype = _check_request(root, name, dtype, replace_existing)
+    # a missing source is refused before anything is made
+    if _kind(src) == "gguf" and dtype == FP8:
+        raise MarketError(f"--dtype fp8: {src} is a GGUF file; FP8 is made from a Hugging "
+                          "Face checkpoint or a preset (GGUF keeps its own quantization)")
 
     def write(staging: Path) -> MarketEntry:
         return replace(convert_source(src, staging, name, dtype, progress), source=str(src))
@@ -121,8 +124,7 @@ def add_random(market_dir: Path | str, preset: Preset, name: str, dtype: str | N
     import: on any error the market is unchanged. ``max_shard_bytes`` overrides the
     safetensors shard size (tests)."""
     root = Path(market_dir).resolve()
-    _check_request(root, name, dtype, replace_existing)
-    serve_dtype = dtype or PRESET_DTYPE
+    serve_dtype = _check_request(root, name, dtype, replace_existing) or PRESET_DTYPE
 
     def write(staging: Path) -> MarketEntry:
         count = len(tensor_shapes(preset.recipe))
@@ -135,12 +137,15 @@ def add_random(market_dir: Path | str, preset: Preset, name: str, dtype: str | N
     return _stage_and_commit(root, name, replace_existing, write)
 
 
-def _check_request(root: Path, name: str, dtype: str | None, replace_existing: bool) -> None:
-    """Refuse a bad name or dtype, or a clash, before anything is written."""
+def _check_request(root: Path, name: str, dtype: str | None,
+                   replace_existing: bool) -> str | None:
+    """Refuse a bad name or dtype, or a clash, before anything is written; the dtype
+    (``fp8`` as ``float8_e4m3fn``)."""
     check_name(name)
     if dtype is not None and dtype not in DTYPES:
         raise MarketError(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     _check_clash(_manifest_or_new(root), root, name, replace_existing)
+    return FP8 if dtype == "fp8" else dtype
 
 
 def _stage_and_commit(root: Path, name: str, replace_existing: bool,
@@ -190,7 +195,7 @@ def convert_source(src: Path, staging: Path, name: str, dtype: str | None,
         from aegaeon_market.hf_import import convert_hf, read_hf_dir
 
         hf_model = read_hf_dir(src)
-        serve_dtype = dtype or hf_model.spec.dtype
+        serve_dtype = dtype or hf_model.spec.weight_dtype  # an FP8 source stays FP8
         spec, params, count = hf_model.spec, hf_model.params, len(hf_model.tensors)
         with _bar(count, f"import {src.name}", progress) as step:
             convert_hf(hf_model, staging, serve_dtype, step)

@@ -7,6 +7,12 @@ vocabulary, every tensor the engine reads is present (single file or shards +
 index) with the shape the config implies. The copy holds those tensors in the
 serving dtype in one ``model.safetensors``, ``config.json`` with that dtype,
 and the text files verbatim (tokenizer, its config, the chat template).
+
+FP8 (``float8_e4m3fn``): a float source's projections are quantized per output
+row (fp8_out.py); an FP8 source (``quantization_config`` of compressed-tensors
+with 8-bit float weights, or ``fp8`` without blocks, each projection's
+``weight_scale`` per row or per tensor) is read as its dequantized values, so
+it converts to any dtype, and to FP8 again with per-row scales.
 """
 
 from __future__ import annotations
@@ -15,17 +21,19 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from aegaeon_engine.errors import CheckpointError
-from aegaeon_engine.loader import TensorEntry, checkpoint_index, read_tensor
-from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.fp8 import dequantize
+from aegaeon_engine.loader import TensorEntry, checkpoint_index, read_tensor, scale_name
+from aegaeon_engine.spec import FP8, ModelSpec
 from aegaeon_engine.weights import TORCH_DTYPES
 from tokenizers import Tokenizer
 
+from aegaeon_market.fp8_out import fp8_config, fp8_plans, fp8_tensors, is_projection
 from aegaeon_market.model_files import expected_tensors, write_model_files
 from aegaeon_market.safetensors_out import TensorPlan
 
@@ -44,6 +52,7 @@ class HFModel:
     tensors: dict[str, TensorEntry]  # the tensors the engine reads, in layout order
     tokenizer_json: str
     tokenizer_config: dict[str, Any]
+    scales: dict[str, TensorEntry] = field(default_factory=dict)  # FP8 weight -> its scales
 
     @property
     def params(self) -> int:
@@ -93,7 +102,8 @@ def read_hf_dir(root: Path) -> HFModel:
     config = _json_object(root / "config.json", required=True)
     assert config is not None
     quantization = config.get("quantization_config")
-    if quantization:
+    fp8_source = spec.quant is not None and spec.quant.linear == FP8
+    if quantization and not fp8_source:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise CheckpointError(root / "config.json", "quantization_config",
                               f"quantized checkpoints ({method or 'unknown method'}) are not "
@@ -101,6 +111,7 @@ def read_hf_dir(root: Path) -> HFModel:
     text, tokenizer_config = _tokenizer(root, spec)
     index = checkpoint_index(root)
     tensors: dict[str, TensorEntry] = {}
+    scales: dict[str, TensorEntry] = {}
     for name, shape in expected_tensors(spec).items():
         entry = index.get(name)
         if entry is None:
@@ -108,28 +119,64 @@ def read_hf_dir(root: Path) -> HFModel:
         if entry.shape != shape:
             raise CheckpointError(entry.file, name, f"shape {list(entry.shape)} disagrees with "
                                   f"config.json (expected {list(shape)})")
-        if entry.code not in ("F32", "BF16", "F16", "F64"):
+        if fp8_source and is_projection(name):
+            scales[name] = _fp8_scales(root, index, name, entry)
+        elif entry.code not in ("F32", "BF16", "F16", "F64"):
             raise CheckpointError(entry.file, name, f"dtype {entry.code}: only float tensors "
                                   "load (quantized safetensors are not supported)")
         tensors[name] = entry
-    return HFModel(root, config, spec, tensors, text, tokenizer_config)
+    return HFModel(root, config, spec, tensors, text, tokenizer_config, scales)
+
+
+def _fp8_scales(root: Path, index: dict[str, TensorEntry], name: str,
+                entry: TensorEntry) -> TensorEntry:
+    """The scales of FP8 weight ``name`` (checked: F8_E4M3 codes, one scale per row or
+    one per tensor)."""
+    if entry.code != "F8_E4M3":
+        raise CheckpointError(entry.file, name, f"dtype {entry.code}: an FP8 checkpoint's "
+                              "projections are F8_E4M3")
+    scale = index.get(scale_name(name))
+    if scale is None:
+        raise CheckpointError(root / "model.safetensors", scale_name(name), "missing tensor")
+    rows = entry.shape[0]
+    if scale.shape not in ((), (1,), (rows,), (rows, 1)):
+        raise CheckpointError(scale.file, scale_name(name), f"shape {list(scale.shape)}: "
+                              f"expected [{rows}, 1] (per row) or [] (per tensor)")
+    return scale
+
+
+def _values(model: HFModel, name: str, entry: TensorEntry) -> torch.Tensor:
+    """Tensor ``name``'s values: as stored, or an FP8 weight's dequantized (float32)."""
+    value = read_tensor(entry, name)
+    if name not in model.scales:
+        return value
+    scale = read_tensor(model.scales[name], scale_name(name)).float().reshape(-1)
+    return dequantize(value, scale.expand(value.shape[0]), torch.float32)
 
 
 def convert_hf(model: HFModel, out: Path, dtype: str,
                progress: Callable[[int], None] | None = None) -> None:
-    """Write ``model`` into ``out`` in ``dtype`` (tensors one at a time)."""
-    target = TORCH_DTYPES[dtype]
+    """Write ``model`` into ``out`` in ``dtype`` (a float dtype or ``FP8``; tensors one at
+    a time)."""
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def values() -> Iterator[tuple[str, torch.Tensor]]:
         for name, entry in model.tensors.items():
-            yield name, read_tensor(entry, name).to(target)
+            yield name, _values(model, name, entry)
             if progress is not None:
                 progress(1)
 
-    plans = [TensorPlan(n, target, e.shape) for n, e in model.tensors.items()]
-    config = {**model.config, "torch_dtype": dtype, "dtype": dtype}
+    shapes = [(n, e.shape) for n, e in model.tensors.items()]
+    if dtype == FP8:
+        plans, tensors = fp8_plans(shapes), fp8_tensors(values())
+        config = fp8_config(model.config)
+    else:
+        target = TORCH_DTYPES[dtype]
+        plans = [TensorPlan(n, target, shape) for n, shape in shapes]
+        tensors = ((n, t.to(target)) for n, t in values())
+        config = {k: v for k, v in model.config.items() if k != "quantization_config"}
+        config.update(torch_dtype=dtype, dtype=dtype)
     write_model_files(out, config=config, generation=None, tokenizer_json=model.tokenizer_json,
-                      tokenizer_config=model.tokenizer_config, plans=plans, tensors=tensors())
+                      tokenizer_config=model.tokenizer_config, plans=plans, tensors=tensors)
     for name in TEXT_FILES:
         if (model.root / name).is_file():
             shutil.copyfile(model.root / name, out / name)

@@ -12,6 +12,13 @@ safetensors file: no tensor of its size is built and nothing is written
 twice. Embedding and output rows of ids that name no token (a released
 vocabulary is larger than the tokenizer trained here) get a tenth of the
 scale, so sampled tokens stay within the tokenizer.
+
+In FP8 (fp8_out.py) the projections are windows of the same sequence, as e4m3
+codes: the sequence scaled so its largest magnitude is 448, once, and every row
+of a projection gets the scale that brings it back to the projection's
+standard deviation (no row of a window exceeds the sequence's maximum), so an
+FP8 preset is written as fast as a bfloat16 one and dequantizes to nearly its
+values.
 """
 
 from __future__ import annotations
@@ -22,10 +29,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from aegaeon_engine.spec import ModelSpec
+from aegaeon_common.dtypes import FP8_MAX
+from aegaeon_engine.fp8 import FP8_DTYPE
+from aegaeon_engine.loader import scale_name
+from aegaeon_engine.spec import FP8, ModelSpec
 from aegaeon_engine.weights import TORCH_DTYPES
 
 from aegaeon_market.families import Vocab
+from aegaeon_market.fp8_out import FLOAT_DTYPE, fp8_config, fp8_plans, is_projection
 from aegaeon_market.model_files import expected_tensors
 from aegaeon_market.presets import Preset, preset_config
 from aegaeon_market.safetensors_out import SafetensorsWriter, TensorPlan, index_json, plan_shards
@@ -46,6 +57,7 @@ class PeriodicValues:
     def __init__(self, dtype: torch.dtype, seed: int = SEED) -> None:
         self.dtype = dtype
         self._normal = torch.randn(PERIOD, generator=torch.Generator().manual_seed(seed))
+        self.max_abs = float(self._normal.abs().max())  # of every window, too
         self._buffers: dict[tuple[float, float], torch.Tensor] = {}
 
     def _buffer(self, std: float, mean: float) -> memoryview:
@@ -82,10 +94,11 @@ def _row_factors(name: str, num_rows: int, vocab: Vocab) -> list[tuple[int, int,
     return out
 
 
-def _tensor_chunks(values: PeriodicValues, preset: Preset, plan: TensorPlan
-                   ) -> Iterator[memoryview]:
+def _tensor_chunks(values: PeriodicValues, preset: Preset, plan: TensorPlan,
+                   std_mean: tuple[float, float] | None = None) -> Iterator[memoryview]:
+    """The bytes of ``plan``'s tensor; ``std_mean``: that scale instead of its own."""
     recipe = preset.recipe
-    std, mean = value_scale(plan.name, plan.shape, recipe)
+    std, mean = std_mean or value_scale(plan.name, plan.shape, recipe)
     digest = hashlib.sha256(f"aegaeon-preset:{preset.name}:{plan.name}".encode()).digest()
     start = int.from_bytes(digest[:8], "little")  # where this tensor's window begins
     row = math.prod(plan.shape[1:])
@@ -111,6 +124,9 @@ def write_preset(preset: Preset, out: Path, dtype: str,
     safetensors shards, with an index when there are several. ``progress`` is told of
     every tensor written."""
     out.mkdir(parents=True, exist_ok=True)
+    if dtype == FP8:
+        _write_fp8(preset, out, progress, max_shard_bytes)
+        return
     plans = weight_plans(preset, dtype)
     shards = plan_shards(plans, max_shard_bytes)
     values = PeriodicValues(TORCH_DTYPES[dtype])
@@ -123,3 +139,31 @@ def write_preset(preset: Preset, out: Path, dtype: str,
     if len(shards) > 1:
         write_json(out / "model.safetensors.index.json", index_json(shards))
     write_text_files(out, preset.recipe, preset_config(preset, dtype))
+
+
+def _write_fp8(preset: Preset, out: Path, progress: Callable[[int], None] | None,
+               max_shard_bytes: int) -> None:
+    """``write_preset`` in FP8 (module docstring)."""
+    plans = fp8_plans((p.name, p.shape) for p in weight_plans(preset, FLOAT_DTYPE))
+    shards = plan_shards(plans, max_shard_bytes)
+    floats, codes = PeriodicValues(TORCH_DTYPES[FLOAT_DTYPE]), PeriodicValues(FP8_DTYPE)
+    code_scale = FP8_MAX / codes.max_abs  # the sequence as codes: its maximum at 448
+    scales = {scale_name(p.name): p for p in plans if is_projection(p.name)}
+    for file, group in shards.items():
+        with SafetensorsWriter(out / file, group) as writer:
+            for plan in group:
+                weight = scales.get(plan.name)
+                if weight is not None:  # every row back to the projection's std
+                    std, _ = value_scale(weight.name, weight.shape, preset.recipe)
+                    writer.write(plan.name, torch.full(plan.shape, std / code_scale))
+                    continue
+                if is_projection(plan.name):
+                    chunks = _tensor_chunks(codes, preset, plan, (code_scale, 0.0))
+                else:
+                    chunks = _tensor_chunks(floats, preset, plan)
+                writer.write_bytes(plan.name, chunks)
+                if progress is not None:
+                    progress(1)
+    if len(shards) > 1:
+        write_json(out / "model.safetensors.index.json", index_json(shards))
+    write_text_files(out, preset.recipe, fp8_config(preset_config(preset, FLOAT_DTYPE)))

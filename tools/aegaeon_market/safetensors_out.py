@@ -25,6 +25,7 @@ import torch
 CODES: dict[torch.dtype, tuple[str, int]] = {
     torch.float32: ("F32", 4), torch.bfloat16: ("BF16", 2), torch.float16: ("F16", 2),
     torch.uint8: ("U8", 1),  # GGUF blocks kept quantized (gguf_import)
+    torch.float8_e4m3fn: ("F8_E4M3", 1),  # FP8 weights (fp8_out)
 }
 
 

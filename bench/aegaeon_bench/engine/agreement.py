@@ -4,13 +4,18 @@ Teacher-forced: the reference decodes each prompt greedily; then both models rea
 the prompt and the reference's tokens (prefill, then one decode step per token) and
 at every position the model's argmax is compared with the reference's token.
 ``top1_agreement`` is the share of positions that agree; ``logprob_drift`` the mean
-absolute difference of the reference token's log-probability between the two.
-Used for quantized weights (issue 27): ``aegaeon bench engine --reference`` and
-the real-model test.
+absolute difference of the reference token's log-probability between the two,
+``logprob_drift_p99`` and ``logprob_drift_max`` its 99th percentile and maximum.
+Used for quantized weights (issue 27): ``aegaeon bench engine --reference``, the
+real-model tests, and ``python -m aegaeon_bench.engine.agreement --model M --reference R``
+over ``bench_prompts`` (the engine bench's fixed prompts: 8 x 128 seeded random
+token ids), the last stdout line a JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,11 +54,50 @@ def top1_agreement(model: str | Path, reference: str | Path, prompts: Sequence[S
     del ref
     cand = LLM(model, dtype=dtype, num_threads=num_threads)
     agree = positions = 0
-    drift = 0.0
+    drifts: list[float] = []
     for prompt, tokens, ref_lp in zip(prompts, texts, ref_logp, strict=True):
         argmax, logp = _forced(cand, list(prompt), tokens)
         agree += sum(a == t for a, t in zip(argmax, tokens, strict=True))
         positions += len(tokens)
-        drift += sum(abs(a - b) for a, b in zip(logp, ref_lp, strict=True))
+        drifts += [abs(a - b) for a, b in zip(logp, ref_lp, strict=True)]
+    drift = torch.tensor(drifts, dtype=torch.float64)
     return {"top1_agreement": round(agree / positions, 4), "positions": positions,
-            "logprob_drift": round(drift / positions, 4), "reference": str(reference)}
+            "logprob_drift": round(float(drift.mean()), 4),
+            "logprob_drift_p99": round(float(drift.quantile(0.99)), 4),
+            "logprob_drift_max": round(float(drift.max()), 4), "reference": str(reference)}
+
+
+def bench_prompts(vocab_size: int, num_prompts: int = 8, prompt_len: int = 128,
+                  seed: int = 0) -> list[list[int]]:
+    """The engine bench's prompts: seeded random token ids below ``vocab_size``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num_prompts, prompt_len), generator=gen).tolist()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``--model`` against ``--reference`` over ``bench_prompts``; prints the JSON object."""
+    from aegaeon_engine import ModelSpec
+
+    parser = argparse.ArgumentParser(prog="python -m aegaeon_bench.engine.agreement",
+                                     description=__doc__)
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument("--reference", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", help="serve both in this dtype (default: each's own)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    vocab = ModelSpec.from_dir(args.reference).vocab_size
+    prompts = bench_prompts(vocab, args.prompts, args.prompt_len, args.seed)
+    result = top1_agreement(args.model, args.reference, prompts, args.new_tokens, args.dtype,
+                            args.threads)
+    print(json.dumps({**result, "model": str(args.model), "prompts": args.prompts,
+                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                      "seed": args.seed}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -210,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_engine import CheckpointError, ModelSpec
 
     from aegaeon_bench.common import machine_info
+    from aegaeon_bench.engine.agreement import bench_prompts
     from aegaeon_bench.engine.roofline import machine_limits, model_costs, roofline
     from aegaeon_bench.engine.runs import OursRunner, Timings, TransformersRunner, Workload
 
@@ -229,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"aegaeon bench engine: error: --cpus {args.cpus!r}: {exc}", file=sys.stderr)
         return 2
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, spec.vocab_size, (BATCH, args.prompt_len), generator=gen).tolist()
+    prompts = bench_prompts(spec.vocab_size, BATCH, args.prompt_len, args.seed)
     work = Workload(model_dir, dtype, prompts, args.new_tokens, args.device)
     runners: dict[str, Any] = {"ours": OursRunner(work, args.threads)}
     if not args.no_transformers:

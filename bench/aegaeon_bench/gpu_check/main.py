@@ -4,7 +4,7 @@ Three modes:
 
 - ``--prepare`` (here, with the package registry): fetch the wheels the GPU
   machine lacks into ``.whl/`` and print the exact device-tool invocation
-  (``gpu_check_prepare``).
+  (``gpu_check.prepare``).
 - no flag (on the GPU machine, no network, its ``python3`` with torch CUDA):
   install the carried wheels, then, each step with its own timeout and all
   within ``--budget-s``: the GPU and its copy limits (``gpu_probe``), a
@@ -12,12 +12,12 @@ Three modes:
   (only where it finds more than one device), ``aegaeon bench engine`` and ``aegaeon
   bench switch`` on CUDA, and ``aegaeon serve`` (one prefill + one decode
   instance sharing the GPU, four models) under ``aegaeon bench serve``
-  (``gpu_check_serve``); last, a check that nothing was left running.
+  (``gpu_check.serve``); last, a check that nothing was left running.
 - ``--dry-run`` (any CPU, CI): the same sequence on the CPU in seconds,
   offline, proving the plumbing.
 
 ``--scenario paper`` runs the paper's comparison instead of the steps above
-(``gpu_check_paper``: real-shape models built on the machine, ``aegaeon`` vs
+(``gpu_check.paper``: real-shape models built on the machine, ``aegaeon`` vs
 the request-level baseline at rates from a capacity probe; ``--dry-run``
 too), with its ``paper`` section in the same JSON.
 
@@ -292,6 +292,28 @@ class Check:
         self.runner.command("bench_switch", argv, DRY_STEP_S if self.dry else 90,
                             reserve_s=self.reserve(), parse=_json_results)
 
+    def fp8_switch(self) -> None:
+        """``llama-3.1-8b`` written in FP8 on the machine into a market of its own beside a
+        copy of the check market's smallest model, then ``bench switch`` between the two
+        (``gpu_check.fp8``): wake-to-first-token against the 0.2 s target, bytes moved
+        against bf16's."""
+        from aegaeon_bench.gpu_check.fp8 import build_argv, smallest_model, summarize, switch_argv
+
+        market = self.work / "fp8-market"
+        small = self.market / smallest_model(market_models(self.market))
+        built = self.runner.command("fp8_model", build_argv(sys.executable, market, small,
+                                                            self.dry),
+                                    DRY_STEP_S if self.dry else 150, reserve_s=self.reserve(),
+                                    parse=_json_results)
+        if built.status != "ok" or not built.results:
+            self.runner.skip("fp8_switch", "the FP8 model was not written")
+            return
+        argv = switch_argv(sys.executable, market, self.device, str(built.results["model"]),
+                           str(built.results["small_model"]), self.dry)
+        self.runner.command("fp8_switch", argv, DRY_STEP_S if self.dry else 150,
+                            reserve_s=self.reserve(),
+                            parse=lambda out, _e: summarize(built.results, last_json_line(out)))
+
     def serve(self, name: str = "serve") -> None:
         left = self.runner.left_s() - 5
         if self.dry:
@@ -353,7 +375,8 @@ class Check:
         self.probe()
         steps = {"gpu_tests": self.gpu_tests, "tensor_parallel": self.tensor_parallel,
                  "bench_engine": self.bench_engine,
-                 "bench_switch": self.bench_switch, "serve": self.serve,
+                 "bench_switch": self.bench_switch, "fp8_switch": self.fp8_switch,
+                 "serve": self.serve,
                  "serve_mps": self.serve_mps}  # fmt: skip
         chosen = self.args.steps.split(",") if self.args.steps else [
             name for name in steps if name != "serve_mps" or self.args.mps]
@@ -393,7 +416,7 @@ def machine(results: list[StepResult]) -> dict[str, Any]:
 
 
 def highlights(results: list[StepResult]) -> dict[str, Any]:
-    """The few numbers each step is for (see ``gpu_check_report``)."""
+    """The few numbers each step is for (see ``gpu_check.report``)."""
     from aegaeon_bench.gpu_check.report import step_highlights
 
     return {r.name: step_highlights(r.name, r.results) for r in results
@@ -454,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--install-wheels", action="store_true",
                         help="dry run: install .whl/ into a temporary folder as well")
     parser.add_argument("--steps", help="comma-separated steps after the probe and market "
-                        "(default: gpu_tests,bench_engine,bench_switch,serve[,serve_mps])")
+                        "(default: gpu_tests,tensor_parallel,bench_engine,bench_switch,"
+                        "fp8_switch,serve[,serve_mps])")
     parser.add_argument("--mps", action="store_true",
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,

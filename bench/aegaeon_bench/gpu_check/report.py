@@ -60,6 +60,12 @@ def _switch(r: dict[str, Any]) -> Any:
     }  # fmt: skip
 
 
+def _fp8(r: dict[str, Any]) -> Any:
+    return {k: r.get(k) for k in ("model", "wake_to_first_token_s", "target_s", "target_met",
+                                  "switch_ms", "scale_up_ms", "scale_up_gb_s", "bytes_moved",
+                                  "bf16_bytes", "bytes_over_bf16")}
+
+
 def _serve(r: dict[str, Any]) -> Any:
     bench = r.get("bench") or {}
     return {
@@ -96,7 +102,8 @@ def _leaks(r: dict[str, Any]) -> Any:
 _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
     "tensor_parallel": _tests,
-    "bench_engine": _engine, "bench_switch": _switch, "serve": _serve, "serve_mps": _serve,
+    "bench_engine": _engine, "bench_switch": _switch, "fp8_switch": _fp8, "serve": _serve,
+    "serve_mps": _serve,
     "leaks": _leaks, "paper_models": _paper_models, "paper_aegaeon": _paper_node,
     "paper_request-level": _paper_node,
 }  # fmt: skip

@@ -8,7 +8,7 @@ modest open-loop load (the sweep's ratios: prompts and outputs x 0.25, TTFT
 that nothing outlived it: no process naming its run directory, no segment
 of its deployment in /dev/shm, no GPU process of it in nvidia-smi.
 
-Standard library only, like ``gpu_check_run``.
+Standard library only, like ``gpu_check.run``.
 """
 
 from __future__ import annotations

@@ -29,6 +29,28 @@ def canonical_dtype(name: str) -> str:
 QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20)}
 
 
+# FP8 (e4m3) matrices served as such: ``fp8`` on the command line. A slot holds the
+# ``[out, in]`` codes row after row (1 byte each), padded to ``FP8_SCALES_ALIGN``, then
+# the float32 scale of every output row (w = scale * code; scale = amax(|row|) / 448).
+FP8 = "float8_e4m3fn"
+FP8_ALIASES = ("fp8", "float8", "e4m3", FP8)
+FP8_MAX = 448.0  # the largest finite e4m3fn
+FP8_SCALES_ALIGN = 16
+
+
+def fp8_scales_offset(rows: int, in_features: int) -> int:
+    """Byte offset of the float32 row scales in an FP8 slot of ``rows x in_features``."""
+    return -(-rows * in_features // FP8_SCALES_ALIGN) * FP8_SCALES_ALIGN
+
+
+def quant_matrix_bytes(qtype: str, rows: int, in_features: int) -> int:
+    """Bytes of a ``[rows, in_features]`` matrix stored as ``qtype`` (a GGUF block type or
+    ``FP8``), as a slot of the packed layout holds it."""
+    if qtype == FP8:
+        return fp8_scales_offset(rows, in_features) + 4 * rows
+    return rows * quant_row_bytes(qtype, in_features)
+
+
 def quant_row_bytes(qtype: str, in_features: int) -> int:
     """Bytes of one row of ``in_features`` elements in ``qtype`` (a whole number of blocks)."""
     elems, nbytes = QUANT_BLOCKS[qtype]

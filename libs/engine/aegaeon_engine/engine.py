@@ -12,16 +12,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from .attention import Attention
-from .kernels import NativeOps, layer_ops
+from .kernels import NATIVE_MAX_ROWS, LayerStack, NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
 from .model import KVViews, LayerOps, ReduceFn, Tokens, forward, logits
 from .native import bf16_native, cpu_model, forced_isa, native_ops, supported_levels
+from .quant import embed
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
 from .tuning import TORCH, KernelChoice, choose, shape_key
@@ -54,6 +55,9 @@ class _Bound:
     kv_shape: KVShape
     rope: RopeTable
     reduce: ReduceFn | None = None  # a tensor-parallel shard's all-reduce (tp.py)
+    # per kernel set (NativeOps): the layers as decode_layers' arguments, or None where
+    # some projection does not run on that set's kernels
+    stacks: dict[int, LayerStack | None] = field(default_factory=dict)
 
 
 class Engine:
@@ -66,6 +70,9 @@ class Engine:
         runs that level's kernels (default: ``native_isa()``, see native.py)."""
         self.device = torch.device(device)
         self.block_size = block_size
+        # a decode step's layers in one native call where they all run natively
+        # (kernels.py decode_layers); False: model.forward's loop, call by call
+        self.fuse_layers = True
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.attention = Attention(self.device, native, isa)
@@ -287,11 +294,28 @@ class Engine:
         slot_blocks, slot_offsets = idx[2 * batch:3 * batch], idx[3 * batch:4 * batch]
         context_lens, block_table = idx[4 * batch:5 * batch], idx[5 * batch:].view(batch, -1)
         cos_sin = m.rope.ensure(max(lengths)).index_select(1, pos_t)[:, :, None]
-        attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table, context_lens,
-                                             lengths)
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
-        hidden = forward(m.weights, m.kv, step, attend, self.ops, m.reduce)
+        stack = self._layer_stack(m, batch)
+        if stack is not None:
+            assert isinstance(self.ops, NativeOps)
+            hidden = embed(tokens, m.weights.embed_tokens, m.weights.dtype)
+            self.ops.decode_layers(stack, hidden, m.kv, step, self.attention.native, block_table,
+                                   context_lens, m.spec.num_heads, m.spec.rms_norm_eps)
+        else:
+            attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table,
+                                                 context_lens, lengths)
+            hidden = forward(m.weights, m.kv, step, attend, self.ops, m.reduce)
         return logits(m.weights, hidden, self.ops)
+
+    def _layer_stack(self, m: _Bound, batch: int) -> LayerStack | None:
+        """The layers for one native decode_layers call, where this step can take it."""
+        if (not self.fuse_layers or m.reduce is not None or batch > NATIVE_MAX_ROWS
+                or not isinstance(self.ops, NativeOps) or self.attention.native is None):
+            return None
+        key = id(self.ops)
+        if key not in m.stacks:
+            m.stacks[key] = self.ops.layer_stack(m.weights)
+        return m.stacks[key]
 
     def _check_len(self, m: _Bound, num_tokens: int, num_blocks: int) -> None:
         if num_tokens > m.spec.max_model_len:

@@ -23,21 +23,31 @@ applies (dtype, strides, batch size), per call, and defers to torch elsewhere.
 - ``project`` of a block-quantized weight (quant.py): the level's kernel that
   dequantizes in registers for decode batches, float32 GEMMs of blocks of
   dequantized rows for prefill.
+- ``project`` of an FP8 weight (fp8.py): on the CPU it is dequantized to the
+  activations' dtype per call and takes the dense paths above.
+- ``decode_layers``: a decode step's whole stack of layers in one native call
+  (csrc/stack.cpp: the same kernels in the same order, called from C++), where
+  every projection of the model runs on these kernels (``layer_stack``). A deep
+  model's step at batch 1 spent ~30% of its time between ~11 kernel calls a
+  layer made from Python.
 
 Float16 stays on torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from . import fp8
+from .fp8 import Fp8Tensor
 from .model import KVViews, LayerOps, Tokens
 from .native import bf16_native, native_isa, native_ops
-from .quant import QuantTensor, project_quant
-from .weights import LayerWeights
+from .quant import GGML_TYPES, QuantTensor, project_quant
+from .weights import LayerWeights, ModelWeights
 
 NATIVE_MAX_ROWS = 16  # the native projection's limit: decode batches
 _ELEMENTWISE = frozenset((torch.float32, torch.bfloat16))
@@ -65,6 +75,19 @@ def project_widened(w: torch.Tensor, x: torch.Tensor,
             block += bias[start:end]
         out[:, start:end] = block
     return out
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A model's decoder layers as the arguments of ``decode_layers`` (csrc/stack.cpp):
+    per layer its 2 norms, 4 projections (qkv, o, gate_up, down; ``qtypes`` 0 for a
+    dense one, else its GGML type), 2 biases (qkv, o) and the q/k norms."""
+
+    norms: list[torch.Tensor]
+    projs: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    qk_norms: list[torch.Tensor | None]
+    qtypes: list[int]
 
 
 class NativeOps(LayerOps):
@@ -96,6 +119,8 @@ class NativeOps(LayerOps):
                 bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(w, QuantTensor):  # the decode projection's level runs quantized too
             return project_quant(self._project_ops or self._ops, w, x, bias)
+        if isinstance(w, Fp8Tensor):  # dequantized rows take the dense paths below
+            return fp8.project(w, x, bias, self.project)
         n = x.shape[0]
         if n > NATIVE_MAX_ROWS or w.dtype not in self.project_dtypes:
             if w.dtype == torch.bfloat16 and self.widen_prefill and n > NATIVE_MAX_ROWS:
@@ -106,6 +131,39 @@ class NativeOps(LayerOps):
         out = torch.empty(n, w.shape[0], dtype=w.dtype, device=w.device)
         self._project_ops.linear(out, x, w, bias)
         return out
+
+    def layer_stack(self, w: ModelWeights) -> LayerStack | None:
+        """``w``'s layers for ``decode_layers`` when every projection runs on this level's
+        native kernels (dense in a supported dtype, or GGUF-quantized), else None."""
+        if w.dtype not in _ELEMENTWISE or self._project_ops is None:
+            return None
+        stack = LayerStack([], [], [], [], [])
+        for lw in w.layers:
+            for proj in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                if isinstance(proj, QuantTensor) and proj.qtype in GGML_TYPES:
+                    stack.qtypes.append(GGML_TYPES[proj.qtype])
+                elif type(proj) is torch.Tensor and proj.dtype == w.dtype \
+                        and proj.dtype in self.project_dtypes and proj.stride(-1) == 1:
+                    stack.qtypes.append(0)
+                else:
+                    return None
+                stack.projs.append(proj)
+            stack.norms.extend((lw.input_norm, lw.post_norm))
+            stack.biases.extend((lw.qkv_bias, lw.o_bias))
+            stack.qk_norms.extend((lw.q_norm, lw.k_norm))
+        return stack
+
+    def decode_layers(self, stack: LayerStack, h: torch.Tensor, kv: KVViews, tokens: Tokens,
+                      attention: Any, block_table: torch.Tensor, context_lens: torch.Tensor,
+                      num_q: int, eps: float) -> None:
+        """In place on the residual stream ``h [B, hidden]`` of a decode step: every
+        layer of ``stack`` (model.forward's loop), attention on the namespace
+        ``attention``'s ``paged_decode``."""
+        self._ops.decode_layers(h, stack.norms, stack.projs, stack.biases, stack.qk_norms,
+                                stack.qtypes, tokens.cos[:, 0], tokens.sin[:, 0], kv.cache,
+                                tokens.slot_blocks, tokens.slot_offsets, block_table,
+                                context_lens, num_q, eps, kv.cache.shape[-1] ** -0.5,
+                                self._project_ops.name, attention.name)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
                  eps: float) -> torch.Tensor:

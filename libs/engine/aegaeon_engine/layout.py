@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype, quant_row_bytes
+from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype, quant_matrix_bytes
 
 DEFAULT_ALIGNMENT = 64  # bytes; a cache line, and a multiple of every dtype's size
 
@@ -78,7 +78,9 @@ def weight_layout(spec: ModelSpec, dtype: str | None = None,
 
     A quantized model's (``spec.quant``) matrices keep their block quantization:
     such a slot's ``dtype`` is the quantization (``q4_1``), its ``shape`` the
-    logical ``[out, in]``, its bytes whole blocks row after row (GGUF's order).
+    logical ``[out, in]``, its bytes whole blocks row after row (GGUF's order); an
+    FP8 slot (``float8_e4m3fn``) holds the codes row after row, then the rows' float32
+    scales (``aegaeon_common.dtypes.fp8_scales_offset``).
 
     Slot names: ``embed_tokens``, ``layers.{i}.{input_norm, qkv_proj, qkv_bias,
     q_norm, k_norm, o_proj, o_bias, post_norm, gate_up_proj, down_proj}``,
@@ -101,7 +103,7 @@ def weight_layout(spec: ModelSpec, dtype: str | None = None,
         numel = rows
         for dim in tail:
             numel *= dim
-        nbytes = numel * itemsize if qtype is None else rows * quant_row_bytes(qtype, tail[0])
+        nbytes = numel * itemsize if qtype is None else quant_matrix_bytes(qtype, rows, tail[0])
         slots.append(TensorSlot(name, qtype or dtype, (rows, *tail), offset, nbytes,
                                 tuple(s for s, _ in sources), tuple(r for _, r in sources)))
         offset += -(-nbytes // alignment) * alignment

@@ -4,7 +4,9 @@ The safetensors header is parsed here (it is 8 bytes of length + JSON) so that
 every defect is reported as a ``CheckpointError`` naming the file and tensor;
 tensor bytes are read straight into the destination when no dtype conversion
 is needed. A block-quantized slot (layout.py) reads its tensors' blocks, stored as
-U8 ``[rows, row_bytes]``, as they are.
+U8 ``[rows, row_bytes]``, as they are; an FP8 slot reads each tensor's F8_E4M3
+codes as they are and its ``weight_scale`` (per row ``[rows, 1]`` or ``[rows]``, or
+one per tensor) as float32 row scales.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from aegaeon_common.dtypes import fp8_scales_offset
 
 from .errors import CheckpointError
-from .layout import WeightLayout
-from .spec import QUANT_BLOCKS, ModelSpec, quant_row_bytes
+from .layout import TensorSlot, WeightLayout
+from .spec import FP8, QUANT_BLOCKS, ModelSpec, quant_row_bytes
 from .weights import TORCH_DTYPES
 
 # safetensors dtype code -> (torch dtype, item size); only float types load.
@@ -29,6 +32,8 @@ _FLOAT_CODES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8), "F32": (torch.float32, 4),
     "BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2),
 }
+# read_tensor's dtypes: the floats, and FP8 codes (an FP8 checkpoint's projections)
+_READ_CODES = {**_FLOAT_CODES, "F8_E4M3": (torch.float8_e4m3fn, 1)}
 _CODE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, **{k: v[1] for k, v in _FLOAT_CODES.items()}}
 _MAX_HEADER_BYTES = 100 << 20
@@ -125,11 +130,12 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
 
 
 def read_tensor(entry: TensorEntry, name: str) -> torch.Tensor:
-    """One float tensor of a checkpoint, read into memory in its stored dtype."""
-    if entry.code not in _FLOAT_CODES:
+    """One float (or F8_E4M3) tensor of a checkpoint, read into memory in its stored
+    dtype."""
+    if entry.code not in _READ_CODES:
         raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; only float tensors "
                               "load")
-    dtype = _FLOAT_CODES[entry.code][0]
+    dtype = _READ_CODES[entry.code][0]
     staging = bytearray(entry.nbytes)
     try:
         with entry.file.open("rb") as f:
@@ -162,6 +168,11 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
         end = 0
         for slot in layout.slots:
             out[end:slot.offset].zero_()
+            if slot.dtype == FP8:
+                end = _fill_fp8(index, root, slot, out, files)
+                if progress is not None:
+                    progress(end)
+                continue
             pos = slot.offset
             quantized = slot.dtype in QUANT_BLOCKS
             for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
@@ -192,6 +203,54 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
     finally:
         for f in files.values():
             f.close()
+
+
+def scale_name(weight: str) -> str:
+    """The checkpoint name of an FP8 weight's scales (``...q_proj.weight_scale``)."""
+    return weight + "_scale"
+
+
+def _fill_fp8(index: dict[str, TensorEntry], root: Path, slot: TensorSlot, out: torch.Tensor,
+              files: dict[Path, BufferedReader]) -> int:
+    """Write FP8 ``slot`` (its sources' codes, then their row scales) into ``out``; the
+    end of the bytes written."""
+    rows, in_features = slot.shape
+    scales = torch.empty(rows, dtype=torch.float32)
+    pos, row = slot.offset, 0
+    for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
+        entry, scale_entry = (_fp8_entry(index, root, n) for n in (name, scale_name(name)))
+        if entry.shape != logical:
+            raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
+                                  f"expected {list(logical)}")
+        if entry.code != "F8_E4M3":
+            raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; "
+                                  f"{FP8} weights are stored as F8_E4M3")
+        count = logical[0]
+        if scale_entry.shape not in ((), (1,), (count,), (count, 1)):
+            raise CheckpointError(scale_entry.file, scale_name(name),
+                                  f"wrong shape {list(scale_entry.shape)}, expected [{count}, 1] "
+                                  "(per row) or [] (per tensor)")
+        value = read_tensor(scale_entry, scale_name(name)).float().reshape(-1)
+        if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+            raise CheckpointError(scale_entry.file, scale_name(name),
+                                  "scales must be positive and finite")
+        scales[row:row + count] = value.expand(count)
+        if entry.file not in files:
+            files[entry.file] = entry.file.open("rb")
+        pos = _copy_tensor(files[entry.file], entry, name, out, pos=pos, dtype=torch.uint8)
+        row += count
+    start = slot.offset + fp8_scales_offset(rows, in_features)
+    out[pos:start].zero_()
+    out[start:start + 4 * rows].copy_(scales.view(torch.uint8))
+    return start + 4 * rows
+
+
+def _fp8_entry(index: dict[str, TensorEntry], root: Path, name: str) -> TensorEntry:
+    entry = index.get(name)
+    if entry is None:
+        where = root / (SINGLE_FILE if (root / SINGLE_FILE).is_file() else INDEX_FILE)
+        raise CheckpointError(where, name, "missing tensor")
+    return entry
 
 
 def _copy_tensor(f: BufferedReader, entry: TensorEntry, name: str, out: torch.Tensor, *,

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import fp8
+from .fp8 import Fp8Tensor
 from .quant import QuantTensor, embed, project_reference
 from .spec import ModelSpec
 from .weights import LayerWeights, ModelWeights
@@ -143,6 +145,8 @@ class LayerOps:
         """``x @ w.T (+ bias)`` for ``x [N, in]`` -> ``[N, out]``."""
         if isinstance(w, QuantTensor):
             return project_reference(w, x, bias)
+        if isinstance(w, Fp8Tensor):  # scaled-mm, or this projection of the dequantized rows
+            return fp8.project(w, x, bias, self.project)
         return project(w, x, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-_SOURCES = ("attention.cpp", "dense.cpp", "quant.cpp")
+_SOURCES = ("attention.cpp", "dense.cpp", "quant.cpp", "stack.cpp")
 _HEADERS = ("simd.h",)
 # -ffp-contract=off: no fused multiply-add the source does not write (rounding as torch's)
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-Wall", "-fvisibility=hidden")

@@ -13,12 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aegaeon_common.dtypes import DTYPE_BYTES, QUANT_BLOCKS, canonical_dtype, quant_row_bytes
+from aegaeon_common.dtypes import (
+    DTYPE_BYTES,
+    FP8,
+    QUANT_BLOCKS,
+    canonical_dtype,
+    quant_matrix_bytes,
+    quant_row_bytes,
+)
 
 from .errors import CheckpointError
 
-__all__ = ["DTYPE_BYTES", "QUANT_BLOCKS", "ArchTraits", "KVShape", "ModelSpec", "QuantSpec",
-           "RopeSpec", "canonical_dtype", "quant_row_bytes"]
+__all__ = ["DTYPE_BYTES", "FP8", "QUANT_BLOCKS", "ArchTraits", "KVShape", "ModelSpec", "QuantSpec",
+           "RopeSpec", "canonical_dtype", "quant_matrix_bytes", "quant_row_bytes"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +68,12 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """GGUF block quantization kept in the served weights (``QUANT_BLOCKS``), from
-    ``config.json``'s ``quantization_config`` (``quant_method: gguf``): ``linear`` for
-    every layer projection; ``embed_tokens`` and ``lm_head`` their own type, or None
-    for float (the model's dtype). Norms and biases are always float."""
+    """A quantization kept in the served weights, from ``config.json``'s
+    ``quantization_config``: GGUF blocks (``quant_method: gguf``, ``QUANT_BLOCKS``) or
+    FP8 e4m3 with per-output-row scales (``FP8``: ``compressed-tensors`` float 8-bit
+    weights by channel or tensor, or ``fp8`` without blocks). ``linear`` for every
+    layer projection; ``embed_tokens`` and ``lm_head`` their own type, or None for
+    float (the model's dtype; always for FP8). Norms and biases are always float."""
 
     linear: str
     embed_tokens: str | None = None
@@ -286,16 +295,47 @@ def _token_ids(fields: _Fields, key: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def _parse_fp8(raw: dict[str, Any], method: str, source: str | Path) -> QuantSpec:
+    """FP8 weights (``QuantSpec``'s docstring); anything else under these methods is
+    refused, naming the field."""
+    key = "quantization_config"
+    if method == "fp8":
+        if raw.get("weight_block_size") is not None:
+            raise CheckpointError(source, f"{key}.weight_block_size", "block-wise FP8 scales "
+                                  "are not supported (per-channel or per-tensor)")
+        return QuantSpec(FP8)
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(source, f"{key}.config_groups", "missing or empty")
+    for group_name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        where = f"{key}.config_groups.{group_name}.weights"
+        if not isinstance(weights, dict):
+            raise CheckpointError(source, where, "missing")
+        kind = (weights.get("num_bits"), weights.get("type"), weights.get("strategy"))
+        if kind[:2] != (8, "float") or kind[2] not in ("channel", "tensor"):
+            raise CheckpointError(source, where, f"{kind} is not supported (8-bit float "
+                                  "weights by channel or tensor)")
+    ignored = raw.get("ignore") or []
+    if not any(str(name).endswith("lm_head") for name in ignored):
+        raise CheckpointError(source, f"{key}.ignore", "an FP8 lm_head is not supported "
+                              "(it must be listed in ignore)")
+    return QuantSpec(FP8)
+
+
 def _parse_quant(cfg: _Fields) -> QuantSpec | None:
-    """``quantization_config`` of a GGUF import (``QuantSpec``); other methods are refused."""
+    """``quantization_config`` of a GGUF import or an FP8 checkpoint (``QuantSpec``);
+    other methods are refused."""
     raw = cfg.get("quantization_config", dict, None)
     if raw is None:
         return None
     sub = _Fields(raw, cfg.source)
     method = sub.get("quant_method", str)
+    if method in ("compressed-tensors", "fp8"):
+        return _parse_fp8(raw, method, cfg.source)
     if method != "gguf":
         raise CheckpointError(cfg.source, "quantization_config.quant_method",
-                              f"{method!r} is not supported (gguf)")
+                              f"{method!r} is not supported (gguf, compressed-tensors, fp8)")
 
     def qtype(key: str, default: str | None) -> str | None:
         name: str | None = sub.get(key, str, default)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp8 import Fp8Tensor
 from .layout import TensorSlot, WeightLayout
 from .quant import QuantTensor
-from .spec import ModelSpec
+from .spec import FP8, ModelSpec
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -42,8 +43,8 @@ class LayerWeights:
 @dataclass(frozen=True)
 class ModelWeights:
     """All weights of one model; ``lm_head`` is ``embed_tokens`` when tied. A quantized
-    model's matrices are ``QuantTensor``s; ``dtype`` is its float tensors' (and the
-    activations')."""
+    model's matrices are ``QuantTensor``s (GGUF blocks) or ``Fp8Tensor``s; ``dtype`` is
+    its float tensors' (and the activations')."""
 
     spec: ModelSpec
     dtype: torch.dtype
@@ -55,6 +56,8 @@ class ModelWeights:
 
 def _view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     raw = buffer[slot.offset:slot.offset + slot.nbytes]
+    if slot.dtype == FP8:  # e4m3 codes and row scales (fp8.py)
+        return Fp8Tensor.over(raw, slot.shape)
     if slot.dtype not in TORCH_DTYPES:  # a block quantization (quant.py)
         return QuantTensor.over(raw, slot.dtype, slot.shape)
     return raw.view(TORCH_DTYPES[slot.dtype]).view(slot.shape)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from aegaeon_common.dtypes import QUANT_BLOCKS, quant_row_bytes
+from aegaeon_common.dtypes import FP8, QUANT_BLOCKS, quant_row_bytes
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import ModelLoaded, TensorEntry
 from aegaeon_engine.weights import TORCH_DTYPES
@@ -88,11 +88,14 @@ class MappedModel:
     def view(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a typed, shaped view (read-only memory: do not write); a
         block-quantized one (``q4_1``, ...) as its rows of blocks, uint8 of shape
-        ``(rows, row bytes)``."""
+        ``(rows, row bytes)``; an FP8 one as its slot's bytes (the codes, then the
+        float32 row scales: ``aegaeon_engine.fp8.Fp8Tensor.over`` reads them)."""
         entry = next((t for t in self.tensors if t.name == name), None)
         if entry is None:
             raise KeyError(f"model {self.name!r} has no tensor {name!r}")
         raw = self.region.tensor[entry.offset : entry.offset + entry.nbytes]
+        if entry.dtype == FP8:
+            return raw
         if entry.dtype in QUANT_BLOCKS:
             rows = entry.shape[0]
             return raw.view(rows, quant_row_bytes(entry.dtype, entry.shape[-1]))
