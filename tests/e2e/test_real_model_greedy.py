@@ -53,8 +53,7 @@ def _pieces(assets_dir: Path, token_ids: list[int]) -> list[str]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(assets_dir / "tokenizer.json"))
-    detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(list(ids),
-                                                                skip_special_tokens=True))
+    detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.push([t]) for t in token_ids]
     pieces.append(detok.finish())
     return [p for p in pieces if p]
