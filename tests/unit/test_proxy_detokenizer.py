@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from aegaeon_proxy.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from aegaeon_proxy.stop_strings import StopStringMatcher
-from proxy_support import market_dir
 from tokenizers import Tokenizer
 
 TEXTS = [
@@ -17,11 +16,6 @@ TEXTS = [
     "plain ascii text, nothing special.",
     "中文测试：你好，世界。한국어 텍스트 العربية",
 ]
-
-
-@pytest.fixture(scope="session")
-def proxy_market() -> Path:
-    return market_dir()
 
 
 @pytest.fixture(scope="module")
