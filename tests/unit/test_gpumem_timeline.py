@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -15,25 +13,13 @@ from aegaeon_gpumem import (
     EventHandle,
     EventTable,
     Timeline,
-    list_segments,
     open_event,
     unique_name,
 )
 from aegaeon_gpumem.events import attached_table
+from gpumem_support import TAG
 
-TAG = f"gmtest{os.getpid()}"
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments() -> Iterator[None]:
-    yield
-    assert list_segments(f"aegaeon-{TAG}-") == []
-
-
-@pytest.fixture
-def table() -> Iterator[EventTable]:
-    with EventTable.create(unique_name(TAG), 4) as t:
-        yield t
+pytestmark = pytest.mark.usefixtures("no_leaked_segments")
 
 
 def test_timeline_events_complete_in_order(table: EventTable) -> None:
