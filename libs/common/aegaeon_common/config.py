@@ -270,17 +270,19 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retry_after_s: Positive = 1.0
     # A request past the admission bounds (with SLO classes, its class's share of them)
     # waits for room, earliest first-token deadline first and the highest class first,
-    # until that deadline (arrival + its TTFT), and only then is a 429 (true); or is a
-    # 429 at once unless its class defers (false; slo_classes.*.defer). Waiting keeps
+    # then, late, until admission_max_wait (below), and only then is a 429 (true); or
+    # is a 429 at once unless its class defers (false; slo_classes.*.defer). Waiting keeps
     # goodput when many clients ignore Retry-After: a refusal costs a parse and a
     # tokenization, and a client that retries at once makes as many as the proxy answers.
     admission_wait: bool = True
     # How long that wait may last (YAML `admission_max_wait`, seconds after arrival;
-    # None: until the request's first-token deadline). Longer: fewer 429s, so fewer
-    # retries from clients that ignore Retry-After (closed-loop benchmark clients), and
-    # more completions per second when the client shares the node's cores; the
-    # waiters then run first come, first served, and start later than their TTFT.
-    admission_max_wait_s: Positive | None = None
+    # null: until the request's first-token deadline). A waiter past its deadline is
+    # late: it waits on behind every on-time waiter (aegaeon_sched.shedding), so it
+    # takes no room from requests that can still meet their TTFT, and a burst's late
+    # requests are served once it passes instead of each being a 429 that a client
+    # ignoring Retry-After (closed-loop benchmark clients) turns into a new request at
+    # once, on the cores the node needs (docs/results.md, issue 26).
+    admission_max_wait_s: Positive | None = 60.0
     # Slow clients: a request body must arrive within read_timeout, a write to a
     # client that does not read must complete within write_timeout (else cut).
     read_timeout_s: Positive = 30.0
