@@ -92,7 +92,12 @@ def _dns_name(packet: bytes, offset: int) -> tuple[str, int]:
 
 def reverse_lookup(address: str, server: tuple[str, int] = DOCKER_DNS) -> str | None:
     """The PTR name of an IPv4 ``address`` from ``server`` (Docker's DNS knows the
-    container's name; /etc/hosts, which the resolver reads first, only its id)."""
+    container's name; /etc/hosts, which the resolver reads first, only its id).
+
+    Asked directly, not through ``socket.gethostbyaddr``: the C resolver answers
+    from /etc/hosts first, where Docker writes this address with the container's
+    id, never its compose name. One PTR question is all this needs; dnspython
+    would ask it the same way and is not in the image."""
     query_id = int.from_bytes(os.urandom(2), "big")
     qname = ".".join(reversed(address.split("."))) + ".in-addr.arpa"
     question = b"".join(bytes([len(p)]) + p.encode() for p in qname.split(".")) + b"\0"

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from serve_harness import Served, shm_segments, start_serve, stop_serve
+from serve_harness import Served, serving
 
 E2E_MODELS = 4  # the "small" profile cycles its 3 smallest rungs: 3 families, 4 models
 
@@ -25,12 +25,5 @@ def small_market() -> Path:
 
 @pytest.fixture(scope="module")
 def served(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    run_dir = tmp_path_factory.mktemp("serve") / "run"
-    served = start_serve(small_market, run_dir)
-    try:
+    with serving(small_market, tmp_path_factory.mktemp("serve") / "run") as served:
         yield served
-    finally:
-        survivors = stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
-        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"

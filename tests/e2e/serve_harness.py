@@ -11,11 +11,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 
 READY_TIMEOUT_S = 240.0
 
@@ -143,3 +146,38 @@ def stop_serve(served: Served, timeout_s: float = 60.0) -> list[psutil.Process]:
     for proc in alive:
         proc.kill()
     return alive
+
+
+def serve_config(market: Path, **sections: Any) -> dict[str, Any]:
+    """`aegaeon serve`'s embedded default config for ``market`` with ``sections`` in it
+    (a map merged into the default's section of that name, anything else as given)."""
+    from aegaeon_cli.serve import default_config_dict
+
+    raw = default_config_dict(market, 0)
+    for key, value in sections.items():
+        merge = isinstance(value, dict) and isinstance(raw.get(key), dict)
+        raw[key] = {**raw[key], **value} if merge else value
+    return raw
+
+
+@contextmanager
+def serving(
+    market: Path, run_dir: Path, *extra: str, config: dict[str, Any] | None = None
+) -> Iterator[Served]:
+    """`aegaeon serve` of ``market`` (with ``extra`` arguments, and ``config`` written
+    as its config file beside ``run_dir``) for the ``with`` block; then Ctrl-C, and
+    check that it exited 0 and left no process and no shared memory behind."""
+    args = list(extra)
+    if config is not None:
+        path = run_dir.parent / f"{run_dir.name}-config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(config))
+        args = ["--config", str(path), *args]
+    served = start_serve(market, run_dir, *args)
+    try:
+        yield served
+    finally:
+        survivors = stop_serve(served)
+        assert served.proc.returncode == 0, served.log_tail()
+        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
+        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"

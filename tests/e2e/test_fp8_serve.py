@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from serve_harness import Served, shm_segments, start_serve, stop_serve
+from serve_harness import Served, serving
 
 SOURCE = "llama-gqa-5m"
 FP8_NAME = f"{SOURCE}-fp8"
@@ -32,15 +32,8 @@ def fp8_market(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def served(fp8_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    run_dir = tmp_path_factory.mktemp("serve") / "run"
-    served = start_serve(fp8_market, run_dir)
-    try:
+    with serving(fp8_market, tmp_path_factory.mktemp("serve") / "run") as served:
         yield served
-    finally:
-        survivors = stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
-        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
 
 
 def test_fp8_model_serves_the_engines_tokens_across_switches(served: Served,

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import Served, start_serve, stop_serve
+from serve_harness import Served, serving
 
 TTL_S = 3.0  # store.heartbeat_ttl's default
 MODELS = ("llama-gqa-5m", "mistral-11m", "qwen2-19m")
@@ -35,13 +35,9 @@ def cluster(
     small_market: Path, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
     run_dir = tmp_path_factory.mktemp("multinode") / "run"
-    served = start_serve(small_market, run_dir, "--nodes", "2", "--proxies", "2",
-                         "--store-url", redis_url)  # fmt: skip
-    try:
+    with serving(small_market, run_dir, "--nodes", "2", "--proxies", "2",
+                 "--store-url", redis_url) as served:  # fmt: skip
         yield served
-    finally:
-        stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
 
 
 def _proxy_urls(cluster: Served) -> list[str]:

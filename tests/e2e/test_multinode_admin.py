@@ -20,14 +20,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import (
     Served,
     call_json,
-    start_serve,
-    stop_serve,
+    serve_config,
+    serving,
     stream_completion,
     until,
 )
@@ -41,18 +39,11 @@ DEFERRED = 3  # batch requests that wait behind the first
 @pytest.fixture(scope="module")
 def cluster(small_market: Path, redis_url: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:  # fmt: skip
-    base = tmp_path_factory.mktemp("multinode-admin")
-    raw = default_config_dict(small_market, 0)
-    raw["proxy"] = {**raw.get("proxy", {}), "max_kv_blocks": KV_BLOCKS}
-    config = base / "config.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    served = start_serve(small_market, base / "run", "--config", str(config), "--nodes", "2",
-                         "--proxies", "2", "--store-url", redis_url)  # fmt: skip
-    try:
+    config = serve_config(small_market, proxy={"max_kv_blocks": KV_BLOCKS})
+    run_dir = tmp_path_factory.mktemp("multinode-admin") / "run"
+    with serving(small_market, run_dir, "--nodes", "2", "--proxies", "2",
+                 "--store-url", redis_url, config=config) as served:  # fmt: skip
         yield served
-    finally:
-        stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
 
 
 @pytest.fixture(scope="module")

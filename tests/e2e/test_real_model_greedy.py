@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 from real_market import REAL, greedy_reference, real_market_dir
-from serve_harness import Served, shm_segments, start_serve, stop_serve
+from serve_harness import Served, serving
 
 NUM_TOKENS = 32
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
@@ -37,14 +37,8 @@ def real_market() -> Path:
 
 @pytest.fixture(scope="module")
 def served(real_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    run_dir = tmp_path_factory.mktemp("serve-real") / "run"
-    served = start_serve(real_market, run_dir)
-    try:
+    with serving(real_market, tmp_path_factory.mktemp("serve-real") / "run") as served:
         yield served
-    finally:
-        survivors = stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
-        assert not survivors and not shm_segments(run_dir)
 
 
 def _pieces(assets_dir: Path, token_ids: list[int]) -> list[str]:
@@ -53,8 +47,7 @@ def _pieces(assets_dir: Path, token_ids: list[int]) -> list[str]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(assets_dir / "tokenizer.json"))
-    detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(list(ids),
-                                                                skip_special_tokens=True))
+    detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.push([t]) for t in token_ids]
     pieces.append(detok.finish())
     return [p for p in pieces if p]

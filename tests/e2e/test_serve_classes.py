@@ -16,15 +16,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from aegaeon_bench.node.probe import wait_quiet
-from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import (
     Served,
-    shm_segments,
-    start_serve,
-    stop_serve,
+    serve_config,
+    serving,
     stream_completion,
 )
 
@@ -32,21 +29,6 @@ BATCH = 24  # batch requests queued ahead of the interactive one
 WAVES = (48, 16)  # the role-switch burst: a backlog on the prefill instance, then more
 PROMPT_WORDS = 600  # a long prompt: prefill work that queues up
 REQUEST_TIMEOUT_S = 600.0  # a busy 2-core CI machine
-
-
-def _serve(small_market: Path, base: Path, extra: dict[str, Any]) -> Served:
-    raw = default_config_dict(small_market, 0)
-    raw.update(extra)
-    config = base / "config.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    return start_serve(small_market, base / "run", "--config", str(config))
-
-
-def _stop(served: Served) -> None:
-    survivors = stop_serve(served)
-    assert served.proc.returncode == 0, served.log_tail()
-    assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-    assert not shm_segments(served.run_dir), f"shared memory left: {shm_segments(served.run_dir)}"
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +39,8 @@ def model(small_market: Path) -> str:
 @pytest.fixture(scope="module")
 def classes(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Fixed roles, SLO classes on (the default), one prefill and one decode instance."""
-    served = _serve(small_market, tmp_path_factory.mktemp("classes"), {})
-    try:
+    with serving(small_market, tmp_path_factory.mktemp("classes") / "run") as served:
         yield served
-    finally:
-        _stop(served)
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +52,10 @@ def moving(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
              "convert_max_demand": 1.0}  # fmt: skip
     # no admission bound in the way: every request of the burst is queued at once
     proxy = {"max_prefill_tokens": 100_000_000}
-    served = _serve(small_market, tmp_path_factory.mktemp("roles"),
-                    {"roles": roles, "proxy": proxy})  # fmt: skip
-    try:
+    config = serve_config(small_market, roles=roles, proxy=proxy)
+    with serving(small_market, tmp_path_factory.mktemp("roles") / "run",
+                 config=config) as served:  # fmt: skip
         yield served
-    finally:
-        _stop(served)
 
 
 def _prompt(k: int) -> str:

@@ -22,13 +22,11 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
-import yaml
 from aegaeon_bench.node.probe import sample_processes, serve_children, shm_segments, wait_quiet
 from aegaeon_bench.reliability.cancel import cancel_run
 from aegaeon_bench.reliability.chaos_load import Attempt, request_body, send
 from aegaeon_bench.reliability.fuzz import fuzz_http, fuzz_zmq
-from aegaeon_cli.serve import default_config_dict
-from serve_harness import Served, free_port, start_serve, stop_serve
+from serve_harness import Served, free_port, serve_config, serving
 
 KEY = "sk-e2e-hardened-7f3a91"
 LIMITED = "sk-e2e-limited-11c0de"
@@ -42,27 +40,17 @@ LIMITED_MODEL: list[str] = []
 
 @pytest.fixture(scope="module")
 def hardened(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    base = tmp_path_factory.mktemp("hardened")
     admin_port = free_port()
-    raw = default_config_dict(small_market, 0)
     first = json.loads((small_market / "market.json").read_text())["models"][0]["name"]
-    raw["proxy"] = {"admin_port": admin_port, "max_kv_blocks": 48, "admission_wait": False,
-                    "read_timeout": 1.0, "write_timeout": 2.0, "send_buffer": "32KiB",
-                    "keepalive_timeout": 1.0,
-                    "api_keys": [{"key": LIMITED, "models": [first]}]}  # fmt: skip
-    config = base / "config.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    run_dir = base / "run"
-    served = start_serve(small_market, run_dir, "--config", str(config), "--api-key", KEY)
+    proxy = {"admin_port": admin_port, "max_kv_blocks": 48, "admission_wait": False,
+             "read_timeout": 1.0, "write_timeout": 2.0, "send_buffer": "32KiB",
+             "keepalive_timeout": 1.0,
+             "api_keys": [{"key": LIMITED, "models": [first]}]}  # fmt: skip
     ADMIN["url"] = f"http://127.0.0.1:{admin_port}"
     LIMITED_MODEL[:] = [first]
-    try:
+    with serving(small_market, tmp_path_factory.mktemp("hardened") / "run", "--api-key", KEY,
+                 config=serve_config(small_market, proxy=proxy)) as served:  # fmt: skip
         yield served
-    finally:
-        survivors = stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
-        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
 
 
 def _admin(served: Served) -> str:

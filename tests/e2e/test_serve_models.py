@@ -14,15 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from aegaeon_cli.serve import default_config_dict
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import (
     Served,
     call_json,
-    shm_segments,
-    start_serve,
-    stop_serve,
+    serve_config,
+    serving,
     until,
 )
 
@@ -47,20 +44,10 @@ def partial(
     small_market: Path, market_names: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
     """`aegaeon serve` of the market's first two models only."""
-    base = tmp_path_factory.mktemp("models")
-    raw = default_config_dict(small_market, 0)
-    raw["models"] = [{"name": n, "path": str(small_market / n)} for n in market_names[:2]]
-    config = base / "config.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    run_dir = base / "run"
-    served = start_serve(small_market, run_dir, "--config", str(config))
-    try:
+    models = [{"name": n, "path": str(small_market / n)} for n in market_names[:2]]
+    with serving(small_market, tmp_path_factory.mktemp("models") / "run",
+                 config=serve_config(small_market, models=models)) as served:  # fmt: skip
         yield served
-    finally:
-        survivors = stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
-        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
 
 
 def _complete(served: Served, model: str, max_tokens: int = 4) -> tuple[int, Any]:

@@ -21,7 +21,7 @@ import pytest
 
 # The e2e harness starts and stops `aegaeon serve` as a user would; reuse it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from serve_harness import Served, shm_segments, start_serve, stop_serve
+from serve_harness import Served, serving
 
 NUM_MODELS = 3
 LOAD_FRACTION = 0.25  # of the one-at-a-time capacity the probe measures
@@ -85,9 +85,7 @@ def _stats(served: Served) -> dict[str, object]:
 
 
 def test_bench_serve_live(small_market: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    served = start_serve(small_market, run_dir)
-    try:
+    with serving(small_market, tmp_path / "run") as served:
         models = [m["id"] for m in served.get_json("/v1/models")["data"]][:NUM_MODELS]  # type: ignore[index]
         rps = probe_rps_per_model(served, small_market, models)
         switches_before = _switches(_stats(served))
@@ -129,11 +127,6 @@ def test_bench_serve_live(small_market: Path, tmp_path: Path) -> None:
         if len({line["model"] for line in lines}) == NUM_MODELS:
             assert _switches(_stats(served)) > switches_before
         _assert_no_kv_held(served)
-    finally:
-        survivors = stop_serve(served)
-    assert served.proc.returncode == 0, served.log_tail()
-    assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-    assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
 
 
 def _switches(stats: dict[str, object]) -> float:

@@ -1,11 +1,31 @@
-"""Shared helper of the proxy unit tests: a small market of real checkpoints."""
+"""Shared helpers of the proxy unit tests: a small market of real checkpoints, and
+:class:`ScriptedBackend`, a test double of the proxy's backend that replays token ids.
+
+The real engine behind the proxy is exercised end to end in tests/e2e/test_serve_openai.py.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
+from collections.abc import Awaitable, Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+from aegaeon_common.config import Config, ModelConfig, ProxyConfig
+from aegaeon_proxy.app import make_app
+from aegaeon_proxy.backend import (
+    BackendError,
+    FinishReason,
+    GenerationRequest,
+    TokenChunk,
+    TokenQueue,
+    TokenStream,
+)
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry, Gauge
 
 
 @cache
@@ -20,3 +40,102 @@ def market_dir() -> Path:
     root = Path(tempfile.gettempdir()) / f"aegaeon-proxy-test-market-{os.getuid()}"
     ensure_market(root, num_models=4, seed=0, profile="small", progress=False)
     return root
+
+
+MODEL = "llama-gqa-5m"
+
+
+class ScriptedBackend:
+    """Replays ``token_ids`` (one per step) then finishes; records cancels."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.finish: FinishReason = "length"
+        self.step_s = 0.0
+        self.burst = False  # push every chunk at once (a busy proxy finds them queued)
+        self.hang = False  # send nothing until cancelled
+        self.hold = False  # hold each request for room (admission) until the test says
+        self.refuse: BackendError | None = None
+        self.is_ready = True
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[str] = []
+        self.played = 0  # tokens pushed, over every request
+        self._queues: dict[str, TokenQueue] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def health(self) -> dict[str, object]:
+        return {"kind": "scripted"}
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        Gauge("scripted_up", "The scripted backend", registry=registry).set(1)
+
+    def submit(self, req: GenerationRequest) -> TokenStream:
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append(req)
+        queue = TokenQueue()
+        if self.hold:
+            queue.hold()
+        self._queues[req.request_id] = queue
+        task = asyncio.get_running_loop().create_task(self._play(queue, req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return queue
+
+    async def _play(self, queue: TokenQueue, req: GenerationRequest) -> None:
+        try:
+            await queue.admitted()
+        except BackendError:
+            return
+        if self.hang:
+            return
+        ids = self.token_ids[: req.sampling.max_tokens]
+        for i, token_id in enumerate(ids):
+            if not self.burst:
+                await asyncio.sleep(self.step_s)
+            last = i == len(ids) - 1
+            self.played += 1
+            queue.push(TokenChunk((token_id,), self.finish if last else None, "boom"))
+        if not ids:
+            queue.finish(self.finish, "boom")
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.finish("cancelled")
+
+
+Scenario = Callable[[TestClient[Any, Any], ScriptedBackend, Any], Awaitable[None]]
+
+
+def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
+    config = Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(**proxy))
+    backend = ScriptedBackend()
+
+    async def main() -> None:
+        app = make_app(config, backend)
+        async with TestClient(TestServer(app)) as client:
+            tok = await app[next(iter(app.keys()))].assets.get(MODEL)  # type: ignore[attr-defined]
+            await scenario(client, backend, tok)
+
+    asyncio.run(main())
+
+
+async def sse_events(resp: Any) -> list[str]:
+    raw = (await resp.read()).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    frames = raw.split("\n\n")
+    assert frames[-1] == ""
+    assert all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
+    return [f[len("data: ") :] for f in frames[:-1]]

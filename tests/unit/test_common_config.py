@@ -63,6 +63,12 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
          "prefill.weights"),
         ("models: [{name: a, path: x}]\nproxy: {admission_max_wait: 0}\n",
          "proxy.admission_max_wait"),
+        ("models: [{name: a, path: x}]\ndecode: {threads: 0}\n", "decode.threads"),
+        ("models: [{name: a, path: x}]\nslo_classes: {batch: {ttft: 0}}\n",
+         "slo_classes.batch.ttft"),
+        ("models: [{name: a, path: x}]\nstore: {heartbeat_ttl: 0.5}\n", "store.heartbeat_ttl"),
+        ("models: [{name: a, path: x}]\nmodel_settings: {a: {max_concurrency: 0}}\n",
+         "model_settings.a.max_concurrency"),
         ("market: nowhere\n", "market"),
         (": : :\n", "<yaml>"),
     ],
@@ -129,3 +135,10 @@ def test_side_http_ports_and_drain_timeout() -> None:
         config_from_dict({"models": models, "decode": {"http_port": 70000}})
     with pytest.raises(ConfigError, match="drain_timeout"):
         config_from_dict({"models": models, "drain_timeout": -1})
+
+
+def test_a_bad_choice_names_the_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"models": [{"name": "a", "path": "x"}], "store": {"kind": "etcd"}})
+    assert err.value.field == "store.kind"
+    assert "'etcd'" in err.value.problem and "memory, redis" in err.value.problem

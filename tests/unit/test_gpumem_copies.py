@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,24 +19,10 @@ from aegaeon_gpumem import (
     coalesce,
     copy_blocks,
     copy_chunked,
-    list_segments,
     make_copy_stream,
-    unique_name,
 )
 
-TAG = f"gmtest{os.getpid()}"
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments() -> Iterator[None]:
-    yield
-    assert list_segments(f"aegaeon-{TAG}-") == []
-
-
-@pytest.fixture
-def table() -> Iterator[EventTable]:
-    with EventTable.create(unique_name(TAG), 4) as t:
-        yield t
+pytestmark = pytest.mark.usefixtures("no_leaked_segments")
 
 
 def _pattern(n: int, seed: int) -> torch.Tensor:

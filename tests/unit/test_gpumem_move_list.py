@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Iterator
 
 import pytest
 from aegaeon_gpumem import (
@@ -17,27 +15,15 @@ from aegaeon_gpumem import (
     MoveList,
     OutOfBlocks,
     Timeline,
-    list_segments,
-    unique_name,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-TAG = f"gmtest{os.getpid()}"
 SHAPE, BLOCK = ("m", 2, 4, 8, 16, "bf16"), 512
 SLAB = 8 * BLOCK
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_segments() -> Iterator[None]:
-    yield
-    assert list_segments(f"aegaeon-{TAG}-") == []
-
-
-@pytest.fixture
-def table() -> Iterator[EventTable]:
-    with EventTable.create(unique_name(TAG), 4) as t:
-        yield t
+pytestmark = pytest.mark.usefixtures("no_leaked_segments")
 
 
 class LateEvent(Event):

@@ -6,20 +6,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import pytest
 import torch
 from aegaeon_gpumem import ShmRegion, cleanup_prefix, list_segments, unique_name
+from gpumem_support import PREFIX, TAG
 
-TAG = f"gmtest{os.getpid()}"
-PREFIX = f"aegaeon-{TAG}-"
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments() -> Iterator[None]:
-    yield
-    assert list_segments(PREFIX) == []
+pytestmark = pytest.mark.usefixtures("no_leaked_segments")
 
 
 def test_create_attach_share_bytes_zero_copy() -> None:

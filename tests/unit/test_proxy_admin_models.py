@@ -15,10 +15,8 @@ from aegaeon_proxy.backend import BackendError, ModelControl
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import market_dir
-from test_proxy_app import ScriptedBackend
+from proxy_support import MODEL, ScriptedBackend, market_dir
 
-MODEL = "llama-gqa-5m"
 EXTRA = "mistral-11m"  # in the market, not configured
 
 

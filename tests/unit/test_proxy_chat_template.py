@@ -12,7 +12,6 @@ from aegaeon_proxy.assets import ModelAssets, load_assets
 from aegaeon_proxy.chat_template import ChatTemplate, ChatTemplateError
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.prompts import chat_prompt_ids
-from proxy_support import market_dir
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello there!"}],
@@ -25,11 +24,6 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "  spaces around  \n"}],
     [{"role": "user", "content": "a <|eot_id|> [INST] <|im_end|> inside"}],
 ]
-
-
-@pytest.fixture(scope="session")
-def proxy_market() -> Path:
-    return market_dir()
 
 
 def _model_dirs(market: Path) -> list[Path]:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from aegaeon_proxy.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from aegaeon_proxy.stop_strings import StopStringMatcher
-from proxy_support import market_dir
 from tokenizers import Tokenizer
 
 TEXTS = [
@@ -19,23 +18,14 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def proxy_market() -> Path:
-    return market_dir()
-
-
 @pytest.fixture(scope="module")
 def tokenizers(proxy_market: Path) -> list[Tokenizer]:
     dirs = sorted(p for p in proxy_market.iterdir() if (p / "tokenizer.json").exists())
     return [Tokenizer.from_file(str(d / "tokenizer.json")) for d in dirs]
 
 
-def _decode(tok: Tokenizer):  # type: ignore[no-untyped-def]
-    return lambda ids: tok.decode(list(ids), skip_special_tokens=True)
-
-
 def _stream(tok: Tokenizer, ids: list[int], step: int = 1) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(_decode(tok))
+    detok = IncrementalDetokenizer(tok)
     deltas = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)]
     tail = detok.finish()
     return deltas, tail
@@ -58,7 +48,7 @@ def test_multibyte_characters_are_split_across_tokens(tokenizers: list[Tokenizer
     tok = tokenizers[0]
     ids = tok.encode("🎉", add_special_tokens=False).ids
     assert len(ids) > 1
-    detok = IncrementalDetokenizer(_decode(tok))
+    detok = IncrementalDetokenizer(tok)
     assert [detok.push([i]) for i in ids] == [""] * (len(ids) - 1) + ["🎉"]
 
 

@@ -15,8 +15,7 @@ from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_app
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
-from proxy_support import market_dir
-from test_proxy_app import MODEL, ScriptedBackend
+from proxy_support import MODEL, ScriptedBackend, market_dir
 
 EXAMPLES = int(os.environ.get("AEGAEON_FUZZ_EXAMPLES", "120"))
 

@@ -18,13 +18,7 @@ from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.server import LINGER_S
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import market_dir
-from test_proxy_app import MODEL, ScriptedBackend, run
-
-
-@pytest.fixture(scope="session")
-def proxy_market() -> Path:
-    return market_dir()
+from proxy_support import MODEL, ScriptedBackend, run
 
 KEY_ALL = "sk-all-0123456789"
 KEY_NONE = "sk-other-model-0123"

@@ -26,10 +26,8 @@ from aegaeon_proxy.slo_classes import class_table, resolve
 from aegaeon_sched import Request, Shedder, Verdict
 from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import market_dir
-from test_proxy_app import ScriptedBackend
+from proxy_support import MODEL, ScriptedBackend, market_dir
 
-MODEL = "llama-gqa-5m"
 KEY = "sk-unit-slo-classes-1"
 BATCH_KEY = "sk-unit-slo-batch-only"
 

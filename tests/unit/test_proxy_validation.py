@@ -11,14 +11,8 @@ from aegaeon_proxy.assets import ModelAssets, load_assets
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.params import CHAT_FIELDS, FIELDS, parse_common
 from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
-from proxy_support import market_dir
 
 BASE = {"model": "m"}
-
-
-@pytest.fixture(scope="session")
-def proxy_market() -> Path:
-    return market_dir()
 
 
 @pytest.fixture(scope="module")

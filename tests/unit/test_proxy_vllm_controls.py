@@ -15,7 +15,7 @@ from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.keep_alive import FOREVER, parse_keep_alive
 from aiohttp.test_utils import TestClient, TestServer
-from test_proxy_app import MODEL, ScriptedBackend, proxy_market  # noqa: F401 (fixture)
+from proxy_support import MODEL, ScriptedBackend
 
 
 class Controlled(ScriptedBackend):
@@ -81,7 +81,7 @@ def test_keep_alive_is_seconds_or_a_go_duration(value: Any, seconds: float | Non
         assert parse_keep_alive("keep_alive", value) == seconds
 
 
-def test_sleep_is_sleeping_and_wake_up_act_on_the_model(proxy_market: Path) -> None:  # noqa: F811
+def test_sleep_is_sleeping_and_wake_up_act_on_the_model(proxy_market: Path) -> None:
     async def scenario(client: TestClient[Any, Any], backend: Controlled) -> None:
         backend.resident = {MODEL}
         resp = await client.get("/is_sleeping", params={"model": MODEL})
@@ -116,7 +116,7 @@ def test_sleep_is_sleeping_and_wake_up_act_on_the_model(proxy_market: Path) -> N
 
 
 def test_controls_need_a_key_when_keys_are_set_and_a_backend_that_sleeps(
-    proxy_market: Path,  # noqa: F811
+    proxy_market: Path,
 ) -> None:
     async def keyed(client: TestClient[Any, Any], backend: Controlled) -> None:
         assert (await client.post("/sleep")).status == 401
@@ -133,7 +133,7 @@ def test_controls_need_a_key_when_keys_are_set_and_a_backend_that_sleeps(
     _run(proxy_market, plain, ScriptedBackend())
 
 
-def test_keep_alive_holds_unloads_and_expires(proxy_market: Path) -> None:  # noqa: F811
+def test_keep_alive_holds_unloads_and_expires(proxy_market: Path) -> None:
     async def scenario(client: TestClient[Any, Any], backend: Controlled) -> None:
         backend.token_ids = [5, 6]
         backend.resident = {MODEL}

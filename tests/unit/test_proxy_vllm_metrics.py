@@ -24,7 +24,7 @@ from aegaeon_sched import Request
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_proxy_app import MODEL, ScriptedBackend, proxy_market  # noqa: F401 (fixture)
+from proxy_support import MODEL, ScriptedBackend
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -171,7 +171,7 @@ async def test_the_finishing_chunk_carries_the_merged_timings() -> None:
     assert last.timings.decode_s == 0.5
 
 
-def test_vllm_families_through_the_http_front(proxy_market: Path) -> None:  # noqa: F811
+def test_vllm_families_through_the_http_front(proxy_market: Path) -> None:
     """A completion through the front (a scripted backend whose last chunk carries the
     instances' timings), then /metrics: every request family of the model moved."""
 

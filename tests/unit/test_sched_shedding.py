@@ -148,14 +148,40 @@ def test_with_wait_all_every_class_waits_and_room_goes_to_the_highest_first() ->
 def test_max_wait_holds_a_waiter_past_its_deadline_in_arrival_order() -> None:
     shed = Shedder.one_class(ttft_s=10.0, tbt_s=0.1, max_wait_s=30.0)
     full = Node(100)
-    # r1 asks a tighter TTFT than r0's; both wait 30 s from their arrival, first come first
+    # r1 asks a tighter TTFT than r0's; both wait 30 s from their arrival, and once late
+    # (past their deadlines), first come first
     r0 = Request("r0", "m", 0.0, 100, 10)
     r1 = Request("r1", "m", 1.0, 100, 10, ttft_s=2.0)
     assert [shed.decide(r, full.fits) for r in (r0, r1)] == [Verdict.DEFER, Verdict.DEFER]
+    assert shed.next_expiry_s() == 3.0  # r1 turns late then
+    assert shed.expire(12.0) == []  # past both first-token deadlines, still waiting
     assert shed.next_expiry_s() == 30.0
-    assert shed.expire(12.0) == []  # past r0's first-token deadline, still waiting
     room = iter([True, False])  # room for one
     assert [r.request_id for r in shed.release(lambda r, f: next(room))] == ["r0"]
     assert [r.request_id for r in shed.expire(31.0)] == ["r1"]
     with pytest.raises(ValueError, match="max_wait_s"):
         Shedder.one_class(ttft_s=10.0, tbt_s=0.1, max_wait_s=0.0)
+
+
+def test_late_waiters_get_room_only_after_every_on_time_one() -> None:
+    shed = Shedder(SLOClasses.default(ttft_s=10.0, tbt_s=0.1), wait_all=True, max_wait_s=60.0)
+    full = Node(130)  # past every class's share
+    late = Request("late", "m", 0.0, 100, 10, priority=0)  # interactive: TTFT 5 s
+    batch = Request("batch", "m", 6.0, 100, 10, priority=2)  # batch, on time until 56 s
+    fresh = Request("fresh", "m", 7.0, 100, 10, priority=0)
+    assert [shed.decide(r, full.fits) for r in (late, batch)] == [Verdict.DEFER] * 2
+    assert shed.expire(6.5) == []  # "late" missed its deadline: it waits on, late
+    # an on-time arrival of the late one's class does not queue behind it
+    assert shed.decide(fresh, lambda r, f: True) == Verdict.ADMIT
+    assert [r.request_id for r in shed.release(lambda r, f: True)] == ["batch", "late"]
+    assert shed.decide(Request("x", "m", 8.0, 100, 10), full.fits) == Verdict.DEFER
+    assert shed.expire(100.0)[0].request_id == "x" and len(shed) == 0
+    assert shed.refused["standard"] == 1 and shed.refused["interactive"] == 0
+
+
+def test_without_max_wait_a_waiter_is_refused_at_its_deadline() -> None:
+    shed = Shedder.one_class(ttft_s=10.0, tbt_s=0.1)
+    r0 = Request("r0", "m", 0.0, 100, 10)
+    assert shed.decide(r0, Node(100).fits) == Verdict.DEFER
+    assert shed.next_expiry_s() == 10.0 and shed.expire(9.9) == []
+    assert [r.request_id for r in shed.expire(10.0)] == ["r0"] and len(shed) == 0

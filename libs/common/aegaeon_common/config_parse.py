@@ -114,4 +114,7 @@ def build_section(cls: type[T], raw: Any, source: str, section: str) -> T:
             field, problem = missing.group(1), "is required"
         else:
             field = written.get(head, head) + (f".{rest}" if rest else "")
+            kind = fields[head].type if head in fields and not rest else None
+            if typing.get_origin(kind) is typing.Literal:  # name the choices
+                problem += f" (one of {', '.join(map(str, typing.get_args(kind)))})"
         raise ConfigError(source, f"{section}.{field}" if field else section, problem) from None

@@ -132,6 +132,10 @@ class RedisStore:
     ) -> T:
         full = [self._k(k) for k in keys]
         px = None if ttl_s is None else _ms(ttl_s)
+        # Not redis.asyncio's Redis.transaction(): it retries a conflict forever with
+        # a fixed delay taken while still watching; the contract bounds the retries
+        # (StoreConflictError), counts conflicts, and backs off at random outside the
+        # watch so that two writers in step stop meeting.
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 for attempt in range(retries):

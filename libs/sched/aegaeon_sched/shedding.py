@@ -20,6 +20,13 @@ never overtakes them), and no longer than its first-token deadline
 (:meth:`Shedder.expire`): past it the request can no longer meet its TTFT and
 is refused then.
 
+With ``max_wait_s`` a request whose deadline passed while it waited is *late*:
+it waits on, until ``max_wait_s`` after its arrival, in its class's late line,
+which gets room only after every class's on-time waiters (first come, first
+served within it). So on-time requests keep their chance to meet their TTFT,
+and a burst's late requests are still served once it passes, instead of each
+being a 429 that a closed-loop client turns into a new request at once.
+
 With classes off (:meth:`Shedder.one_class`) every request fills the whole
 bounds and, past them, waits its turn (one TTFT: earliest deadline first is
 arrival order). Waiting instead of a 429 at once is what keeps goodput under
@@ -60,9 +67,11 @@ class Shedder:
     first-token deadline), not only the classes marked ``defer``. Each class
     waits in its own line, earliest deadline first; room goes to the highest
     class first, so a lower class at the head never holds a higher one back.
-    ``max_wait_s``: a request waits that long after its arrival instead (its line
-    then runs in arrival order): fewer refusals, so fewer retries from clients that
-    ignore ``Retry-After``, at the cost of first tokens later than their target.
+    ``max_wait_s``: a request waits that long after its arrival (None: until its
+    first-token deadline); past its deadline it waits late, behind every on-time
+    waiter (the module docstring): fewer refusals, so fewer retries from clients
+    that ignore ``Retry-After``, without taking room from requests that can still
+    meet their TTFT.
     """
 
     def __init__(self, classes: SLOClasses, max_deferred: int = DEFAULT_MAX_DEFERRED,
@@ -75,8 +84,12 @@ class Shedder:
         self.max_deferred = max_deferred
         self.wait_all = wait_all
         self.max_wait_s = max_wait_s
-        # one line per class (by rank): (first-token deadline, seq, request id)
+        # per class (by rank) its on-time line, (when its wait on time ends: its
+        # first-token deadline, or its give-up time if earlier; seq, request id), and
+        # its late line, (give-up time, seq, request id)
         self._lines: list[list[tuple[float, int, str]]] = [[] for _ in classes.classes]
+        self._late: list[list[tuple[float, int, str]]] = [[] for _ in classes.classes]
+        self._give_up: dict[str, float] = {}  # request id -> when its wait ends
         self._deferred: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_deferred = 0  # ever
@@ -102,8 +115,8 @@ class Shedder:
     def _waits(self, cls: SLOClass) -> bool:
         return cls.defer or self.wait_all
 
-    def _line(self, cls: SLOClass) -> list[tuple[float, int, str]]:
-        line = self._lines[cls.rank]
+    def _line(self, cls: SLOClass, late: bool = False) -> list[tuple[float, int, str]]:
+        line = (self._late if late else self._lines)[cls.rank]
         while line and line[0][2] not in self._deferred:
             heapq.heappop(line)  # cancelled while it waited
         return line
@@ -116,53 +129,69 @@ class Shedder:
             return Verdict.ADMIT
         if self._waits(cls) and len(self._deferred) < self.max_deferred:
             self._deferred[request.request_id] = request
-            if self.max_wait_s is None:
-                due = first_token_deadline_s(request, cls.ttft_s)  # its own TTFT, else its class's
-            else:
-                due = request.arrival_s + self.max_wait_s
-            heapq.heappush(self._lines[cls.rank], (due, next(self._seq), request.request_id))
+            deadline = first_token_deadline_s(request, cls.ttft_s)  # its TTFT, else its class's
+            give_up = deadline if self.max_wait_s is None else request.arrival_s + self.max_wait_s
+            self._give_up[request.request_id] = give_up
+            heapq.heappush(self._lines[cls.rank],
+                           (min(deadline, give_up), next(self._seq), request.request_id))
             self.num_deferred += 1
             return Verdict.DEFER
         self.refused[cls.name] += 1
         return Verdict.REFUSE
 
     def release(self, fits: Fits) -> list[Request]:
-        """Room was freed: the deferred requests that fit now, the highest class first,
-        each class earliest deadline first; a class's first that does not fit stops
-        that class (its requests leave in order)."""
+        """Room was freed: the deferred requests that fit now, the on-time ones before
+        the late ones, the highest class first, each line in its order; a line's first
+        that does not fit stops that line (its requests leave in order)."""
         out: list[Request] = []
-        for cls in self.classes.classes:
-            line = self._line(cls)
-            while line:
-                request = self._deferred[line[0][2]]
-                if not fits(request, cls.admit_fraction):
-                    break
-                heapq.heappop(line)
-                del self._deferred[request.request_id]
-                out.append(request)
-                line = self._line(cls)
+        for late in (False, True):
+            for cls in self.classes.classes:
+                line = self._line(cls, late)
+                while line:
+                    request = self._deferred[line[0][2]]
+                    if not fits(request, cls.admit_fraction):
+                        break
+                    heapq.heappop(line)
+                    del self._deferred[request.request_id]
+                    del self._give_up[request.request_id]
+                    out.append(request)
+                    line = self._line(cls, late)
         return out
 
     def expire(self, now_s: float) -> list[Request]:
-        """The deferred requests whose wait ended (their first-token deadline passed:
-        it can no longer be met; or ``max_wait_s``): out, for the caller to refuse."""
+        """The deferred requests whose wait ended (their first-token deadline passed
+        and ``max_wait_s`` is None or over too): out, for the caller to refuse. Those
+        past their deadline with ``max_wait_s`` left move to their class's late line."""
         out: list[Request] = []
         for cls in self.classes.classes:
-            line = self._line(cls)
+            line, late = self._line(cls), self._late[cls.rank]
             while line and line[0][0] <= now_s:
-                _, _, request_id = heapq.heappop(line)
-                out.append(self._deferred.pop(request_id))
-                self.refused[cls.name] += 1
+                _, seq, request_id = heapq.heappop(line)
+                if self._give_up[request_id] > now_s:
+                    heapq.heappush(late, (self._give_up[request_id], seq, request_id))
+                else:
+                    out.append(self._drop(request_id, cls))
                 line = self._line(cls)
+            line = self._line(cls, late=True)
+            while line and line[0][0] <= now_s:
+                out.append(self._drop(heapq.heappop(line)[2], cls))
+                line = self._line(cls, late=True)
         return out
 
+    def _drop(self, request_id: str, cls: SLOClass) -> Request:
+        del self._give_up[request_id]
+        self.refused[cls.name] += 1
+        return self._deferred.pop(request_id)
+
     def next_expiry_s(self) -> float | None:
-        """When the earliest deferred request's wait ends (None: nothing waits)."""
-        heads = [line[0][0] for cls in self.classes.classes if (line := self._line(cls))]
+        """When a deferred request's wait next ends or turns late (None: nothing waits)."""
+        heads = [line[0][0] for cls in self.classes.classes for late in (False, True)
+                 if (line := self._line(cls, late))]
         return min(heads, default=None)
 
     def cancel(self, request_id: str) -> bool:
         """The client went away while its request waited; ``False`` if it was not waiting."""
+        self._give_up.pop(request_id, None)
         return self._deferred.pop(request_id, None) is not None
 
     def snapshot(self) -> dict[str, object]:

@@ -59,7 +59,7 @@ class Generation:
         self.req = req
         self._backend = backend
         self._metrics = metrics
-        self._detok = IncrementalDetokenizer(assets.decode)
+        self._detok = IncrementalDetokenizer(assets.tokenizer)
         self._stop = StopStringMatcher(stop)
         self._stop_ids = frozenset(req.sampling.stop_token_ids)
         # the arrival on the monotonic clock: latencies count from when the front accepted it

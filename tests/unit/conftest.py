@@ -1,0 +1,39 @@
+"""Fixtures shared by the unit tests (helpers live in the ``*_support`` modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from gpumem_support import PREFIX, TAG
+from proxy_support import market_dir
+
+if TYPE_CHECKING:
+    from aegaeon_gpumem import EventTable
+
+
+@pytest.fixture(scope="session")
+def proxy_market() -> Path:
+    """The proxy tests' small market of real checkpoints (see ``proxy_support.market_dir``)."""
+    return market_dir()
+
+
+@pytest.fixture
+def no_leaked_segments() -> Iterator[None]:
+    """Fails the test that leaves a shared-memory segment of this process behind
+    (the gpumem modules use it for every test: ``pytest.mark.usefixtures``)."""
+    from aegaeon_gpumem import list_segments
+
+    yield
+    assert list_segments(PREFIX) == []
+
+
+@pytest.fixture
+def table() -> Iterator[EventTable]:
+    """A 4-slot event table in shared memory, closed after the test."""
+    from aegaeon_gpumem import EventTable, unique_name
+
+    with EventTable.create(unique_name(TAG), 4) as t:
+        yield t
