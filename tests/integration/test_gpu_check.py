@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["install", "imports", "probe", "market", "gpu_tests", "tensor_parallel",
-         "bench_engine", "bench_switch", "serve", "leaks"]  # fmt: skip
+         "bench_engine", "bench_switch", "fp8_model", "fp8_switch", "serve", "leaks"]  # fmt: skip
 STATUSES = {"ok", "failed", "timeout", "error", "skipped"}
 
 
