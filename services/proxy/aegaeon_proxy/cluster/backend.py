@@ -382,6 +382,16 @@ class ClusterBackend:
                 self.end_request(msg.request_id, "error", f"its KV was lost: {exc}",
                                  code="instance_failed")  # fmt: skip
                 return False
+            if exc.code == "unknown_owner":
+                # the instance died before its successor registered: the message would
+                # reach the successor, which drops it as stale and cannot free blocks
+                # that are still the prefill instance's; free them there, and the request
+                # (its first token sent) fails as any on a dead instance does
+                self._free_orphan(owner, offsets)
+                self.end_request(msg.request_id, "error",
+                                 f"instance {instance} is down (its process ended)",
+                                 code="instance_failed")  # fmt: skip
+                return False
         except TimeoutError:
             pass  # no cachemgr: the instance claims them itself, as before
         else:
