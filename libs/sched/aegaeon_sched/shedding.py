@@ -89,7 +89,6 @@ class Shedder:
         # its late line, (give-up time, seq, request id)
         self._lines: list[list[tuple[float, int, str]]] = [[] for _ in classes.classes]
         self._late: list[list[tuple[float, int, str]]] = [[] for _ in classes.classes]
-        self._give_up: dict[str, float] = {}  # request id -> when its wait ends
         self._deferred: dict[str, Request] = {}
         self._seq = itertools.count()
         self.num_deferred = 0  # ever
@@ -112,6 +111,12 @@ class Shedder:
     def fraction(self, request: Request) -> float:
         return self.classes.by_rank(request.priority).admit_fraction
 
+    def _give_up_s(self, request: Request, cls: SLOClass) -> float:
+        """When ``request``'s wait ends: ``max_wait_s`` after its arrival, else its deadline."""
+        if self.max_wait_s is None:
+            return first_token_deadline_s(request, cls.ttft_s)
+        return request.arrival_s + self.max_wait_s
+
     def _waits(self, cls: SLOClass) -> bool:
         return cls.defer or self.wait_all
 
@@ -130,10 +135,9 @@ class Shedder:
         if self._waits(cls) and len(self._deferred) < self.max_deferred:
             self._deferred[request.request_id] = request
             deadline = first_token_deadline_s(request, cls.ttft_s)  # its TTFT, else its class's
-            give_up = deadline if self.max_wait_s is None else request.arrival_s + self.max_wait_s
-            self._give_up[request.request_id] = give_up
+            on_time_until = min(deadline, self._give_up_s(request, cls))
             heapq.heappush(self._lines[cls.rank],
-                           (min(deadline, give_up), next(self._seq), request.request_id))
+                           (on_time_until, next(self._seq), request.request_id))
             self.num_deferred += 1
             return Verdict.DEFER
         self.refused[cls.name] += 1
@@ -153,7 +157,6 @@ class Shedder:
                         break
                     heapq.heappop(line)
                     del self._deferred[request.request_id]
-                    del self._give_up[request.request_id]
                     out.append(request)
                     line = self._line(cls, late)
         return out
@@ -167,8 +170,9 @@ class Shedder:
             line, late = self._line(cls), self._late[cls.rank]
             while line and line[0][0] <= now_s:
                 _, seq, request_id = heapq.heappop(line)
-                if self._give_up[request_id] > now_s:
-                    heapq.heappush(late, (self._give_up[request_id], seq, request_id))
+                give_up = self._give_up_s(self._deferred[request_id], cls)
+                if give_up > now_s:
+                    heapq.heappush(late, (give_up, seq, request_id))
                 else:
                     out.append(self._drop(request_id, cls))
                 line = self._line(cls)
@@ -179,7 +183,6 @@ class Shedder:
         return out
 
     def _drop(self, request_id: str, cls: SLOClass) -> Request:
-        del self._give_up[request_id]
         self.refused[cls.name] += 1
         return self._deferred.pop(request_id)
 
@@ -191,7 +194,6 @@ class Shedder:
 
     def cancel(self, request_id: str) -> bool:
         """The client went away while its request waited; ``False`` if it was not waiting."""
-        self._give_up.pop(request_id, None)
         return self._deferred.pop(request_id, None) is not None
 
     def snapshot(self) -> dict[str, object]:
