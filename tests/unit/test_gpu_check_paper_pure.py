@@ -206,3 +206,12 @@ def test_a_runs_files(tmp_path: Path) -> None:
     assert memory["model_cache"]["models"] == 2
     empty = run_point({"slo_attainment": 1.0, "requests": 0}, files, {}, 2, 100)
     assert empty["slo_attainment"] is None and empty["why"]
+
+
+def test_a_low_rate_runs_until_enough_arrivals_are_expected() -> None:
+    plan = gpu_check_paper.gpu_plan("cuda:0", load_s=15.0)
+    # the H100's baseline run: 8 models at 0.0179 RPS each expect 2.1 arrivals in 15 s
+    slow = plan.load(8, 0.0179)
+    assert slow.load_s * 8 * 0.0179 == pytest.approx(plan.min_requests)
+    assert plan.load(8, 1.0).load_s == plan.load_s  # a busy rate keeps the plan's length
+    assert plan.load(8, 0.0179, probe=True).load_s == plan.probe_load_s

@@ -112,12 +112,21 @@ class PaperPlan:
     max_runs: int  # per policy
     fallback_unit_rps: float  # per model, when the probe measured nothing
     predict_s: float  # kept for the simulator's prediction at the end
+    # a run lasts until this many arrivals are expected in all: at the ladder's low rates
+    # ``load_s`` alone expects ~2, and a Poisson draw of none scores nothing (seen on the
+    # H100: the baseline's one run drew 0 requests)
+    min_requests: int = 6
     seed: int = 0
 
+    def load_duration_s(self, num_models: int, rps: float) -> float:
+        """A run's seconds of arrivals at ``rps`` per model."""
+        return max(self.load_s, self.min_requests / (rps * num_models))
+
     def load(self, num_models: int, rps: float, probe: bool = False) -> Load:
-        return Load(num_models, rps, self.probe_load_s if probe else self.load_s,
-                    self.probe_grace_s if probe else self.grace_s, self.ttft_s, self.tbt_s,
-                    self.input_scale, self.output_scale, self.seed)  # fmt: skip
+        load_s = self.probe_load_s if probe else self.load_duration_s(num_models, rps)
+        return Load(num_models, rps, load_s, self.probe_grace_s if probe else self.grace_s,
+                    self.ttft_s, self.tbt_s, self.input_scale, self.output_scale,
+                    self.seed)  # fmt: skip
 
 
 LADDER = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -252,9 +261,15 @@ class PaperScenario:
         return start_mps(self.runner.env, self.work)
 
     # ---- time: estimates from what already ran, else the plan's worst cases ----------
-    def run_estimate_s(self) -> float:
+    def run_estimate_s(self, rate: float | None = None) -> float:
+        """The longest run so far, or the plan's worst case; at least what a run at
+        ``rate`` lasts (a low rate loads longer: ``PaperPlan.load_duration_s``)."""
+        plan = self.plan
         measured = [r["run_s"] for runs in self.runs.values() for r in runs]
-        return max(measured, default=self.plan.load_s + self.plan.grace_s + 5.0)
+        estimate = max(measured, default=plan.load_s + plan.grace_s + 5.0)
+        if rate is None:
+            return estimate
+        return max(estimate, plan.load_duration_s(len(self.models), rate) + plan.grace_s + 5.0)
 
     def stop_estimate_s(self) -> float:
         return max(self.stop_s, default=STOP_RESERVE_S)
@@ -266,11 +281,11 @@ class PaperScenario:
         start = max(self.startup_s, default=plan.startup_s / 3)
         return start + probe + self.stop_estimate_s()
 
-    def runs_affordable(self, later: int) -> int:
-        """Runs the time left holds, this node's stop, the later nodes and the prediction
-        kept aside."""
+    def runs_affordable(self, later: int, rate: float | None = None) -> int:
+        """Runs (at ``rate``, when given) the time left holds, this node's stop, the later
+        nodes and the prediction kept aside."""
         fixed = self.stop_estimate_s() + later * self.node_estimate_s() + self.plan.predict_s
-        return max(int((self.runner.left_s() - fixed) // self.run_estimate_s()), 0)
+        return max(int((self.runner.left_s() - fixed) // self.run_estimate_s(rate)), 0)
 
     def serve_policy(self, policy: str, result: StepResult) -> None:
         plan = self.plan
@@ -309,7 +324,7 @@ class PaperScenario:
             rate = next_rate(tried, self.ladder, start)
             if rate is None:
                 break
-            if self.runs_affordable(later) < 1 + later:
+            if self.runs_affordable(later, rate) < 1 + later:
                 node.res["stopped_early"] = (f"{self.runner.left_s():.0f} s left: no run "
                                              "beside the later policies'")  # fmt: skip
                 break
