@@ -282,8 +282,11 @@ async def _serve(
                         await _free_stale_handoff(client, msg)
                     continue
                 reply_to = getattr(msg, "reply_to", "")
-                if reply_to:  # the proxy replica that holds this request's client
-                    outbox.route(msg.request_id, reply_to)  # type: ignore[attr-defined]
+                request_id = getattr(msg, "request_id", None)
+                if reply_to and isinstance(request_id, str):
+                    # the proxy replica that holds this request's client (an answer to
+                    # AddModel or SetModelAwake names its reply_to itself)
+                    outbox.route(request_id, reply_to)
                 inbox.put(msg)
 
         async def heartbeat() -> None:
