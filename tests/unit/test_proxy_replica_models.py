@@ -68,6 +68,10 @@ class Caches:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Message]] = []
 
+    async def call(self, address: str, msg: Message) -> Message:
+        self.calls.append((address, msg))
+        return ModelRegistered(msg.name) if isinstance(msg, RegisterModel) else msg
+
     async def call_all(self, records: object, msg: Message) -> list[Message]:
         nodes = sorted({r.cachemgr_address for r in records})  # type: ignore[attr-defined]
         self.calls += [(n, msg) for n in nodes]
@@ -208,3 +212,18 @@ def test_the_shared_record_and_its_changes() -> None:
     assert second.models == {NEW: "/m/new", OLD: None} and second.proxy == "q"
     assert served_changes(second, {NEW: "/m/new"}) == [(OLD, None)]
     assert served_changes(second, {NEW: None, OLD: None}) == [(NEW, "/m/new")]
+
+
+async def test_an_instance_that_joins_is_given_the_models_added() -> None:
+    replica = Replica(MemoryStore())
+    await replica.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await replica.models.follow()
+    joined = [_record("node-1", "prefill", [OLD, NEW]), _record("node-1", "decode", [OLD])]
+    await replica.put(*joined)
+    for record in joined:  # the decode instance restarted without it; the prefill has it
+        replica.models.on_joined(record)
+    await _settle()
+    assert replica.caches.calls == [("tcp://node-1:2", RegisterModel(NEW, "/m/new"))]
+    assert [(n, m.name) for n, m in replica.sent if isinstance(m, AddModel)] == [
+        ("node-1/decode-0", NEW)
+    ]

@@ -577,6 +577,7 @@ class DistributedBackend:
             for record in joined:
                 log.info("instance_joined", instance=record.instance_id, node=record.node,
                          address=record.address)  # fmt: skip
+                self.models.on_joined(record)
             for record in left:
                 self._instance_left(record)
             self.models.ops.changed()  # waits on the instances look again

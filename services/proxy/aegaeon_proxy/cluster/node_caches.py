@@ -97,6 +97,10 @@ class NodeCaches:
             client = self._clients[address] = RpcClient(self._ctx, address, REPLIES)
         return client
 
+    async def call(self, address: str, msg: Message) -> Message:
+        """``msg`` to the cachemgr at ``address``; raises :class:`BackendError`."""
+        return await self._call(address, msg)
+
     async def _call(self, address: str, msg: Message) -> Message:
         try:
             return await self._client(address).call(msg, timeout_s=CACHE_TIMEOUT_S)

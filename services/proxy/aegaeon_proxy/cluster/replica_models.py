@@ -12,11 +12,13 @@ A model added or removed on one replica is published in the store
 (:class:`~aegaeon_common.registry.ServedModelsRecord`, one transaction per
 change); every replica reads it with its registry refresh and hands each change
 to its front (``follow``): the model table and tokenizers of a replica follow
-the one that changed them, as the models' settings do.
+the one that changed them, as the models' settings do. An instance that joins
+(a new node, or a restart) is given the models added (``on_joined``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import msgspec
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.cache import ForgetModel, RegisterModel
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.registry import (
     SERVED_MODELS,
@@ -134,6 +137,31 @@ class ReplicaModels:
         self._answered[target] = (record.incarnation, msg.residency_version,
                                   tuple(msg.resident_models))  # fmt: skip
         self.ops.residency_answered(target, msg.ticket)
+
+    def on_joined(self, record: InstanceRecord) -> None:
+        """A (re)started instance knows only the config's models: give it those added at
+        run time, and have its node's cachemgr (which may have restarted too) learn
+        them and forget the removed (every replica does: each message is idempotent)."""
+        ops = self.ops
+        missing = [m for n, m in ops.added.items() if n not in record.capacity_tokens]
+        if not missing and not ops.removed:
+            return
+
+        async def resync() -> None:
+            address = record.cachemgr_address
+            for name in sorted(ops.removed):
+                with contextlib.suppress(BackendError):
+                    await self._caches.call(address, ForgetModel(name))
+            for model in missing:
+                try:
+                    await self._caches.call(address, RegisterModel(model.name, str(model.path)))
+                except BackendError as exc:
+                    log.warning("model_resync_failed", model=model.name, error=exc.message)
+                ops.send_add(record.instance_id, model)
+            log.info("models_resynced", instance=record.instance_id,
+                     added=[m.name for m in missing], removed=sorted(ops.removed))  # fmt: skip
+
+        self._spawn(resync())
 
     # ---- the served models the replicas share ------------------------------------
     async def add(self, model: ModelConfig) -> None:
