@@ -5,7 +5,11 @@ model's settings (a pin reaches every node's cachemgr, as on one node), batch
 requests shed before interactive ones at a replica's admission bounds (the
 same request table and shedder as one node), and ``GET /v1/aegaeon/services``
 listing every node's cachemgr and instances; a PATCH on one replica reaches the
-other (the settings live in the store). Outcomes only: no timing is asserted.
+other (the settings live in the store). A model added (``POST
+/v1/aegaeon/models``) on one replica is served through the other and removed
+(``DELETE``) through it again; ``/sleep`` on one replica is seen by the other's
+``/is_sleeping`` (the cluster serves part of the market, as the single-node
+lifecycle test does). Outcomes only: no timing is asserted.
 """
 
 from __future__ import annotations
@@ -37,9 +41,17 @@ DEFERRED = 3  # batch requests that wait behind the first
 
 
 @pytest.fixture(scope="module")
-def cluster(small_market: Path, redis_url: str,
+def market_names(small_market: Path) -> list[str]:
+    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
+
+
+@pytest.fixture(scope="module")
+def cluster(small_market: Path, market_names: list[str], redis_url: str,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:  # fmt: skip
-    config = serve_config(small_market, proxy={"max_kv_blocks": KV_BLOCKS})
+    """Two nodes, two replicas, serving the market's first two models (the others are
+    added at run time)."""
+    models = [{"name": n, "path": str(small_market / n)} for n in market_names[:2]]
+    config = serve_config(small_market, models=models, proxy={"max_kv_blocks": KV_BLOCKS})
     run_dir = tmp_path_factory.mktemp("multinode-admin") / "run"
     with serving(small_market, run_dir, "--nodes", "2", "--proxies", "2",
                  "--store-url", redis_url, config=config) as served:  # fmt: skip
@@ -47,8 +59,8 @@ def cluster(small_market: Path, redis_url: str,
 
 
 @pytest.fixture(scope="module")
-def model(small_market: Path) -> str:
-    return str(json.loads((small_market / "market.json").read_text())["models"][0]["name"])
+def model(market_names: list[str]) -> str:
+    return market_names[0]
 
 
 def _urls(cluster: Served) -> list[str]:
@@ -188,3 +200,91 @@ def test_batch_is_shed_before_interactive_at_a_replicas_bounds(cluster: Served,
     assert after["deferred_total"] - before["deferred_total"] == DEFERRED, (before, after)
     assert after["refused_by_class"] == before["refused_by_class"], (before, after)
     assert all(firsts["i"] < firsts[f"b{k}"] for k in range(1, DEFERRED + 1)), firsts
+
+
+def _complete(url: str, model: str) -> tuple[int, Any]:
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    status, answer = call_json(url, "POST", "/v1/completions", body)
+    return status, answer
+
+
+def _listed(url: str) -> list[str]:
+    return [m["id"] for m in call_json(url, "GET", "/v1/models")[1]["data"]]
+
+
+def test_a_model_added_on_one_replica_is_served_and_removed_through_the_other(
+    cluster: Served, market_names: list[str]
+) -> None:
+    a, b = _urls(cluster)
+    _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
+    configured, extra = market_names[:2], market_names[2]
+    assert _listed(a) == configured and _listed(b) == configured
+    status, body = _complete(b, extra)
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    # the same errors as one node: not in the market, already served, a bad field
+    status, body = call_json(a, "POST", "/v1/aegaeon/models", {"name": "no-such-model"})
+    assert status == 404 and body["error"]["code"] == "model_not_in_market"
+    status, body = call_json(a, "POST", "/v1/aegaeon/models", {"name": configured[0]})
+    assert status == 409 and body["error"]["code"] == "model_exists"
+    status, body = call_json(a, "POST", "/v1/aegaeon/models", {"name": extra, "pin": 1})
+    assert status == 400 and body["error"]["param"] == "pin"
+
+    status, row = call_json(a, "POST", "/v1/aegaeon/models", {"name": extra})
+    assert status == 201 and row["state"] == "serving" and row["source"] == "runtime", row
+    assert _complete(a, extra)[0] == 200
+    _until("the other replica serves it", lambda: extra in _listed(b))
+    status, done = _complete(b, extra)
+    assert status == 200 and done["usage"]["completion_tokens"] == 4, done
+    # every node's cachemgr knows it: a pin through the other replica loads it on both
+    status, row = call_json(b, "PATCH", f"/v1/aegaeon/models/{extra}", {"pinned": True})
+    assert status == 200 and row["pinned"] is True, row
+    _until("the first replica shows the pin", lambda: _settings(a, extra)[0] is True)
+    cachemgrs = [s for s in _services(a) if s["role"] == "cachemgr"]
+    assert len(cachemgrs) == 2
+    for service in cachemgrs:
+        url = service["metrics_url"]
+        _until(f"{extra} loaded on {service['name']}",
+               lambda: _load_progress(url).get(extra) == 1.0)  # noqa: B023  # fmt: skip
+
+    # removed through the other replica: 404 on both, and again
+    status, body = call_json(b, "DELETE", f"/v1/aegaeon/models/{extra}")
+    assert status in (200, 202) and body["state"] in ("removed", "removing"), body
+    status, body = _complete(b, extra)
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    _until("the first replica no longer serves it", lambda: _complete(a, extra)[0] == 404)
+    assert extra not in _listed(a)
+    assert call_json(a, "GET", f"/v1/aegaeon/models/{extra}")[0] == 404
+    assert call_json(a, "DELETE", f"/v1/aegaeon/models/{extra}")[0] == 404
+    assert _complete(a, configured[0])[0] == 200  # the others are served as before
+
+
+def _sleeping(url: str, model: str) -> bool:
+    status, body = call_json(url, "GET", f"/is_sleeping?model={model}")
+    assert status == 200, body
+    return bool(body["is_sleeping"])
+
+
+def test_sleep_on_one_replica_is_seen_by_the_other(cluster: Served, model: str) -> None:
+    a, b = _urls(cluster)
+    _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
+    assert _complete(a, model)[0] == 200  # on a device of the node that served it
+    _until("awake on both replicas", lambda: not _sleeping(a, model) and not _sleeping(b, model))
+
+    status, body = call_json(a, "POST", f"/sleep?model={model}")
+    assert status == 200 and body == {"is_sleeping": True, "models": {model: True}}, body
+    _until("asleep on the other replica (the instances' next heartbeats)",
+           lambda: _sleeping(b, model))  # fmt: skip
+    status, body = call_json(b, "POST", f"/wake_up?model={model}")
+    assert status == 200 and body["is_sleeping"] is False, body
+    _until("awake on the first replica", lambda: not _sleeping(a, model))
+
+    # asleep again, a request for it is served: its prefill switches it in
+    status, body = call_json(b, "POST", f"/sleep?model={model}")
+    assert status == 200 and body["is_sleeping"] is True, body
+    status, done = _complete(a, model)
+    assert status == 200 and done["usage"]["completion_tokens"] == 4, done
+    _until("awake on the other replica", lambda: not _sleeping(b, model))
+    for url in (a, b):
+        status, body = call_json(url, "GET", "/is_sleeping?model=no-such-model")
+        assert status == 404 and body["error"]["code"] == "model_not_found"

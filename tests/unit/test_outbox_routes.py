@@ -68,3 +68,24 @@ def test_a_thread_sending_after_close_is_dropped_not_a_hang(tmp_path: Path) -> N
     late.join(5.0)
     outbox.send(msg)
     assert not late.is_alive() and outbox.num_dropped == 2
+
+
+def test_an_answer_goes_to_the_replica_that_asked(tmp_path: Path) -> None:
+    """AddModel/SetModelAwake name their reply_to: the answer goes there, with no
+    request route and no default proxy (many replicas)."""
+    from aegaeon_common.messages.report import InstanceModels, ModelsResident
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    address = f"ipc://{tmp_path}/r.sock"
+    pull = _pull(ctx, address)
+    outbox = Outbox(None)
+    outbox.send(InstanceModels("prefill", 0, 1, {"m": 10}, None, ticket=3, reply_to=address))
+    outbox.send(ModelsResident("prefill", 0, 4, ["m"], 2, reply_to=address))
+    outbox.send(ModelsResident("prefill", 0, 5, ["m"], 2))  # nobody to answer: dropped
+    first, second = (REPORT_CHANNEL.decode(pull.recv()) for _ in range(2))
+    assert isinstance(first, InstanceModels) and first.ticket == 3
+    assert isinstance(second, ModelsResident) and second.ticket == 4
+    assert outbox.num_unrouted == 1
+    outbox.close()
+    pull.close(0)
+    ctx.term()

@@ -83,11 +83,13 @@ class Node:
                                     lambda n, m: self.sent.append((n, m)), lambda: self.policy)
 
     def answer(self, name: str, serves: bool, tokens: int = 2048) -> None:
+        """``name`` answers the last AddModel it was sent (echoing its ticket)."""
         view = self.instances.views[name]
         capacity = {OLD: 4096, **({NEW: tokens} if serves else {})}
         models = [OLD, NEW] if serves else [OLD]
+        ticket = [m.ticket for n, m in self.sent if n == name and isinstance(m, AddModel)][-1]
         self.models.on_instance_models(
-            InstanceModels(view.kind, view.index, 0, capacity, _profile(models))
+            InstanceModels(view.kind, view.index, 0, capacity, _profile(models), ticket=ticket)
         )
 
 
@@ -102,7 +104,9 @@ async def test_an_added_model_reaches_the_cachemgr_every_instance_and_the_policy
     await _settle()
     assert node.cache.calls == [RegisterModel(NEW, "/m/new")]
     assert sorted(n for n, _ in node.sent) == ["decode-0", "prefill-0"]
-    assert all(m == AddModel(NEW, "/m/new") for _, m in node.sent)
+    assert all(isinstance(m, AddModel) and (m.name, m.path) == (NEW, "/m/new")
+               for _, m in node.sent)  # fmt: skip
+    assert len({m.ticket for _, m in node.sent if isinstance(m, AddModel)}) == 2
     node.answer("prefill-0", True)
     await _settle()
     assert not task.done()  # decode-0 has not answered
@@ -145,7 +149,7 @@ async def test_a_dead_instance_is_not_waited_for_and_its_successor_is_told() -> 
     view.pid, view.hello = 200, hello
     node.models.on_hello(view, hello)
     await _settle()
-    assert node.sent == [("decode-0", AddModel(NEW, "/m/new"))]
+    assert [(n, m.name) for n, m in node.sent if isinstance(m, AddModel)] == [("decode-0", NEW)]
     assert node.cache.calls[-1] == RegisterModel(NEW, "/m/new")
 
     # a configured model removed here is forgotten again after a restart

@@ -18,6 +18,9 @@ only with defaults), like the wire. Keys (each under the store's namespace):
   as the last ``PATCH /v1/aegaeon/models`` on any replica left them; every replica
   applies it (no TTL: a replica that starts takes it too; a deployment that shares
   a Redis with another uses its own ``store.namespace``).
+- ``servedmodels``: :class:`ServedModelsRecord`, the models added (``POST
+  /v1/aegaeon/models``) and removed (``DELETE``) at run time on any replica;
+  every replica follows it (no TTL, as the settings).
 
 An instance id is ``{node}/{kind}-{index}``. Queue keys carry the instance's
 incarnation, so a restarted instance starts from an empty queue, as the
@@ -48,6 +51,9 @@ class InstanceLoadInfo(msgspec.Struct, frozen=True):
     open_sequences: int = 0
     kv_used_bytes: int = 0  # device KV: bytes of live blocks, of the usable region
     kv_capacity_bytes: int = 0
+    # the models on its device and its count of changes to them (InstanceStats')
+    resident_models: list[str] = msgspec.field(default_factory=list)
+    residency_version: int = 0
 
 
 class InstanceRecord(msgspec.Struct, frozen=True):
@@ -92,6 +98,19 @@ class ModelSettingsRecord(msgspec.Struct, frozen=True):
     model: str
     settings: ModelSettings
     proxy: str = ""  # the replica that wrote it
+
+
+class ServedModelsRecord(msgspec.Struct, frozen=True):
+    """The models added and removed at run time, shared by the proxy replicas: name
+    -> its checkpoint directory (added), or None (removed). A model the config
+    names and this does not is served as configured."""
+
+    v: int
+    models: dict[str, str | None] = msgspec.field(default_factory=dict)
+    proxy: str = ""  # the replica that wrote it last
+
+
+SERVED_MODELS = "servedmodels"
 
 
 REQUEST_STATES = ("queued", "prefilled", "decoding")
@@ -169,6 +188,10 @@ def decode_request(raw: bytes) -> RequestMeta:
 
 def decode_model_settings(raw: bytes) -> ModelSettingsRecord:
     return msgspec.msgpack.decode(raw, type=ModelSettingsRecord)
+
+
+def decode_served_models(raw: bytes) -> ServedModelsRecord:
+    return msgspec.msgpack.decode(raw, type=ServedModelsRecord)
 
 
 def open_store(config: Config) -> Store:

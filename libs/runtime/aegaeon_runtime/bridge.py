@@ -62,8 +62,10 @@ class Outbox:
 
     Many proxy replicas (``store.kind: redis``): each request's messages go to
     the replica that dispatched it (:meth:`route`, from its work's ``reply_to``);
-    a ``StepTokens`` of several requests is split by destination. Messages with
-    no route go to ``address``; with no ``address`` they are dropped (counted).
+    a ``StepTokens`` of several requests is split by destination; an answer that
+    names its ``reply_to`` (``InstanceModels``, ``ModelsResident``) goes there.
+    Messages with no route go to ``address``; with no ``address`` they are
+    dropped (counted).
     """
 
     def __init__(self, address: str | None) -> None:
@@ -107,6 +109,9 @@ class Outbox:
         return None if sock.closed else sock
 
     def _destinations(self, msg: Message) -> list[tuple[str | None, Message]]:
+        reply_to = getattr(msg, "reply_to", "")
+        if isinstance(reply_to, str) and reply_to:  # an answer to the replica that asked
+            return [(reply_to, msg)]
         with self._lock:
             if not self._routes:
                 return [(self.address, msg)]

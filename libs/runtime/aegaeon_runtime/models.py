@@ -48,7 +48,7 @@ def add_model(worker: WorkerPort, latency: LatencyModel | None, msg: AddModel,
     profile = (msgspec.convert(latency.to_dict(), LatencyProfile)
                if latency is not None else None)  # fmt: skip
     return InstanceModels(worker.kind, worker.index, incarnation, worker.capacity_tokens(),
-                          profile)  # fmt: skip
+                          profile, ticket=msg.ticket, reply_to=msg.reply_to)  # fmt: skip
 
 
 def set_awake(
@@ -72,4 +72,4 @@ def set_awake(
             except (RemoteError, TimeoutError, OSError) as exc:  # the Model Cache's load
                 log.error("model_wake_failed", model=name, error=str(exc))
     return ModelsResident(worker.kind, worker.index, msg.ticket, switcher.resident_models(),
-                          switcher.residency_version)  # fmt: skip
+                          switcher.residency_version, reply_to=msg.reply_to)  # fmt: skip

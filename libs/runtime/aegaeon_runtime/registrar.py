@@ -40,6 +40,7 @@ def load_of(stats: InstanceStats) -> InstanceLoadInfo:
         open_sequences=int(counters.get("open_sequences", 0)),
         kv_used_bytes=int(counters.get("kv_used_bytes", 0)),
         kv_capacity_bytes=int(counters.get("kv_capacity_bytes", 0)),
+        resident_models=list(stats.resident_models), residency_version=stats.residency_version,
     )  # fmt: skip
 
 
@@ -66,6 +67,13 @@ class Registrar:
         self._warned_at = 0.0
         self.num_beats = 0
         self.num_failed = 0
+
+    def serve(self, hello: InstanceHello) -> None:
+        """The models it serves changed (``AddModel``): the record lists them, with the
+        latency profile over them, from the next beat on."""
+        self.record = msgspec.structs.replace(
+            self.record, capacity_tokens=dict(hello.capacity_tokens), latency=hello.latency
+        )
 
     async def beat(self, stats: InstanceStats) -> None:
         if not self.record.cachemgr_http_url:  # (the cachemgr records it once it listens)

@@ -99,6 +99,16 @@ def _hello(worker: Worker, instance: InstanceLoop) -> InstanceHello:
     )
 
 
+def _models_changed(hello: InstanceHello, worker: Worker) -> bool:
+    """``hello`` lists other models than the worker serves now, or a latency profile
+    that lacks one (the compute thread adds a model's spec to the worker first, to
+    the latency model next: the next beat sees both)."""
+    served = set(worker.specs)
+    if set(hello.capacity_tokens) != served:
+        return True
+    return hello.latency is not None and set(hello.latency.models) != served
+
+
 def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> InstanceStats:
     """``stats`` plus what the instance holds now, for the proxy's leak checks
     (``/v1/aegaeon/stats``): ``kv_blocks_in_use`` (device KV blocks allocated or
@@ -272,15 +282,21 @@ async def _serve(
                         await _free_stale_handoff(client, msg)
                     continue
                 reply_to = getattr(msg, "reply_to", "")
-                if reply_to:  # the proxy replica that holds this request's client
-                    outbox.route(msg.request_id, reply_to)  # type: ignore[attr-defined]
+                request_id = getattr(msg, "request_id", None)
+                if reply_to and isinstance(request_id, str):
+                    # the proxy replica that holds this request's client (an answer to
+                    # AddModel or SetModelAwake names its reply_to itself)
+                    outbox.route(request_id, reply_to)
                 inbox.put(msg)
 
         async def heartbeat() -> None:
             nonlocal hello
             while not closing:
-                if len(hello.capacity_tokens) != len(worker.specs):  # a model was added
-                    hello = msgspec.structs.replace(hello, capacity_tokens=worker.capacity_tokens())
+                if _models_changed(hello, worker):  # a model was added
+                    hello = msgspec.structs.replace(hello, capacity_tokens=worker.capacity_tokens(),
+                                                    latency=_hello(worker, instance).latency)
+                    if registrar is not None:
+                        registrar.serve(hello)
                 stats = with_holdings(instance.stats(), worker, instance.load)
                 if registrar is not None:
                     await registrar.beat(stats)

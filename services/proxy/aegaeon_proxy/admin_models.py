@@ -16,8 +16,12 @@
 Errors are OpenAI error objects: 400 naming the field, 404 unknown model,
 409 a model already served (or being added or removed) or a pin that does not
 fit the Model Cache, 422 a checkpoint that cannot be served, 501 a backend
-that cannot change its models (replicated proxies take ``PATCH`` but not yet
-``POST`` or ``DELETE``), 503 instances not up.
+that cannot change its models, 503 instances not up.
+
+Replicated proxies (``aegaeon serve --proxies N`` over a shared store) take
+every one of these: the replica that is asked tells every node's cachemgr and
+instances, and publishes the change in the store; the other replicas' tables
+follow it (:func:`follow_served`, as ``PATCH``'s settings do).
 """
 
 from __future__ import annotations
@@ -27,13 +31,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
-from aegaeon_common.config import SLO_CLASS_NAMES, ConfigError, market_models
+from aegaeon_common.config import SLO_CLASS_NAMES, ConfigError, ModelConfig, market_models
 from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.assets import AssetError
-from aegaeon_proxy.backend import BackendError, ModelControl, ModelFlags, SharedModelSettings
+from aegaeon_proxy.backend import (
+    BackendError,
+    ModelControl,
+    ModelFlags,
+    SharedModelSet,
+    SharedModelSettings,
+)
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
@@ -42,7 +52,7 @@ from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
 
-__all__ = ["ROUTES", "model_rows", "parse_settings"]
+__all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings"]
 
 
 # ---- request bodies ----------------------------------------------------------
@@ -285,6 +295,11 @@ async def add_model(request: web.Request) -> web.Response:
         await control.add_model(model)
         if settings.pin or settings.preload:
             await control.set_model_flags(name, pinned=settings.pin, preload=settings.preload)
+        backend = state.backend
+        if isinstance(backend, SharedModelSettings) and changes:  # before it is served there
+            await backend.publish_model_settings(name, settings)
+        if isinstance(backend, SharedModelSet):  # every other replica serves it too
+            await backend.publish_served(name, model)
     except (AssetError, BackendError) as exc:
         state.assets.remove(name)
         state.models.drop(name)
@@ -333,6 +348,13 @@ async def delete_model(request: web.Request) -> web.Response:
     if entry.state == "removing":
         return json_response(_removal(entry, "removing"), status=202)
     control = _control(state)
+    if isinstance(state.backend, SharedModelSet):  # every other replica: 404 as well
+        try:
+            await state.backend.publish_served(name, None)
+        except BackendError as exc:
+            raise _backend_error(exc) from None
+        if state.models.get(name) is not entry or not state.models.serving(name):
+            return json_response(_removal(entry, "removing"), status=202)  # (raced)
     state.models.begin_remove(name)
     state.assets.remove(name)  # new requests: 404 from now on
     if entry.in_flight == 0:
@@ -343,6 +365,50 @@ async def delete_model(request: web.Request) -> web.Response:
     task.add_done_callback(state.models.background.discard)
     log.info("model_removing", model=name, in_flight=entry.in_flight)
     return json_response(_removal(entry, "removing"), status=202)
+
+
+# ---- another replica's adds and removals (SharedModelSet) ---------------------
+def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None]:
+    """What a replica does when another added (``model``) or removed (None) a model:
+    its table and tokenizers follow; the instances and cachemgrs were told by the
+    replica that changed it (it also forgets a removed model once its own requests
+    have ended; this replica's requests in flight finish first here)."""
+    models = state.models
+
+    def keep(task: asyncio.Task[Any]) -> None:
+        models.background.add(task)
+        task.add_done_callback(models.background.discard)
+
+    async def adopt(model: ModelConfig) -> None:
+        try:
+            state.assets.add(model)
+            await state.assets.get(model.name)
+        except AssetError as exc:
+            state.assets.remove(model.name)
+            models.drop(model.name)
+            log.error("model_follow_failed", model=model.name, error=str(exc))
+            return
+        models.finish_add(model.name)
+        log.info("model_added", model=model.name, by="another replica")
+
+    async def release(entry: LiveModel) -> None:
+        await entry.idle.wait()
+        if models.get(entry.name) is entry:
+            models.drop(entry.name)
+        log.info("model_removed", model=entry.name, by="another replica")
+
+    def apply(name: str, model: ModelConfig | None) -> None:
+        entry = models.get(name)
+        loop = asyncio.get_running_loop()
+        if model is not None and entry is None:
+            models.begin_add(model, None)
+            keep(loop.create_task(adopt(model)))
+        elif model is None and entry is not None and entry.state == "serving":
+            models.begin_remove(name)
+            state.assets.remove(name)  # new requests: 404 from now on
+            keep(loop.create_task(release(entry)))
+
+    return apply
 
 
 def _removal(entry: LiveModel, state: str) -> dict[str, Any]:

@@ -48,6 +48,7 @@ __all__ = [
     "ModelControl",
     "ModelResidency",
     "SamplingParams",
+    "SharedModelSet",
     "TokenChunk",
     "TokenQueue",
     "TokenStream",
@@ -231,6 +232,22 @@ class SharedModelSettings(Protocol):
     def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
         """Call ``apply(name, settings)`` whenever a replica changed a model's settings
         (this one included; also once at start for settings changed before it)."""
+
+
+@runtime_checkable
+class SharedModelSet(Protocol):
+    """A backend whose proxy replicas share the set of served models (optional): a
+    model added (``POST /v1/aegaeon/models``) or removed (``DELETE``) on one replica
+    is added to or removed from every other's model table."""
+
+    async def publish_served(self, name: str, model: ModelConfig | None) -> None:
+        """``name`` is served now (``model``: added) or no longer (None: removed), for
+        every replica."""
+
+    def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
+        """Call ``apply(name, model)`` whenever a replica added (``model``) or removed
+        (None) a model (this one included; also once at start for the changes made
+        before it)."""
 
 
 @runtime_checkable

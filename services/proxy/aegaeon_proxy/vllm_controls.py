@@ -22,7 +22,9 @@ in, as any model switch does. A device with work of the model queued keeps it
 through a ``/sleep`` (it is needed): ``is_sleeping`` then says false. They sit
 with the other admin endpoints, with their auth (an API key when keys are
 configured; none on ``proxy.admin_port``); unknown model: 404; a backend
-without sleep (many proxies): 501.
+without sleep: 501. With replicated proxies the instances of every node are
+told, and every replica answers ``is_sleeping`` from the instances' registry
+records (the models on their devices, every heartbeat).
 """
 
 from __future__ import annotations

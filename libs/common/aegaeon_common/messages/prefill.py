@@ -62,11 +62,15 @@ class AckDrain(Message, frozen=True):
 
 class AddModel(Message, frozen=True):
     """Serve one more model (its checkpoint at ``path``) without a restart; the
-    instance answers with ``InstanceModels``. Idempotent."""
+    instance answers with ``InstanceModels`` (echoing ``ticket``), to ``reply_to``
+    when set (a proxy replica: the instance has no default proxy), else to its
+    proxy. Idempotent."""
 
     TAG = "add_model"
     name: str
     path: str
+    ticket: int = 0
+    reply_to: str = ""
 
 
 class ProxyStarted(Message, frozen=True):
@@ -94,6 +98,7 @@ class SetModelAwake(Message, frozen=True):
     name: str
     awake: bool
     ticket: int = 0  # echoed in the answer
+    reply_to: str = ""  # where the answer goes (a proxy replica); "": the proxy
 
 
 PREFILL_CHANNEL = Channel(

@@ -137,6 +137,8 @@ class InstanceModels(Message, frozen=True):
     incarnation: int
     capacity_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     latency: LatencyProfile | None = None
+    ticket: int = 0  # the AddModel's it answers
+    reply_to: str = ""  # the proxy replica that asked ("": the proxy)
 
 
 class ModelsResident(Message, frozen=True):
@@ -149,6 +151,7 @@ class ModelsResident(Message, frozen=True):
     ticket: int
     resident_models: list[str]
     residency_version: int
+    reply_to: str = ""  # the proxy replica that asked ("": the proxy)
 
 
 REPORT_CHANNEL = Channel(

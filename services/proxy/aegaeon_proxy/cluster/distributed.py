@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 import zmq.asyncio
-from aegaeon_common.config import Config, ModelSettings
+from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode
@@ -47,7 +47,9 @@ from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
     InstanceDraining,
     InstanceHello,
+    InstanceModels,
     InstanceStats,
+    ModelsResident,
     PrefillDone,
     RequestFailed,
     StepTokens,
@@ -93,6 +95,7 @@ from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
+from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked
@@ -156,7 +159,7 @@ class DistributedBackend:
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
-        self.caches = NodeCaches(self.ctx)  # every node's cachemgr (model flags, stats)
+        self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
         self._shares = DecodeShares()
         self._decode_shares: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -167,10 +170,16 @@ class DistributedBackend:
         self._settings_seen: dict[str, bytes] = {}  # model -> the record applied last
         self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
+        # models added, removed, put to sleep and woken on every node; the served set
+        # the replicas share
+        self.models = ReplicaModels(config, self.view, self.caches, self.store, self._send,
+                                    self._spawn, self.report_address, self.proxy_id)  # fmt: skip
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,
             RequestFailed: self._on_failed,
+            InstanceModels: self.models.on_instance_models,  # answers to this replica
+            ModelsResident: self.models.on_models_resident,
             # one node's messages, not sent with many; harmless if a stray one comes
             InstanceHello: lambda msg: None,
             InstanceStats: lambda msg: None,
@@ -230,7 +239,32 @@ class DistributedBackend:
                   if model in r.capacity_tokens]  # fmt: skip
         return min(limits) if limits else None
 
-    # ---- models (ModelFlags, SharedModelSettings), services (ServiceDirectory) --
+    # ---- models (ModelControl, ModelResidency, SharedModelSettings, SharedModelSet;
+    # cluster.models as cluster.replica_models places it), services (ServiceDirectory)
+    async def add_model(self, model: ModelConfig) -> None:
+        await self.models.add(model)
+
+    async def forget_model(self, name: str) -> bool:
+        return await self.models.ops.forget(name)
+
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        await self.models.ops.set_flags(name, pinned=pinned, preload=preload)
+
+    async def model_cache(self) -> dict[str, Any] | None:
+        return await self.caches.model_cache(self.view.live.values())
+
+    async def set_model_awake(self, name: str, awake: bool) -> bool:
+        return await self.models.ops.set_awake(name, awake)
+
+    def model_sleeping(self, name: str) -> bool:
+        return self.models.ops.sleeping(name)
+
+    async def publish_served(self, name: str, model: ModelConfig | None) -> None:
+        await self.models.publish(name, model)
+
+    def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
+        self.models.follow_with(apply)
+
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         record = ModelSettingsRecord(v=1, model=name, settings=settings, proxy=self.proxy_id)
         try:
@@ -244,7 +278,7 @@ class DistributedBackend:
     async def _follow_settings(self) -> None:
         """The models' live settings as the replicas last changed them (one read)."""
         apply = self._apply_settings
-        names = self.config.model_names
+        names = self.models.served_names()
         if apply is None or not names:
             return
         raws = await self.store.get_many([model_settings_key(n) for n in names])
@@ -258,13 +292,6 @@ class DistributedBackend:
                 log.warning("bad_model_settings_record", model=name, error=str(exc))
                 continue
             apply(name, record.settings)
-
-    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.caches.set_flags(self.view.live.values(), name, pinned=pinned,
-                                    preload=preload)  # fmt: skip
-
-    async def model_cache(self) -> dict[str, Any] | None:
-        return await self.caches.model_cache(self.view.live.values())
 
     def services(self) -> list[ServiceAddress]:
         return node_services(self.view.live.values())
@@ -535,6 +562,9 @@ class DistributedBackend:
     async def _refresh_loop(self) -> None:
         while not self._closing:
             try:
+                # the served models before the registry: a model added on another
+                # replica is on the records read after it (it published once they were)
+                await self.models.follow()
                 joined, left = await self.view.refresh()
                 await self._follow_settings()
                 self._store_ok = True
@@ -547,8 +577,10 @@ class DistributedBackend:
             for record in joined:
                 log.info("instance_joined", instance=record.instance_id, node=record.node,
                          address=record.address)  # fmt: skip
+                self.models.on_joined(record)
             for record in left:
                 self._instance_left(record)
+            self.models.ops.changed()  # waits on the instances look again
             for record in self.view.live.values():
                 if record.kind == "prefill" and self.config.hybrid_prefill:
                     share = self._shares.observe(record.instance_id, record.load.prefill_s)

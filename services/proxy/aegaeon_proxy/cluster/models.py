@@ -1,29 +1,36 @@
-"""Models added and removed at run time, the cluster backend's half (model lifecycle);
-and models put to sleep and woken on the devices (``/sleep``, ``/wake_up``).
+"""Models added and removed at run time (model lifecycle), and models put to sleep and
+woken on the devices (``/sleep``, ``/wake_up``): one implementation for one proxy
+and for replicated proxies; only where it reaches the instances and cachemgrs
+(:class:`Placement`) differs.
 
-The admin endpoints (``aegaeon_proxy.admin_models``) decide; this carries it
-out on one node: the cachemgr learns or forgets the model (``RegisterModel``,
-``ForgetModel``) and takes the operator's flags (``SetModelFlags``); every
+The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`ModelOps`
+carries it out: the cachemgrs learn or forget the model (``RegisterModel``,
+``ForgetModel``) and take the operator's flags (``SetModelFlags``); every live
 instance is told (``AddModel``) and answers with its models
-(``InstanceModels``), which update the proxy's view of it (KV capacity per
-model: the context bound) and the policy (the model's spec in the latency
-model, each decode instance's capacity). An instance or cachemgr that
-restarts comes back with the config file's models: a hello that lacks a
-model added here gets it again, and models removed here are forgotten again.
+(``InstanceModels``, echoing the ticket it was sent with). An add returns once
+every live instance serves the model, and fails (422) when one answered
+without it (a checkpoint it cannot read).
 
-A model sleeps when it is on no instance's device (the instances report the
-models on their device with every heartbeat and answer each
+A model sleeps when it is on no live instance's device (the instances report
+the models on their device with every heartbeat and answer each
 ``SetModelAwake``): sleeping sends it to every live instance, waking to the
 least busy prefill instance (where the model's next request starts).
+
+:class:`ClusterModels` is one node's placement (the cluster backend's
+instances and cachemgr): an instance's answer also teaches the policy the new
+model, and an instance or cachemgr that restarts (it comes back with the
+config file's models) gets the models added here again and forgets those
+removed. A proxy replica's placement is ``cluster.replica_models``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import Counter
+import itertools
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import msgspec
 from aegaeon_common.config import Config, ModelConfig
@@ -62,14 +69,7 @@ _CACHE_ERRORS: dict[str, tuple[int, str]] = {
     "checkpoint_error": (422, "model_unavailable"),
 }
 
-__all__ = ["ClusterModels"]
-
-
-def _wake_rank(view: InstanceView) -> tuple[bool, int]:
-    """Prefill instances first (a model's next request starts there), least work first."""
-    stats = view.stats
-    work = stats.queued + stats.running if stats is not None else 0
-    return view.kind != "prefill", work
+__all__ = ["ClusterModels", "ModelOps", "Placement", "Target", "cache_error"]
 
 
 def cache_error(exc: RemoteError) -> BackendError:
@@ -77,87 +77,104 @@ def cache_error(exc: RemoteError) -> BackendError:
     return BackendError(f"cachemgr: {exc}", status=status, code=code)
 
 
-class ClusterModels:
-    """Adds, removes and flags models on the node the cluster backend drives: its
-    ``instances``, its cachemgr client, ``send`` (the backend's ordered sends to an
-    instance) and ``policy`` (the policy now; None until every instance said hello)."""
+@dataclass(frozen=True)
+class Target:
+    """A live instance as the model operations see it."""
 
-    def __init__(
-        self,
-        config: Config,
-        instances: Instances,
-        cache: RpcClient,
-        send: Callable[[str, Message], None],
-        policy: Callable[[], Policy | None],
-    ) -> None:
+    name: str  # how its placement names it ("prefill-0"; "node-1/prefill-0")
+    kind: str  # "prefill" | "decode"
+    models: frozenset[str]  # the models it serves now
+    resident: tuple[str, ...]  # the models on its device, as it last reported
+    work: int = 0  # requests queued and running
+
+
+def _wake_rank(target: Target) -> tuple[bool, int]:
+    """Prefill instances first (a model's next request starts there), least work first."""
+    return target.kind != "prefill", target.work
+
+
+class Placement(Protocol):
+    """Where the model operations reach the instances and the cachemgrs."""
+
+    reply_to: str  # where the instances answer ("": their proxy)
+
+    def targets(self) -> list[Target]:
+        """The live instances now."""
+
+    def send(self, target: str, msg: Message) -> None:
+        """Send ``msg`` to the instance ``target`` (in order with its other work)."""
+
+    async def cache_call(self, msg: Message) -> list[Message]:
+        """``msg`` to every cachemgr (one per node); their replies. Raises
+        :class:`BackendError` (after every call ended) when one failed."""
+
+
+class ModelOps:
+    """The model operations over a :class:`Placement`; its backend feeds it the
+    instances' answers (:meth:`models_answered`, :meth:`residency_answered`)."""
+
+    def __init__(self, place: Placement, config: Config) -> None:
+        self.place = place
         self.config = config
-        self.instances = instances
-        self._cache = cache
-        self._send = send
-        self._policy = policy
         self.added: dict[str, ModelConfig] = {}  # models added here (not in the config)
         self.removed: set[str] = set()  # configured models removed here
-        self._sent: Counter[str] = Counter()  # AddModels sent, per instance
-        self._answers: Counter[str] = Counter()  # InstanceModels received, per instance
-        self._awake_sent: Counter[str] = Counter()  # SetModelAwakes sent, per instance
-        self._awake_answered: Counter[str] = Counter()  # the last ticket each answered
+        self._tickets = itertools.count(1)
+        self._owners: dict[int, str] = {}  # ticket -> the target it was sent to
+        self._add_sent: dict[str, int] = {}  # target -> its last AddModel's ticket
+        self._add_answered: dict[str, int] = {}  # target -> the last ticket it answered
+        self._answered_models: dict[str, frozenset[str]] = {}  # ... and its models then
+        self._awake_sent: dict[str, int] = {}
+        self._awake_answered: dict[str, int] = {}
         self._changed = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def _call(self, msg: Message) -> Message:
-        try:
-            return await self._cache.call(msg, timeout_s=CACHE_TIMEOUT_S)
-        except TimeoutError:
-            raise BackendError.unavailable("the cachemgr did not answer") from None
-        except RemoteError as exc:
-            raise cache_error(exc) from None
 
     # ---- the admin endpoints' operations ------------------------------------
     async def add(self, model: ModelConfig) -> None:
-        """Register ``model`` with the cachemgr, tell every instance, and wait until
-        every live one serves it (a BackendError names the one that cannot)."""
-        if self._policy() is None:
-            raise BackendError.unavailable("the instances are not all up yet")
-        await self._call(RegisterModel(model.name, str(model.path)))
+        """Register ``model`` with every cachemgr, tell every live instance, and wait
+        until each serves it (a BackendError names the one that cannot)."""
+        await self.place.cache_call(RegisterModel(model.name, str(model.path)))
         self.added[model.name] = model
         self.removed.discard(model.name)
-        tickets = {view.name: self._send_add(view, model) for view in self.instances}
+        tickets = {t.name: self.send_add(t.name, model) for t in self.place.targets()}
 
         def waiting() -> list[str]:
             names: list[str] = []
-            for view in self.instances:
-                if view.pid is None or self._serves(view, model.name):
-                    continue  # down (its successor's hello gets it) or done
-                if self._answers[view.name] >= tickets[view.name]:
+            for target in self.place.targets():
+                ticket = tickets.get(target.name)
+                if ticket is None or model.name in target.models:
+                    continue  # came up since (its resync gets it) or done
+                if self._add_answered.get(target.name, 0) >= ticket and model.name not in \
+                        self._answered_models.get(target.name, frozenset()):  # fmt: skip
                     raise BackendError(
-                        f"instance {view.name} cannot serve model '{model.name}' from "
+                        f"instance {target.name} cannot serve model '{model.name}' from "
                         f"{model.path} (see its log)", status=422, code="model_unavailable",
                     )  # fmt: skip
-                names.append(view.name)
+                names.append(target.name)
             return names
 
         await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
 
     async def forget(self, name: str) -> bool:
-        """The cachemgr forgets ``name`` (its last request ended); True: evicted now."""
-        reply = await self._call(ForgetModel(name))
+        """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
+        everywhere."""
+        replies = await self.place.cache_call(ForgetModel(name))
         self.added.pop(name, None)
         if self.config.model(name) is not None:
             self.removed.add(name)
-        return isinstance(reply, ModelForgotten) and reply.evicted
+        return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
+                                     for r in replies)  # fmt: skip
 
     async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self._call(SetModelFlags(name, pinned=pinned, preload=preload))
+        await self.place.cache_call(SetModelFlags(name, pinned=pinned, preload=preload))
 
     def sleeping(self, name: str) -> bool:
         """``name`` is on no live instance's device (as they last reported)."""
-        return not any(name in v.resident for v in self.instances if v.pid is not None)
+        return not any(name in t.resident for t in self.place.targets())
 
     async def set_awake(self, name: str, awake: bool) -> bool:
         """Sleep ``name`` on every live instance, or wake it on the least busy
         prefill instance (none, if it is on a device already); returns once they
         answered whether it sleeps now."""
-        live = [v for v in self.instances if v.pid is not None]
+        live = self.place.targets()
         if not live:
             raise BackendError.unavailable("no instance is up")
         if awake:
@@ -167,16 +184,57 @@ class ClusterModels:
         else:
             targets = live
         tickets = {}
-        for view in targets:
-            self._awake_sent[view.name] += 1
-            tickets[view.name] = self._awake_sent[view.name]
-            self._send(view.name, SetModelAwake(name, awake, tickets[view.name]))
-        await self._until(
-            lambda: [v.name for v in targets
-                     if v.pid is not None and self._awake_answered[v.name] < tickets[v.name]],
-            f"{'wake' if awake else 'sleep'} model '{name}'",
-        )  # fmt: skip
+        for target in targets:
+            tickets[target.name] = ticket = self._ticket(target.name)
+            self._awake_sent[target.name] = ticket
+            self.place.send(target.name, SetModelAwake(name, awake, ticket,
+                                                       reply_to=self.place.reply_to))
+
+        def waiting() -> list[str]:
+            live = {t.name for t in self.place.targets()}
+            return [n for n, ticket in tickets.items()
+                    if n in live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
+
+        await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
         return self.sleeping(name)
+
+    # ---- answers ---------------------------------------------------------------
+    def owner(self, ticket: int) -> str | None:
+        """The target a ticket was sent to (None: not one of this proxy's)."""
+        return self._owners.get(ticket)
+
+    def send_add(self, target: str, model: ModelConfig) -> int:
+        ticket = self._ticket(target)
+        self._add_sent[target] = ticket
+        self.place.send(target, AddModel(model.name, str(model.path), ticket,
+                                         reply_to=self.place.reply_to))  # fmt: skip
+        return ticket
+
+    def models_answered(self, target: str, ticket: int, models: frozenset[str]) -> None:
+        """``target`` answered the ``AddModel`` of ``ticket``: it serves ``models``."""
+        if ticket >= self._add_answered.get(target, 0):
+            self._add_answered[target] = ticket
+            self._answered_models[target] = models
+        self._wake()
+
+    def residency_answered(self, target: str, ticket: int) -> None:
+        """``target`` answered the ``SetModelAwake`` of ``ticket`` (its residency is
+        its placement's to note)."""
+        self._awake_answered[target] = max(self._awake_answered.get(target, 0), ticket)
+        self._wake()
+
+    def _ticket(self, target: str) -> int:
+        ticket = next(self._tickets)
+        self._owners[ticket] = target
+        return ticket
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def changed(self) -> None:
+        """The targets changed (an instance came, went or reported): waits look again."""
+        self._wake()
 
     async def _until(self, waiting: Callable[[], list[str]], what: str,
                      timeout_s: float = AWAKE_TIMEOUT_S) -> None:  # fmt: skip
@@ -192,18 +250,75 @@ class ClusterModels:
                     f"instances {', '.join(names)} did not {what} within {timeout_s:g} s"
                 ) from None
 
-    def on_models_resident(self, msg: ModelsResident) -> None:
-        view = self.instances.get(msg.kind, msg.index)
-        if view is None or view.pid is None:
-            return
-        view.note_residency(msg.resident_models, msg.residency_version)
-        self._awake_answered[view.name] = max(self._awake_answered[view.name], msg.ticket)
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+
+class ClusterModels:
+    """One node's placement of the model operations: the cluster backend's
+    ``instances``, its cachemgr client, ``send`` (the backend's ordered sends to an
+    instance) and ``policy`` (the policy now; None until every instance said hello)."""
+
+    reply_to = ""  # the instances answer their proxy
+
+    def __init__(
+        self,
+        config: Config,
+        instances: Instances,
+        cache: RpcClient,
+        send: Callable[[str, Message], None],
+        policy: Callable[[], Policy | None],
+    ) -> None:
+        self.config = config
+        self.instances = instances
+        self._cache = cache
+        self.send = send
+        self._policy = policy
+        self.ops = ModelOps(self, config)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- Placement ---------------------------------------------------------
+    def targets(self) -> list[Target]:
+        out = []
+        for v in self.instances:
+            if v.pid is None:
+                continue
+            stats = v.stats
+            models = frozenset(v.hello.capacity_tokens) if v.hello is not None else frozenset()
+            work = stats.queued + stats.running if stats is not None else 0
+            out.append(Target(v.name, v.kind, models, v.resident, work))
+        return out
+
+    async def cache_call(self, msg: Message) -> list[Message]:
+        try:
+            return [await self._cache.call(msg, timeout_s=CACHE_TIMEOUT_S)]
+        except TimeoutError:
+            raise BackendError.unavailable("the cachemgr did not answer") from None
+        except RemoteError as exc:
+            raise cache_error(exc) from None
+
+    # ---- the backend's ModelControl and ModelResidency ----------------------
+    @property
+    def added(self) -> dict[str, ModelConfig]:
+        return self.ops.added
+
+    async def add(self, model: ModelConfig) -> None:
+        if self._policy() is None:
+            raise BackendError.unavailable("the instances are not all up yet")
+        await self.ops.add(model)
+
+    async def forget(self, name: str) -> bool:
+        return await self.ops.forget(name)
+
+    async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        await self.ops.set_flags(name, pinned=pinned, preload=preload)
+
+    def sleeping(self, name: str) -> bool:
+        return self.ops.sleeping(name)
+
+    async def set_awake(self, name: str, awake: bool) -> bool:
+        return await self.ops.set_awake(name, awake)
 
     async def cache_stats(self) -> dict[str, Any] | None:
         with contextlib.suppress(BackendError):
-            reply = await self._call(GetStats())
+            reply = (await self.cache_call(GetStats()))[0]
             if isinstance(reply, CacheStats):
                 stats = to_plain(reply.model_cache)
                 assert isinstance(stats, dict)
@@ -211,14 +326,12 @@ class ClusterModels:
         return None
 
     # ---- reports --------------------------------------------------------------
-    def _send_add(self, view: InstanceView, model: ModelConfig) -> int:
-        self._sent[view.name] += 1
-        self._send(view.name, AddModel(model.name, str(model.path)))
-        return self._sent[view.name]
-
-    @staticmethod
-    def _serves(view: InstanceView, name: str) -> bool:
-        return view.hello is not None and name in view.hello.capacity_tokens
+    def on_models_resident(self, msg: ModelsResident) -> None:
+        view = self.instances.get(msg.kind, msg.index)
+        if view is None or view.pid is None:
+            return
+        view.note_residency(msg.resident_models, msg.residency_version)
+        self.ops.residency_answered(view.name, msg.ticket)
 
     def on_instance_models(self, msg: InstanceModels) -> None:
         """An instance's models after an ``AddModel``: its KV capacity per model (the
@@ -230,10 +343,8 @@ class ClusterModels:
             view.hello, capacity_tokens=dict(msg.capacity_tokens),
             latency=msg.latency or view.hello.latency,
         )  # fmt: skip
-        self._answers[view.name] += 1
         self._teach_policy(view.name, msg)
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        self.ops.models_answered(view.name, msg.ticket, frozenset(msg.capacity_tokens))
 
     def _teach_policy(self, instance: str, msg: InstanceModels) -> None:
         policy = self._policy()
@@ -256,22 +367,23 @@ class ClusterModels:
     def on_hello(self, view: InstanceView, msg: InstanceHello) -> None:
         """A (re)started instance knows only the config's models: give it those added
         here, and have the cachemgr (which may have restarted too) forget the removed."""
-        missing = [m for n, m in self.added.items() if n not in msg.capacity_tokens]
-        if not missing and not self.removed:
+        ops = self.ops
+        missing = [m for n, m in ops.added.items() if n not in msg.capacity_tokens]
+        if not missing and not ops.removed:
             return
 
         async def resync() -> None:
-            for name in sorted(self.removed):
+            for name in sorted(ops.removed):
                 with contextlib.suppress(BackendError):
-                    await self._call(ForgetModel(name))
+                    await self.cache_call(ForgetModel(name))
             for model in missing:
                 try:
-                    await self._call(RegisterModel(model.name, str(model.path)))
+                    await self.cache_call(RegisterModel(model.name, str(model.path)))
                 except BackendError as exc:
                     log.warning("model_resync_failed", model=model.name, error=exc.message)
-                self._send_add(view, model)
+                ops.send_add(view.name, model)
             log.info("models_resynced", instance=view.name, added=[m.name for m in missing],
-                     removed=sorted(self.removed))  # fmt: skip
+                     removed=sorted(ops.removed))  # fmt: skip
 
         task = asyncio.get_running_loop().create_task(resync())
         self._tasks.add(task)

@@ -2,8 +2,10 @@
 
 A node's instances name their cachemgr in their registry records (its command
 address and its side HTTP server). A replica sends the operator's model flags
-(``SetModelFlags``: pin, preload) to every node's cachemgr, reads every node's
-Model Cache, and lists every node's services for ``GET /v1/aegaeon/services``.
+(``SetModelFlags``: pin, preload) and the models added and removed at run time
+(``RegisterModel``, ``ForgetModel``) to every node's cachemgr, reads every
+node's Model Cache, and lists every node's services for ``GET
+/v1/aegaeon/services``.
 
 A node whose cachemgr is on another host is reached at the address its
 instances use (``addresses.cachemgr``): it must be routable from the replicas.
@@ -95,6 +97,10 @@ class NodeCaches:
             client = self._clients[address] = RpcClient(self._ctx, address, REPLIES)
         return client
 
+    async def call(self, address: str, msg: Message) -> Message:
+        """``msg`` to the cachemgr at ``address``; raises :class:`BackendError`."""
+        return await self._call(address, msg)
+
     async def _call(self, address: str, msg: Message) -> Message:
         try:
             return await self._client(address).call(msg, timeout_s=CACHE_TIMEOUT_S)
@@ -103,19 +109,25 @@ class NodeCaches:
         except RemoteError as exc:
             raise cache_error(exc) from None
 
-    async def set_flags(self, records: Iterable[InstanceRecord], name: str, *, pinned: bool,
-                        preload: bool) -> None:  # fmt: skip
-        """The flags on every node's cachemgr at once; the first failure is raised
-        (after every call ended: the nodes that took them keep them)."""
+    async def call_all(self, records: Iterable[InstanceRecord], msg: Message) -> list[Message]:
+        """``msg`` to every node's cachemgr at once; their replies. The first failure
+        is raised (after every call ended: the nodes that took it keep it)."""
         nodes = _cachemgrs(records)
         if not nodes:
             raise BackendError.unavailable("no node has registered its cachemgr")
-        msg = SetModelFlags(name, pinned=pinned, preload=preload)
         results = await asyncio.gather(*(self._call(a, msg) for a in nodes.values()),
                                        return_exceptions=True)  # fmt: skip
+        replies: list[Message] = []
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+            replies.append(result)
+        return replies
+
+    async def set_flags(self, records: Iterable[InstanceRecord], name: str, *, pinned: bool,
+                        preload: bool) -> None:  # fmt: skip
+        """The flags on every node's cachemgr (:meth:`call_all`)."""
+        await self.call_all(records, SetModelFlags(name, pinned=pinned, preload=preload))
 
     async def model_cache(self, records: Iterable[InstanceRecord]) -> dict[str, Any] | None:
         """Every answering node's Model Cache, merged (:func:`merge_model_caches`);

@@ -35,7 +35,7 @@ class RegistryView:
     hybrid_prefill: bool  # prefill instances also decode (decode placement includes them)
     live: dict[str, InstanceRecord] = field(default_factory=dict)
     num_refreshes: int = 0
-    _latency: tuple[str, int, LatencyModel] | None = None
+    _latency: tuple[tuple[str, int, tuple[str, ...]], LatencyModel] | None = None
 
     async def refresh(self) -> tuple[list[InstanceRecord], list[InstanceRecord]]:
         """Read the registry; returns (instances that joined, instances that left or
@@ -97,11 +97,12 @@ class RegistryView:
         for record in ordered:
             if record.latency is None:
                 continue
+            key = (record.instance_id, record.incarnation, tuple(record.latency.models))
             cached = self._latency
-            if cached is not None and cached[:2] == (record.instance_id, record.incarnation):
-                return cached[2]
+            if cached is not None and cached[0] == key:  # (read again once models are added)
+                return cached[1]
             model = LatencyModel.from_dict(to_plain(record.latency))
-            self._latency = (record.instance_id, record.incarnation, model)
+            self._latency = (key, model)
             return model
         return None
 

@@ -1,0 +1,219 @@
+"""The model operations (``cluster.models.ModelOps``) as a proxy replica places them
+(many nodes, ``store.kind: redis``): every node's instances (the registry) and
+cachemgrs (``cluster.node_caches``); and the set of models the replicas serve.
+
+The instances answer the replica that asked (``reply_to``); an answer names only
+the instance's kind and index, so the ticket it echoes says which node's it is.
+An instance serves an added model once its registry record lists it (with its
+latency profile over it): a replica that follows the add dispatches to it from
+the same records, so an add returns only then.
+
+A model added or removed on one replica is published in the store
+(:class:`~aegaeon_common.registry.ServedModelsRecord`, one transaction per
+change); every replica reads it with its registry refresh and hands each change
+to its front (``follow``): the model table and tokenizers of a replica follow
+the one that changed them, as the models' settings do. An instance that joins
+(a new node, or a restart) is given the models added (``on_joined``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aegaeon_common.config import Config, ModelConfig
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.cache import ForgetModel, RegisterModel
+from aegaeon_common.messages.report import InstanceModels, ModelsResident
+from aegaeon_common.registry import (
+    SERVED_MODELS,
+    InstanceRecord,
+    ServedModelsRecord,
+    decode_served_models,
+    encode,
+)
+from aegaeon_common.store import Store, StoreError
+from aegaeon_common.wire import Message
+
+from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.cluster.models import ModelOps, Target
+from aegaeon_proxy.cluster.node_caches import NodeCaches
+from aegaeon_proxy.cluster.registry import RegistryView
+
+log = get_logger("cluster")
+
+__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change"]
+
+Apply = Callable[[str, ModelConfig | None], None]
+
+
+def record_models(record: InstanceRecord) -> frozenset[str]:
+    """The models an instance's record says it serves: with their KV room and, where it
+    has a latency profile, in it (dispatch estimates each request's prefill)."""
+    models = frozenset(record.capacity_tokens)
+    return models & frozenset(record.latency.models) if record.latency is not None else models
+
+
+def with_change(raw: bytes | None, name: str, path: str | None,
+                proxy: str) -> ServedModelsRecord:  # fmt: skip
+    """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` or, with
+    None, removed."""
+    record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
+    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy)
+
+
+def served_changes(record: ServedModelsRecord,
+                   applied: dict[str, str | None]) -> list[tuple[str, str | None]]:  # fmt: skip
+    """What ``record`` changed since ``applied`` (what a replica applied last): (name,
+    path) added, (name, None) removed, in the record's order."""
+    return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
+
+
+class ReplicaModels:
+    """A replica's :class:`~aegaeon_proxy.cluster.models.Placement` (see the module).
+
+    ``send`` sends to an instance's record; ``spawn`` runs a job of the backend."""
+
+    def __init__(
+        self,
+        config: Config,
+        view: RegistryView,
+        caches: NodeCaches,
+        store: Store,
+        send: Callable[[InstanceRecord, Message], Coroutine[Any, Any, None]],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        reply_to: str,
+        proxy_id: str,
+    ) -> None:
+        self.config = config
+        self.view = view
+        self._caches = caches
+        self._store = store
+        self._send = send
+        self._spawn = spawn
+        self.reply_to = reply_to
+        self._proxy_id = proxy_id
+        self.ops = ModelOps(self, config)
+        # instance -> (incarnation, residency version, models on its device): its answers
+        self._answered: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+        self._apply: Apply | None = None
+        self._seen: bytes | None = None  # the shared record applied last
+        self._applied: dict[str, str | None] = {}
+
+    # ---- Placement -------------------------------------------------------------
+    def targets(self) -> list[Target]:
+        out = []
+        for r in self.view.live.values():
+            resident, version = tuple(r.load.resident_models), r.load.residency_version
+            answered = self._answered.get(r.instance_id)
+            if answered is not None and answered[0] == r.incarnation and answered[1] > version:
+                resident = answered[2]  # its answer is newer than its last beat
+            out.append(Target(r.instance_id, r.kind, record_models(r), resident,
+                              r.load.queued + r.load.running))  # fmt: skip
+        return out
+
+    def send(self, target: str, msg: Message) -> None:
+        record = self.view.live.get(target)
+        if record is not None:
+            self._spawn(self._send(record, msg))
+
+    async def cache_call(self, msg: Message) -> list[Message]:
+        return await self._caches.call_all(self.view.live.values(), msg)
+
+    # ---- the instances' answers --------------------------------------------------
+    def on_instance_models(self, msg: InstanceModels) -> None:
+        target = self.ops.owner(msg.ticket)
+        if target is not None:
+            self.ops.models_answered(target, msg.ticket, frozenset(msg.capacity_tokens))
+
+    def on_models_resident(self, msg: ModelsResident) -> None:
+        target = self.ops.owner(msg.ticket)
+        record = self.view.live.get(target) if target is not None else None
+        if target is None or record is None:
+            return
+        self._answered[target] = (record.incarnation, msg.residency_version,
+                                  tuple(msg.resident_models))  # fmt: skip
+        self.ops.residency_answered(target, msg.ticket)
+
+    def on_joined(self, record: InstanceRecord) -> None:
+        """A (re)started instance knows only the config's models: give it those added at
+        run time, and have its node's cachemgr (which may have restarted too) learn
+        them and forget the removed (every replica does: each message is idempotent)."""
+        ops = self.ops
+        missing = [m for n, m in ops.added.items() if n not in record.capacity_tokens]
+        if not missing and not ops.removed:
+            return
+
+        async def resync() -> None:
+            address = record.cachemgr_address
+            for name in sorted(ops.removed):
+                with contextlib.suppress(BackendError):
+                    await self._caches.call(address, ForgetModel(name))
+            for model in missing:
+                try:
+                    await self._caches.call(address, RegisterModel(model.name, str(model.path)))
+                except BackendError as exc:
+                    log.warning("model_resync_failed", model=model.name, error=exc.message)
+                ops.send_add(record.instance_id, model)
+            log.info("models_resynced", instance=record.instance_id,
+                     added=[m.name for m in missing], removed=sorted(ops.removed))  # fmt: skip
+
+        self._spawn(resync())
+
+    # ---- the served models the replicas share ------------------------------------
+    async def add(self, model: ModelConfig) -> None:
+        if not self.view.prefill_candidates():
+            raise BackendError.unavailable("no prefill instance is registered")
+        await self.ops.add(model)
+
+    def served_names(self) -> list[str]:
+        """The models served now: the config's not removed, then those added."""
+        names = [n for n in self.config.model_names if self._applied.get(n, n) is not None]
+        return names + [n for n, p in self._applied.items()
+                        if p is not None and n not in names]  # fmt: skip
+
+    async def publish(self, name: str, model: ModelConfig | None) -> None:
+        """``name`` added (``model``) or removed (None), for every replica."""
+        path = str(model.path) if model is not None else None
+
+        def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            record = with_change(values[0], name, path, self._proxy_id)
+            return {SERVED_MODELS: encode(record)}, None
+
+        try:
+            await self._store.transact([SERVED_MODELS], change)
+        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+
+    def follow_with(self, apply: Apply) -> None:
+        self._apply = apply
+
+    async def follow(self) -> None:
+        """The served models as the replicas last changed them (one read; raises
+        ``StoreError``): each change goes to the front and to the operations'
+        bookkeeping (a restarted instance is brought up to date from it)."""
+        raw = await self._store.get(SERVED_MODELS)
+        if raw is None or raw == self._seen:
+            return
+        self._seen = raw
+        try:
+            record = decode_served_models(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad_served_models_record", error=str(exc))
+            return
+        for name, path in served_changes(record, self._applied):
+            self._applied[name] = path
+            model = ModelConfig(name, Path(path)) if path is not None else None
+            if model is not None:
+                self.ops.added[name] = model
+                self.ops.removed.discard(name)
+            else:
+                self.ops.added.pop(name, None)
+                if self.config.model(name) is not None:
+                    self.ops.removed.add(name)
+            log.info("served_models_followed", model=name, added=model is not None)
+            if self._apply is not None:
+                self._apply(name, model)

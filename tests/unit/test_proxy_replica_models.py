@@ -1,0 +1,229 @@
+"""Model lifecycle and sleep on a proxy replica (``cluster.replica_models``), no
+processes: every node's cachemgr and instances told, answers matched to their node
+by ticket, an add done once the registry records list the model, sleep read from the
+records, and the served set one replica publishes followed by another."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from aegaeon_common.config import Config, ModelConfig
+from aegaeon_common.messages.cache import (
+    ForgetModel,
+    ModelForgotten,
+    ModelRegistered,
+    RegisterModel,
+)
+from aegaeon_common.messages.prefill import AddModel, SetModelAwake
+from aegaeon_common.messages.report import InstanceModels, ModelsResident
+from aegaeon_common.messages.structs import LatencyProfile
+from aegaeon_common.registry import (
+    INSTANCES,
+    InstanceLoadInfo,
+    InstanceRecord,
+    ServedModelsRecord,
+    encode,
+    instance_key,
+)
+from aegaeon_common.store import MemoryStore
+from aegaeon_common.wire import Message
+from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.replica_models import ReplicaModels, served_changes, with_change
+from aegaeon_sched import SHARED, LatencyModel, ModelSpec
+
+OLD, NEW = "old-model", "new-model"
+NODES = ("node-0", "node-1")
+REPLY_TO = "tcp://127.0.0.1:9"
+
+
+def _profile(models: list[str]) -> LatencyProfile:
+    lat = LatencyModel([ModelSpec(m, 64, 128, 2, 1 << 20, 256) for m in models],
+                       pcie_bytes_per_s=1e9)  # fmt: skip
+    lat.set_prefill_coefficients(SHARED, (1e-9, 0.0, 0.0))
+    lat.set_decode_coefficients(SHARED, (1e-9, 0.0))
+    return msgspec.convert(lat.to_dict(), LatencyProfile)
+
+
+def _record(node: str, kind: str, models: list[str], *, resident: list[str] | None = None,
+            version: int = 0, work: int = 0) -> InstanceRecord:  # fmt: skip
+    return InstanceRecord(
+        v=1, instance_id=f"{node}/{kind}-0", node=node, kind=kind, index=0,
+        address=f"tcp://{node}:1", incarnation=1, pid=1,
+        capacity_tokens=dict.fromkeys(models, 100), max_batch_size=8, latency=_profile(models),
+        load=InstanceLoadInfo(resident_models=resident or [], residency_version=version,
+                              queued=work),
+        cachemgr_address=f"tcp://{node}:2",
+    )  # fmt: skip
+
+
+class Caches:
+    """Every node's cachemgr (test double of ``NodeCaches``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Message]] = []
+
+    async def call(self, address: str, msg: Message) -> Message:
+        self.calls.append((address, msg))
+        return ModelRegistered(msg.name) if isinstance(msg, RegisterModel) else msg
+
+    async def call_all(self, records: object, msg: Message) -> list[Message]:
+        nodes = sorted({r.cachemgr_address for r in records})  # type: ignore[attr-defined]
+        self.calls += [(n, msg) for n in nodes]
+        if isinstance(msg, RegisterModel):
+            return [ModelRegistered(msg.name) for _ in nodes]
+        assert isinstance(msg, ForgetModel)
+        return [ModelForgotten(msg.name, True) for _ in nodes]
+
+
+class Replica:
+    def __init__(self, store: MemoryStore, name: str = "a") -> None:
+        self.store = store
+        self.view = RegistryView(store, hybrid_prefill=False)
+        self.caches = Caches()
+        self.sent: list[tuple[str, Message]] = []
+        self.applied: list[tuple[str, ModelConfig | None]] = []
+        config = Config(models=(ModelConfig(OLD, Path("/m/old")),))
+
+        async def send(record: InstanceRecord, msg: Message) -> None:
+            self.sent.append((record.instance_id, msg))
+
+        self.jobs: list[asyncio.Future[None]] = []
+
+        def spawn(work: Coroutine[Any, Any, None]) -> None:
+            self.jobs.append(asyncio.ensure_future(work))
+
+        self.models = ReplicaModels(config, self.view, self.caches,  # type: ignore[arg-type]
+                                    store, send, spawn, REPLY_TO, f"proxy-{name}")  # fmt: skip
+        self.models.follow_with(lambda n, m: self.applied.append((n, m)))
+
+    async def put(self, *records: InstanceRecord) -> None:
+        for r in records:
+            await self.store.put(instance_key(r.instance_id), encode(r), 30.0)
+            await self.store.set_add(INSTANCES, r.instance_id)
+        await self.view.refresh()
+        self.models.ops.changed()
+
+    def answer(self, instance: str, models: list[str]) -> None:
+        ticket = [m.ticket for n, m in self.sent if n == instance and isinstance(m, AddModel)][-1]
+        self.models.on_instance_models(
+            InstanceModels("prefill", 0, 0, dict.fromkeys(models, 100), ticket=ticket)
+        )
+
+
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def _every(models: list[str], **kw: object) -> list[InstanceRecord]:
+    return [_record(n, k, models, **kw) for n in NODES for k in ("prefill", "decode")]  # type: ignore[arg-type]
+
+
+async def test_an_add_reaches_every_node_and_waits_for_the_records() -> None:
+    replica = Replica(MemoryStore())
+    await replica.put(*_every([OLD]))
+    task = asyncio.ensure_future(replica.models.add(ModelConfig(NEW, Path("/m/new"))))
+    await _settle()
+    assert replica.caches.calls == [(f"tcp://{n}:2", RegisterModel(NEW, "/m/new")) for n in NODES]
+    adds = [(n, m) for n, m in replica.sent if isinstance(m, AddModel)]
+    assert sorted(n for n, _ in adds) == sorted(r.instance_id for r in _every([OLD]))
+    assert all(m.reply_to == REPLY_TO and m.name == NEW for _, m in adds)
+    assert len({m.ticket for _, m in adds}) == 4  # each answer says whose it is
+    for instance, _ in adds:  # (answers name only kind and index: prefill-0 twice)
+        replica.answer(instance, [OLD, NEW])
+    await _settle()
+    assert not task.done()  # the records do not list it yet: another replica could not
+    await replica.put(*_every([OLD, NEW])[:3])
+    await _settle()
+    assert not task.done()
+    await replica.put(*_every([OLD, NEW]))
+    await asyncio.wait_for(task, 5)
+    assert NEW in replica.view.latency().specs  # type: ignore[union-attr]  # re-read
+    assert await replica.models.ops.forget(NEW) is True
+    assert [m for _, m in replica.caches.calls[-2:]] == [ForgetModel(NEW)] * 2
+
+
+async def test_an_instance_that_cannot_read_it_fails_the_add() -> None:
+    replica = Replica(MemoryStore())
+    await replica.put(*_every([OLD]))
+    task = asyncio.ensure_future(replica.models.add(ModelConfig(NEW, Path("/m/new"))))
+    await _settle()
+    replica.answer("node-1/decode-0", [OLD])  # answered without it (checkpoint error)
+    with pytest.raises(BackendError) as info:
+        await asyncio.wait_for(task, 5)
+    assert info.value.status == 422 and "node-1/decode-0" in info.value.message
+
+
+async def test_sleep_is_read_from_every_nodes_records_and_answers() -> None:
+    replica = Replica(MemoryStore())
+    await replica.put(*_every([OLD], resident=[OLD], version=1))
+    ops = replica.models.ops
+    assert not ops.sleeping(OLD)
+    task = asyncio.ensure_future(ops.set_awake(OLD, False))
+    await _settle()
+    sleeps = [(n, m) for n, m in replica.sent if isinstance(m, SetModelAwake)]
+    assert len(sleeps) == 4 and all(not m.awake and m.reply_to == REPLY_TO for _, m in sleeps)
+    for _, msg in sleeps:  # each answers: off its device (a newer count than its beat)
+        replica.models.on_models_resident(ModelsResident("prefill", 0, msg.ticket, [], 2))
+    assert await asyncio.wait_for(task, 5) is True
+    # another replica reads the same from the records once the instances beat
+    other = Replica(replica.store, "b")
+    await other.put(*_every([OLD], version=2))
+    assert other.models.ops.sleeping(OLD)
+    # a wake goes to the least busy prefill instance of any node
+    await other.put(_record("node-0", "prefill", [OLD], version=2, work=3))
+    task = asyncio.ensure_future(other.models.ops.set_awake(OLD, True))
+    await _settle()
+    wakes = [(n, m) for n, m in other.sent if isinstance(m, SetModelAwake)]
+    assert [n for n, _ in wakes] == ["node-1/prefill-0"]
+    other.models.on_models_resident(ModelsResident("prefill", 0, wakes[0][1].ticket, [OLD], 3))
+    assert await asyncio.wait_for(task, 5) is False
+
+
+async def test_a_replica_follows_what_another_published() -> None:
+    store = MemoryStore()
+    a, b = Replica(store, "a"), Replica(store, "b")
+    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await b.models.follow()
+    await b.models.follow()  # (nothing new: nothing applied twice)
+    assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]
+    assert b.models.served_names() == [OLD, NEW] and NEW in b.models.ops.added
+    await a.models.publish(NEW, None)
+    await a.models.publish(OLD, None)
+    await b.models.follow()
+    assert b.applied[1:] == [(NEW, None), (OLD, None)]
+    assert b.models.served_names() == [] and b.models.ops.removed == {OLD}
+    # a third replica that starts now takes the whole record
+    c = Replica(store, "c")
+    await c.models.follow()
+    assert c.applied == [(NEW, None), (OLD, None)]
+
+
+def test_the_shared_record_and_its_changes() -> None:
+    first = with_change(None, NEW, "/m/new", "p")
+    assert first == ServedModelsRecord(v=1, models={NEW: "/m/new"}, proxy="p")
+    second = with_change(msgspec.msgpack.encode(first), OLD, None, "q")
+    assert second.models == {NEW: "/m/new", OLD: None} and second.proxy == "q"
+    assert served_changes(second, {NEW: "/m/new"}) == [(OLD, None)]
+    assert served_changes(second, {NEW: None, OLD: None}) == [(NEW, "/m/new")]
+
+
+async def test_an_instance_that_joins_is_given_the_models_added() -> None:
+    replica = Replica(MemoryStore())
+    await replica.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await replica.models.follow()
+    joined = [_record("node-1", "prefill", [OLD, NEW]), _record("node-1", "decode", [OLD])]
+    await replica.put(*joined)
+    for record in joined:  # the decode instance restarted without it; the prefill has it
+        replica.models.on_joined(record)
+    await _settle()
+    assert replica.caches.calls == [("tcp://node-1:2", RegisterModel(NEW, "/m/new"))]
+    assert [(n, m.name) for n, m in replica.sent if isinstance(m, AddModel)] == [
+        ("node-1/decode-0", NEW)
+    ]

@@ -1,0 +1,46 @@
+"""An instance's registry record follows what it serves: the models added at run time
+(with the latency profile over them) and the models on its device, each beat."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+from aegaeon_common.config import Config, ModelConfig
+from aegaeon_common.messages.report import InstanceHello, InstanceStats
+from aegaeon_common.messages.structs import LatencyProfile
+from aegaeon_common.registry import decode_instance, instance_key
+from aegaeon_common.store import MemoryStore
+from aegaeon_runtime.registrar import Registrar
+from aegaeon_sched import LatencyModel, ModelSpec
+
+
+def _profile(models: list[str]) -> LatencyProfile:
+    lat = LatencyModel([ModelSpec(m, 64, 128, 2, 1 << 20, 256) for m in models],
+                       pcie_bytes_per_s=1e9)  # fmt: skip
+    return msgspec.convert(lat.to_dict(), LatencyProfile)
+
+
+async def test_the_record_lists_added_models_and_the_models_on_the_device(
+    tmp_path: Path,
+) -> None:
+    store = MemoryStore()
+    config = Config(models=(ModelConfig("a", tmp_path / "a"),), run_dir=tmp_path)
+    hello = InstanceHello("prefill", 0, 42, 1, 1, 8, {"a": 100}, _profile(["a"]))
+    registrar = Registrar(config, store, hello, "http://127.0.0.1:1")
+
+    async def record(stats: InstanceStats) -> tuple[list[str], list[str], list[str], int]:
+        await registrar.beat(stats)
+        raw = await store.get(instance_key(registrar.instance_id))
+        assert raw is not None
+        r = decode_instance(raw)
+        assert r.latency is not None
+        return r.models, sorted(r.latency.models), r.load.resident_models, \
+            r.load.residency_version  # fmt: skip
+
+    stats = InstanceStats("prefill", 0, "a", 0, 0, resident_models=["a"], residency_version=3)
+    assert await record(stats) == (["a"], ["a"], ["a"], 3)
+    registrar.serve(msgspec.structs.replace(hello, capacity_tokens={"a": 100, "b": 50},
+                                            latency=_profile(["a", "b"])))  # fmt: skip
+    asleep = msgspec.structs.replace(stats, resident_models=[], residency_version=4)
+    assert await record(asleep) == (["a", "b"], ["a", "b"], [], 4)
