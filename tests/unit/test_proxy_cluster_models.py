@@ -155,9 +155,15 @@ async def test_a_dead_instance_is_not_waited_for_and_its_successor_is_told() -> 
     # a configured model removed here is forgotten again after a restart
     await node.models.forget(OLD)
     node.sent.clear()
-    node.models.on_hello(view, msgspec.structs.replace(hello, capacity_tokens={OLD: 1, NEW: 1}))
+    restarted = msgspec.structs.replace(hello, capacity_tokens={OLD: 1, NEW: 1}, incarnation=8)
+    node.models.on_hello(view, restarted)
     await _settle()
     assert node.cache.calls[-1] == ForgetModel(OLD) and node.sent == []
+    # and only once: the same process's later hellos (one per heartbeat) resend nothing
+    calls = len(node.cache.calls)
+    node.models.on_hello(view, restarted)
+    await _settle()
+    assert len(node.cache.calls) == calls and node.sent == []
 
 
 def test_policy_is_built_before_adds() -> None:

@@ -273,6 +273,9 @@ class ClusterModels:
         self._policy = policy
         self.ops = ModelOps(self, config)
         self._tasks: set[asyncio.Task[None]] = set()
+        # the (pid, incarnation) of each instance's process told of the removals: a hello
+        # comes with every heartbeat, the removals are re-sent only to a new process
+        self._resynced: dict[str, tuple[int, int]] = {}
 
     # ---- Placement ---------------------------------------------------------
     def targets(self) -> list[Target]:
@@ -369,7 +372,10 @@ class ClusterModels:
         here, and have the cachemgr (which may have restarted too) forget the removed."""
         ops = self.ops
         missing = [m for n, m in ops.added.items() if n not in msg.capacity_tokens]
-        if not missing and not ops.removed:
+        process = (msg.pid, msg.incarnation)
+        told = self._resynced.get(view.name) == process
+        self._resynced[view.name] = process
+        if not missing and (told or not ops.removed):
             return
 
         async def resync() -> None:
