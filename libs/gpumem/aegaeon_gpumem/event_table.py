@@ -165,7 +165,3 @@ class Timeline:
     def signal(self, value: int) -> None:
         """Mark every event up to `value` complete (called in issue order)."""
         self._table.counters[self._slot] = value
-
-    def completed_value(self) -> int:
-        """The slot's current counter."""
-        return int(self._table.counters[self._slot])
