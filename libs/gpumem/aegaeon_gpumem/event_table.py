@@ -21,14 +21,14 @@ trivially complete event.
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 
+from aegaeon_gpumem.closing import Closing
 from aegaeon_gpumem.shm import ShmRegion
 
 SLOT_BYTES = 8
 
 
-class EventTable:
+class EventTable(Closing):
     """uint64 timeline counters in a shared-memory segment (see module docstring)."""
 
     def __init__(self, region: ShmRegion) -> None:
@@ -114,17 +114,6 @@ class EventTable:
         are dropped (the memory goes with the last of them).
         """
         self._region.close()
-
-    def __enter__(self) -> EventTable:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"EventTable({self.name!r}, {self._num_slots} slots)"
