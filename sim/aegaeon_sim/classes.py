@@ -42,7 +42,7 @@ from aegaeon_sched import (
     Verdict,
     summarize,
 )
-from aegaeon_sched.admission import AdmissionControl, Bounds
+from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
 
 
 def resolve(requests: Sequence[Request], classes: SLOClasses,
@@ -87,6 +87,7 @@ class AdmissionGate:
         self.bounds = bounds
         self.admission = AdmissionControl(bounds)
         self.shedder = shedder
+        self.gate = ClassAdmission(self.admission, shedder)  # the proxy's rule and verdict
         self.refused: Counter[str] = Counter()  # by class name
         self.deferred: Counter[str] = Counter()
         self.defer_wait_s: list[float] = []  # arrival -> admitted, of deferred requests
@@ -95,22 +96,15 @@ class AdmissionGate:
     def name(self) -> str:
         return self.policy.name
 
-    def fits(self, request: Request, fraction: float) -> bool:
-        """The proxy's refusal rule with every bound scaled by ``fraction``."""
-        why = self.admission.refusal(request.model, request.prompt_len, request.max_tokens,
-                                     fraction, count=False)  # fmt: skip
-        return why is None
-
     def _admit(self, request: Request, now_s: float) -> list[Action]:
-        self.admission.admit(request.request_id, request.model, request.prompt_len,
-                             request.max_tokens)  # fmt: skip
+        self.gate.admit(request)
         return self.policy.on_arrival(request, now_s)
 
     def _release(self, now_s: float) -> list[Action]:
         if self.shedder is None or not len(self.shedder):
             return []
         actions: list[Action] = []
-        for request in self.shedder.release(self.fits):
+        for request in self.shedder.release(self.gate.fits):
             self.defer_wait_s.append(now_s - request.arrival_s)
             actions += self._admit(request, now_s)
         return actions
@@ -120,10 +114,7 @@ class AdmissionGate:
 
     # ---- Policy ----------------------------------------------------------------
     def on_arrival(self, request: Request, now_s: float) -> list[Action]:
-        if self.shedder is None:
-            verdict = Verdict.ADMIT if self.fits(request, 1.0) else Verdict.REFUSE
-        else:
-            verdict = self.shedder.decide(request, self.fits)
+        verdict = self.gate.decide(request)
         if verdict is Verdict.ADMIT:
             return self._admit(request, now_s)
         if verdict is Verdict.DEFER:

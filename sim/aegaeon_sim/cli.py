@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
+from aegaeon_sim.cli_classes import print_progress
 from aegaeon_sim.cli_replay import add_arguments as add_replay_arguments
 
 if TYPE_CHECKING:
@@ -156,11 +157,6 @@ def _positive(text: str) -> float:
     return value
 
 
-def _progress(args: argparse.Namespace, line: str) -> None:
-    if not args.quiet:
-        print(line, file=sys.stderr, flush=True)
-
-
 def _base(args: argparse.Namespace) -> Scenario:
     from aegaeon_sim.runner import Scenario
 
@@ -222,7 +218,7 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for panel in panels:
         results[panel.key] = sweep(
-            panel, policies, _base(args), xs=xs, progress=lambda line: _progress(args, line)
+            panel, policies, _base(args), xs=xs, progress=lambda line: print_progress(args, line)
         )
     png = plot_figure(
         args.figure, panels, results, args.out / f"fig{args.figure}.png",

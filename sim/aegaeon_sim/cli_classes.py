@@ -84,7 +84,8 @@ def _report(r: ScenarioResult) -> dict[str, Any]:
     return out
 
 
-def _progress(args: argparse.Namespace, line: str) -> None:
+def print_progress(args: argparse.Namespace, line: str) -> None:
+    """A progress line on stderr, unless ``--quiet``."""
     if not args.quiet:
         print(line, file=sys.stderr, flush=True)
 
@@ -133,7 +134,7 @@ def compare(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:
                 burst.mean_factor()}  # fmt: skip
     results: dict[str, Any] = {}
     for name, sc in runs.items():
-        _progress(args, f"{args.compare}: {name} ...")
+        print_progress(args, f"{args.compare}: {name} ...")
         results[name] = _report(run_scenario(sc, tbt_percentiles=True))
         _print(name, results[name])
     return {"compare": args.compare, "models": args.models, "seed": base.seed,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,11 @@ from typing import Any
 
 import psutil
 import yaml
+from aegaeon_bench.node.client import sse_events
+from aegaeon_bench.node.launch import free_port
+from aegaeon_bench.node.probe import shm_segments
 
 READY_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -91,11 +87,9 @@ async def stream_completion(
         if resp.status != 200:
             await resp.read()
             return resp.status, None
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for _, chunk in sse_events(resp):
+            if chunk is None:
+                break
             assert "error" not in chunk, chunk
             firsts.setdefault(name, time.monotonic())
             finish = chunk["choices"][0].get("finish_reason") or finish
@@ -122,14 +116,6 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
         time.sleep(0.2)
     stop_serve(served)
     raise RuntimeError(f"aegaeon serve not ready in {READY_TIMEOUT_S} s:\n{served.log_tail()}")
-
-
-def shm_segments(run_dir: Path) -> list[str]:
-    """Shared-memory segments of this deployment (named after its run dir)."""
-    from aegaeon_common.config import Config
-
-    prefix = Config(models=(), run_dir=run_dir).shm_prefix
-    return sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}*"))
 
 
 def stop_serve(served: Served, timeout_s: float = 60.0) -> list[psutil.Process]:

@@ -15,7 +15,7 @@ from aegaeon_common.http_side import (
     write_http_address,
 )
 from aegaeon_common.messages.report import SwitchRecord
-from aegaeon_common.metrics import TokenRate, kv_block_counts, new_registry, shape_label
+from aegaeon_common.metrics import kv_block_counts, new_registry, shape_label
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aiohttp import ClientSession
 from prometheus_client import generate_latest
@@ -28,17 +28,6 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-
-
-def test_token_rate_is_tokens_per_second_over_its_window() -> None:
-    rate = TokenRate(window_s=10.0)
-    rate.add(30, now_s=100.0)
-    rate.add(20, now_s=105.0)
-    assert rate.rate(now_s=105.0) == pytest.approx(5.0)
-    assert rate.rate(now_s=110.5) == pytest.approx(2.0)  # the first 30 left the window
-    assert rate.rate(now_s=116.0) == 0.0
-    rate.add(0, now_s=116.0)
-    assert rate.rate(now_s=116.0) == 0.0
 
 
 def test_kv_block_counts_add_what_empty_slabs_hold() -> None:

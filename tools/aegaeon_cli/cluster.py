@@ -13,7 +13,6 @@ directory. The same shape runs across machines from the same commands
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import socket
 import sys
@@ -22,6 +21,7 @@ from typing import Any
 
 import yaml
 from aegaeon_common.config import Config, ConfigError, config_from_dict
+from aegaeon_common.kept import write_atomic
 from aegaeon_common.process import is_ready, private_dir
 
 from aegaeon_cli.supervisor import DRAIN_MARGIN_S, Child, StartupError, Supervisor, python_argv
@@ -32,11 +32,7 @@ PORT_STRIDE = 100  # node i's instances from base_port + PORT_STRIDE * i
 def _write(path: Path, raw: dict[str, Any]) -> None:
     """The member's config, this user's only (0600: it may hold API keys), atomically."""
     private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(yaml.safe_dump(raw, sort_keys=False))
-    tmp.replace(path)
+    write_atomic(path, yaml.safe_dump(raw, sort_keys=False))
 
 
 def _free_port() -> int:

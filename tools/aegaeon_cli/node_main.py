@@ -32,10 +32,10 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
     if args.gpus is None:
         return config, args.config.resolve()
     import yaml
+    from aegaeon_common.kept import write_atomic
     from aegaeon_common.placement import PlacementError
 
     from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
-    from aegaeon_cli.serve import write_private
 
     raw = yaml.safe_load(args.config.read_text()) or {}
     base = args.config.parent.resolve()
@@ -48,7 +48,7 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
     out = with_absolute_paths(out, config)  # the file moves to the run directory
     path = config.run_dir / "planned.yaml"
     private_dir(config.run_dir)
-    write_private(path, plan_comment(plan) + yaml.safe_dump(out, sort_keys=False))
+    write_atomic(path, plan_comment(plan) + yaml.safe_dump(out, sort_keys=False))
     return config, path
 
 

@@ -25,6 +25,7 @@ from aegaeon_common.config import (
     market_dtype,
 )
 from aegaeon_common.dtypes import DTYPE_BYTES
+from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import load_market
 from aegaeon_common.placement import PlacementError, Plan
@@ -152,15 +153,6 @@ def service_lines(config: Config, names: list[str]) -> list[str]:
     return lines
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``path`` readable by this user only (0600), atomically (aside, then renamed)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    tmp.replace(path)
-
-
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import private_dir
 
@@ -200,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         from aegaeon_cli.machine import plan_comment
 
         head = plan_comment(plan)
-    write_private(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
+    write_atomic(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
     if args.nodes is not None:
         from aegaeon_cli.cluster import run_cluster
 

@@ -19,7 +19,6 @@ from aegaeon_engine.loader import scale_name
 
 from aegaeon_market.safetensors_out import TensorPlan
 
-FP8_NAMES = ("fp8", "float8_e4m3fn")  # what --dtype takes
 FLOAT_DTYPE = "bfloat16"  # every tensor that is not a projection
 PROJECTIONS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                            "up_proj", "down_proj"))

@@ -36,9 +36,6 @@ class GGUFFile:
         self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
         self.arch = self.get("general.architecture", str)
 
-    def has(self, key: str) -> bool:
-        return key in self.reader.fields
-
     def get(self, key: str, kind: type, default: Any = _MISSING) -> Any:
         """The value of ``key`` as ``kind`` (``int``, ``float``, ``str``, ``bool``, ``list``)."""
         field = self.reader.fields.get(key)

@@ -17,7 +17,6 @@ it converts to any dtype, and to FP8 again with per-row scales.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ import torch
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.fp8 import dequantize
 from aegaeon_engine.loader import TensorEntry, checkpoint_index, read_tensor, scale_name
-from aegaeon_engine.spec import FP8, ModelSpec
+from aegaeon_engine.spec import FP8, ModelSpec, read_json_object
 from aegaeon_engine.weights import TORCH_DTYPES
 from tokenizers import Tokenizer
 
@@ -59,20 +58,6 @@ class HFModel:
         return sum(math.prod(e.shape) for e in self.tensors.values())
 
 
-def _json_object(path: Path, required: bool) -> dict[str, Any] | None:
-    if not path.is_file():
-        if required:
-            raise CheckpointError(path, None, "missing file")
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, None, f"not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(path, None, "top level is not a JSON object")
-    return data
-
-
 def _tokenizer(root: Path, spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     path = root / "tokenizer.json"
     if not path.is_file():
@@ -86,7 +71,7 @@ def _tokenizer(root: Path, spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     if size > spec.vocab_size:
         raise CheckpointError(path, "model.vocab", f"{size} token ids, more than config.json's "
                               f"vocab_size of {spec.vocab_size}")
-    config = _json_object(root / "tokenizer_config.json", required=False) or {}
+    config = read_json_object(root / "tokenizer_config.json") or {}
     template = config.get("chat_template")
     if template is not None and not isinstance(template, str | list):
         raise CheckpointError(root / "tokenizer_config.json", "chat_template",
@@ -99,8 +84,8 @@ def read_hf_dir(root: Path) -> HFModel:
     if not root.is_dir():
         raise CheckpointError(root, None, "not a directory")
     spec = ModelSpec.from_dir(root)
-    config = _json_object(root / "config.json", required=True)
-    assert config is not None
+    config = read_json_object(root / "config.json")
+    assert config is not None  # from_dir refused a missing one
     quantization = config.get("quantization_config")
     fp8_source = spec.quant is not None and spec.quant.linear == FP8
     if quantization and not fp8_source:

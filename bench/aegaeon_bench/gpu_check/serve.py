@@ -17,7 +17,6 @@ import hashlib
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from aegaeon_bench.gpu_check.run import (
     shm_segments,
     tail,
 )
+from aegaeon_bench.node.launch import free_port
 
 MiB = 1 << 20
 STOP_TIMEOUT_S = 30.0
@@ -56,12 +56,6 @@ class ServePlan:
     ttft_s: float = 2.0
     tbt_s: float = 0.025
     profile_s: float = 0.0  # py-spy each worker this long, from 10 s into the load (0: off)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def pick_models(market: Path, count: int = NUM_MODELS) -> list[dict[str, Any]]:

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 HEARTBEAT_DEAD_S = 5.0  # aegaeon_proxy.cluster.instances.DEAD_AFTER_S
 SHM = Path("/dev/shm")
@@ -44,10 +41,6 @@ FAULTS: dict[str, Fault] = {
         Fault("kill_proxy", "kill", "proxy", restarts=("proxy",)),
     )
 }  # fmt: skip
-
-
-def signal_service(proc: psutil.Process, sig: signal.Signals) -> None:
-    proc.send_signal(sig)
 
 
 class ShmFill:

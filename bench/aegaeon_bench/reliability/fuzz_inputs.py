@@ -114,18 +114,10 @@ def _bodies(models: Sequence[str]) -> st.SearchStrategy[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class HttpCase:
-    """One request: where, the raw body, and whether it asked for a stream."""
+    """One request: where, and the raw body."""
 
     endpoint: str
     body: bytes
-
-    @property
-    def streamed(self) -> bool:
-        try:
-            data = json.loads(self.body)
-        except ValueError:
-            return False
-        return isinstance(data, dict) and data.get("stream") is True
 
 
 def _encode(body: Any) -> bytes:

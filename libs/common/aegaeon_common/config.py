@@ -45,7 +45,6 @@ StoreKind = Literal["memory", "redis"]
 UNIFIED_POLICIES: tuple[str, ...] = get_args(UnifiedPolicy)
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 WEIGHTS_MODES: tuple[str, ...] = get_args(WeightsMode)
-STORE_KINDS: tuple[str, ...] = get_args(StoreKind)
 
 # field ranges, checked by msgspec as a section decodes
 Positive = Annotated[float, msgspec.Meta(gt=0)]

@@ -33,7 +33,6 @@ QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_0": (32, 18), 
 # ``[out, in]`` codes row after row (1 byte each), padded to ``FP8_SCALES_ALIGN``, then
 # the float32 scale of every output row (w = scale * code; scale = amax(|row|) / 448).
 FP8 = "float8_e4m3fn"
-FP8_ALIASES = ("fp8", "float8", "e4m3", FP8)
 FP8_MAX = 448.0  # the largest finite e4m3fn
 FP8_SCALES_ALIGN = 16
 

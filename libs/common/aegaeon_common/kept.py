@@ -59,7 +59,8 @@ def _aside(path: Path, text: str) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (a temporary file, then rename)."""
+    """Write ``text`` to ``path`` (a temporary file, then rename), readable by this user
+    only (0600, as ``mkstemp`` makes it: a config may hold API keys)."""
     tmp = _aside(path, text)
     try:
         os.replace(tmp, path)

@@ -3,9 +3,9 @@
 Metrics are prometheus_client objects in a :class:`CollectorRegistry` of the
 service's own (never the library's global one, so tests can run several
 services in one process). Counters a compute thread updates are
-prometheus_client counters or :class:`TokenRate` windows (both thread-safe);
-gauges that mirror scheduling state are read at scrape time by a collector
-that only reads (a scrape never changes what is scheduled).
+prometheus_client counters (thread-safe); gauges that mirror scheduling state
+are read at scrape time by a collector that only reads (a scrape never changes
+what is scheduled).
 
 Names follow Prometheus conventions: an ``aegaeon_`` prefix, base units in
 the name (``_seconds``, ``_bytes``), ``_total`` on counters. Labels:
@@ -15,9 +15,6 @@ the name (``_seconds``, ``_bytes``), ``_total`` on counters. Labels:
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,8 +26,6 @@ __all__ = [
     "SWITCH_BUCKETS_S",
     "TBT_BUCKETS_S",
     "TTFT_BUCKETS_S",
-    "VELOCITY_WINDOW_S",
-    "TokenRate",
     "kv_block_counts",
     "new_registry",
     "shape_label",
@@ -40,8 +35,6 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 TBT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 SWITCH_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-# Token velocity (TokenScale §III-B): tokens per second over this trailing window.
-VELOCITY_WINDOW_S = 10.0
 
 
 def new_registry() -> CollectorRegistry:
@@ -52,43 +45,6 @@ def new_registry() -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
-
-
-class TokenRate:
-    """Tokens per second over a trailing window; ``add`` from any thread.
-
-    Events older than the window are dropped as new ones arrive or the rate
-    is read, so memory stays bounded by the events of one window.
-    """
-
-    def __init__(self, window_s: float = VELOCITY_WINDOW_S) -> None:
-        if window_s <= 0:
-            raise ValueError("window_s must be positive")
-        self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-        self._sum = 0
-        self._lock = threading.Lock()
-
-    def add(self, num_tokens: int, now_s: float | None = None) -> None:
-        if num_tokens <= 0:
-            return
-        now = time.monotonic() if now_s is None else now_s
-        with self._lock:
-            self._events.append((now, num_tokens))
-            self._sum += num_tokens
-            self._trim(now)
-
-    def rate(self, now_s: float | None = None) -> float:
-        """Tokens per second over the last ``window_s`` seconds."""
-        now = time.monotonic() if now_s is None else now_s
-        with self._lock:
-            self._trim(now)
-            return self._sum / self.window_s
-
-    def _trim(self, now: float) -> None:
-        horizon = now - self.window_s
-        while self._events and self._events[0][0] <= horizon:
-            self._sum -= self._events.popleft()[1]
 
 
 def shape_label(key: Iterable[object]) -> str:

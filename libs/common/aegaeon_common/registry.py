@@ -178,10 +178,6 @@ def decode_instance(raw: bytes) -> InstanceRecord:
     return msgspec.msgpack.decode(raw, type=InstanceRecord)
 
 
-def decode_proxy(raw: bytes) -> ProxyRecord:
-    return msgspec.msgpack.decode(raw, type=ProxyRecord)
-
-
 def decode_request(raw: bytes) -> RequestMeta:
     return msgspec.msgpack.decode(raw, type=RequestMeta)
 

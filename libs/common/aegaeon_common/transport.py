@@ -246,10 +246,6 @@ class RpcServer:
             # The peer is gone: the reply has nobody to go to; the effect stands.
             log.warning("reply_dropped", tag=reply.TAG, error=str(exc))
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._tasks)
-
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -16,13 +16,11 @@ defaults, so an older peer's message still decodes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 
 WIRE_VERSION = 1
-
-M = TypeVar("M", bound="Message")
 
 
 class WireError(ValueError):
@@ -123,9 +121,3 @@ class Channel:
             return WireError("unknown_tag", f"{self.name}: unknown message tag {tag!r}")
         code = "missing_field" if "missing required field" in str(exc) else "bad_field"
         return WireError(code, f"{self.name}: {tag}: {exc}")
-
-    def decode_as(self, frame: bytes, cls: type[M]) -> M:
-        msg = self.decode(frame)
-        if not isinstance(msg, cls):
-            raise WireError("unexpected", f"{self.name}: wanted {cls.TAG}, got {msg.TAG}")
-        return msg

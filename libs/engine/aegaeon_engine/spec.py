@@ -166,10 +166,10 @@ class ModelSpec:
         Raises ``CheckpointError`` naming the file and field at fault.
         """
         root = Path(path)
-        config = _read_json(root / "config.json")
+        config = read_json_object(root / "config.json")
         if config is None:
             raise CheckpointError(root / "config.json", None, "missing file")
-        generation = _read_json(root / "generation_config.json")
+        generation = read_json_object(root / "generation_config.json")
         return cls.from_config(config, generation, name=root.name,
                                source=root / "config.json", max_model_len=max_model_len)
 
@@ -272,12 +272,12 @@ def _architecture(cfg: _Fields) -> str:
     return str(arch)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json_object(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``; None when the file does not exist."""
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(path, None, f"not valid JSON ({exc})") from None
     if not isinstance(data, dict):

@@ -7,11 +7,11 @@ tokenized without adding special tokens again, as ``apply_chat_template`` does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .spec import read_json_object
 
 
 class TextCodec:
@@ -28,14 +28,8 @@ class TextCodec:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises bare Exceptions
             raise CheckpointError(path, None, f"unreadable tokenizer ({exc})") from None
-        config_path = root / "tokenizer_config.json"
-        self.config: dict[str, Any] = {}
-        if config_path.is_file():
-            try:
-                self.config = json.loads(config_path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise CheckpointError(config_path, None, f"not valid JSON ({exc})") from None
-        self.config_path = config_path
+        self.config_path = root / "tokenizer_config.json"
+        self.config: dict[str, Any] = read_json_object(self.config_path) or {}
         self.chat_template = _template_source(root, self.config)
 
     def encode(self, text: str) -> list[int]:

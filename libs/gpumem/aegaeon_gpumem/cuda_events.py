@@ -74,11 +74,6 @@ class CudaEvent(Event):
         return self
 
     @property
-    def torch_event(self) -> torch.cuda.Event:
-        """The underlying torch event (for `stream.wait_event`)."""
-        return self._event
-
-    @property
     def device(self) -> int:
         """CUDA device index the event belongs to."""
         return self._device

@@ -21,14 +21,14 @@ trivially complete event.
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 
+from aegaeon_gpumem.closing import Closing
 from aegaeon_gpumem.shm import ShmRegion
 
 SLOT_BYTES = 8
 
 
-class EventTable:
+class EventTable(Closing):
     """uint64 timeline counters in a shared-memory segment (see module docstring)."""
 
     def __init__(self, region: ShmRegion) -> None:
@@ -115,17 +115,6 @@ class EventTable:
         """
         self._region.close()
 
-    def __enter__(self) -> EventTable:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"EventTable({self.name!r}, {self._num_slots} slots)"
 
@@ -165,7 +154,3 @@ class Timeline:
     def signal(self, value: int) -> None:
         """Mark every event up to `value` complete (called in issue order)."""
         self._table.counters[self._slot] = value
-
-    def completed_value(self) -> int:
-        """The slot's current counter."""
-        return int(self._table.counters[self._slot])

@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from types import TracebackType
 
+from aegaeon_gpumem.closing import Closing
 from aegaeon_gpumem.errors import IntegrityError, InvalidFreeError, OutOfBlocks
 from aegaeon_gpumem.events import Event
 from aegaeon_gpumem.move_list import MoveList
@@ -37,7 +37,7 @@ class KVPoolStats:
     pending_blocks: int
 
 
-class KVBlockPool:
+class KVBlockPool(Closing):
     """SlabAllocator + MoveList behind a lock, with a reclaiming daemon thread.
 
     Args:
@@ -146,14 +146,3 @@ class KVBlockPool:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-
-    def __enter__(self) -> KVBlockPool:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

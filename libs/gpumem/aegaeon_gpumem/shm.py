@@ -24,9 +24,10 @@ import os
 import secrets
 import warnings
 from pathlib import Path
-from types import TracebackType
 
 import torch
+
+from aegaeon_gpumem.closing import Closing
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "aegaeon-"
@@ -57,7 +58,7 @@ def _frombuffer(mapping: mmap.mmap, readonly: bool) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-class ShmRegion:
+class ShmRegion(Closing):
     """A named POSIX shared-memory segment mapped into this process.
 
     `create` makes an owner (its `close()` unlinks the name); `attach` maps an
@@ -176,17 +177,6 @@ class ShmRegion:
             # FileNotFoundError: already removed by cleanup_prefix of a restarted owner.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(SHM_DIR / self._name)
-
-    def __enter__(self) -> ShmRegion:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         role = "owner" if self._owner else ("ro" if self._readonly else "rw")

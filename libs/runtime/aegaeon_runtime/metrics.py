@@ -1,23 +1,26 @@
 """A worker instance's metrics (its side port's ``GET /metrics``).
 
 The compute thread updates prometheus_client counters and histograms and
-:class:`~aegaeon_common.metrics.TokenRate` windows (thread-safe, no torch);
-:class:`InstanceCollector` reads the rest at scrape time on the event loop:
-the queue depths the compute thread publishes (:class:`InstanceLoad`, a
-frozen value replaced whole), the active model, and the device KV pool's
-counts. A scrape changes nothing the scheduler reads.
+the token velocity (:class:`~aegaeon_sched.velocity.Velocity` windows under
+a lock; no torch); :class:`InstanceCollector` reads the rest at scrape time
+on the event loop: the queue depths the compute thread publishes
+(:class:`InstanceLoad`, a frozen value replaced whole), the active model, and
+the device KV pool's counts. A scrape changes nothing the scheduler reads.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import SwitchRecord
-from aegaeon_common.metrics import SWITCH_BUCKETS_S, TokenRate, kv_block_counts, new_registry
+from aegaeon_common.metrics import SWITCH_BUCKETS_S, kv_block_counts, new_registry
 from aegaeon_gpumem import KVBlockPool
+from aegaeon_sched.velocity import STAGES, Velocity
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -47,10 +50,10 @@ __all__ = ["STAGES", "InstanceCollector", "InstanceLoad", "WorkerMetrics"]
 
 log = get_logger("switch")
 
-# aegaeon_token_velocity_tokens_per_second{stage} (TokenScale §III-B): tokens of
-# work arriving (prompt tokens to prefill, KV tokens handed in to decode), prompt
-# tokens prefilled, tokens decoded.
-STAGES = ("arrival", "prefill", "decode")
+# aegaeon_token_velocity_tokens_per_second{stage} (TokenScale §III-B, STAGES): tokens
+# of work arriving (prompt tokens to prefill, KV tokens handed in to decode), prompt
+# tokens prefilled, tokens decoded; per second over this trailing window.
+VELOCITY_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ class WorkerMetrics:
             "(code: the WireError's) or work queued for a previous process (stale)",
             ("instance", "code"), registry=r,
         )  # fmt: skip
-        self.velocity = {stage: TokenRate() for stage in STAGES}
+        self._velocity = {stage: Velocity(VELOCITY_WINDOW_S) for stage in STAGES}
+        self._velocity_lock = threading.Lock()  # counted on the compute thread, read on the loop
 
     def bad_frame(self, code: str) -> None:
         self._bad_frames.labels(self.instance, code).inc()
@@ -106,7 +110,14 @@ class WorkerMetrics:
     def tokens(self, stage: str, model: str, num_tokens: int) -> None:
         if num_tokens > 0:
             self._tokens.labels(self.instance, stage, model).inc(num_tokens)
-            self.velocity[stage].add(num_tokens)
+            with self._velocity_lock:
+                self._velocity[stage].add(time.monotonic(), num_tokens)
+
+    def velocity(self) -> dict[str, float]:
+        """Tokens per second over the last ``VELOCITY_WINDOW_S``, by stage."""
+        now_s = time.monotonic()
+        with self._velocity_lock:
+            return {stage: rate.rate(now_s) for stage, rate in self._velocity.items()}
 
     def switch(self, record: SwitchRecord) -> None:
         """Count a serving switch and log it, one line with its breakdown."""
@@ -143,8 +154,8 @@ class InstanceCollector(Collector):
             "Tokens per second over the last 10 s, by stage (TokenScale §III-B)",
             labels=["instance", "stage"],
         )
-        for stage, rate in self._metrics.velocity.items():
-            velocity.add_metric([name, stage], rate.rate())
+        for stage, rate in self._metrics.velocity().items():
+            velocity.add_metric([name, stage], rate)
         yield velocity
         load = self._load()
         depths = [

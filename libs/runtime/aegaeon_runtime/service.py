@@ -127,7 +127,7 @@ def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> I
         "kv_capacity_bytes": float(slabs.num_slabs * slabs.slab_bytes),
     }
     # token velocity by stage, as /metrics exports it (the proxy sums the cluster's)
-    velocity = {stage: rate.rate() for stage, rate in worker.metrics.velocity.items()}
+    velocity = worker.metrics.velocity()
     # the version first: read with the names after it, it is never newer than they are
     version = worker.switcher.residency_version
     return msgspec.structs.replace(stats, counters=counters, velocity=velocity,

@@ -115,8 +115,3 @@ def first_token_deadline_s(request: Request, default_ttft_s: float = 0.0) -> flo
     """
     ttft = request.ttft_s if request.ttft_s is not None else default_ttft_s
     return request.arrival_s + ttft
-
-
-def tbt_of(request: Request, default_tbt_s: float) -> float:
-    """The request's TBT target (its own, else the default)."""
-    return request.tbt_s if request.tbt_s is not None else default_tbt_s

@@ -276,8 +276,7 @@ class ModelResidency(Protocol):
 class TokenQueue:
     """A :data:`TokenStream` fed by a producer: ``push`` chunks, iterate on the loop.
 
-    ``push`` must be called on the event loop's thread; producers on other
-    threads use ``push_threadsafe``. Chunks pushed after the finishing chunk are
+    ``push`` must be called on the event loop's thread. Chunks pushed after the finishing chunk are
     dropped, so a late token after a cancel cannot confuse the reader.
     """
 
@@ -327,9 +326,6 @@ class TokenQueue:
     def ready(self) -> bool:
         """A chunk can be read without waiting."""
         return not self._queue.empty()
-
-    def push_threadsafe(self, chunk: TokenChunk) -> None:
-        self._loop.call_soon_threadsafe(self.push, chunk)
 
     def finish(self, reason: FinishReason, error: str | None = None,
                code: str | None = None) -> None:  # fmt: skip
