@@ -214,6 +214,28 @@ def test_project_matches_torch(dtype: torch.dtype, rows: int, out_features: int,
             assert err <= max(2 * ref, 2**-8 * scale)
 
 
+@pytest.mark.parametrize("rows", [4, 8, 16])
+@pytest.mark.parametrize("in_features", [64, 576, 1552, 1605])
+def test_project_row_blocks_match_single_rows(rows: int, in_features: int, isa: str) -> None:
+    """bfloat16 at decode batch sizes: each x row of a block gets the bits it gets alone,
+    and a float64 reference up to the result's rounding. AVX2 takes blocks of 4 x rows x
+    3 weight rows in assembly over whole cache lines of the rows (in 64, 576: all of
+    them; 1552: then one step of 16; 1605: and a ragged end), summing every lane in the
+    order of the one-row path; other levels give the same bits where they sum in one order."""
+    ops = _native(isa)
+    g = torch.Generator().manual_seed(rows * in_features)
+    out_features = 99  # parallel tasks of 24 rows, 3 strips each, then 3 rows left
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    got = ops.project(w, x, None)
+    want = x.double() @ w.double().t()
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 2**-8 * scale
+    if isa == "avx2":
+        alone = torch.cat([ops.project(w, x[i:i + 1], None) for i in range(rows)])
+        assert torch.equal(got, alone)
+
+
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     """bfloat16: the same bits as the torch path; float32: up to float32 sum order."""
     if got.dtype == torch.bfloat16:

@@ -27,7 +27,10 @@
 // after the other, so only R weight registers are live beside the accumulators and
 // one of x (AVX2: 12 + 3 + 1 = 16; two live halves would leave room for 8
 // accumulators, too few chains to keep both FMA ports busy at FMA latency 4). A
-// ragged end of I is read through zeroed buffers.
+// ragged end of I is read through zeroed buffers. AVX2's bfloat16 blocks of 3 x 4
+// run in assembly over whole cache lines of the rows (dots_bf16_3x4: GCC kept one of
+// the 12 accumulators on the stack), x is packed from a cache line's start, and the
+// results are rounded to bfloat16 in registers (issue 28: b8 on AMD Zen 3).
 //
 // Specialisations on the amx level (bfloat16 only): AMX tiles (I % 32 == 0,
 // O >= 16), else vdpbf16ps on bfloat16 x (32 exact products per instruction).
@@ -76,7 +79,9 @@ using namespace aegaeon_simd;
 constexpr int kStreams1 = 4;
 constexpr int kBlockX = kRegs >= 32 ? 8 : 4;
 constexpr int kStrips = 3;
-constexpr int64_t kStripTile = 8;  // positions of the strips per tile (all x blocks)
+// positions of the strips per tile (all x blocks): 1, the rows' second pass from L1
+// and their prefetches into the next rows (8 measured no faster on AMD Zen 3)
+constexpr int64_t kStripTile = 1;
 constexpr int64_t kTaskRows = 24;  // w rows per parallel task, at least 4 of them (grain)
 
 struct LinearArgs {
@@ -113,17 +118,22 @@ struct Widen<c10::BFloat16> {
 };
 
 // x [N, I] (any strides) as float32 [N, I'] in Widen's order, I' = I rounded up
-// to whole steps, zero-padded; a per-thread buffer (no allocation per call).
+// to whole steps, zero-padded; a per-thread buffer (no allocation per call), from a
+// cache line's start: a load split across two lines costs two (AVX2 on AMD Zen 3:
+// the blocks of several x rows ran ~1.3x faster aligned).
 template <typename T>
 const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
   using W = Widen<T>;
   const int64_t num = x_in.size(0), in = x_in.size(1);
   const int64_t sn = x_in.stride(0), si = x_in.stride(1);
   const T* x = static_cast<const T*>(x_in.data_ptr());
-  thread_local std::vector<float> packed;
-  packed.resize(num * in_padded);
+  thread_local std::vector<float> buffer;
+  constexpr int64_t kLineFloats = 64 / sizeof(float);
+  buffer.resize(num * in_padded + kLineFloats);
+  const uintptr_t skip = (-reinterpret_cast<uintptr_t>(buffer.data()) & 63) / sizeof(float);
+  float* packed = buffer.data() + skip;
   for (int64_t n = 0; n < num; ++n) {
-    float* dst = packed.data() + n * in_padded;
+    float* dst = packed + n * in_padded;
     const T* row = x + n * sn;
     int64_t c = 0;
     if (si == 1) {  // whole steps widened as the weight's are: Widen's order for free
@@ -139,8 +149,108 @@ const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
           static_cast<float>(row[i * si]);
     }
   }
-  return packed.data();
+  return packed;
 }
+
+#if defined(AEGAEON_SIMD_AVX2) && defined(__x86_64__)
+// AVX2, bfloat16, 3 w rows x 4 x rows (the blocks of several x rows): dots' loop in
+// assembly, so that its 16 registers hold exactly what the blocking needs (12
+// accumulators ymm0-11, 3 widened w ymm12-14, x ymm15; the odd elements' mask is a
+// memory operand). GCC spilled an accumulator of the same loop to the stack (two,
+// with the prefetches), a store and reload on that sum's chain every step. One
+// iteration is a cache line of each row (2 steps of 16 elements), every lane summed
+// in the order of the intrinsics' loop (the same bits as the other blocks and N = 1).
+alignas(32) constexpr uint32_t kOddMask[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
+                                              0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u};
+
+// One part (8 lanes of x at byte offset X) into the 12 accumulators.
+#define AEGAEON_PART(X)                                               \
+  "vmovups " X "(%[x0]), %%ymm15\n\t"                                 \
+  "vfmadd231ps %%ymm15, %%ymm12, %%ymm0\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm13, %%ymm4\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm14, %%ymm8\n\t"                          \
+  "vmovups " X "(%[x0],%[xs]), %%ymm15\n\t"                           \
+  "vfmadd231ps %%ymm15, %%ymm12, %%ymm1\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm13, %%ymm5\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm14, %%ymm9\n\t"                          \
+  "vmovups " X "(%[x2]), %%ymm15\n\t"                                 \
+  "vfmadd231ps %%ymm15, %%ymm12, %%ymm2\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm13, %%ymm6\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm14, %%ymm10\n\t"                         \
+  "vmovups " X "(%[x2],%[xs]), %%ymm15\n\t"                           \
+  "vfmadd231ps %%ymm15, %%ymm12, %%ymm3\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm13, %%ymm7\n\t"                          \
+  "vfmadd231ps %%ymm15, %%ymm14, %%ymm11\n\t"
+// One step at byte offsets W (weights) and X, X2 (x): even elements, then odd.
+#define AEGAEON_STEP(W, X, X2)                     \
+  "vmovdqu " W "(%[w0]), %%ymm12\n\t"              \
+  "vmovdqu " W "(%[w1]), %%ymm13\n\t"              \
+  "vmovdqu " W "(%[w2]), %%ymm14\n\t"              \
+  "vpslld $16, %%ymm12, %%ymm12\n\t"               \
+  "vpslld $16, %%ymm13, %%ymm13\n\t"               \
+  "vpslld $16, %%ymm14, %%ymm14\n\t"               \
+  AEGAEON_PART(X)                                  \
+  "vmovdqu " W "(%[w0]), %%ymm12\n\t"              \
+  "vmovdqu " W "(%[w1]), %%ymm13\n\t"              \
+  "vmovdqu " W "(%[w2]), %%ymm14\n\t"              \
+  "vpand %[mask], %%ymm12, %%ymm12\n\t"            \
+  "vpand %[mask], %%ymm13, %%ymm13\n\t"            \
+  "vpand %[mask], %%ymm14, %%ymm14\n\t"            \
+  AEGAEON_PART(X2)
+
+// lines > 0 cache lines of each row from w0, w1, w2; x rows at x0 + n * xs bytes;
+// acc receives the 12 accumulators (8 lanes each), in dots' order r * 4 + n.
+inline void dots_bf16_3x4(const c10::BFloat16* w0, const c10::BFloat16* w1,
+                          const c10::BFloat16* w2, const float* x0, int64_t xs, int64_t lines,
+                          float* acc) {
+  const float* x2 = x0 + 2 * (xs / 4);
+  __asm__ volatile(
+      "vxorps %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vxorps %%ymm1, %%ymm1, %%ymm1\n\t"
+      "vxorps %%ymm2, %%ymm2, %%ymm2\n\t"
+      "vxorps %%ymm3, %%ymm3, %%ymm3\n\t"
+      "vxorps %%ymm4, %%ymm4, %%ymm4\n\t"
+      "vxorps %%ymm5, %%ymm5, %%ymm5\n\t"
+      "vxorps %%ymm6, %%ymm6, %%ymm6\n\t"
+      "vxorps %%ymm7, %%ymm7, %%ymm7\n\t"
+      "vxorps %%ymm8, %%ymm8, %%ymm8\n\t"
+      "vxorps %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vxorps %%ymm10, %%ymm10, %%ymm10\n\t"
+      "vxorps %%ymm11, %%ymm11, %%ymm11\n\t"
+      "1:\n\t"
+      "prefetcht0 1024(%[w0])\n\t"
+      "prefetcht0 1024(%[w1])\n\t"
+      "prefetcht0 1024(%[w2])\n\t"
+      AEGAEON_STEP("0", "0", "32")
+      AEGAEON_STEP("32", "64", "96")
+      "addq $64, %[w0]\n\t"
+      "addq $64, %[w1]\n\t"
+      "addq $64, %[w2]\n\t"
+      "addq $128, %[x0]\n\t"
+      "addq $128, %[x2]\n\t"
+      "decq %[lines]\n\t"
+      "jnz 1b\n\t"
+      "vmovups %%ymm0, 0(%[acc])\n\t"
+      "vmovups %%ymm1, 32(%[acc])\n\t"
+      "vmovups %%ymm2, 64(%[acc])\n\t"
+      "vmovups %%ymm3, 96(%[acc])\n\t"
+      "vmovups %%ymm4, 128(%[acc])\n\t"
+      "vmovups %%ymm5, 160(%[acc])\n\t"
+      "vmovups %%ymm6, 192(%[acc])\n\t"
+      "vmovups %%ymm7, 224(%[acc])\n\t"
+      "vmovups %%ymm8, 256(%[acc])\n\t"
+      "vmovups %%ymm9, 288(%[acc])\n\t"
+      "vmovups %%ymm10, 320(%[acc])\n\t"
+      "vmovups %%ymm11, 352(%[acc])\n\t"
+      : [w0] "+r"(w0), [w1] "+r"(w1), [w2] "+r"(w2), [x0] "+r"(x0), [x2] "+r"(x2),
+        [lines] "+r"(lines)
+      : [xs] "r"(xs), [acc] "r"(acc), [mask] "m"(kOddMask)
+      : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
+        "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#undef AEGAEON_STEP
+#undef AEGAEON_PART
+#endif
 
 // The R * NB dot products of w rows wr[0 .. R) with x rows xr, xr + in_padded, ..
 // (NB of them, packed) into res[r * NB + n]. A step's kVecs parts go one at a time:
@@ -148,9 +258,23 @@ const float* pack_x(const at::Tensor& x_in, int64_t in_padded) {
 // kPrefetch bytes past each row's, one per cache line of it).
 template <typename T, int R, int NB, bool kFetch>
 inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_padded, float* res) {
+#if defined(AEGAEON_SIMD_AVX2) && defined(__x86_64__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && R == 3 && NB == 4 && kFetch) {
+    if (in > 0 && in % 32 == 0) {  // whole cache lines: all in assembly
+      alignas(32) float sums[16 * kLanes];
+      dots_bf16_3x4(wr[0], wr[1], wr[2], xr, in_padded * 4, in / 32, sums);
+      VF v[16];
+      for (int i = 0; i < 16; ++i) v[i] = i < R * NB ? vload(sums + i * kLanes) : vzero();
+      vstore(res, transpose_sum(v));
+      vstore(res + kLanes, transpose_sum(v + kLanes));
+      return;
+    }
+  }
+#endif
   using W = Widen<T>;
   VF acc[R * NB];
   for (VF& v : acc) v = vzero();
+  int64_t c = 0;
   auto part = [&](auto k_, const T* const* rows, int64_t c) {
     constexpr int k = decltype(k_)::value;
     VF wv[R];
@@ -165,7 +289,6 @@ inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_pad
     if constexpr (W::kVecs == 2) part(std::integral_constant<int, 1>{}, rows, c);
   };
   constexpr int kLine = std::max<int>(1, 64 / static_cast<int>(W::kStep * sizeof(T)));  // steps
-  int64_t c = 0;
   for (; c + kLine * W::kStep <= in; c += kLine * W::kStep) {
     if constexpr (kFetch) {
       for (int r = 0; r < R; ++r) __builtin_prefetch(reinterpret_cast<const char*>(wr[r] + c) + kPrefetch);
@@ -185,6 +308,18 @@ inline void dots(const T* const* wr, int64_t in, const float* xr, int64_t in_pad
   sum_lanes<R * NB>(acc, res);
 }
 
+// v as T, v already representable (rounded): bfloat16 takes its high half, no rounding.
+template <typename T>
+inline T exact(float v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+  } else {
+    return v;
+  }
+}
+
 // x rows n0 .. n0 + NB against the R rows p0 + r * len + j (r < R) for positions j
 // in [j0, j1): one row of each strip per block.
 template <typename T, int R, int NB>
@@ -196,12 +331,21 @@ void pass_strips(const LinearArgs& a, const float* x, int64_t in_padded, int64_t
   for (int64_t j = j0; j < j1; ++j) {
     const T* wr[R];
     for (int r = 0; r < R; ++r) wr[r] = w + (p0 + r * len + j) * a.w_stride;
-    alignas(64) float res[(R * NB + kLanes - 1) / kLanes * kLanes];
+    constexpr int kPadded = (R * NB + kLanes - 1) / kLanes * kLanes;
+    alignas(64) float res[kPadded];
     dots<T, R, NB, true>(wr, a.in, x + n0 * in_padded, in_padded, res);
+    if (bias) {
+      for (int r = 0; r < R; ++r) {
+        const float b = static_cast<float>(bias[p0 + r * len + j]);
+        for (int n = 0; n < NB; ++n) res[r * NB + n] += b;
+      }
+    }
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {  // rounded in registers as T(float) rounds
+      for (int i = 0; i < kPadded; i += kLanes) vstore(res + i, vround_bf16(vload(res + i)));
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t o = p0 + r * len + j;
-      const float b = bias ? static_cast<float>(bias[o]) : 0.f;
-      for (int n = 0; n < NB; ++n) out[(n0 + n) * a.out_stride_n + o * a.out_stride_o] = T(res[r * NB + n] + b);
+      for (int n = 0; n < NB; ++n) out[(n0 + n) * a.out_stride_n + o * a.out_stride_o] = exact<T>(res[r * NB + n]);
     }
   }
 }
