@@ -19,6 +19,23 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """This process's logging as it was before the test: a test that runs a command in
+    process which configures it (``main(["serve", ...])``: `setup_logging`) would leave
+    the root logger at INFO writing to that test's captured stderr, and every later test
+    on the worker would find library lines (or "Logging error"s) in its own stderr."""
+    import logging
+
+    import structlog
+
+    root = logging.getLogger()
+    handlers, level, config = root.handlers[:], root.level, structlog.get_config()
+    yield
+    root.handlers, root.level = handlers, level
+    structlog.configure(**config)
+
+
 @pytest.fixture(scope="session")
 def default_market(pytestconfig: pytest.Config) -> Path:
     """The default 8-model market (seed 0, bfloat16), built once and reused across
