@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from market_support import market_cache
 
 # The e2e harness starts and stops `aegaeon serve` as a user would; reuse it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -33,11 +34,11 @@ EXPECTED_KEYS = {"slo_attainment", "qos", "ttft_p50", "ttft_p99", "tbt_p50", "tb
 
 
 @pytest.fixture(scope="module")
-def small_market(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh 3-model market of the ``small`` profile (~7 s to build)."""
+def small_market(pytestconfig: pytest.Config) -> Path:
+    """A 3-model market of the ``small`` profile (~7 s to build; kept across sessions)."""
     from aegaeon_market import ensure_market
 
-    market = tmp_path_factory.mktemp("market")
+    market = market_cache(pytestconfig) / f"bench-serve-small{NUM_MODELS}"
     ensure_market(market, num_models=NUM_MODELS, profile="small", progress=False)
     return market
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from market_support import market_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["install", "imports", "probe", "market", "gpu_tests", "tensor_parallel",
@@ -24,11 +25,9 @@ STATUSES = {"ok", "failed", "timeout", "error", "skipped"}
 
 
 @pytest.fixture(scope="session")
-def small_market(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def small_market(pytestconfig: pytest.Config) -> Path:
     """Where the dry run keeps its small market across sessions (it builds it if missing)."""
-    cache = getattr(pytestconfig, "cache", None)
-    base = cache.mkdir("aegaeon-market") if cache is not None else tmp_path_factory.mktemp("m")
-    return base / "gpu-check-small"
+    return market_cache(pytestconfig) / "gpu-check-small"
 
 
 def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,

@@ -11,6 +11,7 @@ ConfigMap goes through Aegaeon's own loader, and the pods' wiring (shared
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,9 +25,17 @@ K8S_VERSION = "1.33.0"
 
 
 def _render(overlay: str) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
+    """The overlay's objects (a copy of them each call: a test may change its copy)."""
+    if shutil.which("kubectl") is None:
         pytest.skip("needs kubectl (kustomize) to render deploy/k8s")
+    return copy.deepcopy(_rendered(overlay))
+
+
+@functools.cache
+def _rendered(overlay: str) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of the overlay, once per session."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None
     done = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
                           capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
     return [d for d in yaml.safe_load_all(done.stdout) if d]
