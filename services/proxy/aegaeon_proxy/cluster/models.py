@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -203,6 +203,25 @@ class ModelOps:
         """The target a ticket was sent to (None: not one of this proxy's)."""
         return self._owners.get(ticket)
 
+    async def resync(self, target: str, serves: Iterable[str],
+                     cache_call: Callable[[Message], Awaitable[object]]) -> None:  # fmt: skip
+        """A (re)started instance ``target`` knows only the config's models (``serves``):
+        have its cachemgr (``cache_call``; it may have restarted too) forget the models
+        removed here and learn those added, and give the instance the added ones."""
+        served = frozenset(serves)
+        missing = [m for n, m in self.added.items() if n not in served]
+        for name in sorted(self.removed):
+            with contextlib.suppress(BackendError):
+                await cache_call(ForgetModel(name))
+        for model in missing:
+            try:
+                await cache_call(RegisterModel(model.name, str(model.path)))
+            except BackendError as exc:
+                log.warning("model_resync_failed", model=model.name, error=exc.message)
+            self.send_add(target, model)
+        log.info("models_resynced", instance=target, added=[m.name for m in missing],
+                 removed=sorted(self.removed))  # fmt: skip
+
     def send_add(self, target: str, model: ModelConfig) -> int:
         ticket = self._ticket(target)
         self._add_sent[target] = ticket
@@ -371,26 +390,13 @@ class ClusterModels:
         """A (re)started instance knows only the config's models: give it those added
         here, and have the cachemgr (which may have restarted too) forget the removed."""
         ops = self.ops
-        missing = [m for n, m in ops.added.items() if n not in msg.capacity_tokens]
+        missing = any(n not in msg.capacity_tokens for n in ops.added)
         process = (msg.pid, msg.incarnation)
         told = self._resynced.get(view.name) == process
         self._resynced[view.name] = process
         if not missing and (told or not ops.removed):
             return
-
-        async def resync() -> None:
-            for name in sorted(ops.removed):
-                with contextlib.suppress(BackendError):
-                    await self.cache_call(ForgetModel(name))
-            for model in missing:
-                try:
-                    await self.cache_call(RegisterModel(model.name, str(model.path)))
-                except BackendError as exc:
-                    log.warning("model_resync_failed", model=model.name, error=exc.message)
-                ops.send_add(view.name, model)
-            log.info("models_resynced", instance=view.name, added=[m.name for m in missing],
-                     removed=sorted(ops.removed))  # fmt: skip
-
-        task = asyncio.get_running_loop().create_task(resync())
+        task = asyncio.get_running_loop().create_task(
+            ops.resync(view.name, msg.capacity_tokens, self.cache_call))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

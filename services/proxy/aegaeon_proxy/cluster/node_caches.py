@@ -99,9 +99,6 @@ class NodeCaches:
 
     async def call(self, address: str, msg: Message) -> Message:
         """``msg`` to the cachemgr at ``address``; raises :class:`BackendError`."""
-        return await self._call(address, msg)
-
-    async def _call(self, address: str, msg: Message) -> Message:
         try:
             return await self._client(address).call(msg, timeout_s=CACHE_TIMEOUT_S)
         except TimeoutError:
@@ -115,7 +112,7 @@ class NodeCaches:
         nodes = _cachemgrs(records)
         if not nodes:
             raise BackendError.unavailable("no node has registered its cachemgr")
-        results = await asyncio.gather(*(self._call(a, msg) for a in nodes.values()),
+        results = await asyncio.gather(*(self.call(a, msg) for a in nodes.values()),
                                        return_exceptions=True)  # fmt: skip
         replies: list[Message] = []
         for result in results:
@@ -136,7 +133,7 @@ class NodeCaches:
 
         async def one(address: str) -> dict[str, Any] | None:
             try:
-                reply = await self._call(address, GetStats())
+                reply = await self.call(address, GetStats())
             except BackendError:
                 return None
             stats = to_plain(reply.model_cache) if isinstance(reply, CacheStats) else None

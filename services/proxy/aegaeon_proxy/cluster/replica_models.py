@@ -18,7 +18,6 @@ the one that changed them, as the models' settings do. An instance that joins
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 import msgspec
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.cache import ForgetModel, RegisterModel
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.registry import (
     SERVED_MODELS,
@@ -143,25 +141,14 @@ class ReplicaModels:
         run time, and have its node's cachemgr (which may have restarted too) learn
         them and forget the removed (every replica does: each message is idempotent)."""
         ops = self.ops
-        missing = [m for n, m in ops.added.items() if n not in record.capacity_tokens]
-        if not missing and not ops.removed:
+        if all(n in record.capacity_tokens for n in ops.added) and not ops.removed:
             return
+        address = record.cachemgr_address
 
-        async def resync() -> None:
-            address = record.cachemgr_address
-            for name in sorted(ops.removed):
-                with contextlib.suppress(BackendError):
-                    await self._caches.call(address, ForgetModel(name))
-            for model in missing:
-                try:
-                    await self._caches.call(address, RegisterModel(model.name, str(model.path)))
-                except BackendError as exc:
-                    log.warning("model_resync_failed", model=model.name, error=exc.message)
-                ops.send_add(record.instance_id, model)
-            log.info("models_resynced", instance=record.instance_id,
-                     added=[m.name for m in missing], removed=sorted(ops.removed))  # fmt: skip
+        def cache_call(msg: Message) -> Coroutine[Any, Any, Message]:
+            return self._caches.call(address, msg)
 
-        self._spawn(resync())
+        self._spawn(ops.resync(record.instance_id, record.capacity_tokens, cache_call))
 
     # ---- the served models the replicas share ------------------------------------
     async def add(self, model: ModelConfig) -> None:
