@@ -41,6 +41,17 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
 
 
+def add_slo_arguments(parser: argparse.ArgumentParser, ttft_s: float, tbt_s: float,
+                      source: str = "") -> None:  # fmt: skip
+    """``--ttft`` and ``--tbt``: the SLO a run is scored by (``source``: where the
+    defaults come from, for the help)."""
+    note = f"{source}: " if source else ""
+    parser.add_argument("--ttft", type=float, default=ttft_s,
+                        help=f"TTFT target, s ({note}{ttft_s:g})")  # fmt: skip
+    parser.add_argument("--tbt", type=float, default=tbt_s,
+                        help=f"TBT target, s ({note}{tbt_s:g})")  # fmt: skip
+
+
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """``--out`` and ``--json``: where the JSON report goes."""
     parser.add_argument("--out", type=Path, help="write the JSON report here")

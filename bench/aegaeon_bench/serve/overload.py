@@ -45,8 +45,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--multiples", default="1,2,5", help="rates to run, x --rps (1,2,5)")
     parser.add_argument("--models", type=int, default=4, help="first M models (4)")
     parser.add_argument("--duration", type=float, default=60.0, help="s of arrivals per rate")
-    parser.add_argument("--ttft", type=float, default=2.0, help="TTFT target, s (2)")
-    parser.add_argument("--tbt", type=float, default=0.025, help="TBT target, s (0.025)")
+    common.add_slo_arguments(parser, 2.0, 0.025)
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="each request's own timeout, s (10)")
     parser.add_argument("--input-scale", type=float, default=0.25)

@@ -53,8 +53,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="model counts (3,4,...,14,16)")
     parser.add_argument("--rps", type=float, default=0.5, help="requests/s per model (0.5)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
-    parser.add_argument("--ttft", type=float, default=2.0, help="TTFT target, s (2)")
-    parser.add_argument("--tbt", type=float, default=0.025, help="TBT target, s (0.025)")
+    common.add_slo_arguments(parser, 2.0, 0.025)
     parser.add_argument("--input-scale", type=float, default=0.25,
                         help="prompt lengths x this (0.25: the scaling above)")
     parser.add_argument("--output-scale", type=float, default=1.0)
