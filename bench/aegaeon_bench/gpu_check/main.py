@@ -368,7 +368,8 @@ class Check:
             from aegaeon_bench.gpu_check.paper import run_paper
 
             self.sections["paper"] = run_paper(self.runner, self.work, self.market, self.dry,
-                                               self.device, self.args.paper_load_s)
+                                               self.device, self.args.paper_load_s,
+                                               tuple(self.args.paper_policies.split(",")))
             self.leaks(shm_before)
             return self.runner.results
         self.imports()
@@ -483,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
                         help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
+    parser.add_argument("--paper-policies", default="aegaeon,request-level",
+                        help="--scenario paper: the policies to run, comma-separated, in order "
+                        "(default aegaeon,request-level; one alone reruns its side)")
     parser.add_argument("--paper-load-s", type=float, default=15.0,
                         help="--scenario paper: seconds of arrivals per rate (default 15)")
     parser.add_argument("--profile-s", type=float, default=0.0,
@@ -494,7 +498,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from aegaeon_bench.gpu_check.paper import POLICIES
+
+    unknown = sorted(set(args.paper_policies.split(",")) - set(POLICIES))
+    if unknown:
+        parser.error(f"--paper-policies: unknown {', '.join(unknown)} (choose from "
+                     f"{', '.join(POLICIES)})")
     if args.prepare:
         from aegaeon_bench.gpu_check.prepare import prepare
 
