@@ -9,7 +9,10 @@ other (the settings live in the store). A model added (``POST
 /v1/aegaeon/models``) on one replica is served through the other and removed
 (``DELETE``) through it again; ``/sleep`` on one replica is seen by the other's
 ``/is_sleeping`` (the cluster serves part of the market, as the single-node
-lifecycle test does). Outcomes only: no timing is asserted.
+lifecycle test does). Roles move (``roles.enabled``, thresholds any burst
+crosses): one replica decides, both dispatch by the same roles, a decode
+instance takes the prefill role and every request completes. Outcomes only: no
+timing is asserted.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ SETTLE_S = 120.0  # loads and heartbeats settle within this (a busy CI machine)
 MAX_TOKENS = 200  # a request's KV: ceil((prompt + 200) / 16) = 13-16 blocks
 KV_BLOCKS = 32  # each replica's bound: one such batch request (0.5 x 32), two interactive
 DEFERRED = 3  # batch requests that wait behind the first
+# roles move on any burst and stay moved (no turning back on decode pressure), as in
+# test_serve_classes' single node
+ROLES = {"enabled": True, "high_util": 0.001, "low_util": 0.0005, "up_hold": 0.0,
+         "down_hold": 600.0, "min_dwell": 0.5, "decode_high": 1e9, "convert_max_demand": 1.0}
+BURST = 8  # requests of the roles' burst, through both replicas
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +59,8 @@ def cluster(small_market: Path, market_names: list[str], redis_url: str,
     """Two nodes, two replicas, serving the market's first two models (the others are
     added at run time)."""
     models = [{"name": n, "path": str(small_market / n)} for n in market_names[:2]]
-    config = serve_config(small_market, models=models, proxy={"max_kv_blocks": KV_BLOCKS})
+    config = serve_config(small_market, models=models, proxy={"max_kv_blocks": KV_BLOCKS},
+                          roles=ROLES)  # fmt: skip
     run_dir = tmp_path_factory.mktemp("multinode-admin") / "run"
     with serving(small_market, run_dir, "--nodes", "2", "--proxies", "2",
                  "--store-url", redis_url, config=config) as served:  # fmt: skip
@@ -288,3 +297,71 @@ def test_sleep_on_one_replica_is_seen_by_the_other(cluster: Served, model: str) 
     for url in (a, b):
         status, body = call_json(url, "GET", "/is_sleeping?model=no-such-model")
         assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def _roles(url: str) -> dict[str, Any]:
+    status, stats = call_json(url, "GET", "/v1/aegaeon/stats?light=1")
+    assert status == 200, stats
+    return dict(stats["roles"])
+
+
+def _role_gauges(url: str) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {
+        (s.labels["instance"], s.labels["role"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "aegaeon_instance_role"
+        for s in family.samples
+    }
+
+
+def test_roles_move_on_a_burst_and_every_replica_dispatches_by_them(
+    cluster: Served, model: str
+) -> None:
+    a, b = _urls(cluster)
+    _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
+
+    async def burst() -> list[tuple[int, str | None]]:
+        firsts: dict[str, float] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            body = {"model": model, "prompt": "a burst " * 40, "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            return list(await asyncio.gather(*(
+                stream_completion(session, f"{(a, b)[k % 2]}/v1", body, firsts, f"r{k}")
+                for k in range(BURST))))  # fmt: skip
+
+    results = asyncio.run(burst())
+    assert all(r == (200, "length") for r in results), results
+
+    def moved() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        ra, rb = _roles(a), _roles(b)
+        converted = [i for i, r in ra["roles"].items()
+                     if i.endswith("/decode-0") and r == "prefill"]  # fmt: skip
+        return (ra, rb) if converted and ra["roles"] == rb["roles"] else None
+
+    ra, rb = _until("a decode instance in the prefill role, the same on both replicas", moved)
+    assert ra["enabled"] is True and ra["decider"] == rb["decider"] != ""
+    assert [ra["deciding"], rb["deciding"]].count(True) == 1, (ra, rb)
+    assert any(c["role"] == "prefill" and c["instance"].endswith("/decode-0")
+               for c in rb["changes"]), rb  # fmt: skip
+    assert set(ra["base_roles"]) == set(ra["roles"]) and len(ra["roles"]) == 4, ra
+
+    def agreed() -> dict[str, str] | None:
+        """The roles, when both replicas' health and metrics say them (they may still
+        move: the other decode instance may convert too)."""
+        roles = dict(_roles(a)["roles"])
+        for url in (a, b):
+            gauges = _role_gauges(url)
+            status, health = call_json(url, "GET", "/health")
+            assert status == 200, health
+            said = {i: h["role"] for i, h in health["backend"]["instances"].items()}
+            if said != roles or any(gauges.get((i, r)) != 1.0 for i, r in roles.items()):
+                return None
+        return roles
+
+    _until("both replicas' health and metrics say the decided roles", agreed)
+    # dispatch goes by them: requests through either replica still complete
+    for url in (a, b):
+        status, done = _complete(url, model)
+        assert status == 200 and done["usage"]["completion_tokens"] == 4, done

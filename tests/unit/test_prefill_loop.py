@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
 from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.transport import RemoteError
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
@@ -85,3 +89,25 @@ def test_a_prompt_waits_for_blocks_of_copies_in_flight_and_only_a_too_large_one_
     w.kv.pool.reclaim()
     assert w.kv.device_bytes_used() == 0
     assert loop.stats().counters["failed"] == 1.0
+
+
+def test_a_prompt_of_a_model_the_cachemgr_forgot_fails_and_the_next_runs() -> None:
+    # removed through another proxy replica while the request was on its way here
+    w = FakeWorker(latency_model(["a", "b"], switch_s=0.05), kind="prefill")
+    activate = w.switcher.activate
+
+    def refusing(name: str, now_s: float | None = None) -> Any:
+        if name == "b":
+            raise RemoteError(ErrorReply("unknown_model", f"unknown model {name!r}"))
+        return activate(name, now_s)
+
+    w.switcher.activate = refusing  # type: ignore[method-assign]
+    timed = [(0.0, _job("b1", "b", 0, 30, 0.0)), (0.0, _job("a1", "a", 1, 30, 0.0))]
+    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(w.truth.to_dict())
+    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
+    loop.run(inbox.stop)
+    assert [(f.request_id, f.code) for f in outbox.of_type(RequestFailed)] == [
+        ("b1", "unknown_model")]
+    assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["a1"]
+    assert w.kv.device_bytes_used() == 0  # b1's blocks went back

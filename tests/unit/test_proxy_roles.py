@@ -12,12 +12,15 @@ from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_proxy.cluster.instances import InstanceView
 from aegaeon_proxy.cluster.policy import build_policy
-from aegaeon_proxy.cluster.roles import RoleSwitcher
+from aegaeon_proxy.cluster.roles import RoleSwitcher, view_meter
 from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request
 from fake_worker import latency_model
 
 ROLES = RolesConfig(enabled=True, high_util=0.5, low_util=0.2, up_hold_s=0.0, down_hold_s=1.0,
                     min_dwell_s=0.5)  # fmt: skip
+
+
+BASE = {"prefill-0": "prefill", "decode-0": "decode"}
 
 
 def _views() -> list[InstanceView]:
@@ -41,7 +44,7 @@ def _policy() -> AegaeonPolicy:
 
 def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     views = _views()
-    switcher = RoleSwitcher(Config(models=(), roles=ROLES), views, enabled=True)
+    switcher = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=True)
     policy = _policy()
     for view in views:  # measured: 1000 prompt tokens/s while prefilling
         _beat(view, 1000.0, 1.0)
@@ -61,7 +64,7 @@ def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     assert switcher.observe(3.0, policy, views, alive=True) == []
     (back,) = switcher.observe(4.1, policy, views, alive=True)
     assert (back.instance, back.role) == ("decode-0", "decode")
-    snap = switcher.snapshot(4.1, views)
+    snap = switcher.snapshot(4.1, {})
     assert snap["roles"] == {"prefill-0": "prefill", "decode-0": "decode"}
     changes = cast(list[dict[str, object]], snap["changes"])
     assert [c["role"] for c in changes] == ["prefill", "decode"]
@@ -72,10 +75,10 @@ def test_roles_hold_still_while_an_instance_is_down_or_switching_is_off() -> Non
     for view in views:
         _beat(view, 1000.0, 1.0)
     policy = _policy()
-    switcher = RoleSwitcher(Config(models=(), roles=ROLES), views, enabled=True)
+    switcher = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=True)
     switcher.arrived(0.0, 100_000)
     assert switcher.observe(0.1, policy, views, alive=False) == []
-    off = RoleSwitcher(Config(models=(), roles=ROLES), views, enabled=False)
+    off = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=False)
     off.arrived(0.0, 100_000)
     assert off.observe(0.1, policy, views, alive=True) == []
     assert off.roles == {"prefill-0": "prefill", "decode-0": "decode"}
@@ -83,18 +86,19 @@ def test_roles_hold_still_while_an_instance_is_down_or_switching_is_off() -> Non
 
 def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() -> None:
     views = _views()
-    switcher = RoleSwitcher(Config(models=()), views, enabled=False)
+    switcher = RoleSwitcher(Config(models=()), BASE, enabled=False)
     lat = latency_model(["a"])
     _beat(views[0], 3000.0, 1.5, arrival=10.0, prefill=20.0, decode=5.0)
     _beat(views[1], 0.0, 0.0, decode=7.0)
     views[1].hello = InstanceHello("decode", 0, 2, 1 << 20, 1 << 20, 8, {"a": 4096})
-    assert switcher.prefill_velocity(views[0], lat) == 2000.0
-    assert switcher.prefill_velocity(views[1], lat) > 0  # from a profile (here the fallback)
-    assert switcher.cluster_velocity(views) == {"arrival": 10.0, "prefill": 20.0, "decode": 12.0}
+    meters = [view_meter(v) for v in views]
+    assert meters[0] is not None and meters[1] is not None
+    assert switcher.prefill_velocity(meters[0], lat) == 2000.0
+    assert switcher.prefill_velocity(meters[1], lat) > 0  # from a profile (here the fallback)
     # the busy share follows prefill_s between two heartbeats
-    switcher.heartbeat(views[0], 10.0)
+    switcher.heartbeat(view_meter(views[0]), 10.0)
     _beat(views[0], 3500.0, 1.75)
-    switcher.heartbeat(views[0], 10.5)
+    switcher.heartbeat(view_meter(views[0]), 10.5)
     assert switcher.busy["prefill-0"] == 0.5
 
 

@@ -29,6 +29,8 @@ process itself does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from aegaeon_common.config import Config, ModelSettings
@@ -47,6 +49,7 @@ class InstanceLoadInfo(msgspec.Struct, frozen=True):
     queued: int = 0  # prefill requests queued (prefill) / requests in the work list
     running: int = 0
     prefill_s: float = 0.0  # seconds spent prefilling since start (hybrid decode share)
+    prefill_tokens: int = 0  # prompt tokens prefilled since start (its prefill velocity)
     kv_blocks_in_use: int = 0
     open_sequences: int = 0
     kv_used_bytes: int = 0  # device KV: bytes of live blocks, of the usable region
@@ -54,6 +57,7 @@ class InstanceLoadInfo(msgspec.Struct, frozen=True):
     # the models on its device and its count of changes to them (InstanceStats')
     resident_models: list[str] = msgspec.field(default_factory=list)
     residency_version: int = 0
+    velocity: dict[str, float] = msgspec.field(default_factory=dict)  # tokens/s by stage
 
 
 class InstanceRecord(msgspec.Struct, frozen=True):
@@ -89,6 +93,9 @@ class ProxyRecord(msgspec.Struct, frozen=True):
     report_address: str  # where instances send this replica's requests' tokens
     pid: int
     host: str = ""
+    # prompt tokens/s arriving at this replica (its accepted requests): the roles'
+    # decider sums them (``RolesRecord``)
+    arrival_tokens_per_s: float = 0.0
 
 
 class ModelSettingsRecord(msgspec.Struct, frozen=True):
@@ -111,6 +118,21 @@ class ServedModelsRecord(msgspec.Struct, frozen=True):
 
 
 SERVED_MODELS = "servedmodels"
+
+
+class RolesRecord(msgspec.Struct, frozen=True):
+    """Which instances take prefill work (with ``roles.enabled``): instance id ->
+    ``"prefill"`` or ``"decode"``, decided by the replica holding :data:`ROLES_LEASE`;
+    an instance not named keeps its configured role (its kind)."""
+
+    v: int
+    roles: dict[str, str] = msgspec.field(default_factory=dict)
+    proxy: str = ""  # the replica that decided them
+    changes: list[dict[str, Any]] = msgspec.field(default_factory=list)  # the last few
+
+
+ROLES = "roles"
+ROLES_LEASE = "roles-lease"  # held (TTL) by the one replica that decides the roles
 
 
 REQUEST_STATES = ("queued", "prefilled", "decoding")
@@ -188,6 +210,10 @@ def decode_model_settings(raw: bytes) -> ModelSettingsRecord:
 
 def decode_served_models(raw: bytes) -> ServedModelsRecord:
     return msgspec.msgpack.decode(raw, type=ServedModelsRecord)
+
+
+def decode_roles(raw: bytes) -> RolesRecord:
+    return msgspec.msgpack.decode(raw, type=RolesRecord)
 
 
 def open_store(config: Config) -> Store:

@@ -36,11 +36,13 @@ def load_of(stats: InstanceStats) -> InstanceLoadInfo:
     return InstanceLoadInfo(
         active_model=stats.active_model, queued=stats.queued, running=stats.running,
         prefill_s=float(counters.get("prefill_s", 0.0)),
+        prefill_tokens=int(counters.get("prefill_tokens", 0)),
         kv_blocks_in_use=int(counters.get("kv_blocks_in_use", 0)),
         open_sequences=int(counters.get("open_sequences", 0)),
         kv_used_bytes=int(counters.get("kv_used_bytes", 0)),
         kv_capacity_bytes=int(counters.get("kv_capacity_bytes", 0)),
         resident_models=list(stats.resident_models), residency_version=stats.residency_version,
+        velocity=dict(stats.velocity),
     )  # fmt: skip
 
 

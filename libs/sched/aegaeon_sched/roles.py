@@ -135,6 +135,21 @@ class RoleController:
     def instances(self, role: str) -> list[str]:
         return [i for i, r in self.roles.items() if r == role]
 
+    def track(self, base_roles: Mapping[str, str], decided: Mapping[str, str] | None = None
+              ) -> None:  # fmt: skip
+        """The instances are now those of ``base_roles`` (instances join and leave a
+        cluster of many nodes): each in its role from ``decided`` (what another
+        decider chose: a replica that follows one mirrors it), else the one it had,
+        else its configured one; an instance gone is forgotten."""
+        if any(r not in (PREFILL, DECODE) for r in base_roles.values()):
+            raise ValueError(f"roles are {PREFILL!r} or {DECODE!r}")
+        chosen = {i: r for i, r in (decided or {}).items() if r in (PREFILL, DECODE)}
+        self.roles = {i: chosen.get(i) or self.roles.get(i) or base
+                      for i, base in base_roles.items()}  # fmt: skip
+        self.base_roles = dict(base_roles)
+        for gone in set(self._changed_s) - set(base_roles):
+            del self._changed_s[gone]
+
     def _held(self, name: str, holds: bool, now_s: float, hold_s: float) -> bool:
         """Whether condition ``name`` has held for ``hold_s`` (it restarts when it breaks)."""
         if not holds:

@@ -15,7 +15,7 @@ from the caller (random per decision: two replicas never mint the same one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from aegaeon_sched.decode import DecodeDispatcher, DecodeWorkList
@@ -158,22 +158,62 @@ def place_decode(
     latency: LatencyModel | None = None,
     tbt_s: float | None = None,
     max_batch_size: int = 256,
+    reserved: Collection[InstanceId] = (),
 ) -> tuple[InstanceId, int, State]:
     """Algorithm 2's placement over the instances of ``states`` (the prefill's
-    node's decode-capable instances, decode instances first). Returns (instance,
+    node's decode-capable instances, decode instances first; ``reserved``: those
+    in the prefill role, :attr:`DecodeDispatcher.reserved`). Returns (instance,
     batch id, its new state); :class:`NoInstance` when ``states`` is empty."""
     if not states:
         raise NoInstance("no decode instance is alive on the node")
+    dispatcher = _decode_dispatcher(states, capacity_tokens, decode_shares, latency, tbt_s,
+                                    max_batch_size, new_batch_id)  # fmt: skip
+    dispatcher.reserved.update(i for i in reserved if i in states)
+    instance, batch_id = dispatcher.place(request)
+    return instance, batch_id, work_list_state(dispatcher.work_lists[instance])
+
+
+def _decode_dispatcher(
+    states: Mapping[InstanceId, State | None],
+    capacity_tokens: Mapping[InstanceId, Mapping[str, int]],
+    decode_shares: Mapping[InstanceId, float] | None,
+    latency: LatencyModel | None,
+    tbt_s: float | None,
+    max_batch_size: int = 256,
+    next_batch_id: int = 0,
+) -> DecodeDispatcher:
     dispatcher = DecodeDispatcher(list(states), max_batch_size=max_batch_size, latency=latency,
-                                  tbt_s=tbt_s, next_batch_id=new_batch_id)  # fmt: skip
+                                  tbt_s=tbt_s, next_batch_id=next_batch_id)  # fmt: skip
     for instance, state in states.items():
         dispatcher.work_lists[instance] = work_list_from_state(state)
         for model, tokens in capacity_tokens.get(instance, {}).items():
             dispatcher.set_capacity(instance, model, tokens)
         if decode_shares and instance in decode_shares:
             dispatcher.set_decode_share(instance, decode_shares[instance])
-    instance, batch_id = dispatcher.place(request)
-    return instance, batch_id, work_list_state(dispatcher.work_lists[instance])
+    return dispatcher
+
+
+def decode_demands(
+    states: Mapping[InstanceId, State | None],
+    *,
+    capacity_tokens: Mapping[InstanceId, Mapping[str, int]],
+    decode_shares: Mapping[InstanceId, float] | None = None,
+    latency: LatencyModel | None = None,
+    tbt_s: float | None = None,
+) -> dict[InstanceId, float]:
+    """Eq. 3's ``S`` of each work list of ``states`` (:meth:`DecodeDispatcher.demand`):
+    the role switching's decode demand, as one node's proxy reads it from its own."""
+    if not states:
+        return {}
+    dispatcher = _decode_dispatcher(states, capacity_tokens, decode_shares, latency, tbt_s)
+    return {i: dispatcher.demand(i) for i in states}
+
+
+def prefill_backlog(states: Mapping[InstanceId, State | None], max_group_size: int = MAX_GPSIZE
+                    ) -> int:  # fmt: skip
+    """Prompt tokens waiting in the prefill queues of ``states`` (not running)."""
+    return sum(prefill_queue_from_state(s, max_group_size).pending_tokens()
+               for s in states.values())  # fmt: skip
 
 
 def queued_request_ids(state: State | None, prefill: bool) -> set[str]:

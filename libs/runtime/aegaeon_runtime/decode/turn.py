@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.transport import RemoteError
 from aegaeon_engine import DecodeSeq
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
@@ -120,7 +121,17 @@ class TurnRunner:
         # Swap-ins first: their copies run on the swap-in stream while the model
         # is switched in (§5.3), instead of after it.
         self._make_resident(batch)
-        record = w.switcher.activate(batch.model)
+        try:
+            record = w.switcher.activate(batch.model)
+        except RemoteError as exc:
+            if exc.code != "unknown_model":
+                raise
+            # the node's cachemgr forgot the model (removed through another proxy replica
+            # while this work was on its way here): its requests fail, the instance lives
+            for seq in self._seqs(batch):
+                self.admission.fail(seq, "unknown_model", f"model {batch.model!r} is no "
+                                    f"longer served: {exc}")  # fmt: skip
+            return None
         if record is not None:
             self.counters.note_switch(record)
         if next_model is not None:

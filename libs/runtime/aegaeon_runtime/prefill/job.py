@@ -114,6 +114,14 @@ def run_prefill(
         record = w.switcher.activate(msg.model, started)
         if prefetch is not None:
             w.switcher.prefetch(prefetch)
+    except RemoteError as exc:
+        w.kv.free(shape, blocks)
+        if exc.code != "unknown_model":
+            raise
+        # the node's cachemgr forgot the model (removed through another proxy replica
+        # while this request was on its way here): it fails, the instance lives
+        return _failed(w, msg, "unknown_model", f"model {msg.model!r} is no longer served: "
+                       f"{exc}")  # fmt: skip
     except BaseException:
         w.kv.free(shape, blocks)
         raise

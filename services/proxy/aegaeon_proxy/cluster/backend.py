@@ -42,7 +42,7 @@ from aegaeon_common.messages.report import (
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Shedder
+from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Shedder, cluster_velocity
 from aegaeon_sched.admission import AdmissionControl
 from prometheus_client import CollectorRegistry
 
@@ -54,7 +54,7 @@ from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import RoleSwitcher
+from aegaeon_proxy.cluster.roles import RoleSwitcher, base_role, view_meter
 from aegaeon_proxy.cluster.tracked import Tracked
 
 log = get_logger("cluster")
@@ -80,7 +80,8 @@ class ClusterBackend:
         if config.roles.enabled and not config.role_switching:
             log.warning("roles.enabled needs the aegaeon policy with "
                         "scheduler.prefill_decodes_when_idle: roles stay fixed")  # fmt: skip
-        self.roles = RoleSwitcher(config, self.instances, config.role_switching)
+        self.roles = RoleSwitcher(config, {v.name: base_role(v.kind) for v in self.instances},
+                                  config.role_switching)  # fmt: skip
         self._reports = Puller(self.ctx, config.proxy_address, REPORT_CHANNEL, bind=True)
         self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
         self._tasks: list[asyncio.Task[None]] = []
@@ -296,7 +297,7 @@ class ClusterBackend:
             if isinstance(dispatcher, DecodeDispatcher):
                 dispatcher.set_decode_share(view.name, share)
         now = time.monotonic()
-        self.roles.heartbeat(view, now)
+        self.roles.heartbeat(view_meter(view), now)
         if isinstance(self.policy, AegaeonPolicy):
             views = list(self.instances)
             steady = all(v.alive(now) and not v.paused for v in views)
@@ -459,7 +460,8 @@ class ClusterBackend:
             "cache": cache,
             "admission": self.admission.snapshot() if self.admission is not None else None,
             "slo_classes": self.table.classes_snapshot(),
-            "roles": self.roles.snapshot(time.monotonic(), list(self.instances)),
+            "roles": self.roles.snapshot(time.monotonic(), cluster_velocity(
+                v.stats.velocity for v in self.instances if v.stats is not None)),
         }
         if light:
             return out

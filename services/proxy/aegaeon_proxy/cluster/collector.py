@@ -1,13 +1,14 @@
 """A backend's state as metrics, read at scrape time (reads only): the request table's
-(:func:`request_metrics`, every backend) and the single proxy's instances."""
+(:func:`request_metrics`, every backend), the roles (:func:`role_metrics`, every
+backend) and the single proxy's instances."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
-from aegaeon_sched.velocity import STAGES
+from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -30,7 +31,7 @@ class CollectedBackend(Protocol):
 
     def held_counts(self) -> tuple[int, int]: ...
 
-__all__ = ["ClusterCollector", "request_metrics"]
+__all__ = ["ClusterCollector", "request_metrics", "role_metrics"]
 
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
 
@@ -70,46 +71,52 @@ class ClusterCollector(Collector):
 
     def _velocity_and_roles(self) -> Iterator[Metric]:
         b = self._backend
-        roles = b.roles
-        views = list(b.instances)
-        per_instance = GaugeMetricFamily(
-            "aegaeon_instance_velocity_tokens_per_second",
-            "Token velocity of an instance by stage (arrival, prefill, decode; TokenScale "
-            "III-B), from its last heartbeat", labels=["instance", "stage"],
-        )  # fmt: skip
-        for view in views:
-            velocity = view.stats.velocity if view.stats is not None else {}
-            for stage in STAGES:
-                per_instance.add_metric([view.name, stage], float(velocity.get(stage, 0.0)))
-        yield per_instance
-        cluster = GaugeMetricFamily(
-            "aegaeon_cluster_velocity_tokens_per_second",
-            "The cluster's token velocity by stage: its instances' summed", labels=["stage"],
-        )  # fmt: skip
-        for stage, rate in roles.cluster_velocity(views).items():
-            cluster.add_metric([stage], rate)
-        yield cluster
-        yield GaugeMetricFamily(
-            "aegaeon_proxy_arrival_velocity_tokens_per_second",
-            "Prompt tokens per second arriving at the proxy (the role policy's leading signal)",
-            value=roles.arrivals.rate(time.monotonic()),
-        )  # fmt: skip
-        role = GaugeMetricFamily(
-            "aegaeon_instance_role", "1 for an instance's current role (prefill or decode)",
-            labels=["instance", "role"],
-        )  # fmt: skip
-        for view in views:
-            current = roles.role(view.name)
-            for name in ("prefill", "decode"):
-                role.add_metric([view.name, name], float(current == name))
-        yield role
-        switches = CounterMetricFamily(
-            "aegaeon_role_switches", "Instances moved between the prefill and decode roles, "
-            "by the role taken", labels=["role"],
-        )  # fmt: skip
-        for name in ("prefill", "decode"):
-            switches.add_metric([name], float(roles.switches.get(name, 0)))
-        yield switches
+        velocity = {v.name: v.stats.velocity if v.stats is not None else {} for v in b.instances}
+        yield from role_metrics(b.roles, velocity)
+
+
+def role_metrics(roles: RoleSwitcher, velocity: Mapping[str, Mapping[str, float]]
+                 ) -> Iterator[Metric]:  # fmt: skip
+    """Token velocity (``velocity``: each instance's by stage, from its last heartbeat),
+    the roles and their changes (those ``roles`` made: each change is counted by the
+    proxy that decided it)."""
+    per_instance = GaugeMetricFamily(
+        "aegaeon_instance_velocity_tokens_per_second",
+        "Token velocity of an instance by stage (arrival, prefill, decode; TokenScale "
+        "III-B), from its last heartbeat", labels=["instance", "stage"],
+    )  # fmt: skip
+    for name, stages in velocity.items():
+        for stage in STAGES:
+            per_instance.add_metric([name, stage], float(stages.get(stage, 0.0)))
+    yield per_instance
+    cluster = GaugeMetricFamily(
+        "aegaeon_cluster_velocity_tokens_per_second",
+        "The cluster's token velocity by stage: its instances' summed", labels=["stage"],
+    )  # fmt: skip
+    for stage, rate in cluster_velocity(velocity.values()).items():
+        cluster.add_metric([stage], rate)
+    yield cluster
+    yield GaugeMetricFamily(
+        "aegaeon_proxy_arrival_velocity_tokens_per_second",
+        "Prompt tokens per second arriving at the proxy (the role policy's leading signal)",
+        value=roles.arrivals.rate(time.monotonic()),
+    )  # fmt: skip
+    role = GaugeMetricFamily(
+        "aegaeon_instance_role", "1 for an instance's current role (prefill or decode)",
+        labels=["instance", "role"],
+    )  # fmt: skip
+    for name in velocity:
+        current = roles.role(name)
+        for kind in ("prefill", "decode"):
+            role.add_metric([name, kind], float(current == kind))
+    yield role
+    switches = CounterMetricFamily(
+        "aegaeon_role_switches", "Instances moved between the prefill and decode roles, "
+        "by the role taken", labels=["role"],
+    )  # fmt: skip
+    for kind in ("prefill", "decode"):
+        switches.add_metric([kind], float(roles.switches.get(kind, 0)))
+    yield switches
 
 
 def request_metrics(table: RequestTable) -> Iterator[Metric]:

@@ -15,6 +15,9 @@ the metadata of every request in flight live in the shared store
   replicas never both book an instance on the same picture of it.
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
   a request's tokens to the replica that holds its client.
+* **Roles** (``roles.enabled``): one replica decides which instances take
+  prefill work, from the same shared state, and every replica dispatches by its
+  record (``cluster.replica_roles``).
 * **A node that dies** stops beating; once its records expire (TTL) every
   replica drops it from dispatch, and each replica ends its own requests there
   (``instance_failed``) or dispatches again those that had no token yet.
@@ -90,12 +93,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
-from aegaeon_proxy.cluster.collector import request_metrics
+from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
+from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked
@@ -174,6 +178,8 @@ class DistributedBackend:
         # the replicas share
         self.models = ReplicaModels(config, self.view, self.caches, self.store, self._send,
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
+        # with roles.enabled, which instances take prefill work (one replica decides)
+        self.roles = ReplicaRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,
@@ -318,6 +324,7 @@ class DistributedBackend:
     # ---- placement (the request table's Placement) ----------------------------
     def place(self, tracked: Tracked) -> None:
         """Admitted: listed as this replica's, then dispatched (a store transaction)."""
+        self.roles.arrived(time.monotonic(), tracked.sched.prompt_len)
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
@@ -419,6 +426,10 @@ class DistributedBackend:
         by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
         shares = {i: s for i, s in self._decode_shares.items() if i in by_id}
+        # with roles moving, an instance in the prefill role takes new decode requests
+        # only while no decode-role one keeps up (as on one node)
+        reserved = {r.instance_id for r in candidates
+                    if self.config.role_switching and self.view.role(r) == "prefill"}
         latency = self.view.latency()
         sched = self.config.scheduler
 
@@ -427,7 +438,7 @@ class DistributedBackend:
             instance, batch_id, state = place_decode(
                 states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
-                max_batch_size=sched.max_batch_size,
+                max_batch_size=sched.max_batch_size, reserved=reserved,
             )  # fmt: skip
             return {by_id[instance][1]: _dump(state)}, (instance, batch_id)
 
@@ -567,6 +578,7 @@ class DistributedBackend:
                 await self.models.follow()
                 joined, left = await self.view.refresh()
                 await self._follow_settings()
+                await self.roles.refresh()
                 self._store_ok = True
             except StoreError as exc:
                 if self._store_ok:
@@ -582,7 +594,10 @@ class DistributedBackend:
                 self._instance_left(record)
             self.models.ops.changed()  # waits on the instances look again
             for record in self.view.live.values():
-                if record.kind == "prefill" and self.config.hybrid_prefill:
+                # a prefill instance decodes when idle; with roles moving, a decode one
+                # prefills: either's decode share is what its prefills leave
+                prefills = record.kind == "prefill" or self.config.role_switching
+                if prefills and self.config.hybrid_prefill:
                     share = self._shares.observe(record.instance_id, record.load.prefill_s)
                     self._decode_shares[record.instance_id] = share
             for rid, where in list(self.where.items()):
@@ -639,10 +654,13 @@ class DistributedBackend:
 
     # ---- this replica's heartbeat and the reaper -----------------------------
     async def _beat_loop(self) -> None:
-        record = ProxyRecord(v=1, proxy_id=self.proxy_id, report_address=self.report_address,
-                             pid=os.getpid(), host=socket.gethostname())  # fmt: skip
         ttl_s = self.config.store.heartbeat_ttl_s
         while not self._closing:
+            record = ProxyRecord(
+                v=1, proxy_id=self.proxy_id, report_address=self.report_address,
+                pid=os.getpid(), host=socket.gethostname(),
+                arrival_tokens_per_s=self.roles.arrival_rate(time.monotonic()),
+            )  # fmt: skip
             try:
                 await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
                 await self.store.set_add(PROXIES, self.proxy_id)
@@ -731,7 +749,8 @@ class DistributedBackend:
             "requests": len(self.requests),
             "instances": {
                 r.instance_id: {"alive": True, "pid": r.pid, "node": r.node,
-                                "draining": r.draining, "active_model": r.load.active_model}
+                                "draining": r.draining, "active_model": r.load.active_model,
+                                "role": self.view.role(r)}
                 for r in self.view.live.values()
             },
         }
@@ -752,7 +771,7 @@ class DistributedBackend:
                 {"name": r.instance_id, "kind": r.kind, "index": r.index, "node": r.node,
                  "pid": r.pid, "alive": True, "draining": r.draining,
                  "kv_blocks_in_use": r.load.kv_blocks_in_use, "leases": -1,
-                 "open_sequences": r.load.open_sequences}
+                 "open_sequences": r.load.open_sequences, "role": self.view.role(r)}
                 for r in self.view.live.values()
             ],
             "nodes": sorted({r.node for r in self.view.live.values()}),
@@ -761,6 +780,7 @@ class DistributedBackend:
             "dispatch_s": {"count": len(samples), "p50": pct(0.5), "p99": pct(0.99)},
             "admission": self.table.admission.snapshot() if self.table.admission else None,
             "slo_classes": self.table.classes_snapshot(),
+            "roles": self.roles.snapshot(time.monotonic()),
         }
         if light:
             return out
@@ -805,6 +825,7 @@ class _Collector(Collector):
             up.add_metric([iid], 1.0)
         yield up
         yield from request_metrics(b.table)
+        yield from role_metrics(b.roles.switcher, b.roles.velocity())
         yield GaugeMetricFamily("aegaeon_held_requests", "Requests waiting for an instance",
                                 value=len(b.held))  # fmt: skip
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",

@@ -34,6 +34,9 @@ class RegistryView:
     store: Store
     hybrid_prefill: bool  # prefill instances also decode (decode placement includes them)
     live: dict[str, InstanceRecord] = field(default_factory=dict)
+    # the roles decided (``cluster.replica_roles``): instance -> "prefill" | "decode";
+    # an instance not named has its kind's
+    roles: dict[str, str] = field(default_factory=dict)
     num_refreshes: int = 0
     _latency: tuple[tuple[str, int, tuple[str, ...]], LatencyModel] | None = None
 
@@ -66,9 +69,15 @@ class RegistryView:
         record = self.live.get(instance_id)
         return record is not None and record.incarnation == incarnation
 
+    def role(self, record: InstanceRecord) -> str:
+        """Where new work for ``record`` goes: "prefill" (it takes prefill work) or
+        "decode"."""
+        return self.roles.get(record.instance_id) or ("prefill" if record.kind == "prefill"
+                                                      else "decode")  # fmt: skip
+
     def prefill_candidates(self) -> list[InstanceRecord]:
-        """Every node's prefill instances that take new work (Algorithm 1's I_P), the
-        least busy node first.
+        """Every node's instances in the prefill role that take new work (Algorithm 1's
+        I_P), the least busy node first.
 
         Algorithm 1 gives ties (equal queued prefill time, e.g. every queue empty) to
         the first instance, and decode placement stays on the prefill's node, so in
@@ -79,7 +88,7 @@ class RegistryView:
         busy: dict[str, int] = {}
         for record in self.live.values():
             busy[record.node] = busy.get(record.node, 0) + record.load.open_sequences
-        prefill = [r for r in self.live.values() if r.kind == "prefill" and not r.draining]
+        prefill = [r for r in self.live.values() if self.role(r) == "prefill" and not r.draining]
         return sorted(prefill, key=lambda r: (busy[r.node], r.instance_id))
 
     def decode_candidates(self, node: str) -> list[InstanceRecord]:

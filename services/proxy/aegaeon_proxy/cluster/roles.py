@@ -1,7 +1,11 @@
 """Prefill/decode role switching in the proxy: token velocity in, role changes out.
 
-The policy (:mod:`aegaeon_sched.roles`) is pure; this is its driver. Every
-instance heartbeat feeds it one observation (:meth:`RoleSwitcher.observe`):
+The policy (:mod:`aegaeon_sched.roles`) is pure; this is its driver, one for a
+node's proxy (every instance heartbeat feeds it one observation:
+:meth:`RoleSwitcher.observe`) and one for the replica that decides the roles of
+many nodes (``cluster.replica_roles``: every registry refresh,
+:meth:`RoleSwitcher.decide`). What an instance says of its prefills reaches it
+as a :class:`Meter`, from a heartbeat or a registry record:
 
 * **arrival velocity**: prompt tokens/s arriving at the proxy (the requests it
   accepted, a short window: :class:`aegaeon_sched.Velocity`), the leading
@@ -28,10 +32,13 @@ hold still (its capacity is unknown).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.structs import LatencyProfile
+from aegaeon_common.registry import InstanceRecord
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import (
     AegaeonPolicy,
@@ -41,7 +48,6 @@ from aegaeon_sched import (
     RoleSettings,
     RoleSignals,
     Velocity,
-    cluster_velocity,
 )
 from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
 
@@ -52,12 +58,42 @@ log = get_logger("cluster")
 MIN_MEASURED_S = 0.2  # prefill seconds before an instance's measured rate replaces the estimate
 MAX_CHANGES = 64  # role changes kept for /v1/aegaeon/stats
 
-__all__ = ["RoleSwitcher", "base_role", "settings_of"]
+__all__ = ["Meter", "RoleSwitcher", "base_role", "record_meter", "settings_of", "view_meter"]
 
 
-def base_role(view: InstanceView) -> str:
+def base_role(kind: str) -> str:
     """An instance's configured role: its process kind."""
-    return PREFILL if view.kind == "prefill" else DECODE
+    return PREFILL if kind == "prefill" else DECODE
+
+
+@dataclass(frozen=True)
+class Meter:
+    """What an instance's last heartbeat says of its prefills."""
+
+    name: str
+    incarnation: int
+    prefill_s: float  # seconds spent prefilling since it started
+    prefill_tokens: float  # prompt tokens prefilled since it started
+    models: tuple[str, ...]
+    latency: LatencyProfile | None  # its start-up profile, where it sent one
+
+
+def view_meter(view: InstanceView) -> Meter | None:
+    """One node's instance (None before its first heartbeat)."""
+    if view.stats is None:
+        return None
+    counters, hello = view.stats.counters, view.hello
+    return Meter(view.name, view.incarnation, float(counters.get("prefill_s", 0.0)),
+                 float(counters.get("prefill_tokens", 0.0)),
+                 tuple(hello.capacity_tokens) if hello is not None else (),
+                 hello.latency if hello is not None else None)  # fmt: skip
+
+
+def record_meter(record: InstanceRecord) -> Meter:
+    """An instance of many nodes, from its registry record."""
+    return Meter(record.instance_id, record.incarnation, record.load.prefill_s,
+                 float(record.load.prefill_tokens), tuple(record.capacity_tokens),
+                 record.latency)  # fmt: skip
 
 
 def settings_of(config: Config) -> RoleSettings:
@@ -76,10 +112,9 @@ class RoleSwitcher:
     docstring). With ``enabled`` false it only keeps the velocities (metrics, stats):
     every instance keeps its configured role."""
 
-    def __init__(self, config: Config, views: Iterable[InstanceView], enabled: bool) -> None:
+    def __init__(self, config: Config, base_roles: Mapping[str, str], enabled: bool) -> None:
         self.enabled = enabled
-        self.controller = RoleController({v.name: base_role(v) for v in views},
-                                         settings_of(config))  # fmt: skip
+        self.controller = RoleController(base_roles, settings_of(config))
         self.arrivals = Velocity()
         self.busy: dict[str, float] = {}  # instance -> prefill busy share, last heartbeats
         self._prev: dict[str, tuple[float, float]] = {}  # instance -> (t, prefill_s)
@@ -97,57 +132,65 @@ class RoleSwitcher:
     def arrived(self, now_s: float, prompt_tokens: int) -> None:
         self.arrivals.add(now_s, prompt_tokens)
 
-    def heartbeat(self, view: InstanceView, now_s: float) -> None:
-        """Update ``view``'s prefill busy share from its latest heartbeat."""
-        if view.stats is None:
+    def heartbeat(self, meter: Meter | None, now_s: float) -> None:
+        """Update the instance's prefill busy share from its latest heartbeat."""
+        if meter is None:
             return
-        prefill_s = float(view.stats.counters.get("prefill_s", 0.0))
-        prev = self._prev.get(view.name)
-        if prev is not None and now_s > prev[0] and prefill_s >= prev[1]:
-            self.busy[view.name] = min(1.0, (prefill_s - prev[1]) / (now_s - prev[0]))
-        self._prev[view.name] = (now_s, prefill_s)
+        prev = self._prev.get(meter.name)
+        if prev is not None and now_s > prev[0] and meter.prefill_s >= prev[1]:
+            self.busy[meter.name] = min(1.0, (meter.prefill_s - prev[1]) / (now_s - prev[0]))
+        self._prev[meter.name] = (now_s, meter.prefill_s)
 
-    def prefill_velocity(self, view: InstanceView, fallback: LatencyModel) -> float:
-        """Prompt tokens/s ``view`` prefills while busy: measured, else estimated."""
-        counters = view.stats.counters if view.stats is not None else {}
-        busy_s = float(counters.get("prefill_s", 0.0))
-        if busy_s >= MIN_MEASURED_S:
-            return float(counters.get("prefill_tokens", 0.0)) / busy_s
-        key = (view.name, view.incarnation)
+    def prefill_velocity(self, meter: Meter, fallback: LatencyModel) -> float:
+        """Prompt tokens/s the instance prefills while busy: measured, else estimated."""
+        if meter.prefill_s >= MIN_MEASURED_S:
+            return meter.prefill_tokens / meter.prefill_s
+        key = (meter.name, meter.incarnation)
         if key not in self._estimates:
-            self._estimates[key] = self._estimate(view, fallback)
+            self._estimates[key] = self._estimate(meter, fallback)
         return self._estimates[key]
 
     @staticmethod
-    def _estimate(view: InstanceView, fallback: LatencyModel) -> float:
-        hello = view.hello
-        models = list(hello.capacity_tokens) if hello is not None else []
-        if hello is not None and hello.latency is not None:
+    def _estimate(meter: Meter, fallback: LatencyModel) -> float:
+        if meter.latency is not None:
             try:
-                own = LatencyModel.from_dict(to_plain(hello.latency))
-                return estimated_prefill_velocity(own, models)
+                own = LatencyModel.from_dict(to_plain(meter.latency))
+                return estimated_prefill_velocity(own, meter.models)
             except (KeyError, ValueError, ZeroDivisionError):
                 pass  # a profile without prefill terms: the prefill instances' one
         try:
-            return estimated_prefill_velocity(fallback, models)
+            return estimated_prefill_velocity(fallback, meter.models)
         except (KeyError, ValueError, ZeroDivisionError):
             return 0.0
 
     def observe(
         self, now_s: float, policy: AegaeonPolicy, views: list[InstanceView], alive: bool
     ) -> list[RoleChange]:
-        """One observation; the changes to carry out (``policy.set_role``), 0 or 1.
-        ``alive``: every instance is up and none is draining (else nothing changes)."""
-        if not self.enabled or not alive:
-            return []
+        """One node's observation: the backlog and the decode demand from its ``policy``;
+        the changes to carry out (``policy.set_role``), 0 or 1. ``alive``: every
+        instance is up and none is draining (else nothing changes)."""
         backlog = sum(q.pending_tokens() for q in policy.prefill.queues.values())
         backlog += sum(r.prompt_len for r in policy.held_arrivals.values())
         decode = policy.decode
+        meters = [m for m in map(view_meter, views) if m is not None]
+        demand = {i: decode.demand(i) for i in decode.work_lists}
+        return self.decide(now_s, meters, backlog, demand, policy.latency, alive)
+
+    def decide(self, now_s: float, meters: Iterable[Meter], backlog_tokens: int,
+               decode_demand: Mapping[str, float], fallback: LatencyModel, alive: bool,
+               arrival_tokens_per_s: float | None = None) -> list[RoleChange]:  # fmt: skip
+        """One observation (prompt tokens queued for prefill, Eq. 3's demand of each
+        work list; the arrival velocity, default this proxy's own); the changes, 0 or
+        1, already applied to :attr:`roles`."""
+        if not self.enabled or not alive:
+            return []
+        arrivals = self.arrivals.rate(now_s) if arrival_tokens_per_s is None \
+            else arrival_tokens_per_s
         signals = RoleSignals(
-            arrival_tokens_per_s=self.arrivals.rate(now_s),
-            backlog_tokens=backlog,
-            prefill_velocity={v.name: self.prefill_velocity(v, policy.latency) for v in views},
-            decode_demand={i: decode.demand(i) for i in decode.work_lists},
+            arrival_tokens_per_s=arrivals,
+            backlog_tokens=backlog_tokens,
+            prefill_velocity={m.name: self.prefill_velocity(m, fallback) for m in meters},
+            decode_demand=dict(decode_demand),
             prefill_busy=dict(self.busy),
         )
         changes = self.controller.observe(now_s, signals)
@@ -160,12 +203,9 @@ class RoleSwitcher:
                      reason=change.reason, **self.controller.last)  # fmt: skip
         return changes
 
-    def cluster_velocity(self, views: Iterable[InstanceView]) -> dict[str, float]:
-        """Tokens/s by stage summed over the instances' last heartbeats."""
-        return cluster_velocity(v.stats.velocity for v in views if v.stats is not None)
-
-    def snapshot(self, now_s: float, views: list[InstanceView]) -> dict[str, object]:
-        """For ``/v1/aegaeon/stats``: roles, what they were decided on, changes."""
+    def snapshot(self, now_s: float, velocity: Mapping[str, float]) -> dict[str, object]:
+        """For ``/v1/aegaeon/stats``: roles, what they were decided on, changes;
+        ``velocity``: the cluster's tokens/s by stage."""
         return {
             "enabled": self.enabled,
             "roles": self.roles,
@@ -174,6 +214,6 @@ class RoleSwitcher:
             "changes": list(self.changes),
             "signals": dict(self.controller.last),
             "arrival_tokens_per_s": self.arrivals.rate(now_s),
-            "cluster_velocity": self.cluster_velocity(views),
+            "cluster_velocity": dict(velocity),
             "prefill_busy": dict(self.busy),
         }
