@@ -98,10 +98,14 @@ async def test_one_replica_decides_on_every_replicas_arrivals_and_the_others_fol
     assert snap["decider"] == "a" and snap["deciding"] is False
     changes = snap["changes"]
     assert isinstance(changes, list) and changes[-1]["instance"] == "a/decode-0"
-    # replica a stops: its lease lapses and b decides, from the roles a decided
+    # replica a dies: its lease lapses and b decides, from the roles a decided
     clock[0] += LEASE_S + 0.1
     await b.refresh()
     assert b.deciding and b.view.roles["a/decode-0"] == "prefill"
+    # b stops cleanly: it gives the lease up, and a decides at its next read
+    await b.leave()
+    await a.refresh()
+    assert a.deciding
 
 
 async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabled() -> None:

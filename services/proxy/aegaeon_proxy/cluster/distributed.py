@@ -224,6 +224,7 @@ class DistributedBackend:
         with contextlib.suppress(StoreError):
             await self.store.delete(proxy_key(self.proxy_id), proxy_requests_key(self.proxy_id))
             await self.store.set_remove(PROXIES, self.proxy_id)
+            await self.roles.leave()
 
     def ready(self) -> bool:
         """The store answers and some prefill instance is registered."""

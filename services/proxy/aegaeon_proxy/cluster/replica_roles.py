@@ -114,6 +114,17 @@ class ReplicaRoles:
 
         return await self.store.transact([ROLES_LEASE], claim, ttl_s=LEASE_S)
 
+    async def leave(self) -> None:
+        """A replica that stops gives the lease up (another decides at once, from the
+        roles it wrote). Raises ``StoreError``."""
+        me = self.proxy_id.encode()
+
+        def release(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            return ({ROLES_LEASE: None} if values[0] == me else {}), None
+
+        await self.store.transact([ROLES_LEASE], release)
+        self.deciding = False
+
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
         meters = [record_meter(r) for r in records]
