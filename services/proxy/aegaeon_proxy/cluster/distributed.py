@@ -78,7 +78,7 @@ from aegaeon_common.registry import (
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, release_security
 from aegaeon_common.wire import Message
-from aegaeon_sched import NoInstance
+from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
     State,
     dispatch_prefill,
@@ -757,11 +757,9 @@ class DistributedBackend:
         }
 
     async def stats(self, light: bool = False) -> dict[str, object]:
-        samples = sorted(self.dispatch_s)
-
-        def pct(q: float) -> float | None:
-            return samples[min(len(samples) - 1, int(q * len(samples)))] if samples else None
-
+        samples = list(self.dispatch_s)
+        p50, p99 = ((percentile(samples, 50), percentile(samples, 99)) if samples
+                    else (None, None))  # fmt: skip
         out: dict[str, object] = {
             "policy": self.config.scheduler.policy,
             "proxy_id": self.proxy_id,
@@ -778,7 +776,7 @@ class DistributedBackend:
             "nodes": sorted({r.node for r in self.view.live.values()}),
             "store": {"kind": self.config.store.kind, "commits": self.store.num_commits,
                       "conflicts": self.store.num_conflicts},
-            "dispatch_s": {"count": len(samples), "p50": pct(0.5), "p99": pct(0.99)},
+            "dispatch_s": {"count": len(samples), "p50": p50, "p99": p99},
             "admission": self.table.admission.snapshot() if self.table.admission else None,
             "slo_classes": self.table.classes_snapshot(),
             "roles": self.roles.snapshot(time.monotonic()),
