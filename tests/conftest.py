@@ -13,9 +13,10 @@ from market_support import market_cache
 from serve_harness import Served, serving
 
 # The modules whose tests share one `aegaeon serve` of the default config (the session
-# fixture `served`, tests/e2e/conftest.py), in the order they run: together, so that the
-# node starts once per session (once per pytest-xdist worker: they are one work unit), and
-# the chaos run, which kills every service in turn, last.
+# fixture `served` below), in the order they run: together, so that the node starts once
+# (one pytest-xdist work unit: one worker runs them all), and the chaos run, which kills
+# every service in turn, last. Each leaves the node serving and holding nothing, as the
+# next one needs it (the chaos run and the rolling restart check that it does).
 SHARED_NODE_MODULES = (
     "tests/e2e/test_serve_openai.py",
     "tests/e2e/test_serve_classes.py",
