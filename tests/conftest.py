@@ -6,11 +6,13 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from market_support import market_cache
-from serve_harness import Served, serving
+
+if TYPE_CHECKING:  # the harness imports the node's tooling: only where a test serves
+    from serve_harness import Served
 
 # The modules whose tests share one `aegaeon serve` of the default config (the session
 # fixture `served` below), in the order they run: together, so that the node starts once
@@ -127,6 +129,8 @@ def served(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     :data:`SHARED_NODE_MODULES`; stopped, and `serving`'s checks made (exit 0, no process
     and no shared memory left), after the last test in a row that uses it (see
     :func:`pytest_runtest_teardown`), not at the end of the session."""
+    from serve_harness import serving
+
     with serving(small_market, tmp_path_factory.mktemp("serve") / "run") as node:
         yield node
 
