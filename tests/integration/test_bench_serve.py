@@ -1,4 +1,5 @@
-"""`aegaeon bench serve` against a real `aegaeon serve` on a small market, then a clean stop.
+"""`aegaeon bench serve` against a real `aegaeon serve` on a small market (the shared node
+of tests/conftest.py, which checks its clean stop), on 3 of its models.
 
 The load is derived from what this machine measures, never a fixed rate: a
 probe first serves a few of the workload's own requests one at a time, and the
@@ -17,12 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-from market_support import market_cache
-
-# The e2e harness starts and stops `aegaeon serve` as a user would; reuse it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from serve_harness import Served, serving
+from serve_harness import Served
 
 NUM_MODELS = 3
 LOAD_FRACTION = 0.25  # of the one-at-a-time capacity the probe measures
@@ -31,16 +27,6 @@ SEED = 1
 SCALE = 0.05  # ShareGPT input and output lengths x this
 EXPECTED_KEYS = {"slo_attainment", "qos", "ttft_p50", "ttft_p99", "tbt_p50", "tbt_p99",
                  "switches", "completed", "failed", "requests"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def small_market(pytestconfig: pytest.Config) -> Path:
-    """A 3-model market of the ``small`` profile (~7 s to build; kept across sessions)."""
-    from aegaeon_market import ensure_market
-
-    market = market_cache(pytestconfig) / f"bench-serve-small{NUM_MODELS}"
-    ensure_market(market, num_models=NUM_MODELS, profile="small", progress=False)
-    return market
 
 
 def _post(url: str, body: dict[str, object]) -> dict[str, object]:
@@ -85,49 +71,48 @@ def _stats(served: Served) -> dict[str, object]:
     return served.get_json("/v1/aegaeon/stats")
 
 
-def test_bench_serve_live(small_market: Path, tmp_path: Path) -> None:
-    with serving(small_market, tmp_path / "run") as served:
-        models = [m["id"] for m in served.get_json("/v1/models")["data"]][:NUM_MODELS]  # type: ignore[index]
-        rps = probe_rps_per_model(served, small_market, models)
-        switches_before = _switches(_stats(served))
-        trace = tmp_path / "trace.jsonl"
-        argv = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", served.url,
-                "--models", str(NUM_MODELS), "--rps", f"{rps:.4f}", "--duration",
-                str(DURATION_S), "--seed", str(SEED), "--input-scale", str(SCALE),
-                "--output-scale", str(SCALE), "--market", str(small_market),
-                "--ttft", "5", "--tbt", "0.5", "--grace", "120", "--json", "--quiet",
-                "--trace", str(trace)]  # fmt: skip
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"probed {rps:.3f} RPS per model: {result['requests']} requests, "
-              f"attainment {result['slo_attainment']:.3f}, {result['switches']} switches")
-        assert set(result) >= EXPECTED_KEYS
-        # every request accounted for, and at a quarter of capacity every one completes
-        assert result["requests"] > 0
-        assert result["completed"] == result["requests"], (rps, result, proc.stderr[-2000:])
-        assert result["failed"] == 0 and result["unfinished"] == 0
-        assert 0.0 <= result["slo_attainment"] <= 1.0 and isinstance(result["switches"], int)
-        lines = [json.loads(line) for line in trace.read_text().splitlines()]
-        assert len(lines) == result["requests"]
-        assert {line["model"] for line in lines} <= set(models)
-        for line in lines:
-            assert line["status"] == "ok"
-            assert len(line["token_times_s"]) == line["expected_tokens"]
-            assert line["arrival_s"] <= line["token_times_s"][0]
-            assert line["token_times_s"] == sorted(line["token_times_s"])
-        # Tokens travel a few steps per message (TBT 0.5 s: held up to 0.5 s) but
-        # reach the client one event each (held back only by the detokenizer).
-        events = sum(line["num_events"] for line in lines)
-        assert events >= 0.8 * sum(line["expected_tokens"] for line in lines)
-        stats = json.loads(trace.with_name(trace.name + ".stats.json").read_text())
-        server_ids = {t["request_id"] for t in stats["timings"]}
-        assert {line["server_id"] for line in lines} <= server_ids
-        assert trace.with_name(trace.name + ".kv.jsonl").read_text().strip()
-        # 3 models on instances whose buffers hold 2: serving them all means switching
-        if len({line["model"] for line in lines}) == NUM_MODELS:
-            assert _switches(_stats(served)) > switches_before
-        _assert_no_kv_held(served)
+def test_bench_serve_live(served: Served, small_market: Path, tmp_path: Path) -> None:
+    models = [m["id"] for m in served.get_json("/v1/models")["data"]][:NUM_MODELS]  # type: ignore[index]
+    rps = probe_rps_per_model(served, small_market, models)
+    switches_before = _switches(_stats(served))
+    trace = tmp_path / "trace.jsonl"
+    argv = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", served.url,
+            "--models", str(NUM_MODELS), "--rps", f"{rps:.4f}", "--duration",
+            str(DURATION_S), "--seed", str(SEED), "--input-scale", str(SCALE),
+            "--output-scale", str(SCALE), "--market", str(small_market),
+            "--ttft", "5", "--tbt", "0.5", "--grace", "120", "--json", "--quiet",
+            "--trace", str(trace)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"probed {rps:.3f} RPS per model: {result['requests']} requests, "
+          f"attainment {result['slo_attainment']:.3f}, {result['switches']} switches")
+    assert set(result) >= EXPECTED_KEYS
+    # every request accounted for, and at a quarter of capacity every one completes
+    assert result["requests"] > 0
+    assert result["completed"] == result["requests"], (rps, result, proc.stderr[-2000:])
+    assert result["failed"] == 0 and result["unfinished"] == 0
+    assert 0.0 <= result["slo_attainment"] <= 1.0 and isinstance(result["switches"], int)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == result["requests"]
+    assert {line["model"] for line in lines} <= set(models)
+    for line in lines:
+        assert line["status"] == "ok"
+        assert len(line["token_times_s"]) == line["expected_tokens"]
+        assert line["arrival_s"] <= line["token_times_s"][0]
+        assert line["token_times_s"] == sorted(line["token_times_s"])
+    # Tokens travel a few steps per message (TBT 0.5 s: held up to 0.5 s) but
+    # reach the client one event each (held back only by the detokenizer).
+    events = sum(line["num_events"] for line in lines)
+    assert events >= 0.8 * sum(line["expected_tokens"] for line in lines)
+    stats = json.loads(trace.with_name(trace.name + ".stats.json").read_text())
+    server_ids = {t["request_id"] for t in stats["timings"]}
+    assert {line["server_id"] for line in lines} <= server_ids
+    assert trace.with_name(trace.name + ".kv.jsonl").read_text().strip()
+    # 3 models on instances whose buffers hold 2: serving them all means switching
+    if len({line["model"] for line in lines}) == NUM_MODELS:
+        assert _switches(_stats(served)) > switches_before
+    _assert_no_kv_held(served)
 
 
 def _switches(stats: dict[str, object]) -> float:

@@ -77,6 +77,16 @@ def until(what: str, check: Any, timeout_s: float) -> Any:
         time.sleep(0.2)
 
 
+def prompt_body(
+    model: str, k: int, priority: str, max_tokens: int = 4, num_words: int = 600
+) -> dict[str, Any]:
+    """A greedy completion request ``k`` with a long prompt of ``num_words`` words (prefill
+    work that queues up) at ``priority``, run to ``max_tokens``."""
+    prompt = f"request {k}: " + " ".join(f"w{(k * 7 + i) % 97}" for i in range(num_words))
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "priority": priority}  # fmt: skip
+
+
 async def stream_completion(
     session: Any, base_url: str, body: dict[str, Any], firsts: dict[str, float], name: str
 ) -> tuple[int, str | None]:
