@@ -3,7 +3,9 @@ KV handoffs nobody claimed (in-memory worker, fake_worker.py)."""
 
 from __future__ import annotations
 
-from aegaeon_common.messages.prefill import EnqueuePrefill, ProxyStarted
+import os
+
+from aegaeon_common.messages.prefill import AckDrain, EnqueuePrefill, ProxyStarted
 from aegaeon_common.messages.report import PrefillDone, StepTokens
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_runtime.decode.loop import DecodeLoop
@@ -79,3 +81,22 @@ def test_a_hybrid_drops_its_sequences_and_queue_and_frees_its_unclaimed_handoff(
     assert w.kv.device_bytes_used() == 0  # every device block came back
     assert set(w.kv.host_freed) == set(w.cache.reassigned)  # and every claimed host block
     assert loop.load.prefill_requests == 0 and loop.load.decode_requests == 0
+
+
+def test_a_stopped_proxys_answer_ends_a_later_drain_at_once_until_a_new_proxy_starts() -> None:
+    # A node's stop stops the proxy first; it answers every instance's drain in advance
+    # (``AckDrain``: nothing more comes from it), so an idle instance stops at once on
+    # its SIGTERM instead of waiting ack_wait_s for an answer that cannot come.
+    w = FakeWorker(latency_model(["a"]), kind="prefill")
+    estimator = LatencyModel.from_dict(w.truth.to_dict())
+    loop = PrefillLoop(w, TimedInbox(w.clock, []), Outbox(), clock=w.clock,
+                       profile=lambda: estimator)  # fmt: skip
+    loop.drain.ack_wait_s = 3600.0
+    loop._apply([ProxyStarted(7), AckDrain(os.getpid())])
+    loop.drain.request()
+    assert loop.drain.done(idle=True)
+    # a new proxy may send work again: a drain waits for its answer
+    loop._apply([ProxyStarted(8)])
+    assert not loop.drain.done(idle=True)
+    loop._apply([AckDrain(os.getpid() + 1)])  # an earlier process's answer
+    assert not loop.drain.done(idle=True)

@@ -162,6 +162,7 @@ class DecodeLoop:
         if msg.proxy == self._proxy:
             return
         self._proxy = msg.proxy
+        self.drain.acked = False  # a drain waits for this proxy's answer
         queued = self.prefill.drop_all() if self.prefill is not None else 0
         dropped = self.admission.drop_all()
         freed = (self.prefill.handoffs.free_unclaimed(self.worker.cache)

@@ -261,6 +261,7 @@ class PrefillLoop:
         if msg.proxy == self._proxy:
             return
         self._proxy = msg.proxy
+        self.drain.acked = False  # a drain waits for this proxy's answer
         dropped = self.drop_all()
         freed = self.handoffs.free_unclaimed(self.worker.cache)
         if dropped or freed:

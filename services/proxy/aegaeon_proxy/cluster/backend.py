@@ -109,6 +109,12 @@ class ClusterBackend:
 
     async def stop(self) -> None:
         self.table.cancel_all()
+        # nothing more comes from this proxy: an instance stopped after it (a node's
+        # stop: the proxy first) drains without waiting for an answer (``AckDrain``'s
+        # meaning); a proxy that starts again says so first (``ProxyStarted``)
+        for view in self.instances:
+            if view.pid is not None:
+                self._actions.send(view.name, AckDrain(view.pid))
         stuck = await cancel_tasks(self._tasks)
         if stuck:
             log.warning("tasks_not_cancelled", tasks=stuck)
