@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from aegaeon_bench.node.launch import free_port
 
 INSTALL_LOG = Path("/tmp/aegaeon-redis-install.log")
 
@@ -36,12 +37,6 @@ def redis_server_binary() -> str | None:
             if cmd[1] == "install" and done.returncode == 0:
                 break
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

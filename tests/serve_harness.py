@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typing import Any
 import psutil
 import yaml
 from aegaeon_bench.node.client import sse_events
-from aegaeon_bench.node.launch import free_port
+from aegaeon_bench.node.launch import free_port, interrupt
 from aegaeon_bench.node.probe import shm_segments
 
 READY_TIMEOUT_S = 240.0
@@ -131,13 +130,7 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
 def stop_serve(served: Served, timeout_s: float = 60.0) -> list[psutil.Process]:
     """SIGINT (Ctrl-C) and wait; returns the processes that outlived it (killed)."""
     children = served.children()
-    if served.proc.poll() is None:
-        served.proc.send_signal(signal.SIGINT)
-        try:
-            served.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            served.proc.kill()
-            served.proc.wait()
+    interrupt(served.proc, timeout_s)
     _, alive = psutil.wait_procs(children, timeout=5)
     for proc in alive:
         proc.kill()

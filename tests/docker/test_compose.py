@@ -19,9 +19,7 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -33,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from aegaeon_bench.node.launch import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("AEGAEON_CPU_IMAGE", "aegaeon:cpu")
 # each service's side port in its container (docker/entrypoint.py); the proxy: its API port
 PORTS = {"proxy-cpu": 8000, "cachemgr-cpu": 9100, "prefill-cpu": 9200, "decode-cpu": 9300}
-MARKET_MODELS = 4  # the "small" profile: 3 families, as tests/e2e use
 DECODE_REPLICAS = 2  # two decode containers: instance indexes from replica names, DNS discovery
 MAX_TOKENS = 12
 UP_TIMEOUT_S = 420
@@ -66,12 +64,6 @@ def _compose_command() -> list[str]:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     pytest.skip("neither `docker compose` (v2) nor `docker-compose` (1.x) is installed")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -141,22 +133,13 @@ def image(docker_ready: None) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def market() -> Path:
-    from aegaeon_market import ensure_market
-
-    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    path = root / f"aegaeon-e2e-market-{os.getuid()}-small{MARKET_MODELS}"
-    ensure_market(path, num_models=MARKET_MODELS, profile="small", progress=False)
-    return path
-
-
-@pytest.fixture(scope="module")
-def stack(image: dict[str, float], market: Path) -> Iterator[Stack]:
-    port = _free_port()
+def stack(image: dict[str, float], small_market: Path) -> Iterator[Stack]:
+    market = small_market  # tests/conftest.py: the 4-model market tests/e2e use
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "AEGAEON_"))}
     env.update(AEGAEON_CPU_IMAGE=IMAGE, AEGAEON_MARKET_DIR=str(market), AEGAEON_API_PORT=str(port),
                AEGAEON_CPU_DECODE_INSTANCES=str(DECODE_REPLICAS),
-               AEGAEON_PROMETHEUS_PORT=f"127.0.0.1:{_free_port()}")
+               AEGAEON_PROMETHEUS_PORT=f"127.0.0.1:{free_port()}")
     s = Stack(_compose_command(), f"aegaeon-test-{os.getpid()}", env, f"http://127.0.0.1:{port}")
     s.timings_s.update(image)
     start = time.monotonic()

@@ -49,6 +49,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def interrupt(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
+    """Ctrl-C ``proc`` as a user would and wait; kill it if it does not stop in
+    ``timeout_s``. Its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def aegaeon_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "aegaeon_cli.main", *args]
 
@@ -65,15 +78,7 @@ class Node:
         return "\n".join(lines[-num_lines:])
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        """Ctrl-C, as a user would; kill if it does not stop in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return interrupt(self.proc, timeout_s)
 
 
 def start_node(

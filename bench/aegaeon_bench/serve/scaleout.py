@@ -30,7 +30,7 @@ import aiohttp
 import yaml
 
 from aegaeon_bench.node.client import sse_events
-from aegaeon_bench.node.launch import free_port
+from aegaeon_bench.node.launch import free_port, interrupt
 
 
 class Cluster:
@@ -65,12 +65,7 @@ class Cluster:
         return sorted({int(p.read_text()) for p in (self.run_dir / node).glob("*.ready")})
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        interrupt(self.proc, 120.0)
 
 
 def _bench(url: str, models: int, rps: float, duration: float, out: Path) -> dict[str, Any]:
