@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill, SetModelAwake
 from aegaeon_common.messages.report import (
     ModelsResident,
@@ -20,8 +19,8 @@ from aegaeon_common.messages.report import (
     TurnRecord,
 )
 from aegaeon_common.messages.structs import SamplingSpec
-from aegaeon_common.transport import RemoteError
 from aegaeon_runtime.decode.loop import DecodeLoop
+from aegaeon_runtime.port import ModelGoneError
 from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner, TurnEnd
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
 
@@ -278,7 +277,7 @@ def _forget(worker: FakeWorker, model: str) -> None:
 
     def refusing(name: str, now_s: float | None = None) -> Any:
         if name == model:
-            raise RemoteError(ErrorReply("unknown_model", f"unknown model {name!r}"))
+            raise ModelGoneError(name, "unknown_model: the cachemgr forgot it")
         return activate(name, now_s)
 
     worker.switcher.activate = refusing  # type: ignore[method-assign]

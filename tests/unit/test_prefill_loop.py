@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
 from aegaeon_common.messages.structs import SamplingSpec
-from aegaeon_common.transport import RemoteError
+from aegaeon_runtime.port import ModelGoneError
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
@@ -98,7 +97,7 @@ def test_a_prompt_of_a_model_the_cachemgr_forgot_fails_and_the_next_runs() -> No
 
     def refusing(name: str, now_s: float | None = None) -> Any:
         if name == "b":
-            raise RemoteError(ErrorReply("unknown_model", f"unknown model {name!r}"))
+            raise ModelGoneError(name, "unknown_model: the cachemgr forgot it")
         return activate(name, now_s)
 
     w.switcher.activate = refusing  # type: ignore[method-assign]

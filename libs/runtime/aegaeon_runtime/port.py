@@ -52,12 +52,23 @@ class SamplerPort(Protocol):
     ) -> list[int]: ...
 
 
+class ModelGoneError(RuntimeError):
+    """The node's cachemgr no longer holds the model: it was removed at run time
+    (through another proxy replica, while work for it was on its way here). The work
+    for it fails with ``unknown_model``; the instance lives."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"model {name!r} is no longer served: {why}")
+        self.model = name
+
+
 class SwitcherPort(Protocol):
     @property
     def active_model(self) -> str | None: ...
 
     def activate(self, name: str, now_s: float | None = None) -> SwitchRecord | None:
-        """Make ``name`` the engine's model (blocking); ``None`` if it already is."""
+        """Make ``name`` the engine's model (blocking); ``None`` if it already is.
+        Raises :class:`ModelGoneError` when the node's cachemgr no longer holds it."""
         ...
 
     def prefetch(self, name: str) -> bool:

@@ -49,11 +49,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aegaeon_common.messages.report import SwitchRecord
+from aegaeon_common.transport import RemoteError
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
 from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
+from aegaeon_runtime.port import ModelGoneError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
 
 
@@ -146,7 +148,12 @@ class ModelSwitcher:
         if mapped is not None:
             self.cache.note_use(name)
             return mapped
-        mapped = self.cache.load_model(name, pin=True)
+        try:
+            mapped = self.cache.load_model(name, pin=True)
+        except RemoteError as exc:
+            if exc.code == "unknown_model":
+                raise ModelGoneError(name, str(exc)) from exc
+            raise
         self.cache.unpin(name)
         return mapped
 

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 
 from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
-from aegaeon_common.transport import RemoteError
 from aegaeon_engine import DecodeSeq
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
@@ -26,7 +25,7 @@ from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
-from aegaeon_runtime.port import MessageSink, WorkerPort
+from aegaeon_runtime.port import MessageSink, ModelGoneError, WorkerPort
 from aegaeon_runtime.sampling import finish_reason
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
@@ -123,14 +122,9 @@ class TurnRunner:
         self._make_resident(batch)
         try:
             record = w.switcher.activate(batch.model)
-        except RemoteError as exc:
-            if exc.code != "unknown_model":
-                raise
-            # the node's cachemgr forgot the model (removed through another proxy replica
-            # while this work was on its way here): its requests fail, the instance lives
+        except ModelGoneError as exc:
             for seq in self._seqs(batch):
-                self.admission.fail(seq, "unknown_model", f"model {batch.model!r} is no "
-                                    f"longer served: {exc}")  # fmt: skip
+                self.admission.fail(seq, "unknown_model", str(exc))
             return None
         if record is not None:
             self.counters.note_switch(record)

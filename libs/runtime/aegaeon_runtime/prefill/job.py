@@ -30,7 +30,7 @@ from aegaeon_sched import Request
 from aegaeon_runtime.cacheclient.client import to_event
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.kv import shape_key
-from aegaeon_runtime.port import WorkerPort
+from aegaeon_runtime.port import ModelGoneError, WorkerPort
 from aegaeon_runtime.sampling import engine_params, finish_reason
 
 
@@ -114,14 +114,9 @@ def run_prefill(
         record = w.switcher.activate(msg.model, started)
         if prefetch is not None:
             w.switcher.prefetch(prefetch)
-    except RemoteError as exc:
+    except ModelGoneError as exc:
         w.kv.free(shape, blocks)
-        if exc.code != "unknown_model":
-            raise
-        # the node's cachemgr forgot the model (removed through another proxy replica
-        # while this request was on its way here): it fails, the instance lives
-        return _failed(w, msg, "unknown_model", f"model {msg.model!r} is no longer served: "
-                       f"{exc}")  # fmt: skip
+        return _failed(w, msg, "unknown_model", str(exc))
     except BaseException:
         w.kv.free(shape, blocks)
         raise
