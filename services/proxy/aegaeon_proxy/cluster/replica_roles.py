@@ -46,7 +46,6 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import Store
 from aegaeon_sched import LatencyModel, cluster_velocity
-from aegaeon_sched.roles import PREFILL
 from aegaeon_sched.shared import decode_demands, prefill_backlog
 
 from aegaeon_proxy.cluster.registry import RegistryView
@@ -128,9 +127,11 @@ class ReplicaRoles:
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
         meters = [record_meter(r) for r in records]
+        fed, self._fed = self._fed, {}  # (instances gone are forgotten)
         for meter in meters:  # (a record is rewritten every heartbeat, read every refresh)
             key = (meter.name, meter.incarnation)
-            if now - self._fed.get(key, -BEAT_EVERY_S) >= BEAT_EVERY_S:
+            self._fed[key] = fed.get(key, -BEAT_EVERY_S)
+            if now - self._fed[key] >= BEAT_EVERY_S:
                 self.switcher.heartbeat(meter, now)
                 self._fed[key] = now
         latency = self.view.latency()
@@ -189,6 +190,3 @@ class ReplicaRoles:
     def velocity(self) -> Mapping[str, Mapping[str, float]]:
         """Each instance's token velocity by stage (its registry record's)."""
         return {r.instance_id: r.load.velocity for r in self.view.live.values()}
-
-    def prefill_role(self, instance_id: str) -> bool:
-        return self.switcher.role(instance_id) == PREFILL
