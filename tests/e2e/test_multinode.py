@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Served, serving
 
@@ -272,7 +273,7 @@ def test_a_killed_node_leaves_dispatch_within_its_ttl(cluster: Served, small_mar
         return kinds >= {"prefill", "decode"}
 
     _wait(lambda: all(rejoined(url) for url in urls), 150, "the node rejoined")
-    before = _queue_keys(redis_url, victims[0])
+    before = _queue_keys(redis_url, cluster, victims[0])
 
     async def more() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
@@ -280,13 +281,15 @@ def test_a_killed_node_leaves_dispatch_within_its_ttl(cluster: Served, small_mar
                 _stream(session, urls[i % 2], models[i % len(models)], 32) for i in range(8))))
 
     assert all(r["finish"] == "length" for r in asyncio.run(more()))
-    assert _queue_keys(redis_url, victims[0]) - before, "the rejoined node got no work"
+    assert _queue_keys(redis_url, cluster, victims[0]) - before, "the rejoined node got no work"
 
 
-def _queue_keys(redis_url: str, node: str) -> set[bytes]:
-    """The node's shared queue keys: one per instance process that got work."""
+def _queue_keys(redis_url: str, cluster: Served, node: str) -> set[bytes]:
+    """The node's shared queue keys: one per instance process that got work (under the
+    run's own namespace, from its node's config)."""
+    config = yaml.safe_load((cluster.run_dir / node / "config.yaml").read_text())
     client = redis.Redis.from_url(redis_url)
     try:
-        return set(client.scan_iter(f"aegaeon:pq:{node}/*"))
+        return set(client.scan_iter(f"{config['store']['namespace']}:pq:{node}/*"))
     finally:
         client.close()

@@ -13,6 +13,7 @@ directory. The same shape runs across machines from the same commands
 from __future__ import annotations
 
 import copy
+import secrets
 import shutil
 import socket
 import sys
@@ -111,7 +112,12 @@ def cluster_children(
         port = _free_port()
         store_url = f"redis://127.0.0.1:{port}/0"
         children.append(_redis_child(root, port))
-    store = {"kind": "redis", "url": store_url}
+    # one run, one namespace: a Redis shared with an earlier run (--store-url) holds
+    # that run's records (models removed at run time, their settings), not this one's;
+    # a namespace the config names is kept (a deployment that means to share them)
+    configured_store = raw.get("store") or {}
+    namespace = configured_store.get("namespace") or f"aegaeon-{secrets.token_hex(4)}"
+    store = {"kind": "redis", "url": store_url, "namespace": namespace}
     per_node = _instances(raw)
     configured = (raw.get("node") or {}).get("base_port")
     for i in range(nodes):
