@@ -16,7 +16,8 @@ def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str
     path), ``threads`` (torch threads per engine; None where the bench cannot know,
     e.g. a server's) and ``torch`` (its version)."""
     import torch
-    from aegaeon_engine.native import cpu_model, expected_isa
+    from aegaeon_engine.isa import cpu_model
+    from aegaeon_engine.native import expected_isa
 
     return {
         "cpu_model": cpu_model(),

@@ -23,12 +23,14 @@ from aegaeon_common.config import (
     config_from_dict,
     load_config,
     market_dtype,
+    read_config_file,
 )
 from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import load_market
 from aegaeon_common.placement import PlacementError, Plan
+from aegaeon_common.usage import at_least_one, port_number
 from aegaeon_proxy.main import add_api_key_args
 
 log = get_logger("serve")
@@ -41,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
     parser.add_argument("--market", type=Path, help="market directory (default: ./market)")
     parser.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="proxy port (default 8000)")
+    parser.add_argument("--port", type=port_number, help="proxy port (default 8000)")
     parser.add_argument(
         "--policy",
         help="aegaeon (default) | request-level (ServerlessLLM as the paper evaluated it: "
@@ -49,10 +51,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "request-level-global (one global FCFS queue) | request-level-global-sjf",
     )
     parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
-    parser.add_argument("--nodes", type=int, help="many nodes on this machine: N nodes (each a "
-                        "cachemgr and its instances) behind --proxies replicas sharing Redis")
-    parser.add_argument("--proxies", type=int, default=2,
-                        help="with --nodes: proxy replicas (API ports --port, --port + 1, ...)")
+    parser.add_argument("--nodes", type=at_least_one, help="many nodes on this machine: N "
+                        "nodes (each a cachemgr and its instances) behind --proxies replicas "
+                        "sharing Redis")  # fmt: skip
+    parser.add_argument("--proxies", type=at_least_one,
+                        help="with --nodes: proxy replicas (API ports --port, --port + 1, ...; "
+                        "default 2)")  # fmt: skip
     parser.add_argument("--store-url", help="with --nodes: an existing Redis (default: start "
                         "a private redis-server)")
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
@@ -94,7 +98,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     """The deployment this run serves, as a Config and as plain data, and the
     ``--gpus`` plan that sized it (None without ``--gpus``)."""
     if args.config is not None:
-        raw = yaml.safe_load(args.config.read_text()) or {}
+        raw = read_config_file(args.config)
         base = args.config.parent.resolve()
         source = str(args.config)
         if args.market is None:  # (--market supplies what the file may leave out)
@@ -154,8 +158,12 @@ def service_lines(config: Config, names: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aegaeon_common.env import EnvError
     from aegaeon_common.process import private_dir
+    from aegaeon_common.usage import fail
+    from aegaeon_runtime.preflight import check_machine, instance_devices
 
+    from aegaeon_cli.machine import cuda_devices
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
         DRAIN_MARGIN_S,
@@ -169,11 +177,15 @@ def run(args: argparse.Namespace) -> int:
         print("aegaeon serve: --gpus places one node's instances; with --nodes every node "
               "would take every GPU (give each node's config its devices)", file=sys.stderr)
         return 2
+    if args.nodes is None and (args.proxies is not None or args.store_url is not None):
+        flag = "--proxies" if args.proxies is not None else "--store-url"
+        return fail("aegaeon serve", f"{flag} goes with --nodes N (many nodes on this "
+                    "machine); one node has one proxy and no shared store")
     try:
         config, raw, plan = _effective_config(args)
-    except (ConfigError, PlacementError) as exc:
-        print(f"aegaeon serve: {exc}", file=sys.stderr)
-        return 2
+        check_machine(config, instance_devices(config), cuda_devices)
+    except (ConfigError, EnvError, PlacementError) as exc:
+        return fail("aegaeon serve", exc)
     if plan is not None:
         print(plan.describe(), file=sys.stderr, flush=True)
     try:
@@ -197,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
         from aegaeon_cli.cluster import run_cluster
 
         base = args.config.parent.resolve() if args.config is not None else Path.cwd()
-        return run_cluster(raw_abs, base, config.source, args.nodes, args.proxies,
-                           args.store_url)  # fmt: skip
+        return run_cluster(raw_abs, base, config.source, args.nodes,
+                           2 if args.proxies is None else args.proxies, args.store_url)
     sup = Supervisor(
         build_children(config, effective),
         stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,

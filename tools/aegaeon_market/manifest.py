@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from aegaeon_common.env import read_env
 from aegaeon_common.market_index import (
     MANIFEST,
     Manifest,
@@ -14,6 +15,7 @@ from aegaeon_common.market_index import (
     load_market,
     read_manifest,
 )
+from aegaeon_common.owner import stamp
 
 from aegaeon_market.plan import ROLE_BENCH
 
@@ -29,18 +31,14 @@ __all__ = [
     "write_manifest",
 ]
 
-ENV_MARKET_DIR = "AEGAEON_MARKET"
-
-
 def default_market_dir() -> Path:
     """``$AEGAEON_MARKET`` if set, else ``./market`` (relative to the working directory)."""
-    env = os.environ.get(ENV_MARKET_DIR)
-    return Path(env) if env else Path.cwd() / "market"
+    return read_env().market_dir or Path.cwd() / "market"
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Replace ``root/market.json`` atomically: readers see the old file or the new one."""
-    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp = root / f".{MANIFEST}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     try:
         with tmp.open("w", encoding="utf-8") as f:
             f.write(manifest.to_json(root))

@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.env import read_env
+
 from aegaeon_bench import common
 
 NAMESPACE_ENV = "AEGAEON_CHAOS_PRIVATE_SHM"  # set inside the re-executed run
@@ -68,7 +70,7 @@ def _fault_names() -> list[str]:
 def _reexec_private_shm(size: str) -> int | None:
     """As root outside the namespace: run this same command in a private mount
     namespace with a ``size`` tmpfs on /dev/shm; its exit status (None: not done)."""
-    if os.environ.get(NAMESPACE_ENV) or os.geteuid() != 0 or size in ("0", ""):
+    if read_env().chaos_private_shm or os.geteuid() != 0 or size in ("0", ""):
         return None
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_fast(run_chaos(target, opts))
     finally:
         node.stop()
-    report = {**common.machine_info(), "private_shm": os.environ.get(NAMESPACE_ENV), **report}
+    report = {**common.machine_info(), "private_shm": read_env().chaos_private_shm, **report}
     print(format_report(report))
     code = common.emit_report(args, report)
     shutil.rmtree(root, ignore_errors=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from aegaeon_common.env import read_env
 
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-interval", default=None, help="e.g. 1s (default: the config's)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("AEGAEON_API_KEY"),
+        default=read_env().api_key,
         help="the proxy's key when it has one (default: $AEGAEON_API_KEY)",
     )
     args = parser.parse_args(argv)
