@@ -70,7 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cast(Callable[[argparse.Namespace], int], func)(args)
     except (ConfigError, EnvError) as exc:
-        return fail(f"aegaeon {args.command}", exc)
+        return fail(_prog(args), exc)
+
+
+def _prog(args: argparse.Namespace) -> str:
+    """``aegaeon COMMAND [SUBCOMMAND]`` of a parsed command line (the line's prefix)."""
+    words = [args.command]
+    for key in ("market_command", "bench", "kind"):
+        value = getattr(args, key, None)
+        if isinstance(value, str):
+            words.append(value)
+            break
+    return " ".join(["aegaeon", *words])
 
 
 if __name__ == "__main__":

@@ -26,10 +26,9 @@ def slo_config(market: Path, config: Path | None, ttft_s: float, tbt_s: float, o
 
         raw = default_config_dict(market, 0)
     else:
-        loaded = yaml.safe_load(config.read_text())
-        if not isinstance(loaded, dict):
-            raise NodeError(f"{config}: expected a mapping at the top level")
-        raw = loaded
+        from aegaeon_common.config import read_config_file
+
+        raw = read_config_file(config)  # ConfigError: one line, nothing started
     raw["slo"] = {**(raw.get("slo") or {}), "ttft_s": ttft_s, "tbt_s": tbt_s}
     # a run's every request timing, switch and turn (the proxy keeps the last 2000 by default)
     raw["proxy"] = {"stats_records": BENCH_STATS_RECORDS, **(raw.get("proxy") or {})}
