@@ -28,22 +28,19 @@ from aegaeon_common.placement import (
     parse_gpus,
     plan_node,
 )
-from aegaeon_runtime.preflight import CudaDevices
+from aegaeon_runtime.preflight import CudaDevices, no_driver
 
 PROBE_TIMEOUT_S = 120.0
 ONLY = ("prefill", "decode", "instances", "cachemgr")
-
-
-# a CUDA (or ROCm, or WSL) driver shows one of these; without any, torch sees no device
-DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg", "/dev/kfd")
 
 
 def cuda_devices() -> CudaDevices:
     """How many CUDA devices a service started here would see (the preflight check's
     answer, ``aegaeon_runtime.preflight``): none at once without a driver, else what
     the probe's torch says."""
-    if not any(Path(p).exists() for p in DRIVER_PATHS):
-        return CudaDevices(0, f"no GPU driver on this machine: no {DRIVER_PATHS[0]}")
+    none = no_driver()
+    if none is not None:
+        return none
     try:
         return CudaDevices(len(cuda_gpus()))
     except PlacementError as exc:

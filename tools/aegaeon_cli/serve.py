@@ -190,9 +190,8 @@ def run(args: argparse.Namespace) -> int:
         print(plan.describe(), file=sys.stderr, flush=True)
     try:
         private_dir(config.run_dir)  # 0700: the node's sockets and files are this user's
-    except PermissionError as exc:
-        print(f"aegaeon serve: run directory: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:  # another user's, or a file
+        return fail("aegaeon serve", f"run directory {config.run_dir}: {exc.strerror or exc}")
     effective = config.run_dir / "config.yaml"
     raw_abs = {**raw, "market": str(config.market_dir) if config.market_dir else None}
     if raw.get("models"):

@@ -139,13 +139,15 @@ def _sweep(command: str, market: Path, stale_after_s: float | None = None,
            dry_run: bool = False) -> Sweep:
     """Remove the leftovers of killed runs (under the market's lock when it exists) and
     say in one line on stderr what went; what is kept, and why, is returned."""
+    from aegaeon_market import leftovers
     from aegaeon_market.edit import market_lock
-    from aegaeon_market.leftovers import STALE_AFTER_S, sweep
     from aegaeon_market.wheel_models import wheel_cache_dir
 
-    bound = STALE_AFTER_S if stale_after_s is None else stale_after_s
+    bound = leftovers.STALE_AFTER_S if stale_after_s is None else stale_after_s
+    shm = leftovers.SHM_DIR if command == "gc" else None  # the Model Cache's: gc's alone
     with market_lock(market) if market.is_dir() else contextlib.nullcontext():
-        done = sweep(market.resolve(), wheel_cache_dir(), stale_after_s=bound, dry_run=dry_run)
+        done = leftovers.sweep(market.resolve(), wheel_cache_dir(), shm_dir=shm,
+                               stale_after_s=bound, dry_run=dry_run)  # fmt: skip
     line = done.summary()
     if line:
         print(f"aegaeon market {command}: {line}", file=sys.stderr, flush=True)

@@ -23,7 +23,9 @@ touched. A replace cut short between its two renames (the model folder moved
 aside, the new one not yet in place) is put back, not removed. Segments whose
 writer cannot be checked are left alone (they may be a live node's memory).
 
-Every market command that takes the market's lock sweeps first (``aegaeon_market.cli``).
+Every market command sweeps the market's and the wheel cache's first
+(``aegaeon_market.cli``, under the market's lock); ``market gc`` sweeps the
+segments too.
 """
 
 from __future__ import annotations
@@ -220,11 +222,13 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def sweep(market: Path, cache_dir: Path | None = None, *, shm_dir: Path | None = SHM_DIR,
+def sweep(market: Path, cache_dir: Path | None = None, *, shm_dir: Path | None = None,
           stale_after_s: float = STALE_AFTER_S, dry_run: bool = False,
           now_s: float | None = None) -> Sweep:
-    """Remove (``dry_run``: only say) the leftovers whose writers are gone; hold the
-    market's lock (``edit.market_lock``) when ``market`` exists."""
+    """Remove (``dry_run``: only say) the leftovers whose writers are gone: the market's,
+    the wheel cache's (``cache_dir``) and the cachemgrs' segments in ``shm_dir``
+    (``SHM_DIR``: ``market gc`` only). Hold the market's lock (``edit.market_lock``)
+    when ``market`` exists."""
     now_s = time.time() if now_s is None else now_s
     market = Path(market)
     found = list(find(market, cache_dir))

@@ -104,28 +104,37 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    status = _reexec_private_shm(args.shm_size)
-    if status is not None:
-        return status
-    from aegaeon_common.config import parse_bytes
+    from aegaeon_common.config import parse_bytes, read_config_file
     from aegaeon_common.process import run_fast
 
     from aegaeon_bench.node.launch import NodeError, start_node
     from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
     from aegaeon_bench.reliability.faults import FAULTS
 
+    # every mistake answered before the run is re-executed or anything starts
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
     if unknown or not names:
         print(f"aegaeon bench chaos: unknown fault {unknown[:1]} (known: {', '.join(FAULTS)})",
               file=sys.stderr)  # fmt: skip
         return 2
+    try:
+        sizes = [parse_bytes(v or "0") for v in (args.shm_size, args.shm_headroom,
+                                                 args.shm_max_fill)]
+    except ValueError as exc:
+        print(f"aegaeon bench chaos: --shm-size/--shm-headroom/--shm-max-fill: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.config is not None:
+        read_config_file(args.config)
+    status = _reexec_private_shm(args.shm_size)
+    if status is not None:
+        return status
     market = common.node_market(args)
     opts = ChaosOptions(
         faults=[FAULTS[n] for n in names], slot_s=args.duration / len(names), seed=args.seed,
         concurrency=args.concurrency, request_timeout_s=args.timeout,
-        shm_headroom_bytes=parse_bytes(args.shm_headroom),
-        shm_max_fill_bytes=parse_bytes(args.shm_max_fill),
+        shm_headroom_bytes=sizes[1], shm_max_fill_bytes=sizes[2],
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))
     try:

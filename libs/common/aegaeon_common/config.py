@@ -823,7 +823,8 @@ def _yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[str, str]:
     what was open when it happened (``while parsing a flow mapping`` at ...)."""
     mark = exc.problem_mark or exc.context_mark
     problem = " ".join(str(exc.problem or exc.context or "").split())
-    if exc.context and exc.context_mark and exc.problem_mark:
+    if exc.context and exc.context_mark and exc.problem_mark and (
+            _at(exc.context_mark) != _at(exc.problem_mark)):
         problem += f" ({exc.context} at {_at(exc.context_mark)})"
     return (_at(mark) if mark else "<yaml>"), f"not valid YAML: {problem}"
 

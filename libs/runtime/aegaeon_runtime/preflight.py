@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from aegaeon_common.config import Config, ConfigError, InstancesConfig
 from aegaeon_common.env import EnvError, read_env
@@ -110,9 +111,24 @@ def check_isa() -> None:
                        "name one of those or unset it (the best level this CPU has)")
 
 
+# a CUDA (or ROCm, or WSL) driver shows one of these; without any, torch sees no device
+DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/dxg", "/dev/kfd")
+
+
+def no_driver() -> CudaDevices | None:
+    """No CUDA device, and why, when this machine has no GPU driver at all (known without
+    asking torch); None when torch must be asked."""
+    if any(Path(p).exists() for p in DRIVER_PATHS):
+        return None
+    return CudaDevices(0, f"no GPU driver on this machine: no {DRIVER_PATHS[0]}")
+
+
 def torch_cuda_devices() -> CudaDevices:
     """The CUDA devices torch sees in this process (an instance's own check: it is about
     to use them)."""
+    none = no_driver()
+    if none is not None:
+        return none
     import torch
 
     if not torch.cuda.is_available():
