@@ -130,8 +130,9 @@ ROWS = [
     _serve("store: {kind: redis, url: 'http://cache:6379'}\n", name="config-store-url",
            says=r"store\.url: 'http': a redis://, rediss:// or unix:// URL"),
     # the environment
-    Mistake("env-threads", ("serve", "--market", "{market}", "--run-dir", "{dir}/run"),
-            r"^aegaeon: AEGAEON_THREADS='0': a whole number >= 1$", env={"AEGAEON_THREADS": "0"}),
+    Mistake("env-profile-cache", ("serve", "--market", "{market}", "--run-dir", "{dir}/run"),
+            r"^aegaeon: AEGAEON_PROFILE_CACHE='never': one of 1, true, yes, on, 0, false, no, "
+            r"off$", env={"AEGAEON_PROFILE_CACHE": "never"}),
     Mistake("env-log-level", ("market", "list", "--market", "{market}"),
             r"^aegaeon: AEGAEON_LOG_LEVEL='loud': one of debug, info, warning, error, critical$",
             env={"AEGAEON_LOG_LEVEL": "loud"}),

@@ -23,8 +23,6 @@ READ = re.compile(r"""(environ\.get|getenv)\(\s*["']AEGAEON_"""
     ("AEGAEON_LOG_JSON", "2", "one of 1, true, yes, on, 0, false, no, off"),
     ("AEGAEON_NATIVE", "none", "one of 1, true"),
     ("AEGAEON_PROFILE_CACHE", "later", "one of 1, true"),
-    ("AEGAEON_THREADS", "four", "a whole number >= 1"),
-    ("AEGAEON_THREADS", "-2", "a whole number >= 1"),
     ("AEGAEON_ADVERTISE_HOST", "tcp://node-1", "a host name or IP address"),
 ])  # fmt: skip
 def test_a_bad_value_names_the_variable_and_what_it_takes(
@@ -39,21 +37,20 @@ def test_a_bad_value_names_the_variable_and_what_it_takes(
 
 def test_good_values_and_unset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("AEGAEON_ISA", "AEGAEON_LOG_LEVEL", "AEGAEON_LOG_JSON", "AEGAEON_NATIVE",
-                 "AEGAEON_THREADS", "AEGAEON_CLIENTS_DIR", "AEGAEON_API_KEY"):
+                 "AEGAEON_CLIENTS_DIR", "AEGAEON_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     env = read_env()
-    assert (env.isa, env.log_level, env.log_json, env.native_kernels, env.threads) == (
-        None, "info", None, True, None)
+    assert (env.isa, env.log_level, env.log_json, env.native_kernels) == (
+        None, "info", None, True)
     assert env.clients_dir is None and env.api_key is None
     monkeypatch.setenv("AEGAEON_ISA", " AVX2 ")
     monkeypatch.setenv("AEGAEON_LOG_LEVEL", "WARNING")
     monkeypatch.setenv("AEGAEON_LOG_JSON", "Off")
     monkeypatch.setenv("AEGAEON_NATIVE", "0")
-    monkeypatch.setenv("AEGAEON_THREADS", "3")
     monkeypatch.setenv("AEGAEON_CLIENTS_DIR", str(tmp_path))
     env = read_env()
-    assert (env.isa, env.log_level, env.log_json, env.native_kernels, env.threads) == (
-        "avx2", "warning", False, False, 3)
+    assert (env.isa, env.log_level, env.log_json, env.native_kernels) == (
+        "avx2", "warning", False, False)
     assert env.clients_dir == tmp_path
     monkeypatch.setenv("AEGAEON_ISA", "")  # empty: unset
     assert read_env().isa is None

@@ -34,7 +34,6 @@ class Env:
     log_json: bool | None  # None: JSON when stderr is not a TTY
     market_dir: Path | None
     run_dir: Path | None
-    threads: int | None
     native_kernels: bool  # AEGAEON_NATIVE=0 forces the engine's torch-only path
     isa: str | None  # AEGAEON_ISA: the native kernels' level (avx2, avx512, amx, neon); None: best
     cache_dir: Path  # $XDG_CACHE_HOME/aegaeon: builds kept across runs (native kernels)
@@ -79,19 +78,6 @@ def _choice(name: str, choices: tuple[str, ...], default: str | None) -> str | N
     return word
 
 
-def _positive_int(name: str) -> int | None:
-    value = _get(name)
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise EnvError(name, value, "a whole number >= 1")
-    return number
-
-
 def _host(name: str) -> str | None:
     value = _get(name)
     if value is None or not value.strip():
@@ -113,7 +99,6 @@ def read_env() -> Env:
         log_json=_flag("AEGAEON_LOG_JSON"),
         market_dir=Path(market) if market else None,
         run_dir=Path(run_dir) if run_dir else None,
-        threads=_positive_int("AEGAEON_THREADS"),
         native_kernels=_flag("AEGAEON_NATIVE") is not False,
         isa=_choice("AEGAEON_ISA", ISA_LEVELS, None),
         profile_cache=_flag("AEGAEON_PROFILE_CACHE") is not False,
