@@ -61,9 +61,11 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 def node_market(args: argparse.Namespace) -> Path:
     """``--market`` (default: ./market), resolved; built with the real models when it
-    has no index and no ``--config`` names the models instead. A ``--config`` that
-    cannot be read, does not parse or is no mapping is a ConfigError first (one line,
-    before anything is built or started)."""
+    has no index and no ``--config`` names the models instead. What `aegaeon serve`
+    would refuse of them (a ``--config`` that cannot be read or does not validate, a
+    device this machine lacks) is a ConfigError or EnvError first: one line, before
+    anything is built or started."""
+    from aegaeon_cli.serve import check_serve
     from aegaeon_common.config import read_config_file
     from aegaeon_common.market_index import MANIFEST
     from aegaeon_market import default_market_dir, ensure_market
@@ -73,6 +75,7 @@ def node_market(args: argparse.Namespace) -> Path:
     market: Path = (args.market or default_market_dir()).resolve()
     if args.config is None and not (market / MANIFEST).exists():
         ensure_market(market, real_models=True)
+    check_serve(market, args.config)
     return market
 
 

@@ -140,6 +140,21 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     return sized(raw, config, args.gpus, counts, base=base)
 
 
+def check_serve(market: Path, config: Path | None, policy: str | None = None) -> None:
+    """What ``aegaeon serve --market MARKET [--config CONFIG] [--policy POLICY]`` checks
+    before it starts anything (the config, then what it needs of this machine), for a
+    tool about to start one (the benches): ConfigError, EnvError or PlacementError,
+    each one line."""
+    from aegaeon_runtime.preflight import check_machine, instance_devices
+
+    from aegaeon_cli.machine import cuda_devices
+
+    args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
+                              host=None, port=None, policy=policy, run_dir=None, gpus=None)
+    checked, _, _ = _effective_config(args)
+    check_machine(checked, instance_devices(checked), cuda_devices)
+
+
 def service_lines(config: Config, names: list[str]) -> list[str]:
     """One line per service: its health, readiness and metrics URLs (as it recorded them)."""
     from aegaeon_common.http_side import read_http_address

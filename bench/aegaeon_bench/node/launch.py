@@ -85,7 +85,11 @@ def start_node(
     extra_args: Sequence[str] = (),
 ) -> Node:
     """`aegaeon serve` with ``policy`` on a free port (``extra_args`` appended); returns
-    once it serves."""
+    once it serves. What it would refuse (a ConfigError, EnvError or PlacementError: one
+    line) is raised before it starts."""
+    from aegaeon_cli.serve import check_serve
+
+    check_serve(market, config, policy)
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "serve.log"

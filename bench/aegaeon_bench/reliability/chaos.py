@@ -104,7 +104,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aegaeon_common.config import parse_bytes, read_config_file
+    from aegaeon_common.config import parse_bytes
     from aegaeon_common.process import run_fast
 
     from aegaeon_bench.node.launch import NodeError, start_node
@@ -125,12 +125,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench chaos: --shm-size/--shm-headroom/--shm-max-fill: {exc}",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.config is not None:
-        read_config_file(args.config)
+    market = common.node_market(args)  # (what `aegaeon serve` would refuse, refused here)
     status = _reexec_private_shm(args.shm_size)
     if status is not None:
         return status
-    market = common.node_market(args)
     opts = ChaosOptions(
         faults=[FAULTS[n] for n in names], slot_s=args.duration / len(names), seed=args.seed,
         concurrency=args.concurrency, request_timeout_s=args.timeout,
