@@ -153,7 +153,7 @@ ROWS = [
     Mistake("node-config-missing", ("node", "--config", "{dir}/none.yaml"),
             r"^aegaeon node: .*none\.yaml: <file>: no such file$"),
     Mistake("proxy-api-key-short", ("proxy", "--config", "{dir}/c.yaml", "--api-key", "abc"),
-            r"^aegaeon proxy: --api-key: proxy\.api_keys\[0\]: a key has at least 8",
+            r"^aegaeon proxy: --api-key/--admin-key: proxy\.api_keys\[0\]: a key has at least 8",
             files={"c.yaml": SERVE_CONFIG}),
     Mistake("prefill-index-past-the-config", ("prefill", "--config", "{dir}/c.yaml",
                                               "--index", "4"),

@@ -19,7 +19,6 @@ import yaml
 from aegaeon_common.config import (
     Config,
     ConfigError,
-    api_key_entries,
     config_from_dict,
     load_config,
     market_dtype,
@@ -31,7 +30,7 @@ from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import load_market
 from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_common.usage import at_least_one, port_number
-from aegaeon_proxy.main import add_api_key_args
+from aegaeon_proxy.main import add_api_key_args, key_entries
 
 log = get_logger("serve")
 
@@ -116,7 +115,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
     proxy = dict(raw.get("proxy") or {})
-    keys = api_key_entries(args.api_key, args.api_key_file)
+    keys = key_entries(args)
     if keys:
         proxy["api_keys"] = [*(proxy.get("api_keys") or []), *keys]
     if args.host:
@@ -150,7 +149,8 @@ def check_serve(market: Path, config: Path | None, policy: str | None = None) ->
     from aegaeon_cli.machine import cuda_devices
 
     args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
-                              host=None, port=None, policy=policy, run_dir=None, gpus=None)
+                              admin_key=[], admin_key_file=[], host=None, port=None,
+                              policy=policy, run_dir=None, gpus=None)  # fmt: skip
     checked, _, _ = _effective_config(args)
     check_machine(checked, instance_devices(checked), cuda_devices)
 
