@@ -59,10 +59,10 @@ def one_instance(config: Config, kind: str, index: int) -> list[Placed]:
     when the config has no such instance."""
     placed = [p for p in instance_devices(config) if p.name.partition("-")[0] == kind]
     if not 0 <= index < len(placed):
-        raise ConfigError(config.source, f"{kind}.instances", f"--index {index}: the config "
-                          f"has {len(placed)} {kind} instance(s) (--index 0.."
-                          f"{len(placed) - 1})" if placed else f"--index {index}: the config "
-                          f"has no {kind} instance")  # fmt: skip
+        has = (f"{len(placed)} {kind} instance(s) (--index 0..{len(placed) - 1})" if placed
+               else f"no {kind} instance")  # fmt: skip
+        raise ConfigError(config.source, f"{kind}.instances",
+                          f"--index {index}: the config has {has}")
     return [placed[index]]
 
 
