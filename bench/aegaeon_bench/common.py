@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.market_index import MARKET_DIR_HELP
+
 
 def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str, Any]:
     """``cpu_model``, ``isa`` (the native kernels' level in use: ``isa`` when the bench
@@ -37,7 +39,7 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: st
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     """``--market`` and ``--config`` of a bench that starts its own node."""
-    parser.add_argument("--market", type=Path, help="market (default: ./market)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
 
 
@@ -59,8 +61,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def node_market(args: argparse.Namespace) -> Path:
-    """``--market`` (default: ./market), resolved; built with the real models when it
-    has no index and no ``--config`` names the models instead."""
+    """``--market`` (default: $AEGAEON_MARKET or ./market), resolved; built with the real
+    models when it has no index and no ``--config`` names the models instead."""
     from aegaeon_common.market_index import MANIFEST
     from aegaeon_market import default_market_dir, ensure_market
 
