@@ -43,6 +43,40 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
 
 
+def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    """``--api-key``: what a bench sends a node that has API keys (its own node's
+    ``--config`` may set ``proxy.api_keys`` too)."""
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="the node's API key, sent as Authorization: Bearer KEY "
+                             "(default: $AEGAEON_API_KEY)")  # fmt: skip
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$AEGAEON_API_KEY``, else None."""
+    from aegaeon_common.env import read_env
+
+    given: str | None = getattr(args, "api_key", None)
+    return given or read_env().api_key
+
+
+def key_env(key: str | None) -> dict[str, str]:
+    """The environment of a child command (a bench that runs ``bench serve``): this
+    process's, with ``key`` as ``$AEGAEON_API_KEY``, so it never shows on a command line."""
+    import os
+
+    from aegaeon_common.env import API_KEY_ENV
+
+    env = dict(os.environ)
+    if key:
+        env[API_KEY_ENV] = key
+    return env
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments a report records: every one but the handler and the API key."""
+    return {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+
+
 def add_slo_arguments(parser: argparse.ArgumentParser, ttft_s: float, tbt_s: float,
                       source: str = "") -> None:  # fmt: skip
     """``--ttft`` and ``--tbt``: the SLO a run is scored by (``source``: where the

@@ -20,7 +20,13 @@ import aiohttp
 from aegaeon_workload.plan import PlannedRequest
 from aegaeon_workload.trace import TraceRecord, kv_sample
 
-from aegaeon_bench.node.client import Progress, ServiceError, get_stats, stream_completion
+from aegaeon_bench.node.client import (
+    Progress,
+    ServiceError,
+    auth_headers,
+    get_stats,
+    stream_completion,
+)
 from aegaeon_bench.report.metrics import token_times
 
 START_DELAY_S = 0.5  # between planning the clock and the first possible arrival
@@ -34,6 +40,7 @@ class RunOptions:
     grace_s: float = 30.0
     sample_interval_s: float = 1.0
     timeout_s: float | None = None  # each request's own deadline (None: the server's)
+    api_key: str | None = field(default=None, repr=False)  # sent with every request
 
 
 @dataclass
@@ -96,7 +103,9 @@ async def run_load(
     """Run the plan against ``options.base_url``; ``on_done`` is told of each ended request."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
     connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side queue
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = auth_headers(options.api_key)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                     headers=headers) as session:  # fmt: skip
         outcome = RunOutcome([], await _stats(session, options.base_url), None)
         samples = outcome.kv_samples
         sampler = asyncio.create_task(_sample_kv(session, options, samples))
