@@ -23,7 +23,12 @@ NEEDS_KEY = "the node wants an API key: --api-key KEY or $AEGAEON_API_KEY"
 
 
 class ServiceError(RuntimeError):
-    """The service answered something a benchmark cannot use."""
+    """The service answered something a benchmark cannot use (``status``: the HTTP
+    status it answered with, when that was the trouble)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -35,7 +40,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 def status_error(what: str, status: int) -> ServiceError:
     """``what`` answered ``status``; a 401 says how to give the key."""
     hint = f" ({NEEDS_KEY})" if status == 401 else ""
-    return ServiceError(f"{what}: HTTP {status}{hint}")
+    return ServiceError(f"{what}: HTTP {status}{hint}", status)
 
 
 @dataclass
@@ -181,6 +186,10 @@ async def get_stats(
     async with session.get(f"{base_url}/v1/aegaeon/stats{query}") as resp:
         if resp.status == 404:
             return None
+        if resp.status in (401, 403):  # a node with keys: the stats need an admin key
+            raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}: the node's "
+                               "stats need an admin key (--admin-key on the node)",
+                               resp.status)  # fmt: skip
         if resp.status != 200:
             raise status_error("GET /v1/aegaeon/stats", resp.status)
         stats = await resp.json()

@@ -205,11 +205,11 @@ async def _proxy_bad_frames(base_url: str, headers: dict[str, str] | None) -> in
         return int((await resp.json())["counters"].get("bad_frames", 0))
 
 
-async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int,
+async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int, *,
                    headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """``frames`` frames to every socket of the node; ``base_url``: where its admin
-    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``; ``headers``: an API
-    key, sent to them)."""
+    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``); ``headers``: sent
+    to them (an admin key, where the node has keys)."""
     from aegaeon_common.messages.cache import REQUESTS
     from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL
     from aegaeon_common.messages.report import REPORT_CHANNEL
@@ -270,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
         start = time.monotonic()
         http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed, headers)
         http["seconds"] = round(time.monotonic() - start, 1)
-        zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed, headers))
+        zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed,
+                                       headers=headers))
         slow = None
         if args.slow_clients:
             from aegaeon_bench.reliability.slow_clients import slow_clients
