@@ -1,7 +1,7 @@
 """The docs against the shared live node (issue 43): every JSON field README.md and
 docs/operations.md show in a table or a marked paragraph is in the answers of
 `aegaeon serve`, every request field they list is the server's, and the admin calls they
-show answer as they say (tests/docs_check.py has the grammar; the commands and config
+show answer as they say (tests/docs_grammar.py has the grammar; the commands and config
 keys are checked without a node in tests/unit/test_docs_check.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The docs checker (tests/docs_check.py): the README and docs/operations.md show only
-commands and config keys that exist (checked here, no node needed; their JSON fields are
-checked against the shared live node in tests/e2e/test_docs.py), and a deliberate rename
-in a command, a key, a field or a request field fails naming the file and the line."""
+"""The docs checker (tests/docs_grammar.py reads, tests/docs_check.py checks): the
+README and docs/operations.md show only commands and config keys that exist (checked
+here, no node needed; their JSON fields are checked against the shared live node in
+tests/e2e/test_docs.py), and a deliberate rename in a command, a key, a field or a
+request field fails naming the file and the line."""
 
 from __future__ import annotations
 
