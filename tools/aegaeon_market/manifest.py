@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from aegaeon_common.env import read_env
 from aegaeon_common.market_index import (
     MANIFEST,
     Manifest,
     MarketEntry,
     MarketError,
+    default_market_dir,
     load_market,
     read_manifest,
 )
@@ -30,10 +30,6 @@ __all__ = [
     "read_manifest",
     "write_manifest",
 ]
-
-def default_market_dir() -> Path:
-    """``$AEGAEON_MARKET`` if set, else ``./market`` (relative to the working directory)."""
-    return read_env().market_dir or Path.cwd() / "market"
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:

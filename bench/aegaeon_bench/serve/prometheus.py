@@ -32,6 +32,8 @@ from typing import Any
 import yaml
 from aegaeon_common.env import read_env
 
+from aegaeon_bench.node.client import auth_headers
+
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
 NODE_CONFIG = MONITORING / "prometheus-node.yml"
@@ -57,9 +59,8 @@ def prometheus_binary() -> str:
 
 def fetch_services(proxy_url: str, api_key: str | None = None) -> list[dict[str, str]]:
     """Every service the proxy lists (``GET /v1/aegaeon/services``)."""
-    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
+    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services",
+                                     headers=auth_headers(api_key))  # fmt: skip
     with urllib.request.urlopen(request, timeout=30) as resp:
         body = json.loads(resp.read())
     services = body.get("services") if isinstance(body, dict) else None

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+API_KEY_ENV = "AEGAEON_API_KEY"
 # AEGAEON_ISA: the native kernels' levels (aegaeon_engine.isa.LEVELS, checked in the tests)
 ISA_LEVELS = ("avx2", "avx512", "amx", "neon")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -45,7 +46,8 @@ class Env:
     # AEGAEON_CLIENTS_DIR: where `scripts/install-bench-clients` put the benchmark
     # clients' environments (`aegaeon bench clients`); default: the cache directory
     clients_dir: Path | None = None
-    # AEGAEON_API_KEY: the key bench tools send when none is given on the command line
+    # AEGAEON_API_KEY: the key the bench commands and scripts/prometheus send a node
+    # (Authorization: Bearer KEY) when no --api-key is given
     api_key: str | None = None
     # AEGAEON_CHAOS_PRIVATE_SHM: set by `aegaeon bench chaos` in the run it re-executes
     # in a private /dev/shm of this size (never by a user)
@@ -105,6 +107,6 @@ def read_env() -> Env:
         cache_dir=(Path(xdg_cache) if xdg_cache else Path.home() / ".cache") / "aegaeon",
         advertise_host=_host("AEGAEON_ADVERTISE_HOST"),
         clients_dir=Path(clients) if clients else None,
-        api_key=_get("AEGAEON_API_KEY"),
+        api_key=(_get(API_KEY_ENV) or "").strip() or None,
         chaos_private_shm=_get("AEGAEON_CHAOS_PRIVATE_SHM"),
     )
