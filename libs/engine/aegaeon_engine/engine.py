@@ -21,6 +21,7 @@ from .attention import Attention
 from .isa import cpu_model, supported_levels
 from .kernels import NATIVE_MAX_ROWS, LayerStack, NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
+from .lora import AdapterWeights, LoraStack, LoraStacks, LoraTerm
 from .model import KVViews, LayerOps, ReduceFn, Tokens, forward, logits
 from .native import bf16_native, forced_isa, native_ops
 from .quant import embed
@@ -41,11 +42,13 @@ def _log_start(isa: str | None) -> None:
 
 
 class DecodeSeq(NamedTuple):
-    """One sequence of a decode step: its newest token, that token's position, its blocks."""
+    """One sequence of a decode step: its newest token, that token's position, its blocks,
+    and the LoRA adapter of the bound model it runs (None: the model alone)."""
 
     token_id: int
     position: int
     block_ids: Sequence[int]
+    adapter: AdapterWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class Engine:
         self._ropes: dict[tuple[int, RopeSpec, int, torch.dtype], RopeTable] = {}
         self._layouts: dict[tuple[ModelSpec, str], WeightLayout] = {}
         self._bound: _Bound | None = None
+        # the stacked adapters of the decode steps that mix them (lora.py)
+        self.lora_stacks = LoraStacks()
 
     # -- kernels ---------------------------------------------------------------------------
 
@@ -221,15 +226,17 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, adapter: AdapterWeights | None = None) -> torch.Tensor:
         """Run ``token_ids`` (positions ``start_pos..``) of one sequence; return the
         float32 logits ``[vocab]`` of its last position.
 
         Writes K/V of every new position into ``block_ids`` (the sequence's blocks
         from position 0). With ``start_pos > 0`` the earlier positions must already
-        be in those blocks (a cached prefix or an earlier chunk).
+        be in those blocks (a cached prefix or an earlier chunk). ``adapter``: a
+        LoRA adapter of the bound model runs with it.
         """
         m = self._model()
+        self._check_adapters(m, [adapter])
         num_new = len(token_ids)
         total = start_pos + num_new
         if num_new == 0 or start_pos < 0:
@@ -260,7 +267,10 @@ class Engine:
                 return attention.masked(qkv[:, :heads_q], both[0], both[1], mask)
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
-        hidden = forward(m.weights, m.kv, tokens, attend, self.ops, m.reduce)
+        lora = (None if adapter is None
+                else LoraStack([adapter], copy=False).step(
+                    [adapter] * num_new, self.lora_stacks.triton(self.device)))
+        hidden = forward(m.weights, m.kv, tokens, attend, self.ops, m.reduce, lora)
         return logits(m.weights, hidden[-1:], self.ops)[0]
 
     @torch.inference_mode()
@@ -269,6 +279,9 @@ class Engine:
 
         Each sequence's token is at ``position`` (its context is positions
         ``0..position``); its K/V are written into its block for that position.
+        Sequences of the bound model and of any number of its LoRA adapters
+        (``DecodeSeq.adapter``) share the step: the model's projections run once for
+        all, each adapter's low-rank term for its own rows (lora.py).
         """
         m = self._model()
         batch, bs = len(seqs), self.block_size
@@ -296,7 +309,8 @@ class Engine:
         context_lens, block_table = idx[4 * batch:5 * batch], idx[5 * batch:].view(batch, -1)
         cos_sin = m.rope.ensure(max(lengths)).index_select(1, pos_t)[:, :, None]
         step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
-        stack = self._layer_stack(m, batch)
+        lora = self._lora_step(m, [s.adapter for s in seqs])
+        stack = self._layer_stack(m, batch) if lora is None else None
         if stack is not None:
             assert isinstance(self.ops, NativeOps)
             hidden = embed(tokens, m.weights.embed_tokens, m.weights.dtype)
@@ -305,8 +319,32 @@ class Engine:
         else:
             attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table,
                                                  context_lens, lengths)
-            hidden = forward(m.weights, m.kv, step, attend, self.ops, m.reduce)
+            hidden = forward(m.weights, m.kv, step, attend, self.ops, m.reduce, lora)
         return logits(m.weights, hidden, self.ops)
+
+    def _lora_step(self, m: _Bound, adapters: list[AdapterWeights | None]) -> LoraTerm | None:
+        """The low-rank term of a step whose rows run ``adapters`` (None: none does)."""
+        if all(a is None for a in adapters):
+            return None
+        self._check_adapters(m, adapters)
+        return self.lora_stacks.step(adapters)
+
+    def _check_adapters(self, m: _Bound, adapters: Sequence[AdapterWeights | None]) -> None:
+        for adapter in adapters:
+            if adapter is None:
+                continue
+            base = adapter.spec.base
+            if (base.num_layers, base.hidden_size, base.q_size, base.kv_size,
+                    base.intermediate_size) != (m.spec.num_layers, m.spec.hidden_size,
+                                                m.spec.q_size, m.spec.kv_size,
+                                                m.spec.intermediate_size):
+                raise ValueError(f"adapter {adapter.name!r} is of {base.name!r}, not of the "
+                                 f"bound model {m.spec.name!r}")
+            if adapter.dtype != m.weights.dtype:
+                raise ValueError(f"adapter {adapter.name!r} is bound in {adapter.dtype}, the "
+                                 f"model in {m.weights.dtype}")
+            if m.reduce is not None:
+                raise ValueError("LoRA adapters are not served on tensor-parallel shards")
 
     def _layer_stack(self, m: _Bound, batch: int) -> LayerStack | None:
         """The layers for one native decode_layers call, where this step can take it."""

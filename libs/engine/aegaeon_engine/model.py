@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from .fp8 import Fp8Tensor
 from .quant import QuantTensor, embed, project_reference
 from .spec import ModelSpec
 from .weights import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from .lora import LoraTerm
 
 # attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -181,23 +185,40 @@ TORCH_OPS = LayerOps()
 
 
 def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
-            ops: LayerOps = TORCH_OPS, reduce: ReduceFn | None = None) -> torch.Tensor:
+            ops: LayerOps = TORCH_OPS, reduce: ReduceFn | None = None,
+            lora: LoraTerm | None = None) -> torch.Tensor:
     """Hidden states ``[N, hidden]`` (before the final norm) of ``tokens``.
 
     ``w`` may be one tensor-parallel shard (tp_layout.py): then o_proj and
-    down_proj give partial sums, which ``reduce`` adds up over the group."""
+    down_proj give partial sums, which ``reduce`` adds up over the group.
+    ``lora`` adds each row's LoRA adapter's low-rank term after every fused
+    projection (lora.py); the base's projections still run once for all rows."""
+    if lora is not None and reduce is not None:
+        raise ValueError("LoRA adapters are not served on tensor-parallel shards")
     spec = w.spec
     n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
     heads = spec.num_heads + 2 * spec.num_kv_heads
     h = embed(tokens.token_ids, w.embed_tokens, w.dtype)  # the residual stream, [N, hidden]
     for i, lw in enumerate(w.layers):
-        qkv = ops.project(lw.qkv, ops.rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
+        x = ops.rms_norm(h, lw.input_norm, eps)
+        qkv = ops.project(lw.qkv, x, lw.qkv_bias)
+        if lora is not None:
+            lora.add(i, "qkv", x, qkv)
         qkv = qkv.view(n, heads, spec.head_dim)
         ops.rope_write(qkv, lw, kv, i, tokens, spec.num_heads, eps)
-        attn_out = ops.project(lw.o_proj, attend(i, qkv), lw.o_bias)
+        attn = attend(i, qkv)
+        attn_out = ops.project(lw.o_proj, attn, lw.o_bias)
+        if lora is not None:
+            lora.add(i, "o", attn, attn_out)
         h.add_(attn_out if reduce is None else reduce(attn_out))
-        gate_up = ops.project(lw.gate_up, ops.rms_norm(h, lw.post_norm, eps), None)
-        mlp_out = ops.project(lw.down, ops.silu_mul(gate_up), None)
+        x = ops.rms_norm(h, lw.post_norm, eps)
+        gate_up = ops.project(lw.gate_up, x, None)
+        if lora is not None:
+            lora.add(i, "gate_up", x, gate_up)
+        act = ops.silu_mul(gate_up)
+        mlp_out = ops.project(lw.down, act, None)
+        if lora is not None:
+            lora.add(i, "down", act, mlp_out)
         h.add_(mlp_out if reduce is None else reduce(mlp_out))
     return h
 

@@ -1,0 +1,64 @@
+"""LoRA adapters made by ``peft`` (the oracle) over small transformers checkpoints, and
+their references: transformers + PEFT's ``merge_and_unload`` greedy decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# (rank, target modules, rsLoRA): the three adapters the tests serve
+ADAPTERS: tuple[tuple[int, tuple[str, ...], bool], ...] = (
+    (8, ("q_proj", "v_proj"), False),
+    (16, ("q_proj", "k_proj", "v_proj", "o_proj"), True),
+    (64, ("o_proj", "gate_proj", "up_proj", "down_proj"), False),
+)
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    path: Path
+    rank: int
+    targets: tuple[str, ...]
+    rslora: bool
+
+
+def make_peft_adapter(base_dir: Path, out: Path, rank: int, targets: Sequence[str],
+                      rslora: bool = False, seed: int = 0,
+                      alpha: float | None = None) -> PeftAdapter:
+    """A random LoRA adapter of the checkpoint in ``base_dir``, saved by ``peft``: both A
+    and B random (``init_lora_weights=False``), so it changes what the model says."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                        target_modules=list(targets), use_rslora=rslora,
+                        init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(out)
+    return PeftAdapter(out, rank, tuple(targets), rslora)
+
+
+def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts: Sequence[Sequence[int]],
+                num_tokens: int) -> list[list[int]]:
+    """transformers + PEFT (merged into the weights) greedy in float32, EOS taken like any
+    token; the base alone when ``adapter_dir`` is None."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, eos_token_id=None,
+                              pad_token_id=0)
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = model.generate(torch.tensor([list(prompt)]), generation_config=config)
+            out.append([int(t) for t in ids[0, len(prompt):]])
+    return out

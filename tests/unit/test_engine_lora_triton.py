@@ -1,0 +1,78 @@
+"""The LoRA term's Triton kernels (aegaeon_engine.lora_triton) under the interpreter.
+
+Without a GPU, ``TRITON_INTERPRET=1`` (set here before the kernels are defined)
+runs them on the CPU: each fused projection's term against the torch term of
+the same stack (rows of the base, of every adapter, interleaved; ranks 8 to
+64; modules targeted by some adapters only), and whole greedy decodings on the
+kernels against transformers + PEFT in float32.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the kernels run on the CPU only under TRITON_INTERPRET=1",
+                allow_module_level=True)
+
+from aegaeon_engine.lora import LoraStack
+from aegaeon_engine.lora_triton import TritonLoraStep
+from engine_support import make_checkpoint
+from lora_support import ADAPTERS, PeftAdapter, make_peft_adapter, peft_greedy
+from test_engine_lora import NUM_TOKENS, PROMPTS, Served
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("lora-triton") / "base", "llama-gqa", seed=5)
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir: Path) -> list[PeftAdapter]:
+    return [make_peft_adapter(base_dir, base_dir.parent / f"adapter-{rank}", rank, targets,
+                              rslora, seed=20 + k)
+            for k, (rank, targets, rslora) in enumerate(ADAPTERS)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_term_matches_torch(base_dir: Path, adapters: list[PeftAdapter],
+                                   dtype: torch.dtype) -> None:
+    name = str(dtype).split(".")[-1]
+    served = Served(base_dir, adapters, dtype=name)
+    a = served.adapters
+    rows = [a[1], None, a[0], a[2], a[0], None, a[2]]
+    stack = LoraStack(a)
+    reference = stack.step(rows, triton=False)
+    kernels = stack.step(rows, triton=True)
+    assert isinstance(kernels, TritonLoraStep)
+    widths = {"qkv": (64, 128), "o": (64, 64), "gate_up": (64, 320), "down": (160, 64)}
+    for layer in range(2):
+        for group, (inp, out) in widths.items():
+            x = torch.randn(len(rows), inp).to(dtype)
+            base = torch.randn(len(rows), out).to(dtype)
+            want, got = base.clone(), base.clone()
+            reference.add(layer, group, x, want)
+            kernels.add(layer, group, x, got)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+            for n in (1, 5):  # the base's rows: untouched
+                assert torch.equal(got[n], base[n])
+
+
+def test_greedy_on_the_kernels_equals_peft(base_dir: Path, adapters: list[PeftAdapter]) -> None:
+    served = Served(base_dir, adapters)
+    served.engine.lora_stacks.kernels = "triton"
+    rows = [(k, p) for p in PROMPTS[:1] for k in (0, None, 1, 2)]
+    got = served.generate(rows)
+    for k in (None, 0, 1, 2):
+        want = peft_greedy(base_dir, None if k is None else adapters[k].path, PROMPTS[:1],
+                           NUM_TOKENS)
+        mine = [tokens for (kk, _), tokens in zip(rows, got, strict=True) if kk == k]
+        assert mine == want, k
