@@ -10,6 +10,8 @@ vLLM's scheduler tests build a real scheduler over a fake model runner:
   (greedy sampling over one-hot logits);
 - the device KV region is a real :class:`~aegaeon_gpumem.KVBlockPool` (the
   bookkeeping is pure), the host cache a counter of offsets;
+- LoRA adapters (:class:`FakeAdapters`, ``FakeWorker.adapt(name, base)``) are names
+  on the device once a step needed them; the engine records each step's adapters;
 - every swap-in returns a :class:`FakeEvent`, complete at once unless the
   test said when: ``kv.ready_at[host_offsets] = t`` (the request's handoff
   blocks) completes it at fake time ``t``; a swap-out's event completes
@@ -154,6 +156,8 @@ class FakeEngine:
         self.prefill_time_s = prefill_s
         self.model: str | None = None
         self.steps: list[tuple[float, str, tuple[int, ...]]] = []  # (start, model, positions)
+        self.step_adapters: list[tuple[str | None, ...]] = []  # each step's rows' adapters
+        self.prefill_adapters: list[str | None] = []
 
     def _one_hot(self, positions: Sequence[int]) -> torch.Tensor:
         logits = torch.zeros(len(positions), VOCAB)
@@ -161,8 +165,10 @@ class FakeEngine:
             logits[row, token_at(p)] = 1.0
         return logits
 
-    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int], start_pos: int = 0,
+                adapter: Any = None) -> torch.Tensor:
         assert self.model is not None
+        self.prefill_adapters.append(None if adapter is None else str(adapter))
         self.clock.advance(self.prefill_time_s(self.model, len(token_ids)))
         return self._one_hot([len(token_ids) - 1])[0]
 
@@ -170,6 +176,8 @@ class FakeEngine:
         assert self.model is not None
         positions = [s.position for s in seqs]
         self.steps.append((self.clock.now(), self.model, tuple(positions)))
+        self.step_adapters.append(tuple(None if s.adapter is None else str(s.adapter)
+                                        for s in seqs))
         context = sum(p + 1 for p in positions)
         self.clock.advance(self.step_s(self.model, len(seqs), context))
         return self._one_hot(positions)
@@ -237,6 +245,45 @@ class FakeSwitcher:
         if self.prefetching is not None and self.prefetching[0] not in names:
             names.append(self.prefetching[0])
         return names
+
+
+class FakeAdapters:
+    """``AdapterResidency`` as the loops use it: an adapter's "weights" are its name, on
+    the device from the first step that needs it (every load counted)."""
+
+    def __init__(self) -> None:
+        self.bases: dict[str, str] = {}
+        self.placed: list[str] = []
+        self.num_loads = 0
+        self.version = 0
+
+    @property
+    def specs(self) -> dict[str, str]:
+        return self.bases
+
+    def base_of(self, name: str) -> str | None:
+        return self.bases.get(name)
+
+    def for_step(self, names: Sequence[str | None]) -> list[Any]:
+        for name in names:
+            if name is not None and name not in self.placed:
+                self.placed.append(name)
+                self.num_loads += 1
+                self.version += 1
+        return list(names)
+
+    def with_adapters(self, models: Sequence[str]) -> list[str]:
+        return [*models, *(a for a in self.placed if self.bases[a] in models)]
+
+    def evict(self, name: str) -> bool:
+        if name in self.placed:
+            self.placed.remove(name)
+            self.version += 1
+            return True
+        return False
+
+    def nbytes(self, name: str) -> int:
+        return 1 << 16
 
 
 class FakeCache:
@@ -325,6 +372,7 @@ class FakeWorker:
         self.kv = FakeKV(self.clock, self.kv_region_bytes, self.slab_bytes)
         self.cache = FakeCache()
         self.metrics = WorkerMetrics(f"{self.kind}-{self.index}")
+        self.adapters = FakeAdapters()
 
     @property
     def name(self) -> str:
@@ -339,8 +387,19 @@ class FakeWorker:
     def capacity_tokens(self) -> dict[str, int]:
         return {m: self.kv.capacity_blocks(self.kv_shape(m)) * BLOCK_SIZE for m in self.specs}
 
-    def add_model(self, name: str, path: Path) -> SchedSpec:
+    def unit_of(self, model: str) -> str:
+        return self.adapters.base_of(model) or model
+
+    def adapt(self, name: str, base: str) -> None:
+        """Serve ``name`` as a LoRA adapter of ``base``."""
+        self.adapters.bases[name] = base
+        self.specs[name] = self.specs[base]
+
+    def add_model(self, name: str, path: Path, base: str | None = None) -> SchedSpec:
         """A fake checkpoint: ``path``'s name is the number of layers."""
+        if base is not None:
+            self.adapt(name, base)
+            return SchedSpec(name, 64, 128, 2, 1 << 16, 512)
         self.specs[name] = engine_spec(name, int(path.name))
         spec = SchedSpec(name, 64, 128, int(path.name), 1 << 20, 512)
         self.truth.specs[name] = spec  # what its steps take here

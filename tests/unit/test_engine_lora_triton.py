@@ -22,8 +22,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the kernels run on the CPU only under TRITON_INTERPRET=1",
                 allow_module_level=True)
 
-from aegaeon_engine.lora import LoraStack
-from aegaeon_engine.lora_triton import TritonLoraStep
+from aegaeon_engine.lora import LoraStack, TritonLoraStep
 from engine_support import make_checkpoint
 from lora_support import ADAPTERS, PeftAdapter, make_peft_adapter, peft_greedy
 from test_engine_lora import NUM_TOKENS, PROMPTS, Served

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
 from aegaeon_common.usage import at_least_one
+from aegaeon_engine.lora_spec import DEFAULT_TARGETS
 
 from aegaeon_market.ladder import PROFILES
 from aegaeon_market.manifest import default_market_dir
@@ -77,14 +78,20 @@ def _market_arg(parser: argparse.ArgumentParser) -> None:
 
 def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = sub.add_parser(
-        "add", help="import a Hugging Face directory or a GGUF file, or write a preset",
+        "add", help="import a Hugging Face directory, a GGUF file or a LoRA adapter, or "
+                    "write a preset or a random adapter",
         description="Check SOURCE, convert it once into the market's layout (HF directory, "
                     "safetensors in --dtype) and list it in market.json. A GGUF file (F32, "
                     "F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) keeps its Q4_0, Q4_1 "
                     "and Q8_0 matrices in their blocks unless --dtype names a float dtype; the "
                     "rest is dequantized; its tokenizer is rebuilt. --random PRESET instead "
-                    "writes a released model's config with random weights, in seconds. On any "
-                    "error the market is left as it was.")
+                    "writes a released model's config with random weights, in seconds. "
+                    "--adapter DIR --base BASE stores a PEFT LoRA adapter (adapter_config.json, "
+                    "adapter_model.safetensors; rank up to 64; target_modules among q_proj, "
+                    "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) of the market's "
+                    "model BASE, checked against its shapes; --random-adapter --base BASE "
+                    "--rank R writes a seeded random one. On any error the market is left as "
+                    "it was.")
     _market_arg(add)
     add.add_argument("--name", required=True, help="the model's name in the API")
     add.add_argument("--dtype", choices=ADD_DTYPES, default=None,
@@ -98,12 +105,26 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     what = add.add_mutually_exclusive_group(required=True)
     what.add_argument("--random", metavar="PRESET",
                       help=f"random weights in a real model's config: {', '.join(PRESETS)}")
+    what.add_argument("--adapter", type=Path, metavar="DIR",
+                      help="a PEFT LoRA adapter directory (with --base)")
+    what.add_argument("--random-adapter", action="store_true",
+                      help="a seeded random LoRA adapter (with --base and --rank)")
     what.add_argument("source", type=Path, metavar="SOURCE", nargs="?",
                       help="Hugging Face checkpoint directory or .gguf file")
+    add.add_argument("--base", metavar="BASE",
+                     help="the market's model an adapter adapts (--adapter, --random-adapter)")
+    add.add_argument("--rank", type=int, default=None, metavar="R",
+                     help="--random-adapter's rank, 1..64")
+    add.add_argument("--targets", default=",".join(DEFAULT_TARGETS), metavar="MODULES",
+                     help="--random-adapter's target_modules, comma-separated (default: "
+                          f"{','.join(DEFAULT_TARGETS)}; or all-linear)")
+    add.add_argument("--seed", type=int, default=None,
+                     help="--random-adapter's seed (default: from its name)")
     add.set_defaults(func=run_add)
     listing = sub.add_parser("list", help="the market's models",
-                             description="Name, architecture, parameters, dtype, bytes on disk "
-                                         "and source of every model.")
+                             description="Name, architecture, parameters, dtype, bytes on disk, "
+                                         "base (of a LoRA adapter) and source of every "
+                                         "model.")
     _market_arg(listing)
     listing.set_defaults(func=run_list)
     remove = sub.add_parser("remove", help="remove a model and its files")
@@ -169,16 +190,49 @@ def run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapter_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with the adapter options as given (None: nothing)."""
+    adapter = args.adapter is not None or args.random_adapter
+    if adapter and args.base is None:
+        return "--base BASE is needed with --adapter and --random-adapter"
+    if not adapter and args.base is not None:
+        return "--base is for --adapter and --random-adapter"
+    if args.random_adapter and args.rank is None:
+        return "--rank R is needed with --random-adapter"
+    if not args.random_adapter and (args.rank is not None or args.seed is not None):
+        return "--rank and --seed are for --random-adapter"
+    if adapter and args.dtype is not None:
+        return "--dtype is not for adapters (they are served in their base's dtype)"
+    return None
+
+
 def run_add(args: argparse.Namespace) -> int:
-    """Import SOURCE or write the --random preset; the market is unchanged on any error."""
+    """Import SOURCE or an adapter, or write the --random preset or a random adapter; the
+    market is unchanged on any error."""
     from aegaeon_engine.errors import CheckpointError
 
+    from aegaeon_market.adapters import add_adapter, add_random_adapter
     from aegaeon_market.edit import add_model, add_random
 
     market: Path = args.market if args.market is not None else default_market_dir()
     start = time.perf_counter()
+    usage = _adapter_usage(args)
+    if usage is not None:
+        return _fail("add", MarketError(usage))
     try:
         _sweep("add", market)
+        if args.adapter is not None or args.random_adapter:
+            if args.adapter is not None:
+                entry = add_adapter(market, args.adapter, args.name, args.base,
+                                    replace_existing=args.replace)
+            else:
+                targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+                entry = add_random_adapter(market, args.name, args.base, args.rank, targets,
+                                           args.seed, replace_existing=args.replace)
+            print(f"added {entry.name} (LoRA adapter of {entry.base}, "
+                  f"{entry.params / 1e6:.2f}M parameters, {entry.dtype}) to {market} in "
+                  f"{time.perf_counter() - start:.1f} s")
+            return 0
         if args.random is not None:
             entry = add_random(market, preset_named(args.random), args.name, args.dtype,
                                replace_existing=args.replace, progress=not args.quiet)
@@ -204,11 +258,13 @@ def run_list(args: argparse.Namespace) -> int:
         kept = _sweep("list", market).kept_lines()
     except OSError as exc:  # a market we may read but not lock (a read-only volume)
         kept = [f"leftovers not checked: cannot lock {market} ({exc.strerror or exc})"]
-    print(f"{'NAME':<24} {'ARCH':<20} {'PARAMS':>8} {'DTYPE':<13} {'BYTES':>9}  SOURCE")
+    print(f"{'NAME':<24} {'ARCH':<20} {'PARAMS':>8} {'DTYPE':<13} {'BYTES':>9}  "
+          f"{'BASE':<24} SOURCE")
     for row in rows:
         e = row.entry
         print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<13} "
-              f"{row.nbytes / 2**20:7.1f}Mi  {e.source or 'random (seeded)'}")
+              f"{row.nbytes / 2**20:7.1f}Mi  {e.base or '-':<24} "
+              f"{e.source or 'random (seeded)'}")
     for line in kept:
         print(f"leftover {line}")
     return 0

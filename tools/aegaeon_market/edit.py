@@ -85,11 +85,21 @@ def _kind(source: Path) -> str:
                                         "or a .gguf file)")
 
 
+def _refuse_if_adapted(manifest: Manifest, root: Path, name: str, what: str) -> None:
+    """A model that LoRA adapters of the market adapt is neither removed nor replaced."""
+    adapters = [e.name for e in manifest.entries if e.base == name]
+    if adapters:
+        raise MarketError(f"{root / MANIFEST}: models: cannot {what} {name!r}: the adapters "
+                          f"{', '.join(adapters)} are of it (remove them first)")
+
+
 def _check_clash(manifest: Manifest, root: Path, name: str, replace_existing: bool) -> None:
     names = {e.name for e in manifest.entries}
     if name in names and not replace_existing:
         raise MarketError(f"{root / MANIFEST}: models: a model named {name!r} exists "
                           "(pass --replace to overwrite it)")
+    if name in names:
+        _refuse_if_adapted(manifest, root, name, "replace")
     if name not in names and (root / name).exists():
         raise MarketError(f"{root / name}: exists and is not a model of this market; "
                           "choose another --name")
@@ -261,6 +271,7 @@ def remove_model(market_dir: Path | str, name: str) -> MarketEntry:
             known = ", ".join(e.name for e in manifest.entries) or "none"
             raise MarketError(f"{root / MANIFEST}: models: no model named {name!r} "
                               f"(the market has: {known})")
+        _refuse_if_adapted(manifest, root, name, "remove")
         kept = tuple(e for e in manifest.entries if e.name != name)
         write_manifest(root, replace(manifest, entries=kept))
         # out of the way under the lock: a removal cut short leaves a stamped leftover

@@ -86,12 +86,20 @@ __all__ = [
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A servable model: its name in the API and its checkpoint directory."""
+    """A servable model: its name in the API and its checkpoint directory. With ``base``,
+    a LoRA adapter of that served model: ``path`` is its PEFT adapter directory; it is
+    served on its base's weights (one switching unit with it) and its own A, B."""
 
     name: str
     path: Path
     ttft_s: float | None = None  # per-model SLO override
     tbt_s: float | None = None
+    base: str | None = None
+
+    @property
+    def unit(self) -> str:
+        """The model whose weights serve it: its base, else itself."""
+        return self.base or self.name
 
 
 class SLOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -215,6 +223,10 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # reads the Model Cache's shared memory in place: CPU only, a switch copies
     # nothing), "auto" (map on CPU, copy elsewhere).
     weights: WeightsMode = "auto"
+    # Where LoRA adapters of the active model sit on the device when weights are
+    # copied (a GPU): a region of the buffer below the KV region; null: 1/16 of
+    # device_memory. With weights mapped (CPU) adapters are read in place.
+    adapter_memory_bytes: int | None = None
     # Each instance's side HTTP server (/health, /ready, /metrics): instance i
     # binds http_port + i; 0 = ephemeral ports (the bound address goes to
     # RUN_DIR/<kind>-<i>.http). Containers set http_host 0.0.0.0.
@@ -228,6 +240,13 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def http_port_of(self, index: int) -> int:
         """Instance ``index``'s side HTTP port (0: ephemeral)."""
         return self.http_port + index if self.http_port else 0
+
+    @property
+    def adapter_region_bytes(self) -> int:
+        """Bytes of the device buffer's adapter region (copied weights only)."""
+        if self.adapter_memory_bytes is not None:
+            return self.adapter_memory_bytes
+        return self.device_memory_bytes // 16
 
     @property
     def maps_weights(self) -> bool:
@@ -402,6 +421,11 @@ class Config(msgspec.Struct, frozen=True):
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
 
+    def unit_of(self, name: str) -> str:
+        """The switching unit of model ``name``: its base for a LoRA adapter, else itself."""
+        model = self.model(name)
+        return model.unit if model is not None else name
+
     @property
     def model_names(self) -> tuple[str, ...]:
         return tuple(m.name for m in self.models)
@@ -546,12 +570,25 @@ def _market_models(market: Path, source: str) -> tuple[list[ModelConfig], list[s
         entries = read_manifest(market).entries
     except MarketError as exc:
         raise ConfigError(str(index), "models", f"malformed market index ({exc})") from None
-    models = [ModelConfig(name=e.name, path=market / e.path.relative_to(market.resolve()))
-              if e.path.is_relative_to(market.resolve()) else ModelConfig(name=e.name, path=e.path)
+    models = [ModelConfig(name=e.name, path=market / e.path.relative_to(market.resolve()),
+                          base=e.base or None)
+              if e.path.is_relative_to(market.resolve())
+              else ModelConfig(name=e.name, path=e.path, base=e.base or None)
               for e in entries]  # fmt: skip
+    # adapters are served in their base's dtype: only models decide the market's
     recorded = [e.dtype if e.dtype in DTYPES else _checkpoint_dtype(m.path)
-                for e, m in zip(entries, models, strict=True)]
+                for e, m in zip(entries, models, strict=True) if not e.adapter]
     return models, [d for d in recorded if d is not None]
+
+
+def _check_adapters(models: list[ModelConfig], source: str) -> None:
+    """Every LoRA adapter's base is a served model that is no adapter itself."""
+    full = {m.name for m in models if m.base is None}
+    for i, m in enumerate(models):
+        if m.base is not None and m.base not in full:
+            raise ConfigError(source, f"models[{i}].base", f"adapter {m.name!r}: its base "
+                              f"{m.base!r} is not a served model (served: "
+                              f"{', '.join(sorted(full)) or 'none'})")
 
 
 def _models(raw: Any, base: Path, source: str) -> list[ModelConfig]:
@@ -592,6 +629,7 @@ def config_from_dict(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(source, "models", f"duplicate model name {dupes[0]!r}")
+    _check_adapters(models, source)
     # an explicit dtype wins; else the market's (a float32 checkpoint served in
     # bfloat16 drifts from its reference after a few tokens)
     dtype = str(raw["dtype"]) if raw.get("dtype") is not None else serving_dtype(stored)
@@ -608,6 +646,11 @@ def config_from_dict(
         inst: InstancesConfig = sections[key]
         if inst.kv_memory_bytes >= inst.device_memory_bytes:
             raise ConfigError(source, f"{key}.kv_memory", "must be smaller than device_memory")
+        if inst.adapter_region_bytes < 0 or (not inst.maps_weights and inst.kv_memory_bytes
+                                             + inst.adapter_region_bytes
+                                             >= inst.device_memory_bytes):  # fmt: skip
+            raise ConfigError(source, f"{key}.adapter_memory", "must be >= 0 and leave room "
+                              "for weights beside kv_memory in device_memory")
         for field, device in [("device", inst.device), *(("devices", d) for d in inst.devices)]:
             if not DEVICE.fullmatch(device):
                 raise ConfigError(source, f"{key}.{field}", f"{device!r} is not a device "

@@ -50,6 +50,9 @@ class MarketEntry:
     like imports, when the market is rebuilt). A hand-written ``market.json``
     may list only ``name`` and ``path``: the rest then reads as unknown (``""``,
     0: the checkpoint's ``config.json`` says) and ``source`` as ``HAND_LISTED``.
+    ``base`` is set for a LoRA adapter (``arch`` ``LoRA``, its directory a PEFT
+    adapter's): the name of the market's model it adapts; ``params`` and ``dtype``
+    are then the adapter's own, and it is served in the market's dtype.
     """
 
     name: str
@@ -59,11 +62,17 @@ class MarketEntry:
     dtype: str = ""  # "": the checkpoint's config.json says
     role: str = ""
     source: str = ""
+    base: str = ""
 
     @property
     def generated(self) -> bool:
         """True for the market code's own random models (rebuilt when that code changes)."""
         return not self.source
+
+    @property
+    def adapter(self) -> bool:
+        """True for a LoRA adapter of the market's model ``base``."""
+        return bool(self.base)
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,8 @@ class Manifest:
         models = [
             {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
              "params": e.params, "dtype": e.dtype, "role": e.role,
-             **({"source": e.source} if e.source else {})}
+             **({"source": e.source} if e.source else {}),
+             **({"base": e.base} if e.base else {})}
             for e in self.entries
         ]
         doc = {"seed": self.seed, "profile": self.profile, "generator": self.generator,
@@ -107,6 +117,7 @@ def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
             name=str(raw["name"]), path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
             params=int(raw.get("params", 0)), dtype=str(raw.get("dtype") or ""),
             role=str(raw.get("role", "")), source=str(raw.get("source", _source_of(raw))),
+            base=str(raw.get("base") or ""),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc
@@ -125,6 +136,11 @@ def read_manifest(market_dir: Path) -> Manifest:
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), list):
         raise MarketError(f"{where}: expected an object with a 'models' list")
     entries = tuple(_entry(root, raw, where) for raw in doc["models"])
+    models = {e.name for e in entries if not e.adapter}
+    for e in entries:
+        if e.adapter and e.base not in models:
+            raise MarketError(f"{where}: adapter {e.name!r}: its base {e.base!r} is not a model "
+                              "of this market")
     try:
         seed = int(doc.get("seed", 0))
     except (TypeError, ValueError) as exc:

@@ -205,8 +205,6 @@ class LoraStack:
         rows = [-1 if a is None else self.slot_of[id(a)] for a in adapters]
         row_slots = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         if triton:
-            from .lora_triton import TritonLoraStep
-
             return TritonLoraStep(self, row_slots)
         hit = self.col_slots[None, :] == row_slots[:, None]
         mask = torch.where(hit, self.scales[self.col_slots][None, :], 0.0).to(self.dtype)
@@ -246,6 +244,39 @@ class LoraStep:
         for b, t0, t1, o0, o1 in term.modules:
             target = out[:, o0:o1]
             target.addmm_(t[:, t0:t1], b.t())
+
+
+class TritonLoraStep:
+    """``LoraStep``'s term on the Triton kernels of lora_triton.py (same ``add``): each
+    row reads only its own adapter's columns of the stacked matrices."""
+
+    def __init__(self, stack: LoraStack, row_slots: torch.Tensor) -> None:
+        from .lora_triton import block_rank
+
+        self.stack = stack
+        slots = row_slots.clamp(min=0)
+        base = row_slots < 0
+        # per targeted module: each row's first column among the module's, its rank
+        self.starts: dict[str, torch.Tensor] = {}
+        self.ranks: dict[str, torch.Tensor] = {}
+        for module in stack.module_cols:
+            first, rank = stack.slot_columns(module)
+            self.starts[module] = first[slots].to(torch.int32)
+            self.ranks[module] = torch.where(base, 0, rank[slots]).to(torch.int32)
+        self.scales = torch.where(base, 0.0, stack.scales[slots]).to(torch.float32)
+        self.block_r = block_rank(stack.max_rank)
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        from .lora_triton import expand, shrink
+
+        term = self.stack.layers[layer].get(group)
+        if term is None:
+            return
+        for b, t0, t1, o0, o1 in term.modules:
+            module = self.stack.module_at(group, t0)
+            starts, ranks = self.starts[module], self.ranks[module]
+            t = shrink(x, term.a[t0:t1], starts, ranks, self.scales, self.block_r)
+            expand(t, b, out[:, o0:o1], starts, ranks, self.block_r)
 
 
 class LoraStacks:

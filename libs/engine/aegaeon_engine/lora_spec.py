@@ -46,12 +46,14 @@ PROJECTIONS: dict[str, str] = {
 GROUP_OF: dict[str, str] = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gate_up",
                             "up": "gate_up", "down": "down"}
 _TARGET_NAMES = {PROJECTIONS[m].split(".")[1]: m for m in MODULES}
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # a random adapter's
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _MAX_HEADER_BYTES = 100 << 20
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "GROUP_OF", "MAX_RANK", "MODULES", "AdapterSpec",
-    "adapter_layout", "is_adapter_dir", "module_shape", "module_span",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "GROUP_OF", "MAX_RANK", "MODULES",
+    "AdapterSpec", "adapter_layout", "is_adapter_dir", "module_shape", "module_span",
+    "target_modules",
 ]
 
 
@@ -156,10 +158,12 @@ def _parse_config(raw: dict[str, Any],
         if field(key) not in allowed:
             raise CheckpointError(where, key, f"{field(key)!r} is not served (served: "
                                               f"{allowed[0]!r})")
-    return rank, float(alpha), rslora, _targets(field("target_modules"), where)
+    return rank, float(alpha), rslora, target_modules(field("target_modules"), where)
 
 
-def _targets(raw: Any, where: Path) -> tuple[str, ...]:
+def target_modules(raw: Any, where: str | Path) -> tuple[str, ...]:
+    """The modules (``MODULES`` order) of a PEFT ``target_modules`` value: a list of
+    ``q_proj``... or ``all-linear``; ``CheckpointError`` naming ``where`` otherwise."""
     names = ", ".join(_TARGET_NAMES)
     if raw == "all-linear":
         return MODULES

@@ -8,6 +8,8 @@ lora.LoraStack, each row pointing at its adapter's columns):
 - ``expand``: ``out[n, span] += t[n, :r_n] @ B[:, c_n : c_n + r_n]^T``, one program
   per row and block of output columns, rounded once into ``out``'s dtype.
 
+lora.TritonLoraStep runs them for a step.
+
 On the CPU they run only in Triton's interpreter (``TRITON_INTERPRET=1``, set
 before this module is imported): that is how the tests check them against the
 torch term (lora.LoraStep). Nothing imports this module unless a step runs on CUDA.
@@ -16,14 +18,10 @@ torch term (lora.LoraStep). Nothing imports this module unless a step runs on CU
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-
-from .lora import LoraStack
-from .lora_spec import GROUP_OF, MODULES
 
 BLOCK_K = 64  # input features a shrink program reads at a time
 BLOCK_O = 64  # output columns of an expand program
@@ -92,40 +90,6 @@ def expand(t: torch.Tensor, b: torch.Tensor, out: torch.Tensor, starts: torch.Te
                   out.stride(0), out.stride(1), BLOCK_R=block_r, BLOCK_O=BLOCK_O)
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """Per targeted module, each row's first column in the module's matrices and its rank."""
-
-    starts: dict[str, torch.Tensor]
-    ranks: dict[str, torch.Tensor]
-    scales: torch.Tensor
-
-
-class TritonLoraStep:
-    """``lora.LoraStep``'s term on the kernels above (same ``add``)."""
-
-    def __init__(self, stack: LoraStack, row_slots: torch.Tensor) -> None:
-        self.stack = stack
-        slots = row_slots.clamp(min=0)
-        base = row_slots < 0
-        starts, ranks = {}, {}
-        for module in MODULES:
-            if module in stack.module_cols:
-                first, rank = stack.slot_columns(module)
-                starts[module] = first[slots].to(torch.int32)
-                ranks[module] = torch.where(base, 0, rank[slots]).to(torch.int32)
-        scales = torch.where(base, 0.0, stack.scales[slots]).to(torch.float32)
-        self.rows = _Rows(starts, ranks, scales)
-        self.block_r = max(16, triton.next_power_of_2(stack.max_rank))
-
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        term = self.stack.layers[layer].get(group)
-        if term is None:
-            return
-        for b, t0, t1, o0, o1 in term.modules:
-            module = self.stack.module_at(group, t0)
-            assert GROUP_OF[module] == group
-            rows = self.rows
-            t = shrink(x, term.a[t0:t1], rows.starts[module], rows.ranks[module], rows.scales,
-                       self.block_r)
-            expand(t, b, out[:, o0:o1], rows.starts[module], rows.ranks[module], self.block_r)
+def block_rank(max_rank: int) -> int:
+    """The kernels' rank block: a power of two holding ``max_rank`` (at least 16)."""
+    return max(16, int(triton.next_power_of_2(max_rank)))

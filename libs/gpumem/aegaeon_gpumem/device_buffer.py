@@ -1,8 +1,11 @@
 """The worker's one device allocation: weights arena below, KV region above.
 
-    0                      weights_capacity                      nbytes
-    | active model | prefetched model | free |     KV region (slabs)  |
-    ^ bump arena (BumpArena) -------------->  ^ kv_offset
+    0                      weights_capacity                                   nbytes
+    | active model | prefetched model | free | adapters |   KV region (slabs)  |
+    ^ bump arena (BumpArena) -------------->  ^ adapter_offset ^ kv_offset
+
+The adapter region (``adapter_bytes``, often 0) holds LoRA adapters of the
+active model, bookkept by its user (aegaeon_runtime.adapters).
 
 The buffer is allocated once at construction (on CUDA this is the single
 cudaMalloc of the worker). After that nothing is freed to or requested from
@@ -63,6 +66,8 @@ class DeviceBuffer:
         align: default alignment of weight allocations (bytes, power of two).
         prefault: zero the buffer at construction so its pages are resident
             (the memory is committed up front, like a cudaMalloc).
+        adapter_bytes: bytes of the adapter region below the KV region (taken from
+            the weights arena).
     """
 
     def __init__(
@@ -72,10 +77,13 @@ class DeviceBuffer:
         device: torch.device | str = "cpu",
         align: int = DEFAULT_ALIGN,
         prefault: bool = True,
+        adapter_bytes: int = 0,
     ) -> None:
-        if nbytes <= 0 or not 0 <= kv_bytes <= nbytes:
+        room = nbytes - kv_bytes
+        if nbytes <= 0 or not 0 <= kv_bytes <= nbytes or not 0 <= adapter_bytes <= room:
             raise ValueError(
-                f"need nbytes > 0 and 0 <= kv_bytes <= nbytes, got {nbytes}, {kv_bytes}"
+                f"need nbytes > 0 and 0 <= kv_bytes <= nbytes and room for the adapter "
+                f"region, got {nbytes}, {kv_bytes}, {adapter_bytes}"
             )
         raw = torch.empty(nbytes + BASE_ALIGN, dtype=torch.uint8, device=device)
         pad = -raw.data_ptr() % BASE_ALIGN
@@ -84,7 +92,7 @@ class DeviceBuffer:
             # Touch every page now: on the CPU a first-touch page fault made a
             # weight load 5-50x slower than a copy into resident memory.
             buffer.zero_()
-        self._init(buffer, kv_bytes, align)
+        self._init(buffer, kv_bytes, align, adapter_bytes)
 
     @classmethod
     def over(
@@ -99,11 +107,14 @@ class DeviceBuffer:
         self._init(tensor, kv_bytes, align)
         return self
 
-    def _init(self, buffer: torch.Tensor, kv_bytes: int, align: int) -> None:
+    def _init(self, buffer: torch.Tensor, kv_bytes: int, align: int,
+              adapter_bytes: int = 0) -> None:
         self._buffer = buffer
         self._kv_offset = buffer.numel() - kv_bytes
         self._kv_bytes = kv_bytes
-        self._arena = BumpArena(self._kv_offset, align)
+        # rounded down to a page so the arena's end and the region's start stay aligned
+        self._adapter_offset = self._kv_offset - adapter_bytes // BASE_ALIGN * BASE_ALIGN
+        self._arena = BumpArena(self._adapter_offset, align)
 
     # -- layout --------------------------------------------------------------
 
@@ -124,8 +135,13 @@ class DeviceBuffer:
 
     @property
     def weights_capacity(self) -> int:
-        """Bytes of the weights arena (= `kv_offset`)."""
-        return self._kv_offset
+        """Bytes of the weights arena (= `kv_offset` less the adapter region)."""
+        return self._adapter_offset
+
+    @property
+    def adapter_region(self) -> torch.Tensor:
+        """The adapter region as a uint8 view (empty when there is none)."""
+        return self._buffer[self._adapter_offset : self._kv_offset]
 
     @property
     def kv_offset(self) -> int:
@@ -192,10 +208,10 @@ class DeviceBuffer:
         released (the old active model was overwritten, the prefetch slot is
         free for the next prefetch).
         """
-        if src_offset + nbytes > self._kv_offset:
+        if src_offset + nbytes > self._adapter_offset:
             raise ValueError(
                 f"source [{src_offset}, {src_offset + nbytes}) is outside the weights arena"
-                f" [0, {self._kv_offset})"
+                f" [0, {self._adapter_offset})"
             )
         promote_copy(self._buffer, src_offset, dst_offset, nbytes)
         allocation = Allocation(dst_offset, nbytes)

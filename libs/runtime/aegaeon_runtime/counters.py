@@ -23,6 +23,7 @@ class InstanceCounters:
     switches: int = 0
     switch_s: float = 0.0
     prefetched_switches: int = 0
+    adapter_loads: int = 0  # LoRA adapters brought to the device (no weight switch)
     prefills: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
@@ -62,6 +63,7 @@ class InstanceCounters:
             "switches": float(self.switches),
             "switch_s": self.switch_s,
             "prefetched_switches": float(self.prefetched_switches),
+            "adapter_loads": float(self.adapter_loads),
             "prefills": float(self.prefills),
             "prefill_tokens": float(self.prefill_tokens),
             "prefill_s": self.prefill_s,

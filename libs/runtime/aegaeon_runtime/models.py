@@ -28,7 +28,7 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError
 from aegaeon_sched import LatencyModel
 
-from aegaeon_runtime.port import WorkerPort
+from aegaeon_runtime.port import ModelGoneError, WorkerPort
 
 log = get_logger("instance")
 
@@ -38,7 +38,7 @@ def add_model(worker: WorkerPort, latency: LatencyModel | None, msg: AddModel,
     """Serve ``msg.name`` from now on (idempotent); the instance's models after it."""
     if msg.name not in worker.specs:
         try:
-            spec = worker.add_model(msg.name, Path(msg.path))
+            spec = worker.add_model(msg.name, Path(msg.path), msg.base or None)
         except (CheckpointError, OSError) as exc:
             log.error("model_add_failed", model=msg.name, path=msg.path, error=str(exc))
         else:
@@ -58,7 +58,10 @@ def set_awake(
     steps). ``busy(model)``: work of it is queued here; ``idle``: no work at all."""
     switcher = worker.switcher
     name = msg.name
-    if name in worker.specs:
+    unit = worker.unit_of(name) if name in worker.specs else name
+    if unit != name:  # a LoRA adapter: its matrices, its base's weights with them
+        _set_adapter_awake(worker, msg, busy, idle)
+    elif name in worker.specs:
         if not msg.awake:
             if not busy(name) and switcher.evict(name):
                 log.info("model_asleep", model=name)
@@ -71,5 +74,30 @@ def set_awake(
                 log.info("model_awake", model=name, loaded=idle)
             except (RemoteError, TimeoutError, OSError) as exc:  # the Model Cache's load
                 log.error("model_wake_failed", model=name, error=str(exc))
-    return ModelsResident(worker.kind, worker.index, msg.ticket, switcher.resident_models(),
-                          switcher.residency_version, reply_to=msg.reply_to)  # fmt: skip
+    return ModelsResident(worker.kind, worker.index, msg.ticket,
+                          worker.adapters.with_adapters(switcher.resident_models()),
+                          switcher.residency_version + worker.adapters.version,
+                          reply_to=msg.reply_to)  # fmt: skip
+
+
+def _set_adapter_awake(worker: WorkerPort, msg: SetModelAwake, busy: Callable[[str], bool],
+                       idle: bool) -> None:
+    """Sleep: the adapter's matrices leave the device (not while work of it is queued);
+    wake: its base comes in as a woken model does, the adapter with it."""
+    name, switcher = msg.name, worker.switcher
+    unit = worker.unit_of(name)
+    if not msg.awake:
+        if not busy(name) and worker.adapters.evict(name):
+            log.info("model_asleep", model=name)
+        return
+    try:
+        if unit not in switcher.resident_models():
+            if idle:
+                switcher.activate(unit)
+            else:
+                switcher.prefetch(unit)
+        if switcher.active_model == unit:
+            worker.adapters.for_step([name])
+        log.info("model_awake", model=name, base=unit)
+    except (RemoteError, TimeoutError, OSError, ModelGoneError) as exc:
+        log.error("model_wake_failed", model=name, error=str(exc))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from aegaeon_common.config import Config
@@ -27,19 +27,31 @@ from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, SamplingParams
 from aegaeon_gpumem import Event, KVBlockPool
 from aegaeon_sched import ModelSpec as SchedSpec
 
+from aegaeon_runtime.errors import ModelGoneError
 from aegaeon_runtime.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from aegaeon_engine.lora import AdapterWeights
+
+    from aegaeon_runtime.adapters import AdapterResidency
+
+__all__ = ["EnginePort", "HostCachePort", "KVPort", "MessageSink", "MessageSource",
+           "ModelGoneError", "SamplerPort", "SwitcherPort", "WorkerPort"]
 
 
 class EnginePort(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
-        """One prompt's K/V into ``block_ids``; the logits ``[vocab]`` of its last position."""
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int], start_pos: int = 0,
+                adapter: AdapterWeights | None = None) -> torch.Tensor:
+        """One prompt's K/V into ``block_ids``; the logits ``[vocab]`` of its last position
+        (with ``adapter``: that LoRA adapter of the bound model runs with it)."""
         ...
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
-        """One step of a batch: logits ``[B, vocab]``."""
+        """One step of a batch (of the bound model and its adapters, ``DecodeSeq.adapter``):
+        logits ``[B, vocab]``."""
         ...
 
 
@@ -50,16 +62,6 @@ class SamplerPort(Protocol):
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> list[int]: ...
-
-
-class ModelGoneError(RuntimeError):
-    """The node's cachemgr no longer holds the model: it was removed at run time
-    (through another proxy replica, while work for it was on its way here). The work
-    for it fails with ``unknown_model``; the instance lives."""
-
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(f"model {name!r} is no longer served: {why}")
-        self.model = name
 
 
 class SwitcherPort(Protocol):
@@ -169,8 +171,18 @@ class WorkerPort(Protocol):
         """Device KV capacity in tokens, per model."""
         ...
 
-    def add_model(self, name: str, path: Path) -> SchedSpec:
-        """Serve one more model; its spec for the latency model."""
+    def add_model(self, name: str, path: Path, base: str | None = None) -> SchedSpec:
+        """Serve one more model (with ``base``: a LoRA adapter of that served model);
+        its spec for the latency model."""
+        ...
+
+    def unit_of(self, model: str) -> str:
+        """The model whose weights serve ``model`` (a LoRA adapter's base), else itself."""
+        ...
+
+    @property
+    def adapters(self) -> AdapterResidency:
+        """The LoRA adapters served here and those on the device."""
         ...
 
 

@@ -130,9 +130,10 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
     # token velocity by stage, as /metrics exports it (the proxy sums the cluster's)
     velocity = worker.metrics.velocity()
     # the version first: read with the names after it, it is never newer than they are
-    version = worker.switcher.residency_version
+    version = worker.switcher.residency_version + worker.adapters.version
+    resident = worker.adapters.with_adapters(worker.switcher.resident_models())
     return msgspec.structs.replace(stats, counters=counters, velocity=velocity,
-                                   resident_models=worker.switcher.resident_models(),
+                                   resident_models=resident,
                                    residency_version=version, holdings=held)  # fmt: skip
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 from aegaeon_common.config import Config, InstancesConfig
-from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
+from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 from aegaeon_sched import ModelSpec as SchedSpec
 
+from aegaeon_runtime.adapters import AdapterResidency
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import Registration
 from aegaeon_runtime.kv import KVSpace
@@ -35,7 +36,12 @@ def instance_config(config: Config, kind: str) -> InstancesConfig:
 
 @dataclass
 class Worker:
-    """One worker's long-lived components."""
+    """One worker's long-lived components.
+
+    ``specs`` holds every served model, a LoRA adapter with its base's spec (its
+    KV shape and window are the base's); ``adapters`` knows which are adapters
+    and brings their matrices to the device; the switcher switches bases only.
+    """
 
     config: Config
     kind: str
@@ -49,6 +55,7 @@ class Worker:
     switcher: ModelSwitcher
     kv: KVSpace
     sampler: Sampler
+    adapters: AdapterResidency
     # what the compute thread counts for /metrics (a registry of its own by default)
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
 
@@ -62,16 +69,22 @@ class Worker:
     def max_model_len(self, model: str) -> int:
         return self.specs[model].max_model_len
 
+    def unit_of(self, model: str) -> str:
+        """The model whose weights serve ``model``: its base for an adapter, else itself."""
+        return self.adapters.base_of(model) or model
+
     def sched_spec(self, model: str) -> SchedSpec:
-        """What the latency model (Eq. 4-6) needs of ``model``."""
+        """What the latency model (Eq. 4-6) needs of ``model`` (an adapter: its base's
+        sizes; its own bytes are what moving it to the device costs)."""
         spec = self.specs[model]
         shape = self.kv_shape(model)
+        adapter = model in self.adapters.specs
         return SchedSpec(
             name=model,
             hidden_size=spec.hidden_size,
             intermediate_size=spec.intermediate_size,
             num_layers=spec.num_layers,
-            weight_bytes=self.switcher.nbytes(model),
+            weight_bytes=self.adapters.nbytes(model) if adapter else self.switcher.nbytes(model),
             kv_bytes_per_token=shape.block_bytes // shape.block_size,
         )
 
@@ -80,15 +93,27 @@ class Worker:
         block = self.engine.block_size
         return {m: self.kv.capacity_blocks(self.kv_shape(m)) * block for m in list(self.specs)}
 
-    def add_model(self, name: str, path: Path) -> SchedSpec:
+    def add_model(self, name: str, path: Path, base: str | None = None) -> SchedSpec:
         """Serve one more model (``AddModel``, on the compute thread): its spec is read
         from ``path`` (``CheckpointError`` if broken); its weights come through the
-        Model Cache at its first switch, as every model's."""
+        Model Cache at its first switch, as every model's. With ``base`` (a served
+        model), ``path`` is a LoRA adapter of it, checked against its shapes."""
+        if base is not None:
+            if base not in self.switcher.specs:
+                raise CheckpointError(path, None, f"its base {base!r} is not served here")
+            self.adapters.add(name, path, self.specs[base])
+            self.specs[name] = self.specs[base]
+            return self.sched_spec(name)
         spec = ModelSpec.from_dir(path)
         self.engine.tune(spec, self.config.dtype)
         self.switcher.specs[name] = spec
         self.specs[name] = spec
         return self.sched_spec(name)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` here (its matrices leave the device)."""
+        self.adapters.forget(name)
+        self.specs.pop(name, None)
 
     def close(self) -> None:
         self.switcher.close()
@@ -118,15 +143,17 @@ async def build_worker(
     registration = await client.register(os.getpid(), NUM_STREAMS)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
-    specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
+    specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models if m.base is None}
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
     # answering /health meanwhile.
     engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads)
     for spec in specs.values():  # the fastest kernels per model shape, measured once a machine
         await asyncio.to_thread(engine.tune, spec, config.dtype)
+    adapter_bytes = 0 if inst.maps_weights else inst.adapter_region_bytes
     buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
-                                     inst.kv_memory_bytes, device)  # fmt: skip
+                                     inst.kv_memory_bytes, device,
+                                     adapter_bytes=adapter_bytes)  # fmt: skip
     table = registration.event_table
     streams = [
         make_copy_stream(device, table, registration.event_slots[i]) for i in range(NUM_STREAMS)
@@ -148,9 +175,18 @@ async def build_worker(
         prefetch=config.scheduler.prefetch,
         map_weights=inst.maps_weights,
     )
+    adapters = AdapterResidency(cache, config.dtype,
+                                buffer.adapter_region if adapter_bytes else None,
+                                engine.lora_stacks)  # fmt: skip
+    for model in config.models:  # LoRA adapters: checked against their bases now
+        if model.base is not None:
+            adapters.add(model.name, model.path, specs[model.base])
     for name in specs:  # map every Model Cache region now, off the critical path
         await client.load_model(name, pin=True)
         await client.unpin(name)
+    for model in config.models:  # the served adapters with them
+        if model.base is not None:
+            specs[model.name] = specs[model.base]
     return Worker(
         config=config,
         kind=kind,
@@ -164,5 +200,6 @@ async def build_worker(
         switcher=switcher,
         kv=kv,
         sampler=Sampler(device),
+        adapters=adapters,
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
     )

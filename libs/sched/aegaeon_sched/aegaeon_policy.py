@@ -154,7 +154,7 @@ class AegaeonPolicy:
         if request is None:
             return []  # cancelled meanwhile
         if measured_s > 0:
-            self.latency.observe_prefill(request.model, [request.prompt_len], measured_s)
+            self.latency.observe_prefill(request.switch_unit, [request.prompt_len], measured_s)
         if request.max_tokens <= 1:
             return []  # the prefill's token was the last one
         return self._place(request)

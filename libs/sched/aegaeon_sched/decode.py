@@ -29,6 +29,9 @@ JOIN_LOAD_LIMIT = 1.0
 
 @dataclass
 class DecodeBatch:
+    """Requests decoded together: of one model, or of one base and its LoRA adapters
+    (``model`` is then the base: the weights the batch runs on, its switching unit)."""
+
     batch_id: int
     model: str
     requests: dict[str, Request] = field(default_factory=dict)
@@ -84,11 +87,12 @@ class DecodeWorkList:
             raise ValueError(f"request {request.request_id!r} is already placed")
         batch = self._by_id.get(batch_id)
         if batch is None:
-            batch = DecodeBatch(batch_id, request.model)
+            batch = DecodeBatch(batch_id, request.switch_unit)
             self._batches.append(batch)
             self._by_id[batch_id] = batch
-        elif batch.model != request.model:
-            raise ValueError(f"batch {batch_id} holds {batch.model!r}, not {request.model!r}")
+        elif batch.model != request.switch_unit:
+            raise ValueError(f"batch {batch_id} holds {batch.model!r}, not "
+                             f"{request.switch_unit!r}")
         batch.requests[request.request_id] = request
         batch.reserved_tokens += request.kv_tokens
         batch.mean_context_tokens += DecodeBatch.mean_context(request)
@@ -216,7 +220,7 @@ class DecodeDispatcher:
                 tbt = min(tbt, request.tbt_s or tbt)
             demand += lat.decode_step_s(b.model, n, ctx) / tbt
         if request is not None and join is None:
-            step_s = lat.decode_step_s(request.model, 1, DecodeBatch.mean_context(request))
+            step_s = lat.decode_step_s(request.switch_unit, 1, DecodeBatch.mean_context(request))
             demand += step_s / (request.tbt_s or self.tbt_s)
         return demand / share
 
@@ -272,7 +276,7 @@ class DecodeDispatcher:
     def _choose(self, request: Request, instances: Sequence[InstanceId]) -> tuple[float, str, int]:
         """(load, instance, batch id or -1: new) by :meth:`place`'s rules over ``instances``."""
         rooms = ((i, b.batch_id) for i in instances for b in self.work_lists[i]
-                 if b.model == request.model and self.has_room(i, b, request))  # fmt: skip
+                 if b.model == request.switch_unit and self.has_room(i, b, request))  # fmt: skip
         choice: tuple[float, InstanceId, int] | None
         if self.latency is None:  # the paper's rule: the first batch found, always
             first = next(rooms, None)

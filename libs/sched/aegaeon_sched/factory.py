@@ -52,6 +52,9 @@ class PolicyOptions:
     # Roles move (aegaeon_sched.roles): new decode requests avoid the instances in
     # the prefill role while one in the decode role is open.
     role_switching: bool = False
+    # LoRA adapters -> their bases (a request names the adapter; Request.unit): static
+    # multiplexing places a base with its adapters' load, never an adapter alone.
+    units: Mapping[str, str] = field(default_factory=dict)
 
 
 def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
@@ -88,6 +91,9 @@ def _request_level(
 
 def _static_mux(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
     loads = dict(opts.model_loads) or dict.fromkeys(latency.specs, 1.0)
+    for adapter, base in opts.units.items():  # an adapter's load lands on its base's GPU
+        if adapter in loads:
+            loads[base] = loads.get(base, 0.0) + loads.pop(adapter)
     return StaticMuxPolicy(
         cluster.unified_instances,
         loads,

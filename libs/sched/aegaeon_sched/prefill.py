@@ -104,7 +104,7 @@ class PrefillDispatcher:
         open_queues = [(i, q) for i, q in self.queues.items() if self.takes_work(i)]
         # Lines 4-8: an open group of the model (and class) on any instance wins.
         for instance, queue in open_queues:
-            group = queue.open_group(request.model, request.priority)
+            group = queue.open_group(request.switch_unit, request.priority)
             if group is not None:
                 queue.add(request, group.group_id)
                 self._instance_of[request.request_id] = instance
@@ -132,7 +132,7 @@ class PrefillDispatcher:
         group, request = head
         needs_switch = queue.loaded_model != group.model
         queue.start(request.request_id, now_s)
-        estimate = self.latency.prefill_one_s(request.model, request.prompt_len)
+        estimate = self.latency.prefill_one_s(request.switch_unit, request.prompt_len)
         return PrefillJob(instance, group.group_id, request, needs_switch, estimate)
 
     def on_started(self, instance: InstanceId, request_id: str, now_s: float) -> None:

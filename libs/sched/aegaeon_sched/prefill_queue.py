@@ -84,12 +84,14 @@ class PrefillQueue:
         group = self._by_id.get(group_id)
         if group is None:
             key = self.key_of(request) if key_s is None else key_s
-            group = PrefillGroup(group_id, request.model, priority=request.priority, key_s=key)
+            group = PrefillGroup(group_id, request.switch_unit, priority=request.priority,
+                                 key_s=key)
             at = bisect.bisect_right([g.key_s for g in self._groups], key)
             self._groups.insert(at, group)
             self._by_id[group_id] = group
-        elif group.model != request.model:
-            raise ValueError(f"group {group_id} holds {group.model!r}, not {request.model!r}")
+        elif group.model != request.switch_unit:
+            raise ValueError(f"group {group_id} holds {group.model!r}, not "
+                             f"{request.switch_unit!r}")
         deadline = self.key_of(request)
         at = bisect.bisect_right([self.key_of(r) for r in group.pending], deadline)
         group.pending.insert(at, request)
@@ -191,5 +193,5 @@ class PrefillQueue:
                 total += latency.switch_s(group.model)
             current = group.model
             for req in group.pending:
-                total += latency.prefill_one_s(req.model, req.prompt_len)
+                total += latency.prefill_one_s(req.switch_unit, req.prompt_len)
         return total

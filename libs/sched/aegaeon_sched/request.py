@@ -20,6 +20,11 @@ class Request:
     of the request's SLO class (0 = interactive, the highest; 1 = standard;
     2 = batch) and ``ttft_s`` / ``tbt_s`` its own targets, resolved by the
     proxy (``None``: the deployment's, as in the paper).
+
+    ``unit`` is the model whose weights serve it when that is another: a LoRA
+    adapter's base. A base and its adapters are one switching unit: one prefill
+    group, one decode batch and one weight switch serve them all, while
+    ``model`` (the adapter) keeps its own accounting (:attr:`switch_unit`).
     """
 
     request_id: str
@@ -31,6 +36,12 @@ class Request:
     priority: int = 1
     ttft_s: float | None = None
     tbt_s: float | None = None
+    unit: str = ""
+
+    @property
+    def switch_unit(self) -> str:
+        """The weights it runs on: its base for an adapter (``unit``), else ``model``."""
+        return self.unit or self.model
 
     @property
     def kv_tokens(self) -> int:

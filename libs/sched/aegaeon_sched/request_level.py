@@ -8,7 +8,7 @@ instance's backlog. Reported as an extra line.
 
 Instances are unified: each runs the prefill and the decode of the requests
 it is given, serves one model at a time and batches every request of that
-model it holds (continuous batching, up to ``max_batch_size`` and its KV
+model (and of its LoRA adapters, as vLLM batches them on a resident base) it holds (continuous batching, up to ``max_batch_size`` and its KV
 capacity). Scaling happens only at request boundaries:
 
 - a request for a model loaded on an instance with room joins it (the least
@@ -81,7 +81,7 @@ class RequestLevelPolicy:
         return (request.arrival_s, 0.0)
 
     def _enqueue(self, request: Request) -> None:
-        heap = self._queues.setdefault(request.model, [])
+        heap = self._queues.setdefault(request.switch_unit, [])
         heapq.heappush(heap, (self._key(request), self._seq, request))
         self._seq += 1
         self._queued_ids.add(request.request_id)
@@ -112,17 +112,17 @@ class RequestLevelPolicy:
             return True  # an empty instance takes any one request
         if len(state.running) >= self.max_batch_size:
             return False
-        cap = self.capacity_tokens.get(request.model)
+        cap = self.capacity_tokens.get(request.switch_unit)
         return cap is None or state.reserved_tokens + request.kv_tokens <= cap
 
     def _run(self, instance: InstanceId, request: Request, now_s: float) -> RunOnInstance:
         state = self.instances[instance]
-        state.model = request.model
+        state.model = request.switch_unit
         state.running[request.request_id] = request
         state.reserved_tokens += request.kv_tokens
         state.last_used_s = now_s
         self._instance_of[request.request_id] = instance
-        return RunOnInstance(instance, request, request.model)
+        return RunOnInstance(instance, request, request.switch_unit)
 
     def _pull_queued(self, instance: InstanceId, now_s: float) -> list[Action]:
         """Fill ``instance`` from the queue with requests of its model, head first.
@@ -159,7 +159,7 @@ class RequestLevelPolicy:
         warm = [
             i
             for i, s in self.instances.items()
-            if s.model == request.model and self._fits(s, request)
+            if s.model == request.switch_unit and self._fits(s, request)
         ]
         if warm:
             target = min(warm, key=lambda i: len(self.instances[i].running))

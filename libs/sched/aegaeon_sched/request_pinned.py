@@ -62,12 +62,13 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
 
     def _batches_with(self, queue: list[Request], model: str) -> bool:
         if self.sjf:
-            return any(r.model == model for r in queue)
-        return bool(queue) and queue[-1].model == model
+            return any(r.switch_unit == model for r in queue)
+        return bool(queue) and queue[-1].switch_unit == model
 
     def on_arrival(self, request: Request, now_s: float) -> list[Action]:
         free = {i: s for i, s in self.instances.items() if not self.pinned[i]}
-        warm = [i for i, s in free.items() if s.model == request.model and self._fits(s, request)]
+        warm = [i for i, s in free.items()
+                if s.model == request.switch_unit and self._fits(s, request)]
         if warm:
             target = min(warm, key=lambda i: len(self.instances[i].running))
             return [self._run(target, request, now_s)]
@@ -78,7 +79,8 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
                 key=lambda i: (self.instances[i].model is not None, self.instances[i].last_used_s),
             )
             return [self._run(target, request, now_s)]
-        batching = [i for i, q in self.pinned.items() if self._batches_with(q, request.model)]
+        batching = [i for i, q in self.pinned.items()
+                    if self._batches_with(q, request.switch_unit)]
         target = min(
             batching or self.instances,
             key=lambda i: (len(self.pinned[i]), self.instances[i].last_used_s),
@@ -93,12 +95,12 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
             return []
         if self.sjf:
             head = min(queue, key=self._key)
-            model = model or head.model
-            return sorted((r for r in queue if r.model == model), key=self._key)
-        model = model or queue[0].model
+            model = model or head.switch_unit
+            return sorted((r for r in queue if r.switch_unit == model), key=self._key)
+        model = model or queue[0].switch_unit
         run = []
         for r in queue:
-            if r.model != model:
+            if r.switch_unit != model:
                 break
             run.append(r)
         return run

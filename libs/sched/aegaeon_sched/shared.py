@@ -27,10 +27,10 @@ State = list[Any]
 
 
 def request_state(request: Request) -> State:
-    """``[id, model, arrival, prompt, max_tokens, oracle, priority, ttft_s, tbt_s]``."""
+    """``[id, model, arrival, prompt, max_tokens, oracle, priority, ttft_s, tbt_s, unit]``."""
     return [request.request_id, request.model, request.arrival_s, request.prompt_len,
             request.max_tokens, request.oracle_output_len, request.priority, request.ttft_s,
-            request.tbt_s]  # fmt: skip
+            request.tbt_s, request.unit]  # fmt: skip
 
 
 def _opt_float(value: Any) -> float | None:
@@ -38,12 +38,12 @@ def _opt_float(value: Any) -> float | None:
 
 
 def request_from_state(state: State) -> Request:
-    # the SLO fields are optional: states written before them hold 6 items
+    # the SLO fields and the unit are optional: states written before them hold 6 or 9 items
     rid, model, arrival_s, prompt_len, max_tokens, oracle = state[:6]
-    priority, ttft_s, tbt_s = list(state[6:9]) + [1, None, None][len(state[6:9]) :]
+    priority, ttft_s, tbt_s, unit = list(state[6:10]) + [1, None, None, ""][len(state[6:10]) :]
     return Request(str(rid), str(model), float(arrival_s), int(prompt_len), int(max_tokens),
                    None if oracle is None else int(oracle), int(priority), _opt_float(ttft_s),
-                   _opt_float(tbt_s))  # fmt: skip
+                   _opt_float(tbt_s), str(unit or ""))  # fmt: skip
 
 
 # ---- prefill queues ------------------------------------------------------------

@@ -76,11 +76,11 @@ class StaticMuxPolicy:
         return [m for m, i in self.placement.items() if i == instance]
 
     def on_arrival(self, request: Request, now_s: float) -> list[Action]:
-        instance = self.placement.get(request.model)
+        instance = self.placement.get(request.switch_unit)  # an adapter goes with its base
         if instance is None:
             return [Reject(request, f"model {request.model!r} has no GPU slot")]
         self._instance_of[request.request_id] = instance
-        return [RunOnInstance(instance, request, request.model)]
+        return [RunOnInstance(instance, request, request.switch_unit)]
 
     def on_prefill_started(
         self, instance: InstanceId, request_id: str, now_s: float

@@ -81,7 +81,9 @@ class CacheManager:
             raise
         self.kv = UnifiedKVCache(self.kv_region, cache.slab_bytes, self.events.name)
         models = {m.name: m.path for m in config.models}
-        self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor)
+        bases = {m.name: m.base for m in config.models if m.base is not None}
+        self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor,
+                                 bases)  # fmt: skip
         per_worker = min(DEFAULT_SLOTS_PER_WORKER, cache.event_slots)
         self.workers = WorkerRegistry(cache.event_slots, per_worker)
         self._handlers: dict[type[Message], Callable[[Any], Awaitable[Message]]] = {
@@ -192,8 +194,8 @@ class CacheManager:
     # ---- models at run time (the proxy's admin endpoints) ----------------
 
     async def _register_model(self, req: RegisterModel) -> Message:
-        self.models.register(req.name, Path(req.path))
-        log.info("model_registered", model=req.name, path=req.path)
+        self.models.register(req.name, Path(req.path), req.base or None)
+        log.info("model_registered", model=req.name, path=req.path, base=req.base)
         return ModelRegistered(req.name)
 
     async def _forget_model(self, req: ForgetModel) -> Message:

@@ -79,8 +79,11 @@ class ModelCache:
         budget_bytes: int,
         name_prefix: str,
         executor: Executor,
+        bases: Mapping[str, str] | None = None,
     ) -> None:
+        """``bases``: the LoRA adapters among ``models``, each with its base's name."""
         self._paths = dict(models)
+        self._bases = dict(bases or {})
         self._dtype = dtype
         self.budget_bytes = budget_bytes
         self._prefix = name_prefix
@@ -134,15 +137,21 @@ class ModelCache:
             )
 
     # ---- models at run time (model lifecycle) ----------------------------
-    def register(self, name: str, path: Path) -> None:
-        """Serve ``name`` (its checkpoint at ``path``) from now on; idempotent."""
+    def register(self, name: str, path: Path, base: str | None = None) -> None:
+        """Serve ``name`` (its checkpoint at ``path``; with ``base``, a LoRA adapter of
+        that model) from now on; idempotent."""
         self._paths[name] = path
+        if base:
+            self._bases[name] = base
+        else:
+            self._bases.pop(name, None)
         self._forgotten.discard(name)
 
     def forget(self, name: str) -> bool:
         """Stop serving ``name``: no new loads, its operator pin dropped; True when it is
         out of the cache now (else it leaves once no worker pins it)."""
         self._paths.pop(name, None)
+        self._bases.pop(name, None)
         self.set_pinned(name, False)
         entry = self._resident.get(name)
         if entry is not None and not entry.pins:
@@ -198,7 +207,12 @@ class ModelCache:
             self.evict(name)
 
     def _start(self, name: str, evict: bool) -> _Loading:
-        plan = plan_model(name, self._paths[name], self._dtype)
+        base = self._bases.get(name)
+        base_path = self._paths.get(base) if base is not None else None
+        if base is not None and base_path is None:
+            raise CacheError("unknown_model", f"adapter {name!r}: its base {base!r} is not "
+                             "served", {"model": name})  # fmt: skip
+        plan = plan_model(name, self._paths[name], self._dtype, base_path)
         self._make_room(plan, evict)
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64]
         try:

@@ -16,6 +16,7 @@ from aegaeon_common.messages.cache import TensorEntry
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.layout import WeightLayout, weight_layout
 from aegaeon_engine.loader import fill_layout
+from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 from aegaeon_engine.spec import ModelSpec
 
 from aegaeon_cachemgr.errors import CacheError
@@ -31,6 +32,7 @@ class ModelPlan:
     nbytes: int
     tensors: list[TensorEntry]
     layout: WeightLayout
+    adapter: AdapterSpec | None = None  # a LoRA adapter's region (lora_spec's layout)
 
 
 def checkpoint_failure(exc: CheckpointError) -> CacheError:
@@ -40,17 +42,23 @@ def checkpoint_failure(exc: CheckpointError) -> CacheError:
     return CacheError("checkpoint_error", str(exc), detail)
 
 
-def plan_model(name: str, path: Path, dtype: str) -> ModelPlan:
-    """Read the model's JSON files (cheap, no tensor data) and lay it out in ``dtype``."""
+def plan_model(name: str, path: Path, dtype: str, base: Path | None = None) -> ModelPlan:
+    """Read the model's JSON files (cheap, no tensor data) and lay it out in ``dtype``;
+    with ``base`` (its base's checkpoint), ``path`` is a LoRA adapter of it, checked
+    against the base's shapes (its safetensors header)."""
+    adapter = None
     try:
-        spec = ModelSpec.from_dir(path)
+        if base is None:
+            layout = weight_layout(ModelSpec.from_dir(path), dtype)
+        else:
+            adapter = AdapterSpec.from_dir(path, ModelSpec.from_dir(base), name)
+            layout = adapter_layout(adapter, dtype)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None
-    layout = weight_layout(spec, dtype)
     tensors = [
         TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
     ]
-    return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout)
+    return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout, adapter)
 
 
 def fill_region(
@@ -59,6 +67,13 @@ def fill_region(
     """Read the checkpoint into ``dest`` (runs on a loader thread, off the event loop);
     ``progress`` is told the bytes filled so far."""
     try:
-        fill_layout(plan.path, plan.layout, dest, progress)
+        if plan.adapter is not None:
+            from aegaeon_engine.lora import fill_adapter
+
+            fill_adapter(plan.path, plan.adapter, plan.layout, dest)
+            if progress is not None:
+                progress(plan.nbytes)
+        else:
+            fill_layout(plan.path, plan.layout, dest, progress)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None

@@ -44,6 +44,8 @@ class ModelAssets:
     # generation_config.json's temperature / top_p / top_k: what a request leaving the
     # field out gets (an explicit value, 0 included, wins)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # a LoRA adapter's base, whose text assets these are ("": the model's own)
+    unit: str = ""
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -95,9 +97,10 @@ def _unique(ids: Iterable[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def load_assets(model: ModelConfig) -> ModelAssets:
-    """Read one model's text assets (blocking; call off the event loop)."""
-    path = Path(model.path)
+def load_assets(model: ModelConfig, base: ModelConfig | None = None) -> ModelAssets:
+    """Read one model's text assets (blocking; call off the event loop); a LoRA
+    adapter's are its ``base``'s (its tokenizer, template and window)."""
+    path = Path(base.path if base is not None else model.path)
     try:
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     except Exception as exc:  # tokenizers raises plain Exception for missing/bad files
@@ -127,6 +130,7 @@ def load_assets(model: ModelConfig) -> ModelAssets:
         max_model_len=max_len,
         vocab_size=vocab_size,
         sampling_defaults=defaults,
+        unit=base.name if base is not None else "",
     )
 
 
@@ -148,9 +152,12 @@ class AssetRegistry:
     async def get(self, name: str) -> ModelAssets:
         """The assets of a configured model; raises KeyError if unknown, AssetError if broken."""
         model = self._models[name]
+        base = self._models.get(model.base) if model.base is not None else None
+        if model.base is not None and base is None:
+            raise AssetError(f"adapter {name!r}: its base {model.base!r} is not served")
         fut = self._loads.get(name)
         if fut is None:
-            fut = asyncio.ensure_future(asyncio.to_thread(load_assets, model))
+            fut = asyncio.ensure_future(asyncio.to_thread(load_assets, model, base))
             self._loads[name] = fut
         try:
             return await asyncio.shield(fut)

@@ -89,6 +89,8 @@ class GenerationRequest:
     ttft_s: float | None = None
     tbt_s: float | None = None
     slo_class: str = "standard"
+    # a LoRA adapter's base (the weights it runs on; "": the model itself)
+    unit: str = ""
 
 
 @dataclass(frozen=True)

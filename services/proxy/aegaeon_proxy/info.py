@@ -31,22 +31,28 @@ __all__ = [
 ]
 
 
-def _model_obj(name: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": _STARTED, "owned_by": OWNER}
+def _model_obj(request: web.Request, name: str) -> dict[str, object]:
+    """One model as vLLM lists it: a LoRA adapter's ``parent`` is its base and its
+    ``root`` its adapter directory; a model's ``root`` is itself, its ``parent`` null."""
+    model = request.app[STATE].models.model_config(name)
+    base = model.base if model is not None else None
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": OWNER,
+            "root": str(model.path) if model is not None and base is not None else name,
+            "parent": base}  # fmt: skip
 
 
 async def list_models(request: web.Request) -> web.Response:
     """The served models: the configured ones, changed by the admin endpoints (never
     derived from which workers are alive)."""
     names = [n for n in request.app[STATE].models.names() if allowed(request, n)]
-    return json_response({"object": "list", "data": [_model_obj(n) for n in names]})
+    return json_response({"object": "list", "data": [_model_obj(request, n) for n in names]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if not request.app[STATE].models.serving(name) or not allowed(request, name):
         raise model_not_found(name)
-    return json_response(_model_obj(name))
+    return json_response(_model_obj(request, name))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -93,6 +93,11 @@ class ModelSettingsTable:
         """The models that take new requests (``GET /v1/models``)."""
         return [m.name for m in self._models.values() if m.state == "serving"]
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters among :meth:`names`."""
+        return [m.name for m in self._models.values()
+                if m.state == "serving" and m.config.base is not None]
+
     def settings(self, name: str) -> ModelSettings:
         """The live ``model_settings`` of ``name`` (the ``"*"`` defaults when unknown)."""
         entry = self._models.get(name)

@@ -165,4 +165,5 @@ def build_request(
         prompt_token_ids=tuple(prompt_ids),
         sampling=sampling,
         arrival_s=time.time() if arrival_s is None else arrival_s,
+        unit=assets.unit,
     )

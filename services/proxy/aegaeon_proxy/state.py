@@ -40,7 +40,8 @@ class ProxyState:
         backend.register_metrics(state.metrics.registry)
         engine = backend if isinstance(backend, EngineStats) else None
         state.keep_alive.attach(backend, state.models)
-        state.metrics.vllm_gauges.attach(state.models.names, engine, config.dtype)
+        state.metrics.vllm_gauges.attach(state.models.names, engine, config.dtype,
+                                         state.models.adapters)  # fmt: skip
         return state
 
     def ready(self) -> bool:

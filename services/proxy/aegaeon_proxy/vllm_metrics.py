@@ -18,12 +18,15 @@ here, and where that differs from vLLM, is in ``docs/operations.md``.
 
 Families vLLM exports only for features Aegaeon does not have (prefix caching,
 preemption to the waiting queue) are exported at 0 so that queries over them
-answer; those vLLM itself exports only when configured (LoRA, speculative
-decoding, detailed traces) are not.
+answer; those vLLM itself exports only when configured (speculative decoding,
+detailed traces) are not. ``vllm:lora_requests_info`` is, as vLLM's, while LoRA
+adapters are served: its labels name the adapters with requests running and
+waiting, ``max_lora`` the adapters that may share a step (every served one).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from aegaeon_common.messages.structs import RequestTimings
@@ -276,15 +279,17 @@ class VllmGauges(Collector):
     def __init__(self, metrics: VllmMetrics) -> None:
         self._m = metrics
         self._models: Callable[[], Iterable[str]] = tuple
+        self._adapters: Callable[[], Iterable[str]] = tuple
         self._engine: EngineStats | None = None
         self._cache_dtype = ""
         self.snapshot: EngineSnapshot | None = None
 
     def attach(self, models: Callable[[], Iterable[str]], engine: EngineStats | None,
-               cache_dtype: str) -> None:  # fmt: skip
+               cache_dtype: str, adapters: Callable[[], Iterable[str]] = tuple) -> None:
         """Where to read from: the served models' names, the backend (if it reports its
-        instances' memory), the dtype of the KV cache."""
+        instances' memory), the dtype of the KV cache, the served LoRA adapters."""
         self._models = models
+        self._adapters = adapters
         self._engine = engine
         self._cache_dtype = cache_dtype
 
@@ -356,3 +361,13 @@ class VllmGauges(Collector):
         )
         info.add_metric([self._cache_dtype, "False"], 1.0)
         yield info
+        adapters = sorted(self._adapters())
+        if adapters:  # vLLM's, with LoRA enabled: the value is when it was read
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            waiting = ",".join(a for a in adapters if counts(a)[0] > 0)
+            running = ",".join(a for a in adapters if counts(a)[1] > 0)
+            lora.add_metric([str(len(adapters)), waiting, running], time.time())
+            yield lora

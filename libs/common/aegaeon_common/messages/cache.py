@@ -116,11 +116,14 @@ class GetStats(Message, frozen=True):
 
 
 class RegisterModel(Message, frozen=True):
-    """Serve one more model (its checkpoint at ``path``) without a restart; idempotent."""
+    """Serve one more model (its checkpoint at ``path``) without a restart; idempotent.
+    ``base``: the served model of which it is a LoRA adapter (``path``: its PEFT
+    adapter directory)."""
 
     TAG = "cache.register_model"
     name: str
     path: str
+    base: str = ""
 
 
 class ForgetModel(Message, frozen=True):

@@ -71,6 +71,7 @@ class AddModel(Message, frozen=True):
     path: str
     ticket: int = 0
     reply_to: str = ""
+    base: str = ""  # a LoRA adapter of this served model (``path``: its PEFT directory)
 
 
 class ProxyStarted(Message, frozen=True):

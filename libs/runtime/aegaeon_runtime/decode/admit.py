@@ -48,8 +48,10 @@ class Admission:
         self.changed: Reading = no_reading
 
     def _add(self, seq: Seq, max_tokens: int, priority: int = 1) -> bool:
+        unit = self.worker.unit_of(seq.model)
         request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens,
-                          priority=priority, ttft_s=seq.ttft_s, tbt_s=seq.tbt_s)  # fmt: skip
+                          priority=priority, ttft_s=seq.ttft_s, tbt_s=seq.tbt_s,
+                          unit="" if unit == seq.model else unit)  # fmt: skip
         try:
             self.work.add(request, seq.batch_id)
         except ValueError as exc:
@@ -99,7 +101,8 @@ class Admission:
         if msg.model not in w.specs:
             self.refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
             return
-        batch_id = self._local_batches.setdefault(msg.model, -1 - len(self._local_batches))
+        unit = w.unit_of(msg.model)  # a base and its adapters: one batch
+        batch_id = self._local_batches.setdefault(unit, -1 - len(self._local_batches))
         params = engine_params(msg.sampling)
         seq = Seq(
             request_id=msg.request_id,

@@ -12,11 +12,13 @@ the next step), streams their tokens and retires the finished ones.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_engine import DecodeSeq
+from aegaeon_engine.lora import AdapterWeights
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
 
@@ -188,7 +190,10 @@ class TurnRunner:
             except OutOfBlocks:
                 return
             seq.device_blocks, seq.on_device, seq.ready_event = blocks, True, None
-            logits = w.engine.prefill(seq.prompt_token_ids, blocks)
+            stepping, adapters = self._adapters(batch, [seq])
+            if not stepping:
+                continue  # its adapter has no room now, or is gone (failed)
+            logits = w.engine.prefill(seq.prompt_token_ids, blocks, adapter=adapters[0])
             token = w.sampler.sample(logits[None], [seq.params], [seq.generator])[0]
             seq.prompt_token_ids = None
             seq.tokens.append(token)
@@ -207,6 +212,28 @@ class TurnRunner:
             self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
                                          done, w.kind, holdings))  # fmt: skip
 
+    def _adapters(self, batch: DecodeBatch,
+                  stepping: list[Seq]) -> tuple[list[Seq], list[AdapterWeights | None]]:
+        """The LoRA adapter of each stepping sequence of an adapter of the batch's model
+        (brought to the device now if needed); sequences whose adapter has no room this
+        step wait (their blocks stay). An adapter its cachemgr no longer holds fails its
+        sequences."""
+        names = [None if s.model == batch.model else s.model for s in stepping]
+        if all(n is None for n in names):
+            return stepping, [None] * len(stepping)
+        before = self.worker.adapters.num_loads
+        try:
+            weights = self.worker.adapters.for_step(names)
+        except ModelGoneError as exc:
+            for seq in stepping:
+                if seq.model == exc.model:
+                    self.admission.fail(seq, "unknown_model", str(exc))
+            return self._adapters(batch, [s for s in stepping if s.model != exc.model])
+        self.counters.adapter_loads += self.worker.adapters.num_loads - before
+        runs = [n is None or a is not None for n, a in zip(names, weights, strict=True)]
+        return ([s for s, ok in zip(stepping, runs, strict=True) if ok],
+                [a for a, ok in zip(weights, runs, strict=True) if ok])
+
     def _step(self, batch: DecodeBatch, ready: list[Seq]) -> int:
         """One decode step of the ``ready`` requests that have room; how many stepped."""
         w = self.worker
@@ -221,9 +248,13 @@ class TurnRunner:
                 continue  # waits for room; decoded when blocks free up
         if not stepping:
             return 0
+        stepping, adapters = self._adapters(batch, stepping)
+        if not stepping:
+            return 0
         start = self.clock.now()
         logits = w.engine.decode(
-            [DecodeSeq(s.tokens[-1], s.position, s.device_blocks) for s in stepping]
+            [DecodeSeq(s.tokens[-1], s.position, s.device_blocks, a)
+             for s, a in zip(stepping, adapters, strict=True)]
         )
         tokens = w.sampler.sample(
             logits, [s.params for s in stepping], [s.generator for s in stepping]
@@ -251,7 +282,8 @@ class TurnRunner:
         self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)
-        w.metrics.tokens("decode", batch.model, len(stepping))
+        for model, count in Counter(s.model for s in stepping).items():
+            w.metrics.tokens("decode", model, count)
         self.counters.decode_s += seconds
         if self.latency is not None:
             self.latency.observe_decode(batch.model, len(stepping), context, seconds)

@@ -34,12 +34,12 @@ from aegaeon_runtime.port import ModelGoneError, WorkerPort
 from aegaeon_runtime.sampling import engine_params, finish_reason
 
 
-def prefill_request(msg: EnqueuePrefill) -> Request:
+def prefill_request(msg: EnqueuePrefill, unit: str = "") -> Request:
     """The queue's view of an enqueued request (as the proxy built it: same class,
-    same targets, so both sides order the queue alike)."""
+    same targets, same switching unit, so both sides order the queue alike)."""
     return Request(msg.request_id, msg.model, msg.arrival_s, len(msg.prompt_token_ids),
                    msg.sampling.max_tokens, priority=msg.priority, ttft_s=msg.ttft_s or None,
-                   tbt_s=msg.tbt_s or None)  # fmt: skip
+                   tbt_s=msg.tbt_s or None, unit="" if unit == msg.model else unit)  # fmt: skip
 
 
 # Makes room for a prompt: swaps sequences out until at least the given bytes of
@@ -110,10 +110,12 @@ def run_prefill(
     w = worker
     started = clock.wall()
     shape = w.kv_shape(msg.model)
+    unit = w.unit_of(msg.model)  # a LoRA adapter runs on its base's weights
     try:
-        record = w.switcher.activate(msg.model, started)
+        record = w.switcher.activate(unit, started)
         if prefetch is not None:
             w.switcher.prefetch(prefetch)
+        adapter = w.adapters.for_step([msg.model])[0] if unit != msg.model else None
     except ModelGoneError as exc:
         w.kv.free(shape, blocks)
         return _failed(w, msg, "unknown_model", str(exc))
@@ -128,7 +130,11 @@ def run_prefill(
 
     params = engine_params(msg.sampling)
     compute_start = clock.now()
-    logits = w.engine.prefill(prompt, blocks)
+    if unit != msg.model and adapter is None:  # no room on the device for its matrices
+        w.kv.free(shape, blocks)
+        return fail("adapter_capacity", f"adapter {msg.model!r} does not fit the device's "
+                                        "adapter region (adapter_memory)")
+    logits = w.engine.prefill(prompt, blocks, adapter=adapter)
     gen = params.make_generator(w.engine.device)
     token = w.sampler.sample(logits[None], [params], [gen])[0]
     compute_s = clock.now() - compute_start

@@ -70,7 +70,7 @@ IDLE_WAIT_S = 0.05
 # flight) is tried again this often; the wait is the inbox's, so commands are served.
 KV_RETRY_S = 0.005
 PREFILL_COUNTERS = ("prefills", "prefill_tokens", "prefill_s", "switches", "switch_s",
-                    "failed")  # fmt: skip
+                    "adapter_loads", "failed")  # fmt: skip
 
 
 class PrefillLoop:
@@ -138,7 +138,7 @@ class PrefillLoop:
             self._fail(msg.request_id, msg.model, "unknown_model",
                        f"model {msg.model!r} is not served")  # fmt: skip
             return
-        request = prefill_request(msg)
+        request = prefill_request(msg, self.worker.unit_of(msg.model))
         try:
             self.queue.add(request, msg.group_id)
         except ValueError as exc:  # a duplicate id or a group/model mismatch
@@ -170,8 +170,9 @@ class PrefillLoop:
         return self.queue.peek() is not None
 
     def has_model(self, name: str) -> bool:
-        """A queued job needs ``name``."""
-        return any(group.model == name for group in self.queue)
+        """A queued job needs ``name`` (a model, or an adapter of a group's model)."""
+        return any(group.model == name or any(r.model == name for r in group.pending)
+                   for group in self.queue)
 
     def run_all(self) -> None:
         """Run every queued job, front group first (Algorithm 1, line 15), the
@@ -199,8 +200,12 @@ class PrefillLoop:
             if isinstance(blocks, PrefillOutcome):
                 outcome = blocks  # it can never run here
             else:
-                nxt = next((g.model for g in self.queue if g.model != msg.model), None)
+                unit = self.worker.unit_of(msg.model)
+                nxt = next((g.model for g in self.queue if g.model != unit), None)
+                loads = self.worker.adapters.num_loads
                 outcome = run_prefill(self.worker, msg, blocks, nxt, self.clock)
+                with self.counters.lock:
+                    self.counters.adapter_loads += self.worker.adapters.num_loads - loads
         finally:
             self.queue.finish(request.request_id)
         if outcome.switch is not None:

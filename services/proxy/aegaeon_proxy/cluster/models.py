@@ -72,6 +72,11 @@ _CACHE_ERRORS: dict[str, tuple[int, str]] = {
 __all__ = ["ClusterModels", "ModelOps", "Placement", "Target", "cache_error"]
 
 
+def register_message(model: ModelConfig) -> RegisterModel:
+    """What a cachemgr learns of a model added at run time (a LoRA adapter with its base)."""
+    return RegisterModel(model.name, str(model.path), base=model.base or "")
+
+
 def cache_error(exc: RemoteError) -> BackendError:
     status, code = _CACHE_ERRORS.get(exc.code, (503, "unavailable"))
     return BackendError(f"cachemgr: {exc}", status=status, code=code)
@@ -131,7 +136,7 @@ class ModelOps:
     async def add(self, model: ModelConfig) -> None:
         """Register ``model`` with every cachemgr, tell every live instance, and wait
         until each serves it (a BackendError names the one that cannot)."""
-        await self.place.cache_call(RegisterModel(model.name, str(model.path)))
+        await self.place.cache_call(register_message(model))
         self.added[model.name] = model
         self.removed.discard(model.name)
         tickets = {t.name: self.send_add(t.name, model) for t in self.place.targets()}
@@ -215,7 +220,7 @@ class ModelOps:
                 await cache_call(ForgetModel(name))
         for model in missing:
             try:
-                await cache_call(RegisterModel(model.name, str(model.path)))
+                await cache_call(register_message(model))
             except BackendError as exc:
                 log.warning("model_resync_failed", model=model.name, error=exc.message)
             self.send_add(target, model)
@@ -226,7 +231,8 @@ class ModelOps:
         ticket = self._ticket(target)
         self._add_sent[target] = ticket
         self.place.send(target, AddModel(model.name, str(model.path), ticket,
-                                         reply_to=self.place.reply_to))  # fmt: skip
+                                         reply_to=self.place.reply_to,
+                                         base=model.base or ""))  # fmt: skip
         return ticket
 
     def models_answered(self, target: str, ticket: int, models: frozenset[str]) -> None:

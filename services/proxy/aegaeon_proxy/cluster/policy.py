@@ -72,6 +72,7 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         default_ttft_s=config.slo.ttft_s,
         standby=standby,
         role_switching=config.role_switching and not unified,
+        units={m.name: m.base for m in config.models if m.base is not None},
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
     dispatcher = getattr(policy, "decode", None)

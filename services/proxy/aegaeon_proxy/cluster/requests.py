@@ -128,7 +128,7 @@ class RequestTable:
         sched = Request(
             req.request_id, req.model, req.arrival_s, len(req.prompt_token_ids), s.max_tokens,
             oracle_output_len=s.max_tokens if s.ignore_eos else None,
-            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s,
+            priority=req.priority, ttft_s=req.ttft_s, tbt_s=req.tbt_s, unit=req.unit,
         )  # fmt: skip
         verdict = self.gate.decide(sched) if self.gate is not None else Verdict.ADMIT
         if verdict is Verdict.REFUSE:
