@@ -51,7 +51,7 @@ class CudaCapturer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream(device)
+        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def capture(self, run: Callable[[], Any]) -> Graph[Any]:
         try:
@@ -105,7 +105,7 @@ class StaticInputs:
         on_cuda = device.type == "cuda"
         self.host = (torch.zeros(size, dtype=torch.int32, pin_memory=True) if on_cuda
                      else self.device_buffer)
-        self._copied = torch.cuda.Event() if on_cuda else None
+        self._copied = torch.cuda.Event() if on_cuda else None  # type: ignore[no-untyped-call]
         fields = self.device_buffer[:_FIELDS * rows].view(_FIELDS, rows)
         self.tokens, self.positions, self.slot_blocks, self.slot_offsets, self.context_lens = (
             fields.unbind(0))

@@ -161,6 +161,29 @@ class Engine:
         key = layout_key(spec, dtype_name, self.block_size, self.attention.decode_kernel)
         return self.graphs.table.addresses(key)
 
+    def capture_graphs(self, spec: ModelSpec, weights: torch.Tensor, kv_region: torch.Tensor,
+                       dtype: str | None = None) -> bool:
+        """Capture the decode step's graphs for ``spec`` with its weights at ``weights`` (the
+        arena bytes where a switch will copy it; what is there now is not read for
+        anything kept) before its first step: start-up and ``AddModel`` pay the capture,
+        not a served step. The bound model stays bound. False without graphs or when
+        the capture failed (graphs.py logs why)."""
+        if self.graphs is None:
+            return False
+        dtype_name = canonical_dtype(dtype or spec.dtype)
+        views = bind_weights(spec, self.layout(spec, dtype_name), weights)
+        kv = KVViews.over(kv_region, spec, self.block_size, views.dtype)
+        return self.graphs.capture(spec, dtype_name, views, kv, self._rope(spec, views.dtype),
+                                   self.ops, self.attention)
+
+    def _rope(self, spec: ModelSpec, dtype: torch.dtype) -> RopeTable:
+        key = (spec.head_dim, spec.rope, spec.max_model_len, dtype)
+        rope = self._ropes.get(key)
+        if rope is None:
+            rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
+                                                dtype, self.device)
+        return rope
+
     def default_choice(self, dtype: torch.dtype) -> KernelChoice:
         """The kernels used without a measurement: the chosen level for every operation,
         bfloat16 prefill GEMMs in the CPU's own rule (tuning.py)."""
@@ -237,11 +260,7 @@ class Engine:
         dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == bound.dtype)
         kv_shape = spec.kv_shape(dtype_name, self.block_size)
         kv = KVViews.over(kv_region, spec, self.block_size, bound.dtype)
-        key = (spec.head_dim, spec.rope, spec.max_model_len, bound.dtype)
-        rope = self._ropes.get(key)
-        if rope is None:
-            rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
-                                                bound.dtype, self.device)
+        rope = self._rope(spec, bound.dtype)
         self._bound = _Bound(spec, bound, kv, kv_shape, rope, reduce)
         if self.graphs is not None:
             if reduce is None:
@@ -327,8 +346,8 @@ class Engine:
                 return attention.causal(qkv[:, :heads_q], qkv[:, heads_q:heads_qk],
                                         qkv[:, heads_qk:])
         elif attention.triton:  # each new token a row over its own context, in place
-            rows = blocks[None].expand(num_new, -1)
-            attend = attention.paged_decode(m.kv, heads_q, rows, positions + 1, None)
+            attend = attention.paged_decode(m.kv, heads_q, blocks[None].expand(num_new, -1),
+                                            positions + 1, None)
         else:
             spec = m.spec
             mask = torch.arange(total, device=dev)[None, :] <= positions[:, None]

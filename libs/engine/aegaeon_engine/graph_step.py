@@ -71,6 +71,24 @@ class GraphDecoder:
         self._model = None
         self.table.unbind()
 
+    def capture(self, spec: ModelSpec, dtype: str, weights: ModelWeights, kv: KVViews,
+                rope: RopeTable, ops: LayerOps, attention: Attention) -> bool:
+        """Capture the graphs of the slot ``weights`` are views in, for ``spec``'s layout,
+        without binding it (start-up, ``AddModel``): the bytes there may be another
+        model's; the warm-ups write nothing and their outputs are dropped. False if
+        the capture failed (the step of that slot then runs eager)."""
+        region = (kv.blocks.data_ptr(), kv.blocks.numel())
+        if self._kv_ptr is not None and region != self._kv_ptr:
+            self.table.invalidate("the KV region moved")
+        self._kv_ptr = region
+        m = _Model(spec, weights, kv, rope.ensure(spec.max_model_len))
+        slot = self.slot_of(spec, dtype, weights, attention.decode_kernel)
+        if self.table.has(slot):
+            return True
+        inputs = self._static(m)
+        inputs.stage_null(self.table.max_size)
+        return self.table.capture(slot, self._maker(m, inputs, ops, attention))
+
     def _static(self, m: _Model) -> StaticInputs:
         width = min(-(-m.spec.max_model_len // self.block_size), m.kv.blocks.shape[0])
         inputs = self._inputs.get(width)

@@ -182,8 +182,8 @@ class GraphTable(Generic[T]):
         if slot in self._failed:
             return False
         while len(self._graphs) >= self.max_slots:
-            old, graphs = self._graphs.popitem(last=False)
-            self.capturer.release(list(graphs.values()))
+            old, dropped = self._graphs.popitem(last=False)
+            self.capturer.release(list(dropped.values()))
             self.stats.evictions += 1
             log.info("CUDA graphs of a slot evicted to make room (address %#x)", old.address)
         start = self._clock()
@@ -214,13 +214,16 @@ class GraphTable(Generic[T]):
         eager (``stats.last_eager_reason`` says why)."""
         slot = self._bound
         if slot is None:
-            return self._eager(EAGER_UNBOUND, "no model bound in a graph slot")
+            self.note_eager(EAGER_UNBOUND, "no model bound in a graph slot")
+            return None
         size = self.round_up(batch)
         if size is None:
-            return self._eager(EAGER_BATCH, f"batch of {batch} above the largest captured "
-                                            f"size {self.max_size}")
+            self.note_eager(EAGER_BATCH, f"batch of {batch} above the largest captured size "
+                                         f"{self.max_size}")
+            return None
         if not self.capture(slot, make_run):
-            return self._eager(EAGER_CAPTURE_FAILED, self._failed[slot])
+            self.note_eager(EAGER_CAPTURE_FAILED, self._failed[slot])
+            return None
         graphs = self._graphs[slot]
         self._graphs.move_to_end(slot)
         if self._ready is not None:  # the bytes of the bound model: copied before it runs
@@ -230,11 +233,11 @@ class GraphTable(Generic[T]):
         self.stats.replays += 1
         return size, out
 
-    def _eager(self, kind: str, why: str) -> None:
+    def note_eager(self, kind: str, why: str) -> None:
+        """A step ran eager: counted by ``kind``, logged once per kind."""
         self.stats.eager_steps += 1
         self.stats.eager_reasons[kind] = self.stats.eager_reasons.get(kind, 0) + 1
         self.stats.last_eager_reason = why
         if kind not in self._logged:  # once per kind: a step is too frequent to log
             self._logged.add(kind)
             log.warning("decode steps run eager (no CUDA graph): %s", why)
-        return None

@@ -63,13 +63,11 @@ def _rope_write(qkv_ptr, q_norm_ptr, k_norm_ptr, rope_ptr, pos_ptr, blocks_ptr, 
         y = ((x * cos).to(dtype).to(tl.float32) + (xr * sin).to(dtype).to(tl.float32))
         y = y.to(dtype)
         tl.store(row + d, y, mask=ok)
-        if head >= NUM_Q:
-            if block >= 0:
-                tl.store(slot + (head - NUM_Q) * stride_ch + d, y, mask=ok)
-    else:
-        if block >= 0:
-            v = tl.load(row + d, mask=ok, other=0.0)
-            tl.store(slot + stride_ckv + (head - NUM_Q - NUM_KV) * stride_ch + d, v, mask=ok)
+        if head >= NUM_Q and block >= 0:
+            tl.store(slot + (head - NUM_Q) * stride_ch + d, y, mask=ok)
+    elif block >= 0:
+        v = tl.load(row + d, mask=ok, other=0.0)
+        tl.store(slot + stride_ckv + (head - NUM_Q - NUM_KV) * stride_ch + d, v, mask=ok)
 
 
 def rope_write(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
