@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,11 @@ from proxy_support import market_dir
 
 if TYPE_CHECKING:
     from aegaeon_gpumem import EventTable
+
+# The Triton kernels' tests (test_triton_kernels.py) run them in Triton's interpreter on the
+# CPU. Triton reads this when a kernel is defined, so before any test imports
+# aegaeon_engine.gpu; nothing else here runs Triton (the CPU engine keeps its own kernels).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
