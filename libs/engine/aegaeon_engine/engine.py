@@ -40,11 +40,11 @@ def _triton_reason(device: torch.device, asked: bool | None) -> str | None:
 
     if asked is False:
         return "off"
+    if asked is None and device.type != "cuda":
+        return "the CPU runs its own kernels"
     problem = triton_problem(device.type)
     if asked and problem is not None:
         raise ValueError(f"Triton kernels asked for on {device}, but {problem}")
-    if asked is None and device.type != "cuda":
-        return "the CPU runs its own kernels"
     if problem is not None:
         log.warning("the CUDA engine runs torch kernels: %s", problem)
     return problem

@@ -49,7 +49,7 @@ class GraphDecoder:
         self.block_size = block_size
         self._inputs: dict[int, StaticInputs] = {}  # block table width -> inputs
         self._model: _Model | None = None
-        self._kv_ptr: tuple[int, int] | None = None
+        self._kv_ptr: int | None = None
 
     def slot_of(self, spec: ModelSpec, dtype: str, weights: ModelWeights,
                 kernels: str) -> GraphSlot:
@@ -59,13 +59,17 @@ class GraphDecoder:
     def bind(self, spec: ModelSpec, dtype: str, weights: ModelWeights, kv: KVViews,
              rope: RopeTable, kernels: str, ready: object | None = None) -> None:
         """``spec``'s weights are bound (their bytes there once ``ready`` fires)."""
-        region = (kv.blocks.data_ptr(), kv.blocks.numel())
-        if self._kv_ptr is not None and region != self._kv_ptr:
-            self.table.invalidate("the KV region moved")
-        self._kv_ptr = region
+        self._check_region(kv)
         table = rope.ensure(spec.max_model_len)  # before any capture: it never moves again
         self._model = _Model(spec, weights, kv, table)
         self.table.bind(self.slot_of(spec, dtype, weights, kernels), ready)
+
+    def _check_region(self, kv: KVViews) -> None:
+        """Every graph reads the KV region where it was: one that moved drops them all."""
+        region = kv.blocks.data_ptr()  # a model's view covers its whole blocks only
+        if self._kv_ptr is not None and region != self._kv_ptr:
+            self.table.invalidate("the KV region moved")
+        self._kv_ptr = region
 
     def unbind(self) -> None:
         self._model = None
@@ -77,10 +81,7 @@ class GraphDecoder:
         without binding it (start-up, ``AddModel``): the bytes there may be another
         model's; the warm-ups write nothing and their outputs are dropped. False if
         the capture failed (the step of that slot then runs eager)."""
-        region = (kv.blocks.data_ptr(), kv.blocks.numel())
-        if self._kv_ptr is not None and region != self._kv_ptr:
-            self.table.invalidate("the KV region moved")
-        self._kv_ptr = region
+        self._check_region(kv)
         m = _Model(spec, weights, kv, rope.ensure(spec.max_model_len))
         slot = self.slot_of(spec, dtype, weights, attention.decode_kernel)
         if self.table.has(slot):
