@@ -8,16 +8,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 from gpumem_support import PREFIX, TAG
 from proxy_support import market_dir
 
 if TYPE_CHECKING:
     from aegaeon_gpumem import EventTable
 
-# The Triton kernels' tests (test_triton_kernels.py) run them in Triton's interpreter on the
-# CPU. Triton reads this when a kernel is defined, so before any test imports
-# aegaeon_engine.gpu; nothing else here runs Triton (the CPU engine keeps its own kernels).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, the Triton kernels' tests (test_triton_kernels.py) run them in Triton's
+# interpreter on the CPU. Triton reads this when a kernel is defined, so before any test
+# imports aegaeon_engine.gpu; nothing else here runs Triton (the CPU engine keeps its own
+# kernels). With a GPU the CUDA engine's tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from aegaeon_engine.graphs import (
     GraphSlot,
     GraphTable,
 )
-from engine_support import Bound, block_lists, decode_step, make_checkpoint, prompts_of
+from engine_support import block_lists, decode_step, make_checkpoint, prompts_of
 
 
 class FakeGraph:
@@ -190,34 +190,52 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             make_checkpoint(root / "b", "qwen3", seed=2))
 
 
-def test_graph_switches_a_b_a_decode_the_eager_tokens(pair: tuple[Path, Path]) -> None:
+def _greedy(engine: Engine, prompts: list[list[int]], num_tokens: int,
+            blocks: list[list[int]]) -> list[list[int]]:
+    outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks, strict=True)]
+    for _ in range(num_tokens - 1):
+        outs = decode_step(engine, prompts, outs, blocks)
+    return outs
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_switches_a_b_a_decode_the_eager_tokens(pair: tuple[Path, Path],
+                                                      device: str) -> None:
     """One weights buffer, models copied in turn to offset 0 (as a scale-up does):
-    the static step of each bind replays its own layout's graph (A's again after B)
-    and every turn's greedy tokens equal the eager engine's."""
+    each bind replays its own layout's graphs (A's again after B) and every turn's
+    greedy tokens equal the eager engine's. The CPU runs the static step on the eager
+    capturer; CUDA captures and replays CUDA graphs (Triton kernels) against the same
+    kernels run eager."""
     specs = [ModelSpec.from_dir(p) for p in pair]
     packed = []
     for path, spec in zip(pair, specs, strict=True):
         data = torch.empty(weight_layout(spec, "float32").total_bytes, dtype=torch.uint8)
         load_weights(path, spec, weight_layout(spec, "float32"), data)
         packed.append(data)
-    arena = torch.zeros(max(p.numel() for p in packed) + 64, dtype=torch.uint8)
+    arena = torch.zeros(max(p.numel() for p in packed) + 64, dtype=torch.uint8, device=device)
     kv = torch.zeros(64 * max(s.kv_shape("float32").block_bytes for s in specs),
-                     dtype=torch.uint8)
-    engine = Engine("cpu", native=False, graphs=True, capturer=EagerCapturer())
+                     dtype=torch.uint8, device=device)
+    on_cpu = device == "cpu"
+    engine = (Engine("cpu", native=False, graphs=True, capturer=EagerCapturer()) if on_cpu
+              else Engine(device, graphs=True))
     prompts = prompts_of((3, 16, 17, 30), seed=7)
     blocks = block_lists(4, 4)
-    want = [Bound(p, engine=Engine("cpu", native=False)).greedy(prompts, 6, blocks)
-            for p in pair]
+    want = []
+    for data, spec in zip(packed, specs, strict=True):
+        eager = Engine("cpu", native=False) if on_cpu else Engine(device, graphs=False)
+        eager.bind(spec, data.to(device), torch.zeros_like(kv), "float32")
+        want.append(_greedy(eager, prompts, 6, blocks))
     for turn, which in enumerate((0, 1, 0)):
         arena[:packed[which].numel()].copy_(packed[which])
         engine.bind(specs[which], arena[:packed[which].numel()], kv, "float32",
                     ready=f"copy-{turn}")
-        outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
-                                                                     strict=True)]
-        for _ in range(5):
-            outs = decode_step(engine, prompts, outs, blocks)
-        assert outs == want[which], f"turn {turn}"
+        assert _greedy(engine, prompts, 6, blocks) == want[which], f"turn {turn}"
     stats = engine.graph_stats
+    assert stats.enabled, stats.disabled_reason
     assert stats.slots == 2 and stats.captures == 2 * len(stats.sizes)  # A's reused
     assert stats.replays == 15 and stats.eager_steps == 0
     # a batch above the largest size runs eager, and says so

@@ -54,18 +54,21 @@ class CudaCapturer:
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def capture(self, run: Callable[[], Any]) -> Graph[Any]:
-        try:
-            # warm-up on a side stream (what torch.cuda.graphs asks for), then capture
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                run()
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
-                output = run()
-            torch.cuda.synchronize(self.device)
-        except RuntimeError as exc:
-            raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+        # on the engine's device whatever thread captures (a worker captures at start-up
+        # on a thread of its event loop, and replays on its compute thread)
+        with torch.cuda.device(self.device):
+            try:
+                # warm-up on a side stream (what torch.cuda.graphs asks for), then capture
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    run()
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
+                    output = run()
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as exc:
+                raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
         return _Replayed(graph, output)
 
     def release(self, graphs: Sequence[Graph[Any]]) -> None:

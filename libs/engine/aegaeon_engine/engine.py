@@ -161,6 +161,7 @@ class Engine:
         key = layout_key(spec, dtype_name, self.block_size, self.attention.decode_kernel)
         return self.graphs.table.addresses(key)
 
+    @torch.inference_mode()
     def capture_graphs(self, spec: ModelSpec, weights: torch.Tensor, kv_region: torch.Tensor,
                        dtype: str | None = None) -> bool:
         """Capture the decode step's graphs for ``spec`` with its weights at ``weights`` (the
