@@ -20,10 +20,11 @@ import torch
 from .attention import Attention
 from .graph_step import GraphDecoder, layout_key
 from .graphs import DEFAULT_SIZES, Capturer, GraphStats, GraphTable
+from .isa import cpu_model, supported_levels
 from .kernels import NATIVE_MAX_ROWS, LayerStack, NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
 from .model import AttendFn, KVViews, LayerOps, ReduceFn, Tokens, forward, logits
-from .native import bf16_native, cpu_model, forced_isa, native_ops, supported_levels
+from .native import bf16_native, forced_isa, native_ops
 from .quant import embed
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
