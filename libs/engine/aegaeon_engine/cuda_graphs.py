@@ -129,20 +129,23 @@ class StaticInputs:
         fields = host[:_FIELDS * self.rows].view(_FIELDS, self.rows)
         rows = list(range(batch)) + [0] * (size - batch)
         used = [positions[r] // block_size + 1 for r in rows]
-        fields[0, :size] = torch.tensor([token_ids[r] for r in rows], dtype=torch.int32)
-        fields[1, :size] = torch.tensor([positions[r] for r in rows], dtype=torch.int32)
-        fields[2, :size] = torch.tensor([block_ids[r][n - 1] for r, n in zip(rows, used,
-                                                                               strict=True)],
-                                        dtype=torch.int32)
-        fields[3, :size] = torch.tensor([positions[r] % block_size for r in rows],
-                                        dtype=torch.int32)
-        fields[4, :size] = torch.tensor([positions[r] + 1 for r in rows], dtype=torch.int32)
-        table = host[_FIELDS * self.rows:].view(self.rows, self.width)
+        if max(used) > self.width:
+            r = rows[used.index(max(used))]
+            raise ValueError(f"a context of {positions[r] + 1} positions needs {max(used)} "
+                             f"blocks; the static block table holds {self.width}")
+        # a fixed number of tensor ops whatever the batch (no loop of them over sequences)
+        fields[:, :size] = torch.tensor(
+            [[token_ids[r] for r in rows], [positions[r] for r in rows],
+             [block_ids[r][n - 1] for r, n in zip(rows, used, strict=True)],
+             [positions[r] % block_size for r in rows], [positions[r] + 1 for r in rows]],
+            dtype=torch.int32)
+        where: list[int] = []
+        values: list[int] = []
         for row, (r, n) in enumerate(zip(rows, used, strict=True)):
-            if n > self.width:
-                raise ValueError(f"a context of {positions[r] + 1} positions needs {n} blocks; "
-                                 f"the static block table holds {self.width}")
-            table[row, :n] = torch.tensor(list(block_ids[r][:n]), dtype=torch.int32)
+            where.extend(range(row * self.width, row * self.width + n))
+            values.extend(block_ids[r][:n])
+        table = host[_FIELDS * self.rows:]
+        table[torch.tensor(where)] = torch.tensor(values, dtype=torch.int32)
         self._send(_FIELDS * self.rows + size * self.width)
 
     def stage_null(self, size: int) -> None:
