@@ -44,6 +44,7 @@ from aegaeon_common.messages.prefill import (
 from aegaeon_common.messages.report import InstanceStats, PrefillDone, RequestFailed
 from aegaeon_common.wire import Message
 from aegaeon_sched import LatencyModel, PrefillQueue
+from aegaeon_sched.shared import prefill_queue_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -60,6 +61,7 @@ from aegaeon_runtime.prefill.job import (
     run_prefill,
 )
 from aegaeon_runtime.profile_cache import start_up_profile
+from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("prefill")
 IDLE_WAIT_S = 0.05
@@ -112,6 +114,7 @@ class PrefillLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self.load = InstanceLoad()  # written here, read by a scrape
+        self.snapshots = QueueSnapshots()  # its queue, for the registrar (many nodes)
         self.drain = Drain()
         self._proxy = 0  # the proxy process that last said it started
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
@@ -233,6 +236,7 @@ class PrefillLoop:
                 self._apply(self.inbox.drain() if self.pending() else
                             self.inbox.wait(IDLE_WAIT_S))  # fmt: skip
             self.load = InstanceLoad(len(self.queue), sum(1 for _ in self.queue))
+            self.snapshots.offer(lambda: (prefill_queue_state(self.queue), None))
             self.counters.queued = len(self.queue)
             self.counters.running = int(self.pending())
             if not self.pending():
