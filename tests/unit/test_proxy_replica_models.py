@@ -208,6 +208,17 @@ async def test_a_replica_follows_what_another_published() -> None:
     assert c.applied == [(NEW, None), (OLD, None)]
 
 
+async def test_a_replica_that_changes_the_set_follows_what_it_had_not_read_yet() -> None:
+    store = MemoryStore()
+    a, b = Replica(store, "a"), Replica(store, "b")
+    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await b.models.publish(OLD, None)  # b had not read a's add: its change holds it
+    assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]  # (its own: its front's)
+    assert b.models.served_names() == [NEW] and b.models.ops.removed == {OLD}
+    await b.records.refresh()
+    assert len(b.applied) == 1
+
+
 def test_the_shared_record_and_its_changes() -> None:
     first = with_change(None, NEW, "/m/new", "p")
     assert first == ServedModelsRecord(v=1, models={NEW: "/m/new"}, proxy="p")

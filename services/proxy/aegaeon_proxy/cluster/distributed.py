@@ -588,7 +588,7 @@ class DistributedBackend:
             try:
                 if await self.epoch.check():
                     self._store_lost()
-                elif not self._store_ok:
+                elif not self._store_ok and self.store_health.num_troubles:
                     log.warning("store_back", after="unreachable")
                 # the served models before the registry: a model added on another
                 # replica is on the records read after it (it published once they were);

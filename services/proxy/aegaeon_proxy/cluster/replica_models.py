@@ -174,19 +174,28 @@ class ReplicaModels:
             return encode(with_change(base, name, path, self._proxy_id, version))
 
         try:
-            await self._records.publish(SERVED_MODELS, build)
+            raw = await self._records.publish(SERVED_MODELS, build)
         except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        # (the record holds other replicas' changes this one had not followed yet)
+        self._follow(decode_served_models(raw), mine=name)
         self._note(name, path)
 
     def follow_with(self, apply: Apply) -> None:
         self._apply = apply
 
     def _followed(self, key: str, raw: bytes) -> None:
-        """The served models as another replica last changed them: each change goes to
-        the front and to the operations' bookkeeping (a restarted instance is brought
-        up to date from it). Raises ``msgspec.DecodeError`` for a bad record."""
-        for name, path in served_changes(decode_served_models(raw), self._applied):
+        """The served models as another replica last changed them. Raises
+        ``msgspec.DecodeError`` for a bad record."""
+        self._follow(decode_served_models(raw))
+
+    def _follow(self, record: ServedModelsRecord, mine: str | None = None) -> None:
+        """Each change of ``record`` not applied here yet goes to the front and to the
+        operations' bookkeeping (a restarted instance is brought up to date from it);
+        ``mine``: the change this replica is making itself (its front made it)."""
+        for name, path in served_changes(record, self._applied):
+            if name == mine:
+                continue
             model = self._note(name, path)
             log.info("served_models_followed", model=name, added=model is not None)
             if self._apply is not None:
