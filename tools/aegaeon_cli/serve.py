@@ -19,7 +19,6 @@ import yaml
 from aegaeon_common.config import (
     Config,
     ConfigError,
-    api_key_entries,
     config_from_dict,
     load_config,
     market_dtype,
@@ -29,7 +28,7 @@ from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import load_market
 from aegaeon_common.placement import PlacementError, Plan
-from aegaeon_proxy.main import add_api_key_args
+from aegaeon_proxy.main import add_api_key_args, key_entries
 
 log = get_logger("serve")
 
@@ -112,7 +111,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
     proxy = dict(raw.get("proxy") or {})
-    keys = api_key_entries(args.api_key, args.api_key_file)
+    keys = key_entries(args)
     if keys:
         proxy["api_keys"] = [*(proxy.get("api_keys") or []), *keys]
     if args.host:

@@ -167,6 +167,9 @@ async def get_stats(
     async with session.get(f"{base_url}/v1/aegaeon/stats{query}") as resp:
         if resp.status == 404:
             return None
+        if resp.status in (401, 403):  # a node with keys: the stats need an admin key
+            raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}: the node's "
+                               "stats need an admin key (--admin-key on the node)")  # fmt: skip
         if resp.status != 200:
             raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}")
         stats = await resp.json()

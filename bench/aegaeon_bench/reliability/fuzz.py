@@ -198,15 +198,17 @@ async def _bad_frames_metric(url: str) -> float:
                and s.labels.get("code") != "stale")  # fmt: skip
 
 
-async def _proxy_bad_frames(base_url: str) -> int:
-    async with aiohttp.ClientSession() as session, \
+async def _proxy_bad_frames(base_url: str, headers: dict[str, str] | None) -> int:
+    async with aiohttp.ClientSession(headers=headers) as session, \
             session.get(f"{base_url}/v1/aegaeon/stats?light=1") as resp:  # fmt: skip
         return int((await resp.json())["counters"].get("bad_frames", 0))
 
 
-async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict[str, Any]:
+async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int, *,
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """``frames`` frames to every socket of the node; ``base_url``: where its admin
-    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``)."""
+    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``); ``headers``: sent
+    to them (an admin key, where the node has keys)."""
     from aegaeon_common.messages.cache import REQUESTS
     from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL
     from aegaeon_common.messages.report import REPORT_CHANNEL
@@ -216,7 +218,7 @@ async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict
     out: dict[str, Any] = {"cachemgr": await _router(f"ipc://{run_dir}/cachemgr.sock", batch,
                                                      MAX_FRAME_BYTES)}  # fmt: skip
     out["cachemgr"]["refused_by_channel"] = _refused(REQUESTS, batch, MAX_FRAME_BYTES)
-    async with aiohttp.ClientSession() as session, \
+    async with aiohttp.ClientSession(headers=headers) as session, \
             session.get(f"{base_url}/v1/aegaeon/services") as resp:  # fmt: skip
         services = {s["name"]: s for s in (await resp.json())["services"]}
     for name, channel in (("prefill-0", HYBRID_CHANNEL), ("decode-0", DECODE_CHANNEL)):
@@ -230,12 +232,12 @@ async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict
             await asyncio.sleep(0.25)
             counted = await _bad_frames_metric(metrics_url) - before
         out[name] = {"frames": len(batch), "refused_by_channel": want, "counted": int(counted)}
-    before_p = await _proxy_bad_frames(base_url)
+    before_p = await _proxy_bad_frames(base_url, headers)
     await _push(f"ipc://{run_dir}/proxy.sock", batch)
     want = _refused(REPORT_CHANNEL, batch, MAX_FRAME_BYTES)
     await asyncio.sleep(1.0)
     out["proxy"] = {"frames": len(batch), "refused_by_channel": want,
-                    "counted": await _proxy_bad_frames(base_url) - before_p}  # fmt: skip
+                    "counted": await _proxy_bad_frames(base_url, headers) - before_p}  # fmt: skip
     return out
 
 
