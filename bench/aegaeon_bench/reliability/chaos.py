@@ -26,7 +26,7 @@ reports whether every replica kept them, when the store, those changes in it
 and every node's services were back, and how each request ended against the
 store's return: from 10 s after it every request must succeed, before it each
 ends in a 200 or a 503 with ``Retry-After``, and every stream decoding at the
-fault finishes.
+fault (each is injected while one decodes) finishes.
 """
 
 from __future__ import annotations

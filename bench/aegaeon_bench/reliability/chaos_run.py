@@ -57,6 +57,7 @@ PROBE_S = 0.3
 PROBE_TIMEOUT_S = 5.0
 RECOVERY_LIMIT_S = 180.0  # a fault the node does not recover from within this fails
 QUIET_TIMEOUT_S = 30.0
+DECODING_WAIT_S = 10.0  # a store fault waits this long at most for a stream decoding
 
 __all__ = ["ChaosNode", "ChaosOptions", "run_chaos"]
 
@@ -188,6 +189,16 @@ async def _end(fault: Fault, done: dict[str, Any]) -> None:
         done.pop("_fill").release()
 
 
+async def _until_decoding(driver: LoadDriver, limit_s: float) -> None:
+    """Until a streamed request of the load has tokens and is still open (at most
+    ``limit_s``): the store's faults report whether such streams finish."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if any(a.open and a.first_s is not None for a in driver.attempts[-64:]):
+            return
+        await asyncio.sleep(0.02)
+
+
 async def _store_back(node: ChaosNode, session: aiohttp.ClientSession, t0: float,
                       kept: KeptState | None) -> dict[str, Any]:  # fmt: skip
     """A store fault over: when the store answers, holds the run-time changes again and
@@ -213,6 +224,8 @@ async def _one_fault(
     kept: KeptState | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     await asyncio.sleep(opts.slot_s * (0.25 + 0.25 * rng.random()))  # load before it
+    if fault.cluster and opts.stream is not False:  # (hit a stream while it decodes)
+        await _until_decoding(driver, DECODING_WAIT_S)
     pids_before = _pids(node)
     in_flight = driver.in_flight()
     probes = _Probes()
