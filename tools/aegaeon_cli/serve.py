@@ -26,7 +26,7 @@ from aegaeon_common.config import (
 from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
-from aegaeon_common.market_index import load_market
+from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
 from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_proxy.main import add_api_key_args, key_entries
 
@@ -38,7 +38,7 @@ MiB = 1 << 20
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("serve", help="start every service on this machine")
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
-    parser.add_argument("--market", type=Path, help="market directory (default: ./market)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="proxy port (default 8000)")
     parser.add_argument(
@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--nodes", type=int, help="many nodes on this machine: N nodes (each a "
                         "cachemgr and its instances) behind --proxies replicas sharing Redis")
     parser.add_argument("--proxies", type=int, default=2,
-                        help="with --nodes: proxy replicas (API ports --port, --port + 1, ...)")
+                        help="with --nodes: proxy replicas (default 2), API ports --port, "
+                        "--port + 1, ...")
     parser.add_argument("--store-url", help="with --nodes: an existing Redis (default: start "
                         "a private redis-server)")
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "

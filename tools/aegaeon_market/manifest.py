@@ -11,6 +11,7 @@ from aegaeon_common.market_index import (
     Manifest,
     MarketEntry,
     MarketError,
+    default_market_dir,
     load_market,
     read_manifest,
 )
@@ -28,15 +29,6 @@ __all__ = [
     "read_manifest",
     "write_manifest",
 ]
-
-ENV_MARKET_DIR = "AEGAEON_MARKET"
-
-
-def default_market_dir() -> Path:
-    """``$AEGAEON_MARKET`` if set, else ``./market`` (relative to the working directory)."""
-    env = os.environ.get(ENV_MARKET_DIR)
-    return Path(env) if env else Path.cwd() / "market"
-
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Replace ``root/market.json`` atomically: readers see the old file or the new one."""

@@ -61,6 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="load clients (4)")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's (30 s)")
     common.add_node_arguments(parser)
+    common.add_api_key_argument(parser)
     parser.add_argument("--shm-size", default="3GiB",
                         help="as root: a private /dev/shm of this size for the run ('0': "
                         "use the machine's) (3GiB)")
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         faults=[FAULTS[n] for n in names], slot_s=args.duration / len(names), seed=args.seed,
         concurrency=args.concurrency, request_timeout_s=args.timeout,
         shm_headroom_bytes=parse_bytes(args.shm_headroom),
-        shm_max_fill_bytes=parse_bytes(args.shm_max_fill),
+        shm_max_fill_bytes=parse_bytes(args.shm_max_fill), api_key=common.api_key(args),
         offered_models=tuple(_market_models(market)), stream=None if cluster else True,
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))

@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from aegaeon_common.env import read_env
+
+from aegaeon_bench.node.client import auth_headers
 
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
@@ -57,9 +60,8 @@ def prometheus_binary() -> str:
 
 def fetch_services(proxy_url: str, api_key: str | None = None) -> list[dict[str, str]]:
     """Every service the proxy lists (``GET /v1/aegaeon/services``)."""
-    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
+    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services",
+                                     headers=auth_headers(api_key))  # fmt: skip
     with urllib.request.urlopen(request, timeout=30) as resp:
         body = json.loads(resp.read())
     services = body.get("services") if isinstance(body, dict) else None
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-interval", default=None, help="e.g. 1s (default: the config's)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("AEGAEON_API_KEY"),
+        default=read_env().api_key,
         help="an admin key of the proxy when it has keys: it lists the services and "
         "Prometheus scrapes the proxy's /metrics with it (default: $AEGAEON_API_KEY)",
     )

@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="market (default: runs/sweep-market-smallN, N the largest count, built)",
     )
     parser.add_argument("--config", type=Path, help="deployment YAML for every node")
+    common.add_api_key_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("runs/sweep"), help="output dir")
     parser.add_argument(
         "--keep-going", action="store_true",
@@ -82,7 +83,8 @@ def _bench_serve(url: str, models: int, args: argparse.Namespace, trace: Path) -
         "--output-scale", str(args.output_scale), "--market", str(args.market),
         "--trace", str(trace), "--json", "--quiet",
     )  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                          env=common.key_env(common.api_key(args)))  # fmt: skip
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-2000:]}")

@@ -698,7 +698,7 @@ def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
     listed = [(f"proxy.api_keys[{i}]", e) for i, e in enumerate(proxy.api_keys)]
     listed += [(f"proxy.admin_keys[{i}]", e) for i, e in enumerate(proxy.admin_keys)]
     for where, entry in listed:
-        if len(entry.key) < 8 or entry.key != entry.key.strip():
+        if len(entry.key) < 8 or any(c.isspace() for c in entry.key):
             raise ConfigError(source, where, "a key has at least 8 characters and no spaces")
         if entry.key in seen:
             raise ConfigError(source, where, "duplicate key")

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+API_KEY_ENV = "AEGAEON_API_KEY"
+
 
 @dataclass(frozen=True)
 class Env:
@@ -22,6 +24,9 @@ class Env:
     # told to reach a side HTTP server at when it binds every interface
     # (0.0.0.0); None: this machine's host name (a container's, in compose).
     advertise_host: str | None = None
+    # AEGAEON_API_KEY: the key the bench commands and scripts/prometheus send a node
+    # (Authorization: Bearer KEY) when no --api-key is given
+    api_key: str | None = None
 
 
 def _flag(value: str | None) -> bool | None:
@@ -47,4 +52,5 @@ def read_env() -> Env:
         profile_cache=_flag(os.environ.get("AEGAEON_PROFILE_CACHE")) is not False,
         cache_dir=(Path(xdg_cache) if xdg_cache else Path.home() / ".cache") / "aegaeon",
         advertise_host=os.environ.get("AEGAEON_ADVERTISE_HOST", "").strip() or None,
+        api_key=os.environ.get(API_KEY_ENV, "").strip() or None,
     )
