@@ -18,7 +18,8 @@ def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str
     path), ``threads`` (torch threads per engine; None where the bench cannot know,
     e.g. a server's) and ``torch`` (its version)."""
     import torch
-    from aegaeon_engine.native import cpu_model, expected_isa
+    from aegaeon_engine.isa import cpu_model
+    from aegaeon_engine.native import expected_isa
 
     return {
         "cpu_model": cpu_model(),
@@ -96,13 +97,21 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 def node_market(args: argparse.Namespace) -> Path:
     """``--market`` (default: $AEGAEON_MARKET or ./market), resolved; built with the real
-    models when it has no index and no ``--config`` names the models instead."""
+    models when it has no index and no ``--config`` names the models instead. What
+    `aegaeon serve` would refuse of them (a ``--config`` that cannot be read or does not validate, a
+    device this machine lacks) is a ConfigError or EnvError first: one line, before
+    anything is built or started."""
+    from aegaeon_cli.serve import check_serve
+    from aegaeon_common.config import read_config_file
     from aegaeon_common.market_index import MANIFEST
     from aegaeon_market import default_market_dir, ensure_market
 
+    if args.config is not None:
+        read_config_file(args.config)
     market: Path = (args.market or default_market_dir()).resolve()
     if args.config is None and not (market / MANIFEST).exists():
         ensure_market(market, real_models=True)
+    check_serve(market, args.config)
     return market
 
 

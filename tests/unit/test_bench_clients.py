@@ -79,9 +79,8 @@ def test_trace_latencies_count_per_request_not_per_chunk(tmp_path: Path) -> None
 def test_a_client_not_installed_is_reported_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aegaeon_bench.serve import clients
 
-    monkeypatch.setattr(clients, "CACHE", tmp_path)
+    monkeypatch.setenv("AEGAEON_CLIENTS_DIR", str(tmp_path))
     load = Load("http://127.0.0.1:1", "m", tmp_path, 0.1, 10.0, 16, 4, 0)
     row = run_aiperf(load, tmp_path)
     assert row.status == "missing" and "install-bench-clients" in row.note
@@ -112,7 +111,7 @@ def test_the_api_key_reaches_every_client_and_never_its_recorded_command(
     vllm_python.parent.mkdir(parents=True)
     vllm_python.write_text(script.format(out=seen / "vllm"))
     vllm_python.chmod(0o755)
-    monkeypatch.setattr(clients, "CACHE", tmp_path)
+    monkeypatch.setenv("AEGAEON_CLIENTS_DIR", str(tmp_path))
     monkeypatch.setattr(clients, "VLLM_VENV", tmp_path / "vllm")
     load = Load("http://127.0.0.1:1", "m", tmp_path, 0.1, 10.0, 16, 4, 0)
     out = tmp_path / "out"

@@ -34,10 +34,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
     """The deployment as plain data, the folder its paths are relative to, and
     whether its instance counts are the user's."""
-    import yaml
+    from aegaeon_common.config import read_config_file
 
     if args.config is not None:
-        raw = yaml.safe_load(args.config.read_text()) or {}
+        raw = read_config_file(args.config)
         if args.market is not None:
             raw["market"] = str(args.market.resolve())
         return raw, args.config.parent.resolve(), True

@@ -15,6 +15,7 @@ from aegaeon_common.market_index import (
     load_market,
     read_manifest,
 )
+from aegaeon_common.owner import stamp
 
 from aegaeon_market.plan import ROLE_BENCH
 
@@ -30,9 +31,10 @@ __all__ = [
     "write_manifest",
 ]
 
+
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Replace ``root/market.json`` atomically: readers see the old file or the new one."""
-    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp = root / f".{MANIFEST}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     try:
         with tmp.open("w", encoding="utf-8") as f:
             f.write(manifest.to_json(root))

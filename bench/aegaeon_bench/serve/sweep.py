@@ -118,11 +118,13 @@ def _plot(sweep_path: Path) -> Path | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
+    from aegaeon_common.config import read_config_file
 
     from aegaeon_bench.node.launch import NodeError, slo_config, start_node
     from aegaeon_bench.report.sweep_schema import SweepPoint, dump_sweep
 
+    if args.config is not None:
+        read_config_file(args.config)  # a bad file: one line (ConfigError) before any build
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     counts = sorted({int(n) for n in args.models.split(",")})
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     args.market = args.market.resolve()
     try:
         config = slo_config(args.market, args.config, args.ttft, args.tbt, args.out)
-    except (OSError, yaml.YAMLError, NodeError) as exc:
+    except (OSError, NodeError) as exc:
         print(f"aegaeon bench sweep: --config: {exc}", file=sys.stderr)
         return 2
     points: list[SweepPoint] = []
