@@ -5,7 +5,7 @@ builds them) runs the start-up profile, and then a decode step of a batch the
 profile never measured (six sequences of mixed lengths), timed as a turn times
 it (the engine's step and the sampler). The fitted Eq. 6 must predict that step
 within 20%. Both sides are medians of several steps; a busy machine slows them
-alike, and the whole measurement is retried twice before the test fails.
+alike, and the whole measurement is retried (five attempts in all) before the test fails.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from aegaeon_runtime.profile import median_s, profile, served_step_s
 
 MODEL = "mistral-11m"
 SERVED = [20, 45, 90, 130, 210, 300]  # a batch's contexts, none of the profile's
-ATTEMPTS = 3
+ATTEMPTS = 5
 TOLERANCE = 0.2
 
 
@@ -40,7 +40,7 @@ def test_profile_predicts_a_served_step_of_mixed_lengths(default_market: Path) -
                 seqs = [DecodeSeq(7, c, blocks[s:s + n])
                         for c, n, s in zip(SERVED, per_seq, starts, strict=True)]
                 served_step_s(worker, seqs)
-                measured = median_s(lambda seqs=seqs: served_step_s(worker, seqs), 9)
+                measured = median_s(lambda seqs=seqs: served_step_s(worker, seqs), 15)
             finally:
                 worker.kv.free(shape, blocks)
             predicted = latency.decode_step_s(MODEL, len(SERVED), sum(c + 1 for c in SERVED))
