@@ -1,31 +1,23 @@
-"""The LoRA term's Triton kernels (aegaeon_engine.lora_triton) under the interpreter.
+"""The LoRA term's Triton kernels (aegaeon_engine.gpu.lora) under the interpreter.
 
-Without a GPU, ``TRITON_INTERPRET=1`` (set here before the kernels are defined)
-runs them on the CPU: each fused projection's term against the torch term of
-the same stack (rows of the base, of every adapter, interleaved; ranks 8 to
-64; modules targeted by some adapters only), and whole greedy decodings on the
-kernels against transformers + PEFT in float32.
+Without a GPU, ``TRITON_INTERPRET=1`` (tests/unit/conftest.py) runs them on the
+CPU: each fused projection's term against the torch term of the same stack
+(rows of the base, of every adapter, interleaved; ranks 8 to 64; modules
+targeted by some adapters only), and whole greedy decodings on the kernels
+against transformers + PEFT in float32.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the kernels run on the CPU only under TRITON_INTERPRET=1",
-                allow_module_level=True)
-
 from aegaeon_engine.lora import LoraStack, TritonLoraStep
 from engine_support import make_checkpoint
 from lora_support import ADAPTERS, PeftAdapter, make_peft_adapter, peft_greedy
 from test_engine_lora import NUM_TOKENS, PROMPTS, Served
+from triton_support import assert_close_dtype  # skips without the interpreter (or a GPU)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +51,7 @@ def test_triton_term_matches_torch(base_dir: Path, adapters: list[PeftAdapter],
             want, got = base.clone(), base.clone()
             reference.add(layer, group, x, want)
             kernels.add(layer, group, x, got)
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+            assert_close_dtype(got, want, dtype)
             for n in (1, 5):  # the base's rows: untouched
                 assert torch.equal(got[n], base[n])
 

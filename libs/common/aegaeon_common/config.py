@@ -227,6 +227,9 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # copied (a GPU): a region of the buffer below the KV region; null: 1/16 of
     # device_memory. With weights mapped (CPU) adapters are read in place.
     adapter_memory_bytes: int | None = None
+    # Decode steps on a CUDA device replay CUDA graphs (aegaeon_engine.graphs; docs/gpu.md):
+    # false runs them eager. Nothing changes on the CPU.
+    cuda_graphs: bool = True
     # Each instance's side HTTP server (/health, /ready, /metrics): instance i
     # binds http_port + i; 0 = ephemeral ports (the bound address goes to
     # RUN_DIR/<kind>-<i>.http). Containers set http_host 0.0.0.0.

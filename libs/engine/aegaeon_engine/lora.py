@@ -19,7 +19,7 @@ once per set of adapters and kept while the steps' adapters stay within it
 (``LoraStacks``): a step then costs three small GEMMs and one multiply per fused
 projection, however many adapters it mixes. That is the segmented gather-matmul
 of S-LoRA and Punica in dense form, what a CPU's GEMMs do best; on CUDA the
-Triton kernels of lora_triton.py read only each row's own columns instead.
+Triton kernels of gpu/lora.py read only each row's own columns instead.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from .errors import CheckpointError
 from .layout import WeightLayout
 from .lora_spec import ADAPTER_WEIGHTS, GROUP_OF, MODULES, AdapterSpec, module_span
+from .model import LoraTerm
 from .weights import TORCH_DTYPES
 
 GROUPS = ("qkv", "o", "gate_up", "down")
@@ -200,7 +200,7 @@ class LoraStack:
 
     def step(self, adapters: Sequence[AdapterWeights | None], triton: bool = False) -> LoraTerm:
         """The term of a step whose row ``n`` runs ``adapters[n]`` (None: the base alone):
-        with ``triton``, Triton's kernels (lora_triton.py: CUDA, or the CPU under
+        with ``triton``, Triton's kernels (gpu/lora.py: CUDA, or the CPU under
         ``TRITON_INTERPRET=1``), else torch's GEMMs."""
         rows = [-1 if a is None else self.slot_of[id(a)] for a in adapters]
         row_slots = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
@@ -215,13 +215,6 @@ def _join(parts: list[torch.Tensor], dim: int, copy: bool) -> torch.Tensor:
     if len(parts) == 1 and not copy:
         return parts[0]
     return torch.cat(parts, dim).contiguous() if len(parts) > 1 else parts[0].clone()
-
-
-class LoraTerm(Protocol):
-    """The low-rank term of one step (torch's ``LoraStep``, lora_triton's on CUDA)."""
-
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out [N, fused out] += `` the term of ``group``'s projection of ``x [N, in]``."""
 
 
 @dataclass(frozen=True)
@@ -247,11 +240,11 @@ class LoraStep:
 
 
 class TritonLoraStep:
-    """``LoraStep``'s term on the Triton kernels of lora_triton.py (same ``add``): each
+    """``LoraStep``'s term on the Triton kernels of gpu/lora.py (same ``add``): each
     row reads only its own adapter's columns of the stacked matrices."""
 
     def __init__(self, stack: LoraStack, row_slots: torch.Tensor) -> None:
-        from .lora_triton import block_rank
+        from .gpu.lora import block_rank
 
         self.stack = stack
         slots = row_slots.clamp(min=0)
@@ -267,7 +260,7 @@ class TritonLoraStep:
         self.block_r = block_rank(stack.max_rank)
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        from .lora_triton import expand, shrink
+        from .gpu.lora import expand, shrink
 
         term = self.stack.layers[layer].get(group)
         if term is None:
@@ -293,11 +286,9 @@ class LoraStacks:
         """Whether a step on ``device`` runs on the Triton kernels."""
         if self.kernels != "auto":
             return self.kernels == "triton"
-        if device.type != "cuda":
-            return False
-        import importlib.util
+        from .gpu import triton_problem
 
-        return importlib.util.find_spec("triton") is not None
+        return device.type == "cuda" and triton_problem(device.type) is None
 
     def step(self, adapters: Sequence[AdapterWeights | None]) -> LoraTerm:
         needed = list({id(a): a for a in adapters if a is not None}.values())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,6 @@ from .quant import QuantTensor, embed, project_reference
 from .spec import ModelSpec
 from .weights import LayerWeights, ModelWeights
 
-if TYPE_CHECKING:
-    from .lora import LoraTerm
-
 # attend(layer, qkv [N, Hq + 2 * Hkv, D] after rope) -> [N, Hq * D]
 AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
 # reduce(partial [N, hidden]) -> the sum over a tensor-parallel group's ranks (tp.py)
@@ -44,6 +41,14 @@ ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 ROW_MAJOR_TOKENS = 16
 LINEAR_TOKENS = 192
 _FUSED_NORM_MAX = 16384  # elements
+
+
+class LoraTerm(Protocol):
+    """The low-rank term of LoRA adapters in one step (lora.py: torch's ``LoraStep``,
+    Triton's ``TritonLoraStep`` on CUDA)."""
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [N, fused out] += `` the term of ``group``'s projection of ``x [N, in]``."""
 
 
 @dataclass(frozen=True)
@@ -130,14 +135,27 @@ class Tokens:
 
     ``cos``/``sin`` are ``[N, 1, D]`` rope rows of the tokens' positions (``sin``
     with its first half negated, see rope.py); token ``n``'s K/V go to block
-    ``slot_blocks[n]``, row ``slot_offsets[n]``.
+    ``slot_blocks[n]``, row ``slot_offsets[n]``. Kernels that index the rope
+    table themselves (the Triton ones) read ``positions [N]`` and ``rope [2, P,
+    D]`` instead; then ``cos``/``sin`` may be None (``rope_rows`` gathers them).
     """
 
     token_ids: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
+    positions: torch.Tensor | None = None
+    rope: torch.Tensor | None = None
+
+    def rope_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[N, 1, D]``."""
+        if self.cos is not None and self.sin is not None:
+            return self.cos, self.sin
+        if self.positions is None or self.rope is None:
+            raise ValueError("Tokens carry neither rope rows nor positions and a rope table")
+        rows = self.rope.index_select(1, self.positions)[:, :, None]
+        return rows[0], rows[1]
 
 
 class LayerOps:
@@ -158,6 +176,12 @@ class LayerOps:
         """RMSNorm of the rows of ``x`` (see ``rms_norm``)."""
         return rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                     eps: float) -> torch.Tensor:
+        """``h += delta`` in place (the residual stream), then ``rms_norm(h)``."""
+        h.add_(delta)
+        return self.rms_norm(h, weight, eps)
+
     def rope_write(self, qkv: torch.Tensor, lw: LayerWeights, kv: KVViews, layer: int,
                    tokens: Tokens, num_q: int, eps: float) -> None:
         """In place on ``qkv [N, Hq + 2 Hkv, D]``: q/k norm (if the model has it) and
@@ -171,7 +195,8 @@ class LayerOps:
             src[:, :num_q].mul_(lw.q_norm)
             src[:, num_q:].mul_(lw.k_norm)
         # rope, written back into qkv so K and V stay adjacent for one slot write
-        torch.add(src * tokens.cos, src.roll(dim // 2, -1).mul_(tokens.sin), out=qk)
+        cos, sin = tokens.rope_rows()
+        torch.add(src * cos, src.roll(dim // 2, -1).mul_(sin), out=qk)
         kv.kv[layer].index_put_((tokens.slot_blocks, tokens.slot_offsets),
                                 qkv[:, num_q:].view(n, 2, num_kv, dim))
 
@@ -199,8 +224,11 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
     n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
     heads = spec.num_heads + 2 * spec.num_kv_heads
     h = embed(tokens.token_ids, w.embed_tokens, w.dtype)  # the residual stream, [N, hidden]
+    # each residual add is left to the next norm (ops.add_rms_norm: one kernel on Triton)
+    pending: torch.Tensor | None = None
     for i, lw in enumerate(w.layers):
-        x = ops.rms_norm(h, lw.input_norm, eps)
+        x = (ops.rms_norm(h, lw.input_norm, eps) if pending is None
+             else ops.add_rms_norm(h, pending, lw.input_norm, eps))
         qkv = ops.project(lw.qkv, x, lw.qkv_bias)
         if lora is not None:
             lora.add(i, "qkv", x, qkv)
@@ -210,8 +238,8 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
         attn_out = ops.project(lw.o_proj, attn, lw.o_bias)
         if lora is not None:
             lora.add(i, "o", attn, attn_out)
-        h.add_(attn_out if reduce is None else reduce(attn_out))
-        x = ops.rms_norm(h, lw.post_norm, eps)
+        x = ops.add_rms_norm(h, attn_out if reduce is None else reduce(attn_out), lw.post_norm,
+                             eps)
         gate_up = ops.project(lw.gate_up, x, None)
         if lora is not None:
             lora.add(i, "gate_up", x, gate_up)
@@ -219,7 +247,9 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
         mlp_out = ops.project(lw.down, act, None)
         if lora is not None:
             lora.add(i, "down", act, mlp_out)
-        h.add_(mlp_out if reduce is None else reduce(mlp_out))
+        pending = mlp_out if reduce is None else reduce(mlp_out)
+    if pending is not None:
+        h.add_(pending)
     return h
 
 

@@ -8,8 +8,9 @@ instance's backlog. Reported as an extra line.
 
 Instances are unified: each runs the prefill and the decode of the requests
 it is given, serves one model at a time and batches every request of that
-model (and of its LoRA adapters, as vLLM batches them on a resident base) it holds (continuous batching, up to ``max_batch_size`` and its KV
-capacity). Scaling happens only at request boundaries:
+model it holds, and of its LoRA adapters, as vLLM batches them on a resident
+base (continuous batching, up to ``max_batch_size`` and its KV capacity).
+Scaling happens only at request boundaries:
 
 - a request for a model loaded on an instance with room joins it (the least
   occupied such instance);

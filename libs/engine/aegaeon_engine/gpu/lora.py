@@ -17,20 +17,12 @@ torch term (lora.LoraStep). Nothing imports this module unless a step runs on CU
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_K = 64  # input features a shrink program reads at a time
 BLOCK_O = 64  # output columns of an expand program
-
-
-def usable(device: torch.device) -> bool:
-    """Whether the kernels run for tensors on ``device`` in this process."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "") == "1"
-    return (device.type == "cuda") != interpreted
 
 
 @triton.jit
