@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from aegaeon_engine.lora import LoraStack, TritonLoraStep
+from aegaeon_engine.lora import AdapterWeights, LoraStack, TritonLoraStep
 from engine_support import make_checkpoint
 from lora_support import ADAPTERS, PeftAdapter, make_peft_adapter, peft_greedy
 from test_engine_lora import NUM_TOKENS, PROMPTS, Served
@@ -32,26 +32,35 @@ def adapters(base_dir: Path) -> list[PeftAdapter]:
             for k, (rank, targets, rslora) in enumerate(ADAPTERS)]
 
 
+def _float32(adapter: AdapterWeights) -> AdapterWeights:
+    """The same adapter with its (rounded) values in float32: the exact reference."""
+    layers = tuple({m: (a.float(), b.float()) for m, (a, b) in layer.items()}
+                   for layer in adapter.layers)
+    return AdapterWeights(adapter.spec, torch.float32, layers)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_term_matches_torch(base_dir: Path, adapters: list[PeftAdapter],
                                    dtype: torch.dtype) -> None:
+    """Each row's term in float32 arithmetic, rounded once into ``out``: against the term
+    computed in float32 from the same (rounded) inputs."""
     name = str(dtype).split(".")[-1]
     served = Served(base_dir, adapters, dtype=name)
     a = served.adapters
-    rows = [a[1], None, a[0], a[2], a[0], None, a[2]]
-    stack = LoraStack(a)
-    reference = stack.step(rows, triton=False)
-    kernels = stack.step(rows, triton=True)
+    exact = [_float32(w) for w in a]
+    pick = [1, None, 0, 2, 0, None, 2]
+    kernels = LoraStack(a).step([None if k is None else a[k] for k in pick], triton=True)
+    reference = LoraStack(exact).step([None if k is None else exact[k] for k in pick])
     assert isinstance(kernels, TritonLoraStep)
     widths = {"qkv": (64, 128), "o": (64, 64), "gate_up": (64, 320), "down": (160, 64)}
     for layer in range(2):
         for group, (inp, out) in widths.items():
-            x = torch.randn(len(rows), inp).to(dtype)
-            base = torch.randn(len(rows), out).to(dtype)
-            want, got = base.clone(), base.clone()
-            reference.add(layer, group, x, want)
+            x = torch.randn(len(pick), inp).to(dtype)
+            base = torch.randn(len(pick), out).to(dtype)
+            got, want = base.clone(), base.float()
             kernels.add(layer, group, x, got)
-            assert_close_dtype(got, want, dtype)
+            reference.add(layer, group, x.float(), want)
+            assert_close_dtype(got, want.to(dtype), dtype)
             for n in (1, 5):  # the base's rows: untouched
                 assert torch.equal(got[n], base[n])
 
