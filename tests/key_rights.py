@@ -81,5 +81,11 @@ TABLE = [
     Row("POST", "/wake_up", f"/wake_up?model={OTHER}", None,                (401, 403, 403, 200)),
     Row("GET", "/is_sleeping", f"/is_sleeping?model={OTHER}", None,         (401, 403, 403, 200)),
     Row("GET", "/is_sleeping", "/is_sleeping?model=no-such-model", None,    (401, 403, 403, 404)),
+    # vLLM's run-time LoRA adapters: an admin's call that names no adapter it can load or
+    # finds none to unload is refused on its merits (400 / 404), after the key check
+    Row("POST", "/v1/load_lora_adapter", "/v1/load_lora_adapter", {"lora_name": "no-such-lora"},
+                                                                            (401, 403, 403, 400)),
+    Row("POST", "/v1/unload_lora_adapter", "/v1/unload_lora_adapter",
+        {"lora_name": "no-such-lora"},                                      (401, 403, 403, 404)),
 ]
 # fmt: on

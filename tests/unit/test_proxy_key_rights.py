@@ -154,7 +154,7 @@ def test_each_endpoint_answers_each_kind_of_key(setup: str, row: Row, kind: str,
         body = await resp.json()
         assert set(body) == {"error"}
         assert set(body["error"]) == {"message", "type", "param", "code"}
-        code = {401: "invalid_api_key", 403: "insufficient_permissions",
+        code = {400: "invalid_value", 401: "invalid_api_key", 403: "insufficient_permissions",
                 404: "model_not_found"}[want]  # fmt: skip
         assert body["error"]["code"] == code, body
         if want == 401:

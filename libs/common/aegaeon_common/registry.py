@@ -132,6 +132,8 @@ class ServedModelsRecord(msgspec.Struct, frozen=True):
     models: dict[str, str | None] = msgspec.field(default_factory=dict)
     proxy: str = ""  # the replica that wrote it last
     version: int = 0  # as ModelSettingsRecord's
+    # the LoRA adapters among ``models``: name -> the served model it adapts
+    bases: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 SERVED_MODELS = "servedmodels"

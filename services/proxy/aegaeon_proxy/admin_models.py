@@ -52,7 +52,8 @@ from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
 
-__all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings"]
+__all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings", "remove_model",
+           "serve_model"]
 
 
 # ---- request bodies ----------------------------------------------------------
@@ -272,7 +273,7 @@ async def add_model(request: web.Request) -> web.Response:
         code = "model_exists" if existing.state == "serving" else f"model_{existing.state}"
         raise APIError(409, f"model '{name}' is already {existing.state}", param="name",
                        code=code)  # fmt: skip
-    control = _control(state)
+    _control(state)
     market = state.config.market_dir
     if market is None:
         raise APIError(404, "this deployment names no market folder (`market:`)",
@@ -285,6 +286,26 @@ async def add_model(request: web.Request) -> web.Response:
     if model is None:
         raise APIError(404, f"model '{name}' is not in the market folder {market}",
                        param="name", code="model_not_in_market")  # fmt: skip
+    if model.base is not None and not _serves_base(state, model.base):
+        raise APIError(409, f"model '{name}' is a LoRA adapter of '{model.base}', which is not "
+                       "served (add it first)", param="name", code="base_not_served")
+    entry = await serve_model(state, model, changes)
+    return json_response(model_row(entry, await _model_cache(state)), status=201)
+
+
+def _serves_base(state: ProxyState, name: str) -> bool:
+    """``name`` is served and no adapter itself (adapters may be added over it)."""
+    model = state.models.model_config(name)
+    return state.models.serving(name) and model is not None and model.base is None
+
+
+async def serve_model(state: ProxyState, model: ModelConfig,
+                      changes: Mapping[str, Any]) -> LiveModel:
+    """Serve ``model`` from now on with the settings ``changes`` (the admin API's add and
+    vLLM's ``/v1/load_lora_adapter``): its text assets, every cachemgr and instance, the
+    other replicas. APIError when it cannot be (nothing of it stays then)."""
+    name = model.name
+    control = _control(state)
     settings = msgspec.structs.replace(state.models.defaults, **changes)
     entry = state.models.begin_add(model, settings)
     registered = False
@@ -315,8 +336,8 @@ async def add_model(request: web.Request) -> web.Response:
         state.models.drop(name)
         raise
     state.models.finish_add(name)
-    log.info("model_added", model=name, path=str(model.path))
-    return json_response(model_row(entry, await _model_cache(state)), status=201)
+    log.info("model_added", model=name, path=str(model.path), base=model.base)
+    return entry
 
 
 async def _forget(control: ModelControl, name: str) -> bool | None:
@@ -343,10 +364,22 @@ async def delete_model(request: web.Request) -> web.Response:
     """``DELETE /v1/aegaeon/models/{model}``: 200 ``removed`` when nothing of it was in
     flight, else 202 ``removing`` (it goes once its requests end)."""
     state = request.app[STATE]
-    name = request.match_info["model"]
-    entry = _entry(state, name)
+    body, status = await remove_model(state, _entry(state, request.match_info["model"]))
+    return json_response(body, status=status)
+
+
+async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, Any], int]:
+    """Stop serving ``entry`` (the admin API's removal and vLLM's
+    ``/v1/unload_lora_adapter``): new requests get 404 at once, the cachemgrs forget it
+    once its requests in flight have ended. The answer's body and status (200 removed,
+    202 removing); 409 for a model whose LoRA adapters are still served."""
+    name = entry.name
     if entry.state == "removing":
-        return json_response(_removal(entry, "removing"), status=202)
+        return _removal(entry, "removing"), 202
+    adapters = state.models.adapters_of(name)
+    if adapters:
+        raise APIError(409, f"model '{name}' has LoRA adapters served: {', '.join(adapters)} "
+                       "(unload them first)", param="model", code="model_has_adapters")
     control = _control(state)
     if isinstance(state.backend, SharedModelSet):  # every other replica: 404 as well
         try:
@@ -354,17 +387,17 @@ async def delete_model(request: web.Request) -> web.Response:
         except BackendError as exc:
             raise _backend_error(exc) from None
         if state.models.get(name) is not entry or not state.models.serving(name):
-            return json_response(_removal(entry, "removing"), status=202)  # (raced)
+            return _removal(entry, "removing"), 202  # (raced)
     state.models.begin_remove(name)
     state.assets.remove(name)  # new requests: 404 from now on
     if entry.in_flight == 0:
         evicted = await _finish_removal(state, control, entry)
-        return json_response({**_removal(entry, "removed"), "evicted": evicted})
+        return {**_removal(entry, "removed"), "evicted": evicted}, 200
     task = asyncio.get_running_loop().create_task(_finish_removal(state, control, entry))
     state.models.background.add(task)
     task.add_done_callback(state.models.background.discard)
     log.info("model_removing", model=name, in_flight=entry.in_flight)
-    return json_response(_removal(entry, "removing"), status=202)
+    return _removal(entry, "removing"), 202
 
 
 # ---- another replica's adds and removals (SharedModelSet) ---------------------

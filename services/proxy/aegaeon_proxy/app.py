@@ -9,7 +9,7 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy import admin_models, handlers, info, vllm_controls
+from aegaeon_proxy import admin_models, handlers, info, lora_adapters, vllm_controls
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
 from aegaeon_proxy.backend import Backend, SharedModelSet, SharedModelSettings
 from aegaeon_proxy.errors import APIError
@@ -35,14 +35,15 @@ PUBLIC: list[Route] = [  # the API: any key (a model-limited key for its models)
     ("GET", "/v1/models", info.list_models),
     ("GET", "/v1/models/{model}", info.retrieve_model),
 ]
-# Operators' endpoints, what changes or reveals the node (run-time adapter loading
-# belongs here too): an admin key; on the API port, or alone on ``proxy.admin_port``.
+# Operators' endpoints, what changes or reveals the node: an admin key; on the API
+# port, or alone on ``proxy.admin_port``.
 ADMIN: list[Route] = [
     ("GET", "/metrics", info.metrics),
     ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
     ("GET", "/v1/aegaeon/services", info.aegaeon_services),
     *admin_models.ROUTES,  # model lifecycle: list, add, change, remove
     *vllm_controls.ROUTES,  # vLLM's /sleep, /wake_up, /is_sleeping
+    *lora_adapters.ROUTES,  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
 ]
 ACCESS: dict[Access, list[Route]] = {
     Access.OPEN: PROBES,

@@ -98,6 +98,10 @@ class ModelSettingsTable:
         return [m.name for m in self._models.values()
                 if m.state == "serving" and m.config.base is not None]
 
+    def adapters_of(self, base: str) -> list[str]:
+        """The LoRA adapters of ``base`` this proxy knows (serving or on their way)."""
+        return [m.name for m in self._models.values() if m.config.base == base]
+
     def settings(self, name: str) -> ModelSettings:
         """The live ``model_settings`` of ``name`` (the ``"*"`` defaults when unknown)."""
         entry = self._models.get(name)

@@ -59,12 +59,15 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
 
 
 def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
-                version: int = 0) -> ServedModelsRecord:  # fmt: skip
-    """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` or, with
-    None, removed."""
+                version: int = 0, base: str | None = None) -> ServedModelsRecord:
+    """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` (a LoRA
+    adapter: of ``base``) or, with None, removed."""
     record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
+    bases = {n: b for n, b in record.bases.items() if n != name}
+    if path is not None and base is not None:
+        bases[name] = base
     return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy,
-                              version=version)  # fmt: skip
+                              version=version, bases=bases)  # fmt: skip
 
 
 def served_changes(record: ServedModelsRecord,
@@ -169,9 +172,10 @@ class ReplicaModels:
     async def publish(self, name: str, model: ModelConfig | None) -> None:
         """``name`` added (``model``) or removed (None), for every replica."""
         path = str(model.path) if model is not None else None
+        adapts = model.base if model is not None else None
 
         def build(base: bytes | None, version: int) -> bytes:
-            return encode(with_change(base, name, path, self._proxy_id, version))
+            return encode(with_change(base, name, path, self._proxy_id, version, adapts))
 
         try:
             raw = await self._records.publish(SERVED_MODELS, build)
@@ -179,7 +183,7 @@ class ReplicaModels:
             raise BackendError.unavailable(f"the shared store failed: {exc}") from None
         # (the record holds other replicas' changes this one had not followed yet)
         self._follow(decode_served_models(raw), mine=name)
-        self._note(name, path)
+        self._note(name, path, adapts)
 
     def follow_with(self, apply: Apply) -> None:
         self._apply = apply
@@ -196,14 +200,14 @@ class ReplicaModels:
         for name, path in served_changes(record, self._applied):
             if name == mine:
                 continue
-            model = self._note(name, path)
+            model = self._note(name, path, record.bases.get(name))
             log.info("served_models_followed", model=name, added=model is not None)
             if self._apply is not None:
                 self._apply(name, model)
 
-    def _note(self, name: str, path: str | None) -> ModelConfig | None:
+    def _note(self, name: str, path: str | None, base: str | None = None) -> ModelConfig | None:
         self._applied[name] = path
-        model = ModelConfig(name, Path(path)) if path is not None else None
+        model = ModelConfig(name, Path(path), base=base) if path is not None else None
         if model is not None:
             self.ops.added[name] = model
             self.ops.removed.discard(name)
