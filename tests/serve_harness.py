@@ -64,6 +64,18 @@ def call_json(url: str, method: str, path: str, body: Any = None) -> tuple[int, 
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def post_text(url: str, path: str, body: Any) -> tuple[int, str]:
+    """``(status, body text)`` of a POST to ``url + path`` (vLLM's LoRA routes answer
+    plain text on success, an OpenAI error object otherwise)."""
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def until(what: str, check: Any, timeout_s: float) -> Any:
     """``check()``'s first truthy value, polled every 0.2 s; fails after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "soak": "aegaeon_bench.reliability.soak",
     "fuzz": "aegaeon_bench.reliability.fuzz",
     "clients": "aegaeon_bench.serve.clients",
+    "lora": "aegaeon_bench.serve.lora",
 }
 
 

@@ -69,6 +69,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     parser.add_argument("--models", type=at_least_one, default=40, help="with --policy")
     parser.add_argument("--rps", type=_positive, default=0.1, help="per model, with --policy")
+    parser.add_argument("--adapters", type=_count, default=0, metavar="N",
+                        help="with --policy: N LoRA adapters per model, each its own request "
+                             "stream of --rps (the models none); a base and its adapters are "
+                             "one switching unit (0)")
+    parser.add_argument("--adapter-rank", type=at_least_one, default=16,
+                        help="with --adapters: their rank on q, k, v, o (16)")
     parser.add_argument("--input-scale", type=_positive, default=1.0, help="with --policy")
     parser.add_argument("--output-scale", type=_positive, default=1.0, help="with --policy")
     parser.add_argument("--slo-scale", type=_positive, default=1.0, help="with --policy")
@@ -165,6 +171,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _policy_names() -> list[str]:
     from aegaeon_sched.factory import POLICIES
 
@@ -221,6 +237,7 @@ def _single(args: argparse.Namespace) -> dict[str, Any]:
     sc = replace(
         _base(args), policy=args.policy, num_models=args.models, rps_per_model=args.rps,
         input_scale=args.input_scale, output_scale=args.output_scale, slo_scale=args.slo_scale,
+        adapters_per_model=args.adapters, adapter_rank=args.adapter_rank,
     )  # fmt: skip
     result = run_scenario(sc, tbt_percentiles=True)
     rep = result.report
@@ -231,9 +248,10 @@ def _single(args: argparse.Namespace) -> dict[str, Any]:
         f"TTFT p50/p99 {rep.ttft_p50_s:.2f}/{rep.ttft_p99_s:.2f} s, "
         f"TBT p50/p99 {1e3 * rep.tbt_p50_s:.1f}/{1e3 * rep.tbt_p99_s:.0f} ms, "
         f"{result.num_switches} switches (decode: {result.near_instant_switch_share:.0%} "
-        f"hidden by prefetch), wall {result.wall_s:.1f} s"
+        f"hidden by prefetch), {result.adapter_loads} adapter loads, wall {result.wall_s:.1f} s"
     )
-    return {"scenario": asdict(sc), "report": asdict(rep), "switches": result.num_switches}
+    return {"scenario": asdict(sc), "report": asdict(rep), "switches": result.num_switches,
+            "adapter_loads": result.adapter_loads}  # fmt: skip
 
 
 def _figure(args: argparse.Namespace) -> dict[str, Any]:

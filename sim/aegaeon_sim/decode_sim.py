@@ -49,6 +49,7 @@ from aegaeon_sched import (
     RoundRobinPlanner,
 )
 
+from aegaeon_sim.adapters import AdapterLoads
 from aegaeon_sim.state import SimRequest, steps_until, steps_within
 from aegaeon_sim.switching import InstanceCosts, SwitchEstimate, switch_cost
 from aegaeon_sim.turn_meter import TurnMeter
@@ -106,6 +107,7 @@ class DecodeSim:
         self.last_batch_id = -1
         self.busy_until = 0.0
         self.switch_costs: list[float] = []  # exposed part of every model switch
+        self.adapters = AdapterLoads(latency)  # LoRA adapters' matrices held here
         self.wake_s = math.inf
 
     @property
@@ -159,10 +161,11 @@ class DecodeSim:
         if switched:
             cost += self._switch_cost(turn.model)
             self.loaded = turn.model
+        present = [self.sims[r] for r in batch.requests if self.sims[r].ready_s <= self.clock]
         if turn.batch_id != self.last_batch_id:
-            present = [self.sims[r] for r in batch.requests if self.sims[r].ready_s <= self.clock]
             kv_bytes = self.latency.spec(turn.model).kv_bytes_per_token
             cost += sum(s.context for s in present) * kv_bytes / self.kv_bytes_per_s
+        cost += sum(self.adapters.load_s(s.request) for s in present)  # LoRA: first runs
         if self.prefetch_enabled:
             self.next_prefetch = self.rounds.prefetch_model(self.work)
         self.batch_id = self.last_batch_id = turn.batch_id

@@ -111,6 +111,11 @@ class Simulation:
         self._lazy_index[instance.name] = len(self.lazy)
         self.lazy.append(instance)
 
+    def adapter_loads(self) -> int:
+        """LoRA adapters brought to an instance so far (adapters.py), every instance."""
+        instances = [*self.prefill.values(), *self.decode.values(), *self.unified.values()]
+        return sum(i.adapters.num_loads for i in instances)
+
     def schedule(self, at_s: float, callback: Callable[[float], None]) -> None:
         heapq.heappush(self._events, (at_s, next(self._seq), callback))
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from aegaeon_sched import LatencyModel, PrefillQueue
 
+from aegaeon_sim.adapters import AdapterLoads
 from aegaeon_sim.state import SimRequest
 from aegaeon_sim.switching import Switching, switch_cost
 
@@ -54,6 +55,7 @@ class PrefillSim:
         self.compute_s = 0.0
         self.prefilled_tokens = 0  # prompt tokens of finished prefills (token velocity)
         self.switch_s = 0.0  # exposed switch time of its prefills
+        self.adapters = AdapterLoads(latency)  # LoRA adapters' matrices held here
         self.prefetch_enabled = prefetch
         self.prefetch: tuple[str, float] | None = None  # (model, load started at)
         # A hybrid instance pauses its decoding while prefills wait (hybrid_sim.py).
@@ -89,7 +91,7 @@ class PrefillSim:
             nxt = next((g.model for g in self.queue if g.model != group.model), None)
             if nxt is not None and (self.prefetch is None or self.prefetch[0] != nxt):
                 self.prefetch = (nxt, now_s + cost)  # behind the prefill
-        cost += measured + self.overhead_s
+        cost += self.adapters.load_s(request) + measured + self.overhead_s
         self.busy = True
         rid, tokens = request.request_id, request.prompt_len
         self._schedule(now_s + cost, lambda t: self._finish(rid, measured, t, tokens))

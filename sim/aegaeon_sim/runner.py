@@ -31,6 +31,7 @@ from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
 from aegaeon_workload.mix import Burst, Mix, assign_classes, generate_bursty
 from aegaeon_workload.synthetic import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
+from aegaeon_sim.adapters import AdapterMarket, adapter_market, with_units
 from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve
 from aegaeon_sim.decode_sim import DecodeSim
 from aegaeon_sim.driver import Simulation
@@ -109,6 +110,10 @@ class Scenario:
     # instance prefill- and decode-capable, the decode ones starting in standby.
     roles: bool = False
     burst: Burst | None = None  # ON/OFF arrivals; rps_per_model is the OFF rate
+    # LoRA adapters (adapters.py): this many per model, each with its own request stream
+    # (rps_per_model) and the models none; a base and its adapters are one switching unit
+    adapters_per_model: int = 0
+    adapter_rank: int = 16
 
     @property
     def slo(self) -> SLO:
@@ -125,7 +130,7 @@ class ScenarioResult:
     scenario: Scenario
     report: SLOReport
     num_rejected: int
-    num_switches: int
+    num_switches: int  # weight switches (adapter loads are not)
     exposed_switch_mean_s: float
     near_instant_switch_share: float  # decode switches hidden to under 50 ms
     wall_s: float
@@ -135,6 +140,7 @@ class ScenarioResult:
     role_changes: int = 0
     samples: list[Sample] = field(default_factory=list, repr=False)  # heartbeats
     absorb: list[Absorb] = field(default_factory=list)  # per burst
+    adapter_loads: int = 0  # adapters brought to an instance (first run there)
 
 
 @dataclass
@@ -160,12 +166,17 @@ def _cluster(sc: Scenario) -> ClusterSpec:
     return ClusterSpec(prefill, decode)
 
 
-def workload(sc: Scenario, models: Sequence[str]) -> tuple[list[Request], dict[str, str]]:
+def workload(sc: Scenario, models: Sequence[str],
+             adapters: AdapterMarket | None = None) -> tuple[list[Request], dict[str, str]]:
     """The scenario's requests (with their classes' targets when the scheduler sees
-    them) and each request's class (empty without a mix)."""
-    spec = WorkloadSpec(tuple(models), sc.rps_per_model, sc.duration_s, sc.seed,
+    them) and each request's class (empty without a mix); with ``adapters``, the
+    requests are the adapters' (their bases their switching units)."""
+    streams = tuple(adapters.names) if adapters is not None else tuple(models)
+    spec = WorkloadSpec(streams, sc.rps_per_model, sc.duration_s, sc.seed,
                         sc.input_scale, sc.output_scale)  # fmt: skip
     requests = generate_bursty(spec, sc.burst) if sc.burst is not None else generate(spec)
+    if adapters is not None:
+        requests = with_units(requests, adapters)
     if not sc.class_mix:
         return requests, {}
     class_of = assign_classes(requests, sc.class_mix, sc.seed)
@@ -188,9 +199,10 @@ def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Seque
                          host_kv_tokens=host_kv_tokens)  # fmt: skip
 
 
-def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel) -> _Built:
+def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel,
+           adapters: AdapterMarket | None = None) -> _Built:
     cluster = _cluster(sc)
-    requests, class_of = workload(sc, tuple(models))
+    requests, class_of = workload(sc, tuple(models), adapters)
     decode_kv = decode_kv_bytes(models, hw)
     mean_out = SHAREGPT_OUTPUT.mean * sc.output_scale
     options = PolicyOptions(
@@ -209,6 +221,7 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
         default_ttft_s=sc.slo.ttft_s if sc.class_mix else 0.0,
         standby=tuple(f"decode-{i}" for i in range(sc.num_decode)) if sc.roles else (),
         role_switching=sc.roles,
+        units=adapters.units if adapters is not None else {},
     )
     inner = make_policy(sc.policy, cluster, lat, options)
     policy: Policy = inner
@@ -292,7 +305,9 @@ def run_scenario(
     models = market(sc.num_models)
     lat = latency_model(models, hw)
     lat.switch_beta *= sc.switch_scale  # Eq. 4 alone: KV moves keep the link's rate
-    built = _build(sc, models, hw, lat)
+    adapters = (adapter_market(models, sc.adapters_per_model, sc.adapter_rank, lat)
+                if sc.adapters_per_model else None)  # fmt: skip
+    built = _build(sc, models, hw, lat, adapters)
     built.sim.run(sc.duration_s + sc.drain_s)
     traces = []
     for sim in built.sim.sims.values():
@@ -305,7 +320,7 @@ def run_scenario(
     feed = built.feed
     by_class = {}
     if sc.class_mix:
-        _, class_of = workload(sc, tuple(models))
+        _, class_of = workload(sc, tuple(models), adapters)
         by_class = reports_by_class(traces, sc.slo_classes_spec, class_of,
                                     tbt_percentiles=tbt_percentiles)  # fmt: skip
     return ScenarioResult(
@@ -325,4 +340,5 @@ def run_scenario(
         samples=feed.samples if feed is not None else [],
         absorb=(absorb_times(feed.samples, sc.burst.starts(sc.duration_s))
                 if feed is not None and sc.burst is not None else []),
+        adapter_loads=built.sim.adapter_loads(),
     )  # fmt: skip

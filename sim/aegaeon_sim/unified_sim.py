@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from aegaeon_sched import LatencyModel
 
+from aegaeon_sim.adapters import AdapterLoads
 from aegaeon_sim.state import SimRequest, steps_until, steps_within
 
 MAX_PREFILL_TOKENS = 8192  # vLLM's max_num_batched_tokens
@@ -44,6 +45,7 @@ class _UnifiedEngine:
         self.clock = 0.0
         self.busy_until = 0.0
         self.num_switches = 0
+        self.adapters = AdapterLoads(latency)  # LoRA adapters' matrices held here
         self.wake_s = math.inf
 
     def is_idle(self) -> bool:
@@ -201,6 +203,10 @@ class RequestLevelSim(_UnifiedEngine):
             self.busy_until = max(self.clock, now_s) + self.switch_s(model)
             self.model = model
             self.num_switches += 1
+        # an adapter of the model it holds: batched on it, its own matrices loaded once
+        load_s = self.adapters.load_s(sim.request)
+        if load_s:
+            self.busy_until = max(self.busy_until, self.clock, now_s) + load_s
         sim.ready_s = now_s
         self.waiting.setdefault(model, deque()).append(sim)
         self.wake_s = min(self.wake_s, now_s)

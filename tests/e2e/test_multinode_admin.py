@@ -9,7 +9,9 @@ other (the settings live in the store). A model added (``POST
 /v1/aegaeon/models``) on one replica is served through the other and removed
 (``DELETE``) through it again; ``/sleep`` on one replica is seen by the other's
 ``/is_sleeping`` (the cluster serves part of the market, as the single-node
-lifecycle test does). Roles move (``roles.enabled``, thresholds any burst
+lifecycle test does). A LoRA adapter loaded (``/v1/load_lora_adapter``) on one
+replica is served through the other, on every node, and unloaded through it; a
+bad one is a 400 on either. Roles move (``roles.enabled``, thresholds any burst
 crosses): one replica decides, both dispatch by the same roles, a decode
 instance takes the prefill role and every request completes. Outcomes only: no
 timing is asserted.
@@ -31,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import (
     Served,
     call_json,
+    post_text,
     serve_config,
     serving,
     stream_completion,
@@ -365,3 +368,39 @@ def test_roles_move_on_a_burst_and_every_replica_dispatches_by_them(
     for url in (a, b):
         status, done = _complete(url, model)
         assert status == 200 and done["usage"]["completion_tokens"] == 4, done
+
+
+def test_a_lora_adapter_loaded_on_one_replica_is_served_and_unloaded_through_the_other(
+    cluster: Served, small_market: Path, market_names: list[str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from aegaeon_market.adapters import add_random_adapter
+    from lora_support import lora_market
+
+    a, b = _urls(cluster)
+    _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
+    base = market_names[0]
+    # a random adapter of the served model, in a folder of its own (not the shared market)
+    work = lora_market(tmp_path_factory.mktemp("multinode-lora") / "m",
+                       {base: small_market / base})
+    adapter = add_random_adapter(work, "tuned", base, 8).path
+    status, text = post_text(a, "/v1/load_lora_adapter",
+                             {"lora_name": "tuned", "lora_path": str(adapter)})
+    assert status == 200 and "added successfully" in text, text
+    _until("the other replica serves it", lambda: "tuned" in _listed(b))
+    parents = {m["id"]: m["parent"] for m in call_json(b, "GET", "/v1/models")[1]["data"]}
+    assert parents["tuned"] == base
+    for url in (b, a, b):  # both replicas, so both nodes' instances take it
+        status, done = _complete(url, "tuned")
+        assert status == 200 and done["usage"]["completion_tokens"] == 4, done
+    status, text = post_text(b, "/v1/load_lora_adapter",
+                             {"lora_name": "broken", "lora_path": str(work / base)})
+    assert status == 400 and "adapter_config.json" in text, text
+    status, text = post_text(b, "/v1/unload_lora_adapter", {"lora_name": "tuned"})
+    assert status == 200 and "removed successfully" in text, text
+    assert _complete(b, "tuned")[0] == 404
+    _until("the first replica no longer serves it", lambda: _complete(a, "tuned")[0] == 404)
+    status, text = post_text(a, "/v1/unload_lora_adapter", {"lora_name": "tuned"})
+    assert status == 404, text
+    assert _complete(a, base)[0] == 200  # its base is served as before
+

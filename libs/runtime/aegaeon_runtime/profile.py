@@ -62,7 +62,7 @@ def sched_spec(worker: Worker, model: str) -> SchedSpec:
 
 def profile_models(worker: Worker) -> list[str]:
     """Smallest, median and largest model by weight bytes (at most three)."""
-    by_size = sorted(worker.specs, key=worker.switcher.nbytes)
+    by_size = sorted(worker.switcher.specs, key=worker.switcher.nbytes)  # no adapters
     picks = [by_size[0], by_size[len(by_size) // 2], by_size[-1]]
     return list(dict.fromkeys(picks))
 
@@ -119,7 +119,7 @@ def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel
             finally:
                 worker.kv.free(shape, blocks)
     latency = LatencyModel(
-        [sched_spec(worker, m) for m in worker.specs],
+        [sched_spec(worker, m) for m in worker.switcher.specs],
         pcie_bytes_per_s=bandwidth or 5e9,
         switch_beta=statistics.median(switch_ratios) if switch_ratios else 1.0,
         decode_per_seq_term=True,

@@ -41,8 +41,9 @@ def profile_key(worker: Worker) -> str:
     device = worker.engine.device
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else cpu_identity())  # fmt: skip
+    # the models measured (LoRA adapters run on their bases' steps: they join afterwards)
     models = {name: [repr(spec), worker.switcher.nbytes(name)]  # frozen dataclass: every field
-              for name, spec in sorted(worker.specs.items())}  # fmt: skip
+              for name, spec in sorted(worker.switcher.specs.items())}  # fmt: skip
     parts = {
         "machine": machine,
         "torch": torch.__version__,
@@ -79,7 +80,7 @@ def cached_profile(worker: Worker, measure: Callable[[Worker], LatencyModel] = p
     ``measure(worker)``, kept for next time."""
     env = read_env()
     if not env.profile_cache:
-        return measure(worker)
+        return with_adapters(worker, measure(worker))
     path = env.cache_dir / "profiles" / f"{profile_key(worker)}.json"
     try:
         latency = LatencyModel.from_dict(json.loads(path.read_text()))
@@ -88,15 +89,23 @@ def cached_profile(worker: Worker, measure: Callable[[Worker], LatencyModel] = p
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("kept profile unreadable, measuring again", path=str(path), error=str(exc))
     else:
-        if set(latency.specs) == set(worker.specs):
+        if set(latency.specs) == set(worker.switcher.specs):
             warm(worker)
             log.info("start-up profile reused", path=str(path))
-            return latency
+            return with_adapters(worker, latency)
     latency = measure(worker)
     try:
         write_atomic(path, json.dumps(latency.to_dict()))
     except OSError as exc:  # a read-only cache costs the next start a profile, nothing more
         log.warning("start-up profile not kept", path=str(path), error=str(exc))
+    return with_adapters(worker, latency)
+
+
+def with_adapters(worker: Worker, latency: LatencyModel) -> LatencyModel:
+    """``latency`` knowing the worker's LoRA adapters too (their bases' sizes, their own
+    bytes): the instance's profile names every model it serves."""
+    for name in worker.adapters.specs:
+        latency.specs[name] = worker.sched_spec(name)
     return latency
 
 

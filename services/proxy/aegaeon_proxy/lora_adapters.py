@@ -7,7 +7,7 @@ for an adapter of that name in the market folder. Its base is the served model
 ``base`` names (an Aegaeon field), else the one its ``adapter_config.json``'s
 ``base_model_name_or_path`` names (a served model's name, the last part of that
 path in lower case, or a served model's directory), else the only served model
-whose shapes it fits. The adapter is checked against its base before anything
+whose shapes it fits (or the only one served). The adapter is checked against its base before anything
 changes (rank, alpha, target modules, every tensor's shape): a bad one is a 400
 naming the file and the field, and nothing is served or written (the market is
 never changed here). Then it goes the way of ``POST /v1/aegaeon/models``
@@ -98,6 +98,8 @@ def choose_base(path: Path, bases: dict[str, ModelConfig], asked: str | None) ->
     fitting = [m for m in bases.values() if _fits(path, m)]
     if len(fitting) == 1:
         return fitting[0]
+    if len(bases) == 1:  # the one it can be: its check says what is wrong
+        return next(iter(bases.values()))
     why = (f"its base_model_name_or_path {hint!r} names no served model" if hint
            else "it names no base model")
     raise APIError(400, f"adapter '{path}': {why} and {len(fitting)} served models fit its "

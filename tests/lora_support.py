@@ -47,18 +47,51 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts: Sequence[Sequ
                 num_tokens: int) -> list[list[int]]:
     """transformers + PEFT (merged into the weights) greedy in float32, EOS taken like any
     token; the base alone when ``adapter_dir`` is None."""
+    return peft_references(base_dir, {"": adapter_dir}, prompts, num_tokens)[""]
+
+
+def peft_references(base_dir: Path, adapters: dict[str, Path | None],
+                    prompts: Sequence[Sequence[int]],
+                    num_tokens: int) -> dict[str, list[list[int]]]:  # fmt: skip
+    """:func:`peft_greedy` for each adapter (name -> its directory, None: the base alone),
+    the base read once."""
+    import copy
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, eos_token_id=None,
                               pad_token_id=0)
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(torch.tensor([list(prompt)]), generation_config=config)
-            out.append([int(t) for t in ids[0, len(prompt):]])
+    base.generation_config.eos_token_id = None
+    out: dict[str, list[list[int]]] = {}
+    for name, adapter_dir in adapters.items():
+        model = base
+        if adapter_dir is not None:  # merging changes the weights: a copy of the base
+            model = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir)
+            model = model.merge_and_unload().eval()
+        with torch.inference_mode():
+            out[name] = [
+                [int(t) for t in model.generate(torch.tensor([list(p)]),
+                                                generation_config=config)[0, len(p):]]
+                for p in prompts
+            ]
     return out
+
+
+def lora_market(root: Path, bases: dict[str, Path]) -> Path:
+    """A market in ``root`` whose models are ``bases`` (name -> checkpoint directory,
+    linked in, not copied: a test adds adapters to it without touching the shared
+    markets those checkpoints live in)."""
+    from aegaeon_engine import ModelSpec
+    from aegaeon_market.manifest import Manifest, MarketEntry, write_manifest
+
+    root.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for name, path in bases.items():
+        (root / name).symlink_to(path.resolve(), target_is_directory=True)
+        spec = ModelSpec.from_dir(path)
+        entries.append(MarketEntry(name, root / name, spec.architecture, 0, spec.dtype,
+                                   source=str(path)))
+    write_manifest(root, Manifest(0, "", "", tuple(entries)))
+    return root

@@ -1,0 +1,219 @@
+"""LoRA adapters of the real SmolLM2-135M-Instruct through `aegaeon serve`, against PEFT.
+
+Three adapters made by ``peft`` on the float32 model (random A and B; ranks 8,
+16 with rsLoRA and 64; different target modules) are added to a market beside
+it (``market add --adapter``). Each adapter's served greedy continuation equals
+transformers + PEFT (``merge_and_unload``) on the same weights, token for token,
+on 4 prompts, alone and with the base and the other adapters decoding at the
+same time (no weight switch: one base serves them all). At run time,
+``/v1/load_lora_adapter`` serves a fourth adapter from its own folder (its
+output equals PEFT's too) and ``/v1/unload_lora_adapter`` removes it; bad
+adapters (wrong shapes, an unknown base, a missing file) are 400s naming what
+is wrong, and the market is left as it was.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from lora_support import ADAPTERS, lora_market, make_peft_adapter, peft_references
+from real_market import REAL, real_market_dir
+from serve_harness import Served, call_json, post_text, serving, until
+
+# the references (transformers + PEFT) and a node of the real model: minutes on a busy CPU
+pytestmark = pytest.mark.timeout(1800)
+NUM_TOKENS = 12
+PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
+           "Water boils at a temperature of", "import numpy as np\n"]
+NAMES = [f"lora-r{rank}" for rank, _, _ in ADAPTERS]
+
+
+@pytest.fixture(scope="module")
+def base_dir() -> Path:
+    return real_market_dir() / REAL
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(base_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    return [list(tokenizer(p).input_ids) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora-serve")
+
+
+@pytest.fixture(scope="module")
+def market(base_dir: Path, work: Path) -> Path:
+    """The real model linked into a market of its own, with the three adapters added."""
+    from aegaeon_market.adapters import add_adapter
+
+    root = lora_market(work / "market", {REAL: base_dir})
+    for k, (rank, targets, rslora) in enumerate(ADAPTERS):
+        made = make_peft_adapter(base_dir, work / "peft" / NAMES[k], rank, targets, rslora,
+                                 seed=100 + k)
+        add_adapter(root, made.path, NAMES[k], REAL)
+    return root
+
+
+@pytest.fixture(scope="module")
+def extra_adapter(base_dir: Path, work: Path) -> Path:
+    """A fourth adapter, left in its own folder (loaded at run time)."""
+    return make_peft_adapter(base_dir, work / "peft" / "extra", 16, ("q_proj", "o_proj",
+                                                                    "down_proj"),
+                             seed=200).path
+
+
+@pytest.fixture(scope="module")
+def references(base_dir: Path, work: Path, extra_adapter: Path,
+               prompt_ids: list[list[int]]) -> dict[str | None, list[list[int]]]:  # fmt: skip
+    dirs: dict[str, Path | None] = {"": None, "extra": extra_adapter}
+    dirs |= {name: work / "peft" / name for name in NAMES}
+    refs = peft_references(base_dir, dirs, prompt_ids, NUM_TOKENS)
+    return {(name or None): tokens for name, tokens in refs.items()}
+
+
+@pytest.fixture(scope="module")
+def served(market: Path, work: Path) -> Iterator[Served]:
+    with serving(market, work / "run") as node:
+        yield node
+
+
+def _pieces(base_dir: Path, token_ids: list[int]) -> list[str]:
+    """The text each token adds, as the proxy's detokenizer streams it."""
+    from aegaeon_proxy.detokenizer import IncrementalDetokenizer
+    from tokenizers import Tokenizer
+
+    detok = IncrementalDetokenizer(Tokenizer.from_file(str(base_dir / "tokenizer.json")))
+    pieces = [detok.push([t]) for t in token_ids]
+    pieces.append(detok.finish())
+    return [p for p in pieces if p]
+
+
+def _stream(client: openai.OpenAI, model: str, prompt: list[int]) -> tuple[list[str], int]:
+    pieces, used = [], 0
+    for chunk in client.completions.create(
+            model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        used = chunk.usage.completion_tokens if chunk.usage else used
+        pieces += [c.text for c in chunk.choices if c.text]
+    return pieces, used
+
+
+def _switches(served: Served) -> float:
+    stats = served.get_json("/v1/aegaeon/stats")["instance_stats"]
+    assert isinstance(stats, dict)
+    return sum(float(s["counters"].get("switches", 0.0)) for s in stats.values() if s)
+
+
+def _client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=300)
+
+
+def test_models_list_adapters_with_parent_and_root(served: Served, market: Path) -> None:
+    status, body = call_json(served.url, "GET", "/v1/models")
+    assert status == 200
+    rows = {m["id"]: m for m in body["data"]}
+    assert rows[REAL]["parent"] is None and rows[REAL]["root"] == REAL
+    for name in NAMES:
+        assert rows[name]["parent"] == REAL
+        assert Path(rows[name]["root"]) == market / name
+
+
+def test_each_adapter_alone_equals_peft(served: Served, base_dir: Path,
+                                       prompt_ids: list[list[int]],
+                                       references: dict[str | None, list[list[int]]]) -> None:
+    client = _client(served)
+    for name in (None, *NAMES):
+        for ids, want in zip(prompt_ids, references[name], strict=True):
+            pieces, used = _stream(client, name or REAL, ids)
+            assert used == NUM_TOKENS
+            assert pieces == _pieces(base_dir, want), (name, ids)
+    assert len({str(r) for r in references.values()}) == len(references)  # all differ
+
+
+def test_base_and_adapters_at_once_are_unchanged_with_no_switch(
+        served: Served, base_dir: Path, prompt_ids: list[list[int]],
+        references: dict[str | None, list[list[int]]]) -> None:
+    client = _client(served)
+    _stream(client, REAL, prompt_ids[0])  # the base on the device before counting
+    jobs = [(name, k) for k in range(len(PROMPTS)) for name in (None, *NAMES)]
+    got: dict[tuple[str | None, int], tuple[list[str], int]] = {}
+    before = _switches(served)
+
+    def run(job: tuple[str | None, int]) -> None:
+        got[job] = _stream(client, job[0] or REAL, prompt_ids[job[1]])
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert _switches(served) == before  # adapters of the resident base: no weight switch
+    for (name, k), (pieces, used) in sorted(got.items(), key=str):
+        assert used == NUM_TOKENS
+        assert pieces == _pieces(base_dir, references[name][k]), (name, k)
+    assert len(got) == len(jobs)
+
+
+def _market_bytes(market: Path) -> bytes:
+    return (market / "market.json").read_bytes()
+
+
+def test_load_then_request_then_unload(served: Served, base_dir: Path, market: Path,
+                                       extra_adapter: Path, prompt_ids: list[list[int]],
+                                       references: dict[str | None, list[list[int]]]) -> None:
+    before = _market_bytes(market)
+    status, _ = post_text(served.url, "/v1/load_lora_adapter",
+                      {"lora_name": "extra", "lora_path": str(extra_adapter)})
+    assert status == 200
+    status, models = call_json(served.url, "GET", "/v1/models")
+    assert {"id": "extra", "parent": REAL}.items() <= next(
+        m for m in models["data"] if m["id"] == "extra").items()
+    pieces, _ = _stream(_client(served), "extra", prompt_ids[1])
+    assert pieces == _pieces(base_dir, references["extra"][1])
+    status, body = post_text(served.url, "/v1/load_lora_adapter",
+                         {"lora_name": "extra", "lora_path": str(extra_adapter)})
+    assert status == 400 and "already been loaded" in body
+    status, _ = post_text(served.url, "/v1/unload_lora_adapter", {"lora_name": "extra"})
+    assert status == 200
+    status, body = call_json(served.url, "POST", "/v1/completions",
+                             {"model": "extra", "prompt": "hi", "max_tokens": 2})
+    assert status == 404, body
+    assert _market_bytes(market) == before  # run-time adapters never touch the market
+
+
+def test_bad_adapters_are_400s_naming_them(served: Served, market: Path, work: Path,
+                                           extra_adapter: Path, small_market: Path) -> None:
+    before = _market_bytes(market)
+    # an adapter of another model (the e2e market's smallest): its shapes do not fit
+    other_base = small_market / "llama-gqa-5m"
+    wrong = make_peft_adapter(other_base, work / "wrong-shapes", 8, ("q_proj", "v_proj")).path
+    missing = work / "missing-file"
+    shutil.copytree(extra_adapter, missing)
+    (missing / "adapter_model.safetensors").unlink()
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"lora_name": "bad", "lora_path": str(wrong), "base": REAL}, "wrong shape"),
+        ({"lora_name": "bad", "lora_path": str(extra_adapter), "base": "no-such-base"},
+         "no-such-base"),
+        ({"lora_name": "bad", "lora_path": str(missing)}, "adapter_model.safetensors"),
+        ({"lora_name": "bad", "lora_path": str(work / "nowhere")}, str(work / "nowhere")),
+    ]
+    for body, named in cases:
+        status, text = post_text(served.url, "/v1/load_lora_adapter", body)
+        assert status == 400, (body, text)
+        assert named in text, (body, text)
+    status, models = call_json(served.url, "GET", "/v1/models")
+    assert "bad" not in {m["id"] for m in models["data"]}
+    assert _market_bytes(market) == before
+    until("the node still serves", lambda: call_json(served.url, "GET", "/ready")[0] == 200, 30)
+
