@@ -72,7 +72,8 @@ def test_adapters_share_their_bases_prefill_group_and_switch() -> None:
 def test_request_level_batches_adapters_on_a_resident_base() -> None:
     policy = RequestLevelPolicy(["u0", "u1"], max_batch_size=8)
     first = policy.on_arrival(_req("b", "base"), 0.0)
-    assert [(a.instance, a.model) for a in first if isinstance(a, RunOnInstance)] == [("u0", "base")]
+    runs = [(a.instance, a.model) for a in first if isinstance(a, RunOnInstance)]
+    assert runs == [("u0", "base")]
     second = policy.on_arrival(_req("a", "lora-a", "base"), 0.1)
     run = [a for a in second if isinstance(a, RunOnInstance)]
     assert [(a.instance, a.model) for a in run] == [("u0", "base")]  # no scale-up to another

@@ -7,10 +7,10 @@ for an adapter of that name in the market folder. Its base is the served model
 ``base`` names (an Aegaeon field), else the one its ``adapter_config.json``'s
 ``base_model_name_or_path`` names (a served model's name, the last part of that
 path in lower case, or a served model's directory), else the only served model
-whose shapes it fits (or the only one served). The adapter is checked against its base before anything
-changes (rank, alpha, target modules, every tensor's shape): a bad one is a 400
-naming the file and the field, and nothing is served or written (the market is
-never changed here). Then it goes the way of ``POST /v1/aegaeon/models``
+whose shapes it fits (or the only one served). The adapter is checked against
+its base before anything changes (rank, alpha, target modules, every tensor's
+shape): a bad one is a 400 naming the file and the field, and nothing is served
+or written (the market is never changed here). Then it goes the way of ``POST /v1/aegaeon/models``
 (:func:`~aegaeon_proxy.admin_models.serve_model`): every cachemgr and instance,
 every other proxy replica.
 
