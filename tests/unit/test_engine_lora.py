@@ -49,9 +49,10 @@ class Served:
     """The base bound in an engine, with its adapters bound over their packed bytes."""
 
     def __init__(self, base_dir: Path, adapters: list[PeftAdapter], dtype: str = "float32",
-                 native: bool = True) -> None:
+                 native: bool = True, fuse: bool = True) -> None:
         self.spec = ModelSpec.from_dir(base_dir)
         self.engine = Engine("cpu", native=native)
+        self.engine.fuse_layers = fuse
         layout = self.engine.layout(self.spec, dtype)
         self.weights = torch.empty(layout.total_bytes, dtype=torch.uint8)
         from aegaeon_engine import load_weights
@@ -103,21 +104,25 @@ def test_adapter_spec_reads_what_peft_wrote(base_dir: Path, adapters: list[PeftA
     assert layout.total_bytes == 2 * (2 * 8 * 64 + 8 * 64 + 8 * 32) * 4
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize(("native", "fuse"), [(True, True), (True, False), (False, False)],
+                         ids=["native-stack", "native-layers", "torch"])
 def test_each_adapter_alone_equals_peft_merged(base_dir: Path, adapters: list[PeftAdapter],
                                                references: dict[int | None, list[list[int]]],
-                                               native: bool) -> None:
-    served = Served(base_dir, adapters, native=native)
+                                               native: bool, fuse: bool) -> None:
+    """On the CPU's native kernels (the fused stack of layers, or layer by layer: csrc/
+    lora.cpp) and on torch's GEMMs (the masked stack, lora.LoraStep)."""
+    served = Served(base_dir, adapters, native=native, fuse=fuse)
     for k in (None, 0, 1, 2):
         assert served.generate([(k, p) for p in PROMPTS]) == references[k], k
     assert references[0] != references[None]  # the adapters change what the model says
     assert len({str(r) for r in references.values()}) == 4
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_adapters_and_base_in_one_step_are_unchanged(
         base_dir: Path, adapters: list[PeftAdapter],
-        references: dict[int | None, list[list[int]]]) -> None:
-    served = Served(base_dir, adapters)
+        references: dict[int | None, list[list[int]]], native: bool) -> None:
+    served = Served(base_dir, adapters, native=native)
     rows = [(k, p) for p in PROMPTS for k in (2, None, 0, 1)]  # interleaved, not sorted
     got = served.generate(rows)
     for (k, prompt), tokens in zip(rows, got, strict=True):

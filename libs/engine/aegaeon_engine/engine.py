@@ -23,7 +23,7 @@ from .graphs import DEFAULT_SIZES, Capturer, GraphStats, GraphTable
 from .isa import cpu_model, supported_levels
 from .kernels import NATIVE_MAX_ROWS, LayerStack, NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
-from .lora import AdapterWeights, LoraStack, LoraStacks
+from .lora import AdapterWeights, LoraStack, LoraStacks, NativeLoraStep
 from .model import AttendFn, KVViews, LayerOps, LoraTerm, ReduceFn, Tokens, forward, logits
 from .native import bf16_native, forced_isa, native_ops
 from .quant import embed
@@ -424,12 +424,14 @@ class Engine:
         else:
             cos_sin = rope.index_select(1, pos_t)[:, :, None]
             step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
-        stack = self._layer_stack(m, batch) if lora is None else None
+        # the native stack runs the LoRA term on its own kernel (lora.NativeLoraStep) too
+        native_lora = lora is None or isinstance(lora, NativeLoraStep)
+        stack = self._layer_stack(m, batch) if native_lora else None
         if stack is not None:
             assert isinstance(self.ops, NativeOps)
             hidden = embed(tokens, m.weights.embed_tokens, m.weights.dtype)
             self.ops.decode_layers(stack, hidden, m.kv, step, self.attention.native, block_table,
-                                   context_lens, m.spec.num_heads, m.spec.rms_norm_eps)
+                                   context_lens, m.spec.num_heads, m.spec.rms_norm_eps, lora)
         else:
             attend = self.attention.paged_decode(m.kv, m.spec.num_heads, block_table,
                                                  context_lens, lengths)
@@ -441,7 +443,8 @@ class Engine:
         if all(a is None for a in adapters):
             return None
         self._check_adapters(m, adapters)
-        return self.lora_stacks.step(adapters)
+        native = self.ops.lora if isinstance(self.ops, NativeOps) else None
+        return self.lora_stacks.step(adapters, native)
 
     def _check_adapters(self, m: _Bound, adapters: Sequence[AdapterWeights | None]) -> None:
         for adapter in adapters:

@@ -110,6 +110,11 @@ class NativeOps(LayerOps):
         self.bf16_native = bf16_native(isa)
         self.widen_prefill = not self.bf16_native if widen_prefill is None else widen_prefill
 
+    @property
+    def lora(self) -> Any:
+        """The namespace whose ``lora_add`` runs a decode step's LoRA term (lora.py)."""
+        return self._ops
+
     def with_choice(self, project: tuple[str, Any | None],
                     widen_prefill: bool) -> NativeOps:
         """These elementwise kernels with another decode projection and prefill rule."""
@@ -155,16 +160,18 @@ class NativeOps(LayerOps):
 
     def decode_layers(self, stack: LayerStack, h: torch.Tensor, kv: KVViews, tokens: Tokens,
                       attention: Any, block_table: torch.Tensor, context_lens: torch.Tensor,
-                      num_q: int, eps: float) -> None:
+                      num_q: int, eps: float, lora: Any = None) -> None:
         """In place on the residual stream ``h [B, hidden]`` of a decode step: every
         layer of ``stack`` (model.forward's loop), attention on the namespace
-        ``attention``'s ``paged_decode``."""
+        ``attention``'s ``paged_decode``; ``lora`` (a ``lora.NativeLoraStep``): the
+        rows' LoRA adapters' terms after each targeted projection."""
         cos, sin = tokens.rope_rows()
+        args = lora.stack_args() if lora is not None else ([], [], [], [], [], None)
         self._ops.decode_layers(h, stack.norms, stack.projs, stack.biases, stack.qk_norms,
                                 stack.qtypes, cos[:, 0], sin[:, 0], kv.cache,
                                 tokens.slot_blocks, tokens.slot_offsets, block_table,
                                 context_lens, num_q, eps, kv.cache.shape[-1] ** -0.5,
-                                self._project_ops.name, attention.name)
+                                self._project_ops.name, attention.name, *args)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None,
                  eps: float) -> torch.Tensor:

@@ -17,9 +17,13 @@ which gives every row exactly ``scale (x A_a^T) B_a^T`` of its adapter ``a`` (an
 nothing for a row of the base). The stacked matrices (``LoraStack``) are built
 once per set of adapters and kept while the steps' adapters stay within it
 (``LoraStacks``): a step then costs three small GEMMs and one multiply per fused
-projection, however many adapters it mixes. That is the segmented gather-matmul
-of S-LoRA and Punica in dense form, what a CPU's GEMMs do best; on CUDA the
-Triton kernels of gpu/lora.py read only each row's own columns instead.
+projection, however many adapters it mixes (``LoraStep``, the segmented
+gather-matmul of S-LoRA and Punica in dense form: torch's GEMMs, any device).
+Kernels that read only each row's own columns of the same stack replace it
+where they run: the CPU's native ``lora_add`` (csrc/lora.cpp; ``NativeLoraStep``,
+inside the fused native decode step too: at rank 8-16 on a small model the
+masked GEMMs cost more than the base's projections) and on CUDA Triton's
+(gpu/lora.py, ``TritonLoraStep``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -161,6 +166,7 @@ class LoraStack:
             if layout[group]:
                 self.group_cols[group] = (start, len(cols))
         self.max_rank = max(a.spec.rank for a in adapters)
+        self._native: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
         self.col_slots = torch.tensor(cols, dtype=torch.long, device=self.device)
         self.scales = torch.tensor([a.spec.scale for a in adapters], dtype=torch.float32,
                                    device=self.device)
@@ -180,6 +186,29 @@ class LoraStack:
                 terms[group] = _GroupTerm(_join(a_parts, 0, copy), tuple(parts))
             self.layers.append(terms)
 
+    def native_matrices(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """The stacked matrices as the native stack takes them (csrc/stack.cpp): every
+        (layer, module)'s A and B in order, and per layer and module (``MODULES``
+        order) the index of its pair, -1 where no adapter targets it."""
+        if self._native is None:
+            a_list: list[torch.Tensor] = []
+            b_list: list[torch.Tensor] = []
+            index: list[int] = []
+            for terms in self.layers:
+                pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+                for group, term in terms.items():
+                    for b, t0, t1, _, _ in term.modules:
+                        pairs[self.module_at(group, t0)] = (term.a[t0:t1], b)
+                for module in MODULES:
+                    if module in pairs:
+                        index.append(len(a_list))
+                        a_list.append(pairs[module][0])
+                        b_list.append(pairs[module][1])
+                    else:
+                        index.append(-1)
+            self._native = (a_list, b_list, index)
+        return self._native
+
     def __contains__(self, adapter: object) -> bool:
         return id(adapter) in self.slot_of
 
@@ -198,14 +227,19 @@ class LoraStack:
         return next(m for m, (g, start, _) in self.module_cols.items()
                     if g == group and start == t0)
 
-    def step(self, adapters: Sequence[AdapterWeights | None], triton: bool = False) -> LoraTerm:
+    def step(self, adapters: Sequence[AdapterWeights | None], triton: bool = False,
+             native: Any = None) -> LoraTerm:
         """The term of a step whose row ``n`` runs ``adapters[n]`` (None: the base alone):
         with ``triton``, Triton's kernels (gpu/lora.py: CUDA, or the CPU under
-        ``TRITON_INTERPRET=1``), else torch's GEMMs."""
+        ``TRITON_INTERPRET=1``); with ``native`` (a namespace with ``lora_add``) the
+        CPU's kernel; else torch's GEMMs."""
         rows = [-1 if a is None else self.slot_of[id(a)] for a in adapters]
         row_slots = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         if triton:
             return TritonLoraStep(self, row_slots)
+        if native is not None and self.dtype in (torch.float32, torch.bfloat16) \
+                and self.device.type == "cpu":
+            return NativeLoraStep(self, row_slots, native)
         hit = self.col_slots[None, :] == row_slots[:, None]
         mask = torch.where(hit, self.scales[self.col_slots][None, :], 0.0).to(self.dtype)
         return LoraStep(self, mask, row_slots)
@@ -247,16 +281,9 @@ class TritonLoraStep:
         from .gpu.lora import block_rank
 
         self.stack = stack
-        slots = row_slots.clamp(min=0)
-        base = row_slots < 0
-        # per targeted module: each row's first column among the module's, its rank
-        self.starts: dict[str, torch.Tensor] = {}
-        self.ranks: dict[str, torch.Tensor] = {}
-        for module in stack.module_cols:
-            first, rank = stack.slot_columns(module)
-            self.starts[module] = first[slots].to(torch.int32)
-            self.ranks[module] = torch.where(base, 0, rank[slots]).to(torch.int32)
-        self.scales = torch.where(base, 0.0, stack.scales[slots]).to(torch.float32)
+        starts, ranks, self.scales = _row_columns(stack, row_slots)
+        self.starts = {m: s.to(torch.int32) for m, s in starts.items()}
+        self.ranks = {m: r.to(torch.int32) for m, r in ranks.items()}
         self.block_r = block_rank(stack.max_rank)
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -270,6 +297,55 @@ class TritonLoraStep:
             starts, ranks = self.starts[module], self.ranks[module]
             t = shrink(x, term.a[t0:t1], starts, ranks, self.scales, self.block_r)
             expand(t, b, out[:, o0:o1], starts, ranks, self.block_r)
+
+
+class NativeLoraStep:
+    """``LoraStep``'s term on the CPU's native kernel (csrc/lora.cpp, ``lora_add``): each
+    row reads only its own adapter's columns, as the Triton kernels do."""
+
+    def __init__(self, stack: LoraStack, row_slots: torch.Tensor, ops: Any) -> None:
+        self.stack = stack
+        self.ops = ops
+        self.starts, self.ranks, self.scales = _row_columns(stack, row_slots)
+        self.fallback = stack.step([None if int(s) < 0 else stack.adapters[int(s)]
+                                    for s in row_slots.tolist()])
+
+    def stack_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int],
+                                  list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """The native stack's LoRA arguments (kernels.NativeOps.decode_layers)."""
+        a_list, b_list, index = self.stack.native_matrices()
+        empty = torch.zeros(0, dtype=torch.long)
+        starts = [self.starts.get(m, empty) for m in MODULES]
+        ranks = [self.ranks.get(m, empty) for m in MODULES]
+        return a_list, b_list, index, starts, ranks, self.scales
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        term = self.stack.layers[layer].get(group)
+        if term is None:
+            return
+        if x.stride(-1) != 1 or out.stride(-1) != 1:  # not rows of unit-stride columns
+            self.fallback.add(layer, group, x, out)
+            return
+        for b, t0, t1, o0, o1 in term.modules:
+            module = self.stack.module_at(group, t0)
+            self.ops.lora_add(out[:, o0:o1], x, term.a[t0:t1], b, self.starts[module],
+                              self.ranks[module], self.scales)
+
+
+def _row_columns(stack: LoraStack, row_slots: torch.Tensor
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """Per targeted module, each row's first column among the module's and its rank
+    there (0 for a row of the base or an adapter without the module); each row's scale."""
+    slots = row_slots.clamp(min=0)
+    base = row_slots < 0
+    starts: dict[str, torch.Tensor] = {}
+    ranks: dict[str, torch.Tensor] = {}
+    for module in stack.module_cols:
+        first, rank = stack.slot_columns(module)
+        starts[module] = first[slots].contiguous()
+        ranks[module] = torch.where(base, 0, rank[slots]).contiguous()
+    scales = torch.where(base, 0.0, stack.scales[slots]).to(torch.float32).contiguous()
+    return starts, ranks, scales
 
 
 class LoraStacks:
@@ -290,7 +366,8 @@ class LoraStacks:
 
         return device.type == "cuda" and triton_problem(device.type) is None
 
-    def step(self, adapters: Sequence[AdapterWeights | None]) -> LoraTerm:
+    def step(self, adapters: Sequence[AdapterWeights | None], native: Any = None) -> LoraTerm:
+        """The term of a decode step (``native``: the CPU kernels' namespace, or None)."""
         needed = list({id(a): a for a in adapters if a is not None}.values())
         stack = self.current
         fits = stack is not None and all(a in stack for a in needed)
@@ -303,7 +380,9 @@ class LoraStacks:
             stack = LoraStack(needed + kept[:max(0, room)])
             self.current = stack
             self.num_builds += 1
-        return stack.step(adapters, self.triton(stack.device))
+        if self.kernels == "torch":
+            native = None
+        return stack.step(adapters, self.triton(stack.device), native)
 
     def forget(self, adapter: AdapterWeights) -> None:
         """``adapter``'s bytes are going: no stack built over it stays."""

@@ -58,7 +58,7 @@ from aegaeon_engine.isa import (
     supported_levels,
 )
 
-_SOURCES = ("attention.cpp", "dense.cpp", "quant.cpp", "stack.cpp")
+_SOURCES = ("attention.cpp", "dense.cpp", "quant.cpp", "stack.cpp", "lora.cpp")
 _HEADERS = ("simd.h",)
 # -ffp-contract=off: no fused multiply-add the source does not write (rounding as torch's)
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-Wall", "-fvisibility=hidden")

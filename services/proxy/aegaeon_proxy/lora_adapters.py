@@ -30,7 +30,7 @@ from typing import Any
 
 from aegaeon_common.config import ConfigError, ModelConfig, market_models
 from aegaeon_engine.errors import CheckpointError
-from aegaeon_engine.lora_spec import ADAPTER_CONFIG, AdapterSpec
+from aegaeon_engine.lora_spec import ADAPTER_CONFIG, AdapterSpec, is_adapter_dir
 from aegaeon_engine.spec import ModelSpec, read_json_object
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -160,6 +160,10 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                        param="lora_name", code="model_exists")  # fmt: skip
     path = Path(raw_path).resolve() if raw_path is not None else await _market_path(state, name)
+    if not await asyncio.to_thread(is_adapter_dir, path):
+        raise APIError(400, f"LoRA adapter '{name}' cannot be served: {path / ADAPTER_CONFIG}: "
+                       "missing file (expected a PEFT adapter directory)", param="lora_path",
+                       code="invalid_lora_adapter")  # fmt: skip
     bases = _bases(state)
     base = await asyncio.to_thread(choose_base, path, bases, asked)
     await asyncio.to_thread(_check, name, path, base)

@@ -15,6 +15,13 @@
 // is 0 is dense (`linear`), else GGUF block-quantized of that GGML type (`qlinear`).
 // The projections run in namespace proj_ns and the attention in attn_ns (the
 // levels the engine's measured choice picked); norms, rope and SiLU in this one.
+//
+// LoRA adapters (lora.py, csrc/lora.cpp): with lora_index (7 entries a layer, one
+// per module q, k, v, o, gate, up, down: an index into lora_a / lora_b, or -1),
+// each targeted module's output columns get their rows' low-rank term right after
+// the projection (lora_add, this namespace), before anything reads them; lora_starts
+// and lora_ranks hold per module each row's columns ([N] int64 each), lora_scales
+// each row's scale. Empty lora_index: no term (the model alone).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -46,6 +53,9 @@ using RopeFn = void(const at::Tensor&, const OptTensor&, const OptTensor&, const
                     const at::Tensor&, int64_t, double);
 using PagedFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, int64_t, double);
+using LoraFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const at::Tensor&);
+constexpr int64_t kLoraModules = 7;  // q, k, v, o, gate, up, down
 
 template <typename F>
 c10::TypedOperatorHandle<F> op(c10::string_view ns, const char* name) {
@@ -60,7 +70,9 @@ void decode_layers(const at::Tensor& h, at::TensorList norms, at::TensorList pro
                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
                    const at::Tensor& block_table, const at::Tensor& context_lens,
                    int64_t num_q, double eps, double scale, c10::string_view proj_ns,
-                   c10::string_view attn_ns) {
+                   c10::string_view attn_ns, at::TensorList lora_a, at::TensorList lora_b,
+                   at::IntArrayRef lora_index, at::TensorList lora_starts,
+                   at::TensorList lora_ranks, const OptTensor& lora_scales) {
   const auto layers = static_cast<int64_t>(norms.size()) / 2;
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(projs.size()) == 4 * layers &&
@@ -80,6 +92,16 @@ void decode_layers(const at::Tensor& h, at::TensorList norms, at::TensorList pro
   const auto silu = op<SiluFn>(ns, "silu_mul");
   const auto rope = op<RopeFn>(ns, "rope_write");
   const auto paged = op<PagedFn>(attn_ns, "paged_decode");
+  const bool with_lora = !lora_index.empty();
+  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora_index.size()) == kLoraModules * layers &&
+                             lora_a.size() == lora_b.size() &&
+                             static_cast<int64_t>(lora_starts.size()) == kLoraModules &&
+                             static_cast<int64_t>(lora_ranks.size()) == kLoraModules &&
+                             lora_scales.has_value()),
+              "decode_layers: LoRA needs 7 indices a layer, A and B alike, 7 starts and ranks, "
+              "the scales");
+  std::optional<c10::TypedOperatorHandle<LoraFn>> lora_add;
+  if (with_lora) lora_add.emplace(op<LoraFn>(ns, "lora_add"));
 
   const int64_t n = h.size(0), dim = cache.size(5), num_kv = cache.size(4);
   const int64_t heads = num_q + 2 * num_kv;
@@ -102,18 +124,36 @@ void decode_layers(const at::Tensor& h, at::TensorList norms, at::TensorList pro
       linear.call(dst, src, projs[i], bias);
     }
   };
+  // module m's columns [begin, end) of dst get their rows' term of src
+  auto lora = [&](int64_t l, int64_t m, const at::Tensor& dst, int64_t begin, int64_t end,
+                  const at::Tensor& src) {
+    if (!with_lora) return;
+    const int64_t i = lora_index[kLoraModules * l + m];
+    if (i < 0) return;
+    lora_add->call(dst.slice(1, begin, end), src, lora_a[i], lora_b[i], lora_starts[m],
+                   lora_ranks[m], *lora_scales);
+  };
+  const int64_t q_cols = num_q * dim, kv_cols = num_kv * dim;
+  const int64_t inter = projs[2].size(0) / 2, hidden = h.size(1);
   for (int64_t l = 0; l < layers; ++l) {
     norm.call(x, h, norms[2 * l], eps);
     project(qkv, x, 4 * l, biases.get(2 * l));
+    lora(l, 0, qkv, 0, q_cols, x);
+    lora(l, 1, qkv, q_cols, q_cols + kv_cols, x);
+    lora(l, 2, qkv, q_cols + kv_cols, q_cols + 2 * kv_cols, x);
     rope.call(qkv3, qk_norms.get(2 * l), qk_norms.get(2 * l + 1), cos, sin, cache, l, slot_blocks,
               slot_offsets, num_q, eps);
     paged.call(attn, q, cache, block_table, context_lens, l, scale);
     project(out, attn2, 4 * l + 1, biases.get(2 * l + 1));
+    lora(l, 3, out, 0, hidden, attn2);
     h.add_(out);
     norm.call(x, h, norms[2 * l + 1], eps);
     project(gate_up, x, 4 * l + 2, no_bias);
+    lora(l, 4, gate_up, 0, inter, x);
+    lora(l, 5, gate_up, inter, 2 * inter, x);
     silu.call(act, gate_up);
     project(out, act, 4 * l + 3, no_bias);
+    lora(l, 6, out, 0, hidden, act);
     h.add_(out);
   }
 }
@@ -124,7 +164,9 @@ AEGAEON_STACK_FRAGMENT(AEGAEON_OPS, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] projs, Tensor?[] biases, "
         "Tensor?[] qk_norms, int[] qtypes, Tensor cos, Tensor sin, Tensor(b!) cache, "
         "Tensor slot_blocks, Tensor slot_offsets, Tensor block_table, Tensor context_lens, "
-        "int num_q, float eps, float scale, str proj_ns, str attn_ns) -> ()");
+        "int num_q, float eps, float scale, str proj_ns, str attn_ns, Tensor[] lora_a, "
+        "Tensor[] lora_b, int[] lora_index, Tensor[] lora_starts, Tensor[] lora_ranks, "
+        "Tensor? lora_scales) -> ()");
 }
 
 AEGAEON_STACK_IMPL(AEGAEON_OPS, CPU, m) { m.impl("decode_layers", decode_layers); }
