@@ -24,7 +24,8 @@ def _worker(market: Path, names: list[str], threads: int = 1) -> Any:
     return SimpleNamespace(
         config=config, kind="decode",
         engine=SimpleNamespace(device=torch.device("cpu"), isa="avx2"),
-        specs=specs, switcher=SimpleNamespace(nbytes=lambda name: 1000 + len(name)),
+        specs=specs, switcher=SimpleNamespace(nbytes=lambda name: 1000 + len(name), specs=specs),
+        adapters=SimpleNamespace(specs={}),
     )  # fmt: skip
 
 

@@ -29,8 +29,7 @@ JOIN_LOAD_LIMIT = 1.0
 
 @dataclass
 class DecodeBatch:
-    """Requests decoded together: of one model, or of one base and its LoRA adapters
-    (``model`` is then the base: the weights the batch runs on, its switching unit)."""
+    """Requests decoded together: of ``model``, and of its LoRA adapters (its unit)."""
 
     batch_id: int
     model: str
@@ -90,9 +89,8 @@ class DecodeWorkList:
             batch = DecodeBatch(batch_id, request.switch_unit)
             self._batches.append(batch)
             self._by_id[batch_id] = batch
-        elif batch.model != request.switch_unit:
-            raise ValueError(f"batch {batch_id} holds {batch.model!r}, not "
-                             f"{request.switch_unit!r}")
+        elif batch.model != (unit := request.switch_unit):
+            raise ValueError(f"batch {batch_id} holds {batch.model!r}, not {unit!r}")
         batch.requests[request.request_id] = request
         batch.reserved_tokens += request.kv_tokens
         batch.mean_context_tokens += DecodeBatch.mean_context(request)
