@@ -62,8 +62,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--output-tokens", type=int, default=None,
                         help="every output this long (default: ShareGPT-like lengths)")
     parser.add_argument("--input-scale", type=float, default=0.25, help="prompt lengths x (0.25)")
-    parser.add_argument("--output-scale", type=float, default=0.25,
-                        help="output lengths x (0.25)")
+    parser.add_argument("--output-scale", type=float, default=0.5,
+                        help="output lengths x (0.5)")
     common.add_slo_arguments(parser, 10.0, 0.1, "paper")
     parser.add_argument("--grace", type=float, default=60.0,
                         help="seconds after the last arrival before open requests fail (60)")
@@ -156,7 +156,8 @@ def run_case(name: str, market: Path, streams: list[str], args: argparse.Namespa
     names = [f"stream{i}" for i in range(len(streams))]
     limits = model_limits(sorted(set(streams)), market, max_context=4096)
     planned = plan_requests(
-        names, {n: limits[m] for n, m in zip(names, streams, strict=True)}, rps_per_model=args.rps,
+        names, {n: limits[m] for n, m in zip(names, streams, strict=True)},
+        rps_per_model=args.rps,
         duration_s=args.duration, seed=args.seed, input_scale=args.input_scale,
         output_scale=args.output_scale, prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens,

@@ -62,8 +62,11 @@ class PlannedRequest:
 
 
 def _market_configs(market: Path) -> dict[str, Path]:
-    """Model name -> its config.json, from the market's ``market.json``."""
-    return {e.name: e.path / "config.json" for e in load_market(market)}
+    """Model name -> its config.json, from the market's ``market.json`` (a LoRA
+    adapter's: its base's, whose vocabulary and window it has)."""
+    entries = load_market(market)
+    paths = {e.name: e.path for e in entries}
+    return {e.name: paths.get(e.base, e.path) / "config.json" for e in entries}
 
 
 def _read_limits(config_path: Path) -> ModelLimits:
