@@ -49,18 +49,20 @@ class Served:
     """The base bound in an engine, with its adapters bound over their packed bytes."""
 
     def __init__(self, base_dir: Path, adapters: list[PeftAdapter], dtype: str = "float32",
-                 native: bool = True, fuse: bool = True) -> None:
+                 native: bool = True, fuse: bool = True, device: str = "cpu") -> None:
         self.spec = ModelSpec.from_dir(base_dir)
-        self.engine = Engine("cpu", native=native)
+        self.engine = Engine(device, native=native)
         self.engine.fuse_layers = fuse
         layout = self.engine.layout(self.spec, dtype)
         self.weights = torch.empty(layout.total_bytes, dtype=torch.uint8)
         from aegaeon_engine import load_weights
 
         load_weights(base_dir, self.spec, layout, self.weights)
-        self.kv = torch.empty(64 * self.spec.kv_shape(dtype).block_bytes, dtype=torch.uint8)
+        self.weights = self.weights.to(device)
+        self.kv = torch.empty(64 * self.spec.kv_shape(dtype).block_bytes, dtype=torch.uint8,
+                              device=device)
         self.engine.bind(self.spec, self.weights, self.kv, dtype)
-        self.adapters = [load_adapter(a.path, self.spec, dtype) for a in adapters]
+        self.adapters = [load_adapter(a.path, self.spec, dtype, device) for a in adapters]
         self.free = list(range(64))
 
     def generate(self, rows: list[tuple[int | None, list[int]]]) -> list[list[int]]:
@@ -82,12 +84,12 @@ class Served:
         return [out for _, _, _, out in states]
 
 
-def load_adapter(path: Path, base: ModelSpec, dtype: str) -> AdapterWeights:
+def load_adapter(path: Path, base: ModelSpec, dtype: str, device: str = "cpu") -> AdapterWeights:
     spec = AdapterSpec.from_dir(path, base)
     layout = adapter_layout(spec, dtype)
     data = torch.empty(layout.total_bytes, dtype=torch.uint8)
     fill_adapter(path, spec, layout, data)
-    return bind_adapter(spec, layout, data)
+    return bind_adapter(spec, layout, data.to(device))
 
 
 def test_adapter_spec_reads_what_peft_wrote(base_dir: Path, adapters: list[PeftAdapter]) -> None:
@@ -128,6 +130,18 @@ def test_adapters_and_base_in_one_step_are_unchanged(
     for (k, prompt), tokens in zip(rows, got, strict=True):
         assert tokens == references[k][PROMPTS.index(prompt)], (k, prompt)
     assert served.engine.lora_stacks.num_builds == 1  # one stack served every step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_each_adapter_and_all_at_once_equal_peft(
+        base_dir: Path, adapters: list[PeftAdapter],
+        references: dict[int | None, list[list[int]]]) -> None:
+    """The CUDA engine with the Triton LoRA kernels (gpu/lora.py, compiled), float32."""
+    served = Served(base_dir, adapters, device="cuda")
+    rows = [(k, p) for p in PROMPTS for k in (2, None, 0, 1)]
+    for (k, prompt), tokens in zip(rows, served.generate(rows), strict=True):
+        assert tokens == references[k][PROMPTS.index(prompt)], (k, prompt)
 
 
 def test_bfloat16_adapters_mixed_equal_each_alone(base_dir: Path,

@@ -19,11 +19,17 @@ first (warm-up: the weights and adapters reach the Model Cache and the
 device); then the run is measured: model switches (the instances' counters,
 i.e. ``aegaeon_model_switches_total``), adapters brought to the device, SLO
 attainment (the paper's token deadlines), decode tokens/s of the decode
-instances' engine time and their mean batch (tokens per step), generated
-tokens/s of wall time, and the Model Cache's bytes. ``--json``: the last line
-of stdout is the report; ``--out DIR`` keeps the markets, node logs and one
-JSON file per run. The CPU is named beside the numbers, with the machine's
-load average before and after (a shared machine's other work shows there).
+instances' engine time and their mean batch (tokens per step), decode tokens/s
+per batch size (each decode turn's tokens over its engine time, by its mean
+batch), generated tokens/s of wall time, and the Model Cache's bytes.
+``--repeats R`` runs the cases R times, interleaved (base, adapters, copies,
+base, ...), and reports each case's medians: a shared machine's other work
+then falls on every case alike. The comparison: the adapters' attainment over
+the base's, and their decode tokens/s over the base's at the same batch sizes
+(token-weighted over the sizes both saw). ``--json``: the last line of stdout is
+the report; ``--out DIR`` keeps the markets, node logs and one JSON file per
+run. The CPU is named beside the numbers, with the machine's load average before
+and after each run.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--seed", type=int, default=0, help="arrivals, lengths, prompts (0)")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"which runs, in this order ({','.join(CASES)})")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the cases this many times, interleaved; medians (1)")
     parser.add_argument("--out", type=Path, default=None,
                         help="keep the markets, logs and reports here (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
@@ -85,6 +93,8 @@ def _usage(args: argparse.Namespace) -> str | None:
         return "--adapters must be at least 1"
     if args.rps <= 0 or args.duration <= 0:
         return "--rps and --duration must be positive"
+    if args.repeats < 1:
+        return "--repeats must be at least 1"
     return None
 
 
@@ -126,6 +136,32 @@ def build_markets(market: Path, base: str, out: Path, num: int, rank: int,
 
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def by_batch(stats: dict[str, Any] | None, since_s: float) -> dict[int, list[float]]:
+    """Decode tokens and engine seconds by batch size (a turn's tokens per step, rounded)
+    over the decode turns that started at ``since_s`` or later."""
+    out: dict[int, list[float]] = {}
+    for turn in (stats or {}).get("turns") or []:
+        steps, tokens, seconds = turn.get("steps", 0), turn.get("tokens", 0), turn.get("engine_s")
+        if turn.get("start_s", 0.0) < since_s or not steps or not seconds:
+            continue
+        acc = out.setdefault(round(tokens / steps), [0.0, 0.0])
+        acc[0] += tokens
+        acc[1] += seconds
+    return out
+
+
+def same_batch_ratio(ours: dict[int, list[float]], base: dict[int, list[float]]) -> float | None:
+    """Our decode tokens/s over ``base``'s at the batch sizes both saw, weighted by the
+    tokens the smaller side decoded at each."""
+    weight = total = 0.0
+    for size in set(ours) & set(base):
+        (t1, s1), (t0, s0) = ours[size], base[size]
+        w = min(t1, t0)
+        total += w * (t1 / s1) / (t0 / s0)
+        weight += w
+    return round(total / weight, 3) if weight else None
 
 
 def _engine(stats: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any]:
@@ -171,7 +207,7 @@ def run_case(name: str, market: Path, streams: list[str], args: argparse.Namespa
                         max_tokens=4) for k, model in enumerate(dict.fromkeys(streams))]
         run_fast(run_load(warm, RunOptions(node.url, 1.0, grace_s=300.0)))
         load_before = _loadavg()
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         outcome = run_fast(run_load(planned, RunOptions(node.url, args.duration,
                                                         grace_s=args.grace)))
         wall_s = time.monotonic() - started
@@ -183,6 +219,10 @@ def run_case(name: str, market: Path, streams: list[str], args: argparse.Namespa
                      switches=counter_delta(before, after, "switches"))  # fmt: skip
     cache = ((after or {}).get("cache") or {}).get("model_cache") or {}
     result.update(_engine(after, before))
+    batches = by_batch(after, started_wall)
+    result["by_batch"] = {str(k): {"tokens": int(t), "engine_s": round(s, 3),
+                                   "tokens_per_s": round(t / s, 2)}
+                          for k, (t, s) in sorted(batches.items())}  # fmt: skip
     result.update({
         "case": name, "models": sorted(set(streams)),
         "adapter_loads": counter_delta(before, after, "adapter_loads"),
@@ -194,24 +234,46 @@ def run_case(name: str, market: Path, streams: list[str], args: argparse.Namespa
     return result
 
 
+def _batches(run: dict[str, Any]) -> dict[int, list[float]]:
+    return {int(k): [v["tokens"], v["engine_s"]] for k, v in run.get("by_batch", {}).items()}
+
+
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The adapters' run against the base alone's: attainment and decode tokens/s ratios."""
+    """The adapters' runs against the base alone's: attainment, decode tokens/s at the
+    same batch sizes (each repeat against the one beside it; medians), switches."""
+    import statistics
+
     base, lora = results.get("base"), results.get("adapters")
     if base is None or lora is None:
         return {}
+    pairs = list(zip(base["runs"], lora["runs"], strict=True))
+    attain = [b2["slo_attainment"] / b1["slo_attainment"] for b1, b2 in pairs
+              if b1["slo_attainment"]]
+    speed = [r for b1, b2 in pairs if (r := same_batch_ratio(_batches(b2), _batches(b1)))]
+    return {"attainment_vs_base": round(statistics.median(attain), 3) if attain else None,
+            "decode_tokens_per_s_same_batch_vs_base":
+                round(statistics.median(speed), 3) if speed else None,
+            "adapter_switches": [r["switches"] for r in lora["runs"]]}  # fmt: skip
 
-    def ratio(key: str) -> float | None:
-        a, b = lora.get(key), base.get(key)
-        return round(a / b, 3) if a is not None and b else None
 
-    return {"attainment_vs_base": ratio("slo_attainment"),
-            "decode_tokens_per_s_vs_base": ratio("decode_tokens_per_s"),
-            "adapter_switches": lora.get("switches")}  # fmt: skip
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A case's runs: each number's median, the last run's other fields, every run."""
+    import statistics
+
+    out = dict(runs[-1])
+    for key, value in runs[-1].items():
+        numbers = [r[key] for r in runs if isinstance(r.get(key), int | float)
+                   and not isinstance(r.get(key), bool)]  # fmt: skip
+        if isinstance(value, int | float) and not isinstance(value, bool) and numbers:
+            out[key] = statistics.median(numbers)
+    out["runs"] = runs
+    return out
 
 
 def _print(results: dict[str, dict[str, Any]], report: dict[str, Any]) -> None:
     print(f"{report['cpu_model']} (isa {report['isa']}), streams {report['streams']} x "
-          f"{report['rps']} req/s for {report['duration_s']:g} s")
+          f"{report['rps']} req/s for {report['duration_s']:g} s, medians of "
+          f"{report['repeats']} interleaved runs")
     head = ("case", "switches", "adapter loads", "attainment", "decode tok/s", "mean batch",
             "gen tok/s", "Model Cache MiB", "load avg")
     print("  ".join(f"{h:>15}" for h in head))
@@ -241,15 +303,20 @@ def run(args: argparse.Namespace) -> int:
     market = args.market if args.market is not None else default_market_dir()
     work = args.out or Path(tempfile.mkdtemp(prefix="aegaeon-bench-lora-"))
     targets = [t for t in args.targets.split(",") if t]
+    cases = [c for c in args.cases.split(",") if c]
     try:
         markets = build_markets(market, args.base, work, args.adapters, args.rank, targets)
-        results = {case: run_case(case, *markets[case], args, work)
-                   for case in args.cases.split(",") if case}
+        runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
+        for k in range(args.repeats):
+            for case in cases:
+                runs[case].append(run_case(case, *markets[case], args, work / f"run{k}"))
+        results = {case: medians(case_runs) for case, case_runs in runs.items()}
     except (MarketError, CheckpointError, NodeError, OSError) as exc:
         print(f"aegaeon bench lora: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     report = {**machine_info(), "base": args.base, "streams": args.adapters, "rps": args.rps,
               "duration_s": args.duration, "rank": args.rank, "targets": targets,
+              "repeats": args.repeats,
               "results": results, "compare": compare(results), "out": str(work)}  # fmt: skip
     _print(results, report)
     if args.json:

@@ -92,12 +92,15 @@ def write_config(
     threads: int,
     weights: str = "copy",
     device: str = "cpu",
+    bases: dict[str, str] | None = None,
 ) -> Path:
     """The deployment YAML of the rig (one decode instance on ``device``, prefetch on;
     ``weights``: the worker's mode, ``copy`` by default since the rig measures
-    scale-up copies)."""
+    scale-up copies; ``bases``: the LoRA adapters among ``models`` and their bases)."""
+    bases = bases or {}
     raw = {
-        "models": [{"name": n, "path": str(p)} for n, p in models.items()],
+        "models": [{"name": n, "path": str(p), **({"base": bases[n]} if n in bases else {})}
+                   for n, p in models.items()],
         "dtype": dtype,
         "run_dir": str(run_root / "run"),
         "cachemgr": {
@@ -181,8 +184,10 @@ def switch_rig(
     threads: int = 1,
     weights: str = "copy",
     device: str = "cpu",
+    bases: dict[str, str] | None = None,
 ) -> Iterator[Rig]:
-    """A cachemgr process with every model of ``models`` warm, and a worker on it."""
+    """A cachemgr process with every model of ``models`` warm, and a worker on it
+    (``bases``: the LoRA adapters among them, as ``write_config``)."""
     from aegaeon_runtime.cacheclient.client import CacheClient
     from aegaeon_runtime.worker import build_worker
 
@@ -195,7 +200,8 @@ def switch_rig(
     worker: Worker | None = None
     prefix = ""
     try:
-        config_path = write_config(run_root, models, dtype, sizes, threads, weights, device)
+        config_path = write_config(run_root, models, dtype, sizes, threads, weights, device,
+                                   bases)
         config = load_config(config_path)
         prefix = f"{config.shm_prefix}-"
         proc = _start_cachemgr(config_path, config, run_root / "cachemgr.log")

@@ -49,6 +49,7 @@ _GROUP_MODULES: dict[str, tuple[str, ...]] = {
 # for the step's, so that a few adapters do not pay for many)
 _KEEP_SHARE = 0.5
 _KEEP_EXTRA = 4
+MAX_SLOTS = 64  # adapters a stack keeps where kernels read only each row's own
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,6 +168,7 @@ class LoraStack:
                 self.group_cols[group] = (start, len(cols))
         self.max_rank = max(a.spec.rank for a in adapters)
         self._native: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
+        self._slot_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.col_slots = torch.tensor(cols, dtype=torch.long, device=self.device)
         self.scales = torch.tensor([a.spec.scale for a in adapters], dtype=torch.float32,
                                    device=self.device)
@@ -217,10 +219,14 @@ class LoraStack:
 
     def slot_columns(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Per slot, its first column among ``module``'s and its rank there (0: the
-        slot's adapter does not target ``module``)."""
-        firsts, ranks = self._slot_cols[module]
-        return (torch.tensor(firsts, dtype=torch.long, device=self.device),
+        slot's adapter does not target ``module``); made once per stack."""
+        cols = self._slot_tensors.get(module)
+        if cols is None:
+            firsts, ranks = self._slot_cols[module]
+            cols = self._slot_tensors[module] = (
+                torch.tensor(firsts, dtype=torch.long, device=self.device),
                 torch.tensor(ranks, dtype=torch.long, device=self.device))
+        return cols
 
     def module_at(self, group: str, t0: int) -> str:
         """The module whose columns of ``group``'s t start at ``t0``."""
@@ -306,9 +312,17 @@ class NativeLoraStep:
     def __init__(self, stack: LoraStack, row_slots: torch.Tensor, ops: Any) -> None:
         self.stack = stack
         self.ops = ops
+        self.row_slots = row_slots
         self.starts, self.ranks, self.scales = _row_columns(stack, row_slots)
-        self.fallback = stack.step([None if int(s) < 0 else stack.adapters[int(s)]
-                                    for s in row_slots.tolist()])
+        self._fallback: LoraTerm | None = None
+
+    def _torch(self) -> LoraTerm:
+        """The same term on torch's GEMMs (for inputs the kernel does not take)."""
+        if self._fallback is None:
+            stack = self.stack
+            self._fallback = stack.step([None if s < 0 else stack.adapters[s]
+                                         for s in self.row_slots.tolist()])
+        return self._fallback
 
     def stack_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int],
                                   list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -324,7 +338,7 @@ class NativeLoraStep:
         if term is None:
             return
         if x.stride(-1) != 1 or out.stride(-1) != 1:  # not rows of unit-stride columns
-            self.fallback.add(layer, group, x, out)
+            self._torch().add(layer, group, x, out)
             return
         for b, t0, t1, o0, o1 in term.modules:
             module = self.stack.module_at(group, t0)
@@ -350,8 +364,11 @@ def _row_columns(stack: LoraStack, row_slots: torch.Tensor
 
 class LoraStacks:
     """The stack the decode steps use, rebuilt only when a step needs an adapter it
-    lacks, or uses too few of its slots (see ``_KEEP_SHARE``). ``kernels``: ``auto``
-    (Triton's on CUDA where Triton imports, else torch's), ``torch`` or ``triton``."""
+    lacks (the adapters it held are kept in it, up to ``MAX_SLOTS``: steps come and go
+    with requests, and a rebuild copies every adapter's matrices); on torch's masked
+    GEMMs, which compute every slot, also when a step uses too few of its slots (see
+    ``_KEEP_SHARE``). ``kernels``: ``auto`` (on the CPU its native kernel where it loaded,
+    on CUDA Triton's where Triton imports, else torch's), ``torch`` or ``triton``."""
 
     def __init__(self, kernels: str = "auto") -> None:
         self.current: LoraStack | None = None
@@ -369,20 +386,24 @@ class LoraStacks:
     def step(self, adapters: Sequence[AdapterWeights | None], native: Any = None) -> LoraTerm:
         """The term of a decode step (``native``: the CPU kernels' namespace, or None)."""
         needed = list({id(a): a for a in adapters if a is not None}.values())
-        stack = self.current
-        fits = stack is not None and all(a in stack for a in needed)
-        if not fits or stack is None or len(stack) > max(len(needed) / _KEEP_SHARE,
-                                                         len(needed) + _KEEP_EXTRA):
-            ids = {id(a) for a in needed}
-            kept = [a for a in (stack.adapters if stack is not None else ())
-                    if id(a) not in ids and a.spec.base == needed[0].spec.base]
-            room = max(int(len(needed) / _KEEP_SHARE), len(needed) + _KEEP_EXTRA) - len(needed)
-            stack = LoraStack(needed + kept[:max(0, room)])
-            self.current = stack
-            self.num_builds += 1
         if self.kernels == "torch":
             native = None
-        return stack.step(adapters, self.triton(stack.device), native)
+        device = needed[0].layers[0][needed[0].spec.targets[0]][0].device
+        triton = self.triton(device)
+        masked = native is None and not triton  # every slot computed for every row
+        size = (max(int(len(needed) / _KEEP_SHARE), len(needed) + _KEEP_EXTRA) if masked
+                else MAX_SLOTS)
+        stack = self.current
+        fits = stack is not None and all(a in stack for a in needed)
+        if stack is None or not fits or (masked and len(stack) > size):
+            ids = {id(a) for a in needed}
+            base = needed[0].spec.base
+            kept = [a for a in (stack.adapters if stack is not None else ())
+                    if id(a) not in ids and a.spec.base == base]
+            stack = LoraStack(needed + kept[:max(0, size - len(needed))])
+            self.current = stack
+            self.num_builds += 1
+        return stack.step(adapters, triton, native)
 
     def forget(self, adapter: AdapterWeights) -> None:
         """``adapter``'s bytes are going: no stack built over it stays."""

@@ -137,6 +137,7 @@ def model_row(entry: LiveModel, cache: Mapping[str, Any] | None) -> dict[str, An
         "state": entry.state,  # adding | serving | removing
         "source": "runtime" if entry.runtime else "config",
         "path": str(entry.config.path),
+        "base": entry.config.base,  # a LoRA adapter's base; null for a model
         "pinned": s.pin,
         "preload": s.preload,
         "max_concurrency": s.max_concurrency,  # null: unbounded
