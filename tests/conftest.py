@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the harness imports the node's tooling: only where a test s
 # next one needs it (the chaos run and the rolling restart check that it does).
 SHARED_NODE_MODULES = (
     "tests/e2e/test_serve_openai.py",
+    "tests/e2e/test_serve_api_surface.py",
     "tests/e2e/test_serve_classes.py",
     "tests/e2e/test_serve_observability.py",
     "tests/e2e/test_prometheus.py",

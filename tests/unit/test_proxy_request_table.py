@@ -91,6 +91,20 @@ def test_a_full_table_is_a_429_naming_where() -> None:
     asyncio.run(main())
 
 
+def test_an_id_in_flight_twice_is_a_409() -> None:
+    async def main() -> None:
+        table, placement = _table()
+        table.open(_gen("same", 1))
+        with pytest.raises(BackendError) as err:
+            table.open(_gen("same", 1))
+        assert (err.value.status, err.value.code) == (409, "duplicate_request_id")
+        assert placement.placed == ["same"]
+        table.end("same", "stop")
+        table.open(_gen("same", 1))  # once it ended, the id may come again
+
+    asyncio.run(main())
+
+
 def test_tokens_fan_out_and_a_strangers_tokens_are_cancelled_once() -> None:
     async def main() -> None:
         table, placement = _table()

@@ -9,14 +9,13 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy import admin_models, handlers, info, vllm_controls
+from aegaeon_proxy import admin_models, handlers, info, request_ids, tokenize, vllm_controls
 from aegaeon_proxy.auth import KeyRing
 from aegaeon_proxy.backend import Backend, SharedModelSet, SharedModelSettings
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
+from aegaeon_proxy.request_ids import CLIENT_CLOSED
 from aegaeon_proxy.state import STATE, ProxyState
-
-CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
 log = get_logger("proxy")
 
@@ -32,7 +31,12 @@ PUBLIC: list[Route] = [
     ("POST", "/v1/chat/completions", handlers.chat_completions),
     ("GET", "/v1/models", info.list_models),
     ("GET", "/v1/models/{model}", info.retrieve_model),
+    ("POST", "/tokenize", tokenize.tokenize),
+    ("POST", "/detokenize", tokenize.detokenize),
+    ("GET", "/version", info.version),
 ]
+# the API's requests, each recorded by one access log line (request_ids)
+ACCESS_LOGGED = frozenset(path for _, path, _ in PUBLIC)
 # Operators' endpoints: on the API port, or alone on ``proxy.admin_port``.
 ADMIN: list[Route] = [
     ("GET", "/metrics", info.metrics),
@@ -46,6 +50,10 @@ ADMIN: list[Route] = [
 def _endpoint(request: web.Request) -> str:
     route = request.match_info.route.resource
     return route.canonical if route is not None else "other"
+
+
+def _access_logged(request: web.Request) -> bool:
+    return _endpoint(request) in ACCESS_LOGGED
 
 
 @web.middleware
@@ -87,7 +95,8 @@ def make_app(config: Config, backend: Backend) -> web.Application:
     """
     keys = KeyRing(config.proxy.api_keys)
     app = web.Application(client_max_size=config.proxy.max_body_bytes,
-                          middlewares=[api_errors, keys.middleware()])  # fmt: skip
+                          middlewares=[request_ids.middleware(_access_logged), api_errors,
+                                       keys.middleware()])  # fmt: skip
     app[STATE] = ProxyState.create(config, backend)
     routes = PUBLIC + PROBES + (ADMIN if config.proxy.admin_port is None else [])
     for method, path, handler in routes:
@@ -121,7 +130,7 @@ def make_app(config: Config, backend: Backend) -> web.Application:
 def make_admin_app(state: ProxyState) -> web.Application:
     """``/metrics``, ``/v1/aegaeon/*`` and the probes on their own port
     (``proxy.admin_host:admin_port``, loopback by default; no API key asked)."""
-    app = web.Application(middlewares=[api_errors])
+    app = web.Application(middlewares=[request_ids.middleware(_access_logged), api_errors])
     app[STATE] = state
     for method, path, handler in ADMIN + PROBES:
         app.router.add_route(method, path, handler)

@@ -120,8 +120,9 @@ class BackendError(Exception):
     """A request the backend cannot take now.
 
     ``status`` is the HTTP status the front answers with: 429 (overloaded; the
-    front sends ``Retry-After: retry_after_s``) or 503 (unavailable); ``code`` the
-    error's code (``overloaded``, ``unavailable``).
+    front sends ``Retry-After: retry_after_s``), 503 (unavailable) or 409 (a request
+    id already in flight); ``code`` the error's code (``overloaded``,
+    ``unavailable``, ``duplicate_request_id``).
     """
 
     def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None,

@@ -72,6 +72,7 @@ class Generation:
         self._open = False  # submitted, and its stream has not ended
         self._ttft_s, self._tbt_s = slo
         self.completion_tokens = 0
+        self.ttft_s: float | None = None  # once the first token came
         self.finish_reason: ClientFinish | None = None
         # How it ended, for aegaeon_requests_total (metrics.OUTCOMES); None: the
         # consumer stopped reading first (a client disconnect).
@@ -219,7 +220,8 @@ class Generation:
         model = self.req.model
         m = self._metrics
         if self._last_token_at is None:
-            m.ttft.labels(model).observe(now - self._start)
+            self.ttft_s = now - self._start
+            m.ttft.labels(model).observe(self.ttft_s)
         else:
             per_token = (now - self._last_token_at) / n
             tbt = m.tbt.labels(model)

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from aegaeon_proxy.assets import AssetError, ModelAssets
 from aegaeon_proxy.auth import API_KEY, allowed, model_not_found
-from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.generation import Generation
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
 from aegaeon_proxy.jsonfmt import json_response
@@ -32,8 +32,16 @@ from aegaeon_proxy.params import (
     parse_common,
     with_model_defaults,
 )
-from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
-from aegaeon_proxy.responses import CHAT, COMPLETION, Head, Shapes, Usage, new_id
+from aegaeon_proxy.prompts import (
+    CHAT_PROMPT_FIELDS,
+    build_request,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    truncated,
+)
+from aegaeon_proxy.request_fields import DEFAULT_ONLY_NAMES, FieldTable, check_fields
+from aegaeon_proxy.request_ids import ACCESS, HEADER, REQUEST_ID, check_request_id
+from aegaeon_proxy.responses import CHAT, COMPLETION, Head, Shapes, Usage
 from aegaeon_proxy.slo_classes import resolve
 from aegaeon_proxy.state import STATE, ProxyState
 
@@ -41,7 +49,7 @@ OFFLOAD_BODY_BYTES = 16 << 10  # prompts larger than this are tokenized on a thr
 
 log = get_logger("proxy")
 
-__all__ = ["chat_completions", "completions"]
+__all__ = ["chat_completions", "completions", "load_assets_for"]
 
 PromptFn = Callable[[Mapping[str, Any], ModelAssets], list[int]]
 
@@ -49,16 +57,38 @@ PromptFn = Callable[[Mapping[str, Any], ModelAssets], list[int]]
 @dataclass(frozen=True)
 class Endpoint:
     fields: Mapping[str, tuple[str, Checker]]
+    known: FieldTable  # every field the endpoint knows (others are a 400)
     prompt_ids: PromptFn
     shapes: Shapes
     chat: bool
 
 
-COMPLETIONS = Endpoint(FIELDS, completion_prompt_ids, COMPLETION, chat=False)
-CHAT_COMPLETIONS = Endpoint(CHAT_FIELDS, chat_prompt_ids, CHAT, chat=True)
+# what both endpoints honour besides the sampling fields (params.FIELDS)
+_COMMON = ("model", "request_id", "add_special_tokens", "truncate_prompt_tokens")
+COMPLETIONS = Endpoint(
+    FIELDS, FieldTable.of([*FIELDS, *_COMMON, "prompt"], DEFAULT_ONLY_NAMES),
+    completion_prompt_ids, COMPLETION, chat=False,
+)  # fmt: skip
+CHAT_COMPLETIONS = Endpoint(
+    CHAT_FIELDS, FieldTable.of([*CHAT_FIELDS, *_COMMON, *CHAT_PROMPT_FIELDS], DEFAULT_ONLY_NAMES),
+    chat_prompt_ids, CHAT, chat=True,
+)  # fmt: skip
 
 
-async def _assets(state: ProxyState, model: str) -> ModelAssets:
+def request_id_of(request: web.Request, body: Mapping[str, Any]) -> str:
+    """The generation's id: the ``X-Request-Id`` header's, else vLLM's ``request_id``
+    field, else the one the middleware made up."""
+    if HEADER not in request.headers and body.get("request_id") is not None:
+        given = body["request_id"]
+        if not isinstance(given, str):
+            raise invalid("request_id", "'request_id' must be a string")
+        request[REQUEST_ID] = check_request_id(given, "request_id")
+    return request[REQUEST_ID]
+
+
+async def load_assets_for(state: ProxyState, model: str) -> ModelAssets:
+    """A served model's text assets, bounded by what the deployment's KV holds per
+    request; 404 for a model not served, 500 ``model_unavailable`` for broken assets."""
     if model not in state.assets:
         raise model_not_found(model)
     try:
@@ -84,19 +114,23 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
         raise APIError(503, "the proxy is draining (shutting down)", code="draining")
     proxy = state.config.proxy
     body = await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
+    check_fields(body, endpoint.known)
     params = parse_common(body, endpoint.fields)
+    request[ACCESS].model = params.model
     if not allowed(request, params.model):
         raise model_not_found(params.model)
     slo = resolve(state.config, params.model, state.model_settings(params.model),
                   request.get(API_KEY), priority=params.priority, ttft_s=params.ttft_s,
                   tbt_s=params.tbt_s, model_slo=state.slo(params.model))  # fmt: skip
-    assets = await _assets(state, params.model)
+    assets = await load_assets_for(state, params.model)
     params = with_model_defaults(params, body, assets.sampling_defaults)
     if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
         prompt_ids = await asyncio.to_thread(endpoint.prompt_ids, body, assets)
     else:
         prompt_ids = endpoint.prompt_ids(body, assets)
-    request_id = new_id(endpoint.shapes.id_prefix)
+    prompt_ids = truncated(prompt_ids, body, assets)
+    request_id = request_id_of(request, body)
+    request[ACCESS].prompt_tokens = len(prompt_ids)
     req = build_request(
         request_id, params, prompt_ids, assets, chat=endpoint.chat, arrival_s=arrival_s
     )
@@ -115,8 +149,9 @@ async def _prepare(request: web.Request, endpoint: Endpoint) -> tuple[CommonPara
     return params, gen
 
 
-def _head(gen: Generation) -> Head:
-    return Head(id=gen.req.request_id, created=int(gen.req.arrival_s), model=gen.req.model)
+def _head(gen: Generation, shapes: Shapes) -> Head:
+    return Head(id=f"{shapes.id_prefix}-{gen.req.request_id}", created=int(gen.req.arrival_s),
+                model=gen.req.model)  # fmt: skip
 
 
 def _usage(gen: Generation) -> Usage:
@@ -129,7 +164,7 @@ async def _respond(gen: Generation, shapes: Shapes) -> web.Response:
         async for text in deltas:
             parts.append(text)
     assert gen.finish_reason is not None
-    body = shapes.response(_head(gen), "".join(parts), gen.finish_reason, _usage(gen))
+    body = shapes.response(_head(gen, shapes), "".join(parts), gen.finish_reason, _usage(gen))
     return json_response(body)
 
 
@@ -137,7 +172,8 @@ async def _stream(
     request: web.Request, gen: Generation, params: CommonParams, shapes: Shapes
 ) -> web.StreamResponse:
     sse = SSEWriter(request, request.app[STATE].config.proxy.write_timeout_s)
-    head = _head(gen)
+    sse.response.headers[HEADER] = request[REQUEST_ID]  # sent as the stream opens
+    head = _head(gen, shapes)
     usage_field = params.include_usage
     try:
         await sse.open()
@@ -175,6 +211,9 @@ async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespon
         return await _respond(gen, endpoint.shapes)
     finally:
         await gen.close()  # a disconnect (cancellation) or error: free the backend request
+        access = request[ACCESS]
+        access.output_tokens, access.ttft_s = gen.completion_tokens, gen.ttft_s
+        access.outcome = gen.outcome or "client_closed"
         if params.keep_alive_s is not None:  # Ollama's: from the end of the request
             request.app[STATE].keep_alive.after(params.model, params.keep_alive_s)
 

@@ -2,15 +2,16 @@
 
 Each field has a checker ``(param, value) -> normalized value`` that raises a
 400 :class:`APIError` naming the field; a missing or ``null`` field takes its
-default. Unknown fields are ignored (as vLLM does); known OpenAI fields that we
-do not implement are accepted only with their neutral value.
+default. Which fields an endpoint knows at all is :mod:`aegaeon_proxy.request_fields`'
+business (an unknown one is a 400 naming it).
 
 Ollama's ``keep_alive`` (seconds or a duration such as ``"5m"``; 0 unloads the
 model after the request, negative keeps it loaded) is taken with Ollama's
 meaning (:mod:`aegaeon_proxy.keep_alive`).
 
 Aegaeon's extension fields (SLO classes, :mod:`aegaeon_proxy.slo_classes`):
-``priority`` (``"interactive"``, ``"standard"``, ``"batch"``) and explicit
+``priority`` (``"interactive"``, ``"standard"``, ``"batch"``, or vLLM's integer:
+below 0 interactive, 0 standard, above 0 batch) and explicit
 ``ttft_ms`` / ``tbt_ms`` targets (positive numbers of milliseconds), checked
 here like every other field; what a caller may ask for is checked later,
 against its API key and the model.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from aegaeon_common.config import SLO_CLASS_NAMES
+from aegaeon_sched.priority import BATCH, CLASS_NAMES, INTERACTIVE, STANDARD
 
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.keep_alive import parse_keep_alive
@@ -62,7 +64,7 @@ class CommonParams:
     keep_alive_s: float | None = None
 
 
-def _string(param: str, value: Any) -> str:
+def check_string(param: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise invalid(param, f"'{param}' must be a non-empty string")
     return value
@@ -117,10 +119,6 @@ def _seed(param: str, value: Any) -> int:
     return _int(param, value, SEED_MIN, SEED_MAX)
 
 
-def _n(param: str, value: Any) -> int:
-    return _int(param, value, 1, 1)
-
-
 def _stop(param: str, value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
@@ -146,10 +144,17 @@ def _timeout(param: str, value: Any) -> float:
 
 
 def _priority(param: str, value: Any) -> str:
+    """An SLO class by name, or vLLM's integer priority (lower is more urgent):
+    below 0 ``interactive``, 0 (vLLM's default) ``standard``, above 0 ``batch``."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if integral and not isinstance(value, bool) and SEED_MIN <= value <= SEED_MAX:
+        rank = int(value)
+        return CLASS_NAMES[INTERACTIVE if rank < 0 else STANDARD if rank == 0 else BATCH]
     if not isinstance(value, str) or value not in SLO_CLASS_NAMES:
         names = ", ".join(repr(n) for n in SLO_CLASS_NAMES)
         shown = repr(value)[:60]  # a client's value, cut short
-        raise invalid(param, f"'{param}' must be one of {names}, got {shown}")
+        raise invalid(param, f"'{param}' must be one of {names} or an integer (vLLM's "
+                      f"priority: lower is more urgent), got {shown}")  # fmt: skip
     return value
 
 
@@ -191,37 +196,6 @@ CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
 }
 
 
-def _zero(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value == 0)
-
-
-def _false(value: Any) -> bool:
-    return value is None or value is False or value == 0
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value in ("", [], {})
-
-
-# OpenAI fields we do not implement -> "is this value neutral?"
-NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
-    "logprobs": _false,
-    "top_logprobs": _zero,
-    "echo": _false,
-    "best_of": lambda v: v is None or (not isinstance(v, bool) and v == 1),
-    "suffix": _empty,
-    "logit_bias": _empty,
-    "tools": _empty,
-    "functions": _empty,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "repetition_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
-    "min_tokens": _zero,
-}
-
-
 # generation_config.json keys a model may default (vLLM's `--generation-config auto`)
 MODEL_DEFAULTS: dict[str, Checker] = {
     "temperature": _temperature, "top_p": _top_p, "top_k": _top_k,
@@ -252,12 +226,7 @@ def parse_common(
     body: Mapping[str, Any], fields: Mapping[str, tuple[str, Checker]]
 ) -> CommonParams:
     """Validate the shared fields of a request body (a JSON object)."""
-    model = _string("model", body.get("model"))
-    if body.get("n") is not None:
-        _n("n", body["n"])
-    for name, neutral in NEUTRAL.items():
-        if not neutral(body.get(name)):
-            raise invalid(name, f"'{name}' is not supported by this server")
+    model = check_string("model", body.get("model"))
     values: dict[str, Any] = {}
     for name, (target, check) in fields.items():
         value = body.get(name)

@@ -118,6 +118,9 @@ class RequestTable:
         ``BackendError`` (429) past the bounds."""
         retry_after_s = self.config.proxy.retry_after_s
         limit = self.config.proxy.max_queued_requests
+        if req.request_id in self.requests:  # a client's X-Request-Id used twice at once
+            raise BackendError(f"a request with id '{req.request_id}' is in flight already",
+                               status=409, code="duplicate_request_id")  # fmt: skip
         if len(self.requests) >= limit:
             self.counters["rejected"] += 1
             raise BackendError.overloaded(
