@@ -19,6 +19,7 @@ from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import Registration
+from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
@@ -51,6 +52,18 @@ class Worker:
     sampler: Sampler
     # what the compute thread counts for /metrics (a registry of its own by default)
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
+    # every model's checkpoint directory (its tokenizer, for constrained decoding)
+    model_dirs: dict[str, Path] = field(default_factory=dict)
+    grammars: GrammarCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarCache(self.model_vocab)
+
+    def model_vocab(self, model: str) -> ModelVocab:
+        """What ``model``'s grammar matchers need (its tokenizer, logits width, EOS)."""
+        spec = self.specs[model]
+        return ModelVocab(self.model_dirs[model] / "tokenizer.json", spec.vocab_size,
+                          spec.eos_token_ids)  # fmt: skip
 
     @property
     def name(self) -> str:
@@ -88,9 +101,12 @@ class Worker:
         self.engine.tune(spec, self.config.dtype)
         self.switcher.specs[name] = spec
         self.specs[name] = spec
+        self.model_dirs[name] = Path(path)
+        self.grammars.forget(name)
         return self.sched_spec(name)
 
     def close(self) -> None:
+        self.grammars.close()
         self.switcher.close()
         self.kv.close()
 
@@ -165,4 +181,5 @@ async def build_worker(
         kv=kv,
         sampler=Sampler(device),
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
+        model_dirs={m.name: Path(m.path) for m in config.models},
     )

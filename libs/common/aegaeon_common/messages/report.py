@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import msgspec
 
-from aegaeon_common.messages.structs import KVHandoff, LatencyProfile, RequestTimings
+from aegaeon_common.messages.structs import (
+    KVHandoff,
+    LatencyProfile,
+    RequestTimings,
+    TokenLogprobs,
+)
 from aegaeon_common.wire import Channel, Message, Struct
 
 
@@ -40,6 +45,13 @@ class PrefillDone(Message, frozen=True):
     timings: RequestTimings
     emitted_s: float
     kind: str = "prefill"  # the instance's kind: a decode instance prefills too (role switching)
+    # n > 1: the other sequences' first tokens and finish reasons (sequence 1, 2, ...)
+    sibling_token_ids: list[int] = msgspec.field(default_factory=list)
+    sibling_finish_reasons: list[str | None] = msgspec.field(default_factory=list)
+    # with `logprobs`: each sequence's first token's (sequence 0 first)
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
+    # with `prompt_logprobs`: prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
 
 
 class TokenItem(Struct, frozen=True):
@@ -47,6 +59,8 @@ class TokenItem(Struct, frozen=True):
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     timings: RequestTimings | None = None  # with the last item of a request
+    index: int = 0  # which of the request's n sequences
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)  # one per token
 
 
 class StepTokens(Message, frozen=True):
