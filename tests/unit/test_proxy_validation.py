@@ -110,7 +110,7 @@ def test_harmless_and_default_fields_pass() -> None:
     body = {**BASE, "messages": [], "use_beam_search": False, "length_penalty": 1.0,
             "best_of": 1, "modalities": ["text"], **dict.fromkeys(HARMLESS, "x")}
     check_fields(body, CHAT_COMPLETIONS.known)
-    assert {"user", "metadata", "store", "service_tier", "parallel_tool_calls"} <= HARMLESS
+    assert {"user", "metadata", "store", "service_tier"} <= HARMLESS
 
 
 @pytest.mark.parametrize(("value", "name"), [(0, "standard"), (-3, "interactive"),

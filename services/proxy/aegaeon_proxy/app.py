@@ -9,7 +9,15 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy import admin_models, handlers, info, request_ids, tokenize, vllm_controls
+from aegaeon_proxy import (
+    admin_models,
+    handlers,
+    info,
+    request_ids,
+    responses_api,
+    tokenize,
+    vllm_controls,
+)
 from aegaeon_proxy.auth import KeyRing
 from aegaeon_proxy.backend import Backend, SharedModelSet, SharedModelSettings
 from aegaeon_proxy.errors import APIError
@@ -29,6 +37,7 @@ PROBES: list[Route] = [
 PUBLIC: list[Route] = [
     ("POST", "/v1/completions", handlers.completions),
     ("POST", "/v1/chat/completions", handlers.chat_completions),
+    ("POST", "/v1/responses", responses_api.create_response),
     ("GET", "/v1/models", info.list_models),
     ("GET", "/v1/models/{model}", info.retrieve_model),
     ("POST", "/tokenize", tokenize.tokenize),

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -121,7 +122,10 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         env = _environment()
         self.source = source
-        self.content_format: ContentFormat = detect_content_format(env.parse(source))
+        ast = env.parse(source)
+        self.content_format: ContentFormat = detect_content_format(ast)
+        # whether it renders `tools` (else aegaeon_proxy.tool_calls writes them itself)
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
         self._template = env.from_string(source)
         self.special_tokens = dict(special_tokens)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aegaeon_common.config import SLO_CLASS_NAMES
@@ -38,6 +38,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: a match is checked against every new text piece
 MAX_STOP_TOKEN_IDS = 64
 MAX_TARGET_MS = 86_400_000.0  # a day: an explicit ttft_ms / tbt_ms beyond it is a typo
+MAX_N = 8  # sequences per request (the prompt prefilled once for all)
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's bound)
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_IDS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,34 @@ class CommonParams:
     tbt_s: float | None = None  # from tbt_ms
     # Ollama's keep_alive in seconds (None: not given; 0: unload after; inf: keep)
     keep_alive_s: float | None = None
+    # more sampling (vLLM's and OpenAI's)
+    n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    # log-probabilities: completions' `logprobs` (top-k per token) or chat's `logprobs` +
+    # `top_logprobs`; vLLM's `prompt_logprobs`; completions' `echo` (the prompt first)
+    logprobs: int | None = None
+    chat_logprobs: bool = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    # how tokens read in the answer
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids ("token_id:N")
+    return_token_ids: bool = False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per generated token (0: the chosen token's alone; None:
+        none asked)."""
+        if self.chat_logprobs:
+            return self.top_logprobs or 0
+        return self.logprobs
 
 
 def check_string(param: str, value: Any) -> str:
@@ -163,6 +195,60 @@ def _millis(param: str, value: Any) -> float:
     return _number(param, value, 0.0, MAX_TARGET_MS, low_open=True) / 1000.0
 
 
+def _n(param: str, value: Any) -> int:
+    return _int(param, value, 1, MAX_N)
+
+
+def _unit(param: str, value: Any) -> float:
+    return _number(param, value, 0.0, 1.0)
+
+
+def _penalty(param: str, value: Any) -> float:
+    return _number(param, value, -2.0, 2.0)
+
+
+def _repetition_penalty(param: str, value: Any) -> float:
+    return _number(param, value, 0.0, 100.0, low_open=True)
+
+
+def _logit_bias(param: str, value: Any) -> dict[int, float]:
+    """OpenAI's: token ids (as JSON object keys) to a bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise invalid(param, f"'{param}' must be an object of token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(param, f"'{param}' may hold at most {MAX_LOGIT_BIAS} tokens")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 12):
+            raise invalid(param, f"'{param}' keys must be token ids, got {key[:20]!r}")
+        out[int(key)] = _number(f"{param}.{key}", bias, -100.0, 100.0)
+    return out
+
+
+def _allowed_ids(param: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid(param, f"'{param}' must be a non-empty list of token ids")
+    if len(value) > MAX_ALLOWED_IDS:
+        raise invalid(param, f"'{param}' may hold at most {MAX_ALLOWED_IDS} token ids")
+    return tuple(_int(param, v, 0) for v in value)
+
+
+def _min_tokens(param: str, value: Any) -> int:
+    return _int(param, value, 0)
+
+
+def _top_count(param: str, value: Any) -> int:
+    """A count of top log-probabilities (OpenAI's bound: 20)."""
+    return _int(param, value, 0, MAX_LOGPROBS)
+
+
+def _completion_logprobs(param: str, value: Any) -> int | None:
+    """Completions' ``logprobs``: how many top tokens (0..20) per token; ``false`` off."""
+    if value is False:
+        return None
+    return _top_count(param, value)
+
+
 def _stream_options(param: str, value: Any) -> bool:
     if not isinstance(value, dict):
         raise invalid(param, f"'{param}' must be an object")
@@ -189,10 +275,30 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "ttft_ms": ("ttft_s", _millis),
     "tbt_ms": ("tbt_s", _millis),
     "keep_alive": ("keep_alive_s", parse_keep_alive),
+    "n": ("n", _n),
+    "min_p": ("min_p", _unit),
+    "presence_penalty": ("presence_penalty", _penalty),
+    "frequency_penalty": ("frequency_penalty", _penalty),
+    "repetition_penalty": ("repetition_penalty", _repetition_penalty),
+    "logit_bias": ("logit_bias", _logit_bias),
+    "allowed_token_ids": ("allowed_token_ids", _allowed_ids),
+    "min_tokens": ("min_tokens", _min_tokens),
+    "prompt_logprobs": ("prompt_logprobs", _top_count),
+    "skip_special_tokens": ("skip_special_tokens", _bool),
+    "return_tokens_as_token_ids": ("tokens_as_ids", _bool),
+    "return_token_ids": ("return_token_ids", _bool),
+}
+COMPLETION_FIELDS: dict[str, tuple[str, Checker]] = {
+    **FIELDS,
+    "logprobs": ("logprobs", _completion_logprobs),
+    "echo": ("echo", _bool),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "max_completion_tokens": ("max_tokens", _max_tokens),  # wins over max_tokens (after it)
+    "logprobs": ("chat_logprobs", _bool),
+    "top_logprobs": ("top_logprobs", _top_count),
+    "echo": ("echo", _bool),  # vLLM's: the last message first, when it is the assistant's
 }
 
 
@@ -232,4 +338,7 @@ def parse_common(
         value = body.get(name)
         if value is not None:
             values[target] = check(name, value)
-    return CommonParams(model=model, **values)
+    params = CommonParams(model=model, **values)
+    if params.top_logprobs and not params.chat_logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return params

@@ -60,7 +60,6 @@ HARMLESS: frozenset[str] = frozenset({
     "safety_identifier",  # OpenAI's successor of `user`
     "session_id",  # vLLM: a conversation's id for routing (logged with the request)
     "cache_salt",  # vLLM: salts a prefix cache (this server keeps none across requests)
-    "parallel_tool_calls",  # several tool calls in one answer may come (they may)
 })  # fmt: skip
 
 # Fields of OpenAI's and vLLM's request bodies this server does not implement:
@@ -81,17 +80,11 @@ _DEFAULT_ONLY: dict[str, Neutral] = {
     "kv_transfer_params": _empty, "ec_transfer_params": _empty, "vllm_xargs": _empty,
     "repetition_detection": _none, "stream_interval": _equals(1), "prompt_embeds": _none,
     "truncation_side": _none,
-    # not implemented yet
-    "presence_penalty": _equals(0), "frequency_penalty": _equals(0), "logprobs": _false,
-    "top_logprobs": _equals(0), "echo": _false, "best_of": _equals(1), "suffix": _empty,
-    "logit_bias": _empty, "tools": _empty,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "repetition_penalty": _equals(1), "min_tokens": _equals(0), "n": _equals(1),
-    "min_p": _equals(0), "guided_json": _none, "guided_choice": _none, "guided_regex": _none,
-    "guided_grammar": _none, "structured_outputs": _none, "prompt_logprobs": _none,
-    "allowed_token_ids": _none, "skip_special_tokens": _true,
-    "return_tokens_as_token_ids": _false, "return_token_ids": _false,
+    # OpenAI's legacy completions fields
+    "best_of": _equals(1), "suffix": _empty,
+    # vLLM's: the structured-output backend is this server's (llguidance)
+    "guided_decoding_backend": _none, "guided_whitespace_pattern": _none,
+    "structural_tag": _none,
 }  # fmt: skip
 
 
