@@ -155,3 +155,26 @@ def test_sampling_fields_reach_the_backend(proxy_market: Path) -> None:
         assert (s.min_tokens, s.top_k, s.logprobs, s.grammar) == (2, 0, -1, "")
 
     run(proxy_market, scenario)
+
+
+def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market: Path) -> None:
+    """lm-evaluation-harness drops the generated token's entry (``[ctxlen:-1]``): it must be
+    there even when that token is the end of sequence."""
+
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        eos = tok.eos_token_ids[0]
+        backend.token_ids = [*tok.encode(" Paris", add_special_tokens=False), eos]
+        backend.finish = "stop"
+        prompt = tok.encode("Capital:", add_special_tokens=True)
+        out = await (await client.post("/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 5, "logprobs": 1, "echo": True,
+            "return_token_ids": True})).json()
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert choice["text"] == tok.tokenizer.decode(prompt, skip_special_tokens=False) + " Paris"
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + len(backend.token_ids)
+        assert lp["token_logprobs"][-1] == pytest.approx(scripted_logprobs(eos, 1).logprob)
+        assert choice["token_ids"] == backend.token_ids
+
+    run(proxy_market, scenario)

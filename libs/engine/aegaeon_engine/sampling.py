@@ -56,6 +56,7 @@ class SamplingParams:
     logprobs: int = -1  # top log-probabilities per generated token (-1: none)
     prompt_logprobs: int = -1  # per prompt token (-1: none)
     grammar: str = ""  # an llguidance grammar the tokens must follow ("": none)
+    processed: bool = field(init=False, default=False, compare=False)
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> ValueError:
@@ -110,13 +111,11 @@ class SamplingParams:
                 raise fail(name, f"must be an int in [-1, {MAX_LOGPROBS}] (-1: none)")
         if not isinstance(self.grammar, str):
             raise fail("grammar", "must be a string")
-
-    @property
-    def processed(self) -> bool:
-        """Whether its logits need more than temperature, top-k and top-p."""
-        return bool(self.grammar or self.logit_bias or self.allowed_token_ids
-                    or self.min_tokens or self.min_p or self.presence_penalty
-                    or self.frequency_penalty or self.repetition_penalty != 1.0)
+        # whether its logits need more than temperature, top-k and top-p (read every step)
+        object.__setattr__(self, "processed", bool(
+            self.grammar or self.logit_bias or self.allowed_token_ids or self.min_tokens
+            or self.min_p or self.presence_penalty or self.frequency_penalty
+            or self.repetition_penalty != 1.0))  # fmt: skip
 
     @property
     def greedy(self) -> bool:

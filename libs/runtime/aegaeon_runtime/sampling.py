@@ -124,8 +124,8 @@ def sample_step(sampler: SamplerPort, logits: torch.Tensor,
     """One token for each row of ``logits`` (``[len(seqs), vocab]``), accepted into each
     sequence's state, and its log-probabilities where the sequence asked for them."""
     params = [s.params for s in seqs]
-    states = [s.state for s in seqs] if any(p.processed for p in params) else None
-    tokens = sampler.sample(logits, params, [s.generator for s in seqs], states)
+    tokens = sampler.sample(logits, params, [s.generator for s in seqs],
+                            [s.state for s in seqs])
     out: list[TokenLogprobs | None] = [None] * len(seqs)
     wanted = [i for i, p in enumerate(params) if p.logprobs >= 0]
     if wanted:

@@ -66,15 +66,18 @@ class _Choice:
         self.finish: ClientFinish | None = None
 
     def push(self, chunk: TokenChunk) -> Delta:
-        """A chunk of this choice's tokens (a stop token among them is not shown)."""
+        """A chunk of this choice's tokens. A stop token among them ends the text: it is
+        not shown, yet it stays among the delta's tokens and log-probabilities (as vLLM
+        reports them: lm-evaluation-harness counts on the generated token's entry)."""
         ids = list(chunk.token_ids)
         self.num_tokens += len(ids)
         logprobs = chunk.logprobs
+        shown = ids
         for i, token_id in enumerate(ids):
             if token_id in self.stop_ids:
-                ids, logprobs = ids[:i], logprobs[:i]
+                ids, logprobs, shown = ids[:i + 1], logprobs[:i + 1], ids[:i]
                 break
-        text = self.detok.push(ids) if ids else ""
+        text = self.detok.push(shown) if shown else ""
         if self.num_tokens - len(ids) >= self.min_tokens:  # vLLM: no stop before min_tokens
             text = self.stop.push(text).text
         if self.stop.stopped:

@@ -202,6 +202,10 @@ class TurnRunner:
             tokens, logprobs = sample_step(w.sampler, logits[None], [seq.sampling])
             token, lp = tokens[0], [x for x in logprobs if x is not None]
             seq.prompt_token_ids = None
+            why = self._grammar_problem(seq)
+            if why:
+                self.admission.fail(seq, "bad_grammar", why)
+                continue
             done = self.clock.wall()
             finish = finish_reason(token, 1, seq.params)
             timings = RequestTimings(prefill_wait_s=max(0.0, start - seq.arrival_s),
