@@ -86,3 +86,32 @@ def test_engine_bench_runs_transformers_on_the_dequantized_weights(
             result["greedy_match_note"])
     else:  # FP8 on the CPU is its dequantized weights: the same tokens in float32
         assert result["greedy_match"] is True
+
+
+def test_quant_bench_measures_ours_against_the_dequantized_weights(
+        market: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gguf = market.parent / "tiny.Q4_1.gguf"
+    code = main(["bench", "quant", "--gguf", str(gguf), "--prompts", "3", "--prompt-len", "8",
+                 "--new-tokens", "6", "--no-llamacpp", "--json"])
+    assert code == 0
+    result = _json(capsys)
+    files = result["files"]
+    assert isinstance(files, list) and len(files) == 1
+    entry = files[0]
+    assert entry["quantization"]["linear"] == "q4_1"
+    assert set(entry["pairs"]) == {"ours_float32_vs_dequantized", "ours_bfloat16_vs_dequantized"}
+    for pair in entry["pairs"].values():
+        assert pair["positions"] == 3 * 6
+        assert 0.0 <= pair["top1_agreement"] <= 1.0
+        assert pair["logprob_drift_max"] >= pair["logprob_drift_p99"] >= 0.0
+    assert set(entry["answers"]) == {"dequantized", "ours_float32", "ours_bfloat16"}
+    assert "llamacpp_minus_ours_top1" not in entry
+
+
+def test_quant_bench_refuses_a_file_without_kept_blocks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = Tiny()
+    source = tmp_path / "tiny.F32.gguf"
+    write_gguf(source, tiny, hf_tensors(tiny))
+    assert main(["bench", "quant", "--gguf", str(source), "--no-llamacpp"]) == 2
+    assert "not Q8_0, Q4_0 or Q4_1" in capsys.readouterr().err
