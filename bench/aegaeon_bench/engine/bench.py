@@ -307,14 +307,17 @@ def _measure(args: argparse.Namespace, scratch: Path) -> int:
         result["ours_over_reference"] = {k: round(result["ours"][k] / ref[k], 2) for k in KEYS}
     _peer_results(result, peer_runs, timings["ours"].tokens_b8)
     if "machine" in result:
-        costs = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
+        dense = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
+        costs = dict(dense)
         if spec.quant is not None:  # the bytes a decode step streams: all but the embeddings
             layout = engine.layout(spec, dtype)
             embed = 0 if spec.tie_word_embeddings else layout.slot("embed_tokens").nbytes
             costs["weight_bytes"] = layout.total_bytes - embed
         result["costs_per_token"] = costs
-        result["roofline"] = {name: roofline(costs, result["machine"], result[name])
-                              for name in ENGINES if result.get(name)}
+        result["roofline"] = {  # transformers on dequantized weights streams the dense bytes
+            name: roofline(dense if name == "transformers" and "transformers_weights" in result
+                           else costs, result["machine"], result[name])
+            for name in ENGINES if result.get(name)}
     hf = result["transformers"]
     result["decode_speedup_vs_transformers_b8"] = (
         round(result["ours"]["decode_tok_s_b8"] / hf["decode_tok_s_b8"], 2) if hf else None)
