@@ -21,6 +21,9 @@ only with defaults), like the wire. Keys (each under the store's namespace):
 - ``servedmodels``: :class:`ServedModelsRecord`, the models added (``POST
   /v1/aegaeon/models``) and removed (``DELETE``) at run time on any replica;
   every replica follows it (no TTL, as the settings).
+- ``unavailablemodels``: :class:`UnavailableModelsRecord`, the models whose
+  checkpoint a cachemgr or an instance could not read (quarantined) until a
+  ``POST /v1/aegaeon/models/{model}/reload`` lifted it; every replica follows it.
 
 An instance id is ``{node}/{kind}-{index}``. Queue keys carry the instance's
 incarnation, so a restarted instance starts from an empty queue, as the
@@ -120,6 +123,21 @@ class ServedModelsRecord(msgspec.Struct, frozen=True):
 SERVED_MODELS = "servedmodels"
 
 
+class UnavailableModelsRecord(msgspec.Struct, frozen=True):
+    """The models whose checkpoint cannot be read, shared by the proxy replicas: name ->
+    why (the file and what is wrong). ``lifted``: name -> when (wall clock, seconds) a
+    reload last lifted its quarantine; a cachemgr's report asked for before then is old
+    news and quarantines nothing."""
+
+    v: int
+    models: dict[str, str] = msgspec.field(default_factory=dict)
+    lifted: dict[str, float] = msgspec.field(default_factory=dict)
+    proxy: str = ""  # the replica that wrote it last
+
+
+UNAVAILABLE_MODELS = "unavailablemodels"
+
+
 class RolesRecord(msgspec.Struct, frozen=True):
     """Which instances take prefill work (with ``roles.enabled``): instance id ->
     ``"prefill"`` or ``"decode"``, decided by the replica holding :data:`ROLES_LEASE`;
@@ -210,6 +228,10 @@ def decode_model_settings(raw: bytes) -> ModelSettingsRecord:
 
 def decode_served_models(raw: bytes) -> ServedModelsRecord:
     return msgspec.msgpack.decode(raw, type=ServedModelsRecord)
+
+
+def decode_unavailable_models(raw: bytes) -> UnavailableModelsRecord:
+    return msgspec.msgpack.decode(raw, type=UnavailableModelsRecord)
 
 
 def decode_roles(raw: bytes) -> RolesRecord:

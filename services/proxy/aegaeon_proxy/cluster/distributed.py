@@ -97,6 +97,7 @@ from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
+from aegaeon_proxy.cluster.quarantine import watch_caches
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
@@ -197,7 +198,9 @@ class DistributedBackend:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
                        (self._receive(), self._refresh_loop(), self._beat_loop(),
-                        self._reap_loop())]  # fmt: skip
+                        self._reap_loop(),
+                        watch_caches(self._poll_unavailable, self._found_unavailable,
+                                     lambda: self._closing))]  # fmt: skip
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
     async def stop(self) -> None:
@@ -271,6 +274,32 @@ class DistributedBackend:
 
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
         self.models.follow_with(apply)
+
+    # ---- checkpoints that cannot be read (ModelQuarantine; shared in the store) -------
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        self.models.quarantine.follow(apply)
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        await self.models.publish_unavailable(name, why, time.time())
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        began = time.time()
+        try:
+            await self.models.reload(model)
+        except BackendError as exc:
+            if exc.code == "model_unavailable":  # unavailable still: for what is wrong now
+                await self.models.publish_unavailable(model.name, None, began)
+                await self.models.publish_unavailable(model.name, exc.message, time.time())
+            raise
+        await self.models.publish_unavailable(model.name, None, began)
+
+    async def _poll_unavailable(self) -> dict[str, str]:
+        cache = await self.caches.model_cache(self.view.live.values())
+        return dict((cache or {}).get("unavailable", {}))
+
+    async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
+        for name, why in models.items():
+            await self.models.publish_unavailable(name, why, asked_at)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         record = ModelSettingsRecord(v=1, model=name, settings=settings, proxy=self.proxy_id)
@@ -568,6 +597,10 @@ class DistributedBackend:
     def _on_failed(self, msg: RequestFailed) -> None:
         where = self.where.get(msg.request_id)
         name = where.instance if where else f"{msg.kind}-{msg.index}"
+        tracked = self.requests.get(msg.request_id)
+        if msg.code == "model_unavailable" and tracked is not None:  # every replica's too
+            self._spawn(self.models.publish_unavailable(tracked.gen.model, msg.message,
+                                                        time.time()))
         self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- the registry, nodes joining and leaving -----------------------------
@@ -577,6 +610,7 @@ class DistributedBackend:
                 # the served models before the registry: a model added on another
                 # replica is on the records read after it (it published once they were)
                 await self.models.follow()
+                await self.models.follow_unavailable()
                 joined, left = await self.view.refresh()
                 await self._follow_settings()
                 await self.roles.refresh()

@@ -14,6 +14,13 @@ change); every replica reads it with its registry refresh and hands each change
 to its front (``follow``): the model table and tokenizers of a replica follow
 the one that changed them, as the models' settings do. An instance that joins
 (a new node, or a restart) is given the models added (``on_joined``).
+
+The models whose checkpoint cannot be read are shared the same way
+(:class:`~aegaeon_common.registry.UnavailableModelsRecord`): the replica that
+learns one (a node's cachemgr reports it, an instance fails a request with
+``model_unavailable``, an admin operation is refused) publishes it, and every
+replica's front refuses the model until a reload on any replica lifts it
+(``follow_unavailable``, :class:`~aegaeon_proxy.cluster.quarantine.Quarantine`).
 """
 
 from __future__ import annotations
@@ -28,22 +35,27 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.registry import (
     SERVED_MODELS,
+    UNAVAILABLE_MODELS,
     InstanceRecord,
     ServedModelsRecord,
+    UnavailableModelsRecord,
     decode_served_models,
+    decode_unavailable_models,
     encode,
 )
 from aegaeon_common.store import Store, StoreError
 from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.models import ModelOps, Target
+from aegaeon_proxy.cluster.models import CACHE_TIMEOUT_S, ModelOps, Target
 from aegaeon_proxy.cluster.node_caches import NodeCaches
+from aegaeon_proxy.cluster.quarantine import Quarantine
 from aegaeon_proxy.cluster.registry import RegistryView
 
 log = get_logger("cluster")
 
-__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change"]
+__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change",
+           "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
 
@@ -61,6 +73,24 @@ def with_change(raw: bytes | None, name: str, path: str | None,
     None, removed."""
     record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
     return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy)
+
+
+def with_unavailable(raw: bytes | None, name: str, why: str | None, asked_at: float,
+                     proxy: str) -> UnavailableModelsRecord | None:  # fmt: skip
+    """The shared record ``raw`` with ``name`` unavailable (``why``, from a report asked
+    for at ``asked_at``) or lifted (None, by a reload that began at ``asked_at``); None
+    when that changes nothing (already there, or a report older than the last lift)."""
+    record = (decode_unavailable_models(raw) if raw is not None
+              else UnavailableModelsRecord(v=1))  # fmt: skip
+    models, lifted = dict(record.models), dict(record.lifted)
+    if why is None:
+        lifted[name] = max(asked_at, lifted.get(name, 0.0))
+        models.pop(name, None)
+    elif name in models or asked_at < lifted.get(name, 0.0):
+        return None
+    else:
+        models[name] = why
+    return UnavailableModelsRecord(v=1, models=models, lifted=lifted, proxy=proxy)
 
 
 def served_changes(record: ServedModelsRecord,
@@ -100,6 +130,9 @@ class ReplicaModels:
         self._apply: Apply | None = None
         self._seen: bytes | None = None  # the shared record applied last
         self._applied: dict[str, str | None] = {}
+        # the models whose checkpoint cannot be read, as the shared record says
+        self.quarantine = Quarantine()
+        self._unavailable_seen: bytes | None = None
 
     # ---- Placement -------------------------------------------------------------
     def targets(self) -> list[Target]:
@@ -118,8 +151,8 @@ class ReplicaModels:
         if record is not None:
             self._spawn(self._send(record, msg))
 
-    async def cache_call(self, msg: Message) -> list[Message]:
-        return await self._caches.call_all(self.view.live.values(), msg)
+    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
+        return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
 
     # ---- the instances' answers --------------------------------------------------
     def on_instance_models(self, msg: InstanceModels) -> None:
@@ -155,6 +188,47 @@ class ReplicaModels:
         if not self.view.prefill_candidates():
             raise BackendError.unavailable("no prefill instance is registered")
         await self.ops.add(model)
+
+    async def reload(self, model: ModelConfig) -> None:
+        if not self.view.prefill_candidates():
+            raise BackendError.unavailable("no prefill instance is registered")
+        await self.ops.reload(model)
+
+    # ---- the unreadable models the replicas share --------------------------------
+    async def publish_unavailable(self, name: str, why: str | None,
+                                  asked_at: float) -> None:  # fmt: skip
+        """``name`` unavailable (``why``) or available again (None), for every replica
+        (this one at once); ``asked_at``: when the report was asked for, or the reload
+        began."""
+        if why is not None and name in self.quarantine.models:
+            return  # known: the first error stands until a reload
+
+        def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            record = with_unavailable(values[0], name, why, asked_at, self._proxy_id)
+            return ({UNAVAILABLE_MODELS: encode(record)} if record is not None else {}), None
+
+        try:
+            await self._store.transact([UNAVAILABLE_MODELS], change)
+        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        if why is None:
+            self.quarantine.lift(name, asked_at)
+        else:
+            self.quarantine.set(name, why, asked_at)
+
+    async def follow_unavailable(self) -> None:
+        """The unreadable models as the replicas last published them (one read; raises
+        ``StoreError``), each change to the front."""
+        raw = await self._store.get(UNAVAILABLE_MODELS)
+        if raw is None or raw == self._unavailable_seen:
+            return
+        self._unavailable_seen = raw
+        try:
+            record = decode_unavailable_models(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad_unavailable_models_record", error=str(exc))
+            return
+        self.quarantine.sync(record.models, record.lifted)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
