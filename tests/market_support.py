@@ -45,6 +45,20 @@ def linked_copy(src: Path, dest: Path, private: tuple[str, ...] = ()) -> Path:
     return dest
 
 
+def with_records(market: Path) -> Path:
+    """Record every model's files (size, sha256) in ``market``'s ``market.json``, as the
+    market tools do when they write a model (a cached market may predate that)."""
+    from dataclasses import replace
+
+    from aegaeon_common.market_files import record_files
+    from aegaeon_common.market_index import read_manifest
+
+    manifest = read_manifest(market)
+    entries = tuple(replace(e, files=record_files(e.path)) for e in manifest.entries)
+    (market / "market.json").write_text(replace(manifest, entries=entries).to_json(market))
+    return market
+
+
 def truncate(path: Path, nbytes: int = 1 << 20) -> None:
     """Cut ``path`` to its first ``nbytes`` bytes."""
     with path.open("r+b") as f:

@@ -94,6 +94,7 @@ class ClusterBackend:
                                     lambda: self.policy)  # fmt: skip
         # models whose checkpoint cannot be read (the cachemgr's, the instances' reports)
         self.quarantine = Quarantine()
+        self._checked = False  # the cachemgr's unreadable models were read once
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             InstanceHello: self._on_hello,
             InstanceStats: self._on_stats,
@@ -132,8 +133,9 @@ class ClusterBackend:
         self.ctx.term()
 
     def ready(self) -> bool:
-        """Every instance is up, or restarting after a drain (its work waits here)."""
-        return self.policy is not None and self.instances.all_alive()
+        """Every instance is up, or restarting after a drain (its work waits here), and
+        the cachemgr was asked which models it cannot read."""
+        return self.policy is not None and self.instances.all_alive() and self._checked
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(ClusterCollector(self))
@@ -208,6 +210,7 @@ class ClusterBackend:
     async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
         for name, why in models.items():
             self.quarantine.set(name, why, asked_at)
+        self._checked = True  # (ready: the cachemgr's unreadable models are known here)
 
     # ---- sleep and wake (ModelResidency; cluster.models) -------------------------
     async def set_model_awake(self, name: str, awake: bool) -> bool:

@@ -174,6 +174,7 @@ class DistributedBackend:
         self._apply_settings: Callable[[str, ModelSettings], None] | None = None
         self._settings_seen: dict[str, bytes] = {}  # model -> the record applied last
         self._closing = False  # stop() began: every loop ends
+        self._checked = False  # the cachemgrs' unreadable models were read once
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
@@ -230,8 +231,9 @@ class DistributedBackend:
             await self.roles.leave()
 
     def ready(self) -> bool:
-        """The store answers and some prefill instance is registered."""
-        return self._store_ok and bool(self.view.prefill_candidates())
+        """The store answers, some prefill instance is registered, and the nodes'
+        cachemgrs were asked which models they cannot read (none is served by mistake)."""
+        return self._store_ok and bool(self.view.prefill_candidates()) and self._checked
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_Collector(self))
@@ -295,11 +297,15 @@ class DistributedBackend:
 
     async def _poll_unavailable(self) -> dict[str, str]:
         cache = await self.caches.model_cache(self.view.live.values())
-        return dict((cache or {}).get("unavailable", {}))
+        if cache is None:
+            raise BackendError.unavailable("no node's cachemgr answered")
+        return dict(cache.get("unavailable", {}))
 
     async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
         for name, why in models.items():
-            await self.models.publish_unavailable(name, why, asked_at)
+            if name not in self.models.quarantine.models:
+                await self.models.publish_unavailable(name, why, asked_at)
+        self._checked = True  # (ready: the nodes' unreadable models are known here)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         record = ModelSettingsRecord(v=1, model=name, settings=settings, proxy=self.proxy_id)
@@ -598,9 +604,10 @@ class DistributedBackend:
         where = self.where.get(msg.request_id)
         name = where.instance if where else f"{msg.kind}-{msg.index}"
         tracked = self.requests.get(msg.request_id)
-        if msg.code == "model_unavailable" and tracked is not None:  # every replica's too
-            self._spawn(self.models.publish_unavailable(tracked.gen.model, msg.message,
-                                                        time.time()))
+        if msg.code == "model_unavailable" and tracked is not None:
+            model = tracked.gen.model
+            if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
+                self._spawn(self.models.publish_unavailable(model, msg.message, time.time()))
         self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- the registry, nodes joining and leaving -----------------------------

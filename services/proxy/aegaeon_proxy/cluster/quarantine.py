@@ -102,15 +102,13 @@ async def watch_caches(poll: Callable[[], Awaitable[dict[str, str]]],
                        found: Callable[[dict[str, str], float], Awaitable[None]],
                        closing: Callable[[], bool]) -> None:  # fmt: skip
     """Every :data:`WATCH_S`: ``poll()`` the cachemgrs' unreadable models and hand them
-    to ``found(models, asked_at)`` (``asked_at``: the wall-clock time the poll began),
-    until ``closing()``. A failed poll is tried again at the next turn (a cachemgr or the
-    store may be restarting)."""
+    (maybe none) to ``found(models, asked_at)`` (``asked_at``: the wall-clock time the
+    poll began), until ``closing()``. A failed poll is tried again at the next turn (a
+    cachemgr or the store may be restarting)."""
     while not closing():
         asked_at = time.time()
         try:
-            models = await poll()
-            if models:
-                await found(models, asked_at)
+            await found(await poll(), asked_at)
         except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
             log.debug("unavailable_models_poll_failed", error=repr(exc))
         await asyncio.sleep(WATCH_S)

@@ -200,8 +200,6 @@ class ReplicaModels:
         """``name`` unavailable (``why``) or available again (None), for every replica
         (this one at once); ``asked_at``: when the report was asked for, or the reload
         began."""
-        if why is not None and name in self.quarantine.models:
-            return  # known: the first error stands until a reload
 
         def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
             record = with_unavailable(values[0], name, why, asked_at, self._proxy_id)
