@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import queue
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from io import BufferedReader
@@ -242,12 +244,16 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
         try:
             with path.open("rb") as f:
                 digest = _FileDigest(f) if expected is not None else None
-                for read in sorted(by_file[path], key=lambda r: r.entry.start):
-                    _execute(f, read, out, digest)
-                    done += read.out_bytes
-                    if progress is not None:
-                        progress(done)
-                got = digest.finish() if digest is not None else None
+                try:
+                    for read in sorted(by_file[path], key=lambda r: r.entry.start):
+                        _execute(f, read, out, digest)
+                        done += read.out_bytes
+                        if progress is not None:
+                            progress(done)
+                    got = digest.finish() if digest is not None else None
+                finally:
+                    if digest is not None:
+                        digest.close()
         except OSError as exc:
             raise CheckpointError(path, None, f"cannot read ({exc.strerror})") from None
         if expected is not None and got != expected:
@@ -313,15 +319,25 @@ def _zero_gaps(out: torch.Tensor, reads: list[_Read], total_bytes: int) -> None:
 
 
 class _FileDigest:
-    """The SHA-256 of a file read front to back by :func:`fill_layout`: the bytes between
-    the tensors it reads (the header, unused tensors) are read here for the hash; a
-    file read out of order (overlapping tensors) is hashed by a second pass."""
+    """The SHA-256 of a file read front to back by :func:`fill_layout`, computed on a
+    thread of its own as the bytes arrive (hashlib lets go of the GIL), so that the
+    hash overlaps the reads: the bytes between the tensors read (the header, unused
+    tensors) are read here for the hash; a file read out of order (overlapping
+    tensors) is hashed by a second pass. :meth:`close` in every case."""
 
     def __init__(self, f: BufferedReader) -> None:
         self._f = f
         self._hash = hashlib.sha256()
         self._pos = 0  # the next byte to hash
         self._in_order = True
+        # at most this many reads wait for the hash (each holds its bytes)
+        self._pending: queue.Queue[memoryview | bytes | bytearray | None] = queue.Queue(4)
+        self._thread = threading.Thread(target=self._run, name="aegaeon-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._pending.get()) is not None:
+            self._hash.update(data)
 
     def skip_to(self, start: int) -> None:
         """Hash the bytes up to ``start`` (a read begins there)."""
@@ -331,20 +347,30 @@ class _FileDigest:
             self._hash_from_file(self._pos, start)
 
     def add(self, start: int, data: memoryview | bytearray) -> None:
-        """``data``, read from ``start``."""
+        """``data``, read from ``start`` (not written to again while it is hashed)."""
         if self._in_order and start == self._pos:
-            self._hash.update(data)
+            self._pending.put(data)
             self._pos += len(data)
         else:
             self._in_order = False
 
     def finish(self) -> str:
-        if not self._in_order:
-            self._hash, self._pos = hashlib.sha256(), 0
-        self._hash_from_file(self._pos, None)
+        if self._in_order:
+            self._hash_from_file(self._pos, None)
+            self.close()
+        else:
+            self.close()
+            self._hash, self._pos, self._in_order = hashlib.sha256(), 0, True
+            self._hash_from_file(0, None, on_thread=False)
         return self._hash.hexdigest()
 
-    def _hash_from_file(self, start: int, end: int | None) -> None:
+    def close(self) -> None:
+        """Stop the hashing thread (after what is queued)."""
+        if self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join()
+
+    def _hash_from_file(self, start: int, end: int | None, on_thread: bool = True) -> None:
         self._f.seek(start)
         pos = start
         while end is None or pos < end:
@@ -352,7 +378,10 @@ class _FileDigest:
                                  else min(_HASH_CHUNK_BYTES, end - pos))
             if not chunk:
                 break
-            self._hash.update(chunk)
+            if on_thread:
+                self._pending.put(chunk)
+            else:
+                self._hash.update(chunk)
             pos += len(chunk)
         self._pos = pos
 
