@@ -304,6 +304,14 @@ def test_an_unreadable_model_is_listed_unavailable_until_a_reload_reads_it() -> 
         metrics = await (await client.get("/metrics")).text()
         assert "aegaeon_models_unavailable 0.0" in metrics
         assert (await client.post("/v1/aegaeon/models/nope/reload")).status == 404
+        # removed while unavailable: lifted once forgotten, so a later add starts afresh
+        backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
+        assert (await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")).status == 422
+        assert (await client.delete(f"/v1/aegaeon/models/{EXTRA}")).status == 200
+        assert backend.calls[-2:] == [("forget", EXTRA), ("quarantine", EXTRA, None)]
+        backend.fail_add = None
+        added = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+        assert added.status == 201 and (await added.json())["state"] == "serving"
 
     _run(scenario)
 

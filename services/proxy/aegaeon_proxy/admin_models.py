@@ -423,6 +423,8 @@ async def _finish_removal(
     """Once its last request has ended: the cachemgr forgets it, the table drops it."""
     await entry.idle.wait()
     evicted = await _forget(control, entry.name)
+    if state.models.unavailable(entry.name) is not None:  # gone: a later add starts afresh
+        await quarantine(state, entry.name, None)  # (after the cachemgrs forgot it)
     if state.models.get(entry.name) is entry:
         state.models.drop(entry.name)
     log.info("model_removed", model=entry.name, evicted=evicted)
@@ -447,8 +449,6 @@ async def delete_model(request: web.Request) -> web.Response:
             return json_response(_removal(entry, "removing"), status=202)  # (raced)
     state.models.begin_remove(name)
     state.assets.remove(name)  # new requests: 404 from now on
-    if state.models.unavailable(name) is not None:  # gone: a later add starts afresh
-        await quarantine(state, name, None)
     if entry.in_flight == 0:
         evicted = await _finish_removal(state, control, entry)
         return json_response({**_removal(entry, "removed"), "evicted": evicted})
