@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aegaeon_common.market_files import record_files
 from aegaeon_common.market_index import MarketError
+from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
 from aegaeon_engine.spec import FP8, ModelSpec
@@ -155,7 +156,7 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
     and list it under the lock; on any error nothing of it stays."""
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".add-{name}.{os.getpid()}.tmp"
+    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         # each file's size and digest as written: `market verify` and the cachemgr
@@ -229,7 +230,7 @@ def _bar(total: int, label: str, progress: bool) -> Iterator[Callable[[int], Non
 def _commit(root: Path, manifest: Manifest, entry: MarketEntry, staging: Path) -> None:
     """Move ``staging`` to ``entry.path`` and rewrite ``market.json``; undo on failure."""
     final = entry.path
-    old = root / f".old-{entry.name}.{os.getpid()}"
+    old = root / f".old-{entry.name}.{stamp()}"
     replacing = final.exists()
     if replacing:
         os.rename(final, old)
@@ -265,8 +266,12 @@ def remove_model(market_dir: Path | str, name: str) -> MarketEntry:
                               f"(the market has: {known})")
         kept = tuple(e for e in manifest.entries if e.name != name)
         write_manifest(root, replace(manifest, entries=kept))
-    if entry.path.parent == root and entry.path.is_dir():
-        shutil.rmtree(entry.path, ignore_errors=True)
+        # out of the way under the lock: a removal cut short leaves a stamped leftover
+        # (`market gc` removes it), never a folder of the model's name
+        doomed = root / f".removed-{name}.{stamp()}"
+        if entry.path.parent == root and entry.path.is_dir():
+            os.rename(entry.path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
     return entry
 
 

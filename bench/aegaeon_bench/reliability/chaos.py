@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.env import read_env
+
 from aegaeon_bench import common
 
 NAMESPACE_ENV = "AEGAEON_CHAOS_PRIVATE_SHM"  # set inside the re-executed run
@@ -49,6 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="load clients (4)")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's (30 s)")
     common.add_node_arguments(parser)
+    common.add_api_key_argument(parser)
     parser.add_argument("--shm-size", default="3GiB",
                         help="as root: a private /dev/shm of this size for the run ('0': "
                         "use the machine's) (3GiB)")
@@ -68,7 +71,7 @@ def _fault_names() -> list[str]:
 def _reexec_private_shm(size: str) -> int | None:
     """As root outside the namespace: run this same command in a private mount
     namespace with a ``size`` tmpfs on /dev/shm; its exit status (None: not done)."""
-    if os.environ.get(NAMESPACE_ENV) or os.geteuid() != 0 or size in ("0", ""):
+    if read_env().chaos_private_shm or os.geteuid() != 0 or size in ("0", ""):
         return None
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -102,9 +105,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    status = _reexec_private_shm(args.shm_size)
-    if status is not None:
-        return status
     from aegaeon_common.config import parse_bytes
     from aegaeon_common.process import run_fast
 
@@ -112,18 +112,29 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
     from aegaeon_bench.reliability.faults import FAULTS
 
+    # every mistake answered before the run is re-executed or anything starts
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
     if unknown or not names:
         print(f"aegaeon bench chaos: unknown fault {unknown[:1]} (known: {', '.join(FAULTS)})",
               file=sys.stderr)  # fmt: skip
         return 2
-    market = common.node_market(args)
+    try:
+        sizes = [parse_bytes(v or "0") for v in (args.shm_size, args.shm_headroom,
+                                                 args.shm_max_fill)]
+    except ValueError as exc:
+        print(f"aegaeon bench chaos: --shm-size/--shm-headroom/--shm-max-fill: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    market = common.node_market(args)  # (what `aegaeon serve` would refuse, refused here)
+    status = _reexec_private_shm(args.shm_size)
+    if status is not None:
+        return status
     opts = ChaosOptions(
         faults=[FAULTS[n] for n in names], slot_s=args.duration / len(names), seed=args.seed,
         concurrency=args.concurrency, request_timeout_s=args.timeout,
-        shm_headroom_bytes=parse_bytes(args.shm_headroom),
-        shm_max_fill_bytes=parse_bytes(args.shm_max_fill),
+        shm_headroom_bytes=sizes[1], shm_max_fill_bytes=sizes[2],
+        api_key=common.api_key(args),
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))
     try:
@@ -137,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_fast(run_chaos(target, opts))
     finally:
         node.stop()
-    report = {**common.machine_info(), "private_shm": os.environ.get(NAMESPACE_ENV), **report}
+    report = {**common.machine_info(), "private_shm": read_env().chaos_private_shm, **report}
     print(format_report(report))
     code = common.emit_report(args, report)
     shutil.rmtree(root, ignore_errors=True)

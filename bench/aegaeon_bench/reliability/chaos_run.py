@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from aegaeon_bench.node.client import list_models
+from aegaeon_bench.node.client import auth_headers, list_models
 from aegaeon_bench.node.probe import (
     Holdings,
     serve_children,
@@ -62,6 +62,7 @@ class ChaosOptions:
     request_timeout_s: float = 30.0
     shm_headroom_bytes: int = 64 << 20
     shm_max_fill_bytes: int | None = None  # None: fill to the headroom
+    api_key: str | None = field(default=None, repr=False)  # the node's, when it has keys
 
 
 @dataclass
@@ -214,7 +215,8 @@ async def run_chaos(node: ChaosNode, opts: ChaosOptions) -> dict[str, Any]:
     """Run every fault of ``opts`` against ``node`` under load; the report."""
     rng = random.Random(opts.seed)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    headers = auth_headers(opts.api_key)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         models = await list_models(session, node.base_url)
         baseline = await wait_quiet(session, node.base_url, QUIET_TIMEOUT_S)
         driver = LoadDriver(node.base_url, models, opts.concurrency, seed=opts.seed,

@@ -37,6 +37,7 @@ from aegaeon_common.messages.prefill import (
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats
+from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import (
     DecodeShare,
@@ -52,6 +53,7 @@ from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.turn import TurnRunner
 from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.holdings import HoldingsBook, used_blocks
 from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.models import add_model, set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
@@ -116,6 +118,14 @@ class DecodeLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self.load = InstanceLoad()  # written here, read by a scrape
+        # what it holds, read into each message that ends a request (its prefills' too)
+        self.holdings = HoldingsBook(
+            lambda: used_blocks(worker.kv.pool),
+            lambda: self.load.prefill_requests + self.load.decode_requests,
+        )
+        self.admission.changed = self.admission.tokens.changed = self._changed
+        if self.prefill is not None:
+            self.prefill.changed = self._changed
         self.drain = Drain()
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
             EnqueueDecode: self._on_enqueue_decode,
@@ -230,6 +240,12 @@ class DecodeLoop:
 
     def _pending_prefill(self) -> bool:
         return self.prefill is not None and self.prefill.pending()
+
+    def _changed(self) -> Holdings:
+        """After a request's end (its KV freed): the load published, then the reading
+        its message carries (see ``aegaeon_runtime.holdings``)."""
+        self._publish_load()
+        return self.holdings.after_change()
 
     def _publish_load(self) -> None:
         queue = self.prefill.queue if self.prefill is not None else None
