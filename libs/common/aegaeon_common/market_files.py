@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from aegaeon_common.market_index import FileRecord, MarketError, read_manifest
+from aegaeon_common.market_index import MANIFEST, FileRecord, MarketError, read_manifest
 
 __all__ = ["MarketRecords", "Signature", "digest_mismatch", "digest_problem", "file_sha256",
            "record_files", "size_problem", "stat_signature"]  # fmt: skip
@@ -95,25 +95,41 @@ def stat_signature(model_dir: Path, files: Iterable[FileRecord]) -> Signature:
 
 class MarketRecords:
     """The file records of the models of the market in ``market_dir`` (None: no market,
-    nothing recorded), by model directory; ``market.json`` is read again by
-    :meth:`refresh` (a model added or replaced since)."""
+    nothing recorded), by model directory; ``market.json`` is read again whenever it
+    changed (a model added or replaced since: ``market add --replace`` records its new
+    files), checked by a stat per lookup."""
 
     def __init__(self, market_dir: Path | None) -> None:
         self._market = market_dir
         self._by_dir: dict[Path, tuple[FileRecord, ...]] = {}
+        self._seen: tuple[int, int] | None = None  # market.json's (mtime_ns, size) read
         self.refresh()
 
-    def refresh(self) -> None:
-        """Read ``market.json`` again (an unreadable one records nothing)."""
-        self._by_dir = {}
+    def _stamp(self) -> tuple[int, int] | None:
         if self._market is None:
-            return
+            return None
         try:
-            manifest = read_manifest(self._market)
-        except MarketError:
-            return
-        self._by_dir = {e.path.resolve(): e.files for e in manifest.entries}
+            info = (self._market / MANIFEST).stat()
+        except OSError:
+            return None
+        return info.st_mtime_ns, info.st_size
+
+    def refresh(self) -> None:
+        """Read ``market.json`` again (an unreadable one records nothing); the records are
+        replaced whole (a lookup on another thread sees the old or the new)."""
+        self._seen = self._stamp()
+        by_dir: dict[Path, tuple[FileRecord, ...]] = {}
+        if self._market is not None:
+            try:
+                manifest = read_manifest(self._market)
+            except MarketError:
+                manifest = None
+            if manifest is not None:
+                by_dir = {e.path.resolve(): e.files for e in manifest.entries}
+        self._by_dir = by_dir
 
     def files(self, model_dir: Path) -> tuple[FileRecord, ...]:
-        """What the market records of the model in ``model_dir`` (() if nothing)."""
+        """What the market records of the model in ``model_dir`` now (() if nothing)."""
+        if self._stamp() != self._seen:
+            self.refresh()
         return self._by_dir.get(Path(model_dir).resolve(), ())

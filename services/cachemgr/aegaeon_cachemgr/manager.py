@@ -208,7 +208,6 @@ class CacheManager:
     async def _check(self, name: str) -> None:
         """``name`` registered or reloaded: refused (``checkpoint_error``, and quarantined)
         when its files or headers are wrong."""
-        self.records.refresh()  # market.json may list it, or list it again, since
         exc = await asyncio.to_thread(self.models.check, name)
         if exc is not None:
             self.models.quarantine(name, exc.message)
