@@ -27,6 +27,7 @@ from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
     INSTANCES,
+    UNAVAILABLE_MODELS,
     InstanceLoadInfo,
     InstanceRecord,
     ServedModelsRecord,
@@ -44,6 +45,7 @@ from aegaeon_proxy.cluster.replica_models import (
     with_change,
     with_unavailable,
 )
+from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec
 
 OLD, NEW = "old-model", "new-model"
@@ -110,8 +112,10 @@ class Replica:
         def spawn(work: Coroutine[Any, Any, None]) -> None:
             self.jobs.append(asyncio.ensure_future(work))
 
-        self.models = ReplicaModels(config, self.view, self.caches,  # type: ignore[arg-type]
-                                    store, send, spawn, REPLY_TO, f"proxy-{name}")  # fmt: skip
+        self.records = SharedRecords(store)
+        caches: Any = self.caches
+        self.models = ReplicaModels(config, self.view, caches, self.records, send, spawn,
+                                    REPLY_TO, f"proxy-{name}")  # fmt: skip
         self.models.follow_with(lambda n, m: self.applied.append((n, m)))
 
     async def put(self, *records: InstanceRecord) -> None:
@@ -202,19 +206,30 @@ async def test_a_replica_follows_what_another_published() -> None:
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
     await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await b.models.follow()
-    await b.models.follow()  # (nothing new: nothing applied twice)
+    await b.records.refresh()
+    await b.records.refresh()  # (nothing new: nothing applied twice)
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]
     assert b.models.served_names() == [OLD, NEW] and NEW in b.models.ops.added
     await a.models.publish(NEW, None)
     await a.models.publish(OLD, None)
-    await b.models.follow()
+    await b.records.refresh()
     assert b.applied[1:] == [(NEW, None), (OLD, None)]
     assert b.models.served_names() == [] and b.models.ops.removed == {OLD}
     # a third replica that starts now takes the whole record
     c = Replica(store, "c")
-    await c.models.follow()
+    await c.records.refresh()
     assert c.applied == [(NEW, None), (OLD, None)]
+
+
+async def test_a_replica_that_changes_the_set_follows_what_it_had_not_read_yet() -> None:
+    store = MemoryStore()
+    a, b = Replica(store, "a"), Replica(store, "b")
+    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await b.models.publish(OLD, None)  # b had not read a's add: its change holds it
+    assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]  # (its own: its front's)
+    assert b.models.served_names() == [NEW] and b.models.ops.removed == {OLD}
+    await b.records.refresh()
+    assert len(b.applied) == 1
 
 
 def test_the_shared_record_and_its_changes() -> None:
@@ -229,7 +244,7 @@ def test_the_shared_record_and_its_changes() -> None:
 async def test_an_instance_that_joins_is_given_the_models_added() -> None:
     replica = Replica(MemoryStore())
     await replica.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await replica.models.follow()
+    await replica.records.refresh()
     joined = [_record("node-1", "prefill", [OLD, NEW]), _record("node-1", "decode", [OLD])]
     await replica.put(*joined)
     for record in joined:  # the decode instance restarted without it; the prefill has it
@@ -248,27 +263,33 @@ async def test_the_unreadable_models_are_shared_until_a_reload_lifts_them() -> N
     b.models.quarantine.follow(lambda n, w: seen.append((n, w)))
     await a.models.publish_unavailable(NEW, "/m/new/model.safetensors: missing file", 100.0)
     assert a.models.quarantine.models == {NEW: "/m/new/model.safetensors: missing file"}
-    await b.models.follow_unavailable()
-    await b.models.follow_unavailable()  # (nothing new: nothing applied twice)
+    await b.records.refresh()
+    await b.records.refresh()  # (nothing new: nothing applied twice)
     assert seen == [(NEW, "/m/new/model.safetensors: missing file")]
     # the first error stands; a reload (on b) lifts it for every replica
     await b.models.publish_unavailable(NEW, "another error", 101.0)
     await b.models.publish_unavailable(NEW, None, 200.0)
     assert seen[-1] == (NEW, None) and not b.models.quarantine.models
-    await a.models.follow_unavailable()
+    await a.records.refresh()
     assert not a.models.quarantine.models
     # a cachemgr's report asked for before the reload is old news; one after is not
     await a.models.publish_unavailable(NEW, "stale", 150.0)
-    await b.models.follow_unavailable()
+    await b.records.refresh()
     assert not b.models.quarantine.models
     await a.models.publish_unavailable(NEW, "broken again", 250.0)
-    await b.models.follow_unavailable()
+    await b.records.refresh()
     assert b.models.quarantine.models == {NEW: "broken again"}
+    # a store that lost it gets it back from the replicas that know it
+    await store.delete(UNAVAILABLE_MODELS)
+    await a.records.refresh()
+    c = Replica(store, "c")
+    await c.records.refresh()
+    assert c.models.quarantine.models == {NEW: "broken again"}
 
 
 def test_the_unavailable_record_and_its_changes() -> None:
-    first = with_unavailable(None, NEW, "why", 10.0, "p")
-    assert first == UnavailableModelsRecord(v=1, models={NEW: "why"}, proxy="p")
+    first = with_unavailable(None, NEW, "why", 10.0, "p", version=3)
+    assert first == UnavailableModelsRecord(v=1, models={NEW: "why"}, proxy="p", version=3)
     raw = msgspec.msgpack.encode(first)
     assert with_unavailable(raw, NEW, "other", 11.0, "q") is None  # known: no write
     lifted = with_unavailable(raw, NEW, None, 20.0, "q")

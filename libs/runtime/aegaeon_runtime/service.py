@@ -47,6 +47,7 @@ from aegaeon_runtime.holdings import HoldingsBook
 from aegaeon_runtime.incarnation import INCARNATION
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.registrar import Registrar
+from aegaeon_runtime.shared_queues import QueueSnapshots
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
 
 log = get_logger("instance")
@@ -71,6 +72,7 @@ class InstanceLoop(Protocol):
     load: InstanceLoad  # queue depths for /metrics, replaced whole by the compute thread
     holdings: HoldingsBook  # what it holds for its requests (aegaeon_runtime.holdings)
     drain: Drain
+    snapshots: QueueSnapshots  # its queues on request (the registrar rebuilds the store's)
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (drain ``inbox``, compute, send via ``outbox``)."""
@@ -263,7 +265,7 @@ async def _serve(
                 return
         hello = _hello(worker, instance)
         if store is not None:
-            registrar = Registrar(config, store, hello, http_url)
+            registrar = Registrar(config, store, hello, http_url, instance.snapshots)
 
         async def receive() -> None:
             while True:
