@@ -81,8 +81,17 @@ def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     with serving(market, root / "run", *extra) as served:
         port = int(served.url.rpartition(":")[2])
         urls = (served.url,) if not extra else (served.url, f"http://127.0.0.1:{port + 1}")
+        for url in urls:  # (a replica reads every node's cachemgr within a second or two)
+            until(f"{url} knows the broken models", lambda u=url: _unavailable(u) == {
+                truncated, reshaped}, SETTLE_S)  # fmt: skip
         pids = frozenset(p.pid for p in served.children())
         yield Node(served, source, market, truncated, reshaped, good, urls, len(urls), pids)
+
+
+def _unavailable(url: str) -> set[str]:
+    status, listing = call_json(url, "GET", "/v1/models")
+    return {m["id"] for m in listing["data"] if m["state"] == "unavailable"} if status == 200 \
+        else set()
 
 
 def _complete(url: str, model: str, **body: object) -> tuple[int, dict[str, object]]:

@@ -53,7 +53,12 @@ from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
 from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
-from aegaeon_proxy.cluster.quarantine import Quarantine, unavailable_of, watch_caches
+from aegaeon_proxy.cluster.quarantine import (
+    POLL_TIMEOUT_S,
+    Quarantine,
+    unavailable_of,
+    watch_caches,
+)
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher, base_role, view_meter
@@ -62,7 +67,6 @@ from aegaeon_proxy.cluster.tracked import Tracked
 log = get_logger("cluster")
 MONITOR_S = 0.5
 ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgr's KV stats for a scrape
-CACHE_POLL_S = 2.0  # the cachemgr's unreadable models (cluster.quarantine)
 INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
 
 
@@ -206,7 +210,7 @@ class ClusterBackend:
         self.quarantine.lift(model.name, began)
 
     async def _poll_unavailable(self) -> dict[str, str]:
-        return unavailable_of([await self._cache.call(GetStats(), timeout_s=CACHE_POLL_S)])
+        return unavailable_of([await self._cache.call(GetStats(), timeout_s=POLL_TIMEOUT_S)])
 
     async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
         for name, why in models.items():

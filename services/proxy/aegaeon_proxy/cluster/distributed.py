@@ -112,7 +112,7 @@ from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
-from aegaeon_proxy.cluster.quarantine import watch_caches
+from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, watch_caches
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
@@ -187,7 +187,6 @@ class DistributedBackend:
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
         self._apply_settings: Callable[[str, ModelSettings], None] | None = None
         self._closing = False  # stop() began: every loop ends
-        self._checked = False  # the cachemgrs' unreadable models were read once
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
@@ -249,9 +248,12 @@ class DistributedBackend:
             await self.roles.leave()
 
     def ready(self) -> bool:
-        """The store answers, some prefill instance is registered, and the nodes'
-        cachemgrs were asked which models they cannot read (none is served by mistake)."""
-        return self._store_ok and bool(self.view.prefill_candidates()) and self._checked
+        """The store answers and some prefill instance is registered. (Not gated on the
+        nodes' unreadable models, which a replica reads within a second of their
+        records: a replica that restarts while a node's cachemgr is dead would wait
+        for it; an unreadable model's request in between is refused by its instance,
+        503 ``model_unavailable`` all the same.)"""
+        return self._store_ok and bool(self.view.prefill_candidates())
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_Collector(self))
@@ -314,7 +316,8 @@ class DistributedBackend:
         await self.models.publish_unavailable(model.name, None, began)
 
     async def _poll_unavailable(self) -> dict[str, str]:
-        cache = await self.caches.model_cache(self.view.live.values())
+        # (a node whose cachemgr died keeps its records until their TTL: not waited for)
+        cache = await self.caches.model_cache(self.view.live.values(), POLL_TIMEOUT_S)
         if cache is None:
             raise BackendError.unavailable("no node's cachemgr answered")
         return dict(cache.get("unavailable", {}))
@@ -323,7 +326,6 @@ class DistributedBackend:
         for name, why in models.items():
             if name not in self.models.quarantine.models:
                 await self.models.publish_unavailable(name, why, asked_at)
-        self._checked = True  # (ready: the nodes' unreadable models are known here)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         def build(base: bytes | None, version: int) -> bytes:

@@ -135,14 +135,15 @@ class NodeCaches:
         """The flags on every node's cachemgr (:meth:`call_all`)."""
         await self.call_all(records, SetModelFlags(name, pinned=pinned, preload=preload))
 
-    async def model_cache(self, records: Iterable[InstanceRecord]) -> dict[str, Any] | None:
-        """Every answering node's Model Cache, merged (:func:`merge_model_caches`);
-        None when no node answered."""
+    async def model_cache(self, records: Iterable[InstanceRecord],
+                          timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any] | None:  # fmt: skip
+        """Every node's Model Cache that answers within ``timeout_s``, merged
+        (:func:`merge_model_caches`); None when no node answered."""
         nodes = _cachemgrs(records)
 
         async def one(address: str) -> dict[str, Any] | None:
             try:
-                reply = await self.call(address, GetStats())
+                reply = await self.call(address, GetStats(), timeout_s)
             except BackendError:
                 return None
             stats = to_plain(reply.model_cache) if isinstance(reply, CacheStats) else None

@@ -25,11 +25,13 @@ from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
 
-__all__ = ["WATCH_S", "Quarantine", "unavailable_of", "watch_caches"]
+__all__ = ["POLL_TIMEOUT_S", "WATCH_S", "Quarantine", "unavailable_of", "watch_caches"]
 
 log = get_logger("cluster")
 
 WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
+# how long a cachemgr may take to answer that (one that died is not waited for)
+POLL_TIMEOUT_S = 2.0
 
 Apply = Callable[[str, str | None], None]
 
