@@ -11,6 +11,7 @@ the worker serves the rest.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
 
-log = get_logger("instance")
+log = get_logger("worker")
 
 # Copy streams per worker: one slot each in the cachemgr's event table.
 SWAP_OUT, SWAP_IN = 0, 1
@@ -93,12 +94,36 @@ class Worker:
     def add_model(self, name: str, path: Path) -> SchedSpec:
         """Serve one more model (``AddModel``, on the compute thread): its spec is read
         from ``path`` (``CheckpointError`` if broken); its weights come through the
-        Model Cache at its first switch, as every model's."""
+        Model Cache at its first switch, as every model's. On a GPU its decode step's
+        CUDA graphs are captured now (where a scale-up lands), not at a served step."""
         spec = ModelSpec.from_dir(path)
         self.engine.tune(spec, self.config.dtype)
         self.switcher.specs[name] = spec
         self.specs[name] = spec
+        self.capture_graphs([name])
         return self.sched_spec(name)
+
+    def capture_graphs(self, names: Iterable[str]) -> None:
+        """Capture the CUDA graphs of these models' layouts at arena offset 0, where a
+        scale-up copies a model (``ModelSwitcher``), and log what it cost; nothing
+        without graphs (the CPU, ``cuda_graphs: false``). A layout seen before costs
+        nothing; a failed capture leaves that model's steps eager (logged)."""
+        stats = self.engine.graph_stats
+        if not stats.enabled:
+            return
+        before_n, before_s = stats.captures, stats.capture_s
+        captured: list[str] = []
+        failed: list[str] = []
+        for name in names:
+            nbytes = self.switcher.nbytes(name)
+            if nbytes > self.buffer.weights_capacity:
+                continue  # it never lands here; its switch says so
+            ok = self.engine.capture_graphs(self.specs[name], self.buffer.view(0, nbytes),
+                                            self.buffer.kv_region, self.config.dtype)
+            (captured if ok else failed).append(name)
+        log.info("cuda_graphs_captured", worker=self.name, models=captured, failed=failed,
+                 graphs=stats.captures - before_n,
+                 seconds=round(stats.capture_s - before_s, 4), sizes=list(stats.sizes))
 
     def close(self) -> None:
         self.switcher.close()
@@ -139,7 +164,8 @@ async def build_worker(
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
     # answering /health meanwhile.
-    engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads)
+    engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads,
+                                     graphs=None if inst.cuda_graphs else False)
     for spec in specs.values():  # the fastest kernels per model shape, measured once a machine
         await asyncio.to_thread(engine.tune, spec, config.dtype)
     buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
@@ -175,7 +201,7 @@ async def build_worker(
             log.error("model_unavailable", model=name, error=exc.reply.message)
             continue
         await client.unpin(name)
-    return Worker(
+    worker = Worker(
         config=config,
         kind=kind,
         index=index,
@@ -191,3 +217,6 @@ async def build_worker(
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
         unavailable=unavailable,
     )
+    # the decode step's CUDA graphs, one set per layout, before the first step (a GPU)
+    await asyncio.to_thread(worker.capture_graphs, list(specs))
+    return worker
