@@ -15,7 +15,8 @@ from typing import Any
 MANIFEST = "market.json"
 HAND_LISTED = "listed by hand in market.json"
 
-__all__ = ["MANIFEST", "Manifest", "MarketEntry", "MarketError", "load_market", "read_manifest"]
+__all__ = ["MANIFEST", "InMemory", "Manifest", "MarketEntry", "MarketError", "load_market",
+           "read_manifest"]
 
 
 class MarketError(ValueError):
@@ -46,11 +47,31 @@ class MarketEntry:
     dtype: str = ""  # "": the checkpoint's config.json says
     role: str = ""
     source: str = ""
+    in_memory: InMemory | None = None  # weights generated at load, never on disk
 
     @property
     def generated(self) -> bool:
         """True for the market code's own random models (rebuilt when that code changes)."""
         return not self.source
+
+    @property
+    def source_text(self) -> str:
+        """Where its weights come from, as ``market list`` shows it."""
+        text = self.source or "random (seeded)"
+        if self.in_memory is not None:
+            text += f", in memory, seed {self.in_memory.seed}"
+        return text
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """An entry whose weights the Model Cache generates at load (``aegaeon market add
+    --random PRESET --in-memory``): its directory holds the config, the tokenizer and
+    ``random-weights.json``, no weight file. Every such entry of a market has its own
+    ``seed``, so no two share weights."""
+
+    preset: str
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -71,7 +92,9 @@ class Manifest:
         models = [
             {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
              "params": e.params, "dtype": e.dtype, "role": e.role,
-             **({"source": e.source} if e.source else {})}
+             **({"source": e.source} if e.source else {}),
+             **({"in_memory": {"preset": e.in_memory.preset, "seed": e.in_memory.seed}}
+                if e.in_memory is not None else {})}
             for e in self.entries
         ]
         doc = {"seed": self.seed, "profile": self.profile, "generator": self.generator,
@@ -94,9 +117,21 @@ def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
             name=str(raw["name"]), path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
             params=int(raw.get("params", 0)), dtype=str(raw.get("dtype") or ""),
             role=str(raw.get("role", "")), source=str(raw.get("source", _source_of(raw))),
+            in_memory=_in_memory(raw.get("in_memory")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc
+
+
+def _in_memory(raw: Any) -> InMemory | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("preset"), str):
+        raise ValueError("in_memory must be {preset, seed}")
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"in_memory.seed {seed!r} is not a whole number >= 0")
+    return InMemory(raw["preset"], seed)
 
 
 def read_manifest(market_dir: Path) -> Manifest:

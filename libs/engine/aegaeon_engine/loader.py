@@ -112,6 +112,9 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
         return read_header(root / SINGLE_FILE)
     index_path = root / INDEX_FILE
     if not index_path.is_file():
+        if (root / "random-weights.json").is_file():
+            raise CheckpointError(root / "random-weights.json", None, "an in-memory entry: its "
+                                  "weights are generated at load and have no files to read")
         raise CheckpointError(root / SINGLE_FILE, None, f"missing file (and no {INDEX_FILE})")
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -161,6 +164,12 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
     _check_dest(out, layout)
     if out.device.type != "cpu":
         raise ValueError("fill_layout writes host memory; use load_weights for a device tensor")
+    from .random_weights import RandomWeights, fill_random
+
+    generated = RandomWeights.from_dir(model_dir)
+    if generated is not None:  # an in-memory entry: its weights are generated, not read
+        fill_random(generated, ModelSpec.from_dir(model_dir), layout, out, progress)
+        return
     index = checkpoint_index(model_dir)
     root = Path(model_dir)
     files: dict[Path, BufferedReader] = {}

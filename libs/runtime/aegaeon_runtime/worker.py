@@ -15,6 +15,7 @@ import torch
 from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
+from aegaeon_sched import CHARGED_POLICIES
 from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
@@ -86,6 +87,7 @@ class Worker:
         Model Cache at its first switch, as every model's."""
         spec = ModelSpec.from_dir(path)
         self.engine.tune(spec, self.config.dtype)
+        self.switcher.forget_bytes(name)  # a model of that name served before had other bytes
         self.switcher.specs[name] = spec
         self.specs[name] = spec
         return self.sched_spec(name)
@@ -145,7 +147,9 @@ async def build_worker(
         cache,
         specs,
         config.dtype,
-        prefetch=config.scheduler.prefetch,
+        # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
+        # until the instance is idle, and every scale-up pays its load path)
+        prefetch=config.scheduler.prefetch and config.scheduler.policy not in CHARGED_POLICIES,
         map_weights=inst.maps_weights,
     )
     for name in specs:  # map every Model Cache region now, off the critical path

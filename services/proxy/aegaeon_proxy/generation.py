@@ -212,6 +212,9 @@ class Generation:
         message = f"generation failed: {chunk.error or 'unknown error'}"
         if chunk.code == "instance_failed":  # a fault, not this request's doing: retryable
             raise APIError(503, message, code="instance_failed")
+        if chunk.code == "no_slot":  # static-mux placed its model on no instance
+            raise APIError(503, f"model {self.req.model!r} is not served now: "
+                           f"{chunk.error or 'no instance slot'}", code="model_not_placed")
         raise APIError(500, message, code="backend_error")
 
     def _observe_tokens(self, n: int) -> None:
