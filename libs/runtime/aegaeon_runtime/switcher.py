@@ -290,7 +290,12 @@ class ModelSwitcher:
         else:
             self.active = None
             self.buffer.reset()  # scale-down: the old model's bytes are simply reused
-            allocation = self.buffer.alloc(self.nbytes(name))
+            nbytes = self.nbytes(name)
+            allocation = self._kept(name, nbytes)
+            if allocation is None:
+                allocation = self.buffer.alloc(nbytes)
+            else:
+                self.buffer.arena.set_top(allocation)
             load_s, resident = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))
             prefetched = False
@@ -317,7 +322,7 @@ class ModelSwitcher:
         if self.map_weights:
             allocation = None
         else:
-            allocation = self._place(self.nbytes(name))
+            allocation = self._place(name, self.nbytes(name))
             if allocation is None:
                 return False
         job = PrefetchJob(name, allocation)
@@ -347,8 +352,24 @@ class ModelSwitcher:
             self.residency_version += 1
         return evicted
 
-    def _place(self, nbytes: int) -> Allocation | None:
-        """Free arena space for a prefetch (see the module docstring), or None."""
+    def _kept(self, name: str, nbytes: int) -> Allocation | None:
+        """Where ``name``'s bytes still are in the arena, clear of the active model."""
+        active = self.active.allocation if self.active is not None else None
+        with self._views_lock:
+            for offset, held in self._in_place.items():
+                if held != (name, nbytes):
+                    continue
+                if active is not None and offset < active.end and active.offset < offset + nbytes:
+                    continue
+                return Allocation(offset, nbytes)
+        return None
+
+    def _place(self, name: str, nbytes: int) -> Allocation | None:
+        """Free arena space for a prefetch (see the module docstring), or None; where the
+        model's bytes still are when they are."""
+        kept = self._kept(name, nbytes)
+        if kept is not None:
+            return kept  # (the arena learns of it when it is the active model)
         if self.active is None:
             return self.buffer.alloc(nbytes) if self.buffer.fits(nbytes) else None
         active = self.active.allocation
