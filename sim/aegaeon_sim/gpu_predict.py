@@ -99,9 +99,12 @@ def load_duration_s(plan: Mapping[str, Any], rps_per_model: float, num_models: i
 
 
 def _case(logs: Path, trace: str, config: str | None) -> ReplayCase:
+    """The node of ``trace`` (under ``logs``) with its serve ``config`` (under ``logs``, or
+    absolute): a config named but missing is an error, not the defaults' KV room."""
     path = logs / config if config else None
-    return load_case(logs / trace, serve_config=path if path is not None and path.exists()
-                     else None)  # fmt: skip
+    if path is not None and not path.is_file():
+        raise FileNotFoundError(f"{path}: the serve config of {trace} is missing")
+    return load_case(logs / trace, serve_config=path)
 
 
 def _calibration(case: ReplayCase) -> dict[str, Any]:
@@ -115,14 +118,22 @@ def predict(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The prediction for the scenario ``inputs`` describes (module docstring)."""
     logs = Path(inputs["logs"])
     probe = _case(logs, str(inputs["calibration_trace"]), inputs.get("calibration_config"))
-    own = inputs.get("calibration") or {}
+    own = {policy: _case(logs, str(where["trace"]), where.get("config"))
+           for policy, where in (inputs.get("calibration") or {}).items()}  # fmt: skip
+    return predict_on(probe, own, inputs)
+
+
+def predict_on(probe: ReplayCase, own: Mapping[str, ReplayCase],
+               inputs: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """:func:`predict` on cases already made: ``own`` (policy -> its node's case) where
+    a policy ran, else ``probe``'s (``inputs`` without the file names)."""
     plan = inputs["plan"]
     grid = [float(r) for r in inputs.get("grid") or inputs.get("ladder") or []]
     num_models = len(probe.settings["models"])
     out: dict[str, Any] = {"calibration": _calibration(probe), "policies": {}}
     for policy in inputs["policies"]:
         where = own.get(policy)
-        case = (_case(logs, str(where["trace"]), where.get("config")) if where else probe)
+        case = where if where is not None else probe
         spec = policy_spec(case.spec, policy, inputs.get("baseline"))
         measured = {float(r["rps_per_model"]): r.get("slo_attainment")
                     for r in (inputs.get("runs") or {}).get(policy) or []}  # fmt: skip
@@ -138,7 +149,7 @@ def predict(inputs: Mapping[str, Any]) -> dict[str, Any]:
                                         else round(100 * (point["predicted"] - live), 2))
             points.append(point)
         out["policies"][policy] = {
-            "calibrated_on": _calibration(case) if where else "probe",
+            "calibrated_on": _calibration(case) if where is not None else "probe",
             "points": points,
             "sustainable": sustainable_rate([(p["rps_per_model"], p["predicted"])
                                              for p in points]),

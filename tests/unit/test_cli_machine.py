@@ -173,7 +173,7 @@ def test_with_gpus_the_cap_bounds_each_share(market: Path) -> None:
         assert full is not None and cap is not None
         assert cap.device_memory_bytes <= 30 * GiB < full.device_memory_bytes
         assert cap.weights_bytes == full.weights_bytes  # the KV region gave way
-    with pytest.raises(PlacementError, match="--device-memory caps it at 16.0 GiB"):
+    with pytest.raises(PlacementError, match=r"--device-memory caps it at 16\.0 GiB"):
         machine.sized(raw, config_from_dict(raw), "0", (1, 1), cap_bytes=16 * GiB)
 
 

@@ -100,7 +100,7 @@ STOP_RESERVE_S = 20.0  # a node's Ctrl-C and the checks after it
 STATS_RECORDS = 20000
 BUDGET_S = 570.0  # the issue's 9.5 minutes on one H100
 CPU_BUDGET_S = 3600.0
-DRY_BUDGET_S = 420.0  # a guard: four nodes' starts dominate on a busy 2-core CPU
+DRY_BUDGET_S = 480.0  # a guard: five nodes' starts dominate on a busy 2-core CPU
 
 
 @dataclass(frozen=True)
@@ -406,6 +406,8 @@ class PaperScenario:
             "mean_output_tokens": mean_output, "num_instances": NUM_INSTANCES,
             "unit_rps_per_model": unit, "estimated": unit is not None,
             "trace": "paper_probe-trace.jsonl", "node": node.name,
+            # the node's own, while it runs (its logs' copy is made when it stops)
+            "config": str(node.run_dir / "config.yaml"),
             "idle_wait_s": wait_idle(node.url, IDLE_WAIT_S),
         }  # fmt: skip
         if unit is None:
@@ -486,13 +488,16 @@ class PaperScenario:
         """What ``aegaeon_sim.gpu_predict`` reads: the probe's node, and (``calibrate_each``)
         each policy's own node where it ran."""
         probe_node = self.capacity.get("node") or f"paper_{self.policies[0]}"
+        probe_config = f"{probe_node}-run/config.yaml"
+        if not (self.runner.logs / probe_config).is_file():  # the node is still up
+            probe_config = str(self.capacity.get("config") or probe_config)
         calibration = {}
         if calibrate_each:
             calibration = {p: {"trace": runs[-1]["trace"], "config": runs[-1]["config"]}
                            for p, runs in self.runs.items() if runs}  # fmt: skip
         return {
             "logs": str(self.runner.logs), "calibration_trace": "paper_probe-trace.jsonl",
-            "calibration_config": f"{probe_node}-run/config.yaml", "calibration": calibration,
+            "calibration_config": probe_config, "calibration": calibration,
             "plan": {"load_s": self.plan.load_s, "grace_s": self.plan.grace_s,
                      "min_requests": self.plan.min_requests},
             "grid": self.grid, "policies": list(self.policies),

@@ -77,7 +77,7 @@ def choose_rates(policy: str, curve: Sequence[tuple[float, float]], points: int 
         why = f"predicted under {target:.0%} already at the lowest grid rate: the lowest ones"
     else:
         held, missed = first_miss - 1, first_miss
-        picked = [held, missed]
+        picked = [held, missed] if points >= 2 else [held]
         if points >= 3:
             picked.append(held - 1 if held > 0 else missed + 1)
         chosen = [rates[i] for i in picked if 0 <= i < len(rates)]
