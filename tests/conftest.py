@@ -25,6 +25,7 @@ SHARED_NODE_MODULES = (
     "tests/e2e/test_serve_observability.py",
     "tests/e2e/test_prometheus.py",
     "tests/integration/test_bench_serve.py",
+    "tests/e2e/test_docs.py",
     "tests/e2e/test_chaos.py",
 )
 SHARED_NODE_SCOPE = "shared-node"

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aegaeon_common.usage import at_least_one
+
 from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
 from aegaeon_sim.cli_classes import print_progress
 from aegaeon_sim.cli_paper import add_arguments as add_paper_arguments
@@ -58,7 +60,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--figure", choices=["11a", "11b", "11c", "12", "13"])
     mode.add_argument("--theorem", action="store_true", help="check Theorem 3.1 by simulation")
-    mode.add_argument("--policy", help="run one experiment with this policy")
+    mode.add_argument("--policy", choices=_policy_names(), metavar="POLICY",
+                      help=f"run one experiment with this policy ({', '.join(_policy_names())})")
     mode.add_argument(
         "--replay", nargs="+", metavar="TRACE",
         help="simulate the deployment and workload of live `bench serve --trace` runs "
@@ -75,15 +78,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="issue 19: multi- vs single-SLO at --load x capacity (classes), dynamic vs fixed "
         "roles on ON/OFF bursts (roles); see aegaeon_sim.cli_classes",
     )  # fmt: skip
-    parser.add_argument("--models", type=int, default=40, help="with --policy")
-    parser.add_argument("--rps", type=float, default=0.1, help="per model, with --policy")
-    parser.add_argument("--input-scale", type=float, default=1.0, help="with --policy")
-    parser.add_argument("--output-scale", type=float, default=1.0, help="with --policy")
-    parser.add_argument("--slo-scale", type=float, default=1.0, help="with --policy")
-    parser.add_argument("--policies", help="comma-separated subset for --figure")
-    parser.add_argument("--points", help="comma-separated x values overriding the figure's grid")
+    parser.add_argument("--models", type=at_least_one, default=40, help="with --policy")
+    parser.add_argument("--rps", type=_positive, default=0.1, help="per model, with --policy")
+    parser.add_argument("--input-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--output-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--slo-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--policies", type=_policy_list,
+                        help="comma-separated subset for --figure")  # fmt: skip
+    parser.add_argument("--points", type=_points,
+                        help="comma-separated x values overriding the figure's grid")  # fmt: skip
     parser.add_argument(
-        "--duration", type=float, default=DEFAULT_DURATION_S, help="seconds of arrivals"
+        "--duration", type=_positive, default=DEFAULT_DURATION_S, help="seconds of arrivals"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--q-max", type=float, default=4.0, help="Aegaeon's Q_MAX (s)")
@@ -167,10 +172,33 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _policy_names() -> list[str]:
+    from aegaeon_sched.factory import POLICIES
+
+    return sorted(POLICIES)
+
+
+def _policy_list(text: str) -> str:
+    unknown = [p for p in text.split(",") if p not in _policy_names()]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown[0]!r} (policies: "
+                                         f"{', '.join(_policy_names())})")  # fmt: skip
+    return text
+
+
+def _points(text: str) -> str:
+    for value in text.split(","):
+        _positive(value)
+    return text
 
 
 def _base(args: argparse.Namespace) -> Scenario:

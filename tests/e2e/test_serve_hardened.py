@@ -187,6 +187,27 @@ def test_cancelled_streams_leave_nothing(hardened: Served) -> None:
     assert sum(report["outcomes"].values()) == 100
 
 
+def test_bench_serve_sends_the_key_from_the_option_or_the_environment(
+    hardened: Served, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aegaeon_cli.main import main
+
+    argv = ["bench", "serve", "--url", hardened.url, "--model", _models(hardened)[0],
+            "--rps", "2", "--duration", "1.5", "--prompt-tokens", "8", "--output-tokens", "4",
+            "--json", "--quiet"]  # fmt: skip
+    monkeypatch.delenv("AEGAEON_API_KEY", raising=False)
+    assert main(argv) == 2  # no key: told how to give one, nothing sent
+    assert "--api-key KEY or $AEGAEON_API_KEY" in capsys.readouterr().err
+    for extra, env in (([], KEY), (["--api-key", KEY], None)):
+        if env is None:
+            monkeypatch.delenv("AEGAEON_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("AEGAEON_API_KEY", env)
+        assert main([*argv, *extra]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["completed"] >= 1 and result["failed"] == 0, result
+
+
 def test_bad_input_on_both_endpoints_and_every_socket(hardened: Served) -> None:
     models = [*_models(hardened), "no-such-model"]
     http = fuzz_http(hardened.url, models, examples=60, seed=0, headers=AUTH)

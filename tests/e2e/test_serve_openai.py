@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import openai
 import pytest
-from serve_harness import Served
+from serve_harness import Served, until
 
 
 def _client(served: Served) -> openai.OpenAI:
@@ -139,6 +139,34 @@ def test_disconnect_cancels_and_frees_every_block(served: Served) -> None:
             break
         time.sleep(0.5)  # heartbeats report every 0.5 s
     assert _kv_in_use(served) == (0.0, 0.0)
+
+
+def test_stats_count_nothing_once_a_request_has_returned(served: Served) -> None:
+    """Issue 43: right after a long request returned, its decode instance still showed
+    its KV blocks and sequence (the last heartbeat's). The README's promise: once an
+    answer is back, no instance counts the request's sequence, and the instance that
+    ended it none of its KV; blocks a copy to the host cache still reads (the prefill
+    instance's handoff) count until that instance's next heartbeat (0.5 s)."""
+    client = _client(served)
+    model = _models(served)[0]
+    prompt = "Tell me about ships and the sea. " * 12
+    for max_tokens in (1, 300):  # ends at its first token (prefill) / on a decoder
+        client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                  temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        stats = served.get_json("/v1/aegaeon/stats?light=1")
+        assert stats["open_requests"] == 0
+        instances = stats["instances"]
+        assert isinstance(instances, list) and instances
+        for inst in instances:
+            assert inst["open_sequences"] == 0, (max_tokens, inst)
+            if max_tokens == 1 or inst["kind"] == "decode":
+                assert inst["kv_blocks_in_use"] == 0, (max_tokens, inst)
+
+        def quiet() -> bool:
+            held = served.get_json("/v1/aegaeon/stats?light=1")["instances"]
+            return all(i["kv_blocks_in_use"] == 0 for i in held)  # type: ignore[union-attr]
+
+        until("every instance's KV blocks free", quiet, 5.0)
 
 
 @pytest.mark.parametrize(

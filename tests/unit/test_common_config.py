@@ -75,7 +75,7 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
         ("models: [{name: a, path: x}]\nscheduler: {policy: request-level-free}\n",
          "scheduler.policy"),
         ("market: nowhere\n", "market"),
-        (": : :\n", "<yaml>"),
+        (": : :\n", "line 1, column 1"),  # a YAML error: where, as editors count
     ],
 )
 def test_errors_name_file_and_field(tmp_path: Path, text: str, field: str) -> None:

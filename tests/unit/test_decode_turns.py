@@ -96,6 +96,32 @@ def test_quota_expiry_ends_a_turn_mid_batch_and_the_next_batch_runs() -> None:
     assert loop.work.num_requests == 0 and not loop.admission.seqs
 
 
+def test_the_message_that_ends_a_request_carries_what_the_instance_still_holds() -> None:
+    """Issue 43: the proxy's stats counted a returned request's KV and sequence until the
+    next heartbeat, and until the round ended. Each finish now leaves with a reading
+    taken after its KV was freed: what the others still hold, newer each time."""
+    w = FakeWorker(latency_model(["a", "b"], switch_s=SWITCH_S), tbt_s=0.05)
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 50, 0.0)),
+             (0.0, w.enqueue("a2", "a", 0, 20, 200, 0.0)),
+             (0.0, w.enqueue("b1", "b", 1, 20, 120, 0.0))]  # fmt: skip
+    loop, outbox = _run(w, timed)
+    ends = []
+    for msg in outbox.of_type(StepTokens):
+        finished = [i.request_id for i in msg.items if i.finish_reason is not None]
+        assert (msg.holdings is not None) == bool(finished), msg
+        assert msg.kind == "decode"
+        if finished:
+            ends.append((finished, msg.holdings))
+    assert [rids for rids, _ in ends] == [["a1"], ["b1"], ["a2"]]
+    readings = [h for _, h in ends]
+    assert [h.open_sequences for h in readings] == [2, 1, 0]
+    assert [h.version for h in readings] == sorted({h.version for h in readings})
+    first, second, last = (h.kv_blocks_in_use for h in readings)
+    assert first > second > 0 and last == 0  # a2 and b1, then a2 alone, then nothing
+    assert loop.holdings.read().version == readings[-1].version  # the heartbeat's agrees
+    assert w.kv.device_bytes_used() == 0
+
+
 def test_a_request_joins_when_its_own_swap_in_completes() -> None:
     w = FakeWorker(latency_model(["a"]))
     early = w.enqueue("early", "a", 0, 20, 60, 0.0)

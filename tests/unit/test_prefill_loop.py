@@ -110,3 +110,22 @@ def test_a_prompt_of_a_model_the_cachemgr_forgot_fails_and_the_next_runs() -> No
         ("b1", "unknown_model")]
     assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["a1"]
     assert w.kv.device_bytes_used() == 0  # b1's blocks went back
+
+
+def test_each_prefill_leaves_with_what_the_instance_still_holds() -> None:
+    """A request out of the queue (handed on, or finished at its first token) is no
+    longer counted in the reading its message carries (issue 43)."""
+    w = FakeWorker(latency_model(["a"]), kind="prefill")
+    one = EnqueuePrefill("one", "a", 0, list(range(20)), SamplingSpec(max_tokens=1), 0.0)
+    timed = [(0.0, _job("a1", "a", 0, 40, 0.0)), (0.0, _job("a2", "a", 0, 20, 0.0)),
+             (0.0, one)]  # fmt: skip
+    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(w.truth.to_dict())
+    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
+    loop.run(inbox.stop)
+    done = outbox.of_type(PrefillDone)
+    assert [d.request_id for d in done] == ["a1", "a2", "one"]
+    assert [d.holdings.open_sequences for d in done] == [2, 1, 0]
+    assert done[-1].finish_reason == "length" and done[-1].holdings.kv_blocks_in_use == 0
+    versions = [d.holdings.version for d in done]
+    assert versions == sorted(set(versions))

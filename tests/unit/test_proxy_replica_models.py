@@ -35,6 +35,7 @@ from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.replica_models import ReplicaModels, served_changes, with_change
+from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec
 
 OLD, NEW = "old-model", "new-model"
@@ -98,8 +99,10 @@ class Replica:
         def spawn(work: Coroutine[Any, Any, None]) -> None:
             self.jobs.append(asyncio.ensure_future(work))
 
-        self.models = ReplicaModels(config, self.view, self.caches,  # type: ignore[arg-type]
-                                    store, send, spawn, REPLY_TO, f"proxy-{name}")  # fmt: skip
+        self.records = SharedRecords(store)
+        caches: Any = self.caches
+        self.models = ReplicaModels(config, self.view, caches, self.records, send, spawn,
+                                    REPLY_TO, f"proxy-{name}")  # fmt: skip
         self.models.follow_with(lambda n, m: self.applied.append((n, m)))
 
     async def put(self, *records: InstanceRecord) -> None:
@@ -190,19 +193,30 @@ async def test_a_replica_follows_what_another_published() -> None:
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
     await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await b.models.follow()
-    await b.models.follow()  # (nothing new: nothing applied twice)
+    await b.records.refresh()
+    await b.records.refresh()  # (nothing new: nothing applied twice)
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]
     assert b.models.served_names() == [OLD, NEW] and NEW in b.models.ops.added
     await a.models.publish(NEW, None)
     await a.models.publish(OLD, None)
-    await b.models.follow()
+    await b.records.refresh()
     assert b.applied[1:] == [(NEW, None), (OLD, None)]
     assert b.models.served_names() == [] and b.models.ops.removed == {OLD}
     # a third replica that starts now takes the whole record
     c = Replica(store, "c")
-    await c.models.follow()
+    await c.records.refresh()
     assert c.applied == [(NEW, None), (OLD, None)]
+
+
+async def test_a_replica_that_changes_the_set_follows_what_it_had_not_read_yet() -> None:
+    store = MemoryStore()
+    a, b = Replica(store, "a"), Replica(store, "b")
+    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await b.models.publish(OLD, None)  # b had not read a's add: its change holds it
+    assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]  # (its own: its front's)
+    assert b.models.served_names() == [NEW] and b.models.ops.removed == {OLD}
+    await b.records.refresh()
+    assert len(b.applied) == 1
 
 
 def test_the_shared_record_and_its_changes() -> None:
@@ -217,7 +231,7 @@ def test_the_shared_record_and_its_changes() -> None:
 async def test_an_instance_that_joins_is_given_the_models_added() -> None:
     replica = Replica(MemoryStore())
     await replica.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await replica.models.follow()
+    await replica.records.refresh()
     joined = [_record("node-1", "prefill", [OLD, NEW]), _record("node-1", "decode", [OLD])]
     await replica.put(*joined)
     for record in joined:  # the decode instance restarted without it; the prefill has it

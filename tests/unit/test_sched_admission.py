@@ -111,6 +111,9 @@ def test_proxy_reliability_keys_validate() -> None:
                        ({"write_timeout": 0}, "proxy.write_timeout"),
                        ({"admin_port": 8000}, "proxy.admin_port"),
                        ({"api_keys": ["short"]}, "proxy.api_keys[0]"),
+                       # the README's rule: at least 8 characters, no spaces anywhere
+                       ({"api_keys": ["sk-with space"]}, "proxy.api_keys[0]"),
+                       ({"api_keys": ["sk-tab\tinside"]}, "proxy.api_keys[0]"),
                        ({"api_keys": ["sk-same-123", "sk-same-123"]}, "proxy.api_keys[1]"),
                        ({"api_keys": [{"key": "sk-limited-1", "models": ["zz"]}]},
                         "proxy.api_keys[0].models"),

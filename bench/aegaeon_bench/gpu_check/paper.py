@@ -197,9 +197,17 @@ def paper_config(market: Path, models: list[dict[str, Any]], layout: dict[str, A
 
 
 def open_work(url: str) -> int | None:
-    """Requests and sequences the node still holds (None when it does not answer)."""
+    """Requests and sequences the node still holds (None when it does not answer). The
+    node is gpu-check's own, with no API keys; ``$AEGAEON_API_KEY`` is sent when set, as
+    every bench client does (its ``bench serve`` reads it too)."""
+    from aegaeon_common.env import read_env
+
+    from aegaeon_bench.node.client import auth_headers
+
+    request = urllib.request.Request(f"{url}/v1/aegaeon/stats?light=1",
+                                     headers=auth_headers(read_env().api_key))  # fmt: skip
     try:
-        with urllib.request.urlopen(f"{url}/v1/aegaeon/stats?light=1", timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=10) as resp:
             stats = json.loads(resp.read())
     except (OSError, ValueError, urllib.error.URLError):
         return None

@@ -19,10 +19,28 @@ import aiohttp
 from aegaeon_workload.plan import PlannedRequest
 
 ERROR_TEXT_CHARS = 300
+NEEDS_KEY = "the node wants an API key: --api-key KEY or $AEGAEON_API_KEY"
 
 
 class ServiceError(RuntimeError):
-    """The service answered something a benchmark cannot use."""
+    """The service answered something a benchmark cannot use (``status``: the HTTP
+    status it answered with, when that was the trouble)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers that carry ``api_key`` (none without one): every bench client's
+    session and request is made with them."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def status_error(what: str, status: int) -> ServiceError:
+    """``what`` answered ``status``; a 401 says how to give the key."""
+    hint = f" ({NEEDS_KEY})" if status == 401 else ""
+    return ServiceError(f"{what}: HTTP {status}{hint}", status)
 
 
 @dataclass
@@ -119,7 +137,8 @@ async def stream_completion(
             progress.status = resp.status
             if resp.status != 200:
                 text = await resp.text()
-                progress.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
+                hint = f" ({NEEDS_KEY})" if resp.status == 401 else ""
+                progress.error = f"HTTP {resp.status}{hint}: {text[:ERROR_TEXT_CHARS]}"
                 progress.error_code = _code_of(text) or f"http_{resp.status}"
                 return
             async for now_s, event in sse_events(resp):
@@ -145,7 +164,7 @@ def _code_of(text: str) -> str | None:
 async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
     async with session.get(url) as resp:
         if resp.status != 200:
-            raise ServiceError(f"GET {url}: HTTP {resp.status}")
+            raise status_error(f"GET {url}", resp.status)
         return await resp.json()
 
 
@@ -169,9 +188,10 @@ async def get_stats(
             return None
         if resp.status in (401, 403):  # a node with keys: the stats need an admin key
             raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}: the node's "
-                               "stats need an admin key (--admin-key on the node)")  # fmt: skip
+                               "stats need an admin key (--admin-key on the node)",
+                               resp.status)  # fmt: skip
         if resp.status != 200:
-            raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}")
+            raise status_error("GET /v1/aegaeon/stats", resp.status)
         stats = await resp.json()
     if not isinstance(stats, dict):
         raise ServiceError("GET /v1/aegaeon/stats: not a JSON object")

@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="s a slow client waits to be cut (300): a reader is cut "
                         "write_timeout after its buffers filled, which takes a while")
     common.add_node_arguments(parser)
+    common.add_api_key_argument(parser)
     common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -244,9 +245,12 @@ async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int, *,
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.client import list_models
+    from aegaeon_bench.node.client import auth_headers, list_models
     from aegaeon_bench.node.launch import NodeError, start_node
     from aegaeon_bench.node.probe import serve_children
+
+    key = common.api_key(args)
+    headers = auth_headers(key)
 
     market = common.node_market(args)
     try:
@@ -257,23 +261,25 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     async def models() -> list[str]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=headers) as session:
             return [*await list_models(session, node.url), "no-such-model"]
 
     try:
         assert node.run_dir is not None
         pids = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         start = time.monotonic()
-        http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed)
+        http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed, headers)
         http["seconds"] = round(time.monotonic() - start, 1)
-        zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed))
+        zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed,
+                                       headers=headers))
         slow = None
         if args.slow_clients:
             from aegaeon_bench.reliability.slow_clients import slow_clients
 
             model = run_fast(models())[0]
             slow = run_fast(slow_clients(node.url, node.proc.pid, model, args.slow_clients,
-                                         args.slow_max_tokens, args.slow_limit))  # fmt: skip
+                                         args.slow_max_tokens, args.slow_limit,
+                                         api_key=key))  # fmt: skip
         after = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         ready = run_fast(_ready(node.url))
     finally:

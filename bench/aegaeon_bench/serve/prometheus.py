@@ -9,7 +9,6 @@ query of the project's dashboard and of vLLM's example dashboard.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -31,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from aegaeon_common.env import read_env
+
+from aegaeon_bench.node.client import auth_headers
 
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
@@ -57,9 +59,8 @@ def prometheus_binary() -> str:
 
 def fetch_services(proxy_url: str, api_key: str | None = None) -> list[dict[str, str]]:
     """Every service the proxy lists (``GET /v1/aegaeon/services``)."""
-    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
+    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services",
+                                     headers=auth_headers(api_key))  # fmt: skip
     with urllib.request.urlopen(request, timeout=30) as resp:
         body = json.loads(resp.read())
     services = body.get("services") if isinstance(body, dict) else None
@@ -240,13 +241,16 @@ def finite_values(result: list[dict[str, Any]]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from aegaeon_common.usage import OneLineParser, port_number
+
+    parser = OneLineParser(
         prog="scripts/prometheus",
         description="Run Prometheus with the project's scrape config against a node "
         "started by `aegaeon serve` (targets from its proxy's /v1/aegaeon/services).",
     )
     parser.add_argument("--proxy", default="http://127.0.0.1:8000", help="the node's proxy URL")
-    parser.add_argument("--port", type=int, default=9090, help="Prometheus listens here")
+    parser.add_argument("--port", type=port_number, default=9090,
+                        help="Prometheus listens here")  # fmt: skip
     parser.add_argument(
         "--dir",
         type=Path,
@@ -256,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-interval", default=None, help="e.g. 1s (default: the config's)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("AEGAEON_API_KEY"),
+        default=read_env().api_key,
         help="an admin key of the proxy when it has keys: it lists the services and "
         "Prometheus scrapes the proxy's /metrics with it (default: $AEGAEON_API_KEY)",
     )

@@ -33,6 +33,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.market_index import MARKET_DIR_HELP
+
 from aegaeon_bench import common
 
 Log = Callable[[str], None]
@@ -42,7 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``switch`` benchmark parser."""
     parser = common.add_bench(
         sub, "switch", "model switch cost vs memcpy and naive restarts", __doc__)
-    parser.add_argument("--market", type=Path, help="market dir (default: $AEGAEON_MARKET)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--models", help="comma-separated subset of the market's models")
     parser.add_argument("--dtype", default="bfloat16", help="serving dtype")
     parser.add_argument("--repeats", type=int, default=7, help="scale-up/memcpy rounds")

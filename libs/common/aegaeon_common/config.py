@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -56,6 +57,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, lt=65536)]  # 0: an ephemeral port
+DEVICE = re.compile(r"(cpu|cuda)(:[0-9]+)?")  # what the workers run on (torch's names)
 
 __all__ = [
     "DTYPES",
@@ -83,6 +85,7 @@ __all__ = [
     "market_dtype",
     "market_models",
     "parse_bytes",
+    "read_config_file",
     "serving_dtype",
 ]
 
@@ -623,9 +626,10 @@ def config_from_dict(
         inst: InstancesConfig = sections[key]
         if inst.kv_memory_bytes >= inst.device_memory_bytes:
             raise ConfigError(source, f"{key}.kv_memory", "must be smaller than device_memory")
-        for device in (inst.device, *inst.devices):
-            if not device or " " in device:
-                raise ConfigError(source, f"{key}.devices", f"{device!r} is not a device")
+        for field, device in [("device", inst.device), *(("devices", d) for d in inst.devices)]:
+            if not DEVICE.fullmatch(device):
+                raise ConfigError(source, f"{key}.{field}", f"{device!r} is not a device "
+                                  "(cpu, cuda or cuda:N)")  # fmt: skip
             if inst.weights == "map" and not device.startswith("cpu"):
                 raise ConfigError(
                     source, f"{key}.weights", f"'map' needs a CPU device, not {device!r}"
@@ -717,7 +721,7 @@ def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
     listed = [(f"proxy.api_keys[{i}]", e) for i, e in enumerate(proxy.api_keys)]
     listed += [(f"proxy.admin_keys[{i}]", e) for i, e in enumerate(proxy.admin_keys)]
     for where, entry in listed:
-        if len(entry.key) < 8 or entry.key != entry.key.strip():
+        if len(entry.key) < 8 or any(c.isspace() for c in entry.key):
             raise ConfigError(source, where, "a key has at least 8 characters and no spaces")
         if entry.key in seen:
             raise ConfigError(source, where, "duplicate key")
@@ -831,17 +835,58 @@ def _check_node(
                               "the aegaeon policy only; the baselines are single-node")  # fmt: skip
 
 
-def load_config(path: Path | str) -> Config:
-    """Load and validate a YAML config file."""
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """A config file's plain data: ConfigError unless it can be read, parses as YAML (the
+    error's line and column named) and holds a mapping (an empty file: ``{}``)."""
     path = Path(path)
     try:
         text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(str(path), "<file>", "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "<file>", "a directory, not a YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), "<file>", f"not text ({exc.reason})") from None
     except OSError as exc:
         raise ConfigError(str(path), "<file>", f"cannot read ({exc.strerror})") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(str(path), *_yaml_problem(exc)) from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "<yaml>", f"not valid YAML ({exc})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "<top>", f"must be a mapping of sections (like `proxy: "
+                          f"{{port: 8000}}`), not a YAML {_yaml_kind(raw)}")  # fmt: skip
+    return raw
+
+
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[str, str]:
+    """Where a YAML error is (line and column, as editors count) and what it is, with
+    what was open when it happened (``while parsing a flow mapping`` at ...)."""
+    mark = exc.problem_mark or exc.context_mark
+    problem = " ".join(str(exc.problem or exc.context or "").split())
+    if exc.context and exc.context_mark and exc.problem_mark and (
+            _at(exc.context_mark) != _at(exc.problem_mark)):
+        problem += f" ({exc.context} at {_at(exc.context_mark)})"
+    return (_at(mark) if mark else "<yaml>"), f"not valid YAML: {problem}"
+
+
+def _yaml_kind(value: object) -> str:
+    return {list: "list", str: "string", int: "number", float: "number",
+            bool: "boolean"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def load_config(path: Path | str) -> Config:
+    """Load and validate a YAML config file."""
+    path = Path(path)
+    raw = read_config_file(path)
     return config_from_dict(raw, source=str(path), base=path.parent.resolve())
 
 

@@ -12,11 +12,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.env import read_env
+
 MANIFEST = "market.json"
 HAND_LISTED = "listed by hand in market.json"
+# the help of every command's market option: they all default to `default_market_dir`
+MARKET_DIR_HELP = "market directory (default: $AEGAEON_MARKET or ./market)"
 
-__all__ = ["MANIFEST", "InMemory", "Manifest", "MarketEntry", "MarketError", "load_market",
-           "read_manifest"]
+__all__ = [
+    "MANIFEST",
+    "MARKET_DIR_HELP",
+    "InMemory",
+    "Manifest",
+    "MarketEntry",
+    "MarketError",
+    "default_market_dir",
+    "load_market",
+    "read_manifest",
+]
 
 
 class MarketError(ValueError):
@@ -153,6 +166,11 @@ def read_manifest(market_dir: Path) -> Manifest:
         raise MarketError(f"{where}: bad seed {doc.get('seed')!r}") from exc
     return Manifest(seed, str(doc.get("profile", "default")), str(doc.get("generator", "")),
                     entries)
+
+
+def default_market_dir() -> Path:
+    """``$AEGAEON_MARKET`` if set, else ``./market`` (relative to the working directory)."""
+    return read_env().market_dir or Path.cwd() / "market"
 
 
 def load_market(market_dir: Path | str) -> list[MarketEntry]:

@@ -18,10 +18,11 @@ from typing import NamedTuple
 import torch
 
 from .attention import Attention
+from .isa import cpu_model, supported_levels
 from .kernels import NATIVE_MAX_ROWS, LayerStack, NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
 from .model import KVViews, LayerOps, ReduceFn, Tokens, forward, logits
-from .native import bf16_native, cpu_model, forced_isa, native_ops, supported_levels
+from .native import bf16_native, forced_isa, native_ops
 from .quant import embed
 from .rope import RopeTable
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype

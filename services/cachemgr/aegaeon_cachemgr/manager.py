@@ -8,7 +8,6 @@ tie blocks, pins and event slots to registered workers; a worker that dies
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +42,7 @@ from aegaeon_common.messages.cache import (
     WorkerRegistered,
     WorkerUnregistered,
 )
+from aegaeon_common.owner import stamp
 from aegaeon_common.wire import Message
 from aegaeon_gpumem import EventTable, ShmRegion
 from prometheus_client import Counter
@@ -68,7 +68,8 @@ class CacheManager:
         cache = config.cache
         # Names are unique per cachemgr process: a worker's cached attachment by
         # name (gpumem's event tables) must never meet a recreated segment.
-        prefix = f"{config.shm_prefix}-{os.getpid()}-{secrets.token_hex(3)}-"
+        # (its stamp, HOST-TAG.PID: `aegaeon market gc` removes those of a cachemgr gone)
+        prefix = f"{config.shm_prefix}-{stamp()}-{secrets.token_hex(3)}-"
         self.started = time.monotonic()
         self.kv_region = ShmRegion.create(f"{prefix}kv", cache.kv_cache_bytes)
         try:

@@ -39,6 +39,10 @@ from prometheus_client import CollectorRegistry
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 __all__ = [
+    "FAULT_CODES",
+    "FAULT_RETRY_AFTER_S",
+    "INSTANCE_FAILED",
+    "STORE_UNAVAILABLE",
     "Backend",
     "BackendError",
     "EngineSnapshot",
@@ -91,6 +95,14 @@ class GenerationRequest:
     slo_class: str = "standard"
 
 
+# A request ended by a fault, not by its own doing (``TokenChunk.code``): the front
+# answers 503 with Retry-After (an instance restarts, a store comes back, in seconds).
+INSTANCE_FAILED = "instance_failed"
+STORE_UNAVAILABLE = "store_unavailable"
+FAULT_CODES = (INSTANCE_FAILED, STORE_UNAVAILABLE)
+FAULT_RETRY_AFTER_S = 1.0
+
+
 @dataclass(frozen=True)
 class TokenChunk:
     """Newly generated token ids; the last chunk of a stream has ``finish_reason``."""
@@ -98,8 +110,9 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     error: str | None = None  # why, when finish_reason == "error"
-    # what kind of failure (finish_reason "error"): "instance_failed" (the instance
-    # holding it died or restarted: retrying may succeed), else a backend error
+    # what kind of failure (finish_reason "error"): one of FAULT_CODES (the instance
+    # holding it died or restarted, the shared store failed: retrying may succeed),
+    # else a backend error
     code: str | None = None
     # with the finishing chunk, when known: where the request's time went
     timings: RequestTimings | None = None
@@ -119,9 +132,10 @@ class TokenStream(Protocol):
 class BackendError(Exception):
     """A request the backend cannot take now.
 
-    ``status`` is the HTTP status the front answers with: 429 (overloaded; the
-    front sends ``Retry-After: retry_after_s``) or 503 (unavailable); ``code`` the
-    error's code (``overloaded``, ``unavailable``).
+    ``status`` is the HTTP status the front answers with: 429 (overloaded) or 503
+    (unavailable: an instance kind, the store or a cachemgr is down or restarting),
+    each with ``Retry-After: retry_after_s``; ``code`` the error's code
+    (``overloaded``, ``unavailable``, ``store_unavailable``).
     """
 
     def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None,
@@ -137,8 +151,9 @@ class BackendError(Exception):
         return cls(message, status=429, retry_after_s=retry_after_s)
 
     @classmethod
-    def unavailable(cls, message: str) -> BackendError:
-        return cls(message, status=503)
+    def unavailable(cls, message: str, retry_after_s: float = FAULT_RETRY_AFTER_S,
+                    code: str | None = None) -> BackendError:  # fmt: skip
+        return cls(message, status=503, retry_after_s=retry_after_s, code=code)
 
 
 @runtime_checkable

@@ -18,6 +18,8 @@ from aegaeon_common.messages.structs import RequestTimings
 
 from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import (
+    FAULT_CODES,
+    FAULT_RETRY_AFTER_S,
     Backend,
     BackendError,
     GenerationRequest,
@@ -210,8 +212,8 @@ class Generation:
             raise APIError(503, "the request was cancelled by the server", code="cancelled")
         self.outcome = "error"
         message = f"generation failed: {chunk.error or 'unknown error'}"
-        if chunk.code == "instance_failed":  # a fault, not this request's doing: retryable
-            raise APIError(503, message, code="instance_failed")
+        if chunk.code in FAULT_CODES:  # a fault, not this request's doing: retryable
+            raise APIError(503, message, code=chunk.code, retry_after_s=FAULT_RETRY_AFTER_S)
         if chunk.code == "no_slot":  # static-mux placed its model on no instance
             raise APIError(503, f"model {self.req.model!r} is not served now: "
                            f"{chunk.error or 'no instance slot'}", code="model_not_placed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from aegaeon_common.messages.structs import KVHandoff, LatencyProfile, RequestTimings
+from aegaeon_common.messages.structs import Holdings, KVHandoff, LatencyProfile, RequestTimings
 from aegaeon_common.wire import Channel, Message, Struct
 
 
@@ -40,6 +40,7 @@ class PrefillDone(Message, frozen=True):
     timings: RequestTimings
     emitted_s: float
     kind: str = "prefill"  # the instance's kind: a decode instance prefills too (role switching)
+    holdings: Holdings | None = None  # the instance's, once this request left its queue
 
 
 class TokenItem(Struct, frozen=True):
@@ -56,6 +57,8 @@ class StepTokens(Message, frozen=True):
     index: int  # decode instance
     items: list[TokenItem]
     emitted_s: float
+    kind: str = "decode"  # the instance's kind: a prefill instance decodes when idle
+    holdings: Holdings | None = None  # the instance's, when a request ended in this message
 
 
 class RequestFailed(Message, frozen=True):
@@ -65,6 +68,7 @@ class RequestFailed(Message, frozen=True):
     index: int
     code: str
     message: str
+    holdings: Holdings | None = None  # the instance's, the request's KV freed
 
 
 class SwitchRecord(Struct, frozen=True):
@@ -119,6 +123,7 @@ class InstanceStats(Message, frozen=True):
     # stale (heartbeats and ModelsResident answers travel on different sockets).
     resident_models: list[str] = msgspec.field(default_factory=list)
     residency_version: int = 0
+    holdings: Holdings | None = None  # what it holds now (its counters repeat the numbers)
 
 
 class InstanceDraining(Message, frozen=True):

@@ -228,10 +228,11 @@ class TurnRunner:
             self.counters.prefills += 1
             w.metrics.tokens("prefill", seq.model, seq.prompt_len)
             w.metrics.request_done("prefill", seq.model, "ok")
-            self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
-                                         done, w.kind))  # fmt: skip
-            if finish is not None:
+            if finish is not None:  # freed first: the message carries what is left
                 self.admission.finish(seq)
+            holdings = self.admission.changed() if finish is not None else None
+            self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
+                                         done, w.kind, holdings))  # fmt: skip
 
     def _step(self, batch: DecodeBatch, ready: list[Seq]) -> int:
         """One decode step of the ``ready`` requests that have room; how many stepped."""

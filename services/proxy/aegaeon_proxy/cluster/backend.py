@@ -39,6 +39,7 @@ from aegaeon_common.messages.report import (
     RequestFailed,
     StepTokens,
 )
+from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, to_plain
@@ -311,6 +312,7 @@ class ClusterBackend:
                 self._actions.run(self.policy.set_role(change.instance, change.role, time.time()))
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
+        self.instances.note_holdings(msg.kind, msg.index, msg.holdings)
         # (a decode instance prefills too when roles move: the blocks are its own)
         owner = f"{msg.kind}-{msg.index}"
         tracked = self.table.prefilled(msg, owner)
@@ -330,9 +332,13 @@ class ClusterBackend:
         )
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
+        # before the request ends: once its client has the answer, the stats no
+        # longer count it on the instance that ended it
+        self.instances.note_holdings(msg.kind, msg.index, msg.holdings)
         self.table.step_tokens(msg)
 
     def _on_failed(self, msg: RequestFailed) -> None:
+        self.instances.note_holdings(msg.kind, msg.index, msg.holdings)
         self.table.failed(msg.request_id, f"{msg.kind}-{msg.index}", msg.code, msg.message)
 
     # ---- failures --------------------------------------------------------------
@@ -434,13 +440,13 @@ class ClusterBackend:
         owners = (cache or {}).get("kv", {}).get("blocks_per_owner", {})
         out: list[dict[str, object]] = []
         for v in self.instances:
-            counters = v.stats.counters if v.stats is not None else {}
+            held = v.holdings or Holdings(0, 0, 0)
             out.append({
                 "name": v.name, "kind": v.kind, "index": v.index, "pid": v.pid,
                 "alive": v.alive(now), "draining": v.draining,
-                "kv_blocks_in_use": int(counters.get("kv_blocks_in_use", 0)),
+                "kv_blocks_in_use": held.kv_blocks_in_use,
                 "leases": int(owners.get(v.name, 0)) if cache is not None else -1,
-                "open_sequences": int(counters.get("open_sequences", 0)),
+                "open_sequences": held.open_sequences,
                 "role": self.roles.role(v.name),
             })  # fmt: skip
         return out

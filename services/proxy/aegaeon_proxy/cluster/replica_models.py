@@ -11,9 +11,11 @@ the same records, so an add returns only then.
 A model added or removed on one replica is published in the store
 (:class:`~aegaeon_common.registry.ServedModelsRecord`, one transaction per
 change); every replica reads it with its registry refresh and hands each change
-to its front (``follow``): the model table and tokenizers of a replica follow
-the one that changed them, as the models' settings do. An instance that joins
-(a new node, or a restart) is given the models added (``on_joined``).
+to its front (``follow_with``): the model table and tokenizers of a replica
+follow the one that changed them, as the models' settings do. The record is
+one of the :class:`~aegaeon_proxy.cluster.shared_records.SharedRecords`: every
+replica writes it back if the store loses it. An instance that joins (a new
+node, or a restart) is given the models added (``on_joined``).
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from aegaeon_common.registry import (
     decode_served_models,
     encode,
 )
-from aegaeon_common.store import Store, StoreError
+from aegaeon_common.store import StoreError
 from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.models import ModelOps, Target
 from aegaeon_proxy.cluster.node_caches import NodeCaches
 from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.shared_records import SharedRecords
 
 log = get_logger("cluster")
 
@@ -55,12 +58,13 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
     return models & frozenset(record.latency.models) if record.latency is not None else models
 
 
-def with_change(raw: bytes | None, name: str, path: str | None,
-                proxy: str) -> ServedModelsRecord:  # fmt: skip
+def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
+                version: int = 0) -> ServedModelsRecord:  # fmt: skip
     """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` or, with
     None, removed."""
     record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
-    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy)
+    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy,
+                              version=version)  # fmt: skip
 
 
 def served_changes(record: ServedModelsRecord,
@@ -80,7 +84,7 @@ class ReplicaModels:
         config: Config,
         view: RegistryView,
         caches: NodeCaches,
-        store: Store,
+        records: SharedRecords,
         send: Callable[[InstanceRecord, Message], Coroutine[Any, Any, None]],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         reply_to: str,
@@ -89,7 +93,7 @@ class ReplicaModels:
         self.config = config
         self.view = view
         self._caches = caches
-        self._store = store
+        self._records = records
         self._send = send
         self._spawn = spawn
         self.reply_to = reply_to
@@ -98,8 +102,8 @@ class ReplicaModels:
         # instance -> (incarnation, residency version, models on its device): its answers
         self._answered: dict[str, tuple[int, int, tuple[str, ...]]] = {}
         self._apply: Apply | None = None
-        self._seen: bytes | None = None  # the shared record applied last
         self._applied: dict[str, str | None] = {}
+        records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
 
     # ---- Placement -------------------------------------------------------------
     def targets(self) -> list[Target]:
@@ -166,41 +170,45 @@ class ReplicaModels:
         """``name`` added (``model``) or removed (None), for every replica."""
         path = str(model.path) if model is not None else None
 
-        def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            record = with_change(values[0], name, path, self._proxy_id)
-            return {SERVED_MODELS: encode(record)}, None
+        def build(base: bytes | None, version: int) -> bytes:
+            return encode(with_change(base, name, path, self._proxy_id, version))
 
         try:
-            await self._store.transact([SERVED_MODELS], change)
+            raw = await self._records.publish(SERVED_MODELS, build)
         except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        # (the record holds other replicas' changes this one had not followed yet)
+        self._follow(decode_served_models(raw), mine=name)
+        self._note(name, path)
 
     def follow_with(self, apply: Apply) -> None:
         self._apply = apply
 
-    async def follow(self) -> None:
-        """The served models as the replicas last changed them (one read; raises
-        ``StoreError``): each change goes to the front and to the operations'
-        bookkeeping (a restarted instance is brought up to date from it)."""
-        raw = await self._store.get(SERVED_MODELS)
-        if raw is None or raw == self._seen:
-            return
-        self._seen = raw
-        try:
-            record = decode_served_models(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("bad_served_models_record", error=str(exc))
-            return
+    def _followed(self, key: str, raw: bytes) -> None:
+        """The served models as another replica last changed them. Raises
+        ``msgspec.DecodeError`` for a bad record."""
+        self._follow(decode_served_models(raw))
+
+    def _follow(self, record: ServedModelsRecord, mine: str | None = None) -> None:
+        """Each change of ``record`` not applied here yet goes to the front and to the
+        operations' bookkeeping (a restarted instance is brought up to date from it);
+        ``mine``: the change this replica is making itself (its front made it)."""
         for name, path in served_changes(record, self._applied):
-            self._applied[name] = path
-            model = ModelConfig(name, Path(path)) if path is not None else None
-            if model is not None:
-                self.ops.added[name] = model
-                self.ops.removed.discard(name)
-            else:
-                self.ops.added.pop(name, None)
-                if self.config.model(name) is not None:
-                    self.ops.removed.add(name)
+            if name == mine:
+                continue
+            model = self._note(name, path)
             log.info("served_models_followed", model=name, added=model is not None)
             if self._apply is not None:
                 self._apply(name, model)
+
+    def _note(self, name: str, path: str | None) -> ModelConfig | None:
+        self._applied[name] = path
+        model = ModelConfig(name, Path(path)) if path is not None else None
+        if model is not None:
+            self.ops.added[name] = model
+            self.ops.removed.discard(name)
+        else:
+            self.ops.added.pop(name, None)
+            if self.config.model(name) is not None:
+                self.ops.removed.add(name)
+        return model
