@@ -120,4 +120,5 @@ def test_the_paper_scenario_refuses_bad_values_in_one_line(
                        (["--init-s", "-1"], "--init-s")):  # fmt: skip
         with pytest.raises(SystemExit) as info:
             main(["sim", "--scenario", "paper", *argv])
-        assert word in str(info.value) and "\n" not in str(info.value)
+        said = (str(info.value) if info.value.code != 2 else capsys.readouterr().err).strip()
+        assert word in said and "\n" not in said, said
