@@ -179,7 +179,7 @@ def test_the_plan_fits_the_time_by_leaving_out_what_matters_least() -> None:
               PolicyRates("request-level", (0.7, 1.0), ""),
               PolicyRates("static-mux", (0.5,), "")]  # fmt: skip
 
-    def run_s(rate: float) -> float:
+    def run_s(policy: str, rate: float) -> float:
         return 90.0  # 60 s of arrivals + 30 s of grace
 
     everything = fit_budget(chosen, run_s, 30.0, 10_000.0, first="aegaeon")
@@ -306,6 +306,8 @@ def test_every_point_holds_a_minute_and_thirty_requests() -> None:
         assert plan.load(8, 1.0).load_s == plan.load_s  # a busy rate keeps the minute
         assert plan.load(8, 0.02, probe=True).load_s == plan.probe_load_s
         assert plan.run_estimate_s(8, 1.0) >= plan.load_s + plan.grace_s
+        assert plan.load_s < plan.run_estimate_s(8, 1.0, holds=True) < \
+            plan.run_estimate_s(8, 1.0)  # a run predicted to hold drains soon
     assert gpu_check_paper.choose_plan(True, "cuda") is gpu_check_paper.DRY_PLAN
     assert gpu_check_paper.choose_plan(False, "cpu") is gpu_check_paper.CPU_PLAN
     assert gpu_check_paper.choose_plan(False, "cuda").device == "cuda:0"

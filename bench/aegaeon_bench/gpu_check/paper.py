@@ -96,6 +96,7 @@ SHAREGPT_MEAN_OUTPUT = 294.0
 PAPER_RPS_PER_MODEL = 0.1  # Fig. 11a: models per GPU are counted at this rate
 IDLE_WAIT_S = 30.0
 IDLE_ESTIMATE_S = 5.0  # a run's idle wait, before any was measured
+HELD_DRAIN_S = 10.0  # after the last arrival, a run predicted to hold 90% (its grace: more)
 STOP_RESERVE_S = 20.0  # a node's Ctrl-C and the checks after it
 STATS_RECORDS = 20000
 BUDGET_S = 570.0  # the issue's 9.5 minutes on one H100
@@ -141,9 +142,11 @@ class PaperPlan:
                     self.ttft_s, self.tbt_s, self.input_scale, self.output_scale,
                     self.seed)  # fmt: skip
 
-    def run_estimate_s(self, num_models: int, rps: float) -> float:
-        """A run's worst case: its arrivals, the whole grace, the idle wait."""
-        return self.load_duration_s(num_models, rps) + self.grace_s + IDLE_ESTIMATE_S
+    def run_estimate_s(self, num_models: int, rps: float, holds: bool = False) -> float:
+        """A run's arrivals, the idle wait, and the whole grace, or (``holds``: predicted
+        to hold 90%, its requests done soon after the last arrival) a part of it."""
+        grace = min(self.grace_s, HELD_DRAIN_S) if holds else self.grace_s
+        return self.load_duration_s(num_models, rps) + grace + IDLE_ESTIMATE_S
 
 
 def gpu_plan(device: str) -> PaperPlan:
@@ -321,13 +324,20 @@ class PaperScenario:
                 starts, current = starts + 1, other
         return starts
 
+    def run_s(self, policy: str, rate: float) -> float:
+        """A run's expected seconds: its grace in full unless the prediction says it holds
+        (then a late run that misses may leave a later one no time: it is skipped, said)."""
+        predicted = dict(self.curves.get(policy) or []).get(rate)
+        holds = predicted is not None and predicted >= TARGET
+        return self.plan.run_estimate_s(self.num_models, rate, holds)
+
     def affordable(self, policy: str, rate: float) -> bool:
         """A run at ``rate`` fits beside this node's stop, the later nodes and the
         prediction at the end."""
         plan = self.plan
         keep = (max((float(s.get("stop_s") or 0) for s in self.sessions), default=STOP_RESERVE_S)
                 + self.later_starts(policy) * self.start_estimate_s() + plan.predict_s)
-        return self.runner.left_s() - keep >= plan.run_estimate_s(self.num_models, rate)
+        return self.runner.left_s() - keep >= self.run_s(policy, rate)
 
     # ---- a node -------------------------------------------------------------------
     def session(self, policy: str, first: bool = False) -> None:
@@ -444,8 +454,7 @@ class PaperScenario:
                 chosen.append(PolicyRates(policy, (middle,), "no prediction: the grid's middle"))
         self.chosen = chosen
         budget = self.runner.left_s() - plan.predict_s - STOP_RESERVE_S
-        fitted = fit_budget(chosen, lambda r: plan.run_estimate_s(self.num_models, r),
-                            self.start_estimate_s(), budget, first=first)  # fmt: skip
+        fitted = fit_budget(chosen, self.run_s, self.start_estimate_s(), budget, first=first)
         self.fitted = fitted
         self.pending = list(fitted.order)
         self.plan_note = (f"{len(fitted.order)} runs, ~{fitted.estimate_s:.0f} s of "

@@ -153,13 +153,16 @@ class Fitted:
     left_out: dict[str, str] = field(default_factory=dict)  # policy -> why
 
 
-def estimate_s(order: Sequence[tuple[str, float]], run_s: Callable[[float], float],
+RunSeconds = Callable[[str, float], float]  # (policy, rate) -> a run's seconds
+
+
+def estimate_s(order: Sequence[tuple[str, float]], run_s: RunSeconds,
                start_s: float, first: str | None = None) -> float:
     """Seconds ``order`` takes: its runs and its node starts (a stop each, with them)."""
-    return sum(run_s(rate) for _, rate in order) + node_starts(order, first) * start_s
+    return sum(run_s(p, rate) for p, rate in order) + node_starts(order, first) * start_s
 
 
-def fit_budget(chosen: Sequence[PolicyRates], run_s: Callable[[float], float], start_s: float,
+def fit_budget(chosen: Sequence[PolicyRates], run_s: RunSeconds, start_s: float,
                budget_s: float, first: str | None = None) -> Fitted:  # fmt: skip
     """The plan within ``budget_s`` (module docstring, 3); ``chosen`` in priority order."""
     priority = [c.policy for c in chosen]

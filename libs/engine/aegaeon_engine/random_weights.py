@@ -328,6 +328,21 @@ def _slot_copies(weights: RandomWeights, spec: ModelSpec, layout: WeightLayout,
         yield slot.offset + slot.nbytes, None
 
 
+def _gaps(layout: WeightLayout) -> list[tuple[int, int]]:
+    """The byte ranges of ``layout`` no tensor writes (zeroed, so that equal entries give
+    equal regions whatever memory they land in)."""
+    gaps, end = [], 0
+    for slot in layout.slots:
+        gaps.append((end, slot.offset))
+        if slot.dtype == FP8:
+            rows, in_features = slot.shape
+            gaps.append((slot.offset + rows * in_features,
+                          slot.offset + fp8_scales_offset(rows, in_features)))
+        end = slot.offset + slot.nbytes
+    gaps.append((end, layout.total_bytes))
+    return [(a, b) for a, b in gaps if b > a]
+
+
 def generation_threads() -> int:
     """Threads for one region: the cores this process may use, at most 16."""
     try:
@@ -344,7 +359,8 @@ def fill_random(weights: RandomWeights, spec: ModelSpec, layout: WeightLayout,
     uint8 tensor of at least ``layout.total_bytes``): what loading its written twin from
     disk would give, byte for byte. Copies run ``threads`` at a time (default
     :func:`generation_threads`) in pieces of :data:`CHUNK_BYTES`; padding is zeroed."""
-    dest[:layout.total_bytes].zero_()  # padding, and the gaps between FP8 codes and scales
+    for start, end in _gaps(layout):  # alignment padding, FP8 codes-to-scales gaps
+        dest[start:end].zero_()
     threads = threads or generation_threads()
 
     def run(batch: list[_Copy]) -> None:

@@ -29,7 +29,9 @@ the sampler and every buffer stay; only the engine's weight views change.
   range a model's bytes still occupy binds them without a copy (its record
   says ``resident``): two models that fit the arena together (static
   multiplexing, or two models alternating on a decode instance) stop being
-  copied back and forth.
+  copied back and forth. With ``keep_resident`` (static multiplexing) a
+  scale-up that was not prefetched is placed as a prefetch would be, beside
+  the active model rather than over it, so both stay.
 - **Mapped weights** (``map_weights``, CPU only): the engine's views are bound
   over the Model Cache's shared memory itself, so a scale-up copies nothing:
   it binds views over the kept mapping (a round trip to the cachemgr only on
@@ -89,6 +91,7 @@ class ModelSwitcher:
         prefetch: bool = True,
         copy_threads: int | None = None,
         map_weights: bool = False,
+        keep_resident: bool = False,
     ) -> None:
         self.engine = engine
         self.buffer = buffer
@@ -98,6 +101,10 @@ class ModelSwitcher:
         self.prefetch_enabled = prefetch
         self.copy_threads = copy_threads
         self.map_weights = map_weights
+        # static multiplexing: a scale-up that was not prefetched goes where the prefetch
+        # would have put it (beside the active model), not over it, so that the models of
+        # an instance whose arena holds them stay there
+        self.keep_resident = keep_resident
         # map_weights: model -> (its mapping, views over it), the last bound; entries
         # whose region the cachemgr evicted are dropped by the prefetch thread
         self._mapped_views: dict[str, tuple[MappedModel, ModelWeights]] = {}
@@ -288,13 +295,15 @@ class ModelSwitcher:
         elif self.map_weights:
             load_s, prefetched = self._map(name), False
         else:
-            self.active = None
-            self.buffer.reset()  # scale-down: the old model's bytes are simply reused
             nbytes = self.nbytes(name)
-            allocation = self._kept(name, nbytes)
-            if allocation is None:
-                allocation = self.buffer.alloc(nbytes)
+            beside = self._place(name, nbytes) if self.keep_resident else None
+            self.active = None
+            if beside is not None:
+                allocation = beside
+                self.buffer.arena.set_top(allocation)
             else:
+                self.buffer.reset()  # scale-down: the old model's bytes are simply reused
+                allocation = self._kept(name, nbytes) or self.buffer.alloc(nbytes)
                 self.buffer.arena.set_top(allocation)
             load_s, resident = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))

@@ -151,6 +151,8 @@ async def build_worker(
         # until the instance is idle, and every scale-up pays its load path)
         prefetch=config.scheduler.prefetch and config.scheduler.policy not in CHARGED_POLICIES,
         map_weights=inst.maps_weights,
+        # static-mux: an instance's models stay resident in its arena (MuxServe)
+        keep_resident=config.scheduler.policy == "static-mux",
     )
     for name in specs:  # map every Model Cache region now, off the critical path
         await client.load_model(name, pin=True)
