@@ -311,3 +311,41 @@ def test_every_point_holds_a_minute_and_thirty_requests() -> None:
     assert gpu_check_paper.choose_plan(True, "cuda") is gpu_check_paper.DRY_PLAN
     assert gpu_check_paper.choose_plan(False, "cpu") is gpu_check_paper.CPU_PLAN
     assert gpu_check_paper.choose_plan(False, "cuda").device == "cuda:0"
+
+
+def test_the_report_table_and_figure(tmp_path: Path) -> None:
+    """``paper_report``: a row per measured point with its prediction beside it, a line per
+    policy (sustainable rate, aegaeon's ratio, what a switch cost it), and the figure."""
+    from aegaeon_bench.gpu_check.paper_report import figure, markdown, policy_lines, rows
+
+    paper = {
+        "policies": ["aegaeon", "request-level-charged"],
+        "runs": {"aegaeon": [{"rps_per_model": 0.2, "requests": 40, "slo_attainment": 0.5},
+                             {"rps_per_model": 0.1, "requests": 30, "slo_attainment": 1.0}],
+                 "request-level-charged": [{"rps_per_model": 0.1, "requests": 30,
+                                            "slo_attainment": 0.6}]},
+        "predicted": {"policies": {"aegaeon": {"points": [
+            {"rps_per_model": 0.1, "predicted": 0.98}, {"rps_per_model": 0.2,
+                                                         "predicted": 0.55}]}}},
+        "sustainable": {"aegaeon": {"rps_per_model": 0.18, "kind": "interpolated"},
+                        "request-level-charged": {"rps_per_model": None, "kind": "below",
+                                                  "upper_bound": 0.1}},
+        "ratios": {"request-level-charged": {"value": 1.8, "kind": "at_least"}},
+        "switches": {"request-level-charged": {"records": 4, "visible_ms_mean": 600.0,
+                                               "charged_s": 2.0, "prefetched": 0,
+                                               "resident": 0}},
+        "models_per_gpu_at_paper_rps": {"aegaeon": 14.4},
+        "rate_plan": {"left_out": {"static-mux": "no time"}},
+        "machine": {"cpu": "AMD EPYC", "cpu_count": 2}, "models_per_gpu": 8,
+    }  # fmt: skip
+    assert [(r["policy"], r["rps_per_model"], r["predicted"]) for r in rows(paper)] == [
+        ("aegaeon", 0.1, 0.98), ("aegaeon", 0.2, 0.55), ("request-level-charged", 0.1, None)]
+    text = markdown(paper)
+    assert "| aegaeon | 0.1 | 30 | 100.0% | 98.0% |" in text
+    assert "| request-level-charged | < 0.1 (none) | >= 1.80x | 600.0 ms visible x 4 " \
+           "(500 ms of it charged) | - |" in text
+    lines = policy_lines(paper)
+    assert lines[0].startswith("aegaeon: sustainable at 90% 0.18") and "14.4 models" in lines[0]
+    assert lines[-1] == "static-mux: not run: no time"
+    png = figure(paper, tmp_path / "paper.png")
+    assert png.stat().st_size > 10_000

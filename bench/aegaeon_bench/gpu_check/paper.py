@@ -151,7 +151,7 @@ class PaperPlan:
 
 def gpu_plan(device: str) -> PaperPlan:
     """The artifact's SLO and ShareGPT's lengths as they are; 60 s + 30 s per point."""
-    return PaperPlan(device, scale="full", max_models=8, build_budget_s=30.0, ttft_s=10.0,
+    return PaperPlan(device, scale="full", max_models=8, build_budget_s=60.0, ttft_s=10.0,
                      tbt_s=0.1, input_scale=1.0, output_scale=1.0, slo_note=None,
                      probe_load_s=10.0, probe_grace_s=15.0, load_s=60.0, grace_s=30.0,
                      min_requests=30, startup_s=150.0, points=2, max_points=3,

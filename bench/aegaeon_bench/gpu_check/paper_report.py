@@ -140,7 +140,7 @@ def markdown(paper: Mapping[str, Any]) -> str:
             f"| {policy} | {rate_text(sustainable.get(policy))} "
             f"({rate_text((sim.get(policy) or {}).get('sustainable'))}) | "
             f"{ratio_text(ratios.get(policy)) if policy in ratios else '-'} | {cost} | "
-            f"{(paper.get('models_per_gpu_at_paper_rps') or {}).get(policy)} |")
+            f"{(paper.get('models_per_gpu_at_paper_rps') or {}).get(policy) or '-'} |")
     return "\n".join(lines)
 
 
