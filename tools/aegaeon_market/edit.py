@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from aegaeon_common.market_files import record_files
 from aegaeon_common.market_index import InMemory, MarketError
 from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
@@ -182,8 +183,10 @@ def _add_in_memory(root: Path, preset: Preset, name: str, dtype: str, replace_ex
                                   "entry has its own seed, so no two share weights)")
             write_recipe(preset, staging, dtype, chosen)
             ModelSpec.from_dir(staging)  # what the engine will read
+            # its files (config, tokenizer, the recipe) with their digests, as any entry's
             entry = MarketEntry(name, root / name, preset.architecture, preset.params, dtype,
-                                source=preset.source, in_memory=InMemory(preset.name, chosen))
+                                source=preset.source, files=record_files(staging),
+                                in_memory=InMemory(preset.name, chosen))
             _commit(root, manifest, entry, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -214,7 +217,9 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
     staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        entry = replace(write(staging), path=root / name)
+        # each file's size and digest as written: `market verify` and the cachemgr
+        # check them against what is on disk later
+        entry = replace(write(staging), path=root / name, files=record_files(staging))
         with market_lock(root):
             manifest = _manifest_or_new(root, staging)
             _check_clash(manifest, root, name, replace_existing)

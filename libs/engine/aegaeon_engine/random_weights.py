@@ -275,6 +275,21 @@ class RandomWeights:
         return cls(preset, str(dtype), seed, tuple((int(a), int(b)) for a, b in ranges))
 
 
+def check_recipe(weights: RandomWeights, layout: WeightLayout, model_dir: Path) -> None:
+    """``CheckpointError`` naming the recipe unless its weights can fill ``layout`` (an FP8
+    recipe for FP8 slots, float slots in a float dtype): what :func:`fill_random` would
+    refuse, before any byte is made."""
+    where = model_dir / RANDOM_WEIGHTS_FILE
+    fp8_slots = any(slot.dtype == FP8 for slot in layout.slots)
+    if fp8_slots != (weights.dtype == FP8):
+        raise CheckpointError(where, "dtype", f"{weights.dtype} does not fit the layout of "
+                              f"config.json ({'FP8' if fp8_slots else 'no FP8'} projections)")
+    for slot in layout.slots:
+        if slot.dtype != FP8 and slot.dtype not in TORCH_DTYPES:
+            raise CheckpointError(where, "dtype", f"slot {slot.name}: {slot.dtype} cannot be "
+                                  "generated")
+
+
 @dataclass(frozen=True)
 class _Copy:
     """Copy ``source`` (bytes) to ``dest[offset:]``."""

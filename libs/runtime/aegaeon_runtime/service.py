@@ -30,7 +30,12 @@ from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
 from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.report import InstanceDraining, InstanceHello, InstanceStats
+from aegaeon_common.messages.report import (
+    CudaGraphStats,
+    InstanceDraining,
+    InstanceHello,
+    InstanceStats,
+)
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import cancel_tasks, mark_ready, ready_path
@@ -119,7 +124,8 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
     waiting on the move list) and ``open_sequences`` (requests queued for prefill
     or in the decode work list, as the compute thread last published them); and
     for its KV usage (``vllm:kv_cache_usage_perc``): ``kv_used_bytes`` (live
-    blocks) of ``kv_capacity_bytes`` (the region's whole slabs)."""
+    blocks) of ``kv_capacity_bytes`` (the region's whole slabs); and ``cuda_graphs``,
+    what its decode-step graphs did (captures, replays, steps run eager and why)."""
     held = book.read()
     slabs = worker.kv.pool.stats().slabs
     counters = {
@@ -133,9 +139,11 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
     velocity = worker.metrics.velocity()
     # the version first: read with the names after it, it is never newer than they are
     version = worker.switcher.residency_version
+    graphs = msgspec.convert(worker.engine.graph_stats.to_dict(), CudaGraphStats)
     return msgspec.structs.replace(stats, counters=counters, velocity=velocity,
                                    resident_models=worker.switcher.resident_models(),
-                                   residency_version=version, holdings=held)  # fmt: skip
+                                   residency_version=version, holdings=held,
+                                   cuda_graphs=graphs)  # fmt: skip
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:
