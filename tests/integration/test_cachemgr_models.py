@@ -274,7 +274,8 @@ def test_in_memory_entries_are_generated_in_the_region_at_every_load(start: Star
     layout = weight_layout(ModelSpec.from_dir(twin), "bfloat16")
     expected = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     fill_layout(twin, layout, expected)
-    first = start(paths, model_cache=int(1.5 * layout.total_bytes))  # room for one
+    # the market's records of each entry's files (its config, tokenizer, recipe) checked
+    first = start(paths, model_cache=int(1.5 * layout.total_bytes), market=market)
 
     async def load_all(cm: CacheMgrProcess) -> dict[str, torch.Tensor]:
         client = CacheClient(cm.config.cachemgr_address, "w0")
@@ -294,7 +295,7 @@ def test_in_memory_entries_are_generated_in_the_region_at_every_load(start: Star
     assert torch.equal(loaded["a2"], loaded["a"])  # the same bytes on every load
     assert (loaded["a"] != loaded["b"]).float().mean() > 0.5  # another seed
     assert first.stop() == 0
-    second = start(paths, model_cache=int(1.5 * layout.total_bytes))
+    second = start(paths, model_cache=int(1.5 * layout.total_bytes), market=market)
     assert torch.equal(asyncio.run(load_all(second))["a"], expected)  # another cachemgr
     assert second.stop() == 0  # (both share the run dir: neither leaves a segment)
     assert sorted(str(p) for p in market.rglob("*")) == files_before  # nothing written

@@ -158,3 +158,20 @@ def test_a_broken_recipe_names_its_file_and_field(tmp_path: Path, broken: str,
         region(entry.path)
     assert str(entry.path / RANDOM_WEIGHTS_FILE) in str(info.value)
     assert info.value.field == field
+
+
+def test_its_files_are_recorded_so_a_changed_recipe_is_caught(tmp_path: Path) -> None:
+    """An in-memory entry's files (config, tokenizer, ``random-weights.json``) are in
+    ``market.json``'s records like any entry's: a recipe edited afterwards no longer
+    matches (what ``market verify`` and the cachemgr check)."""
+    from aegaeon_common.market_files import digest_problem
+
+    entry = add_random(tmp_path / "market", toy("llama-3.2-1b"), "a", in_memory=True,
+                       progress=False)  # fmt: skip
+    (listed,) = load_market(tmp_path / "market")
+    assert RANDOM_WEIGHTS_FILE in {f.name for f in listed.files}
+    assert digest_problem(entry.path, listed.files) is None
+    recipe = entry.path / RANDOM_WEIGHTS_FILE
+    recipe.write_text(recipe.read_text().replace('"seed": 1', '"seed": 2'))
+    problem = digest_problem(entry.path, listed.files)
+    assert problem is not None and str(recipe) in problem

@@ -334,7 +334,7 @@ class ModelSwitcher:
             load_s, prefetched = self._map(name), False
         else:
             nbytes = self.nbytes(name)
-            beside = self._place(name, nbytes) if self.keep_resident else None
+            beside = self._place(name) if self.keep_resident else None
             self.active = None
             if beside is not None:
                 allocation = beside
