@@ -349,3 +349,20 @@ def test_the_report_table_and_figure(tmp_path: Path) -> None:
     assert lines[-1] == "static-mux: not run: no time"
     png = figure(paper, tmp_path / "paper.png")
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--paper-policies", "aegaeon,nope"], "unknown nope"),
+    (["--paper-policies", "aegaeon,aegaeon"], "named twice"),
+    (["--paper-load-s", "0"], "--paper-load-s: must be > 0"),
+    (["--budget-s", "-5"], "--budget-s: must be > 0"),
+])  # fmt: skip
+def test_gpu_check_refuses_bad_paper_arguments_before_anything_runs(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from aegaeon_bench.gpu_check.main import build_parser, main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--scenario", "paper", "--dry-run", *argv])
+    assert info.value.code == 2 and said in capsys.readouterr().err
+    default = build_parser().parse_args(["--scenario", "paper"]).paper_policies
+    assert default.split(",") == list(gpu_check_paper.POLICIES)
