@@ -57,6 +57,7 @@ class ScriptedBackend:
         self.hang = False  # send nothing until cancelled
         self.hold = False  # hold each request for room (admission) until the test says
         self.refuse: BackendError | None = None
+        self.fail: tuple[str, str] | None = None  # (error, code): every request ends so
         self.is_ready = True
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
@@ -99,6 +100,9 @@ class ScriptedBackend:
         except BackendError:
             return
         if self.hang:
+            return
+        if self.fail is not None:
+            queue.finish("error", *self.fail)
             return
         ids = self.token_ids[: req.sampling.max_tokens]
         for i, token_id in enumerate(ids):

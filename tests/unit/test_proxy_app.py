@@ -389,3 +389,29 @@ def test_draining_is_unready_and_refuses_new_generations(proxy_market: Path) -> 
         assert backend.submitted == []
 
     run(proxy_market, scenario)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_model_static_mux_placed_nowhere_is_a_503_naming_it(proxy_market: Path,
+                                                             stream: bool) -> None:
+    """``static-mux`` refuses the models it left unplaced (``Reject`` code ``no_slot``):
+    the client gets a 503 saying so (a stream: the error event), never a 500."""
+    reason = "model 'x' has no instance slot under static multiplexing (the models " \
+             "resident on the instances: a, b)"
+
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.fail = (reason, "no_slot")
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stream": stream}
+        resp = await client.post("/v1/completions", json=body)
+        if stream:  # the stream is open: its error event, then [DONE]
+            assert resp.status == 200
+            events = await sse_events(resp)
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+        else:
+            assert resp.status == 503
+            error = (await resp.json())["error"]
+        assert error["code"] == "model_not_placed" and "static multiplexing" in error["message"]
+        assert MODEL in error["message"]
+
+    run(proxy_market, scenario)

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,10 +188,10 @@ class Node:
 
 
 def start_node(runner: Runner, work: Path, config: dict[str, Any], name: str,
-               startup_s: float) -> tuple[Node, str | None]:
-    """``aegaeon serve`` with ``config`` (its ``run_dir`` and proxy port set here) as
-    step ``name``'s node; the node and None once it serves, else why not (stop it
-    either way)."""
+               startup_s: float, serve_args: Sequence[str] = ()) -> tuple[Node, str | None]:
+    """``aegaeon serve`` with ``config`` (its ``run_dir`` and proxy port set here) and
+    ``serve_args`` as step ``name``'s node; the node and None once it serves, else why
+    not (stop it either way)."""
     run_dir = (work / f"{name}-run").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -204,7 +204,7 @@ def start_node(runner: Runner, work: Path, config: dict[str, Any], name: str,
                 shm_before=frozenset(shm_segments()))  # fmt: skip
     out, err = runner.logs / f"{name}.out", runner.logs / f"{name}.err"
     argv = [sys.executable, "-m", "aegaeon_cli.main", "serve", "--config", str(config_path),
-            "--run-dir", str(run_dir)]  # fmt: skip
+            "--run-dir", str(run_dir), *serve_args]  # fmt: skip
     start = time.monotonic()
     with out.open("wb") as fout, err.open("wb") as ferr:
         node.proc = subprocess.Popen(argv, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL,

@@ -19,6 +19,9 @@ gathers them. The rules (docs/gpu.md says the same):
   model plus a margin (active + prefetched) when that leaves at least a
   quarter of the device memory and 1 GiB for KV, else once (no room to
   prefetch); a model that does not fit with 1 GiB of KV is an error naming it.
+  ``--device-memory`` caps each instance's device memory (with ``--gpus``: the
+  smaller of the cap and its share of the GPU) and the same rule splits it (on
+  a CPU device the least KV is 64 MiB).
 - **Host.** The budget is half of MemAvailable, at most 90% of /dev/shm's free
   space (the Model Cache and the CPU KV cache live there). CPU KV cache: a
   quarter of the budget, between 1 and 64 GiB. Model Cache: every model of the
@@ -33,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
+    "BufferSplit",
     "CachePlan",
     "GpuInfo",
     "HostInfo",
@@ -41,6 +45,7 @@ __all__ = [
     "PlacementError",
     "Plan",
     "apply_plan",
+    "cap_split",
     "default_counts",
     "gpu_reserve_bytes",
     "parse_gpus",
@@ -49,6 +54,7 @@ __all__ = [
     "plan_instances",
     "plan_node",
     "select_gpus",
+    "split_buffer",
 ]
 
 MiB = 1 << 20
@@ -58,11 +64,13 @@ RESERVE_FRACTION = 0.10  # of a GPU's memory, kept back (docs/design.md, "Memory
 RESERVE_MIN_BYTES = 1 * GiB  # per instance on a GPU: its CUDA context and activations
 WEIGHTS_MARGIN_BYTES = 64 * MiB  # the arena's alignment slack
 KV_MIN_BYTES = 1 * GiB
+CPU_KV_REGION_MIN_BYTES = 64 * MiB  # an instance on a CPU (--device-memory there)
 KV_ALIGN_BYTES = 64 * MiB  # a multiple of any slab size up to 64 MiB
 HOST_FRACTION = 0.5  # of MemAvailable
 SHM_FRACTION = 0.9  # of /dev/shm's free space
 CPU_KV_FRACTION = 0.25  # of the host budget
 CPU_KV_MIN_BYTES = 1 * GiB
+CPU_KV_REGION_MIN_BYTES = 64 * MiB  # an instance on a CPU (--device-memory there)
 CPU_KV_MAX_BYTES = 64 * GiB
 MODEL_MARGIN_BYTES = 16 * MiB  # per model in the Model Cache (page rounding)
 
@@ -269,20 +277,70 @@ def _largest(models: Mapping[str, int]) -> tuple[str, int]:
     return name, models[name]
 
 
+@dataclass(frozen=True)
+class BufferSplit:
+    """One instance's buffer (its device memory) split into weights arena and KV region."""
+
+    device_memory_bytes: int
+    weights_bytes: int
+    kv_memory_bytes: int
+    prefetch_room: bool  # the arena holds two of the largest model
+
+
+def kv_min_bytes(device: str) -> int:
+    """The least KV region an instance on ``device`` is given: 1 GiB on a GPU, 64 MiB on
+    a CPU (whose models are small)."""
+    return KV_MIN_BYTES if device.startswith("cuda") else CPU_KV_REGION_MIN_BYTES
+
+
+def split_buffer(device_memory_bytes: int, model_bytes: int,
+                 kv_min: int = KV_MIN_BYTES) -> BufferSplit | None:  # fmt: skip
+    """The rule (module docstring, "KV region"): the weights arena holds the largest model
+    twice (active + prefetched) when that leaves at least a quarter of the device memory
+    and ``kv_min`` for KV, else once; the rest is KV (in whole 64 MiB, or MiB under
+    1 GiB). None when the model and ``kv_min`` of KV do not fit."""
+    device_memory = device_memory_bytes // MiB * MiB
+    once = -(-(model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
+    twice = -(-(2 * model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
+    if device_memory - twice >= max(kv_min, device_memory // 4):
+        weights, room = twice, True
+    elif device_memory - once >= kv_min:
+        weights, room = once, False
+    else:
+        return None
+    align = KV_ALIGN_BYTES if device_memory - weights >= GiB else MiB
+    kv = (device_memory - weights) // align * align
+    return BufferSplit(weights + kv, weights, kv, room)
+
+
+def cap_split(cap_bytes: int, models: Mapping[str, int], dtype: str, device: str,
+              flag: str = "--device-memory") -> BufferSplit:  # fmt: skip
+    """An instance capped at ``cap_bytes`` on ``device``: its split, or a PlacementError
+    naming the flag, the largest model and what it needs."""
+    name, largest = _largest(models)
+    kv_min = kv_min_bytes(device)
+    split = split_buffer(cap_bytes, largest, kv_min)
+    if split is None:
+        need = -(-(largest + WEIGHTS_MARGIN_BYTES) // MiB) * MiB + kv_min
+        raise PlacementError(
+            f"{flag} {_gib(cap_bytes)}: the largest model {name} ({_gib(largest)} in {dtype}) "
+            f"and {kv_min // MiB} MiB of KV need {_gib(need)} per instance on {device}; give "
+            f"more device memory or serve smaller models")  # fmt: skip
+    return split
+
+
 def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
-               dtype: str) -> KindPlan:  # fmt: skip
+               dtype: str, cap_bytes: int | None = None) -> KindPlan:  # fmt: skip
     shares = [(max(0, i.gpu.free_bytes - gpu_reserve_bytes(i.gpu, i.sharing)) // i.sharing, i)
               for i in placed]  # fmt: skip
     share, tightest = min(shares, key=lambda s: s[0])
+    if cap_bytes is not None:
+        share = min(share, cap_bytes)  # --device-memory caps what the GPU would give
     device_memory = share // MiB * MiB
     name, model_bytes = largest
-    once = -(-(model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
-    twice = -(-(2 * model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
-    if device_memory - twice >= max(KV_MIN_BYTES, device_memory // 4):
-        weights, room = twice, True
-    elif device_memory - once >= KV_MIN_BYTES:
-        weights, room = once, False
-    else:
+    split = split_buffer(device_memory, model_bytes)
+    if split is None:
+        once = -(-(model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
         gpu = tightest.gpu
         shared = f", shared by {tightest.sharing} instances" if tightest.sharing > 1 else ""
         raise PlacementError(
@@ -291,18 +349,22 @@ def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
             f", {_gib(gpu_reserve_bytes(gpu, tightest.sharing))} kept back{shared} leaves "
             f"{_gib(device_memory)}; it needs {_gib(once + KV_MIN_BYTES)} (the weights and "
             f"1 GiB of KV). Free the GPU, give it fewer instances, or serve smaller models"
+            + (f" (--device-memory caps it at {_gib(cap_bytes)})" if cap_bytes is not None
+               else "")
         )
-    kv = (device_memory - weights) // KV_ALIGN_BYTES * KV_ALIGN_BYTES
-    return KindPlan(kind, tuple(i.gpu.device for i in placed), weights + kv, kv, weights, room)
+    return KindPlan(kind, tuple(i.gpu.device for i in placed), split.device_memory_bytes,
+                    split.kv_memory_bytes, split.weights_bytes, split.prefetch_room)
 
 
 def plan_instances(gpus: Sequence[GpuInfo], prefill: int, decode: int,
-                   models: Mapping[str, int], dtype: str) -> Plan:  # fmt: skip
-    """Place ``prefill`` + ``decode`` instances on ``gpus`` and size each kind."""
+                   models: Mapping[str, int], dtype: str,
+                   cap_bytes: int | None = None) -> Plan:  # fmt: skip
+    """Place ``prefill`` + ``decode`` instances on ``gpus`` and size each kind (each
+    instance's device memory at most ``cap_bytes`` when given)."""
     instances = place(gpus, prefill, decode)
     largest = _largest(models)
     kinds = tuple(
-        _kind_plan(kind, [i for i in instances if i.kind == kind], largest, dtype)
+        _kind_plan(kind, [i for i in instances if i.kind == kind], largest, dtype, cap_bytes)
         for kind in KINDS if any(i.kind == kind for i in instances)
     )  # fmt: skip
     used = {i.gpu.index for i in instances}
@@ -337,14 +399,16 @@ def plan_cache(host: HostInfo, models: Mapping[str, int], dtype: str) -> CachePl
 
 def plan_node(spec: str | None, gpus: Sequence[GpuInfo], host: HostInfo | None,
               counts: tuple[int | None, int | None], models: Mapping[str, int],
-              dtype: str) -> Plan:  # fmt: skip
+              dtype: str, cap_bytes: int | None = None) -> Plan:  # fmt: skip
     """The whole plan: instances on the GPUs ``spec`` selects (None: no instances
-    planned) and, given ``host``, the cachemgr's sizes."""
+    planned; each at most ``cap_bytes`` of device memory when given) and, given
+    ``host``, the cachemgr's sizes."""
     plan = Plan(spec=spec)
     if spec is not None:
         chosen = select_gpus(spec, gpus)
         prefill, decode = default_counts(len(chosen), *counts)
-        plan = replace(plan_instances(chosen, prefill, decode, models, dtype), spec=spec)
+        plan = replace(plan_instances(chosen, prefill, decode, models, dtype, cap_bytes),
+                       spec=spec)
     if host is None:
         return plan
     name, largest = _largest(models)

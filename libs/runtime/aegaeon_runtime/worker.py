@@ -21,6 +21,7 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
+from aegaeon_sched import CHARGED_POLICIES
 from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
@@ -98,6 +99,7 @@ class Worker:
         CUDA graphs are captured now (where a scale-up lands), not at a served step."""
         spec = ModelSpec.from_dir(path)
         self.engine.tune(spec, self.config.dtype)
+        self.switcher.forget_bytes(name)  # a model of that name served before had other bytes
         self.switcher.specs[name] = spec
         self.specs[name] = spec
         self.capture_graphs([name])
@@ -188,8 +190,12 @@ async def build_worker(
         cache,
         specs,
         config.dtype,
-        prefetch=config.scheduler.prefetch,
+        # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
+        # until the instance is idle, and every scale-up pays its load path)
+        prefetch=config.scheduler.prefetch and config.scheduler.policy not in CHARGED_POLICIES,
         map_weights=inst.maps_weights,
+        # static-mux: an instance's models stay resident in its arena (MuxServe)
+        keep_resident=config.scheduler.policy == "static-mux",
     )
     for name in specs:  # map every Model Cache region now, off the critical path
         try:
