@@ -11,8 +11,8 @@ import yaml
 from aegaeon_cli import machine
 from aegaeon_cli.main import main
 from aegaeon_common.config import config_from_dict, load_config
-from aegaeon_common.placement import GpuInfo, HostInfo, PlacementError
 from aegaeon_market.presets import preset_config, preset_named
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError
 
 GiB = 1 << 30
 H100 = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB) for i in range(4)]

@@ -1,4 +1,4 @@
-"""The machine's facts for ``--gpus`` (``aegaeon_common.placement`` decides from them).
+"""The machine's facts for ``--gpus`` (``aegaeon_sched.placement`` decides from them).
 
 - GPUs: ``torch.cuda`` (``mem_get_info`` per device), asked in a child process
   (``python -m aegaeon_cli.machine``) so the supervisor holds no CUDA context on
@@ -19,16 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_common.config import Config, ConfigError, config_from_dict
-from aegaeon_common.placement import (
-    GpuInfo,
-    HostInfo,
-    PlacementError,
-    Plan,
-    apply_plan,
-    parse_gpus,
-    plan_node,
-)
 from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError, Plan, parse_gpus
+from aegaeon_sched.sizing import apply_plan, plan_node
 
 PROBE_TIMEOUT_S = 120.0
 ONLY = ("prefill", "decode", "instances", "cachemgr")
