@@ -46,8 +46,6 @@ import json
 import shutil
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -180,13 +178,15 @@ def open_work(url: str) -> int | None:
     from aegaeon_common.env import read_env
 
     from aegaeon_bench.node.client import auth_headers
+    from aegaeon_bench.node.http_client import fetch_sync
 
-    request = urllib.request.Request(f"{url}/v1/aegaeon/stats?light=1",
-                                     headers=auth_headers(read_env().api_key))  # fmt: skip
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            stats = json.loads(resp.read())
-    except (OSError, ValueError, urllib.error.URLError):
+        reply = fetch_sync("GET", f"{url}/v1/aegaeon/stats?light=1",
+                           headers=auth_headers(read_env().api_key), timeout_s=10)  # fmt: skip
+        stats = reply.json() if reply.status == 200 else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stats, dict):
         return None
     held = sum(int(i.get("open_sequences") or 0) for i in stats.get("instances") or []
                if isinstance(i, dict))  # fmt: skip
