@@ -63,7 +63,7 @@ from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
 from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
-from aegaeon_runtime.port import ModelGoneError
+from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
 
 
@@ -188,6 +188,8 @@ class ModelSwitcher:
         except RemoteError as exc:
             if exc.code == "unknown_model":
                 raise ModelGoneError(name, str(exc)) from exc
+            if exc.code == "checkpoint_error":  # quarantined by the cachemgr
+                raise ModelUnavailableError(name, exc.reply.message) from exc
             raise
         self.cache.unpin(name)
         return mapped

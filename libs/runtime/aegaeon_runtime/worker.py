@@ -2,7 +2,10 @@
 
 The device buffer (weights arena + device KV region), the engine, the
 sampler, the copy streams, the cachemgr lease and every model's spec are made
-here once; serving only rebinds views.
+here once; serving only rebinds views. A model whose checkpoint cannot be read
+does not stop the worker: its spec left out (an unreadable ``config.json``) or
+its weights refused by the cachemgr, it is noted in ``Worker.unavailable`` and
+the worker serves the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 import torch
 from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_common.logs import get_logger
-from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
+from aegaeon_common.transport import RemoteError
+from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 from aegaeon_sched import ModelSpec as SchedSpec
 
@@ -55,6 +59,9 @@ class Worker:
     sampler: Sampler
     # what the compute thread counts for /metrics (a registry of its own by default)
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
+    # models whose checkpoint could not be read at start -> why (left out of the
+    # start-up profile; the cachemgr refuses them until the operator reloads them)
+    unavailable: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -146,7 +153,14 @@ async def build_worker(
     registration = await client.register(os.getpid(), NUM_STREAMS)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
-    specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
+    specs: dict[str, ModelSpec] = {}
+    unavailable: dict[str, str] = {}
+    for model in config.models:
+        try:
+            specs[model.name] = ModelSpec.from_dir(model.path)
+        except (CheckpointError, OSError) as exc:  # served without it (the proxy says why)
+            unavailable[model.name] = str(exc)
+            log.error("model_unavailable", model=model.name, error=str(exc))
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
     # answering /health meanwhile.
@@ -178,7 +192,14 @@ async def build_worker(
         map_weights=inst.maps_weights,
     )
     for name in specs:  # map every Model Cache region now, off the critical path
-        await client.load_model(name, pin=True)
+        try:
+            await client.load_model(name, pin=True)
+        except RemoteError as exc:
+            if exc.code != "checkpoint_error":
+                raise
+            unavailable[name] = exc.reply.message  # quarantined there; the rest is served
+            log.error("model_unavailable", model=name, error=exc.reply.message)
+            continue
         await client.unpin(name)
     worker = Worker(
         config=config,
@@ -194,6 +215,7 @@ async def build_worker(
         kv=kv,
         sampler=Sampler(device),
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
+        unavailable=unavailable,
     )
     # the decode step's CUDA graphs, one set per layout, before the first step (a GPU)
     await asyncio.to_thread(worker.capture_graphs, list(specs))

@@ -50,6 +50,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "ModelControl",
+    "ModelQuarantine",
     "ModelResidency",
     "SamplingParams",
     "SharedModelSet",
@@ -234,6 +235,29 @@ class ModelControl(ModelFlags, Protocol):
     async def forget_model(self, name: str) -> bool:
         """Stop serving ``name`` (its requests have ended): the Model Cache frees its
         bytes; True when it is out of the cache now."""
+
+
+@runtime_checkable
+class ModelQuarantine(Protocol):
+    """A backend that tells which models' checkpoints cannot be read and reads them again
+    (optional; ``POST /v1/aegaeon/models/{model}/reload`` answers 501 without it). A
+    model is *unavailable* everywhere (every node, every proxy replica) from the moment
+    one cachemgr or instance cannot read it until it is reloaded."""
+
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        """Call ``apply(name, why)`` whenever a model is found unreadable (``why`` names
+        the file and what is wrong), ``apply(name, None)`` once it is read again (also
+        at once for what is known already)."""
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        """Make ``name`` unavailable everywhere (``why``), or no longer (None: it is
+        gone, or read again)."""
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        """Read ``model``'s checkpoint again on every node (its quarantine lifted there),
+        have every instance serve it, and make it available everywhere; a
+        :class:`BackendError` (422 ``model_unavailable``, naming what is wrong now) when
+        it still cannot be read: it stays unavailable."""
 
 
 @runtime_checkable
