@@ -16,7 +16,12 @@ import psutil
 import yaml
 from aegaeon_bench.node.launch import free_port, interrupt
 from aegaeon_bench.node.probe import shm_segments
-from http_support import get_json, sse_events
+from http_support import call_json, get_json, sse_events
+
+__all__ = [  # call_json: http_support's, here too for the tests that import it from here
+    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "prompt_body", "serve_config",
+    "serving", "start_serve", "stop_serve", "stream_completion", "until",
+]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
 
