@@ -7,6 +7,7 @@ The real engine behind the proxy is exercised end to end in tests/e2e/test_serve
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench.node.http_client import sse_payloads
 from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
@@ -137,10 +139,7 @@ def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
     asyncio.run(main())
 
 
-async def sse_events(resp: Any) -> list[str]:
-    raw = (await resp.read()).decode()
-    assert raw.endswith("data: [DONE]\n\n")
-    frames = raw.split("\n\n")
-    assert frames[-1] == ""
-    assert all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
-    return [f[len("data: ") :] for f in frames[:-1]]
+async def sse_chunks(resp: Any) -> list[Any]:
+    """A streamed answer's events as JSON, ``[DONE]`` left off, its framing checked
+    (``sse_payloads``: one ``data: `` line an event, ``[DONE]`` last)."""
+    return [json.loads(payload) for payload in sse_payloads(await resp.read())]

@@ -1,4 +1,4 @@
-"""The machine's facts for ``--gpus`` (``aegaeon_common.placement`` decides from them).
+"""The machine's facts for ``--gpus`` (``aegaeon_sched.placement`` decides from them).
 
 - GPUs: ``torch.cuda`` (``mem_get_info`` per device), asked in a child process
   (``python -m aegaeon_cli.machine``) so the supervisor holds no CUDA context on
@@ -19,17 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_common.config import Config, ConfigError, config_from_dict
-from aegaeon_common.placement import (
-    GpuInfo,
-    HostInfo,
-    PlacementError,
-    Plan,
-    apply_plan,
-    cap_split,
-    parse_gpus,
-    plan_node,
-)
 from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError, Plan, parse_gpus
+from aegaeon_sched.sizing import apply_plan, cap_split, plan_node
 
 PROBE_TIMEOUT_S = 120.0
 GiB = 1 << 30
@@ -177,7 +169,7 @@ def capped(raw: dict[str, Any], config: Config, cap_bytes: int,
            base: Path | None = None) -> tuple[Config, dict[str, Any], list[str]]:  # fmt: skip
     """``raw`` with every instance's device memory capped at ``cap_bytes``
     (``--device-memory``): the weights arena and the KV region split inside it by
-    ``aegaeon_common.placement.split_buffer``; on a CPU device ``weights: auto`` becomes
+    ``aegaeon_sched.sizing.split_buffer``; on a CPU device ``weights: auto`` becomes
     ``copy`` (the instance holds its models in its own memory, as a GPU does). The
     config, its plain data and a line per kind saying what was chosen. PlacementError
     when the largest model does not fit."""

@@ -4,7 +4,7 @@ Without ``--config`` it serves the default market (built if missing) on the
 CPU with one prefill and one decode instance whose device memory holds only a
 few models at once, so model switching is real. ``--gpus all|0,1,...`` places the
 instances one per GPU and sizes them and the cachemgr from the machine
-(``aegaeon_common.placement``, docs/gpu.md); without it nothing changes.
+(``aegaeon_sched.placement``, docs/gpu.md); without it nothing changes.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
-from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_common.usage import at_least_one, port_number
 from aegaeon_proxy.main import add_api_key_args, key_entries
+from aegaeon_sched.placement import PlacementError, Plan
 
 log = get_logger("serve")
 

@@ -220,7 +220,7 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instances: Count = 1
     device: str = "cpu"
     # One device per instance (instance i: devices[i], round and round), as `--gpus`
-    # places them (aegaeon_common.placement); empty: every instance on ``device``.
+    # places them (aegaeon_sched.placement); empty: every instance on ``device``.
     devices: tuple[str, ...] = ()
     # the whole buffer: weights arena + KV region
     device_memory_bytes: int = 512 << 20
