@@ -14,7 +14,6 @@ a node meanwhile.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import yaml
 from aegaeon_bench.node.launch import aegaeon_argv, slo_config, start_node
+from aegaeon_common.usage import OneLineParser
 
 RUNS = {
     "classes": {"single-slo": {"slo_classes": {"enabled": False}},
@@ -33,7 +33,7 @@ RUNS = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = OneLineParser(description=__doc__)
     ap.add_argument("compare", choices=sorted(RUNS))
     ap.add_argument("--market", type=Path, default=Path("market"))
     ap.add_argument("--models", type=int, default=8)

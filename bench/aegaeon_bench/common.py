@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.market_index import MARKET_DIR_HELP
+
 
 def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str, Any]:
     """``cpu_model``, ``isa`` (the native kernels' level in use: ``isa`` when the bench
@@ -16,7 +18,8 @@ def machine_info(isa: str | None = None, threads: int | None = None) -> dict[str
     path), ``threads`` (torch threads per engine; None where the bench cannot know,
     e.g. a server's) and ``torch`` (its version)."""
     import torch
-    from aegaeon_engine.native import cpu_model, expected_isa
+    from aegaeon_engine.isa import cpu_model
+    from aegaeon_engine.native import expected_isa
 
     return {
         "cpu_model": cpu_model(),
@@ -37,8 +40,42 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: st
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     """``--market`` and ``--config`` of a bench that starts its own node."""
-    parser.add_argument("--market", type=Path, help="market (default: ./market)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
+
+
+def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    """``--api-key``: what a bench sends a node that has API keys (its own node's
+    ``--config`` may set ``proxy.api_keys`` too)."""
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="the node's API key, sent as Authorization: Bearer KEY "
+                             "(default: $AEGAEON_API_KEY)")  # fmt: skip
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$AEGAEON_API_KEY``, else None."""
+    from aegaeon_common.env import read_env
+
+    given: str | None = getattr(args, "api_key", None)
+    return given or read_env().api_key
+
+
+def key_env(key: str | None) -> dict[str, str]:
+    """The environment of a child command (a bench that runs ``bench serve``): this
+    process's, with ``key`` as ``$AEGAEON_API_KEY``, so it never shows on a command line."""
+    import os
+
+    from aegaeon_common.env import API_KEY_ENV
+
+    env = dict(os.environ)
+    if key:
+        env[API_KEY_ENV] = key
+    return env
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments a report records: every one but the handler and the API key."""
+    return {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
 
 
 def add_slo_arguments(parser: argparse.ArgumentParser, ttft_s: float, tbt_s: float,
@@ -59,14 +96,22 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def node_market(args: argparse.Namespace) -> Path:
-    """``--market`` (default: ./market), resolved; built with the real models when it
-    has no index and no ``--config`` names the models instead."""
+    """``--market`` (default: $AEGAEON_MARKET or ./market), resolved; built with the real
+    models when it has no index and no ``--config`` names the models instead. What
+    `aegaeon serve` would refuse of them (a ``--config`` that cannot be read or does not validate, a
+    device this machine lacks) is a ConfigError or EnvError first: one line, before
+    anything is built or started."""
+    from aegaeon_cli.serve import check_serve
+    from aegaeon_common.config import read_config_file
     from aegaeon_common.market_index import MANIFEST
     from aegaeon_market import default_market_dir, ensure_market
 
+    if args.config is not None:
+        read_config_file(args.config)
     market: Path = (args.market or default_market_dir()).resolve()
     if args.config is None and not (market / MANIFEST).exists():
         ensure_market(market, real_models=True)
+    check_serve(market, args.config)
     return market
 
 

@@ -5,12 +5,16 @@
     aegaeon sim --policy aegaeon --models 70 --rps 0.1      # one experiment
     aegaeon sim --replay TRACE [TRACE ...] [--json]         # a live run, simulated
     aegaeon sim --compare classes|roles [--json]            # SLO classes / role switching
+    aegaeon sim --scenario paper [--calibration TRACE]      # one device, every served policy
 
 Aegaeon's decode rounds are bounded by default (``--round-ttft-fraction``,
 see aegaeon_sched.quota); ``--paper`` plans them with Eq. 2-3 exactly as
-published. Request-level baselines switch at ServerlessLLM's 16 GB/s, as the
-paper's artifact simulated them (``--baseline-switch-gbps eq4`` gives them
-Aegaeon's Eq. 4 instead).
+published. In the paper's cluster (``--figure``, ``--policy``) the request-level
+baselines switch at ServerlessLLM's 16 GB/s, as the paper's artifact simulated
+them (``--baseline-switch-gbps eq4`` gives them Aegaeon's Eq. 4 instead).
+``--scenario paper`` plays the one-device scenario with the policies as
+``aegaeon serve`` runs them: ``request-level`` switching at this system's
+cost, ``request-level-charged`` paying ``--load-gb-s`` and ``--init-s``.
 
 Nothing heavy is imported at module level (matplotlib only when plotting).
 """
@@ -23,8 +27,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aegaeon_common.usage import at_least_one
+
 from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
 from aegaeon_sim.cli_classes import print_progress
+from aegaeon_sim.cli_paper import add_arguments as add_paper_arguments
 from aegaeon_sim.cli_replay import add_arguments as add_replay_arguments
 
 if TYPE_CHECKING:
@@ -53,26 +60,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--figure", choices=["11a", "11b", "11c", "12", "13"])
     mode.add_argument("--theorem", action="store_true", help="check Theorem 3.1 by simulation")
-    mode.add_argument("--policy", help="run one experiment with this policy")
+    mode.add_argument("--policy", choices=_policy_names(), metavar="POLICY",
+                      help=f"run one experiment with this policy ({', '.join(_policy_names())})")
     mode.add_argument(
         "--replay", nargs="+", metavar="TRACE",
         help="simulate the deployment and workload of live `bench serve --trace` runs "
         "and compare attainment (reads TRACE.stats.json and TRACE.summary.json)",
     )  # fmt: skip
     mode.add_argument(
+        "--scenario", choices=["paper"],
+        help="paper: the one-device paper scenario of `scripts/gpu-check --scenario paper` "
+        "(every served policy: aegaeon, request-level-charged, request-level, static-mux) on "
+        "one rate grid; see aegaeon_sim.paper_scenario",
+    )  # fmt: skip
+    mode.add_argument(
         "--compare", choices=["classes", "roles"],
         help="issue 19: multi- vs single-SLO at --load x capacity (classes), dynamic vs fixed "
         "roles on ON/OFF bursts (roles); see aegaeon_sim.cli_classes",
     )  # fmt: skip
-    parser.add_argument("--models", type=int, default=40, help="with --policy")
-    parser.add_argument("--rps", type=float, default=0.1, help="per model, with --policy")
-    parser.add_argument("--input-scale", type=float, default=1.0, help="with --policy")
-    parser.add_argument("--output-scale", type=float, default=1.0, help="with --policy")
-    parser.add_argument("--slo-scale", type=float, default=1.0, help="with --policy")
-    parser.add_argument("--policies", help="comma-separated subset for --figure")
-    parser.add_argument("--points", help="comma-separated x values overriding the figure's grid")
+    parser.add_argument("--models", type=at_least_one, default=40, help="with --policy")
+    parser.add_argument("--rps", type=_positive, default=0.1, help="per model, with --policy")
+    parser.add_argument("--input-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--output-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--slo-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--policies", type=_policy_list,
+                        help="comma-separated subset for --figure")  # fmt: skip
+    parser.add_argument("--points", type=_points,
+                        help="comma-separated x values overriding the figure's grid")  # fmt: skip
     parser.add_argument(
-        "--duration", type=float, default=DEFAULT_DURATION_S, help="seconds of arrivals"
+        "--duration", type=_positive, default=DEFAULT_DURATION_S, help="seconds of arrivals"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--q-max", type=float, default=4.0, help="Aegaeon's Q_MAX (s)")
@@ -112,6 +128,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     add_replay_arguments(parser)
     add_compare_arguments(parser)
+    add_paper_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for PNGs")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -141,6 +158,10 @@ def _main(args: argparse.Namespace) -> int:
         from aegaeon_sim.cli_classes import compare
 
         summary = compare(args, _base(args))
+    elif args.scenario:
+        from aegaeon_sim.paper_scenario import run as run_scenario
+
+        summary = run_scenario(args)
     elif args.figure:
         summary = _figure(args)
     else:
@@ -151,10 +172,33 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _policy_names() -> list[str]:
+    from aegaeon_sched.factory import POLICIES
+
+    return sorted(POLICIES)
+
+
+def _policy_list(text: str) -> str:
+    unknown = [p for p in text.split(",") if p not in _policy_names()]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown[0]!r} (policies: "
+                                         f"{', '.join(_policy_names())})")  # fmt: skip
+    return text
+
+
+def _points(text: str) -> str:
+    for value in text.split(","):
+        _positive(value)
+    return text
 
 
 def _base(args: argparse.Namespace) -> Scenario:

@@ -191,12 +191,42 @@ def test_prometheus_scrapes_every_service_of_either_stack_on_its_port(compose: d
         assert all(name in compose["services"] for name in sd["names"])
 
 
+def test_the_proxy_and_prometheus_share_the_admin_key_file(compose: dict) -> None:
+    """Issue 45: each proxy reads the key files compose mounts (the command line parses as
+    `aegaeon proxy` does; unset, /dev/null: no keys), with every other mount of a service;
+    Prometheus scrapes the proxies with the admin key file (an empty token without keys),
+    and no other job or container gets it."""
+    from aegaeon_cli.main import build_parser
+
+    services = compose["services"]
+    base = compose["x-service"]["volumes"]
+    prometheus = services["prometheus"]
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    token_file = jobs["aegaeon-proxy"]["authorization"]["credentials_file"]
+    admin_mount = f"${{AEGAEON_ADMIN_KEY_FILE:-/dev/null}}:{token_file}:ro"
+    assert admin_mount in prometheus["volumes"]
+    assert jobs["aegaeon-proxy"]["authorization"]["type"] == "Bearer"
+    assert all("authorization" not in j for name, j in jobs.items() if name != "aegaeon-proxy")
+    for suffix in STACKS.values():
+        proxy = services["proxy" + suffix]
+        argv = [*proxy["command"], "--config", "/tmp/aegaeon/config.yaml"]  # the entrypoint's
+        args = build_parser(argv).parse_args(argv)
+        mounts = {v.split(":")[-2]: v.split(":")[0] for v in proxy["volumes"] if ":" in v}
+        assert mounts[str(args.api_key_file[0])] == "${AEGAEON_API_KEYS_FILE"
+        assert mounts[str(args.admin_key_file[0])] == "${AEGAEON_ADMIN_KEY_FILE"
+        assert [v for v in proxy["volumes"] if "KEY" not in v] == base  # nothing else differs
+        for name, svc in services.items():
+            if not name.startswith("proxy") and name != "prometheus":
+                assert "KEY" not in json.dumps(svc.get("volumes", [])), name
+
+
 def test_aegaeon_gpus_plans_a_worker_and_the_cachemgr(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aegaeon_cli import machine
-    from aegaeon_common.placement import GpuInfo, HostInfo
     from aegaeon_market.presets import preset_config, preset_named
+    from aegaeon_sched.placement import GpuInfo, HostInfo
 
     gib = 1 << 30
     monkeypatch.setattr(machine, "cuda_gpus",

@@ -5,13 +5,13 @@ vLLM's integer priority, unknown fields refused by name."""
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from serve_harness import Served, call_json, until
+from http_support import call_json, fetch_sync
+from serve_harness import Served, until
 from tokenizers import Tokenizer
 
 
@@ -49,14 +49,12 @@ def test_tokenize_ids_equal_the_models_tokenizer(served: Served, small_market: P
 
 def test_request_id_travels_to_the_stats_and_the_access_log(served: Served) -> None:
     model = _model(served)
-    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 3,
-                       "ignore_eos": True, "priority": 0}).encode()  # vLLM's integer priority
-    req = urllib.request.Request(served.base_url + "/completions", data=body, headers={
-        "Content-Type": "application/json", "X-Request-Id": "e2e-trace-7"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        assert resp.headers["X-Request-Id"] == "e2e-trace-7"
-        out = json.loads(resp.read())
-    assert out["id"] == "cmpl-e2e-trace-7"
+    body = {"model": model, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True,
+            "priority": 0}  # vLLM's integer priority
+    reply = fetch_sync("POST", served.base_url + "/completions", body,
+                       {"X-Request-Id": "e2e-trace-7"})
+    assert reply.status == 200 and reply.header("X-Request-Id") == "e2e-trace-7"
+    assert reply.json()["id"] == "cmpl-e2e-trace-7"
 
     def recorded() -> bool:
         stats = served.get_json("/v1/aegaeon/stats")

@@ -7,6 +7,7 @@ The real engine behind the proxy is exercised end to end in tests/e2e/test_serve
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench.node.http_client import sse_payloads
 from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_common.messages.structs import TokenLogprobs
 from aegaeon_proxy.app import make_app
@@ -52,11 +54,13 @@ class ScriptedBackend:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.finish: FinishReason = "length"
+        self.code: str | None = None  # an "error" finish's code (None: a backend error)
         self.step_s = 0.0
         self.burst = False  # push every chunk at once (a busy proxy finds them queued)
         self.hang = False  # send nothing until cancelled
         self.hold = False  # hold each request for room (admission) until the test says
         self.refuse: BackendError | None = None
+        self.fail: tuple[str, str] | None = None  # (error, code): every request ends so
         self.is_ready = True
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
@@ -100,6 +104,9 @@ class ScriptedBackend:
             return
         if self.hang:
             return
+        if self.fail is not None:
+            queue.finish("error", *self.fail)
+            return
         s = req.sampling
         ids = self.token_ids[: s.max_tokens]
         prompt = [scripted_logprobs(t, s.prompt_logprobs) for t in req.prompt_token_ids[1:]]
@@ -112,7 +119,8 @@ class ScriptedBackend:
                 lps = (scripted_logprobs(token_id, s.logprobs),) if s.logprobs >= 0 else ()
                 queue.push(TokenChunk(
                     (token_id,), self.finish if last and index == s.n - 1 else None, "boom",
-                    index=index, seq_finish=self.finish if last else None, logprobs=lps,
+                    self.code, index=index, seq_finish=self.finish if last else None,
+                    logprobs=lps,
                     prompt_logprobs=tuple(prompt) if s.prompt_logprobs >= 0 and i == 0 else None,
                 ))  # fmt: skip
         if not ids:
@@ -148,10 +156,7 @@ def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
     asyncio.run(main())
 
 
-async def sse_events(resp: Any) -> list[str]:
-    raw = (await resp.read()).decode()
-    assert raw.endswith("data: [DONE]\n\n")
-    frames = raw.split("\n\n")
-    assert frames[-1] == ""
-    assert all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
-    return [f[len("data: ") :] for f in frames[:-1]]
+async def sse_chunks(resp: Any) -> list[Any]:
+    """A streamed answer's events as JSON, ``[DONE]`` left off, its framing checked
+    (``sse_payloads``: one ``data: `` line an event, ``[DONE]`` last)."""
+    return [json.loads(payload) for payload in sse_payloads(await resp.read())]

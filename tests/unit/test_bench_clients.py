@@ -79,9 +79,8 @@ def test_trace_latencies_count_per_request_not_per_chunk(tmp_path: Path) -> None
 def test_a_client_not_installed_is_reported_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aegaeon_bench.serve import clients
 
-    monkeypatch.setattr(clients, "CACHE", tmp_path)
+    monkeypatch.setenv("AEGAEON_CLIENTS_DIR", str(tmp_path))
     load = Load("http://127.0.0.1:1", "m", tmp_path, 0.1, 10.0, 16, 4, 0)
     row = run_aiperf(load, tmp_path)
     assert row.status == "missing" and "install-bench-clients" in row.note
@@ -89,3 +88,40 @@ def test_a_client_not_installed_is_reported_missing(
     lines = table.splitlines()
     assert lines[2].startswith("| aiperf | missing | - |")
     assert lines[3].startswith("| aegaeon | ok | 3 | 0 | 0.100 |")
+
+
+def test_the_api_key_reaches_every_client_and_never_its_recorded_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each external client gets the key its own way (aiperf ``--api-key``, GuideLLM's
+    backend ``api_key``, vLLM's bench ``$OPENAI_API_KEY``); the command printed and
+    kept in the report shows ``***`` instead."""
+    from aegaeon_bench.serve import clients
+
+    key = "sk-bench-clients-5e1f"
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    script = "#!/bin/sh\nprintf '%s\\n' \"$@\" > {out}.argv\nenv > {out}.env\nexit 3\n"
+    for venv, exe in (("aiperf-venv", "aiperf"), ("guidellm-venv", "guidellm")):
+        path = tmp_path / venv / "bin" / exe
+        path.parent.mkdir(parents=True)
+        path.write_text(script.format(out=seen / exe))
+        path.chmod(0o755)
+    vllm_python = tmp_path / "vllm" / "bin" / "python"
+    vllm_python.parent.mkdir(parents=True)
+    vllm_python.write_text(script.format(out=seen / "vllm"))
+    vllm_python.chmod(0o755)
+    monkeypatch.setenv("AEGAEON_CLIENTS_DIR", str(tmp_path))
+    monkeypatch.setattr(clients, "VLLM_VENV", tmp_path / "vllm")
+    load = Load("http://127.0.0.1:1", "m", tmp_path, 0.1, 10.0, 16, 4, 0)
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = {name: clients.RUNNERS[name](load, out, key) for name in ("aiperf", "guidellm", "vllm")}
+    for name, row in rows.items():
+        assert row.status == "failed" and "exit 3" in row.note, (name, row)
+        assert key not in row.command and key not in row.note, (name, row.command)
+    assert "--api-key\n" + key in (seen / "aiperf.argv").read_text()
+    assert f",api_key={key}" in (seen / "guidellm.argv").read_text()
+    assert "***" in rows["aiperf"].command and "***" in rows["guidellm"].command
+    assert f"OPENAI_API_KEY={key}" in (seen / "vllm.env").read_text().splitlines()
+    assert key not in (seen / "vllm.argv").read_text()

@@ -120,3 +120,43 @@ def test_open_loop_run_records_every_outcome() -> None:
     assert "generation failed" in (records["broken/0.25"].error or "")
     assert outcome.stats_before is not None and outcome.stats_after is not None
     assert len(outcome.kv_samples) >= 3
+
+
+def test_a_user_key_runs_the_load_and_the_stats_it_may_not_read_are_left_out() -> None:
+    """A node with keys (issue 43): the key goes with every request; the stats need an
+    admin key (issue 45), so a user key's run has none and still completes."""
+    key = "sk-user-key-1234"
+
+    @web.middleware
+    async def keys(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization")
+        if given != f"Bearer {key}":
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+        if request.path.startswith("/v1/aegaeon/"):
+            return web.json_response({"error": {"code": "insufficient_permissions"}},
+                                     status=403)  # fmt: skip
+        return await handler(request)
+
+    async def run(api_key: str | None) -> RunOutcome:
+        app = web.Application(middlewares=[keys])
+        app.router.add_post("/v1/completions", _completions)
+        app.router.add_get("/v1/aegaeon/stats", _stats_handler())
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        options = RunOptions(f"http://127.0.0.1:{port}", 0.2, grace_s=5.0,
+                             sample_interval_s=0.05, api_key=api_key)  # fmt: skip
+        try:
+            return await run_load([_planned("good", 0.0), _planned("good", 0.1)], options)
+        finally:
+            await runner.cleanup()
+
+    with_key = asyncio.run(run(key))
+    assert all(r.status == "ok" for r in with_key.records())
+    assert with_key.stats_before is None and with_key.stats_after is None
+    assert with_key.kv_samples == []
+    without = asyncio.run(run(None))
+    errors = [r.error or "" for r in without.records()]
+    assert all("HTTP 401 (the node wants an API key: --api-key KEY" in e for e in errors), errors

@@ -100,6 +100,17 @@ def test_node_pods_share_host_memory_and_answer_probes(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_redis_keeps_nothing_on_disk(overlay: str) -> None:
+    """The store needs no persistence (docs/reliability.md, "The shared store"): its
+    owners rebuild every record after a restart and the proxy replicas write the
+    run-time changes back. So Redis runs without AOF or snapshots and without a volume."""
+    redis = _one(_render(overlay), "Deployment", "aegaeon-redis")["spec"]["template"]["spec"]
+    args = redis["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "no" and args[args.index("--save") + 1] == ""
+    assert not redis.get("volumes") and not redis["containers"][0].get("volumeMounts")
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_the_config_map_is_a_valid_deployment(overlay: str, default_market: Path,
                                               tmp_path: Path) -> None:  # fmt: skip
     """The pods' config as a container renders it (pod IP and name filled in)."""
@@ -131,3 +142,36 @@ def test_gpu_pods_size_each_container_from_the_machine(overlay: str) -> None:
         assert "aegaeon plan --config /run/aegaeon/" in script
         assert f"--only {container['name']} --write" in script
         subprocess.run(["sh", "-n", "-c", script], check=True, timeout=10)  # it parses
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_proxies_and_the_scraper_share_the_keys_secret(overlay: str, tmp_path: Path) -> None:
+    """Every proxy replica reads its keys from the Secret aegaeon-api-keys (the command
+    line parses as `aegaeon proxy` does, each file in the mount); the ServiceMonitor
+    scrapes the proxies' /metrics with the admin key of that Secret; the probes stay on
+    /health and /ready, which need no key (issue 45)."""
+    import shlex
+
+    from aegaeon_cli.main import build_parser
+
+    docs = _render(overlay)
+    pod = _one(docs, "Deployment", "aegaeon-proxy")["spec"]["template"]["spec"]
+    secret = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName")
+                  == "aegaeon-api-keys")  # fmt: skip
+    (proxy,) = pod["containers"]
+    mount = next(m for m in proxy["volumeMounts"] if m["name"] == secret["name"])
+    script = " ".join(proxy["args"])
+    argv = shlex.split(script.partition("exec aegaeon ")[2])
+    args = build_parser(argv).parse_args(argv)
+    files = [*args.api_key_file, *args.admin_key_file]
+    assert args.admin_key_file and args.api_key_file and not args.api_key and not args.admin_key
+    assert all(str(f.parent) == mount["mountPath"] for f in files), files
+    admin_file = args.admin_key_file[0].name
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/ready"
+    monitor = _one(docs, "ServiceMonitor", "aegaeon")["spec"]["endpoints"]
+    (http,) = [e for e in monitor if e["port"] == "http"]
+    assert http["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "aegaeon-api-keys", "key": admin_file}}
+    # the node pods' side ports are not the proxy: no key there
+    assert all("authorization" not in e for e in monitor if e["port"] != "http")

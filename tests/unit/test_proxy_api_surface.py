@@ -3,14 +3,13 @@ vLLM's /tokenize, /detokenize and /version, chat template options (scripted back
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import structlog
 from aegaeon_proxy.backend import GenerationRequest
 from aiohttp.test_utils import TestClient
-from proxy_support import MODEL, ScriptedBackend, run, sse_events
+from proxy_support import MODEL, ScriptedBackend, run, sse_chunks
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 
@@ -30,7 +29,7 @@ def test_request_id_in_out_and_in_every_line(proxy_market: Path) -> None:
             resp = await client.post("/v1/chat/completions", headers={"X-Request-Id": "s-1"},
                                      json={"model": MODEL, "messages": CHAT, "stream": True})
             assert resp.headers["X-Request-Id"] == "s-1"
-            chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+            chunks = await sse_chunks(resp)
             assert {c["id"] for c in chunks} == {"chatcmpl-s-1"}
             # vLLM's request_id field, when no header
             resp = await client.post("/v1/completions",

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from proxy_support import MODEL, ScriptedBackend, run, scripted_logprobs, sse_events
+from proxy_support import MODEL, ScriptedBackend, run, scripted_logprobs, sse_chunks
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -38,7 +37,7 @@ def test_completion_logprobs_with_echo(proxy_market: Path) -> None:
         resp = await client.post("/v1/completions", json={
             "model": MODEL, "prompt": "Colors:", "max_tokens": 3, "logprobs": 2, "echo": True,
             "stream": True})
-        chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+        chunks = await sse_chunks(resp)
         text = "".join(c["choices"][0]["text"] for c in chunks)
         streamed = [v for c in chunks if c["choices"][0]["logprobs"]
                     for v in c["choices"][0]["logprobs"]["token_logprobs"]]  # fmt: skip
@@ -60,7 +59,7 @@ def test_chat_logprobs_whole_and_streamed(proxy_market: Path) -> None:
             assert entry["bytes"] == list(entry["token"].encode())
             assert len(entry["top_logprobs"]) == 3
         resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
-        chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+        chunks = await sse_chunks(resp)
         streamed = [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
                     for e in c["choices"][0]["logprobs"]["content"]]  # fmt: skip
         assert streamed == content
@@ -83,7 +82,7 @@ def test_n_choices_whole_and_streamed(proxy_market: Path) -> None:
         assert backend.submitted[-1].sampling.n == 3  # one request, n sequences
         resp = await client.post("/v1/completions", json={
             "model": MODEL, "prompt": "x", "n": 2, "stream": True})
-        chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+        chunks = await sse_chunks(resp)
         texts: dict[int, str] = {}
         finishes: dict[int, str] = {}
         for c in chunks:

@@ -115,6 +115,18 @@ def test_a_class_the_model_does_not_allow_is_a_403() -> None:
         _resolve(config, nothing)
 
 
+def test_the_403_speaks_of_an_api_key_only_when_there_is_one() -> None:
+    """Issue 43: with no keys configured, the model's own settings refuse the class."""
+    config = _config(settings=ModelSettings(slo_classes=("batch",), min_ttft_s=5.0))
+    for key, asked in [(None, {"priority": "interactive"}), (None, {"ttft_s": 1.0}),
+                       (ApiKeyConfig(KEY), {"priority": "interactive"}),
+                       (ApiKeyConfig(KEY), {"ttft_s": 1.0})]:  # fmt: skip
+        with pytest.raises(APIError) as err:
+            _resolve(config, key, **asked)
+        assert err.value.status == 403 and f"model '{MODEL}'" in err.value.message
+        assert ("with this API key" in err.value.message) == (key is not None), err.value.message
+
+
 def test_explicit_targets_are_bounded_by_the_floors() -> None:
     config = _config(settings=ModelSettings(min_ttft_s=0.5))
     key = ApiKeyConfig(KEY, min_tbt_s=0.05)

@@ -19,7 +19,7 @@ from aegaeon_proxy.prompts import chat_prompt, render_chat
 from aegaeon_proxy.structured import constraint_of, grammar_for
 from aegaeon_proxy.tool_calls import ToolCallParser, tool_format, tool_setup
 from aiohttp.test_utils import TestClient
-from proxy_support import MODEL, ScriptedBackend, run, sse_events
+from proxy_support import MODEL, ScriptedBackend, run, sse_chunks
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"enum": ["c", "f"]}},
@@ -225,7 +225,7 @@ def test_tool_calls_through_the_front(proxy_market: Path) -> None:
             "get_weather", "get_time"]
         assert backend.submitted[-1].sampling.grammar == ""  # auto: nothing forced
         resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
-        chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+        chunks = await sse_chunks(resp)
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
         assert deltas[-1]["finish_reason"] == "tool_calls"
         fragments = [t for d in deltas for t in d["delta"].get("tool_calls") or []]

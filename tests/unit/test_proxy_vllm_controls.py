@@ -115,16 +115,20 @@ def test_sleep_is_sleeping_and_wake_up_act_on_the_model(proxy_market: Path) -> N
     _run(proxy_market, scenario)
 
 
-def test_controls_need_a_key_when_keys_are_set_and_a_backend_that_sleeps(
+def test_controls_need_an_admin_key_when_keys_are_set_and_a_backend_that_sleeps(
     proxy_market: Path,
 ) -> None:
     async def keyed(client: TestClient[Any, Any], backend: Controlled) -> None:
         assert (await client.post("/sleep")).status == 401
         assert (await client.get("/is_sleeping")).status == 401
-        resp = await client.post("/sleep", headers={"Authorization": "Bearer k1"})
+        resp = await client.post("/sleep", headers={"Authorization": "Bearer user-key-1"})
+        assert resp.status == 403  # a user key: the API only
+        assert backend.calls == []
+        resp = await client.post("/sleep", headers={"Authorization": "Bearer admin-key-1"})
         assert resp.status == 200
 
-    _run(proxy_market, keyed, api_keys=(ApiKeyConfig(key="k1"),))
+    _run(proxy_market, keyed, api_keys=(ApiKeyConfig(key="user-key-1"),
+                                        ApiKeyConfig(key="admin-key-1", admin=True)))
 
     async def plain(client: TestClient[Any, Any], backend: ScriptedBackend) -> None:
         resp = await client.post("/sleep")

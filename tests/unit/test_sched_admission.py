@@ -111,13 +111,38 @@ def test_proxy_reliability_keys_validate() -> None:
                        ({"write_timeout": 0}, "proxy.write_timeout"),
                        ({"admin_port": 8000}, "proxy.admin_port"),
                        ({"api_keys": ["short"]}, "proxy.api_keys[0]"),
+                       # the README's rule: at least 8 characters, no spaces anywhere
+                       ({"api_keys": ["sk-with space"]}, "proxy.api_keys[0]"),
+                       ({"api_keys": ["sk-tab\tinside"]}, "proxy.api_keys[0]"),
                        ({"api_keys": ["sk-same-123", "sk-same-123"]}, "proxy.api_keys[1]"),
                        ({"api_keys": [{"key": "sk-limited-1", "models": ["zz"]}]},
                         "proxy.api_keys[0].models"),
-                       ({"api_keys": "sk-notalist"}, "proxy.api_keys")]:  # fmt: skip
+                       ({"api_keys": "sk-notalist"}, "proxy.api_keys"),
+                       ({"admin_keys": ["short"]}, "proxy.admin_keys[0]"),
+                       ({"admin_keys": "sk-notalist"}, "proxy.admin_keys"),
+                       ({"api_keys": ["sk-same-123"], "admin_keys": ["sk-same-123"]},
+                        "proxy.admin_keys[0]"),
+                       ({"admin_keys": [{"key": "sk-admin-123", "models": ["a"]}]},
+                        "proxy.admin_keys[0].models"),
+                       ({"api_keys": [{"key": "sk-admin-123", "admin": True, "models": ["a"]}]},
+                        "proxy.api_keys[0].models"),
+                       ({"api_keys": [{"key": "sk-admin-123", "admin": "yes"}]},
+                        "proxy.api_keys[0].admin")]:  # fmt: skip
         with pytest.raises(ConfigError) as info:
             _config(**bad)
         assert info.value.field == field, (bad, info.value)
+
+
+def test_admin_keys_three_ways() -> None:
+    """``proxy.admin_keys``, ``{key, admin: true}`` in ``proxy.api_keys``: admin keys;
+    the rest user keys. ``proxy.keys`` is the one list the proxy checks."""
+    config = _config(api_keys=["sk-user-123", {"key": "sk-admin-1", "admin": True}],
+                     admin_keys=["sk-admin-2", {"key": "sk-admin-3", "name": "ops"}])
+    proxy = config.proxy  # type: ignore[attr-defined]
+    assert [(k.key, k.admin) for k in proxy.keys] == [
+        ("sk-user-123", False), ("sk-admin-1", True), ("sk-admin-2", True), ("sk-admin-3", True)]
+    assert "sk-admin" not in repr(proxy.keys)  # a key never reaches a log line
+
 
 
 def test_tcp_addresses_stay_on_the_loopback_without_curve() -> None:

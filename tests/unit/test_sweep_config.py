@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from aegaeon_bench.node.launch import NodeError, slo_config
-from aegaeon_common.config import load_config
+from aegaeon_bench.node.launch import slo_config
+from aegaeon_common.config import ConfigError, load_config
 
 
 def test_default_config_gets_the_scoring_slo(default_market: Path, tmp_path: Path) -> None:
@@ -32,5 +32,5 @@ def test_given_config_keeps_its_deployment(default_market: Path, tmp_path: Path)
 def test_config_that_is_not_a_mapping(default_market: Path, tmp_path: Path) -> None:
     given = tmp_path / "list.yaml"
     given.write_text("- 1\n- 2\n")
-    with pytest.raises(NodeError, match=r"list\.yaml"):
+    with pytest.raises(ConfigError, match=r"list\.yaml: <top>: must be a mapping"):
         slo_config(default_market, given, 1.0, 0.01, tmp_path / "out")

@@ -1,4 +1,4 @@
-"""The machine's facts for ``--gpus`` (``aegaeon_common.placement`` decides from them).
+"""The machine's facts for ``--gpus`` (``aegaeon_sched.placement`` decides from them).
 
 - GPUs: ``torch.cuda`` (``mem_get_info`` per device), asked in a child process
   (``python -m aegaeon_cli.machine``) so the supervisor holds no CUDA context on
@@ -19,18 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_common.config import Config, ConfigError, config_from_dict
-from aegaeon_common.placement import (
-    GpuInfo,
-    HostInfo,
-    PlacementError,
-    Plan,
-    apply_plan,
-    parse_gpus,
-    plan_node,
-)
+from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError, Plan, parse_gpus
+from aegaeon_sched.sizing import apply_plan, cap_split, plan_node
 
 PROBE_TIMEOUT_S = 120.0
+GiB = 1 << 30
 ONLY = ("prefill", "decode", "instances", "cachemgr")
+
+
+def cuda_devices() -> CudaDevices:
+    """How many CUDA devices a service started here would see (the preflight check's
+    answer, ``aegaeon_runtime.preflight``): none at once without a driver, else what
+    the probe's torch says."""
+    none = no_driver()
+    if none is not None:
+        return none
+    try:
+        return CudaDevices(len(cuda_gpus()))
+    except PlacementError as exc:
+        return CudaDevices(0, str(exc).removeprefix("--gpus: ").partition("; run without")[0])
 
 
 def cuda_gpus() -> list[GpuInfo]:
@@ -108,7 +116,7 @@ def model_bytes(config: Config) -> dict[str, int]:
 
 
 def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int | None],
-                 only: str | None = None) -> Plan:  # fmt: skip
+                 only: str | None = None, cap_bytes: int | None = None) -> Plan:  # fmt: skip
     """The plan for this machine: instances on the GPUs ``spec`` names and the
     cachemgr's sizes. ``only`` (a container runs one service): ``prefill`` /
     ``decode``, that kind's instances alone on the GPUs this process sees;
@@ -122,12 +130,12 @@ def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int
         return plan_node(None, [], host_info(), counts, models, config.dtype)
     gpus = cuda_gpus()
     if only == "instances":
-        return plan_node(spec, gpus, None, counts, models, config.dtype)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes)
     if only is not None:
         count = counts[0] if only == "prefill" else counts[1]
         counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
-        return plan_node(spec, gpus, None, counts, models, config.dtype)
-    return plan_node(spec, gpus, host_info(), counts, models, config.dtype)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes)
+    return plan_node(spec, gpus, host_info(), counts, models, config.dtype, cap_bytes)
 
 
 def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -141,15 +149,51 @@ def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
 
 def sized(raw: dict[str, Any], config: Config, spec: str | None,
           counts: tuple[int | None, int | None], only: str | None = None,
-          base: Path | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
-    """``raw`` planned for this machine: the config, its plain data and the plan.
-    Raises PlacementError or ConfigError with a one-line message."""
-    plan = plan_machine(config, spec, counts, only)
+          base: Path | None = None,
+          cap_bytes: int | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
+    """``raw`` planned for this machine: the config, its plain data and the plan (each
+    instance's device memory at most ``cap_bytes``, ``--device-memory``). Raises
+    PlacementError or ConfigError with a one-line message."""
+    plan = plan_machine(config, spec, counts, only, cap_bytes)
     out = apply_plan(raw, plan, unified=config.unified)
     try:
         return config_from_dict(out, source=config.source, base=base), out, plan
     except ConfigError as exc:  # a plan the config's own checks refuse: say both
         raise PlacementError(f"the planned config does not validate: {exc}") from None
+
+
+_BUFFER_KEYS = ("device_memory", "device_memory_bytes", "kv_memory", "kv_memory_bytes")
+
+
+def capped(raw: dict[str, Any], config: Config, cap_bytes: int,
+           base: Path | None = None) -> tuple[Config, dict[str, Any], list[str]]:  # fmt: skip
+    """``raw`` with every instance's device memory capped at ``cap_bytes``
+    (``--device-memory``): the weights arena and the KV region split inside it by
+    ``aegaeon_sched.sizing.split_buffer``; on a CPU device ``weights: auto`` becomes
+    ``copy`` (the instance holds its models in its own memory, as a GPU does). The
+    config, its plain data and a line per kind saying what was chosen. PlacementError
+    when the largest model does not fit."""
+    models = model_bytes(config)
+    out = dict(raw)
+    lines = []
+    for kind in ("prefill", "decode"):
+        inst = config.prefill if kind == "prefill" else config.decode
+        device = inst.device_of(0)
+        split = cap_split(cap_bytes, models, config.dtype, device)
+        section = {k: v for k, v in (raw.get(kind) or {}).items() if k not in _BUFFER_KEYS}
+        section.update(device_memory=split.device_memory_bytes, kv_memory=split.kv_memory_bytes)
+        if device.startswith("cpu") and inst.weights == "auto":
+            section["weights"] = "copy"
+        out[kind] = section
+        held = "two of the largest model" if split.prefetch_room else "the largest model once"
+        lines.append(f"  {kind}: device memory {split.device_memory_bytes / GiB:.2f} GiB each = "
+                     f"weights {split.weights_bytes / GiB:.2f} GiB ({held}) + KV "
+                     f"{split.kv_memory_bytes / GiB:.2f} GiB on {device}")  # fmt: skip
+    try:
+        return config_from_dict(out, source=config.source, base=base), out, lines
+    except ConfigError as exc:
+        raise PlacementError(f"--device-memory: the capped config does not validate: "
+                             f"{exc}") from None  # fmt: skip
 
 
 def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:

@@ -4,6 +4,11 @@ Each subcommand lives in its own room and is imported only when used, so
 `aegaeon market create` never pays for importing the proxy (or torch for the
 simulator). A room exposes ``register(subparsers)`` which adds its parser and
 sets ``func`` (``Callable[[argparse.Namespace], int]``) as a default.
+
+Mistakes are answered before anything starts, each in one line on stderr with
+exit code 2: the environment (``AEGAEON_*``, read and checked first), the
+command line (:class:`~aegaeon_common.usage.OneLineParser`), and a config file
+or setting a command refuses (a ``ConfigError`` or ``EnvError`` it raises).
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ import importlib
 import sys
 from collections.abc import Callable
 from typing import cast
+
+from aegaeon_common.config_parse import ConfigError
+from aegaeon_common.env import EnvError, read_env
+from aegaeon_common.usage import OneLineParser, fail
 
 # subcommand -> (module with register(), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="aegaeon",
         description="Aegaeon: token-level multi-model LLM serving.",
     )
@@ -49,12 +58,30 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        read_env()  # every AEGAEON_* variable checked before any command runs
+    except EnvError as exc:
+        return fail("aegaeon", exc)
     parser = build_parser(args_list)
     args = parser.parse_args(args_list)
     func = getattr(args, "func", None)
     if func is None:
         parser.error(f"unknown command {args.command!r}")
-    return cast(Callable[[argparse.Namespace], int], func)(args)
+    try:
+        return cast(Callable[[argparse.Namespace], int], func)(args)
+    except (ConfigError, EnvError) as exc:
+        return fail(_prog(args), exc)
+
+
+def _prog(args: argparse.Namespace) -> str:
+    """``aegaeon COMMAND [SUBCOMMAND]`` of a parsed command line (the line's prefix)."""
+    words = [args.command]
+    for key in ("market_command", "bench", "kind"):
+        value = getattr(args, key, None)
+        if isinstance(value, str):
+            words.append(value)
+            break
+    return " ".join(["aegaeon", *words])
 
 
 if __name__ == "__main__":

@@ -32,14 +32,15 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
     if args.gpus is None:
         return config, args.config.resolve()
     import yaml
+    from aegaeon_common.config import read_config_file
     from aegaeon_common.kept import write_atomic
-    from aegaeon_common.placement import PlacementError
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
 
-    raw = yaml.safe_load(args.config.read_text()) or {}
     base = args.config.parent.resolve()
     try:
+        raw = read_config_file(args.config)
         config, out, plan = sized(raw, config, args.gpus, explicit_counts(raw), base=base)
     except (ConfigError, PlacementError) as exc:
         print(f"aegaeon node: {exc}", file=sys.stderr)
@@ -54,9 +55,13 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
 
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import load_config_or_exit
+    from aegaeon_common.env import EnvError
     from aegaeon_common.logs import setup_logging
     from aegaeon_common.process import mark_ready
+    from aegaeon_common.usage import fail
+    from aegaeon_runtime.preflight import check_machine, instance_devices
 
+    from aegaeon_cli.machine import cuda_devices
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
         DRAIN_MARGIN_S,
@@ -72,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
               "store (redis); one machine alone is `aegaeon serve`", file=sys.stderr)  # fmt: skip
         return 2
     config, path = _planned(args, config)
+    try:
+        check_machine(config, instance_devices(config), cuda_devices)
+    except (ConfigError, EnvError) as exc:
+        return fail("aegaeon node", exc)
     private_dir(config.run_dir)
     children = [c for c in build_children(config, path) if c.name != "proxy"]
     sup = Supervisor(children, stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S)

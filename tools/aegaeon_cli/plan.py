@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.market_index import MARKET_DIR_HELP
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("plan", help="show (or write) how --gpus places and sizes instances")
     parser.add_argument("--config", type=Path, help="deployment YAML (default: the embedded "
                         "default over --market)")  # fmt: skip
-    parser.add_argument("--market", type=Path, help="market directory (default: ./market)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--gpus", help="all | 0,1,...: the GPUs (CUDA indices) to place on")
     parser.add_argument("--only", choices=("prefill", "decode", "cachemgr"),
                         help="plan one service's part (a container's): its kind's instances "
@@ -32,10 +34,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
     """The deployment as plain data, the folder its paths are relative to, and
     whether its instance counts are the user's."""
-    import yaml
+    from aegaeon_common.config import read_config_file
 
     if args.config is not None:
-        raw = yaml.safe_load(args.config.read_text()) or {}
+        raw = read_config_file(args.config)
         if args.market is not None:
             raw["market"] = str(args.market.resolve())
         return raw, args.config.parent.resolve(), True
@@ -50,7 +52,7 @@ def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
 def run(args: argparse.Namespace) -> int:
     import yaml
     from aegaeon_common.config import ConfigError, config_from_dict
-    from aegaeon_common.placement import PlacementError
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
 

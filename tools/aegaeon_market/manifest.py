@@ -11,9 +11,11 @@ from aegaeon_common.market_index import (
     Manifest,
     MarketEntry,
     MarketError,
+    default_market_dir,
     load_market,
     read_manifest,
 )
+from aegaeon_common.owner import stamp
 
 from aegaeon_market.plan import ROLE_BENCH
 
@@ -29,18 +31,10 @@ __all__ = [
     "write_manifest",
 ]
 
-ENV_MARKET_DIR = "AEGAEON_MARKET"
-
-
-def default_market_dir() -> Path:
-    """``$AEGAEON_MARKET`` if set, else ``./market`` (relative to the working directory)."""
-    env = os.environ.get(ENV_MARKET_DIR)
-    return Path(env) if env else Path.cwd() / "market"
-
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Replace ``root/market.json`` atomically: readers see the old file or the new one."""
-    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp = root / f".{MANIFEST}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     try:
         with tmp.open("w", encoding="utf-8") as f:
             f.write(manifest.to_json(root))

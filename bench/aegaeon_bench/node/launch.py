@@ -26,10 +26,9 @@ def slo_config(market: Path, config: Path | None, ttft_s: float, tbt_s: float, o
 
         raw = default_config_dict(market, 0)
     else:
-        loaded = yaml.safe_load(config.read_text())
-        if not isinstance(loaded, dict):
-            raise NodeError(f"{config}: expected a mapping at the top level")
-        raw = loaded
+        from aegaeon_common.config import read_config_file
+
+        raw = read_config_file(config)  # ConfigError: one line, nothing started
     raw["slo"] = {**(raw.get("slo") or {}), "ttft_s": ttft_s, "tbt_s": tbt_s}
     # a run's every request timing, switch and turn (the proxy keeps the last 2000 by default)
     raw["proxy"] = {"stats_records": BENCH_STATS_RECORDS, **(raw.get("proxy") or {})}
@@ -86,7 +85,11 @@ def start_node(
     extra_args: Sequence[str] = (),
 ) -> Node:
     """`aegaeon serve` with ``policy`` on a free port (``extra_args`` appended); returns
-    once it serves."""
+    once it serves. What it would refuse (a ConfigError, EnvError or PlacementError: one
+    line) is raised before it starts."""
+    from aegaeon_cli.serve import check_serve
+
+    check_serve(market, config, policy)
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "serve.log"

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from aegaeon_bench import common
-from aegaeon_bench.node.client import sse_events
+from aegaeon_bench.node.http_client import sse_events
 from aegaeon_bench.reliability.chaos_load import request_body
 
 __all__ = ["cancel_run"]
@@ -43,6 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--settle", type=float, default=60.0,
                         help="s the node may take to free everything (60)")
     parser.add_argument("--url", help="a running proxy instead of starting a node")
+    common.add_api_key_argument(parser)
     common.add_node_arguments(parser)
     common.add_report_arguments(parser)
     parser.set_defaults(func=run)
@@ -155,9 +156,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"aegaeon bench cancel: {exc}", file=sys.stderr)
             return 1
         url = node.url
+    from aegaeon_bench.node.client import auth_headers
+
+    headers = auth_headers(common.api_key(args))
     try:
         report = run_fast(cancel_run(url.rstrip("/"), args.requests, args.concurrency,
-                                     args.max_tokens, args.seed, args.settle))  # fmt: skip
+                                     args.max_tokens, args.seed, args.settle,
+                                     headers=headers))  # fmt: skip
     finally:
         if node is not None:
             node.stop()

@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="s a slow client waits to be cut (300): a reader is cut "
                         "write_timeout after its buffers filled, which takes a while")
     common.add_node_arguments(parser)
+    common.add_api_key_argument(parser)
     common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -198,15 +199,17 @@ async def _bad_frames_metric(url: str) -> float:
                and s.labels.get("code") != "stale")  # fmt: skip
 
 
-async def _proxy_bad_frames(base_url: str) -> int:
-    async with aiohttp.ClientSession() as session, \
+async def _proxy_bad_frames(base_url: str, headers: dict[str, str] | None) -> int:
+    async with aiohttp.ClientSession(headers=headers) as session, \
             session.get(f"{base_url}/v1/aegaeon/stats?light=1") as resp:  # fmt: skip
         return int((await resp.json())["counters"].get("bad_frames", 0))
 
 
-async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict[str, Any]:
+async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int, *,
+                   headers: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """``frames`` frames to every socket of the node; ``base_url``: where its admin
-    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``)."""
+    endpoints are (``/v1/aegaeon/services``, ``/v1/aegaeon/stats``); ``headers``: sent
+    to them (an admin key, where the node has keys)."""
     from aegaeon_common.messages.cache import REQUESTS
     from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL
     from aegaeon_common.messages.report import REPORT_CHANNEL
@@ -216,7 +219,7 @@ async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict
     out: dict[str, Any] = {"cachemgr": await _router(f"ipc://{run_dir}/cachemgr.sock", batch,
                                                      MAX_FRAME_BYTES)}  # fmt: skip
     out["cachemgr"]["refused_by_channel"] = _refused(REQUESTS, batch, MAX_FRAME_BYTES)
-    async with aiohttp.ClientSession() as session, \
+    async with aiohttp.ClientSession(headers=headers) as session, \
             session.get(f"{base_url}/v1/aegaeon/services") as resp:  # fmt: skip
         services = {s["name"]: s for s in (await resp.json())["services"]}
     for name, channel in (("prefill-0", HYBRID_CHANNEL), ("decode-0", DECODE_CHANNEL)):
@@ -230,21 +233,24 @@ async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int) -> dict
             await asyncio.sleep(0.25)
             counted = await _bad_frames_metric(metrics_url) - before
         out[name] = {"frames": len(batch), "refused_by_channel": want, "counted": int(counted)}
-    before_p = await _proxy_bad_frames(base_url)
+    before_p = await _proxy_bad_frames(base_url, headers)
     await _push(f"ipc://{run_dir}/proxy.sock", batch)
     want = _refused(REPORT_CHANNEL, batch, MAX_FRAME_BYTES)
     await asyncio.sleep(1.0)
     out["proxy"] = {"frames": len(batch), "refused_by_channel": want,
-                    "counted": await _proxy_bad_frames(base_url) - before_p}  # fmt: skip
+                    "counted": await _proxy_bad_frames(base_url, headers) - before_p}  # fmt: skip
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.client import list_models
+    from aegaeon_bench.node.client import auth_headers, list_models
     from aegaeon_bench.node.launch import NodeError, start_node
     from aegaeon_bench.node.probe import serve_children
+
+    key = common.api_key(args)
+    headers = auth_headers(key)
 
     market = common.node_market(args)
     try:
@@ -255,23 +261,25 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     async def models() -> list[str]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=headers) as session:
             return [*await list_models(session, node.url), "no-such-model"]
 
     try:
         assert node.run_dir is not None
         pids = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         start = time.monotonic()
-        http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed)
+        http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed, headers)
         http["seconds"] = round(time.monotonic() - start, 1)
-        zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed))
+        zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed,
+                                       headers=headers))
         slow = None
         if args.slow_clients:
             from aegaeon_bench.reliability.slow_clients import slow_clients
 
             model = run_fast(models())[0]
             slow = run_fast(slow_clients(node.url, node.proc.pid, model, args.slow_clients,
-                                         args.slow_max_tokens, args.slow_limit))  # fmt: skip
+                                         args.slow_max_tokens, args.slow_limit,
+                                         api_key=key))  # fmt: skip
         after = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         ready = run_fast(_ready(node.url))
     finally:

@@ -22,11 +22,16 @@ import psutil
 __all__ = ["slow_clients"]
 
 HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: aegaeon\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n")  # fmt: skip
+        b"%sContent-Length: %d\r\n\r\n")  # fmt: skip
 
 
-async def _never_reads(host: str, port: int, body: bytes,
-                       limit_s: float) -> tuple[float | None, str]:  # fmt: skip
+def _head(body: bytes, api_key: str | None) -> bytes:
+    auth = f"Authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+    return HEAD % (auth, len(body))
+
+
+async def _never_reads(host: str, port: int, body: bytes, limit_s: float,
+                       api_key: str | None = None) -> tuple[float | None, str]:  # fmt: skip
     """Seconds until the proxy let go of a stream nobody reads (None: not within
     limit_s), and the status line the client had received by then."""
     loop = asyncio.get_running_loop()
@@ -34,7 +39,7 @@ async def _never_reads(host: str, port: int, body: bytes,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: small window
     sock.setblocking(False)
     await loop.sock_connect(sock, (host, port))
-    await loop.sock_sendall(sock, HEAD % len(body) + body)
+    await loop.sock_sendall(sock, _head(body, api_key) + body)
     start = time.monotonic()
     cut: float | None = None
     try:
@@ -62,11 +67,11 @@ def _server_let_go(client: tuple[str, int]) -> bool:
     return not ends or ends[0].status != psutil.CONN_ESTABLISHED
 
 
-async def _trickles(host: str, port: int, body: bytes, every_s: float,
-                    limit_s: float) -> float | None:  # fmt: skip
+async def _trickles(host: str, port: int, body: bytes, every_s: float, limit_s: float,
+                    api_key: str | None = None) -> float | None:  # fmt: skip
     """Seconds until the proxy answered (408) and closed a body sent a byte at a time."""
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(HEAD % len(body))
+    writer.write(_head(body, api_key))
     start = time.monotonic()
     reply = asyncio.create_task(reader.read())
     try:
@@ -88,7 +93,8 @@ async def _trickles(host: str, port: int, body: bytes, every_s: float,
 
 
 async def slow_clients(base_url: str, serve_pid: int, model: str, count: int,
-                       max_tokens: int, limit_s: float = 300.0) -> dict[str, Any]:  # fmt: skip
+                       max_tokens: int, limit_s: float = 300.0,
+                       api_key: str | None = None) -> dict[str, Any]:  # fmt: skip
     from aegaeon_bench.node.probe import sample_processes
 
     host, port = base_url.removeprefix("http://").split(":")
@@ -105,8 +111,9 @@ async def slow_clients(base_url: str, serve_pid: int, model: str, count: int,
 
     watcher = asyncio.create_task(watch())
     start = time.monotonic()
-    readers = [_never_reads(host, int(port), long_stream, limit_s) for _ in range(count)]
-    writers = [_trickles(host, int(port), trickle, 1.0, limit_s) for _ in range(count)]
+    readers = [_never_reads(host, int(port), long_stream, limit_s, api_key)
+               for _ in range(count)]  # fmt: skip
+    writers = [_trickles(host, int(port), trickle, 1.0, limit_s, api_key) for _ in range(count)]
     results = await asyncio.gather(*readers, *writers)
     watcher.cancel()
     reader_results = [r for r in results[:count] if isinstance(r, tuple)]

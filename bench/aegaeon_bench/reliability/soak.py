@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--sample-interval", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     common.add_node_arguments(parser)
+    common.add_api_key_argument(parser)
     common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -99,13 +100,15 @@ def _snapshot(serve_pid: int, run_dir: Path, t0: float) -> dict[str, Any]:
 
 async def soak(base_url: str, serve_pid: int, run_dir: Path,
                args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
-    from aegaeon_bench.node.client import list_models
+    from aegaeon_bench.node.client import auth_headers, list_models
     from aegaeon_bench.node.probe import wait_quiet
     from aegaeon_bench.reliability.chaos_load import LoadDriver
 
     rng = random.Random(args.seed)
     t0 = time.time()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    timeout = aiohttp.ClientTimeout(total=120)
+    headers = auth_headers(common.api_key(args))
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         models = await list_models(session, base_url)
         driver = LoadDriver(base_url, models, args.concurrency, seed=args.seed)
         counts: Counter[str] = Counter()

@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = common.add_bench(
         sub, "serve", "open-loop load against a running proxy (SLO attainment)", __doc__)
     parser.add_argument("--url", required=True, help="the proxy, e.g. http://127.0.0.1:8000")
+    common.add_api_key_argument(parser)
     parser.add_argument("--models", type=int, help="use the first M models (default: all)")
     parser.add_argument("--model", default=None,
                         help="these models by name, comma-separated (instead of --models)")
@@ -99,12 +100,13 @@ def _base_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-async def _models(base_url: str) -> list[str]:
+async def _models(base_url: str, api_key: str | None) -> list[str]:
     import aiohttp
 
-    from aegaeon_bench.node.client import list_models
+    from aegaeon_bench.node.client import auth_headers, list_models
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as session:
         return await list_models(session, base_url)
 
 
@@ -145,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     base_url = _base_url(args.url)
+    key = common.api_key(args)
     try:
-        served = run_fast(_models(base_url))
+        served = run_fast(_models(base_url, key))
         models = served[: args.models] if args.models else served
         if args.model:
             models = [m for m in args.model.split(",") if m]
@@ -187,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(failed=num_failed, refresh=False)
         bar.update()
 
-    options = RunOptions(base_url, args.duration, grace_s=args.grace)
+    options = RunOptions(base_url, args.duration, grace_s=args.grace, api_key=key)
     try:
         outcome = run_fast(run_load(planned, options, on_done=on_done))
     except (ServiceError, aiohttp.ClientError, TimeoutError) as exc:

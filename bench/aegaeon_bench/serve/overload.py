@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--output-scale", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
     common.add_node_arguments(parser)
+    common.add_api_key_argument(parser)
     common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -68,17 +69,18 @@ def classify(progress: Any) -> str:
 
 
 async def _sample(base_url: str, serve_pid: int, rss: list[int],
-                  held: list[tuple[int, int]]) -> None:  # fmt: skip
+                  held: list[tuple[int, int]], api_key: str | None) -> None:  # fmt: skip
     """Every second: the proxy's RSS, and what admission holds (prefill tokens, KV blocks)."""
     import asyncio
     import contextlib
 
     import aiohttp
 
-    from aegaeon_bench.node.client import ServiceError, get_stats
+    from aegaeon_bench.node.client import ServiceError, auth_headers, get_stats
     from aegaeon_bench.node.probe import sample_processes
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as session:
         while True:
             sample = sample_processes(serve_pid).get("proxy")
             if sample is not None:
@@ -103,17 +105,19 @@ async def run_multiple(
     from aegaeon_sched.slo import SLO, summarize
     from aegaeon_workload.plan import plan_requests
 
+    from aegaeon_bench.node.client import auth_headers
     from aegaeon_bench.node.probe import wait_quiet
     from aegaeon_bench.serve.run import RunOptions, run_load
 
     planned = plan_requests(models, limits, rps_per_model=rps, duration_s=args.duration,
                             seed=args.seed, input_scale=args.input_scale,
                             output_scale=args.output_scale)  # fmt: skip
+    key = common.api_key(args)
     options = RunOptions(base_url, args.duration, grace_s=args.timeout + 15.0,
-                         timeout_s=args.timeout)  # fmt: skip
+                         timeout_s=args.timeout, api_key=key)  # fmt: skip
     peaks: list[int] = []
     held_samples: list[tuple[int, int]] = []
-    sampler = asyncio.create_task(_sample(base_url, serve_pid, peaks, held_samples))
+    sampler = asyncio.create_task(_sample(base_url, serve_pid, peaks, held_samples, key))
     try:
         outcome = await run_load(planned, options)
     finally:
@@ -124,7 +128,7 @@ async def run_multiple(
     records = outcome.records()
     report = summarize([r.to_slo() for r in records], SLO(args.ttft, args.tbt))
     span = args.duration
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(key)) as session:
         held = await wait_quiet(session, base_url, 60.0)
     sent = len(outcome.progress)
     row = {
@@ -164,12 +168,12 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def _bounds(base_url: str) -> dict[str, Any] | None:
+async def _bounds(base_url: str, api_key: str | None) -> dict[str, Any] | None:
     import aiohttp
 
-    from aegaeon_bench.node.client import get_stats
+    from aegaeon_bench.node.client import auth_headers, get_stats
 
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=auth_headers(api_key)) as session:
         stats = await get_stats(session, base_url, light=True)
     return ((stats or {}).get("admission") or {}).get("bounds")
 
@@ -179,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_fast
     from aegaeon_workload.plan import model_limits
 
-    from aegaeon_bench.node.client import list_models
+    from aegaeon_bench.node.client import auth_headers, list_models
     from aegaeon_bench.node.launch import NodeError, slo_config, start_node
 
     if (args.rps is None) == (args.clients is None):
@@ -206,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             node.stop()
 
+    key = common.api_key(args)
+
     async def main() -> list[dict[str, Any]]:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=auth_headers(key)) as session:
             served = await list_models(session, node.url)
         models = served[: args.models]
         limits = model_limits(models, market)
@@ -222,14 +228,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         rows = run_fast(main())
-        bounds = run_fast(_bounds(node.url))
+        bounds = run_fast(_bounds(node.url, key))
     finally:
         node.stop()
     base = next((r for r in rows if r["multiple"] == 1.0), rows[0])
     ratio = rows[-1]["goodput_tokens_per_s"] / max(base["goodput_tokens_per_s"], 1e-9)
     report = {
         **common.machine_info(),
-        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "settings": common.settings(args),
         "admission_bounds": bounds,
         "rates": rows,
         "goodput_ratio": ratio,
@@ -255,11 +261,12 @@ def _run_clients(args: argparse.Namespace, node: Any, market: Path) -> int:
     for n in counts:
         row = run_fast(closed_loop(node.url, model, n, duration_s=args.duration,
                                    warmup_s=args.warmup, prompt_words=args.prompt_words,
-                                   max_tokens=args.max_tokens, seed=args.seed))  # fmt: skip
+                                   max_tokens=args.max_tokens, seed=args.seed,
+                                   api_key=common.api_key(args)))  # fmt: skip
         rows.append(row)
         print(format_rows(summarize(rows)).splitlines()[-2], file=sys.stderr)
     report = {**common.machine_info(), "model": model,
-              "settings": {k: v for k, v in vars(args).items() if k != "func"},
+              "settings": common.settings(args),
               **summarize(rows)}  # fmt: skip
     print(format_rows(report))
     return common.emit_report(args, report)

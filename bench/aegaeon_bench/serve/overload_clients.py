@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from aegaeon_bench.node.client import auth_headers
+
 GOODPUT_HELD = 0.9
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "it",
          "rains", "on", "the", "hills")  # fmt: skip
@@ -34,7 +36,7 @@ class _Tally:
 
 async def closed_loop(base_url: str, model: str, clients: int, *, duration_s: float,
                       warmup_s: float, prompt_words: int, max_tokens: int,
-                      seed: int = 0) -> dict[str, Any]:  # fmt: skip
+                      seed: int = 0, api_key: str | None = None) -> dict[str, Any]:  # fmt: skip
     """``clients`` closed-loop clients for ``warmup_s + duration_s``: the row of one N."""
     import aiohttp
 
@@ -62,7 +64,9 @@ async def closed_loop(base_url: str, model: str, clients: int, *, duration_s: fl
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    headers = auth_headers(api_key)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                     headers=headers) as session:  # fmt: skip
         tasks = [asyncio.create_task(client(session, random.Random(seed * 100_003 + i)))
                  for i in range(clients)]  # fmt: skip
         await asyncio.sleep(warmup_s + duration_s)

@@ -9,7 +9,6 @@ query of the project's dashboard and of vLLM's example dashboard.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -21,9 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from aegaeon_common.env import read_env
+
+from aegaeon_bench.node.client import auth_headers
+from aegaeon_bench.node.http_client import Reply, fetch_sync
 
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
@@ -57,15 +58,22 @@ def prometheus_binary() -> str:
 
 def fetch_services(proxy_url: str, api_key: str | None = None) -> list[dict[str, str]]:
     """Every service the proxy lists (``GET /v1/aegaeon/services``)."""
-    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(request, timeout=30) as resp:
-        body = json.loads(resp.read())
+    url = proxy_url.rstrip("/") + "/v1/aegaeon/services"
+    body = _json(fetch_sync("GET", url, headers=auth_headers(api_key), timeout_s=30), url)
     services = body.get("services") if isinstance(body, dict) else None
     if not isinstance(services, list):
         raise PrometheusError(f"{proxy_url}/v1/aegaeon/services: no 'services' list")
     return [s for s in services if isinstance(s, dict)]
+
+
+def _json(reply: Reply, what: str) -> Any:
+    """A 200 answer's JSON; PrometheusError naming ``what`` for anything else."""
+    if reply.status != 200:
+        raise PrometheusError(f"{what}: HTTP {reply.status} {reply.text()[:300]}")
+    try:
+        return reply.json()
+    except ValueError:
+        raise PrometheusError(f"{what}: not JSON: {reply.text()[:300]}") from None
 
 
 def target_groups(services: list[dict[str, str]]) -> dict[str, list[dict[str, Any]]]:
@@ -93,15 +101,25 @@ def write_targets(directory: Path, services: list[dict[str, str]]) -> None:
         os.replace(tmp, path)
 
 
-def write_config(directory: Path, listen: str, scrape_interval: str | None = None) -> Path:
+def write_config(directory: Path, listen: str, scrape_interval: str | None = None,
+                 api_key: str | None = None) -> Path:  # fmt: skip
     """The project's node scrape config in ``directory``, its own job pointed at
-    ``listen`` and, if given, another scrape interval."""
+    ``listen`` and, if given, another scrape interval. ``api_key`` (an admin key: the
+    proxy's ``/metrics`` needs one once it has keys) goes to a file of its own there
+    (0600), which the proxy job's ``authorization`` names: never into the config."""
     config = yaml.safe_load(NODE_CONFIG.read_text())
     if scrape_interval is not None:
         config["global"]["scrape_interval"] = scrape_interval
     for job in config["scrape_configs"]:
         if job["job_name"] == "prometheus":
             job["static_configs"] = [{"targets": [listen]}]
+        if job["job_name"] == "aegaeon-proxy" and api_key:
+            key_file = directory / "proxy-key"
+            tmp = key_file.with_suffix(".tmp")
+            tmp.write_text(api_key)
+            tmp.chmod(0o600)
+            os.replace(tmp, key_file)
+            job["authorization"] = {"type": "Bearer", "credentials_file": str(key_file.resolve())}
     path = directory / "prometheus.yml"
     tmp = path.with_suffix(".yml.tmp")
     tmp.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -120,11 +138,7 @@ class Prometheus:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query's result vector (raises on a PromQL error)."""
         qs = urllib.parse.urlencode({"query": expr})
-        try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=30) as resp:
-                body = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise PrometheusError(f"{expr}: {exc.code} {exc.read().decode()[:300]}") from exc
+        body = _json(fetch_sync("GET", f"{self.url}/api/v1/query?{qs}", timeout_s=30), expr)
         if body.get("status") != "success":
             raise PrometheusError(f"{expr}: {body}")
         data = body["data"]
@@ -134,9 +148,8 @@ class Prometheus:
 
     def targets_up(self) -> dict[str, str]:
         """``{scrape URL: health}`` of every active target."""
-        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=30) as resp:
-            body = json.loads(resp.read())
-        active = body["data"]["activeTargets"]
+        url = f"{self.url}/api/v1/targets"
+        active = _json(fetch_sync("GET", url, timeout_s=30), url)["data"]["activeTargets"]
         return {t["scrapeUrl"]: t["health"] for t in active}
 
     def log_tail(self, num_lines: int = 30) -> str:
@@ -145,11 +158,13 @@ class Prometheus:
 
 
 @contextmanager
-def running(directory: Path, port: int, scrape_interval: str | None = None) -> Iterator[Prometheus]:
+def running(directory: Path, port: int, scrape_interval: str | None = None,
+            api_key: str | None = None) -> Iterator[Prometheus]:  # fmt: skip
     """Start Prometheus on ``127.0.0.1:port`` with the config and targets in
-    ``directory``; stop it (SIGTERM, then SIGKILL) on the way out."""
+    ``directory`` (``api_key``: see :func:`write_config`); stop it (SIGTERM, then
+    SIGKILL) on the way out."""
     listen = f"127.0.0.1:{port}"
-    config = write_config(directory, listen, scrape_interval)
+    config = write_config(directory, listen, scrape_interval, api_key)
     (directory / "targets").mkdir(exist_ok=True)
     log = (directory / "prometheus.log").open("wb")
     argv = [
@@ -178,10 +193,9 @@ def _wait_ready(server: Prometheus) -> None:
             raise PrometheusError(f"prometheus exited ({server.proc.returncode}):\n"
                                   f"{server.log_tail()}")  # fmt: skip
         try:
-            with urllib.request.urlopen(f"{server.url}/-/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
+            if fetch_sync("GET", f"{server.url}/-/ready", timeout_s=5).status == 200:
+                return
+        except OSError:  # not listening yet
             pass
         time.sleep(0.2)
     raise PrometheusError(f"prometheus not ready in {READY_TIMEOUT_S} s:\n{server.log_tail()}")
@@ -228,13 +242,16 @@ def finite_values(result: list[dict[str, Any]]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from aegaeon_common.usage import OneLineParser, port_number
+
+    parser = OneLineParser(
         prog="scripts/prometheus",
         description="Run Prometheus with the project's scrape config against a node "
         "started by `aegaeon serve` (targets from its proxy's /v1/aegaeon/services).",
     )
     parser.add_argument("--proxy", default="http://127.0.0.1:8000", help="the node's proxy URL")
-    parser.add_argument("--port", type=int, default=9090, help="Prometheus listens here")
+    parser.add_argument("--port", type=port_number, default=9090,
+                        help="Prometheus listens here")  # fmt: skip
     parser.add_argument(
         "--dir",
         type=Path,
@@ -244,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scrape-interval", default=None, help="e.g. 1s (default: the config's)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("AEGAEON_API_KEY"),
-        help="the proxy's key when it has one (default: $AEGAEON_API_KEY)",
+        default=read_env().api_key,
+        help="an admin key of the proxy when it has keys: it lists the services and "
+        "Prometheus scrapes the proxy's /metrics with it (default: $AEGAEON_API_KEY)",
     )
     args = parser.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="aegaeon-prometheus-"))
@@ -267,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        with running(directory, args.port, args.scrape_interval) as server:
+        with running(directory, args.port, args.scrape_interval, args.api_key) as server:
             print(
                 f"prometheus at {server.url} scraping the node at {args.proxy} "
                 f"(config, targets and data in {directory}); Ctrl-C stops it",

@@ -20,11 +20,18 @@ import aiohttp
 from aegaeon_workload.plan import PlannedRequest
 from aegaeon_workload.trace import TraceRecord, kv_sample
 
-from aegaeon_bench.node.client import Progress, ServiceError, get_stats, stream_completion
+from aegaeon_bench.node.client import (
+    Progress,
+    ServiceError,
+    auth_headers,
+    get_stats,
+    stream_completion,
+)
 from aegaeon_bench.report.metrics import token_times
 
 START_DELAY_S = 0.5  # between planning the clock and the first possible arrival
 STATS_TIMEOUT_S = 30.0
+REFUSED = (401, 403)  # the stats need an admin key the bench was not given
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class RunOptions:
     grace_s: float = 30.0
     sample_interval_s: float = 1.0
     timeout_s: float | None = None  # each request's own deadline (None: the server's)
+    api_key: str | None = field(default=None, repr=False)  # sent with every request
 
 
 @dataclass
@@ -74,17 +82,29 @@ async def _sample_kv(
     """Append a KV sample about every ``sample_interval_s`` until cancelled."""
     while True:
         started = time.monotonic()
-        with contextlib.suppress(ServiceError, aiohttp.ClientError, TimeoutError):
+        try:
             stats = await get_stats(session, options.base_url, light=True)
             if stats is None:
-                return
+                return  # the backend keeps none
             samples.append(kv_sample(stats, time.time()))
+        except ServiceError as exc:
+            if exc.status in REFUSED:
+                return  # they need an admin key
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the next one, then
         await asyncio.sleep(max(0.0, options.sample_interval_s - (time.monotonic() - started)))
 
 
 async def _stats(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any] | None:
-    async with asyncio.timeout(STATS_TIMEOUT_S):
-        return await get_stats(session, base_url)
+    """The node's stats; None where it keeps none, or where they need an admin key and
+    the bench has a user key (the load runs all the same, without the node's counters)."""
+    try:
+        async with asyncio.timeout(STATS_TIMEOUT_S):
+            return await get_stats(session, base_url)
+    except ServiceError as exc:
+        if exc.status in REFUSED:
+            return None
+        raise
 
 
 async def run_load(
@@ -96,7 +116,9 @@ async def run_load(
     """Run the plan against ``options.base_url``; ``on_done`` is told of each ended request."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
     connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side queue
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = auth_headers(options.api_key)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                     headers=headers) as session:  # fmt: skip
         outcome = RunOutcome([], await _stats(session, options.base_url), None)
         samples = outcome.kv_samples
         sampler = asyncio.create_task(_sample_kv(session, options, samples))

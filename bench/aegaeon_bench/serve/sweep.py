@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="market (default: runs/sweep-market-smallN, N the largest count, built)",
     )
     parser.add_argument("--config", type=Path, help="deployment YAML for every node")
+    common.add_api_key_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("runs/sweep"), help="output dir")
     parser.add_argument(
         "--keep-going", action="store_true",
@@ -82,7 +83,8 @@ def _bench_serve(url: str, models: int, args: argparse.Namespace, trace: Path) -
         "--output-scale", str(args.output_scale), "--market", str(args.market),
         "--trace", str(trace), "--json", "--quiet",
     )  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                          env=common.key_env(common.api_key(args)))  # fmt: skip
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -116,11 +118,13 @@ def _plot(sweep_path: Path) -> Path | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import yaml
+    from aegaeon_common.config import read_config_file
 
     from aegaeon_bench.node.launch import NodeError, slo_config, start_node
     from aegaeon_bench.report.sweep_schema import SweepPoint, dump_sweep
 
+    if args.config is not None:
+        read_config_file(args.config)  # a bad file: one line (ConfigError) before any build
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     counts = sorted({int(n) for n in args.models.split(",")})
     args.out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     args.market = args.market.resolve()
     try:
         config = slo_config(args.market, args.config, args.ttft, args.tbt, args.out)
-    except (OSError, yaml.YAMLError, NodeError) as exc:
+    except (OSError, NodeError) as exc:
         print(f"aegaeon bench sweep: --config: {exc}", file=sys.stderr)
         return 2
     points: list[SweepPoint] = []

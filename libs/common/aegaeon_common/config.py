@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -32,12 +33,16 @@ from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.env import read_env
 from aegaeon_common.market_index import MANIFEST, MarketError, read_manifest
 
-# Request-level baselines run every worker as a unified instance (prefill +
-# decode). request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper
-# evaluated them (requests bound to an instance at arrival); -global: an
-# idealised global queue (aegaeon_sched.factory.POLICIES).
+# The baselines run every worker as a unified instance (prefill + decode).
+# request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper evaluated
+# them (requests bound to an instance at arrival), switching with this system's
+# own switcher; -global: an idealised global queue; request-level-charged:
+# request-level whose every scale-up pays ServerlessLLM's load path
+# (``baseline.load_gb_s``, ``baseline.init_s``); static-mux: MuxServe, the
+# models that fit stay resident, the rest refused (aegaeon_sched.factory.POLICIES).
 UnifiedPolicy = Literal[
-    "request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf"
+    "request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf",
+    "request-level-charged", "static-mux",
 ]
 PolicyName = Literal["aegaeon", UnifiedPolicy]
 WeightsMode = Literal["auto", "copy", "map"]
@@ -52,6 +57,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 AtLeastOne = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, lt=65536)]  # 0: an ephemeral port
+DEVICE = re.compile(r"(cpu|cuda)(:[0-9]+)?")  # what the workers run on (torch's names)
 
 __all__ = [
     "DTYPES",
@@ -59,6 +65,7 @@ __all__ = [
     "UNIFIED_POLICIES",
     "WEIGHTS_MODES",
     "ApiKeyConfig",
+    "BaselineConfig",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -78,6 +85,7 @@ __all__ = [
     "market_dtype",
     "market_models",
     "parse_bytes",
+    "read_config_file",
     "serving_dtype",
 ]
 
@@ -181,6 +189,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_hold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
+class BaselineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a scale-up costs the ``request-level-charged`` baseline (ServerlessLLM as the
+    paper measured it): the model's bytes over a load path of ``load_gb_s`` (the paper's
+    artifact charges 16 GB/s) plus ``init_s`` of engine start-up. A scale-up that this
+    system's switcher finishes sooner waits out the rest; its switch record says how
+    much (``charged_s``). No other policy is charged."""
+
+    load_gb_s: Positive = 16.0
+    init_s: Seconds = 0.0
+
+
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The node's cachemgr: Model Cache budget and unified CPU KV cache."""
 
@@ -201,7 +220,7 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instances: Count = 1
     device: str = "cpu"
     # One device per instance (instance i: devices[i], round and round), as `--gpus`
-    # places them (aegaeon_common.placement); empty: every instance on ``device``.
+    # places them (aegaeon_sched.placement); empty: every instance on ``device``.
     devices: tuple[str, ...] = ()
     # the whole buffer: weights arena + KV region
     device_memory_bytes: int = 512 << 20
@@ -212,6 +231,9 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # reads the Model Cache's shared memory in place: CPU only, a switch copies
     # nothing), "auto" (map on CPU, copy elsewhere).
     weights: WeightsMode = "auto"
+    # Decode steps on a CUDA device replay CUDA graphs (aegaeon_engine.graphs; docs/gpu.md):
+    # false runs them eager. Nothing changes on the CPU.
+    cuda_graphs: bool = True
     # Each instance's side HTTP server (/health, /ready, /metrics): instance i
     # binds http_port + i; 0 = ephemeral ports (the bound address goes to
     # RUN_DIR/<kind>-<i>.http). Containers set http_host 0.0.0.0.
@@ -234,11 +256,17 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ApiKeyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One API key the proxy accepts (``Authorization: Bearer KEY``); ``models``
-    limits it to those models (empty: every model); ``name`` is what logs show."""
+    limits it to those models (empty: every model); ``name`` is what logs show.
+
+    A user key (``admin`` false) reaches the API (inference, ``/v1/models``); an
+    admin key also what changes or reveals the node (``/v1/aegaeon/*``, ``/metrics``,
+    ``/sleep``...: the proxy's routes declare which) and is never limited to models.
+    """
 
     key: str
     models: tuple[str, ...] = ()
     name: str = ""
+    admin: bool = False
     # SLO classes this key may ask for (empty: every one) and the tightest explicit
     # targets (request fields ttft_ms / tbt_ms); null: no floor
     slo_classes: tuple[str, ...] = ()
@@ -246,7 +274,8 @@ class ApiKeyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_tbt_s: float | None = None
 
     def __repr__(self) -> str:  # the key never reaches a log line or a traceback
-        return f"ApiKeyConfig(name={self.name!r}, models={self.models!r}, key=<hidden>)"
+        return (f"ApiKeyConfig(name={self.name!r}, models={self.models!r}, "
+                f"admin={self.admin!r}, key=<hidden>)")  # fmt: skip
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -293,14 +322,23 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # autotuning, up to tcp_wmem's max, 4 MiB here): what a client that stops
     # reading can pin, and how soon the proxy notices it (write_timeout).
     send_buffer_bytes: Count = 256 << 10
-    # API keys (empty: no authentication). Each: {key, models?, name?} or a string.
+    # API keys (empty, with no admin_keys: no authentication). Each: {key, models?,
+    # name?, admin?} or a string; admin_keys: more keys, each an admin key.
     api_keys: tuple[ApiKeyConfig, ...] = ()
-    # /metrics and /v1/aegaeon/* on their own port (null: on the API port).
+    admin_keys: tuple[ApiKeyConfig, ...] = ()
+    # /metrics and /v1/aegaeon/* on their own port (null: on the API port); with keys
+    # configured they need an admin key there too.
     admin_host: str = "127.0.0.1"
     admin_port: Port | None = None
     # The last N per-request timings, model switches and decode turns kept for
     # /v1/aegaeon/stats (benchmarks read them); memory grows until each is full.
     stats_records: AtLeastOne = 2000
+
+    @property
+    def keys(self) -> tuple[ApiKeyConfig, ...]:
+        """Every key the proxy accepts: ``api_keys``, then ``admin_keys`` as admin keys."""
+        admins = tuple(msgspec.structs.replace(k, admin=True) for k in self.admin_keys)
+        return self.api_keys + admins
 
 
 class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -360,6 +398,7 @@ class Config(msgspec.Struct, frozen=True):
     dtype: str = "bfloat16"
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    baseline: BaselineConfig = msgspec.field(default_factory=BaselineConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     prefill: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
     decode: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
@@ -466,6 +505,7 @@ class Config(msgspec.Struct, frozen=True):
 _SECTIONS: dict[str, type] = {
     "slo": SLOConfig,
     "scheduler": SchedulerConfig,
+    "baseline": BaselineConfig,
     "cachemgr": CacheConfig,
     "prefill": InstancesConfig,
     "decode": InstancesConfig,
@@ -589,9 +629,10 @@ def config_from_dict(
         inst: InstancesConfig = sections[key]
         if inst.kv_memory_bytes >= inst.device_memory_bytes:
             raise ConfigError(source, f"{key}.kv_memory", "must be smaller than device_memory")
-        for device in (inst.device, *inst.devices):
-            if not device or " " in device:
-                raise ConfigError(source, f"{key}.devices", f"{device!r} is not a device")
+        for field, device in [("device", inst.device), *(("devices", d) for d in inst.devices)]:
+            if not DEVICE.fullmatch(device):
+                raise ConfigError(source, f"{key}.{field}", f"{device!r} is not a device "
+                                  "(cpu, cuda or cuda:N)")  # fmt: skip
             if inst.weights == "map" and not device.startswith("cpu"):
                 raise ConfigError(
                     source, f"{key}.weights", f"'map' needs a CPU device, not {device!r}"
@@ -614,6 +655,7 @@ def config_from_dict(
         dtype=dtype,
         slo=sections["slo"],
         scheduler=sched,
+        baseline=sections["baseline"],
         cache=sections["cachemgr"],
         prefill=sections["prefill"],
         decode=sections["decode"],
@@ -660,38 +702,50 @@ def _model_settings(raw: Any, models: list[str], source: str) -> dict[str, Model
 
 
 def _proxy_raw(raw: Any, source: str) -> Any:
-    """``proxy.api_keys`` may list bare strings: each becomes ``{key: ...}``."""
-    if not isinstance(raw, dict) or "api_keys" not in raw:
+    """``proxy.api_keys`` and ``proxy.admin_keys`` may list bare strings: each
+    becomes ``{key: ...}``."""
+    if not isinstance(raw, dict):
         return raw
-    keys = raw["api_keys"]
-    if keys is None:
-        keys = []
-    if not isinstance(keys, list):
-        raise ConfigError(source, "proxy.api_keys", "must be a list of keys or {key, models}")
-    return {**raw, "api_keys": [{"key": k} if isinstance(k, str) else k for k in keys]}
+    out = dict(raw)
+    for field in ("api_keys", "admin_keys"):
+        if field not in raw:
+            continue
+        keys = raw[field] if raw[field] is not None else []
+        if not isinstance(keys, list):
+            raise ConfigError(source, f"proxy.{field}", "must be a list of keys or {key, ...}")
+        out[field] = [{"key": k} if isinstance(k, str) else k for k in keys]
+    return out
 
 
 def _check_proxy(proxy: ProxyConfig, models: list[str], source: str) -> None:
     if proxy.admin_port and proxy.admin_port == proxy.port:
         raise ConfigError(source, "proxy.admin_port", "must differ from proxy.port")
     seen: set[str] = set()
-    for i, entry in enumerate(proxy.api_keys):
-        where = f"proxy.api_keys[{i}]"
-        if len(entry.key) < 8 or entry.key != entry.key.strip():
+    listed = [(f"proxy.api_keys[{i}]", e) for i, e in enumerate(proxy.api_keys)]
+    listed += [(f"proxy.admin_keys[{i}]", e) for i, e in enumerate(proxy.admin_keys)]
+    for where, entry in listed:
+        if len(entry.key) < 8 or any(c.isspace() for c in entry.key):
             raise ConfigError(source, where, "a key has at least 8 characters and no spaces")
         if entry.key in seen:
             raise ConfigError(source, where, "duplicate key")
         seen.add(entry.key)
+        admin = entry.admin or where.startswith("proxy.admin_keys")
+        if admin and entry.models:  # it administers every model: a limit would be a lie
+            raise ConfigError(source, f"{where}.models", "an admin key is not limited to models")
         unknown = [m for m in entry.models if m not in models]
         if unknown:
             raise ConfigError(source, f"{where}.models", f"unknown model {unknown[0]!r}")
         check_slo_classes(entry.slo_classes, source, f"{where}.slo_classes")
 
 
-def api_key_entries(args: list[str], files: list[Path]) -> list[dict[str, Any]]:
+def api_key_entries(
+    args: list[str], files: list[Path], *, admin: bool = False
+) -> list[dict[str, Any]]:
     """``--api-key KEY[:MODEL,MODEL...]`` values and ``--api-key-file FILE`` lines
     (the same form, one a line, ``#`` comments) as ``proxy.api_keys`` entries.
-    A file keeps keys out of the process list; a key holding ':' goes in the config."""
+    A file keeps keys out of the process list; a key holding ':' goes in the config.
+    ``admin``: ``--admin-key KEY`` / ``--admin-key-file``: each line a whole key, an
+    admin key (``{key, admin: true}``)."""
     lines = list(args)
     for path in files:
         try:
@@ -700,6 +754,8 @@ def api_key_entries(args: list[str], files: list[Path]) -> list[dict[str, Any]]:
             raise ConfigError(str(path), "<file>", f"cannot read ({exc.strerror})") from None
         lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     entries: list[dict[str, Any]] = []
+    if admin:
+        return [{"key": line, "admin": True} for line in lines]
     for line in lines:
         key, sep, models = line.partition(":")
         entry: dict[str, Any] = {"key": key}
@@ -782,17 +838,58 @@ def _check_node(
                               "the aegaeon policy only; the baselines are single-node")  # fmt: skip
 
 
-def load_config(path: Path | str) -> Config:
-    """Load and validate a YAML config file."""
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """A config file's plain data: ConfigError unless it can be read, parses as YAML (the
+    error's line and column named) and holds a mapping (an empty file: ``{}``)."""
     path = Path(path)
     try:
         text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(str(path), "<file>", "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "<file>", "a directory, not a YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), "<file>", f"not text ({exc.reason})") from None
     except OSError as exc:
         raise ConfigError(str(path), "<file>", f"cannot read ({exc.strerror})") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(str(path), *_yaml_problem(exc)) from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), "<yaml>", f"not valid YAML ({exc})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "<top>", f"must be a mapping of sections (like `proxy: "
+                          f"{{port: 8000}}`), not a YAML {_yaml_kind(raw)}")  # fmt: skip
+    return raw
+
+
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[str, str]:
+    """Where a YAML error is (line and column, as editors count) and what it is, with
+    what was open when it happened (``while parsing a flow mapping`` at ...)."""
+    mark = exc.problem_mark or exc.context_mark
+    problem = " ".join(str(exc.problem or exc.context or "").split())
+    if exc.context and exc.context_mark and exc.problem_mark and (
+            _at(exc.context_mark) != _at(exc.problem_mark)):
+        problem += f" ({exc.context} at {_at(exc.context_mark)})"
+    return (_at(mark) if mark else "<yaml>"), f"not valid YAML: {problem}"
+
+
+def _yaml_kind(value: object) -> str:
+    return {list: "list", str: "string", int: "number", float: "number",
+            bool: "boolean"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def load_config(path: Path | str) -> Config:
+    """Load and validate a YAML config file."""
+    path = Path(path)
+    raw = read_config_file(path)
     return config_from_dict(raw, source=str(path), base=path.parent.resolve())
 
 

@@ -43,11 +43,20 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# the levels and the CPU's flags live in isa.py (no torch); named here too, as before
+from aegaeon_engine.isa import (
+    AVX2_FLAGS,
+    LEVELS,
+    IsaLevel,
+    cpu_flags,
+    cpu_model,
+    supported_levels,
+)
 
 _SOURCES = ("attention.cpp", "dense.cpp", "quant.cpp", "stack.cpp")
 _HEADERS = ("simd.h",)
@@ -58,36 +67,6 @@ _DONE = "built"  # marker written after a build loaded successfully
 _CSRC = Path(__file__).parent / "csrc"
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IsaLevel:
-    """One library: what the CPU must have, how it is compiled."""
-
-    name: str
-    machine: str  # platform.machine() it is for
-    cpu_flags: frozenset[str]
-    cflags: tuple[str, ...]
-    bf16_native: bool  # multiplies bfloat16 natively (else widens to float32)
-
-    @property
-    def namespace(self) -> str:
-        """Its ``torch.ops`` namespace."""
-        return f"aegaeon_{self.name}"
-
-
-_AVX2 = frozenset({"avx2", "fma", "f16c"})
-_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-_AMX = _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}
-_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
-_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-LEVELS: tuple[IsaLevel, ...] = (  # ascending per machine
-    IsaLevel("avx2", "x86_64", _AVX2, _AVX2_FLAGS, False),
-    IsaLevel("avx512", "x86_64", _AVX512, _AVX512_FLAGS, False),
-    IsaLevel("amx", "x86_64", _AMX, (*_AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-             True),
-    IsaLevel("neon", "aarch64", frozenset({"asimd"}), ("-march=armv8-a",), False),
-)
 _BY_NAME = {level.name: level for level in LEVELS}
 
 
@@ -96,38 +75,6 @@ def level(name: str) -> IsaLevel:
     if name not in _BY_NAME:
         raise ValueError(f"unknown ISA level {name!r} (levels: {', '.join(_BY_NAME)})")
     return _BY_NAME[name]
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``flags`` / ``Features`` of /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.cache
-def cpu_model() -> str:
-    """The CPU's model name (``model name`` of /proc/cpuinfo, else the platform's)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def supported_levels(flags: frozenset[str] | None = None,
-                     machine: str | None = None) -> tuple[str, ...]:
-    """The levels a CPU with ``flags`` (default: this one's) can run, ascending."""
-    flags = cpu_flags() if flags is None else flags
-    machine = machine or platform.machine()
-    return tuple(lv.name for lv in LEVELS if lv.machine == machine and lv.cpu_flags <= flags)
 
 
 def build_key(name: str) -> str:
@@ -250,7 +197,7 @@ def _select() -> tuple[str | None, Any]:
         failures.append(f"{name} unavailable ({ops})")
     if not supported:
         failures.append(f"no native level for this CPU ({platform.machine()}: needs "
-                        f"{' '.join(sorted(_AVX2))} on x86_64, asimd on aarch64)")
+                        f"{' '.join(sorted(AVX2_FLAGS))} on x86_64, asimd on aarch64)")
     log.warning("native kernels: %s; using the torch path", "; ".join(failures))
     return None, None
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -31,7 +30,12 @@ from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
 from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.report import InstanceDraining, InstanceHello, InstanceStats
+from aegaeon_common.messages.report import (
+    CudaGraphStats,
+    InstanceDraining,
+    InstanceHello,
+    InstanceStats,
+)
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.metrics import new_registry
 from aegaeon_common.process import cancel_tasks, mark_ready, ready_path
@@ -44,14 +48,16 @@ from aegaeon_sched import LatencyModel
 from aegaeon_runtime.bridge import ComputeThread, Inbox, Outbox
 from aegaeon_runtime.cacheclient.client import CacheClient
 from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.holdings import HoldingsBook
+from aegaeon_runtime.incarnation import INCARNATION
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.registrar import Registrar
+from aegaeon_runtime.shared_queues import QueueSnapshots
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
 
 log = get_logger("instance")
 
 HEARTBEAT_S = 0.5
-INCARNATION = secrets.randbits(62) + 1  # this process, in the proxy's eyes (never 0)
 POLL_S = 0.05
 NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
@@ -69,7 +75,9 @@ class InstanceLoop(Protocol):
     ready: threading.Event
     latency: LatencyModel | None
     load: InstanceLoad  # queue depths for /metrics, replaced whole by the compute thread
+    holdings: HoldingsBook  # what it holds for its requests (aegaeon_runtime.holdings)
     drain: Drain
+    snapshots: QueueSnapshots  # its queues on request (the registrar rebuilds the store's)
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (drain ``inbox``, compute, send via ``outbox``)."""
@@ -109,20 +117,21 @@ def _models_changed(hello: InstanceHello, worker: Worker) -> bool:
     return hello.latency is not None and set(hello.latency.models) != served
 
 
-def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> InstanceStats:
+def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> InstanceStats:
     """``stats`` plus what the instance holds now, for the proxy's leak checks
-    (``/v1/aegaeon/stats``): ``kv_blocks_in_use`` (device KV blocks allocated or
+    (``/v1/aegaeon/stats``): ``holdings`` (versioned, see ``aegaeon_runtime.holdings``)
+    and, in the counters, its ``kv_blocks_in_use`` (device KV blocks allocated or
     waiting on the move list) and ``open_sequences`` (requests queued for prefill
     or in the decode work list, as the compute thread last published them); and
     for its KV usage (``vllm:kv_cache_usage_perc``): ``kv_used_bytes`` (live
-    blocks) of ``kv_capacity_bytes`` (the region's whole slabs)."""
-    pool = worker.kv.pool.stats()
-    slabs = pool.slabs
-    blocks = sum(shape.used_blocks for shape in slabs.shapes.values())
+    blocks) of ``kv_capacity_bytes`` (the region's whole slabs); and ``cuda_graphs``,
+    what its decode-step graphs did (captures, replays, steps run eager and why)."""
+    held = book.read()
+    slabs = worker.kv.pool.stats().slabs
     counters = {
         **stats.counters,
-        "kv_blocks_in_use": float(blocks),
-        "open_sequences": float(load.prefill_requests + load.decode_requests),
+        "kv_blocks_in_use": float(held.kv_blocks_in_use),
+        "open_sequences": float(held.open_sequences),
         "kv_used_bytes": float(slabs.used_bytes),
         "kv_capacity_bytes": float(slabs.num_slabs * slabs.slab_bytes),
     }
@@ -130,9 +139,11 @@ def with_holdings(stats: InstanceStats, worker: Worker, load: InstanceLoad) -> I
     velocity = worker.metrics.velocity()
     # the version first: read with the names after it, it is never newer than they are
     version = worker.switcher.residency_version
+    graphs = msgspec.convert(worker.engine.graph_stats.to_dict(), CudaGraphStats)
     return msgspec.structs.replace(stats, counters=counters, velocity=velocity,
                                    resident_models=worker.switcher.resident_models(),
-                                   residency_version=version)  # fmt: skip
+                                   residency_version=version, holdings=held,
+                                   cuda_graphs=graphs)  # fmt: skip
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:
@@ -262,7 +273,7 @@ async def _serve(
                 return
         hello = _hello(worker, instance)
         if store is not None:
-            registrar = Registrar(config, store, hello, http_url)
+            registrar = Registrar(config, store, hello, http_url, instance.snapshots)
 
         async def receive() -> None:
             while True:
@@ -297,7 +308,7 @@ async def _serve(
                                                     latency=_hello(worker, instance).latency)
                     if registrar is not None:
                         registrar.serve(hello)
-                stats = with_holdings(instance.stats(), worker, instance.load)
+                stats = with_holdings(instance.stats(), worker, instance.holdings)
                 if registrar is not None:
                     await registrar.beat(stats)
                 else:

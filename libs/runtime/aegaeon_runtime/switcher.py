@@ -23,6 +23,15 @@ the sampler and every buffer stay; only the engine's weight views change.
   prefetched model; on a CPU that copy costs as much as the load it saves,
   so promotion here is the last resort. Activating a model other than the
   one being prefetched cancels that copy within one chunk.
+- **Bytes still in place**: the switcher remembers which arena ranges still
+  hold a model's bytes as they were last copied there (a copy or a promotion
+  over a range forgets what it overlaps). A scale-up or a prefetch into the
+  range a model's bytes still occupy binds them without a copy (its record
+  says ``resident``): two models that fit the arena together (static
+  multiplexing, or two models alternating on a decode instance) stop being
+  copied back and forth. With ``keep_resident`` (static multiplexing) a
+  scale-up that was not prefetched is placed as a prefetch would be, beside
+  the active model rather than over it, so both stay.
 - **Mapped weights** (``map_weights``, CPU only): the engine's views are bound
   over the Model Cache's shared memory itself, so a scale-up copies nothing:
   it binds views over the kept mapping (a round trip to the cachemgr only on
@@ -38,6 +47,13 @@ the sampler and every buffer stay; only the engine's weight views change.
   would hold). The last views bound per model are kept; those over an
   evicted region are dropped at the next prefetch.
 
+- **CUDA graphs** (the engine's, on a GPU): a graph replays the bytes at the
+  address it was captured over. So a scale-up or a prefetch copies a model to
+  an arena offset where graphs of its layout already are, when one is free
+  (``Engine.graph_addresses``), and binds it with the copy's event: the first
+  replay waits on it. Elsewhere it lands as above, and the engine captures
+  graphs for the new place at its first step (or runs eager; graphs.py).
+
 All methods except the background copy run on the compute thread.
 """
 
@@ -48,6 +64,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
@@ -55,7 +72,7 @@ from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
 from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
-from aegaeon_runtime.port import ModelGoneError
+from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
 
 
@@ -66,6 +83,7 @@ class Resident:
     name: str
     allocation: Allocation | None  # None: mapped in place from the Model Cache
     weights: ModelWeights
+    ready: object | None = None  # the event of the copy that put the bytes there (CUDA)
 
 
 class ModelSwitcher:
@@ -82,6 +100,7 @@ class ModelSwitcher:
         prefetch: bool = True,
         copy_threads: int | None = None,
         map_weights: bool = False,
+        keep_resident: bool = False,
     ) -> None:
         self.engine = engine
         self.buffer = buffer
@@ -91,6 +110,10 @@ class ModelSwitcher:
         self.prefetch_enabled = prefetch
         self.copy_threads = copy_threads
         self.map_weights = map_weights
+        # static multiplexing: a scale-up that was not prefetched goes where the prefetch
+        # would have put it (beside the active model), not over it, so that the models of
+        # an instance whose arena holds them stay there
+        self.keep_resident = keep_resident
         # map_weights: model -> (its mapping, views over it), the last bound; entries
         # whose region the cachemgr evicted are dropped by the prefetch thread
         self._mapped_views: dict[str, tuple[MappedModel, ModelWeights]] = {}
@@ -102,7 +125,11 @@ class ModelSwitcher:
         self._views: dict[tuple[str, int], ModelWeights] = {}
         self._views_lock = threading.Lock()
         self._max_views = 2 * max(len(self.specs), 1)
+        # arena ranges that still hold a model's bytes as last copied there:
+        # offset -> (model, nbytes); guarded by _views_lock (the prefetch thread copies)
+        self._in_place: dict[int, tuple[str, int]] = {}
         self.num_switches = 0
+        self.num_in_place = 0  # scale-ups and prefetches that found the bytes in place
         self.num_promotions = 0
         self.num_placed_below = 0
         # changes to the models on the device (switch, prefetch, eviction): a reader on
@@ -125,6 +152,32 @@ class ModelSwitcher:
     def nbytes(self, name: str) -> int:
         return self.engine.layout(self.specs[name], self.dtype).total_bytes
 
+    def _graph_offsets(self, name: str) -> list[int]:
+        """Arena offsets where the engine holds CUDA graphs of ``name``'s layout and the
+        model fits (most recently used first)."""
+        addresses = self.engine.graph_addresses(self.specs[name], self.dtype)
+        if not addresses:
+            return []
+        base, nbytes = self.buffer.tensor.data_ptr(), self.nbytes(name)
+        limit = self.buffer.weights_capacity
+        return [a - base for a in addresses if a - base >= 0 and a - base + nbytes <= limit]
+
+    def _alloc_in_empty_arena(self, name: str) -> Allocation:
+        """After a reset: at an offset holding graphs of its layout if any, else at 0."""
+        offsets = self._graph_offsets(name)
+        if offsets:
+            return self.buffer.arena.alloc_at(offsets[0], self.nbytes(name))
+        return self.buffer.alloc(self.nbytes(name))
+
+    def _ready_event(self) -> object | None:
+        """An event after the copy just made (CUDA): replays wait on it."""
+        device = self.buffer.device
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return event
+
     def _bind(self, name: str, allocation: Allocation) -> Resident:
         key = (name, allocation.offset)
         with self._views_lock:
@@ -137,7 +190,7 @@ class ModelSwitcher:
                 if len(self._views) >= self._max_views:
                     del self._views[next(iter(self._views))]  # the oldest
                 self._views[key] = weights
-        return Resident(name, allocation, weights)
+        return Resident(name, allocation, weights, self._ready_event())
 
     def _region(self, name: str) -> MappedModel:
         """``name``'s Model Cache region: the client's kept mapping (the use is noted,
@@ -153,6 +206,8 @@ class ModelSwitcher:
         except RemoteError as exc:
             if exc.code == "unknown_model":
                 raise ModelGoneError(name, str(exc)) from exc
+            if exc.code == "checkpoint_error":  # quarantined by the cachemgr
+                raise ModelUnavailableError(name, exc.reply.message) from exc
             raise
         self.cache.unpin(name)
         return mapped
@@ -167,9 +222,37 @@ class ModelSwitcher:
 
     def _copy_in(
         self, name: str, allocation: Allocation, job: PrefetchJob | None = None
-    ) -> float:
-        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent."""
-        return self._copy_from(self._region(name), allocation, job)
+    ) -> tuple[float, bool]:
+        """Copy ``name`` from the Model Cache into ``allocation``, unless its bytes are
+        still there; seconds spent, and whether they were."""
+        key = (name, allocation.nbytes)
+        with self._views_lock:
+            if self._in_place.get(allocation.offset) == key:
+                self.num_in_place += 1
+                return 0.0, True
+            self._forget_range(allocation.offset, allocation.nbytes)
+        seconds = self._copy_from(self._region(name), allocation, job)
+        with self._views_lock:
+            self._in_place[allocation.offset] = key
+        return seconds, False
+
+    def _forget_range(self, offset: int, nbytes: int) -> None:
+        """What the arena held in ``[offset, offset + nbytes)`` is being overwritten
+        (caller holds ``_views_lock``)."""
+        end = offset + nbytes
+        for start, (_, size) in list(self._in_place.items()):
+            if start < end and offset < start + size:
+                del self._in_place[start]
+
+    def forget_bytes(self, name: str) -> None:
+        """``name``'s bytes changed (a model added again under its name): never bind
+        what the arena still holds of it."""
+        with self._views_lock:
+            for start, (held, _) in list(self._in_place.items()):
+                if held == name:
+                    del self._in_place[start]
+            for key in [k for k in self._views if k[0] == name]:
+                del self._views[key]
 
     def _copy_from(
         self, mapped: MappedModel, allocation: Allocation, job: PrefetchJob | None = None
@@ -225,7 +308,8 @@ class ModelSwitcher:
 
     def _activate(self, resident: Resident) -> None:
         self.active = resident
-        self.engine.bind(self.specs[resident.name], resident.weights, self.buffer.kv_region)
+        self.engine.bind(self.specs[resident.name], resident.weights, self.buffer.kv_region,
+                         ready=resident.ready)
 
     # ---- switching -------------------------------------------------------
     def activate(self, name: str, now_s: float | None = None) -> SwitchRecord | None:
@@ -242,16 +326,23 @@ class ModelSwitcher:
             if pending.name != name:
                 pending.cancelled.set()  # its bytes are not needed: stop within a chunk
             pending.done.wait()  # never reuse memory a copy is still writing
+        resident = False
         if pending is not None and pending.name == name and isinstance(pending.result, Resident):
             self._activate(pending.result)
-            load_s, prefetched = pending.copy_s, True
+            load_s, prefetched, resident = pending.copy_s, True, pending.in_place
         elif self.map_weights:
             load_s, prefetched = self._map(name), False
         else:
+            nbytes = self.nbytes(name)
+            beside = self._place(name) if self.keep_resident else None
             self.active = None
-            self.buffer.reset()  # scale-down: the old model's bytes are simply reused
-            allocation = self.buffer.alloc(self.nbytes(name))
-            load_s = self._copy_in(name, allocation)
+            if beside is not None:
+                allocation = beside
+            else:
+                self.buffer.reset()  # scale-down: the old model's bytes are simply reused
+                allocation = self._kept(name, nbytes) or self._alloc_in_empty_arena(name)
+            self.buffer.arena.set_top(allocation)
+            load_s, resident = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))
             prefetched = False
         self.num_switches += 1
@@ -263,6 +354,7 @@ class ModelSwitcher:
             load_s=load_s,
             prefetched=prefetched,
             at_s=time.time() if now_s is None else now_s,
+            resident=resident,
         )
 
     def prefetch(self, name: str) -> bool:
@@ -276,7 +368,7 @@ class ModelSwitcher:
         if self.map_weights:
             allocation = None
         else:
-            allocation = self._place(self.nbytes(name))
+            allocation = self._place(name)
             if allocation is None:
                 return False
         job = PrefetchJob(name, allocation)
@@ -306,14 +398,39 @@ class ModelSwitcher:
             self.residency_version += 1
         return evicted
 
-    def _place(self, nbytes: int) -> Allocation | None:
-        """Free arena space for a prefetch (see the module docstring), or None."""
+    def _kept(self, name: str, nbytes: int) -> Allocation | None:
+        """Where ``name``'s bytes still are in the arena, clear of the active model."""
+        active = self.active.allocation if self.active is not None else None
+        with self._views_lock:
+            for offset, held in self._in_place.items():
+                if held != (name, nbytes):
+                    continue
+                if active is not None and offset < active.end and active.offset < offset + nbytes:
+                    continue
+                return Allocation(offset, nbytes)
+        return None
+
+    def _place(self, name: str) -> Allocation | None:
+        """Free arena space for prefetching ``name`` (see the module docstring), or None;
+        where the model's bytes still are when they are."""
+        nbytes = self.nbytes(name)
+        kept = self._kept(name, nbytes)
+        if kept is not None:
+            return kept  # (the arena learns of it when it is the active model)
         if self.active is None:
-            return self.buffer.alloc(nbytes) if self.buffer.fits(nbytes) else None
+            if not self.buffer.fits(nbytes):
+                return None
+            empty = self.buffer.arena.top == 0
+            return self._alloc_in_empty_arena(name) if empty else self.buffer.alloc(nbytes)
         active = self.active.allocation
         assert active is not None  # a mapped model is never in the arena
         # Only the active model stays: drop stale allocations above it.
         self.buffer.arena.set_top(active)
+        for offset in self._graph_offsets(name):  # where its graphs are, if that is free
+            if offset + nbytes <= active.offset:
+                return Allocation(offset, nbytes)
+            if offset >= self.buffer.arena.top:
+                return self.buffer.arena.alloc_at(offset, nbytes)
         if self.buffer.fits(nbytes):
             return self.buffer.alloc(nbytes)
         if active.offset >= nbytes:
@@ -330,14 +447,19 @@ class ModelSwitcher:
             job.copy_s = self._map(job.name, job)
             self._drop_evicted_views()
             return
-        job.copy_s = self._copy_in(job.name, job.allocation, job)
+        job.copy_s, job.in_place = self._copy_in(job.name, job.allocation, job)
         job.result = self._bind(job.name, job.allocation)
 
     def _promote_active(self) -> None:
         """Move the active model down to offset 0 (on-device copy), rebind its views."""
         assert self.active is not None and self.active.allocation is not None
         old = self.active.allocation
+        with self._views_lock:  # both ranges: an overlapping move changes the old one too
+            self._forget_range(old.offset, old.nbytes)
+            self._forget_range(0, old.nbytes)
         moved = self.buffer.promote(old.offset, old.nbytes, 0)
+        with self._views_lock:
+            self._in_place[moved.offset] = (self.active.name, moved.nbytes)
         self._activate(self._bind(self.active.name, moved))
         self.num_promotions += 1
 

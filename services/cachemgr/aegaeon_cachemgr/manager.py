@@ -8,7 +8,7 @@ tie blocks, pins and event slots to registered workers; a worker that dies
 
 from __future__ import annotations
 
-import os
+import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +18,7 @@ from typing import Any
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
+from aegaeon_common.market_files import MarketRecords
 from aegaeon_common.messages.cache import (
     AllocBlocks,
     BlocksAllocated,
@@ -32,10 +33,12 @@ from aegaeon_common.messages.cache import (
     ModelForgotten,
     ModelLoaded,
     ModelRegistered,
+    ModelReloaded,
     ModelUnpinned,
     ReassignBlocks,
     RegisterModel,
     RegisterWorker,
+    ReloadModel,
     SetModelFlags,
     UnpinModel,
     UnregisterWorker,
@@ -43,6 +46,7 @@ from aegaeon_common.messages.cache import (
     WorkerRegistered,
     WorkerUnregistered,
 )
+from aegaeon_common.owner import stamp
 from aegaeon_common.wire import Message
 from aegaeon_gpumem import EventTable, ShmRegion
 from prometheus_client import Counter
@@ -68,7 +72,8 @@ class CacheManager:
         cache = config.cache
         # Names are unique per cachemgr process: a worker's cached attachment by
         # name (gpumem's event tables) must never meet a recreated segment.
-        prefix = f"{config.shm_prefix}-{os.getpid()}-{secrets.token_hex(3)}-"
+        # (its stamp, HOST-TAG.PID: `aegaeon market gc` removes those of a cachemgr gone)
+        prefix = f"{config.shm_prefix}-{stamp()}-{secrets.token_hex(3)}-"
         self.started = time.monotonic()
         self.kv_region = ShmRegion.create(f"{prefix}kv", cache.kv_cache_bytes)
         try:
@@ -80,7 +85,10 @@ class CacheManager:
             raise
         self.kv = UnifiedKVCache(self.kv_region, cache.slab_bytes, self.events.name)
         models = {m.name: m.path for m in config.models}
-        self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor)
+        # what market.json records of each model's files (sizes, digests)
+        self.records = MarketRecords(config.market_dir)
+        self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor,
+                                 self.records.files)  # fmt: skip
         per_worker = min(DEFAULT_SLOTS_PER_WORKER, cache.event_slots)
         self.workers = WorkerRegistry(cache.event_slots, per_worker)
         self._handlers: dict[type[Message], Callable[[Any], Awaitable[Message]]] = {
@@ -95,6 +103,7 @@ class CacheManager:
             RegisterModel: self._register_model,
             ForgetModel: self._forget_model,
             SetModelFlags: self._set_flags,
+            ReloadModel: self._reload_model,
         }
 
     async def handle(self, request: Message) -> Message:
@@ -190,10 +199,39 @@ class CacheManager:
 
     # ---- models at run time (the proxy's admin endpoints) ----------------
 
+    async def check_models(self) -> None:
+        """Check every model's checkpoint (sizes, headers; off the loop), quarantining
+        those that cannot be read: at start, before any worker asks."""
+        for name, exc in (await asyncio.to_thread(self.models.check_all)).items():
+            self.models.quarantine(name, exc.message)
+
+    async def _check(self, name: str) -> None:
+        """``name`` registered or reloaded: refused (``checkpoint_error``, and quarantined)
+        when its files or headers are wrong."""
+        exc = await asyncio.to_thread(self.models.check, name)
+        if exc is not None:
+            self.models.quarantine(name, exc.message)
+            raise exc
+
     async def _register_model(self, req: RegisterModel) -> Message:
         self.models.register(req.name, Path(req.path))
         log.info("model_registered", model=req.name, path=req.path)
+        why = self.models.unavailable.get(req.name)
+        if why is not None:  # registered again (an instance restarted): still unreadable
+            raise CacheError("checkpoint_error", why, {"model": req.name})
+        await self._check(req.name)
         return ModelRegistered(req.name)
+
+    async def _reload_model(self, req: ReloadModel) -> Message:
+        self.models.reload(req.name, Path(req.path))
+        await self._check(req.name)
+        try:
+            await self.models.acquire(req.name, "", pin=False)
+        except CacheError as exc:
+            if exc.code != "model_cache_full":
+                raise
+            return ModelReloaded(req.name, resident=False)  # checked at its first load
+        return ModelReloaded(req.name, resident=True)
 
     async def _forget_model(self, req: ForgetModel) -> Message:
         evicted = self.models.forget(req.name)

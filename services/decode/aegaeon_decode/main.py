@@ -24,6 +24,9 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_service
 
     config = load_config_or_exit(args.config, "decode")
+    from aegaeon_runtime.preflight import instance_preflight_or_exit
+
+    instance_preflight_or_exit(config, "decode", args.index)
     from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL
     from aegaeon_runtime.decode.loop import DecodeLoop
     from aegaeon_runtime.service import LoopFactory, serve_instance

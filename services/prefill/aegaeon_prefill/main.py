@@ -20,6 +20,9 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_service
 
     config = load_config_or_exit(args.config, "prefill")
+    from aegaeon_runtime.preflight import instance_preflight_or_exit
+
+    instance_preflight_or_exit(config, "prefill", args.index)
     from aegaeon_common.messages.decode import HYBRID_CHANNEL
     from aegaeon_common.messages.prefill import PREFILL_CHANNEL
     from aegaeon_runtime.prefill.loop import PrefillLoop

@@ -18,8 +18,8 @@ from aegaeon_proxy import (
     tokenize,
     vllm_controls,
 )
-from aegaeon_proxy.auth import KeyRing
-from aegaeon_proxy.backend import Backend, SharedModelSet, SharedModelSettings
+from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
+from aegaeon_proxy.backend import Backend, ModelQuarantine, SharedModelSet, SharedModelSettings
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
 from aegaeon_proxy.request_ids import CLIENT_CLOSED
@@ -27,14 +27,16 @@ from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
 
-__all__ = ["make_admin_app", "make_app"]
+__all__ = ["ACCESS", "make_admin_app", "make_app"]
 
+# The list a route is in declares who may call it once keys are configured
+# (:data:`ACCESS`, enforced by ``auth.KeyRing``): a new route is one line in one list.
 Route = tuple[str, str, Handler]
-PROBES: list[Route] = [
+PROBES: list[Route] = [  # open: liveness and readiness probes
     ("GET", "/health", info.health),
     ("GET", "/ready", info.ready),
 ]
-PUBLIC: list[Route] = [
+PUBLIC: list[Route] = [  # the API: any key (a model-limited key for its models)
     ("POST", "/v1/completions", handlers.completions),
     ("POST", "/v1/chat/completions", handlers.chat_completions),
     ("POST", "/v1/responses", responses_api.create_response),
@@ -46,7 +48,8 @@ PUBLIC: list[Route] = [
 ]
 # the API's requests, each recorded by one access log line (request_ids)
 ACCESS_LOGGED = frozenset(path for _, path, _ in PUBLIC)
-# Operators' endpoints: on the API port, or alone on ``proxy.admin_port``.
+# Operators' endpoints, what changes or reveals the node (run-time adapter loading
+# belongs here too): an admin key; on the API port, or alone on ``proxy.admin_port``.
 ADMIN: list[Route] = [
     ("GET", "/metrics", info.metrics),
     ("GET", "/v1/aegaeon/stats", info.aegaeon_stats),
@@ -54,6 +57,21 @@ ADMIN: list[Route] = [
     *admin_models.ROUTES,  # model lifecycle: list, add, change, remove
     *vllm_controls.ROUTES,  # vLLM's /sleep, /wake_up, /is_sleeping
 ]
+ACCESS: dict[Access, list[Route]] = {
+    Access.OPEN: PROBES,
+    Access.USER: PUBLIC,
+    Access.ADMIN: ADMIN,
+}
+
+
+def add_routes(app: web.Application, config: Config, *kinds: Access) -> None:
+    """The routes of ``kinds`` (:data:`ACCESS`) in ``app``, each with its access rule,
+    and the key check (``config.proxy``'s keys) in front of them."""
+    app[ROUTE_ACCESS] = {}
+    for access in kinds:
+        for method, path, handler in ACCESS[access]:
+            app[ROUTE_ACCESS][app.router.add_route(method, path, handler)] = access
+    app.middlewares.append(KeyRing(config.proxy.keys).middleware())
 
 
 def _endpoint(request: web.Request) -> str:
@@ -100,16 +118,15 @@ def make_app(config: Config, backend: Backend) -> web.Application:
     """The proxy as an aiohttp application; it starts and stops ``backend`` with itself.
 
     With ``proxy.admin_port`` set, the admin routes are left out (see
-    :func:`make_admin_app`); with API keys, every route but the probes needs one.
+    :func:`make_admin_app`); with keys, every route but the probes needs one, the
+    admin routes an admin key.
     """
-    keys = KeyRing(config.proxy.api_keys)
     app = web.Application(client_max_size=config.proxy.max_body_bytes,
-                          middlewares=[request_ids.middleware(_access_logged), api_errors,
-                                       keys.middleware()])  # fmt: skip
+                          middlewares=[request_ids.middleware(_access_logged),
+                                       api_errors])  # fmt: skip
     app[STATE] = ProxyState.create(config, backend)
-    routes = PUBLIC + PROBES + (ADMIN if config.proxy.admin_port is None else [])
-    for method, path, handler in routes:
-        app.router.add_route(method, path, handler)
+    admin = [Access.ADMIN] if config.proxy.admin_port is None else []
+    add_routes(app, config, Access.USER, Access.OPEN, *admin)
 
     async def start_backend(app: web.Application) -> None:
         state = app[STATE]
@@ -123,6 +140,8 @@ def make_app(config: Config, backend: Backend) -> web.Application:
             state.backend.follow_model_settings(apply)
         if isinstance(state.backend, SharedModelSet):  # models other replicas add, remove
             state.backend.follow_served(admin_models.follow_served(state))
+        if isinstance(state.backend, ModelQuarantine):  # checkpoints that cannot be read
+            state.backend.follow_unavailable(admin_models.follow_unavailable(state))
         await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:
@@ -138,9 +157,10 @@ def make_app(config: Config, backend: Backend) -> web.Application:
 
 def make_admin_app(state: ProxyState) -> web.Application:
     """``/metrics``, ``/v1/aegaeon/*`` and the probes on their own port
-    (``proxy.admin_host:admin_port``, loopback by default; no API key asked)."""
+    (``proxy.admin_host:admin_port``, loopback by default): with keys configured,
+    an admin key is asked there as on the API port (a Service or a sidecar may
+    expose the port)."""
     app = web.Application(middlewares=[request_ids.middleware(_access_logged), api_errors])
     app[STATE] = state
-    for method, path, handler in ADMIN + PROBES:
-        app.router.add_route(method, path, handler)
+    add_routes(app, state.config, Access.ADMIN, Access.OPEN)
     return app

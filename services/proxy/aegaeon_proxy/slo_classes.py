@@ -95,17 +95,19 @@ def resolve(
     allowed = [n for n in CLASS_NAMES
                if (not key_classes or n in key_classes)
                and (not settings.slo_classes or n in settings.slo_classes)]  # fmt: skip
+    # "with this API key" only where there is one (keys off: the model's settings alone)
+    whom = f"model '{model}'" + (" with this API key" if key is not None else "")
     if not allowed:
-        raise _forbidden("priority", f"no SLO class is allowed for model '{model}' with this "
-                         "API key", "slo_class_not_allowed")  # fmt: skip
+        raise _forbidden("priority", f"no SLO class is allowed for {whom}",
+                         "slo_class_not_allowed")  # fmt: skip
     if priority is None:
         name = DEFAULT_CLASS if DEFAULT_CLASS in allowed else allowed[-1]
     elif priority in allowed:
         name = priority
     else:
         raise _forbidden(
-            "priority", f"priority '{priority}' is not allowed for model '{model}' with this "
-            f"API key (allowed: {', '.join(allowed)})", "slo_class_not_allowed",
+            "priority", f"priority '{priority}' is not allowed for {whom} "
+            f"(allowed: {', '.join(allowed)})", "slo_class_not_allowed",
         )  # fmt: skip
     cls = classes.get(name)
     checks = (
@@ -118,8 +120,8 @@ def resolve(
         floor = _floor(floors)
         if asked is not None and floor is not None and asked < floor:
             raise _forbidden(
-                param, f"'{param}' may not be below {floor * 1000:g} ms for model '{model}' "
-                f"with this API key, got {asked * 1000:g}", "slo_target_not_allowed",
+                param, f"'{param}' may not be below {floor * 1000:g} ms for {whom}, "
+                f"got {asked * 1000:g}", "slo_target_not_allowed",
             )  # fmt: skip
     ttft = ttft_s if ttft_s is not None else cls.ttft_s
     tbt = tbt_s if tbt_s is not None else cls.tbt_s

@@ -20,8 +20,8 @@ The answers carry ``{"is_sleeping": ..., "models": {name: bool}}``. Unlike
 vLLM, a request for a sleeping model is served: its first prefill switches it
 in, as any model switch does. A device with work of the model queued keeps it
 through a ``/sleep`` (it is needed): ``is_sleeping`` then says false. They sit
-with the other admin endpoints, with their auth (an API key when keys are
-configured; none on ``proxy.admin_port``); unknown model: 404; a backend
+with the other admin endpoints, with their auth (an admin key when keys are
+configured, on the API port and ``proxy.admin_port`` alike); unknown model: 404; a backend
 without sleep: 501. With replicated proxies the instances of every node are
 told, and every replica answers ``is_sleeping`` from the instances' registry
 records (the models on their devices, every heartbeat).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from aegaeon_common.messages.structs import (
+    Holdings,
     KVHandoff,
     LatencyProfile,
     RequestTimings,
@@ -45,6 +46,7 @@ class PrefillDone(Message, frozen=True):
     timings: RequestTimings
     emitted_s: float
     kind: str = "prefill"  # the instance's kind: a decode instance prefills too (role switching)
+    holdings: Holdings | None = None  # the instance's, once this request left its queue
     # n > 1: the other sequences' first tokens and finish reasons (sequence 1, 2, ...)
     sibling_token_ids: list[int] = msgspec.field(default_factory=list)
     sibling_finish_reasons: list[str | None] = msgspec.field(default_factory=list)
@@ -70,6 +72,8 @@ class StepTokens(Message, frozen=True):
     index: int  # decode instance
     items: list[TokenItem]
     emitted_s: float
+    kind: str = "decode"  # the instance's kind: a prefill instance decodes when idle
+    holdings: Holdings | None = None  # the instance's, when a request ended in this message
 
 
 class RequestFailed(Message, frozen=True):
@@ -79,6 +83,7 @@ class RequestFailed(Message, frozen=True):
     index: int
     code: str
     message: str
+    holdings: Holdings | None = None  # the instance's, the request's KV freed
 
 
 class SwitchRecord(Struct, frozen=True):
@@ -86,10 +91,15 @@ class SwitchRecord(Struct, frozen=True):
 
     from_model: str | None
     to_model: str
-    total_s: float  # on the critical path
+    total_s: float  # on the critical path (a charged load path's wait included)
     load_s: float
     prefetched: bool
     at_s: float
+    # request-level-charged: the part of total_s waited out so the scale-up took what the
+    # baseline's load path takes (aegaeon_sched.load_path); 0 for every other policy
+    charged_s: float = 0.0
+    # the model's bytes were still where the arena had last held them: bound, not copied
+    resident: bool = False
 
 
 class TurnRecord(Struct, frozen=True):
@@ -105,6 +115,26 @@ class TurnRecord(Struct, frozen=True):
     steps: int
     tokens: int
     engine_s: float = 0.0  # in the engine's decode steps (forward and sampling)
+
+
+class CudaGraphStats(Struct, frozen=True):
+    """What an instance's decode-step CUDA graphs did (aegaeon_engine.graphs): whether
+    they are on (``disabled_reason`` when not), the captured batch sizes, the slots
+    holding graphs, captures and their seconds, replays, and the steps that ran eager
+    by reason (``last_eager_reason`` in words)."""
+
+    enabled: bool
+    sizes: list[int] = msgspec.field(default_factory=list)
+    slots: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    last_capture_s: float = 0.0
+    evictions: int = 0
+    replays: int = 0
+    eager_steps: int = 0
+    eager_reasons: dict[str, int] = msgspec.field(default_factory=dict)
+    last_eager_reason: str = ""
+    disabled_reason: str = ""
 
 
 class InstanceStats(Message, frozen=True):
@@ -128,6 +158,9 @@ class InstanceStats(Message, frozen=True):
     # stale (heartbeats and ModelsResident answers travel on different sockets).
     resident_models: list[str] = msgspec.field(default_factory=list)
     residency_version: int = 0
+    holdings: Holdings | None = None  # what it holds now (its counters repeat the numbers)
+    # the decode step's CUDA graphs (None: an instance that does not say)
+    cuda_graphs: CudaGraphStats | None = None
 
 
 class InstanceDraining(Message, frozen=True):

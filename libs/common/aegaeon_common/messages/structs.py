@@ -77,6 +77,24 @@ class KVHandoff(Struct, frozen=True):
     event: EventSpec | None = None  # the swap-out copy; consumers wait on it
 
 
+class Holdings(Struct, frozen=True):
+    """What an instance holds for its requests (``/v1/aegaeon/stats``: all 0 when idle).
+
+    Read by its heartbeat, and by its compute thread when a message ends or hands on
+    a request (after that request's KV was freed and its queues updated): the message
+    carries it, so the proxy knows before it answers the client. ``version`` counts
+    the compute thread's readings; a reading of a lower version is older (heartbeats
+    and request messages travel on different sockets) and never replaces a newer one.
+    ``incarnation`` is the process's (``InstanceHello.incarnation``): versions of
+    different processes do not compare.
+    """
+
+    version: int
+    kv_blocks_in_use: int  # device KV blocks allocated or waiting on the move list
+    open_sequences: int  # requests queued for prefill or in the decode work list
+    incarnation: int = 0
+
+
 class RequestTimings(Struct, frozen=True):
     """Where a request's time went (paper Fig. 14), seconds."""
 

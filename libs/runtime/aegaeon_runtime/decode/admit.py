@@ -14,6 +14,7 @@ from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.emit import TokenEmitter
 from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.seq import Seq, SharedHost
+from aegaeon_runtime.holdings import Reading, no_reading
 from aegaeon_runtime.kv import event_from_spec
 from aegaeon_runtime.port import MessageSink, WorkerPort
 from aegaeon_runtime.sampling import SeqSampling
@@ -42,7 +43,10 @@ class Admission:
         self._local_batches: dict[str, int] = {}
         config = worker.config
         slo = SLO(config.slo.ttft_s, config.slo.tbt_s)
-        self.tokens = TokenEmitter(outbox, worker.index, slo, config.scheduler.token_hold, clock)
+        self.tokens = TokenEmitter(outbox, worker.index, slo, config.scheduler.token_hold, clock,
+                                   worker.kind)  # fmt: skip
+        # the instance's holdings after a request's end (set by the loop; see holdings.py)
+        self.changed: Reading = no_reading
 
     def _add(self, seq: Seq, max_tokens: int, priority: int = 1) -> bool:
         request = Request(seq.key, seq.model, seq.arrival_s, seq.prompt_len, max_tokens,
@@ -185,4 +189,5 @@ class Admission:
         w = self.worker
         w.metrics.request_done("decode", model, "failed")
         self.tokens.flush()  # what a request got before its failure arrives first
-        self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))
+        self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message,
+                                       self.changed()))  # fmt: skip

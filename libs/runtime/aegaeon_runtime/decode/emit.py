@@ -28,6 +28,7 @@ from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_sched import SLO
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
+from aegaeon_runtime.holdings import Reading, no_reading
 from aegaeon_runtime.port import MessageSink
 
 
@@ -35,12 +36,18 @@ class TokenEmitter:
     """See the module docstring."""
 
     def __init__(
-        self, outbox: MessageSink, index: int, slo: SLO, hold: float, clock: Clock = SYSTEM_CLOCK
-    ) -> None:
-        """``hold``: how long tokens may wait, as a fraction of ``slo.tbt_s``."""
+        self, outbox: MessageSink, index: int, slo: SLO, hold: float, clock: Clock = SYSTEM_CLOCK,
+        kind: str = "decode",
+    ) -> None:  # fmt: skip
+        """``hold``: how long tokens may wait, as a fraction of ``slo.tbt_s``; ``kind``:
+        the instance's (a prefill instance decodes when idle)."""
         self.outbox = outbox
         self.clock = clock
         self.index = index
+        self.kind = kind
+        # the instance's holdings, read into a message that ends a request (its KV is
+        # freed by then: the request finished before its last token is added)
+        self.changed: Reading = no_reading
         self.slo = slo
         self.hold_s = max(0.0, hold * slo.tbt_s)
         self._held: dict[tuple[str, int], TokenItem] = {}  # by (request, sequence)
@@ -79,5 +86,8 @@ class TokenEmitter:
         if self._held:
             items = list(self._held.values())
             self._held.clear()
-            self.outbox.send(StepTokens(self.index, items, self.clock.wall()))
+            ended = any(item.finish_reason is not None for item in items)
+            holdings = self.changed() if ended else None
+            self.outbox.send(StepTokens(self.index, items, self.clock.wall(), self.kind,
+                                        holdings))  # fmt: skip
         self._since = None

@@ -37,6 +37,7 @@ from aegaeon_common.messages.prefill import (
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats
+from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import (
     DecodeShare,
@@ -45,6 +46,7 @@ from aegaeon_sched import (
     RoundController,
     RoundRobinPlanner,
 )
+from aegaeon_sched.shared import State, prefill_queue_state, work_list_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -52,11 +54,13 @@ from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.turn import TurnRunner
 from aegaeon_runtime.drain import Drain
+from aegaeon_runtime.holdings import HoldingsBook, used_blocks
 from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.models import add_model, set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_runtime.profile_cache import start_up_profile
+from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("decode")
 IDLE_WAIT_S = 0.05
@@ -116,6 +120,15 @@ class DecodeLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self.load = InstanceLoad()  # written here, read by a scrape
+        self.snapshots = QueueSnapshots()  # its queues, for the registrar (many nodes)
+        # what it holds, read into each message that ends a request (its prefills' too)
+        self.holdings = HoldingsBook(
+            lambda: used_blocks(worker.kv.pool),
+            lambda: self.load.prefill_requests + self.load.decode_requests,
+        )
+        self.admission.changed = self.admission.tokens.changed = self._changed
+        if self.prefill is not None:
+            self.prefill.changed = self._changed
         self.drain = Drain()
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
             EnqueueDecode: self._on_enqueue_decode,
@@ -197,7 +210,7 @@ class DecodeLoop:
     def run(self, stop: threading.Event) -> None:
         self.latency = self.turns.latency = self._profile()
         self.ready.set()
-        self.turns.poll = lambda: self.apply(self.inbox.drain())
+        self.turns.poll = self._poll
         if self.prefill is not None:
             self.prefill.poll = self.turns.poll
         while not (stop.is_set() or self._stop.is_set()):
@@ -207,6 +220,7 @@ class DecodeLoop:
             else:
                 self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))
             self._publish_load()
+            self.snapshots.offer(self._queue_states)
             if self.prefill is not None:
                 self.prefill.run_all()
                 if self._prefill_waits_for_kv():
@@ -219,6 +233,16 @@ class DecodeLoop:
             self.run_round(stop)
             self._publish_load()
 
+    def _poll(self) -> None:
+        """Between two steps: the commands that came, and a snapshot if one is wanted."""
+        self.apply(self.inbox.drain())
+        self.snapshots.offer(self._queue_states)
+
+    def _queue_states(self) -> tuple[State | None, State]:
+        queue = self.prefill.queue if self.prefill is not None else None
+        return (prefill_queue_state(queue) if queue is not None else None,
+                work_list_state(self.work))  # fmt: skip
+
     def _prefill_waits_for_kv(self) -> bool:
         return self.prefill is not None and self.prefill.waiting_for_kv and self.prefill.pending()
 
@@ -230,6 +254,12 @@ class DecodeLoop:
 
     def _pending_prefill(self) -> bool:
         return self.prefill is not None and self.prefill.pending()
+
+    def _changed(self) -> Holdings:
+        """After a request's end (its KV freed): the load published, then the reading
+        its message carries (see ``aegaeon_runtime.holdings``)."""
+        self._publish_load()
+        return self.holdings.after_change()
 
     def _publish_load(self) -> None:
         queue = self.prefill.queue if self.prefill is not None else None

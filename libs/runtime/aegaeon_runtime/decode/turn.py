@@ -14,11 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
+import msgspec
+from aegaeon_common.messages.report import PrefillDone, SwitchRecord, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings, TokenLogprobs
-from aegaeon_engine import DecodeSeq
+from aegaeon_engine import DecodeSeq, weight_layout
 from aegaeon_gpumem import OutOfBlocks
-from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
+from aegaeon_sched import (
+    DecodeBatch,
+    DecodeWorkList,
+    LatencyModel,
+    RoundController,
+    TurnEnd,
+    load_path_for,
+)
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -63,6 +71,10 @@ class TurnRunner:
         # switch cost the planner's c should count, which the Eq. 4 estimate
         # (bytes over bandwidth) alone underestimates on a busy host.
         self._overhead_s: dict[str, float] = {}
+        config = worker.config
+        self.load_path = load_path_for(config.scheduler.policy, config.baseline.load_gb_s,
+                                       config.baseline.init_s)  # fmt: skip
+        self._weight_bytes: dict[str, int] = {}
 
     # ---- estimates for the planner ---------------------------------------
     def context_tokens(self, request_id: str) -> int:
@@ -73,6 +85,21 @@ class TurnRunner:
     def switch_estimate(self, model: str) -> float:
         assert self.latency is not None
         return max(self.latency.switch_s(model), self._overhead_s.get(model, 0.0))
+
+    def _charge(self, record: SwitchRecord) -> SwitchRecord:
+        """``request-level-charged``: a scale-up takes what the baseline's load path takes
+        (``aegaeon_sched.load_path``); what this system's switch left of it is waited out
+        here, on the critical path, and recorded (``charged_s``)."""
+        if self.load_path is None:
+            return record
+        model = record.to_model
+        if model not in self._weight_bytes:
+            self._weight_bytes[model] = weight_layout(self.worker.specs[model],
+                                                      self.worker.config.dtype).total_bytes
+        owed = self.load_path.charge_s(self._weight_bytes[model], record.total_s)
+        if owed > 0:
+            self.clock.sleep(owed)
+        return msgspec.structs.replace(record, total_s=record.total_s + owed, charged_s=owed)
 
     def _observe_overhead(self, model: str, seconds: float) -> None:
         old = self._overhead_s.get(model)
@@ -124,10 +151,10 @@ class TurnRunner:
             record = w.switcher.activate(batch.model)
         except ModelGoneError as exc:
             for seq in self._seqs(batch):
-                self.admission.fail(seq, "unknown_model", str(exc))
+                self.admission.fail(seq, exc.code, exc.message)
             return None
         if record is not None:
-            self.counters.note_switch(record)
+            self.counters.note_switch(self._charge(record))
         if next_model is not None:
             w.switcher.prefetch(next_model)
         switch_s = clock.now() - start
@@ -215,16 +242,17 @@ class TurnRunner:
             self.counters.prefills += 1
             w.metrics.tokens("prefill", seq.model, seq.prompt_len)
             w.metrics.request_done("prefill", seq.model, "ok")
+            if finish is not None:  # freed first: the message carries what is left
+                self.admission.finish(seq)
             if seq.index == 0:
+                holdings = self.admission.changed() if finish is not None else None
                 self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None,
-                                             timings, done, w.kind, logprobs=lp,
+                                             timings, done, w.kind, holdings, logprobs=lp,
                                              prompt_logprobs=scored))  # fmt: skip
             else:  # the request's other sequences: their first tokens as decoded ones
                 self.admission.tokens.add([TokenItem(seq.request_id, [token], finish,
                                                      seq.timings(done) if finish else None,
                                                      seq.index, lp)], urgent=True)
-            if finish is not None:
-                self.admission.finish(seq)
 
     @staticmethod
     def _grammar_problem(seq: Seq) -> str:

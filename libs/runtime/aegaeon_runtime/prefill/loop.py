@@ -18,7 +18,7 @@ region fails (``kv_capacity``).
 Two roles run it. A **prefill instance** runs :meth:`PrefillLoop.run`: the
 loop alone on its compute thread, its own inbox and heartbeat. A **hybrid
 instance** (a prefill instance that decodes when idle, or a decode instance
-in the prefill role; DESIGN.md "Beyond the paper") holds one inside its
+in the prefill role; docs/design.md "Beyond the paper") holds one inside its
 :class:`~aegaeon_runtime.decode.loop.DecodeLoop`, hands it the prefill
 commands and gives it strict priority with :meth:`PrefillLoop.run_all` at
 every decode step boundary; a prompt that fits the region but not now takes
@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection
 
+import msgspec
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import (
     AckDrain,
@@ -42,13 +43,16 @@ from aegaeon_common.messages.prefill import (
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats, PrefillDone, RequestFailed
+from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import LatencyModel, PrefillQueue
+from aegaeon_sched.shared import prefill_queue_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.handoffs import SentHandoffs
+from aegaeon_runtime.holdings import HoldingsBook, Reading, used_blocks
 from aegaeon_runtime.metrics import InstanceLoad
 from aegaeon_runtime.models import add_model, set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
@@ -60,6 +64,7 @@ from aegaeon_runtime.prefill.job import (
     run_prefill,
 )
 from aegaeon_runtime.profile_cache import start_up_profile
+from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("prefill")
 IDLE_WAIT_S = 0.05
@@ -112,6 +117,12 @@ class PrefillLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self.load = InstanceLoad()  # written here, read by a scrape
+        self.snapshots = QueueSnapshots()  # its queue, for the registrar (many nodes)
+        # what it holds, read into each message that takes a request out of its queue
+        # (aegaeon_runtime.holdings); a hybrid sets ``changed`` to its own book's
+        self.holdings = HoldingsBook(lambda: used_blocks(worker.kv.pool),
+                                     lambda: self.load.prefill_requests)  # fmt: skip
+        self.changed: Reading = self._changed
         self.drain = Drain()
         self._proxy = 0  # the proxy process that last said it started
         self._handlers: dict[type[Message], Callable[[Message], None]] = {
@@ -202,7 +213,8 @@ class PrefillLoop:
         done = isinstance(outcome.message, PrefillDone)
         if isinstance(outcome.message, PrefillDone):
             self.handoffs.record(msg.request_id, outcome.message.handoff)
-        self.outbox.send(outcome.message)
+        # out of the queue, its blocks freed or on their way out: what is left goes with it
+        self.outbox.send(msgspec.structs.replace(outcome.message, holdings=self.changed()))
         metrics = self.worker.metrics
         metrics.request_done("prefill", msg.model, "ok" if done else "failed")
         c = self.counters
@@ -222,7 +234,8 @@ class PrefillLoop:
         with self.counters.lock:
             self.counters.failed += 1
         w = self.worker
-        self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message))
+        self.outbox.send(RequestFailed(request_id, w.kind, w.index, code, message,
+                                       self.changed()))  # fmt: skip
 
     # ---- a prefill instance's own loop ---------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -234,7 +247,8 @@ class PrefillLoop:
             else:
                 self._apply(self.inbox.drain() if self.pending() else
                             self.inbox.wait(IDLE_WAIT_S))  # fmt: skip
-            self.load = InstanceLoad(len(self.queue), sum(1 for _ in self.queue))
+            self._publish_load()
+            self.snapshots.offer(lambda: (prefill_queue_state(self.queue), None))
             self.counters.queued = len(self.queue)
             self.counters.running = int(self.pending())
             if not self.pending():
@@ -243,6 +257,14 @@ class PrefillLoop:
                     return  # drained: the queue is empty and nothing more comes
                 continue
             self.run_next()
+
+    def _publish_load(self) -> None:
+        self.load = InstanceLoad(len(self.queue), sum(1 for _ in self.queue))
+
+    def _changed(self) -> Holdings:
+        """A prefill instance's own reading (see ``aegaeon_runtime.holdings``)."""
+        self._publish_load()
+        return self.holdings.after_change()
 
     def _apply(self, msgs: list[Message]) -> None:
         for msg in msgs:

@@ -23,6 +23,7 @@ from aegaeon_common.messages.report import (
     SwitchRecord,
     TurnRecord,
 )
+from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.transport import Pusher
 from aegaeon_common.wire import Message
 from aegaeon_sched import DecodeShare
@@ -48,10 +49,23 @@ class InstanceView:
     # heard from this process yet); an older report than the last one is stale
     resident: tuple[str, ...] = ()
     residency_version: int = -1
+    # what it holds for its requests, from its heartbeat or the last message that ended
+    # or handed on a request, whichever read it later (None: none heard from this process)
+    holdings: Holdings | None = None
 
     def note_residency(self, models: list[str], version: int) -> None:
         if version >= self.residency_version:
             self.resident, self.residency_version = tuple(models), version
+
+    def note_holdings(self, holdings: Holdings | None) -> None:
+        """Keep ``holdings`` if it is this process's (its hello's incarnation) and not
+        older than the one kept (see ``aegaeon_runtime.holdings``)."""
+        if holdings is None or holdings.incarnation != self.incarnation:
+            return
+        kept = self.holdings
+        if kept is None or kept.incarnation != holdings.incarnation or \
+                holdings.version >= kept.version:  # fmt: skip
+            self.holdings = holdings
 
     @property
     def incarnation(self) -> int:
@@ -121,6 +135,7 @@ class Instances:
         if restarted:
             view.draining = False
             view.resident, view.residency_version = (), -1  # a new process's count
+            view.holdings = None  # and its versions
         view.pid, view.hello, view.last_seen_s = msg.pid, msg, time.monotonic()
         return view, restarted
 
@@ -139,11 +154,19 @@ class Instances:
             return None
         view.stats, view.last_seen_s = msg, time.monotonic()
         view.note_residency(msg.resident_models, msg.residency_version)
+        view.note_holdings(msg.holdings)
         for record in msg.switches:
             self.switches.append((view.name, record))
         for turn in msg.turns:
             self.turns.append((view.name, turn))
         return view
+
+    def note_holdings(self, kind: str, index: int, holdings: Holdings | None) -> None:
+        """What a message about a request says its instance holds, noted before the
+        request is answered (a newer reading than the last heartbeat's, or none)."""
+        view = self.get(kind, index)
+        if view is not None and view.pid is not None:
+            view.note_holdings(holdings)
 
     def all_alive(self) -> bool:
         now = time.monotonic()
