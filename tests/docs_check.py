@@ -369,7 +369,8 @@ def live_problems(docs: list[Doc], fetch: Fetch, models: list[str]) -> list[Prob
         for req in doc.request_fields:
             out += _request_fields(req, fetch, model)
         deletes = [c for c in doc.calls if c.method == "DELETE"]
-        posts = [c for c in doc.calls if c.method == "POST"]
+        # the add (a POST that names no model; one that does acts on a served model)
+        posts = [c for c in doc.calls if c.method == "POST" and "{" not in c.path]
         for call in deletes:
             out += _delete_row(call, posts, fetch, models[-1])
     return out
@@ -476,22 +477,9 @@ def _request_fields(req: RequestField, fetch: Fetch, model: str) -> list[Problem
 
 def http_fetch(base_url: str, headers: dict[str, str] | None = None) -> Fetch:
     """A :data:`Fetch` of a node's proxy at ``base_url`` (JSON in and out, errors too)."""
-    import urllib.error
-    import urllib.request
+    from http_support import call_json
 
     def fetch(method: str, path: str, body: Any) -> Reply:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(base_url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json",
-                                                  **(headers or {})})  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=120) as resp:
-                return Reply(resp.status, json.loads(resp.read() or b"null"))
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                return Reply(exc.code, json.loads(raw or b"null"))
-            except ValueError:
-                return Reply(exc.code, raw.decode(errors="replace"))
+        return Reply(*call_json(base_url, method, path, body, headers))
 
     return fetch

@@ -225,8 +225,8 @@ def test_aegaeon_gpus_plans_a_worker_and_the_cachemgr(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aegaeon_cli import machine
-    from aegaeon_common.placement import GpuInfo, HostInfo
     from aegaeon_market.presets import preset_config, preset_named
+    from aegaeon_sched.placement import GpuInfo, HostInfo
 
     gib = 1 << 30
     monkeypatch.setattr(machine, "cuda_gpus",

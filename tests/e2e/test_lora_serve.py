@@ -22,9 +22,10 @@ from typing import Any
 
 import openai
 import pytest
+from http_support import call_json, post_text
 from lora_support import ADAPTERS, lora_market, make_peft_adapter, peft_references
 from real_market import REAL, real_market_dir
-from serve_harness import Served, call_json, post_text, serving, until
+from serve_harness import Served, serving, until
 
 # the references (transformers + PEFT) and a node of the real model: minutes on a busy CPU
 pytestmark = pytest.mark.timeout(1800)

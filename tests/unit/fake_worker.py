@@ -32,14 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aegaeon_common.config import Config, SchedulerConfig, SLOConfig
+from aegaeon_common.config import BaselineConfig, Config, SchedulerConfig, SLOConfig
 from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingSpec
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, Sampler
+from aegaeon_engine.sampling import TokenLogprobs, top_logprobs
 from aegaeon_gpumem import Event, EventHandle, KVBlockPool
+from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_sched import SHARED, LatencyModel
@@ -171,6 +173,12 @@ class FakeEngine:
         self.prefill_adapters.append(None if adapter is None else str(adapter))
         self.clock.advance(self.prefill_time_s(self.model, len(token_ids)))
         return self._one_hot([len(token_ids) - 1])[0]
+
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                       k: int) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        last = self.prefill(token_ids, block_ids)
+        rows = self._one_hot(list(range(len(token_ids) - 1)))
+        return last, top_logprobs(rows, list(token_ids[1:]), k)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         assert self.model is not None
@@ -356,12 +364,16 @@ class FakeWorker:
     round_ttft_fraction: float | None = 0.7
     token_hold: float = 0.0
     switch_s: Callable[[str, tuple[str, float] | None, float], float] | None = None
+    policy: str = "aegaeon"
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
 
     def __post_init__(self) -> None:
         self.config = Config(
             models=(), dtype=DTYPE, slo=SLOConfig(ttft_s=self.ttft_s, tbt_s=self.tbt_s),
-            scheduler=SchedulerConfig(q_max_s=self.q_max_s, token_hold=self.token_hold,
+            scheduler=SchedulerConfig(policy=self.policy,  # type: ignore[arg-type]
+                                      q_max_s=self.q_max_s, token_hold=self.token_hold,
                                       round_ttft_fraction=self.round_ttft_fraction),
+            baseline=self.baseline,
         )  # fmt: skip
         self.specs = {m: engine_spec(m) for m in self.truth.specs}
         truth = self.truth
@@ -373,6 +385,9 @@ class FakeWorker:
         self.cache = FakeCache()
         self.metrics = WorkerMetrics(f"{self.kind}-{self.index}")
         self.adapters = FakeAdapters()
+        # a test that constrains decoding names a tokenizer for its models (model_vocab)
+        self.vocabs: dict[str, ModelVocab] = {}
+        self.grammars = GrammarCache(lambda m: self.vocabs[m])
 
     @property
     def name(self) -> str:

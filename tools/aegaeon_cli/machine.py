@@ -1,4 +1,4 @@
-"""The machine's facts for ``--gpus`` (``aegaeon_common.placement`` decides from them).
+"""The machine's facts for ``--gpus`` (``aegaeon_sched.placement`` decides from them).
 
 - GPUs: ``torch.cuda`` (``mem_get_info`` per device), asked in a child process
   (``python -m aegaeon_cli.machine``) so the supervisor holds no CUDA context on
@@ -18,19 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aegaeon_common.config import Config, ConfigError, config_from_dict
-from aegaeon_common.placement import (
-    GpuInfo,
-    HostInfo,
-    PlacementError,
-    Plan,
-    apply_plan,
-    parse_gpus,
-    plan_node,
-)
+from aegaeon_common.config import Config, ConfigError, InstancesConfig, config_from_dict
+from aegaeon_common.config_parse import parse_bytes
 from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError, Plan, parse_gpus
+from aegaeon_sched.sizing import apply_plan, cap_split, plan_node
 
 PROBE_TIMEOUT_S = 120.0
+GiB = 1 << 30
+MiB = 1 << 20
 ONLY = ("prefill", "decode", "instances", "cachemgr")
 
 
@@ -108,21 +104,29 @@ def host_info(meminfo: Path = Path("/proc/meminfo"), shm: Path = Path("/dev/shm"
 
 
 def model_bytes(config: Config) -> dict[str, int]:
-    """Each model's weight bytes in the deployment's dtype (its packed layout)."""
+    """Each model's weight bytes in the deployment's dtype (its packed layout); a LoRA
+    adapter's are its own A and B (what the Model Cache holds of it)."""
     from aegaeon_engine import CheckpointError, ModelSpec, weight_layout
+    from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 
+    paths = {m.name: m.path for m in config.models}
     out = {}
     for model in config.models:
         try:
-            spec = ModelSpec.from_dir(model.path)
+            if model.base is None:
+                spec = ModelSpec.from_dir(model.path)
+                out[model.name] = weight_layout(spec, config.dtype).total_bytes
+            else:
+                adapter = AdapterSpec.from_dir(model.path, ModelSpec.from_dir(paths[model.base]),
+                                               model.name)  # fmt: skip
+                out[model.name] = adapter_layout(adapter, config.dtype).total_bytes
         except CheckpointError as exc:
             raise PlacementError(f"model {model.name}: {exc}") from None
-        out[model.name] = weight_layout(spec, config.dtype).total_bytes
     return out
 
 
 def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int | None],
-                 only: str | None = None) -> Plan:  # fmt: skip
+                 only: str | None = None, cap_bytes: int | None = None) -> Plan:  # fmt: skip
     """The plan for this machine: instances on the GPUs ``spec`` names and the
     cachemgr's sizes. ``only`` (a container runs one service): ``prefill`` /
     ``decode``, that kind's instances alone on the GPUs this process sees;
@@ -136,12 +140,12 @@ def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int
         return plan_node(None, [], host_info(), counts, models, config.dtype)
     gpus = cuda_gpus()
     if only == "instances":
-        return plan_node(spec, gpus, None, counts, models, config.dtype)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes)
     if only is not None:
         count = counts[0] if only == "prefill" else counts[1]
         counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
-        return plan_node(spec, gpus, None, counts, models, config.dtype)
-    return plan_node(spec, gpus, host_info(), counts, models, config.dtype)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes)
+    return plan_node(spec, gpus, host_info(), counts, models, config.dtype, cap_bytes)
 
 
 def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -155,15 +159,78 @@ def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
 
 def sized(raw: dict[str, Any], config: Config, spec: str | None,
           counts: tuple[int | None, int | None], only: str | None = None,
-          base: Path | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
-    """``raw`` planned for this machine: the config, its plain data and the plan.
-    Raises PlacementError or ConfigError with a one-line message."""
-    plan = plan_machine(config, spec, counts, only)
+          base: Path | None = None,
+          cap_bytes: int | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
+    """``raw`` planned for this machine: the config, its plain data and the plan (each
+    instance's device memory at most ``cap_bytes``, ``--device-memory``). Raises
+    PlacementError or ConfigError with a one-line message."""
+    plan = plan_machine(config, spec, counts, only, cap_bytes)
     out = apply_plan(raw, plan, unified=config.unified)
+    for kind in ("prefill", "decode"):
+        if kind in out and "device_memory" in (out[kind] or {}):
+            inst = config.prefill if kind == "prefill" else config.decode
+            out[kind] = _reserve_adapters(out[kind], raw.get(kind) or {}, inst, config)
     try:
         return config_from_dict(out, source=config.source, base=base), out, plan
     except ConfigError as exc:  # a plan the config's own checks refuse: say both
         raise PlacementError(f"the planned config does not validate: {exc}") from None
+
+
+_BUFFER_KEYS = ("device_memory", "device_memory_bytes", "kv_memory", "kv_memory_bytes")
+
+
+def capped(raw: dict[str, Any], config: Config, cap_bytes: int,
+           base: Path | None = None) -> tuple[Config, dict[str, Any], list[str]]:  # fmt: skip
+    """``raw`` with every instance's device memory capped at ``cap_bytes``
+    (``--device-memory``): the weights arena and the KV region split inside it by
+    ``aegaeon_sched.sizing.split_buffer``; on a CPU device ``weights: auto`` becomes
+    ``copy`` (the instance holds its models in its own memory, as a GPU does). The
+    config, its plain data and a line per kind saying what was chosen. PlacementError
+    when the largest model does not fit."""
+    models = model_bytes(config)
+    out = dict(raw)
+    lines = []
+    for kind in ("prefill", "decode"):
+        inst = config.prefill if kind == "prefill" else config.decode
+        device = inst.device_of(0)
+        split = cap_split(cap_bytes, models, config.dtype, device)
+        section = {k: v for k, v in (raw.get(kind) or {}).items() if k not in _BUFFER_KEYS}
+        section.update(device_memory=split.device_memory_bytes, kv_memory=split.kv_memory_bytes)
+        if device.startswith("cpu") and inst.weights == "auto":
+            section["weights"] = "copy"
+        out[kind] = section = _reserve_adapters(section, raw.get(kind) or {}, inst, config)
+        held = "two of the largest model" if split.prefetch_room else "the largest model once"
+        lines.append(f"  {kind}: device memory {split.device_memory_bytes / GiB:.2f} GiB each = "
+                     f"weights {split.weights_bytes / GiB:.2f} GiB ({held}) + KV "
+                     f"{split.kv_memory_bytes / GiB:.2f} GiB on {device}")  # fmt: skip
+    try:
+        return config_from_dict(out, source=config.source, base=base), out, lines
+    except ConfigError as exc:
+        raise PlacementError(f"--device-memory: the capped config does not validate: "
+                             f"{exc}") from None  # fmt: skip
+
+
+def _reserve_adapters(section: dict[str, Any], raw: dict[str, Any], inst: InstancesConfig,
+                      config: Config) -> dict[str, Any]:
+    """A planned instance section of a deployment that serves LoRA adapters (or names an
+    ``adapter_memory`` for run-time loads) on a device that copies weights: their region
+    (its ``adapter_memory``, else 1/16 of the planned device memory) taken from the
+    planned KV region, so the weights arena still
+    holds what the plan sized it for. PlacementError when no KV would be left."""
+    weights = section.get("weights", inst.weights)
+    device = str(section.get("device", inst.device))
+    copies = weights == "copy" or (weights == "auto" and not device.startswith("cpu"))
+    given = raw.get("adapter_memory", raw.get("adapter_memory_bytes"))
+    if not copies or (given is None and not any(m.base is not None for m in config.models)):
+        return section
+    device_memory, kv = int(section["device_memory"]), int(section["kv_memory"])
+    region = parse_bytes(given) if given is not None else device_memory // 16 // MiB * MiB
+    if kv - region < MiB:
+        raise PlacementError(f"the LoRA adapters' region ({region / GiB:.2f} GiB, "
+                             f"adapter_memory) leaves no KV region of the planned "
+                             f"{kv / GiB:.2f} GiB on {device}; give a smaller adapter_memory "
+                             "or more device memory")  # fmt: skip
+    return {**section, "adapter_memory": region, "kv_memory": kv - region}
 
 
 def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:
@@ -171,7 +238,8 @@ def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:
     for a file written somewhere else than the one it was read from."""
     out = {**raw, "market": str(config.market_dir) if config.market_dir else None}
     if raw.get("models"):
-        out["models"] = [{"name": m.name, "path": str(m.path)} for m in config.models]
+        out["models"] = [{"name": m.name, "path": str(m.path),
+                          **({"base": m.base} if m.base else {})} for m in config.models]
     return out
 
 

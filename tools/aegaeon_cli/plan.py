@@ -52,7 +52,7 @@ def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
 def run(args: argparse.Namespace) -> int:
     import yaml
     from aegaeon_common.config import ConfigError, config_from_dict
-    from aegaeon_common.placement import PlacementError
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
 

@@ -1,4 +1,4 @@
-"""``aegaeon market create|add|list|remove|gc``: markets on the command line.
+"""``aegaeon market create|add|list|remove|verify|gc``: markets on the command line.
 
 Registered by the ``aegaeon`` console script; imports nothing heavy at top
 level (torch loads only when a market is actually built or changed). Every
@@ -100,6 +100,15 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "for presets); a float dtype dequantizes a GGUF file; fp8: the layer "
                           "projections as float8_e4m3fn with per-row scales, the rest "
                           "bfloat16 (from a Hugging Face checkpoint or a preset)")
+    add.add_argument("--in-memory", action="store_true",
+                     help="with --random: write no weights; the entry records the preset, "
+                          "dtype and a seed of its own, and the Model Cache generates the "
+                          "weights in its shared memory at every load (the same bytes each "
+                          "time)")
+    add.add_argument("--seed", type=int, default=None,
+                     help="with --in-memory: the weights' seed (default: one no other "
+                          "in-memory entry of the market has); with --random-adapter: the "
+                          "adapter's (default: from its name)")
     add.add_argument("--replace", action="store_true", help="overwrite a model of that name")
     add.add_argument("--quiet", action="store_true", help="no progress bar")
     what = add.add_mutually_exclusive_group(required=True)
@@ -118,19 +127,26 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add.add_argument("--targets", default=",".join(DEFAULT_TARGETS), metavar="MODULES",
                      help="--random-adapter's target_modules, comma-separated (default: "
                           f"{','.join(DEFAULT_TARGETS)}; or all-linear)")
-    add.add_argument("--seed", type=int, default=None,
-                     help="--random-adapter's seed (default: from its name)")
     add.set_defaults(func=run_add)
     listing = sub.add_parser("list", help="the market's models",
                              description="Name, architecture, parameters, dtype, bytes on disk, "
                                          "base (of a LoRA adapter) and source of every "
-                                         "model.")
+                                         "model (an in-memory entry: its preset and seed).")
     _market_arg(listing)
     listing.set_defaults(func=run_list)
     remove = sub.add_parser("remove", help="remove a model and its files")
     _market_arg(remove)
     remove.add_argument("name", metavar="NAME")
     remove.set_defaults(func=run_remove)
+    verify = sub.add_parser(
+        "verify", help="check the models' files against what market.json records",
+        description="Check every file of each model (or of NAME...) against the size and "
+                    "SHA-256 market.json records for it (a model listed before they were "
+                    "recorded: its config and tensor headers). One line per bad model, naming "
+                    "the file and what is wrong; exit code 2 if any is bad.")
+    _market_arg(verify)
+    verify.add_argument("names", metavar="NAME", nargs="*", help="models to check (default: all)")
+    verify.set_defaults(func=run_verify)
     gc = sub.add_parser(
         "gc", help="remove what killed runs left behind",
         description="Remove what `market add`, `remove` and `create`, the default models' "
@@ -190,8 +206,8 @@ def run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _adapter_usage(args: argparse.Namespace) -> str | None:
-    """What is wrong with the adapter options as given (None: nothing)."""
+def _usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options of ``add`` as given (None: nothing)."""
     adapter = args.adapter is not None or args.random_adapter
     if adapter and args.base is None:
         return "--base BASE is needed with --adapter and --random-adapter"
@@ -199,10 +215,16 @@ def _adapter_usage(args: argparse.Namespace) -> str | None:
         return "--base is for --adapter and --random-adapter"
     if args.random_adapter and args.rank is None:
         return "--rank R is needed with --random-adapter"
-    if not args.random_adapter and (args.rank is not None or args.seed is not None):
-        return "--rank and --seed are for --random-adapter"
+    if not args.random_adapter and args.rank is not None:
+        return "--rank is for --random-adapter"
     if adapter and args.dtype is not None:
         return "--dtype is not for adapters (they are served in their base's dtype)"
+    if args.random is None and (args.in_memory or (args.seed is not None and not adapter)):
+        return ("--in-memory and --seed go with --random PRESET (an import's weights are its "
+                "files; --seed also with --random-adapter)")
+    if args.seed is not None and args.adapter is not None:
+        return ("--seed is for --random PRESET and --random-adapter (an adapter's weights "
+                "are its files)")
     return None
 
 
@@ -216,7 +238,7 @@ def run_add(args: argparse.Namespace) -> int:
 
     market: Path = args.market if args.market is not None else default_market_dir()
     start = time.perf_counter()
-    usage = _adapter_usage(args)
+    usage = _usage(args)
     if usage is not None:
         return _fail("add", MarketError(usage))
     try:
@@ -235,14 +257,16 @@ def run_add(args: argparse.Namespace) -> int:
             return 0
         if args.random is not None:
             entry = add_random(market, preset_named(args.random), args.name, args.dtype,
-                               replace_existing=args.replace, progress=not args.quiet)
+                               replace_existing=args.replace, progress=not args.quiet,
+                               in_memory=args.in_memory, seed=args.seed)
         else:
             entry = add_model(market, args.source, args.name, args.dtype,
                               replace_existing=args.replace, progress=not args.quiet)
     except (CheckpointError, MarketError, OSError) as exc:
         return _fail("add", exc)
+    kept = "" if entry.in_memory is None else f", in memory, seed {entry.in_memory.seed}"
     print(f"added {entry.name} ({entry.arch}, {entry.params / 1e6:.1f}M parameters, "
-          f"{entry.dtype}) to {market} in {time.perf_counter() - start:.1f} s")
+          f"{entry.dtype}{kept}) to {market} in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -263,8 +287,7 @@ def run_list(args: argparse.Namespace) -> int:
     for row in rows:
         e = row.entry
         print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<13} "
-              f"{row.nbytes / 2**20:7.1f}Mi  {e.base or '-':<24} "
-              f"{e.source or 'random (seeded)'}")
+              f"{row.nbytes / 2**20:7.1f}Mi  {e.base or '-':<24} {e.source_text}")
     for line in kept:
         print(f"leftover {line}")
     return 0
@@ -280,6 +303,29 @@ def run_remove(args: argparse.Namespace) -> int:
     except (MarketError, OSError) as exc:
         return _fail("remove", exc)
     print(f"removed {entry.name} from {market}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """One line per bad model on stdout, a summary on stderr; 2 if any is bad."""
+    from aegaeon_market.verify import verify_market
+
+    market: Path = args.market if args.market is not None else default_market_dir()
+    try:
+        verdicts = verify_market(market, args.names)
+    except (MarketError, OSError) as exc:
+        return _fail("verify", exc)
+    bad = [v for v in verdicts if v.problem is not None]
+    for verdict in bad:
+        print(f"{verdict.entry.name}: {' '.join(str(verdict.problem).split())}", flush=True)
+    unrecorded = sum(1 for v in verdicts if not v.recorded)
+    note = (f"; {unrecorded} without recorded digests, checked for their structure only "
+            "(`aegaeon market add --replace` records them)" if unrecorded else "")
+    if bad:
+        print(f"aegaeon market verify: {len(bad)} of {len(verdicts)} models bad{note}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    print(f"{len(verdicts)} models as market.json records them{note}")
     return 0
 
 

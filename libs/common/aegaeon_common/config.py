@@ -33,12 +33,16 @@ from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.env import read_env
 from aegaeon_common.market_index import MANIFEST, MarketError, read_manifest
 
-# Request-level baselines run every worker as a unified instance (prefill +
-# decode). request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper
-# evaluated them (requests bound to an instance at arrival); -global: an
-# idealised global queue (aegaeon_sched.factory.POLICIES).
+# The baselines run every worker as a unified instance (prefill + decode).
+# request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper evaluated
+# them (requests bound to an instance at arrival), switching with this system's
+# own switcher; -global: an idealised global queue; request-level-charged:
+# request-level whose every scale-up pays ServerlessLLM's load path
+# (``baseline.load_gb_s``, ``baseline.init_s``); static-mux: MuxServe, the
+# models that fit stay resident, the rest refused (aegaeon_sched.factory.POLICIES).
 UnifiedPolicy = Literal[
-    "request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf"
+    "request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf",
+    "request-level-charged", "static-mux",
 ]
 PolicyName = Literal["aegaeon", UnifiedPolicy]
 WeightsMode = Literal["auto", "copy", "map"]
@@ -61,6 +65,7 @@ __all__ = [
     "UNIFIED_POLICIES",
     "WEIGHTS_MODES",
     "ApiKeyConfig",
+    "BaselineConfig",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -192,6 +197,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_hold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
+class BaselineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a scale-up costs the ``request-level-charged`` baseline (ServerlessLLM as the
+    paper measured it): the model's bytes over a load path of ``load_gb_s`` (the paper's
+    artifact charges 16 GB/s) plus ``init_s`` of engine start-up. A scale-up that this
+    system's switcher finishes sooner waits out the rest; its switch record says how
+    much (``charged_s``). No other policy is charged."""
+
+    load_gb_s: Positive = 16.0
+    init_s: Seconds = 0.0
+
+
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The node's cachemgr: Model Cache budget and unified CPU KV cache."""
 
@@ -212,7 +228,7 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instances: Count = 1
     device: str = "cpu"
     # One device per instance (instance i: devices[i], round and round), as `--gpus`
-    # places them (aegaeon_common.placement); empty: every instance on ``device``.
+    # places them (aegaeon_sched.placement); empty: every instance on ``device``.
     devices: tuple[str, ...] = ()
     # the whole buffer: weights arena + KV region
     device_memory_bytes: int = 512 << 20
@@ -224,8 +240,10 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # nothing), "auto" (map on CPU, copy elsewhere).
     weights: WeightsMode = "auto"
     # Where LoRA adapters of the active model sit on the device when weights are
-    # copied (a GPU): a region of the buffer below the KV region; null: 1/16 of
-    # device_memory. With weights mapped (CPU) adapters are read in place.
+    # copied (a GPU): a region of the buffer below the KV region, taken from the
+    # weights arena; null: 1/16 of device_memory when the deployment serves adapters,
+    # else none (set it to load adapters at run time into such a deployment). With
+    # weights mapped (CPU) adapters are read in place.
     adapter_memory_bytes: int | None = None
     # Decode steps on a CUDA device replay CUDA graphs (aegaeon_engine.graphs; docs/gpu.md):
     # false runs them eager. Nothing changes on the CPU.
@@ -246,10 +264,17 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def adapter_region_bytes(self) -> int:
-        """Bytes of the device buffer's adapter region (copied weights only)."""
+        """Bytes of the device buffer's adapter region (copied weights only; the default
+        is resolved at load, see ``adapter_memory_bytes``)."""
+        return self.adapter_memory_bytes or 0
+
+    def with_adapter_default(self, serves_adapters: bool) -> InstancesConfig:
+        """This section with ``adapter_memory`` resolved: its own, else 1/16 of
+        ``device_memory`` when the deployment serves LoRA adapters, else 0."""
         if self.adapter_memory_bytes is not None:
-            return self.adapter_memory_bytes
-        return self.device_memory_bytes // 16
+            return self
+        default = self.device_memory_bytes // 16 if serves_adapters else 0
+        return msgspec.structs.replace(self, adapter_memory_bytes=default)
 
     @property
     def maps_weights(self) -> bool:
@@ -401,6 +426,7 @@ class Config(msgspec.Struct, frozen=True):
     dtype: str = "bfloat16"
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    baseline: BaselineConfig = msgspec.field(default_factory=BaselineConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     prefill: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
     decode: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
@@ -512,6 +538,7 @@ class Config(msgspec.Struct, frozen=True):
 _SECTIONS: dict[str, type] = {
     "slo": SLOConfig,
     "scheduler": SchedulerConfig,
+    "baseline": BaselineConfig,
     "cachemgr": CacheConfig,
     "prefill": InstancesConfig,
     "decode": InstancesConfig,
@@ -646,7 +673,9 @@ def config_from_dict(
     _check_proxy(sections["proxy"], names, source)
     sched: SchedulerConfig = sections["scheduler"]
     for key in ("prefill", "decode"):
-        inst: InstancesConfig = sections[key]
+        inst: InstancesConfig = sections[key].with_adapter_default(
+            any(m.base is not None for m in models))
+        sections[key] = inst
         if inst.kv_memory_bytes >= inst.device_memory_bytes:
             raise ConfigError(source, f"{key}.kv_memory", "must be smaller than device_memory")
         if inst.adapter_region_bytes < 0 or (not inst.maps_weights and inst.kv_memory_bytes
@@ -680,6 +709,7 @@ def config_from_dict(
         dtype=dtype,
         slo=sections["slo"],
         scheduler=sched,
+        baseline=sections["baseline"],
         cache=sections["cachemgr"],
         prefill=sections["prefill"],
         decode=sections["decode"],

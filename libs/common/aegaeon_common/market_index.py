@@ -8,6 +8,7 @@ to the market directory and come back absolute.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ MARKET_DIR_HELP = "market directory (default: $AEGAEON_MARKET or ./market)"
 __all__ = [
     "MANIFEST",
     "MARKET_DIR_HELP",
+    "FileRecord",
+    "InMemory",
     "Manifest",
     "MarketEntry",
     "MarketError",
@@ -30,9 +33,22 @@ __all__ = [
     "read_manifest",
 ]
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
 
 class MarketError(ValueError):
     """A market cannot be planned, written or read; the message says why."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a model as the market tools wrote it: its path inside the model
+    directory (``/``-separated), its size in bytes and its SHA-256 (hex). Checked by
+    ``aegaeon market verify`` and by the cachemgr (``aegaeon_common.market_files``)."""
+
+    name: str
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -62,7 +78,11 @@ class MarketEntry:
     dtype: str = ""  # "": the checkpoint's config.json says
     role: str = ""
     source: str = ""
-    base: str = ""
+    base: str = ""  # a LoRA adapter's: the market's model it is an adapter of
+    # every file of the model with its size and digest, as written ((): an entry from
+    # before they were recorded, or listed by hand: nothing to check it against)
+    files: tuple[FileRecord, ...] = ()
+    in_memory: InMemory | None = None  # weights generated at load, never on disk
 
     @property
     def generated(self) -> bool:
@@ -73,6 +93,25 @@ class MarketEntry:
     def adapter(self) -> bool:
         """True for a LoRA adapter of the market's model ``base``."""
         return bool(self.base)
+
+    @property
+    def source_text(self) -> str:
+        """Where its weights come from, as ``market list`` shows it."""
+        text = self.source or "random (seeded)"
+        if self.in_memory is not None:
+            text += f", in memory, seed {self.in_memory.seed}"
+        return text
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """An entry whose weights the Model Cache generates at load (``aegaeon market add
+    --random PRESET --in-memory``): its directory holds the config, the tokenizer and
+    ``random-weights.json``, no weight file. Every such entry of a market has its own
+    ``seed``, so no two share weights."""
+
+    preset: str
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -94,7 +133,11 @@ class Manifest:
             {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
              "params": e.params, "dtype": e.dtype, "role": e.role,
              **({"source": e.source} if e.source else {}),
-             **({"base": e.base} if e.base else {})}
+             **({"base": e.base} if e.base else {}),
+             **({"in_memory": {"preset": e.in_memory.preset, "seed": e.in_memory.seed}}
+                if e.in_memory is not None else {}),
+             **({"files": {f.name: {"size": f.size, "sha256": f.sha256} for f in e.files}}
+                if e.files else {})}
             for e in self.entries
         ]
         doc = {"seed": self.seed, "profile": self.profile, "generator": self.generator,
@@ -109,18 +152,52 @@ def _source_of(raw: dict[str, Any]) -> str:
     return "" if "arch" in raw and "params" in raw else HAND_LISTED
 
 
+def _files(raw: Any, where: str) -> tuple[FileRecord, ...]:
+    """An entry's ``files``: ``{name: {"size": int, "sha256": hex}}`` (absent: none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise MarketError(f"{where}: files: must be an object of file name -> size and sha256")
+    out = []
+    for name, rec in sorted(raw.items()):
+        size = rec.get("size") if isinstance(rec, dict) else None
+        digest = rec.get("sha256") if isinstance(rec, dict) else None
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 0
+                or not isinstance(digest, str) or not _SHA256.fullmatch(digest)):
+            raise MarketError(f"{where}: files: {name}: expected {{\"size\": bytes, "
+                              f"\"sha256\": 64 hex digits}}, got {rec!r}")
+        out.append(FileRecord(str(name), size, digest))
+    return tuple(out)
+
+
 def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
     if not isinstance(raw, dict):
         raise MarketError(f"{where}: every item of 'models' must be an object")
     try:
+        name = str(raw["name"])
         return MarketEntry(
-            name=str(raw["name"]), path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
+            name=name, path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
             params=int(raw.get("params", 0)), dtype=str(raw.get("dtype") or ""),
             role=str(raw.get("role", "")), source=str(raw.get("source", _source_of(raw))),
             base=str(raw.get("base") or ""),
+            files=_files(raw.get("files"), f"{where}: models: {name}"),
+            in_memory=_in_memory(raw.get("in_memory")),
         )
     except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, MarketError):
+            raise
         raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc
+
+
+def _in_memory(raw: Any) -> InMemory | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("preset"), str):
+        raise ValueError("in_memory must be {preset, seed}")
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"in_memory.seed {seed!r} is not a whole number >= 0")
+    return InMemory(raw["preset"], seed)
 
 
 def read_manifest(market_dir: Path) -> Manifest:

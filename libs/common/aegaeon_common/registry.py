@@ -21,7 +21,9 @@ only with defaults), like the wire. Keys (each under the store's namespace):
 - ``servedmodels``: :class:`ServedModelsRecord`, the models added (``POST
   /v1/aegaeon/models``) and removed (``DELETE``) at run time on any replica;
   every replica follows it (no TTL, as the settings).
-
+- ``unavailablemodels``: :class:`UnavailableModelsRecord`, the models whose
+  checkpoint a cachemgr or an instance could not read (quarantined) until a
+  ``POST /v1/aegaeon/models/{model}/reload`` lifted it; every replica follows it.
 - ``epoch``: a random token, written by the first participant that finds it
   absent (no TTL): a store that restarted empty has a new one, and everyone who
   held the old one knows its records were lost (:class:`StoreEpoch`).
@@ -34,9 +36,9 @@ Who rebuilds what after a loss (docs/interfaces.md, "Many nodes"): every record
 with a TTL is rewritten by its writer at its next beat; an instance whose id
 the ``instances`` index lost adds it again and, when the epoch changed, merges
 its own queues back into ``pq:``/``dw:``; a replica rewrites its requests'
-metadata; the settings and the served set (not soft: nobody re-derives them)
-are written back by every replica that knows them, the newest version winning
-(``aegaeon_proxy.cluster.shared_records``).
+metadata; the settings, the served set and the unavailable models (not soft:
+nobody re-derives them at once) are written back by every replica that knows
+them, the newest version winning (``aegaeon_proxy.cluster.shared_records``).
 """
 
 from __future__ import annotations
@@ -139,6 +141,22 @@ class ServedModelsRecord(msgspec.Struct, frozen=True):
 SERVED_MODELS = "servedmodels"
 
 
+class UnavailableModelsRecord(msgspec.Struct, frozen=True):
+    """The models whose checkpoint cannot be read, shared by the proxy replicas: name ->
+    why (the file and what is wrong). ``lifted``: name -> when (wall clock, seconds) a
+    reload last lifted its quarantine; a cachemgr's report asked for before then is old
+    news and quarantines nothing."""
+
+    v: int
+    models: dict[str, str] = msgspec.field(default_factory=dict)
+    lifted: dict[str, float] = msgspec.field(default_factory=dict)
+    proxy: str = ""  # the replica that wrote it last
+    version: int = 0  # as ModelSettingsRecord's
+
+
+UNAVAILABLE_MODELS = "unavailablemodels"
+
+
 class RolesRecord(msgspec.Struct, frozen=True):
     """Which instances take prefill work (with ``roles.enabled``): instance id ->
     ``"prefill"`` or ``"decode"``, decided by the replica holding :data:`ROLES_LEASE`;
@@ -230,6 +248,10 @@ def decode_model_settings(raw: bytes) -> ModelSettingsRecord:
 
 def decode_served_models(raw: bytes) -> ServedModelsRecord:
     return msgspec.msgpack.decode(raw, type=ServedModelsRecord)
+
+
+def decode_unavailable_models(raw: bytes) -> UnavailableModelsRecord:
+    return msgspec.msgpack.decode(raw, type=UnavailableModelsRecord)
 
 
 def decode_roles(raw: bytes) -> RolesRecord:

@@ -28,7 +28,7 @@ masked GEMMs cost more than the base's projections) and on CUDA Triton's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,15 +89,26 @@ def bind_adapter(spec: AdapterSpec, layout: WeightLayout, buffer: torch.Tensor) 
 
 
 def fill_adapter(path: str | Path, spec: AdapterSpec, layout: WeightLayout,
-                 dest: torch.Tensor) -> None:
+                 dest: torch.Tensor, digests: Mapping[Path, str] | None = None) -> set[Path]:
     """Write the adapter in ``path`` into host memory ``dest`` in ``layout``'s packed form
     (each matrix converted to the layout's dtype; padding zeroed). ``CheckpointError``
-    names the file and tensor at fault."""
+    names the file and tensor at fault; with the weights file in ``digests`` (file ->
+    SHA-256 hex), a file whose content differs is one too. Returns the files read."""
+    from aegaeon_common.market_files import digest_mismatch, file_sha256
+
     from .loader import read_header, read_tensor
 
     file = Path(path) / ADAPTER_WEIGHTS
     if dest.dtype != torch.uint8 or dest.dim() != 1 or dest.numel() < layout.total_bytes:
         raise ValueError(f"destination must be 1-D uint8 of >= {layout.total_bytes} bytes")
+    expected = digests.get(file) if digests else None
+    if expected is not None:  # megabytes: hashed in one pass of their own
+        try:
+            got = file_sha256(file)
+        except OSError as exc:
+            raise CheckpointError(file, None, f"cannot read ({exc.strerror})") from None
+        if got != expected:
+            raise CheckpointError(file, None, digest_mismatch(got, expected))
     header = read_header(file)
     dtype = TORCH_DTYPES[layout.dtype]
     dest[:layout.total_bytes].zero_()
@@ -113,6 +124,7 @@ def fill_adapter(path: str | Path, spec: AdapterSpec, layout: WeightLayout,
         if not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(file, name, "holds values that are not finite")
         dest[slot.offset:slot.offset + slot.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+    return {file}
 
 
 @dataclass(frozen=True)

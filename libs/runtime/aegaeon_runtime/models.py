@@ -72,7 +72,7 @@ def set_awake(
                 else:
                     switcher.prefetch(name)  # behind the active model, if it fits
                 log.info("model_awake", model=name, loaded=idle)
-            except (RemoteError, TimeoutError, OSError) as exc:  # the Model Cache's load
+            except (RemoteError, TimeoutError, OSError, ModelGoneError) as exc:  # its load
                 log.error("model_wake_failed", model=name, error=str(exc))
     return ModelsResident(worker.kind, worker.index, msg.ticket,
                           worker.adapters.with_adapters(switcher.resident_models()),

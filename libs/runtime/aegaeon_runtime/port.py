@@ -24,10 +24,12 @@ from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.messages.structs import EventSpec
 from aegaeon_common.wire import Message
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, SamplingParams
+from aegaeon_engine.sampling import RowState, TokenLogprobs
 from aegaeon_gpumem import Event, KVBlockPool
 from aegaeon_sched import ModelSpec as SchedSpec
 
-from aegaeon_runtime.errors import ModelGoneError
+from aegaeon_runtime.errors import ModelGoneError, ModelUnavailableError
+from aegaeon_runtime.grammar import GrammarCache
 from aegaeon_runtime.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
     from aegaeon_runtime.adapters import AdapterResidency
 
 __all__ = ["EnginePort", "HostCachePort", "KVPort", "MessageSink", "MessageSource",
-           "ModelGoneError", "SamplerPort", "SwitcherPort", "WorkerPort"]
+           "ModelGoneError", "ModelUnavailableError", "SamplerPort", "SwitcherPort",
+           "WorkerPort"]
 
 
 class EnginePort(Protocol):
@@ -47,6 +50,13 @@ class EnginePort(Protocol):
                 adapter: AdapterWeights | None = None) -> torch.Tensor:
         """One prompt's K/V into ``block_ids``; the logits ``[vocab]`` of its last position
         (with ``adapter``: that LoRA adapter of the bound model runs with it)."""
+        ...
+
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int], k: int,
+                       start_pos: int = 0, adapter: AdapterWeights | None = None,
+                       ) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        """:meth:`prefill`, and each prompt token's (from the second) log-probability
+        with the ``k`` most likely tokens at its position."""
         ...
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
@@ -61,6 +71,7 @@ class SamplerPort(Protocol):
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        states: Sequence[RowState] | None = None,
     ) -> list[int]: ...
 
 
@@ -70,7 +81,8 @@ class SwitcherPort(Protocol):
 
     def activate(self, name: str, now_s: float | None = None) -> SwitchRecord | None:
         """Make ``name`` the engine's model (blocking); ``None`` if it already is.
-        Raises :class:`ModelGoneError` when the node's cachemgr no longer holds it."""
+        Raises :class:`ModelGoneError` when the node's cachemgr no longer holds it, or
+        cannot read it (:class:`ModelUnavailableError`)."""
         ...
 
     def prefetch(self, name: str) -> bool:
@@ -162,6 +174,11 @@ class WorkerPort(Protocol):
 
     @property
     def metrics(self) -> WorkerMetrics: ...
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Grammar matchers for constrained decoding (:mod:`aegaeon_runtime.grammar`)."""
+        ...
 
     def kv_shape(self, model: str) -> KVShape: ...
 

@@ -25,6 +25,7 @@ from aegaeon_engine import DecodeSeq, SamplingParams
 from aegaeon_sched import DecodeSample, LatencyModel, PrefillSample
 from aegaeon_sched import ModelSpec as SchedSpec
 
+from aegaeon_runtime.port import ModelGoneError
 from aegaeon_runtime.worker import Worker
 
 PREFILL_LENS = (16, 64, 256)
@@ -61,8 +62,13 @@ def sched_spec(worker: Worker, model: str) -> SchedSpec:
 
 
 def profile_models(worker: Worker) -> list[str]:
-    """Smallest, median and largest model by weight bytes (at most three)."""
-    by_size = sorted(worker.switcher.specs, key=worker.switcher.nbytes)  # no adapters
+    """Smallest, median and largest model by weight bytes (at most three) of those whose
+    checkpoint could be read (none when no model could); LoRA adapters are not models
+    of their own here (the switcher holds no adapters)."""
+    readable = [m for m in worker.switcher.specs if m not in worker.unavailable]
+    if not readable:
+        return []
+    by_size = sorted(readable, key=worker.switcher.nbytes)
     picks = [by_size[0], by_size[len(by_size) // 2], by_size[-1]]
     return list(dict.fromkeys(picks))
 
@@ -84,7 +90,10 @@ def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel
     switch_ratios: list[float] = []
     bandwidth = 0.0
     for model in models:
-        record = worker.switcher.activate(model)
+        try:
+            record = worker.switcher.activate(model)
+        except ModelGoneError:  # unreadable since the worker started: measure the others
+            continue
         if record is not None and record.load_s > 0:
             nbytes = worker.switcher.nbytes(model)
             bandwidth = max(bandwidth, nbytes / record.load_s)

@@ -2,7 +2,10 @@
 
 The device buffer (weights arena + device KV region), the engine, the
 sampler, the copy streams, the cachemgr lease and every model's spec are made
-here once; serving only rebinds views.
+here once; serving only rebinds views. A model whose checkpoint cannot be read
+does not stop the worker: its spec left out (an unreadable ``config.json``) or
+its weights refused by the cachemgr, it is noted in ``Worker.unavailable`` and
+the worker serves the rest.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from pathlib import Path
 import torch
 from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_common.logs import get_logger
+from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
+from aegaeon_sched import CHARGED_POLICIES
 from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.adapters import AdapterResidency
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import Registration
+from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
@@ -62,6 +68,21 @@ class Worker:
     adapters: AdapterResidency
     # what the compute thread counts for /metrics (a registry of its own by default)
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
+    # models whose checkpoint could not be read at start -> why (left out of the
+    # start-up profile; the cachemgr refuses them until the operator reloads them)
+    unavailable: dict[str, str] = field(default_factory=dict)
+    # every model's checkpoint directory (its tokenizer, for constrained decoding)
+    model_dirs: dict[str, Path] = field(default_factory=dict)
+    grammars: GrammarCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarCache(self.model_vocab)
+
+    def model_vocab(self, model: str) -> ModelVocab:
+        """What ``model``'s grammar matchers need (its tokenizer, logits width, EOS)."""
+        spec = self.specs[model]
+        return ModelVocab(self.model_dirs[model] / "tokenizer.json", spec.vocab_size,
+                          spec.eos_token_ids)  # fmt: skip
 
     @property
     def name(self) -> str:
@@ -109,11 +130,16 @@ class Worker:
                 raise CheckpointError(path, None, f"its base {base!r} is not served here")
             self.adapters.add(name, path, self.specs[base])
             self.specs[name] = self.specs[base]
+            self.model_dirs[name] = self.model_dirs[base]  # its tokenizer is its base's
+            self.grammars.forget(name)
             return self.sched_spec(name)
         spec = ModelSpec.from_dir(path)
         self.engine.tune(spec, self.config.dtype)
+        self.switcher.forget_bytes(name)  # a model of that name served before had other bytes
         self.switcher.specs[name] = spec
         self.specs[name] = spec
+        self.model_dirs[name] = Path(path)
+        self.grammars.forget(name)
         self.capture_graphs([name])
         return self.sched_spec(name)
 
@@ -140,6 +166,7 @@ class Worker:
                  seconds=round(stats.capture_s - before_s, 4), sizes=list(stats.sizes))
 
     def close(self) -> None:
+        self.grammars.close()
         self.switcher.close()
         self.kv.close()
 
@@ -167,7 +194,16 @@ async def build_worker(
     registration = await client.register(os.getpid(), NUM_STREAMS)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
-    specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models if m.base is None}
+    specs: dict[str, ModelSpec] = {}
+    unavailable: dict[str, str] = {}
+    for model in config.models:
+        if model.base is not None:
+            continue  # a LoRA adapter: checked against its base below
+        try:
+            specs[model.name] = ModelSpec.from_dir(model.path)
+        except (CheckpointError, OSError) as exc:  # served without it (the proxy says why)
+            unavailable[model.name] = str(exc)
+            log.error("model_unavailable", model=model.name, error=str(exc))
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
     # answering /health meanwhile.
@@ -197,20 +233,41 @@ async def build_worker(
         cache,
         specs,
         config.dtype,
-        prefetch=config.scheduler.prefetch,
+        # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
+        # until the instance is idle, and every scale-up pays its load path)
+        prefetch=config.scheduler.prefetch and config.scheduler.policy not in CHARGED_POLICIES,
         map_weights=inst.maps_weights,
+        # static-mux: an instance's models stay resident in its arena (MuxServe)
+        keep_resident=config.scheduler.policy == "static-mux",
     )
     adapters = AdapterResidency(cache, config.dtype,
                                 buffer.adapter_region if adapter_bytes else None,
                                 engine.lora_stacks)  # fmt: skip
     for model in config.models:  # LoRA adapters: checked against their bases now
-        if model.base is not None:
+        if model.base is None:
+            continue
+        if model.base not in specs:
+            unavailable[model.name] = (f"its base {model.base!r} is unavailable: "
+                                       f"{unavailable.get(model.base, 'not served')}")
+            continue
+        try:
             adapters.add(model.name, model.path, specs[model.base])
+        except (CheckpointError, OSError) as exc:  # served without it, as a broken model
+            unavailable[model.name] = str(exc)
+            log.error("model_unavailable", model=model.name, error=str(exc))
     for name in specs:  # map every Model Cache region now, off the critical path
-        await client.load_model(name, pin=True)
+        try:
+            await client.load_model(name, pin=True)
+        except RemoteError as exc:
+            if exc.code != "checkpoint_error":
+                raise
+            unavailable[name] = exc.reply.message  # quarantined there; the rest is served
+            log.error("model_unavailable", model=name, error=exc.reply.message)
+            continue
         await client.unpin(name)
+    by_name = {m.name: m for m in config.models}
     for model in config.models:  # the served adapters with them
-        if model.base is not None:
+        if model.base is not None and model.name in adapters.specs:
             specs[model.name] = specs[model.base]
     worker = Worker(
         config=config,
@@ -227,6 +284,10 @@ async def build_worker(
         sampler=Sampler(device),
         adapters=adapters,
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
+        unavailable=unavailable,
+        # an adapter's tokenizer is its base's
+        model_dirs={m.name: Path(by_name[m.base].path if m.base else m.path)
+                    for m in config.models},
     )
     # the decode step's CUDA graphs, one set per layout, before the first step (a GPU)
     await asyncio.to_thread(worker.capture_graphs, list(switcher.specs))

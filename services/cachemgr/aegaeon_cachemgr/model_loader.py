@@ -7,7 +7,7 @@ Every checkpoint defect surfaces as ``CacheError("checkpoint_error")``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import torch
 from aegaeon_common.messages.cache import TensorEntry
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.layout import WeightLayout, weight_layout
-from aegaeon_engine.loader import fill_layout
+from aegaeon_engine.loader import check_checkpoint, fill_layout
 from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 from aegaeon_engine.spec import ModelSpec
 
@@ -61,19 +61,32 @@ def plan_model(name: str, path: Path, dtype: str, base: Path | None = None) -> M
     return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout, adapter)
 
 
+def check_plan(plan: ModelPlan) -> None:
+    """The checkpoint's headers against the plan (names, shapes, dtypes, every tensor's
+    bytes inside its file): what a load would refuse before reading any data."""
+    if plan.adapter is not None:
+        return  # a LoRA adapter's header was checked against its base as it was planned
+    try:
+        check_checkpoint(plan.path, plan.layout)
+    except CheckpointError as exc:
+        raise checkpoint_failure(exc) from None
+
+
 def fill_region(
-    plan: ModelPlan, dest: torch.Tensor, progress: Callable[[int], None] | None = None
-) -> None:
+    plan: ModelPlan, dest: torch.Tensor, progress: Callable[[int], None] | None = None,
+    digests: Mapping[Path, str] | None = None,
+) -> set[Path]:
     """Read the checkpoint into ``dest`` (runs on a loader thread, off the event loop);
-    ``progress`` is told the bytes filled so far."""
+    ``progress`` is told the bytes filled so far; the files with ``digests`` are hashed
+    as they are read (a changed one is a ``checkpoint_error``). Returns the files read."""
     try:
         if plan.adapter is not None:
             from aegaeon_engine.lora import fill_adapter
 
-            fill_adapter(plan.path, plan.adapter, plan.layout, dest)
+            read = fill_adapter(plan.path, plan.adapter, plan.layout, dest, digests)
             if progress is not None:
                 progress(plan.nbytes)
-        else:
-            fill_layout(plan.path, plan.layout, dest, progress)
+            return read
+        return fill_layout(plan.path, plan.layout, dest, progress, digests)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None

@@ -46,6 +46,8 @@ class ModelAssets:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     # a LoRA adapter's base, whose text assets these are ("": the model's own)
     unit: str = ""
+    # the texts of the tokenizer's special tokens (a grammar names these as tokens)
+    special_texts: frozenset[str] = frozenset()
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -131,6 +133,8 @@ def load_assets(model: ModelConfig, base: ModelConfig | None = None) -> ModelAss
         vocab_size=vocab_size,
         sampling_defaults=defaults,
         unit=base.name if base is not None else "",
+        special_texts=frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                if t.special),
     )
 
 

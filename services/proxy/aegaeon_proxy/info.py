@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from importlib import metadata
 
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import ServiceAddress, metrics_response, read_http_address
@@ -28,31 +29,55 @@ __all__ = [
     "ready",
     "retrieve_model",
     "service_names",
+    "version",
 ]
 
 
 def _model_obj(request: web.Request, name: str) -> dict[str, object]:
     """One model as vLLM lists it: a LoRA adapter's ``parent`` is its base and its
-    ``root`` its adapter directory; a model's ``root`` is itself, its ``parent`` null."""
-    model = request.app[STATE].models.model_config(name)
+    ``root`` its adapter directory; a model's ``root`` is itself, its ``parent`` null.
+    Beside them ``state`` (``serving``, or ``unavailable`` with the ``error`` that says
+    why: its checkpoint cannot be read)."""
+    models = request.app[STATE].models
+    model = models.model_config(name)
     base = model.base if model is not None else None
-    return {"id": name, "object": "model", "created": _STARTED, "owned_by": OWNER,
-            "root": str(model.path) if model is not None and base is not None else name,
-            "parent": base}  # fmt: skip
+    obj: dict[str, object] = {
+        "id": name, "object": "model", "created": _STARTED, "owned_by": OWNER,
+        "root": str(model.path) if model is not None and base is not None else name,
+        "parent": base, "state": "serving"}  # fmt: skip
+    unavailable = models.unavailable(name)
+    if unavailable is not None:
+        obj.update(state="unavailable", error=unavailable)
+    return obj
 
 
 async def list_models(request: web.Request) -> web.Response:
     """The served models: the configured ones, changed by the admin endpoints (never
-    derived from which workers are alive)."""
-    names = [n for n in request.app[STATE].models.names() if allowed(request, n)]
-    return json_response({"object": "list", "data": [_model_obj(request, n) for n in names]})
+    derived from which workers are alive); an unavailable one is listed as such."""
+    models = request.app[STATE].models
+    names = [n for n in models.names() if allowed(request, n)]
+    data = [_model_obj(request, n) for n in names]
+    return json_response({"object": "list", "data": data})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if not request.app[STATE].models.serving(name) or not allowed(request, name):
+    models = request.app[STATE].models
+    if not models.serving(name) or not allowed(request, name):
         raise model_not_found(name)
     return json_response(_model_obj(request, name))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("aegaeon")
+    except metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
+
+
+async def version(request: web.Request) -> web.Response:
+    """``GET /version``: the server's version, as vLLM answers it."""
+    return json_response({"version": _version()})
 
 
 async def health(request: web.Request) -> web.Response:

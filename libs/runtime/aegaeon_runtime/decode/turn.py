@@ -15,12 +15,20 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
-from aegaeon_common.messages.structs import RequestTimings
-from aegaeon_engine import DecodeSeq
+import msgspec
+from aegaeon_common.messages.report import PrefillDone, SwitchRecord, TokenItem, TurnRecord
+from aegaeon_common.messages.structs import RequestTimings, TokenLogprobs
+from aegaeon_engine import DecodeSeq, weight_layout
 from aegaeon_engine.lora import AdapterWeights
 from aegaeon_gpumem import OutOfBlocks
-from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
+from aegaeon_sched import (
+    DecodeBatch,
+    DecodeWorkList,
+    LatencyModel,
+    RoundController,
+    TurnEnd,
+    load_path_for,
+)
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -28,7 +36,7 @@ from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
 from aegaeon_runtime.port import MessageSink, ModelGoneError, WorkerPort
-from aegaeon_runtime.sampling import finish_reason
+from aegaeon_runtime.sampling import finish_reason, sample_step, to_wire
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
 
@@ -65,6 +73,10 @@ class TurnRunner:
         # switch cost the planner's c should count, which the Eq. 4 estimate
         # (bytes over bandwidth) alone underestimates on a busy host.
         self._overhead_s: dict[str, float] = {}
+        config = worker.config
+        self.load_path = load_path_for(config.scheduler.policy, config.baseline.load_gb_s,
+                                       config.baseline.init_s)  # fmt: skip
+        self._weight_bytes: dict[str, int] = {}
 
     # ---- estimates for the planner ---------------------------------------
     def context_tokens(self, request_id: str) -> int:
@@ -75,6 +87,21 @@ class TurnRunner:
     def switch_estimate(self, model: str) -> float:
         assert self.latency is not None
         return max(self.latency.switch_s(model), self._overhead_s.get(model, 0.0))
+
+    def _charge(self, record: SwitchRecord) -> SwitchRecord:
+        """``request-level-charged``: a scale-up takes what the baseline's load path takes
+        (``aegaeon_sched.load_path``); what this system's switch left of it is waited out
+        here, on the critical path, and recorded (``charged_s``)."""
+        if self.load_path is None:
+            return record
+        model = record.to_model
+        if model not in self._weight_bytes:
+            self._weight_bytes[model] = weight_layout(self.worker.specs[model],
+                                                      self.worker.config.dtype).total_bytes
+        owed = self.load_path.charge_s(self._weight_bytes[model], record.total_s)
+        if owed > 0:
+            self.clock.sleep(owed)
+        return msgspec.structs.replace(record, total_s=record.total_s + owed, charged_s=owed)
 
     def _observe_overhead(self, model: str, seconds: float) -> None:
         old = self._overhead_s.get(model)
@@ -126,10 +153,10 @@ class TurnRunner:
             record = w.switcher.activate(batch.model)
         except ModelGoneError as exc:
             for seq in self._seqs(batch):
-                self.admission.fail(seq, "unknown_model", str(exc))
+                self.admission.fail(seq, exc.code, exc.message)
             return None
         if record is not None:
-            self.counters.note_switch(record)
+            self.counters.note_switch(self._charge(record))
         if next_model is not None:
             w.switcher.prefetch(next_model)
         switch_s = clock.now() - start
@@ -190,13 +217,28 @@ class TurnRunner:
             except OutOfBlocks:
                 return
             seq.device_blocks, seq.on_device, seq.ready_event = blocks, True, None
+            why = self._grammar_problem(seq)
+            if why:
+                self.admission.fail(seq, "bad_grammar", why)
+                continue
             stepping, adapters = self._adapters(batch, [seq])
             if not stepping:
                 continue  # its adapter has no room now, or is gone (failed)
-            logits = w.engine.prefill(seq.prompt_token_ids, blocks, adapter=adapters[0])
-            token = w.sampler.sample(logits[None], [seq.params], [seq.generator])[0]
+            scored: list[TokenLogprobs] = []
+            if seq.index == 0 and seq.params.prompt_logprobs >= 0:
+                logits, found = w.engine.prefill_scored(seq.prompt_token_ids, blocks,
+                                                        seq.params.prompt_logprobs,
+                                                        adapter=adapters[0])
+                scored = to_wire(found)
+            else:
+                logits = w.engine.prefill(seq.prompt_token_ids, blocks, adapter=adapters[0])
+            tokens, logprobs = sample_step(w.sampler, logits[None], [seq.sampling])
+            token, lp = tokens[0], [x for x in logprobs if x is not None]
             seq.prompt_token_ids = None
-            seq.tokens.append(token)
+            why = self._grammar_problem(seq)
+            if why:
+                self.admission.fail(seq, "bad_grammar", why)
+                continue
             done = self.clock.wall()
             finish = finish_reason(token, 1, seq.params)
             timings = RequestTimings(prefill_wait_s=max(0.0, start - seq.arrival_s),
@@ -208,9 +250,21 @@ class TurnRunner:
             w.metrics.request_done("prefill", seq.model, "ok")
             if finish is not None:  # freed first: the message carries what is left
                 self.admission.finish(seq)
-            holdings = self.admission.changed() if finish is not None else None
-            self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
-                                         done, w.kind, holdings))  # fmt: skip
+            if seq.index == 0:
+                holdings = self.admission.changed() if finish is not None else None
+                self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None,
+                                             timings, done, w.kind, holdings, logprobs=lp,
+                                             prompt_logprobs=scored))  # fmt: skip
+            else:  # the request's other sequences: their first tokens as decoded ones
+                self.admission.tokens.add([TokenItem(seq.request_id, [token], finish,
+                                                     seq.timings(done) if finish else None,
+                                                     seq.index, lp)], urgent=True)
+
+    @staticmethod
+    def _grammar_problem(seq: Seq) -> str:
+        """Why ``seq``'s grammar cannot give its next mask ('' when it can)."""
+        grammar = seq.sampling.grammar
+        return grammar.check() if grammar is not None else ""
 
     def _adapters(self, batch: DecodeBatch,
                   stepping: list[Seq]) -> tuple[list[Seq], list[AdapterWeights | None]]:
@@ -227,7 +281,7 @@ class TurnRunner:
         except ModelGoneError as exc:
             for seq in stepping:
                 if seq.model == exc.model:
-                    self.admission.fail(seq, "unknown_model", str(exc))
+                    self.admission.fail(seq, exc.code, exc.message)
             return self._adapters(batch, [s for s in stepping if s.model != exc.model])
         self.counters.adapter_loads += self.worker.adapters.num_loads - before
         runs = [n is None or a is not None for n, a in zip(names, weights, strict=True)]
@@ -246,6 +300,11 @@ class TurnRunner:
                 self.admission.fail(seq, "kv_capacity", str(exc))
             except OutOfBlocks:
                 continue  # waits for room; decoded when blocks free up
+        for seq in [s for s in stepping if s.sampling.grammar is not None]:
+            why = self._grammar_problem(seq)
+            if why:
+                stepping.remove(seq)
+                self.admission.fail(seq, "bad_grammar", why)
         if not stepping:
             return 0
         stepping, adapters = self._adapters(batch, stepping)
@@ -256,20 +315,18 @@ class TurnRunner:
             [DecodeSeq(s.tokens[-1], s.position, s.device_blocks, a)
              for s, a in zip(stepping, adapters, strict=True)]
         )
-        tokens = w.sampler.sample(
-            logits, [s.params for s in stepping], [s.generator for s in stepping]
-        )
+        tokens, logprobs = sample_step(w.sampler, logits, [s.sampling for s in stepping])
         seconds = self.clock.now() - start
         now = self.clock.wall()
         items: list[TokenItem] = []
         context = 0
-        for seq, token in zip(stepping, tokens, strict=True):
-            context += seq.position + 1
-            seq.tokens.append(token)
+        for seq, token, lp in zip(stepping, tokens, logprobs, strict=True):
+            context += seq.position  # the token stepped was at position - 1 (seq.tokens grew)
             seq.decode_s += seconds
             finish = finish_reason(token, len(seq.tokens), seq.params)
             timings = seq.timings(now) if finish else None
-            items.append(TokenItem(seq.request_id, [token], finish, timings))
+            items.append(TokenItem(seq.request_id, [token], finish, timings, seq.index,
+                                   [lp] if lp is not None else []))
             if finish:
                 self.admission.finish(seq)
                 w.metrics.request_done("decode", seq.model, finish)

@@ -112,6 +112,7 @@ from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
+from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, watch_caches
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
@@ -215,7 +216,9 @@ class DistributedBackend:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
                        (self._receive(), self._refresh_loop(), self._beat_loop(),
-                        self._reap_loop())]  # fmt: skip
+                        self._reap_loop(),
+                        watch_caches(self._poll_unavailable, self._found_unavailable,
+                                     lambda: self._closing))]  # fmt: skip
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
     async def stop(self) -> None:
@@ -245,7 +248,11 @@ class DistributedBackend:
             await self.roles.leave()
 
     def ready(self) -> bool:
-        """The store answers and some prefill instance is registered."""
+        """The store answers and some prefill instance is registered. (Not gated on the
+        nodes' unreadable models, which a replica reads within a second of their
+        records: a replica that restarts while a node's cachemgr is dead would wait
+        for it; an unreadable model's request in between is refused by its instance,
+        503 ``model_unavailable`` all the same.)"""
         return self._store_ok and bool(self.view.prefill_candidates())
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
@@ -289,6 +296,36 @@ class DistributedBackend:
 
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
         self.models.follow_with(apply)
+
+    # ---- checkpoints that cannot be read (ModelQuarantine; shared in the store) -------
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        self.models.quarantine.follow(apply)
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        await self.models.publish_unavailable(name, why, time.time())
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        began = time.time()
+        try:
+            await self.models.reload(model)
+        except BackendError as exc:
+            if exc.code == "model_unavailable":  # unavailable still: for what is wrong now
+                await self.models.publish_unavailable(model.name, None, began)
+                await self.models.publish_unavailable(model.name, exc.message, time.time())
+            raise
+        await self.models.publish_unavailable(model.name, None, began)
+
+    async def _poll_unavailable(self) -> dict[str, str]:
+        # (a node whose cachemgr died keeps its records until their TTL: not waited for)
+        cache = await self.caches.model_cache(self.view.live.values(), POLL_TIMEOUT_S)
+        if cache is None:
+            raise BackendError.unavailable("no node's cachemgr answered")
+        return dict(cache.get("unavailable", {}))
+
+    async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
+        for name, why in models.items():
+            if name not in self.models.quarantine.models:
+                await self.models.publish_unavailable(name, why, asked_at)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         def build(base: bytes | None, version: int) -> bytes:
@@ -476,6 +513,7 @@ class DistributedBackend:
             handoff=tracked.handoff, arrival_s=gen.arrival_s, incarnation=record.incarnation,
             reply_to=self.report_address, priority=tracked.sched.priority,
             ttft_s=tracked.sched.ttft_s or 0.0, tbt_s=tracked.sched.tbt_s or 0.0,
+            **tracked.decode_fields(),
         ))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")
@@ -580,6 +618,11 @@ class DistributedBackend:
     def _on_failed(self, msg: RequestFailed) -> None:
         where = self.where.get(msg.request_id)
         name = where.instance if where else f"{msg.kind}-{msg.index}"
+        tracked = self.requests.get(msg.request_id)
+        if msg.code == "model_unavailable" and tracked is not None:
+            model = tracked.gen.model
+            if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
+                self._spawn(self.models.publish_unavailable(model, msg.message, time.time()))
         self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- the registry, nodes joining and leaving -----------------------------

@@ -16,6 +16,13 @@ follow the one that changed them, as the models' settings do. The record is
 one of the :class:`~aegaeon_proxy.cluster.shared_records.SharedRecords`: every
 replica writes it back if the store loses it. An instance that joins (a new
 node, or a restart) is given the models added (``on_joined``).
+
+The models whose checkpoint cannot be read are shared the same way
+(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too):
+the replica that learns one (a node's cachemgr reports it, an instance fails a
+request with ``model_unavailable``, an admin operation is refused) publishes it,
+and every replica's front refuses the model until a reload on any replica lifts
+it (:class:`~aegaeon_proxy.cluster.quarantine.Quarantine`).
 """
 
 from __future__ import annotations
@@ -30,23 +37,28 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.registry import (
     SERVED_MODELS,
+    UNAVAILABLE_MODELS,
     InstanceRecord,
     ServedModelsRecord,
+    UnavailableModelsRecord,
     decode_served_models,
+    decode_unavailable_models,
     encode,
 )
 from aegaeon_common.store import StoreError
 from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.models import ModelOps, Target
+from aegaeon_proxy.cluster.models import CACHE_TIMEOUT_S, ModelOps, Target
 from aegaeon_proxy.cluster.node_caches import NodeCaches
+from aegaeon_proxy.cluster.quarantine import Quarantine
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 
 log = get_logger("cluster")
 
-__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change"]
+__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change",
+           "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
 
@@ -68,6 +80,29 @@ def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
         bases[name] = base
     return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy,
                               version=version, bases=bases)  # fmt: skip
+
+
+class _Unchanged(Exception):  # noqa: N818 (reads as the condition)
+    """A change to the shared record that changes nothing: not written."""
+
+
+def with_unavailable(raw: bytes | None, name: str, why: str | None, asked_at: float,
+                     proxy: str, version: int = 0) -> UnavailableModelsRecord | None:  # fmt: skip
+    """The shared record ``raw`` with ``name`` unavailable (``why``, from a report asked
+    for at ``asked_at``) or lifted (None, by a reload that began at ``asked_at``); None
+    when that changes nothing (already there, or a report older than the last lift)."""
+    record = (decode_unavailable_models(raw) if raw is not None
+              else UnavailableModelsRecord(v=1))  # fmt: skip
+    models, lifted = dict(record.models), dict(record.lifted)
+    if why is None:
+        lifted[name] = max(asked_at, lifted.get(name, 0.0))
+        models.pop(name, None)
+    elif name in models or asked_at < lifted.get(name, 0.0):
+        return None
+    else:
+        models[name] = why
+    return UnavailableModelsRecord(v=1, models=models, lifted=lifted, proxy=proxy,
+                                   version=version)  # fmt: skip
 
 
 def served_changes(record: ServedModelsRecord,
@@ -107,6 +142,10 @@ class ReplicaModels:
         self._apply: Apply | None = None
         self._applied: dict[str, str | None] = {}
         records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
+        # the models whose checkpoint cannot be read, as the shared record says
+        self.quarantine = Quarantine()
+        records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
+                       self._followed_unavailable)  # fmt: skip
 
     # ---- Placement -------------------------------------------------------------
     def targets(self) -> list[Target]:
@@ -125,8 +164,8 @@ class ReplicaModels:
         if record is not None:
             self._spawn(self._send(record, msg))
 
-    async def cache_call(self, msg: Message) -> list[Message]:
-        return await self._caches.call_all(self.view.live.values(), msg)
+    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
+        return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
 
     # ---- the instances' answers --------------------------------------------------
     def on_instance_models(self, msg: InstanceModels) -> None:
@@ -162,6 +201,38 @@ class ReplicaModels:
         if not self.view.prefill_candidates():
             raise BackendError.unavailable("no prefill instance is registered")
         await self.ops.add(model)
+
+    async def reload(self, model: ModelConfig) -> None:
+        if not self.view.prefill_candidates():
+            raise BackendError.unavailable("no prefill instance is registered")
+        await self.ops.reload(model)
+
+    # ---- the unreadable models the replicas share --------------------------------
+    async def publish_unavailable(self, name: str, why: str | None,
+                                  asked_at: float) -> None:  # fmt: skip
+        """``name`` unavailable (``why``) or available again (None), for every replica
+        (this one at once); ``asked_at``: when the report was asked for, or the reload
+        began. Nothing is written when it changes nothing."""
+
+        def build(base: bytes | None, version: int) -> bytes:
+            record = with_unavailable(base, name, why, asked_at, self._proxy_id, version)
+            if record is None:
+                raise _Unchanged
+            return encode(record)
+
+        try:
+            raw = await self._records.publish(UNAVAILABLE_MODELS, build)
+        except _Unchanged:
+            return
+        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        self._followed_unavailable(UNAVAILABLE_MODELS, raw)
+
+    def _followed_unavailable(self, key: str, raw: bytes) -> None:
+        """The unreadable models as a replica last published them, each change to the
+        front. Raises ``msgspec.DecodeError`` for a bad record."""
+        record = decode_unavailable_models(raw)
+        self.quarantine.sync(record.models, record.lifted)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
