@@ -136,6 +136,7 @@ def test_the_cap_sizes_the_arena_and_kv_inside_it(market: Path, tmp_path: Path) 
         arena = inst.device_memory_bytes - inst.kv_memory_bytes
         assert 2 * largest <= arena < 2 * largest + 128 << 20  # two: active + prefetched
         assert inst.kv_memory_bytes >= 40 * GiB // 4 and inst.weights == "copy"
+        assert inst.adapter_region_bytes == 0  # no LoRA adapter served: the arena is whole
     assert raw["decode"] == {"weights": "copy",
                              "device_memory": config.decode.device_memory_bytes,
                              "kv_memory": config.decode.kv_memory_bytes}
@@ -161,6 +162,39 @@ def test_a_cap_too_small_is_one_line_and_nothing_starts(
             main(["serve", "--market", str(market), "--device-memory", bad])
         assert info.value.code == 2
         assert "--device-memory" in capsys.readouterr().err
+
+
+def test_adapters_are_sized_by_their_bytes_and_their_region_comes_out_of_kv(
+        market: Path) -> None:
+    """A served LoRA adapter counts its own A and B (megabytes), and an instance that
+    copies weights keeps its adapter region (1/16 of its device memory, or its own
+    ``adapter_memory``) beside an arena sized as without adapters: the KV gives way."""
+    from aegaeon_engine import ModelSpec
+    from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
+    from aegaeon_market.adapters import add_random_adapter
+    from aegaeon_sched.sizing import cap_split
+
+    entry = add_random_adapter(market, "tuned", "llama-3.1-8b", 8)
+    raw = {"market": str(market)}
+    config = config_from_dict(raw)
+    sizes = machine.model_bytes(config)
+    spec = AdapterSpec.from_dir(entry.path, ModelSpec.from_dir(market / "llama-3.1-8b"))
+    assert sizes["tuned"] == adapter_layout(spec, "bfloat16").total_bytes < 64 << 20
+    bases = {n: b for n, b in sizes.items() if n != "tuned"}
+    for given, want in ((None, None), ("256MiB", 256 << 20)):
+        raw = {"market": str(market),
+               **({"decode": {"adapter_memory": given}} if given else {})}
+        capped, _, _ = machine.capped(raw, config_from_dict(raw), 40 * GiB)
+        for inst in (capped.prefill, capped.decode):
+            split = cap_split(40 * GiB, bases, "bfloat16", "cpu")
+            region = inst.adapter_region_bytes
+            mine = want if inst is capped.decode and want else split.device_memory_bytes // 16
+            assert region == mine // (1 << 20) * (1 << 20) > 0
+            arena = inst.device_memory_bytes - inst.kv_memory_bytes - region
+            assert arena == split.weights_bytes
+    tiny = {"market": str(market), "decode": {"adapter_memory": "39GiB"}}
+    with pytest.raises(PlacementError, match="adapter_memory"):
+        machine.capped(tiny, config_from_dict({"market": str(market)}), 40 * GiB)
 
 
 @pytest.mark.usefixtures("fake_machine")

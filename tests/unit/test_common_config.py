@@ -125,6 +125,23 @@ def test_weights_auto_copies_on_a_gpu() -> None:
     assert not config.decode.maps_weights and not config.prefill.maps_weights
 
 
+def test_the_adapter_region_is_there_when_adapters_are_served() -> None:
+    """A copied device's LoRA region (taken from its weights arena): 1/16 of its device
+    memory when the deployment serves adapters, none when it serves none (its arena
+    whole), its own ``adapter_memory`` when given (run-time loads into such a one)."""
+    models = [{"name": "a", "path": "/m/a"}]
+    lora = [*models, {"name": "t", "path": "/m/t", "base": "a"}]
+    sizes = {"device_memory": "1GiB", "kv_memory": "256MiB"}
+    assert config_from_dict({"models": models, "decode": sizes}).decode.adapter_region_bytes == 0
+    served = config_from_dict({"models": lora, "decode": sizes})
+    assert served.decode.adapter_region_bytes == (1 << 30) // 16
+    given = config_from_dict({"models": models, "decode": {**sizes, "adapter_memory": "8MiB"}})
+    assert given.decode.adapter_region_bytes == 8 << 20
+    with pytest.raises(ConfigError, match=r"decode\.adapter_memory"):
+        config_from_dict({"models": lora, "decode": {**sizes, "adapter_memory": "800MiB",
+                                                     "weights": "copy"}})
+
+
 def test_the_docker_example_config_validates(tmp_path: Path) -> None:
     import yaml
 

@@ -132,6 +132,42 @@ def test_adapters_and_base_in_one_step_are_unchanged(
     assert served.engine.lora_stacks.num_builds == 1  # one stack served every step
 
 
+def _merged_top_ids(base_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> list[int]:
+    """transformers + PEFT (merged) in float32: the most likely next token at each of the
+    prompt's positions but the last."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).merge_and_unload()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, :-1]
+    return [int(t) for t in logits.argmax(-1)]
+
+
+def test_prompt_logprobs_run_the_adapter(base_dir: Path, adapters: list[PeftAdapter]) -> None:
+    """``prefill_scored`` (prompt log-probabilities, vLLM's ``prompt_logprobs`` and
+    completions' ``echo``) runs the adapter's term as ``prefill`` does: the same last
+    logits, and at every prompt position the token PEFT's merged model ranks first."""
+    served = Served(base_dir, adapters)
+    prompt = PROMPTS[3]
+    tops = {}
+    for k in (None, 2):
+        adapter = None if k is None else served.adapters[k]
+        blocks = [served.free.pop() for _ in range(2)]
+        last, scored = served.engine.prefill_scored(prompt, blocks, 3, adapter=adapter)
+        assert torch.equal(last, served.engine.prefill(prompt, blocks, adapter=adapter))
+        assert len(scored) == len(prompt) - 1 and all(len(s.top_ids) == 3 for s in scored)
+        tops[k] = [s.top_ids[0] for s in scored]
+        want = _merged_top_ids(base_dir, None if k is None else adapters[k].path, prompt)
+        assert tops[k] == want, k
+        served.free.extend(blocks)
+    assert tops[None] != tops[2]  # the adapter's term is in the scores
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_each_adapter_and_all_at_once_equal_peft(
