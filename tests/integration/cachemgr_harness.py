@@ -57,9 +57,11 @@ def checkpoint(
 
 
 def write_config(tmp: Path, models: dict[str, Path], dtype: str = "bfloat16",
-                 market: Path | None = None, **cache: Any) -> Path:  # fmt: skip
+                 market: Path | None = None, bases: dict[str, str] | None = None,
+                 **cache: Any) -> Path:  # fmt: skip
     """A deployment YAML with a run dir under ``tmp``; ``cache`` goes to ``cachemgr:``;
-    ``market``: the market whose ``market.json`` records the models' files."""
+    ``market``: the market whose ``market.json`` records the models' files; ``bases``:
+    the LoRA adapters among ``models``, each with its base."""
     section = {
         "model_cache": "64MiB",
         "kv_cache": "8MiB",
@@ -69,7 +71,8 @@ def write_config(tmp: Path, models: dict[str, Path], dtype: str = "bfloat16",
         **cache,
     }
     raw = {
-        "models": [{"name": n, "path": str(p)} for n, p in models.items()],
+        "models": [{"name": n, "path": str(p), **({"base": bases[n]} if n in (bases or {}) else {})}
+                   for n, p in models.items()],
         "dtype": dtype,
         "run_dir": str(tmp / "run"),
         "cachemgr": section,

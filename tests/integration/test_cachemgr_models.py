@@ -366,3 +366,56 @@ def test_an_unreadable_checkpoint_is_quarantined_and_a_reload_brings_it_back(
         await client.close()
 
     asyncio.run(go())
+
+
+def test_a_broken_lora_adapter_is_quarantined_alone_and_a_reload_keeps_its_base(
+    start: Start, tmp_path: Path
+) -> None:
+    """LoRA adapters' files are recorded by ``market add`` as a model's are: a truncated
+    one is quarantined at start, a changed byte at its first load (its digest); its base
+    and the other adapter load as before, and a reload of the restored one serves it as
+    an adapter again (its region the adapter's A and B, not a model's)."""
+    import sys
+
+    from aegaeon_common.messages.cache import ModelReloaded, ReloadModel
+    from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
+    from aegaeon_market.adapters import add_random_adapter
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from lora_support import lora_market
+    from market_support import flip_a_byte, truncate
+
+    market = lora_market(tmp_path / "market", {"base": checkpoint(0)})
+    paths = {"base": market / "base"}
+    for seed, name in enumerate(("good", "cut", "flipped")):
+        paths[name] = add_random_adapter(market, name, "base", 4, seed=seed).path
+    files = {n: paths[n] / "adapter_model.safetensors" for n in ("cut", "flipped")}
+    kept = files["flipped"].read_bytes()
+    truncate(files["cut"], 100)
+    flip_a_byte(files["flipped"])
+    nbytes = adapter_layout(AdapterSpec.from_dir(paths["good"], ModelSpec.from_dir(
+        checkpoint(0))), "bfloat16").total_bytes
+    cm = start(paths, market=market, bases=dict.fromkeys(("good", "cut", "flipped"), "base"))
+
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        await client.register()
+        unavailable = (await client.stats()).model_cache.unavailable
+        assert list(unavailable) == ["cut"] and str(files["cut"]) in unavailable["cut"]
+        await client.load_model("base")
+        assert (await client.load_model("good")).nbytes == nbytes
+        with pytest.raises(RemoteError) as err:
+            await client.load_model("flipped")
+        assert err.value.code == "checkpoint_error"
+        assert f"{files['flipped']}: content differs from what market.json records" in str(
+            err.value)
+        assert sorted((await client.stats()).model_cache.unavailable) == ["cut", "flipped"]
+        files["flipped"].write_bytes(kept)
+        reply = await client._rpc.call(ReloadModel("flipped", str(paths["flipped"])), 30.0)
+        assert reply == ModelReloaded("flipped", resident=True)
+        model = await client.load_model("flipped")
+        assert model.hit and model.nbytes == nbytes  # an adapter still: its base kept
+        assert sorted((await client.stats()).model_cache.unavailable) == ["cut"]
+        await client.close()
+
+    asyncio.run(go())
