@@ -22,6 +22,7 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 from http_support import call_json, post_text
 from lora_support import ADAPTERS, lora_market, make_peft_adapter, peft_references
 from real_market import REAL, real_market_dir
@@ -164,6 +165,57 @@ def test_base_and_adapters_at_once_are_unchanged_with_no_switch(
         assert used == NUM_TOKENS
         assert pieces == _pieces(base_dir, references[name][k]), (name, k)
     assert len(got) == len(jobs)
+
+
+def _merged_prompt_logprobs(base_dir: Path, adapter_dir: Path, ids: list[int],
+                            dtype: torch.dtype) -> torch.Tensor:
+    """transformers + PEFT (merged) in ``dtype``: each prompt token's log-probability."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    model = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+def test_an_adapter_as_the_model_takes_the_api_fields(
+        served: Served, base_dir: Path, work: Path, prompt_ids: list[list[int]],
+        references: dict[str | None, list[list[int]]]) -> None:
+    """The request surface with an adapter as the model: echo with prompt and token
+    log-probabilities (the prompt's against transformers + PEFT merged in float32,
+    bounded by how far that reference itself moves in bfloat16), ``n`` choices from one
+    prefill (greedy: each the PEFT output), chat log-probabilities and a structured
+    output."""
+    name, k = NAMES[1], 2
+    ids, want = prompt_ids[k], references[NAMES[1]][k]
+    client = _client(served)
+    out = client.completions.create(model=name, prompt=ids, max_tokens=NUM_TOKENS,
+                                    temperature=0, logprobs=2, echo=True, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.text.endswith("".join(_pieces(base_dir, want))), choice.text
+        assert choice.logprobs is not None
+        assert len(choice.logprobs.token_logprobs or []) == len(ids) + NUM_TOKENS
+        assert all(len(t) >= 1 for t in (choice.logprobs.top_logprobs or [])[1:])
+    first = out.choices[0].logprobs
+    assert first is not None and first.token_logprobs is not None
+    lps = first.token_logprobs[1:len(ids)]
+    f32, bf16 = (_merged_prompt_logprobs(base_dir, work / "peft" / name, ids, dtype)
+                 for dtype in (torch.float32, torch.bfloat16))
+    assert (torch.tensor(lps, dtype=torch.float32) - f32).abs().max() <= (bf16 - f32).abs().max()
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Name a color."}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(t.top_logprobs) == 2 for t in content)
+    picked = client.completions.create(model=name, prompt="My favourite color is",
+                                       max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert picked.choices[0].text in ("red", "green", "blue")
 
 
 def _market_bytes(market: Path) -> bytes:
