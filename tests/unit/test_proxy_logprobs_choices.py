@@ -11,10 +11,15 @@ from aiohttp.test_utils import TestClient
 from proxy_support import MODEL, ScriptedBackend, run, scripted_logprobs, sse_chunks
 
 CHAT = [{"role": "user", "content": "Hi"}]
+# the backend's chunks: a token each, or each sequence's tokens together (as an instance
+# sends a turn's steps): the answer is the same
+GROUPED = pytest.mark.parametrize("grouped", [False, True], ids=["per_token", "grouped"])
 
 
-def test_completion_logprobs_with_echo(proxy_market: Path) -> None:
+@GROUPED
+def test_completion_logprobs_with_echo(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         backend.token_ids = tok.encode(" red green blue", add_special_tokens=False)
         resp = await client.post("/v1/completions", json={
             "model": MODEL, "prompt": "Colors:", "max_tokens": 3, "logprobs": 2, "echo": True})
@@ -46,8 +51,10 @@ def test_completion_logprobs_with_echo(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_chat_logprobs_whole_and_streamed(proxy_market: Path) -> None:
+@GROUPED
+def test_chat_logprobs_whole_and_streamed(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         backend.token_ids = tok.encode(" sure thing", add_special_tokens=False)
         body = {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 3}
         out = await (await client.post("/v1/chat/completions", json=body)).json()
@@ -71,8 +78,10 @@ def test_chat_logprobs_whole_and_streamed(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_n_choices_whole_and_streamed(proxy_market: Path) -> None:
+@GROUPED
+def test_n_choices_whole_and_streamed(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         backend.token_ids = tok.encode(" one two", add_special_tokens=False)
         out = await (await client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": CHAT, "n": 3})).json()
@@ -156,11 +165,14 @@ def test_sampling_fields_reach_the_backend(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market: Path) -> None:
+@GROUPED
+def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market: Path,
+                                                                   grouped: bool) -> None:
     """lm-evaluation-harness drops the generated token's entry (``[ctxlen:-1]``): it must be
     there even when that token is the end of sequence."""
 
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         eos = tok.eos_token_ids[0]
         backend.token_ids = [*tok.encode(" Paris", add_special_tokens=False), eos]
         backend.finish = "stop"
