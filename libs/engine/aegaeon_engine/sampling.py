@@ -30,10 +30,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
-from aegaeon_common.messages.structs import MAX_LOGPROBS, SamplingParams
+from aegaeon_common.messages.structs import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 __all__ = ["MAX_LOGPROBS", "RowState", "Sampler", "SamplingParams", "TokenLogprobs",
            "TokenMask", "make_generator", "process_logits", "top_logprobs"]
@@ -63,16 +63,6 @@ class RowState:
     prompt_ids: Sequence[int] = ()  # for the repetition penalty
     output_ids: Sequence[int] = ()  # generated so far: penalties, min_tokens
     grammar: TokenMask | None = None
-
-
-class TokenLogprobs(NamedTuple):
-    """One token's log-probability, its rank in the vocabulary (1: the most likely) and
-    the ``k`` most likely tokens' (best first)."""
-
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-    rank: int = 1
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:

@@ -18,7 +18,6 @@ import msgspec
 import torch
 from aegaeon_common.messages.structs import SEED_RANGE, SamplingParams, TokenLogprobs
 from aegaeon_engine.sampling import RowState, make_generator, top_logprobs
-from aegaeon_engine.sampling import TokenLogprobs as EngineLogprobs
 
 from aegaeon_runtime.grammar import GrammarCache, GrammarState
 from aegaeon_runtime.port import SamplerPort
@@ -94,10 +93,6 @@ class SeqSampling:
         self.state.output_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
-
-
-def to_wire(logprobs: Sequence[EngineLogprobs]) -> list[TokenLogprobs]:
-    return [TokenLogprobs(x.logprob, x.top_ids, x.top_logprobs, x.rank) for x in logprobs]
 
 
 def sample_step(sampler: SamplerPort, logits: torch.Tensor,
