@@ -61,6 +61,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
                         "each sized from its GPU's free memory, the Model Cache from host memory "
                         "(docs/gpu.md); default: the config's devices and sizes")
+    parser.add_argument("--tp", type=at_least_one, help="tensor parallelism: every prefill "
+                        "and decode instance a group of N devices (one set of weights sharded "
+                        "across them; prefill.tp / decode.tp); on the CPU, N processes over "
+                        "gloo (default: the config's, 1)")  # fmt: skip
     add_api_key_args(parser)
     parser.set_defaults(func=run)
 
@@ -114,6 +118,10 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
         source = "<embedded default>"
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
+    if args.tp is not None:
+        from aegaeon_cli.plan import with_tp
+
+        raw = with_tp(raw, args.tp)
     proxy = dict(raw.get("proxy") or {})
     keys = key_entries(args)
     if keys:
@@ -150,7 +158,7 @@ def check_serve(market: Path, config: Path | None, policy: str | None = None) ->
 
     args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
                               admin_key=[], admin_key_file=[], host=None, port=None,
-                              policy=policy, run_dir=None, gpus=None)  # fmt: skip
+                              policy=policy, run_dir=None, gpus=None, tp=None)  # fmt: skip
     checked, _, _ = _effective_config(args)
     check_machine(checked, instance_devices(checked), cuda_devices)
 

@@ -24,23 +24,35 @@ gathers them. The rules (docs/gpu.md says the same):
   quarter of the budget, between 1 and 64 GiB. Model Cache: every model of the
   deployment when the rest of the budget holds them, else the rest (the
   cache then evicts, least recently used); at least the largest model.
+- **Tensor parallelism.** An instance may be a group of ``tp`` GPUs (one
+  set of weights sharded across them). Given each model's bytes per rank at
+  each size (``shards``: a model whose heads do not split runs whole on the
+  group's first GPU), a plan without a ``tp`` of its own takes the smallest
+  size (1, 2, 4, 8, ...) whose largest shard fits a GPU's share with 1 GiB of
+  KV; groups take ``tp`` GPUs in order, prefill groups first.
+- **Containers.** From the cachemgr's sizes: the ``/dev/shm`` it needs
+  (``shm_size``: Model Cache + CPU KV cache + 1 GiB, whole GiB) and a health
+  check start period (60 s + the Model Cache filled from disk at 500 MB/s).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
     "CachePlan",
+    "ContainerPlan",
     "GpuInfo",
     "HostInfo",
     "InstancePlan",
     "KindPlan",
     "PlacementError",
     "Plan",
+    "TPSizes",
     "apply_plan",
+    "assumed_gpus",
     "default_counts",
     "gpu_reserve_bytes",
     "parse_gpus",
@@ -65,6 +77,9 @@ CPU_KV_FRACTION = 0.25  # of the host budget
 CPU_KV_MIN_BYTES = 1 * GiB
 CPU_KV_MAX_BYTES = 64 * GiB
 MODEL_MARGIN_BYTES = 16 * MiB  # per model in the Model Cache (page rounding)
+SHM_MARGIN_BYTES = 1 * GiB  # /dev/shm beyond the caches: event table, registrations
+START_BASE_S = 60.0  # a container's start before its models: engine, kernels, profile
+DISK_BYTES_PER_S = 500e6  # what the start period assumes a Model Cache fills at
 
 
 class PlacementError(ValueError):
@@ -94,17 +109,31 @@ class HostInfo:
 
 
 @dataclass(frozen=True)
+class TPSizes:
+    """A model's bytes at one tensor-parallel size."""
+
+    per_gpu: int  # on the GPU holding the most of it: its largest shard, or all of it
+    cached: int  # its Model Cache region: every shard back to back, or the whole model
+
+
+@dataclass(frozen=True)
 class InstancePlan:
-    """Instance ``index`` of ``kind`` on ``gpu``, which ``sharing`` instances share."""
+    """Instance ``index`` of ``kind`` on ``gpus`` (its tensor-parallel group, rank 0
+    first; one GPU without TP); ``sharing``: the most instances any of them holds."""
 
     kind: str
     index: int
-    gpu: GpuInfo
+    gpus: tuple[GpuInfo, ...]
     sharing: int
 
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.index}"
+
+    @property
+    def gpu(self) -> GpuInfo:
+        """The group's first GPU (rank 0's)."""
+        return self.gpus[0]
 
 
 @dataclass(frozen=True)
@@ -112,11 +141,16 @@ class KindPlan:
     """The sizes every instance of one kind gets (the config's sections are homogeneous)."""
 
     kind: str
-    devices: tuple[str, ...]
-    device_memory_bytes: int
+    devices: tuple[str, ...]  # every instance's group in turn (tp devices each)
+    device_memory_bytes: int  # per device (each rank of a group)
     kv_memory_bytes: int
     weights_bytes: int
-    prefetch_room: bool  # the arena holds two of the largest model
+    prefetch_room: bool  # the arena holds two of the largest model (its largest shard)
+    tp: int = 1
+
+    @property
+    def instances(self) -> int:
+        return len(self.devices) // self.tp
 
 
 @dataclass(frozen=True)
@@ -128,6 +162,25 @@ class CachePlan:
     budget_bytes: int
     models_bytes: int  # every model, as the Model Cache holds them
     holds_all: bool
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    """What compose needs beside the config: the cachemgr's ``/dev/shm`` and how long a
+    container may take to start before its health check counts."""
+
+    shm_bytes: int
+    start_period_s: int
+
+    @property
+    def shm_size(self) -> str:
+        """``shm_size`` as compose writes it (``52g``: GiB)."""
+        return f"{self.shm_bytes // GiB}g"
+
+    def env(self) -> dict[str, str]:
+        """The ``.env`` settings compose.yaml reads."""
+        return {"AEGAEON_SHM_SIZE": self.shm_size,
+                "AEGAEON_START_PERIOD": f"{self.start_period_s}s"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -143,19 +196,39 @@ class Plan:
     largest_model: str = ""
     largest_bytes: int = 0
     dtype: str = ""
+    tp: int = 1
+    # the models that run whole on a group's first GPU (they do not split tp ways)
+    unsharded: tuple[str, ...] = ()
 
     def kind(self, kind: str) -> KindPlan | None:
         return next((k for k in self.kinds if k.kind == kind), None)
+
+    @property
+    def containers(self) -> ContainerPlan | None:
+        """compose's settings from the cachemgr's sizes (None: no host planned)."""
+        if self.cache is None:
+            return None
+        held = self.cache.model_cache_bytes + self.cache.kv_cache_bytes
+        shm = -(-(held + SHM_MARGIN_BYTES) // GiB) * GiB
+        start = START_BASE_S + min(self.cache.models_bytes, self.cache.model_cache_bytes) / (
+            DISK_BYTES_PER_S)
+        return ContainerPlan(shm, int(-(-start // 10) * 10))
 
     def describe(self) -> str:
         """What was chosen and why, a line each (printed at start, kept in the run dir)."""
         lines = [f"GPU plan (--gpus {self.spec}):" if self.spec else "Memory plan:"]
         by_gpu: dict[int, list[InstancePlan]] = {}
+        by_name: dict[int, list[str]] = {}
+        gpus: dict[int, GpuInfo] = {}
         for inst in self.instances:
-            by_gpu.setdefault(inst.gpu.index, []).append(inst)
-        for placed in by_gpu.values():
-            gpu = placed[0].gpu
-            names = ", ".join(i.name for i in placed)
+            for rank, gpu in enumerate(inst.gpus):
+                gpus[gpu.index] = gpu
+                name = inst.name + (f" rank {rank}" if self.tp > 1 else "")
+                by_gpu.setdefault(gpu.index, []).append(inst)
+                by_name.setdefault(gpu.index, []).append(name)
+        for index, placed in by_gpu.items():
+            gpu = gpus[index]
+            names = ", ".join(by_name[index])
             lines.append(f"  {gpu.device} {gpu.name}: {_gib(gpu.free_bytes)} free of "
                          f"{_gib(gpu.total_bytes)}, {_gib(gpu_reserve_bytes(gpu, len(placed)))} "
                          f"kept back -> {names}")  # fmt: skip
@@ -164,11 +237,22 @@ class Plan:
         for k in self.kinds:
             twice = "twice: active + prefetched" if k.prefetch_room else "once: no room to prefetch"
             model = f"{self.largest_model}, {_gib(self.largest_bytes)} in {self.dtype}"
-            lines.append(
-                f"  {k.kind} x{len(k.devices)}: device memory {_gib(k.device_memory_bytes)} each "
-                f"= weights {_gib(k.weights_bytes)} (the largest model, {model}, {twice}) "
-                f"+ KV {_gib(k.kv_memory_bytes)}"
-            )
+            if k.tp > 1:
+                lines.append(
+                    f"  {k.kind} x{k.instances} (tensor parallel, {k.tp} GPUs each): device "
+                    f"memory {_gib(k.device_memory_bytes)} per GPU = weights "
+                    f"{_gib(k.weights_bytes)} (the largest model's shard, {model} split "
+                    f"{k.tp} ways, {twice}) + KV {_gib(k.kv_memory_bytes)}"
+                )
+            else:
+                lines.append(
+                    f"  {k.kind} x{k.instances}: device memory {_gib(k.device_memory_bytes)} "
+                    f"each = weights {_gib(k.weights_bytes)} (the largest model, {model}, "
+                    f"{twice}) + KV {_gib(k.kv_memory_bytes)}"
+                )
+        if self.tp > 1 and self.unsharded:
+            lines.append(f"  whole on a group's first GPU (they do not split {self.tp} ways): "
+                         f"{', '.join(self.unsharded)}")  # fmt: skip
         cache, host = self.cache, self.host
         if cache is not None and host is not None:
             shm = (f", /dev/shm {_gib(host.shm_free_bytes)} free"
@@ -182,6 +266,14 @@ class Plan:
             lines.append(
                 f"  Model Cache {_gib(cache.model_cache_bytes)} ({held}); CPU KV cache "
                 f"{_gib(cache.kv_cache_bytes)} (a quarter of the budget, 1-64 GiB)"
+            )
+        containers = self.containers
+        if containers is not None:
+            settings = " ".join(f"{k}={v}" for k, v in containers.env().items())
+            lines.append(
+                f"  compose (.env): {settings} (shm_size: Model Cache + CPU KV cache + 1 GiB; "
+                f"start period: {START_BASE_S:.0f} s + the Model Cache filled from disk at "
+                f"{DISK_BYTES_PER_S / 1e6:.0f} MB/s)"
             )
         return "\n".join(lines)
 
@@ -228,9 +320,32 @@ def select_gpus(spec: str, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
     return [by_index[i] for i in wanted]
 
 
+def assumed_gpus(spec: str, parse_size: Callable[[str], int]) -> list[GpuInfo]:
+    """GPUs that are not here, for a plan made elsewhere (``--assume-gpus``): ``8x80GB``,
+    ``24GB``, ``40GiB,40GiB`` (``parse_size`` reads a size); each one idle (free = total)."""
+    out: list[GpuInfo] = []
+    for part in spec.split(","):
+        count_text, x, size_text = part.strip().lower().rpartition("x")
+        if not x:
+            count_text, size_text = "1", part.strip()
+        try:
+            count = int(count_text)
+            size = parse_size(size_text.strip())
+        except ValueError:
+            raise PlacementError(f"--assume-gpus {spec}: {part.strip()!r} is not N x SIZE or "
+                                 "SIZE (like 8x80GB, 24GB, 40GiB,40GiB)") from None  # fmt: skip
+        if count < 1 or size < 2 * GiB:
+            raise PlacementError(f"--assume-gpus {spec}: {part.strip()!r} needs at least one "
+                                 "GPU of at least 2 GiB")  # fmt: skip
+        for _ in range(count):
+            label = size_text.strip().upper().replace("GIB", "GiB")
+            out.append(GpuInfo(len(out), f"assumed {label} GPU", size, size))
+    return out
+
+
 def default_counts(num_gpus: int, prefill: int | None, decode: int | None) -> tuple[int, int]:
-    """Instance counts: the config's where it gives them; else half of the GPUs
-    prefill and the rest decode, at least one of each (one GPU: one of each)."""
+    """Instance counts: the config's where it gives them; else half of the GPUs (of the
+    tensor-parallel groups) prefill and the rest decode, at least one of each."""
     if prefill is None and decode is None:
         prefill = max(1, num_gpus // 2)
         decode = max(1, num_gpus - prefill)
@@ -244,16 +359,19 @@ def default_counts(num_gpus: int, prefill: int | None, decode: int | None) -> tu
     return prefill, decode
 
 
-def place(gpus: Sequence[GpuInfo], prefill: int, decode: int) -> list[InstancePlan]:
-    """Prefill instances, then decode instances, one per GPU in order, round and
-    round when there are more instances than GPUs (those share a GPU)."""
+def place(gpus: Sequence[GpuInfo], prefill: int, decode: int, tp: int = 1) -> list[InstancePlan]:
+    """Prefill instances, then decode instances, each on the next ``tp`` GPUs in order,
+    round and round when there are more than the GPUs hold (those share a GPU)."""
     if not gpus:
         raise PlacementError("no GPU to place instances on")
+    if tp > len(gpus):
+        raise PlacementError(f"tensor parallelism {tp} needs {tp} GPUs, the plan has "
+                             f"{len(gpus)}")  # fmt: skip
     slots = [("prefill", i) for i in range(prefill)] + [("decode", j) for j in range(decode)]
-    on = [gpus[n % len(gpus)] for n in range(len(slots))]
-    sharing = {g.index: sum(1 for o in on if o.index == g.index) for g in gpus}
-    return [InstancePlan(kind, index, gpu, sharing[gpu.index])
-            for (kind, index), gpu in zip(slots, on, strict=True)]  # fmt: skip
+    groups = [tuple(gpus[(n * tp + r) % len(gpus)] for r in range(tp)) for n in range(len(slots))]
+    sharing = {g.index: sum(1 for grp in groups for o in grp if o.index == g.index) for g in gpus}
+    return [InstancePlan(kind, index, group, max(sharing[g.index] for g in group))
+            for (kind, index), group in zip(slots, groups, strict=True)]  # fmt: skip
 
 
 def gpu_reserve_bytes(gpu: GpuInfo, instances: int) -> int:
@@ -269,11 +387,18 @@ def _largest(models: Mapping[str, int]) -> tuple[str, int]:
     return name, models[name]
 
 
-def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
-               dtype: str) -> KindPlan:  # fmt: skip
-    shares = [(max(0, i.gpu.free_bytes - gpu_reserve_bytes(i.gpu, i.sharing)) // i.sharing, i)
-              for i in placed]  # fmt: skip
-    share, tightest = min(shares, key=lambda s: s[0])
+def _share(gpu: GpuInfo, instances: Sequence[InstancePlan]) -> int:
+    on = sum(1 for i in instances for g in i.gpus if g.index == gpu.index)
+    return max(0, gpu.free_bytes - gpu_reserve_bytes(gpu, on)) // on
+
+
+def _kind_plan(kind: str, placed: list[InstancePlan], everyone: list[InstancePlan],
+               largest: tuple[str, int], dtype: str, tp: int = 1,
+               whole: tuple[str, int] | None = None) -> KindPlan:  # fmt: skip
+    """``whole``: the largest model at one GPU (its name and bytes) when ``largest`` is a
+    shard (said in the error)."""
+    shares = [(_share(g, everyone), i, g) for i in placed for g in i.gpus]
+    share, tightest, gpu = min(shares, key=lambda s: s[0])
     device_memory = share // MiB * MiB
     name, model_bytes = largest
     once = -(-(model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
@@ -283,32 +408,73 @@ def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
     elif device_memory - once >= KV_MIN_BYTES:
         weights, room = once, False
     else:
-        gpu = tightest.gpu
-        shared = f", shared by {tightest.sharing} instances" if tightest.sharing > 1 else ""
+        on = sum(1 for i in everyone for g in i.gpus if g.index == gpu.index)
+        shared = f", shared by {on} instances" if on > 1 else ""
+        what = (f"model {name} ({_gib(model_bytes)} in {dtype})" if tp == 1 or whole is None
+                else f"model {name} ({_gib(whole[1])} in {dtype}, {_gib(model_bytes)} per GPU "
+                f"split {tp} ways)")  # fmt: skip
         raise PlacementError(
-            f"model {name} ({_gib(model_bytes)} in {dtype}) does not fit {tightest.name} on "
+            f"{what} does not fit {tightest.name} on "
             f"{gpu.device} ({gpu.name}): {_gib(gpu.free_bytes)} free of {_gib(gpu.total_bytes)}"
-            f", {_gib(gpu_reserve_bytes(gpu, tightest.sharing))} kept back{shared} leaves "
+            f", {_gib(gpu_reserve_bytes(gpu, on))} kept back{shared} leaves "
             f"{_gib(device_memory)}; it needs {_gib(once + KV_MIN_BYTES)} (the weights and "
             f"1 GiB of KV). Free the GPU, give it fewer instances, or serve smaller models"
         )
     kv = (device_memory - weights) // KV_ALIGN_BYTES * KV_ALIGN_BYTES
-    return KindPlan(kind, tuple(i.gpu.device for i in placed), weights + kv, kv, weights, room)
+    devices = tuple(g.device for i in placed for g in i.gpus)
+    return KindPlan(kind, devices, weights + kv, kv, weights, room, tp)
 
 
 def plan_instances(gpus: Sequence[GpuInfo], prefill: int, decode: int,
-                   models: Mapping[str, int], dtype: str) -> Plan:  # fmt: skip
-    """Place ``prefill`` + ``decode`` instances on ``gpus`` and size each kind."""
-    instances = place(gpus, prefill, decode)
-    largest = _largest(models)
+                   models: Mapping[str, int], dtype: str, tp: int = 1,
+                   shard_bytes: Mapping[str, int] | None = None) -> Plan:  # fmt: skip
+    """Place ``prefill`` + ``decode`` instances (groups of ``tp`` GPUs) on ``gpus`` and
+    size each kind; ``shard_bytes``: each model's bytes per GPU at ``tp`` (default:
+    ``models``, no sharding)."""
+    instances = place(gpus, prefill, decode, tp)
+    per_gpu = dict(shard_bytes) if shard_bytes is not None else dict(models)
+    largest = _largest(per_gpu)
+    whole = (largest[0], models.get(largest[0], largest[1]))
     kinds = tuple(
-        _kind_plan(kind, [i for i in instances if i.kind == kind], largest, dtype)
+        _kind_plan(kind, [i for i in instances if i.kind == kind], instances, largest, dtype,
+                   tp, whole)
         for kind in KINDS if any(i.kind == kind for i in instances)
     )  # fmt: skip
-    used = {i.gpu.index for i in instances}
+    used = {g.index for i in instances for g in i.gpus}
+    name, nbytes = _largest(models)
+    unsharded = tuple(sorted(m for m in models if tp > 1 and per_gpu.get(m) == models[m]))
     return Plan(spec=None, instances=tuple(instances), kinds=kinds,
                 unused=tuple(g for g in gpus if g.index not in used),
-                largest_model=largest[0], largest_bytes=largest[1], dtype=dtype)  # fmt: skip
+                largest_model=name, largest_bytes=nbytes, dtype=dtype, tp=tp,
+                unsharded=unsharded)  # fmt: skip
+
+
+def _per_gpu(shards: Mapping[int, Mapping[str, TPSizes]], tp: int) -> dict[str, int] | None:
+    return {m: s.per_gpu for m, s in shards[tp].items()} if tp > 1 and tp in shards else None
+
+
+def choose_tp(gpus: Sequence[GpuInfo], counts: tuple[int | None, int | None],
+              models: Mapping[str, int], dtype: str,
+              shards: Mapping[int, Mapping[str, TPSizes]]) -> Plan:  # fmt: skip
+    """The plan at the smallest tensor-parallel size (1, 2, 4, ...: the sizes ``shards``
+    gives, at most the GPUs) whose largest shard fits; the size-1 error when none does,
+    saying which sizes were tried."""
+    sizes = sorted(t for t in {1, *shards} if t <= len(gpus))
+    first: PlacementError | None = None
+    for tp in sizes:
+        prefill, decode = default_counts(max(1, len(gpus) // tp), *counts)
+        try:
+            return plan_instances(gpus, prefill, decode, models, dtype, tp,
+                                  _per_gpu(shards, tp))  # fmt: skip
+        except PlacementError as exc:
+            first = first or exc
+    assert first is not None
+    tried = [t for t in sizes if t > 1]
+    if tried:
+        raise PlacementError(f"{first}; tensor parallelism over {', '.join(map(str, tried))} "
+                             "GPUs does not fit either (more GPUs, or --tp with "
+                             "fewer instances)") from None  # fmt: skip
+    raise first
 
 
 def plan_cache(host: HostInfo, models: Mapping[str, int], dtype: str) -> CachePlan:
@@ -337,20 +503,36 @@ def plan_cache(host: HostInfo, models: Mapping[str, int], dtype: str) -> CachePl
 
 def plan_node(spec: str | None, gpus: Sequence[GpuInfo], host: HostInfo | None,
               counts: tuple[int | None, int | None], models: Mapping[str, int],
-              dtype: str) -> Plan:  # fmt: skip
+              dtype: str, tp: int | None = None,
+              shards: Mapping[int, Mapping[str, TPSizes]] | None = None) -> Plan:  # fmt: skip
     """The whole plan: instances on the GPUs ``spec`` selects (None: no instances
-    planned) and, given ``host``, the cachemgr's sizes."""
+    planned) and, given ``host``, the cachemgr's sizes. ``tp``: the tensor-parallel size
+    (None: the smallest that fits, of the sizes ``shards`` gives per model; 1 without)."""
     plan = Plan(spec=spec)
     if spec is not None:
         chosen = select_gpus(spec, gpus)
-        prefill, decode = default_counts(len(chosen), *counts)
-        plan = replace(plan_instances(chosen, prefill, decode, models, dtype), spec=spec)
+        shards = shards or {}
+        if tp is None:
+            plan = replace(choose_tp(chosen, counts, models, dtype, shards), spec=spec)
+        else:
+            if tp > 1 and tp not in shards:
+                raise PlacementError(f"tensor parallelism {tp}: no shard sizes for it")
+            groups = len(chosen) // tp
+            if groups < 1:
+                raise PlacementError(f"--gpus {spec}: {len(chosen)} GPU(s), tensor "
+                                     f"parallelism {tp} needs {tp} per instance")  # fmt: skip
+            prefill, decode = default_counts(groups, *counts)
+            plan = replace(plan_instances(chosen, prefill, decode, models, dtype, tp,
+                                          _per_gpu(shards, tp)), spec=spec)
     if host is None:
         return plan
     name, largest = _largest(models)
+    # the Model Cache holds a sharded model as its shards back to back
+    cached = ({m: s.cached for m, s in shards[plan.tp].items()} if shards and plan.tp > 1
+              else models)  # fmt: skip
     return replace(
         plan,
-        cache=plan_cache(host, models, dtype),
+        cache=plan_cache(host, cached, dtype),
         host=host,
         largest_model=name,
         largest_bytes=largest,
@@ -361,7 +543,7 @@ def plan_node(spec: str | None, gpus: Sequence[GpuInfo], host: HostInfo | None,
 # ---- the config it makes --------------------------------------------------------------------
 _SIZE_KEYS = {
     "prefill": ("device", "devices", "device_memory", "device_memory_bytes", "kv_memory",
-                "kv_memory_bytes", "instances"),
+                "kv_memory_bytes", "instances", "tp"),
     "cachemgr": ("model_cache", "model_cache_bytes", "kv_cache", "kv_cache_bytes"),
 }  # fmt: skip
 
@@ -384,11 +566,12 @@ def apply_plan(raw: dict[str, Any], plan: Plan, unified: bool = False) -> dict[s
     for k in kinds:
         out[k.kind] = {
             **_section(raw, k.kind),
-            "instances": len(k.devices),
+            "instances": k.instances,
             "device": k.devices[0],
             "devices": list(k.devices),
             "device_memory": k.device_memory_bytes,
             "kv_memory": k.kv_memory_bytes,
+            **({"tp": k.tp} if k.tp > 1 else {}),
         }
     if unified and len(kinds) == 2:
         decode = dict(out["decode"])
