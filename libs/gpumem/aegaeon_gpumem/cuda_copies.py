@@ -33,6 +33,9 @@ class CudaCopyStream(CopyStream):
 
     def __init__(self, device: torch.device | str | int) -> None:
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # per other device: a stream there for copies of its memory (a tensor-parallel
+        # group's rank 0 moves its followers' KV, aegaeon_runtime.kv)
+        self._peers: dict[int, torch.cuda.Stream] = {}
 
     @property
     def torch_stream(self) -> torch.cuda.Stream:
@@ -42,11 +45,33 @@ class CudaCopyStream(CopyStream):
     def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Enqueue the copies in order (asynchronous for device and pinned host memory),
         behind the work the caller already enqueued on its current stream: a swap-out
-        must not read KV blocks before the prefill writing them has run."""
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        must not read KV blocks before the prefill writing them has run.
+
+        A copy of another device's memory (a follower's KV region, mapped by CUDA IPC)
+        runs on a stream of that device, ordered after this stream's work so far and
+        joined back into it: this stream's next event covers it too. (A follower's own
+        kernels that wrote that memory finished before rank 0's collective that ended
+        the step: the caller's current stream, waited on here, has passed it.)"""
+        own = self._stream.device
+        self._stream.wait_stream(torch.cuda.current_stream(own))
+        local = [(d, s) for d, s in copies if _device_of(d, s) in (None, own.index)]
         with torch.cuda.stream(self._stream):
-            for dst, src in copies:
+            for dst, src in local:
                 dst.copy_(src, non_blocking=True)
+        remote: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in copies:
+            index = _device_of(dst, src)
+            if index is not None and index != own.index:
+                remote.setdefault(index, []).append((dst, src))
+        for index, pairs in remote.items():
+            side = self._peers.get(index)
+            if side is None:
+                side = self._peers[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+            side.wait_stream(self._stream)
+            with torch.cuda.stream(side):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+            self._stream.wait_stream(side)
 
     def record(self) -> Event:
         """Record an interprocess event after the work enqueued so far."""
@@ -69,6 +94,14 @@ class CudaCopyStream(CopyStream):
             self._stream.synchronize()
             return True
         return self.record().wait(timeout_s)
+
+
+def _device_of(dst: torch.Tensor, src: torch.Tensor) -> int | None:
+    """The CUDA device a copy's device side is on (None: a host-to-host copy)."""
+    for tensor in (src, dst):
+        if tensor.device.type == "cuda":
+            return tensor.device.index
+    return None
 
 
 class StageBuffer:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
+from aegaeon_engine.tp_mirror import MirroredEngine
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 from aegaeon_sched import ModelSpec as SchedSpec
 
@@ -22,6 +23,8 @@ from aegaeon_runtime.cacheclient.mapped import Registration
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
+from aegaeon_runtime.tp.group import InstanceGroup, start_group
+from aegaeon_runtime.tp.shards import Shards
 
 # Copy streams per worker: one slot each in the cachemgr's event table.
 SWAP_OUT, SWAP_IN = 0, 1
@@ -51,13 +54,17 @@ class Worker:
     sampler: Sampler
     # what the compute thread counts for /metrics (a registry of its own by default)
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
+    # a tensor-parallel instance's group (rank 0's handle); None: one device
+    group: InstanceGroup | None = None
 
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.index}"
 
     def kv_shape(self, model: str) -> KVShape:
-        return self.specs[model].kv_shape(self.config.dtype, self.engine.block_size)
+        """``model``'s KV blocks as the node counts them (a tensor-parallel group's
+        sharded model: every rank's part, ``aegaeon_runtime.tp.shards``)."""
+        return self.switcher.shards.kv_shape(model)
 
     def max_model_len(self, model: str) -> int:
         return self.specs[model].max_model_len
@@ -85,14 +92,18 @@ class Worker:
         from ``path`` (``CheckpointError`` if broken); its weights come through the
         Model Cache at its first switch, as every model's."""
         spec = ModelSpec.from_dir(path)
-        self.engine.tune(spec, self.config.dtype)
-        self.switcher.specs[name] = spec
+        if self.group is not None:  # the followers first: the next switch may need it
+            self.group.add_model(name, str(path))
+        self.switcher.add_model(name, spec)
+        self.engine.tune(self.switcher.spec(name), self.config.dtype)
         self.specs[name] = spec
         return self.sched_spec(name)
 
     def close(self) -> None:
         self.switcher.close()
         self.kv.close()
+        if self.group is not None:
+            self.group.close()
 
 
 async def build_worker(
@@ -121,36 +132,53 @@ async def build_worker(
     specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
-    # answering /health meanwhile.
-    engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads)
-    for spec in specs.values():  # the fastest kernels per model shape, measured once a machine
-        await asyncio.to_thread(engine.tune, spec, config.dtype)
+    # answering /health meanwhile. A tensor-parallel instance's engine mirrors its
+    # calls to its group (aegaeon_runtime.tp.group).
+    engine_class = MirroredEngine if inst.tp > 1 else Engine
+    engine = await asyncio.to_thread(engine_class, device, num_threads=inst.threads)
+    shards = Shards(0, inst.tp, config.dtype, engine.block_size)
+    for name, spec in specs.items():  # the fastest kernels per shape, measured once a machine
+        shards.add(name, spec)
+        await asyncio.to_thread(engine.tune, shards.spec(name), config.dtype)
     buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
                                      inst.kv_memory_bytes, device)  # fmt: skip
-    table = registration.event_table
-    streams = [
-        make_copy_stream(device, table, registration.event_slots[i]) for i in range(NUM_STREAMS)
-    ]
-    kv = KVSpace(
-        buffer.kv_region,
-        registration.kv_tensor,
-        cache,
-        streams[SWAP_OUT],
-        streams[SWAP_IN],
-        registration.slab_bytes,
-    )
-    switcher = ModelSwitcher(
-        engine,
-        buffer,
-        cache,
-        specs,
-        config.dtype,
-        prefetch=config.scheduler.prefetch,
-        map_weights=inst.maps_weights,
-    )
-    for name in specs:  # map every Model Cache region now, off the critical path
-        await client.load_model(name, pin=True)
-        await client.unpin(name)
+    group = None
+    if inst.tp > 1:
+        group = await asyncio.to_thread(start_group, config, kind, index)
+        assert isinstance(engine, MirroredEngine)
+        engine.group = group.tp
+    try:
+        table = registration.event_table
+        streams = [make_copy_stream(device, table, registration.event_slots[i])
+                   for i in range(NUM_STREAMS)]  # fmt: skip
+        kv = KVSpace(
+            buffer.kv_region,
+            registration.kv_tensor,
+            cache,
+            streams[SWAP_OUT],
+            streams[SWAP_IN],
+            registration.slab_bytes,
+            peers=group.peer_tensors if group is not None else (),
+        )
+        switcher = ModelSwitcher(
+            engine,
+            buffer,
+            cache,
+            specs,
+            config.dtype,
+            prefetch=config.scheduler.prefetch,
+            map_weights=inst.maps_weights,
+            shards=shards,
+            reduce=group.tp.all_reduce if group is not None else None,
+            mirror=group,
+        )
+        for name in specs:  # map every Model Cache region now, off the critical path
+            await client.load_model(name, pin=True)
+            await client.unpin(name)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
     return Worker(
         config=config,
         kind=kind,
@@ -165,4 +193,5 @@ async def build_worker(
         kv=kv,
         sampler=Sampler(device),
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
+        group=group,
     )

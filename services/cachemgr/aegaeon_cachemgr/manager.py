@@ -81,7 +81,8 @@ class CacheManager:
             raise
         self.kv = UnifiedKVCache(self.kv_region, cache.slab_bytes, self.events.name)
         models = {m.name: m.path for m in config.models}
-        self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor)
+        self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor,
+                                 tp=config.prefill.tp)
         per_worker = min(DEFAULT_SLOTS_PER_WORKER, cache.event_slots)
         self.workers = WorkerRegistry(cache.event_slots, per_worker)
         self._handlers: dict[type[Message], Callable[[Any], Awaitable[Message]]] = {

@@ -79,9 +79,11 @@ class ModelCache:
         budget_bytes: int,
         name_prefix: str,
         executor: Executor,
+        tp: int = 1,
     ) -> None:
         self._paths = dict(models)
         self._dtype = dtype
+        self._tp = tp  # the instances' tensor-parallel size: regions hold shards
         self.budget_bytes = budget_bytes
         self._prefix = name_prefix
         self._executor = executor
@@ -198,7 +200,7 @@ class ModelCache:
             self.evict(name)
 
     def _start(self, name: str, evict: bool) -> _Loading:
-        plan = plan_model(name, self._paths[name], self._dtype)
+        plan = plan_model(name, self._paths[name], self._dtype, self._tp)
         self._make_room(plan, evict)
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64]
         try:

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -286,12 +287,25 @@ class SyncCacheClient:
         self.client = client
         self._loop = loop
         self._timeout_s = timeout_s or client.timeout_s + 5.0
+        # the threads waiting on a call now (thread ident -> since, monotonic): the compute
+        # thread waiting on the cachemgr (a model loading from disk) is not stalled
+        # (aegaeon_runtime.liveness)
+        self._calling: dict[int, float] = {}
+
+    def calling_since(self, thread: int | None) -> float | None:
+        """Since when thread ``thread`` (an ident) waits on a call; None: it does not."""
+        return self._calling.get(thread) if thread is not None else None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop.is_running() and _on_loop(self._loop):
             coro.close()
             raise RuntimeError("SyncCacheClient called on its own event loop (would deadlock)")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
+        me = threading.get_ident()
+        self._calling[me] = time.monotonic()  # one key per thread: no two writers race
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
+        finally:
+            self._calling.pop(me, None)
 
     def load_model(self, name: str, pin: bool = True) -> MappedModel:
         return self._run(self.client.load_model(name, pin))

@@ -51,6 +51,7 @@ from aegaeon_common.messages.report import (
     InstanceDraining,
     InstanceHello,
     InstanceModels,
+    InstanceStalled,
     InstanceStats,
     ModelsResident,
     PrefillDone,
@@ -190,6 +191,7 @@ class DistributedBackend:
             InstanceHello: lambda msg: None,
             InstanceStats: lambda msg: None,
             InstanceDraining: lambda msg: None,
+            InstanceStalled: lambda msg: None,  # its registry record goes (deregistered)
         }
 
     # ---- lifecycle ---------------------------------------------------------
