@@ -12,6 +12,7 @@ new process is healthy and serves again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -72,10 +73,8 @@ class Frozen:
         self.reap()
 
     def reap(self) -> None:
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(self.tid, os.WNOHANG | _WALL)
-        except ChildProcessError:
-            pass
 
 
 def _health(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, Any]]:

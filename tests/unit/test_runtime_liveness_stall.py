@@ -8,7 +8,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from aegaeon_cli.supervisor import stall_of
@@ -47,9 +47,9 @@ def test_a_command_waiting_is_work() -> None:
 
 
 class _Health(BaseHTTPRequestHandler):
-    answers: dict[str, tuple[int, Any]] = {}
+    answers: ClassVar[dict[str, tuple[int, Any]]] = {}
 
-    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+    def do_GET(self) -> None:
         code, body = self.answers[self.path]
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(code)
