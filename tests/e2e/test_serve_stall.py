@@ -157,7 +157,7 @@ def _stream(served: Served, model: str, events: list[dict[str, Any]]) -> None:
 
 def test_a_stalled_compute_thread_fails_health_is_restarted_and_fails_over(
         served: Served) -> None:  # fmt: skip
-    model = next(m["id"] for m in served.get_json("/v1/models")["data"])  # type: ignore[union-attr]
+    model = next(m["id"] for m in served.get_json("/v1/models")["data"])
     events: list[dict[str, Any]] = []
     streamer = threading.Thread(target=_stream, args=(served, model, events), daemon=True)
     streamer.start()
