@@ -102,7 +102,7 @@ def _cache_models(served: Served) -> list[dict[str, Any]]:
 
 def test_tp2_greedy_tokens_equal_tp1_for_every_model(nodes: tuple[Served, Served]) -> None:
     tp2, tp1 = nodes
-    models = [m["id"] for m in tp1.get_json("/v1/models")["data"]]  # type: ignore[index]
+    models = [m["id"] for m in tp1.get_json("/v1/models")["data"]]
     assert len(models) == 10 and set(models) >= SHARDED
     for model in models:
         for prompt in PROMPTS:
