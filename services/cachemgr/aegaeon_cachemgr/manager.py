@@ -146,12 +146,15 @@ class CacheManager:
         if req.worker_id in self.workers:
             # A restarted worker: nothing of its previous process is in flight.
             self._release(req.worker_id)
-        lease, _ = self.workers.register(req.worker_id, req.pid, req.num_event_slots)
+        lease, _ = self.workers.register(req.worker_id, req.pid, req.num_event_slots,
+                                         req.pid_namespace)  # fmt: skip
         log.info(
             "worker_registered",
             worker=req.worker_id,
             pid=req.pid,
             slots=list(lease.slots),
+            # not watched: pid 0, or a process of another PID namespace (a container of
+            # its own): its lease ends when it unregisters or registers again
             watched=lease.create_time is not None,
         )
         return WorkerRegistered(

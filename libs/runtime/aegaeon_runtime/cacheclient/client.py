@@ -127,7 +127,8 @@ class CacheClient:
         the old one's blocks and pins are gone.
         """
         reply = await self._call(
-            RegisterWorker(self.worker_id, os.getpid() if pid is None else pid, num_event_slots),
+            RegisterWorker(self.worker_id, os.getpid() if pid is None else pid, num_event_slots,
+                           _pid_namespace()),
             WorkerRegistered,
         )
         self._detach()
@@ -275,6 +276,15 @@ class CacheClient:
         if self.registration is not None:
             self.registration.close()
             self.registration = None
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (``/proc/self/ns/pid``'s inode; 0: unknown): the
+    cachemgr watches a worker's pid only in its own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class SyncCacheClient:
