@@ -86,7 +86,7 @@ def test_blocks_wait_for_the_mirror_of_a_copy_in_flight(
 
 def test_a_cuda_event_without_a_mirror_or_of_another_table_is_refused(
         cache: tuple[UnifiedKVCache, EventTable]) -> None:  # fmt: skip
-    kv, table = cache
+    kv, _table = cache
     offsets, _ = kv.alloc("prefill-0", SHAPE, 2)
     bare = EventSpec("cuda", "", 0, 0, CUDA_HANDLE, 0)
     with pytest.raises(CacheError, match="without its host mirror") as err:
