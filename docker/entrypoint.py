@@ -247,10 +247,9 @@ def with_tp(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
         return raw
     if not text.isdigit() or int(text) < 1:
         raise SettingError(f"AEGAEON_TP={text!r}: a whole number >= 1")
-    out = dict(raw)
-    for kind in WORKERS:
-        out[kind] = {**(raw.get(kind) or {}), "tp": int(text)}
-    return out
+    from aegaeon_cli.machine import with_tp as sections_with_tp
+
+    return sections_with_tp(raw, int(text))
 
 
 def effective_config(raw: dict[str, Any], kind: str, index: int, port: int,

@@ -1,5 +1,5 @@
 """A tensor-parallel instance's bookkeeping without processes: which models it splits, what
-each rank binds and copies, and rank 0 moving the group's KV (aegaeon_runtime.tp.shards,
+each rank binds and copies, and rank 0 moving the group's KV (aegaeon_runtime.tp_shards,
 aegaeon_runtime.kv with peers)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from aegaeon_engine import ModelSpec, weight_layout
 from aegaeon_engine.tp_layout import tp_layout
 from aegaeon_gpumem import EventTable, make_copy_stream
 from aegaeon_runtime.kv import KVSpace
-from aegaeon_runtime.tp.shards import GroupKVShape, Shards
+from aegaeon_runtime.tp_shards import GroupKVShape, Shards
 from engine_support import make_checkpoint
 
 

@@ -237,6 +237,16 @@ def sized(raw: dict[str, Any], config: Config, spec: str | None,
         raise PlacementError(f"the planned config does not validate: {exc}") from None
 
 
+def with_tp(raw: dict[str, Any], tp: int | None) -> dict[str, Any]:
+    """``raw`` with every instance section at tensor-parallel size ``tp`` (None: as it is)."""
+    if tp is None:
+        return raw
+    out = dict(raw)
+    for kind in ("prefill", "decode"):
+        out[kind] = {**(raw.get(kind) or {}), "tp": tp}
+    return out
+
+
 def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:
     """``raw`` with its market and model paths absolute (as ``config`` resolved them),
     for a file written somewhere else than the one it was read from."""

@@ -89,16 +89,6 @@ def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
     return default_config_dict(market, 8000), Path.cwd(), False
 
 
-def with_tp(raw: dict[str, Any], tp: int | None) -> dict[str, Any]:
-    """``raw`` with every instance section at tensor-parallel size ``tp`` (None: as it is)."""
-    if tp is None:
-        return raw
-    out = dict(raw)
-    for kind in ("prefill", "decode"):
-        out[kind] = {**(raw.get(kind) or {}), "tp": tp}
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     import yaml
     from aegaeon_common.config import ConfigError, config_from_dict
@@ -113,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         plan_comment,
         sized,
         with_absolute_paths,
+        with_tp,
     )
 
     gpus = args.gpus if args.gpus is not None or args.assume_gpus is None else "all"

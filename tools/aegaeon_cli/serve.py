@@ -119,7 +119,7 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
     if args.tp is not None:
-        from aegaeon_cli.plan import with_tp
+        from aegaeon_cli.machine import with_tp
 
         raw = with_tp(raw, args.tp)
     proxy = dict(raw.get("proxy") or {})

@@ -67,7 +67,7 @@ from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
 from aegaeon_runtime.port import ModelGoneError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
-from aegaeon_runtime.tp.shards import Shards
+from aegaeon_runtime.tp_shards import Shards
 
 
 class SwitchMirror(Protocol):

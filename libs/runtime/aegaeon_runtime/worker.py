@@ -24,7 +24,7 @@ from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
 from aegaeon_runtime.tp.group import InstanceGroup, start_group
-from aegaeon_runtime.tp.shards import Shards
+from aegaeon_runtime.tp_shards import Shards
 
 # Copy streams per worker: one slot each in the cachemgr's event table.
 SWAP_OUT, SWAP_IN = 0, 1
@@ -63,7 +63,7 @@ class Worker:
 
     def kv_shape(self, model: str) -> KVShape:
         """``model``'s KV blocks as the node counts them (a tensor-parallel group's
-        sharded model: every rank's part, ``aegaeon_runtime.tp.shards``)."""
+        sharded model: every rank's part, ``aegaeon_runtime.tp_shards``)."""
         return self.switcher.shards.kv_shape(model)
 
     def max_model_len(self, model: str) -> int:

@@ -41,7 +41,7 @@ from aegaeon_runtime.tp.group import (
     words_text,
 )
 from aegaeon_runtime.tp.peer import export_kv, follower_buffer
-from aegaeon_runtime.tp.shards import Shards
+from aegaeon_runtime.tp_shards import Shards
 
 log = get_logger("tp")
 
