@@ -369,7 +369,8 @@ def live_problems(docs: list[Doc], fetch: Fetch, models: list[str]) -> list[Prob
         for req in doc.request_fields:
             out += _request_fields(req, fetch, model)
         deletes = [c for c in doc.calls if c.method == "DELETE"]
-        posts = [c for c in doc.calls if c.method == "POST"]
+        # the add (a POST that names no model; one that does acts on a served model)
+        posts = [c for c in doc.calls if c.method == "POST" and "{" not in c.path]
         for call in deletes:
             out += _delete_row(call, posts, fetch, models[-1])
     return out

@@ -35,7 +35,8 @@ What is checked (a small grammar; anything else in the docs is prose):
   a string value (``{"state": "removed", "evicted"}``) describes the answers with that
   value. ``PATCH`` rows: each ``body`` field is sent with the value the ``GET`` answer
   shows for it (200 expected). ``DELETE`` rows: the last served model is removed and
-  added back with the ``POST`` row's body literal; the literals are checked against the
+  added back with the body literal of the ``POST`` row whose path names no model (the
+  add; ``POST .../{model}/reload`` acts on a served one); the literals are checked against the
   ``DELETE`` answer. A paragraph after ``<!-- docs-check: json GET PATH -->``: its JSON
   literals against that answer.
 * **Request fields.** In a table whose first column is ``field``: each field (code

@@ -74,6 +74,8 @@ TABLE = [
                                                                             (401, 403, 403, 200)),
     Row("PATCH", "/v1/aegaeon/models/{model}", f"/v1/aegaeon/models/{OTHER}", {"pinned": True},
                                                                             (401, 403, 403, 200)),
+    Row("POST", "/v1/aegaeon/models/{model}/reload", f"/v1/aegaeon/models/{MINE}/reload",
+        None,                                                               (401, 403, 403, 200)),
     Row("DELETE", "/v1/aegaeon/models/{model}", f"/v1/aegaeon/models/{OTHER}", None,
                                                                             (401, 403, 403, 200)),
     Row("POST", "/sleep", f"/sleep?model={OTHER}", None,                    (401, 403, 403, 200)),

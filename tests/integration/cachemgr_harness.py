@@ -56,8 +56,10 @@ def checkpoint(
     return path
 
 
-def write_config(tmp: Path, models: dict[str, Path], dtype: str = "bfloat16", **cache: Any) -> Path:
-    """A deployment YAML with a run dir under ``tmp``; ``cache`` goes to ``cachemgr:``."""
+def write_config(tmp: Path, models: dict[str, Path], dtype: str = "bfloat16",
+                 market: Path | None = None, **cache: Any) -> Path:  # fmt: skip
+    """A deployment YAML with a run dir under ``tmp``; ``cache`` goes to ``cachemgr:``;
+    ``market``: the market whose ``market.json`` records the models' files."""
     section = {
         "model_cache": "64MiB",
         "kv_cache": "8MiB",
@@ -71,6 +73,7 @@ def write_config(tmp: Path, models: dict[str, Path], dtype: str = "bfloat16", **
         "dtype": dtype,
         "run_dir": str(tmp / "run"),
         "cachemgr": section,
+        **({"market": str(market)} if market is not None else {}),
     }
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(raw))

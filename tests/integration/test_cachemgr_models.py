@@ -246,3 +246,70 @@ def test_models_come_and_go_and_operator_pins_hold_them() -> None:
                 cache.close()
 
     asyncio.run(go())
+
+
+def test_an_unreadable_checkpoint_is_quarantined_and_a_reload_brings_it_back(
+    start: Start, tmp_path: Path
+) -> None:
+    """A market whose ``market.json`` records each file (size, sha256): a truncated file
+    and a transposed shape are quarantined at start (a stat and the headers), a changed
+    byte at the model's first load (the digest, computed while it is read); every other
+    model loads; a reload reads a restored file again."""
+    import sys
+
+    from aegaeon_common.market_files import record_files
+    from aegaeon_common.market_index import Manifest, MarketEntry
+    from aegaeon_common.messages.cache import ModelReloaded, ReloadModel
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from market_support import flip_a_byte, swap_a_shape, truncate
+
+    market = tmp_path / "market"
+    names = ("good", "truncated", "shape", "flipped")
+    for seed, name in enumerate(names):
+        shutil.copytree(checkpoint(seed), market / name)
+    entries = tuple(MarketEntry(n, market / n, files=record_files(market / n)) for n in names)
+    (market / "market.json").write_text(Manifest(0, "", "", entries).to_json(market))
+    weights = {n: market / n / "model.safetensors" for n in names}
+    kept = weights["flipped"].read_bytes()
+    truncate(weights["truncated"], 4096)
+    tensor = swap_a_shape(weights["shape"])
+    flip_a_byte(weights["flipped"])
+    cm = start({n: market / n for n in names}, market=market)
+
+    async def go() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        await client.register()
+        unavailable = (await client.stats()).model_cache.unavailable
+        assert unavailable == {
+            "truncated": f"{weights['truncated']}: 4096 bytes, market.json records "
+                         f"{checkpoint(1).joinpath('model.safetensors').stat().st_size}",
+            "shape": unavailable["shape"],
+        }  # fmt: skip
+        assert f"{weights['shape']}: {tensor}: wrong shape" in unavailable["shape"]
+        await client.load_model("good")
+        with pytest.raises(RemoteError) as err:
+            await client.load_model("flipped")  # its first load: the digest differs
+        assert err.value.code == "checkpoint_error"
+        assert f"{weights['flipped']}: content differs from what market.json records" in str(
+            err.value)
+        for name in ("truncated", "shape", "flipped"):  # refused, the disk not read again
+            with pytest.raises(RemoteError) as err:
+                await client.load_model(name)
+            assert err.value.code == "checkpoint_error" and str(weights[name]) in str(err.value)
+        stats = (await client.stats()).model_cache
+        assert sorted(stats.unavailable) == ["flipped", "shape", "truncated"]
+        assert [m.name for m in stats.models] == ["good"] and stats.loading == []
+        # restored: a reload reads it (and checks its digests) again; the others stay out
+        weights["flipped"].write_bytes(kept)
+        rpc = client._rpc
+        reply = await rpc.call(ReloadModel("flipped", str(market / "flipped")), 30.0)
+        assert reply == ModelReloaded("flipped", resident=True)
+        assert (await client.load_model("flipped")).hit
+        with pytest.raises(RemoteError) as err:
+            await rpc.call(ReloadModel("truncated", str(market / "truncated")), 30.0)
+        assert err.value.code == "checkpoint_error" and "4096 bytes" in str(err.value)
+        assert sorted((await client.stats()).model_cache.unavailable) == ["shape", "truncated"]
+        await client.close()
+
+    asyncio.run(go())

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 from gpumem_support import PREFIX, TAG
 from proxy_support import market_dir
 
 if TYPE_CHECKING:
     from aegaeon_gpumem import EventTable
+
+# Without a GPU, the Triton kernels' tests (test_triton_kernels.py) run them in Triton's
+# interpreter on the CPU. Triton reads this when a kernel is defined, so before any test
+# imports aegaeon_engine.gpu; nothing else here runs Triton (the CPU engine keeps its own
+# kernels). With a GPU the CUDA engine's tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,7 @@ class ScriptedBackend:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.finish: FinishReason = "length"
+        self.code: str | None = None  # an "error" finish's code (None: a backend error)
         self.step_s = 0.0
         self.burst = False  # push every chunk at once (a busy proxy finds them queued)
         self.hang = False  # send nothing until cancelled
@@ -105,7 +106,7 @@ class ScriptedBackend:
                 await asyncio.sleep(self.step_s)
             last = i == len(ids) - 1
             self.played += 1
-            queue.push(TokenChunk((token_id,), self.finish if last else None, "boom"))
+            queue.push(TokenChunk((token_id,), self.finish if last else None, "boom", self.code))
         if not ids:
             queue.finish(self.finish, "boom")
 

@@ -124,3 +124,55 @@ async def test_a_task_that_swallows_its_cancel_is_named_not_waited_for() -> None
     assert tasks[1].cancelled()
     stop = True  # its own flag ends it
     await asyncio.wait_for(tasks[0], 5)
+
+
+# A service that dies at start, of an error raised while handling another.
+DIES = """
+from aegaeon_common.process import run_service
+
+def read_weights():
+    raise FileNotFoundError("/m/qwen2-19m/model.safetensors: missing file")
+
+async def main(stop):
+    try:
+        read_weights()
+    except OSError as exc:
+        raise RuntimeError("decode-0: could not build the worker") from exc
+
+raise SystemExit(run_service("decode-0", main, child=False))
+"""
+
+
+def test_a_service_that_dies_says_why_in_one_line_that_the_supervisor_repeats(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    bad = Child(name="decode-0", argv=[sys.executable, str(script)], ready=lambda: False,
+                log_path=tmp_path / "decode-0.log")  # fmt: skip
+    sup = Supervisor([bad], ready_timeout_s=60)
+    try:
+        with pytest.raises(StartupError) as info:
+            sup.start_all()
+    finally:
+        sup.stop_all(timeout_s=5)
+    cause = ("aegaeon decode-0: fatal: decode-0: could not build the worker: FileNotFoundError:"
+             " /m/qwen2-19m/model.safetensors: missing file (dies.py:5 in read_weights)")
+    head = "decode-0 exited with status 1 during start-up"
+    assert str(info.value) == f"{head}: {cause} (log: {bad.log_path})"
+    log = bad.log_path.read_text().splitlines()
+    at = log.index(cause)  # the line, before the logged traceback
+    assert any("Traceback" in line for line in log[at + 1:])
+
+
+def test_the_cause_is_the_bottom_of_the_chain() -> None:
+    from aegaeon_common.process import fatal_line, root_cause
+
+    try:
+        try:
+            {}["model"]
+        except KeyError:
+            raise ValueError("bad\n  value") from None  # the context is suppressed
+    except ValueError as exc:
+        assert root_cause(exc) is exc
+        assert fatal_line("proxy", exc).startswith("aegaeon proxy: fatal: ValueError: bad value (")

@@ -20,7 +20,7 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_runtime.decode.loop import DecodeLoop
-from aegaeon_runtime.port import ModelGoneError
+from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner, TurnEnd
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
 
@@ -296,26 +296,32 @@ def test_sleep_waits_for_the_models_work_and_wake_prefetches_while_busy() -> Non
     assert versions == sorted(versions) and versions[0] < versions[-1]
 
 
-def _forget(worker: FakeWorker, model: str) -> None:
-    """``model`` is gone from the node's cachemgr (removed through another replica):
-    switching to it is refused as the cachemgr refuses it."""
+def _forget(worker: FakeWorker, model: str,
+            error: type[ModelGoneError] = ModelGoneError) -> None:  # fmt: skip
+    """``model`` is gone from the node's cachemgr (removed through another replica), or
+    unreadable there (``ModelUnavailableError``): switching to it is refused as the
+    cachemgr refuses it."""
     activate = worker.switcher.activate
 
     def refusing(name: str, now_s: float | None = None) -> Any:
         if name == model:
-            raise ModelGoneError(name, "unknown_model: the cachemgr forgot it")
+            raise error(name, "the cachemgr refuses it")
         return activate(name, now_s)
 
     worker.switcher.activate = refusing  # type: ignore[method-assign]
 
 
-def test_a_batch_of_a_model_the_cachemgr_forgot_fails_and_the_instance_goes_on() -> None:
+@pytest.mark.parametrize(("error", "code"), [(ModelGoneError, "unknown_model"),
+                                             (ModelUnavailableError, "model_unavailable")])
+def test_a_batch_of_a_model_the_cachemgr_refuses_fails_and_the_instance_goes_on(
+    error: type[ModelGoneError], code: str
+) -> None:
     w = FakeWorker(latency_model(["a", "b"]))
-    _forget(w, "b")
+    _forget(w, "b", error)
     timed = [(0.0, w.enqueue("b1", "b", 1, 20, 10, 0.0)),
              (0.0, w.enqueue("a1", "a", 0, 20, 10, 0.0))]  # fmt: skip
     loop, outbox = _run(w, timed)
     failed = {m.request_id: m.code for m in outbox.of_type(RequestFailed)}
-    assert failed == {"b1": "unknown_model"}
+    assert failed == {"b1": code}
     assert len(_tokens(outbox)["a1"]) == 9
     assert loop.work.num_requests == 0 and not loop.admission.seqs

@@ -110,7 +110,7 @@ class FakeNode:
         self.models = ["a", "b"]
 
     def _row(self, name: str) -> dict[str, Any]:
-        return {"name": name, "state": "serving", "source": "config", "path": "/m",
+        return {"name": name, "state": "serving", "error": None, "source": "config", "path": "/m",
                 "pinned": False, "preload": False, "max_concurrency": None, "slo_classes": [],
                 "min_ttft_ms": None, "min_tbt_ms": None, "in_flight": 0,
                 "in_model_cache": True, "loading": False, "load_progress": 1.0, "bytes": 1}

@@ -172,3 +172,42 @@ def test_destination_checks(ckpt: Path) -> None:
         load_weights(ckpt, spec, layout, torch.empty(layout.total_bytes - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         load_weights(ckpt, spec, layout, torch.empty(layout.total_bytes, dtype=torch.float32))
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_digests_are_checked_while_the_files_are_read(ckpt: Path, tmp_path: Path,
+                                                       dtype: str | None) -> None:
+    """Each file is hashed front to back as its tensors are read (in the file's order,
+    whatever the layout's), converted or not, with the bytes no tensor uses (header,
+    extras) read for the hash: the digest is the file's; a changed byte is named."""
+    extra = _copy(ckpt, tmp_path)
+    _rewrite(extra, {"unused.extra": torch.ones(7, dtype=torch.bfloat16)})  # read for the hash
+    sharded = tmp_path / "sharded"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).save_pretrained(
+        sharded, max_shard_size="100KB")
+    for model_dir in (ckpt, extra, sharded):
+        spec = ModelSpec.from_dir(model_dir)
+        layout = weight_layout(spec, dtype)
+        files = sorted(model_dir.glob("*.safetensors"))
+        digests = {f: _sha256(f) for f in files}
+        expected = _load(model_dir, dtype)
+        got = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        assert fill_layout(model_dir, layout, got, digests=digests) == set(files)
+        assert torch.equal(got, expected)
+    # one byte of tensor data changed: the same size, a valid header, another digest
+    bad = files[-1]
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info:
+        fill_layout(sharded, layout, got, digests=digests)
+    assert str(bad) in str(info.value) and "content differs" in str(info.value)
+    fill_layout(sharded, layout, got)  # (no digests asked for: not checked)

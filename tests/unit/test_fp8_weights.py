@@ -221,3 +221,28 @@ def test_fp8_projection_on_cuda_uses_scaled_mm_where_the_device_has_it() -> None
     bound = (rounding_bound(x.float()).double() @ wd.abs().t() + exact.abs() * EPS_BF16
              + 1e-6 * exact.abs().amax())
     assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_fp8_projection_on_cuda_triton_kernels(rows: int) -> None:
+    """The CUDA engine's FP8 projection (aegaeon_engine.gpu.ops): a decode batch (<= 16
+    rows) on the Triton GEMV, a larger one on one quantization kernel and ``_scaled_mm``,
+    both within the activation rounding bound of the exact product."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device) < fp8.SCALED_MM_CAPABILITY:
+        pytest.skip("e4m3 needs compute capability >= 8.9")
+    from aegaeon_engine.gpu.ops import project_fp8
+
+    codes, scale = quantize(random_weights(256, 512, seed=5) * 1e-3)
+    raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)]).to(device)
+    w = Fp8Tensor.over(raw, (256, 512))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    out = project_fp8(w, x.to(device), None).cpu()
+    wd = dequantize(codes, scale, torch.float64)
+    exact = x.double() @ wd.t()
+    bound = (rounding_bound(x.float()).double() @ wd.abs().t() + exact.abs() * EPS_BF16
+             + 1e-6 * exact.abs().amax())
+    assert out.dtype == torch.bfloat16 and bool(((out.double() - exact).abs() <= bound).all())

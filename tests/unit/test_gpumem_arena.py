@@ -153,3 +153,18 @@ def test_device_buffer_over_existing_tensor_and_no_allocator_use() -> None:
         DeviceBuffer.over(torch.zeros(10, dtype=torch.float32))
     with pytest.raises(ValueError):
         DeviceBuffer(100, kv_bytes=200)
+
+
+def test_alloc_at_a_chosen_place_above_the_pointer() -> None:
+    """A switch copies a model where its CUDA graphs are (aegaeon_runtime.switcher)."""
+    arena = BumpArena(1024)
+    first = arena.alloc(100)
+    at = arena.alloc_at(512, 256)
+    assert at == Allocation(512, 256) and arena.top == 768
+    assert arena.allocations() == [first, at]
+    arena.check_integrity()
+    with pytest.raises(ValueError, match="below the bump pointer"):
+        arena.alloc_at(600, 10)
+    with pytest.raises(OutOfDeviceMemory):
+        arena.alloc_at(1000, 100)
+    assert arena.top == 768

@@ -100,6 +100,17 @@ def test_node_pods_share_host_memory_and_answer_probes(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", ["gpu", "cpu"])
+def test_redis_keeps_nothing_on_disk(overlay: str) -> None:
+    """The store needs no persistence (docs/reliability.md, "The shared store"): its
+    owners rebuild every record after a restart and the proxy replicas write the
+    run-time changes back. So Redis runs without AOF or snapshots and without a volume."""
+    redis = _one(_render(overlay), "Deployment", "aegaeon-redis")["spec"]["template"]["spec"]
+    args = redis["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "no" and args[args.index("--save") + 1] == ""
+    assert not redis.get("volumes") and not redis["containers"][0].get("volumeMounts")
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_the_config_map_is_a_valid_deployment(overlay: str, default_market: Path,
                                               tmp_path: Path) -> None:  # fmt: skip
     """The pods' config as a container renders it (pod IP and name filled in)."""

@@ -270,3 +270,60 @@ def test_a_failed_add_to_a_new_market_leaves_nothing(tmp_path: Path,
     assert not new.exists()
     assert main(["market", "remove", "--market", str(new), "x"]) == 2
     assert "market.json not found" in capsys.readouterr().err
+
+
+def test_add_records_each_file_and_verify_checks_them(market: Path, hf_dir: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``market add`` records every file's size and sha256 in market.json; ``market
+    verify`` finds a file changed since (one line per bad model, exit code 2) and reads
+    an entry written before the records (no ``files``) for its structure alone."""
+    assert main(["market", "add", "--market", str(market), "--name", "copy", "--quiet",
+                 str(hf_dir)]) == 0
+    entry = load_market(market)[1]
+    on_disk = sorted(p.name for p in entry.path.iterdir())
+    assert [f.name for f in entry.files] == on_disk
+    for record in entry.files:
+        data = (entry.path / record.name).read_bytes()
+        assert (record.size, record.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    capsys.readouterr()
+    assert main(["market", "verify", "--market", str(market)]) == 0
+    assert capsys.readouterr().out.startswith("2 models as market.json records them")
+    # one file cut short, another's content changed at the same size
+    weights = entry.path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    base = load_market(market)[0].path / "model.safetensors"
+    base.write_bytes(base.read_bytes()[:1000])
+    assert main(["market", "verify", "--market", str(market)]) == 2
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["base", "copy"]
+    assert f"{base}: 1000 bytes, market.json records" in lines[0]
+    assert f"{weights}: content differs from what market.json records" in lines[1]
+    assert "2 of 2 models bad" in err
+    assert main(["market", "verify", "--market", str(market), "copy"]) == 2
+    assert capsys.readouterr().out.splitlines() == lines[1:]
+    assert main(["market", "verify", "--market", str(market), "nope"]) == 2
+    assert "no model named 'nope'" in capsys.readouterr().err
+    # an entry from before the records: checked for what the engine reads
+    doc = json.loads((market / "market.json").read_text())
+    for model in doc["models"]:
+        del model["files"]
+    (market / "market.json").write_text(json.dumps(doc))
+    assert load_market(market)[1].files == ()
+    assert main(["market", "verify", "--market", str(market)]) == 2
+    out, err = capsys.readouterr()
+    assert [line.split(":")[0] for line in out.splitlines()] == ["base"]  # copy: structure ok
+    assert "corrupt safetensors header" in out and "without recorded digests" in err
+
+
+@pytest.mark.parametrize("files", [[1], {"model.safetensors": {"size": -1, "sha256": "0" * 64}},
+                                   {"model.safetensors": {"size": 3, "sha256": "xyz"}}])
+def test_a_bad_files_record_names_the_model_and_field(market: Path, files: object) -> None:
+    from aegaeon_common.market_index import MarketError
+
+    doc = json.loads((market / "market.json").read_text())
+    doc["models"][0]["files"] = files
+    (market / "market.json").write_text(json.dumps(doc))
+    with pytest.raises(MarketError, match=r"market.json: models: base: files"):
+        load_market(market)

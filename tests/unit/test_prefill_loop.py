@@ -8,7 +8,7 @@ import pytest
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
 from aegaeon_common.messages.structs import SamplingSpec
-from aegaeon_runtime.port import ModelGoneError
+from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
@@ -90,14 +90,22 @@ def test_a_prompt_waits_for_blocks_of_copies_in_flight_and_only_a_too_large_one_
     assert loop.stats().counters["failed"] == 1.0
 
 
-def test_a_prompt_of_a_model_the_cachemgr_forgot_fails_and_the_next_runs() -> None:
+@pytest.mark.parametrize(("error", "code"), [
     # removed through another proxy replica while the request was on its way here
+    (ModelGoneError, "unknown_model"),
+    # its checkpoint cannot be read (the cachemgr quarantined it)
+    (ModelUnavailableError, "model_unavailable"),
+])  # fmt: skip
+def test_a_prompt_of_a_model_the_cachemgr_refuses_fails_and_the_next_runs(
+    error: type[ModelGoneError], code: str
+) -> None:
     w = FakeWorker(latency_model(["a", "b"], switch_s=0.05), kind="prefill")
     activate = w.switcher.activate
+    why = "/m/b/model.safetensors: file truncated inside the tensor data"
 
     def refusing(name: str, now_s: float | None = None) -> Any:
         if name == "b":
-            raise ModelGoneError(name, "unknown_model: the cachemgr forgot it")
+            raise error(name, why)
         return activate(name, now_s)
 
     w.switcher.activate = refusing  # type: ignore[method-assign]
@@ -106,8 +114,8 @@ def test_a_prompt_of_a_model_the_cachemgr_forgot_fails_and_the_next_runs() -> No
     estimator = LatencyModel.from_dict(w.truth.to_dict())
     loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
     loop.run(inbox.stop)
-    assert [(f.request_id, f.code) for f in outbox.of_type(RequestFailed)] == [
-        ("b1", "unknown_model")]
+    (failed,) = outbox.of_type(RequestFailed)
+    assert (failed.request_id, failed.code) == ("b1", code) and why in failed.message
     assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["a1"]
     assert w.kv.device_bytes_used() == 0  # b1's blocks went back
 

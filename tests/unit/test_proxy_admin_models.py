@@ -11,7 +11,7 @@ import pytest
 from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_proxy.admin_models import parse_settings
 from aegaeon_proxy.app import make_app
-from aegaeon_proxy.backend import BackendError, ModelControl
+from aegaeon_proxy.backend import BackendError, ModelControl, ModelQuarantine
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
@@ -21,7 +21,8 @@ EXTRA = "mistral-11m"  # in the market, not configured
 
 
 class ControlledBackend(ScriptedBackend):
-    """The scripted backend plus a Model Cache of its own (test double of ModelControl)."""
+    """The scripted backend plus a Model Cache of its own (test double of ModelControl
+    and ModelQuarantine)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,6 +30,23 @@ class ControlledBackend(ScriptedBackend):
         self.resident: dict[str, int] = {}
         self.pinned: set[str] = set()
         self.fail_add: BackendError | None = None
+        self.fail_reload: BackendError | None = None
+        self.apply: Any = None
+
+    def follow_unavailable(self, apply: Any) -> None:
+        self.apply = apply
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        self.calls.append(("quarantine", name, why))
+        self.apply(name, why)
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        self.calls.append(("reload", model.name))
+        if self.fail_reload is not None:
+            self.apply(model.name, None)
+            self.apply(model.name, self.fail_reload.message)
+            raise self.fail_reload
+        self.apply(model.name, None)
 
     async def add_model(self, model: ModelConfig) -> None:
         self.calls.append(("add", model.name))
@@ -60,7 +78,7 @@ def _run(scenario: Any, settings: dict[str, ModelSettings] | None = None) -> Non
     config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
                     model_settings=settings or {})  # fmt: skip
     backend = ControlledBackend()
-    assert isinstance(backend, ModelControl)
+    assert isinstance(backend, ModelControl) and isinstance(backend, ModelQuarantine)
 
     async def main() -> None:
         app = make_app(config, backend)
@@ -226,15 +244,74 @@ def test_add_then_remove_a_market_model() -> None:
 
 def test_a_failed_add_leaves_nothing() -> None:
     async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.fail_add = BackendError("no instance took it", status=422, code="model_unavailable")
+        backend.fail_add = BackendError("the instances are not all up yet")
         resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
-        assert resp.status == 422
-        assert _error(await resp.json())["code"] == "model_unavailable"
+        assert resp.status == 503
+        assert _error(await resp.json())["code"] == "unavailable"
         assert backend.calls[-1] == ("forget", EXTRA)
         listed = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
         assert listed == [MODEL]
         backend.fail_add = None
         assert (await client.post("/v1/aegaeon/models", json={"name": EXTRA})).status == 201
+
+    _run(scenario)
+
+
+def test_an_unreadable_model_is_listed_unavailable_until_a_reload_reads_it() -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
+        backend.token_ids = [7, 8]
+        why = "/m/mistral-11m/model.safetensors: file truncated inside the tensor data"
+        backend.fail_add = BackendError(why, status=422, code="model_unavailable")
+        resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+        assert resp.status == 422
+        err = _error(await resp.json())
+        assert err["code"] == "model_unavailable" and why in err["message"]
+        assert "reload" in err["message"]
+        assert ("quarantine", EXTRA, why) in backend.calls
+        # listed, with its state and why
+        models = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
+        assert models[EXTRA]["state"] == "unavailable" and models[EXTRA]["error"] == why
+        assert models[MODEL]["state"] == "serving" and "error" not in models[MODEL]
+        row = await (await client.get(f"/v1/aegaeon/models/{EXTRA}")).json()
+        assert row["state"] == "unavailable" and row["error"] == why
+        metrics = await (await client.get("/metrics")).text()
+        assert "aegaeon_models_unavailable 1.0" in metrics
+        # its requests: 503 naming the file; the other model's as before
+        body = {"model": EXTRA, "prompt": "Hi", "max_tokens": 2}
+        refused = await client.post("/v1/completions", json=body)
+        assert refused.status == 503
+        err = _error(await refused.json())
+        assert err["code"] == "model_unavailable" and why in err["message"]
+        assert err["type"] == "service_unavailable"
+        ok = await client.post("/v1/completions", json={**body, "model": MODEL})
+        assert ok.status == 200
+        again = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+        assert again.status == 409 and "reload" in _error(await again.json())["message"]
+        # still broken: a reload says what is wrong now, and it stays unavailable
+        now = "/m/mistral-11m/model.safetensors: missing file"
+        backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
+        failed = await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")
+        assert failed.status == 422 and now in _error(await failed.json())["message"]
+        row = await (await client.get(f"/v1/aegaeon/models/{EXTRA}")).json()
+        assert row["state"] == "unavailable" and row["error"] == now
+        # fixed: served again
+        backend.fail_reload = None
+        fixed = await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")
+        assert fixed.status == 200, await fixed.text()
+        row = await fixed.json()
+        assert row["state"] == "serving" and row["error"] is None
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert "aegaeon_models_unavailable 0.0" in metrics
+        assert (await client.post("/v1/aegaeon/models/nope/reload")).status == 404
+        # removed while unavailable: lifted once forgotten, so a later add starts afresh
+        backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
+        assert (await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")).status == 422
+        assert (await client.delete(f"/v1/aegaeon/models/{EXTRA}")).status == 200
+        assert backend.calls[-2:] == [("forget", EXTRA), ("quarantine", EXTRA, None)]
+        backend.fail_add = None
+        added = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+        assert added.status == 201 and (await added.json())["state"] == "serving"
 
     _run(scenario)
 

@@ -140,8 +140,24 @@ def test_backend_refusals(proxy_market: Path) -> None:
         assert (await resp.json())["error"]["message"] == "queue full"
         backend.refuse = BackendError.unavailable("no decode instance")
         resp = await client.post("/v1/completions", json=body)
-        assert resp.status == 503
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["type"] == "service_unavailable"
+
+    run(proxy_market, scenario)
+
+
+@pytest.mark.parametrize("code", ["instance_failed", "store_unavailable"])
+def test_a_fault_ends_a_request_with_503_and_retry_after(proxy_market: Path, code: str) -> None:
+    """An instance that died or a shared store that failed under a request is not the
+    request's doing: 503 with Retry-After (a client retries), never a 500."""
+
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.token_ids = tok.encode("a b", add_special_tokens=False)
+        backend.finish, backend.code = "error", code
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        error = (await resp.json())["error"]
+        assert error["code"] == code and "boom" in error["message"]
 
     run(proxy_market, scenario)
 

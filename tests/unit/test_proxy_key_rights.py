@@ -54,7 +54,7 @@ SETUPS = {
 
 class Recorder(ScriptedBackend):
     """Models on a pretend device and a Model Cache (ModelControl, ModelResidency,
-    stats): records every change the proxy asks for."""
+    ModelQuarantine, stats): records every change the proxy asks for."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,6 +74,15 @@ class Recorder(ScriptedBackend):
 
     async def model_cache(self) -> dict[str, Any] | None:
         return None
+
+    def follow_unavailable(self, apply: Any) -> None:
+        pass
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        self.changes.append(("quarantine", name, why))
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        self.changes.append(("reload", model.name))
 
     async def set_model_awake(self, name: str, awake: bool) -> bool:
         self.changes.append(("awake", name, awake))

@@ -1,7 +1,8 @@
 """Model lifecycle and sleep on a proxy replica (``cluster.replica_models``), no
 processes: every node's cachemgr and instances told, answers matched to their node
 by ticket, an add done once the registry records list the model, sleep read from the
-records, and the served set one replica publishes followed by another."""
+records, the served set and the unreadable models one replica publishes followed by
+another, a reload on every node."""
 
 from __future__ import annotations
 
@@ -17,16 +18,20 @@ from aegaeon_common.messages.cache import (
     ForgetModel,
     ModelForgotten,
     ModelRegistered,
+    ModelReloaded,
     RegisterModel,
+    ReloadModel,
 )
 from aegaeon_common.messages.prefill import AddModel, SetModelAwake
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
     INSTANCES,
+    UNAVAILABLE_MODELS,
     InstanceLoadInfo,
     InstanceRecord,
     ServedModelsRecord,
+    UnavailableModelsRecord,
     encode,
     instance_key,
 )
@@ -34,7 +39,13 @@ from aegaeon_common.store import MemoryStore
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.replica_models import ReplicaModels, served_changes, with_change
+from aegaeon_proxy.cluster.replica_models import (
+    ReplicaModels,
+    served_changes,
+    with_change,
+    with_unavailable,
+)
+from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec
 
 OLD, NEW = "old-model", "new-model"
@@ -72,11 +83,14 @@ class Caches:
         self.calls.append((address, msg))
         return ModelRegistered(msg.name) if isinstance(msg, RegisterModel) else msg
 
-    async def call_all(self, records: object, msg: Message) -> list[Message]:
+    async def call_all(self, records: object, msg: Message,
+                       timeout_s: float = 10.0) -> list[Message]:  # fmt: skip
         nodes = sorted({r.cachemgr_address for r in records})  # type: ignore[attr-defined]
         self.calls += [(n, msg) for n in nodes]
         if isinstance(msg, RegisterModel):
             return [ModelRegistered(msg.name) for _ in nodes]
+        if isinstance(msg, ReloadModel):
+            return [ModelReloaded(msg.name, True) for _ in nodes]
         assert isinstance(msg, ForgetModel)
         return [ModelForgotten(msg.name, True) for _ in nodes]
 
@@ -98,8 +112,10 @@ class Replica:
         def spawn(work: Coroutine[Any, Any, None]) -> None:
             self.jobs.append(asyncio.ensure_future(work))
 
-        self.models = ReplicaModels(config, self.view, self.caches,  # type: ignore[arg-type]
-                                    store, send, spawn, REPLY_TO, f"proxy-{name}")  # fmt: skip
+        self.records = SharedRecords(store)
+        caches: Any = self.caches
+        self.models = ReplicaModels(config, self.view, caches, self.records, send, spawn,
+                                    REPLY_TO, f"proxy-{name}")  # fmt: skip
         self.models.follow_with(lambda n, m: self.applied.append((n, m)))
 
     async def put(self, *records: InstanceRecord) -> None:
@@ -190,19 +206,30 @@ async def test_a_replica_follows_what_another_published() -> None:
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
     await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await b.models.follow()
-    await b.models.follow()  # (nothing new: nothing applied twice)
+    await b.records.refresh()
+    await b.records.refresh()  # (nothing new: nothing applied twice)
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]
     assert b.models.served_names() == [OLD, NEW] and NEW in b.models.ops.added
     await a.models.publish(NEW, None)
     await a.models.publish(OLD, None)
-    await b.models.follow()
+    await b.records.refresh()
     assert b.applied[1:] == [(NEW, None), (OLD, None)]
     assert b.models.served_names() == [] and b.models.ops.removed == {OLD}
     # a third replica that starts now takes the whole record
     c = Replica(store, "c")
-    await c.models.follow()
+    await c.records.refresh()
     assert c.applied == [(NEW, None), (OLD, None)]
+
+
+async def test_a_replica_that_changes_the_set_follows_what_it_had_not_read_yet() -> None:
+    store = MemoryStore()
+    a, b = Replica(store, "a"), Replica(store, "b")
+    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await b.models.publish(OLD, None)  # b had not read a's add: its change holds it
+    assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]  # (its own: its front's)
+    assert b.models.served_names() == [NEW] and b.models.ops.removed == {OLD}
+    await b.records.refresh()
+    assert len(b.applied) == 1
 
 
 def test_the_shared_record_and_its_changes() -> None:
@@ -217,7 +244,7 @@ def test_the_shared_record_and_its_changes() -> None:
 async def test_an_instance_that_joins_is_given_the_models_added() -> None:
     replica = Replica(MemoryStore())
     await replica.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await replica.models.follow()
+    await replica.records.refresh()
     joined = [_record("node-1", "prefill", [OLD, NEW]), _record("node-1", "decode", [OLD])]
     await replica.put(*joined)
     for record in joined:  # the decode instance restarted without it; the prefill has it
@@ -227,3 +254,59 @@ async def test_an_instance_that_joins_is_given_the_models_added() -> None:
     assert [(n, m.name) for n, m in replica.sent if isinstance(m, AddModel)] == [
         ("node-1/decode-0", NEW)
     ]
+
+
+async def test_the_unreadable_models_are_shared_until_a_reload_lifts_them() -> None:
+    store = MemoryStore()
+    a, b = Replica(store, "a"), Replica(store, "b")
+    seen: list[tuple[str, str | None]] = []
+    b.models.quarantine.follow(lambda n, w: seen.append((n, w)))
+    await a.models.publish_unavailable(NEW, "/m/new/model.safetensors: missing file", 100.0)
+    assert a.models.quarantine.models == {NEW: "/m/new/model.safetensors: missing file"}
+    await b.records.refresh()
+    await b.records.refresh()  # (nothing new: nothing applied twice)
+    assert seen == [(NEW, "/m/new/model.safetensors: missing file")]
+    # the first error stands; a reload (on b) lifts it for every replica
+    await b.models.publish_unavailable(NEW, "another error", 101.0)
+    await b.models.publish_unavailable(NEW, None, 200.0)
+    assert seen[-1] == (NEW, None) and not b.models.quarantine.models
+    await a.records.refresh()
+    assert not a.models.quarantine.models
+    # a cachemgr's report asked for before the reload is old news; one after is not
+    await a.models.publish_unavailable(NEW, "stale", 150.0)
+    await b.records.refresh()
+    assert not b.models.quarantine.models
+    await a.models.publish_unavailable(NEW, "broken again", 250.0)
+    await b.records.refresh()
+    assert b.models.quarantine.models == {NEW: "broken again"}
+    # a store that lost it gets it back from the replicas that know it
+    await store.delete(UNAVAILABLE_MODELS)
+    await a.records.refresh()
+    c = Replica(store, "c")
+    await c.records.refresh()
+    assert c.models.quarantine.models == {NEW: "broken again"}
+
+
+def test_the_unavailable_record_and_its_changes() -> None:
+    first = with_unavailable(None, NEW, "why", 10.0, "p", version=3)
+    assert first == UnavailableModelsRecord(v=1, models={NEW: "why"}, proxy="p", version=3)
+    raw = msgspec.msgpack.encode(first)
+    assert with_unavailable(raw, NEW, "other", 11.0, "q") is None  # known: no write
+    lifted = with_unavailable(raw, NEW, None, 20.0, "q")
+    assert lifted is not None and lifted.models == {} and lifted.lifted == {NEW: 20.0}
+    assert with_unavailable(msgspec.msgpack.encode(lifted), NEW, "x", 19.0, "p") is None
+
+
+async def test_a_reload_reads_it_again_on_every_node_and_gives_it_to_who_lacks_it() -> None:
+    replica = Replica(MemoryStore())
+    await replica.put(*_every([OLD]))
+    # prefill-0 of node-0 could not read its config at start: only it gets AddModel
+    await replica.put(_record("node-0", "prefill", []))
+    task = asyncio.ensure_future(replica.models.reload(ModelConfig(OLD, Path("/m/old"))))
+    await _settle()
+    assert replica.caches.calls == [(f"tcp://{n}:2", ReloadModel(OLD, "/m/old")) for n in NODES]
+    adds = [(n, m.name) for n, m in replica.sent if isinstance(m, AddModel)]
+    assert adds == [("node-0/prefill-0", OLD)]
+    replica.answer("node-0/prefill-0", [OLD])
+    await replica.put(_record("node-0", "prefill", [OLD]))
+    await asyncio.wait_for(task, 5)

@@ -7,6 +7,7 @@ import random
 import pytest
 from aegaeon_sched import (
     DecodeDispatcher,
+    DecodeWorkList,
     LatencyModel,
     ModelSpec,
     NoInstance,
@@ -16,12 +17,17 @@ from aegaeon_sched import (
 from aegaeon_sched.shared import (
     State,
     dispatch_prefill,
+    merge_prefill_states,
+    merge_work_lists,
     place_decode,
     prefill_done,
     prefill_queue_from_state,
     prefill_queue_state,
+    queued_request_ids,
     remove_from_prefill,
     remove_from_work_list,
+    remove_requests,
+    work_list_state,
 )
 
 
@@ -115,3 +121,44 @@ def test_no_candidate_instance_is_no_instance() -> None:
 def test_a_malformed_state_is_an_error() -> None:
     with pytest.raises(ValueError):
         prefill_queue_from_state([None, 0.0, [[1, "a", 1, None, []]]])
+
+
+def test_an_instance_merges_its_own_queues_with_what_the_store_booked_since_a_loss() -> None:
+    """The store lost an instance's queue and the replicas booked two requests on the
+    empty one since (on their way to the instance): the merge keeps the instance's
+    groups, order, loaded model and running request, and adds those two where the
+    store put them (one to a group the instance holds, one in a new group)."""
+    own_queue = prefill_queue_from_state(None, 4)
+    for rid, group in (("a1", 1), ("a2", 1), ("b1", 2)):
+        own_queue.add(Request(rid, rid[0], 0.0, 10, 4), group)
+    own_queue.start("a1", 5.0)
+    own = prefill_queue_state(own_queue)
+    booked = prefill_queue_from_state(None, 4)
+    booked.add(Request("a3", "a", 1.0, 10, 4), 1)  # joined the open group of a
+    booked.add(Request("c1", "c", 1.0, 10, 4), 3)
+    merged = prefill_queue_from_state(merge_prefill_states(own, prefill_queue_state(booked), 4))
+    assert merged.loaded_model == "a" and merged.running() is not None
+    assert [(g.group_id, [r.request_id for r in g.pending]) for g in merged] == [
+        (1, ["a2", "a3"]), (2, ["b1"]), (3, ["c1"])]
+    assert [g.num_added for g in merged] == [3, 1, 1]
+    assert merge_prefill_states(own, None, 4) == own  # (nothing booked since)
+    # a decode work list likewise
+    placed = work_list_state(_work([("x1", 7)]))
+    own_list = work_list_state(_work([("y1", 8), ("y2", 8)]))
+    merged_list = merge_work_lists(own_list, work_list_state(_work([("y2", 8), ("x1", 7)])))
+    assert queued_request_ids(merged_list, False) == {"y1", "y2", "x1"}
+    assert [b[0] for b in merged_list] == [8, 7]
+    assert queued_request_ids(merge_work_lists(own_list, placed), False) == {"y1", "y2", "x1"}
+    # and taking several out at once
+    state, removed = remove_requests(merged_list, {"y1", "x1", "zz"}, prefill=False)
+    assert removed and queued_request_ids(state, False) == {"y2"}
+    state, removed = remove_requests(own, {"a1", "b1"}, prefill=True, max_group_size=4)
+    assert removed and queued_request_ids(state, True) == {"a2"}
+    assert remove_requests(state, {"zz"}, prefill=True)[1] is False
+
+
+def _work(items: list[tuple[str, int]]) -> DecodeWorkList:
+    work = DecodeWorkList()
+    for rid, batch in items:
+        work.add(Request(rid, rid[0], 0.0, 10, 4), batch)
+    return work

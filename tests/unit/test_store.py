@@ -40,8 +40,8 @@ async def test_put_get_delete_and_ttl(store: Store) -> None:
 
 
 async def test_sets(store: Store) -> None:
-    await store.set_add("s", "x", "y")
-    await store.set_add("s", "y", "z")
+    assert await store.set_add("s", "x", "y") == 2
+    assert await store.set_add("s", "y", "z") == 1  # (y was there: a writer knows it was listed)
     await store.set_remove("s", "x")
     assert await store.set_members("s") == {"y", "z"}
     assert await store.set_members("empty") == set()

@@ -77,6 +77,8 @@ def _redis_child(root: Path, port: int) -> Child:
     if binary is None:
         raise StartupError("redis-server is not installed (Debian: apt-get install "
                            "redis-server), or give --store-url")  # fmt: skip
+    # no persistence: after a restart (the supervisor's, empty) every record is rebuilt by
+    # its owner and the replicas write the run-time changes back (docs/reliability.md)
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(root)]  # fmt: skip
 

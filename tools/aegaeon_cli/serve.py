@@ -227,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
 
         head = plan_comment(plan)
     write_atomic(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
+    from aegaeon_cli.checkpoints import unreadable_lines
+
+    for line in unreadable_lines(config):  # a file that changed since `market add`
+        print(f"aegaeon serve: {line}", file=sys.stderr, flush=True)
     if args.nodes is not None:
         from aegaeon_cli.cluster import run_cluster
 

@@ -4,11 +4,14 @@ Children are started in dependency stages (cachemgr; every instance at once;
 the proxy), a stage's children all ready before the next stage starts; a
 child that exits while the supervisor is not stopping is logged and
 restarted (with backoff), whether it died or drained after a SIGTERM sent to
-it alone (a rolling restart: the others keep serving). A child whose
-``/health`` says it is stalled (an instance whose compute thread made no
-progress for ``health.stall_s`` with work to do: a 503 with status
-``stalled``, ``aegaeon_runtime.liveness``) is asked for its stacks, killed and
-restarted the same way. Stop sends SIGTERM
+it alone (a rolling restart: the others keep serving). A child that dies says
+why in one line (``aegaeon NAME: fatal: ...``, ``aegaeon_common.process``): the
+supervisor repeats that line when it stops because of it (a child that could not
+start) and logs it with every restart. A child whose ``/health`` says it is
+stalled (an instance whose compute thread made no progress for
+``health.stall_s`` with work to do: a 503 with status ``stalled``,
+``aegaeon_runtime.liveness``) is asked for its stacks, killed and restarted the
+same way. Stop sends SIGTERM
 stage by stage in reverse order (the proxy first, then every instance at
 once, the cachemgr last, which owns every shared-memory segment and unlinks
 them), waits up to the drain timeout plus a margin for each stage to drain
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aegaeon_common.logs import get_logger
-from aegaeon_common.process import STACKS_SIGNAL, TASKS_SIGNAL
+from aegaeon_common.process import STACKS_SIGNAL, TASKS_SIGNAL, last_fatal_line
 
 log = get_logger("supervisor")
 
@@ -89,6 +92,18 @@ class Child:
         except OSError:
             return ""
         return "\n".join(lines[-num_lines:])
+
+    def cause(self) -> str | None:
+        """The one line in which this child said why it died (None: it did not)."""
+        return last_fatal_line(self.log_path)
+
+    def death(self, code: int | None, when: str = "") -> str:
+        """One line: this child exited, and why (its own words, else its log's end)."""
+        head = f"{self.name} exited with status {code}{when}"
+        cause = self.cause()
+        if cause is not None:
+            return f"{head}: {cause} (log: {self.log_path})"
+        return f"{head}; last log lines ({self.log_path}):\n{self.tail()}"
 
 
 class StartupError(RuntimeError):
@@ -179,10 +194,7 @@ class Supervisor:
             for child in list(waiting):
                 if not child.alive():
                     code = child.proc.returncode if child.proc else None
-                    raise StartupError(
-                        f"{child.name} exited with status {code} during start-up; "
-                        f"last log lines ({child.log_path}):\n{child.tail()}"
-                    )
+                    raise StartupError(child.death(code, " during start-up"))
                 if child.ready():
                     log.info("ready", child=child.name)
                     waiting.remove(child)
@@ -247,7 +259,7 @@ class Supervisor:
                     log.info("child exited", child=child.name, status=code)
                 else:
                     log.error("child died", child=child.name, status=code,
-                              log=str(child.log_path))  # fmt: skip
+                              cause=child.cause(), log=str(child.log_path))  # fmt: skip
                 # Restart at once after a long healthy run; back off after quick crashes.
                 if time.monotonic() - child.started_at < 10.0:
                     time.sleep(child.backoff_s)
@@ -353,6 +365,7 @@ def supervise(
         sup.start_all()
         sup.watch(on_ready=on_ready)
     except StartupError as exc:
+        # (a child's fatal line in it: a supervisor above this one repeats it in turn)
         print(f"{prog}: {exc} (after {time.monotonic() - started:.0f} s)", file=sys.stderr)
         return 1
     finally:

@@ -1,4 +1,4 @@
-"""``aegaeon market create|add|list|remove|gc``: markets on the command line.
+"""``aegaeon market create|add|list|remove|verify|gc``: markets on the command line.
 
 Registered by the ``aegaeon`` console script; imports nothing heavy at top
 level (torch loads only when a market is actually built or changed). Every
@@ -110,6 +110,15 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _market_arg(remove)
     remove.add_argument("name", metavar="NAME")
     remove.set_defaults(func=run_remove)
+    verify = sub.add_parser(
+        "verify", help="check the models' files against what market.json records",
+        description="Check every file of each model (or of NAME...) against the size and "
+                    "SHA-256 market.json records for it (a model listed before they were "
+                    "recorded: its config and tensor headers). One line per bad model, naming "
+                    "the file and what is wrong; exit code 2 if any is bad.")
+    _market_arg(verify)
+    verify.add_argument("names", metavar="NAME", nargs="*", help="models to check (default: all)")
+    verify.set_defaults(func=run_verify)
     gc = sub.add_parser(
         "gc", help="remove what killed runs left behind",
         description="Remove what `market add`, `remove` and `create`, the default models' "
@@ -224,6 +233,29 @@ def run_remove(args: argparse.Namespace) -> int:
     except (MarketError, OSError) as exc:
         return _fail("remove", exc)
     print(f"removed {entry.name} from {market}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """One line per bad model on stdout, a summary on stderr; 2 if any is bad."""
+    from aegaeon_market.verify import verify_market
+
+    market: Path = args.market if args.market is not None else default_market_dir()
+    try:
+        verdicts = verify_market(market, args.names)
+    except (MarketError, OSError) as exc:
+        return _fail("verify", exc)
+    bad = [v for v in verdicts if v.problem is not None]
+    for verdict in bad:
+        print(f"{verdict.entry.name}: {' '.join(str(verdict.problem).split())}", flush=True)
+    unrecorded = sum(1 for v in verdicts if not v.recorded)
+    note = (f"; {unrecorded} without recorded digests, checked for their structure only "
+            "(`aegaeon market add --replace` records them)" if unrecorded else "")
+    if bad:
+        print(f"aegaeon market verify: {len(bad)} of {len(verdicts)} models bad{note}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    print(f"{len(verdicts)} models as market.json records them{note}")
     return 0
 
 

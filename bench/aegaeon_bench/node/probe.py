@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from aegaeon_workload.stats_json import holdings
 from aegaeon_bench.node.client import ServiceError, get_stats
 
 SERVICES = ("cachemgr", "prefill", "decode", "proxy")
+STORE = "store"  # many nodes: the private redis-server of `aegaeon serve --nodes`
 
 __all__ = [
+    "STORE",
     "Holdings",
     "ProcessSample",
     "read_holdings",
@@ -49,7 +52,10 @@ class Holdings:
 
     @property
     def quiet(self) -> bool:
-        return (self.open_requests, self.kv_blocks, self.leases, self.sequences) == (0, 0, 0, 0)
+        # leases -1 with the rest read: a proxy replica, which does not see the nodes'
+        # leases (their cachemgrs do)
+        return (self.open_requests, self.kv_blocks, self.sequences) == (0, 0, 0) and \
+            self.leases in (0, -1)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {"open_requests": self.open_requests, "kv_blocks_in_use": self.kv_blocks,
@@ -111,25 +117,42 @@ def _service_name(proc: psutil.Process) -> str | None:
     return rest[0]
 
 
-def serve_children(serve_pid: int) -> dict[str, psutil.Process]:
-    """The live services of the ``aegaeon serve`` with pid ``serve_pid``, by name."""
+def _member_names(run_dir: Path | None) -> dict[int, str]:
+    """Many nodes (``aegaeon serve --nodes``): pid -> ``node-0``, ``proxy-1``... from the
+    ready files of the members' run directories."""
+    names: dict[int, str] = {}
+    for ready in sorted(run_dir.glob("*/*.ready")) if run_dir is not None else ():
+        with contextlib.suppress(OSError, ValueError):
+            names[int(ready.read_text().strip())] = ready.parent.name
+    return names
+
+
+def serve_children(serve_pid: int, run_dir: Path | None = None) -> dict[str, psutil.Process]:
+    """The live services of the ``aegaeon serve`` with pid ``serve_pid``, by name. Many
+    nodes (``run_dir``: serve's ``--run-dir``): its members (``node-0``, ``proxy-1``) and
+    ``store``, its private redis-server."""
     try:
         children = psutil.Process(serve_pid).children()
     except psutil.NoSuchProcess:
         return {}
+    members = _member_names(run_dir)
     out: dict[str, psutil.Process] = {}
     for proc in children:
-        name = _service_name(proc)
+        name = members.get(proc.pid) or _service_name(proc)
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if name is None and proc.name() == "redis-server":
+                name = STORE
         if name is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
             out[name] = proc
     return out
 
 
-def stray_processes(known_pids: Iterable[int], serve_pid: int) -> list[str]:
+def stray_processes(known_pids: Iterable[int], serve_pid: int,
+                    run_dir: Path | None = None) -> list[str]:  # fmt: skip
     """Processes that served this node once (``known_pids``) and are still there
     without being one of its live services: a restart's leftovers or an
     unreaped zombie, ``"name:pid"`` each."""
-    live = {p.pid for p in serve_children(serve_pid).values()}
+    live = {p.pid for p in serve_children(serve_pid, run_dir).values()}
     strays: list[str] = []
     for pid in sorted(set(known_pids) - live):
         try:

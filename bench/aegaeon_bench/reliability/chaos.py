@@ -14,12 +14,19 @@ ones the fault should restart), and leaks once the load pauses: KV blocks,
 leases, sequences and open requests (``/v1/aegaeon/stats``), shared-memory
 segments of a previous cachemgr, stray or zombie processes.
 
-As root, the run happens in a private mount namespace with its own
-``--shm-size`` tmpfs on /dev/shm, so filling it "near full" commits a bounded
-amount of memory (this machine's /dev/shm is larger than its free memory);
-elsewhere the fill stops at ``--shm-max-fill``. Exit status 0 only if every
-fault ended with 0 hung requests, 0 leaks, a recovery, and no unexpected
-restart.
+With ``--nodes N`` / ``--proxies R`` the run is ``aegaeon serve --nodes N
+--proxies R`` (a private redis-server shared by the nodes and the replicas),
+its faults those of the store: ``store-kill`` (SIGKILL; serve restarts it
+empty) and ``store-pause`` (SIGSTOP for twice the heartbeat TTL, then
+SIGCONT). The load (every other request a plain completion, whose status is
+the answer, the others streamed) and the probes go to the replicas in turn.
+Before the first store fault the run changes models through the replicas (one
+pinned, one given ``max_concurrency``, one added, one removed); per fault it
+reports whether every replica kept them, when the store, those changes in it
+and every node's services were back, and how each request ended against the
+store's return: from 10 s after it every request must succeed, before it each
+ends in a 200 or a 503 with ``Retry-After``, and every stream decoding at the
+fault (each is injected while one decodes) finishes.
 """
 
 from __future__ import annotations
@@ -46,8 +53,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--duration", type=float, default=180.0,
                         help="seconds of load, split into one slot per fault (180)")
     parser.add_argument("--seed", type=int, default=0, help="fault times and the load (0)")
-    parser.add_argument("--faults", default=",".join(_fault_names()),
-                        help=f"comma list, in order (default: {','.join(_fault_names())})")
+    parser.add_argument("--faults",
+                        help=f"comma list, in order (default: one node's "
+                        f"{','.join(_fault_names(False))}; many nodes' "
+                        f"{','.join(_fault_names(True))})")  # fmt: skip
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes of the deployment (more than 1: the store's faults) (1)")
+    parser.add_argument("--proxies", type=int, default=1, help="proxy replicas (1)")
     parser.add_argument("--concurrency", type=int, default=4, help="load clients (4)")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's (30 s)")
     common.add_node_arguments(parser)
@@ -62,10 +74,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run)
 
 
-def _fault_names() -> list[str]:
+def _fault_names(cluster: bool) -> list[str]:
     from aegaeon_bench.reliability.faults import FAULTS
 
-    return list(FAULTS)
+    return [name for name, fault in FAULTS.items() if fault.cluster == cluster]
 
 
 def _reexec_private_shm(size: str) -> int | None:
@@ -97,11 +109,33 @@ def format_report(report: dict[str, Any]) -> str:
             f"{out['connection']:>4} {row['hung']:>4} {rec:>9} {'yes' if row['leaks'] else 'no':>5}"
             f"  {','.join(row['restarted']) or '-'}"
         )
+        if "answers" in row:  # a store fault
+            before, after = row["answers"]["before"], row["answers"]["after"]
+            kept = row["settings_kept"] or {}
+            lines.append(
+                f"{'':<14} store back {row['store_back_s']} s, changes in it "
+                f"{row['records_back_s']} s, every node listed {row['services_back_s']} s; "
+                f"before +10 s: {before['completed']} ok, "
+                f"{before['503_retry_after']} 503+Retry-After, {before['num_other']} other; "
+                f"after: {after['completed']}/{after['sent']} ok; kept: "
+                f"{','.join(k for k, v in kept.items() if v) or '-'}"
+            )
     req = report["requests"]
     lines.append(f"requests sent {req['sent']}: completed {req['completed']}, error "
                  f"{req['error']}, connection {req['connection']}, hung {req['hung']}; "
                  f"{'OK' if report['ok'] else 'FAILED'}")  # fmt: skip
     return "\n".join(lines)
+
+
+def _market_models(market: Path) -> list[str]:
+    """The models of the market folder (one of them not served is the one a store
+    fault's run adds)."""
+    from aegaeon_common.market_index import MarketError, load_market
+
+    try:
+        return [entry.name for entry in load_market(market)]
+    except (OSError, MarketError):
+        return []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,10 +147,23 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_bench.reliability.faults import FAULTS
 
     # every mistake answered before the run is re-executed or anything starts
-    names = [n.strip() for n in args.faults.split(",") if n.strip()]
+    if args.nodes < 1 or args.proxies < 1:
+        print(f"aegaeon bench chaos: --nodes {args.nodes} --proxies {args.proxies}: at least "
+              "one node and one proxy", file=sys.stderr)  # fmt: skip
+        return 2
+    cluster = args.nodes > 1 or args.proxies > 1
+    faults = args.faults or ",".join(_fault_names(cluster))
+    names = [n.strip() for n in faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
     if unknown or not names:
         print(f"aegaeon bench chaos: unknown fault {unknown[:1]} (known: {', '.join(FAULTS)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    other_shape = [n for n in names if FAULTS[n].cluster != cluster]
+    if other_shape:
+        need = ("one node (no --nodes/--proxies)" if cluster else
+                "many nodes (--nodes 2 or --proxies 2: a store they share)")  # fmt: skip
+        print(f"aegaeon bench chaos: fault {other_shape[0]} is a fault of {need}",
               file=sys.stderr)  # fmt: skip
         return 2
     try:
@@ -135,16 +182,20 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, request_timeout_s=args.timeout,
         shm_headroom_bytes=sizes[1], shm_max_fill_bytes=sizes[2],
         api_key=common.api_key(args),
+        offered_models=tuple(_market_models(market)), stream=None if cluster else True,
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))
+    shape = ["--nodes", str(args.nodes), "--proxies", str(args.proxies)] if cluster else []
     try:
-        node = start_node(market, "aegaeon", root, args.config)
+        node = start_node(market, "aegaeon", root, args.config, extra_args=shape)
     except NodeError as exc:
         print(f"aegaeon bench chaos: {exc}", file=sys.stderr)
         return 1
     try:
         assert node.run_dir is not None
-        target = ChaosNode(node.url, node.run_dir, node.proc.pid)
+        port = int(node.url.rpartition(":")[2])
+        replicas = tuple(f"http://127.0.0.1:{port + r}" for r in range(1, args.proxies))
+        target = ChaosNode(node.url, node.run_dir, node.proc.pid, replicas, args.nodes)
         report = run_fast(run_chaos(target, opts))
     finally:
         node.stop()

@@ -46,7 +46,9 @@ class Attempt:
     outcome: str | None = None  # one of OUTCOMES, once ended
     status: int | None = None
     code: str | None = None  # the error's code (error outcome)
+    retry_after: str | None = None  # the error answer's Retry-After header
     num_events: int = 0  # SSE events with text
+    first_s: float | None = None  # when the first of them came (a stream decoding since)
 
     @property
     def open(self) -> bool:
@@ -81,6 +83,8 @@ async def _consume(resp: aiohttp.ClientResponse, attempt: Attempt) -> None:
             attempt.code = code
             continue  # [DONE] follows the error event
         for choice in event.get("choices") or []:
+            if choice.get("text") and attempt.first_s is None:
+                attempt.first_s = time.time()
             attempt.num_events += bool(choice.get("text"))
             finished = finished or choice.get("finish_reason") is not None
     attempt.outcome = "connection"  # the stream stopped with no [DONE]
@@ -97,6 +101,7 @@ async def send(
         async with asyncio.timeout(hang_s):
             async with session.post(url, json=body, headers=headers) as resp:
                 attempt.status = resp.status
+                attempt.retry_after = resp.headers.get("Retry-After")
                 if resp.status != 200:
                     text = await resp.read()
                     try:
@@ -119,7 +124,9 @@ async def send(
 
 @dataclass
 class LoadDriver:
-    """``concurrency`` clients, each sending one request after another (closed loop)."""
+    """``concurrency`` clients, each sending one request after another (closed loop),
+    to ``base_url`` and ``more_urls`` in turn (proxy replicas); ``stream``: streamed
+    completions (False: plain ones, each status an answer; None: every other one)."""
 
     base_url: str
     models: Sequence[str]
@@ -128,6 +135,8 @@ class LoadDriver:
     max_tokens: tuple[int, int] = (8, 48)
     timeout_s: float = 30.0
     headers: dict[str, str] | None = None
+    more_urls: Sequence[str] = ()
+    stream: bool | None = True
     attempts: list[Attempt] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -162,17 +171,19 @@ class LoadDriver:
         await asyncio.gather(*(self._client(session) for _ in range(self.concurrency)))
 
     async def _client(self, session: aiohttp.ClientSession) -> None:
-        url = f"{self.base_url}/v1/completions"
+        urls = [f"{u}/v1/completions" for u in (self.base_url, *self.more_urls)]
         while True:
             await self._running.wait()
             if self._stopped:
                 return
             model = self._rng.choice(list(self.models))
-            body = request_body(model, self._rng, self._rng.randint(*self.max_tokens),
-                                self.timeout_s)  # fmt: skip
             self._seq += 1
+            stream = self.stream if self.stream is not None else bool(self._seq % 2)
+            body = request_body(model, self._rng, self._rng.randint(*self.max_tokens),
+                                self.timeout_s, stream)  # fmt: skip
             attempt = Attempt(self._seq, model, time.time())
             self.attempts.append(attempt)
+            url = urls[self._seq % len(urls)]
             await send(session, url, body, attempt, self.timeout_s + HANG_MARGIN_S, self.headers)
             if attempt.outcome == "connection" or attempt.status in (429, 503):
                 await asyncio.sleep(BACKOFF_S)  # restarting or full: don't spin

@@ -1,9 +1,15 @@
 """The faults `aegaeon bench chaos` injects into a node, and what each should restart.
 
-``kill_*``: SIGKILL the service (``aegaeon serve`` restarts it: the cachemgr
-with the instances that map its memory, anything else alone). ``stop_decode``:
-SIGSTOP decode-0 past the proxy's heartbeat timeout, then SIGCONT. ``fill_shm``:
-fill /dev/shm to ``headroom`` bytes from full for a while, then free it.
+One node (``aegaeon serve``): ``kill_*``: SIGKILL the service (serve restarts it:
+the cachemgr with the instances that map its memory, anything else alone).
+``stop_decode``: SIGSTOP decode-0 past the proxy's heartbeat timeout, then
+SIGCONT. ``fill_shm``: fill /dev/shm to ``headroom`` bytes from full for a
+while, then free it.
+
+Many nodes (``aegaeon serve --nodes N --proxies R``), the shared store:
+``store-kill``: SIGKILL its redis-server, which serve restarts empty (no
+persistence); ``store-pause``: SIGSTOP it for twice the heartbeat TTL (every
+heartbeat record expires meanwhile), then SIGCONT.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from aegaeon_common.config import StoreConfig
+
 HEARTBEAT_DEAD_S = 5.0  # aegaeon_proxy.cluster.instances.DEAD_AFTER_S
+STORE_TTL_S = StoreConfig().heartbeat_ttl_s  # many nodes: a heartbeat record's TTL
 SHM = Path("/dev/shm")
 
 __all__ = ["FAULTS", "Fault", "ShmFill"]
@@ -27,6 +36,7 @@ class Fault:
     hold_s: float = 0.0  # stop / fill: how long the fault lasts
     # the services this fault restarts; every other keeps its process
     restarts: tuple[str, ...] = ()
+    cluster: bool = False  # a fault of many nodes' shared store (else of one node)
 
 
 FAULTS: dict[str, Fault] = {
@@ -39,6 +49,8 @@ FAULTS: dict[str, Fault] = {
         Fault("kill_cachemgr", "kill", "cachemgr",
               restarts=("cachemgr", "prefill-0", "decode-0")),
         Fault("kill_proxy", "kill", "proxy", restarts=("proxy",)),
+        Fault("store-kill", "kill", "store", restarts=("store",), cluster=True),
+        Fault("store-pause", "stop", "store", hold_s=2 * STORE_TTL_S, cluster=True),
     )
 }  # fmt: skip
 

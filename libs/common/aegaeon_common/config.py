@@ -221,6 +221,9 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # reads the Model Cache's shared memory in place: CPU only, a switch copies
     # nothing), "auto" (map on CPU, copy elsewhere).
     weights: WeightsMode = "auto"
+    # Decode steps on a CUDA device replay CUDA graphs (aegaeon_engine.graphs; docs/gpu.md):
+    # false runs them eager. Nothing changes on the CPU.
+    cuda_graphs: bool = True
     # Each instance's side HTTP server (/health, /ready, /metrics): instance i
     # binds http_port + i; 0 = ephemeral ports (the bound address goes to
     # RUN_DIR/<kind>-<i>.http). Containers set http_host 0.0.0.0.

@@ -8,6 +8,7 @@ to the market directory and come back absolute.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ MARKET_DIR_HELP = "market directory (default: $AEGAEON_MARKET or ./market)"
 __all__ = [
     "MANIFEST",
     "MARKET_DIR_HELP",
+    "FileRecord",
     "Manifest",
     "MarketEntry",
     "MarketError",
@@ -30,9 +32,22 @@ __all__ = [
     "read_manifest",
 ]
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
 
 class MarketError(ValueError):
     """A market cannot be planned, written or read; the message says why."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a model as the market tools wrote it: its path inside the model
+    directory (``/``-separated), its size in bytes and its SHA-256 (hex). Checked by
+    ``aegaeon market verify`` and by the cachemgr (``aegaeon_common.market_files``)."""
+
+    name: str
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,9 @@ class MarketEntry:
     dtype: str = ""  # "": the checkpoint's config.json says
     role: str = ""
     source: str = ""
+    # every file of the model with its size and digest, as written ((): an entry from
+    # before they were recorded, or listed by hand: nothing to check it against)
+    files: tuple[FileRecord, ...] = ()
 
     @property
     def generated(self) -> bool:
@@ -84,7 +102,9 @@ class Manifest:
         models = [
             {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
              "params": e.params, "dtype": e.dtype, "role": e.role,
-             **({"source": e.source} if e.source else {})}
+             **({"source": e.source} if e.source else {}),
+             **({"files": {f.name: {"size": f.size, "sha256": f.sha256} for f in e.files}}
+                if e.files else {})}
             for e in self.entries
         ]
         doc = {"seed": self.seed, "profile": self.profile, "generator": self.generator,
@@ -99,16 +119,38 @@ def _source_of(raw: dict[str, Any]) -> str:
     return "" if "arch" in raw and "params" in raw else HAND_LISTED
 
 
+def _files(raw: Any, where: str) -> tuple[FileRecord, ...]:
+    """An entry's ``files``: ``{name: {"size": int, "sha256": hex}}`` (absent: none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise MarketError(f"{where}: files: must be an object of file name -> size and sha256")
+    out = []
+    for name, rec in sorted(raw.items()):
+        size = rec.get("size") if isinstance(rec, dict) else None
+        digest = rec.get("sha256") if isinstance(rec, dict) else None
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 0
+                or not isinstance(digest, str) or not _SHA256.fullmatch(digest)):
+            raise MarketError(f"{where}: files: {name}: expected {{\"size\": bytes, "
+                              f"\"sha256\": 64 hex digits}}, got {rec!r}")
+        out.append(FileRecord(str(name), size, digest))
+    return tuple(out)
+
+
 def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
     if not isinstance(raw, dict):
         raise MarketError(f"{where}: every item of 'models' must be an object")
     try:
+        name = str(raw["name"])
         return MarketEntry(
-            name=str(raw["name"]), path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
+            name=name, path=root / str(raw["path"]), arch=str(raw.get("arch", "")),
             params=int(raw.get("params", 0)), dtype=str(raw.get("dtype") or ""),
             role=str(raw.get("role", "")), source=str(raw.get("source", _source_of(raw))),
+            files=_files(raw.get("files"), f"{where}: models: {name}"),
         )
     except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, MarketError):
+            raise
         raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc
 
 

@@ -98,13 +98,60 @@ async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 5.
     return sorted(task.get_name() for task in pending)
 
 
+FATAL = ": fatal: "  # what marks a service's one-line cause of death in its output
+_FATAL_SCAN_BYTES = 1 << 20
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception at the bottom of ``exc``'s chain (``raise ... from``, or raised
+    while handling another): what went wrong first."""
+    seen = {id(exc)}
+    while True:
+        inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if inner is None or id(inner) in seen:
+            return exc
+        seen.add(id(inner))
+        exc = inner
+
+
+def fatal_line(name: str, exc: BaseException) -> str:
+    """One line naming why service ``name`` stops: its root cause's type and message
+    and where it was raised (``aegaeon NAME: fatal: Type: message (file.py:123 in fn)``)."""
+    cause = root_cause(exc)
+    text = " ".join(str(cause).split()) or "(no message)"
+    where = ""
+    tb = cause.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        code = tb.tb_frame.f_code
+        where = f" ({Path(code.co_filename).name}:{tb.tb_lineno} in {code.co_name})"
+    outer = "" if cause is exc else f"{' '.join(str(exc).split())}: "
+    return f"aegaeon {name}{FATAL}{outer}{type(cause).__name__}: {text}{where}"
+
+
+def last_fatal_line(log_path: Path) -> str | None:
+    """The last one-line cause of death (:func:`fatal_line`) a service wrote to its log
+    at ``log_path`` (its end is read), or None."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _FATAL_SCAN_BYTES))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [ln for ln in tail.splitlines() if ln.startswith("aegaeon ") and FATAL in ln]
+    return lines[-1] if lines else None
+
+
 def run_service(
     name: str, main: Callable[[asyncio.Event], Coroutine[Any, Any, None]], *, child: bool = True
 ) -> int:
     """Run one service's asyncio ``main(stop_event)`` until SIGINT/SIGTERM.
 
     ``main`` must return soon after ``stop_event`` is set, having released its
-    resources. A fatal error is logged and gives exit status 1.
+    resources. A fatal error gives exit status 1: first one line on stderr naming its
+    cause (:func:`fatal_line`; a supervisor repeats it), then the logged traceback.
     """
     set_title(f"aegaeon-{name}")
     setup_logging(name)
@@ -123,8 +170,10 @@ def run_service(
 
     try:
         run_fast(runner())
-    except Exception:
-        log.exception("fatal", service=name)
+    except Exception as exc:
+        line = fatal_line(name, exc)
+        print(line, file=sys.stderr, flush=True)
+        log.exception("fatal", service=name, cause=line)
         return 1
     return 0
 

@@ -21,14 +21,29 @@ only with defaults), like the wire. Keys (each under the store's namespace):
 - ``servedmodels``: :class:`ServedModelsRecord`, the models added (``POST
   /v1/aegaeon/models``) and removed (``DELETE``) at run time on any replica;
   every replica follows it (no TTL, as the settings).
+- ``unavailablemodels``: :class:`UnavailableModelsRecord`, the models whose
+  checkpoint a cachemgr or an instance could not read (quarantined) until a
+  ``POST /v1/aegaeon/models/{model}/reload`` lifted it; every replica follows it.
+- ``epoch``: a random token, written by the first participant that finds it
+  absent (no TTL): a store that restarted empty has a new one, and everyone who
+  held the old one knows its records were lost (:class:`StoreEpoch`).
 
 An instance id is ``{node}/{kind}-{index}``. Queue keys carry the instance's
 incarnation, so a restarted instance starts from an empty queue, as the
 process itself does.
+
+Who rebuilds what after a loss (docs/interfaces.md, "Many nodes"): every record
+with a TTL is rewritten by its writer at its next beat; an instance whose id
+the ``instances`` index lost adds it again and, when the epoch changed, merges
+its own queues back into ``pq:``/``dw:``; a replica rewrites its requests'
+metadata; the settings, the served set and the unavailable models (not soft:
+nobody re-derives them at once) are written back by every replica that knows
+them, the newest version winning (``aegaeon_proxy.cluster.shared_records``).
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import msgspec
@@ -105,6 +120,9 @@ class ModelSettingsRecord(msgspec.Struct, frozen=True):
     model: str
     settings: ModelSettings
     proxy: str = ""  # the replica that wrote it
+    # which write this is (``cluster.shared_records``: the newest wins, whoever writes
+    # it back after a store loss)
+    version: int = 0
 
 
 class ServedModelsRecord(msgspec.Struct, frozen=True):
@@ -115,9 +133,26 @@ class ServedModelsRecord(msgspec.Struct, frozen=True):
     v: int
     models: dict[str, str | None] = msgspec.field(default_factory=dict)
     proxy: str = ""  # the replica that wrote it last
+    version: int = 0  # as ModelSettingsRecord's
 
 
 SERVED_MODELS = "servedmodels"
+
+
+class UnavailableModelsRecord(msgspec.Struct, frozen=True):
+    """The models whose checkpoint cannot be read, shared by the proxy replicas: name ->
+    why (the file and what is wrong). ``lifted``: name -> when (wall clock, seconds) a
+    reload last lifted its quarantine; a cachemgr's report asked for before then is old
+    news and quarantines nothing."""
+
+    v: int
+    models: dict[str, str] = msgspec.field(default_factory=dict)
+    lifted: dict[str, float] = msgspec.field(default_factory=dict)
+    proxy: str = ""  # the replica that wrote it last
+    version: int = 0  # as ModelSettingsRecord's
+
+
+UNAVAILABLE_MODELS = "unavailablemodels"
 
 
 class RolesRecord(msgspec.Struct, frozen=True):
@@ -133,6 +168,7 @@ class RolesRecord(msgspec.Struct, frozen=True):
 
 ROLES = "roles"
 ROLES_LEASE = "roles-lease"  # held (TTL) by the one replica that decides the roles
+EPOCH = "epoch"
 
 
 REQUEST_STATES = ("queued", "prefilled", "decoding")
@@ -212,8 +248,47 @@ def decode_served_models(raw: bytes) -> ServedModelsRecord:
     return msgspec.msgpack.decode(raw, type=ServedModelsRecord)
 
 
+def decode_unavailable_models(raw: bytes) -> UnavailableModelsRecord:
+    return msgspec.msgpack.decode(raw, type=UnavailableModelsRecord)
+
+
 def decode_roles(raw: bytes) -> RolesRecord:
     return msgspec.msgpack.decode(raw, type=RolesRecord)
+
+
+def decode_queue(raw: bytes | None) -> Any:
+    """A ``pq:`` / ``dw:`` value as plain data (``aegaeon_sched.shared``'s states); None
+    for an absent key (an empty queue)."""
+    return None if raw is None else msgspec.msgpack.decode(raw)
+
+
+def encode_queue(state: Any) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+class StoreEpoch:
+    """Which life of the store this is (the ``epoch`` key): tells a store that restarted
+    empty from one that was only slow or paused (its records expired, nothing lost)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.value: bytes | None = None
+
+    async def check(self) -> bool:
+        """Read the epoch, writing a new one if it is absent; True when it differs from the
+        one read last (never at the first read). Raises ``StoreError``."""
+        raw = await self.store.get(EPOCH)
+        if raw is None:
+            mine = secrets.token_hex(8).encode()
+
+            def take(values: list[bytes | None]) -> tuple[dict[str, bytes | None], bytes]:
+                found = values[0]
+                return ({EPOCH: mine}, mine) if found is None else ({}, found)
+
+            raw = await self.store.transact([EPOCH], take)
+        changed = self.value is not None and raw != self.value
+        self.value = raw
+        return changed
 
 
 def open_store(config: Config) -> Store:

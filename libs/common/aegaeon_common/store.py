@@ -15,6 +15,8 @@ namespace, so deployments may share one Redis):
 * ``put_if_absent`` (a lease: True when this caller took it), ``get_many``,
   ``delete``; sets of strings (``set_add``, ``set_remove``, ``set_members``)
   index keys that expire, since listing a namespace is not part of the contract.
+  ``set_add`` returns how many of its members were not in the set (a writer that
+  adds itself every beat learns when the index lost it).
 * ``transact(keys, fn)``: optimistic concurrency. ``fn`` gets the current
   values of ``keys`` and returns ``(writes, result)``; the writes (``None``
   deletes) commit atomically only if none of ``keys`` changed since they were
@@ -60,7 +62,7 @@ class Store(Protocol):
     async def get(self, key: str) -> bytes | None: ...
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
     async def delete(self, *keys: str) -> None: ...
-    async def set_add(self, name: str, *members: str) -> None: ...
+    async def set_add(self, name: str, *members: str) -> int: ...
     async def set_remove(self, name: str, *members: str) -> None: ...
     async def set_members(self, name: str) -> set[str]: ...
     async def transact(
@@ -130,8 +132,11 @@ class MemoryStore:
             self._values.pop(key, None)
             self._sets.pop(key, None)
 
-    async def set_add(self, name: str, *members: str) -> None:
-        self._sets.setdefault(name, set()).update(members)
+    async def set_add(self, name: str, *members: str) -> int:
+        members_now = self._sets.setdefault(name, set())
+        added = len(set(members) - members_now)
+        members_now.update(members)
+        return added
 
     async def set_remove(self, name: str, *members: str) -> None:
         members_now = self._sets.get(name)

@@ -101,12 +101,13 @@ class RedisStore:
             except RedisError as exc:
                 raise StoreError(f"redis: {exc}") from None
 
-    async def set_add(self, name: str, *members: str) -> None:
-        if members:
-            try:
-                await self._redis.sadd(self._k(name), *members)
-            except RedisError as exc:
-                raise StoreError(f"redis: {exc}") from None
+    async def set_add(self, name: str, *members: str) -> int:
+        if not members:
+            return 0
+        try:
+            return int(await self._redis.sadd(self._k(name), *members))
+        except RedisError as exc:
+            raise StoreError(f"redis: {exc}") from None
 
     async def set_remove(self, name: str, *members: str) -> None:
         if members:

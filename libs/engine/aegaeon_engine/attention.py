@@ -1,12 +1,24 @@
-"""Attention kernels: torch SDPA everywhere, flash-attn for prefill on CUDA if installed,
-and on CPU the native paged decode kernel (native.py) when it builds.
+"""Attention kernels: per device, the decode kernel that reads the paged KV in place,
+and SDPA (or flash-attn) for prefill.
 
 Decode attention is one query token per sequence over its whole context (no
-causal mask). The native kernel reads each sequence's K/V in place from its
-blocks; the torch path (CUDA, or CPU with ``AEGAEON_NATIVE=0`` or no
-compiler) gathers the blocks of every sequence into dense rows once per layer
-and runs SDPA with one query per head and ``enable_gqa`` (K/V are never
-repeated), masking the padding of shorter sequences.
+causal mask). Where it runs:
+
+- CPU: the native paged decode kernel (native.py) when it builds;
+- CUDA (and the CPU under ``TRITON_INTERPRET=1``, in tests): the Triton kernel
+  (gpu/paged_attention.py), which reads the block table and context lengths
+  from device memory, so a captured CUDA graph replays any mix of lengths;
+- else (``AEGAEON_NATIVE=0``, no compiler, no Triton): the torch path gathers
+  the blocks of every sequence into dense rows once per layer and runs SDPA
+  with one query per head and ``enable_gqa`` (K/V are never repeated), masking
+  the padding of shorter sequences. Without the host's lengths (a static step)
+  it gathers the table's whole width and masks by the device's lengths.
+
+Prefill of a whole prompt on CUDA is SDPA with ``is_causal`` and no mask, on the
+flash backend alone where it takes the inputs (dtype, head dim), else on
+flash, memory-efficient or math; a chunk that continues a cached prefix runs
+the Triton decode kernel with one row per new token (its context: the
+positions up to its own) where Triton runs, else SDPA with an offset mask.
 """
 
 from __future__ import annotations
@@ -48,14 +60,27 @@ def _flash_attn_func() -> Callable[..., Any] | None:
 class Attention:
     """Device-specific attention entry points (chosen once per engine)."""
 
-    def __init__(self, device: torch.device, native: bool = True, isa: str | None = None) -> None:
+    def __init__(self, device: torch.device, native: bool = True, isa: str | None = None,
+                 triton: bool = False) -> None:
         """``native=False`` keeps the torch decode path even where the native kernel loads;
-        ``isa`` picks the kernels' level (default: ``native_isa()``)."""
-        self.flash = _flash_attn_func() if device.type == "cuda" else None
-        self._backends = _sdpa_backends(device)
-        on_cpu = native and device.type == "cpu"
+        ``isa`` picks the kernels' level (default: ``native_isa()``); ``triton``: decode
+        on the Triton kernel (the caller checked that it runs here)."""
+        self.device = torch.device(device)
+        self.flash = _flash_attn_func() if self.device.type == "cuda" else None
+        self._backends = _sdpa_backends(self.device)
+        on_cpu = native and self.device.type == "cpu" and not triton
         self.native = native_ops(isa) if on_cpu else None
         self.isa = (isa or native_isa()) if self.native is not None else None
+        self.triton = triton
+        # (dtype, head dim, grouped) -> whether SDPA's flash backend takes a causal prefill
+        self._flash_takes: dict[tuple[torch.dtype, int, bool], bool] = {}
+
+    @property
+    def decode_kernel(self) -> str:
+        """The decode attention that runs: ``native-<level>``, ``triton`` or ``sdpa``."""
+        if self.native is not None:
+            return f"native-{self.isa}"
+        return "triton" if self.triton else "sdpa"
 
     def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal self-attention of one sequence: ``[T, H, D]`` inputs -> ``[T, Hq * D]``."""
@@ -65,9 +90,20 @@ class Attention:
             out = self.flash(q_, k_, v_, causal=True)
             return out[0].reshape(num_tokens, -1)  # type: ignore[no-any-return]
         q_, k_, v_ = (_unit_last(x.transpose(0, 1))[None] for x in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        if self.device.type == "cuda":
+            key = (q.dtype, q.shape[-1], gqa)
+            if self._flash_takes.get(key, True):
+                try:  # causal, no mask: the flash backend alone
+                    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
+                                                             enable_gqa=gqa)
+                    self._flash_takes[key] = True
+                    return out[0].transpose(0, 1).reshape(num_tokens, -1)
+                except RuntimeError:  # no flash kernel for these inputs: asked once per key
+                    self._flash_takes[key] = False
         with self._backends():
-            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=gqa)
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -84,14 +120,34 @@ class Attention:
         return out[0].transpose(0, 1).reshape(num_tokens, -1)
 
     def paged_decode(self, kv: KVViews, num_q_heads: int, block_table: torch.Tensor,
-                     context_lens: torch.Tensor, lengths: Sequence[int]) -> AttendFn:
+                     context_lens: torch.Tensor, lengths: Sequence[int] | None,
+                     num_splits: int | None = None) -> AttendFn:
         """The attention of one decode step, for every layer: ``attend(layer, qkv)``.
 
         Sequence ``b`` (of ``B``) has ``lengths[b]`` positions (``context_lens``
-        on the device) in blocks ``block_table[b]`` (``[B, max_blocks]``, int64,
+        on the device) in blocks ``block_table[b]`` (``[B, max_blocks]``, integer,
         padded with any valid id); its query is ``qkv[b, :num_q_heads]``.
+        ``lengths`` None: the host does not know them (a step captured in a CUDA
+        graph); every kernel then reads ``context_lens`` alone. ``num_splits``: the
+        Triton kernel's splits of each context (default: by batch size).
         """
         batch, dim = block_table.shape[0], kv.cache.shape[-1]
+        if self.triton:
+            from .gpu import interpreted
+            from .gpu.paged_attention import num_splits_for, paged_decode
+
+            splits = num_splits or (1 if interpreted() else
+                                    num_splits_for(batch, kv.cache.shape[-2]))
+            out_t = torch.empty(batch, num_q_heads, dim, dtype=kv.cache.dtype,
+                                device=kv.cache.device)
+
+            def attend_triton(layer: int, qkv: torch.Tensor) -> torch.Tensor:
+                # one buffer per step: layer i's output is consumed by its o_proj
+                paged_decode(out_t, qkv[:, :num_q_heads], kv.cache, layer, block_table,
+                             context_lens, dim ** -0.5, splits)
+                return out_t.view(batch, -1)
+
+            return attend_triton
         if self.native is not None:
             paged, scale = self.native.paged_decode, dim ** -0.5
             out = torch.empty(batch, num_q_heads, dim, dtype=kv.cache.dtype,
@@ -104,9 +160,10 @@ class Attention:
                 return out.view(batch, -1)
 
             return attend_native
-        max_len, num_blocks = max(lengths), block_table.shape[1]
+        num_blocks = block_table.shape[1]
+        max_len = max(lengths) if lengths is not None else num_blocks * kv.cache.shape[3]
         mask = None
-        if min(lengths) != max_len:
+        if lengths is None or min(lengths) != max_len:
             mask = torch.arange(max_len, device=block_table.device) < context_lens[:, None]
             mask = mask.view(batch, 1, 1, max_len)
         heads, tokens = kv.cache.shape[-2], num_blocks * kv.cache.shape[3]

@@ -18,10 +18,12 @@ from typing import NamedTuple
 import torch
 
 from .attention import Attention
+from .graph_step import GraphDecoder, layout_key
+from .graphs import DEFAULT_SIZES, Capturer, GraphStats, GraphTable
 from .isa import cpu_model, supported_levels
 from .kernels import NATIVE_MAX_ROWS, LayerStack, NativeOps, layer_ops
 from .layout import WeightLayout, weight_layout
-from .model import KVViews, LayerOps, ReduceFn, Tokens, forward, logits
+from .model import AttendFn, KVViews, LayerOps, ReduceFn, Tokens, forward, logits
 from .native import bf16_native, forced_isa, native_ops
 from .quant import embed
 from .rope import RopeTable
@@ -30,6 +32,23 @@ from .tuning import TORCH, KernelChoice, choose, shape_key
 from .weights import TORCH_DTYPES, ModelWeights, bind_weights
 
 log = logging.getLogger(__name__)
+
+
+def _triton_reason(device: torch.device, asked: bool | None) -> str | None:
+    """Why the engine on ``device`` does not run the Triton kernels (None: it does);
+    ``asked`` True and a reason is an error."""
+    from .gpu import triton_problem
+
+    if asked is False:
+        return "off"
+    if asked is None and device.type != "cuda":
+        return "the CPU runs its own kernels"
+    problem = triton_problem(device.type)
+    if asked and problem is not None:
+        raise ValueError(f"Triton kernels asked for on {device}, but {problem}")
+    if problem is not None:
+        log.warning("the CUDA engine runs torch kernels: %s", problem)
+    return problem
 
 
 @functools.cache
@@ -65,10 +84,19 @@ class Engine:
     """Prefill and batched decode over a paged KV cache for one bound model at a time."""
 
     def __init__(self, device: str | torch.device = "cpu", num_threads: int | None = 1,
-                 block_size: int = 16, native: bool = True, isa: str | None = None) -> None:
+                 block_size: int = 16, native: bool = True, isa: str | None = None, *,
+                 triton: bool | None = None, graphs: bool | None = None,
+                 graph_sizes: Sequence[int] = DEFAULT_SIZES,
+                 capturer: Capturer | None = None) -> None:
         """``num_threads`` sets torch's intra-op threads for the process (None: leave it);
         ``native=False`` keeps the torch path where the native kernels load; ``isa``
-        runs that level's kernels (default: ``native_isa()``, see native.py)."""
+        runs that level's kernels (default: ``native_isa()``, see native.py).
+
+        ``triton``: the Triton kernels (gpu/; default: on CUDA where Triton imports; on
+        the CPU only when asked, under ``TRITON_INTERPRET=1``). ``graphs``: decode steps
+        replay CUDA graphs of ``graph_sizes`` (graphs.py; default: on CUDA with the
+        Triton kernels); ``capturer`` captures them (default: CUDA graphs on CUDA, else
+        the eager capturer, which runs the same static step without a graph)."""
         self.device = torch.device(device)
         self.block_size = block_size
         # a decode step's layers in one native call where they all run natively
@@ -76,8 +104,16 @@ class Engine:
         self.fuse_layers = True
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.attention = Attention(self.device, native, isa)
-        self.ops = layer_ops(self.device, native, isa)
+        self.triton_reason = _triton_reason(self.device, triton)
+        use_triton = self.triton_reason is None
+        self.attention = Attention(self.device, native, isa, triton=use_triton)
+        if use_triton:
+            from .gpu.ops import TritonOps
+
+            self.ops: LayerOps = TritonOps()
+        else:
+            self.ops = layer_ops(self.device, native, isa)
+        self.graphs, self._graphs_off = self._make_graphs(graphs, graph_sizes, capturer)
         # the kernels a model's measured choice (tune) replaces these with, per shape
         self._tunable = (self.device.type == "cpu" and isinstance(self.ops, NativeOps)
                          and isa is None and forced_isa() is None)
@@ -91,6 +127,64 @@ class Engine:
         self._bound: _Bound | None = None
 
     # -- kernels ---------------------------------------------------------------------------
+
+    def _make_graphs(self, graphs: bool | None, sizes: Sequence[int],
+                     capturer: Capturer | None) -> tuple[GraphDecoder | None, str]:
+        """The graph decoder (None, and why, where decode steps run eager)."""
+        on_cuda = self.device.type == "cuda"
+        if graphs is False or (graphs is None and not on_cuda):
+            return None, "graphs are off" if graphs is False else "CUDA graphs need CUDA"
+        if self.attention.native is not None:
+            return None, "the CPU's native kernels run eager"
+        if on_cuda and not self.attention.triton:
+            why = f"CUDA graphs need the Triton kernels: {self.triton_reason}"
+            log.warning("decode steps run eager: %s", why)
+            return None, why
+        if capturer is None:
+            from .cuda_graphs import CudaCapturer, EagerCapturer
+
+            capturer = CudaCapturer(self.device) if on_cuda else EagerCapturer()
+        return GraphDecoder(GraphTable(capturer, sizes), self.device, self.block_size), ""
+
+    @property
+    def graph_stats(self) -> GraphStats:
+        """What the decode step's graphs did (``enabled`` false, and why, without them)."""
+        if self.graphs is None:
+            return GraphStats(enabled=False, sizes=(), disabled_reason=self._graphs_off)
+        return self.graphs.table.stats
+
+    def graph_addresses(self, spec: ModelSpec, dtype: str | None = None) -> list[int]:
+        """Addresses of the weights arena where a model of ``spec``'s layout has graphs
+        (the most recently used first): where a switch should copy it."""
+        if self.graphs is None:
+            return []
+        dtype_name = canonical_dtype(dtype or spec.dtype)
+        key = layout_key(spec, dtype_name, self.block_size, self.attention.decode_kernel)
+        return self.graphs.table.addresses(key)
+
+    @torch.inference_mode()
+    def capture_graphs(self, spec: ModelSpec, weights: torch.Tensor, kv_region: torch.Tensor,
+                       dtype: str | None = None) -> bool:
+        """Capture the decode step's graphs for ``spec`` with its weights at ``weights`` (the
+        arena bytes where a switch will copy it; what is there now is not read for
+        anything kept) before its first step: start-up and ``AddModel`` pay the capture,
+        not a served step. The bound model stays bound. False without graphs or when
+        the capture failed (graphs.py logs why)."""
+        if self.graphs is None:
+            return False
+        dtype_name = canonical_dtype(dtype or spec.dtype)
+        views = bind_weights(spec, self.layout(spec, dtype_name), weights)
+        kv = KVViews.over(kv_region, spec, self.block_size, views.dtype)
+        return self.graphs.capture(spec, dtype_name, views, kv, self._rope(spec, views.dtype),
+                                   self.ops, self.attention)
+
+    def _rope(self, spec: ModelSpec, dtype: torch.dtype) -> RopeTable:
+        key = (spec.head_dim, spec.rope, spec.max_model_len, dtype)
+        rope = self._ropes.get(key)
+        if rope is None:
+            rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
+                                                dtype, self.device)
+        return rope
 
     def default_choice(self, dtype: torch.dtype) -> KernelChoice:
         """The kernels used without a measurement: the chosen level for every operation,
@@ -151,14 +245,15 @@ class Engine:
 
     def bind(self, spec: ModelSpec, weights: torch.Tensor | ModelWeights,
              kv_region: torch.Tensor, dtype: str | None = None,
-             reduce: ReduceFn | None = None) -> None:
+             reduce: ReduceFn | None = None, ready: object | None = None) -> None:
         """Serve ``spec`` from ``weights`` (its packed layout's bytes, or bound views).
 
         ``kv_region`` is a uint8 byte range viewed as blocks of
         ``kv_shape.block_bytes``; KV blocks are indices into it. Nothing is
         copied or allocated; the previous model's views are simply dropped.
         ``spec`` may be one tensor-parallel shard's, with its group's all-reduce
-        as ``reduce`` (``tp.bind_shard``).
+        as ``reduce`` (``tp.bind_shard``). ``ready``: the event of the copy that put
+        the weights there (a CUDA event); the first graph replay waits on it.
         """
         if isinstance(weights, ModelWeights):
             bound = weights
@@ -167,12 +262,14 @@ class Engine:
         dtype_name = next(k for k, v in TORCH_DTYPES.items() if v == bound.dtype)
         kv_shape = spec.kv_shape(dtype_name, self.block_size)
         kv = KVViews.over(kv_region, spec, self.block_size, bound.dtype)
-        key = (spec.head_dim, spec.rope, spec.max_model_len, bound.dtype)
-        rope = self._ropes.get(key)
-        if rope is None:
-            rope = self._ropes[key] = RopeTable(spec.head_dim, spec.rope, spec.max_model_len,
-                                                bound.dtype, self.device)
+        rope = self._rope(spec, bound.dtype)
         self._bound = _Bound(spec, bound, kv, kv_shape, rope, reduce)
+        if self.graphs is not None:
+            if reduce is None:
+                self.graphs.bind(spec, dtype_name, bound, kv, rope, self.attention.decode_kernel,
+                                 ready)
+            else:  # a shard's step all-reduces: not captured
+                self.graphs.unbind()
         if self._tunable:
             self._use(self._choices.get(shape_key(spec, bound.dtype)))
 
@@ -241,13 +338,18 @@ class Engine:
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=dev)
         positions = torch.arange(start_pos, total, device=dev)
         blocks = torch.tensor(used, dtype=torch.long, device=dev)
-        table = m.rope.ensure(total)[:, start_pos:total, None]
+        rope = m.rope.ensure(total)
+        table = rope[:, start_pos:total, None]
         attention = self.attention
         heads_q, heads_qk = m.spec.num_heads, m.spec.num_heads + m.spec.num_kv_heads
+        attend: AttendFn
         if start_pos == 0:
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
                 return attention.causal(qkv[:, :heads_q], qkv[:, heads_q:heads_qk],
                                         qkv[:, heads_qk:])
+        elif attention.triton:  # each new token a row over its own context, in place
+            attend = attention.paged_decode(m.kv, heads_q, blocks[None].expand(num_new, -1),
+                                            positions + 1, None)
         else:
             spec = m.spec
             mask = torch.arange(total, device=dev)[None, :] <= positions[:, None]
@@ -259,7 +361,8 @@ class Engine:
                 both = m.kv.rows.index_select(0, rows[i]).view(ctx)[:, :total].transpose(1, 2)
                 return attention.masked(qkv[:, :heads_q], both[0], both[1], mask)
 
-        tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs)
+        tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs,
+                        positions=positions, rope=rope)
         hidden = forward(m.weights, m.kv, tokens, attend, self.ops, m.reduce)
         return logits(m.weights, hidden[-1:], self.ops)[0]
 
@@ -288,14 +391,24 @@ class Engine:
             table.extend(s.block_ids[:used])
             table.extend([s.block_ids[0]] * (num_blocks - used))  # padding, masked below
         self._check_blocks(table)
+        if self.graphs is not None and m.reduce is None:
+            out = self.graphs.decode([s.token_id for s in seqs], positions,
+                                     [s.block_ids for s in seqs], self.ops, self.attention)
+            if out is not None:
+                return out
         flat.extend(p % bs for p in positions)
         flat.extend(lengths)
         idx = torch.tensor(flat + table, dtype=torch.long).to(self.device, non_blocking=True)
         tokens, pos_t = idx[:batch], idx[batch:2 * batch]
         slot_blocks, slot_offsets = idx[2 * batch:3 * batch], idx[3 * batch:4 * batch]
         context_lens, block_table = idx[4 * batch:5 * batch], idx[5 * batch:].view(batch, -1)
-        cos_sin = m.rope.ensure(max(lengths)).index_select(1, pos_t)[:, :, None]
-        step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
+        rope = m.rope.ensure(max(lengths))
+        if self.attention.triton:  # the kernels index the rope table themselves
+            step = Tokens(tokens, None, None, slot_blocks, slot_offsets, positions=pos_t,
+                          rope=rope)
+        else:
+            cos_sin = rope.index_select(1, pos_t)[:, :, None]
+            step = Tokens(tokens, cos_sin[0], cos_sin[1], slot_blocks, slot_offsets)
         stack = self._layer_stack(m, batch)
         if stack is not None:
             assert isinstance(self.ops, NativeOps)

@@ -159,8 +159,9 @@ class NativeOps(LayerOps):
         """In place on the residual stream ``h [B, hidden]`` of a decode step: every
         layer of ``stack`` (model.forward's loop), attention on the namespace
         ``attention``'s ``paged_decode``."""
+        cos, sin = tokens.rope_rows()
         self._ops.decode_layers(h, stack.norms, stack.projs, stack.biases, stack.qk_norms,
-                                stack.qtypes, tokens.cos[:, 0], tokens.sin[:, 0], kv.cache,
+                                stack.qtypes, cos[:, 0], sin[:, 0], kv.cache,
                                 tokens.slot_blocks, tokens.slot_offsets, block_table,
                                 context_lens, num_q, eps, kv.cache.shape[-1] ** -0.5,
                                 self._project_ops.name, attention.name)
@@ -178,9 +179,9 @@ class NativeOps(LayerOps):
         if qkv.dtype not in _ELEMENTWISE or qkv.stride(-1) != 1:
             super().rope_write(qkv, lw, kv, layer, tokens, num_q, eps)
             return
-        self._ops.rope_write(qkv, lw.q_norm, lw.k_norm, tokens.cos[:, 0], tokens.sin[:, 0],
-                             kv.cache, layer, tokens.slot_blocks, tokens.slot_offsets, num_q,
-                             eps)
+        cos, sin = tokens.rope_rows()
+        self._ops.rope_write(qkv, lw.q_norm, lw.k_norm, cos[:, 0], sin[:, 0], kv.cache, layer,
+                             tokens.slot_blocks, tokens.slot_offsets, num_q, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype not in _ELEMENTWISE or gate_up.stride(-1) != 1:

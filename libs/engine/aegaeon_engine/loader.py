@@ -11,9 +11,12 @@ one per tensor) as float32 row scales.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Callable
+import queue
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 from aegaeon_common.dtypes import fp8_scales_offset
+from aegaeon_common.market_files import digest_mismatch
 
 from .errors import CheckpointError
 from .layout import TensorSlot, WeightLayout
@@ -37,6 +41,7 @@ _READ_CODES = {**_FLOAT_CODES, "F8_E4M3": (torch.float8_e4m3fn, 1)}
 _CODE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, **{k: v[1] for k, v in _FLOAT_CODES.items()}}
 _MAX_HEADER_BYTES = 100 << 20
+_HASH_CHUNK_BYTES = 8 << 20  # bytes read at a time for a digest alone
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -147,62 +152,115 @@ def read_tensor(entry: TensorEntry, name: str) -> torch.Tensor:
     return torch.frombuffer(staging, dtype=dtype).reshape(entry.shape)
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One checkpoint tensor's bytes and where they go in the packed layout: at ``pos``
+    as ``dtype`` (converted from the stored dtype), or, with ``scale_rows``, FP8 row
+    scales: ``scale_rows`` float32 values (one per tensor: repeated) at ``pos``."""
+
+    entry: TensorEntry
+    name: str
+    pos: int
+    dtype: torch.dtype
+    scale_rows: int = 0
+
+    @property
+    def out_bytes(self) -> int:
+        if self.scale_rows:
+            return 4 * self.scale_rows
+        numel = self.entry.nbytes // _FLOAT_CODES.get(self.entry.code, (torch.uint8, 1))[1]
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_reads(model_dir: str | Path, layout: WeightLayout) -> list[_Read]:
+    """Every read :func:`fill_layout` makes, in layout order, each tensor's name, shape
+    and dtype checked against ``layout`` (``CheckpointError`` naming the file and tensor
+    at fault). Reads only the checkpoint's headers."""
+    index = checkpoint_index(model_dir)
+    root = Path(model_dir)
+    reads: list[_Read] = []
+    for slot in layout.slots:
+        if slot.dtype == FP8:
+            reads += _fp8_reads(index, root, slot)
+            continue
+        pos = slot.offset
+        quantized = slot.dtype in QUANT_BLOCKS
+        dtype = torch.uint8 if quantized else TORCH_DTYPES[slot.dtype]
+        for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
+            entry = _tensor_entry(index, root, name)
+            # a quantized slot's blocks: uint8 [rows, row_bytes], copied as they are
+            shape = ((logical[0], quant_row_bytes(slot.dtype, logical[1])) if quantized
+                     else logical)
+            if entry.shape != shape:
+                raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
+                                      f"expected {list(shape)}")
+            if quantized and entry.code != "U8":
+                raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; "
+                                      f"{slot.dtype} blocks are stored as U8")
+            if not quantized and entry.code not in _FLOAT_CODES:
+                raise CheckpointError(entry.file, name,
+                                      f"wrong dtype {entry.code}; only float tensors load")
+            reads.append(_Read(entry, name, pos, dtype))
+            pos += reads[-1].out_bytes
+    return reads
+
+
+def check_checkpoint(model_dir: str | Path, layout: WeightLayout) -> None:
+    """``CheckpointError`` (naming the file and tensor) unless every tensor ``layout``
+    needs is in the checkpoint with its shape and dtype and its bytes inside its file: what
+    a load would find wrong before the first byte of data, at the cost of the headers."""
+    plan_reads(model_dir, layout)
+
+
 def fill_layout(model_dir: str | Path, layout: WeightLayout,
                 dest: torch.Tensor | bytearray | memoryview,
-                progress: Callable[[int], None] | None = None) -> None:
+                progress: Callable[[int], None] | None = None,
+                digests: Mapping[Path, str] | None = None) -> set[Path]:
     """Write ``layout``'s bytes into host memory ``dest`` (no engine needed).
 
     ``dest`` is a CPU uint8 tensor or a writable bytes-like object (e.g. a
     shared-memory buffer) of at least ``layout.total_bytes`` bytes. Alignment
     padding is zeroed so equal checkpoints give equal bytes. ``progress`` is
-    told the bytes written so far after each tensor slot (loading progress).
+    told the bytes written so far after each tensor (loading progress).
+
+    Each file is read once, front to back (its tensors in the order they are stored,
+    whatever the layout's order); ``digests`` (file -> SHA-256 hex) are checked on the
+    way, the bytes hashed as they are read (a file read out of order, or with bytes
+    no tensor uses, has those read for the hash alone): a file whose content differs is
+    a ``CheckpointError``. Returns the files read.
     """
     out = dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
     _check_dest(out, layout)
     if out.device.type != "cpu":
         raise ValueError("fill_layout writes host memory; use load_weights for a device tensor")
-    index = checkpoint_index(model_dir)
-    root = Path(model_dir)
-    files: dict[Path, BufferedReader] = {}
-    try:
-        end = 0
-        for slot in layout.slots:
-            out[end:slot.offset].zero_()
-            if slot.dtype == FP8:
-                end = _fill_fp8(index, root, slot, out, files)
-                if progress is not None:
-                    progress(end)
-                continue
-            pos = slot.offset
-            quantized = slot.dtype in QUANT_BLOCKS
-            for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
-                entry = index.get(name)
-                if entry is None:
-                    where = root / (SINGLE_FILE if (root / SINGLE_FILE).is_file() else INDEX_FILE)
-                    raise CheckpointError(where, name, "missing tensor")
-                # a quantized slot's blocks: uint8 [rows, row_bytes], copied as they are
-                shape = ((logical[0], quant_row_bytes(slot.dtype, logical[1])) if quantized
-                         else logical)
-                if entry.shape != shape:
-                    raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
-                                          f"expected {list(shape)}")
-                if quantized and entry.code != "U8":
-                    raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; "
-                                          f"{slot.dtype} blocks are stored as U8")
-                if not quantized and entry.code not in _FLOAT_CODES:
-                    raise CheckpointError(entry.file, name,
-                                          f"wrong dtype {entry.code}; only float tensors load")
-                if entry.file not in files:
-                    files[entry.file] = entry.file.open("rb")
-                pos = _copy_tensor(files[entry.file], entry, name, out, pos=pos,
-                                   dtype=torch.uint8 if quantized else TORCH_DTYPES[slot.dtype])
-            end = pos
-            if progress is not None:
-                progress(end)
-        out[end:layout.total_bytes].zero_()
-    finally:
-        for f in files.values():
-            f.close()
+    reads = plan_reads(model_dir, layout)
+    _zero_gaps(out, reads, layout.total_bytes)
+    by_file: dict[Path, list[_Read]] = {}
+    for read in reads:
+        by_file.setdefault(read.entry.file, []).append(read)
+    done = 0
+    for path in sorted(by_file):
+        expected = digests.get(path) if digests else None
+        try:
+            with path.open("rb") as f:
+                digest = _FileDigest(f) if expected is not None else None
+                try:
+                    for read in sorted(by_file[path], key=lambda r: r.entry.start):
+                        _execute(f, read, out, digest)
+                        done += read.out_bytes
+                        if progress is not None:
+                            progress(done)
+                    got = digest.finish() if digest is not None else None
+                finally:
+                    if digest is not None:
+                        digest.close()
+        except OSError as exc:
+            raise CheckpointError(path, None, f"cannot read ({exc.strerror})") from None
+        if expected is not None and got != expected:
+            raise CheckpointError(path, None, digest_mismatch(got or "", expected))
+    if progress is not None:
+        progress(layout.total_bytes)
+    return set(by_file)
 
 
 def scale_name(weight: str) -> str:
@@ -210,15 +268,15 @@ def scale_name(weight: str) -> str:
     return weight + "_scale"
 
 
-def _fill_fp8(index: dict[str, TensorEntry], root: Path, slot: TensorSlot, out: torch.Tensor,
-              files: dict[Path, BufferedReader]) -> int:
-    """Write FP8 ``slot`` (its sources' codes, then their row scales) into ``out``; the
-    end of the bytes written."""
+def _fp8_reads(index: dict[str, TensorEntry], root: Path, slot: TensorSlot) -> list[_Read]:
+    """FP8 ``slot``'s reads: each source's codes as they are, then their row scales after
+    the codes (float32, at the slot's scales offset)."""
     rows, in_features = slot.shape
-    scales = torch.empty(rows, dtype=torch.float32)
+    start = slot.offset + fp8_scales_offset(rows, in_features)
+    reads: list[_Read] = []
     pos, row = slot.offset, 0
     for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
-        entry, scale_entry = (_fp8_entry(index, root, n) for n in (name, scale_name(name)))
+        entry, scale_entry = (_tensor_entry(index, root, n) for n in (name, scale_name(name)))
         if entry.shape != logical:
             raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
                                   f"expected {list(logical)}")
@@ -230,22 +288,18 @@ def _fill_fp8(index: dict[str, TensorEntry], root: Path, slot: TensorSlot, out: 
             raise CheckpointError(scale_entry.file, scale_name(name),
                                   f"wrong shape {list(scale_entry.shape)}, expected [{count}, 1] "
                                   "(per row) or [] (per tensor)")
-        value = read_tensor(scale_entry, scale_name(name)).float().reshape(-1)
-        if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
-            raise CheckpointError(scale_entry.file, scale_name(name),
-                                  "scales must be positive and finite")
-        scales[row:row + count] = value.expand(count)
-        if entry.file not in files:
-            files[entry.file] = entry.file.open("rb")
-        pos = _copy_tensor(files[entry.file], entry, name, out, pos=pos, dtype=torch.uint8)
+        if scale_entry.code not in _FLOAT_CODES:
+            raise CheckpointError(scale_entry.file, scale_name(name), f"wrong dtype "
+                                  f"{scale_entry.code}; only float tensors load")
+        reads.append(_Read(entry, name, pos, torch.uint8))
+        pos += reads[-1].out_bytes
+        reads.append(_Read(scale_entry, scale_name(name), start + 4 * row, torch.float32,
+                           scale_rows=count))
         row += count
-    start = slot.offset + fp8_scales_offset(rows, in_features)
-    out[pos:start].zero_()
-    out[start:start + 4 * rows].copy_(scales.view(torch.uint8))
-    return start + 4 * rows
+    return reads
 
 
-def _fp8_entry(index: dict[str, TensorEntry], root: Path, name: str) -> TensorEntry:
+def _tensor_entry(index: dict[str, TensorEntry], root: Path, name: str) -> TensorEntry:
     entry = index.get(name)
     if entry is None:
         where = root / (SINGLE_FILE if (root / SINGLE_FILE).is_file() else INDEX_FILE)
@@ -253,22 +307,121 @@ def _fp8_entry(index: dict[str, TensorEntry], root: Path, name: str) -> TensorEn
     return entry
 
 
-def _copy_tensor(f: BufferedReader, entry: TensorEntry, name: str, out: torch.Tensor, *,
-                 pos: int, dtype: torch.dtype) -> int:
-    src_dtype, src_size = _FLOAT_CODES.get(entry.code, (torch.uint8, 1))
-    numel = entry.nbytes // src_size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if numel == 0:
-        return pos
-    target = out[pos:pos + nbytes]
-    if src_dtype == dtype:
-        _read_exact(f, entry, name, target.numpy().data)
+def _zero_gaps(out: torch.Tensor, reads: list[_Read], total_bytes: int) -> None:
+    """Zero every byte of ``[0, total_bytes)`` no read writes (alignment padding)."""
+    end = 0
+    for read in sorted(reads, key=lambda r: r.pos):
+        if read.pos > end:
+            out[end:read.pos].zero_()
+        end = max(end, read.pos + read.out_bytes)
+    if total_bytes > end:
+        out[end:total_bytes].zero_()
+
+
+class _FileDigest:
+    """The SHA-256 of a file read front to back by :func:`fill_layout`, computed on a
+    thread of its own as the bytes arrive (hashlib lets go of the GIL), so that the
+    hash overlaps the reads: the bytes between the tensors read (the header, unused
+    tensors) are read here for the hash; a file read out of order (overlapping
+    tensors) is hashed by a second pass. :meth:`close` in every case."""
+
+    def __init__(self, f: BufferedReader) -> None:
+        self._f = f
+        self._hash = hashlib.sha256()
+        self._pos = 0  # the next byte to hash
+        self._in_order = True
+        # at most this many reads wait for the hash (each holds its bytes)
+        self._pending: queue.Queue[memoryview | bytes | bytearray | None] = queue.Queue(4)
+        self._thread = threading.Thread(target=self._run, name="aegaeon-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._pending.get()) is not None:
+            self._hash.update(data)
+
+    def skip_to(self, start: int) -> None:
+        """Hash the bytes up to ``start`` (a read begins there)."""
+        if start < self._pos:
+            self._in_order = False
+        elif self._in_order:
+            self._hash_from_file(self._pos, start)
+
+    def add(self, start: int, data: memoryview | bytearray) -> None:
+        """``data``, read from ``start`` (not written to again while it is hashed)."""
+        if self._in_order and start == self._pos:
+            self._pending.put(data)
+            self._pos += len(data)
+        else:
+            self._in_order = False
+
+    def finish(self) -> str:
+        if self._in_order:
+            self._hash_from_file(self._pos, None)
+            self.close()
+        else:
+            self.close()
+            self._hash, self._pos, self._in_order = hashlib.sha256(), 0, True
+            self._hash_from_file(0, None, on_thread=False)
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        """Stop the hashing thread (after what is queued)."""
+        if self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join()
+
+    def _hash_from_file(self, start: int, end: int | None, on_thread: bool = True) -> None:
+        self._f.seek(start)
+        pos = start
+        while end is None or pos < end:
+            chunk = self._f.read(_HASH_CHUNK_BYTES if end is None
+                                 else min(_HASH_CHUNK_BYTES, end - pos))
+            if not chunk:
+                break
+            if on_thread:
+                self._pending.put(chunk)
+            else:
+                self._hash.update(chunk)
+            pos += len(chunk)
+        self._pos = pos
+
+
+def _execute(f: BufferedReader, read: _Read, out: torch.Tensor,
+             digest: _FileDigest | None) -> None:
+    """Read one tensor into ``out`` (see :class:`_Read`)."""
+    entry, name = read.entry, read.name
+    if digest is not None:
+        digest.skip_to(entry.start)
+    if read.scale_rows:
+        staging = bytearray(entry.nbytes)
+        _read_exact(f, entry, name, memoryview(staging))
+        if digest is not None:
+            digest.add(entry.start, staging)
+        src_dtype = _FLOAT_CODES[entry.code][0]
+        value = (torch.frombuffer(staging, dtype=src_dtype).float().reshape(-1) if staging
+                 else torch.empty(0))  # fmt: skip
+        if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+            raise CheckpointError(entry.file, name, "scales must be positive and finite")
+        scales = value.expand(read.scale_rows).contiguous()
+        out[read.pos:read.pos + read.out_bytes].copy_(scales.view(torch.uint8))
+        return
+    src_dtype = _FLOAT_CODES.get(entry.code, (torch.uint8, 1))[0]
+    nbytes = read.out_bytes
+    if nbytes == 0:
+        return
+    target = out[read.pos:read.pos + nbytes]
+    if src_dtype == read.dtype:
+        view = target.numpy().data
+        _read_exact(f, entry, name, view)
+        if digest is not None:
+            digest.add(entry.start, view)
     else:
         staging = bytearray(entry.nbytes)
         _read_exact(f, entry, name, memoryview(staging))
-        converted = torch.frombuffer(staging, dtype=src_dtype).to(dtype)
+        if digest is not None:
+            digest.add(entry.start, staging)
+        converted = torch.frombuffer(staging, dtype=src_dtype).to(read.dtype)
         target.copy_(converted.view(torch.uint8))
-    return pos + nbytes
 
 
 def _read_exact(f: BufferedReader, entry: TensorEntry, name: str, into: memoryview) -> None:

@@ -126,14 +126,27 @@ class Tokens:
 
     ``cos``/``sin`` are ``[N, 1, D]`` rope rows of the tokens' positions (``sin``
     with its first half negated, see rope.py); token ``n``'s K/V go to block
-    ``slot_blocks[n]``, row ``slot_offsets[n]``.
+    ``slot_blocks[n]``, row ``slot_offsets[n]``. Kernels that index the rope
+    table themselves (the Triton ones) read ``positions [N]`` and ``rope [2, P,
+    D]`` instead; then ``cos``/``sin`` may be None (``rope_rows`` gathers them).
     """
 
     token_ids: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
+    positions: torch.Tensor | None = None
+    rope: torch.Tensor | None = None
+
+    def rope_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[N, 1, D]``."""
+        if self.cos is not None and self.sin is not None:
+            return self.cos, self.sin
+        if self.positions is None or self.rope is None:
+            raise ValueError("Tokens carry neither rope rows nor positions and a rope table")
+        rows = self.rope.index_select(1, self.positions)[:, :, None]
+        return rows[0], rows[1]
 
 
 class LayerOps:
@@ -154,6 +167,12 @@ class LayerOps:
         """RMSNorm of the rows of ``x`` (see ``rms_norm``)."""
         return rms_norm(x, weight, eps)
 
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None,
+                     eps: float) -> torch.Tensor:
+        """``h += delta`` in place (the residual stream), then ``rms_norm(h)``."""
+        h.add_(delta)
+        return self.rms_norm(h, weight, eps)
+
     def rope_write(self, qkv: torch.Tensor, lw: LayerWeights, kv: KVViews, layer: int,
                    tokens: Tokens, num_q: int, eps: float) -> None:
         """In place on ``qkv [N, Hq + 2 Hkv, D]``: q/k norm (if the model has it) and
@@ -167,7 +186,8 @@ class LayerOps:
             src[:, :num_q].mul_(lw.q_norm)
             src[:, num_q:].mul_(lw.k_norm)
         # rope, written back into qkv so K and V stay adjacent for one slot write
-        torch.add(src * tokens.cos, src.roll(dim // 2, -1).mul_(tokens.sin), out=qk)
+        cos, sin = tokens.rope_rows()
+        torch.add(src * cos, src.roll(dim // 2, -1).mul_(sin), out=qk)
         kv.kv[layer].index_put_((tokens.slot_blocks, tokens.slot_offsets),
                                 qkv[:, num_q:].view(n, 2, num_kv, dim))
 
@@ -190,15 +210,21 @@ def forward(w: ModelWeights, kv: KVViews, tokens: Tokens, attend: AttendFn,
     n, eps = tokens.token_ids.shape[0], spec.rms_norm_eps
     heads = spec.num_heads + 2 * spec.num_kv_heads
     h = embed(tokens.token_ids, w.embed_tokens, w.dtype)  # the residual stream, [N, hidden]
+    # each residual add is left to the next norm (ops.add_rms_norm: one kernel on Triton)
+    pending: torch.Tensor | None = None
     for i, lw in enumerate(w.layers):
-        qkv = ops.project(lw.qkv, ops.rms_norm(h, lw.input_norm, eps), lw.qkv_bias)
-        qkv = qkv.view(n, heads, spec.head_dim)
+        x = (ops.rms_norm(h, lw.input_norm, eps) if pending is None
+             else ops.add_rms_norm(h, pending, lw.input_norm, eps))
+        qkv = ops.project(lw.qkv, x, lw.qkv_bias).view(n, heads, spec.head_dim)
         ops.rope_write(qkv, lw, kv, i, tokens, spec.num_heads, eps)
         attn_out = ops.project(lw.o_proj, attend(i, qkv), lw.o_bias)
-        h.add_(attn_out if reduce is None else reduce(attn_out))
-        gate_up = ops.project(lw.gate_up, ops.rms_norm(h, lw.post_norm, eps), None)
+        x = ops.add_rms_norm(h, attn_out if reduce is None else reduce(attn_out), lw.post_norm,
+                             eps)
+        gate_up = ops.project(lw.gate_up, x, None)
         mlp_out = ops.project(lw.down, ops.silu_mul(gate_up), None)
-        h.add_(mlp_out if reduce is None else reduce(mlp_out))
+        pending = mlp_out if reduce is None else reduce(mlp_out)
+    if pending is not None:
+        h.add_(pending)
     return h
 
 

@@ -104,6 +104,22 @@ class BumpArena:
             self._live.append(allocation)  # zero-byte allocations own nothing
         return allocation
 
+    def alloc_at(self, offset: int, nbytes: int) -> Allocation:
+        """Allocate ``[offset, offset + nbytes)`` at or above the bump pointer (a place
+        chosen by the caller, e.g. where a model's CUDA graphs were captured); the
+        pointer moves past it. Raises OutOfDeviceMemory (nothing changes) if it does
+        not fit, ValueError below the pointer."""
+        if nbytes < 0 or offset < self._top:
+            raise ValueError(f"alloc_at({offset}, {nbytes}) below the bump pointer {self._top}")
+        if offset + nbytes > self._capacity:
+            raise OutOfDeviceMemory(self._capacity, offset, nbytes)
+        allocation = Allocation(offset, nbytes)
+        self._top = offset + nbytes
+        self._peak = max(self._peak, self._top)
+        if nbytes:
+            self._live.append(allocation)
+        return allocation
+
     def mark(self) -> int:
         """The current bump pointer, to pass to `release_to` later."""
         return self._top

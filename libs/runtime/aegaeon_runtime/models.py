@@ -28,7 +28,7 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError
 from aegaeon_sched import LatencyModel
 
-from aegaeon_runtime.port import WorkerPort
+from aegaeon_runtime.port import ModelGoneError, WorkerPort
 
 log = get_logger("instance")
 
@@ -69,7 +69,7 @@ def set_awake(
                 else:
                     switcher.prefetch(name)  # behind the active model, if it fits
                 log.info("model_awake", model=name, loaded=idle)
-            except (RemoteError, TimeoutError, OSError) as exc:  # the Model Cache's load
+            except (RemoteError, TimeoutError, OSError, ModelGoneError) as exc:  # its load
                 log.error("model_wake_failed", model=name, error=str(exc))
     return ModelsResident(worker.kind, worker.index, msg.ticket, switcher.resident_models(),
                           switcher.residency_version, reply_to=msg.reply_to)  # fmt: skip

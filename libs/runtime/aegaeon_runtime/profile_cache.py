@@ -25,7 +25,7 @@ from aegaeon_common.logs import get_logger
 from aegaeon_engine import DecodeSeq
 from aegaeon_sched import LatencyModel
 
-from aegaeon_runtime.port import WorkerPort
+from aegaeon_runtime.port import ModelGoneError, WorkerPort
 from aegaeon_runtime.profile import profile, profile_models
 from aegaeon_runtime.worker import Worker, instance_config
 
@@ -61,9 +61,16 @@ def profile_key(worker: Worker) -> str:
 
 
 def warm_up(worker: Worker) -> None:
-    """One prefill and one decode step of the smallest model: first-call costs paid now."""
-    model = profile_models(worker)[0]
-    worker.switcher.activate(model)
+    """One prefill and one decode step of the smallest model: first-call costs paid now
+    (none when no model's checkpoint could be read)."""
+    readable = profile_models(worker)
+    if not readable:
+        return
+    model = readable[0]
+    try:
+        worker.switcher.activate(model)
+    except ModelGoneError:  # unreadable since the worker started: nothing to warm up
+        return
     shape = worker.kv_shape(model)
     length = min(16, worker.max_model_len(model) - 1)
     blocks = worker.kv.alloc(shape, shape.blocks_for(length + 1))

@@ -32,6 +32,7 @@ from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import (
+    CudaGraphStats,
     InstanceDraining,
     InstanceHello,
     InstanceStalled,
@@ -54,6 +55,7 @@ from aegaeon_runtime.incarnation import INCARNATION
 from aegaeon_runtime.liveness import Progress, Verdict, judge
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.registrar import Registrar
+from aegaeon_runtime.shared_queues import QueueSnapshots
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
 
 log = get_logger("instance")
@@ -78,6 +80,7 @@ class InstanceLoop(Protocol):
     load: InstanceLoad  # queue depths for /metrics, replaced whole by the compute thread
     holdings: HoldingsBook  # what it holds for its requests (aegaeon_runtime.holdings)
     drain: Drain
+    snapshots: QueueSnapshots  # its queues on request (the registrar rebuilds the store's)
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (drain ``inbox``, compute, send via ``outbox``)."""
@@ -124,7 +127,8 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
     waiting on the move list) and ``open_sequences`` (requests queued for prefill
     or in the decode work list, as the compute thread last published them); and
     for its KV usage (``vllm:kv_cache_usage_perc``): ``kv_used_bytes`` (live
-    blocks) of ``kv_capacity_bytes`` (the region's whole slabs)."""
+    blocks) of ``kv_capacity_bytes`` (the region's whole slabs); and ``cuda_graphs``,
+    what its decode-step graphs did (captures, replays, steps run eager and why)."""
     held = book.read()
     slabs = worker.kv.pool.stats().slabs
     counters = {
@@ -138,9 +142,11 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
     velocity = worker.metrics.velocity()
     # the version first: read with the names after it, it is never newer than they are
     version = worker.switcher.residency_version
+    graphs = msgspec.convert(worker.engine.graph_stats.to_dict(), CudaGraphStats)
     return msgspec.structs.replace(stats, counters=counters, velocity=velocity,
                                    resident_models=worker.switcher.resident_models(),
-                                   residency_version=version, holdings=held)  # fmt: skip
+                                   residency_version=version, holdings=held,
+                                   cuda_graphs=graphs)  # fmt: skip
 
 
 def instance_address(config: Config, kind: str, index: int) -> str:
@@ -301,7 +307,7 @@ async def _serve(
                 return
         hello = _hello(worker, instance)
         if store is not None:
-            registrar = Registrar(config, store, hello, http_url)
+            registrar = Registrar(config, store, hello, http_url, instance.snapshots)
 
         async def receive() -> None:
             while True:

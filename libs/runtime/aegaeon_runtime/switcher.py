@@ -44,6 +44,12 @@ the sampler and every buffer stay; only the engine's weight views change.
   the followers (``mirror``) of every switch, prefetch and eviction of a
   sharded model *before* its own copy, so every rank copies its shard at
   once. A model the group does not split is rank 0's alone.
+- **CUDA graphs** (the engine's, on a GPU): a graph replays the bytes at the
+  address it was captured over. So a scale-up or a prefetch copies a model to
+  an arena offset where graphs of its layout already are, when one is free
+  (``Engine.graph_addresses``), and binds it with the copy's event: the first
+  replay waits on it. Elsewhere it lands as above, and the engine captures
+  graphs for the new place at its first step (or runs eager; graphs.py).
 
 All methods except the background copy run on the compute thread.
 """
@@ -65,7 +71,7 @@ from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
 from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
-from aegaeon_runtime.port import ModelGoneError
+from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
 from aegaeon_runtime.tp_shards import Shards
 
@@ -85,6 +91,7 @@ class Resident:
     name: str
     allocation: Allocation | None  # None: mapped in place from the Model Cache
     weights: ModelWeights
+    ready: object | None = None  # the event of the copy that put the bytes there (CUDA)
 
 
 class ModelSwitcher:
@@ -180,6 +187,32 @@ class ModelSwitcher:
         start, stop = self.shards.region_range(name, whole)
         return mapped.data[start:stop]
 
+    def _graph_offsets(self, name: str) -> list[int]:
+        """Arena offsets where the engine holds CUDA graphs of ``name``'s layout and the
+        model fits (most recently used first)."""
+        addresses = self.engine.graph_addresses(self.spec(name), self.dtype)
+        if not addresses:
+            return []
+        base, nbytes = self.buffer.tensor.data_ptr(), self.nbytes(name)
+        limit = self.buffer.weights_capacity
+        return [a - base for a in addresses if a - base >= 0 and a - base + nbytes <= limit]
+
+    def _alloc_in_empty_arena(self, name: str) -> Allocation:
+        """After a reset: at an offset holding graphs of its layout if any, else at 0."""
+        offsets = self._graph_offsets(name)
+        if offsets:
+            return self.buffer.arena.alloc_at(offsets[0], self.nbytes(name))
+        return self.buffer.alloc(self.nbytes(name))
+
+    def _ready_event(self) -> object | None:
+        """An event after the copy just made (CUDA): replays wait on it."""
+        device = self.buffer.device
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return event
+
     def _bind(self, name: str, allocation: Allocation) -> Resident:
         key = (name, allocation.offset)
         with self._views_lock:
@@ -192,7 +225,7 @@ class ModelSwitcher:
                 if len(self._views) >= self._max_views:
                     del self._views[next(iter(self._views))]  # the oldest
                 self._views[key] = weights
-        return Resident(name, allocation, weights)
+        return Resident(name, allocation, weights, self._ready_event())
 
     def _region(self, name: str) -> MappedModel:
         """``name``'s Model Cache region: the client's kept mapping (the use is noted,
@@ -208,6 +241,8 @@ class ModelSwitcher:
         except RemoteError as exc:
             if exc.code == "unknown_model":
                 raise ModelGoneError(name, str(exc)) from exc
+            if exc.code == "checkpoint_error":  # quarantined by the cachemgr
+                raise ModelUnavailableError(name, exc.reply.message) from exc
             raise
         self.cache.unpin(name)
         return mapped
@@ -275,7 +310,8 @@ class ModelSwitcher:
         self.active = resident
         name = resident.name
         reduce = self.reduce if self.shards.sharded(name) else None
-        self.engine.bind(self.spec(name), resident.weights, self.buffer.kv_region, reduce=reduce)
+        self.engine.bind(self.spec(name), resident.weights, self.buffer.kv_region, reduce=reduce,
+                         ready=resident.ready)
 
     # ---- switching -------------------------------------------------------
     def activate(self, name: str, now_s: float | None = None) -> SwitchRecord | None:
@@ -302,7 +338,7 @@ class ModelSwitcher:
         else:
             self.active = None
             self.buffer.reset()  # scale-down: the old model's bytes are simply reused
-            allocation = self.buffer.alloc(self.nbytes(name))
+            allocation = self._alloc_in_empty_arena(name)
             load_s = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))
             prefetched = False
@@ -330,7 +366,7 @@ class ModelSwitcher:
         if self.map_weights:
             allocation = None
         else:
-            allocation = self._place(self.nbytes(name))
+            allocation = self._place(name)
             if allocation is None:
                 return False
         job = PrefetchJob(name, allocation)
@@ -362,14 +398,23 @@ class ModelSwitcher:
             self.residency_version += 1
         return evicted
 
-    def _place(self, nbytes: int) -> Allocation | None:
-        """Free arena space for a prefetch (see the module docstring), or None."""
+    def _place(self, name: str) -> Allocation | None:
+        """Free arena space for prefetching ``name`` (see the module docstring), or None."""
+        nbytes = self.nbytes(name)
         if self.active is None:
-            return self.buffer.alloc(nbytes) if self.buffer.fits(nbytes) else None
+            if not self.buffer.fits(nbytes):
+                return None
+            empty = self.buffer.arena.top == 0
+            return self._alloc_in_empty_arena(name) if empty else self.buffer.alloc(nbytes)
         active = self.active.allocation
         assert active is not None  # a mapped model is never in the arena
         # Only the active model stays: drop stale allocations above it.
         self.buffer.arena.set_top(active)
+        for offset in self._graph_offsets(name):  # where its graphs are, if that is free
+            if offset + nbytes <= active.offset:
+                return Allocation(offset, nbytes)
+            if offset >= self.buffer.arena.top:
+                return self.buffer.arena.alloc_at(offset, nbytes)
         if self.buffer.fits(nbytes):
             return self.buffer.alloc(nbytes)
         if active.offset >= nbytes:

@@ -2,18 +2,24 @@
 
 The device buffer (weights arena + device KV region), the engine, the
 sampler, the copy streams, the cachemgr lease and every model's spec are made
-here once; serving only rebinds views.
+here once; serving only rebinds views. A model whose checkpoint cannot be read
+does not stop the worker: its spec left out (an unreadable ``config.json``) or
+its weights refused by the cachemgr, it is noted in ``Worker.unavailable`` and
+the worker serves the rest.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from aegaeon_common.config import Config, InstancesConfig
-from aegaeon_engine import Engine, KVShape, ModelSpec, Sampler
+from aegaeon_common.logs import get_logger
+from aegaeon_common.transport import RemoteError
+from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_engine.tp_mirror import MirroredEngine
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 from aegaeon_sched import ModelSpec as SchedSpec
@@ -25,6 +31,8 @@ from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
 from aegaeon_runtime.tp.group import InstanceGroup, start_group
 from aegaeon_runtime.tp_shards import Shards
+
+log = get_logger("worker")
 
 # Copy streams per worker: one slot each in the cachemgr's event table.
 SWAP_OUT, SWAP_IN = 0, 1
@@ -54,6 +62,9 @@ class Worker:
     sampler: Sampler
     # what the compute thread counts for /metrics (a registry of its own by default)
     metrics: WorkerMetrics = field(default_factory=lambda: WorkerMetrics("worker"))
+    # models whose checkpoint could not be read at start -> why (left out of the
+    # start-up profile; the cachemgr refuses them until the operator reloads them)
+    unavailable: dict[str, str] = field(default_factory=dict)
     # a tensor-parallel instance's group (rank 0's handle); None: one device
     group: InstanceGroup | None = None
 
@@ -90,14 +101,38 @@ class Worker:
     def add_model(self, name: str, path: Path) -> SchedSpec:
         """Serve one more model (``AddModel``, on the compute thread): its spec is read
         from ``path`` (``CheckpointError`` if broken); its weights come through the
-        Model Cache at its first switch, as every model's."""
+        Model Cache at its first switch, as every model's. On a GPU its decode step's
+        CUDA graphs are captured now (where a scale-up lands), not at a served step."""
         spec = ModelSpec.from_dir(path)
         if self.group is not None:  # the followers first: the next switch may need it
             self.group.add_model(name, str(path))
         self.switcher.add_model(name, spec)
         self.engine.tune(self.switcher.spec(name), self.config.dtype)
         self.specs[name] = spec
+        self.capture_graphs([name])
         return self.sched_spec(name)
+
+    def capture_graphs(self, names: Iterable[str]) -> None:
+        """Capture the CUDA graphs of these models' layouts at arena offset 0, where a
+        scale-up copies a model (``ModelSwitcher``), and log what it cost; nothing
+        without graphs (the CPU, ``cuda_graphs: false``). A layout seen before costs
+        nothing; a failed capture leaves that model's steps eager (logged)."""
+        stats = self.engine.graph_stats
+        if not stats.enabled:
+            return
+        before_n, before_s = stats.captures, stats.capture_s
+        captured: list[str] = []
+        failed: list[str] = []
+        for name in names:
+            nbytes = self.switcher.nbytes(name)
+            if nbytes > self.buffer.weights_capacity:
+                continue  # it never lands here; its switch says so
+            ok = self.engine.capture_graphs(self.switcher.spec(name), self.buffer.view(0, nbytes),
+                                            self.buffer.kv_region, self.config.dtype)
+            (captured if ok else failed).append(name)
+        log.info("cuda_graphs_captured", worker=self.name, models=captured, failed=failed,
+                 graphs=stats.captures - before_n,
+                 seconds=round(stats.capture_s - before_s, 4), sizes=list(stats.sizes))
 
     def close(self) -> None:
         self.switcher.close()
@@ -129,13 +164,23 @@ async def build_worker(
     registration = await client.register(os.getpid(), NUM_STREAMS)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
-    specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
+    specs: dict[str, ModelSpec] = {}
+    unavailable: dict[str, str] = {}
+    for model in config.models:
+        try:
+            specs[model.name] = ModelSpec.from_dir(model.path)
+        except (CheckpointError, OSError) as exc:  # served without it (the proxy says why)
+            unavailable[model.name] = str(exc)
+            log.error("model_unavailable", model=model.name, error=str(exc))
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
     # answering /health meanwhile. A tensor-parallel instance's engine mirrors its
-    # calls to its group (aegaeon_runtime.tp.group).
+    # calls to its group (aegaeon_runtime.tp.group), and runs without CUDA graphs (its
+    # collectives would have to be captured on every rank).
     engine_class = MirroredEngine if inst.tp > 1 else Engine
-    engine = await asyncio.to_thread(engine_class, device, num_threads=inst.threads)
+    graphs = None if inst.cuda_graphs and inst.tp == 1 else False
+    engine = await asyncio.to_thread(engine_class, device, num_threads=inst.threads,
+                                     graphs=graphs)
     shards = Shards(0, inst.tp, config.dtype, engine.block_size)
     for name, spec in specs.items():  # the fastest kernels per shape, measured once a machine
         shards.add(name, spec)
@@ -173,13 +218,20 @@ async def build_worker(
             mirror=group,
         )
         for name in specs:  # map every Model Cache region now, off the critical path
-            await client.load_model(name, pin=True)
+            try:
+                await client.load_model(name, pin=True)
+            except RemoteError as exc:
+                if exc.code != "checkpoint_error":
+                    raise
+                unavailable[name] = exc.reply.message  # quarantined there; the rest is served
+                log.error("model_unavailable", model=name, error=exc.reply.message)
+                continue
             await client.unpin(name)
     except BaseException:
         if group is not None:
             group.close()
         raise
-    return Worker(
+    worker = Worker(
         config=config,
         kind=kind,
         index=index,
@@ -194,4 +246,8 @@ async def build_worker(
         sampler=Sampler(device),
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
         group=group,
+        unavailable=unavailable,
     )
+    # the decode step's CUDA graphs, one set per layout, before the first step (a GPU)
+    await asyncio.to_thread(worker.capture_graphs, list(specs))
+    return worker

@@ -11,6 +11,10 @@ one store transaction, so a decision commits only on the states it read.
 
 Everything here is pure (no clock, no I/O); ids of new groups and batches come
 from the caller (random per decision: two replicas never mint the same one).
+
+A store that loses these states (it restarted empty) gets them back from the
+instances: each keeps the same queue as a mirror and merges it with what the
+store holds by then (:func:`merge_prefill_states`, :func:`merge_work_lists`).
 """
 
 from __future__ import annotations
@@ -124,6 +128,29 @@ def prefill_done(
     return prefill_queue_state(queue), running
 
 
+def merge_prefill_states(own: State | None, shared: State | None,
+                         max_group_size: int = MAX_GPSIZE) -> State:  # fmt: skip
+    """An instance's own queue (``own``: what it holds, in its order; its loaded model
+    and running request) with the requests only ``shared`` holds (booked there since
+    the store lost the queue, on their way to the instance) added to their groups, a
+    group of them the instance does not hold at its key's place. Each group counts
+    the larger of its two ``num_added``."""
+    queue = prefill_queue_from_state(own, max_group_size)
+    if shared is None:
+        return prefill_queue_state(queue)
+    added: dict[int, int] = {}
+    for group_id, _model, num_added, running, pending, *rest in shared[2]:
+        key_s = _opt_float(rest[0]) if rest else None
+        for item in ([running] if running is not None else []) + list(pending):
+            request = request_from_state(item)
+            if request.request_id not in queue:
+                queue.add(request, int(group_id), key_s=key_s)
+        added[int(group_id)] = int(num_added)
+    for group in queue:
+        group.num_added = max(group.num_added, added.get(group.group_id, 0))
+    return prefill_queue_state(queue)
+
+
 def remove_from_prefill(
     state: State | None, request_id: str, max_group_size: int = MAX_GPSIZE
 ) -> tuple[State, bool]:
@@ -230,8 +257,33 @@ def queued_request_ids(state: State | None, prefill: bool) -> set[str]:
     return {str(item[0]) for _batch_id, _model, requests in state for item in requests}
 
 
+def merge_work_lists(own: State | None, shared: State | None) -> State:
+    """An instance's own work list (``own``) with the requests only ``shared`` holds
+    added to their batches (as :func:`merge_prefill_states`)."""
+    work_list = work_list_from_state(own)
+    for batch_id, _model, requests in shared or ():
+        for item in requests:
+            request = request_from_state(item)
+            if request.request_id not in work_list:
+                work_list.add(request, int(batch_id))
+    return work_list_state(work_list)
+
+
 def remove_from_work_list(state: State | None, request_id: str) -> tuple[State, bool]:
     """Finished or cancelled: the work list without ``request_id``."""
     work_list = work_list_from_state(state)
     removed = work_list.remove(request_id)
     return work_list_state(work_list), removed
+
+
+def remove_requests(state: State | None, request_ids: Collection[str], prefill: bool,
+                    max_group_size: int = MAX_GPSIZE) -> tuple[State, bool]:  # fmt: skip
+    """A prefill queue state (``prefill``) or a work list state without ``request_ids``;
+    False when none of them was there."""
+    if prefill:
+        queue = prefill_queue_from_state(state, max_group_size)
+        removed = [queue.remove(rid) for rid in sorted(request_ids)]
+        return prefill_queue_state(queue), any(removed)
+    work_list = work_list_from_state(state)
+    removed = [work_list.remove(rid) for rid in sorted(request_ids)]
+    return work_list_state(work_list), any(removed)

@@ -8,6 +8,7 @@ tie blocks, pins and event slots to registered workers; a worker that dies
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
+from aegaeon_common.market_files import MarketRecords
 from aegaeon_common.messages.cache import (
     AllocBlocks,
     BlocksAllocated,
@@ -31,10 +33,12 @@ from aegaeon_common.messages.cache import (
     ModelForgotten,
     ModelLoaded,
     ModelRegistered,
+    ModelReloaded,
     ModelUnpinned,
     ReassignBlocks,
     RegisterModel,
     RegisterWorker,
+    ReloadModel,
     SetModelFlags,
     UnpinModel,
     UnregisterWorker,
@@ -81,8 +85,10 @@ class CacheManager:
             raise
         self.kv = UnifiedKVCache(self.kv_region, cache.slab_bytes, self.events.name)
         models = {m.name: m.path for m in config.models}
+        # what market.json records of each model's files (sizes, digests)
+        self.records = MarketRecords(config.market_dir)
         self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor,
-                                 tp=config.prefill.tp)
+                                 self.records.files, tp=config.prefill.tp)  # fmt: skip
         per_worker = min(DEFAULT_SLOTS_PER_WORKER, cache.event_slots)
         self.workers = WorkerRegistry(cache.event_slots, per_worker)
         self._handlers: dict[type[Message], Callable[[Any], Awaitable[Message]]] = {
@@ -97,6 +103,7 @@ class CacheManager:
             RegisterModel: self._register_model,
             ForgetModel: self._forget_model,
             SetModelFlags: self._set_flags,
+            ReloadModel: self._reload_model,
         }
 
     async def handle(self, request: Message) -> Message:
@@ -195,10 +202,39 @@ class CacheManager:
 
     # ---- models at run time (the proxy's admin endpoints) ----------------
 
+    async def check_models(self) -> None:
+        """Check every model's checkpoint (sizes, headers; off the loop), quarantining
+        those that cannot be read: at start, before any worker asks."""
+        for name, exc in (await asyncio.to_thread(self.models.check_all)).items():
+            self.models.quarantine(name, exc.message)
+
+    async def _check(self, name: str) -> None:
+        """``name`` registered or reloaded: refused (``checkpoint_error``, and quarantined)
+        when its files or headers are wrong."""
+        exc = await asyncio.to_thread(self.models.check, name)
+        if exc is not None:
+            self.models.quarantine(name, exc.message)
+            raise exc
+
     async def _register_model(self, req: RegisterModel) -> Message:
         self.models.register(req.name, Path(req.path))
         log.info("model_registered", model=req.name, path=req.path)
+        why = self.models.unavailable.get(req.name)
+        if why is not None:  # registered again (an instance restarted): still unreadable
+            raise CacheError("checkpoint_error", why, {"model": req.name})
+        await self._check(req.name)
         return ModelRegistered(req.name)
+
+    async def _reload_model(self, req: ReloadModel) -> Message:
+        self.models.reload(req.name, Path(req.path))
+        await self._check(req.name)
+        try:
+            await self.models.acquire(req.name, "", pin=False)
+        except CacheError as exc:
+            if exc.code != "model_cache_full":
+                raise
+            return ModelReloaded(req.name, resident=False)  # checked at its first load
+        return ModelReloaded(req.name, resident=True)
 
     async def _forget_model(self, req: ForgetModel) -> Message:
         evicted = self.models.forget(req.name)

@@ -53,6 +53,7 @@ class CacheCollector(Collector):
         )  # fmt: skip
         resident.add_metric(["resident"], float(len(stats.models)))
         resident.add_metric(["loading"], float(len(stats.loading)))
+        resident.add_metric(["unavailable"], float(len(stats.unavailable)))
         yield resident
         progress = GaugeMetricFamily(
             "aegaeon_model_load_progress_ratio",
@@ -72,6 +73,9 @@ class CacheCollector(Collector):
              models.loaded_bytes_total),
             ("aegaeon_model_cache_load_seconds", "Time spent loading from disk",
              models.load_s_total),
+            ("aegaeon_model_quarantines", "Models made unavailable because their checkpoint "
+             "could not be read (missing, truncated, corrupt, or not as market.json records)",
+             models.num_quarantines),
         ]  # fmt: skip
         for counter, counter_help, total in counters:
             yield CounterMetricFamily(counter, counter_help, value=float(total))

@@ -12,6 +12,13 @@ Invariants:
   region and changes nothing else. Concurrent requests for one model share
   one load.
 - Loading runs on a thread, so the event loop keeps serving other requests.
+- A model whose checkpoint cannot be read (a missing or truncated file, a bad
+  header, wrong shapes, a file whose size or content differs from what
+  ``market.json`` records) is *unavailable*: every load of it is refused with
+  ``checkpoint_error`` and that first error, without reading the disk again,
+  until :meth:`ModelCache.reload`. Found at start (:meth:`ModelCache.check`: sizes
+  and headers, cheap), by a load, or by a reload. The digests are checked on a
+  model's first load (and again once its files changed), while its bytes are read.
 """
 
 from __future__ import annotations
@@ -23,17 +30,19 @@ import os
 import re
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aegaeon_common.logs import get_logger
+from aegaeon_common.market_files import digest_problem, size_problem, stat_signature
+from aegaeon_common.market_index import FileRecord
 from aegaeon_common.messages.cache import ModelCacheStats, ResidentModel
 from aegaeon_gpumem.shm import SHM_DIR, ShmRegion
 
 from aegaeon_cachemgr.errors import CacheError
-from aegaeon_cachemgr.model_loader import ModelPlan, fill_region, plan_model
+from aegaeon_cachemgr.model_loader import ModelPlan, check_plan, fill_region, plan_model
 
 log = get_logger("cachemgr.models")
 
@@ -58,6 +67,15 @@ class _Loading:
     done: asyncio.Future[ModelEntry]
     pins: Counter[str] = field(default_factory=Counter)
     filled_bytes: int = 0  # written by the loader thread: progress
+    verify: tuple[FileRecord, ...] = ()  # files whose digests this load checks
+    signature: tuple[tuple[str, int, int], ...] = ()  # their stat when the load began
+
+
+Records = Callable[[Path], tuple[FileRecord, ...]]
+
+
+def _no_records(path: Path) -> tuple[FileRecord, ...]:
+    return ()
 
 
 def reserve_pages(name: str, nbytes: int) -> None:
@@ -79,9 +97,18 @@ class ModelCache:
         budget_bytes: int,
         name_prefix: str,
         executor: Executor,
+        records: Records = _no_records,
         tp: int = 1,
     ) -> None:
+        """``records(model_dir)``: what the market records of a model's files (sizes,
+        digests; () when nothing)."""
         self._paths = dict(models)
+        self._records = records
+        # name -> why its checkpoint cannot be read (refused until reload)
+        self.unavailable: dict[str, str] = {}
+        self.num_quarantines = 0
+        # name -> the stat of its recorded files when their digests last matched
+        self._verified: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self._dtype = dtype
         self._tp = tp  # the instances' tensor-parallel size: regions hold shards
         self.budget_bytes = budget_bytes
@@ -114,6 +141,7 @@ class ModelCache:
         slip in between). ``evict=False`` refuses rather than evicts (prewarm).
         """
         self._check_known(name)
+        self._check_available(name)
         entry = self._resident.get(name)
         if entry is not None:
             self._resident.move_to_end(name)
@@ -135,6 +163,56 @@ class ModelCache:
                 "unknown_model", f"unknown model {name!r} (known: {known})", {"model": name}
             )
 
+    def _check_available(self, name: str) -> None:
+        why = self.unavailable.get(name)
+        if why is not None:
+            raise CacheError("checkpoint_error", why, {"model": name})
+
+    # ---- checkpoints that cannot be read (quarantine) ----------------------
+    def check(self, name: str) -> CacheError | None:
+        """What is wrong with ``name``'s checkpoint that a stat per file and its headers
+        tell (sizes against the market's records, config, tensor names, shapes and
+        dtypes, each tensor inside its file), or None. Blocking: run it on a thread."""
+        path = self._paths.get(name)
+        if path is None:
+            return None
+        problem = size_problem(path, self._records(path))
+        if problem is not None:
+            return CacheError("checkpoint_error", problem, {"model": name})
+        try:
+            check_plan(plan_model(name, path, self._dtype))
+        except CacheError as exc:
+            return exc
+        except (OSError, ValueError, KeyError) as exc:  # a config the layout cannot take
+            return CacheError("checkpoint_error", f"{path}: {type(exc).__name__}: {exc}",
+                              {"model": name})  # fmt: skip
+        return None
+
+    def check_all(self) -> dict[str, CacheError]:
+        """:meth:`check` of every model (at start, on a thread); the failures by name."""
+        problems = {name: self.check(name) for name in list(self._paths)}
+        return {name: exc for name, exc in problems.items() if exc is not None}
+
+    def quarantine(self, name: str, why: str) -> None:
+        """``name`` cannot be read: every load of it is refused until :meth:`reload`."""
+        if name not in self._paths or name in self.unavailable:
+            return
+        self.unavailable[name] = why
+        self.num_quarantines += 1
+        log.error("model_unavailable", model=name, error=why)
+
+    def reload(self, name: str, path: Path) -> None:
+        """Serve ``name`` from ``path`` again as if new: its quarantine lifted, its digests
+        checked again at its next load, an unpinned resident copy evicted (the next
+        load reads the disk)."""
+        self.register(name, path)
+        if self.unavailable.pop(name, None) is not None:
+            log.info("model_reloaded", model=name, path=str(path))
+        self._verified.pop(name, None)
+        entry = self._resident.get(name)
+        if entry is not None and not entry.pins:
+            self.evict(name)
+
     # ---- models at run time (model lifecycle) ----------------------------
     def register(self, name: str, path: Path) -> None:
         """Serve ``name`` (its checkpoint at ``path``) from now on; idempotent."""
@@ -145,6 +223,8 @@ class ModelCache:
         """Stop serving ``name``: no new loads, its operator pin dropped; True when it is
         out of the cache now (else it leaves once no worker pins it)."""
         self._paths.pop(name, None)
+        self.unavailable.pop(name, None)
+        self._verified.pop(name, None)
         self.set_pinned(name, False)
         entry = self._resident.get(name)
         if entry is not None and not entry.pins:
@@ -169,6 +249,7 @@ class ModelCache:
         unpinned models for room; a ``CacheError`` at once if it cannot fit), and set
         the operator's pin on it when ``pin``. Does not wait for the load."""
         self._check_known(name)
+        self._check_available(name)
         if name not in self._resident and name not in self._loading:
             self._start(name, True)
         if pin:
@@ -200,7 +281,17 @@ class ModelCache:
             self.evict(name)
 
     def _start(self, name: str, evict: bool) -> _Loading:
-        plan = plan_model(name, self._paths[name], self._dtype, self._tp)
+        path = self._paths[name]
+        try:
+            plan = plan_model(name, path, self._dtype, self._tp)
+        except CacheError as exc:
+            if exc.code == "checkpoint_error":
+                self.quarantine(name, exc.message)
+            raise
+        # the digests on its first load, and again once its files changed since
+        files = self._records(path)
+        signature = stat_signature(path, files)
+        verify = files if files and self._verified.get(name) != signature else ()
         self._make_room(plan, evict)
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64]
         try:
@@ -210,7 +301,8 @@ class ModelCache:
         except OSError as exc:
             raise _no_space(plan, exc) from None
         loop = asyncio.get_running_loop()
-        loading = _Loading(plan, region, loop.create_future())
+        loading = _Loading(plan, region, loop.create_future(), verify=verify,
+                           signature=signature)  # fmt: skip
         self._loading[name] = loading
         task = loop.create_task(self._fill(loading))
         self._tasks.add(task)
@@ -237,11 +329,15 @@ class ModelCache:
             del self._loading[plan.name]
             region.close()  # unlinks: nothing half-written stays in /dev/shm
             log.warning("model_load_failed", model=plan.name, code=err.code, error=err.message)
+            if err.code == "checkpoint_error":
+                self.quarantine(plan.name, err.message)
             loading.done.set_exception(err)
             loading.done.exception()  # retrieved: waiters may all be gone
             return
         load_s = time.perf_counter() - started
         del self._loading[plan.name]
+        if loading.verify:
+            self._verified[plan.name] = loading.signature
         entry = ModelEntry(plan, region, load_s, loading.pins)
         self._resident[plan.name] = entry
         self.num_loads += 1
@@ -266,7 +362,14 @@ class ModelCache:
         def progress(nbytes: int) -> None:  # an int store: read by the event loop
             loading.filled_bytes = nbytes
 
-        fill_region(plan, region.tensor[: plan.nbytes], progress)
+        # the weight files are hashed as they are read; the small rest (config,
+        # tokenizer) here
+        digests = {plan.path / f.name: f.sha256 for f in loading.verify}
+        read = fill_region(plan, region.tensor[: plan.nbytes], progress, digests or None)
+        rest = [f for f in loading.verify if plan.path / f.name not in read]
+        problem = digest_problem(plan.path, rest)
+        if problem is not None:
+            raise CacheError("checkpoint_error", problem, {"model": plan.name})
 
     def _make_room(self, plan: ModelPlan, evict: bool) -> None:
         """Evict least recently used unpinned models until ``plan`` fits; all or nothing."""
@@ -360,6 +463,7 @@ class ModelCache:
             progress={n: self.progress(n) for n in sorted(self._loading)},
             operator_pinned=self.operator_pinned(),
             known=sorted(self._paths),
+            unavailable=dict(sorted(self.unavailable.items())),
         )
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ surfaces as ``CacheError("checkpoint_error")``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch
 from aegaeon_common.messages.cache import TensorEntry
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.layout import WeightLayout, weight_layout
-from aegaeon_engine.loader import fill_layout
+from aegaeon_engine.loader import check_checkpoint, fill_layout
 from aegaeon_engine.spec import ModelSpec
 from aegaeon_engine.tp import fill_tp_layout
 from aegaeon_engine.tp_layout import TPLayout, sharded_layout
@@ -70,16 +70,27 @@ def plan_model(name: str, path: Path, dtype: str, tp: int = 1) -> ModelPlan:
     return ModelPlan(name, path, layout.dtype, shards.total_bytes, tensors, layout, shards, spec)
 
 
-def fill_region(
-    plan: ModelPlan, dest: torch.Tensor, progress: Callable[[int], None] | None = None
-) -> None:
-    """Read the checkpoint into ``dest`` (runs on a loader thread, off the event loop);
-    ``progress`` is told the bytes filled so far."""
+def check_plan(plan: ModelPlan) -> None:
+    """The checkpoint's headers against the plan (names, shapes, dtypes, every tensor's
+    bytes inside its file): what a load would refuse before reading any data."""
     try:
-        if plan.shards is not None:
+        check_checkpoint(plan.path, plan.layout)
+    except CheckpointError as exc:
+        raise checkpoint_failure(exc) from None
+
+
+def fill_region(
+    plan: ModelPlan, dest: torch.Tensor, progress: Callable[[int], None] | None = None,
+    digests: Mapping[Path, str] | None = None,
+) -> set[Path]:
+    """Read the checkpoint into ``dest`` (runs on a loader thread, off the event loop);
+    ``progress`` is told the bytes filled so far; the files with ``digests`` are hashed
+    as they are read (a changed one is a ``checkpoint_error``). Returns the files read."""
+    try:
+        if plan.shards is not None:  # its files' digests are then checked on their own
             assert plan.spec is not None
             fill_tp_layout(plan.path, plan.spec, plan.shards, dest, progress)
-        else:
-            fill_layout(plan.path, plan.layout, dest, progress)
+            return set()
+        return fill_layout(plan.path, plan.layout, dest, progress, digests)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None

@@ -133,6 +133,7 @@ async def _serve_locked(
             collector = CacheCollector(manager)
             registry.register(collector)
             try:
+                await manager.check_models()  # an unreadable checkpoint: quarantined, not fatal
                 await _serve(config, manager, stop, readiness)
             finally:
                 registry.unregister(collector)  # a scrape must not read closed segments

@@ -12,6 +12,16 @@
 * ``DELETE /v1/aegaeon/models/{model}``: new requests get 404 at once; the
   cachemgr forgets it (its Model Cache bytes freed) once its requests in
   flight have ended: 200 when that is now, else 202 (``state: removing``).
+* ``POST /v1/aegaeon/models/{model}/reload``: read a model's checkpoint again
+  (its tokenizer here, its files on every node, each instance that lacks it):
+  an *unavailable* model (its checkpoint could not be read: listed with
+  ``state: unavailable`` and the ``error``, its requests answered 503
+  ``model_unavailable``) is served again once its files are fixed.
+
+A checkpoint that cannot be read makes the model unavailable wherever it was
+found (an add, a pin or preload, a reload, a request): an add or a reload
+answers 422 ``model_unavailable`` naming the file, and the model stays listed
+as unavailable until a reload succeeds (or it is deleted).
 
 Errors are OpenAI error objects: 400 naming the field, 404 unknown model,
 409 a model already served (or being added or removed) or a pin that does not
@@ -41,6 +51,7 @@ from aegaeon_proxy.backend import (
     BackendError,
     ModelControl,
     ModelFlags,
+    ModelQuarantine,
     SharedModelSet,
     SharedModelSettings,
 )
@@ -52,7 +63,8 @@ from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
 
-__all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings"]
+__all__ = ["ROUTES", "follow_served", "follow_unavailable", "model_rows", "parse_settings",
+           "quarantine"]  # fmt: skip
 
 
 # ---- request bodies ----------------------------------------------------------
@@ -126,14 +138,16 @@ def _ms_of(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 3)
 
 
-def model_row(entry: LiveModel, cache: Mapping[str, Any] | None) -> dict[str, Any]:
+def model_row(table: ModelSettingsTable, entry: LiveModel,
+              cache: Mapping[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     """One model as the admin API shows it; ``cache``: the Model Cache's stats (None:
     not known, then the cache fields are null)."""
     s = entry.settings
     row: dict[str, Any] = {
         "name": entry.name,
         "object": "aegaeon.model",
-        "state": entry.state,  # adding | serving | removing
+        "state": table.state_of(entry),  # adding | serving | unavailable | removing
+        "error": table.unavailable(entry.name),  # why it is unavailable (null: it is not)
         "source": "runtime" if entry.runtime else "config",
         "path": str(entry.config.path),
         "pinned": s.pin,
@@ -160,7 +174,7 @@ def model_row(entry: LiveModel, cache: Mapping[str, Any] | None) -> dict[str, An
 
 
 def model_rows(table: ModelSettingsTable, cache: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    return [model_row(entry, cache) for entry in table]
+    return [model_row(table, entry, cache) for entry in table]
 
 
 def _cache_summary(cache: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -191,8 +205,34 @@ def _control(state: ProxyState) -> ModelControl:
     return backend
 
 
-def _backend_error(exc: BackendError) -> APIError:
+def _backend_error(exc: BackendError, name: str | None = None) -> APIError:
+    if exc.code == "model_unavailable" and name is not None:
+        return _unreadable(name, exc.message)
     return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
+
+
+def _unreadable(name: str, why: str) -> APIError:
+    """An admin operation met ``name``'s unreadable checkpoint (it is unavailable now)."""
+    return APIError(422, f"model '{name}' cannot be served: {why}; it is listed as "
+                    f"unavailable until POST /v1/aegaeon/models/{name}/reload reads it again "
+                    "(fix the file first) or it is deleted", param="name",
+                    code="model_unavailable")  # fmt: skip
+
+
+async def quarantine(state: ProxyState, name: str, why: str | None) -> None:
+    """``name`` unavailable (``why``) or available again (None), on every replica (the
+    backend's); on this one alone when the backend does not share it or cannot now."""
+    backend = state.backend
+    if isinstance(backend, ModelQuarantine):
+        try:
+            await backend.quarantine_model(name, why)
+            return
+        except BackendError as exc:  # (the store is down: this replica knows, at least)
+            log.warning("model_quarantine_not_shared", model=name, error=exc.message)
+    if why is None:
+        state.models.release(name)
+    else:
+        state.models.quarantine(name, why)
 
 
 def _unknown(name: str) -> APIError:
@@ -224,7 +264,7 @@ async def get_model(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/models/{model}``."""
     state = request.app[STATE]
     entry = _entry(state, request.match_info["model"])
-    return json_response(model_row(entry, await _model_cache(state)))
+    return json_response(model_row(state.models, entry, await _model_cache(state)))
 
 
 async def patch_model(request: web.Request) -> web.Response:
@@ -244,7 +284,9 @@ async def patch_model(request: web.Request) -> web.Response:
                 name, pinned=pinned, preload=changes.get("preload") is True
             )
         except BackendError as exc:
-            raise _backend_error(exc) from None
+            if exc.code == "model_unavailable":
+                await quarantine(state, name, exc.message)
+            raise _backend_error(exc, name) from None
     if state.models.get(name) is not entry:
         raise _unknown(name)  # removed meanwhile
     # fields not in the body keep their value of now (another PATCH may have run)
@@ -256,7 +298,7 @@ async def patch_model(request: web.Request) -> web.Response:
         except BackendError as exc:
             raise _backend_error(exc) from None
     log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
-    return json_response(model_row(entry, await _model_cache(state)))
+    return json_response(model_row(state.models, entry, await _model_cache(state)))
 
 
 async def add_model(request: web.Request) -> web.Response:
@@ -270,7 +312,10 @@ async def add_model(request: web.Request) -> web.Response:
     existing = state.models.get(name)
     if existing is not None:
         code = "model_exists" if existing.state == "serving" else f"model_{existing.state}"
-        raise APIError(409, f"model '{name}' is already {existing.state}", param="name",
+        hint = ""
+        if state.models.unavailable(name) is not None:
+            hint = f" (unavailable: POST /v1/aegaeon/models/{name}/reload reads it again)"
+        raise APIError(409, f"model '{name}' is already {existing.state}{hint}", param="name",
                        code=code)  # fmt: skip
     control = _control(state)
     market = state.config.market_dir
@@ -301,22 +346,67 @@ async def add_model(request: web.Request) -> web.Response:
         if isinstance(backend, SharedModelSet):  # every other replica serves it too
             await backend.publish_served(name, model)
     except (AssetError, BackendError) as exc:
+        if isinstance(exc, AssetError) or exc.code == "model_unavailable":
+            # its checkpoint cannot be read: listed, unavailable, until a reload
+            why = exc.message if isinstance(exc, BackendError) else str(exc)
+            await _add_unavailable(state, model, why)
+            raise _unreadable(name, why) from None
         state.assets.remove(name)
         state.models.drop(name)
         if registered:
             await _forget(control, name)
         log.error("model_add_failed", model=name, error=str(exc))
-        if isinstance(exc, BackendError):
-            raise _backend_error(exc) from None
-        raise APIError(422, f"model '{name}' cannot be served: {exc}", param="name",
-                       code="model_unavailable") from None  # fmt: skip
+        raise _backend_error(exc) from None
     except BaseException:
         state.assets.remove(name)
         state.models.drop(name)
         raise
     state.models.finish_add(name)
     log.info("model_added", model=name, path=str(model.path))
-    return json_response(model_row(entry, await _model_cache(state)), status=201)
+    return json_response(model_row(state.models, entry, await _model_cache(state)), status=201)
+
+
+async def _add_unavailable(state: ProxyState, model: ModelConfig, why: str) -> None:
+    """An add whose checkpoint cannot be read: the model is listed (on every replica),
+    unavailable, so that fixing the file and reloading it serves it."""
+    log.error("model_add_failed", model=model.name, error=why, listed="unavailable")
+    await quarantine(state, model.name, why)
+    state.models.finish_add(model.name)
+    backend = state.backend
+    if isinstance(backend, SharedModelSet):
+        try:
+            await backend.publish_served(model.name, model)
+        except BackendError as exc:
+            log.warning("model_add_not_shared", model=model.name, error=exc.message)
+
+
+async def reload_model(request: web.Request) -> web.Response:
+    """``POST /v1/aegaeon/models/{model}/reload``: read its checkpoint again (tokenizer,
+    files on every node, instances that lack it): 200 and its row once it serves, 422
+    ``model_unavailable`` (it stays unavailable) naming what is still wrong."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    entry = _entry(state, name)
+    if entry.state == "removing":
+        raise APIError(409, f"model '{name}' is being removed", code="model_removing")
+    backend = state.backend
+    if not isinstance(backend, ModelQuarantine):
+        raise APIError(501, "this backend cannot read its models again", code="not_supported")
+    state.assets.remove(name)  # its tokenizer and template read again too
+    state.assets.add(entry.config)
+    try:
+        await state.assets.get(name)
+    except AssetError as exc:
+        await quarantine(state, name, str(exc))
+        raise _unreadable(name, str(exc)) from None
+    try:
+        await backend.reload_model(entry.config)  # (unavailable again: the backend says)
+    except BackendError as exc:
+        log.error("model_reload_failed", model=name, code=exc.code, error=exc.message)
+        raise _backend_error(exc, name) from None
+    state.models.release(name)  # (the backend told it too; this replica at once)
+    log.info("model_reloaded", model=name, path=str(entry.config.path))
+    return json_response(model_row(state.models, entry, await _model_cache(state)))
 
 
 async def _forget(control: ModelControl, name: str) -> bool | None:
@@ -333,6 +423,8 @@ async def _finish_removal(
     """Once its last request has ended: the cachemgr forgets it, the table drops it."""
     await entry.idle.wait()
     evicted = await _forget(control, entry.name)
+    if state.models.unavailable(entry.name) is not None:  # gone: a later add starts afresh
+        await quarantine(state, entry.name, None)  # (after the cachemgrs forgot it)
     if state.models.get(entry.name) is entry:
         state.models.drop(entry.name)
     log.info("model_removed", model=entry.name, evicted=evicted)
@@ -383,11 +475,9 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
         try:
             state.assets.add(model)
             await state.assets.get(model.name)
-        except AssetError as exc:
-            state.assets.remove(model.name)
-            models.drop(model.name)
+        except AssetError as exc:  # listed, unavailable here (a reload reads it again)
+            models.quarantine(model.name, str(exc))
             log.error("model_follow_failed", model=model.name, error=str(exc))
-            return
         models.finish_add(model.name)
         log.info("model_added", model=model.name, by="another replica")
 
@@ -411,6 +501,20 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
     return apply
 
 
+def follow_unavailable(state: ProxyState) -> Callable[[str, str | None], None]:
+    """What a replica does when a model is found unreadable (``why``) or read again
+    (None), here or on another replica: its table answers 503 for it, or serves it."""
+    models = state.models
+
+    def apply(name: str, why: str | None) -> None:
+        if why is None:
+            models.release(name)
+        else:
+            models.quarantine(name, why)
+
+    return apply
+
+
 def _removal(entry: LiveModel, state: str) -> dict[str, Any]:
     return {"name": entry.name, "object": "aegaeon.model", "state": state,
             "in_flight": entry.in_flight}  # fmt: skip
@@ -422,4 +526,5 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/v1/aegaeon/models/{model}", get_model),
     ("PATCH", "/v1/aegaeon/models/{model}", patch_model),
     ("DELETE", "/v1/aegaeon/models/{model}", delete_model),
+    ("POST", "/v1/aegaeon/models/{model}/reload", reload_model),
 ]

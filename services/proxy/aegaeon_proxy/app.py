@@ -11,7 +11,7 @@ from aiohttp.typedefs import Handler
 
 from aegaeon_proxy import admin_models, handlers, info, vllm_controls
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
-from aegaeon_proxy.backend import Backend, SharedModelSet, SharedModelSettings
+from aegaeon_proxy.backend import Backend, ModelQuarantine, SharedModelSet, SharedModelSettings
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
 from aegaeon_proxy.state import STATE, ProxyState
@@ -122,6 +122,8 @@ def make_app(config: Config, backend: Backend) -> web.Application:
             state.backend.follow_model_settings(apply)
         if isinstance(state.backend, SharedModelSet):  # models other replicas add, remove
             state.backend.follow_served(admin_models.follow_served(state))
+        if isinstance(state.backend, ModelQuarantine):  # checkpoints that cannot be read
+            state.backend.follow_unavailable(admin_models.follow_unavailable(state))
         await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:

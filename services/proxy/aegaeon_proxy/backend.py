@@ -39,6 +39,10 @@ from prometheus_client import CollectorRegistry
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 __all__ = [
+    "FAULT_CODES",
+    "FAULT_RETRY_AFTER_S",
+    "INSTANCE_FAILED",
+    "STORE_UNAVAILABLE",
     "Backend",
     "BackendError",
     "EngineSnapshot",
@@ -46,6 +50,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "ModelControl",
+    "ModelQuarantine",
     "ModelResidency",
     "SamplingParams",
     "SharedModelSet",
@@ -91,6 +96,14 @@ class GenerationRequest:
     slo_class: str = "standard"
 
 
+# A request ended by a fault, not by its own doing (``TokenChunk.code``): the front
+# answers 503 with Retry-After (an instance restarts, a store comes back, in seconds).
+INSTANCE_FAILED = "instance_failed"
+STORE_UNAVAILABLE = "store_unavailable"
+FAULT_CODES = (INSTANCE_FAILED, STORE_UNAVAILABLE)
+FAULT_RETRY_AFTER_S = 1.0
+
+
 @dataclass(frozen=True)
 class TokenChunk:
     """Newly generated token ids; the last chunk of a stream has ``finish_reason``."""
@@ -98,8 +111,9 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     error: str | None = None  # why, when finish_reason == "error"
-    # what kind of failure (finish_reason "error"): "instance_failed" (the instance
-    # holding it died or restarted: retrying may succeed), else a backend error
+    # what kind of failure (finish_reason "error"): one of FAULT_CODES (the instance
+    # holding it died or restarted, the shared store failed: retrying may succeed),
+    # else a backend error
     code: str | None = None
     # with the finishing chunk, when known: where the request's time went
     timings: RequestTimings | None = None
@@ -119,9 +133,10 @@ class TokenStream(Protocol):
 class BackendError(Exception):
     """A request the backend cannot take now.
 
-    ``status`` is the HTTP status the front answers with: 429 (overloaded; the
-    front sends ``Retry-After: retry_after_s``) or 503 (unavailable); ``code`` the
-    error's code (``overloaded``, ``unavailable``).
+    ``status`` is the HTTP status the front answers with: 429 (overloaded) or 503
+    (unavailable: an instance kind, the store or a cachemgr is down or restarting),
+    each with ``Retry-After: retry_after_s``; ``code`` the error's code
+    (``overloaded``, ``unavailable``, ``store_unavailable``).
     """
 
     def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None,
@@ -137,8 +152,9 @@ class BackendError(Exception):
         return cls(message, status=429, retry_after_s=retry_after_s)
 
     @classmethod
-    def unavailable(cls, message: str) -> BackendError:
-        return cls(message, status=503)
+    def unavailable(cls, message: str, retry_after_s: float = FAULT_RETRY_AFTER_S,
+                    code: str | None = None) -> BackendError:  # fmt: skip
+        return cls(message, status=503, retry_after_s=retry_after_s, code=code)
 
 
 @runtime_checkable
@@ -219,6 +235,29 @@ class ModelControl(ModelFlags, Protocol):
     async def forget_model(self, name: str) -> bool:
         """Stop serving ``name`` (its requests have ended): the Model Cache frees its
         bytes; True when it is out of the cache now."""
+
+
+@runtime_checkable
+class ModelQuarantine(Protocol):
+    """A backend that tells which models' checkpoints cannot be read and reads them again
+    (optional; ``POST /v1/aegaeon/models/{model}/reload`` answers 501 without it). A
+    model is *unavailable* everywhere (every node, every proxy replica) from the moment
+    one cachemgr or instance cannot read it until it is reloaded."""
+
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        """Call ``apply(name, why)`` whenever a model is found unreadable (``why`` names
+        the file and what is wrong), ``apply(name, None)`` once it is read again (also
+        at once for what is known already)."""
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        """Make ``name`` unavailable everywhere (``why``), or no longer (None: it is
+        gone, or read again)."""
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        """Read ``model``'s checkpoint again on every node (its quarantine lifted there),
+        have every instance serve it, and make it available everywhere; a
+        :class:`BackendError` (422 ``model_unavailable``, naming what is wrong now) when
+        it still cannot be read: it stays unavailable."""
 
 
 @runtime_checkable

@@ -18,6 +18,8 @@ from aegaeon_common.messages.structs import RequestTimings
 
 from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import (
+    FAULT_CODES,
+    FAULT_RETRY_AFTER_S,
     Backend,
     BackendError,
     GenerationRequest,
@@ -27,7 +29,7 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.metrics import ProxyMetrics
-from aegaeon_proxy.model_table import ModelSettingsTable
+from aegaeon_proxy.model_table import ModelSettingsTable, unavailable_error
 from aegaeon_proxy.stop_strings import StopStringMatcher
 from aegaeon_proxy.vllm_metrics import VllmRequest
 
@@ -90,7 +92,7 @@ class Generation:
             try:
                 self._models.enter(self.req.model)
             except APIError as exc:
-                if exc.status == 429:
+                if exc.status in (429, 503):  # max_concurrency, or an unreadable checkpoint
                     self._metrics.requests.labels(self.req.model, "rejected").inc()
                 raise
         try:
@@ -210,8 +212,10 @@ class Generation:
             raise APIError(503, "the request was cancelled by the server", code="cancelled")
         self.outcome = "error"
         message = f"generation failed: {chunk.error or 'unknown error'}"
-        if chunk.code == "instance_failed":  # a fault, not this request's doing: retryable
-            raise APIError(503, message, code="instance_failed")
+        if chunk.code in FAULT_CODES:  # a fault, not this request's doing: retryable
+            raise APIError(503, message, code=chunk.code, retry_after_s=FAULT_RETRY_AFTER_S)
+        if chunk.code == "model_unavailable":  # its checkpoint cannot be read (quarantined)
+            raise unavailable_error(self.req.model, chunk.error or "unknown error")
         raise APIError(500, message, code="backend_error")
 
     def _observe_tokens(self, n: int) -> None:

@@ -18,12 +18,14 @@ from typing import Any
 from aegaeon_common.logs import get_logger
 from aiohttp import web
 
+from aegaeon_proxy.admin_models import quarantine
 from aegaeon_proxy.assets import AssetError, ModelAssets
 from aegaeon_proxy.auth import API_KEY, allowed, model_not_found
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Generation
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter, read_json_object
 from aegaeon_proxy.jsonfmt import json_response
+from aegaeon_proxy.model_table import unavailable_error
 from aegaeon_proxy.params import (
     CHAT_FIELDS,
     FIELDS,
@@ -61,13 +63,15 @@ CHAT_COMPLETIONS = Endpoint(CHAT_FIELDS, chat_prompt_ids, CHAT, chat=True)
 async def _assets(state: ProxyState, model: str) -> ModelAssets:
     if model not in state.assets:
         raise model_not_found(model)
+    why = state.models.unavailable(model)
+    if why is not None:  # its checkpoint cannot be read: refused before any tokenizing
+        raise unavailable_error(model, why)
     try:
         assets = await state.assets.get(model)
-    except AssetError as exc:
+    except AssetError as exc:  # its tokenizer files: unavailable, as a bad checkpoint is
         log.error("model_assets_failed", model=model, error=str(exc))
-        raise APIError(
-            500, f"model '{model}' cannot be served: {exc}", code="model_unavailable"
-        ) from None
+        await quarantine(state, model, str(exc))
+        raise unavailable_error(model, str(exc)) from None
     # The deployment may hold fewer tokens of KV per request than the model's
     # window (device KV regions): the smaller bound is the context length.
     limit = getattr(state.backend, "context_limit", None)

@@ -31,22 +31,31 @@ __all__ = [
 ]
 
 
-def _model_obj(name: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": _STARTED, "owned_by": OWNER}
+def _model_obj(name: str, unavailable: str | None) -> dict[str, object]:
+    """OpenAI's model object; beside it ``state`` (``serving``, or ``unavailable`` with
+    the ``error`` that says why: its checkpoint cannot be read)."""
+    obj: dict[str, object] = {"id": name, "object": "model", "created": _STARTED,
+                              "owned_by": OWNER, "state": "serving"}  # fmt: skip
+    if unavailable is not None:
+        obj.update(state="unavailable", error=unavailable)
+    return obj
 
 
 async def list_models(request: web.Request) -> web.Response:
     """The served models: the configured ones, changed by the admin endpoints (never
-    derived from which workers are alive)."""
-    names = [n for n in request.app[STATE].models.names() if allowed(request, n)]
-    return json_response({"object": "list", "data": [_model_obj(n) for n in names]})
+    derived from which workers are alive); an unavailable one is listed as such."""
+    models = request.app[STATE].models
+    names = [n for n in models.names() if allowed(request, n)]
+    data = [_model_obj(n, models.unavailable(n)) for n in names]
+    return json_response({"object": "list", "data": data})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if not request.app[STATE].models.serving(name) or not allowed(request, name):
+    models = request.app[STATE].models
+    if not models.serving(name) or not allowed(request, name):
         raise model_not_found(name)
-    return json_response(_model_obj(name))
+    return json_response(_model_obj(name, models.unavailable(name)))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -8,13 +8,16 @@ families (``vllm:*``) are beside these (:mod:`aegaeon_proxy.vllm_metrics`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 
 from aegaeon_common.metrics import E2E_BUCKETS_S, TBT_BUCKETS_S, TTFT_BUCKETS_S, new_registry
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from aegaeon_proxy.vllm_metrics import VllmGauges, VllmMetrics
 
-__all__ = ["OUTCOMES", "ProxyMetrics"]
+__all__ = ["OUTCOMES", "ProxyMetrics", "UnavailableModels"]
 
 # aegaeon_requests_total{outcome}: how a request accepted by the HTTP front ended.
 OUTCOMES = (
@@ -94,3 +97,18 @@ class ProxyMetrics:
             counts[1] += met + missed
             if counts[1]:
                 self.attainment.labels(model).set(counts[0] / counts[1])
+
+
+class UnavailableModels(Collector):
+    """``aegaeon_models_unavailable``: served models whose checkpoint cannot be read
+    (their requests answered 503 ``model_unavailable``), read from the model table."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "aegaeon_models_unavailable",
+            "Served models whose checkpoint cannot be read (503 model_unavailable until "
+            "reloaded)", value=float(self._count()),
+        )  # fmt: skip

@@ -12,7 +12,12 @@ the config's at start, changed at run time by the admin endpoints
 It also counts each model's requests in flight (:meth:`enter` when a
 generation is submitted, :meth:`leave` when it ends): ``max_concurrency`` is
 checked there, and a removed model leaves the cachemgr once its count is 0.
-Pure bookkeeping on the event loop: no I/O.
+
+A served model whose checkpoint cannot be read is *unavailable*
+(:meth:`ModelSettingsTable.quarantine`, as the backend learns it): still listed,
+with why, and its requests answered 503 ``model_unavailable`` until it is
+reloaded (:meth:`ModelSettingsTable.release`). Pure bookkeeping on the event
+loop: no I/O.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from aegaeon_proxy.errors import APIError
 
 ModelState = Literal["adding", "serving", "removing"]
 
-__all__ = ["LiveModel", "ModelSettingsTable", "ModelState", "concurrency_refusal"]
+__all__ = ["LiveModel", "ModelSettingsTable", "ModelState", "concurrency_refusal",
+           "unavailable_error"]  # fmt: skip
 
 
 @dataclass
@@ -57,6 +63,17 @@ def concurrency_refusal(model: str, settings: ModelSettings, in_flight: int) -> 
     return None
 
 
+def unavailable_error(model: str, why: str) -> APIError:
+    """The answer to a request of ``model``, whose checkpoint cannot be read (``why``
+    names the file): 503, as for any service that is down until an operator acts (no
+    Retry-After: it does not come back by itself)."""
+    return APIError(
+        503, f"model '{model}' is unavailable: its checkpoint cannot be read: {why} (an "
+        f"operator fixes the file, then POST /v1/aegaeon/models/{model}/reload)",
+        param="model", code="model_unavailable",
+    )  # fmt: skip
+
+
 class ModelSettingsTable:
     """Served models in config order (runtime additions after them), by name."""
 
@@ -67,6 +84,9 @@ class ModelSettingsTable:
         }
         # DELETEs waiting for their model's last request (held so they are not collected)
         self.background: set[asyncio.Task[Any]] = set()
+        # models whose checkpoint cannot be read -> why (kept for names not listed
+        # yet: another replica's add may come after its quarantine)
+        self._unavailable: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, config: Config) -> ModelSettingsTable:
@@ -106,6 +126,33 @@ class ModelSettingsTable:
         entry = self._models.get(name)
         return entry.in_flight if entry is not None else 0
 
+    def unavailable(self, name: str) -> str | None:
+        """Why ``name``'s checkpoint cannot be read, or None (it can, or is not known)."""
+        return self._unavailable.get(name)
+
+    def unavailable_models(self) -> dict[str, str]:
+        """The models listed now whose checkpoint cannot be read, and why."""
+        return {n: w for n, w in self._unavailable.items() if n in self._models}
+
+    def state_of(self, entry: LiveModel) -> str:
+        """``entry``'s state as the API shows it: ``unavailable`` for a served model whose
+        checkpoint cannot be read, else its lifecycle state."""
+        if entry.state == "serving" and entry.name in self._unavailable:
+            return "unavailable"
+        return entry.state
+
+    # ---- checkpoints that cannot be read -----------------------------------------
+    def quarantine(self, name: str, why: str) -> bool:
+        """``name`` cannot be read (``why``): its requests get 503 from now on; True if
+        this is news."""
+        news = self._unavailable.get(name) != why
+        self._unavailable[name] = why
+        return news
+
+    def release(self, name: str) -> bool:
+        """``name`` was read again: served as before; True if it was unavailable."""
+        return self._unavailable.pop(name, None) is not None
+
     # ---- requests ------------------------------------------------------------
     def enter(self, name: str) -> None:
         """One more request of ``name`` starts: 404 if it is not served (removed
@@ -116,6 +163,9 @@ class ModelSettingsTable:
                 404, f"The model '{name}' does not exist or you do not have access to it",
                 param="model", code="model_not_found",
             )  # fmt: skip
+        unreadable = self._unavailable.get(name)
+        if unreadable is not None:
+            raise unavailable_error(name, unreadable)
         why = concurrency_refusal(name, entry.settings, entry.in_flight)
         if why is not None:
             raise APIError(429, f"{why}; retry later", code="overloaded", retry_after_s=1.0)
@@ -148,6 +198,7 @@ class ModelSettingsTable:
     def drop(self, name: str) -> None:
         """Forget ``name`` (an add that failed, or a removal that is complete)."""
         self._models.pop(name, None)
+        self._unavailable.pop(name, None)
 
     def begin_remove(self, name: str) -> LiveModel:
         """No new request of ``name`` from now on; :attr:`LiveModel.idle` is set once

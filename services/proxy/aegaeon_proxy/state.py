@@ -11,7 +11,7 @@ from aiohttp import web
 from aegaeon_proxy.assets import AssetRegistry
 from aegaeon_proxy.backend import Backend, EngineStats
 from aegaeon_proxy.keep_alive import KeepAlive
-from aegaeon_proxy.metrics import ProxyMetrics
+from aegaeon_proxy.metrics import ProxyMetrics, UnavailableModels
 from aegaeon_proxy.model_table import ModelSettingsTable
 
 __all__ = ["STATE", "ProxyState"]
@@ -38,6 +38,8 @@ class ProxyState:
                     models=ModelSettingsTable.from_config(config))  # fmt: skip
         state.readiness.set_ready()  # the front is; the backend's readiness is its own
         backend.register_metrics(state.metrics.registry)
+        models = state.models
+        state.metrics.registry.register(UnavailableModels(lambda: len(models.unavailable_models())))
         engine = backend if isinstance(backend, EngineStats) else None
         state.keep_alive.attach(backend, state.models)
         state.metrics.vllm_gauges.attach(state.models.names, engine, config.dtype)

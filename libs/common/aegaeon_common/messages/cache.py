@@ -18,7 +18,9 @@ from aegaeon_common.wire import Channel, Message, Struct
 ERROR_CODES = (
     "bad_request",  # a well-formed request the cache cannot act on (bad shape, bad offsets)
     "unknown_model",  # not a model of the config
-    "checkpoint_error",  # missing or corrupt checkpoint files; the cache is unchanged
+    # missing or corrupt checkpoint files; the cache is unchanged and the model
+    # unavailable (every load refused with this error) until ReloadModel
+    "checkpoint_error",
     "model_cache_full",  # pinned models leave no room under the budget
     "not_pinned",  # UnpinModel of a model the caller has not pinned
     "out_of_blocks",  # the KV region cannot serve the request; detail names capacity
@@ -146,6 +148,17 @@ class SetModelFlags(Message, frozen=True):
     preload: bool = False
 
 
+class ReloadModel(Message, frozen=True):
+    """Read ``name``'s checkpoint (at ``path``) again: an unavailable model's quarantine
+    is lifted, its files checked (sizes, headers) and it is loaded with its digests
+    checked; the reply comes once that load ended (``checkpoint_error``: it is
+    unavailable again, with what is wrong now)."""
+
+    TAG = "cache.reload_model"
+    name: str
+    path: str
+
+
 # ---- replies ---------------------------------------------------------------
 
 
@@ -191,6 +204,12 @@ class ModelForgotten(Message, frozen=True):
     TAG = "cache.model_forgotten"
     name: str
     evicted: bool  # out of the Model Cache now (else once its last worker pin goes)
+
+
+class ModelReloaded(Message, frozen=True):
+    TAG = "cache.model_reloaded"
+    name: str
+    resident: bool  # loaded (and checked) now; False: no room in the Model Cache to try
 
 
 class ModelFlagsSet(Message, frozen=True):
@@ -240,6 +259,8 @@ class ModelCacheStats(Struct, frozen=True):
     progress: dict[str, float] = msgspec.field(default_factory=dict)
     operator_pinned: list[str] = msgspec.field(default_factory=list)  # SetModelFlags(pinned)
     known: list[str] = msgspec.field(default_factory=list)  # models it may load
+    # model -> why its checkpoint cannot be read (loads refused until ReloadModel)
+    unavailable: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ShapeCount(Struct, frozen=True):
@@ -296,6 +317,7 @@ REQUESTS = Channel(
         RegisterModel,
         ForgetModel,
         SetModelFlags,
+        ReloadModel,
     ],
 )
 REPLIES = Channel(
@@ -312,5 +334,6 @@ REPLIES = Channel(
         ModelRegistered,
         ModelForgotten,
         ModelFlagsSet,
+        ModelReloaded,
     ],
 )

@@ -97,6 +97,26 @@ class TurnRecord(Struct, frozen=True):
     engine_s: float = 0.0  # in the engine's decode steps (forward and sampling)
 
 
+class CudaGraphStats(Struct, frozen=True):
+    """What an instance's decode-step CUDA graphs did (aegaeon_engine.graphs): whether
+    they are on (``disabled_reason`` when not), the captured batch sizes, the slots
+    holding graphs, captures and their seconds, replays, and the steps that ran eager
+    by reason (``last_eager_reason`` in words)."""
+
+    enabled: bool
+    sizes: list[int] = msgspec.field(default_factory=list)
+    slots: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    last_capture_s: float = 0.0
+    evictions: int = 0
+    replays: int = 0
+    eager_steps: int = 0
+    eager_reasons: dict[str, int] = msgspec.field(default_factory=dict)
+    last_eager_reason: str = ""
+    disabled_reason: str = ""
+
+
 class InstanceStats(Message, frozen=True):
     """Periodic heartbeat with cumulative counters and new switch records."""
 
@@ -119,6 +139,8 @@ class InstanceStats(Message, frozen=True):
     resident_models: list[str] = msgspec.field(default_factory=list)
     residency_version: int = 0
     holdings: Holdings | None = None  # what it holds now (its counters repeat the numbers)
+    # the decode step's CUDA graphs (None: an instance that does not say)
+    cuda_graphs: CudaGraphStats | None = None
 
 
 class InstanceDraining(Message, frozen=True):

@@ -46,6 +46,7 @@ from aegaeon_sched import (
     RoundController,
     RoundRobinPlanner,
 )
+from aegaeon_sched.shared import State, prefill_queue_state, work_list_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -59,6 +60,7 @@ from aegaeon_runtime.models import add_model, set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_runtime.profile_cache import start_up_profile
+from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("decode")
 IDLE_WAIT_S = 0.05
@@ -118,6 +120,7 @@ class DecodeLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self.load = InstanceLoad()  # written here, read by a scrape
+        self.snapshots = QueueSnapshots()  # its queues, for the registrar (many nodes)
         # what it holds, read into each message that ends a request (its prefills' too)
         self.holdings = HoldingsBook(
             lambda: used_blocks(worker.kv.pool),
@@ -207,7 +210,7 @@ class DecodeLoop:
     def run(self, stop: threading.Event) -> None:
         self.latency = self.turns.latency = self._profile()
         self.ready.set()
-        self.turns.poll = lambda: self.apply(self.inbox.drain())
+        self.turns.poll = self._poll
         if self.prefill is not None:
             self.prefill.poll = self.turns.poll
         while not (stop.is_set() or self._stop.is_set()):
@@ -217,6 +220,7 @@ class DecodeLoop:
             else:
                 self.apply(self.inbox.drain() if busy else self.inbox.wait(IDLE_WAIT_S))
             self._publish_load()
+            self.snapshots.offer(self._queue_states)
             if self.prefill is not None:
                 self.prefill.run_all()
                 if self._prefill_waits_for_kv():
@@ -228,6 +232,16 @@ class DecodeLoop:
                 continue
             self.run_round(stop)
             self._publish_load()
+
+    def _poll(self) -> None:
+        """Between two steps: the commands that came, and a snapshot if one is wanted."""
+        self.apply(self.inbox.drain())
+        self.snapshots.offer(self._queue_states)
+
+    def _queue_states(self) -> tuple[State | None, State]:
+        queue = self.prefill.queue if self.prefill is not None else None
+        return (prefill_queue_state(queue) if queue is not None else None,
+                work_list_state(self.work))  # fmt: skip
 
     def _prefill_waits_for_kv(self) -> bool:
         return self.prefill is not None and self.prefill.waiting_for_kv and self.prefill.pending()

@@ -124,7 +124,7 @@ class TurnRunner:
             record = w.switcher.activate(batch.model)
         except ModelGoneError as exc:
             for seq in self._seqs(batch):
-                self.admission.fail(seq, "unknown_model", str(exc))
+                self.admission.fail(seq, exc.code, exc.message)
             return None
         if record is not None:
             self.counters.note_switch(record)

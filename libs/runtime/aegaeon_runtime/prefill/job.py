@@ -116,7 +116,7 @@ def run_prefill(
             w.switcher.prefetch(prefetch)
     except ModelGoneError as exc:
         w.kv.free(shape, blocks)
-        return _failed(w, msg, "unknown_model", str(exc))
+        return _failed(w, msg, exc.code, exc.message)
     except BaseException:
         w.kv.free(shape, blocks)
         raise

@@ -46,6 +46,7 @@ from aegaeon_common.messages.report import InstanceStats, PrefillDone, RequestFa
 from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import LatencyModel, PrefillQueue
+from aegaeon_sched.shared import prefill_queue_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -63,6 +64,7 @@ from aegaeon_runtime.prefill.job import (
     run_prefill,
 )
 from aegaeon_runtime.profile_cache import start_up_profile
+from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("prefill")
 IDLE_WAIT_S = 0.05
@@ -115,6 +117,7 @@ class PrefillLoop:
         self.ready = threading.Event()
         self.latency: LatencyModel | None = None
         self.load = InstanceLoad()  # written here, read by a scrape
+        self.snapshots = QueueSnapshots()  # its queue, for the registrar (many nodes)
         # what it holds, read into each message that takes a request out of its queue
         # (aegaeon_runtime.holdings); a hybrid sets ``changed`` to its own book's
         self.holdings = HoldingsBook(lambda: used_blocks(worker.kv.pool),
@@ -243,6 +246,7 @@ class PrefillLoop:
                 self._apply(self.inbox.drain() if self.pending() else
                             self.inbox.wait(IDLE_WAIT_S))  # fmt: skip
             self._publish_load()
+            self.snapshots.offer(lambda: (prefill_queue_state(self.queue), None))
             self.counters.queued = len(self.queue)
             self.counters.running = int(self.pending())
             if not self.pending():

@@ -24,7 +24,7 @@ import zmq.asyncio
 from aegaeon_common.config import load_config_or_exit
 from aegaeon_common.logs import bind_process, get_logger
 from aegaeon_common.process import run_service
-from aegaeon_engine import Engine, ModelSpec
+from aegaeon_engine import CheckpointError, Engine, ModelSpec
 from aegaeon_engine.tp import join_group, leave_group
 from aegaeon_engine.tp_mirror import follow
 from torch._C._distributed_c10d import TCPStore
@@ -64,9 +64,15 @@ async def run(config_path: Path, kind: str, index: int, rank: int, port: int,
     cache = SyncCacheClient(client, loop)
     switcher: ModelSwitcher | None = None
     try:
-        specs = {m.name: ModelSpec.from_dir(m.path) for m in config.models}
+        specs = {}
+        for model in config.models:  # one rank 0 cannot read is not served (it says why)
+            try:
+                specs[model.name] = ModelSpec.from_dir(model.path)
+            except (CheckpointError, OSError):
+                continue
         shards = Shards(rank, inst.tp, config.dtype)
-        engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads)
+        # no CUDA graphs in a group: its collectives would have to be captured
+        engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads, graphs=False)
         shards.block_size = engine.block_size
         for spec_name, spec in specs.items():
             shards.add(spec_name, spec)

@@ -54,6 +54,12 @@ from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
 from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
+from aegaeon_proxy.cluster.quarantine import (
+    POLL_TIMEOUT_S,
+    Quarantine,
+    unavailable_of,
+    watch_caches,
+)
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher, base_role, view_meter
@@ -92,6 +98,9 @@ class ClusterBackend:
         # models added and removed at run time
         self.models = ClusterModels(config, self.instances, self._cache, self._actions.send,
                                     lambda: self.policy)  # fmt: skip
+        # models whose checkpoint cannot be read (the cachemgr's, the instances' reports)
+        self.quarantine = Quarantine()
+        self._checked = False  # the cachemgr's unreadable models were read once
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             InstanceHello: self._on_hello,
             InstanceStats: self._on_stats,
@@ -107,7 +116,9 @@ class ClusterBackend:
     # ---- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._monitor())]
+        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._monitor()),
+                       loop.create_task(watch_caches(self._poll_unavailable,
+                                                     self._found_unavailable, lambda: False))]
         self._tasks += [loop.create_task(self._watch(view)) for view in self.instances]
 
     async def stop(self) -> None:
@@ -129,8 +140,9 @@ class ClusterBackend:
         self.ctx.term()
 
     def ready(self) -> bool:
-        """Every instance is up, or restarting after a drain (its work waits here)."""
-        return self.policy is not None and self.instances.all_alive()
+        """Every instance is up, or restarting after a drain (its work waits here), and
+        the cachemgr was asked which models it cannot read."""
+        return self.policy is not None and self.instances.all_alive() and self._checked
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(ClusterCollector(self))
@@ -177,6 +189,35 @@ class ClusterBackend:
 
     async def model_cache(self) -> dict[str, Any] | None:
         return await self.models.cache_stats()
+
+    # ---- checkpoints that cannot be read (ModelQuarantine; cluster.quarantine) -----
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        self.quarantine.follow(apply)
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        if why is None:
+            self.quarantine.lift(name, time.time())
+        else:
+            self.quarantine.set(name, why)
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        began = time.time()
+        try:
+            await self.models.reload(model)
+        except BackendError as exc:
+            if exc.code == "model_unavailable":  # unavailable still: for what is wrong now
+                self.quarantine.lift(model.name, began)
+                self.quarantine.set(model.name, exc.message)
+            raise
+        self.quarantine.lift(model.name, began)
+
+    async def _poll_unavailable(self) -> dict[str, str]:
+        return unavailable_of([await self._cache.call(GetStats(), timeout_s=POLL_TIMEOUT_S)])
+
+    async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
+        for name, why in models.items():
+            self.quarantine.set(name, why, asked_at)
+        self._checked = True  # (ready: the cachemgr's unreadable models are known here)
 
     # ---- sleep and wake (ModelResidency; cluster.models) -------------------------
     async def set_model_awake(self, name: str, awake: bool) -> bool:
@@ -351,6 +392,9 @@ class ClusterBackend:
 
     def _on_failed(self, msg: RequestFailed) -> None:
         self.instances.note_holdings(msg.kind, msg.index, msg.holdings)
+        tracked = self.requests.get(msg.request_id)
+        if msg.code == "model_unavailable" and tracked is not None:
+            self.quarantine.set(tracked.gen.model, msg.message)
         self.table.failed(msg.request_id, f"{msg.kind}-{msg.index}", msg.code, msg.message)
 
     # ---- failures --------------------------------------------------------------

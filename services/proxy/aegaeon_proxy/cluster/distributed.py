@@ -24,6 +24,14 @@ the metadata of every request in flight live in the shared store
 * **A replica that dies** loses its open HTTP streams only: its record
   expires, another replica takes the reap lease, cancels its requests at their
   instances and takes them out of the shared queues.
+* **A store that is unreachable** is an answer: new requests get 503 with
+  ``Retry-After`` and ``/ready`` fails; requests decoding go on (their tokens
+  come straight from the instances). **A store that comes back** (after a
+  pause, or restarted empty: a new ``epoch``) is served at once: no record
+  missing is taken for a death until the store has answered for a TTL
+  (``StoreHealth``), each writer puts its own back within a beat, this replica
+  its requests' metadata, and the settings and the served set are written back
+  by the replicas that keep them (``cluster.shared_records``).
 """
 
 from __future__ import annotations
@@ -66,9 +74,12 @@ from aegaeon_common.registry import (
     ModelSettingsRecord,
     ProxyRecord,
     RequestMeta,
+    StoreEpoch,
     decode_model_settings,
+    decode_queue,
     decode_request,
     encode,
+    encode_queue,
     model_settings_key,
     open_store,
     proxy_key,
@@ -81,28 +92,34 @@ from aegaeon_common.transport import Puller, Pusher, release_security
 from aegaeon_common.wire import Message
 from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
-    State,
     dispatch_prefill,
     place_decode,
     prefill_done,
     queued_request_ids,
-    remove_from_prefill,
-    remove_from_work_list,
+    remove_requests,
 )
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
+from aegaeon_proxy.backend import (
+    STORE_UNAVAILABLE,
+    BackendError,
+    EngineSnapshot,
+    GenerationRequest,
+    TokenQueue,
+)
 from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
-from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView
+from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, watch_caches
+from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
+from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked
 
 log = get_logger("cluster")
@@ -125,14 +142,6 @@ class Where:
     stage: str  # "prefill" | "decode"
 
 
-def _load(raw: bytes | None) -> State | None:
-    return None if raw is None else msgspec.msgpack.decode(raw)
-
-
-def _dump(state: State) -> bytes:
-    return msgspec.msgpack.encode(state)
-
-
 def _fresh_id() -> int:
     """A group or batch id no other replica mints (random, 52 bits)."""
     return secrets.randbits(52)
@@ -145,7 +154,12 @@ class DistributedBackend:
         self.config = config
         self.proxy_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.store = open_store(config)
-        self.view = RegistryView(self.store, config.hybrid_prefill)
+        # a record missing is a death only once the store has answered for a TTL
+        self.store_health = StoreHealth(config.store.heartbeat_ttl_s + REFRESH_S)
+        self.view = RegistryView(self.store, config.hybrid_prefill, self.store_health)
+        self.epoch = StoreEpoch(self.store)
+        # the records nobody re-derives (settings, served models): kept by every replica
+        self.records = SharedRecords(self.store)
         self.ctx = zmq.asyncio.Context()
         node = config.node
         bind_host = node.bind_address or node.advertise_address or "127.0.0.1"
@@ -159,7 +173,8 @@ class DistributedBackend:
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         self.counters = self.table.counters
         self.counters.update(dict.fromkeys(
-            ("orphan_tokens", "reaped", "instances_lost", "store_errors"), 0))  # fmt: skip
+            ("orphan_tokens", "reaped", "instances_lost", "store_errors", "store_losses"),
+            0))  # fmt: skip
         self.where: dict[str, Where] = {}
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
@@ -172,13 +187,17 @@ class DistributedBackend:
         self._store_ok = False
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
         self._apply_settings: Callable[[str, ModelSettings], None] | None = None
-        self._settings_seen: dict[str, bytes] = {}  # model -> the record applied last
         self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
-        self.models = ReplicaModels(config, self.view, self.caches, self.store, self._send,
+        self.models = ReplicaModels(config, self.view, self.caches, self.records, self._send,
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
+        # (after the served set: a model added elsewhere is served here before its settings)
+        self.records.follow(
+            "modelsettings:", lambda: [model_settings_key(n) for n in self.models.served_names()],
+            self._settings_followed,
+        )  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
         self.roles = ReplicaRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -199,7 +218,9 @@ class DistributedBackend:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
                        (self._receive(), self._refresh_loop(), self._beat_loop(),
-                        self._reap_loop())]  # fmt: skip
+                        self._reap_loop(),
+                        watch_caches(self._poll_unavailable, self._found_unavailable,
+                                     lambda: self._closing))]  # fmt: skip
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
     async def stop(self) -> None:
@@ -229,7 +250,11 @@ class DistributedBackend:
             await self.roles.leave()
 
     def ready(self) -> bool:
-        """The store answers and some prefill instance is registered."""
+        """The store answers and some prefill instance is registered. (Not gated on the
+        nodes' unreadable models, which a replica reads within a second of their
+        records: a replica that restarts while a node's cachemgr is dead would wait
+        for it; an unreadable model's request in between is refused by its instance,
+        503 ``model_unavailable`` all the same.)"""
         return self._store_ok and bool(self.view.prefill_candidates())
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
@@ -274,33 +299,54 @@ class DistributedBackend:
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
         self.models.follow_with(apply)
 
-    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
-        record = ModelSettingsRecord(v=1, model=name, settings=settings, proxy=self.proxy_id)
+    # ---- checkpoints that cannot be read (ModelQuarantine; shared in the store) -------
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        self.models.quarantine.follow(apply)
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        await self.models.publish_unavailable(name, why, time.time())
+
+    async def reload_model(self, model: ModelConfig) -> None:
+        began = time.time()
         try:
-            await self.store.put(model_settings_key(name), encode(record))
+            await self.models.reload(model)
+        except BackendError as exc:
+            if exc.code == "model_unavailable":  # unavailable still: for what is wrong now
+                await self.models.publish_unavailable(model.name, None, began)
+                await self.models.publish_unavailable(model.name, exc.message, time.time())
+            raise
+        await self.models.publish_unavailable(model.name, None, began)
+
+    async def _poll_unavailable(self) -> dict[str, str]:
+        # (a node whose cachemgr died keeps its records until their TTL: not waited for)
+        cache = await self.caches.model_cache(self.view.live.values(), POLL_TIMEOUT_S)
+        if cache is None:
+            raise BackendError.unavailable("no node's cachemgr answered")
+        return dict(cache.get("unavailable", {}))
+
+    async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
+        for name, why in models.items():
+            if name not in self.models.quarantine.models:
+                await self.models.publish_unavailable(name, why, asked_at)
+
+    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
+        def build(base: bytes | None, version: int) -> bytes:
+            return encode(ModelSettingsRecord(v=1, model=name, settings=settings,
+                                              proxy=self.proxy_id, version=version))  # fmt: skip
+
+        try:
+            await self.records.publish(model_settings_key(name), build)
         except StoreError as exc:
-            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+            raise _store_down(exc) from None
 
     def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
         self._apply_settings = apply
 
-    async def _follow_settings(self) -> None:
-        """The models' live settings as the replicas last changed them (one read)."""
-        apply = self._apply_settings
-        names = self.models.served_names()
-        if apply is None or not names:
-            return
-        raws = await self.store.get_many([model_settings_key(n) for n in names])
-        for name, raw in zip(names, raws, strict=True):
-            if raw is None or self._settings_seen.get(name) == raw:
-                continue
-            self._settings_seen[name] = raw
-            try:
-                record = decode_model_settings(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("bad_model_settings_record", model=name, error=str(exc))
-                continue
-            apply(name, record.settings)
+    def _settings_followed(self, key: str, raw: bytes) -> None:
+        """A model's live settings as another replica last changed them."""
+        record = decode_model_settings(raw)
+        if self._apply_settings is not None:
+            self._apply_settings(record.model, record.settings)
 
     def services(self) -> list[ServiceAddress]:
         return node_services(self.view.live.values())
@@ -319,7 +365,7 @@ class DistributedBackend:
     # ---- requests ------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> TokenQueue:
         if not self._store_ok:
-            raise BackendError.unavailable("the shared store (redis) is unreachable")
+            raise _store_down("unreachable")
         if not self.ready():
             raise BackendError.unavailable("no prefill instance is registered")
         return self.table.open(req).queue
@@ -382,12 +428,13 @@ class DistributedBackend:
         max_group = self.config.scheduler.max_group_size
 
         def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
-            states = {r.instance_id: _load(v) for r, v in zip(candidates, values, strict=True)}
+            states = {r.instance_id: decode_queue(v)
+                      for r, v in zip(candidates, values, strict=True)}  # fmt: skip
             instance, group_id, state = dispatch_prefill(
                 states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
                 max_group_size=max_group,
             )  # fmt: skip
-            return {by_id[instance][1]: _dump(state)}, (instance, group_id)
+            return {by_id[instance][1]: encode_queue(state)}, (instance, group_id)
 
         started = time.perf_counter()
         try:
@@ -437,13 +484,14 @@ class DistributedBackend:
         sched = self.config.scheduler
 
         def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
-            states = {r.instance_id: _load(v) for r, v in zip(candidates, values, strict=True)}
+            states = {r.instance_id: decode_queue(v)
+                      for r, v in zip(candidates, values, strict=True)}  # fmt: skip
             instance, batch_id, state = place_decode(
                 states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
                 max_batch_size=sched.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return {by_id[instance][1]: _dump(state)}, (instance, batch_id)
+            return {by_id[instance][1]: encode_queue(state)}, (instance, batch_id)
 
         started = time.perf_counter()
         try:
@@ -493,10 +541,11 @@ class DistributedBackend:
         await _unqueue(self.store, where.queue, request_id, self.config.scheduler.max_group_size)
 
     def _store_failed(self, request_id: str, exc: StoreError) -> None:
+        self.store_health.troubled()
         self.counters["store_errors"] += 1
         log.warning("store_error", request_id=request_id, error=str(exc))
         self.end_request(request_id, "error", f"the shared store failed: {exc}",
-                         code="store_unavailable")  # fmt: skip
+                         code=STORE_UNAVAILABLE)  # fmt: skip
 
     async def _put_meta(self, tracked: Tracked, state: str) -> None:
         gen = tracked.gen
@@ -546,8 +595,8 @@ class DistributedBackend:
         max_group = self.config.scheduler.max_group_size
 
         def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            state, _ = prefill_done(_load(values[0]), rid, time.time(), max_group)
-            return {where.queue: _dump(state)}, None
+            state, _ = prefill_done(decode_queue(values[0]), rid, time.time(), max_group)
+            return {where.queue: encode_queue(state)}, None
 
         try:
             await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
@@ -570,20 +619,30 @@ class DistributedBackend:
     def _on_failed(self, msg: RequestFailed) -> None:
         where = self.where.get(msg.request_id)
         name = where.instance if where else f"{msg.kind}-{msg.index}"
+        tracked = self.requests.get(msg.request_id)
+        if msg.code == "model_unavailable" and tracked is not None:
+            model = tracked.gen.model
+            if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
+                self._spawn(self.models.publish_unavailable(model, msg.message, time.time()))
         self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
         while not self._closing:
             try:
+                if await self.epoch.check():
+                    self._store_lost()
+                elif not self._store_ok and self.store_health.num_troubles:
+                    log.warning("store_back", after="unreachable")
                 # the served models before the registry: a model added on another
-                # replica is on the records read after it (it published once they were)
-                await self.models.follow()
+                # replica is on the records read after it (it published once they were);
+                # then the settings (and what this replica writes back of either)
+                await self.records.refresh()
                 joined, left = await self.view.refresh()
-                await self._follow_settings()
                 await self.roles.refresh()
                 self._store_ok = True
             except StoreError as exc:
+                self.store_health.troubled()
                 if self._store_ok:
                     log.error("store_unreachable", error=str(exc))
                 self._store_ok = False
@@ -616,6 +675,26 @@ class DistributedBackend:
             except Exception:
                 log.exception("deferred_requests_check_failed")
             await asyncio.sleep(REFRESH_S)
+
+    def _store_lost(self) -> None:
+        """The store restarted empty (a new epoch): no record missing now means a death
+        (``store_health``); this replica's own records come back with its next beat, its
+        requests' metadata now; the roles' decider writes them again."""
+        self.store_health.troubled()
+        self.counters["store_losses"] += 1
+        log.warning("store_lost", requests=len(self.requests),
+                    action="rebuilding this replica's records")  # fmt: skip
+        self.roles.store_lost()
+
+        async def rewrite() -> None:
+            for rid, tracked in list(self.requests.items()):
+                where = self.where.get(rid)
+                state = "decoding" if where is not None and where.stage == "decode" else "queued"
+                with contextlib.suppress(StoreError):
+                    await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
+                    await self._put_meta(tracked, state)
+
+        self._spawn(rewrite())
 
     def _admission_bounds(self) -> None:
         """The bounds of every node's instances, this replica's share of them."""
@@ -673,6 +752,7 @@ class DistributedBackend:
                     if tracked is not None:
                         await self._put_meta(tracked, "decoding")
             except StoreError as exc:
+                self.store_health.troubled()
                 self.counters["store_errors"] += 1
                 log.warning("beat_failed", error=str(exc))
             await asyncio.sleep(BEAT_S)
@@ -684,6 +764,8 @@ class DistributedBackend:
                 ids = sorted(await self.store.set_members(PROXIES))
                 raws = await self.store.get_many([proxy_key(p) for p in ids])
                 self._replicas = max(1, sum(1 for raw in raws if raw is not None))
+                if not self.store_health.settled():
+                    continue  # (a replica's record missing now may be the store's doing)
                 for proxy_id, raw in zip(ids, raws, strict=True):
                     if raw is not None or proxy_id == self.proxy_id:
                         continue
@@ -691,6 +773,7 @@ class DistributedBackend:
                                                       self.proxy_id.encode(), REAP_LEASE_S):
                         await self._reap(proxy_id)
             except StoreError as exc:
+                self.store_health.troubled()
                 self.counters["store_errors"] += 1
                 log.warning("reap_failed", error=str(exc))
 
@@ -723,7 +806,7 @@ class DistributedBackend:
                       for r in self.view.live.values() for stage in ("prefill", "decode")]
             states = await self.store.get_many([key for _, key, _ in places])
             for (instance, key, prefill), raw in zip(places, states, strict=True):
-                for rid in queued_request_ids(_load(raw), prefill) & owned:
+                for rid in queued_request_ids(decode_queue(raw), prefill) & owned:
                     at = cancel_at.setdefault(rid, {})
                     at[instance] = at.get(instance, False) or prefill
                     queued.setdefault(key, set()).add(rid)
@@ -795,6 +878,12 @@ class DistributedBackend:
         return out
 
 
+def _store_down(why: object) -> BackendError:
+    """The store cannot be reached (or failed an operation): 503, retry shortly (a store
+    that restarts is back within seconds)."""
+    return BackendError.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
+
+
 async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int) -> None:
     """Take ``request_id`` out of the shared queue at ``queue`` (prefill or decode)."""
     prefill = queue.startswith("pq:")
@@ -802,11 +891,9 @@ async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int)
     def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
         if values[0] is None:
             return {}, None  # the instance is gone and its queue with it
-        if prefill:
-            state, removed = remove_from_prefill(_load(values[0]), request_id, max_group_size)
-        else:
-            state, removed = remove_from_work_list(_load(values[0]), request_id)
-        return ({queue: _dump(state)} if removed else {}), None
+        state, removed = remove_requests(decode_queue(values[0]), (request_id,), prefill,
+                                         max_group_size)  # fmt: skip
+        return ({queue: encode_queue(state)} if removed else {}), None
 
     with contextlib.suppress(StoreError):
         await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)

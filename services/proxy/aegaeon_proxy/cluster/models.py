@@ -41,6 +41,7 @@ from aegaeon_common.messages.cache import (
     GetStats,
     ModelForgotten,
     RegisterModel,
+    ReloadModel,
     SetModelFlags,
 )
 from aegaeon_common.messages.prefill import AddModel, SetModelAwake
@@ -55,6 +56,8 @@ from aegaeon_proxy.cluster.instances import Instances, InstanceView
 log = get_logger("cluster")
 
 CACHE_TIMEOUT_S = 10.0
+# a reload reads the whole checkpoint into the Model Cache, hashing it, before it answers
+RELOAD_TIMEOUT_S = 600.0
 # every live instance serves an added model within this (it reads the model's
 # config between two steps; the weights come at its first switch)
 ADD_TIMEOUT_S = 60.0
@@ -73,8 +76,11 @@ __all__ = ["ClusterModels", "ModelOps", "Placement", "Target", "cache_error"]
 
 
 def cache_error(exc: RemoteError) -> BackendError:
+    """A cachemgr's refusal as the admin endpoints answer it; an unreadable checkpoint's
+    message is the cachemgr's own (it names the file: what the model is quarantined for)."""
     status, code = _CACHE_ERRORS.get(exc.code, (503, "unavailable"))
-    return BackendError(f"cachemgr: {exc}", status=status, code=code)
+    message = exc.reply.message if exc.code == "checkpoint_error" else f"cachemgr: {exc}"
+    return BackendError(message, status=status, code=code)
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class Placement(Protocol):
     def send(self, target: str, msg: Message) -> None:
         """Send ``msg`` to the instance ``target`` (in order with its other work)."""
 
-    async def cache_call(self, msg: Message) -> list[Message]:
+    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
         """``msg`` to every cachemgr (one per node); their replies. Raises
         :class:`BackendError` (after every call ended) when one failed."""
 
@@ -134,7 +140,24 @@ class ModelOps:
         await self.place.cache_call(RegisterModel(model.name, str(model.path)))
         self.added[model.name] = model
         self.removed.discard(model.name)
-        tickets = {t.name: self.send_add(t.name, model) for t in self.place.targets()}
+        await self._take(model)
+
+    async def reload(self, model: ModelConfig) -> None:
+        """Read ``model``'s checkpoint again on every node (``ReloadModel``: its
+        quarantine lifted there; a BackendError 422 ``model_unavailable`` naming what is
+        wrong when it still cannot be read), then have every live instance that does
+        not serve it (its config was unreadable when it started) take it."""
+        await self.place.cache_call(ReloadModel(model.name, str(model.path)), RELOAD_TIMEOUT_S)
+        if self.config.model(model.name) is None:  # (an add that failed: added now)
+            self.added[model.name] = model
+        self.removed.discard(model.name)
+        await self._take(model)
+
+    async def _take(self, model: ModelConfig) -> None:
+        """Tell every live instance that does not serve ``model`` to, and wait until each
+        does (a BackendError names the one that cannot)."""
+        tickets = {t.name: self.send_add(t.name, model) for t in self.place.targets()
+                   if model.name not in t.models}  # fmt: skip
 
         def waiting() -> list[str]:
             names: list[str] = []
@@ -308,9 +331,9 @@ class ClusterModels:
             out.append(Target(v.name, v.kind, models, v.resident, work))
         return out
 
-    async def cache_call(self, msg: Message) -> list[Message]:
+    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
         try:
-            return [await self._cache.call(msg, timeout_s=CACHE_TIMEOUT_S)]
+            return [await self._cache.call(msg, timeout_s=timeout_s)]
         except TimeoutError:
             raise BackendError.unavailable("the cachemgr did not answer") from None
         except RemoteError as exc:
@@ -328,6 +351,11 @@ class ClusterModels:
 
     async def forget(self, name: str) -> bool:
         return await self.ops.forget(name)
+
+    async def reload(self, model: ModelConfig) -> None:
+        if self._policy() is None:
+            raise BackendError.unavailable("the instances are not all up yet")
+        await self.ops.reload(model)
 
     async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
         await self.ops.set_flags(name, pinned=pinned, preload=preload)

@@ -60,8 +60,9 @@ def node_services(records: Iterable[InstanceRecord]) -> list[ServiceAddress]:
 
 def merge_model_caches(by_node: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Many nodes' Model Caches as one (``ModelCacheStats`` as plain data): a model is
-    resident, pinned and known where it is on *every* node; its load progress is the
-    least of the nodes'; the byte and load counts are summed; ``nodes`` keeps each."""
+    resident, pinned and known where it is on *every* node, unavailable where it is on
+    any; its load progress is the least of the nodes'; the byte and load counts are
+    summed; ``nodes`` keeps each."""
     caches = list(by_node.values())
     out: dict[str, Any] = {key: sum(c.get(key, 0) for c in caches) for key in SUMMED}
     resident = [{m["name"]: m for m in c.get("models", [])} for c in caches]
@@ -80,6 +81,12 @@ def merge_model_caches(by_node: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     out["operator_pinned"] = common("operator_pinned")
     out["known"] = common("known")
+    # a model one node cannot read is unavailable (the first node's words for it)
+    unavailable: dict[str, str] = {}
+    for c in caches:
+        for name, why in c.get("unavailable", {}).items():
+            unavailable.setdefault(name, why)
+    out["unavailable"] = unavailable
     out["nodes"] = dict(by_node)
     return out
 
@@ -97,22 +104,24 @@ class NodeCaches:
             client = self._clients[address] = RpcClient(self._ctx, address, REPLIES)
         return client
 
-    async def call(self, address: str, msg: Message) -> Message:
+    async def call(self, address: str, msg: Message,
+                   timeout_s: float = CACHE_TIMEOUT_S) -> Message:  # fmt: skip
         """``msg`` to the cachemgr at ``address``; raises :class:`BackendError`."""
         try:
-            return await self._client(address).call(msg, timeout_s=CACHE_TIMEOUT_S)
+            return await self._client(address).call(msg, timeout_s=timeout_s)
         except TimeoutError:
             raise BackendError.unavailable(f"the cachemgr at {address} did not answer") from None
         except RemoteError as exc:
             raise cache_error(exc) from None
 
-    async def call_all(self, records: Iterable[InstanceRecord], msg: Message) -> list[Message]:
+    async def call_all(self, records: Iterable[InstanceRecord], msg: Message,
+                       timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:  # fmt: skip
         """``msg`` to every node's cachemgr at once; their replies. The first failure
         is raised (after every call ended: the nodes that took it keep it)."""
         nodes = _cachemgrs(records)
         if not nodes:
             raise BackendError.unavailable("no node has registered its cachemgr")
-        results = await asyncio.gather(*(self.call(a, msg) for a in nodes.values()),
+        results = await asyncio.gather(*(self.call(a, msg, timeout_s) for a in nodes.values()),
                                        return_exceptions=True)  # fmt: skip
         replies: list[Message] = []
         for result in results:
@@ -126,14 +135,15 @@ class NodeCaches:
         """The flags on every node's cachemgr (:meth:`call_all`)."""
         await self.call_all(records, SetModelFlags(name, pinned=pinned, preload=preload))
 
-    async def model_cache(self, records: Iterable[InstanceRecord]) -> dict[str, Any] | None:
-        """Every answering node's Model Cache, merged (:func:`merge_model_caches`);
-        None when no node answered."""
+    async def model_cache(self, records: Iterable[InstanceRecord],
+                          timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any] | None:  # fmt: skip
+        """Every node's Model Cache that answers within ``timeout_s``, merged
+        (:func:`merge_model_caches`); None when no node answered."""
         nodes = _cachemgrs(records)
 
         async def one(address: str) -> dict[str, Any] | None:
             try:
-                reply = await self.call(address, GetStats())
+                reply = await self.call(address, GetStats(), timeout_s)
             except BackendError:
                 return None
             stats = to_plain(reply.model_cache) if isinstance(reply, CacheStats) else None

@@ -5,10 +5,19 @@ has not expired are alive; an id whose record has expired is dead (its node
 stopped beating) and is taken out of the list. Between refreshes the view is
 what dispatch reads; a node that dies leaves it at most ``store.heartbeat_ttl``
 + :data:`REFRESH_S` later.
+
+A record missing is a death only when the store has been answering for a whole
+TTL (:class:`StoreHealth`): right after the store was unreachable, paused or
+restarted empty, every writer's record may be missing because the writers could
+not beat either. Until the store has settled, the view keeps the records it
+had (the instances beat again within one beat and replace them).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -30,9 +39,29 @@ REFRESH_S = 0.5
 
 
 @dataclass
+class StoreHealth:
+    """Whether a record missing from the store may be taken for its writer's death: only
+    once the store has answered for ``settle_s`` (a TTL and a refresh) since this replica
+    last saw it fail, or saw it restarted empty (``troubled``)."""
+
+    settle_s: float
+    clock: Callable[[], float] = time.monotonic
+    troubled_at: float = -math.inf
+    num_troubles: int = 0
+
+    def troubled(self) -> None:
+        self.troubled_at = self.clock()
+        self.num_troubles += 1
+
+    def settled(self) -> bool:
+        return self.clock() - self.troubled_at >= self.settle_s
+
+
+@dataclass
 class RegistryView:
     store: Store
     hybrid_prefill: bool  # prefill instances also decode (decode placement includes them)
+    health: StoreHealth = field(default_factory=lambda: StoreHealth(0.0))
     live: dict[str, InstanceRecord] = field(default_factory=dict)
     # the roles decided (``cluster.replica_roles``): instance -> "prefill" | "decode";
     # an instance not named has its kind's
@@ -55,8 +84,11 @@ class RegistryView:
                 now[iid] = decode_instance(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("bad_registry_record", instance=iid, error=str(exc))
-        if expired:  # anyone may tidy the index; a restarted instance adds itself again
+        if expired:  # anyone may tidy the index; a live instance adds itself again
             await self.store.set_remove(INSTANCES, *expired)
+        if not self.health.settled():  # (its writer may not have beaten since: keep it)
+            for iid, record in self.live.items():
+                now.setdefault(iid, record)
         joined = [r for i, r in now.items()
                   if i not in self.live or self.live[i].incarnation != r.incarnation]  # fmt: skip
         left = [r for i, r in self.live.items()

@@ -11,9 +11,18 @@ the same records, so an add returns only then.
 A model added or removed on one replica is published in the store
 (:class:`~aegaeon_common.registry.ServedModelsRecord`, one transaction per
 change); every replica reads it with its registry refresh and hands each change
-to its front (``follow``): the model table and tokenizers of a replica follow
-the one that changed them, as the models' settings do. An instance that joins
-(a new node, or a restart) is given the models added (``on_joined``).
+to its front (``follow_with``): the model table and tokenizers of a replica
+follow the one that changed them, as the models' settings do. The record is
+one of the :class:`~aegaeon_proxy.cluster.shared_records.SharedRecords`: every
+replica writes it back if the store loses it. An instance that joins (a new
+node, or a restart) is given the models added (``on_joined``).
+
+The models whose checkpoint cannot be read are shared the same way
+(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too):
+the replica that learns one (a node's cachemgr reports it, an instance fails a
+request with ``model_unavailable``, an admin operation is refused) publishes it,
+and every replica's front refuses the model until a reload on any replica lifts
+it (:class:`~aegaeon_proxy.cluster.quarantine.Quarantine`).
 """
 
 from __future__ import annotations
@@ -28,22 +37,28 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.registry import (
     SERVED_MODELS,
+    UNAVAILABLE_MODELS,
     InstanceRecord,
     ServedModelsRecord,
+    UnavailableModelsRecord,
     decode_served_models,
+    decode_unavailable_models,
     encode,
 )
-from aegaeon_common.store import Store, StoreError
+from aegaeon_common.store import StoreError
 from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.models import ModelOps, Target
+from aegaeon_proxy.cluster.models import CACHE_TIMEOUT_S, ModelOps, Target
 from aegaeon_proxy.cluster.node_caches import NodeCaches
+from aegaeon_proxy.cluster.quarantine import Quarantine
 from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.shared_records import SharedRecords
 
 log = get_logger("cluster")
 
-__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change"]
+__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change",
+           "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
 
@@ -55,12 +70,36 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
     return models & frozenset(record.latency.models) if record.latency is not None else models
 
 
-def with_change(raw: bytes | None, name: str, path: str | None,
-                proxy: str) -> ServedModelsRecord:  # fmt: skip
+def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
+                version: int = 0) -> ServedModelsRecord:  # fmt: skip
     """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` or, with
     None, removed."""
     record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
-    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy)
+    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy,
+                              version=version)  # fmt: skip
+
+
+class _Unchanged(Exception):  # noqa: N818 (reads as the condition)
+    """A change to the shared record that changes nothing: not written."""
+
+
+def with_unavailable(raw: bytes | None, name: str, why: str | None, asked_at: float,
+                     proxy: str, version: int = 0) -> UnavailableModelsRecord | None:  # fmt: skip
+    """The shared record ``raw`` with ``name`` unavailable (``why``, from a report asked
+    for at ``asked_at``) or lifted (None, by a reload that began at ``asked_at``); None
+    when that changes nothing (already there, or a report older than the last lift)."""
+    record = (decode_unavailable_models(raw) if raw is not None
+              else UnavailableModelsRecord(v=1))  # fmt: skip
+    models, lifted = dict(record.models), dict(record.lifted)
+    if why is None:
+        lifted[name] = max(asked_at, lifted.get(name, 0.0))
+        models.pop(name, None)
+    elif name in models or asked_at < lifted.get(name, 0.0):
+        return None
+    else:
+        models[name] = why
+    return UnavailableModelsRecord(v=1, models=models, lifted=lifted, proxy=proxy,
+                                   version=version)  # fmt: skip
 
 
 def served_changes(record: ServedModelsRecord,
@@ -80,7 +119,7 @@ class ReplicaModels:
         config: Config,
         view: RegistryView,
         caches: NodeCaches,
-        store: Store,
+        records: SharedRecords,
         send: Callable[[InstanceRecord, Message], Coroutine[Any, Any, None]],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         reply_to: str,
@@ -89,7 +128,7 @@ class ReplicaModels:
         self.config = config
         self.view = view
         self._caches = caches
-        self._store = store
+        self._records = records
         self._send = send
         self._spawn = spawn
         self.reply_to = reply_to
@@ -98,8 +137,12 @@ class ReplicaModels:
         # instance -> (incarnation, residency version, models on its device): its answers
         self._answered: dict[str, tuple[int, int, tuple[str, ...]]] = {}
         self._apply: Apply | None = None
-        self._seen: bytes | None = None  # the shared record applied last
         self._applied: dict[str, str | None] = {}
+        records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
+        # the models whose checkpoint cannot be read, as the shared record says
+        self.quarantine = Quarantine()
+        records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
+                       self._followed_unavailable)  # fmt: skip
 
     # ---- Placement -------------------------------------------------------------
     def targets(self) -> list[Target]:
@@ -118,8 +161,8 @@ class ReplicaModels:
         if record is not None:
             self._spawn(self._send(record, msg))
 
-    async def cache_call(self, msg: Message) -> list[Message]:
-        return await self._caches.call_all(self.view.live.values(), msg)
+    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
+        return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
 
     # ---- the instances' answers --------------------------------------------------
     def on_instance_models(self, msg: InstanceModels) -> None:
@@ -156,6 +199,38 @@ class ReplicaModels:
             raise BackendError.unavailable("no prefill instance is registered")
         await self.ops.add(model)
 
+    async def reload(self, model: ModelConfig) -> None:
+        if not self.view.prefill_candidates():
+            raise BackendError.unavailable("no prefill instance is registered")
+        await self.ops.reload(model)
+
+    # ---- the unreadable models the replicas share --------------------------------
+    async def publish_unavailable(self, name: str, why: str | None,
+                                  asked_at: float) -> None:  # fmt: skip
+        """``name`` unavailable (``why``) or available again (None), for every replica
+        (this one at once); ``asked_at``: when the report was asked for, or the reload
+        began. Nothing is written when it changes nothing."""
+
+        def build(base: bytes | None, version: int) -> bytes:
+            record = with_unavailable(base, name, why, asked_at, self._proxy_id, version)
+            if record is None:
+                raise _Unchanged
+            return encode(record)
+
+        try:
+            raw = await self._records.publish(UNAVAILABLE_MODELS, build)
+        except _Unchanged:
+            return
+        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        self._followed_unavailable(UNAVAILABLE_MODELS, raw)
+
+    def _followed_unavailable(self, key: str, raw: bytes) -> None:
+        """The unreadable models as a replica last published them, each change to the
+        front. Raises ``msgspec.DecodeError`` for a bad record."""
+        record = decode_unavailable_models(raw)
+        self.quarantine.sync(record.models, record.lifted)
+
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
         names = [n for n in self.config.model_names if self._applied.get(n, n) is not None]
@@ -166,41 +241,45 @@ class ReplicaModels:
         """``name`` added (``model``) or removed (None), for every replica."""
         path = str(model.path) if model is not None else None
 
-        def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            record = with_change(values[0], name, path, self._proxy_id)
-            return {SERVED_MODELS: encode(record)}, None
+        def build(base: bytes | None, version: int) -> bytes:
+            return encode(with_change(base, name, path, self._proxy_id, version))
 
         try:
-            await self._store.transact([SERVED_MODELS], change)
+            raw = await self._records.publish(SERVED_MODELS, build)
         except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        # (the record holds other replicas' changes this one had not followed yet)
+        self._follow(decode_served_models(raw), mine=name)
+        self._note(name, path)
 
     def follow_with(self, apply: Apply) -> None:
         self._apply = apply
 
-    async def follow(self) -> None:
-        """The served models as the replicas last changed them (one read; raises
-        ``StoreError``): each change goes to the front and to the operations'
-        bookkeeping (a restarted instance is brought up to date from it)."""
-        raw = await self._store.get(SERVED_MODELS)
-        if raw is None or raw == self._seen:
-            return
-        self._seen = raw
-        try:
-            record = decode_served_models(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("bad_served_models_record", error=str(exc))
-            return
+    def _followed(self, key: str, raw: bytes) -> None:
+        """The served models as another replica last changed them. Raises
+        ``msgspec.DecodeError`` for a bad record."""
+        self._follow(decode_served_models(raw))
+
+    def _follow(self, record: ServedModelsRecord, mine: str | None = None) -> None:
+        """Each change of ``record`` not applied here yet goes to the front and to the
+        operations' bookkeeping (a restarted instance is brought up to date from it);
+        ``mine``: the change this replica is making itself (its front made it)."""
         for name, path in served_changes(record, self._applied):
-            self._applied[name] = path
-            model = ModelConfig(name, Path(path)) if path is not None else None
-            if model is not None:
-                self.ops.added[name] = model
-                self.ops.removed.discard(name)
-            else:
-                self.ops.added.pop(name, None)
-                if self.config.model(name) is not None:
-                    self.ops.removed.add(name)
+            if name == mine:
+                continue
+            model = self._note(name, path)
             log.info("served_models_followed", model=name, added=model is not None)
             if self._apply is not None:
                 self._apply(name, model)
+
+    def _note(self, name: str, path: str | None) -> ModelConfig | None:
+        self._applied[name] = path
+        model = ModelConfig(name, Path(path)) if path is not None else None
+        if model is not None:
+            self.ops.added[name] = model
+            self.ops.removed.discard(name)
+        else:
+            self.ops.added.pop(name, None)
+            if self.config.model(name) is not None:
+                self.ops.removed.add(name)
+        return model

@@ -21,7 +21,9 @@ new prefill work goes to the instances in the prefill role, and those are
 placed on for decode only while no decode-role instance of the node keeps up
 (``reserved``), as on one node. A role change moves no request and no KV. The
 roles hold still while any instance drains; one that joins starts in its
-configured role.
+configured role. A store that restarts empty loses the lease and the record:
+the first replica to refresh takes the lease and writes the roles again; the
+others keep the roles they read last until then.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class ReplicaRoles:
         self.decider = ""  # the replica whose roles these are
         self.shared_changes: list[dict[str, Any]] = []  # the decider's last changes
         self._written: dict[str, str] | None = None
+        self._followed = RolesRecord(v=1)  # the decider's record read last
         self._fed: dict[tuple[str, int], float] = {}  # instance -> when its busy share was fed
 
     def arrived(self, now_s: float, prompt_tokens: int) -> None:
@@ -94,7 +97,9 @@ class ReplicaRoles:
         self.deciding = await self._hold_lease()
         if not self.deciding:
             raw = await self.store.get(ROLES)
-            record = decode_roles(raw) if raw is not None else RolesRecord(v=1)
+            # (none: no decision yet, or the store lost it and the decider writes it again)
+            record = decode_roles(raw) if raw is not None else self._followed
+            self._followed = record
             self.switcher.controller.track(base, record.roles)
             self.decider, self.shared_changes = record.proxy, list(record.changes)
             self._written = None  # (a replica that takes the lease over writes at once)
@@ -112,6 +117,11 @@ class ReplicaRoles:
             return ({ROLES_LEASE: me}, True) if holder in (None, me) else ({}, False)
 
         return await self.store.transact([ROLES_LEASE], claim, ttl_s=LEASE_S)
+
+    def store_lost(self) -> None:
+        """The store restarted empty: the decider writes the roles again at its next
+        refresh (the others keep following the roles they read last meanwhile)."""
+        self._written = None
 
     async def leave(self) -> None:
         """A replica that stops gives the lease up (another decides at once, from the

@@ -314,14 +314,16 @@ class RequestTable:
         return progressed
 
     def failed(self, request_id: str, instance: str, code: str, message: str) -> None:
-        """``instance`` could not serve the request: it ends with that error."""
+        """``instance`` could not serve the request: it ends with that error (and its
+        code; ``model_unavailable``'s message is the checkpoint's error alone)."""
         tracked = self.requests.get(request_id)
         if tracked is None:
             return
         self.timings.add(tracked, "error", None)
         log.warning("request_failed", request_id=request_id, model=tracked.gen.model,
                     instance=instance, code=code, error=message)  # fmt: skip
-        self.end(request_id, "error", f"{instance}: {code}: {message}")
+        error = message if code == "model_unavailable" else f"{instance}: {code}: {message}"
+        self.end(request_id, "error", error, code=code)
 
     def lost(self, tracked: Tracked, instance: str, why: str) -> None:
         """``tracked``'s instance failed: placed again when it had no token yet (up to

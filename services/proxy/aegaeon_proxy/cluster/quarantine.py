@@ -1,0 +1,116 @@
+"""Models whose checkpoint cannot be read, as a proxy backend learns them (quarantine).
+
+A cachemgr refuses to load a model whose files are missing, truncated, corrupt or not
+as ``market.json`` records them, and says so in its stats (``unavailable``); an
+instance that meets one fails the work for it with ``model_unavailable``; an admin
+operation (an add, a pin) gets ``checkpoint_error`` back. Each of these reaches the
+backend's :class:`Quarantine`, which tells the front (the model table answers 503
+``model_unavailable`` from then on) until a reload lifts it. One node's backend
+polls its cachemgr (:func:`watch_caches`); proxy replicas share the set through the
+store (``cluster.replica_models``), so that every replica refuses the model as soon
+as one learnt it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.cache import CacheStats
+from aegaeon_common.store import StoreError
+from aegaeon_common.transport import RemoteError
+from aegaeon_common.wire import Message
+
+from aegaeon_proxy.backend import BackendError
+
+__all__ = ["POLL_TIMEOUT_S", "WATCH_S", "Quarantine", "unavailable_of", "watch_caches"]
+
+log = get_logger("cluster")
+
+WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
+# how long a cachemgr may take to answer that (one that died is not waited for)
+POLL_TIMEOUT_S = 2.0
+
+Apply = Callable[[str, str | None], None]
+
+
+def unavailable_of(replies: Iterable[Message]) -> dict[str, str]:
+    """The models the cachemgrs answering ``GetStats`` with ``replies`` cannot read."""
+    out: dict[str, str] = {}
+    for reply in replies:
+        if isinstance(reply, CacheStats):
+            for name, why in reply.model_cache.unavailable.items():
+                out.setdefault(name, why)
+    return out
+
+
+class Quarantine:
+    """The unreadable models this backend knows, and the front's ``apply`` for them.
+
+    ``lifted``: name -> when (wall clock) a reload last lifted its quarantine; a report
+    asked for before then (a cachemgr's poll that crossed the reload) is ignored."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, str] = {}
+        self.lifted: dict[str, float] = {}
+        self._apply: Apply | None = None
+
+    def follow(self, apply: Apply) -> None:
+        """``apply(name, why | None)`` for every change (and now for what is known)."""
+        self._apply = apply
+        for name, why in self.models.items():
+            apply(name, why)
+
+    def set(self, name: str, why: str, asked_at: float | None = None) -> bool:
+        """``name`` cannot be read (``why``; learnt from a report asked for at
+        ``asked_at``); True if that is news. The first error stands until a reload."""
+        if name in self.models or (asked_at is not None
+                                   and asked_at < self.lifted.get(name, 0.0)):  # fmt: skip
+            return False
+        self.models[name] = why
+        log.error("model_unavailable", model=name, error=why)
+        self._tell(name, why)
+        return True
+
+    def lift(self, name: str, since: float) -> bool:
+        """``name`` can be read again (a reload that began at ``since``); True if it was
+        unavailable."""
+        self.lifted[name] = max(since, self.lifted.get(name, 0.0))
+        if self.models.pop(name, None) is None:
+            return False
+        log.info("model_available", model=name)
+        self._tell(name, None)
+        return True
+
+    def sync(self, models: dict[str, str], lifted: dict[str, float]) -> None:
+        """Become ``models`` (the set the replicas share), telling the front each change."""
+        self.lifted.update(lifted)
+        for name in [n for n in self.models if n not in models]:
+            self.models.pop(name)
+            self._tell(name, None)
+        for name, why in models.items():
+            if self.models.get(name) != why:
+                self.models[name] = why
+                self._tell(name, why)
+
+    def _tell(self, name: str, why: str | None) -> None:
+        if self._apply is not None:
+            self._apply(name, why)
+
+
+async def watch_caches(poll: Callable[[], Awaitable[dict[str, str]]],
+                       found: Callable[[dict[str, str], float], Awaitable[None]],
+                       closing: Callable[[], bool]) -> None:  # fmt: skip
+    """Every :data:`WATCH_S`: ``poll()`` the cachemgrs' unreadable models and hand them
+    (maybe none) to ``found(models, asked_at)`` (``asked_at``: the wall-clock time the
+    poll began), until ``closing()``. A failed poll is tried again at the next turn (a
+    cachemgr or the store may be restarting)."""
+    while not closing():
+        asked_at = time.time()
+        try:
+            await found(await poll(), asked_at)
+        except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
+            log.debug("unavailable_models_poll_failed", error=repr(exc))
+        await asyncio.sleep(WATCH_S)

@@ -1,0 +1,50 @@
+"""The start-up profile's latency model predicts a served decode step (profile.py).
+
+A real worker (a cachemgr process and the worker over it, as the switch bench
+builds them) runs the start-up profile, and then a decode step of a batch the
+profile never measured (six sequences of mixed lengths), timed as a turn times
+it (the engine's step and the sampler). The fitted Eq. 6 must predict that step
+within 20%. Both sides are medians of several steps; a busy machine slows them
+alike, and the whole measurement is retried (five attempts in all) before the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aegaeon_bench.switch.rig import rig_sizes, switch_rig
+from aegaeon_engine import DecodeSeq
+from aegaeon_runtime.profile import median_s, profile, served_step_s
+
+MODEL = "mistral-11m"
+SERVED = [20, 45, 90, 130, 210, 300]  # a batch's contexts, none of the profile's
+ATTEMPTS = 5
+TOLERANCE = 0.2
+
+
+def test_profile_predicts_a_served_step_of_mixed_lengths(default_market: Path) -> None:
+    path = default_market / MODEL
+    nbytes = json.loads((default_market / "market.json").read_text())
+    assert any(m["name"] == MODEL for m in nbytes["models"])
+    with switch_rig({MODEL: path}, "bfloat16", rig_sizes([64 << 20], 32 << 20)) as rig:
+        worker = rig.worker
+        errors = []
+        for _ in range(ATTEMPTS):
+            latency = profile(worker, [MODEL])
+            shape = worker.kv_shape(MODEL)
+            per_seq = [shape.blocks_for(c + 1) for c in SERVED]
+            blocks = worker.kv.alloc(shape, sum(per_seq))
+            try:
+                starts = [sum(per_seq[:i]) for i in range(len(SERVED))]
+                seqs = [DecodeSeq(7, c, blocks[s:s + n])
+                        for c, n, s in zip(SERVED, per_seq, starts, strict=True)]
+                served_step_s(worker, seqs)
+                measured = median_s(lambda seqs=seqs: served_step_s(worker, seqs), 15)
+            finally:
+                worker.kv.free(shape, blocks)
+            predicted = latency.decode_step_s(MODEL, len(SERVED), sum(c + 1 for c in SERVED))
+            errors.append(abs(predicted - measured) / measured)
+            if errors[-1] <= TOLERANCE:
+                break
+        assert min(errors) <= TOLERANCE, f"relative errors per attempt: {errors}"
