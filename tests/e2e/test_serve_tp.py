@@ -107,6 +107,14 @@ def test_tp2_greedy_tokens_equal_tp1_for_every_model(nodes: tuple[Served, Served
     for model in models:
         for prompt in PROMPTS:
             assert _greedy(tp2, model, prompt) == _greedy(tp1, model, prompt), (model, prompt)
+    # the instances' metrics count a sharded model's device blocks as the group's parts
+    services = tp2.get_json("/v1/aegaeon/services")["services"]
+    assert isinstance(services, list)
+    for service in services:
+        if service["role"] in ("prefill", "decode"):
+            with urllib.request.urlopen(service["metrics_url"], timeout=30) as resp:
+                text = resp.read().decode()
+            assert 'shape="L' in text and '-P2"' in text, service["name"]
 
 
 def test_the_readme_question_gets_the_readme_answer(nodes: tuple[Served, Served]) -> None:

@@ -46,9 +46,13 @@ __all__ = ["KVSpace", "OutOfBlocks", "event_from_spec", "shape_key"]
 log = get_logger("kv")
 
 
-def shape_key(shape: KVShape) -> tuple[int, int, int, int, str, int]:
-    return (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.block_size, shape.dtype,
-            parts_of(shape))  # fmt: skip
+def shape_key(shape: KVShape) -> tuple[int | str, ...]:
+    """The device pool's key of ``shape``: its numbers, and its parts when a block spans
+    the ranks of a tensor-parallel group (its device blocks are smaller)."""
+    key: tuple[int | str, ...] = (shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                  shape.block_size, shape.dtype)  # fmt: skip
+    parts = parts_of(shape)
+    return key if parts == 1 else (*key, parts)
 
 
 def parts_of(shape: KVShape) -> int:
