@@ -61,6 +61,9 @@ from aegaeon_runtime.worker import Worker, build_worker, instance_config
 log = get_logger("instance")
 
 HEARTBEAT_S = 0.5
+# the heartbeat judges liveness every HEARTBEAT_S: a longer gap means the whole process
+# was paused, and the compute thread's silence over it is not its own
+PAUSE_GAP_S = 5.0
 POLL_S = 0.05
 NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
@@ -164,6 +167,10 @@ class _Live:
         self.compute: ComputeThread | None = None
         self.stall_s = stall_s
         self.stalled: Verdict | None = None  # final once set (aegaeon_runtime.liveness)
+        # when the event loop last judged, and since when it runs again after a pause of
+        # the whole process (SIGSTOP, a suspended VM): that pause is no compute stall
+        self._judged_s = time.monotonic()
+        self._resumed_s = 0.0
 
     def load(self) -> InstanceLoad:
         return self.instance.load if self.instance is not None else InstanceLoad()
@@ -176,14 +183,18 @@ class _Live:
         if instance is None or inbox is None or compute is None or worker is None:
             return judge(Progress(0.0, None, 0, 0, False), 0.0, self.stall_s)
         load = instance.load
+        now = time.monotonic()
+        if now - self._judged_s > PAUSE_GAP_S:
+            self._resumed_s = now
+        self._judged_s = now
         progress = Progress(
-            taken_s=inbox.taken_s,
+            taken_s=max(inbox.taken_s, self._resumed_s),
             calling_since_s=worker.cache.calling_since(compute.ident),
             queued=load.prefill_requests + load.decode_requests,
             commands=inbox.pending(),
             started=instance.ready.is_set() and compute.is_alive(),
         )
-        verdict = judge(progress, time.monotonic(), self.stall_s)
+        verdict = judge(progress, now, self.stall_s)
         if verdict.stalled:
             self.stalled = verdict
         return verdict
