@@ -130,8 +130,10 @@ def start_group(config: Config, kind: str, index: int) -> InstanceGroup:
         raise RuntimeError(f"a tensor-parallel instance needs its config file (followers read "
                            f"it), not {config.source!r}")  # fmt: skip
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    # gloo's network interface (torch reads it from the environment): the loopback, the
+    # group is one host; rank 0 and its followers alike (an operator's setting wins)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env = dict(os.environ)
     name = f"{kind}-{index}"
     followers = []
     for rank in range(1, size):
