@@ -5,12 +5,16 @@
     aegaeon sim --policy aegaeon --models 70 --rps 0.1      # one experiment
     aegaeon sim --replay TRACE [TRACE ...] [--json]         # a live run, simulated
     aegaeon sim --compare classes|roles [--json]            # SLO classes / role switching
+    aegaeon sim --scenario paper [--calibration TRACE]      # one device, every served policy
 
 Aegaeon's decode rounds are bounded by default (``--round-ttft-fraction``,
 see aegaeon_sched.quota); ``--paper`` plans them with Eq. 2-3 exactly as
-published. Request-level baselines switch at ServerlessLLM's 16 GB/s, as the
-paper's artifact simulated them (``--baseline-switch-gbps eq4`` gives them
-Aegaeon's Eq. 4 instead).
+published. In the paper's cluster (``--figure``, ``--policy``) the request-level
+baselines switch at ServerlessLLM's 16 GB/s, as the paper's artifact simulated
+them (``--baseline-switch-gbps eq4`` gives them Aegaeon's Eq. 4 instead).
+``--scenario paper`` plays the one-device scenario with the policies as
+``aegaeon serve`` runs them: ``request-level`` switching at this system's
+cost, ``request-level-charged`` paying ``--load-gb-s`` and ``--init-s``.
 
 Nothing heavy is imported at module level (matplotlib only when plotting).
 """
@@ -27,6 +31,7 @@ from aegaeon_common.usage import at_least_one
 
 from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
 from aegaeon_sim.cli_classes import print_progress
+from aegaeon_sim.cli_paper import add_arguments as add_paper_arguments
 from aegaeon_sim.cli_replay import add_arguments as add_replay_arguments
 
 if TYPE_CHECKING:
@@ -61,6 +66,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--replay", nargs="+", metavar="TRACE",
         help="simulate the deployment and workload of live `bench serve --trace` runs "
         "and compare attainment (reads TRACE.stats.json and TRACE.summary.json)",
+    )  # fmt: skip
+    mode.add_argument(
+        "--scenario", choices=["paper"],
+        help="paper: the one-device paper scenario of `scripts/gpu-check --scenario paper` "
+        "(every served policy: aegaeon, request-level-charged, request-level, static-mux) on "
+        "one rate grid; see aegaeon_sim.paper_scenario",
     )  # fmt: skip
     mode.add_argument(
         "--compare", choices=["classes", "roles"],
@@ -117,6 +128,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     add_replay_arguments(parser)
     add_compare_arguments(parser)
+    add_paper_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for PNGs")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -146,6 +158,10 @@ def _main(args: argparse.Namespace) -> int:
         from aegaeon_sim.cli_classes import compare
 
         summary = compare(args, _base(args))
+    elif args.scenario:
+        from aegaeon_sim.paper_scenario import run as run_scenario
+
+        summary = run_scenario(args)
     elif args.figure:
         summary = _figure(args)
     else:

@@ -12,7 +12,13 @@ same policy object over it:
   controller (``aegaeon_sched.RoundController``).
 - Request-level policies: ``decode-0..P+D-1`` unified instances that prefill
   one request at a time before their decode steps (as the live decode loop's
-  ``_prefill_new``) and switch only when idle.
+  ``_prefill_new``) and switch only when idle; ``request-level-charged``'s
+  switches take the larger of the measured switch and its load path
+  (``load_path``: ``aegaeon_sched.load_path``, as the live instances wait it
+  out).
+- ``static-mux``: the same unified instances, each holding the models the
+  policy placed on it resident (``weights_budget_bytes``: its arena) and their
+  requests in its KV region (``kv_region_bytes``); no switch.
 
 Each instance runs on its own start-up profile (what the live instance
 fitted) with Eq. 5 replaced by the refit to the run's measured prefills when
@@ -28,7 +34,7 @@ or the learned turn overhead, whichever is larger).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +42,12 @@ from aegaeon_sched import (
     SLO,
     ClusterSpec,
     LatencyModel,
+    LoadPath,
     PolicyOptions,
     Request,
     RequestTrace,
     RoundRobinPlanner,
+    StaticMuxPolicy,
     make_policy,
 )
 
@@ -55,7 +63,7 @@ from aegaeon_sim.switching import (
     Switching,
 )
 from aegaeon_sim.turn_meter import TurnLog
-from aegaeon_sim.unified_sim import RequestLevelSim
+from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,9 @@ class NodeSpec:
     prefetch: bool = True
     capacity_tokens: Mapping[str, int] = field(default_factory=dict)
     switch_model: str = "measured"  # or "eq4"
+    load_path: LoadPath | None = None  # request-level-charged's scale-ups
+    kv_region_bytes: int | None = None  # an instance's KV region (static-mux admission)
+    weights_budget_bytes: int | None = None  # an instance's weights arena (static-mux)
 
     @property
     def instance_names(self) -> tuple[str, ...]:
@@ -112,6 +123,15 @@ class NodeSpec:
         weights = {m: s.weight_bytes for m, s in lat.specs.items()}
         return MeasuredSwitching(self.costs.switch, weights)
 
+    def unified_switch_s(self, lat: LatencyModel) -> Callable[[str], float]:
+        """What a unified instance's switch to a model costs: as measured (or Eq. 4),
+        the load path's time when it is longer (``request-level-charged``)."""
+        full_s = self.switching(lat).full_s
+        path = self.load_path
+        if path is None:
+            return full_s
+        return lambda model: path.switch_s(lat.spec(model).weight_bytes, full_s(model))
+
 
 @dataclass
 class NodeRun:
@@ -145,19 +165,24 @@ def simulate_node(spec: NodeSpec, requests: Sequence[Request], end_s: float) -> 
     options = PolicyOptions(max_group_size=spec.max_group_size,
                             max_batch_size=spec.max_batch_size,
                             decode_capacity_tokens=cap, unified_capacity_tokens=cap,
-                            decode_tbt_s=spec.planner_slo.tbt_s)  # fmt: skip
+                            decode_tbt_s=spec.planner_slo.tbt_s,
+                            gpu_weight_budget_bytes=spec.weights_budget_bytes)  # fmt: skip
     policy = make_policy(spec.policy, cluster, policy_latency, options)
     kv_rate = policy_latency.pcie_bytes_per_s
     sim = Simulation(policy, policy_latency, requests, kv_bytes_per_s=kv_rate)
     costs = spec.costs
     switches: list[Any] = []
-    unified: list[RequestLevelSim] = []
+    unified: list[RequestLevelSim | MuxSim] = []
     decodes: list[DecodeSim] = []
     feed: DecodeShareFeed | None = None
     if spec.unified:
         for name in names:
             truth = spec.truth(name)
-            inst = RequestLevelSim(name, truth, switch_cost=spec.switching(truth).full_s)
+            inst: RequestLevelSim | MuxSim
+            if isinstance(policy, StaticMuxPolicy):
+                inst = MuxSim(name, truth, float(spec.kv_region_bytes or 0))
+            else:
+                inst = RequestLevelSim(name, truth, switch_cost=spec.unified_switch_s(truth))
             inst.prefill_one_by_one, inst.step_overhead_s = True, costs.step_overhead_s
             sim.add_unified(inst)
             unified.append(inst)

@@ -29,14 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from aegaeon_common.config import InstancesConfig, SchedulerConfig, SLOConfig
+from aegaeon_common.config import BaselineConfig, InstancesConfig, SchedulerConfig, SLOConfig
 from aegaeon_common.config_parse import build_section
-from aegaeon_sched import SLO, LatencyModel, Request
+from aegaeon_sched import SLO, LatencyModel, Request, load_path_for
 from aegaeon_workload.plan import ModelLimits, plan_requests
 from aegaeon_workload.trace import RunFiles, TraceRecord, read_trace
 
 from aegaeon_sim.node import NodeSpec
 from aegaeon_sim.node_costs import measure, without_measurements
+
+ARENA_SLACK_BYTES = 1 << 20  # as the live proxy's static-mux budget (cluster.policy)
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,27 @@ class ReplayCase:
     measured: bool = True  # costs measured from the run (else the profiles alone)
 
 
-def _planner_config(path: Path | None) -> tuple[SLOConfig, SchedulerConfig, int | None, str]:
+@dataclass(frozen=True)
+class _Planner:
+    """What the live planner and instances were told (the serve config's sections)."""
+
+    slo: SLOConfig
+    sched: SchedulerConfig
+    decode: InstancesConfig | None  # None: no config (then no KV room is known)
+    baseline: BaselineConfig
+    source: str
+
+
+def _planner_config(path: Path | None) -> _Planner:
     if path is None or not path.exists():
-        return SLOConfig(), SchedulerConfig(), None, "config defaults"
+        return _Planner(SLOConfig(), SchedulerConfig(), None, BaselineConfig(),
+                        "config defaults")  # fmt: skip
     raw = yaml.safe_load(path.read_text()) or {}
     slo = build_section(SLOConfig, raw.get("slo") or {}, str(path), "slo")
     sched = build_section(SchedulerConfig, raw.get("scheduler") or {}, str(path), "scheduler")
     decode = build_section(InstancesConfig, raw.get("decode") or {}, str(path), "decode")
-    return slo, sched, decode.kv_memory_bytes, str(path)
+    baseline = build_section(BaselineConfig, raw.get("baseline") or {}, str(path), "baseline")
+    return _Planner(slo, sched, decode, baseline, str(path))
 
 
 def load_case(
@@ -79,7 +94,12 @@ def load_case(
         raise ValueError(f"{files.stats}: no layout/latency (a run from before they were recorded)")
     layout = stats["layout"]
     config_path = serve_config or trace.parent / "run" / "config.yaml"
-    slo_cfg, sched, kv_bytes, source = _planner_config(config_path)
+    planner = _planner_config(config_path)
+    slo_cfg, sched, source = planner.slo, planner.sched, planner.source
+    kv_bytes = planner.decode.kv_memory_bytes if planner.decode is not None else None
+    arena = (planner.decode.device_memory_bytes - planner.decode.kv_memory_bytes
+             if planner.decode is not None else None)  # fmt: skip
+    policy = str(layout["policy"])
     profiles = stats["latency"]
     any_profile = LatencyModel.from_dict(next(iter(profiles.values())))
     costs = measure(stats, [r.to_json() for r in records])
@@ -89,7 +109,7 @@ def load_case(
         m: kv_bytes // s.kv_bytes_per_token for m, s in any_profile.specs.items()
     }  # fmt: skip
     spec = NodeSpec(
-        policy=str(layout["policy"]), num_prefill=int(layout["prefill"]),
+        policy=policy, num_prefill=int(layout["prefill"]),
         num_decode=int(layout["decode"]), unified=bool(layout["unified"]),
         hybrid_prefill=bool(layout["hybrid_prefill"]), profiles=profiles,
         planner_slo=SLO(slo_cfg.ttft_s, slo_cfg.tbt_s), costs=costs,
@@ -98,6 +118,9 @@ def load_case(
         max_batch_size=int(layout.get("max_batch_size", sched.max_batch_size)),
         max_group_size=int(layout.get("max_group_size", sched.max_group_size)),
         prefetch=sched.prefetch, capacity_tokens=capacity, switch_model=switch_model,
+        load_path=load_path_for(policy, planner.baseline.load_gb_s, planner.baseline.init_s),
+        kv_region_bytes=kv_bytes,
+        weights_budget_bytes=None if arena is None else max(arena - ARENA_SLACK_BYTES, 0),
     )  # fmt: skip
     settings = summary["settings"]
     result = summary["result"]

@@ -245,8 +245,8 @@ def test_the_plan_service_plans_the_node_once_and_every_container_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aegaeon_cli import machine
-    from aegaeon_common.placement import GpuInfo, HostInfo
     from aegaeon_market.presets import preset_config, preset_named
+    from aegaeon_sched.placement import GpuInfo, HostInfo
 
     gib = 1 << 30
     probed: list[int] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -246,6 +247,58 @@ def test_models_come_and_go_and_operator_pins_hold_them() -> None:
                 cache.close()
 
     asyncio.run(go())
+
+
+def test_in_memory_entries_are_generated_in_the_region_at_every_load(start: Start,
+                                                                    tmp_path: Path) -> None:
+    """``market add --random --in-memory``: the cachemgr generates the seeded weights
+    straight into the region: the same bytes after an eviction and in another cachemgr,
+    other bytes for the other seed, the written twin's bytes, and no file written."""
+    from dataclasses import replace
+
+    from aegaeon_market.edit import add_random
+    from aegaeon_market.preset_writer import write_preset
+    from aegaeon_market.presets import PRESETS
+
+    base = PRESETS["llama-3.2-1b"]
+    preset = replace(base, recipe=replace(base.recipe, hidden_size=64, num_layers=2,
+                                          num_heads=4, num_kv_heads=2, head_dim=16,
+                                          intermediate_size=96))  # fmt: skip
+    market = tmp_path / "market"
+    paths = {name: add_random(market, preset, name, in_memory=True, progress=False).path
+             for name in ("a", "b")}  # fmt: skip
+    files_before = sorted(str(p) for p in market.rglob("*"))
+    twin = tmp_path / "twin"
+    seed_a = json.loads((paths["a"] / "random-weights.json").read_text())["seed"]
+    write_preset(preset, twin, "bfloat16", seed=seed_a)
+    layout = weight_layout(ModelSpec.from_dir(twin), "bfloat16")
+    expected = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    fill_layout(twin, layout, expected)
+    # the market's records of each entry's files (its config, tokenizer, recipe) checked
+    first = start(paths, model_cache=int(1.5 * layout.total_bytes), market=market)
+
+    async def load_all(cm: CacheMgrProcess) -> dict[str, torch.Tensor]:
+        client = CacheClient(cm.config.cachemgr_address, "w0")
+        await client.register()
+        out = {}
+        for name in ("a", "b", "a"):  # b evicts a, a comes back: generated again
+            model = await client.load_model(name, pin=False)
+            assert model.nbytes == layout.total_bytes and not model.hit
+            out[name + ("2" if name in out else "")] = model.data.clone()
+        stats = await client.stats()
+        assert stats.model_cache.num_loads == 3 and stats.model_cache.num_evictions == 2
+        await client.close()
+        return out
+
+    loaded = asyncio.run(load_all(first))
+    assert torch.equal(loaded["a"], expected)  # what its written twin loads
+    assert torch.equal(loaded["a2"], loaded["a"])  # the same bytes on every load
+    assert (loaded["a"] != loaded["b"]).float().mean() > 0.5  # another seed
+    assert first.stop() == 0
+    second = start(paths, model_cache=int(1.5 * layout.total_bytes), market=market)
+    assert torch.equal(asyncio.run(load_all(second))["a"], expected)  # another cachemgr
+    assert second.stop() == 0  # (both share the run dir: neither leaves a segment)
+    assert sorted(str(p) for p in market.rglob("*")) == files_before  # nothing written
 
 
 def test_an_unreadable_checkpoint_is_quarantined_and_a_reload_brings_it_back(

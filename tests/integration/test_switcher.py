@@ -131,3 +131,69 @@ def test_a_sleeping_model_leaves_the_device_and_comes_back_intact(rig: Rig) -> N
     assert _greedy(rig, prompt, 8) == fresh  # the active model was left alone
     # unknown names are ignored
     assert sleep("nope") == ["llama-gqa-5m"]
+
+
+def test_two_models_that_fit_together_stop_being_copied(rig: Rig) -> None:
+    """Two models alternating in an arena that holds both (static multiplexing, or two
+    models sharing a decode instance): once each has been copied in, a prefetch finds its
+    bytes where they still are and binds them (``resident``), no copy; a third model
+    overwriting one of them makes it copied again. Tokens are a fresh load's."""
+    switcher = rig.worker.switcher
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    switcher.activate("qwen2-19m")  # clear the arena of the others' bytes
+    switcher.activate("llama-gqa-5m")
+    fresh = _greedy(rig, prompt, 8)
+    records = []
+    for name in ["mistral-11m", "llama-gqa-5m"] * 3:
+        assert switcher.prefetch(name)
+        record = switcher.activate(name)
+        assert record is not None and record.prefetched
+        records.append(record)
+        active = switcher.active
+        assert active is not None and active.allocation is not None
+        view = rig.worker.buffer.view(active.allocation.offset, active.allocation.nbytes)
+        assert torch.equal(view, _region_bytes(rig, name))
+    # the first of each was copied (llama's from below the active model); then neither
+    assert [r.resident for r in records] == [False, True, True, True, True, True]
+    assert all(r.load_s == 0.0 for r in records[1:])
+    assert _greedy(rig, prompt, 8) == fresh
+    record = switcher.activate("qwen2-19m")  # overwrites them: copied again after
+    assert record is not None and not record.resident
+    record = switcher.activate("llama-gqa-5m")
+    assert record is not None and not record.resident and record.load_s > 0
+    assert _greedy(rig, prompt, 8) == fresh
+
+
+def test_static_mux_keeps_both_models_without_prefetch(rig: Rig) -> None:
+    """``keep_resident`` (static multiplexing): a scale-up that was not prefetched goes
+    beside the active model, not over it, so two models that fit the arena alternate with
+    no copy once each is in; without it (request-level) every switch copies."""
+    switcher = rig.worker.switcher
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    switcher.activate("qwen2-19m")  # clear the arena of the others' bytes
+    switcher.keep_resident = True
+    try:
+        records = [switcher.activate(name) for name in ["llama-gqa-5m", "mistral-11m"] * 3]
+        assert all(r is not None and not r.prefetched for r in records)
+        assert [r.resident for r in records if r is not None] == [False, False, True, True,
+                                                                  True, True]  # fmt: skip
+        fresh = _greedy(rig, prompt, 8)
+        active = switcher.active
+        assert active is not None and active.allocation is not None
+        view = rig.worker.buffer.view(active.allocation.offset, active.allocation.nbytes)
+        assert torch.equal(view, _region_bytes(rig, "mistral-11m"))
+    finally:
+        switcher.keep_resident = False
+    # without it a scale-up goes to the arena's bottom, over what was there
+    switcher.activate("llama-gqa-5m")
+    record = switcher.activate("qwen2-19m")
+    assert record is not None and not record.resident
+    active = switcher.active
+    assert active is not None and active.allocation is not None
+    assert active.allocation.offset == 0
+    record = switcher.activate("mistral-11m")
+    assert record is not None and switcher.active is not None
+    assert switcher.active.allocation is not None and switcher.active.allocation.offset == 0
+    assert not record.resident  # qwen2-19m's copy went over it
+    switcher.activate("mistral-11m")
+    assert _greedy(rig, prompt, 8) == fresh

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from aegaeon_common.config import Config, SchedulerConfig, SLOConfig
+from aegaeon_common.config import BaselineConfig, Config, SchedulerConfig, SLOConfig
 from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import SwitchRecord
@@ -309,12 +309,16 @@ class FakeWorker:
     round_ttft_fraction: float | None = 0.7
     token_hold: float = 0.0
     switch_s: Callable[[str, tuple[str, float] | None, float], float] | None = None
+    policy: str = "aegaeon"
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
 
     def __post_init__(self) -> None:
         self.config = Config(
             models=(), dtype=DTYPE, slo=SLOConfig(ttft_s=self.ttft_s, tbt_s=self.tbt_s),
-            scheduler=SchedulerConfig(q_max_s=self.q_max_s, token_hold=self.token_hold,
+            scheduler=SchedulerConfig(policy=self.policy,  # type: ignore[arg-type]
+                                      q_max_s=self.q_max_s, token_hold=self.token_hold,
                                       round_ttft_fraction=self.round_ttft_fraction),
+            baseline=self.baseline,
         )  # fmt: skip
         self.specs = {m: engine_spec(m) for m in self.truth.specs}
         truth = self.truth

@@ -7,6 +7,7 @@ The real engine behind the proxy is exercised end to end in tests/e2e/test_serve
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench.node.http_client import sse_payloads
 from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
@@ -57,6 +59,7 @@ class ScriptedBackend:
         self.hang = False  # send nothing until cancelled
         self.hold = False  # hold each request for room (admission) until the test says
         self.refuse: BackendError | None = None
+        self.fail: tuple[str, str] | None = None  # (error, code): every request ends so
         self.is_ready = True
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
@@ -100,6 +103,9 @@ class ScriptedBackend:
             return
         if self.hang:
             return
+        if self.fail is not None:
+            queue.finish("error", *self.fail)
+            return
         ids = self.token_ids[: req.sampling.max_tokens]
         for i, token_id in enumerate(ids):
             if not self.burst:
@@ -133,10 +139,7 @@ def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
     asyncio.run(main())
 
 
-async def sse_events(resp: Any) -> list[str]:
-    raw = (await resp.read()).decode()
-    assert raw.endswith("data: [DONE]\n\n")
-    frames = raw.split("\n\n")
-    assert frames[-1] == ""
-    assert all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
-    return [f[len("data: ") :] for f in frames[:-1]]
+async def sse_chunks(resp: Any) -> list[Any]:
+    """A streamed answer's events as JSON, ``[DONE]`` left off, its framing checked
+    (``sse_payloads``: one ``data: `` line an event, ``[DONE]`` last)."""
+    return [json.loads(payload) for payload in sse_payloads(await resp.read())]

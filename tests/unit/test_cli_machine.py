@@ -11,8 +11,8 @@ import yaml
 from aegaeon_cli import machine
 from aegaeon_cli.main import main
 from aegaeon_common.config import config_from_dict, load_config
-from aegaeon_common.placement import GpuInfo, HostInfo, PlacementError
 from aegaeon_market.presets import preset_config, preset_named
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError
 
 GiB = 1 << 30
 H100 = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB) for i in range(4)]
@@ -115,3 +115,74 @@ def test_serve_refuses_a_bad_spec_before_anything_starts(
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == "aegaeon serve: --gpus 1,1: GPU 1 is listed twice"
     assert not run_dir.exists()
+
+
+# ---- --device-memory: a cap per instance ------------------------------------------------
+def test_the_cap_sizes_the_arena_and_kv_inside_it(market: Path, tmp_path: Path) -> None:
+    """``serve --device-memory GiB``: every instance's buffer is the cap, the arena two of the
+    largest model (16.06 GB in bf16) and the KV region the rest; on a CPU the instance
+    then copies weights into its arena instead of mapping them."""
+    from aegaeon_cli.serve import _effective_config
+    from aegaeon_sched.sizing import split_buffer
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"market: {market}\ndecode: {{kv_memory: 64MiB, weights: auto}}\n")
+    args = _serve_args(path, tmp_path, device_memory=40.0)
+    config, raw, plan = _effective_config(args)
+    largest = max(machine.model_bytes(config).values())
+    assert plan is None
+    for inst in (config.prefill, config.decode):
+        assert 40 * GiB - (64 << 20) < inst.device_memory_bytes <= 40 * GiB  # KV in 64 MiB
+        arena = inst.device_memory_bytes - inst.kv_memory_bytes
+        assert 2 * largest <= arena < 2 * largest + 128 << 20  # two: active + prefetched
+        assert inst.kv_memory_bytes >= 40 * GiB // 4 and inst.weights == "copy"
+    assert raw["decode"] == {"weights": "copy",
+                             "device_memory": config.decode.device_memory_bytes,
+                             "kv_memory": config.decode.kv_memory_bytes}
+    # smaller: the largest model once (no prefetch room) while it leaves 64 MiB of KV
+    once = split_buffer(int(18 * GiB), largest, 64 << 20)
+    assert once is not None and not once.prefetch_room and once.weights_bytes < 2 * largest
+    config, _, _ = _effective_config(_serve_args(path, tmp_path, device_memory=18.0))
+    assert config.decode.kv_memory_bytes == once.kv_memory_bytes
+
+
+def test_a_cap_too_small_is_one_line_and_nothing_starts(
+        market: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["serve", "--market", str(market), "--run-dir", str(run_dir), "--device-memory",
+            "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aegaeon serve: --device-memory 8.0 GiB: the largest model "
+                          "llama-3.1-8b (15.0 GiB in bfloat16)"), err
+    assert "\n" not in err and not run_dir.exists()
+    for bad in ("0", "-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--market", str(market), "--device-memory", bad])
+        assert info.value.code == 2
+        assert "--device-memory" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("fake_machine")
+def test_with_gpus_the_cap_bounds_each_share(market: Path) -> None:
+    raw = {"market": str(market), "prefill": {"instances": 1}, "decode": {"instances": 1}}
+    _, _, free = machine.sized(raw, config_from_dict(raw), "0", (1, 1))
+    _, _, capped = machine.sized(raw, config_from_dict(raw), "0", (1, 1), cap_bytes=30 * GiB)
+    for kind in ("prefill", "decode"):  # two instances share one H100: ~35.5 GiB each
+        full, cap = free.kind(kind), capped.kind(kind)
+        assert full is not None and cap is not None
+        assert cap.device_memory_bytes <= 30 * GiB < full.device_memory_bytes
+        assert cap.weights_bytes == full.weights_bytes  # the KV region gave way
+    with pytest.raises(PlacementError, match=r"--device-memory caps it at 16\.0 GiB"):
+        machine.sized(raw, config_from_dict(raw), "0", (1, 1), cap_bytes=16 * GiB)
+
+
+def _serve_args(config: Path, tmp_path: Path, **flags: object) -> object:
+    import argparse
+
+    base: dict[str, object] = {"config": config, "market": None, "api_key": [],
+                               "api_key_file": [], "admin_key": [], "admin_key_file": [],
+                               "host": None, "port": None, "policy": None,
+                               "run_dir": tmp_path / "run", "gpus": None,
+                               "device_memory": None, "tp": None}  # fmt: skip
+    return argparse.Namespace(**{**base, **flags})

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from aegaeon_cli.main import main
 from aegaeon_common.config import load_config
-from aegaeon_common.placement import GpuInfo, gpu_reserve_bytes
 from aegaeon_market.presets import preset_config, preset_named
+from aegaeon_sched.placement import GpuInfo, gpu_reserve_bytes
 
 GiB = 1 << 30
 L8B = preset_config(preset_named("llama-3.1-8b"), "bfloat16")

@@ -15,7 +15,8 @@ def _args(config: Path, **flags: object) -> argparse.Namespace:
     base: dict[str, object] = {"config": config, "market": None, "api_key": [],
                                "api_key_file": [], "admin_key": [], "admin_key_file": [],
                                "host": None, "port": None,
-                               "policy": None, "run_dir": None, "gpus": None}  # fmt: skip
+                               "policy": None, "run_dir": None, "gpus": None,
+                               "device_memory": None, "tp": None}  # fmt: skip
     return argparse.Namespace(**{**base, **flags})
 
 

@@ -69,6 +69,11 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
         ("models: [{name: a, path: x}]\nstore: {heartbeat_ttl: 0.5}\n", "store.heartbeat_ttl"),
         ("models: [{name: a, path: x}]\nmodel_settings: {a: {max_concurrency: 0}}\n",
          "model_settings.a.max_concurrency"),
+        ("models: [{name: a, path: x}]\nbaseline: {load_gb_s: 0}\n", "baseline.load_gb_s"),
+        ("models: [{name: a, path: x}]\nbaseline: {init_s: -1}\n", "baseline.init_s"),
+        ("models: [{name: a, path: x}]\nbaseline: {load: 16}\n", "baseline.load"),
+        ("models: [{name: a, path: x}]\nscheduler: {policy: request-level-free}\n",
+         "scheduler.policy"),
         ("market: nowhere\n", "market"),
         (": : :\n", "line 1, column 1"),  # a YAML error: where, as editors count
     ],
@@ -96,6 +101,20 @@ def test_defaults() -> None:
     assert config.scheduler.token_hold == 1.0
     assert config.slo.ttft_s == 10.0 and config.slo.tbt_s == 0.1
     assert config.decode.weights == "auto" and config.decode.maps_weights  # CPU: in place
+
+
+def test_baselines_are_served_policies() -> None:
+    """Every baseline runs unified instances; the charged one's load path is its own
+    section (defaults: the paper's artifact, 16 GB/s, no engine start-up)."""
+    for policy in ("request-level", "request-level-charged", "static-mux"):
+        config = config_from_dict({"models": [{"name": "a", "path": "x"}],
+                                   "scheduler": {"policy": policy}})  # fmt: skip
+        assert config.unified and not config.hybrid_prefill
+    assert (config.baseline.load_gb_s, config.baseline.init_s) == (16.0, 0.0)
+    config = config_from_dict({"models": [{"name": "a", "path": "x"}],
+                               "baseline": {"load_gb_s": 2.5, "init_s": 26.9}})  # fmt: skip
+    assert (config.baseline.load_gb_s, config.baseline.init_s) == (2.5, 26.9)
+    assert config.to_dict()["baseline"] == {"load_gb_s": 2.5, "init_s": 26.9}
 
 
 def test_weights_auto_copies_on_a_gpu() -> None:

@@ -325,3 +325,32 @@ def test_a_batch_of_a_model_the_cachemgr_refuses_fails_and_the_instance_goes_on(
     assert failed == {"b1": code}
     assert len(_tokens(outbox)["a1"]) == 9
     assert loop.work.num_requests == 0 and not loop.admission.seqs
+
+
+@pytest.mark.parametrize("policy", ["request-level-charged", "request-level", "aegaeon"])
+def test_a_charged_baseline_waits_out_its_load_path_at_every_scale_up(policy: str) -> None:
+    """``request-level-charged``: a scale-up takes ``init_s + bytes / load_gb_s`` (the
+    paper's ServerlessLLM) whatever this system's switch took, the rest waited out on the
+    instance and recorded (``charged_s``); every other policy pays its switch alone."""
+    from aegaeon_common.config import BaselineConfig
+    from aegaeon_engine import weight_layout
+
+    baseline = BaselineConfig(load_gb_s=0.001, init_s=0.25)  # 1 MB/s: seconds a scale-up
+    w = FakeWorker(latency_model(["a", "b"], switch_s=SWITCH_S), policy=policy,
+                   baseline=baseline)  # fmt: skip
+    timed = [(0.0, w.enqueue("a1", "a", 0, 20, 5, 0.0)),
+             (0.0, w.enqueue("b1", "b", 1, 20, 5, 0.0))]  # fmt: skip
+    loop, outbox = _run(w, timed)
+    assert set(_tokens(outbox)) == {"a1", "b1"}
+    records = list(loop.counters.new_switches)
+    assert [r.to_model for r in records] == ["a", "b"]
+    nbytes = weight_layout(w.specs["a"], w.config.dtype).total_bytes
+    scale_up_s = 0.25 + nbytes / 1e6
+    turns = {t.model: t for t in _turns(loop)}
+    for record in records:
+        if policy == "request-level-charged":
+            assert record.total_s == pytest.approx(scale_up_s)
+            assert record.charged_s == pytest.approx(scale_up_s - SWITCH_S)
+            assert turns[record.to_model].switch_s >= scale_up_s - 1e-9  # on the clock
+        else:
+            assert record.charged_s == 0.0 and record.total_s == pytest.approx(SWITCH_S)

@@ -4,6 +4,7 @@ baselines: test_sched_pinned.py."""
 
 from __future__ import annotations
 
+import pytest
 from aegaeon_sched import (
     SLO,
     AegaeonPolicy,
@@ -148,7 +149,7 @@ def test_factory_builds_every_policy_by_name() -> None:
     cluster = ClusterSpec(("p0",), ("d0", "d1"))
     for name in (
         "aegaeon", "request-level", "request-level-sjf", "request-level-global",
-        "request-level-global-sjf", "static-mux",
+        "request-level-global-sjf", "request-level-charged", "static-mux",
     ):  # fmt: skip
         assert make_policy(name, cluster, _latency()).name == name
     # ServerlessLLM(+) as the paper evaluated them bind requests at arrival.
@@ -167,5 +168,38 @@ def test_config_policies_are_factory_policies() -> None:
     from aegaeon_sched import POLICIES
 
     assert set(CONFIG_POLICIES) <= set(POLICIES)
-    # Unified (every worker prefills and decodes): every request-level variant.
-    assert set(UNIFIED_POLICIES) == {p for p in POLICIES if p.startswith("request-level")}
+    # Unified (every worker prefills and decodes): every baseline
+    assert set(UNIFIED_POLICIES) == set(POLICIES) - {"aegaeon"}
+    assert set(CONFIG_POLICIES) == set(POLICIES)  # every policy can be served
+
+
+def test_the_charged_baseline_is_request_level_with_a_load_path() -> None:
+    """``request-level-charged`` decides as ``request-level`` does; its scale-ups cost
+    ``init_s + bytes / load_gb_s`` (the paper's ServerlessLLM), at least what this
+    system's switch took."""
+    from aegaeon_sched import CHARGED_POLICIES, LoadPath, load_path_for
+
+    cluster = ClusterSpec(("p0",), ("d0", "d1"))
+    charged = make_policy("request-level-charged", cluster, _latency())
+    plain = make_policy("request-level", cluster, _latency())
+    assert isinstance(charged, PinnedRequestLevelPolicy) and charged.name != plain.name
+    for i, model in enumerate("xyxzy"):
+        request = req(i, model, 0.1 * i)
+        assert charged.on_arrival(request, 0.1 * i) == plain.on_arrival(request, 0.1 * i)
+    assert CHARGED_POLICIES == ("request-level-charged",)
+    path = load_path_for("request-level-charged", 16.0, 2.0)
+    assert path == LoadPath(16e9, 2.0) and path.scale_up_s(16_060_000_000) == 3.00375
+    assert path.charge_s(16_060_000_000, 0.5) == pytest.approx(2.50375)
+    assert path.charge_s(16_060_000_000, 9.0) == 0.0  # a slower switch owes nothing
+    assert path.switch_s(16_060_000_000, 9.0) == 9.0
+    assert load_path_for("request-level", 16.0, 2.0) is None
+    for bad in ((0.0, 0.0), (-1.0, 0.0), (16.0, -1.0)):
+        with pytest.raises(ValueError):
+            LoadPath.of(*bad)
+
+
+def test_static_mux_refuses_an_unplaced_model_naming_the_placed_ones() -> None:
+    p = StaticMuxPolicy(["g0"], {"a": 2.0, "b": 1.0, "c": 0.5}, max_models_per_gpu=2)
+    (refusal,) = p.on_arrival(req(0, "c", 0.0), 0.0)
+    assert isinstance(refusal, Reject) and refusal.code == "no_slot"
+    assert "'c'" in refusal.reason and "a, b" in refusal.reason

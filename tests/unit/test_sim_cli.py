@@ -84,3 +84,41 @@ def test_planner_and_baseline_switch_flags(capsys: pytest.CaptureFixture[str]) -
     assert _scenario(["--hybrid-prefill"], capsys)["hybrid_prefill"] is True
     eq4 = _scenario(["--baseline-switch-gbps", "eq4"], capsys)
     assert eq4["baseline_switch_bytes_per_s"] is None
+
+
+def test_the_paper_scenario_plays_every_served_policy(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:  # fmt: skip
+    """``aegaeon sim --scenario paper``: the one-device scenario with ``aegaeon serve``'s
+    policy names, on one grid, the same requests at each rate; the rates a live run would
+    measure for each."""
+    from aegaeon_common.config import POLICIES as SERVED
+
+    argv = ["sim", "--scenario", "paper", "--paper-load-s", "20", "--paper-grace-s", "10",
+            "--points", "0.01,0.04,0.2", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    policies = summary["prediction"]["policies"]
+    assert set(policies) == {"aegaeon", "request-level-charged", "request-level",
+                             "static-mux"} and set(policies) <= set(SERVED)  # fmt: skip
+    for policy, entry in policies.items():
+        points = [p["rps_per_model"] for p in entry["points"]]
+        assert points == [0.01, 0.04, 0.2]
+        assert all(0.0 <= p["predicted"] <= 1.0 for p in entry["points"])
+        assert summary["plan"][policy]["rates"], policy
+    requests = {p: [q["requests"] for q in e["points"]] for p, e in policies.items()}
+    assert len({tuple(r) for r in requests.values()}) == 1  # the same requests at each rate
+    # static multiplexing places two models per instance: half of the eight are refused
+    assert max(p["predicted"] for p in policies["static-mux"]["points"]) < 0.6
+    assert "request-level-charged" in out and "sustainable at 90%" in out
+
+
+def test_the_paper_scenario_refuses_bad_values_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, word in ((["--policies", "aegaeon,nope"], "nope"),
+                       (["--load-gb-s", "0"], "--load-gb-s"),
+                       (["--init-s", "-1"], "--init-s")):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            main(["sim", "--scenario", "paper", *argv])
+        said = (str(info.value) if info.value.code != 2 else capsys.readouterr().err).strip()
+        assert word in said and "\n" not in said, said

@@ -62,3 +62,34 @@ def test_both_policies_along_the_ladder(logs: Path) -> None:
     assert "value" in result["ratio"]
     assert predict(inputs) == result  # seeded and pure: the same answer again
     assert "request-level" in table(result)
+
+
+def test_each_policy_on_its_own_node_and_every_baseline(logs: Path) -> None:
+    """The baseline calibrated on its own run (its switches, steps, prefills), the charged
+    baseline paying its load path, static multiplexing holding what fits its instances;
+    aegaeon's ratio to each."""
+    aegaeon_dir, _, _ = _live(logs, "aegaeon")
+    baseline_dir, baseline_live, num_requests = _live(logs, "request-level")
+    inputs = {
+        "logs": str(logs), "calibration_trace": f"{aegaeon_dir}/trace.jsonl",
+        "calibration_config": f"{aegaeon_dir}/run/config.yaml",
+        "calibration": {"request-level": {"trace": f"{baseline_dir}/trace.jsonl",
+                                          "config": f"{baseline_dir}/run/config.yaml"}},
+        "plan": {"load_s": 10.0, "grace_s": 30.0, "min_requests": 0}, "grid": [0.6, 1.2],
+        "policies": ["aegaeon", "request-level", "request-level-charged", "static-mux"],
+        "baseline": {"load_gb_s": 0.002, "init_s": 1.0},  # a slow load path: seconds
+        "runs": {"request-level": [{"rps_per_model": 1.2, "slo_attainment": baseline_live}]},
+    }  # fmt: skip
+    result = predict(inputs)
+    policies = result["policies"]
+    own = policies["request-level"]["calibrated_on"]
+    assert own["node"] == "request-level" and own["trace"] == "trace.jsonl"
+    assert policies["aegaeon"]["calibrated_on"] == "probe"
+    at = {p: {q["rps_per_model"]: q for q in e["points"]} for p, e in policies.items()}
+    assert at["request-level"][1.2]["requests"] == num_requests
+    assert at["request-level"][1.2]["measured"] == baseline_live
+    for rate in (0.6, 1.2):  # seconds of load per scale-up: the charged baseline is worse
+        assert at["request-level-charged"][rate]["predicted"] <= \
+            at["request-level"][rate]["predicted"]
+    assert set(result["ratios"]) == {"request-level", "request-level-charged", "static-mux"}
+    assert result["ratio"] == result["ratios"]["request-level-charged"]

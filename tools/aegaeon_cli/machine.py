@@ -1,4 +1,4 @@
-"""The machine's facts for ``--gpus`` (``aegaeon_common.placement`` decides from them).
+"""The machine's facts for ``--gpus`` (``aegaeon_sched.placement`` decides from them).
 
 - GPUs: ``torch.cuda`` (``mem_get_info`` per device), asked in a child process
   (``python -m aegaeon_cli.machine``) so the supervisor holds no CUDA context on
@@ -20,20 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_common.config import Config, ConfigError, config_from_dict
-from aegaeon_common.placement import (
+from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.placement import (
     GpuInfo,
     HostInfo,
     PlacementError,
     Plan,
     TPSizes,
-    apply_plan,
     parse_gpus,
-    plan_node,
     select_gpus,
 )
-from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.sizing import apply_plan, cap_split, plan_node
 
 PROBE_TIMEOUT_S = 120.0
+GiB = 1 << 30
 ONLY = ("prefill", "decode", "instances", "cachemgr")
 
 
@@ -176,7 +176,8 @@ class Assumed:
 
 def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int | None],
                  only: str | None = None, tp: int | None = None,
-                 assumed: Assumed | None = None) -> Plan:  # fmt: skip
+                 assumed: Assumed | None = None,
+                 cap_bytes: int | None = None) -> Plan:  # fmt: skip
     """The plan for this machine: instances on the GPUs ``spec`` names and the
     cachemgr's sizes. ``only`` (a container runs one service): ``prefill`` /
     ``decode``, that kind's instances alone on the GPUs this process sees;
@@ -196,12 +197,15 @@ def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int
         2**k for k in range(1, 8) if 2**k <= most and tp is None]  # fmt: skip
     shards = shard_bytes(config, sizes)
     if only == "instances":
-        return plan_node(spec, gpus, None, counts, models, config.dtype, tp, shards)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
+                         shards)
     if only is not None:
         count = counts[0] if only == "prefill" else counts[1]
         counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
-        return plan_node(spec, gpus, None, counts, models, config.dtype, tp, shards)
-    return plan_node(spec, gpus, assumed.host(), counts, models, config.dtype, tp, shards)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
+                         shards)
+    return plan_node(spec, gpus, assumed.host(), counts, models, config.dtype, cap_bytes, tp,
+                     shards)
 
 
 def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -225,11 +229,12 @@ def explicit_tp(raw: dict[str, Any]) -> int | None:
 def sized(raw: dict[str, Any], config: Config, spec: str | None,
           counts: tuple[int | None, int | None], only: str | None = None,
           base: Path | None = None, assumed: Assumed | None = None,
-          ) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
+          cap_bytes: int | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
     """``raw`` planned for this machine: the config, its plain data and the plan (at
-    the file's tensor-parallel size where it gives one). Raises PlacementError or
-    ConfigError with a one-line message."""
-    plan = plan_machine(config, spec, counts, only, explicit_tp(raw), assumed)
+    the file's tensor-parallel size where it gives one; each instance's device memory
+    at most ``cap_bytes``, ``--device-memory``). Raises PlacementError or ConfigError
+    with a one-line message."""
+    plan = plan_machine(config, spec, counts, only, explicit_tp(raw), assumed, cap_bytes)
     out = apply_plan(raw, plan, unified=config.unified)
     try:
         return config_from_dict(out, source=config.source, base=base), out, plan
@@ -245,6 +250,40 @@ def with_tp(raw: dict[str, Any], tp: int | None) -> dict[str, Any]:
     for kind in ("prefill", "decode"):
         out[kind] = {**(raw.get(kind) or {}), "tp": tp}
     return out
+
+
+_BUFFER_KEYS = ("device_memory", "device_memory_bytes", "kv_memory", "kv_memory_bytes")
+
+
+def capped(raw: dict[str, Any], config: Config, cap_bytes: int,
+           base: Path | None = None) -> tuple[Config, dict[str, Any], list[str]]:  # fmt: skip
+    """``raw`` with every instance's device memory capped at ``cap_bytes``
+    (``--device-memory``): the weights arena and the KV region split inside it by
+    ``aegaeon_sched.sizing.split_buffer``; on a CPU device ``weights: auto`` becomes
+    ``copy`` (the instance holds its models in its own memory, as a GPU does). The
+    config, its plain data and a line per kind saying what was chosen. PlacementError
+    when the largest model does not fit."""
+    models = model_bytes(config)
+    out = dict(raw)
+    lines = []
+    for kind in ("prefill", "decode"):
+        inst = config.prefill if kind == "prefill" else config.decode
+        device = inst.device_of(0)
+        split = cap_split(cap_bytes, models, config.dtype, device)
+        section = {k: v for k, v in (raw.get(kind) or {}).items() if k not in _BUFFER_KEYS}
+        section.update(device_memory=split.device_memory_bytes, kv_memory=split.kv_memory_bytes)
+        if device.startswith("cpu") and inst.weights == "auto":
+            section["weights"] = "copy"
+        out[kind] = section
+        held = "two of the largest model" if split.prefetch_room else "the largest model once"
+        lines.append(f"  {kind}: device memory {split.device_memory_bytes / GiB:.2f} GiB each = "
+                     f"weights {split.weights_bytes / GiB:.2f} GiB ({held}) + KV "
+                     f"{split.kv_memory_bytes / GiB:.2f} GiB on {device}")  # fmt: skip
+    try:
+        return config_from_dict(out, source=config.source, base=base), out, lines
+    except ConfigError as exc:
+        raise PlacementError(f"--device-memory: the capped config does not validate: "
+                             f"{exc}") from None  # fmt: skip
 
 
 def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:

@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import ConfigError, config_from_dict
     from aegaeon_common.config_parse import parse_bytes
     from aegaeon_common.kept import write_atomic
-    from aegaeon_common.placement import PlacementError, assumed_gpus
     from aegaeon_common.usage import fail
+    from aegaeon_sched.placement import PlacementError, assumed_gpus
 
     from aegaeon_cli.machine import (
         Assumed,

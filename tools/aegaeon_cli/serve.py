@@ -4,7 +4,7 @@ Without ``--config`` it serves the default market (built if missing) on the
 CPU with one prefill and one decode instance whose device memory holds only a
 few models at once, so model switching is real. ``--gpus all|0,1,...`` places the
 instances one per GPU and sizes them and the cachemgr from the machine
-(``aegaeon_common.placement``, docs/gpu.md); without it nothing changes.
+(``aegaeon_sched.placement``, docs/gpu.md); without it nothing changes.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
-from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_common.usage import at_least_one, port_number
 from aegaeon_proxy.main import add_api_key_args, key_entries
+from aegaeon_sched.placement import PlacementError, Plan
 
 log = get_logger("serve")
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,8 +47,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument(
         "--policy",
         help="aegaeon (default) | request-level (ServerlessLLM as the paper evaluated it: "
-        "requests bound to an instance at arrival) | request-level-sjf (ServerlessLLM+) | "
-        "request-level-global (one global FCFS queue) | request-level-global-sjf",
+        "requests bound to an instance at arrival, switching with this system's switcher) | "
+        "request-level-charged (the same, every scale-up paying ServerlessLLM's load path: "
+        "baseline.load_gb_s, default 16, and baseline.init_s) | request-level-sjf "
+        "(ServerlessLLM+) | request-level-global (one global FCFS queue) | "
+        "request-level-global-sjf | static-mux (MuxServe: the models that fit stay resident "
+        "per instance, requests for the rest refused with 503)",
     )
     parser.add_argument("--run-dir", type=Path, help="sockets, logs and the effective config")
     parser.add_argument("--nodes", type=at_least_one, help="many nodes on this machine: N "
@@ -61,12 +66,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
                         "each sized from its GPU's free memory, the Model Cache from host memory "
                         "(docs/gpu.md); default: the config's devices and sizes")
+    parser.add_argument("--device-memory", type=_gib_arg, metavar="GiB",
+                        help="cap each instance's device memory (GiB, e.g. 36 or 0.5): its "
+                        "weights arena (twice the largest model when that leaves a quarter for "
+                        "KV, else once) and its KV region are sized inside it (with --gpus: "
+                        "the smaller of the cap and its share of the GPU; on a CPU the "
+                        "instance then copies weights into it instead of mapping them)")
     parser.add_argument("--tp", type=at_least_one, help="tensor parallelism: every prefill "
                         "and decode instance a group of N devices (one set of weights sharded "
                         "across them; prefill.tp / decode.tp); on the CPU, N processes over "
                         "gloo (default: the config's, 1)")  # fmt: skip
     add_api_key_args(parser)
     parser.set_defaults(func=run)
+
+
+def _gib_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB as a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
 
 
 def _largest_model_bytes(market: Path) -> int:
@@ -138,13 +159,21 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
     elif not raw.get("run_dir"):
         raw["run_dir"] = f"/tmp/aegaeon-{os.getuid()}-{proxy.get('port', 8000)}"
     config = config_from_dict(raw, source=source, base=base)
+    cap = None if args.device_memory is None else int(args.device_memory * GiB)
     if args.gpus is None:
+        if cap is None:
+            return config, raw, None
+        from aegaeon_cli.machine import capped
+
+        config, raw, lines = capped(raw, config, cap, base=base)
+        print("Device memory cap (--device-memory):\n" + "\n".join(lines), file=sys.stderr,
+              flush=True)  # fmt: skip
         return config, raw, None
     from aegaeon_cli.machine import explicit_counts, sized
 
     # the embedded default's counts are not the user's: with --gpus the plan picks them
     counts = explicit_counts(raw) if args.config is not None else (None, None)
-    return sized(raw, config, args.gpus, counts, base=base)
+    return sized(raw, config, args.gpus, counts, base=base, cap_bytes=cap)
 
 
 def check_serve(market: Path, config: Path | None, policy: str | None = None) -> None:
@@ -158,7 +187,8 @@ def check_serve(market: Path, config: Path | None, policy: str | None = None) ->
 
     args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
                               admin_key=[], admin_key_file=[], host=None, port=None,
-                              policy=policy, run_dir=None, gpus=None, tp=None)  # fmt: skip
+                              policy=policy, run_dir=None, gpus=None, tp=None,
+                              device_memory=None)  # fmt: skip
     checked, _, _ = _effective_config(args)
     check_machine(checked, instance_devices(checked), cuda_devices)
 

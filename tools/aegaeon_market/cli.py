@@ -93,6 +93,14 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "for presets); a float dtype dequantizes a GGUF file; fp8: the layer "
                           "projections as float8_e4m3fn with per-row scales, the rest "
                           "bfloat16 (from a Hugging Face checkpoint or a preset)")
+    add.add_argument("--in-memory", action="store_true",
+                     help="with --random: write no weights; the entry records the preset, "
+                          "dtype and a seed of its own, and the Model Cache generates the "
+                          "weights in its shared memory at every load (the same bytes each "
+                          "time)")
+    add.add_argument("--seed", type=int, default=None,
+                     help="with --in-memory: the weights' seed (default: one no other "
+                          "in-memory entry of the market has)")
     add.add_argument("--replace", action="store_true", help="overwrite a model of that name")
     add.add_argument("--quiet", action="store_true", help="no progress bar")
     what = add.add_mutually_exclusive_group(required=True)
@@ -103,7 +111,8 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add.set_defaults(func=run_add)
     listing = sub.add_parser("list", help="the market's models",
                              description="Name, architecture, parameters, dtype, bytes on disk "
-                                         "and source of every model.")
+                                         "and source of every model (an in-memory entry: "
+                                         "its preset and seed).")
     _market_arg(listing)
     listing.set_defaults(func=run_list)
     remove = sub.add_parser("remove", help="remove a model and its files")
@@ -186,18 +195,23 @@ def run_add(args: argparse.Namespace) -> int:
 
     market: Path = args.market if args.market is not None else default_market_dir()
     start = time.perf_counter()
+    if args.random is None and (args.in_memory or args.seed is not None):
+        return _fail("add", MarketError("--in-memory and --seed go with --random PRESET (an "
+                                        "import's weights are its files)"))
     try:
         _sweep("add", market)
         if args.random is not None:
             entry = add_random(market, preset_named(args.random), args.name, args.dtype,
-                               replace_existing=args.replace, progress=not args.quiet)
+                               replace_existing=args.replace, progress=not args.quiet,
+                               in_memory=args.in_memory, seed=args.seed)
         else:
             entry = add_model(market, args.source, args.name, args.dtype,
                               replace_existing=args.replace, progress=not args.quiet)
     except (CheckpointError, MarketError, OSError) as exc:
         return _fail("add", exc)
+    kept = "" if entry.in_memory is None else f", in memory, seed {entry.in_memory.seed}"
     print(f"added {entry.name} ({entry.arch}, {entry.params / 1e6:.1f}M parameters, "
-          f"{entry.dtype}) to {market} in {time.perf_counter() - start:.1f} s")
+          f"{entry.dtype}{kept}) to {market} in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -217,7 +231,7 @@ def run_list(args: argparse.Namespace) -> int:
     for row in rows:
         e = row.entry
         print(f"{e.name:<24} {e.arch:<20} {e.params / 1e6:7.1f}M {e.dtype:<13} "
-              f"{row.nbytes / 2**20:7.1f}Mi  {e.source or 'random (seeded)'}")
+              f"{row.nbytes / 2**20:7.1f}Mi  {e.source_text}")
     for line in kept:
         print(f"leftover {line}")
     return 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aegaeon_common.market_files import record_files
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import InMemory, MarketError
 from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
@@ -31,7 +31,7 @@ from aegaeon_engine.spec import FP8, ModelSpec
 from tqdm import tqdm
 
 from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
-from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset
+from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset, write_recipe
 from aegaeon_market.presets import PRESET_DTYPE, Preset
 from aegaeon_market.shapes import tensor_shapes
 
@@ -120,13 +120,24 @@ def add_model(market_dir: Path | str, source: Path | str, name: str, dtype: str 
 
 def add_random(market_dir: Path | str, preset: Preset, name: str, dtype: str | None = None,
                *, replace_existing: bool = False, progress: bool = True,
-               max_shard_bytes: int = MAX_SHARD_BYTES) -> MarketEntry:
+               max_shard_bytes: int = MAX_SHARD_BYTES, in_memory: bool = False,
+               seed: int | None = None) -> MarketEntry:
     """Write a random-weight model of ``preset`` (a real model's config) into the market as
     ``name``, in ``dtype`` (default bfloat16), through the same staging and commit as an
     import: on any error the market is unchanged. ``max_shard_bytes`` overrides the
-    safetensors shard size (tests)."""
+    safetensors shard size (tests).
+
+    ``in_memory``: no weight file is written; the entry records the preset, dtype and
+    ``seed`` (default: one more than any in-memory entry of the market has) and the Model
+    Cache generates its weights at load (``aegaeon_engine.random_weights``). Every
+    in-memory entry has its own seed: a ``seed`` another entry has is refused."""
     root = Path(market_dir).resolve()
     serve_dtype = _check_request(root, name, dtype, replace_existing) or PRESET_DTYPE
+    if in_memory:
+        return _add_in_memory(root, preset, name, serve_dtype, replace_existing, seed)
+    if seed is not None:
+        raise MarketError("--seed: only an --in-memory entry takes a seed (written presets are "
+                          "seed 0)")
 
     def write(staging: Path) -> MarketEntry:
         count = len(tensor_shapes(preset.recipe))
@@ -137,6 +148,53 @@ def add_random(market_dir: Path | str, preset: Preset, name: str, dtype: str | N
                            source=preset.source)
 
     return _stage_and_commit(root, name, replace_existing, write)
+
+
+def _seed_owner(manifest: Manifest, seed: int, name: str) -> str | None:
+    """The other in-memory entry with ``seed`` (None: it is free for ``name``)."""
+    return next((e.name for e in manifest.entries if e.in_memory is not None
+                 and e.in_memory.seed == seed and e.name != name), None)  # fmt: skip
+
+
+def next_seed(manifest: Manifest) -> int:
+    """A seed no in-memory entry of the market has (1 and up; written presets are 0)."""
+    return 1 + max((e.in_memory.seed for e in manifest.entries if e.in_memory is not None),
+                   default=0)  # fmt: skip
+
+
+def _add_in_memory(root: Path, preset: Preset, name: str, dtype: str, replace_existing: bool,
+                   seed: int | None) -> MarketEntry:
+    """``add_random`` of an in-memory entry: the seed is chosen, or checked, under the
+    market's lock, where the entry is committed."""
+    if seed is not None and seed < 0:
+        raise MarketError(f"--seed {seed}: must be a whole number >= 0")
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with market_lock(root):
+            manifest = _manifest_or_new(root, staging)
+            _check_clash(manifest, root, name, replace_existing)
+            chosen = next_seed(manifest) if seed is None else seed
+            owner = _seed_owner(manifest, chosen, name)
+            if owner is not None:
+                raise MarketError(f"--seed {chosen}: model {owner!r} has it (every in-memory "
+                                  "entry has its own seed, so no two share weights)")
+            write_recipe(preset, staging, dtype, chosen)
+            ModelSpec.from_dir(staging)  # what the engine will read
+            # its files (config, tokenizer, the recipe) with their digests, as any entry's
+            entry = MarketEntry(name, root / name, preset.architecture, preset.params, dtype,
+                                source=preset.source, files=record_files(staging),
+                                in_memory=InMemory(preset.name, chosen))
+            _commit(root, manifest, entry, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+        raise
+    return entry
 
 
 def _check_request(root: Path, name: str, dtype: str | None,

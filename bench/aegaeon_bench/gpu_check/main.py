@@ -21,9 +21,10 @@ Three modes:
   offline, proving the plumbing.
 
 ``--scenario paper`` runs the paper's comparison instead of the steps above
-(``gpu_check.paper``: real-shape models built on the machine, ``aegaeon`` vs
-the request-level baseline at rates from a capacity probe; ``--dry-run``
-too), with its ``paper`` section in the same JSON.
+(``gpu_check.paper``: eight 7-8B models generated in memory, every policy
+interleaved rate by rate at rates the simulator predicts from one capacity
+probe; ``--device cpu`` its CPU-scale version, ``--dry-run`` too), with its
+``paper`` section in the same JSON.
 
 ``--scenario engine`` measures the decode step on the GPU (``gpu_check.engine``:
 llama-3.1-8b bf16 and FP8, llama-3.2-3b, eager and on CUDA graphs, against the
@@ -55,6 +56,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench.gpu_check.paper import POLICIES as PAPER_POLICIES
 from aegaeon_bench.gpu_check.run import (
     Runner,
     StepResult,
@@ -192,7 +194,7 @@ class Check:
         self.work = work
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        budget = args.budget_s or default_budget_s(args.scenario, self.dry)
+        budget = args.budget_s or default_budget_s(args.scenario, self.dry, self.device)
         self.started = time.time()
         self.runner = Runner(self.logs, time.monotonic() + budget, {}, ROOT, say=self.say)
         self.market = Path(args.market).resolve() if args.market else work / "market"
@@ -429,8 +431,9 @@ class Check:
             from aegaeon_bench.gpu_check.paper import run_paper
 
             self.sections["paper"] = run_paper(self.runner, self.work, self.market, self.dry,
-                                               self.device, self.args.paper_load_s,
-                                               tuple(self.args.paper_policies.split(",")))
+                                               self.device,
+                                               tuple(self.args.paper_policies.split(",")),
+                                               self.args.paper_load_s)
             self.leaks(shm_before)
             return self.runner.results
         if self.args.scenario == "engine":
@@ -510,14 +513,17 @@ def write_outputs(out: Path, check: Check, results: list[StepResult]) -> Path:
     return path
 
 
-def default_budget_s(scenario: str, dry: bool) -> float:
+def default_budget_s(scenario: str, dry: bool, device: str = "cuda") -> float:
     if scenario == "engine":
         return ENGINE_DRY_BUDGET_S if dry else ENGINE_BUDGET_S
     if scenario == "paper":
         from aegaeon_bench.gpu_check.paper import BUDGET_S as PAPER_S
+        from aegaeon_bench.gpu_check.paper import CPU_BUDGET_S as PAPER_CPU_S
         from aegaeon_bench.gpu_check.paper import DRY_BUDGET_S as PAPER_DRY_S
 
-        return PAPER_DRY_S if dry else PAPER_S
+        if dry:
+            return PAPER_DRY_S
+        return PAPER_CPU_S if device.startswith("cpu") else PAPER_S
     return DRY_BUDGET_S if dry else BUDGET_S
 
 
@@ -544,11 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--dry-run", action="store_true", help="the sequence on the CPU, fast")
     parser.add_argument("--scenario", choices=("default", "paper", "engine"),
                         default="default",
-                        help="default: the steps below; paper: K real-shape models on the "
-                        "device, aegaeon vs the request-level baseline at rates from a "
-                        "capacity probe, the artifact's SLO (aegaeon_bench.gpu_check.paper); "
-                        "engine: the decode step against the HBM roofline and transformers, "
-                        "eager and on CUDA graphs (aegaeon_bench.gpu_check.engine)")
+                        help="default: the steps below; paper: eight 7-8B models generated in "
+                        "memory on the device, every policy interleaved rate by rate at rates "
+                        "the simulator predicts around each one's 90%% crossing, the "
+                        "artifact's SLO (aegaeon_bench.gpu_check.paper; with --device cpu "
+                        "and no --dry-run its CPU-scale version); engine: the decode step "
+                        "against the HBM roofline and transformers, eager and on CUDA graphs "
+                        "(aegaeon_bench.gpu_check.engine)")
     parser.add_argument("--out", type=Path, help="results folder (default: $OUT, else "
                         "runs/gpu-check-<time>)")
     parser.add_argument("--device", default="cuda", help="the GPU (default cuda)")
@@ -564,11 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also serve with both instances under one CUDA MPS server")
     parser.add_argument("--serve-load-s", type=float, default=SERVE_LOAD_S,
                         help=f"seconds of load in a serving step (default {SERVE_LOAD_S:g})")
-    parser.add_argument("--paper-policies", default="aegaeon,request-level",
-                        help="--scenario paper: the policies to run, comma-separated, in order "
-                        "(default aegaeon,request-level; one alone reruns its side)")
-    parser.add_argument("--paper-load-s", type=float, default=15.0,
-                        help="--scenario paper: seconds of arrivals per rate (default 15)")
+    parser.add_argument("--paper-policies", default=",".join(PAPER_POLICIES),
+                        help="--scenario paper: the policies to run, comma-separated, in "
+                        "priority order (what a short budget keeps first; default "
+                        f"{','.join(PAPER_POLICIES)})")
+    parser.add_argument("--paper-load-s", type=float, default=None,
+                        help="--scenario paper: at least this many seconds of arrivals per "
+                        "rate (default: 60 on a device or --device cpu, 4 in a dry run)")
     parser.add_argument("--profile-s", type=float, default=0.0,
                         help="py-spy each worker this long during a serving step (needs py-spy "
                         "in .whl/ or on PATH; default 0: off)")
@@ -580,12 +590,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from aegaeon_bench.gpu_check.paper import POLICIES
-
-    unknown = sorted(set(args.paper_policies.split(",")) - set(POLICIES))
+    chosen = args.paper_policies.split(",")
+    unknown = sorted(set(chosen) - set(PAPER_POLICIES))
     if unknown:
         parser.error(f"--paper-policies: unknown {', '.join(unknown)} (choose from "
-                     f"{', '.join(POLICIES)})")
+                     f"{', '.join(PAPER_POLICIES)})")
+    if len(set(chosen)) != len(chosen):
+        parser.error(f"--paper-policies: {args.paper_policies}: a policy is named twice")
+    if args.paper_load_s is not None and not args.paper_load_s > 0:
+        parser.error(f"--paper-load-s: must be > 0, got {args.paper_load_s:g}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s: must be > 0, got {args.budget_s:g}")
     if args.prepare:
         from aegaeon_bench.gpu_check.prepare import prepare
 

@@ -1,5 +1,5 @@
-"""The numbers of ``scripts/gpu-check --scenario paper``: rates to try, what a run measured,
-the sustainable rate per policy and their ratio.
+"""The numbers of ``scripts/gpu-check --scenario paper``: what a run measured, the
+sustainable rate per policy and their ratio (the rates to try: ``paper_plan``).
 
 Pure functions over plain values and a run's files (``bench serve --trace``:
 ``TRACE.summary.json``, ``TRACE.stats.json``, ``TRACE.kv.jsonl``). The
@@ -19,28 +19,6 @@ from pathlib import Path
 from typing import Any
 
 TARGET = 0.9
-
-
-# ---- which rate next -------------------------------------------------------------------
-def next_rate(tried: Mapping[float, float | None], ladder: Sequence[float], start: float,
-              target: float = TARGET) -> float | None:
-    """The next rate of ``ladder`` to run, from ``start``: up while every run held
-    ``target``, down while none did; None once a held rate lies below a missed one (the
-    crossing is bracketed), at either end of the ladder, or after a run that measured
-    nothing (``None`` attainment: the node is in doubt)."""
-    if not tried:
-        return start
-    if any(a is None for a in tried.values()):
-        return None
-    held = [r for r, a in tried.items() if a is not None and a >= target]
-    missed = [r for r, a in tried.items() if a is not None and a < target]
-    if held and missed:
-        return None
-    if held:
-        above = [r for r in sorted(ladder) if r > max(held)]
-        return above[0] if above else None
-    below = [r for r in sorted(ladder) if r < min(missed)]
-    return below[-1] if below else None
 
 
 # ---- the sustainable rate and the ratio --------------------------------------------------
@@ -214,9 +192,12 @@ def switch_numbers(files: Mapping[str, Any], model_bytes: Mapping[str, int],
              for r in records if not r.get("prefetched")]
     load_s = sum(s for b, s in loads if b > 0)
     wall_s = max(end_s - start_s, 1e-9)
+    charged = [float(r.get("charged_s") or 0.0) for r in records]
     return {
         "records": len(records),
         "prefetched": sum(bool(r.get("prefetched")) for r in records),
+        "resident": sum(bool(r.get("resident")) for r in records),
+        "charged_s": round(sum(charged), 4),  # request-level-charged: the load path's wait
         "visible_s": round(sum(visible), 4),
         "visible_ms_p50": round(1000 * statistics.median(visible), 3) if visible else None,
         "visible_ms_max": round(1000 * max(visible), 3) if visible else None,

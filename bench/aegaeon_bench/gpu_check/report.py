@@ -103,7 +103,8 @@ def _paper_models(r: dict[str, Any]) -> Any:
     choice = r.get("choice") or {}
     return {"models": [m.get("preset") for m in r.get("models") or []],
             "bytes": sum(int(m.get("bytes") or 0) for m in r.get("models") or []),
-            "binding": choice.get("binding"), "build_s": r.get("build_s")}  # fmt: skip
+            "binding": choice.get("binding"), "generate_gb_s": r.get("generate_gb_s"),
+            "copy_gb_s": r.get("copy_gb_s"), "load_gb_s": r.get("load_gb_s")}  # fmt: skip
 
 
 def _paper_node(r: dict[str, Any]) -> Any:
@@ -111,7 +112,7 @@ def _paper_node(r: dict[str, Any]) -> Any:
             "service_errors": len(r.get("service_errors") or []),
             "leaked_processes": len(r.get("leaked_processes") or []),
             "leaked_shm": len(r.get("leaked_shm") or []),
-            "stopped_early": r.get("stopped_early")}  # fmt: skip
+            "model_cache_generation": r.get("model_cache_generation")}  # fmt: skip
 
 
 def _namespaces(r: dict[str, Any]) -> Any:
@@ -132,14 +133,16 @@ _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "bench_engine": _engine, "bench_switch": _switch, "fp8_switch": _fp8, "serve": _serve,
     "engine_bench": _engine_step,
     "serve_mps": _serve,
-    "leaks": _leaks, "paper_models": _paper_models, "paper_aegaeon": _paper_node,
-    "paper_request-level": _paper_node,
+    "leaks": _leaks, "paper_models": _paper_models,
 }  # fmt: skip
 
 
 def step_highlights(name: str, results: Any) -> Any:
     """The headline of one step's results (they may be partial: missing keys are None)."""
     fn = _HIGHLIGHTS.get(name)
+    if fn is None and name.startswith("paper_") and isinstance(results, dict) and \
+            "startup_s" in results:  # a node of the paper scenario (paper_<policy>[-n])
+        fn = _paper_node
     if fn is None or not results:
         return None
     try:
@@ -171,54 +174,20 @@ def _pct(value: Any) -> str:
     return "-" if value is None else f"{100 * float(value):.1f}%"
 
 
-def _rate(entry: dict[str, Any]) -> str:
-    value, kind = entry.get("rps_per_model"), entry.get("kind")
-    if value is None:
-        bound = entry.get("upper_bound")
-        return f"< {bound:.4g}" if bound is not None else "none"
-    return f"{'>= ' if kind == 'at_least' else ''}{value:.4g}"
-
-
 def print_paper(paper: dict[str, Any]) -> None:
-    """The paper scenario's table: attainment per rate and policy, the sustainable rates
-    and their ratio, models per GPU, switches and memory."""
-    slo = paper.get("slo") or {}
-    gpu = (paper.get("gpu") or {}).get("name") or (paper.get("plan") or {}).get("device")
-    print(f"paper: {paper.get('models_per_gpu')} models on one {gpu} "
-          f"({(paper.get('model_bytes_total') or 0) / 1e9:.1f} GB of weights), TTFT "
-          f"{slo.get('ttft_s')} s / TPOT {1000 * float(slo.get('tbt_s') or 0):.0f} ms"
-          + (f" ({slo['scaled']})" if slo.get("scaled") else ""))
-    attainment = paper.get("attainment") or {}
-    policies = list(attainment)
-    predicted = {p: {f"{q['rps_per_model']:.4g}": q.get("predicted") for q in e["points"]}
-                 for p, e in ((paper.get("predicted") or {}).get("policies") or {}).items()}
-    keys = {r for p in policies for r in attainment[p]} | {r for p in predicted
-                                                           for r in predicted[p]}
-    columns = [(p, attainment[p]) for p in policies]
-    columns += [(f"{p} (sim)", predicted[p]) for p in policies if p in predicted]
-    print(f"  {'RPS/model':>10}" + "".join(f"  {name:>19}" for name, _ in columns))
-    for key in sorted(keys, key=float):
-        cells = [_pct(col[key]) if key in col else "" for _, col in columns]
-        print(f"  {key:>10}" + "".join(f"  {c:>19}" for c in cells))
-    sustainable = paper.get("sustainable") or {}
-    ratio = paper.get("ratio") or {}
-    value = ratio.get("value")
-    print("  sustainable at 90%: " + ", ".join(
-        f"{p} {_rate(v)}" for p, v in sustainable.items())
-        + f"; ratio {'-' if value is None else f'{value:.2f}x'} ({ratio.get('kind')})")
-    sim = paper.get("predicted") or {}
-    if sim.get("policies"):
-        sim_ratio = sim.get("ratio") or {}
-        value = sim_ratio.get("value")
-        print("  simulated: " + ", ".join(f"{p} {_rate(e['sustainable'])}"
-                                          for p, e in sim["policies"].items())
-              + f"; ratio {'-' if value is None else f'{value:.2f}x'} ({sim_ratio.get('kind')})")
-    for policy, t in (paper.get("switches") or {}).items():
-        print(f"  {policy}: {t.get('switches')} switches ({t.get('prefetched')} prefetched), "
-              f"visible {t.get('visible_s')} s; device KV peak "
-              f"{_pct(t.get('device_kv_peak_share'))}; Model Cache "
-              f"{(t.get('model_cache_used_bytes') or 0) / 1e9:.2f} of "
-              f"{(t.get('model_cache_budget_bytes') or 0) / 1e9:.2f} GB")
+    """The paper scenario's table: per policy and rate the requests, the measured and the
+    predicted attainment; the sustainable rates and aegaeon's ratio to each; what a switch
+    cost each policy, measured (``paper_report``'s rows)."""
+    from aegaeon_bench.gpu_check.paper_report import headline, policy_lines, rows
+
+    print(headline(paper))
+    print(f"  {'policy':22} {'RPS/model':>10} {'requests':>8} {'measured':>9} "
+          f"{'simulated:':>10}")
+    for row in rows(paper):
+        print(f"  {row['policy']:22} {row['rps_per_model']:10.4g} {row['requests'] or '-':>8} "
+              f"{_pct(row['measured']):>9} {_pct(row['predicted']):>10}")
+    for line in policy_lines(paper):
+        print("  " + line)
 
 
 def _rounded(value: Any) -> Any:

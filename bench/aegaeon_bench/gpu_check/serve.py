@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,10 +188,10 @@ class Node:
 
 
 def start_node(runner: Runner, work: Path, config: dict[str, Any], name: str,
-               startup_s: float) -> tuple[Node, str | None]:
-    """``aegaeon serve`` with ``config`` (its ``run_dir`` and proxy port set here) as
-    step ``name``'s node; the node and None once it serves, else why not (stop it
-    either way)."""
+               startup_s: float, serve_args: Sequence[str] = ()) -> tuple[Node, str | None]:
+    """``aegaeon serve`` with ``config`` (its ``run_dir`` and proxy port set here) and
+    ``serve_args`` as step ``name``'s node; the node and None once it serves, else why
+    not (stop it either way)."""
     run_dir = (work / f"{name}-run").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -204,7 +204,7 @@ def start_node(runner: Runner, work: Path, config: dict[str, Any], name: str,
                 shm_before=frozenset(shm_segments()))  # fmt: skip
     out, err = runner.logs / f"{name}.out", runner.logs / f"{name}.err"
     argv = [sys.executable, "-m", "aegaeon_cli.main", "serve", "--config", str(config_path),
-            "--run-dir", str(run_dir)]  # fmt: skip
+            "--run-dir", str(run_dir), *serve_args]  # fmt: skip
     start = time.monotonic()
     with out.open("wb") as fout, err.open("wb") as ferr:
         node.proc = subprocess.Popen(argv, stdout=fout, stderr=ferr, stdin=subprocess.DEVNULL,
@@ -329,13 +329,12 @@ def start_profilers(runner: Runner, url: str, name: str,
                     seconds: float) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
     """One ``py-spy record`` (native frames, idle threads too, collapsed stacks) per worker,
     starting 10 s into the load; none when ``seconds`` is 0 or py-spy is missing."""
-    import urllib.request
+    from aegaeon_bench.node.http_client import fetch_sync
 
     spy = _py_spy(runner)
     if seconds <= 0 or spy is None:
         return []
-    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
-        instances = json.loads(resp.read())["backend"]["instances"]
+    instances = fetch_sync("GET", url + "/health", timeout_s=10).json()["backend"]["instances"]
     started = []
     for inst, info in sorted(instances.items()):
         path = runner.logs / f"{name}-{inst}.pyspy.txt"

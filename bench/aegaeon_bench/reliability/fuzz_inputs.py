@@ -25,6 +25,8 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
+from aegaeon_bench.node.http_client import sse_payloads
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ROLES = ("system", "user", "assistant", "tool", "developer", "robot", "")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -168,16 +170,15 @@ def check_http(case: HttpCase, status: int, headers: dict[str, str], body: bytes
 
 
 def _check_sse(body: bytes) -> list[str]:
-    frames = body.split(b"\n\n")
-    if frames[-1] != b"" or frames[-2:-1] != [b"data: [DONE]"]:
-        return [f"stream does not end with [DONE]: {body[-80:]!r}"]
-    for frame in frames[:-2]:
-        if not frame.startswith(b"data: "):
-            return [f"not an SSE data frame: {frame[:80]!r}"]
-        event = json.loads(frame[6:])
+    try:
+        payloads = sse_payloads(body)
+    except ValueError as exc:
+        return [str(exc)]
+    for payload in payloads:
+        event = json.loads(payload)
         error = event.get("error")
         if error is not None and (not isinstance(error, dict) or set(error) != ERROR_KEYS):
-            return [f"stream error event not in OpenAI's shape: {frame[:120]!r}"]
+            return [f"stream error event not in OpenAI's shape: {payload[:120]!r}"]
     return []
 
 

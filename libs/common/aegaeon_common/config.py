@@ -33,12 +33,16 @@ from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.env import read_env
 from aegaeon_common.market_index import MANIFEST, MarketError, read_manifest
 
-# Request-level baselines run every worker as a unified instance (prefill +
-# decode). request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper
-# evaluated them (requests bound to an instance at arrival); -global: an
-# idealised global queue (aegaeon_sched.factory.POLICIES).
+# The baselines run every worker as a unified instance (prefill + decode).
+# request-level / -sjf: ServerlessLLM / ServerlessLLM+ as the paper evaluated
+# them (requests bound to an instance at arrival), switching with this system's
+# own switcher; -global: an idealised global queue; request-level-charged:
+# request-level whose every scale-up pays ServerlessLLM's load path
+# (``baseline.load_gb_s``, ``baseline.init_s``); static-mux: MuxServe, the
+# models that fit stay resident, the rest refused (aegaeon_sched.factory.POLICIES).
 UnifiedPolicy = Literal[
-    "request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf"
+    "request-level", "request-level-sjf", "request-level-global", "request-level-global-sjf",
+    "request-level-charged", "static-mux",
 ]
 PolicyName = Literal["aegaeon", UnifiedPolicy]
 WeightsMode = Literal["auto", "copy", "map"]
@@ -61,6 +65,7 @@ __all__ = [
     "UNIFIED_POLICIES",
     "WEIGHTS_MODES",
     "ApiKeyConfig",
+    "BaselineConfig",
     "CacheConfig",
     "Config",
     "ConfigError",
@@ -185,6 +190,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_hold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
+class BaselineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a scale-up costs the ``request-level-charged`` baseline (ServerlessLLM as the
+    paper measured it): the model's bytes over a load path of ``load_gb_s`` (the paper's
+    artifact charges 16 GB/s) plus ``init_s`` of engine start-up. A scale-up that this
+    system's switcher finishes sooner waits out the rest; its switch record says how
+    much (``charged_s``). No other policy is charged."""
+
+    load_gb_s: Positive = 16.0
+    init_s: Seconds = 0.0
+
+
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The node's cachemgr: Model Cache budget and unified CPU KV cache."""
 
@@ -205,7 +221,7 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instances: Count = 1
     device: str = "cpu"
     # One device per instance (instance i: devices[i], round and round), as `--gpus`
-    # places them (aegaeon_common.placement); empty: every instance on ``device``.
+    # places them (aegaeon_sched.placement); empty: every instance on ``device``.
     # With ``tp`` > 1 an instance takes ``tp`` consecutive entries (its group).
     devices: tuple[str, ...] = ()
     # Tensor parallelism: each instance is a group of ``tp`` devices (one process per
@@ -409,6 +425,7 @@ class Config(msgspec.Struct, frozen=True):
     dtype: str = "bfloat16"
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    baseline: BaselineConfig = msgspec.field(default_factory=BaselineConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     prefill: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
     decode: InstancesConfig = msgspec.field(default_factory=InstancesConfig)
@@ -516,6 +533,7 @@ class Config(msgspec.Struct, frozen=True):
 _SECTIONS: dict[str, type] = {
     "slo": SLOConfig,
     "scheduler": SchedulerConfig,
+    "baseline": BaselineConfig,
     "cachemgr": CacheConfig,
     "prefill": InstancesConfig,
     "decode": InstancesConfig,
@@ -671,6 +689,7 @@ def config_from_dict(
         dtype=dtype,
         slo=sections["slo"],
         scheduler=sched,
+        baseline=sections["baseline"],
         cache=sections["cachemgr"],
         prefill=sections["prefill"],
         decode=sections["decode"],

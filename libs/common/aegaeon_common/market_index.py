@@ -24,6 +24,7 @@ __all__ = [
     "MANIFEST",
     "MARKET_DIR_HELP",
     "FileRecord",
+    "InMemory",
     "Manifest",
     "MarketEntry",
     "MarketError",
@@ -77,11 +78,31 @@ class MarketEntry:
     # every file of the model with its size and digest, as written ((): an entry from
     # before they were recorded, or listed by hand: nothing to check it against)
     files: tuple[FileRecord, ...] = ()
+    in_memory: InMemory | None = None  # weights generated at load, never on disk
 
     @property
     def generated(self) -> bool:
         """True for the market code's own random models (rebuilt when that code changes)."""
         return not self.source
+
+    @property
+    def source_text(self) -> str:
+        """Where its weights come from, as ``market list`` shows it."""
+        text = self.source or "random (seeded)"
+        if self.in_memory is not None:
+            text += f", in memory, seed {self.in_memory.seed}"
+        return text
+
+
+@dataclass(frozen=True)
+class InMemory:
+    """An entry whose weights the Model Cache generates at load (``aegaeon market add
+    --random PRESET --in-memory``): its directory holds the config, the tokenizer and
+    ``random-weights.json``, no weight file. Every such entry of a market has its own
+    ``seed``, so no two share weights."""
+
+    preset: str
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,8 @@ class Manifest:
             {"name": e.name, "path": e.path.relative_to(root).as_posix(), "arch": e.arch,
              "params": e.params, "dtype": e.dtype, "role": e.role,
              **({"source": e.source} if e.source else {}),
+             **({"in_memory": {"preset": e.in_memory.preset, "seed": e.in_memory.seed}}
+                if e.in_memory is not None else {}),
              **({"files": {f.name: {"size": f.size, "sha256": f.sha256} for f in e.files}}
                 if e.files else {})}
             for e in self.entries
@@ -147,11 +170,23 @@ def _entry(root: Path, raw: Any, where: Path) -> MarketEntry:
             params=int(raw.get("params", 0)), dtype=str(raw.get("dtype") or ""),
             role=str(raw.get("role", "")), source=str(raw.get("source", _source_of(raw))),
             files=_files(raw.get("files"), f"{where}: models: {name}"),
+            in_memory=_in_memory(raw.get("in_memory")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, MarketError):
             raise
         raise MarketError(f"{where}: bad model entry {raw!r}: {exc}") from exc
+
+
+def _in_memory(raw: Any) -> InMemory | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("preset"), str):
+        raise ValueError("in_memory must be {preset, seed}")
+    seed = raw.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"in_memory.seed {seed!r} is not a whole number >= 0")
+    return InMemory(raw["preset"], seed)
 
 
 def read_manifest(market_dir: Path) -> Manifest:

@@ -117,6 +117,9 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
         return read_header(root / SINGLE_FILE)
     index_path = root / INDEX_FILE
     if not index_path.is_file():
+        if (root / "random-weights.json").is_file():
+            raise CheckpointError(root / "random-weights.json", None, "an in-memory entry: its "
+                                  "weights are generated at load and have no files to read")
         raise CheckpointError(root / SINGLE_FILE, None, f"missing file (and no {INDEX_FILE})")
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -134,13 +137,14 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_tensor(entry: TensorEntry, name: str) -> torch.Tensor:
+def read_tensor(entry: TensorEntry, name: str, *, blocks: bool = False) -> torch.Tensor:
     """One float (or F8_E4M3) tensor of a checkpoint, read into memory in its stored
-    dtype."""
-    if entry.code not in _READ_CODES:
-        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; only float tensors "
-                              "load")
-    dtype = _READ_CODES[entry.code][0]
+    dtype; with ``blocks``, a block-quantized matrix's U8 ``[rows, row_bytes]`` instead."""
+    codes = {"U8": (torch.uint8, 1)} if blocks else _READ_CODES
+    if entry.code not in codes:
+        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; " + (
+            "quantized blocks are stored as U8" if blocks else "only float tensors load"))
+    dtype = codes[entry.code][0]
     staging = bytearray(entry.nbytes)
     try:
         with entry.file.open("rb") as f:
@@ -208,7 +212,14 @@ def plan_reads(model_dir: str | Path, layout: WeightLayout) -> list[_Read]:
 def check_checkpoint(model_dir: str | Path, layout: WeightLayout) -> None:
     """``CheckpointError`` (naming the file and tensor) unless every tensor ``layout``
     needs is in the checkpoint with its shape and dtype and its bytes inside its file: what
-    a load would find wrong before the first byte of data, at the cost of the headers."""
+    a load would find wrong before the first byte of data, at the cost of the headers. An
+    in-memory entry: its recipe (``random-weights.json``) must parse and fit the layout."""
+    from .random_weights import RandomWeights, check_recipe
+
+    generated = RandomWeights.from_dir(model_dir)
+    if generated is not None:
+        check_recipe(generated, layout, Path(model_dir))
+        return
     plan_reads(model_dir, layout)
 
 
@@ -233,6 +244,12 @@ def fill_layout(model_dir: str | Path, layout: WeightLayout,
     _check_dest(out, layout)
     if out.device.type != "cpu":
         raise ValueError("fill_layout writes host memory; use load_weights for a device tensor")
+    from .random_weights import RandomWeights, fill_random
+
+    generated = RandomWeights.from_dir(model_dir)
+    if generated is not None:  # an in-memory entry: its weights are generated, not read
+        fill_random(generated, ModelSpec.from_dir(model_dir), layout, out, progress)
+        return set()
     reads = plan_reads(model_dir, layout)
     _zero_gaps(out, reads, layout.total_bytes)
     by_file: dict[Path, list[_Read]] = {}

@@ -33,6 +33,7 @@ class PrefetchJob:
         self.cancelled = threading.Event()
         self.done = threading.Event()
         self.copy_s = 0.0
+        self.in_place = False  # the bytes were still where they go: nothing was copied
         self.error: BaseException | None = None
         self.result: object = None  # what the copy function produced (bound views)
 

@@ -23,6 +23,15 @@ the sampler and every buffer stay; only the engine's weight views change.
   prefetched model; on a CPU that copy costs as much as the load it saves,
   so promotion here is the last resort. Activating a model other than the
   one being prefetched cancels that copy within one chunk.
+- **Bytes still in place**: the switcher remembers which arena ranges still
+  hold a model's bytes as they were last copied there (a copy or a promotion
+  over a range forgets what it overlaps). A scale-up or a prefetch into the
+  range a model's bytes still occupy binds them without a copy (its record
+  says ``resident``): two models that fit the arena together (static
+  multiplexing, or two models alternating on a decode instance) stop being
+  copied back and forth. With ``keep_resident`` (static multiplexing) a
+  scale-up that was not prefetched is placed as a prefetch would be, beside
+  the active model rather than over it, so both stay.
 - **Mapped weights** (``map_weights``, CPU only): the engine's views are bound
   over the Model Cache's shared memory itself, so a scale-up copies nothing:
   it binds views over the kept mapping (a round trip to the cachemgr only on
@@ -108,6 +117,7 @@ class ModelSwitcher:
         prefetch: bool = True,
         copy_threads: int | None = None,
         map_weights: bool = False,
+        keep_resident: bool = False,
         shards: Shards | None = None,
         reduce: ReduceFn | None = None,
         mirror: SwitchMirror | None = None,
@@ -127,6 +137,10 @@ class ModelSwitcher:
         self.prefetch_enabled = prefetch
         self.copy_threads = copy_threads
         self.map_weights = map_weights
+        # static multiplexing: a scale-up that was not prefetched goes where the prefetch
+        # would have put it (beside the active model), not over it, so that the models of
+        # an instance whose arena holds them stay there
+        self.keep_resident = keep_resident
         # map_weights: model -> (its mapping, views over it), the last bound; entries
         # whose region the cachemgr evicted are dropped by the prefetch thread
         self._mapped_views: dict[str, tuple[MappedModel, ModelWeights]] = {}
@@ -138,7 +152,11 @@ class ModelSwitcher:
         self._views: dict[tuple[str, int], ModelWeights] = {}
         self._views_lock = threading.Lock()
         self._max_views = 2 * max(len(self.specs), 1)
+        # arena ranges that still hold a model's bytes as last copied there:
+        # offset -> (model, nbytes); guarded by _views_lock (the prefetch thread copies)
+        self._in_place: dict[int, tuple[str, int]] = {}
         self.num_switches = 0
+        self.num_in_place = 0  # scale-ups and prefetches that found the bytes in place
         self.num_promotions = 0
         self.num_placed_below = 0
         # changes to the models on the device (switch, prefetch, eviction): a reader on
@@ -249,9 +267,37 @@ class ModelSwitcher:
 
     def _copy_in(
         self, name: str, allocation: Allocation, job: PrefetchJob | None = None
-    ) -> float:
-        """Copy ``name`` from the Model Cache into ``allocation``; seconds spent."""
-        return self._copy_from(self._source(self._region(name), name), allocation, job)
+    ) -> tuple[float, bool]:
+        """Copy ``name`` from the Model Cache into ``allocation``, unless its bytes are
+        still there; seconds spent, and whether they were."""
+        key = (name, allocation.nbytes)
+        with self._views_lock:
+            if self._in_place.get(allocation.offset) == key:
+                self.num_in_place += 1
+                return 0.0, True
+            self._forget_range(allocation.offset, allocation.nbytes)
+        seconds = self._copy_from(self._source(self._region(name), name), allocation, job)
+        with self._views_lock:
+            self._in_place[allocation.offset] = key
+        return seconds, False
+
+    def _forget_range(self, offset: int, nbytes: int) -> None:
+        """What the arena held in ``[offset, offset + nbytes)`` is being overwritten
+        (caller holds ``_views_lock``)."""
+        end = offset + nbytes
+        for start, (_, size) in list(self._in_place.items()):
+            if start < end and offset < start + size:
+                del self._in_place[start]
+
+    def forget_bytes(self, name: str) -> None:
+        """``name``'s bytes changed (a model added again under its name): never bind
+        what the arena still holds of it."""
+        with self._views_lock:
+            for start, (held, _) in list(self._in_place.items()):
+                if held == name:
+                    del self._in_place[start]
+            for key in [k for k in self._views if k[0] == name]:
+                del self._views[key]
 
     def _copy_from(
         self, src: torch.Tensor, allocation: Allocation, job: PrefetchJob | None = None
@@ -330,16 +376,23 @@ class ModelSwitcher:
             if pending.name != name:
                 pending.cancelled.set()  # its bytes are not needed: stop within a chunk
             pending.done.wait()  # never reuse memory a copy is still writing
+        resident = False
         if pending is not None and pending.name == name and isinstance(pending.result, Resident):
             self._activate(pending.result)
-            load_s, prefetched = pending.copy_s, True
+            load_s, prefetched, resident = pending.copy_s, True, pending.in_place
         elif self.map_weights:
             load_s, prefetched = self._map(name), False
         else:
+            nbytes = self.nbytes(name)
+            beside = self._place(name) if self.keep_resident else None
             self.active = None
-            self.buffer.reset()  # scale-down: the old model's bytes are simply reused
-            allocation = self._alloc_in_empty_arena(name)
-            load_s = self._copy_in(name, allocation)
+            if beside is not None:
+                allocation = beside
+            else:
+                self.buffer.reset()  # scale-down: the old model's bytes are simply reused
+                allocation = self._kept(name, nbytes) or self._alloc_in_empty_arena(name)
+            self.buffer.arena.set_top(allocation)
+            load_s, resident = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))
             prefetched = False
         self.num_switches += 1
@@ -351,6 +404,7 @@ class ModelSwitcher:
             load_s=load_s,
             prefetched=prefetched,
             at_s=time.time() if now_s is None else now_s,
+            resident=resident,
         )
 
     def prefetch(self, name: str) -> bool:
@@ -398,9 +452,25 @@ class ModelSwitcher:
             self.residency_version += 1
         return evicted
 
+    def _kept(self, name: str, nbytes: int) -> Allocation | None:
+        """Where ``name``'s bytes still are in the arena, clear of the active model."""
+        active = self.active.allocation if self.active is not None else None
+        with self._views_lock:
+            for offset, held in self._in_place.items():
+                if held != (name, nbytes):
+                    continue
+                if active is not None and offset < active.end and active.offset < offset + nbytes:
+                    continue
+                return Allocation(offset, nbytes)
+        return None
+
     def _place(self, name: str) -> Allocation | None:
-        """Free arena space for prefetching ``name`` (see the module docstring), or None."""
+        """Free arena space for prefetching ``name`` (see the module docstring), or None;
+        where the model's bytes still are when they are."""
         nbytes = self.nbytes(name)
+        kept = self._kept(name, nbytes)
+        if kept is not None:
+            return kept  # (the arena learns of it when it is the active model)
         if self.active is None:
             if not self.buffer.fits(nbytes):
                 return None
@@ -431,14 +501,19 @@ class ModelSwitcher:
             job.copy_s = self._map(job.name, job)
             self._drop_evicted_views()
             return
-        job.copy_s = self._copy_in(job.name, job.allocation, job)
+        job.copy_s, job.in_place = self._copy_in(job.name, job.allocation, job)
         job.result = self._bind(job.name, job.allocation)
 
     def _promote_active(self) -> None:
         """Move the active model down to offset 0 (on-device copy), rebind its views."""
         assert self.active is not None and self.active.allocation is not None
         old = self.active.allocation
+        with self._views_lock:  # both ranges: an overlapping move changes the old one too
+            self._forget_range(old.offset, old.nbytes)
+            self._forget_range(0, old.nbytes)
         moved = self.buffer.promote(old.offset, old.nbytes, 0)
+        with self._views_lock:
+            self._in_place[moved.offset] = (self.active.name, moved.nbytes)
         self._activate(self._bind(self.active.name, moved))
         self.num_promotions += 1
 

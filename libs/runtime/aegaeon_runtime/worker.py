@@ -22,6 +22,7 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_engine.tp_mirror import MirroredEngine
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
+from aegaeon_sched import CHARGED_POLICIES
 from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
@@ -106,6 +107,7 @@ class Worker:
         spec = ModelSpec.from_dir(path)
         if self.group is not None:  # the followers first: the next switch may need it
             self.group.add_model(name, str(path))
+        self.switcher.forget_bytes(name)  # a model of that name served before had other bytes
         self.switcher.add_model(name, spec)
         self.engine.tune(self.switcher.spec(name), self.config.dtype)
         self.specs[name] = spec
@@ -211,8 +213,13 @@ async def build_worker(
             cache,
             specs,
             config.dtype,
-            prefetch=config.scheduler.prefetch,
+            # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
+            # until the instance is idle, and every scale-up pays its load path)
+            prefetch=config.scheduler.prefetch
+            and config.scheduler.policy not in CHARGED_POLICIES,
             map_weights=inst.maps_weights,
+            # static-mux: an instance's models stay resident in its arena (MuxServe)
+            keep_resident=config.scheduler.policy == "static-mux",
             shards=shards,
             reduce=group.tp.all_reduce if group is not None else None,
             mirror=group,

@@ -24,6 +24,7 @@ from aegaeon_sched.latency import (
     ModelSpec,
     PrefillSample,
 )
+from aegaeon_sched.load_path import CHARGED_POLICIES, LoadPath, load_path_for
 from aegaeon_sched.prefill import (
     MAX_GPSIZE,
     PrefillDispatcher,
@@ -61,6 +62,7 @@ from aegaeon_sched.static_mux import StaticMuxPolicy, place_models
 from aegaeon_sched.velocity import Velocity, cluster_velocity
 
 __all__ = [
+    "CHARGED_POLICIES",
     "CLASS_NAMES",
     "MAX_GPSIZE",
     "POLICIES",
@@ -81,6 +83,7 @@ __all__ = [
     "EnqueuePrefill",
     "InstanceId",
     "LatencyModel",
+    "LoadPath",
     "ModelSpec",
     "NoInstance",
     "PinnedRequestLevelPolicy",
@@ -118,6 +121,7 @@ __all__ = [
     "attainment",
     "cluster_velocity",
     "first_token_deadline_s",
+    "load_path_for",
     "make_policy",
     "percentile",
     "place_models",

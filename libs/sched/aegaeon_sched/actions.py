@@ -77,6 +77,9 @@ class Cancel:
 class Reject:
     request: Request
     reason: str
+    # why, for the client: "no_slot" (static multiplexing placed its model nowhere: a 503
+    # naming the placed models), "" otherwise
+    code: str = ""
 
 
 Action = EnqueuePrefill | PlaceDecode | RunOnInstance | Cancel | Reject

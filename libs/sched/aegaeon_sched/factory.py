@@ -73,15 +73,18 @@ def _aegaeon(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -
 
 
 def _request_level(
-    cls: type[RequestLevelPolicy], sjf: bool
+    cls: type[RequestLevelPolicy], sjf: bool, name: str | None = None
 ) -> Callable[[ClusterSpec, LatencyModel, PolicyOptions], Policy]:
     def build(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions) -> Policy:
-        return cls(
+        policy = cls(
             cluster.unified_instances,
             sjf=sjf,
             max_batch_size=opts.max_batch_size,
             capacity_tokens=opts.unified_capacity_tokens,
         )
+        if name is not None:
+            policy.name = name
+        return policy
 
     return build
 
@@ -100,10 +103,14 @@ def _static_mux(cluster: ClusterSpec, latency: LatencyModel, opts: PolicyOptions
 # The request-level baselines: ServerlessLLM (FCFS) and ServerlessLLM+ (oracle
 # SJF) as the paper evaluated them, requests bound to an instance at arrival
 # (request_pinned.py); "-global": the idealised global-queue variants
-# (request_level.py), stronger, reported as an extra line.
+# (request_level.py), stronger, reported as an extra line; "-charged": FCFS whose
+# scale-ups pay ServerlessLLM's load path (load_path.py: the instances wait it out,
+# the simulator prices it), the same decisions.
 POLICIES: dict[str, Callable[[ClusterSpec, LatencyModel, PolicyOptions], Policy]] = {
     "aegaeon": _aegaeon,
     "request-level": _request_level(PinnedRequestLevelPolicy, sjf=False),
+    "request-level-charged": _request_level(PinnedRequestLevelPolicy, sjf=False,
+                                            name="request-level-charged"),
     "request-level-sjf": _request_level(PinnedRequestLevelPolicy, sjf=True),
     "request-level-global": _request_level(RequestLevelPolicy, sjf=False),
     "request-level-global-sjf": _request_level(RequestLevelPolicy, sjf=True),

@@ -6,7 +6,8 @@ so far among those with a free slot (and, when sizes are given, room for the
 weights). A model's requests only ever go to its GPU; the co-located models
 share that GPU's time with no switch cost (the instance interleaves their
 iterations and admits requests as its KV room allows). Models that found no
-slot cannot be served: their requests are rejected.
+slot cannot be served: their requests are rejected (``Reject`` code
+``no_slot``: the live proxy answers 503 naming the placed models).
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ class StaticMuxPolicy:
     def on_arrival(self, request: Request, now_s: float) -> list[Action]:
         instance = self.placement.get(request.model)
         if instance is None:
-            return [Reject(request, f"model {request.model!r} has no GPU slot")]
+            placed = ", ".join(sorted(self.placement)) or "none"
+            return [Reject(request, f"model {request.model!r} has no instance slot under "
+                           f"static multiplexing (the models resident on the instances: "
+                           f"{placed})", code="no_slot")]
         self._instance_of[request.request_id] = instance
         return [RunOnInstance(instance, request, request.model)]
 

@@ -214,6 +214,9 @@ class Generation:
         message = f"generation failed: {chunk.error or 'unknown error'}"
         if chunk.code in FAULT_CODES:  # a fault, not this request's doing: retryable
             raise APIError(503, message, code=chunk.code, retry_after_s=FAULT_RETRY_AFTER_S)
+        if chunk.code == "no_slot":  # static-mux placed its model on no instance
+            raise APIError(503, f"model {self.req.model!r} is not served now: "
+                           f"{chunk.error or 'no instance slot'}", code="model_not_placed")
         if chunk.code == "model_unavailable":  # its checkpoint cannot be read (quarantined)
             raise unavailable_error(self.req.model, chunk.error or "unknown error")
         raise APIError(500, message, code="backend_error")

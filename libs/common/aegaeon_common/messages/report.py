@@ -76,10 +76,15 @@ class SwitchRecord(Struct, frozen=True):
 
     from_model: str | None
     to_model: str
-    total_s: float  # on the critical path
+    total_s: float  # on the critical path (a charged load path's wait included)
     load_s: float
     prefetched: bool
     at_s: float
+    # request-level-charged: the part of total_s waited out so the scale-up took what the
+    # baseline's load path takes (aegaeon_sched.load_path); 0 for every other policy
+    charged_s: float = 0.0
+    # the model's bytes were still where the arena had last held them: bound, not copied
+    resident: bool = False
 
 
 class TurnRecord(Struct, frozen=True):

@@ -14,11 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from aegaeon_common.messages.report import PrefillDone, TokenItem, TurnRecord
+import msgspec
+from aegaeon_common.messages.report import PrefillDone, SwitchRecord, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings
-from aegaeon_engine import DecodeSeq
+from aegaeon_engine import DecodeSeq, weight_layout
 from aegaeon_gpumem import OutOfBlocks
-from aegaeon_sched import DecodeBatch, DecodeWorkList, LatencyModel, RoundController, TurnEnd
+from aegaeon_sched import (
+    DecodeBatch,
+    DecodeWorkList,
+    LatencyModel,
+    RoundController,
+    TurnEnd,
+    load_path_for,
+)
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -63,6 +71,10 @@ class TurnRunner:
         # switch cost the planner's c should count, which the Eq. 4 estimate
         # (bytes over bandwidth) alone underestimates on a busy host.
         self._overhead_s: dict[str, float] = {}
+        config = worker.config
+        self.load_path = load_path_for(config.scheduler.policy, config.baseline.load_gb_s,
+                                       config.baseline.init_s)  # fmt: skip
+        self._weight_bytes: dict[str, int] = {}
 
     # ---- estimates for the planner ---------------------------------------
     def context_tokens(self, request_id: str) -> int:
@@ -73,6 +85,21 @@ class TurnRunner:
     def switch_estimate(self, model: str) -> float:
         assert self.latency is not None
         return max(self.latency.switch_s(model), self._overhead_s.get(model, 0.0))
+
+    def _charge(self, record: SwitchRecord) -> SwitchRecord:
+        """``request-level-charged``: a scale-up takes what the baseline's load path takes
+        (``aegaeon_sched.load_path``); what this system's switch left of it is waited out
+        here, on the critical path, and recorded (``charged_s``)."""
+        if self.load_path is None:
+            return record
+        model = record.to_model
+        if model not in self._weight_bytes:
+            self._weight_bytes[model] = weight_layout(self.worker.specs[model],
+                                                      self.worker.config.dtype).total_bytes
+        owed = self.load_path.charge_s(self._weight_bytes[model], record.total_s)
+        if owed > 0:
+            self.clock.sleep(owed)
+        return msgspec.structs.replace(record, total_s=record.total_s + owed, charged_s=owed)
 
     def _observe_overhead(self, model: str, seconds: float) -> None:
         old = self._overhead_s.get(model)
@@ -127,7 +154,7 @@ class TurnRunner:
                 self.admission.fail(seq, exc.code, exc.message)
             return None
         if record is not None:
-            self.counters.note_switch(record)
+            self.counters.note_switch(self._charge(record))
         if next_model is not None:
             w.switcher.prefetch(next_model)
         switch_s = clock.now() - start

@@ -30,7 +30,8 @@ class ActionHost(Protocol):
     @property
     def requests(self) -> Mapping[str, Tracked]: ...
 
-    def end_request(self, request_id: str, reason: str, error: str | None = None) -> object: ...
+    def end_request(self, request_id: str, reason: str, error: str | None = None,
+                    code: str | None = None) -> object: ...
 
     async def claim_handoff(self, instance: str, msg: EnqueueDecode) -> bool: ...
 
@@ -142,4 +143,5 @@ class ActionRunner:
         self._send(action.instance, CancelRequest(action.request_id))
 
     def _reject(self, action: Reject) -> None:
-        self.backend.end_request(action.request.request_id, "error", action.reason)
+        self.backend.end_request(action.request.request_id, "error", action.reason,
+                                 action.code or None)

@@ -21,6 +21,7 @@ from aegaeon_sched.admission import Bounds, derive_bounds
 from aegaeon_proxy.cluster.instances import Instances
 
 TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
+ARENA_SLACK_BYTES = 1 << 20
 
 
 def _latency(instances: Instances) -> LatencyModel:
@@ -61,6 +62,7 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
             decode += prefill  # decode instances first: Alg. 2 breaks ties by order
         cluster = ClusterSpec(prefill_instances=prefill, decode_instances=decode)
     capacity = _min_capacity(instances, "decode")
+    arena = config.decode.device_memory_bytes - config.decode.kv_memory_bytes  # unified: decode
     options = PolicyOptions(
         max_group_size=config.scheduler.max_group_size,
         max_batch_size=config.scheduler.max_batch_size,
@@ -72,6 +74,9 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         default_ttft_s=config.slo.ttft_s,
         standby=standby,
         role_switching=config.role_switching and not unified,
+        # static-mux: the models that stay resident on an instance fit its weights arena
+        # together (bump allocations, each aligned: a MiB of slack)
+        gpu_weight_budget_bytes=max(arena - ARENA_SLACK_BYTES, 0),
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
     dispatcher = getattr(policy, "decode", None)
