@@ -24,6 +24,7 @@ import pytest
 
 SHARED_NODE_MODULES = (
     "tests/e2e/test_serve_openai.py",
+    "tests/e2e/test_serve_api_surface.py",
     "tests/e2e/test_serve_classes.py",
     "tests/e2e/test_serve_observability.py",
     "tests/e2e/test_prometheus.py",

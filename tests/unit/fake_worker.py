@@ -37,7 +37,9 @@ from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingSpec
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, Sampler
+from aegaeon_engine.sampling import TokenLogprobs, top_logprobs
 from aegaeon_gpumem import Event, EventHandle, KVBlockPool
+from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_sched import SHARED, LatencyModel
@@ -165,6 +167,12 @@ class FakeEngine:
         assert self.model is not None
         self.clock.advance(self.prefill_time_s(self.model, len(token_ids)))
         return self._one_hot([len(token_ids) - 1])[0]
+
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                       k: int) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        last = self.prefill(token_ids, block_ids)
+        rows = self._one_hot(list(range(len(token_ids) - 1)))
+        return last, top_logprobs(rows, list(token_ids[1:]), k)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         assert self.model is not None
@@ -329,6 +337,9 @@ class FakeWorker:
         self.kv = FakeKV(self.clock, self.kv_region_bytes, self.slab_bytes)
         self.cache = FakeCache()
         self.metrics = WorkerMetrics(f"{self.kind}-{self.index}")
+        # a test that constrains decoding names a tokenizer for its models (model_vocab)
+        self.vocabs: dict[str, ModelVocab] = {}
+        self.grammars = GrammarCache(lambda m: self.vocabs[m])
 
     @property
     def name(self) -> str:

@@ -232,7 +232,7 @@ def test_disconnect_cancels(proxy_market: Path) -> None:
         await _wait_for(lambda: rid in backend.cancelled)
 
         task = asyncio.create_task(
-            client.post("/v1/completions", json={**body, "stream": False, "prompt": "x"})
+            client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         )
         await _wait_for(lambda: len(backend.submitted) == 2)
         task.cancel()  # the client goes away before the answer
@@ -337,10 +337,10 @@ MALFORMED: list[bytes | dict[str, Any] | list[Any]] = [
     {}, {"model": None}, {"model": ["x"]}, {"model": MODEL}, [1, 2, 3],
     {"model": "no-such-model", "prompt": "x"},
     _cmpl(prompt=None), _cmpl(prompt={"x": 1}), _cmpl(prompt=[[1, 2], [3]]), _cmpl(prompt=[1.5]),
-    _cmpl(prompt=[99999999]), _cmpl(max_tokens=10**30), _cmpl(max_tokens=-5), _cmpl(n=3),
+    _cmpl(prompt=[99999999]), _cmpl(max_tokens=10**30), _cmpl(max_tokens=-5), _cmpl(n=9),
     _cmpl(temperature=[1]), _cmpl(top_p=-1), _cmpl(top_k=-7), _cmpl(seed={}),
     _cmpl(stop={"a": 1}), _cmpl(stop=[None]), _cmpl(stream=None, stream_options=3),
-    _cmpl(stop_token_ids=[1.5]), _cmpl(logit_bias={"1": 5}), _cmpl(echo=True),
+    _cmpl(stop_token_ids=[1.5]), _cmpl(logit_bias={"x": 5}), _cmpl(echo="yes"),
     _chat(), {"model": MODEL, "messages": [None]},
     _chat([{"type": "image_url", "image_url": {}}]), _chat([None]),
     {"model": MODEL, "messages": [{"role": 1, "content": "x"}]},

@@ -212,9 +212,10 @@ def test_a_reader_that_stops_reading_is_cut_and_its_request_freed(
     run(proxy_market, scenario, write_timeout_s=0.5)
 
 
-@pytest.mark.parametrize("field", ["logit_bias", "tools", "n"])
+@pytest.mark.parametrize("field", ["best_of", "tools", "suffix", "use_beam_search"])
 def test_unsupported_features_are_400_not_ignored(proxy_market: Path, field: str) -> None:
-    value = {"logit_bias": {"5": 10}, "tools": [{"type": "function"}], "n": 2}[field]
+    value = {"best_of": 3, "tools": [{"type": "function"}], "suffix": "!",
+             "use_beam_search": True}[field]  # fmt: skip
 
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
         resp = await client.post("/v1/completions",

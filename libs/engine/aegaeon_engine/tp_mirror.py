@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import DecodeSeq, Engine
+from .sampling import TokenLogprobs
 from .tp import TPGroup
 
 BIND, PREFILL, DECODE, STOP = 1, 2, 3, 4
@@ -122,6 +123,14 @@ class TPDriver:
         if self.sharded:
             send_prefill(self.group, token_ids, block_ids, start_pos)
         return self.engine.prefill(token_ids, block_ids, start_pos)
+
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int], k: int,
+                       start_pos: int = 0) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        """``Engine.prefill_scored`` here, ``Engine.prefill`` on the followers (the
+        scores are rank 0's: every rank holds the whole lm_head)."""
+        if self.sharded:
+            _send(self.group, [PREFILL, start_pos, len(token_ids), *token_ids, *block_ids])
+        return self.engine.prefill_scored(token_ids, block_ids, k, start_pos)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """``Engine.decode`` on every rank; logits ``[B, vocab]``."""

@@ -27,6 +27,7 @@ from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.cacheclient.client import CacheClient, SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import Registration
+from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
@@ -68,6 +69,18 @@ class Worker:
     unavailable: dict[str, str] = field(default_factory=dict)
     # a tensor-parallel instance's group (rank 0's handle); None: one device
     group: InstanceGroup | None = None
+    # every model's checkpoint directory (its tokenizer, for constrained decoding)
+    model_dirs: dict[str, Path] = field(default_factory=dict)
+    grammars: GrammarCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarCache(self.model_vocab)
+
+    def model_vocab(self, model: str) -> ModelVocab:
+        """What ``model``'s grammar matchers need (its tokenizer, logits width, EOS)."""
+        spec = self.specs[model]
+        return ModelVocab(self.model_dirs[model] / "tokenizer.json", spec.vocab_size,
+                          spec.eos_token_ids)  # fmt: skip
 
     @property
     def name(self) -> str:
@@ -111,6 +124,8 @@ class Worker:
         self.switcher.add_model(name, spec)
         self.engine.tune(self.switcher.spec(name), self.config.dtype)
         self.specs[name] = spec
+        self.model_dirs[name] = Path(path)
+        self.grammars.forget(name)
         self.capture_graphs([name])
         return self.sched_spec(name)
 
@@ -137,6 +152,7 @@ class Worker:
                  seconds=round(stats.capture_s - before_s, 4), sizes=list(stats.sizes))
 
     def close(self) -> None:
+        self.grammars.close()
         self.switcher.close()
         self.kv.close()
         if self.group is not None:
@@ -254,6 +270,7 @@ async def build_worker(
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
         group=group,
         unavailable=unavailable,
+        model_dirs={m.name: Path(m.path) for m in config.models},
     )
     # the decode step's CUDA graphs, one set per layout, before the first step (a GPU)
     await asyncio.to_thread(worker.capture_graphs, list(specs))

@@ -148,6 +148,8 @@ class PrefillLoop:
             self._fail(msg.request_id, msg.model, "bad_request", str(exc))
             return
         self.jobs[msg.request_id] = msg
+        if msg.sampling.grammar:  # made on the grammar thread while the job waits its turn
+            self.worker.grammars.prepare(msg.model, msg.sampling.grammar)
         self.worker.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
     def cancel(
