@@ -185,10 +185,12 @@ def check_serve(market: Path, config: Path | None, policy: str | None = None) ->
 
     from aegaeon_cli.machine import cuda_devices
 
-    args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
-                              admin_key=[], admin_key_file=[], host=None, port=None,
-                              policy=policy, run_dir=None, gpus=None, tp=None,
-                              device_memory=None)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="aegaeon")
+    register(parser.add_subparsers())
+    argv = ["serve", "--market", str(market)]
+    argv += ["--config", str(config)] if config is not None else []
+    argv += ["--policy", policy] if policy is not None else []
+    args = parser.parse_args(argv)  # the serve defaults, every one, as `aegaeon serve` has them
     checked, _, _ = _effective_config(args)
     check_machine(checked, instance_devices(checked), cuda_devices)
 

@@ -53,7 +53,7 @@ class Progress:
     sent_s: float | None = None
     event_times_s: list[float] = field(default_factory=list)
     num_tokens: int | None = None  # the final usage's completion_tokens
-    server_id: str | None = None  # the response's "id" (the services' request id)
+    server_id: str | None = None  # the services' request id (X-Request-Id, else the "id")
     finish_s: float | None = None  # when the event with the finish_reason came
     done: bool = False  # the stream ended with [DONE] after a finish_reason
     error: str | None = None
@@ -117,6 +117,7 @@ async def stream_completion(
     try:
         async with session.post(f"{base_url}/v1/completions", json=body) as resp:
             progress.status = resp.status
+            progress.server_id = resp.headers.get("X-Request-Id")  # the stats' request_id
             if resp.status != 200:
                 text = await resp.text()
                 hint = f" ({NEEDS_KEY})" if resp.status == 401 else ""
