@@ -212,8 +212,8 @@ def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def load_file(env: Mapping[str, str]) -> dict[str, Any]:
-    """The mounted file (or the embedded default) as plain data, its paths absolute and
-    ``AEGAEON_TP`` applied."""
+    """The mounted file (or the embedded default) as plain data, its paths absolute, its
+    ``instance`` section folded into the roles' and ``AEGAEON_TP`` applied."""
     import yaml
 
     source = env.get("AEGAEON_CONFIG", DEFAULT_CONFIG)
@@ -231,6 +231,9 @@ def load_file(env: Mapping[str, str]) -> dict[str, Any]:
         raise SettingError(f"cannot read the config {path}: {exc.strerror}") from None
     if not isinstance(raw, dict):
         raise SettingError(f"{path}: not a map")
+    from aegaeon_common.config import fold_instance
+
+    raw = fold_instance(raw, str(path))  # `instance`'s keys in each role's section
     # relative paths in the file are relative to it, as load_config reads them
     if raw.get("market"):
         raw["market"] = str((path.parent / str(raw["market"])).resolve())

@@ -160,6 +160,23 @@ def test_service_argv_maps_unified_policies_onto_decode_instances(tmp_path: Path
     assert ep.service_argv("proxy", 0, raw, cfg)[1:] == ["proxy", "--config", str(cfg)]
 
 
+def test_the_mounted_files_instance_section_reaches_each_role(tmp_path: Path) -> None:
+    """A container reads each role's device and group from its section: ``instance``'s
+    keys are folded in there (a role's own wins), ``AEGAEON_TP`` over both."""
+    path = tmp_path / "config.yaml"
+    path.write_text("market: m\ninstance: {device: cuda, tp: 2, device_memory: 20GiB}\n"
+                    "decode: {instances: 2, device_memory: 30GiB}\n")  # fmt: skip
+    raw = ep.load_raw({"AEGAEON_CONFIG": str(path)})
+    assert "instance" not in raw and raw["market"] == str(tmp_path / "m")
+    assert raw["prefill"] == {"device": "cuda", "tp": 2, "device_memory_bytes": 20 << 30}
+    assert raw["decode"] == {"device": "cuda", "tp": 2, "instances": 2, "device_memory": "30GiB"}
+    tp4 = ep.load_raw({"AEGAEON_CONFIG": str(path), "AEGAEON_TP": "4"})
+    assert tp4["prefill"]["tp"] == tp4["decode"]["tp"] == 4
+    path.write_text("instance: {instances: 2}\n")
+    with pytest.raises(ValueError, match=r"instance\.instances"):  # ConfigError: one line
+        ep.load_raw({"AEGAEON_CONFIG": str(path)})
+
+
 def test_embedded_config_needs_a_market(tmp_path: Path) -> None:
     with pytest.raises(ep.SettingError, match="no market"):
         ep.load_raw({"AEGAEON_CONFIG": "embedded", "AEGAEON_MARKET": str(tmp_path)})
@@ -340,7 +357,8 @@ def test_docker_compose_renders_the_gpu_profile_with_the_planned_settings() -> N
     import subprocess
 
     if shutil.which("docker-compose") is None:
-        pytest.skip("docker-compose is not installed (scripts/test installs Debian's)")
+        pytest.skip("docker-compose is not installed: `apt-get install docker-compose` (Debian's "
+                    "1.29; scripts/test installs it when run as root)")
     env = {**os.environ, "AEGAEON_SHM_SIZE": "230g", "AEGAEON_START_PERIOD": "420s",
            "AEGAEON_TP": "4"}  # fmt: skip
     for key in ("COMPOSE_PROFILES", "AEGAEON_GPUS"):

@@ -82,6 +82,7 @@ __all__ = [
     "SchedulerConfig",
     "SecurityConfig",
     "StoreConfig",
+    "fold_instance",
     "load_config",
     "market_dtype",
     "market_models",
@@ -546,7 +547,46 @@ _SECTIONS: dict[str, type] = {
     "health": HealthConfig,
 }
 _TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout",
-             "model_settings", *_SECTIONS}  # fmt: skip
+             "model_settings", "instance", *_SECTIONS}  # fmt: skip
+# What a role's own section says of itself alone: its count, its devices, and its side
+# HTTP ports (instance i binds http_port + i: shared, the two roles' would collide).
+_PER_ROLE = ("instances", "devices", "http_port")
+
+
+def fold_instance(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``raw`` with its ``instance`` section folded into ``prefill`` and ``decode``: each
+    key of ``instance`` (``tp``, ``device``, ``device_memory``, ``kv_memory``,
+    ``threads``, ``weights``, ``cuda_graphs``, ``http_host``) applies to both roles
+    unless a role's own section gives it. The one place the shared defaults resolve;
+    ``raw`` without ``instance`` comes back as it is. ConfigError names ``instance.KEY``."""
+    shared = raw.get("instance")
+    if shared is None:
+        return raw
+    if not isinstance(shared, dict):
+        raise ConfigError(source, "instance", "must be a map")
+    for key in shared:
+        if str(key) in _PER_ROLE:
+            raise ConfigError(source, f"instance.{key}", "set per role, in prefill and decode")
+    section = build_section(InstancesConfig, shared, source, "instance")  # names instance.KEY
+    given = {_canonical(str(k)) for k in shared}
+    if {"device_memory_bytes", "kv_memory_bytes"} <= given and (
+            section.kv_memory_bytes >= section.device_memory_bytes):
+        raise ConfigError(source, "instance.kv_memory", "must be smaller than device_memory")
+    values = {k: v for k, v in plain(section).items() if k in given}
+    out = {k: v for k, v in raw.items() if k != "instance"}
+    for kind in ("prefill", "decode"):
+        own = raw.get(kind) or {}
+        if not isinstance(own, dict):
+            raise ConfigError(source, kind, "must be a map")
+        mine = {_canonical(str(k)) for k in own}
+        out[kind] = {**{k: v for k, v in values.items() if k not in mine}, **own}
+    return out
+
+
+def _canonical(key: str) -> str:
+    """An instance field's name as written (``device_memory``) or in full (``_bytes``)."""
+    fields = {f.name for f in msgspec.structs.fields(InstancesConfig)}
+    return key if key in fields or f"{key}_bytes" not in fields else f"{key}_bytes"
 
 
 def serving_dtype(recorded: list[str]) -> str:
@@ -629,6 +669,7 @@ def config_from_dict(
     if unknown:
         known = ", ".join(sorted(_TOP_KEYS))
         raise ConfigError(source, unknown[0], f"unknown key (known: {known})")
+    raw = fold_instance(raw, source)
     env = read_env()
     market_raw = raw.get("market")
     market = (base / str(market_raw)).resolve() if market_raw else env.market_dir
@@ -893,7 +934,9 @@ def _check_node(
 
 def read_config_file(path: Path | str) -> dict[str, Any]:
     """A config file's plain data: ConfigError unless it can be read, parses as YAML (the
-    error's line and column named) and holds a mapping (an empty file: ``{}``)."""
+    error's line and column named) and holds a mapping (an empty file: ``{}``); its
+    ``instance`` section folded into ``prefill`` and ``decode`` (:func:`fold_instance`),
+    so whoever edits or reads a role's section sees what that role runs."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -916,7 +959,7 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "<top>", f"must be a mapping of sections (like `proxy: "
                           f"{{port: 8000}}`), not a YAML {_yaml_kind(raw)}")  # fmt: skip
-    return raw
+    return fold_instance(raw, str(path))
 
 
 def _at(mark: Any) -> str:
