@@ -130,6 +130,14 @@ def test_eight_80gb_gpus_serve_70b_with_tensor_parallel_groups(
                              "--assume-memory", "2TB", "--shm-size", "1t", "--tp", "8")
     assert planned["prefill"]["devices"] == planned["decode"]["devices"]
     assert len(planned["decode"]["devices"]) == 8 and planned["decode"]["tp"] == 8
+    # and so is the config file's `instance.tp` (both roles' size)
+    config = tmp_path / "tp8-config.yaml"
+    config.write_text(f"market: {tmp_path / '70b'}\ninstance: {{tp: 8}}\n")
+    out = tmp_path / "tp8-config-planned.yaml"
+    assert main(["plan", "--config", str(config), "--assume-gpus", "8x80GB", "--assume-memory",
+                 "2TB", "--shm-size", "1t", "--write", str(out)]) == 0, capsys.readouterr().err
+    planned = yaml.safe_load(out.read_text())
+    assert planned["prefill"]["tp"] == planned["decode"]["tp"] == 8
 
 
 def test_a_tensor_parallel_size_that_does_not_fit_is_one_line(
