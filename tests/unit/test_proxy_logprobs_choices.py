@@ -189,3 +189,28 @@ def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market:
         assert choice["token_ids"] == backend.token_ids
 
     run(proxy_market, scenario)
+
+
+@GROUPED
+def test_token_ids_keep_the_tokens_whose_text_a_stop_string_held(proxy_market: Path,
+                                                                 grouped: bool) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
+        backend.token_ids = tok.encode(" one two three", add_special_tokens=False)
+        for stream in (False, True):
+            resp = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "x", "stop": [" two three"], "stream": stream,
+                "return_token_ids": True})
+            if stream:
+                chunks = await sse_chunks(resp)
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                ids = chunks[-1]["choices"][0]["token_ids"]
+                # an event per token that has something to say: none for the held one
+                assert len(chunks) <= len(backend.token_ids)
+            else:
+                choice = (await resp.json())["choices"][0]
+                text, ids = choice["text"], choice["token_ids"]
+            assert text == " one"
+            assert ids == backend.token_ids  # " two" was held, " three" matched
+
+    run(proxy_market, scenario)

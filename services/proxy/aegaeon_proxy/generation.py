@@ -199,8 +199,9 @@ class Generation:
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
     ) -> AsyncGenerator[Delta, None]:
-        """Each choice's text as it becomes safe to send, a delta per token (a delta with
-        nothing to say is never yielded), and its finish; raises APIError on failure.
+        """Each choice's text as it becomes safe to send, a delta per token (its text may
+        be empty while the detokenizer or a stop string holds it back), and its finish;
+        raises APIError on failure.
 
         A chunk holds the tokens an instance sent together. ``before_wait`` is awaited
         whenever the next chunk is not there yet, so a consumer holds the deltas of
@@ -226,8 +227,8 @@ class Generation:
                         last = out.pop() if out else Delta(chunk.index, "")
                         text = last.text + choice.end(self._client_finish(chunk, ended))
                         out.append(replace(last, text=text, finish_reason=choice.finish))
-                    for delta in out:
-                        if delta.text or delta.logprobs or delta.finish_reason:
+                    for delta in out:  # a token whose text is held back still counts
+                        if delta.text or delta.token_ids or delta.logprobs or delta.finish_reason:
                             yield delta
                 if chunk.finish_reason is not None:
                     self._open = False
