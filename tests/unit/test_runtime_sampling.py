@@ -19,6 +19,6 @@ def test_resumed_generator_continues_the_stream_of_one_engine() -> None:
 
     alone = tokens(make_generator(params, torch.device("cpu")), range(12))
     for drawn in (1, 5):  # the prefill instance drew the first token (or a few)
-        resumed = resume_generator(params, torch.device("cpu"), vocab, drawn)
+        resumed = resume_generator(params, torch.device("cpu"), drawn)
         assert tokens(resumed, range(drawn, 12)) == alone[drawn:]
-    assert resume_generator(SamplingParams(temperature=0.0), torch.device("cpu"), vocab, 3) is None
+    assert resume_generator(SamplingParams(temperature=0.0), torch.device("cpu"), 3) is None

@@ -34,15 +34,12 @@ def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=seed)
 
 
-def resume_generator(
-    params: SamplingParams, device: torch.device, vocab_size: int, num_drawn: int
-) -> torch.Generator | None:
+def resume_generator(params: SamplingParams, device: torch.device,
+                     num_drawn: int) -> torch.Generator | None:
     """A seeded request's generator, advanced past the ``num_drawn`` steps already
     sampled elsewhere, so a request continues the exact random stream it would have had
     on one engine. The sampler draws one uniform per step from a seeded request's own
-    generator (``Sampler.sample``), so the same draws are made here and dropped.
-    ``vocab_size`` is kept for callers; the stream no longer depends on it."""
-    del vocab_size
+    generator (``Sampler.sample``), so the same draws are made here and dropped."""
     gen = make_generator(params, device)
     if gen is not None:
         for _ in range(num_drawn):
@@ -79,7 +76,7 @@ class SeqSampling:
         now on: the caller appends each new token through :meth:`accept`)."""
         params = sequence_params(params, index)
         tokens = output_ids if output_ids is not None else []
-        generator = resume_generator(params, device, 0, len(tokens))
+        generator = resume_generator(params, device, len(tokens))
         grammar = grammars.state(model, params.grammar, tokens) if params.grammar else None
         return cls(params, generator, RowState(prompt_ids, tokens, grammar), grammar)
 
