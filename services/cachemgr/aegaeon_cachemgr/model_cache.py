@@ -99,6 +99,7 @@ class ModelCache:
         executor: Executor,
         bases: Mapping[str, str] | None = None,
         records: Records = _no_records,
+        tp: int = 1,
     ) -> None:
         """``bases``: the LoRA adapters among ``models``, each with its base's name;
         ``records(model_dir)``: what the market records of a model's files (sizes,
@@ -112,6 +113,7 @@ class ModelCache:
         # name -> the stat of its recorded files when their digests last matched
         self._verified: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self._dtype = dtype
+        self._tp = tp  # the instances' tensor-parallel size: regions hold shards
         self.budget_bytes = budget_bytes
         self._prefix = name_prefix
         self._executor = executor
@@ -294,7 +296,7 @@ class ModelCache:
         if base is not None and base_path is None:
             raise CacheError("unknown_model", f"adapter {name!r}: its base {base!r} is not "
                              "served", {"model": name})  # fmt: skip
-        return plan_model(name, self._paths[name], self._dtype, base_path)
+        return plan_model(name, self._paths[name], self._dtype, self._tp, base_path)
 
     def _start(self, name: str, evict: bool) -> _Loading:
         path = self._paths[name]

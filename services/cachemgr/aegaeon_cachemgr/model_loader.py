@@ -2,7 +2,11 @@
 
 The region's layout is the engine's packed ``weight_layout`` in the serving
 dtype, so a worker's scale-up is one flat copy of the region (paper §5.2).
-Every checkpoint defect surfaces as ``CacheError("checkpoint_error")``.
+With tensor-parallel instances (``tp`` > 1) a model that splits ``tp`` ways is
+held as its shards back to back (``TPLayout``): each rank of a group copies
+its own contiguous range, all ranks at once; one that does not split is held
+whole (its group runs it on its first device). Every checkpoint defect
+surfaces as ``CacheError("checkpoint_error")``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from aegaeon_engine.layout import WeightLayout, weight_layout
 from aegaeon_engine.loader import check_checkpoint, fill_layout
 from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.tp import fill_tp_layout
+from aegaeon_engine.tp_layout import TPLayout, sharded_layout
 
 from aegaeon_cachemgr.errors import CacheError
 
@@ -32,6 +38,9 @@ class ModelPlan:
     nbytes: int
     tensors: list[TensorEntry]
     layout: WeightLayout
+    # the shards, when the region holds the model split for tensor-parallel instances
+    shards: TPLayout | None = None
+    spec: ModelSpec | None = None
     adapter: AdapterSpec | None = None  # a LoRA adapter's region (lora_spec's layout)
 
 
@@ -42,23 +51,36 @@ def checkpoint_failure(exc: CheckpointError) -> CacheError:
     return CacheError("checkpoint_error", str(exc), detail)
 
 
-def plan_model(name: str, path: Path, dtype: str, base: Path | None = None) -> ModelPlan:
-    """Read the model's JSON files (cheap, no tensor data) and lay it out in ``dtype``;
-    with ``base`` (its base's checkpoint), ``path`` is a LoRA adapter of it, checked
-    against the base's shapes (its safetensors header)."""
-    adapter = None
+def plan_model(name: str, path: Path, dtype: str, tp: int = 1,
+               base: Path | None = None) -> ModelPlan:
+    """Read the model's JSON files (cheap, no tensor data) and lay it out in ``dtype``,
+    split ``tp`` ways where it splits (the manifest then names rank r's tensors
+    ``rank<r>/<name>``, at their offsets in the region). With ``base`` (its base's
+    checkpoint), ``path`` is a LoRA adapter of it, checked against the base's shapes (its
+    safetensors header), and held whole (adapters are not served on shards)."""
     try:
-        if base is None:
-            layout = weight_layout(ModelSpec.from_dir(path), dtype)
-        else:
-            adapter = AdapterSpec.from_dir(path, ModelSpec.from_dir(base), name)
-            layout = adapter_layout(adapter, dtype)
+        spec = ModelSpec.from_dir(path if base is None else base)
+        adapter = None if base is None else AdapterSpec.from_dir(path, spec, name)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None
-    tensors = [
-        TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
-    ]
-    return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout, adapter)
+    if adapter is not None:
+        layout = adapter_layout(adapter, dtype)
+        tensors = [
+            TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
+        ]
+        return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout,
+                         adapter=adapter)  # fmt: skip
+    layout = weight_layout(spec, dtype)
+    shards = sharded_layout(spec, tp, dtype)
+    if shards is None:
+        tensors = [
+            TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
+        ]
+        return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout)
+    tensors = [TensorEntry(f"rank{r}/{s.name}", s.dtype, list(s.shape), start + s.offset, s.nbytes)
+               for r, (shard, start) in enumerate(zip(shards.shards, shards.offsets, strict=True))
+               for s in shard.slots]  # fmt: skip
+    return ModelPlan(name, path, layout.dtype, shards.total_bytes, tensors, layout, shards, spec)
 
 
 def check_plan(plan: ModelPlan) -> None:
@@ -87,6 +109,10 @@ def fill_region(
             if progress is not None:
                 progress(plan.nbytes)
             return read
+        if plan.shards is not None:  # its files' digests are then checked on their own
+            assert plan.spec is not None
+            fill_tp_layout(plan.path, plan.spec, plan.shards, dest, progress)
+            return set()
         return fill_layout(plan.path, plan.layout, dest, progress, digests)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None

@@ -36,7 +36,7 @@ from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
 from aegaeon_runtime.port import MessageSink, ModelGoneError, WorkerPort
-from aegaeon_runtime.sampling import finish_reason, sample_step, to_wire
+from aegaeon_runtime.sampling import finish_reason, sample_step
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
 
@@ -226,10 +226,9 @@ class TurnRunner:
                 continue  # its adapter has no room now, or is gone (failed)
             scored: list[TokenLogprobs] = []
             if seq.index == 0 and seq.params.prompt_logprobs >= 0:
-                logits, found = w.engine.prefill_scored(seq.prompt_token_ids, blocks,
-                                                        seq.params.prompt_logprobs,
-                                                        adapter=adapters[0])
-                scored = to_wire(found)
+                logits, scored = w.engine.prefill_scored(seq.prompt_token_ids, blocks,
+                                                         seq.params.prompt_logprobs,
+                                                         adapter=adapters[0])
             else:
                 logits = w.engine.prefill(seq.prompt_token_ids, blocks, adapter=adapters[0])
             tokens, logprobs = sample_step(w.sampler, logits[None], [seq.sampling])

@@ -59,6 +59,7 @@ from aegaeon_common.messages.report import (
     InstanceDraining,
     InstanceHello,
     InstanceModels,
+    InstanceStalled,
     InstanceStats,
     ModelsResident,
     PrefillDone,
@@ -209,6 +210,7 @@ class DistributedBackend:
             InstanceHello: lambda msg: None,
             InstanceStats: lambda msg: None,
             InstanceDraining: lambda msg: None,
+            InstanceStalled: lambda msg: None,  # its registry record goes (deregistered)
         }
 
     # ---- lifecycle ---------------------------------------------------------
