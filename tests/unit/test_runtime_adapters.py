@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 from aegaeon_common.messages.prefill import AddModel, EnqueuePrefill, SetModelAwake
 from aegaeon_common.messages.report import InstanceModels, ModelsResident, PrefillDone, StepTokens
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
@@ -61,7 +61,7 @@ def test_a_base_and_its_adapters_decode_in_one_batch_with_one_switch() -> None:
 def test_an_adapters_prompt_runs_on_its_base_in_the_bases_group() -> None:
     w = FakeWorker(latency_model(["base", "other"], switch_s=0.05), kind="prefill")
     w.adapt("lora-a", "base")
-    spec = SamplingSpec(max_tokens=8, temperature=0.0)
+    spec = SamplingParams(max_tokens=8, temperature=0.0)
     timed = [(0.0, EnqueuePrefill("b1", "base", 0, list(range(20)), spec, 0.0)),
              (0.0, EnqueuePrefill("o1", "other", 1, list(range(10)), spec, 0.0)),
              (0.0, EnqueuePrefill("a1", "lora-a", 0, list(range(30)), spec, 0.0))]  # fmt: skip
