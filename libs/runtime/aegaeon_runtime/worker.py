@@ -95,8 +95,9 @@ class Worker:
 
     def kv_shape(self, model: str) -> KVShape:
         """``model``'s KV blocks as the node counts them (a tensor-parallel group's
-        sharded model: every rank's part, ``aegaeon_runtime.tp_shards``)."""
-        return self.switcher.shards.kv_shape(model)
+        sharded model: every rank's part, ``aegaeon_runtime.tp_shards``; a LoRA
+        adapter's: its base's)."""
+        return self.switcher.shards.kv_shape(self.unit_of(model))
 
     def max_model_len(self, model: str) -> int:
         return self.specs[model].max_model_len
