@@ -112,6 +112,10 @@ class SwitcherPort(Protocol):
         """Changes to :meth:`resident_models` so far."""
         ...
 
+    def nbytes(self, name: str) -> int:
+        """The bytes a scale-up of ``name`` copies (its packed weights)."""
+        ...
+
 
 class KVPort(Protocol):
     """The device KV region and its copies to and from the unified CPU cache."""

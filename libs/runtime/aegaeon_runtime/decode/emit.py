@@ -53,6 +53,11 @@ class TokenEmitter:
         self._held: dict[str, TokenItem] = {}
         self._since: float | None = None  # clock.now() of the oldest held token
 
+    @property
+    def holds(self) -> bool:
+        """Whether tokens may wait at all (``hold_s = 0``: every step's leave at once)."""
+        return self.hold_s > 0
+
     def near(self, tokens: Iterable[tuple[float, int]], now_s: float, step_s: float) -> bool:
         """Is one of these tokens (request arrival, index) due ahead of ``now_s``
         (wall clock), but sooner than a hold and a step?"""
