@@ -139,6 +139,20 @@ class ScenarioResult:
     absorb: list[Absorb] = field(default_factory=list)  # per burst
 
 
+class ExactLatency(LatencyModel):
+    """Eq. 4-6 known exactly (the paper's hardware model): an instance's loop refines
+    its estimates with every step it measures, and measuring these very values
+    changes nothing, so observations are not kept (they cost a decode step's time)."""
+
+    def observe_decode(
+        self, model: str, batch_size: int, context_tokens: int, seconds: float
+    ) -> None:
+        pass
+
+    def observe_prefill(self, model: str, prompt_lens: Sequence[int], seconds: float) -> None:
+        pass
+
+
 @dataclass
 class _Built:
     sim: Simulation
@@ -243,12 +257,13 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
         policy = gate = AdmissionGate(inner, bounds, shedder, class_of)
     sim = Simulation(policy, requests)
     node = _node(sc, options, lat, hw)
-    truth = LatencyModel.from_dict(lat.to_dict())  # what work takes (the policy refines lat)
+    # What work takes, and what every instance plans with: the hardware's Eq. 4-6
+    # exactly (the policy refines its own copy, lat, from the prefills it sees).
+    truth = ExactLatency.from_dict(lat.to_dict())
 
     def add(name: str, role: str, kv_region: float, switch_s: SwitchCost,
             rounds: RoundController | None = None) -> SimInstance:  # fmt: skip
-        return sim.add_instance(name, role, node, truth=truth,
-                                estimator=LatencyModel.from_dict(lat.to_dict()),
+        return sim.add_instance(name, role, node, truth=truth, estimator=truth,
                                 kv_region_bytes=int(kv_region), switch_s=switch_s,
                                 rounds=rounds)  # fmt: skip
 

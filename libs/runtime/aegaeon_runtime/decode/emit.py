@@ -73,6 +73,9 @@ class TokenEmitter:
         """A step's tokens; ``urgent``: send now (a turn's first step, a deadline near)."""
         if not items:
             return
+        if not self._held and (urgent or self.hold_s <= 0):
+            self._send(items)  # nothing waits before them: they leave as they are
+            return
         for item in items:
             held = self._held.get(item.request_id)
             self._held[item.request_id] = item if held is None else TokenItem(
@@ -90,8 +93,11 @@ class TokenEmitter:
         if self._held:
             items = list(self._held.values())
             self._held.clear()
-            ended = any(item.finish_reason is not None for item in items)
-            holdings = self.changed() if ended else None
-            self.outbox.send(StepTokens(self.index, items, self.clock.wall(), self.kind,
-                                        holdings))  # fmt: skip
+            self._send(items)
+        self._since = None
+
+    def _send(self, items: list[TokenItem]) -> None:
+        ended = any(item.finish_reason is not None for item in items)
+        holdings = self.changed() if ended else None
+        self.outbox.send(StepTokens(self.index, items, self.clock.wall(), self.kind, holdings))
         self._since = None
