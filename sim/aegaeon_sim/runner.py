@@ -81,7 +81,7 @@ class Scenario:
     round_ttft_fraction: float | None = ROUND_TTFT_FRACTION
     fresh_first: bool = False
     # Beyond the paper (as the live system): prefill instances decode when no
-    # prefill waits (hybrid_sim.py); a new decode batch goes to the work list
+    # prefill waits (the decode loop's prefill side); a new decode batch goes to the work list
     # with the fewest batches per unit of decode share (shares.py, as the live
     # proxy), or with "shortest" to the strictly shortest (decode instances
     # first on ties); "busy-share": decode share counting the prefills'
