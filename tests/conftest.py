@@ -11,69 +11,16 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from market_support import market_cache
 
+# Which worker runs what (`--dist loadgroup`): a module's tests on one worker, the
+# modules that share the `served` node one after another on one worker, chaos last.
+from worker_groups import pytest_collection_modifyitems
+
 if TYPE_CHECKING:  # the harness imports the node's tooling: only where a test serves
     from serve_harness import Served
 
-# The modules whose tests share one `aegaeon serve` of the default config (the session
-# fixture `served` below), in the order they run: together, so that the node starts once
-# (one pytest-xdist work unit: one worker runs them all), and the chaos run, which kills
-# every service in turn, last. Each leaves the node serving and holding nothing, as the
-# next one needs it (the chaos run and the rolling restart check that it does).
-SHARED_NODE_MODULES = (
-    "tests/e2e/test_serve_openai.py",
-    "tests/e2e/test_serve_classes.py",
-    "tests/e2e/test_serve_observability.py",
-    "tests/e2e/test_prometheus.py",
-    "tests/integration/test_bench_serve.py",
-    "tests/e2e/test_docs.py",
-    "tests/e2e/test_chaos.py",
-)
-SHARED_NODE_SCOPE = "shared-node"
+__all__ = ["pytest_collection_modifyitems"]  # a hook: pytest finds it here by its name
+
 E2E_MODELS = 4  # the "small" profile cycles its 3 smallest rungs: 3 families, 4 models
-
-
-def _module(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # `--dist loadscope` (scripts/test) sends whole modules to a worker, by default the
-    # modules with the most tests first: the one-test modules, the longest (a whole
-    # gpu-check dry run, the chaos run), came last, where one worker ran them while the
-    # other had nothing left. Collection order puts tests/e2e and tests/integration (the
-    # modules that start services) first and the many short unit modules last, to even out.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests of :data:`SHARED_NODE_MODULES` one after another, in its order, where the
-    first of them was collected (every worker reorders its collection the same way)."""
-    rank = {module: k for k, module in enumerate(SHARED_NODE_MODULES)}
-    shared = [item for item in items if _module(item.nodeid) in rank]
-    if not shared:
-        return
-    at = items.index(shared[0])
-    rest = [item for item in items if _module(item.nodeid) not in rank]
-    shared.sort(key=lambda item: rank[_module(item.nodeid)])  # stable: a module's own order
-    items[:] = [*rest[:at], *shared, *rest[at:]]
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadscope`` with the :data:`SHARED_NODE_MODULES` as one scope: one worker
-    runs them all, one after another, on one node."""
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SharedNodeScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            if _module(nodeid) in SHARED_NODE_MODULES:
-                return SHARED_NODE_SCOPE
-            return str(super()._split_scope(nodeid))
-
-    return SharedNodeScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -127,9 +74,9 @@ def small_market() -> Path:
 @pytest.fixture(scope="session")
 def served(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`aegaeon serve` of :func:`small_market` with the default config, shared by the
-    :data:`SHARED_NODE_MODULES`; stopped, and `serving`'s checks made (exit 0, no process
-    and no shared memory left), after the last test in a row that uses it (see
-    :func:`pytest_runtest_teardown`), not at the end of the session."""
+    modules of :data:`worker_groups.SHARED_NODE_MODULES`; stopped, and `serving`'s checks
+    made (exit 0, no process and no shared memory left), after the last test in a row
+    that uses it (see :func:`pytest_runtest_teardown`), not at the end of the session."""
     from serve_harness import serving
 
     with serving(small_market, tmp_path_factory.mktemp("serve") / "run") as node:

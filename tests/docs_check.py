@@ -477,22 +477,9 @@ def _request_fields(req: RequestField, fetch: Fetch, model: str) -> list[Problem
 
 def http_fetch(base_url: str, headers: dict[str, str] | None = None) -> Fetch:
     """A :data:`Fetch` of a node's proxy at ``base_url`` (JSON in and out, errors too)."""
-    import urllib.error
-    import urllib.request
+    from http_support import call_json
 
     def fetch(method: str, path: str, body: Any) -> Reply:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(base_url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json",
-                                                  **(headers or {})})  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=120) as resp:
-                return Reply(resp.status, json.loads(resp.read() or b"null"))
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                return Reply(exc.code, json.loads(raw or b"null"))
-            except ValueError:
-                return Reply(exc.code, raw.decode(errors="replace"))
+        return Reply(*call_json(base_url, method, path, body, headers))
 
     return fetch

@@ -28,6 +28,7 @@ HEADERS = {
 }
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RESPONSE = {"input": "hi", "max_output_tokens": 2}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,17 @@ TABLE = [
                                                                             (401, 200, 200, 200)),
     Row("POST", "/v1/chat/completions", "/v1/chat/completions", {"model": OTHER, **CHAT},
                                                                             (401, 200, 404, 200)),
+    Row("POST", "/v1/responses", "/v1/responses", {"model": MINE, **RESPONSE},
+                                                                            (401, 200, 200, 200)),
+    Row("POST", "/v1/responses", "/v1/responses", {"model": OTHER, **RESPONSE},
+                                                                            (401, 200, 404, 200)),
+    Row("POST", "/tokenize", "/tokenize", {"model": MINE, "prompt": "hi"},  (401, 200, 200, 200)),
+    Row("POST", "/tokenize", "/tokenize", {"model": OTHER, "prompt": "hi"}, (401, 200, 404, 200)),
+    Row("POST", "/detokenize", "/detokenize", {"model": MINE, "tokens": [5]},
+                                                                            (401, 200, 200, 200)),
+    Row("POST", "/detokenize", "/detokenize", {"model": OTHER, "tokens": [5]},
+                                                                            (401, 200, 404, 200)),
+    Row("GET", "/version", "/version", None,                                (401, 200, 200, 200)),
     Row("GET", "/v1/models", "/v1/models", None,                            (401, 200, 200, 200)),
     Row("GET", "/v1/models/{model}", f"/v1/models/{MINE}", None,            (401, 200, 200, 200)),
     Row("GET", "/v1/models/{model}", f"/v1/models/{OTHER}", None,           (401, 200, 404, 200)),

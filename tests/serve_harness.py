@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,9 +14,14 @@ from typing import Any
 
 import psutil
 import yaml
-from aegaeon_bench.node.client import sse_events
 from aegaeon_bench.node.launch import free_port, interrupt
 from aegaeon_bench.node.probe import shm_segments
+from http_support import call_json, get_json, sse_events
+
+__all__ = [  # call_json: http_support's, here too for the tests that import it from here
+    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "prompt_body", "serve_config",
+    "serving", "start_serve", "stop_serve", "stream_completion", "until",
+]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
 
@@ -36,8 +38,7 @@ class Served:
         return f"{self.url}/v1"
 
     def get_json(self, path: str) -> dict[str, object]:
-        with urllib.request.urlopen(self.url + path, timeout=30) as resp:
-            data = json.loads(resp.read())
+        data = get_json(self.url + path)
         assert isinstance(data, dict)
         return data
 
@@ -50,18 +51,6 @@ class Served:
     def log_tail(self, num_lines: int = 40) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-num_lines:])
-
-
-def call_json(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """``(status, JSON body)`` of one request to ``url + path`` (errors included)."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def until(what: str, check: Any, timeout_s: float) -> Any:
@@ -87,10 +76,11 @@ def prompt_body(
 
 
 async def stream_completion(
-    session: Any, base_url: str, body: dict[str, Any], firsts: dict[str, float], name: str
+    session: Any, base_url: str, body: dict[str, Any], firsts: dict[str, int], name: str
 ) -> tuple[int, str | None]:
     """Stream one completion from ``base_url`` (``.../v1``) with an aiohttp session; note
-    in ``firsts[name]`` when its first token came; ``(status, finish reason)``."""
+    in ``firsts[name]`` when its first token came: how many of the streams sharing
+    ``firsts`` had theirs before it; ``(status, finish reason)``."""
     finish: str | None = None
     async with session.post(f"{base_url}/completions", json={**body, "stream": True}) as resp:
         if resp.status != 200:
@@ -100,7 +90,7 @@ async def stream_completion(
             if chunk is None:
                 break
             assert "error" not in chunk, chunk
-            firsts.setdefault(name, time.monotonic())
+            firsts.setdefault(name, len(firsts))
             finish = chunk["choices"][0].get("finish_reason") or finish
     return 200, finish
 

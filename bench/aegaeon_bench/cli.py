@@ -11,6 +11,7 @@ import importlib
 
 BENCHES: dict[str, str] = {
     "engine": "aegaeon_bench.engine.bench",
+    "quant": "aegaeon_bench.engine.quant",
     "switch": "aegaeon_bench.switch.bench",
     "serve": "aegaeon_bench.serve.bench",
     "sweep": "aegaeon_bench.serve.sweep",

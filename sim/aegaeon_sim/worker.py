@@ -12,6 +12,9 @@ the loops' unit tests do too (tests/unit/fake_worker.py, on a :class:`FakeClock`
   own time where it spends it (per activation, per swap-out order);
 - tokens are deterministic: the token after position ``p`` is :func:`token_at`
   (:class:`PositionSampler`, greedy over the engine's last step; no logits are made);
+  with ``logits=True`` the engine makes one-hot logits whose argmax is that token
+  and the real :class:`~aegaeon_engine.Sampler` samples them (a loop's unit test
+  that asks for log-probabilities, seeded sampling or several choices);
 - the device KV region is a real :class:`~aegaeon_gpumem.KVBlockPool` (the
   bookkeeping is pure); the unified CPU cache is :class:`HostBlocks`, shared by
   a node's workers: a swap-out's blocks are readable once its copy completes, a
@@ -33,8 +36,10 @@ from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.messages.structs import EventSpec
 from aegaeon_common.transport import RemoteError
-from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, SamplingParams
+from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, Sampler, SamplingParams
+from aegaeon_engine.sampling import RowState, TokenLogprobs, top_logprobs
 from aegaeon_gpumem import Event, EventHandle, KVBlockPool
+from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_sched import LatencyModel
@@ -221,14 +226,15 @@ class FakeKV:
 
 
 class FakeEngine:
-    """Each call takes its modelled time. No logits are computed: the engine keeps the
-    positions it stepped (``positions``), which :class:`PositionSampler` turns into the
-    next tokens (:func:`token_at`), as greedy sampling over real logits would."""
+    """Each call takes its modelled time. The engine keeps the positions it stepped
+    (``positions``), which :class:`PositionSampler` turns into the next tokens
+    (:func:`token_at`), as greedy sampling over real logits would; no logits are
+    computed unless ``logits`` (one-hot, their argmax that token)."""
 
     def __init__(
         self, clock: AdvancingClock, step_s: Callable[[str, int, int], float],
         prefill_s: Callable[[str, int], float], *, cold_step_s: float = 0.0,
-        record: bool = True,
+        record: bool = True, logits: bool = False,
     ) -> None:  # fmt: skip
         self.device = torch.device("cpu")
         self.clock = clock
@@ -238,15 +244,26 @@ class FakeEngine:
         self.model: str | None = None
         self.cold = False  # the next decode step is the first after a switch
         self.record = record
+        self.logits = logits
         self.positions: list[int] = []  # of the last call's sequences
         self.steps: list[tuple[float, str, tuple[int, ...]]] = []  # (start, model, positions)
+
+    def _out(self, positions: list[int]) -> torch.Tensor:
+        self.positions = positions
+        return _one_hot(positions) if self.logits else _NO_LOGITS
 
     def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
         assert self.model is not None
         self.cold = False
         self.clock.advance(self.prefill_time_s(self.model, len(token_ids)))
-        self.positions = [len(token_ids) - 1]
-        return _NO_LOGITS
+        out = self._out([len(token_ids) - 1])
+        return out[0] if self.logits else out
+
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                       k: int) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        last = self.prefill(token_ids, block_ids)
+        rows = _one_hot(list(range(len(token_ids) - 1)))
+        return last, top_logprobs(rows, list(token_ids[1:]), k)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         assert self.model is not None
@@ -259,11 +276,17 @@ class FakeEngine:
             step += self.cold_step_s
             self.cold = False
         self.clock.advance(max(step, MIN_STEP_S))
-        self.positions = positions
-        return _NO_LOGITS
+        return self._out(positions)
 
 
 _NO_LOGITS = torch.empty(0)
+
+
+def _one_hot(positions: Sequence[int]) -> torch.Tensor:
+    logits = torch.zeros(len(positions), VOCAB)
+    for row, p in enumerate(positions):
+        logits[row, token_at(p)] = 1.0
+    return logits
 
 
 class PositionSampler:
@@ -275,6 +298,7 @@ class PositionSampler:
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        states: Sequence[RowState] | None = None,
     ) -> list[int]:  # fmt: skip
         return [token_at(p) for p in self.engine.positions]
 
@@ -423,6 +447,10 @@ class WorkerCosts:
     copy_bytes_per_s: float = math.inf
 
 
+def _no_vocab(model: str) -> ModelVocab:
+    raise ValueError(f"model {model!r}: a simulated worker has no tokenizer (no grammar)")
+
+
 class SimWorker:
     """See the module docstring: ``truth`` says what steps, prefills and (by default)
     switches take; ``specs`` are the models' engine specs (their KV shapes)."""
@@ -432,7 +460,8 @@ class SimWorker:
         truth: LatencyModel, clock: AdvancingClock, *, kv_region_bytes: int,
         slab_bytes: int, switch_s: SwitchCost | None = None, costs: WorkerCosts = WorkerCosts(),
         host: HostBlocks | None = None, keep_resident: bool = False, prefetch: bool = True,
-        record: bool = True, metrics: WorkerMetrics | None = None,
+        record: bool = True, metrics: WorkerMetrics | None = None, logits: bool = False,
+        vocab: Callable[[str], ModelVocab] | None = None,
     ) -> None:  # fmt: skip
         self.config = config
         self.kind = kind
@@ -441,13 +470,18 @@ class SimWorker:
         self.truth = truth
         self.clock = clock
         self.engine = FakeEngine(clock, truth.decode_step_s, truth.prefill_one_s,
-                                 cold_step_s=costs.cold_step_s, record=record)  # fmt: skip
+                                 cold_step_s=costs.cold_step_s, record=record,
+                                 logits=logits)  # fmt: skip
         switch = switch_s or (lambda m, prefetch, now: truth.switch_s(m))
         weights = {m: s.weight_bytes for m, s in truth.specs.items()}
         self.switcher = FakeSwitcher(self.engine, clock, switch, weight_bytes=weights,
                                      prefetch=prefetch, keep_resident=keep_resident,
                                      activate_s=costs.activate_s)  # fmt: skip
-        self.sampler = PositionSampler(self.engine)
+        self.sampler: PositionSampler | Sampler = (
+            Sampler(self.engine.device, seed=0) if logits else PositionSampler(self.engine))
+        # constrained decoding needs a model's tokenizer: ``vocab`` names it (a simulated
+        # market has none: its requests carry no grammar)
+        self.grammars = GrammarCache(vocab or _no_vocab)
         self.kv = FakeKV(clock, kv_region_bytes, slab_bytes, host=host,
                          copy_bytes_per_s=costs.copy_bytes_per_s,
                          swap_out_order_s=costs.swap_out_order_s)  # fmt: skip

@@ -15,24 +15,23 @@ The timings are printed (``-s``) as one JSON line.
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aegaeon_bench.node.launch import free_port
-from prometheus_client.parser import text_string_to_metric_families
+from http_support import Samples, fetch_sync, metric_samples, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("AEGAEON_CPU_IMAGE", "aegaeon:cpu")
@@ -44,7 +43,6 @@ UP_TIMEOUT_S = 420
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def _run(
@@ -163,51 +161,37 @@ def stack(image: dict[str, float], small_market: Path) -> Iterator[Stack]:
 
 
 def _get(url: str) -> tuple[int, str]:
+    """``(status, text)``; ``(0, "")`` while nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+        reply = fetch_sync("GET", url, timeout_s=30)
     except OSError:
         return 0, ""
+    return reply.status, reply.text()
 
 
 def _stream_chat(api_url: str, model: str) -> tuple[str, int, str | None]:
     """One streamed chat completion: (text, content chunks, finish_reason)."""
-    host, port = api_url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=300)
     body = {"model": model, "messages": [{"role": "user", "content": f"Hello {model}"}],
             "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True}
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200, resp.read()[:500]
-    assert resp.getheader("Content-Type", "").startswith("text/event-stream")
-    text, chunks, finish = "", 0, None
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line.removeprefix("data:").strip()
-        if data == "[DONE]":
-            break
-        for choice in json.loads(data)["choices"]:
-            content = choice.get("delta", {}).get("content")
-            if content:
-                text, chunks = text + content, chunks + 1
-            finish = choice.get("finish_reason") or finish
-    conn.close()
-    return text, chunks, finish
 
+    async def stream() -> tuple[str, int, str | None]:
+        text, chunks, finish = "", 0, None
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.post(f"{api_url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, (await resp.read())[:500]
+            assert resp.headers.get("Content-Type", "").startswith("text/event-stream")
+            async for _, event in sse_events(resp):
+                if event is None:
+                    break
+                for choice in event["choices"]:
+                    content = choice.get("delta", {}).get("content")
+                    if content:
+                        text, chunks = text + content, chunks + 1
+                    finish = choice.get("finish_reason") or finish
+        return text, chunks, finish
 
-def _scrape(url: str) -> Samples:
-    status, text = _get(url)
-    assert status == 200, f"{url}: {status}"
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return asyncio.run(stream())
 
 
 def _total(samples: Samples, name: str, **labels: str) -> float:
@@ -238,7 +222,7 @@ def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: 
     start = time.monotonic()
     deadline = time.monotonic() + 15
     while True:  # worker counters land when the stage's message is handled
-        scraped = {name: _scrape(f"http://{ip}:{PORTS[svc]}/metrics")
+        scraped = {name: metric_samples(f"http://{ip}:{PORTS[svc]}/metrics")
                    for name, (svc, ip) in containers.items()}
         workers = [scraped[name] for name, (svc, _) in containers.items()
                    if svc in ("prefill-cpu", "decode-cpu")]
@@ -321,14 +305,14 @@ def test_prometheus_scrapes_every_service_and_the_dashboard_queries_answer(stack
 
 
 def _complete(api_url: str, model: str, i: int) -> tuple[str, object]:
-    body = json.dumps({"model": model, "prompt": f"Request {i}", "max_tokens": MAX_TOKENS,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"{api_url}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+    body = {"model": model, "prompt": f"Request {i}", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
     try:
-        with urllib.request.urlopen(request, timeout=180) as resp:
-            reply = json.load(resp)
-        return reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
+        reply = fetch_sync("POST", f"{api_url}/v1/completions", body, timeout_s=180)
+        if reply.status != 200:
+            return "error", f"HTTP {reply.status}: {reply.text()[:300]}"
+        answer = reply.json()
+        return answer["choices"][0]["finish_reason"], answer["usage"]["completion_tokens"]
     except (OSError, ValueError, KeyError) as exc:  # the test's point: count every failure
         return "error", repr(exc)[:300]
 

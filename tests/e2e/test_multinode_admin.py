@@ -19,23 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import (
-    Served,
-    call_json,
-    serve_config,
-    serving,
-    stream_completion,
-    until,
-)
+from http_support import call_json, get_text, metric_samples
+from serve_harness import Served, serve_config, serving, stream_completion, until
 
 SETTLE_S = 120.0  # loads and heartbeats settle within this (a busy CI machine)
 MAX_TOKENS = 200  # a request's KV: ceil((prompt + 200) / 16) = 13-16 blocks
@@ -102,14 +93,9 @@ def _settings(url: str, model: str) -> tuple[bool, int | None]:
 
 
 def _load_progress(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=30) as resp:
-        text = resp.read().decode()
-    return {
-        s.labels["model"]: s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "aegaeon_model_load_progress_ratio"
-        for s in family.samples
-    }
+    return {dict(labels)["model"]: value
+            for (name, labels), value in metric_samples(metrics_url).items()
+            if name == "aegaeon_model_load_progress_ratio"}  # fmt: skip
 
 
 def test_services_list_every_nodes_cachemgr_and_instances(cluster: Served) -> None:
@@ -127,8 +113,7 @@ def test_services_list_every_nodes_cachemgr_and_instances(cluster: Served) -> No
     assert [s["role"] for s in services] == ["proxy", *["cachemgr", "prefill", "decode"] * 2]
     for service in services[1:]:  # each answers where it says
         for key in ("health_url", "ready_url", "metrics_url"):
-            with urllib.request.urlopen(service[key], timeout=30) as resp:
-                assert resp.status == 200, (service["name"], key)
+            assert get_text(service[key])[0] == 200, (service["name"], key)
 
 
 def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
@@ -181,9 +166,9 @@ def test_batch_is_shed_before_interactive_at_a_replicas_bounds(cluster: Served,
             stats = await resp.json()
         return dict(stats["slo_classes"]["shedding"])
 
-    async def main() -> tuple[list[tuple[int, str | None]], dict[str, float], dict[str, Any],
+    async def main() -> tuple[list[tuple[int, str | None]], dict[str, int], dict[str, Any],
                               dict[str, Any]]:  # fmt: skip
-        firsts: dict[str, float] = {}
+        firsts: dict[str, int] = {}  # each stream's place among the first tokens
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             before = await shedding(session)
             api = f"{url}/v1"
@@ -306,14 +291,9 @@ def _roles(url: str) -> dict[str, Any]:
 
 
 def _role_gauges(url: str) -> dict[tuple[str, str], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return {
-        (s.labels["instance"], s.labels["role"]): s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "aegaeon_instance_role"
-        for s in family.samples
-    }
+    return {(dict(labels)["instance"], dict(labels)["role"]): value
+            for (name, labels), value in metric_samples(f"{url}/metrics").items()
+            if name == "aegaeon_instance_role"}  # fmt: skip
 
 
 def test_roles_move_on_a_burst_and_every_replica_dispatches_by_them(
@@ -323,7 +303,7 @@ def test_roles_move_on_a_burst_and_every_replica_dispatches_by_them(
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
 
     async def burst() -> list[tuple[int, str | None]]:
-        firsts: dict[str, float] = {}
+        firsts: dict[str, int] = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             body = {"model": model, "prompt": "a burst " * 40, "max_tokens": 4,
                     "temperature": 0, "ignore_eos": True}  # fmt: skip

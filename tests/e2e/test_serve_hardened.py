@@ -13,11 +13,10 @@ import os
 import socket
 import stat
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -26,6 +25,7 @@ from aegaeon_bench.node.probe import sample_processes, serve_children, shm_segme
 from aegaeon_bench.reliability.cancel import cancel_run
 from aegaeon_bench.reliability.chaos_load import Attempt, request_body, send
 from aegaeon_bench.reliability.fuzz import fuzz_http, fuzz_zmq
+from http_support import call_json
 from serve_harness import Served, free_port, serve_config, serving
 
 KEY = "sk-e2e-hardened-7f3a91"  # a user key: the API
@@ -60,20 +60,15 @@ def _admin(served: Served) -> str:
     return ADMIN["url"]
 
 
-def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                    timeout=30) as resp:  # fmt: skip
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        body = exc.read()
-        return exc.code, json.loads(body) if body.startswith(b"{") else {}
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """``(status, JSON body or text)`` of ``GET url``."""
+    return call_json(url, "GET", "", headers=headers)
 
 
 def _models(served: Served) -> list[str]:
     status, body = _get(served.url + "/v1/models", AUTH)
     assert status == 200
-    return [m["id"] for m in body["data"]]  # type: ignore[union-attr,index]
+    return [m["id"] for m in body["data"]]
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +111,14 @@ def test_files_are_private_to_the_user(hardened: Served, baseline: object) -> No
 
 def test_keys_guard_the_api_and_admin_lives_on_its_own_port(hardened: Served) -> None:
     status, body = _get(hardened.url + "/v1/models")
-    assert status == 401 and body["error"]["code"] == "invalid_api_key"  # type: ignore[index]
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, body = _get(hardened.url + "/v1/models", {"Authorization": "Bearer sk-nope-1234"})
     assert status == 401
     assert _get(hardened.url + "/health")[0] == 200  # probes need no key
     models = _models(hardened)
     limited = {"Authorization": f"Bearer {LIMITED}"}
     status, body = _get(hardened.url + "/v1/models", limited)
-    assert status == 200 and [m["id"] for m in body["data"]] == LIMITED_MODEL  # type: ignore[index,union-attr]
+    assert status == 200 and [m["id"] for m in body["data"]] == LIMITED_MODEL
     other = next(m for m in models if m not in LIMITED_MODEL)
     assert _get(f"{hardened.url}/v1/models/{other}", limited)[0] == 404
     assert _get(f"{hardened.url}/v1/models/{other}", AUTH)[0] == 200
@@ -132,12 +127,12 @@ def test_keys_guard_the_api_and_admin_lives_on_its_own_port(hardened: Served) ->
     # the admin port asks an admin key too (a Service or a sidecar may expose it)
     assert _get(_admin(hardened) + "/v1/aegaeon/stats?light=1")[0] == 401
     status, body = _get(_admin(hardened) + "/metrics", AUTH)
-    assert status == 403 and body["error"]["code"] == "insufficient_permissions"  # type: ignore[index]
+    assert status == 403 and body["error"]["code"] == "insufficient_permissions"
     assert _get(_admin(hardened) + "/health")[0] == 200
     status, body = _get(_admin(hardened) + "/v1/aegaeon/stats?light=1", ADMIN_AUTH)
     assert status == 200 and isinstance(body["instances"], list)
-    for inst in body["instances"]:  # type: ignore[union-attr]
-        assert {"kv_blocks_in_use", "leases", "open_sequences"} <= set(inst)  # type: ignore[arg-type]
+    for inst in body["instances"]:
+        assert {"kv_blocks_in_use", "leases", "open_sequences"} <= set(inst)
     assert isinstance(body["open_requests"], int)
     assert _get(_admin(hardened) + "/v1/models", ADMIN_AUTH)[0] == 404  # nor the API there
 
@@ -227,13 +222,13 @@ def test_a_body_a_byte_a_second_is_cut(hardened: Served) -> None:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                      b"\r\nAuthorization: Bearer " + KEY.encode() +
                      b"\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
-        start = time.monotonic()
-        reply = b""
+        reply, sent = b"", 0
         for i in range(len(body)):
             try:
                 sock.sendall(body[i : i + 1])
             except OSError:
                 break
+            sent = i + 1
             sock.settimeout(0.3)
             try:
                 reply += sock.recv(65536)
@@ -242,7 +237,7 @@ def test_a_body_a_byte_a_second_is_cut(hardened: Served) -> None:
             if reply:
                 break
     assert reply.startswith(b"HTTP/1.1 408"), reply[:100]
-    assert time.monotonic() - start < 10.0
+    assert sent < len(body)  # cut mid-body, not answered once it was all there
 
 
 def test_a_reader_that_never_reads_is_cut_and_freed(hardened: Served) -> None:

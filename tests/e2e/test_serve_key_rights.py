@@ -14,15 +14,13 @@ leaves the model served, not pinned and not asleep. The proxy app's own test
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from http_support import call_json
 from key_rights import (
     ADMIN_KEY,
     COMPLETION,
@@ -48,23 +46,6 @@ class Live:
     redis_url: str | None
 
 
-def _call(url: str, method: str, path: str, body: Any = None,
-          headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
-    """``(status, JSON body or text)`` of one request."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
-
-
 @pytest.fixture(scope="module", params=TOPOLOGIES)
 def live(request: pytest.FixtureRequest, small_market: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:  # fmt: skip
@@ -86,7 +67,7 @@ def live(request: pytest.FixtureRequest, small_market: Path,
         urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
 
         def both_nodes_up() -> bool:
-            stats = [_call(u, "GET", "/v1/aegaeon/stats?light=1", headers=HEADERS["admin"])
+            stats = [call_json(u, "GET", "/v1/aegaeon/stats?light=1", headers=HEADERS["admin"])
                      for u in urls]  # fmt: skip
             return all(s == 200 and body.get("nodes") == ["node-0", "node-1"] for s, body in stats)
 
@@ -105,13 +86,13 @@ def _check(row: Row, kind: str, status: int, body: Any) -> None:
 
 
 def _rows_state(url: str) -> dict[str, tuple[str, bool]]:
-    status, body = _call(url, "GET", "/v1/aegaeon/models", headers=HEADERS["admin"])
+    status, body = call_json(url, "GET", "/v1/aegaeon/models", headers=HEADERS["admin"])
     assert status == 200, body
     return {m["name"]: (m["state"], m["pinned"]) for m in body["data"]}
 
 
 def _sleeping(url: str, model: str) -> bool:
-    status, body = _call(url, "GET", f"/is_sleeping?model={model}", headers=HEADERS["admin"])
+    status, body = call_json(url, "GET", f"/is_sleeping?model={model}", headers=HEADERS["admin"])
     assert status == 200, body
     return bool(body["is_sleeping"])
 
@@ -124,7 +105,7 @@ def test_every_replica_refuses_what_a_key_may_not_call(live: Live) -> None:
     for url in live.urls:
         for row in TABLE:
             for kind in ("none", "user", "limited"):
-                status, body = _call(url, row.method, row.path, row.body, HEADERS[kind])
+                status, body = call_json(url, row.method, row.path, row.body, HEADERS[kind])
                 _check(row, kind, status, body)
     for url in live.urls:
         assert _rows_state(url) == before
@@ -133,25 +114,26 @@ def test_every_replica_refuses_what_a_key_may_not_call(live: Live) -> None:
 def test_the_tenant_sequence_leaves_the_model_served_unpinned_and_awake(live: Live) -> None:
     """Issue 45's sequence with the model-limited key, on every replica."""
     user, tenant = HEADERS["user"], HEADERS["limited"]
-    status, body = _call(live.urls[0], "POST", "/v1/completions",
+    status, body = call_json(live.urls[0], "POST", "/v1/completions",
                          {"model": OTHER, **COMPLETION}, user)  # on a device now
     assert status == 200, body
     until(f"{OTHER} on a device", lambda: not _sleeping(live.urls[-1], OTHER), SETTLE_S)
     for url in live.urls:
-        status, listed = _call(url, "GET", "/v1/models", headers=tenant)
+        status, listed = call_json(url, "GET", "/v1/models", headers=tenant)
         assert status == 200 and [m["id"] for m in listed["data"]] == [MINE]
         for method, path, body in [("PATCH", f"/v1/aegaeon/models/{OTHER}", {"pinned": True}),
                                    ("DELETE", f"/v1/aegaeon/models/{OTHER}", None),
                                    ("POST", f"/sleep?model={OTHER}", None),
                                    ("GET", "/v1/aegaeon/stats", None),
                                    ("GET", "/metrics", None)]:  # fmt: skip
-            status, answer = _call(url, method, path, body, tenant)
+            status, answer = call_json(url, method, path, body, tenant)
             assert status == 403, (url, method, path, answer)
             assert answer["error"]["code"] == "insufficient_permissions"
     for url in live.urls:
         assert _rows_state(url)[OTHER] == ("serving", False)  # served, not pinned
         assert not _sleeping(url, OTHER)
-        status, body = _call(url, "POST", "/v1/completions", {"model": OTHER, **COMPLETION}, user)
+        status, body = call_json(url, "POST", "/v1/completions", {"model": OTHER, **COMPLETION},
+                                 user)
         assert status == 200, body
 
 
@@ -161,7 +143,7 @@ def test_the_admin_key_may_call_everything(live: Live) -> None:
     rows = sorted(TABLE, key=lambda r: r.method == "DELETE")
     for i, row in enumerate(rows):
         url = live.urls[i % len(live.urls)]
-        status, body = _call(url, row.method, row.path, row.body, HEADERS["admin"])
+        status, body = call_json(url, row.method, row.path, row.body, HEADERS["admin"])
         _check(row, "admin", status, body)
 
 

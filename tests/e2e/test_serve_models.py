@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import (
-    Served,
-    call_json,
-    serve_config,
-    serving,
-    until,
-)
+from http_support import call_json, metric_samples
+from serve_harness import Served, serve_config, serving, until
 
 SETTLE_S = 60.0  # heartbeats and background loads settle within this (a busy CI machine)
 
@@ -69,14 +61,8 @@ def _listed(served: Served) -> list[str]:
 def _load_progress(served: Served) -> dict[str, float]:
     services = _call(served, "GET", "/v1/aegaeon/services")[1]["services"]
     url = next(s["metrics_url"] for s in services if s["name"] == "cachemgr")
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        text = resp.read().decode()
-    return {
-        s.labels["model"]: s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "aegaeon_model_load_progress_ratio"
-        for s in family.samples
-    }
+    return {dict(labels)["model"]: value for (name, labels), value in metric_samples(url).items()
+            if name == "aegaeon_model_load_progress_ratio"}  # fmt: skip
 
 
 def _nothing_held(stats: dict[str, Any]) -> bool:

@@ -8,39 +8,18 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 
 import openai
-from prometheus_client.parser import text_string_to_metric_families
+from http_support import Samples, get_text, metric_samples
 from serve_harness import Served
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 IN_FLIGHT = 32  # the rolling restart's load: requests at once, at most
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def _services(served: Served) -> dict[str, dict[str, str]]:
     data = served.get_json("/v1/aegaeon/services")
     return {s["name"]: s for s in data["services"]}  # type: ignore[union-attr,index]
-
-
-def _scrape(url: str) -> Samples:
-    status, text = _get(url)
-    assert status == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def _total(samples: Samples, name: str, **labels: str) -> float:
@@ -65,10 +44,10 @@ def test_services_list_every_service_with_working_urls(served: Served) -> None:
     for name, service in services.items():
         assert set(service) == {"name", "role", "health_url", "ready_url", "metrics_url"}
         assert service["role"] == name.split("-")[0]
-        status, body = _get(service["health_url"])
+        status, body = get_text(service["health_url"])
         assert status == 200 and json.loads(body)["status"] == "ok"
-        assert _get(service["ready_url"])[0] == 200
-        samples = _scrape(service["metrics_url"])
+        assert get_text(service["ready_url"])[0] == 200
+        samples = metric_samples(service["metrics_url"])
         assert ("process_resident_memory_bytes", ()) in samples, name
         assert ("process_open_fds", ()) in samples, name
     assert "metrics http://" in served.log_path.read_text()  # serve printed them
@@ -77,7 +56,7 @@ def test_services_list_every_service_with_working_urls(served: Served) -> None:
 def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     services = _services(served)
     urls = {name: s["metrics_url"] for name, s in services.items()}
-    before = {name: _scrape(url) for name, url in urls.items()}
+    before = {name: metric_samples(url) for name, url in urls.items()}
     models = _models(served)
     sent = Counter(m for m in models for _ in range(2))
     client = _client(served)
@@ -94,7 +73,7 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     total = sum(sent.values())
 
     def delta(name: str, metric: str, **labels: str) -> float:
-        return _total(_scrape(urls[name]), metric, **labels) - _total(
+        return _total(metric_samples(urls[name]), metric, **labels) - _total(
             before[name], metric, **labels
         )
 
@@ -119,7 +98,7 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     claims = delta("cachemgr", "aegaeon_cachemgr_requests_total",
                    type="cache.reassign_blocks", outcome="ok")  # fmt: skip
     assert total <= claims <= 2 * total
-    proxy = _scrape(urls["proxy"])
+    proxy = metric_samples(urls["proxy"])
     for model in sent:
         assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
         assert 0.0 <= _total(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
@@ -160,7 +139,7 @@ def test_vllm_families_after_traffic(served: Served) -> None:
     """Every vllm:* family on the proxy's /metrics, one series per served model
     (model_name), moved by the traffic sent and with sane values."""
     url = _services(served)["proxy"]["metrics_url"]
-    before = _scrape(url)
+    before = metric_samples(url)
     models = _models(served)[:2]
     client = _client(served)
     max_tokens = 5
@@ -172,7 +151,7 @@ def test_vllm_families_after_traffic(served: Served) -> None:
             stream=True, extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert sum(1 for _ in chunks) >= max_tokens
-    after = _scrape(url)
+    after = metric_samples(url)
 
     def delta(name: str, **labels: str) -> float:
         return _total(after, name, **labels) - _total(before, name, **labels)
@@ -223,7 +202,7 @@ def _service_pids(served: Served) -> dict[str, int]:
     """Each service's pid, from its own /health."""
     out = {}
     for name, service in _services(served).items():
-        status, body = _get(service["health_url"])
+        status, body = get_text(service["health_url"])
         assert status == 200
         out[name] = int(json.loads(body)["pid"])
     return out
@@ -231,7 +210,7 @@ def _service_pids(served: Served) -> dict[str, int]:
 
 def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while _get(url)[0] != 200:
+    while get_text(url)[0] != 200:
         assert time.monotonic() < deadline, f"{url} not ready"
         time.sleep(0.1)
 

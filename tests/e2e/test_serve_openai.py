@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
+import aiohttp
 import openai
 import pytest
+from http_support import call_json
 from serve_harness import Served, until
 
 
@@ -121,18 +122,22 @@ def _kv_in_use(served: Served) -> tuple[float, float]:
 def test_disconnect_cancels_and_frees_every_block(served: Served) -> None:
     model = _models(served)[0]
     cancelled = _stats(served)["counters"]["cancelled"]  # type: ignore[index]  # a shared node
-    url = urlparse(served.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    body = json.dumps({"model": model, "prompt": "Keep talking", "max_tokens": 1000,
-                       "ignore_eos": True, "stream": True, "temperature": 0})  # fmt: skip
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    seen = 0
-    while seen < 20:  # some tokens are flowing: the request holds KV on the instances
-        line = resp.readline()
-        seen += line.startswith(b"data: {")
-    conn.close()  # the client goes away mid-stream
+    body = {"model": model, "prompt": "Keep talking", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True, "temperature": 0}  # fmt: skip
+
+    async def leave_mid_stream() -> None:
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            resp = await session.post(f"{served.url}/v1/completions", json=body)
+            assert resp.status == 200
+            seen = 0
+            while seen < 20:  # some tokens are flowing: the request holds KV on the instances
+                line = await resp.content.readline()
+                assert line, "the stream ended before 20 events"
+                seen += line.startswith(b"data: {")
+            resp.close()  # the client goes away mid-stream: its connection closed
+
+    asyncio.run(leave_mid_stream())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if _kv_in_use(served) == (0.0, 0.0) and _stats(served)["counters"]["cancelled"] > cancelled:  # type: ignore[index]
@@ -183,13 +188,8 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(
     served: Served, body: dict[str, object], status: int
 ) -> None:
     model = _models(served)[0]
-    url = urlparse(served.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({"model": model, **body}),
-                 {"Content-Type": "application/json"})  # fmt: skip
-    resp = conn.getresponse()
-    error = json.loads(resp.read())
-    assert resp.status == status
+    got, error = call_json(served.url, "POST", "/v1/completions", {"model": model, **body})
+    assert got == status, error
     assert set(error["error"]) >= {"message", "type", "param", "code"}
     ok = _client(served).completions.create(model=model, prompt="Hi", max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")

@@ -17,14 +17,14 @@ import os
 import shutil
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from http_support import call_json, get_text
 from market_support import linked_copy, swap_a_shape, truncate, with_records
-from serve_harness import Served, call_json, serving, until
+from serve_harness import Served, serving, until
 
 SETTLE_S = 60.0  # the replicas follow the store within this on a busy machine
 
@@ -146,8 +146,8 @@ def test_they_are_listed_unavailable_with_why_and_counted(node: Node) -> None:
         assert {r["name"]: r["state"] for r in rows["data"]} == {
             n: s for n, (s, _) in state.items()}
         assert all((r["error"] is None) == (r["name"] in node.good) for r in rows["data"])
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-            assert "aegaeon_models_unavailable 2.0" in resp.read().decode()
+        status, text = get_text(f"{url}/metrics")
+        assert status == 200 and "aegaeon_models_unavailable 2.0" in text
 
 
 def test_every_process_is_alive(node: Node) -> None:
@@ -163,8 +163,7 @@ def _health(node: Node) -> dict[str, int]:
     assert status == 200
     out = {}
     for service in body["services"]:
-        with urllib.request.urlopen(service["health_url"], timeout=30) as resp:
-            out[service["name"]] = resp.status
+        out[service["name"]] = get_text(service["health_url"])[0]
     assert len(out) == 1 + 3 * node.num_nodes  # the proxy asked, each node's three services
     return out
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aegaeon_bench.node.probe import wait_quiet
-from prometheus_client.parser import text_string_to_metric_families
+from http_support import Samples, metric_samples
 from serve_harness import (
     Served,
     prompt_body,
@@ -49,11 +48,8 @@ def moving(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield served
 
 
-def _metrics(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+def _metrics(served: Served) -> Samples:
+    return metric_samples(f"{served.url}/metrics")
 
 
 def test_a_burst_turns_the_decode_instance_to_prefill_and_nothing_is_lost(
@@ -65,7 +61,7 @@ def test_a_burst_turns_the_decode_instance_to_prefill_and_nothing_is_lost(
         return str(next(i["role"] for i in stats["instances"] if i["name"] == name))
 
     async def main() -> tuple[list[tuple[int, str | None]], Any, dict[str, Any]]:
-        firsts: dict[str, float] = {}
+        firsts: dict[str, int] = {}
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             assert await role_of(session, "decode-0") == "decode"

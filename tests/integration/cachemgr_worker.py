@@ -2,9 +2,10 @@
 
 Roles (one JSON line per step on stdout):
 - ``producer CONSUMER_ID``: allocate blocks, hand them to CONSUMER_ID with an
-  event, then write them slowly and signal the event.
-- ``consumer``: wait for a handoff line on stdin, wait on its event, read and
-  check the blocks, free them.
+  event, then write them piece by piece, the last piece (and the event's signal)
+  only once a ``go`` line comes on stdin.
+- ``consumer``: wait for a handoff line on stdin, say whether its event was
+  complete already, wait on it, read and check the blocks, free them.
 - ``holder MODEL``: allocate blocks and pin MODEL, then sleep until killed.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 
 import torch
 from aegaeon_common.messages.structs import KVShapeSpec
@@ -23,7 +23,6 @@ from aegaeon_runtime.cacheclient.client import CacheClient
 SHAPE = KVShapeSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16")
 NUM_BLOCKS = 4
 WRITE_STEPS = 10
-STEP_S = 0.05
 
 
 def say(**fields: object) -> None:
@@ -42,16 +41,17 @@ async def producer(client: CacheClient, consumer_id: str) -> None:
     event = {"kind": "cpu", "table": reg.event_table.name, "slot": timeline.slot, "value": value}
     await client.reassign_blocks(alloc.offsets, consumer_id)
     say(offsets=alloc.offsets, block_bytes=alloc.block_bytes, event=event)
-    # A slow copy: each block gets its bytes in WRITE_STEPS pieces.
+    # A copy in pieces: each block gets its bytes in WRITE_STEPS pieces, the last one
+    # when the test says (the consumer is waiting by then).
     step = alloc.block_bytes // WRITE_STEPS
     for k in range(WRITE_STEPS):
+        if k == WRITE_STEPS - 1:
+            assert (await asyncio.to_thread(sys.stdin.readline)).strip() == "go"
         for i, off in enumerate(alloc.offsets):
             end = alloc.block_bytes if k == WRITE_STEPS - 1 else (k + 1) * step
             reg.block(off, alloc.block_bytes)[k * step : end].fill_(pattern(i))
-        time.sleep(STEP_S)
-    signaled_at = time.monotonic()
     timeline.signal(value)
-    say(signaled_at=signaled_at)
+    say(signaled=True)
     await client.close()
 
 
@@ -60,22 +60,15 @@ async def consumer(client: CacheClient) -> None:
     say(registered=True)
     handoff = json.loads(await asyncio.to_thread(sys.stdin.readline))
     event = open_event(handoff["event"])
-    complete_at_start = event.query()
-    ok = await asyncio.to_thread(event.wait, 30.0)
-    done_at = time.monotonic()
+    say(complete_at_start=event.query())
+    ok = await asyncio.to_thread(event.wait, 60.0)
     block_bytes = handoff["block_bytes"]
     good = all(
         bool(torch.all(reg.block(off, block_bytes) == pattern(i)))
         for i, off in enumerate(handoff["offsets"])
     )
     freed = await client.free_blocks(handoff["offsets"])
-    say(
-        complete_at_start=complete_at_start,
-        waited=ok,
-        done_at=done_at,
-        data_ok=good,
-        freed=freed.num_freed,
-    )
+    say(waited=ok, data_ok=good, freed=freed.num_freed)
     await client.close()
 
 

@@ -15,9 +15,9 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from http_support import call_json
 from serve_harness import Served
 
 NUM_MODELS = 3
@@ -30,11 +30,8 @@ EXPECTED_KEYS = {"slo_attainment", "qos", "ttft_p50", "ttft_p99", "tbt_p50", "tb
 
 
 def _post(url: str, body: dict[str, object]) -> dict[str, object]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        reply = json.loads(resp.read())
-    assert isinstance(reply, dict)
+    status, reply = call_json(url, "POST", "", body)
+    assert status == 200 and isinstance(reply, dict), (status, reply)
     return reply
 
 

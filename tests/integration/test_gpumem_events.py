@@ -84,8 +84,9 @@ def _finish(proc: subprocess.Popen[str]) -> None:
 # ---- child entry points ---------------------------------------------------------
 
 
-def slow_producer() -> None:
-    """Write one KV block into the shared region in slow pieces, then record an event."""
+def gated_producer() -> None:
+    """Write one KV block into the shared region in pieces, the last one once a ``go``
+    line comes on stdin (the stream waits for it), then record an event."""
     args = json.loads(sys.argv[1])
     table = EventTable.attach(args["table"])
     region = ShmRegion.attach(args["region"])
@@ -93,7 +94,8 @@ def slow_producer() -> None:
     data = _pattern(BLOCK, args["seed"])
     off, piece = args["offset"], BLOCK // PIECES
     for i in range(PIECES):
-        stream.launch_host_func(lambda: time.sleep(args["delay_s"] / PIECES))
+        if i == PIECES - 1:
+            stream.launch_host_func(lambda: _gate(sys.stdin.readline()))
         a = i * piece
         stream.copy(region.tensor[off + a : off + a + piece], data[a : a + piece])
     event = stream.record()
@@ -103,6 +105,10 @@ def slow_producer() -> None:
     stream.close()
     region.close()
     table.close()
+
+
+def _gate(line: str) -> None:
+    assert line.strip() == "go", line
 
 
 def swap_in_consumer() -> None:
@@ -128,37 +134,32 @@ def swap_in_consumer() -> None:
 # ---- tests ---------------------------------------------------------------------
 
 
-def test_consumer_never_reads_before_the_slow_producers_event() -> None:
-    delay_s = 0.8
+def test_consumer_never_reads_before_the_producers_event() -> None:
     offset = 3 * BLOCK
+    last = slice(offset + BLOCK - BLOCK // PIECES, offset + BLOCK)  # the held-back piece
     with (
         EventTable.create(unique_name(TAG), 4) as table,
         ShmRegion.create(unique_name(TAG), 8 * BLOCK) as region,
     ):
         proc = _spawn(
-            "slow_producer",
-            {
-                "table": table.name,
-                "region": region.name,
-                "slot": 2,
-                "offset": offset,
-                "seed": 7,
-                "delay_s": delay_s,
-            },
+            "gated_producer",
+            {"table": table.name, "region": region.name, "slot": 2, "offset": offset, "seed": 7},
         )
         try:
-            handle = _expect(proc, "HANDLE")
-            received = time.monotonic()
-            event = open_event(handle)  # type: ignore[arg-type]
+            event = open_event(_expect(proc, "HANDLE"))  # type: ignore[arg-type]
             assert isinstance(event, CpuEvent) and event.table.readonly
+            # the producer's stream waits at its gate: the event is pending, the last
+            # piece not written
             assert not event.query()
-            assert not event.wait(0.05)  # the producer is still writing
+            assert not event.wait(0.05)
+            assert int(region.tensor[last].sum()) == 0
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
             assert event.wait(60.0)
-            waited = time.monotonic() - received
             # Read only now: every piece, including the last, is there.
             block = region.tensor[offset : offset + BLOCK]
             assert torch.equal(block, _pattern(BLOCK, 7))
-            assert waited >= delay_s * 0.5
             assert int(region.tensor[:offset].sum()) == 0  # nothing else was touched
         finally:
             _finish(proc)

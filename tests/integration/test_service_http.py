@@ -13,31 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import yaml
 from aegaeon_common.http_side import read_http_address
 from aegaeon_runtime.cacheclient.client import CacheClient
 from cachemgr_harness import CacheMgrProcess, checkpoint, write_config
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+from http_support import get_text, metric_samples
 
 
 def _wait_for(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
@@ -56,8 +38,8 @@ def test_cachemgr_counts_the_requests_it_answers(tmp_path: Path) -> None:
         run_dir = mgr.config.run_dir
         address = read_http_address(run_dir, "cachemgr")
         assert address is not None and address.role == "cachemgr"
-        assert _get(f"{address.url}/health")[0] == 200
-        assert _get(f"{address.url}/ready")[0] == 200
+        assert get_text(f"{address.url}/health")[0] == 200
+        assert get_text(f"{address.url}/ready")[0] == 200
 
         async def talk() -> None:
             client = CacheClient(mgr.config.cachemgr_address, "probe")
@@ -68,9 +50,7 @@ def test_cachemgr_counts_the_requests_it_answers(tmp_path: Path) -> None:
                 await client.close(unregister=False)
 
         asyncio.run(talk())
-        status, text = _get(f"{address.url}/metrics")
-        assert status == 200
-        got = _samples(text)
+        got = metric_samples(f"{address.url}/metrics")
         ok = ("outcome", "ok"), ("type", "cache.get_stats")
         assert got[("aegaeon_cachemgr_requests_total", ok)] == 5
         assert got[("aegaeon_model_cache_capacity_bytes", ())] == 64 << 20
@@ -99,12 +79,12 @@ def test_a_worker_is_unready_until_warm_and_while_draining(tmp_path: Path) -> No
         address = _wait_for(lambda: read_http_address(run_dir, "decode-0"), 60, "decode-0.http")
         assert address.role == "decode"
         # no cachemgr yet: alive, not ready
-        status, body = _get(f"{address.url}/ready")
+        status, body = get_text(f"{address.url}/ready")
         assert status == 503 and json.loads(body)["reason"] != "ready"
-        assert _get(f"{address.url}/health")[0] == 200
+        assert get_text(f"{address.url}/health")[0] == 200
         mgr.start()
-        _wait_for(lambda: _get(f"{address.url}/ready")[0] == 200, 180, "decode-0 ready")
-        got = _samples(_get(f"{address.url}/metrics")[1])
+        _wait_for(lambda: get_text(f"{address.url}/ready")[0] == 200, 180, "decode-0 ready")
+        got = metric_samples(f"{address.url}/metrics")
         inst = (("instance", "decode-0"),)
         assert got[("aegaeon_decode_worklist_requests", inst)] == 0
         assert ("aegaeon_token_velocity_tokens_per_second", (*inst, ("stage", "decode"))) in got
@@ -113,7 +93,7 @@ def test_a_worker_is_unready_until_warm_and_while_draining(tmp_path: Path) -> No
         worker.send_signal(signal.SIGTERM)
         # no proxy acknowledges the drain: the idle instance waits a moment for one
         def unready() -> tuple[int, str] | None:
-            answer = _get(f"{address.url}/ready")
+            answer = get_text(f"{address.url}/ready")
             return answer if answer[0] != 200 else None
 
         seen = _wait_for(unready, 10, "/ready to turn 503 after SIGTERM")
@@ -143,7 +123,7 @@ def test_a_draining_cachemgr_serves_its_workers_until_they_leave(tmp_path: Path)
             assert mgr.proc is not None
             mgr.proc.send_signal(signal.SIGTERM)
             status, body = await asyncio.to_thread(_wait_for, lambda: (
-                answer if (answer := _get(f"{address.url}/ready"))[0] != 200 else None
+                answer if (answer := get_text(f"{address.url}/ready"))[0] != 200 else None
             ), 10, "/ready to turn 503")  # fmt: skip
             assert status == 503 and json.loads(body)["reason"] == "draining"
             await client.stats()  # still answered while a worker holds a lease

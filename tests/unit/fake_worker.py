@@ -4,7 +4,9 @@
 runtime's ports: engine, switcher, KV, host cache; what the simulator runs every
 instance's loop on) with a test's defaults: tiny models, a :class:`FakeClock` that
 moves only when the loop waits or works, a small KV region, copies that take no
-time unless a test says (``kv.ready_at``, ``kv.swap_out_s``) and real metrics.
+time unless a test says (``kv.ready_at``, ``kv.swap_out_s``), one-hot logits for the
+real sampler (a test may ask for log-probabilities, seeds, several choices), the
+tokenizers a test names for constrained decoding (``vocabs``) and real metrics.
 
 :class:`TimedInbox` delivers each command once the clock reaches its time and
 sets ``stop`` when nothing is left and the loop would wait; :class:`Outbox`
@@ -22,6 +24,7 @@ from aegaeon_common.config import BaselineConfig, Config, SchedulerConfig, SLOCo
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, SamplingSpec
 from aegaeon_engine import ModelSpec, RopeSpec, weight_layout
+from aegaeon_runtime.grammar import ModelVocab
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_sched import SHARED, LatencyModel
 from aegaeon_sched import ModelSpec as SchedSpec
@@ -87,11 +90,14 @@ class FakeWorker(SimWorker):
         super().__init__(
             config, kind, index, specs, truth, clock or FakeClock(),
             kv_region_bytes=kv_region_bytes, slab_bytes=slab_bytes, switch_s=switch_s,
-            metrics=WorkerMetrics(f"{kind}-{index}"),
+            metrics=WorkerMetrics(f"{kind}-{index}"), logits=True,
+            vocab=lambda m: self.vocabs[m],
         )  # fmt: skip
         # what the real switcher copies: the packed layout of the model's weights
         self.switcher.weight_bytes = {m: weight_layout(s, DTYPE).total_bytes
                                       for m, s in specs.items()}  # fmt: skip
+        # a test that constrains decoding names a tokenizer for its models (model_vocab)
+        self.vocabs: dict[str, ModelVocab] = {}
 
     def add_model(self, name: str, path: Path) -> SchedSpec:
         """A fake checkpoint: ``path``'s name is the number of layers."""

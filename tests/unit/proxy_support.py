@@ -7,6 +7,7 @@ The real engine behind the proxy is exercised end to end in tests/e2e/test_serve
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from aegaeon_bench.node.http_client import sse_payloads
 from aegaeon_common.config import Config, ModelConfig, ProxyConfig
+from aegaeon_common.messages.structs import TokenLogprobs
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
     BackendError,
@@ -104,13 +107,22 @@ class ScriptedBackend:
         if self.fail is not None:
             queue.finish("error", *self.fail)
             return
-        ids = self.token_ids[: req.sampling.max_tokens]
+        s = req.sampling
+        ids = self.token_ids[: s.max_tokens]
+        prompt = [scripted_logprobs(t, s.prompt_logprobs) for t in req.prompt_token_ids[1:]]
         for i, token_id in enumerate(ids):
-            if not self.burst:
-                await asyncio.sleep(self.step_s)
-            last = i == len(ids) - 1
-            self.played += 1
-            queue.push(TokenChunk((token_id,), self.finish if last else None, "boom", self.code))
+            for index in range(s.n):  # the n sequences say the same
+                if not self.burst:
+                    await asyncio.sleep(self.step_s)
+                last = i == len(ids) - 1
+                self.played += 1
+                lps = (scripted_logprobs(token_id, s.logprobs),) if s.logprobs >= 0 else ()
+                queue.push(TokenChunk(
+                    (token_id,), self.finish if last and index == s.n - 1 else None, "boom",
+                    self.code, index=index, seq_finish=self.finish if last else None,
+                    logprobs=lps,
+                    prompt_logprobs=tuple(prompt) if s.prompt_logprobs >= 0 and i == 0 else None,
+                ))  # fmt: skip
         if not ids:
             queue.finish(self.finish, "boom")
 
@@ -119,6 +131,13 @@ class ScriptedBackend:
         queue = self._queues.pop(request_id, None)
         if queue is not None:
             queue.finish("cancelled")
+
+
+def scripted_logprobs(token_id: int, k: int) -> TokenLogprobs:
+    """What the scripted backend reports for a token: log-probability -(id % 7) / 10,
+    its top ``k`` the ids after it, each 0.1 less likely."""
+    return TokenLogprobs(-(token_id % 7) / 10, [token_id + j for j in range(k)],
+                         [-j / 10 for j in range(k)], 1)
 
 
 Scenario = Callable[[TestClient[Any, Any], ScriptedBackend, Any], Awaitable[None]]
@@ -137,10 +156,7 @@ def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
     asyncio.run(main())
 
 
-async def sse_events(resp: Any) -> list[str]:
-    raw = (await resp.read()).decode()
-    assert raw.endswith("data: [DONE]\n\n")
-    frames = raw.split("\n\n")
-    assert frames[-1] == ""
-    assert all(f.startswith("data: ") and "\n" not in f for f in frames[:-1])
-    return [f[len("data: ") :] for f in frames[:-1]]
+async def sse_chunks(resp: Any) -> list[Any]:
+    """A streamed answer's events as JSON, ``[DONE]`` left off, its framing checked
+    (``sse_payloads``: one ``data: `` line an event, ``[DONE]`` last)."""
+    return [json.loads(payload) for payload in sse_payloads(await resp.read())]

@@ -11,8 +11,8 @@ import yaml
 from aegaeon_cli import machine
 from aegaeon_cli.main import main
 from aegaeon_common.config import config_from_dict, load_config
-from aegaeon_common.placement import GpuInfo, HostInfo, PlacementError
 from aegaeon_market.presets import preset_config, preset_named
+from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError
 
 GiB = 1 << 30
 H100 = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB) for i in range(4)]
@@ -123,7 +123,7 @@ def test_the_cap_sizes_the_arena_and_kv_inside_it(market: Path, tmp_path: Path) 
     largest model (16.06 GB in bf16) and the KV region the rest; on a CPU the instance
     then copies weights into its arena instead of mapping them."""
     from aegaeon_cli.serve import _effective_config
-    from aegaeon_common.placement import split_buffer
+    from aegaeon_sched.sizing import split_buffer
 
     path = tmp_path / "c.yaml"
     path.write_text(f"market: {market}\ndecode: {{kv_memory: 64MiB, weights: auto}}\n")
@@ -184,5 +184,5 @@ def _serve_args(config: Path, tmp_path: Path, **flags: object) -> object:
                                "api_key_file": [], "admin_key": [], "admin_key_file": [],
                                "host": None, "port": None, "policy": None,
                                "run_dir": tmp_path / "run", "gpus": None,
-                               "device_memory": None}  # fmt: skip
+                               "device_memory": None, "tp": None}  # fmt: skip
     return argparse.Namespace(**{**base, **flags})

@@ -81,7 +81,7 @@ def test_a_request_with_its_own_targets_is_near_by_its_own_deadline() -> None:
 
     default = SLO(2.0, 0.025)
     emit = TokenEmitter(Sent(), index=0, slo=default, hold=1.0)  # type: ignore[arg-type]
-    seq = Seq("r", "m", 0, None, None, None, 8, 0.0, [1], ttft_s=0.5, tbt_s=0.01)  # type: ignore[arg-type]
+    seq = Seq("r", "m", 0, None, None, 8, 0.0, [1], ttft_s=0.5, tbt_s=0.01)  # type: ignore[arg-type]
     assert seq.deadline_s(10, default) == 0.5 + 0.1
     now = 0.6 - 0.005  # its token 10 is due in 5 ms (by the default SLO: in 1.655 s)
     assert emit.near_deadlines([seq.deadline_s(10, default)], now, 0.003)

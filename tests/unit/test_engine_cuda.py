@@ -185,3 +185,32 @@ def test_a_decode_step_launches_per_layer_not_per_sequence(ckpts: dict[str, Path
     counts = {(n, extra): _ops_of_one_step(gpu.engine, step(n, extra))
               for n in (2, 4, 8) for extra in (0, 12)}  # fmt: skip
     assert len(set(counts.values())) == 1, counts
+
+
+class _Evens:
+    """A grammar allowing even token ids (its bitmask is always filled on the CPU)."""
+
+    def fill_bitmask(self, words: torch.Tensor) -> None:
+        assert words.device.type == "cpu"
+        words.fill_(0x55555555)
+
+
+def test_processed_sampling_on_the_device_equals_the_cpu(device: str) -> None:
+    """Token masks, penalties, bias and min_tokens where sampling happens, on either path."""
+    from aegaeon_engine.sampling import RowState, process_logits, top_logprobs
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=0, grammar="evens", logit_bias={4: 5.0}),
+              SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2, min_tokens=3, stop_token_ids=(7,)),
+              SamplingParams(temperature=0, allowed_token_ids=(11, 500, 999))]
+    states = [RowState(grammar=_Evens()), RowState([1, 2, 3], [3, 9, 9]), RowState()]
+    on_cpu = process_logits(logits, params, states)
+    on_device = process_logits(logits.to(device), params, states)
+    assert torch.allclose(on_device.cpu(), on_cpu)
+    tokens = Sampler(device).sample(logits.to(device), params, [None] * 3, states)
+    assert tokens == Sampler("cpu").sample(logits, params, [None] * 3, states)
+    assert tokens[0] % 2 == 0 and tokens[2] in (11, 500, 999)
+    found = top_logprobs(logits.to(device), tokens, 4)
+    want = top_logprobs(logits, tokens, 4)
+    assert [f.top_ids for f in found] == [w.top_ids for w in want]

@@ -114,7 +114,7 @@ def test_a_cpu_has_no_device_cap_and_max_models_truncates() -> None:
 def test_layouts_hold_two_of_the_largest_under_the_serve_cap() -> None:
     """The scenario serves with ``--device-memory`` = the layout's device memory; the
     cap's rule (``split_buffer``) then keeps two of the largest model in the arena."""
-    from aegaeon_common.placement import kv_min_bytes, split_buffer
+    from aegaeon_sched.sizing import kv_min_bytes, split_buffer
 
     for weights, gpu in (([100 << 20, 160 << 20], None), ([40 << 20], None),
                          ([SIZES["qwen3-8b"], SIZES["mistral-7b-v0.3"]], 80 * GB)):

@@ -1,4 +1,4 @@
-"""``--gpus``: the spec, placement and sizing (aegaeon_common.placement), pure."""
+"""``--gpus``: the spec, placement and sizing (aegaeon_sched.placement, .sizing), pure."""
 
 from __future__ import annotations
 
@@ -6,20 +6,17 @@ from pathlib import Path
 
 import pytest
 from aegaeon_common.config import ConfigError, config_from_dict
-from aegaeon_common.placement import (
-    KV_MIN_BYTES,
+from aegaeon_sched.placement import (
     GpuInfo,
     HostInfo,
     PlacementError,
     Plan,
-    apply_plan,
     default_counts,
     gpu_reserve_bytes,
     parse_gpus,
-    plan_cache,
-    plan_node,
     select_gpus,
 )
+from aegaeon_sched.sizing import KV_MIN_BYTES, apply_plan, plan_cache, plan_node
 
 GiB = 1 << 30
 MiB = 1 << 20

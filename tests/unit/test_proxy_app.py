@@ -17,7 +17,7 @@ from aegaeon_proxy.backend import BackendError, TokenQueue
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_support import MODEL, ScriptedBackend, run, sse_events
+from proxy_support import MODEL, ScriptedBackend, run, sse_chunks
 
 
 def test_completion_stream_framing_and_usage(proxy_market: Path) -> None:
@@ -28,9 +28,7 @@ def test_completion_stream_framing_and_usage(proxy_market: Path) -> None:
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
-        events = await sse_events(resp)
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = await sse_chunks(resp)
         ids = {c["id"] for c in chunks}
         assert len(ids) == 1 and ids.pop().startswith("cmpl-")
         assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
@@ -65,8 +63,7 @@ def test_tokens_found_queued_leave_in_one_write_as_separate_events(
         backend.burst = True
         body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-        events = await sse_events(await client.post("/v1/completions", json=body))
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = await sse_chunks(await client.post("/v1/completions", json=body))
         texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
         # one event per token, then the finish and the usage: as if written one by one
         assert len(chunks) == len(backend.token_ids) + 2
@@ -80,8 +77,7 @@ def test_chat_stream_first_chunk_has_role(proxy_market: Path) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
         backend.token_ids = tok.encode("Sure.", add_special_tokens=False)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-        events = await sse_events(await client.post("/v1/chat/completions", json=body))
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = await sse_chunks(await client.post("/v1/chat/completions", json=body))
         assert all(c["object"] == "chat.completion.chunk" for c in chunks)
         assert chunks[0]["id"].startswith("chatcmpl-")
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -102,7 +98,7 @@ def test_stop_string_trims_and_cancels(proxy_market: Path) -> None:
             body = {"model": MODEL, "prompt": "x", "stop": ["ee f", "three"], "stream": stream}
             resp = await client.post("/v1/completions", json=body)
             if stream:
-                chunks = [json.loads(e) for e in (await sse_events(resp))[:-1]]
+                chunks = await sse_chunks(resp)
                 text = "".join(c["choices"][0]["text"] for c in chunks)
                 finish = chunks[-1]["choices"][0]["finish_reason"]
             else:
@@ -211,8 +207,8 @@ def test_backend_error_finish(proxy_market: Path) -> None:
         assert resp.status == 500
         assert "boom" in (await resp.json())["error"]["message"]
         resp = await client.post("/v1/completions", json={**body, "stream": True})
-        events = await sse_events(resp)
-        assert "boom" in json.loads(events[-2])["error"]["message"]
+        chunks = await sse_chunks(resp)
+        assert "boom" in chunks[-1]["error"]["message"]
 
     run(proxy_market, scenario)
 
@@ -236,7 +232,7 @@ def test_disconnect_cancels(proxy_market: Path) -> None:
         await _wait_for(lambda: rid in backend.cancelled)
 
         task = asyncio.create_task(
-            client.post("/v1/completions", json={**body, "stream": False, "prompt": "x"})
+            client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         )
         await _wait_for(lambda: len(backend.submitted) == 2)
         task.cancel()  # the client goes away before the answer
@@ -341,10 +337,10 @@ MALFORMED: list[bytes | dict[str, Any] | list[Any]] = [
     {}, {"model": None}, {"model": ["x"]}, {"model": MODEL}, [1, 2, 3],
     {"model": "no-such-model", "prompt": "x"},
     _cmpl(prompt=None), _cmpl(prompt={"x": 1}), _cmpl(prompt=[[1, 2], [3]]), _cmpl(prompt=[1.5]),
-    _cmpl(prompt=[99999999]), _cmpl(max_tokens=10**30), _cmpl(max_tokens=-5), _cmpl(n=3),
+    _cmpl(prompt=[99999999]), _cmpl(max_tokens=10**30), _cmpl(max_tokens=-5), _cmpl(n=9),
     _cmpl(temperature=[1]), _cmpl(top_p=-1), _cmpl(top_k=-7), _cmpl(seed={}),
     _cmpl(stop={"a": 1}), _cmpl(stop=[None]), _cmpl(stream=None, stream_options=3),
-    _cmpl(stop_token_ids=[1.5]), _cmpl(logit_bias={"1": 5}), _cmpl(echo=True),
+    _cmpl(stop_token_ids=[1.5]), _cmpl(logit_bias={"x": 5}), _cmpl(echo="yes"),
     _chat(), {"model": MODEL, "messages": [None]},
     _chat([{"type": "image_url", "image_url": {}}]), _chat([None]),
     {"model": MODEL, "messages": [{"role": 1, "content": "x"}]},
@@ -405,9 +401,7 @@ def test_a_model_static_mux_placed_nowhere_is_a_503_naming_it(proxy_market: Path
         resp = await client.post("/v1/completions", json=body)
         if stream:  # the stream is open: its error event, then [DONE]
             assert resp.status == 200
-            events = await sse_events(resp)
-            assert events[-1] == "[DONE]"
-            error = json.loads(events[-2])["error"]
+            error = (await sse_chunks(resp))[-1]["error"]  # [DONE] checked, left off
         else:
             assert resp.status == 503
             error = (await resp.json())["error"]

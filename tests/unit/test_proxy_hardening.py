@@ -18,7 +18,7 @@ from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.server import LINGER_S
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import MODEL, ScriptedBackend, run
+from proxy_support import MODEL, ScriptedBackend, run, sse_chunks
 
 KEY_ALL = "sk-all-0123456789"
 KEY_NONE = "sk-other-model-0123"
@@ -95,9 +95,7 @@ def test_a_request_timeout_ends_it_with_deadline_exceeded(proxy_market: Path) ->
         _error(await resp.json(), "deadline_exceeded")
         resp = await client.post("/v1/completions", json={**body, "stream": True})
         assert resp.status == 200
-        events = (await resp.read()).decode().split("\n\n")
-        assert events[-2:] == ["data: [DONE]", ""]
-        _error(json.loads(events[-3][len("data: "):]), "deadline_exceeded")
+        _error((await sse_chunks(resp))[-1], "deadline_exceeded")
         assert len(backend.cancelled) == 2  # both freed in the backend
         for bad in (0, -1, "1", True):
             resp = await client.post("/v1/completions", json={**body, "timeout": bad})
@@ -214,9 +212,10 @@ def test_a_reader_that_stops_reading_is_cut_and_its_request_freed(
     run(proxy_market, scenario, write_timeout_s=0.5)
 
 
-@pytest.mark.parametrize("field", ["logit_bias", "tools", "n"])
+@pytest.mark.parametrize("field", ["best_of", "tools", "suffix", "use_beam_search"])
 def test_unsupported_features_are_400_not_ignored(proxy_market: Path, field: str) -> None:
-    value = {"logit_bias": {"5": 10}, "tools": [{"type": "function"}], "n": 2}[field]
+    value = {"best_of": 3, "tools": [{"type": "function"}], "suffix": "!",
+             "use_beam_search": True}[field]  # fmt: skip
 
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
         resp = await client.post("/v1/completions",

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from aegaeon_common.config import Config
 from aegaeon_common.messages.report import PrefillDone, StepTokens, TokenItem
-from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.messages.structs import RequestTimings, SamplingSpec
 from aegaeon_common.registry import InstanceRecord
-from aegaeon_proxy.backend import BackendError, GenerationRequest, SamplingParams
+from aegaeon_proxy.backend import BackendError, GenerationRequest
 from aegaeon_proxy.cluster.node_caches import merge_model_caches, node_services
 from aegaeon_proxy.cluster.requests import MAX_RETRIES, RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked
@@ -56,7 +56,7 @@ def _table(**proxy: object) -> tuple[RequestTable, Recorder]:
 
 def _gen(rid: str, priority: int, prompt: int = 8, max_tokens: int = 8) -> GenerationRequest:
     name = ("interactive", "standard", "batch")[priority]
-    return GenerationRequest(rid, MODEL, tuple(range(prompt)), SamplingParams(max_tokens),
+    return GenerationRequest(rid, MODEL, tuple(range(prompt)), SamplingSpec(max_tokens),
                              arrival_s=0.0, priority=priority, ttft_s=(5.0, 10.0, 50.0)[priority],
                              slo_class=name)  # fmt: skip
 
@@ -87,6 +87,20 @@ def test_a_full_table_is_a_429_naming_where() -> None:
         with pytest.raises(BackendError) as err:
             table.open(_gen("b", 1))
         assert err.value.status == 429 and "the node" in err.value.message
+
+    asyncio.run(main())
+
+
+def test_an_id_in_flight_twice_is_a_409() -> None:
+    async def main() -> None:
+        table, placement = _table()
+        table.open(_gen("same", 1))
+        with pytest.raises(BackendError) as err:
+            table.open(_gen("same", 1))
+        assert (err.value.status, err.value.code) == (409, "duplicate_request_id")
+        assert placement.placed == ["same"]
+        table.end("same", "stop")
+        table.open(_gen("same", 1))  # once it ended, the id may come again
 
     asyncio.run(main())
 

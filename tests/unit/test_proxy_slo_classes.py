@@ -35,7 +35,7 @@ BATCH_KEY = "sk-unit-slo-batch-only"
 # ---- request fields ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["urgent", "", "INTERACTIVE", 0, 1.5, True, [], {}])
+@pytest.mark.parametrize("value", ["urgent", "", "INTERACTIVE", 1.5, True, [], {}, 1 << 63])
 def test_a_priority_that_is_not_a_class_is_a_400_naming_it(value: Any) -> None:
     with pytest.raises(APIError) as err:
         parse_common({"model": "m", "priority": value}, FIELDS)

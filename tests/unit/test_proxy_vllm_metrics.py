@@ -13,7 +13,6 @@ from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
     EngineSnapshot,
     GenerationRequest,
-    SamplingParams,
     TokenChunk,
     TokenQueue,
 )
@@ -134,7 +133,7 @@ def test_gauges_cover_every_served_model_and_read_the_engine_snapshot() -> None:
 
 
 def _tracked(request_id: str, model: str, prompt_len: int, queue: TokenQueue) -> Tracked:
-    gen = GenerationRequest(request_id, model, tuple(range(prompt_len)), SamplingParams(8), 0.0)
+    gen = GenerationRequest(request_id, model, tuple(range(prompt_len)), SamplingSpec(8), 0.0)
     sched = Request(request_id, model, 0.0, prompt_len, 8)
     return Tracked(gen, sched, SamplingSpec(max_tokens=8), queue)
 

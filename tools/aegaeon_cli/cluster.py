@@ -51,18 +51,36 @@ def _instances(raw: dict[str, Any]) -> int:
     return max(count, 1)
 
 
-def _free_ports(count: int, tries: int = 200) -> int:
-    """A base port whose ``count`` consecutive ports are free on the loopback now."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's
+    ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_ports(count: int, taken: set[int], tries: int = 200) -> int:
+    """A base port whose ``count`` consecutive ports are free on the loopback now, none
+    in ``taken`` (the ports chosen for the other nodes of this run; added to it).
+
+    Below the kernel's ephemeral range: a port chosen free there can be taken by any
+    outgoing connection of this machine before the instance binds it."""
     import random
 
+    high = max(_ephemeral_low(), 20000 + 2 * count) - count
     for _ in range(tries):
-        base = random.randint(20000, 60000 - count)
+        base = random.randint(20000, high)
+        ports = range(base, base + count)
+        if taken.intersection(ports):
+            continue
         socks: list[socket.socket] = []
         try:
-            for port in range(base, base + count):
+            for port in ports:
                 sock = socket.socket()
                 socks.append(sock)
                 sock.bind(("127.0.0.1", port))
+            taken.update(ports)
             return base
         except OSError:
             continue
@@ -122,12 +140,13 @@ def cluster_children(
     store = {"kind": "redis", "url": store_url, "namespace": namespace}
     per_node = _instances(raw)
     configured = (raw.get("node") or {}).get("base_port")
+    taken: set[int] = set()
     for i in range(nodes):
         run_dir = root / f"node-{i}"
         # a configured base_port: node i from base_port + 100 i; else free ports of this
         # machine (several clusters, or tests, may run at once)
         base_port = (int(configured) + PORT_STRIDE * i if configured is not None
-                     else _free_ports(per_node))  # fmt: skip
+                     else _free_ports(per_node, taken))  # fmt: skip
         node = {"name": f"node-{i}", "advertise_address": "127.0.0.1", "base_port": base_port}
         member = _member(raw, node=node, store=store, run_dir=str(run_dir))
         config_from_dict(member, source=f"{source} (node-{i})", base=base)  # validate

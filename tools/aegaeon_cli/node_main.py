@@ -34,7 +34,7 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
     import yaml
     from aegaeon_common.config import read_config_file
     from aegaeon_common.kept import write_atomic
-    from aegaeon_common.placement import PlacementError
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
 

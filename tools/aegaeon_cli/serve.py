@@ -4,7 +4,7 @@ Without ``--config`` it serves the default market (built if missing) on the
 CPU with one prefill and one decode instance whose device memory holds only a
 few models at once, so model switching is real. ``--gpus all|0,1,...`` places the
 instances one per GPU and sizes them and the cachemgr from the machine
-(``aegaeon_common.placement``, docs/gpu.md); without it nothing changes.
+(``aegaeon_sched.placement``, docs/gpu.md); without it nothing changes.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
-from aegaeon_common.placement import PlacementError, Plan
 from aegaeon_common.usage import at_least_one, port_number
 from aegaeon_proxy.main import add_api_key_args, key_entries
+from aegaeon_sched.placement import PlacementError, Plan
 
 log = get_logger("serve")
 
@@ -72,6 +72,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "KV, else once) and its KV region are sized inside it (with --gpus: "
                         "the smaller of the cap and its share of the GPU; on a CPU the "
                         "instance then copies weights into it instead of mapping them)")
+    parser.add_argument("--tp", type=at_least_one, help="tensor parallelism: every prefill "
+                        "and decode instance a group of N devices (one set of weights sharded "
+                        "across them; prefill.tp / decode.tp); on the CPU, N processes over "
+                        "gloo (default: the config's, 1)")  # fmt: skip
     add_api_key_args(parser)
     parser.set_defaults(func=run)
 
@@ -135,6 +139,10 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
         source = "<embedded default>"
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
+    if args.tp is not None:
+        from aegaeon_cli.machine import with_tp
+
+        raw = with_tp(raw, args.tp)
     proxy = dict(raw.get("proxy") or {})
     keys = key_entries(args)
     if keys:
@@ -177,9 +185,12 @@ def check_serve(market: Path, config: Path | None, policy: str | None = None) ->
 
     from aegaeon_cli.machine import cuda_devices
 
-    args = argparse.Namespace(config=config, market=market, api_key=[], api_key_file=[],
-                              admin_key=[], admin_key_file=[], host=None, port=None,
-                              policy=policy, run_dir=None, gpus=None)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="aegaeon")
+    register(parser.add_subparsers())
+    argv = ["serve", "--market", str(market)]
+    argv += ["--config", str(config)] if config is not None else []
+    argv += ["--policy", policy] if policy is not None else []
+    args = parser.parse_args(argv)  # the serve defaults, every one, as `aegaeon serve` has them
     checked, _, _ = _effective_config(args)
     check_machine(checked, instance_devices(checked), cuda_devices)
 

@@ -11,6 +11,12 @@ interleaved), Qwen2/Qwen3 rotate halves apart in llama.cpp too (NEOX rope) and
 are written as they are. The vocabulary is the checkpoint's byte-level BPE
 (``tokenizer.ggml.model`` = ``gpt2``: tokens, types, merges, the pre-tokenizer
 by name), padded to the model's vocabulary size with unused tokens.
+
+A GGUF import's kept blocks (Q8_0, Q4_0, Q4_1) go back as they are, bit for bit
+(rows of blocks permute as rows of values), the file typed by its projections'
+quantization: llama.cpp then runs the very weights the engine serves. ``q8_0``
+(like llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0``) quantizes a float
+checkpoint's matrices with the ``gguf`` package's Q8_0.
 """
 
 from __future__ import annotations
@@ -26,16 +32,25 @@ import torch
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index, read_tensor
 from aegaeon_engine.spec import ModelSpec
+from gguf.quants import quantize
 
 from aegaeon_market.gguf_import import llama3_factors
 from aegaeon_market.gguf_vocab import _LLAMA3, _QWEN2
-from aegaeon_market.model_files import expected_tensors
+from aegaeon_market.model_files import expected_tensors, kept_blocks
 
 # serving dtype -> (GGML type of the matrices, the file type in general.file_type)
 GGML_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
     "bfloat16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "float16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
     "float32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+# a GGUF import's kept blocks: their GGML type, and the file's type when the projections
+# hold them
+BLOCK_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
 }
 
 
@@ -64,12 +79,18 @@ def permute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def write_gguf(model_dir: Path, out: Path, dtype: str | None = None) -> Path:
-    """Write ``model_dir``'s checkpoint to ``out`` in ``dtype`` (default: the checkpoint's).
+    """Write ``model_dir``'s checkpoint to ``out`` in ``dtype`` (default: the checkpoint's;
+    kept GGUF blocks stay as they are, the other matrices in ``dtype``).
 
     Raises `CheckpointError` for an architecture, dtype or rope llama.cpp is not given here.
     """
     spec = ModelSpec.from_dir(model_dir)
     dtype = dtype or spec.dtype
+    blocks = kept_blocks(spec)
+    if spec.quant is not None and not blocks:
+        raise CheckpointError(model_dir / "config.json", "quantization_config",
+                              f"{spec.quant.linear} weights have no GGUF export (GGUF blocks "
+                              "and float weights do)")
     if spec.architecture not in ARCHS:
         raise CheckpointError(model_dir / "config.json", "architectures",
                               f"{spec.architecture} has no GGUF export "
@@ -79,6 +100,8 @@ def write_gguf(model_dir: Path, out: Path, dtype: str | None = None) -> Path:
                               f"{dtype} has no GGUF export (supported: {', '.join(GGML_TYPES)})")
     arch = ARCHS[spec.architecture]
     ggml_type, file_type = GGML_TYPES[dtype]
+    if blocks and spec.quant is not None:
+        file_type = BLOCK_TYPES[spec.quant.linear][1]
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch.arch])
     writer.add_name(model_dir.name)
     writer.add_file_type(file_type)
@@ -90,12 +113,18 @@ def write_gguf(model_dir: Path, out: Path, dtype: str | None = None) -> Path:
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None or hf not in index:
             raise CheckpointError(model_dir, hf, "missing tensor" if name else "no GGUF name")
-        values = read_tensor(index[hf], hf)
+        values = read_tensor(index[hf], hf, blocks=hf in blocks)
         if arch.permute_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
             values = permute_rows(values, spec.num_heads)
         elif arch.permute_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
             values = permute_rows(values, spec.num_kv_heads)
-        _add_tensor(writer, name, values, ggml_type if values.dim() > 1 else None)
+        if hf in blocks:  # uint8 [rows, row_bytes]: the writer derives the logical shape
+            writer.add_tensor(name, values.numpy(), raw_dtype=BLOCK_TYPES[blocks[hf]][0])
+        else:
+            try:
+                _add_tensor(writer, name, values, ggml_type if values.dim() > 1 else None)
+            except ValueError as exc:  # rows that are not whole Q8_0 blocks
+                raise CheckpointError(index[hf].file, hf, f"no {dtype} export ({exc})") from None
     if spec.rope.kind == "llama3":  # the per-frequency divisors, as llama.cpp's converter
         factors = llama3_factors(spec.head_dim, spec.rope.theta, spec.rope.factor,
                                  spec.rope.low_freq_factor, spec.rope.high_freq_factor,
@@ -133,6 +162,9 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: torch.Tensor,
     """``values`` as ``ggml_type`` (None: F32), its bits unchanged when the dtypes agree."""
     if ggml_type in (None, gguf.GGMLQuantizationType.F32):
         writer.add_tensor(name, values.float().numpy())
+    elif ggml_type == gguf.GGMLQuantizationType.Q8_0:
+        codes = quantize(values.float().numpy(), ggml_type)
+        writer.add_tensor(name, codes, raw_dtype=ggml_type)
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, values.to(torch.float16).numpy())
     else:  # numpy has no bfloat16: the raw 16-bit patterns, typed BF16

@@ -13,27 +13,36 @@ row (fp8_out.py); an FP8 source (``quantization_config`` of compressed-tensors
 with 8-bit float weights, or ``fp8`` without blocks, each projection's
 ``weight_scale`` per row or per tensor) is read as its dequantized values, so
 it converts to any dtype, and to FP8 again with per-row scales.
+
+GGUF blocks (a market model imported from a GGUF file with its Q8_0/Q4_0/Q4_1
+matrices kept, ``quantization_config.quant_method: gguf``, the blocks as U8
+``[rows, row_bytes]``): copied as they are by default, or dequantized by the
+``gguf`` package into a float dtype or FP8, so any market model can be had in
+float weights (what transformers reads, `aegaeon_market.readable`).
 """
 
 from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.fp8 import dequantize
 from aegaeon_engine.loader import TensorEntry, checkpoint_index, read_tensor, scale_name
-from aegaeon_engine.spec import FP8, ModelSpec, read_json_object
+from aegaeon_engine.spec import FP8, ModelSpec, quant_row_bytes, read_json_object
 from aegaeon_engine.weights import TORCH_DTYPES
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as dequantize_blocks
 from tokenizers import Tokenizer
 
 from aegaeon_market.fp8_out import fp8_config, fp8_plans, fp8_tensors, is_projection
-from aegaeon_market.model_files import expected_tensors, write_model_files
+from aegaeon_market.model_files import expected_tensors, kept_blocks, write_model_files
 from aegaeon_market.safetensors_out import TensorPlan
 
 # copied as they are when present (tokenizer.json and tokenizer_config.json are read)
@@ -52,10 +61,11 @@ class HFModel:
     tokenizer_json: str
     tokenizer_config: dict[str, Any]
     scales: dict[str, TensorEntry] = field(default_factory=dict)  # FP8 weight -> its scales
+    blocks: dict[str, str] = field(default_factory=dict)  # GGUF blocks kept -> quantization
 
     @property
     def params(self) -> int:
-        return sum(math.prod(e.shape) for e in self.tensors.values())
+        return sum(math.prod(s) for s in expected_tensors(self.spec).values())
 
 
 def _tokenizer(root: Path, spec: ModelSpec) -> tuple[str, dict[str, Any]]:
@@ -88,7 +98,8 @@ def read_hf_dir(root: Path) -> HFModel:
     assert config is not None  # from_dir refused a missing one
     quantization = config.get("quantization_config")
     fp8_source = spec.quant is not None and spec.quant.linear == FP8
-    if quantization and not fp8_source:
+    blocks = kept_blocks(spec)
+    if quantization and not fp8_source and not blocks:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise CheckpointError(root / "config.json", "quantization_config",
                               f"quantized checkpoints ({method or 'unknown method'}) are not "
@@ -97,20 +108,27 @@ def read_hf_dir(root: Path) -> HFModel:
     index = checkpoint_index(root)
     tensors: dict[str, TensorEntry] = {}
     scales: dict[str, TensorEntry] = {}
-    for name, shape in expected_tensors(spec).items():
+    for name, logical in expected_tensors(spec).items():
         entry = index.get(name)
         if entry is None:
             raise CheckpointError(root / "model.safetensors", name, "missing tensor")
+        qtype = blocks.get(name)
+        shape = (logical if qtype is None  # else rows of GGUF blocks
+                 else (logical[0], quant_row_bytes(qtype, logical[1])))
         if entry.shape != shape:
             raise CheckpointError(entry.file, name, f"shape {list(entry.shape)} disagrees with "
                                   f"config.json (expected {list(shape)})")
-        if fp8_source and is_projection(name):
+        if qtype is not None:
+            if entry.code != "U8":
+                raise CheckpointError(entry.file, name, f"dtype {entry.code}: {qtype} blocks "
+                                      "are stored as U8")
+        elif fp8_source and is_projection(name):
             scales[name] = _fp8_scales(root, index, name, entry)
         elif entry.code not in ("F32", "BF16", "F16", "F64"):
             raise CheckpointError(entry.file, name, f"dtype {entry.code}: only float tensors "
                                   "load (quantized safetensors are not supported)")
         tensors[name] = entry
-    return HFModel(root, config, spec, tensors, text, tokenizer_config, scales)
+    return HFModel(root, config, spec, tensors, text, tokenizer_config, scales, blocks)
 
 
 def _fp8_scales(root: Path, index: dict[str, TensorEntry], name: str,
@@ -131,7 +149,13 @@ def _fp8_scales(root: Path, index: dict[str, TensorEntry], name: str,
 
 
 def _values(model: HFModel, name: str, entry: TensorEntry) -> torch.Tensor:
-    """Tensor ``name``'s values: as stored, or an FP8 weight's dequantized (float32)."""
+    """Tensor ``name``'s values: as stored, or an FP8 weight's or GGUF blocks' dequantized
+    (float32)."""
+    qtype = model.blocks.get(name)
+    if qtype is not None:
+        raw = read_tensor(entry, name, blocks=True).numpy()
+        values = dequantize_blocks(raw, GGMLQuantizationType[qtype.upper()])
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy, writable
     value = read_tensor(entry, name)
     if name not in model.scales:
         return value
@@ -141,22 +165,33 @@ def _values(model: HFModel, name: str, entry: TensorEntry) -> torch.Tensor:
 
 def convert_hf(model: HFModel, out: Path, dtype: str,
                progress: Callable[[int], None] | None = None) -> None:
-    """Write ``model`` into ``out`` in ``dtype`` (a float dtype or ``FP8``; tensors one at
-    a time)."""
+    """Write ``model`` into ``out`` in ``dtype`` (a float dtype, ``FP8``, or the GGUF
+    blocks' own quantization: kept as they are; tensors one at a time)."""
+    keep = bool(model.blocks) and dtype == model.spec.weight_dtype
 
     def values() -> Iterator[tuple[str, torch.Tensor]]:
         for name, entry in model.tensors.items():
-            yield name, _values(model, name, entry)
+            kept = keep and name in model.blocks
+            yield name, read_tensor(entry, name, blocks=True) if kept else _values(model, name,
+                                                                                   entry)
             if progress is not None:
                 progress(1)
 
-    shapes = [(n, e.shape) for n, e in model.tensors.items()]
-    if dtype == FP8:
-        plans, tensors = fp8_plans(shapes), fp8_tensors(values())
+    logical = expected_tensors(model.spec)  # blocks are stored [rows, row_bytes]
+    shapes = [(n, q, e.shape if q else logical[n]) for n, e in model.tensors.items()
+              for q in [model.blocks.get(n) if keep else None]]
+    tensors: Iterable[tuple[str, torch.Tensor]]
+    if keep:  # the blocks as they are, the rest in the float dtype the config names
+        target = TORCH_DTYPES[model.spec.dtype]
+        plans = [TensorPlan(n, torch.uint8 if q else target, shape) for n, q, shape in shapes]
+        tensors = ((n, t if t.dtype == torch.uint8 else t.to(target)) for n, t in values())
+        config = dict(model.config)
+    elif dtype == FP8:
+        plans, tensors = fp8_plans((n, shape) for n, _, shape in shapes), fp8_tensors(values())
         config = fp8_config(model.config)
     else:
         target = TORCH_DTYPES[dtype]
-        plans = [TensorPlan(n, target, shape) for n, shape in shapes]
+        plans = [TensorPlan(n, target, shape) for n, _, shape in shapes]
         tensors = ((n, t.to(target)) for n, t in values())
         config = {k: v for k, v in model.config.items() if k != "quantization_config"}
         config.update(torch_dtype=dtype, dtype=dtype)

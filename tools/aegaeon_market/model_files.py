@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from aegaeon_engine.layout import weight_layout
-from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.spec import QUANT_BLOCKS, ModelSpec
 
 from aegaeon_market.safetensors_out import SafetensorsWriter, TensorPlan
 from aegaeon_market.writer import write_json
@@ -31,6 +31,16 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         for name, shape in zip(slot.sources, slot.source_shapes(), strict=True):
             out[name] = shape
     return out
+
+
+def kept_blocks(spec: ModelSpec) -> dict[str, str]:
+    """The tensors a GGUF import kept in their blocks (``spec.quant``, stored as U8
+    ``[rows, row_bytes]``), each with its quantization (``q4_1``); empty for a float or
+    FP8 checkpoint."""
+    if spec.quant is None or spec.quant.linear not in QUANT_BLOCKS:
+        return {}
+    return {name: slot.dtype for slot in weight_layout(spec, spec.dtype).slots
+            if slot.dtype in QUANT_BLOCKS for name in slot.sources}
 
 
 def write_model_files(out: Path, *, config: dict[str, Any], generation: dict[str, Any] | None,

@@ -26,8 +26,10 @@ from aegaeon_engine.engine import DecodeSeq
 from aegaeon_engine.llm import LLM
 
 
-def _forced(llm: LLM, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float]]:
-    """``llm``'s argmax and the log-probability of ``tokens[i]`` at each of their positions."""
+def teacher_forced(llm: LLM, prompt: list[int],
+                   tokens: list[int]) -> tuple[list[int], list[float]]:
+    """``llm``'s argmax and the log-probability of ``tokens[i]`` at each of their positions
+    (``prompt`` prefilled, then one decode step per token)."""
     blocks = [llm.free_blocks.pop() for _ in range(-(-(len(prompt) + len(tokens))
                                                      // llm.engine.block_size))]
     try:
@@ -50,13 +52,13 @@ def top1_agreement(model: str | Path, reference: str | Path, prompts: Sequence[S
     ref = LLM(reference, dtype=dtype, num_threads=num_threads)
     greedy = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
     texts = ref.generate([list(p) for p in prompts], greedy)
-    ref_logp = [_forced(ref, list(p), t)[1] for p, t in zip(prompts, texts, strict=True)]
+    ref_logp = [teacher_forced(ref, list(p), t)[1] for p, t in zip(prompts, texts, strict=True)]
     del ref
     cand = LLM(model, dtype=dtype, num_threads=num_threads)
     agree = positions = 0
     drifts: list[float] = []
     for prompt, tokens, ref_lp in zip(prompts, texts, ref_logp, strict=True):
-        argmax, logp = _forced(cand, list(prompt), tokens)
+        argmax, logp = teacher_forced(cand, list(prompt), tokens)
         agree += sum(a == t for a, t in zip(argmax, tokens, strict=True))
         positions += len(tokens)
         drifts += [abs(a - b) for a, b in zip(logp, ref_lp, strict=True)]

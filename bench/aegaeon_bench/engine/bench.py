@@ -13,6 +13,11 @@ transformers alone), ``greedy_match_hf_b8`` (ours vs transformers' batch-8 run),
 runs) and ``greedy_prefix_match_bench_dtype`` (mean share of each prompt's
 tokens that agree before the first flip; ``hf_self_prefix_match_bench_dtype``
 the same for transformers against itself).
+A checkpoint transformers cannot read as it is (GGUF blocks kept, FP8) runs in
+transformers from its weights dequantized to the bench dtype
+(aegaeon_market.readable; why in ``transformers_weights``); with GGUF blocks ours
+decodes with 8-bit activations, so ``greedy_match`` is null (why in
+``greedy_match_note``; ``aegaeon bench quant`` measures the agreement).
 ``--isa LEVEL`` runs ours at that kernel level (``AEGAEON_ISA``) and emulates a
 CPU of that level for every engine: the bench re-runs itself in a child
 process with ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA`` and
@@ -40,7 +45,7 @@ installed, with the reason in ``<peer>_error``: vLLM's CPU build
 (``--vllm-python``, scripts/install-vllm) on the checkpoint, llama.cpp
 (``--llamacpp-python``, scripts/install-llamacpp) on a GGUF file written from
 the checkpoint in the bench dtype (aegaeon_market.gguf_export: bf16 stays
-BF16), both with the bench's threads, cores, prompts and lengths.
+BF16, kept GGUF blocks stay as they are), both with the bench's threads, cores, prompts and lengths.
 ``ours_over_<peer>`` holds ours / the peer per number, ``<peer>_greedy_match``
 whether the peer's batch-8 greedy tokens equal ours (in bf16 a near tie may
 flip; ``<peer>_greedy_prefix_match`` is the share before the first flip) and
@@ -57,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +214,29 @@ def run(args: argparse.Namespace) -> int:
     code = _emulate(args)
     if code is not None:
         return code
+    with tempfile.TemporaryDirectory(prefix="aegaeon-engine-bench-") as scratch:
+        return _measure(args, Path(scratch))
+
+
+def _transformers_weights(model_dir: Path, dtype: str, scratch: Path,
+                          result: dict[str, Any]) -> Path:
+    """What transformers loads (`aegaeon_market.readable`): the checkpoint, or its weights
+    dequantized to ``dtype`` in ``scratch`` (why: ``transformers_weights``, and said)."""
+    from aegaeon_market.readable import transformers_dir, transformers_unreadable
+
+    why = transformers_unreadable(model_dir)
+    if why is not None:
+        result["transformers_weights"] = f"dequantized to {dtype}: {why}"
+        print(f"aegaeon bench engine: transformers runs the weights dequantized to {dtype}: "
+              f"{why}", file=sys.stderr)
+    return transformers_dir(model_dir, scratch, dtype)
+
+
+def _measure(args: argparse.Namespace, scratch: Path) -> int:
+    """`run` past the ISA emulation; ``scratch`` holds the files written for the peers."""
     import torch
     from aegaeon_engine import CheckpointError, ModelSpec
+    from aegaeon_engine.spec import QUANT_BLOCKS
 
     from aegaeon_bench.common import machine_info
     from aegaeon_bench.engine.agreement import bench_prompts
@@ -223,10 +250,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"aegaeon bench engine: error: {exc}", file=sys.stderr)
         return 2
     dtype = args.dtype or spec.dtype
-    if spec.quant is not None and not args.no_transformers:  # its blocks are ours alone
-        args.no_transformers = True
-        print(f"aegaeon bench engine: {spec.quant.linear} weights: transformers left out",
-              file=sys.stderr)
     try:
         cpus = _pin(args)
     except (ValueError, OSError) as exc:
@@ -235,8 +258,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = bench_prompts(spec.vocab_size, BATCH, args.prompt_len, args.seed)
     work = Workload(model_dir, dtype, prompts, args.new_tokens, args.device)
     runners: dict[str, Any] = {"ours": OursRunner(work, args.threads)}
+    weights: dict[str, Any] = {}  # why transformers runs other weights, if it does
     if not args.no_transformers:
-        runners["transformers"] = TransformersRunner(work, args.threads)
+        hf_dir = _transformers_weights(model_dir, dtype, scratch, weights)
+        runners["transformers"] = TransformersRunner(replace(work, hf_dir=hf_dir), args.threads)
     ref_dir = None
     if args.reference is not None:  # ours on the reference model, in the same rounds
         ref_dir = _model_dir(argparse.Namespace(**{**vars(args), "model": args.reference}))
@@ -254,28 +279,27 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats, "cpus": cpus, **dict.fromkeys(PEERS),
         "native_kernels": engine.native_kernels,
         "isa_choice": runners["ours"].choice.report(),
-        "device": args.device, "device_name": _device_name(args.device),
+        "device": args.device, "device_name": _device_name(args.device), **weights,
     }
     if args.device == "cpu":  # the core's limits, measured here, at these threads and caps
         result["machine"] = machine_limits(dtype)
-    with tempfile.TemporaryDirectory(prefix="aegaeon-engine-bench-") as scratch:
-        peers = _start_peers(args, result, prompts, Path(scratch))
-        peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
-        try:
-            for _ in range(args.repeats):  # interleaved rounds: every engine sees the same noise
-                for name, runner in runners.items():
-                    runner.run(timings[name])
-                for name, worker in list(peers.items()):
-                    try:
-                        peer_runs[name].append(worker.run())
-                    except RuntimeError as exc:
-                        result[f"{name}_error"] = str(exc)
-                        print(f"aegaeon bench engine: {exc}", file=sys.stderr)
-                        peer_runs[name].clear()
-                        peers.pop(name).close()
-        finally:
-            for worker in peers.values():
-                worker.close()
+    peers = _start_peers(args, result, prompts, scratch)
+    peer_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
+    try:
+        for _ in range(args.repeats):  # interleaved rounds: every engine sees the same noise
+            for name, runner in runners.items():
+                runner.run(timings[name])
+            for name, worker in list(peers.items()):
+                try:
+                    peer_runs[name].append(worker.run())
+                except RuntimeError as exc:
+                    result[f"{name}_error"] = str(exc)
+                    print(f"aegaeon bench engine: {exc}", file=sys.stderr)
+                    peer_runs[name].clear()
+                    peers.pop(name).close()
+    finally:
+        for worker in peers.values():
+            worker.close()
     for name in ("ours", "transformers"):
         result[name] = _medians(timings[name]) if name in timings else None
     if ref_dir is not None:
@@ -283,14 +307,17 @@ def run(args: argparse.Namespace) -> int:
         result["ours_over_reference"] = {k: round(result["ours"][k] / ref[k], 2) for k in KEYS}
     _peer_results(result, peer_runs, timings["ours"].tokens_b8)
     if "machine" in result:
-        costs = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
+        dense = model_costs(spec, getattr(torch, dtype).itemsize, args.prompt_len)
+        costs = dict(dense)
         if spec.quant is not None:  # the bytes a decode step streams: all but the embeddings
             layout = engine.layout(spec, dtype)
             embed = 0 if spec.tie_word_embeddings else layout.slot("embed_tokens").nbytes
             costs["weight_bytes"] = layout.total_bytes - embed
         result["costs_per_token"] = costs
-        result["roofline"] = {name: roofline(costs, result["machine"], result[name])
-                              for name in ENGINES if result.get(name)}
+        result["roofline"] = {  # transformers on dequantized weights streams the dense bytes
+            name: roofline(dense if name == "transformers" and "transformers_weights" in result
+                           else costs, result["machine"], result[name])
+            for name in ENGINES if result.get(name)}
     hf = result["transformers"]
     result["decode_speedup_vs_transformers_b8"] = (
         round(result["ours"]["decode_tok_s_b8"] / hf["decode_tok_s_b8"], 2) if hf else None)
@@ -298,8 +325,16 @@ def run(args: argparse.Namespace) -> int:
     if hf:
         _compare_greedy(result, timings["ours"].tokens_b8, timings["transformers"].tokens_b8,
                         runners["transformers"].greedy_alone())  # fmt: skip
-    if hf and dtype != "float32":
-        exact = Workload(model_dir, "float32", prompts, args.new_tokens, args.device)
+    blocks = spec.quant.linear if spec.quant is not None else None
+    if hf and blocks in QUANT_BLOCKS:  # 8-bit activations against float ones: close, not equal
+        result["greedy_match"] = None
+        result["greedy_match_note"] = (
+            f"{blocks} decodes with 8-bit activations (as llama.cpp does), "
+            "transformers in float on the dequantized weights: `aegaeon bench quant` measures "
+            "how close they are")  # fmt: skip
+    elif hf and dtype != "float32":
+        exact = Workload(model_dir, "float32", prompts, args.new_tokens, args.device,
+                         hf_dir=_transformers_weights(model_dir, "float32", scratch, {}))
         result["greedy_match"] = (OursRunner(exact, args.threads).greedy()
                                   == TransformersRunner(exact, args.threads).greedy_alone())
     if ref_dir is not None:
@@ -360,6 +395,8 @@ def _print_table(result: dict[str, Any]) -> None:
     _print_roofline(result)
     print(f"greedy tokens (ours, batch 8) equal transformers' decoding each prompt alone, "
           f"in float32: {result['greedy_match']}")
+    if result.get("greedy_match_note"):
+        print(f"  ({result['greedy_match_note']})")
     if result["dtype"] != "float32" and result.get("greedy_match_bench_dtype") is not None:
         print(f"  in {result['dtype']}: {result['greedy_match_bench_dtype']} "
               f"({100 * result['greedy_prefix_match_bench_dtype']:.0f}% of tokens agree before "

@@ -25,6 +25,14 @@ single-token and batch evaluation:
 The context is llama.cpp's defaults but for its sizes: ``n_seq_max`` = 8
 sequences, KV split per sequence (``kv_unified`` off, llama.cpp's advice when
 sequences share no prefix), flash attention as llama.cpp decides (``auto``).
+
+With ``forced`` in the workload (``aegaeon bench quant``: a list of ``[prompt,
+tokens]``) a ``run`` instead reads each prompt and its tokens teacher-forced in
+one sequence, as ours does: the prompt in one ``llama_decode``, then one
+``llama_decode`` per token; at each of the tokens' positions it answers the
+argmax and the log-probability of the token (log-softmax of llama.cpp's logits,
+in float64). ``greedy`` (a list of ``[prompt, n]``) adds each prompt's ``n``
+greedy tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ class LlamaCpp:
         self.prompts: list[list[int]] = work["prompts"]
         self.num_new = int(work["num_new"])
         threads = int(work["threads"])
-        count, length = len(self.prompts), len(self.prompts[0])
+        count = int(work.get("sequences", len(self.prompts)))
+        length = max(len(p) for p in self.prompts)  # the bench's are of one length
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(work["gguf"].encode(),
                                                    lc.llama_model_default_params())
@@ -123,6 +132,38 @@ class LlamaCpp:
         result["tokens_b8"] = tokens
         return result
 
+    def _row(self, index: int) -> Any:
+        """The logits of batch item ``index`` as a float64 copy."""
+        import numpy as np
+
+        row = self.lc.llama_get_logits_ith(self.ctx, index)
+        return np.ctypeslib.as_array(row, shape=(self.n_vocab,)).astype(np.float64)
+
+    def forced(self, prompt: list[int], tokens: list[int]) -> dict[str, list[Any]]:
+        """``prompt`` then ``tokens`` teacher-forced: per token, the argmax of the logits
+        that predict it and its log-probability."""
+        import numpy as np
+
+        rows = []
+        self._prefill(0, prompt)
+        rows.append(self._row(len(prompt) - 1))
+        for k, token in enumerate(tokens[:-1]):
+            self._decode([(token, len(prompt) + k, 0, True)])
+            rows.append(self._row(0))
+        logits = np.stack(rows)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        return {"argmax": logits.argmax(-1).tolist(),
+                "logprobs": logp[np.arange(len(tokens)), tokens].tolist()}
+
+    def greedy(self, prompt: list[int], count: int) -> list[int]:
+        """``count`` greedy tokens after ``prompt`` (EOS taken like any token)."""
+        out = [self._prefill(0, prompt)]
+        while len(out) < count:
+            self._decode([(out[-1], len(prompt) + len(out) - 1, 0, True)])
+            out.append(self._argmax(0))
+        return out
+
     def close(self) -> None:
         self.lc.llama_batch_free(self.batch)
         self.lc.llama_free(self.ctx)
@@ -162,16 +203,24 @@ def main() -> int:
 
     notes: list[str] = []
     keep = _quiet_log(llama_cpp, notes)
+    forced = work.get("forced")
+    if forced is not None:  # one sequence, as long as the longest prompt and its tokens
+        work = {**work, "prompts": [p for p, _ in forced] + [p for p, _ in work["greedy"]],
+                "num_new": max([len(t) for _, t in forced] + [n for _, n in work["greedy"]]),
+                "sequences": 1}
     engine = LlamaCpp(work)
     try:
-        engine.run()  # warm-up: buffers, the thread pool, repacked weights
+        if forced is None:
+            engine.run()  # warm-up: buffers, the thread pool, repacked weights
         _send(protocol, {"ready": True, "version": llama_cpp.__version__,
                          "system_info": llama_cpp.llama_print_system_info().decode().strip(),
                          **engine.settings, "log": notes})
         for line in sys.stdin:
             if line.strip() != "run":
                 break
-            _send(protocol, engine.run())
+            _send(protocol, engine.run() if forced is None else {
+                "forced": [engine.forced(p, t) for p, t in forced],
+                "greedy": [engine.greedy(p, n) for p, n in work["greedy"]]})
     finally:
         engine.close()
         del keep

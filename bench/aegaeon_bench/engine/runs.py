@@ -34,6 +34,7 @@ class Workload:
     prompts: list[list[int]]
     num_new: int
     device: str = "cpu"
+    hf_dir: Path | None = None  # what transformers loads (default: model_dir)
 
 
 @dataclass
@@ -116,7 +117,7 @@ class TransformersRunner:
         torch.set_num_threads(threads)
         self.work = work
         model: Any = AutoModelForCausalLM.from_pretrained(
-            work.model_dir, dtype=getattr(torch, work.dtype))
+            work.hf_dir or work.model_dir, dtype=getattr(torch, work.dtype))
         self.model = model.to(work.device)
 
     @torch.inference_mode()

@@ -162,7 +162,7 @@ def instance_layout(weight_bytes: Sequence[int], gpu_free_bytes: int | None) -> 
     arena = ARENA_MODELS * largest + ARENA_SLACK_BYTES
     if gpu_free_bytes is None:
         # at least a quarter of the buffer, so `serve --device-memory` keeps two models
-        # in the arena (aegaeon_common.placement.split_buffer)
+        # in the arena (aegaeon_sched.sizing.split_buffer)
         kv = max(CPU_KV_BYTES, (-(-arena // (3 * MiB)) + 1) * MiB)
     else:
         per_instance = GPU_USABLE_FRACTION * gpu_free_bytes / INSTANCES

@@ -49,8 +49,6 @@ import json
 import shutil
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -199,20 +197,28 @@ def paper_config(market: Path, models: list[dict[str, Any]], layout: dict[str, A
     }  # fmt: skip
 
 
-def open_work(url: str) -> int | None:
-    """Requests and sequences the node still holds (None when it does not answer). The
-    node is gpu-check's own, with no API keys; ``$AEGAEON_API_KEY`` is sent when set, as
-    every bench client does (its ``bench serve`` reads it too)."""
+def _stats(url: str) -> dict[str, Any] | None:
+    """The node's light stats (None when it does not answer). The node is gpu-check's
+    own, with no API keys; ``$AEGAEON_API_KEY`` is sent when set, as every bench client
+    does (its ``bench serve`` reads it too)."""
     from aegaeon_common.env import read_env
 
     from aegaeon_bench.node.client import auth_headers
+    from aegaeon_bench.node.http_client import fetch_sync
 
-    request = urllib.request.Request(f"{url}/v1/aegaeon/stats?light=1",
-                                     headers=auth_headers(read_env().api_key))  # fmt: skip
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            stats = json.loads(resp.read())
-    except (OSError, ValueError, urllib.error.URLError):
+        reply = fetch_sync("GET", f"{url}/v1/aegaeon/stats?light=1",
+                           headers=auth_headers(read_env().api_key), timeout_s=10)  # fmt: skip
+        stats = reply.json() if reply.status == 200 else None
+    except (OSError, ValueError):
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
+def open_work(url: str) -> int | None:
+    """Requests and sequences the node still holds (None when it does not answer)."""
+    stats = _stats(url)
+    if stats is None:
         return None
     held = sum(int(i.get("open_sequences") or 0) for i in stats.get("instances") or []
                if isinstance(i, dict))  # fmt: skip
@@ -598,10 +604,8 @@ class PaperScenario:
 def generation(url: str) -> dict[str, Any] | None:
     """The Model Cache's loads so far (the node's start: every model generated in its
     shared memory): seconds, bytes and GB/s."""
-    try:
-        with urllib.request.urlopen(f"{url}/v1/aegaeon/stats?light=1", timeout=10) as resp:
-            stats = json.loads(resp.read())
-    except (OSError, ValueError, urllib.error.URLError):
+    stats = _stats(url)
+    if stats is None:
         return None
     cache = ((stats.get("cache") or {}).get("model_cache")) or {}
     seconds, nbytes = cache.get("load_s_total"), cache.get("loaded_bytes_total")

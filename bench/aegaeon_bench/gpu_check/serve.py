@@ -329,13 +329,12 @@ def start_profilers(runner: Runner, url: str, name: str,
                     seconds: float) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
     """One ``py-spy record`` (native frames, idle threads too, collapsed stacks) per worker,
     starting 10 s into the load; none when ``seconds`` is 0 or py-spy is missing."""
-    import urllib.request
+    from aegaeon_bench.node.http_client import fetch_sync
 
     spy = _py_spy(runner)
     if seconds <= 0 or spy is None:
         return []
-    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
-        instances = json.loads(resp.read())["backend"]["instances"]
+    instances = fetch_sync("GET", url + "/health", timeout_s=10).json()["backend"]["instances"]
     started = []
     for inst, info in sorted(instances.items()):
         path = runner.logs / f"{name}-{inst}.pyspy.txt"

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aegaeon_workload.plan import PlannedRequest
+
+from aegaeon_bench.node.http_client import sse_events
 
 ERROR_TEXT_CHARS = 300
 NEEDS_KEY = "the node wants an API key: --api-key KEY or $AEGAEON_API_KEY"
@@ -52,7 +53,7 @@ class Progress:
     sent_s: float | None = None
     event_times_s: list[float] = field(default_factory=list)
     num_tokens: int | None = None  # the final usage's completion_tokens
-    server_id: str | None = None  # the response's "id" (the services' request id)
+    server_id: str | None = None  # the services' request id (X-Request-Id, else the "id")
     finish_s: float | None = None  # when the event with the finish_reason came
     done: bool = False  # the stream ended with [DONE] after a finish_reason
     error: str | None = None
@@ -62,25 +63,6 @@ class Progress:
     @property
     def ok(self) -> bool:
         return self.done and self.error is None
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, Any]]:
-    """The bench's one SSE reader: ``(time.time() when its bytes came, the JSON)`` per
-    ``data:`` event, ``(t, None)`` for ``[DONE]``, then no more (nor where the stream is
-    cut); ValueError on an event that is not JSON."""
-    pending = b""  # whatever the socket has is read at once: one wake-up, not one per event
-    async for data in resp.content.iter_any():
-        now_s = time.time()
-        *lines, pending = (pending + data).split(b"\n")
-        for raw in lines:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                yield now_s, None
-                return
-            yield now_s, json.loads(payload)
 
 
 def completion_body(planned: PlannedRequest, timeout_s: float | None = None) -> dict[str, Any]:
@@ -135,6 +117,7 @@ async def stream_completion(
     try:
         async with session.post(f"{base_url}/v1/completions", json=body) as resp:
             progress.status = resp.status
+            progress.server_id = resp.headers.get("X-Request-Id")  # the stats' request_id
             if resp.status != 200:
                 text = await resp.text()
                 hint = f" ({NEEDS_KEY})" if resp.status == 401 else ""

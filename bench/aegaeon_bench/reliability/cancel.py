@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from aegaeon_bench import common
-from aegaeon_bench.node.client import sse_events
+from aegaeon_bench.node.http_client import sse_events
 from aegaeon_bench.reliability.chaos_load import request_body
 
 __all__ = ["cancel_run"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from aegaeon_bench.node.client import sse_events
+from aegaeon_bench.node.http_client import sse_events
 
 OUTCOMES = ("completed", "error", "connection", "hung")
 BACKOFF_S = 0.25  # a client's pause after a 429/503 or a dropped connection

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aegaeon_common.owner import STAMP
 
 from aegaeon_bench.node.client import auth_headers, list_models
 from aegaeon_bench.node.probe import (
@@ -156,9 +157,10 @@ def _outcomes(attempts: Sequence[Attempt]) -> dict[str, int]:
 
 
 def _segment_owner(name: str) -> str:
-    """The cachemgr pid a segment name carries (``PREFIX-<pid>-<hex>-...``)."""
-    parts = name.split("-")
-    return parts[2] if len(parts) > 2 else ""
+    """The cachemgr pid a segment name carries (``PREFIX-<HOST-TAG.PID>-<hex>-...``: the
+    cachemgr's stamp, whose host tag has dashes of its own)."""
+    match = STAMP.search(name)
+    return match.group("pid") if match else ""
 
 
 async def _inject(fault: Fault, node: ChaosNode, opts: ChaosOptions) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
+from aegaeon_bench.node.http_client import sse_payloads
+
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 ROLES = ("system", "user", "assistant", "tool", "developer", "robot", "")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -93,14 +95,15 @@ def _fields(models: Sequence[str]) -> dict[str, st.SearchStrategy[Any]]:
     }  # fmt: skip
 
 
-def _bodies(models: Sequence[str]) -> st.SearchStrategy[dict[str, Any]]:
-    """Half: a valid request for either endpoint with up to three fields replaced by
+def _bodies(models: Sequence[str], endpoint: str) -> st.SearchStrategy[dict[str, Any]]:
+    """Half: a valid request for ``endpoint`` with up to three fields replaced by
     anything; half: any mix of the fields. ``max_tokens`` is always there."""
     fields = {**_fields(models), "max_completion_tokens": _small_or_absurd_tokens()}
+    prompt = ({"messages": st.just([{"role": "user", "content": "Hello"}])}
+              if "chat" in endpoint else {"prompt": st.text(min_size=1, max_size=60)})
     valid = st.fixed_dictionaries({
         "model": st.sampled_from(list(models)),
-        "prompt": st.text(min_size=1, max_size=60),
-        "messages": st.just([{"role": "user", "content": "Hello"}]),
+        **prompt,
         "max_tokens": st.integers(1, 8),
         "stream": st.booleans(),
     })  # fmt: skip
@@ -126,7 +129,11 @@ def _encode(body: Any) -> bytes:
 
 
 def http_cases(models: Sequence[str]) -> st.SearchStrategy[HttpCase]:
-    objects = _bodies(models).map(_encode)
+    return st.sampled_from(ENDPOINTS).flatmap(lambda endpoint: _http_cases(models, endpoint))
+
+
+def _http_cases(models: Sequence[str], endpoint: str) -> st.SearchStrategy[HttpCase]:
+    objects = _bodies(models, endpoint).map(_encode)
     raw = st.one_of(
         json_values.map(_encode),  # any JSON, mostly not an object
         st.binary(max_size=200),  # anything, invalid UTF-8 included
@@ -135,7 +142,7 @@ def http_cases(models: Sequence[str]) -> st.SearchStrategy[HttpCase]:
         st.just(b'{"model": NaN}') | st.just(b"[" * 5000) | st.just(b'{"a":' * 2000),
     )  # fmt: skip
     body = st.one_of(objects, objects, objects, raw)
-    return st.builds(HttpCase, st.sampled_from(ENDPOINTS), body)
+    return st.builds(HttpCase, st.just(endpoint), body)
 
 
 def check_http(case: HttpCase, status: int, headers: dict[str, str], body: bytes) -> list[str]:
@@ -168,16 +175,15 @@ def check_http(case: HttpCase, status: int, headers: dict[str, str], body: bytes
 
 
 def _check_sse(body: bytes) -> list[str]:
-    frames = body.split(b"\n\n")
-    if frames[-1] != b"" or frames[-2:-1] != [b"data: [DONE]"]:
-        return [f"stream does not end with [DONE]: {body[-80:]!r}"]
-    for frame in frames[:-2]:
-        if not frame.startswith(b"data: "):
-            return [f"not an SSE data frame: {frame[:80]!r}"]
-        event = json.loads(frame[6:])
+    try:
+        payloads = sse_payloads(body)
+    except ValueError as exc:
+        return [str(exc)]
+    for payload in payloads:
+        event = json.loads(payload)
         error = event.get("error")
         if error is not None and (not isinstance(error, dict) or set(error) != ERROR_KEYS):
-            return [f"stream error event not in OpenAI's shape: {frame[:120]!r}"]
+            return [f"stream error event not in OpenAI's shape: {payload[:120]!r}"]
     return []
 
 

@@ -20,9 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ import yaml
 from aegaeon_common.env import read_env
 
 from aegaeon_bench.node.client import auth_headers
+from aegaeon_bench.node.http_client import Reply, fetch_sync
 
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
@@ -59,14 +58,22 @@ def prometheus_binary() -> str:
 
 def fetch_services(proxy_url: str, api_key: str | None = None) -> list[dict[str, str]]:
     """Every service the proxy lists (``GET /v1/aegaeon/services``)."""
-    request = urllib.request.Request(proxy_url.rstrip("/") + "/v1/aegaeon/services",
-                                     headers=auth_headers(api_key))  # fmt: skip
-    with urllib.request.urlopen(request, timeout=30) as resp:
-        body = json.loads(resp.read())
+    url = proxy_url.rstrip("/") + "/v1/aegaeon/services"
+    body = _json(fetch_sync("GET", url, headers=auth_headers(api_key), timeout_s=30), url)
     services = body.get("services") if isinstance(body, dict) else None
     if not isinstance(services, list):
         raise PrometheusError(f"{proxy_url}/v1/aegaeon/services: no 'services' list")
     return [s for s in services if isinstance(s, dict)]
+
+
+def _json(reply: Reply, what: str) -> Any:
+    """A 200 answer's JSON; PrometheusError naming ``what`` for anything else."""
+    if reply.status != 200:
+        raise PrometheusError(f"{what}: HTTP {reply.status} {reply.text()[:300]}")
+    try:
+        return reply.json()
+    except ValueError:
+        raise PrometheusError(f"{what}: not JSON: {reply.text()[:300]}") from None
 
 
 def target_groups(services: list[dict[str, str]]) -> dict[str, list[dict[str, Any]]]:
@@ -131,11 +138,7 @@ class Prometheus:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query's result vector (raises on a PromQL error)."""
         qs = urllib.parse.urlencode({"query": expr})
-        try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=30) as resp:
-                body = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise PrometheusError(f"{expr}: {exc.code} {exc.read().decode()[:300]}") from exc
+        body = _json(fetch_sync("GET", f"{self.url}/api/v1/query?{qs}", timeout_s=30), expr)
         if body.get("status") != "success":
             raise PrometheusError(f"{expr}: {body}")
         data = body["data"]
@@ -145,9 +148,8 @@ class Prometheus:
 
     def targets_up(self) -> dict[str, str]:
         """``{scrape URL: health}`` of every active target."""
-        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=30) as resp:
-            body = json.loads(resp.read())
-        active = body["data"]["activeTargets"]
+        url = f"{self.url}/api/v1/targets"
+        active = _json(fetch_sync("GET", url, timeout_s=30), url)["data"]["activeTargets"]
         return {t["scrapeUrl"]: t["health"] for t in active}
 
     def log_tail(self, num_lines: int = 30) -> str:
@@ -191,10 +193,9 @@ def _wait_ready(server: Prometheus) -> None:
             raise PrometheusError(f"prometheus exited ({server.proc.returncode}):\n"
                                   f"{server.log_tail()}")  # fmt: skip
         try:
-            with urllib.request.urlopen(f"{server.url}/-/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
+            if fetch_sync("GET", f"{server.url}/-/ready", timeout_s=5).status == 200:
+                return
+        except OSError:  # not listening yet
             pass
         time.sleep(0.2)
     raise PrometheusError(f"prometheus not ready in {READY_TIMEOUT_S} s:\n{server.log_tail()}")

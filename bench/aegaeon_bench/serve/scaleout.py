@@ -29,7 +29,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from aegaeon_bench.node.client import sse_events
+from aegaeon_bench.node.client import status_error
+from aegaeon_bench.node.http_client import fetch_sync, sse_events
 from aegaeon_bench.node.launch import free_port, interrupt
 
 
@@ -54,11 +55,10 @@ class Cluster:
         self.store_url = config["store"]["url"]
 
     def stats(self, replica: int = 0) -> dict[str, Any]:
-        import urllib.request
-
-        url = f"{self.urls[replica]}/v1/aegaeon/stats?light=1"
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            data: dict[str, Any] = json.loads(resp.read())
+        reply = fetch_sync("GET", f"{self.urls[replica]}/v1/aegaeon/stats?light=1", timeout_s=10)
+        if reply.status != 200:
+            raise status_error("GET /v1/aegaeon/stats", reply.status)
+        data: dict[str, Any] = reply.json()
         return data
 
     def node_pids(self, node: str) -> list[int]:
@@ -141,10 +141,10 @@ async def _load(urls: list[str], models: list[str], seconds: float, gap_s: float
 
 
 def _models(url: str) -> list[str]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
-        return [m["id"] for m in json.loads(resp.read())["data"]][:4]
+    reply = fetch_sync("GET", f"{url}/v1/models", timeout_s=10)
+    if reply.status != 200:
+        raise status_error("GET /v1/models", reply.status)
+    return [m["id"] for m in reply.json()["data"]][:4]
 
 
 def faults(market: Path, root: Path) -> dict[str, Any]:

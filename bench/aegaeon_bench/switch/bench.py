@@ -28,6 +28,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -151,7 +152,12 @@ def measure_worker(models: dict[str, Path], args: argparse.Namespace,
 
 def measure_naive(models: dict[str, Path], rows: dict[str, dict[str, Any]],
                   args: argparse.Namespace, log: Log | None = None) -> dict[str, Any]:
-    """Step 5: cold worker, vLLM engine start, transformers; fills ``rows``."""
+    """Step 5: cold worker, vLLM engine start, transformers; fills ``rows``.
+
+    transformers loads each model as it reads it (`aegaeon_market.readable`): a model
+    it cannot read as it is (GGUF blocks, FP8) from its weights dequantized to the
+    bench dtype, written once beforehand (untimed), with the reason in the model's
+    ``transformers_weights``."""
     from aegaeon_bench.switch.naive import (
         cold_worker,
         transformers_available,
@@ -163,21 +169,24 @@ def measure_naive(models: dict[str, Path], rows: dict[str, dict[str, Any]],
     say = log or (lambda _msg: None)
     python = vllm_python(args.vllm_python, args.no_vllm)
     use_hf = not args.no_transformers and transformers_available()
-    if use_hf:
-        transformers_load(next(iter(models.values())), args.dtype)  # warm the process
-    for name, path in models.items():
-        row = rows[name]
-        if not args.no_cold:
-            say(f"cold worker {name}")
-            runs = [cold_worker(path, args.dtype) for _ in range(max(args.cold_repeats, 1))]
-            row["cold_worker_s"] = round(statistics.median(r.seconds for r in runs), 4)
-            row["cold_worker_phases_s"] = {
-                key: round(statistics.median(r.report[key] for r in runs), 4)
-                for key in ("import_s", "load_s", "first_token_s")
-            }
-        if use_hf:
-            row["transformers_s"] = round(statistics.median(
-                transformers_load(path, args.dtype) for _ in range(2)), 4)
+    with tempfile.TemporaryDirectory(prefix="aegaeon-switch-hf-") as scratch:
+        hf_dirs = _transformers_dirs(models, rows, args.dtype, Path(scratch), say) if use_hf \
+            else {}
+        if hf_dirs:
+            transformers_load(next(iter(hf_dirs.values())), args.dtype)  # warm the process
+        for name, path in models.items():
+            row = rows[name]
+            if not args.no_cold:
+                say(f"cold worker {name}")
+                runs = [cold_worker(path, args.dtype) for _ in range(max(args.cold_repeats, 1))]
+                row["cold_worker_s"] = round(statistics.median(r.seconds for r in runs), 4)
+                row["cold_worker_phases_s"] = {
+                    key: round(statistics.median(r.report[key] for r in runs), 4)
+                    for key in ("import_s", "load_s", "first_token_s")
+                }
+            if name in hf_dirs:
+                row["transformers_s"] = round(statistics.median(
+                    transformers_load(hf_dirs[name], args.dtype) for _ in range(2)), 4)
     if python is not None:
         for name, path in models.items():
             say(f"vLLM engine start {name}")
@@ -189,6 +198,22 @@ def measure_naive(models: dict[str, Path], rows: dict[str, dict[str, Any]],
             rows[name]["vllm_start_s"] = round(started.seconds, 3)
             rows[name]["vllm_init_s"] = round(float(started.report["init_s"]), 3)
     return {"vllm_python": python}
+
+
+def _transformers_dirs(models: dict[str, Path], rows: dict[str, dict[str, Any]], dtype: str,
+                       scratch: Path, say: Log) -> dict[str, Path]:
+    """What transformers loads for each model: its directory, or its weights dequantized
+    to ``dtype`` in ``scratch`` (why: in its row's ``transformers_weights``, and said)."""
+    from aegaeon_market.readable import transformers_dir, transformers_unreadable
+
+    dirs = {}
+    for name, path in models.items():
+        why = transformers_unreadable(path)
+        if why is not None:
+            rows[name]["transformers_weights"] = f"dequantized to {dtype}: {why}"
+            say(f"transformers loads {name} dequantized to {dtype}: {why}")
+        dirs[name] = transformers_dir(path, scratch, dtype)
+    return dirs
 
 
 def run(args: argparse.Namespace) -> int:

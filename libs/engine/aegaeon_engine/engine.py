@@ -27,11 +27,13 @@ from .model import AttendFn, KVViews, LayerOps, ReduceFn, Tokens, forward, logit
 from .native import bf16_native, forced_isa, native_ops
 from .quant import embed
 from .rope import RopeTable
+from .sampling import TokenLogprobs, top_logprobs
 from .spec import KVShape, ModelSpec, RopeSpec, canonical_dtype
 from .tuning import TORCH, KernelChoice, choose, shape_key
 from .weights import TORCH_DTYPES, ModelWeights, bind_weights
 
 log = logging.getLogger(__name__)
+SCORE_CHUNK = 128  # prompt positions whose logits exist at once (prefill_scored)
 
 
 def _triton_reason(device: torch.device, asked: bool | None) -> str | None:
@@ -327,6 +329,28 @@ class Engine:
         be in those blocks (a cached prefix or an earlier chunk).
         """
         m = self._model()
+        hidden = self._prefill_hidden(m, token_ids, block_ids, start_pos)
+        return logits(m.weights, hidden[-1:], self.ops)[0]
+
+    @torch.inference_mode()
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int], k: int,
+                       start_pos: int = 0) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        """:meth:`prefill`, and the log-probability of each of ``token_ids[1:]`` with the
+        ``k`` most likely tokens at its position (the logits of a chunk of positions at
+        a time, never all of them at once)."""
+        m = self._model()
+        hidden = self._prefill_hidden(m, token_ids, block_ids, start_pos)
+        scored: list[TokenLogprobs] = []
+        targets = list(token_ids[1:])
+        for at in range(0, len(targets), SCORE_CHUNK):
+            rows = logits(m.weights, hidden[at:at + min(SCORE_CHUNK, len(targets) - at)],
+                          self.ops)
+            scored += top_logprobs(rows, targets[at:at + SCORE_CHUNK], k)
+        return logits(m.weights, hidden[-1:], self.ops)[0], scored
+
+    def _prefill_hidden(self, m: _Bound, token_ids: Sequence[int], block_ids: Sequence[int],
+                        start_pos: int) -> torch.Tensor:
+        """The final hidden states of ``token_ids``' positions (their K/V written)."""
         num_new = len(token_ids)
         total = start_pos + num_new
         if num_new == 0 or start_pos < 0:
@@ -363,8 +387,7 @@ class Engine:
 
         tokens = Tokens(ids, table[0], table[1], blocks[positions // bs], positions % bs,
                         positions=positions, rope=rope)
-        hidden = forward(m.weights, m.kv, tokens, attend, self.ops, m.reduce)
-        return logits(m.weights, hidden[-1:], self.ops)[0]
+        return forward(m.weights, m.kv, tokens, attend, self.ops, m.reduce)
 
     @torch.inference_mode()
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:

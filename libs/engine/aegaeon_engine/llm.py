@@ -24,7 +24,7 @@ import torch
 
 from .engine import DecodeSeq, Engine
 from .loader import load_weights
-from .sampling import Sampler, SamplingParams
+from .sampling import RowState, Sampler, SamplingParams
 from .spec import ModelSpec
 
 _PAGE = 4096
@@ -46,6 +46,11 @@ class LLMRequest:
     def position(self) -> int:
         """Position of the newest token (the next decode input)."""
         return len(self.prompt) + len(self.output) - 1
+
+    @property
+    def state(self) -> RowState:
+        """What its penalties and ``min_tokens`` read (no grammar here)."""
+        return RowState(self.prompt, self.output)
 
 
 class LLM:
@@ -114,7 +119,8 @@ class LLM:
         req.block_ids = [self.free_blocks.pop() for _ in range(need)]
         try:
             logits = self.engine.prefill(req.prompt, req.block_ids)
-            token = self.sampler.sample(logits[None], [req.params], [req.generator])[0]
+            token = self.sampler.sample(logits[None], [req.params], [req.generator],
+                                        [req.state])[0]
         except BaseException:
             self.release(req)
             raise
@@ -131,7 +137,7 @@ class LLM:
         logits = self.engine.decode([DecodeSeq(r.output[-1], r.position, r.block_ids)
                                      for r in running])
         tokens = self.sampler.sample(logits, [r.params for r in running],
-                                     [r.generator for r in running])
+                                     [r.generator for r in running], [r.state for r in running])
         for req, token in zip(running, tokens, strict=True):
             self._append(req, token)
 

@@ -137,13 +137,14 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_tensor(entry: TensorEntry, name: str) -> torch.Tensor:
+def read_tensor(entry: TensorEntry, name: str, *, blocks: bool = False) -> torch.Tensor:
     """One float (or F8_E4M3) tensor of a checkpoint, read into memory in its stored
-    dtype."""
-    if entry.code not in _READ_CODES:
-        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; only float tensors "
-                              "load")
-    dtype = _READ_CODES[entry.code][0]
+    dtype; with ``blocks``, a block-quantized matrix's U8 ``[rows, row_bytes]`` instead."""
+    codes = {"U8": (torch.uint8, 1)} if blocks else _READ_CODES
+    if entry.code not in codes:
+        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; " + (
+            "quantized blocks are stored as U8" if blocks else "only float tensors load"))
+    dtype = codes[entry.code][0]
     staging = bytearray(entry.nbytes)
     try:
         with entry.file.open("rb") as f:

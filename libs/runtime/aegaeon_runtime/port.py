@@ -24,9 +24,11 @@ from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.messages.structs import EventSpec
 from aegaeon_common.wire import Message
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, SamplingParams
+from aegaeon_engine.sampling import RowState, TokenLogprobs
 from aegaeon_gpumem import Event, KVBlockPool
 from aegaeon_sched import ModelSpec as SchedSpec
 
+from aegaeon_runtime.grammar import GrammarCache
 from aegaeon_runtime.metrics import WorkerMetrics
 
 
@@ -36,6 +38,12 @@ class EnginePort(Protocol):
 
     def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> torch.Tensor:
         """One prompt's K/V into ``block_ids``; the logits ``[vocab]`` of its last position."""
+        ...
+
+    def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                       k: int) -> tuple[torch.Tensor, list[TokenLogprobs]]:
+        """:meth:`prefill`, and each prompt token's (from the second) log-probability
+        with the ``k`` most likely tokens at its position."""
         ...
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
@@ -49,6 +57,7 @@ class SamplerPort(Protocol):
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        states: Sequence[RowState] | None = None,
     ) -> list[int]: ...
 
 
@@ -113,7 +122,8 @@ class SwitcherPort(Protocol):
         ...
 
     def nbytes(self, name: str) -> int:
-        """The bytes a scale-up of ``name`` copies (its packed weights)."""
+        """The bytes a scale-up of ``name`` copies here (its packed weights; a
+        tensor-parallel rank's: its shard's)."""
         ...
 
 
@@ -187,6 +197,11 @@ class WorkerPort(Protocol):
 
     @property
     def metrics(self) -> WorkerMetrics: ...
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Grammar matchers for constrained decoding (:mod:`aegaeon_runtime.grammar`)."""
+        ...
 
     def kv_shape(self, model: str) -> KVShape: ...
 

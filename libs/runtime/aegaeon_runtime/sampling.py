@@ -1,22 +1,56 @@
-"""Sampling state of a request as it moves between instances."""
+"""Sampling state of a request as it moves between instances.
+
+A request of ``n`` sequences has one :class:`SeqSampling` per sequence: its
+parameters (sequence ``i`` of a seeded request draws from its own seed, so
+the ``n`` differ and each is reproducible), its generator advanced past the
+draws made elsewhere, its engine :class:`~aegaeon_engine.sampling.RowState`
+(prompt and tokens so far, for penalties and ``min_tokens``) and its grammar
+state. :func:`sample_step` samples one token for each of a batch of them and
+reports the log-probabilities those that asked for them want.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingSpec, TokenLogprobs
 from aegaeon_engine import SamplingParams
+from aegaeon_engine.sampling import RowState, top_logprobs
+from aegaeon_engine.sampling import TokenLogprobs as EngineLogprobs
+
+from aegaeon_runtime.grammar import GrammarCache, GrammarState
+from aegaeon_runtime.port import SamplerPort
+
+SEED_RANGE = 1 << 63
+SIBLING_STRIDE = 0x9E3779B97F4A7C15  # sequence i of a seeded request: seed + i x this
 
 
-def engine_params(spec: SamplingSpec) -> SamplingParams:
-    """The wire's sampling spec as the engine's parameters (validated again there)."""
+def engine_params(spec: SamplingSpec, index: int = 0) -> SamplingParams:
+    """The wire's sampling spec as the engine's parameters (validated again there), for
+    sequence ``index`` of the request."""
+    seed = spec.seed
+    if seed is not None and index:
+        seed = (seed + index * SIBLING_STRIDE) % SEED_RANGE
     return SamplingParams(
         temperature=spec.temperature,
         top_p=spec.top_p,
         top_k=max(spec.top_k, 0),
-        seed=spec.seed,
+        seed=seed,
         max_tokens=spec.max_tokens,
         stop_token_ids=tuple(spec.stop_token_ids),
         ignore_eos=spec.ignore_eos,
+        min_p=spec.min_p,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=dict(spec.logit_bias),
+        allowed_token_ids=tuple(spec.allowed_token_ids),
+        min_tokens=spec.min_tokens,
+        logprobs=spec.logprobs,
+        prompt_logprobs=spec.prompt_logprobs,
+        grammar=spec.grammar,
     )
 
 
@@ -45,3 +79,62 @@ def finish_reason(token_id: int, num_generated: int, params: SamplingParams) -> 
     if num_generated >= params.max_tokens:
         return "length"
     return None
+
+
+@dataclass
+class SeqSampling:
+    """One sequence's sampling state (see the module docstring)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    state: RowState
+    grammar: GrammarState | None = None
+
+    @classmethod
+    def start(cls, spec: SamplingSpec, index: int, *, model: str, device: torch.device,
+              grammars: GrammarCache, prompt_ids: Sequence[int] = (),
+              output_ids: list[int] | None = None) -> SeqSampling:  # fmt: skip
+        """Sequence ``index`` of a request with ``output_ids`` generated so far (its
+        generator and grammar advanced past them; the list is the state's own from
+        now on: the caller appends each new token through :meth:`accept`)."""
+        params = engine_params(spec, index)
+        tokens = output_ids if output_ids is not None else []
+        generator = resume_generator(params, device, 0, len(tokens))
+        grammar = grammars.state(model, params.grammar, tokens) if params.grammar else None
+        return cls(params, generator, RowState(prompt_ids, tokens, grammar), grammar)
+
+    def ready(self) -> bool:
+        """Its grammar's matcher exists (it may step)."""
+        return self.grammar is None or self.grammar.ready()
+
+    def accept(self, token_id: int) -> None:
+        """The token sampled for it: into its tokens so far and its grammar."""
+        assert isinstance(self.state.output_ids, list)
+        self.state.output_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+
+def to_wire(logprobs: Sequence[EngineLogprobs]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(x.logprob, x.top_ids, x.top_logprobs, x.rank) for x in logprobs]
+
+
+def sample_step(sampler: SamplerPort, logits: torch.Tensor,
+                seqs: Sequence[SeqSampling]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token for each row of ``logits`` (``[len(seqs), vocab]``), accepted into each
+    sequence's state, and its log-probabilities where the sequence asked for them."""
+    params = [s.params for s in seqs]
+    tokens = sampler.sample(logits, params, [s.generator for s in seqs],
+                            [s.state for s in seqs])
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    wanted = [i for i, p in enumerate(params) if p.logprobs >= 0]
+    if wanted:
+        k = max(params[i].logprobs for i in wanted)
+        rows = logits[torch.tensor(wanted, device=logits.device)]
+        found = top_logprobs(rows, [tokens[i] for i in wanted], k)
+        for i, x in zip(wanted, found, strict=True):
+            keep = params[i].logprobs
+            out[i] = TokenLogprobs(x.logprob, x.top_ids[:keep], x.top_logprobs[:keep], x.rank)
+    for seq, token in zip(seqs, tokens, strict=True):
+        seq.accept(token)
+    return tokens, out

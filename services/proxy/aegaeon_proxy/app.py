@@ -9,14 +9,21 @@ from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy import admin_models, handlers, info, vllm_controls
+from aegaeon_proxy import (
+    admin_models,
+    handlers,
+    info,
+    request_ids,
+    responses_api,
+    tokenize,
+    vllm_controls,
+)
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
 from aegaeon_proxy.backend import Backend, ModelQuarantine, SharedModelSet, SharedModelSettings
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
+from aegaeon_proxy.request_ids import CLIENT_CLOSED
 from aegaeon_proxy.state import STATE, ProxyState
-
-CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
 log = get_logger("proxy")
 
@@ -32,9 +39,15 @@ PROBES: list[Route] = [  # open: liveness and readiness probes
 PUBLIC: list[Route] = [  # the API: any key (a model-limited key for its models)
     ("POST", "/v1/completions", handlers.completions),
     ("POST", "/v1/chat/completions", handlers.chat_completions),
+    ("POST", "/v1/responses", responses_api.create_response),
     ("GET", "/v1/models", info.list_models),
     ("GET", "/v1/models/{model}", info.retrieve_model),
+    ("POST", "/tokenize", tokenize.tokenize),
+    ("POST", "/detokenize", tokenize.detokenize),
+    ("GET", "/version", info.version),
 ]
+# the API's requests, each recorded by one access log line (request_ids)
+ACCESS_LOGGED = frozenset(path for _, path, _ in PUBLIC)
 # Operators' endpoints, what changes or reveals the node (run-time adapter loading
 # belongs here too): an admin key; on the API port, or alone on ``proxy.admin_port``.
 ADMIN: list[Route] = [
@@ -64,6 +77,10 @@ def add_routes(app: web.Application, config: Config, *kinds: Access) -> None:
 def _endpoint(request: web.Request) -> str:
     route = request.match_info.route.resource
     return route.canonical if route is not None else "other"
+
+
+def _access_logged(request: web.Request) -> bool:
+    return _endpoint(request) in ACCESS_LOGGED
 
 
 @web.middleware
@@ -105,7 +122,8 @@ def make_app(config: Config, backend: Backend) -> web.Application:
     admin routes an admin key.
     """
     app = web.Application(client_max_size=config.proxy.max_body_bytes,
-                          middlewares=[api_errors])  # fmt: skip
+                          middlewares=[request_ids.middleware(_access_logged),
+                                       api_errors])  # fmt: skip
     app[STATE] = ProxyState.create(config, backend)
     admin = [Access.ADMIN] if config.proxy.admin_port is None else []
     add_routes(app, config, Access.USER, Access.OPEN, *admin)
@@ -142,7 +160,7 @@ def make_admin_app(state: ProxyState) -> web.Application:
     (``proxy.admin_host:admin_port``, loopback by default): with keys configured,
     an admin key is asked there as on the API port (a Service or a sidecar may
     expose the port)."""
-    app = web.Application(middlewares=[api_errors])
+    app = web.Application(middlewares=[request_ids.middleware(_access_logged), api_errors])
     app[STATE] = state
     add_routes(app, state.config, Access.ADMIN, Access.OPEN)
     return app

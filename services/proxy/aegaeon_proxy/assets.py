@@ -44,6 +44,8 @@ class ModelAssets:
     # generation_config.json's temperature / top_p / top_k: what a request leaving the
     # field out gets (an explicit value, 0 included, wins)
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # the texts of the tokenizer's special tokens (a grammar names these as tokens)
+    special_texts: frozenset[str] = frozenset()
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -127,6 +129,8 @@ def load_assets(model: ModelConfig) -> ModelAssets:
         max_model_len=max_len,
         vocab_size=vocab_size,
         sampling_defaults=defaults,
+        special_texts=frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                if t.special),
     )
 
 

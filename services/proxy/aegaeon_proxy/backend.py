@@ -11,10 +11,15 @@ Stream contract:
 
 * ``submit`` returns at once (it never waits for the model); it raises
   :class:`BackendError` when the request cannot be accepted.
-* The stream yields :class:`TokenChunk` objects in generation order. Every
-  sampled token is delivered, including a final stop token (EOS or one of
-  ``stop_token_ids``). Exactly one chunk, the last, has ``finish_reason`` set
-  (its ``token_ids`` may be empty); iteration ends after it.
+* The stream yields :class:`TokenChunk` objects in generation order (per
+  sequence: a request of ``sampling.n`` sequences interleaves them, each chunk
+  naming its ``index``). Every sampled token is delivered, including a final
+  stop token (EOS or one of ``stop_token_ids``). A sequence's last chunk has
+  ``seq_finish``; exactly one chunk, the last of the stream, has
+  ``finish_reason`` set (its ``token_ids`` may be empty); iteration ends after
+  it. Log-probabilities ride with their tokens when the request asked for them
+  (``sampling.logprobs``), the prompt's with the first token
+  (``sampling.prompt_logprobs``).
 * ``cancel(request_id)`` frees the request's resources; the stream then ends
   with ``finish_reason="cancelled"`` unless it had already finished. Cancelling
   an unknown or finished request is a no-op. The front stops reading a stream
@@ -33,7 +38,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from aegaeon_common.config import ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
-from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.messages.structs import RequestTimings, SamplingSpec, TokenLogprobs
 from prometheus_client import CollectorRegistry
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -52,31 +57,11 @@ __all__ = [
     "ModelControl",
     "ModelQuarantine",
     "ModelResidency",
-    "SamplingParams",
     "SharedModelSet",
     "TokenChunk",
     "TokenQueue",
     "TokenStream",
 ]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; validated by the front before a backend sees it.
-
-    ``temperature == 0`` is greedy. ``top_k == -1`` and ``top_p == 1`` are off.
-    ``stop_token_ids`` already contains the model's EOS ids (from
-    ``generation_config.json``) unless ``ignore_eos``; a backend stops on any of
-    them and never needs to know the model's EOS itself.
-    """
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None  # in [0, 2**63); the front folds OpenAI's int64 seeds into it
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,7 +71,10 @@ class GenerationRequest:
     request_id: str
     model: str  # a name in Config.models
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
+    # how to sample, validated by the front: the wire's spec as the instances get it
+    # (``stop_token_ids`` holds the model's EOS ids unless ``ignore_eos``: a backend
+    # stops on any of them and never needs to know the model's EOS itself)
+    sampling: SamplingSpec
     arrival_s: float  # time.time() when the front accepted the request (wall clock, seconds)
     # Its SLO class (aegaeon_proxy.slo_classes): the scheduler's rank (0 interactive,
     # 1 standard, 2 batch) and its own targets (None: the deployment's).
@@ -106,7 +94,9 @@ FAULT_RETRY_AFTER_S = 1.0
 
 @dataclass(frozen=True)
 class TokenChunk:
-    """Newly generated token ids; the last chunk of a stream has ``finish_reason``."""
+    """Newly generated token ids of sequence ``index``; the last chunk of a stream has
+    ``finish_reason``, the last of each sequence ``seq_finish`` (with one sequence, the
+    same chunk)."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
@@ -117,6 +107,10 @@ class TokenChunk:
     code: str | None = None
     # with the finishing chunk, when known: where the request's time went
     timings: RequestTimings | None = None
+    index: int = 0  # which of the request's n sequences
+    seq_finish: str | None = None  # this sequence ended ("stop" or "length")
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the first token
 
 
 class TokenStream(Protocol):
@@ -135,8 +129,9 @@ class BackendError(Exception):
 
     ``status`` is the HTTP status the front answers with: 429 (overloaded) or 503
     (unavailable: an instance kind, the store or a cachemgr is down or restarting),
-    each with ``Retry-After: retry_after_s``; ``code`` the error's code
-    (``overloaded``, ``unavailable``, ``store_unavailable``).
+    each with ``Retry-After: retry_after_s``, or 409 (a request id already in
+    flight); ``code`` the error's code (``overloaded``, ``unavailable``,
+    ``store_unavailable``, ``duplicate_request_id``).
     """
 
     def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None,

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -95,6 +96,20 @@ def detect_content_format(ast: jinja2.nodes.Template) -> ContentFormat:
     return "string"
 
 
+def _open_final(text: str, final: Mapping[str, Any]) -> str:
+    """``text`` cut right after the final message's content, as transformers'
+    ``continue_final_message`` does (the end-of-turn tokens after it go)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = _flatten(content)
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with content")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError("the final message's content is not in the rendered prompt")
+    return text[: at + len(content.strip())]
+
+
 def _flatten(content: Any) -> Any:
     if not isinstance(content, list):
         return content
@@ -107,7 +122,10 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         env = _environment()
         self.source = source
-        self.content_format: ContentFormat = detect_content_format(env.parse(source))
+        ast = env.parse(source)
+        self.content_format: ContentFormat = detect_content_format(ast)
+        # whether it renders `tools` (else aegaeon_proxy.tool_calls writes them itself)
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
         self._template = env.from_string(source)
         self.special_tokens = dict(special_tokens)
 
@@ -118,22 +136,31 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text; raises :class:`ChatTemplateError` if the template refuses."""
+        """The prompt text; raises :class:`ChatTemplateError` if the template refuses.
+
+        ``extra``: more variables for the template (a request's ``chat_template_kwargs``,
+        e.g. Qwen3's ``enable_thinking``); the named arguments win over them.
+        ``continue_final_message``: the text ends inside the last message, open for the
+        model to continue (transformers cuts what the template wrote after its content).
+        """
         chat = [self._message(m) for m in messages]
         try:
-            return self._template.render(
+            text = self._template.render(
+                **{**self.special_tokens, **(extra or {})},
                 messages=chat,
                 tools=tools,
                 documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(str(exc) or type(exc).__name__) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # a template indexing a message the client shaped unexpectedly
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
+        return _open_final(text, chat[-1]) if continue_final_message and chat else text
 
     def _message(self, message: Mapping[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in message.items() if v is not None}

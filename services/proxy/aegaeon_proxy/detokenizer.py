@@ -28,9 +28,10 @@ __all__ = ["IncrementalDetokenizer"]
 class IncrementalDetokenizer:
     """Feed token ids as they come; get back text that is safe to send."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._emitted: list[str] = []
 
@@ -66,7 +67,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The text not yet emitted, so that the total equals ``decode(all ids)``."""
-        final = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        final = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
         sent = self.text
         if not final.startswith(sent):
             # cannot happen with the decoders of our tokenizers (byte-level BPE,
@@ -75,5 +76,5 @@ class IncrementalDetokenizer:
         rest = final[len(sent) :]
         if rest:
             self._emitted.append(rest)
-        self._stream = DecodeStream(skip_special_tokens=True)  # ids pushed later start afresh
+        self._stream = DecodeStream(skip_special_tokens=self._skip)  # later ids start afresh
         return rest

@@ -1,10 +1,14 @@
 """One generation: submit to the backend, turn its token stream into safe text.
 
 Owns the parts between token ids and text deltas: the stop token (not shown),
-incremental detokenizing, stop strings (a match cancels the backend request
-so its resources are freed), the request deadline, usage counts, TTFT/TBT.
-Whatever way the consumer stops (finish, error, client disconnect, i.e. task
-cancellation), ``close()`` cancels the backend request if it is still open.
+incremental detokenizing, stop strings (a match ends that sequence; once every
+sequence of the request has ended, the backend request is cancelled so its
+resources are freed), the request deadline, usage counts, TTFT/TBT. A request
+of ``n`` sequences has one :class:`_Choice` per sequence; each :class:`Delta`
+names its choice and carries the log-probabilities of the tokens it consumed
+(when the request asked for them). Whatever way the consumer stops (finish,
+error, client disconnect, i.e. task cancellation), ``close()`` cancels the
+backend request if it is still open.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Literal, cast
 
-from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.messages.structs import RequestTimings, TokenLogprobs
 
 from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import (
@@ -35,7 +40,57 @@ from aegaeon_proxy.vllm_metrics import VllmRequest
 
 ClientFinish = Literal["stop", "length"]
 
-__all__ = ["ClientFinish", "Generation"]
+__all__ = ["ClientFinish", "Delta", "Generation"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one choice adds: text safe to send, the tokens consumed for it (their
+    log-probabilities when asked), and the choice's finish reason when it ended."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: ClientFinish | None = None
+
+
+class _Choice:
+    """One sequence's way from token ids to text."""
+
+    def __init__(self, assets: ModelAssets, stop: Sequence[str], stop_ids: frozenset[int],
+                 skip_special_tokens: bool, min_tokens: int) -> None:  # fmt: skip
+        self.detok = IncrementalDetokenizer(assets.tokenizer, skip_special_tokens)
+        self.stop = StopStringMatcher(stop)
+        self.stop_ids = stop_ids
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
+        self.finish: ClientFinish | None = None
+
+    def push(self, chunk: TokenChunk) -> Delta:
+        """A chunk of this choice's tokens. A stop token among them ends the text: it is
+        not shown, yet it stays among the delta's tokens and log-probabilities (as vLLM
+        reports them: lm-evaluation-harness counts on the generated token's entry)."""
+        ids = list(chunk.token_ids)
+        self.num_tokens += len(ids)
+        logprobs = chunk.logprobs
+        shown = ids
+        for i, token_id in enumerate(ids):
+            if token_id in self.stop_ids:
+                ids, logprobs, shown = ids[:i + 1], logprobs[:i + 1], ids[:i]
+                break
+        text = self.detok.push(shown) if shown else ""
+        if self.num_tokens - len(ids) >= self.min_tokens:  # vLLM: no stop before min_tokens
+            text = self.stop.push(text).text
+        if self.stop.stopped:
+            self.finish = "stop"
+        return Delta(chunk.index, text, tuple(ids), tuple(logprobs))
+
+    def end(self, reason: ClientFinish) -> str:
+        """The sequence ended (``reason``): the text held back, if it is not a stop."""
+        text = self.stop.push(self.detok.finish()).text
+        self.finish = "stop" if self.stop.stopped else reason
+        return text + self.stop.flush()
 
 
 class Generation:
@@ -52,6 +107,7 @@ class Generation:
         timeout_s: float,
         slo: tuple[float, float] = (10.0, 0.1),
         models: ModelSettingsTable | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
         """``slo``: the model's (TTFT, TBT) targets in seconds; token k meets its
         deadline when it arrives by arrival + TTFT + k x TBT. ``models``: the live
@@ -61,9 +117,11 @@ class Generation:
         self.req = req
         self._backend = backend
         self._metrics = metrics
-        self._detok = IncrementalDetokenizer(assets.tokenizer)
-        self._stop = StopStringMatcher(stop)
-        self._stop_ids = frozenset(req.sampling.stop_token_ids)
+        stop_ids = frozenset(req.sampling.stop_token_ids)
+        self._choices = [_Choice(assets, stop, stop_ids, skip_special_tokens,
+                                 req.sampling.min_tokens) for _ in range(req.sampling.n)]
+        # with the first token, when the request asked (sampling.prompt_logprobs)
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
         # the arrival on the monotonic clock: latencies count from when the front accepted it
         self._start = time.monotonic() - max(0.0, time.time() - req.arrival_s)
         self._recorded = False
@@ -74,6 +132,7 @@ class Generation:
         self._open = False  # submitted, and its stream has not ended
         self._ttft_s, self._tbt_s = slo
         self.completion_tokens = 0
+        self.ttft_s: float | None = None  # once the first token came
         self.finish_reason: ClientFinish | None = None
         # How it ended, for aegaeon_requests_total (metrics.OUTCOMES); None: the
         # consumer stopped reading first (a client disconnect).
@@ -129,36 +188,54 @@ class Generation:
             raise APIError(exc.status, exc.message, code=exc.code,
                            retry_after_s=exc.retry_after_s) from None
 
+    @property
+    def finish_reasons(self) -> list[ClientFinish | None]:
+        """Each choice's finish reason (None: it has not ended)."""
+        return [c.finish for c in self._choices]
+
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
-    ) -> AsyncGenerator[str, None]:
-        """Text as it becomes safe to send ('' never yielded); raises APIError on failure.
+    ) -> AsyncGenerator[Delta, None]:
+        """Each choice's text as it becomes safe to send (a delta with nothing to say
+        is never yielded), and its finish; raises APIError on failure.
 
         ``before_wait`` is awaited whenever the next chunk is not there yet, so
         a consumer may hold what it got while more is ready (one socket write
         for the tokens a busy proxy finds queued) and send it before a wait.
         """
         assert self._stream is not None, "submit() first"
+        choices = self._choices
         try:
             while self.finish_reason is None:
                 if before_wait is not None and not self._stream.ready():
                     await before_wait()
                 chunk = await self._next(self._stream)
-                text = self._on_chunk(chunk)
-                if self._stop.stopped:
-                    self.finish_reason = self.outcome = "stop"
-                    await self.close()
-                elif chunk.finish_reason is not None:
+                if chunk.token_ids:
+                    self._observe_tokens(len(chunk.token_ids))
+                if chunk.prompt_logprobs is not None:
+                    self.prompt_logprobs = chunk.prompt_logprobs
+                choice = choices[chunk.index] if 0 <= chunk.index < len(choices) else None
+                if choice is not None and choice.finish is None:
+                    delta = choice.push(chunk)
+                    ended = chunk.seq_finish or chunk.finish_reason
+                    if choice.finish is None and ended is not None:
+                        text = delta.text + choice.end(self._client_finish(chunk, ended))
+                        delta = replace(delta, text=text)
+                    if choice.finish is not None:
+                        delta = replace(delta, finish_reason=choice.finish)
+                    if delta.text or delta.logprobs or delta.finish_reason:
+                        yield delta
+                if chunk.finish_reason is not None:
                     self._open = False
                     self._timings = chunk.timings
-                    self.finish_reason = self._client_finish(chunk)
-                    text += self._stop.push(self._detok.finish()).text
-                    if self._stop.stopped:
-                        self.finish_reason = "stop"
-                    self.outcome = self.finish_reason
-                    text += self._stop.flush()
-                if text:
-                    yield text
+                    reason = self._client_finish(chunk, chunk.finish_reason)
+                    for index, left in enumerate(choices):  # the stream ended them all
+                        if left.finish is None:
+                            yield Delta(index, left.end(reason), finish_reason=left.finish)
+                if all(c.finish is not None for c in choices):
+                    # every choice ended (a stop string may end them before the backend)
+                    self.finish_reason = self.outcome = choices[0].finish
+                    await self.close()
         finally:
             await self.close()
 
@@ -191,22 +268,11 @@ class Generation:
         loop = asyncio.get_running_loop()
         return loop.time() + max(0.0, self._deadline - time.monotonic())
 
-    def _on_chunk(self, chunk: TokenChunk) -> str:
-        ids = list(chunk.token_ids)
-        if not ids:
-            return ""
-        self._observe_tokens(len(ids))
-        # the token that matched stop_token_ids ends generation and is not shown
-        for i, token_id in enumerate(ids):
-            if token_id in self._stop_ids:
-                ids = ids[:i]
-                break
-        return self._stop.push(self._detok.push(ids)).text if ids else ""
-
-    def _client_finish(self, chunk: TokenChunk) -> ClientFinish:
-        reason = chunk.finish_reason
+    def _client_finish(self, chunk: TokenChunk, reason: str) -> ClientFinish:
+        """A sequence's or the stream's end as the client reads it; an APIError for a
+        failure or a cancel by the server."""
         if reason in ("stop", "length"):
-            return reason
+            return cast(ClientFinish, reason)
         if reason == "cancelled":
             self.outcome = "cancelled"
             raise APIError(503, "the request was cancelled by the server", code="cancelled")
@@ -226,7 +292,8 @@ class Generation:
         model = self.req.model
         m = self._metrics
         if self._last_token_at is None:
-            m.ttft.labels(model).observe(now - self._start)
+            self.ttft_s = now - self._start
+            m.ttft.labels(model).observe(self.ttft_s)
         else:
             per_token = (now - self._last_token_at) / n
             tbt = m.tbt.labels(model)

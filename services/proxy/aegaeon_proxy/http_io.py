@@ -71,9 +71,10 @@ class SSEWriter:
         self._request[STREAMING] = True
         await self.response.prepare(self._request)
 
-    def add(self, obj: Any) -> None:
-        """Queue an event; it leaves with the next :meth:`flush`, :meth:`send` or :meth:`done`."""
-        self._held.append(sse_event(obj))
+    def add(self, obj: Any, event: str | None = None) -> None:
+        """Queue an event (named ``event``: an ``event:`` line first); it leaves with the
+        next :meth:`flush`, :meth:`send` or :meth:`done`."""
+        self._held.append(sse_event(obj, event))
 
     async def flush(self) -> None:
         """Write the queued events, as one write; ``ConnectionResetError`` when the
@@ -97,7 +98,10 @@ class SSEWriter:
         self.add(obj)
         await self.flush()
 
-    async def done(self) -> None:
-        self._held.append(b"data: [DONE]\n\n")
+    async def done(self, sentinel: bool = True) -> None:
+        """The last events, then the end of the stream (after ``data: [DONE]``, as chat
+        and completions end; ``sentinel=False``: without, as Responses streams end)."""
+        if sentinel:
+            self._held.append(b"data: [DONE]\n\n")
         await self.flush()
         await self._bounded(self.response.write_eof())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from importlib import metadata
 
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import ServiceAddress, metrics_response, read_http_address
@@ -28,6 +29,7 @@ __all__ = [
     "ready",
     "retrieve_model",
     "service_names",
+    "version",
 ]
 
 
@@ -56,6 +58,18 @@ async def retrieve_model(request: web.Request) -> web.Response:
     if not models.serving(name) or not allowed(request, name):
         raise model_not_found(name)
     return json_response(_model_obj(name, models.unavailable(name)))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("aegaeon")
+    except metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
+
+
+async def version(request: web.Request) -> web.Response:
+    """``GET /version``: the server's version, as vLLM answers it."""
+    return json_response({"version": _version()})
 
 
 async def health(request: web.Request) -> web.Response:

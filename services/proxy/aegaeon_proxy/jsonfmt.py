@@ -24,6 +24,8 @@ def json_response(body: Any, status: int = 200,
                         content_type="application/json")  # fmt: skip
 
 
-def sse_event(obj: Any) -> bytes:
-    """One server-sent event: ``data: {json}`` and a blank line."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def sse_event(obj: Any, event: str | None = None) -> bytes:
+    """One server-sent event: ``data: {json}`` (after ``event: NAME`` when named) and a
+    blank line."""
+    data = b"data: " + orjson.dumps(obj) + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data

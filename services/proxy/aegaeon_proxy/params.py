@@ -2,15 +2,16 @@
 
 Each field has a checker ``(param, value) -> normalized value`` that raises a
 400 :class:`APIError` naming the field; a missing or ``null`` field takes its
-default. Unknown fields are ignored (as vLLM does); known OpenAI fields that we
-do not implement are accepted only with their neutral value.
+default. Which fields an endpoint knows at all is :mod:`aegaeon_proxy.request_fields`'
+business (an unknown one is a 400 naming it).
 
 Ollama's ``keep_alive`` (seconds or a duration such as ``"5m"``; 0 unloads the
 model after the request, negative keeps it loaded) is taken with Ollama's
 meaning (:mod:`aegaeon_proxy.keep_alive`).
 
 Aegaeon's extension fields (SLO classes, :mod:`aegaeon_proxy.slo_classes`):
-``priority`` (``"interactive"``, ``"standard"``, ``"batch"``) and explicit
+``priority`` (``"interactive"``, ``"standard"``, ``"batch"``, or vLLM's integer:
+below 0 interactive, 0 standard, above 0 batch) and explicit
 ``ttft_ms`` / ``tbt_ms`` targets (positive numbers of milliseconds), checked
 here like every other field; what a caller may ask for is checked later,
 against its API key and the model.
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aegaeon_common.config import SLO_CLASS_NAMES
+from aegaeon_sched.priority import BATCH, CLASS_NAMES, INTERACTIVE, STANDARD
 
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.keep_alive import parse_keep_alive
@@ -36,6 +38,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: a match is checked against every new text piece
 MAX_STOP_TOKEN_IDS = 64
 MAX_TARGET_MS = 86_400_000.0  # a day: an explicit ttft_ms / tbt_ms beyond it is a typo
+MAX_N = 8  # sequences per request (the prompt prefilled once for all)
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's bound)
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_IDS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,37 @@ class CommonParams:
     tbt_s: float | None = None  # from tbt_ms
     # Ollama's keep_alive in seconds (None: not given; 0: unload after; inf: keep)
     keep_alive_s: float | None = None
+    # more sampling (vLLM's and OpenAI's)
+    n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    # log-probabilities: completions' `logprobs` (top-k per token) or chat's `logprobs` +
+    # `top_logprobs`; vLLM's `prompt_logprobs`; completions' `echo` (the prompt first)
+    logprobs: int | None = None
+    chat_logprobs: bool = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    # how tokens read in the answer
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids ("token_id:N")
+    return_token_ids: bool = False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per generated token (0: the chosen token's alone; None:
+        none asked)."""
+        if self.chat_logprobs:
+            return self.top_logprobs or 0
+        return self.logprobs
 
 
-def _string(param: str, value: Any) -> str:
+def check_string(param: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise invalid(param, f"'{param}' must be a non-empty string")
     return value
@@ -117,10 +151,6 @@ def _seed(param: str, value: Any) -> int:
     return _int(param, value, SEED_MIN, SEED_MAX)
 
 
-def _n(param: str, value: Any) -> int:
-    return _int(param, value, 1, 1)
-
-
 def _stop(param: str, value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
@@ -146,16 +176,77 @@ def _timeout(param: str, value: Any) -> float:
 
 
 def _priority(param: str, value: Any) -> str:
+    """An SLO class by name, or vLLM's integer priority (lower is more urgent):
+    below 0 ``interactive``, 0 (vLLM's default) ``standard``, above 0 ``batch``."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if integral and not isinstance(value, bool) and SEED_MIN <= value <= SEED_MAX:
+        rank = int(value)
+        return CLASS_NAMES[INTERACTIVE if rank < 0 else STANDARD if rank == 0 else BATCH]
     if not isinstance(value, str) or value not in SLO_CLASS_NAMES:
         names = ", ".join(repr(n) for n in SLO_CLASS_NAMES)
         shown = repr(value)[:60]  # a client's value, cut short
-        raise invalid(param, f"'{param}' must be one of {names}, got {shown}")
+        raise invalid(param, f"'{param}' must be one of {names} or an integer (vLLM's "
+                      f"priority: lower is more urgent), got {shown}")  # fmt: skip
     return value
 
 
 def _millis(param: str, value: Any) -> float:
     """A target in milliseconds (> 0), as seconds."""
     return _number(param, value, 0.0, MAX_TARGET_MS, low_open=True) / 1000.0
+
+
+def _n(param: str, value: Any) -> int:
+    return _int(param, value, 1, MAX_N)
+
+
+def _unit(param: str, value: Any) -> float:
+    return _number(param, value, 0.0, 1.0)
+
+
+def _penalty(param: str, value: Any) -> float:
+    return _number(param, value, -2.0, 2.0)
+
+
+def _repetition_penalty(param: str, value: Any) -> float:
+    return _number(param, value, 0.0, 100.0, low_open=True)
+
+
+def _logit_bias(param: str, value: Any) -> dict[int, float]:
+    """OpenAI's: token ids (as JSON object keys) to a bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise invalid(param, f"'{param}' must be an object of token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(param, f"'{param}' may hold at most {MAX_LOGIT_BIAS} tokens")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 12):
+            raise invalid(param, f"'{param}' keys must be token ids, got {key[:20]!r}")
+        out[int(key)] = _number(f"{param}.{key}", bias, -100.0, 100.0)
+    return out
+
+
+def _allowed_ids(param: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid(param, f"'{param}' must be a non-empty list of token ids")
+    if len(value) > MAX_ALLOWED_IDS:
+        raise invalid(param, f"'{param}' may hold at most {MAX_ALLOWED_IDS} token ids")
+    return tuple(_int(param, v, 0) for v in value)
+
+
+def _min_tokens(param: str, value: Any) -> int:
+    return _int(param, value, 0)
+
+
+def _top_count(param: str, value: Any) -> int:
+    """A count of top log-probabilities (OpenAI's bound: 20)."""
+    return _int(param, value, 0, MAX_LOGPROBS)
+
+
+def _completion_logprobs(param: str, value: Any) -> int | None:
+    """Completions' ``logprobs``: how many top tokens (0..20) per token; ``false`` off."""
+    if value is False:
+        return None
+    return _top_count(param, value)
 
 
 def _stream_options(param: str, value: Any) -> bool:
@@ -184,41 +275,30 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "ttft_ms": ("ttft_s", _millis),
     "tbt_ms": ("tbt_s", _millis),
     "keep_alive": ("keep_alive_s", parse_keep_alive),
+    "n": ("n", _n),
+    "min_p": ("min_p", _unit),
+    "presence_penalty": ("presence_penalty", _penalty),
+    "frequency_penalty": ("frequency_penalty", _penalty),
+    "repetition_penalty": ("repetition_penalty", _repetition_penalty),
+    "logit_bias": ("logit_bias", _logit_bias),
+    "allowed_token_ids": ("allowed_token_ids", _allowed_ids),
+    "min_tokens": ("min_tokens", _min_tokens),
+    "prompt_logprobs": ("prompt_logprobs", _top_count),
+    "skip_special_tokens": ("skip_special_tokens", _bool),
+    "return_tokens_as_token_ids": ("tokens_as_ids", _bool),
+    "return_token_ids": ("return_token_ids", _bool),
+}
+COMPLETION_FIELDS: dict[str, tuple[str, Checker]] = {
+    **FIELDS,
+    "logprobs": ("logprobs", _completion_logprobs),
+    "echo": ("echo", _bool),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "max_completion_tokens": ("max_tokens", _max_tokens),  # wins over max_tokens (after it)
-}
-
-
-def _zero(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value == 0)
-
-
-def _false(value: Any) -> bool:
-    return value is None or value is False or value == 0
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value in ("", [], {})
-
-
-# OpenAI fields we do not implement -> "is this value neutral?"
-NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
-    "logprobs": _false,
-    "top_logprobs": _zero,
-    "echo": _false,
-    "best_of": lambda v: v is None or (not isinstance(v, bool) and v == 1),
-    "suffix": _empty,
-    "logit_bias": _empty,
-    "tools": _empty,
-    "functions": _empty,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "repetition_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
-    "min_tokens": _zero,
+    "logprobs": ("chat_logprobs", _bool),
+    "top_logprobs": ("top_logprobs", _top_count),
+    "echo": ("echo", _bool),  # vLLM's: the last message first, when it is the assistant's
 }
 
 
@@ -252,15 +332,13 @@ def parse_common(
     body: Mapping[str, Any], fields: Mapping[str, tuple[str, Checker]]
 ) -> CommonParams:
     """Validate the shared fields of a request body (a JSON object)."""
-    model = _string("model", body.get("model"))
-    if body.get("n") is not None:
-        _n("n", body["n"])
-    for name, neutral in NEUTRAL.items():
-        if not neutral(body.get(name)):
-            raise invalid(name, f"'{name}' is not supported by this server")
+    model = check_string("model", body.get("model"))
     values: dict[str, Any] = {}
     for name, (target, check) in fields.items():
         value = body.get(name)
         if value is not None:
             values[target] = check(name, value)
-    return CommonParams(model=model, **values)
+    params = CommonParams(model=model, **values)
+    if params.top_logprobs and not params.chat_logprobs:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return params

@@ -10,23 +10,31 @@ tokenized without adding any.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import jinja2
+from aegaeon_common.messages.structs import SamplingSpec
+
 from aegaeon_proxy.assets import ModelAssets
-from aegaeon_proxy.backend import GenerationRequest, SamplingParams
-from aegaeon_proxy.chat_template import ChatTemplateError
+from aegaeon_proxy.backend import GenerationRequest
+from aegaeon_proxy.chat_template import ChatTemplate, ChatTemplateError
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.params import CommonParams
+from aegaeon_proxy.tool_calls import ToolSetup, tool_messages, tool_setup, tool_text
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ENGINE_SEED_RANGE = 1 << 63  # int64 seeds fold into the engine's [0, 2**63)
 
-__all__ = ["build_request", "chat_prompt_ids", "completion_prompt_ids"]
+__all__ = ["CHAT_PROMPT_FIELDS", "Prompt", "bool_field", "build_request", "chat_prompt",
+           "chat_prompt_ids", "check_ids", "completion_prompt", "completion_prompt_ids",
+           "render_chat", "request_tools", "truncated"]
 
 
-def _check_ids(param: str, ids: list[Any], assets: ModelAssets) -> list[int]:
+def check_ids(param: str, ids: list[Any], assets: ModelAssets) -> list[int]:
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise invalid(param, f"'{param}' must be a string or a list of token ids")
@@ -37,6 +45,24 @@ def _check_ids(param: str, ids: list[Any], assets: ModelAssets) -> list[int]:
     return ids
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as the generation needs it."""
+
+    ids: list[int]
+    text: str | None = None  # what `echo` repeats: the completion prompt, the last message
+    tools: ToolSetup | None = None  # chat: the tools the model may call
+
+
+def completion_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
+    """The prompt of a completions request."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return Prompt(completion_prompt_ids(body, assets),
+                  prompt if isinstance(prompt, str) else None)
+
+
 def completion_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
     """The prompt of a completions request as token ids."""
     prompt = body.get("prompt")
@@ -45,9 +71,10 @@ def completion_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise invalid("prompt", "only one prompt per request is supported")
     if isinstance(prompt, str):
-        ids = assets.encode(prompt, add_special_tokens=True)
+        ids = assets.encode(prompt, add_special_tokens=bool_field(body, "add_special_tokens",
+                                                                   True))
     elif isinstance(prompt, list):
-        ids = _check_ids("prompt", prompt, assets)
+        ids = check_ids("prompt", prompt, assets)
     else:
         raise invalid("prompt", "'prompt' must be a string or a list of token ids")
     if not ids:
@@ -86,21 +113,166 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
-    """The messages of a chat request rendered by the model's template, as token ids."""
-    messages = _check_messages(body.get("messages"))
-    if assets.chat_template is None:
+# the fields of a chat request render_chat reads
+CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                      "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
+                      "tools", "tool_choice", "parallel_tool_calls")
+# a request's own chat templates, compiled once (by source)
+_TEMPLATES: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], ChatTemplate] = OrderedDict()
+MAX_TEMPLATES = 32
+MAX_TEMPLATE_CHARS = 64 << 10
+
+
+def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"'{name}' must be a boolean")
+    return value
+
+
+def _own_template(source: Any, assets: ModelAssets) -> ChatTemplate:
+    if not isinstance(source, str) or not source or len(source) > MAX_TEMPLATE_CHARS:
+        raise invalid("chat_template", "'chat_template' must be a Jinja template of 1 to "
+                      f"{MAX_TEMPLATE_CHARS} characters")  # fmt: skip
+    special = assets.chat_template.special_tokens if assets.chat_template is not None else {}
+    key = (source, tuple(sorted(special.items())))
+    template = _TEMPLATES.get(key)
+    if template is None:
+        try:
+            template = ChatTemplate(source, special)
+        except jinja2.TemplateError as exc:
+            raise invalid("chat_template", f"'chat_template' is not a valid template: {exc}"
+                          ) from None  # fmt: skip
+        _TEMPLATES[key] = template
+        if len(_TEMPLATES) > MAX_TEMPLATES:
+            _TEMPLATES.popitem(last=False)
+    _TEMPLATES.move_to_end(key)
+    return template
+
+
+def request_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The request's ``tools`` (OpenAI's function tools), checked, as the chat template
+    takes them; None without any."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", "'tools' must be a list of tools")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise invalid(where, f"'{where}' must be a function tool "
+                          "({'type': 'function', 'function': {...}})")  # fmt: skip
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise invalid(f"{where}.function", f"'{where}.function' must be an object")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid(f"{where}.function.name", f"'{where}.function.name' must be a "
+                          "non-empty string")  # fmt: skip
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise invalid(f"{where}.function.parameters",
+                          f"'{where}.function.parameters' must be a JSON schema object")
+    return tools
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs`` (and ``reasoning_effort``, which vLLM hands the template
+    the same way): more variables for the template."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise invalid("reasoning_effort", "'reasoning_effort' must be a string")
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    return kwargs
+
+
+def _documents(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    docs = body.get("documents")
+    if docs is None:
+        return None
+    if not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs):
+        raise invalid("documents", "'documents' must be a list of objects")
+    return docs
+
+
+def _template(body: Mapping[str, Any], assets: ModelAssets) -> ChatTemplate:
+    template = assets.chat_template
+    if body.get("chat_template") is not None:
+        template = _own_template(body["chat_template"], assets)
+    if template is None:
         raise invalid("model", f"model '{assets.name}' has no chat template; use /v1/completions")
+    return template
+
+
+def render_chat(body: Mapping[str, Any], assets: ModelAssets,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The messages of a chat request rendered by the model's template (or the
+    request's own ``chat_template``), with the request's template options and
+    ``tools`` (written by :func:`~aegaeon_proxy.tool_calls.tool_messages` for a
+    template that renders none)."""
+    template = _template(body, assets)
+    messages = tool_messages(_check_messages(body.get("messages")), tools, template)
+    if template.takes_tools is False:
+        tools = None  # in the messages now
+    generation_prompt = bool_field(body, "add_generation_prompt", True)
+    continue_final = bool_field(body, "continue_final_message", False)
+    if continue_final and body.get("add_generation_prompt") is True:
+        raise invalid("continue_final_message", "'continue_final_message' and "
+                      "'add_generation_prompt' cannot both be true")  # fmt: skip
     try:
-        text = assets.chat_template.render(messages, add_generation_prompt=True)
+        return template.render(
+            messages, add_generation_prompt=generation_prompt, tools=tools,
+            documents=_documents(body), continue_final_message=continue_final,
+            extra=_template_kwargs(body),
+        )  # fmt: skip
     except ChatTemplateError as exc:
         raise invalid(
             "messages", f"the model's chat template rejected the messages: {exc}"
         ) from None
-    ids = assets.encode(text, add_special_tokens=False)
+
+
+def chat_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
+    """A chat request's prompt: its messages (and the tools it offers, unless
+    ``tool_choice`` is ``none``) rendered by the model's template, as token ids (no
+    special tokens added beyond the template's unless ``add_special_tokens``)."""
+    tools = request_tools(body)
+    setup = tool_setup(body, tools, _template(body, assets))
+    text = render_chat(body, assets, tools if setup is not None else None)
+    ids = assets.encode(text, add_special_tokens=bool_field(body, "add_special_tokens", False))
     if not ids:
         raise invalid("messages", "the rendered prompt is empty")
-    return ids
+    last = body["messages"][-1]
+    echoed = None  # vLLM's chat echo: the last message, when the answer continues its role
+    if bool_field(body, "echo", False) and last.get("role") == "assistant":
+        echoed = tool_text(last.get("content"))
+    return Prompt(ids, echoed, setup)
+
+
+def chat_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
+    """:func:`chat_prompt`'s token ids."""
+    return chat_prompt(body, assets).ids
+
+
+def truncated(ids: list[int], body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens (-1: as many as the
+    context window holds, less one for the completion)."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None:
+        return ids
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1 or value == 0:
+        raise invalid("truncate_prompt_tokens",
+                      "'truncate_prompt_tokens' must be a positive integer or -1")  # fmt: skip
+    keep = assets.max_model_len - 1 if value == -1 else value
+    return ids[-keep:]
 
 
 def _max_tokens(
@@ -143,21 +315,43 @@ def build_request(
     *,
     chat: bool,
     arrival_s: float | None = None,
+    grammar: str = "",
 ) -> GenerationRequest:
-    """Resolve max_tokens against the window and add EOS to the stop ids."""
-    _check_ids("stop_token_ids", list(params.stop_token_ids), assets)
+    """Resolve max_tokens against the window, add EOS to the stop ids, check the token
+    ids the fields name; ``grammar``: llguidance's, the tokens must follow it."""
+    check_ids("stop_token_ids", list(params.stop_token_ids), assets)
+    check_ids("logit_bias", list(params.logit_bias), assets)
+    check_ids("allowed_token_ids", list(params.allowed_token_ids), assets)
     prompt_param = "messages" if chat else "prompt"
     default = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
     max_tokens = _max_tokens(params, len(prompt_ids), assets, prompt_param, default)
+    if params.min_tokens > max_tokens:
+        raise invalid("min_tokens", f"'min_tokens' ({params.min_tokens}) may not exceed the "
+                      f"completion's max_tokens ({max_tokens})")  # fmt: skip
     eos = () if params.ignore_eos else assets.eos_token_ids
-    sampling = SamplingParams(
+    logprobs = params.num_logprobs
+    prompt_logprobs = params.prompt_logprobs
+    if params.echo and logprobs is not None and not chat:  # the echoed prompt's tokens too
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    sampling = SamplingSpec(
         max_tokens=max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=params.top_k,
+        top_k=max(params.top_k, 0),
         seed=None if params.seed is None else params.seed % ENGINE_SEED_RANGE,
         stop_token_ids=tuple(dict.fromkeys((*params.stop_token_ids, *eos))),
         ignore_eos=params.ignore_eos,
+        n=params.n,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=params.allowed_token_ids,
+        min_tokens=params.min_tokens,
+        logprobs=-1 if logprobs is None else logprobs,
+        prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
+        grammar=grammar,
     )
     return GenerationRequest(
         request_id=request_id,

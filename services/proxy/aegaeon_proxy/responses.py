@@ -1,19 +1,20 @@
 """OpenAI response and chunk objects, one shape-builder per endpoint.
 
 ``Shapes`` is the table that makes the two endpoints one code path: the
-handler asks the endpoint's shapes for the final object, a content chunk, the
-finish chunk and the usage chunk.
+handler asks the endpoint's shapes for the final object, the opening chunks,
+a content chunk, the finish chunk and the usage chunk. A response holds one
+choice per sequence (``n``); a chunk names its choice by ``index``.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 JSON = dict[str, Any]
 
-__all__ = ["CHAT", "COMPLETION", "JSON", "Shapes", "Usage", "new_id"]
+__all__ = ["CHAT", "COMPLETION", "JSON", "ChoiceResult", "Head", "Shapes", "Usage", "new_id"]
 
 
 def new_id(prefix: str) -> str:
@@ -48,13 +49,27 @@ class Head:
         }  # fmt: skip
 
 
+@dataclass
+class ChoiceResult:
+    """One choice of a whole (not streamed) answer."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: JSON | None = None  # in the endpoint's shape
+    tool_calls: list[JSON] | None = None  # chat: parsed from the text
+    extra: JSON = field(default_factory=dict)  # vLLM's additions (token_ids, ...)
+
+
 class Shapes(Protocol):
     id_prefix: str
 
-    def response(self, head: Head, text: str, finish: str, usage: Usage) -> JSON: ...
-    def first(self, head: Head, usage_field: bool) -> JSON | None: ...
-    def delta(self, head: Head, text: str, usage_field: bool) -> JSON: ...
-    def finish(self, head: Head, finish: str, usage_field: bool) -> JSON: ...
+    def response(self, head: Head, choices: list[ChoiceResult], usage: Usage,
+                 extra: JSON) -> JSON: ...
+    def opening(self, head: Head, n: int, usage_field: bool) -> list[JSON]: ...
+    def delta(self, head: Head, index: int, text: str, logprobs: JSON | None,
+              usage_field: bool, tool_calls: list[JSON] | None = None) -> JSON: ...
+    def finish(self, head: Head, index: int, finish: str, usage_field: bool) -> JSON: ...
     def usage(self, head: Head, usage: Usage) -> JSON: ...
 
 
@@ -67,20 +82,26 @@ class CompletionShapes:
     id_prefix = "cmpl"
     kind = "text_completion"
 
-    def _choice(self, text: str, finish: str | None) -> JSON:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(self, index: int, text: str, finish: str | None,
+                logprobs: JSON | None = None) -> JSON:  # fmt: skip
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def response(self, head: Head, text: str, finish: str, usage: Usage) -> JSON:
-        return head.obj(self.kind, [self._choice(text, finish)], usage=usage.as_json())
+    def response(self, head: Head, choices: list[ChoiceResult], usage: Usage,
+                 extra: JSON) -> JSON:  # fmt: skip
+        return head.obj(self.kind, [
+            {**self._choice(c.index, c.text, c.finish_reason, c.logprobs), **c.extra}
+            for c in choices], usage=usage.as_json(), **extra)  # fmt: skip
 
-    def first(self, head: Head, usage_field: bool) -> JSON | None:
-        return None
+    def opening(self, head: Head, n: int, usage_field: bool) -> list[JSON]:
+        return []
 
-    def delta(self, head: Head, text: str, usage_field: bool) -> JSON:
-        return head.obj(self.kind, [self._choice(text, None)], **_usage_null(usage_field))
+    def delta(self, head: Head, index: int, text: str, logprobs: JSON | None,
+              usage_field: bool, tool_calls: list[JSON] | None = None) -> JSON:
+        return head.obj(self.kind, [self._choice(index, text, None, logprobs)],
+                        **_usage_null(usage_field))  # fmt: skip
 
-    def finish(self, head: Head, finish: str, usage_field: bool) -> JSON:
-        return head.obj(self.kind, [self._choice("", finish)], **_usage_null(usage_field))
+    def finish(self, head: Head, index: int, finish: str, usage_field: bool) -> JSON:
+        return head.obj(self.kind, [self._choice(index, "", finish)], **_usage_null(usage_field))
 
     def usage(self, head: Head, usage: Usage) -> JSON:
         return head.obj(self.kind, [], usage=usage.as_json())
@@ -91,23 +112,34 @@ class ChatShapes:
     kind = "chat.completion"
     chunk_kind = "chat.completion.chunk"
 
-    def _chunk(self, head: Head, delta: JSON, finish: str | None, usage_field: bool) -> JSON:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _chunk(self, head: Head, index: int, delta: JSON, finish: str | None,
+               usage_field: bool, logprobs: JSON | None = None) -> JSON:  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return head.obj(self.chunk_kind, [choice], **_usage_null(usage_field))
 
-    def response(self, head: Head, text: str, finish: str, usage: Usage) -> JSON:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        return head.obj(self.kind, [choice], usage=usage.as_json())
+    def response(self, head: Head, choices: list[ChoiceResult], usage: Usage,
+                 extra: JSON) -> JSON:  # fmt: skip
+        out = []
+        for c in choices:
+            message: JSON = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message = {"role": "assistant", "content": c.text or None,
+                           "tool_calls": c.tool_calls}  # fmt: skip
+            out.append({"index": c.index, "message": message, "logprobs": c.logprobs,
+                        "finish_reason": c.finish_reason, **c.extra})  # fmt: skip
+        return head.obj(self.kind, out, usage=usage.as_json(), **extra)
 
-    def first(self, head: Head, usage_field: bool) -> JSON | None:
-        return self._chunk(head, {"role": "assistant", "content": ""}, None, usage_field)
+    def opening(self, head: Head, n: int, usage_field: bool) -> list[JSON]:
+        return [self._chunk(head, i, {"role": "assistant", "content": ""}, None, usage_field)
+                for i in range(n)]  # fmt: skip
 
-    def delta(self, head: Head, text: str, usage_field: bool) -> JSON:
-        return self._chunk(head, {"content": text}, None, usage_field)
+    def delta(self, head: Head, index: int, text: str, logprobs: JSON | None,
+              usage_field: bool, tool_calls: list[JSON] | None = None) -> JSON:
+        delta: JSON = {"tool_calls": tool_calls} if tool_calls else {"content": text}
+        return self._chunk(head, index, delta, None, usage_field, logprobs)
 
-    def finish(self, head: Head, finish: str, usage_field: bool) -> JSON:
-        return self._chunk(head, {}, finish, usage_field)
+    def finish(self, head: Head, index: int, finish: str, usage_field: bool) -> JSON:
+        return self._chunk(head, index, {}, finish, usage_field)
 
     def usage(self, head: Head, usage: Usage) -> JSON:
         return head.obj(self.chunk_kind, [], usage=usage.as_json())

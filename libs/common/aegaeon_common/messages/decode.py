@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from aegaeon_common.messages.prefill import (
     AckDrain,
     AddModel,
@@ -43,6 +45,12 @@ class EnqueueDecode(Message, frozen=True):
     priority: int = 1
     ttft_s: float = 0.0
     tbt_s: float = 0.0
+    # n > 1: every sequence's first token (sequence 0's is first_token_id) and those
+    # that ended with it (they are not decoded); the prompt's KV is shared by them
+    first_token_ids: list[int] = msgspec.field(default_factory=list)
+    finished: list[int] = msgspec.field(default_factory=list)
+    # the prompt, when the decode side needs it (a repetition penalty)
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class RunRequest(Message, frozen=True):

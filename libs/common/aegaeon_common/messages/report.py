@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
-from aegaeon_common.messages.structs import Holdings, KVHandoff, LatencyProfile, RequestTimings
+from aegaeon_common.messages.structs import (
+    Holdings,
+    KVHandoff,
+    LatencyProfile,
+    RequestTimings,
+    TokenLogprobs,
+)
 from aegaeon_common.wire import Channel, Message, Struct
 
 
@@ -41,6 +47,13 @@ class PrefillDone(Message, frozen=True):
     emitted_s: float
     kind: str = "prefill"  # the instance's kind: a decode instance prefills too (role switching)
     holdings: Holdings | None = None  # the instance's, once this request left its queue
+    # n > 1: the other sequences' first tokens and finish reasons (sequence 1, 2, ...)
+    sibling_token_ids: list[int] = msgspec.field(default_factory=list)
+    sibling_finish_reasons: list[str | None] = msgspec.field(default_factory=list)
+    # with `logprobs`: each sequence's first token's (sequence 0 first)
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
+    # with `prompt_logprobs`: prompt tokens 1.. (the first has none)
+    prompt_logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
 
 
 class TokenItem(Struct, frozen=True):
@@ -48,6 +61,8 @@ class TokenItem(Struct, frozen=True):
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     timings: RequestTimings | None = None  # with the last item of a request
+    index: int = 0  # which of the request's n sequences
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)  # one per token
 
 
 class StepTokens(Message, frozen=True):
@@ -159,6 +174,20 @@ class InstanceDraining(Message, frozen=True):
     timeout_s: float  # it exits by then, finished or not
 
 
+class InstanceStalled(Message, frozen=True):
+    """The instance's compute thread made no progress for ``stalled_s`` (at least the
+    config's ``health.stall_s``) while it had work: mark it down now (fail over its
+    requests). Its process hears no more hellos from itself: its ``/health`` answers
+    503 until its supervisor replaces it (a new pid says hello)."""
+
+    TAG = "instance_stalled"
+    kind: str
+    index: int
+    pid: int
+    stalled_s: float
+    reason: str = ""
+
+
 class InstanceModels(Message, frozen=True):
     """The models an instance serves changed (``AddModel``): its KV capacity in tokens
     per model and its latency profile over them, as in a hello."""
@@ -189,5 +218,5 @@ class ModelsResident(Message, frozen=True):
 REPORT_CHANNEL = Channel(
     "instance->proxy",
     [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats, InstanceDraining,
-     InstanceModels, ModelsResident],
+     InstanceModels, ModelsResident, InstanceStalled],
 )

@@ -8,15 +8,39 @@ from aegaeon_common.wire import Struct
 
 
 class SamplingSpec(Struct, frozen=True):
-    """How to sample a request's tokens (validated by the proxy)."""
+    """How to sample a request's tokens (validated by the proxy; the engine's
+    ``SamplingParams`` takes the same fields and checks them again). The proxy's
+    backend contract carries it as it is, so a request has one shape from the
+    front to the instances."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    seed: int | None = None
+    seed: int | None = None  # in [0, 2**63); the proxy folds OpenAI's int64 seeds into it
     stop_token_ids: tuple[int, ...] = ()  # EOS included by the proxy unless ignore_eos
     ignore_eos: bool = False
+    n: int = 1  # sequences sampled from the one prompt (its KV prefilled once)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    logprobs: int = -1  # top log-probabilities per generated token (-1: none; 0: its own)
+    prompt_logprobs: int = -1  # per prompt token (-1: none)
+    grammar: str = ""  # an llguidance grammar the tokens must follow ("": none)
+
+
+class TokenLogprobs(Struct, frozen=True):
+    """A token's log-probability and the most likely tokens' (best first), from the
+    model's logits before any sampling parameter touched them."""
+
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+    rank: int = 1  # in the whole vocabulary (1: the most likely)
 
 
 class KVShapeSpec(Struct, frozen=True):

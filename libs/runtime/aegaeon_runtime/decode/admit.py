@@ -13,11 +13,11 @@ from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.emit import TokenEmitter
 from aegaeon_runtime.decode.residency import Residency
-from aegaeon_runtime.decode.seq import Seq
+from aegaeon_runtime.decode.seq import Seq, SharedHost
 from aegaeon_runtime.holdings import Reading, no_reading
 from aegaeon_runtime.kv import event_from_spec
 from aegaeon_runtime.port import MessageSink, WorkerPort
-from aegaeon_runtime.sampling import engine_params, resume_generator
+from aegaeon_runtime.sampling import SeqSampling
 
 
 class Admission:
@@ -38,7 +38,8 @@ class Admission:
         self.residency = residency
         self.outbox = outbox
         self.counters = counters
-        self.seqs: dict[str, Seq] = {}
+        self.seqs: dict[str, Seq] = {}  # by Seq.key
+        self.families: dict[str, list[str]] = {}  # request id -> its sequences' keys
         self._local_batches: dict[str, int] = {}
         config = worker.config
         slo = SLO(config.slo.ttft_s, config.slo.tbt_s)
@@ -48,74 +49,96 @@ class Admission:
         self.changed: Reading = no_reading
 
     def _add(self, seq: Seq, max_tokens: int, priority: int = 1) -> bool:
-        request = Request(seq.request_id, seq.model, seq.arrival_s, seq.prompt_len, max_tokens,
+        request = Request(seq.key, seq.model, seq.arrival_s, seq.prompt_len, max_tokens,
                           priority=priority, ttft_s=seq.ttft_s, tbt_s=seq.tbt_s)  # fmt: skip
         try:
             self.work.add(request, seq.batch_id)
         except ValueError as exc:
             self.fail(seq, "bad_request", str(exc))
             return False
-        self.seqs[seq.request_id] = seq
+        self.seqs[seq.key] = seq
+        self.families.setdefault(seq.request_id, []).append(seq.key)
         return True
 
+    def _sampling(self, msg: EnqueueDecode | RunRequest, index: int,
+                  tokens: list[int]) -> SeqSampling:
+        w = self.worker
+        prompt = msg.prompt_token_ids
+        return SeqSampling.start(msg.sampling, index, model=msg.model, device=w.engine.device,
+                                 grammars=w.grammars, prompt_ids=prompt, output_ids=tokens)
+
     def enqueue(self, msg: Message) -> None:
-        """A prefilled request joins its batch (Alg. 2 line 2); its KV is in the host cache."""
+        """A prefilled request joins its batch (Alg. 2 line 2); its KV is in the host cache.
+        Its ``n`` sequences (those not finished with their first token) share that KV:
+        each swaps it in on its own, the last one frees it."""
         assert isinstance(msg, EnqueueDecode)
         w = self.worker
         if msg.model not in w.specs:
             self.refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
             return
-        params = engine_params(msg.sampling)
-        spec = w.specs[msg.model]
-        seq = Seq(
-            request_id=msg.request_id,
-            model=msg.model,
-            batch_id=msg.batch_id,
-            shape=w.kv_shape(msg.model),
-            params=params,
-            generator=resume_generator(params, w.engine.device, spec.vocab_size,
-                                       msg.num_generated),
-            prompt_len=msg.prompt_len,
-            arrival_s=msg.arrival_s,
-            tokens=[msg.first_token_id],
-            host_blocks=list(msg.handoff.block_offsets),
-            host_event=event_from_spec(msg.handoff.event),
-            joined_s=self.clock.wall(),
-            ttft_s=msg.ttft_s or None,
-            tbt_s=msg.tbt_s or None,
-        )  # fmt: skip
-        try:
-            self.residency.accept(seq)
-        except RemoteError as exc:  # the blocks are gone (e.g. the prefill lease ended)
-            self.fail(seq, "kv_lost", f"handoff blocks unavailable: {exc}")
+        firsts = list(msg.first_token_ids) or [msg.first_token_id]
+        live = [i for i in range(len(firsts)) if i not in set(msg.finished)]
+        shared = SharedHost(len(live)) if len(live) > 1 else None
+        seqs: list[Seq] = []
+        for i in live:
+            tokens = [firsts[i]]
+            seq = Seq(
+                request_id=msg.request_id,
+                model=msg.model,
+                batch_id=msg.batch_id,
+                shape=w.kv_shape(msg.model),
+                sampling=self._sampling(msg, i, tokens),
+                prompt_len=msg.prompt_len,
+                arrival_s=msg.arrival_s,
+                tokens=tokens,
+                index=i,
+                host_blocks=list(msg.handoff.block_offsets),
+                host_shared=shared,
+                host_event=event_from_spec(msg.handoff.event),
+                joined_s=self.clock.wall(),
+                ttft_s=msg.ttft_s or None,
+                tbt_s=msg.tbt_s or None,
+            )  # fmt: skip
+            seqs.append(seq)
+        if not seqs:
             return
-        if self._add(seq, msg.sampling.max_tokens, msg.priority):
-            w.metrics.tokens("arrival", msg.model, msg.prompt_len)
+        try:
+            self.residency.accept(seqs[0])
+        except RemoteError as exc:  # the blocks are gone (e.g. the prefill lease ended)
+            for seq in seqs:
+                seq.host_blocks, seq.host_shared = [], None
+                self.fail(seq, "kv_lost", f"handoff blocks unavailable: {exc}")
+            return
+        for seq in seqs:
+            if self._add(seq, msg.sampling.max_tokens, msg.priority):
+                w.metrics.tokens("arrival", msg.model, msg.prompt_len)
 
     def run_request(self, msg: Message) -> None:
-        """Request-level policies: the whole request runs here, prefill first."""
+        """Request-level policies: the whole request runs here, prefill first (each of
+        its ``n`` sequences prefills the prompt on its own)."""
         assert isinstance(msg, RunRequest)
         w = self.worker
         if msg.model not in w.specs:
             self.refuse(msg.request_id, "unknown_model", f"model {msg.model!r} is not served")
             return
         batch_id = self._local_batches.setdefault(msg.model, -1 - len(self._local_batches))
-        params = engine_params(msg.sampling)
-        seq = Seq(
-            request_id=msg.request_id,
-            model=msg.model,
-            batch_id=batch_id,
-            shape=w.kv_shape(msg.model),
-            params=params,
-            generator=params.make_generator(w.engine.device),
-            prompt_len=len(msg.prompt_token_ids),
-            arrival_s=msg.arrival_s,
-            tokens=[],
-            prompt_token_ids=list(msg.prompt_token_ids),
-            joined_s=self.clock.wall(),
-        )
-        if self._add(seq, msg.sampling.max_tokens):
-            w.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
+        for i in range(msg.sampling.n):
+            tokens: list[int] = []
+            seq = Seq(
+                request_id=msg.request_id,
+                model=msg.model,
+                batch_id=batch_id,
+                shape=w.kv_shape(msg.model),
+                sampling=self._sampling(msg, i, tokens),
+                prompt_len=len(msg.prompt_token_ids),
+                arrival_s=msg.arrival_s,
+                tokens=tokens,
+                prompt_token_ids=list(msg.prompt_token_ids),
+                index=i,
+                joined_s=self.clock.wall(),
+            )
+            if self._add(seq, msg.sampling.max_tokens):
+                w.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
     def host_blocks_in_use(self) -> set[int]:
         """The unified KV cache blocks this instance's sequences hold (swapped out, or a
@@ -124,11 +147,12 @@ class Admission:
 
     def cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
-        seq = self.seqs.get(msg.request_id)
-        if seq is not None:
-            self.finish(seq)
-            self.counters.cancelled += 1
-            self.worker.metrics.request_done("decode", seq.model, "cancelled")
+        for key in list(self.families.get(msg.request_id, ())):
+            seq = self.seqs.get(key)
+            if seq is not None:
+                self.finish(seq)
+                self.counters.cancelled += 1
+                self.worker.metrics.request_done("decode", seq.model, "cancelled")
 
     def drop_all(self) -> int:
         """Forget every request and free its KV (a new proxy started: the old one's
@@ -143,11 +167,21 @@ class Admission:
     def finish(self, seq: Seq) -> None:
         """Forget ``seq`` and free its KV (finished, cancelled or failed)."""
         self.residency.release(seq)
-        self.work.remove(seq.request_id)
-        self.seqs.pop(seq.request_id, None)
+        self.work.remove(seq.key)
+        self.seqs.pop(seq.key, None)
+        family = self.families.get(seq.request_id)
+        if family is not None and seq.key in family:
+            family.remove(seq.key)
+            if not family:
+                del self.families[seq.request_id]
 
     def fail(self, seq: Seq, code: str, message: str) -> None:
+        """``seq`` cannot go on: the whole request fails (its other sequences end too)."""
         self.finish(seq)
+        for key in list(self.families.get(seq.request_id, ())):
+            sibling = self.seqs.get(key)
+            if sibling is not None:
+                self.finish(sibling)
         self.refuse(seq.request_id, code, message, seq.model)
 
     def refuse(self, request_id: str, code: str, message: str, model: str = "unknown") -> None:

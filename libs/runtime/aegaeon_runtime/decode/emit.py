@@ -50,7 +50,7 @@ class TokenEmitter:
         self.changed: Reading = no_reading
         self.slo = slo
         self.hold_s = max(0.0, hold * slo.tbt_s)
-        self._held: dict[str, TokenItem] = {}
+        self._held: dict[tuple[str, int], TokenItem] = {}  # by (request, sequence)
         self._since: float | None = None  # clock.now() of the oldest held token
 
     @property
@@ -77,11 +77,12 @@ class TokenEmitter:
             self._send(items)  # nothing waits before them: they leave as they are
             return
         for item in items:
-            held = self._held.get(item.request_id)
-            self._held[item.request_id] = item if held is None else TokenItem(
+            key = (item.request_id, item.index)
+            held = self._held.get(key)
+            self._held[key] = item if held is None else TokenItem(
                 item.request_id, held.token_ids + item.token_ids, item.finish_reason,
-                item.timings,
-            )  # the same request's earlier steps: one item, tokens in order
+                item.timings, item.index, held.logprobs + item.logprobs,
+            )  # the same sequence's earlier steps: one item, tokens in order
         now = self.clock.now()
         if self._since is None:
             self._since = now

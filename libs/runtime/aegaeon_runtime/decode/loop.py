@@ -148,7 +148,7 @@ class DecodeLoop:
         if self.prefill is not None:
             # a handoff this instance claimed itself belongs to its sequence: the
             # sequence's end frees it (and no block a sequence holds is freed here)
-            free = msg.free_handoff and msg.request_id not in self.admission.seqs
+            free = msg.free_handoff and msg.request_id not in self.admission.families
             in_use = self.admission.host_blocks_in_use() if free else ()
             if self.prefill.cancel(msg.request_id, free, in_use):
                 return

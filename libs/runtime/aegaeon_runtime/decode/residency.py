@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from aegaeon_common.transport import RemoteError
-from aegaeon_gpumem import OutOfBlocks
+from aegaeon_gpumem import Event, OutOfBlocks
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.decode.seq import Seq
@@ -35,9 +35,25 @@ class Residency:
         self.control_s = 0.0  # bookkeeping time (paper Fig. 14: control overhead)
 
     def accept(self, seq: Seq) -> None:
-        """Take over the handoff's host blocks from the prefill instance (lease)."""
+        """Take over the handoff's host blocks from the prefill instance (lease); once
+        for the ``n`` sequences of a request that share them."""
         if seq.host_blocks:
             self.worker.cache.reassign_blocks(seq.host_blocks, self.worker.name, owner="")
+
+    def _free_host(self, seq: Seq, event: Event | None, read: bool) -> None:
+        """``seq`` no longer reads its host blocks: free them, unless other sequences of
+        its request still will (a shared handoff goes with the last one; the swap-in
+        copies run in order on one stream, so the last's event follows the others')."""
+        shared = seq.host_shared
+        seq.host_shared = None
+        if shared is not None:
+            shared.holders -= 1
+            if read or shared.last_read is None:  # ``event`` (a swap-in) reads them last
+                shared.last_read = event
+            if shared.holders > 0:
+                return
+            event = shared.last_read
+        self.kv.free_host(seq.host_blocks, event)
 
     def _alloc(self, seq: Seq, num_blocks: int, victims: Callable[[], Iterable[Seq]]) -> list[int]:
         """Device blocks for ``seq``, swapping victims out until they fit."""
@@ -68,7 +84,7 @@ class Residency:
             event = self.kv.swap_in(seq.shape, seq.host_blocks, blocks[:num_host],
                                     seq.host_event)
             # The host copy can go once the swap-in has read it (rule 3).
-            self.kv.free_host(seq.host_blocks, event)
+            self._free_host(seq, event, read=True)
             seq.ready_event = event
         seq.device_blocks = blocks
         seq.host_blocks, seq.host_event = [], None
@@ -136,6 +152,6 @@ class Residency:
         if seq.on_device:
             self.kv.free(seq.shape, seq.device_blocks, seq.ready_event)
         if seq.host_blocks:
-            self.kv.free_host(seq.host_blocks, seq.host_event)
+            self._free_host(seq, seq.host_event, read=False)
         seq.device_blocks, seq.host_blocks = [], []
         seq.on_device = False

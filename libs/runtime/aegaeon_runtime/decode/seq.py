@@ -15,11 +15,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_engine import KVShape, SamplingParams
 from aegaeon_gpumem import Event
 from aegaeon_sched import SLO
+
+from aegaeon_runtime.sampling import SeqSampling
+
+
+@dataclass
+class SharedHost:
+    """Host blocks several sequences of one request read (its ``n`` sequences share the
+    prompt's handoff): freed once the last of them has swapped in or ended."""
+
+    holders: int
+    last_read: Event | None = None  # the latest copy that reads them (a swap-in's)
 
 
 @dataclass
@@ -28,13 +38,14 @@ class Seq:
     model: str
     batch_id: int
     shape: KVShape
-    params: SamplingParams
-    generator: torch.Generator | None
+    sampling: SeqSampling  # its parameters, generator, tokens so far (``tokens``), grammar
     prompt_len: int
     arrival_s: float
     tokens: list[int]  # generated so far (the prefill's first token included)
     prompt_token_ids: list[int] | None = None  # request-level: prefill here
+    index: int = 0  # which of the request's n sequences
     host_blocks: list[int] = field(default_factory=list)
+    host_shared: SharedHost | None = None  # host_blocks are the request's shared handoff
     host_event: Event | None = None
     device_blocks: list[int] = field(default_factory=list)
     ready_event: Event | None = None
@@ -46,6 +57,16 @@ class Seq:
     num_swaps: int = 0
     ttft_s: float | None = None  # its own targets (SLO class); None: the deployment's
     tbt_s: float | None = None
+
+    @property
+    def key(self) -> str:
+        """Its id on this instance (the work list's): the request's, ``/i`` for sequence
+        i > 0 of an ``n`` > 1 request."""
+        return self.request_id if self.index == 0 else f"{self.request_id}/{self.index}"
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampling.params
 
     def deadline_s(self, k: int, default: SLO) -> float:
         """When its token ``k`` (0: the first) is due: ``arrival + TTFT + k x TBT``."""
@@ -72,8 +93,9 @@ class Seq:
         return self.shape.blocks_for(self.position + 1)
 
     def ready(self) -> bool:
-        """On device with its swap-in complete (rule 1 of §5.3)."""
-        if not self.on_device:
+        """On device with its swap-in complete (rule 1 of §5.3), its grammar's matcher
+        made."""
+        if not self.on_device or not self.sampling.ready():
             return False
         if self.ready_event is not None:
             if not self.ready_event.query():

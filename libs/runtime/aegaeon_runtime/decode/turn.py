@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 from aegaeon_common.messages.report import PrefillDone, SwitchRecord, TokenItem, TurnRecord
-from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.messages.structs import RequestTimings, TokenLogprobs
 from aegaeon_engine import DecodeSeq
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import (
@@ -34,7 +34,7 @@ from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
 from aegaeon_runtime.port import MessageSink, ModelGoneError, WorkerPort
-from aegaeon_runtime.sampling import finish_reason
+from aegaeon_runtime.sampling import finish_reason, sample_step, to_wire
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
 
@@ -211,10 +211,24 @@ class TurnRunner:
             except OutOfBlocks:
                 return
             seq.device_blocks, seq.on_device, seq.ready_event = blocks, True, None
-            logits = w.engine.prefill(seq.prompt_token_ids, blocks)
-            token = w.sampler.sample(logits[None], [seq.params], [seq.generator])[0]
+            why = self._grammar_problem(seq)
+            if why:
+                self.admission.fail(seq, "bad_grammar", why)
+                continue
+            scored: list[TokenLogprobs] = []
+            if seq.index == 0 and seq.params.prompt_logprobs >= 0:
+                logits, found = w.engine.prefill_scored(seq.prompt_token_ids, blocks,
+                                                        seq.params.prompt_logprobs)
+                scored = to_wire(found)
+            else:
+                logits = w.engine.prefill(seq.prompt_token_ids, blocks)
+            tokens, logprobs = sample_step(w.sampler, logits[None], [seq.sampling])
+            token, lp = tokens[0], [x for x in logprobs if x is not None]
             seq.prompt_token_ids = None
-            seq.tokens.append(token)
+            why = self._grammar_problem(seq)
+            if why:
+                self.admission.fail(seq, "bad_grammar", why)
+                continue
             done = self.clock.wall()
             finish = finish_reason(token, 1, seq.params)
             timings = RequestTimings(prefill_wait_s=max(0.0, start - seq.arrival_s),
@@ -226,9 +240,21 @@ class TurnRunner:
             w.metrics.request_done("prefill", seq.model, "ok")
             if finish is not None:  # freed first: the message carries what is left
                 self.admission.finish(seq)
-            holdings = self.admission.changed() if finish is not None else None
-            self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None, timings,
-                                         done, w.kind, holdings))  # fmt: skip
+            if seq.index == 0:
+                holdings = self.admission.changed() if finish is not None else None
+                self.outbox.send(PrefillDone(seq.request_id, w.index, token, finish, None,
+                                             timings, done, w.kind, holdings, logprobs=lp,
+                                             prompt_logprobs=scored))  # fmt: skip
+            else:  # the request's other sequences: their first tokens as decoded ones
+                self.admission.tokens.add([TokenItem(seq.request_id, [token], finish,
+                                                     seq.timings(done) if finish else None,
+                                                     seq.index, lp)], urgent=True)
+
+    @staticmethod
+    def _grammar_problem(seq: Seq) -> str:
+        """Why ``seq``'s grammar cannot give its next mask ('' when it can)."""
+        grammar = seq.sampling.grammar
+        return grammar.check() if grammar is not None else ""
 
     def _step(self, batch: DecodeBatch, ready: list[Seq]) -> int:
         """One decode step of the ``ready`` requests that have room; how many stepped."""
@@ -242,26 +268,29 @@ class TurnRunner:
                 self.admission.fail(seq, "kv_capacity", str(exc))
             except OutOfBlocks:
                 continue  # waits for room; decoded when blocks free up
+        for seq in [s for s in stepping if s.sampling.grammar is not None]:
+            why = self._grammar_problem(seq)
+            if why:
+                stepping.remove(seq)
+                self.admission.fail(seq, "bad_grammar", why)
         if not stepping:
             return 0
         start = self.clock.now()
         logits = w.engine.decode(
             [DecodeSeq(s.tokens[-1], s.position, s.device_blocks) for s in stepping]
         )
-        tokens = w.sampler.sample(
-            logits, [s.params for s in stepping], [s.generator for s in stepping]
-        )
+        tokens, logprobs = sample_step(w.sampler, logits, [s.sampling for s in stepping])
         seconds = self.clock.now() - start
         now = self.clock.wall()
         items: list[TokenItem] = []
         context = 0
-        for seq, token in zip(stepping, tokens, strict=True):
-            context += seq.position + 1
-            seq.tokens.append(token)
+        for seq, token, lp in zip(stepping, tokens, logprobs, strict=True):
+            context += seq.position  # the token stepped was at position - 1 (seq.tokens grew)
             seq.decode_s += seconds
             finish = finish_reason(token, len(seq.tokens), seq.params)
             timings = seq.timings(now) if finish else None
-            items.append(TokenItem(seq.request_id, [token], finish, timings))
+            items.append(TokenItem(seq.request_id, [token], finish, timings, seq.index,
+                                   [lp] if lp is not None else []))
             if finish:
                 self.admission.finish(seq)
                 w.metrics.request_done("decode", seq.model, finish)

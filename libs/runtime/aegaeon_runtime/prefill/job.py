@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed, SwitchRecord
-from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, RequestTimings
+from aegaeon_common.messages.structs import (
+    KVHandoff,
+    KVShapeSpec,
+    RequestTimings,
+    TokenLogprobs,
+)
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import Request
@@ -31,7 +36,7 @@ from aegaeon_runtime.cacheclient.client import to_event
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.port import ModelGoneError, WorkerPort
-from aegaeon_runtime.sampling import engine_params, finish_reason
+from aegaeon_runtime.sampling import SeqSampling, finish_reason, sample_step, to_wire
 
 
 def prefill_request(msg: EnqueuePrefill) -> Request:
@@ -126,23 +131,41 @@ def run_prefill(
         failed = RequestFailed(msg.request_id, w.kind, w.index, code, message)
         return PrefillOutcome(failed, record, 0.0, 0)
 
-    params = engine_params(msg.sampling)
+    spec = msg.sampling
+    seqs = [SeqSampling.start(spec, i, model=msg.model, device=w.engine.device,
+                              grammars=w.grammars, prompt_ids=prompt)
+            for i in range(spec.n)]  # fmt: skip
+    for seq in seqs:
+        why = seq.grammar.check() if seq.grammar is not None else ""
+        if why:
+            w.kv.free(shape, blocks)
+            return fail("bad_grammar", why)
     compute_start = clock.now()
-    logits = w.engine.prefill(prompt, blocks)
-    gen = params.make_generator(w.engine.device)
-    token = w.sampler.sample(logits[None], [params], [gen])[0]
+    scored: list[TokenLogprobs] = []
+    if spec.prompt_logprobs >= 0:
+        logits, found = w.engine.prefill_scored(prompt, blocks, spec.prompt_logprobs)
+        scored = to_wire(found)
+    else:
+        logits = w.engine.prefill(prompt, blocks)
+    # the n sequences share the prompt's logits (and, below, its KV)
+    tokens, logprobs = sample_step(w.sampler, logits[None].expand(len(seqs), -1), seqs)
     compute_s = clock.now() - compute_start
-    finish = finish_reason(token, 1, params)
+    for seq in seqs:
+        why = seq.grammar.check() if seq.grammar is not None else ""
+        if why:
+            w.kv.free(shape, blocks)
+            return fail("bad_grammar", why)
+    finishes = [finish_reason(t, 1, seq.params) for t, seq in zip(tokens, seqs, strict=True)]
     handoff = None
-    if finish is None:
+    if any(f is None for f in finishes):
         try:
             host, event = w.kv.swap_out(shape, blocks)
         except RemoteError as exc:
             w.kv.free(shape, blocks)
             return fail("kv_cache_full", f"unified KV cache: {exc}")
-        spec = KVShapeSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                           shape.block_size, shape.dtype)  # fmt: skip
-        handoff = KVHandoff(spec, host, len(prompt), to_event(event.handle()))
+        kv_spec = KVShapeSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                              shape.block_size, shape.dtype)  # fmt: skip
+        handoff = KVHandoff(kv_spec, host, len(prompt), to_event(event.handle()))
     else:
         w.kv.free(shape, blocks)
     done = clock.wall()
@@ -151,5 +174,9 @@ def run_prefill(
         prefill_s=done - started,
         extra={"prefill_compute_s": compute_s, "switch_s": record.total_s if record else 0.0},
     )
-    message = PrefillDone(msg.request_id, w.index, token, finish, handoff, timings, done, w.kind)
+    message = PrefillDone(
+        msg.request_id, w.index, tokens[0], finishes[0], handoff, timings, done, w.kind,
+        sibling_token_ids=tokens[1:], sibling_finish_reasons=finishes[1:],
+        logprobs=[lp for lp in logprobs if lp is not None], prompt_logprobs=scored,
+    )  # fmt: skip
     return PrefillOutcome(message, record, compute_s, len(prompt))

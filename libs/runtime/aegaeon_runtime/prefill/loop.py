@@ -18,7 +18,7 @@ region fails (``kv_capacity``).
 Two roles run it. A **prefill instance** runs :meth:`PrefillLoop.run`: the
 loop alone on its compute thread, its own inbox and heartbeat. A **hybrid
 instance** (a prefill instance that decodes when idle, or a decode instance
-in the prefill role; DESIGN.md "Beyond the paper") holds one inside its
+in the prefill role; docs/design.md "Beyond the paper") holds one inside its
 :class:`~aegaeon_runtime.decode.loop.DecodeLoop`, hands it the prefill
 commands and gives it strict priority with :meth:`PrefillLoop.run_all` at
 every decode step boundary; a prompt that fits the region but not now takes
@@ -148,6 +148,8 @@ class PrefillLoop:
             self._fail(msg.request_id, msg.model, "bad_request", str(exc))
             return
         self.jobs[msg.request_id] = msg
+        if msg.sampling.grammar:  # made on the grammar thread while the job waits its turn
+            self.worker.grammars.prepare(msg.model, msg.sampling.grammar)
         self.worker.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
     def cancel(

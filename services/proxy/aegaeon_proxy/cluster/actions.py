@@ -123,7 +123,7 @@ class ActionRunner:
                 num_generated=tracked.num_generated, sampling=tracked.sampling,
                 handoff=tracked.handoff, arrival_s=gen.arrival_s,
                 priority=tracked.sched.priority, ttft_s=tracked.sched.ttft_s or 0.0,
-                tbt_s=tracked.sched.tbt_s or 0.0,
+                tbt_s=tracked.sched.tbt_s or 0.0, **tracked.decode_fields(),
             ),
         )  # fmt: skip
 

@@ -59,6 +59,7 @@ from aegaeon_common.messages.report import (
     InstanceDraining,
     InstanceHello,
     InstanceModels,
+    InstanceStalled,
     InstanceStats,
     ModelsResident,
     PrefillDone,
@@ -209,6 +210,7 @@ class DistributedBackend:
             InstanceHello: lambda msg: None,
             InstanceStats: lambda msg: None,
             InstanceDraining: lambda msg: None,
+            InstanceStalled: lambda msg: None,  # its registry record goes (deregistered)
         }
 
     # ---- lifecycle ---------------------------------------------------------
@@ -513,6 +515,7 @@ class DistributedBackend:
             handoff=tracked.handoff, arrival_s=gen.arrival_s, incarnation=record.incarnation,
             reply_to=self.report_address, priority=tracked.sched.priority,
             ttft_s=tracked.sched.ttft_s or 0.0, tbt_s=tracked.sched.tbt_s or 0.0,
+            **tracked.decode_fields(),
         ))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")

@@ -22,7 +22,6 @@ from typing import Protocol
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import PrefillDone, StepTokens
-from aegaeon_common.messages.structs import SamplingSpec
 from aegaeon_sched import Request, Shedder, Verdict
 from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
 
@@ -118,6 +117,9 @@ class RequestTable:
         ``BackendError`` (429) past the bounds."""
         retry_after_s = self.config.proxy.retry_after_s
         limit = self.config.proxy.max_queued_requests
+        if req.request_id in self.requests:  # a client's X-Request-Id used twice at once
+            raise BackendError(f"a request with id '{req.request_id}' is in flight already",
+                               status=409, code="duplicate_request_id")  # fmt: skip
         if len(self.requests) >= limit:
             self.counters["rejected"] += 1
             raise BackendError.overloaded(
@@ -138,12 +140,7 @@ class RequestTable:
                 f"{self.where} is at its admission bound for {req.slo_class} requests "
                 f"({self.gate.why(sched)}); retry later", retry_after_s=retry_after_s,
             )  # fmt: skip
-        sampling = SamplingSpec(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-            top_k=max(s.top_k, 0), seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-        )  # fmt: skip
-        tracked = Tracked(req, sched, sampling, TokenQueue())
+        tracked = Tracked(req, sched, s, TokenQueue())
         self.requests[req.request_id] = tracked
         if verdict is Verdict.DEFER:  # it waits here for room (release_deferred)
             tracked.deferred = True
@@ -268,22 +265,31 @@ class RequestTable:
             return None
         if self.admission is not None:
             self.admission.prefilled(msg.request_id)
-        tracked.num_generated = 1
+        firsts = [msg.token_id, *msg.sibling_token_ids]
+        finishes = [msg.finish_reason, *msg.sibling_finish_reasons]
+        tracked.num_generated = len(firsts)
         tracked.handoff_owner = owner
         tracked.first_token_id = msg.token_id
+        if len(firsts) > 1:
+            tracked.first_token_ids = firsts
+            tracked.finished_first = [i for i, f in enumerate(finishes) if f is not None]
         tracked.handoff = msg.handoff
         tracked.prefill_timings = msg.timings
         self.steps.prefill(tracked.gen.model, len(tracked.gen.prompt_token_ids))
-        deliver(tracked, (msg.token_id,), msg.finish_reason)
+        logprobs = msg.logprobs if len(msg.logprobs) == len(firsts) else []
+        for i, (token_id, finish) in enumerate(zip(firsts, finishes, strict=True)):
+            deliver(tracked, (token_id,), finish, index=i, logprobs=logprobs[i:i + 1],
+                    prompt_logprobs=msg.prompt_logprobs if i == 0 else None)
         self.release_deferred()
         return tracked
 
     def finish_first(self, tracked: Tracked, msg: PrefillDone) -> bool:
-        """The first token was the last (its finish reason): end it; True if so."""
-        if msg.finish_reason is None:
+        """Every sequence ended with its first token: end the request; True if so."""
+        if tracked.open_seqs:
             return False
-        self.timings.add(tracked, msg.finish_reason, msg.timings)
-        self.end(msg.request_id, msg.finish_reason)
+        reason = msg.finish_reason or "stop"
+        self.timings.add(tracked, reason, msg.timings)
+        self.end(msg.request_id, reason)
         return True
 
     def step_tokens(self, msg: StepTokens) -> list[str]:
@@ -305,8 +311,9 @@ class RequestTable:
                 continue
             tracked.num_generated += len(item.token_ids)
             reason = item.finish_reason
-            deliver(tracked, item.token_ids, reason, item.timings)
-            if reason is not None:
+            if deliver(tracked, item.token_ids, reason, item.timings, index=item.index,
+                       logprobs=item.logprobs):
+                assert reason is not None
                 self.timings.add(tracked, reason, item.timings)
                 self.end(item.request_id, reason)
             else:

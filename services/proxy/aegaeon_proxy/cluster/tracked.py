@@ -5,13 +5,24 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypedDict, cast
 
 from aegaeon_common.messages.report import StepTokens
-from aegaeon_common.messages.structs import KVHandoff, RequestTimings, SamplingSpec
+from aegaeon_common.messages.structs import (
+    KVHandoff,
+    RequestTimings,
+    SamplingSpec,
+    TokenLogprobs,
+)
 from aegaeon_sched import Request
 
 from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, TokenQueue
+
+
+class DecodeFields(TypedDict):
+    first_token_ids: list[int]
+    finished: list[int]
+    prompt_token_ids: list[int]
 
 
 @dataclass
@@ -28,6 +39,23 @@ class Tracked:
     retries: int = 0  # dispatched again after its instance failed before its first token
     handoff_owner: str | None = None  # the instance whose lease holds the handoff's blocks
     deferred: bool = False  # waiting in the proxy for admission room (SLO class shedding)
+    # n > 1: every sequence's first token and those that ended with it; the sequences
+    # still generating (the request ends when none is)
+    first_token_ids: list[int] = field(default_factory=list)
+    finished_first: list[int] = field(default_factory=list)
+    open_seqs: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.open_seqs = set(range(self.sampling.n))
+
+    def decode_fields(self) -> DecodeFields:
+        """What an ``EnqueueDecode`` of it carries beyond one sequence's first token: the
+        other sequences' and, for a repetition penalty, the prompt."""
+        return {
+            "first_token_ids": self.first_token_ids, "finished": self.finished_first,
+            "prompt_token_ids": (list(self.gen.prompt_token_ids)
+                                 if self.sampling.repetition_penalty != 1.0 else []),
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,19 +95,39 @@ def merge_timings(
 
 def deliver(
     tracked: Tracked, token_ids: Sequence[int], reason: str | None,
-    timings: RequestTimings | None = None,
-) -> None:
-    """Push ``token_ids`` to the request's stream one chunk per token (each reaches the
-    client as its own event: an instance sends several steps' tokens together); the
-    last carries ``reason`` and, when that ends the request, where its time went (the
-    prefill's part merged with ``timings``, the decode instance's)."""
-    for token_id in token_ids[:-1]:
-        tracked.queue.push(TokenChunk((token_id,), None))
+    timings: RequestTimings | None = None, *, index: int = 0,
+    logprobs: Sequence[TokenLogprobs] = (), prompt_logprobs: Sequence[TokenLogprobs] | None = None,
+) -> bool:
+    """Push sequence ``index``'s ``token_ids`` to the request's stream one chunk per
+    token (each reaches the client as its own event: an instance sends several steps'
+    tokens together), each with its log-probabilities. The last carries ``reason``
+    when it ends the sequence; when that ends the request (no sequence left open) it
+    finishes the stream, with where its time went (the prefill's part merged with
+    ``timings``, the decode instance's). True when the request ended."""
+    if reason is not None:
+        tracked.open_seqs.discard(index)
+    ended = reason is not None and not tracked.open_seqs
+    lps = list(logprobs)
+    for k, token_id in enumerate(token_ids[:-1]):
+        tracked.queue.push(TokenChunk((token_id,), None, index=index, logprobs=tuple(lps[k:k + 1]),
+                                      prompt_logprobs=_prompt(prompt_logprobs, k)))
     final = None
-    if reason is not None and (tracked.prefill_timings is not None or timings is not None):
+    if ended and (tracked.prefill_timings is not None or timings is not None):
         final = merge_timings(tracked.prefill_timings, timings)
-    tracked.queue.push(TokenChunk(tuple(token_ids[-1:]), cast(FinishReason | None, reason),
-                                  timings=final))  # fmt: skip
+    last = len(token_ids) - 1
+    tracked.queue.push(TokenChunk(
+        tuple(token_ids[-1:]), cast(FinishReason | None, reason if ended else None),
+        timings=final, index=index, seq_finish=reason,
+        logprobs=tuple(lps[last:last + 1]) if last >= 0 else (),
+        prompt_logprobs=_prompt(prompt_logprobs, max(last, 0)),
+    ))  # fmt: skip
+    return ended
+
+
+def _prompt(prompt_logprobs: Sequence[TokenLogprobs] | None,
+            k: int) -> tuple[TokenLogprobs, ...] | None:
+    """The prompt's log-probabilities ride with a request's first token only."""
+    return tuple(prompt_logprobs) if prompt_logprobs is not None and k == 0 else None
 
 
 def step_batch(msg: StepTokens, requests: Mapping[str, Tracked]) -> tuple[str, list[int]] | None:

@@ -1,0 +1,49 @@
+"""The tests' HTTP calls, on the one client of the bench and the tests (aiohttp:
+:mod:`aegaeon_bench.node.http_client`, whose :func:`fetch`, :func:`sse_events` and
+:func:`sse_payloads` are here too). The plain functions are for tests that run no
+event loop; an ``async def`` test awaits :func:`fetch` on a session of its own.
+Raw sockets stay in the tests that break the wire on purpose."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aegaeon_bench.node.http_client import Reply, fetch, fetch_sync, sse_events, sse_payloads
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = [
+    "Reply", "Samples", "call_json", "fetch", "fetch_sync", "get_json", "get_text",
+    "metric_samples", "sse_events", "sse_payloads",
+]  # fmt: skip
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def call_json(url: str, method: str, path: str, body: Any = None,
+              headers: Mapping[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+    """``(status, body)`` of one request to ``url + path`` with ``body`` as JSON: the
+    answer's JSON, or its text when it is not JSON (errors included)."""
+    reply = fetch_sync(method, url + path, body, headers)
+    return reply.status, reply.data()
+
+
+def get_text(url: str, headers: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """``(status, text)`` of ``GET url``."""
+    reply = fetch_sync("GET", url, headers=headers)
+    return reply.status, reply.text()
+
+
+def get_json(url: str, headers: Mapping[str, str] | None = None) -> Any:
+    """The JSON of ``GET url``, which must answer 200."""
+    reply = fetch_sync("GET", url, headers=headers)
+    assert reply.status == 200, (url, reply.status, reply.text()[:300])
+    return reply.json()
+
+
+def metric_samples(url: str, headers: Mapping[str, str] | None = None) -> Samples:
+    """Every sample a ``/metrics`` URL shows: ``{(name, sorted labels): value}``."""
+    status, text = get_text(url, headers)
+    assert status == 200, (url, status, text[:300])
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip

@@ -1,0 +1,78 @@
+"""tests/worker_groups.py: which xdist worker runs which tests, checked on a real
+two-worker run of a small tree laid out as the suite's (the suite's own addopts)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
+from worker_groups import SHARED_NODE_GROUP, SHARED_NODE_MODULES, group_of, module_of
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+OTHER_MODULES = ("tests/e2e/test_alpha.py", "tests/integration/test_beta.py",
+                 "tests/unit/test_gamma.py", "tests/unit/test_delta.py")  # fmt: skip
+PER_MODULE = 3
+
+TEST_BODY = '''
+import os
+
+
+def _note(name):
+    with open(os.environ["RAN_LOG"], "a") as log:
+        log.write(f"{os.environ.get('PYTEST_XDIST_WORKER', '-')} {__file__} {name}\\n")
+
+'''
+
+
+def test_groups_name_the_shared_node_or_the_module() -> None:
+    assert {group_of(f"{m}::test_x[a::b]") for m in SHARED_NODE_MODULES} == {SHARED_NODE_GROUP}
+    assert group_of("tests/unit/test_gamma.py::Klass::test_x") == "test_gamma"
+    assert module_of("tests/unit/test_gamma.py::test_x[1]") == "tests/unit/test_gamma.py"
+    assert SHARED_NODE_MODULES[-1] == "tests/e2e/test_chaos.py"  # it kills every service
+
+
+def _suite_addopts() -> list[str]:
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    return shlex.split(ini["addopts"])
+
+
+def test_two_workers_keep_modules_whole_and_the_shared_node_modules_in_order(
+    tmp_path: Path,
+) -> None:
+    addopts = _suite_addopts()
+    assert "loadgroup" in addopts  # what scripts/test's `-n 2` runs with
+    # a shuffled layout: the shared-node modules are collected in another order than theirs
+    for module in (*SHARED_NODE_MODULES, *OTHER_MODULES):
+        path = tmp_path / module
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(TEST_BODY + "".join(f"def test_{k}():\n    _note('{k}')\n\n\n"
+                                            for k in range(PER_MODULE)))  # fmt: skip
+    (tmp_path / "tests" / "conftest.py").write_text(
+        "from worker_groups import pytest_collection_modifyitems  # noqa: F401\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # the root: node ids as the suite's
+    log = tmp_path / "ran.log"
+    env = {**os.environ, "RAN_LOG": str(log), "PYTHONPATH": str(TESTS)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", *addopts, "tests"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    runs = [line.split() for line in log.read_text().splitlines()]
+    assert len(runs) == PER_MODULE * (len(SHARED_NODE_MODULES) + len(OTHER_MODULES))
+    workers: dict[str, set[str]] = defaultdict(set)
+    for worker, path, _ in runs:
+        workers[str(Path(path).relative_to(tmp_path))].add(worker)
+    assert all(len(w) == 1 and "-" not in w for w in workers.values()), workers
+    shared = [(Path(path).relative_to(tmp_path).as_posix(), int(k)) for worker, path, k in runs
+              if Path(path).relative_to(tmp_path).as_posix() in SHARED_NODE_MODULES]  # fmt: skip
+    # one worker, one module after another in SHARED_NODE_MODULES' order (chaos last),
+    # each module's tests in their own order
+    assert len({workers[m].pop() for m in SHARED_NODE_MODULES}) == 1
+    assert shared == [(m, k) for m in SHARED_NODE_MODULES for k in range(PER_MODULE)]

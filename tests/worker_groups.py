@@ -1,0 +1,70 @@
+"""Which pytest-xdist worker runs which tests: ``--dist loadgroup`` (pyproject's addopts)
+with an ``xdist_group`` mark on every test, put there by :func:`pytest_collection_modifyitems`
+(tests/conftest.py takes the hook from here).
+
+- A module's tests form one group, so one worker runs them all and a module-scoped
+  fixture (an `aegaeon serve` of its own) starts once.
+- The :data:`SHARED_NODE_MODULES` form one group, :data:`SHARED_NODE_GROUP`: they share
+  one `aegaeon serve` (the session fixture `served`), which starts once; they run one
+  after another in that tuple's order, the chaos run (it kills every service in turn)
+  last. Each leaves the node serving and holding nothing, as the next one needs it (the
+  chaos run and the rolling restart check that it does).
+- Groups are handed out in collection order (``--no-loadscope-reorder``): tests/e2e and
+  tests/integration, whose modules start services and run longest, before the many
+  short unit modules, so no long module starts last while the other worker idles.
+
+A test that carries an ``xdist_group`` mark of its own keeps it.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+import pytest
+
+SHARED_NODE_MODULES = (
+    "tests/e2e/test_serve_openai.py",
+    "tests/e2e/test_serve_api_surface.py",
+    "tests/e2e/test_serve_classes.py",
+    "tests/e2e/test_serve_observability.py",
+    "tests/e2e/test_prometheus.py",
+    "tests/integration/test_bench_serve.py",
+    "tests/e2e/test_docs.py",
+    "tests/e2e/test_chaos.py",
+)
+SHARED_NODE_GROUP = "shared-node"
+
+
+def module_of(nodeid: str) -> str:
+    """The module path of a test's node id (``tests/unit/test_x.py::test_y[1]``)."""
+    return nodeid.split("::", 1)[0]
+
+
+def group_of(nodeid: str) -> str:
+    """The test's xdist group: :data:`SHARED_NODE_GROUP` for the shared-node modules, else
+    its module's name (unique: the test directories have no ``__init__.py``)."""
+    module = module_of(nodeid)
+    return SHARED_NODE_GROUP if module in SHARED_NODE_MODULES else PurePosixPath(module).stem
+
+
+def in_shared_node_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with the tests of :data:`SHARED_NODE_MODULES` one after another, in its
+    order, where the first of them was collected (a module's own order kept)."""
+    rank = {module: k for k, module in enumerate(SHARED_NODE_MODULES)}
+    shared = [item for item in items if module_of(item.nodeid) in rank]
+    if not shared:
+        return items
+    at = items.index(shared[0])
+    rest = [item for item in items if module_of(item.nodeid) not in rank]
+    shared.sort(key=lambda item: rank[module_of(item.nodeid)])  # stable
+    return [*rest[:at], *shared, *rest[at:]]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in its group (:func:`group_of`), the shared-node tests in their order
+    (every worker collects, and so reorders, the same way)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
+    items[:] = in_shared_node_order(items)
