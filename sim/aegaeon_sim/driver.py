@@ -25,7 +25,7 @@ from typing import Any
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed, StepTokens
-from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
+from aegaeon_common.messages.structs import KVHandoff, SamplingParams
 from aegaeon_common.wire import Message
 from aegaeon_sched import (
     Action,
@@ -49,7 +49,7 @@ class Tracked:
     """A request as the simulated proxy follows it."""
 
     request: Request
-    sampling: SamplingSpec
+    sampling: SamplingParams
     token_times_s: list[float] = field(default_factory=list)
     first_token_id: int = 0
     handoff: KVHandoff | None = None
@@ -210,8 +210,8 @@ class Simulation:
         for r in self.requests:
             output = r.oracle_output_len if r.oracle_output_len is not None else r.max_tokens
             # the request ends by length at its true output (no stop token is sampled)
-            self.tracked[r.request_id] = Tracked(r, SamplingSpec(max_tokens=output,
-                                                                 temperature=0.0))
+            self.tracked[r.request_id] = Tracked(r, SamplingParams(max_tokens=output,
+                                                                   temperature=0.0))
         for instance in self.instances.values():
             instance.start()
         if self.requests and self.requests[0].arrival_s <= end_s:

@@ -22,7 +22,7 @@ from typing import Any
 
 from aegaeon_common.config import BaselineConfig, Config, SchedulerConfig, SLOConfig
 from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, SamplingSpec
+from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, SamplingParams
 from aegaeon_engine import ModelSpec, RopeSpec, weight_layout
 from aegaeon_runtime.grammar import ModelVocab
 from aegaeon_runtime.metrics import WorkerMetrics
@@ -119,7 +119,7 @@ class FakeWorker(SimWorker):
         return EnqueueDecode(
             request_id=request_id, model=model, batch_id=batch_id, prompt_len=prompt_len,
             first_token_id=token_at(prompt_len - 1), num_generated=1,
-            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
             handoff=KVHandoff(spec, blocks, prompt_len), arrival_s=arrival_s,
         )  # fmt: skip
 
