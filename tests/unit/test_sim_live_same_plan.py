@@ -114,6 +114,7 @@ def test_the_simulator_drives_the_loop_as_a_plain_fake_clock_does(seed: int) -> 
     for sim_plan, live_plan in zip(sim.plans, live.plans, strict=True):
         assert [q for *_, q in sim_plan] == pytest.approx([q for *_, q in live_plan], rel=1e-9)
     assert [b for b, _ in sim.turns] == [b for b, _ in live.turns]
+    assert [q for _, q in sim.turns] == pytest.approx([q for _, q in live.turns], rel=1e-9)
     # ... and the turns take the same time: switches (prefetched or not) and steps.
     assert [(m, n) for m, _, _, n in sim_turns] == [(m, n) for m, _, _, n in live_turns]
     assert [t for _, s, e, _ in sim_turns for t in (s, e)] == pytest.approx(
