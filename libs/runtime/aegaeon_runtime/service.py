@@ -348,12 +348,17 @@ async def _serve(
 
 
 async def _free_stale_handoff(client: CacheClient, msg: EnqueueDecode) -> None:
-    """The proxy leased this handoff's blocks to this instance's name before sending it
-    (for the process this one replaced): nobody else will free them. Stale messages all
-    come before this process's first real one (one ordered socket), so the blocks
-    cannot be this process's own yet; ``not_owner``: they were never moved here."""
+    """A handoff meant for the process this one replaced, which never claimed it: its
+    blocks are still leased to the instance that prefilled it (``handoff_owner``), and
+    nobody else will free them. Taken over from that owner only (a lease that moved or
+    ended since is left alone), then freed. Stale messages all come before this
+    process's first real one (one ordered socket)."""
+    if not msg.handoff_owner:
+        return
     with contextlib.suppress(RemoteError, TimeoutError):
-        await client.free_blocks(list(msg.handoff.block_offsets), msg.handoff.event)
+        offsets = list(msg.handoff.block_offsets)
+        await client.reassign_blocks(offsets, client.worker_id, owner=msg.handoff_owner)
+        await client.free_blocks(offsets, msg.handoff.event)
 
 
 async def _drain(

@@ -20,8 +20,8 @@ from aegaeon_common.wire import Channel, Message
 class EnqueueDecode(Message, frozen=True):
     """A prefilled request joins batch ``batch_id`` of its model (Alg. 2, line 2).
 
-    On accepting it the instance takes over the handoff's blocks (lease) and
-    frees them when the request ends.
+    On accepting it the instance takes over the handoff's blocks (lease) itself and
+    frees them when the request ends (the proxy never touches the lease).
     """
 
     TAG = "enqueue_decode"
@@ -51,6 +51,10 @@ class EnqueueDecode(Message, frozen=True):
     finished: list[int] = msgspec.field(default_factory=list)
     # the prompt, when the decode side needs it (a repetition penalty)
     prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+    # the instance whose lease holds the handoff's blocks until this one claims them
+    # (its cachemgr name, ``kind-index``; "": unknown): a successor that drops this
+    # message as stale frees them there
+    handoff_owner: str = ""
 
 
 class RunRequest(Message, frozen=True):

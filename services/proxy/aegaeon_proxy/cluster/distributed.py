@@ -52,8 +52,7 @@ import zmq.asyncio
 from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
+from aegaeon_common.messages.prefill import CancelRequest
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
     InstanceDraining,
@@ -451,13 +450,8 @@ class DistributedBackend:
             return
         self.where[rid] = where
         tracked.instance = instance
-        gen = tracked.gen
-        await self._send(record, EnqueuePrefill(
-            gen.request_id, gen.model, group_id, list(gen.prompt_token_ids), tracked.sampling,
-            gen.arrival_s, incarnation=record.incarnation, reply_to=self.report_address,
-            priority=tracked.sched.priority, ttft_s=tracked.sched.ttft_s or 0.0,
-            tbt_s=tracked.sched.tbt_s or 0.0,
-        ))  # fmt: skip
+        await self._send(record, tracked.prefill_message(group_id, record.incarnation,
+                                                         self.report_address))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")
 
@@ -500,21 +494,13 @@ class DistributedBackend:
         self.dispatch_s.append(time.perf_counter() - started)
         record, key = by_id[instance]
         where = Where(instance, record.incarnation, record.node, key, "decode")
-        if rid not in self.requests or tracked.handoff is None or tracked.first_token_id is None:
+        msg = tracked.decode_message(batch_id, record.incarnation, self.report_address)
+        if rid not in self.requests or msg is None:
             await self._unqueue(rid, where)
             return False
         self.where[rid] = where
         tracked.instance = instance
-        gen = tracked.gen
-        await self._send(record, EnqueueDecode(
-            request_id=rid, model=gen.model, batch_id=batch_id,
-            prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
-            num_generated=tracked.num_generated, sampling=tracked.sampling,
-            handoff=tracked.handoff, arrival_s=gen.arrival_s, incarnation=record.incarnation,
-            reply_to=self.report_address, priority=tracked.sched.priority,
-            ttft_s=tracked.sched.ttft_s or 0.0, tbt_s=tracked.sched.tbt_s or 0.0,
-            **tracked.decode_fields(),
-        ))  # fmt: skip
+        await self._send(record, msg)
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")
         return True
@@ -578,7 +564,8 @@ class DistributedBackend:
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         where = self.where.get(msg.request_id)
-        tracked = self.table.prefilled(msg, where.instance) if where is not None else None
+        owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
+        tracked = self.table.prefilled(msg, owner) if where is not None else None
         if tracked is None or where is None:
             self.counters["orphan_tokens"] += 1
             if msg.request_id not in self.requests and msg.handoff is not None:
