@@ -497,10 +497,5 @@ class ClusterBackend:
         }
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.turns]
-        out["timings"] = [
-            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
-             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
-             **to_plain(r.timings)}
-            for r in self.table.timings.records
-        ]  # fmt: skip
+        out["timings"] = self.table.timings.plain()
         return out

@@ -854,12 +854,7 @@ class DistributedBackend:
         }
         if light:
             return out
-        out["timings"] = [
-            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
-             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
-             **msgspec.to_builtins(r.timings)}
-            for r in self.table.timings.records
-        ]  # fmt: skip
+        out["timings"] = self.table.timings.plain()
         out["switches"], out["turns"] = [], []
         return out
 

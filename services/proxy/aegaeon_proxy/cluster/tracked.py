@@ -16,6 +16,7 @@ from aegaeon_common.messages.structs import (
     SamplingSpec,
     TokenLogprobs,
 )
+from aegaeon_common.wire import to_plain
 from aegaeon_sched import Request
 
 from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, TokenQueue
@@ -181,3 +182,12 @@ class TimingLog:
                 tracked.num_generated, t,
             )
         )  # fmt: skip
+
+    def plain(self) -> list[dict[str, object]]:
+        """The records as ``/v1/aegaeon/stats`` lists them (``timings``)."""
+        return [
+            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
+             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
+             **to_plain(r.timings)}
+            for r in self.records
+        ]  # fmt: skip
