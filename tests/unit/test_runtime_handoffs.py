@@ -3,16 +3,10 @@ twice, none freed once a decode instance claimed it or its blocks went to a newe
 
 from __future__ import annotations
 
-import asyncio
-from typing import cast
-
 from aegaeon_common.messages.common import ErrorReply
-from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingSpec
+from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec
 from aegaeon_common.transport import RemoteError
-from aegaeon_runtime.cacheclient.client import CacheClient
 from aegaeon_runtime.handoffs import SentHandoffs
-from aegaeon_runtime.service import _free_stale_handoff
 
 SHAPE = KVShapeSpec(2, 2, 8, 4, "float32")
 
@@ -85,41 +79,3 @@ def test_a_handoff_this_instance_decodes_itself_is_never_freed_by_a_cancel() -> 
     # sequences (a swap-out): held locally, so left alone
     assert not handoffs.free_one("sent", cache, in_use={4, 9})
     assert not cache.freed and cache.owner == dict.fromkeys([1, 2, 3, 4], "prefill-0")
-
-
-class AsyncLeases:
-    """The cachemgr as a restarted instance's client reaches it (``CacheClient``):
-    a reassign from a named owner is refused unless that owner holds every block."""
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.leases = Leases(worker_id)
-
-    async def reassign_blocks(self, offsets: list[int], new_owner: str,
-                              owner: str | None = None) -> int:  # fmt: skip
-        held_by = self.worker_id if owner is None else owner
-        if held_by and any(self.leases.owner.get(o) != held_by for o in offsets):
-            raise RemoteError(ErrorReply("not_owner", f"{offsets} are not {held_by}'s"))
-        return self.leases.reassign_blocks(offsets, new_owner)
-
-    async def free_blocks(self, offsets: list[int], event: EventSpec | None = None) -> object:
-        return self.leases.free_blocks(offsets, event)
-
-
-def _stale(offsets: list[int], owner: str) -> EnqueueDecode:
-    return EnqueueDecode("r", "m", 1, 4, 7, 1, SamplingSpec(), KVHandoff(SHAPE, offsets, 8),
-                         0.0, incarnation=5, handoff_owner=owner)  # fmt: skip
-
-
-def test_a_successor_frees_a_stale_handoff_still_leased_to_its_prefill_instance() -> None:
-    """Work queued for a decode instance that died before claiming it: nobody else frees
-    the blocks (the proxy never claims them); the successor takes them from the
-    prefill instance's lease and frees them, and leaves alone a lease that moved."""
-    client = AsyncLeases("decode-0")
-    client.leases.lease([1, 2], "prefill-0")
-    asyncio.run(_free_stale_handoff(cast(CacheClient, client), _stale([1, 2], "prefill-0")))
-    assert client.leases.freed == [[1, 2]] and not client.leases.owner
-    client.leases.lease([3], "decode-1")  # claimed elsewhere since: not this one's to free
-    asyncio.run(_free_stale_handoff(cast(CacheClient, client), _stale([3], "prefill-0")))
-    asyncio.run(_free_stale_handoff(cast(CacheClient, client), _stale([3], "")))  # unknown
-    assert client.leases.freed == [[1, 2]] and client.leases.owner == {3: "decode-1"}

@@ -29,7 +29,6 @@ import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
-from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import (
     CudaGraphStats,
     InstanceDraining,
@@ -289,8 +288,6 @@ async def _serve(
                     # or re-dispatched that work since, so doing it now would do it twice
                     metrics.bad_frame("stale")
                     log.info("stale_command_dropped", instance=name, tag=msg.TAG)
-                    if isinstance(msg, EnqueueDecode):
-                        await _free_stale_handoff(client, msg)
                     continue
                 reply_to = getattr(msg, "reply_to", "")
                 request_id = getattr(msg, "request_id", None)
@@ -345,20 +342,6 @@ async def _serve(
         ready_path(config.run_dir, name).unlink(missing_ok=True)
     if crashed:
         raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
-
-
-async def _free_stale_handoff(client: CacheClient, msg: EnqueueDecode) -> None:
-    """A handoff meant for the process this one replaced, which never claimed it: its
-    blocks are still leased to the instance that prefilled it (``handoff_owner``), and
-    nobody else will free them. Taken over from that owner only (a lease that moved or
-    ended since is left alone), then freed. Stale messages all come before this
-    process's first real one (one ordered socket)."""
-    if not msg.handoff_owner:
-        return
-    with contextlib.suppress(RemoteError, TimeoutError):
-        offsets = list(msg.handoff.block_offsets)
-        await client.reassign_blocks(offsets, client.worker_id, owner=msg.handoff_owner)
-        await client.free_blocks(offsets, msg.handoff.event)
 
 
 async def _drain(

@@ -51,10 +51,6 @@ class EnqueueDecode(Message, frozen=True):
     finished: list[int] = msgspec.field(default_factory=list)
     # the prompt, when the decode side needs it (a repetition penalty)
     prompt_token_ids: list[int] = msgspec.field(default_factory=list)
-    # the instance whose lease holds the handoff's blocks until this one claims them
-    # (its cachemgr name, ``kind-index``; "": unknown): a successor that drops this
-    # message as stale frees them there
-    handoff_owner: str = ""
 
 
 class RunRequest(Message, frozen=True):

@@ -408,8 +408,15 @@ class ClusterBackend:
     def _fail_instance(self, name: str, why: str) -> None:
         """Its requests end with an ``instance_failed`` error, except those that had
         no token yet: they are dispatched again (the instance is paused, so they go
-        elsewhere or wait for its successor; ``RequestTable.lost``)."""
+        elsewhere or wait for its successor; ``RequestTable.lost``). One placed there
+        after its prefill may have been lost before the instance claimed its handoff:
+        the prefill instance frees it if it is still leased there (a no-op once
+        claimed: the cachemgr refuses that free)."""
         for tracked in [t for t in self.requests.values() if t.instance == name]:
+            owner = tracked.handoff_owner
+            if owner is not None and owner != name and owner in self.instances.views:
+                self._actions.send(owner, CancelRequest(tracked.gen.request_id,
+                                                        free_handoff=True))  # fmt: skip
             self.table.lost(tracked, name, why)
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:

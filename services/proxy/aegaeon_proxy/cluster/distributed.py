@@ -716,6 +716,11 @@ class DistributedBackend:
         end it with ``instance_failed``."""
         tracked = self.requests.get(rid)
         self.where.pop(rid, None)
+        owner = tracked.handoff_owner if tracked is not None else None
+        if owner and where.stage == "decode":  # its handoff, if not claimed (one node's)
+            for record in list(self.view.live.values()):
+                if record.node == where.node and f"{record.kind}-{record.index}" == owner:
+                    self._spawn(self._send(record, CancelRequest(rid, free_handoff=True)))
         if tracked is not None:
             self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
                             "heartbeat expired)")  # fmt: skip

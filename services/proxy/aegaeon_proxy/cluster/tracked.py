@@ -71,7 +71,7 @@ class Tracked:
             arrival_s=gen.arrival_s, incarnation=incarnation, reply_to=reply_to,
             priority=sched.priority, ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
             first_token_ids=self.first_token_ids, finished=self.finished_first,
-            prompt_token_ids=prompt, handoff_owner=self.handoff_owner or "",
+            prompt_token_ids=prompt,
         )  # fmt: skip
 
     def run_message(self, incarnation: int = 0) -> RunRequest:
