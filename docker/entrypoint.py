@@ -2,6 +2,8 @@
 """The images' entrypoint (``aegaeon-container``): one Aegaeon service as this container's PID 1.
 
     aegaeon-container cachemgr|prefill|decode|proxy   run that service (compose.yaml)
+    aegaeon-container plan                           plan the node once (compose's plan)
+    aegaeon-container mps                            the CUDA MPS control daemon
     aegaeon-container health [URL]                   GET /health of it (the HEALTHCHECK)
     aegaeon-container ARGS...                        any other ``aegaeon`` command
 
@@ -14,7 +16,9 @@ Settings, from the environment compose passes:
   of ``aegaeon serve`` (one prefill, one decode instance on the CPU) over
   ``AEGAEON_MARKET``.
 - ``AEGAEON_PREFILL_INSTANCES`` / ``AEGAEON_DECODE_INSTANCES``: instance counts
-  (override the file's, so ``--scale`` and the config agree).
+  (override the file's, so ``--scale`` and the config agree); ``AEGAEON_TP``: the
+  tensor-parallel size of every instance (``prefill.tp``/``decode.tp``; each worker
+  container is then a group of that many GPUs, its followers inside it).
 - ``AEGAEON_INDEX``: this worker's instance index. Unset: the compose replica
   number less one (the container's name, ``<project>-<service>-<n>``, found by
   a reverse lookup of its own address on the compose network), else 0.
@@ -24,16 +28,29 @@ Settings, from the environment compose passes:
   replica of a kind uses the same port in its own network namespace, so one
   Prometheus DNS lookup per service finds them all.
 - ``AEGAEON_GPUS``: ``all`` or CUDA indices (``0,1``): place and size from the
-  machine, as ``aegaeon serve --gpus`` (docs/gpu.md). A worker plans every
-  instance of the deployment on the GPUs it sees and takes its own device and
-  its kind's sizes; the cachemgr sizes the Model Cache and the CPU KV cache
-  from the host's memory; the proxy keeps the file's. Unset: the file's devices
-  and sizes, and ``AEGAEON_KIND_GPUS``.
+  machine, as ``aegaeon serve --gpus`` (docs/gpu.md). The ``plan`` service plans
+  the whole node once, before anything holds GPU memory, and writes
+  ``RUN_DIR/planned.yaml`` (``aegaeon plan``, with the cachemgr's /dev/shm from
+  ``AEGAEON_SHM_SIZE``); every container reads that one plan. Unset: the file's
+  devices and sizes, and ``AEGAEON_KIND_GPUS``; the plan service removes a plan
+  an earlier run left.
 - ``AEGAEON_KIND_GPUS``: without ``AEGAEON_GPUS``, on a GPU, the devices
   (nvidia-smi numbers) a kind's instances take in turn (instance i: the i-th,
-  round robin). Unset: prefill i takes device i, decode j device ``prefill
-  instances + j``, modulo the devices the container sees (``/dev/nvidia<N>``).
-  Sets ``CUDA_VISIBLE_DEVICES``.
+  round robin; ``tp`` consecutive ones for a tensor-parallel instance). Unset:
+  prefill i takes device i, decode j device ``prefill instances + j``, modulo the
+  devices the container sees (``/dev/nvidia<N>``).
+
+Device numbers mean the same in every container: each worker container sees every
+GPU (compose reserves ``count: all``; ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, nvidia-smi's
+order) and runs on ``cuda:<N>`` of its config, never on a renumbered
+``CUDA_VISIBLE_DEVICES``: a CUDA IPC event names its device by that number. The
+cachemgr runs with ``CUDA_VISIBLE_DEVICES=""``: it opens the host mirrors of the
+workers' events, no CUDA.
+
+MPS: a worker on a GPU waits up to ``AEGAEON_MPS_WAIT_S`` (default 20) for the
+``mps`` service's control pipe in ``RUN_DIR/mps`` and then runs as its client
+(``CUDA_MPS_PIPE_DIRECTORY``); without it (``AEGAEON_MPS=0``, or no daemon came
+up), it runs without MPS and says so.
 """
 
 from __future__ import annotations
@@ -41,8 +58,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -142,23 +161,59 @@ def instance_index(env: Mapping[str, str], container_name: str | None) -> int:
 
 
 def gpu_for(kind: str, index: int, prefill_instances: int, env: Mapping[str, str],
-            num_devices: int) -> str | None:
-    """The device (nvidia-smi number) instance ``index`` of ``kind`` runs on, or None."""
+            num_devices: int, tp: int = 1) -> list[str] | None:
+    """The devices (nvidia-smi numbers) instance ``index`` of ``kind`` runs on (``tp`` of
+    them, its group's ranks in order), or None without a GPU."""
     listed = [g.strip() for g in env.get("AEGAEON_KIND_GPUS", "").split(",") if g.strip()]
     if listed:
-        return listed[index % len(listed)]
+        return [listed[(index * tp + r) % len(listed)] for r in range(tp)]
     if num_devices <= 0:
         return None
     slot = index if kind == "prefill" else prefill_instances + index
-    return str(slot % num_devices)
+    return [str((slot * tp + r) % num_devices) for r in range(tp)]
+
+
+def kind_devices(kind: str, count: int, prefill_instances: int, env: Mapping[str, str],
+                 num_devices: int, tp: int = 1) -> list[str] | None:
+    """Every instance's devices of ``kind`` in turn, as the config's ``devices`` (the
+    same list in every replica of the kind), or None without a GPU."""
+    groups = [gpu_for(kind, i, prefill_instances, env, num_devices, tp) for i in range(count)]
+    if any(g is None for g in groups):
+        return None
+    return [f"cuda:{d}" for group in groups if group is not None for d in group]
 
 
 def visible_devices() -> int:
     return sum(1 for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name))
 
 
+def plan_path(env: Mapping[str, str]) -> Path:
+    """Where the ``plan`` service writes the node's plan (the shared run volume)."""
+    return Path(env.get("AEGAEON_RUN_DIR", DEFAULT_RUN_DIR)) / "planned.yaml"
+
+
 def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
-    """The deployment as plain data: the mounted file, or the embedded default."""
+    """The deployment as plain data: with ``AEGAEON_GPUS``, the node's plan (the ``plan``
+    service's); else the mounted file, or the embedded default."""
+    import yaml
+
+    if env.get("AEGAEON_GPUS", "").strip():
+        path = plan_path(env)
+        try:
+            planned = yaml.safe_load(path.read_text())
+        except OSError:
+            raise SettingError(f"AEGAEON_GPUS is set but there is no plan at {path} (compose's "
+                               "plan service writes it before the other services start: "
+                               "see its log)") from None  # fmt: skip
+        if not isinstance(planned, dict):
+            raise SettingError(f"{path}: not a map")
+        return planned
+    return load_file(env)
+
+
+def load_file(env: Mapping[str, str]) -> dict[str, Any]:
+    """The mounted file (or the embedded default) as plain data, its paths absolute, its
+    ``instance`` section folded into the roles' and ``AEGAEON_TP`` applied."""
     import yaml
 
     source = env.get("AEGAEON_CONFIG", DEFAULT_CONFIG)
@@ -168,7 +223,7 @@ def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
 
         if not (market / "market.json").is_file():
             raise SettingError(f"no market at {market} (mount one: AEGAEON_MARKET_DIR in compose)")
-        return default_config_dict(market, 8000)
+        return with_tp(default_config_dict(market, 8000), env)
     path = Path(source)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -176,13 +231,28 @@ def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
         raise SettingError(f"cannot read the config {path}: {exc.strerror}") from None
     if not isinstance(raw, dict):
         raise SettingError(f"{path}: not a map")
+    from aegaeon_common.config import fold_instance
+
+    raw = fold_instance(raw, str(path))  # `instance`'s keys in each role's section
     # relative paths in the file are relative to it, as load_config reads them
     if raw.get("market"):
         raw["market"] = str((path.parent / str(raw["market"])).resolve())
     for model in raw.get("models") or []:
         if isinstance(model, dict) and model.get("path"):
             model["path"] = str((path.parent / str(model["path"])).resolve())
-    return raw
+    return with_tp(raw, env)
+
+
+def with_tp(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``raw`` with ``AEGAEON_TP`` (if set) as every instance section's ``tp``."""
+    text = env.get("AEGAEON_TP", "").strip()
+    if not text:
+        return raw
+    if not text.isdigit() or int(text) < 1:
+        raise SettingError(f"AEGAEON_TP={text!r}: a whole number >= 1")
+    from aegaeon_cli.machine import with_tp as sections_with_tp
+
+    return sections_with_tp(raw, int(text))
 
 
 def effective_config(raw: dict[str, Any], kind: str, index: int, port: int,
@@ -208,24 +278,89 @@ def effective_config(raw: dict[str, Any], kind: str, index: int, port: int,
     return out
 
 
-def planned(kind: str, config: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
-    """``config`` placed and sized for this machine when ``AEGAEON_GPUS`` is set: a
-    worker's instances on the GPUs (the whole deployment's plan, so instances sharing
-    a GPU split it), the cachemgr's memory from the host; the plan goes to stderr."""
+def plan_node(env: Mapping[str, str]) -> int:
+    """compose's ``plan`` service: with ``AEGAEON_GPUS``, plan the whole node once (every
+    instance on the GPUs this container sees, the cachemgr within ``AEGAEON_SHM_SIZE``)
+    and write it to :func:`plan_path` for every container; without, remove a plan an
+    earlier run left (the file's devices and sizes apply)."""
+    import yaml
+
+    path = plan_path(env)
     spec = env.get("AEGAEON_GPUS", "").strip()
-    if not spec or kind not in (*WORKERS, "cachemgr"):
-        return config
+    if not spec:
+        path.unlink(missing_ok=True)
+        print("aegaeon-container plan: AEGAEON_GPUS unset: the config file's devices and "
+              "sizes", file=sys.stderr, flush=True)  # fmt: skip
+        return 0
     if env.get("AEGAEON_KIND_GPUS", "").strip():
         raise SettingError("AEGAEON_GPUS places every instance: unset AEGAEON_PREFILL_GPUS / "
                            "AEGAEON_DECODE_GPUS (AEGAEON_KIND_GPUS), or AEGAEON_GPUS")
-    from aegaeon_cli.machine import explicit_counts, sized
+    from aegaeon_cli.machine import (
+        Assumed,
+        explicit_counts,
+        plan_comment,
+        sized,
+        with_absolute_paths,
+    )
+    from aegaeon_cli.plan import docker_size
     from aegaeon_common.config import config_from_dict
 
-    parsed = config_from_dict(config, source="compose")
-    only = "cachemgr" if kind == "cachemgr" else "instances"
-    _, out, plan = sized(config, parsed, spec, explicit_counts(config), only)
+    raw = load_file(env)
+    for worker in WORKERS:
+        count = env.get(f"AEGAEON_{worker.upper()}_INSTANCES", "").strip()
+        if count:
+            raw[worker] = {**(raw.get(worker) or {}), "instances": int(count)}
+    raw["run_dir"] = env.get("AEGAEON_RUN_DIR", DEFAULT_RUN_DIR)
+    shm = env.get("AEGAEON_SHM_SIZE", "").strip()
+    assumed = Assumed(shm_bytes=docker_size(shm)) if shm else None
+    parsed = config_from_dict(raw, source="compose")
+    config, out, plan = sized(raw, parsed, spec, explicit_counts(raw), assumed=assumed)
+    text = plan_comment(plan) + yaml.safe_dump(with_absolute_paths(out, config), sort_keys=False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
     print(plan.describe(), file=sys.stderr, flush=True)
-    return out
+    print(f"aegaeon-container plan: wrote {path}", file=sys.stderr, flush=True)
+    return 0
+
+
+def mps_env(env: dict[str, str], wait_s: float | None = None) -> bool:
+    """Make this worker a client of the ``mps`` service's daemon when it runs (its
+    control pipe in the run volume), waiting up to ``AEGAEON_MPS_WAIT_S`` for it;
+    False: no MPS (turned off, or no daemon came up)."""
+    if env.get("AEGAEON_MPS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    pipe = Path(env.get("AEGAEON_RUN_DIR", DEFAULT_RUN_DIR)) / "mps"
+    wait = float(env.get("AEGAEON_MPS_WAIT_S") or 20.0) if wait_s is None else wait_s
+    deadline = time.monotonic() + wait
+    while not (pipe / "control").exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
+    env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+    env["CUDA_MPS_LOG_DIRECTORY"] = str(pipe.with_name("mps-log"))
+    return True
+
+
+def run_mps(env: dict[str, str]) -> int:
+    """compose's ``mps`` service: the CUDA MPS control daemon in the foreground, its pipe
+    directory in the shared run volume (the workers find it there); where the driver has
+    no ``nvidia-cuda-mps-control``, say so and end (the workers run without MPS)."""
+    import shutil
+
+    binary = shutil.which("nvidia-cuda-mps-control")
+    if binary is None:
+        print("aegaeon-container mps: no nvidia-cuda-mps-control (the NVIDIA Container "
+              "Toolkit mounts it with the driver): the workers run without MPS",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 0
+    pipe = Path(env.get("AEGAEON_RUN_DIR", DEFAULT_RUN_DIR)) / "mps"
+    logs = pipe.with_name("mps-log")
+    pipe.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = str(pipe), str(logs)
+    os.execvpe(binary, [binary, "-f"], env)
+    return 127  # not reached
 
 
 def service_argv(kind: str, index: int, raw: dict[str, Any], config_path: Path) -> list[str]:
@@ -255,7 +390,8 @@ def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
         port = int((raw.get("proxy") or {}).get("port", 8000))
     else:
         port = int(env.get("AEGAEON_HTTP_PORT") or DEFAULT_PORTS[kind])
-    config = planned(kind, effective_config(raw, kind, index, port, env), env)
+    config = effective_config(raw, kind, index, port, env)
+    mps = False
     if kind in WORKERS:
         count = int(config[kind].get("instances", 1))
         if index >= count:
@@ -265,12 +401,13 @@ def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
                 f"(compose: set AEGAEON_{kind.upper()}_INSTANCES, or AEGAEON_CPU_"
                 f"{kind.upper()}_INSTANCES for the cpu profile, instead of --scale)")
         device = str(config[kind].get("device", "cpu"))
-        planned_devices = bool(config[kind].get("devices"))
-        if device.startswith("cuda") and not planned_devices and "CUDA_VISIBLE_DEVICES" not in env:
-            gpu = gpu_for(kind, index, int(config["prefill"].get("instances", 1)), env,
-                          visible_devices())
-            if gpu is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpu
+        if device.startswith("cuda") and not config[kind].get("devices"):
+            devices = kind_devices(kind, count, int(config["prefill"].get("instances", 1)), env,
+                                   visible_devices(), int(config[kind].get("tp", 1)))
+            if devices is not None:
+                config[kind] = {**config[kind], "devices": devices}
+        if device.startswith("cuda"):
+            mps = mps_env(env)
     if container and not env.get("AEGAEON_ADVERTISE_HOST"):
         env["AEGAEON_ADVERTISE_HOST"] = container  # resolvable by the compose network's DNS
     STATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -278,16 +415,23 @@ def run_service(kind: str, args: list[str], env: dict[str, str]) -> int:
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     HEALTH_FILE.write_text(f"http://127.0.0.1:{port}/health")
     argv = [*service_argv(kind, index, config, config_path), *args]
+    devices = (config.get(kind) or {}).get("devices") if kind in WORKERS else None
     print(json.dumps({"event": "container_start", "service": kind, "index": index,
-                      "container": container, "argv": argv,
+                      "container": container, "argv": argv, "devices": devices, "mps": mps,
                       "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES")}),
-          file=sys.stderr, flush=True)
+          file=sys.stderr, flush=True)  # fmt: skip
     os.execvpe(argv[0], argv, env)
     return 127  # not reached
 
 
 def health(args: list[str]) -> int:
-    """GET /health (of ``args[0]`` or of the service this container started): 0 when 200."""
+    """GET /health (of ``args[0]`` or of the service this container started): 0 when 200.
+
+    A 503 that says the service is ``stalled`` (an instance whose compute thread made no
+    progress for ``health.stall_s``) also ends that service (SIGKILL to the pid its
+    body names, in this container's PID namespace): Docker marks a container unhealthy
+    but never restarts it for that, while its ``restart`` policy restarts one that
+    exited."""
     if args:
         url = args[0]
     elif HEALTH_FILE.is_file():
@@ -298,9 +442,33 @@ def health(args: list[str]) -> int:
     try:
         with urllib.request.urlopen(url, timeout=4) as response:
             return 0 if response.status == 200 else 1
+    except urllib.error.HTTPError as exc:
+        end_if_stalled(url, exc)
+        return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"{url}: {exc}", file=sys.stderr)
         return 1
+
+
+def end_if_stalled(url: str, answer: urllib.error.HTTPError) -> bool:
+    """SIGKILL the service whose /health answered ``answer`` if it says it stalled."""
+    try:
+        body = json.loads(answer.read() or b"{}")
+    except ValueError:
+        body = {}
+    if answer.code != 503 or not isinstance(body, dict) or body.get("status") != "stalled":
+        print(f"{url}: {answer.code}", file=sys.stderr)
+        return False
+    pid = body.get("pid")
+    print(f"{url}: stalled ({body.get('reason')}): ending pid {pid} for a restart",
+          file=sys.stderr)
+    if isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError as exc:
+            print(f"{url}: could not end pid {pid}: {exc.strerror}", file=sys.stderr)
+            return False
+    return True
 
 
 def main(argv: list[str]) -> int:
@@ -310,10 +478,14 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "health":
         return health(rest)
-    if command in SERVICES:
+    if command == "mps":
+        return run_mps(dict(os.environ))
+    if command in (*SERVICES, "plan"):
         try:
+            if command == "plan":
+                return plan_node(dict(os.environ))
             return run_service(command, rest, dict(os.environ))
-        except (SettingError, ValueError) as exc:
+        except (SettingError, ValueError) as exc:  # ConfigError, PlacementError too
             print(f"aegaeon-container {command}: {exc}", file=sys.stderr)
             return 2
     os.execvp("aegaeon", ["aegaeon", *argv])

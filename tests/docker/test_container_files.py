@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -71,13 +72,27 @@ def test_workers_share_the_cachemgr_memory_and_wait_for_it(compose: dict) -> Non
         for kind in ep.WORKERS:
             svc = services[kind + suffix]
             assert svc["ipc"] == svc["pid"] == f"service:cachemgr{suffix}"
-            assert svc["depends_on"] == {f"cachemgr{suffix}": {"condition": "service_healthy"}}
+            waits = {f"cachemgr{suffix}": {"condition": "service_healthy"}}
+            if suffix == "":  # the gpu stack's plan first (AEGAEON_GPUS)
+                waits["plan"] = {"condition": "service_completed_successfully"}
+            assert svc["depends_on"] == waits
         assert services["proxy" + suffix]["depends_on"] == {
             f"{k}{suffix}": {"condition": "service_healthy"} for k in ep.WORKERS}
-    for kind in ep.WORKERS:  # GPU workers reserve NVIDIA devices; CPU workers none
-        devices = services[kind]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    every_gpu = [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    for name in (*ep.WORKERS, "plan", "mps"):  # they see every GPU, numbered alike
+        assert services[name]["deploy"]["resources"]["reservations"]["devices"] == every_gpu
+    for kind in ep.WORKERS:
         assert "deploy" not in services[kind + "-cpu"]
+    # the cachemgr has no GPU: it opens the host mirrors of the workers' CUDA events
+    assert "deploy" not in services["cachemgr"]
+    assert services["cachemgr"]["environment"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert services["cachemgr"]["depends_on"] == {
+        "plan": {"condition": "service_completed_successfully"}}
+    # MPS: a daemon in the cachemgr's IPC namespace, its pipes in the run volume
+    mps = services["mps"]
+    assert mps["command"] == ["mps"] and mps["ipc"] == "service:cachemgr"
+    assert "run:/run/aegaeon" in mps["volumes"] and mps["restart"] == "no"
+    assert services["plan"]["command"] == ["plan"] and services["plan"]["restart"] == "no"
 
 
 def test_the_gpu_config_validates(tmp_path: Path) -> None:
@@ -109,11 +124,16 @@ def test_instance_index_prefers_the_environment_then_the_replica() -> None:
 
 
 def test_gpu_for_round_robin_and_defaults() -> None:
-    assert ep.gpu_for("prefill", 3, 2, {"AEGAEON_KIND_GPUS": "4, 5"}, 8) == "5"
-    assert ep.gpu_for("prefill", 1, 2, {}, 4) == "1"
-    assert ep.gpu_for("decode", 0, 2, {}, 4) == "2"
-    assert ep.gpu_for("decode", 0, 1, {}, 1) == "0"  # one GPU: everyone shares it
+    assert ep.gpu_for("prefill", 3, 2, {"AEGAEON_KIND_GPUS": "4, 5"}, 8) == ["5"]
+    assert ep.gpu_for("prefill", 1, 2, {}, 4) == ["1"]
+    assert ep.gpu_for("decode", 0, 2, {}, 4) == ["2"]
+    assert ep.gpu_for("decode", 0, 1, {}, 1) == ["0"]  # one GPU: everyone shares it
     assert ep.gpu_for("decode", 0, 1, {}, 0) is None
+    assert ep.gpu_for("decode", 0, 1, {}, 8, tp=4) == ["4", "5", "6", "7"]  # a TP group
+    # a kind's devices, the same list in each of its containers: cuda:<nvidia-smi number>
+    assert ep.kind_devices("decode", 2, 1, {}, 4) == ["cuda:1", "cuda:2"]
+    assert ep.kind_devices("prefill", 1, 1, {}, 8, tp=2) == ["cuda:0", "cuda:1"]
+    assert ep.kind_devices("prefill", 1, 1, {}, 0) is None
 
 
 def test_effective_config_binds_every_replica_on_the_same_port() -> None:
@@ -138,6 +158,23 @@ def test_service_argv_maps_unified_policies_onto_decode_instances(tmp_path: Path
     assert ep.service_argv("decode", 0, unified, cfg)[1:2] == ["decode"]
     assert ep.service_argv("decode", 0, unified, cfg)[-2:] == ["--index", "2"]
     assert ep.service_argv("proxy", 0, raw, cfg)[1:] == ["proxy", "--config", str(cfg)]
+
+
+def test_the_mounted_files_instance_section_reaches_each_role(tmp_path: Path) -> None:
+    """A container reads each role's device and group from its section: ``instance``'s
+    keys are folded in there (a role's own wins), ``AEGAEON_TP`` over both."""
+    path = tmp_path / "config.yaml"
+    path.write_text("market: m\ninstance: {device: cuda, tp: 2, device_memory: 20GiB}\n"
+                    "decode: {instances: 2, device_memory: 30GiB}\n")  # fmt: skip
+    raw = ep.load_raw({"AEGAEON_CONFIG": str(path)})
+    assert "instance" not in raw and raw["market"] == str(tmp_path / "m")
+    assert raw["prefill"] == {"device": "cuda", "tp": 2, "device_memory_bytes": 20 << 30}
+    assert raw["decode"] == {"device": "cuda", "tp": 2, "instances": 2, "device_memory": "30GiB"}
+    tp4 = ep.load_raw({"AEGAEON_CONFIG": str(path), "AEGAEON_TP": "4"})
+    assert tp4["prefill"]["tp"] == tp4["decode"]["tp"] == 4
+    path.write_text("instance: {instances: 2}\n")
+    with pytest.raises(ValueError, match=r"instance\.instances"):  # ConfigError: one line
+        ep.load_raw({"AEGAEON_CONFIG": str(path)})
 
 
 def test_embedded_config_needs_a_market(tmp_path: Path) -> None:
@@ -221,7 +258,7 @@ def test_the_proxy_and_prometheus_share_the_admin_key_file(compose: dict) -> Non
                 assert "KEY" not in json.dumps(svc.get("volumes", [])), name
 
 
-def test_aegaeon_gpus_plans_a_worker_and_the_cachemgr(
+def test_the_plan_service_plans_the_node_once_and_every_container_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aegaeon_cli import machine
@@ -229,27 +266,114 @@ def test_aegaeon_gpus_plans_a_worker_and_the_cachemgr(
     from aegaeon_sched.placement import GpuInfo, HostInfo
 
     gib = 1 << 30
-    monkeypatch.setattr(machine, "cuda_gpus",
-                        lambda: [GpuInfo(i, "H100", 80 * gib, 79 * gib) for i in range(2)])
-    monkeypatch.setattr(machine, "host_info", lambda: HostInfo(256 * gib, 128 * gib))
+    probed: list[int] = []
+
+    def gpus() -> list[GpuInfo]:
+        probed.append(1)
+        return [GpuInfo(0, "NVIDIA L40S", 48 * gib, 47 * gib)]
+
+    monkeypatch.setattr(machine, "cuda_gpus", gpus)
+    # the plan container's own /dev/shm is not the cachemgr's: AEGAEON_SHM_SIZE is
+    monkeypatch.setattr(machine, "host_info", lambda: HostInfo(256 * gib, 64 << 20))
     (tmp_path / "m").mkdir()
     config = preset_config(preset_named("llama-3.1-8b"), "bfloat16")
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     raw = yaml.safe_load((ROOT / "docker/config.compose.yaml").read_text())
     raw["models"] = [{"name": "m", "path": str(tmp_path / "m")}]
     del raw["market"]
+    file = tmp_path / "config.yaml"
+    file.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     env = {"AEGAEON_GPUS": "all", "AEGAEON_PREFILL_INSTANCES": "1",
-           "AEGAEON_DECODE_INSTANCES": "1"}  # fmt: skip
-    decode = ep.planned("decode", ep.effective_config(raw, "decode", 0, 9300, env), env)
-    assert decode["decode"]["devices"] == ["cuda:1"] and decode["decode"]["http_port"] == 9300
-    assert decode["decode"]["device_memory"] > 60 * gib
-    assert decode["cachemgr"] == raw["cachemgr"]  # a worker leaves the host to the cachemgr
-    cachemgr = ep.planned("cachemgr", ep.effective_config(raw, "cachemgr", 0, 9100, env), env)
-    assert cachemgr["cachemgr"]["model_cache"] < 16 * gib < cachemgr["cachemgr"]["kv_cache"]
-    assert cachemgr["cachemgr"]["http_port"] == 9100
-    assert cachemgr["decode"]["device_memory"] == raw["decode"]["device_memory"]
-    proxy = ep.effective_config(raw, "proxy", 0, 8000, env)
-    assert ep.planned("proxy", proxy, env) is proxy
-    assert ep.planned("decode", proxy, {}) is proxy  # unset: the file as it is
+           "AEGAEON_DECODE_INSTANCES": "1", "AEGAEON_CONFIG": str(file),
+           "AEGAEON_RUN_DIR": str(run_dir), "AEGAEON_SHM_SIZE": "40g"}  # fmt: skip
+    assert ep.plan_node(env) == 0
+    assert len(probed) == 1
+    # every container reads that one plan: the worker's devices and sizes, the cachemgr's
+    decode = ep.effective_config(ep.load_raw(env), "decode", 0, 9300, env)
+    prefill = ep.effective_config(ep.load_raw(env), "prefill", 0, 9200, env)
+    cachemgr = ep.effective_config(ep.load_raw(env), "cachemgr", 0, 9100, env)
+    assert len(probed) == 1  # nobody else asked the GPUs
+    assert decode["decode"]["devices"] == prefill["prefill"]["devices"] == ["cuda:0"]
+    assert decode["decode"]["http_port"] == 9300
+    # one 48 GB card, split: both instances and its reserve fit in what it has
+    used = decode["decode"]["device_memory"] + prefill["prefill"]["device_memory"]
+    assert used + 4.8 * gib <= 47 * gib
+    assert decode["decode"]["device_memory"] - decode["decode"]["kv_memory"] > 14 * gib
+    # the Model Cache and the CPU KV cache within 90% of the cachemgr's 40 GiB /dev/shm
+    caches = cachemgr["cachemgr"]["model_cache"] + cachemgr["cachemgr"]["kv_cache"]
+    assert caches <= 0.9 * 40 * gib and cachemgr["cachemgr"]["http_port"] == 9100
+    assert cachemgr["decode"]["device_memory"] == decode["decode"]["device_memory"]
+    # AEGAEON_GPUS set empty: the file's sizes, and the plan of an earlier run removed
+    plain = {**env, "AEGAEON_GPUS": ""}
+    assert ep.plan_node(plain) == 0 and not ep.plan_path(env).exists()
+    assert ep.load_raw(plain)["decode"]["device_memory"] == raw["decode"]["device_memory"]
+    with pytest.raises(ep.SettingError, match="no plan at"):
+        ep.load_raw(env)
     with pytest.raises(ep.SettingError, match="unset AEGAEON_PREFILL_GPUS"):
-        ep.planned("prefill", proxy, {**env, "AEGAEON_KIND_GPUS": "0"})
+        ep.plan_node({**env, "AEGAEON_KIND_GPUS": "0"})
+    with pytest.raises(ep.SettingError, match="AEGAEON_TP='x'"):
+        ep.load_file({**env, "AEGAEON_TP": "x"})
+    assert ep.load_file({**env, "AEGAEON_TP": "2"})["decode"]["tp"] == 2
+
+
+def test_a_worker_uses_mps_when_the_daemon_is_up(tmp_path: Path) -> None:
+    env = {"AEGAEON_RUN_DIR": str(tmp_path)}
+    assert not ep.mps_env(dict(env), wait_s=0.0)  # no daemon: no MPS, no wait past the limit
+    assert not ep.mps_env({**env, "AEGAEON_MPS": "0"}, wait_s=0.0)
+    (tmp_path / "mps").mkdir()
+    os.mkfifo(tmp_path / "mps" / "control")
+    up = dict(env)
+    assert ep.mps_env(up, wait_s=0.0)
+    assert up["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps")
+    assert not ep.mps_env({**env, "AEGAEON_MPS": "off"}, wait_s=0.0)
+
+
+def test_the_health_check_ends_a_stalled_service_so_restart_replaces_it() -> None:
+    import io
+    import subprocess
+    import urllib.error
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        body = {"status": "stalled", "pid": victim.pid, "reason": "no progress for 31 s"}
+        stalled = urllib.error.HTTPError("http://x/health", 503, "Service Unavailable", {},  # type: ignore[arg-type]
+                                         io.BytesIO(json.dumps(body).encode()))  # fmt: skip
+        assert ep.end_if_stalled("http://x/health", stalled)
+        assert victim.wait(timeout=10) == -9
+        draining = urllib.error.HTTPError("http://x/health", 503, "Service Unavailable", {},  # type: ignore[arg-type]
+                                          io.BytesIO(b'{"status": "ok"}'))  # fmt: skip
+        assert not ep.end_if_stalled("http://x/health", draining)
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_docker_compose_renders_the_gpu_profile_with_the_planned_settings() -> None:
+    """`docker-compose --profile gpu config` (Debian's 1.29, which scripts/test installs),
+    with the settings `aegaeon plan` prints for a market."""
+    import shutil
+    import subprocess
+
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed: `apt-get install docker-compose` (Debian's "
+                    "1.29; scripts/test installs it when run as root)")
+    env = {**os.environ, "AEGAEON_SHM_SIZE": "230g", "AEGAEON_START_PERIOD": "420s",
+           "AEGAEON_TP": "4"}  # fmt: skip
+    for key in ("COMPOSE_PROFILES", "AEGAEON_GPUS"):
+        env.pop(key, None)
+    done = subprocess.run(["docker-compose", "--profile", "gpu", "config"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert {"plan", "cachemgr", "mps", "prefill", "decode", "proxy"} <= set(services)
+    cachemgr = services["cachemgr"]
+    assert cachemgr["shm_size"] == "230g" and cachemgr["environment"]["CUDA_VISIBLE_DEVICES"] == ""
+    for name in ("cachemgr", "prefill", "decode", "proxy"):
+        assert services[name]["healthcheck"]["start_period"] in ("7m", "7m0s", "420s")
+    for kind in ep.WORKERS:
+        svc = services[kind]
+        assert svc["environment"]["AEGAEON_GPUS"] == "all"  # planned by default
+        assert svc["environment"]["AEGAEON_TP"] == "4"
+        assert svc["depends_on"]["plan"]["condition"] == "service_completed_successfully"

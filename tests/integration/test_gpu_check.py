@@ -19,7 +19,7 @@ import pytest
 from market_support import market_cache
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["install", "imports", "probe", "market", "gpu_tests", "tensor_parallel",
+STEPS = ["install", "imports", "probe", "market", "gpu_tests", "namespaces", "tensor_parallel",
          "bench_engine", "bench_switch", "fp8_model", "fp8_switch", "serve", "leaks"]  # fmt: skip
 STATUSES = {"ok", "failed", "timeout", "error", "skipped"}
 
@@ -37,7 +37,7 @@ def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
     env.pop("OUT", None)
     argv = ["bash", str(ROOT / "scripts" / "gpu-check"), "--dry-run", "--out", str(out),
             "--market", str(small_market)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=330,
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=450,
                           check=False)
     console = proc.stdout + proc.stderr
     summary = json.loads((out / "gpu-check.json").read_text())
@@ -53,6 +53,10 @@ def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
 
     # each step's results are there, parsed
     assert steps["gpu_tests"]["results"]["files"]
+    if steps["namespaces"]["status"] == "ok":  # (skipped where not root: no namespaces)
+        counts = steps["namespaces"]["results"]["counts"]
+        assert counts["device"] == "cpu" and counts["failed_frees"] == 0, counts
+        assert counts["blocks_freed_now"] + counts["blocks_freed_after_event"] > 0
     assert steps["bench_engine"]["results"]["device"] == "cpu"
     assert steps["bench_switch"]["results"]["memcpy"] == "host memcpy"
     serve = steps["serve"]["results"]

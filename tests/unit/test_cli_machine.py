@@ -184,5 +184,5 @@ def _serve_args(config: Path, tmp_path: Path, **flags: object) -> object:
                                "api_key_file": [], "admin_key": [], "admin_key_file": [],
                                "host": None, "port": None, "policy": None,
                                "run_dir": tmp_path / "run", "gpus": None,
-                               "device_memory": None}  # fmt: skip
+                               "device_memory": None, "tp": None}  # fmt: skip
     return argparse.Namespace(**{**base, **flags})

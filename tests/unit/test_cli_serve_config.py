@@ -16,7 +16,7 @@ def _args(config: Path, **flags: object) -> argparse.Namespace:
                                "api_key_file": [], "admin_key": [], "admin_key_file": [],
                                "host": None, "port": None,
                                "policy": None, "run_dir": None, "gpus": None,
-                               "device_memory": None}  # fmt: skip
+                               "device_memory": None, "tp": None}  # fmt: skip
     return argparse.Namespace(**{**base, **flags})
 
 

@@ -6,7 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from aegaeon_common.config import ConfigError, config_from_dict, load_config, parse_bytes
+from aegaeon_common.config import (
+    ConfigError,
+    config_from_dict,
+    load_config,
+    parse_bytes,
+    read_config_file,
+)
 
 
 def _market(tmp_path: Path) -> Path:
@@ -75,6 +81,15 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
         ("models: [{name: a, path: x}]\nscheduler: {policy: request-level-free}\n",
          "scheduler.policy"),
         ("market: nowhere\n", "market"),
+        ("models: [{name: a, path: x}]\ninstance: {tp: 0}\n", "instance.tp"),
+        ("models: [{name: a, path: x}]\ninstance: {device_memory: lots}\n",
+         "instance.device_memory"),
+        ("models: [{name: a, path: x}]\ninstance: {device_memory: 1MiB, kv_memory: 2MiB}\n",
+         "instance.kv_memory"),
+        ("models: [{name: a, path: x}]\ninstance: {instances: 2}\n", "instance.instances"),
+        ("models: [{name: a, path: x}]\ninstance: {tpp: 2}\n", "instance.tpp"),
+        ("models: [{name: a, path: x}]\ninstance: [1]\n", "instance"),
+        ("models: [{name: a, path: x}]\ninstance: {tp: 2}\nprefill: {tp: 1}\n", "decode.tp"),
         (": : :\n", "line 1, column 1"),  # a YAML error: where, as editors count
     ],
 )
@@ -161,3 +176,31 @@ def test_a_bad_choice_names_the_choices() -> None:
         config_from_dict({"models": [{"name": "a", "path": "x"}], "store": {"kind": "etcd"}})
     assert err.value.field == "store.kind"
     assert "'etcd'" in err.value.problem and "memory, redis" in err.value.problem
+
+
+def test_instance_section_applies_to_both_roles_and_a_role_overrides(tmp_path: Path) -> None:
+    """``instance.KEY`` (the issues' ``instance.tp``, ``instance.device_memory_bytes``)
+    sets both roles; ``prefill.*`` / ``decode.*`` win; a key written either way
+    (``device_memory`` or ``device_memory_bytes``) is the same key."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models: [{name: a, path: x}]\n"
+        "instance: {tp: 2, device_memory_bytes: 2GiB, kv_memory: 512MiB, threads: 2}\n"
+        "decode: {device_memory: 3GiB, instances: 2}\n"
+    )
+    config = load_config(path)
+    assert (config.prefill.tp, config.decode.tp) == (2, 2)
+    assert config.prefill.device_memory_bytes == 2 << 30
+    assert config.decode.device_memory_bytes == 3 << 30
+    assert config.prefill.kv_memory_bytes == config.decode.kv_memory_bytes == 512 << 20
+    assert (config.prefill.threads, config.decode.threads) == (2, 2)
+    assert (config.prefill.instances, config.decode.instances) == (1, 2)
+    # the raw data every reader of the file gets already holds each role's values
+    raw = read_config_file(path)
+    assert "instance" not in raw
+    assert raw["prefill"]["tp"] == 2 and raw["decode"]["device_memory"] == "3GiB"
+    assert "device_memory_bytes" not in raw["decode"]
+    assert config_from_dict(raw).prefill == config.prefill
+    # without the section nothing changes
+    plain_config = config_from_dict({"models": [{"name": "a", "path": "x"}]})
+    assert plain_config.prefill.tp == 1

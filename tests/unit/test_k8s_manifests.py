@@ -142,6 +142,13 @@ def test_gpu_pods_size_each_container_from_the_machine(overlay: str) -> None:
         assert "aegaeon plan --config /run/aegaeon/" in script
         assert f"--only {container['name']} --write" in script
         subprocess.run(["sh", "-n", "-c", script], check=True, timeout=10)  # it parses
+        if container["name"] == "cachemgr" and overlay == "gpu":
+            # no GPU: it reads the host mirrors of the workers' CUDA events
+            assert env["CUDA_VISIBLE_DEVICES"] == ""
+        elif container["name"] != "cachemgr":
+            # a stalled compute thread makes /health a 503: the kubelet restarts it
+            probe = container["livenessProbe"]
+            assert probe["httpGet"]["path"] == "/health" and probe["failureThreshold"] <= 3
 
 
 @pytest.mark.parametrize("overlay", ["gpu", "cpu"])

@@ -15,12 +15,21 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aegaeon_common.config import Config, ConfigError, config_from_dict
 from aegaeon_runtime.preflight import CudaDevices, no_driver
-from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError, Plan, parse_gpus
+from aegaeon_sched.placement import (
+    GpuInfo,
+    HostInfo,
+    PlacementError,
+    Plan,
+    TPSizes,
+    parse_gpus,
+    select_gpus,
+)
 from aegaeon_sched.sizing import apply_plan, cap_split, plan_node
 
 PROBE_TIMEOUT_S = 120.0
@@ -101,41 +110,102 @@ def host_info(meminfo: Path = Path("/proc/meminfo"), shm: Path = Path("/dev/shm"
     return HostInfo(available, shm_free)
 
 
-def model_bytes(config: Config) -> dict[str, int]:
-    """Each model's weight bytes in the deployment's dtype (its packed layout)."""
-    from aegaeon_engine import CheckpointError, ModelSpec, weight_layout
+def _specs(config: Config) -> dict[str, Any]:
+    from aegaeon_engine import CheckpointError, ModelSpec
 
     out = {}
     for model in config.models:
         try:
-            spec = ModelSpec.from_dir(model.path)
+            out[model.name] = ModelSpec.from_dir(model.path)
         except CheckpointError as exc:
             raise PlacementError(f"model {model.name}: {exc}") from None
-        out[model.name] = weight_layout(spec, config.dtype).total_bytes
     return out
 
 
+def model_bytes(config: Config) -> dict[str, int]:
+    """Each model's weight bytes in the deployment's dtype (its packed layout)."""
+    from aegaeon_engine import weight_layout
+
+    return {name: weight_layout(spec, config.dtype).total_bytes
+            for name, spec in _specs(config).items()}  # fmt: skip
+
+
+def shard_bytes(config: Config, sizes: list[int]) -> dict[int, dict[str, TPSizes]]:
+    """Per tensor-parallel size, each model's bytes on the GPU that holds the most of it
+    (its largest shard, or all of it where it does not split that many ways: it then
+    runs whole on its group's first GPU) and in the Model Cache (every shard)."""
+    from aegaeon_engine import weight_layout
+    from aegaeon_engine.tp_layout import sharded_layout
+
+    specs = _specs(config)
+    out: dict[int, dict[str, TPSizes]] = {}
+    for size in sizes:
+        per: dict[str, TPSizes] = {}
+        for name, spec in specs.items():
+            layout = sharded_layout(spec, size, config.dtype)
+            if layout is None:
+                whole = weight_layout(spec, config.dtype).total_bytes
+                per[name] = TPSizes(whole, whole)
+            else:
+                per[name] = TPSizes(max(s.total_bytes for s in layout.shards),
+                                    layout.total_bytes)  # fmt: skip
+        out[size] = per
+    return out
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """Facts given instead of asked (a plan for another machine, or a container's view):
+    GPUs that are not here (``--assume-gpus``), MemAvailable (``--assume-memory``), the
+    /dev/shm the cachemgr will have (``--shm-size``)."""
+
+    gpus: tuple[GpuInfo, ...] | None = None
+    mem_available_bytes: int | None = None
+    shm_bytes: int | None = None
+
+    def host(self) -> HostInfo:
+        """The host as given, what is not given read from this machine."""
+        if self.mem_available_bytes is not None and self.shm_bytes is not None:
+            return HostInfo(self.mem_available_bytes, self.shm_bytes)
+        real = host_info()
+        available = (self.mem_available_bytes if self.mem_available_bytes is not None
+                     else real.mem_available_bytes)  # fmt: skip
+        shm = self.shm_bytes if self.shm_bytes is not None else real.shm_free_bytes
+        return HostInfo(available, shm)
+
+
 def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int | None],
-                 only: str | None = None, cap_bytes: int | None = None) -> Plan:  # fmt: skip
+                 only: str | None = None, tp: int | None = None,
+                 assumed: Assumed | None = None,
+                 cap_bytes: int | None = None) -> Plan:  # fmt: skip
     """The plan for this machine: instances on the GPUs ``spec`` names and the
     cachemgr's sizes. ``only`` (a container runs one service): ``prefill`` /
     ``decode``, that kind's instances alone on the GPUs this process sees;
-    ``instances``, both kinds without the host; ``cachemgr``, the host alone."""
+    ``instances``, both kinds without the host; ``cachemgr``, the host alone.
+    ``tp``: the tensor-parallel size (None: the smallest that fits)."""
+    assumed = assumed or Assumed()
     if only is not None and only not in ONLY:
         raise PlacementError(f"--only {only}: one of {', '.join(ONLY)}")
     if spec is not None:
         parse_gpus(spec)  # a bad spec fails before the GPUs are asked
     models = model_bytes(config)
     if only == "cachemgr":
-        return plan_node(None, [], host_info(), counts, models, config.dtype)
-    gpus = cuda_gpus()
+        return plan_node(None, [], assumed.host(), counts, models, config.dtype)
+    gpus = list(assumed.gpus) if assumed.gpus is not None else cuda_gpus()
+    most = len(select_gpus(spec, gpus)) if spec is not None else 1
+    sizes = [tp] if tp is not None and tp > 1 else [
+        2**k for k in range(1, 8) if 2**k <= most and tp is None]  # fmt: skip
+    shards = shard_bytes(config, sizes)
     if only == "instances":
-        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
+                         shards)
     if only is not None:
         count = counts[0] if only == "prefill" else counts[1]
         counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
-        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes)
-    return plan_node(spec, gpus, host_info(), counts, models, config.dtype, cap_bytes)
+        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
+                         shards)
+    return plan_node(spec, gpus, assumed.host(), counts, models, config.dtype, cap_bytes, tp,
+                     shards)
 
 
 def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -147,19 +217,39 @@ def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
     return found[0], found[1]
 
 
+def explicit_tp(raw: dict[str, Any]) -> int | None:
+    """The tensor-parallel size a deployment file gives (None: the plan chooses)."""
+    for kind in ("prefill", "decode"):
+        value = (raw.get(kind) or {}).get("tp")
+        if value is not None:
+            return int(value)
+    return None
+
+
 def sized(raw: dict[str, Any], config: Config, spec: str | None,
           counts: tuple[int | None, int | None], only: str | None = None,
-          base: Path | None = None,
+          base: Path | None = None, assumed: Assumed | None = None,
           cap_bytes: int | None = None) -> tuple[Config, dict[str, Any], Plan]:  # fmt: skip
-    """``raw`` planned for this machine: the config, its plain data and the plan (each
-    instance's device memory at most ``cap_bytes``, ``--device-memory``). Raises
-    PlacementError or ConfigError with a one-line message."""
-    plan = plan_machine(config, spec, counts, only, cap_bytes)
+    """``raw`` planned for this machine: the config, its plain data and the plan (at
+    the file's tensor-parallel size where it gives one; each instance's device memory
+    at most ``cap_bytes``, ``--device-memory``). Raises PlacementError or ConfigError
+    with a one-line message."""
+    plan = plan_machine(config, spec, counts, only, explicit_tp(raw), assumed, cap_bytes)
     out = apply_plan(raw, plan, unified=config.unified)
     try:
         return config_from_dict(out, source=config.source, base=base), out, plan
     except ConfigError as exc:  # a plan the config's own checks refuse: say both
         raise PlacementError(f"the planned config does not validate: {exc}") from None
+
+
+def with_tp(raw: dict[str, Any], tp: int | None) -> dict[str, Any]:
+    """``raw`` with every instance section at tensor-parallel size ``tp`` (None: as it is)."""
+    if tp is None:
+        return raw
+    out = dict(raw)
+    for kind in ("prefill", "decode"):
+        out[kind] = {**(raw.get(kind) or {}), "tp": tp}
+    return out
 
 
 _BUFFER_KEYS = ("device_memory", "device_memory_bytes", "kv_memory", "kv_memory_bytes")

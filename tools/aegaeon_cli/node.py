@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aegaeon_common.config import Config
+from aegaeon_common.http_side import read_http_address
 from aegaeon_common.process import is_ready
 
 from aegaeon_cli.supervisor import Child, python_argv
@@ -18,7 +19,12 @@ def _child(config: Config, name: str, argv: list[str], stage: int) -> Child:
     def ready() -> bool:
         return child.proc is not None and is_ready(config.run_dir, name, child.proc.pid)
 
+    def health_url() -> str | None:
+        address = read_http_address(config.run_dir, name)
+        return f"{address.url}/health" if address is not None else None
+
     child.ready = ready
+    child.health_url = health_url
     return child
 
 

@@ -1,20 +1,49 @@
 """``aegaeon plan --gpus SPEC``: what ``aegaeon serve --gpus SPEC`` would choose here.
 
-Prints the plan (placement, device memory, KV regions, Model Cache, CPU KV
-cache, and why) and starts nothing; ``--write FILE`` also writes the planned
-config. A container that runs one service plans its own part with ``--only``:
+Prints the plan (placement, tensor-parallel groups, device memory, KV regions,
+Model Cache, CPU KV cache, compose's ``shm_size`` and start period, and why)
+and starts nothing; ``--write FILE`` also writes the planned config. A
+container that runs one service plans its own part with ``--only``:
 ``prefill`` / ``decode`` (its kind's instances on the GPUs it sees, alone on
-them) or ``cachemgr`` (the host's memory) -- the Kubernetes pods do this.
+them) or ``cachemgr`` (the host's memory) -- the Kubernetes pods do this;
+compose plans the whole node once (its ``plan`` service) and every container
+reads that plan.
+
+``--assume-gpus 8x80GB`` (``--assume-memory``, ``--shm-size``) plans for a
+machine that is not this one: no GPU is asked.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import re
 from pathlib import Path
 from typing import Any
 
 from aegaeon_common.market_index import MARKET_DIR_HELP
+from aegaeon_common.usage import at_least_one
+
+_DOCKER_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def docker_size(text: str) -> int:
+    """A size as Docker reads ``shm_size`` (``48g``, ``512m``, ``1.5GB``): binary units,
+    whatever the case or a trailing ``b``/``ib``."""
+    match = _DOCKER_SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (like 48g or 512m)")
+    shift = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40}[match.group(2).lower()]
+    return int(float(match.group(1)) * (1 << shift))
+
+
+def size(text: str) -> int:
+    """An argparse type: a size in the config's units (``80GB`` = 80e9, ``80GiB``)."""
+    from aegaeon_common.config_parse import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,10 +51,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--config", type=Path, help="deployment YAML (default: the embedded "
                         "default over --market)")  # fmt: skip
     parser.add_argument("--market", type=Path, help=MARKET_DIR_HELP)
-    parser.add_argument("--gpus", help="all | 0,1,...: the GPUs (CUDA indices) to place on")
+    parser.add_argument("--gpus", help="all | 0,1,...: the GPUs (CUDA indices) to place on "
+                        "(default with --assume-gpus: all)")  # fmt: skip
+    parser.add_argument("--tp", type=at_least_one, help="tensor-parallel size: each instance "
+                        "a group of N GPUs (default: the config's, else the smallest that "
+                        "fits the largest model)")  # fmt: skip
     parser.add_argument("--only", choices=("prefill", "decode", "cachemgr"),
                         help="plan one service's part (a container's): its kind's instances "
                         "alone on the GPUs it sees, or the cachemgr's memory")  # fmt: skip
+    parser.add_argument("--assume-gpus", metavar="SPEC", help="plan for GPUs that are not "
+                        "here, each idle: 8x80GB, 24GB, 40GiB,40GiB (no GPU is asked)")
+    parser.add_argument("--assume-memory", type=size, metavar="SIZE", help="the host's "
+                        "MemAvailable (default: /proc/meminfo's), e.g. 1TB")  # fmt: skip
+    parser.add_argument("--shm-size", type=docker_size, metavar="SIZE", help="the /dev/shm "
+                        "the cachemgr will have, as compose's shm_size (48g: 48 GiB); "
+                        "default: this machine's free /dev/shm")  # fmt: skip
     parser.add_argument("--write", type=Path, help="write the planned config here (may be "
                         "--config itself)")  # fmt: skip
     parser.set_defaults(func=run)
@@ -52,24 +92,38 @@ def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
 def run(args: argparse.Namespace) -> int:
     import yaml
     from aegaeon_common.config import ConfigError, config_from_dict
-    from aegaeon_sched.placement import PlacementError
+    from aegaeon_common.config_parse import parse_bytes
+    from aegaeon_common.kept import write_atomic
+    from aegaeon_common.usage import fail
+    from aegaeon_sched.placement import PlacementError, assumed_gpus
 
-    from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
+    from aegaeon_cli.machine import (
+        Assumed,
+        explicit_counts,
+        plan_comment,
+        sized,
+        with_absolute_paths,
+        with_tp,
+    )
 
-    if args.gpus is None and args.only != "cachemgr":
-        print("aegaeon plan: --gpus all|0,1,... (or --only cachemgr)", file=sys.stderr)
-        return 2
+    gpus = args.gpus if args.gpus is not None or args.assume_gpus is None else "all"
+    if gpus is None and args.only != "cachemgr":
+        return fail("aegaeon plan", "--gpus all|0,1,... (or --assume-gpus, or --only cachemgr)")
     try:
+        assumed = Assumed(
+            tuple(assumed_gpus(args.assume_gpus, parse_bytes)) if args.assume_gpus else None,
+            args.assume_memory, args.shm_size)
         raw, base, user_counts = _raw(args)
+        raw = with_tp(raw, args.tp)
         source = str(args.config) if args.config else "<embedded default>"
         config = config_from_dict(raw, source=source, base=base)
         counts = explicit_counts(raw) if user_counts else (None, None)
-        config, out, plan = sized(raw, config, args.gpus, counts, args.only, base=base)
+        config, out, plan = sized(raw, config, gpus, counts, args.only, base=base,
+                                  assumed=assumed)  # fmt: skip
     except (OSError, ConfigError, PlacementError) as exc:
-        print(f"aegaeon plan: {exc}", file=sys.stderr)
-        return 2
+        return fail("aegaeon plan", exc)
     print(plan.describe(), flush=True)
     if args.write is not None:
         text = yaml.safe_dump(with_absolute_paths(out, config), sort_keys=False)
-        args.write.write_text(plan_comment(plan) + text)
+        write_atomic(args.write, plan_comment(plan) + text)
     return 0

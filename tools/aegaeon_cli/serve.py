@@ -72,6 +72,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "KV, else once) and its KV region are sized inside it (with --gpus: "
                         "the smaller of the cap and its share of the GPU; on a CPU the "
                         "instance then copies weights into it instead of mapping them)")
+    parser.add_argument("--tp", type=at_least_one, help="tensor parallelism: every prefill "
+                        "and decode instance a group of N devices (one set of weights sharded "
+                        "across them; prefill.tp / decode.tp); on the CPU, N processes over "
+                        "gloo (default: the config's, 1)")  # fmt: skip
     add_api_key_args(parser)
     parser.set_defaults(func=run)
 
@@ -135,6 +139,10 @@ def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any],
         source = "<embedded default>"
     if args.market is not None and args.config is not None:
         raw["market"] = str(args.market.resolve())
+    if args.tp is not None:
+        from aegaeon_cli.machine import with_tp
+
+        raw = with_tp(raw, args.tp)
     proxy = dict(raw.get("proxy") or {})
     keys = key_entries(args)
     if keys:

@@ -7,7 +7,11 @@ restarted (with backoff), whether it died or drained after a SIGTERM sent to
 it alone (a rolling restart: the others keep serving). A child that dies says
 why in one line (``aegaeon NAME: fatal: ...``, ``aegaeon_common.process``): the
 supervisor repeats that line when it stops because of it (a child that could not
-start) and logs it with every restart. Stop sends SIGTERM
+start) and logs it with every restart. A child whose ``/health`` says it is
+stalled (an instance whose compute thread made no progress for
+``health.stall_s`` with work to do: a 503 with status ``stalled``,
+``aegaeon_runtime.liveness``) is asked for its stacks, killed and restarted the
+same way. Stop sends SIGTERM
 stage by stage in reverse order (the proxy first, then every instance at
 once, the cachemgr last, which owns every shared-memory segment and unlinks
 them), waits up to the drain timeout plus a margin for each stage to drain
@@ -18,10 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +55,12 @@ class Child:
     # how long it may take to stop after SIGTERM (None: the supervisor's stop_timeout_s);
     # a child that supervises children of its own needs their timeout and a margin
     stop_timeout_s: float | None = None
+    # its /health URL (None: not known yet, or it has none); polled for a stall
+    health_url: Callable[[], str | None] | None = None
     proc: subprocess.Popen[bytes] | None = None
+    # why its current process is stalled (its /health said so), else None
+    stalled: str | None = None
+    stalled_pid: int | None = None
     restarts: int = 0
     started_at: float = 0.0
     backoff_s: float = 0.5
@@ -67,6 +80,7 @@ class Child:
         )
         out.close()
         self.started_at = time.monotonic()
+        self.stalled = self.stalled_pid = None
         log.info("started", child=self.name, pid=self.proc.pid)
 
     def alive(self) -> bool:
@@ -97,6 +111,56 @@ class StartupError(RuntimeError):
 
 
 DRAIN_MARGIN_S = 10.0  # past a child's own drain timeout before it is killed
+HEALTH_POLL_S = 1.0  # how often each child's /health is asked whether it stalled
+HEALTH_TIMEOUT_S = 2.0
+
+
+def stall_of(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """Why the service at ``url`` (its /health) says it is stalled, or None: healthy, or
+    not answering (starting, or gone: its exit is noticed on its own)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            response.read()
+            return None
+    except urllib.error.HTTPError as exc:
+        try:
+            body = json.loads(exc.read() or b"{}")
+        except ValueError:
+            return None
+        if exc.code == 503 and isinstance(body, dict) and body.get("status") == "stalled":
+            return str(body.get("reason") or "stalled")
+        return None
+    except (OSError, ValueError):
+        return None
+
+
+class HealthWatch:
+    """A daemon thread asking every child with a /health URL whether it stalled, so
+    the watch loop (which must not wait on HTTP) only reads ``Child.stalled``."""
+
+    def __init__(self, children: list[Child], poll_s: float = HEALTH_POLL_S) -> None:
+        self.children = children
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aegaeon-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            for child in self.children:
+                if child.health_url is None or not child.alive() or child.proc is None:
+                    continue
+                if child.stalled is not None and child.stalled_pid == child.proc.pid:
+                    continue  # already said; the watch loop kills it
+                url = child.health_url()
+                reason = stall_of(url) if url else None
+                if reason is not None:
+                    child.stalled_pid, child.stalled = child.proc.pid, reason
 
 
 class Supervisor:
@@ -164,8 +228,30 @@ class Supervisor:
         """
         if on_ready is not None:
             on_ready()
+        health = HealthWatch(self.children)
+        health.start()
+        try:
+            self._watch()
+        finally:
+            health.stop()
+
+    def _kill_stalled(self, child: Child) -> None:
+        """A child whose /health says it stalled: its stacks to its log, then SIGKILL
+        (a stalled process cannot drain); the exit is restarted like any other."""
+        proc = child.proc
+        if proc is None or child.stalled_pid != proc.pid or not child.alive():
+            return
+        log.error("child stalled", child=child.name, pid=proc.pid, reason=child.stalled,
+                  log=str(child.log_path))  # fmt: skip
+        dump_stacks(proc)
+        proc.kill()
+        proc.wait()
+
+    def _watch(self) -> None:
         while not self._stopping:
             for position, child in enumerate(self.children):
+                if child.stalled is not None and not self._stopping:
+                    self._kill_stalled(child)
                 if child.alive() or self._stopping:
                     continue
                 code = child.proc.returncode if child.proc else None

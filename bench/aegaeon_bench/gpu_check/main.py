@@ -8,7 +8,11 @@ Three modes:
 - no flag (on the GPU machine, no network, its ``python3`` with torch CUDA):
   install the carried wheels, then, each step with its own timeout and all
   within ``--budget-s``: the GPU and its copy limits (``gpu_probe``), a
-  market, the ``gpu``-marked tests, the tensor-parallel tests over NCCL
+  market, the ``gpu``-marked tests, the containers' boundaries without Docker
+  (``namespaces``: cachemgr, prefill, decode and proxy in PID and mount
+  namespaces of their own, the cachemgr without a GPU, KV hand-offs with CUDA
+  events in flight; freed blocks and refused frees counted), the
+  tensor-parallel tests over NCCL
   (only where it finds more than one device), ``aegaeon bench engine`` and ``aegaeon
   bench switch`` on CUDA, and ``aegaeon serve`` (one prefill + one decode
   instance sharing the GPU, four models) under ``aegaeon bench serve``
@@ -68,12 +72,13 @@ ROOT = Path(__file__).resolve().parents[3]
 WHEELS = ROOT / ".whl"
 FORMAT_VERSION = 1
 BUDGET_S = 450.0  # the device run has ~8 minutes of command time: this leaves the margin
-# a dry run takes ~70 s on an idle 2-core CPU and ~140 s beside the rest of the test
-# suite; its caps leave a busy machine twice that (they stop a hang, not a slow step)
-DRY_BUDGET_S = 240.0
+# a dry run takes ~110 s on an idle 2-core CPU (the namespaces step ~45 of them) and
+# ~200 s beside the rest of the test suite; its caps stop a hang, not a slow step
+DRY_BUDGET_S = 330.0
 DRY_STEP_S = 120.0
 SERVE_LOAD_S = 120.0
 TP_TESTS = "tests/unit/test_engine_tp.py"  # the tensor_parallel step's (NCCL where >1 device)
+NAMESPACE_TESTS = "tests/integration/test_container_namespaces.py"  # the namespaces step's
 SERVE_OVERHEAD_S = 90.0  # startup, grace and stop around the load, on a GPU machine
 # --scenario engine: one command of at most 5 minutes on one H100 (its dry run: a cap that
 # stops a hang; the plan itself takes well under a minute on an idle CPU)
@@ -264,6 +269,29 @@ class Check:
                                      else None)
         result.results = {"files": files, **(result.results or {})}
 
+    def namespaces(self) -> None:
+        """The containers' boundaries without Docker (``NAMESPACE_TESTS``) on this device:
+        on a GPU the workers' KV copies are CUDA copies whose events reach the GPU-less
+        cachemgr as host mirrors; its counts (blocks freed at once and after an event,
+        refused frees) are the step's results. Skipped where it cannot make namespaces
+        (not root, no ``unshare``)."""
+        xml = self.logs / "namespaces.xml"
+        report = self.logs / "namespaces.json"
+        argv = _py("-m", "pytest", "-q", "-o", f"cache_dir={self.work / 'pytest'}",
+                   "--timeout", "300", "-rfEs", f"--junitxml={xml}",
+                   "-W", "ignore::DeprecationWarning", NAMESPACE_TESTS)
+
+        def parse(_out: Path, _err: Path) -> Any:
+            tests = parse_junit(xml) if xml.is_file() else {}
+            counts = json.loads(report.read_text()) if report.is_file() else None
+            return {**tests, "counts": counts}
+
+        env = {**self.runner.env, "AEGAEON_NAMESPACE_REPORT": str(report)}
+        result = self.runner.command("namespaces", argv, DRY_STEP_S if self.dry else 180,
+                                     reserve_s=self.reserve(), parse=parse, env=env)
+        if result.status == "ok" and not (result.results or {}).get("counts"):
+            result.status, result.error = "skipped", "the test skipped (root and unshare needed)"
+
     def tensor_parallel(self) -> None:
         """``tests/unit/test_engine_tp.py``'s NCCL tests (TP=2 on cuda:0 and cuda:1 against
         one engine) where the machine has more than one CUDA device; skipped with one
@@ -415,7 +443,8 @@ class Check:
             return self.runner.results
         self.imports()
         self.probe()
-        steps = {"gpu_tests": self.gpu_tests, "tensor_parallel": self.tensor_parallel,
+        steps = {"gpu_tests": self.gpu_tests, "namespaces": self.namespaces,
+                 "tensor_parallel": self.tensor_parallel,
                  "bench_engine": self.bench_engine,
                  "bench_switch": self.bench_switch, "fp8_switch": self.fp8_switch,
                  "serve": self.serve,

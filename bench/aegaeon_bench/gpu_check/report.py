@@ -115,6 +115,13 @@ def _paper_node(r: dict[str, Any]) -> Any:
             "model_cache_generation": r.get("model_cache_generation")}  # fmt: skip
 
 
+def _namespaces(r: dict[str, Any]) -> Any:
+    counts = r.get("counts") or {}
+    return {"passed": r.get("passed"), "failed": r.get("failed"),
+            **{k: counts.get(k) for k in ("device", "failed_frees", "blocks_freed_now",
+                                          "blocks_freed_after_event")}}  # fmt: skip
+
+
 def _leaks(r: dict[str, Any]) -> Any:
     return {"processes": len(r.get("processes") or []),
             "new_shm_segments": len(r.get("new_shm_segments") or [])}
@@ -122,7 +129,7 @@ def _leaks(r: dict[str, Any]) -> Any:
 
 _HIGHLIGHTS: dict[str, Callable[[Any], Any]] = {
     "imports": _imports, "probe": _probe, "market": _market, "gpu_tests": _tests,
-    "tensor_parallel": _tests,
+    "tensor_parallel": _tests, "namespaces": _namespaces,
     "bench_engine": _engine, "bench_switch": _switch, "fp8_switch": _fp8, "serve": _serve,
     "engine_bench": _engine_step,
     "serve_mps": _serve,

@@ -215,6 +215,9 @@ class Runner:
         except subprocess.TimeoutExpired:
             end_session(proc)
             return "timeout", proc.returncode
+        except BaseException:  # Ctrl-C of the check: its own session never saw the SIGINT
+            end_session(proc, signal.SIGINT, grace_s=5.0)
+            raise
         end_session(proc, grace_s=2.0)  # whatever it left running in its session
         return ("ok" if code == 0 else "failed"), code
 

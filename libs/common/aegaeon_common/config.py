@@ -69,6 +69,7 @@ __all__ = [
     "CacheConfig",
     "Config",
     "ConfigError",
+    "HealthConfig",
     "InstancesConfig",
     "ModelConfig",
     "ModelSettings",
@@ -81,6 +82,7 @@ __all__ = [
     "SchedulerConfig",
     "SecurityConfig",
     "StoreConfig",
+    "fold_instance",
     "load_config",
     "market_dtype",
     "market_models",
@@ -221,7 +223,12 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "cpu"
     # One device per instance (instance i: devices[i], round and round), as `--gpus`
     # places them (aegaeon_sched.placement); empty: every instance on ``device``.
+    # With ``tp`` > 1 an instance takes ``tp`` consecutive entries (its group).
     devices: tuple[str, ...] = ()
+    # Tensor parallelism: each instance is a group of ``tp`` devices (one process per
+    # device, one set of weights sharded across them; aegaeon_runtime.tp). The prefill
+    # and decode sections must agree: the Model Cache holds one layout of each model.
+    tp: AtLeastOne = 1
     # the whole buffer: weights arena + KV region
     device_memory_bytes: int = 512 << 20
     kv_memory_bytes: int = 128 << 20  # KV region at the top of the buffer
@@ -241,8 +248,19 @@ class InstancesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     http_port: Port = 0
 
     def device_of(self, index: int) -> str:
-        """The device instance ``index`` runs on."""
-        return self.devices[index % len(self.devices)] if self.devices else self.device
+        """The device instance ``index`` runs on (its group's first: the group's rank 0)."""
+        return self.group_devices(index)[0]
+
+    def group_devices(self, index: int) -> tuple[str, ...]:
+        """The ``tp`` devices of instance ``index``'s group, rank 0 first: ``devices``
+        taken ``tp`` at a time (round and round); without ``devices``, ``device`` for
+        every rank on the CPU, ``cuda:0..tp-1`` for a bare ``cuda``."""
+        if self.devices:
+            return tuple(self.devices[(index * self.tp + r) % len(self.devices)]
+                         for r in range(self.tp))  # fmt: skip
+        if self.tp > 1 and self.device == "cuda":
+            return tuple(f"cuda:{r}" for r in range(self.tp))
+        return (self.device,) * self.tp
 
     def http_port_of(self, index: int) -> int:
         """Instance ``index``'s side HTTP port (0: ephemeral)."""
@@ -390,6 +408,16 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_ttl_s: Annotated[float, msgspec.Meta(ge=1.0)] = 3.0  # 2 heartbeats
 
 
+class HealthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Liveness that means it: an instance's ``/health`` answers 503 (``stalled``) once
+    its compute thread has made no progress for ``stall_s`` while it has work (queued
+    prefills, decoding requests, commands waiting); the proxy marks it down at once
+    and the supervisor (``aegaeon serve``), Docker's health check and Kubernetes'
+    liveness probe restart it."""
+
+    stall_s: Positive = 30.0
+
+
 class Config(msgspec.Struct, frozen=True):
     """A whole deployment. Build with :func:`load_config`."""
 
@@ -408,6 +436,7 @@ class Config(msgspec.Struct, frozen=True):
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     slo_classes: SLOClassesConfig = msgspec.field(default_factory=SLOClassesConfig)
     roles: RolesConfig = msgspec.field(default_factory=RolesConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     # per model ("*": every model without its own entry)
     model_settings: dict[str, ModelSettings] = msgspec.field(default_factory=dict)
     run_dir: Path = Path("/tmp/aegaeon")
@@ -515,9 +544,49 @@ _SECTIONS: dict[str, type] = {
     "store": StoreConfig,
     "slo_classes": SLOClassesConfig,
     "roles": RolesConfig,
+    "health": HealthConfig,
 }
 _TOP_KEYS = {"market", "models", "dtype", "run_dir", "addresses", "drain_timeout",
-             "model_settings", *_SECTIONS}  # fmt: skip
+             "model_settings", "instance", *_SECTIONS}  # fmt: skip
+# What a role's own section says of itself alone: its count, its devices, and its side
+# HTTP ports (instance i binds http_port + i: shared, the two roles' would collide).
+_PER_ROLE = ("instances", "devices", "http_port")
+
+
+def fold_instance(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """``raw`` with its ``instance`` section folded into ``prefill`` and ``decode``: each
+    key of ``instance`` (``tp``, ``device``, ``device_memory``, ``kv_memory``,
+    ``threads``, ``weights``, ``cuda_graphs``, ``http_host``) applies to both roles
+    unless a role's own section gives it. The one place the shared defaults resolve;
+    ``raw`` without ``instance`` comes back as it is. ConfigError names ``instance.KEY``."""
+    shared = raw.get("instance")
+    if shared is None:
+        return raw
+    if not isinstance(shared, dict):
+        raise ConfigError(source, "instance", "must be a map")
+    for key in shared:
+        if str(key) in _PER_ROLE:
+            raise ConfigError(source, f"instance.{key}", "set per role, in prefill and decode")
+    section = build_section(InstancesConfig, shared, source, "instance")  # names instance.KEY
+    given = {_canonical(str(k)) for k in shared}
+    if {"device_memory_bytes", "kv_memory_bytes"} <= given and (
+            section.kv_memory_bytes >= section.device_memory_bytes):
+        raise ConfigError(source, "instance.kv_memory", "must be smaller than device_memory")
+    values = {k: v for k, v in plain(section).items() if k in given}
+    out = {k: v for k, v in raw.items() if k != "instance"}
+    for kind in ("prefill", "decode"):
+        own = raw.get(kind) or {}
+        if not isinstance(own, dict):
+            raise ConfigError(source, kind, "must be a map")
+        mine = {_canonical(str(k)) for k in own}
+        out[kind] = {**{k: v for k, v in values.items() if k not in mine}, **own}
+    return out
+
+
+def _canonical(key: str) -> str:
+    """An instance field's name as written (``device_memory``) or in full (``_bytes``)."""
+    fields = {f.name for f in msgspec.structs.fields(InstancesConfig)}
+    return key if key in fields or f"{key}_bytes" not in fields else f"{key}_bytes"
 
 
 def serving_dtype(recorded: list[str]) -> str:
@@ -600,6 +669,7 @@ def config_from_dict(
     if unknown:
         known = ", ".join(sorted(_TOP_KEYS))
         raise ConfigError(source, unknown[0], f"unknown key (known: {known})")
+    raw = fold_instance(raw, source)
     env = read_env()
     market_raw = raw.get("market")
     market = (base / str(market_raw)).resolve() if market_raw else env.market_dir
@@ -637,6 +707,11 @@ def config_from_dict(
                 raise ConfigError(
                     source, f"{key}.weights", f"'map' needs a CPU device, not {device!r}"
                 )
+        _check_group(inst, key, source)
+    if sections["prefill"].tp != sections["decode"].tp:
+        raise ConfigError(source, "decode.tp", f"{sections['decode'].tp} differs from prefill.tp "
+                          f"({sections['prefill'].tp}): the Model Cache holds each model in "
+                          "one tensor-parallel layout, which every instance reads")  # fmt: skip
     run_raw = raw.get("run_dir")
     run_dir = Path(str(run_raw)) if run_raw else (env.run_dir or Path("/tmp") / "aegaeon")
     addresses = raw.get("addresses") or {}
@@ -668,9 +743,28 @@ def config_from_dict(
         drain_timeout_s=float(drain_raw),
         slo_classes=sections["slo_classes"],
         roles=sections["roles"],
+        health=sections["health"],
         model_settings=model_settings,
         source=source,
     )
+
+
+def _check_group(inst: InstancesConfig, key: str, source: str) -> None:
+    """A tensor-parallel group's devices: distinct accelerators (the CPU may hold many
+    ranks), on one kind of device."""
+    if inst.tp == 1:
+        return
+    field = f"{key}.devices" if inst.devices else f"{key}.device"
+    for index in range(max(inst.instances, 1)):
+        group = inst.group_devices(index)
+        kinds = {d.partition(":")[0] for d in group}
+        if len(kinds) > 1:
+            raise ConfigError(source, field, f"instance {index}'s tensor-parallel group "
+                              f"{list(group)} mixes devices")  # fmt: skip
+        if kinds != {"cpu"} and len(set(group)) < len(group):
+            raise ConfigError(source, field, f"instance {index}'s tensor-parallel group "
+                              f"{list(group)} repeats a device (tp {inst.tp}: give "
+                              f"{inst.tp} devices per instance)")  # fmt: skip
 
 
 def _check_roles(roles: RolesConfig, source: str) -> None:
@@ -840,7 +934,9 @@ def _check_node(
 
 def read_config_file(path: Path | str) -> dict[str, Any]:
     """A config file's plain data: ConfigError unless it can be read, parses as YAML (the
-    error's line and column named) and holds a mapping (an empty file: ``{}``)."""
+    error's line and column named) and holds a mapping (an empty file: ``{}``); its
+    ``instance`` section folded into ``prefill`` and ``decode`` (:func:`fold_instance`),
+    so whoever edits or reads a role's section sees what that role runs."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -863,7 +959,7 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "<top>", f"must be a mapping of sections (like `proxy: "
                           f"{{port: 8000}}`), not a YAML {_yaml_kind(raw)}")  # fmt: skip
-    return raw
+    return fold_instance(raw, str(path))
 
 
 def _at(mark: Any) -> str:

@@ -1,6 +1,8 @@
 """The small HTTP server every service that has no API port runs beside its sockets.
 
-``GET /health`` (liveness: the process's event loop answers), ``GET /ready``
+``GET /health`` (liveness: the process's event loop answers, and what the
+service adds: an instance's compute thread makes progress; a body whose
+``status`` is not ``ok`` is a 503), ``GET /ready``
 (200 once the service is connected, loaded and warmed; 503 before that and
 again while it drains) and ``GET /metrics`` (its registry, Prometheus text).
 The proxy serves the same three on its API port with the helpers here.
@@ -71,6 +73,11 @@ class Readiness:
     def set_draining(self) -> None:
         self.draining = True
         self.reason = "draining"
+
+    def set_failed(self, reason: str) -> None:
+        """Not ready again in this process (a stalled instance): ``reason`` says why."""
+        self._ready = False
+        self.reason = reason
 
 
 def metrics_response(registry: CollectorRegistry) -> web.Response:
@@ -186,7 +193,7 @@ class SideServer:
         }
         if self._health is not None:
             body.update(self._health())
-        return web.json_response(body)
+        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
     async def _on_ready(self, request: web.Request) -> web.Response:
         r = self.readiness

@@ -48,10 +48,12 @@ def new_registry() -> CollectorRegistry:
 
 
 def shape_label(key: Iterable[object]) -> str:
-    """A KV shape key ``(layers, kv_heads, head_dim, block_size, dtype)`` as a label:
-    ``"L30-H3-D64-B16-bfloat16"``."""
-    layers, heads, head_dim, block, dtype = tuple(key)
-    return f"L{layers}-H{heads}-D{head_dim}-B{block}-{dtype}"
+    """A KV shape key ``(layers, kv_heads, head_dim, block_size, dtype[, parts])`` as a
+    label: ``"L30-H3-D64-B16-bfloat16"``; a tensor-parallel group's (a block split over
+    ``parts`` ranks, each device block one part) ends ``-P2``."""
+    layers, heads, head_dim, block, dtype, *parts = tuple(key)
+    tail = f"-P{parts[0]}" if parts else ""
+    return f"L{layers}-H{heads}-D{head_dim}-B{block}-{dtype}{tail}"
 
 
 def kv_block_counts(stats: Any) -> list[tuple[str, int, int]]:

@@ -153,3 +153,16 @@ def tp_layout(spec: ModelSpec, size: int, dtype: str | None = None,
         offset += -(-shard.total_bytes // _PAGE) * _PAGE
     return TPLayout(spec.name, dtype, size, offset, tuple(offsets), shards)
 
+
+
+def sharded_layout(spec: ModelSpec, size: int, dtype: str | None = None) -> TPLayout | None:
+    """``spec``'s layout split ``size`` ways, or None when it runs whole on one device
+    instead: ``size`` 1, or a model that does not split ``size`` ways (its heads or
+    intermediate size, quantized blocks, FP8). A tensor-parallel instance serves
+    such a model on its first device alone (``tp_mirror``: the followers idle)."""
+    if size <= 1:
+        return None
+    try:
+        return tp_layout(spec, size, dtype)
+    except ValueError:
+        return None

@@ -16,12 +16,19 @@ driver alone: the followers are told, then idle until the next switch.
 
 Words of one command: ``[op, n]`` then ``n`` payload words:
 ``BIND model``, ``PREFILL start_pos n_tokens tokens... blocks...``,
-``DECODE batch (token position n_blocks blocks...)*``, ``STOP``.
+``DECODE batch (token position n_blocks blocks...)*``, ``STOP``; a caller's own
+ops (above ``FIRST_EXTRA_OP``) with its own words (``send_command``, and
+``follow``'s ``extra`` handlers: a worker mirrors its switcher's prefetches).
+
+``MirroredEngine`` is the driver as an ``Engine``: rank 0's engine itself, whose
+``prefill`` and ``decode`` are broadcast first whenever the bound model is a
+shard (bound with the group's all-reduce), so the code that drives a single
+engine drives a group unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +38,7 @@ from .sampling import TokenLogprobs
 from .tp import TPGroup
 
 BIND, PREFILL, DECODE, STOP = 1, 2, 3, 4
+FIRST_EXTRA_OP = 16  # ops from here on are a caller's own (follow's ``extra``)
 
 # bind(model index) -> whether the model is sharded over the group (this rank's part
 # of a switch: copy its shard and bind it; a follower does nothing for an unsharded one)
@@ -54,6 +62,47 @@ def _receive(group: TPGroup) -> tuple[int, list[int]]:
     return op, payload.tolist()
 
 
+def send_command(group: TPGroup, op: int, words: Sequence[int] = ()) -> None:
+    """Broadcast one command (rank 0); the followers' ``follow`` runs it."""
+    _send(group, [op, *words])
+
+
+def send_prefill(group: TPGroup, token_ids: Sequence[int], block_ids: Sequence[int],
+                 start_pos: int = 0) -> None:
+    _send(group, [PREFILL, start_pos, len(token_ids), *token_ids, *block_ids])
+
+
+def send_decode(group: TPGroup, seqs: Sequence[DecodeSeq]) -> None:
+    words = [DECODE, len(seqs)]
+    for s in seqs:
+        words += [s.token_id, s.position, len(s.block_ids), *s.block_ids]
+    _send(group, words)
+
+
+class MirroredEngine(Engine):
+    """Rank 0's engine of a group (module docstring): ``group`` set once the group is
+    joined; until then, and for a model bound without ``reduce``, a plain engine."""
+
+    group: TPGroup | None = None
+
+    def _mirrored(self) -> TPGroup | None:
+        bound = self._bound
+        return self.group if bound is not None and bound.reduce is not None else None
+
+    def prefill(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                start_pos: int = 0) -> torch.Tensor:
+        group = self._mirrored()
+        if group is not None:
+            send_prefill(group, token_ids, block_ids, start_pos)
+        return super().prefill(token_ids, block_ids, start_pos)
+
+    def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
+        group = self._mirrored()
+        if group is not None:
+            send_decode(group, seqs)
+        return super().decode(seqs)
+
+
 class TPDriver:
     """Rank 0 of a group: an engine-like facade whose calls every rank runs."""
 
@@ -72,7 +121,7 @@ class TPDriver:
                 start_pos: int = 0) -> torch.Tensor:
         """``Engine.prefill`` on every rank; the last position's logits."""
         if self.sharded:
-            _send(self.group, [PREFILL, start_pos, len(token_ids), *token_ids, *block_ids])
+            send_prefill(self.group, token_ids, block_ids, start_pos)
         return self.engine.prefill(token_ids, block_ids, start_pos)
 
     def prefill_scored(self, token_ids: Sequence[int], block_ids: Sequence[int], k: int,
@@ -86,10 +135,7 @@ class TPDriver:
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """``Engine.decode`` on every rank; logits ``[B, vocab]``."""
         if self.sharded:
-            words = [DECODE, len(seqs)]
-            for s in seqs:
-                words += [s.token_id, s.position, len(s.block_ids), *s.block_ids]
-            _send(self.group, words)
+            send_decode(self.group, seqs)
         return self.engine.decode(seqs)
 
     def close(self) -> None:
@@ -97,22 +143,29 @@ class TPDriver:
         _send(self.group, [STOP])
 
 
-def follow(engine: Engine, group: TPGroup, bind: BindFn) -> None:
-    """A follower's whole loop: receive a command, run it, until ``STOP``."""
+def follow(engine: Engine, group: TPGroup, bind: BindFn,
+           extra: Mapping[int, Callable[[list[int]], object]] | None = None) -> None:
+    """A follower's whole loop: receive a command, run it, until ``STOP``. ``extra``:
+    handlers of the caller's own ops (``op >= FIRST_EXTRA_OP``: ``send_command``)."""
     handlers: dict[int, Callable[[list[int]], object]] = {
         BIND: lambda w: bind(w[0]),
         PREFILL: lambda w: _prefill(engine, w),
         DECODE: lambda w: _decode(engine, w),
     }
+    for own, handler in (extra or {}).items():
+        if own < FIRST_EXTRA_OP:
+            raise ValueError(f"op {own} is the mirror's own (a caller's start at "
+                             f"{FIRST_EXTRA_OP})")  # fmt: skip
+        handlers[own] = handler
     while True:
         op, words = _receive(group)
         if op == STOP:
             return
-        handler = handlers.get(op)
-        if handler is None:
+        run = handlers.get(op)
+        if run is None:
             raise ValueError(f"rank {group.rank}: unknown tensor-parallel command {op}")
         try:
-            handler(words)
+            run(words)
         except ValueError:
             # a call's arguments the engine refuses (block ids, lengths): it checks
             # them before any collective, so the driver refused the same call at the

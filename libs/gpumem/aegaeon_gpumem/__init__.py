@@ -31,6 +31,7 @@ from aegaeon_gpumem.events import (
     EventHandle,
     close_attachments,
     open_event,
+    open_host_event,
 )
 from aegaeon_gpumem.kv_pool import KVBlockPool, KVPoolStats
 from aegaeon_gpumem.memcopy import (
@@ -86,6 +87,7 @@ __all__ = [
     "list_segments",
     "make_copy_stream",
     "open_event",
+    "open_host_event",
     "promote_copy",
     "suggest_slab_bytes",
     "unique_name",

@@ -16,13 +16,14 @@ def make_copy_stream(
     table: EventTable | None = None,
     slot: int | None = None,
 ) -> CopyStream:
-    """A copy stream for `device`: CUDA -> a torch.cuda.Stream with IPC events;
+    """A copy stream for `device`: CUDA -> a torch.cuda.Stream with IPC events, each
+    mirrored on `slot` of `table` when given (the cachemgr reads that: no CUDA there);
     CPU -> a worker thread signalling `slot` of `table` (both required)."""
     device = torch.device(device)
     if device.type == "cuda":
         from aegaeon_gpumem.cuda_copies import CudaCopyStream
 
-        return CudaCopyStream(device)
+        return CudaCopyStream(device, table, slot)
     if table is None or slot is None:
         raise ValueError("a CPU copy stream needs an event table and a slot")
     return CpuCopyStream(table, slot)

@@ -9,6 +9,7 @@ and a slot is reused only after the event of its last DMA completed.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Sequence
 
@@ -17,7 +18,8 @@ import torch
 from aegaeon_gpumem.copies import CopyStream
 from aegaeon_gpumem.cuda_events import CudaEvent
 from aegaeon_gpumem.errors import EventTimeoutError
-from aegaeon_gpumem.events import Event
+from aegaeon_gpumem.event_table import EventTable, Timeline
+from aegaeon_gpumem.events import Event, EventHandle
 
 CUDA_CHUNK_BYTES = 32 << 20
 STAGE_SLOTS = 2
@@ -29,10 +31,39 @@ class CudaCopyStream(CopyStream):
     Events are interprocess CUDA events; `wait_event` on a CUDA event is
     cudaStreamWaitEvent (no host blocking); on a CPU event (another backend's
     producer) it blocks the caller until that event completes.
+
+    With a timeline slot (``table``, ``slot``: a worker's, from its cachemgr lease)
+    each event also gets a host mirror: a daemon thread waits for the stream's events
+    in order and signals the slot after each, so a process without a GPU (the
+    cachemgr, with ``CUDA_VISIBLE_DEVICES=""``) knows when a copy finished from one
+    8-byte read (``events.open_host_event``).
     """
 
-    def __init__(self, device: torch.device | str | int) -> None:
+    def __init__(self, device: torch.device | str | int, table: EventTable | None = None,
+                 slot: int | None = None) -> None:  # fmt: skip
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # per other device: a stream there for copies of its memory (a tensor-parallel
+        # group's rank 0 moves its followers' KV, aegaeon_runtime.kv)
+        self._peers: dict[int, torch.cuda.Stream] = {}
+        self._timeline = Timeline(table, slot) if table is not None and slot is not None else None
+        self._mirrored: queue.SimpleQueue[tuple[CudaEvent, int] | None] = queue.SimpleQueue()
+        self._record_lock = threading.Lock()  # values reach the mirror thread in order
+        self._mirror_thread: threading.Thread | None = None
+        if self._timeline is not None:
+            self._mirror_thread = threading.Thread(target=self._mirror, daemon=True,
+                                                   name="aegaeon-cuda-mirror")  # fmt: skip
+            self._mirror_thread.start()
+
+    def _mirror(self) -> None:
+        """Signal each event's host mirror once it completed, in record order."""
+        assert self._timeline is not None
+        while True:
+            item = self._mirrored.get()
+            if item is None:
+                return
+            event, value = item
+            event.synchronize()
+            self._timeline.signal(value)
 
     @property
     def torch_stream(self) -> torch.cuda.Stream:
@@ -42,15 +73,46 @@ class CudaCopyStream(CopyStream):
     def copy_many(self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Enqueue the copies in order (asynchronous for device and pinned host memory),
         behind the work the caller already enqueued on its current stream: a swap-out
-        must not read KV blocks before the prefill writing them has run."""
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        must not read KV blocks before the prefill writing them has run.
+
+        A copy of another device's memory (a follower's KV region, mapped by CUDA IPC)
+        runs on a stream of that device, ordered after this stream's work so far and
+        joined back into it: this stream's next event covers it too. (A follower's own
+        kernels that wrote that memory finished before rank 0's collective that ended
+        the step: the caller's current stream, waited on here, has passed it.)"""
+        own = self._stream.device
+        self._stream.wait_stream(torch.cuda.current_stream(own))
+        local = [(d, s) for d, s in copies if _device_of(d, s) in (None, own.index)]
         with torch.cuda.stream(self._stream):
-            for dst, src in copies:
+            for dst, src in local:
                 dst.copy_(src, non_blocking=True)
+        remote: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in copies:
+            index = _device_of(dst, src)
+            if index is not None and index != own.index:
+                remote.setdefault(index, []).append((dst, src))
+        for index, pairs in remote.items():
+            side = self._peers.get(index)
+            if side is None:
+                side = self._peers[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+            side.wait_stream(self._stream)
+            with torch.cuda.stream(side):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+            self._stream.wait_stream(side)
 
     def record(self) -> Event:
-        """Record an interprocess event after the work enqueued so far."""
-        return CudaEvent.record(self._stream)
+        """Record an interprocess event after the work enqueued so far (with its host
+        mirror when the stream has a timeline slot)."""
+        line = self._timeline
+        if line is None:
+            return CudaEvent.record(self._stream)
+        with self._record_lock:
+            value = line.issue()
+            mirror = EventHandle("cpu", table=line.table.name, slot=line.slot, value=value)
+            event = CudaEvent.record(self._stream, mirror)
+            self._mirrored.put((event, value))
+        return event
 
     def wait_event(self, event: Event, timeout_s: float | None = None) -> None:
         """Order later work after `event` (see class docstring)."""
@@ -64,11 +126,25 @@ class CudaCopyStream(CopyStream):
         self._stream.synchronize()
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Wait for queued work (the stream itself needs no teardown)."""
+        """Wait for queued work and stop the mirror thread (the stream itself needs no
+        teardown)."""
         if timeout_s is None:
             self._stream.synchronize()
-            return True
-        return self.record().wait(timeout_s)
+            done = True
+        else:
+            done = self.record().wait(timeout_s)
+        if self._mirror_thread is not None:
+            self._mirrored.put(None)
+            self._mirror_thread.join(timeout_s)
+        return done
+
+
+def _device_of(dst: torch.Tensor, src: torch.Tensor) -> int | None:
+    """The CUDA device a copy's device side is on (None: a host-to-host copy)."""
+    for tensor in (src, dst):
+        if tensor.device.type == "cuda":
+            return tensor.device.index
+    return None
 
 
 class StageBuffer:

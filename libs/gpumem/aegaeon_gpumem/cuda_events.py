@@ -56,22 +56,29 @@ def _keep_exported(event: CudaEvent) -> None:
 class CudaEvent(Event):
     """A torch CUDA event with an IPC handle (interprocess, no timing)."""
 
-    __slots__ = ("__weakref__", "_device", "_event", "_handle")
+    __slots__ = ("__weakref__", "_device", "_event", "_handle", "_mirror")
 
-    def __init__(self, event: torch.cuda.Event, device: int, ipc_handle: bytes | None) -> None:
+    def __init__(self, event: torch.cuda.Event, device: int, ipc_handle: bytes | None,
+                 mirror: EventHandle | None = None) -> None:  # fmt: skip
         self._event = event
         self._device = device
         self._handle = ipc_handle
+        self._mirror = mirror  # its host mirror's (table, slot, value), if its stream has one
 
     @classmethod
-    def record(cls, stream: torch.cuda.Stream) -> CudaEvent:
-        """Create an interprocess event and record it on `stream`."""
+    def record(cls, stream: torch.cuda.Stream, mirror: EventHandle | None = None) -> CudaEvent:
+        """Create an interprocess event and record it on `stream`; ``mirror``: the CPU
+        event its stream signals once this one completed (``cuda_copies``)."""
         # torch.cuda.Event's methods are untyped; the ignores below are only that.
         event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)  # type: ignore[no-untyped-call]
         event.record(stream)
-        self = cls(event, stream.device.index or 0, None)
+        self = cls(event, stream.device.index or 0, None, mirror)
         _local[self.ipc_handle()] = self
         return self
+
+    def synchronize(self) -> None:
+        """Block until the event completed (the mirror thread's wait)."""
+        self._event.synchronize()
 
     @property
     def device(self) -> int:
@@ -98,9 +105,14 @@ class CudaEvent(Event):
         stream.wait_event(self._event)
 
     def handle(self) -> EventHandle:
-        """The IPC handle; the event is kept alive for other processes (module docstring)."""
+        """The IPC handle (with its host mirror, if any); the event is kept alive for other
+        processes (module docstring)."""
         _keep_exported(self)
-        return EventHandle("cuda", handle=self.ipc_handle(), device=self._device)
+        mirror = self._mirror
+        if mirror is None:
+            return EventHandle("cuda", handle=self.ipc_handle(), device=self._device)
+        return EventHandle("cuda", table=mirror.table, slot=mirror.slot, value=mirror.value,
+                           handle=self.ipc_handle(), device=self._device)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"CudaEvent(device={self._device})"

@@ -4,11 +4,16 @@
 serialisable form for messages (a plain dict, msgpack-ready):
 
     {"kind": "cpu", "table": shm name, "slot": int, "value": int}
-    {"kind": "cuda", "handle": bytes, "device": int}
+    {"kind": "cuda", "handle": bytes, "device": int[, "table", "slot", "value"]}
 
 `open_event(handle)` gives an `Event` in any process. CPU events live in a
 timeline table (`event_table`); CUDA events are IPC events (`cuda_events`,
-which registers its opener here when imported).
+which registers its opener here when imported). A CUDA event recorded on a
+copy stream that owns a timeline slot also carries its *host mirror*: the
+(table, slot, value) its stream signals once the event completed
+(`cuda_copies`). `open_host_event` opens that mirror, so a process with no
+GPU (the cachemgr: it only needs to know when a copy is done) never touches
+CUDA.
 """
 
 from __future__ import annotations
@@ -50,11 +55,25 @@ class EventHandle:
         """True for the handle of `Event.completed()` (CPU value 0 is always reached)."""
         return self.kind == "cpu" and self.value == 0
 
+    @property
+    def host_mirror(self) -> EventHandle | None:
+        """The CPU form of this event: itself for a CPU event; a CUDA event's host mirror
+        (see the module docstring), or None when it has none."""
+        if self.kind == "cpu":
+            return self
+        if self.table and self.value > 0:
+            return EventHandle("cpu", table=self.table, slot=self.slot, value=self.value)
+        return None
+
     def to_dict(self) -> dict[str, str | int | bytes]:
         """The plain-dict form (only the fields of its kind)."""
         if self.kind == "cpu":
             return {"kind": "cpu", "table": self.table, "slot": self.slot, "value": self.value}
-        return {"kind": "cuda", "handle": self.handle, "device": self.device}
+        out: dict[str, str | int | bytes] = {"kind": "cuda", "handle": self.handle,
+                                             "device": self.device}  # fmt: skip
+        if self.table:
+            out.update(table=self.table, slot=self.slot, value=self.value)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> EventHandle:
@@ -74,7 +93,14 @@ class EventHandle:
                 raise BadEventHandleError(
                     f"cuda event handle has an empty handle or bad device: {data}"
                 )
-            return cls("cuda", handle=handle, device=device)
+            if not data.get("table"):
+                return cls("cuda", handle=handle, device=device)
+            table = _field(data, "table", str)
+            slot = _field(data, "slot", int)
+            value = _field(data, "value", int)
+            if slot < 0 or value <= 0:
+                raise BadEventHandleError(f"cuda event's host mirror has a bad slot/value: {data}")
+            return cls("cuda", table=table, slot=slot, value=value, handle=handle, device=device)
         raise BadEventHandleError(f"event handle kind must be 'cpu' or 'cuda', got {kind!r}")
 
 
@@ -237,6 +263,19 @@ OPENERS: dict[str, Callable[[EventHandle], Event]] = {
     "cpu": _open_cpu,
     "cuda": _open_cuda_missing,
 }
+
+
+def open_host_event(handle: EventHandle | Mapping[str, object]) -> Event:
+    """Open an event's CPU form (its host mirror for a CUDA event): no CUDA call, for a
+    process that only needs to know when a copy is done. BadEventHandleError for a
+    CUDA event without a mirror."""
+    if not isinstance(handle, EventHandle):
+        handle = EventHandle.from_dict(handle)
+    mirror = handle.host_mirror
+    if mirror is None:
+        raise BadEventHandleError("a CUDA event without its host mirror (its copy stream has "
+                                  "no timeline slot): this process opens no CUDA event")
+    return _open_cpu(mirror)
 
 
 def open_event(handle: EventHandle | Mapping[str, object]) -> Event:

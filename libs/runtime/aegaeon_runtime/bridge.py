@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -27,13 +28,23 @@ MAX_ROUTES = 65536  # requests whose proxy an instance remembers
 
 
 class Inbox(Generic[T]):
-    """Thread-safe FIFO from the event loop to the compute thread."""
+    """Thread-safe FIFO from the event loop to the compute thread.
+
+    The compute thread takes from it on every turn of its loop and between any two
+    steps or prefills (``poll``), so ``taken_s`` (monotonic; one float store per
+    take) is when it last made progress: the liveness check's reading
+    (``aegaeon_runtime.liveness``)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[T] = queue.SimpleQueue()
+        self.taken_s = time.monotonic()
 
     def put(self, item: T) -> None:
         self._queue.put(item)
+
+    def pending(self) -> int:
+        """Items waiting (approximate: another thread may be taking them)."""
+        return self._queue.qsize()
 
     def drain(self) -> list[T]:
         """Everything queued now, without blocking."""
@@ -42,6 +53,7 @@ class Inbox(Generic[T]):
             try:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
+                self.taken_s = time.monotonic()
                 return items
 
     def wait(self, timeout_s: float) -> list[T]:
@@ -49,6 +61,7 @@ class Inbox(Generic[T]):
         try:
             first = self._queue.get(timeout=timeout_s)
         except queue.Empty:
+            self.taken_s = time.monotonic()
             return []
         return [first, *self.drain()]
 
@@ -178,8 +191,12 @@ class ComputeThread:
         self._loop = loop
         self._on_crash = on_crash
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.native_id: int | None = None  # the thread's id in the kernel (/health says it)
+        self.ident: int | None = None  # its Python ident (what SyncCacheClient keys calls by)
 
     def _run(self) -> None:
+        self.native_id = threading.get_native_id()
+        self.ident = threading.get_ident()
         try:
             self._body(self.stop)
         except BaseException as exc:  # the thread's last word: report, then the service exits

@@ -41,8 +41,9 @@ class Placed:
 
 
 def instance_devices(config: Config) -> list[Placed]:
-    """Every worker instance the node starts and its device, as ``aegaeon serve`` starts
-    them (request-level policies: every worker a unified decode instance)."""
+    """Every worker instance the node starts and its devices, as ``aegaeon serve`` starts
+    them (request-level policies: every worker a unified decode instance); a
+    tensor-parallel instance once per rank (``decode-0 rank 1``)."""
     counts = [("prefill", config.prefill.instances), ("decode", config.decode.instances)]
     if config.unified:
         counts = [("decode", config.prefill.instances + config.decode.instances)]
@@ -50,7 +51,10 @@ def instance_devices(config: Config) -> list[Placed]:
     for kind, count in counts:
         section: InstancesConfig = getattr(config, kind)
         field = f"{kind}.devices" if section.devices else f"{kind}.device"
-        placed += [Placed(f"{kind}-{i}", field, section.device_of(i)) for i in range(count)]
+        for i in range(count):
+            group = section.group_devices(i)
+            placed += [Placed(f"{kind}-{i}" + (f" rank {r}" if r else ""), field, device)
+                       for r, device in enumerate(group)]  # fmt: skip
     return placed
 
 
@@ -58,12 +62,13 @@ def one_instance(config: Config, kind: str, index: int) -> list[Placed]:
     """The instance ``kind-index`` alone (its own command checks itself); ConfigError
     when the config has no such instance."""
     placed = [p for p in instance_devices(config) if p.name.partition("-")[0] == kind]
-    if not 0 <= index < len(placed):
-        has = (f"{len(placed)} {kind} instance(s) (--index 0..{len(placed) - 1})" if placed
+    count = sum(1 for p in placed if " rank " not in p.name)
+    if not 0 <= index < count:
+        has = (f"{count} {kind} instance(s) (--index 0..{count - 1})" if count
                else f"no {kind} instance")  # fmt: skip
         raise ConfigError(config.source, f"{kind}.instances",
                           f"--index {index}: the config has {has}")
-    return [placed[index]]
+    return [p for p in placed if p.name.partition(" ")[0] == f"{kind}-{index}"]
 
 
 def instance_preflight_or_exit(config: Config, kind: str, index: int) -> None:

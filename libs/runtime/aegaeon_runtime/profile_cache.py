@@ -53,6 +53,7 @@ def profile_key(worker: Worker) -> str:
         "dtype": worker.config.dtype,
         "weights": "map" if inst.maps_weights else "copy",
         "prefetch": worker.config.scheduler.prefetch,
+        "tp": inst.tp,
         "models": models,
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

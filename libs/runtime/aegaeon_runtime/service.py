@@ -7,7 +7,8 @@ only on the compute thread (an :class:`InstanceLoop`).
 
 Beside its sockets it serves ``/health``, ``/ready`` and ``/metrics`` on a
 side port (``<kind>.http_host``/``http_port``): ready once registered with the
-cachemgr, built, profiled (warm) and announced to the proxy. SIGTERM drains
+cachemgr, built, profiled (warm) and announced to the proxy; ``/health`` is a
+503 once the compute thread stalled (``aegaeon_runtime.liveness``). SIGTERM drains
 it: unready, the proxy is told (``InstanceDraining``) and stops giving it
 work, the loop finishes what it holds (a decode instance its running
 requests, a prefill instance its queue), the KV it handed off is claimed,
@@ -33,6 +34,7 @@ from aegaeon_common.messages.report import (
     CudaGraphStats,
     InstanceDraining,
     InstanceHello,
+    InstanceStalled,
     InstanceStats,
 )
 from aegaeon_common.messages.structs import LatencyProfile
@@ -49,6 +51,7 @@ from aegaeon_runtime.cacheclient.client import CacheClient
 from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.holdings import HoldingsBook
 from aegaeon_runtime.incarnation import INCARNATION
+from aegaeon_runtime.liveness import Progress, Verdict, judge
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.registrar import Registrar
 from aegaeon_runtime.shared_queues import QueueSnapshots
@@ -57,6 +60,9 @@ from aegaeon_runtime.worker import Worker, build_worker, instance_config
 log = get_logger("instance")
 
 HEARTBEAT_S = 0.5
+# the heartbeat judges liveness every HEARTBEAT_S: a longer gap means the whole process
+# was paused, and the compute thread's silence over it is not its own
+PAUSE_GAP_S = 5.0
 POLL_S = 0.05
 NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
@@ -153,12 +159,44 @@ def instance_address(config: Config, kind: str, index: int) -> str:
 class _Live:
     """What a scrape may read of an instance that is still starting."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_s: float) -> None:
         self.worker: Worker | None = None
         self.instance: InstanceLoop | None = None
+        self.inbox: Inbox[Message] | None = None
+        self.compute: ComputeThread | None = None
+        self.stall_s = stall_s
+        self.stalled: Verdict | None = None  # final once set (aegaeon_runtime.liveness)
+        # when the event loop last judged, and since when it runs again after a pause of
+        # the whole process (SIGSTOP, a suspended VM): that pause is no compute stall
+        self._judged_s = time.monotonic()
+        self._resumed_s = 0.0
 
     def load(self) -> InstanceLoad:
         return self.instance.load if self.instance is not None else InstanceLoad()
+
+    def verdict(self) -> Verdict:
+        """The compute thread's liveness now (the first stall stays the verdict)."""
+        if self.stalled is not None:
+            return self.stalled
+        instance, inbox, compute, worker = self.instance, self.inbox, self.compute, self.worker
+        if instance is None or inbox is None or compute is None or worker is None:
+            return judge(Progress(0.0, None, 0, 0, False), 0.0, self.stall_s)
+        load = instance.load
+        now = time.monotonic()
+        if now - self._judged_s > PAUSE_GAP_S:
+            self._resumed_s = now
+        self._judged_s = now
+        progress = Progress(
+            taken_s=max(inbox.taken_s, self._resumed_s),
+            calling_since_s=worker.cache.calling_since(compute.ident),
+            queued=load.prefill_requests + load.decode_requests,
+            commands=inbox.pending(),
+            started=instance.ready.is_set() and compute.is_alive(),
+        )
+        verdict = judge(progress, now, self.stall_s)
+        if verdict.stalled:
+            self.stalled = verdict
+        return verdict
 
 
 async def _until_stop(work: Awaitable[T], stop: asyncio.Event) -> T | None:
@@ -190,14 +228,20 @@ async def serve_instance(
     inst = instance_config(config, kind)
     registry = new_registry()
     metrics = WorkerMetrics(name, registry)
-    live = _Live()
+    live = _Live(config.health.stall_s)
     registry.register(InstanceCollector(metrics, lambda: live.worker, live.load))
     readiness = Readiness()
 
     def health() -> dict[str, Any]:
         worker = live.worker
         active = worker.switcher.active_model if worker is not None else None
-        return {"instance": name, "active_model": active}
+        verdict = live.verdict()
+        tid = live.compute.native_id if live.compute is not None else None
+        body: dict[str, Any] = {"instance": name, "active_model": active,
+                                "compute_thread": verdict.body(live.stall_s, tid)}  # fmt: skip
+        if verdict.stalled:
+            body.update(status="stalled", reason=verdict.reason)
+        return body
 
     side = SideServer(
         name, kind, registry, readiness, host=inst.http_host, port=inst.http_port_of(index),
@@ -251,7 +295,7 @@ async def _serve(
     outbox = Outbox(None if store is not None else config.proxy_address)
     registrar: Registrar | None = None
     instance = make_loop(worker, inbox, outbox)
-    live.instance = instance
+    live.instance, live.inbox = instance, inbox
     crashed: list[BaseException] = []
     closing = False
 
@@ -260,6 +304,7 @@ async def _serve(
         stop.set()
 
     compute = ComputeThread(f"aegaeon-{name}", instance.run, loop, on_crash)
+    live.compute = compute
     compute.start()
     readiness.set_reason("warming up (start-up profile)")
     tasks: list[asyncio.Task[None]] = []
@@ -300,6 +345,10 @@ async def _serve(
         async def heartbeat() -> None:
             nonlocal hello
             while not closing:
+                verdict = live.verdict()
+                if verdict.stalled:  # said once; no hello from this process again
+                    await _stalled(name, kind, index, verdict, to_proxy, registrar, readiness)
+                    return
                 if _models_changed(hello, worker):  # a model was added
                     hello = msgspec.structs.replace(hello, capacity_tokens=worker.capacity_tokens(),
                                                     latency=_hello(worker, instance).latency)
@@ -342,6 +391,21 @@ async def _serve(
         ready_path(config.run_dir, name).unlink(missing_ok=True)
     if crashed:
         raise RuntimeError(f"{name}: compute thread crashed") from crashed[0]
+
+
+async def _stalled(name: str, kind: str, index: int, verdict: Verdict, to_proxy: Pusher,
+                   registrar: Registrar | None, readiness: Readiness) -> None:
+    """Say the stall once (``aegaeon_runtime.liveness``): the proxy marks the instance
+    down and fails its requests over; with many proxies the registry forgets it."""
+    log.error("compute_thread_stalled", instance=name, since_progress_s=verdict.since_progress_s,
+              reason=verdict.reason)  # fmt: skip
+    readiness.set_failed(f"stalled: {verdict.reason}")
+    if registrar is not None:
+        await registrar.deregister()
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(to_proxy.send(InstanceStalled(
+            kind, index, os.getpid(), verdict.since_progress_s, verdict.reason)), NOTICE_S)
 
 
 async def _drain(

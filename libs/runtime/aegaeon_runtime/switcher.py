@@ -47,6 +47,12 @@ the sampler and every buffer stay; only the engine's weight views change.
   would hold). The last views bound per model are kept; those over an
   evicted region are dropped at the next prefetch.
 
+- **Tensor parallelism** (``shards`` of a group's rank, ``aegaeon_runtime.tp``):
+  a sharded model is this rank's shard (its spec, its byte range of the Model
+  Cache region, bound with the group's all-reduce); rank 0's switcher tells
+  the followers (``mirror``) of every switch, prefetch and eviction of a
+  sharded model *before* its own copy, so every rank copies its shard at
+  once. A model the group does not split is rank 0's alone.
 - **CUDA graphs** (the engine's, on a GPU): a graph replays the bytes at the
   address it was captured over. So a scale-up or a prefetch copies a model to
   an arena offset where graphs of its layout already are, when one is free
@@ -63,17 +69,28 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
+from aegaeon_engine.model import ReduceFn
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 
 from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
 from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
+from aegaeon_runtime.tp_shards import Shards
+
+
+class SwitchMirror(Protocol):
+    """Rank 0's voice to its followers (``aegaeon_runtime.tp.group``)."""
+
+    def activate(self, name: str) -> None: ...
+    def prefetch(self, name: str) -> None: ...
+    def evict(self, name: str) -> None: ...
 
 
 @dataclass
@@ -101,12 +118,22 @@ class ModelSwitcher:
         copy_threads: int | None = None,
         map_weights: bool = False,
         keep_resident: bool = False,
+        shards: Shards | None = None,
+        reduce: ReduceFn | None = None,
+        mirror: SwitchMirror | None = None,
     ) -> None:
         self.engine = engine
         self.buffer = buffer
         self.cache = cache
         self.specs = dict(specs)
         self.dtype = dtype
+        # tensor parallelism: this rank's part of each model, the group's all-reduce
+        # (bound with a sharded model) and, on rank 0, the followers' ear
+        self.shards = shards or Shards(dtype=dtype, block_size=engine.block_size)
+        for name, spec in self.specs.items():
+            self.shards.add(name, spec)
+        self.reduce = reduce
+        self.mirror = mirror
         self.prefetch_enabled = prefetch
         self.copy_threads = copy_threads
         self.map_weights = map_weights
@@ -149,13 +176,39 @@ class ModelSwitcher:
             names.append(pending.name)
         return names
 
+    def add_model(self, name: str, spec: ModelSpec) -> None:
+        """Serve one more model (its weights come at its first switch)."""
+        self.specs[name] = spec
+        self.shards.add(name, spec)
+
+    def spec(self, name: str) -> ModelSpec:
+        """What this rank binds of ``name`` (its shard's spec, or the whole model's)."""
+        return self.shards.spec(name)
+
     def nbytes(self, name: str) -> int:
+        """This rank's bytes of ``name`` (its shard's, for a sharded model)."""
+        return self.engine.layout(self.spec(name), self.dtype).total_bytes
+
+    def _whole_bytes(self, name: str) -> int:
         return self.engine.layout(self.specs[name], self.dtype).total_bytes
+
+    def _source(self, mapped: MappedModel, name: str) -> torch.Tensor:
+        """This rank's bytes of ``name``'s Model Cache region (checked against the region)."""
+        whole = self._whole_bytes(name)
+        expected = self.shards.region_bytes(name, whole)
+        if mapped.nbytes != expected:
+            raise RuntimeError(
+                f"Model Cache region of {mapped.name!r} holds {mapped.nbytes} bytes, the "
+                f"engine's layout {expected}: cachemgr and worker disagree on the dtype "
+                f"or the tensor-parallel size"
+            )
+        start, stop = self.shards.region_range(name, whole)
+        return mapped.data[start:stop]
 
     def _graph_offsets(self, name: str) -> list[int]:
         """Arena offsets where the engine holds CUDA graphs of ``name``'s layout and the
         model fits (most recently used first)."""
-        addresses = self.engine.graph_addresses(self.specs[name], self.dtype)
+        addresses = self.engine.graph_addresses(self.spec(name), self.dtype)
         if not addresses:
             return []
         base, nbytes = self.buffer.tensor.data_ptr(), self.nbytes(name)
@@ -183,7 +236,7 @@ class ModelSwitcher:
         with self._views_lock:
             weights = self._views.get(key)
         if weights is None:
-            spec = self.specs[name]
+            spec = self.spec(name)
             view = self.buffer.view(allocation.offset, allocation.nbytes)
             weights = bind_weights(spec, self.engine.layout(spec, self.dtype), view)
             with self._views_lock:
@@ -212,14 +265,6 @@ class ModelSwitcher:
         self.cache.unpin(name)
         return mapped
 
-    @staticmethod
-    def _check_size(mapped: MappedModel, nbytes: int) -> None:
-        if mapped.nbytes != nbytes:
-            raise RuntimeError(
-                f"Model Cache region of {mapped.name!r} holds {mapped.nbytes} bytes, the "
-                f"engine's layout {nbytes}: cachemgr and worker disagree on the dtype"
-            )
-
     def _copy_in(
         self, name: str, allocation: Allocation, job: PrefetchJob | None = None
     ) -> tuple[float, bool]:
@@ -231,7 +276,7 @@ class ModelSwitcher:
                 self.num_in_place += 1
                 return 0.0, True
             self._forget_range(allocation.offset, allocation.nbytes)
-        seconds = self._copy_from(self._region(name), allocation, job)
+        seconds = self._copy_from(self._source(self._region(name), name), allocation, job)
         with self._views_lock:
             self._in_place[allocation.offset] = key
         return seconds, False
@@ -255,15 +300,16 @@ class ModelSwitcher:
                 del self._views[key]
 
     def _copy_from(
-        self, mapped: MappedModel, allocation: Allocation, job: PrefetchJob | None = None
+        self, src: torch.Tensor, allocation: Allocation, job: PrefetchJob | None = None
     ) -> float:
-        self._check_size(mapped, allocation.nbytes)
+        if src.numel() != allocation.nbytes:
+            raise RuntimeError(f"{src.numel()} bytes to copy into an allocation of "
+                               f"{allocation.nbytes}")  # fmt: skip
         start = time.perf_counter()
         dst = self.buffer.view(allocation.offset, allocation.nbytes)
         if job is None:  # on the critical path: one copy at full speed
-            copy_chunked(dst, mapped.data, num_threads=self.copy_threads)
+            copy_chunked(dst, src, num_threads=self.copy_threads)
         else:  # in the background: chunks, so that a cancel stops it quickly
-            src = mapped.data
             for first in range(0, allocation.nbytes, PREFETCH_CHUNK_BYTES):
                 job.check()
                 last = min(first + PREFETCH_CHUNK_BYTES, allocation.nbytes)
@@ -277,15 +323,15 @@ class ModelSwitcher:
         """
         start = time.perf_counter()
         mapped = self._region(name)
-        spec = self.specs[name]
+        spec = self.spec(name)
         layout = self.engine.layout(spec, self.dtype)
-        self._check_size(mapped, layout.total_bytes)
+        source = self._source(mapped, name)
         with self._views_lock:
             kept = self._mapped_views.get(name)
         if kept is not None and kept[0].region.name == mapped.region.name:
             weights = kept[1]
         else:
-            weights = bind_weights(spec, layout, mapped.data)
+            weights = bind_weights(spec, layout, source)
             with self._views_lock:
                 self._mapped_views[name] = (mapped, weights)
         resident = Resident(name, None, weights)
@@ -308,7 +354,9 @@ class ModelSwitcher:
 
     def _activate(self, resident: Resident) -> None:
         self.active = resident
-        self.engine.bind(self.specs[resident.name], resident.weights, self.buffer.kv_region,
+        name = resident.name
+        reduce = self.reduce if self.shards.sharded(name) else None
+        self.engine.bind(self.spec(name), resident.weights, self.buffer.kv_region, reduce=reduce,
                          ready=resident.ready)
 
     # ---- switching -------------------------------------------------------
@@ -318,6 +366,8 @@ class ModelSwitcher:
             raise KeyError(f"unknown model {name!r}")
         if self.active is not None and self.active.name == name:
             return None
+        if self.mirror is not None and self.shards.sharded(name):
+            self.mirror.activate(name)  # every follower copies its shard meanwhile
         start = time.perf_counter()
         previous = self.active_model
         pending = self._prefetch
@@ -365,6 +415,8 @@ class ModelSwitcher:
             return False
         if self._prefetch is not None:
             return self._prefetch.name == name  # one at a time
+        if self.mirror is not None and self.shards.sharded(name):
+            self.mirror.prefetch(name)
         if self.map_weights:
             allocation = None
         else:
@@ -382,6 +434,8 @@ class ModelSwitcher:
         or, active, it is scaled down (the engine's views stay bound over bytes that
         are free now: the caller runs nothing of it before its next :meth:`activate`).
         Its bytes stay in the Model Cache. True if it was on the device."""
+        if self.mirror is not None and self.shards.sharded(name):
+            self.mirror.evict(name)
         evicted = False
         pending = self._prefetch
         if pending is not None and pending.name == name:

@@ -20,6 +20,7 @@ from aegaeon_common.config import Config, InstancesConfig
 from aegaeon_common.logs import get_logger
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
+from aegaeon_engine.tp_mirror import MirroredEngine
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
 from aegaeon_sched import CHARGED_POLICIES
 from aegaeon_sched import ModelSpec as SchedSpec
@@ -30,6 +31,8 @@ from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.switcher import ModelSwitcher
+from aegaeon_runtime.tp.group import InstanceGroup, start_group
+from aegaeon_runtime.tp_shards import Shards
 
 log = get_logger("worker")
 
@@ -64,6 +67,8 @@ class Worker:
     # models whose checkpoint could not be read at start -> why (left out of the
     # start-up profile; the cachemgr refuses them until the operator reloads them)
     unavailable: dict[str, str] = field(default_factory=dict)
+    # a tensor-parallel instance's group (rank 0's handle); None: one device
+    group: InstanceGroup | None = None
     # every model's checkpoint directory (its tokenizer, for constrained decoding)
     model_dirs: dict[str, Path] = field(default_factory=dict)
     grammars: GrammarCache = field(init=False)
@@ -82,7 +87,9 @@ class Worker:
         return f"{self.kind}-{self.index}"
 
     def kv_shape(self, model: str) -> KVShape:
-        return self.specs[model].kv_shape(self.config.dtype, self.engine.block_size)
+        """``model``'s KV blocks as the node counts them (a tensor-parallel group's
+        sharded model: every rank's part, ``aegaeon_runtime.tp_shards``)."""
+        return self.switcher.shards.kv_shape(model)
 
     def max_model_len(self, model: str) -> int:
         return self.specs[model].max_model_len
@@ -111,9 +118,11 @@ class Worker:
         Model Cache at its first switch, as every model's. On a GPU its decode step's
         CUDA graphs are captured now (where a scale-up lands), not at a served step."""
         spec = ModelSpec.from_dir(path)
-        self.engine.tune(spec, self.config.dtype)
+        if self.group is not None:  # the followers first: the next switch may need it
+            self.group.add_model(name, str(path))
         self.switcher.forget_bytes(name)  # a model of that name served before had other bytes
-        self.switcher.specs[name] = spec
+        self.switcher.add_model(name, spec)
+        self.engine.tune(self.switcher.spec(name), self.config.dtype)
         self.specs[name] = spec
         self.model_dirs[name] = Path(path)
         self.grammars.forget(name)
@@ -135,7 +144,7 @@ class Worker:
             nbytes = self.switcher.nbytes(name)
             if nbytes > self.buffer.weights_capacity:
                 continue  # it never lands here; its switch says so
-            ok = self.engine.capture_graphs(self.specs[name], self.buffer.view(0, nbytes),
+            ok = self.engine.capture_graphs(self.switcher.spec(name), self.buffer.view(0, nbytes),
                                             self.buffer.kv_region, self.config.dtype)
             (captured if ok else failed).append(name)
         log.info("cuda_graphs_captured", worker=self.name, models=captured, failed=failed,
@@ -146,6 +155,8 @@ class Worker:
         self.grammars.close()
         self.switcher.close()
         self.kv.close()
+        if self.group is not None:
+            self.group.close()
 
 
 async def build_worker(
@@ -181,48 +192,68 @@ async def build_worker(
             log.error("model_unavailable", model=model.name, error=str(exc))
     # Off the loop: the engine may build its native kernels (tens of seconds on a
     # machine that has none yet) and the buffer touches every page; the loop keeps
-    # answering /health meanwhile.
-    engine = await asyncio.to_thread(Engine, device, num_threads=inst.threads,
-                                     graphs=None if inst.cuda_graphs else False)
-    for spec in specs.values():  # the fastest kernels per model shape, measured once a machine
-        await asyncio.to_thread(engine.tune, spec, config.dtype)
+    # answering /health meanwhile. A tensor-parallel instance's engine mirrors its
+    # calls to its group (aegaeon_runtime.tp.group), and runs without CUDA graphs (its
+    # collectives would have to be captured on every rank).
+    engine_class = MirroredEngine if inst.tp > 1 else Engine
+    graphs = None if inst.cuda_graphs and inst.tp == 1 else False
+    engine = await asyncio.to_thread(engine_class, device, num_threads=inst.threads,
+                                     graphs=graphs)
+    shards = Shards(0, inst.tp, config.dtype, engine.block_size)
+    for name, spec in specs.items():  # the fastest kernels per shape, measured once a machine
+        shards.add(name, spec)
+        await asyncio.to_thread(engine.tune, shards.spec(name), config.dtype)
     buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
                                      inst.kv_memory_bytes, device)  # fmt: skip
-    table = registration.event_table
-    streams = [
-        make_copy_stream(device, table, registration.event_slots[i]) for i in range(NUM_STREAMS)
-    ]
-    kv = KVSpace(
-        buffer.kv_region,
-        registration.kv_tensor,
-        cache,
-        streams[SWAP_OUT],
-        streams[SWAP_IN],
-        registration.slab_bytes,
-    )
-    switcher = ModelSwitcher(
-        engine,
-        buffer,
-        cache,
-        specs,
-        config.dtype,
-        # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
-        # until the instance is idle, and every scale-up pays its load path)
-        prefetch=config.scheduler.prefetch and config.scheduler.policy not in CHARGED_POLICIES,
-        map_weights=inst.maps_weights,
-        # static-mux: an instance's models stay resident in its arena (MuxServe)
-        keep_resident=config.scheduler.policy == "static-mux",
-    )
-    for name in specs:  # map every Model Cache region now, off the critical path
-        try:
-            await client.load_model(name, pin=True)
-        except RemoteError as exc:
-            if exc.code != "checkpoint_error":
-                raise
-            unavailable[name] = exc.reply.message  # quarantined there; the rest is served
-            log.error("model_unavailable", model=name, error=exc.reply.message)
-            continue
-        await client.unpin(name)
+    group = None
+    if inst.tp > 1:
+        group = await asyncio.to_thread(start_group, config, kind, index)
+        assert isinstance(engine, MirroredEngine)
+        engine.group = group.tp
+    try:
+        table = registration.event_table
+        streams = [make_copy_stream(device, table, registration.event_slots[i])
+                   for i in range(NUM_STREAMS)]  # fmt: skip
+        kv = KVSpace(
+            buffer.kv_region,
+            registration.kv_tensor,
+            cache,
+            streams[SWAP_OUT],
+            streams[SWAP_IN],
+            registration.slab_bytes,
+            peers=group.peer_tensors if group is not None else (),
+        )
+        switcher = ModelSwitcher(
+            engine,
+            buffer,
+            cache,
+            specs,
+            config.dtype,
+            # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
+            # until the instance is idle, and every scale-up pays its load path)
+            prefetch=config.scheduler.prefetch
+            and config.scheduler.policy not in CHARGED_POLICIES,
+            map_weights=inst.maps_weights,
+            # static-mux: an instance's models stay resident in its arena (MuxServe)
+            keep_resident=config.scheduler.policy == "static-mux",
+            shards=shards,
+            reduce=group.tp.all_reduce if group is not None else None,
+            mirror=group,
+        )
+        for name in specs:  # map every Model Cache region now, off the critical path
+            try:
+                await client.load_model(name, pin=True)
+            except RemoteError as exc:
+                if exc.code != "checkpoint_error":
+                    raise
+                unavailable[name] = exc.reply.message  # quarantined there; the rest is served
+                log.error("model_unavailable", model=name, error=exc.reply.message)
+                continue
+            await client.unpin(name)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
     worker = Worker(
         config=config,
         kind=kind,
@@ -237,6 +268,7 @@ async def build_worker(
         kv=kv,
         sampler=Sampler(device),
         metrics=metrics or WorkerMetrics(f"{kind}-{index}"),
+        group=group,
         unavailable=unavailable,
         model_dirs={m.name: Path(m.path) for m in config.models},
     )

@@ -19,6 +19,11 @@ Pure, as :mod:`aegaeon_sched.placement` (which places the instances); the rules
   quarter of the budget, between 1 and 64 GiB. Model Cache: every model of the
   deployment when the rest of the budget holds them, else the rest (the
   cache then evicts, least recently used); at least the largest model.
+- **Tensor parallelism.** Given each model's bytes per GPU at each size
+  (``shards``: a model whose heads do not split runs whole on its group's first
+  GPU), a plan without a ``tp`` of its own takes the smallest size (1, 2, 4, 8,
+  ...) whose largest shard fits a GPU's share with 1 GiB of KV; the Model Cache
+  then holds each sharded model as its shards back to back.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from aegaeon_sched.placement import (
     MiB,
     PlacementError,
     Plan,
+    TPSizes,
     default_counts,
     gpu_reserve_bytes,
     in_gib,
@@ -49,6 +55,7 @@ __all__ = [
     "BufferSplit",
     "apply_plan",
     "cap_split",
+    "choose_tp",
     "plan_cache",
     "plan_instances",
     "plan_node",
@@ -128,11 +135,18 @@ def cap_split(cap_bytes: int, models: Mapping[str, int], dtype: str, device: str
     return split
 
 
-def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
-               dtype: str, cap_bytes: int | None = None) -> KindPlan:  # fmt: skip
-    shares = [(max(0, i.gpu.free_bytes - gpu_reserve_bytes(i.gpu, i.sharing)) // i.sharing, i)
-              for i in placed]  # fmt: skip
-    share, tightest = min(shares, key=lambda s: s[0])
+def _share(gpu: GpuInfo, instances: Sequence[InstancePlan]) -> int:
+    on = sum(1 for i in instances for g in i.gpus if g.index == gpu.index)
+    return max(0, gpu.free_bytes - gpu_reserve_bytes(gpu, on)) // on
+
+
+def _kind_plan(kind: str, placed: list[InstancePlan], everyone: list[InstancePlan],
+               largest: tuple[str, int], dtype: str, cap_bytes: int | None = None,
+               tp: int = 1, whole: tuple[str, int] | None = None) -> KindPlan:  # fmt: skip
+    """``largest``: the most bytes of a model on one GPU (a shard with ``tp`` > 1;
+    ``whole``: that model's name and bytes, said in the error)."""
+    shares = [(_share(g, everyone), i, g) for i in placed for g in i.gpus]
+    share, tightest, gpu = min(shares, key=lambda s: s[0])
     if cap_bytes is not None:
         share = min(share, cap_bytes)  # --device-memory caps what the GPU would give
     device_memory = share // MiB * MiB
@@ -140,36 +154,76 @@ def _kind_plan(kind: str, placed: list[InstancePlan], largest: tuple[str, int],
     split = split_buffer(device_memory, model_bytes)
     if split is None:
         once = -(-(model_bytes + WEIGHTS_MARGIN_BYTES) // MiB) * MiB
-        gpu = tightest.gpu
-        shared = f", shared by {tightest.sharing} instances" if tightest.sharing > 1 else ""
+        on = sum(1 for i in everyone for g in i.gpus if g.index == gpu.index)
+        shared = f", shared by {on} instances" if on > 1 else ""
+        what = (f"model {name} ({in_gib(model_bytes)} in {dtype})" if tp == 1 or whole is None
+                else f"model {name} ({in_gib(whole[1])} in {dtype}, {in_gib(model_bytes)} per "
+                f"GPU split {tp} ways)")  # fmt: skip
         raise PlacementError(
-            f"model {name} ({in_gib(model_bytes)} in {dtype}) does not fit {tightest.name} on "
+            f"{what} does not fit {tightest.name} on "
             f"{gpu.device} ({gpu.name}): {in_gib(gpu.free_bytes)} free of {in_gib(gpu.total_bytes)}"
-            f", {in_gib(gpu_reserve_bytes(gpu, tightest.sharing))} kept back{shared} leaves "
+            f", {in_gib(gpu_reserve_bytes(gpu, on))} kept back{shared} leaves "
             f"{in_gib(device_memory)}; it needs {in_gib(once + KV_MIN_BYTES)} (the weights and "
             f"1 GiB of KV). Free the GPU, give it fewer instances, or serve smaller models"
             + (f" (--device-memory caps it at {in_gib(cap_bytes)})" if cap_bytes is not None
                else "")
         )
-    return KindPlan(kind, tuple(i.gpu.device for i in placed), split.device_memory_bytes,
-                    split.kv_memory_bytes, split.weights_bytes, split.prefetch_room)
+    devices = tuple(g.device for i in placed for g in i.gpus)
+    return KindPlan(kind, devices, split.device_memory_bytes, split.kv_memory_bytes,
+                    split.weights_bytes, split.prefetch_room, tp)  # fmt: skip
 
 
 def plan_instances(gpus: Sequence[GpuInfo], prefill: int, decode: int,
-                   models: Mapping[str, int], dtype: str,
-                   cap_bytes: int | None = None) -> Plan:  # fmt: skip
-    """Place ``prefill`` + ``decode`` instances on ``gpus`` and size each kind (each
-    instance's device memory at most ``cap_bytes`` when given)."""
-    instances = place(gpus, prefill, decode)
-    largest = _largest(models)
+                   models: Mapping[str, int], dtype: str, cap_bytes: int | None = None,
+                   tp: int = 1, shard_bytes: Mapping[str, int] | None = None) -> Plan:  # fmt: skip
+    """Place ``prefill`` + ``decode`` instances (groups of ``tp`` GPUs) on ``gpus`` and
+    size each kind (each instance's device memory at most ``cap_bytes`` when given);
+    ``shard_bytes``: each model's bytes per GPU at ``tp`` (default: ``models``)."""
+    instances = place(gpus, prefill, decode, tp)
+    per_gpu = dict(shard_bytes) if shard_bytes is not None else dict(models)
+    largest = _largest(per_gpu)
+    whole = (largest[0], models.get(largest[0], largest[1]))
     kinds = tuple(
-        _kind_plan(kind, [i for i in instances if i.kind == kind], largest, dtype, cap_bytes)
+        _kind_plan(kind, [i for i in instances if i.kind == kind], instances, largest, dtype,
+                   cap_bytes, tp, whole)
         for kind in KINDS if any(i.kind == kind for i in instances)
     )  # fmt: skip
-    used = {i.gpu.index for i in instances}
+    used = {g.index for i in instances for g in i.gpus}
+    name, nbytes = _largest(models)
+    unsharded = tuple(sorted(m for m in models if tp > 1 and per_gpu.get(m) == models[m]))
     return Plan(spec=None, instances=tuple(instances), kinds=kinds,
                 unused=tuple(g for g in gpus if g.index not in used),
-                largest_model=largest[0], largest_bytes=largest[1], dtype=dtype)  # fmt: skip
+                largest_model=name, largest_bytes=nbytes, dtype=dtype, tp=tp,
+                unsharded=unsharded)  # fmt: skip
+
+
+def _per_gpu(shards: Mapping[int, Mapping[str, TPSizes]], tp: int) -> dict[str, int] | None:
+    return {m: s.per_gpu for m, s in shards[tp].items()} if tp > 1 and tp in shards else None
+
+
+def choose_tp(gpus: Sequence[GpuInfo], counts: tuple[int | None, int | None],
+              models: Mapping[str, int], dtype: str,
+              shards: Mapping[int, Mapping[str, TPSizes]],
+              cap_bytes: int | None = None) -> Plan:  # fmt: skip
+    """The plan at the smallest tensor-parallel size (1, 2, 4, ...: the sizes ``shards``
+    gives, at most the GPUs) whose largest shard fits; the size-1 error when none does,
+    saying which sizes were tried."""
+    sizes = sorted(t for t in {1, *shards} if t <= len(gpus))
+    first: PlacementError | None = None
+    for tp in sizes:
+        prefill, decode = default_counts(max(1, len(gpus) // tp), *counts)
+        try:
+            return plan_instances(gpus, prefill, decode, models, dtype, cap_bytes, tp,
+                                  _per_gpu(shards, tp))  # fmt: skip
+        except PlacementError as exc:
+            first = first or exc
+    assert first is not None
+    tried = [t for t in sizes if t > 1]
+    if tried:
+        raise PlacementError(f"{first}; tensor parallelism over {', '.join(map(str, tried))} "
+                             "GPUs does not fit either (more GPUs, or --tp with "
+                             "fewer instances)") from None  # fmt: skip
+    raise first
 
 
 def plan_cache(host: HostInfo, models: Mapping[str, int], dtype: str) -> CachePlan:
@@ -198,22 +252,36 @@ def plan_cache(host: HostInfo, models: Mapping[str, int], dtype: str) -> CachePl
 
 def plan_node(spec: str | None, gpus: Sequence[GpuInfo], host: HostInfo | None,
               counts: tuple[int | None, int | None], models: Mapping[str, int],
-              dtype: str, cap_bytes: int | None = None) -> Plan:  # fmt: skip
+              dtype: str, cap_bytes: int | None = None, tp: int | None = None,
+              shards: Mapping[int, Mapping[str, TPSizes]] | None = None) -> Plan:  # fmt: skip
     """The whole plan: instances on the GPUs ``spec`` selects (None: no instances
     planned; each at most ``cap_bytes`` of device memory when given) and, given
-    ``host``, the cachemgr's sizes."""
+    ``host``, the cachemgr's sizes. ``tp``: the tensor-parallel size (None: the
+    smallest that fits, of the sizes ``shards`` gives per model; 1 without)."""
     plan = Plan(spec=spec)
+    shards = shards or {}
     if spec is not None:
         chosen = select_gpus(spec, gpus)
-        prefill, decode = default_counts(len(chosen), *counts)
-        plan = replace(plan_instances(chosen, prefill, decode, models, dtype, cap_bytes),
-                       spec=spec)
+        if tp is None:
+            plan = replace(choose_tp(chosen, counts, models, dtype, shards, cap_bytes), spec=spec)
+        else:
+            if tp > 1 and tp not in shards:
+                raise PlacementError(f"tensor parallelism {tp}: no shard sizes for it")
+            if len(chosen) // tp < 1:
+                raise PlacementError(f"--gpus {spec}: {len(chosen)} GPU(s), tensor "
+                                     f"parallelism {tp} needs {tp} per instance")  # fmt: skip
+            prefill, decode = default_counts(len(chosen) // tp, *counts)
+            plan = replace(plan_instances(chosen, prefill, decode, models, dtype, cap_bytes, tp,
+                                          _per_gpu(shards, tp)), spec=spec)  # fmt: skip
     if host is None:
         return plan
     name, largest = _largest(models)
+    # the Model Cache holds a sharded model as its shards back to back
+    cached = ({m: s.cached for m, s in shards[plan.tp].items()} if plan.tp > 1
+              and plan.tp in shards else models)  # fmt: skip
     return replace(
         plan,
-        cache=plan_cache(host, models, dtype),
+        cache=plan_cache(host, cached, dtype),
         host=host,
         largest_model=name,
         largest_bytes=largest,
@@ -224,7 +292,7 @@ def plan_node(spec: str | None, gpus: Sequence[GpuInfo], host: HostInfo | None,
 # ---- the config it makes --------------------------------------------------------------------
 _SIZE_KEYS = {
     "prefill": ("device", "devices", "device_memory", "device_memory_bytes", "kv_memory",
-                "kv_memory_bytes", "instances"),
+                "kv_memory_bytes", "instances", "tp"),
     "cachemgr": ("model_cache", "model_cache_bytes", "kv_cache", "kv_cache_bytes"),
 }  # fmt: skip
 
@@ -247,11 +315,12 @@ def apply_plan(raw: dict[str, Any], plan: Plan, unified: bool = False) -> dict[s
     for k in kinds:
         out[k.kind] = {
             **_section(raw, k.kind),
-            "instances": len(k.devices),
+            "instances": k.instances,
             "device": k.devices[0],
             "devices": list(k.devices),
             "device_memory": k.device_memory_bytes,
             "kv_memory": k.kv_memory_bytes,
+            **({"tp": k.tp} if k.tp > 1 else {}),
         }
     if unified and len(kinds) == 2:
         decode = dict(out["decode"])

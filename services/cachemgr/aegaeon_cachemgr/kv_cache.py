@@ -8,6 +8,10 @@ reclaimed, and frees/reassignments are checked against the caller.
 
 Invariant: an offset is leased iff it is live in the pool and not pending in
 its move list; ``sum(blocks_per_owner) == live - pending``.
+
+A free's event is opened in its CPU form (``open_host_event``: a CUDA event's
+host mirror, which its worker's copy stream signals): the cachemgr needs no GPU
+and holds no CUDA context (compose runs it with ``CUDA_VISIBLE_DEVICES=""``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from aegaeon_gpumem import (
     OutOfBlocks,
     ShmRegion,
     SlabStats,
-    open_event,
+    open_host_event,
 )
 
 from aegaeon_cachemgr.errors import CacheError
@@ -66,6 +70,9 @@ class UnifiedKVCache:
         self._pool = KVBlockPool(region.nbytes, slab_bytes)
         self._owner_of: dict[int, str] = {}
         self._blocks_of: defaultdict[str, set[int]] = defaultdict(set)
+        # blocks freed at once, and behind a copy's event still in flight (move list)
+        self.freed_blocks = 0
+        self.deferred_blocks = 0
 
     def alloc(self, owner: str, shape: KVShapeSpec, num_blocks: int) -> tuple[list[int], int]:
         """``num_blocks`` blocks of ``shape`` for ``owner``: (offsets, block_bytes)."""
@@ -118,22 +125,18 @@ class UnifiedKVCache:
                 )
 
     def _open(self, ref: EventSpec) -> Event:
-        if ref.kind == "cpu" and ref.value > 0 and ref.table != self._event_table:
+        """The event's CPU form (a CUDA event's host mirror): no CUDA call here."""
+        if ref.value > 0 and ref.table and ref.table != self._event_table:
             raise CacheError(
                 "bad_request",
                 f"event table {ref.table!r} is not this cachemgr's ({self._event_table!r})",
             )
+        fields: dict[str, object] = {"kind": ref.kind, "table": ref.table, "slot": ref.slot,
+                                     "value": ref.value}  # fmt: skip
+        if ref.kind == "cuda":
+            fields.update(handle=ref.handle, device=ref.device)
         try:
-            return open_event(
-                {
-                    "kind": ref.kind,
-                    "table": ref.table,
-                    "slot": ref.slot,
-                    "value": ref.value,
-                    "handle": ref.handle,
-                    "device": ref.device,
-                }
-            )
+            return open_host_event(fields)
         except (BadEventHandleError, ValueError, RuntimeError) as exc:
             raise CacheError("bad_request", f"bad event handle: {exc}") from None
 
@@ -148,7 +151,11 @@ class UnifiedKVCache:
         except InvalidFreeError as exc:
             raise CacheError("bad_request", str(exc)) from None
         self._drop_leases(offsets)
-        return (0, len(offsets)) if deferred else (len(offsets), 0)
+        if deferred:
+            self.deferred_blocks += len(offsets)
+            return 0, len(offsets)
+        self.freed_blocks += len(offsets)
+        return len(offsets), 0
 
     def _drop_leases(self, offsets: list[int]) -> None:
         for off in offsets:
@@ -200,6 +207,8 @@ class UnifiedKVCache:
             blocks_per_owner={o: len(b) for o, b in sorted(self._blocks_of.items())},
             move_list_blocks=pool.pending_blocks,
             shapes=shapes,
+            freed_blocks=self.freed_blocks,
+            deferred_blocks=self.deferred_blocks,
         )
 
     def close(self) -> None:

@@ -88,7 +88,7 @@ class CacheManager:
         # what market.json records of each model's files (sizes, digests)
         self.records = MarketRecords(config.market_dir)
         self.models = ModelCache(models, config.dtype, cache.model_cache_bytes, prefix, executor,
-                                 self.records.files)  # fmt: skip
+                                 self.records.files, tp=config.prefill.tp)  # fmt: skip
         per_worker = min(DEFAULT_SLOTS_PER_WORKER, cache.event_slots)
         self.workers = WorkerRegistry(cache.event_slots, per_worker)
         self._handlers: dict[type[Message], Callable[[Any], Awaitable[Message]]] = {
@@ -153,12 +153,15 @@ class CacheManager:
         if req.worker_id in self.workers:
             # A restarted worker: nothing of its previous process is in flight.
             self._release(req.worker_id)
-        lease, _ = self.workers.register(req.worker_id, req.pid, req.num_event_slots)
+        lease, _ = self.workers.register(req.worker_id, req.pid, req.num_event_slots,
+                                         req.pid_namespace)  # fmt: skip
         log.info(
             "worker_registered",
             worker=req.worker_id,
             pid=req.pid,
             slots=list(lease.slots),
+            # not watched: pid 0, or a process of another PID namespace (a container of
+            # its own): its lease ends when it unregisters or registers again
             watched=lease.create_time is not None,
         )
         return WorkerRegistered(

@@ -89,6 +89,13 @@ class CacheCollector(Collector):
         ]  # fmt: skip
         for gauge, gauge_help, level in kv_gauges:
             yield GaugeMetricFamily(gauge, gauge_help, value=float(level))
+        freed = CounterMetricFamily(
+            "aegaeon_kv_cache_freed_blocks", "Unified KV cache blocks freed, at once or after "
+            "the event of a copy still in flight (through the move list)", labels=["when"],
+        )  # fmt: skip
+        freed.add_metric(["now"], float(kv.freed_blocks))
+        freed.add_metric(["after_event"], float(kv.deferred_blocks))
+        yield freed
         blocks = GaugeMetricFamily(
             "aegaeon_kv_blocks", "KV blocks by shape and state (used|free)",
             labels=["instance", "location", "shape", "state"],

@@ -98,6 +98,7 @@ class ModelCache:
         name_prefix: str,
         executor: Executor,
         records: Records = _no_records,
+        tp: int = 1,
     ) -> None:
         """``records(model_dir)``: what the market records of a model's files (sizes,
         digests; () when nothing)."""
@@ -109,6 +110,7 @@ class ModelCache:
         # name -> the stat of its recorded files when their digests last matched
         self._verified: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self._dtype = dtype
+        self._tp = tp  # the instances' tensor-parallel size: regions hold shards
         self.budget_bytes = budget_bytes
         self._prefix = name_prefix
         self._executor = executor
@@ -281,7 +283,7 @@ class ModelCache:
     def _start(self, name: str, evict: bool) -> _Loading:
         path = self._paths[name]
         try:
-            plan = plan_model(name, path, self._dtype)
+            plan = plan_model(name, path, self._dtype, self._tp)
         except CacheError as exc:
             if exc.code == "checkpoint_error":
                 self.quarantine(name, exc.message)

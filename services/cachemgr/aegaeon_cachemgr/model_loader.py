@@ -2,7 +2,11 @@
 
 The region's layout is the engine's packed ``weight_layout`` in the serving
 dtype, so a worker's scale-up is one flat copy of the region (paper §5.2).
-Every checkpoint defect surfaces as ``CacheError("checkpoint_error")``.
+With tensor-parallel instances (``tp`` > 1) a model that splits ``tp`` ways is
+held as its shards back to back (``TPLayout``): each rank of a group copies
+its own contiguous range, all ranks at once; one that does not split is held
+whole (its group runs it on its first device). Every checkpoint defect
+surfaces as ``CacheError("checkpoint_error")``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.layout import WeightLayout, weight_layout
 from aegaeon_engine.loader import check_checkpoint, fill_layout
 from aegaeon_engine.spec import ModelSpec
+from aegaeon_engine.tp import fill_tp_layout
+from aegaeon_engine.tp_layout import TPLayout, sharded_layout
 
 from aegaeon_cachemgr.errors import CacheError
 
@@ -31,6 +37,9 @@ class ModelPlan:
     nbytes: int
     tensors: list[TensorEntry]
     layout: WeightLayout
+    # the shards, when the region holds the model split for tensor-parallel instances
+    shards: TPLayout | None = None
+    spec: ModelSpec | None = None
 
 
 def checkpoint_failure(exc: CheckpointError) -> CacheError:
@@ -40,17 +49,25 @@ def checkpoint_failure(exc: CheckpointError) -> CacheError:
     return CacheError("checkpoint_error", str(exc), detail)
 
 
-def plan_model(name: str, path: Path, dtype: str) -> ModelPlan:
-    """Read the model's JSON files (cheap, no tensor data) and lay it out in ``dtype``."""
+def plan_model(name: str, path: Path, dtype: str, tp: int = 1) -> ModelPlan:
+    """Read the model's JSON files (cheap, no tensor data) and lay it out in ``dtype``,
+    split ``tp`` ways where it splits (the manifest then names rank r's tensors
+    ``rank<r>/<name>``, at their offsets in the region)."""
     try:
         spec = ModelSpec.from_dir(path)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None
     layout = weight_layout(spec, dtype)
-    tensors = [
-        TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
-    ]
-    return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout)
+    shards = sharded_layout(spec, tp, dtype)
+    if shards is None:
+        tensors = [
+            TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
+        ]
+        return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout)
+    tensors = [TensorEntry(f"rank{r}/{s.name}", s.dtype, list(s.shape), start + s.offset, s.nbytes)
+               for r, (shard, start) in enumerate(zip(shards.shards, shards.offsets, strict=True))
+               for s in shard.slots]  # fmt: skip
+    return ModelPlan(name, path, layout.dtype, shards.total_bytes, tensors, layout, shards, spec)
 
 
 def check_plan(plan: ModelPlan) -> None:
@@ -70,6 +87,10 @@ def fill_region(
     ``progress`` is told the bytes filled so far; the files with ``digests`` are hashed
     as they are read (a changed one is a ``checkpoint_error``). Returns the files read."""
     try:
+        if plan.shards is not None:  # its files' digests are then checked on their own
+            assert plan.spec is not None
+            fill_tp_layout(plan.path, plan.spec, plan.shards, dest, progress)
+            return set()
         return fill_layout(plan.path, plan.layout, dest, progress, digests)
     except CheckpointError as exc:
         raise checkpoint_failure(exc) from None

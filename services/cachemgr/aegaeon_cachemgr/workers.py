@@ -12,6 +12,7 @@ holder's increments. So slots of an ended lease are handed out again last
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -30,10 +31,19 @@ class Lease:
     slots: tuple[int, ...]
 
 
-def process_identity(pid: int) -> float | None:
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; 0: unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def process_identity(pid: int, namespace: int = 0) -> float | None:
     """The start time of ``pid``, or None when it is not a live process visible here
-    (0, another pid namespace, or already gone)."""
-    if pid <= 0:
+    (0, another PID namespace, or already gone). ``namespace``: the PID namespace the
+    number belongs to (0: unknown, taken as this one's)."""
+    if pid <= 0 or (namespace and namespace != pid_namespace()):
         return None
     try:
         return psutil.Process(pid).create_time()
@@ -64,7 +74,8 @@ class WorkerRegistry:
         self._free: deque[int] = deque(range(num_slots))
         self._leases: dict[str, Lease] = {}
 
-    def register(self, worker_id: str, pid: int, num_slots: int = 0) -> tuple[Lease, Lease | None]:
+    def register(self, worker_id: str, pid: int, num_slots: int = 0,
+                 namespace: int = 0) -> tuple[Lease, Lease | None]:  # fmt: skip
         """Start a lease; returns it and the lease it replaces (to be reclaimed by the caller)."""
         if not worker_id:
             raise CacheError("bad_request", "worker_id must not be empty")
@@ -83,7 +94,7 @@ class WorkerRegistry:
                 {"requested_slots": want, "free_slots": len(self._free)},
             )
         slots = tuple(self._free.popleft() for _ in range(want))
-        lease = Lease(worker_id, pid, process_identity(pid), slots)
+        lease = Lease(worker_id, pid, process_identity(pid, namespace), slots)
         self._leases[worker_id] = lease
         return lease, old
 

@@ -52,13 +52,16 @@ class RegisterWorker(Message, frozen=True):
 
     ``pid`` is watched (every ~0.5 s): when it dies, its blocks, pins and event
     slots are reclaimed. ``pid=0`` means not watched (lease ends on
-    :class:`UnregisterWorker` only).
+    :class:`UnregisterWorker` only), and so does a ``pid`` of another PID namespace
+    than the cachemgr's (``pid_namespace``: the worker's ``/proc/self/ns/pid``
+    inode; a container of its own: that number is not a process the cachemgr sees).
     """
 
     TAG = "cache.register_worker"
     worker_id: str
     pid: int
     num_event_slots: int = 0  # 0: the cachemgr's default
+    pid_namespace: int = 0  # 0: unknown (taken as the cachemgr's own)
 
 
 class UnregisterWorker(Message, frozen=True):
@@ -279,6 +282,9 @@ class KVCacheStats(Struct, frozen=True):
     blocks_per_owner: dict[str, int]
     move_list_blocks: int
     shapes: list[ShapeCount]
+    # blocks freed since start: at once, and behind a copy's event still in flight
+    freed_blocks: int = 0
+    deferred_blocks: int = 0
 
 
 class WorkerInfo(Struct, frozen=True):

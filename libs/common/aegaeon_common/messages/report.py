@@ -174,6 +174,20 @@ class InstanceDraining(Message, frozen=True):
     timeout_s: float  # it exits by then, finished or not
 
 
+class InstanceStalled(Message, frozen=True):
+    """The instance's compute thread made no progress for ``stalled_s`` (at least the
+    config's ``health.stall_s``) while it had work: mark it down now (fail over its
+    requests). Its process hears no more hellos from itself: its ``/health`` answers
+    503 until its supervisor replaces it (a new pid says hello)."""
+
+    TAG = "instance_stalled"
+    kind: str
+    index: int
+    pid: int
+    stalled_s: float
+    reason: str = ""
+
+
 class InstanceModels(Message, frozen=True):
     """The models an instance serves changed (``AddModel``): its KV capacity in tokens
     per model and its latency profile over them, as in a hello."""
@@ -204,5 +218,5 @@ class ModelsResident(Message, frozen=True):
 REPORT_CHANNEL = Channel(
     "instance->proxy",
     [InstanceHello, PrefillDone, StepTokens, RequestFailed, InstanceStats, InstanceDraining,
-     InstanceModels, ModelsResident],
+     InstanceModels, ModelsResident, InstanceStalled],
 )

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -126,7 +127,8 @@ class CacheClient:
         the old one's blocks and pins are gone.
         """
         reply = await self._call(
-            RegisterWorker(self.worker_id, os.getpid() if pid is None else pid, num_event_slots),
+            RegisterWorker(self.worker_id, os.getpid() if pid is None else pid, num_event_slots,
+                           _pid_namespace()),
             WorkerRegistered,
         )
         self._detach()
@@ -276,6 +278,15 @@ class CacheClient:
             self.registration = None
 
 
+def _pid_namespace() -> int:
+    """This process's PID namespace (``/proc/self/ns/pid``'s inode; 0: unknown): the
+    cachemgr watches a worker's pid only in its own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 class SyncCacheClient:
     """Blocking facade over a :class:`CacheClient` for threads other than its loop's
     (thread-safe: each call is scheduled on the loop)."""
@@ -286,12 +297,25 @@ class SyncCacheClient:
         self.client = client
         self._loop = loop
         self._timeout_s = timeout_s or client.timeout_s + 5.0
+        # the threads waiting on a call now (thread ident -> since, monotonic): the compute
+        # thread waiting on the cachemgr (a model loading from disk) is not stalled
+        # (aegaeon_runtime.liveness)
+        self._calling: dict[int, float] = {}
+
+    def calling_since(self, thread: int | None) -> float | None:
+        """Since when thread ``thread`` (an ident) waits on a call; None: it does not."""
+        return self._calling.get(thread) if thread is not None else None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop.is_running() and _on_loop(self._loop):
             coro.close()
             raise RuntimeError("SyncCacheClient called on its own event loop (would deadlock)")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
+        me = threading.get_ident()
+        self._calling[me] = time.monotonic()  # one key per thread: no two writers race
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self._timeout_s)
+        finally:
+            self._calling.pop(me, None)
 
     def load_model(self, name: str, pin: bool = True) -> MappedModel:
         return self._run(self.client.load_model(name, pin))

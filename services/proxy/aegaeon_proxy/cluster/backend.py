@@ -31,6 +31,7 @@ from aegaeon_common.messages.report import (
     InstanceDraining,
     InstanceHello,
     InstanceModels,
+    InstanceStalled,
     InstanceStats,
     ModelsResident,
     PrefillDone,
@@ -105,6 +106,7 @@ class ClusterBackend:
             StepTokens: self._on_step_tokens,
             RequestFailed: self._on_failed,
             InstanceDraining: self._on_draining,
+            InstanceStalled: self._on_stalled,
             InstanceModels: self.models.on_instance_models,
             ModelsResident: self.models.on_models_resident,
         }
@@ -325,6 +327,16 @@ class ClusterBackend:
         held = sum(1 for t in self.requests.values() if t.instance == view.name)
         log.info("instance_draining", instance=view.name, pid=msg.pid, requests=held)
         self._actions.send(view.name, AckDrain(msg.pid))
+
+    def _on_stalled(self, msg: InstanceStalled) -> None:
+        """Its compute thread made no progress with work to do: down now (not a heartbeat
+        timeout later, its event loop still beats), its requests failed over; its
+        process says no hello again (``aegaeon_runtime.liveness``)."""
+        view = self.instances.get(msg.kind, msg.index)
+        if view is None or view.pid != msg.pid:
+            return
+        self.instances.mark_dead(view)
+        self._instance_down(view.name, f"its compute thread stalled: {msg.reason}")
 
     def _on_stats(self, msg: InstanceStats) -> None:
         view = self.instances.on_stats(msg)

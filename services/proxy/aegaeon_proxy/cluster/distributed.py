@@ -58,6 +58,7 @@ from aegaeon_common.messages.report import (
     InstanceDraining,
     InstanceHello,
     InstanceModels,
+    InstanceStalled,
     InstanceStats,
     ModelsResident,
     PrefillDone,
@@ -208,6 +209,7 @@ class DistributedBackend:
             InstanceHello: lambda msg: None,
             InstanceStats: lambda msg: None,
             InstanceDraining: lambda msg: None,
+            InstanceStalled: lambda msg: None,  # its registry record goes (deregistered)
         }
 
     # ---- lifecycle ---------------------------------------------------------
