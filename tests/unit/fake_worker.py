@@ -34,7 +34,7 @@ from aegaeon_common.config import BaselineConfig, Config, SchedulerConfig, SLOCo
 from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import SwitchRecord
-from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingSpec
+from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingParams
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import DecodeSeq, KVShape, ModelSpec, RopeSpec, Sampler
 from aegaeon_engine.sampling import TokenLogprobs, top_logprobs
@@ -373,7 +373,7 @@ class FakeWorker:
         return EnqueueDecode(
             request_id=request_id, model=model, batch_id=batch_id, prompt_len=prompt_len,
             first_token_id=token_at(prompt_len - 1), num_generated=1,
-            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
             handoff=KVHandoff(spec, blocks, prompt_len), arrival_s=arrival_s,
         )  # fmt: skip
 

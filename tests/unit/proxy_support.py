@@ -56,7 +56,8 @@ class ScriptedBackend:
         self.finish: FinishReason = "length"
         self.code: str | None = None  # an "error" finish's code (None: a backend error)
         self.step_s = 0.0
-        self.burst = False  # push every chunk at once (a busy proxy finds them queued)
+        self.burst = False  # each sequence's tokens at once, in one chunk (as an instance
+        # sends the steps of a turn together)
         self.hang = False  # send nothing until cancelled
         self.hold = False  # hold each request for room (admission) until the test says
         self.refuse: BackendError | None = None
@@ -110,10 +111,20 @@ class ScriptedBackend:
         s = req.sampling
         ids = self.token_ids[: s.max_tokens]
         prompt = [scripted_logprobs(t, s.prompt_logprobs) for t in req.prompt_token_ids[1:]]
+        if self.burst and ids:
+            for index in range(s.n):
+                self.played += len(ids)
+                lps = tuple(scripted_logprobs(t, s.logprobs) for t in ids if s.logprobs >= 0)
+                queue.push(TokenChunk(
+                    tuple(ids), self.finish if index == s.n - 1 else None, "boom", self.code,
+                    index=index, seq_finish=self.finish, logprobs=lps,
+                    prompt_logprobs=(tuple(prompt) if s.prompt_logprobs >= 0 and index == 0
+                                     else None),
+                ))  # fmt: skip
+            return
         for i, token_id in enumerate(ids):
             for index in range(s.n):  # the n sequences say the same
-                if not self.burst:
-                    await asyncio.sleep(self.step_s)
+                await asyncio.sleep(self.step_s)
                 last = i == len(ids) - 1
                 self.played += 1
                 lps = (scripted_logprobs(token_id, s.logprobs),) if s.logprobs >= 0 else ()

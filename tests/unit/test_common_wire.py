@@ -12,7 +12,7 @@ from aegaeon_common.messages.structs import (
     KVHandoff,
     KVShapeSpec,
     RequestTimings,
-    SamplingSpec,
+    SamplingParams,
 )
 from aegaeon_common.wire import WIRE_VERSION, WireError, encode
 
@@ -32,7 +32,7 @@ def _enqueue_decode() -> EnqueueDecode:
         prompt_len=20,
         first_token_id=5,
         num_generated=1,
-        sampling=SamplingSpec(max_tokens=8, temperature=0.0, seed=7, stop_token_ids=(2, 3)),
+        sampling=SamplingParams(max_tokens=8, temperature=0.0, seed=7, stop_token_ids=(2, 3)),
         handoff=handoff,
         arrival_s=12.5,
     )
@@ -96,7 +96,7 @@ def test_bool_is_not_an_int_and_int_widens_to_float() -> None:
     body = {"v": WIRE_VERSION, "t": "cancel", "request_id": True}
     with pytest.raises(WireError):
         PREFILL_CHANNEL.decode(msgpack.packb(body))
-    msg = EnqueuePrefill("r", "m", 1, [1], SamplingSpec(), 3.0)
+    msg = EnqueuePrefill("r", "m", 1, [1], SamplingParams(), 3.0)
     frame = msgpack.unpackb(encode(msg))
     frame["arrival_s"] = 3
     decoded = PREFILL_CHANNEL.decode(msgpack.packb(frame))
@@ -108,3 +108,14 @@ def test_unknown_extra_fields_from_newer_peers_are_ignored() -> None:
     frame = msgpack.unpackb(encode(CancelRequest("r")))
     frame["added_later"] = 1
     assert PREFILL_CHANNEL.decode(msgpack.packb(frame)) == CancelRequest("r")
+
+
+def test_sampling_a_sampler_cannot_do_is_a_typed_error_naming_the_field() -> None:
+    """The one sampling shape checks itself when a frame is decoded, as when it is built."""
+    frame = msgpack.unpackb(encode(EnqueuePrefill("r", "m", 1, [1], SamplingParams(), 3.0)))
+    frame["sampling"] = {"top_p": 0.0}
+    with pytest.raises(WireError) as err:
+        PREFILL_CHANNEL.decode(msgpack.packb(frame))
+    assert err.value.code == "bad_field" and "SamplingParams.top_p" in err.value.detail
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p"):
+        SamplingParams(top_p=0.0)

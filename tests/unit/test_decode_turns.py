@@ -18,7 +18,7 @@ from aegaeon_common.messages.report import (
     StepTokens,
     TurnRecord,
 )
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner, TurnEnd
@@ -213,7 +213,7 @@ def test_a_hybrids_prefill_preempts_the_decode_turn() -> None:
     # Two batches of one model: turns of 0.35 s each (the round bound), the first
     # from the switch's end at t = 0.05 to 0.4; a prefill arrives at t = 0.3.
     w = FakeWorker(latency_model(["a", "b"]), kind="prefill")
-    greedy = SamplingSpec(max_tokens=4, temperature=0.0)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
     prefill = EnqueuePrefill("p1", "b", 0, list(range(30)), greedy, 0.3)
     timed = [(0.0, w.enqueue("a1", "a", 0, 20, 400, 0.0)),
              (0.0, w.enqueue("a2", "a", 1, 20, 400, 0.0)),
@@ -237,7 +237,7 @@ def test_a_hybrid_takes_a_more_urgent_prefill_between_two_queued_ones() -> None:
     # runs: it goes next (its group's first-token deadline is earliest), not after the
     # whole backlog (the commands are read between two prefills).
     w = FakeWorker(latency_model(["a"]), kind="prefill")
-    greedy = SamplingSpec(max_tokens=4, temperature=0.0)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
     batch = [EnqueuePrefill(f"b{k}", "a", 0, list(range(30)), greedy, 0.0, priority=2,
                             ttft_s=50.0) for k in range(4)]  # fmt: skip
     urgent = EnqueuePrefill("i", "a", 1, list(range(30)), greedy, 0.0001, priority=0, ttft_s=5.0)
@@ -258,7 +258,7 @@ def test_a_hybrids_prefill_swaps_its_decode_sequences_out_instead_of_failing(
     w = FakeWorker(latency_model(["a", "b"]), kind="prefill", kv_region_bytes=16 * 8192,
                    slab_bytes=8192)  # fmt: skip
     w.kv.swap_out_s = swap_out_s
-    greedy = SamplingSpec(max_tokens=4, temperature=0.0)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
     timed = [(0.0, w.enqueue("a1", "a", 0, 90, 30, 0.0)),
              (0.0, w.enqueue("a2", "a", 0, 90, 30, 0.0)),
              (0.1, EnqueuePrefill("p1", "b", 0, list(range(100)), greedy, 0.1)),

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from aegaeon_engine import DecodeSeq, Engine, Sampler, SamplingParams
+from aegaeon_engine.sampling import make_generator
 from engine_support import VARIANTS, Bound, block_lists, decode_step, make_checkpoint, prompts_of
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -112,7 +113,7 @@ def test_sampler_is_seeded_and_respects_top_k(device: str) -> None:
               SamplingParams(temperature=1.2)]
 
     def draw() -> list[int]:
-        gens = [p.make_generator(torch.device(device)) for p in params]
+        gens = [make_generator(p, torch.device(device)) for p in params]
         return Sampler(device, seed=1).sample(logits, params, gens)
 
     first = draw()

@@ -30,7 +30,7 @@ def test_plain_rows_are_not_processed() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("min_p", 1.5), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("logit_bias", {1: 101}), ("logit_bias", {-1: 1}),
-    ("allowed_token_ids", (-1,)), ("min_tokens", 17), ("logprobs", 21), ("prompt_logprobs", -2),
+    ("allowed_token_ids", (-1,)), ("min_tokens", -1), ("logprobs", 21), ("prompt_logprobs", -2),
 ])  # fmt: skip
 def test_invalid_new_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

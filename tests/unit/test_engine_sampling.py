@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_engine import LLM, Sampler, SamplingParams
+from aegaeon_engine.sampling import make_generator
 from engine_support import make_checkpoint, prompts_of
 
 
@@ -34,10 +35,10 @@ def test_greedy_equivalences() -> None:
     sampler = Sampler(seed=0)
     for params in (SamplingParams(temperature=0), SamplingParams(top_k=1, seed=4),
                    SamplingParams(top_p=1e-9, seed=5), SamplingParams(temperature=0.7, top_p=1e-9)):
-        gens = [params.make_generator(torch.device("cpu")) for _ in range(6)]
+        gens = [make_generator(params, torch.device("cpu")) for _ in range(6)]
         assert sampler.sample(logits, [params] * 6, gens) == greedy, params
     mixed = [SamplingParams(temperature=0), SamplingParams(seed=1)] * 3
-    out = sampler.sample(logits, mixed, [p.make_generator(torch.device("cpu")) for p in mixed])
+    out = sampler.sample(logits, mixed, [make_generator(p, torch.device("cpu")) for p in mixed])
     assert out[0::2] == greedy[0::2]
 
 
@@ -63,7 +64,7 @@ def test_draws_follow_the_tempered_distribution(seeded: bool) -> None:
     probs = (logits / 0.8).masked_fill(logits == logits.min(), -torch.inf).softmax(-1)
     sampler = Sampler(seed=3)
     rows, steps = 500, 40
-    gens = [SamplingParams(seed=i).make_generator(torch.device("cpu")) if seeded else None
+    gens = [make_generator(SamplingParams(seed=i), torch.device("cpu")) if seeded else None
             for i in range(rows)]  # fmt: skip
     counts = torch.zeros(6)
     for _ in range(steps):
@@ -78,11 +79,11 @@ def test_seeded_rows_ignore_their_neighbours() -> None:
     logits = _logits(4, 64, seed=2)
     sampler = Sampler(seed=9)
     seeded = SamplingParams(seed=42)
-    alone = [sampler.sample(logits[:1], [seeded], [seeded.make_generator(torch.device("cpu"))])
+    alone = [sampler.sample(logits[:1], [seeded], [make_generator(seeded, torch.device("cpu"))])
              for _ in range(1)]
-    g = seeded.make_generator(torch.device("cpu"))
+    g = make_generator(seeded, torch.device("cpu"))
     others = [SamplingParams(), SamplingParams(seed=7), SamplingParams(temperature=0)]
-    gens = [g] + [p.make_generator(torch.device("cpu")) for p in others]
+    gens = [g] + [make_generator(p, torch.device("cpu")) for p in others]
     batched = sampler.sample(logits, [seeded, *others], gens)
     assert batched[0] == alone[0][0]
 

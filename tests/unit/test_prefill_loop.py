@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
@@ -15,7 +15,7 @@ from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
 
 
 def _job(rid: str, model: str, group: int, prompt_len: int, at_s: float) -> EnqueuePrefill:
-    spec = SamplingSpec(max_tokens=8, temperature=0.0)
+    spec = SamplingParams(max_tokens=8, temperature=0.0)
     return EnqueuePrefill(rid, model, group, list(range(prompt_len)), spec, at_s)
 
 
@@ -45,9 +45,9 @@ def test_groups_run_in_order_with_the_next_model_prefetched() -> None:
 
 def test_an_added_model_is_served_without_a_restart_and_urgent_groups_go_first() -> None:
     w = FakeWorker(latency_model(["a"], switch_s=0.05), kind="prefill")
-    batch = EnqueuePrefill("b1", "a", 0, list(range(40)), SamplingSpec(max_tokens=8), 0.0,
+    batch = EnqueuePrefill("b1", "a", 0, list(range(40)), SamplingParams(max_tokens=8), 0.0,
                            priority=2, ttft_s=10.0)  # fmt: skip
-    urgent = EnqueuePrefill("n1", "new", 1, list(range(10)), SamplingSpec(max_tokens=8), 0.0,
+    urgent = EnqueuePrefill("n1", "new", 1, list(range(10)), SamplingParams(max_tokens=8), 0.0,
                             priority=0, ttft_s=0.5)  # fmt: skip
     timed = [(0.0, AddModel("new", "/market/3")), (0.0, batch), (0.0, urgent)]
     inbox, outbox = TimedInbox(w.clock, timed), Outbox()
@@ -124,7 +124,7 @@ def test_each_prefill_leaves_with_what_the_instance_still_holds() -> None:
     """A request out of the queue (handed on, or finished at its first token) is no
     longer counted in the reading its message carries (issue 43)."""
     w = FakeWorker(latency_model(["a"]), kind="prefill")
-    one = EnqueuePrefill("one", "a", 0, list(range(20)), SamplingSpec(max_tokens=1), 0.0)
+    one = EnqueuePrefill("one", "a", 0, list(range(20)), SamplingParams(max_tokens=1), 0.0)
     timed = [(0.0, _job("a1", "a", 0, 40, 0.0)), (0.0, _job("a2", "a", 0, 20, 0.0)),
              (0.0, one)]  # fmt: skip
     inbox, outbox = TimedInbox(w.clock, timed), Outbox()

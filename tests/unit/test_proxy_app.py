@@ -44,7 +44,7 @@ def test_completion_stream_framing_and_usage(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_tokens_found_queued_leave_in_one_write_as_separate_events(
+def test_tokens_sent_together_leave_in_one_write_as_separate_events(
     proxy_market: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from aiohttp import web
@@ -90,8 +90,10 @@ def test_chat_stream_first_chunk_has_role(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_stop_string_trims_and_cancels(proxy_market: Path) -> None:
+@pytest.mark.parametrize("grouped", [False, True], ids=["per_token", "grouped"])
+def test_stop_string_trims_and_cancels(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped  # a stop string inside a group drops the tokens after it
         backend.token_ids = tok.encode("one two three four five", add_special_tokens=False)
         for stream in (False, True):
             backend.cancelled.clear()
@@ -105,7 +107,9 @@ def test_stop_string_trims_and_cancels(proxy_market: Path) -> None:
                 data = await resp.json()
                 text, finish = data["choices"][0]["text"], data["choices"][0]["finish_reason"]
             assert (text, finish) == ("one two ", "stop")
-            assert backend.cancelled == [backend.submitted[-1].request_id]
+            # a stream still open is cancelled (one whose group came with its end is not)
+            open_ = [] if grouped else [backend.submitted[-1].request_id]
+            assert backend.cancelled == open_
 
     run(proxy_market, scenario)
 

@@ -11,10 +11,15 @@ from aiohttp.test_utils import TestClient
 from proxy_support import MODEL, ScriptedBackend, run, scripted_logprobs, sse_chunks
 
 CHAT = [{"role": "user", "content": "Hi"}]
+# the backend's chunks: a token each, or each sequence's tokens together (as an instance
+# sends a turn's steps): the answer is the same
+GROUPED = pytest.mark.parametrize("grouped", [False, True], ids=["per_token", "grouped"])
 
 
-def test_completion_logprobs_with_echo(proxy_market: Path) -> None:
+@GROUPED
+def test_completion_logprobs_with_echo(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         backend.token_ids = tok.encode(" red green blue", add_special_tokens=False)
         resp = await client.post("/v1/completions", json={
             "model": MODEL, "prompt": "Colors:", "max_tokens": 3, "logprobs": 2, "echo": True})
@@ -46,8 +51,10 @@ def test_completion_logprobs_with_echo(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_chat_logprobs_whole_and_streamed(proxy_market: Path) -> None:
+@GROUPED
+def test_chat_logprobs_whole_and_streamed(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         backend.token_ids = tok.encode(" sure thing", add_special_tokens=False)
         body = {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 3}
         out = await (await client.post("/v1/chat/completions", json=body)).json()
@@ -71,8 +78,10 @@ def test_chat_logprobs_whole_and_streamed(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_n_choices_whole_and_streamed(proxy_market: Path) -> None:
+@GROUPED
+def test_n_choices_whole_and_streamed(proxy_market: Path, grouped: bool) -> None:
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         backend.token_ids = tok.encode(" one two", add_special_tokens=False)
         out = await (await client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": CHAT, "n": 3})).json()
@@ -156,11 +165,14 @@ def test_sampling_fields_reach_the_backend(proxy_market: Path) -> None:
     run(proxy_market, scenario)
 
 
-def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market: Path) -> None:
+@GROUPED
+def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market: Path,
+                                                                   grouped: bool) -> None:
     """lm-evaluation-harness drops the generated token's entry (``[ctxlen:-1]``): it must be
     there even when that token is the end of sequence."""
 
     async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
         eos = tok.eos_token_ids[0]
         backend.token_ids = [*tok.encode(" Paris", add_special_tokens=False), eos]
         backend.finish = "stop"
@@ -175,5 +187,30 @@ def test_a_stop_tokens_log_probability_is_reported_its_text_is_not(proxy_market:
         assert len(lp["token_logprobs"]) == len(prompt) + len(backend.token_ids)
         assert lp["token_logprobs"][-1] == pytest.approx(scripted_logprobs(eos, 1).logprob)
         assert choice["token_ids"] == backend.token_ids
+
+    run(proxy_market, scenario)
+
+
+@GROUPED
+def test_token_ids_keep_the_tokens_whose_text_a_stop_string_held(proxy_market: Path,
+                                                                 grouped: bool) -> None:
+    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
+        backend.burst = grouped
+        backend.token_ids = tok.encode(" one two three", add_special_tokens=False)
+        for stream in (False, True):
+            resp = await client.post("/v1/completions", json={
+                "model": MODEL, "prompt": "x", "stop": [" two three"], "stream": stream,
+                "return_token_ids": True})
+            if stream:
+                chunks = await sse_chunks(resp)
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                ids = chunks[-1]["choices"][0]["token_ids"]
+                # an event per token that has something to say: none for the held one
+                assert len(chunks) <= len(backend.token_ids)
+            else:
+                choice = (await resp.json())["choices"][0]
+                text, ids = choice["text"], choice["token_ids"]
+            assert text == " one"
+            assert ids == backend.token_ids  # " two" was held, " three" matched
 
     run(proxy_market, scenario)

@@ -29,13 +29,15 @@ def test_defaults_fill_only_what_the_request_left_out(tmp_path: Path) -> None:
 
     bare = {"model": "m", "prompt": "x"}
     params = with_model_defaults(parse_common(bare, FIELDS), bare, assets.sampling_defaults)
-    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 50)
+    s = params.sampling
+    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.9, 50)
 
     explicit = {"model": "m", "prompt": "x", "temperature": 0, "top_k": 0, "top_p": None}
     params = with_model_defaults(parse_common(explicit, FIELDS), explicit,
                                  assets.sampling_defaults)  # fmt: skip
     # an explicit 0 (greedy, top-k off) wins; null counts as left out
-    assert (params.temperature, params.top_k, params.top_p) == (0.0, -1, 0.9)
+    s = params.sampling
+    assert (s.temperature, s.top_k, s.top_p) == (0.0, 0, 0.9)
 
 
 def test_a_model_without_defaults_keeps_openai_defaults(tmp_path: Path) -> None:
@@ -43,7 +45,8 @@ def test_a_model_without_defaults_keeps_openai_defaults(tmp_path: Path) -> None:
     assert dict(assets.sampling_defaults) == {}
     bare = {"model": "m", "prompt": "x"}
     params = with_model_defaults(parse_common(bare, FIELDS), bare, assets.sampling_defaults)
-    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, -1)
+    s = params.sampling
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
 
 
 def test_a_bad_default_names_the_file_and_key(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aegaeon_common.config import Config
 from aegaeon_common.messages.report import PrefillDone, StepTokens, TokenItem
-from aegaeon_common.messages.structs import RequestTimings, SamplingSpec
+from aegaeon_common.messages.structs import RequestTimings, SamplingParams
 from aegaeon_common.registry import InstanceRecord
 from aegaeon_proxy.backend import BackendError, GenerationRequest
 from aegaeon_proxy.cluster.node_caches import merge_model_caches, node_services
@@ -56,7 +56,8 @@ def _table(**proxy: object) -> tuple[RequestTable, Recorder]:
 
 def _gen(rid: str, priority: int, prompt: int = 8, max_tokens: int = 8) -> GenerationRequest:
     name = ("interactive", "standard", "batch")[priority]
-    return GenerationRequest(rid, MODEL, tuple(range(prompt)), SamplingSpec(max_tokens),
+    return GenerationRequest(rid, MODEL, tuple(range(prompt)),
+                             SamplingParams(max_tokens=max_tokens),
                              arrival_s=0.0, priority=priority, ttft_s=(5.0, 10.0, 50.0)[priority],
                              slo_class=name)  # fmt: skip
 

@@ -7,13 +7,13 @@ import os
 
 from aegaeon_common.messages.prefill import AckDrain, EnqueuePrefill, ProxyStarted
 from aegaeon_common.messages.report import PrefillDone, StepTokens
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model
 
-GREEDY = SamplingSpec(max_tokens=8, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
 def _job(rid: str, group: int, prompt_len: int, at_s: float) -> EnqueuePrefill:

@@ -71,13 +71,27 @@ def test_good_fields_normalize() -> None:
         },
         FIELDS,
     )  # fmt: skip
-    assert params.max_tokens == 5
-    assert params.temperature == 0.0
-    assert params.top_k == -1
-    assert params.seed == -3
+    assert params.max_tokens == 5  # as asked: resolved against the window per request
+    s = params.sampling  # the wire's shape, filled from the body
+    assert s.temperature == 0.0
+    assert s.top_k == 0  # off
+    assert s.seed == (1 << 63) - 3  # OpenAI's int64, folded into [0, 2**63)
     assert params.stop == ("x",)
-    assert params.stop_token_ids == (1, 2)
-    assert params.stream and params.include_usage and params.ignore_eos
+    assert s.stop_token_ids == (1, 2)
+    assert params.stream and params.include_usage and s.ignore_eos
+    assert s.logprobs == -1
+
+
+def test_chat_logprobs_fill_one_count() -> None:
+    def count(**fields: Any) -> int:
+        return parse_common({**BASE, **fields}, CHAT_FIELDS).sampling.logprobs
+
+    assert count() == -1 and count(logprobs=False) == -1 and count(logprobs=True) == 0
+    assert count(logprobs=True, top_logprobs=5) == 5
+    assert count(logprobs=False, top_logprobs=0) == -1
+    with pytest.raises(APIError) as info:
+        count(top_logprobs=2)
+    assert info.value.param == "top_logprobs"
 
 
 UNSUPPORTED: list[tuple[dict[str, Any], str]] = [

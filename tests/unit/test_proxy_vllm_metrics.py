@@ -8,7 +8,7 @@ from pathlib import Path
 
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.messages.report import StepTokens, TokenItem
-from aegaeon_common.messages.structs import RequestTimings, SamplingSpec
+from aegaeon_common.messages.structs import RequestTimings, SamplingParams
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
     EngineSnapshot,
@@ -133,9 +133,10 @@ def test_gauges_cover_every_served_model_and_read_the_engine_snapshot() -> None:
 
 
 def _tracked(request_id: str, model: str, prompt_len: int, queue: TokenQueue) -> Tracked:
-    gen = GenerationRequest(request_id, model, tuple(range(prompt_len)), SamplingSpec(8), 0.0)
+    gen = GenerationRequest(request_id, model, tuple(range(prompt_len)),
+                            SamplingParams(max_tokens=8), 0.0)
     sched = Request(request_id, model, 0.0, prompt_len, 8)
-    return Tracked(gen, sched, SamplingSpec(max_tokens=8), queue)
+    return Tracked(gen, sched, SamplingParams(max_tokens=8), queue)
 
 
 async def test_engine_steps_count_prefills_and_bundled_decode_steps() -> None:
@@ -162,8 +163,8 @@ async def test_the_finishing_chunk_carries_the_merged_timings() -> None:
     deliver(tracked, [1, 2], None)
     deliver(tracked, [3, 4], "stop", RequestTimings(decode_s=0.5))
     chunks = [c async for c in tracked.queue]
-    assert [c.token_ids for c in chunks] == [(1,), (2,), (3,), (4,)]
-    assert [c.timings for c in chunks[:-1]] == [None, None, None]
+    assert [c.token_ids for c in chunks] == [(1, 2), (3, 4)]  # as the instance sent them
+    assert chunks[0].timings is None
     last = chunks[-1]
     assert last.finish_reason == "stop" and last.timings is not None
     assert (last.timings.prefill_wait_s, last.timings.prefill_s) == (0.2, 0.1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, StepTokens
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.prefill.loop import PrefillLoop
@@ -73,7 +73,7 @@ def _prefill(worker: FakeWorker, msg: EnqueuePrefill) -> PrefillDone:
 
 def test_a_prefill_samples_n_first_tokens_and_scores_the_prompt() -> None:
     prompt = list(range(30))
-    spec = SamplingSpec(max_tokens=8, temperature=1.0, seed=5, n=3, logprobs=1,
+    spec = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, logprobs=1,
                         prompt_logprobs=2)  # fmt: skip
     done = _prefill(FakeWorker(latency_model(["a"]), kind="prefill"),
                     EnqueuePrefill("p", "a", 0, prompt, spec, 0.0))

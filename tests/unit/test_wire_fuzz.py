@@ -21,7 +21,7 @@ from aegaeon_common.messages.common import ErrorReply
 from aegaeon_common.messages.decode import DECODE_CHANNEL, HYBRID_CHANNEL, EnqueueDecode
 from aegaeon_common.messages.prefill import PREFILL_CHANNEL, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import REPORT_CHANNEL, InstanceStats
-from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingSpec
+from aegaeon_common.messages.structs import EventSpec, KVHandoff, KVShapeSpec, SamplingParams
 from aegaeon_common.transport import MAX_FRAME_BYTES, RpcServer
 from aegaeon_common.wire import Channel, Message, WireError, encode
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 EXAMPLES = int(os.environ.get("AEGAEON_FUZZ_EXAMPLES", "120"))
 CODES = {"malformed", "bad_version", "unknown_tag", "missing_field", "bad_field"}
 CHANNELS = [REPORT_CHANNEL, PREFILL_CHANNEL, DECODE_CHANNEL, HYBRID_CHANNEL, REQUESTS, REPLIES]
-SAMPLING = SamplingSpec(max_tokens=4)
+SAMPLING = SamplingParams(max_tokens=4)
 VALID = [
     encode(EnqueuePrefill("r1", "m", 0, [1, 2, 3], SAMPLING, 0.0, incarnation=7)),
     encode(EnqueueDecode(request_id="r1", model="m", batch_id=1, prompt_len=3, first_token_id=4,

@@ -24,7 +24,7 @@ import torch
 
 from .engine import DecodeSeq, Engine
 from .loader import load_weights
-from .sampling import RowState, Sampler, SamplingParams
+from .sampling import RowState, Sampler, SamplingParams, make_generator
 from .spec import ModelSpec
 
 _PAGE = 4096
@@ -152,10 +152,13 @@ class LLM:
                              f"{self.spec.name!r} ({window} tokens, prompt + 1 generated)")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n: the engine's LLM samples one sequence per "
+                             f"prompt, got {params.n}")
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.spec.eos_token_ids)
-        return LLMRequest(prompt, params, params.make_generator(self.engine.device),
+        return LLMRequest(prompt, params, make_generator(params, self.engine.device),
                         frozenset(stops))
 
     def blocks_needed(self, req: LLMRequest) -> int:

@@ -18,6 +18,9 @@ tokens depend on (its prompt, its tokens so far, its grammar) is its
 :class:`RowState`, kept by the caller. A batch of plain rows never pays for
 any of it.
 
+The parameters are :class:`~aegaeon_common.messages.structs.SamplingParams`, the
+one shape a request's sampling fields take from the HTTP request to here.
+
 Log-probabilities (:func:`top_logprobs`) are those of the model's logits as
 they came, before any of the above, as OpenAI and vLLM report them.
 """
@@ -25,108 +28,22 @@ they came, before any of the above, as OpenAI and vLLM report them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from aegaeon_common.messages.structs import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
-MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's bound)
+__all__ = ["MAX_LOGPROBS", "RowState", "Sampler", "SamplingParams", "TokenLogprobs",
+           "TokenMask", "make_generator", "process_logits", "top_logprobs"]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request. ``temperature == 0`` is greedy; ``top_k == 0``
-    is off; ``seed`` makes the request reproducible regardless of batching."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
-    presence_penalty: float = 0.0  # in [-2, 2], on tokens generated at least once
-    frequency_penalty: float = 0.0  # in [-2, 2], times how often each was generated
-    repetition_penalty: float = 1.0  # > 0; on tokens of the prompt and generated ones
-    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
-    allowed_token_ids: tuple[int, ...] = ()  # only these (empty: any)
-    min_tokens: int = 0  # no stop token before this many generated
-    logprobs: int = -1  # top log-probabilities per generated token (-1: none)
-    prompt_logprobs: int = -1  # per prompt token (-1: none)
-    grammar: str = ""  # an llguidance grammar the tokens must follow ("": none)
-    processed: bool = field(init=False, default=False, compare=False)
-
-    def __post_init__(self) -> None:
-        def fail(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}: {why}, got {getattr(self, name)!r}")
-
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        t = self.temperature
-        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise fail("temperature", "must be a finite number >= 0")
-        p = self.top_p
-        if not isinstance(p, int | float) or isinstance(p, bool) or not 0 < p <= 1:
-            raise fail("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise fail("top_k", "must be an int >= 0 (0 = off)")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise fail("seed", "must be None or an int in [0, 2**63)")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise fail("max_tokens", "must be an int >= 1")
-        stops = self.stop_token_ids
-        if not isinstance(stops, list | tuple) or not all(is_int(i) and i >= 0 for i in stops):
-            raise fail("stop_token_ids", "must be a sequence of token ids >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(stops))
-        if not isinstance(self.ignore_eos, bool):
-            raise fail("ignore_eos", "must be a bool")
-
-        def number(name: str, low: float, high: float) -> None:
-            v = getattr(self, name)
-            if (not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v)
-                    or not low <= v <= high):
-                raise fail(name, f"must be a number in [{low:g}, {high:g}]")
-
-        number("min_p", 0.0, 1.0)
-        number("presence_penalty", -2.0, 2.0)
-        number("frequency_penalty", -2.0, 2.0)
-        number("repetition_penalty", 1e-6, 1e6)
-        bias = self.logit_bias
-        if not isinstance(bias, Mapping) or not all(
-                is_int(k) and k >= 0 and isinstance(v, int | float) and not isinstance(v, bool)
-                and -100 <= v <= 100 for k, v in bias.items()):
-            raise fail("logit_bias", "must map token ids >= 0 to numbers in [-100, 100]")
-        allowed = self.allowed_token_ids
-        if not isinstance(allowed, list | tuple) or not all(is_int(i) and i >= 0
-                                                             for i in allowed):
-            raise fail("allowed_token_ids", "must be a sequence of token ids >= 0")
-        object.__setattr__(self, "allowed_token_ids", tuple(allowed))
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise fail("min_tokens", "must be an int in [0, max_tokens]")
-        for name in ("logprobs", "prompt_logprobs"):
-            if not is_int(getattr(self, name)) or not -1 <= getattr(self, name) <= MAX_LOGPROBS:
-                raise fail(name, f"must be an int in [-1, {MAX_LOGPROBS}] (-1: none)")
-        if not isinstance(self.grammar, str):
-            raise fail("grammar", "must be a string")
-        # whether its logits need more than temperature, top-k and top-p (read every step)
-        object.__setattr__(self, "processed", bool(
-            self.grammar or self.logit_bias or self.allowed_token_ids or self.min_tokens
-            or self.min_p or self.presence_penalty or self.frequency_penalty
-            or self.repetition_penalty != 1.0))  # fmt: skip
-
-    @property
-    def greedy(self) -> bool:
-        """True when the argmax is always taken (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
-
-    def make_generator(self, device: torch.device) -> torch.Generator | None:
-        """A generator seeded with ``seed`` (None when unseeded or greedy)."""
-        if self.seed is None or self.greedy:
-            return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A generator seeded with the request's ``seed`` (None when unseeded or greedy)."""
+    if params.seed is None or params.greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
 
 
 class TokenMask(Protocol):
@@ -146,16 +63,6 @@ class RowState:
     prompt_ids: Sequence[int] = ()  # for the repetition penalty
     output_ids: Sequence[int] = ()  # generated so far: penalties, min_tokens
     grammar: TokenMask | None = None
-
-
-class TokenLogprobs(NamedTuple):
-    """One token's log-probability, its rank in the vocabulary (1: the most likely) and
-    the ``k`` most likely tokens' (best first)."""
-
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-    rank: int = 1
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprobs]:

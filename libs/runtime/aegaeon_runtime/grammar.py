@@ -1,7 +1,7 @@
 """Constrained decoding on an instance: llguidance matchers, one per sequence.
 
 A request's grammar reaches the instance as llguidance's own grammar text
-(``SamplingSpec.grammar``; the proxy built it from the JSON schema, regex,
+(``SamplingParams.grammar``; the proxy built it from the JSON schema, regex,
 choices, Lark grammar or tool calls the client asked for, and checked it). A
 sequence's :class:`GrammarState` is a matcher advanced over every token the
 sequence has: a sequence that arrives with tokens already generated elsewhere

@@ -14,56 +14,33 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import torch
-from aegaeon_common.messages.structs import SamplingSpec, TokenLogprobs
-from aegaeon_engine import SamplingParams
-from aegaeon_engine.sampling import RowState, top_logprobs
-from aegaeon_engine.sampling import TokenLogprobs as EngineLogprobs
+from aegaeon_common.messages.structs import SEED_RANGE, SamplingParams, TokenLogprobs
+from aegaeon_engine.sampling import RowState, make_generator, top_logprobs
 
 from aegaeon_runtime.grammar import GrammarCache, GrammarState
 from aegaeon_runtime.port import SamplerPort
 
-SEED_RANGE = 1 << 63
 SIBLING_STRIDE = 0x9E3779B97F4A7C15  # sequence i of a seeded request: seed + i x this
 
 
-def engine_params(spec: SamplingSpec, index: int = 0) -> SamplingParams:
-    """The wire's sampling spec as the engine's parameters (validated again there), for
-    sequence ``index`` of the request."""
-    seed = spec.seed
-    if seed is not None and index:
-        seed = (seed + index * SIBLING_STRIDE) % SEED_RANGE
-    return SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=max(spec.top_k, 0),
-        seed=seed,
-        max_tokens=spec.max_tokens,
-        stop_token_ids=tuple(spec.stop_token_ids),
-        ignore_eos=spec.ignore_eos,
-        min_p=spec.min_p,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
-        logit_bias=dict(spec.logit_bias),
-        allowed_token_ids=tuple(spec.allowed_token_ids),
-        min_tokens=spec.min_tokens,
-        logprobs=spec.logprobs,
-        prompt_logprobs=spec.prompt_logprobs,
-        grammar=spec.grammar,
-    )
+def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence ``index``'s parameters: a seeded request's sequence ``i`` draws from its
+    own seed, so the ``n`` sequences differ and each is reproducible."""
+    if params.seed is None or not index:
+        return params
+    seed = (params.seed + index * SIBLING_STRIDE) % SEED_RANGE
+    return msgspec.structs.replace(params, seed=seed)
 
 
-def resume_generator(
-    params: SamplingParams, device: torch.device, vocab_size: int, num_drawn: int
-) -> torch.Generator | None:
+def resume_generator(params: SamplingParams, device: torch.device,
+                     num_drawn: int) -> torch.Generator | None:
     """A seeded request's generator, advanced past the ``num_drawn`` steps already
     sampled elsewhere, so a request continues the exact random stream it would have had
     on one engine. The sampler draws one uniform per step from a seeded request's own
-    generator (``Sampler.sample``), so the same draws are made here and dropped.
-    ``vocab_size`` is kept for callers; the stream no longer depends on it."""
-    del vocab_size
-    gen = params.make_generator(device)
+    generator (``Sampler.sample``), so the same draws are made here and dropped."""
+    gen = make_generator(params, device)
     if gen is not None:
         for _ in range(num_drawn):
             torch.rand(1, 1, generator=gen, device=device)
@@ -91,15 +68,15 @@ class SeqSampling:
     grammar: GrammarState | None = None
 
     @classmethod
-    def start(cls, spec: SamplingSpec, index: int, *, model: str, device: torch.device,
+    def start(cls, params: SamplingParams, index: int, *, model: str, device: torch.device,
               grammars: GrammarCache, prompt_ids: Sequence[int] = (),
               output_ids: list[int] | None = None) -> SeqSampling:  # fmt: skip
         """Sequence ``index`` of a request with ``output_ids`` generated so far (its
         generator and grammar advanced past them; the list is the state's own from
         now on: the caller appends each new token through :meth:`accept`)."""
-        params = engine_params(spec, index)
+        params = sequence_params(params, index)
         tokens = output_ids if output_ids is not None else []
-        generator = resume_generator(params, device, 0, len(tokens))
+        generator = resume_generator(params, device, len(tokens))
         grammar = grammars.state(model, params.grammar, tokens) if params.grammar else None
         return cls(params, generator, RowState(prompt_ids, tokens, grammar), grammar)
 
@@ -113,10 +90,6 @@ class SeqSampling:
         self.state.output_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
-
-
-def to_wire(logprobs: Sequence[EngineLogprobs]) -> list[TokenLogprobs]:
-    return [TokenLogprobs(x.logprob, x.top_ids, x.top_logprobs, x.rank) for x in logprobs]
 
 
 def sample_step(sampler: SamplerPort, logits: torch.Tensor,

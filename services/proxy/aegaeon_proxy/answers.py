@@ -65,11 +65,11 @@ class Answer:
         self.head = head
         p = spec.params
         self.format = LogprobFormat(spec.assets.tokenizer, p.tokens_as_ids)
-        self.want_logprobs = p.num_logprobs is not None
+        self.want_logprobs = p.sampling.logprobs >= 0
         # completions: the prompt first; chat (vLLM's): the last, assistant's, message
         self.echo = p.echo and (not spec.chat or spec.prompt_text is not None)
         self.choices = [_ChoiceLog(parser=spec.tools.parser() if spec.tools else None)
-                        for _ in range(p.n)]  # fmt: skip
+                        for _ in range(p.sampling.n)]  # fmt: skip
 
     # ---- the pieces ----------------------------------------------------------------
     def _echo_text(self) -> str:
@@ -103,7 +103,7 @@ class Answer:
         out: JSON = {}
         if p.return_token_ids:
             out["token_ids"] = choice.token_ids
-        if p.prompt_logprobs is not None and not self.spec.chat:
+        if p.sampling.prompt_logprobs >= 0 and not self.spec.chat:  # asked (not echo's)
             out["prompt_logprobs"] = self._prompt_logprobs()
         return out
 
@@ -116,7 +116,7 @@ class Answer:
         out: JSON = {}
         if p.return_token_ids:
             out["prompt_token_ids"] = self.spec.prompt_ids
-        if p.prompt_logprobs is not None and self.spec.chat:
+        if p.sampling.prompt_logprobs >= 0 and self.spec.chat:
             out["prompt_logprobs"] = self._prompt_logprobs()
         return out
 

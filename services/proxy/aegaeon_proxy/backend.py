@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from aegaeon_common.config import ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
-from aegaeon_common.messages.structs import RequestTimings, SamplingSpec, TokenLogprobs
+from aegaeon_common.messages.structs import RequestTimings, SamplingParams, TokenLogprobs
 from prometheus_client import CollectorRegistry
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -74,7 +74,7 @@ class GenerationRequest:
     # how to sample, validated by the front: the wire's spec as the instances get it
     # (``stop_token_ids`` holds the model's EOS ids unless ``ignore_eos``: a backend
     # stops on any of them and never needs to know the model's EOS itself)
-    sampling: SamplingSpec
+    sampling: SamplingParams
     arrival_s: float  # time.time() when the front accepted the request (wall clock, seconds)
     # Its SLO class (aegaeon_proxy.slo_classes): the scheduler's rank (0 interactive,
     # 1 standard, 2 batch) and its own targets (None: the deployment's).

@@ -67,24 +67,27 @@ class _Choice:
         self.num_tokens = 0
         self.finish: ClientFinish | None = None
 
-    def push(self, chunk: TokenChunk) -> Delta:
-        """A chunk of this choice's tokens. A stop token among them ends the text: it is
-        not shown, yet it stays among the delta's tokens and log-probabilities (as vLLM
-        reports them: lm-evaluation-harness counts on the generated token's entry)."""
-        ids = list(chunk.token_ids)
-        self.num_tokens += len(ids)
-        logprobs = chunk.logprobs
-        shown = ids
-        for i, token_id in enumerate(ids):
-            if token_id in self.stop_ids:
-                ids, logprobs, shown = ids[:i + 1], logprobs[:i + 1], ids[:i]
+    def push(self, chunk: TokenChunk) -> list[Delta]:
+        """A chunk of this choice's tokens (an instance's group), a delta per token: each
+        reaches the client as its own event. A stop token ends the text: it is not
+        shown, yet it stays among the tokens and log-probabilities (as vLLM reports
+        them: lm-evaluation-harness counts on the generated token's entry); a stop
+        string ends it too, the tokens after it are dropped."""
+        out: list[Delta] = []
+        for k, token_id in enumerate(chunk.token_ids):
+            if self.finish is not None:
                 break
-        text = self.detok.push(shown) if shown else ""
-        if self.num_tokens - len(ids) >= self.min_tokens:  # vLLM: no stop before min_tokens
-            text = self.stop.push(text).text
-        if self.stop.stopped:
-            self.finish = "stop"
-        return Delta(chunk.index, text, tuple(ids), tuple(logprobs))
+            self.num_tokens += 1
+            text = "" if token_id in self.stop_ids else self.detok.push((token_id,))
+            if self.num_tokens > self.min_tokens:  # vLLM: no stop string before min_tokens
+                text = self.stop.push(text).text
+            if self.stop.stopped:
+                self.finish = "stop"
+            out.append(Delta(chunk.index, text, (token_id,), chunk.logprobs[k:k + 1],
+                             self.finish))  # fmt: skip
+            if token_id in self.stop_ids:
+                break
+        return out
 
     def end(self, reason: ClientFinish) -> str:
         """The sequence ended (``reason``): the text held back, if it is not a stop."""
@@ -196,12 +199,14 @@ class Generation:
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
     ) -> AsyncGenerator[Delta, None]:
-        """Each choice's text as it becomes safe to send (a delta with nothing to say
-        is never yielded), and its finish; raises APIError on failure.
+        """Each choice's text as it becomes safe to send, a delta per token (its text may
+        be empty while the detokenizer or a stop string holds it back), and its finish;
+        raises APIError on failure.
 
-        ``before_wait`` is awaited whenever the next chunk is not there yet, so
-        a consumer may hold what it got while more is ready (one socket write
-        for the tokens a busy proxy finds queued) and send it before a wait.
+        A chunk holds the tokens an instance sent together. ``before_wait`` is awaited
+        whenever the next chunk is not there yet, so a consumer holds the deltas of
+        what came together (and of whatever else a busy proxy finds queued) and sends
+        them in one socket write before a wait.
         """
         assert self._stream is not None, "submit() first"
         choices = self._choices
@@ -216,15 +221,15 @@ class Generation:
                     self.prompt_logprobs = chunk.prompt_logprobs
                 choice = choices[chunk.index] if 0 <= chunk.index < len(choices) else None
                 if choice is not None and choice.finish is None:
-                    delta = choice.push(chunk)
+                    out = choice.push(chunk)
                     ended = chunk.seq_finish or chunk.finish_reason
                     if choice.finish is None and ended is not None:
-                        text = delta.text + choice.end(self._client_finish(chunk, ended))
-                        delta = replace(delta, text=text)
-                    if choice.finish is not None:
-                        delta = replace(delta, finish_reason=choice.finish)
-                    if delta.text or delta.logprobs or delta.finish_reason:
-                        yield delta
+                        last = out.pop() if out else Delta(chunk.index, "")
+                        text = last.text + choice.end(self._client_finish(chunk, ended))
+                        out.append(replace(last, text=text, finish_reason=choice.finish))
+                    for delta in out:  # a token whose text is held back still counts
+                        if delta.text or delta.token_ids or delta.logprobs or delta.finish_reason:
+                            yield delta
                 if chunk.finish_reason is not None:
                     self._open = False
                     self._timings = chunk.timings

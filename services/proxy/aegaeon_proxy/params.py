@@ -24,7 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 from aegaeon_common.config import SLO_CLASS_NAMES
+from aegaeon_common.messages.structs import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from aegaeon_sched.priority import BATCH, CLASS_NAMES, INTERACTIVE, STANDARD
 
 from aegaeon_proxy.errors import APIError, invalid
@@ -39,26 +41,26 @@ MAX_STOP_CHARS = 256  # per stop string: a match is checked against every new te
 MAX_STOP_TOKEN_IDS = 64
 MAX_TARGET_MS = 86_400_000.0  # a day: an explicit ttft_ms / tbt_ms beyond it is a typo
 MAX_N = 8  # sequences per request (the prompt prefilled once for all)
-MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_IDS = 1 << 16
 
 
+# the request fields that fill the one sampling shape (the others fill CommonParams)
+SAMPLING_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__)
+
+
 @dataclass(frozen=True)
 class CommonParams:
-    """The fields of a request that are not the prompt, validated."""
+    """The fields of a request that are not the prompt, validated: ``sampling`` is the
+    wire's :class:`SamplingParams` as the body asked for it (the proxy completes it per
+    request, :func:`aegaeon_proxy.prompts.build_request`), the rest is the front's own."""
 
     model: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # as asked (None: the endpoint's default, the window's)
     stream: bool = False
     include_usage: bool = False
-    max_tokens: int | None = None  # None: the endpoint's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     timeout_s: float | None = None  # the request's own deadline (None: the server's)
     # Aegaeon's SLO extension (None: not given): the class asked for and explicit targets
     priority: str | None = None
@@ -66,34 +68,11 @@ class CommonParams:
     tbt_s: float | None = None  # from tbt_ms
     # Ollama's keep_alive in seconds (None: not given; 0: unload after; inf: keep)
     keep_alive_s: float | None = None
-    # more sampling (vLLM's and OpenAI's)
-    n: int = 1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    allowed_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    # log-probabilities: completions' `logprobs` (top-k per token) or chat's `logprobs` +
-    # `top_logprobs`; vLLM's `prompt_logprobs`; completions' `echo` (the prompt first)
-    logprobs: int | None = None
-    chat_logprobs: bool = False
-    top_logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # completions: the prompt first; chat (vLLM's): the last message
     # how tokens read in the answer
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids ("token_id:N")
     return_token_ids: bool = False
-
-    @property
-    def num_logprobs(self) -> int | None:
-        """Top log-probabilities per generated token (0: the chosen token's alone; None:
-        none asked)."""
-        if self.chat_logprobs:
-            return self.top_logprobs or 0
-        return self.logprobs
 
 
 def check_string(param: str, value: Any) -> str:
@@ -143,12 +122,12 @@ def _top_p(param: str, value: Any) -> float:
 
 
 def _top_k(param: str, value: Any) -> int:
-    top_k = _int(param, value, -1)
-    return -1 if top_k == 0 else top_k  # 0 and -1 both mean "off"
+    return max(_int(param, value, -1), 0)  # 0 and -1 both mean "off"
 
 
 def _seed(param: str, value: Any) -> int:
-    return _int(param, value, SEED_MIN, SEED_MAX)
+    """OpenAI's int64 seed, folded into the sampler's [0, 2**63)."""
+    return _int(param, value, SEED_MIN, SEED_MAX) % SEED_RANGE
 
 
 def _stop(param: str, value: Any) -> tuple[str, ...]:
@@ -242,11 +221,16 @@ def _top_count(param: str, value: Any) -> int:
     return _int(param, value, 0, MAX_LOGPROBS)
 
 
-def _completion_logprobs(param: str, value: Any) -> int | None:
+def _completion_logprobs(param: str, value: Any) -> int:
     """Completions' ``logprobs``: how many top tokens (0..20) per token; ``false`` off."""
     if value is False:
-        return None
+        return -1
     return _top_count(param, value)
+
+
+def _chat_logprobs(param: str, value: Any) -> int:
+    """Chat's ``logprobs``: the chosen tokens' (0; ``top_logprobs`` adds more), or off."""
+    return 0 if _bool(param, value) else -1
 
 
 def _stream_options(param: str, value: Any) -> bool:
@@ -258,7 +242,7 @@ def _stream_options(param: str, value: Any) -> bool:
     return _bool(f"{param}.include_usage", include)
 
 
-# request field -> (CommonParams field, checker)
+# request field -> (SamplingParams or CommonParams field, checker)
 FIELDS: dict[str, tuple[str, Checker]] = {
     "stream": ("stream", _bool),
     "stream_options": ("include_usage", _stream_options),
@@ -296,8 +280,8 @@ COMPLETION_FIELDS: dict[str, tuple[str, Checker]] = {
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "max_completion_tokens": ("max_tokens", _max_tokens),  # wins over max_tokens (after it)
-    "logprobs": ("chat_logprobs", _bool),
-    "top_logprobs": ("top_logprobs", _top_count),
+    "logprobs": ("logprobs", _chat_logprobs),
+    "top_logprobs": ("top_logprobs", _top_count),  # how many, with `logprobs: true`
     "echo": ("echo", _bool),  # vLLM's: the last message first, when it is the assistant's
 }
 
@@ -325,20 +309,28 @@ def with_model_defaults(params: CommonParams, body: Mapping[str, Any],
                         defaults: Mapping[str, Any]) -> CommonParams:
     """``params`` with the model's defaults for the sampling fields the body left unset."""
     unset = {k: v for k, v in defaults.items() if body.get(k) is None}
-    return replace(params, **unset) if unset else params
+    if not unset:
+        return params
+    return replace(params, sampling=msgspec.structs.replace(params.sampling, **unset))
 
 
 def parse_common(
     body: Mapping[str, Any], fields: Mapping[str, tuple[str, Checker]]
 ) -> CommonParams:
-    """Validate the shared fields of a request body (a JSON object)."""
+    """Validate the shared fields of a request body (a JSON object): the sampling ones
+    into the wire's :class:`SamplingParams`, the others beside it."""
     model = check_string("model", body.get("model"))
     values: dict[str, Any] = {}
     for name, (target, check) in fields.items():
         value = body.get(name)
         if value is not None:
             values[target] = check(name, value)
-    params = CommonParams(model=model, **values)
-    if params.top_logprobs and not params.chat_logprobs:
-        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    return params
+    top = values.pop("top_logprobs", None)  # chat's count, with `logprobs: true`
+    if top:
+        if values.get("logprobs", -1) < 0:
+            raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        values["logprobs"] = top
+    asked = {k: values.pop(k) for k in SAMPLING_FIELDS & values.keys()}
+    max_tokens = asked.pop("max_tokens", None)  # resolved against the window per request
+    return CommonParams(model=model, sampling=SamplingParams(**asked), max_tokens=max_tokens,
+                        **values)  # fmt: skip

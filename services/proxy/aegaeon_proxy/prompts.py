@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from aegaeon_common.messages.structs import SamplingSpec
+import msgspec
 
 from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import GenerationRequest
@@ -27,7 +27,6 @@ from aegaeon_proxy.tool_calls import ToolSetup, tool_messages, tool_setup, tool_
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-ENGINE_SEED_RANGE = 1 << 63  # int64 seeds fold into the engine's [0, 2**63)
 
 __all__ = ["CHAT_PROMPT_FIELDS", "Prompt", "bool_field", "build_request", "chat_prompt",
            "chat_prompt_ids", "check_ids", "completion_prompt", "completion_prompt_ids",
@@ -317,42 +316,27 @@ def build_request(
     arrival_s: float | None = None,
     grammar: str = "",
 ) -> GenerationRequest:
-    """Resolve max_tokens against the window, add EOS to the stop ids, check the token
-    ids the fields name; ``grammar``: llguidance's, the tokens must follow it."""
-    check_ids("stop_token_ids", list(params.stop_token_ids), assets)
-    check_ids("logit_bias", list(params.logit_bias), assets)
-    check_ids("allowed_token_ids", list(params.allowed_token_ids), assets)
+    """The request's sampling completed for its prompt and model: max_tokens resolved
+    against the window, the model's EOS among the stop ids, the token ids the fields
+    name checked; ``grammar``: llguidance's, the tokens must follow it."""
+    asked = params.sampling
+    check_ids("stop_token_ids", list(asked.stop_token_ids), assets)
+    check_ids("logit_bias", list(asked.logit_bias), assets)
+    check_ids("allowed_token_ids", list(asked.allowed_token_ids), assets)
     prompt_param = "messages" if chat else "prompt"
     default = None if chat else COMPLETION_DEFAULT_MAX_TOKENS
     max_tokens = _max_tokens(params, len(prompt_ids), assets, prompt_param, default)
-    if params.min_tokens > max_tokens:
-        raise invalid("min_tokens", f"'min_tokens' ({params.min_tokens}) may not exceed the "
+    if asked.min_tokens > max_tokens:
+        raise invalid("min_tokens", f"'min_tokens' ({asked.min_tokens}) may not exceed the "
                       f"completion's max_tokens ({max_tokens})")  # fmt: skip
-    eos = () if params.ignore_eos else assets.eos_token_ids
-    logprobs = params.num_logprobs
-    prompt_logprobs = params.prompt_logprobs
-    if params.echo and logprobs is not None and not chat:  # the echoed prompt's tokens too
-        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
-    sampling = SamplingSpec(
-        max_tokens=max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=max(params.top_k, 0),
-        seed=None if params.seed is None else params.seed % ENGINE_SEED_RANGE,
-        stop_token_ids=tuple(dict.fromkeys((*params.stop_token_ids, *eos))),
-        ignore_eos=params.ignore_eos,
-        n=params.n,
-        min_p=params.min_p,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        logit_bias=dict(params.logit_bias),
-        allowed_token_ids=params.allowed_token_ids,
-        min_tokens=params.min_tokens,
-        logprobs=-1 if logprobs is None else logprobs,
-        prompt_logprobs=-1 if prompt_logprobs is None else prompt_logprobs,
-        grammar=grammar,
-    )
+    eos = () if asked.ignore_eos else assets.eos_token_ids
+    prompt_logprobs = asked.prompt_logprobs
+    if params.echo and asked.logprobs >= 0 and not chat:  # the echoed prompt's tokens too
+        prompt_logprobs = max(prompt_logprobs, asked.logprobs)
+    sampling = msgspec.structs.replace(
+        asked, max_tokens=max_tokens, grammar=grammar, prompt_logprobs=prompt_logprobs,
+        stop_token_ids=tuple(dict.fromkeys((*asked.stop_token_ids, *eos))),
+    )  # fmt: skip
     return GenerationRequest(
         request_id=request_id,
         model=params.model,

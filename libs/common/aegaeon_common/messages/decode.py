@@ -13,7 +13,7 @@ from aegaeon_common.messages.prefill import (
     SetModelAwake,
     Shutdown,
 )
-from aegaeon_common.messages.structs import KVHandoff, SamplingSpec
+from aegaeon_common.messages.structs import KVHandoff, SamplingParams
 from aegaeon_common.wire import Channel, Message
 
 
@@ -31,7 +31,7 @@ class EnqueueDecode(Message, frozen=True):
     prompt_len: int
     first_token_id: int
     num_generated: int  # tokens already produced (1: the prefill's)
-    sampling: SamplingSpec
+    sampling: SamplingParams
     handoff: KVHandoff
     arrival_s: float
     # The instance process this is for (its hello's `incarnation`; 0: any). Its
@@ -60,7 +60,7 @@ class RunRequest(Message, frozen=True):
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     arrival_s: float
     # The instance process this is for (its hello's `incarnation`; 0: any). Its
     # successor drops it: work queued for a process that died is not redone twice.

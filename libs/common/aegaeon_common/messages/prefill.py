@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aegaeon_common.messages.structs import SamplingSpec
+from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_common.wire import Channel, Message
 
 
@@ -18,7 +18,7 @@ class EnqueuePrefill(Message, frozen=True):
     model: str
     group_id: int
     prompt_token_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     arrival_s: float  # proxy clock (time.time())
     # The instance process this is for (its hello's `incarnation`; 0: any). Its
     # successor drops it: work queued for a process that died is not redone twice.

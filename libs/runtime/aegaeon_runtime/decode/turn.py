@@ -34,7 +34,7 @@ from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import KVCapacityError, Residency
 from aegaeon_runtime.decode.seq import Seq
 from aegaeon_runtime.port import MessageSink, ModelGoneError, WorkerPort
-from aegaeon_runtime.sampling import finish_reason, sample_step, to_wire
+from aegaeon_runtime.sampling import finish_reason, sample_step
 
 KV_POLL_S = 0.0002  # sleep while every request of the turn still waits for its KV
 
@@ -221,9 +221,8 @@ class TurnRunner:
                 continue
             scored: list[TokenLogprobs] = []
             if seq.index == 0 and seq.params.prompt_logprobs >= 0:
-                logits, found = w.engine.prefill_scored(seq.prompt_token_ids, blocks,
-                                                        seq.params.prompt_logprobs)
-                scored = to_wire(found)
+                logits, scored = w.engine.prefill_scored(seq.prompt_token_ids, blocks,
+                                                         seq.params.prompt_logprobs)
             else:
                 logits = w.engine.prefill(seq.prompt_token_ids, blocks)
             tokens, logprobs = sample_step(w.sampler, logits[None], [seq.sampling])

@@ -36,7 +36,7 @@ from aegaeon_runtime.cacheclient.client import to_event
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.port import ModelGoneError, WorkerPort
-from aegaeon_runtime.sampling import SeqSampling, finish_reason, sample_step, to_wire
+from aegaeon_runtime.sampling import SeqSampling, finish_reason, sample_step
 
 
 def prefill_request(msg: EnqueuePrefill) -> Request:
@@ -143,8 +143,7 @@ def run_prefill(
     compute_start = clock.now()
     scored: list[TokenLogprobs] = []
     if spec.prompt_logprobs >= 0:
-        logits, found = w.engine.prefill_scored(prompt, blocks, spec.prompt_logprobs)
-        scored = to_wire(found)
+        logits, scored = w.engine.prefill_scored(prompt, blocks, spec.prompt_logprobs)
     else:
         logits = w.engine.prefill(prompt, blocks)
     # the n sequences share the prompt's logits (and, below, its KV)

@@ -13,7 +13,7 @@ from aegaeon_common.messages.report import StepTokens
 from aegaeon_common.messages.structs import (
     KVHandoff,
     RequestTimings,
-    SamplingSpec,
+    SamplingParams,
     TokenLogprobs,
 )
 from aegaeon_common.wire import to_plain
@@ -26,7 +26,7 @@ from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, T
 class Tracked:
     gen: GenerationRequest
     sched: Request
-    sampling: SamplingSpec
+    sampling: SamplingParams
     queue: TokenQueue
     instance: str | None = None  # where it is now (policy InstanceId)
     num_generated: int = 0
@@ -120,36 +120,24 @@ def deliver(
     timings: RequestTimings | None = None, *, index: int = 0,
     logprobs: Sequence[TokenLogprobs] = (), prompt_logprobs: Sequence[TokenLogprobs] | None = None,
 ) -> bool:
-    """Push sequence ``index``'s ``token_ids`` to the request's stream one chunk per
-    token (each reaches the client as its own event: an instance sends several steps'
-    tokens together), each with its log-probabilities. The last carries ``reason``
-    when it ends the sequence; when that ends the request (no sequence left open) it
-    finishes the stream, with where its time went (the prefill's part merged with
-    ``timings``, the decode instance's). True when the request ended."""
+    """Push sequence ``index``'s ``token_ids`` to the request's stream as the instance
+    grouped them (one chunk; the front still sends each token as its own event), with
+    their log-probabilities. The chunk carries ``reason`` when it ends the sequence;
+    when that ends the request (no sequence left open) it finishes the stream, with
+    where its time went (the prefill's part merged with ``timings``, the decode
+    instance's). True when the request ended."""
     if reason is not None:
         tracked.open_seqs.discard(index)
     ended = reason is not None and not tracked.open_seqs
-    lps = list(logprobs)
-    for k, token_id in enumerate(token_ids[:-1]):
-        tracked.queue.push(TokenChunk((token_id,), None, index=index, logprobs=tuple(lps[k:k + 1]),
-                                      prompt_logprobs=_prompt(prompt_logprobs, k)))
     final = None
     if ended and (tracked.prefill_timings is not None or timings is not None):
         final = merge_timings(tracked.prefill_timings, timings)
-    last = len(token_ids) - 1
     tracked.queue.push(TokenChunk(
-        tuple(token_ids[-1:]), cast(FinishReason | None, reason if ended else None),
-        timings=final, index=index, seq_finish=reason,
-        logprobs=tuple(lps[last:last + 1]) if last >= 0 else (),
-        prompt_logprobs=_prompt(prompt_logprobs, max(last, 0)),
+        tuple(token_ids), cast(FinishReason | None, reason if ended else None), timings=final,
+        index=index, seq_finish=reason, logprobs=tuple(logprobs),
+        prompt_logprobs=None if prompt_logprobs is None else tuple(prompt_logprobs),
     ))  # fmt: skip
     return ended
-
-
-def _prompt(prompt_logprobs: Sequence[TokenLogprobs] | None,
-            k: int) -> tuple[TokenLogprobs, ...] | None:
-    """The prompt's log-probabilities ride with a request's first token only."""
-    return tuple(prompt_logprobs) if prompt_logprobs is not None and k == 0 else None
 
 
 def step_batch(msg: StepTokens, requests: Mapping[str, Tracked]) -> tuple[str, list[int]] | None:
