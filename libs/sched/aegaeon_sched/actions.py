@@ -20,8 +20,10 @@ Events (all return ``list[Action]``):
 Actions:
 
 - :class:`EnqueuePrefill` -- add the request to group ``group_id`` of the
-  instance's prefill job queue; an unknown group id opens a group at the tail
-  (the instance mirrors the queue with :class:`~aegaeon_sched.prefill.PrefillQueue`).
+  instance's prefill job queue; an unknown group id opens a group at its key's
+  place, ``group_key_s`` (the instance mirrors the queue with
+  :class:`~aegaeon_sched.prefill.PrefillQueue`; a group the instance finished
+  while the request travelled reopens where the policy's copy still has it).
 - :class:`PlaceDecode` -- add the prefilled request to batch ``batch_id`` of
   the decode instance's work list; an unknown batch id opens a batch at the
   tail (mirror: :class:`~aegaeon_sched.decode.DecodeWorkList`).
@@ -62,6 +64,7 @@ class EnqueuePrefill:
     instance: InstanceId
     group_id: int
     request: Request
+    group_key_s: float | None = None  # the group's place in the queue (None: the request's)
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ class AegaeonPolicy(PolicyBase):
         except NoInstance:
             self.held_arrivals[request.request_id] = request
             return []
-        return [EnqueuePrefill(instance, group_id, request)]
+        key_s = self.prefill.queues[instance].group_key_s(group_id)
+        return [EnqueuePrefill(instance, group_id, request, key_s)]
 
     def on_prefill_started(
         self, instance: InstanceId, request_id: str, now_s: float

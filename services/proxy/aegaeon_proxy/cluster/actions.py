@@ -90,7 +90,8 @@ class ActionRunner:
         tracked = self.backend.requests.get(action.request.request_id)
         if tracked is not None:
             tracked.instance = action.instance
-            self._send(action.instance, tracked.prefill_message(action.group_id))
+            self._send(action.instance,
+                       tracked.prefill_message(action.group_id, action.group_key_s))  # fmt: skip
 
     def _place_decode(self, action: PlaceDecode) -> None:
         tracked = self.backend.requests.get(action.request.request_id)

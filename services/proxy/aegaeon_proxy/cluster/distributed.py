@@ -92,6 +92,7 @@ from aegaeon_common.wire import Message
 from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
+    group_key_s,
     place_decode,
     prefill_done,
     queued_request_ids,
@@ -426,18 +427,22 @@ class DistributedBackend:
         by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         max_group = self.config.scheduler.max_group_size
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
+        def decide(
+            values: list[bytes | None],
+        ) -> tuple[dict[str, bytes | None], tuple[str, int, float | None]]:
             states = {r.instance_id: decode_queue(v)
                       for r, v in zip(candidates, values, strict=True)}  # fmt: skip
             instance, group_id, state = dispatch_prefill(
                 states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
                 max_group_size=max_group,
             )  # fmt: skip
-            return {by_id[instance][1]: encode_queue(state)}, (instance, group_id)
+            placed = (instance, group_id, group_key_s(state, group_id))
+            return {by_id[instance][1]: encode_queue(state)}, placed
 
         started = time.perf_counter()
         try:
-            instance, group_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
+            instance, group_id, key_s = await self.store.transact(keys, decide,
+                                                                  ttl_s=QUEUE_TTL_S)  # fmt: skip
         except NoInstance:
             self.held[rid] = tracked
             return
@@ -452,7 +457,7 @@ class DistributedBackend:
             return
         self.where[rid] = where
         tracked.instance = instance
-        await self._send(record, tracked.prefill_message(group_id, record.incarnation,
+        await self._send(record, tracked.prefill_message(group_id, key_s, record.incarnation,
                                                          self.report_address))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")

@@ -47,13 +47,14 @@ class Tracked:
 
     # ---- the work messages for its instances (one node or many: ``incarnation``, the
     # process it is for; ``reply_to``, the replica that holds its client)
-    def prefill_message(self, group_id: int, incarnation: int = 0,
+    def prefill_message(self, group_id: int, group_key_s: float | None, incarnation: int = 0,
                         reply_to: str = "") -> EnqueuePrefill:  # fmt: skip
         gen, sched = self.gen, self.sched
         return EnqueuePrefill(gen.request_id, gen.model, group_id, list(gen.prompt_token_ids),
                               self.sampling, gen.arrival_s, incarnation=incarnation,
                               reply_to=reply_to, priority=sched.priority,
-                              ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0)  # fmt: skip
+                              ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
+                              group_key_s=-1.0 if group_key_s is None else group_key_s)  # fmt: skip
 
     def decode_message(self, batch_id: int, incarnation: int = 0,
                        reply_to: str = "") -> EnqueueDecode | None:  # fmt: skip
