@@ -7,17 +7,22 @@ prefill + 10 decode instances; the request-level and static baselines use all
 Qwen2.5-7B / Yi-1.5-9B / Llama-2-13B, Poisson arrivals per model and
 ShareGPT-like lengths.
 
-Nothing here makes a scheduling decision: every decision is taken by an
-``aegaeon_sched`` policy (dispatchers, queues, work lists, quota planner)
-through the action contract of :mod:`aegaeon_sched.actions`; the simulator
-only plays the instances (what runs takes the time the latency model says)
-and the clock. Metrics come from :mod:`aegaeon_sched.slo`, as live.
+Nothing here makes a scheduling decision, and nothing here runs an instance:
+every decision is taken by an ``aegaeon_sched`` policy (dispatchers, queues,
+work lists, quota planner) through the action contract of
+:mod:`aegaeon_sched.actions`, and every instance is its service's own compute
+loop (``aegaeon_runtime``'s ``DecodeLoop``, ``PrefillLoop``) driven through
+the runtime's ports on simulated time. The simulator only plays the proxy,
+the engines (what runs takes the time the latency model says) and the clock.
+Metrics come from :mod:`aegaeon_sched.slo`, as live.
 
 Modules: ``hardware`` (H800 and model sizes -> Eq. 4-6 coefficients, with
-sources), ``workload`` (arrivals and lengths), ``state`` (per-request state,
-chunked token times), ``prefill_sim`` and ``aegaeon_sim`` (Aegaeon's prefill
-and decode instances, prefetch model), ``hybrid_sim`` (a prefill instance
-that decodes when idle), ``unified_sim`` (baseline instances),
-``driver`` (the event loop), ``runner`` (one experiment), ``figures``/``plots``
-(sweeps and PNGs), ``cli``/``cli_theorem`` and ``theorem`` (Theorem 3.1).
+sources), ``events`` (the event heap;
+each instance's loop a greenlet on it), ``worker`` (the in-memory worker the
+loops run on: engine, switcher, KV, host cache; also what the loops' unit
+tests run them on), ``instances`` (an instance: its role's loop, its inbox),
+``switching`` (switch prices), ``driver`` (the simulated proxy), ``runner``
+(one experiment), ``figures``/``plots`` (sweeps and PNGs), ``node`` and
+``replay`` (a live run, simulated), ``cli``/``cli_theorem`` and ``theorem``
+(Theorem 3.1).
 """

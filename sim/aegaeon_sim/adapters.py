@@ -4,9 +4,10 @@ A market of ``per_model`` adapters over each model (rank ``rank`` on q, k, v, o)
 a request names an adapter and carries its base as its switching unit
 (``Request.unit``), so the policies group, batch and switch by the base as
 they do live. An adapter's own matrices reach an instance once
-(:class:`AdapterLoads`): the first time it runs there, for Eq. 4 over its own
-bytes (megabytes, not a weight switch); they stay, as on a live CPU worker
-(views over the Model Cache) and in a GPU's adapter region until it fills.
+(``aegaeon_sim.worker.SimAdapters``, the simulated worker's): the first time it
+runs there, for Eq. 4 over its own bytes (megabytes, not a weight switch); they
+stay, as on a live CPU worker (views over the Model Cache) and in a GPU's adapter
+region until it fills.
 """
 
 from __future__ import annotations
@@ -57,21 +58,3 @@ def with_units(requests: list[Request], market: AdapterMarket) -> list[Request]:
     """The requests of adapters with their bases as switching units."""
     return [replace(r, unit=market.units[r.model]) if r.model in market.units else r
             for r in requests]
-
-
-class AdapterLoads:
-    """The adapters whose matrices one instance holds; :meth:`load_s` charges the first
-    run of each there."""
-
-    def __init__(self, latency: LatencyModel) -> None:
-        self.latency = latency
-        self.loaded: set[str] = set()
-        self.num_loads = 0
-
-    def load_s(self, request: Request) -> float:
-        """Seconds to bring ``request``'s adapter to this instance (0: none, or there)."""
-        if not request.unit or request.model in self.loaded:
-            return 0.0
-        self.loaded.add(request.model)
-        self.num_loads += 1
-        return self.latency.switch_s(request.model)

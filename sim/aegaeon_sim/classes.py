@@ -32,10 +32,12 @@ from aegaeon_sched import (
     SLO,
     Action,
     InstanceId,
+    LatencyModel,
     Policy,
     Reject,
     Request,
     RequestTrace,
+    RoleLoad,
     Shedder,
     SLOClasses,
     SLOReport,
@@ -145,6 +147,29 @@ class AdmissionGate:
         if self.shedder is not None and self.shedder.cancel(request_id):
             return []
         return self.policy.on_request_cancelled(request_id, now_s)
+
+    # (the rest of the contract is the policy's own)
+    def pause(self, instance: InstanceId) -> list[Action]:
+        return self.policy.pause(instance)
+
+    def resume(self, instance: InstanceId, now_s: float) -> list[Action]:
+        return self.policy.resume(instance, now_s)
+
+    def held_counts(self) -> tuple[int, int]:
+        return self.policy.held_counts()
+
+    def learn(self, instance: InstanceId, capacity_tokens: Mapping[str, int],
+              latency: LatencyModel | None) -> None:  # fmt: skip
+        self.policy.learn(instance, capacity_tokens, latency)
+
+    def set_decode_share(self, instance: InstanceId, share: float) -> None:
+        self.policy.set_decode_share(instance, share)
+
+    def role_load(self) -> RoleLoad | None:
+        return self.policy.role_load()
+
+    def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
+        return self.policy.set_role(instance, role, now_s)
 
     def snapshot(self) -> dict[str, object]:
         """Refused and deferred requests by class, the bounds, the deferral waits."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,6 +136,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_replay_arguments(parser)
     add_compare_arguments(parser)
     add_paper_arguments(parser)
+    parser.add_argument(
+        "--jobs", type=at_least_one, default=_cpus(),
+        help="with --figure: points simulated at once, one process each (default: the "
+        f"CPUs this process may use, here {_cpus()})",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for PNGs")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -175,6 +181,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     return 0
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _positive(text: str) -> float:
@@ -280,8 +290,9 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for panel in panels:
         results[panel.key] = sweep(
-            panel, policies, _base(args), xs=xs, progress=lambda line: print_progress(args, line)
-        )
+            panel, policies, _base(args), xs=xs, jobs=args.jobs,
+            progress=lambda line: print_progress(args, line),
+        )  # fmt: skip
     png = plot_figure(
         args.figure, panels, results, args.out / f"fig{args.figure}.png",
         note=f"H800 x16 (6 prefill + 10 decode for Aegaeon), {args.duration:g} s of arrivals, "

@@ -32,11 +32,12 @@ import argparse
 import statistics
 import sys
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aegaeon_workload.mix import format_mix, parse_burst, parse_mix
 
-from aegaeon_sim.runner import Scenario, ScenarioResult, run_scenario
+if TYPE_CHECKING:  # the runner loads the instance loops (torch): when a scenario runs
+    from aegaeon_sim.runner import Scenario, ScenarioResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +99,8 @@ def kv_bound_at(base: Scenario, rps: float) -> int:
 
     sc = replace(base, rps_per_model=rps, class_mix=(), admission=False, roles=False, burst=None)
     requests, _ = workload(sc, tuple(market(sc.num_models)))
+    from aegaeon_sim.runner import run_scenario
+
     r = run_scenario(sc, keep_traces=True)
     spans = [t.token_times_s[-1] - t.arrival_s for t in r.traces if t.token_times_s]
     if not requests or not spans:
@@ -132,6 +135,8 @@ def compare(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:
         }
         head = {"burst": asdict(burst), "rps_off": args.rps, "mean_rps": args.rps *
                 burst.mean_factor()}  # fmt: skip
+    from aegaeon_sim.runner import run_scenario
+
     results: dict[str, Any] = {}
     for name, sc in runs.items():
         print_progress(args, f"{args.compare}: {name} ...")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aegaeon_sim.runner import Scenario
+if TYPE_CHECKING:  # the runner loads the instance loops (torch): when a scenario runs
+    from aegaeon_sim.runner import Scenario
 
 
 def theorem(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:

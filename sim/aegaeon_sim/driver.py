@@ -1,225 +1,230 @@
-"""The discrete-event loop: feeds a policy events and carries out its actions.
+"""The simulated proxy: feeds a policy events and carries out its actions on real instance loops.
 
-Global events (arrivals, prefill completions) are taken in time order from a
-heap. Decode and unified instances are *lazy*: before any event at time T,
-:meth:`Simulation.sync` advances them to T. An instance stops right after an
-iteration that finished requests; those finishes are handed to the policy in
-global time order (a heap over instances), since with request-level policies
-a finish can hand the global queue's head to that instance. Anything the
-policy does at time ``e`` touches only the finishing instance or idle ones,
-so advancing the others past ``e`` with steps that finish nothing is exact.
+As the live proxy (services/proxy ``cluster``), it hands each arrival to the
+policy, turns the policy's actions into the instances' commands
+(``EnqueuePrefill``, ``EnqueueDecode`` with the prefill's KV handoff,
+``RunRequest``) and the instances' messages into the policy's events
+(``PrefillDone`` -> ``on_prefill_done``, a request's last token or its failure
+-> ``on_request_finished``); the instances are the services' own loops
+(:mod:`aegaeon_sim.instances`) on simulated time (:mod:`aegaeon_sim.events`).
+Messages travel at once both ways: an instance sees a command at its next
+step boundary, as the live loop reads its inbox between steps.
+
+Each request's token times are those of the messages that carried them (a
+decode instance may hold a few steps' tokens and send them together,
+``scheduler.token_hold``), as a client sees them less the network.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
+from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
+from aegaeon_common.messages.prefill import EnqueuePrefill
+from aegaeon_common.messages.report import PrefillDone, RequestFailed, StepTokens
+from aegaeon_common.messages.structs import KVHandoff, SamplingParams
+from aegaeon_common.wire import Message
 from aegaeon_sched import (
     Action,
     Cancel,
-    EnqueuePrefill,
-    LatencyModel,
     PlaceDecode,
     Policy,
     Reject,
     Request,
+    RequestTrace,
     RunOnInstance,
 )
+from aegaeon_sched import EnqueuePrefill as EnqueuePrefillAction
 
-from aegaeon_sim.decode_sim import DecodeSim
-from aegaeon_sim.prefill_sim import PrefillSim
-from aegaeon_sim.state import SimRequest
-from aegaeon_sim.switching import Switching
-from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
+from aegaeon_sim.events import EventLoop
+from aegaeon_sim.instances import NodeSetup, SimInstance
+from aegaeon_sim.worker import HostBlocks
 
 
-class LazyInstance(Protocol):
-    name: str
-    finished: list[SimRequest]
-    wake_s: float
+@dataclass
+class Tracked:
+    """A request as the simulated proxy follows it."""
 
-    def advance(self, horizon_s: float) -> float | None: ...
+    request: Request
+    sampling: SamplingParams
+    token_times_s: list[float] = field(default_factory=list)
+    first_token_id: int = 0
+    handoff: KVHandoff | None = None
+    ended: bool = False
+    failed: str | None = None  # the instance's error code
+
+    def trace(self) -> RequestTrace:
+        r = self.request
+        expected = r.oracle_output_len if r.oracle_output_len is not None else r.max_tokens
+        return RequestTrace(r.request_id, r.arrival_s, expected, list(self.token_times_s),
+                            self.failed is not None)  # fmt: skip
+
+
+class _Outbox:
+    """One instance's messages to the proxy (the runtime's ``MessageSink`` port)."""
+
+    def __init__(self, sim: Simulation, instance: str) -> None:
+        self.sim = sim
+        self.instance = instance
+
+    def send(self, msg: Message) -> None:
+        self.sim.receive(self.instance, msg)
 
 
 class Simulation:
-    def __init__(
-        self,
-        policy: Policy,
-        latency: LatencyModel,
-        requests: Sequence[Request],
-        *,
-        kv_bytes_per_s: float,
-        always_advance: bool = False,
-    ) -> None:
+    def __init__(self, policy: Policy, requests: Sequence[Request]) -> None:
         self.policy = policy
-        # Ignore wake times and advance every instance at every event (slow;
-        # the tests use it to validate the shortcut).
-        self.always_advance = always_advance
-        self.latency = latency
-        self.kv_bytes_per_s = kv_bytes_per_s
+        self.events = EventLoop()
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
-        self.sims: dict[str, SimRequest] = {r.request_id: SimRequest(r) for r in self.requests}
+        self.tracked: dict[str, Tracked] = {}
         self.rejected: set[str] = set()
-        self.prefill: dict[str, PrefillSim] = {}
-        self.decode: dict[str, DecodeSim] = {}
-        self.unified: dict[str, RequestLevelSim | MuxSim] = {}
-        self.lazy: list[LazyInstance] = []
-        self._lazy_index: dict[str, int] = {}
-        self._events: list[tuple[float, int, Callable[[float], None]]] = []
-        self._seq = itertools.count()
-        self.now = 0.0
-        self._handlers: dict[type, Callable[[Any, float], None]] = {
-            EnqueuePrefill: self._enqueue_prefill,
+        self.instances: dict[str, SimInstance] = {}
+        self.host = HostBlocks()  # the node's unified CPU KV cache
+        self._closed = False
+        # prompts are never read (the fake engine prices their length): one shared list
+        self._prompt: list[int] = []
+        self._actions: dict[type, Callable[[Any, float], None]] = {
+            EnqueuePrefillAction: self._enqueue_prefill,
             PlaceDecode: self._place_decode,
             RunOnInstance: self._run_on_instance,
             Reject: self._reject,
             Cancel: self._cancel,
         }
+        self._messages: dict[type, Callable[[str, Any], None]] = {
+            PrefillDone: self._on_prefill_done,
+            StepTokens: self._on_step_tokens,
+            RequestFailed: self._on_failed,
+        }
 
     # ---- wiring ---------------------------------------------------------
-    def add_prefill(
-        self,
-        name: str,
-        *,
-        switching: Switching,
-        prefetch: bool,
-        latency: LatencyModel | None = None,
-        overhead_s: float = 0.0,
-        default_ttft_s: float = 0.0,
-    ) -> PrefillSim:
-        """A prefill instance; ``latency``: what its prefills take (default: the policy's);
-        ``default_ttft_s``: the policy's (its mirror queue's order)."""
-        sim = PrefillSim(
-            name, latency or self.latency, self.schedule, self._prefill_started,
-            self._prefill_done, switching=switching, prefetch=prefetch, overhead_s=overhead_s,
-            default_ttft_s=default_ttft_s,
-        )  # fmt: skip
-        self.prefill[name] = sim
-        return sim
+    def outbox(self, instance: str) -> _Outbox:
+        return _Outbox(self, instance)
 
-    def add_decode(self, instance: DecodeSim) -> None:
-        self.decode[instance.name] = instance
-        self._lazy_index[instance.name] = len(self.lazy)
-        self.lazy.append(instance)
-
-    def add_unified(self, instance: RequestLevelSim | MuxSim) -> None:
-        self.unified[instance.name] = instance
-        self._lazy_index[instance.name] = len(self.lazy)
-        self.lazy.append(instance)
+    def add_instance(self, name: str, role: str, node: NodeSetup, **kwargs: Any) -> SimInstance:
+        """An instance running its role's loop (:class:`SimInstance`, whose keyword
+        arguments ``kwargs`` are)."""
+        instance = SimInstance(name, role, node, self.events, self.host, self.outbox(name),
+                               **kwargs)  # fmt: skip
+        self.instances[name] = instance
+        return instance
 
     def adapter_loads(self) -> int:
         """LoRA adapters brought to an instance so far (adapters.py), every instance."""
-        instances = [*self.prefill.values(), *self.decode.values(), *self.unified.values()]
-        return sum(i.adapters.num_loads for i in instances)
+        return sum(i.worker.adapters.num_loads for i in self.instances.values())
 
     def schedule(self, at_s: float, callback: Callable[[float], None]) -> None:
-        heapq.heappush(self._events, (at_s, next(self._seq), callback))
+        """Run ``callback(now)`` at simulated time ``at_s`` (heartbeats and the like)."""
+        self.events.at(at_s, lambda: callback(self.events.now))
 
-    # ---- actions --------------------------------------------------------
+    @property
+    def now(self) -> float:
+        return self.events.now
+
+    # ---- actions: commands to the instances --------------------------------
     def apply(self, actions: list[Action], now_s: float) -> None:
         for action in actions:
-            self._handlers[type(action)](action, now_s)
+            self._actions[type(action)](action, now_s)
 
-    def _enqueue_prefill(self, action: EnqueuePrefill, now_s: float) -> None:
-        index = self._lazy_index.get(action.instance)
-        if index is not None:  # a hybrid: its decoding pauses from now on
-            self._catch_up(self.lazy[index], now_s)
-        self.prefill[action.instance].enqueue(
-            self.sims[action.request.request_id], action.group_id, now_s
-        )
+    def _prompt_ids(self, n: int) -> list[int]:
+        if len(self._prompt) < n:
+            self._prompt = [0] * max(n, 2 * len(self._prompt))
+        return self._prompt[:n]
 
-    @staticmethod
-    def _catch_up(instance: LazyInstance, now_s: float) -> None:
-        """Bring a lazy instance up to now before it is handed work (exact: it
-        has no finish before its wake time, which is after now)."""
-        if instance.advance(now_s) is not None:
-            raise RuntimeError(f"{instance.name}: a finish before its wake time")
+    def _enqueue_prefill(self, action: EnqueuePrefillAction, now_s: float) -> None:
+        t = self.tracked[action.request.request_id]
+        r = t.request
+        self.instances[action.instance].send(EnqueuePrefill(
+            r.request_id, r.model, action.group_id, self._prompt_ids(r.prompt_len), t.sampling,
+            r.arrival_s, priority=r.priority, ttft_s=r.ttft_s or 0.0, tbt_s=r.tbt_s or 0.0,
+            group_key_s=-1.0 if action.group_key_s is None else action.group_key_s,
+        ))  # fmt: skip
 
     def _place_decode(self, action: PlaceDecode, now_s: float) -> None:
-        sim = self.sims[action.request.request_id]
-        kv = action.request.prompt_len * self.latency.spec(action.request.model).kv_bytes_per_token
-        sim.ready_s = now_s + 2.0 * kv / self.kv_bytes_per_s  # device -> host -> device
-        decode = self.decode[action.instance]
-        # It sees the newcomer no earlier than it was placed (a new batch may
-        # end a one-model round, or take the next turn).
-        self._catch_up(decode, now_s)
-        decode.place(sim, action.batch_id, now_s)
+        t = self.tracked[action.request.request_id]
+        r = t.request
+        assert t.handoff is not None, f"{r.request_id}: placed for decode before its prefill"
+        self.instances[action.instance].send(EnqueueDecode(
+            request_id=r.request_id, model=r.model, batch_id=action.batch_id,
+            prompt_len=r.prompt_len, first_token_id=t.first_token_id, num_generated=1,
+            sampling=t.sampling, handoff=t.handoff, arrival_s=r.arrival_s,
+            priority=r.priority, ttft_s=r.ttft_s or 0.0, tbt_s=r.tbt_s or 0.0,
+        ))  # fmt: skip
 
     def _run_on_instance(self, action: RunOnInstance, now_s: float) -> None:
-        self.unified[action.instance].run(self.sims[action.request.request_id], action.model, now_s)
+        t = self.tracked[action.request.request_id]
+        r = t.request
+        self.instances[action.instance].send(
+            RunRequest(r.request_id, r.model, self._prompt_ids(r.prompt_len), t.sampling,
+                       r.arrival_s)
+        )  # fmt: skip
 
     def _reject(self, action: Reject, now_s: float) -> None:
         self.rejected.add(action.request.request_id)
+        t = self.tracked[action.request.request_id]
+        t.ended, t.failed = True, "rejected"
 
     def _cancel(self, action: Cancel, now_s: float) -> None:
         raise RuntimeError("the simulator never cancels requests")
 
-    # ---- prefill callbacks ----------------------------------------------
-    def _prefill_started(self, instance: str, request_id: str, now_s: float) -> None:
-        self.apply(self.policy.on_prefill_started(instance, request_id, now_s), now_s)
+    # ---- messages: events for the policy -----------------------------------
+    def receive(self, instance: str, msg: Message) -> None:
+        if not self._closed:
+            self._messages[type(msg)](instance, msg)
 
-    def _prefill_done(
-        self, instance: str, request_id: str, measured_s: float, now_s: float
-    ) -> None:
-        sim = self.sims[request_id]
-        sim.emit(now_s, 0.0, 1)
-        if sim.remaining <= 0:
-            sim.finished_s = now_s
-            self.apply(self.policy.on_request_finished(request_id, now_s), now_s)
+    def _end(self, t: Tracked, now_s: float) -> None:
+        t.ended = True
+        self.apply(self.policy.on_request_finished(t.request.request_id, now_s), now_s)
+
+    def _on_prefill_done(self, instance: str, msg: PrefillDone) -> None:
+        t = self.tracked[msg.request_id]
+        now = self.events.now
+        t.token_times_s.append(msg.emitted_s)
+        t.first_token_id, t.handoff = msg.token_id, msg.handoff
+        if msg.finish_reason is not None:
+            self._end(t, now)
             return
-        self.apply(self.policy.on_prefill_done(instance, request_id, measured_s, now_s), now_s)
+        measured = msg.timings.extra.get("prefill_compute_s", msg.timings.prefill_s)
+        self.apply(self.policy.on_prefill_done(instance, msg.request_id, measured, now), now)
 
-    # ---- the loop -------------------------------------------------------
-    def sync(self, horizon_s: float) -> None:
-        """Advance every lazy instance to ``horizon_s``, reporting finishes in time order."""
-        pending: list[tuple[float, int, LazyInstance]] = []
-        waiting: set[int] = set()  # instances stopped at a finish not yet reported
-        for index, inst in enumerate(self.lazy):
-            if inst.wake_s > horizon_s and not self.always_advance:
-                continue  # nothing visible changes there before horizon_s
-            stop = inst.advance(horizon_s)
-            if stop is not None:
-                heapq.heappush(pending, (stop, index, inst))
-                waiting.add(index)
-        while pending:
-            at_s, index, inst = heapq.heappop(pending)
-            waiting.discard(index)
-            done, inst.finished = inst.finished, []
-            touched: set[int] = {index}
-            for sim in done:
-                actions = self.policy.on_request_finished(sim.request.request_id, at_s)
-                self.apply(actions, at_s)
-                for action in actions:
-                    if isinstance(action, RunOnInstance):
-                        touched.add(self._lazy_index[action.instance])
-            for i in touched - waiting:
-                stop = self.lazy[i].advance(horizon_s)
-                if stop is not None:
-                    heapq.heappush(pending, (stop, i, self.lazy[i]))
-                    waiting.add(i)
+    def _on_step_tokens(self, instance: str, msg: StepTokens) -> None:
+        for item in msg.items:
+            t = self.tracked[item.request_id]
+            t.token_times_s.extend(itertools.repeat(msg.emitted_s, len(item.token_ids)))
+            if item.finish_reason is not None:
+                self._end(t, self.events.now)
+
+    def _on_failed(self, instance: str, msg: RequestFailed) -> None:
+        t = self.tracked[msg.request_id]
+        t.failed = msg.code
+        self._end(t, self.events.now)
+
+    # ---- the run ----------------------------------------------------------
+    def _arrive(self, index: int, end_s: float) -> None:
+        r = self.requests[index]
+        now = self.events.now
+        self.apply(self.policy.on_arrival(r, now), now)
+        if index + 1 < len(self.requests) and self.requests[index + 1].arrival_s <= end_s:
+            nxt = self.requests[index + 1]
+            self.events.at(nxt.arrival_s, lambda: self._arrive(index + 1, end_s))
 
     def run(self, end_s: float) -> None:
         """Simulate until ``end_s`` (arrivals after it are never delivered)."""
-        arrivals = iter(self.requests)
-        nxt = next(arrivals, None)
-        while True:
-            t_arrival = nxt.arrival_s if nxt is not None else math.inf
-            t_event = self._events[0][0] if self._events else math.inf
-            t = min(t_arrival, t_event)
-            if t > end_s or math.isinf(t):
-                break
-            self.sync(t)
-            self.now = t
-            if t_event <= t_arrival:
-                _, _, callback = heapq.heappop(self._events)
-                callback(t)
-            else:
-                assert nxt is not None
-                self.apply(self.policy.on_arrival(nxt, t), t)
-                nxt = next(arrivals, None)
-        self.sync(end_s)
-        self.now = end_s
+        for r in self.requests:
+            output = r.oracle_output_len if r.oracle_output_len is not None else r.max_tokens
+            # the request ends by length at its true output (no stop token is sampled)
+            self.tracked[r.request_id] = Tracked(r, SamplingParams(max_tokens=output,
+                                                                   temperature=0.0))
+        for instance in self.instances.values():
+            instance.start()
+        if self.requests and self.requests[0].arrival_s <= end_s:
+            self.events.at(self.requests[0].arrival_s, lambda: self._arrive(0, end_s))
+        self.events.run(end_s)
+        self._closed = True
+        self.events.close()
+
+    def traces(self) -> list[RequestTrace]:
+        """Every request's trace, in arrival order."""
+        return [self.tracked[r.request_id].trace() for r in self.requests]

@@ -9,10 +9,12 @@ past the paper's where a policy is still above 90% at the paper's last point.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from aegaeon_sim.runner import Scenario, ScenarioResult, run_scenario
+from aegaeon_sim.runner import Scenario, run_scenario
 
 # Every policy a figure can show; FIGURE_POLICIES are drawn unless --policies.
 POLICY_LABELS = {
@@ -95,6 +97,12 @@ class Point:
     wall_s: float
 
 
+def _point(x: float, sc: Scenario) -> Point:
+    result = run_scenario(sc)
+    rep = result.report
+    return Point(x, rep.attainment, rep.qos, rep.ttft_p99_s, result.wall_s)
+
+
 def sweep(
     panel: Panel,
     policies: Sequence[str],
@@ -102,24 +110,38 @@ def sweep(
     *,
     xs: Sequence[float] | None = None,
     progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> dict[str, list[Point]]:
     """Every policy at every x of the panel. Stops a policy's sweep once it
-    has been under 50% for two points in a row (the curve has collapsed)."""
+    has been under 50% for two points in a row (the curve has collapsed).
+    ``jobs`` > 1: that many points at once, each in its own process (the same
+    results: a point depends only on its scenario; one past a collapse is dropped)."""
     out: dict[str, list[Point]] = {p: [] for p in policies}
-    for policy in policies:
-        low = 0
-        for x in xs or panel.xs:
-            if low >= 2:
-                break
-            result: ScenarioResult = run_scenario(panel.scenario(policy, x, base))
-            rep = result.report
-            out[policy].append(Point(x, rep.attainment, rep.qos, rep.ttft_p99_s, result.wall_s))
-            low = low + 1 if rep.attainment < 0.5 else 0
-            if progress is not None:
-                progress(
-                    f"{panel.key} {policy} x={x:g} attainment={rep.attainment:.3f} "
-                    f"qos={rep.qos:.3f} ({result.wall_s:.1f}s)"
-                )
+    pool = (ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+            if jobs > 1 else None)  # fmt: skip
+    try:
+        for policy in policies:
+            low = 0
+            todo = list(xs or panel.xs)
+            while todo and low < 2:
+                window, todo = todo[: max(1, jobs)], todo[max(1, jobs) :]
+                scenarios = [panel.scenario(policy, x, base) for x in window]
+                points = (pool.map(_point, window, scenarios) if pool is not None
+                          else map(_point, window, scenarios))  # fmt: skip
+                for point in points:
+                    if low >= 2:
+                        break
+                    out[policy].append(point)
+                    low = low + 1 if point.attainment < 0.5 else 0
+                    if progress is not None:
+                        progress(
+                            f"{panel.key} {policy} x={point.x:g} "
+                            f"attainment={point.attainment:.3f} qos={point.qos:.3f} "
+                            f"({point.wall_s:.1f}s)"
+                        )
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return out
 
 

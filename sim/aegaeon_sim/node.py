@@ -3,41 +3,46 @@
 :class:`NodeSpec` describes what a live run used (``TRACE.stats.json``'s
 ``layout`` and ``latency``, the serve config's planner settings, the costs
 :mod:`aegaeon_sim.node_costs` measured); :func:`simulate_node` plays the
-same policy object over it:
+same policy object over the same instance loops (:mod:`aegaeon_sim.instances`):
 
 - Aegaeon: ``prefill-0..P-1`` and ``decode-0..D-1``; with ``hybrid_prefill``
   the prefill instances are hybrids listed after the decode instances as
   Algorithm 2 targets, fed decode shares every 0.5 s as the proxy does
-  (shares.py); every decode instance runs the live loop's round
-  controller (``aegaeon_sched.RoundController``).
-- Request-level policies: ``decode-0..P+D-1`` unified instances that prefill
-  one request at a time before their decode steps (as the live decode loop's
-  ``_prefill_new``) and switch only when idle; ``request-level-charged``'s
-  switches take the larger of the measured switch and its load path
-  (``load_path``: ``aegaeon_sched.load_path``, as the live instances wait it
-  out).
-- ``static-mux``: the same unified instances, each holding the models the
+  (shares.py).
+- Request-level policies: ``decode-0..P+D-1`` unified instances (the decode
+  loop serving ``RunRequest``: one request's prefill at a time before the
+  decode steps, a switch only when idle); ``request-level-charged``'s loops
+  wait out ``load_path`` at each scale-up, as live.
+- ``static-mux``: the same unified instances, each keeping the models the
   policy placed on it resident (``weights_budget_bytes``: its arena) and their
-  requests in its KV region (``kv_region_bytes``); no switch.
+  requests in its KV region (``kv_region_bytes``).
 
-Each instance runs on its own start-up profile (what the live instance
-fitted) with Eq. 5 replaced by the refit to the run's measured prefills when
-there is one and Eq. 6 scaled by the measured decode slowdown; its planner
-estimates with the unmodified profile, refined with every simulated step as
-the live instance refines it with every measured one; the policy (Alg. 1-2)
-with the prefill instance's (the live proxy's choice). Switches are
-priced as measured (``switch_model="measured"``) or by the profiles' Eq. 4
-(``"eq4"``, for comparison); per-step, per-turn and per-prefill overheads
-from the costs. The decode planner's switch estimate is the live one (Eq. 4
-or the learned turn overhead, whichever is larger).
+Each instance does its work as its own start-up profile (what the live instance
+fitted) says, with Eq. 5 replaced by the refit to the run's measured prefills when
+there is one and Eq. 6 scaled by the measured decode slowdown; its loop plans with
+the unmodified profile, refined with every simulated step as the live loop refines
+it with every measured one; the policy (Alg. 1-2) with the prefill instance's (the
+live proxy's choice). Switches are priced as measured
+(``switch_model="measured"``) or by the profiles' Eq. 4 (``"eq4"``, for
+comparison); the loop's own time as measured (:class:`~aegaeon_sim.worker.WorkerCosts`:
+per pass between steps, per activation, per swap-out order; the first step after
+a switch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aegaeon_common.config import (
+    BaselineConfig,
+    CacheConfig,
+    Config,
+    SchedulerConfig,
+    SLOConfig,
+)
+from aegaeon_gpumem import suggest_slab_bytes
 from aegaeon_sched import (
     SLO,
     ClusterSpec,
@@ -46,24 +51,19 @@ from aegaeon_sched import (
     PolicyOptions,
     Request,
     RequestTrace,
-    RoundRobinPlanner,
-    StaticMuxPolicy,
     make_policy,
 )
 
-from aegaeon_sim.decode_sim import DecodeSim
 from aegaeon_sim.driver import Simulation
-from aegaeon_sim.hybrid_sim import HybridSim
+from aegaeon_sim.instances import NodeSetup, SimInstance
 from aegaeon_sim.node_costs import NodeCosts
 from aegaeon_sim.shares import DecodeShareFeed
-from aegaeon_sim.switching import (
-    Eq4Switching,
-    InstanceCosts,
-    MeasuredSwitching,
-    Switching,
-)
-from aegaeon_sim.turn_meter import TurnLog
-from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
+from aegaeon_sim.switching import Eq4Switching, MeasuredSwitching, Switching, switch_cost
+from aegaeon_sim.worker import BLOCK_SIZE, WorkerCosts, engine_spec
+
+# A node whose serve config is unknown: its policy has no KV bound (no capacity
+# tokens), and its instances a region that never fills.
+UNKNOWN_KV_REGION_BYTES = 64 << 30
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,9 @@ class NodeSpec:
     capacity_tokens: Mapping[str, int] = field(default_factory=dict)
     switch_model: str = "measured"  # or "eq4"
     load_path: LoadPath | None = None  # request-level-charged's scale-ups
-    kv_region_bytes: int | None = None  # an instance's KV region (static-mux admission)
+    kv_region_bytes: int | None = None  # an instance's KV region (None: unknown, unbounded)
     weights_budget_bytes: int | None = None  # an instance's weights arena (static-mux)
+    token_hold: float = 1.0  # the decode instances' (scheduler.token_hold)
 
     @property
     def instance_names(self) -> tuple[str, ...]:
@@ -123,14 +124,22 @@ class NodeSpec:
         weights = {m: s.weight_bytes for m, s in lat.specs.items()}
         return MeasuredSwitching(self.costs.switch, weights)
 
-    def unified_switch_s(self, lat: LatencyModel) -> Callable[[str], float]:
-        """What a unified instance's switch to a model costs: as measured (or Eq. 4),
-        the load path's time when it is longer (``request-level-charged``)."""
-        full_s = self.switching(lat).full_s
+    def config(self) -> Config:
+        """The deployment as the instances' loops read it."""
         path = self.load_path
-        if path is None:
-            return full_s
-        return lambda model: path.switch_s(lat.spec(model).weight_bytes, full_s(model))
+        baseline = (BaselineConfig() if path is None else
+                    BaselineConfig(load_gb_s=path.bytes_per_s / 1e9, init_s=path.init_s))
+        return Config(
+            models=(), slo=SLOConfig(self.planner_slo.ttft_s, self.planner_slo.tbt_s),
+            scheduler=SchedulerConfig(
+                policy=self.policy,  # type: ignore[arg-type]
+                max_group_size=self.max_group_size, q_max_s=self.q_max_s,
+                round_ttft_fraction=self.round_ttft_fraction,
+                max_batch_size=self.max_batch_size, prefetch=self.prefetch,
+                token_hold=self.token_hold,
+            ),
+            baseline=baseline,
+        )  # fmt: skip
 
 
 @dataclass
@@ -142,7 +151,6 @@ class NodeRun:
     num_steps: int
     engine_s: float
     decode_shares: dict[str, float]
-    turns: dict[str, list[TurnLog]]
 
 
 def _cluster(spec: NodeSpec) -> ClusterSpec:
@@ -154,6 +162,21 @@ def _cluster(spec: NodeSpec) -> ClusterSpec:
     if spec.hybrid_prefill:
         decode += prefill  # decode instances first, as the live proxy lists them
     return ClusterSpec(prefill, decode)
+
+
+def _node(spec: NodeSpec, lat: LatencyModel) -> NodeSetup:
+    config = spec.config()
+    specs = {m: engine_spec(s) for m, s in lat.specs.items()}
+    block = max(s.kv_shape(config.dtype, BLOCK_SIZE).block_bytes for s in specs.values())
+    c = spec.costs
+    costs = WorkerCosts(
+        cold_step_s=c.cold_step_s, activate_s=c.turn_overhead_s,
+        # a prefill's time besides its compute and switch: its activation and its swap-out
+        swap_out_order_s=max(0.0, c.prefill_overhead_s - c.turn_overhead_s),
+        copy_bytes_per_s=lat.pcie_bytes_per_s,
+    )  # fmt: skip
+    slab = max(CacheConfig().slab_bytes, suggest_slab_bytes(block))
+    return NodeSetup(config, specs, slab, costs, poll_s=c.step_overhead_s)
 
 
 def simulate_node(spec: NodeSpec, requests: Sequence[Request], end_s: float) -> NodeRun:
@@ -168,63 +191,38 @@ def simulate_node(spec: NodeSpec, requests: Sequence[Request], end_s: float) -> 
                             decode_tbt_s=spec.planner_slo.tbt_s,
                             gpu_weight_budget_bytes=spec.weights_budget_bytes)  # fmt: skip
     policy = make_policy(spec.policy, cluster, policy_latency, options)
-    kv_rate = policy_latency.pcie_bytes_per_s
-    sim = Simulation(policy, policy_latency, requests, kv_bytes_per_s=kv_rate)
-    costs = spec.costs
-    switches: list[Any] = []
-    unified: list[RequestLevelSim | MuxSim] = []
-    decodes: list[DecodeSim] = []
-    feed: DecodeShareFeed | None = None
-    if spec.unified:
-        for name in names:
-            truth = spec.truth(name)
-            inst: RequestLevelSim | MuxSim
-            if isinstance(policy, StaticMuxPolicy):
-                inst = MuxSim(name, truth, float(spec.kv_region_bytes or 0))
-            else:
-                inst = RequestLevelSim(name, truth, switch_cost=spec.unified_switch_s(truth))
-            inst.prefill_one_by_one, inst.step_overhead_s = True, costs.step_overhead_s
-            sim.add_unified(inst)
-            unified.append(inst)
-            switches.append(inst)
-    else:
-        planner = RoundRobinPlanner(
-            spec.planner_slo.tbt_s, spec.q_max_s, ttft_s=spec.planner_slo.ttft_s,
-            round_ttft_fraction=spec.round_ttft_fraction,
-        )  # fmt: skip
-        hybrids = []
-        for name in names:
-            truth = spec.truth(name)
-            switching = spec.switching(truth)
-            inst_costs = InstanceCosts(switching, costs.step_overhead_s, costs.turn_overhead_s,
-                                       costs.cold_step_s, learned_switch_estimate=True)  # fmt: skip
-            common: dict[str, Any] = {
-                "kv_bytes_per_s": kv_rate, "costs": inst_costs, "prefetch": spec.prefetch,
-                "estimator": spec.profile(name),
-            }  # fmt: skip
-            if name.startswith("prefill-"):
-                prefill = sim.add_prefill(name, switching=switching, prefetch=spec.prefetch,
-                                          latency=truth, overhead_s=costs.prefill_overhead_s)
-                switches.append(prefill)  # fmt: skip
-                if spec.hybrid_prefill:
-                    hybrids.append(prefill)
-                    decodes.append(HybridSim(prefill, truth, planner, **common))
-            else:
-                decodes.append(DecodeSim(name, truth, planner, **common))
-        for d in decodes:
-            d.meter.refine = True  # as the live instances (observe_decode every step)
-            sim.add_decode(d)
-        if hybrids:
-            feed = DecodeShareFeed(policy, hybrids)
-            feed.start(sim.schedule, end_s)
+    sim = Simulation(policy, requests)
+    node = _node(spec, policy_latency)
+    kv_region = spec.kv_region_bytes or UNKNOWN_KV_REGION_BYTES
+    instances: list[SimInstance] = []
+    for name in names:
+        truth = spec.truth(name)
+        switching = spec.switching(truth)
+
+        def switch_s(model: str, prefetch: tuple[str, float] | None, now_s: float,
+                     switching: Switching = switching) -> float:  # fmt: skip
+            return switch_cost(switching, model, prefetch, now_s)
+
+        if spec.unified:
+            role = "unified"
+        elif name.startswith("prefill-"):
+            role = "hybrid" if spec.hybrid_prefill else "prefill"
+        else:
+            role = "decode"
+        instances.append(sim.add_instance(name, role, node, truth=truth,
+                                          estimator=spec.profile(name),
+                                          kv_region_bytes=kv_region, switch_s=switch_s))
+    hybrids = [i for i in instances if i.role == "hybrid"]
+    feed = None
+    if hybrids:
+        feed = DecodeShareFeed(policy, hybrids)
+        feed.start(sim.schedule, end_s)
     sim.run(end_s)
-    traces = [sim.sims[r.request_id].trace() for r in requests]
+    decoding = [i for i in instances if i.role != "prefill"]
     return NodeRun(
-        traces=traces,
-        num_switches=sum(int(s.num_switches) for s in switches)
-        + sum(len(d.switch_costs) for d in decodes),
-        num_steps=sum(d.meter.num_steps for d in decodes) + sum(u.num_steps for u in unified),
-        engine_s=sum(d.meter.engine_s for d in decodes) + sum(u.engine_s for u in unified),
+        traces=sim.traces(),
+        num_switches=sum(i.counters.switches for i in instances),
+        num_steps=sum(i.counters.steps for i in decoding),
+        engine_s=sum(i.counters.decode_s for i in decoding),
         decode_shares={h: feed.mean_share(h) for h in feed.shares} if feed else {},
-        turns={d.name: d.meter.log for d in decodes},
     )

@@ -121,6 +121,7 @@ def load_case(
         load_path=load_path_for(policy, planner.baseline.load_gb_s, planner.baseline.init_s),
         kv_region_bytes=kv_bytes,
         weights_budget_bytes=None if arena is None else max(arena - ARENA_SLACK_BYTES, 0),
+        token_hold=sched.token_hold,
     )  # fmt: skip
     settings = summary["settings"]
     result = summary["result"]

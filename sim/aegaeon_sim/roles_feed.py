@@ -1,8 +1,7 @@
 """Role switching in the simulator: heartbeats that feed :class:`aegaeon_sched.RoleController`.
 
-Every instance is prefill- and decode-capable (a :class:`~aegaeon_sim.prefill_sim.PrefillSim`
-with a :class:`~aegaeon_sim.hybrid_sim.HybridSim` on the same GPU), the
-configured decode instances start in standby (the policy's
+Every instance is prefill- and decode-capable (a hybrid: the decode loop with its
+prefill side), the configured decode instances start in standby (the policy's
 ``PolicyOptions.standby``). Every heartbeat (0.5 s, the services' period)
 :class:`RoleFeed` observes what the live proxy observes and hands it to the
 controller; each change it returns is carried out with
@@ -14,11 +13,13 @@ its queued groups still run there). The signals (:class:`aegaeon_sched.RoleSigna
   window (:class:`aegaeon_sched.Velocity`, as the proxy counts them);
 - backlog: the prompt tokens queued (not running) in the dispatcher's queues;
 - each instance's prefill velocity while busy: the prompt tokens it has
-  prefilled over its prefill seconds (compute and switches); before its
-  first prefill, the latency model's estimate
-  (:func:`aegaeon_sched.roles.estimated_prefill_velocity`), as the proxy does;
-- decode demand per instance (the dispatcher's Eq. 3 ``S``) and the prefill
-  busy share of the last interval.
+  prefilled over its busy seconds (its loop's ``prefill_tokens`` counter over
+  ``prefill_s`` plus ``switch_s``: its compute and its switches, which at H800
+  scale take ten times a prefill's compute); before its first prefill, the
+  latency model's estimate (:func:`aegaeon_sched.roles.estimated_prefill_velocity`),
+  as the proxy does;
+- decode demand per instance (the dispatcher's Eq. 3 ``S``) and the busy share
+  of the last interval (the same seconds).
 
 Without a controller (fixed roles) the feed only samples, so both runs
 report the same burst figures: :func:`absorb_times`.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aegaeon_sched import (
     Action,
@@ -40,7 +42,8 @@ from aegaeon_sched import (
 )
 from aegaeon_sched.roles import estimated_prefill_velocity
 
-from aegaeon_sim.prefill_sim import PrefillSim
+if TYPE_CHECKING:
+    from aegaeon_sim.instances import SimInstance
 
 HEARTBEAT_S = 0.5
 
@@ -59,7 +62,7 @@ class RoleFeed:
     def __init__(
         self,
         policy: AegaeonPolicy,
-        prefills: Sequence[PrefillSim],
+        prefills: Sequence[SimInstance],
         requests: Iterable[Request],
         latency: LatencyModel,
         models: Sequence[str],
@@ -91,9 +94,9 @@ class RoleFeed:
 
     def prefill_velocity(self) -> dict[str, float]:
         measured = {
-            p.name: p.prefilled_tokens / (p.compute_s + p.switch_s)
+            p.name: p.counters.prefill_tokens / _busy_s(p)
             for p in self.prefills
-            if p.compute_s > 0
+            if p.counters.prefill_s > 0
         }
         return {p.name: measured.get(p.name, self._estimate) for p in self.prefills}
 
@@ -106,7 +109,7 @@ class RoleFeed:
         dt = now_s - self._prev_s
         busy: dict[str, float] = {}
         for p in self.prefills:
-            spent = p.compute_s + p.switch_s
+            spent = _busy_s(p)
             prev = self._busy_prev.get(p.name, spent)
             busy[p.name] = min(1.0, max(0.0, (spent - prev) / dt)) if dt > 0 else 0.0
             self._busy_prev[p.name] = spent
@@ -123,6 +126,11 @@ class RoleFeed:
                 self.apply(self.policy.set_role(change.instance, change.role, now_s), now_s)
         num_prefill = sum(self.policy.prefill_role(p.name) for p in self.prefills)
         self.samples.append(Sample(now_s, backlog, num_prefill, arrival))
+
+
+def _busy_s(instance: SimInstance) -> float:
+    counters = instance.counters
+    return counters.prefill_s + counters.switch_s
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from aegaeon_common.config import Config, SchedulerConfig, SLOConfig
+from aegaeon_gpumem import suggest_slab_bytes
 from aegaeon_sched import (
     ROUND_TTFT_FRACTION,
     SLO,
     AegaeonPolicy,
     ClusterSpec,
+    DecodeShare,
     LatencyModel,
     Policy,
     PolicyOptions,
@@ -18,6 +21,7 @@ from aegaeon_sched import (
     RequestTrace,
     RoleController,
     RoleSettings,
+    RoundController,
     RoundRobinPlanner,
     Shedder,
     SLOClasses,
@@ -33,7 +37,6 @@ from aegaeon_workload.synthetic import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
 from aegaeon_sim.adapters import AdapterMarket, adapter_market, with_units
 from aegaeon_sim.classes import AdmissionGate, reports_by_class, resolve
-from aegaeon_sim.decode_sim import DecodeSim
 from aegaeon_sim.driver import Simulation
 from aegaeon_sim.hardware import (
     H800,
@@ -44,11 +47,11 @@ from aegaeon_sim.hardware import (
     market,
     unified_kv_bytes,
 )
-from aegaeon_sim.hybrid_sim import HybridSim
+from aegaeon_sim.instances import NodeSetup, SimInstance
 from aegaeon_sim.roles_feed import Absorb, RoleFeed, Sample, absorb_times
 from aegaeon_sim.shares import DecodeShareFeed
-from aegaeon_sim.switching import Eq4Switching, InstanceCosts
-from aegaeon_sim.unified_sim import MuxSim, RequestLevelSim
+from aegaeon_sim.switching import Eq4Switching, switch_cost
+from aegaeon_sim.worker import BLOCK_SIZE, SwitchCost, WorkerCosts, engine_spec
 
 PAPER_SLO = SLO(ttft_s=10.0, tbt_s=0.1)
 # ServerlessLLM's loading rate as the paper's artifact simulated it: its
@@ -79,7 +82,7 @@ class Scenario:
     round_ttft_fraction: float | None = ROUND_TTFT_FRACTION
     fresh_first: bool = False
     # Beyond the paper (as the live system): prefill instances decode when no
-    # prefill waits (hybrid_sim.py); a new decode batch goes to the work list
+    # prefill waits (the decode loop's prefill side); a new decode batch goes to the work list
     # with the fewest batches per unit of decode share (shares.py, as the live
     # proxy), or with "shortest" to the strictly shortest (decode instances
     # first on ties); "busy-share": decode share counting the prefills'
@@ -93,7 +96,6 @@ class Scenario:
     # Every switch copies this share of a model's bf16 bytes (0.5: FP8 or Q8_0
     # weights; issue 27's density run): Aegaeon's Eq. 4 and the baselines' copy alike.
     switch_scale: float = 1.0
-    always_advance: bool = False  # see Simulation: validates the lazy advancement
     # Past the paper (issue 19; classes.py, roles_feed.py). SLO classes drawn
     # per request (e.g. (("interactive", 0.3), ("batch", 0.7))), scored per
     # class against the class's targets; with ``slo_classes`` the scheduler sees
@@ -143,10 +145,24 @@ class ScenarioResult:
     adapter_loads: int = 0  # adapters brought to an instance (first run there)
 
 
+class ExactLatency(LatencyModel):
+    """Eq. 4-6 known exactly (the paper's hardware model): an instance's loop refines
+    its estimates with every step it measures, and measuring these very values
+    changes nothing, so observations are not kept (they cost a decode step's time)."""
+
+    def observe_decode(
+        self, model: str, batch_size: int, context_tokens: int, seconds: float
+    ) -> None:
+        pass
+
+    def observe_prefill(self, model: str, prompt_lens: Sequence[int], seconds: float) -> None:
+        pass
+
+
 @dataclass
 class _Built:
     sim: Simulation
-    count_switches: Callable[[], tuple[int, list[float]]]
+    decode: list[SimInstance]  # Aegaeon's decode-capable instances (their switches exposed)
     gate: AdmissionGate | None = None
     feed: RoleFeed | None = None
 
@@ -199,6 +215,28 @@ def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Seque
                          host_kv_tokens=host_kv_tokens)  # fmt: skip
 
 
+def _node(sc: Scenario, options: PolicyOptions, lat: LatencyModel, hw: Hardware,
+          units: Mapping[str, str] | None = None) -> NodeSetup:
+    """What the simulated instances share: the scenario's settings as the loops read
+    them (the SLO, the planner, the policy; every step's tokens sent at once, as the
+    paper's system streams them), the models' KV shapes, KV moving at the host link's
+    effective rate (Eq. 4's)."""
+    config = Config(
+        models=(), slo=SLOConfig(sc.slo.ttft_s, sc.slo.tbt_s),
+        scheduler=SchedulerConfig(
+            policy=sc.policy,  # type: ignore[arg-type]
+            max_group_size=options.max_group_size, q_max_s=sc.q_max_s,
+            round_ttft_fraction=sc.round_ttft_fraction, max_batch_size=sc.max_batch_size,
+            prefetch=sc.prefetch, token_hold=0.0,
+        ),
+    )  # fmt: skip
+    specs = {m: engine_spec(s) for m, s in lat.specs.items()}
+    block = max(s.kv_shape(config.dtype, BLOCK_SIZE).block_bytes for s in specs.values())
+    return NodeSetup(config, specs, suggest_slab_bytes(block),
+                     WorkerCosts(copy_bytes_per_s=hw.pcie_effective_bytes_per_s),
+                     units=dict(units or {}))  # fmt: skip
+
+
 def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyModel,
            adapters: AdapterMarket | None = None) -> _Built:
     cluster = _cluster(sc)
@@ -232,45 +270,45 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
         seen = bool(sc.class_mix) and sc.slo_classes
         shedder = Shedder(sc.slo_classes_spec, sc.max_deferred) if seen else None
         policy = gate = AdmissionGate(inner, bounds, shedder, class_of)
-    sim = Simulation(
-        policy, lat, requests, kv_bytes_per_s=hw.pcie_effective_bytes_per_s,
-        always_advance=sc.always_advance,
-    )  # fmt: skip
+    sim = Simulation(policy, requests)
+    node = _node(sc, options, lat, hw, options.units)
+    # What work takes, and what every instance plans with: the hardware's Eq. 4-6
+    # exactly (the policy refines its own copy, lat, from the prefills it sees).
+    truth = ExactLatency.from_dict(lat.to_dict())
+
+    def add(name: str, role: str, kv_region: float, switch_s: SwitchCost,
+            rounds: RoundController | None = None) -> SimInstance:  # fmt: skip
+        return sim.add_instance(name, role, node, truth=truth, estimator=truth,
+                                kv_region_bytes=int(kv_region), switch_s=switch_s,
+                                rounds=rounds)  # fmt: skip
+
     if sc.policy == "aegaeon":
+        switching = Eq4Switching(lat, hw.d2d_bytes_per_s)
+
+        def eq4(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
+            return switch_cost(switching, model, prefetch, now_s)
+
         planner = RoundRobinPlanner(
             sc.slo.tbt_s, sc.q_max_s, ttft_s=sc.slo.ttft_s,
             round_ttft_fraction=sc.round_ttft_fraction, fresh_first=sc.fresh_first,
         )  # fmt: skip
-        switching = Eq4Switching(lat, hw.d2d_bytes_per_s)
-        ttft0 = options.default_ttft_s
+        hybrid = _hybrid(sc)
         prefills = [
-            sim.add_prefill(name, switching=switching, prefetch=sc.prefetch, default_ttft_s=ttft0)
+            add(name, "hybrid" if hybrid else "prefill", decode_kv, eq4,
+                RoundController(planner, share=DecodeShare()) if hybrid else None)
             for name in cluster.prefill_instances
-        ]
-        kv, costs, pf = hw.pcie_effective_bytes_per_s, InstanceCosts(switching), sc.prefetch
-        decodes = [
-            DecodeSim(name, lat, planner, kv_bytes_per_s=kv, costs=costs, prefetch=pf)
-            for name in cluster.decode_instances
-            if name not in cluster.prefill_instances
-        ]
-        if _hybrid(sc):
-            decodes += [
-                HybridSim(p, lat, planner, kv_bytes_per_s=kv, costs=costs, prefetch=pf)
-                for p in prefills
-            ]
+        ]  # fmt: skip
+        decodes = [add(name, "decode", decode_kv, eq4, RoundController(planner))
+                   for name in cluster.decode_instances
+                   if name not in cluster.prefill_instances]  # fmt: skip
+        if hybrid:
+            decodes += prefills
             if sc.hybrid_placement in ("decode-share", "busy-share"):
                 shares = DecodeShareFeed(inner, prefills,
                                          with_switches=sc.hybrid_placement == "busy-share")
                 shares.start(sim.schedule, sc.duration_s + sc.drain_s)  # fmt: skip
             elif sc.hybrid_placement != "shortest":
                 raise ValueError(f"unknown hybrid placement {sc.hybrid_placement!r}")
-        for d in decodes:
-            sim.add_decode(d)
-
-        def aegaeon_switches() -> tuple[int, list[float]]:
-            costs = [c for d in decodes for c in d.switch_costs]
-            return sum(p.num_switches for p in prefills) + len(costs), costs
-
         feed = None
         if sc.roles or sc.burst is not None:
             assert isinstance(inner, AegaeonPolicy)
@@ -282,20 +320,23 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
                 controller = RoleController(base, settings)
             feed = RoleFeed(inner, prefills, requests, lat, tuple(models), sim.apply, controller)
             feed.start(sim.schedule, sc.duration_s + sc.drain_s)
-        return _Built(sim, aegaeon_switches, gate, feed)
+        return _Built(sim, decodes, gate, feed)
     if isinstance(policy, StaticMuxPolicy):
         for name in cluster.unified_instances:
             resident = sum(models[m].weight_bytes for m in policy.models_on(name))
-            sim.add_unified(MuxSim(name, lat, hw.usable_bytes - resident))
-        return _Built(sim, lambda: (0, []))
-    unified = [
-        RequestLevelSim(name, lat, None if sc.baseline_switch_bytes_per_s is None
-                        else sc.baseline_switch_bytes_per_s / sc.switch_scale)
-        for name in cluster.unified_instances
-    ]
-    for u in unified:
-        sim.add_unified(u)
-    return _Built(sim, lambda: (sum(u.num_switches for u in unified), []))
+            add(name, "unified", hw.usable_bytes - resident, lambda m, p, now: lat.switch_s(m))
+        return _Built(sim, [])
+    rate = sc.baseline_switch_bytes_per_s
+    if rate is None:
+        def baseline(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
+            return lat.switch_s(model)
+    else:
+        def baseline(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
+            return lat.spec(model).weight_bytes * sc.switch_scale / rate
+    largest = max(a.weight_bytes for a in models.values())
+    for name in cluster.unified_instances:
+        add(name, "unified", hw.usable_bytes - largest, baseline)
+    return _Built(sim, [])
 
 
 def run_scenario(
@@ -309,14 +350,10 @@ def run_scenario(
                 if sc.adapters_per_model else None)  # fmt: skip
     built = _build(sc, models, hw, lat, adapters)
     built.sim.run(sc.duration_s + sc.drain_s)
-    traces = []
-    for sim in built.sim.sims.values():
-        trace = sim.trace()
-        if sim.request.request_id in built.sim.rejected:
-            trace = RequestTrace(trace.request_id, trace.arrival_s, trace.expected_tokens, [], True)
-        traces.append(trace)
+    traces = built.sim.traces()
     report = summarize(traces, sc.slo, tbt_percentiles=tbt_percentiles)
-    switches, decode_costs = built.count_switches()
+    switches = sum(i.counters.switches for i in built.sim.instances.values())
+    decode_costs = [r.total_s for d in built.decode for r in d.counters.new_switches]
     feed = built.feed
     by_class = {}
     if sc.class_mix:

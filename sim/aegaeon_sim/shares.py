@@ -9,22 +9,25 @@ moving average (``busy += 0.1 (new - busy)``, first value as is) and calls
 goes to the work list with the fewest batches per unit of decode share.
 
 The same rule here, on the simulated clock: a heartbeat event every
-``interval_s`` reads each hybrid :class:`PrefillSim`'s ``compute_s``
-(finished prefills, as the live counter). The first heartbeat only records
+``interval_s`` reads each hybrid instance's ``prefill_s`` counter (its loop's
+own, as the heartbeat carries it). The first heartbeat only records
 (share 1, as live). ``with_switches=True`` (not what the proxy does) counts
-the prefills' model switches as busy time too: at H800 scale a prefill takes
-~30 ms and the switch before it ~0.35 s, so compute alone says a hybrid that
-is mostly switching is nearly idle.
+the instance's model switches as busy time too (``switch_s``: its prefills'
+and its decode turns'): at H800 scale a prefill takes ~30 ms and the switch
+before it ~0.35 s, so compute alone says a hybrid that is mostly switching is
+nearly idle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from aegaeon_sched import DecodeDispatcher, DecodeShare, Policy
 from aegaeon_sched.share import SMOOTHING
 
-from aegaeon_sim.prefill_sim import PrefillSim
+if TYPE_CHECKING:
+    from aegaeon_sim.instances import SimInstance
 
 HEARTBEAT_S = 0.5  # services' InstanceStats period
 
@@ -35,7 +38,7 @@ class DecodeShareFeed:
     def __init__(
         self,
         policy: Policy,
-        hybrids: Sequence[PrefillSim],
+        hybrids: Sequence[SimInstance],
         *,
         interval_s: float = HEARTBEAT_S,
         smoothing: float = SMOOTHING,
@@ -64,7 +67,8 @@ class DecodeShareFeed:
 
         def beat(now_s: float) -> None:
             for hybrid in self.hybrids:
-                busy = hybrid.compute_s + (hybrid.switch_s if self.with_switches else 0.0)
+                counters = hybrid.counters
+                busy = counters.prefill_s + (counters.switch_s if self.with_switches else 0.0)
                 share = self.observe(hybrid.name, busy, now_s)
                 self.dispatcher.set_decode_share(hybrid.name, share)
                 self.shares[hybrid.name].append((now_s, share))

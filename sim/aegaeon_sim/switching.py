@@ -1,4 +1,4 @@
-"""What a model switch costs a simulated instance, and the per-step/per-turn costs around it.
+"""What a model switch costs a simulated instance (its fake switcher's price list).
 
 Two switch-cost models behind one protocol (:class:`Switching`):
 
@@ -13,8 +13,8 @@ Two switch-cost models behind one protocol (:class:`Switching`):
   (``fixed + bytes / rate`` of the prefetch thread's copies) plus the
   measured cost of activating a model already in place.
 
-:class:`InstanceCosts` bundles a switch model with the costs of a live
-decode loop that the latency model (engine time only) does not see.
+A simulated instance's switcher (:class:`aegaeon_sim.worker.FakeSwitcher`) asks
+:func:`switch_cost` what each switch exposes, given the prefetch in flight.
 """
 
 from __future__ import annotations
@@ -95,45 +95,3 @@ def switch_cost(
     if prefetch is not None and prefetch[0] == model:
         return switching.prefetched_s(model, max(0.0, now_s - prefetch[1]))
     return switching.full_s(model)
-
-
-@dataclass(frozen=True)
-class InstanceCosts:
-    """An instance's costs besides engine time (the latency model's Eq. 5-6).
-
-    ``step_overhead_s``: wall time of a decode step beyond the engine's
-    (sampling, bookkeeping, streaming the tokens out); ``turn_overhead_s``:
-    a decode turn's fixed cost besides its switch (swap-in bookkeeping, the
-    prefetch order); ``cold_step_s``: engine time added to the first step of a
-    turn that began with a switch (the new model's weights are not in the
-    caches and the next model's prefetch copy competes for memory bandwidth
-    and cores); ``learned_switch_estimate``: the planner's switch
-    estimate for a model is, as on the live decode instances
-    (services/decode ``TurnRunner.switch_estimate``), the larger of Eq. 4 and
-    a moving average (0.8/0.2) of its turns' time not spent in engine steps;
-    otherwise Eq. 4 alone (the paper).
-    """
-
-    switching: Switching
-    step_overhead_s: float = 0.0
-    turn_overhead_s: float = 0.0
-    cold_step_s: float = 0.0
-    learned_switch_estimate: bool = False
-
-
-class SwitchEstimate:
-    """The switch estimates a decode planner uses (see :class:`InstanceCosts`)."""
-
-    def __init__(self, latency: LatencyModel, learned: bool) -> None:
-        self.latency = latency
-        self.learned = learned
-        self._overhead_s: dict[str, float] = {}
-
-    def __call__(self, model: str) -> float:
-        eq4 = self.latency.switch_s(model)
-        return max(eq4, self._overhead_s.get(model, 0.0)) if self.learned else eq4
-
-    def observe_turn(self, model: str, overhead_s: float) -> None:
-        """A turn that decoded spent ``overhead_s`` outside engine steps."""
-        old = self._overhead_s.get(model)
-        self._overhead_s[model] = overhead_s if old is None else 0.8 * old + 0.2 * overhead_s

@@ -54,8 +54,10 @@ def _run(
     inbox = TimedInbox(worker.clock, timed)
     outbox = Outbox()
     estimator = LatencyModel.from_dict(worker.truth.to_dict())
-    planner = RoundRobinPlanner(worker.tbt_s, worker.q_max_s, ttft_s=worker.ttft_s,
-                                round_ttft_fraction=worker.round_ttft_fraction)  # fmt: skip
+    config = worker.config
+    planner = RoundRobinPlanner(config.slo.tbt_s, config.scheduler.q_max_s,
+                                ttft_s=config.slo.ttft_s,
+                                round_ttft_fraction=config.scheduler.round_ttft_fraction)
     rounds = Recording(planner, share=DecodeShare() if hybrid else None)
     loop = DecodeLoop(worker, inbox, outbox, hybrid, clock=worker.clock, rounds=rounds,
                       profile=lambda: estimator)  # fmt: skip

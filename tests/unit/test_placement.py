@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from aegaeon_common.config import ConfigError, config_from_dict
+from aegaeon_sched.gpu_spec import parse_gpus, select_gpus
 from aegaeon_sched.placement import (
     GpuInfo,
     HostInfo,
@@ -13,10 +14,9 @@ from aegaeon_sched.placement import (
     Plan,
     default_counts,
     gpu_reserve_bytes,
-    parse_gpus,
-    select_gpus,
 )
-from aegaeon_sched.sizing import KV_MIN_BYTES, apply_plan, plan_cache, plan_node
+from aegaeon_sched.plan_config import apply_plan
+from aegaeon_sched.sizing import KV_MIN_BYTES, plan_cache, plan_node
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from aegaeon_common.messages.prefill import AddModel, CancelRequest, EnqueuePrefill
 from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestFailed
@@ -137,3 +138,21 @@ def test_each_prefill_leaves_with_what_the_instance_still_holds() -> None:
     assert done[-1].finish_reason == "length" and done[-1].holdings.kv_blocks_in_use == 0
     versions = [d.holdings.version for d in done]
     assert versions == sorted(set(versions))
+
+
+def test_a_request_for_a_group_that_ends_while_it_travels_keeps_the_groups_place() -> None:
+    """The proxy adds a2 to a1's group while a1's prefill runs (its copy of the queue
+    still holds the group); the instance reads the message only after a1 is done and
+    the group gone. Reopened at the key the proxy gave it, the group runs before the
+    group of b queued meanwhile: no switch away from a and back."""
+    w = FakeWorker(latency_model(["a", "b"], switch_s=0.05), kind="prefill")
+    a1 = _job("a1", "a", 0, 40, 0.0)
+    b1 = _job("b1", "b", 1, 30, 0.001)
+    a2 = msgspec.structs.replace(_job("a2", "a", 0, 20, 0.02), group_key_s=0.0)
+    timed = [(0.0, a1), (0.001, b1), (0.02, a2)]
+    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(w.truth.to_dict())
+    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
+    loop.run(inbox.stop)
+    assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["a1", "a2", "b1"]
+    assert w.switcher.activations == ["a", "b"]

@@ -13,7 +13,7 @@ from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_proxy.cluster.instances import InstanceView
 from aegaeon_proxy.cluster.policy import build_policy
 from aegaeon_proxy.cluster.roles import RoleSwitcher, view_meter
-from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request
+from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request, RoleLoad
 from fake_worker import latency_model
 
 ROLES = RolesConfig(enabled=True, high_util=0.5, low_util=0.2, up_hold_s=0.0, down_hold_s=1.0,
@@ -42,15 +42,21 @@ def _policy() -> AegaeonPolicy:
                          default_ttft_s=10.0)  # fmt: skip
 
 
+def _load(policy: AegaeonPolicy) -> RoleLoad:
+    load = policy.role_load()
+    assert load is not None  # (roles move under the aegaeon policy)
+    return load
+
+
 def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     views = _views()
     switcher = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=True)
     policy = _policy()
     for view in views:  # measured: 1000 prompt tokens/s while prefilling
         _beat(view, 1000.0, 1.0)
-    assert switcher.observe(0.0, policy, views, alive=True) == []  # nothing arrives
+    assert switcher.observe(0.0, _load(policy), views, alive=True) == []  # nothing arrives
     switcher.arrived(0.1, 4000)  # 2000 tokens/s over the 2 s window > 0.5 x 1000
-    (up,) = switcher.observe(0.2, policy, views, alive=True)
+    (up,) = switcher.observe(0.2, _load(policy), views, alive=True)
     assert (up.instance, up.role) == ("decode-0", "prefill")
     assert switcher.role("decode-0") == "prefill" and switcher.switches["prefill"] == 1
     # the caller applies it: decode-0 takes prefill work from now on
@@ -61,8 +67,8 @@ def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     # the burst is over (window passed, queues empty): back after down_hold
     policy.on_request_cancelled("r0", 3.0)
     policy.on_request_cancelled("r1", 3.0)
-    assert switcher.observe(3.0, policy, views, alive=True) == []
-    (back,) = switcher.observe(4.1, policy, views, alive=True)
+    assert switcher.observe(3.0, _load(policy), views, alive=True) == []
+    (back,) = switcher.observe(4.1, _load(policy), views, alive=True)
     assert (back.instance, back.role) == ("decode-0", "decode")
     snap = switcher.snapshot(4.1, {})
     assert snap["roles"] == {"prefill-0": "prefill", "decode-0": "decode"}
@@ -77,10 +83,10 @@ def test_roles_hold_still_while_an_instance_is_down_or_switching_is_off() -> Non
     policy = _policy()
     switcher = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=True)
     switcher.arrived(0.0, 100_000)
-    assert switcher.observe(0.1, policy, views, alive=False) == []
+    assert switcher.observe(0.1, _load(policy), views, alive=False) == []
     off = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=False)
     off.arrived(0.0, 100_000)
-    assert off.observe(0.1, policy, views, alive=True) == []
+    assert off.observe(0.1, _load(policy), views, alive=True) == []
     assert off.roles == {"prefill-0": "prefill", "decode-0": "decode"}
 
 

@@ -24,7 +24,9 @@ def _decode(worker: FakeWorker, timed: list[tuple[float, Any]]) -> tuple[DecodeL
     inbox = TimedInbox(worker.clock, timed)
     outbox = Outbox()
     estimator = LatencyModel.from_dict(worker.truth.to_dict())
-    planner = RoundRobinPlanner(worker.tbt_s, worker.q_max_s, ttft_s=worker.ttft_s)
+    config = worker.config
+    planner = RoundRobinPlanner(config.slo.tbt_s, config.scheduler.q_max_s,
+                                ttft_s=config.slo.ttft_s)
     loop = DecodeLoop(worker, inbox, outbox, False, clock=worker.clock,
                       rounds=RoundController(planner), profile=lambda: estimator)  # fmt: skip
     loop.run(inbox.stop)

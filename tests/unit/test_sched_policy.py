@@ -73,3 +73,18 @@ def test_cancel_targets_the_instance_holding_the_request() -> None:
     assert isinstance(place, PlaceDecode)
     assert policy.on_request_cancelled("r1", 2.0) == [Cancel(place.instance, "r1")]
     assert len(policy.decode.work_lists[place.instance]) == 0
+
+
+def test_a_prefill_action_carries_its_groups_place() -> None:
+    """A request joining an open group carries the group's key (the opening request's
+    first-token deadline), so a mirror that emptied the group meanwhile reopens it
+    in the same place."""
+    policy = _policy()
+    first, second = (policy.on_arrival(_req(i, "a"), float(i)) for i in (0, 2))
+    assert isinstance(first[0], EnqueuePrefill) and isinstance(second[0], EnqueuePrefill)
+    assert second[0].group_id == first[0].group_id
+    assert second[0].group_key_s == first[0].group_key_s is not None
+    mirror = PrefillQueue()  # the instance's, its copy of the group already gone
+    mirror.add(_req(1, "b"), 99)
+    mirror.add(second[0].request, second[0].group_id, key_s=second[0].group_key_s)
+    assert [g.model for g in mirror] == ["a", "b"]

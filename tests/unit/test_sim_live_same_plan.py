@@ -1,27 +1,29 @@
-"""The simulator's decode instance and a live decode loop run the same round controller,
-and given the same arrivals and the same costs they make the same plans and turns.
+"""The simulator runs the live decode loop itself; on its event loop the loop makes the same
+plans and turns, at the same times, as when a test drives it alone on a plain fake clock.
 
-Live: :class:`~aegaeon_runtime.decode.loop.DecodeLoop` on the in-memory worker
-(fake_worker.py), whose engine steps and switches advance a fake clock by the
-same latency model the simulator prices them with. Simulated:
-:class:`~aegaeon_sim.decode_sim.DecodeSim` with that model as its truth and
-no costs besides (no per-step or per-turn overhead, KV copies of no time).
-Both refine their estimates from every step and learn switch overheads from
-their turns, as they do in service and in a replay.
+Alone: :class:`~aegaeon_runtime.decode.loop.DecodeLoop` on the in-memory worker
+(fake_worker.py), its commands delivered by a :class:`TimedInbox`. Simulated: the same
+loop as a task of :class:`~aegaeon_sim.events.EventLoop` (its engine steps and
+switches pause it on simulated time, its inbox is a :class:`~aegaeon_sim.instances.SimInbox`
+filled by events at the arrival times), as every instance of ``aegaeon sim`` runs.
+Both refine their estimates from every step and learn switch overheads from their
+turns, as they do in service.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import threading
 from typing import Any
 
 import pytest
+from aegaeon_common.wire import Message
 from aegaeon_runtime.decode.loop import DecodeLoop
-from aegaeon_sched import LatencyModel, Request, RoundController, RoundRobinPlanner
-from aegaeon_sim.decode_sim import DecodeSim
-from aegaeon_sim.state import SimRequest
-from aegaeon_sim.switching import Eq4Switching, InstanceCosts, switch_cost
+from aegaeon_sched import LatencyModel, RoundController, RoundRobinPlanner
+from aegaeon_sim.events import EventLoop, SimClock
+from aegaeon_sim.instances import SimInbox
+from aegaeon_sim.switching import Eq4Switching, switch_cost
 from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model
 
 MODELS = ["a", "b", "c"]
@@ -64,59 +66,46 @@ def _arrivals(seed: int) -> list[tuple[float, str, str, int, int, int]]:
     return out
 
 
-def _planner() -> RoundRobinPlanner:
-    return RoundRobinPlanner(TBT_S, 4.0, ttft_s=TTFT_S)
-
-
 Turns = list[tuple[str, float, float, int]]  # model, start, end, steps
 
 
-def _live(truth: LatencyModel, arrivals: list[Any]) -> tuple[Recording, Turns]:
+def _run(truth: LatencyModel, arrivals: list[Any], simulated: bool) -> tuple[Recording, Turns]:
     switching = Eq4Switching(truth, math.inf)
+    events = EventLoop()
     worker = FakeWorker(
-        truth, ttft_s=TTFT_S, tbt_s=TBT_S, kv_region_bytes=4096 * 8192,  # every batch fits
+        truth, SimClock(events) if simulated else None, ttft_s=TTFT_S, tbt_s=TBT_S,
+        kv_region_bytes=4096 * 8192,  # every batch fits
         switch_s=lambda model, prefetch, now: switch_cost(switching, model, prefetch, now),
     )  # fmt: skip
     timed = [(t, worker.enqueue(rid, m, b, p, n, t)) for t, rid, m, b, p, n in arrivals]
-    inbox = TimedInbox(worker.clock, timed)
-    rounds = Recording(_planner())
+    rounds = Recording(RoundRobinPlanner(TBT_S, 4.0, ttft_s=TTFT_S))
     estimator = LatencyModel.from_dict(truth.to_dict())
-    loop = DecodeLoop(worker, inbox, Outbox(), clock=worker.clock, rounds=rounds,
-                      profile=lambda: estimator)  # fmt: skip
-    loop.run(inbox.stop)
+    if simulated:
+        inbox = SimInbox(events)
+        loop = DecodeLoop(worker, inbox, Outbox(), clock=worker.clock, rounds=rounds,
+                          profile=lambda: estimator)  # fmt: skip
+        inbox.idle = lambda: not len(loop.work)
+        for t, msg in timed:
+            events.at(t, lambda msg=msg: inbox.put(msg))  # type: ignore[misc]
+        events.spawn(lambda: loop.run(threading.Event()))
+        events.run(math.inf)  # until the loop waits for a command that never comes
+        events.close()
+    else:
+        timed_inbox = TimedInbox(worker.clock, timed)
+        loop = DecodeLoop(worker, timed_inbox, Outbox(), clock=worker.clock, rounds=rounds,
+                          profile=lambda: estimator)  # fmt: skip
+        loop.run(timed_inbox.stop)
     assert loop.work.num_requests == 0
     turns = [(r.model, r.start_s, r.end_s, r.steps) for r in loop.counters.new_turns if r.steps]
     return rounds, turns
 
 
-def _simulated(truth: LatencyModel, arrivals: list[Any]) -> tuple[Recording, Turns]:
-    rounds = Recording(_planner())
-    costs = InstanceCosts(Eq4Switching(truth, math.inf), learned_switch_estimate=True)
-    sim = DecodeSim(
-        "decode-0", LatencyModel.from_dict(truth.to_dict()), _planner(),
-        kv_bytes_per_s=math.inf, costs=costs, rounds=rounds,
-        estimator=LatencyModel.from_dict(truth.to_dict()),
-    )  # fmt: skip
-    sim.meter.refine = True  # as the live loop: every step refines the estimate
-    for t, rid, model, batch_id, prompt_len, max_tokens in arrivals:
-        while sim.advance(t) is not None:  # a driver's catch-up: finishes on the way
-            sim.finished.clear()
-        request = Request(rid, model, t, prompt_len, max_tokens, oracle_output_len=max_tokens)
-        req = SimRequest(request)
-        req.emit(t, 0.0, 1)  # the prefill's token
-        req.ready_s = t
-        sim.place(req, batch_id, t)
-    while sim.advance(math.inf) is not None:
-        sim.finished.clear()
-    assert not sim.sims
-    return rounds, [(model, start, end, steps) for model, start, end, steps, _ in sim.meter.log]
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_simulator_and_the_live_loop_make_the_same_plans(seed: int) -> None:
+def test_the_simulator_drives_the_loop_as_a_plain_fake_clock_does(seed: int) -> None:
     truth = latency_model(MODELS, switch_s=0.03)
     arrivals = _arrivals(seed)
-    (live, live_turns), (sim, sim_turns) = _live(truth, arrivals), _simulated(truth, arrivals)
+    (live, live_turns), (sim, sim_turns) = (_run(truth, arrivals, False),
+                                            _run(truth, arrivals, True))  # fmt: skip
     assert len(live.plans) > 10 and len({len(p) for p in live.plans}) > 1
     assert any(quota == 4.0 or len(plan) == 1 for plan in live.plans for *_, quota in plan)
     assert [[(b, m) for b, m, _ in p] for p in sim.plans] == [
@@ -131,3 +120,26 @@ def test_the_simulator_and_the_live_loop_make_the_same_plans(seed: int) -> None:
     assert [t for _, s, e, _ in sim_turns for t in (s, e)] == pytest.approx(
         [t for _, s, e, _ in live_turns for t in (s, e)], abs=1e-9
     )
+
+
+def test_an_idle_loop_waits_for_a_command_and_a_busy_one_for_its_timeout() -> None:
+    """The inbox of a simulated instance: an idle loop sleeps until a command comes (no
+    polling events), a loop with work waits only its timeout (a copy may complete)."""
+    events = EventLoop()
+    inbox = SimInbox(events)
+    busy = [False]
+    inbox.idle = lambda: not busy[0]
+    seen: list[tuple[float, int]] = []
+
+    def task() -> None:
+        got = inbox.wait(0.05)
+        seen.append((events.now, len(got)))
+        busy[0] = True
+        got = inbox.wait(0.05)
+        seen.append((events.now, len(got)))
+
+    marker: list[Message] = [Outbox()]  # type: ignore[list-item]
+    events.at(3.0, lambda: inbox.put(marker[0]))
+    events.spawn(task)
+    events.run(10.0)
+    assert seen == [(3.0, 1), (3.05, 0)]

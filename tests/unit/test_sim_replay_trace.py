@@ -22,10 +22,13 @@ from aegaeon_sim.replay import load_case
 from aegaeon_sim.replay_run import replay
 
 ARCHIVE = Path(__file__).resolve().parents[1] / "data" / "replay-m6-r1.2.tgz"
-# live attainment as recorded; the simulator's mean over its 5 replicas
+# live attainment as recorded; the simulator's mean over its 5 replicas (since the
+# simulator runs the instances' own loops: aegaeon 0.956 -> 0.974, within its replicas'
+# spread; request-level 0.765 -> 0.725, the live loop's turns and command reads,
+# docs/results.md)
 EXPECTED = {
-    "aegaeon": (0.854578923147722, 0.9564104924068108),
-    "request-level": (0.6781408191440405, 0.7652646111366774),
+    "aegaeon": (0.854578923147722, 0.9741371375977911),
+    "request-level": (0.6781408191440405, 0.7245283018867925),
 }
 
 

@@ -22,16 +22,16 @@ from typing import Any
 from aegaeon_common.config import Config, ConfigError, InstancesConfig, config_from_dict
 from aegaeon_common.config_parse import parse_bytes
 from aegaeon_runtime.preflight import CudaDevices, no_driver
+from aegaeon_sched.gpu_spec import parse_gpus, select_gpus
 from aegaeon_sched.placement import (
     GpuInfo,
     HostInfo,
     PlacementError,
     Plan,
     TPSizes,
-    parse_gpus,
-    select_gpus,
 )
-from aegaeon_sched.sizing import apply_plan, cap_split, plan_node
+from aegaeon_sched.plan_config import apply_plan
+from aegaeon_sched.sizing import cap_split, plan_node
 
 PROBE_TIMEOUT_S = 120.0
 GiB = 1 << 30

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config_parse import parse_bytes
     from aegaeon_common.kept import write_atomic
     from aegaeon_common.usage import fail
-    from aegaeon_sched.placement import PlacementError, assumed_gpus
+    from aegaeon_sched.gpu_spec import assumed_gpus
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import (
         Assumed,

@@ -221,6 +221,7 @@ class SlabAllocator:
         self._used_bytes = 0
         self._peak_used_bytes = 0
         self._peak_held_bytes = 0
+        self._capacity: dict[int, int] = {}  # block_bytes -> capacity_blocks (fixed sizes)
 
     @property
     def region_bytes(self) -> int:
@@ -248,7 +249,11 @@ class SlabAllocator:
 
     def capacity_blocks(self, block_bytes: int) -> int:
         """Blocks of `block_bytes` the whole region holds if every slab served them."""
-        return sum(self.slab_capacity(i, block_bytes) for i in range(self._num_slabs))
+        capacity = self._capacity.get(block_bytes)
+        if capacity is None:  # a decode step asks per sequence: computed once per size
+            capacity = sum(self.slab_capacity(i, block_bytes) for i in range(self._num_slabs))
+            self._capacity[block_bytes] = capacity
+        return capacity
 
     def _shape(self, shape_key: Hashable, block_bytes: int) -> _Shape:
         shape = self._shapes.get(shape_key)

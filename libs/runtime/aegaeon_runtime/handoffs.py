@@ -2,8 +2,8 @@
 
 A prefill (or a decode instance that prefills: roles moving, hybrid) leases the
 host blocks of each handoff to itself and sends ``PrefillDone`` to the proxy;
-the proxy moves the lease to the decode instance it places the request on
-(``ReassignBlocks``). A proxy that dies between the two leaves the blocks
+the decode instance the proxy places the request on takes the lease over when it
+accepts it (``ReassignBlocks``). A proxy that dies between the two leaves the blocks
 leased here for good: its successor never hears of the request. On
 ``ProxyStarted`` (sent before any work of the new proxy) every handoff in this
 record is from the old proxy: those still leased to this instance are freed

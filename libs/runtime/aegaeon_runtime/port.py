@@ -35,9 +35,7 @@ from aegaeon_runtime.metrics import WorkerMetrics
 if TYPE_CHECKING:
     from aegaeon_engine.lora import AdapterWeights
 
-    from aegaeon_runtime.adapters import AdapterResidency
-
-__all__ = ["EnginePort", "HostCachePort", "KVPort", "MessageSink", "MessageSource",
+__all__ = ["AdapterPort", "EnginePort", "HostCachePort", "KVPort", "MessageSink", "MessageSource",
            "ModelGoneError", "ModelUnavailableError", "SamplerPort", "SwitcherPort",
            "WorkerPort"]
 
@@ -75,6 +73,38 @@ class SamplerPort(Protocol):
     ) -> list[int]: ...
 
 
+class AdapterPort(Protocol):
+    """What the loops use of a worker's LoRA adapters
+    (:class:`aegaeon_runtime.adapters.AdapterResidency`)."""
+
+    @property
+    def specs(self) -> Mapping[str, object]:
+        """The adapters served here, by name."""
+        ...
+
+    @property
+    def num_loads(self) -> int:
+        """Adapters brought to the device so far."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Changes with what is on the device."""
+        ...
+
+    def base_of(self, name: str) -> str | None: ...
+
+    def nbytes(self, name: str) -> int: ...
+
+    def for_step(self, names: Sequence[str | None]) -> Sequence[AdapterWeights | None]:
+        """Each row's adapter on the device (None: the base's row, or no room now)."""
+        ...
+
+    def with_adapters(self, models: Sequence[str]) -> list[str]: ...
+
+    def evict(self, name: str) -> bool: ...
+
+
 class SwitcherPort(Protocol):
     @property
     def active_model(self) -> str | None: ...
@@ -101,6 +131,11 @@ class SwitcherPort(Protocol):
     @property
     def residency_version(self) -> int:
         """Changes to :meth:`resident_models` so far."""
+        ...
+
+    def nbytes(self, name: str) -> int:
+        """The bytes a scale-up of ``name`` copies here (its packed weights; a
+        tensor-parallel rank's: its shard's)."""
         ...
 
 
@@ -198,7 +233,7 @@ class WorkerPort(Protocol):
         ...
 
     @property
-    def adapters(self) -> AdapterResidency:
+    def adapters(self) -> AdapterPort:
         """The LoRA adapters served here and those on the device."""
         ...
 

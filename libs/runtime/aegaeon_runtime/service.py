@@ -30,7 +30,6 @@ import zmq.asyncio
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness, SideServer
 from aegaeon_common.logs import bind_process, get_logger
-from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.report import (
     CudaGraphStats,
     InstanceDraining,
@@ -335,8 +334,6 @@ async def _serve(
                     # or re-dispatched that work since, so doing it now would do it twice
                     metrics.bad_frame("stale")
                     log.info("stale_command_dropped", instance=name, tag=msg.TAG)
-                    if isinstance(msg, EnqueueDecode):
-                        await _free_stale_handoff(client, msg)
                     continue
                 reply_to = getattr(msg, "reply_to", "")
                 request_id = getattr(msg, "request_id", None)
@@ -410,15 +407,6 @@ async def _stalled(name: str, kind: str, index: int, verdict: Verdict, to_proxy:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(to_proxy.send(InstanceStalled(
             kind, index, os.getpid(), verdict.since_progress_s, verdict.reason)), NOTICE_S)
-
-
-async def _free_stale_handoff(client: CacheClient, msg: EnqueueDecode) -> None:
-    """The proxy leased this handoff's blocks to this instance's name before sending it
-    (for the process this one replaced): nobody else will free them. Stale messages all
-    come before this process's first real one (one ordered socket), so the blocks
-    cannot be this process's own yet; ``not_owner``: they were never moved here."""
-    with contextlib.suppress(RemoteError, TimeoutError):
-        await client.free_blocks(list(msg.handoff.block_offsets), msg.handoff.event)
 
 
 async def _drain(

@@ -72,11 +72,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from aegaeon_common.config import SchedulerConfig
 from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.transport import RemoteError
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
 from aegaeon_engine.model import ReduceFn
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
+from aegaeon_sched import CHARGED_POLICIES
 
 from aegaeon_runtime.cacheclient.client import SyncCacheClient
 from aegaeon_runtime.cacheclient.mapped import MappedModel
@@ -91,6 +93,18 @@ class SwitchMirror(Protocol):
     def activate(self, name: str) -> None: ...
     def prefetch(self, name: str) -> None: ...
     def evict(self, name: str) -> None: ...
+
+
+def prefetches(scheduler: SchedulerConfig) -> bool:
+    """Whether a worker's switcher prefetches: as configured, except under a charged
+    baseline (ServerlessLLM: the next model is unknown until the instance is idle, and
+    every scale-up pays its load path)."""
+    return scheduler.prefetch and scheduler.policy not in CHARGED_POLICIES
+
+
+def keeps_resident(scheduler: SchedulerConfig) -> bool:
+    """Whether an instance's models stay resident in its arena (static-mux: MuxServe)."""
+    return scheduler.policy == "static-mux"
 
 
 @dataclass

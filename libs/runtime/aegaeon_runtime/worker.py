@@ -22,7 +22,6 @@ from aegaeon_common.transport import RemoteError
 from aegaeon_engine import CheckpointError, Engine, KVShape, ModelSpec, Sampler
 from aegaeon_engine.tp_mirror import MirroredEngine
 from aegaeon_gpumem import DeviceBuffer, make_copy_stream
-from aegaeon_sched import CHARGED_POLICIES
 from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.adapters import AdapterResidency
@@ -31,7 +30,7 @@ from aegaeon_runtime.cacheclient.mapped import Registration
 from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.kv import KVSpace
 from aegaeon_runtime.metrics import WorkerMetrics
-from aegaeon_runtime.switcher import ModelSwitcher
+from aegaeon_runtime.switcher import ModelSwitcher, keeps_resident, prefetches
 from aegaeon_runtime.tp.group import InstanceGroup, start_group
 from aegaeon_runtime.tp_shards import Shards
 
@@ -257,13 +256,9 @@ async def build_worker(
             cache,
             specs,
             config.dtype,
-            # a charged baseline has no prefetch (ServerlessLLM: the next model is unknown
-            # until the instance is idle, and every scale-up pays its load path)
-            prefetch=config.scheduler.prefetch
-            and config.scheduler.policy not in CHARGED_POLICIES,
+            prefetch=prefetches(config.scheduler),
             map_weights=inst.maps_weights,
-            # static-mux: an instance's models stay resident in its arena (MuxServe)
-            keep_resident=config.scheduler.policy == "static-mux",
+            keep_resident=keeps_resident(config.scheduler),
             shards=shards,
             reduce=group.tp.all_reduce if group is not None else None,
             mirror=group,

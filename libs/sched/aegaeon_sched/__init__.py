@@ -11,7 +11,9 @@ from aegaeon_sched.actions import (
     EnqueuePrefill,
     PlaceDecode,
     Policy,
+    PolicyBase,
     Reject,
+    RoleLoad,
     RunOnInstance,
 )
 from aegaeon_sched.aegaeon_policy import AegaeonPolicy
@@ -89,6 +91,7 @@ __all__ = [
     "PinnedRequestLevelPolicy",
     "PlaceDecode",
     "Policy",
+    "PolicyBase",
     "PolicyOptions",
     "PrefillDispatcher",
     "PrefillGroup",
@@ -101,6 +104,7 @@ __all__ = [
     "RequestTrace",
     "RoleChange",
     "RoleController",
+    "RoleLoad",
     "RoleSettings",
     "RoleSignals",
     "RoundController",

@@ -20,8 +20,10 @@ Events (all return ``list[Action]``):
 Actions:
 
 - :class:`EnqueuePrefill` -- add the request to group ``group_id`` of the
-  instance's prefill job queue; an unknown group id opens a group at the tail
-  (the instance mirrors the queue with :class:`~aegaeon_sched.prefill.PrefillQueue`).
+  instance's prefill job queue; an unknown group id opens a group at its key's
+  place, ``group_key_s`` (the instance mirrors the queue with
+  :class:`~aegaeon_sched.prefill.PrefillQueue`; a group the instance finished
+  while the request travelled reopens where the policy's copy still has it).
 - :class:`PlaceDecode` -- add the prefilled request to batch ``batch_id`` of
   the decode instance's work list; an unknown batch id opens a batch at the
   tail (mirror: :class:`~aegaeon_sched.decode.DecodeWorkList`).
@@ -36,14 +38,25 @@ Actions:
 Invariants: every request gets exactly one of EnqueuePrefill / RunOnInstance /
 Reject or waits in the policy's own queue until a later event releases it;
 actions for one instance are ordered as returned.
+
+What a driver may tell every policy besides the events (:class:`PolicyBase`
+holds what a policy that ignores them does, so a driver never asks a policy
+what it supports): an instance pauses (drains, dies) and resumes; an
+instance serves models with so much KV room (``learn``); the decode share a
+hybrid instance's prefills leave it; a role change (``set_role``), for the
+policies whose :meth:`role_load` is not None (the roles' inputs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aegaeon_sched.request import InstanceId, Request
+
+if TYPE_CHECKING:
+    from aegaeon_sched.latency import LatencyModel
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class EnqueuePrefill:
     instance: InstanceId
     group_id: int
     request: Request
+    group_key_s: float | None = None  # the group's place in the queue (None: the request's)
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,16 @@ class Reject:
 Action = EnqueuePrefill | PlaceDecode | RunOnInstance | Cancel | Reject
 
 
+@dataclass(frozen=True)
+class RoleLoad:
+    """What prefill/decode role switching reads of a policy: the prompt tokens waiting
+    for a prefill, each decode work list's demand (Eq. 3), the latency profile."""
+
+    backlog_tokens: int
+    decode_demand: Mapping[InstanceId, float]
+    latency: LatencyModel
+
+
 class Policy(Protocol):
     """A global scheduling policy (see the module docstring for the contract)."""
 
@@ -104,3 +128,50 @@ class Policy(Protocol):
     def on_request_finished(self, request_id: str, now_s: float) -> list[Action]: ...
 
     def on_request_cancelled(self, request_id: str, now_s: float) -> list[Action]: ...
+
+    # ---- the rest of the contract (PolicyBase: what a policy ignoring them does) --
+    def pause(self, instance: InstanceId) -> list[Action]: ...
+
+    def resume(self, instance: InstanceId, now_s: float) -> list[Action]: ...
+
+    def held_counts(self) -> tuple[int, int]: ...
+
+    def learn(self, instance: InstanceId, capacity_tokens: Mapping[str, int],
+              latency: LatencyModel | None) -> None: ...  # fmt: skip
+
+    def set_decode_share(self, instance: InstanceId, share: float) -> None: ...
+
+    def role_load(self) -> RoleLoad | None: ...
+
+    def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]: ...
+
+
+class PolicyBase:
+    """The defaults of :class:`Policy`'s optional part: a policy overrides what it uses."""
+
+    def pause(self, instance: InstanceId) -> list[Action]:
+        """``instance`` takes no new work (it drains, or died)."""
+        return []
+
+    def resume(self, instance: InstanceId, now_s: float) -> list[Action]:
+        """``instance`` takes work again (its held work goes out now)."""
+        return []
+
+    def held_counts(self) -> tuple[int, int]:
+        """Requests held in the policy: (waiting for a prefill instance, for a decode one)."""
+        return 0, 0
+
+    def learn(self, instance: InstanceId, capacity_tokens: Mapping[str, int],
+              latency: LatencyModel | None) -> None:  # fmt: skip
+        """``instance`` serves these models with that much device KV room (tokens);
+        ``latency``: its profile, with the specs of models added at run time."""
+
+    def set_decode_share(self, instance: InstanceId, share: float) -> None:
+        """The part of each round a hybrid instance's prefills leave to its decoding."""
+
+    def role_load(self) -> RoleLoad | None:
+        """The inputs of role switching; None: roles do not move under this policy."""
+        return None
+
+    def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
+        raise ValueError(f"roles do not move under this policy ({instance!r} to {role})")

@@ -8,16 +8,23 @@ on its mirror of the queue (prefill: :meth:`PrefillQueue.peek`; decode:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from aegaeon_sched.actions import Action, Cancel, EnqueuePrefill, PlaceDecode
+from aegaeon_sched.actions import (
+    Action,
+    Cancel,
+    EnqueuePrefill,
+    PlaceDecode,
+    PolicyBase,
+    RoleLoad,
+)
 from aegaeon_sched.decode import DecodeDispatcher
 from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.prefill import MAX_GPSIZE, PrefillDispatcher, PrefillJob
 from aegaeon_sched.request import InstanceId, NoInstance, Request
 
 
-class AegaeonPolicy:
+class AegaeonPolicy(PolicyBase):
     """Policy ``"aegaeon"`` (see :mod:`aegaeon_sched.actions` for the contract)."""
 
     name = "aegaeon"
@@ -92,7 +99,28 @@ class AegaeonPolicy:
                 actions += self._place(request)
         return actions
 
+    def held_counts(self) -> tuple[int, int]:
+        return len(self.held_arrivals), len(self.held_placements)
+
+    def learn(self, instance: InstanceId, capacity_tokens: Mapping[str, int],
+              latency: LatencyModel | None) -> None:  # fmt: skip
+        if latency is not None:
+            for name, spec in latency.specs.items():
+                self.latency.specs.setdefault(name, spec)
+        if instance in self.decode.work_lists:
+            for model, tokens in capacity_tokens.items():
+                self.decode.set_capacity(instance, model, tokens)
+
+    def set_decode_share(self, instance: InstanceId, share: float) -> None:
+        self.decode.set_decode_share(instance, share)
+
     # ---- roles (aegaeon_sched.roles) -----------------------------------
+    def role_load(self) -> RoleLoad | None:
+        backlog = sum(q.pending_tokens() for q in self.prefill.queues.values())
+        backlog += sum(r.prompt_len for r in self.held_arrivals.values())
+        demand = {i: self.decode.demand(i) for i in self.decode.work_lists}
+        return RoleLoad(backlog, demand, self.latency)
+
     def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
         """``instance`` takes prefill work (``"prefill"``) or not (``"decode"``).
 
@@ -139,7 +167,8 @@ class AegaeonPolicy:
         except NoInstance:
             self.held_arrivals[request.request_id] = request
             return []
-        return [EnqueuePrefill(instance, group_id, request)]
+        key_s = self.prefill.queues[instance].group_key_s(group_id)
+        return [EnqueuePrefill(instance, group_id, request, key_s)]
 
     def on_prefill_started(
         self, instance: InstanceId, request_id: str, now_s: float

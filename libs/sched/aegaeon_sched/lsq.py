@@ -41,6 +41,32 @@ def solve(matrix: Sequence[Sequence[float]], rhs: Sequence[float]) -> list[float
     return x
 
 
+def _accumulate3(
+    xtx: list[list[float]], xty: list[float], z: list[float], y: float, w: float
+) -> None:
+    """``WindowedFit._accumulate`` for three features, unrolled (the same products in the
+    same order, so the same sums to the last bit; about 3x faster)."""
+    z0, z1, z2 = z
+    a = w * z0
+    r = xtx[0]
+    xty[0] += a * y
+    r[0] += a * z0
+    r[1] += a * z1
+    r[2] += a * z2
+    a = w * z1
+    r = xtx[1]
+    xty[1] += a * y
+    r[0] += a * z0
+    r[1] += a * z1
+    r[2] += a * z2
+    a = w * z2
+    r = xtx[2]
+    xty[2] += a * y
+    r[0] += a * z0
+    r[1] += a * z1
+    r[2] += a * z2
+
+
 def relative_weight(y: float) -> float:
     """Weight that turns squared errors into squared *relative* errors.
 
@@ -115,6 +141,9 @@ class WindowedFit:
         return len(self._window)
 
     def _accumulate(self, z: list[float], y: float, w: float) -> None:
+        if self._k == 3:  # Eq. 5 and Eq. 6's three terms: every decode step adds one
+            _accumulate3(self._xtx, self._xty, z, y, w)
+            return
         for i in range(self._k):
             self._xty[i] += w * z[i] * y
             row = self._xtx[i]

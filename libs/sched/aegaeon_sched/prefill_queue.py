@@ -99,6 +99,10 @@ class PrefillQueue:
         self._group_of[request.request_id] = group
         return group
 
+    def group_key_s(self, group_id: int) -> float:
+        """Where group ``group_id`` stands in the queue (its key)."""
+        return self._by_id[group_id].key_s
+
     def peek(self) -> tuple[PrefillGroup, Request] | None:
         """The next request to run: the front group's first (``None`` if one runs or empty)."""
         if self._running is not None:

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from aegaeon_sched.decode import DecodeWorkList
 from aegaeon_sched.latency import LatencyModel
@@ -111,6 +112,11 @@ class RoundPlan:
     alpha: float  # reciprocal of the round's estimated SLO attainment
     switch_s: float  # c
     round_s: float  # estimated length: sum of quotas + c
+
+    @cached_property
+    def batch_ids(self) -> frozenset[int]:
+        """The batches the round planned for (asked between every two decode steps)."""
+        return frozenset(t.batch_id for t in self.turns)
 
 
 class RoundRobinPlanner:
@@ -228,8 +234,7 @@ class RoundRobinPlanner:
         boundary (``mid_turn=False``), ``fresh_first`` is on. Re-plan with the
         batches served so far in this round marked :attr:`BatchLoad.served`.
         """
-        planned = {t.batch_id for t in plan.turns}
-        if all(b in planned for b in batch_ids):
+        if plan.batch_ids.issuperset(batch_ids):
             return False
         return plan.switch_s == 0 or (self.fresh_first and not mid_turn)
 

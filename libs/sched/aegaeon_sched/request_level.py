@@ -32,7 +32,8 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from aegaeon_sched.actions import Action, Cancel, RunOnInstance
+from aegaeon_sched.actions import Action, Cancel, PolicyBase, RunOnInstance
+from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.request import InstanceId, Request
 
 
@@ -44,7 +45,7 @@ class _Unified:
     last_used_s: float = float("-inf")
 
 
-class RequestLevelPolicy:
+class RequestLevelPolicy(PolicyBase):
     """Policies ``"request-level-global"`` (FCFS) and ``"request-level-global-sjf"``."""
 
     def __init__(
@@ -188,6 +189,12 @@ class RequestLevelPolicy:
 
     def on_request_finished(self, request_id: str, now_s: float) -> list[Action]:
         return self._release(request_id, now_s)
+
+    def learn(self, instance: InstanceId, capacity_tokens: Mapping[str, int],
+              latency: LatencyModel | None) -> None:  # fmt: skip
+        """A request must fit the KV room of whichever instance it runs on: the least."""
+        for model, tokens in capacity_tokens.items():
+            self.capacity_tokens[model] = min(self.capacity_tokens.get(model, tokens), tokens)
 
     def on_request_cancelled(self, request_id: str, now_s: float) -> list[Action]:
         instance = self._instance_of.get(request_id)

@@ -1,10 +1,9 @@
 """A decode instance's rounds and turns (Algorithm 2, lines 4-11), decided in one place.
 
 :class:`RoundController` is the one round controller of a decode instance:
-the live loop (``aegaeon_runtime.decode``: ``DecodeLoop.run_round`` and
-``TurnRunner.run``) and the simulator's decode instance
-(``aegaeon_sim.decode_sim.DecodeSim`` and its hybrid) call the same methods,
-with the time passed in (wall or simulated), and do only what it says:
+the decode loop (``aegaeon_runtime.decode``: ``DecodeLoop.run_round`` and
+``TurnRunner.run``, which the simulator runs too, on simulated time) calls these
+methods, with the time passed in, and does only what it says:
 
 - :meth:`~RoundController.plan_round`: the work list grouped by model and
   every batch's quota (:meth:`RoundRobinPlanner.plan_work_list`: Eq. 2-3,
@@ -58,8 +57,7 @@ from aegaeon_sched.quota import BatchLoad, RoundPlan, RoundRobinPlanner, Turn
 from aegaeon_sched.share import DecodeShare
 
 # Times within this are equal: a turn that has run its quota to within a nanosecond
-# has run it, whether its steps' times were summed one by one (the live loop) or
-# multiplied out (the simulator's chunks, aegaeon_sim.state.steps_until).
+# has run it (its steps' times are summed one by one, so the last bits may differ).
 TIME_EPS_S = 1e-9
 
 

@@ -64,6 +64,14 @@ def prefill_queue_state(queue: PrefillQueue) -> State:
     return [queue.loaded_model, since_s, groups]
 
 
+def group_key_s(state: State, group_id: int) -> float | None:
+    """Where group ``group_id`` stands in the queue ``state`` describes (None: absent)."""
+    for gid, _model, _added, _running, _pending, *rest in state[2]:
+        if int(gid) == group_id and rest:
+            return _opt_float(rest[0])
+    return None
+
+
 def prefill_queue_from_state(state: State | None, max_group_size: int = MAX_GPSIZE) -> PrefillQueue:
     """The queue ``state`` describes (``None``: an empty queue)."""
     queue = PrefillQueue(max_group_size)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from aegaeon_sched.actions import Action, Cancel, Reject, RunOnInstance
+from aegaeon_sched.actions import Action, Cancel, PolicyBase, Reject, RunOnInstance
 from aegaeon_sched.request import InstanceId, Request
 
 
@@ -50,7 +50,7 @@ def place_models(
     return placement
 
 
-class StaticMuxPolicy:
+class StaticMuxPolicy(PolicyBase):
     """Policy ``"static-mux"`` (see :mod:`aegaeon_sched.actions` for the contract)."""
 
     name = "static-mux"

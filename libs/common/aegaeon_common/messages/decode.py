@@ -20,8 +20,8 @@ from aegaeon_common.wire import Channel, Message
 class EnqueueDecode(Message, frozen=True):
     """A prefilled request joins batch ``batch_id`` of its model (Alg. 2, line 2).
 
-    On accepting it the instance takes over the handoff's blocks (lease) and
-    frees them when the request ends.
+    On accepting it the instance takes over the handoff's blocks (lease) itself and
+    frees them when the request ends (the proxy never touches the lease).
     """
 
     TAG = "enqueue_decode"

@@ -10,7 +10,9 @@ class EnqueuePrefill(Message, frozen=True):
     """Put a request into group ``group_id`` of this instance's job queue (Alg. 1).
 
     The instance mirrors the proxy's view of its queue: a group id it has not
-    seen opens a new group at the tail.
+    seen opens a new group at ``group_key_s``, the place the proxy's copy gives
+    the group (a group the instance emptied while this travelled, its running
+    request done, reopens there rather than behind every group queued since).
     """
 
     TAG = "enqueue_prefill"
@@ -31,6 +33,9 @@ class EnqueuePrefill(Message, frozen=True):
     priority: int = 1
     ttft_s: float = 0.0
     tbt_s: float = 0.0
+    # The group's key in the proxy's copy of the queue (-1: the request's own
+    # first-token deadline, where a new group opens).
+    group_key_s: float = -1.0
 
 
 class CancelRequest(Message, frozen=True):

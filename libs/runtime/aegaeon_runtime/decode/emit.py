@@ -53,6 +53,11 @@ class TokenEmitter:
         self._held: dict[tuple[str, int], TokenItem] = {}  # by (request, sequence)
         self._since: float | None = None  # clock.now() of the oldest held token
 
+    @property
+    def holds(self) -> bool:
+        """Whether tokens may wait at all (``hold_s = 0``: every step's leave at once)."""
+        return self.hold_s > 0
+
     def near(self, tokens: Iterable[tuple[float, int]], now_s: float, step_s: float) -> bool:
         """Is one of these tokens (request arrival, index) due ahead of ``now_s``
         (wall clock), but sooner than a hold and a step?"""
@@ -67,6 +72,9 @@ class TokenEmitter:
     def add(self, items: list[TokenItem], *, urgent: bool = False) -> None:
         """A step's tokens; ``urgent``: send now (a turn's first step, a deadline near)."""
         if not items:
+            return
+        if not self._held and (urgent or self.hold_s <= 0):
+            self._send(items)  # nothing waits before them: they leave as they are
             return
         for item in items:
             key = (item.request_id, item.index)
@@ -86,8 +94,11 @@ class TokenEmitter:
         if self._held:
             items = list(self._held.values())
             self._held.clear()
-            ended = any(item.finish_reason is not None for item in items)
-            holdings = self.changed() if ended else None
-            self.outbox.send(StepTokens(self.index, items, self.clock.wall(), self.kind,
-                                        holdings))  # fmt: skip
+            self._send(items)
+        self._since = None
+
+    def _send(self, items: list[TokenItem]) -> None:
+        ended = any(item.finish_reason is not None for item in items)
+        holdings = self.changed() if ended else None
+        self.outbox.send(StepTokens(self.index, items, self.clock.wall(), self.kind, holdings))
         self._since = None

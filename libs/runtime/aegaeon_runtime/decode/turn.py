@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 from aegaeon_common.messages.report import PrefillDone, SwitchRecord, TokenItem, TurnRecord
 from aegaeon_common.messages.structs import RequestTimings, TokenLogprobs
-from aegaeon_engine import DecodeSeq, weight_layout
+from aegaeon_engine import DecodeSeq
 from aegaeon_engine.lora import AdapterWeights
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import (
@@ -76,7 +76,6 @@ class TurnRunner:
         config = worker.config
         self.load_path = load_path_for(config.scheduler.policy, config.baseline.load_gb_s,
                                        config.baseline.init_s)  # fmt: skip
-        self._weight_bytes: dict[str, int] = {}
 
     # ---- estimates for the planner ---------------------------------------
     def context_tokens(self, request_id: str) -> int:
@@ -94,11 +93,8 @@ class TurnRunner:
         here, on the critical path, and recorded (``charged_s``)."""
         if self.load_path is None:
             return record
-        model = record.to_model
-        if model not in self._weight_bytes:
-            self._weight_bytes[model] = weight_layout(self.worker.specs[model],
-                                                      self.worker.config.dtype).total_bytes
-        owed = self.load_path.charge_s(self._weight_bytes[model], record.total_s)
+        nbytes = self.worker.switcher.nbytes(record.to_model)
+        owed = self.load_path.charge_s(nbytes, record.total_s)
         if owed > 0:
             self.clock.sleep(owed)
         return msgspec.structs.replace(record, total_s=record.total_s + owed, charged_s=owed)
@@ -332,8 +328,10 @@ class TurnRunner:
         # a turn's first tokens may have waited a round: they leave at once, as
         # do tokens close to their deadlines (aegaeon_runtime.decode.emit)
         emitter = self.admission.tokens
-        due = (s.deadline_s(len(s.tokens) - 1, emitter.slo) for s in stepping)
-        urgent = self._turn_steps == 0 or emitter.near_deadlines(due, now, seconds)
+        urgent = self._turn_steps == 0
+        if emitter.holds and not urgent:
+            due = (s.deadline_s(len(s.tokens) - 1, emitter.slo) for s in stepping)
+            urgent = emitter.near_deadlines(due, now, seconds)
         emitter.add(items, urgent=urgent)
         self._turn_steps += 1
         self.counters.steps += 1

@@ -33,8 +33,6 @@ class ActionHost(Protocol):
     def end_request(self, request_id: str, reason: str, error: str | None = None,
                     code: str | None = None) -> object: ...
 
-    async def claim_handoff(self, instance: str, msg: EnqueueDecode) -> bool: ...
-
 log = get_logger("cluster")
 
 
@@ -73,12 +71,6 @@ class ActionRunner:
         assert self._out is not None
         while True:
             view, msg = await self._out.get()
-            # A handoff's blocks become the decode instance's before it is told of
-            # them: if it dies first, the cachemgr reclaims them with its lease.
-            if isinstance(msg, EnqueueDecode) and not await self.backend.claim_handoff(
-                view.name, msg
-            ):
-                continue
             await view.send(msg)
 
     async def flush(self) -> None:
@@ -96,48 +88,23 @@ class ActionRunner:
     # ---- one handler per action type -----------------------------------------
     def _enqueue_prefill(self, action: EnqueuePrefillAction) -> None:
         tracked = self.backend.requests.get(action.request.request_id)
-        if tracked is None:
-            return
-        tracked.instance = action.instance
-        gen = tracked.gen
-        sched = tracked.sched
-        self._send(
-            action.instance,
-            EnqueuePrefill(gen.request_id, gen.model, action.group_id,
-                           list(gen.prompt_token_ids), tracked.sampling, gen.arrival_s,
-                           priority=sched.priority, ttft_s=sched.ttft_s or 0.0,
-                           tbt_s=sched.tbt_s or 0.0),
-        )  # fmt: skip
+        if tracked is not None:
+            tracked.instance = action.instance
+            self._send(action.instance,
+                       tracked.prefill_message(action.group_id, action.group_key_s))  # fmt: skip
 
     def _place_decode(self, action: PlaceDecode) -> None:
         tracked = self.backend.requests.get(action.request.request_id)
-        if tracked is None or tracked.handoff is None or tracked.first_token_id is None:
-            return
-        tracked.instance = action.instance
-        gen = tracked.gen
-        self._send(
-            action.instance,
-            EnqueueDecode(
-                request_id=gen.request_id, model=gen.model, batch_id=action.batch_id,
-                prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
-                num_generated=tracked.num_generated, sampling=tracked.sampling,
-                handoff=tracked.handoff, arrival_s=gen.arrival_s,
-                priority=tracked.sched.priority, ttft_s=tracked.sched.ttft_s or 0.0,
-                tbt_s=tracked.sched.tbt_s or 0.0, **tracked.decode_fields(),
-            ),
-        )  # fmt: skip
+        msg = tracked.decode_message(action.batch_id) if tracked is not None else None
+        if tracked is not None and msg is not None:
+            tracked.instance = action.instance
+            self._send(action.instance, msg)
 
     def _run_on_instance(self, action: RunOnInstance) -> None:
         tracked = self.backend.requests.get(action.request.request_id)
-        if tracked is None:
-            return
-        tracked.instance = action.instance
-        gen = tracked.gen
-        self._send(
-            action.instance,
-            RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), tracked.sampling,
-                       gen.arrival_s),
-        )  # fmt: skip
+        if tracked is not None:
+            tracked.instance = action.instance
+            self._send(action.instance, tracked.run_message())
 
     def _cancel(self, action: Cancel) -> None:
         self._send(action.instance, CancelRequest(action.request_id))

@@ -24,9 +24,7 @@ from aegaeon_common.messages.cache import (
     CacheStats,
     FreeBlocks,
     GetStats,
-    ReassignBlocks,
 )
-from aegaeon_common.messages.decode import EnqueueDecode
 from aegaeon_common.messages.prefill import AckDrain, CancelRequest, ProxyStarted
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
@@ -44,7 +42,7 @@ from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.transport import Puller, RemoteError, RpcClient, release_security
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import AegaeonPolicy, DecodeDispatcher, Policy, Shedder, cluster_velocity
+from aegaeon_sched import Policy, Shedder, cluster_velocity
 from aegaeon_sched.admission import AdmissionControl
 from prometheus_client import CollectorRegistry
 
@@ -164,9 +162,7 @@ class ClusterBackend:
 
     def held_counts(self) -> tuple[int, int]:
         """Requests the policy holds: (waiting for a prefill instance, for a decode one)."""
-        arrivals = getattr(self.policy, "held_arrivals", {})
-        placements = getattr(self.policy, "held_placements", {})
-        return len(arrivals), len(placements)
+        return self.policy.held_counts() if self.policy is not None else (0, 0)
 
     def context_limit(self, model: str) -> int | None:
         """Tokens of KV one request may hold on every instance (prompt + output)."""
@@ -311,15 +307,13 @@ class ClusterBackend:
             bounds = admission_bounds(self.config, self.instances)
             self.table.set_bounds(bounds)
             log.info("policy ready", policy=self.policy.name, admission=bounds)
-            pause = getattr(self.policy, "pause", None)
             for other in self.instances:  # drained or died before the policy existed
-                if other.paused and pause is not None:
-                    self._actions.run(pause(other.name))
+                if other.paused:
+                    self._actions.run(self.policy.pause(other.name))
         if view.paused and not view.draining:  # back from a drain or from the dead
             view.paused = False
-            resume = getattr(self.policy, "resume", None)
-            if resume is not None:
-                self._actions.run(resume(view.name, time.time()))
+            if self.policy is not None:
+                self._actions.run(self.policy.resume(view.name, time.time()))
             log.info("instance_rejoined", instance=view.name, pid=msg.pid)
         self.models.on_hello(view, msg)
 
@@ -328,9 +322,8 @@ class ClusterBackend:
         view = self.instances.on_draining(msg.kind, msg.index, msg.pid, msg.timeout_s)
         if view is None:
             return
-        pause = getattr(self.policy, "pause", None)
-        if pause is not None:
-            self._actions.run(pause(view.name))
+        if self.policy is not None:
+            self._actions.run(self.policy.pause(view.name))
         held = sum(1 for t in self.requests.values() if t.instance == view.name)
         log.info("instance_draining", instance=view.name, pid=msg.pid, requests=held)
         self._actions.send(view.name, AckDrain(msg.pid))
@@ -353,15 +346,15 @@ class ClusterBackend:
         prefills = msg.kind == "prefill" or self.config.role_switching
         if self.config.hybrid_prefill and prefills:
             share = self._shares.observe(view.name, msg.counters.get("prefill_s", 0.0))
-            dispatcher = getattr(self.policy, "decode", None)
-            if isinstance(dispatcher, DecodeDispatcher):
-                dispatcher.set_decode_share(view.name, share)
+            if self.policy is not None:
+                self.policy.set_decode_share(view.name, share)
         now = time.monotonic()
         self.roles.heartbeat(view_meter(view), now)
-        if isinstance(self.policy, AegaeonPolicy):
+        load = self.policy.role_load() if self.policy is not None else None
+        if self.policy is not None and load is not None:
             views = list(self.instances)
             steady = all(v.alive(now) and not v.paused for v in views)
-            for change in self.roles.observe(now, self.policy, views, steady):
+            for change in self.roles.observe(now, load, views, steady):
                 self._actions.run(self.policy.set_role(change.instance, change.role, time.time()))
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
@@ -420,52 +413,23 @@ class ClusterBackend:
 
     def _instance_down(self, name: str, why: str) -> None:
         log.error("instance down", instance=name, why=why)
-        pause = getattr(self.policy, "pause", None)
-        if pause is not None:  # its successor resumes it (hello)
-            self._actions.run(pause(name))
+        if self.policy is not None:  # its successor resumes it (hello)
+            self._actions.run(self.policy.pause(name))
         self._fail_instance(name, f"instance {name} is down ({why})")
 
     def _fail_instance(self, name: str, why: str) -> None:
         """Its requests end with an ``instance_failed`` error, except those that had
         no token yet: they are dispatched again (the instance is paused, so they go
-        elsewhere or wait for its successor; ``RequestTable.lost``)."""
+        elsewhere or wait for its successor; ``RequestTable.lost``). One placed there
+        after its prefill may have been lost before the instance claimed its handoff:
+        the prefill instance frees it if it is still leased there (a no-op once
+        claimed: the cachemgr refuses that free)."""
         for tracked in [t for t in self.requests.values() if t.instance == name]:
+            owner = tracked.handoff_owner
+            if owner is not None and owner != name and owner in self.instances.views:
+                self._actions.send(owner, CancelRequest(tracked.gen.request_id,
+                                                        free_handoff=True))  # fmt: skip
             self.table.lost(tracked, name, why)
-
-    async def claim_handoff(self, instance: str, msg: EnqueueDecode) -> bool:
-        """Lease ``msg``'s handoff blocks to ``instance`` before it is sent there (the
-        ActionRunner's pump calls this in order): whatever becomes of the message, the
-        blocks are freed with the instance's lease. False: the blocks are gone (their
-        prefill instance died), the request fails here."""
-        tracked = self.requests.get(msg.request_id)
-        owner = tracked.handoff_owner if tracked is not None else None
-        if tracked is None or owner is None or owner == instance:
-            # (cancelled since it was placed: its cancel follows this message, and the
-            # instance frees the blocks it takes over)
-            return True
-        offsets = list(msg.handoff.block_offsets)
-        try:
-            await self._cache.call(ReassignBlocks(offsets, instance, owner), timeout_s=2.0)
-        except RemoteError as exc:
-            if exc.code in ("bad_request", "not_owner"):  # reclaimed: nothing to decode from
-                self.end_request(msg.request_id, "error", f"its KV was lost: {exc}",
-                                 code="instance_failed")  # fmt: skip
-                return False
-            if exc.code == "unknown_owner":
-                # the instance died before its successor registered: the message would
-                # reach the successor, which drops it as stale and cannot free blocks
-                # that are still the prefill instance's; free them there, and the request
-                # (its first token sent) fails as any on a dead instance does
-                self._free_orphan(owner, offsets)
-                self.end_request(msg.request_id, "error",
-                                 f"instance {instance} is down (its process ended)",
-                                 code="instance_failed")  # fmt: skip
-                return False
-        except TimeoutError:
-            pass  # no cachemgr: the instance claims them itself, as before
-        else:
-            tracked.handoff_owner = instance
-        return True
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:
         async def free() -> None:
@@ -552,10 +516,5 @@ class ClusterBackend:
         }
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.turns]
-        out["timings"] = [
-            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
-             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
-             **to_plain(r.timings)}
-            for r in self.table.timings.records
-        ]  # fmt: skip
+        out["timings"] = self.table.timings.plain()
         return out

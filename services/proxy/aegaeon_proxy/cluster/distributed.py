@@ -52,8 +52,7 @@ import zmq.asyncio
 from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
+from aegaeon_common.messages.prefill import CancelRequest
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
     InstanceDraining,
@@ -93,6 +92,7 @@ from aegaeon_common.wire import Message
 from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
+    group_key_s,
     place_decode,
     prefill_done,
     queued_request_ids,
@@ -427,18 +427,22 @@ class DistributedBackend:
         by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         max_group = self.config.scheduler.max_group_size
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
+        def decide(
+            values: list[bytes | None],
+        ) -> tuple[dict[str, bytes | None], tuple[str, int, float | None]]:
             states = {r.instance_id: decode_queue(v)
                       for r, v in zip(candidates, values, strict=True)}  # fmt: skip
             instance, group_id, state = dispatch_prefill(
                 states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
                 max_group_size=max_group,
             )  # fmt: skip
-            return {by_id[instance][1]: encode_queue(state)}, (instance, group_id)
+            placed = (instance, group_id, group_key_s(state, group_id))
+            return {by_id[instance][1]: encode_queue(state)}, placed
 
         started = time.perf_counter()
         try:
-            instance, group_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
+            instance, group_id, key_s = await self.store.transact(keys, decide,
+                                                                  ttl_s=QUEUE_TTL_S)  # fmt: skip
         except NoInstance:
             self.held[rid] = tracked
             return
@@ -453,13 +457,8 @@ class DistributedBackend:
             return
         self.where[rid] = where
         tracked.instance = instance
-        gen = tracked.gen
-        await self._send(record, EnqueuePrefill(
-            gen.request_id, gen.model, group_id, list(gen.prompt_token_ids), tracked.sampling,
-            gen.arrival_s, incarnation=record.incarnation, reply_to=self.report_address,
-            priority=tracked.sched.priority, ttft_s=tracked.sched.ttft_s or 0.0,
-            tbt_s=tracked.sched.tbt_s or 0.0,
-        ))  # fmt: skip
+        await self._send(record, tracked.prefill_message(group_id, key_s, record.incarnation,
+                                                         self.report_address))  # fmt: skip
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")
 
@@ -502,21 +501,13 @@ class DistributedBackend:
         self.dispatch_s.append(time.perf_counter() - started)
         record, key = by_id[instance]
         where = Where(instance, record.incarnation, record.node, key, "decode")
-        if rid not in self.requests or tracked.handoff is None or tracked.first_token_id is None:
+        msg = tracked.decode_message(batch_id, record.incarnation, self.report_address)
+        if rid not in self.requests or msg is None:
             await self._unqueue(rid, where)
             return False
         self.where[rid] = where
         tracked.instance = instance
-        gen = tracked.gen
-        await self._send(record, EnqueueDecode(
-            request_id=rid, model=gen.model, batch_id=batch_id,
-            prompt_len=len(gen.prompt_token_ids), first_token_id=tracked.first_token_id,
-            num_generated=tracked.num_generated, sampling=tracked.sampling,
-            handoff=tracked.handoff, arrival_s=gen.arrival_s, incarnation=record.incarnation,
-            reply_to=self.report_address, priority=tracked.sched.priority,
-            ttft_s=tracked.sched.ttft_s or 0.0, tbt_s=tracked.sched.tbt_s or 0.0,
-            **tracked.decode_fields(),
-        ))  # fmt: skip
+        await self._send(record, msg)
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")
         return True
@@ -580,7 +571,8 @@ class DistributedBackend:
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         where = self.where.get(msg.request_id)
-        tracked = self.table.prefilled(msg, where.instance) if where is not None else None
+        owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
+        tracked = self.table.prefilled(msg, owner) if where is not None else None
         if tracked is None or where is None:
             self.counters["orphan_tokens"] += 1
             if msg.request_id not in self.requests and msg.handoff is not None:
@@ -731,6 +723,11 @@ class DistributedBackend:
         end it with ``instance_failed``."""
         tracked = self.requests.get(rid)
         self.where.pop(rid, None)
+        owner = tracked.handoff_owner if tracked is not None else None
+        if owner and where.stage == "decode":  # its handoff, if not claimed (one node's)
+            for record in list(self.view.live.values()):
+                if record.node == where.node and f"{record.kind}-{record.index}" == owner:
+                    self._spawn(self._send(record, CancelRequest(rid, free_handoff=True)))
         if tracked is not None:
             self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
                             "heartbeat expired)")  # fmt: skip
@@ -869,12 +866,7 @@ class DistributedBackend:
         }
         if light:
             return out
-        out["timings"] = [
-            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
-             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
-             **msgspec.to_builtins(r.timings)}
-            for r in self.table.timings.records
-        ]  # fmt: skip
+        out["timings"] = self.table.timings.plain()
         out["switches"], out["turns"] = [], []
         return out
 

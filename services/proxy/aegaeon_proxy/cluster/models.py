@@ -48,7 +48,7 @@ from aegaeon_common.messages.prefill import AddModel, SetModelAwake
 from aegaeon_common.messages.report import InstanceHello, InstanceModels, ModelsResident
 from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import DecodeDispatcher, LatencyModel, Policy
+from aegaeon_sched import LatencyModel, Policy
 
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.instances import Instances, InstanceView
@@ -406,19 +406,8 @@ class ClusterModels:
         policy = self._policy()
         if policy is None:
             return
-        latency = getattr(policy, "latency", None)
-        if isinstance(latency, LatencyModel) and msg.latency is not None:
-            specs = LatencyModel.from_dict(to_plain(msg.latency)).specs
-            for name, spec in specs.items():
-                latency.specs.setdefault(name, spec)
-        dispatcher = getattr(policy, "decode", None)
-        if isinstance(dispatcher, DecodeDispatcher) and instance in dispatcher.work_lists:
-            for model, tokens in msg.capacity_tokens.items():
-                dispatcher.set_capacity(instance, model, tokens)
-        capacity = getattr(policy, "capacity_tokens", None)  # the request-level policies
-        if isinstance(capacity, dict):
-            for model, tokens in msg.capacity_tokens.items():
-                capacity[model] = min(capacity.get(model, tokens), tokens)
+        latency = None if msg.latency is None else LatencyModel.from_dict(to_plain(msg.latency))
+        policy.learn(instance, msg.capacity_tokens, latency)
 
     def on_hello(self, view: InstanceView, msg: InstanceHello) -> None:
         """A (re)started instance knows only the config's models: give it those added

@@ -10,7 +10,6 @@ from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import (
     ClusterSpec,
-    DecodeDispatcher,
     LatencyModel,
     Policy,
     PolicyOptions,
@@ -80,12 +79,9 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
         gpu_weight_budget_bytes=max(arena - ARENA_SLACK_BYTES, 0),
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
-    dispatcher = getattr(policy, "decode", None)
-    if isinstance(dispatcher, DecodeDispatcher):  # each instance's own KV capacity
-        for view in instances:
-            if view.name in cluster.decode_instances and view.hello is not None:
-                for model, tokens in view.hello.capacity_tokens.items():
-                    dispatcher.set_capacity(view.name, model, tokens)
+    for view in instances:  # each instance's own KV capacity
+        if view.name in cluster.decode_instances and view.hello is not None:
+            policy.learn(view.name, view.hello.capacity_tokens, None)
     return policy
 
 

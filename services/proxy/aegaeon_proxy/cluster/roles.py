@@ -41,10 +41,10 @@ from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import InstanceRecord
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import (
-    AegaeonPolicy,
     LatencyModel,
     RoleChange,
     RoleController,
+    RoleLoad,
     RoleSettings,
     RoleSignals,
     Velocity,
@@ -164,17 +164,14 @@ class RoleSwitcher:
             return 0.0
 
     def observe(
-        self, now_s: float, policy: AegaeonPolicy, views: list[InstanceView], alive: bool
+        self, now_s: float, load: RoleLoad, views: list[InstanceView], alive: bool
     ) -> list[RoleChange]:
-        """One node's observation: the backlog and the decode demand from its ``policy``;
-        the changes to carry out (``policy.set_role``), 0 or 1. ``alive``: every
-        instance is up and none is draining (else nothing changes)."""
-        backlog = sum(q.pending_tokens() for q in policy.prefill.queues.values())
-        backlog += sum(r.prompt_len for r in policy.held_arrivals.values())
-        decode = policy.decode
+        """One node's observation: the backlog and the decode demand (its policy's
+        ``role_load``); the changes to carry out (``policy.set_role``), 0 or 1.
+        ``alive``: every instance is up and none is draining (else nothing changes)."""
         meters = [m for m in map(view_meter, views) if m is not None]
-        demand = {i: decode.demand(i) for i in decode.work_lists}
-        return self.decide(now_s, meters, backlog, demand, policy.latency, alive)
+        return self.decide(now_s, meters, load.backlog_tokens, load.decode_demand, load.latency,
+                           alive)  # fmt: skip
 
     def decide(self, now_s: float, meters: Iterable[Meter], backlog_tokens: int,
                decode_demand: Mapping[str, float], fallback: LatencyModel, alive: bool,

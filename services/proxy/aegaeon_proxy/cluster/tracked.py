@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict, cast
+from typing import cast
 
+from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
+from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import StepTokens
 from aegaeon_common.messages.structs import (
     KVHandoff,
@@ -14,15 +16,10 @@ from aegaeon_common.messages.structs import (
     SamplingParams,
     TokenLogprobs,
 )
+from aegaeon_common.wire import to_plain
 from aegaeon_sched import Request
 
 from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, TokenQueue
-
-
-class DecodeFields(TypedDict):
-    first_token_ids: list[int]
-    finished: list[int]
-    prompt_token_ids: list[int]
 
 
 @dataclass
@@ -37,7 +34,7 @@ class Tracked:
     handoff: KVHandoff | None = None
     prefill_timings: RequestTimings | None = None
     retries: int = 0  # dispatched again after its instance failed before its first token
-    handoff_owner: str | None = None  # the instance whose lease holds the handoff's blocks
+    handoff_owner: str | None = None  # the instance (kind-index) that leased the handoff
     deferred: bool = False  # waiting in the proxy for admission room (SLO class shedding)
     # n > 1: every sequence's first token and those that ended with it; the sequences
     # still generating (the request ends when none is)
@@ -48,14 +45,40 @@ class Tracked:
     def __post_init__(self) -> None:
         self.open_seqs = set(range(self.sampling.n))
 
-    def decode_fields(self) -> DecodeFields:
-        """What an ``EnqueueDecode`` of it carries beyond one sequence's first token: the
-        other sequences' and, for a repetition penalty, the prompt."""
-        return {
-            "first_token_ids": self.first_token_ids, "finished": self.finished_first,
-            "prompt_token_ids": (list(self.gen.prompt_token_ids)
-                                 if self.sampling.repetition_penalty != 1.0 else []),
-        }  # fmt: skip
+    # ---- the work messages for its instances (one node or many: ``incarnation``, the
+    # process it is for; ``reply_to``, the replica that holds its client)
+    def prefill_message(self, group_id: int, group_key_s: float | None, incarnation: int = 0,
+                        reply_to: str = "") -> EnqueuePrefill:  # fmt: skip
+        gen, sched = self.gen, self.sched
+        return EnqueuePrefill(gen.request_id, gen.model, group_id, list(gen.prompt_token_ids),
+                              self.sampling, gen.arrival_s, incarnation=incarnation,
+                              reply_to=reply_to, priority=sched.priority,
+                              ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
+                              group_key_s=-1.0 if group_key_s is None else group_key_s)  # fmt: skip
+
+    def decode_message(self, batch_id: int, incarnation: int = 0,
+                       reply_to: str = "") -> EnqueueDecode | None:  # fmt: skip
+        """None before its first token and handoff."""
+        gen, sched = self.gen, self.sched
+        if self.handoff is None or self.first_token_id is None:
+            return None
+        # beyond one sequence's first token: the other sequences' and, for a
+        # repetition penalty, the prompt
+        prompt = list(gen.prompt_token_ids) if self.sampling.repetition_penalty != 1.0 else []
+        return EnqueueDecode(
+            request_id=gen.request_id, model=gen.model, batch_id=batch_id,
+            prompt_len=len(gen.prompt_token_ids), first_token_id=self.first_token_id,
+            num_generated=self.num_generated, sampling=self.sampling, handoff=self.handoff,
+            arrival_s=gen.arrival_s, incarnation=incarnation, reply_to=reply_to,
+            priority=sched.priority, ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
+            first_token_ids=self.first_token_ids, finished=self.finished_first,
+            prompt_token_ids=prompt,
+        )  # fmt: skip
+
+    def run_message(self, incarnation: int = 0) -> RunRequest:
+        gen = self.gen
+        return RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), self.sampling,
+                          gen.arrival_s, incarnation=incarnation)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -148,3 +171,12 @@ class TimingLog:
                 tracked.num_generated, t,
             )
         )  # fmt: skip
+
+    def plain(self) -> list[dict[str, object]]:
+        """The records as ``/v1/aegaeon/stats`` lists them (``timings``)."""
+        return [
+            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
+             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
+             **to_plain(r.timings)}
+            for r in self.records
+        ]  # fmt: skip
