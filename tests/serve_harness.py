@@ -96,7 +96,9 @@ async def stream_completion(
 
 
 def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
-    port = free_port()
+    # --proxies N: the replicas listen on --port, --port + 1, ...
+    proxies = int(extra[extra.index("--proxies") + 1]) if "--proxies" in extra else 1
+    port = free_port(proxies)
     log_path = run_dir.parent / f"{run_dir.name}-serve.log"
     run_dir.mkdir(parents=True, exist_ok=True)
     out = log_path.open("wb")

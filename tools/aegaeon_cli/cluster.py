@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from aegaeon_common.config import Config, ConfigError, config_from_dict
 from aegaeon_common.kept import write_atomic
+from aegaeon_common.ports import NoFreePortsError, free_ports
 from aegaeon_common.process import is_ready, private_dir
 
 from aegaeon_cli.supervisor import DRAIN_MARGIN_S, Child, StartupError, Supervisor, python_argv
@@ -36,12 +37,6 @@ def _write(path: Path, raw: dict[str, Any]) -> None:
     write_atomic(path, yaml.safe_dump(raw, sort_keys=False))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _instances(raw: dict[str, Any]) -> int:
     """Command ports one node needs (its prefill and decode instances)."""
     count = 0
@@ -51,43 +46,11 @@ def _instances(raw: dict[str, Any]) -> int:
     return max(count, 1)
 
 
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out to outgoing connections (Linux's
-    ``ip_local_port_range``; 32768 elsewhere)."""
+def _free_ports(count: int, taken: set[int]) -> int:
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _free_ports(count: int, taken: set[int], tries: int = 200) -> int:
-    """A base port whose ``count`` consecutive ports are free on the loopback now, none
-    in ``taken`` (the ports chosen for the other nodes of this run; added to it).
-
-    Below the kernel's ephemeral range: a port chosen free there can be taken by any
-    outgoing connection of this machine before the instance binds it."""
-    import random
-
-    high = max(_ephemeral_low(), 20000 + 2 * count) - count
-    for _ in range(tries):
-        base = random.randint(20000, high)
-        ports = range(base, base + count)
-        if taken.intersection(ports):
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in ports:
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            taken.update(ports)
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise StartupError(f"no {count} consecutive free ports found")
+        return free_ports(count, taken)
+    except NoFreePortsError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def _redis_child(root: Path, port: int) -> Child:
@@ -128,8 +91,9 @@ def cluster_children(
     root = Path(str(raw["run_dir"]))
     private_dir(root)
     children: list[Child] = []
+    taken: set[int] = set()
     if store_url is None:
-        port = _free_port()
+        port = _free_ports(1, taken)
         store_url = f"redis://127.0.0.1:{port}/0"
         children.append(_redis_child(root, port))
     # one run, one namespace: a Redis shared with an earlier run (--store-url) holds
@@ -140,7 +104,6 @@ def cluster_children(
     store = {"kind": "redis", "url": store_url, "namespace": namespace}
     per_node = _instances(raw)
     configured = (raw.get("node") or {}).get("base_port")
-    taken: set[int] = set()
     for i in range(nodes):
         run_dir = root / f"node-{i}"
         # a configured base_port: node i from base_port + 100 i; else free ports of this

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from aegaeon_common.ports import free_ports
 
 READY_LINE = "Aegaeon is serving"
 BENCH_STATS_RECORDS = 20000
@@ -42,10 +43,10 @@ class NodeError(RuntimeError):
     """The node did not come up (its log tail is in the message)."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port(count: int = 1) -> int:
+    """A free port (with ``count``: the first of that many free in a row, e.g. for
+    ``--proxies``), below the kernel's ephemeral range."""
+    return free_ports(count)
 
 
 def interrupt(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
