@@ -46,6 +46,7 @@ from market_support import market_cache
 from prometheus_client.parser import text_string_to_metric_families
 
 LAUNCHER = Path(__file__).with_name("namespace_launcher.py")
+REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 12
 MAX_TOKENS = 12
 READY_S = 240.0
@@ -104,6 +105,9 @@ class Node:
         binds = [{"path": str(self.run_dir)}, {"path": str(self.market), "ro": True},
                  {"path": str(self.config), "ro": True},
                  {"path": str(self.shm), "target": "/dev/shm"}]  # fmt: skip
+        # the image's part (the code and its virtual environment), read-only, where a
+        # checkout under /tmp would vanish behind the container's own /tmp
+        binds += [{"path": str(p), "ro": True} for p in _code_under_tmp()]
         spec_path = self.root / f"{name}-spec.json"
         spec_path.write_text(json.dumps({"binds": binds, "env": env, "argv": argv}))
         log = self.root / f"{name}.log"
@@ -292,3 +296,14 @@ def test_namespace_boundaries_serve_hand_off_and_leave_nothing(node: Node) -> No
     assert node.services["cachemgr"].stop() == 0, node.services["cachemgr"].tail()
     assert os.listdir(node.shm) == []
     assert all(s.proc.poll() is not None for s in node.services.values())
+
+
+def _code_under_tmp() -> list[Path]:
+    """The checkout and the interpreter's environment, those of them under /tmp."""
+    tmp = Path("/tmp").resolve()
+    found: list[Path] = []
+    for path in (REPO, Path(sys.prefix).resolve()):
+        if path.is_relative_to(tmp) and not any(path.is_relative_to(f) for f in found):
+            found.append(path)
+    return found
+
