@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aegaeon_common.usage import at_least_one
+from aegaeon_common.usage import at_least_one, at_least_zero
 
 from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
 from aegaeon_sim.cli_classes import print_progress
@@ -81,7 +81,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )  # fmt: skip
     parser.add_argument("--models", type=at_least_one, default=40, help="with --policy")
     parser.add_argument("--rps", type=_positive, default=0.1, help="per model, with --policy")
-    parser.add_argument("--adapters", type=_count, default=0, metavar="N",
+    parser.add_argument("--adapters", type=at_least_zero, default=0, metavar="N",
                         help="with --policy: N LoRA adapters per model, each its own request "
                              "stream of --rps (the models none); a base and its adapters are "
                              "one switching unit (0)")
@@ -194,16 +194,6 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 

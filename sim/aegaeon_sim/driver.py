@@ -139,7 +139,7 @@ class Simulation:
         self.instances[action.instance].send(EnqueuePrefill(
             r.request_id, r.model, action.group_id, self._prompt_ids(r.prompt_len), t.sampling,
             r.arrival_s, priority=r.priority, ttft_s=r.ttft_s or 0.0, tbt_s=r.tbt_s or 0.0,
-            group_key_s=-1.0 if action.group_key_s is None else action.group_key_s,
+            group_key_s=action.group_key_s,
         ))  # fmt: skip
 
     def _place_decode(self, action: PlaceDecode, now_s: float) -> None:

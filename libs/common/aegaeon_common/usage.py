@@ -28,15 +28,24 @@ def fail(prog: str, problem: object) -> int:
     return 2
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    return _whole_number(text, 1)
+
+
+def at_least_zero(text: str) -> int:
+    """An argparse type: a whole number >= 0 (a count that may be none)."""
+    return _whole_number(text, 0)
 
 
 def port_number(text: str) -> int:

@@ -33,9 +33,9 @@ class EnqueuePrefill(Message, frozen=True):
     priority: int = 1
     ttft_s: float = 0.0
     tbt_s: float = 0.0
-    # The group's key in the proxy's copy of the queue (-1: the request's own
+    # The group's key in the proxy's copy of the queue (None: the request's own
     # first-token deadline, where a new group opens).
-    group_key_s: float = -1.0
+    group_key_s: float | None = None
 
 
 class CancelRequest(Message, frozen=True):

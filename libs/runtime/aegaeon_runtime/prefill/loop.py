@@ -143,8 +143,7 @@ class PrefillLoop:
             return
         request = prefill_request(msg, self.worker.unit_of(msg.model))
         try:
-            key_s = msg.group_key_s if msg.group_key_s >= 0 else None
-            self.queue.add(request, msg.group_id, key_s=key_s)
+            self.queue.add(request, msg.group_id, key_s=msg.group_key_s)
         except ValueError as exc:  # a duplicate id or a group/model mismatch
             self._fail(msg.request_id, msg.model, "bad_request", str(exc))
             return

@@ -54,7 +54,7 @@ class Tracked:
                               self.sampling, gen.arrival_s, incarnation=incarnation,
                               reply_to=reply_to, priority=sched.priority,
                               ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
-                              group_key_s=-1.0 if group_key_s is None else group_key_s)  # fmt: skip
+                              group_key_s=group_key_s)  # fmt: skip
 
     def decode_message(self, batch_id: int, incarnation: int = 0,
                        reply_to: str = "") -> EnqueueDecode | None:  # fmt: skip
