@@ -16,6 +16,7 @@ from http_support import call_json, metric_samples
 from serve_harness import Served, serve_config, serving, until
 
 SETTLE_S = 60.0  # heartbeats and background loads settle within this (a busy CI machine)
+LONG_TOKENS = 6000  # a request that decodes for seconds on any machine (the models take 8192)
 
 
 def _call(served: Served, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -139,11 +140,14 @@ def test_removal_lets_requests_in_flight_finish(partial: Served, market_names: l
     result: dict[str, Any] = {}
 
     def long_request() -> None:
-        result["status"], result["body"] = _complete(partial, model, max_tokens=200)
+        result["status"], result["body"] = _complete(partial, model, max_tokens=LONG_TOKENS)
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    _until("the request is in flight", lambda: _rows(partial)[model]["in_flight"] == 1)
+    # seconds of decoding, so a poll sees it; if it ended unseen, say how it ended
+    _until("the request is in flight (or ended)",
+           lambda: _rows(partial)[model]["in_flight"] == 1 or not thread.is_alive())  # fmt: skip
+    assert thread.is_alive(), f"the request ended before it was seen in flight: {result}"
     status, body = _call(partial, "DELETE", f"/v1/aegaeon/models/{model}")
     # 202 while it runs (200 if it ended in between: a slow machine's scheduling)
     assert status in (200, 202), body
@@ -151,7 +155,7 @@ def test_removal_lets_requests_in_flight_finish(partial: Served, market_names: l
     assert _complete(partial, model)[0] == 404  # new requests: at once
     thread.join(timeout=300)
     assert result["status"] == 200, result  # the one in flight finished
-    assert result["body"]["usage"]["completion_tokens"] == 200
+    assert result["body"]["usage"]["completion_tokens"] == LONG_TOKENS
     _until("the model is gone", lambda: model not in _rows(partial))
     cache = _call(partial, "GET", "/v1/aegaeon/stats?light=1")[1]["cache"]["model_cache"]
     assert model not in [m["name"] for m in cache["models"]] and model not in cache["known"]
