@@ -28,9 +28,9 @@ only with defaults), like the wire. Keys (each under the store's namespace):
   absent (no TTL): a store that restarted empty has a new one, and everyone who
   held the old one knows its records were lost (:class:`StoreEpoch`).
 
-An instance id is ``{node}/{kind}-{index}``. Queue keys carry the instance's
-incarnation, so a restarted instance starts from an empty queue, as the
-process itself does.
+An instance id is ``{node}/{kind}-{index}`` (``{kind}-{index}`` on one node).
+Queue keys carry the instance's incarnation, so a restarted instance starts
+from an empty queue, as the process itself does.
 
 Who rebuilds what after a loss (docs/interfaces.md, "Many nodes"): every record
 with a TTL is rewritten by its writer at its next beat; an instance whose id
@@ -49,6 +49,7 @@ from typing import Any
 import msgspec
 
 from aegaeon_common.config import Config, ModelSettings
+from aegaeon_common.messages.report import InstanceStats
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.store import MemoryStore, Store
 
@@ -73,6 +74,22 @@ class InstanceLoadInfo(msgspec.Struct, frozen=True):
     resident_models: list[str] = msgspec.field(default_factory=list)
     residency_version: int = 0
     velocity: dict[str, float] = msgspec.field(default_factory=dict)  # tokens/s by stage
+
+
+def load_of(stats: InstanceStats) -> InstanceLoadInfo:
+    """An instance's load as its heartbeat (``InstanceStats``) gives it."""
+    counters = stats.counters
+    return InstanceLoadInfo(
+        active_model=stats.active_model, queued=stats.queued, running=stats.running,
+        prefill_s=float(counters.get("prefill_s", 0.0)),
+        prefill_tokens=int(counters.get("prefill_tokens", 0)),
+        kv_blocks_in_use=int(counters.get("kv_blocks_in_use", 0)),
+        open_sequences=int(counters.get("open_sequences", 0)),
+        kv_used_bytes=int(counters.get("kv_used_bytes", 0)),
+        kv_capacity_bytes=int(counters.get("kv_capacity_bytes", 0)),
+        resident_models=list(stats.resident_models), residency_version=stats.residency_version,
+        velocity=dict(stats.velocity),
+    )  # fmt: skip
 
 
 class InstanceRecord(msgspec.Struct, frozen=True):
@@ -223,6 +240,10 @@ def model_settings_key(model: str) -> str:
 
 
 def instance_id(node: str, kind: str, index: int) -> str:
+    """An instance's id in a registry many nodes share: ``{node}/{kind}-{index}``. On
+    one node (the proxy writes its instances' records, ``aegaeon_proxy.cluster.
+    local_registrar``) the id is ``{kind}-{index}``, the name the node's own
+    services, logs and metrics know it by."""
     return f"{node}/{kind}-{index}"
 
 

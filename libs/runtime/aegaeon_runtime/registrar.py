@@ -27,12 +27,12 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.registry import (
     INSTANCES,
-    InstanceLoadInfo,
     InstanceRecord,
     StoreEpoch,
     encode,
     instance_id,
     instance_key,
+    load_of,
 )
 from aegaeon_common.store import Store, StoreError
 
@@ -40,21 +40,6 @@ from aegaeon_runtime.shared_queues import QueueSnapshots, SharedQueues
 
 log = get_logger("registrar")
 WARN_EVERY_S = 5.0
-
-
-def load_of(stats: InstanceStats) -> InstanceLoadInfo:
-    counters = stats.counters
-    return InstanceLoadInfo(
-        active_model=stats.active_model, queued=stats.queued, running=stats.running,
-        prefill_s=float(counters.get("prefill_s", 0.0)),
-        prefill_tokens=int(counters.get("prefill_tokens", 0)),
-        kv_blocks_in_use=int(counters.get("kv_blocks_in_use", 0)),
-        open_sequences=int(counters.get("open_sequences", 0)),
-        kv_used_bytes=int(counters.get("kv_used_bytes", 0)),
-        kv_capacity_bytes=int(counters.get("kv_capacity_bytes", 0)),
-        resident_models=list(stats.resident_models), residency_version=stats.residency_version,
-        velocity=dict(stats.velocity),
-    )  # fmt: skip
 
 
 class Registrar:

@@ -58,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"aegaeon proxy: {exc}", file=sys.stderr)
         return 2
-    if config.distributed:  # one replica of the proxy layer over many nodes
-        from aegaeon_proxy.cluster.distributed import DistributedBackend
+    if config.unified and not config.distributed:
+        # the request-level baselines: their policy in process, over the instances
+        return run_service("proxy", ProxyServer(config, ClusterBackend(config)).serve)
+    # Aegaeon's Algorithms 1-2 over the store: the memory store on one node, Redis for
+    # many (one replica of the proxy layer)
+    from aegaeon_proxy.cluster.distributed import DistributedBackend
 
-        return run_service("proxy", ProxyServer(config, DistributedBackend(config)).serve)
-    return run_service("proxy", ProxyServer(config, ClusterBackend(config)).serve)
+    return run_service("proxy", ProxyServer(config, DistributedBackend(config)).serve)

@@ -52,6 +52,7 @@ import zmq.asyncio
 from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.cache import CacheStats
 from aegaeon_common.messages.prefill import CancelRequest
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
@@ -67,6 +68,7 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
+    INSTANCES,
     PROXIES,
     QUEUE_TTL_S,
     InstanceRecord,
@@ -79,6 +81,7 @@ from aegaeon_common.registry import (
     decode_request,
     encode,
     encode_queue,
+    instance_key,
     model_settings_key,
     open_store,
     proxy_key,
@@ -88,7 +91,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, release_security
-from aegaeon_common.wire import Message
+from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
@@ -111,6 +114,7 @@ from aegaeon_proxy.backend import (
 )
 from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
+from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, watch_caches
@@ -129,6 +133,7 @@ REAP_LEASE_S = 10.0
 META_GRACE_S = 60.0  # request metadata outlives the request deadline by this much
 DISPATCH_SAMPLES = 4096
 STOP_S = 5.0  # a stopping replica's last cancels and store writes
+ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgrs' KV stats for a scrape
 
 
 @dataclass
@@ -161,12 +166,7 @@ class DistributedBackend:
         # the records nobody re-derives (settings, served models): kept by every replica
         self.records = SharedRecords(self.store)
         self.ctx = zmq.asyncio.Context()
-        node = config.node
-        bind_host = node.bind_address or node.advertise_address or "127.0.0.1"
-        self._reports = Puller(self.ctx, f"tcp://{bind_host}:{node.proxy_report_port}",
-                               REPORT_CHANNEL, bind=True)  # fmt: skip
-        port = self._reports.bound_address.rpartition(":")[2]
-        self.report_address = f"tcp://{node.advertise_address or '127.0.0.1'}:{port}"
+        self._reports, self.report_address = _report_socket(config, self.ctx)
         # requests, their admission by SLO class, streams, ends and retries; placement
         # (store transactions) is this backend's
         self.table = RequestTable(config, self, where="this replica")
@@ -177,6 +177,9 @@ class DistributedBackend:
             0))  # fmt: skip
         self.where: dict[str, Where] = {}
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
+        # prefilled, no decode instance of its node takes work now (draining, restarting):
+        # placed when one does; its handoff stays leased to the prefill instance meanwhile
+        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
         self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
@@ -189,6 +192,9 @@ class DistributedBackend:
         self._apply_settings: Callable[[str, ModelSettings], None] | None = None
         self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
+        self._checked = False  # the cachemgrs' unreadable models were read once
+        # one node: the instances report here and this replica writes their records
+        self.local = LocalRegistrar(config, self._put_record, self._send_record)
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
         self.models = ReplicaModels(config, self.view, self.caches, self.records, self._send,
@@ -206,11 +212,11 @@ class DistributedBackend:
             RequestFailed: self._on_failed,
             InstanceModels: self.models.on_instance_models,  # answers to this replica
             ModelsResident: self.models.on_models_resident,
-            # one node's messages, not sent with many; harmless if a stray one comes
-            InstanceHello: lambda msg: None,
-            InstanceStats: lambda msg: None,
-            InstanceDraining: lambda msg: None,
-            InstanceStalled: lambda msg: None,  # its registry record goes (deregistered)
+            # one node's instances (with many, each writes its own record)
+            InstanceHello: self.local.on_hello,
+            InstanceStats: self.local.on_stats,
+            InstanceDraining: self._on_draining,
+            InstanceStalled: self._on_stalled,
         }
 
     # ---- lifecycle ---------------------------------------------------------
@@ -250,23 +256,46 @@ class DistributedBackend:
             await self.roles.leave()
 
     def ready(self) -> bool:
-        """The store answers and some prefill instance is registered. (Not gated on the
-        nodes' unreadable models, which a replica reads within a second of their
-        records: a replica that restarts while a node's cachemgr is dead would wait
+        """The store answers and: on one node, every instance is up or restarting after
+        a drain (its work waits here) and the cachemgr was asked which models it cannot
+        read; with many nodes, some prefill instance is registered (the nodes'
+        unreadable models are not waited for: a replica reads them within a second of
+        their records, and one that restarts while a node's cachemgr is dead would wait
         for it; an unreadable model's request in between is refused by its instance,
-        503 ``model_unavailable`` all the same.)"""
-        return self._store_ok and bool(self.view.prefill_candidates())
+        503 ``model_unavailable`` all the same)."""
+        if not self._store_ok or self._down():
+            return False
+        if self.local.expected:
+            return self._checked
+        return bool(self.view.prefill_candidates())
+
+    def _down(self) -> list[str]:
+        """The instances that report here and are neither registered nor restarting."""
+        now = time.monotonic()
+        return [n for n in self.local.expected
+                if n not in self.view.live and not self.local.up(n, now)]  # fmt: skip
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_Collector(self))
         self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
-        """Device KV of every node's decode instances (their registry records); the
-        nodes' unified CPU KV caches are not known to a replica."""
-        decoding = [r.load for r in self.view.live.values() if r.kind == "decode"]
+        """Device KV of every node's instances in the decode role (their registry
+        records) and the nodes' unified CPU KV caches (their cachemgrs' stats, summed;
+        unknown if one does not answer)."""
+        decoding = [r.load for r in self.view.live.values() if self.view.role(r) == "decode"]
+        caches = await self.caches.stats(self.view.live.values(), ENGINE_STATS_TIMEOUT_S)
+        host_used = host_capacity = None
+        if caches and all(c is not None for c in caches.values()):
+            host_used = sum(c.kv.used_bytes for c in caches.values() if c is not None)
+            host_capacity = sum(c.kv.capacity_bytes for c in caches.values() if c is not None)
         return EngineSnapshot(sum(x.kv_used_bytes for x in decoding),
-                              sum(x.kv_capacity_bytes for x in decoding))  # fmt: skip
+                              sum(x.kv_capacity_bytes for x in decoding),
+                              host_used, host_capacity)  # fmt: skip
+
+    def held_counts(self) -> tuple[int, int]:
+        """Requests held here: (waiting for a prefill instance, for a decode one)."""
+        return len(self.held), len(self.held_decode)
 
     def context_limit(self, model: str) -> int | None:
         limits = [r.capacity_tokens[model] for r in self.view.live.values()
@@ -328,6 +357,7 @@ class DistributedBackend:
         for name, why in models.items():
             if name not in self.models.quarantine.models:
                 await self.models.publish_unavailable(name, why, asked_at)
+        self._checked = True  # (ready: the cachemgrs' unreadable models are known here)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         def build(base: bytes | None, version: int) -> bytes:
@@ -349,7 +379,10 @@ class DistributedBackend:
             self._apply_settings(record.model, record.settings)
 
     def services(self) -> list[ServiceAddress]:
-        return node_services(self.view.live.values())
+        """This node's services as they recorded them in the run directory (one node:
+        up or not), then every other node's as its instances registered them."""
+        others = [r for r in self.view.live.values() if r.instance_id not in self.local.expected]
+        return self.local.services() + node_services(others)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -367,6 +400,10 @@ class DistributedBackend:
         if not self._store_ok:
             raise _store_down("unreachable")
         if not self.ready():
+            down = self._down()
+            if down or self.local.expected:
+                what = ", ".join(down) or "starting"
+                raise BackendError.unavailable(f"instances unavailable: {what}")
             raise BackendError.unavailable("no prefill instance is registered")
         return self.table.open(req).queue
 
@@ -386,6 +423,9 @@ class DistributedBackend:
         rid = tracked.gen.request_id
         self.held.pop(rid, None)
         self._dirty.discard(rid)
+        held = self.held_decode.pop(rid, None)
+        if held is not None:  # its handoff, never claimed: freed at its prefill instance
+            self._spawn(self._send_to(held[1], CancelRequest(rid, free_handoff=True)))
         where = self.where.pop(rid, None)
         if cancelled and where is not None:
             cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
@@ -462,15 +502,15 @@ class DistributedBackend:
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")
 
-    async def _place_decode(self, tracked: Tracked, node: str) -> bool:
-        """Algorithm 2's placement over the decode-capable instances of ``node``; True
-        once the request was sent to one (its handoff is that instance's to claim)."""
+    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> bool:
+        """Algorithm 2's placement over the decode-capable instances of the prefill's
+        node; True once the request was sent to one (its handoff is that instance's to
+        claim) or is held for one (none takes work now: placed when one does)."""
         rid = tracked.gen.request_id
-        candidates = self.view.decode_candidates(node)
+        candidates = self.view.decode_candidates(prefilled.node)
         if not candidates:
-            self.end_request(rid, "error", f"node {node} has no decode instance alive",
-                             code="instance_failed")  # fmt: skip
-            return False
+            self.held_decode[rid] = (tracked, prefilled)
+            return True
         keys = [RegistryView.queue_key(r, "decode") for r in candidates]
         by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
@@ -570,6 +610,7 @@ class DistributedBackend:
         await receive_reports(self._reports, self._handlers, self.counters)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
+        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         where = self.where.get(msg.request_id)
         owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
         tracked = self.table.prefilled(msg, owner) if where is not None else None
@@ -581,6 +622,12 @@ class DistributedBackend:
                 # the cancel goes to that instance of every node (a no-op where unknown)
                 self._cancel_everywhere(msg.request_id, msg.kind, msg.index, free_handoff=True)
             return
+        # what the prefill took teaches the latency model dispatch estimates with
+        measured = msg.timings.extra.get("prefill_compute_s", msg.timings.prefill_s)
+        latency = self.view.latency()
+        if latency is not None and measured > 0:
+            latency.observe_prefill(tracked.sched.switch_unit, [tracked.sched.prompt_len],
+                                    measured)  # fmt: skip
         self._spawn(self._after_prefill(tracked, where, msg))
 
     async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
@@ -601,15 +648,19 @@ class DistributedBackend:
             del self.where[rid]  # out of the prefill queue; not placed yet
         if self.table.finish_first(tracked, msg):
             return
-        if not (rid in self.requests and await self._place_decode(tracked, where.node)):
+        if not (rid in self.requests and await self._place_decode(tracked, where)):
             # ended or cancelled before its placement, or no placement: the KV handoff
             # is still leased to the prefill instance, which frees it on this cancel
             await self._send_to(where, CancelRequest(rid, free_handoff=True))
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
+        # before the request ends: once its client has the answer, the stats no
+        # longer count it on the instance that ended it
+        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         self._dirty.update(self.table.step_tokens(msg))
 
     def _on_failed(self, msg: RequestFailed) -> None:
+        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         where = self.where.get(msg.request_id)
         name = where.instance if where else f"{msg.kind}-{msg.index}"
         tracked = self.requests.get(msg.request_id)
@@ -618,6 +669,66 @@ class DistributedBackend:
             if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
                 self._spawn(self.models.publish_unavailable(model, msg.message, time.time()))
         self.table.failed(msg.request_id, name, msg.code, msg.message)
+
+    # ---- one node's instances (cluster.local_registrar) ------------------------
+    def _put_record(self, record: InstanceRecord, live: bool) -> None:
+        """Write (``live``) or delete an instance's record, as its own registrar would;
+        a draining record is dispatch's at once (no new work meanwhile)."""
+        if live and self.view.alive(record.instance_id, record.incarnation):
+            self.view.live[record.instance_id] = record
+        ttl_s = self.config.store.heartbeat_ttl_s
+
+        async def write() -> None:
+            try:
+                if live:
+                    await self.store.put(instance_key(record.instance_id), encode(record), ttl_s)
+                    await self.store.set_add(INSTANCES, record.instance_id)
+                else:
+                    await self.store.delete(instance_key(record.instance_id))
+            except StoreError as exc:
+                self.store_health.troubled()
+                self.counters["store_errors"] += 1
+                log.warning("registry_write_failed", instance=record.instance_id,
+                            error=str(exc))  # fmt: skip
+
+        self._spawn(write())
+
+    def _send_record(self, record: InstanceRecord, msg: Message) -> None:
+        self._spawn(self._send(record, msg))
+
+    def _on_draining(self, msg: InstanceDraining) -> None:
+        """Send the instance no new work; the ack follows everything sent to it so far."""
+        record = self.local.on_draining(msg)
+        if record is not None:
+            held = sum(1 for w in self.where.values() if w.instance == record.instance_id)
+            log.info("instance_draining", instance=record.instance_id, pid=msg.pid,
+                     requests=held)  # fmt: skip
+
+    def _on_stalled(self, msg: InstanceStalled) -> None:
+        """Its compute thread made no progress with work to do: its record goes now (not a
+        heartbeat timeout later: its event loop still beats), and with the next refresh
+        its requests are failed over; its process says no hello again
+        (``aegaeon_runtime.liveness``)."""
+        if self.local.on_stalled(msg):
+            log.error("instance down", instance=f"{msg.kind}-{msg.index}",
+                      why=f"its compute thread stalled: {msg.reason}")  # fmt: skip
+
+    def _place_held_decode(self) -> None:
+        """Held decode placements whose node has a decode instance that takes work again;
+        one whose prefill instance left meanwhile lost its handoff with it."""
+        for rid, (tracked, prefilled) in list(self.held_decode.items()):
+            if not self.view.alive(prefilled.instance, prefilled.incarnation):
+                del self.held_decode[rid]
+                self.table.lost(tracked, prefilled.instance, f"instance {prefilled.instance} is "
+                                "gone (its heartbeat expired)")  # fmt: skip
+            elif self.view.decode_candidates(prefilled.node):
+                del self.held_decode[rid]
+                self._spawn(self._place_held(tracked, prefilled))
+
+    async def _place_held(self, tracked: Tracked, prefilled: Where) -> None:
+        rid = tracked.gen.request_id
+        if not (rid in self.requests and await self._place_decode(tracked, prefilled)):
+            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
@@ -661,6 +772,7 @@ class DistributedBackend:
             if self.held and self.view.prefill_candidates():
                 for tracked in list(self.held.values()):
                     self._spawn(self._dispatch_prefill(tracked))
+            self._place_held_decode()
             try:  # (room is freed by events; this is a safety net, which must not die)
                 self._admission_bounds()
                 self.table.release_deferred()
@@ -825,37 +937,73 @@ class DistributedBackend:
 
     # ---- observability ---------------------------------------------------------
     def health(self) -> dict[str, object]:
+        instances: dict[str, object] = {
+            r.instance_id: {"alive": True, "pid": r.pid, "node": r.node,
+                            "draining": r.draining, "active_model": r.load.active_model,
+                            "role": self.view.role(r)}
+            for r in self.view.live.values()
+        }  # fmt: skip
+        now = time.monotonic()
+        for name in self.local.expected:  # (one node: every instance it runs, up or not)
+            if name not in instances:
+                restarting = self.local.restarting(name, now)  # (after a drain)
+                instances[name] = {"alive": restarting, "pid": self.local.pid(name) if
+                                   restarting else None, "active_model": None}  # fmt: skip
         return {
             "policy": self.config.scheduler.policy,
             "proxy_id": self.proxy_id,
             "ready": self.ready(),
             "store": "up" if self._store_ok else "unreachable",
             "requests": len(self.requests),
-            "instances": {
-                r.instance_id: {"alive": True, "pid": r.pid, "node": r.node,
-                                "draining": r.draining, "active_model": r.load.active_model,
-                                "role": self.view.role(r)}
-                for r in self.view.live.values()
-            },
+            "instances": instances,
         }
 
+    def _instances(self, caches: dict[str, CacheStats | None]) -> list[dict[str, object]]:
+        """What each instance holds now: device KV blocks and open sequences (its last
+        heartbeat, or a newer message about a request on one node), host KV blocks its
+        node's cachemgr leases to it (``-1``: that cachemgr did not answer). All 0 on
+        an idle deployment that leaked nothing."""
+        local = dict(self.local)
+        out: list[dict[str, object]] = []
+        for r in self.view.live.values():
+            cache = caches.get(r.node)
+            kept = local[r.instance_id].holdings if r.instance_id in local else None
+            blocks, sequences = ((kept.kv_blocks_in_use, kept.open_sequences) if kept else
+                                 (r.load.kv_blocks_in_use, r.load.open_sequences))  # fmt: skip
+            owner = f"{r.kind}-{r.index}"  # (its node's cachemgr knows it by this name)
+            out.append({
+                "name": r.instance_id, "kind": r.kind, "index": r.index, "node": r.node,
+                "pid": r.pid, "alive": True, "draining": r.draining,
+                "kv_blocks_in_use": blocks,
+                "leases": int(cache.kv.blocks_per_owner.get(owner, 0)) if cache else -1,
+                "open_sequences": sequences, "role": self.view.role(r),
+            })  # fmt: skip
+        return out
+
     async def stats(self, light: bool = False) -> dict[str, object]:
+        """Everything the benchmarks read: instance holdings and heartbeats, switches,
+        turns, request timings, the cachemgrs' stats (one node: its own; many: by node);
+        ``light`` leaves the record lists out (for frequent polls)."""
         samples = list(self.dispatch_s)
         p50, p99 = ((percentile(samples, 50), percentile(samples, 99)) if samples
                     else (None, None))  # fmt: skip
+        caches = await self.caches.stats(self.view.live.values())
+        plain = {n: to_plain(c) if c is not None else None for n, c in caches.items()}
+        cache = next(iter(plain.values())) if len(plain) == 1 else plain or None
         out: dict[str, object] = {
             "policy": self.config.scheduler.policy,
             "proxy_id": self.proxy_id,
             "counters": dict(self.counters),
             "open_requests": len(self.requests),
-            "held_requests": len(self.held),
-            "instances": [
-                {"name": r.instance_id, "kind": r.kind, "index": r.index, "node": r.node,
-                 "pid": r.pid, "alive": True, "draining": r.draining,
-                 "kv_blocks_in_use": r.load.kv_blocks_in_use, "leases": -1,
-                 "open_sequences": r.load.open_sequences, "role": self.view.role(r)}
-                for r in self.view.live.values()
-            ],
+            "held_requests": len(self.held) + len(self.held_decode),
+            "instances": self._instances(caches),
+            # each instance's last heartbeat by name (one node's: with many nodes the
+            # records' loads are in `instances`)
+            "instance_stats": {
+                name: to_plain(local.stats) if local.stats is not None else None
+                for name, local in self.local
+            },
+            "cache": cache,
             "nodes": sorted({r.node for r in self.view.live.values()}),
             "store": {"kind": self.config.store.kind, "commits": self.store.num_commits,
                       "conflicts": self.store.num_conflicts},
@@ -866,9 +1014,38 @@ class DistributedBackend:
         }
         if light:
             return out
+        # Each instance's start-up latency profile (aegaeon_sched.LatencyModel
+        # dicts): what a simulation of this deployment should use.
+        out["latency"] = {r.instance_id: to_plain(r.latency) for r in self.view.live.values()
+                          if r.latency is not None}  # fmt: skip
+        out["layout"] = {
+            "policy": self.config.scheduler.policy,
+            "unified": self.config.unified,
+            "hybrid_prefill": self.config.hybrid_prefill,
+            "prefill": self.config.prefill.instances,
+            "decode": self.config.decode.instances,
+            "q_max_s": self.config.scheduler.q_max_s,
+            "max_group_size": self.config.scheduler.max_group_size,
+            "max_batch_size": self.config.scheduler.max_batch_size,
+        }
         out["timings"] = self.table.timings.plain()
-        out["switches"], out["turns"] = [], []
+        out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.local.switches]
+        out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.local.turns]
         return out
+
+
+def _report_socket(config: Config, ctx: zmq.asyncio.Context) -> tuple[Puller, str]:
+    """Where the instances send this replica's reports, and the address they are told.
+    One node: the proxy's address (``ipc://`` in the run directory, or as configured);
+    many: ``node.proxy_report_port`` on tcp (0: an ephemeral port)."""
+    if not config.distributed:
+        return Puller(ctx, config.proxy_address, REPORT_CHANNEL, bind=True), config.proxy_address
+    node = config.node
+    bind_host = node.bind_address or node.advertise_address or "127.0.0.1"
+    reports = Puller(ctx, f"tcp://{bind_host}:{node.proxy_report_port}", REPORT_CHANNEL,
+                     bind=True)  # fmt: skip
+    port = reports.bound_address.rpartition(":")[2]
+    return reports, f"tcp://{node.advertise_address or '127.0.0.1'}:{port}"
 
 
 def _store_down(why: object) -> BackendError:
@@ -902,13 +1079,28 @@ class _Collector(Collector):
         b = self._b
         up = GaugeMetricFamily("aegaeon_instance_up", "Instances registered and beating",
                                labels=["instance"])  # fmt: skip
-        for iid in b.view.live:
+        draining = GaugeMetricFamily(
+            "aegaeon_instance_draining", "Whether an instance announced it is draining",
+            labels=["instance"],
+        )  # fmt: skip
+        for iid, record in b.view.live.items():
             up.add_metric([iid], 1.0)
+            draining.add_metric([iid], float(record.draining))
+        for name in b._down():  # (one node: every instance it runs, up or not)
+            up.add_metric([name], 0.0)
         yield up
+        yield draining
         yield from request_metrics(b.table)
         yield from role_metrics(b.roles.switcher, b.roles.velocity())
-        yield GaugeMetricFamily("aegaeon_held_requests", "Requests waiting for an instance",
-                                value=len(b.held))  # fmt: skip
+        held = GaugeMetricFamily(
+            "aegaeon_held_requests",
+            "Requests waiting in the proxy because no instance of a stage takes work now",
+            labels=["stage"],
+        )  # fmt: skip
+        arrivals, placements = b.held_counts()
+        held.add_metric(["prefill"], float(arrivals))
+        held.add_metric(["decode"], float(placements))
+        yield held
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
                                  labels=["outcome"])  # fmt: skip
         tx.add_metric(["committed"], float(b.store.num_commits))

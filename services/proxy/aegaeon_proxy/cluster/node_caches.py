@@ -43,15 +43,17 @@ def _cachemgrs(records: Iterable[InstanceRecord]) -> dict[str, str]:
 
 
 def node_services(records: Iterable[InstanceRecord]) -> list[ServiceAddress]:
-    """Each node's cachemgr, then its prefill and decode instances, nodes in order."""
+    """Each node's cachemgr, then its prefill and decode instances, nodes in order (named
+    by their instance ids: ``node/prefill-0``, and ``prefill-0`` on one node)."""
     by_node: dict[str, list[InstanceRecord]] = {}
     for r in records:
         by_node.setdefault(r.node, []).append(r)
     out: list[ServiceAddress] = []
-    for node, mine in sorted(by_node.items()):
+    for _node, mine in sorted(by_node.items()):
         cachemgr = next((r.cachemgr_http_url for r in mine if r.cachemgr_http_url), "")
-        if cachemgr:
-            out.append(ServiceAddress(f"{node}/cachemgr", "cachemgr", cachemgr))
+        if cachemgr:  # named as its node's instances are: "node/cachemgr" (one node: none)
+            prefix = mine[0].instance_id.removesuffix(f"{mine[0].kind}-{mine[0].index}")
+            out.append(ServiceAddress(f"{prefix}cachemgr", "cachemgr", cachemgr))
         for r in sorted(mine, key=lambda r: (r.kind != "prefill", r.index)):
             if r.http_url:
                 out.append(ServiceAddress(r.instance_id, r.kind, r.http_url))
@@ -135,22 +137,32 @@ class NodeCaches:
         """The flags on every node's cachemgr (:meth:`call_all`)."""
         await self.call_all(records, SetModelFlags(name, pinned=pinned, preload=preload))
 
-    async def model_cache(self, records: Iterable[InstanceRecord],
-                          timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any] | None:  # fmt: skip
-        """Every node's Model Cache that answers within ``timeout_s``, merged
-        (:func:`merge_model_caches`); None when no node answered."""
+    async def stats(
+        self, records: Iterable[InstanceRecord], timeout_s: float = CACHE_TIMEOUT_S
+    ) -> dict[str, CacheStats | None]:
+        """Every node's cachemgr's stats, asked at once (None: it did not answer within
+        ``timeout_s``), by node."""
         nodes = _cachemgrs(records)
 
-        async def one(address: str) -> dict[str, Any] | None:
+        async def one(address: str) -> CacheStats | None:
             try:
                 reply = await self.call(address, GetStats(), timeout_s)
             except BackendError:
                 return None
-            stats = to_plain(reply.model_cache) if isinstance(reply, CacheStats) else None
-            return stats if isinstance(stats, dict) else None
+            return reply if isinstance(reply, CacheStats) else None
 
         answers = await asyncio.gather(*(one(a) for a in nodes.values()))
-        by_node = {n: s for n, s in zip(nodes, answers, strict=True) if s is not None}
+        return dict(zip(nodes, answers, strict=True))
+
+    async def model_cache(self, records: Iterable[InstanceRecord],
+                          timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any] | None:  # fmt: skip
+        """Every node's Model Cache that answers within ``timeout_s``, merged
+        (:func:`merge_model_caches`); None when no node answered."""
+        by_node = {}
+        for node, stats in (await self.stats(records, timeout_s)).items():
+            plain = to_plain(stats.model_cache) if stats is not None else None
+            if isinstance(plain, dict):
+                by_node[node] = plain
         return merge_model_caches(by_node) if by_node else None
 
     def close(self) -> None:

@@ -1,0 +1,224 @@
+"""This node's instances in the store: their hellos and heartbeats as registry records.
+
+On one node the instances report to the proxy over ZeroMQ (``InstanceHello`` and
+``InstanceStats`` every beat) and reach no store: the memory store lives in the
+proxy's process. The proxy writes for them what an instance of many nodes writes
+itself (``aegaeon_runtime.registrar``): its
+:class:`~aegaeon_common.registry.InstanceRecord` with its load
+(``registry.load_of``), with the ``store.heartbeat_ttl`` TTL. So dispatch reads
+the same records either way, and an instance that falls silent leaves it the same
+way: its record expires (``cluster.registry``).
+
+* a **first hello** this process got is answered with ``ProxyStarted`` before any
+  work (what the instance holds is an earlier proxy's, whose clients are gone);
+* a **new process** (another pid or incarnation) overwrites the record: the
+  replica's next refresh sees the old one leave and ends or re-dispatches what it held;
+* a **drain** (``InstanceDraining``) marks the record draining (no new work) and is
+  acknowledged (``AckDrain``); the instance counts as restarting until its drain
+  timeout plus :data:`RESTART_GRACE_S` has passed without a successor's hello;
+* a **stall** (``InstanceStalled``) deletes the record at once (down now, not a TTL
+  later); that process says no hello again.
+
+Within one node a report's kind and index name its instance, so what a message
+about a request says the instance holds (``Holdings``) is kept too, newer than its
+last heartbeat's. The instances' switch and turn records (their heartbeats') are
+kept for ``/v1/aegaeon/stats``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+from aegaeon_common.config import Config
+from aegaeon_common.http_side import ServiceAddress, read_http_address
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.prefill import AckDrain, ProxyStarted
+from aegaeon_common.messages.report import (
+    InstanceDraining,
+    InstanceHello,
+    InstanceStalled,
+    InstanceStats,
+    SwitchRecord,
+    TurnRecord,
+)
+from aegaeon_common.messages.structs import Holdings
+from aegaeon_common.registry import InstanceRecord, load_of
+from aegaeon_common.wire import Message
+
+log = get_logger("cluster")
+RESTART_GRACE_S = 60.0  # a drained instance's successor says hello within this
+INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
+
+
+def local_names(config: Config) -> tuple[str, ...]:
+    """The instances that report to this proxy: one node's (none with many nodes,
+    where each instance writes its own record)."""
+    if config.distributed:
+        return ()
+    return (tuple(f"prefill-{i}" for i in range(config.prefill.instances))
+            + tuple(f"decode-{i}" for i in range(config.decode.instances)))  # fmt: skip
+
+
+@dataclass
+class _Local:
+    """One instance as its reports left it."""
+
+    record: InstanceRecord
+    stats: InstanceStats | None = None
+    holdings: Holdings | None = None
+    restart_by_s: float = 0.0  # (draining) restarting until then
+    written_s: float = 0.0  # its record was last written then (monotonic; 0: deleted)
+
+
+class LocalRegistrar:
+    """Writes the records of the instances that report here (see the module).
+
+    ``put(record, ttl_s)`` writes a record (None ttl_s: deletes it); ``send``
+    sends a message to an instance's record; both run as the backend's jobs."""
+
+    def __init__(self, config: Config, put: Callable[[InstanceRecord, bool], None],
+                 send: Callable[[InstanceRecord, Message], None]) -> None:  # fmt: skip
+        self.config = config
+        self.ttl_s = config.store.heartbeat_ttl_s
+        self.expected = local_names(config)
+        self._put = put
+        self._send = send
+        self.instances: dict[str, _Local] = {}
+        self._stalled: set[tuple[str, int]] = set()  # (name, pid): no record again
+        self._said_started: set[str] = set()  # ProxyStarted went to these (this process)
+        self.switches: deque[tuple[str, SwitchRecord]] = deque(maxlen=config.proxy.stats_records)
+        self.turns: deque[tuple[str, TurnRecord]] = deque(maxlen=config.proxy.stats_records)
+
+    def __iter__(self) -> Iterator[tuple[str, _Local]]:
+        return iter(self.instances.items())
+
+    def on_hello(self, msg: InstanceHello) -> None:
+        name = f"{msg.kind}-{msg.index}"
+        if name not in self.expected:
+            log.warning("hello from an unknown instance", kind=msg.kind, index=msg.index)
+            return
+        if (name, msg.pid) in self._stalled:
+            return
+        known = self.instances.get(name)
+        same = (known is not None and known.record.pid == msg.pid
+                and known.record.incarnation == msg.incarnation)  # fmt: skip
+        config = self.config
+        address = (config.prefill_address(msg.index) if msg.kind == "prefill"
+                   else config.decode_address(msg.index))  # fmt: skip
+        if same and known is not None:
+            record = msgspec.structs.replace(
+                known.record, capacity_tokens=dict(msg.capacity_tokens), latency=msg.latency
+            )
+        else:
+            record = InstanceRecord(
+                v=1, instance_id=name, node=config.node.name, kind=msg.kind, index=msg.index,
+                address=address, incarnation=msg.incarnation, pid=msg.pid,
+                capacity_tokens=dict(msg.capacity_tokens), max_batch_size=msg.max_batch_size,
+                latency=msg.latency, cachemgr_address=config.cachemgr_address,
+            )  # fmt: skip
+            if known is not None:
+                log.info("instance_restarted", instance=name, pid=msg.pid)
+            self.instances[name] = known = _Local(record)
+        known.record = self._with_urls(record)
+        if name not in self._said_started:
+            # before any work of ours (no work goes to an instance before its record;
+            # one ordered socket): what it holds is an earlier proxy's, whose clients
+            # are gone; it drops that and frees the KV handoffs nobody claimed
+            self._said_started.add(name)
+            self._send(known.record, ProxyStarted(INCARNATION))
+        self._write(known)
+
+    def on_stats(self, msg: InstanceStats) -> None:
+        local = self.instances.get(f"{msg.kind}-{msg.index}")
+        if local is None or (local.record.instance_id, local.record.pid) in self._stalled:
+            return
+        local.stats = msg
+        self.note_holdings(msg.kind, msg.index, msg.holdings)
+        for switch in msg.switches:
+            self.switches.append((local.record.instance_id, switch))
+        for turn in msg.turns:
+            self.turns.append((local.record.instance_id, turn))
+        local.record = msgspec.structs.replace(self._with_urls(local.record), load=load_of(msg))
+        self._write(local)
+
+    def on_draining(self, msg: InstanceDraining) -> InstanceRecord | None:
+        """No new work for it; the ack follows everything sent to it so far."""
+        local = self.instances.get(f"{msg.kind}-{msg.index}")
+        if local is None or local.record.pid != msg.pid:
+            return None
+        local.record = msgspec.structs.replace(local.record, draining=True)
+        local.restart_by_s = time.monotonic() + msg.timeout_s + RESTART_GRACE_S
+        self._write(local)
+        self._send(local.record, AckDrain(msg.pid))
+        return local.record
+
+    def on_stalled(self, msg: InstanceStalled) -> bool:
+        """Down now: its record goes (True when it was this process's)."""
+        name = f"{msg.kind}-{msg.index}"
+        local = self.instances.get(name)
+        if local is None or local.record.pid != msg.pid:
+            return False
+        self._stalled.add((name, msg.pid))
+        local.restart_by_s = local.written_s = 0.0
+        self._put(local.record, False)
+        return True
+
+    def _write(self, local: _Local) -> None:
+        local.written_s = time.monotonic()
+        self._put(local.record, True)
+
+    def note_holdings(self, kind: str, index: int, holdings: Holdings | None) -> None:
+        """Keep ``holdings`` if it is the instance's current process's and not older than
+        the one kept (see ``aegaeon_runtime.holdings``)."""
+        local = self.instances.get(f"{kind}-{index}")
+        if local is None or holdings is None or holdings.incarnation != local.record.incarnation:
+            return
+        kept = local.holdings
+        if kept is None or kept.incarnation != holdings.incarnation or \
+                holdings.version >= kept.version:  # fmt: skip
+            local.holdings = holdings
+
+    def restarting(self, name: str, now_s: float) -> bool:
+        """Drained and not back yet, within its grace."""
+        local = self.instances.get(name)
+        return local is not None and local.record.draining and now_s < local.restart_by_s
+
+    def up(self, name: str, now_s: float) -> bool:
+        """Its record was written within its TTL (it is dispatch's at the next refresh),
+        or it is restarting after a drain."""
+        local = self.instances.get(name)
+        if local is None:
+            return False
+        return now_s - local.written_s < self.ttl_s or self.restarting(name, now_s)
+
+    def services(self) -> list[ServiceAddress]:
+        """The node's cachemgr and instances as they recorded their side HTTP servers in
+        the run directory (a restarting one too: its successor writes it again)."""
+        if not self.expected:
+            return []
+        found = (read_http_address(self.config.run_dir, n) for n in ("cachemgr", *self.expected))
+        return [address for address in found if address is not None]
+
+    def pid(self, name: str) -> int | None:
+        """The process that said hello last as ``name``."""
+        local = self.instances.get(name)
+        return local.record.pid if local is not None else None
+
+    def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
+        """Its side HTTP server and its node's cachemgr's, once they listen."""
+        run_dir = self.config.run_dir
+        if not record.http_url:
+            own = read_http_address(run_dir, record.instance_id)
+            if own is not None:
+                record = msgspec.structs.replace(record, http_url=own.url)
+        if not record.cachemgr_http_url:
+            cachemgr = read_http_address(run_dir, "cachemgr")
+            if cachemgr is not None:
+                record = msgspec.structs.replace(record, cachemgr_http_url=cachemgr.url)
+        return record
+
