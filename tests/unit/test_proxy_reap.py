@@ -4,6 +4,7 @@ taken out of every shared queue, even where its metadata was not rewritten yet."
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 import zmq.asyncio
@@ -59,10 +60,13 @@ def test_queued_request_ids_reads_both_kinds_of_state() -> None:
     assert queued_request_ids(None, prefill=True) == set()
 
 
-async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metadata() -> None:
+async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metadata(
+    tmp_path: Path,
+) -> None:
     ctx = zmq.asyncio.Context()
     pulls = {k: Puller(ctx, "tcp://127.0.0.1:0", PREFILL_CHANNEL) for k in ("prefill", "decode")}
-    backend = DistributedBackend(config_from_dict({"models": [{"name": "m", "path": "x"}]}))
+    backend = DistributedBackend(config_from_dict({"models": [{"name": "m", "path": "x"}],
+                                                   "run_dir": str(tmp_path)}))  # fmt: skip
     store = backend.store
     try:
         for kind, pull in pulls.items():

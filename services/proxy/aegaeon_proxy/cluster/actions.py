@@ -1,4 +1,4 @@
-"""Carrying out a policy's actions as messages to instances, in order."""
+"""Carrying out a request-level baseline's actions as messages to instances, in order."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ from typing import Protocol
 
 import msgspec
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
-from aegaeon_common.messages.prefill import CancelRequest, EnqueuePrefill
+from aegaeon_common.messages.decode import RunRequest
+from aegaeon_common.messages.prefill import CancelRequest
 from aegaeon_common.wire import Message
-from aegaeon_sched import Action, Cancel, PlaceDecode, Reject, RunOnInstance
-from aegaeon_sched import EnqueuePrefill as EnqueuePrefillAction
+from aegaeon_sched import Action, Cancel, Reject, RunOnInstance
 
 from aegaeon_proxy.cluster.instances import Instances, InstanceView
 from aegaeon_proxy.cluster.tracked import Tracked
 
 # work for one instance process (``incarnation``), never for its successor
-STAMPED = (EnqueuePrefill, EnqueueDecode, RunRequest)
+STAMPED = (RunRequest,)
 
 
 class ActionHost(Protocol):
@@ -44,8 +43,6 @@ class ActionRunner:
         self._out: asyncio.Queue[tuple[InstanceView, Message]] | None = None
         self._pump: asyncio.Task[None] | None = None
         self._table = {
-            EnqueuePrefillAction: self._enqueue_prefill,
-            PlaceDecode: self._place_decode,
             RunOnInstance: self._run_on_instance,
             Cancel: self._cancel,
             Reject: self._reject,
@@ -86,20 +83,6 @@ class ActionRunner:
             self._table[type(action)](action)  # type: ignore[operator]
 
     # ---- one handler per action type -----------------------------------------
-    def _enqueue_prefill(self, action: EnqueuePrefillAction) -> None:
-        tracked = self.backend.requests.get(action.request.request_id)
-        if tracked is not None:
-            tracked.instance = action.instance
-            self._send(action.instance,
-                       tracked.prefill_message(action.group_id, action.group_key_s))  # fmt: skip
-
-    def _place_decode(self, action: PlaceDecode) -> None:
-        tracked = self.backend.requests.get(action.request.request_id)
-        msg = tracked.decode_message(action.batch_id) if tracked is not None else None
-        if tracked is not None and msg is not None:
-            tracked.instance = action.instance
-            self._send(action.instance, msg)
-
     def _run_on_instance(self, action: RunOnInstance) -> None:
         tracked = self.backend.requests.get(action.request.request_id)
         if tracked is not None:

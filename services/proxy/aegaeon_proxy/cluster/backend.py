@@ -1,10 +1,12 @@
-"""The distributed backend: the global scheduler driving instances over ZeroMQ.
+"""The request-level baselines' backend: their policy in process, over unified instances.
 
-The proxy owns the configured policy (``libs/sched``: Aegaeon's Algorithms 1-2,
-or a request-level baseline) and carries out its actions as messages to the
-instances; instances report first tokens with their KV handoffs, step tokens,
-failures and heartbeats on one PULL socket. Everything here runs on the
-proxy's event loop; nothing blocks.
+A baseline (``scheduler.policy`` other than ``aegaeon``: ServerlessLLM's
+request-level scheduling, MuxServe's static multiplexing; ``libs/sched``) binds
+each request to an instance at arrival; the proxy owns the policy and carries
+out its actions as messages to the node's unified instances, which report first
+tokens, step tokens, failures and heartbeats on one PULL socket. Everything here
+runs on the proxy's event loop; nothing blocks. (Aegaeon's own policy runs over
+the store on one node as on many: ``cluster.distributed``.)
 """
 
 from __future__ import annotations
@@ -19,12 +21,7 @@ from typing import Any
 import zmq.asyncio
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.cache import (
-    REPLIES,
-    CacheStats,
-    FreeBlocks,
-    GetStats,
-)
+from aegaeon_common.messages.cache import REPLIES, CacheStats, GetStats
 from aegaeon_common.messages.prefill import AckDrain, CancelRequest, ProxyStarted
 from aegaeon_common.messages.report import (
     REPORT_CHANNEL,
@@ -49,7 +46,7 @@ from prometheus_client import CollectorRegistry
 from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
 from aegaeon_proxy.cluster.actions import ActionRunner
 from aegaeon_proxy.cluster.collector import ClusterCollector
-from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
+from aegaeon_proxy.cluster.instances import Instances, InstanceView
 from aegaeon_proxy.cluster.models import ClusterModels
 from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.quarantine import (
@@ -60,7 +57,7 @@ from aegaeon_proxy.cluster.quarantine import (
 )
 from aegaeon_proxy.cluster.reports import receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import RoleSwitcher, base_role, view_meter
+from aegaeon_proxy.cluster.roles import RoleSwitcher, base_role
 from aegaeon_proxy.cluster.tracked import Tracked
 
 log = get_logger("cluster")
@@ -74,25 +71,23 @@ class ClusterBackend:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.unified = config.unified
         self.ctx = zmq.asyncio.Context()
-        self.instances = Instances.connect(config, self.ctx, self.unified)
+        self.instances = Instances.connect(config, self.ctx)
         self.policy: Policy | None = None
         # requests, their admission by SLO class (the bounds come with the policy),
         # streams, ends and retries; placement (the policy) is this backend's
         self.table = RequestTable(config, self)
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
-        # token velocity and, with roles.enabled, prefill/decode role switching
-        if config.roles.enabled and not config.role_switching:
+        # token velocity (every instance is unified: roles stay fixed)
+        if config.roles.enabled:
             log.warning("roles.enabled needs the aegaeon policy with "
                         "scheduler.prefill_decodes_when_idle: roles stay fixed")  # fmt: skip
         self.roles = RoleSwitcher(config, {v.name: base_role(v.kind) for v in self.instances},
-                                  config.role_switching)  # fmt: skip
+                                  enabled=False)  # fmt: skip
         self._reports = Puller(self.ctx, config.proxy_address, REPORT_CHANNEL, bind=True)
         self._cache = RpcClient(self.ctx, config.cachemgr_address, REPLIES)
         self._tasks: list[asyncio.Task[None]] = []
         self._actions = ActionRunner(self)
-        self._shares = DecodeShares()
         # models added and removed at run time
         self.models = ClusterModels(config, self.instances, self._cache, self._actions.send,
                                     lambda: self.policy)  # fmt: skip
@@ -147,10 +142,9 @@ class ClusterBackend:
         self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
-        """Device KV of the instances in the decode role (their last heartbeats) and
-        the unified CPU KV cache (the cachemgr's stats; unknown if it does not answer)."""
-        decoding = [v.stats.counters for v in self.instances
-                    if v.stats is not None and self.roles.role(v.name) == "decode"]  # fmt: skip
+        """Device KV of the instances (their last heartbeats) and the unified CPU KV
+        cache (the cachemgr's stats; unknown if it does not answer)."""
+        decoding = [v.stats.counters for v in self.instances if v.stats is not None]
         used = int(sum(c.get("kv_used_bytes", 0.0) for c in decoding))
         capacity = int(sum(c.get("kv_capacity_bytes", 0.0) for c in decoding))
         host_used = host_capacity = None
@@ -266,11 +260,9 @@ class ClusterBackend:
         self._actions.run(ended(rid, now))
 
     def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
-        """(Placement) At prefill-i and decode-i: a report names only the index; a
-        cancel of an unknown id is a no-op."""
-        for kind in ("prefill", "decode"):
-            if self.instances.get(kind, msg.index) is not None:
-                self._actions.send(f"{kind}-{msg.index}", CancelRequest(request_id))
+        """(Placement) At the instance that sent it (a cancel of an unknown id is a no-op)."""
+        if self.instances.get(msg.kind, msg.index) is not None:
+            self._actions.send(f"{msg.kind}-{msg.index}", CancelRequest(request_id))
 
     async def cancel(self, request_id: str) -> None:
         if self.policy is not None:
@@ -303,7 +295,7 @@ class ClusterBackend:
             log.info("instance_restarted", instance=view.name, pid=msg.pid)
             self._fail_instance(view.name, f"instance {view.name} restarted")
         if self.policy is None and all(v.hello is not None for v in self.instances):
-            self.policy = build_policy(self.config, self.instances, self.unified)
+            self.policy = build_policy(self.config, self.instances)
             bounds = admission_bounds(self.config, self.instances)
             self.table.set_bounds(bounds)
             log.info("policy ready", policy=self.policy.name, admission=bounds)
@@ -339,35 +331,14 @@ class ClusterBackend:
         self._instance_down(view.name, f"its compute thread stalled: {msg.reason}")
 
     def _on_stats(self, msg: InstanceStats) -> None:
-        view = self.instances.on_stats(msg)
-        if view is None:
-            return
-        # a prefill instance decodes when idle; with roles moving, a decode one prefills
-        prefills = msg.kind == "prefill" or self.config.role_switching
-        if self.config.hybrid_prefill and prefills:
-            share = self._shares.observe(view.name, msg.counters.get("prefill_s", 0.0))
-            if self.policy is not None:
-                self.policy.set_decode_share(view.name, share)
-        now = time.monotonic()
-        self.roles.heartbeat(view_meter(view), now)
-        load = self.policy.role_load() if self.policy is not None else None
-        if self.policy is not None and load is not None:
-            views = list(self.instances)
-            steady = all(v.alive(now) and not v.paused for v in views)
-            for change in self.roles.observe(now, load, views, steady):
-                self._actions.run(self.policy.set_role(change.instance, change.role, time.time()))
+        self.instances.on_stats(msg)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         self.instances.note_holdings(msg.kind, msg.index, msg.holdings)
         # (a decode instance prefills too when roles move: the blocks are its own)
-        owner = f"{msg.kind}-{msg.index}"
-        tracked = self.table.prefilled(msg, owner)
+        tracked = self.table.prefilled(msg, f"{msg.kind}-{msg.index}")
         if tracked is None:
-            # cancelled meanwhile, or a second prefill of it (work queued for an
-            # instance that died reached its successor): nobody will claim this KV
-            if msg.handoff is not None:
-                self._free_orphan(owner, msg.handoff.block_offsets)
-            return
+            return  # cancelled meanwhile (a unified instance hands no KV on)
         if self.table.finish_first(tracked, msg):
             return
         assert self.policy is not None
@@ -420,23 +391,9 @@ class ClusterBackend:
     def _fail_instance(self, name: str, why: str) -> None:
         """Its requests end with an ``instance_failed`` error, except those that had
         no token yet: they are dispatched again (the instance is paused, so they go
-        elsewhere or wait for its successor; ``RequestTable.lost``). One placed there
-        after its prefill may have been lost before the instance claimed its handoff:
-        the prefill instance frees it if it is still leased there (a no-op once
-        claimed: the cachemgr refuses that free)."""
+        elsewhere or wait for its successor; ``RequestTable.lost``)."""
         for tracked in [t for t in self.requests.values() if t.instance == name]:
-            owner = tracked.handoff_owner
-            if owner is not None and owner != name and owner in self.instances.views:
-                self._actions.send(owner, CancelRequest(tracked.gen.request_id,
-                                                        free_handoff=True))  # fmt: skip
             self.table.lost(tracked, name, why)
-
-    def _free_orphan(self, owner: str, offsets: list[int]) -> None:
-        async def free() -> None:
-            with contextlib.suppress(RemoteError, TimeoutError):
-                await self._cache.call(FreeBlocks(owner, list(offsets), None), timeout_s=5.0)
-
-        self._tasks.append(asyncio.get_running_loop().create_task(free()))
 
     # ---- observability ---------------------------------------------------------
     def health(self) -> dict[str, object]:

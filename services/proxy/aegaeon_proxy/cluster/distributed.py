@@ -134,6 +134,7 @@ META_GRACE_S = 60.0  # request metadata outlives the request deadline by this mu
 DISPATCH_SAMPLES = 4096
 STOP_S = 5.0  # a stopping replica's last cancels and store writes
 ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgrs' KV stats for a scrape
+STATS_TIMEOUT_S = 5.0  # the cachemgrs' stats for /v1/aegaeon/stats
 
 
 @dataclass
@@ -227,6 +228,7 @@ class DistributedBackend:
                         self._reap_loop(),
                         watch_caches(self._poll_unavailable, self._found_unavailable,
                                      lambda: self._closing))]  # fmt: skip
+        self._tasks += [loop.create_task(self._watch(name)) for name in self.local.expected]
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
     async def stop(self) -> None:
@@ -248,6 +250,10 @@ class DistributedBackend:
     async def _leave(self) -> None:
         for request_id in list(self.requests):
             await self.cancel(request_id)
+        # one node: nothing more comes from this proxy; an instance stopped after it (a
+        # node's stop: the proxy first) drains without waiting for an answer
+        # (``AckDrain``'s meaning); a proxy that starts again says so (``ProxyStarted``)
+        self.local.leave()
         if self._jobs:
             await asyncio.wait(list(self._jobs), timeout=STOP_S / 2)
         with contextlib.suppress(StoreError):
@@ -713,6 +719,22 @@ class DistributedBackend:
             log.error("instance down", instance=f"{msg.kind}-{msg.index}",
                       why=f"its compute thread stalled: {msg.reason}")  # fmt: skip
 
+    async def _watch(self, name: str) -> None:
+        """One node: an instance whose process ended (its command socket disconnected) is
+        down now, not a TTL later; one draining exits on purpose. (A socket of its own
+        that sends nothing: the one work goes on closes with the instance's record.)"""
+        kind, _, index = name.rpartition("-")
+        address = (self.config.prefill_address(int(index)) if kind == "prefill"
+                   else self.config.decode_address(int(index)))  # fmt: skip
+        watcher = Pusher(self.ctx, address)
+        try:
+            while not self._closing:
+                await watcher.disconnected()
+                if self.local.ended(name):
+                    log.error("instance down", instance=name, why="its process ended")
+        finally:
+            watcher.close()
+
     def _place_held_decode(self) -> None:
         """Held decode placements whose node has a decode instance that takes work again;
         one whose prefill instance left meanwhile lost its handoff with it."""
@@ -987,7 +1009,7 @@ class DistributedBackend:
         samples = list(self.dispatch_s)
         p50, p99 = ((percentile(samples, 50), percentile(samples, 99)) if samples
                     else (None, None))  # fmt: skip
-        caches = await self.caches.stats(self.view.live.values())
+        caches = await self.caches.stats(self.view.live.values(), STATS_TIMEOUT_S)
         plain = {n: to_plain(c) if c is not None else None for n, c in caches.items()}
         cache = next(iter(plain.values())) if len(plain) == 1 else plain or None
         out: dict[str, object] = {

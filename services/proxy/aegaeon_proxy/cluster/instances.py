@@ -95,26 +95,16 @@ class Instances:
         self.turns = deque(self.turns, maxlen=self.max_records)
 
     @classmethod
-    def connect(cls, config: Config, ctx: zmq.asyncio.Context, unified: bool) -> Instances:
-        """Pushers to every instance the node runs (see ``aegaeon_cli.node``).
-
-        Request-level policies run every worker as a unified instance: decode
-        processes ``decode-0..P+D-1``.
-        """
+    def connect(cls, config: Config, ctx: zmq.asyncio.Context) -> Instances:
+        """Pushers to every instance the node runs (see ``aegaeon_cli.node``): the
+        request-level baselines run every worker as a unified instance, decode
+        processes ``decode-0..P+D-1``."""
+        total = config.prefill.instances + config.decode.instances
         views: dict[str, InstanceView] = {}
-        if unified:
-            total = config.prefill.instances + config.decode.instances
-            kinds = [("decode", i, config.decode_address(i)) for i in range(total)]
-        else:
-            kinds = [
-                ("prefill", i, config.prefill_address(i)) for i in range(config.prefill.instances)
-            ]
-            kinds += [
-                ("decode", i, config.decode_address(i)) for i in range(config.decode.instances)
-            ]
-        for kind, index, address in kinds:
-            name = f"{kind}-{index}"
-            views[name] = InstanceView(name, kind, index, Pusher(ctx, address))
+        for index in range(total):
+            name = f"decode-{index}"
+            views[name] = InstanceView(name, "decode", index,
+                                       Pusher(ctx, config.decode_address(index)))  # fmt: skip
         return cls(views, max_records=config.proxy.stats_records)
 
     def __iter__(self) -> Iterator[InstanceView]:

@@ -135,8 +135,8 @@ class LocalRegistrar:
 
     def on_stats(self, msg: InstanceStats) -> None:
         local = self.instances.get(f"{msg.kind}-{msg.index}")
-        if local is None or (local.record.instance_id, local.record.pid) in self._stalled:
-            return
+        if local is None or local.written_s == 0.0:
+            return  # (its record went: ended or stalled; a hello writes it again)
         local.stats = msg
         self.note_holdings(msg.kind, msg.index, msg.holdings)
         for switch in msg.switches:
@@ -167,6 +167,22 @@ class LocalRegistrar:
         local.restart_by_s = local.written_s = 0.0
         self._put(local.record, False)
         return True
+
+    def ended(self, name: str) -> bool:
+        """Its process ended (not after a drain): its record goes at once (True when it
+        had one)."""
+        local = self.instances.get(name)
+        if local is None or local.written_s == 0.0 or local.record.draining:
+            return False
+        local.written_s = 0.0
+        self._put(local.record, False)
+        return True
+
+    def leave(self) -> None:
+        """This proxy stops: each instance up hears that nothing more comes from it."""
+        for _, local in self:
+            if local.written_s > 0.0:
+                self._send(local.record, AckDrain(local.record.pid))
 
     def _write(self, local: _Local) -> None:
         local.written_s = time.monotonic()

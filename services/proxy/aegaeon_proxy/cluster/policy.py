@@ -1,4 +1,5 @@
-"""Building the configured policy once every instance has announced itself."""
+"""Building a request-level baseline once every instance has announced itself; the
+admission bounds of any backend (:func:`bounds_of`)."""
 
 from __future__ import annotations
 
@@ -24,55 +25,37 @@ ARENA_SLACK_BYTES = 1 << 20
 
 
 def _latency(instances: Instances) -> LatencyModel:
-    """The prefill instances' start-up profile (Alg. 1 needs prefill estimates);
-    any instance's when the policy has no prefill instances."""
-    ordered = sorted(instances, key=lambda v: v.kind != "prefill")
-    for view in ordered:
+    """An instance's start-up profile (the instances of a node share one hardware kind)."""
+    for view in instances:
         if view.hello is not None and view.hello.latency is not None:
             return LatencyModel.from_dict(to_plain(view.hello.latency))
     raise RuntimeError("no instance reported a latency profile")
 
 
-def _min_capacity(instances: Instances, kind: str) -> dict[str, int]:
+def _min_capacity(instances: Instances) -> dict[str, int]:
     capacity: dict[str, int] = {}
     for view in instances:
-        if view.kind != kind or view.hello is None:
+        if view.hello is None:
             continue
         for model, tokens in view.hello.capacity_tokens.items():
             capacity[model] = min(tokens, capacity.get(model, tokens))
     return capacity
 
 
-def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
-    names = [v.name for v in instances]
-    standby: tuple[str, ...] = ()
-    if unified:
-        cluster = ClusterSpec(prefill_instances=(), decode_instances=tuple(names))
-    else:
-        prefill = tuple(n for n in names if n.startswith("prefill-"))
-        decode = tuple(n for n in names if n.startswith("decode-"))
-        if config.role_switching:
-            # Every instance may prefill (decode instances run the hybrid loop); the
-            # decode ones start in the decode role (standby for prefill work) and the
-            # proxy moves them (aegaeon_proxy.cluster.roles).
-            standby = decode
-            prefill, decode = prefill + decode, decode + prefill
-        elif config.hybrid_prefill:
-            decode += prefill  # decode instances first: Alg. 2 breaks ties by order
-        cluster = ClusterSpec(prefill_instances=prefill, decode_instances=decode)
-    capacity = _min_capacity(instances, "decode")
+def build_policy(config: Config, instances: Instances) -> Policy:
+    """A request-level baseline over the node's unified instances (Aegaeon's own
+    Algorithms 1-2 run over the store: ``aegaeon_sched.shared``)."""
+    names = tuple(v.name for v in instances)
+    cluster = ClusterSpec(prefill_instances=(), decode_instances=names)
+    capacity = _min_capacity(instances)
     arena = config.decode.device_memory_bytes - config.decode.kv_memory_bytes  # unified: decode
     options = PolicyOptions(
         max_group_size=config.scheduler.max_group_size,
         max_batch_size=config.scheduler.max_batch_size,
         decode_capacity_tokens=capacity,
         unified_capacity_tokens=capacity,
-        decode_tbt_s=config.slo.tbt_s,  # what every decode instance plans for
-        # a request without its own TTFT (classes off) is keyed by the deployment's,
-        # as the instances key their mirrors
+        decode_tbt_s=config.slo.tbt_s,  # what every instance plans for
         default_ttft_s=config.slo.ttft_s,
-        standby=standby,
-        role_switching=config.role_switching and not unified,
         units={m.name: m.base for m in config.models if m.base is not None},
         # static-mux: the models that stay resident on an instance fit its weights arena
         # together (bump allocations, each aligned: a MiB of slack)
@@ -80,7 +63,7 @@ def build_policy(config: Config, instances: Instances, unified: bool) -> Policy:
     )
     policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
     for view in instances:  # each instance's own KV capacity
-        if view.name in cluster.decode_instances and view.hello is not None:
+        if view.hello is not None:
             policy.learn(view.name, view.hello.capacity_tokens, None)
     return policy
 

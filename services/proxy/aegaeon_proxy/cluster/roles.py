@@ -1,28 +1,25 @@
 """Prefill/decode role switching in the proxy: token velocity in, role changes out.
 
-The policy (:mod:`aegaeon_sched.roles`) is pure; this is its driver, one for a
-node's proxy (every instance heartbeat feeds it one observation:
-:meth:`RoleSwitcher.observe`) and one for the replica that decides the roles of
-many nodes (``cluster.replica_roles``: every registry refresh,
-:meth:`RoleSwitcher.decide`). What an instance says of its prefills reaches it
-as a :class:`Meter`, from a heartbeat or a registry record:
+The policy (:mod:`aegaeon_sched.roles`) is pure; this is its driver, run by the
+replica that decides the roles (``cluster.replica_roles``: every registry
+refresh, :meth:`RoleSwitcher.decide`; on one node, that node's proxy). What an
+instance says of its prefills reaches it as a :class:`Meter`, from its registry
+record (its heartbeat):
 
 * **arrival velocity**: prompt tokens/s arriving at the proxy (the requests it
   accepted, a short window: :class:`aegaeon_sched.Velocity`), the leading
   indicator of a burst;
-* **backlog**: prompt tokens queued in the policy's prefill queues, plus
-  arrivals held while no instance could prefill;
+* **backlog**: prompt tokens queued in the prefill queues of the store;
 * **prefill velocity** per instance: prompt tokens per second of prefill work,
   measured from its heartbeat counters (``prefill_tokens`` / ``prefill_s``) once
   it has prefilled ``MIN_MEASURED_S``, estimated from its latency profile before;
 * **prefill busy share** per instance (the growth of ``prefill_s`` between two
-  heartbeats) and **decode demand** (Eq. 3's ``S`` of its work list, from the
-  policy's decode dispatcher).
+  heartbeats) and **decode demand** (Eq. 3's ``S`` of its work list in the store).
 
-A change is carried out by :meth:`AegaeonPolicy.set_role
-<aegaeon_sched.AegaeonPolicy.set_role>` alone: with ``roles.enabled`` every
-instance runs the hybrid loop (``Config.role_switching``: decode instances take
-prefill work on the hybrid channel), so no message tells an instance its role.
+A change is carried out by dispatch alone (the roles record): with
+``roles.enabled`` every instance runs the hybrid loop (``Config.role_switching``:
+decode instances take prefill work on the hybrid channel), so no message tells
+an instance its role.
 An instance leaving the prefill role keeps its queued prefills, which run to
 the end (standby); one joining it keeps its decode batches: no request moves,
 no KV is handed anywhere new. While an instance is down or draining the roles
@@ -44,21 +41,18 @@ from aegaeon_sched import (
     LatencyModel,
     RoleChange,
     RoleController,
-    RoleLoad,
     RoleSettings,
     RoleSignals,
     Velocity,
 )
 from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
 
-from aegaeon_proxy.cluster.instances import InstanceView
-
 log = get_logger("cluster")
 
 MIN_MEASURED_S = 0.2  # prefill seconds before an instance's measured rate replaces the estimate
 MAX_CHANGES = 64  # role changes kept for /v1/aegaeon/stats
 
-__all__ = ["Meter", "RoleSwitcher", "base_role", "record_meter", "settings_of", "view_meter"]
+__all__ = ["Meter", "RoleSwitcher", "base_role", "record_meter", "settings_of"]
 
 
 def base_role(kind: str) -> str:
@@ -78,19 +72,8 @@ class Meter:
     latency: LatencyProfile | None  # its start-up profile, where it sent one
 
 
-def view_meter(view: InstanceView) -> Meter | None:
-    """One node's instance (None before its first heartbeat)."""
-    if view.stats is None:
-        return None
-    counters, hello = view.stats.counters, view.hello
-    return Meter(view.name, view.incarnation, float(counters.get("prefill_s", 0.0)),
-                 float(counters.get("prefill_tokens", 0.0)),
-                 tuple(hello.capacity_tokens) if hello is not None else (),
-                 hello.latency if hello is not None else None)  # fmt: skip
-
-
 def record_meter(record: InstanceRecord) -> Meter:
-    """An instance of many nodes, from its registry record."""
+    """An instance, from its registry record."""
     return Meter(record.instance_id, record.incarnation, record.load.prefill_s,
                  float(record.load.prefill_tokens), tuple(record.capacity_tokens),
                  record.latency)  # fmt: skip
@@ -162,16 +145,6 @@ class RoleSwitcher:
             return estimated_prefill_velocity(fallback, meter.models)
         except (KeyError, ValueError, ZeroDivisionError):
             return 0.0
-
-    def observe(
-        self, now_s: float, load: RoleLoad, views: list[InstanceView], alive: bool
-    ) -> list[RoleChange]:
-        """One node's observation: the backlog and the decode demand (its policy's
-        ``role_load``); the changes to carry out (``policy.set_role``), 0 or 1.
-        ``alive``: every instance is up and none is draining (else nothing changes)."""
-        meters = [m for m in map(view_meter, views) if m is not None]
-        return self.decide(now_s, meters, load.backlog_tokens, load.decode_demand, load.latency,
-                           alive)  # fmt: skip
 
     def decide(self, now_s: float, meters: Iterable[Meter], backlog_tokens: int,
                decode_demand: Mapping[str, float], fallback: LatencyModel, alive: bool,
