@@ -52,10 +52,11 @@ from aegaeon_proxy.cluster.policy import admission_bounds, build_policy
 from aegaeon_proxy.cluster.quarantine import (
     POLL_TIMEOUT_S,
     Quarantine,
+    reload_lifting,
     unavailable_of,
     watch_caches,
 )
-from aegaeon_proxy.cluster.reports import receive_reports
+from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher, base_role
 from aegaeon_proxy.cluster.tracked import Tracked
@@ -191,15 +192,12 @@ class ClusterBackend:
             self.quarantine.set(name, why)
 
     async def reload_model(self, model: ModelConfig) -> None:
-        began = time.time()
-        try:
-            await self.models.reload(model)
-        except BackendError as exc:
-            if exc.code == "model_unavailable":  # unavailable still: for what is wrong now
-                self.quarantine.lift(model.name, began)
-                self.quarantine.set(model.name, exc.message)
-            raise
-        self.quarantine.lift(model.name, began)
+        async def mark(why: str | None, at: float) -> bool:
+            if why is None:
+                return self.quarantine.lift(model.name, at)
+            return self.quarantine.set(model.name, why, at)
+
+        await reload_lifting(self.models.reload(model), mark)
 
     async def _poll_unavailable(self) -> dict[str, str]:
         return unavailable_of([await self._cache.call(GetStats(), timeout_s=POLL_TIMEOUT_S)])
@@ -461,16 +459,7 @@ class ClusterBackend:
             for v in self.instances
             if v.hello is not None and v.hello.latency is not None
         }
-        out["layout"] = {
-            "policy": self.config.scheduler.policy,
-            "unified": self.config.unified,
-            "hybrid_prefill": self.config.hybrid_prefill,
-            "prefill": self.config.prefill.instances,
-            "decode": self.config.decode.instances,
-            "q_max_s": self.config.scheduler.q_max_s,
-            "max_group_size": self.config.scheduler.max_group_size,
-            "max_batch_size": self.config.scheduler.max_batch_size,
-        }
+        out["layout"] = layout_of(self.config)
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.instances.turns]
         out["timings"] = self.table.timings.plain()

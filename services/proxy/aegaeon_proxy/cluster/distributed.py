@@ -1,9 +1,15 @@
-"""One replica of a stateless proxy layer over many nodes (``store.kind: redis``).
+"""Aegaeon's placement over the store: one node's proxy, or one replica of a stateless
+proxy layer over many nodes (``store.kind: redis``). One code path for both.
 
 Any number of replicas run side by side. None owns an instance: the instance
 registry and loads, every instance's prefill queue and decode work list, and
 the metadata of every request in flight live in the shared store
 (``aegaeon_common.registry``); a replica holds only its clients' HTTP streams.
+On one node the store is this process's memory (``store.kind: memory``, the
+default) and the node's instances, which reach no store, report their hellos
+and heartbeats here: this backend writes their records for them
+(``cluster.local_registrar``), answers their drains (``AckDrain``) and tells them
+when a new proxy starts (``ProxyStarted``); everything else is the same.
 
 * **Dispatch** (Algorithm 1 across every node's prefill instances) and
   **placement** (Algorithm 2 within the prefill's node: the KV stays in that
@@ -20,7 +26,10 @@ the metadata of every request in flight live in the shared store
   record (``cluster.replica_roles``).
 * **A node that dies** stops beating; once its records expire (TTL) every
   replica drops it from dispatch, and each replica ends its own requests there
-  (``instance_failed``) or dispatches again those that had no token yet.
+  (``instance_failed``) or dispatches again those that had no token yet. An
+  instance that drains takes no new work; what none can take is held here
+  (``held_requests``: an arrival, or a decode placement whose node has no decode
+  instance taking work) until one can.
 * **A replica that dies** loses its open HTTP streams only: its record
   expires, another replica takes the reap lease, cancels its requests at their
   instances and takes them out of the shared queues.
@@ -117,11 +126,11 @@ from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
-from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, watch_caches
+from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, reload_lifting, watch_caches
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
-from aegaeon_proxy.cluster.reports import receive_reports
+from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked
@@ -342,15 +351,10 @@ class DistributedBackend:
         await self.models.publish_unavailable(name, why, time.time())
 
     async def reload_model(self, model: ModelConfig) -> None:
-        began = time.time()
-        try:
-            await self.models.reload(model)
-        except BackendError as exc:
-            if exc.code == "model_unavailable":  # unavailable still: for what is wrong now
-                await self.models.publish_unavailable(model.name, None, began)
-                await self.models.publish_unavailable(model.name, exc.message, time.time())
-            raise
-        await self.models.publish_unavailable(model.name, None, began)
+        async def mark(why: str | None, at: float) -> None:
+            await self.models.publish_unavailable(model.name, why, at)
+
+        await reload_lifting(self.models.reload(model), mark)
 
     async def _poll_unavailable(self) -> dict[str, str]:
         # (a node whose cachemgr died keeps its records until their TTL: not waited for)
@@ -1040,16 +1044,7 @@ class DistributedBackend:
         # dicts): what a simulation of this deployment should use.
         out["latency"] = {r.instance_id: to_plain(r.latency) for r in self.view.live.values()
                           if r.latency is not None}  # fmt: skip
-        out["layout"] = {
-            "policy": self.config.scheduler.policy,
-            "unified": self.config.unified,
-            "hybrid_prefill": self.config.hybrid_prefill,
-            "prefill": self.config.prefill.instances,
-            "decode": self.config.decode.instances,
-            "q_max_s": self.config.scheduler.q_max_s,
-            "max_group_size": self.config.scheduler.max_group_size,
-            "max_batch_size": self.config.scheduler.max_batch_size,
-        }
+        out["layout"] = layout_of(self.config)
         out["timings"] = self.table.timings.plain()
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.local.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.local.turns]

@@ -114,3 +114,20 @@ async def watch_caches(poll: Callable[[], Awaitable[dict[str, str]]],
         except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
             log.debug("unavailable_models_poll_failed", error=repr(exc))
         await asyncio.sleep(WATCH_S)
+
+
+async def reload_lifting(
+    reload: Awaitable[None], mark: Callable[[str | None, float], Awaitable[object]]
+) -> None:
+    """Run a model's ``reload``; ``mark(why, at)`` quarantines the model (``why``) or lifts
+    it (None) as of ``at``: lifted as of the reload's start once it succeeds; one that
+    finds the checkpoint unreadable still is quarantined again for what is wrong now."""
+    began = time.time()
+    try:
+        await reload
+    except BackendError as exc:
+        if exc.code == "model_unavailable":
+            await mark(None, began)
+            await mark(exc.message, time.time())
+        raise
+    await mark(None, began)

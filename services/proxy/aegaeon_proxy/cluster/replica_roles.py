@@ -1,7 +1,7 @@
-"""Prefill/decode role switching across proxy replicas (many nodes, ``store.kind: redis``).
+"""Prefill/decode role switching over the store (one node's proxy, or its replicas).
 
-One replica decides, as one node's proxy does (:mod:`aegaeon_proxy.cluster.roles`,
-the same :class:`~aegaeon_proxy.cluster.roles.RoleSwitcher` and policy): the one
+One proxy decides (:mod:`aegaeon_proxy.cluster.roles`'s
+:class:`~aegaeon_proxy.cluster.roles.RoleSwitcher`; on one node, the node's): the one
 holding the roles lease (:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with
 a TTL it renews at every registry refresh; once it stops, another takes the lease
 :data:`LEASE_S` later). It reads the shared state where one node's proxy reads its

@@ -1,10 +1,10 @@
 """The request table: every request a proxy backend holds, once for every backend.
 
-The single proxy (:mod:`~aegaeon_proxy.cluster.backend`, the policy in process)
-and a replica over the shared store (:mod:`~aegaeon_proxy.cluster.distributed`)
-differ only in *placement*: where an admitted request goes, what is undone when
-it ends, and where a stray token's request is cancelled. Everything else is
-here, once: admission by SLO class (a request past its class's share of the
+The placement over the store (:mod:`~aegaeon_proxy.cluster.distributed`, one node
+or many) and the request-level baselines' (:mod:`~aegaeon_proxy.cluster.backend`,
+their policy in process) differ only in *placement*: where an admitted request
+goes, what is undone when it ends, and where a stray token's request is cancelled.
+Everything else is here, once: admission by SLO class (a request past its class's share of the
 bounds is deferred or refused; :mod:`aegaeon_sched.admission`), the streams
 (first token, step-token fan-out), ends and their counters, failures and
 retries, the timing records. A backend gives its :class:`Placement`.
