@@ -433,8 +433,11 @@ class ClusterBackend:
 
     def _free_orphan(self, owner: str, offsets: list[int]) -> None:
         async def free() -> None:
-            with contextlib.suppress(RemoteError, TimeoutError):
+            try:
                 await self._cache.call(FreeBlocks(owner, list(offsets), None), timeout_s=5.0)
+            except (RemoteError, TimeoutError) as exc:  # (a claimed handoff: refused)
+                log.warning("orphan_free_failed", owner=owner, blocks=len(offsets),
+                            error=str(exc) or type(exc).__name__)  # fmt: skip
 
         self._tasks.append(asyncio.get_running_loop().create_task(free()))
 
