@@ -31,6 +31,12 @@ def _greedy(served: Served, model: str) -> str:
     return reply.choices[0].text
 
 
+def _warnings(served: Served, most: int = 60) -> list[str]:
+    """The node's last warnings and errors (what a leak's report is read beside)."""
+    lines = served.log_path.read_text(errors="replace").splitlines()
+    return [line for line in lines if "warn" in line.lower() or "error" in line.lower()][-most:]
+
+
 def test_every_fault_ends_cleanly_recovers_and_leaks_nothing(served: Served) -> None:
     model = served.get_json("/v1/models")["data"][0]["id"]  # type: ignore[index]
     before = _greedy(served, model)
@@ -44,8 +50,9 @@ def test_every_fault_ends_cleanly_recovers_and_leaks_nothing(served: Served) -> 
     for row in report["faults"]:
         assert row["hung"] == 0, row
         assert row["recovery_s"] is not None, row
-        assert not row["leaks"], {k: row[k] for k in (
-            "fault", "holdings", "stale_shm_segments", "stray_processes", "missing_services")}
+        assert not row["leaks"], ({k: row[k] for k in (
+            "fault", "holdings", "stale_shm_segments", "stray_processes", "missing_services")},
+            _warnings(served))  # fmt: skip
         assert not row["unexpected_restarts"], row
         assert set(row["restarted"]) == set(
             next(f for f in CI_FAULTS if f.name == row["fault"]).restarts

@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 
+HELD = ("kv_blocks_in_use", "leases", "open_sequences")
+
+
 @dataclass(frozen=True)
 class Holdings:
     """What a node holds now (-1: not known)."""
@@ -58,8 +61,15 @@ class Holdings:
             self.leases in (0, -1)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return {"open_requests": self.open_requests, "kv_blocks_in_use": self.kv_blocks,
-                "leases": self.leases, "open_sequences": self.sequences}  # fmt: skip
+        out: dict[str, Any] = {
+            "open_requests": self.open_requests, "kv_blocks_in_use": self.kv_blocks,
+            "leases": self.leases, "open_sequences": self.sequences,
+        }  # fmt: skip
+        held = {str(i.get("name")): {k: i[k] for k in HELD if i.get(k, 0) > 0}
+                for i in self.per_instance if any(i.get(k, 0) > 0 for k in HELD)}  # fmt: skip
+        if held:  # who holds what, when anything is held
+            out["held_by"] = held
+        return out
 
     @classmethod
     def of(cls, stats: Mapping[str, Any]) -> Holdings:
