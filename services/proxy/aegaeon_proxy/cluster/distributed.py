@@ -124,7 +124,7 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
 from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
-from aegaeon_proxy.cluster.node_caches import NodeCaches, node_services
+from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, reload_lifting, watch_caches
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
@@ -1015,7 +1015,11 @@ class DistributedBackend:
                     else (None, None))  # fmt: skip
         caches = await self.caches.stats(self.view.live.values(), STATS_TIMEOUT_S)
         plain = {n: to_plain(c) if c is not None else None for n, c in caches.items()}
-        cache = next(iter(plain.values())) if len(plain) == 1 else plain or None
+        cache = next(iter(plain.values())) if len(plain) == 1 else None
+        if len(plain) > 1:  # each node's, and the Model Caches merged as `GET` shows them
+            models = {n: c["model_cache"] for n, c in plain.items() if c is not None}
+            cache = {"model_cache": merge_model_caches(models) if models else None,
+                     "nodes": plain}  # fmt: skip
         out: dict[str, object] = {
             "policy": self.config.scheduler.policy,
             "proxy_id": self.proxy_id,
