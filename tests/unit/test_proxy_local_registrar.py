@@ -1,28 +1,46 @@
 """One node's instances in the store (``cluster.local_registrar``): the proxy writes the
 records their hellos and heartbeats give, answers a first hello with ``ProxyStarted`` and
 a drain with ``AckDrain``, and a stalled or ended instance's record goes at once; the
-backend over the memory store dispatches from those records."""
+backend over the memory store dispatches from those records, holds a decode placement
+no decode instance takes yet, and learns from measured prefills."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import msgspec
 import zmq.asyncio
 from aegaeon_common.config import Config, config_from_dict
-from aegaeon_common.messages.prefill import PREFILL_CHANNEL, AckDrain, ProxyStarted
+from aegaeon_common.messages.decode import DECODE_CHANNEL, EnqueueDecode
+from aegaeon_common.messages.prefill import (
+    PREFILL_CHANNEL,
+    AckDrain,
+    EnqueuePrefill,
+    ProxyStarted,
+)
 from aegaeon_common.messages.report import (
     InstanceDraining,
     InstanceHello,
     InstanceStalled,
     InstanceStats,
+    PrefillDone,
 )
-from aegaeon_common.messages.structs import Holdings
+from aegaeon_common.messages.structs import (
+    Holdings,
+    KVHandoff,
+    KVShapeSpec,
+    LatencyProfile,
+    RequestTimings,
+    SamplingParams,
+)
 from aegaeon_common.registry import InstanceRecord, decode_instance, instance_key
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
+from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.cluster.distributed import DistributedBackend
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar, local_names
+from fake_worker import latency_model
 
 
 def _config(tmp_path: Path, **extra: object) -> Config:
@@ -161,4 +179,71 @@ async def test_the_backend_over_the_memory_store_dispatches_from_those_records(
     finally:
         await backend.stop()
         instance.close()
+        ctx.destroy(linger=0)
+
+
+async def _recv(pull: Puller, tag: type[Message]) -> Message:
+    """The next message of type ``tag`` (the ProxyStarted before it skipped)."""
+    while True:
+        msg = await asyncio.wait_for(pull.recv(), 5.0)
+        if isinstance(msg, tag):
+            return msg
+
+
+async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach_latency(
+    tmp_path: Path,
+) -> None:
+    """One node, its decode instance draining (no prefill instance decodes): a prefilled
+    request is held (``held_requests``) with its handoff at the prefill instance, and
+    placed once the decode instance's successor says hello; the measured prefill time
+    is what the latency model learns from."""
+    config = _config(tmp_path, scheduler={"prefill_decodes_when_idle": False})
+    ctx = zmq.asyncio.Context()
+    prefill = Puller(ctx, config.prefill_address(0), PREFILL_CHANNEL)
+    decode = Puller(ctx, config.decode_address(0), DECODE_CHANNEL)
+    backend = DistributedBackend(config)
+    profile = msgspec.convert(latency_model(["m"]).to_dict(), LatencyProfile)
+    try:
+        for kind in ("prefill", "decode"):
+            backend.local.on_hello(msgspec.structs.replace(_hello(kind), latency=profile))
+        backend._on_draining(InstanceDraining("decode", 0, 10, 5.0))
+        await asyncio.sleep(0.05)  # (the records written)
+        await backend.view.refresh()
+        backend._store_ok = backend._checked = True
+        assert backend.ready()  # (the draining instance restarts: its work waits here)
+        gen = GenerationRequest("r", "m", tuple(range(8)), SamplingParams(max_tokens=4), 0.0)
+        backend.submit(gen)
+        work = await _recv(prefill, EnqueuePrefill)
+        assert isinstance(work, EnqueuePrefill) and work.request_id == "r"
+        latency = backend.view.latency()
+        assert latency is not None
+        taught: list[tuple[str, list[int], float]] = []
+        observe = latency.observe_prefill
+
+        def spy(model: str, prompt_lens: list[int], seconds: float) -> None:
+            taught.append((model, list(prompt_lens), seconds))
+            observe(model, prompt_lens, seconds)
+
+        latency.observe_prefill = spy  # type: ignore[method-assign,assignment]
+        handoff = KVHandoff(KVShapeSpec(2, 2, 16, 16, "bfloat16"), [0], 8)
+        timings = RequestTimings(prefill_s=0.25)
+        backend._on_prefill_done(PrefillDone("r", 0, 7, None, handoff, timings, 0.0))
+        for _ in range(100):
+            if backend.held_counts() == (0, 1):
+                break
+            await asyncio.sleep(0.01)
+        assert backend.held_counts() == (0, 1)
+        assert backend.view.latency() is latency and taught == [("m", [8], 0.25)]
+        backend.local.on_hello(_hello("decode", pid=11, incarnation=2))  # its successor
+        await asyncio.sleep(0.05)  # (the record written)
+        await backend.view.refresh()
+        backend._place_held_decode()
+        placed = await _recv(decode, EnqueueDecode)
+        assert isinstance(placed, EnqueueDecode) and placed.request_id == "r"
+        assert placed.handoff == handoff and placed.incarnation == 2
+        assert backend.held_counts() == (0, 0)
+    finally:
+        await backend.stop()
+        prefill.close()
+        decode.close()
         ctx.destroy(linger=0)
