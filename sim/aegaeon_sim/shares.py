@@ -1,7 +1,7 @@
 """Hybrid instances' decode shares, fed to Algorithm 2's placement as the live proxy does.
 
-The live proxy (services/proxy ``cluster.instances.DecodeShares``) receives
-each instance's heartbeat every 0.5 s; for a hybrid (a prefill instance that
+The live proxy (services/proxy ``cluster.registry.DecodeShares``) reads
+each instance's record (its heartbeat) every 0.5 s; for a hybrid (a prefill instance that
 decodes when idle) it computes the busy fraction ``d prefill_s / d t`` of
 prefill *compute* seconds since the previous heartbeat, smooths it with a
 moving average (``busy += 0.1 (new - busy)``, first value as is) and calls

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from aegaeon_common.config import StoreConfig
 
-HEARTBEAT_DEAD_S = 5.0  # aegaeon_proxy.cluster.instances.DEAD_AFTER_S
+HEARTBEAT_DEAD_S = 5.0  # an instance's record expires (store.heartbeat_ttl) and is read
 STORE_TTL_S = StoreConfig().heartbeat_ttl_s  # many nodes: a heartbeat record's TTL
 SHM = Path("/dev/shm")
 

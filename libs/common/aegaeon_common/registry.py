@@ -24,6 +24,9 @@ only with defaults), like the wire. Keys (each under the store's namespace):
 - ``unavailablemodels``: :class:`UnavailableModelsRecord`, the models whose
   checkpoint a cachemgr or an instance could not read (quarantined) until a
   ``POST /v1/aegaeon/models/{model}/reload`` lifted it; every replica follows it.
+- ``baseline``: a request-level baseline's picture (``aegaeon_sched.shared_baselines``:
+  each instance's model and running requests, the queues), written only by its
+  decisions' transactions (one node).
 - ``epoch``: a random token, written by the first participant that finds it
   absent (no TTL): a store that restarted empty has a new one, and everyone who
   held the old one knows its records were lost (:class:`StoreEpoch`).
@@ -54,6 +57,7 @@ from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.store import MemoryStore, Store
 
 INSTANCES = "instances"
+BASELINE = "baseline"
 PROXIES = "proxies"
 QUEUE_TTL_S = 3600.0
 

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import ConfigError, load_config_or_exit, with_api_keys
     from aegaeon_common.process import run_service
 
-    from aegaeon_proxy.cluster.backend import ClusterBackend
+    from aegaeon_proxy.cluster.distributed import DistributedBackend
     from aegaeon_proxy.server import ProxyServer
 
     config = load_config_or_exit(args.config, "proxy")
@@ -58,11 +58,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"aegaeon proxy: {exc}", file=sys.stderr)
         return 2
-    if config.unified and not config.distributed:
-        # the request-level baselines: their policy in process, over the instances
-        return run_service("proxy", ProxyServer(config, ClusterBackend(config)).serve)
-    # Aegaeon's Algorithms 1-2 over the store: the memory store on one node, Redis for
-    # many (one replica of the proxy layer)
-    from aegaeon_proxy.cluster.distributed import DistributedBackend
-
+    # Algorithms 1-2 (or a request-level baseline) over the store: the memory store on one
+    # node, Redis for many (one replica of the proxy layer)
     return run_service("proxy", ProxyServer(config, DistributedBackend(config)).serve)

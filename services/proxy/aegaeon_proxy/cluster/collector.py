@@ -1,78 +1,20 @@
-"""A backend's state as metrics, read at scrape time (reads only): the request table's
-(:func:`request_metrics`, every backend), the roles (:func:`role_metrics`, every
-backend) and the single proxy's instances."""
+"""The backend's state as metrics, read at scrape time (reads only): the request
+table's (:func:`request_metrics`) and the roles' (:func:`role_metrics`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol
+from collections.abc import Iterator, Mapping
 
 from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from aegaeon_proxy.cluster.instances import InstanceView
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher
 
-
-class CollectedBackend(Protocol):
-    """What a scrape reads of the backend (``cluster.backend.ClusterBackend``)."""
-
-    @property
-    def instances(self) -> Iterable[InstanceView]: ...
-
-    @property
-    def table(self) -> RequestTable: ...
-
-    @property
-    def roles(self) -> RoleSwitcher: ...
-
-    def held_counts(self) -> tuple[int, int]: ...
-
-__all__ = ["ClusterCollector", "request_metrics", "role_metrics"]
+__all__ = ["request_metrics", "role_metrics"]
 
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
-
-
-class ClusterCollector(Collector):
-    """Instances as the proxy sees them (heartbeats, drains), requests it tracks."""
-
-    def __init__(self, backend: CollectedBackend) -> None:
-        self._backend = backend
-
-    def collect(self) -> Iterator[Metric]:
-        b = self._backend
-        now = time.monotonic()
-        up = GaugeMetricFamily(
-            "aegaeon_instance_up", "Whether an instance's heartbeat is current", labels=["instance"]
-        )
-        draining = GaugeMetricFamily(
-            "aegaeon_instance_draining", "Whether an instance announced it is draining",
-            labels=["instance"],
-        )  # fmt: skip
-        for view in b.instances:
-            up.add_metric([view.name], float(view.alive(now)))
-            draining.add_metric([view.name], float(view.draining))
-        yield up
-        yield draining
-        held = GaugeMetricFamily(
-            "aegaeon_held_requests",
-            "Requests waiting in the proxy because every instance of a stage is paused",
-            labels=["stage"],
-        )
-        arrivals, placements = b.held_counts()
-        held.add_metric(["prefill"], float(arrivals))
-        held.add_metric(["decode"], float(placements))
-        yield held
-        yield from request_metrics(b.table)
-        yield from self._velocity_and_roles()
-
-    def _velocity_and_roles(self) -> Iterator[Metric]:
-        b = self._backend
-        velocity = {v.name: v.stats.velocity if v.stats is not None else {} for v in b.instances}
-        yield from role_metrics(b.roles, velocity)
 
 
 def role_metrics(roles: RoleSwitcher, velocity: Mapping[str, Mapping[str, float]]

@@ -53,7 +53,6 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -121,19 +120,19 @@ from aegaeon_proxy.backend import (
     GenerationRequest,
     TokenQueue,
 )
+from aegaeon_proxy.cluster.baselines import Baselines
 from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
-from aegaeon_proxy.cluster.instances import DecodeShares
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, reload_lifting, watch_caches
-from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
+from aegaeon_proxy.cluster.registry import REFRESH_S, DecodeShares, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.replica_models import ReplicaModels
 from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.shared_records import SharedRecords
-from aegaeon_proxy.cluster.tracked import Tracked
+from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
 BEAT_S = 0.5
@@ -144,17 +143,6 @@ DISPATCH_SAMPLES = 4096
 STOP_S = 5.0  # a stopping replica's last cancels and store writes
 ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgrs' KV stats for a scrape
 STATS_TIMEOUT_S = 5.0  # the cachemgrs' stats for /v1/aegaeon/stats
-
-
-@dataclass
-class Where:
-    """Where a request sits: an instance (one process of it) and its shared queue."""
-
-    instance: str
-    incarnation: int
-    node: str
-    queue: str  # the store key of that instance's prefill queue or decode work list
-    stage: str  # "prefill" | "decode"
 
 
 def _fresh_id() -> int:
@@ -205,6 +193,8 @@ class DistributedBackend:
         self._checked = False  # the cachemgrs' unreadable models were read once
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record, self._send_record)
+        # a request-level baseline's placement (its picture in the store), else Aegaeon's
+        self.baselines = Baselines(self) if config.unified else None
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
         self.models = ReplicaModels(config, self.view, self.caches, self.records, self._send,
@@ -282,6 +272,12 @@ class DistributedBackend:
             return False
         if self.local.expected:
             return self._checked
+        return self._can_dispatch()
+
+    def _can_dispatch(self) -> bool:
+        """Some instance takes new requests: one in the prefill role (a baseline: any)."""
+        if self.baselines is not None:
+            return any(not r.draining for r in self.view.live.values())
         return bool(self.view.prefill_candidates())
 
     def _down(self) -> list[str]:
@@ -424,7 +420,10 @@ class DistributedBackend:
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
-        self._spawn(self._dispatch_prefill(tracked))
+        if self.baselines is not None:
+            self._spawn(self.baselines.dispatch(tracked, again=True))
+        else:
+            self._spawn(self._dispatch_prefill(tracked))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
         """Out of its shared queue and the store; a cancel reaches its instance (at its
@@ -437,6 +436,10 @@ class DistributedBackend:
         if held is not None:  # its handoff, never claimed: freed at its prefill instance
             self._spawn(self._send_to(held[1], CancelRequest(rid, free_handoff=True)))
         where = self.where.pop(rid, None)
+        if self.baselines is not None:  # (the policy cancels it at its instance)
+            self._spawn(self.baselines.release(rid, cancelled))
+            self._spawn(self._forget(rid, None))
+            return
         if cancelled and where is not None:
             cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
             self._spawn(self._send_to(where, cancel))
@@ -462,7 +465,13 @@ class DistributedBackend:
         except StoreError as exc:
             self._store_failed(rid, exc)
             return
-        await self._dispatch_prefill(tracked)
+        await self._dispatch(tracked)
+
+    async def _dispatch(self, tracked: Tracked) -> None:
+        if self.baselines is not None:
+            await self.baselines.dispatch(tracked)
+        else:
+            await self._dispatch_prefill(tracked)
 
     async def _dispatch_prefill(self, tracked: Tracked) -> None:
         """Algorithm 1 across every node's prefill instances, one transaction."""
@@ -624,6 +633,9 @@ class DistributedBackend:
         where = self.where.get(msg.request_id)
         owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
         tracked = self.table.prefilled(msg, owner) if where is not None else None
+        if tracked is not None and where is not None and where.stage == "run":
+            self.table.finish_first(tracked, msg)  # (a unified instance decodes it on)
+            return
         if tracked is None or where is None:
             self.counters["orphan_tokens"] += 1
             if msg.request_id not in self.requests and msg.handoff is not None:
@@ -795,9 +807,9 @@ class DistributedBackend:
             for rid, where in list(self.where.items()):
                 if not self.view.alive(where.instance, where.incarnation):
                     self._lost(rid, where)
-            if self.held and self.view.prefill_candidates():
+            if self.held and self._can_dispatch():
                 for tracked in list(self.held.values()):
-                    self._spawn(self._dispatch_prefill(tracked))
+                    self._spawn(self._dispatch(tracked))
             self._place_held_decode()
             try:  # (room is freed by events; this is a safety net, which must not die)
                 self._admission_bounds()

@@ -16,11 +16,10 @@ the models on their device with every heartbeat and answer each
 ``SetModelAwake``): sleeping sends it to every live instance, waking to the
 least busy prefill instance (where the model's next request starts).
 
-:class:`ClusterModels` is one node's placement (the cluster backend's
-instances and cachemgr): an instance's answer also teaches the policy the new
-model, and an instance or cachemgr that restarts (it comes back with the
-config file's models) gets the models added here again and forgets those
-removed. A proxy replica's placement is ``cluster.replica_models``.
+The placement is ``cluster.replica_models`` (every node's instances, as the
+registry lists them, and cachemgrs; one node's the same way): an instance or
+cachemgr that restarts (it comes back with the config file's models) gets the
+models added here again and forgets those removed.
 """
 
 from __future__ import annotations
@@ -30,28 +29,22 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import msgspec
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
-    CacheStats,
     ForgetModel,
-    GetStats,
     ModelForgotten,
     RegisterModel,
     ReloadModel,
     SetModelFlags,
 )
 from aegaeon_common.messages.prefill import AddModel, SetModelAwake
-from aegaeon_common.messages.report import InstanceHello, InstanceModels, ModelsResident
-from aegaeon_common.transport import RemoteError, RpcClient
-from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import LatencyModel, Policy
+from aegaeon_common.transport import RemoteError
+from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.instances import Instances, InstanceView
 
 log = get_logger("cluster")
 
@@ -72,7 +65,7 @@ _CACHE_ERRORS: dict[str, tuple[int, str]] = {
     "checkpoint_error": (422, "model_unavailable"),
 }
 
-__all__ = ["ClusterModels", "ModelOps", "Placement", "Target", "cache_error"]
+__all__ = ["ModelOps", "Placement", "Target", "cache_error"]
 
 
 def register_message(model: ModelConfig) -> RegisterModel:
@@ -297,129 +290,3 @@ class ModelOps:
                 raise BackendError.unavailable(
                     f"instances {', '.join(names)} did not {what} within {timeout_s:g} s"
                 ) from None
-
-
-class ClusterModels:
-    """One node's placement of the model operations: the cluster backend's
-    ``instances``, its cachemgr client, ``send`` (the backend's ordered sends to an
-    instance) and ``policy`` (the policy now; None until every instance said hello)."""
-
-    reply_to = ""  # the instances answer their proxy
-
-    def __init__(
-        self,
-        config: Config,
-        instances: Instances,
-        cache: RpcClient,
-        send: Callable[[str, Message], None],
-        policy: Callable[[], Policy | None],
-    ) -> None:
-        self.config = config
-        self.instances = instances
-        self._cache = cache
-        self.send = send
-        self._policy = policy
-        self.ops = ModelOps(self, config)
-        self._tasks: set[asyncio.Task[None]] = set()
-        # the (pid, incarnation) of each instance's process told of the removals: a hello
-        # comes with every heartbeat, the removals are re-sent only to a new process
-        self._resynced: dict[str, tuple[int, int]] = {}
-
-    # ---- Placement ---------------------------------------------------------
-    def targets(self) -> list[Target]:
-        out = []
-        for v in self.instances:
-            if v.pid is None:
-                continue
-            stats = v.stats
-            models = frozenset(v.hello.capacity_tokens) if v.hello is not None else frozenset()
-            work = stats.queued + stats.running if stats is not None else 0
-            out.append(Target(v.name, v.kind, models, v.resident, work))
-        return out
-
-    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
-        try:
-            return [await self._cache.call(msg, timeout_s=timeout_s)]
-        except TimeoutError:
-            raise BackendError.unavailable("the cachemgr did not answer") from None
-        except RemoteError as exc:
-            raise cache_error(exc) from None
-
-    # ---- the backend's ModelControl and ModelResidency ----------------------
-    @property
-    def added(self) -> dict[str, ModelConfig]:
-        return self.ops.added
-
-    async def add(self, model: ModelConfig) -> None:
-        if self._policy() is None:
-            raise BackendError.unavailable("the instances are not all up yet")
-        await self.ops.add(model)
-
-    async def forget(self, name: str) -> bool:
-        return await self.ops.forget(name)
-
-    async def reload(self, model: ModelConfig) -> None:
-        if self._policy() is None:
-            raise BackendError.unavailable("the instances are not all up yet")
-        await self.ops.reload(model)
-
-    async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.ops.set_flags(name, pinned=pinned, preload=preload)
-
-    def sleeping(self, name: str) -> bool:
-        return self.ops.sleeping(name)
-
-    async def set_awake(self, name: str, awake: bool) -> bool:
-        return await self.ops.set_awake(name, awake)
-
-    async def cache_stats(self) -> dict[str, Any] | None:
-        with contextlib.suppress(BackendError):
-            reply = (await self.cache_call(GetStats()))[0]
-            if isinstance(reply, CacheStats):
-                stats = to_plain(reply.model_cache)
-                assert isinstance(stats, dict)
-                return stats
-        return None
-
-    # ---- reports --------------------------------------------------------------
-    def on_models_resident(self, msg: ModelsResident) -> None:
-        view = self.instances.get(msg.kind, msg.index)
-        if view is None or view.pid is None:
-            return
-        view.note_residency(msg.resident_models, msg.residency_version)
-        self.ops.residency_answered(view.name, msg.ticket)
-
-    def on_instance_models(self, msg: InstanceModels) -> None:
-        """An instance's models after an ``AddModel``: its KV capacity per model (the
-        context bound, the decode dispatcher's room) and the new models' specs."""
-        view = self.instances.get(msg.kind, msg.index)
-        if view is None or view.hello is None:
-            return
-        view.hello = msgspec.structs.replace(
-            view.hello, capacity_tokens=dict(msg.capacity_tokens),
-            latency=msg.latency or view.hello.latency,
-        )  # fmt: skip
-        self._teach_policy(view.name, msg)
-        self.ops.models_answered(view.name, msg.ticket, frozenset(msg.capacity_tokens))
-
-    def _teach_policy(self, instance: str, msg: InstanceModels) -> None:
-        policy = self._policy()
-        if policy is None:
-            return
-        latency = None if msg.latency is None else LatencyModel.from_dict(to_plain(msg.latency))
-        policy.learn(instance, msg.capacity_tokens, latency)
-
-    def on_hello(self, view: InstanceView, msg: InstanceHello) -> None:
-        """A (re)started instance knows only the config's models: give it those added
-        here, and have the cachemgr (which may have restarted too) forget the removed."""
-        ops = self.ops
-        missing = any(n not in msg.capacity_tokens for n in ops.added)
-        process = (msg.pid, msg.incarnation)
-        told = self._resynced.get(view.name) == process
-        self._resynced[view.name] = process
-        if not missing and (told or not ops.removed):
-            return
-        task = asyncio.get_running_loop().create_task(
-            ops.resync(view.name, msg.capacity_tokens, self.cache_call))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -1,5 +1,5 @@
-"""Building a request-level baseline once every instance has announced itself; the
-admission bounds of any backend (:func:`bounds_of`)."""
+"""The admission bounds: ``proxy.max_*``, the unset ones derived from the instances'
+records (:func:`bounds_of`)."""
 
 from __future__ import annotations
 
@@ -9,81 +9,20 @@ from dataclasses import dataclass
 from aegaeon_common.config import Config
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.wire import to_plain
-from aegaeon_sched import (
-    ClusterSpec,
-    LatencyModel,
-    Policy,
-    PolicyOptions,
-    make_policy,
-)
+from aegaeon_sched import LatencyModel
 from aegaeon_sched.admission import Bounds, derive_bounds
 
-from aegaeon_proxy.cluster.instances import Instances
-
 TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
-ARENA_SLACK_BYTES = 1 << 20
-
-
-def _latency(instances: Instances) -> LatencyModel:
-    """An instance's start-up profile (the instances of a node share one hardware kind)."""
-    for view in instances:
-        if view.hello is not None and view.hello.latency is not None:
-            return LatencyModel.from_dict(to_plain(view.hello.latency))
-    raise RuntimeError("no instance reported a latency profile")
-
-
-def _min_capacity(instances: Instances) -> dict[str, int]:
-    capacity: dict[str, int] = {}
-    for view in instances:
-        if view.hello is None:
-            continue
-        for model, tokens in view.hello.capacity_tokens.items():
-            capacity[model] = min(tokens, capacity.get(model, tokens))
-    return capacity
-
-
-def build_policy(config: Config, instances: Instances) -> Policy:
-    """A request-level baseline over the node's unified instances (Aegaeon's own
-    Algorithms 1-2 run over the store: ``aegaeon_sched.shared``)."""
-    names = tuple(v.name for v in instances)
-    cluster = ClusterSpec(prefill_instances=(), decode_instances=names)
-    capacity = _min_capacity(instances)
-    arena = config.decode.device_memory_bytes - config.decode.kv_memory_bytes  # unified: decode
-    options = PolicyOptions(
-        max_group_size=config.scheduler.max_group_size,
-        max_batch_size=config.scheduler.max_batch_size,
-        decode_capacity_tokens=capacity,
-        unified_capacity_tokens=capacity,
-        decode_tbt_s=config.slo.tbt_s,  # what every instance plans for
-        default_ttft_s=config.slo.ttft_s,
-        units={m.name: m.base for m in config.models if m.base is not None},
-        # static-mux: the models that stay resident on an instance fit its weights arena
-        # together (bump allocations, each aligned: a MiB of slack)
-        gpu_weight_budget_bytes=max(arena - ARENA_SLACK_BYTES, 0),
-    )
-    policy = make_policy(config.scheduler.policy, cluster, _latency(instances), options)
-    for view in instances:  # each instance's own KV capacity
-        if view.hello is not None:
-            policy.learn(view.name, view.hello.capacity_tokens, None)
-    return policy
 
 
 @dataclass(frozen=True)
 class Member:
-    """One instance as the admission bounds see it (a hello, or a registry record)."""
+    """One instance as the admission bounds see it (its registry record)."""
 
     kind: str  # "prefill" | "decode"
     latency: LatencyProfile | None
     capacity_tokens: Mapping[str, int]  # model -> device KV room in tokens
     node: str = ""  # its node (one host KV cache per node)
-
-
-def admission_bounds(config: Config, instances: Instances) -> Bounds:
-    """One node's bounds: ``proxy.max_*``, the unset ones derived from the instances'
-    hellos (:func:`bounds_of`)."""
-    members = [Member(v.kind, v.hello.latency, v.hello.capacity_tokens)
-               for v in instances if v.hello is not None]  # fmt: skip
-    return bounds_of(config, members)
 
 
 def bounds_of(config: Config, members: Iterable[Member], replicas: int = 1) -> Bounds:

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.cache import CacheStats
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import RemoteError
-from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
 
-__all__ = ["POLL_TIMEOUT_S", "WATCH_S", "Quarantine", "unavailable_of", "watch_caches"]
+__all__ = ["POLL_TIMEOUT_S", "WATCH_S", "Quarantine", "reload_lifting", "watch_caches"]
 
 log = get_logger("cluster")
 
@@ -34,16 +32,6 @@ WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
 POLL_TIMEOUT_S = 2.0
 
 Apply = Callable[[str, str | None], None]
-
-
-def unavailable_of(replies: Iterable[Message]) -> dict[str, str]:
-    """The models the cachemgrs answering ``GetStats`` with ``replies`` cannot read."""
-    out: dict[str, str] = {}
-    for reply in replies:
-        if isinstance(reply, CacheStats):
-            for name, why in reply.model_cache.unavailable.items():
-                out.setdefault(name, why)
-    return out
 
 
 class Quarantine:

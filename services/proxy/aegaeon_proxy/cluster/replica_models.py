@@ -198,12 +198,12 @@ class ReplicaModels:
 
     # ---- the served models the replicas share ------------------------------------
     async def add(self, model: ModelConfig) -> None:
-        if not self.view.prefill_candidates():
+        if not self.view.prefill_candidates() and not self.config.unified:
             raise BackendError.unavailable("no prefill instance is registered")
         await self.ops.add(model)
 
     async def reload(self, model: ModelConfig) -> None:
-        if not self.view.prefill_candidates():
+        if not self.view.prefill_candidates() and not self.config.unified:
             raise BackendError.unavailable("no prefill instance is registered")
         await self.ops.reload(model)
 

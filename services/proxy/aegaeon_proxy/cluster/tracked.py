@@ -75,10 +75,22 @@ class Tracked:
             prompt_token_ids=prompt,
         )  # fmt: skip
 
-    def run_message(self, incarnation: int = 0) -> RunRequest:
+    def run_message(self, incarnation: int = 0, reply_to: str = "") -> RunRequest:
         gen = self.gen
         return RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), self.sampling,
-                          gen.arrival_s, incarnation=incarnation)  # fmt: skip
+                          gen.arrival_s, incarnation=incarnation, reply_to=reply_to)  # fmt: skip
+
+
+@dataclass
+class Where:
+    """Where a request sits: an instance (one process of it) and the store key of what
+    placed it there."""
+
+    instance: str
+    incarnation: int
+    node: str
+    queue: str  # that instance's prefill queue or decode work list, or the baseline's state
+    stage: str  # "prefill" | "decode" | "run" (a baseline's unified instance)
 
 
 @dataclass(frozen=True)

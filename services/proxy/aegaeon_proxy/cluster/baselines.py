@@ -1,0 +1,190 @@
+"""The request-level baselines over the store: placement by a policy whose picture lives
+in one store key (``scheduler.policy`` other than ``aegaeon``; one node).
+
+A baseline (ServerlessLLM's request-level scheduling and its variants, MuxServe's
+static multiplexing) binds each request to a unified instance at arrival and
+keeps one global picture (each instance's model and running requests, the
+queues). That picture is the store's :data:`~aegaeon_common.registry.BASELINE`
+record, and each decision is one transaction over it
+(``aegaeon_sched.shared_baselines``): build the policy over the instances the
+registry lists (their KV room learned from their records), restore the picture,
+run the event, write the picture back, then carry out the actions (``RunRequest``
+to an instance, a cancel, a refusal). An arrival no instance is registered for
+waits with the backend's held requests; a request's end releases its binding
+and starts what waited for it.
+
+The baselines run on one node: a replica of many would start another replica's
+queued request, whose client and prompt it does not hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from aegaeon_common.config import Config
+from aegaeon_common.logs import get_logger
+from aegaeon_common.messages.prefill import CancelRequest
+from aegaeon_common.registry import (
+    BASELINE,
+    QUEUE_TTL_S,
+    InstanceRecord,
+    decode_queue,
+    encode_queue,
+)
+from aegaeon_common.store import Store, StoreError
+from aegaeon_common.wire import Message
+from aegaeon_sched import (
+    Action,
+    Cancel,
+    ClusterSpec,
+    LatencyModel,
+    Policy,
+    PolicyOptions,
+    Reject,
+    RunOnInstance,
+    make_policy,
+)
+from aegaeon_sched.shared_baselines import restore, snapshot
+
+from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.tracked import Tracked, Where
+
+log = get_logger("cluster")
+
+__all__ = ["Baselines"]
+
+ARENA_SLACK_BYTES = 1 << 20
+
+
+class BaselineHost(Protocol):
+    """What the baselines need of the backend (``cluster.distributed``)."""
+
+    config: Config
+    store: Store
+    view: RegistryView
+    report_address: str
+    where: dict[str, Where]
+    held: dict[str, Tracked]
+
+    @property
+    def requests(self) -> Mapping[str, Tracked]: ...
+
+    def end_request(self, request_id: str, reason: str, error: str | None = None,
+                    code: str | None = None) -> object: ...  # fmt: skip
+
+    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
+
+    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
+
+
+def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
+    capacity: dict[str, int] = {}
+    for record in records:
+        for model, tokens in record.capacity_tokens.items():
+            capacity[model] = min(tokens, capacity.get(model, tokens))
+    arena = config.decode.device_memory_bytes - config.decode.kv_memory_bytes  # unified: decode
+    return PolicyOptions(
+        max_batch_size=config.scheduler.max_batch_size,
+        decode_capacity_tokens=capacity,
+        unified_capacity_tokens=capacity,
+        decode_tbt_s=config.slo.tbt_s,
+        default_ttft_s=config.slo.ttft_s,
+        units={m.name: m.base for m in config.models if m.base is not None},
+        # static-mux: the models that stay resident on an instance fit its weights arena
+        # together (bump allocations, each aligned: a MiB of slack)
+        gpu_weight_budget_bytes=max(arena - ARENA_SLACK_BYTES, 0),
+    )
+
+
+class Baselines:
+    """A baseline's placement over the store (see the module)."""
+
+    def __init__(self, host: BaselineHost) -> None:
+        self.host = host
+        self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
+
+    def _records(self) -> list[InstanceRecord]:
+        """The instances that take work (registered, not draining), in id order."""
+        live = self.host.view.live.values()
+        return sorted((r for r in live if not r.draining), key=lambda r: r.instance_id)
+
+    def _policy(self, records: list[InstanceRecord], latency: LatencyModel,
+                raw: bytes | None) -> Policy:  # fmt: skip
+        config = self.host.config
+        names = tuple(r.instance_id for r in records)
+        policy = make_policy(config.scheduler.policy, ClusterSpec((), names), latency,
+                             _options(config, records))  # fmt: skip
+        for record in records:  # each instance's own KV room
+            policy.learn(record.instance_id, record.capacity_tokens, None)
+        return restore(policy, decode_queue(raw))
+
+    async def dispatch(self, tracked: Tracked, again: bool = False) -> None:
+        """The policy takes ``tracked`` (``again``: its instance failed before its first
+        token: its binding there goes first), or it waits for an instance."""
+        rid = tracked.gen.request_id
+        self.host.held.pop(rid, None)
+        records, latency = self._records(), self.host.view.latency()
+        if not records or latency is None:
+            self.host.held[rid] = tracked
+            return
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
+            policy = self._policy(records, latency, values[0])
+            now = time.time()
+            actions = list(policy.on_request_cancelled(rid, now)) if again else []
+            actions += policy.on_arrival(tracked.sched, now)
+            return {BASELINE: encode_queue(snapshot(policy))}, actions
+
+        try:
+            actions = await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
+        except StoreError as exc:
+            self.host._store_failed(rid, exc)
+            return
+        await self._carry_out(actions, records)
+
+    async def release(self, request_id: str, cancelled: bool) -> None:
+        """``request_id`` ended: its binding goes (at its instance too when cancelled),
+        and what waited for its room starts."""
+        records, latency = self._records(), self.host.view.latency()
+        if not records or latency is None:
+            return  # (no instance: nothing runs; the next decision drops its binding)
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
+            policy = self._policy(records, latency, values[0])
+            ended = policy.on_request_cancelled if cancelled else policy.on_request_finished
+            actions = list(ended(request_id, time.time()))
+            return {BASELINE: encode_queue(snapshot(policy))}, actions
+
+        with contextlib.suppress(StoreError):
+            await self._carry_out(await self.host.store.transact([BASELINE], decide,
+                                                                 ttl_s=QUEUE_TTL_S), records)
+
+    async def _carry_out(self, actions: list[Action], records: list[InstanceRecord]) -> None:
+        by_id = {r.instance_id: r for r in records}
+        for action in actions:
+            await self._table[type(action)](action, by_id)  # type: ignore[operator]
+
+    async def _run(self, action: RunOnInstance, by_id: dict[str, InstanceRecord]) -> None:
+        rid = action.request.request_id
+        tracked, record = self.host.requests.get(rid), by_id[action.instance]
+        if tracked is None:  # ended while the policy decided: its binding goes
+            await self.release(rid, cancelled=True)
+            return
+        self.host.where[rid] = Where(action.instance, record.incarnation, record.node, BASELINE,
+                                     "run")  # fmt: skip
+        tracked.instance = action.instance
+        await self.host._send(record, tracked.run_message(record.incarnation,
+                                                          self.host.report_address))  # fmt: skip
+
+    async def _cancel(self, action: Cancel, by_id: dict[str, InstanceRecord]) -> None:
+        record = by_id.get(action.instance) or self.host.view.live.get(action.instance)
+        if record is not None:
+            await self.host._send(record, CancelRequest(action.request_id))
+
+    async def _reject(self, action: Reject, by_id: dict[str, InstanceRecord]) -> None:
+        self.host.end_request(action.request.request_id, "error", action.reason,
+                              action.code or None)  # fmt: skip
+
