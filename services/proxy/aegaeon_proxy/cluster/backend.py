@@ -46,7 +46,13 @@ from aegaeon_sched import Policy, Shedder, cluster_velocity
 from aegaeon_sched.admission import AdmissionControl
 from prometheus_client import CollectorRegistry
 
-from aegaeon_proxy.backend import BackendError, EngineSnapshot, GenerationRequest, TokenQueue
+from aegaeon_proxy.backend import (
+    Backend,
+    BackendError,
+    EngineSnapshot,
+    GenerationRequest,
+    TokenQueue,
+)
 from aegaeon_proxy.cluster.actions import ActionRunner
 from aegaeon_proxy.cluster.collector import ClusterCollector
 from aegaeon_proxy.cluster.instances import DecodeShares, Instances, InstanceView
@@ -69,7 +75,7 @@ ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgr's KV stats for a scrape
 INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
 
 
-class ClusterBackend:
+class ClusterBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over prefill/decode instances."""
 
     def __init__(self, config: Config) -> None:

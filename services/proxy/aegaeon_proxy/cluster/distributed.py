@@ -104,6 +104,7 @@ from prometheus_client.registry import Collector
 
 from aegaeon_proxy.backend import (
     STORE_UNAVAILABLE,
+    Backend,
     BackendError,
     EngineSnapshot,
     GenerationRequest,
@@ -147,7 +148,7 @@ def _fresh_id() -> int:
     return secrets.randbits(52)
 
 
-class DistributedBackend:
+class DistributedBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
 
     def __init__(self, config: Config) -> None:
