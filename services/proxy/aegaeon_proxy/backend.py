@@ -170,15 +170,11 @@ class EngineSnapshot:
 
 
 class Backend(ABC):
-    """What the HTTP front needs from whatever generates tokens.
-
-    The abstract methods are what every backend does; the others are optional
-    operations whose defaults say the feature is absent. A backend offers a feature
-    by overriding its operations, and the front calls them all directly: a default
-    model admin, reload or sleep answers 501 ``not_supported``, the read-outs answer
-    None (not known), and what replicas share stays on this one. Failures are
-    :class:`BackendError`\\ s whose ``status`` and ``code`` the endpoints answer with.
-    """
+    """What the HTTP front needs from whatever generates tokens: the abstract methods,
+    and the optional operations a backend offers by overriding them (the front calls
+    them all; a default model change, reload or sleep raises 501 ``not_supported``, a
+    default read-out is None, what replicas share stays here). Failures are
+    :class:`BackendError`\\ s whose ``status`` and ``code`` the endpoints answer with."""
 
     @abstractmethod
     async def start(self) -> None:
@@ -231,9 +227,8 @@ class Backend(ABC):
 
     # ---- models at run time ------------------------------------------------------
     def changes_models(self) -> bool:
-        """It serves models added and removed at run time: it overrides
-        :meth:`add_model` (the admin API refuses an add or a removal before doing any
-        of it otherwise)."""
+        """It overrides :meth:`add_model` (else the admin API refuses an add or a removal
+        before doing any of it)."""
         return type(self).add_model is not Backend.add_model
 
     async def add_model(self, model: ModelConfig) -> None:
@@ -256,8 +251,7 @@ class Backend(ABC):
         cachemgr did not answer, or there is none)."""
         return None
 
-    # ---- sleep and wake: a sleeping model is on no device; its weights stay in the
-    # host Model Cache, and a request for it switches it back in as any switch does
+    # ---- sleep and wake: a sleeping model's weights stay in the host Model Cache
     async def set_model_awake(self, name: str, awake: bool) -> bool:
         """Sleep ``name`` (off every device) or wake it (onto one); returns once the
         instances answered, whether it sleeps now (a device with work of it keeps it)."""
@@ -267,9 +261,7 @@ class Backend(ABC):
         """``name`` is on no device, as the instances last reported."""
         raise _not_supported("put models to sleep")
 
-    # ---- checkpoints that cannot be read: a model is *unavailable* everywhere (every
-    # node, every proxy replica) from the moment one cachemgr or instance cannot read
-    # it until it is reloaded
+    # ---- checkpoints that cannot be read: unavailable everywhere until reloaded
     _on_unavailable: Callable[[str, str | None], None] | None = None
 
     def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
@@ -291,26 +283,23 @@ class Backend(ABC):
         it still cannot be read: it stays unavailable."""
         raise _not_supported("read its models again")
 
-    # ---- what proxy replicas share (by default there is one replica: nothing to tell)
+    # ---- what proxy replicas share (by default one replica: nothing to tell or follow);
+    # a follower is called for every replica's change, this one's included, and at start
+    # for the changes made before it
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
-        """``name``'s settings as this replica just changed them (``PATCH``), for every
-        replica."""
+        """``name``'s settings as this replica just changed them, for every replica."""
         return None
 
     def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
-        """Call ``apply(name, settings)`` whenever a replica changed a model's settings
-        (this one included; also once at start for settings changed before it)."""
+        """Call ``apply(name, settings)`` whenever a replica changed a model's settings."""
         return None
 
     async def publish_served(self, name: str, model: ModelConfig | None) -> None:
-        """``name`` is served now (``model``: added) or no longer (None: removed), for
-        every replica."""
+        """``name`` is served now (``model``: added) or no longer (None), for every replica."""
         return None
 
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
-        """Call ``apply(name, model)`` whenever a replica added (``model``) or removed
-        (None) a model (this one included; also once at start for the changes made
-        before it)."""
+        """Call ``apply(name, model)`` whenever a replica added or removed (None) a model."""
         return None
 
 
