@@ -20,6 +20,7 @@ from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_common.messages.structs import TokenLogprobs
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
+    Backend,
     BackendError,
     FinishReason,
     GenerationRequest,
@@ -48,8 +49,9 @@ def market_dir() -> Path:
 MODEL = "llama-gqa-5m"
 
 
-class ScriptedBackend:
-    """Replays ``token_ids`` (one per step) then finishes; records cancels."""
+class ScriptedBackend(Backend):
+    """Replays ``token_ids`` (one per step) then finishes; records cancels (none of the
+    optional operations: their defaults)."""
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []

@@ -5,13 +5,15 @@ requests. The real node is exercised in tests/e2e/test_serve_models.py."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aegaeon_common.config import Config, ModelConfig, ModelSettings
-from aegaeon_proxy.admin_models import parse_settings
+from aegaeon_common.http_side import ServiceAddress, write_http_address
+from aegaeon_proxy.admin_models import parse_settings, quarantine
 from aegaeon_proxy.app import make_app
-from aegaeon_proxy.backend import BackendError, ModelControl, ModelQuarantine
+from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
@@ -21,8 +23,8 @@ EXTRA = "mistral-11m"  # in the market, not configured
 
 
 class ControlledBackend(ScriptedBackend):
-    """The scripted backend plus a Model Cache of its own (test double of ModelControl
-    and ModelQuarantine)."""
+    """The scripted backend plus a Model Cache of its own (test double of a backend that
+    changes its models and reads them again)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,7 +80,7 @@ def _run(scenario: Any, settings: dict[str, ModelSettings] | None = None) -> Non
     config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
                     model_settings=settings or {})  # fmt: skip
     backend = ControlledBackend()
-    assert isinstance(backend, ModelControl) and isinstance(backend, ModelQuarantine)
+    assert backend.changes_models() and not ScriptedBackend().changes_models()
 
     async def main() -> None:
         app = make_app(config, backend)
@@ -342,20 +344,38 @@ def test_remove_waits_for_requests_in_flight() -> None:
     _run(scenario)
 
 
-def test_without_model_control_changes_are_501_but_limits_apply() -> None:
+def test_a_backend_without_the_optional_operations(tmp_path: Path) -> None:
+    """ScriptedBackend overrides none of them: changes, reloads and sleep are 501
+    ``not_supported`` (nothing done), the live limits still apply, no detailed stats
+    (404), the run directory's services, a quarantine on this proxy alone."""
     market = market_dir()
-    config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market)
+    config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
+                    run_dir=tmp_path)  # fmt: skip
+    write_http_address(tmp_path, ServiceAddress("cachemgr", "cachemgr", "http://cm"))
 
     async def main() -> None:
         app = make_app(config, ScriptedBackend())
         async with TestClient(TestServer(app)) as client:
-            resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
-            assert resp.status == 501
-            pin = await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"pin": True})
-            assert pin.status == 501
+            for resp in (await client.post("/v1/aegaeon/models", json={"name": EXTRA}),
+                         await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"pin": True}),
+                         await client.delete(f"/v1/aegaeon/models/{MODEL}"),
+                         await client.post(f"/v1/aegaeon/models/{MODEL}/reload"),
+                         await client.get("/is_sleeping")):  # fmt: skip
+                assert resp.status == 501, await resp.text()
+                assert _error(await resp.json())["code"] == "not_supported"
             ok = await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": 2})
             assert ok.status == 200
             row = (await (await client.get("/v1/aegaeon/models")).json())["data"][0]
             assert row["max_concurrency"] == 2 and row["in_model_cache"] is None
+            assert row["state"] == "serving"  # the refused DELETE removed nothing
+            assert (await client.get("/v1/aegaeon/stats")).status == 404
+            services = (await (await client.get("/v1/aegaeon/services")).json())["services"]
+            assert [(s["name"], s["health_url"]) for s in services] == [
+                ("cachemgr", "http://cm/health")]  # fmt: skip
+            state = app[STATE]
+            await quarantine(state, MODEL, "model.safetensors: truncated")
+            assert state.models.unavailable(MODEL) == "model.safetensors: truncated"
+            await quarantine(state, MODEL, None)
+            assert state.models.unavailable(MODEL) is None
 
     asyncio.run(main())

@@ -24,7 +24,6 @@ import pytest
 from aegaeon_common.config import ApiKeyConfig, Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import ACCESS, make_admin_app, make_app
 from aegaeon_proxy.auth import Access
-from aegaeon_proxy.backend import ModelControl, ModelResidency
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
 from key_rights import (
@@ -53,8 +52,8 @@ SETUPS = {
 
 
 class Recorder(ScriptedBackend):
-    """Models on a pretend device and a Model Cache (ModelControl, ModelResidency,
-    ModelQuarantine, stats): records every change the proxy asks for."""
+    """Models on a pretend device and a Model Cache (model changes, sleep and wake,
+    quarantine, stats): records every change the proxy asks for."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,7 +124,7 @@ def _config(setup: str) -> Config:
 
 def _run(setup: str, scenario: Any) -> None:
     backend = Recorder()
-    assert isinstance(backend, ModelControl) and isinstance(backend, ModelResidency)
+    assert backend.changes_models()
     config = _config(setup)
 
     async def main() -> None:

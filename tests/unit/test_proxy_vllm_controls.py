@@ -19,7 +19,7 @@ from proxy_support import MODEL, ScriptedBackend
 
 
 class Controlled(ScriptedBackend):
-    """Models on a pretend device; records flags and sleeps (ModelControl, ModelResidency)."""
+    """Models on a pretend device; records flags and sleeps (model changes, sleep and wake)."""
 
     def __init__(self) -> None:
         super().__init__()

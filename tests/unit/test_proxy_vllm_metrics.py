@@ -113,7 +113,7 @@ def test_gauges_cover_every_served_model_and_read_the_engine_snapshot() -> None:
     gauges = metrics.vllm_gauges
     s = _scrape(metrics)  # before any refresh: no KV usage known, nothing served
     assert not [k for k in s if k[0] == "vllm:kv_cache_usage_perc"]
-    gauges.attach(lambda: ["a", "b"], Engine(), "bfloat16")
+    gauges.attach(lambda: ["a", "b"], Engine().engine_snapshot, "bfloat16")
     asyncio.run(gauges.refresh())
     s = _scrape(metrics)
     for model in ("a", "b"):

@@ -47,14 +47,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.assets import AssetError
-from aegaeon_proxy.backend import (
-    BackendError,
-    ModelControl,
-    ModelFlags,
-    ModelQuarantine,
-    SharedModelSet,
-    SharedModelSettings,
-)
+from aegaeon_proxy.backend import NOT_SUPPORTED, Backend, BackendError
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
@@ -185,24 +178,12 @@ def _cache_summary(cache: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return {k: cache.get(k) for k in keys}
 
 
-async def _model_cache(state: ProxyState) -> dict[str, Any] | None:
+def _control(state: ProxyState) -> Backend:
+    """The backend, when it changes its models at run time (else 501, before any work)."""
     backend = state.backend
-    return await backend.model_cache() if isinstance(backend, ModelFlags) else None
-
-
-def _flags(state: ProxyState) -> ModelFlags:
-    backend = state.backend
-    if not isinstance(backend, ModelFlags):
-        raise APIError(501, "this backend cannot change its models' flags",
-                       code="not_supported")  # fmt: skip
-    return backend
-
-
-def _control(state: ProxyState) -> ModelControl:
-    backend = state.backend
-    if not isinstance(backend, ModelControl):
+    if not backend.changes_models():
         raise APIError(501, "this backend cannot change its models at run time",
-                       code="not_supported")  # fmt: skip
+                       code=NOT_SUPPORTED)  # fmt: skip
     return backend
 
 
@@ -223,17 +204,11 @@ def _unreadable(name: str, why: str) -> APIError:
 async def quarantine(state: ProxyState, name: str, why: str | None) -> None:
     """``name`` unavailable (``why``) or available again (None), on every replica (the
     backend's); on this one alone when the backend does not share it or cannot now."""
-    backend = state.backend
-    if isinstance(backend, ModelQuarantine):
-        try:
-            await backend.quarantine_model(name, why)
-            return
-        except BackendError as exc:  # (the store is down: this replica knows, at least)
-            log.warning("model_quarantine_not_shared", model=name, error=exc.message)
-    if why is None:
-        state.models.release(name)
-    else:
-        state.models.quarantine(name, why)
+    try:
+        await state.backend.quarantine_model(name, why)
+    except BackendError as exc:  # (the store is down: this replica knows, at least)
+        log.warning("model_quarantine_not_shared", model=name, error=exc.message)
+        follow_unavailable(state)(name, why)
 
 
 def _unknown(name: str) -> APIError:
@@ -256,7 +231,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 async def list_models(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/models``."""
     state = request.app[STATE]
-    cache = await _model_cache(state)
+    cache = await state.backend.model_cache()
     return json_response({"object": "list", "data": model_rows(state.models, cache),
                           "model_cache": _cache_summary(cache)})  # fmt: skip
 
@@ -265,7 +240,7 @@ async def get_model(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/models/{model}``."""
     state = request.app[STATE]
     entry = _entry(state, request.match_info["model"])
-    return json_response(model_row(state.models, entry, await _model_cache(state)))
+    return json_response(model_row(state.models, entry, await state.backend.model_cache()))
 
 
 async def patch_model(request: web.Request) -> web.Response:
@@ -281,7 +256,7 @@ async def patch_model(request: web.Request) -> web.Response:
         # a request's keep_alive may hold it too (aegaeon_proxy.keep_alive)
         pinned = settings.pin or state.keep_alive.held(name)
         try:
-            await _flags(state).set_model_flags(
+            await state.backend.set_model_flags(
                 name, pinned=pinned, preload=changes.get("preload") is True
             )
         except BackendError as exc:
@@ -293,13 +268,12 @@ async def patch_model(request: web.Request) -> web.Response:
     # fields not in the body keep their value of now (another PATCH may have run)
     settings = msgspec.structs.replace(entry.settings, **changes)
     state.models.update(name, settings)
-    if isinstance(state.backend, SharedModelSettings):  # the other replicas take them too
-        try:
-            await state.backend.publish_model_settings(name, settings)
-        except BackendError as exc:
-            raise _backend_error(exc) from None
+    try:  # the other replicas take them too
+        await state.backend.publish_model_settings(name, settings)
+    except BackendError as exc:
+        raise _backend_error(exc) from None
     log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
-    return json_response(model_row(state.models, entry, await _model_cache(state)))
+    return json_response(model_row(state.models, entry, await state.backend.model_cache()))
 
 
 async def add_model(request: web.Request) -> web.Response:
@@ -335,7 +309,8 @@ async def add_model(request: web.Request) -> web.Response:
         raise APIError(409, f"model '{name}' is a LoRA adapter of '{model.base}', which is not "
                        "served (add it first)", param="name", code="base_not_served")
     entry = await serve_model(state, model, changes)
-    return json_response(model_row(state.models, entry, await _model_cache(state)), status=201)
+    cache = await state.backend.model_cache()
+    return json_response(model_row(state.models, entry, cache), status=201)
 
 
 def _serves_base(state: ProxyState, name: str) -> bool:
@@ -361,11 +336,9 @@ async def serve_model(state: ProxyState, model: ModelConfig,
         await control.add_model(model)
         if settings.pin or settings.preload:
             await control.set_model_flags(name, pinned=settings.pin, preload=settings.preload)
-        backend = state.backend
-        if isinstance(backend, SharedModelSettings) and changes:  # before it is served there
-            await backend.publish_model_settings(name, settings)
-        if isinstance(backend, SharedModelSet):  # every other replica serves it too
-            await backend.publish_served(name, model)
+        if changes:  # the other replicas: its settings before it is served there
+            await control.publish_model_settings(name, settings)
+        await control.publish_served(name, model)  # every other replica serves it too
     except (AssetError, BackendError) as exc:
         if isinstance(exc, AssetError) or exc.code == "model_unavailable":
             # its checkpoint cannot be read: listed, unavailable, until a reload
@@ -393,12 +366,10 @@ async def _add_unavailable(state: ProxyState, model: ModelConfig, why: str) -> N
     log.error("model_add_failed", model=model.name, error=why, listed="unavailable")
     await quarantine(state, model.name, why)
     state.models.finish_add(model.name)
-    backend = state.backend
-    if isinstance(backend, SharedModelSet):
-        try:
-            await backend.publish_served(model.name, model)
-        except BackendError as exc:
-            log.warning("model_add_not_shared", model=model.name, error=exc.message)
+    try:
+        await state.backend.publish_served(model.name, model)
+    except BackendError as exc:
+        log.warning("model_add_not_shared", model=model.name, error=exc.message)
 
 
 async def reload_model(request: web.Request) -> web.Response:
@@ -410,9 +381,6 @@ async def reload_model(request: web.Request) -> web.Response:
     entry = _entry(state, name)
     if entry.state == "removing":
         raise APIError(409, f"model '{name}' is being removed", code="model_removing")
-    backend = state.backend
-    if not isinstance(backend, ModelQuarantine):
-        raise APIError(501, "this backend cannot read its models again", code="not_supported")
     state.assets.remove(name)  # its tokenizer and template read again too
     state.assets.add(entry.config)
     try:
@@ -421,16 +389,16 @@ async def reload_model(request: web.Request) -> web.Response:
         await quarantine(state, name, str(exc))
         raise _unreadable(name, str(exc)) from None
     try:
-        await backend.reload_model(entry.config)  # (unavailable again: the backend says)
+        await state.backend.reload_model(entry.config)  # (unavailable again: it says)
     except BackendError as exc:
         log.error("model_reload_failed", model=name, code=exc.code, error=exc.message)
         raise _backend_error(exc, name) from None
     state.models.release(name)  # (the backend told it too; this replica at once)
     log.info("model_reloaded", model=name, path=str(entry.config.path))
-    return json_response(model_row(state.models, entry, await _model_cache(state)))
+    return json_response(model_row(state.models, entry, await state.backend.model_cache()))
 
 
-async def _forget(control: ModelControl, name: str) -> bool | None:
+async def _forget(control: Backend, name: str) -> bool | None:
     try:
         return await control.forget_model(name)
     except BackendError as exc:
@@ -439,7 +407,7 @@ async def _forget(control: ModelControl, name: str) -> bool | None:
 
 
 async def _finish_removal(
-    state: ProxyState, control: ModelControl, entry: LiveModel
+    state: ProxyState, control: Backend, entry: LiveModel
 ) -> bool | None:
     """Once its last request has ended: the cachemgr forgets it, the table drops it."""
     await entry.idle.wait()
@@ -473,13 +441,12 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
         raise APIError(409, f"model '{name}' has LoRA adapters served: {', '.join(adapters)} "
                        "(unload them first)", param="model", code="model_has_adapters")
     control = _control(state)
-    if isinstance(state.backend, SharedModelSet):  # every other replica: 404 as well
-        try:
-            await state.backend.publish_served(name, None)
-        except BackendError as exc:
-            raise _backend_error(exc) from None
-        if state.models.get(name) is not entry or not state.models.serving(name):
-            return _removal(entry, "removing"), 202  # (raced)
+    try:  # every other replica: 404 as well
+        await control.publish_served(name, None)
+    except BackendError as exc:
+        raise _backend_error(exc) from None
+    if state.models.get(name) is not entry or not state.models.serving(name):
+        return _removal(entry, "removing"), 202  # (raced)
     state.models.begin_remove(name)
     state.assets.remove(name)  # new requests: 404 from now on
     if entry.in_flight == 0:
@@ -492,7 +459,7 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
     return _removal(entry, "removing"), 202
 
 
-# ---- another replica's adds and removals (SharedModelSet) ---------------------
+# ---- another replica's adds and removals (Backend.follow_served) --------------
 def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None]:
     """What a replica does when another added (``model``) or removed (None) a model:
     its table and tokenizers follow; the instances and cachemgrs were told by the

@@ -20,7 +20,7 @@ from aegaeon_proxy import (
     vllm_controls,
 )
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
-from aegaeon_proxy.backend import Backend, ModelQuarantine, SharedModelSet, SharedModelSettings
+from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
 from aegaeon_proxy.request_ids import CLIENT_CLOSED
@@ -132,18 +132,15 @@ def make_app(config: Config, backend: Backend) -> web.Application:
 
     async def start_backend(app: web.Application) -> None:
         state = app[STATE]
-        if isinstance(state.backend, SharedModelSettings):  # PATCHes of other replicas
-            models = state.models
+        models = state.models
 
-            def apply(name: str, settings: ModelSettings) -> None:
-                if models.get(name) is not None:
-                    models.update(name, settings)
+        def apply(name: str, settings: ModelSettings) -> None:
+            if models.get(name) is not None:
+                models.update(name, settings)
 
-            state.backend.follow_model_settings(apply)
-        if isinstance(state.backend, SharedModelSet):  # models other replicas add, remove
-            state.backend.follow_served(admin_models.follow_served(state))
-        if isinstance(state.backend, ModelQuarantine):  # checkpoints that cannot be read
-            state.backend.follow_unavailable(admin_models.follow_unavailable(state))
+        state.backend.follow_model_settings(apply)  # PATCHes of other replicas
+        state.backend.follow_served(admin_models.follow_served(state))  # their adds, removals
+        state.backend.follow_unavailable(admin_models.follow_unavailable(state))  # unreadable
         await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:

@@ -32,9 +32,10 @@ Stream contract:
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol
 
 from aegaeon_common.config import ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
@@ -47,17 +48,13 @@ __all__ = [
     "FAULT_CODES",
     "FAULT_RETRY_AFTER_S",
     "INSTANCE_FAILED",
+    "NOT_SUPPORTED",
     "STORE_UNAVAILABLE",
     "Backend",
     "BackendError",
     "EngineSnapshot",
-    "EngineStats",
     "FinishReason",
     "GenerationRequest",
-    "ModelControl",
-    "ModelQuarantine",
-    "ModelResidency",
-    "SharedModelSet",
     "TokenChunk",
     "TokenQueue",
     "TokenStream",
@@ -92,6 +89,8 @@ INSTANCE_FAILED = "instance_failed"
 STORE_UNAVAILABLE = "store_unavailable"
 FAULT_CODES = (INSTANCE_FAILED, STORE_UNAVAILABLE)
 FAULT_RETRY_AFTER_S = 1.0
+# The code of an optional operation the backend does not offer (answered 501).
+NOT_SUPPORTED = "not_supported"
 
 
 @dataclass(frozen=True)
@@ -131,9 +130,10 @@ class BackendError(Exception):
 
     ``status`` is the HTTP status the front answers with: 429 (overloaded) or 503
     (unavailable: an instance kind, the store or a cachemgr is down or restarting),
-    each with ``Retry-After: retry_after_s``, or 409 (a request id already in
-    flight); ``code`` the error's code (``overloaded``, ``unavailable``,
-    ``store_unavailable``, ``duplicate_request_id``).
+    each with ``Retry-After: retry_after_s``, 409 (a request id already in
+    flight) or 501 (an optional operation it does not offer); ``code`` the error's
+    code (``overloaded``, ``unavailable``, ``store_unavailable``,
+    ``duplicate_request_id``, ``not_supported``).
     """
 
     def __init__(self, message: str, *, status: int = 503, retry_after_s: float | None = None,
@@ -154,33 +154,6 @@ class BackendError(Exception):
         return cls(message, status=503, retry_after_s=retry_after_s, code=code)
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """What the HTTP front needs from whatever generates tokens."""
-
-    async def start(self) -> None:
-        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
-
-    async def stop(self) -> None:
-        """Cancel every open request (their streams end) and release resources."""
-
-    def ready(self) -> bool:
-        """True when every configured instance is up and requests can be served."""
-
-    def health(self) -> dict[str, object]:
-        """A JSON-able description of the backend's state for ``GET /health``."""
-
-    def register_metrics(self, registry: CollectorRegistry) -> None:
-        """Add the backend's own metrics (collectors that only read) to the proxy's
-        registry; called once, before ``start``."""
-
-    def submit(self, req: GenerationRequest) -> TokenStream:
-        """Accept a request and return its token stream; raises :class:`BackendError`."""
-
-    async def cancel(self, request_id: str) -> None:
-        """Stop a request and free its resources; a no-op if unknown or finished."""
-
-
 @dataclass(frozen=True)
 class EngineSnapshot:
     """What the instances hold now, as the vLLM-compatible gauges report it.
@@ -196,117 +169,142 @@ class EngineSnapshot:
     host_kv_capacity_bytes: int | None = None
 
 
-@runtime_checkable
-class EngineStats(Protocol):
-    """A backend that reports its instances' memory for ``/metrics`` (optional)."""
+class Backend(ABC):
+    """What the HTTP front needs from whatever generates tokens: the abstract methods,
+    and the optional operations a backend offers by overriding them (the front calls
+    them all; a default model change, reload or sleep raises 501 ``not_supported``, a
+    default read-out is None, what replicas share stays here). Failures are
+    :class:`BackendError`\\ s whose ``status`` and ``code`` the endpoints answer with."""
 
-    async def engine_snapshot(self) -> EngineSnapshot:
-        """What the instances hold now; called once per scrape, never raises."""
+    @abstractmethod
+    async def start(self) -> None:
+        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
 
+    @abstractmethod
+    async def stop(self) -> None:
+        """Cancel every open request (their streams end) and release resources."""
 
-@runtime_checkable
-class ModelFlags(Protocol):
-    """A backend that takes the operator's model flags and shows its Model Cache
-    (optional; ``PATCH /v1/aegaeon/models`` of a pin or preload answers 501 without
-    it). Failures are :class:`BackendError`s whose ``status`` and ``code`` the
-    endpoints answer with."""
+    @abstractmethod
+    def ready(self) -> bool:
+        """True when every configured instance is up and requests can be served."""
 
-    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        """The operator's pin (never evicted) and a preload (load it now) of ``name``,
-        on every node."""
+    @abstractmethod
+    def health(self) -> dict[str, object]:
+        """A JSON-able description of the backend's state for ``GET /health``."""
 
-    async def model_cache(self) -> dict[str, Any] | None:
-        """The Model Cache's stats (``ModelCacheStats`` as plain data; None if the
-        cachemgr did not answer)."""
+    @abstractmethod
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Add the backend's own metrics (collectors that only read) to the proxy's
+        registry; called once, before ``start``."""
 
+    @abstractmethod
+    def submit(self, req: GenerationRequest) -> TokenStream:
+        """Accept a request and return its token stream; raises :class:`BackendError`."""
 
-@runtime_checkable
-class ModelControl(ModelFlags, Protocol):
-    """What a backend that adds and removes models at run time offers (optional; the
-    admin endpoints answer 501 without it)."""
+    @abstractmethod
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request and free its resources; a no-op if unknown or finished."""
+
+    # ---- what it reports ---------------------------------------------------------
+    async def engine_snapshot(self) -> EngineSnapshot | None:
+        """What the instances hold now, for ``/metrics`` (None: not known, the KV gauges
+        are left out); called once per scrape, never raises."""
+        return None
+
+    def context_limit(self, model: str) -> int | None:
+        """The most tokens of KV one request of ``model`` can hold (None: its window)."""
+        return None
+
+    async def stats(self, light: bool = False) -> dict[str, object] | None:
+        """The detailed counters of ``GET /v1/aegaeon/stats`` (``light``: no record
+        lists; None: it keeps none, 404)."""
+        return None
+
+    def services(self) -> list[ServiceAddress] | None:
+        """Every node's cachemgr and instances, as they registered (None: the ones in
+        the proxy's run directory)."""
+        return None
+
+    # ---- models at run time ------------------------------------------------------
+    def changes_models(self) -> bool:
+        """It overrides :meth:`add_model` (else the admin API refuses an add or a removal
+        before doing any of it)."""
+        return type(self).add_model is not Backend.add_model
 
     async def add_model(self, model: ModelConfig) -> None:
         """Serve ``model`` on every instance (cachemgr and instances told); returns
         once every live instance serves it."""
+        raise _not_supported("change its models at run time")
 
     async def forget_model(self, name: str) -> bool:
         """Stop serving ``name`` (its requests have ended): the Model Cache frees its
         bytes; True when it is out of the cache now."""
+        raise _not_supported("change its models at run time")
 
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        """The operator's pin (never evicted) and a preload (load it now) of ``name``,
+        on every node."""
+        raise _not_supported("change its models' flags")
 
-@runtime_checkable
-class ModelQuarantine(Protocol):
-    """A backend that tells which models' checkpoints cannot be read and reads them again
-    (optional; ``POST /v1/aegaeon/models/{model}/reload`` answers 501 without it). A
-    model is *unavailable* everywhere (every node, every proxy replica) from the moment
-    one cachemgr or instance cannot read it until it is reloaded."""
+    async def model_cache(self) -> dict[str, Any] | None:
+        """The Model Cache's stats (``ModelCacheStats`` as plain data; None if the
+        cachemgr did not answer, or there is none)."""
+        return None
+
+    # ---- sleep and wake: a sleeping model's weights stay in the host Model Cache
+    async def set_model_awake(self, name: str, awake: bool) -> bool:
+        """Sleep ``name`` (off every device) or wake it (onto one); returns once the
+        instances answered, whether it sleeps now (a device with work of it keeps it)."""
+        raise _not_supported("put models to sleep")
+
+    def model_sleeping(self, name: str) -> bool:
+        """``name`` is on no device, as the instances last reported."""
+        raise _not_supported("put models to sleep")
+
+    # ---- checkpoints that cannot be read: unavailable everywhere until reloaded
+    _on_unavailable: Callable[[str, str | None], None] | None = None
 
     def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
         """Call ``apply(name, why)`` whenever a model is found unreadable (``why`` names
         the file and what is wrong), ``apply(name, None)`` once it is read again (also
         at once for what is known already)."""
+        self._on_unavailable = apply
 
     async def quarantine_model(self, name: str, why: str | None) -> None:
         """Make ``name`` unavailable everywhere (``why``), or no longer (None: it is
-        gone, or read again)."""
+        gone, or read again); by default on this replica alone."""
+        if self._on_unavailable is not None:
+            self._on_unavailable(name, why)
 
     async def reload_model(self, model: ModelConfig) -> None:
         """Read ``model``'s checkpoint again on every node (its quarantine lifted there),
         have every instance serve it, and make it available everywhere; a
         :class:`BackendError` (422 ``model_unavailable``, naming what is wrong now) when
         it still cannot be read: it stays unavailable."""
+        raise _not_supported("read its models again")
 
-
-@runtime_checkable
-class SharedModelSettings(Protocol):
-    """A backend whose proxy replicas share the models' live settings (optional): a
-    ``PATCH /v1/aegaeon/models`` on one replica reaches every other."""
-
+    # ---- what proxy replicas share (by default one replica: nothing to tell or follow);
+    # a follower is called for every replica's change, this one's included, and at start
+    # for the changes made before it
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         """``name``'s settings as this replica just changed them, for every replica."""
+        return None
 
     def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
-        """Call ``apply(name, settings)`` whenever a replica changed a model's settings
-        (this one included; also once at start for settings changed before it)."""
-
-
-@runtime_checkable
-class SharedModelSet(Protocol):
-    """A backend whose proxy replicas share the set of served models (optional): a
-    model added (``POST /v1/aegaeon/models``) or removed (``DELETE``) on one replica
-    is added to or removed from every other's model table."""
+        """Call ``apply(name, settings)`` whenever a replica changed a model's settings."""
+        return None
 
     async def publish_served(self, name: str, model: ModelConfig | None) -> None:
-        """``name`` is served now (``model``: added) or no longer (None: removed), for
-        every replica."""
+        """``name`` is served now (``model``: added) or no longer (None), for every replica."""
+        return None
 
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
-        """Call ``apply(name, model)`` whenever a replica added (``model``) or removed
-        (None) a model (this one included; also once at start for the changes made
-        before it)."""
+        """Call ``apply(name, model)`` whenever a replica added or removed (None) a model."""
+        return None
 
 
-@runtime_checkable
-class ServiceDirectory(Protocol):
-    """A backend that knows its services beyond the proxy's run directory (optional)."""
-
-    def services(self) -> list[ServiceAddress]:
-        """Every node's cachemgr and instances, as they registered."""
-
-
-@runtime_checkable
-class ModelResidency(Protocol):
-    """A backend that puts models to sleep and wakes them (optional; ``/sleep``,
-    ``/wake_up`` and ``/is_sleeping`` answer 501 without it). A sleeping model is on
-    no device; its weights stay in the host Model Cache, and a request for it
-    switches it back in as any switch does."""
-
-    async def set_model_awake(self, name: str, awake: bool) -> bool:
-        """Sleep ``name`` (off every device) or wake it (onto one); returns once the
-        instances answered, whether it sleeps now (a device with work of it keeps it)."""
-
-    def model_sleeping(self, name: str) -> bool:
-        """``name`` is on no device, as the instances last reported."""
+def _not_supported(what: str) -> BackendError:
+    return BackendError(f"this backend cannot {what}", status=501, code=NOT_SUPPORTED)
 
 
 class TokenQueue:

@@ -108,8 +108,7 @@ async def load_assets_for(state: ProxyState, model: str) -> ModelAssets:
         raise unavailable_error(model, str(exc)) from None
     # The deployment may hold fewer tokens of KV per request than the model's
     # window (device KV regions): the smaller bound is the context length.
-    limit = getattr(state.backend, "context_limit", None)
-    bound = limit(model) if limit is not None else None
+    bound = state.backend.context_limit(model)
     if bound is not None and bound < assets.max_model_len:
         assets = replace(assets, max_model_len=bound)
     return assets

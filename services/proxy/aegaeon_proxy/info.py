@@ -12,7 +12,6 @@ from aiohttp import web
 
 from aegaeon_proxy.admin_models import model_rows
 from aegaeon_proxy.auth import allowed, model_not_found
-from aegaeon_proxy.backend import ServiceDirectory
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
@@ -132,13 +131,11 @@ async def aegaeon_services(request: web.Request) -> web.Response:
     services: list[dict[str, str]] = []
     if state.url is not None:
         services.append(ServiceAddress("proxy", "proxy", state.url).to_dict())
-    if isinstance(state.backend, ServiceDirectory):
-        services += [address.to_dict() for address in state.backend.services()]
-        return json_response({"services": services})
-    for name, _ in service_names(state.config):
-        address = read_http_address(state.config.run_dir, name)
-        if address is not None:
-            services.append(address.to_dict())
+    listed = state.backend.services()
+    if listed is None:  # the ones of the run directory
+        found = (read_http_address(state.config.run_dir, n) for n, _ in service_names(state.config))
+        listed = [address for address in found if address is not None]
+    services += [address.to_dict() for address in listed]
     return json_response({"services": services})
 
 
@@ -146,11 +143,10 @@ async def aegaeon_stats(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/stats[?light=1]``: the backend's detailed counters as JSON
     (benchmarks read switches, turns, per-request timings and cache stats here;
     ``light`` leaves the record lists out); 404 if it has none."""
-    stats = getattr(request.app[STATE].backend, "stats", None)
-    if stats is None:
-        raise APIError(404, "this backend reports no detailed stats", code="not_found")
     light = request.query.get("light", "") in ("1", "true")  # counters only, no records
-    out = await stats(light=light)
+    out = await request.app[STATE].backend.stats(light=light)
+    if out is None:
+        raise APIError(404, "this backend reports no detailed stats", code="not_found")
     # per model: live settings, requests in flight, Model Cache state and load progress
     cache = out.get("cache")
     model_cache = cache.get("model_cache") if isinstance(cache, dict) else None

@@ -30,7 +30,7 @@ from typing import Any
 
 from aegaeon_common.logs import get_logger
 
-from aegaeon_proxy.backend import Backend, BackendError, ModelFlags, ModelResidency
+from aegaeon_proxy.backend import NOT_SUPPORTED, Backend, BackendError
 from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.model_table import ModelSettingsTable
 
@@ -124,22 +124,24 @@ class KeepAlive:
     async def _apply_pin(self, model: str) -> None:
         """The cachemgr's pin of ``model``: the operator's or a keep-alive's."""
         backend, models = self._backend, self._models
-        if not isinstance(backend, ModelFlags) or models is None or not models.serving(model):
+        if backend is None or models is None or not models.serving(model):
             return
         pinned = models.settings(model).pin or self.held(model)
         try:
             await backend.set_model_flags(model, pinned=pinned, preload=False)
         except BackendError as exc:  # the request was served; the hold is best effort
-            log.warning("keep_alive_pin_failed", model=model, pinned=pinned, error=exc.message)
+            if exc.code != NOT_SUPPORTED:
+                log.warning("keep_alive_pin_failed", model=model, pinned=pinned,
+                            error=exc.message)  # fmt: skip
 
     async def _sleep(self, model: str) -> None:
-        backend = self._backend
-        if not isinstance(backend, ModelResidency):
+        if self._backend is None:
             return
         try:
-            asleep = await backend.set_model_awake(model, False)
+            asleep = await self._backend.set_model_awake(model, False)
         except BackendError as exc:
-            log.warning("keep_alive_sleep_failed", model=model, error=exc.message)
+            if exc.code != NOT_SUPPORTED:
+                log.warning("keep_alive_sleep_failed", model=model, error=exc.message)
             return
         log.info("keep_alive_unloaded", model=model, asleep=asleep)
 

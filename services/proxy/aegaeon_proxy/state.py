@@ -9,7 +9,7 @@ from aegaeon_common.http_side import Readiness
 from aiohttp import web
 
 from aegaeon_proxy.assets import AssetRegistry
-from aegaeon_proxy.backend import Backend, EngineStats
+from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.keep_alive import KeepAlive
 from aegaeon_proxy.metrics import ProxyMetrics, UnavailableModels
 from aegaeon_proxy.model_table import ModelSettingsTable
@@ -40,10 +40,9 @@ class ProxyState:
         backend.register_metrics(state.metrics.registry)
         models = state.models
         state.metrics.registry.register(UnavailableModels(lambda: len(models.unavailable_models())))
-        engine = backend if isinstance(backend, EngineStats) else None
         state.keep_alive.attach(backend, state.models)
-        state.metrics.vllm_gauges.attach(state.models.names, engine, config.dtype,
-                                         state.models.adapters)  # fmt: skip
+        state.metrics.vllm_gauges.attach(state.models.names, backend.engine_snapshot,
+                                         config.dtype, state.models.adapters)  # fmt: skip
         return state
 
     def ready(self) -> bool:

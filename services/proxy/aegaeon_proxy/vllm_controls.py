@@ -32,22 +32,15 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy.backend import BackendError, ModelResidency
+from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.jsonfmt import json_response
-from aegaeon_proxy.state import STATE, ProxyState
+from aegaeon_proxy.state import STATE
 
 __all__ = ["ROUTES"]
 
 SLEEP_LEVELS = ("1", "2")
 WAKE_TAGS = frozenset({"weights", "kv_cache"})
-
-
-def _residency(state: ProxyState) -> ModelResidency:
-    backend = state.backend
-    if not isinstance(backend, ModelResidency):
-        raise APIError(501, "this backend cannot put models to sleep", code="not_supported")
-    return backend
 
 
 def _models(request: web.Request) -> list[str]:
@@ -67,15 +60,18 @@ def _answer(sleeping: dict[str, bool]) -> web.Response:
                           "models": sleeping})  # fmt: skip
 
 
+def _api_error(exc: BackendError) -> APIError:
+    return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
+
+
 async def _set(request: web.Request, awake: bool) -> web.Response:
-    backend = _residency(request.app[STATE])
+    backend = request.app[STATE].backend
     sleeping: dict[str, bool] = {}
     for name in _models(request):
         try:
             sleeping[name] = await backend.set_model_awake(name, awake)
         except BackendError as exc:
-            raise APIError(exc.status, exc.message, code=exc.code,
-                           retry_after_s=exc.retry_after_s) from None  # fmt: skip
+            raise _api_error(exc) from None
     return _answer(sleeping)
 
 
@@ -98,8 +94,11 @@ async def wake_up(request: web.Request) -> web.Response:
 
 async def is_sleeping(request: web.Request) -> web.Response:
     """``GET /is_sleeping``: whether the model is on no device."""
-    backend = _residency(request.app[STATE])
-    return _answer({name: backend.model_sleeping(name) for name in _models(request)})
+    backend = request.app[STATE].backend
+    try:
+        return _answer({name: backend.model_sleeping(name) for name in _models(request)})
+    except BackendError as exc:
+        raise _api_error(exc) from None
 
 
 ROUTES: list[tuple[str, str, Handler]] = [

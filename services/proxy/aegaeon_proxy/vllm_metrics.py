@@ -27,14 +27,14 @@ waiting, ``max_lora`` the adapters that may share a step (every served one).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 from aegaeon_common.messages.structs import RequestTimings
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aegaeon_proxy.backend import EngineSnapshot, EngineStats
+from aegaeon_proxy.backend import EngineSnapshot
 
 __all__ = ["FINISHED_REASONS", "EngineSteps", "VllmGauges", "VllmMetrics", "VllmRequest"]
 
@@ -280,14 +280,16 @@ class VllmGauges(Collector):
         self._m = metrics
         self._models: Callable[[], Iterable[str]] = tuple
         self._adapters: Callable[[], Iterable[str]] = tuple
-        self._engine: EngineStats | None = None
+        self._engine: Callable[[], Awaitable[EngineSnapshot | None]] | None = None
         self._cache_dtype = ""
         self.snapshot: EngineSnapshot | None = None
 
-    def attach(self, models: Callable[[], Iterable[str]], engine: EngineStats | None,
-               cache_dtype: str, adapters: Callable[[], Iterable[str]] = tuple) -> None:
-        """Where to read from: the served models' names, the backend (if it reports its
-        instances' memory), the dtype of the KV cache, the served LoRA adapters."""
+    def attach(self, models: Callable[[], Iterable[str]],
+               engine: Callable[[], Awaitable[EngineSnapshot | None]], cache_dtype: str,
+               adapters: Callable[[], Iterable[str]] = tuple) -> None:  # fmt: skip
+        """Where to read from: the served models' names, the backend's snapshot of its
+        instances' memory (None: not known), the dtype of the KV cache, the served LoRA
+        adapters."""
         self._models = models
         self._adapters = adapters
         self._engine = engine
@@ -298,7 +300,7 @@ class VllmGauges(Collector):
         for model in self._models():
             self._m.serve(model)
         if self._engine is not None:
-            self.snapshot = await self._engine.engine_snapshot()
+            self.snapshot = await self._engine()
 
     def _names(self) -> list[str]:
         return sorted(set(self._models()) | set(self._m.open))

@@ -115,6 +115,7 @@ from prometheus_client.registry import Collector
 
 from aegaeon_proxy.backend import (
     STORE_UNAVAILABLE,
+    Backend,
     BackendError,
     EngineSnapshot,
     GenerationRequest,
@@ -150,7 +151,7 @@ def _fresh_id() -> int:
     return secrets.randbits(52)
 
 
-class DistributedBackend:
+class DistributedBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
 
     def __init__(self, config: Config) -> None:
@@ -384,11 +385,13 @@ class DistributedBackend:
         if self._apply_settings is not None:
             self._apply_settings(record.model, record.settings)
 
-    def services(self) -> list[ServiceAddress]:
-        """This node's services as they recorded them in the run directory (one node:
-        up or not), then every other node's as its instances registered them."""
-        others = [r for r in self.view.live.values() if r.instance_id not in self.local.expected]
-        return self.local.services() + node_services(others)
+    def services(self) -> list[ServiceAddress] | None:
+        """Every node's services as its instances registered them; one node's are those
+        of the run directory (None), up or not (a restarting one's successor writes
+        its address there again)."""
+        if self.local.expected:
+            return None
+        return node_services(self.view.live.values())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import msgspec
 from aegaeon_common.config import Config
-from aegaeon_common.http_side import ServiceAddress, read_http_address
+from aegaeon_common.http_side import read_http_address
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import AckDrain, ProxyStarted
 from aegaeon_common.messages.report import (
@@ -214,14 +214,6 @@ class LocalRegistrar:
         if local is None:
             return False
         return now_s - local.written_s < self.ttl_s or self.restarting(name, now_s)
-
-    def services(self) -> list[ServiceAddress]:
-        """The node's cachemgr and instances as they recorded their side HTTP servers in
-        the run directory (a restarting one too: its successor writes it again)."""
-        if not self.expected:
-            return []
-        found = (read_http_address(self.config.run_dir, n) for n in ("cachemgr", *self.expected))
-        return [address for address in found if address is not None]
 
     def pid(self, name: str) -> int | None:
         """The process that said hello last as ``name``."""
