@@ -166,7 +166,7 @@ async def test_the_backend_over_the_memory_store_dispatches_from_those_records(
         assert raw is not None and decode_instance(raw).pid == 10
         joined, _ = await backend.view.refresh()
         assert [r.instance_id for r in joined] == ["prefill-0"]
-        assert backend._down() == ["decode-0"]
+        assert backend.down() == ["decode-0"]
         assert backend.health()["instances"]["decode-0"] == {  # type: ignore[index]
             "alive": False, "pid": None, "active_model": None}  # fmt: skip
         backend._on_draining(InstanceDraining("prefill", 0, 10, 5.0))

@@ -1,20 +1,87 @@
-"""The backend's state as metrics, read at scrape time (reads only): the request
-table's (:func:`request_metrics`) and the roles' (:func:`role_metrics`)."""
+"""The backend's state as metrics, read at scrape time (reads only): its instances,
+held requests and store (:class:`BackendCollector`), the request table's
+(:func:`request_metrics`) and the roles' (:func:`role_metrics`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
+from typing import Protocol
 
+from aegaeon_common.store import Store
 from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher
 
-__all__ = ["request_metrics", "role_metrics"]
+__all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
+
+
+class CollectedBackend(Protocol):
+    """What a scrape reads of the backend (``cluster.distributed``)."""
+
+    @property
+    def view(self) -> RegistryView: ...
+
+    @property
+    def table(self) -> RequestTable: ...
+
+    @property
+    def roles(self) -> ReplicaRoles: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    def down(self) -> list[str]: ...
+
+    def held_counts(self) -> tuple[int, int]: ...
+
+
+class BackendCollector(Collector):
+    """The backend's view as metrics (read at scrape time): the instances as the
+    registry lists them (one node: every instance it runs, up or not), requests,
+    roles, what is held, the store's transactions."""
+
+    def __init__(self, backend: CollectedBackend) -> None:
+        self._b = backend
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._b
+        up = GaugeMetricFamily("aegaeon_instance_up", "Instances registered and beating",
+                               labels=["instance"])  # fmt: skip
+        draining = GaugeMetricFamily(
+            "aegaeon_instance_draining", "Whether an instance announced it is draining",
+            labels=["instance"],
+        )  # fmt: skip
+        for iid, record in b.view.live.items():
+            up.add_metric([iid], 1.0)
+            draining.add_metric([iid], float(record.draining))
+        for name in b.down():
+            up.add_metric([name], 0.0)
+        yield up
+        yield draining
+        yield from request_metrics(b.table)
+        yield from role_metrics(b.roles.switcher, b.roles.velocity())
+        held = GaugeMetricFamily(
+            "aegaeon_held_requests",
+            "Requests waiting in the proxy because no instance of a stage takes work now",
+            labels=["stage"],
+        )  # fmt: skip
+        arrivals, placements = b.held_counts()
+        held.add_metric(["prefill"], float(arrivals))
+        held.add_metric(["decode"], float(placements))
+        yield held
+        tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
+                                 labels=["outcome"])  # fmt: skip
+        tx.add_metric(["committed"], float(b.store.num_commits))
+        tx.add_metric(["conflict"], float(b.store.num_conflicts))
+        yield tx
 
 
 def role_metrics(roles: RoleSwitcher, velocity: Mapping[str, Mapping[str, float]]

@@ -9,7 +9,9 @@ On one node the store is this process's memory (``store.kind: memory``, the
 default) and the node's instances, which reach no store, report their hellos
 and heartbeats here: this backend writes their records for them
 (``cluster.local_registrar``), answers their drains (``AckDrain``) and tells them
-when a new proxy starts (``ProxyStarted``); everything else is the same.
+when a new proxy starts (``ProxyStarted``); everything else is the same. A
+request-level baseline (``scheduler.policy`` other than ``aegaeon``; one node)
+places by its policy's picture in the store instead (``cluster.baselines``).
 
 * **Dispatch** (Algorithm 1 across every node's prefill instances) and
   **placement** (Algorithm 2 within the prefill's node: the KV stays in that
@@ -52,7 +54,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -110,8 +112,6 @@ from aegaeon_sched.shared import (
     remove_requests,
 )
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from aegaeon_proxy.backend import (
     STORE_UNAVAILABLE,
@@ -122,7 +122,7 @@ from aegaeon_proxy.backend import (
     TokenQueue,
 )
 from aegaeon_proxy.cluster.baselines import Baselines
-from aegaeon_proxy.cluster.collector import request_metrics, role_metrics
+from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
@@ -269,7 +269,7 @@ class DistributedBackend(Backend):
         their records, and one that restarts while a node's cachemgr is dead would wait
         for it; an unreadable model's request in between is refused by its instance,
         503 ``model_unavailable`` all the same)."""
-        if not self._store_ok or self._down():
+        if not self._store_ok or self.down():
             return False
         if self.local.expected:
             return self._checked
@@ -281,14 +281,14 @@ class DistributedBackend(Backend):
             return any(not r.draining for r in self.view.live.values())
         return bool(self.view.prefill_candidates())
 
-    def _down(self) -> list[str]:
+    def down(self) -> list[str]:
         """The instances that report here and are neither registered nor restarting."""
         now = time.monotonic()
         return [n for n in self.local.expected
                 if n not in self.view.live and not self.local.up(n, now)]  # fmt: skip
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
-        registry.register(_Collector(self))
+        registry.register(BackendCollector(self))
         self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
@@ -409,7 +409,7 @@ class DistributedBackend(Backend):
         if not self._store_ok:
             raise _store_down("unreachable")
         if not self.ready():
-            down = self._down()
+            down = self.down()
             if down or self.local.expected:
                 what = ", ".join(down) or "starting"
                 raise BackendError.unavailable(f"instances unavailable: {what}")
@@ -1103,42 +1103,3 @@ async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int)
 
     with contextlib.suppress(StoreError):
         await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
-
-
-class _Collector(Collector):
-    """The replica's view as metrics (read at scrape time)."""
-
-    def __init__(self, backend: DistributedBackend) -> None:
-        self._b = backend
-
-    def collect(self) -> Iterator[Metric]:
-        b = self._b
-        up = GaugeMetricFamily("aegaeon_instance_up", "Instances registered and beating",
-                               labels=["instance"])  # fmt: skip
-        draining = GaugeMetricFamily(
-            "aegaeon_instance_draining", "Whether an instance announced it is draining",
-            labels=["instance"],
-        )  # fmt: skip
-        for iid, record in b.view.live.items():
-            up.add_metric([iid], 1.0)
-            draining.add_metric([iid], float(record.draining))
-        for name in b._down():  # (one node: every instance it runs, up or not)
-            up.add_metric([name], 0.0)
-        yield up
-        yield draining
-        yield from request_metrics(b.table)
-        yield from role_metrics(b.roles.switcher, b.roles.velocity())
-        held = GaugeMetricFamily(
-            "aegaeon_held_requests",
-            "Requests waiting in the proxy because no instance of a stage takes work now",
-            labels=["stage"],
-        )  # fmt: skip
-        arrivals, placements = b.held_counts()
-        held.add_metric(["prefill"], float(arrivals))
-        held.add_metric(["decode"], float(placements))
-        yield held
-        tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
-                                 labels=["outcome"])  # fmt: skip
-        tx.add_metric(["committed"], float(b.store.num_commits))
-        tx.add_metric(["conflict"], float(b.store.num_conflicts))
-        yield tx
