@@ -25,16 +25,19 @@ def _build(name: str) -> Policy:
     return make_policy(name, cluster, latency_model(MODELS), options)
 
 
+def _apply(policy: Policy, event: str, arg: object, now_s: float) -> list[Action]:
+    if event == "arrive":
+        assert isinstance(arg, Request)
+        return policy.on_arrival(arg, now_s)
+    if event == "finish":
+        return policy.on_request_finished(str(arg), now_s)
+    return policy.on_request_cancelled(str(arg), now_s)
+
+
 def _through_store(name: str, raw: bytes | None, event: str, arg: object,
                    now_s: float) -> tuple[bytes, list[Action]]:  # fmt: skip
     policy = restore(_build(name), None if raw is None else msgspec.msgpack.decode(raw))
-    if event == "arrive":
-        assert isinstance(arg, Request)
-        actions = policy.on_arrival(arg, now_s)
-    elif event == "finish":
-        actions = policy.on_request_finished(str(arg), now_s)
-    else:
-        actions = policy.on_request_cancelled(str(arg), now_s)
+    actions = _apply(policy, event, arg, now_s)
     return msgspec.msgpack.encode(snapshot(policy)), actions
 
 
@@ -55,13 +58,7 @@ def test_the_store_state_decides_as_the_live_policy(name: str) -> None:
             open_ids.append(rid)
             event, arg = "arrive", Request(rid, rng.choice(MODELS), now, rng.randint(1, 200),
                                            rng.randint(1, 150), rng.randint(1, 150))  # fmt: skip
-        if event == "arrive":
-            assert isinstance(arg, Request)
-            want = live.on_arrival(arg, now)
-        elif event == "finish":
-            want = live.on_request_finished(str(arg), now)
-        else:
-            want = live.on_request_cancelled(str(arg), now)
+        want = _apply(live, event, arg, now)
         raw, got = _through_store(name, raw, event, arg, now)
         assert got == want, (step, event, arg)
         assert msgspec.msgpack.decode(raw) == msgspec.msgpack.decode(
