@@ -24,7 +24,7 @@ from aegaeon_common.registry import BASELINE, decode_queue
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
-from aegaeon_proxy.cluster.distributed import DistributedBackend
+from aegaeon_proxy.cluster.backend import ClusterBackend
 from fake_worker import latency_model
 
 MODELS = ("a", "b")
@@ -45,10 +45,10 @@ async def _next_run(pull: Puller) -> Message:
             return msg
 
 
-async def _node(config: Config) -> tuple[DistributedBackend, zmq.asyncio.Context, list[Puller]]:
+async def _node(config: Config) -> tuple[ClusterBackend, zmq.asyncio.Context, list[Puller]]:
     ctx = zmq.asyncio.Context()
     pulls = [Puller(ctx, config.decode_address(i), DECODE_CHANNEL) for i in range(2)]
-    backend = DistributedBackend(config)
+    backend = ClusterBackend(config)
     profile = msgspec.convert(latency_model(list(MODELS)).to_dict(), LatencyProfile)
     for i in range(2):  # two unified instances: decode-0, decode-1
         backend.local.on_hello(InstanceHello("decode", i, 10 + i, 1 << 20, 1 << 20, 8,

@@ -38,7 +38,7 @@ from aegaeon_common.registry import InstanceRecord, decode_instance, instance_ke
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
-from aegaeon_proxy.cluster.distributed import DistributedBackend
+from aegaeon_proxy.cluster.backend import ClusterBackend
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar, local_names
 from fake_worker import latency_model
 
@@ -155,7 +155,7 @@ async def test_the_backend_over_the_memory_store_dispatches_from_those_records(
     config = _config(tmp_path)
     ctx = zmq.asyncio.Context()
     instance = Puller(ctx, config.prefill_address(0), PREFILL_CHANNEL)
-    backend = DistributedBackend(config)
+    backend = ClusterBackend(config)
     try:
         assert backend.report_address == config.proxy_address
         assert not backend.ready()
@@ -201,7 +201,7 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
     ctx = zmq.asyncio.Context()
     prefill = Puller(ctx, config.prefill_address(0), PREFILL_CHANNEL)
     decode = Puller(ctx, config.decode_address(0), DECODE_CHANNEL)
-    backend = DistributedBackend(config)
+    backend = ClusterBackend(config)
     profile = msgspec.convert(latency_model(["m"]).to_dict(), LatencyProfile)
     try:
         for kind in ("prefill", "decode"):

@@ -23,7 +23,7 @@ from aegaeon_common.registry import (
     work_list_key,
 )
 from aegaeon_common.transport import Puller
-from aegaeon_proxy.cluster.distributed import DistributedBackend
+from aegaeon_proxy.cluster.backend import ClusterBackend
 from aegaeon_sched import Request
 from aegaeon_sched.shared import State, queued_request_ids, request_state
 
@@ -65,7 +65,7 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
 ) -> None:
     ctx = zmq.asyncio.Context()
     pulls = {k: Puller(ctx, "tcp://127.0.0.1:0", PREFILL_CHANNEL) for k in ("prefill", "decode")}
-    backend = DistributedBackend(config_from_dict({"models": [{"name": "m", "path": "x"}],
+    backend = ClusterBackend(config_from_dict({"models": [{"name": "m", "path": "x"}],
                                                    "run_dir": str(tmp_path)}))  # fmt: skip
     store = backend.store
     try:

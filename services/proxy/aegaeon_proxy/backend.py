@@ -4,7 +4,7 @@ The front (``aegaeon_proxy.app``) owns everything a client sees: validation,
 chat templates, tokenizing, detokenizing, stop strings, SSE, usage. A backend
 only turns a :class:`GenerationRequest` (token ids in) into a
 :class:`TokenStream` (token ids out). The product's drives instances over ZeroMQ
-(``cluster.distributed``: Algorithms 1-2, or a request-level baseline, over the
+(``cluster.backend``: Algorithms 1-2, or a request-level baseline, over the
 store); the proxy's unit tests drive the front with a scripted one.
 
 Stream contract:

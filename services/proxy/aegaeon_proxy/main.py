@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import ConfigError, load_config_or_exit, with_api_keys
     from aegaeon_common.process import run_service
 
-    from aegaeon_proxy.cluster.distributed import DistributedBackend
+    from aegaeon_proxy.cluster.backend import ClusterBackend
     from aegaeon_proxy.server import ProxyServer
 
     config = load_config_or_exit(args.config, "proxy")
@@ -60,4 +60,4 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # Algorithms 1-2 (or a request-level baseline) over the store: the memory store on one
     # node, Redis for many (one replica of the proxy layer)
-    return run_service("proxy", ProxyServer(config, DistributedBackend(config)).serve)
+    return run_service("proxy", ProxyServer(config, ClusterBackend(config)).serve)

@@ -1,1 +1,1 @@
-"""The distributed backend: policy-driven dispatch to prefill/decode instances."""
+"""The proxy's backend: placement over the store (one node or many), dispatch to instances."""

@@ -60,7 +60,7 @@ ARENA_SLACK_BYTES = 1 << 20
 
 
 class BaselineHost(Protocol):
-    """What the baselines need of the backend (``cluster.distributed``)."""
+    """What the baselines need of the backend (``cluster.backend``)."""
 
     config: Config
     store: Store

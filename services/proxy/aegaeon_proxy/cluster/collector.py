@@ -24,7 +24,7 @@ ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's reques
 
 
 class CollectedBackend(Protocol):
-    """What a scrape reads of the backend (``cluster.distributed``)."""
+    """What a scrape reads of the backend (``cluster.backend``)."""
 
     @property
     def view(self) -> RegistryView: ...

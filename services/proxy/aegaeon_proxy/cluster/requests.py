@@ -1,6 +1,6 @@
 """The request table: every request a proxy backend holds, once for every backend.
 
-The backend (:mod:`~aegaeon_proxy.cluster.distributed`, one node or many) gives
+The backend (:mod:`~aegaeon_proxy.cluster.backend`, one node or many) gives
 only *placement*: where an admitted request goes (Algorithms 1-2, or a request-level
 baseline, over the store), what is undone when it ends, and where a stray token's
 request is cancelled. Everything else is here, once: admission by SLO class (a

@@ -1,4 +1,4 @@
-"""A request as the distributed backend tracks it between instances."""
+"""A request as the backend tracks it between instances."""
 
 from __future__ import annotations
 

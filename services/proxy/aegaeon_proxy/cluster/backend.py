@@ -151,7 +151,7 @@ def _fresh_id() -> int:
     return secrets.randbits(52)
 
 
-class DistributedBackend(Backend):
+class ClusterBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
 
     def __init__(self, config: Config) -> None:
