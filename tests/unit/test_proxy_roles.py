@@ -1,19 +1,43 @@
-"""The proxy's role switching driver (no processes): the instances' records and
+"""The proxy's role switching (no processes): the driver, the instances' records and
 arrivals in, role changes out (``AegaeonPolicy.set_role`` carries one out in the
-simulator, the roles record in dispatch); velocity metrics."""
+simulator, the roles record in dispatch); velocity metrics. Across proxy replicas
+(one in-memory store): the replica holding the lease decides from the shared state
+(another replica's arrivals included) and writes the record, the other follows it
+and dispatches by it, the lease passes on when the decider stops, and the roles
+hold still while an instance drains. The pure parts: the backlog and decode demand
+of shared states, the placement's ``reserved`` instances."""
 
 from __future__ import annotations
 
+import time
 from typing import cast
 
 import msgspec
 from aegaeon_common.config import Config, RolesConfig
 from aegaeon_common.messages.structs import LatencyProfile
-from aegaeon_common.registry import InstanceLoadInfo, InstanceRecord
+from aegaeon_common.registry import (
+    INSTANCES,
+    PROXIES,
+    InstanceLoadInfo,
+    InstanceRecord,
+    ProxyRecord,
+    encode,
+    instance_key,
+    proxy_key,
+)
 from aegaeon_common.store import MemoryStore
 from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.roles import Meter, RoleSwitcher, record_meter
+from aegaeon_proxy.cluster.roles import LEASE_S, Meter, ReplicaRoles, RoleSwitcher, record_meter
 from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request, RoleChange, RoleLoad
+from aegaeon_sched.decode import DecodeWorkList
+from aegaeon_sched.prefill_queue import PrefillQueue
+from aegaeon_sched.shared import (
+    decode_demands,
+    place_decode,
+    prefill_backlog,
+    prefill_queue_state,
+    work_list_state,
+)
 from fake_worker import latency_model
 
 ROLES = RolesConfig(enabled=True, high_util=0.5, low_util=0.2, up_hold_s=0.0, down_hold_s=1.0,
@@ -115,3 +139,106 @@ def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -
     view.roles = {"decode-0": "prefill"}
     assert [r.instance_id for r in view.prefill_candidates()] == ["decode-0", "prefill-0"]
     assert [r.instance_id for r in view.decode_candidates("local")] == ["decode-0", "prefill-0"]
+
+
+CONFIG = Config(models=(), roles=ROLES)
+PROFILE = msgspec.convert(latency_model(["m"]).to_dict(), LatencyProfile)
+
+
+def _shared_record(kind: str, draining: bool = False) -> InstanceRecord:
+    # measured: 1000 prompt tokens/s while prefilling
+    return InstanceRecord(
+        v=1, instance_id=f"a/{kind}-0", node="a", kind=kind, index=0,
+        address="tcp://127.0.0.1:1", incarnation=1, pid=1, capacity_tokens={"m": 4096},
+        max_batch_size=8, latency=PROFILE, draining=draining,
+        load=InstanceLoadInfo(prefill_s=1.0, prefill_tokens=1000),
+    )  # fmt: skip
+
+
+async def _register(store: MemoryStore, *records: InstanceRecord) -> None:
+    for record in records:
+        await store.put(instance_key(record.instance_id), encode(record), 60.0)
+        await store.set_add(INSTANCES, record.instance_id)
+
+
+async def _replica(store: MemoryStore, name: str) -> ReplicaRoles:
+    view = RegistryView(store, hybrid_prefill=True)
+    await view.refresh()
+    return ReplicaRoles(CONFIG, store, view, name)
+
+
+async def _publish(store: MemoryStore, replica: ReplicaRoles, now_s: float) -> None:
+    """``replica``'s heartbeat (its arrival velocity), as the backend's beat writes it."""
+    record = ProxyRecord(v=1, proxy_id=replica.proxy_id, report_address="tcp://x:1", pid=1,
+                         arrival_tokens_per_s=replica.arrival_rate(now_s))  # fmt: skip
+    await store.put(proxy_key(replica.proxy_id), encode(record), 60.0)
+    await store.set_add(PROXIES, replica.proxy_id)
+
+
+def _prefill_ids(replica: ReplicaRoles) -> list[str]:
+    return sorted(r.instance_id for r in replica.view.prefill_candidates())
+
+
+async def test_one_replica_decides_on_every_replicas_arrivals_and_the_others_follow() -> None:
+    clock = [0.0]
+    store = MemoryStore(clock=lambda: clock[0])
+    await _register(store, _shared_record("prefill"), _shared_record("decode"))
+    a, b = await _replica(store, "a"), await _replica(store, "b")
+    await a.refresh()
+    await b.refresh()
+    assert a.deciding and not b.deciding and b.decider == "a"
+    assert _prefill_ids(a) == _prefill_ids(b) == ["a/prefill-0"]
+    # a burst reaches replica b only: 4000 tokens over its 2 s window > 0.5 x 1000 tok/s
+    now = time.monotonic()
+    b.arrived(now, 4000)
+    await _publish(store, b, now)
+    await a.refresh()
+    assert a.view.roles["a/decode-0"] == "prefill" and a.switcher.switches["prefill"] == 1
+    await b.refresh()
+    assert _prefill_ids(b) == ["a/decode-0", "a/prefill-0"]
+    snap = b.snapshot(now)
+    assert snap["decider"] == "a" and snap["deciding"] is False
+    changes = snap["changes"]
+    assert isinstance(changes, list) and changes[-1]["instance"] == "a/decode-0"
+    # replica a dies: its lease lapses and b decides, from the roles a decided
+    clock[0] += LEASE_S + 0.1
+    await b.refresh()
+    assert b.deciding and b.view.roles["a/decode-0"] == "prefill"
+    # b stops cleanly: it gives the lease up, and a decides at its next read
+    await b.leave()
+    await a.refresh()
+    assert a.deciding
+
+
+async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabled() -> None:
+    store = MemoryStore()
+    await _register(store, _shared_record("prefill"), _shared_record("decode", draining=True))
+    a = await _replica(store, "a")
+    a.arrived(time.monotonic(), 100_000)
+    await a.refresh()
+    assert a.deciding and a.view.roles == {"a/prefill-0": "prefill", "a/decode-0": "decode"}
+    off = ReplicaRoles(Config(models=()), store, RegistryView(store, True), "off")
+    off.arrived(time.monotonic(), 100_000)
+    await off.refresh()
+    assert not off.deciding and off.view.roles == {}
+
+
+def test_shared_states_give_the_backlog_the_demand_and_the_reserved_placement() -> None:
+    lat = latency_model(["m"])
+    queue = PrefillQueue()
+    queue.add(Request("r0", "m", 0.0, 300, 8), 1)
+    queue.add(Request("r1", "m", 0.0, 200, 8), 1)
+    work_list = DecodeWorkList()
+    work_list.add(Request("r2", "m", 0.0, 100, 8), 7)
+    assert prefill_backlog({"p": prefill_queue_state(queue), "d": None}) == 500
+    demand = decode_demands({"p": None, "d": work_list_state(work_list)},
+                            capacity_tokens={}, latency=lat, tbt_s=0.1)  # fmt: skip
+    assert demand["p"] == 0.0 and demand["d"] > 0.0
+    # an instance in the prefill role takes a new decode request only when no other is open
+    capacity = {"p": {"m": 4096}, "d": {"m": 4096}}
+    request = Request("r3", "m", 0.0, 100, 8)
+    empty = {"d": None, "p": None}
+    assert place_decode(empty, request, new_batch_id=9, capacity_tokens=capacity,
+                        reserved={"d"})[0] == "p"  # fmt: skip
+    assert place_decode({"d": None}, request, new_batch_id=9, capacity_tokens=capacity,
+                        reserved={"d"})[0] == "d"  # fmt: skip

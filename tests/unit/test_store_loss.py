@@ -26,8 +26,8 @@ from aegaeon_common.registry import (
     prefill_queue_key,
 )
 from aegaeon_common.store import MemoryStore
+from aegaeon_proxy.cluster.models import with_change
 from aegaeon_proxy.cluster.registry import RegistryView, StoreHealth
-from aegaeon_proxy.cluster.replica_models import with_change
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_runtime.registrar import Registrar
 from aegaeon_runtime.shared_queues import QueueSnapshots

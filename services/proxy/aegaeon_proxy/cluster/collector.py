@@ -14,9 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.replica_roles import ReplicaRoles
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import RoleSwitcher
+from aegaeon_proxy.cluster.roles import ReplicaRoles, RoleSwitcher
 
 __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 

@@ -1,14 +1,14 @@
-"""Every node's cachemgr as a proxy replica reaches it (many nodes, ``store.kind: redis``).
+"""Every node's cachemgr as the proxy reaches it.
 
 A node's instances name their cachemgr in their registry records (its command
-address and its side HTTP server). A replica sends the operator's model flags
+address and its side HTTP server). The proxy sends the operator's model flags
 (``SetModelFlags``: pin, preload) and the models added and removed at run time
 (``RegisterModel``, ``ForgetModel``) to every node's cachemgr, reads every
 node's Model Cache, and lists every node's services for ``GET
 /v1/aegaeon/services``.
 
 A node whose cachemgr is on another host is reached at the address its
-instances use (``addresses.cachemgr``): it must be routable from the replicas.
+instances use (``addresses.cachemgr``): it must be routable from the proxies.
 """
 
 from __future__ import annotations
@@ -25,12 +25,28 @@ from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message, to_plain
 
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.models import CACHE_TIMEOUT_S, cache_error
 
-__all__ = ["NodeCaches", "merge_model_caches", "node_services"]
+__all__ = ["CACHE_TIMEOUT_S", "NodeCaches", "cache_error", "merge_model_caches", "node_services"]
+
+CACHE_TIMEOUT_S = 10.0
+
+# cachemgr ErrorReply codes -> (HTTP status, error code) of the admin endpoints
+_CACHE_ERRORS: dict[str, tuple[int, str]] = {
+    "unknown_model": (404, "model_not_found"),
+    "model_cache_full": (409, "model_cache_full"),
+    "checkpoint_error": (422, "model_unavailable"),
+}
 
 SUMMED = ("budget_bytes", "used_bytes", "num_loads", "num_hits", "num_evictions",
           "load_s_total", "loaded_bytes_total")  # fmt: skip
+
+
+def cache_error(exc: RemoteError) -> BackendError:
+    """A cachemgr's refusal as the admin endpoints answer it; an unreadable checkpoint's
+    message is the cachemgr's own (it names the file: what the model is quarantined for)."""
+    status, code = _CACHE_ERRORS.get(exc.code, (503, "unavailable"))
+    message = exc.reply.message if exc.code == "checkpoint_error" else f"cachemgr: {exc}"
+    return BackendError(message, status=status, code=code)
 
 
 def _cachemgrs(records: Iterable[InstanceRecord]) -> dict[str, str]:

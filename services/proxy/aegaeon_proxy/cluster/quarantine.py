@@ -5,10 +5,9 @@ as ``market.json`` records them, and says so in its stats (``unavailable``); an
 instance that meets one fails the work for it with ``model_unavailable``; an admin
 operation (an add, a pin) gets ``checkpoint_error`` back. Each of these reaches the
 backend's :class:`Quarantine`, which tells the front (the model table answers 503
-``model_unavailable`` from then on) until a reload lifts it. One node's backend
-polls its cachemgr (:func:`watch_caches`); proxy replicas share the set through the
-store (``cluster.replica_models``), so that every replica refuses the model as soon
-as one learnt it.
+``model_unavailable`` from then on) until a reload lifts it. Every proxy polls the
+cachemgrs (:func:`watch_caches`) and shares the set through the store
+(``cluster.models``), so that every proxy refuses the model as soon as one learnt it.
 """
 
 from __future__ import annotations

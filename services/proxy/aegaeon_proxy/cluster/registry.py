@@ -63,7 +63,7 @@ class RegistryView:
     hybrid_prefill: bool  # prefill instances also decode (decode placement includes them)
     health: StoreHealth = field(default_factory=lambda: StoreHealth(0.0))
     live: dict[str, InstanceRecord] = field(default_factory=dict)
-    # the roles decided (``cluster.replica_roles``): instance -> "prefill" | "decode";
+    # the roles decided (``cluster.roles``): instance -> "prefill" | "decode";
     # an instance not named has its kind's
     roles: dict[str, str] = field(default_factory=dict)
     num_refreshes: int = 0

@@ -1,5 +1,5 @@
-"""The proxy's report loop (the instances' reports, each to its handler) and what every
-backend reports of the deployment's layout."""
+"""The proxy's report loop (the instances' reports, each to its handler) and the
+deployment's layout it reports."""
 
 from __future__ import annotations
 

@@ -1,41 +1,65 @@
 """Prefill/decode role switching in the proxy: token velocity in, role changes out.
 
-The policy (:mod:`aegaeon_sched.roles`) is pure; this is its driver, run by the
-replica that decides the roles (``cluster.replica_roles``: every registry
-refresh, :meth:`RoleSwitcher.decide`; on one node, that node's proxy). What an
-instance says of its prefills reaches it as a :class:`Meter`, from its registry
-record (its heartbeat):
+The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`RoleSwitcher` is its
+driver, run by the proxy holding the roles lease
+(:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
+every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
+later); :class:`ReplicaRoles` is every proxy's part. The decider reads the
+shared state:
 
-* **arrival velocity**: prompt tokens/s arriving at the proxy (the requests it
-  accepted, a short window: :class:`aegaeon_sched.Velocity`), the leading
-  indicator of a burst;
-* **backlog**: prompt tokens queued in the prefill queues of the store;
+* **arrival velocity**: prompt tokens/s arriving at every proxy (the requests
+  each accepted, a short window: :class:`aegaeon_sched.Velocity`; each proxy
+  publishes its own in its :class:`~aegaeon_common.registry.ProxyRecord`),
+  summed: the leading indicator of a burst;
+* **backlog**: prompt tokens waiting in every prefill queue of the store;
 * **prefill velocity** per instance: prompt tokens per second of prefill work,
-  measured from its heartbeat counters (``prefill_tokens`` / ``prefill_s``) once
-  it has prefilled ``MIN_MEASURED_S``, estimated from its latency profile before;
+  measured from its registry record (its heartbeat, as a :class:`Meter`:
+  ``load.prefill_tokens`` / ``load.prefill_s``) once it has prefilled
+  ``MIN_MEASURED_S``, estimated from its latency profile before;
 * **prefill busy share** per instance (the growth of ``prefill_s`` between two
-  heartbeats) and **decode demand** (Eq. 3's ``S`` of its work list in the store).
+  heartbeats) and **decode demand** (Eq. 3's ``S`` of every work list of the store).
 
-A change is carried out by dispatch alone (the roles record): with
+It writes the roles as one :class:`~aegaeon_common.registry.RolesRecord`; every
+proxy reads that with its registry refresh and dispatches by it
+(:attr:`RegistryView.roles <aegaeon_proxy.cluster.registry.RegistryView.roles>`):
+new prefill work goes to the instances in the prefill role, and those are
+placed on for decode only while no decode-role instance of the node keeps up
+(``reserved``). A change is carried out by dispatch alone: with
 ``roles.enabled`` every instance runs the hybrid loop (``Config.role_switching``:
 decode instances take prefill work on the hybrid channel), so no message tells
-an instance its role.
-An instance leaving the prefill role keeps its queued prefills, which run to
-the end (standby); one joining it keeps its decode batches: no request moves,
-no KV is handed anywhere new. While an instance is down or draining the roles
-hold still (its capacity is unknown).
+an instance its role. An instance leaving the prefill role keeps its queued
+prefills, which run to the end (standby); one joining it keeps its decode
+batches: no request moves, no KV is handed anywhere new. The roles hold still
+while any instance drains (its capacity is unknown); one that joins starts in
+its configured role. A store that restarts empty loses the lease and the
+record: the first proxy to refresh takes the lease and writes the roles again;
+the others keep the roles they read last until then.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.structs import LatencyProfile
-from aegaeon_common.registry import InstanceRecord
+from aegaeon_common.registry import (
+    PROXIES,
+    ROLES,
+    ROLES_LEASE,
+    InstanceRecord,
+    ProxyRecord,
+    RolesRecord,
+    decode_roles,
+    encode,
+    proxy_key,
+)
+from aegaeon_common.store import Store
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import (
     LatencyModel,
@@ -44,20 +68,22 @@ from aegaeon_sched import (
     RoleSettings,
     RoleSignals,
     Velocity,
+    cluster_velocity,
 )
 from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
+from aegaeon_sched.shared import decode_demands, prefill_backlog
+
+from aegaeon_proxy.cluster.registry import RegistryView
 
 log = get_logger("cluster")
 
+__all__ = ["LEASE_S", "Meter", "ReplicaRoles", "RoleSwitcher", "record_meter"]
+
 MIN_MEASURED_S = 0.2  # prefill seconds before an instance's measured rate replaces the estimate
 MAX_CHANGES = 64  # role changes kept for /v1/aegaeon/stats
-
-__all__ = ["Meter", "RoleSwitcher", "base_role", "record_meter", "settings_of"]
-
-
-def base_role(kind: str) -> str:
-    """An instance's configured role: its process kind."""
-    return PREFILL if kind == "prefill" else DECODE
+LEASE_S = 3.0  # the roles lease: a decider that stops is replaced this much later
+BEAT_EVERY_S = 1.0  # an instance's busy share is measured over at least this
+SHARED_CHANGES = 16  # the decider's last changes, in the record (every proxy's stats)
 
 
 @dataclass(frozen=True)
@@ -79,17 +105,6 @@ def record_meter(record: InstanceRecord) -> Meter:
                  record.latency)  # fmt: skip
 
 
-def settings_of(config: Config) -> RoleSettings:
-    r = config.roles
-    return RoleSettings(
-        high_util=r.high_util, low_util=r.low_util, up_hold_s=r.up_hold_s,
-        down_hold_s=r.down_hold_s, min_dwell_s=r.min_dwell_s,
-        backlog_horizon_s=r.backlog_horizon_s or config.slo.ttft_s / 2,
-        decode_high=r.decode_high, convert_max_demand=r.convert_max_demand,
-        min_prefill=r.min_prefill, min_decode=r.min_decode,
-    )  # fmt: skip
-
-
 class RoleSwitcher:
     """Feeds :class:`~aegaeon_sched.RoleController` from heartbeats (see the module
     docstring). With ``enabled`` false it only keeps the velocities (metrics, stats):
@@ -97,7 +112,15 @@ class RoleSwitcher:
 
     def __init__(self, config: Config, base_roles: Mapping[str, str], enabled: bool) -> None:
         self.enabled = enabled
-        self.controller = RoleController(base_roles, settings_of(config))
+        r = config.roles
+        settings = RoleSettings(
+            high_util=r.high_util, low_util=r.low_util, up_hold_s=r.up_hold_s,
+            down_hold_s=r.down_hold_s, min_dwell_s=r.min_dwell_s,
+            backlog_horizon_s=r.backlog_horizon_s or config.slo.ttft_s / 2,
+            decode_high=r.decode_high, convert_max_demand=r.convert_max_demand,
+            min_prefill=r.min_prefill, min_decode=r.min_decode,
+        )  # fmt: skip
+        self.controller = RoleController(base_roles, settings)
         self.arrivals = Velocity()
         self.busy: dict[str, float] = {}  # instance -> prefill busy share, last heartbeats
         self._prev: dict[str, tuple[float, float]] = {}  # instance -> (t, prefill_s)
@@ -115,10 +138,8 @@ class RoleSwitcher:
     def arrived(self, now_s: float, prompt_tokens: int) -> None:
         self.arrivals.add(now_s, prompt_tokens)
 
-    def heartbeat(self, meter: Meter | None, now_s: float) -> None:
+    def heartbeat(self, meter: Meter, now_s: float) -> None:
         """Update the instance's prefill busy share from its latest heartbeat."""
-        if meter is None:
-            return
         prev = self._prev.get(meter.name)
         if prev is not None and now_s > prev[0] and meter.prefill_s >= prev[1]:
             self.busy[meter.name] = min(1.0, (meter.prefill_s - prev[1]) / (now_s - prev[0]))
@@ -187,3 +208,143 @@ class RoleSwitcher:
             "cluster_velocity": dict(velocity),
             "prefill_busy": dict(self.busy),
         }
+
+
+class ReplicaRoles:
+    """A proxy's part in the roles (see the module). ``refresh`` after each registry
+    refresh; ``arrived`` for each request this proxy accepts."""
+
+    def __init__(self, config: Config, store: Store, view: RegistryView, proxy_id: str) -> None:
+        self.config = config
+        self.store = store
+        self.view = view
+        self.proxy_id = proxy_id
+        self.enabled = config.role_switching
+        self.switcher = RoleSwitcher(config, {}, self.enabled)
+        self.deciding = False
+        self.decider = ""  # the replica whose roles these are
+        self.shared_changes: list[dict[str, Any]] = []  # the decider's last changes
+        self._written: dict[str, str] | None = None
+        self._followed = RolesRecord(v=1)  # the decider's record read last
+        self._fed: dict[tuple[str, int], float] = {}  # instance -> when its busy share was fed
+
+    def arrived(self, now_s: float, prompt_tokens: int) -> None:
+        self.switcher.arrived(now_s, prompt_tokens)
+
+    def arrival_rate(self, now_s: float) -> float:
+        """Prompt tokens/s arriving at this proxy (its heartbeat publishes it)."""
+        return self.switcher.arrivals.rate(now_s)
+
+    async def refresh(self) -> None:
+        """Take or renew the lease; decide (the holder) or follow the record. Raises
+        ``StoreError``."""
+        if not self.enabled:
+            return
+        records = list(self.view.live.values())
+        base = {r.instance_id: PREFILL if r.kind == "prefill" else DECODE for r in records}
+        self.deciding = await self._hold_lease()
+        if not self.deciding:
+            raw = await self.store.get(ROLES)
+            # (none: no decision yet, or the store lost it and the decider writes it again)
+            record = decode_roles(raw) if raw is not None else self._followed
+            self._followed = record
+            self.switcher.controller.track(base, record.roles)
+            self.decider, self.shared_changes = record.proxy, list(record.changes)
+            self._written = None  # (a replica that takes the lease over writes at once)
+        else:
+            self.switcher.controller.track(base)
+            await self._decide(records)
+            self.decider = self.proxy_id
+        self.view.roles = self.switcher.roles
+
+    async def _hold_lease(self) -> bool:
+        me = self.proxy_id.encode()
+
+        def claim(values: list[bytes | None]) -> tuple[dict[str, bytes | None], bool]:
+            holder = values[0]
+            return ({ROLES_LEASE: me}, True) if holder in (None, me) else ({}, False)
+
+        return await self.store.transact([ROLES_LEASE], claim, ttl_s=LEASE_S)
+
+    def store_lost(self) -> None:
+        """The store restarted empty: the decider writes the roles again at its next
+        refresh (the others keep following the roles they read last meanwhile)."""
+        self._written = None
+
+    async def leave(self) -> None:
+        """A replica that stops gives the lease up (another decides at once, from the
+        roles it wrote). Raises ``StoreError``."""
+        me = self.proxy_id.encode()
+
+        def release(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            return ({ROLES_LEASE: None} if values[0] == me else {}), None
+
+        await self.store.transact([ROLES_LEASE], release)
+        self.deciding = False
+
+    async def _decide(self, records: list[InstanceRecord]) -> None:
+        now = time.monotonic()
+        meters = [record_meter(r) for r in records]
+        fed, self._fed = self._fed, {}  # (instances gone are forgotten)
+        for meter in meters:  # (a record is rewritten every heartbeat, read every refresh)
+            key = (meter.name, meter.incarnation)
+            self._fed[key] = fed.get(key, -BEAT_EVERY_S)
+            if now - self._fed[key] >= BEAT_EVERY_S:
+                self.switcher.heartbeat(meter, now)
+                self._fed[key] = now
+        latency = self.view.latency()
+        if latency is not None and records:
+            backlog, demand = await self._shared_load(records, latency)
+            arrivals = self.arrival_rate(now) + await self._others_arrivals()
+            alive = not any(r.draining for r in records)
+            self.switcher.decide(now, meters, backlog, demand, latency, alive,
+                                 arrival_tokens_per_s=arrivals)  # fmt: skip
+        roles = self.switcher.roles
+        if roles != self._written:
+            changes = self.switcher.changes[-SHARED_CHANGES:]
+            await self.store.put(ROLES, encode(RolesRecord(v=1, roles=roles, proxy=self.proxy_id,
+                                                           changes=changes)))  # fmt: skip
+            self._written = dict(roles)
+            self.shared_changes = list(changes)
+
+    async def _shared_load(self, records: list[InstanceRecord], latency: LatencyModel
+                           ) -> tuple[int, dict[str, float]]:  # fmt: skip
+        """The backlog of every prefill queue and the decode demand of every work list."""
+        # (with roles moving every instance may hold a prefill queue and a work list)
+        keys = [RegistryView.queue_key(r, stage) for stage in ("prefill", "decode")
+                for r in records]  # fmt: skip
+        raws = await self.store.get_many(keys)
+        states = [None if raw is None else msgspec.msgpack.decode(raw) for raw in raws]
+        ids = [r.instance_id for r in records]
+        queues = dict(zip(ids, states[: len(ids)], strict=True))
+        lists = dict(zip(ids, states[len(ids) :], strict=True))
+        backlog = prefill_backlog(queues, self.config.scheduler.max_group_size)
+        demand = decode_demands(lists, capacity_tokens={r.instance_id: r.capacity_tokens
+                                                        for r in records},
+                                latency=latency, tbt_s=self.config.slo.tbt_s)  # fmt: skip
+        return backlog, demand
+
+    async def _others_arrivals(self) -> float:
+        ids = sorted(await self.store.set_members(PROXIES) - {self.proxy_id})
+        raws = await self.store.get_many([proxy_key(p) for p in ids])
+        total = 0.0
+        for raw in raws:
+            if raw is not None:
+                try:
+                    total += msgspec.msgpack.decode(raw, type=ProxyRecord).arrival_tokens_per_s
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+        return total
+
+    def snapshot(self, now_s: float) -> dict[str, object]:
+        """For ``/v1/aegaeon/stats``: the switcher's, with who decides; the changes are
+        the decider's."""
+        velocity = cluster_velocity(r.load.velocity for r in self.view.live.values())
+        out = self.switcher.snapshot(now_s, velocity)
+        out.update(decider=self.decider, deciding=self.deciding,
+                   changes=list(self.shared_changes))  # fmt: skip
+        return out
+
+    def velocity(self) -> Mapping[str, Mapping[str, float]]:
+        """Each instance's token velocity by stage (its registry record's)."""
+        return {r.instance_id: r.load.velocity for r in self.view.live.values()}

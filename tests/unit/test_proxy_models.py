@@ -1,4 +1,4 @@
-"""Model lifecycle and sleep on a proxy replica (``cluster.replica_models``), no
+"""Model lifecycle and sleep on a proxy replica (``cluster.models``), no
 processes: every node's cachemgr and instances told, answers matched to their node
 by ticket, an add done once the registry records list the model, sleep read from the
 records, the served set and the unreadable models one replica publishes followed by
@@ -38,13 +38,13 @@ from aegaeon_common.registry import (
 from aegaeon_common.store import MemoryStore
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.replica_models import (
+from aegaeon_proxy.cluster.models import (
     ReplicaModels,
     served_changes,
     with_change,
     with_unavailable,
 )
+from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec
 
