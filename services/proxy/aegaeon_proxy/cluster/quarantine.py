@@ -61,16 +61,6 @@ class Quarantine:
         self._tell(name, why)
         return True
 
-    def lift(self, name: str, since: float) -> bool:
-        """``name`` can be read again (a reload that began at ``since``); True if it was
-        unavailable."""
-        self.lifted[name] = max(since, self.lifted.get(name, 0.0))
-        if self.models.pop(name, None) is None:
-            return False
-        log.info("model_available", model=name)
-        self._tell(name, None)
-        return True
-
     def sync(self, models: dict[str, str], lifted: dict[str, float]) -> None:
         """Become ``models`` (the set the replicas share), telling the front each change."""
         self.lifted.update(lifted)

@@ -66,7 +66,6 @@ class RegistryView:
     # the roles decided (``cluster.roles``): instance -> "prefill" | "decode";
     # an instance not named has its kind's
     roles: dict[str, str] = field(default_factory=dict)
-    num_refreshes: int = 0
     _latency: tuple[tuple[str, int, tuple[str, ...]], LatencyModel] | None = None
 
     async def refresh(self) -> tuple[list[InstanceRecord], list[InstanceRecord]]:
@@ -94,7 +93,6 @@ class RegistryView:
         left = [r for i, r in self.live.items()
                 if i not in now or now[i].incarnation != r.incarnation]  # fmt: skip
         self.live = now
-        self.num_refreshes += 1
         return joined, left
 
     def alive(self, instance_id: str, incarnation: int) -> bool:

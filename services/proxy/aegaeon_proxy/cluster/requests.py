@@ -248,12 +248,6 @@ class RequestTable:
     def ended_lately(self, request_id: str) -> bool:
         return request_id in self._ended
 
-    def cancel_all(self) -> None:
-        """The backend stops: every stream ends ``cancelled`` (nothing is undone)."""
-        for tracked in list(self.requests.values()):
-            tracked.queue.finish("cancelled")
-        self.requests.clear()
-
     # ---- reports -------------------------------------------------------------
     def prefilled(self, msg: PrefillDone, owner: str) -> Tracked | None:
         """A first token and its KV handoff (leased to ``owner``): delivered, its prompt
