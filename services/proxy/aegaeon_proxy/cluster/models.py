@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,25 +277,6 @@ class ModelOps:
         """The target a ticket was sent to (None: not one of this proxy's)."""
         return self._owners.get(ticket)
 
-    async def resync(self, target: str, serves: Iterable[str],
-                     cache_call: Callable[[Message], Awaitable[object]]) -> None:  # fmt: skip
-        """A (re)started instance ``target`` knows only the config's models (``serves``):
-        have its cachemgr (``cache_call``; it may have restarted too) forget the models
-        removed here and learn those added, and give the instance the added ones."""
-        served = frozenset(serves)
-        missing = [m for n, m in self.added.items() if n not in served]
-        for name in sorted(self.removed):
-            with contextlib.suppress(BackendError):
-                await cache_call(ForgetModel(name))
-        for model in missing:
-            try:
-                await cache_call(register_message(model))
-            except BackendError as exc:
-                log.warning("model_resync_failed", model=model.name, error=exc.message)
-            self.send_add(target, model)
-        log.info("models_resynced", instance=target, added=[m.name for m in missing],
-                 removed=sorted(self.removed))  # fmt: skip
-
     def send_add(self, target: str, model: ModelConfig) -> int:
         ticket = self._ticket(target)
         self._add_sent[target] = ticket
@@ -426,12 +407,22 @@ class ReplicaModels:
         ops = self.ops
         if all(n in record.capacity_tokens for n in ops.added) and not ops.removed:
             return
-        address = record.cachemgr_address
+        self._spawn(self._resync(record))
 
-        def cache_call(msg: Message) -> Coroutine[Any, Any, Message]:
-            return self._caches.call(address, msg)
-
-        self._spawn(ops.resync(record.instance_id, record.capacity_tokens, cache_call))
+    async def _resync(self, record: InstanceRecord) -> None:
+        ops, address = self.ops, record.cachemgr_address
+        missing = [m for n, m in ops.added.items() if n not in record.capacity_tokens]
+        for name in sorted(ops.removed):
+            with contextlib.suppress(BackendError):
+                await self._caches.call(address, ForgetModel(name))
+        for model in missing:
+            try:
+                await self._caches.call(address, register_message(model))
+            except BackendError as exc:
+                log.warning("model_resync_failed", model=model.name, error=exc.message)
+            ops.send_add(record.instance_id, model)
+        log.info("models_resynced", instance=record.instance_id,
+                 added=[m.name for m in missing], removed=sorted(ops.removed))  # fmt: skip
 
     # ---- the served models the replicas share ------------------------------------
     async def add(self, model: ModelConfig) -> None:
