@@ -157,7 +157,7 @@ class Target:
     kind: str  # "prefill" | "decode"
     models: frozenset[str]  # the models it serves now
     resident: tuple[str, ...]  # the models on its device, as it last reported
-    work: int = 0  # requests queued and running
+    work: int  # requests queued and running
 
 
 def _wake_rank(target: Target) -> tuple[bool, int]:
