@@ -25,7 +25,7 @@ places by its policy's picture in the store instead (``cluster.baselines``).
   a request's tokens to the replica that holds its client.
 * **Roles** (``roles.enabled``): one replica decides which instances take
   prefill work, from the same shared state, and every replica dispatches by its
-  record (``cluster.replica_roles``).
+  record (``cluster.roles``).
 * **A node that dies** stops beating; once its records expire (TTL) every
   replica drops it from dispatch, and each replica ends its own requests there
   (``instance_failed``) or dispatches again those that had no token yet. An
@@ -314,8 +314,8 @@ class ClusterBackend(Backend):
                   if model in r.capacity_tokens]  # fmt: skip
         return min(limits) if limits else None
 
-    # ---- models (ModelControl, ModelResidency, SharedModelSettings, SharedModelSet;
-    # cluster.models as cluster.replica_models places it), services (ServiceDirectory)
+    # ---- models (added, removed, flagged, asleep, shared settings and served set:
+    # cluster.models), services
     async def add_model(self, model: ModelConfig) -> None:
         await self.models.add(model)
 
@@ -340,7 +340,7 @@ class ClusterBackend(Backend):
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
         self.models.follow_with(apply)
 
-    # ---- checkpoints that cannot be read (ModelQuarantine; shared in the store) -------
+    # ---- checkpoints that cannot be read (shared in the store) -------
     def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
         self.models.quarantine.follow(apply)
 
