@@ -52,7 +52,7 @@ from typing import Any
 import msgspec
 
 from aegaeon_common.config import Config, ModelSettings
-from aegaeon_common.messages.report import InstanceStats
+from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.store import MemoryStore, Store
 
@@ -121,6 +121,21 @@ class InstanceRecord(msgspec.Struct, frozen=True):
     @property
     def models(self) -> list[str]:
         return sorted(self.capacity_tokens)
+
+
+def record_of(config: Config, hello: InstanceHello, instance_id: str,
+              http_url: str = "") -> InstanceRecord:  # fmt: skip
+    """The record of the instance that said ``hello`` (no load yet), as whoever writes
+    it (the instance itself with many nodes, one node's proxy for it) writes it."""
+    kind, index = hello.kind, hello.index
+    address = (config.prefill_address(index) if kind == "prefill"
+               else config.decode_address(index))  # fmt: skip
+    return InstanceRecord(
+        v=1, instance_id=instance_id, node=config.node.name, kind=kind, index=index,
+        address=address, incarnation=hello.incarnation, pid=hello.pid,
+        capacity_tokens=dict(hello.capacity_tokens), max_batch_size=hello.max_batch_size,
+        latency=hello.latency, http_url=http_url, cachemgr_address=config.cachemgr_address,
+    )  # fmt: skip
 
 
 class ProxyRecord(msgspec.Struct, frozen=True):

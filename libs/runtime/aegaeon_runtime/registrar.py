@@ -27,12 +27,12 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.registry import (
     INSTANCES,
-    InstanceRecord,
     StoreEpoch,
     encode,
     instance_id,
     instance_key,
     load_of,
+    record_of,
 )
 from aegaeon_common.store import Store, StoreError
 
@@ -50,16 +50,8 @@ class Registrar:
                  snapshots: QueueSnapshots | None = None) -> None:  # fmt: skip
         self.store = store
         self.ttl_s = config.store.heartbeat_ttl_s
-        kind, index = hello.kind, hello.index
-        address = (config.prefill_address(index) if kind == "prefill"
-                   else config.decode_address(index))  # fmt: skip
-        self.instance_id = instance_id(config.node.name, kind, index)
-        self.record = InstanceRecord(
-            v=1, instance_id=self.instance_id, node=config.node.name, kind=kind, index=index,
-            address=address, incarnation=hello.incarnation, pid=hello.pid,
-            capacity_tokens=dict(hello.capacity_tokens), max_batch_size=hello.max_batch_size,
-            latency=hello.latency, http_url=http_url, cachemgr_address=config.cachemgr_address,
-        )  # fmt: skip
+        self.instance_id = instance_id(config.node.name, hello.kind, hello.index)
+        self.record = record_of(config, hello, self.instance_id, http_url)
         self._run_dir = config.run_dir
         self.epoch = StoreEpoch(store)
         # its queues in the store, rebuilt from the compute thread's snapshots after a loss

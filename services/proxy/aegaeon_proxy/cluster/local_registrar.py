@@ -47,7 +47,7 @@ from aegaeon_common.messages.report import (
     TurnRecord,
 )
 from aegaeon_common.messages.structs import Holdings
-from aegaeon_common.registry import InstanceRecord, load_of
+from aegaeon_common.registry import InstanceRecord, load_of, record_of
 from aegaeon_common.wire import Message
 
 log = get_logger("cluster")
@@ -110,20 +110,12 @@ class LocalRegistrar:
         known = self.instances.get(name)
         same = (known is not None and known.record.pid == msg.pid
                 and known.record.incarnation == msg.incarnation)  # fmt: skip
-        config = self.config
-        address = (config.prefill_address(msg.index) if msg.kind == "prefill"
-                   else config.decode_address(msg.index))  # fmt: skip
         if same and known is not None:
             record = msgspec.structs.replace(
                 known.record, capacity_tokens=dict(msg.capacity_tokens), latency=msg.latency
             )
         else:
-            record = InstanceRecord(
-                v=1, instance_id=name, node=config.node.name, kind=msg.kind, index=msg.index,
-                address=address, incarnation=msg.incarnation, pid=msg.pid,
-                capacity_tokens=dict(msg.capacity_tokens), max_batch_size=msg.max_batch_size,
-                latency=msg.latency, cachemgr_address=config.cachemgr_address,
-            )  # fmt: skip
+            record = record_of(self.config, msg, name)
             if known is not None:
                 log.info("instance_restarted", instance=name, pid=msg.pid)
             self.instances[name] = known = _Local(record)
