@@ -26,6 +26,8 @@ class ControlledBackend(ScriptedBackend):
     """The scripted backend plus a Model Cache of its own (test double of a backend that
     changes its models and reads them again)."""
 
+    changes_models = True
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[Any, ...]] = []
@@ -80,7 +82,7 @@ def _run(scenario: Any, settings: dict[str, ModelSettings] | None = None) -> Non
     config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
                     model_settings=settings or {})  # fmt: skip
     backend = ControlledBackend()
-    assert backend.changes_models() and not ScriptedBackend().changes_models()
+    assert backend.changes_models and not ScriptedBackend().changes_models
 
     async def main() -> None:
         app = make_app(config, backend)

@@ -55,6 +55,8 @@ class Recorder(ScriptedBackend):
     """Models on a pretend device and a Model Cache (model changes, sleep and wake,
     quarantine, stats): records every change the proxy asks for."""
 
+    changes_models = True
+
     def __init__(self) -> None:
         super().__init__()
         self.token_ids = [5, 6]
@@ -124,7 +126,7 @@ def _config(setup: str) -> Config:
 
 def _run(setup: str, scenario: Any) -> None:
     backend = Recorder()
-    assert backend.changes_models()
+    assert backend.changes_models
     config = _config(setup)
 
     async def main() -> None:

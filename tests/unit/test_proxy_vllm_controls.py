@@ -21,6 +21,8 @@ from proxy_support import MODEL, ScriptedBackend
 class Controlled(ScriptedBackend):
     """Models on a pretend device; records flags and sleeps (model changes, sleep and wake)."""
 
+    changes_models = True
+
     def __init__(self) -> None:
         super().__init__()
         self.resident: set[str] = set()

@@ -181,7 +181,7 @@ def _cache_summary(cache: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def _control(state: ProxyState) -> Backend:
     """The backend, when it changes its models at run time (else 501, before any work)."""
     backend = state.backend
-    if not backend.changes_models():
+    if not backend.changes_models:
         raise APIError(501, "this backend cannot change its models at run time",
                        code=NOT_SUPPORTED)  # fmt: skip
     return backend

@@ -35,7 +35,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from aegaeon_common.config import ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress
@@ -176,6 +176,10 @@ class Backend(ABC):
     default read-out is None, what replicas share stays here). Failures are
     :class:`BackendError`\\ s whose ``status`` and ``code`` the endpoints answer with."""
 
+    # it adds and removes models at run time (its add_model, forget_model): else the
+    # admin API refuses an add or a removal before doing any of it
+    changes_models: ClassVar[bool] = False
+
     @abstractmethod
     async def start(self) -> None:
         """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
@@ -226,11 +230,6 @@ class Backend(ABC):
         return None
 
     # ---- models at run time ------------------------------------------------------
-    def changes_models(self) -> bool:
-        """It overrides :meth:`add_model` (else the admin API refuses an add or a removal
-        before doing any of it)."""
-        return type(self).add_model is not Backend.add_model
-
     async def add_model(self, model: ModelConfig) -> None:
         """Serve ``model`` on every instance (cachemgr and instances told); returns
         once every live instance serves it."""

@@ -154,6 +154,8 @@ def _fresh_id() -> int:
 class ClusterBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
 
+    changes_models = True
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.proxy_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
