@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from aegaeon_sched import (
     SLO,
@@ -170,6 +171,12 @@ class AdmissionGate:
 
     def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
         return self.policy.set_role(instance, role, now_s)
+
+    def state(self) -> dict[str, Any]:
+        return self.policy.state()
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self.policy.restore_state(state)
 
     def snapshot(self) -> dict[str, object]:
         """Refused and deferred requests by class, the bounds, the deferral waits."""

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aegaeon_sched.request import InstanceId, Request
 
@@ -145,6 +145,10 @@ class Policy(Protocol):
 
     def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]: ...
 
+    def state(self) -> dict[str, Any]: ...
+
+    def restore_state(self, state: dict[str, Any]) -> None: ...
+
 
 class PolicyBase:
     """The defaults of :class:`Policy`'s optional part: a policy overrides what it uses."""
@@ -175,3 +179,12 @@ class PolicyBase:
 
     def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
         raise ValueError(f"roles do not move under this policy ({instance!r} to {role})")
+
+    def state(self) -> dict[str, Any]:
+        """The picture it keeps between events, as plain data a store holds (a
+        request-level baseline's: ``aegaeon_sched.shared_baselines``)."""
+        raise TypeError(f"policy {type(self).__name__} keeps no baseline state")
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Take back :meth:`state`'s picture (freshly built, with its instances)."""
+        raise TypeError(f"policy {type(self).__name__} keeps no baseline state")

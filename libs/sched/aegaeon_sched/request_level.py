@@ -29,12 +29,15 @@ a queued request of another model waits until some instance drains.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aegaeon_sched.actions import Action, Cancel, PolicyBase, RunOnInstance
 from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.request import InstanceId, Request
+from aegaeon_sched.shared import request_from_state, request_state
 
 
 @dataclass
@@ -69,6 +72,38 @@ class RequestLevelPolicy(PolicyBase):
         self._queued_ids: set[str] = set()
         self._seq = 0
         self._instance_of: dict[str, InstanceId] = {}
+
+    # ---- its picture as plain data (a store holds it between events) --------
+    def state(self) -> dict[str, Any]:
+        instances = {
+            name: [s.model, [request_state(r) for r in s.running.values()],
+                   s.reserved_tokens, None if math.isinf(s.last_used_s) else s.last_used_s]
+            for name, s in self.instances.items()
+        }  # fmt: skip
+        queued = [[list(key), seq, request_state(r)] for heap in self._queues.values()
+                  for key, seq, r in heap if r.request_id in self._queued_ids]  # fmt: skip
+        return {"instances": instances, "queued": sorted(queued), "seq": self._seq}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """An instance the state names that this policy does not have is dropped with
+        what it held."""
+        for name, (model, running, reserved, last_used) in state["instances"].items():
+            unified = self.instances.get(name)
+            if unified is None:
+                continue
+            requests = [request_from_state(r) for r in running]
+            unified.model = model
+            unified.running = {r.request_id: r for r in requests}
+            unified.reserved_tokens = int(reserved)
+            unified.last_used_s = -math.inf if last_used is None else float(last_used)
+            for request in requests:
+                self._instance_of[request.request_id] = name
+        for key, seq, raw in state["queued"]:
+            request = request_from_state(raw)
+            heap = self._queues.setdefault(request.switch_unit, [])
+            heapq.heappush(heap, ((float(key[0]), float(key[1])), int(seq), request))
+            self._queued_ids.add(request.request_id)
+        self._seq = int(state["seq"])
 
     # ---- the global queue ----------------------------------------------
     @property

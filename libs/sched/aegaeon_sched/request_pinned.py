@@ -35,10 +35,12 @@ running batch here always completes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from aegaeon_sched.actions import Action
 from aegaeon_sched.request import InstanceId, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
+from aegaeon_sched.shared import request_from_state, request_state
 
 
 class PinnedRequestLevelPolicy(RequestLevelPolicy):
@@ -117,6 +119,18 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
             del self._pinned_at[request.request_id]
             taken.append(self._run(instance, request, now_s))
         return taken
+
+    def state(self) -> dict[str, Any]:
+        pinned = {n: [request_state(r) for r in q] for n, q in self.pinned.items()}
+        return {**super().state(), "pinned": pinned}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        super().restore_state(state)
+        for name, queue in state.get("pinned", {}).items():
+            if name in self.pinned:
+                self.pinned[name] = [request_from_state(r) for r in queue]
+                for raw in queue:
+                    self._pinned_at[str(raw[0])] = name
 
     def _release(self, request_id: str, now_s: float) -> list[Action]:
         instance = self._pinned_at.pop(request_id, None)

@@ -13,6 +13,7 @@ slot cannot be served: their requests are rejected (``Reject`` code
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from aegaeon_sched.actions import Action, Cancel, PolicyBase, Reject, RunOnInstance
 from aegaeon_sched.request import InstanceId, Request
@@ -103,3 +104,9 @@ class StaticMuxPolicy(PolicyBase):
     def on_request_cancelled(self, request_id: str, now_s: float) -> list[Action]:
         instance = self._instance_of.pop(request_id, None)
         return [Cancel(instance, request_id)] if instance is not None else []
+
+    def state(self) -> dict[str, Any]:
+        return {"bound": dict(self._instance_of)}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        self._instance_of = {str(k): str(v) for k, v in state["bound"].items()}
