@@ -100,7 +100,7 @@ from aegaeon_common.registry import (
     request_key,
 )
 from aegaeon_common.store import StoreError
-from aegaeon_common.transport import Puller, Pusher, release_security
+from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
 from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
@@ -127,7 +127,7 @@ from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.models import ReplicaModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
-from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, reload_lifting, watch_caches
+from aegaeon_proxy.cluster.quarantine import WATCH_S
 from aegaeon_proxy.cluster.registry import REFRESH_S, DecodeShares, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
@@ -227,9 +227,7 @@ class ClusterBackend(Backend):
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
                        (self._receive(), self._refresh_loop(), self._beat_loop(),
-                        self._reap_loop(),
-                        watch_caches(self._poll_unavailable, self._found_unavailable,
-                                     lambda: self._closing))]  # fmt: skip
+                        self._reap_loop(), self._unavailable_loop())]  # fmt: skip
         self._tasks += [loop.create_task(self._watch(name)) for name in self.local.expected]
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
@@ -322,19 +320,19 @@ class ClusterBackend(Backend):
         await self.models.add(model)
 
     async def forget_model(self, name: str) -> bool:
-        return await self.models.ops.forget(name)
+        return await self.models.forget(name)
 
     async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.models.ops.set_flags(name, pinned=pinned, preload=preload)
+        await self.models.set_flags(name, pinned=pinned, preload=preload)
 
     async def model_cache(self) -> dict[str, Any] | None:
         return await self.caches.model_cache(self.view.live.values())
 
     async def set_model_awake(self, name: str, awake: bool) -> bool:
-        return await self.models.ops.set_awake(name, awake)
+        return await self.models.set_awake(name, awake)
 
     def model_sleeping(self, name: str) -> bool:
-        return self.models.ops.sleeping(name)
+        return self.models.sleeping(name)
 
     async def publish_served(self, name: str, model: ModelConfig | None) -> None:
         await self.models.publish(name, model)
@@ -350,23 +348,18 @@ class ClusterBackend(Backend):
         await self.models.publish_unavailable(name, why, time.time())
 
     async def reload_model(self, model: ModelConfig) -> None:
-        async def mark(why: str | None, at: float) -> None:
-            await self.models.publish_unavailable(model.name, why, at)
+        await self.models.reload(model)
 
-        await reload_lifting(self.models.reload(model), mark)
-
-    async def _poll_unavailable(self) -> dict[str, str]:
-        # (a node whose cachemgr died keeps its records until their TTL: not waited for)
-        cache = await self.caches.model_cache(self.view.live.values(), POLL_TIMEOUT_S)
-        if cache is None:
-            raise BackendError.unavailable("no node's cachemgr answered")
-        return dict(cache.get("unavailable", {}))
-
-    async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
-        for name, why in models.items():
-            if name not in self.models.quarantine.models:
-                await self.models.publish_unavailable(name, why, asked_at)
-        self._checked = True  # (ready: the cachemgrs' unreadable models are known here)
+    async def _unavailable_loop(self) -> None:
+        """Every :data:`WATCH_S`, the cachemgrs' unreadable models, shared; a failed poll
+        is tried again at the next turn (a cachemgr or the store may be restarting)."""
+        while not self._closing:
+            try:
+                await self.models.check_unavailable(time.time())
+                self._checked = True  # (ready: the cachemgrs' unreadable models are known)
+            except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
+                log.debug("unavailable_models_poll_failed", error=repr(exc))
+            await asyncio.sleep(WATCH_S)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         def build(base: bytes | None, version: int) -> bytes:
@@ -801,7 +794,7 @@ class ClusterBackend(Backend):
                 self.models.on_joined(record)
             for record in left:
                 self._instance_left(record)
-            self.models.ops.changed()  # waits on the instances look again
+            self.models.changed()  # waits on the instances look again
             for record in self.view.live.values():
                 # a prefill instance decodes when idle; with roles moving, a decode one
                 # prefills: either's decode share is what its prefills leave

@@ -6,23 +6,17 @@ instance that meets one fails the work for it with ``model_unavailable``; an adm
 operation (an add, a pin) gets ``checkpoint_error`` back. Each of these reaches the
 backend's :class:`Quarantine`, which tells the front (the model table answers 503
 ``model_unavailable`` from then on) until a reload lifts it. Every proxy polls the
-cachemgrs (:func:`watch_caches`) and shares the set through the store
+cachemgrs (every :data:`WATCH_S`) and shares the set through the store
 (``cluster.models``), so that every proxy refuses the model as soon as one learnt it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from aegaeon_common.logs import get_logger
-from aegaeon_common.store import StoreError
-from aegaeon_common.transport import RemoteError
 
-from aegaeon_proxy.backend import BackendError
-
-__all__ = ["POLL_TIMEOUT_S", "WATCH_S", "Quarantine", "reload_lifting", "watch_caches"]
+__all__ = ["POLL_TIMEOUT_S", "WATCH_S", "Quarantine"]
 
 log = get_logger("cluster")
 
@@ -75,36 +69,3 @@ class Quarantine:
     def _tell(self, name: str, why: str | None) -> None:
         if self._apply is not None:
             self._apply(name, why)
-
-
-async def watch_caches(poll: Callable[[], Awaitable[dict[str, str]]],
-                       found: Callable[[dict[str, str], float], Awaitable[None]],
-                       closing: Callable[[], bool]) -> None:  # fmt: skip
-    """Every :data:`WATCH_S`: ``poll()`` the cachemgrs' unreadable models and hand them
-    (maybe none) to ``found(models, asked_at)`` (``asked_at``: the wall-clock time the
-    poll began), until ``closing()``. A failed poll is tried again at the next turn (a
-    cachemgr or the store may be restarting)."""
-    while not closing():
-        asked_at = time.time()
-        try:
-            await found(await poll(), asked_at)
-        except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
-            log.debug("unavailable_models_poll_failed", error=repr(exc))
-        await asyncio.sleep(WATCH_S)
-
-
-async def reload_lifting(
-    reload: Awaitable[None], mark: Callable[[str | None, float], Awaitable[object]]
-) -> None:
-    """Run a model's ``reload``; ``mark(why, at)`` quarantines the model (``why``) or lifts
-    it (None) as of ``at``: lifted as of the reload's start once it succeeds; one that
-    finds the checkpoint unreadable still is quarantined again for what is wrong now."""
-    began = time.time()
-    try:
-        await reload
-    except BackendError as exc:
-        if exc.code == "model_unavailable":
-            await mark(None, began)
-            await mark(exc.message, time.time())
-        raise
-    await mark(None, began)
