@@ -305,10 +305,6 @@ class ClusterBackend(Backend):
                               sum(x.kv_capacity_bytes for x in decoding),
                               host_used, host_capacity)  # fmt: skip
 
-    def held_counts(self) -> tuple[int, int]:
-        """Requests held here: (waiting for a prefill instance, for a decode one)."""
-        return len(self.held), len(self.held_decode)
-
     def context_limit(self, model: str) -> int | None:
         limits = [r.capacity_tokens[model] for r in self.view.live.values()
                   if model in r.capacity_tokens]  # fmt: skip
@@ -572,12 +568,6 @@ class ClusterBackend(Backend):
     async def cancel(self, request_id: str) -> None:
         self.table.cancel(request_id)
 
-    def end_request(
-        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
-    ) -> Tracked | None:
-        """The request is over here: close its stream, free its shared state."""
-        return self.table.end(request_id, reason, error, code)
-
     async def _forget(self, request_id: str, where: Where | None) -> None:
         if where is not None:
             await self._unqueue(request_id, where)
@@ -593,8 +583,8 @@ class ClusterBackend(Backend):
         self.store_health.troubled()
         self.counters["store_errors"] += 1
         log.warning("store_error", request_id=request_id, error=str(exc))
-        self.end_request(request_id, "error", f"the shared store failed: {exc}",
-                         code=STORE_UNAVAILABLE)  # fmt: skip
+        self.table.end(request_id, "error", f"the shared store failed: {exc}",
+                       code=STORE_UNAVAILABLE)  # fmt: skip
 
     async def _put_meta(self, tracked: Tracked, state: str) -> None:
         gen = tracked.gen

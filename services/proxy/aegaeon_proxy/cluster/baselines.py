@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
@@ -34,8 +33,7 @@ from aegaeon_common.registry import (
     decode_queue,
     encode_queue,
 )
-from aegaeon_common.store import Store, StoreError
-from aegaeon_common.wire import Message
+from aegaeon_common.store import StoreError
 from aegaeon_sched import (
     Action,
     Cancel,
@@ -49,35 +47,16 @@ from aegaeon_sched import (
 )
 from aegaeon_sched.shared_baselines import restore, snapshot
 
-from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.tracked import Tracked, Where
+
+if TYPE_CHECKING:
+    from aegaeon_proxy.cluster.backend import ClusterBackend
 
 log = get_logger("cluster")
 
 __all__ = ["Baselines"]
 
 ARENA_SLACK_BYTES = 1 << 20
-
-
-class BaselineHost(Protocol):
-    """What the baselines need of the backend (``cluster.backend``)."""
-
-    config: Config
-    store: Store
-    view: RegistryView
-    report_address: str
-    where: dict[str, Where]
-    held: dict[str, Tracked]
-
-    @property
-    def requests(self) -> Mapping[str, Tracked]: ...
-
-    def end_request(self, request_id: str, reason: str, error: str | None = None,
-                    code: str | None = None) -> object: ...  # fmt: skip
-
-    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
-
-    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
 
 
 def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
@@ -102,7 +81,7 @@ def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
 class Baselines:
     """A baseline's placement over the store (see the module)."""
 
-    def __init__(self, host: BaselineHost) -> None:
+    def __init__(self, host: ClusterBackend) -> None:
         self.host = host
         self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
 
@@ -185,6 +164,6 @@ class Baselines:
             await self.host._send(record, CancelRequest(action.request_id))
 
     async def _reject(self, action: Reject, by_id: dict[str, InstanceRecord]) -> None:
-        self.host.end_request(action.request.request_id, "error", action.reason,
-                              action.code or None)  # fmt: skip
+        self.host.table.end(action.request.request_id, "error", action.reason,
+                            action.code or None)  # fmt: skip
 

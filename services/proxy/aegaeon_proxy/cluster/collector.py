@@ -6,40 +6,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-from aegaeon_common.store import Store
 from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import ReplicaRoles, RoleSwitcher
+from aegaeon_proxy.cluster.roles import RoleSwitcher
+
+if TYPE_CHECKING:
+    from aegaeon_proxy.cluster.backend import ClusterBackend
 
 __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
-
-
-class CollectedBackend(Protocol):
-    """What a scrape reads of the backend (``cluster.backend``)."""
-
-    @property
-    def view(self) -> RegistryView: ...
-
-    @property
-    def table(self) -> RequestTable: ...
-
-    @property
-    def roles(self) -> ReplicaRoles: ...
-
-    @property
-    def store(self) -> Store: ...
-
-    def down(self) -> list[str]: ...
-
-    def held_counts(self) -> tuple[int, int]: ...
 
 
 class BackendCollector(Collector):
@@ -47,7 +28,7 @@ class BackendCollector(Collector):
     registry lists them (one node: every instance it runs, up or not), requests,
     roles, what is held, the store's transactions."""
 
-    def __init__(self, backend: CollectedBackend) -> None:
+    def __init__(self, backend: ClusterBackend) -> None:
         self._b = backend
 
     def collect(self) -> Iterator[Metric]:
@@ -72,9 +53,8 @@ class BackendCollector(Collector):
             "Requests waiting in the proxy because no instance of a stage takes work now",
             labels=["stage"],
         )  # fmt: skip
-        arrivals, placements = b.held_counts()
-        held.add_metric(["prefill"], float(arrivals))
-        held.add_metric(["decode"], float(placements))
+        held.add_metric(["prefill"], float(len(b.held)))
+        held.add_metric(["decode"], float(len(b.held_decode)))
         yield held
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
                                  labels=["outcome"])  # fmt: skip
