@@ -509,7 +509,6 @@ class ClusterBackend(Backend):
             await self._unqueue(rid, where)
             return
         self.where[rid] = where
-        tracked.instance = instance
         await self._send(record, tracked.prefill_message(group_id, key_s, record.incarnation,
                                                          self.report_address))  # fmt: skip
         with contextlib.suppress(StoreError):
@@ -559,7 +558,6 @@ class ClusterBackend(Backend):
             await self._unqueue(rid, where)
             return False
         self.where[rid] = where
-        tracked.instance = instance
         await self._send(record, msg)
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "decoding")

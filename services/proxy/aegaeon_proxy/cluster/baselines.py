@@ -154,7 +154,6 @@ class Baselines:
             return
         self.host.where[rid] = Where(action.instance, record.incarnation, record.node, BASELINE,
                                      "run")  # fmt: skip
-        tracked.instance = action.instance
         await self.host._send(record, tracked.run_message(record.incarnation,
                                                           self.host.report_address))  # fmt: skip
 

@@ -334,7 +334,6 @@ class RequestTable:
             return  # it ended meanwhile (another's end released room and placed work)
         if tracked.num_generated == 0 and tracked.retries < MAX_RETRIES:
             tracked.retries += 1
-            tracked.instance = None
             self.counters["retried"] += 1
             if self.admission is not None:
                 self.admission.requeued(request_id, len(tracked.gen.prompt_token_ids))

@@ -28,7 +28,6 @@ class Tracked:
     sched: Request
     sampling: SamplingParams
     queue: TokenQueue
-    instance: str | None = None  # where it is now (policy InstanceId)
     num_generated: int = 0
     first_token_id: int | None = None
     handoff: KVHandoff | None = None
