@@ -102,7 +102,7 @@ from aegaeon_common.registry import (
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import NoInstance, percentile
+from aegaeon_sched import DecodeShare, NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
     group_key_s,
@@ -128,7 +128,7 @@ from aegaeon_proxy.cluster.models import ReplicaModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.policy import Member, bounds_of
 from aegaeon_proxy.cluster.quarantine import WATCH_S
-from aegaeon_proxy.cluster.registry import REFRESH_S, DecodeShares, RegistryView, StoreHealth
+from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import ReplicaRoles
@@ -184,8 +184,8 @@ class ClusterBackend(Backend):
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
         self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
-        self._shares = DecodeShares()
-        self._decode_shares: dict[str, float] = {}
+        # each hybrid instance's share of time left for decoding, from its records' beats
+        self._decode_shares: dict[str, DecodeShare] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
@@ -526,7 +526,7 @@ class ClusterBackend(Backend):
         keys = [RegistryView.queue_key(r, "decode") for r in candidates]
         by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
-        shares = {i: s for i, s in self._decode_shares.items() if i in by_id}
+        shares = {i: s.share for i, s in self._decode_shares.items() if i in by_id}
         # with roles moving, an instance in the prefill role takes new decode requests
         # only while no decode-role one keeps up (as on one node)
         reserved = {r.instance_id for r in candidates
@@ -788,8 +788,9 @@ class ClusterBackend(Backend):
                 # prefills: either's decode share is what its prefills leave
                 prefills = record.kind == "prefill" or self.config.role_switching
                 if prefills and self.config.hybrid_prefill:
-                    share = self._shares.observe(record.instance_id, record.load.prefill_s)
-                    self._decode_shares[record.instance_id] = share
+                    share = self._decode_shares.setdefault(record.instance_id,
+                                                           DecodeShare(min_interval_s=0.0))
+                    share.observe(time.monotonic(), record.load.prefill_s)
             for rid, where in list(self.where.items()):
                 if not self.view.alive(where.instance, where.incarnation):
                     self._lost(rid, where)
