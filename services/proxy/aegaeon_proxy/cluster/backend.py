@@ -1048,7 +1048,7 @@ class ClusterBackend(Backend):
         out["latency"] = {r.instance_id: to_plain(r.latency) for r in self.view.live.values()
                           if r.latency is not None}  # fmt: skip
         out["layout"] = layout_of(self.config)
-        out["timings"] = self.table.timings.plain()
+        out["timings"] = list(self.table.timings)
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.local.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.local.turns]
         return out

@@ -16,17 +16,19 @@ while (:data:`RECENT_IDS`) so its late tokens are not taken for a stranger's.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Protocol
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import PrefillDone, StepTokens
+from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.wire import to_plain
 from aegaeon_sched import Request, Shedder, Verdict
 from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenQueue
-from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
+from aegaeon_proxy.cluster.tracked import Tracked, deliver, merge_timings, step_batch
 from aegaeon_proxy.slo_classes import class_table
 from aegaeon_proxy.vllm_metrics import EngineSteps
 
@@ -89,7 +91,8 @@ class RequestTable:
         self.where = where  # how a 429 names what is full ("the node", "this replica")
         self.requests: dict[str, Tracked] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.timings = TimingLog(config.proxy.stats_records)
+        # where each ended request's time went (the Fig. 14 breakdown), for the stats
+        self.timings: deque[dict[str, object]] = deque(maxlen=config.proxy.stats_records)
         self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
         self.shedder = make_shedder(config)
         self.admission: AdmissionControl | None = None  # once bounds are known
@@ -224,7 +227,7 @@ class RequestTable:
             return None
         self._forget(request_id)
         self.counters["cancelled"] += 1
-        self.timings.add(tracked, "cancelled", None)
+        self._timed(tracked, "cancelled", None)
         self._unplace(tracked, cancelled=True)
         tracked.queue.finish("cancelled")
         self.release_deferred()
@@ -247,6 +250,14 @@ class RequestTable:
 
     def ended_lately(self, request_id: str) -> bool:
         return request_id in self._ended
+
+    def _timed(self, tracked: Tracked, reason: str, timings: RequestTimings | None) -> None:
+        gen = tracked.gen
+        self.timings.append({
+            "request_id": gen.request_id, "model": gen.model, "arrival_s": gen.arrival_s,
+            "finish_reason": reason, "num_tokens": tracked.num_generated,
+            **to_plain(merge_timings(tracked.prefill_timings, timings)),
+        })  # fmt: skip
 
     # ---- reports -------------------------------------------------------------
     def prefilled(self, msg: PrefillDone, owner: str) -> Tracked | None:
@@ -282,7 +293,7 @@ class RequestTable:
         if tracked.open_seqs:
             return False
         reason = msg.finish_reason or "stop"
-        self.timings.add(tracked, reason, msg.timings)
+        self._timed(tracked, reason, msg.timings)
         self.end(msg.request_id, reason)
         return True
 
@@ -308,7 +319,7 @@ class RequestTable:
             if deliver(tracked, item.token_ids, reason, item.timings, index=item.index,
                        logprobs=item.logprobs):
                 assert reason is not None
-                self.timings.add(tracked, reason, item.timings)
+                self._timed(tracked, reason, item.timings)
                 self.end(item.request_id, reason)
             else:
                 progressed.append(item.request_id)
@@ -320,7 +331,7 @@ class RequestTable:
         tracked = self.requests.get(request_id)
         if tracked is None:
             return
-        self.timings.add(tracked, "error", None)
+        self._timed(tracked, "error", None)
         log.warning("request_failed", request_id=request_id, model=tracked.gen.model,
                     instance=instance, code=code, error=message)  # fmt: skip
         error = message if code == "model_unavailable" else f"{instance}: {code}: {message}"
