@@ -100,12 +100,12 @@ def test_hellos_and_heartbeats_become_records_and_a_first_hello_is_answered(
     local.note_holdings("prefill", 0, Holdings(5, 0, 0, 1))
     local.note_holdings("prefill", 0, Holdings(4, 9, 9, 1))
     local.note_holdings("prefill", 0, Holdings(9, 9, 9, 2))  # another process's
-    assert dict(local)["prefill-0"].holdings == Holdings(5, 0, 0, 1)
+    assert local.instances["prefill-0"].holdings == Holdings(5, 0, 0, 1)
     # a restarted process: a new record (the replicas' refresh sees the old one leave)
     local.on_hello(_hello(pid=11, incarnation=2))
     record = sink.records["prefill-0"]
     assert record is not None and (record.pid, record.incarnation) == (11, 2)
-    assert record.load.open_sequences == 0 and dict(local)["prefill-0"].holdings is None
+    assert record.load.open_sequences == 0 and local.instances["prefill-0"].holdings is None
 
 
 def test_a_drain_is_acknowledged_and_counts_as_restarting(tmp_path: Path) -> None:

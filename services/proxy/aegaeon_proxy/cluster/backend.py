@@ -195,7 +195,8 @@ class ClusterBackend(Backend):
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._checked = False  # the cachemgrs' unreadable models were read once
         # one node: the instances report here and this replica writes their records
-        self.local = LocalRegistrar(config, self._put_record, self._send_record)
+        self.local = LocalRegistrar(config, self._put_record,
+                                    lambda record, msg: self._spawn(self._send(record, msg)))
         # a request-level baseline's placement (its picture in the store), else Aegaeon's
         self.baselines = Baselines(self) if config.unified else None
         # models added, removed, put to sleep and woken on every node; the served set
@@ -226,7 +227,8 @@ class ClusterBackend(Backend):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
-                       (self._receive(), self._refresh_loop(), self._beat_loop(),
+                       (receive_reports(self._reports, self._handlers, self.counters),
+                        self._refresh_loop(), self._beat_loop(),
                         self._reap_loop(), self._unavailable_loop())]  # fmt: skip
         self._tasks += [loop.create_task(self._watch(name)) for name in self.local.expected]
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
@@ -414,10 +416,7 @@ class ClusterBackend(Backend):
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
-        if self.baselines is not None:
-            self._spawn(self.baselines.dispatch(tracked, again=True))
-        else:
-            self._spawn(self._dispatch_prefill(tracked))
+        self._spawn(self._dispatch(tracked, again=True))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
         """Out of its shared queue and the store; a cancel reaches its instance (at its
@@ -461,9 +460,11 @@ class ClusterBackend(Backend):
             return
         await self._dispatch(tracked)
 
-    async def _dispatch(self, tracked: Tracked) -> None:
+    async def _dispatch(self, tracked: Tracked, again: bool = False) -> None:
+        """``again``: its instance failed before its first token (a baseline drops its
+        binding there first)."""
         if self.baselines is not None:
-            await self.baselines.dispatch(tracked)
+            await self.baselines.dispatch(tracked, again)
         else:
             await self._dispatch_prefill(tracked)
 
@@ -506,7 +507,7 @@ class ClusterBackend(Backend):
         record, key = by_id[instance]
         where = Where(instance, record.incarnation, record.node, key, "prefill")
         if rid not in self.requests:  # cancelled while deciding: undo the booking
-            await self._unqueue(rid, where)
+            await self._unqueue(rid, where.queue)
             return
         self.where[rid] = where
         await self._send(record, tracked.prefill_message(group_id, key_s, record.incarnation,
@@ -514,11 +515,20 @@ class ClusterBackend(Backend):
         with contextlib.suppress(StoreError):
             await self._put_meta(tracked, "queued")
 
-    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> bool:
+    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> None:
         """Algorithm 2's placement over the decode-capable instances of the prefill's
-        node; True once the request was sent to one (its handoff is that instance's to
-        claim) or is held for one (none takes work now: placed when one does)."""
+        node: the request is sent to one (its handoff is that instance's to claim) or
+        held for one (none takes work now: placed when one does). One ended or cancelled
+        before its placement, or not placed: its KV handoff is still leased to the
+        prefill instance, which frees it on a cancel."""
         rid = tracked.gen.request_id
+        if not await self._placed_decode(tracked, prefilled):
+            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
+
+    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
+        rid = tracked.gen.request_id
+        if rid not in self.requests:
+            return False
         candidates = self.view.decode_candidates(prefilled.node)
         if not candidates:
             self.held_decode[rid] = (tracked, prefilled)
@@ -555,7 +565,7 @@ class ClusterBackend(Backend):
         where = Where(instance, record.incarnation, record.node, key, "decode")
         msg = tracked.decode_message(batch_id, record.incarnation, self.report_address)
         if rid not in self.requests or msg is None:
-            await self._unqueue(rid, where)
+            await self._unqueue(rid, where.queue)
             return False
         self.where[rid] = where
         await self._send(record, msg)
@@ -568,19 +578,35 @@ class ClusterBackend(Backend):
 
     async def _forget(self, request_id: str, where: Where | None) -> None:
         if where is not None:
-            await self._unqueue(request_id, where)
+            await self._unqueue(request_id, where.queue)
         with contextlib.suppress(StoreError):
             await self.store.delete(request_key(request_id))
             await self.store.set_remove(proxy_requests_key(self.proxy_id), request_id)
 
-    async def _unqueue(self, request_id: str, where: Where) -> None:
-        """Take the request out of its instance's shared queue (a no-op if not there)."""
-        await _unqueue(self.store, where.queue, request_id, self.config.scheduler.max_group_size)
+    async def _unqueue(self, request_id: str, queue: str) -> None:
+        """Take the request out of the shared queue at ``queue`` (prefill or decode; a
+        no-op if not there, or gone with its instance)."""
+        prefill = queue.startswith("pq:")
+        max_group = self.config.scheduler.max_group_size
 
-    def _store_failed(self, request_id: str, exc: StoreError) -> None:
+        def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            if values[0] is None:
+                return {}, None
+            state, removed = remove_requests(decode_queue(values[0]), (request_id,), prefill,
+                                             max_group)  # fmt: skip
+            return ({queue: encode_queue(state)} if removed else {}), None
+
+        with contextlib.suppress(StoreError):
+            await self.store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
+
+    def _store_trouble(self, event: str, exc: StoreError, **fields: object) -> None:
+        """The store failed an operation: no record missing is a death for a TTL."""
         self.store_health.troubled()
         self.counters["store_errors"] += 1
-        log.warning("store_error", request_id=request_id, error=str(exc))
+        log.warning(event, error=str(exc), **fields)
+
+    def _store_failed(self, request_id: str, exc: StoreError) -> None:
+        self._store_trouble("store_error", exc, request_id=request_id)
         self.table.end(request_id, "error", f"the shared store failed: {exc}",
                        code=STORE_UNAVAILABLE)  # fmt: skip
 
@@ -611,9 +637,6 @@ class ClusterBackend(Backend):
         await pusher.send(msg)
 
     # ---- reports -------------------------------------------------------------
-    async def _receive(self) -> None:
-        await receive_reports(self._reports, self._handlers, self.counters)
-
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         where = self.where.get(msg.request_id)
@@ -654,12 +677,8 @@ class ClusterBackend(Backend):
             return
         if self.where.get(rid) is where:
             del self.where[rid]  # out of the prefill queue; not placed yet
-        if self.table.finish_first(tracked, msg):
-            return
-        if not (rid in self.requests and await self._place_decode(tracked, where)):
-            # ended or cancelled before its placement, or no placement: the KV handoff
-            # is still leased to the prefill instance, which frees it on this cancel
-            await self._send_to(where, CancelRequest(rid, free_handoff=True))
+        if not self.table.finish_first(tracked, msg):
+            await self._place_decode(tracked, where)
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
         # before the request ends: once its client has the answer, the stats no
@@ -694,15 +713,9 @@ class ClusterBackend(Backend):
                 else:
                     await self.store.delete(instance_key(record.instance_id))
             except StoreError as exc:
-                self.store_health.troubled()
-                self.counters["store_errors"] += 1
-                log.warning("registry_write_failed", instance=record.instance_id,
-                            error=str(exc))  # fmt: skip
+                self._store_trouble("registry_write_failed", exc, instance=record.instance_id)
 
         self._spawn(write())
-
-    def _send_record(self, record: InstanceRecord, msg: Message) -> None:
-        self._spawn(self._send(record, msg))
 
     def _on_draining(self, msg: InstanceDraining) -> None:
         """Send the instance no new work; the ack follows everything sent to it so far."""
@@ -747,12 +760,7 @@ class ClusterBackend(Backend):
                                 "gone (its heartbeat expired)")  # fmt: skip
             elif self.view.decode_candidates(prefilled.node):
                 del self.held_decode[rid]
-                self._spawn(self._place_held(tracked, prefilled))
-
-    async def _place_held(self, tracked: Tracked, prefilled: Where) -> None:
-        rid = tracked.gen.request_id
-        if not (rid in self.requests and await self._place_decode(tracked, prefilled)):
-            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
+                self._spawn(self._place_decode(tracked, prefilled))
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
@@ -887,9 +895,7 @@ class ClusterBackend(Backend):
                     if tracked is not None:
                         await self._put_meta(tracked, "decoding")
             except StoreError as exc:
-                self.store_health.troubled()
-                self.counters["store_errors"] += 1
-                log.warning("beat_failed", error=str(exc))
+                self._store_trouble("beat_failed", exc)
             await asyncio.sleep(BEAT_S)
 
     async def _reap_loop(self) -> None:
@@ -908,9 +914,7 @@ class ClusterBackend(Backend):
                                                       self.proxy_id.encode(), REAP_LEASE_S):
                         await self._reap(proxy_id)
             except StoreError as exc:
-                self.store_health.troubled()
-                self.counters["store_errors"] += 1
-                log.warning("reap_failed", error=str(exc))
+                self._store_trouble("reap_failed", exc)
 
     async def _reap(self, proxy_id: str) -> None:
         """A dead replica's requests: cancelled at their instances, out of the queues.
@@ -950,10 +954,9 @@ class ClusterBackend(Backend):
                 record = self.view.live.get(instance)
                 if record is not None:  # (a handoff its replica never placed is freed)
                     await self._send(record, CancelRequest(rid, free_handoff=free))
-        max_group = self.config.scheduler.max_group_size
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
-                await _unqueue(self.store, queue, rid, max_group)
+                await self._unqueue(rid, queue)
         await self.store.delete(*(request_key(r) for r in rids), proxy_requests_key(proxy_id))
         await self.store.set_remove(PROXIES, proxy_id)
         self.counters["reaped"] += len(rids)
@@ -988,7 +991,7 @@ class ClusterBackend(Backend):
         heartbeat, or a newer message about a request on one node), host KV blocks its
         node's cachemgr leases to it (``-1``: that cachemgr did not answer). All 0 on
         an idle deployment that leaked nothing."""
-        local = dict(self.local)
+        local = self.local.instances
         out: list[dict[str, object]] = []
         for r in self.view.live.values():
             cache = caches.get(r.node)
@@ -1030,7 +1033,7 @@ class ClusterBackend(Backend):
             # records' loads are in `instances`)
             "instance_stats": {
                 name: to_plain(local.stats) if local.stats is not None else None
-                for name, local in self.local
+                for name, local in self.local.instances.items()
             },
             "cache": cache,
             "nodes": sorted({r.node for r in self.view.live.values()}),
@@ -1073,17 +1076,3 @@ def _store_down(why: object) -> BackendError:
     that restarts is back within seconds)."""
     return BackendError.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
 
-
-async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int) -> None:
-    """Take ``request_id`` out of the shared queue at ``queue`` (prefill or decode)."""
-    prefill = queue.startswith("pq:")
-
-    def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-        if values[0] is None:
-            return {}, None  # the instance is gone and its queue with it
-        state, removed = remove_requests(decode_queue(values[0]), (request_id,), prefill,
-                                         max_group_size)  # fmt: skip
-        return ({queue: encode_queue(state)} if removed else {}), None
-
-    with contextlib.suppress(StoreError):
-        await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)

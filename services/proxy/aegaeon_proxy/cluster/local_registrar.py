@@ -30,7 +30,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -96,9 +96,6 @@ class LocalRegistrar:
         self._said_started: set[str] = set()  # ProxyStarted went to these (this process)
         self.switches: deque[tuple[str, SwitchRecord]] = deque(maxlen=config.proxy.stats_records)
         self.turns: deque[tuple[str, TurnRecord]] = deque(maxlen=config.proxy.stats_records)
-
-    def __iter__(self) -> Iterator[tuple[str, _Local]]:
-        return iter(self.instances.items())
 
     def on_hello(self, msg: InstanceHello) -> None:
         name = f"{msg.kind}-{msg.index}"
@@ -175,7 +172,7 @@ class LocalRegistrar:
 
     def leave(self) -> None:
         """This proxy stops: each instance up hears that nothing more comes from it."""
-        for _, local in self:
+        for local in self.instances.values():
             if local.written_s > 0.0:
                 self._send(local.record, AckDrain(local.record.pid))
 
