@@ -975,8 +975,8 @@ class ClusterBackend(Backend):
         for name in self.local.expected:  # (one node: every instance it runs, up or not)
             if name not in instances:
                 restarting = self.local.restarting(name, now)  # (after a drain)
-                instances[name] = {"alive": restarting, "pid": self.local.pid(name) if
-                                   restarting else None, "active_model": None}  # fmt: skip
+                pid = self.local.instances[name].record.pid if restarting else None
+                instances[name] = {"alive": restarting, "pid": pid, "active_model": None}
         return {
             "policy": self.config.scheduler.policy,
             "proxy_id": self.proxy_id,

@@ -204,11 +204,6 @@ class LocalRegistrar:
             return False
         return now_s - local.written_s < self.ttl_s or self.restarting(name, now_s)
 
-    def pid(self, name: str) -> int | None:
-        """The process that said hello last as ``name``."""
-        local = self.instances.get(name)
-        return local.record.pid if local is not None else None
-
     def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
         """Its side HTTP server and its node's cachemgr's, once they listen."""
         run_dir = self.config.run_dir

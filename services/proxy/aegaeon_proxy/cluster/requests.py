@@ -203,42 +203,31 @@ class RequestTable:
             ))  # fmt: skip
 
     # ---- ends ----------------------------------------------------------------
-    def end(
-        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
-    ) -> Tracked | None:
-        """The request is over (finished or failed): undo its placement, close its stream."""
+    def end(self, request_id: str, reason: str, error: str | None = None,
+            code: str | None = None, cancelled: bool = False) -> Tracked | None:  # fmt: skip
+        """The request is over (finished, failed: ``reason`` "error", or ``cancelled``: its
+        client went away): undo its placement (at its instance too when cancelled),
+        close its stream."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return None
         self._forget(request_id)
-        if reason == "error":
-            self.counters["failed"] += 1
-            tracked.queue.finish("error", error, code)
+        self.counters["cancelled" if cancelled else "failed" if reason == "error"
+                      else "finished"] += 1  # fmt: skip
+        if cancelled:
+            self._timed(tracked, "cancelled", None)
+        if tracked.deferred:
+            if self.gate is not None:
+                self.gate.cancel(request_id)  # it never was placed
         else:
-            self.counters["finished"] += 1
-        self._unplace(tracked, cancelled=False)
+            self.placement.unplace(tracked, cancelled)
+        if cancelled or reason == "error":
+            tracked.queue.finish("cancelled" if cancelled else "error", error, code)
         self.release_deferred()
         return tracked
 
     def cancel(self, request_id: str) -> Tracked | None:
-        """Its client went away: undo its placement (at its instance too)."""
-        tracked = self.requests.pop(request_id, None)
-        if tracked is None:
-            return None
-        self._forget(request_id)
-        self.counters["cancelled"] += 1
-        self._timed(tracked, "cancelled", None)
-        self._unplace(tracked, cancelled=True)
-        tracked.queue.finish("cancelled")
-        self.release_deferred()
-        return tracked
-
-    def _unplace(self, tracked: Tracked, cancelled: bool) -> None:
-        if tracked.deferred:
-            if self.gate is not None:
-                self.gate.cancel(tracked.gen.request_id)  # it never was placed
-        else:
-            self.placement.unplace(tracked, cancelled)
+        return self.end(request_id, "cancelled", cancelled=True)
 
     def _forget(self, request_id: str) -> None:
         """It ended here: release its admission, remember its id for a while."""
@@ -247,9 +236,6 @@ class RequestTable:
         self._ended[request_id] = None
         if len(self._ended) > RECENT_IDS:
             self._ended.popitem(last=False)
-
-    def ended_lately(self, request_id: str) -> bool:
-        return request_id in self._ended
 
     def _timed(self, tracked: Tracked, reason: str, timings: RequestTimings | None) -> None:
         gen = tracked.gen
@@ -308,7 +294,7 @@ class RequestTable:
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
-                if item.finish_reason is None and not self.ended_lately(item.request_id):
+                if item.finish_reason is None and item.request_id not in self._ended:
                     self._forget(item.request_id)
                     self.counters["orphans_cancelled"] += 1
                     log.info("orphan_cancelled", request_id=item.request_id, index=msg.index)
