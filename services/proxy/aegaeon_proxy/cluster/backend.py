@@ -126,7 +126,7 @@ from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.models import ReplicaModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
-from aegaeon_proxy.cluster.policy import Member, bounds_of
+from aegaeon_proxy.cluster.policy import bounds_of
 from aegaeon_proxy.cluster.quarantine import WATCH_S
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
@@ -839,8 +839,7 @@ class ClusterBackend(Backend):
         live = list(self.view.live.values())
         if not any(r.latency is not None for r in live):
             return  # (nothing to derive them from yet: admitted unbounded meanwhile)
-        members = [Member(r.kind, r.latency, r.capacity_tokens, r.node) for r in live]
-        bounds = bounds_of(self.config, members, self._replicas)
+        bounds = bounds_of(self.config, live, self._replicas)
         admission = self.table.admission
         if admission is None or admission.bounds != bounds:
             log.info("admission_bounds", bounds=bounds, replicas=self._replicas)

@@ -3,11 +3,10 @@ records (:func:`bounds_of`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from aegaeon_common.config import Config
-from aegaeon_common.messages.structs import LatencyProfile
+from aegaeon_common.registry import InstanceRecord
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import LatencyModel
 from aegaeon_sched.admission import Bounds, derive_bounds
@@ -15,18 +14,8 @@ from aegaeon_sched.admission import Bounds, derive_bounds
 TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
 
 
-@dataclass(frozen=True)
-class Member:
-    """One instance as the admission bounds see it (its registry record)."""
-
-    kind: str  # "prefill" | "decode"
-    latency: LatencyProfile | None
-    capacity_tokens: Mapping[str, int]  # model -> device KV room in tokens
-    node: str = ""  # its node (one host KV cache per node)
-
-
-def bounds_of(config: Config, members: Iterable[Member], replicas: int = 1) -> Bounds:
-    """``proxy.max_*`` bounds, the unset ones derived from ``members``
+def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int = 1) -> Bounds:
+    """``proxy.max_*`` bounds, the unset ones derived from the instances' ``records``
     (:func:`~aegaeon_sched.admission.derive_bounds`: prefill within the TTFT target, the
     decode instances' KV plus each node's host KV cache). With many proxy replicas,
     each admits on its own: a derived bound is shared by the ``replicas`` evenly (a
@@ -35,7 +24,7 @@ def bounds_of(config: Config, members: Iterable[Member], replicas: int = 1) -> B
     per_token: list[float] = []
     capacities: list[dict[str, int]] = []
     host_kv_tokens: dict[str, int] = {}  # node -> its host KV cache in tokens
-    for m in members:
+    for m in records:
         prefills = config.unified or m.kind == "prefill"
         if prefills and m.latency is not None and m.capacity_tokens:
             latency = LatencyModel.from_dict(to_plain(m.latency))
