@@ -55,7 +55,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq.asyncio
@@ -136,6 +136,7 @@ from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
+_T = TypeVar("_T")
 BEAT_S = 0.5
 REAP_S = 1.0
 REAP_LEASE_S = 10.0
@@ -477,43 +478,22 @@ class ClusterBackend(Backend):
         if not candidates or latency is None:
             self.held[rid] = tracked
             return
-        keys = [RegistryView.queue_key(r, "prefill") for r in candidates]
-        by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         max_group = self.config.scheduler.max_group_size
 
-        def decide(
-            values: list[bytes | None],
-        ) -> tuple[dict[str, bytes | None], tuple[str, int, float | None]]:
-            states = {r.instance_id: decode_queue(v)
-                      for r, v in zip(candidates, values, strict=True)}  # fmt: skip
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
             instance, group_id, state = dispatch_prefill(
                 states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
                 max_group_size=max_group,
             )  # fmt: skip
-            placed = (instance, group_id, group_key_s(state, group_id))
-            return {by_id[instance][1]: encode_queue(state)}, placed
+            return instance, state, (group_id, group_key_s(state, group_id))
 
-        started = time.perf_counter()
+        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
+            return tracked.prefill_message(*placed, record.incarnation, self.report_address)
+
         try:
-            instance, group_id, key_s = await self.store.transact(keys, decide,
-                                                                  ttl_s=QUEUE_TTL_S)  # fmt: skip
+            await self._book(tracked, candidates, "prefill", choose, message)
         except NoInstance:
             self.held[rid] = tracked
-            return
-        except StoreError as exc:
-            self._store_failed(rid, exc)
-            return
-        self.dispatch_s.append(time.perf_counter() - started)
-        record, key = by_id[instance]
-        where = Where(instance, record.incarnation, record.node, key, "prefill")
-        if rid not in self.requests:  # cancelled while deciding: undo the booking
-            await self._unqueue(rid, where.queue)
-            return
-        self.where[rid] = where
-        await self._send(record, tracked.prefill_message(group_id, key_s, record.incarnation,
-                                                         self.report_address))  # fmt: skip
-        with contextlib.suppress(StoreError):
-            await self._put_meta(tracked, "queued")
 
     async def _place_decode(self, tracked: Tracked, prefilled: Where) -> None:
         """Algorithm 2's placement over the decode-capable instances of the prefill's
@@ -533,10 +513,9 @@ class ClusterBackend(Backend):
         if not candidates:
             self.held_decode[rid] = (tracked, prefilled)
             return True
-        keys = [RegistryView.queue_key(r, "decode") for r in candidates]
-        by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
-        shares = {i: s.share for i, s in self._decode_shares.items() if i in by_id}
+        shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
+                  if r.instance_id in self._decode_shares}  # fmt: skip
         # with roles moving, an instance in the prefill role takes new decode requests
         # only while no decode-role one keeps up (as on one node)
         reserved = {r.instance_id for r in candidates
@@ -544,33 +523,55 @@ class ClusterBackend(Backend):
         latency = self.view.latency()
         sched = self.config.scheduler
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
-            states = {r.instance_id: decode_queue(v)
-                      for r, v in zip(candidates, values, strict=True)}  # fmt: skip
+        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
             instance, batch_id, state = place_decode(
                 states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
                 max_batch_size=sched.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return {by_id[instance][1]: encode_queue(state)}, (instance, batch_id)
+            return instance, state, batch_id
+
+        def message(record: InstanceRecord, batch_id: int) -> Message | None:
+            return tracked.decode_message(batch_id, record.incarnation, self.report_address)
+
+        return await self._book(tracked, candidates, "decode", choose, message)
+
+    async def _book(
+        self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
+        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
+        message: Callable[[InstanceRecord, _T], Message | None],
+    ) -> bool:  # fmt: skip
+        """Book the request on one of ``candidates`` in one store transaction: ``choose``
+        picks it from their shared queue states (``stage``'s) and changes its state
+        (decided again on fresh states if another replica wrote one read meanwhile);
+        then ``message`` goes to it. False: the store failed (the request ended), or it
+        ended while deciding, or has no message (the booking undone)."""
+        rid = tracked.gen.request_id
+        keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
+            states = {i: decode_queue(v) for i, v in zip(keys, values, strict=True)}
+            instance, state, result = choose(states)
+            return {keys[instance]: encode_queue(state)}, (instance, result)
 
         started = time.perf_counter()
         try:
-            instance, batch_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
+            instance, result = await self.store.transact(list(keys.values()), decide,
+                                                         ttl_s=QUEUE_TTL_S)  # fmt: skip
         except StoreError as exc:
             self._store_failed(rid, exc)
             return False
         self.dispatch_s.append(time.perf_counter() - started)
-        record, key = by_id[instance]
-        where = Where(instance, record.incarnation, record.node, key, "decode")
-        msg = tracked.decode_message(batch_id, record.incarnation, self.report_address)
+        record = next(r for r in candidates if r.instance_id == instance)
+        where = Where(instance, record.incarnation, record.node, keys[instance], stage)
+        msg = message(record, result)
         if rid not in self.requests or msg is None:
             await self._unqueue(rid, where.queue)
             return False
         self.where[rid] = where
         await self._send(record, msg)
         with contextlib.suppress(StoreError):
-            await self._put_meta(tracked, "decoding")
+            await self._put_meta(tracked, "queued" if stage == "prefill" else "decoding")
         return True
 
     async def cancel(self, request_id: str) -> None:
