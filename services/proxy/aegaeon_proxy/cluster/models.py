@@ -44,7 +44,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +89,7 @@ ADD_TIMEOUT_S = 60.0
 # (from disk when the Model Cache does not hold them)
 AWAKE_TIMEOUT_S = 60.0
 
-__all__ = ["ReplicaModels", "Target", "record_models", "served_changes", "with_change",
+__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change",
            "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
@@ -150,17 +149,6 @@ def served_changes(record: ServedModelsRecord,
     return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
 
 
-@dataclass(frozen=True)
-class Target:
-    """A live instance as the model operations see it."""
-
-    name: str  # how its placement names it ("prefill-0"; "node-1/prefill-0")
-    kind: str  # "prefill" | "decode"
-    models: frozenset[str]  # the models it serves now
-    resident: tuple[str, ...]  # the models on its device, as it last reported
-    work: int  # requests queued and running
-
-
 class ReplicaModels:
     """The model operations over every node's instances and cachemgrs, and the models
     the proxies share (see the module). ``send`` sends to an instance's record;
@@ -193,7 +181,7 @@ class ReplicaModels:
         self._answered_models: dict[str, frozenset[str]] = {}  # ... and its models then
         self._awake_answered: dict[str, int] = {}
         # instance -> (incarnation, residency version, models on its device): its answers
-        self._resident: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+        self._answered_resident: dict[str, tuple[int, int, tuple[str, ...]]] = {}
         self._changed = asyncio.Event()
         self._apply: Apply | None = None
         self._applied: dict[str, str | None] = {}
@@ -203,17 +191,13 @@ class ReplicaModels:
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
 
-    def targets(self) -> list[Target]:
-        """The live instances now."""
-        out = []
-        for r in self.view.live.values():
-            resident, version = tuple(r.load.resident_models), r.load.residency_version
-            answered = self._resident.get(r.instance_id)
-            if answered is not None and answered[0] == r.incarnation and answered[1] > version:
-                resident = answered[2]  # its answer is newer than its last beat
-            out.append(Target(r.instance_id, r.kind, record_models(r), resident,
-                              r.load.queued + r.load.running))  # fmt: skip
-        return out
+    def _resident(self, record: InstanceRecord) -> tuple[str, ...]:
+        """The models on the instance's device, as it last reported."""
+        answered = self._answered_resident.get(record.instance_id)
+        if answered is not None and answered[0] == record.incarnation and \
+                answered[1] > record.load.residency_version:  # fmt: skip
+            return answered[2]  # its answer is newer than its last beat
+        return tuple(record.load.resident_models)
 
     async def _cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
         return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
@@ -257,22 +241,22 @@ class ReplicaModels:
     async def _take(self, model: ModelConfig) -> None:
         """Tell every live instance that does not serve ``model`` to, and wait until each
         does (a BackendError names the one that cannot)."""
-        tickets = {t.name: self._send_add(t.name, model) for t in self.targets()
-                   if model.name not in t.models}  # fmt: skip
+        tickets = {i: self._send_add(i, model) for i, r in self.view.live.items()
+                   if model.name not in record_models(r)}  # fmt: skip
 
         def waiting() -> list[str]:
             names: list[str] = []
-            for target in self.targets():
-                ticket = tickets.get(target.name)
-                if ticket is None or model.name in target.models:
+            for name, record in self.view.live.items():
+                ticket = tickets.get(name)
+                if ticket is None or model.name in record_models(record):
                     continue  # came up since (its resync gets it) or done
-                if self._add_answered.get(target.name, 0) >= ticket and model.name not in \
-                        self._answered_models.get(target.name, frozenset()):  # fmt: skip
+                if self._add_answered.get(name, 0) >= ticket and model.name not in \
+                        self._answered_models.get(name, frozenset()):  # fmt: skip
                     raise BackendError(
-                        f"instance {target.name} cannot serve model '{model.name}' from "
+                        f"instance {name} cannot serve model '{model.name}' from "
                         f"{model.path} (see its log)", status=422, code="model_unavailable",
                     )  # fmt: skip
-                names.append(target.name)
+                names.append(name)
             return names
 
         await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
@@ -292,28 +276,28 @@ class ReplicaModels:
 
     def sleeping(self, name: str) -> bool:
         """``name`` is on no live instance's device (as they last reported)."""
-        return not any(name in t.resident for t in self.targets())
+        return not any(name in self._resident(r) for r in self.view.live.values())
 
     async def set_awake(self, name: str, awake: bool) -> bool:
         """Sleep ``name`` on every live instance, or wake it on the least busy
         prefill instance (none, if it is on a device already); returns once they
         answered whether it sleeps now."""
-        live = self.targets()
+        live = list(self.view.live.values())
         if not live:
             raise BackendError.unavailable("no instance is up")
         if awake and not self.sleeping(name):
             return False
-        # a wake: prefill instances first (a model's next request starts there), least work
-        targets = [min(live, key=lambda t: (t.kind != "prefill", t.work))] if awake else live
+        if awake:  # prefill instances first (a model's next request starts there), least work
+            live = [min(live, key=lambda r: (r.kind != "prefill", r.load.queued + r.load.running))]
         tickets = {}
-        for target in targets:
-            tickets[target.name] = ticket = self._ticket(target.name)
-            self._send_to(target.name, SetModelAwake(name, awake, ticket, reply_to=self.reply_to))
+        for record in live:
+            tickets[record.instance_id] = ticket = self._ticket(record.instance_id)
+            self._send_to(record.instance_id, SetModelAwake(name, awake, ticket,
+                                                            reply_to=self.reply_to))  # fmt: skip
 
         def waiting() -> list[str]:
-            live = {t.name for t in self.targets()}
             return [n for n, ticket in tickets.items()
-                    if n in live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
+                    if n in self.view.live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
 
         await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
         return self.sleeping(name)
@@ -361,7 +345,7 @@ class ReplicaModels:
         record = self.view.live.get(target) if target is not None else None
         if target is None or record is None:
             return
-        self._resident[target] = (record.incarnation, msg.residency_version,
+        self._answered_resident[target] = (record.incarnation, msg.residency_version,
                                   tuple(msg.resident_models))  # fmt: skip
         self._awake_answered[target] = max(self._awake_answered.get(target, 0), msg.ticket)
         self.changed()
