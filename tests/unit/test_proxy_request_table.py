@@ -171,7 +171,7 @@ def test_model_caches_merge_as_resident_where_every_node_holds_it() -> None:
 
 def test_replicas_share_the_derived_bounds_and_each_node_adds_its_host_cache() -> None:
     from aegaeon_common.config import config_from_dict
-    from aegaeon_proxy.cluster.policy import bounds_of
+    from aegaeon_proxy.cluster.requests import bounds_of
 
     def config(**proxy: object) -> Config:
         raw = {"models": [{"name": MODEL, "path": "/nonexistent"}], "proxy": proxy}

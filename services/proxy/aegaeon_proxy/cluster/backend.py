@@ -124,13 +124,11 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.cluster.baselines import Baselines
 from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
-from aegaeon_proxy.cluster.models import ReplicaModels
+from aegaeon_proxy.cluster.models import WATCH_S, ReplicaModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
-from aegaeon_proxy.cluster.policy import bounds_of
-from aegaeon_proxy.cluster.quarantine import WATCH_S
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
-from aegaeon_proxy.cluster.requests import RequestTable
+from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
 from aegaeon_proxy.cluster.roles import ReplicaRoles
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked, Where

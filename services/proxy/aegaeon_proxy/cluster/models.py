@@ -29,12 +29,15 @@ proxy writes it back if the store loses it. An instance or cachemgr that
 (re)starts comes back with the config file's models: it is given the models
 added here again and forgets those removed (``on_joined``).
 
-The models whose checkpoint cannot be read are shared the same way
-(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too):
-the proxy that learns one (a node's cachemgr reports it, an instance fails a
-request with ``model_unavailable``, an admin operation is refused) publishes it,
-and every proxy's front refuses the model until a reload on any proxy lifts
-it (:class:`~aegaeon_proxy.cluster.quarantine.Quarantine`).
+The models whose checkpoint cannot be read (quarantine) are shared the same way
+(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too).
+A cachemgr refuses to load a model whose files are missing, truncated, corrupt or
+not as ``market.json`` records them, and says so in its stats (``unavailable``,
+polled every :data:`WATCH_S`); an instance that meets one fails the work for it
+with ``model_unavailable``; an admin operation (an add, a pin) gets
+``checkpoint_error`` back. The proxy that learns one publishes it, and every
+proxy's :class:`Quarantine` tells its front (the model table answers 503
+``model_unavailable`` from then on) until a reload on any proxy lifts it.
 """
 
 from __future__ import annotations
@@ -74,7 +77,6 @@ from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.node_caches import CACHE_TIMEOUT_S, NodeCaches
-from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, Quarantine
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 
@@ -88,11 +90,15 @@ ADD_TIMEOUT_S = 60.0
 # an instance answers a sleep or a wake between two steps; a wake loads the weights
 # (from disk when the Model Cache does not hold them)
 AWAKE_TIMEOUT_S = 60.0
+WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
+# how long a cachemgr may take to answer that (one that died is not waited for)
+POLL_TIMEOUT_S = 2.0
 
-__all__ = ["ReplicaModels", "record_models", "served_changes", "with_change",
-           "with_unavailable"]  # fmt: skip
+__all__ = ["WATCH_S", "Quarantine", "ReplicaModels", "record_models", "served_changes",
+           "with_change", "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
+ApplyUnavailable = Callable[[str, str | None], None]
 
 
 def register_message(model: ModelConfig) -> RegisterModel:
@@ -147,6 +153,45 @@ def served_changes(record: ServedModelsRecord,
     """What ``record`` changed since ``applied`` (what a replica applied last): (name,
     path) added, (name, None) removed, in the record's order."""
     return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
+
+
+class Quarantine:
+    """The unreadable models this backend knows (name -> why), and the front's
+    ``apply`` for them."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, str] = {}
+        self._apply: ApplyUnavailable | None = None
+
+    def follow(self, apply: ApplyUnavailable) -> None:
+        """``apply(name, why | None)`` for every change (and now for what is known)."""
+        self._apply = apply
+        for name, why in self.models.items():
+            apply(name, why)
+
+    def set(self, name: str, why: str) -> bool:
+        """``name`` cannot be read (``why``); True if that is news. The first error stands
+        until a reload."""
+        if name in self.models:
+            return False
+        self.models[name] = why
+        log.error("model_unavailable", model=name, error=why)
+        self._tell(name, why)
+        return True
+
+    def sync(self, models: dict[str, str]) -> None:
+        """Become ``models`` (the set the replicas share), telling the front each change."""
+        for name in [n for n in self.models if n not in models]:
+            self.models.pop(name)
+            self._tell(name, None)
+        for name, why in models.items():
+            if self.models.get(name) != why:
+                self.models[name] = why
+                self._tell(name, why)
+
+    def _tell(self, name: str, why: str | None) -> None:
+        if self._apply is not None:
+            self._apply(name, why)
 
 
 class ReplicaModels:
@@ -417,7 +462,7 @@ class ReplicaModels:
         """The unreadable models as a replica last published them, each change to the
         front. Raises ``msgspec.DecodeError`` for a bad record."""
         record = decode_unavailable_models(raw)
-        self.quarantine.sync(record.models, record.lifted)
+        self.quarantine.sync(record.models)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
