@@ -755,8 +755,7 @@ class ClusterBackend(Backend):
         for rid, (tracked, prefilled) in list(self.held_decode.items()):
             if not self.view.alive(prefilled.instance, prefilled.incarnation):
                 del self.held_decode[rid]
-                self.table.lost(tracked, prefilled.instance, f"instance {prefilled.instance} is "
-                                "gone (its heartbeat expired)")  # fmt: skip
+                self._lost(rid, prefilled)
             elif self.view.decode_candidates(prefilled.node):
                 del self.held_decode[rid]
                 self._spawn(self._place_decode(tracked, prefilled))

@@ -141,12 +141,10 @@ class NodeCaches:
             raise BackendError.unavailable("no node has registered its cachemgr")
         results = await asyncio.gather(*(self.call(a, msg, timeout_s) for a in nodes.values()),
                                        return_exceptions=True)  # fmt: skip
-        replies: list[Message] = []
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-            replies.append(result)
-        return replies
+        return [r for r in results if not isinstance(r, BaseException)]
 
     async def stats(
         self, records: Iterable[InstanceRecord], timeout_s: float = CACHE_TIMEOUT_S

@@ -6,9 +6,9 @@ baseline, over the store), what is undone when it ends, and where a stray token'
 request is cancelled. Everything else is here, once: admission by SLO class (a
 request past its class's share of the bounds is deferred or refused;
 :mod:`aegaeon_sched.admission`; the bounds are ``proxy.max_*``, the unset ones
-derived from the instances' records: :func:`bounds_of`), the streams (first token, step-token fan-out),
-ends and their counters, failures and retries, the timing records. A backend
-gives its :class:`Placement`.
+derived from the instances' records: :func:`bounds_of`), the streams (first
+token, step-token fan-out), ends and their counters, failures and retries, the
+timing records. A backend gives its :class:`Placement`.
 
 Invariants: a request is in :attr:`RequestTable.requests` from its admission
 (or deferral) until it ends, exactly once; an ended id is remembered for a

@@ -53,6 +53,7 @@ from aegaeon_common.registry import (
     InstanceRecord,
     ProxyRecord,
     RolesRecord,
+    decode_queue,
     decode_roles,
     encode,
     proxy_key,
@@ -297,7 +298,7 @@ class ReplicaRoles:
         keys = [RegistryView.queue_key(r, stage) for stage in ("prefill", "decode")
                 for r in records]  # fmt: skip
         raws = await self.store.get_many(keys)
-        states = [None if raw is None else msgspec.msgpack.decode(raw) for raw in raws]
+        states = [decode_queue(raw) for raw in raws]
         ids = [r.instance_id for r in records]
         queues = dict(zip(ids, states[: len(ids)], strict=True))
         lists = dict(zip(ids, states[len(ids) :], strict=True))
