@@ -60,11 +60,7 @@ def local_names(config: Config) -> tuple[str, ...]:
     where each instance writes its own record)."""
     if config.distributed:
         return ()
-    if config.unified:  # the request-level baselines: every worker is a unified instance
-        return tuple(f"decode-{i}" for i in range(config.prefill.instances
-                                                  + config.decode.instances))  # fmt: skip
-    return (tuple(f"prefill-{i}" for i in range(config.prefill.instances))
-            + tuple(f"decode-{i}" for i in range(config.decode.instances)))  # fmt: skip
+    return tuple(f"{kind}-{i}" for kind, i in config.worker_instances)
 
 
 @dataclass
