@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
@@ -33,7 +33,8 @@ from aegaeon_common.registry import (
     decode_queue,
     encode_queue,
 )
-from aegaeon_common.store import StoreError
+from aegaeon_common.store import Store, StoreError
+from aegaeon_common.wire import Message
 from aegaeon_sched import (
     Action,
     Cancel,
@@ -47,16 +48,31 @@ from aegaeon_sched import (
 )
 from aegaeon_sched.shared_baselines import restore, snapshot
 
+from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked, Where
-
-if TYPE_CHECKING:
-    from aegaeon_proxy.cluster.backend import ClusterBackend
 
 log = get_logger("cluster")
 
 __all__ = ["Baselines"]
 
 ARENA_SLACK_BYTES = 1 << 20
+
+
+class BaselineHost(Protocol):
+    """What the baselines need of the backend (``cluster.backend``)."""
+
+    config: Config
+    store: Store
+    view: RegistryView
+    report_address: str
+    where: dict[str, Where]
+    held: dict[str, Tracked]
+    table: RequestTable
+
+    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
+
+    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
 
 
 def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
@@ -81,7 +97,7 @@ def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
 class Baselines:
     """A baseline's placement over the store (see the module)."""
 
-    def __init__(self, host: ClusterBackend) -> None:
+    def __init__(self, host: BaselineHost) -> None:
         self.host = host
         self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
 
@@ -148,7 +164,7 @@ class Baselines:
 
     async def _run(self, action: RunOnInstance, by_id: dict[str, InstanceRecord]) -> None:
         rid = action.request.request_id
-        tracked, record = self.host.requests.get(rid), by_id[action.instance]
+        tracked, record = self.host.table.requests.get(rid), by_id[action.instance]
         if tracked is None:  # ended while the policy decided: its binding goes
             await self.release(rid, cancelled=True)
             return

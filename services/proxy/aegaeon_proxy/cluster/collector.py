@@ -6,21 +6,44 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from aegaeon_common.store import Store
 from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import RoleSwitcher
-
-if TYPE_CHECKING:
-    from aegaeon_proxy.cluster.backend import ClusterBackend
+from aegaeon_proxy.cluster.roles import ReplicaRoles, RoleSwitcher
 
 __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
+
+
+class CollectedBackend(Protocol):
+    """What a scrape reads of the backend (``cluster.backend``)."""
+
+    @property
+    def view(self) -> RegistryView: ...
+
+    @property
+    def table(self) -> RequestTable: ...
+
+    @property
+    def roles(self) -> ReplicaRoles: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def held(self) -> Mapping[str, object]: ...
+
+    @property
+    def held_decode(self) -> Mapping[str, object]: ...
+
+    def down(self) -> list[str]: ...
 
 
 class BackendCollector(Collector):
@@ -28,7 +51,7 @@ class BackendCollector(Collector):
     registry lists them (one node: every instance it runs, up or not), requests,
     roles, what is held, the store's transactions."""
 
-    def __init__(self, backend: ClusterBackend) -> None:
+    def __init__(self, backend: CollectedBackend) -> None:
         self._b = backend
 
     def collect(self) -> Iterator[Metric]:
