@@ -25,20 +25,13 @@ ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's reques
 class CollectedBackend(Protocol):
     """What a scrape reads of the backend (``cluster.backend``)."""
 
-    @property
-    def view(self) -> RegistryView: ...
+    view: RegistryView
+    table: RequestTable
+    roles: ReplicaRoles
+    store: Store
 
     @property
-    def table(self) -> RequestTable: ...
-
-    @property
-    def roles(self) -> ReplicaRoles: ...
-
-    @property
-    def store(self) -> Store: ...
-
-    @property
-    def held(self) -> Mapping[str, object]: ...
+    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
 
     @property
     def held_decode(self) -> Mapping[str, object]: ...
