@@ -222,8 +222,8 @@ class ReplicaModels:
         self.removed: set[str] = set()  # configured models removed here
         self._tickets = itertools.count(1)
         self._owners: dict[int, str] = {}  # ticket -> the instance it was sent to
-        self._add_answered: dict[str, int] = {}  # instance -> the last ticket it answered
-        self._answered_models: dict[str, frozenset[str]] = {}  # ... and its models then
+        # instance -> the last AddModel ticket it answered, and its models then
+        self._add_answered: dict[str, tuple[int, frozenset[str]]] = {}
         self._awake_answered: dict[str, int] = {}
         # instance -> (incarnation, residency version, models on its device): its answers
         self._answered_resident: dict[str, tuple[int, int, tuple[str, ...]]] = {}
@@ -295,8 +295,8 @@ class ReplicaModels:
                 ticket = tickets.get(name)
                 if ticket is None or model.name in record_models(record):
                     continue  # came up since (its resync gets it) or done
-                if self._add_answered.get(name, 0) >= ticket and model.name not in \
-                        self._answered_models.get(name, frozenset()):  # fmt: skip
+                answered, models = self._add_answered.get(name, (0, frozenset()))
+                if answered >= ticket and model.name not in models:
                     raise BackendError(
                         f"instance {name} cannot serve model '{model.name}' from "
                         f"{model.path} (see its log)", status=422, code="model_unavailable",
@@ -379,9 +379,8 @@ class ReplicaModels:
     def on_instance_models(self, msg: InstanceModels) -> None:
         """An answer to an ``AddModel``: the instance serves these models."""
         target = self._owners.get(msg.ticket)
-        if target is not None and msg.ticket >= self._add_answered.get(target, 0):
-            self._add_answered[target] = msg.ticket
-            self._answered_models[target] = frozenset(msg.capacity_tokens)
+        if target is not None and msg.ticket >= self._add_answered.get(target, (0,))[0]:
+            self._add_answered[target] = (msg.ticket, frozenset(msg.capacity_tokens))
         self.changed()
 
     def on_models_resident(self, msg: ModelsResident) -> None:
