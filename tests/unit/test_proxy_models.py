@@ -39,7 +39,7 @@ from aegaeon_common.store import MemoryStore
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.models import (
-    ReplicaModels,
+    SharedModels,
     served_changes,
     with_change,
     with_unavailable,
@@ -114,7 +114,7 @@ class Replica:
 
         self.records = SharedRecords(store)
         caches: Any = self.caches
-        self.models = ReplicaModels(config, self.view, caches, self.records, send, spawn,
+        self.models = SharedModels(config, self.view, caches, self.records, send, spawn,
                                     REPLY_TO, f"proxy-{name}")  # fmt: skip
         self.models.follow_with(lambda n, m: self.applied.append((n, m)))
 

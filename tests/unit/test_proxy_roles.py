@@ -27,7 +27,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import MemoryStore
 from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.roles import LEASE_S, ReplicaRoles, RoleSwitcher
+from aegaeon_proxy.cluster.roles import LEASE_S, RoleSwitcher, SharedRoles
 from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request, RoleChange, RoleLoad
 from aegaeon_sched.decode import DecodeWorkList
 from aegaeon_sched.prefill_queue import PrefillQueue
@@ -161,13 +161,13 @@ async def _register(store: MemoryStore, *records: InstanceRecord) -> None:
         await store.set_add(INSTANCES, record.instance_id)
 
 
-async def _replica(store: MemoryStore, name: str) -> ReplicaRoles:
+async def _replica(store: MemoryStore, name: str) -> SharedRoles:
     view = RegistryView(store, hybrid_prefill=True)
     await view.refresh()
-    return ReplicaRoles(CONFIG, store, view, name)
+    return SharedRoles(CONFIG, store, view, name)
 
 
-async def _publish(store: MemoryStore, replica: ReplicaRoles, now_s: float) -> None:
+async def _publish(store: MemoryStore, replica: SharedRoles, now_s: float) -> None:
     """``replica``'s heartbeat (its arrival velocity), as the backend's beat writes it."""
     record = ProxyRecord(v=1, proxy_id=replica.proxy_id, report_address="tcp://x:1", pid=1,
                          arrival_tokens_per_s=replica.arrival_rate(now_s))  # fmt: skip
@@ -175,7 +175,7 @@ async def _publish(store: MemoryStore, replica: ReplicaRoles, now_s: float) -> N
     await store.set_add(PROXIES, replica.proxy_id)
 
 
-def _prefill_ids(replica: ReplicaRoles) -> list[str]:
+def _prefill_ids(replica: SharedRoles) -> list[str]:
     return sorted(r.instance_id for r in replica.view.prefill_candidates())
 
 
@@ -217,7 +217,7 @@ async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabl
     a.arrived(time.monotonic(), 100_000)
     await a.refresh()
     assert a.deciding and a.view.roles == {"a/prefill-0": "prefill", "a/decode-0": "decode"}
-    off = ReplicaRoles(Config(models=()), store, RegistryView(store, True), "off")
+    off = SharedRoles(Config(models=()), store, RegistryView(store, True), "off")
     off.arrived(time.monotonic(), 100_000)
     await off.refresh()
     assert not off.deciding and off.view.roles == {}

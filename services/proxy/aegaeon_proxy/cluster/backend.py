@@ -124,12 +124,12 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.cluster.baselines import Baselines
 from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
-from aegaeon_proxy.cluster.models import WATCH_S, ReplicaModels
+from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
-from aegaeon_proxy.cluster.roles import ReplicaRoles
+from aegaeon_proxy.cluster.roles import SharedRoles
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
@@ -200,7 +200,7 @@ class ClusterBackend(Backend):
         self.baselines = Baselines(self) if config.unified else None
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
-        self.models = ReplicaModels(config, self.view, self.caches, self.records, self._send,
+        self.models = SharedModels(config, self.view, self.caches, self.records, self._send,
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
         # (after the served set: a model added elsewhere is served here before its settings)
         self.records.follow(
@@ -208,7 +208,7 @@ class ClusterBackend(Backend):
             self._settings_followed,
         )  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
-        self.roles = ReplicaRoles(config, self.store, self.view, self.proxy_id)
+        self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,

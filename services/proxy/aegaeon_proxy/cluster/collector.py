@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import ReplicaRoles, RoleSwitcher
+from aegaeon_proxy.cluster.roles import RoleSwitcher, SharedRoles
 
 __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 
@@ -27,7 +27,7 @@ class CollectedBackend(Protocol):
 
     view: RegistryView
     table: RequestTable
-    roles: ReplicaRoles
+    roles: SharedRoles
     store: Store
 
     @property

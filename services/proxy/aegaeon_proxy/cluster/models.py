@@ -3,7 +3,7 @@ woken on the devices (``/sleep``, ``/wake_up``), over every node's instances (th
 registry) and cachemgrs (``cluster.node_caches``); and the set of models the
 proxies serve.
 
-The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`ReplicaModels`
+The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`SharedModels`
 carries it out: the cachemgrs learn or forget the model (``RegisterModel``,
 ``ForgetModel``) and take the operator's flags (``SetModelFlags``); every live
 instance is told (``AddModel``) and answers the proxy that asked (``reply_to``)
@@ -94,7 +94,7 @@ WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
 # how long a cachemgr may take to answer that (one that died is not waited for)
 POLL_TIMEOUT_S = 2.0
 
-__all__ = ["WATCH_S", "Quarantine", "ReplicaModels", "record_models", "served_changes",
+__all__ = ["WATCH_S", "Quarantine", "SharedModels", "record_models", "served_changes",
            "with_change", "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
@@ -194,7 +194,7 @@ class Quarantine:
             self._apply(name, why)
 
 
-class ReplicaModels:
+class SharedModels:
     """The model operations over every node's instances and cachemgrs, and the models
     the proxies share (see the module). ``send`` sends to an instance's record;
     ``spawn`` runs a job of the backend."""

@@ -4,7 +4,7 @@ The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`RoleSwitcher` is its
 driver, run by the proxy holding the roles lease
 (:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
 every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
-later); :class:`ReplicaRoles` is every proxy's part. The decider reads the
+later); :class:`SharedRoles` is every proxy's part. The decider reads the
 shared state:
 
 * **arrival velocity**: prompt tokens/s arriving at every proxy (the requests
@@ -76,7 +76,7 @@ from aegaeon_proxy.cluster.registry import RegistryView
 
 log = get_logger("cluster")
 
-__all__ = ["LEASE_S", "ReplicaRoles", "RoleSwitcher"]
+__all__ = ["LEASE_S", "RoleSwitcher", "SharedRoles"]
 
 MIN_MEASURED_S = 0.2  # prefill seconds before an instance's measured rate replaces the estimate
 MAX_CHANGES = 64  # role changes kept for /v1/aegaeon/stats
@@ -195,7 +195,7 @@ class RoleSwitcher:
         }
 
 
-class ReplicaRoles:
+class SharedRoles:
     """A proxy's part in the roles (see the module). ``refresh`` after each registry
     refresh; ``arrived`` for each request this proxy accepts."""
 
