@@ -131,7 +131,9 @@ def test_the_tenant_sequence_leaves_the_model_served_unpinned_and_awake(live: Li
             assert answer["error"]["code"] == "insufficient_permissions"
     for url in live.urls:
         assert _rows_state(url)[OTHER] == ("serving", False)  # served, not pinned
-        assert not _sleeping(url, OTHER)
+        # a refused /sleep that went through would leave it asleep: no request wakes it
+        # (a replica may read an instance's record a beat late under load: waited for)
+        until(f"{OTHER} awake at {url}", lambda url=url: not _sleeping(url, OTHER), 30)
         status, body = call_json(url, "POST", "/v1/completions", {"model": OTHER, **COMPLETION},
                                  user)
         assert status == 200, body
