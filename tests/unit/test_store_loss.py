@@ -156,7 +156,7 @@ async def test_a_replica_takes_no_missing_record_for_a_death_until_the_store_set
 
 
 def _queue(*rids: str) -> list[object]:
-    queue = PrefillQueue(8)
+    queue = PrefillQueue(max_group_size=8)
     for rid in rids:
         queue.add(Request(rid, "m", 0.0, 10, 4), 1)
     return prefill_queue_state(queue)

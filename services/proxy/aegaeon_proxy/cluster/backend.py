@@ -87,10 +87,8 @@ from aegaeon_common.registry import (
     RequestMeta,
     StoreEpoch,
     decode_model_settings,
-    decode_queue,
     decode_request,
     encode,
-    encode_queue,
     instance_key,
     model_settings_key,
     open_store,
@@ -105,11 +103,12 @@ from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
-    group_key_s,
     place_decode,
-    prefill_done,
+    prefill_queue_of,
+    queue_of,
     queued_request_ids,
     remove_requests,
+    work_list_of,
 )
 from prometheus_client import CollectorRegistry
 
@@ -494,14 +493,13 @@ class ClusterBackend(Backend):
         def decide(
             values: list[bytes | None],
         ) -> tuple[dict[str, bytes | None], tuple[str, int, float | None]]:
-            states = {r.instance_id: decode_queue(v)
+            queues = {r.instance_id: prefill_queue_of(v, max_group)
                       for r, v in zip(candidates, values, strict=True)}  # fmt: skip
-            instance, group_id, state = dispatch_prefill(
-                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
-                max_group_size=max_group,
-            )  # fmt: skip
-            placed = (instance, group_id, group_key_s(state, group_id))
-            return {by_id[instance][1]: encode_queue(state)}, placed
+            instance, group_id, queue = dispatch_prefill(
+                queues, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
+            )
+            placed = (instance, group_id, queue.group_key_s(group_id))
+            return {by_id[instance][1]: encode(queue)}, placed
 
         started = time.perf_counter()
         try:
@@ -547,14 +545,14 @@ class ClusterBackend(Backend):
         sched = self.config.scheduler
 
         def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
-            states = {r.instance_id: decode_queue(v)
-                      for r, v in zip(candidates, values, strict=True)}  # fmt: skip
-            instance, batch_id, state = place_decode(
-                states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
+            work_lists = {r.instance_id: work_list_of(v)
+                          for r, v in zip(candidates, values, strict=True)}  # fmt: skip
+            instance, batch_id, work_list = place_decode(
+                work_lists, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
                 max_batch_size=sched.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return {by_id[instance][1]: encode_queue(state)}, (instance, batch_id)
+            return {by_id[instance][1]: encode(work_list)}, (instance, batch_id)
 
         started = time.perf_counter()
         try:
@@ -662,8 +660,9 @@ class ClusterBackend(Backend):
         max_group = self.config.scheduler.max_group_size
 
         def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            state, _ = prefill_done(decode_queue(values[0]), rid, time.time(), max_group)
-            return {where.queue: encode_queue(state)}, None
+            queue = prefill_queue_of(values[0], max_group)
+            queue.done(rid, time.time())
+            return {where.queue: encode(queue)}, None
 
         try:
             await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
@@ -959,7 +958,7 @@ class ClusterBackend(Backend):
                       for r in self.view.live.values() for stage in ("prefill", "decode")]
             states = await self.store.get_many([key for _, key, _ in places])
             for (instance, key, prefill), raw in zip(places, states, strict=True):
-                for rid in queued_request_ids(decode_queue(raw), prefill) & owned:
+                for rid in queued_request_ids(queue_of(raw, prefill)) & owned:
                     at = cancel_at.setdefault(rid, {})
                     at[instance] = at.get(instance, False) or prefill
                     queued.setdefault(key, set()).add(rid)
@@ -1099,9 +1098,8 @@ async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int)
     def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
         if values[0] is None:
             return {}, None  # the instance is gone and its queue with it
-        state, removed = remove_requests(decode_queue(values[0]), (request_id,), prefill,
-                                         max_group_size)  # fmt: skip
-        return ({queue: encode_queue(state)} if removed else {}), None
+        state = queue_of(values[0], prefill, max_group_size)
+        return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
 
     with contextlib.suppress(StoreError):
         await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
