@@ -4,6 +4,7 @@ decisions, step for step: a queue decoded from its stored bytes is the live one.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -44,17 +45,18 @@ def _stored(queue: PrefillQueue) -> bytes:
     return msgspec.msgpack.encode(queue)
 
 
-# an arrival (model, prompt, SLO class, own TTFT or None) or an end (which queued
-# request, done or cancelled)
+# an arrival (model, prompt, SLO class, own TTFT or None), an end (which queued
+# request, done or cancelled) or a start (which instance runs its next request)
 _arrival = st.tuples(st.sampled_from("abcd"), st.integers(1, 400), st.integers(0, 2),
                      st.one_of(st.none(), st.sampled_from([0.5, 2.0])))  # fmt: skip
 _end = st.tuples(st.integers(0, 10**6), st.booleans())
+_start = st.integers(0, 2)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(_arrival, _end), min_size=1, max_size=120))
-def test_prefill_through_the_store_equals_the_live_dispatcher(ops: list[tuple]) -> None:
-    """Arrivals, completions and cancels: the live PrefillDispatcher and queues that
+@given(st.lists(st.one_of(_arrival, _end, _start), min_size=1, max_size=120))
+def test_prefill_through_the_store_equals_the_live_dispatcher(ops: list[Any]) -> None:
+    """Arrivals, starts, completions and cancels: the live PrefillDispatcher and queues that
     go through their stored bytes at every step choose the same instance and group
     every time (group ids minted alike), and each reloaded queue equals the live one
     (its groups, order, running request, loaded model and load)."""
@@ -66,7 +68,16 @@ def test_prefill_through_the_store_equals_the_live_dispatcher(ops: list[tuple]) 
     next_id = 0
     for step, op in enumerate(ops):
         now = step * 0.01
-        if len(op) == 4 or not queued:
+        if isinstance(op, int):
+            instance = names[op]
+            job = live.next_job(instance, now)
+            queue = prefill_queue_of(stored[instance], 4)
+            head = queue.peek()
+            assert (head and head[1]) == (job and job.request)
+            if head is not None:
+                queue.start(head[1].request_id, now)
+            stored[instance] = _stored(queue)
+        elif len(op) == 4 or not queued:
             model, prompt, cls, ttft = op if len(op) == 4 else ("a", 8, 1, None)
             req = Request(f"r{step}", model, now, prompt, 16, priority=cls, ttft_s=ttft)
             want = live.dispatch(req, now)
@@ -89,6 +100,7 @@ def test_prefill_through_the_store_equals_the_live_dispatcher(ops: list[tuple]) 
         for name in names:  # the whole queue round-trips, loads included
             queue = prefill_queue_of(stored[name], 4)
             assert queue == live.queues[name] and len(queue) == len(live.queues[name])
+            assert queue.running() == live.queues[name].running()
             assert queue.load_s(lat, now) == pytest.approx(live.queues[name].load_s(lat, now))
 
 
