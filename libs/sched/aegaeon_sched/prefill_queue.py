@@ -61,7 +61,7 @@ class PrefillQueue(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=
 
     def __post_init__(self) -> None:
         self._by_id: dict[int, PrefillGroup] = {g.group_id: g for g in self.groups}
-        self._group_of: dict[str, PrefillGroup] = {}
+        self._group_of = {r.request_id: g for g in self.groups for r in g.pending}
         self._running: PrefillGroup | None = None  # the group whose request runs
         for group in self.groups:
             if group.is_empty():
@@ -70,8 +70,6 @@ class PrefillQueue(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=
             if group.running is not None:
                 self._group_of[group.running.request_id] = group
                 self._running = group
-            for request in group.pending:
-                self._group_of[request.request_id] = group
 
     def __len__(self) -> int:
         """Requests queued or running."""
