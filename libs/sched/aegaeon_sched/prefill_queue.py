@@ -145,9 +145,13 @@ class PrefillQueue(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=
                 break
         else:
             raise ValueError(f"request {request_id!r} is not pending")
-        if self._running is not None and self._running is not group:
-            self._running.running = None  # a lost finish: only one request runs at a time
-            self._drop_if_empty(self._running)
+        previous = self._running
+        if previous is not None and previous.running is not None:
+            # a lost finish (only one request runs at a time): the one that ran leaves
+            del self._group_of[previous.running.request_id]
+            previous.running = None
+            if previous is not group:
+                self._drop_if_empty(previous)
         group.running = req
         self._running = group
         self.loaded_model = group.model
