@@ -6,8 +6,8 @@ objects themselves: :class:`~aegaeon_sched.prefill.PrefillQueue` and
 :class:`~aegaeon_sched.decode.DecodeWorkList` are msgspec structs, so
 :func:`prefill_queue_of` / :func:`work_list_of` decode the store's bytes
 straight into the queues the single proxy runs (msgpack-encoding a queue
-writes it back). One decision is: decode the candidate instances' queues, build the very
-:class:`~aegaeon_sched.prefill.PrefillDispatcher` /
+writes it back). One decision is: decode the candidate instances' queues, run
+the very :class:`~aegaeon_sched.prefill.PrefillDispatcher` /
 :class:`~aegaeon_sched.decode.DecodeDispatcher` the single proxy runs over
 them, decide, and encode the one queue the decision changed. The caller does
 that inside one store transaction, so a decision commits only on the queues it
@@ -40,8 +40,9 @@ _work_list_decoder = msgspec.msgpack.Decoder(DecodeWorkList)
 
 
 def prefill_queue_of(raw: bytes | None, max_group_size: int = MAX_GPSIZE) -> PrefillQueue:
-    """The queue ``raw`` holds (``None``, an absent key: an empty one of
-    ``max_group_size``). Raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    """The queue ``raw`` holds, with the group size it was made with (``None``, an
+    absent key: an empty one of ``max_group_size``). Raises ``msgspec.DecodeError``
+    / ``ValidationError``."""
     if raw is None:
         return PrefillQueue(max_group_size=max_group_size)
     return _prefill_decoder.decode(raw)
