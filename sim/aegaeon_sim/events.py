@@ -48,9 +48,6 @@ class EventLoop:
         self._tasks.append(task)
         self.at(self.now, task.switch)
 
-    def in_task(self) -> bool:
-        return getcurrent() is not self._main
-
     def sleep(self, seconds: float) -> None:
         """Called from a task: it resumes ``seconds`` later (0: after the events due now)."""
         task = getcurrent()
@@ -74,9 +71,6 @@ class EventLoop:
     def suspend(self) -> None:
         """Called from a task: it resumes when some event switches back to it."""
         self._main.switch()
-
-    def next_time(self) -> float:
-        return self._heap[0][0] if self._heap else math.inf
 
     def run(self, until_s: float) -> None:
         """Run every event due by ``until_s``, then set the clock there."""

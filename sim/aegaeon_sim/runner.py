@@ -203,7 +203,7 @@ def workload(sc: Scenario, models: Sequence[str],
 
 def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Sequence[str],
             capacity: Mapping[str, int], host_kv_tokens: int) -> Bounds:  # fmt: skip
-    """The proxy's derived admission bounds (aegaeon_proxy.cluster.policy.bounds_of):
+    """The proxy's derived admission bounds (aegaeon_proxy.cluster.requests.bounds_of):
     what the configured prefill instances prefill within the TTFT, the decoders' KV plus
     one host's unified KV cache (``host_kv_tokens``, of the largest per-token model)."""
     n = TYPICAL_PROMPT_TOKENS

@@ -1,6 +1,6 @@
 """Hybrid instances' decode shares, fed to Algorithm 2's placement as the live proxy does.
 
-The live proxy (services/proxy ``cluster.registry.DecodeShares``) reads
+The live proxy (services/proxy ``cluster.backend``: one ``DecodeShare`` an instance) reads
 each instance's record (its heartbeat) every 0.5 s; for a hybrid (a prefill instance that
 decodes when idle) it computes the busy fraction ``d prefill_s / d t`` of
 prefill *compute* seconds since the previous heartbeat, smooths it with a

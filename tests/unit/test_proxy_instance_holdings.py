@@ -39,7 +39,7 @@ def _instances(tmp_path: Path) -> LocalRegistrar:
 
 
 def _shown(instances: LocalRegistrar) -> tuple[int, int] | None:
-    held = dict(instances)["decode-0"].holdings
+    held = instances.instances["decode-0"].holdings
     return None if held is None else (held.kv_blocks_in_use, held.open_sequences)
 
 

@@ -100,12 +100,12 @@ def test_hellos_and_heartbeats_become_records_and_a_first_hello_is_answered(
     local.note_holdings("prefill", 0, Holdings(5, 0, 0, 1))
     local.note_holdings("prefill", 0, Holdings(4, 9, 9, 1))
     local.note_holdings("prefill", 0, Holdings(9, 9, 9, 2))  # another process's
-    assert dict(local)["prefill-0"].holdings == Holdings(5, 0, 0, 1)
+    assert local.instances["prefill-0"].holdings == Holdings(5, 0, 0, 1)
     # a restarted process: a new record (the replicas' refresh sees the old one leave)
     local.on_hello(_hello(pid=11, incarnation=2))
     record = sink.records["prefill-0"]
     assert record is not None and (record.pid, record.incarnation) == (11, 2)
-    assert record.load.open_sequences == 0 and dict(local)["prefill-0"].holdings is None
+    assert record.load.open_sequences == 0 and local.instances["prefill-0"].holdings is None
 
 
 def test_a_drain_is_acknowledged_and_counts_as_restarting(tmp_path: Path) -> None:
@@ -229,10 +229,10 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
         timings = RequestTimings(prefill_s=0.25)
         backend._on_prefill_done(PrefillDone("r", 0, 7, None, handoff, timings, 0.0))
         for _ in range(100):
-            if backend.held_counts() == (0, 1):
+            if (len(backend.held), len(backend.held_decode)) == (0, 1):
                 break
             await asyncio.sleep(0.01)
-        assert backend.held_counts() == (0, 1)
+        assert (len(backend.held), len(backend.held_decode)) == (0, 1)
         assert backend.view.latency() is latency and taught == [("m", [8], 0.25)]
         backend.local.on_hello(_hello("decode", pid=11, incarnation=2))  # its successor
         await asyncio.sleep(0.05)  # (the record written)
@@ -241,7 +241,7 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
         placed = await _recv(decode, EnqueueDecode)
         assert isinstance(placed, EnqueueDecode) and placed.request_id == "r"
         assert placed.handoff == handoff and placed.incarnation == 2
-        assert backend.held_counts() == (0, 0)
+        assert (len(backend.held), len(backend.held_decode)) == (0, 0)
     finally:
         await backend.stop()
         prefill.close()

@@ -39,7 +39,7 @@ from aegaeon_common.store import MemoryStore
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.models import (
-    ReplicaModels,
+    SharedModels,
     served_changes,
     with_change,
     with_unavailable,
@@ -114,7 +114,7 @@ class Replica:
 
         self.records = SharedRecords(store)
         caches: Any = self.caches
-        self.models = ReplicaModels(config, self.view, caches, self.records, send, spawn,
+        self.models = SharedModels(config, self.view, caches, self.records, send, spawn,
                                     REPLY_TO, f"proxy-{name}")  # fmt: skip
         self.models.follow_with(lambda n, m: self.applied.append((n, m)))
 
@@ -123,7 +123,7 @@ class Replica:
             await self.store.put(instance_key(r.instance_id), encode(r), 30.0)
             await self.store.set_add(INSTANCES, r.instance_id)
         await self.view.refresh()
-        self.models.ops.changed()
+        self.models.changed()
 
     def answer(self, instance: str, models: list[str]) -> None:
         ticket = [m.ticket for n, m in self.sent if n == instance and isinstance(m, AddModel)][-1]
@@ -161,7 +161,7 @@ async def test_an_add_reaches_every_node_and_waits_for_the_records() -> None:
     await replica.put(*_every([OLD, NEW]))
     await asyncio.wait_for(task, 5)
     assert NEW in replica.view.latency().specs  # type: ignore[union-attr]  # re-read
-    assert await replica.models.ops.forget(NEW) is True
+    assert await replica.models.forget(NEW) is True
     assert [m for _, m in replica.caches.calls[-2:]] == [ForgetModel(NEW)] * 2
 
 
@@ -179,7 +179,7 @@ async def test_an_instance_that_cannot_read_it_fails_the_add() -> None:
 async def test_sleep_is_read_from_every_nodes_records_and_answers() -> None:
     replica = Replica(MemoryStore())
     await replica.put(*_every([OLD], resident=[OLD], version=1))
-    ops = replica.models.ops
+    ops = replica.models
     assert not ops.sleeping(OLD)
     task = asyncio.ensure_future(ops.set_awake(OLD, False))
     await _settle()
@@ -191,10 +191,10 @@ async def test_sleep_is_read_from_every_nodes_records_and_answers() -> None:
     # another replica reads the same from the records once the instances beat
     other = Replica(replica.store, "b")
     await other.put(*_every([OLD], version=2))
-    assert other.models.ops.sleeping(OLD)
+    assert other.models.sleeping(OLD)
     # a wake goes to the least busy prefill instance of any node
     await other.put(_record("node-0", "prefill", [OLD], version=2, work=3))
-    task = asyncio.ensure_future(other.models.ops.set_awake(OLD, True))
+    task = asyncio.ensure_future(other.models.set_awake(OLD, True))
     await _settle()
     wakes = [(n, m) for n, m in other.sent if isinstance(m, SetModelAwake)]
     assert [n for n, _ in wakes] == ["node-1/prefill-0"]
@@ -209,12 +209,12 @@ async def test_a_replica_follows_what_another_published() -> None:
     await b.records.refresh()
     await b.records.refresh()  # (nothing new: nothing applied twice)
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]
-    assert b.models.served_names() == [OLD, NEW] and NEW in b.models.ops.added
+    assert b.models.served_names() == [OLD, NEW] and NEW in b.models.added
     await a.models.publish(NEW, None)
     await a.models.publish(OLD, None)
     await b.records.refresh()
     assert b.applied[1:] == [(NEW, None), (OLD, None)]
-    assert b.models.served_names() == [] and b.models.ops.removed == {OLD}
+    assert b.models.served_names() == [] and b.models.removed == {OLD}
     # a third replica that starts now takes the whole record
     c = Replica(store, "c")
     await c.records.refresh()
@@ -227,7 +227,7 @@ async def test_a_replica_that_changes_the_set_follows_what_it_had_not_read_yet()
     await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
     await b.models.publish(OLD, None)  # b had not read a's add: its change holds it
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]  # (its own: its front's)
-    assert b.models.served_names() == [NEW] and b.models.ops.removed == {OLD}
+    assert b.models.served_names() == [NEW] and b.models.removed == {OLD}
     await b.records.refresh()
     assert len(b.applied) == 1
 

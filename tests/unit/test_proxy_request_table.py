@@ -139,10 +139,11 @@ def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> None:
     asyncio.run(main())
 
 
-def _record(node: str, kind: str, index: int) -> InstanceRecord:
+def _record(node: str, kind: str, index: int, capacity_tokens: int = 64) -> InstanceRecord:
     return InstanceRecord(
         v=1, instance_id=f"{node}/{kind}-{index}", node=node, kind=kind, index=index,
-        address="tcp://127.0.0.1:1", incarnation=1, pid=1, capacity_tokens={MODEL: 64},
+        address="tcp://127.0.0.1:1", incarnation=1, pid=1,
+        capacity_tokens={MODEL: capacity_tokens},
         max_batch_size=8, http_url=f"http://{node}-{kind}", cachemgr_address=f"ipc://{node}",
         cachemgr_http_url=f"http://{node}-cachemgr",
     )  # fmt: skip
@@ -170,15 +171,14 @@ def test_model_caches_merge_as_resident_where_every_node_holds_it() -> None:
 
 def test_replicas_share_the_derived_bounds_and_each_node_adds_its_host_cache() -> None:
     from aegaeon_common.config import config_from_dict
-    from aegaeon_proxy.cluster.policy import Member, bounds_of
+    from aegaeon_proxy.cluster.requests import bounds_of
 
     def config(**proxy: object) -> Config:
         raw = {"models": [{"name": MODEL, "path": "/nonexistent"}], "proxy": proxy}
         return config_from_dict(raw, source="test")
 
-    two_nodes = [Member("decode", None, {MODEL: 4096}, "n0"),
-                 Member("decode", None, {MODEL: 4096}, "n1")]  # fmt: skip
-    one_node = [Member("decode", None, {MODEL: 4096}, "n0")] * 2
+    two_nodes = [_record("n0", "decode", 0, 4096), _record("n1", "decode", 0, 4096)]
+    one_node = [_record("n0", "decode", 0, 4096)] * 2
     whole = bounds_of(config(), two_nodes).kv_blocks
     assert whole is not None and whole > (bounds_of(config(), one_node).kv_blocks or 0)
     assert bounds_of(config(), two_nodes, replicas=2).kv_blocks == whole // 2

@@ -27,7 +27,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import MemoryStore
 from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.roles import LEASE_S, Meter, ReplicaRoles, RoleSwitcher, record_meter
+from aegaeon_proxy.cluster.roles import LEASE_S, RoleSwitcher, SharedRoles
 from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request, RoleChange, RoleLoad
 from aegaeon_sched.decode import DecodeWorkList
 from aegaeon_sched.prefill_queue import PrefillQueue
@@ -54,11 +54,11 @@ def _record(name: str, prefill_tokens: float, prefill_s: float, capacity: dict[s
                           max_batch_size=8, latency=latency, load=load)  # fmt: skip
 
 
-def _meters(prefill_tokens: float, prefill_s: float) -> list[Meter]:
-    return [record_meter(_record(n, prefill_tokens, prefill_s)) for n in BASE]
+def _meters(prefill_tokens: float, prefill_s: float) -> list[InstanceRecord]:
+    return [_record(n, prefill_tokens, prefill_s) for n in BASE]
 
 
-def _observe(switcher: RoleSwitcher, now_s: float, load: RoleLoad, meters: list[Meter],
+def _observe(switcher: RoleSwitcher, now_s: float, load: RoleLoad, meters: list[InstanceRecord],
              alive: bool) -> list[RoleChange]:  # fmt: skip
     return switcher.decide(now_s, meters, load.backlog_tokens, load.decode_demand, load.latency,
                            alive)  # fmt: skip
@@ -117,13 +117,13 @@ def test_roles_hold_still_while_an_instance_is_down_or_switching_is_off() -> Non
 def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() -> None:
     switcher = RoleSwitcher(Config(models=()), BASE, enabled=False)
     lat = latency_model(["a"])
-    prefill = record_meter(_record("prefill-0", 3000.0, 1.5))
-    decode = record_meter(_record("decode-0", 0.0, 0.0, {"a": 4096}))
+    prefill = _record("prefill-0", 3000.0, 1.5)
+    decode = _record("decode-0", 0.0, 0.0, {"a": 4096})
     assert switcher.prefill_velocity(prefill, lat) == 2000.0
     assert switcher.prefill_velocity(decode, lat) > 0  # from a profile (here the fallback)
     # the busy share follows prefill_s between two heartbeats
     switcher.heartbeat(prefill, 10.0)
-    switcher.heartbeat(record_meter(_record("prefill-0", 3500.0, 1.75)), 10.5)
+    switcher.heartbeat(_record("prefill-0", 3500.0, 1.75), 10.5)
     assert switcher.busy["prefill-0"] == 0.5
 
 
@@ -159,13 +159,13 @@ async def _register(store: MemoryStore, *records: InstanceRecord) -> None:
         await store.set_add(INSTANCES, record.instance_id)
 
 
-async def _replica(store: MemoryStore, name: str) -> ReplicaRoles:
+async def _replica(store: MemoryStore, name: str) -> SharedRoles:
     view = RegistryView(store, hybrid_prefill=True)
     await view.refresh()
-    return ReplicaRoles(CONFIG, store, view, name)
+    return SharedRoles(CONFIG, store, view, name)
 
 
-async def _publish(store: MemoryStore, replica: ReplicaRoles, now_s: float) -> None:
+async def _publish(store: MemoryStore, replica: SharedRoles, now_s: float) -> None:
     """``replica``'s heartbeat (its arrival velocity), as the backend's beat writes it."""
     record = ProxyRecord(v=1, proxy_id=replica.proxy_id, report_address="tcp://x:1", pid=1,
                          arrival_tokens_per_s=replica.arrival_rate(now_s))  # fmt: skip
@@ -173,7 +173,7 @@ async def _publish(store: MemoryStore, replica: ReplicaRoles, now_s: float) -> N
     await store.set_add(PROXIES, replica.proxy_id)
 
 
-def _prefill_ids(replica: ReplicaRoles) -> list[str]:
+def _prefill_ids(replica: SharedRoles) -> list[str]:
     return sorted(r.instance_id for r in replica.view.prefill_candidates())
 
 
@@ -215,7 +215,7 @@ async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabl
     a.arrived(time.monotonic(), 100_000)
     await a.refresh()
     assert a.deciding and a.view.roles == {"a/prefill-0": "prefill", "a/decode-0": "decode"}
-    off = ReplicaRoles(Config(models=()), store, RegistryView(store, True), "off")
+    off = SharedRoles(Config(models=()), store, RegistryView(store, True), "off")
     off.arrived(time.monotonic(), 100_000)
     await off.refresh()
     assert not off.deciding and off.view.roles == {}

@@ -33,14 +33,8 @@ def build_children(config: Config, config_path: Path) -> list[Child]:
     them all (2)."""
     cfg = str(config_path)
     children = [_child(config, "cachemgr", python_argv("cachemgr", "--config", cfg), 0)]
-    counts = [("prefill", config.prefill.instances), ("decode", config.decode.instances)]
-    if config.unified:
-        # Request-level baselines: every worker is a unified instance (a decode
-        # process that also prefills), so both policies use the same workers.
-        counts = [("decode", config.prefill.instances + config.decode.instances)]
-    for kind, count in counts:
-        for index in range(count):
-            argv = python_argv(kind, "--config", cfg, "--index", str(index))
-            children.append(_child(config, f"{kind}-{index}", argv, 1))
+    for kind, index in config.worker_instances:
+        argv = python_argv(kind, "--config", cfg, "--index", str(index))
+        children.append(_child(config, f"{kind}-{index}", argv, 1))
     children.append(_child(config, "proxy", python_argv("proxy", "--config", cfg), 2))
     return children

@@ -528,6 +528,16 @@ class Config(msgspec.Struct, frozen=True):
         return self.scheduler.policy in UNIFIED_POLICIES
 
     @property
+    def worker_instances(self) -> list[tuple[str, int]]:
+        """``(kind, index)`` of every worker instance a node starts, in start order
+        (request-level policies: every worker is a unified instance, a decode process
+        that also prefills, so both kinds of policy use the same workers)."""
+        if self.unified:
+            return [("decode", i) for i in range(self.prefill.instances + self.decode.instances)]
+        return ([("prefill", i) for i in range(self.prefill.instances)]
+                + [("decode", i) for i in range(self.decode.instances)])  # fmt: skip
+
+    @property
     def hybrid_prefill(self) -> bool:
         """True when prefill instances also decode (Aegaeon policy only)."""
         return not self.unified and self.scheduler.prefill_decodes_when_idle

@@ -44,17 +44,12 @@ def instance_devices(config: Config) -> list[Placed]:
     """Every worker instance the node starts and its devices, as ``aegaeon serve`` starts
     them (request-level policies: every worker a unified decode instance); a
     tensor-parallel instance once per rank (``decode-0 rank 1``)."""
-    counts = [("prefill", config.prefill.instances), ("decode", config.decode.instances)]
-    if config.unified:
-        counts = [("decode", config.prefill.instances + config.decode.instances)]
     placed = []
-    for kind, count in counts:
+    for kind, i in config.worker_instances:
         section: InstancesConfig = getattr(config, kind)
         field = f"{kind}.devices" if section.devices else f"{kind}.device"
-        for i in range(count):
-            group = section.group_devices(i)
-            placed += [Placed(f"{kind}-{i}" + (f" rank {r}" if r else ""), field, device)
-                       for r, device in enumerate(group)]  # fmt: skip
+        placed += [Placed(f"{kind}-{i}" + (f" rank {r}" if r else ""), field, device)
+                   for r, device in enumerate(section.group_devices(i))]  # fmt: skip
     return placed
 
 

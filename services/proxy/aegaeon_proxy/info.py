@@ -114,12 +114,8 @@ async def metrics(request: web.Request) -> web.Response:
 def service_names(config: Config) -> list[tuple[str, str]]:
     """``(name, role)`` of every service of the node besides the proxy, in start order
     (``aegaeon_cli.node`` starts the same set)."""
-    names = [("cachemgr", "cachemgr")]
-    if config.unified:
-        total = config.prefill.instances + config.decode.instances
-        return names + [(f"decode-{i}", "decode") for i in range(total)]
-    names += [(f"prefill-{i}", "prefill") for i in range(config.prefill.instances)]
-    return names + [(f"decode-{i}", "decode") for i in range(config.decode.instances)]
+    return [("cachemgr", "cachemgr")] + [(f"{kind}-{i}", kind)
+                                         for kind, i in config.worker_instances]
 
 
 async def aegaeon_services(request: web.Request) -> web.Response:

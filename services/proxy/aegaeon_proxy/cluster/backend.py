@@ -15,10 +15,10 @@ places by its policy's picture in the store instead (``cluster.baselines``).
 
 * **Dispatch** (Algorithm 1 across every node's prefill instances) and
   **placement** (Algorithm 2 within the prefill's node: the KV stays in that
-  node's host memory) are store transactions: read the candidates' queue
-  states, run the same dispatcher the single proxy runs
-  (``aegaeon_sched.shared``), write back the state it changed; the write
-  commits only if no other replica wrote any state read meanwhile (Redis
+  node's host memory) are store transactions: read the candidates' queues
+  (stored as they are: msgspec structs), run the same dispatcher the single
+  proxy runs (``aegaeon_sched.shared``), write back the queue it changed; the write
+  commits only if no other replica wrote any queue read meanwhile (Redis
   WATCH/MULTI/EXEC), else the decision is made again on fresh state. So two
   replicas never both book an instance on the same picture of it.
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
@@ -55,7 +55,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq.asyncio
@@ -78,6 +78,7 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
+    BASELINE,
     INSTANCES,
     PROXIES,
     QUEUE_TTL_S,
@@ -98,9 +99,9 @@ from aegaeon_common.registry import (
     request_key,
 )
 from aegaeon_common.store import StoreError
-from aegaeon_common.transport import Puller, Pusher, release_security
+from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import NoInstance, percentile
+from aegaeon_sched import DecodeShare, NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
     place_decode,
@@ -108,7 +109,6 @@ from aegaeon_sched.shared import (
     queue_of,
     queued_request_ids,
     remove_requests,
-    work_list_of,
 )
 from prometheus_client import CollectorRegistry
 
@@ -123,18 +123,17 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.cluster.baselines import Baselines
 from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
-from aegaeon_proxy.cluster.models import ReplicaModels
+from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
-from aegaeon_proxy.cluster.policy import Member, bounds_of
-from aegaeon_proxy.cluster.quarantine import POLL_TIMEOUT_S, reload_lifting, watch_caches
-from aegaeon_proxy.cluster.registry import REFRESH_S, DecodeShares, RegistryView, StoreHealth
+from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
-from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import ReplicaRoles
+from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
+from aegaeon_proxy.cluster.roles import SharedRoles
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
+_T = TypeVar("_T")
 BEAT_S = 0.5
 REAP_S = 1.0
 REAP_LEASE_S = 10.0
@@ -183,8 +182,8 @@ class ClusterBackend(Backend):
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
         self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
-        self._shares = DecodeShares()
-        self._decode_shares: dict[str, float] = {}
+        # each hybrid instance's share of time left for decoding, from its records' beats
+        self._decode_shares: dict[str, DecodeShare] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
@@ -194,12 +193,13 @@ class ClusterBackend(Backend):
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._checked = False  # the cachemgrs' unreadable models were read once
         # one node: the instances report here and this replica writes their records
-        self.local = LocalRegistrar(config, self._put_record, self._send_record)
+        self.local = LocalRegistrar(config, self._put_record,
+                                    lambda record, msg: self._spawn(self._send(record, msg)))
         # a request-level baseline's placement (its picture in the store), else Aegaeon's
         self.baselines = Baselines(self) if config.unified else None
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
-        self.models = ReplicaModels(config, self.view, self.caches, self.records, self._send,
+        self.models = SharedModels(config, self.view, self.caches, self.records, self._send,
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
         # (after the served set: a model added elsewhere is served here before its settings)
         self.records.follow(
@@ -207,7 +207,7 @@ class ClusterBackend(Backend):
             self._settings_followed,
         )  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
-        self.roles = ReplicaRoles(config, self.store, self.view, self.proxy_id)
+        self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,
@@ -225,10 +225,9 @@ class ClusterBackend(Backend):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
-                       (self._receive(), self._refresh_loop(), self._beat_loop(),
-                        self._reap_loop(),
-                        watch_caches(self._poll_unavailable, self._found_unavailable,
-                                     lambda: self._closing))]  # fmt: skip
+                       (receive_reports(self._reports, self._handlers, self.counters),
+                        self._refresh_loop(), self._beat_loop(),
+                        self._reap_loop(), self._unavailable_loop())]  # fmt: skip
         self._tasks += [loop.create_task(self._watch(name)) for name in self.local.expected]
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
 
@@ -306,10 +305,6 @@ class ClusterBackend(Backend):
                               sum(x.kv_capacity_bytes for x in decoding),
                               host_used, host_capacity)  # fmt: skip
 
-    def held_counts(self) -> tuple[int, int]:
-        """Requests held here: (waiting for a prefill instance, for a decode one)."""
-        return len(self.held), len(self.held_decode)
-
     def context_limit(self, model: str) -> int | None:
         limits = [r.capacity_tokens[model] for r in self.view.live.values()
                   if model in r.capacity_tokens]  # fmt: skip
@@ -321,19 +316,19 @@ class ClusterBackend(Backend):
         await self.models.add(model)
 
     async def forget_model(self, name: str) -> bool:
-        return await self.models.ops.forget(name)
+        return await self.models.forget(name)
 
     async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.models.ops.set_flags(name, pinned=pinned, preload=preload)
+        await self.models.set_flags(name, pinned=pinned, preload=preload)
 
     async def model_cache(self) -> dict[str, Any] | None:
         return await self.caches.model_cache(self.view.live.values())
 
     async def set_model_awake(self, name: str, awake: bool) -> bool:
-        return await self.models.ops.set_awake(name, awake)
+        return await self.models.set_awake(name, awake)
 
     def model_sleeping(self, name: str) -> bool:
-        return self.models.ops.sleeping(name)
+        return self.models.sleeping(name)
 
     async def publish_served(self, name: str, model: ModelConfig | None) -> None:
         await self.models.publish(name, model)
@@ -349,23 +344,18 @@ class ClusterBackend(Backend):
         await self.models.publish_unavailable(name, why, time.time())
 
     async def reload_model(self, model: ModelConfig) -> None:
-        async def mark(why: str | None, at: float) -> None:
-            await self.models.publish_unavailable(model.name, why, at)
+        await self.models.reload(model)
 
-        await reload_lifting(self.models.reload(model), mark)
-
-    async def _poll_unavailable(self) -> dict[str, str]:
-        # (a node whose cachemgr died keeps its records until their TTL: not waited for)
-        cache = await self.caches.model_cache(self.view.live.values(), POLL_TIMEOUT_S)
-        if cache is None:
-            raise BackendError.unavailable("no node's cachemgr answered")
-        return dict(cache.get("unavailable", {}))
-
-    async def _found_unavailable(self, models: dict[str, str], asked_at: float) -> None:
-        for name, why in models.items():
-            if name not in self.models.quarantine.models:
-                await self.models.publish_unavailable(name, why, asked_at)
-        self._checked = True  # (ready: the cachemgrs' unreadable models are known here)
+    async def _unavailable_loop(self) -> None:
+        """Every :data:`WATCH_S`, the cachemgrs' unreadable models, shared; a failed poll
+        is tried again at the next turn (a cachemgr or the store may be restarting)."""
+        while not self._closing:
+            try:
+                await self.models.check_unavailable(time.time())
+                self._checked = True  # (ready: the cachemgrs' unreadable models are known)
+            except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
+                log.debug("unavailable_models_poll_failed", error=repr(exc))
+            await asyncio.sleep(WATCH_S)
 
     async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
         def build(base: bytes | None, version: int) -> bytes:
@@ -424,10 +414,7 @@ class ClusterBackend(Backend):
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
-        if self.baselines is not None:
-            self._spawn(self.baselines.dispatch(tracked, again=True))
-        else:
-            self._spawn(self._dispatch_prefill(tracked))
+        self._spawn(self._dispatch(tracked, again=True))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
         """Out of its shared queue and the store; a cancel reaches its instance (at its
@@ -471,9 +458,11 @@ class ClusterBackend(Backend):
             return
         await self._dispatch(tracked)
 
-    async def _dispatch(self, tracked: Tracked) -> None:
+    async def _dispatch(self, tracked: Tracked, again: bool = False) -> None:
+        """``again``: its instance failed before its first token (a baseline drops its
+        binding there first)."""
         if self.baselines is not None:
-            await self.baselines.dispatch(tracked)
+            await self.baselines.dispatch(tracked, again)
         else:
             await self._dispatch_prefill(tracked)
 
@@ -486,57 +475,42 @@ class ClusterBackend(Backend):
         if not candidates or latency is None:
             self.held[rid] = tracked
             return
-        keys = [RegistryView.queue_key(r, "prefill") for r in candidates]
-        by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
-        max_group = self.config.scheduler.max_group_size
 
-        def decide(
-            values: list[bytes | None],
-        ) -> tuple[dict[str, bytes | None], tuple[str, int, float | None]]:
-            queues = {r.instance_id: prefill_queue_of(v, max_group)
-                      for r, v in zip(candidates, values, strict=True)}  # fmt: skip
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
             instance, group_id, queue = dispatch_prefill(
-                queues, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
+                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
             )
-            placed = (instance, group_id, queue.group_key_s(group_id))
-            return {by_id[instance][1]: encode(queue)}, placed
+            return instance, queue, (group_id, queue.group_key_s(group_id))
 
-        started = time.perf_counter()
+        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
+            return tracked.prefill_message(*placed, record.incarnation, self.report_address)
+
         try:
-            instance, group_id, key_s = await self.store.transact(keys, decide,
-                                                                  ttl_s=QUEUE_TTL_S)  # fmt: skip
+            await self._book(tracked, candidates, "prefill", choose, message)
         except NoInstance:
             self.held[rid] = tracked
-            return
-        except StoreError as exc:
-            self._store_failed(rid, exc)
-            return
-        self.dispatch_s.append(time.perf_counter() - started)
-        record, key = by_id[instance]
-        where = Where(instance, record.incarnation, record.node, key, "prefill")
-        if rid not in self.requests:  # cancelled while deciding: undo the booking
-            await self._unqueue(rid, where)
-            return
-        self.where[rid] = where
-        tracked.instance = instance
-        await self._send(record, tracked.prefill_message(group_id, key_s, record.incarnation,
-                                                         self.report_address))  # fmt: skip
-        with contextlib.suppress(StoreError):
-            await self._put_meta(tracked, "queued")
 
-    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> bool:
+    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> None:
         """Algorithm 2's placement over the decode-capable instances of the prefill's
-        node; True once the request was sent to one (its handoff is that instance's to
-        claim) or is held for one (none takes work now: placed when one does)."""
+        node: the request is sent to one (its handoff is that instance's to claim) or
+        held for one (none takes work now: placed when one does). One ended or cancelled
+        before its placement, or not placed: its KV handoff is still leased to the
+        prefill instance, which frees it on a cancel."""
         rid = tracked.gen.request_id
+        if not await self._placed_decode(tracked, prefilled):
+            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
+
+    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
+        rid = tracked.gen.request_id
+        if rid not in self.requests:
+            return False
         candidates = self.view.decode_candidates(prefilled.node)
         if not candidates:
             self.held_decode[rid] = (tracked, prefilled)
             return True
-        keys = [RegistryView.queue_key(r, "decode") for r in candidates]
-        by_id = {r.instance_id: (r, k) for r, k in zip(candidates, keys, strict=True)}
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
-        shares = {i: s for i, s in self._decode_shares.items() if i in by_id}
+        shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
+                  if r.instance_id in self._decode_shares}  # fmt: skip
         # with roles moving, an instance in the prefill role takes new decode requests
         # only while no decode-role one keeps up (as on one node)
         reserved = {r.instance_id for r in candidates
@@ -544,62 +518,94 @@ class ClusterBackend(Backend):
         latency = self.view.latency()
         sched = self.config.scheduler
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, int]]:
-            work_lists = {r.instance_id: work_list_of(v)
-                          for r, v in zip(candidates, values, strict=True)}  # fmt: skip
+        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
             instance, batch_id, work_list = place_decode(
-                work_lists, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
+                states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
                 max_batch_size=sched.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return {by_id[instance][1]: encode(work_list)}, (instance, batch_id)
+            return instance, work_list, batch_id
+
+        def message(record: InstanceRecord, batch_id: int) -> Message | None:
+            return tracked.decode_message(batch_id, record.incarnation, self.report_address)
+
+        return await self._book(tracked, candidates, "decode", choose, message)
+
+    async def _book(
+        self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
+        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
+        message: Callable[[InstanceRecord, _T], Message | None],
+    ) -> bool:  # fmt: skip
+        """Book the request on one of ``candidates`` in one store transaction: ``choose``
+        picks it from their shared queues (``stage``'s) and changes its queue
+        (decided again on fresh queues if another replica wrote one read meanwhile);
+        then ``message`` goes to it. False: the store failed (the request ended), or it
+        ended while deciding, or has no message (the booking undone)."""
+        rid = tracked.gen.request_id
+        keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
+        max_group = self.config.scheduler.max_group_size
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
+            queues = {i: queue_of(v, stage == "prefill", max_group)
+                      for i, v in zip(keys, values, strict=True)}  # fmt: skip
+            instance, queue, result = choose(queues)
+            return {keys[instance]: encode(queue)}, (instance, result)
 
         started = time.perf_counter()
         try:
-            instance, batch_id = await self.store.transact(keys, decide, ttl_s=QUEUE_TTL_S)
+            instance, result = await self.store.transact(list(keys.values()), decide,
+                                                         ttl_s=QUEUE_TTL_S)  # fmt: skip
         except StoreError as exc:
             self._store_failed(rid, exc)
             return False
         self.dispatch_s.append(time.perf_counter() - started)
-        record, key = by_id[instance]
-        where = Where(instance, record.incarnation, record.node, key, "decode")
-        msg = tracked.decode_message(batch_id, record.incarnation, self.report_address)
+        record = next(r for r in candidates if r.instance_id == instance)
+        where = Where(instance, record.incarnation, record.node, keys[instance], stage)
+        msg = message(record, result)
         if rid not in self.requests or msg is None:
-            await self._unqueue(rid, where)
+            await self._unqueue(rid, where.queue)
             return False
         self.where[rid] = where
-        tracked.instance = instance
         await self._send(record, msg)
         with contextlib.suppress(StoreError):
-            await self._put_meta(tracked, "decoding")
+            await self._put_meta(tracked, "queued" if stage == "prefill" else "decoding")
         return True
 
     async def cancel(self, request_id: str) -> None:
         self.table.cancel(request_id)
 
-    def end_request(
-        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
-    ) -> Tracked | None:
-        """The request is over here: close its stream, free its shared state."""
-        return self.table.end(request_id, reason, error, code)
-
     async def _forget(self, request_id: str, where: Where | None) -> None:
         if where is not None:
-            await self._unqueue(request_id, where)
+            await self._unqueue(request_id, where.queue)
         with contextlib.suppress(StoreError):
             await self.store.delete(request_key(request_id))
             await self.store.set_remove(proxy_requests_key(self.proxy_id), request_id)
 
-    async def _unqueue(self, request_id: str, where: Where) -> None:
-        """Take the request out of its instance's shared queue (a no-op if not there)."""
-        await _unqueue(self.store, where.queue, request_id, self.config.scheduler.max_group_size)
+    async def _unqueue(self, request_id: str, queue: str) -> None:
+        """Take the request out of the shared queue at ``queue`` (prefill or decode; a
+        no-op if not there, or gone with its instance)."""
+        prefill = queue.startswith("pq:")
+        max_group = self.config.scheduler.max_group_size
 
-    def _store_failed(self, request_id: str, exc: StoreError) -> None:
+        def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            if values[0] is None:
+                return {}, None
+            state = queue_of(values[0], prefill, max_group)
+            return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
+
+        with contextlib.suppress(StoreError):
+            await self.store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
+
+    def _store_trouble(self, event: str, exc: StoreError, **fields: object) -> None:
+        """The store failed an operation: no record missing is a death for a TTL."""
         self.store_health.troubled()
         self.counters["store_errors"] += 1
-        log.warning("store_error", request_id=request_id, error=str(exc))
-        self.end_request(request_id, "error", f"the shared store failed: {exc}",
-                         code=STORE_UNAVAILABLE)  # fmt: skip
+        log.warning(event, error=str(exc), **fields)
+
+    def _store_failed(self, request_id: str, exc: StoreError) -> None:
+        self._store_trouble("store_error", exc, request_id=request_id)
+        self.table.end(request_id, "error", f"the shared store failed: {exc}",
+                       code=STORE_UNAVAILABLE)  # fmt: skip
 
     async def _put_meta(self, tracked: Tracked, state: str) -> None:
         gen = tracked.gen
@@ -628,9 +634,6 @@ class ClusterBackend(Backend):
         await pusher.send(msg)
 
     # ---- reports -------------------------------------------------------------
-    async def _receive(self) -> None:
-        await receive_reports(self._reports, self._handlers, self.counters)
-
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         where = self.where.get(msg.request_id)
@@ -672,12 +675,8 @@ class ClusterBackend(Backend):
             return
         if self.where.get(rid) is where:
             del self.where[rid]  # out of the prefill queue; not placed yet
-        if self.table.finish_first(tracked, msg):
-            return
-        if not (rid in self.requests and await self._place_decode(tracked, where)):
-            # ended or cancelled before its placement, or no placement: the KV handoff
-            # is still leased to the prefill instance, which frees it on this cancel
-            await self._send_to(where, CancelRequest(rid, free_handoff=True))
+        if not self.table.finish_first(tracked, msg):
+            await self._place_decode(tracked, where)
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
         # before the request ends: once its client has the answer, the stats no
@@ -712,15 +711,9 @@ class ClusterBackend(Backend):
                 else:
                     await self.store.delete(instance_key(record.instance_id))
             except StoreError as exc:
-                self.store_health.troubled()
-                self.counters["store_errors"] += 1
-                log.warning("registry_write_failed", instance=record.instance_id,
-                            error=str(exc))  # fmt: skip
+                self._store_trouble("registry_write_failed", exc, instance=record.instance_id)
 
         self._spawn(write())
-
-    def _send_record(self, record: InstanceRecord, msg: Message) -> None:
-        self._spawn(self._send(record, msg))
 
     def _on_draining(self, msg: InstanceDraining) -> None:
         """Send the instance no new work; the ack follows everything sent to it so far."""
@@ -761,16 +754,10 @@ class ClusterBackend(Backend):
         for rid, (tracked, prefilled) in list(self.held_decode.items()):
             if not self.view.alive(prefilled.instance, prefilled.incarnation):
                 del self.held_decode[rid]
-                self.table.lost(tracked, prefilled.instance, f"instance {prefilled.instance} is "
-                                "gone (its heartbeat expired)")  # fmt: skip
+                self._lost(rid, prefilled)
             elif self.view.decode_candidates(prefilled.node):
                 del self.held_decode[rid]
-                self._spawn(self._place_held(tracked, prefilled))
-
-    async def _place_held(self, tracked: Tracked, prefilled: Where) -> None:
-        rid = tracked.gen.request_id
-        if not (rid in self.requests and await self._place_decode(tracked, prefilled)):
-            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
+                self._spawn(self._place_decode(tracked, prefilled))
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
@@ -800,14 +787,15 @@ class ClusterBackend(Backend):
                 self.models.on_joined(record)
             for record in left:
                 self._instance_left(record)
-            self.models.ops.changed()  # waits on the instances look again
+            self.models.changed()  # waits on the instances look again
             for record in self.view.live.values():
                 # a prefill instance decodes when idle; with roles moving, a decode one
                 # prefills: either's decode share is what its prefills leave
                 prefills = record.kind == "prefill" or self.config.role_switching
                 if prefills and self.config.hybrid_prefill:
-                    share = self._shares.observe(record.instance_id, record.load.prefill_s)
-                    self._decode_shares[record.instance_id] = share
+                    share = self._decode_shares.setdefault(record.instance_id,
+                                                           DecodeShare(min_interval_s=0.0))
+                    share.observe(time.monotonic(), record.load.prefill_s)
             for rid, where in list(self.where.items()):
                 if not self.view.alive(where.instance, where.incarnation):
                     self._lost(rid, where)
@@ -848,8 +836,7 @@ class ClusterBackend(Backend):
         live = list(self.view.live.values())
         if not any(r.latency is not None for r in live):
             return  # (nothing to derive them from yet: admitted unbounded meanwhile)
-        members = [Member(r.kind, r.latency, r.capacity_tokens, r.node) for r in live]
-        bounds = bounds_of(self.config, members, self._replicas)
+        bounds = bounds_of(self.config, live, self._replicas)
         admission = self.table.admission
         if admission is None or admission.bounds != bounds:
             log.info("admission_bounds", bounds=bounds, replicas=self._replicas)
@@ -904,9 +891,7 @@ class ClusterBackend(Backend):
                     if tracked is not None:
                         await self._put_meta(tracked, "decoding")
             except StoreError as exc:
-                self.store_health.troubled()
-                self.counters["store_errors"] += 1
-                log.warning("beat_failed", error=str(exc))
+                self._store_trouble("beat_failed", exc)
             await asyncio.sleep(BEAT_S)
 
     async def _reap_loop(self) -> None:
@@ -925,9 +910,7 @@ class ClusterBackend(Backend):
                                                       self.proxy_id.encode(), REAP_LEASE_S):
                         await self._reap(proxy_id)
             except StoreError as exc:
-                self.store_health.troubled()
-                self.counters["store_errors"] += 1
-                log.warning("reap_failed", error=str(exc))
+                self._store_trouble("reap_failed", exc)
 
     async def _reap(self, proxy_id: str) -> None:
         """A dead replica's requests: cancelled at their instances, out of the queues.
@@ -951,8 +934,8 @@ class ClusterBackend(Backend):
                 meta = None
             if meta is not None and meta.instance:
                 cancel_at.setdefault(rid, {})[meta.instance] = meta.state != "decoding"
-            if meta is not None and meta.queue:
-                queued.setdefault(meta.queue, set()).add(rid)
+            if meta is not None and meta.queue and meta.queue != BASELINE:
+                queued.setdefault(meta.queue, set()).add(rid)  # (a baseline's is no queue)
         if owned:
             places = [(r.instance_id, RegistryView.queue_key(r, stage), stage == "prefill")
                       for r in self.view.live.values() for stage in ("prefill", "decode")]
@@ -967,10 +950,9 @@ class ClusterBackend(Backend):
                 record = self.view.live.get(instance)
                 if record is not None:  # (a handoff its replica never placed is freed)
                     await self._send(record, CancelRequest(rid, free_handoff=free))
-        max_group = self.config.scheduler.max_group_size
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
-                await _unqueue(self.store, queue, rid, max_group)
+                await self._unqueue(rid, queue)
         await self.store.delete(*(request_key(r) for r in rids), proxy_requests_key(proxy_id))
         await self.store.set_remove(PROXIES, proxy_id)
         self.counters["reaped"] += len(rids)
@@ -989,8 +971,8 @@ class ClusterBackend(Backend):
         for name in self.local.expected:  # (one node: every instance it runs, up or not)
             if name not in instances:
                 restarting = self.local.restarting(name, now)  # (after a drain)
-                instances[name] = {"alive": restarting, "pid": self.local.pid(name) if
-                                   restarting else None, "active_model": None}  # fmt: skip
+                pid = self.local.instances[name].record.pid if restarting else None
+                instances[name] = {"alive": restarting, "pid": pid, "active_model": None}
         return {
             "policy": self.config.scheduler.policy,
             "proxy_id": self.proxy_id,
@@ -1005,7 +987,7 @@ class ClusterBackend(Backend):
         heartbeat, or a newer message about a request on one node), host KV blocks its
         node's cachemgr leases to it (``-1``: that cachemgr did not answer). All 0 on
         an idle deployment that leaked nothing."""
-        local = dict(self.local)
+        local = self.local.instances
         out: list[dict[str, object]] = []
         for r in self.view.live.values():
             cache = caches.get(r.node)
@@ -1047,7 +1029,7 @@ class ClusterBackend(Backend):
             # records' loads are in `instances`)
             "instance_stats": {
                 name: to_plain(local.stats) if local.stats is not None else None
-                for name, local in self.local
+                for name, local in self.local.instances.items()
             },
             "cache": cache,
             "nodes": sorted({r.node for r in self.view.live.values()}),
@@ -1065,7 +1047,7 @@ class ClusterBackend(Backend):
         out["latency"] = {r.instance_id: to_plain(r.latency) for r in self.view.live.values()
                           if r.latency is not None}  # fmt: skip
         out["layout"] = layout_of(self.config)
-        out["timings"] = self.table.timings.plain()
+        out["timings"] = list(self.table.timings)
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.local.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.local.turns]
         return out
@@ -1090,16 +1072,3 @@ def _store_down(why: object) -> BackendError:
     that restarts is back within seconds)."""
     return BackendError.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
 
-
-async def _unqueue(store: Any, queue: str, request_id: str, max_group_size: int) -> None:
-    """Take ``request_id`` out of the shared queue at ``queue`` (prefill or decode)."""
-    prefill = queue.startswith("pq:")
-
-    def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-        if values[0] is None:
-            return {}, None  # the instance is gone and its queue with it
-        state = queue_of(values[0], prefill, max_group_size)
-        return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
-
-    with contextlib.suppress(StoreError):
-        await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)

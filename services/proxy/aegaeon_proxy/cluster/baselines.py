@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
 from typing import Protocol
 
 from aegaeon_common.config import Config
@@ -50,6 +49,7 @@ from aegaeon_sched import (
 from aegaeon_sched.shared_baselines import restore, snapshot
 
 from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
@@ -68,12 +68,7 @@ class BaselineHost(Protocol):
     report_address: str
     where: dict[str, Where]
     held: dict[str, Tracked]
-
-    @property
-    def requests(self) -> Mapping[str, Tracked]: ...
-
-    def end_request(self, request_id: str, reason: str, error: str | None = None,
-                    code: str | None = None) -> object: ...  # fmt: skip
+    table: RequestTable
 
     async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
 
@@ -169,13 +164,12 @@ class Baselines:
 
     async def _run(self, action: RunOnInstance, by_id: dict[str, InstanceRecord]) -> None:
         rid = action.request.request_id
-        tracked, record = self.host.requests.get(rid), by_id[action.instance]
+        tracked, record = self.host.table.requests.get(rid), by_id[action.instance]
         if tracked is None:  # ended while the policy decided: its binding goes
             await self.release(rid, cancelled=True)
             return
         self.host.where[rid] = Where(action.instance, record.incarnation, record.node, BASELINE,
                                      "run")  # fmt: skip
-        tracked.instance = action.instance
         await self.host._send(record, tracked.run_message(record.incarnation,
                                                           self.host.report_address))  # fmt: skip
 
@@ -185,6 +179,6 @@ class Baselines:
             await self.host._send(record, CancelRequest(action.request_id))
 
     async def _reject(self, action: Reject, by_id: dict[str, InstanceRecord]) -> None:
-        self.host.end_request(action.request.request_id, "error", action.reason,
-                              action.code or None)  # fmt: skip
+        self.host.table.end(action.request.request_id, "error", action.reason,
+                            action.code or None)  # fmt: skip
 

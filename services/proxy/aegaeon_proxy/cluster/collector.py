@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import ReplicaRoles, RoleSwitcher
+from aegaeon_proxy.cluster.roles import RoleSwitcher, SharedRoles
 
 __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 
@@ -25,21 +25,18 @@ ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's reques
 class CollectedBackend(Protocol):
     """What a scrape reads of the backend (``cluster.backend``)."""
 
-    @property
-    def view(self) -> RegistryView: ...
+    view: RegistryView
+    table: RequestTable
+    roles: SharedRoles
+    store: Store
 
     @property
-    def table(self) -> RequestTable: ...
+    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
 
     @property
-    def roles(self) -> ReplicaRoles: ...
-
-    @property
-    def store(self) -> Store: ...
+    def held_decode(self) -> Mapping[str, object]: ...
 
     def down(self) -> list[str]: ...
-
-    def held_counts(self) -> tuple[int, int]: ...
 
 
 class BackendCollector(Collector):
@@ -72,9 +69,8 @@ class BackendCollector(Collector):
             "Requests waiting in the proxy because no instance of a stage takes work now",
             labels=["stage"],
         )  # fmt: skip
-        arrivals, placements = b.held_counts()
-        held.add_metric(["prefill"], float(arrivals))
-        held.add_metric(["decode"], float(placements))
+        held.add_metric(["prefill"], float(len(b.held)))
+        held.add_metric(["decode"], float(len(b.held_decode)))
         yield held
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
                                  labels=["outcome"])  # fmt: skip

@@ -30,7 +30,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -60,11 +60,7 @@ def local_names(config: Config) -> tuple[str, ...]:
     where each instance writes its own record)."""
     if config.distributed:
         return ()
-    if config.unified:  # the request-level baselines: every worker is a unified instance
-        return tuple(f"decode-{i}" for i in range(config.prefill.instances
-                                                  + config.decode.instances))  # fmt: skip
-    return (tuple(f"prefill-{i}" for i in range(config.prefill.instances))
-            + tuple(f"decode-{i}" for i in range(config.decode.instances)))  # fmt: skip
+    return tuple(f"{kind}-{i}" for kind, i in config.worker_instances)
 
 
 @dataclass
@@ -96,9 +92,6 @@ class LocalRegistrar:
         self._said_started: set[str] = set()  # ProxyStarted went to these (this process)
         self.switches: deque[tuple[str, SwitchRecord]] = deque(maxlen=config.proxy.stats_records)
         self.turns: deque[tuple[str, TurnRecord]] = deque(maxlen=config.proxy.stats_records)
-
-    def __iter__(self) -> Iterator[tuple[str, _Local]]:
-        return iter(self.instances.items())
 
     def on_hello(self, msg: InstanceHello) -> None:
         name = f"{msg.kind}-{msg.index}"
@@ -175,7 +168,7 @@ class LocalRegistrar:
 
     def leave(self) -> None:
         """This proxy stops: each instance up hears that nothing more comes from it."""
-        for _, local in self:
+        for local in self.instances.values():
             if local.written_s > 0.0:
                 self._send(local.record, AckDrain(local.record.pid))
 
@@ -206,11 +199,6 @@ class LocalRegistrar:
         if local is None:
             return False
         return now_s - local.written_s < self.ttl_s or self.restarting(name, now_s)
-
-    def pid(self, name: str) -> int | None:
-        """The process that said hello last as ``name``."""
-        local = self.instances.get(name)
-        return local.record.pid if local is not None else None
 
     def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
         """Its side HTTP server and its node's cachemgr's, once they listen."""

@@ -3,7 +3,7 @@ woken on the devices (``/sleep``, ``/wake_up``), over every node's instances (th
 registry) and cachemgrs (``cluster.node_caches``); and the set of models the
 proxies serve.
 
-The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`ModelOps`
+The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`SharedModels`
 carries it out: the cachemgrs learn or forget the model (``RegisterModel``,
 ``ForgetModel``) and take the operator's flags (``SetModelFlags``); every live
 instance is told (``AddModel``) and answers the proxy that asked (``reply_to``)
@@ -29,12 +29,15 @@ proxy writes it back if the store loses it. An instance or cachemgr that
 (re)starts comes back with the config file's models: it is given the models
 added here again and forgets those removed (``on_joined``).
 
-The models whose checkpoint cannot be read are shared the same way
-(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too):
-the proxy that learns one (a node's cachemgr reports it, an instance fails a
-request with ``model_unavailable``, an admin operation is refused) publishes it,
-and every proxy's front refuses the model until a reload on any proxy lifts
-it (:class:`~aegaeon_proxy.cluster.quarantine.Quarantine`).
+The models whose checkpoint cannot be read (quarantine) are shared the same way
+(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too).
+A cachemgr refuses to load a model whose files are missing, truncated, corrupt or
+not as ``market.json`` records them, and says so in its stats (``unavailable``,
+polled every :data:`WATCH_S`); an instance that meets one fails the work for it
+with ``model_unavailable``; an admin operation (an add, a pin) gets
+``checkpoint_error`` back. The proxy that learns one publishes it, and every
+proxy's :class:`Quarantine` tells its front (the model table answers 503
+``model_unavailable`` from then on) until a reload on any proxy lifts it.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +77,6 @@ from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.node_caches import CACHE_TIMEOUT_S, NodeCaches
-from aegaeon_proxy.cluster.quarantine import Quarantine
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 
@@ -88,11 +90,15 @@ ADD_TIMEOUT_S = 60.0
 # an instance answers a sleep or a wake between two steps; a wake loads the weights
 # (from disk when the Model Cache does not hold them)
 AWAKE_TIMEOUT_S = 60.0
+WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
+# how long a cachemgr may take to answer that (one that died is not waited for)
+POLL_TIMEOUT_S = 2.0
 
-__all__ = ["ModelOps", "ReplicaModels", "Target", "record_models", "served_changes",
+__all__ = ["WATCH_S", "Quarantine", "SharedModels", "record_models", "served_changes",
            "with_change", "with_unavailable"]  # fmt: skip
 
 Apply = Callable[[str, ModelConfig | None], None]
+ApplyUnavailable = Callable[[str, str | None], None]
 
 
 def register_message(model: ModelConfig) -> RegisterModel:
@@ -149,187 +155,49 @@ def served_changes(record: ServedModelsRecord,
     return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
 
 
-@dataclass(frozen=True)
-class Target:
-    """A live instance as the model operations see it."""
+class Quarantine:
+    """The unreadable models this backend knows (name -> why), and the front's
+    ``apply`` for them."""
 
-    name: str  # how its placement names it ("prefill-0"; "node-1/prefill-0")
-    kind: str  # "prefill" | "decode"
-    models: frozenset[str]  # the models it serves now
-    resident: tuple[str, ...]  # the models on its device, as it last reported
-    work: int  # requests queued and running
+    def __init__(self) -> None:
+        self.models: dict[str, str] = {}
+        self._apply: ApplyUnavailable | None = None
 
+    def follow(self, apply: ApplyUnavailable) -> None:
+        """``apply(name, why | None)`` for every change (and now for what is known)."""
+        self._apply = apply
+        for name, why in self.models.items():
+            apply(name, why)
 
-def _wake_rank(target: Target) -> tuple[bool, int]:
-    """Prefill instances first (a model's next request starts there), least work first."""
-    return target.kind != "prefill", target.work
+    def set(self, name: str, why: str) -> bool:
+        """``name`` cannot be read (``why``); True if that is news. The first error stands
+        until a reload."""
+        if name in self.models:
+            return False
+        self.models[name] = why
+        log.error("model_unavailable", model=name, error=why)
+        self._tell(name, why)
+        return True
 
+    def sync(self, models: dict[str, str]) -> None:
+        """Become ``models`` (the set the replicas share), telling the front each change."""
+        for name in [n for n in self.models if n not in models]:
+            self.models.pop(name)
+            self._tell(name, None)
+        for name, why in models.items():
+            if self.models.get(name) != why:
+                self.models[name] = why
+                self._tell(name, why)
 
-class ModelOps:
-    """The model operations over a :class:`ReplicaModels` (where they reach the
-    instances and cachemgrs); it feeds them the instances' answers
-    (:meth:`models_answered`, :meth:`residency_answered`)."""
-
-    def __init__(self, place: ReplicaModels, config: Config) -> None:
-        self.place = place
-        self.config = config
-        self.added: dict[str, ModelConfig] = {}  # models added here (not in the config)
-        self.removed: set[str] = set()  # configured models removed here
-        self._tickets = itertools.count(1)
-        self._owners: dict[int, str] = {}  # ticket -> the target it was sent to
-        self._add_sent: dict[str, int] = {}  # target -> its last AddModel's ticket
-        self._add_answered: dict[str, int] = {}  # target -> the last ticket it answered
-        self._answered_models: dict[str, frozenset[str]] = {}  # ... and its models then
-        self._awake_sent: dict[str, int] = {}
-        self._awake_answered: dict[str, int] = {}
-        self._changed = asyncio.Event()
-
-    # ---- the admin endpoints' operations ------------------------------------
-    async def add(self, model: ModelConfig) -> None:
-        """Register ``model`` with every cachemgr, tell every live instance, and wait
-        until each serves it (a BackendError names the one that cannot)."""
-        await self.place.cache_call(register_message(model))
-        self.added[model.name] = model
-        self.removed.discard(model.name)
-        await self._take(model)
-
-    async def reload(self, model: ModelConfig) -> None:
-        """Read ``model``'s checkpoint again on every node (``ReloadModel``: its
-        quarantine lifted there; a BackendError 422 ``model_unavailable`` naming what is
-        wrong when it still cannot be read), then have every live instance that does
-        not serve it (its config was unreadable when it started) take it."""
-        await self.place.cache_call(ReloadModel(model.name, str(model.path)), RELOAD_TIMEOUT_S)
-        if self.config.model(model.name) is None:  # (an add that failed: added now)
-            self.added[model.name] = model
-        self.removed.discard(model.name)
-        await self._take(model)
-
-    async def _take(self, model: ModelConfig) -> None:
-        """Tell every live instance that does not serve ``model`` to, and wait until each
-        does (a BackendError names the one that cannot)."""
-        tickets = {t.name: self.send_add(t.name, model) for t in self.place.targets()
-                   if model.name not in t.models}  # fmt: skip
-
-        def waiting() -> list[str]:
-            names: list[str] = []
-            for target in self.place.targets():
-                ticket = tickets.get(target.name)
-                if ticket is None or model.name in target.models:
-                    continue  # came up since (its resync gets it) or done
-                if self._add_answered.get(target.name, 0) >= ticket and model.name not in \
-                        self._answered_models.get(target.name, frozenset()):  # fmt: skip
-                    raise BackendError(
-                        f"instance {target.name} cannot serve model '{model.name}' from "
-                        f"{model.path} (see its log)", status=422, code="model_unavailable",
-                    )  # fmt: skip
-                names.append(target.name)
-            return names
-
-        await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
-
-    async def forget(self, name: str) -> bool:
-        """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
-        everywhere."""
-        replies = await self.place.cache_call(ForgetModel(name))
-        self.added.pop(name, None)
-        if self.config.model(name) is not None:
-            self.removed.add(name)
-        return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
-                                     for r in replies)  # fmt: skip
-
-    async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.place.cache_call(SetModelFlags(name, pinned=pinned, preload=preload))
-
-    def sleeping(self, name: str) -> bool:
-        """``name`` is on no live instance's device (as they last reported)."""
-        return not any(name in t.resident for t in self.place.targets())
-
-    async def set_awake(self, name: str, awake: bool) -> bool:
-        """Sleep ``name`` on every live instance, or wake it on the least busy
-        prefill instance (none, if it is on a device already); returns once they
-        answered whether it sleeps now."""
-        live = self.place.targets()
-        if not live:
-            raise BackendError.unavailable("no instance is up")
-        if awake:
-            if not self.sleeping(name):
-                return False
-            targets = [min(live, key=_wake_rank)]
-        else:
-            targets = live
-        tickets = {}
-        for target in targets:
-            tickets[target.name] = ticket = self._ticket(target.name)
-            self._awake_sent[target.name] = ticket
-            self.place.send(target.name, SetModelAwake(name, awake, ticket,
-                                                       reply_to=self.place.reply_to))
-
-        def waiting() -> list[str]:
-            live = {t.name for t in self.place.targets()}
-            return [n for n, ticket in tickets.items()
-                    if n in live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
-
-        await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
-        return self.sleeping(name)
-
-    # ---- answers ---------------------------------------------------------------
-    def owner(self, ticket: int) -> str | None:
-        """The target a ticket was sent to (None: not one of this proxy's)."""
-        return self._owners.get(ticket)
-
-    def send_add(self, target: str, model: ModelConfig) -> int:
-        ticket = self._ticket(target)
-        self._add_sent[target] = ticket
-        self.place.send(target, AddModel(model.name, str(model.path), ticket,
-                                         reply_to=self.place.reply_to,
-                                         base=model.base or ""))  # fmt: skip
-        return ticket
-
-    def models_answered(self, target: str, ticket: int, models: frozenset[str]) -> None:
-        """``target`` answered the ``AddModel`` of ``ticket``: it serves ``models``."""
-        if ticket >= self._add_answered.get(target, 0):
-            self._add_answered[target] = ticket
-            self._answered_models[target] = models
-        self._wake()
-
-    def residency_answered(self, target: str, ticket: int) -> None:
-        """``target`` answered the ``SetModelAwake`` of ``ticket`` (its residency is
-        its placement's to note)."""
-        self._awake_answered[target] = max(self._awake_answered.get(target, 0), ticket)
-        self._wake()
-
-    def _ticket(self, target: str) -> int:
-        ticket = next(self._tickets)
-        self._owners[ticket] = target
-        return ticket
-
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    def changed(self) -> None:
-        """The targets changed (an instance came, went or reported): waits look again."""
-        self._wake()
-
-    async def _until(self, waiting: Callable[[], list[str]], what: str,
-                     timeout_s: float = AWAKE_TIMEOUT_S) -> None:  # fmt: skip
-        """Until ``waiting()`` names no instance (answers arrive), at most ``timeout_s``."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while names := waiting():
-            changed = self._changed
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await changed.wait()
-            except TimeoutError:
-                raise BackendError.unavailable(
-                    f"instances {', '.join(names)} did not {what} within {timeout_s:g} s"
-                ) from None
+    def _tell(self, name: str, why: str | None) -> None:
+        if self._apply is not None:
+            self._apply(name, why)
 
 
-class ReplicaModels:
-    """Where the model operations (:attr:`ops`) reach the instances and the cachemgrs,
-    and the models the proxies share (see the module). ``send`` sends to an
-    instance's record; ``spawn`` runs a job of the backend."""
+class SharedModels:
+    """The model operations over every node's instances and cachemgrs, and the models
+    the proxies share (see the module). ``send`` sends to an instance's record;
+    ``spawn`` runs a job of the backend."""
 
     def __init__(
         self,
@@ -350,9 +218,16 @@ class ReplicaModels:
         self._spawn = spawn
         self.reply_to = reply_to
         self._proxy_id = proxy_id
-        self.ops = ModelOps(self, config)
+        self.added: dict[str, ModelConfig] = {}  # models added here (not in the config)
+        self.removed: set[str] = set()  # configured models removed here
+        self._tickets = itertools.count(1)
+        self._owners: dict[int, str] = {}  # ticket -> the instance it was sent to
+        # instance -> the last AddModel ticket it answered, and its models then
+        self._add_answered: dict[str, tuple[int, frozenset[str]]] = {}
+        self._awake_answered: dict[str, int] = {}
         # instance -> (incarnation, residency version, models on its device): its answers
-        self._answered: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+        self._answered_resident: dict[str, tuple[int, int, tuple[str, ...]]] = {}
+        self._changed = asyncio.Event()
         self._apply: Apply | None = None
         self._applied: dict[str, str | None] = {}
         records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
@@ -361,58 +236,195 @@ class ReplicaModels:
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
 
-    # ---- where the operations reach ----------------------------------------------
-    def targets(self) -> list[Target]:
-        """The live instances now."""
-        out = []
-        for r in self.view.live.values():
-            resident, version = tuple(r.load.resident_models), r.load.residency_version
-            answered = self._answered.get(r.instance_id)
-            if answered is not None and answered[0] == r.incarnation and answered[1] > version:
-                resident = answered[2]  # its answer is newer than its last beat
-            out.append(Target(r.instance_id, r.kind, record_models(r), resident,
-                              r.load.queued + r.load.running))  # fmt: skip
-        return out
+    def _resident(self, record: InstanceRecord) -> tuple[str, ...]:
+        """The models on the instance's device, as it last reported."""
+        answered = self._answered_resident.get(record.instance_id)
+        if answered is not None and answered[0] == record.incarnation and \
+                answered[1] > record.load.residency_version:  # fmt: skip
+            return answered[2]  # its answer is newer than its last beat
+        return tuple(record.load.resident_models)
 
-    def send(self, target: str, msg: Message) -> None:
+    async def _cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
+        return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
+
+    # ---- the admin endpoints' operations ------------------------------------
+    async def add(self, model: ModelConfig) -> None:
+        """Register ``model`` with every cachemgr, tell every live instance, and wait
+        until each serves it (a BackendError names the one that cannot)."""
+        self._need_prefill()
+        await self._cache_call(register_message(model))
+        self.added[model.name] = model
+        self.removed.discard(model.name)
+        await self._take(model)
+
+    async def reload(self, model: ModelConfig) -> None:
+        """Read ``model``'s checkpoint again on every node (``ReloadModel``: its
+        quarantine lifted there; a BackendError 422 ``model_unavailable`` naming what is
+        wrong when it still cannot be read), then have every live instance that does
+        not serve it (its config was unreadable when it started) take it. Lifted
+        everywhere as of the reload's start once it succeeds; one that finds the
+        checkpoint unreadable still is quarantined again for what is wrong now."""
+        self._need_prefill()
+        began = time.time()
+        try:
+            await self._cache_call(ReloadModel(model.name, str(model.path)), RELOAD_TIMEOUT_S)
+            if self.config.model(model.name) is None:  # (an add that failed: added now)
+                self.added[model.name] = model
+            self.removed.discard(model.name)
+            await self._take(model)
+        except BackendError as exc:
+            if exc.code == "model_unavailable":
+                await self.publish_unavailable(model.name, None, began)
+                await self.publish_unavailable(model.name, exc.message, time.time())
+            raise
+        await self.publish_unavailable(model.name, None, began)
+
+    def _need_prefill(self) -> None:
+        if not self.view.prefill_candidates() and not self.config.unified:
+            raise BackendError.unavailable("no prefill instance is registered")
+
+    async def _take(self, model: ModelConfig) -> None:
+        """Tell every live instance that does not serve ``model`` to, and wait until each
+        does (a BackendError names the one that cannot)."""
+        tickets = {i: self._send_add(i, model) for i, r in self.view.live.items()
+                   if model.name not in record_models(r)}  # fmt: skip
+
+        def waiting() -> list[str]:
+            names: list[str] = []
+            for name, record in self.view.live.items():
+                ticket = tickets.get(name)
+                if ticket is None or model.name in record_models(record):
+                    continue  # came up since (its resync gets it) or done
+                answered, models = self._add_answered.get(name, (0, frozenset()))
+                if answered >= ticket and model.name not in models:
+                    raise BackendError(
+                        f"instance {name} cannot serve model '{model.name}' from "
+                        f"{model.path} (see its log)", status=422, code="model_unavailable",
+                    )  # fmt: skip
+                names.append(name)
+            return names
+
+        await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
+
+    async def forget(self, name: str) -> bool:
+        """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
+        everywhere."""
+        replies = await self._cache_call(ForgetModel(name))
+        self.added.pop(name, None)
+        if self.config.model(name) is not None:
+            self.removed.add(name)
+        return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
+                                     for r in replies)  # fmt: skip
+
+    async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+        await self._cache_call(SetModelFlags(name, pinned=pinned, preload=preload))
+
+    def sleeping(self, name: str) -> bool:
+        """``name`` is on no live instance's device (as they last reported)."""
+        return not any(name in self._resident(r) for r in self.view.live.values())
+
+    async def set_awake(self, name: str, awake: bool) -> bool:
+        """Sleep ``name`` on every live instance, or wake it on the least busy
+        prefill instance (none, if it is on a device already); returns once they
+        answered whether it sleeps now."""
+        live = list(self.view.live.values())
+        if not live:
+            raise BackendError.unavailable("no instance is up")
+        if awake and not self.sleeping(name):
+            return False
+        if awake:  # prefill instances first (a model's next request starts there), least work
+            live = [min(live, key=lambda r: (r.kind != "prefill", r.load.queued + r.load.running))]
+        tickets = {}
+        for record in live:
+            tickets[record.instance_id] = ticket = self._ticket(record.instance_id)
+            self._send_to(record.instance_id, SetModelAwake(name, awake, ticket,
+                                                            reply_to=self.reply_to))  # fmt: skip
+
+        def waiting() -> list[str]:
+            return [n for n, ticket in tickets.items()
+                    if n in self.view.live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
+
+        await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
+        return self.sleeping(name)
+
+    async def check_unavailable(self, asked_at: float) -> None:
+        """Publish the models some node's cachemgr cannot read (asked at ``asked_at``).
+        Raises ``BackendError`` when none answered, ``StoreError``."""
+        # (a node whose cachemgr died keeps its records until their TTL: not waited for)
+        cache = await self._caches.model_cache(self.view.live.values(), POLL_TIMEOUT_S)
+        if cache is None:
+            raise BackendError.unavailable("no node's cachemgr answered")
+        for name, why in dict(cache.get("unavailable", {})).items():
+            if name not in self.quarantine.models:
+                await self.publish_unavailable(name, why, asked_at)
+
+    # ---- the instances' answers ------------------------------------------------
+    def _send_to(self, target: str, msg: Message) -> None:
         """Send ``msg`` to the instance ``target`` (in order with its other work)."""
         record = self.view.live.get(target)
         if record is not None:
             self._spawn(self._send(record, msg))
 
-    async def cache_call(self, msg: Message, timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:
-        """``msg`` to every cachemgr (one per node); their replies. Raises
-        :class:`BackendError` (after every call ended) when one failed."""
-        return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
+    def _send_add(self, target: str, model: ModelConfig) -> int:
+        ticket = self._ticket(target)
+        self._send_to(target, AddModel(model.name, str(model.path), ticket,
+                                       reply_to=self.reply_to, base=model.base or ""))  # fmt: skip
+        return ticket
 
-    # ---- the instances' answers --------------------------------------------------
+    def _ticket(self, target: str) -> int:
+        ticket = next(self._tickets)
+        self._owners[ticket] = target
+        return ticket
+
     def on_instance_models(self, msg: InstanceModels) -> None:
-        target = self.ops.owner(msg.ticket)
-        if target is not None:
-            self.ops.models_answered(target, msg.ticket, frozenset(msg.capacity_tokens))
+        """An answer to an ``AddModel``: the instance serves these models."""
+        target = self._owners.get(msg.ticket)
+        if target is not None and msg.ticket >= self._add_answered.get(target, (0,))[0]:
+            self._add_answered[target] = (msg.ticket, frozenset(msg.capacity_tokens))
+        self.changed()
 
     def on_models_resident(self, msg: ModelsResident) -> None:
-        target = self.ops.owner(msg.ticket)
+        """An answer to a ``SetModelAwake``: the models on the instance's device now."""
+        target = self._owners.get(msg.ticket)
         record = self.view.live.get(target) if target is not None else None
         if target is None or record is None:
             return
-        self._answered[target] = (record.incarnation, msg.residency_version,
+        self._answered_resident[target] = (record.incarnation, msg.residency_version,
                                   tuple(msg.resident_models))  # fmt: skip
-        self.ops.residency_answered(target, msg.ticket)
+        self._awake_answered[target] = max(self._awake_answered.get(target, 0), msg.ticket)
+        self.changed()
+
+    def changed(self) -> None:
+        """The instances changed (one came, went or answered): waits look again."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _until(self, waiting: Callable[[], list[str]], what: str,
+                     timeout_s: float = AWAKE_TIMEOUT_S) -> None:  # fmt: skip
+        """Until ``waiting()`` names no instance (answers arrive), at most ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while names := waiting():
+            changed = self._changed
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await changed.wait()
+            except TimeoutError:
+                raise BackendError.unavailable(
+                    f"instances {', '.join(names)} did not {what} within {timeout_s:g} s"
+                ) from None
 
     def on_joined(self, record: InstanceRecord) -> None:
         """A (re)started instance knows only the config's models: give it those added at
         run time, and have its node's cachemgr (which may have restarted too) learn
         them and forget the removed (every replica does: each message is idempotent)."""
-        ops = self.ops
-        if all(n in record.capacity_tokens for n in ops.added) and not ops.removed:
+        if all(n in record.capacity_tokens for n in self.added) and not self.removed:
             return
         self._spawn(self._resync(record))
 
     async def _resync(self, record: InstanceRecord) -> None:
-        ops, address = self.ops, record.cachemgr_address
-        missing = [m for n, m in ops.added.items() if n not in record.capacity_tokens]
-        for name in sorted(ops.removed):
+        address = record.cachemgr_address
+        missing = [m for n, m in self.added.items() if n not in record.capacity_tokens]
+        for name in sorted(self.removed):
             with contextlib.suppress(BackendError):
                 await self._caches.call(address, ForgetModel(name))
         for model in missing:
@@ -420,20 +432,9 @@ class ReplicaModels:
                 await self._caches.call(address, register_message(model))
             except BackendError as exc:
                 log.warning("model_resync_failed", model=model.name, error=exc.message)
-            ops.send_add(record.instance_id, model)
+            self._send_add(record.instance_id, model)
         log.info("models_resynced", instance=record.instance_id,
-                 added=[m.name for m in missing], removed=sorted(ops.removed))  # fmt: skip
-
-    # ---- the served models the replicas share ------------------------------------
-    async def add(self, model: ModelConfig) -> None:
-        if not self.view.prefill_candidates() and not self.config.unified:
-            raise BackendError.unavailable("no prefill instance is registered")
-        await self.ops.add(model)
-
-    async def reload(self, model: ModelConfig) -> None:
-        if not self.view.prefill_candidates() and not self.config.unified:
-            raise BackendError.unavailable("no prefill instance is registered")
-        await self.ops.reload(model)
+                 added=[m.name for m in missing], removed=sorted(self.removed))  # fmt: skip
 
     # ---- the unreadable models the replicas share --------------------------------
     async def publish_unavailable(self, name: str, why: str | None,
@@ -460,7 +461,7 @@ class ReplicaModels:
         """The unreadable models as a replica last published them, each change to the
         front. Raises ``msgspec.DecodeError`` for a bad record."""
         record = decode_unavailable_models(raw)
-        self.quarantine.sync(record.models, record.lifted)
+        self.quarantine.sync(record.models)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
@@ -508,10 +509,10 @@ class ReplicaModels:
         self._applied[name] = path
         model = ModelConfig(name, Path(path), base=base) if path is not None else None
         if model is not None:
-            self.ops.added[name] = model
-            self.ops.removed.discard(name)
+            self.added[name] = model
+            self.removed.discard(name)
         else:
-            self.ops.added.pop(name, None)
+            self.added.pop(name, None)
             if self.config.model(name) is not None:
-                self.ops.removed.add(name)
+                self.removed.add(name)
         return model

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq.asyncio
 from aegaeon_common.http_side import ServiceAddress
-from aegaeon_common.messages.cache import REPLIES, CacheStats, GetStats, SetModelFlags
+from aegaeon_common.messages.cache import REPLIES, CacheStats, GetStats
 from aegaeon_common.registry import InstanceRecord
 from aegaeon_common.transport import RemoteError, RpcClient
 from aegaeon_common.wire import Message, to_plain
@@ -141,17 +141,10 @@ class NodeCaches:
             raise BackendError.unavailable("no node has registered its cachemgr")
         results = await asyncio.gather(*(self.call(a, msg, timeout_s) for a in nodes.values()),
                                        return_exceptions=True)  # fmt: skip
-        replies: list[Message] = []
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-            replies.append(result)
-        return replies
-
-    async def set_flags(self, records: Iterable[InstanceRecord], name: str, *, pinned: bool,
-                        preload: bool) -> None:  # fmt: skip
-        """The flags on every node's cachemgr (:meth:`call_all`)."""
-        await self.call_all(records, SetModelFlags(name, pinned=pinned, preload=preload))
+        return [r for r in results if not isinstance(r, BaseException)]
 
     async def stats(
         self, records: Iterable[InstanceRecord], timeout_s: float = CACHE_TIMEOUT_S

@@ -32,7 +32,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import Store
 from aegaeon_common.wire import to_plain
-from aegaeon_sched import DecodeShare, LatencyModel
+from aegaeon_sched import LatencyModel
 
 log = get_logger("registry")
 REFRESH_S = 0.5
@@ -151,15 +151,3 @@ class RegistryView:
         if stage == "prefill":
             return prefill_queue_key(record.instance_id, record.incarnation)
         return work_list_key(record.instance_id, record.incarnation)
-
-
-class DecodeShares:
-    """Each hybrid instance's share of time left for decoding, from its records' beats
-    (:class:`~aegaeon_sched.DecodeShare`'s rule, one per instance, on this clock)."""
-
-    def __init__(self) -> None:
-        self._shares: dict[str, DecodeShare] = {}
-
-    def observe(self, instance: str, prefill_s: float) -> float:
-        share = self._shares.setdefault(instance, DecodeShare(min_interval_s=0.0))
-        return share.observe(time.monotonic(), prefill_s)

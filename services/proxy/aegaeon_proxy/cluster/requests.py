@@ -5,9 +5,10 @@ only *placement*: where an admitted request goes (Algorithms 1-2, or a request-l
 baseline, over the store), what is undone when it ends, and where a stray token's
 request is cancelled. Everything else is here, once: admission by SLO class (a
 request past its class's share of the bounds is deferred or refused;
-:mod:`aegaeon_sched.admission`), the streams (first token, step-token fan-out),
-ends and their counters, failures and retries, the timing records. A backend
-gives its :class:`Placement`.
+:mod:`aegaeon_sched.admission`; the bounds are ``proxy.max_*``, the unset ones
+derived from the instances' records: :func:`bounds_of`), the streams (first
+token, step-token fan-out), ends and their counters, failures and retries, the
+timing records. A backend gives its :class:`Placement`.
 
 Invariants: a request is in :attr:`RequestTable.requests` from its admission
 (or deferral) until it ends, exactly once; an ended id is remembered for a
@@ -16,26 +17,31 @@ while (:data:`RECENT_IDS`) so its late tokens are not taken for a stranger's.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from typing import Protocol
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import PrefillDone, StepTokens
-from aegaeon_sched import Request, Shedder, Verdict
-from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
+from aegaeon_common.messages.structs import RequestTimings
+from aegaeon_common.registry import InstanceRecord
+from aegaeon_common.wire import to_plain
+from aegaeon_sched import LatencyModel, Request, Shedder, Verdict
+from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission, derive_bounds
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenQueue
-from aegaeon_proxy.cluster.tracked import TimingLog, Tracked, deliver, step_batch
+from aegaeon_proxy.cluster.tracked import Tracked, deliver, merge_timings, step_batch
 from aegaeon_proxy.slo_classes import class_table
 from aegaeon_proxy.vllm_metrics import EngineSteps
 
 log = get_logger("cluster")
 
-__all__ = ["MAX_RETRIES", "RECENT_IDS", "Placement", "RequestTable", "make_shedder"]
+__all__ = ["MAX_RETRIES", "RECENT_IDS", "Placement", "RequestTable", "bounds_of", "make_shedder"]
 
 MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
 RECENT_IDS = 4096  # request ids ended lately (their late tokens are expected)
+TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
 COUNTERS = ("finished", "failed", "cancelled", "retried", "rejected", "deferred",
             "orphans_cancelled", "bad_frames", "report_errors")  # fmt: skip
 
@@ -77,6 +83,49 @@ def make_shedder(config: Config) -> Shedder | None:
     return None
 
 
+def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int = 1) -> Bounds:
+    """``proxy.max_*`` bounds, the unset ones derived from the instances' ``records``
+    (:func:`~aegaeon_sched.admission.derive_bounds`: prefill within the TTFT target, the
+    decode instances' KV plus each node's host KV cache). With many proxy replicas,
+    each admits on its own: a derived bound is shared by the ``replicas`` evenly (a
+    configured one is each replica's as configured)."""
+    proxy = config.proxy
+    per_token: list[float] = []
+    capacities: list[dict[str, int]] = []
+    host_kv_tokens: dict[str, int] = {}  # node -> its host KV cache in tokens
+    for m in records:
+        prefills = config.unified or m.kind == "prefill"
+        if prefills and m.latency is not None and m.capacity_tokens:
+            latency = LatencyModel.from_dict(to_plain(m.latency))
+            n = TYPICAL_PROMPT_TOKENS
+            per_token.append(max(latency.prefill_one_s(x, n) / n for x in m.capacity_tokens))
+        if config.unified or m.kind == "decode" or config.hybrid_prefill:  # it decodes
+            capacities.append(dict(m.capacity_tokens))
+            if m.capacity_tokens:
+                # the host KV cache in tokens of the same (largest per-token) model:
+                # the device region scaled by the two regions' sizes
+                kind = config.decode if m.kind == "decode" else config.prefill
+                region = kind.kv_memory_bytes
+                tokens = min(m.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
+                host_kv_tokens[m.node] = max(host_kv_tokens.get(m.node, 0), tokens)
+    derived = derive_bounds(Bounds(), ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
+                            decode_capacity_tokens=capacities,
+                            host_kv_tokens=sum(host_kv_tokens.values()))  # fmt: skip
+
+    def share(total: int | None) -> int | None:
+        return None if total is None else max(1, total // max(1, replicas))
+
+    configured = Bounds(
+        proxy.max_prefill_tokens or share(derived.prefill_tokens),
+        proxy.max_prefill_tokens_per_model,
+        proxy.max_kv_blocks or share(derived.kv_blocks),
+        proxy.max_kv_blocks_per_model,
+    )  # fmt: skip
+    # (nothing more to derive: the per-model bounds left unset are the totals)
+    return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=(),
+                         decode_capacity_tokens=())  # fmt: skip
+
+
 class RequestTable:
     """The requests a backend holds, their admission, streams and ends (see the module).
 
@@ -89,7 +138,8 @@ class RequestTable:
         self.where = where  # how a 429 names what is full ("the node", "this replica")
         self.requests: dict[str, Tracked] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.timings = TimingLog(config.proxy.stats_records)
+        # where each ended request's time went (the Fig. 14 breakdown), for the stats
+        self.timings: deque[dict[str, object]] = deque(maxlen=config.proxy.stats_records)
         self.steps = EngineSteps()  # vllm:iteration_tokens_total, from the reports
         self.shedder = make_shedder(config)
         self.admission: AdmissionControl | None = None  # once bounds are known
@@ -200,42 +250,31 @@ class RequestTable:
             ))  # fmt: skip
 
     # ---- ends ----------------------------------------------------------------
-    def end(
-        self, request_id: str, reason: str, error: str | None = None, code: str | None = None
-    ) -> Tracked | None:
-        """The request is over (finished or failed): undo its placement, close its stream."""
+    def end(self, request_id: str, reason: str, error: str | None = None,
+            code: str | None = None, cancelled: bool = False) -> Tracked | None:  # fmt: skip
+        """The request is over (finished, failed: ``reason`` "error", or ``cancelled``: its
+        client went away): undo its placement (at its instance too when cancelled),
+        close its stream."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return None
         self._forget(request_id)
-        if reason == "error":
-            self.counters["failed"] += 1
-            tracked.queue.finish("error", error, code)
+        self.counters["cancelled" if cancelled else "failed" if reason == "error"
+                      else "finished"] += 1  # fmt: skip
+        if cancelled:
+            self._timed(tracked, "cancelled", None)
+        if tracked.deferred:
+            if self.gate is not None:
+                self.gate.cancel(request_id)  # it never was placed
         else:
-            self.counters["finished"] += 1
-        self._unplace(tracked, cancelled=False)
+            self.placement.unplace(tracked, cancelled)
+        if cancelled or reason == "error":
+            tracked.queue.finish("cancelled" if cancelled else "error", error, code)
         self.release_deferred()
         return tracked
 
     def cancel(self, request_id: str) -> Tracked | None:
-        """Its client went away: undo its placement (at its instance too)."""
-        tracked = self.requests.pop(request_id, None)
-        if tracked is None:
-            return None
-        self._forget(request_id)
-        self.counters["cancelled"] += 1
-        self.timings.add(tracked, "cancelled", None)
-        self._unplace(tracked, cancelled=True)
-        tracked.queue.finish("cancelled")
-        self.release_deferred()
-        return tracked
-
-    def _unplace(self, tracked: Tracked, cancelled: bool) -> None:
-        if tracked.deferred:
-            if self.gate is not None:
-                self.gate.cancel(tracked.gen.request_id)  # it never was placed
-        else:
-            self.placement.unplace(tracked, cancelled)
+        return self.end(request_id, "cancelled", cancelled=True)
 
     def _forget(self, request_id: str) -> None:
         """It ended here: release its admission, remember its id for a while."""
@@ -245,8 +284,13 @@ class RequestTable:
         if len(self._ended) > RECENT_IDS:
             self._ended.popitem(last=False)
 
-    def ended_lately(self, request_id: str) -> bool:
-        return request_id in self._ended
+    def _timed(self, tracked: Tracked, reason: str, timings: RequestTimings | None) -> None:
+        gen = tracked.gen
+        self.timings.append({
+            "request_id": gen.request_id, "model": gen.model, "arrival_s": gen.arrival_s,
+            "finish_reason": reason, "num_tokens": tracked.num_generated,
+            **to_plain(merge_timings(tracked.prefill_timings, timings)),
+        })  # fmt: skip
 
     # ---- reports -------------------------------------------------------------
     def prefilled(self, msg: PrefillDone, owner: str) -> Tracked | None:
@@ -282,7 +326,7 @@ class RequestTable:
         if tracked.open_seqs:
             return False
         reason = msg.finish_reason or "stop"
-        self.timings.add(tracked, reason, msg.timings)
+        self._timed(tracked, reason, msg.timings)
         self.end(msg.request_id, reason)
         return True
 
@@ -297,7 +341,7 @@ class RequestTable:
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
-                if item.finish_reason is None and not self.ended_lately(item.request_id):
+                if item.finish_reason is None and item.request_id not in self._ended:
                     self._forget(item.request_id)
                     self.counters["orphans_cancelled"] += 1
                     log.info("orphan_cancelled", request_id=item.request_id, index=msg.index)
@@ -308,7 +352,7 @@ class RequestTable:
             if deliver(tracked, item.token_ids, reason, item.timings, index=item.index,
                        logprobs=item.logprobs):
                 assert reason is not None
-                self.timings.add(tracked, reason, item.timings)
+                self._timed(tracked, reason, item.timings)
                 self.end(item.request_id, reason)
             else:
                 progressed.append(item.request_id)
@@ -320,7 +364,7 @@ class RequestTable:
         tracked = self.requests.get(request_id)
         if tracked is None:
             return
-        self.timings.add(tracked, "error", None)
+        self._timed(tracked, "error", None)
         log.warning("request_failed", request_id=request_id, model=tracked.gen.model,
                     instance=instance, code=code, error=message)  # fmt: skip
         error = message if code == "model_unavailable" else f"{instance}: {code}: {message}"
@@ -334,7 +378,6 @@ class RequestTable:
             return  # it ended meanwhile (another's end released room and placed work)
         if tracked.num_generated == 0 and tracked.retries < MAX_RETRIES:
             tracked.retries += 1
-            tracked.instance = None
             self.counters["retried"] += 1
             if self.admission is not None:
                 self.admission.requeued(request_id, len(tracked.gen.prompt_token_ids))

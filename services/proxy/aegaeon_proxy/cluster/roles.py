@@ -4,7 +4,7 @@ The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`RoleSwitcher` is its
 driver, run by the proxy holding the roles lease
 (:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
 every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
-later); :class:`ReplicaRoles` is every proxy's part. The decider reads the
+later); :class:`SharedRoles` is every proxy's part. The decider reads the
 shared state:
 
 * **arrival velocity**: prompt tokens/s arriving at every proxy (the requests
@@ -13,7 +13,7 @@ shared state:
   summed: the leading indicator of a burst;
 * **backlog**: prompt tokens waiting in every prefill queue of the store;
 * **prefill velocity** per instance: prompt tokens per second of prefill work,
-  measured from its registry record (its heartbeat, as a :class:`Meter`:
+  measured from its registry record (its heartbeat:
   ``load.prefill_tokens`` / ``load.prefill_s``) once it has prefilled
   ``MIN_MEASURED_S``, estimated from its latency profile before;
 * **prefill busy share** per instance (the growth of ``prefill_s`` between two
@@ -41,13 +41,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
-from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
     PROXIES,
     ROLES,
@@ -77,32 +75,13 @@ from aegaeon_proxy.cluster.registry import RegistryView
 
 log = get_logger("cluster")
 
-__all__ = ["LEASE_S", "Meter", "ReplicaRoles", "RoleSwitcher", "record_meter"]
+__all__ = ["LEASE_S", "RoleSwitcher", "SharedRoles"]
 
 MIN_MEASURED_S = 0.2  # prefill seconds before an instance's measured rate replaces the estimate
 MAX_CHANGES = 64  # role changes kept for /v1/aegaeon/stats
 LEASE_S = 3.0  # the roles lease: a decider that stops is replaced this much later
 BEAT_EVERY_S = 1.0  # an instance's busy share is measured over at least this
 SHARED_CHANGES = 16  # the decider's last changes, in the record (every proxy's stats)
-
-
-@dataclass(frozen=True)
-class Meter:
-    """What an instance's last heartbeat says of its prefills."""
-
-    name: str
-    incarnation: int
-    prefill_s: float  # seconds spent prefilling since it started
-    prefill_tokens: float  # prompt tokens prefilled since it started
-    models: tuple[str, ...]
-    latency: LatencyProfile | None  # its start-up profile, where it sent one
-
-
-def record_meter(record: InstanceRecord) -> Meter:
-    """An instance, from its registry record."""
-    return Meter(record.instance_id, record.incarnation, record.load.prefill_s,
-                 float(record.load.prefill_tokens), tuple(record.capacity_tokens),
-                 record.latency)  # fmt: skip
 
 
 class RoleSwitcher:
@@ -138,36 +117,40 @@ class RoleSwitcher:
     def arrived(self, now_s: float, prompt_tokens: int) -> None:
         self.arrivals.add(now_s, prompt_tokens)
 
-    def heartbeat(self, meter: Meter, now_s: float) -> None:
-        """Update the instance's prefill busy share from its latest heartbeat."""
-        prev = self._prev.get(meter.name)
-        if prev is not None and now_s > prev[0] and meter.prefill_s >= prev[1]:
-            self.busy[meter.name] = min(1.0, (meter.prefill_s - prev[1]) / (now_s - prev[0]))
-        self._prev[meter.name] = (now_s, meter.prefill_s)
+    def heartbeat(self, record: InstanceRecord, now_s: float) -> None:
+        """Update the instance's prefill busy share from its latest heartbeat (its record:
+        ``load.prefill_s``, seconds spent prefilling since it started)."""
+        name, prefill_s = record.instance_id, record.load.prefill_s
+        prev = self._prev.get(name)
+        if prev is not None and now_s > prev[0] and prefill_s >= prev[1]:
+            self.busy[name] = min(1.0, (prefill_s - prev[1]) / (now_s - prev[0]))
+        self._prev[name] = (now_s, prefill_s)
 
-    def prefill_velocity(self, meter: Meter, fallback: LatencyModel) -> float:
+    def prefill_velocity(self, record: InstanceRecord, fallback: LatencyModel) -> float:
         """Prompt tokens/s the instance prefills while busy: measured, else estimated."""
-        if meter.prefill_s >= MIN_MEASURED_S:
-            return meter.prefill_tokens / meter.prefill_s
-        key = (meter.name, meter.incarnation)
+        load = record.load
+        if load.prefill_s >= MIN_MEASURED_S:
+            return load.prefill_tokens / load.prefill_s
+        key = (record.instance_id, record.incarnation)
         if key not in self._estimates:
-            self._estimates[key] = self._estimate(meter, fallback)
+            self._estimates[key] = self._estimate(record, fallback)
         return self._estimates[key]
 
     @staticmethod
-    def _estimate(meter: Meter, fallback: LatencyModel) -> float:
-        if meter.latency is not None:
+    def _estimate(record: InstanceRecord, fallback: LatencyModel) -> float:
+        models = tuple(record.capacity_tokens)
+        if record.latency is not None:
             try:
-                own = LatencyModel.from_dict(to_plain(meter.latency))
-                return estimated_prefill_velocity(own, meter.models)
+                own = LatencyModel.from_dict(to_plain(record.latency))
+                return estimated_prefill_velocity(own, models)
             except (KeyError, ValueError, ZeroDivisionError):
                 pass  # a profile without prefill terms: the prefill instances' one
         try:
-            return estimated_prefill_velocity(fallback, meter.models)
+            return estimated_prefill_velocity(fallback, models)
         except (KeyError, ValueError, ZeroDivisionError):
             return 0.0
 
-    def decide(self, now_s: float, meters: Iterable[Meter], backlog_tokens: int,
+    def decide(self, now_s: float, records: Iterable[InstanceRecord], backlog_tokens: int,
                decode_demand: Mapping[str, float], fallback: LatencyModel, alive: bool,
                arrival_tokens_per_s: float | None = None) -> list[RoleChange]:  # fmt: skip
         """One observation (prompt tokens queued for prefill, Eq. 3's demand of each
@@ -180,7 +163,8 @@ class RoleSwitcher:
         signals = RoleSignals(
             arrival_tokens_per_s=arrivals,
             backlog_tokens=backlog_tokens,
-            prefill_velocity={m.name: self.prefill_velocity(m, fallback) for m in meters},
+            prefill_velocity={r.instance_id: self.prefill_velocity(r, fallback)
+                              for r in records},
             decode_demand=dict(decode_demand),
             prefill_busy=dict(self.busy),
         )
@@ -210,7 +194,7 @@ class RoleSwitcher:
         }
 
 
-class ReplicaRoles:
+class SharedRoles:
     """A proxy's part in the roles (see the module). ``refresh`` after each registry
     refresh; ``arrived`` for each request this proxy accepts."""
 
@@ -284,20 +268,19 @@ class ReplicaRoles:
 
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
-        meters = [record_meter(r) for r in records]
         fed, self._fed = self._fed, {}  # (instances gone are forgotten)
-        for meter in meters:  # (a record is rewritten every heartbeat, read every refresh)
-            key = (meter.name, meter.incarnation)
+        for record in records:  # (a record is rewritten every heartbeat, read every refresh)
+            key = (record.instance_id, record.incarnation)
             self._fed[key] = fed.get(key, -BEAT_EVERY_S)
             if now - self._fed[key] >= BEAT_EVERY_S:
-                self.switcher.heartbeat(meter, now)
+                self.switcher.heartbeat(record, now)
                 self._fed[key] = now
         latency = self.view.latency()
         if latency is not None and records:
             backlog, demand = await self._shared_load(records, latency)
             arrivals = self.arrival_rate(now) + await self._others_arrivals()
             alive = not any(r.draining for r in records)
-            self.switcher.decide(now, meters, backlog, demand, latency, alive,
+            self.switcher.decide(now, records, backlog, demand, latency, alive,
                                  arrival_tokens_per_s=arrivals)  # fmt: skip
         roles = self.switcher.roles
         if roles != self._written:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -16,7 +15,6 @@ from aegaeon_common.messages.structs import (
     SamplingParams,
     TokenLogprobs,
 )
-from aegaeon_common.wire import to_plain
 from aegaeon_sched import Request
 
 from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, TokenQueue
@@ -28,7 +26,6 @@ class Tracked:
     sched: Request
     sampling: SamplingParams
     queue: TokenQueue
-    instance: str | None = None  # where it is now (policy InstanceId)
     num_generated: int = 0
     first_token_id: int | None = None
     handoff: KVHandoff | None = None
@@ -93,18 +90,6 @@ class Where:
     stage: str  # "prefill" | "decode" | "run" (a baseline's unified instance)
 
 
-@dataclass(frozen=True)
-class TimingRecord:
-    """Where one finished request's time went (for the Fig. 14 breakdown)."""
-
-    request_id: str
-    model: str
-    arrival_s: float
-    finish_reason: str
-    num_tokens: int
-    timings: RequestTimings
-
-
 def merge_timings(
     prefill: RequestTimings | None, decode: RequestTimings | None
 ) -> RequestTimings:
@@ -165,30 +150,3 @@ def step_batch(msg: StepTokens, requests: Mapping[str, Tracked]) -> tuple[str, l
             model = model or tracked.gen.model
             counts.append(len(item.token_ids))
     return (model, counts) if model is not None else None
-
-
-@dataclass
-class TimingLog:
-    max_records: int = 2000  # proxy.stats_records
-    records: deque[TimingRecord] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        self.records = deque(self.records, maxlen=self.max_records)
-
-    def add(self, tracked: Tracked, reason: str, timings: RequestTimings | None) -> None:
-        t = merge_timings(tracked.prefill_timings, timings)
-        self.records.append(
-            TimingRecord(
-                tracked.gen.request_id, tracked.gen.model, tracked.gen.arrival_s, reason,
-                tracked.num_generated, t,
-            )
-        )  # fmt: skip
-
-    def plain(self) -> list[dict[str, object]]:
-        """The records as ``/v1/aegaeon/stats`` lists them (``timings``)."""
-        return [
-            {"request_id": r.request_id, "model": r.model, "arrival_s": r.arrival_s,
-             "finish_reason": r.finish_reason, "num_tokens": r.num_tokens,
-             **to_plain(r.timings)}
-            for r in self.records
-        ]  # fmt: skip
