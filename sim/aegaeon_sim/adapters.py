@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import msgspec
 from aegaeon_sched import LatencyModel, Request
 
 from aegaeon_sim.hardware import BYTES_PER_PARAM, Arch
@@ -56,5 +57,5 @@ def adapter_market(models: dict[str, Arch], per_model: int, rank: int,
 
 def with_units(requests: list[Request], market: AdapterMarket) -> list[Request]:
     """The requests of adapters with their bases as switching units."""
-    return [replace(r, unit=market.units[r.model]) if r.model in market.units else r
+    return [msgspec.structs.replace(r, unit=market.units[r.model]) if r.model in market.units else r
             for r in requests]

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
+import msgspec
 from aegaeon_sched import (
     SLO,
     Action,
@@ -54,7 +54,7 @@ def resolve(requests: Sequence[Request], classes: SLOClasses,
     out = []
     for r in requests:
         c = classes.get(class_of[r.request_id])
-        out.append(replace(r, priority=c.rank, ttft_s=c.ttft_s, tbt_s=c.tbt_s))
+        out.append(msgspec.structs.replace(r, priority=c.rank, ttft_s=c.ttft_s, tbt_s=c.tbt_s))
     return out
 
 

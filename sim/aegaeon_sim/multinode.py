@@ -7,8 +7,8 @@
    market at 0.1 RPS per model) and on 10x that (20 nodes: 60 + 100
    instances, 10x the models at the same per-model rate).
 2. **Dispatch cost**: one arrival's decision as a replica makes it
-   (``aegaeon_sched.shared.dispatch_prefill`` over every node's prefill queue
-   state, msgpack in and out, then the placement within one node), at 2, 20
+   (``aegaeon_sched.shared.dispatch_prefill`` over every node's prefill queue,
+   msgpack in and out, then the placement within one node), at 2, 20
    and 100 nodes, with queues as full as the simulated cluster's; and, with
    ``--redis``, whole store transactions from 1, 2 and 4 replicas at once
    against a real Redis: decisions per second and the share that conflicted.
@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 import msgspec
-from aegaeon_sched import Request
-from aegaeon_sched.shared import State, dispatch_prefill, place_decode
+from aegaeon_sched import PrefillQueue, Request
+from aegaeon_sched.shared import dispatch_prefill, place_decode, prefill_queue_of, work_list_of
 
 from aegaeon_sim.hardware import H800, latency_model, market
 from aegaeon_sim.runner import Scenario, run_scenario
@@ -46,18 +46,19 @@ def attainment(scale: int, duration_s: float) -> dict[str, Any]:
             "attainment": result.report.attainment, "wall_s": wall_s}  # fmt: skip
 
 
-def _states(nodes: int, models: list[str], depth: int, rng: random.Random) -> dict[str, State]:
+def _states(nodes: int, models: list[str], depth: int, rng: random.Random
+            ) -> dict[str, PrefillQueue]:  # fmt: skip
     """Every node's prefill queues, ``depth`` groups each of random models."""
-    out: dict[str, State] = {}
+    out: dict[str, PrefillQueue] = {}
     for n in range(nodes):
         for p in range(PREFILL_PER_NODE):
-            groups = []
+            queue = PrefillQueue(loaded_model=rng.choice(models))
             for g in range(depth):
                 model = rng.choice(models)
-                reqs = [[f"r{n}-{p}-{g}-{k}", model, 0.0, rng.randint(100, 2000), 300, None]
-                        for k in range(rng.randint(1, 4))]  # fmt: skip
-                groups.append([n * 10_000 + p * 100 + g, model, len(reqs), None, reqs])
-            out[f"node-{n}/prefill-{p}"] = [rng.choice(models), 0.0, groups]
+                for k in range(rng.randint(1, 4)):
+                    req = Request(f"r{n}-{p}-{g}-{k}", model, 0.0, rng.randint(100, 2000), 300)
+                    queue.add(req, n * 10_000 + p * 100 + g)
+            out[f"node-{n}/prefill-{p}"] = queue
     return out
 
 
@@ -67,15 +68,15 @@ def dispatch_cost(nodes: int, samples: int = 200) -> dict[str, Any]:
     lat = latency_model(archs, H800)
     names = list(archs)
     raw = {k: msgspec.msgpack.encode(v) for k, v in _states(nodes, names, 3, rng).items()}
-    decode = {f"node-0/decode-{d}": msgspec.msgpack.encode([]) for d in range(DECODE_PER_NODE)}
+    decode = [f"node-0/decode-{d}" for d in range(DECODE_PER_NODE)]  # empty work lists
     caps = {k: dict.fromkeys(names, 200_000) for k in decode}
     started = time.perf_counter()
     for i in range(samples):
         req = Request(f"x{i}", rng.choice(names), 0.0, 600, 300)
-        states = {k: msgspec.msgpack.decode(v) for k, v in raw.items()}
-        _, _, state = dispatch_prefill(states, req, lat, 0.0, new_group_id=10**9 + i)
-        msgspec.msgpack.encode(state)
-        dstates = {k: msgspec.msgpack.decode(v) for k, v in decode.items()}
+        queues = {k: prefill_queue_of(v) for k, v in raw.items()}
+        _, _, queue = dispatch_prefill(queues, req, lat, 0.0, new_group_id=10**9 + i)
+        msgspec.msgpack.encode(queue)
+        dstates = {k: work_list_of(None) for k in decode}
         _, _, dstate = place_decode(dstates, req, new_batch_id=10**9 + i, capacity_tokens=caps,
                                     latency=lat, tbt_s=0.1)  # fmt: skip
         msgspec.msgpack.encode(dstate)
@@ -108,13 +109,12 @@ async def _replicas(url: str, nodes: int, replicas: int, seconds: float) -> dict
             def decide(
                 values: list[bytes | None], req: Request = req
             ) -> tuple[dict[str, bytes | None], None]:
-                cur = {k[3:]: msgspec.msgpack.decode(v) if v else None
-                       for k, v in zip(keys, values, strict=True)}  # fmt: skip
+                cur = {k[3:]: prefill_queue_of(v) for k, v in zip(keys, values, strict=True)}
                 gid = rng.getrandbits(40)
-                inst, _, state = dispatch_prefill(cur, req, lat, 0.0, new_group_id=gid)
+                inst, _, queue = dispatch_prefill(cur, req, lat, 0.0, new_group_id=gid)
                 # keep queues at a steady depth: the oldest group leaves as the new one joins
-                state[2] = state[2][-4:]
-                return {f"pq:{inst}": msgspec.msgpack.encode(state)}, None
+                queue = PrefillQueue(loaded_model=queue.loaded_model, groups=queue.groups[-4:])
+                return {f"pq:{inst}": msgspec.msgpack.encode(queue)}, None
 
             await stores[i].transact(keys, decide, retries=1000)
             counts[i] += 1

@@ -24,12 +24,15 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.transport import Puller
 from aegaeon_proxy.cluster.backend import ClusterBackend
-from aegaeon_sched import Request
-from aegaeon_sched.shared import State, queued_request_ids, request_state
+from aegaeon_sched import DecodeWorkList, PrefillQueue, Request
+from aegaeon_sched.shared import queue_of, queued_request_ids
 
 
-def _req(rid: str) -> State:
-    return request_state(Request(rid, "m", 0.0, 8, 16))
+def _queue(group_id: int, *rids: str, prefill: bool) -> PrefillQueue | DecodeWorkList:
+    queue = PrefillQueue() if prefill else DecodeWorkList()
+    for rid in rids:
+        queue.add(Request(rid, "m", 0.0, 8, 16), group_id)
+    return queue
 
 
 def _record(kind: str, address: str) -> InstanceRecord:
@@ -39,25 +42,19 @@ def _record(kind: str, address: str) -> InstanceRecord:
     )  # fmt: skip
 
 
-def _dump(state: State) -> bytes:
-    return msgspec.msgpack.encode(state)
-
-
-def _load(raw: bytes | None) -> State | None:
-    return None if raw is None else msgspec.msgpack.decode(raw)
-
-
 def _meta(rid: str, proxy: str, instance: str, queue: str, state: str = "queued") -> bytes:
     meta = RequestMeta(v=1, request_id=rid, model="m", proxy=proxy, instance=instance,
                        state=state, tokens_sent=0, arrival_s=0.0, queue=queue)  # fmt: skip
     return encode(meta)
 
 
-def test_queued_request_ids_reads_both_kinds_of_state() -> None:
-    prefill = [None, 0.0, [[7, "m", 2, _req("run"), [_req("wait")], 0.0, 1]]]
-    assert queued_request_ids(prefill, prefill=True) == {"run", "wait"}
-    assert queued_request_ids([[3, "m", [_req("x"), _req("y")]]], prefill=False) == {"x", "y"}
-    assert queued_request_ids(None, prefill=True) == set()
+def test_queued_request_ids_reads_both_kinds_of_queue() -> None:
+    prefill = _queue(7, "run", "wait", prefill=True)
+    assert isinstance(prefill, PrefillQueue)
+    prefill.start("run", 0.0)
+    assert queued_request_ids(prefill) == {"run", "wait"}
+    assert queued_request_ids(_queue(3, "x", "y", prefill=False)) == {"x", "y"}
+    assert queued_request_ids(queue_of(None, prefill=True)) == set()
 
 
 async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metadata(
@@ -78,9 +75,10 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
         # "placed": its placement committed, its metadata still names the prefill queue;
         # "dispatched": queued, no metadata written yet; "decoding": metadata up to date;
         # "alive": another replica's request, left alone
-        await store.put(pq, _dump([None, 0.0, [[1, "m", 2, None,
-                                                      [_req("dispatched"), _req("alive")]]]]))
-        await store.put(dw, _dump([[5, "m", [_req("placed"), _req("decoding")]]]))
+        await store.put(pq, msgspec.msgpack.encode(_queue(1, "dispatched", "alive",
+                                                          prefill=True)))  # fmt: skip
+        await store.put(dw, msgspec.msgpack.encode(_queue(5, "placed", "decoding",
+                                                          prefill=False)))  # fmt: skip
         await store.put(request_key("placed"), _meta("placed", "dead", "a/prefill-0", pq))
         await store.put(request_key("decoding"), _meta("decoding", "dead", "a/decode-0", dw,
                                                          "decoding"))
@@ -89,8 +87,8 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
 
         await backend._reap("dead")
 
-        assert queued_request_ids(_load(await store.get(pq)), prefill=True) == {"alive"}
-        assert queued_request_ids(_load(await store.get(dw)), prefill=False) == set()
+        assert queued_request_ids(queue_of(await store.get(pq), True)) == {"alive"}
+        assert queued_request_ids(queue_of(await store.get(dw), False)) == set()
         assert "dead" not in await store.set_members(PROXIES)
         assert not await store.set_members(proxy_requests_key("dead"))
         got: dict[str, set[tuple[str, bool]]] = {}

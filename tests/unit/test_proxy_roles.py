@@ -35,8 +35,6 @@ from aegaeon_sched.shared import (
     decode_demands,
     place_decode,
     prefill_backlog,
-    prefill_queue_state,
-    work_list_state,
 )
 from fake_worker import latency_model
 
@@ -223,22 +221,22 @@ async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabl
     assert not off.deciding and off.view.roles == {}
 
 
-def test_shared_states_give_the_backlog_the_demand_and_the_reserved_placement() -> None:
+def test_shared_queues_give_the_backlog_the_demand_and_the_reserved_placement() -> None:
     lat = latency_model(["m"])
     queue = PrefillQueue()
     queue.add(Request("r0", "m", 0.0, 300, 8), 1)
     queue.add(Request("r1", "m", 0.0, 200, 8), 1)
     work_list = DecodeWorkList()
     work_list.add(Request("r2", "m", 0.0, 100, 8), 7)
-    assert prefill_backlog({"p": prefill_queue_state(queue), "d": None}) == 500
-    demand = decode_demands({"p": None, "d": work_list_state(work_list)},
+    assert prefill_backlog([queue, PrefillQueue()]) == 500
+    demand = decode_demands({"p": DecodeWorkList(), "d": work_list},
                             capacity_tokens={}, latency=lat, tbt_s=0.1)  # fmt: skip
     assert demand["p"] == 0.0 and demand["d"] > 0.0
     # an instance in the prefill role takes a new decode request only when no other is open
     capacity = {"p": {"m": 4096}, "d": {"m": 4096}}
     request = Request("r3", "m", 0.0, 100, 8)
-    empty = {"d": None, "p": None}
+    empty = {"d": DecodeWorkList(), "p": DecodeWorkList()}
     assert place_decode(empty, request, new_batch_id=9, capacity_tokens=capacity,
                         reserved={"d"})[0] == "p"  # fmt: skip
-    assert place_decode({"d": None}, request, new_batch_id=9, capacity_tokens=capacity,
+    assert place_decode({"d": DecodeWorkList()}, request, new_batch_id=9, capacity_tokens=capacity,
                         reserved={"d"})[0] == "d"  # fmt: skip

@@ -9,6 +9,7 @@ request state keeps its unit.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from aegaeon_sched import (
     ClusterSpec,
@@ -23,7 +24,6 @@ from aegaeon_sched import (
     RunOnInstance,
     make_policy,
 )
-from aegaeon_sched.shared import request_from_state, request_state
 
 
 def make_latency(models: list[str]) -> LatencyModel:
@@ -90,9 +90,11 @@ def test_static_mux_places_an_adapter_with_its_base() -> None:
     assert [a.instance for a in actions] == [a.instance for a in base_gpu]  # type: ignore[attr-defined]
 
 
-def test_the_shared_request_state_keeps_the_unit() -> None:
+def test_the_stored_request_keeps_the_unit() -> None:
     request = _req("a", "lora-a", "base")
-    assert request_from_state(request_state(request)) == request
-    # a state written before units: no unit
-    assert request_from_state(request_state(request)[:9]).unit == ""
+    stored = msgspec.msgpack.encode(request)
+    assert msgspec.msgpack.decode(stored, type=Request) == request
+    # a request stored before units: no unit
+    older = msgspec.msgpack.encode(msgspec.to_builtins(request)[:9])
+    assert msgspec.msgpack.decode(older, type=Request).unit == ""
     assert request.switch_unit == "base" and _req("b", "base").switch_unit == "base"

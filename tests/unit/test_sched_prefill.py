@@ -95,6 +95,20 @@ def test_fcfs_order_one_at_a_time_and_groups_vanish() -> None:
     assert list(d.queues["p0"]) == []
 
 
+def test_a_start_after_a_lost_finish_takes_the_one_that_ran_out() -> None:
+    """Only one request runs at a time: a start while another runs means that one's
+    finish was lost; it ran, so it leaves the queue whole (in its group or another)."""
+    q = PrefillQueue()
+    for i, (m, gid) in enumerate([("a", 1), ("a", 1), ("b", 2)]):
+        q.add(_req(i, m), gid)
+    q.start("r0", 0.0)
+    q.start("r1", 1.0)  # r0's finish was lost (same group)
+    assert "r0" not in q and len(q) == 2 and q.running() == _req(1, "a")
+    q.start("r2", 2.0)  # r1's (the group empties and goes)
+    assert "r1" not in q and len(q) == 1 and [g.group_id for g in q] == [2]
+    assert q.done("r1", 3.0) is None and q.done("r2", 3.0) == _req(2, "b") and len(q) == 0
+
+
 def test_cancel_removes_wherever_the_request_is() -> None:
     d = PrefillDispatcher(["p0", "p1"], _latency())
     d.dispatch(_req(0, "a"), 0.0)

@@ -1,9 +1,12 @@
-"""Algorithms 1 and 2 over shared state make the single proxy's decisions, step for step."""
+"""Algorithms 1 and 2 over queues that go through the store make the single proxy's
+decisions, step for step: a queue decoded from its stored bytes is the live one."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import msgspec
 import pytest
 from aegaeon_sched import (
     DecodeDispatcher,
@@ -12,23 +15,21 @@ from aegaeon_sched import (
     ModelSpec,
     NoInstance,
     PrefillDispatcher,
+    PrefillQueue,
     Request,
 )
 from aegaeon_sched.shared import (
-    State,
     dispatch_prefill,
-    merge_prefill_states,
+    merge_prefill_queues,
     merge_work_lists,
     place_decode,
-    prefill_done,
-    prefill_queue_from_state,
-    prefill_queue_state,
+    prefill_queue_of,
     queued_request_ids,
-    remove_from_prefill,
-    remove_from_work_list,
     remove_requests,
-    work_list_state,
+    work_list_of,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _latency() -> LatencyModel:
@@ -40,75 +41,105 @@ def _latency() -> LatencyModel:
     return lat
 
 
-def test_prefill_over_states_equals_the_live_dispatcher() -> None:
-    """200 random arrivals, completions and cancels: the live PrefillDispatcher and a
-    state that goes through plain data at every step choose the same instance and
-    the same group every time (group ids minted alike)."""
-    rng = random.Random(7)
+def _stored(queue: PrefillQueue) -> bytes:
+    return msgspec.msgpack.encode(queue)
+
+
+# an arrival (model, prompt, SLO class, own TTFT or None), an end (which queued
+# request, done or cancelled) or a start (which instance runs its next request)
+_arrival = st.tuples(st.sampled_from("abcd"), st.integers(1, 400), st.integers(0, 2),
+                     st.one_of(st.none(), st.sampled_from([0.5, 2.0])))  # fmt: skip
+_end = st.tuples(st.integers(0, 10**6), st.booleans())
+_start = st.integers(0, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(_arrival, _end, _start), min_size=1, max_size=120))
+def test_prefill_through_the_store_equals_the_live_dispatcher(ops: list[Any]) -> None:
+    """Arrivals, starts, completions and cancels: the live PrefillDispatcher and queues that
+    go through their stored bytes at every step choose the same instance and group
+    every time (group ids minted alike), and each reloaded queue equals the live one
+    (its groups, order, running request, loaded model and load)."""
     lat = _latency()
     names = ["n0/prefill-0", "n1/prefill-0", "n2/prefill-0"]
     live = PrefillDispatcher(names, lat, max_group_size=4)
-    states: dict[str, State | None] = dict.fromkeys(names)
+    stored: dict[str, bytes | None] = dict.fromkeys(names)
     queued: list[tuple[str, str]] = []
     next_id = 0
-    for step in range(200):
+    for step, op in enumerate(ops):
         now = step * 0.01
-        roll = rng.random()
-        if roll < 0.6 or not queued:
-            req = Request(f"r{step}", rng.choice("abcd"), now, rng.randint(10, 400), 16)
+        if isinstance(op, int):
+            instance = names[op]
+            job = live.next_job(instance, now)
+            queue = prefill_queue_of(stored[instance], 4)
+            head = queue.peek()
+            assert (head and head[1]) == (job and job.request)
+            if head is not None:
+                queue.start(head[1].request_id, now)
+            stored[instance] = _stored(queue)
+        elif len(op) == 4 or not queued:
+            model, prompt, cls, ttft = op if len(op) == 4 else ("a", 8, 1, None)
+            req = Request(f"r{step}", model, now, prompt, 16, priority=cls, ttft_s=ttft)
             want = live.dispatch(req, now)
-            instance, group, state = dispatch_prefill(states, req, lat, now, new_group_id=next_id,
-                                                      max_group_size=4)  # fmt: skip
+            queues = {n: prefill_queue_of(raw, 4) for n, raw in stored.items()}
+            instance, group, queue = dispatch_prefill(queues, req, lat, now,
+                                                      new_group_id=next_id)  # fmt: skip
             next_id = max(next_id, group + 1)
-            states[instance] = state
+            stored[instance] = _stored(queue)
             assert (instance, group) == want
             queued.append((instance, req.request_id))
         else:
-            instance, rid = queued.pop(rng.randrange(len(queued)))
-            if roll < 0.85:
-                expected = live.on_done(instance, rid, now)
-                states[instance], done = prefill_done(states[instance], rid, now, 4)
-                assert done == expected
-            else:
+            instance, rid = queued.pop(op[0] % len(queued))
+            queue = prefill_queue_of(stored[instance], 4)
+            if op[1]:
+                assert queue.done(rid, now) == live.on_done(instance, rid, now)
+            else:  # (a start after a lost finish took the one that ran out already)
+                held = rid in live.queues[instance]
                 assert live.cancel(rid) == instance
-                states[instance], removed = remove_from_prefill(states[instance], rid, 4)
-                assert removed
+                assert remove_requests(queue, {rid}) is held
+            stored[instance] = _stored(queue)
         for name in names:  # the whole queue round-trips, loads included
-            queue = prefill_queue_from_state(states[name], 4)
-            assert prefill_queue_state(queue) == prefill_queue_state(live.queues[name])
+            queue = prefill_queue_of(stored[name], 4)
+            assert queue == live.queues[name] and len(queue) == len(live.queues[name])
+            assert queue.running() == live.queues[name].running()
             assert queue.load_s(lat, now) == pytest.approx(live.queues[name].load_s(lat, now))
 
 
-def test_decode_placement_over_states_equals_the_live_dispatcher() -> None:
+def test_decode_placement_through_the_store_equals_the_live_dispatcher() -> None:
     rng = random.Random(3)
     lat = _latency()
     names = ["n0/decode-0", "n0/prefill-0"]
     caps = {"n0/decode-0": dict.fromkeys("abcd", 2000), "n0/prefill-0": dict.fromkeys("abcd", 900)}
-    live = DecodeDispatcher(names, latency=lat, tbt_s=0.05, max_batch_size=8)
+    live = DecodeDispatcher(names, latency=lat, tbt_s=0.05, max_batch_size=8,
+                            next_batch_id=100)  # fmt: skip
     for name, by_model in caps.items():
         for model, tokens in by_model.items():
             live.set_capacity(name, model, tokens)
     live.set_decode_share("n0/prefill-0", 0.4)
-    states: dict[str, State | None] = dict.fromkeys(names)
+    stored: dict[str, bytes | None] = dict.fromkeys(names)
     placed: list[tuple[str, str]] = []
     next_id = 100
     for step in range(150):
         if rng.random() < 0.65 or not placed:
             req = Request(f"r{step}", rng.choice("abcd"), 0.0, rng.randint(10, 300), 64)
             want = live.place(req)
-            instance, batch, state = place_decode(
-                states, req, new_batch_id=next_id, capacity_tokens=caps,
+            work_lists = {n: work_list_of(raw) for n, raw in stored.items()}
+            instance, batch, work_list = place_decode(
+                work_lists, req, new_batch_id=next_id, capacity_tokens=caps,
                 decode_shares={"n0/prefill-0": 0.4}, latency=lat, tbt_s=0.05, max_batch_size=8,
             )  # fmt: skip
             next_id = max(next_id, batch + 1)
-            states[instance] = state
-            assert (instance, batch - 100) == (want[0], want[1])
+            stored[instance] = msgspec.msgpack.encode(work_list)
+            assert (instance, batch) == want
             placed.append((instance, req.request_id))
         else:
             instance, rid = placed.pop(rng.randrange(len(placed)))
             assert live.remove(rid) == instance
-            states[instance], removed = remove_from_work_list(states[instance], rid)
-            assert removed
+            work_list = work_list_of(stored[instance])
+            assert remove_requests(work_list, {rid})
+            stored[instance] = msgspec.msgpack.encode(work_list)
+        for name in names:
+            assert work_list_of(stored[name]) == live.work_lists[name]
 
 
 def test_no_candidate_instance_is_no_instance() -> None:
@@ -118,9 +149,11 @@ def test_no_candidate_instance_is_no_instance() -> None:
         place_decode({}, Request("r", "a", 0.0, 5, 5), new_batch_id=1, capacity_tokens={})
 
 
-def test_a_malformed_state_is_an_error() -> None:
-    with pytest.raises(ValueError):
-        prefill_queue_from_state([None, 0.0, [[1, "a", 1, None, []]]])
+def test_a_malformed_queue_is_an_error() -> None:
+    with pytest.raises(msgspec.ValidationError, match="holds no request"):
+        prefill_queue_of(msgspec.msgpack.encode([None, 0.0, [[1, "a", 1, None, []]]]))
+    with pytest.raises(msgspec.ValidationError):
+        work_list_of(msgspec.msgpack.encode([[["not an id", "a", {}]]]))
 
 
 def test_an_instance_merges_its_own_queues_with_what_the_store_booked_since_a_loss() -> None:
@@ -128,33 +161,36 @@ def test_an_instance_merges_its_own_queues_with_what_the_store_booked_since_a_lo
     empty one since (on their way to the instance): the merge keeps the instance's
     groups, order, loaded model and running request, and adds those two where the
     store put them (one to a group the instance holds, one in a new group)."""
-    own_queue = prefill_queue_from_state(None, 4)
+    own = PrefillQueue(max_group_size=4)
     for rid, group in (("a1", 1), ("a2", 1), ("b1", 2)):
-        own_queue.add(Request(rid, rid[0], 0.0, 10, 4), group)
-    own_queue.start("a1", 5.0)
-    own = prefill_queue_state(own_queue)
-    booked = prefill_queue_from_state(None, 4)
+        own.add(Request(rid, rid[0], 0.0, 10, 4), group)
+    own.start("a1", 5.0)
+    own_raw = _stored(own)
+    booked = PrefillQueue(max_group_size=4)
     booked.add(Request("a3", "a", 1.0, 10, 4), 1)  # joined the open group of a
     booked.add(Request("c1", "c", 1.0, 10, 4), 3)
-    merged = prefill_queue_from_state(merge_prefill_states(own, prefill_queue_state(booked), 4))
+    merged = merge_prefill_queues(own, prefill_queue_of(_stored(booked)))
     assert merged.loaded_model == "a" and merged.running() is not None
     assert [(g.group_id, [r.request_id for r in g.pending]) for g in merged] == [
         (1, ["a2", "a3"]), (2, ["b1"]), (3, ["c1"])]
     assert [g.num_added for g in merged] == [3, 1, 1]
-    assert merge_prefill_states(own, None, 4) == own  # (nothing booked since)
+    assert prefill_queue_of(_stored(merged)) == merged
+    # (nothing booked since)
+    assert merge_prefill_queues(prefill_queue_of(own_raw), prefill_queue_of(None)) == \
+        prefill_queue_of(own_raw)  # fmt: skip
     # a decode work list likewise
-    placed = work_list_state(_work([("x1", 7)]))
-    own_list = work_list_state(_work([("y1", 8), ("y2", 8)]))
-    merged_list = merge_work_lists(own_list, work_list_state(_work([("y2", 8), ("x1", 7)])))
-    assert queued_request_ids(merged_list, False) == {"y1", "y2", "x1"}
-    assert [b[0] for b in merged_list] == [8, 7]
-    assert queued_request_ids(merge_work_lists(own_list, placed), False) == {"y1", "y2", "x1"}
+    merged_list = merge_work_lists(_work([("y1", 8), ("y2", 8)]),
+                                   _work([("y2", 8), ("x1", 7)]))  # fmt: skip
+    assert queued_request_ids(merged_list) == {"y1", "y2", "x1"}
+    assert [b.batch_id for b in merged_list] == [8, 7]
+    merged_list = merge_work_lists(_work([("y1", 8), ("y2", 8)]), _work([("x1", 7)]))
+    assert queued_request_ids(merged_list) == {"y1", "y2", "x1"}
     # and taking several out at once
-    state, removed = remove_requests(merged_list, {"y1", "x1", "zz"}, prefill=False)
-    assert removed and queued_request_ids(state, False) == {"y2"}
-    state, removed = remove_requests(own, {"a1", "b1"}, prefill=True, max_group_size=4)
-    assert removed and queued_request_ids(state, True) == {"a2"}
-    assert remove_requests(state, {"zz"}, prefill=True)[1] is False
+    assert remove_requests(merged_list, {"y1", "x1", "zz"})
+    assert queued_request_ids(merged_list) == {"y2"}
+    queue = prefill_queue_of(own_raw)
+    assert remove_requests(queue, {"a1", "b1"}) and queued_request_ids(queue) == {"a2"}
+    assert remove_requests(queue, {"zz"}) is False
 
 
 def _work(items: list[tuple[str, int]]) -> DecodeWorkList:

@@ -18,10 +18,8 @@ from aegaeon_common.registry import (
     InstanceRecord,
     ModelSettingsRecord,
     decode_model_settings,
-    decode_queue,
     decode_served_models,
     encode,
-    encode_queue,
     instance_key,
     prefill_queue_key,
 )
@@ -32,7 +30,7 @@ from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_runtime.registrar import Registrar
 from aegaeon_runtime.shared_queues import QueueSnapshots
 from aegaeon_sched import PrefillQueue, Request
-from aegaeon_sched.shared import prefill_queue_state, queued_request_ids
+from aegaeon_sched.shared import prefill_queue_of, queued_request_ids
 
 KEY = "modelsettings:m"
 
@@ -155,11 +153,11 @@ async def test_a_replica_takes_no_missing_record_for_a_death_until_the_store_set
     assert [r.instance_id for r in left] == ["b/prefill-0"] and list(view.live) == ["a/prefill-0"]
 
 
-def _queue(*rids: str) -> list[object]:
-    queue = PrefillQueue(8)
+def _queue(*rids: str) -> bytes:
+    queue = PrefillQueue(max_group_size=8)
     for rid in rids:
         queue.add(Request(rid, "m", 0.0, 10, 4), 1)
-    return prefill_queue_state(queue)
+    return msgspec.msgpack.encode(queue)
 
 
 async def test_an_instance_merges_its_queue_back_when_the_store_lost_it(tmp_path: Path) -> None:
@@ -172,13 +170,13 @@ async def test_an_instance_merges_its_queue_back_when_the_store_lost_it(tmp_path
     key = prefill_queue_key(registrar.instance_id, 42)
 
     async def queued() -> set[str]:
-        return queued_request_ids(decode_queue(await store.get(key)), True)
+        return queued_request_ids(prefill_queue_of(await store.get(key)))
 
     await registrar.beat(stats)
-    await store.put(key, encode_queue(_queue("r1", "r2")))  # the replicas' dispatch
+    await store.put(key, _queue("r1", "r2"))  # the replicas' dispatch
     held = ["r1", "r2"]  # what the compute thread holds
     _wipe(store)
-    await store.put(key, encode_queue(_queue("r3")))  # booked on the empty store since
+    await store.put(key, _queue("r3"))  # booked on the empty store since
     await registrar.beat(stats)  # listed again, a new epoch: a snapshot is asked for
     assert await store.get(instance_key(registrar.instance_id)) is not None
     assert await store.set_members(INSTANCES) == {registrar.instance_id}

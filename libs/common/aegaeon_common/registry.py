@@ -11,7 +11,8 @@ only with defaults), like the wire. Keys (each under the store's namespace):
   tokens sent), by its proxy; TTL the request deadline plus a minute.
 - ``proxyreqs:{proxy id}``: set of that replica's open request ids.
 - ``pq:{id}:{incarnation}`` / ``dw:{id}:{incarnation}``: the instance's prefill
-  queue / decode work list (``aegaeon_sched.shared``), written only by dispatch
+  queue / decode work list (the ``PrefillQueue`` / ``DecodeWorkList`` itself, a
+  msgspec struct: ``aegaeon_sched.shared``), written only by dispatch
   transactions; TTL an hour past the last write.
 - ``reap:{proxy id}``: a lease on cleaning up after a dead replica.
 - ``modelsettings:{model}``: :class:`ModelSettingsRecord`, a model's live settings
@@ -299,8 +300,9 @@ def decode_roles(raw: bytes) -> RolesRecord:
 
 
 def decode_queue(raw: bytes | None) -> Any:
-    """A ``pq:`` / ``dw:`` value as plain data (``aegaeon_sched.shared``'s states); None
-    for an absent key (an empty queue)."""
+    """A stored picture as plain data (the ``baseline``: ``aegaeon_sched.shared_baselines``);
+    None for an absent key. (``pq:`` / ``dw:`` decode into their queues:
+    ``aegaeon_sched.shared``.)"""
     return None if raw is None else msgspec.msgpack.decode(raw)
 
 

@@ -9,10 +9,10 @@ the truth to rebuild them from:
 
 * the compute thread owns the mirror; the registrar (event loop) asks for a
   :class:`QueueSnapshots` snapshot and the compute thread publishes one between
-  two steps, as plain states;
+  two steps, as the queues' stored form (msgpack: a copy);
 * :meth:`SharedQueues.rebuild` merges it with what the store holds by then (the
   replicas went on booking work on the empty store: that work is on its way
-  here) in one transaction per queue (``merge_prefill_states``,
+  here) in one transaction per queue (``merge_prefill_queues``,
   ``merge_work_lists``);
 * a request put back this way may have ended here meanwhile (finished, cancelled)
   with its replica's removal already done on the empty store: the instance
@@ -27,20 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aegaeon_common.logs import get_logger
-from aegaeon_common.registry import (
-    QUEUE_TTL_S,
-    decode_queue,
-    encode_queue,
-    prefill_queue_key,
-    work_list_key,
-)
+from aegaeon_common.registry import QUEUE_TTL_S, encode, prefill_queue_key, work_list_key
 from aegaeon_common.store import Store
 from aegaeon_sched.shared import (
-    State,
-    merge_prefill_states,
+    merge_prefill_queues,
     merge_work_lists,
+    prefill_queue_of,
+    queue_of,
     queued_request_ids,
     remove_requests,
+    work_list_of,
 )
 
 log = get_logger("registrar")
@@ -50,12 +46,12 @@ __all__ = ["QueueSnapshots", "SharedQueues", "Snapshot"]
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The instance's queues at one moment: its prefill queue's and its work list's
-    states (None: the instance has no such queue)."""
+    """The instance's queues at one moment: its prefill queue and its work list,
+    encoded (None: the instance has no such queue)."""
 
     seq: int
-    prefill: State | None
-    work_list: State | None
+    prefill: bytes | None
+    work_list: bytes | None
 
 
 class QueueSnapshots:
@@ -71,7 +67,7 @@ class QueueSnapshots:
         self._wanted.set()
         return self.latest().seq
 
-    def offer(self, take: Callable[[], tuple[State | None, State | None]]) -> None:
+    def offer(self, take: Callable[[], tuple[bytes | None, bytes | None]]) -> None:
         """On the compute thread, between two steps: publish one if one is wanted."""
         if not self._wanted.is_set():
             return
@@ -136,18 +132,20 @@ class SharedQueues:
                                   (work_key, snapshot.work_list, False)):  # fmt: skip
             if own is None:
                 continue
-            mine = queued_request_ids(own, prefill)
+            mine = queued_request_ids(queue_of(own, prefill))
 
-            def merge(values: list[bytes | None], own: State = own, prefill: bool = prefill,
+            def merge(values: list[bytes | None], own: bytes = own, prefill: bool = prefill,
                       key: str = key) -> tuple[dict[str, bytes | None], None]:  # fmt: skip
-                shared = decode_queue(values[0])
+                size = self.max_group_size
                 try:
-                    merged = (merge_prefill_states(own, shared, self.max_group_size) if prefill
-                              else merge_work_lists(own, shared))  # fmt: skip
+                    merged = (merge_prefill_queues(prefill_queue_of(own, size),
+                                                   prefill_queue_of(values[0], size))
+                              if prefill else
+                              merge_work_lists(work_list_of(own), work_list_of(values[0])))
                 except ValueError as exc:  # (a group or batch id of two models: never minted)
                     log.warning("queue_merge_failed", queue=key, error=str(exc))
-                    merged = own
-                return {key: encode_queue(merged)}, None
+                    return {key: own}, None
+                return {key: encode(merged)}, None
 
             await self.store.transact([key], merge, ttl_s=QUEUE_TTL_S)
             if mine:
@@ -159,8 +157,8 @@ class SharedQueues:
     async def tidy(self, snapshot: Snapshot) -> None:
         """Take out of the store what this instance put back there and no longer holds."""
         prefill_key, work_key = self._keys()
-        held = {prefill_key: queued_request_ids(snapshot.prefill, True),
-                work_key: queued_request_ids(snapshot.work_list, False)}  # fmt: skip
+        held = {prefill_key: queued_request_ids(queue_of(snapshot.prefill, True)),
+                work_key: queued_request_ids(queue_of(snapshot.work_list, False))}  # fmt: skip
         for key, ids in list(self.put_back.items()):
             gone = ids - held.get(key, set())
             if not gone:
@@ -170,9 +168,8 @@ class SharedQueues:
                        key: str = key) -> tuple[dict[str, bytes | None], None]:  # fmt: skip
                 if values[0] is None:
                     return {}, None  # (the store lost it again: the next rebuild puts back)
-                state, removed = remove_requests(decode_queue(values[0]), gone,
-                                                 key == prefill_key, self.max_group_size)
-                return ({key: encode_queue(state)} if removed else {}), None
+                queue = queue_of(values[0], key == prefill_key, self.max_group_size)
+                return ({key: encode(queue)} if remove_requests(queue, gone) else {}), None
 
             await self.store.transact([key], remove, ttl_s=QUEUE_TTL_S)
             left = ids - gone

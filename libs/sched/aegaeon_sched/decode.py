@@ -1,10 +1,10 @@
 """Decode placement (Algorithm 2, line 2) and the per-instance work list.
 
 :class:`DecodeWorkList` is one decode instance's list of per-model batches.
-Like :class:`~aegaeon_sched.prefill.PrefillQueue` it lives on both sides: the
-proxy's :class:`DecodeDispatcher` keeps one per instance, and each instance
-mirrors it by applying the same ``add(request, batch_id)`` calls (an unknown
-batch id opens a batch at the tail) and removals.
+Like :class:`~aegaeon_sched.prefill.PrefillQueue` it lives on both sides and is
+its own stored form: the proxy's :class:`DecodeDispatcher` keeps one per instance,
+and each instance mirrors it by applying the same ``add(request, batch_id)``
+calls (an unknown batch id opens a batch at the tail) and removals.
 
 Room: a batch of model M on instance I may take a request if it has fewer
 than ``max_batch_size`` requests and its reserved KV tokens plus the
@@ -16,24 +16,21 @@ for M's KV shape. Only the batch taking its turn is resident on the device
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import msgspec
+
+from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.request import InstanceId, NoInstance, Request
-
-if TYPE_CHECKING:
-    from aegaeon_sched.latency import LatencyModel
 
 JOIN_LOAD_LIMIT = 1.0
 
 
-@dataclass
-class DecodeBatch:
+class DecodeBatch(msgspec.Struct, array_like=True):
     """Requests decoded together: of ``model``, and of its LoRA adapters (its unit)."""
 
     batch_id: int
     model: str
-    requests: dict[str, Request] = field(default_factory=dict)
+    requests: dict[str, Request] = msgspec.field(default_factory=dict)
     reserved_tokens: int = 0
     mean_context_tokens: int = 0  # sum over requests of prompt + max_tokens / 2
 
@@ -52,20 +49,21 @@ class DecodeBatch:
         return len(self.requests)
 
 
-class DecodeWorkList:
+class DecodeWorkList(msgspec.Struct, array_like=True, dict=True):
     """One decode instance's ordered batches (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._batches: list[DecodeBatch] = []
-        self._by_id: dict[int, DecodeBatch] = {}
-        self._batch_of: dict[str, DecodeBatch] = {}
+    batches: list[DecodeBatch] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._by_id: dict[int, DecodeBatch] = {b.batch_id: b for b in self.batches}
+        self._batch_of = {rid: b for b in self.batches for rid in b.requests}
 
     def __len__(self) -> int:
         """Number of batches: the load measure of Algorithm 2."""
-        return len(self._batches)
+        return len(self.batches)
 
     def __iter__(self) -> Iterator[DecodeBatch]:
-        return iter(self._batches)
+        return iter(self.batches)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._batch_of
@@ -87,7 +85,7 @@ class DecodeWorkList:
         batch = self._by_id.get(batch_id)
         if batch is None:
             batch = DecodeBatch(batch_id, request.switch_unit)
-            self._batches.append(batch)
+            self.batches.append(batch)
             self._by_id[batch_id] = batch
         elif batch.model != (unit := request.switch_unit):
             raise ValueError(f"batch {batch_id} holds {batch.model!r}, not {unit!r}")
@@ -106,7 +104,7 @@ class DecodeWorkList:
         batch.reserved_tokens -= request.kv_tokens
         batch.mean_context_tokens -= DecodeBatch.mean_context(request)
         if not batch.requests:
-            self._batches.remove(batch)
+            self.batches.remove(batch)
             del self._by_id[batch.batch_id]
         return True
 
@@ -117,10 +115,10 @@ class DecodeWorkList:
         model keep their relative order.
         """
         order: dict[str, list[DecodeBatch]] = {}
-        for batch in self._batches:
+        for batch in self.batches:
             order.setdefault(batch.model, []).append(batch)
-        self._batches = [b for batches in order.values() for b in batches]
-        return list(self._batches)
+        self.batches = [b for batches in order.values() for b in batches]
+        return list(self.batches)
 
 
 class DecodeDispatcher:

@@ -67,7 +67,8 @@ class PrefillDispatcher:
             raise ValueError("Algorithm 1 needs at least one prefill instance")
         self.latency = latency
         self.queues: dict[InstanceId, PrefillQueue] = {
-            i: PrefillQueue(max_group_size, default_ttft_s) for i in instances
+            i: PrefillQueue(max_group_size=max_group_size, default_ttft_s=default_ttft_s)
+            for i in instances
         }
         self._instance_of: dict[str, InstanceId] = {}
         self._next_group_id = next_group_id
@@ -143,16 +144,8 @@ class PrefillDispatcher:
 
     def on_done(self, instance: InstanceId, request_id: str, now_s: float) -> Request | None:
         """The request's prefill completed; returns it (``None`` if unknown)."""
-        queue = self.queues[instance]
         self._instance_of.pop(request_id, None)
-        if request_id not in queue:
-            return None
-        running = queue.running()
-        if running is None or running.request_id != request_id:
-            # The start report was lost or never sent: it ran all the same.
-            running = queue.start(request_id, now_s)
-        queue.finish(request_id)
-        return running
+        return self.queues[instance].done(request_id, now_s)
 
     def backlog_tokens(self) -> int:
         """Prompt tokens waiting for prefill on every instance."""

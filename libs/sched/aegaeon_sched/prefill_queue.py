@@ -14,7 +14,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+
+import msgspec
 
 from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.priority import STANDARD, first_token_deadline_s
@@ -23,43 +24,59 @@ from aegaeon_sched.request import Request
 MAX_GPSIZE = 8
 
 
-@dataclass
-class PrefillGroup:
+class PrefillGroup(msgspec.Struct, array_like=True):
+    """Requests of one model (unit) and SLO class prefilled back to back (stored as
+    the array of its fields in this order)."""
+
     group_id: int
     model: str
-    pending: list[Request] = field(default_factory=list)
-    running: Request | None = None
     num_added: int = 0
-    priority: int = STANDARD  # the SLO class of its requests (0: the highest)
+    running: Request | None = None
+    pending: list[Request] = msgspec.field(default_factory=list)
     key_s: float = 0.0  # its place in the queue: the opening request's first-token deadline
+    priority: int = STANDARD  # the SLO class of its requests (0: the highest)
 
     def is_empty(self) -> bool:
         return not self.pending and self.running is None
 
 
-class PrefillQueue:
+class PrefillQueue(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True,
+                   dict=True):  # fmt: skip
     """One prefill instance's queue of groups in key order (see the module docstring).
+
+    It is its own stored form (:mod:`aegaeon_sched.shared`): msgpack of the array
+    ``[loaded_model, running_since_s, groups, max_group_size, default_ttft_s]``
+    (the settings left out when they are the defaults) decodes into the queue
+    itself; the indexes by id are built on decoding (:meth:`__post_init__`).
 
     ``default_ttft_s``: the TTFT of a request that carries none (its key is
     ``arrival + default_ttft_s``); both sides of a mirror use the same.
     """
 
-    def __init__(self, max_group_size: int = MAX_GPSIZE, default_ttft_s: float = 0.0) -> None:
-        self.max_group_size = max_group_size
-        self.default_ttft_s = default_ttft_s
-        self._groups: list[PrefillGroup] = []  # by key_s; equal keys in insertion order
-        self._by_id: dict[int, PrefillGroup] = {}
-        self._group_of: dict[str, PrefillGroup] = {}
+    loaded_model: str | None = None
+    running_since_s: float = 0.0  # when the running request started (while one runs)
+    groups: list[PrefillGroup] = msgspec.field(default_factory=list)  # by key_s, then added
+    max_group_size: int = MAX_GPSIZE
+    default_ttft_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._by_id: dict[int, PrefillGroup] = {g.group_id: g for g in self.groups}
+        self._group_of = {r.request_id: g for g in self.groups for r in g.pending}
         self._running: PrefillGroup | None = None  # the group whose request runs
-        self.loaded_model: str | None = None
-        self._running_since_s: float = 0.0
+        for group in self.groups:
+            if group.is_empty():
+                raise ValueError(f"group {group.group_id} of model {group.model!r} holds "
+                                 "no request")
+            if group.running is not None:
+                self._group_of[group.running.request_id] = group
+                self._running = group
 
     def __len__(self) -> int:
         """Requests queued or running."""
         return len(self._group_of)
 
     def __iter__(self) -> Iterator[PrefillGroup]:
-        return iter(self._groups)
+        return iter(self.groups)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._group_of
@@ -70,7 +87,7 @@ class PrefillQueue:
 
     def open_group(self, model: str, priority: int = STANDARD) -> PrefillGroup | None:
         """The first group of ``model`` and class ``priority`` that may still take requests."""
-        for group in self._groups:
+        for group in self.groups:
             if (group.model == model and group.priority == priority
                     and group.num_added < self.max_group_size):  # fmt: skip
                 return group
@@ -86,8 +103,8 @@ class PrefillQueue:
             key = self.key_of(request) if key_s is None else key_s
             group = PrefillGroup(group_id, request.switch_unit, priority=request.priority,
                                  key_s=key)
-            at = bisect.bisect_right([g.key_s for g in self._groups], key)
-            self._groups.insert(at, group)
+            at = bisect.bisect_right([g.key_s for g in self.groups], key)
+            self.groups.insert(at, group)
             self._by_id[group_id] = group
         elif group.model != request.switch_unit:
             raise ValueError(f"group {group_id} holds {group.model!r}, not "
@@ -107,18 +124,13 @@ class PrefillQueue:
         """The next request to run: the front group's first (``None`` if one runs or empty)."""
         if self._running is not None:
             return None
-        for group in self._groups:
+        for group in self.groups:
             if group.pending:
                 return group, group.pending[0]
         return None
 
     def running(self) -> Request | None:
         return self._running.running if self._running is not None else None
-
-    @property
-    def running_since_s(self) -> float:
-        """When the running request started (meaningful while one runs)."""
-        return self._running_since_s
 
     def start(self, request_id: str, now_s: float) -> Request:
         """Mark a pending request as executing (it becomes the loaded model's job).
@@ -133,13 +145,17 @@ class PrefillQueue:
                 break
         else:
             raise ValueError(f"request {request_id!r} is not pending")
-        if self._running is not None and self._running is not group:
-            self._running.running = None  # a lost finish: only one request runs at a time
-            self._drop_if_empty(self._running)
+        previous = self._running
+        if previous is not None and previous.running is not None:
+            # a lost finish (only one request runs at a time): the one that ran leaves
+            del self._group_of[previous.running.request_id]
+            previous.running = None
+            if previous is not group:
+                self._drop_if_empty(previous)
         group.running = req
         self._running = group
         self.loaded_model = group.model
-        self._running_since_s = now_s
+        self.running_since_s = now_s
         return req
 
     def finish(self, request_id: str) -> None:
@@ -150,6 +166,17 @@ class PrefillQueue:
             if self._running is group:
                 self._running = None
         self._drop_if_empty(group)
+
+    def done(self, request_id: str, now_s: float) -> Request | None:
+        """``request_id`` was prefilled: it leaves, started first if its start was
+        not seen (a lost report: it ran all the same); ``None`` if unknown."""
+        if request_id not in self:
+            return None
+        running = self.running()
+        if running is None or running.request_id != request_id:
+            running = self.start(request_id, now_s)
+        self.finish(request_id)
+        return running
 
     def remove(self, request_id: str) -> bool:
         """Cancel: take the request out wherever it is; ``False`` if unknown."""
@@ -167,12 +194,12 @@ class PrefillQueue:
 
     def _drop_if_empty(self, group: PrefillGroup) -> None:
         if group.is_empty() and self._by_id.get(group.group_id) is group:
-            self._groups.remove(group)
+            self.groups.remove(group)
             del self._by_id[group.group_id]
 
     def pending_tokens(self) -> int:
         """Prompt tokens waiting (not running): the queue's backlog."""
-        return sum(r.prompt_len for g in self._groups for r in g.pending)
+        return sum(r.prompt_len for g in self.groups for r in g.pending)
 
     def load_s(self, latency: LatencyModel, now_s: float, before_key_s: float = math.inf) -> float:
         """Estimated time to finish every queued group (Alg. 1, line 9), or, with
@@ -186,9 +213,9 @@ class PrefillQueue:
         current = self.loaded_model
         if self._running is not None and self._running.running is not None:
             est = latency.prefill_one_s(self._running.model, self._running.running.prompt_len)
-            total += max(0.0, est - (now_s - self._running_since_s))
+            total += max(0.0, est - (now_s - self.running_since_s))
             current = self._running.model
-        for group in self._groups:
+        for group in self.groups:
             if group.key_s > before_key_s:
                 break
             if not group.pending:
@@ -196,6 +223,6 @@ class PrefillQueue:
             if group.model != current:
                 total += latency.switch_s(group.model)
             current = group.model
-            for req in group.pending:
-                total += latency.prefill_one_s(req.switch_unit, req.prompt_len)
+            for req in group.pending:  # (of the group's unit: add keeps them so)
+                total += latency.prefill_one_s(group.model, req.prompt_len)
         return total

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 InstanceId = str
 """An instance's name as the driver (proxy or simulator) chose it, e.g. ``"decode-3"``."""
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """What a policy knows about a request: identity, model, sizes, arrival.
+
+    A msgspec struct: in a stored queue (:mod:`aegaeon_sched.shared`) it is the
+    array of its fields in this order (fields past ``max_tokens`` may be missing:
+    their defaults); ``gc=False`` since it holds no containers.
 
     ``max_tokens`` bounds the output and is what KV room is reserved for
     (``prompt_len + max_tokens``). ``oracle_output_len`` is the true output

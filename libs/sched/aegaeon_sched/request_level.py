@@ -34,10 +34,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from aegaeon_sched.actions import Action, Cancel, PolicyBase, RunOnInstance
 from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.request import InstanceId, Request
-from aegaeon_sched.shared import request_from_state, request_state
 
 
 @dataclass
@@ -76,11 +77,11 @@ class RequestLevelPolicy(PolicyBase):
     # ---- its picture as plain data (a store holds it between events) --------
     def state(self) -> dict[str, Any]:
         instances = {
-            name: [s.model, [request_state(r) for r in s.running.values()],
+            name: [s.model, [msgspec.to_builtins(r) for r in s.running.values()],
                    s.reserved_tokens, None if math.isinf(s.last_used_s) else s.last_used_s]
             for name, s in self.instances.items()
         }  # fmt: skip
-        queued = [[list(key), seq, request_state(r)] for heap in self._queues.values()
+        queued = [[list(key), seq, msgspec.to_builtins(r)] for heap in self._queues.values()
                   for key, seq, r in heap if r.request_id in self._queued_ids]  # fmt: skip
         return {"instances": instances, "queued": sorted(queued), "seq": self._seq}
 
@@ -91,7 +92,7 @@ class RequestLevelPolicy(PolicyBase):
             unified = self.instances.get(name)
             if unified is None:
                 continue
-            requests = [request_from_state(r) for r in running]
+            requests = [msgspec.convert(r, Request) for r in running]
             unified.model = model
             unified.running = {r.request_id: r for r in requests}
             unified.reserved_tokens = int(reserved)
@@ -99,7 +100,7 @@ class RequestLevelPolicy(PolicyBase):
             for request in requests:
                 self._instance_of[request.request_id] = name
         for key, seq, raw in state["queued"]:
-            request = request_from_state(raw)
+            request = msgspec.convert(raw, Request)
             heap = self._queues.setdefault(request.switch_unit, [])
             heapq.heappush(heap, ((float(key[0]), float(key[1])), int(seq), request))
             self._queued_ids.add(request.request_id)

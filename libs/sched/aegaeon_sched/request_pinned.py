@@ -37,10 +37,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from aegaeon_sched.actions import Action
 from aegaeon_sched.request import InstanceId, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
-from aegaeon_sched.shared import request_from_state, request_state
 
 
 class PinnedRequestLevelPolicy(RequestLevelPolicy):
@@ -121,14 +122,14 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
         return taken
 
     def state(self) -> dict[str, Any]:
-        pinned = {n: [request_state(r) for r in q] for n, q in self.pinned.items()}
+        pinned = {n: [msgspec.to_builtins(r) for r in q] for n, q in self.pinned.items()}
         return {**super().state(), "pinned": pinned}
 
     def restore_state(self, state: dict[str, Any]) -> None:
         super().restore_state(state)
         for name, queue in state.get("pinned", {}).items():
             if name in self.pinned:
-                self.pinned[name] = [request_from_state(r) for r in queue]
+                self.pinned[name] = [msgspec.convert(r, Request) for r in queue]
                 for raw in queue:
                     self._pinned_at[str(raw[0])] = name
 

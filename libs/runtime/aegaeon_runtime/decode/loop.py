@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import msgspec
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import (
@@ -46,7 +47,6 @@ from aegaeon_sched import (
     RoundController,
     RoundRobinPlanner,
 )
-from aegaeon_sched.shared import State, prefill_queue_state, work_list_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -238,10 +238,11 @@ class DecodeLoop:
         self.apply(self.inbox.drain())
         self.snapshots.offer(self._queue_states)
 
-    def _queue_states(self) -> tuple[State | None, State]:
+    def _queue_states(self) -> tuple[bytes | None, bytes]:
+        """The stored form of its queues (a copy for the registrar: shared_queues)."""
         queue = self.prefill.queue if self.prefill is not None else None
-        return (prefill_queue_state(queue) if queue is not None else None,
-                work_list_state(self.work))  # fmt: skip
+        encode = msgspec.msgpack.encode
+        return (encode(queue) if queue is not None else None, encode(self.work))
 
     def _prefill_waits_for_kv(self) -> bool:
         return self.prefill is not None and self.prefill.waiting_for_kv and self.prefill.pending()

@@ -46,7 +46,6 @@ from aegaeon_common.messages.report import InstanceStats, PrefillDone, RequestFa
 from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import LatencyModel, PrefillQueue
-from aegaeon_sched.shared import prefill_queue_state
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
@@ -98,8 +97,8 @@ class PrefillLoop:
         self.outbox = outbox
         self.clock = clock
         self.counters = counters or InstanceCounters(metrics=worker.metrics)
-        self.queue = PrefillQueue(worker.config.scheduler.max_group_size,
-                                  worker.config.slo.ttft_s)  # fmt: skip
+        self.queue = PrefillQueue(max_group_size=worker.config.scheduler.max_group_size,
+                                  default_ttft_s=worker.config.slo.ttft_s)  # fmt: skip
         self.jobs: dict[str, EnqueuePrefill] = {}
         # handoffs sent, until a new proxy starts: it frees those nobody claimed
         self.handoffs = SentHandoffs()
@@ -253,7 +252,7 @@ class PrefillLoop:
                 self._apply(self.inbox.drain() if self.pending() else
                             self.inbox.wait(IDLE_WAIT_S))  # fmt: skip
             self._publish_load()
-            self.snapshots.offer(lambda: (prefill_queue_state(self.queue), None))
+            self.snapshots.offer(lambda: (msgspec.msgpack.encode(self.queue), None))
             self.counters.queued = len(self.queue)
             self.counters.running = int(self.pending())
             if not self.pending():

@@ -15,10 +15,10 @@ places by its policy's picture in the store instead (``cluster.baselines``).
 
 * **Dispatch** (Algorithm 1 across every node's prefill instances) and
   **placement** (Algorithm 2 within the prefill's node: the KV stays in that
-  node's host memory) are store transactions: read the candidates' queue
-  states, run the same dispatcher the single proxy runs
-  (``aegaeon_sched.shared``), write back the state it changed; the write
-  commits only if no other replica wrote any state read meanwhile (Redis
+  node's host memory) are store transactions: read the candidates' queues
+  (stored as they are: msgspec structs), run the same dispatcher the single
+  proxy runs (``aegaeon_sched.shared``), write back the queue it changed; the write
+  commits only if no other replica wrote any queue read meanwhile (Redis
   WATCH/MULTI/EXEC), else the decision is made again on fresh state. So two
   replicas never both book an instance on the same picture of it.
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
@@ -88,10 +88,8 @@ from aegaeon_common.registry import (
     RequestMeta,
     StoreEpoch,
     decode_model_settings,
-    decode_queue,
     decode_request,
     encode,
-    encode_queue,
     instance_key,
     model_settings_key,
     open_store,
@@ -106,9 +104,9 @@ from aegaeon_common.wire import Message, to_plain
 from aegaeon_sched import DecodeShare, NoInstance, percentile
 from aegaeon_sched.shared import (
     dispatch_prefill,
-    group_key_s,
     place_decode,
-    prefill_done,
+    prefill_queue_of,
+    queue_of,
     queued_request_ids,
     remove_requests,
 )
@@ -477,14 +475,12 @@ class ClusterBackend(Backend):
         if not candidates or latency is None:
             self.held[rid] = tracked
             return
-        max_group = self.config.scheduler.max_group_size
 
         def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
-            instance, group_id, state = dispatch_prefill(
-                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id(),
-                max_group_size=max_group,
-            )  # fmt: skip
-            return instance, state, (group_id, group_key_s(state, group_id))
+            instance, group_id, queue = dispatch_prefill(
+                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
+            )
+            return instance, queue, (group_id, queue.group_key_s(group_id))
 
         def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
             return tracked.prefill_message(*placed, record.incarnation, self.report_address)
@@ -523,12 +519,12 @@ class ClusterBackend(Backend):
         sched = self.config.scheduler
 
         def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
-            instance, batch_id, state = place_decode(
+            instance, batch_id, work_list = place_decode(
                 states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
                 max_batch_size=sched.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return instance, state, batch_id
+            return instance, work_list, batch_id
 
         def message(record: InstanceRecord, batch_id: int) -> Message | None:
             return tracked.decode_message(batch_id, record.incarnation, self.report_address)
@@ -541,17 +537,19 @@ class ClusterBackend(Backend):
         message: Callable[[InstanceRecord, _T], Message | None],
     ) -> bool:  # fmt: skip
         """Book the request on one of ``candidates`` in one store transaction: ``choose``
-        picks it from their shared queue states (``stage``'s) and changes its state
-        (decided again on fresh states if another replica wrote one read meanwhile);
+        picks it from their shared queues (``stage``'s) and changes its queue
+        (decided again on fresh queues if another replica wrote one read meanwhile);
         then ``message`` goes to it. False: the store failed (the request ended), or it
         ended while deciding, or has no message (the booking undone)."""
         rid = tracked.gen.request_id
         keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
+        max_group = self.config.scheduler.max_group_size
 
         def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
-            states = {i: decode_queue(v) for i, v in zip(keys, values, strict=True)}
-            instance, state, result = choose(states)
-            return {keys[instance]: encode_queue(state)}, (instance, result)
+            queues = {i: queue_of(v, stage == "prefill", max_group)
+                      for i, v in zip(keys, values, strict=True)}  # fmt: skip
+            instance, queue, result = choose(queues)
+            return {keys[instance]: encode(queue)}, (instance, result)
 
         started = time.perf_counter()
         try:
@@ -592,9 +590,8 @@ class ClusterBackend(Backend):
         def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
             if values[0] is None:
                 return {}, None
-            state, removed = remove_requests(decode_queue(values[0]), (request_id,), prefill,
-                                             max_group)  # fmt: skip
-            return ({queue: encode_queue(state)} if removed else {}), None
+            state = queue_of(values[0], prefill, max_group)
+            return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
 
         with contextlib.suppress(StoreError):
             await self.store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
@@ -666,8 +663,9 @@ class ClusterBackend(Backend):
         max_group = self.config.scheduler.max_group_size
 
         def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            state, _ = prefill_done(decode_queue(values[0]), rid, time.time(), max_group)
-            return {where.queue: encode_queue(state)}, None
+            queue = prefill_queue_of(values[0], max_group)
+            queue.done(rid, time.time())
+            return {where.queue: encode(queue)}, None
 
         try:
             await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
@@ -943,7 +941,7 @@ class ClusterBackend(Backend):
                       for r in self.view.live.values() for stage in ("prefill", "decode")]
             states = await self.store.get_many([key for _, key, _ in places])
             for (instance, key, prefill), raw in zip(places, states, strict=True):
-                for rid in queued_request_ids(decode_queue(raw), prefill) & owned:
+                for rid in queued_request_ids(queue_of(raw, prefill)) & owned:
                     at = cancel_at.setdefault(rid, {})
                     at[instance] = at.get(instance, False) or prefill
                     queued.setdefault(key, set()).add(rid)

@@ -53,7 +53,6 @@ from aegaeon_common.registry import (
     InstanceRecord,
     ProxyRecord,
     RolesRecord,
-    decode_queue,
     decode_roles,
     encode,
     proxy_key,
@@ -70,7 +69,7 @@ from aegaeon_sched import (
     cluster_velocity,
 )
 from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
-from aegaeon_sched.shared import decode_demands, prefill_backlog
+from aegaeon_sched.shared import decode_demands, prefill_backlog, prefill_queue_of, work_list_of
 
 from aegaeon_proxy.cluster.registry import RegistryView
 
@@ -298,11 +297,10 @@ class SharedRoles:
         keys = [RegistryView.queue_key(r, stage) for stage in ("prefill", "decode")
                 for r in records]  # fmt: skip
         raws = await self.store.get_many(keys)
-        states = [decode_queue(raw) for raw in raws]
         ids = [r.instance_id for r in records]
-        queues = dict(zip(ids, states[: len(ids)], strict=True))
-        lists = dict(zip(ids, states[len(ids) :], strict=True))
-        backlog = prefill_backlog(queues, self.config.scheduler.max_group_size)
+        queues = [prefill_queue_of(raw) for raw in raws[: len(ids)] if raw is not None]
+        lists = {i: work_list_of(raw) for i, raw in zip(ids, raws[len(ids) :], strict=True)}
+        backlog = prefill_backlog(queues)
         demand = decode_demands(lists, capacity_tokens={r.instance_id: r.capacity_tokens
                                                         for r in records},
                                 latency=latency, tbt_s=self.config.slo.tbt_s)  # fmt: skip
