@@ -192,7 +192,10 @@ class Simulation:
     def _on_step_tokens(self, instance: str, msg: StepTokens) -> None:
         for item in msg.items:
             t = self.tracked[item.request_id]
-            t.token_times_s.extend(itertools.repeat(msg.emitted_s, len(item.token_ids)))
+            if len(item.token_ids) == 1:
+                t.token_times_s.append(msg.emitted_s)
+            else:  # the tokens of several steps, held and sent together
+                t.token_times_s.extend(itertools.repeat(msg.emitted_s, len(item.token_ids)))
             if item.finish_reason is not None:
                 self._end(t, self.events.now)
 

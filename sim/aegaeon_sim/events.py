@@ -53,7 +53,7 @@ class EventLoop:
         task = getcurrent()
         if task is self._main:
             raise RuntimeError("the event loop itself cannot wait")
-        self.at(self.now + max(seconds, 0.0), task.switch)
+        heapq.heappush(self._heap, (self.now + max(seconds, 0.0), next(self._seq), task.switch))
         self._main.switch()
 
     def pass_time(self, seconds: float) -> None:

@@ -105,7 +105,8 @@ class TurnRunner:
 
     # ---- a turn ----------------------------------------------------------
     def _seqs(self, batch: DecodeBatch) -> list[Seq]:
-        return [self.admission.seqs[r] for r in list(batch.requests) if r in self.admission.seqs]
+        seqs = self.admission.seqs
+        return [seqs[r] for r in batch.requests if r in seqs]
 
     def _victims(self, batch_id: int) -> Iterator[Seq]:
         """Device-resident requests of other batches, the latest turn first."""
@@ -165,9 +166,14 @@ class TurnRunner:
                 end = rounds.turn_over(self.work, clock.now(), prefill_waiting=self.preempt())
                 if end is not None:
                     return end
-                self._prefill_new(batch)
-                self._make_resident(batch)
+                # each pass reads the batch afresh (a prefill or a swap-in may end some)
                 seqs = self._seqs(batch)
+                if any(s.prompt_token_ids is not None for s in seqs):  # request-level
+                    self._prefill_new(batch)
+                    seqs = self._seqs(batch)
+                if not all(s.on_device or s.prompt_token_ids is not None for s in seqs):
+                    self._make_resident(batch)
+                    seqs = self._seqs(batch)
                 ready = [s for s in seqs if s.ready()]
                 if not ready:
                     waiting = [s for s in seqs if s.on_device]
@@ -267,9 +273,10 @@ class TurnRunner:
         (brought to the device now if needed); sequences whose adapter has no room this
         step wait (their blocks stay). An adapter its cachemgr no longer holds fails its
         sequences."""
-        names = [None if s.model == batch.model else s.model for s in stepping]
-        if all(n is None for n in names):
+        model = batch.model
+        if all(s.model == model for s in stepping):
             return stepping, [None] * len(stepping)
+        names = [None if s.model == model else s.model for s in stepping]
         before = self.worker.adapters.num_loads
         try:
             weights = self.worker.adapters.for_step(names)
@@ -287,9 +294,10 @@ class TurnRunner:
         """One decode step of the ``ready`` requests that have room; how many stepped."""
         w = self.worker
         stepping: list[Seq] = []
+        grow, victims = self.residency.grow, lambda: self._victims(batch.batch_id)
         for seq in ready:
             try:
-                self.residency.grow(seq, lambda: self._victims(batch.batch_id))
+                grow(seq, victims)
                 stepping.append(seq)
             except KVCapacityError as exc:  # it outgrew the whole device region
                 self.admission.fail(seq, "kv_capacity", str(exc))
@@ -305,18 +313,19 @@ class TurnRunner:
         stepping, adapters = self._adapters(batch, stepping)
         if not stepping:
             return 0
+        positions = [s.position for s in stepping]
         start = self.clock.now()
         logits = w.engine.decode(
-            [DecodeSeq(s.tokens[-1], s.position, s.device_blocks, a)
-             for s, a in zip(stepping, adapters, strict=True)]
+            [DecodeSeq(s.tokens[-1], p, s.device_blocks, a)
+             for s, p, a in zip(stepping, positions, adapters, strict=True)]
         )
         tokens, logprobs = sample_step(w.sampler, logits, [s.sampling for s in stepping])
         seconds = self.clock.now() - start
         now = self.clock.wall()
         items: list[TokenItem] = []
-        context = 0
+        # the context each stepped token read: its position and the ones before it
+        context = sum(positions) + len(positions)
         for seq, token, lp in zip(stepping, tokens, logprobs, strict=True):
-            context += seq.position  # the token stepped was at position - 1 (seq.tokens grew)
             seq.decode_s += seconds
             finish = finish_reason(token, len(seq.tokens), seq.params)
             timings = seq.timings(now) if finish else None
@@ -336,8 +345,11 @@ class TurnRunner:
         self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)
-        for model, count in Counter(s.model for s in stepping).items():
-            w.metrics.tokens("decode", model, count)
+        if all(s.model == batch.model for s in stepping):  # no adapters among them
+            w.metrics.tokens("decode", batch.model, len(stepping))
+        else:
+            for model, count in Counter(s.model for s in stepping).items():
+                w.metrics.tokens("decode", model, count)
         self.counters.decode_s += seconds
         if self.latency is not None:
             self.latency.observe_decode(batch.model, len(stepping), context, seconds)
