@@ -15,7 +15,7 @@ for M's KV shape. Only the batch taking its turn is resident on the device
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, KeysView, Sequence
 
 import msgspec
 
@@ -71,6 +71,11 @@ class DecodeWorkList(msgspec.Struct, array_like=True, dict=True):
     @property
     def num_requests(self) -> int:
         return len(self._batch_of)
+
+    @property
+    def batch_ids(self) -> KeysView[int]:
+        """The ids of its batches (a live view)."""
+        return self._by_id.keys()
 
     def batch(self, batch_id: int) -> DecodeBatch | None:
         return self._by_id.get(batch_id)

@@ -235,8 +235,7 @@ class RoundController:
         return None
 
     def _replan_due(self, work: DecodeWorkList, mid_turn: bool) -> bool:
-        ids = (b.batch_id for b in work)
-        return self.planner.replan_due(self.plan, ids, mid_turn=mid_turn)
+        return self.planner.replan_due(self.plan, work.batch_ids, mid_turn=mid_turn)
 
 
 def _grouped(work: DecodeWorkList) -> list[DecodeBatch]:

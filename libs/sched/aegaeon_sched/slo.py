@@ -123,13 +123,21 @@ def artifact_qos(trace: RequestTrace, slo: SLO, met: int | None = None) -> float
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile ``q`` in [0, 100] of unsorted values (nan if empty)."""
+    return percentiles(values, (q,))[0]
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """:func:`percentile` at each of ``qs`` (the values sorted once)."""
     if not values:
-        return math.nan
+        return [math.nan] * len(qs)
     ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    out = []
+    for q in qs:
+        pos = (len(ordered) - 1) * q / 100.0
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return out
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,8 @@ def summarize(
             if tbt_percentiles:
                 gaps.extend(b - a for a, b in itertools.pairwise(times))
     n = len(traces)
+    ttft_p50, ttft_p90, ttft_p99 = percentiles(ttfts, (50, 90, 99))
+    tbt_p50, tbt_p90, tbt_p99 = percentiles(gaps, (50, 90, 99))
     return SLOReport(
         num_requests=n,
         num_failed=failed,
@@ -179,10 +189,10 @@ def summarize(
         tokens_met=met,
         attainment=met / total if total else 1.0,
         qos=qos_sum / n if n else 1.0,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p90_s=percentile(ttfts, 90),
-        ttft_p99_s=percentile(ttfts, 99),
-        tbt_p50_s=percentile(gaps, 50),
-        tbt_p90_s=percentile(gaps, 90),
-        tbt_p99_s=percentile(gaps, 99),
+        ttft_p50_s=ttft_p50,
+        ttft_p90_s=ttft_p90,
+        ttft_p99_s=ttft_p99,
+        tbt_p50_s=tbt_p50,
+        tbt_p90_s=tbt_p90,
+        tbt_p99_s=tbt_p99,
     )

@@ -90,7 +90,7 @@ class Seq:
 
     def blocks_needed(self) -> int:
         """Device blocks the next step needs (its write goes to ``position``)."""
-        return self.shape.blocks_for(self.position + 1)
+        return self.shape.blocks_for(self.prompt_len + len(self.tokens))  # position + 1
 
     def ready(self) -> bool:
         """On device with its swap-in complete (rule 1 of §5.3), its grammar's matcher
