@@ -67,7 +67,7 @@ class SimInbox:
 
     def drain(self) -> list[Message]:
         if self.poll_s > 0:
-            self.events.sleep(self.poll_s)
+            self.events.pass_time(self.poll_s)
         out, self._messages = self._messages, []
         return out
 
