@@ -95,7 +95,8 @@ class Seq:
     def ready(self) -> bool:
         """On device with its swap-in complete (rule 1 of §5.3), its grammar's matcher
         made."""
-        if not self.on_device or not self.sampling.ready():
+        grammar = self.sampling.grammar  # SeqSampling.ready inlined: a call less per step
+        if not self.on_device or (grammar is not None and not grammar.ready()):
             return False
         if self.ready_event is not None:
             if not self.ready_event.query():
