@@ -73,8 +73,7 @@ class DecodeWorkList(msgspec.Struct, array_like=True, dict=True):
         return len(self._batch_of)
 
     @property
-    def batch_ids(self) -> KeysView[int]:
-        """The ids of its batches (a live view)."""
+    def batch_ids(self) -> KeysView[int]:  # a live view
         return self._by_id.keys()
 
     def batch(self, batch_id: int) -> DecodeBatch | None:
@@ -114,11 +113,8 @@ class DecodeWorkList(msgspec.Struct, array_like=True, dict=True):
         return True
 
     def group_by_model(self) -> list[DecodeBatch]:
-        """Reorder in place so same-model batches are adjacent (Alg. 2, line 6).
-
-        Stable: models keep the order of their first batch, batches of one
-        model keep their relative order.
-        """
+        """Reorder in place so same-model batches are adjacent (Alg. 2, line 6); stable:
+        models keep the order of their first batch, batches of one model theirs."""
         order: dict[str, list[DecodeBatch]] = {}
         for batch in self.batches:
             order.setdefault(batch.model, []).append(batch)
