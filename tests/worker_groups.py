@@ -11,13 +11,16 @@ with an ``xdist_group`` mark on every test, put there by :func:`pytest_collectio
   chaos run and the rolling restart check that it does).
 - Groups are handed out in collection order (``--no-loadscope-reorder``): tests/e2e and
   tests/integration, whose modules start services and run longest, before the many
-  short unit modules, so no long module starts last while the other worker idles.
+  short unit modules, so no long module starts last while the other worker idles. The
+  :data:`LONG_UNIT_MODULES` (tens of seconds each) go first among the unit modules, in
+  that tuple's order, for the same reason (alphabetically most of them would be last).
 
 A test that carries an ``xdist_group`` mark of its own keeps it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import PurePosixPath
 
 import pytest
@@ -33,6 +36,16 @@ SHARED_NODE_MODULES = (
     "tests/e2e/test_chaos.py",
 )
 SHARED_NODE_GROUP = "shared-node"
+# the slowest unit modules, longest first (a suite run's --durations on a busy 2-core machine)
+LONG_UNIT_MODULES = (
+    "tests/unit/test_sim_cli.py",
+    "tests/unit/test_sim_adapters.py",
+    "tests/unit/test_engine_lora_triton.py",
+    "tests/unit/test_sim_engine.py",
+    "tests/unit/test_triton_kernels.py",
+    "tests/unit/test_engine_forward.py",
+)
+UNIT_DIR = "tests/unit/"
 
 
 def module_of(nodeid: str) -> str:
@@ -50,21 +63,38 @@ def group_of(nodeid: str) -> str:
 def in_shared_node_order(items: list[pytest.Item]) -> list[pytest.Item]:
     """``items`` with the tests of :data:`SHARED_NODE_MODULES` one after another, in its
     order, where the first of them was collected (a module's own order kept)."""
-    rank = {module: k for k, module in enumerate(SHARED_NODE_MODULES)}
-    shared = [item for item in items if module_of(item.nodeid) in rank]
-    if not shared:
+    return _gathered(items, SHARED_NODE_MODULES)
+
+
+def with_long_units_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with the tests of :data:`LONG_UNIT_MODULES` one after another, in its
+    order, before the first other unit test (a module's own order kept)."""
+    return _gathered(items, LONG_UNIT_MODULES, before=lambda module: module.startswith(UNIT_DIR))
+
+
+def _gathered(items: list[pytest.Item], modules: tuple[str, ...],
+              before: Callable[[str], bool] | None = None) -> list[pytest.Item]:  # fmt: skip
+    """``items`` with the tests of ``modules`` one after another in that order (a module's
+    own order kept): before the first other test whose module ``before`` accepts, or
+    (``before`` None, or none accepted) where the first of them was collected."""
+    rank = {module: k for k, module in enumerate(modules)}
+    gathered = [item for item in items if module_of(item.nodeid) in rank]
+    if not gathered:
         return items
-    at = items.index(shared[0])
     rest = [item for item in items if module_of(item.nodeid) not in rank]
-    shared.sort(key=lambda item: rank[module_of(item.nodeid)])  # stable
-    return [*rest[:at], *shared, *rest[at:]]
+    at = items.index(gathered[0])  # none of them before it: its place in ``rest`` too
+    if before is not None:
+        at = next((k for k, item in enumerate(rest) if before(module_of(item.nodeid))), at)
+    gathered.sort(key=lambda item: rank[module_of(item.nodeid)])  # stable
+    return [*rest[:at], *gathered, *rest[at:]]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test in its group (:func:`group_of`), the shared-node tests in their order
-    (every worker collects, and so reorders, the same way)."""
+    """Every test in its group (:func:`group_of`), the shared-node tests in their order,
+    the long unit modules first among the unit tests (every worker collects, and so
+    reorders, the same way)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
-    items[:] = in_shared_node_order(items)
+    items[:] = with_long_units_first(in_shared_node_order(items))

@@ -158,6 +158,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.theorem or args.figure:  # they draw: without matplotlib, say so before simulating
+        from aegaeon_bench.report.plotting import use_agg
+
+        use_agg()
     if args.theorem:
         from aegaeon_sim.cli_theorem import theorem
 

@@ -25,3 +25,6 @@ def test_report_and_sim_figures_print_the_install_hint(tmp_path: Path) -> None:
     theorem = _run("sim", "--theorem", "--out", str(tmp_path / "sim"))
     assert theorem.returncode == 2, theorem.stderr
     assert "matplotlib" in theorem.stderr and "'.[sim]'" in theorem.stderr
+    figure = _run("sim", "--figure", "11a", "--out", str(tmp_path / "fig"))
+    assert figure.returncode == 2, figure.stderr
+    assert "matplotlib" in figure.stderr and "'.[sim]'" in figure.stderr

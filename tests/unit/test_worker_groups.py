@@ -10,8 +10,18 @@ import sys
 import tomllib
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
-from worker_groups import SHARED_NODE_GROUP, SHARED_NODE_MODULES, group_of, module_of
+import pytest
+from worker_groups import (
+    LONG_UNIT_MODULES,
+    SHARED_NODE_GROUP,
+    SHARED_NODE_MODULES,
+    group_of,
+    module_of,
+    with_long_units_first,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -35,6 +45,20 @@ def test_groups_name_the_shared_node_or_the_module() -> None:
     assert group_of("tests/unit/test_gamma.py::Klass::test_x") == "test_gamma"
     assert module_of("tests/unit/test_gamma.py::test_x[1]") == "tests/unit/test_gamma.py"
     assert SHARED_NODE_MODULES[-1] == "tests/e2e/test_chaos.py"  # it kills every service
+
+
+def test_the_long_unit_modules_go_first_among_the_unit_tests() -> None:
+    assert all((REPO / m).is_file() for m in LONG_UNIT_MODULES)  # none renamed away
+    before = ["tests/e2e/test_alpha.py::test_0", "tests/integration/test_beta.py::test_0",
+              "tests/unit/test_aa.py::test_0"]  # fmt: skip
+    longs = [f"{m}::test_{k}" for m in reversed(LONG_UNIT_MODULES) for k in (1, 0)]
+    collected = [*before, *longs, "tests/unit/test_zz.py::test_0"]
+    items = [cast(pytest.Item, SimpleNamespace(nodeid=n)) for n in collected]
+    # in the tuple's order, each module's tests in their own (collected) order, before the
+    # first other unit test
+    assert [item.nodeid for item in with_long_units_first(items)] == [
+        *before[:2], *(f"{m}::test_{k}" for m in LONG_UNIT_MODULES for k in (1, 0)),
+        before[2], collected[-1]]  # fmt: skip
 
 
 def _suite_addopts() -> list[str]:
