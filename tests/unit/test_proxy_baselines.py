@@ -20,7 +20,7 @@ from aegaeon_common.messages.report import (
     TokenItem,
 )
 from aegaeon_common.messages.structs import LatencyProfile, RequestTimings, SamplingParams
-from aegaeon_common.registry import BASELINE, decode_queue
+from aegaeon_common.registry import BASELINE, decode_baseline
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
@@ -75,7 +75,7 @@ async def test_a_request_level_baseline_binds_runs_and_releases_through_the_stor
         runs = [await _next_run(pulls[0]), await _next_run(pulls[1])]
         assert sorted((type(m).__name__, getattr(m, "request_id", "")) for m in runs) == [
             ("RunRequest", "r0"), ("RunRequest", "r1")]  # fmt: skip
-        state = decode_queue(await backend.store.get(BASELINE))
+        state = decode_baseline(await backend.store.get(BASELINE))
         assert state["policy"] == "request-level"
         assert any(q and q[0][0] == "r2" for q in state["pinned"].values())  # r2 waits, bound
         # r0 ends: the instance it ran on takes r2 (same model) at once
@@ -91,7 +91,7 @@ async def test_a_request_level_baseline_binds_runs_and_releases_through_the_stor
         cancel = await _next_run(pulls[1 - on])
         assert isinstance(cancel, CancelRequest) and cancel.request_id == "r1"
         await asyncio.sleep(0.05)
-        state = decode_queue(await backend.store.get(BASELINE))
+        state = decode_baseline(await backend.store.get(BASELINE))
         running = {n: [r[0] for r in v[1]] for n, v in state["instances"].items()}
         assert running == {f"decode-{on}": ["r2"], f"decode-{1 - on}": []}
     finally:

@@ -299,14 +299,14 @@ def decode_roles(raw: bytes) -> RolesRecord:
     return msgspec.msgpack.decode(raw, type=RolesRecord)
 
 
-def decode_queue(raw: bytes | None) -> Any:
-    """A stored picture as plain data (the ``baseline``: ``aegaeon_sched.shared_baselines``);
-    None for an absent key. (``pq:`` / ``dw:`` decode into their queues:
-    ``aegaeon_sched.shared``.)"""
+def decode_baseline(raw: bytes | None) -> Any:
+    """The request-level baseline's stored picture (the :data:`BASELINE` key) as plain
+    data (``aegaeon_sched.shared_baselines``); None for an absent key. (``pq:`` /
+    ``dw:`` decode into their queues: ``aegaeon_sched.shared``.)"""
     return None if raw is None else msgspec.msgpack.decode(raw)
 
 
-def encode_queue(state: Any) -> bytes:
+def encode_baseline(state: Any) -> bytes:
     return msgspec.msgpack.encode(state)
 
 

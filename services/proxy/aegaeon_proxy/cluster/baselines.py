@@ -30,8 +30,8 @@ from aegaeon_common.registry import (
     BASELINE,
     QUEUE_TTL_S,
     InstanceRecord,
-    decode_queue,
-    encode_queue,
+    decode_baseline,
+    encode_baseline,
 )
 from aegaeon_common.store import Store, StoreError
 from aegaeon_common.wire import Message
@@ -114,7 +114,7 @@ class Baselines:
                              _options(config, records))  # fmt: skip
         for record in records:  # each instance's own KV room
             policy.learn(record.instance_id, record.capacity_tokens, None)
-        return restore(policy, decode_queue(raw))
+        return restore(policy, decode_baseline(raw))
 
     async def dispatch(self, tracked: Tracked, again: bool = False) -> None:
         """The policy takes ``tracked`` (``again``: its instance failed before its first
@@ -131,7 +131,7 @@ class Baselines:
             now = time.time()
             actions = list(policy.on_request_cancelled(rid, now)) if again else []
             actions += policy.on_arrival(tracked.sched, now)
-            return {BASELINE: encode_queue(snapshot(policy))}, actions
+            return {BASELINE: encode_baseline(snapshot(policy))}, actions
 
         try:
             actions = await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
@@ -151,7 +151,7 @@ class Baselines:
             policy = self._policy(records, latency, values[0])
             ended = policy.on_request_cancelled if cancelled else policy.on_request_finished
             actions = list(ended(request_id, time.time()))
-            return {BASELINE: encode_queue(snapshot(policy))}, actions
+            return {BASELINE: encode_baseline(snapshot(policy))}, actions
 
         with contextlib.suppress(StoreError):
             await self._carry_out(await self.host.store.transact([BASELINE], decide,
