@@ -69,7 +69,7 @@ def dispatch_prefill(
 ) -> tuple[InstanceId, int, PrefillQueue]:
     """Algorithm 1 over the instances of ``queues`` (in its order: ties go to the first).
 
-    Returns (instance, group id, that instance's queue, the request in it). Raises
+    Returns (instance, group id, that instance's queue: the one the decision changed). Raises
     :class:`~aegaeon_sched.request.NoInstance` when ``queues`` is empty.
     """
     if not queues:
@@ -118,8 +118,8 @@ def place_decode(
     """Algorithm 2's placement over the instances of ``work_lists`` (the prefill's
     node's decode-capable instances, decode instances first; ``reserved``: those
     in the prefill role, :attr:`DecodeDispatcher.reserved`). Returns (instance,
-    batch id, its work list, the request in it); :class:`NoInstance` when
-    ``work_lists`` is empty."""
+    batch id, its work list: the one the decision changed); :class:`NoInstance`
+    when ``work_lists`` is empty."""
     if not work_lists:
         raise NoInstance("no decode instance is alive on the node")
     dispatcher = _decode_dispatcher(work_lists, capacity_tokens, decode_shares, latency, tbt_s,
