@@ -130,8 +130,8 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
         for name, queue in state.get("pinned", {}).items():
             if name in self.pinned:
                 self.pinned[name] = [msgspec.convert(r, Request) for r in queue]
-                for raw in queue:
-                    self._pinned_at[str(raw[0])] = name
+                for request in self.pinned[name]:  # (the decoded ids, not the raw arrays')
+                    self._pinned_at[request.request_id] = name
 
     def _release(self, request_id: str, now_s: float) -> list[Action]:
         instance = self._pinned_at.pop(request_id, None)
