@@ -78,7 +78,6 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
-    BASELINE,
     INSTANCES,
     PROXIES,
     QUEUE_TTL_S,
@@ -934,8 +933,8 @@ class ClusterBackend(Backend):
                 meta = None
             if meta is not None and meta.instance:
                 cancel_at.setdefault(rid, {})[meta.instance] = meta.state != "decoding"
-            if meta is not None and meta.queue and meta.queue != BASELINE:
-                queued.setdefault(meta.queue, set()).add(rid)  # (a baseline's is no queue)
+            if meta is not None and meta.queue:
+                queued.setdefault(meta.queue, set()).add(rid)
         if owned:
             places = [(r.instance_id, RegistryView.queue_key(r, stage), stage == "prefill")
                       for r in self.view.live.values() for stage in ("prefill", "decode")]

@@ -168,8 +168,8 @@ class Baselines:
         if tracked is None:  # ended while the policy decided: its binding goes
             await self.release(rid, cancelled=True)
             return
-        self.host.where[rid] = Where(action.instance, record.incarnation, record.node, BASELINE,
-                                     "run")  # fmt: skip
+        # no shared queue holds it (the policy's picture is no queue): its metadata names none
+        self.host.where[rid] = Where(action.instance, record.incarnation, record.node, "", "run")
         await self.host._send(record, tracked.run_message(record.incarnation,
                                                           self.host.report_address))  # fmt: skip
 
