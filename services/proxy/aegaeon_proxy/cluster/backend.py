@@ -428,9 +428,7 @@ class ClusterBackend(Backend):
         where = self.where.pop(rid, None)
         if self.baselines is not None:  # (the policy cancels it at its instance)
             self._spawn(self.baselines.release(rid, cancelled))
-            self._spawn(self._forget(rid, None))
-            return
-        if cancelled and where is not None:
+        elif cancelled and where is not None:
             cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
             self._spawn(self._send_to(where, cancel))
         self._spawn(self._forget(rid, where))
@@ -574,7 +572,7 @@ class ClusterBackend(Backend):
         self.table.cancel(request_id)
 
     async def _forget(self, request_id: str, where: Where | None) -> None:
-        if where is not None:
+        if where is not None and where.queue:  # (a baseline's request sits in none)
             await self._unqueue(request_id, where.queue)
         with contextlib.suppress(StoreError):
             await self.store.delete(request_key(request_id))
