@@ -277,7 +277,7 @@ class ClusterBackend(Backend):
     def _can_dispatch(self) -> bool:
         """Some instance takes new requests: one in the prefill role (a baseline: any)."""
         if self.baselines is not None:
-            return any(not r.draining for r in self.view.live.values())
+            return bool(self.baselines.records())
         return bool(self.view.prefill_candidates())
 
     def down(self) -> list[str]:
