@@ -48,7 +48,7 @@ from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.assets import AssetError
 from aegaeon_proxy.backend import NOT_SUPPORTED, Backend, BackendError
-from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.errors import APIError, backend_api_error, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.model_table import LiveModel, ModelSettingsTable
@@ -190,7 +190,7 @@ def _control(state: ProxyState) -> Backend:
 def _backend_error(exc: BackendError, name: str | None = None) -> APIError:
     if exc.code == "model_unavailable" and name is not None:
         return _unreadable(name, exc.message)
-    return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
+    return backend_api_error(exc)
 
 
 def _unreadable(name: str, why: str) -> APIError:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from aegaeon_proxy.jsonfmt import json_response
+
+if TYPE_CHECKING:
+    from aegaeon_proxy.backend import BackendError
 
 # status -> OpenAI error type
 _TYPES: dict[int, str] = {
@@ -68,6 +71,11 @@ class APIError(Exception):
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return json_response(self.body(), status=self.status, headers=headers)
+
+
+def backend_api_error(exc: BackendError) -> APIError:
+    """A backend's refusal as the client's error: its status, message, code and wait."""
+    return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
 
 
 def invalid(param: str, message: str, code: str | None = None) -> APIError:

@@ -32,7 +32,7 @@ from aegaeon_proxy.backend import (
     TokenStream,
 )
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
-from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.errors import APIError, backend_api_error
 from aegaeon_proxy.metrics import ProxyMetrics
 from aegaeon_proxy.model_table import ModelSettingsTable, unavailable_error
 from aegaeon_proxy.stop_strings import StopStringMatcher
@@ -162,8 +162,7 @@ class Generation:
         except BackendError as exc:
             self._left()
             self._metrics.requests.labels(self.req.model, "rejected").inc()
-            raise APIError(exc.status, exc.message, code=exc.code,
-                           retry_after_s=exc.retry_after_s) from None
+            raise backend_api_error(exc) from None
         except BaseException:
             self._left()
             raise
@@ -188,8 +187,7 @@ class Generation:
         except BackendError as exc:
             self._open = False
             self.outcome = "rejected"
-            raise APIError(exc.status, exc.message, code=exc.code,
-                           retry_after_s=exc.retry_after_s) from None
+            raise backend_api_error(exc) from None
 
     @property
     def finish_reasons(self) -> list[ClientFinish | None]:

@@ -33,7 +33,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.errors import APIError, backend_api_error, invalid
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
 
@@ -60,10 +60,6 @@ def _answer(sleeping: dict[str, bool]) -> web.Response:
                           "models": sleeping})  # fmt: skip
 
 
-def _api_error(exc: BackendError) -> APIError:
-    return APIError(exc.status, exc.message, code=exc.code, retry_after_s=exc.retry_after_s)
-
-
 async def _set(request: web.Request, awake: bool) -> web.Response:
     backend = request.app[STATE].backend
     sleeping: dict[str, bool] = {}
@@ -71,7 +67,7 @@ async def _set(request: web.Request, awake: bool) -> web.Response:
         try:
             sleeping[name] = await backend.set_model_awake(name, awake)
         except BackendError as exc:
-            raise _api_error(exc) from None
+            raise backend_api_error(exc) from None
     return _answer(sleeping)
 
 
@@ -98,7 +94,7 @@ async def is_sleeping(request: web.Request) -> web.Response:
     try:
         return _answer({name: backend.model_sleeping(name) for name in _models(request)})
     except BackendError as exc:
-        raise _api_error(exc) from None
+        raise backend_api_error(exc) from None
 
 
 ROUTES: list[tuple[str, str, Handler]] = [

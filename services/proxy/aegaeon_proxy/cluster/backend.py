@@ -78,7 +78,6 @@ from aegaeon_common.messages.report import (
 )
 from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
-    BASELINE,
     INSTANCES,
     PROXIES,
     QUEUE_TTL_S,
@@ -278,7 +277,7 @@ class ClusterBackend(Backend):
     def _can_dispatch(self) -> bool:
         """Some instance takes new requests: one in the prefill role (a baseline: any)."""
         if self.baselines is not None:
-            return any(not r.draining for r in self.view.live.values())
+            return bool(self.baselines.records())
         return bool(self.view.prefill_candidates())
 
     def down(self) -> list[str]:
@@ -429,9 +428,7 @@ class ClusterBackend(Backend):
         where = self.where.pop(rid, None)
         if self.baselines is not None:  # (the policy cancels it at its instance)
             self._spawn(self.baselines.release(rid, cancelled))
-            self._spawn(self._forget(rid, None))
-            return
-        if cancelled and where is not None:
+        elif cancelled and where is not None:
             cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
             self._spawn(self._send_to(where, cancel))
         self._spawn(self._forget(rid, where))
@@ -575,7 +572,7 @@ class ClusterBackend(Backend):
         self.table.cancel(request_id)
 
     async def _forget(self, request_id: str, where: Where | None) -> None:
-        if where is not None:
+        if where is not None and where.queue:  # (a baseline's request sits in none)
             await self._unqueue(request_id, where.queue)
         with contextlib.suppress(StoreError):
             await self.store.delete(request_key(request_id))
@@ -934,8 +931,8 @@ class ClusterBackend(Backend):
                 meta = None
             if meta is not None and meta.instance:
                 cancel_at.setdefault(rid, {})[meta.instance] = meta.state != "decoding"
-            if meta is not None and meta.queue and meta.queue != BASELINE:
-                queued.setdefault(meta.queue, set()).add(rid)  # (a baseline's is no queue)
+            if meta is not None and meta.queue:
+                queued.setdefault(meta.queue, set()).add(rid)
         if owned:
             places = [(r.instance_id, RegistryView.queue_key(r, stage), stage == "prefill")
                       for r in self.view.live.values() for stage in ("prefill", "decode")]

@@ -101,7 +101,7 @@ class Baselines:
         self.host = host
         self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
 
-    def _records(self) -> list[InstanceRecord]:
+    def records(self) -> list[InstanceRecord]:
         """The instances that take work (registered, not draining), in id order."""
         live = self.host.view.live.values()
         return sorted((r for r in live if not r.draining), key=lambda r: r.instance_id)
@@ -121,7 +121,7 @@ class Baselines:
         token: its binding there goes first), or it waits for an instance."""
         rid = tracked.gen.request_id
         self.host.held.pop(rid, None)
-        records, latency = self._records(), self.host.view.latency()
+        records, latency = self.records(), self.host.view.latency()
         if not records or latency is None:
             self.host.held[rid] = tracked
             return
@@ -143,7 +143,7 @@ class Baselines:
     async def release(self, request_id: str, cancelled: bool) -> None:
         """``request_id`` ended: its binding goes (at its instance too when cancelled),
         and what waited for its room starts."""
-        records, latency = self._records(), self.host.view.latency()
+        records, latency = self.records(), self.host.view.latency()
         if not records or latency is None:
             return  # (no instance: nothing runs; the next decision drops its binding)
 
@@ -168,8 +168,8 @@ class Baselines:
         if tracked is None:  # ended while the policy decided: its binding goes
             await self.release(rid, cancelled=True)
             return
-        self.host.where[rid] = Where(action.instance, record.incarnation, record.node, BASELINE,
-                                     "run")  # fmt: skip
+        # no shared queue holds it (the policy's picture is no queue): its metadata names none
+        self.host.where[rid] = Where(action.instance, record.incarnation, record.node, "", "run")
         await self.host._send(record, tracked.run_message(record.incarnation,
                                                           self.host.report_address))  # fmt: skip
 

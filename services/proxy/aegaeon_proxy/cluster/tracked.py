@@ -86,7 +86,7 @@ class Where:
     instance: str
     incarnation: int
     node: str
-    queue: str  # that instance's prefill queue or decode work list, or the baseline's state
+    queue: str  # that instance's prefill queue or decode work list ("" for a baseline: none)
     stage: str  # "prefill" | "decode" | "run" (a baseline's unified instance)
 
 
