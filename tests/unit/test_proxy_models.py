@@ -34,16 +34,14 @@ from aegaeon_common.registry import (
     UnavailableModelsRecord,
     encode,
     instance_key,
-)
-from aegaeon_common.store import MemoryStore
-from aegaeon_common.wire import Message
-from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.models import (
-    SharedModels,
     served_changes,
     with_change,
     with_unavailable,
 )
+from aegaeon_common.store import MemoryStore
+from aegaeon_common.wire import Message
+from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.cluster.models import SharedModels
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec

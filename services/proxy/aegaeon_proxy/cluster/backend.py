@@ -11,16 +11,12 @@ and heartbeats here: this backend writes their records for them
 (``cluster.local_registrar``), answers their drains (``AckDrain``) and tells them
 when a new proxy starts (``ProxyStarted``); everything else is the same. A
 request-level baseline (``scheduler.policy`` other than ``aegaeon``; one node)
-places by its policy's picture in the store instead (``cluster.baselines``).
+places by its policy's picture in the store instead.
 
-* **Dispatch** (Algorithm 1 across every node's prefill instances) and
-  **placement** (Algorithm 2 within the prefill's node: the KV stays in that
-  node's host memory) are store transactions: read the candidates' queues
-  (stored as they are: msgspec structs), run the same dispatcher the single
-  proxy runs (``aegaeon_sched.shared``), write back the queue it changed; the write
-  commits only if no other replica wrote any queue read meanwhile (Redis
-  WATCH/MULTI/EXEC), else the decision is made again on fresh state. So two
-  replicas never both book an instance on the same picture of it.
+* **Placement** is one object per policy family (``cluster.placement``): Aegaeon's
+  booking (Algorithms 1-2 as store transactions over the shared queues: two
+  replicas never both book an instance on the same picture of it), or a
+  request-level baseline's (``cluster.baselines``).
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
   a request's tokens to the replica that holds its client.
 * **Roles** (``roles.enabled``): one replica decides which instances take
@@ -55,7 +51,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import zmq.asyncio
@@ -80,7 +76,6 @@ from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
     INSTANCES,
     PROXIES,
-    QUEUE_TTL_S,
     InstanceRecord,
     ModelSettingsRecord,
     ProxyRecord,
@@ -100,15 +95,8 @@ from aegaeon_common.registry import (
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
 from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import DecodeShare, NoInstance, percentile
-from aegaeon_sched.shared import (
-    dispatch_prefill,
-    place_decode,
-    prefill_queue_of,
-    queue_of,
-    queued_request_ids,
-    remove_requests,
-)
+from aegaeon_sched import percentile
+from aegaeon_sched.shared import queue_of, queued_request_ids
 from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import (
@@ -124,6 +112,7 @@ from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
+from aegaeon_proxy.cluster.placement import Booking, unqueue
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
@@ -132,7 +121,6 @@ from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
-_T = TypeVar("_T")
 BEAT_S = 0.5
 REAP_S = 1.0
 REAP_LEASE_S = 10.0
@@ -141,11 +129,6 @@ DISPATCH_SAMPLES = 4096
 STOP_S = 5.0  # a stopping replica's last cancels and store writes
 ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgrs' KV stats for a scrape
 STATS_TIMEOUT_S = 5.0  # the cachemgrs' stats for /v1/aegaeon/stats
-
-
-def _fresh_id() -> int:
-    """A group or batch id no other replica mints (random, 52 bits)."""
-    return secrets.randbits(52)
 
 
 class ClusterBackend(Backend):
@@ -173,16 +156,10 @@ class ClusterBackend(Backend):
         self.counters.update(dict.fromkeys(
             ("orphan_tokens", "reaped", "instances_lost", "store_errors", "store_losses"),
             0))  # fmt: skip
-        self.where: dict[str, Where] = {}
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
-        # prefilled, no decode instance of its node takes work now (draining, restarting):
-        # placed when one does; its handoff stays leased to the prefill instance meanwhile
-        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
         self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
-        # each hybrid instance's share of time left for decoding, from its records' beats
-        self._decode_shares: dict[str, DecodeShare] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
@@ -194,8 +171,9 @@ class ClusterBackend(Backend):
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self._spawn(self._send(record, msg)))
-        # a request-level baseline's placement (its picture in the store), else Aegaeon's
-        self.baselines = Baselines(self) if config.unified else None
+        # where admitted requests go: a request-level baseline's placement (its picture
+        # in the store), else Aegaeon's booking (Algorithms 1-2 over the shared queues)
+        self.placement: Booking | Baselines = Baselines(self) if config.unified else Booking(self)
         # models added, removed, put to sleep and woken on every node; the served set
         # the replicas share
         self.models = SharedModels(config, self.view, self.caches, self.records, self._send,
@@ -272,13 +250,7 @@ class ClusterBackend(Backend):
             return False
         if self.local.expected:
             return self._checked
-        return self._can_dispatch()
-
-    def _can_dispatch(self) -> bool:
-        """Some instance takes new requests: one in the prefill role (a baseline: any)."""
-        if self.baselines is not None:
-            return bool(self.baselines.records())
-        return bool(self.view.prefill_candidates())
+        return self.placement.takes_work()
 
     def down(self) -> list[str]:
         """The instances that report here and are neither registered nor restarting."""
@@ -413,25 +385,16 @@ class ClusterBackend(Backend):
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
-        self._spawn(self._dispatch(tracked, again=True))
+        self._spawn(self.placement.dispatch(tracked, again=True))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
-        """Out of its shared queue and the store; a cancel reaches its instance (at its
-        prefill instance, its handoff may be sent already: this replica will not place
-        it now)."""
+        """Out of the placement (its instance told when ``cancelled``) and the store."""
         rid = tracked.gen.request_id
         self.held.pop(rid, None)
         self._dirty.discard(rid)
-        held = self.held_decode.pop(rid, None)
-        if held is not None:  # its handoff, never claimed: freed at its prefill instance
-            self._spawn(self._send_to(held[1], CancelRequest(rid, free_handoff=True)))
-        where = self.where.pop(rid, None)
-        if self.baselines is not None:  # (the policy cancels it at its instance)
-            self._spawn(self.baselines.release(rid, cancelled))
-        elif cancelled and where is not None:
-            cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
-            self._spawn(self._send_to(where, cancel))
-        self._spawn(self._forget(rid, where))
+        where, tracked.where = tracked.where, None
+        self.placement.release(tracked, where, cancelled)
+        self._spawn(self._forget(rid))
 
     def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
         """At every node's decode-i (a report names only the index; a cancel of an
@@ -449,149 +412,19 @@ class ClusterBackend(Backend):
         rid = tracked.gen.request_id
         try:
             await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
-            await self._put_meta(tracked, "queued")
+            await self._put_meta(tracked)
         except StoreError as exc:
             self._store_failed(rid, exc)
             return
-        await self._dispatch(tracked)
-
-    async def _dispatch(self, tracked: Tracked, again: bool = False) -> None:
-        """``again``: its instance failed before its first token (a baseline drops its
-        binding there first)."""
-        if self.baselines is not None:
-            await self.baselines.dispatch(tracked, again)
-        else:
-            await self._dispatch_prefill(tracked)
-
-    async def _dispatch_prefill(self, tracked: Tracked) -> None:
-        """Algorithm 1 across every node's prefill instances, one transaction."""
-        rid = tracked.gen.request_id
-        self.held.pop(rid, None)
-        candidates = self.view.prefill_candidates()
-        latency = self.view.latency()
-        if not candidates or latency is None:
-            self.held[rid] = tracked
-            return
-
-        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
-            instance, group_id, queue = dispatch_prefill(
-                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
-            )
-            return instance, queue, (group_id, queue.group_key_s(group_id))
-
-        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
-            return tracked.prefill_message(*placed, record.incarnation, self.report_address)
-
-        try:
-            await self._book(tracked, candidates, "prefill", choose, message)
-        except NoInstance:
-            self.held[rid] = tracked
-
-    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> None:
-        """Algorithm 2's placement over the decode-capable instances of the prefill's
-        node: the request is sent to one (its handoff is that instance's to claim) or
-        held for one (none takes work now: placed when one does). One ended or cancelled
-        before its placement, or not placed: its KV handoff is still leased to the
-        prefill instance, which frees it on a cancel."""
-        rid = tracked.gen.request_id
-        if not await self._placed_decode(tracked, prefilled):
-            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
-
-    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
-        rid = tracked.gen.request_id
-        if rid not in self.requests:
-            return False
-        candidates = self.view.decode_candidates(prefilled.node)
-        if not candidates:
-            self.held_decode[rid] = (tracked, prefilled)
-            return True
-        capacity = {r.instance_id: r.capacity_tokens for r in candidates}
-        shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
-                  if r.instance_id in self._decode_shares}  # fmt: skip
-        # with roles moving, an instance in the prefill role takes new decode requests
-        # only while no decode-role one keeps up (as on one node)
-        reserved = {r.instance_id for r in candidates
-                    if self.config.role_switching and self.view.role(r) == "prefill"}
-        latency = self.view.latency()
-        sched = self.config.scheduler
-
-        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
-            instance, batch_id, work_list = place_decode(
-                states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
-                decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
-                max_batch_size=sched.max_batch_size, reserved=reserved,
-            )  # fmt: skip
-            return instance, work_list, batch_id
-
-        def message(record: InstanceRecord, batch_id: int) -> Message | None:
-            return tracked.decode_message(batch_id, record.incarnation, self.report_address)
-
-        return await self._book(tracked, candidates, "decode", choose, message)
-
-    async def _book(
-        self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
-        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
-        message: Callable[[InstanceRecord, _T], Message | None],
-    ) -> bool:  # fmt: skip
-        """Book the request on one of ``candidates`` in one store transaction: ``choose``
-        picks it from their shared queues (``stage``'s) and changes its queue
-        (decided again on fresh queues if another replica wrote one read meanwhile);
-        then ``message`` goes to it. False: the store failed (the request ended), or it
-        ended while deciding, or has no message (the booking undone)."""
-        rid = tracked.gen.request_id
-        keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
-        max_group = self.config.scheduler.max_group_size
-
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
-            queues = {i: queue_of(v, stage == "prefill", max_group)
-                      for i, v in zip(keys, values, strict=True)}  # fmt: skip
-            instance, queue, result = choose(queues)
-            return {keys[instance]: encode(queue)}, (instance, result)
-
-        started = time.perf_counter()
-        try:
-            instance, result = await self.store.transact(list(keys.values()), decide,
-                                                         ttl_s=QUEUE_TTL_S)  # fmt: skip
-        except StoreError as exc:
-            self._store_failed(rid, exc)
-            return False
-        self.dispatch_s.append(time.perf_counter() - started)
-        record = next(r for r in candidates if r.instance_id == instance)
-        where = Where(instance, record.incarnation, record.node, keys[instance], stage)
-        msg = message(record, result)
-        if rid not in self.requests or msg is None:
-            await self._unqueue(rid, where.queue)
-            return False
-        self.where[rid] = where
-        await self._send(record, msg)
-        with contextlib.suppress(StoreError):
-            await self._put_meta(tracked, "queued" if stage == "prefill" else "decoding")
-        return True
+        await self.placement.dispatch(tracked)
 
     async def cancel(self, request_id: str) -> None:
         self.table.cancel(request_id)
 
-    async def _forget(self, request_id: str, where: Where | None) -> None:
-        if where is not None and where.queue:  # (a baseline's request sits in none)
-            await self._unqueue(request_id, where.queue)
+    async def _forget(self, request_id: str) -> None:
         with contextlib.suppress(StoreError):
             await self.store.delete(request_key(request_id))
             await self.store.set_remove(proxy_requests_key(self.proxy_id), request_id)
-
-    async def _unqueue(self, request_id: str, queue: str) -> None:
-        """Take the request out of the shared queue at ``queue`` (prefill or decode; a
-        no-op if not there, or gone with its instance)."""
-        prefill = queue.startswith("pq:")
-        max_group = self.config.scheduler.max_group_size
-
-        def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            if values[0] is None:
-                return {}, None
-            state = queue_of(values[0], prefill, max_group)
-            return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
-
-        with contextlib.suppress(StoreError):
-            await self.store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
 
     def _store_trouble(self, event: str, exc: StoreError, **fields: object) -> None:
         """The store failed an operation: no record missing is a death for a TTL."""
@@ -604,9 +437,11 @@ class ClusterBackend(Backend):
         self.table.end(request_id, "error", f"the shared store failed: {exc}",
                        code=STORE_UNAVAILABLE)  # fmt: skip
 
-    async def _put_meta(self, tracked: Tracked, state: str) -> None:
-        gen = tracked.gen
-        where = self.where.get(gen.request_id)
+    async def _put_meta(self, tracked: Tracked) -> None:
+        """Its metadata: where it is, "decoding" there (an instance of the decode stage or
+        a baseline's) or "queued" (for a prefill, or for none yet)."""
+        gen, where = tracked.gen, tracked.where
+        state = "decoding" if where is not None and where.stage != "prefill" else "queued"
         meta = RequestMeta(
             v=1, request_id=gen.request_id, model=gen.model, proxy=self.proxy_id,
             instance=where.instance if where else "", state=state,
@@ -633,12 +468,10 @@ class ClusterBackend(Backend):
     # ---- reports -------------------------------------------------------------
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        where = self.where.get(msg.request_id)
+        known = self.requests.get(msg.request_id)
+        where = known.where if known is not None else None
         owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
         tracked = self.table.prefilled(msg, owner) if where is not None else None
-        if tracked is not None and where is not None and where.stage == "run":
-            self.table.finish_first(tracked, msg)  # (a unified instance decodes it on)
-            return
         if tracked is None or where is None:
             self.counters["orphan_tokens"] += 1
             if msg.request_id not in self.requests and msg.handoff is not None:
@@ -647,33 +480,7 @@ class ClusterBackend(Backend):
                 # the cancel goes to that instance of every node (a no-op where unknown)
                 self._cancel_everywhere(msg.request_id, msg.kind, msg.index, free_handoff=True)
             return
-        # what the prefill took teaches the latency model dispatch estimates with
-        measured = msg.timings.extra.get("prefill_compute_s", msg.timings.prefill_s)
-        latency = self.view.latency()
-        if latency is not None and measured > 0:
-            latency.observe_prefill(tracked.sched.switch_unit, [tracked.sched.prompt_len],
-                                    measured)  # fmt: skip
-        self._spawn(self._after_prefill(tracked, where, msg))
-
-    async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
-        rid = msg.request_id
-        max_group = self.config.scheduler.max_group_size
-
-        def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            queue = prefill_queue_of(values[0], max_group)
-            queue.done(rid, time.time())
-            return {where.queue: encode(queue)}, None
-
-        try:
-            await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
-        except StoreError as exc:
-            self._store_failed(rid, exc)
-            await self._send_to(where, CancelRequest(rid, free_handoff=True))
-            return
-        if self.where.get(rid) is where:
-            del self.where[rid]  # out of the prefill queue; not placed yet
-        if not self.table.finish_first(tracked, msg):
-            await self._place_decode(tracked, where)
+        self.placement.prefilled(tracked, where, msg)
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
         # before the request ends: once its client has the answer, the stats no
@@ -683,9 +490,9 @@ class ClusterBackend(Backend):
 
     def _on_failed(self, msg: RequestFailed) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        where = self.where.get(msg.request_id)
-        name = where.instance if where else f"{msg.kind}-{msg.index}"
         tracked = self.requests.get(msg.request_id)
+        where = tracked.where if tracked is not None else None
+        name = where.instance if where else f"{msg.kind}-{msg.index}"
         if msg.code == "model_unavailable" and tracked is not None:
             model = tracked.gen.model
             if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
@@ -716,7 +523,8 @@ class ClusterBackend(Backend):
         """Send the instance no new work; the ack follows everything sent to it so far."""
         record = self.local.on_draining(msg)
         if record is not None:
-            held = sum(1 for w in self.where.values() if w.instance == record.instance_id)
+            held = sum(1 for t in self.requests.values()
+                       if t.where is not None and t.where.instance == record.instance_id)
             log.info("instance_draining", instance=record.instance_id, pid=msg.pid,
                      requests=held)  # fmt: skip
 
@@ -744,17 +552,6 @@ class ClusterBackend(Backend):
                     log.error("instance down", instance=name, why="its process ended")
         finally:
             watcher.close()
-
-    def _place_held_decode(self) -> None:
-        """Held decode placements whose node has a decode instance that takes work again;
-        one whose prefill instance left meanwhile lost its handoff with it."""
-        for rid, (tracked, prefilled) in list(self.held_decode.items()):
-            if not self.view.alive(prefilled.instance, prefilled.incarnation):
-                del self.held_decode[rid]
-                self._lost(rid, prefilled)
-            elif self.view.decode_candidates(prefilled.node):
-                del self.held_decode[rid]
-                self._spawn(self._place_decode(tracked, prefilled))
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
@@ -785,21 +582,14 @@ class ClusterBackend(Backend):
             for record in left:
                 self._instance_left(record)
             self.models.changed()  # waits on the instances look again
-            for record in self.view.live.values():
-                # a prefill instance decodes when idle; with roles moving, a decode one
-                # prefills: either's decode share is what its prefills leave
-                prefills = record.kind == "prefill" or self.config.role_switching
-                if prefills and self.config.hybrid_prefill:
-                    share = self._decode_shares.setdefault(record.instance_id,
-                                                           DecodeShare(min_interval_s=0.0))
-                    share.observe(time.monotonic(), record.load.prefill_s)
-            for rid, where in list(self.where.items()):
-                if not self.view.alive(where.instance, where.incarnation):
-                    self._lost(rid, where)
-            if self.held and self._can_dispatch():
+            for tracked in list(self.requests.values()):
+                where = tracked.where
+                if where is not None and not self.view.alive(where.instance, where.incarnation):
+                    self._lost(tracked, where)
+            if self.held and self.placement.takes_work():
                 for tracked in list(self.held.values()):
-                    self._spawn(self._dispatch(tracked))
-            self._place_held_decode()
+                    self._spawn(self.placement.dispatch(tracked))
+            self.placement.refresh(time.monotonic())
             try:  # (room is freed by events; this is a safety net, which must not die)
                 self._admission_bounds()
                 self.table.release_deferred()
@@ -820,11 +610,9 @@ class ClusterBackend(Backend):
 
         async def rewrite() -> None:
             for rid, tracked in list(self.requests.items()):
-                where = self.where.get(rid)
-                state = "decoding" if where is not None and where.stage == "decode" else "queued"
                 with contextlib.suppress(StoreError):
                     await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
-                    await self._put_meta(tracked, state)
+                    await self._put_meta(tracked)
 
         self._spawn(rewrite())
 
@@ -856,19 +644,17 @@ class ClusterBackend(Backend):
 
         self._spawn(drop())
 
-    def _lost(self, rid: str, where: Where) -> None:
-        """``rid``'s instance is gone: dispatch it again when no token was sent, else
+    def _lost(self, tracked: Tracked, where: Where) -> None:
+        """``tracked``'s instance is gone: dispatch it again when no token was sent, else
         end it with ``instance_failed``."""
-        tracked = self.requests.get(rid)
-        self.where.pop(rid, None)
-        owner = tracked.handoff_owner if tracked is not None else None
+        rid, owner = tracked.gen.request_id, tracked.handoff_owner
+        tracked.where = None
         if owner and where.stage == "decode":  # its handoff, if not claimed (one node's)
             for record in list(self.view.live.values()):
                 if record.node == where.node and f"{record.kind}-{record.index}" == owner:
                     self._spawn(self._send(record, CancelRequest(rid, free_handoff=True)))
-        if tracked is not None:
-            self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
-                            "heartbeat expired)")  # fmt: skip
+        self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
+                        "heartbeat expired)")  # fmt: skip
 
     # ---- this replica's heartbeat and the reaper -----------------------------
     async def _beat_loop(self) -> None:
@@ -886,7 +672,7 @@ class ClusterBackend(Backend):
                 for rid in dirty:
                     tracked = self.requests.get(rid)
                     if tracked is not None:
-                        await self._put_meta(tracked, "decoding")
+                        await self._put_meta(tracked)
             except StoreError as exc:
                 self._store_trouble("beat_failed", exc)
             await asyncio.sleep(BEAT_S)
@@ -949,7 +735,7 @@ class ClusterBackend(Backend):
                     await self._send(record, CancelRequest(rid, free_handoff=free))
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
-                await self._unqueue(rid, queue)
+                await unqueue(self.store, self.config, rid, queue)
         await self.store.delete(*(request_key(r) for r in rids), proxy_requests_key(proxy_id))
         await self.store.set_remove(PROXIES, proxy_id)
         self.counters["reaped"] += len(rids)
@@ -1020,7 +806,7 @@ class ClusterBackend(Backend):
             "proxy_id": self.proxy_id,
             "counters": dict(self.counters),
             "open_requests": len(self.requests),
-            "held_requests": len(self.held) + len(self.held_decode),
+            "held_requests": len(self.held) + len(self.placement.held_decode),
             "instances": self._instances(caches),
             # each instance's last heartbeat by name (one node's: with many nodes the
             # records' loads are in `instances`)

@@ -13,6 +13,8 @@ from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from aegaeon_proxy.cluster.baselines import Baselines
+from aegaeon_proxy.cluster.placement import Booking
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher, SharedRoles
@@ -30,11 +32,10 @@ class CollectedBackend(Protocol):
     roles: SharedRoles
     store: Store
 
-    @property
-    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
+    placement: Booking | Baselines
 
     @property
-    def held_decode(self) -> Mapping[str, object]: ...
+    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
 
     def down(self) -> list[str]: ...
 
@@ -70,7 +71,7 @@ class BackendCollector(Collector):
             labels=["stage"],
         )  # fmt: skip
         held.add_metric(["prefill"], float(len(b.held)))
-        held.add_metric(["decode"], float(len(b.held_decode)))
+        held.add_metric(["decode"], float(len(b.placement.held_decode)))
         yield held
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
                                  labels=["outcome"])  # fmt: skip
