@@ -153,6 +153,12 @@ class BackendError(Exception):
                     code: str | None = None) -> BackendError:  # fmt: skip
         return cls(message, status=503, retry_after_s=retry_after_s, code=code)
 
+    @classmethod
+    def store_failed(cls, why: object) -> BackendError:
+        """The shared store cannot be reached (or failed an operation): 503, retry
+        shortly (a store that restarts is back within seconds)."""
+        return cls.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:

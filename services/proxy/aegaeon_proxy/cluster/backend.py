@@ -94,7 +94,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
-from aegaeon_common.wire import Message, to_plain
+from aegaeon_common.wire import Message, WireError, to_plain
 from aegaeon_sched import percentile
 from aegaeon_sched.shared import queue_of, queued_request_ids
 from prometheus_client import CollectorRegistry
@@ -114,7 +114,6 @@ from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
 from aegaeon_proxy.cluster.placement import Booking, unqueue
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
-from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
 from aegaeon_proxy.cluster.roles import SharedRoles
 from aegaeon_proxy.cluster.shared_records import SharedRecords
@@ -202,8 +201,7 @@ class ClusterBackend(Backend):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
-                       (receive_reports(self._reports, self._handlers, self.counters),
-                        self._refresh_loop(), self._beat_loop(),
+                       (self._receive_loop(), self._refresh_loop(), self._beat_loop(),
                         self._reap_loop(), self._unavailable_loop())]  # fmt: skip
         self._tasks += [loop.create_task(self._watch(name)) for name in self.local.expected]
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
@@ -333,10 +331,7 @@ class ClusterBackend(Backend):
             return encode(ModelSettingsRecord(v=1, model=name, settings=settings,
                                               proxy=self.proxy_id, version=version))  # fmt: skip
 
-        try:
-            await self.records.publish(model_settings_key(name), build)
-        except StoreError as exc:
-            raise _store_down(exc) from None
+        await self.records.publish(model_settings_key(name), build)
 
     def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
         self._apply_settings = apply
@@ -369,7 +364,7 @@ class ClusterBackend(Backend):
     # ---- requests ------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> TokenQueue:
         if not self._store_ok:
-            raise _store_down("unreachable")
+            raise BackendError.store_failed("unreachable")
         if not self.ready():
             down = self.down()
             if down or self.local.expected:
@@ -381,7 +376,7 @@ class ClusterBackend(Backend):
     # ---- placement (the request table's Placement) ----------------------------
     def place(self, tracked: Tracked) -> None:
         """Admitted: listed as this replica's, then dispatched (a store transaction)."""
-        self.roles.arrived(time.monotonic(), tracked.sched.prompt_len)
+        self.roles.switcher.arrived(time.monotonic(), tracked.sched.prompt_len)
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
@@ -466,6 +461,24 @@ class ClusterBackend(Backend):
         await pusher.send(msg)
 
     # ---- reports -------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        """Run each report's handler, forever. A bad frame is counted (``bad_frames``);
+        a bug handling one report must not stop every later one (heartbeats included:
+        the instances would all look dead), so it is logged and counted
+        (``report_errors``)."""
+        while True:
+            try:
+                msg = await self._reports.recv()
+            except WireError as exc:
+                self.counters["bad_frames"] += 1
+                log.warning("bad report frame", error=str(exc))
+                continue
+            try:
+                self._handlers[type(msg)](msg)
+            except Exception:
+                self.counters["report_errors"] += 1
+                log.exception("report_failed", tag=msg.TAG)
+
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         known = self.requests.get(msg.request_id)
@@ -663,7 +676,7 @@ class ClusterBackend(Backend):
             record = ProxyRecord(
                 v=1, proxy_id=self.proxy_id, report_address=self.report_address,
                 pid=os.getpid(), host=socket.gethostname(),
-                arrival_tokens_per_s=self.roles.arrival_rate(time.monotonic()),
+                arrival_tokens_per_s=self.roles.switcher.arrivals.rate(time.monotonic()),
             )  # fmt: skip
             try:
                 await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
@@ -829,7 +842,14 @@ class ClusterBackend(Backend):
         # dicts): what a simulation of this deployment should use.
         out["latency"] = {r.instance_id: to_plain(r.latency) for r in self.view.live.values()
                           if r.latency is not None}  # fmt: skip
-        out["layout"] = layout_of(self.config)
+        sched = self.config.scheduler  # what a simulation needs besides the profiles
+        out["layout"] = {
+            "policy": sched.policy, "unified": self.config.unified,
+            "hybrid_prefill": self.config.hybrid_prefill,
+            "prefill": self.config.prefill.instances, "decode": self.config.decode.instances,
+            "q_max_s": sched.q_max_s, "max_group_size": sched.max_group_size,
+            "max_batch_size": sched.max_batch_size,
+        }  # fmt: skip
         out["timings"] = list(self.table.timings)
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.local.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.local.turns]
@@ -848,10 +868,4 @@ def _report_socket(config: Config, ctx: zmq.asyncio.Context) -> tuple[Puller, st
                      bind=True)  # fmt: skip
     port = reports.bound_address.rpartition(":")[2]
     return reports, f"tcp://{node.advertise_address or '127.0.0.1'}:{port}"
-
-
-def _store_down(why: object) -> BackendError:
-    """The store cannot be reached (or failed an operation): 503, retry shortly (a store
-    that restarts is back within seconds)."""
-    return BackendError.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
 

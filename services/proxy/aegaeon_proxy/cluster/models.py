@@ -50,7 +50,6 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
@@ -74,7 +73,6 @@ from aegaeon_common.registry import (
     with_change,
     with_unavailable,
 )
-from aegaeon_common.store import StoreError
 from aegaeon_common.wire import Message
 
 from aegaeon_proxy.backend import BackendError
@@ -112,10 +110,6 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
     has a latency profile, in it (dispatch estimates each request's prefill)."""
     models = frozenset(record.capacity_tokens)
     return models & frozenset(record.latency.models) if record.latency is not None else models
-
-
-class _Unchanged(Exception):  # noqa: N818 (reads as the condition)
-    """A change to the shared record that changes nothing: not written."""
 
 
 class Quarantine:
@@ -406,19 +400,13 @@ class SharedModels:
         (this one at once); ``asked_at``: when the report was asked for, or the reload
         began. Nothing is written when it changes nothing."""
 
-        def build(base: bytes | None, version: int) -> bytes:
+        def build(base: bytes | None, version: int) -> bytes | None:
             record = with_unavailable(base, name, why, asked_at, self._proxy_id, version)
-            if record is None:
-                raise _Unchanged
-            return encode(record)
+            return encode(record) if record is not None else None
 
-        try:
-            raw = await self._records.publish(UNAVAILABLE_MODELS, build)
-        except _Unchanged:
-            return
-        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
-        self._followed_unavailable(UNAVAILABLE_MODELS, raw)
+        raw = await self._records.publish(UNAVAILABLE_MODELS, build)
+        if raw is not None:
+            self._followed_unavailable(UNAVAILABLE_MODELS, raw)
 
     def _followed_unavailable(self, key: str, raw: bytes) -> None:
         """The unreadable models as a replica last published them, each change to the
@@ -440,10 +428,8 @@ class SharedModels:
         def build(base: bytes | None, version: int) -> bytes:
             return encode(with_change(base, name, path, self._proxy_id, version, adapts))
 
-        try:
-            raw = await self._records.publish(SERVED_MODELS, build)
-        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        raw = await self._records.publish(SERVED_MODELS, build)
+        assert raw is not None  # (a change is always written)
         # (the record holds other replicas' changes this one had not followed yet)
         self._follow(decode_served_models(raw), mine=name)
         self._note(name, path, adapts)
