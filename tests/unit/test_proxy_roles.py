@@ -84,7 +84,7 @@ def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     switcher.arrived(0.1, 4000)  # 2000 tokens/s over the 2 s window > 0.5 x 1000
     (up,) = _observe(switcher, 0.2, _load(policy), meters, alive=True)
     assert (up.instance, up.role) == ("decode-0", "prefill")
-    assert switcher.role("decode-0") == "prefill" and switcher.switches["prefill"] == 1
+    assert switcher.roles["decode-0"] == "prefill" and switcher.switches["prefill"] == 1
     # the caller applies it: decode-0 takes prefill work from now on
     policy.set_role(up.instance, up.role, 0.2)
     policy.on_arrival(Request("r0", "a", 0.2, 500, 8), 0.2)  # r0's group on prefill-0

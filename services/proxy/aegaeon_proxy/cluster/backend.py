@@ -394,14 +394,15 @@ class ClusterBackend(Backend):
     def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
         """At every node's decode-i (a report names only the index; a cancel of an
         unknown id is a no-op)."""
-        self._cancel_everywhere(request_id, None, msg.index, free_handoff=False)
+        self._cancel_at(request_id, None, msg.index, free_handoff=False)
 
-    def _cancel_everywhere(self, request_id: str, kind: str | None, index: int,
-                           free_handoff: bool) -> None:  # fmt: skip
-        for record in list(self.view.live.values()):
-            if record.index == index and kind in (None, record.kind):
-                self._spawn(self._send(record, CancelRequest(request_id,
-                                                             free_handoff=free_handoff)))
+    def _cancel_at(self, request_id: str, kind: str | None, index: int, free_handoff: bool,
+                   node: str | None = None) -> None:  # fmt: skip
+        """At every live instance of that kind (None: any), index and node (None: any)."""
+        cancel = CancelRequest(request_id, free_handoff=free_handoff)
+        for r in list(self.view.live.values()):
+            if r.index == index and kind in (None, r.kind) and node in (None, r.node):
+                self._spawn(self._send(r, cancel))
 
     async def _arrive(self, tracked: Tracked) -> None:
         rid = tracked.gen.request_id
@@ -491,7 +492,7 @@ class ClusterBackend(Backend):
                 # cancelled meanwhile, or a request of a replica that died: nobody will
                 # claim this KV. A report names only the kind and index, not the node:
                 # the cancel goes to that instance of every node (a no-op where unknown)
-                self._cancel_everywhere(msg.request_id, msg.kind, msg.index, free_handoff=True)
+                self._cancel_at(msg.request_id, msg.kind, msg.index, free_handoff=True)
             return
         self.placement.prefilled(tracked, where, msg)
 
@@ -663,9 +664,8 @@ class ClusterBackend(Backend):
         rid, owner = tracked.gen.request_id, tracked.handoff_owner
         tracked.where = None
         if owner and where.stage == "decode":  # its handoff, if not claimed (one node's)
-            for record in list(self.view.live.values()):
-                if record.node == where.node and f"{record.kind}-{record.index}" == owner:
-                    self._spawn(self._send(record, CancelRequest(rid, free_handoff=True)))
+            kind, _, index = owner.rpartition("-")
+            self._cancel_at(rid, kind, int(index), free_handoff=True, node=where.node)
         self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
                         "heartbeat expired)")  # fmt: skip
 

@@ -111,9 +111,6 @@ class RoleSwitcher:
     def roles(self) -> dict[str, str]:
         return dict(self.controller.roles)
 
-    def role(self, instance: str) -> str:
-        return self.controller.roles.get(instance, DECODE)
-
     def arrived(self, now_s: float, prompt_tokens: int) -> None:
         self.arrivals.add(now_s, prompt_tokens)
 
@@ -319,7 +316,3 @@ class SharedRoles:
         out.update(decider=self.decider, deciding=self.deciding,
                    changes=list(self.shared_changes))  # fmt: skip
         return out
-
-    def velocity(self) -> Mapping[str, Mapping[str, float]]:
-        """Each instance's token velocity by stage (its registry record's)."""
-        return {r.instance_id: r.load.velocity for r in self.view.live.values()}
