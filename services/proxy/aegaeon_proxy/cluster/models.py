@@ -210,8 +210,7 @@ class SharedModels:
         until each serves it (a BackendError names the one that cannot)."""
         self._need_prefill()
         await self._cache_call(register_message(model))
-        self.added[model.name] = model
-        self.removed.discard(model.name)
+        self._mark(model.name, model)
         await self._take(model)
 
     async def reload(self, model: ModelConfig) -> None:
@@ -243,7 +242,7 @@ class SharedModels:
     async def _take(self, model: ModelConfig) -> None:
         """Tell every live instance that does not serve ``model`` to, and wait until each
         does (a BackendError names the one that cannot)."""
-        tickets = {i: self._send_add(i, model) for i, r in self.view.live.items()
+        tickets = {i: self._send_add(r, model) for i, r in self.view.live.items()
                    if model.name not in record_models(r)}  # fmt: skip
 
         def waiting() -> list[str]:
@@ -267,9 +266,7 @@ class SharedModels:
         """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
         everywhere."""
         replies = await self._cache_call(ForgetModel(name))
-        self.added.pop(name, None)
-        if self.config.model(name) is not None:
-            self.removed.add(name)
+        self._mark(name, None)
         return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
                                      for r in replies)  # fmt: skip
 
@@ -294,8 +291,8 @@ class SharedModels:
         tickets = {}
         for record in live:
             tickets[record.instance_id] = ticket = self._ticket(record.instance_id)
-            self._send_to(record.instance_id, SetModelAwake(name, awake, ticket,
-                                                            reply_to=self.reply_to))  # fmt: skip
+            self._spawn(self._send(record, SetModelAwake(name, awake, ticket,
+                                                         reply_to=self.reply_to)))  # fmt: skip
 
         def waiting() -> list[str]:
             return [n for n, ticket in tickets.items()
@@ -316,16 +313,12 @@ class SharedModels:
                 await self.publish_unavailable(name, why, asked_at)
 
     # ---- the instances' answers ------------------------------------------------
-    def _send_to(self, target: str, msg: Message) -> None:
-        """Send ``msg`` to the instance ``target`` (in order with its other work)."""
-        record = self.view.live.get(target)
-        if record is not None:
-            self._spawn(self._send(record, msg))
-
-    def _send_add(self, target: str, model: ModelConfig) -> int:
-        ticket = self._ticket(target)
-        self._send_to(target, AddModel(model.name, str(model.path), ticket,
-                                       reply_to=self.reply_to, base=model.base or ""))  # fmt: skip
+    def _send_add(self, record: InstanceRecord, model: ModelConfig) -> int:
+        """``AddModel`` to the instance (in order with its other work); its ticket."""
+        ticket = self._ticket(record.instance_id)
+        self._spawn(self._send(record, AddModel(model.name, str(model.path), ticket,
+                                                reply_to=self.reply_to,
+                                                base=model.base or "")))  # fmt: skip
         return ticket
 
     def _ticket(self, target: str) -> int:
@@ -389,7 +382,8 @@ class SharedModels:
                 await self._caches.call(address, register_message(model))
             except BackendError as exc:
                 log.warning("model_resync_failed", model=model.name, error=exc.message)
-            self._send_add(record.instance_id, model)
+            if self.view.alive(record.instance_id, record.incarnation):  # (still that process)
+                self._send_add(record, model)
         log.info("models_resynced", instance=record.instance_id,
                  added=[m.name for m in missing], removed=sorted(self.removed))  # fmt: skip
 
@@ -457,6 +451,11 @@ class SharedModels:
     def _note(self, name: str, path: str | None, base: str | None = None) -> ModelConfig | None:
         self._applied[name] = path
         model = ModelConfig(name, Path(path), base=base) if path is not None else None
+        self._mark(name, model)
+        return model
+
+    def _mark(self, name: str, model: ModelConfig | None) -> None:
+        """``name`` served here as ``model`` (added), or no longer (None)."""
         if model is not None:
             self.added[name] = model
             self.removed.discard(name)
@@ -464,4 +463,3 @@ class SharedModels:
             self.added.pop(name, None)
             if self.config.model(name) is not None:
                 self.removed.add(name)
-        return model
