@@ -55,6 +55,7 @@ __all__ = [
     "EngineSnapshot",
     "FinishReason",
     "GenerationRequest",
+    "ModelOps",
     "TokenChunk",
     "TokenQueue",
     "TokenStream",
@@ -175,67 +176,16 @@ class EngineSnapshot:
     host_kv_capacity_bytes: int | None = None
 
 
-class Backend(ABC):
-    """What the HTTP front needs from whatever generates tokens: the abstract methods,
-    and the optional operations a backend offers by overriding them (the front calls
-    them all; a default model change, reload or sleep raises 501 ``not_supported``, a
-    default read-out is None, what replicas share stays here). Failures are
-    :class:`BackendError`\\ s whose ``status`` and ``code`` the endpoints answer with."""
+class ModelOps:
+    """A backend's operations on its models (``Backend.models``), each offered by
+    overriding it (the front calls them all): a default model change, reload or sleep
+    raises 501 ``not_supported``, a default read-out is None, what replicas share
+    stays on this one."""
 
     # it adds and removes models at run time (its add_model, forget_model): else the
     # admin API refuses an add or a removal before doing any of it
     changes_models: ClassVar[bool] = False
 
-    @abstractmethod
-    async def start(self) -> None:
-        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
-
-    @abstractmethod
-    async def stop(self) -> None:
-        """Cancel every open request (their streams end) and release resources."""
-
-    @abstractmethod
-    def ready(self) -> bool:
-        """True when every configured instance is up and requests can be served."""
-
-    @abstractmethod
-    def health(self) -> dict[str, object]:
-        """A JSON-able description of the backend's state for ``GET /health``."""
-
-    @abstractmethod
-    def register_metrics(self, registry: CollectorRegistry) -> None:
-        """Add the backend's own metrics (collectors that only read) to the proxy's
-        registry; called once, before ``start``."""
-
-    @abstractmethod
-    def submit(self, req: GenerationRequest) -> TokenStream:
-        """Accept a request and return its token stream; raises :class:`BackendError`."""
-
-    @abstractmethod
-    async def cancel(self, request_id: str) -> None:
-        """Stop a request and free its resources; a no-op if unknown or finished."""
-
-    # ---- what it reports ---------------------------------------------------------
-    async def engine_snapshot(self) -> EngineSnapshot | None:
-        """What the instances hold now, for ``/metrics`` (None: not known, the KV gauges
-        are left out); called once per scrape, never raises."""
-        return None
-
-    def context_limit(self, model: str) -> int | None:
-        """The most tokens of KV one request of ``model`` can hold (None: its window)."""
-        return None
-
-    async def stats(self, light: bool = False) -> dict[str, object] | None:
-        """The detailed counters of ``GET /v1/aegaeon/stats`` (``light``: no record
-        lists; None: it keeps none, 404)."""
-        return None
-
-    def services(self) -> list[ServiceAddress] | None:
-        """Every node's cachemgr and instances, as they registered (None: the ones in
-        the proxy's run directory)."""
-        return None
-
-    # ---- models at run time ------------------------------------------------------
     async def add_model(self, model: ModelConfig) -> None:
         """Serve ``model`` on every instance (cachemgr and instances told); returns
         once every live instance serves it."""
@@ -305,6 +255,65 @@ class Backend(ABC):
 
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
         """Call ``apply(name, model)`` whenever a replica added or removed (None) a model."""
+        return None
+
+
+class Backend(ABC):
+    """What the HTTP front needs from whatever generates tokens: the abstract methods,
+    the read-outs a backend offers by overriding them (default None), and its model
+    operations (:attr:`models`). Failures are :class:`BackendError`\\ s whose
+    ``status`` and ``code`` the endpoints answer with."""
+
+    def __init__(self, models: ModelOps | None = None) -> None:
+        self.models = models or ModelOps()  # (the default offers none)
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Cancel every open request (their streams end) and release resources."""
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """True when every configured instance is up and requests can be served."""
+
+    @abstractmethod
+    def health(self) -> dict[str, object]:
+        """A JSON-able description of the backend's state for ``GET /health``."""
+
+    @abstractmethod
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Add the backend's own metrics (collectors that only read) to the proxy's
+        registry; called once, before ``start``."""
+
+    @abstractmethod
+    def submit(self, req: GenerationRequest) -> TokenStream:
+        """Accept a request and return its token stream; raises :class:`BackendError`."""
+
+    @abstractmethod
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request and free its resources; a no-op if unknown or finished."""
+
+    # ---- what it reports ---------------------------------------------------------
+    async def engine_snapshot(self) -> EngineSnapshot | None:
+        """What the instances hold now, for ``/metrics`` (None: not known, the KV gauges
+        are left out); called once per scrape, never raises."""
+        return None
+
+    def context_limit(self, model: str) -> int | None:
+        """The most tokens of KV one request of ``model`` can hold (None: its window)."""
+        return None
+
+    async def stats(self, light: bool = False) -> dict[str, object] | None:
+        """The detailed counters of ``GET /v1/aegaeon/stats`` (``light``: no record
+        lists; None: it keeps none, 404)."""
+        return None
+
+    def services(self) -> list[ServiceAddress] | None:
+        """Every node's cachemgr and instances, as they registered (None: the ones in
+        the proxy's run directory)."""
         return None
 
 

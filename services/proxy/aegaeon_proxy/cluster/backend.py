@@ -55,7 +55,7 @@ from typing import Any
 
 import msgspec
 import zmq.asyncio
-from aegaeon_common.config import Config, ModelConfig, ModelSettings
+from aegaeon_common.config import Config
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import CacheStats
@@ -77,15 +77,12 @@ from aegaeon_common.registry import (
     INSTANCES,
     PROXIES,
     InstanceRecord,
-    ModelSettingsRecord,
     ProxyRecord,
     RequestMeta,
     StoreEpoch,
-    decode_model_settings,
     decode_request,
     encode,
     instance_key,
-    model_settings_key,
     open_store,
     proxy_key,
     proxy_requests_key,
@@ -133,7 +130,7 @@ STATS_TIMEOUT_S = 5.0  # the cachemgrs' stats for /v1/aegaeon/stats
 class ClusterBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
 
-    changes_models = True
+    models: SharedModels
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -163,7 +160,6 @@ class ClusterBackend(Backend):
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
-        self._apply_settings: Callable[[str, ModelSettings], None] | None = None
         self._closing = False  # stop() began: every loop ends
         self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._checked = False  # the cachemgrs' unreadable models were read once
@@ -173,15 +169,10 @@ class ClusterBackend(Backend):
         # where admitted requests go: a request-level baseline's placement (its picture
         # in the store), else Aegaeon's booking (Algorithms 1-2 over the shared queues)
         self.placement: Booking | Baselines = Baselines(self) if config.unified else Booking(self)
-        # models added, removed, put to sleep and woken on every node; the served set
-        # the replicas share
+        # models added, removed, put to sleep and woken on every node; the served set,
+        # the unreadable models and the settings the replicas share
         self.models = SharedModels(config, self.view, self.caches, self.records, self._send,
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
-        # (after the served set: a model added elsewhere is served here before its settings)
-        self.records.follow(
-            "modelsettings:", lambda: [model_settings_key(n) for n in self.models.served_names()],
-            self._settings_followed,
-        )  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
         self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
@@ -279,42 +270,6 @@ class ClusterBackend(Backend):
                   if model in r.capacity_tokens]  # fmt: skip
         return min(limits) if limits else None
 
-    # ---- models (added, removed, flagged, asleep, shared settings and served set:
-    # cluster.models), services
-    async def add_model(self, model: ModelConfig) -> None:
-        await self.models.add(model)
-
-    async def forget_model(self, name: str) -> bool:
-        return await self.models.forget(name)
-
-    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.models.set_flags(name, pinned=pinned, preload=preload)
-
-    async def model_cache(self) -> dict[str, Any] | None:
-        return await self.caches.model_cache(self.view.live.values())
-
-    async def set_model_awake(self, name: str, awake: bool) -> bool:
-        return await self.models.set_awake(name, awake)
-
-    def model_sleeping(self, name: str) -> bool:
-        return self.models.sleeping(name)
-
-    async def publish_served(self, name: str, model: ModelConfig | None) -> None:
-        await self.models.publish(name, model)
-
-    def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
-        self.models.follow_with(apply)
-
-    # ---- checkpoints that cannot be read (shared in the store) -------
-    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
-        self.models.quarantine.follow(apply)
-
-    async def quarantine_model(self, name: str, why: str | None) -> None:
-        await self.models.publish_unavailable(name, why, time.time())
-
-    async def reload_model(self, model: ModelConfig) -> None:
-        await self.models.reload(model)
-
     async def _unavailable_loop(self) -> None:
         """Every :data:`WATCH_S`, the cachemgrs' unreadable models, shared; a failed poll
         is tried again at the next turn (a cachemgr or the store may be restarting)."""
@@ -325,22 +280,6 @@ class ClusterBackend(Backend):
             except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
                 log.debug("unavailable_models_poll_failed", error=repr(exc))
             await asyncio.sleep(WATCH_S)
-
-    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
-        def build(base: bytes | None, version: int) -> bytes:
-            return encode(ModelSettingsRecord(v=1, model=name, settings=settings,
-                                              proxy=self.proxy_id, version=version))  # fmt: skip
-
-        await self.records.publish(model_settings_key(name), build)
-
-    def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
-        self._apply_settings = apply
-
-    def _settings_followed(self, key: str, raw: bytes) -> None:
-        """A model's live settings as another replica last changed them."""
-        record = decode_model_settings(raw)
-        if self._apply_settings is not None:
-            self._apply_settings(record.model, record.settings)
 
     def services(self) -> list[ServiceAddress] | None:
         """Every node's services as its instances registered them; one node's are those

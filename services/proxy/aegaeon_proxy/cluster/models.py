@@ -50,7 +50,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from aegaeon_common.config import Config, ModelConfig
+from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
     ForgetModel,
@@ -65,17 +65,20 @@ from aegaeon_common.registry import (
     SERVED_MODELS,
     UNAVAILABLE_MODELS,
     InstanceRecord,
+    ModelSettingsRecord,
     ServedModelsRecord,
+    decode_model_settings,
     decode_served_models,
     decode_unavailable_models,
     encode,
+    model_settings_key,
     served_changes,
     with_change,
     with_unavailable,
 )
 from aegaeon_common.wire import Message
 
-from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.backend import BackendError, ModelOps
 from aegaeon_proxy.cluster.node_caches import CACHE_TIMEOUT_S, NodeCaches
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
@@ -151,10 +154,13 @@ class Quarantine:
             self._apply(name, why)
 
 
-class SharedModels:
-    """The model operations over every node's instances and cachemgrs, and the models
-    the proxies share (see the module). ``send`` sends to an instance's record;
-    ``spawn`` runs a job of the backend."""
+class SharedModels(ModelOps):
+    """The model operations over every node's instances and cachemgrs, and what the
+    proxies share of the models: the served set, the unreadable ones, their settings
+    (see the module). ``send`` sends to an instance's record; ``spawn`` runs a job of
+    the backend."""
+
+    changes_models = True
 
     def __init__(
         self,
@@ -192,6 +198,10 @@ class SharedModels:
         self.quarantine = Quarantine()
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
+        # (after the served set: a model added elsewhere is served here before its settings)
+        self._apply_settings: Callable[[str, ModelSettings], None] | None = None
+        records.follow("modelsettings:", lambda: map(model_settings_key, self.served_names()),
+                       self._settings_followed)  # fmt: skip
 
     def _resident(self, record: InstanceRecord) -> tuple[str, ...]:
         """The models on the instance's device, as it last reported."""
@@ -205,7 +215,7 @@ class SharedModels:
         return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
 
     # ---- the admin endpoints' operations ------------------------------------
-    async def add(self, model: ModelConfig) -> None:
+    async def add_model(self, model: ModelConfig) -> None:
         """Register ``model`` with every cachemgr, tell every live instance, and wait
         until each serves it (a BackendError names the one that cannot)."""
         self._need_prefill()
@@ -213,7 +223,7 @@ class SharedModels:
         self._mark(model.name, model)
         await self._take(model)
 
-    async def reload(self, model: ModelConfig) -> None:
+    async def reload_model(self, model: ModelConfig) -> None:
         """Read ``model``'s checkpoint again on every node (``ReloadModel``: its
         quarantine lifted there; a BackendError 422 ``model_unavailable`` naming what is
         wrong when it still cannot be read), then have every live instance that does
@@ -262,7 +272,7 @@ class SharedModels:
 
         await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
 
-    async def forget(self, name: str) -> bool:
+    async def forget_model(self, name: str) -> bool:
         """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
         everywhere."""
         replies = await self._cache_call(ForgetModel(name))
@@ -270,21 +280,24 @@ class SharedModels:
         return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
                                      for r in replies)  # fmt: skip
 
-    async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
         await self._cache_call(SetModelFlags(name, pinned=pinned, preload=preload))
 
-    def sleeping(self, name: str) -> bool:
+    async def model_cache(self) -> dict[str, Any] | None:
+        return await self._caches.model_cache(self.view.live.values())
+
+    def model_sleeping(self, name: str) -> bool:
         """``name`` is on no live instance's device (as they last reported)."""
         return not any(name in self._resident(r) for r in self.view.live.values())
 
-    async def set_awake(self, name: str, awake: bool) -> bool:
+    async def set_model_awake(self, name: str, awake: bool) -> bool:
         """Sleep ``name`` on every live instance, or wake it on the least busy
         prefill instance (none, if it is on a device already); returns once they
         answered whether it sleeps now."""
         live = list(self.view.live.values())
         if not live:
             raise BackendError.unavailable("no instance is up")
-        if awake and not self.sleeping(name):
+        if awake and not self.model_sleeping(name):
             return False
         if awake:  # prefill instances first (a model's next request starts there), least work
             live = [min(live, key=lambda r: (r.kind != "prefill", r.load.queued + r.load.running))]
@@ -299,7 +312,7 @@ class SharedModels:
                     if n in self.view.live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
 
         await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
-        return self.sleeping(name)
+        return self.model_sleeping(name)
 
     async def check_unavailable(self, asked_at: float) -> None:
         """Publish the models some node's cachemgr cannot read (asked at ``asked_at``).
@@ -387,7 +400,30 @@ class SharedModels:
         log.info("models_resynced", instance=record.instance_id,
                  added=[m.name for m in missing], removed=sorted(self.removed))  # fmt: skip
 
+    # ---- the settings the replicas share ---------------------------------------------
+    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
+        def build(base: bytes | None, version: int) -> bytes:
+            return encode(ModelSettingsRecord(v=1, model=name, settings=settings,
+                                              proxy=self._proxy_id, version=version))  # fmt: skip
+
+        await self._records.publish(model_settings_key(name), build)
+
+    def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
+        self._apply_settings = apply
+
+    def _settings_followed(self, key: str, raw: bytes) -> None:
+        """A model's live settings as another replica last changed them."""
+        record = decode_model_settings(raw)
+        if self._apply_settings is not None:
+            self._apply_settings(record.model, record.settings)
+
     # ---- the unreadable models the replicas share --------------------------------
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        self.quarantine.follow(apply)
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        await self.publish_unavailable(name, why, time.time())
+
     async def publish_unavailable(self, name: str, why: str | None,
                                   asked_at: float) -> None:  # fmt: skip
         """``name`` unavailable (``why``) or available again (None), for every replica
@@ -414,7 +450,7 @@ class SharedModels:
         return names + [n for n, p in self._applied.items()
                         if p is not None and n not in names]  # fmt: skip
 
-    async def publish(self, name: str, model: ModelConfig | None) -> None:
+    async def publish_served(self, name: str, model: ModelConfig | None) -> None:
         """``name`` added (``model``) or removed (None), for every replica."""
         path = str(model.path) if model is not None else None
         adapts = model.base if model is not None else None
@@ -428,7 +464,7 @@ class SharedModels:
         self._follow(decode_served_models(raw), mine=name)
         self._note(name, path, adapts)
 
-    def follow_with(self, apply: Apply) -> None:
+    def follow_served(self, apply: Apply) -> None:
         self._apply = apply
 
     def _followed(self, key: str, raw: bytes) -> None:
