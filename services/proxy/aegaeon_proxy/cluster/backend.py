@@ -161,7 +161,6 @@ class ClusterBackend(Backend):
         self._store_ok = False
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
         self._closing = False  # stop() began: every loop ends
-        self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._checked = False  # the cachemgrs' unreadable models were read once
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
@@ -325,7 +324,6 @@ class ClusterBackend(Backend):
         """Out of the placement (its instance told when ``cancelled``) and the store."""
         rid = tracked.gen.request_id
         self.held.pop(rid, None)
-        self._dirty.discard(rid)
         where, tracked.where = tracked.where, None
         self.placement.release(tracked, where, cancelled)
         self._spawn(self._forget(rid))
@@ -385,6 +383,7 @@ class ClusterBackend(Backend):
         )  # fmt: skip
         ttl_s = self.config.proxy.request_timeout_s + META_GRACE_S
         await self.store.put(request_key(gen.request_id), encode(meta), ttl_s)
+        tracked.tokens_written = meta.tokens_sent
 
     async def _send_to(self, where: Where, msg: Message) -> None:
         """Send ``msg`` to the process ``where`` names, if it still runs."""
@@ -439,7 +438,7 @@ class ClusterBackend(Backend):
         # before the request ends: once its client has the answer, the stats no
         # longer count it on the instance that ended it
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        self._dirty.update(self.table.step_tokens(msg))
+        self.table.step_tokens(msg)
 
     def _on_failed(self, msg: RequestFailed) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
@@ -620,10 +619,8 @@ class ClusterBackend(Backend):
             try:
                 await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
                 await self.store.set_add(PROXIES, self.proxy_id)
-                dirty, self._dirty = self._dirty, set()
-                for rid in dirty:
-                    tracked = self.requests.get(rid)
-                    if tracked is not None:
+                for tracked in list(self.requests.values()):  # (tokens sent since, placed)
+                    if tracked.where and tracked.num_generated != tracked.tokens_written:
                         await self._put_meta(tracked)
             except StoreError as exc:
                 self._store_trouble("beat_failed", exc)
