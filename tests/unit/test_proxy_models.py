@@ -258,31 +258,31 @@ async def test_the_unreadable_models_are_shared_until_a_reload_lifts_them() -> N
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
     seen: list[tuple[str, str | None]] = []
-    b.models.quarantine.follow(lambda n, w: seen.append((n, w)))
+    b.models.follow_unavailable(lambda n, w: seen.append((n, w)))
     await a.models.publish_unavailable(NEW, "/m/new/model.safetensors: missing file", 100.0)
-    assert a.models.quarantine.models == {NEW: "/m/new/model.safetensors: missing file"}
+    assert a.models.unavailable == {NEW: "/m/new/model.safetensors: missing file"}
     await b.records.refresh()
     await b.records.refresh()  # (nothing new: nothing applied twice)
     assert seen == [(NEW, "/m/new/model.safetensors: missing file")]
     # the first error stands; a reload (on b) lifts it for every replica
     await b.models.publish_unavailable(NEW, "another error", 101.0)
     await b.models.publish_unavailable(NEW, None, 200.0)
-    assert seen[-1] == (NEW, None) and not b.models.quarantine.models
+    assert seen[-1] == (NEW, None) and not b.models.unavailable
     await a.records.refresh()
-    assert not a.models.quarantine.models
+    assert not a.models.unavailable
     # a cachemgr's report asked for before the reload is old news; one after is not
     await a.models.publish_unavailable(NEW, "stale", 150.0)
     await b.records.refresh()
-    assert not b.models.quarantine.models
+    assert not b.models.unavailable
     await a.models.publish_unavailable(NEW, "broken again", 250.0)
     await b.records.refresh()
-    assert b.models.quarantine.models == {NEW: "broken again"}
+    assert b.models.unavailable == {NEW: "broken again"}
     # a store that lost it gets it back from the replicas that know it
     await store.delete(UNAVAILABLE_MODELS)
     await a.records.refresh()
     c = Replica(store, "c")
     await c.records.refresh()
-    assert c.models.quarantine.models == {NEW: "broken again"}
+    assert c.models.unavailable == {NEW: "broken again"}
 
 
 def test_the_unavailable_record_and_its_changes() -> None:

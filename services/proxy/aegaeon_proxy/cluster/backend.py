@@ -446,9 +446,7 @@ class ClusterBackend(Backend):
         where = tracked.where if tracked is not None else None
         name = where.instance if where else f"{msg.kind}-{msg.index}"
         if msg.code == "model_unavailable" and tracked is not None:
-            model = tracked.gen.model
-            if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
-                self._spawn(self.models.publish_unavailable(model, msg.message, time.time()))
+            self.models.failed(tracked.gen.model, msg.message)
         self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- one node's instances (cluster.local_registrar) ------------------------

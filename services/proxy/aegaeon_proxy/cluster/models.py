@@ -36,7 +36,7 @@ not as ``market.json`` records them, and says so in its stats (``unavailable``,
 polled every :data:`WATCH_S`); an instance that meets one fails the work for it
 with ``model_unavailable``; an admin operation (an add, a pin) gets
 ``checkpoint_error`` back. The proxy that learns one publishes it, and every
-proxy's :class:`Quarantine` tells its front (the model table answers 503
+proxy's :class:`SharedModels` tells its front (the model table answers 503
 ``model_unavailable`` from then on) until a reload on any proxy lifts it.
 """
 
@@ -97,7 +97,7 @@ WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
 # how long a cachemgr may take to answer that (one that died is not waited for)
 POLL_TIMEOUT_S = 2.0
 
-__all__ = ["WATCH_S", "Quarantine", "SharedModels", "record_models"]
+__all__ = ["WATCH_S", "SharedModels", "record_models"]
 
 Apply = Callable[[str, ModelConfig | None], None]
 ApplyUnavailable = Callable[[str, str | None], None]
@@ -113,45 +113,6 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
     has a latency profile, in it (dispatch estimates each request's prefill)."""
     models = frozenset(record.capacity_tokens)
     return models & frozenset(record.latency.models) if record.latency is not None else models
-
-
-class Quarantine:
-    """The unreadable models this backend knows (name -> why), and the front's
-    ``apply`` for them."""
-
-    def __init__(self) -> None:
-        self.models: dict[str, str] = {}
-        self._apply: ApplyUnavailable | None = None
-
-    def follow(self, apply: ApplyUnavailable) -> None:
-        """``apply(name, why | None)`` for every change (and now for what is known)."""
-        self._apply = apply
-        for name, why in self.models.items():
-            apply(name, why)
-
-    def set(self, name: str, why: str) -> bool:
-        """``name`` cannot be read (``why``); True if that is news. The first error stands
-        until a reload."""
-        if name in self.models:
-            return False
-        self.models[name] = why
-        log.error("model_unavailable", model=name, error=why)
-        self._tell(name, why)
-        return True
-
-    def sync(self, models: dict[str, str]) -> None:
-        """Become ``models`` (the set the replicas share), telling the front each change."""
-        for name in [n for n in self.models if n not in models]:
-            self.models.pop(name)
-            self._tell(name, None)
-        for name, why in models.items():
-            if self.models.get(name) != why:
-                self.models[name] = why
-                self._tell(name, why)
-
-    def _tell(self, name: str, why: str | None) -> None:
-        if self._apply is not None:
-            self._apply(name, why)
 
 
 class SharedModels(ModelOps):
@@ -194,8 +155,10 @@ class SharedModels(ModelOps):
         self._apply: Apply | None = None
         self._applied: dict[str, str | None] = {}
         records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
-        # the models whose checkpoint cannot be read, as the shared record says
-        self.quarantine = Quarantine()
+        # the models whose checkpoint cannot be read (name -> why), as the shared record
+        # says; the front's apply for them
+        self.unavailable: dict[str, str] = {}
+        self._apply_unavailable: ApplyUnavailable | None = None
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
         # (after the served set: a model added elsewhere is served here before its settings)
@@ -322,7 +285,7 @@ class SharedModels(ModelOps):
         if cache is None:
             raise BackendError.unavailable("no node's cachemgr answered")
         for name, why in dict(cache.get("unavailable", {})).items():
-            if name not in self.quarantine.models:
+            if name not in self.unavailable:
                 await self.publish_unavailable(name, why, asked_at)
 
     # ---- the instances' answers ------------------------------------------------
@@ -418,8 +381,17 @@ class SharedModels(ModelOps):
             self._apply_settings(record.model, record.settings)
 
     # ---- the unreadable models the replicas share --------------------------------
-    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
-        self.quarantine.follow(apply)
+    def follow_unavailable(self, apply: ApplyUnavailable) -> None:
+        self._apply_unavailable = apply
+        for name, why in self.unavailable.items():
+            apply(name, why)
+
+    def failed(self, name: str, why: str) -> None:
+        """An instance could not read ``name`` (``why``): unavailable here at once, then
+        everywhere (the first error stands until a reload)."""
+        if name not in self.unavailable:
+            self._tell(name, why)
+            self._spawn(self.publish_unavailable(name, why, time.time()))
 
     async def quarantine_model(self, name: str, why: str | None) -> None:
         await self.publish_unavailable(name, why, time.time())
@@ -441,8 +413,22 @@ class SharedModels(ModelOps):
     def _followed_unavailable(self, key: str, raw: bytes) -> None:
         """The unreadable models as a replica last published them, each change to the
         front. Raises ``msgspec.DecodeError`` for a bad record."""
-        record = decode_unavailable_models(raw)
-        self.quarantine.sync(record.models)
+        models = decode_unavailable_models(raw).models
+        for name in [n for n in self.unavailable if n not in models]:
+            self._tell(name, None)
+        for name, why in models.items():
+            if self.unavailable.get(name) != why:
+                self._tell(name, why)
+
+    def _tell(self, name: str, why: str | None) -> None:
+        """``name`` unavailable (``why``) here, or no longer (None); the front follows."""
+        if why is None:
+            self.unavailable.pop(name, None)
+        else:
+            self.unavailable[name] = why
+            log.error("model_unavailable", model=name, error=why)
+        if self._apply_unavailable is not None:
+            self._apply_unavailable(name, why)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
