@@ -174,7 +174,7 @@ class ClusterBackend(Backend):
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
         self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
-        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+        self._handlers: dict[type[Message], Callable[[Any], object]] = {  # (results unread)
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,
             RequestFailed: self._on_failed,
@@ -184,7 +184,7 @@ class ClusterBackend(Backend):
             InstanceHello: self.local.on_hello,
             InstanceStats: self.local.on_stats,
             InstanceDraining: self._on_draining,
-            InstanceStalled: self._on_stalled,
+            InstanceStalled: self.local.on_stalled,
         }
 
     # ---- lifecycle ---------------------------------------------------------
@@ -477,15 +477,6 @@ class ClusterBackend(Backend):
                        if t.where is not None and t.where.instance == record.instance_id)
             log.info("instance_draining", instance=record.instance_id, pid=msg.pid,
                      requests=held)  # fmt: skip
-
-    def _on_stalled(self, msg: InstanceStalled) -> None:
-        """Its compute thread made no progress with work to do: its record goes now (not a
-        heartbeat timeout later: its event loop still beats), and with the next refresh
-        its requests are failed over; its process says no hello again
-        (``aegaeon_runtime.liveness``)."""
-        if self.local.on_stalled(msg):
-            log.error("instance down", instance=f"{msg.kind}-{msg.index}",
-                      why=f"its compute thread stalled: {msg.reason}")  # fmt: skip
 
     async def _watch(self, name: str) -> None:
         """One node: an instance whose process ended (its command socket disconnected) is
