@@ -176,6 +176,65 @@ class EngineSnapshot:
     host_kv_capacity_bytes: int | None = None
 
 
+class Backend(ABC):
+    """What the HTTP front needs from whatever generates tokens: the abstract methods,
+    the read-outs a backend offers by overriding them (default None), and its model
+    operations (:attr:`models`). Failures are :class:`BackendError`\\ s whose
+    ``status`` and ``code`` the endpoints answer with."""
+
+    def __init__(self, models: ModelOps | None = None) -> None:
+        self.models = models or ModelOps()  # (the default offers none)
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Cancel every open request (their streams end) and release resources."""
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """True when every configured instance is up and requests can be served."""
+
+    @abstractmethod
+    def health(self) -> dict[str, object]:
+        """A JSON-able description of the backend's state for ``GET /health``."""
+
+    @abstractmethod
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Add the backend's own metrics (collectors that only read) to the proxy's
+        registry; called once, before ``start``."""
+
+    @abstractmethod
+    def submit(self, req: GenerationRequest) -> TokenStream:
+        """Accept a request and return its token stream; raises :class:`BackendError`."""
+
+    @abstractmethod
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request and free its resources; a no-op if unknown or finished."""
+
+    # ---- what it reports ---------------------------------------------------------
+    async def engine_snapshot(self) -> EngineSnapshot | None:
+        """What the instances hold now, for ``/metrics`` (None: not known, the KV gauges
+        are left out); called once per scrape, never raises."""
+        return None
+
+    def context_limit(self, model: str) -> int | None:
+        """The most tokens of KV one request of ``model`` can hold (None: its window)."""
+        return None
+
+    async def stats(self, light: bool = False) -> dict[str, object] | None:
+        """The detailed counters of ``GET /v1/aegaeon/stats`` (``light``: no record
+        lists; None: it keeps none, 404)."""
+        return None
+
+    def services(self) -> list[ServiceAddress] | None:
+        """Every node's cachemgr and instances, as they registered (None: the ones in
+        the proxy's run directory)."""
+        return None
+
+
 class ModelOps:
     """A backend's operations on its models (``Backend.models``), each offered by
     overriding it (the front calls them all): a default model change, reload or sleep
@@ -255,65 +314,6 @@ class ModelOps:
 
     def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
         """Call ``apply(name, model)`` whenever a replica added or removed (None) a model."""
-        return None
-
-
-class Backend(ABC):
-    """What the HTTP front needs from whatever generates tokens: the abstract methods,
-    the read-outs a backend offers by overriding them (default None), and its model
-    operations (:attr:`models`). Failures are :class:`BackendError`\\ s whose
-    ``status`` and ``code`` the endpoints answer with."""
-
-    def __init__(self, models: ModelOps | None = None) -> None:
-        self.models = models or ModelOps()  # (the default offers none)
-
-    @abstractmethod
-    async def start(self) -> None:
-        """Begin serving (connect, spawn threads); ``ready()`` may still be False after."""
-
-    @abstractmethod
-    async def stop(self) -> None:
-        """Cancel every open request (their streams end) and release resources."""
-
-    @abstractmethod
-    def ready(self) -> bool:
-        """True when every configured instance is up and requests can be served."""
-
-    @abstractmethod
-    def health(self) -> dict[str, object]:
-        """A JSON-able description of the backend's state for ``GET /health``."""
-
-    @abstractmethod
-    def register_metrics(self, registry: CollectorRegistry) -> None:
-        """Add the backend's own metrics (collectors that only read) to the proxy's
-        registry; called once, before ``start``."""
-
-    @abstractmethod
-    def submit(self, req: GenerationRequest) -> TokenStream:
-        """Accept a request and return its token stream; raises :class:`BackendError`."""
-
-    @abstractmethod
-    async def cancel(self, request_id: str) -> None:
-        """Stop a request and free its resources; a no-op if unknown or finished."""
-
-    # ---- what it reports ---------------------------------------------------------
-    async def engine_snapshot(self) -> EngineSnapshot | None:
-        """What the instances hold now, for ``/metrics`` (None: not known, the KV gauges
-        are left out); called once per scrape, never raises."""
-        return None
-
-    def context_limit(self, model: str) -> int | None:
-        """The most tokens of KV one request of ``model`` can hold (None: its window)."""
-        return None
-
-    async def stats(self, light: bool = False) -> dict[str, object] | None:
-        """The detailed counters of ``GET /v1/aegaeon/stats`` (``light``: no record
-        lists; None: it keeps none, 404)."""
-        return None
-
-    def services(self) -> list[ServiceAddress] | None:
-        """Every node's cachemgr and instances, as they registered (None: the ones in
-        the proxy's run directory)."""
         return None
 
 
