@@ -30,8 +30,7 @@ from aegaeon_sched import (
     make_policy,
     summarize,
 )
-from aegaeon_sched.admission import Bounds, derive_bounds
-from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
+from aegaeon_sched.admission import Bounds, derive_bounds, prefill_s_per_token
 from aegaeon_workload.mix import Burst, Mix, assign_classes, generate_bursty
 from aegaeon_workload.synthetic import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
@@ -203,15 +202,14 @@ def workload(sc: Scenario, models: Sequence[str],
 
 def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Sequence[str],
             capacity: Mapping[str, int], host_kv_tokens: int) -> Bounds:  # fmt: skip
-    """The proxy's derived admission bounds (aegaeon_proxy.cluster.requests.bounds_of):
-    what the configured prefill instances prefill within the TTFT, the decoders' KV plus
-    one host's unified KV cache (``host_kv_tokens``, of the largest per-token model)."""
-    n = TYPICAL_PROMPT_TOKENS
-    per_token = [max(lat.prefill_one_s(m, n) / n for m in models)] * sc.num_prefill
-    capacities = [capacity] * len(cluster.decode_instances)
-    configured = Bounds(kv_blocks=sc.kv_blocks_bound)
-    return derive_bounds(configured, ttft_s=sc.slo.ttft_s, prefill_s_per_token=per_token,
-                         decode_capacity_tokens=capacities,
+    """The proxy's derived admission bounds (:func:`~aegaeon_sched.admission.derive_bounds`,
+    as ``aegaeon_proxy.cluster.requests.bounds_of`` reads them from the instances'
+    records): the configured prefill instances, the decoders' KV plus one host's unified
+    KV cache (``host_kv_tokens``, of the largest per-token model)."""
+    per_token = [prefill_s_per_token(lat, models)] * sc.num_prefill
+    return derive_bounds(Bounds(kv_blocks=sc.kv_blocks_bound), ttft_s=sc.slo.ttft_s,
+                         prefill_s_per_token=per_token,
+                         decode_capacity_tokens=[capacity] * len(cluster.decode_instances),
                          host_kv_tokens=host_kv_tokens)  # fmt: skip
 
 
