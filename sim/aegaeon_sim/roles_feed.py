@@ -7,12 +7,9 @@ prefill side), the configured decode instances start in standby (the policy's
 controller; each change it returns is carried out with
 :meth:`AegaeonPolicy.set_role <aegaeon_sched.AegaeonPolicy.set_role>`, whose
 actions the simulation applies (an instance leaving the prefill role drains:
-its queued groups still run there). The signals are metered as the proxy meters
-them (:class:`aegaeon_sched.RoleMeter`): the arrivals as the proxy counts them; the
-prompt tokens queued in the dispatcher's queues and its decode demand (Eq. 3's
-``S``); each instance's prefill velocity and busy share over its busy seconds (its
-loop's ``prefill_s`` plus ``switch_s``: its compute and its switches), the latency
-model's estimate before its first prefill.
+its queued groups still run there). It meters the signals as the proxy does
+(:class:`aegaeon_sched.RoleMeter`): the busy seconds are the loop's ``prefill_s`` plus
+``switch_s`` (its compute and its switches, ten times a prefill's compute at H800 scale).
 
 Without a controller (fixed roles) the feed only samples, so both runs
 report the same burst figures: :func:`absorb_times`.
@@ -83,12 +80,9 @@ class RoleFeed(RoleMeter):
         schedule(0.0, beat)
 
     def prefill_velocity(self) -> dict[str, float]:
-        out = {}
-        for p in self.prefills:
-            c = p.counters
-            measured = self.measured(c.prefill_tokens, c.prefill_s, _busy_s(p))
-            out[p.name] = self._estimate if measured is None else measured
-        return out
+        measured = {p.name: self.measured(p.counters.prefill_tokens, p.counters.prefill_s,
+                                          _busy_s(p)) for p in self.prefills}  # fmt: skip
+        return {p: self._estimate if v is None else v for p, v in measured.items()}
 
     def observe(self, now_s: float) -> None:
         while self._arrivals and self._arrivals[-1][0] <= now_s:

@@ -121,15 +121,10 @@ def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() ->
     decode = _record("decode-0", 0.0, 0.0, {"a": 4096})
     assert switcher.prefill_velocity(prefill, lat) == 2000.0
     assert switcher.prefill_velocity(decode, lat) > 0  # from a profile (here the fallback)
-    # the busy share follows prefill_s between two heartbeats at least a second apart
-    switcher.heartbeat(prefill, 10.0)
-    switcher.heartbeat(_record("prefill-0", 3500.0, 1.75), 10.5)  # too soon: not metered
-    assert "prefill-0" not in switcher.busy
-    switcher.heartbeat(_record("prefill-0", 4000.0, 2.0), 11.0)
+    # the busy share follows prefill_s between two heartbeats (the meter's, test_sched_roles)
+    switcher.beat("prefill-0", 10.0, 1.5)
+    switcher.beat("prefill-0", 11.0, 2.0)
     assert switcher.busy["prefill-0"] == 0.5
-    switcher.heartbeat(_record("prefill-0", 0.0, 0.0), 11.1)  # restarted: starts over
-    switcher.heartbeat(_record("prefill-0", 500.0, 0.25), 12.1)
-    assert switcher.busy["prefill-0"] == 0.25
 
 
 def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -> None:

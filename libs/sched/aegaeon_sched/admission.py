@@ -31,7 +31,7 @@ from aegaeon_sched.shedding import Shedder, Verdict
 BLOCK_TOKENS = 16  # the engine's KV block size (aegaeon_engine.KVShape.block_size)
 
 __all__ = ["BLOCK_TOKENS", "AdmissionControl", "Bounds", "ClassAdmission", "derive_bounds",
-           "prefill_s_per_token"]
+           "per_token_prefill_s"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,8 @@ class Bounds:
     kv_blocks_per_model: int | None = None
 
 
-def prefill_s_per_token(latency: LatencyModel, models: Iterable[str]) -> float:
-    """An instance's slowest per-token prefill time over ``models`` (Eq. 5, read at a
-    typical prompt): what :func:`derive_bounds` takes of each prefill instance."""
+def per_token_prefill_s(latency: LatencyModel, models: Iterable[str]) -> float:
+    """An instance's slowest per-token prefill time over ``models`` (a typical prompt's)."""
     n = TYPICAL_PROMPT_TOKENS
     return max(latency.prefill_one_s(m, n) / n for m in models)
 
@@ -74,18 +73,14 @@ def derive_bounds(
     own: a derived bound is shared by the ``replicas`` evenly (a configured one is
     each replica's as configured). A per-model bound left unset is the total.
     """
-
-    def share(total: int) -> int:
-        return max(1, total // max(1, replicas))
-
     rates = [ttft_s / s for s in prefill_s_per_token if s > 0]
     prefill = configured.prefill_tokens
     if prefill is None and rates:
-        prefill = share(int(sum(rates)))
+        prefill = max(1, int(sum(rates)) // max(1, replicas))
     kv = configured.kv_blocks
     capacities = [min(c.values()) // BLOCK_TOKENS for c in decode_capacity_tokens if c]
     if kv is None and capacities:
-        kv = share(sum(capacities) + host_kv_tokens // BLOCK_TOKENS)
+        kv = max(1, (sum(capacities) + host_kv_tokens // BLOCK_TOKENS) // max(1, replicas))
     return Bounds(
         prefill_tokens=prefill,
         prefill_tokens_per_model=configured.prefill_tokens_per_model or prefill,

@@ -1,30 +1,14 @@
-"""What the role controller observes, metered the same way by every driver.
+"""The role controller's signals, metered alike by its drivers.
 
-Two drivers feed :class:`~aegaeon_sched.roles.RoleController`: the proxy holding
-the roles lease (its instances' heartbeat records, the store's queues) and the
-simulator (its instances' counters and its policy, every heartbeat of its clock).
-Each keeps only its I/O and meters the signals (:class:`~aegaeon_sched.roles.RoleSignals`)
-with a :class:`RoleMeter`:
-
-* **arrival velocity**: prompt tokens arriving at the cluster over a short window
-  (:class:`~aegaeon_sched.velocity.Velocity`, :meth:`RoleMeter.arrived` for each
-  request): the leading indicator of a burst;
-* **backlog**: prompt tokens waiting in the prefill queues (the driver's);
-* **prefill velocity** per instance: prompt tokens per busy second once it has
-  prefilled more than ``min_measured_s`` (:meth:`RoleMeter.measured`), its latency
-  profile's estimate before (:func:`~aegaeon_sched.roles.estimated_prefill_velocity`,
-  the driver's);
-* **prefill busy share** per instance: the growth of its busy seconds between two
-  heartbeats at least ``beat_every_s`` apart (:meth:`RoleMeter.beat`); a counter
-  that went back (the instance restarted) starts over;
-* **decode demand** per instance: Eq. 3's ``S`` (the driver's).
-
-What a busy second is, is the driver's: the proxy reads an instance's record,
-which carries the seconds it prefilled (``load.prefill_s``); the simulator adds
-the seconds its instance spent switching models (``switch_s``), which at H800
-scale take ten times a prefill's compute.
-
-Pure: the time and the counters are passed in.
+The proxy holding the roles lease (its instances' records, the store) and the
+simulator (its instances' counters, its policy) keep their I/O and meter
+:class:`~aegaeon_sched.roles.RoleSignals` here: the prompt tokens arriving at the
+cluster over a short window (:meth:`RoleMeter.arrived`); each instance's busy share,
+the growth of its busy seconds between heartbeats ``beat_every_s`` apart
+(:meth:`RoleMeter.beat`; a counter gone back, a restart, starts over), and its prefill
+velocity, prompt tokens per busy second once it has prefilled ``min_measured_s``
+(:meth:`RoleMeter.measured`; before, the driver's estimate). What counts as busy, the
+backlog and the decode demand are the driver's. Pure: time and counters passed in.
 """
 
 from __future__ import annotations
@@ -71,7 +55,5 @@ class RoleMeter:
         """One observation; ``arrival_tokens_per_s``: default the arrivals metered here."""
         arrivals = self.arrivals.rate(now_s) if arrival_tokens_per_s is None \
             else arrival_tokens_per_s
-        return RoleSignals(arrival_tokens_per_s=arrivals, backlog_tokens=backlog_tokens,
-                           prefill_velocity=dict(prefill_velocity),
-                           decode_demand=dict(decode_demand),
-                           prefill_busy=dict(self.busy))  # fmt: skip
+        return RoleSignals(arrivals, backlog_tokens, dict(prefill_velocity), dict(decode_demand),
+                           dict(self.busy))  # fmt: skip

@@ -33,7 +33,7 @@ from aegaeon_sched.admission import (
     Bounds,
     ClassAdmission,
     derive_bounds,
-    prefill_s_per_token,
+    per_token_prefill_s,
 )
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenQueue
@@ -102,7 +102,7 @@ def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int =
         prefills = config.unified or m.kind == "prefill"
         if prefills and m.latency is not None and m.capacity_tokens:
             latency = LatencyModel.from_dict(to_plain(m.latency))
-            per_token.append(prefill_s_per_token(latency, m.capacity_tokens))
+            per_token.append(per_token_prefill_s(latency, m.capacity_tokens))
         if config.unified or m.kind == "decode" or config.hybrid_prefill:  # it decodes
             capacities.append(dict(m.capacity_tokens))
             if m.capacity_tokens:

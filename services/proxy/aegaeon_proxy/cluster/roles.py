@@ -4,14 +4,10 @@ The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`RoleSwitcher` is its
 driver, run by the proxy holding the roles lease
 (:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
 every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
-later); :class:`SharedRoles` is every proxy's part. The decider reads the
-shared state and meters the signals as the simulator does
-(:class:`aegaeon_sched.RoleMeter`): the arrival velocity summed over every proxy
-(each publishes its own in its :class:`~aegaeon_common.registry.ProxyRecord`), the
-backlog of every prefill queue and the decode demand of every work list in the store,
-each instance's prefill velocity and busy share from its registry record (its
-heartbeat: ``load.prefill_tokens`` over ``load.prefill_s`` once it has prefilled
-``MIN_MEASURED_S``, estimated from its latency profile before).
+later); :class:`SharedRoles` is every proxy's part. The decider meters the
+shared state as the simulator does (:class:`aegaeon_sched.RoleMeter`): every proxy's
+arrivals (:class:`~aegaeon_common.registry.ProxyRecord`), the store's queues and work
+lists, each instance's ``load.prefill_tokens`` and ``load.prefill_s`` (its record).
 
 It writes the roles as one :class:`~aegaeon_common.registry.RolesRecord`; every
 proxy reads that with its registry refresh and dispatches by it
@@ -101,11 +97,6 @@ class RoleSwitcher(RoleMeter):
     @property
     def roles(self) -> dict[str, str]:
         return dict(self.controller.roles)
-
-    def heartbeat(self, record: InstanceRecord, now_s: float) -> None:
-        """The instance's latest heartbeat (its record: ``load.prefill_s``, seconds spent
-        prefilling since it started), metered at most every ``BEAT_EVERY_S``."""
-        self.beat(record.instance_id, now_s, record.load.prefill_s)
 
     def prefill_velocity(self, record: InstanceRecord, fallback: LatencyModel) -> float:
         """Prompt tokens/s the instance prefills while busy: measured, else estimated."""
@@ -237,8 +228,8 @@ class SharedRoles:
 
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
-        for record in records:  # (a record is rewritten every heartbeat, read every refresh)
-            self.switcher.heartbeat(record, now)
+        for r in records:  # (a record is rewritten every heartbeat, read every refresh)
+            self.switcher.beat(r.instance_id, now, r.load.prefill_s)  # busy: seconds prefilled
         latency = self.view.latency()
         if latency is not None and records:
             backlog, demand = await self._shared_load(records, latency)
