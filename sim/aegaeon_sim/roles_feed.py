@@ -87,20 +87,19 @@ class RoleFeed(RoleMeter):
     def observe(self, now_s: float) -> None:
         while self._arrivals and self._arrivals[-1][0] <= now_s:
             self.arrived(*self._arrivals.pop())
-        backlog = sum(q.pending_tokens() for q in self.policy.prefill.queues.values())
+        load = self.policy.role_load()  # the queued prompt tokens, Eq. 3's decode demand
+        assert load is not None
         arrival = self.arrivals.rate(now_s)
         for p in self.prefills:
             self.beat(p.name, now_s, _busy_s(p))
         if self.controller is not None:
-            signals = self.signals(
-                now_s, backlog_tokens=backlog, prefill_velocity=self.prefill_velocity(),
-                decode_demand={i: self.policy.decode.demand(i)
-                               for i in self.policy.decode.work_lists},
-            )  # fmt: skip
+            signals = self.signals(now_s, backlog_tokens=load.backlog_tokens,
+                                   prefill_velocity=self.prefill_velocity(),
+                                   decode_demand=load.decode_demand)  # fmt: skip
             for change in self.controller.observe(now_s, signals):
                 self.apply(self.policy.set_role(change.instance, change.role, now_s), now_s)
         num_prefill = sum(self.policy.prefill_role(p.name) for p in self.prefills)
-        self.samples.append(Sample(now_s, backlog, num_prefill, arrival))
+        self.samples.append(Sample(now_s, load.backlog_tokens, num_prefill, arrival))
 
 
 def _busy_s(instance: SimInstance) -> float:
