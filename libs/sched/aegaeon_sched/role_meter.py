@@ -6,7 +6,7 @@ simulator (its instances' counters, its policy) keep their I/O and meter
 cluster over a short window (:meth:`RoleMeter.arrived`); each instance's busy share,
 the growth of its busy seconds between heartbeats ``beat_every_s`` apart
 (:meth:`RoleMeter.beat`; a counter gone back, a restart, starts over), and its prefill
-velocity, prompt tokens per busy second once it has prefilled ``min_measured_s``
+velocity, prompt tokens per busy second once it has prefilled over ``min_measured_s``
 (:meth:`RoleMeter.measured`; before, the driver's estimate). What counts as busy, the
 backlog and the decode demand are the driver's. Pure: time and counters passed in.
 """
