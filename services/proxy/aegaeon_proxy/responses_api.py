@@ -36,8 +36,9 @@ from aiohttp import web
 
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.generation import Generation
-from aegaeon_proxy.handlers import CHAT_COMPLETIONS, finished, prepare, read_body
+from aegaeon_proxy.handlers import finished, read_body
 from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter
+from aegaeon_proxy.intake import CHAT_COMPLETIONS, prepare
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.request_fields import FieldTable, check_fields
 from aegaeon_proxy.request_ids import HEADER, REQUEST_ID
