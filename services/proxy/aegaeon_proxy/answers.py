@@ -1,7 +1,8 @@
-"""A generation's deltas as the endpoint's answer, whole or streamed.
+"""A generation's deltas as the endpoint's answer: the whole response object, or the
+stream's chunks.
 
 One :class:`Answer` per request keeps what its choices said (text, tokens,
-log-probabilities, finish) and renders it in the endpoint's shapes
+log-probabilities, finish) and renders each object complete in the endpoint's shapes
 (:mod:`aegaeon_proxy.responses`): OpenAI's objects, log-probabilities
 (:mod:`aegaeon_proxy.logprobs`), completions' ``echo`` (the prompt before the
 completion, its tokens' log-probabilities first), vLLM's ``prompt_logprobs``,
@@ -13,16 +14,13 @@ completion, its tokens' log-probabilities first), vLLM's ``prompt_logprobs``,
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from aiohttp import web
 
 from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Delta, Generation
-from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter
-from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.logprobs import LogprobFormat
 from aegaeon_proxy.params import CommonParams
 from aegaeon_proxy.responses import JSON, ChoiceResult, Head, Shapes, Usage
@@ -59,12 +57,14 @@ class _ChoiceLog:
 class Answer:
     """See the module docstring."""
 
-    def __init__(self, spec: AnswerSpec, gen: Generation, head: Head) -> None:
+    def __init__(self, spec: AnswerSpec, gen: Generation) -> None:
         self.spec = spec
         self.gen = gen
-        self.head = head
+        # what every object of the answer shares; its id is the request's, prefixed
+        self.head = Head(id=f"{spec.shapes.id_prefix}-{gen.req.request_id}",
+                         created=int(gen.req.arrival_s), model=gen.req.model)  # fmt: skip
         p = spec.params
-        self.format = LogprobFormat(spec.assets.tokenizer, p.tokens_as_ids)
+        self.format = LogprobFormat(spec.assets, p.tokens_as_ids)
         self.want_logprobs = p.sampling.logprobs >= 0
         # completions: the prompt first; chat (vLLM's): the last, assistant's, message
         self.echo = p.echo and (not spec.chat or spec.prompt_text is not None)
@@ -75,8 +75,7 @@ class Answer:
     def _echo_text(self) -> str:
         if self.spec.prompt_text is not None:
             return self.spec.prompt_text
-        return str(self.spec.assets.tokenizer.decode(self.spec.prompt_ids,
-                                                     skip_special_tokens=False))
+        return self.spec.assets.decode(self.spec.prompt_ids)
 
     def _echo_logprobs(self) -> JSON | None:
         """The prompt's tokens in completions' shape (the first without a log-probability)."""
@@ -125,7 +124,8 @@ class Answer:
                      completion_tokens=self.gen.completion_tokens)  # fmt: skip
 
     # ---- whole -----------------------------------------------------------------------
-    async def respond(self) -> web.Response:
+    async def whole(self) -> JSON:
+        """The response object, once every choice has ended."""
         async with contextlib.aclosing(self.gen.deltas()) as deltas:
             async for delta in deltas:
                 choice = self.choices[delta.index]
@@ -155,67 +155,64 @@ class Answer:
                     logprobs = _joined(echoed, logprobs)
             results.append(ChoiceResult(index, text, finish, logprobs, tool_calls,
                                         self._extra(choice)))  # fmt: skip
-        body = self.spec.shapes.response(self.head, results, self.usage(), self._response_extra())
-        return json_response(body)
+        return self.spec.shapes.response(self.head, results, self.usage(), self._response_extra())
 
     # ---- streamed ---------------------------------------------------------------------
-    async def stream(self, request: web.Request, sse: SSEWriter) -> web.StreamResponse:
+    async def chunks(
+        self, before_wait: Callable[[], Awaitable[None]]
+    ) -> AsyncGenerator[JSON, None]:
+        """The stream's chunks in order: the opening ones, the echoed prompt, those of
+        each delta, the usage; a failure's error object last. ``before_wait`` is awaited
+        whenever the next delta is not there yet (:meth:`Generation.deltas`)."""
         shapes, head = self.spec.shapes, self.head
         usage_field = self.spec.params.include_usage
         try:
-            await sse.open()
             for chunk in shapes.opening(head, len(self.choices), usage_field):
-                sse.add(chunk)
+                yield chunk
             if self.echo:
                 for index in range(len(self.choices)):
-                    sse.add(shapes.delta(head, index, self._echo_text(), None, usage_field))
-            await sse.flush()
+                    yield shapes.delta(head, index, self._echo_text(), None, usage_field)
             echoed = False
-            # Each token is its own event; the events a busy proxy finds ready
-            # leave in one write (flushed whenever the next token is not there yet).
-            async with contextlib.aclosing(self.gen.deltas(sse.flush)) as deltas:
+            # Each token is its own chunk; those a busy proxy finds ready leave in one
+            # write (flushed whenever the next token is not there yet).
+            async with contextlib.aclosing(self.gen.deltas(before_wait)) as deltas:
                 async for delta in deltas:
                     if self.echo and self.want_logprobs and not echoed:
                         echoed = True  # the prompt's log-probabilities came with the first
                         for index in range(len(self.choices)):
-                            sse.add(shapes.delta(head, index, "", self._echo_logprobs(),
-                                                 usage_field))  # fmt: skip
-                    self._stream_delta(delta, usage_field, sse)
+                            yield shapes.delta(head, index, "", self._echo_logprobs(),
+                                               usage_field)  # fmt: skip
+                    for chunk in self._delta_chunks(delta, usage_field):
+                        yield chunk
             if usage_field:
-                sse.add(shapes.usage(head, self.usage()))
+                yield shapes.usage(head, self.usage())
         except APIError as exc:
-            sse.add(exc.body())  # the error event, then [DONE]
-        except ConnectionResetError:
-            request[CLIENT_GONE] = True
-            return sse.response
-        try:
-            await sse.done()
-        except ConnectionResetError:
-            request[CLIENT_GONE] = True
-        return sse.response
+            yield exc.body()  # the error event (then [DONE])
 
-    def _stream_delta(self, delta: Delta, usage_field: bool, sse: SSEWriter) -> None:
+    def _delta_chunks(self, delta: Delta, usage_field: bool) -> list[JSON]:
         shapes, head = self.spec.shapes, self.head
         choice = self.choices[delta.index]
         choice.token_ids += delta.token_ids
         logprobs = self._logprobs(choice, delta)
         finish: str | None = delta.finish_reason
+        out: list[JSON] = []
         if choice.parser is not None:
             text, calls = choice.parser.push(delta.text, final=finish is not None)
             if text or logprobs is not None:
-                sse.add(shapes.delta(head, delta.index, text, logprobs, usage_field))
-            for call in calls:
-                sse.add(shapes.delta(head, delta.index, "", None, usage_field, [call]))
+                out.append(shapes.delta(head, delta.index, text, logprobs, usage_field))
+            out += [shapes.delta(head, delta.index, "", None, usage_field, [call])
+                    for call in calls]  # fmt: skip
             if finish is not None and choice.parser.called:
                 finish = "tool_calls"
         elif delta.text or logprobs is not None:
-            sse.add(shapes.delta(head, delta.index, delta.text, logprobs, usage_field))
+            out.append(shapes.delta(head, delta.index, delta.text, logprobs, usage_field))
         if finish is not None:
             extra = self._extra(choice)
             chunk = shapes.finish(head, delta.index, finish, usage_field)
             if extra:
                 chunk["choices"][0].update(extra)
-            sse.add(chunk)
+            out.append(chunk)
+        return out
 
 
 def _joined(first: JSON, second: JSON) -> JSON:

@@ -25,7 +25,6 @@ from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import (
     FAULT_CODES,
     FAULT_RETRY_AFTER_S,
-    Backend,
     BackendError,
     GenerationRequest,
     TokenChunk,
@@ -33,8 +32,9 @@ from aegaeon_proxy.backend import (
 )
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
 from aegaeon_proxy.errors import APIError, backend_api_error
-from aegaeon_proxy.metrics import ProxyMetrics
-from aegaeon_proxy.model_table import ModelSettingsTable, unavailable_error
+from aegaeon_proxy.model_table import unavailable_error
+from aegaeon_proxy.request_ids import AccessRecord
+from aegaeon_proxy.state import ProxyState
 from aegaeon_proxy.stop_strings import StopStringMatcher
 
 ClientFinish = Literal["stop", "length"]
@@ -100,25 +100,28 @@ class Generation:
 
     def __init__(
         self,
-        backend: Backend,
+        state: ProxyState,
         assets: ModelAssets,
         req: GenerationRequest,
         *,
         stop: Sequence[str],
-        metrics: ProxyMetrics,
-        models: ModelSettingsTable,
         timeout_s: float,
         slo: tuple[float, float] = (10.0, 0.1),
         skip_special_tokens: bool = True,
+        access: AccessRecord,
+        keep_alive_s: float | None = None,
     ) -> None:
-        """Submit ``req`` to ``backend``. ``slo``: the model's (TTFT, TBT) targets in
-        seconds; token k meets its deadline when it arrives by arrival + TTFT + k x TBT.
-        ``models``: the live model table, which counts the model's requests in flight
-        (``max_concurrency``; a removed model waits for them)."""
-        self._models = models
+        """Submit ``req`` to the proxy's backend. ``slo``: the model's (TTFT, TBT)
+        targets in seconds; token k meets its deadline when it arrives by arrival + TTFT
+        + k x TBT. The live model table counts the model's requests in flight
+        (``max_concurrency``; a removed model waits for them). At the end, the request's
+        ``access`` log record gets the counts, and Ollama's ``keep_alive_s`` starts."""
+        self._state = state
         self.req = req
-        self._backend = backend
-        self._metrics = metrics
+        backend, metrics, models = state.backend, state.metrics, state.models
+        self._backend, self._metrics, self._models = backend, metrics, models
+        self._access = access
+        self._keep_alive_s = keep_alive_s
         stop_ids = frozenset(req.sampling.stop_token_ids)
         self._choices = [_Choice(assets, stop, stop_ids, skip_special_tokens,
                                  req.sampling.min_tokens) for _ in range(req.sampling.n)]
@@ -318,3 +321,7 @@ class Generation:
         now = time.monotonic()
         m.e2e.labels(model).observe(now - self._start)
         self._vllm.end(outcome, now, self._timings)
+        self._access.output_tokens, self._access.ttft_s = self.completion_tokens, self.ttft_s
+        self._access.outcome = outcome
+        if self._keep_alive_s is not None:  # Ollama's keep_alive counts from the end
+            self._state.keep_alive.after(model, self._keep_alive_s)

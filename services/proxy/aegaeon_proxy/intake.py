@@ -102,9 +102,9 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     # the server's deadline; a request's own `timeout` may only shorten it
     timeout_s = min(params.timeout_s or proxy.request_timeout_s, proxy.request_timeout_s)
     gen = Generation(
-        state.backend, assets, req, stop=params.stop, metrics=state.metrics, timeout_s=timeout_s,
-        slo=slo.targets, models=state.models,
+        state, assets, req, stop=params.stop, timeout_s=timeout_s, slo=slo.targets,
         skip_special_tokens=params.skip_special_tokens and not tags_shown,
+        access=request[ACCESS], keep_alive_s=params.keep_alive_s,
     )  # fmt: skip
     log.debug("request_accepted", request_id=request_id, model=params.model,
               prompt_tokens=len(prompt.ids), max_tokens=req.sampling.max_tokens,

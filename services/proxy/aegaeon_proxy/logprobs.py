@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from aegaeon_common.messages.structs import TokenLogprobs
-from tokenizers import Tokenizer
+
+from aegaeon_proxy.assets import ModelAssets
 
 JSON = dict[str, Any]
 
@@ -32,8 +33,8 @@ __all__ = ["LogprobFormat"]
 class LogprobFormat:
     """Turns token ids and their :class:`TokenLogprobs` into the API's shapes."""
 
-    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, assets: ModelAssets, tokens_as_ids: bool = False) -> None:
+        self._assets = assets
         self._as_ids = tokens_as_ids
         self._cache: dict[int, str] = {}
 
@@ -42,8 +43,7 @@ class LogprobFormat:
             return f"token_id:{token_id}"
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id],
-                                                                  skip_special_tokens=False)
+            text = self._cache[token_id] = self._assets.decode([token_id])
         return text
 
     def _entry(self, token_id: int, logprob: float) -> JSON:

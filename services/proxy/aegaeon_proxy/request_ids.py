@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from aegaeon_proxy.errors import APIError, invalid
-from aegaeon_proxy.http_io import CLIENT_GONE
+from aegaeon_proxy.sse import CLIENT_GONE
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 

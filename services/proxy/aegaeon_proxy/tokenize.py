@@ -85,5 +85,5 @@ async def detokenize(request: web.Request) -> web.Response:
         raise invalid("tokens", "'tokens' must be a list of token ids")
     ids = check_ids("tokens", tokens, assets)
     request[ACCESS].prompt_tokens = len(ids)
-    text = await asyncio.to_thread(assets.tokenizer.decode, ids, skip_special_tokens=False)
+    text = await asyncio.to_thread(assets.decode, ids)
     return json_response({"prompt": text})
