@@ -49,7 +49,6 @@ class _ChoiceLog:
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
-    offset: int = 0  # completions' text_offset of the next token
     finish: str | None = None
     parser: ToolCallParser | None = None
 
@@ -64,64 +63,27 @@ class Answer:
         self.head = Head(id=f"{spec.shapes.id_prefix}-{gen.req.request_id}",
                          created=int(gen.req.arrival_s), model=gen.req.model)  # fmt: skip
         p = spec.params
-        self.format = LogprobFormat(spec.assets, p.tokens_as_ids)
         self.want_logprobs = p.sampling.logprobs >= 0
         # completions: the prompt first; chat (vLLM's): the last, assistant's, message
-        self.echo = p.echo and (not spec.chat or spec.prompt_text is not None)
+        self.echo = p.echo and spec.prompt_text is not None
         self.choices = [_ChoiceLog(parser=spec.tools.parser() if spec.tools else None)
                         for _ in range(p.sampling.n)]  # fmt: skip
+        self.format = LogprobFormat(spec.assets, p.tokens_as_ids, chat=spec.chat,
+                                    n=p.sampling.n)  # fmt: skip
 
-    # ---- the pieces ----------------------------------------------------------------
-    def _echo_text(self) -> str:
-        if self.spec.prompt_text is not None:
-            return self.spec.prompt_text
-        return self.spec.assets.decode(self.spec.prompt_ids)
-
-    def _echo_logprobs(self) -> JSON | None:
-        """The prompt's tokens in completions' shape (the first without a log-probability)."""
-        if not self.want_logprobs or self.spec.chat:
-            return None
-        scored = list(self.gen.prompt_logprobs or ())
-        lps = [None, *scored][: len(self.spec.prompt_ids)]
-        lps += [None] * (len(self.spec.prompt_ids) - len(lps))
-        return self.format.completion(self.spec.prompt_ids, lps)
-
-    def _logprobs(self, choice: _ChoiceLog, delta: Delta) -> JSON | None:
-        """``delta``'s tokens' log-probabilities in the endpoint's shape."""
-        if not self.want_logprobs or not delta.logprobs:
-            return None
-        ids = list(delta.token_ids[: len(delta.logprobs)])
-        if self.spec.chat:
-            return {"content": self.format.chat(ids, delta.logprobs)}
-        obj = self.format.completion(ids, delta.logprobs, choice.offset)
-        choice.offset = obj["text_offset"][-1] + len(obj["tokens"][-1]) if ids else choice.offset
-        return obj
-
-    def _extra(self, choice: _ChoiceLog) -> JSON:
-        p = self.spec.params
+    def _extra(self, choice: _ChoiceLog | None) -> JSON:
+        """vLLM's additions to a choice (``choice``) or to the response (None)."""
+        p, chat = self.spec.params, self.spec.chat
         out: JSON = {}
         if p.return_token_ids:
-            out["token_ids"] = choice.token_ids
-        if p.sampling.prompt_logprobs >= 0 and not self.spec.chat:  # asked (not echo's)
-            out["prompt_logprobs"] = self._prompt_logprobs()
+            out.update({"token_ids": choice.token_ids} if choice is not None
+                       else {"prompt_token_ids": self.spec.prompt_ids})  # fmt: skip
+        # asked (not echo's): a completions choice's, a chat response's
+        if p.sampling.prompt_logprobs >= 0 and chat == (choice is None):
+            scored = self.gen.prompt_logprobs
+            out["prompt_logprobs"] = (None if scored is None
+                                      else self.format.prompt(self.spec.prompt_ids, scored))
         return out
-
-    def _prompt_logprobs(self) -> list[JSON | None] | None:
-        scored = self.gen.prompt_logprobs
-        return None if scored is None else self.format.prompt(self.spec.prompt_ids, scored)
-
-    def _response_extra(self) -> JSON:
-        p = self.spec.params
-        out: JSON = {}
-        if p.return_token_ids:
-            out["prompt_token_ids"] = self.spec.prompt_ids
-        if p.sampling.prompt_logprobs >= 0 and self.spec.chat:
-            out["prompt_logprobs"] = self._prompt_logprobs()
-        return out
-
-    def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.gen.prompt_tokens,
-                     completion_tokens=self.gen.completion_tokens)  # fmt: skip
 
     # ---- whole -----------------------------------------------------------------------
     async def whole(self) -> JSON:
@@ -134,8 +96,10 @@ class Answer:
                 choice.logprobs += delta.logprobs
                 if delta.finish_reason is not None:
                     choice.finish = delta.finish_reason
+        response_extra = self._extra(None)
         results = []
         for index, choice in enumerate(self.choices):
+            extra = self._extra(choice)
             text = "".join(choice.parts)
             finish = choice.finish or "stop"
             tool_calls = None
@@ -145,17 +109,14 @@ class Answer:
                     finish = "tool_calls"
             logprobs = None
             if self.want_logprobs:
-                ids = choice.token_ids[: len(choice.logprobs)]
-                logprobs = ({"content": self.format.chat(ids, choice.logprobs)} if self.spec.chat
-                            else self.format.completion(ids, choice.logprobs))  # fmt: skip
+                echoed = (self.format.echo(self.spec.prompt_ids, self.gen.prompt_logprobs)
+                          if self.echo else None)  # fmt: skip
+                logprobs = self.format.whole(choice.token_ids, choice.logprobs, echoed)
             if self.echo:
-                text = self._echo_text() + text
-                echoed = self._echo_logprobs()
-                if echoed is not None and logprobs is not None:
-                    logprobs = _joined(echoed, logprobs)
-            results.append(ChoiceResult(index, text, finish, logprobs, tool_calls,
-                                        self._extra(choice)))  # fmt: skip
-        return self.spec.shapes.response(self.head, results, self.usage(), self._response_extra())
+                text = f"{self.spec.prompt_text}{text}"
+            results.append(ChoiceResult(index, text, finish, logprobs, tool_calls, extra))
+        usage = Usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+        return self.spec.shapes.response(self.head, results, usage, response_extra)
 
     # ---- streamed ---------------------------------------------------------------------
     async def chunks(
@@ -171,21 +132,25 @@ class Answer:
                 yield chunk
             if self.echo:
                 for index in range(len(self.choices)):
-                    yield shapes.delta(head, index, self._echo_text(), None, usage_field)
-            echoed = False
+                    yield shapes.delta(head, index, self.spec.prompt_text or "", None,
+                                       usage_field)  # fmt: skip
+            # the echoed prompt's log-probabilities come with the first token
+            echoed = not (self.echo and self.want_logprobs)
             # Each token is its own chunk; those a busy proxy finds ready leave in one
             # write (flushed whenever the next token is not there yet).
             async with contextlib.aclosing(self.gen.deltas(before_wait)) as deltas:
                 async for delta in deltas:
-                    if self.echo and self.want_logprobs and not echoed:
-                        echoed = True  # the prompt's log-probabilities came with the first
-                        for index in range(len(self.choices)):
-                            yield shapes.delta(head, index, "", self._echo_logprobs(),
-                                               usage_field)  # fmt: skip
-                    for chunk in self._delta_chunks(delta, usage_field):
+                    out = self._delta_chunks(delta, usage_field)
+                    if not echoed:
+                        echoed = True
+                        lps = self.format.echo(self.spec.prompt_ids, self.gen.prompt_logprobs)
+                        out[:0] = [shapes.delta(head, index, "", lps, usage_field)
+                                   for index in range(len(self.choices))]  # fmt: skip
+                    for chunk in out:
                         yield chunk
             if usage_field:
-                yield shapes.usage(head, self.usage())
+                yield shapes.usage(head, Usage(self.gen.prompt_tokens,
+                                               self.gen.completion_tokens))  # fmt: skip
         except APIError as exc:
             yield exc.body()  # the error event (then [DONE])
 
@@ -193,8 +158,10 @@ class Answer:
         shapes, head = self.spec.shapes, self.head
         choice = self.choices[delta.index]
         choice.token_ids += delta.token_ids
-        logprobs = self._logprobs(choice, delta)
         finish: str | None = delta.finish_reason
+        extra = self._extra(choice) if finish is not None else {}
+        logprobs = (self.format.delta(delta.index, delta.token_ids, delta.logprobs)
+                    if self.want_logprobs else None)  # fmt: skip
         out: list[JSON] = []
         if choice.parser is not None:
             text, calls = choice.parser.push(delta.text, final=finish is not None)
@@ -207,21 +174,7 @@ class Answer:
         elif delta.text or logprobs is not None:
             out.append(shapes.delta(head, delta.index, delta.text, logprobs, usage_field))
         if finish is not None:
-            extra = self._extra(choice)
             chunk = shapes.finish(head, delta.index, finish, usage_field)
-            if extra:
-                chunk["choices"][0].update(extra)
+            chunk["choices"][0].update(extra)
             out.append(chunk)
         return out
-
-
-def _joined(first: JSON, second: JSON) -> JSON:
-    """Two completions ``logprobs`` objects as one (the second's offsets after the first's
-    text)."""
-    end = (first["text_offset"][-1] + len(first["tokens"][-1])) if first["tokens"] else 0
-    return {
-        "tokens": first["tokens"] + second["tokens"],
-        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
-        "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
-        "text_offset": first["text_offset"] + [end + o for o in second["text_offset"]],
-    }

@@ -52,10 +52,11 @@ class ModelAssets:
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def text_of(self, ids: Sequence[int]) -> str:
         """The ids' text, special tokens kept (as vLLM's echo, log-probabilities and
         ``/detokenize`` show them)."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+        tokenizer: Tokenizer = self.tokenizer  # the library's decode
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:

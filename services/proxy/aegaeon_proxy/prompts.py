@@ -49,7 +49,8 @@ class Prompt:
     """A request's prompt as the generation needs it."""
 
     ids: list[int]
-    text: str | None = None  # what `echo` repeats: the completion prompt, the last message
+    # what `echo` repeats (None: nothing): the completion prompt, chat's last message
+    text: str | None = None
     tools: ToolSetup | None = None  # chat: the tools the model may call
 
 
@@ -58,8 +59,11 @@ def completion_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    return Prompt(_truncated(completion_prompt_ids(body, assets), body, assets),
-                  prompt if isinstance(prompt, str) else None)
+    ids = _truncated(completion_prompt_ids(body, assets), body, assets)
+    if isinstance(prompt, str):
+        return Prompt(ids, prompt)
+    # token ids echo as their text (special tokens kept)
+    return Prompt(ids, assets.text_of(ids) if bool_field(body, "echo", False) else None)
 
 
 def completion_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:

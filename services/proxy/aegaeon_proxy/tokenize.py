@@ -85,5 +85,5 @@ async def detokenize(request: web.Request) -> web.Response:
         raise invalid("tokens", "'tokens' must be a list of token ids")
     ids = check_ids("tokens", tokens, assets)
     request[ACCESS].prompt_tokens = len(ids)
-    text = await asyncio.to_thread(assets.decode, ids)
+    text = await asyncio.to_thread(assets.text_of, ids)
     return json_response({"prompt": text})
