@@ -71,19 +71,20 @@ class Answer:
         self.format = LogprobFormat(spec.assets, p.tokens_as_ids, chat=spec.chat,
                                     n=p.sampling.n)  # fmt: skip
 
-    def _extra(self, choice: _ChoiceLog | None) -> JSON:
-        """vLLM's additions to a choice (``choice``) or to the response (None)."""
-        p, chat = self.spec.params, self.spec.chat
-        out: JSON = {}
-        if p.return_token_ids:
-            out.update({"token_ids": choice.token_ids} if choice is not None
-                       else {"prompt_token_ids": self.spec.prompt_ids})  # fmt: skip
-        # asked (not echo's): a completions choice's, a chat response's
-        if p.sampling.prompt_logprobs >= 0 and chat == (choice is None):
+    def _extras(self) -> tuple[list[JSON], JSON]:
+        """vLLM's additions to each choice and to the response: ``token_ids`` and
+        ``prompt_token_ids``, and ``prompt_logprobs`` when asked (not echo's): on each
+        choice of a completion, on a chat response."""
+        p = self.spec.params
+        response: JSON = {"prompt_token_ids": self.spec.prompt_ids} if p.return_token_ids else {}
+        shared: JSON = {}
+        if p.sampling.prompt_logprobs >= 0:
             scored = self.gen.prompt_logprobs
-            out["prompt_logprobs"] = (None if scored is None
-                                      else self.format.prompt(self.spec.prompt_ids, scored))
-        return out
+            lps = None if scored is None else self.format.prompt(self.spec.prompt_ids, scored)
+            (response if self.spec.chat else shared)["prompt_logprobs"] = lps
+        choices = [{"token_ids": c.token_ids, **shared} if p.return_token_ids else shared
+                   for c in self.choices]  # fmt: skip
+        return choices, response
 
     # ---- whole -----------------------------------------------------------------------
     async def whole(self) -> JSON:
@@ -96,10 +97,9 @@ class Answer:
                 choice.logprobs += delta.logprobs
                 if delta.finish_reason is not None:
                     choice.finish = delta.finish_reason
-        response_extra = self._extra(None)
+        choice_extras, response_extra = self._extras()
         results = []
         for index, choice in enumerate(self.choices):
-            extra = self._extra(choice)
             text = "".join(choice.parts)
             finish = choice.finish or "stop"
             tool_calls = None
@@ -114,7 +114,8 @@ class Answer:
                 logprobs = self.format.whole(choice.token_ids, choice.logprobs, echoed)
             if self.echo:
                 text = f"{self.spec.prompt_text}{text}"
-            results.append(ChoiceResult(index, text, finish, logprobs, tool_calls, extra))
+            results.append(ChoiceResult(index, text, finish, logprobs, tool_calls,
+                                        choice_extras[index]))  # fmt: skip
         usage = Usage(self.gen.prompt_tokens, self.gen.completion_tokens)
         return self.spec.shapes.response(self.head, results, usage, response_extra)
 
@@ -159,7 +160,7 @@ class Answer:
         choice = self.choices[delta.index]
         choice.token_ids += delta.token_ids
         finish: str | None = delta.finish_reason
-        extra = self._extra(choice) if finish is not None else {}
+        extra = self._extras()[0][delta.index] if finish is not None else {}
         logprobs = (self.format.delta(delta.index, delta.token_ids, delta.logprobs)
                     if self.want_logprobs else None)  # fmt: skip
         out: list[JSON] = []
