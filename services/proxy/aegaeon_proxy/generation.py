@@ -1,4 +1,5 @@
-"""One generation: submit to the backend, turn its token stream into safe text.
+"""One generation: submitted to the backend when made, its token stream turned into
+safe text, its end recorded (metrics, the access log's counts, Ollama's keep_alive).
 
 Owns the parts between token ids and text deltas: the stop token (not shown),
 incremental detokenizing, stop strings (a match ends that sequence; once every

@@ -1,10 +1,11 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: one code path.
 
 :func:`generate` reads the body, has :func:`aegaeon_proxy.intake.prepare` check it
-and submit the generation (an :class:`~aegaeon_proxy.intake.Endpoint` row says how
-the two endpoints differ), and answers. Errors
-before the first byte is sent are HTTP errors; after (streaming), an
-``{"error": ...}`` event followed by ``[DONE]``.
+once and submit the generation (an :class:`~aegaeon_proxy.intake.Endpoint` row says
+how the two endpoints differ), and hands the answer's response object to
+``json_response`` or its chunks to the SSE writer. Errors before the first byte is
+sent are HTTP errors; after (streaming), an ``{"error": ...}`` event followed by
+``[DONE]``.
 """
 
 from __future__ import annotations

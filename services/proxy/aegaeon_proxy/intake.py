@@ -1,9 +1,10 @@
 """A generation request read into what the rest of its handling needs.
 
 :func:`prepare` checks a completions or chat body once, in this order: the fields
-the endpoint knows, the sampling fields, the key's access to the model, the SLO
-class, the model's assets and defaults, the prompt (tokenized, truncated), the
-structured-output grammar and the request id; then it submits the generation.
+the endpoint knows, the sampling fields, the key's access to the model and its
+assets, the SLO class, the prompt (tokenized, truncated), the structured-output
+grammar and the request id; then the request is completed for its model (its
+sampling defaults, max_tokens against the window) and the generation submitted.
 An :class:`Endpoint` row says how the two endpoints differ (which fields, how the
 prompt becomes ids, which response shapes).
 """
