@@ -119,8 +119,9 @@ class Generation:
         ``access`` log record gets the counts, and Ollama's ``keep_alive_s`` starts."""
         self._state = state
         self.req = req
-        backend, metrics, models = state.backend, state.metrics, state.models
-        self._backend, self._metrics, self._models = backend, metrics, models
+        backend = self._backend = state.backend
+        metrics = self._metrics = state.metrics
+        models = self._models = state.models
         self._access = access
         self._keep_alive_s = keep_alive_s
         stop_ids = frozenset(req.sampling.stop_token_ids)
