@@ -139,9 +139,10 @@ def make_app(config: Config, backend: Backend) -> web.Application:
             if models.get(name) is not None:
                 models.update(name, settings)
 
-        state.backend.follow_model_settings(apply)  # PATCHes of other replicas
-        state.backend.follow_served(admin_models.follow_served(state))  # their adds, removals
-        state.backend.follow_unavailable(admin_models.follow_unavailable(state))  # unreadable
+        shared = state.backend.models
+        shared.follow_model_settings(apply)  # PATCHes of other replicas
+        shared.follow_served(admin_models.follow_served(state))  # their adds, removals
+        shared.follow_unavailable(admin_models.follow_unavailable(state))  # unreadable
         await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:
