@@ -184,11 +184,6 @@ class Generation:
             self.outcome = "rejected"
             raise backend_api_error(exc) from None
 
-    @property
-    def finish_reasons(self) -> list[ClientFinish | None]:
-        """Each choice's finish reason (None: it has not ended)."""
-        return [c.finish for c in self._choices]
-
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
     ) -> AsyncGenerator[Delta, None]:

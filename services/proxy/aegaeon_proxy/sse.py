@@ -21,7 +21,8 @@ __all__ = ["CLIENT_GONE", "STREAMING", "SSEWriter"]
 
 
 class SSEWriter:
-    """OpenAI's framing: ``data: {json}\\n\\n`` per event, ``data: [DONE]\\n\\n`` last."""
+    """OpenAI's framing: ``data: {json}\\n\\n`` per event, ``data: [DONE]\\n\\n`` last;
+    the events that are ready leave in one write."""
 
     def __init__(self, request: web.Request, write_timeout_s: float | None = None) -> None:
         """``write_timeout_s``: a write the client does not take within it (a reader
@@ -39,27 +40,24 @@ class SSEWriter:
     async def stream(self, events: AsyncGenerator[JSON, None], *, named: bool = False,
                      sentinel: bool = True) -> web.StreamResponse:  # fmt: skip
         """The whole stream: open it, write ``events`` (those that are ready leave in one
-        write: ``events`` awaits :meth:`flush` before it waits), end it (:meth:`done`).
-        ``named``: each event named by its ``type`` (the Responses API's). A client
-        gone, or one that does not read, marks the request (``CLIENT_GONE``)."""
+        write: ``events`` awaits :meth:`flush` before it waits), end it after
+        ``data: [DONE]`` as chat and completions end (``sentinel=False``: without, as
+        Responses streams end). ``named``: each event after an ``event:`` line naming
+        its ``type`` (the Responses API's). A client gone, or one that does not read,
+        marks the request (``CLIENT_GONE``)."""
         try:
-            await self.open()
+            self._request[STREAMING] = True
+            await self.response.prepare(self._request)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    self.add(event, event["type"] if named else None)
-            await self.done(sentinel)
+                    self._held.append(sse_event(event, event["type"] if named else None))
+            if sentinel:
+                self._held.append(b"data: [DONE]\n\n")
+            await self.flush()
+            await self._bounded(self.response.write_eof())
         except ConnectionResetError:
             self._request[CLIENT_GONE] = True
         return self.response
-
-    async def open(self) -> None:
-        self._request[STREAMING] = True
-        await self.response.prepare(self._request)
-
-    def add(self, obj: Any, event: str | None = None) -> None:
-        """Queue an event (named ``event``: an ``event:`` line first); it leaves with the
-        next :meth:`flush`, :meth:`send` or :meth:`done`."""
-        self._held.append(sse_event(obj, event))
 
     async def flush(self) -> None:
         """Write the queued events, as one write; ``ConnectionResetError`` when the
@@ -78,15 +76,3 @@ class SSEWriter:
             if transport is not None:
                 transport.abort()  # drop what the kernel and aiohttp still buffer
             raise ConnectionResetError("the client did not read the stream") from None
-
-    async def send(self, obj: Any) -> None:
-        self.add(obj)
-        await self.flush()
-
-    async def done(self, sentinel: bool = True) -> None:
-        """The last events, then the end of the stream (after ``data: [DONE]``, as chat
-        and completions end; ``sentinel=False``: without, as Responses streams end)."""
-        if sentinel:
-            self._held.append(b"data: [DONE]\n\n")
-        await self.flush()
-        await self._bounded(self.response.write_eof())
