@@ -38,7 +38,7 @@ class AnswerSpec:
     shapes: Shapes
     chat: bool
     prompt_ids: list[int]
-    prompt_text: str | None = None  # completions: the prompt as sent (echo)
+    prompt_text: str | None = None  # what `echo` repeats (None: nothing to echo)
     tools: ToolSetup | None = None  # chat: the tools the model may call
 
 

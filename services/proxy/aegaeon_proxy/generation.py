@@ -117,13 +117,12 @@ class Generation:
         + k x TBT. The live model table counts the model's requests in flight
         (``max_concurrency``; a removed model waits for them). At the end, the request's
         ``access`` log record gets the counts, and Ollama's ``keep_alive_s`` starts."""
-        self._state = state
         self.req = req
         backend = self._backend = state.backend
         metrics = self._metrics = state.metrics
         models = self._models = state.models
         self._access = access
-        self._keep_alive_s = keep_alive_s
+        self._keep_alive, self._keep_alive_s = state.keep_alive, keep_alive_s
         stop_ids = frozenset(req.sampling.stop_token_ids)
         self._choices = [_Choice(assets, stop, stop_ids, skip_special_tokens,
                                  req.sampling.min_tokens) for _ in range(req.sampling.n)]
@@ -321,4 +320,4 @@ class Generation:
         self._access.output_tokens, self._access.ttft_s = self.completion_tokens, self.ttft_s
         self._access.outcome = outcome
         if self._keep_alive_s is not None:  # Ollama's keep_alive counts from the end
-            self._state.keep_alive.after(model, self._keep_alive_s)
+            self._keep_alive.after(model, self._keep_alive_s)
