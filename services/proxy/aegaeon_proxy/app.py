@@ -22,8 +22,9 @@ from aegaeon_proxy import (
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.errors import APIError
-from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
+from aegaeon_proxy.http_io import CLOSE_CONNECTION
 from aegaeon_proxy.request_ids import CLIENT_CLOSED
+from aegaeon_proxy.sse import CLIENT_GONE, STREAMING
 from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
