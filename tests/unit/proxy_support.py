@@ -54,6 +54,7 @@ class ScriptedBackend(Backend):
     optional operations: their defaults)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.token_ids: list[int] = []
         self.finish: FinishReason = "length"
         self.code: str | None = None  # an "error" finish's code (None: a backend error)

@@ -13,7 +13,7 @@ from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress, write_http_address
 from aegaeon_proxy.admin_models import parse_settings, quarantine
 from aegaeon_proxy.app import make_app
-from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.backend import BackendError, ModelOps
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
@@ -22,7 +22,7 @@ from proxy_support import MODEL, ScriptedBackend, market_dir
 EXTRA = "mistral-11m"  # in the market, not configured
 
 
-class ControlledBackend(ScriptedBackend):
+class ControlledBackend(ScriptedBackend, ModelOps):
     """The scripted backend plus a Model Cache of its own (test double of a backend that
     changes its models and reads them again)."""
 
@@ -30,6 +30,7 @@ class ControlledBackend(ScriptedBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        self.models = self  # (its own model operations)
         self.calls: list[tuple[Any, ...]] = []
         self.resident: dict[str, int] = {}
         self.pinned: set[str] = set()
@@ -82,7 +83,7 @@ def _run(scenario: Any, settings: dict[str, ModelSettings] | None = None) -> Non
     config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
                     model_settings=settings or {})  # fmt: skip
     backend = ControlledBackend()
-    assert backend.changes_models and not ScriptedBackend().changes_models
+    assert backend.changes_models and not ScriptedBackend().models.changes_models
 
     async def main() -> None:
         app = make_app(config, backend)

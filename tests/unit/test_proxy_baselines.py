@@ -107,10 +107,12 @@ async def test_static_multiplexing_refuses_a_model_it_placed_nowhere(tmp_path: P
     try:
         stream = backend.submit(_gen("r0", "a"))
         for _ in range(100):
-            if "r0" in backend.where:
+            if backend.requests["r0"].where is not None:
                 break
             await asyncio.sleep(0.01)
-        on = backend.where["r0"].instance
+        where = backend.requests["r0"].where
+        assert where is not None
+        on = where.instance
         run = await _next_run(pulls[int(on.rpartition("-")[2])])
         assert isinstance(run, RunRequest) and run.request_id == "r0"
         refused = backend.submit(_gen("r1", "zzz"))  # not a model of the placement

@@ -24,6 +24,7 @@ import pytest
 from aegaeon_common.config import ApiKeyConfig, Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import ACCESS, make_admin_app, make_app
 from aegaeon_proxy.auth import Access
+from aegaeon_proxy.backend import ModelOps
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
 from key_rights import (
@@ -51,7 +52,7 @@ SETUPS = {
 }
 
 
-class Recorder(ScriptedBackend):
+class Recorder(ScriptedBackend, ModelOps):
     """Models on a pretend device and a Model Cache (model changes, sleep and wake,
     quarantine, stats): records every change the proxy asks for."""
 
@@ -59,6 +60,7 @@ class Recorder(ScriptedBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        self.models = self  # (its own model operations)
         self.token_ids = [5, 6]
         self.changes: list[tuple[Any, ...]] = []
         self.resident = {MINE, OTHER}

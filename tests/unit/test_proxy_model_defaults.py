@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from aegaeon_common.config import ModelConfig
 from aegaeon_proxy.assets import AssetError, load_assets
-from aegaeon_proxy.params import FIELDS, parse_common, with_model_defaults
+from aegaeon_proxy.params import FIELDS, parse_common
+from aegaeon_proxy.prompts import build_request
 from proxy_support import market_dir
 
 
@@ -28,15 +29,12 @@ def test_defaults_fill_only_what_the_request_left_out(tmp_path: Path) -> None:
     assert dict(assets.sampling_defaults) == {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
 
     bare = {"model": "m", "prompt": "x"}
-    params = with_model_defaults(parse_common(bare, FIELDS), bare, assets.sampling_defaults)
-    s = params.sampling
+    s = build_request("r", parse_common(bare, FIELDS), [1], assets, chat=False).sampling
     assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.9, 50)
 
     explicit = {"model": "m", "prompt": "x", "temperature": 0, "top_k": 0, "top_p": None}
-    params = with_model_defaults(parse_common(explicit, FIELDS), explicit,
-                                 assets.sampling_defaults)  # fmt: skip
+    s = build_request("r", parse_common(explicit, FIELDS), [1], assets, chat=False).sampling
     # an explicit 0 (greedy, top-k off) wins; null counts as left out
-    s = params.sampling
     assert (s.temperature, s.top_k, s.top_p) == (0.0, 0, 0.9)
 
 
@@ -44,8 +42,7 @@ def test_a_model_without_defaults_keeps_openai_defaults(tmp_path: Path) -> None:
     assets = load_assets(_model_with(tmp_path))
     assert dict(assets.sampling_defaults) == {}
     bare = {"model": "m", "prompt": "x"}
-    params = with_model_defaults(parse_common(bare, FIELDS), bare, assets.sampling_defaults)
-    s = params.sampling
+    s = build_request("r", parse_common(bare, FIELDS), [1], assets, chat=False).sampling
     assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
 
 

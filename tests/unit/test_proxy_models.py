@@ -34,16 +34,14 @@ from aegaeon_common.registry import (
     UnavailableModelsRecord,
     encode,
     instance_key,
-)
-from aegaeon_common.store import MemoryStore
-from aegaeon_common.wire import Message
-from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.cluster.models import (
-    SharedModels,
     served_changes,
     with_change,
     with_unavailable,
 )
+from aegaeon_common.store import MemoryStore
+from aegaeon_common.wire import Message
+from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.cluster.models import SharedModels
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec
@@ -116,7 +114,7 @@ class Replica:
         caches: Any = self.caches
         self.models = SharedModels(config, self.view, caches, self.records, send, spawn,
                                     REPLY_TO, f"proxy-{name}")  # fmt: skip
-        self.models.follow_with(lambda n, m: self.applied.append((n, m)))
+        self.models.follow_served(lambda n, m: self.applied.append((n, m)))
 
     async def put(self, *records: InstanceRecord) -> None:
         for r in records:
@@ -144,7 +142,7 @@ def _every(models: list[str], **kw: object) -> list[InstanceRecord]:
 async def test_an_add_reaches_every_node_and_waits_for_the_records() -> None:
     replica = Replica(MemoryStore())
     await replica.put(*_every([OLD]))
-    task = asyncio.ensure_future(replica.models.add(ModelConfig(NEW, Path("/m/new"))))
+    task = asyncio.ensure_future(replica.models.add_model(ModelConfig(NEW, Path("/m/new"))))
     await _settle()
     assert replica.caches.calls == [(f"tcp://{n}:2", RegisterModel(NEW, "/m/new")) for n in NODES]
     adds = [(n, m) for n, m in replica.sent if isinstance(m, AddModel)]
@@ -161,14 +159,14 @@ async def test_an_add_reaches_every_node_and_waits_for_the_records() -> None:
     await replica.put(*_every([OLD, NEW]))
     await asyncio.wait_for(task, 5)
     assert NEW in replica.view.latency().specs  # type: ignore[union-attr]  # re-read
-    assert await replica.models.forget(NEW) is True
+    assert await replica.models.forget_model(NEW) is True
     assert [m for _, m in replica.caches.calls[-2:]] == [ForgetModel(NEW)] * 2
 
 
 async def test_an_instance_that_cannot_read_it_fails_the_add() -> None:
     replica = Replica(MemoryStore())
     await replica.put(*_every([OLD]))
-    task = asyncio.ensure_future(replica.models.add(ModelConfig(NEW, Path("/m/new"))))
+    task = asyncio.ensure_future(replica.models.add_model(ModelConfig(NEW, Path("/m/new"))))
     await _settle()
     replica.answer("node-1/decode-0", [OLD])  # answered without it (checkpoint error)
     with pytest.raises(BackendError) as info:
@@ -180,8 +178,8 @@ async def test_sleep_is_read_from_every_nodes_records_and_answers() -> None:
     replica = Replica(MemoryStore())
     await replica.put(*_every([OLD], resident=[OLD], version=1))
     ops = replica.models
-    assert not ops.sleeping(OLD)
-    task = asyncio.ensure_future(ops.set_awake(OLD, False))
+    assert not ops.model_sleeping(OLD)
+    task = asyncio.ensure_future(ops.set_model_awake(OLD, False))
     await _settle()
     sleeps = [(n, m) for n, m in replica.sent if isinstance(m, SetModelAwake)]
     assert len(sleeps) == 4 and all(not m.awake and m.reply_to == REPLY_TO for _, m in sleeps)
@@ -191,10 +189,10 @@ async def test_sleep_is_read_from_every_nodes_records_and_answers() -> None:
     # another replica reads the same from the records once the instances beat
     other = Replica(replica.store, "b")
     await other.put(*_every([OLD], version=2))
-    assert other.models.sleeping(OLD)
+    assert other.models.model_sleeping(OLD)
     # a wake goes to the least busy prefill instance of any node
     await other.put(_record("node-0", "prefill", [OLD], version=2, work=3))
-    task = asyncio.ensure_future(other.models.set_awake(OLD, True))
+    task = asyncio.ensure_future(other.models.set_model_awake(OLD, True))
     await _settle()
     wakes = [(n, m) for n, m in other.sent if isinstance(m, SetModelAwake)]
     assert [n for n, _ in wakes] == ["node-1/prefill-0"]
@@ -205,13 +203,13 @@ async def test_sleep_is_read_from_every_nodes_records_and_answers() -> None:
 async def test_a_replica_follows_what_another_published() -> None:
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
-    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await a.models.publish_served(NEW, ModelConfig(NEW, Path("/m/new")))
     await b.records.refresh()
     await b.records.refresh()  # (nothing new: nothing applied twice)
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]
     assert b.models.served_names() == [OLD, NEW] and NEW in b.models.added
-    await a.models.publish(NEW, None)
-    await a.models.publish(OLD, None)
+    await a.models.publish_served(NEW, None)
+    await a.models.publish_served(OLD, None)
     await b.records.refresh()
     assert b.applied[1:] == [(NEW, None), (OLD, None)]
     assert b.models.served_names() == [] and b.models.removed == {OLD}
@@ -224,8 +222,8 @@ async def test_a_replica_follows_what_another_published() -> None:
 async def test_a_replica_that_changes_the_set_follows_what_it_had_not_read_yet() -> None:
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
-    await a.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
-    await b.models.publish(OLD, None)  # b had not read a's add: its change holds it
+    await a.models.publish_served(NEW, ModelConfig(NEW, Path("/m/new")))
+    await b.models.publish_served(OLD, None)  # b had not read a's add: its change holds it
     assert b.applied == [(NEW, ModelConfig(NEW, Path("/m/new")))]  # (its own: its front's)
     assert b.models.served_names() == [NEW] and b.models.removed == {OLD}
     await b.records.refresh()
@@ -243,7 +241,7 @@ def test_the_shared_record_and_its_changes() -> None:
 
 async def test_an_instance_that_joins_is_given_the_models_added() -> None:
     replica = Replica(MemoryStore())
-    await replica.models.publish(NEW, ModelConfig(NEW, Path("/m/new")))
+    await replica.models.publish_served(NEW, ModelConfig(NEW, Path("/m/new")))
     await replica.records.refresh()
     joined = [_record("node-1", "prefill", [OLD, NEW]), _record("node-1", "decode", [OLD])]
     await replica.put(*joined)
@@ -260,31 +258,31 @@ async def test_the_unreadable_models_are_shared_until_a_reload_lifts_them() -> N
     store = MemoryStore()
     a, b = Replica(store, "a"), Replica(store, "b")
     seen: list[tuple[str, str | None]] = []
-    b.models.quarantine.follow(lambda n, w: seen.append((n, w)))
+    b.models.follow_unavailable(lambda n, w: seen.append((n, w)))
     await a.models.publish_unavailable(NEW, "/m/new/model.safetensors: missing file", 100.0)
-    assert a.models.quarantine.models == {NEW: "/m/new/model.safetensors: missing file"}
+    assert a.models.unavailable == {NEW: "/m/new/model.safetensors: missing file"}
     await b.records.refresh()
     await b.records.refresh()  # (nothing new: nothing applied twice)
     assert seen == [(NEW, "/m/new/model.safetensors: missing file")]
     # the first error stands; a reload (on b) lifts it for every replica
     await b.models.publish_unavailable(NEW, "another error", 101.0)
     await b.models.publish_unavailable(NEW, None, 200.0)
-    assert seen[-1] == (NEW, None) and not b.models.quarantine.models
+    assert seen[-1] == (NEW, None) and not b.models.unavailable
     await a.records.refresh()
-    assert not a.models.quarantine.models
+    assert not a.models.unavailable
     # a cachemgr's report asked for before the reload is old news; one after is not
     await a.models.publish_unavailable(NEW, "stale", 150.0)
     await b.records.refresh()
-    assert not b.models.quarantine.models
+    assert not b.models.unavailable
     await a.models.publish_unavailable(NEW, "broken again", 250.0)
     await b.records.refresh()
-    assert b.models.quarantine.models == {NEW: "broken again"}
+    assert b.models.unavailable == {NEW: "broken again"}
     # a store that lost it gets it back from the replicas that know it
     await store.delete(UNAVAILABLE_MODELS)
     await a.records.refresh()
     c = Replica(store, "c")
     await c.records.refresh()
-    assert c.models.quarantine.models == {NEW: "broken again"}
+    assert c.models.unavailable == {NEW: "broken again"}
 
 
 def test_the_unavailable_record_and_its_changes() -> None:
@@ -302,7 +300,7 @@ async def test_a_reload_reads_it_again_on_every_node_and_gives_it_to_who_lacks_i
     await replica.put(*_every([OLD]))
     # prefill-0 of node-0 could not read its config at start: only it gets AddModel
     await replica.put(_record("node-0", "prefill", []))
-    task = asyncio.ensure_future(replica.models.reload(ModelConfig(OLD, Path("/m/old"))))
+    task = asyncio.ensure_future(replica.models.reload_model(ModelConfig(OLD, Path("/m/old"))))
     await _settle()
     assert replica.caches.calls == [(f"tcp://{n}:2", ReloadModel(OLD, "/m/old")) for n in NODES]
     adds = [(n, m.name) for n, m in replica.sent if isinstance(m, AddModel)]

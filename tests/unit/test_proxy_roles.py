@@ -84,7 +84,7 @@ def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     switcher.arrived(0.1, 4000)  # 2000 tokens/s over the 2 s window > 0.5 x 1000
     (up,) = _observe(switcher, 0.2, _load(policy), meters, alive=True)
     assert (up.instance, up.role) == ("decode-0", "prefill")
-    assert switcher.role("decode-0") == "prefill" and switcher.switches["prefill"] == 1
+    assert switcher.roles["decode-0"] == "prefill" and switcher.switches["prefill"] == 1
     # the caller applies it: decode-0 takes prefill work from now on
     policy.set_role(up.instance, up.role, 0.2)
     policy.on_arrival(Request("r0", "a", 0.2, 500, 8), 0.2)  # r0's group on prefill-0
@@ -168,7 +168,7 @@ async def _replica(store: MemoryStore, name: str) -> SharedRoles:
 async def _publish(store: MemoryStore, replica: SharedRoles, now_s: float) -> None:
     """``replica``'s heartbeat (its arrival velocity), as the backend's beat writes it."""
     record = ProxyRecord(v=1, proxy_id=replica.proxy_id, report_address="tcp://x:1", pid=1,
-                         arrival_tokens_per_s=replica.arrival_rate(now_s))  # fmt: skip
+                         arrival_tokens_per_s=replica.switcher.arrivals.rate(now_s))  # fmt: skip
     await store.put(proxy_key(replica.proxy_id), encode(record), 60.0)
     await store.set_add(PROXIES, replica.proxy_id)
 
@@ -188,7 +188,7 @@ async def test_one_replica_decides_on_every_replicas_arrivals_and_the_others_fol
     assert _prefill_ids(a) == _prefill_ids(b) == ["a/prefill-0"]
     # a burst reaches replica b only: 4000 tokens over its 2 s window > 0.5 x 1000 tok/s
     now = time.monotonic()
-    b.arrived(now, 4000)
+    b.switcher.arrived(now, 4000)
     await _publish(store, b, now)
     await a.refresh()
     assert a.view.roles["a/decode-0"] == "prefill" and a.switcher.switches["prefill"] == 1
@@ -212,11 +212,11 @@ async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabl
     store = MemoryStore()
     await _register(store, _shared_record("prefill"), _shared_record("decode", draining=True))
     a = await _replica(store, "a")
-    a.arrived(time.monotonic(), 100_000)
+    a.switcher.arrived(time.monotonic(), 100_000)
     await a.refresh()
     assert a.deciding and a.view.roles == {"a/prefill-0": "prefill", "a/decode-0": "decode"}
     off = SharedRoles(Config(models=()), store, RegistryView(store, True), "off")
-    off.arrived(time.monotonic(), 100_000)
+    off.switcher.arrived(time.monotonic(), 100_000)
     await off.refresh()
     assert not off.deciding and off.view.roles == {}
 

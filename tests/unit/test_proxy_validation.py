@@ -107,7 +107,7 @@ UNSUPPORTED: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize(("fields", "param"), UNSUPPORTED)
 def test_unknown_or_unsupported_field_is_400_naming_it(fields: dict[str, Any],
                                                        param: str) -> None:  # fmt: skip
-    from aegaeon_proxy.handlers import CHAT_COMPLETIONS, COMPLETIONS
+    from aegaeon_proxy.intake import CHAT_COMPLETIONS, COMPLETIONS
     from aegaeon_proxy.request_fields import check_fields
 
     for endpoint in (CHAT_COMPLETIONS, COMPLETIONS):
@@ -118,7 +118,7 @@ def test_unknown_or_unsupported_field_is_400_naming_it(fields: dict[str, Any],
 
 
 def test_harmless_and_default_fields_pass() -> None:
-    from aegaeon_proxy.handlers import CHAT_COMPLETIONS
+    from aegaeon_proxy.intake import CHAT_COMPLETIONS
     from aegaeon_proxy.request_fields import HARMLESS, check_fields
 
     body = {**BASE, "messages": [], "use_beam_search": False, "length_penalty": 1.0,

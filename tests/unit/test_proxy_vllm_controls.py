@@ -11,20 +11,21 @@ from typing import Any
 import pytest
 from aegaeon_common.config import ApiKeyConfig, Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_app
-from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.backend import BackendError, ModelOps
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.keep_alive import FOREVER, parse_keep_alive
 from aiohttp.test_utils import TestClient, TestServer
 from proxy_support import MODEL, ScriptedBackend
 
 
-class Controlled(ScriptedBackend):
+class Controlled(ScriptedBackend, ModelOps):
     """Models on a pretend device; records flags and sleeps (model changes, sleep and wake)."""
 
     changes_models = True
 
     def __init__(self) -> None:
         super().__init__()
+        self.models = self  # (its own model operations)
         self.resident: set[str] = set()
         self.busy: set[str] = set()  # a device with work of it keeps it through a sleep
         self.calls: list[tuple[str, str, bool]] = []

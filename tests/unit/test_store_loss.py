@@ -22,9 +22,9 @@ from aegaeon_common.registry import (
     encode,
     instance_key,
     prefill_queue_key,
+    with_change,
 )
 from aegaeon_common.store import MemoryStore
-from aegaeon_proxy.cluster.models import with_change
 from aegaeon_proxy.cluster.registry import RegistryView, StoreHealth
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_runtime.registrar import Registrar

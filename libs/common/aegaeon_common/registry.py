@@ -295,6 +295,44 @@ def decode_unavailable_models(raw: bytes) -> UnavailableModelsRecord:
     return msgspec.msgpack.decode(raw, type=UnavailableModelsRecord)
 
 
+def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
+                version: int = 0, base: str | None = None) -> ServedModelsRecord:
+    """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` (a LoRA
+    adapter: of ``base``) or, with None, removed."""
+    record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
+    bases = {n: b for n, b in record.bases.items() if n != name}
+    if path is not None and base is not None:
+        bases[name] = base
+    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy,
+                              version=version, bases=bases)  # fmt: skip
+
+
+def with_unavailable(raw: bytes | None, name: str, why: str | None, asked_at: float,
+                     proxy: str, version: int = 0) -> UnavailableModelsRecord | None:  # fmt: skip
+    """The shared record ``raw`` with ``name`` unavailable (``why``, from a report asked
+    for at ``asked_at``) or lifted (None, by a reload that began at ``asked_at``); None
+    when that changes nothing (already there, or a report older than the last lift)."""
+    record = (decode_unavailable_models(raw) if raw is not None
+              else UnavailableModelsRecord(v=1))  # fmt: skip
+    models, lifted = dict(record.models), dict(record.lifted)
+    if why is None:
+        lifted[name] = max(asked_at, lifted.get(name, 0.0))
+        models.pop(name, None)
+    elif name in models or asked_at < lifted.get(name, 0.0):
+        return None
+    else:
+        models[name] = why
+    return UnavailableModelsRecord(v=1, models=models, lifted=lifted, proxy=proxy,
+                                   version=version)  # fmt: skip
+
+
+def served_changes(record: ServedModelsRecord,
+                   applied: dict[str, str | None]) -> list[tuple[str, str | None]]:  # fmt: skip
+    """What ``record`` changed since ``applied`` (what a replica applied last): (name,
+    path) added, (name, None) removed, in the record's order."""
+    return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
+
+
 def decode_roles(raw: bytes) -> RolesRecord:
     return msgspec.msgpack.decode(raw, type=RolesRecord)
 

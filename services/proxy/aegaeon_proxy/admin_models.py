@@ -47,7 +47,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.assets import AssetError
-from aegaeon_proxy.backend import NOT_SUPPORTED, Backend, BackendError
+from aegaeon_proxy.backend import NOT_SUPPORTED, BackendError, ModelOps
 from aegaeon_proxy.errors import APIError, backend_api_error, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
@@ -178,13 +178,14 @@ def _cache_summary(cache: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return {k: cache.get(k) for k in keys}
 
 
-def _control(state: ProxyState) -> Backend:
-    """The backend, when it changes its models at run time (else 501, before any work)."""
-    backend = state.backend
-    if not backend.changes_models:
+def _control(state: ProxyState) -> ModelOps:
+    """The backend's models, when it changes them at run time (else 501, before any
+    work)."""
+    models = state.backend.models
+    if not models.changes_models:
         raise APIError(501, "this backend cannot change its models at run time",
                        code=NOT_SUPPORTED)  # fmt: skip
-    return backend
+    return models
 
 
 def _backend_error(exc: BackendError, name: str | None = None) -> APIError:
@@ -205,7 +206,7 @@ async def quarantine(state: ProxyState, name: str, why: str | None) -> None:
     """``name`` unavailable (``why``) or available again (None), on every replica (the
     backend's); on this one alone when the backend does not share it or cannot now."""
     try:
-        await state.backend.quarantine_model(name, why)
+        await state.backend.models.quarantine_model(name, why)
     except BackendError as exc:  # (the store is down: this replica knows, at least)
         log.warning("model_quarantine_not_shared", model=name, error=exc.message)
         follow_unavailable(state)(name, why)
@@ -231,7 +232,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 async def list_models(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/models``."""
     state = request.app[STATE]
-    cache = await state.backend.model_cache()
+    cache = await state.backend.models.model_cache()
     return json_response({"object": "list", "data": model_rows(state.models, cache),
                           "model_cache": _cache_summary(cache)})  # fmt: skip
 
@@ -240,7 +241,7 @@ async def get_model(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/models/{model}``."""
     state = request.app[STATE]
     entry = _entry(state, request.match_info["model"])
-    return json_response(model_row(state.models, entry, await state.backend.model_cache()))
+    return json_response(model_row(state.models, entry, await state.backend.models.model_cache()))
 
 
 async def patch_model(request: web.Request) -> web.Response:
@@ -256,7 +257,7 @@ async def patch_model(request: web.Request) -> web.Response:
         # a request's keep_alive may hold it too (aegaeon_proxy.keep_alive)
         pinned = settings.pin or state.keep_alive.held(name)
         try:
-            await state.backend.set_model_flags(
+            await state.backend.models.set_model_flags(
                 name, pinned=pinned, preload=changes.get("preload") is True
             )
         except BackendError as exc:
@@ -269,11 +270,11 @@ async def patch_model(request: web.Request) -> web.Response:
     settings = msgspec.structs.replace(entry.settings, **changes)
     state.models.update(name, settings)
     try:  # the other replicas take them too
-        await state.backend.publish_model_settings(name, settings)
+        await state.backend.models.publish_model_settings(name, settings)
     except BackendError as exc:
         raise _backend_error(exc) from None
     log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
-    return json_response(model_row(state.models, entry, await state.backend.model_cache()))
+    return json_response(model_row(state.models, entry, await state.backend.models.model_cache()))
 
 
 async def add_model(request: web.Request) -> web.Response:
@@ -309,7 +310,7 @@ async def add_model(request: web.Request) -> web.Response:
         raise APIError(409, f"model '{name}' is a LoRA adapter of '{model.base}', which is not "
                        "served (add it first)", param="name", code="base_not_served")
     entry = await serve_model(state, model, changes)
-    cache = await state.backend.model_cache()
+    cache = await state.backend.models.model_cache()
     return json_response(model_row(state.models, entry, cache), status=201)
 
 
@@ -367,7 +368,7 @@ async def _add_unavailable(state: ProxyState, model: ModelConfig, why: str) -> N
     await quarantine(state, model.name, why)
     state.models.finish_add(model.name)
     try:
-        await state.backend.publish_served(model.name, model)
+        await state.backend.models.publish_served(model.name, model)
     except BackendError as exc:
         log.warning("model_add_not_shared", model=model.name, error=exc.message)
 
@@ -389,16 +390,16 @@ async def reload_model(request: web.Request) -> web.Response:
         await quarantine(state, name, str(exc))
         raise _unreadable(name, str(exc)) from None
     try:
-        await state.backend.reload_model(entry.config)  # (unavailable again: it says)
+        await state.backend.models.reload_model(entry.config)  # (unavailable again: it says)
     except BackendError as exc:
         log.error("model_reload_failed", model=name, code=exc.code, error=exc.message)
         raise _backend_error(exc, name) from None
     state.models.release(name)  # (the backend told it too; this replica at once)
     log.info("model_reloaded", model=name, path=str(entry.config.path))
-    return json_response(model_row(state.models, entry, await state.backend.model_cache()))
+    return json_response(model_row(state.models, entry, await state.backend.models.model_cache()))
 
 
-async def _forget(control: Backend, name: str) -> bool | None:
+async def _forget(control: ModelOps, name: str) -> bool | None:
     try:
         return await control.forget_model(name)
     except BackendError as exc:
@@ -407,7 +408,7 @@ async def _forget(control: Backend, name: str) -> bool | None:
 
 
 async def _finish_removal(
-    state: ProxyState, control: Backend, entry: LiveModel
+    state: ProxyState, control: ModelOps, entry: LiveModel
 ) -> bool | None:
     """Once its last request has ended: the cachemgr forgets it, the table drops it."""
     await entry.idle.wait()
@@ -459,7 +460,7 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
     return _removal(entry, "removing"), 202
 
 
-# ---- another replica's adds and removals (Backend.follow_served) --------------
+# ---- another replica's adds and removals (ModelOps.follow_served) --------------
 def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None]:
     """What a replica does when another added (``model``) or removed (None) a model:
     its table and tokenizers follow; the instances and cachemgrs were told by the

@@ -22,8 +22,9 @@ from aegaeon_proxy import (
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
 from aegaeon_proxy.backend import Backend
 from aegaeon_proxy.errors import APIError
-from aegaeon_proxy.http_io import CLIENT_GONE, CLOSE_CONNECTION, STREAMING
+from aegaeon_proxy.http_io import CLOSE_CONNECTION
 from aegaeon_proxy.request_ids import CLIENT_CLOSED
+from aegaeon_proxy.sse import CLIENT_GONE, STREAMING
 from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
@@ -138,9 +139,10 @@ def make_app(config: Config, backend: Backend) -> web.Application:
             if models.get(name) is not None:
                 models.update(name, settings)
 
-        state.backend.follow_model_settings(apply)  # PATCHes of other replicas
-        state.backend.follow_served(admin_models.follow_served(state))  # their adds, removals
-        state.backend.follow_unavailable(admin_models.follow_unavailable(state))  # unreadable
+        shared = state.backend.models
+        shared.follow_model_settings(apply)  # PATCHes of other replicas
+        shared.follow_served(admin_models.follow_served(state))  # their adds, removals
+        shared.follow_unavailable(admin_models.follow_unavailable(state))  # unreadable
         await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,12 @@ class ModelAssets:
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The ids' text, special tokens kept (as vLLM's echo, log-probabilities and
+        ``/detokenize`` show them)."""
+        tokenizer: Tokenizer = self.tokenizer  # the library's decode
+        return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:

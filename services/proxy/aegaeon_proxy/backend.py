@@ -55,6 +55,7 @@ __all__ = [
     "EngineSnapshot",
     "FinishReason",
     "GenerationRequest",
+    "ModelOps",
     "TokenChunk",
     "TokenQueue",
     "TokenStream",
@@ -153,6 +154,12 @@ class BackendError(Exception):
                     code: str | None = None) -> BackendError:  # fmt: skip
         return cls(message, status=503, retry_after_s=retry_after_s, code=code)
 
+    @classmethod
+    def store_failed(cls, why: object) -> BackendError:
+        """The shared store cannot be reached (or failed an operation): 503, retry
+        shortly (a store that restarts is back within seconds)."""
+        return cls.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -171,14 +178,12 @@ class EngineSnapshot:
 
 class Backend(ABC):
     """What the HTTP front needs from whatever generates tokens: the abstract methods,
-    and the optional operations a backend offers by overriding them (the front calls
-    them all; a default model change, reload or sleep raises 501 ``not_supported``, a
-    default read-out is None, what replicas share stays here). Failures are
-    :class:`BackendError`\\ s whose ``status`` and ``code`` the endpoints answer with."""
+    the read-outs a backend offers by overriding them (default None), and its model
+    operations (:attr:`models`). Failures are :class:`BackendError`\\ s whose
+    ``status`` and ``code`` the endpoints answer with."""
 
-    # it adds and removes models at run time (its add_model, forget_model): else the
-    # admin API refuses an add or a removal before doing any of it
-    changes_models: ClassVar[bool] = False
+    def __init__(self, models: ModelOps | None = None) -> None:
+        self.models = models or ModelOps()  # (the default offers none)
 
     @abstractmethod
     async def start(self) -> None:
@@ -229,7 +234,17 @@ class Backend(ABC):
         the proxy's run directory)."""
         return None
 
-    # ---- models at run time ------------------------------------------------------
+
+class ModelOps:
+    """A backend's operations on its models (``Backend.models``), each offered by
+    overriding it (the front calls them all): a default model change, reload or sleep
+    raises 501 ``not_supported``, a default read-out is None, what replicas share
+    stays on this one."""
+
+    # it adds and removes models at run time (its add_model, forget_model): else the
+    # admin API refuses an add or a removal before doing any of it
+    changes_models: ClassVar[bool] = False
+
     async def add_model(self, model: ModelConfig) -> None:
         """Serve ``model`` on every instance (cachemgr and instances told); returns
         once every live instance serves it."""

@@ -1,4 +1,5 @@
-"""One generation: submit to the backend, turn its token stream into safe text.
+"""One generation: submitted to the backend when made, its token stream turned into
+safe text, its end recorded (metrics, the access log's counts, Ollama's keep_alive).
 
 Owns the parts between token ids and text deltas: the stop token (not shown),
 incremental detokenizing, stop strings (a match ends that sequence; once every
@@ -25,7 +26,6 @@ from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import (
     FAULT_CODES,
     FAULT_RETRY_AFTER_S,
-    Backend,
     BackendError,
     GenerationRequest,
     TokenChunk,
@@ -33,10 +33,10 @@ from aegaeon_proxy.backend import (
 )
 from aegaeon_proxy.detokenizer import IncrementalDetokenizer
 from aegaeon_proxy.errors import APIError, backend_api_error
-from aegaeon_proxy.metrics import ProxyMetrics
-from aegaeon_proxy.model_table import ModelSettingsTable, unavailable_error
+from aegaeon_proxy.model_table import unavailable_error
+from aegaeon_proxy.request_ids import AccessRecord
+from aegaeon_proxy.state import ProxyState
 from aegaeon_proxy.stop_strings import StopStringMatcher
-from aegaeon_proxy.vllm_metrics import VllmRequest
 
 ClientFinish = Literal["stop", "length"]
 
@@ -101,25 +101,28 @@ class Generation:
 
     def __init__(
         self,
-        backend: Backend,
+        state: ProxyState,
         assets: ModelAssets,
         req: GenerationRequest,
         *,
         stop: Sequence[str],
-        metrics: ProxyMetrics,
         timeout_s: float,
         slo: tuple[float, float] = (10.0, 0.1),
-        models: ModelSettingsTable | None = None,
         skip_special_tokens: bool = True,
+        access: AccessRecord,
+        keep_alive_s: float | None = None,
     ) -> None:
-        """``slo``: the model's (TTFT, TBT) targets in seconds; token k meets its
-        deadline when it arrives by arrival + TTFT + k x TBT. ``models``: the live
-        model table, which counts the model's requests in flight (``max_concurrency``;
-        a removed model waits for them)."""
-        self._models = models
+        """Submit ``req`` to the proxy's backend. ``slo``: the model's (TTFT, TBT)
+        targets in seconds; token k meets its deadline when it arrives by arrival + TTFT
+        + k x TBT. The live model table counts the model's requests in flight
+        (``max_concurrency``; a removed model waits for them). At the end, the request's
+        ``access`` log record gets the counts, and Ollama's ``keep_alive_s`` starts."""
         self.req = req
-        self._backend = backend
-        self._metrics = metrics
+        backend = self._backend = state.backend
+        metrics = self._metrics = state.metrics
+        models = self._models = state.models
+        self._access = access
+        self._keep_alive, self._keep_alive_s = state.keep_alive, keep_alive_s
         stop_ids = frozenset(req.sampling.stop_token_ids)
         self._choices = [_Choice(assets, stop, stop_ids, skip_special_tokens,
                                  req.sampling.min_tokens) for _ in range(req.sampling.n)]
@@ -131,8 +134,6 @@ class Generation:
         self._timeout_s = timeout_s
         self._deadline = self._start + timeout_s
         self._last_token_at: float | None = None
-        self._stream: TokenStream | None = None
-        self._open = False  # submitted, and its stream has not ended
         self._ttft_s, self._tbt_s = slo
         self.completion_tokens = 0
         self.ttft_s: float | None = None  # once the first token came
@@ -140,45 +141,38 @@ class Generation:
         # How it ended, for aegaeon_requests_total (metrics.OUTCOMES); None: the
         # consumer stopped reading first (a client disconnect).
         self.outcome: str | None = None
-        self._vllm: VllmRequest | None = None  # its vllm:* observations, once submitted
         self._timings: RequestTimings | None = None  # the instances' (finishing chunk)
+        # Submitted now: 429/503 APIError if the backend refuses (or the model's
+        # max_concurrency does), 404 if the model was removed meanwhile.
+        try:
+            models.enter(req.model)
+        except APIError as exc:
+            if exc.status in (429, 503):  # max_concurrency, or an unreadable checkpoint
+                metrics.requests.labels(req.model, "rejected").inc()
+            raise
+        try:
+            self._stream: TokenStream = backend.submit(req)
+        except BackendError as exc:
+            models.leave(req.model)
+            metrics.requests.labels(req.model, "rejected").inc()
+            raise backend_api_error(exc) from None
+        except BaseException:
+            models.leave(req.model)
+            raise
+        self._open = True  # its stream has not ended
+        metrics.num_open += 1
+        metrics.in_flight.labels(req.model).inc()
+        metrics.prompt_tokens.labels(req.model).inc(self.prompt_tokens)
+        self._vllm = metrics.vllm.request(req.model, self.prompt_tokens, req.sampling.max_tokens,
+                                          self._start)  # its vllm:* observations
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.req.prompt_token_ids)
 
-    def submit(self) -> None:
-        """Hand the request to the backend; 429/503 :class:`APIError` if it refuses
-        (or the model's ``max_concurrency`` does), 404 if the model was removed."""
-        if self._models is not None:
-            try:
-                self._models.enter(self.req.model)
-            except APIError as exc:
-                if exc.status in (429, 503):  # max_concurrency, or an unreadable checkpoint
-                    self._metrics.requests.labels(self.req.model, "rejected").inc()
-                raise
-        try:
-            self._stream = self._backend.submit(self.req)
-        except BackendError as exc:
-            self._left()
-            self._metrics.requests.labels(self.req.model, "rejected").inc()
-            raise backend_api_error(exc) from None
-        except BaseException:
-            self._left()
-            raise
-        self._open = True
-        model = self.req.model
-        self._metrics.num_open += 1
-        self._metrics.in_flight.labels(model).inc()
-        self._metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
-        self._vllm = self._metrics.vllm.request(
-            model, self.prompt_tokens, self.req.sampling.max_tokens, self._start
-        )
-
     async def admitted(self) -> None:
         """Wait while the backend holds the request for room (past the admission bounds);
         a 429 :class:`APIError` if its wait ended without room, a 504 at its deadline."""
-        assert self._stream is not None, "submit() first"
         try:
             async with asyncio.timeout_at(self._loop_deadline()):
                 await self._stream.admitted()
@@ -188,11 +182,6 @@ class Generation:
             self._open = False
             self.outcome = "rejected"
             raise backend_api_error(exc) from None
-
-    @property
-    def finish_reasons(self) -> list[ClientFinish | None]:
-        """Each choice's finish reason (None: it has not ended)."""
-        return [c.finish for c in self._choices]
 
     async def deltas(
         self, before_wait: Callable[[], Awaitable[None]] | None = None
@@ -206,7 +195,6 @@ class Generation:
         what came together (and of whatever else a busy proxy finds queued) and sends
         them in one socket write before a wait.
         """
-        assert self._stream is not None, "submit() first"
         choices = self._choices
         try:
             while self.finish_reason is None:
@@ -310,15 +298,10 @@ class Generation:
         self._last_token_at = now
         self.completion_tokens += n
         m.generation_tokens.labels(model).inc(n)
-        if self._vllm is not None:
-            self._vllm.tokens(n, now)
-
-    def _left(self) -> None:
-        if self._models is not None:
-            self._models.leave(self.req.model)
+        self._vllm.tokens(n, now)
 
     def _record_end(self) -> None:
-        if self._stream is None or self._recorded:
+        if self._recorded:
             return
         self._recorded = True
         model = self.req.model
@@ -329,9 +312,12 @@ class Generation:
             m.observe_slo(model, 0, max(0, self.req.sampling.max_tokens - self.completion_tokens))
         m.num_open -= 1
         m.in_flight.labels(model).dec()
-        self._left()
+        self._models.leave(model)
         m.requests.labels(model, outcome).inc()
         now = time.monotonic()
         m.e2e.labels(model).observe(now - self._start)
-        if self._vllm is not None:
-            self._vllm.end(outcome, now, self._timings)
+        self._vllm.end(outcome, now, self._timings)
+        self._access.output_tokens, self._access.ttft_s = self.completion_tokens, self.ttft_s
+        self._access.outcome = outcome
+        if self._keep_alive_s is not None:  # Ollama's keep_alive counts from the end
+            self._keep_alive.after(model, self._keep_alive_s)

@@ -30,7 +30,7 @@ from typing import Any
 
 from aegaeon_common.logs import get_logger
 
-from aegaeon_proxy.backend import NOT_SUPPORTED, Backend, BackendError
+from aegaeon_proxy.backend import NOT_SUPPORTED, BackendError, ModelOps
 from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.model_table import ModelSettingsTable
 
@@ -81,10 +81,10 @@ class KeepAlive:
         self._held: dict[str, float] = {}  # model -> when its hold ends (loop time; inf)
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._backend: Backend | None = None
+        self._backend: ModelOps | None = None
         self._models: ModelSettingsTable | None = None
 
-    def attach(self, backend: Backend, models: ModelSettingsTable) -> None:
+    def attach(self, backend: ModelOps, models: ModelSettingsTable) -> None:
         """What it acts through: the backend's model controls, the live model table
         (the operator's pin, requests in flight)."""
         self._backend = backend

@@ -24,26 +24,67 @@ from typing import Any
 from aegaeon_common.messages.structs import TokenLogprobs
 from tokenizers import Tokenizer
 
+from aegaeon_proxy.assets import ModelAssets
+
 JSON = dict[str, Any]
 
 __all__ = ["LogprobFormat"]
 
 
 class LogprobFormat:
-    """Turns token ids and their :class:`TokenLogprobs` into the API's shapes."""
+    """Turns token ids and their :class:`TokenLogprobs` into one answer's shapes: chat's
+    (``chat``) or completions' (each choice's text offsets carried from delta to
+    delta)."""
 
-    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, assets: ModelAssets, tokens_as_ids: bool = False, *, chat: bool = False,
+                 n: int = 1) -> None:  # fmt: skip
+        self._tokenizer = assets.tokenizer
         self._as_ids = tokens_as_ids
+        self._chat = chat
         self._cache: dict[int, str] = {}
+        self._offsets = [0] * n  # completions: each choice's text_offset of its next token
+
+    def delta(self, index: int, token_ids: Sequence[int],
+              logprobs: Sequence[TokenLogprobs]) -> JSON | None:  # fmt: skip
+        """Choice ``index``'s next tokens (a delta's) in the endpoint's shape; None when
+        none came with log-probabilities."""
+        if not logprobs:
+            return None
+        ids = list(token_ids[: len(logprobs)])
+        if self._chat:
+            return {"content": self.chat(ids, logprobs)}
+        obj = self.completion(ids, logprobs, self._offsets[index])
+        if ids:
+            self._offsets[index] = obj["text_offset"][-1] + len(obj["tokens"][-1])
+        return obj
+
+    def whole(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs],
+              echoed: JSON | None = None) -> JSON:  # fmt: skip
+        """A whole choice's tokens in the endpoint's shape, after the ``echoed`` prompt's
+        (:meth:`echo`) when given."""
+        ids = token_ids[: len(logprobs)]
+        if self._chat:
+            return {"content": self.chat(ids, logprobs)}
+        obj = self.completion(ids, logprobs)
+        return obj if echoed is None else _joined(echoed, obj)
+
+    def echo(self, prompt_ids: Sequence[int],
+             scored: Sequence[TokenLogprobs] | None) -> JSON | None:  # fmt: skip
+        """Completions' echoed prompt: its tokens, the first without a log-probability
+        (``scored``: the others'); None for chat (its echo, the last message, has none)."""
+        if self._chat:
+            return None
+        lps = [None, *(scored or ())][: len(prompt_ids)]
+        lps += [None] * (len(prompt_ids) - len(lps))
+        return self.completion(prompt_ids, lps)
 
     def token(self, token_id: int) -> str:
         if self._as_ids:
             return f"token_id:{token_id}"
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id],
-                                                                  skip_special_tokens=False)
+            tokenizer: Tokenizer = self._tokenizer  # the library's decode, special tokens kept
+            text = self._cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def _entry(self, token_id: int, logprob: float) -> JSON:
@@ -97,3 +138,15 @@ class LogprobFormat:
 
     def _vllm(self, token_id: int, logprob: float, rank: int) -> JSON:
         return {"logprob": logprob, "rank": rank, "decoded_token": self.token(token_id)}
+
+
+def _joined(first: JSON, second: JSON) -> JSON:
+    """Two completions ``logprobs`` objects as one (the second's offsets after the first's
+    text)."""
+    end = (first["text_offset"][-1] + len(first["tokens"][-1])) if first["tokens"] else 0
+    return {
+        "tokens": first["tokens"] + second["tokens"],
+        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+        "text_offset": first["text_offset"] + [end + o for o in second["text_offset"]],
+    }

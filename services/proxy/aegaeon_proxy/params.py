@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from aegaeon_common.config import SLO_CLASS_NAMES
 from aegaeon_common.messages.structs import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from aegaeon_sched.priority import BATCH, CLASS_NAMES, INTERACTIVE, STANDARD
@@ -73,6 +72,7 @@ class CommonParams:
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids ("token_id:N")
     return_token_ids: bool = False
+    given: frozenset[str] = frozenset()  # the fields the body set (not null)
 
 
 def check_string(param: str, value: Any) -> str:
@@ -305,15 +305,6 @@ def model_defaults(generation: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
-def with_model_defaults(params: CommonParams, body: Mapping[str, Any],
-                        defaults: Mapping[str, Any]) -> CommonParams:
-    """``params`` with the model's defaults for the sampling fields the body left unset."""
-    unset = {k: v for k, v in defaults.items() if body.get(k) is None}
-    if not unset:
-        return params
-    return replace(params, sampling=msgspec.structs.replace(params.sampling, **unset))
-
-
 def parse_common(
     body: Mapping[str, Any], fields: Mapping[str, tuple[str, Checker]]
 ) -> CommonParams:
@@ -332,5 +323,6 @@ def parse_common(
         values["logprobs"] = top
     asked = {k: values.pop(k) for k in SAMPLING_FIELDS & values.keys()}
     max_tokens = asked.pop("max_tokens", None)  # resolved against the window per request
+    given = frozenset(k for k, v in body.items() if v is not None)
     return CommonParams(model=model, sampling=SamplingParams(**asked), max_tokens=max_tokens,
-                        **values)  # fmt: skip
+                        given=given, **values)  # fmt: skip

@@ -30,7 +30,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 __all__ = ["CHAT_PROMPT_FIELDS", "Prompt", "bool_field", "build_request", "chat_prompt",
            "chat_prompt_ids", "check_ids", "completion_prompt", "completion_prompt_ids",
-           "render_chat", "request_tools", "truncated"]
+           "render_chat", "request_tools"]
 
 
 def check_ids(param: str, ids: list[Any], assets: ModelAssets) -> list[int]:
@@ -49,7 +49,8 @@ class Prompt:
     """A request's prompt as the generation needs it."""
 
     ids: list[int]
-    text: str | None = None  # what `echo` repeats: the completion prompt, the last message
+    # what `echo` repeats (None: nothing): the completion prompt, chat's last message
+    text: str | None = None
     tools: ToolSetup | None = None  # chat: the tools the model may call
 
 
@@ -58,8 +59,11 @@ def completion_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    return Prompt(completion_prompt_ids(body, assets),
-                  prompt if isinstance(prompt, str) else None)
+    ids = _truncated(completion_prompt_ids(body, assets), body, assets)
+    if isinstance(prompt, str):
+        return Prompt(ids, prompt)
+    # token ids echo as their text (special tokens kept)
+    return Prompt(ids, assets.text_of(ids) if bool_field(body, "echo", False) else None)
 
 
 def completion_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
@@ -253,7 +257,7 @@ def chat_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
     echoed = None  # vLLM's chat echo: the last message, when the answer continues its role
     if bool_field(body, "echo", False) and last.get("role") == "assistant":
         echoed = tool_text(last.get("content"))
-    return Prompt(ids, echoed, setup)
+    return Prompt(_truncated(ids, body, assets), echoed, setup)
 
 
 def chat_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
@@ -261,7 +265,7 @@ def chat_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
     return chat_prompt(body, assets).ids
 
 
-def truncated(ids: list[int], body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
+def _truncated(ids: list[int], body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens (-1: as many as the
     context window holds, less one for the completion)."""
     value = body.get("truncate_prompt_tokens")
@@ -316,10 +320,12 @@ def build_request(
     arrival_s: float | None = None,
     grammar: str = "",
 ) -> GenerationRequest:
-    """The request's sampling completed for its prompt and model: max_tokens resolved
-    against the window, the model's EOS among the stop ids, the token ids the fields
-    name checked; ``grammar``: llguidance's, the tokens must follow it."""
-    asked = params.sampling
+    """The request's sampling completed for its prompt and model: the model's sampling
+    defaults where the body left the fields out, max_tokens resolved against the window,
+    the model's EOS among the stop ids, the token ids the fields name checked;
+    ``grammar``: llguidance's, the tokens must follow it."""
+    defaults = {k: v for k, v in assets.sampling_defaults.items() if k not in params.given}
+    asked = msgspec.structs.replace(params.sampling, **defaults)
     check_ids("stop_token_ids", list(asked.stop_token_ids), assets)
     check_ids("logit_bias", list(asked.logit_bias), assets)
     check_ids("allowed_token_ids", list(asked.allowed_token_ids), assets)

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from aegaeon_proxy.errors import APIError
-from aegaeon_proxy.http_io import CLIENT_GONE
+from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.sse import CLIENT_GONE
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
@@ -34,7 +35,8 @@ MAX_ID_CHARS = 128
 
 log = get_logger("proxy")
 
-__all__ = ["ACCESS", "HEADER", "REQUEST_ID", "AccessRecord", "check_request_id", "middleware"]
+__all__ = ["ACCESS", "HEADER", "REQUEST_ID", "AccessRecord", "check_request_id", "middleware",
+           "request_id_of"]
 
 
 @dataclass
@@ -59,6 +61,17 @@ def check_request_id(value: str, param: str = HEADER) -> str:
         raise APIError(400, f"'{param}' must be 1 to {MAX_ID_CHARS} printable ASCII characters "
                        "without spaces", param=param, code="invalid_request_id")  # fmt: skip
     return value
+
+
+def request_id_of(request: web.Request, body: Mapping[str, Any]) -> str:
+    """The generation's id: the ``X-Request-Id`` header's, else vLLM's ``request_id``
+    field, else the one the middleware made up."""
+    if HEADER not in request.headers and body.get("request_id") is not None:
+        given = body["request_id"]
+        if not isinstance(given, str):
+            raise invalid("request_id", "'request_id' must be a string")
+        request[REQUEST_ID] = check_request_id(given, "request_id")
+    return request[REQUEST_ID]
 
 
 def middleware(logged: Callable[[web.Request], bool]) -> Middleware:

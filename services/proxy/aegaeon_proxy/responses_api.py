@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from aegaeon_proxy.errors import APIError, invalid
 from aegaeon_proxy.generation import Generation
-from aegaeon_proxy.handlers import CHAT_COMPLETIONS, finished, prepare, read_body
-from aegaeon_proxy.http_io import CLIENT_GONE, SSEWriter
+from aegaeon_proxy.handlers import read_body
+from aegaeon_proxy.intake import CHAT_COMPLETIONS, prepare
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.request_fields import FieldTable, check_fields
 from aegaeon_proxy.request_ids import HEADER, REQUEST_ID
+from aegaeon_proxy.sse import SSEWriter
 from aegaeon_proxy.state import STATE
 from aegaeon_proxy.tool_calls import ToolCallParser
 
@@ -296,46 +297,53 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return json_response(out.response())
     finally:
         await gen.close()
-        finished(request, spec, gen)
 
 
 async def _stream(request: web.Request, out: _Output,
                   parser: ToolCallParser | None) -> web.StreamResponse:  # fmt: skip
     sse = SSEWriter(request, request.app[STATE].config.proxy.write_timeout_s)
     sse.response.headers[HEADER] = request[REQUEST_ID]
+    return await sse.stream(_events(out, parser, sse.flush), named=True, sentinel=False)
 
-    def send(kind: str, **fields: Any) -> None:
-        sse.add(out.event(kind, **fields), event=kind)
 
+async def _events(out: _Output, parser: ToolCallParser | None,
+                  before_wait: Callable[[], Awaitable[None]]) -> AsyncGenerator[JSON, None]:
+    """The stream's events in order (each names its ``type``); a failure's error last."""
+    send = out.event
     opened = False
 
-    def text(piece: str) -> None:
+    def text(piece: str) -> list[JSON]:
         nonlocal opened
         if not piece:
-            return
+            return []
+        events = []
         if not opened:
             opened = True
-            send("response.output_item.added", output_index=0, item=out.message("in_progress"))
-            send("response.content_part.added", item_id=out.message_id, output_index=0,
-                 content_index=0, part={**out.part(), "text": ""})
+            events += [
+                send("response.output_item.added", output_index=0,
+                     item=out.message("in_progress")),
+                send("response.content_part.added", item_id=out.message_id, output_index=0,
+                     content_index=0, part={**out.part(), "text": ""}),
+            ]  # fmt: skip
         out.text += piece
-        send("response.output_text.delta", item_id=out.message_id, output_index=0,
-             content_index=0, delta=piece, logprobs=[])
+        events.append(send("response.output_text.delta", item_id=out.message_id,
+                           output_index=0, content_index=0, delta=piece, logprobs=[]))
+        return events
 
     try:
-        await sse.open()
-        send("response.created", response=out.response())
-        send("response.in_progress", response=out.response())
-        await sse.flush()
+        yield send("response.created", response=out.response())
+        yield send("response.in_progress", response=out.response())
         calls: list[JSON] = []
-        async with contextlib.aclosing(out.gen.deltas(sse.flush)) as deltas:
+        async with contextlib.aclosing(out.gen.deltas(before_wait)) as deltas:
             async for delta in deltas:
                 if parser is None:
-                    text(delta.text)
+                    for event in text(delta.text):
+                        yield event
                 else:
                     piece, fragments = parser.push(delta.text, final=delta.finish_reason
                                                    is not None)
-                    text(piece)
+                    for event in text(piece):
+                        yield event
                     calls += [f for f in fragments if "id" in f]
                     for f in fragments:  # the arguments come in the fragment after the id
                         if "id" not in f:
@@ -344,30 +352,23 @@ async def _stream(request: web.Request, out: _Output,
                 out.finish = delta.finish_reason or out.finish
         out.finish = out.finish or "stop"
         if opened:
-            send("response.output_text.done", item_id=out.message_id, output_index=0,
-                 content_index=0, text=out.text, logprobs=[])
-            send("response.content_part.done", item_id=out.message_id, output_index=0,
-                 content_index=0, part=out.part())
-            send("response.output_item.done", output_index=0, item=out.message("completed"))
+            yield send("response.output_text.done", item_id=out.message_id, output_index=0,
+                       content_index=0, text=out.text, logprobs=[])
+            yield send("response.content_part.done", item_id=out.message_id, output_index=0,
+                       content_index=0, part=out.part())
+            yield send("response.output_item.done", output_index=0,
+                       item=out.message("completed"))
         out.calls = calls
         for k, call in enumerate(calls, start=1 if opened else 0):
             item = out.call_item(call)
-            send("response.output_item.added", output_index=k,
-                 item=out.call_item(call, arguments=""))
-            send("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                 delta=item["arguments"])
-            send("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                 arguments=item["arguments"])
-            send("response.output_item.done", output_index=k, item=item)
+            yield send("response.output_item.added", output_index=k,
+                       item=out.call_item(call, arguments=""))
+            yield send("response.function_call_arguments.delta", item_id=item["id"],
+                       output_index=k, delta=item["arguments"])
+            yield send("response.function_call_arguments.done", item_id=item["id"],
+                       output_index=k, arguments=item["arguments"])
+            yield send("response.output_item.done", output_index=k, item=item)
         final = out.response()
-        send(f"response.{final['status']}", response=final)
+        yield send(f"response.{final['status']}", response=final)
     except APIError as exc:
-        send("error", code=exc.code, message=exc.message, param=exc.param)
-    except ConnectionResetError:
-        request[CLIENT_GONE] = True
-        return sse.response
-    try:
-        await sse.done(sentinel=False)
-    except ConnectionResetError:
-        request[CLIENT_GONE] = True
-    return sse.response
+        yield send("error", code=exc.code, message=exc.message, param=exc.param)

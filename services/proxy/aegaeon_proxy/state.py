@@ -40,7 +40,7 @@ class ProxyState:
         backend.register_metrics(state.metrics.registry)
         models = state.models
         state.metrics.registry.register(UnavailableModels(lambda: len(models.unavailable_models())))
-        state.keep_alive.attach(backend, state.models)
+        state.keep_alive.attach(backend.models, state.models)
         state.metrics.vllm_gauges.attach(state.models.names, backend.engine_snapshot,
                                          config.dtype, state.models.adapters)  # fmt: skip
         return state

@@ -18,11 +18,10 @@ from typing import Any
 from aiohttp import web
 
 from aegaeon_proxy.assets import ModelAssets
-from aegaeon_proxy.auth import allowed, model_not_found
 from aegaeon_proxy.errors import invalid
-from aegaeon_proxy.handlers import load_assets_for
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
+from aegaeon_proxy.model_access import model_assets
 from aegaeon_proxy.params import check_string
 from aegaeon_proxy.prompts import (
     CHAT_PROMPT_FIELDS,
@@ -54,10 +53,7 @@ async def _body_and_assets(
         fields = CHAT_FIELDS if "messages" in body else COMPLETION_FIELDS
     check_fields(body, fields)
     model = check_string("model", body.get("model"))
-    request[ACCESS].model = model
-    if not allowed(request, model):
-        raise model_not_found(model)
-    return body, await load_assets_for(state, model)
+    return body, await model_assets(request, state, model)
 
 
 def _encode(body: dict[str, Any], assets: ModelAssets) -> list[int]:
@@ -89,5 +85,5 @@ async def detokenize(request: web.Request) -> web.Response:
         raise invalid("tokens", "'tokens' must be a list of token ids")
     ids = check_ids("tokens", tokens, assets)
     request[ACCESS].prompt_tokens = len(ids)
-    text = await asyncio.to_thread(assets.tokenizer.decode, ids, skip_special_tokens=False)
+    text = await asyncio.to_thread(assets.text_of, ids)
     return json_response({"prompt": text})

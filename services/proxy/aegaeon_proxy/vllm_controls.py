@@ -65,7 +65,7 @@ async def _set(request: web.Request, awake: bool) -> web.Response:
     sleeping: dict[str, bool] = {}
     for name in _models(request):
         try:
-            sleeping[name] = await backend.set_model_awake(name, awake)
+            sleeping[name] = await backend.models.set_model_awake(name, awake)
         except BackendError as exc:
             raise backend_api_error(exc) from None
     return _answer(sleeping)
@@ -92,7 +92,7 @@ async def is_sleeping(request: web.Request) -> web.Response:
     """``GET /is_sleeping``: whether the model is on no device."""
     backend = request.app[STATE].backend
     try:
-        return _answer({name: backend.model_sleeping(name) for name in _models(request)})
+        return _answer({name: backend.models.model_sleeping(name) for name in _models(request)})
     except BackendError as exc:
         raise backend_api_error(exc) from None
 

@@ -11,16 +11,12 @@ and heartbeats here: this backend writes their records for them
 (``cluster.local_registrar``), answers their drains (``AckDrain``) and tells them
 when a new proxy starts (``ProxyStarted``); everything else is the same. A
 request-level baseline (``scheduler.policy`` other than ``aegaeon``; one node)
-places by its policy's picture in the store instead (``cluster.baselines``).
+places by its policy's picture in the store instead.
 
-* **Dispatch** (Algorithm 1 across every node's prefill instances) and
-  **placement** (Algorithm 2 within the prefill's node: the KV stays in that
-  node's host memory) are store transactions: read the candidates' queues
-  (stored as they are: msgspec structs), run the same dispatcher the single
-  proxy runs (``aegaeon_sched.shared``), write back the queue it changed; the write
-  commits only if no other replica wrote any queue read meanwhile (Redis
-  WATCH/MULTI/EXEC), else the decision is made again on fresh state. So two
-  replicas never both book an instance on the same picture of it.
+* **Placement** is one object per policy family (``cluster.placement``): Aegaeon's
+  booking (Algorithms 1-2 as store transactions over the shared queues: two
+  replicas never both book an instance on the same picture of it), or a
+  request-level baseline's (``cluster.baselines``).
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
   a request's tokens to the replica that holds its client.
 * **Roles** (``roles.enabled``): one replica decides which instances take
@@ -55,11 +51,11 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import zmq.asyncio
-from aegaeon_common.config import Config, ModelConfig, ModelSettings
+from aegaeon_common.config import Config
 from aegaeon_common.http_side import ServiceAddress
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import CacheStats
@@ -80,17 +76,13 @@ from aegaeon_common.process import cancel_tasks
 from aegaeon_common.registry import (
     INSTANCES,
     PROXIES,
-    QUEUE_TTL_S,
     InstanceRecord,
-    ModelSettingsRecord,
     ProxyRecord,
     RequestMeta,
     StoreEpoch,
-    decode_model_settings,
     decode_request,
     encode,
     instance_key,
-    model_settings_key,
     open_store,
     proxy_key,
     proxy_requests_key,
@@ -99,16 +91,9 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import StoreError
 from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
-from aegaeon_common.wire import Message, to_plain
-from aegaeon_sched import DecodeShare, NoInstance, percentile
-from aegaeon_sched.shared import (
-    dispatch_prefill,
-    place_decode,
-    prefill_queue_of,
-    queue_of,
-    queued_request_ids,
-    remove_requests,
-)
+from aegaeon_common.wire import Message, WireError, to_plain
+from aegaeon_sched import percentile
+from aegaeon_sched.shared import queue_of, queued_request_ids
 from prometheus_client import CollectorRegistry
 
 from aegaeon_proxy.backend import (
@@ -124,15 +109,14 @@ from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
+from aegaeon_proxy.cluster.placement import Booking, unqueue
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
-from aegaeon_proxy.cluster.reports import layout_of, receive_reports
 from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
 from aegaeon_proxy.cluster.roles import SharedRoles
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
-_T = TypeVar("_T")
 BEAT_S = 0.5
 REAP_S = 1.0
 REAP_LEASE_S = 10.0
@@ -143,15 +127,10 @@ ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgrs' KV stats for a scrape
 STATS_TIMEOUT_S = 5.0  # the cachemgrs' stats for /v1/aegaeon/stats
 
 
-def _fresh_id() -> int:
-    """A group or batch id no other replica mints (random, 52 bits)."""
-    return secrets.randbits(52)
-
-
 class ClusterBackend(Backend):
     """A :class:`~aegaeon_proxy.backend.Backend` over the shared store (see the module)."""
 
-    changes_models = True
+    models: SharedModels
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -173,41 +152,29 @@ class ClusterBackend(Backend):
         self.counters.update(dict.fromkeys(
             ("orphan_tokens", "reaped", "instances_lost", "store_errors", "store_losses"),
             0))  # fmt: skip
-        self.where: dict[str, Where] = {}
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
-        # prefilled, no decode instance of its node takes work now (draining, restarting):
-        # placed when one does; its handoff stays leased to the prefill instance meanwhile
-        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
         self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
-        # each hybrid instance's share of time left for decoding, from its records' beats
-        self._decode_shares: dict[str, DecodeShare] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
-        self._apply_settings: Callable[[str, ModelSettings], None] | None = None
         self._closing = False  # stop() began: every loop ends
-        self._dirty: set[str] = set()  # requests whose tokens_sent changed since the last beat
         self._checked = False  # the cachemgrs' unreadable models were read once
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self._spawn(self._send(record, msg)))
-        # a request-level baseline's placement (its picture in the store), else Aegaeon's
-        self.baselines = Baselines(self) if config.unified else None
-        # models added, removed, put to sleep and woken on every node; the served set
-        # the replicas share
+        # where admitted requests go: a request-level baseline's placement (its picture
+        # in the store), else Aegaeon's booking (Algorithms 1-2 over the shared queues)
+        self.placement: Booking | Baselines = Baselines(self) if config.unified else Booking(self)
+        # models added, removed, put to sleep and woken on every node; the served set,
+        # the unreadable models and the settings the replicas share
         self.models = SharedModels(config, self.view, self.caches, self.records, self._send,
                                     self._spawn, self.report_address, self.proxy_id)  # fmt: skip
-        # (after the served set: a model added elsewhere is served here before its settings)
-        self.records.follow(
-            "modelsettings:", lambda: [model_settings_key(n) for n in self.models.served_names()],
-            self._settings_followed,
-        )  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
         self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
-        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+        self._handlers: dict[type[Message], Callable[[Any], object]] = {  # (results unread)
             PrefillDone: self._on_prefill_done,
             StepTokens: self._on_step_tokens,
             RequestFailed: self._on_failed,
@@ -217,15 +184,14 @@ class ClusterBackend(Backend):
             InstanceHello: self.local.on_hello,
             InstanceStats: self.local.on_stats,
             InstanceDraining: self._on_draining,
-            InstanceStalled: self._on_stalled,
+            InstanceStalled: self.local.on_stalled,
         }
 
     # ---- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(t) for t in
-                       (receive_reports(self._reports, self._handlers, self.counters),
-                        self._refresh_loop(), self._beat_loop(),
+                       (self._receive_loop(), self._refresh_loop(), self._beat_loop(),
                         self._reap_loop(), self._unavailable_loop())]  # fmt: skip
         self._tasks += [loop.create_task(self._watch(name)) for name in self.local.expected]
         log.info("replica", proxy_id=self.proxy_id, report_address=self.report_address)
@@ -272,13 +238,7 @@ class ClusterBackend(Backend):
             return False
         if self.local.expected:
             return self._checked
-        return self._can_dispatch()
-
-    def _can_dispatch(self) -> bool:
-        """Some instance takes new requests: one in the prefill role (a baseline: any)."""
-        if self.baselines is not None:
-            return bool(self.baselines.records())
-        return bool(self.view.prefill_candidates())
+        return self.placement.takes_work()
 
     def down(self) -> list[str]:
         """The instances that report here and are neither registered nor restarting."""
@@ -309,42 +269,6 @@ class ClusterBackend(Backend):
                   if model in r.capacity_tokens]  # fmt: skip
         return min(limits) if limits else None
 
-    # ---- models (added, removed, flagged, asleep, shared settings and served set:
-    # cluster.models), services
-    async def add_model(self, model: ModelConfig) -> None:
-        await self.models.add(model)
-
-    async def forget_model(self, name: str) -> bool:
-        return await self.models.forget(name)
-
-    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
-        await self.models.set_flags(name, pinned=pinned, preload=preload)
-
-    async def model_cache(self) -> dict[str, Any] | None:
-        return await self.caches.model_cache(self.view.live.values())
-
-    async def set_model_awake(self, name: str, awake: bool) -> bool:
-        return await self.models.set_awake(name, awake)
-
-    def model_sleeping(self, name: str) -> bool:
-        return self.models.sleeping(name)
-
-    async def publish_served(self, name: str, model: ModelConfig | None) -> None:
-        await self.models.publish(name, model)
-
-    def follow_served(self, apply: Callable[[str, ModelConfig | None], None]) -> None:
-        self.models.follow_with(apply)
-
-    # ---- checkpoints that cannot be read (shared in the store) -------
-    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
-        self.models.quarantine.follow(apply)
-
-    async def quarantine_model(self, name: str, why: str | None) -> None:
-        await self.models.publish_unavailable(name, why, time.time())
-
-    async def reload_model(self, model: ModelConfig) -> None:
-        await self.models.reload(model)
-
     async def _unavailable_loop(self) -> None:
         """Every :data:`WATCH_S`, the cachemgrs' unreadable models, shared; a failed poll
         is tried again at the next turn (a cachemgr or the store may be restarting)."""
@@ -355,25 +279,6 @@ class ClusterBackend(Backend):
             except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
                 log.debug("unavailable_models_poll_failed", error=repr(exc))
             await asyncio.sleep(WATCH_S)
-
-    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
-        def build(base: bytes | None, version: int) -> bytes:
-            return encode(ModelSettingsRecord(v=1, model=name, settings=settings,
-                                              proxy=self.proxy_id, version=version))  # fmt: skip
-
-        try:
-            await self.records.publish(model_settings_key(name), build)
-        except StoreError as exc:
-            raise _store_down(exc) from None
-
-    def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
-        self._apply_settings = apply
-
-    def _settings_followed(self, key: str, raw: bytes) -> None:
-        """A model's live settings as another replica last changed them."""
-        record = decode_model_settings(raw)
-        if self._apply_settings is not None:
-            self._apply_settings(record.model, record.settings)
 
     def services(self) -> list[ServiceAddress] | None:
         """Every node's services as its instances registered them; one node's are those
@@ -397,7 +302,7 @@ class ClusterBackend(Backend):
     # ---- requests ------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> TokenQueue:
         if not self._store_ok:
-            raise _store_down("unreachable")
+            raise BackendError.store_failed("unreachable")
         if not self.ready():
             down = self.down()
             if down or self.local.expected:
@@ -409,189 +314,50 @@ class ClusterBackend(Backend):
     # ---- placement (the request table's Placement) ----------------------------
     def place(self, tracked: Tracked) -> None:
         """Admitted: listed as this replica's, then dispatched (a store transaction)."""
-        self.roles.arrived(time.monotonic(), tracked.sched.prompt_len)
+        self.roles.switcher.arrived(time.monotonic(), tracked.sched.prompt_len)
         self._spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
-        self._spawn(self._dispatch(tracked, again=True))
+        self._spawn(self.placement.dispatch(tracked, again=True))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
-        """Out of its shared queue and the store; a cancel reaches its instance (at its
-        prefill instance, its handoff may be sent already: this replica will not place
-        it now)."""
+        """Out of the placement (its instance told when ``cancelled``) and the store."""
         rid = tracked.gen.request_id
         self.held.pop(rid, None)
-        self._dirty.discard(rid)
-        held = self.held_decode.pop(rid, None)
-        if held is not None:  # its handoff, never claimed: freed at its prefill instance
-            self._spawn(self._send_to(held[1], CancelRequest(rid, free_handoff=True)))
-        where = self.where.pop(rid, None)
-        if self.baselines is not None:  # (the policy cancels it at its instance)
-            self._spawn(self.baselines.release(rid, cancelled))
-        elif cancelled and where is not None:
-            cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
-            self._spawn(self._send_to(where, cancel))
-        self._spawn(self._forget(rid, where))
+        where, tracked.where = tracked.where, None
+        self.placement.release(tracked, where, cancelled)
+        self._spawn(self._forget(rid))
 
     def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
         """At every node's decode-i (a report names only the index; a cancel of an
         unknown id is a no-op)."""
-        self._cancel_everywhere(request_id, None, msg.index, free_handoff=False)
+        self._cancel_at(request_id, None, msg.index, free_handoff=False)
 
-    def _cancel_everywhere(self, request_id: str, kind: str | None, index: int,
-                           free_handoff: bool) -> None:  # fmt: skip
-        for record in list(self.view.live.values()):
-            if record.index == index and kind in (None, record.kind):
-                self._spawn(self._send(record, CancelRequest(request_id,
-                                                             free_handoff=free_handoff)))
+    def _cancel_at(self, request_id: str, kind: str | None, index: int, free_handoff: bool,
+                   node: str | None = None) -> None:  # fmt: skip
+        """At every live instance of that kind (None: any), index and node (None: any)."""
+        cancel = CancelRequest(request_id, free_handoff=free_handoff)
+        for r in list(self.view.live.values()):
+            if r.index == index and kind in (None, r.kind) and node in (None, r.node):
+                self._spawn(self._send(r, cancel))
 
     async def _arrive(self, tracked: Tracked) -> None:
         rid = tracked.gen.request_id
         try:
             await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
-            await self._put_meta(tracked, "queued")
+            await self._put_meta(tracked)
         except StoreError as exc:
             self._store_failed(rid, exc)
             return
-        await self._dispatch(tracked)
-
-    async def _dispatch(self, tracked: Tracked, again: bool = False) -> None:
-        """``again``: its instance failed before its first token (a baseline drops its
-        binding there first)."""
-        if self.baselines is not None:
-            await self.baselines.dispatch(tracked, again)
-        else:
-            await self._dispatch_prefill(tracked)
-
-    async def _dispatch_prefill(self, tracked: Tracked) -> None:
-        """Algorithm 1 across every node's prefill instances, one transaction."""
-        rid = tracked.gen.request_id
-        self.held.pop(rid, None)
-        candidates = self.view.prefill_candidates()
-        latency = self.view.latency()
-        if not candidates or latency is None:
-            self.held[rid] = tracked
-            return
-
-        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
-            instance, group_id, queue = dispatch_prefill(
-                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
-            )
-            return instance, queue, (group_id, queue.group_key_s(group_id))
-
-        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
-            return tracked.prefill_message(*placed, record.incarnation, self.report_address)
-
-        try:
-            await self._book(tracked, candidates, "prefill", choose, message)
-        except NoInstance:
-            self.held[rid] = tracked
-
-    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> None:
-        """Algorithm 2's placement over the decode-capable instances of the prefill's
-        node: the request is sent to one (its handoff is that instance's to claim) or
-        held for one (none takes work now: placed when one does). One ended or cancelled
-        before its placement, or not placed: its KV handoff is still leased to the
-        prefill instance, which frees it on a cancel."""
-        rid = tracked.gen.request_id
-        if not await self._placed_decode(tracked, prefilled):
-            await self._send_to(prefilled, CancelRequest(rid, free_handoff=True))
-
-    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
-        rid = tracked.gen.request_id
-        if rid not in self.requests:
-            return False
-        candidates = self.view.decode_candidates(prefilled.node)
-        if not candidates:
-            self.held_decode[rid] = (tracked, prefilled)
-            return True
-        capacity = {r.instance_id: r.capacity_tokens for r in candidates}
-        shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
-                  if r.instance_id in self._decode_shares}  # fmt: skip
-        # with roles moving, an instance in the prefill role takes new decode requests
-        # only while no decode-role one keeps up (as on one node)
-        reserved = {r.instance_id for r in candidates
-                    if self.config.role_switching and self.view.role(r) == "prefill"}
-        latency = self.view.latency()
-        sched = self.config.scheduler
-
-        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
-            instance, batch_id, work_list = place_decode(
-                states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
-                decode_shares=shares, latency=latency, tbt_s=self.config.slo.tbt_s,
-                max_batch_size=sched.max_batch_size, reserved=reserved,
-            )  # fmt: skip
-            return instance, work_list, batch_id
-
-        def message(record: InstanceRecord, batch_id: int) -> Message | None:
-            return tracked.decode_message(batch_id, record.incarnation, self.report_address)
-
-        return await self._book(tracked, candidates, "decode", choose, message)
-
-    async def _book(
-        self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
-        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
-        message: Callable[[InstanceRecord, _T], Message | None],
-    ) -> bool:  # fmt: skip
-        """Book the request on one of ``candidates`` in one store transaction: ``choose``
-        picks it from their shared queues (``stage``'s) and changes its queue
-        (decided again on fresh queues if another replica wrote one read meanwhile);
-        then ``message`` goes to it. False: the store failed (the request ended), or it
-        ended while deciding, or has no message (the booking undone)."""
-        rid = tracked.gen.request_id
-        keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
-        max_group = self.config.scheduler.max_group_size
-
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
-            queues = {i: queue_of(v, stage == "prefill", max_group)
-                      for i, v in zip(keys, values, strict=True)}  # fmt: skip
-            instance, queue, result = choose(queues)
-            return {keys[instance]: encode(queue)}, (instance, result)
-
-        started = time.perf_counter()
-        try:
-            instance, result = await self.store.transact(list(keys.values()), decide,
-                                                         ttl_s=QUEUE_TTL_S)  # fmt: skip
-        except StoreError as exc:
-            self._store_failed(rid, exc)
-            return False
-        self.dispatch_s.append(time.perf_counter() - started)
-        record = next(r for r in candidates if r.instance_id == instance)
-        where = Where(instance, record.incarnation, record.node, keys[instance], stage)
-        msg = message(record, result)
-        if rid not in self.requests or msg is None:
-            await self._unqueue(rid, where.queue)
-            return False
-        self.where[rid] = where
-        await self._send(record, msg)
-        with contextlib.suppress(StoreError):
-            await self._put_meta(tracked, "queued" if stage == "prefill" else "decoding")
-        return True
+        await self.placement.dispatch(tracked)
 
     async def cancel(self, request_id: str) -> None:
         self.table.cancel(request_id)
 
-    async def _forget(self, request_id: str, where: Where | None) -> None:
-        if where is not None and where.queue:  # (a baseline's request sits in none)
-            await self._unqueue(request_id, where.queue)
+    async def _forget(self, request_id: str) -> None:
         with contextlib.suppress(StoreError):
             await self.store.delete(request_key(request_id))
             await self.store.set_remove(proxy_requests_key(self.proxy_id), request_id)
-
-    async def _unqueue(self, request_id: str, queue: str) -> None:
-        """Take the request out of the shared queue at ``queue`` (prefill or decode; a
-        no-op if not there, or gone with its instance)."""
-        prefill = queue.startswith("pq:")
-        max_group = self.config.scheduler.max_group_size
-
-        def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            if values[0] is None:
-                return {}, None
-            state = queue_of(values[0], prefill, max_group)
-            return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
-
-        with contextlib.suppress(StoreError):
-            await self.store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
 
     def _store_trouble(self, event: str, exc: StoreError, **fields: object) -> None:
         """The store failed an operation: no record missing is a death for a TTL."""
@@ -604,9 +370,11 @@ class ClusterBackend(Backend):
         self.table.end(request_id, "error", f"the shared store failed: {exc}",
                        code=STORE_UNAVAILABLE)  # fmt: skip
 
-    async def _put_meta(self, tracked: Tracked, state: str) -> None:
-        gen = tracked.gen
-        where = self.where.get(gen.request_id)
+    async def _put_meta(self, tracked: Tracked) -> None:
+        """Its metadata: where it is, "decoding" there (an instance of the decode stage or
+        a baseline's) or "queued" (for a prefill, or for none yet)."""
+        gen, where = tracked.gen, tracked.where
+        state = "decoding" if where is not None and where.stage != "prefill" else "queued"
         meta = RequestMeta(
             v=1, request_id=gen.request_id, model=gen.model, proxy=self.proxy_id,
             instance=where.instance if where else "", state=state,
@@ -615,6 +383,7 @@ class ClusterBackend(Backend):
         )  # fmt: skip
         ttl_s = self.config.proxy.request_timeout_s + META_GRACE_S
         await self.store.put(request_key(gen.request_id), encode(meta), ttl_s)
+        tracked.tokens_written = meta.tokens_sent
 
     async def _send_to(self, where: Where, msg: Message) -> None:
         """Send ``msg`` to the process ``where`` names, if it still runs."""
@@ -631,65 +400,53 @@ class ClusterBackend(Backend):
         await pusher.send(msg)
 
     # ---- reports -------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        """Run each report's handler, forever. A bad frame is counted (``bad_frames``);
+        a bug handling one report must not stop every later one (heartbeats included:
+        the instances would all look dead), so it is logged and counted
+        (``report_errors``)."""
+        while True:
+            try:
+                msg = await self._reports.recv()
+            except WireError as exc:
+                self.counters["bad_frames"] += 1
+                log.warning("bad report frame", error=str(exc))
+                continue
+            try:
+                self._handlers[type(msg)](msg)
+            except Exception:
+                self.counters["report_errors"] += 1
+                log.exception("report_failed", tag=msg.TAG)
+
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        where = self.where.get(msg.request_id)
+        known = self.requests.get(msg.request_id)
+        where = known.where if known is not None else None
         owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
         tracked = self.table.prefilled(msg, owner) if where is not None else None
-        if tracked is not None and where is not None and where.stage == "run":
-            self.table.finish_first(tracked, msg)  # (a unified instance decodes it on)
-            return
         if tracked is None or where is None:
             self.counters["orphan_tokens"] += 1
             if msg.request_id not in self.requests and msg.handoff is not None:
                 # cancelled meanwhile, or a request of a replica that died: nobody will
                 # claim this KV. A report names only the kind and index, not the node:
                 # the cancel goes to that instance of every node (a no-op where unknown)
-                self._cancel_everywhere(msg.request_id, msg.kind, msg.index, free_handoff=True)
+                self._cancel_at(msg.request_id, msg.kind, msg.index, free_handoff=True)
             return
-        # what the prefill took teaches the latency model dispatch estimates with
-        measured = msg.timings.extra.get("prefill_compute_s", msg.timings.prefill_s)
-        latency = self.view.latency()
-        if latency is not None and measured > 0:
-            latency.observe_prefill(tracked.sched.switch_unit, [tracked.sched.prompt_len],
-                                    measured)  # fmt: skip
-        self._spawn(self._after_prefill(tracked, where, msg))
-
-    async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
-        rid = msg.request_id
-        max_group = self.config.scheduler.max_group_size
-
-        def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            queue = prefill_queue_of(values[0], max_group)
-            queue.done(rid, time.time())
-            return {where.queue: encode(queue)}, None
-
-        try:
-            await self.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
-        except StoreError as exc:
-            self._store_failed(rid, exc)
-            await self._send_to(where, CancelRequest(rid, free_handoff=True))
-            return
-        if self.where.get(rid) is where:
-            del self.where[rid]  # out of the prefill queue; not placed yet
-        if not self.table.finish_first(tracked, msg):
-            await self._place_decode(tracked, where)
+        self.placement.prefilled(tracked, where, msg)
 
     def _on_step_tokens(self, msg: StepTokens) -> None:
         # before the request ends: once its client has the answer, the stats no
         # longer count it on the instance that ended it
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        self._dirty.update(self.table.step_tokens(msg))
+        self.table.step_tokens(msg)
 
     def _on_failed(self, msg: RequestFailed) -> None:
         self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        where = self.where.get(msg.request_id)
-        name = where.instance if where else f"{msg.kind}-{msg.index}"
         tracked = self.requests.get(msg.request_id)
+        where = tracked.where if tracked is not None else None
+        name = where.instance if where else f"{msg.kind}-{msg.index}"
         if msg.code == "model_unavailable" and tracked is not None:
-            model = tracked.gen.model
-            if self.models.quarantine.set(model, msg.message):  # here at once, then everywhere
-                self._spawn(self.models.publish_unavailable(model, msg.message, time.time()))
+            self.models.failed(tracked.gen.model, msg.message)
         self.table.failed(msg.request_id, name, msg.code, msg.message)
 
     # ---- one node's instances (cluster.local_registrar) ------------------------
@@ -716,18 +473,10 @@ class ClusterBackend(Backend):
         """Send the instance no new work; the ack follows everything sent to it so far."""
         record = self.local.on_draining(msg)
         if record is not None:
-            held = sum(1 for w in self.where.values() if w.instance == record.instance_id)
+            held = sum(1 for t in self.requests.values()
+                       if t.where is not None and t.where.instance == record.instance_id)
             log.info("instance_draining", instance=record.instance_id, pid=msg.pid,
                      requests=held)  # fmt: skip
-
-    def _on_stalled(self, msg: InstanceStalled) -> None:
-        """Its compute thread made no progress with work to do: its record goes now (not a
-        heartbeat timeout later: its event loop still beats), and with the next refresh
-        its requests are failed over; its process says no hello again
-        (``aegaeon_runtime.liveness``)."""
-        if self.local.on_stalled(msg):
-            log.error("instance down", instance=f"{msg.kind}-{msg.index}",
-                      why=f"its compute thread stalled: {msg.reason}")  # fmt: skip
 
     async def _watch(self, name: str) -> None:
         """One node: an instance whose process ended (its command socket disconnected) is
@@ -744,17 +493,6 @@ class ClusterBackend(Backend):
                     log.error("instance down", instance=name, why="its process ended")
         finally:
             watcher.close()
-
-    def _place_held_decode(self) -> None:
-        """Held decode placements whose node has a decode instance that takes work again;
-        one whose prefill instance left meanwhile lost its handoff with it."""
-        for rid, (tracked, prefilled) in list(self.held_decode.items()):
-            if not self.view.alive(prefilled.instance, prefilled.incarnation):
-                del self.held_decode[rid]
-                self._lost(rid, prefilled)
-            elif self.view.decode_candidates(prefilled.node):
-                del self.held_decode[rid]
-                self._spawn(self._place_decode(tracked, prefilled))
 
     # ---- the registry, nodes joining and leaving -----------------------------
     async def _refresh_loop(self) -> None:
@@ -785,21 +523,14 @@ class ClusterBackend(Backend):
             for record in left:
                 self._instance_left(record)
             self.models.changed()  # waits on the instances look again
-            for record in self.view.live.values():
-                # a prefill instance decodes when idle; with roles moving, a decode one
-                # prefills: either's decode share is what its prefills leave
-                prefills = record.kind == "prefill" or self.config.role_switching
-                if prefills and self.config.hybrid_prefill:
-                    share = self._decode_shares.setdefault(record.instance_id,
-                                                           DecodeShare(min_interval_s=0.0))
-                    share.observe(time.monotonic(), record.load.prefill_s)
-            for rid, where in list(self.where.items()):
-                if not self.view.alive(where.instance, where.incarnation):
-                    self._lost(rid, where)
-            if self.held and self._can_dispatch():
+            for tracked in list(self.requests.values()):
+                where = tracked.where
+                if where is not None and not self.view.alive(where.instance, where.incarnation):
+                    self._lost(tracked, where)
+            if self.held and self.placement.takes_work():
                 for tracked in list(self.held.values()):
-                    self._spawn(self._dispatch(tracked))
-            self._place_held_decode()
+                    self._spawn(self.placement.dispatch(tracked))
+            self.placement.refresh(time.monotonic())
             try:  # (room is freed by events; this is a safety net, which must not die)
                 self._admission_bounds()
                 self.table.release_deferred()
@@ -820,11 +551,9 @@ class ClusterBackend(Backend):
 
         async def rewrite() -> None:
             for rid, tracked in list(self.requests.items()):
-                where = self.where.get(rid)
-                state = "decoding" if where is not None and where.stage == "decode" else "queued"
                 with contextlib.suppress(StoreError):
                     await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
-                    await self._put_meta(tracked, state)
+                    await self._put_meta(tracked)
 
         self._spawn(rewrite())
 
@@ -856,19 +585,16 @@ class ClusterBackend(Backend):
 
         self._spawn(drop())
 
-    def _lost(self, rid: str, where: Where) -> None:
-        """``rid``'s instance is gone: dispatch it again when no token was sent, else
+    def _lost(self, tracked: Tracked, where: Where) -> None:
+        """``tracked``'s instance is gone: dispatch it again when no token was sent, else
         end it with ``instance_failed``."""
-        tracked = self.requests.get(rid)
-        self.where.pop(rid, None)
-        owner = tracked.handoff_owner if tracked is not None else None
+        rid, owner = tracked.gen.request_id, tracked.handoff_owner
+        tracked.where = None
         if owner and where.stage == "decode":  # its handoff, if not claimed (one node's)
-            for record in list(self.view.live.values()):
-                if record.node == where.node and f"{record.kind}-{record.index}" == owner:
-                    self._spawn(self._send(record, CancelRequest(rid, free_handoff=True)))
-        if tracked is not None:
-            self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
-                            "heartbeat expired)")  # fmt: skip
+            kind, _, index = owner.rpartition("-")
+            self._cancel_at(rid, kind, int(index), free_handoff=True, node=where.node)
+        self.table.lost(tracked, where.instance, f"instance {where.instance} is gone (its "
+                        "heartbeat expired)")  # fmt: skip
 
     # ---- this replica's heartbeat and the reaper -----------------------------
     async def _beat_loop(self) -> None:
@@ -877,16 +603,14 @@ class ClusterBackend(Backend):
             record = ProxyRecord(
                 v=1, proxy_id=self.proxy_id, report_address=self.report_address,
                 pid=os.getpid(), host=socket.gethostname(),
-                arrival_tokens_per_s=self.roles.arrival_rate(time.monotonic()),
+                arrival_tokens_per_s=self.roles.switcher.arrivals.rate(time.monotonic()),
             )  # fmt: skip
             try:
                 await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
                 await self.store.set_add(PROXIES, self.proxy_id)
-                dirty, self._dirty = self._dirty, set()
-                for rid in dirty:
-                    tracked = self.requests.get(rid)
-                    if tracked is not None:
-                        await self._put_meta(tracked, "decoding")
+                for tracked in list(self.requests.values()):  # (tokens sent since, placed)
+                    if tracked.where and tracked.num_generated != tracked.tokens_written:
+                        await self._put_meta(tracked)
             except StoreError as exc:
                 self._store_trouble("beat_failed", exc)
             await asyncio.sleep(BEAT_S)
@@ -949,7 +673,7 @@ class ClusterBackend(Backend):
                     await self._send(record, CancelRequest(rid, free_handoff=free))
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
-                await self._unqueue(rid, queue)
+                await unqueue(self.store, self.config, rid, queue)
         await self.store.delete(*(request_key(r) for r in rids), proxy_requests_key(proxy_id))
         await self.store.set_remove(PROXIES, proxy_id)
         self.counters["reaped"] += len(rids)
@@ -1020,7 +744,7 @@ class ClusterBackend(Backend):
             "proxy_id": self.proxy_id,
             "counters": dict(self.counters),
             "open_requests": len(self.requests),
-            "held_requests": len(self.held) + len(self.held_decode),
+            "held_requests": len(self.held) + len(self.placement.held_decode),
             "instances": self._instances(caches),
             # each instance's last heartbeat by name (one node's: with many nodes the
             # records' loads are in `instances`)
@@ -1043,7 +767,14 @@ class ClusterBackend(Backend):
         # dicts): what a simulation of this deployment should use.
         out["latency"] = {r.instance_id: to_plain(r.latency) for r in self.view.live.values()
                           if r.latency is not None}  # fmt: skip
-        out["layout"] = layout_of(self.config)
+        sched = self.config.scheduler  # what a simulation needs besides the profiles
+        out["layout"] = {
+            "policy": sched.policy, "unified": self.config.unified,
+            "hybrid_prefill": self.config.hybrid_prefill,
+            "prefill": self.config.prefill.instances, "decode": self.config.decode.instances,
+            "q_max_s": sched.q_max_s, "max_group_size": sched.max_group_size,
+            "max_batch_size": sched.max_batch_size,
+        }  # fmt: skip
         out["timings"] = list(self.table.timings)
         out["switches"] = [{"instance": n, **to_plain(r)} for n, r in self.local.switches]
         out["turns"] = [{"instance": n, **to_plain(r)} for n, r in self.local.turns]
@@ -1062,10 +793,4 @@ def _report_socket(config: Config, ctx: zmq.asyncio.Context) -> tuple[Puller, st
                      bind=True)  # fmt: skip
     port = reports.bound_address.rpartition(":")[2]
     return reports, f"tcp://{node.advertise_address or '127.0.0.1'}:{port}"
-
-
-def _store_down(why: object) -> BackendError:
-    """The store cannot be reached (or failed an operation): 503, retry shortly (a store
-    that restarts is back within seconds)."""
-    return BackendError.unavailable(f"the shared store failed: {why}", code=STORE_UNAVAILABLE)
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Protocol
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import CancelRequest
+from aegaeon_common.messages.report import PrefillDone
 from aegaeon_common.registry import (
     BASELINE,
     QUEUE_TTL_S,
@@ -33,8 +33,7 @@ from aegaeon_common.registry import (
     decode_baseline,
     encode_baseline,
 )
-from aegaeon_common.store import Store, StoreError
-from aegaeon_common.wire import Message
+from aegaeon_common.store import StoreError
 from aegaeon_sched import (
     Action,
     Cancel,
@@ -48,8 +47,7 @@ from aegaeon_sched import (
 )
 from aegaeon_sched.shared_baselines import restore, snapshot
 
-from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.requests import RequestTable
+from aegaeon_proxy.cluster.placement import Host
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 log = get_logger("cluster")
@@ -57,22 +55,6 @@ log = get_logger("cluster")
 __all__ = ["Baselines"]
 
 ARENA_SLACK_BYTES = 1 << 20
-
-
-class BaselineHost(Protocol):
-    """What the baselines need of the backend (``cluster.backend``)."""
-
-    config: Config
-    store: Store
-    view: RegistryView
-    report_address: str
-    where: dict[str, Where]
-    held: dict[str, Tracked]
-    table: RequestTable
-
-    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
-
-    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
 
 
 def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
@@ -97,14 +79,19 @@ def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
 class Baselines:
     """A baseline's placement over the store (see the module)."""
 
-    def __init__(self, host: BaselineHost) -> None:
+    def __init__(self, host: Host) -> None:
         self.host = host
         self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
+        # (a unified instance decodes what it prefilled: nothing waits for a placement)
+        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
 
     def records(self) -> list[InstanceRecord]:
         """The instances that take work (registered, not draining), in id order."""
         live = self.host.view.live.values()
         return sorted((r for r in live if not r.draining), key=lambda r: r.instance_id)
+
+    def takes_work(self) -> bool:
+        return bool(self.records())
 
     def _policy(self, records: list[InstanceRecord], latency: LatencyModel,
                 raw: bytes | None) -> Policy:  # fmt: skip
@@ -133,14 +120,27 @@ class Baselines:
             actions += policy.on_arrival(tracked.sched, now)
             return {BASELINE: encode_baseline(snapshot(policy))}, actions
 
+        started = time.perf_counter()
         try:
             actions = await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
         except StoreError as exc:
             self.host._store_failed(rid, exc)
             return
+        self.host.dispatch_s.append(time.perf_counter() - started)
         await self._carry_out(actions, records)
 
-    async def release(self, request_id: str, cancelled: bool) -> None:
+    def prefilled(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
+        """Its first token came: the unified instance decodes it on."""
+        self.host.table.finish_first(tracked, msg)
+
+    def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
+        """``tracked`` ended (the policy cancels it at its instance)."""
+        self.host._spawn(self._release(tracked.gen.request_id, cancelled))
+
+    def refresh(self, now_s: float) -> None:
+        """(Its picture is the store's: nothing to bring up to date.)"""
+
+    async def _release(self, request_id: str, cancelled: bool) -> None:
         """``request_id`` ended: its binding goes (at its instance too when cancelled),
         and what waited for its room starts."""
         records, latency = self.records(), self.host.view.latency()
@@ -166,10 +166,10 @@ class Baselines:
         rid = action.request.request_id
         tracked, record = self.host.table.requests.get(rid), by_id[action.instance]
         if tracked is None:  # ended while the policy decided: its binding goes
-            await self.release(rid, cancelled=True)
+            await self._release(rid, cancelled=True)
             return
         # no shared queue holds it (the policy's picture is no queue): its metadata names none
-        self.host.where[rid] = Where(action.instance, record.incarnation, record.node, "", "run")
+        tracked.where = Where(action.instance, record.incarnation, record.node, "", "run")
         await self.host._send(record, tracked.run_message(record.incarnation,
                                                           self.host.report_address))  # fmt: skip
 

@@ -13,6 +13,8 @@ from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from aegaeon_proxy.cluster.baselines import Baselines
+from aegaeon_proxy.cluster.placement import Booking
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher, SharedRoles
@@ -30,11 +32,10 @@ class CollectedBackend(Protocol):
     roles: SharedRoles
     store: Store
 
-    @property
-    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
+    placement: Booking | Baselines
 
     @property
-    def held_decode(self) -> Mapping[str, object]: ...
+    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
 
     def down(self) -> list[str]: ...
 
@@ -63,14 +64,14 @@ class BackendCollector(Collector):
         yield up
         yield draining
         yield from request_metrics(b.table)
-        yield from role_metrics(b.roles.switcher, b.roles.velocity())
+        yield from role_metrics(b.roles.switcher, b.view)
         held = GaugeMetricFamily(
             "aegaeon_held_requests",
             "Requests waiting in the proxy because no instance of a stage takes work now",
             labels=["stage"],
         )  # fmt: skip
         held.add_metric(["prefill"], float(len(b.held)))
-        held.add_metric(["decode"], float(len(b.held_decode)))
+        held.add_metric(["decode"], float(len(b.placement.held_decode)))
         yield held
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
                                  labels=["outcome"])  # fmt: skip
@@ -79,11 +80,11 @@ class BackendCollector(Collector):
         yield tx
 
 
-def role_metrics(roles: RoleSwitcher, velocity: Mapping[str, Mapping[str, float]]
-                 ) -> Iterator[Metric]:  # fmt: skip
-    """Token velocity (``velocity``: each instance's by stage, from its last heartbeat),
-    the roles and their changes (those ``roles`` made: each change is counted by the
-    proxy that decided it)."""
+def role_metrics(roles: RoleSwitcher, view: RegistryView) -> Iterator[Metric]:
+    """Token velocity (each instance's by stage, from its last heartbeat), the roles
+    (``view``'s: dispatch's) and their changes (those ``roles`` made: each change is
+    counted by the proxy that decided it)."""
+    velocity = {r.instance_id: r.load.velocity for r in view.live.values()}
     per_instance = GaugeMetricFamily(
         "aegaeon_instance_velocity_tokens_per_second",
         "Token velocity of an instance by stage (arrival, prefill, decode; TokenScale "
@@ -109,8 +110,8 @@ def role_metrics(roles: RoleSwitcher, velocity: Mapping[str, Mapping[str, float]
         "aegaeon_instance_role", "1 for an instance's current role (prefill or decode)",
         labels=["instance", "role"],
     )  # fmt: skip
-    for name in velocity:
-        current = roles.role(name)
+    for name, record in view.live.items():
+        current = view.role(record)
         for kind in ("prefill", "decode"):
             role.add_metric([name, kind], float(current == kind))
     yield role

@@ -89,7 +89,6 @@ class LocalRegistrar:
         self._send = send
         self.instances: dict[str, _Local] = {}
         self._stalled: set[tuple[str, int]] = set()  # (name, pid): no record again
-        self._said_started: set[str] = set()  # ProxyStarted went to these (this process)
         self.switches: deque[tuple[str, SwitchRecord]] = deque(maxlen=config.proxy.stats_records)
         self.turns: deque[tuple[str, TurnRecord]] = deque(maxlen=config.proxy.stats_records)
 
@@ -100,7 +99,8 @@ class LocalRegistrar:
             return
         if (name, msg.pid) in self._stalled:
             return
-        known = self.instances.get(name)
+        known = self.instances.get(name)  # (None: its first hello to this process)
+        first = known is None
         same = (known is not None and known.record.pid == msg.pid
                 and known.record.incarnation == msg.incarnation)  # fmt: skip
         if same and known is not None:
@@ -113,11 +113,10 @@ class LocalRegistrar:
                 log.info("instance_restarted", instance=name, pid=msg.pid)
             self.instances[name] = known = _Local(record)
         known.record = self._with_urls(record)
-        if name not in self._said_started:
+        if first:
             # before any work of ours (no work goes to an instance before its record;
             # one ordered socket): what it holds is an earlier proxy's, whose clients
             # are gone; it drops that and frees the KV handoffs nobody claimed
-            self._said_started.add(name)
             self._send(known.record, ProxyStarted(INCARNATION))
         self._write(known)
 
@@ -146,7 +145,10 @@ class LocalRegistrar:
         return local.record
 
     def on_stalled(self, msg: InstanceStalled) -> bool:
-        """Down now: its record goes (True when it was this process's)."""
+        """Its compute thread made no progress with work to do: its record goes now (not a
+        heartbeat timeout later: its event loop still beats), and with the next refresh
+        its requests are failed over; its process says no hello again
+        (``aegaeon_runtime.liveness``). True when it was this process's."""
         name = f"{msg.kind}-{msg.index}"
         local = self.instances.get(name)
         if local is None or local.record.pid != msg.pid:
@@ -154,6 +156,7 @@ class LocalRegistrar:
         self._stalled.add((name, msg.pid))
         local.restart_by_s = local.written_s = 0.0
         self._put(local.record, False)
+        log.error("instance down", instance=name, why=f"its compute thread stalled: {msg.reason}")
         return True
 
     def ended(self, name: str) -> bool:

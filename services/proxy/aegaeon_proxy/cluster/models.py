@@ -36,7 +36,7 @@ not as ``market.json`` records them, and says so in its stats (``unavailable``,
 polled every :data:`WATCH_S`); an instance that meets one fails the work for it
 with ``model_unavailable``; an admin operation (an add, a pin) gets
 ``checkpoint_error`` back. The proxy that learns one publishes it, and every
-proxy's :class:`Quarantine` tells its front (the model table answers 503
+proxy's :class:`SharedModels` tells its front (the model table answers 503
 ``model_unavailable`` from then on) until a reload on any proxy lifts it.
 """
 
@@ -50,8 +50,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from aegaeon_common.config import Config, ModelConfig
+from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.cache import (
     ForgetModel,
@@ -66,16 +65,20 @@ from aegaeon_common.registry import (
     SERVED_MODELS,
     UNAVAILABLE_MODELS,
     InstanceRecord,
+    ModelSettingsRecord,
     ServedModelsRecord,
-    UnavailableModelsRecord,
+    decode_model_settings,
     decode_served_models,
     decode_unavailable_models,
     encode,
+    model_settings_key,
+    served_changes,
+    with_change,
+    with_unavailable,
 )
-from aegaeon_common.store import StoreError
 from aegaeon_common.wire import Message
 
-from aegaeon_proxy.backend import BackendError
+from aegaeon_proxy.backend import BackendError, ModelOps
 from aegaeon_proxy.cluster.node_caches import CACHE_TIMEOUT_S, NodeCaches
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
@@ -94,8 +97,7 @@ WATCH_S = 1.0  # how often the cachemgrs' unreadable models are looked at
 # how long a cachemgr may take to answer that (one that died is not waited for)
 POLL_TIMEOUT_S = 2.0
 
-__all__ = ["WATCH_S", "Quarantine", "SharedModels", "record_models", "served_changes",
-           "with_change", "with_unavailable"]  # fmt: skip
+__all__ = ["WATCH_S", "SharedModels", "record_models"]
 
 Apply = Callable[[str, ModelConfig | None], None]
 ApplyUnavailable = Callable[[str, str | None], None]
@@ -113,91 +115,13 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
     return models & frozenset(record.latency.models) if record.latency is not None else models
 
 
-def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
-                version: int = 0, base: str | None = None) -> ServedModelsRecord:
-    """The shared record ``raw`` (None: none yet) with ``name`` added at ``path`` (a LoRA
-    adapter: of ``base``) or, with None, removed."""
-    record = decode_served_models(raw) if raw is not None else ServedModelsRecord(v=1)
-    bases = {n: b for n, b in record.bases.items() if n != name}
-    if path is not None and base is not None:
-        bases[name] = base
-    return ServedModelsRecord(v=1, models={**record.models, name: path}, proxy=proxy,
-                              version=version, bases=bases)  # fmt: skip
+class SharedModels(ModelOps):
+    """The model operations over every node's instances and cachemgrs, and what the
+    proxies share of the models: the served set, the unreadable ones, their settings
+    (see the module). ``send`` sends to an instance's record; ``spawn`` runs a job of
+    the backend."""
 
-
-class _Unchanged(Exception):  # noqa: N818 (reads as the condition)
-    """A change to the shared record that changes nothing: not written."""
-
-
-def with_unavailable(raw: bytes | None, name: str, why: str | None, asked_at: float,
-                     proxy: str, version: int = 0) -> UnavailableModelsRecord | None:  # fmt: skip
-    """The shared record ``raw`` with ``name`` unavailable (``why``, from a report asked
-    for at ``asked_at``) or lifted (None, by a reload that began at ``asked_at``); None
-    when that changes nothing (already there, or a report older than the last lift)."""
-    record = (decode_unavailable_models(raw) if raw is not None
-              else UnavailableModelsRecord(v=1))  # fmt: skip
-    models, lifted = dict(record.models), dict(record.lifted)
-    if why is None:
-        lifted[name] = max(asked_at, lifted.get(name, 0.0))
-        models.pop(name, None)
-    elif name in models or asked_at < lifted.get(name, 0.0):
-        return None
-    else:
-        models[name] = why
-    return UnavailableModelsRecord(v=1, models=models, lifted=lifted, proxy=proxy,
-                                   version=version)  # fmt: skip
-
-
-def served_changes(record: ServedModelsRecord,
-                   applied: dict[str, str | None]) -> list[tuple[str, str | None]]:  # fmt: skip
-    """What ``record`` changed since ``applied`` (what a replica applied last): (name,
-    path) added, (name, None) removed, in the record's order."""
-    return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
-
-
-class Quarantine:
-    """The unreadable models this backend knows (name -> why), and the front's
-    ``apply`` for them."""
-
-    def __init__(self) -> None:
-        self.models: dict[str, str] = {}
-        self._apply: ApplyUnavailable | None = None
-
-    def follow(self, apply: ApplyUnavailable) -> None:
-        """``apply(name, why | None)`` for every change (and now for what is known)."""
-        self._apply = apply
-        for name, why in self.models.items():
-            apply(name, why)
-
-    def set(self, name: str, why: str) -> bool:
-        """``name`` cannot be read (``why``); True if that is news. The first error stands
-        until a reload."""
-        if name in self.models:
-            return False
-        self.models[name] = why
-        log.error("model_unavailable", model=name, error=why)
-        self._tell(name, why)
-        return True
-
-    def sync(self, models: dict[str, str]) -> None:
-        """Become ``models`` (the set the replicas share), telling the front each change."""
-        for name in [n for n in self.models if n not in models]:
-            self.models.pop(name)
-            self._tell(name, None)
-        for name, why in models.items():
-            if self.models.get(name) != why:
-                self.models[name] = why
-                self._tell(name, why)
-
-    def _tell(self, name: str, why: str | None) -> None:
-        if self._apply is not None:
-            self._apply(name, why)
-
-
-class SharedModels:
-    """The model operations over every node's instances and cachemgrs, and the models
-    the proxies share (see the module). ``send`` sends to an instance's record;
-    ``spawn`` runs a job of the backend."""
+    changes_models = True
 
     def __init__(
         self,
@@ -231,10 +155,16 @@ class SharedModels:
         self._apply: Apply | None = None
         self._applied: dict[str, str | None] = {}
         records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
-        # the models whose checkpoint cannot be read, as the shared record says
-        self.quarantine = Quarantine()
+        # the models whose checkpoint cannot be read (name -> why), as the shared record
+        # says; the front's apply for them
+        self.unavailable: dict[str, str] = {}
+        self._apply_unavailable: ApplyUnavailable | None = None
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
+        # (after the served set: a model added elsewhere is served here before its settings)
+        self._apply_settings: Callable[[str, ModelSettings], None] | None = None
+        records.follow("modelsettings:", lambda: map(model_settings_key, self.served_names()),
+                       self._settings_followed)  # fmt: skip
 
     def _resident(self, record: InstanceRecord) -> tuple[str, ...]:
         """The models on the instance's device, as it last reported."""
@@ -248,16 +178,15 @@ class SharedModels:
         return await self._caches.call_all(self.view.live.values(), msg, timeout_s)
 
     # ---- the admin endpoints' operations ------------------------------------
-    async def add(self, model: ModelConfig) -> None:
+    async def add_model(self, model: ModelConfig) -> None:
         """Register ``model`` with every cachemgr, tell every live instance, and wait
         until each serves it (a BackendError names the one that cannot)."""
         self._need_prefill()
         await self._cache_call(register_message(model))
-        self.added[model.name] = model
-        self.removed.discard(model.name)
+        self._mark(model.name, model)
         await self._take(model)
 
-    async def reload(self, model: ModelConfig) -> None:
+    async def reload_model(self, model: ModelConfig) -> None:
         """Read ``model``'s checkpoint again on every node (``ReloadModel``: its
         quarantine lifted there; a BackendError 422 ``model_unavailable`` naming what is
         wrong when it still cannot be read), then have every live instance that does
@@ -286,7 +215,7 @@ class SharedModels:
     async def _take(self, model: ModelConfig) -> None:
         """Tell every live instance that does not serve ``model`` to, and wait until each
         does (a BackendError names the one that cannot)."""
-        tickets = {i: self._send_add(i, model) for i, r in self.view.live.items()
+        tickets = {i: self._send_add(r, model) for i, r in self.view.live.items()
                    if model.name not in record_models(r)}  # fmt: skip
 
         def waiting() -> list[str]:
@@ -306,46 +235,47 @@ class SharedModels:
 
         await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
 
-    async def forget(self, name: str) -> bool:
+    async def forget_model(self, name: str) -> bool:
         """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
         everywhere."""
         replies = await self._cache_call(ForgetModel(name))
-        self.added.pop(name, None)
-        if self.config.model(name) is not None:
-            self.removed.add(name)
+        self._mark(name, None)
         return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
                                      for r in replies)  # fmt: skip
 
-    async def set_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
+    async def set_model_flags(self, name: str, *, pinned: bool, preload: bool) -> None:
         await self._cache_call(SetModelFlags(name, pinned=pinned, preload=preload))
 
-    def sleeping(self, name: str) -> bool:
+    async def model_cache(self) -> dict[str, Any] | None:
+        return await self._caches.model_cache(self.view.live.values())
+
+    def model_sleeping(self, name: str) -> bool:
         """``name`` is on no live instance's device (as they last reported)."""
         return not any(name in self._resident(r) for r in self.view.live.values())
 
-    async def set_awake(self, name: str, awake: bool) -> bool:
+    async def set_model_awake(self, name: str, awake: bool) -> bool:
         """Sleep ``name`` on every live instance, or wake it on the least busy
         prefill instance (none, if it is on a device already); returns once they
         answered whether it sleeps now."""
         live = list(self.view.live.values())
         if not live:
             raise BackendError.unavailable("no instance is up")
-        if awake and not self.sleeping(name):
+        if awake and not self.model_sleeping(name):
             return False
         if awake:  # prefill instances first (a model's next request starts there), least work
             live = [min(live, key=lambda r: (r.kind != "prefill", r.load.queued + r.load.running))]
         tickets = {}
         for record in live:
             tickets[record.instance_id] = ticket = self._ticket(record.instance_id)
-            self._send_to(record.instance_id, SetModelAwake(name, awake, ticket,
-                                                            reply_to=self.reply_to))  # fmt: skip
+            self._spawn(self._send(record, SetModelAwake(name, awake, ticket,
+                                                         reply_to=self.reply_to)))  # fmt: skip
 
         def waiting() -> list[str]:
             return [n for n, ticket in tickets.items()
                     if n in self.view.live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
 
         await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
-        return self.sleeping(name)
+        return self.model_sleeping(name)
 
     async def check_unavailable(self, asked_at: float) -> None:
         """Publish the models some node's cachemgr cannot read (asked at ``asked_at``).
@@ -355,20 +285,16 @@ class SharedModels:
         if cache is None:
             raise BackendError.unavailable("no node's cachemgr answered")
         for name, why in dict(cache.get("unavailable", {})).items():
-            if name not in self.quarantine.models:
+            if name not in self.unavailable:
                 await self.publish_unavailable(name, why, asked_at)
 
     # ---- the instances' answers ------------------------------------------------
-    def _send_to(self, target: str, msg: Message) -> None:
-        """Send ``msg`` to the instance ``target`` (in order with its other work)."""
-        record = self.view.live.get(target)
-        if record is not None:
-            self._spawn(self._send(record, msg))
-
-    def _send_add(self, target: str, model: ModelConfig) -> int:
-        ticket = self._ticket(target)
-        self._send_to(target, AddModel(model.name, str(model.path), ticket,
-                                       reply_to=self.reply_to, base=model.base or ""))  # fmt: skip
+    def _send_add(self, record: InstanceRecord, model: ModelConfig) -> int:
+        """``AddModel`` to the instance (in order with its other work); its ticket."""
+        ticket = self._ticket(record.instance_id)
+        self._spawn(self._send(record, AddModel(model.name, str(model.path), ticket,
+                                                reply_to=self.reply_to,
+                                                base=model.base or "")))  # fmt: skip
         return ticket
 
     def _ticket(self, target: str) -> int:
@@ -432,36 +358,77 @@ class SharedModels:
                 await self._caches.call(address, register_message(model))
             except BackendError as exc:
                 log.warning("model_resync_failed", model=model.name, error=exc.message)
-            self._send_add(record.instance_id, model)
+            if self.view.alive(record.instance_id, record.incarnation):  # (still that process)
+                self._send_add(record, model)
         log.info("models_resynced", instance=record.instance_id,
                  added=[m.name for m in missing], removed=sorted(self.removed))  # fmt: skip
 
+    # ---- the settings the replicas share ---------------------------------------------
+    async def publish_model_settings(self, name: str, settings: ModelSettings) -> None:
+        def build(base: bytes | None, version: int) -> bytes:
+            return encode(ModelSettingsRecord(v=1, model=name, settings=settings,
+                                              proxy=self._proxy_id, version=version))  # fmt: skip
+
+        await self._records.publish(model_settings_key(name), build)
+
+    def follow_model_settings(self, apply: Callable[[str, ModelSettings], None]) -> None:
+        self._apply_settings = apply
+
+    def _settings_followed(self, key: str, raw: bytes) -> None:
+        """A model's live settings as another replica last changed them."""
+        record = decode_model_settings(raw)
+        if self._apply_settings is not None:
+            self._apply_settings(record.model, record.settings)
+
     # ---- the unreadable models the replicas share --------------------------------
+    def follow_unavailable(self, apply: ApplyUnavailable) -> None:
+        self._apply_unavailable = apply
+        for name, why in self.unavailable.items():
+            apply(name, why)
+
+    def failed(self, name: str, why: str) -> None:
+        """An instance could not read ``name`` (``why``): unavailable here at once, then
+        everywhere (the first error stands until a reload)."""
+        if name not in self.unavailable:
+            self._tell(name, why)
+            self._spawn(self.publish_unavailable(name, why, time.time()))
+
+    async def quarantine_model(self, name: str, why: str | None) -> None:
+        await self.publish_unavailable(name, why, time.time())
+
     async def publish_unavailable(self, name: str, why: str | None,
                                   asked_at: float) -> None:  # fmt: skip
         """``name`` unavailable (``why``) or available again (None), for every replica
         (this one at once); ``asked_at``: when the report was asked for, or the reload
         began. Nothing is written when it changes nothing."""
 
-        def build(base: bytes | None, version: int) -> bytes:
+        def build(base: bytes | None, version: int) -> bytes | None:
             record = with_unavailable(base, name, why, asked_at, self._proxy_id, version)
-            if record is None:
-                raise _Unchanged
-            return encode(record)
+            return encode(record) if record is not None else None
 
-        try:
-            raw = await self._records.publish(UNAVAILABLE_MODELS, build)
-        except _Unchanged:
-            return
-        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
-        self._followed_unavailable(UNAVAILABLE_MODELS, raw)
+        raw = await self._records.publish(UNAVAILABLE_MODELS, build)
+        if raw is not None:
+            self._followed_unavailable(UNAVAILABLE_MODELS, raw)
 
     def _followed_unavailable(self, key: str, raw: bytes) -> None:
         """The unreadable models as a replica last published them, each change to the
         front. Raises ``msgspec.DecodeError`` for a bad record."""
-        record = decode_unavailable_models(raw)
-        self.quarantine.sync(record.models)
+        models = decode_unavailable_models(raw).models
+        for name in [n for n in self.unavailable if n not in models]:
+            self._tell(name, None)
+        for name, why in models.items():
+            if self.unavailable.get(name) != why:
+                self._tell(name, why)
+
+    def _tell(self, name: str, why: str | None) -> None:
+        """``name`` unavailable (``why``) here, or no longer (None); the front follows."""
+        if why is None:
+            self.unavailable.pop(name, None)
+        else:
+            self.unavailable[name] = why
+            log.error("model_unavailable", model=name, error=why)
+        if self._apply_unavailable is not None:
+            self._apply_unavailable(name, why)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
@@ -469,7 +436,7 @@ class SharedModels:
         return names + [n for n, p in self._applied.items()
                         if p is not None and n not in names]  # fmt: skip
 
-    async def publish(self, name: str, model: ModelConfig | None) -> None:
+    async def publish_served(self, name: str, model: ModelConfig | None) -> None:
         """``name`` added (``model``) or removed (None), for every replica."""
         path = str(model.path) if model is not None else None
         adapts = model.base if model is not None else None
@@ -477,15 +444,13 @@ class SharedModels:
         def build(base: bytes | None, version: int) -> bytes:
             return encode(with_change(base, name, path, self._proxy_id, version, adapts))
 
-        try:
-            raw = await self._records.publish(SERVED_MODELS, build)
-        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendError.unavailable(f"the shared store failed: {exc}") from None
+        raw = await self._records.publish(SERVED_MODELS, build)
+        assert raw is not None  # (a change is always written)
         # (the record holds other replicas' changes this one had not followed yet)
         self._follow(decode_served_models(raw), mine=name)
         self._note(name, path, adapts)
 
-    def follow_with(self, apply: Apply) -> None:
+    def follow_served(self, apply: Apply) -> None:
         self._apply = apply
 
     def _followed(self, key: str, raw: bytes) -> None:
@@ -508,6 +473,11 @@ class SharedModels:
     def _note(self, name: str, path: str | None, base: str | None = None) -> ModelConfig | None:
         self._applied[name] = path
         model = ModelConfig(name, Path(path), base=base) if path is not None else None
+        self._mark(name, model)
+        return model
+
+    def _mark(self, name: str, model: ModelConfig | None) -> None:
+        """``name`` served here as ``model`` (added), or no longer (None)."""
         if model is not None:
             self.added[name] = model
             self.removed.discard(name)
@@ -515,4 +485,3 @@ class SharedModels:
             self.added.pop(name, None)
             if self.config.model(name) is not None:
                 self.removed.add(name)
-        return model

@@ -330,14 +330,13 @@ class RequestTable:
         self.end(msg.request_id, reason)
         return True
 
-    def step_tokens(self, msg: StepTokens) -> list[str]:
-        """One decode report's tokens, each to its request's stream (the ends ended);
-        returns the ids that got tokens and are still open. Tokens of an id neither
-        open nor ended lately are a stranger's: cancelled where they came from."""
+    def step_tokens(self, msg: StepTokens) -> None:
+        """One decode report's tokens, each to its request's stream (the ends ended).
+        Tokens of an id neither open nor ended lately are a stranger's: cancelled where
+        they came from."""
         batch = step_batch(msg, self.requests)
         if batch is not None:
             self.steps.decode(*batch)
-        progressed: list[str] = []
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
@@ -354,9 +353,6 @@ class RequestTable:
                 assert reason is not None
                 self._timed(tracked, reason, item.timings)
                 self.end(item.request_id, reason)
-            else:
-                progressed.append(item.request_id)
-        return progressed
 
     def failed(self, request_id: str, instance: str, code: str, message: str) -> None:
         """``instance`` could not serve the request: it ends with that error (and its

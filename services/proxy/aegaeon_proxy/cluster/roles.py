@@ -111,9 +111,6 @@ class RoleSwitcher:
     def roles(self) -> dict[str, str]:
         return dict(self.controller.roles)
 
-    def role(self, instance: str) -> str:
-        return self.controller.roles.get(instance, DECODE)
-
     def arrived(self, now_s: float, prompt_tokens: int) -> None:
         self.arrivals.add(now_s, prompt_tokens)
 
@@ -196,7 +193,7 @@ class RoleSwitcher:
 
 class SharedRoles:
     """A proxy's part in the roles (see the module). ``refresh`` after each registry
-    refresh; ``arrived`` for each request this proxy accepts."""
+    refresh; ``switcher.arrived`` for each request this proxy accepts."""
 
     def __init__(self, config: Config, store: Store, view: RegistryView, proxy_id: str) -> None:
         self.config = config
@@ -211,13 +208,6 @@ class SharedRoles:
         self._written: dict[str, str] | None = None
         self._followed = RolesRecord(v=1)  # the decider's record read last
         self._fed: dict[tuple[str, int], float] = {}  # instance -> when its busy share was fed
-
-    def arrived(self, now_s: float, prompt_tokens: int) -> None:
-        self.switcher.arrived(now_s, prompt_tokens)
-
-    def arrival_rate(self, now_s: float) -> float:
-        """Prompt tokens/s arriving at this proxy (its heartbeat publishes it)."""
-        return self.switcher.arrivals.rate(now_s)
 
     async def refresh(self) -> None:
         """Take or renew the lease; decide (the holder) or follow the record. Raises
@@ -278,7 +268,7 @@ class SharedRoles:
         latency = self.view.latency()
         if latency is not None and records:
             backlog, demand = await self._shared_load(records, latency)
-            arrivals = self.arrival_rate(now) + await self._others_arrivals()
+            arrivals = self.switcher.arrivals.rate(now) + await self._others_arrivals()
             alive = not any(r.draining for r in records)
             self.switcher.decide(now, records, backlog, demand, latency, alive,
                                  arrival_tokens_per_s=arrivals)  # fmt: skip
@@ -326,7 +316,3 @@ class SharedRoles:
         out.update(decider=self.decider, deciding=self.deciding,
                    changes=list(self.shared_changes))  # fmt: skip
         return out
-
-    def velocity(self) -> Mapping[str, Mapping[str, float]]:
-        """Each instance's token velocity by stage (its registry record's)."""
-        return {r.instance_id: r.load.velocity for r in self.view.live.values()}

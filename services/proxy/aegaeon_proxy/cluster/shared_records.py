@@ -35,14 +35,17 @@ from dataclasses import dataclass
 
 import msgspec
 from aegaeon_common.logs import get_logger
-from aegaeon_common.store import Store
+from aegaeon_common.store import Store, StoreError
+
+from aegaeon_proxy.backend import BackendError
 
 log = get_logger("cluster")
 
 __all__ = ["SharedRecords", "newer"]
 
 Apply = Callable[[str, bytes], None]  # (key, record) -> applied here; may raise DecodeError
-Build = Callable[[bytes | None, int], bytes]  # (newest record known, new version) -> record
+# (newest record known, new version) -> record (None: it changes nothing)
+Build = Callable[[bytes | None, int], bytes | None]
 
 
 class _Stamp(msgspec.Struct):
@@ -113,17 +116,22 @@ class SharedRecords:
             log.warning("shared_record_written_back", key=key,
                         why="the store lost it or held an older one")  # fmt: skip
 
-    async def publish(self, key: str, build: Build) -> bytes:
-        """Write a change: ``build(newest record known, version)`` makes the record. Raises
-        ``StoreError`` (and whatever ``build`` raises: nothing is written then)."""
+    async def publish(self, key: str, build: Build) -> bytes | None:
+        """Write a change: ``build(newest record known, version)`` makes the record (None:
+        nothing to write). Raises :class:`BackendError` (503 ``store_unavailable``) when
+        the store fails or the newest record cannot be read."""
 
-        def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], bytes]:
+        def change(values: list[bytes | None]) -> tuple[dict[str, bytes | None], bytes | None]:
             stored, kept = values[0], self.kept.get(key)
             base = stored if newer(stored, kept) else kept
             floor = _stamp(base)[0] + 1 if base is not None else 1
             raw = build(base, max(floor, int(self._clock() * 1000)))
-            return {key: raw}, raw
+            return ({key: raw} if raw is not None else {}), raw
 
-        raw = await self.store.transact([key], change)
-        self.kept[key] = raw
+        try:
+            raw = await self.store.transact([key], change)
+        except (StoreError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BackendError.store_failed(exc) from None
+        if raw is not None:
+            self.kept[key] = raw
         return raw

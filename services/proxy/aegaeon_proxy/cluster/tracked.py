@@ -38,6 +38,8 @@ class Tracked:
     first_token_ids: list[int] = field(default_factory=list)
     finished_first: list[int] = field(default_factory=list)
     open_seqs: set[int] = field(default_factory=set)
+    where: Where | None = None  # the instance that holds it now (None: none yet)
+    tokens_written: int = 0  # num_generated as its metadata in the store last says
 
     def __post_init__(self) -> None:
         self.open_seqs = set(range(self.sampling.n))

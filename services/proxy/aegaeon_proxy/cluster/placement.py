@@ -1,0 +1,282 @@
+"""Where an admitted request goes: one placement object per policy family, which the
+backend (``cluster.backend``) calls without asking which it is.
+
+* :class:`Booking`, Aegaeon's: **dispatch** (Algorithm 1 across every node's
+  prefill instances) and **placement** (Algorithm 2 within the prefill's node: the
+  KV stays in that node's host memory) are store transactions: read the
+  candidates' queues (stored as they are: msgspec structs), run the dispatcher
+  (``aegaeon_sched.shared``), write back the queue it changed; the write commits
+  only if no other replica wrote any queue read meanwhile (Redis WATCH/MULTI/EXEC),
+  else the decision is made again on fresh state. So two replicas never both
+  book an instance on the same picture of it.
+* :class:`~aegaeon_proxy.cluster.baselines.Baselines`, the request-level
+  baselines' (``scheduler.policy`` other than ``aegaeon``): the policy's picture
+  in one store key.
+
+Both take what they need of the backend as a :class:`Host`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from aegaeon_common.config import Config
+from aegaeon_common.messages.prefill import CancelRequest
+from aegaeon_common.messages.report import PrefillDone
+from aegaeon_common.registry import QUEUE_TTL_S, InstanceRecord, encode
+from aegaeon_common.store import Store, StoreError
+from aegaeon_common.wire import Message
+from aegaeon_sched import DecodeShare, NoInstance
+from aegaeon_sched.shared import (
+    dispatch_prefill,
+    place_decode,
+    prefill_queue_of,
+    queue_of,
+    remove_requests,
+)
+
+from aegaeon_proxy.cluster.registry import RegistryView
+from aegaeon_proxy.cluster.requests import RequestTable
+from aegaeon_proxy.cluster.tracked import Tracked, Where
+
+__all__ = ["Booking", "Host", "unqueue"]
+
+_T = TypeVar("_T")
+
+
+def _fresh_id() -> int:
+    """A group or batch id no other replica mints (random, 52 bits)."""
+    return secrets.randbits(52)
+
+
+class Host(Protocol):
+    """What a placement needs of the backend (``cluster.backend``)."""
+
+    config: Config
+    store: Store
+    view: RegistryView
+    report_address: str
+    table: RequestTable
+    held: dict[str, Tracked]  # no instance to dispatch to yet
+    dispatch_s: deque[float]  # how long each placement's transaction took
+
+    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
+
+    async def _send_to(self, where: Where, msg: Message) -> None: ...
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
+
+    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
+
+    async def _put_meta(self, tracked: Tracked) -> None: ...
+
+    def _lost(self, tracked: Tracked, where: Where) -> None: ...
+
+
+async def unqueue(store: Store, config: Config, request_id: str, queue: str) -> None:
+    """Take the request out of the shared queue at ``queue`` (prefill or decode; a
+    no-op if not there, or gone with its instance)."""
+    prefill = queue.startswith("pq:")
+    max_group = config.scheduler.max_group_size
+
+    def remove(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+        if values[0] is None:
+            return {}, None
+        state = queue_of(values[0], prefill, max_group)
+        return ({queue: encode(state)} if remove_requests(state, (request_id,)) else {}), None
+
+    with contextlib.suppress(StoreError):
+        await store.transact([queue], remove, ttl_s=QUEUE_TTL_S)
+
+
+class Booking:
+    """Aegaeon's placement over the store's queues (see the module)."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        # prefilled, no decode instance of its node takes work now (draining, restarting):
+        # placed when one does; its handoff stays leased to the prefill instance meanwhile
+        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
+        # each hybrid instance's share of time left for decoding, from its records' beats
+        self._decode_shares: dict[str, DecodeShare] = {}
+
+    def takes_work(self) -> bool:
+        """Some instance in the prefill role takes new requests."""
+        return bool(self.host.view.prefill_candidates())
+
+    async def dispatch(self, tracked: Tracked, again: bool = False) -> None:
+        """Algorithm 1 across every node's prefill instances, one transaction (``again``:
+        its instance failed before its first token, which changes nothing here)."""
+        host, rid = self.host, tracked.gen.request_id
+        host.held.pop(rid, None)
+        candidates = host.view.prefill_candidates()
+        latency = host.view.latency()
+        if not candidates or latency is None:
+            host.held[rid] = tracked
+            return
+
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
+            instance, group_id, queue = dispatch_prefill(
+                states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
+            )
+            return instance, queue, (group_id, queue.group_key_s(group_id))
+
+        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
+            return tracked.prefill_message(*placed, record.incarnation, host.report_address)
+
+        try:
+            await self._book(tracked, candidates, "prefill", choose, message)
+        except NoInstance:
+            host.held[rid] = tracked
+
+    def prefilled(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
+        """Its first token came: what the prefill took teaches the latency model
+        dispatch estimates with; out of its prefill queue, then placed for decode."""
+        measured = msg.timings.extra.get("prefill_compute_s", msg.timings.prefill_s)
+        latency = self.host.view.latency()
+        if latency is not None and measured > 0:
+            latency.observe_prefill(tracked.sched.switch_unit, [tracked.sched.prompt_len],
+                                    measured)  # fmt: skip
+        self.host._spawn(self._after_prefill(tracked, where, msg))
+
+    async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
+        host, rid = self.host, msg.request_id
+        max_group = host.config.scheduler.max_group_size
+
+        def done(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
+            queue = prefill_queue_of(values[0], max_group)
+            queue.done(rid, time.time())
+            return {where.queue: encode(queue)}, None
+
+        try:
+            await host.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
+        except StoreError as exc:
+            host._store_failed(rid, exc)
+            await host._send_to(where, CancelRequest(rid, free_handoff=True))
+            return
+        if tracked.where is where:
+            tracked.where = None  # out of the prefill queue; not placed yet
+        if not host.table.finish_first(tracked, msg):
+            await self._place_decode(tracked, where)
+
+    async def _place_decode(self, tracked: Tracked, prefilled: Where) -> None:
+        """Algorithm 2's placement over the decode-capable instances of the prefill's
+        node: the request is sent to one (its handoff is that instance's to claim) or
+        held for one (none takes work now: placed when one does). One ended or cancelled
+        before its placement, or not placed: its KV handoff is still leased to the
+        prefill instance, which frees it on a cancel."""
+        rid = tracked.gen.request_id
+        if not await self._placed_decode(tracked, prefilled):
+            await self.host._send_to(prefilled, CancelRequest(rid, free_handoff=True))
+
+    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
+        host, rid = self.host, tracked.gen.request_id
+        if rid not in host.table.requests:
+            return False
+        candidates = host.view.decode_candidates(prefilled.node)
+        if not candidates:
+            self.held_decode[rid] = (tracked, prefilled)
+            return True
+        config = host.config
+        capacity = {r.instance_id: r.capacity_tokens for r in candidates}
+        shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
+                  if r.instance_id in self._decode_shares}  # fmt: skip
+        # with roles moving, an instance in the prefill role takes new decode requests
+        # only while no decode-role one keeps up (as on one node)
+        reserved = {r.instance_id for r in candidates
+                    if config.role_switching and host.view.role(r) == "prefill"}
+        latency = host.view.latency()
+
+        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
+            instance, batch_id, work_list = place_decode(
+                states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
+                decode_shares=shares, latency=latency, tbt_s=config.slo.tbt_s,
+                max_batch_size=config.scheduler.max_batch_size, reserved=reserved,
+            )  # fmt: skip
+            return instance, work_list, batch_id
+
+        def message(record: InstanceRecord, batch_id: int) -> Message | None:
+            return tracked.decode_message(batch_id, record.incarnation, host.report_address)
+
+        return await self._book(tracked, candidates, "decode", choose, message)
+
+    async def _book(
+        self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
+        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
+        message: Callable[[InstanceRecord, _T], Message | None],
+    ) -> bool:  # fmt: skip
+        """Book the request on one of ``candidates`` in one store transaction: ``choose``
+        picks it from their shared queues (``stage``'s) and changes its queue
+        (decided again on fresh queues if another replica wrote one read meanwhile);
+        then ``message`` goes to it. False: the store failed (the request ended), or it
+        ended while deciding, or has no message (the booking undone)."""
+        host, rid = self.host, tracked.gen.request_id
+        keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
+        max_group = host.config.scheduler.max_group_size
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
+            queues = {i: queue_of(v, stage == "prefill", max_group)
+                      for i, v in zip(keys, values, strict=True)}  # fmt: skip
+            instance, queue, result = choose(queues)
+            return {keys[instance]: encode(queue)}, (instance, result)
+
+        started = time.perf_counter()
+        try:
+            instance, result = await host.store.transact(list(keys.values()), decide,
+                                                         ttl_s=QUEUE_TTL_S)  # fmt: skip
+        except StoreError as exc:
+            host._store_failed(rid, exc)
+            return False
+        host.dispatch_s.append(time.perf_counter() - started)
+        record = next(r for r in candidates if r.instance_id == instance)
+        where = Where(instance, record.incarnation, record.node, keys[instance], stage)
+        msg = message(record, result)
+        if rid not in host.table.requests or msg is None:
+            await unqueue(host.store, host.config, rid, where.queue)
+            return False
+        tracked.where = where
+        await host._send(record, msg)
+        with contextlib.suppress(StoreError):
+            await host._put_meta(tracked)
+        return True
+
+    def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
+        """``tracked`` ended: out of its shared queue; a cancel reaches its instance (at
+        its prefill instance, its handoff may be sent already: it will not be placed
+        now); a held decode placement's handoff, never claimed, is freed."""
+        host, rid = self.host, tracked.gen.request_id
+        held = self.held_decode.pop(rid, None)
+        if held is not None:
+            host._spawn(host._send_to(held[1], CancelRequest(rid, free_handoff=True)))
+        if where is None:
+            return
+        if cancelled:
+            cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
+            host._spawn(host._send_to(where, cancel))
+        host._spawn(unqueue(host.store, host.config, rid, where.queue))
+
+    def refresh(self, now_s: float) -> None:
+        """After a registry refresh: the hybrid instances' decode shares from their
+        beats; held decode placements whose node has a decode instance that takes work
+        again (one whose prefill instance left meanwhile lost its handoff with it)."""
+        view = self.host.view
+        for record in view.live.values():
+            # a prefill instance decodes when idle; with roles moving, a decode one
+            # prefills: either's decode share is what its prefills leave
+            prefills = record.kind == "prefill" or self.host.config.role_switching
+            if prefills and self.host.config.hybrid_prefill:
+                share = self._decode_shares.setdefault(record.instance_id,
+                                                       DecodeShare(min_interval_s=0.0))
+                share.observe(now_s, record.load.prefill_s)
+        for rid, (tracked, prefilled) in list(self.held_decode.items()):
+            if not view.alive(prefilled.instance, prefilled.incarnation):
+                del self.held_decode[rid]
+                self.host._lost(tracked, prefilled)
+            elif view.decode_candidates(prefilled.node):
+                del self.held_decode[rid]
+                self.host._spawn(self._place_decode(tracked, prefilled))
