@@ -83,17 +83,25 @@ def served(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield node
 
 
+# the session fixtures of a node shared by a group of modules (worker_groups.NODE_GROUPS):
+# `served` here, `real_served` in tests/e2e/conftest.py
+SHARED_NODE_FIXTURES = ("served", "real_served")
+
+
 def _shared_node(item: pytest.Item) -> Any:
-    """The session-scoped `served` fixture's definition ``item`` uses, if any (a module
-    may define a `served` of its own: that one is not the shared node)."""
+    """The definition of the session-scoped shared node ``item`` uses, if any (a module
+    may define a `served` of its own: that one is not a shared node)."""
     info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.get("served") if info is not None else None
-    return defs[-1] if defs and defs[-1].scope == "session" else None
+    for name in SHARED_NODE_FIXTURES:
+        defs = info.name2fixturedefs.get(name) if info is not None else None
+        if defs and defs[-1].scope == "session":
+            return defs[-1]
+    return None
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Stop the shared node once the next test does not use it: a session fixture would
+    """Stop a shared node once the next test does not use it: a session fixture would
     otherwise idle beside every later test on the worker, and its checks would fail the
     worker's last test. A failed check fails this test's teardown."""
     result = yield

@@ -9,6 +9,9 @@ with an ``xdist_group`` mark on every test, put there by :func:`pytest_collectio
   after another in that tuple's order, the chaos run (it kills every service in turn)
   last. Each leaves the node serving and holding nothing, as the next one needs it (the
   chaos run and the rolling restart check that it does).
+- The :data:`REAL_NODE_MODULES` form :data:`REAL_NODE_GROUP` the same way: they share
+  one `aegaeon serve` of the real-model market (the session fixture `real_served`, the
+  same default config each of them served on its own).
 - Groups are handed out in collection order (``--no-loadscope-reorder``): tests/e2e and
   tests/integration, whose modules start services and run longest, before the many
   short unit modules, so no long module starts last while the other worker idles. The
@@ -36,6 +39,13 @@ SHARED_NODE_MODULES = (
     "tests/e2e/test_chaos.py",
 )
 SHARED_NODE_GROUP = "shared-node"
+REAL_NODE_MODULES = (
+    "tests/e2e/test_real_model_greedy.py",
+    "tests/e2e/test_real_model_api.py",
+)
+REAL_NODE_GROUP = "real-node"
+# each group of modules that share one node, by its name
+NODE_GROUPS = {SHARED_NODE_GROUP: SHARED_NODE_MODULES, REAL_NODE_GROUP: REAL_NODE_MODULES}
 # the slowest unit modules, longest first (a suite run's --durations on a busy 2-core machine)
 LONG_UNIT_MODULES = (
     "tests/unit/test_sim_cli.py",
@@ -54,16 +64,21 @@ def module_of(nodeid: str) -> str:
 
 
 def group_of(nodeid: str) -> str:
-    """The test's xdist group: :data:`SHARED_NODE_GROUP` for the shared-node modules, else
-    its module's name (unique: the test directories have no ``__init__.py``)."""
+    """The test's xdist group: the name of its :data:`NODE_GROUPS` group for the modules
+    that share a node, else its module's name (unique: the test directories have no
+    ``__init__.py``)."""
     module = module_of(nodeid)
-    return SHARED_NODE_GROUP if module in SHARED_NODE_MODULES else PurePosixPath(module).stem
+    shared = (group for group, modules in NODE_GROUPS.items() if module in modules)
+    return next(shared, PurePosixPath(module).stem)
 
 
 def in_shared_node_order(items: list[pytest.Item]) -> list[pytest.Item]:
-    """``items`` with the tests of :data:`SHARED_NODE_MODULES` one after another, in its
-    order, where the first of them was collected (a module's own order kept)."""
-    return _gathered(items, SHARED_NODE_MODULES)
+    """``items`` with the tests of each :data:`NODE_GROUPS` group's modules one after
+    another, in its order, where the first of them was collected (a module's own order
+    kept)."""
+    for modules in NODE_GROUPS.values():
+        items = _gathered(items, modules)
+    return items
 
 
 def with_long_units_first(items: list[pytest.Item]) -> list[pytest.Item]:

@@ -7,19 +7,9 @@ prefill side), the configured decode instances start in standby (the policy's
 controller; each change it returns is carried out with
 :meth:`AegaeonPolicy.set_role <aegaeon_sched.AegaeonPolicy.set_role>`, whose
 actions the simulation applies (an instance leaving the prefill role drains:
-its queued groups still run there). The signals (:class:`aegaeon_sched.RoleSignals`):
-
-- arrival velocity: prompt tokens arriving at the cluster over the last
-  window (:class:`aegaeon_sched.Velocity`, as the proxy counts them);
-- backlog: the prompt tokens queued (not running) in the dispatcher's queues;
-- each instance's prefill velocity while busy: the prompt tokens it has
-  prefilled over its busy seconds (its loop's ``prefill_tokens`` counter over
-  ``prefill_s`` plus ``switch_s``: its compute and its switches, which at H800
-  scale take ten times a prefill's compute); before its first prefill, the
-  latency model's estimate (:func:`aegaeon_sched.roles.estimated_prefill_velocity`),
-  as the proxy does;
-- decode demand per instance (the dispatcher's Eq. 3 ``S``) and the busy share
-  of the last interval (the same seconds).
+its queued groups still run there). It meters the signals as the proxy does
+(:class:`aegaeon_sched.RoleMeter`): the busy seconds are the loop's ``prefill_s`` plus
+``switch_s`` (its compute and its switches, ten times a prefill's compute at H800 scale).
 
 Without a controller (fixed roles) the feed only samples, so both runs
 report the same burst figures: :func:`absorb_times`.
@@ -37,8 +27,7 @@ from aegaeon_sched import (
     LatencyModel,
     Request,
     RoleController,
-    RoleSignals,
-    Velocity,
+    RoleMeter,
 )
 from aegaeon_sched.roles import estimated_prefill_velocity
 
@@ -56,7 +45,7 @@ class Sample:
     arrival_tokens_per_s: float
 
 
-class RoleFeed:
+class RoleFeed(RoleMeter):
     """See the module docstring. ``apply``: the simulation's action handler."""
 
     def __init__(
@@ -71,16 +60,14 @@ class RoleFeed:
         *,
         interval_s: float = HEARTBEAT_S,
     ) -> None:
+        super().__init__()
         self.policy = policy
         self.prefills = list(prefills)
         self.controller = controller
         self.apply = apply
         self.interval_s = interval_s
         self._arrivals = sorted(((r.arrival_s, r.prompt_len) for r in requests), reverse=True)
-        self.velocity = Velocity()
         self._estimate = estimated_prefill_velocity(latency, models) if models else 0.0
-        self._busy_prev: dict[str, float] = {}
-        self._prev_s = 0.0
         self.samples: list[Sample] = []
 
     def start(self, schedule: Callable[[float, Callable[[float], None]], None],
@@ -93,39 +80,26 @@ class RoleFeed:
         schedule(0.0, beat)
 
     def prefill_velocity(self) -> dict[str, float]:
-        measured = {
-            p.name: p.counters.prefill_tokens / _busy_s(p)
-            for p in self.prefills
-            if p.counters.prefill_s > 0
-        }
-        return {p.name: measured.get(p.name, self._estimate) for p in self.prefills}
+        measured = {p.name: self.measured(p.counters.prefill_tokens, p.counters.prefill_s,
+                                          _busy_s(p)) for p in self.prefills}  # fmt: skip
+        return {p: self._estimate if v is None else v for p, v in measured.items()}
 
     def observe(self, now_s: float) -> None:
         while self._arrivals and self._arrivals[-1][0] <= now_s:
-            t, tokens = self._arrivals.pop()
-            self.velocity.add(t, tokens)
-        backlog = sum(q.pending_tokens() for q in self.policy.prefill.queues.values())
-        arrival = self.velocity.rate(now_s)
-        dt = now_s - self._prev_s
-        busy: dict[str, float] = {}
+            self.arrived(*self._arrivals.pop())
+        load = self.policy.role_load()  # the queued prompt tokens, Eq. 3's decode demand
+        assert load is not None
+        arrival = self.arrivals.rate(now_s)
         for p in self.prefills:
-            spent = _busy_s(p)
-            prev = self._busy_prev.get(p.name, spent)
-            busy[p.name] = min(1.0, max(0.0, (spent - prev) / dt)) if dt > 0 else 0.0
-            self._busy_prev[p.name] = spent
-        self._prev_s = now_s
+            self.beat(p.name, now_s, _busy_s(p))
         if self.controller is not None:
-            signals = RoleSignals(
-                arrival_tokens_per_s=arrival, backlog_tokens=backlog,
-                prefill_velocity=self.prefill_velocity(),
-                decode_demand={i: self.policy.decode.demand(i)
-                               for i in self.policy.decode.work_lists},
-                prefill_busy=busy,
-            )  # fmt: skip
+            signals = self.signals(now_s, backlog_tokens=load.backlog_tokens,
+                                   prefill_velocity=self.prefill_velocity(),
+                                   decode_demand=load.decode_demand)  # fmt: skip
             for change in self.controller.observe(now_s, signals):
                 self.apply(self.policy.set_role(change.instance, change.role, now_s), now_s)
         num_prefill = sum(self.policy.prefill_role(p.name) for p in self.prefills)
-        self.samples.append(Sample(now_s, backlog, num_prefill, arrival))
+        self.samples.append(Sample(now_s, load.backlog_tokens, num_prefill, arrival))
 
 
 def _busy_s(instance: SimInstance) -> float:

@@ -30,8 +30,7 @@ from aegaeon_sched import (
     make_policy,
     summarize,
 )
-from aegaeon_sched.admission import Bounds, derive_bounds
-from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
+from aegaeon_sched.admission import Bounds, derive_bounds, per_token_prefill_s
 from aegaeon_workload.mix import Burst, Mix, assign_classes, generate_bursty
 from aegaeon_workload.synthetic import SHAREGPT_OUTPUT, WorkloadSpec, generate
 
@@ -201,20 +200,6 @@ def workload(sc: Scenario, models: Sequence[str],
     return requests, class_of
 
 
-def _bounds(sc: Scenario, cluster: ClusterSpec, lat: LatencyModel, models: Sequence[str],
-            capacity: Mapping[str, int], host_kv_tokens: int) -> Bounds:  # fmt: skip
-    """The proxy's derived admission bounds (aegaeon_proxy.cluster.requests.bounds_of):
-    what the configured prefill instances prefill within the TTFT, the decoders' KV plus
-    one host's unified KV cache (``host_kv_tokens``, of the largest per-token model)."""
-    n = TYPICAL_PROMPT_TOKENS
-    per_token = [max(lat.prefill_one_s(m, n) / n for m in models)] * sc.num_prefill
-    capacities = [capacity] * len(cluster.decode_instances)
-    configured = Bounds(kv_blocks=sc.kv_blocks_bound)
-    return derive_bounds(configured, ttft_s=sc.slo.ttft_s, prefill_s_per_token=per_token,
-                         decode_capacity_tokens=capacities,
-                         host_kv_tokens=host_kv_tokens)  # fmt: skip
-
-
 def _node(sc: Scenario, options: PolicyOptions, lat: LatencyModel, hw: Hardware,
           units: Mapping[str, str] | None = None) -> NodeSetup:
     """What the simulated instances share: the scenario's settings as the loops read
@@ -266,7 +251,12 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
     gate = None
     if sc.admission:
         host_kv = min(int(hw.host_kv_cache_bytes // a.kv_bytes_per_token) for a in models.values())
-        bounds = _bounds(sc, cluster, lat, tuple(models), options.decode_capacity_tokens, host_kv)
+        # the proxy's derived bounds (aegaeon_proxy.cluster.requests.bounds_of), homogeneous
+        bounds = derive_bounds(Bounds(kv_blocks=sc.kv_blocks_bound), ttft_s=sc.slo.ttft_s,
+                               prefill_s_per_token=[per_token_prefill_s(lat, models)]
+                               * sc.num_prefill, host_kv_tokens=host_kv,
+                               decode_capacity_tokens=[options.decode_capacity_tokens]
+                               * len(cluster.decode_instances))  # fmt: skip
         seen = bool(sc.class_mix) and sc.slo_classes
         shedder = Shedder(sc.slo_classes_spec, sc.max_deferred) if seen else None
         policy = gate = AdmissionGate(inner, bounds, shedder, class_of)

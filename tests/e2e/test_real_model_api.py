@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from typing import Annotated, Any
@@ -23,7 +22,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 from real_market import REAL, real_market_dir
-from serve_harness import Served, serving
+from serve_harness import Served
 
 SAMPLES = int(os.environ.get("AEGAEON_API_SAMPLES", "6"))
 QUANTIZED = f"{REAL}-q4"
@@ -61,14 +60,11 @@ TOOLS: Any = [
                                       "description": "The time in a timezone now"}},
 ]  # fmt: skip
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+# room for a whole call (one required call here takes 31-38 tokens, three 110), not for a
+# long answer: most answers are cut at it
+AUTO_MAX_TOKENS = 64
 QUESTIONS = ["What's the weather in Paris?", "What time is it in Tokyo?",
              "Is it raining in London?", "What's the time in New York?"]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serving(real_market_dir(), tmp_path_factory.mktemp("serve-api") / "run") as node:
-        yield node
 
 
 def _client(served: Served) -> openai.OpenAI:
@@ -81,8 +77,8 @@ def _many(fn: Any, n: int = SAMPLES, workers: int = 4) -> list[Any]:
 
 
 @pytest.mark.parametrize("model", [REAL, QUANTIZED])
-def test_sdk_parse_of_a_pydantic_model_at_temperature_one(served: Served, model: str) -> None:
-    client = _client(served)
+def test_sdk_parse_of_a_pydantic_model_at_temperature_one(real_served: Served, model: str) -> None:
+    client = _client(real_served)
 
     def ask(k: int) -> Person | None:
         out = client.beta.chat.completions.parse(
@@ -110,8 +106,8 @@ def _streamed_call(client: openai.OpenAI, **args: Any) -> tuple[list[Any], str |
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_a_tool_loop_with_required_calls(served: Served, streamed: bool) -> None:
-    client = _client(served)
+def test_a_tool_loop_with_required_calls(real_served: Served, streamed: bool) -> None:
+    client = _client(real_served)
 
     def loop(k: int) -> str | None:
         messages: Any = [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}]
@@ -141,13 +137,14 @@ def test_a_tool_loop_with_required_calls(served: Served, streamed: bool) -> None
     assert set(_many(loop)) <= {"stop", "length", "tool_calls"}
 
 
-def test_auto_either_calls_or_answers_never_broken_json(served: Served) -> None:
-    client = _client(served)
+def test_auto_either_calls_or_answers_never_broken_json(real_served: Served) -> None:
+    client = _client(real_served)
 
     def ask(k: int) -> str:
         choice = client.chat.completions.create(
             model=REAL, messages=[{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}],
-            tools=TOOLS, tool_choice="auto", max_tokens=96, temperature=1.0, seed=k).choices[0]
+            tools=TOOLS, tool_choice="auto", max_tokens=AUTO_MAX_TOKENS, temperature=1.0,
+            seed=k).choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             for call in choice.message.tool_calls:
@@ -159,7 +156,7 @@ def test_auto_either_calls_or_answers_never_broken_json(served: Served) -> None:
     assert set(_many(ask)) <= {"call", "answer"}
 
 
-def test_prompt_logprobs_are_transformers(served: Served) -> None:
+def test_prompt_logprobs_are_transformers(real_served: Served) -> None:
     """What lm-evaluation-harness's loglikelihood reads (echo, prompt log-probabilities)
     against transformers in float32 on the same weights; bounded by how far transformers
     itself moves between float32 and bfloat16."""
@@ -168,7 +165,7 @@ def test_prompt_logprobs_are_transformers(served: Served) -> None:
     model_dir = real_market_dir() / REAL
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer("Question: What is the capital of France?\nAnswer: Paris").input_ids
-    out = _client(served).completions.create(model=REAL, prompt=ids, max_tokens=1,
+    out = _client(real_served).completions.create(model=REAL, prompt=ids, max_tokens=1,
                                              temperature=0, logprobs=1, echo=True)
     served_lps = out.choices[0].logprobs.token_logprobs[1:len(ids)]  # type: ignore[union-attr]
 

@@ -14,7 +14,6 @@ served in bfloat16 and drifted from the reference after a few tokens.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import openai
 import pytest
 import torch
 from real_market import REAL, greedy_reference, real_market_dir
-from serve_harness import Served, serving
+from serve_harness import Served
 
 NUM_TOKENS = 32
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
@@ -33,12 +32,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def real_market() -> Path:
     return real_market_dir()
-
-
-@pytest.fixture(scope="module")
-def served(real_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serving(real_market, tmp_path_factory.mktemp("serve-real") / "run") as served:
-        yield served
 
 
 def _pieces(assets_dir: Path, token_ids: list[int]) -> list[str]:
@@ -75,7 +68,7 @@ def _switches(served: Served) -> float:
     return sum(float(s["counters"].get("switches", 0.0)) for s in instances.values() if s)
 
 
-def test_served_greedy_equals_transformers_with_switches(served: Served,
+def test_served_greedy_equals_transformers_with_switches(real_served: Served,
                                                          real_market: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -88,7 +81,8 @@ def test_served_greedy_equals_transformers_with_switches(served: Served,
     cases.append(("chat", CHAT, tokenizer(chat_text, add_special_tokens=False).input_ids))
     want = [_pieces(model_dir, greedy_reference(reference, ids, NUM_TOKENS)) for _, _, ids in cases]
 
-    client = openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=240)
+    client = openai.OpenAI(base_url=real_served.base_url, api_key="none", max_retries=0,
+                           timeout=240)  # fmt: skip
     # the market's two random models (its other real one, SmolLM2 in Q4_1, is the
     # quantized tests' to serve)
     others = [m.id for m in client.models.list().data if not m.id.startswith(REAL)]
@@ -101,7 +95,7 @@ def test_served_greedy_equals_transformers_with_switches(served: Served,
                                       temperature=0, extra_body={"ignore_eos": True})
 
     threads = [threading.Thread(target=other_traffic, args=(m,), daemon=True) for m in others]
-    switches_before = _switches(served)
+    switches_before = _switches(real_served)
     for thread in threads:
         thread.start()
     try:
@@ -110,7 +104,7 @@ def test_served_greedy_equals_transformers_with_switches(served: Served,
         stop.set()
         for thread in threads:
             thread.join(timeout=120)
-    assert _switches(served) > switches_before + len(cases)
+    assert _switches(real_served) > switches_before + len(cases)
     for (kind, prompt, _), expected, (pieces, used) in zip(cases, want, got, strict=True):
         assert used == NUM_TOKENS, (kind, prompt)
         assert pieces == expected, (kind, prompt)

@@ -21,7 +21,6 @@ or rounded worse, would drift well past it). llama.cpp itself is measured by
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,17 +125,7 @@ def _hf_forced(model: Any, prompt: list[int],
     return argmax, logps
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """torch on one thread (token-by-token steps of a small model: more threads only
-    contend on a busy machine), as the test found it afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("one_thread")
+# (on one torch thread, as every e2e test: tests/e2e/conftest.py)
 @pytest.mark.timeout(900)  # ~300 token steps of transformers in float32, hooked: minutes when busy
 def test_quantized_decode_stays_as_close_as_llamacpp_arithmetic(market: Path) -> None:
     from aegaeon_bench.engine.agreement import teacher_forced

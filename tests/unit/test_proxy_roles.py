@@ -121,10 +121,6 @@ def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() ->
     decode = _record("decode-0", 0.0, 0.0, {"a": 4096})
     assert switcher.prefill_velocity(prefill, lat) == 2000.0
     assert switcher.prefill_velocity(decode, lat) > 0  # from a profile (here the fallback)
-    # the busy share follows prefill_s between two heartbeats
-    switcher.heartbeat(prefill, 10.0)
-    switcher.heartbeat(_record("prefill-0", 3500.0, 1.75), 10.5)
-    assert switcher.busy["prefill-0"] == 0.5
 
 
 def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -> None:

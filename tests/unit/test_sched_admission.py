@@ -93,6 +93,10 @@ def test_bounds_derived_from_the_instances_unless_configured() -> None:
     host = derive_bounds(Bounds(), ttft_s=1.0, prefill_s_per_token=[],
                          decode_capacity_tokens=[{"a": 160}], host_kv_tokens=1600)
     assert (host.kv_blocks, host.kv_blocks_per_model) == (110, 110)
+    # each of many proxy replicas admits its share of a derived bound, a configured one whole
+    shared = derive_bounds(Bounds(prefill_tokens=7), ttft_s=2.0, prefill_s_per_token=[0.001],
+                           decode_capacity_tokens=[{"a": 1600}], replicas=3)
+    assert shared == Bounds(7, 7, 33, 33)
 
 
 def _config(**proxy: object) -> object:

@@ -10,6 +10,7 @@ from aegaeon_sched import (
     PlaceDecode,
     Request,
     RoleController,
+    RoleMeter,
     RoleSettings,
     RoleSignals,
 )
@@ -189,3 +190,18 @@ def test_without_role_switching_a_hybrid_prefill_instance_is_placed_on_by_load()
     policy = AegaeonPolicy(["p0"], ["d0", "p0"], _latency(), decode_tbt_s=100.0)
     assert _prefilled(policy, "r0", "a", 0.0) == ["d0"]
     assert _prefilled(policy, "r1", "b", 0.1) == ["p0"]  # the emptier: the hybrid rule
+
+
+def test_the_meter_measures_busy_shares_and_velocities_between_heartbeats() -> None:
+    meter = RoleMeter(beat_every_s=1.0, min_measured_s=0.2)
+    for t, busy_s in ((0.0, 10.0), (0.5, 10.2), (2.0, 11.0)):  # 0.5: too soon, not metered
+        meter.beat("p0", t, busy_s)
+    assert meter.busy == {"p0": 0.5}
+    meter.beat("p0", 2.1, 0.0)  # the counter went back (a restart): starts over
+    meter.beat("p0", 3.1, 2.0)
+    assert meter.busy == {"p0": 1.0}  # at most all of the time
+    assert meter.measured(100, 0.1, 0.1) is None  # too little prefilled: the driver estimates
+    assert meter.measured(1000, 0.5, 2.0) == 500.0  # per busy second
+    meter.arrived(3.0, 4000)
+    sig = meter.signals(3.5, backlog_tokens=10, prefill_velocity=V, decode_demand={"d0": 0.5})
+    assert sig == RoleSignals(2000.0, 10, V, {"d0": 0.5}, {"p0": 1.0})

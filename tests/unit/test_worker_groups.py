@@ -16,6 +16,9 @@ from typing import cast
 import pytest
 from worker_groups import (
     LONG_UNIT_MODULES,
+    NODE_GROUPS,
+    REAL_NODE_GROUP,
+    REAL_NODE_MODULES,
     SHARED_NODE_GROUP,
     SHARED_NODE_MODULES,
     group_of,
@@ -42,6 +45,7 @@ def _note(name):
 
 def test_groups_name_the_shared_node_or_the_module() -> None:
     assert {group_of(f"{m}::test_x[a::b]") for m in SHARED_NODE_MODULES} == {SHARED_NODE_GROUP}
+    assert {group_of(f"{m}::test_x[a::b]") for m in REAL_NODE_MODULES} == {REAL_NODE_GROUP}
     assert group_of("tests/unit/test_gamma.py::Klass::test_x") == "test_gamma"
     assert module_of("tests/unit/test_gamma.py::test_x[1]") == "tests/unit/test_gamma.py"
     assert SHARED_NODE_MODULES[-1] == "tests/e2e/test_chaos.py"  # it kills every service
@@ -71,8 +75,9 @@ def test_two_workers_keep_modules_whole_and_the_shared_node_modules_in_order(
 ) -> None:
     addopts = _suite_addopts()
     assert "loadgroup" in addopts  # what scripts/test's `-n 2` runs with
+    grouped = [m for modules in NODE_GROUPS.values() for m in modules]
     # a shuffled layout: the shared-node modules are collected in another order than theirs
-    for module in (*SHARED_NODE_MODULES, *OTHER_MODULES):
+    for module in (*grouped, *OTHER_MODULES):
         path = tmp_path / module
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(TEST_BODY + "".join(f"def test_{k}():\n    _note('{k}')\n\n\n"
@@ -89,14 +94,16 @@ def test_two_workers_keep_modules_whole_and_the_shared_node_modules_in_order(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     runs = [line.split() for line in log.read_text().splitlines()]
-    assert len(runs) == PER_MODULE * (len(SHARED_NODE_MODULES) + len(OTHER_MODULES))
+    assert len(runs) == PER_MODULE * (len(grouped) + len(OTHER_MODULES))
     workers: dict[str, set[str]] = defaultdict(set)
     for worker, path, _ in runs:
         workers[str(Path(path).relative_to(tmp_path))].add(worker)
     assert all(len(w) == 1 and "-" not in w for w in workers.values()), workers
-    shared = [(Path(path).relative_to(tmp_path).as_posix(), int(k)) for worker, path, k in runs
-              if Path(path).relative_to(tmp_path).as_posix() in SHARED_NODE_MODULES]  # fmt: skip
-    # one worker, one module after another in SHARED_NODE_MODULES' order (chaos last),
-    # each module's tests in their own order
-    assert len({workers[m].pop() for m in SHARED_NODE_MODULES}) == 1
-    assert shared == [(m, k) for m in SHARED_NODE_MODULES for k in range(PER_MODULE)]
+    for modules in NODE_GROUPS.values():
+        shared = [(Path(path).relative_to(tmp_path).as_posix(), int(k))
+                  for worker, path, k in runs
+                  if Path(path).relative_to(tmp_path).as_posix() in modules]  # fmt: skip
+        # one worker, one module after another in the group's order (chaos last in the
+        # shared node's), each module's tests in their own order
+        assert len({next(iter(workers[m])) for m in modules}) == 1, modules
+        assert shared == [(m, k) for m in modules for k in range(PER_MODULE)]

@@ -46,6 +46,7 @@ from aegaeon_sched.quota import (
 from aegaeon_sched.request import InstanceId, NoInstance, Request
 from aegaeon_sched.request_level import RequestLevelPolicy
 from aegaeon_sched.request_pinned import PinnedRequestLevelPolicy
+from aegaeon_sched.role_meter import RoleMeter
 from aegaeon_sched.roles import RoleChange, RoleController, RoleSettings, RoleSignals
 from aegaeon_sched.rounds import RoundController, ServedInRound, TurnEnd
 from aegaeon_sched.share import DecodeShare
@@ -105,6 +106,7 @@ __all__ = [
     "RoleChange",
     "RoleController",
     "RoleLoad",
+    "RoleMeter",
     "RoleSettings",
     "RoleSignals",
     "RoundController",

@@ -23,12 +23,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from aegaeon_sched.latency import LatencyModel
 from aegaeon_sched.request import Request
+from aegaeon_sched.roles import TYPICAL_PROMPT_TOKENS
 from aegaeon_sched.shedding import Shedder, Verdict
 
 BLOCK_TOKENS = 16  # the engine's KV block size (aegaeon_engine.KVShape.block_size)
 
-__all__ = ["BLOCK_TOKENS", "AdmissionControl", "Bounds", "ClassAdmission", "derive_bounds"]
+__all__ = ["BLOCK_TOKENS", "AdmissionControl", "Bounds", "ClassAdmission", "derive_bounds",
+           "per_token_prefill_s"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,12 @@ class Bounds:
     kv_blocks_per_model: int | None = None
 
 
+def per_token_prefill_s(latency: LatencyModel, models: Iterable[str]) -> float:
+    """An instance's slowest per-token prefill time over ``models`` (a typical prompt's)."""
+    n = TYPICAL_PROMPT_TOKENS
+    return max(latency.prefill_one_s(m, n) / n for m in models)
+
+
 def derive_bounds(
     configured: Bounds,
     *,
@@ -48,6 +57,7 @@ def derive_bounds(
     prefill_s_per_token: Iterable[float],
     decode_capacity_tokens: Iterable[Mapping[str, int]],
     host_kv_tokens: int = 0,
+    replicas: int = 1,
 ) -> Bounds:
     """The configured bounds, the unset ones derived from the instances.
 
@@ -59,16 +69,18 @@ def derive_bounds(
     host's unified KV cache (``host_kv_tokens``), where the sequences of the
     models not running wait swapped out (§5.2) — a deployment's device regions
     alone hold a few requests per model, and the host cache is what lets many
-    models' requests be open at once. A per-model bound left unset is the total.
+    models' requests be open at once. With many proxy replicas each admits on its
+    own: a derived bound is shared by the ``replicas`` evenly (a configured one is
+    each replica's as configured). A per-model bound left unset is the total.
     """
     rates = [ttft_s / s for s in prefill_s_per_token if s > 0]
     prefill = configured.prefill_tokens
     if prefill is None and rates:
-        prefill = max(1, int(sum(rates)))
+        prefill = max(1, int(sum(rates)) // max(1, replicas))
     kv = configured.kv_blocks
     capacities = [min(c.values()) // BLOCK_TOKENS for c in decode_capacity_tokens if c]
     if kv is None and capacities:
-        kv = max(1, sum(capacities) + host_kv_tokens // BLOCK_TOKENS)
+        kv = max(1, (sum(capacities) + host_kv_tokens // BLOCK_TOKENS) // max(1, replicas))
     return Bounds(
         prefill_tokens=prefill,
         prefill_tokens_per_model=configured.prefill_tokens_per_model or prefill,

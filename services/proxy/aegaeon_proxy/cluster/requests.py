@@ -28,7 +28,13 @@ from aegaeon_common.messages.structs import RequestTimings
 from aegaeon_common.registry import InstanceRecord
 from aegaeon_common.wire import to_plain
 from aegaeon_sched import LatencyModel, Request, Shedder, Verdict
-from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission, derive_bounds
+from aegaeon_sched.admission import (
+    AdmissionControl,
+    Bounds,
+    ClassAdmission,
+    derive_bounds,
+    per_token_prefill_s,
+)
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenQueue
 from aegaeon_proxy.cluster.tracked import Tracked, deliver, merge_timings, step_batch
@@ -41,7 +47,6 @@ __all__ = ["MAX_RETRIES", "RECENT_IDS", "Placement", "RequestTable", "bounds_of"
 
 MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
 RECENT_IDS = 4096  # request ids ended lately (their late tokens are expected)
-TYPICAL_PROMPT_TOKENS = 512  # where a profile's per-token prefill time is read
 COUNTERS = ("finished", "failed", "cancelled", "retried", "rejected", "deferred",
             "orphans_cancelled", "bad_frames", "report_errors")  # fmt: skip
 
@@ -97,8 +102,7 @@ def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int =
         prefills = config.unified or m.kind == "prefill"
         if prefills and m.latency is not None and m.capacity_tokens:
             latency = LatencyModel.from_dict(to_plain(m.latency))
-            n = TYPICAL_PROMPT_TOKENS
-            per_token.append(max(latency.prefill_one_s(x, n) / n for x in m.capacity_tokens))
+            per_token.append(per_token_prefill_s(latency, m.capacity_tokens))
         if config.unified or m.kind == "decode" or config.hybrid_prefill:  # it decodes
             capacities.append(dict(m.capacity_tokens))
             if m.capacity_tokens:
@@ -108,22 +112,11 @@ def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int =
                 region = kind.kv_memory_bytes
                 tokens = min(m.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
                 host_kv_tokens[m.node] = max(host_kv_tokens.get(m.node, 0), tokens)
-    derived = derive_bounds(Bounds(), ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
-                            decode_capacity_tokens=capacities,
-                            host_kv_tokens=sum(host_kv_tokens.values()))  # fmt: skip
-
-    def share(total: int | None) -> int | None:
-        return None if total is None else max(1, total // max(1, replicas))
-
-    configured = Bounds(
-        proxy.max_prefill_tokens or share(derived.prefill_tokens),
-        proxy.max_prefill_tokens_per_model,
-        proxy.max_kv_blocks or share(derived.kv_blocks),
-        proxy.max_kv_blocks_per_model,
-    )  # fmt: skip
-    # (nothing more to derive: the per-model bounds left unset are the totals)
-    return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=(),
-                         decode_capacity_tokens=())  # fmt: skip
+    configured = Bounds(proxy.max_prefill_tokens, proxy.max_prefill_tokens_per_model,
+                        proxy.max_kv_blocks, proxy.max_kv_blocks_per_model)  # fmt: skip
+    return derive_bounds(configured, ttft_s=config.slo.ttft_s, prefill_s_per_token=per_token,
+                         decode_capacity_tokens=capacities, replicas=replicas,
+                         host_kv_tokens=sum(host_kv_tokens.values()))  # fmt: skip
 
 
 class RequestTable:

@@ -4,20 +4,10 @@ The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`RoleSwitcher` is its
 driver, run by the proxy holding the roles lease
 (:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
 every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
-later); :class:`SharedRoles` is every proxy's part. The decider reads the
-shared state:
-
-* **arrival velocity**: prompt tokens/s arriving at every proxy (the requests
-  each accepted, a short window: :class:`aegaeon_sched.Velocity`; each proxy
-  publishes its own in its :class:`~aegaeon_common.registry.ProxyRecord`),
-  summed: the leading indicator of a burst;
-* **backlog**: prompt tokens waiting in every prefill queue of the store;
-* **prefill velocity** per instance: prompt tokens per second of prefill work,
-  measured from its registry record (its heartbeat:
-  ``load.prefill_tokens`` / ``load.prefill_s``) once it has prefilled
-  ``MIN_MEASURED_S``, estimated from its latency profile before;
-* **prefill busy share** per instance (the growth of ``prefill_s`` between two
-  heartbeats) and **decode demand** (Eq. 3's ``S`` of every work list of the store).
+later); :class:`SharedRoles` is every proxy's part. The decider meters the
+shared state as the simulator does (:class:`aegaeon_sched.RoleMeter`): every proxy's
+arrivals (:class:`~aegaeon_common.registry.ProxyRecord`), the store's queues and work
+lists, each instance's ``load.prefill_tokens`` and ``load.prefill_s`` (its record).
 
 It writes the roles as one :class:`~aegaeon_common.registry.RolesRecord`; every
 proxy reads that with its registry refresh and dispatches by it
@@ -63,9 +53,8 @@ from aegaeon_sched import (
     LatencyModel,
     RoleChange,
     RoleController,
+    RoleMeter,
     RoleSettings,
-    RoleSignals,
-    Velocity,
     cluster_velocity,
 )
 from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
@@ -84,12 +73,13 @@ BEAT_EVERY_S = 1.0  # an instance's busy share is measured over at least this
 SHARED_CHANGES = 16  # the decider's last changes, in the record (every proxy's stats)
 
 
-class RoleSwitcher:
+class RoleSwitcher(RoleMeter):
     """Feeds :class:`~aegaeon_sched.RoleController` from heartbeats (see the module
     docstring). With ``enabled`` false it only keeps the velocities (metrics, stats):
     every instance keeps its configured role."""
 
     def __init__(self, config: Config, base_roles: Mapping[str, str], enabled: bool) -> None:
+        super().__init__(beat_every_s=BEAT_EVERY_S, min_measured_s=MIN_MEASURED_S)
         self.enabled = enabled
         r = config.roles
         settings = RoleSettings(
@@ -100,9 +90,6 @@ class RoleSwitcher:
             min_prefill=r.min_prefill, min_decode=r.min_decode,
         )  # fmt: skip
         self.controller = RoleController(base_roles, settings)
-        self.arrivals = Velocity()
-        self.busy: dict[str, float] = {}  # instance -> prefill busy share, last heartbeats
-        self._prev: dict[str, tuple[float, float]] = {}  # instance -> (t, prefill_s)
         self._estimates: dict[tuple[str, int], float] = {}  # (instance, incarnation) -> tok/s
         self.switches: Counter[str] = Counter()  # new role -> changes
         self.changes: list[dict[str, object]] = []  # the last MAX_CHANGES, for stats
@@ -111,23 +98,12 @@ class RoleSwitcher:
     def roles(self) -> dict[str, str]:
         return dict(self.controller.roles)
 
-    def arrived(self, now_s: float, prompt_tokens: int) -> None:
-        self.arrivals.add(now_s, prompt_tokens)
-
-    def heartbeat(self, record: InstanceRecord, now_s: float) -> None:
-        """Update the instance's prefill busy share from its latest heartbeat (its record:
-        ``load.prefill_s``, seconds spent prefilling since it started)."""
-        name, prefill_s = record.instance_id, record.load.prefill_s
-        prev = self._prev.get(name)
-        if prev is not None and now_s > prev[0] and prefill_s >= prev[1]:
-            self.busy[name] = min(1.0, (prefill_s - prev[1]) / (now_s - prev[0]))
-        self._prev[name] = (now_s, prefill_s)
-
     def prefill_velocity(self, record: InstanceRecord, fallback: LatencyModel) -> float:
         """Prompt tokens/s the instance prefills while busy: measured, else estimated."""
         load = record.load
-        if load.prefill_s >= MIN_MEASURED_S:
-            return load.prefill_tokens / load.prefill_s
+        measured = self.measured(load.prefill_tokens, load.prefill_s, load.prefill_s)
+        if measured is not None:
+            return measured
         key = (record.instance_id, record.incarnation)
         if key not in self._estimates:
             self._estimates[key] = self._estimate(record, fallback)
@@ -155,16 +131,11 @@ class RoleSwitcher:
         1, already applied to :attr:`roles`."""
         if not self.enabled or not alive:
             return []
-        arrivals = self.arrivals.rate(now_s) if arrival_tokens_per_s is None \
-            else arrival_tokens_per_s
-        signals = RoleSignals(
-            arrival_tokens_per_s=arrivals,
-            backlog_tokens=backlog_tokens,
-            prefill_velocity={r.instance_id: self.prefill_velocity(r, fallback)
-                              for r in records},
-            decode_demand=dict(decode_demand),
-            prefill_busy=dict(self.busy),
-        )
+        signals = self.signals(
+            now_s, backlog_tokens=backlog_tokens, decode_demand=decode_demand,
+            prefill_velocity={r.instance_id: self.prefill_velocity(r, fallback) for r in records},
+            arrival_tokens_per_s=arrival_tokens_per_s,
+        )  # fmt: skip
         changes = self.controller.observe(now_s, signals)
         for change in changes:
             self.switches[change.role] += 1
@@ -207,7 +178,6 @@ class SharedRoles:
         self.shared_changes: list[dict[str, Any]] = []  # the decider's last changes
         self._written: dict[str, str] | None = None
         self._followed = RolesRecord(v=1)  # the decider's record read last
-        self._fed: dict[tuple[str, int], float] = {}  # instance -> when its busy share was fed
 
     async def refresh(self) -> None:
         """Take or renew the lease; decide (the holder) or follow the record. Raises
@@ -258,13 +228,8 @@ class SharedRoles:
 
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
-        fed, self._fed = self._fed, {}  # (instances gone are forgotten)
-        for record in records:  # (a record is rewritten every heartbeat, read every refresh)
-            key = (record.instance_id, record.incarnation)
-            self._fed[key] = fed.get(key, -BEAT_EVERY_S)
-            if now - self._fed[key] >= BEAT_EVERY_S:
-                self.switcher.heartbeat(record, now)
-                self._fed[key] = now
+        for r in records:  # (a record is rewritten every heartbeat, read every refresh)
+            self.switcher.beat(r.instance_id, now, r.load.prefill_s)  # busy: seconds prefilled
         latency = self.view.latency()
         if latency is not None and records:
             backlog, demand = await self._shared_load(records, latency)
