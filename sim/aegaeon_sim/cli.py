@@ -1,7 +1,7 @@
 """``aegaeon sim``: the discrete-event simulator of the paper's cluster.
 
     aegaeon sim --figure 11a|11b|11c|12|13 [--json] [--seed N] [--out DIR] [--duration S]
-    aegaeon sim --theorem [--json]
+    aegaeon sim --theorem [--json] [--duration S]
     aegaeon sim --policy aegaeon --models 70 --rps 0.1      # one experiment
     aegaeon sim --replay TRACE [TRACE ...] [--json]         # a live run, simulated
     aegaeon sim --compare classes|roles [--json]            # SLO classes / role switching
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from aegaeon_sim.runner import Scenario
 
 DEFAULT_DURATION_S = 300.0
+THEOREM_SERVED_S = 1200.0  # --theorem: the served run's seconds of arrivals by default
 ROUND_TTFT_FRACTION = 0.7  # aegaeon_sched.ROUND_TTFT_FRACTION (checked in the tests)
 SLLM_SWITCH_GBPS = 16.0  # runner.SLLM_SWITCH_BYTES_PER_S / 1e9 (checked in the tests)
 
@@ -95,8 +96,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--points", type=_points,
                         help="comma-separated x values overriding the figure's grid")  # fmt: skip
     parser.add_argument(
-        "--duration", type=_positive, default=DEFAULT_DURATION_S, help="seconds of arrivals"
-    )
+        "--duration", type=_positive, default=None,
+        help=f"seconds of arrivals (default {DEFAULT_DURATION_S:g}; with --theorem: its served "
+        f"run's, default {THEOREM_SERVED_S:g})",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--q-max", type=float, default=4.0, help="Aegaeon's Q_MAX (s)")
     parser.add_argument(
@@ -158,6 +161,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.duration is None:
+        args.duration = THEOREM_SERVED_S if args.theorem else DEFAULT_DURATION_S
     if args.theorem or args.figure:  # they draw: without matplotlib, say so before simulating
         from aegaeon_bench.report.plotting import use_agg
 

@@ -17,7 +17,8 @@ On the CPU (CI) the events are timeline events; ``scripts/gpu-check``'s
 ``namespaces`` step runs the same on a GPU (``AEGAEON_GPU_CHECK_DEVICE``): the
 workers' CUDA copies' events reach the GPU-less cachemgr as their host mirrors,
 and the cachemgr never loads the CUDA driver. ``AEGAEON_NAMESPACE_REPORT`` names a
-file for the counts (the gpu-check step's results).
+file for the counts (the gpu-check step's results), ``AEGAEON_NAMESPACE_MARKET`` a market
+to serve instead of the test's own (the dry run's).
 """
 
 from __future__ import annotations
@@ -157,9 +158,14 @@ def _metrics(text: str) -> Samples:
 
 @pytest.fixture(scope="module")
 def market(pytestconfig: pytest.Config) -> Path:
-    """Three small models, kept across sessions (market_cache)."""
+    """Three small models, kept across sessions (market_cache); or the market that
+    ``AEGAEON_NAMESPACE_MARKET`` names (gpu-check's dry run: its own small market, built
+    by then)."""
     from aegaeon_market import ensure_market
 
+    given = os.environ.get("AEGAEON_NAMESPACE_MARKET")
+    if given:
+        return Path(given)
     path = Path(market_cache(pytestconfig)) / "namespaces-small3"
     ensure_market(path, num_models=3, profile="small", progress=False)
     return path

@@ -65,8 +65,9 @@ class Served:
         self.adapters = [load_adapter(a.path, self.spec, dtype, device) for a in adapters]
         self.free = list(range(64))
 
-    def generate(self, rows: list[tuple[int | None, list[int]]]) -> list[list[int]]:
-        """Greedy ``NUM_TOKENS`` for each (adapter index or None, prompt), every row in
+    def generate(self, rows: list[tuple[int | None, list[int]]],
+                 num_tokens: int = NUM_TOKENS) -> list[list[int]]:  # fmt: skip
+        """Greedy ``num_tokens`` for each (adapter index or None, prompt), every row in
         every decode step."""
         states = []
         for k, prompt in rows:
@@ -74,7 +75,7 @@ class Served:
             adapter = None if k is None else self.adapters[k]
             logits = self.engine.prefill(prompt, blocks, adapter=adapter)
             states.append((adapter, blocks, prompt, [int(logits.argmax())]))
-        for _ in range(NUM_TOKENS - 1):
+        for _ in range(num_tokens - 1):
             seqs = [DecodeSeq(out[-1], len(prompt) + len(out) - 1, blocks, adapter)
                     for adapter, blocks, prompt, out in states]
             for (_, _, _, out), row in zip(states, self.engine.decode(seqs), strict=True):

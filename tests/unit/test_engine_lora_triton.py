@@ -3,7 +3,7 @@
 Without a GPU, ``TRITON_INTERPRET=1`` (tests/unit/conftest.py) runs them on the
 CPU: each fused projection's term against the torch term of the same stack
 (rows of the base, of every adapter, interleaved; ranks 8 to 64; modules
-targeted by some adapters only), and whole greedy decodings on the kernels
+targeted by some adapters only), and greedy decodings (six tokens) on the kernels
 against transformers + PEFT in float32.
 """
 
@@ -16,8 +16,12 @@ import torch
 from aegaeon_engine.lora import AdapterWeights, LoraStack, TritonLoraStep
 from engine_support import make_checkpoint
 from lora_support import ADAPTERS, PeftAdapter, make_peft_adapter, peft_greedy
-from test_engine_lora import NUM_TOKENS, PROMPTS, Served
+from test_engine_lora import PROMPTS, Served
 from triton_support import assert_close_dtype  # skips without the interpreter (or a GPU)
+
+# greedy tokens on the kernels: each decode step launches every kernel again, which the
+# interpreter runs in Python (test_engine_lora compares 12 on the torch path)
+GREEDY_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +73,9 @@ def test_greedy_on_the_kernels_equals_peft(base_dir: Path, adapters: list[PeftAd
     served = Served(base_dir, adapters)
     served.engine.lora_stacks.kernels = "triton"
     rows = [(k, p) for p in PROMPTS[:1] for k in (0, None, 1, 2)]
-    got = served.generate(rows)
+    got = served.generate(rows, GREEDY_TOKENS)
     for k in (None, 0, 1, 2):
         want = peft_greedy(base_dir, None if k is None else adapters[k].path, PROMPTS[:1],
-                           NUM_TOKENS)
+                           GREEDY_TOKENS)
         mine = [tokens for (kk, _), tokens in zip(rows, got, strict=True) if kk == k]
         assert mine == want, k

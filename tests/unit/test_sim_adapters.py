@@ -17,7 +17,7 @@ from aegaeon_sim.adapters import adapter_bytes
 from aegaeon_sim.hardware import QWEN25_7B
 from aegaeon_sim.runner import Scenario, run_scenario
 
-BASE = Scenario("aegaeon", 2, 0.4, duration_s=240.0, num_prefill=1, num_decode=1)
+BASE = Scenario("aegaeon", 2, 0.4, duration_s=120.0, num_prefill=1, num_decode=1)
 
 
 def test_an_adapter_is_megabytes_of_a_7b_model() -> None:

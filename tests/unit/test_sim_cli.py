@@ -21,8 +21,10 @@ def test_cli_module_imports_nothing_heavy() -> None:
 
 
 def test_figure_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # two points at once, each in a process of its own (the sweep's pool)
     argv = ["sim", "--figure", "11a", "--points", "16,24", "--policies", "aegaeon,static-mux",
-            "--duration", "30", "--json", "--quiet", "--out", str(tmp_path)]  # fmt: skip
+            "--duration", "30", "--jobs", "2", "--json", "--quiet",
+            "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["figure"] == "11a"
@@ -34,18 +36,26 @@ def test_figure_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_multi_panel_figure_nests_by_panel(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # one point per panel: in this process (a pool would start anew for each panel)
     argv = ["sim", "--figure", "13", "--points", "8", "--policies", "aegaeon",
-            "--duration", "20", "--json", "--quiet", "--out", str(tmp_path)]  # fmt: skip
+            "--duration", "20", "--jobs", "1", "--json", "--quiet",
+            "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["max_models_at_90"]) == {"slo0.5", "slo0.3", "slo0.2"}
 
 
 def test_theorem_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sim", "--theorem", "--json", "--out", str(tmp_path)]) == 0
+    # --duration bounds the served run (default 1200 s); the cases keep their 20,000 s
+    argv = ["sim", "--theorem", "--duration", "120", "--json", "--out", str(tmp_path)]
+    assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["horizon_s"] == 20000.0 and len(summary["cases"]) == 5
     for case in summary["cases"]:
         assert abs(case["rel_error"]) < 0.03
+    served = summary["served"]
+    assert served["num_models"] == 40 and 0 < served["simulated"] <= 40
+    assert Path(summary["png"]).is_file()
 
 
 def test_single_experiment(capsys: pytest.CaptureFixture[str]) -> None:

@@ -274,7 +274,8 @@ class Check:
         on a GPU the workers' KV copies are CUDA copies whose events reach the GPU-less
         cachemgr as host mirrors; its counts (blocks freed at once and after an event,
         refused frees) are the step's results. Skipped where it cannot make namespaces
-        (not root, no ``unshare``)."""
+        (not root, no ``unshare``). The dry run serves its own small market there (built
+        by then) instead of the test building one in the step's fresh pytest cache."""
         xml = self.logs / "namespaces.xml"
         report = self.logs / "namespaces.json"
         argv = _py("-m", "pytest", "-q", "-o", f"cache_dir={self.work / 'pytest'}",
@@ -287,6 +288,8 @@ class Check:
             return {**tests, "counts": counts}
 
         env = {**self.runner.env, "AEGAEON_NAMESPACE_REPORT": str(report)}
+        if self.dry:
+            env["AEGAEON_NAMESPACE_MARKET"] = str(self.market)
         result = self.runner.command("namespaces", argv, DRY_STEP_S if self.dry else 180,
                                      reserve_s=self.reserve(), parse=parse, env=env)
         if result.status == "ok" and not (result.results or {}).get("counts"):

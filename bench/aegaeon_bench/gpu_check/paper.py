@@ -172,9 +172,13 @@ DRY_PLAN = PaperPlan(
     input_scale=0.25, output_scale=0.1,
     slo_note="dry run: tiny models on a CPU; prompts x0.25 and outputs x0.1 of ShareGPT's, "
     "TTFT scaled with the outputs (10 s x 0.1 = 1 s), TPOT the paper's 100 ms; seconds of "
-    "load per point (the real runs hold 60 s and 30 requests)",
-    probe_load_s=3.0, probe_grace_s=4.0, load_s=4.0, grace_s=6.0, min_requests=6,
+    "load per point at one rate, every policy's (the real runs hold 60 s and 30 requests "
+    "at the rates around each one's crossing)",
+    probe_load_s=2.0, probe_grace_s=4.0, load_s=4.0, grace_s=6.0, min_requests=6,
     startup_s=120.0, points=1, max_points=1, fallback_unit_rps=0.5, predict_s=60.0,
+    # a grid of one rate, the probe's unit: every policy runs it, so each node starts once
+    # (no policy's node comes back for a higher rate) and a run is a few requests
+    grid_low=1.0, grid_high=1.0,
 )  # fmt: skip
 
 
