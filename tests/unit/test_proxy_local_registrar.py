@@ -39,7 +39,7 @@ from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.cluster.backend import ClusterBackend
-from aegaeon_proxy.cluster.local_registrar import LocalRegistrar, local_names
+from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from fake_worker import latency_model
 
 
@@ -73,9 +73,11 @@ class _Sink:
 
 
 def test_one_node_names_its_instances_and_many_nodes_none(tmp_path: Path) -> None:
-    assert local_names(_config(tmp_path)) == ("prefill-0", "decode-0")
+    sink = _Sink()
+    assert LocalRegistrar(_config(tmp_path), sink.put, sink.send).expected == \
+        ("prefill-0", "decode-0")  # fmt: skip
     redis = _config(tmp_path, store={"kind": "redis"}, node={"advertise_address": "127.0.0.1"})
-    assert local_names(redis) == ()
+    assert LocalRegistrar(redis, sink.put, sink.send).expected == ()
 
 
 def test_hellos_and_heartbeats_become_records_and_a_first_hello_is_answered(

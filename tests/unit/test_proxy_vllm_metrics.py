@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 
 from aegaeon_common.config import Config, ModelConfig
-from aegaeon_common.messages.report import StepTokens, TokenItem
 from aegaeon_common.messages.structs import RequestTimings, SamplingParams
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
@@ -16,9 +15,8 @@ from aegaeon_proxy.backend import (
     TokenChunk,
     TokenQueue,
 )
-from aegaeon_proxy.cluster.tracked import Tracked, deliver, step_batch
+from aegaeon_proxy.cluster.tracked import Tracked, deliver
 from aegaeon_proxy.metrics import ProxyMetrics
-from aegaeon_proxy.vllm_metrics import EngineSteps
 from aegaeon_sched import Request
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, generate_latest
@@ -137,24 +135,6 @@ def _tracked(request_id: str, model: str, prompt_len: int, queue: TokenQueue) ->
                             SamplingParams(max_tokens=8), 0.0)
     sched = Request(request_id, model, 0.0, prompt_len, 8)
     return Tracked(gen, sched, SamplingParams(max_tokens=8), queue)
-
-
-async def test_engine_steps_count_prefills_and_bundled_decode_steps() -> None:
-    registry = CollectorRegistry()
-    steps = EngineSteps()
-    steps.register(registry)
-    steps.prefill("m", 12)
-    requests = {r: _tracked(r, "m", n, TokenQueue()) for r, n in (("r1", 3), ("r2", 5))}
-    # two steps of a batch of two, sent together; an unknown request is left out
-    msg = StepTokens(0, [TokenItem("r1", [1, 2]), TokenItem("r2", [3, 4]),
-                         TokenItem("gone", [9, 9, 9])], 0.0)  # fmt: skip
-    batch = step_batch(msg, requests)
-    assert batch == ("m", [2, 2])
-    steps.decode(*batch)
-    assert step_batch(StepTokens(0, [TokenItem("gone", [1])], 0.0), requests) is None
-    s = _samples(generate_latest(registry).decode())
-    assert _of(s, "vllm:iteration_tokens_total_count") == 3  # one prefill, two decode steps
-    assert _of(s, "vllm:iteration_tokens_total_sum") == 12 + 2 * 2
 
 
 async def test_the_finishing_chunk_carries_the_merged_timings() -> None:

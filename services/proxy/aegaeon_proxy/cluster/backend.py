@@ -6,17 +6,12 @@ registry and loads, every instance's prefill queue and decode work list, and
 the metadata of every request in flight live in the shared store
 (``aegaeon_common.registry``); a replica holds only its clients' HTTP streams.
 On one node the store is this process's memory (``store.kind: memory``, the
-default) and the node's instances, which reach no store, report their hellos
-and heartbeats here: this backend writes their records for them
-(``cluster.local_registrar``), answers their drains (``AckDrain``) and tells them
-when a new proxy starts (``ProxyStarted``); everything else is the same. A
-request-level baseline (``scheduler.policy`` other than ``aegaeon``; one node)
-places by its policy's picture in the store instead.
+default) and the node's instances, which reach no store, report here: this
+backend writes their records for them (``cluster.local_registrar``); everything
+else is the same.
 
 * **Placement** is one object per policy family (``cluster.placement``): Aegaeon's
-  booking (Algorithms 1-2 as store transactions over the shared queues: two
-  replicas never both book an instance on the same picture of it), or a
-  request-level baseline's (``cluster.baselines``).
+  booking (Algorithms 1-2 as store transactions), or a request-level baseline's.
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
   a request's tokens to the replica that holds its client.
 * **Roles** (``roles.enabled``): one replica decides which instances take
@@ -256,13 +251,12 @@ class ClusterBackend(Backend):
         unknown if one does not answer)."""
         decoding = [r.load for r in self.view.live.values() if self.view.role(r) == "decode"]
         caches = await self.caches.stats(self.view.live.values(), ENGINE_STATS_TIMEOUT_S)
-        host_used = host_capacity = None
-        if caches and all(c is not None for c in caches.values()):
-            host_used = sum(c.kv.used_bytes for c in caches.values() if c is not None)
-            host_capacity = sum(c.kv.capacity_bytes for c in caches.values() if c is not None)
+        kvs = [c.kv for c in caches.values() if c is not None]
+        whole = bool(caches) and len(kvs) == len(caches)  # (else the host's is unknown)
         return EngineSnapshot(sum(x.kv_used_bytes for x in decoding),
                               sum(x.kv_capacity_bytes for x in decoding),
-                              host_used, host_capacity)  # fmt: skip
+                              sum(k.used_bytes for k in kvs) if whole else None,
+                              sum(k.capacity_bytes for k in kvs) if whole else None)  # fmt: skip
 
     def context_limit(self, model: str) -> int | None:
         limits = [r.capacity_tokens[model] for r in self.view.live.values()
@@ -572,11 +566,10 @@ class ClusterBackend(Backend):
         self.counters["instances_lost"] += 1
         log.warning("instance_left", instance=record.instance_id, node=record.node,
                     why="its heartbeat expired or it restarted")  # fmt: skip
-        current = self.view.live.get(record.instance_id)
-        pusher = self._pushers.get(record.instance_id)
-        if pusher is not None and (current is None or current.address != pusher.address):
-            pusher.close()
-            del self._pushers[record.instance_id]
+        if record.instance_id not in self.view.live:  # (a successor's: _send replaces it)
+            pusher = self._pushers.pop(record.instance_id, None)
+            if pusher is not None:
+                pusher.close()
         stale = [RegistryView.queue_key(record, stage) for stage in ("prefill", "decode")]
 
         async def drop() -> None:

@@ -128,7 +128,7 @@ def request_metrics(table: RequestTable) -> Iterator[Metric]:
     """The request table's families: requests tracked now, ended by outcome, the
     other events, and shedding by SLO class."""
     yield GaugeMetricFamily(
-        "aegaeon_backend_requests", "Requests the backend tracks now", value=len(table)
+        "aegaeon_backend_requests", "Requests the backend tracks now", value=len(table.requests)
     )
     ended = CounterMetricFamily(
         "aegaeon_backend_requests_ended", "Requests the backend ended, by outcome",

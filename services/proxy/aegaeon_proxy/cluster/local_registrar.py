@@ -55,14 +55,6 @@ RESTART_GRACE_S = 60.0  # a drained instance's successor says hello within this
 INCARNATION = secrets.randbits(62) + 1  # this proxy process, in the instances' eyes
 
 
-def local_names(config: Config) -> tuple[str, ...]:
-    """The instances that report to this proxy: one node's (none with many nodes,
-    where each instance writes its own record)."""
-    if config.distributed:
-        return ()
-    return tuple(f"{kind}-{i}" for kind, i in config.worker_instances)
-
-
 @dataclass
 class _Local:
     """One instance as its reports left it."""
@@ -77,14 +69,16 @@ class _Local:
 class LocalRegistrar:
     """Writes the records of the instances that report here (see the module).
 
-    ``put(record, ttl_s)`` writes a record (None ttl_s: deletes it); ``send``
+    ``put(record, live)`` writes a record (``live`` False: deletes it); ``send``
     sends a message to an instance's record; both run as the backend's jobs."""
 
     def __init__(self, config: Config, put: Callable[[InstanceRecord, bool], None],
                  send: Callable[[InstanceRecord, Message], None]) -> None:  # fmt: skip
         self.config = config
         self.ttl_s = config.store.heartbeat_ttl_s
-        self.expected = local_names(config)
+        # the instances that report here: one node's (with many, each writes its own)
+        self.expected: tuple[str, ...] = () if config.distributed else tuple(
+            f"{kind}-{i}" for kind, i in config.worker_instances)
         self._put = put
         self._send = send
         self.instances: dict[str, _Local] = {}
@@ -101,9 +95,8 @@ class LocalRegistrar:
             return
         known = self.instances.get(name)  # (None: its first hello to this process)
         first = known is None
-        same = (known is not None and known.record.pid == msg.pid
-                and known.record.incarnation == msg.incarnation)  # fmt: skip
-        if same and known is not None:
+        if known is not None and (known.record.pid, known.record.incarnation) == \
+                (msg.pid, msg.incarnation):  # fmt: skip
             record = msgspec.structs.replace(
                 known.record, capacity_tokens=dict(msg.capacity_tokens), latency=msg.latency
             )
@@ -145,10 +138,9 @@ class LocalRegistrar:
         return local.record
 
     def on_stalled(self, msg: InstanceStalled) -> bool:
-        """Its compute thread made no progress with work to do: its record goes now (not a
-        heartbeat timeout later: its event loop still beats), and with the next refresh
-        its requests are failed over; its process says no hello again
-        (``aegaeon_runtime.liveness``). True when it was this process's."""
+        """Its compute thread made no progress with work to do (its event loop still
+        beats: ``aegaeon_runtime.liveness``); see the module. True when it was this
+        process's."""
         name = f"{msg.kind}-{msg.index}"
         local = self.instances.get(name)
         if local is None or local.record.pid != msg.pid:
@@ -205,14 +197,10 @@ class LocalRegistrar:
 
     def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
         """Its side HTTP server and its node's cachemgr's, once they listen."""
-        run_dir = self.config.run_dir
-        if not record.http_url:
-            own = read_http_address(run_dir, record.instance_id)
-            if own is not None:
-                record = msgspec.structs.replace(record, http_url=own.url)
-        if not record.cachemgr_http_url:
-            cachemgr = read_http_address(run_dir, "cachemgr")
-            if cachemgr is not None:
-                record = msgspec.structs.replace(record, cachemgr_http_url=cachemgr.url)
+        for field, service in (("http_url", record.instance_id), ("cachemgr_http_url", "cachemgr")):
+            if not getattr(record, field):
+                address = read_http_address(self.config.run_dir, service)
+                if address is not None:
+                    record = msgspec.structs.replace(record, **{field: address.url})
         return record
 

@@ -1,43 +1,31 @@
-"""Models added and removed at run time (model lifecycle), and models put to sleep and
-woken on the devices (``/sleep``, ``/wake_up``), over every node's instances (the
-registry) and cachemgrs (``cluster.node_caches``); and the set of models the
-proxies serve.
+"""Models added and removed at run time, put to sleep and woken (``/sleep``,
+``/wake_up``), over every node's instances (the registry) and cachemgrs
+(``cluster.node_caches``); and what the proxies share of the models.
 
 The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`SharedModels`
 carries it out: the cachemgrs learn or forget the model (``RegisterModel``,
 ``ForgetModel``) and take the operator's flags (``SetModelFlags``); every live
-instance is told (``AddModel``) and answers the proxy that asked (``reply_to``)
-with its models (``InstanceModels``, echoing the ticket it was sent with: an
-answer names only the instance's kind and index, so the ticket says which
-node's it is). An instance serves an added model once its registry record
-lists it (with its latency profile over it): a proxy that follows the add
-dispatches to it from the same records, so an add returns only then, and
-fails (422) when one answered without it (a checkpoint it cannot read).
+instance is told (``AddModel``, ``SetModelAwake``) and answers the proxy that asked
+(``reply_to``), echoing the ticket it was sent with: an answer names only the
+instance's kind and index, so the ticket says which node's it is. An instance
+serves an added model once its registry record lists it (with its latency profile
+over it): a proxy that follows the add dispatches to it from the same records, so
+an add returns only then.
 
-A model sleeps when it is on no live instance's device (the instances report
-the models on their device with every heartbeat and answer each
-``SetModelAwake``): sleeping sends it to every live instance, waking to the
-least busy prefill instance (where the model's next request starts).
-
-A model added or removed on one proxy is published in the store
-(:class:`~aegaeon_common.registry.ServedModelsRecord`, one transaction per
-change); every proxy reads it with its registry refresh and hands each change
-to its front (``follow_with``): the model table and tokenizers of a proxy
-follow the one that changed them, as the models' settings do. The record is
-one of the :class:`~aegaeon_proxy.cluster.shared_records.SharedRecords`: every
-proxy writes it back if the store loses it. An instance or cachemgr that
-(re)starts comes back with the config file's models: it is given the models
-added here again and forgets those removed (``on_joined``).
-
-The models whose checkpoint cannot be read (quarantine) are shared the same way
-(:class:`~aegaeon_common.registry.UnavailableModelsRecord`, a shared record too).
-A cachemgr refuses to load a model whose files are missing, truncated, corrupt or
-not as ``market.json`` records them, and says so in its stats (``unavailable``,
-polled every :data:`WATCH_S`); an instance that meets one fails the work for it
-with ``model_unavailable``; an admin operation (an add, a pin) gets
-``checkpoint_error`` back. The proxy that learns one publishes it, and every
-proxy's :class:`SharedModels` tells its front (the model table answers 503
-``model_unavailable`` from then on) until a reload on any proxy lifts it.
+The models served, their settings and the unreadable ones (quarantine: a
+cachemgr's ``unavailable``, polled every :data:`WATCH_S`, or an instance's
+``model_unavailable``) are records in the store
+(:class:`~aegaeon_common.registry.ServedModelsRecord`,
+:class:`~aegaeon_common.registry.UnavailableModelsRecord`, one transaction per
+change), kept by every proxy as
+:class:`~aegaeon_proxy.cluster.shared_records.SharedRecords` (written back if the
+store loses them). Every proxy reads them with its registry refresh and hands
+each change to its front (``follow_served``, ``follow_unavailable``,
+``follow_model_settings``): the model table and tokenizers of a proxy follow the
+one that changed them, an unreadable model is 503 ``model_unavailable``
+everywhere until a reload on any proxy lifts it. An instance or cachemgr that
+(re)starts comes back with the config file's models: it is given the models added
+here again and forgets those removed (``on_joined``).
 """
 
 from __future__ import annotations
@@ -100,7 +88,6 @@ POLL_TIMEOUT_S = 2.0
 __all__ = ["WATCH_S", "SharedModels", "record_models"]
 
 Apply = Callable[[str, ModelConfig | None], None]
-ApplyUnavailable = Callable[[str, str | None], None]
 
 
 def register_message(model: ModelConfig) -> RegisterModel:
@@ -154,11 +141,12 @@ class SharedModels(ModelOps):
         self._changed = asyncio.Event()
         self._apply: Apply | None = None
         self._applied: dict[str, str | None] = {}
-        records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,), self._followed)
+        # (the served models as another replica last changed them)
+        records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,),
+                       lambda _key, raw: self._follow(decode_served_models(raw)))  # fmt: skip
         # the models whose checkpoint cannot be read (name -> why), as the shared record
-        # says; the front's apply for them
+        # says (the front follows them: ModelOps._on_unavailable)
         self.unavailable: dict[str, str] = {}
-        self._apply_unavailable: ApplyUnavailable | None = None
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
         # (after the served set: a model added elsewhere is served here before its settings)
@@ -264,11 +252,8 @@ class SharedModels(ModelOps):
             return False
         if awake:  # prefill instances first (a model's next request starts there), least work
             live = [min(live, key=lambda r: (r.kind != "prefill", r.load.queued + r.load.running))]
-        tickets = {}
-        for record in live:
-            tickets[record.instance_id] = ticket = self._ticket(record.instance_id)
-            self._spawn(self._send(record, SetModelAwake(name, awake, ticket,
-                                                         reply_to=self.reply_to)))  # fmt: skip
+        tickets = {r.instance_id: self._ask(r, lambda t: SetModelAwake(
+            name, awake, t, reply_to=self.reply_to)) for r in live}  # fmt: skip
 
         def waiting() -> list[str]:
             return [n for n, ticket in tickets.items()
@@ -290,16 +275,16 @@ class SharedModels(ModelOps):
 
     # ---- the instances' answers ------------------------------------------------
     def _send_add(self, record: InstanceRecord, model: ModelConfig) -> int:
-        """``AddModel`` to the instance (in order with its other work); its ticket."""
-        ticket = self._ticket(record.instance_id)
-        self._spawn(self._send(record, AddModel(model.name, str(model.path), ticket,
-                                                reply_to=self.reply_to,
-                                                base=model.base or "")))  # fmt: skip
-        return ticket
+        return self._ask(record, lambda t: AddModel(model.name, str(model.path), t,
+                                                    reply_to=self.reply_to,
+                                                    base=model.base or ""))  # fmt: skip
 
-    def _ticket(self, target: str) -> int:
+    def _ask(self, record: InstanceRecord, make: Callable[[int], Message]) -> int:
+        """``make(ticket)`` to the instance (in order with its other work); the ticket
+        its answer echoes."""
         ticket = next(self._tickets)
-        self._owners[ticket] = target
+        self._owners[ticket] = record.instance_id
+        self._spawn(self._send(record, make(ticket)))
         return ticket
 
     def on_instance_models(self, msg: InstanceModels) -> None:
@@ -381,8 +366,8 @@ class SharedModels(ModelOps):
             self._apply_settings(record.model, record.settings)
 
     # ---- the unreadable models the replicas share --------------------------------
-    def follow_unavailable(self, apply: ApplyUnavailable) -> None:
-        self._apply_unavailable = apply
+    def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
+        self._on_unavailable = apply
         for name, why in self.unavailable.items():
             apply(name, why)
 
@@ -427,8 +412,8 @@ class SharedModels(ModelOps):
         else:
             self.unavailable[name] = why
             log.error("model_unavailable", model=name, error=why)
-        if self._apply_unavailable is not None:
-            self._apply_unavailable(name, why)
+        if self._on_unavailable is not None:
+            self._on_unavailable(name, why)
 
     def served_names(self) -> list[str]:
         """The models served now: the config's not removed, then those added."""
@@ -452,11 +437,6 @@ class SharedModels(ModelOps):
 
     def follow_served(self, apply: Apply) -> None:
         self._apply = apply
-
-    def _followed(self, key: str, raw: bytes) -> None:
-        """The served models as another replica last changed them. Raises
-        ``msgspec.DecodeError`` for a bad record."""
-        self._follow(decode_served_models(raw))
 
     def _follow(self, record: ServedModelsRecord, mine: str | None = None) -> None:
         """Each change of ``record`` not applied here yet goes to the front and to the

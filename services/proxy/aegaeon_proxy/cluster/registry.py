@@ -6,11 +6,9 @@ stopped beating) and is taken out of the list. Between refreshes the view is
 what dispatch reads; a node that dies leaves it at most ``store.heartbeat_ttl``
 + :data:`REFRESH_S` later.
 
-A record missing is a death only when the store has been answering for a whole
-TTL (:class:`StoreHealth`): right after the store was unreachable, paused or
-restarted empty, every writer's record may be missing because the writers could
-not beat either. Until the store has settled, the view keeps the records it
-had (the instances beat again within one beat and replace them).
+A record missing is a death only once the store has answered for a whole TTL
+(:class:`StoreHealth`): until then the view keeps the records it had, as their
+writers, who could not beat either, replace them within a beat.
 """
 
 from __future__ import annotations

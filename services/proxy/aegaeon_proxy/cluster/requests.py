@@ -37,7 +37,7 @@ from aegaeon_sched.admission import (
 )
 
 from aegaeon_proxy.backend import BackendError, GenerationRequest, TokenQueue
-from aegaeon_proxy.cluster.tracked import Tracked, deliver, merge_timings, step_batch
+from aegaeon_proxy.cluster.tracked import Tracked, deliver, merge_timings
 from aegaeon_proxy.slo_classes import class_table
 from aegaeon_proxy.vllm_metrics import EngineSteps
 
@@ -141,9 +141,6 @@ class RequestTable:
         # open belong to a request this proxy never knew
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._releasing = False
-
-    def __len__(self) -> int:
-        return len(self.requests)
 
     def set_bounds(self, bounds: Bounds) -> None:
         """The admission bounds (again, when the instances behind them changed)."""
@@ -324,12 +321,10 @@ class RequestTable:
         return True
 
     def step_tokens(self, msg: StepTokens) -> None:
-        """One decode report's tokens, each to its request's stream (the ends ended).
-        Tokens of an id neither open nor ended lately are a stranger's: cancelled where
-        they came from."""
-        batch = step_batch(msg, self.requests)
-        if batch is not None:
-            self.steps.decode(*batch)
+        """One decode report's tokens, each to its request's stream (the ends ended), and
+        as one batch's steps (one model) to ``vllm:iteration_tokens_total``. Tokens of an
+        id neither open nor ended lately are a stranger's: cancelled where they came from."""
+        model, counts = "", list[int]()
         for item in msg.items:
             tracked = self.requests.get(item.request_id)
             if tracked is None:
@@ -339,6 +334,8 @@ class RequestTable:
                     log.info("orphan_cancelled", request_id=item.request_id, index=msg.index)
                     self.placement.cancel_orphan(item.request_id, msg)
                 continue
+            model = tracked.gen.model
+            counts.append(len(item.token_ids))
             tracked.num_generated += len(item.token_ids)
             reason = item.finish_reason
             if deliver(tracked, item.token_ids, reason, item.timings, index=item.index,
@@ -346,6 +343,8 @@ class RequestTable:
                 assert reason is not None
                 self._timed(tracked, reason, item.timings)
                 self.end(item.request_id, reason)
+        if counts:
+            self.steps.decode(model, counts)
 
     def failed(self, request_id: str, instance: str, code: str, message: str) -> None:
         """``instance`` could not serve the request: it ends with that error (and its

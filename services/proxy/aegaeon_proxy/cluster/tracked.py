@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import msgspec
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import EnqueuePrefill
-from aegaeon_common.messages.report import StepTokens
 from aegaeon_common.messages.structs import (
     KVHandoff,
     RequestTimings,
@@ -104,15 +104,11 @@ def merge_timings(
         return prefill or RequestTimings()
     if prefill is None or decode.prefill_s > 0:
         return decode
-    return RequestTimings(
-        prefill_wait_s=prefill.prefill_wait_s,
-        prefill_s=prefill.prefill_s,
-        decode_wait_s=decode.decode_wait_s,
-        decode_s=decode.decode_s,
-        kv_wait_s=decode.kv_wait_s,
+    return msgspec.structs.replace(
+        decode, prefill_wait_s=prefill.prefill_wait_s, prefill_s=prefill.prefill_s,
         kv_control_s=prefill.kv_control_s + decode.kv_control_s,
         extra={**prefill.extra, **decode.extra},
-    )
+    )  # fmt: skip
 
 
 def deliver(
@@ -139,16 +135,3 @@ def deliver(
     ))  # fmt: skip
     return ended
 
-
-def step_batch(msg: StepTokens, requests: Mapping[str, Tracked]) -> tuple[str, list[int]] | None:
-    """A decode report's model and each of its requests' new tokens (a report is one
-    batch's steps: one model), for ``vllm:iteration_tokens_total``; None when no
-    request of it is tracked here."""
-    model: str | None = None
-    counts: list[int] = []
-    for item in msg.items:
-        tracked = requests.get(item.request_id)
-        if tracked is not None:
-            model = model or tracked.gen.model
-            counts.append(len(item.token_ids))
-    return (model, counts) if model is not None else None
