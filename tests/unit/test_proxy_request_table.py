@@ -87,7 +87,7 @@ def test_a_full_table_is_a_429_naming_where() -> None:
         table.open(_gen("a", 1))
         with pytest.raises(BackendError) as err:
             table.open(_gen("b", 1))
-        assert err.value.status == 429 and "the node" in err.value.message
+        assert err.value.status == 429 and "at this proxy" in err.value.message
 
     asyncio.run(main())
 

@@ -141,7 +141,7 @@ class ClusterBackend(Backend):
         self._reports, self.report_address = _report_socket(config, self.ctx)
         # requests, their admission by SLO class, streams, ends and retries; placement
         # (store transactions) is this backend's
-        self.table = RequestTable(config, self, where="this replica")
+        self.table = RequestTable(config, self)
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         self.counters = self.table.counters
         self.counters.update(dict.fromkeys(
@@ -242,7 +242,9 @@ class ClusterBackend(Backend):
                 if n not in self.view.live and not self.local.up(n, now)]  # fmt: skip
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
-        registry.register(BackendCollector(self))
+        registry.register(BackendCollector(
+            self.view, self.table, self.roles, self.store, self.down,
+            lambda: (len(self.held), len(self.placement.held_decode))))  # fmt: skip
         self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
@@ -315,7 +317,6 @@ class ClusterBackend(Backend):
         self._spawn(self.placement.dispatch(tracked, again=True))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
-        """Out of the placement (its instance told when ``cancelled``) and the store."""
         rid = tracked.gen.request_id
         self.held.pop(rid, None)
         where, tracked.where = tracked.where, None
@@ -464,7 +465,6 @@ class ClusterBackend(Backend):
         self._spawn(write())
 
     def _on_draining(self, msg: InstanceDraining) -> None:
-        """Send the instance no new work; the ack follows everything sent to it so far."""
         record = self.local.on_draining(msg)
         if record is not None:
             held = sum(1 for t in self.requests.values()

@@ -5,16 +5,14 @@ held requests and store (:class:`BackendCollector`), the request table's
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from aegaeon_common.store import Store
 from aegaeon_sched.velocity import STAGES, cluster_velocity
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from aegaeon_proxy.cluster.baselines import Baselines
-from aegaeon_proxy.cluster.placement import Booking
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.roles import RoleSwitcher, SharedRoles
@@ -24,59 +22,49 @@ __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
 
 
-class CollectedBackend(Protocol):
-    """What a scrape reads of the backend (``cluster.backend``)."""
+@dataclass
+class BackendCollector(Collector):
+    """The backend's view as metrics (read at scrape time): the instances as the
+    registry lists them (one node: every instance it runs, up or not: ``down``),
+    requests, roles, what is held (``held``: arrivals, decode placements), the store's
+    transactions."""
 
     view: RegistryView
     table: RequestTable
     roles: SharedRoles
     store: Store
-
-    placement: Booking | Baselines
-
-    @property
-    def held(self) -> Mapping[str, object]: ...  # (read only: a dict of any values is one)
-
-    def down(self) -> list[str]: ...
-
-
-class BackendCollector(Collector):
-    """The backend's view as metrics (read at scrape time): the instances as the
-    registry lists them (one node: every instance it runs, up or not), requests,
-    roles, what is held, the store's transactions."""
-
-    def __init__(self, backend: CollectedBackend) -> None:
-        self._b = backend
+    down: Callable[[], list[str]]
+    held: Callable[[], tuple[int, int]]
 
     def collect(self) -> Iterator[Metric]:
-        b = self._b
         up = GaugeMetricFamily("aegaeon_instance_up", "Instances registered and beating",
                                labels=["instance"])  # fmt: skip
         draining = GaugeMetricFamily(
             "aegaeon_instance_draining", "Whether an instance announced it is draining",
             labels=["instance"],
         )  # fmt: skip
-        for iid, record in b.view.live.items():
+        for iid, record in self.view.live.items():
             up.add_metric([iid], 1.0)
             draining.add_metric([iid], float(record.draining))
-        for name in b.down():
+        for name in self.down():
             up.add_metric([name], 0.0)
         yield up
         yield draining
-        yield from request_metrics(b.table)
-        yield from role_metrics(b.roles.switcher, b.view)
+        yield from request_metrics(self.table)
+        yield from role_metrics(self.roles.switcher, self.view)
         held = GaugeMetricFamily(
             "aegaeon_held_requests",
             "Requests waiting in the proxy because no instance of a stage takes work now",
             labels=["stage"],
         )  # fmt: skip
-        held.add_metric(["prefill"], float(len(b.held)))
-        held.add_metric(["decode"], float(len(b.placement.held_decode)))
+        prefill, decode = self.held()
+        held.add_metric(["prefill"], float(prefill))
+        held.add_metric(["decode"], float(decode))
         yield held
         tx = CounterMetricFamily("aegaeon_store_transactions", "Store transactions by outcome",
                                  labels=["outcome"])  # fmt: skip
-        tx.add_metric(["committed"], float(b.store.num_commits))
-        tx.add_metric(["conflict"], float(b.store.num_conflicts))
+        tx.add_metric(["committed"], float(self.store.num_commits))
+        tx.add_metric(["conflict"], float(self.store.num_conflicts))
         yield tx
 
 

@@ -119,10 +119,8 @@ class LocalRegistrar:
             return  # (its record went: ended or stalled; a hello writes it again)
         local.stats = msg
         self.note_holdings(msg.kind, msg.index, msg.holdings)
-        for switch in msg.switches:
-            self.switches.append((local.record.instance_id, switch))
-        for turn in msg.turns:
-            self.turns.append((local.record.instance_id, turn))
+        self.switches.extend((local.record.instance_id, s) for s in msg.switches)
+        self.turns.extend((local.record.instance_id, t) for t in msg.turns)
         local.record = msgspec.structs.replace(self._with_urls(local.record), load=load_of(msg))
         self._write(local)
 

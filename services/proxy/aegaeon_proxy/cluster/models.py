@@ -132,10 +132,8 @@ class SharedModels(ModelOps):
         self.added: dict[str, ModelConfig] = {}  # models added here (not in the config)
         self.removed: set[str] = set()  # configured models removed here
         self._tickets = itertools.count(1)
-        self._owners: dict[int, str] = {}  # ticket -> the instance it was sent to
-        # instance -> the last AddModel ticket it answered, and its models then
-        self._add_answered: dict[str, tuple[int, frozenset[str]]] = {}
-        self._awake_answered: dict[str, int] = {}
+        self._owners: dict[int, str] = {}  # ticket -> the instance it was sent to, unanswered
+        self._answered: dict[int, frozenset[str]] = {}  # ticket -> the models its answer named
         # instance -> (incarnation, residency version, models on its device): its answers
         self._answered_resident: dict[str, tuple[int, int, tuple[str, ...]]] = {}
         self._changed = asyncio.Event()
@@ -175,12 +173,10 @@ class SharedModels(ModelOps):
         await self._take(model)
 
     async def reload_model(self, model: ModelConfig) -> None:
-        """Read ``model``'s checkpoint again on every node (``ReloadModel``: its
-        quarantine lifted there; a BackendError 422 ``model_unavailable`` naming what is
-        wrong when it still cannot be read), then have every live instance that does
-        not serve it (its config was unreadable when it started) take it. Lifted
-        everywhere as of the reload's start once it succeeds; one that finds the
-        checkpoint unreadable still is quarantined again for what is wrong now."""
+        """``ReloadModel`` on every node, then every live instance that does not serve
+        ``model`` (its config was unreadable when it started) takes it. Lifted everywhere
+        as of the reload's start; still unreadable: quarantined again for what is wrong
+        now."""
         self._need_prefill()
         began = time.time()
         try:
@@ -212,8 +208,8 @@ class SharedModels(ModelOps):
                 ticket = tickets.get(name)
                 if ticket is None or model.name in record_models(record):
                     continue  # came up since (its resync gets it) or done
-                answered, models = self._add_answered.get(name, (0, frozenset()))
-                if answered >= ticket and model.name not in models:
+                models = self._answered.get(ticket)
+                if models is not None and model.name not in models:
                     raise BackendError(
                         f"instance {name} cannot serve model '{model.name}' from "
                         f"{model.path} (see its log)", status=422, code="model_unavailable",
@@ -224,8 +220,6 @@ class SharedModels(ModelOps):
         await self._until(waiting, f"take model '{model.name}'", ADD_TIMEOUT_S)
 
     async def forget_model(self, name: str) -> bool:
-        """Every cachemgr forgets ``name`` (its last request ended); True: evicted now
-        everywhere."""
         replies = await self._cache_call(ForgetModel(name))
         self._mark(name, None)
         return bool(replies) and all(isinstance(r, ModelForgotten) and r.evicted
@@ -238,7 +232,6 @@ class SharedModels(ModelOps):
         return await self._caches.model_cache(self.view.live.values())
 
     def model_sleeping(self, name: str) -> bool:
-        """``name`` is on no live instance's device (as they last reported)."""
         return not any(name in self._resident(r) for r in self.view.live.values())
 
     async def set_model_awake(self, name: str, awake: bool) -> bool:
@@ -257,7 +250,7 @@ class SharedModels(ModelOps):
 
         def waiting() -> list[str]:
             return [n for n, ticket in tickets.items()
-                    if n in self.view.live and self._awake_answered.get(n, 0) < ticket]  # fmt: skip
+                    if n in self.view.live and ticket not in self._answered]  # fmt: skip
 
         await self._until(waiting, f"{'wake' if awake else 'sleep'} model '{name}'")
         return self.model_sleeping(name)
@@ -289,20 +282,19 @@ class SharedModels(ModelOps):
 
     def on_instance_models(self, msg: InstanceModels) -> None:
         """An answer to an ``AddModel``: the instance serves these models."""
-        target = self._owners.get(msg.ticket)
-        if target is not None and msg.ticket >= self._add_answered.get(target, (0,))[0]:
-            self._add_answered[target] = (msg.ticket, frozenset(msg.capacity_tokens))
+        if self._owners.pop(msg.ticket, None) is not None:
+            self._answered[msg.ticket] = frozenset(msg.capacity_tokens)
         self.changed()
 
     def on_models_resident(self, msg: ModelsResident) -> None:
         """An answer to a ``SetModelAwake``: the models on the instance's device now."""
-        target = self._owners.get(msg.ticket)
+        target = self._owners.pop(msg.ticket, None)
         record = self.view.live.get(target) if target is not None else None
         if target is None or record is None:
             return
         self._answered_resident[target] = (record.incarnation, msg.residency_version,
-                                  tuple(msg.resident_models))  # fmt: skip
-        self._awake_answered[target] = max(self._awake_answered.get(target, 0), msg.ticket)
+                                           tuple(msg.resident_models))  # fmt: skip
+        self._answered[msg.ticket] = frozenset(msg.resident_models)
         self.changed()
 
     def changed(self) -> None:

@@ -167,11 +167,9 @@ class NodeCaches:
                           timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any] | None:  # fmt: skip
         """Every node's Model Cache that answers within ``timeout_s``, merged
         (:func:`merge_model_caches`); None when no node answered."""
-        by_node = {}
-        for node, stats in (await self.stats(records, timeout_s)).items():
-            plain = to_plain(stats.model_cache) if stats is not None else None
-            if isinstance(plain, dict):
-                by_node[node] = plain
+        by_node = {node: to_plain(stats.model_cache)
+                   for node, stats in (await self.stats(records, timeout_s)).items()
+                   if stats is not None}  # fmt: skip
         return merge_model_caches(by_node) if by_node else None
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ while (:data:`RECENT_IDS`) so its late tokens are not taken for a stranger's.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -125,10 +125,9 @@ class RequestTable:
     Runs on the proxy's event loop; nothing here blocks or awaits.
     """
 
-    def __init__(self, config: Config, placement: Placement, where: str = "the node") -> None:
+    def __init__(self, config: Config, placement: Placement) -> None:
         self.config = config
         self.placement = placement
-        self.where = where  # how a 429 names what is full ("the node", "this replica")
         self.requests: dict[str, Tracked] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         # where each ended request's time went (the Fig. 14 breakdown), for the stats
@@ -163,7 +162,7 @@ class RequestTable:
         if len(self.requests) >= limit:
             self.counters["rejected"] += 1
             raise BackendError.overloaded(
-                f"{len(self.requests)} requests in flight at {self.where} (limit {limit})",
+                f"{len(self.requests)} requests in flight at this proxy (limit {limit})",
                 retry_after_s=retry_after_s,
             )  # fmt: skip
         s = req.sampling
@@ -177,7 +176,7 @@ class RequestTable:
             assert self.gate is not None
             self.counters["rejected"] += 1
             raise BackendError.overloaded(
-                f"{self.where} is at its admission bound for {req.slo_class} requests "
+                f"this proxy is at its admission bound for {req.slo_class} requests "
                 f"({self.gate.why(sched)}); retry later", retry_after_s=retry_after_s,
             )  # fmt: skip
         tracked = Tracked(req, sched, s, TokenQueue())
@@ -205,10 +204,7 @@ class RequestTable:
             return
         self._releasing = True  # placing may end requests: no re-entry
         try:
-            while gate.num_deferred:
-                released = gate.release()
-                if not released:
-                    break
+            while gate.num_deferred and (released := gate.release()):
                 for sched in released:
                     tracked = self.requests.get(sched.request_id)
                     if tracked is not None and tracked.deferred:
@@ -234,7 +230,7 @@ class RequestTable:
             waited = (f"its time to first token ({sched.ttft_s or self.config.slo.ttft_s:g} s"
                       if max_wait_s is None else f"proxy.admission_max_wait ({max_wait_s:g} s")
             tracked.queue.refuse(BackendError.overloaded(
-                f"{self.where} had no room for this request within {waited}; it waited for "
+                f"this proxy had no room for this request within {waited}; it waited for "
                 "room at the admission bounds); retry later",
                 retry_after_s=self.config.proxy.retry_after_s,
             ))  # fmt: skip
@@ -380,11 +376,9 @@ class RequestTable:
     # ---- observability -------------------------------------------------------
     def classes_snapshot(self) -> dict[str, object]:
         """SLO classes: whether on, requests open by class, what shedding did."""
-        by_class: dict[str, int] = {}
-        for t in self.requests.values():
-            by_class[t.gen.slo_class] = by_class.get(t.gen.slo_class, 0) + 1
+        by_class = Counter(t.gen.slo_class for t in self.requests.values())
         out: dict[str, object] = {"enabled": self.config.slo_classes.enabled,
-                                  "open_by_class": by_class}  # fmt: skip
+                                  "open_by_class": dict(by_class)}  # fmt: skip
         if self.shedder is not None:
             out["shedding"] = self.shedder.snapshot()
         return out
