@@ -347,7 +347,7 @@ class ClusterBackend(Backend):
         await self.placement.dispatch(tracked)
 
     async def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
+        self.table.end(request_id, "cancelled", cancelled=True)
 
     async def _forget(self, request_id: str) -> None:
         with contextlib.suppress(StoreError):

@@ -137,7 +137,7 @@ class SharedModels(ModelOps):
         # instance -> (incarnation, residency version, models on its device): its answers
         self._answered_resident: dict[str, tuple[int, int, tuple[str, ...]]] = {}
         self._changed = asyncio.Event()
-        self._apply: Apply | None = None
+        self._apply: Apply = lambda name, model: None  # (the front's, once it follows)
         self._applied: dict[str, str | None] = {}
         # (the served models as another replica last changed them)
         records.follow(SERVED_MODELS, lambda: (SERVED_MODELS,),
@@ -148,7 +148,7 @@ class SharedModels(ModelOps):
         records.follow(UNAVAILABLE_MODELS, lambda: (UNAVAILABLE_MODELS,),
                        self._followed_unavailable)  # fmt: skip
         # (after the served set: a model added elsewhere is served here before its settings)
-        self._apply_settings: Callable[[str, ModelSettings], None] | None = None
+        self._apply_settings: Callable[[str, ModelSettings], None] = lambda name, s: None
         records.follow("modelsettings:", lambda: map(model_settings_key, self.served_names()),
                        self._settings_followed)  # fmt: skip
 
@@ -354,8 +354,7 @@ class SharedModels(ModelOps):
     def _settings_followed(self, key: str, raw: bytes) -> None:
         """A model's live settings as another replica last changed them."""
         record = decode_model_settings(raw)
-        if self._apply_settings is not None:
-            self._apply_settings(record.model, record.settings)
+        self._apply_settings(record.model, record.settings)
 
     # ---- the unreadable models the replicas share --------------------------------
     def follow_unavailable(self, apply: Callable[[str, str | None], None]) -> None:
@@ -439,8 +438,7 @@ class SharedModels(ModelOps):
                 continue
             model = self._note(name, path, record.bases.get(name))
             log.info("served_models_followed", model=name, added=model is not None)
-            if self._apply is not None:
-                self._apply(name, model)
+            self._apply(name, model)
 
     def _note(self, name: str, path: str | None, base: str | None = None) -> ModelConfig | None:
         self._applied[name] = path

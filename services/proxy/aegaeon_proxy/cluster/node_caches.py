@@ -87,24 +87,17 @@ def merge_model_caches(by_node: dict[str, dict[str, Any]]) -> dict[str, Any]:
     everywhere = set.intersection(*(set(r) for r in resident)) if resident else set()
     out["models"] = [m for name, m in resident[0].items() if name in everywhere] if caches else []
     out["loading"] = sorted({name for c in caches for name in c.get("loading", [])})
-    progress: dict[str, float] = {}
-    for name in {n for c in caches for n in c.get("progress", {})} - everywhere:
-        progress[name] = min(1.0 if name in r else float(c.get("progress", {}).get(name, 0.0))
-                             for c, r in zip(caches, resident, strict=True))  # fmt: skip
-    out["progress"] = progress
-
-    def common(key: str) -> list[str]:
+    out["progress"] = {
+        name: min(1.0 if name in r else float(c.get("progress", {}).get(name, 0.0))
+                  for c, r in zip(caches, resident, strict=True))
+        for name in {n for c in caches for n in c.get("progress", {})} - everywhere
+    }  # fmt: skip
+    for key in ("operator_pinned", "known"):
         sets = [set(c.get(key, [])) for c in caches]
-        return sorted(set.intersection(*sets)) if sets else []
-
-    out["operator_pinned"] = common("operator_pinned")
-    out["known"] = common("known")
+        out[key] = sorted(set.intersection(*sets)) if sets else []
     # a model one node cannot read is unavailable (the first node's words for it)
-    unavailable: dict[str, str] = {}
-    for c in caches:
-        for name, why in c.get("unavailable", {}).items():
-            unavailable.setdefault(name, why)
-    out["unavailable"] = unavailable
+    out["unavailable"] = {name: why for c in reversed(caches)
+                          for name, why in c.get("unavailable", {}).items()}  # fmt: skip
     out["nodes"] = dict(by_node)
     return out
 

@@ -259,9 +259,6 @@ class RequestTable:
         self.release_deferred()
         return tracked
 
-    def cancel(self, request_id: str) -> Tracked | None:
-        return self.end(request_id, "cancelled", cancelled=True)
-
     def _forget(self, request_id: str) -> None:
         """It ended here: release its admission, remember its id for a while."""
         if self.admission is not None:
