@@ -723,8 +723,6 @@ class ClusterBackend(Backend):
         turns, request timings, the cachemgrs' stats (one node: its own; many: by node);
         ``light`` leaves the record lists out (for frequent polls)."""
         samples = list(self.dispatch_s)
-        p50, p99 = ((percentile(samples, 50), percentile(samples, 99)) if samples
-                    else (None, None))  # fmt: skip
         caches = await self.caches.stats(self.view.live.values(), STATS_TIMEOUT_S)
         plain = {n: to_plain(c) if c is not None else None for n, c in caches.items()}
         cache = next(iter(plain.values())) if len(plain) == 1 else None
@@ -749,7 +747,9 @@ class ClusterBackend(Backend):
             "nodes": sorted({r.node for r in self.view.live.values()}),
             "store": {"kind": self.config.store.kind, "commits": self.store.num_commits,
                       "conflicts": self.store.num_conflicts},
-            "dispatch_s": {"count": len(samples), "p50": p50, "p99": p99},
+            "dispatch_s": {"count": len(samples),
+                           "p50": percentile(samples, 50) if samples else None,
+                           "p99": percentile(samples, 99) if samples else None},
             "admission": self.table.admission.snapshot() if self.table.admission else None,
             "slo_classes": self.table.classes_snapshot(),
             "roles": self.roles.snapshot(time.monotonic()),

@@ -1,14 +1,8 @@
-"""Every node's cachemgr as the proxy reaches it.
-
-A node's instances name their cachemgr in their registry records (its command
-address and its side HTTP server). The proxy sends the operator's model flags
-(``SetModelFlags``: pin, preload) and the models added and removed at run time
-(``RegisterModel``, ``ForgetModel``) to every node's cachemgr, reads every
-node's Model Cache, and lists every node's services for ``GET
-/v1/aegaeon/services``.
-
-A node whose cachemgr is on another host is reached at the address its
-instances use (``addresses.cachemgr``): it must be routable from the proxies.
+"""Every node's cachemgr as the proxy reaches it: at the command address its
+instances name in their registry records (``addresses.cachemgr``: one on another
+host must be routable from the proxies), for the model operations
+(``cluster.models``), every node's Model Cache merged into one, and every node's
+services (``GET /v1/aegaeon/services``).
 """
 
 from __future__ import annotations

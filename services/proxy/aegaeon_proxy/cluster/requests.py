@@ -1,14 +1,12 @@
-"""The request table: every request a proxy backend holds, once for every backend.
+"""The request table: every request the proxy backend holds.
 
-The backend (:mod:`~aegaeon_proxy.cluster.backend`, one node or many) gives
-only *placement*: where an admitted request goes (Algorithms 1-2, or a request-level
-baseline, over the store), what is undone when it ends, and where a stray token's
-request is cancelled. Everything else is here, once: admission by SLO class (a
-request past its class's share of the bounds is deferred or refused;
+The backend (:mod:`~aegaeon_proxy.cluster.backend`, one node or many) gives only
+the :class:`Placement`; everything else is here: admission by SLO class (a request
+past its class's share of the bounds is deferred or refused;
 :mod:`aegaeon_sched.admission`; the bounds are ``proxy.max_*``, the unset ones
-derived from the instances' records: :func:`bounds_of`), the streams (first
-token, step-token fan-out), ends and their counters, failures and retries, the
-timing records. A backend gives its :class:`Placement`.
+derived from the instances' records: :func:`bounds_of`), the streams (first token,
+step-token fan-out), ends and their counters, failures and retries, the timing
+records.
 
 Invariants: a request is in :attr:`RequestTable.requests` from its admission
 (or deferral) until it ends, exactly once; an ended id is remembered for a
