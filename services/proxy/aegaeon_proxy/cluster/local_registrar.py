@@ -189,9 +189,8 @@ class LocalRegistrar:
         """Its record was written within its TTL (it is dispatch's at the next refresh),
         or it is restarting after a drain."""
         local = self.instances.get(name)
-        if local is None:
-            return False
-        return now_s - local.written_s < self.ttl_s or self.restarting(name, now_s)
+        return local is not None and (now_s - local.written_s < self.ttl_s
+                                      or self.restarting(name, now_s))  # fmt: skip
 
     def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
         """Its side HTTP server and its node's cachemgr's, once they listen."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import msgspec
 from aegaeon_common.logs import get_logger
@@ -68,40 +67,34 @@ def newer(a: bytes | None, b: bytes | None) -> bool:
     return b is None or _stamp(a) > _stamp(b)
 
 
-@dataclass(frozen=True)
-class _Family:
-    prefix: str  # its keys start so (the keys it keeps are read back with it)
-    keys: Callable[[], Iterable[str]]  # the keys to read now
-    apply: Apply
-
-
 class SharedRecords:
     """One replica's part (see the module); ``clock`` (wall, seconds) for tests."""
 
     def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self._clock = clock
-        self._families: list[_Family] = []
+        # (prefix of its keys, the keys to read now, apply) of each family followed
+        self._families: list[tuple[str, Callable[[], Iterable[str]], Apply]] = []
         self.kept: dict[str, bytes] = {}  # key -> the newest record seen or written here
         self.num_written_back = 0
 
     def follow(self, prefix: str, keys: Callable[[], Iterable[str]], apply: Apply) -> None:
         """Keep the records under ``prefix``: ``keys()`` (read at each refresh, with those
         kept already), applied by ``apply`` when newer. Families refresh in this order."""
-        self._families.append(_Family(prefix, keys, apply))
+        self._families.append((prefix, keys, apply))
 
     async def refresh(self) -> None:
         """Follow and write back (see the module), one read per family. Raises
         ``StoreError``."""
-        for family in self._families:
-            keys = sorted({*family.keys(), *(k for k in self.kept if k.startswith(family.prefix))})
+        for prefix, keys_now, apply in self._families:
+            keys = sorted({*keys_now(), *(k for k in self.kept if k.startswith(prefix))})
             raws = await self.store.get_many(keys)
             for key, raw in zip(keys, raws, strict=True):
                 kept = self.kept.get(key)
                 if raw is not None and newer(raw, kept):
                     self.kept[key] = raw
                     try:
-                        family.apply(key, raw)
+                        apply(key, raw)
                     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                         log.warning("bad_shared_record", key=key, error=str(exc))
                 elif kept is not None and newer(kept, raw):
