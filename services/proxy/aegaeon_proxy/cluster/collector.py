@@ -22,7 +22,7 @@ __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's request outcomes
 
 
-@dataclass
+@dataclass(eq=False)  # (a registry keys its collectors by identity)
 class BackendCollector(Collector):
     """The backend's view as metrics (read at scrape time): the instances as the
     registry lists them (one node: every instance it runs, up or not: ``down``),
