@@ -280,9 +280,7 @@ class ClusterBackend(Backend):
         """Every node's services as its instances registered them; one node's are those
         of the run directory (None), up or not (a restarting one's successor writes
         its address there again)."""
-        if self.local.expected:
-            return None
-        return node_services(self.view.live.values())
+        return None if self.local.expected else node_services(self.view.live.values())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

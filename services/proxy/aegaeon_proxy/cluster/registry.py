@@ -130,18 +130,14 @@ class RegistryView:
         """A prefill instance's start-up profile (any instance's when none prefills):
         the estimates Algorithm 1 and the placement need (instances of a deployment
         share one hardware kind)."""
-        ordered = sorted(self.live.values(), key=lambda r: (r.kind != "prefill", r.instance_id))
-        for record in ordered:
-            if record.latency is None:
-                continue
-            key = (record.instance_id, record.incarnation, tuple(record.latency.models))
-            cached = self._latency
-            if cached is not None and cached[0] == key:  # (read again once models are added)
-                return cached[1]
-            model = LatencyModel.from_dict(to_plain(record.latency))
-            self._latency = (key, model)
-            return model
-        return None
+        profiled = [r for r in self.live.values() if r.latency is not None]
+        record = min(profiled, key=lambda r: (r.kind != "prefill", r.instance_id), default=None)
+        if record is None or record.latency is None:
+            return None
+        key = (record.instance_id, record.incarnation, tuple(record.latency.models))
+        if self._latency is None or self._latency[0] != key:  # (read again once models are added)
+            self._latency = (key, LatencyModel.from_dict(to_plain(record.latency)))
+        return self._latency[1]
 
     @staticmethod
     def queue_key(record: InstanceRecord, stage: str) -> str:
