@@ -704,15 +704,14 @@ class ClusterBackend(Backend):
         for r in self.view.live.values():
             cache = caches.get(r.node)
             kept = local[r.instance_id].holdings if r.instance_id in local else None
-            blocks, sequences = ((kept.kv_blocks_in_use, kept.open_sequences) if kept else
-                                 (r.load.kv_blocks_in_use, r.load.open_sequences))  # fmt: skip
+            holding = kept or r.load  # (both count the blocks and sequences held)
             owner = f"{r.kind}-{r.index}"  # (its node's cachemgr knows it by this name)
             out.append({
                 "name": r.instance_id, "kind": r.kind, "index": r.index, "node": r.node,
                 "pid": r.pid, "alive": True, "draining": r.draining,
-                "kv_blocks_in_use": blocks,
+                "kv_blocks_in_use": holding.kv_blocks_in_use,
                 "leases": int(cache.kv.blocks_per_owner.get(owner, 0)) if cache else -1,
-                "open_sequences": sequences, "role": self.view.role(r),
+                "open_sequences": holding.open_sequences, "role": self.view.role(r),
             })  # fmt: skip
         return out
 

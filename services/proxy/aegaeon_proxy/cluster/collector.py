@@ -24,10 +24,8 @@ ENDINGS = frozenset({"finished", "failed", "cancelled"})  # the backend's reques
 
 @dataclass(eq=False)  # (a registry keys its collectors by identity)
 class BackendCollector(Collector):
-    """The backend's view as metrics (read at scrape time): the instances as the
-    registry lists them (one node: every instance it runs, up or not: ``down``),
-    requests, roles, what is held (``held``: arrivals, decode placements), the store's
-    transactions."""
+    """``down``: the instances that report here and are not up (one node: every
+    instance it runs is listed); ``held``: the arrivals and decode placements held."""
 
     view: RegistryView
     table: RequestTable

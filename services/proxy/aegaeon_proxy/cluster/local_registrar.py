@@ -107,9 +107,8 @@ class LocalRegistrar:
             self.instances[name] = known = _Local(record)
         known.record = self._with_urls(record)
         if first:
-            # before any work of ours (no work goes to an instance before its record;
-            # one ordered socket): what it holds is an earlier proxy's, whose clients
-            # are gone; it drops that and frees the KV handoffs nobody claimed
+            # (before any work of ours: none goes to an instance before its record, one
+            # ordered socket) it drops what it holds and frees the handoffs nobody claimed
             self._send(known.record, ProxyStarted(INCARNATION))
         self._write(known)
 
