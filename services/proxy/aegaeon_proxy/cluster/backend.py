@@ -564,10 +564,11 @@ class ClusterBackend(Backend):
         self.counters["instances_lost"] += 1
         log.warning("instance_left", instance=record.instance_id, node=record.node,
                     why="its heartbeat expired or it restarted")  # fmt: skip
-        if record.instance_id not in self.view.live:  # (a successor's: _send replaces it)
-            pusher = self._pushers.pop(record.instance_id, None)
-            if pusher is not None:
-                pusher.close()
+        current = self.view.live.get(record.instance_id)
+        pusher = self._pushers.get(record.instance_id)
+        if pusher is not None and (current is None or current.address != pusher.address):
+            pusher.close()  # (a successor at the same address keeps it)
+            del self._pushers[record.instance_id]
         stale = [RegistryView.queue_key(record, stage) for stage in ("prefill", "decode")]
 
         async def drop() -> None:
