@@ -40,25 +40,6 @@ def _logging_as_it_was() -> Iterator[None]:
     structlog.configure(**config)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _torch_threads_per_worker() -> Iterator[None]:
-    """torch's threads shared out among the xdist workers (``-n 2`` on two cores: one
-    each): by default every worker takes a thread per core, and a worker's second
-    thread only waits for a core the other worker holds (the engine's forward tests
-    ran 1.6x longer so on the 2-core CI machine). A test that sets its own count
-    (test_engine_native) restores this one; ``-n0`` keeps torch's default."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2:
-        yield
-        return
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def default_market(pytestconfig: pytest.Config) -> Path:
     """The default 8-model market (seed 0, bfloat16), built once and reused across
