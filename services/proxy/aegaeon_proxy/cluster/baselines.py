@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
@@ -113,16 +114,13 @@ class Baselines:
             self.host.held[rid] = tracked
             return
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
-            policy = self._policy(records, latency, values[0])
-            now = time.time()
+        def arrive(policy: Policy, now: float) -> list[Action]:
             actions = list(policy.on_request_cancelled(rid, now)) if again else []
-            actions += policy.on_arrival(tracked.sched, now)
-            return {BASELINE: encode_baseline(snapshot(policy))}, actions
+            return actions + policy.on_arrival(tracked.sched, now)
 
         started = time.perf_counter()
         try:
-            actions = await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
+            actions = await self._transact(records, latency, arrive)
         except StoreError as exc:
             self.host._store_failed(rid, exc)
             return
@@ -147,15 +145,25 @@ class Baselines:
         if not records or latency is None:
             return  # (no instance: nothing runs; the next decision drops its binding)
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
-            policy = self._policy(records, latency, values[0])
+        def end(policy: Policy, now: float) -> list[Action]:
             ended = policy.on_request_cancelled if cancelled else policy.on_request_finished
-            actions = list(ended(request_id, time.time()))
-            return {BASELINE: encode_baseline(snapshot(policy))}, actions
+            return list(ended(request_id, now))
 
         with contextlib.suppress(StoreError):
-            await self._carry_out(await self.host.store.transact([BASELINE], decide,
-                                                                 ttl_s=QUEUE_TTL_S), records)
+            await self._carry_out(await self._transact(records, latency, end), records)
+
+    async def _transact(self, records: list[InstanceRecord], latency: LatencyModel,
+                        event: Callable[[Policy, float], list[Action]]) -> list[Action]:
+        """One decision: the policy restored from the store's picture, ``event`` run on
+        it, the picture written back (decided again if another replica wrote it
+        meanwhile); its actions."""
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
+            policy = self._policy(records, latency, values[0])
+            actions = event(policy, time.time())
+            return {BASELINE: encode_baseline(snapshot(policy))}, actions
+
+        return await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
 
     async def _carry_out(self, actions: list[Action], records: list[InstanceRecord]) -> None:
         by_id = {r.instance_id: r for r in records}
