@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from aegaeon_proxy.assets import ModelAssets
@@ -79,12 +80,22 @@ class Answer:
         response: JSON = {"prompt_token_ids": self.spec.prompt_ids} if p.return_token_ids else {}
         shared: JSON = {}
         if p.sampling.prompt_logprobs >= 0:
-            scored = self.gen.prompt_logprobs
-            lps = None if scored is None else self.format.prompt(self.spec.prompt_ids, scored)
-            (response if self.spec.chat else shared)["prompt_logprobs"] = lps
+            (response if self.spec.chat else shared)["prompt_logprobs"] = self._prompt_logprobs
         choices = [{"token_ids": c.token_ids, **shared} if p.return_token_ids else shared
                    for c in self.choices]  # fmt: skip
         return choices, response
+
+    @cached_property
+    def _prompt_logprobs(self) -> list[JSON | None] | None:
+        """vLLM's ``prompt_logprobs``, made once for every choice (the prompt is scored
+        by the time a choice ends)."""
+        scored = self.gen.prompt_logprobs
+        return None if scored is None else self.format.prompt(self.spec.prompt_ids, scored)
+
+    @cached_property
+    def _echoed_logprobs(self) -> JSON | None:
+        """The echoed prompt's log-probabilities, made once for every choice."""
+        return self.format.echo(self.spec.prompt_ids, self.gen.prompt_logprobs)
 
     # ---- whole -----------------------------------------------------------------------
     async def whole(self) -> JSON:
@@ -109,8 +120,7 @@ class Answer:
                     finish = "tool_calls"
             logprobs = None
             if self.want_logprobs:
-                echoed = (self.format.echo(self.spec.prompt_ids, self.gen.prompt_logprobs)
-                          if self.echo else None)  # fmt: skip
+                echoed = self._echoed_logprobs if self.echo else None
                 logprobs = self.format.whole(choice.token_ids, choice.logprobs, echoed)
             if self.echo:
                 text = f"{self.spec.prompt_text}{text}"
@@ -144,8 +154,8 @@ class Answer:
                     out = self._delta_chunks(delta, usage_field)
                     if not echoed:
                         echoed = True
-                        lps = self.format.echo(self.spec.prompt_ids, self.gen.prompt_logprobs)
-                        out[:0] = [shapes.delta(head, index, "", lps, usage_field)
+                        out[:0] = [shapes.delta(head, index, "", self._echoed_logprobs,
+                                                usage_field)
                                    for index in range(len(self.choices))]  # fmt: skip
                     for chunk in out:
                         yield chunk
