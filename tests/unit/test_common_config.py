@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,7 @@ from aegaeon_common.config import (
     parse_bytes,
     read_config_file,
 )
-
-
-def _market(tmp_path: Path) -> Path:
-    market = tmp_path / "market"
-    market.mkdir()
-    (market / "market.json").write_text(
-        json.dumps({"seed": 0, "models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]})
-    )
-    return market
+from cli_support import index_market
 
 
 def test_sizes_with_units() -> None:
@@ -34,7 +25,7 @@ def test_sizes_with_units() -> None:
 
 
 def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) -> None:
-    market = _market(tmp_path)
+    market = index_market(tmp_path / "market")
     path = tmp_path / "c.yaml"
     path.write_text(
         "market: market\n"
@@ -162,7 +153,7 @@ def test_the_docker_example_config_validates(tmp_path: Path) -> None:
 
     example = Path(__file__).parents[2] / "docker" / "config.example.yaml"
     raw = yaml.safe_load(example.read_text())
-    raw["market"] = str(_market(tmp_path))
+    raw["market"] = str(index_market(tmp_path / "market"))
     config = config_from_dict(raw, source=str(example))
     assert config.scheduler.policy == "aegaeon"
     assert config.model_names == ("a", "b")
