@@ -13,6 +13,7 @@ from engine_support import (
     Bound,
     block_lists,
     decode_step,
+    greedy,
     hf_greedy,
     hf_last_logits,
     make_checkpoint,
@@ -122,10 +123,7 @@ def test_switch_is_a_flat_byte_copy(ckpts: dict[str, Path]) -> None:
     arena[128:128 + src.layout.total_bytes].copy_(src.weights)
     engine = Engine()
     engine.bind(src.spec, arena[128:], src.kv, "float32")
-    out = [[int(engine.prefill(prompts[0], [0]).argmax())]]
-    for _ in range(7):
-        out = decode_step(engine, prompts, out, [[0]])
-    assert out == expect
+    assert greedy(engine, prompts, 8, [[0]]) == expect
 
 
 def test_window_is_enforced(ckpts: dict[str, Path]) -> None:
