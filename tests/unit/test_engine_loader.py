@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -166,12 +167,6 @@ def test_destination_checks(ckpt: Path) -> None:
         load_weights(ckpt, spec, layout, torch.empty(layout.total_bytes, dtype=torch.float32))
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_digests_are_checked_while_the_files_are_read(ckpt: Path, tmp_path: Path,
                                                        dtype: str | None) -> None:
@@ -189,7 +184,7 @@ def test_digests_are_checked_while_the_files_are_read(ckpt: Path, tmp_path: Path
         spec = ModelSpec.from_dir(model_dir)
         layout = weight_layout(spec, dtype)
         files = sorted(model_dir.glob("*.safetensors"))
-        digests = {f: _sha256(f) for f in files}
+        digests = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
         expected = _load(model_dir, dtype)
         got = torch.empty(layout.total_bytes, dtype=torch.uint8)
         assert fill_layout(model_dir, layout, got, digests=digests) == set(files)
