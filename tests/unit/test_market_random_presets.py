@@ -40,17 +40,14 @@ _LLAMA32_SCALING = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 
                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 _QWEN = {"bos_token_id": 151643, "eos_token_id": 151645, "rope_theta": 1000000.0,
          "rms_norm_eps": 1e-6, "use_sliding_window": False, "rope_scaling": None}
+_QWEN25_SMALL = {**_QWEN, "num_key_value_heads": 2, "vocab_size": 151936,
+                 "tie_word_embeddings": True, "max_position_embeddings": 32768,
+                 "sliding_window": 32768, "max_window_layers": 21}  # 0.5B and 1.5B
 RELEASED_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": {**_QWEN, "hidden_size": 896, "intermediate_size": 4864,
-                     "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "vocab_size": 151936,
-                     "tie_word_embeddings": True, "max_position_embeddings": 32768,
-                     "sliding_window": 32768, "max_window_layers": 21},
-    "qwen2.5-1.5b": {**_QWEN, "hidden_size": 1536, "intermediate_size": 8960,
-                     "num_hidden_layers": 28, "num_attention_heads": 12,
-                     "num_key_value_heads": 2, "vocab_size": 151936,
-                     "tie_word_embeddings": True, "max_position_embeddings": 32768,
-                     "sliding_window": 32768, "max_window_layers": 21},
+    "qwen2.5-0.5b": {**_QWEN25_SMALL, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14},
+    "qwen2.5-1.5b": {**_QWEN25_SMALL, "hidden_size": 1536, "intermediate_size": 8960,
+                     "num_hidden_layers": 28, "num_attention_heads": 12},
     "qwen2.5-7b": {**_QWEN, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "vocab_size": 152064, "tie_word_embeddings": False,
