@@ -83,8 +83,6 @@ class Baselines:
     def __init__(self, host: Host) -> None:
         self.host = host
         self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
-        # (a unified instance decodes what it prefilled: nothing waits for a placement)
-        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
 
     def records(self) -> list[InstanceRecord]:
         """The instances that take work (registered, not draining), in id order."""
@@ -122,7 +120,7 @@ class Baselines:
         try:
             actions = await self._transact(records, latency, arrive)
         except StoreError as exc:
-            self.host._store_failed(rid, exc)
+            self.host.store_failed(rid, exc)
             return
         self.host.dispatch_s.append(time.perf_counter() - started)
         await self._carry_out(actions, records)
@@ -133,7 +131,7 @@ class Baselines:
 
     def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
         """``tracked`` ended (the policy cancels it at its instance)."""
-        self.host._spawn(self._release(tracked.gen.request_id, cancelled))
+        self.host.spawn(self._release(tracked.gen.request_id, cancelled))
 
     def refresh(self, now_s: float) -> None:
         """(Its picture is the store's: nothing to bring up to date.)"""
@@ -178,13 +176,13 @@ class Baselines:
             return
         # no shared queue holds it (the policy's picture is no queue): its metadata names none
         tracked.where = Where(action.instance, record.incarnation, record.node, "", "run")
-        await self.host._send(record, tracked.run_message(record.incarnation,
+        await self.host.send(record, tracked.run_message(record.incarnation,
                                                           self.host.report_address))  # fmt: skip
 
     async def _cancel(self, action: Cancel, by_id: dict[str, InstanceRecord]) -> None:
         record = by_id.get(action.instance) or self.host.view.live.get(action.instance)
         if record is not None:
-            await self.host._send(record, CancelRequest(action.request_id))
+            await self.host.send(record, CancelRequest(action.request_id))
 
     async def _reject(self, action: Reject, by_id: dict[str, InstanceRecord]) -> None:
         self.host.table.end(action.request.request_id, "error", action.reason,

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
-from aegaeon_proxy.cluster.roles import RoleSwitcher, SharedRoles
+from aegaeon_proxy.cluster.roles import SharedRoles
 
 __all__ = ["BackendCollector", "request_metrics", "role_metrics"]
 
@@ -49,7 +49,7 @@ class BackendCollector(Collector):
         yield up
         yield draining
         yield from request_metrics(self.table)
-        yield from role_metrics(self.roles.switcher, self.view)
+        yield from role_metrics(self.roles, self.view)
         held = GaugeMetricFamily(
             "aegaeon_held_requests",
             "Requests waiting in the proxy because no instance of a stage takes work now",
@@ -66,7 +66,7 @@ class BackendCollector(Collector):
         yield tx
 
 
-def role_metrics(roles: RoleSwitcher, view: RegistryView) -> Iterator[Metric]:
+def role_metrics(roles: SharedRoles, view: RegistryView) -> Iterator[Metric]:
     """Token velocity (each instance's by stage, from its last heartbeat), the roles
     (``view``'s: dispatch's) and their changes (those ``roles`` made: each change is
     counted by the proxy that decided it)."""

@@ -63,19 +63,20 @@ class Host(Protocol):
     report_address: str
     table: RequestTable
     held: dict[str, Tracked]  # no instance to dispatch to yet
+    held_decode: dict[str, tuple[Tracked, Where]]  # prefilled, no decode instance yet
     dispatch_s: deque[float]  # how long each placement's transaction took
 
-    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
+    async def send(self, record: InstanceRecord, msg: Message) -> None: ...
 
-    async def _send_to(self, where: Where, msg: Message) -> None: ...
+    async def send_to(self, where: Where, msg: Message) -> None: ...
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
 
-    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
+    def store_failed(self, request_id: str, exc: StoreError) -> None: ...
 
-    async def _put_meta(self, tracked: Tracked) -> None: ...
+    async def put_meta(self, tracked: Tracked) -> None: ...
 
-    def _lost(self, tracked: Tracked, where: Where) -> None: ...
+    def lost(self, tracked: Tracked, where: Where) -> None: ...
 
 
 async def unqueue(store: Store, config: Config, request_id: str, queue: str) -> None:
@@ -99,9 +100,6 @@ class Booking:
 
     def __init__(self, host: Host) -> None:
         self.host = host
-        # prefilled, no decode instance of its node takes work now (draining, restarting):
-        # placed when one does; its handoff stays leased to the prefill instance meanwhile
-        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         # each hybrid instance's share of time left for decoding, from its records' beats
         self._decode_shares: dict[str, DecodeShare] = {}
 
@@ -142,7 +140,7 @@ class Booking:
         if latency is not None and measured > 0:
             latency.observe_prefill(tracked.sched.switch_unit, [tracked.sched.prompt_len],
                                     measured)  # fmt: skip
-        self.host._spawn(self._after_prefill(tracked, where, msg))
+        self.host.spawn(self._after_prefill(tracked, where, msg))
 
     async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
         host, rid = self.host, msg.request_id
@@ -156,8 +154,8 @@ class Booking:
         try:
             await host.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
         except StoreError as exc:
-            host._store_failed(rid, exc)
-            await host._send_to(where, CancelRequest(rid, free_handoff=True))
+            host.store_failed(rid, exc)
+            await host.send_to(where, CancelRequest(rid, free_handoff=True))
             return
         if tracked.where is where:
             tracked.where = None  # out of the prefill queue; not placed yet
@@ -172,7 +170,7 @@ class Booking:
         prefill instance, which frees it on a cancel."""
         rid = tracked.gen.request_id
         if not await self._placed_decode(tracked, prefilled):
-            await self.host._send_to(prefilled, CancelRequest(rid, free_handoff=True))
+            await self.host.send_to(prefilled, CancelRequest(rid, free_handoff=True))
 
     async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
         host, rid = self.host, tracked.gen.request_id
@@ -180,7 +178,7 @@ class Booking:
             return False
         candidates = host.view.decode_candidates(prefilled.node)
         if not candidates:
-            self.held_decode[rid] = (tracked, prefilled)
+            host.held_decode[rid] = (tracked, prefilled)
             return True
         config = host.config
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
@@ -230,7 +228,7 @@ class Booking:
             instance, result = await host.store.transact(list(keys.values()), decide,
                                                          ttl_s=QUEUE_TTL_S)  # fmt: skip
         except StoreError as exc:
-            host._store_failed(rid, exc)
+            host.store_failed(rid, exc)
             return False
         host.dispatch_s.append(time.perf_counter() - started)
         record = next(r for r in candidates if r.instance_id == instance)
@@ -240,9 +238,9 @@ class Booking:
             await unqueue(host.store, host.config, rid, where.queue)
             return False
         tracked.where = where
-        await host._send(record, msg)
+        await host.send(record, msg)
         with contextlib.suppress(StoreError):
-            await host._put_meta(tracked)
+            await host.put_meta(tracked)
         return True
 
     def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
@@ -250,15 +248,15 @@ class Booking:
         its prefill instance, its handoff may be sent already: it will not be placed
         now); a held decode placement's handoff, never claimed, is freed."""
         host, rid = self.host, tracked.gen.request_id
-        held = self.held_decode.pop(rid, None)
+        held = host.held_decode.pop(rid, None)
         if held is not None:
-            host._spawn(host._send_to(held[1], CancelRequest(rid, free_handoff=True)))
+            host.spawn(host.send_to(held[1], CancelRequest(rid, free_handoff=True)))
         if where is None:
             return
         if cancelled:
             cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
-            host._spawn(host._send_to(where, cancel))
-        host._spawn(unqueue(host.store, host.config, rid, where.queue))
+            host.spawn(host.send_to(where, cancel))
+        host.spawn(unqueue(host.store, host.config, rid, where.queue))
 
     def refresh(self, now_s: float) -> None:
         """After a registry refresh: the hybrid instances' decode shares from their
@@ -273,10 +271,11 @@ class Booking:
                 share = self._decode_shares.setdefault(record.instance_id,
                                                        DecodeShare(min_interval_s=0.0))
                 share.observe(now_s, record.load.prefill_s)
-        for rid, (tracked, prefilled) in list(self.held_decode.items()):
+        held = self.host.held_decode
+        for rid, (tracked, prefilled) in list(held.items()):
             if not view.alive(prefilled.instance, prefilled.incarnation):
-                del self.held_decode[rid]
-                self.host._lost(tracked, prefilled)
+                del held[rid]
+                self.host.lost(tracked, prefilled)
             elif view.decode_candidates(prefilled.node):
-                del self.held_decode[rid]
-                self.host._spawn(self._place_decode(tracked, prefilled))
+                del held[rid]
+                self.host.spawn(self._place_decode(tracked, prefilled))
