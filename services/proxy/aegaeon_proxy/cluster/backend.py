@@ -144,9 +144,6 @@ class ClusterBackend(Backend):
         self.table = RequestTable(config, self)
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         self.counters = self.table.counters
-        self.counters.update(dict.fromkeys(
-            ("orphan_tokens", "reaped", "instances_lost", "store_errors", "store_losses"),
-            0))  # fmt: skip
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
         # prefilled, no decode instance of its node takes work now (draining, restarting):
         # placed when one does; its handoff stays leased to the prefill instance meanwhile

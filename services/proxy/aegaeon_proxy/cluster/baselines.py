@@ -39,7 +39,6 @@ from aegaeon_sched import (
     Action,
     Cancel,
     ClusterSpec,
-    LatencyModel,
     Policy,
     PolicyOptions,
     Reject,
@@ -92,25 +91,11 @@ class Baselines:
     def takes_work(self) -> bool:
         return bool(self.records())
 
-    def _policy(self, records: list[InstanceRecord], latency: LatencyModel,
-                raw: bytes | None) -> Policy:  # fmt: skip
-        config = self.host.config
-        names = tuple(r.instance_id for r in records)
-        policy = make_policy(config.scheduler.policy, ClusterSpec((), names), latency,
-                             _options(config, records))  # fmt: skip
-        for record in records:  # each instance's own KV room
-            policy.learn(record.instance_id, record.capacity_tokens, None)
-        return restore(policy, decode_baseline(raw))
-
     async def dispatch(self, tracked: Tracked, again: bool = False) -> None:
         """The policy takes ``tracked`` (``again``: its instance failed before its first
         token: its binding there goes first), or it waits for an instance."""
         rid = tracked.gen.request_id
         self.host.held.pop(rid, None)
-        records, latency = self.records(), self.host.view.latency()
-        if not records or latency is None:
-            self.host.held[rid] = tracked
-            return
 
         def arrive(policy: Policy, now: float) -> list[Action]:
             actions = list(policy.on_request_cancelled(rid, now)) if again else []
@@ -118,12 +103,15 @@ class Baselines:
 
         started = time.perf_counter()
         try:
-            actions = await self._transact(records, latency, arrive)
+            decided = await self._transact(arrive)
         except StoreError as exc:
             self.host.store_failed(rid, exc)
             return
+        if decided is None:
+            self.host.held[rid] = tracked
+            return
         self.host.dispatch_s.append(time.perf_counter() - started)
-        await self._carry_out(actions, records)
+        await self._carry_out(*decided)
 
     def prefilled(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
         """Its first token came: the unified instance decodes it on."""
@@ -138,30 +126,39 @@ class Baselines:
 
     async def _release(self, request_id: str, cancelled: bool) -> None:
         """``request_id`` ended: its binding goes (at its instance too when cancelled),
-        and what waited for its room starts."""
-        records, latency = self.records(), self.host.view.latency()
-        if not records or latency is None:
-            return  # (no instance: nothing runs; the next decision drops its binding)
+        and what waited for its room starts (no instance: nothing runs; the next
+        decision drops its binding)."""
 
         def end(policy: Policy, now: float) -> list[Action]:
             ended = policy.on_request_cancelled if cancelled else policy.on_request_finished
             return list(ended(request_id, now))
 
         with contextlib.suppress(StoreError):
-            await self._carry_out(await self._transact(records, latency, end), records)
+            decided = await self._transact(end)
+            if decided is not None:
+                await self._carry_out(*decided)
 
-    async def _transact(self, records: list[InstanceRecord], latency: LatencyModel,
-                        event: Callable[[Policy, float], list[Action]]) -> list[Action]:
-        """One decision: the policy restored from the store's picture, ``event`` run on
-        it, the picture written back (decided again if another replica wrote it
-        meanwhile); its actions."""
+    async def _transact(self, event: Callable[[Policy, float], list[Action]]
+                        ) -> tuple[list[Action], list[InstanceRecord]] | None:  # fmt: skip
+        """One decision: the policy built over the instances that take work (each with
+        its own KV room), restored from the store's picture, ``event`` run on it, the
+        picture written back (decided again if another replica wrote it meanwhile); its
+        actions and those instances. None: no instance takes work (or has a profile)."""
+        config, records, latency = self.host.config, self.records(), self.host.view.latency()
+        if not records or latency is None:
+            return None
+        names = tuple(r.instance_id for r in records)
 
         def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
-            policy = self._policy(records, latency, values[0])
-            actions = event(policy, time.time())
+            policy = make_policy(config.scheduler.policy, ClusterSpec((), names), latency,
+                                 _options(config, records))  # fmt: skip
+            for record in records:
+                policy.learn(record.instance_id, record.capacity_tokens, None)
+            actions = event(restore(policy, decode_baseline(values[0])), time.time())
             return {BASELINE: encode_baseline(snapshot(policy))}, actions
 
-        return await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
+        actions = await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
+        return actions, records
 
     async def _carry_out(self, actions: list[Action], records: list[InstanceRecord]) -> None:
         by_id = {r.instance_id: r for r in records}

@@ -45,8 +45,10 @@ __all__ = ["MAX_RETRIES", "RECENT_IDS", "Placement", "RequestTable", "bounds_of"
 
 MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
 RECENT_IDS = 4096  # request ids ended lately (their late tokens are expected)
+# (the backend's events too: its reports, the store, the instances and replicas lost)
 COUNTERS = ("finished", "failed", "cancelled", "retried", "rejected", "deferred",
-            "orphans_cancelled", "bad_frames", "report_errors")  # fmt: skip
+            "orphans_cancelled", "bad_frames", "report_errors", "orphan_tokens", "reaped",
+            "instances_lost", "store_errors", "store_losses")  # fmt: skip
 
 
 class Placement(Protocol):
