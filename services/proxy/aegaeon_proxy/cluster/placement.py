@@ -23,7 +23,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from aegaeon_common.config import Config
 from aegaeon_common.messages.prefill import CancelRequest
@@ -45,9 +45,6 @@ from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
 __all__ = ["Booking", "Host", "unqueue"]
-
-_T = TypeVar("_T")
-
 
 def _fresh_id() -> int:
     """A group or batch id no other replica mints (random, 52 bits)."""
@@ -118,17 +115,14 @@ class Booking:
             host.held[rid] = tracked
             return
 
-        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[Any, ...]]:
             instance, group_id, queue = dispatch_prefill(
                 states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
             )
             return instance, queue, (group_id, queue.group_key_s(group_id))
 
-        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
-            return tracked.prefill_message(*placed, record.incarnation, host.report_address)
-
         try:
-            await self._book(tracked, candidates, "prefill", choose, message)
+            await self._book(tracked, candidates, "prefill", choose)
         except NoInstance:
             host.held[rid] = tracked
 
@@ -190,42 +184,39 @@ class Booking:
                     if config.role_switching and host.view.role(r) == "prefill"}
         latency = host.view.latency()
 
-        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[Any, ...]]:
             instance, batch_id, work_list = place_decode(
                 states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=config.slo.tbt_s,
                 max_batch_size=config.scheduler.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return instance, work_list, batch_id
+            return instance, work_list, (batch_id,)
 
-        def message(record: InstanceRecord, batch_id: int) -> Message | None:
-            return tracked.decode_message(batch_id, record.incarnation, host.report_address)
-
-        return await self._book(tracked, candidates, "decode", choose, message)
+        return await self._book(tracked, candidates, "decode", choose)
 
     async def _book(
         self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
-        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
-        message: Callable[[InstanceRecord, _T], Message | None],
+        choose: Callable[[dict[str, Any]], tuple[str, Any, tuple[Any, ...]]],
     ) -> bool:  # fmt: skip
         """Book the request on one of ``candidates`` in one store transaction: ``choose``
         picks it from their shared queues (``stage``'s) and changes its queue
         (decided again on fresh queues if another replica wrote one read meanwhile);
-        then ``message`` goes to it. False: the store failed (the request ended), or it
-        ended while deciding, or has no message (the booking undone)."""
+        then its work message goes to it, with the ids ``choose`` gave. False: the store
+        failed (the request ended), or it ended while deciding, or has no message (the
+        booking undone)."""
         host, rid = self.host, tracked.gen.request_id
         keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
         max_group = host.config.scheduler.max_group_size
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, Any]]:
             queues = {i: queue_of(v, stage == "prefill", max_group)
                       for i, v in zip(keys, values, strict=True)}  # fmt: skip
-            instance, queue, result = choose(queues)
-            return {keys[instance]: encode(queue)}, (instance, result)
+            instance, queue, ids = choose(queues)
+            return {keys[instance]: encode(queue)}, (instance, ids)
 
         started = time.perf_counter()
         try:
-            instance, result = await host.store.transact(list(keys.values()), decide,
+            instance, ids = await host.store.transact(list(keys.values()), decide,
                                                          ttl_s=QUEUE_TTL_S)  # fmt: skip
         except StoreError as exc:
             host.store_failed(rid, exc)
@@ -233,7 +224,8 @@ class Booking:
         host.dispatch_s.append(time.perf_counter() - started)
         record = next(r for r in candidates if r.instance_id == instance)
         where = Where(instance, record.incarnation, record.node, keys[instance], stage)
-        msg = message(record, result)
+        make = tracked.prefill_message if stage == "prefill" else tracked.decode_message
+        msg = make(record.incarnation, host.report_address, *ids)
         if rid not in host.table.requests or msg is None:
             await unqueue(host.store, host.config, rid, where.queue)
             return False
