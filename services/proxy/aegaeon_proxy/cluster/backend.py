@@ -99,12 +99,11 @@ from aegaeon_proxy.backend import (
     GenerationRequest,
     TokenQueue,
 )
-from aegaeon_proxy.cluster.baselines import Baselines
 from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
-from aegaeon_proxy.cluster.placement import Booking, unqueue
+from aegaeon_proxy.cluster.placement import Baselines, Booking, unqueue
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
 from aegaeon_proxy.cluster.roles import SharedRoles
