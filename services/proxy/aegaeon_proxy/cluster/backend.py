@@ -241,9 +241,8 @@ class ClusterBackend(Backend):
                 if n not in self.view.live and not self.local.up(n, now)]  # fmt: skip
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
-        registry.register(BackendCollector(
-            self.view, self.table, self.roles, self.store, self.down,
-            lambda: (len(self.held), len(self.held_decode))))  # fmt: skip
+        registry.register(BackendCollector(self.table, self.roles, self.store, self.down,
+                                           lambda: (len(self.held), len(self.held_decode))))
         self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
