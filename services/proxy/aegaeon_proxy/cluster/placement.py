@@ -183,18 +183,11 @@ class Booking:
         held for one (none takes work now: placed when one does). One ended or cancelled
         before its placement, or not placed: its KV handoff is still leased to the
         prefill instance, which frees it on a cancel."""
-        rid = tracked.gen.request_id
-        if not await self._placed_decode(tracked, prefilled):
-            await self.host.send_to(prefilled, CancelRequest(rid, free_handoff=True))
-
-    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
         host, rid = self.host, tracked.gen.request_id
-        if rid not in host.table.requests:
-            return False
         candidates = host.view.decode_candidates(prefilled.node)
-        if not candidates:
+        if rid in host.table.requests and not candidates:
             host.held_decode[rid] = (tracked, prefilled)
-            return True
+            return
         config = host.config
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
         shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
@@ -213,7 +206,9 @@ class Booking:
             )  # fmt: skip
             return instance, work_list, (batch_id,)
 
-        return await self._book(tracked, candidates, "decode", choose)
+        if rid not in host.table.requests or not await self._book(tracked, candidates,
+                                                                   "decode", choose):
+            await host.send_to(prefilled, CancelRequest(rid, free_handoff=True))
 
     async def _book(
         self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
