@@ -108,8 +108,7 @@ def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int =
             if m.capacity_tokens:
                 # the host KV cache in tokens of the same (largest per-token) model:
                 # the device region scaled by the two regions' sizes
-                kind = config.decode if m.kind == "decode" else config.prefill
-                region = kind.kv_memory_bytes
+                region = (config.decode if m.kind == "decode" else config.prefill).kv_memory_bytes
                 tokens = min(m.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
                 host_kv_tokens[m.node] = max(host_kv_tokens.get(m.node, 0), tokens)
     configured = Bounds(proxy.max_prefill_tokens, proxy.max_prefill_tokens_per_model,

@@ -148,7 +148,7 @@ class SharedRoles(RoleMeter):
             return
         records = list(self.view.live.values())
         base = {r.instance_id: PREFILL if r.kind == "prefill" else DECODE for r in records}
-        self.deciding = await self._hold_lease()
+        self.deciding = await self._lease(hold=True)
         if not self.deciding:
             raw = await self.store.get(ROLES)
             # (none: no decision yet, or the store lost it and the decider writes it again)
@@ -160,12 +160,15 @@ class SharedRoles(RoleMeter):
             await self._decide(records)
         self.view.roles = self.roles
 
-    async def _hold_lease(self) -> bool:
+    async def _lease(self, hold: bool) -> bool:
+        """Take or renew the roles lease (``hold``), or give it up if this replica holds
+        it; whether it holds it now. Raises ``StoreError``."""
         me = self.proxy_id.encode()
 
         def claim(values: list[bytes | None]) -> tuple[dict[str, bytes | None], bool]:
-            holder = values[0]
-            return ({ROLES_LEASE: me}, True) if holder in (None, me) else ({}, False)
+            if values[0] not in (None, me):
+                return {}, False
+            return {ROLES_LEASE: me if hold else None}, hold
 
         return await self.store.transact([ROLES_LEASE], claim, ttl_s=LEASE_S)
 
@@ -177,13 +180,7 @@ class SharedRoles(RoleMeter):
     async def leave(self) -> None:
         """A replica that stops gives the lease up (another decides at once, from the
         roles it wrote). Raises ``StoreError``."""
-        me = self.proxy_id.encode()
-
-        def release(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            return ({ROLES_LEASE: None} if values[0] == me else {}), None
-
-        await self.store.transact([ROLES_LEASE], release)
-        self.deciding = False
+        self.deciding = await self._lease(hold=False)
 
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
