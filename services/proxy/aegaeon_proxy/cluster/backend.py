@@ -138,8 +138,7 @@ class ClusterBackend(Backend):
         self.records = SharedRecords(self.store)
         self.ctx = zmq.asyncio.Context()
         self._reports, self.report_address = _report_socket(config, self.ctx)
-        # requests, their admission by SLO class, streams, ends and retries; placement
-        # (store transactions) is this backend's
+        # requests, their admission, streams, ends and retries (this backend places them)
         self.table = RequestTable(config, self)
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         self.counters = self.table.counters
@@ -159,11 +158,9 @@ class ClusterBackend(Backend):
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self.spawn(self.send(record, msg)))
-        # where admitted requests go: a request-level baseline's placement (its picture
-        # in the store), else Aegaeon's booking (Algorithms 1-2 over the shared queues)
+        # where admitted requests go (one placement per policy family: cluster.placement)
         self.placement: Booking | Baselines = Baselines(self) if config.unified else Booking(self)
-        # models added, removed, put to sleep and woken on every node; the served set,
-        # the unreadable models and the settings the replicas share
+        # the model operations on every node, and what the replicas share of the models
         self.models = SharedModels(config, self.view, self.caches, self.records, self.send,
                                     self.spawn, self.report_address, self.proxy_id)  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
