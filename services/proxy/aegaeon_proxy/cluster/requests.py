@@ -236,13 +236,13 @@ class RequestTable:
 
     # ---- ends ----------------------------------------------------------------
     def end(self, request_id: str, reason: str, error: str | None = None,
-            code: str | None = None, cancelled: bool = False) -> Tracked | None:  # fmt: skip
+            code: str | None = None, cancelled: bool = False) -> None:  # fmt: skip
         """The request is over (finished, failed: ``reason`` "error", or ``cancelled``: its
         client went away): undo its placement (at its instance too when cancelled),
         close its stream."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
-            return None
+            return
         self._forget(request_id)
         self.counters["cancelled" if cancelled else "failed" if reason == "error"
                       else "finished"] += 1  # fmt: skip
@@ -256,7 +256,6 @@ class RequestTable:
         if cancelled or reason == "error":
             tracked.queue.finish("cancelled" if cancelled else "error", error, code)
         self.release_deferred()
-        return tracked
 
     def _forget(self, request_id: str) -> None:
         """It ended here: release its admission, remember its id for a while."""
