@@ -10,7 +10,8 @@ import asyncio
 import json
 import os
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ def market_dir() -> Path:
 
 
 MODEL = "llama-gqa-5m"
+Client = TestClient[Any, Any]  # the scripted proxy's client (the `client` fixture)
 
 
 class ScriptedBackend(Backend):
@@ -154,20 +156,16 @@ def scripted_logprobs(token_id: int, k: int) -> TokenLogprobs:
                          [-j / 10 for j in range(k)], 1)
 
 
-Scenario = Callable[[TestClient[Any, Any], ScriptedBackend, Any], Awaitable[None]]
+def scripted_config(market: Path, **proxy: Any) -> Config:
+    """The scripted proxy's config: one model of ``market``, these ``ProxyConfig`` fields."""
+    return Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(**proxy))
 
 
-def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
-    config = Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(**proxy))
-    backend = ScriptedBackend()
-
-    async def main() -> None:
-        app = make_app(config, backend)
-        async with TestClient(TestServer(app)) as client:
-            tok = await app[next(iter(app.keys()))].assets.get(MODEL)  # type: ignore[attr-defined]
-            await scenario(client, backend, tok)
-
-    asyncio.run(main())
+@asynccontextmanager
+async def front(config: Config, backend: Backend) -> AsyncIterator[TestClient[Any, Any]]:
+    """A client of the HTTP front of ``config`` over ``backend``, stopped on the way out."""
+    async with TestClient(TestServer(make_app(config, backend))) as client:
+        yield client
 
 
 async def sse_chunks(resp: Any) -> list[Any]:
