@@ -140,26 +140,22 @@ async def _raw_request(port: int, head: bytes, body: bytes,
     return bytes(received), sent
 
 
-def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_read_timeout(proxy_market: Path) -> None:
+async def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_read_timeout(proxy_market: Path) -> None:
     config = Config(models=(ModelConfig(MODEL, proxy_market / MODEL),),
                     proxy=ProxyConfig(read_timeout_s=0.5))  # fmt: skip
     backend = ScriptedBackend()
-
-    async def main() -> None:
-        app = make_app(config, backend)
-        server = TestServer(app)
-        await server.start_server(lingering_time=LINGER_S)  # as the proxy's server runs
-        async with TestClient(server) as client:
-            body = json.dumps({"model": MODEL, "prompt": "x" * 200}).encode()
-            head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
-            reply, sent = await _raw_request(client.port, head, body, byte_every_s=0.05)  # type: ignore[arg-type]
-            assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
-            assert b'"code":"body_timeout"' in reply
-            assert sent < len(body)  # cut at the read timeout, not read to its end
-            assert not backend.submitted
-
-    asyncio.run(main())
+    app = make_app(config, backend)
+    server = TestServer(app)
+    await server.start_server(lingering_time=LINGER_S)  # as the proxy's server runs
+    async with TestClient(server) as client:
+        body = json.dumps({"model": MODEL, "prompt": "x" * 200}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        reply, sent = await _raw_request(client.port, head, body, byte_every_s=0.05)  # type: ignore[arg-type]
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+        assert b'"code":"body_timeout"' in reply
+        assert sent < len(body)  # cut at the read timeout, not read to its end
+        assert not backend.submitted
 
 
 @pytest.mark.proxy(write_timeout_s=0.5)

@@ -66,78 +66,63 @@ def _first(rid: str, finish: str | None = None) -> PrefillDone:
     return PrefillDone(rid, 0, 7, finish, None, RequestTimings(), 0.0)
 
 
-def test_batch_waits_past_its_share_and_goes_once_the_room_is_freed() -> None:
-    async def main() -> None:
-        table, placement = _table()
-        table.set_bounds(Bounds(prefill_tokens=100))
-        table.open(_gen("b0", 2, prompt=40))
-        waiting = table.open(_gen("b1", 2, prompt=20))  # 60 > 0.5 x 100: it waits
-        table.open(_gen("i0", 0, prompt=20))  # 60 <= 1.25 x 100: admitted at once
-        assert placement.placed == ["b0", "i0"] and waiting.deferred
-        assert table.prefilled(_first("b0"), "prefill-0") is not None  # its 40 tokens freed
-        assert placement.placed == ["b0", "i0", "b1"] and not waiting.deferred
-        assert table.counters["deferred"] == 1 and table.counters["rejected"] == 0
-
-    asyncio.run(main())
+async def test_batch_waits_past_its_share_and_goes_once_the_room_is_freed() -> None:
+    table, placement = _table()
+    table.set_bounds(Bounds(prefill_tokens=100))
+    table.open(_gen("b0", 2, prompt=40))
+    waiting = table.open(_gen("b1", 2, prompt=20))  # 60 > 0.5 x 100: it waits
+    table.open(_gen("i0", 0, prompt=20))  # 60 <= 1.25 x 100: admitted at once
+    assert placement.placed == ["b0", "i0"] and waiting.deferred
+    assert table.prefilled(_first("b0"), "prefill-0") is not None  # its 40 tokens freed
+    assert placement.placed == ["b0", "i0", "b1"] and not waiting.deferred
+    assert table.counters["deferred"] == 1 and table.counters["rejected"] == 0
 
 
-def test_a_full_table_is_a_429_naming_where() -> None:
-    async def main() -> None:
-        table, _ = _table(max_queued_requests=1)
-        table.open(_gen("a", 1))
-        with pytest.raises(BackendError) as err:
-            table.open(_gen("b", 1))
-        assert err.value.status == 429 and "at this proxy" in err.value.message
-
-    asyncio.run(main())
+async def test_a_full_table_is_a_429_naming_where() -> None:
+    table, _ = _table(max_queued_requests=1)
+    table.open(_gen("a", 1))
+    with pytest.raises(BackendError) as err:
+        table.open(_gen("b", 1))
+    assert err.value.status == 429 and "at this proxy" in err.value.message
 
 
-def test_an_id_in_flight_twice_is_a_409() -> None:
-    async def main() -> None:
-        table, placement = _table()
+async def test_an_id_in_flight_twice_is_a_409() -> None:
+    table, placement = _table()
+    table.open(_gen("same", 1))
+    with pytest.raises(BackendError) as err:
         table.open(_gen("same", 1))
-        with pytest.raises(BackendError) as err:
-            table.open(_gen("same", 1))
-        assert (err.value.status, err.value.code) == (409, "duplicate_request_id")
-        assert placement.placed == ["same"]
-        table.end("same", "stop")
-        table.open(_gen("same", 1))  # once it ended, the id may come again
-
-    asyncio.run(main())
+    assert (err.value.status, err.value.code) == (409, "duplicate_request_id")
+    assert placement.placed == ["same"]
+    table.end("same", "stop")
+    table.open(_gen("same", 1))  # once it ended, the id may come again
 
 
-def test_tokens_fan_out_and_a_strangers_tokens_are_cancelled_once() -> None:
-    async def main() -> None:
-        table, placement = _table()
-        tracked = table.open(_gen("r", 1))
-        assert table.prefilled(_first("r"), "prefill-0") is tracked
-        assert table.prefilled(_first("r"), "prefill-0") is None  # a second prefill of it
-        msg = StepTokens(0, [TokenItem("r", [1, 2]), TokenItem("stranger", [3])], 0.0)
-        table.step_tokens(msg)
-        assert tracked.num_generated == 3
-        assert placement.orphans == ["stranger"]
-        table.step_tokens(StepTokens(0, [TokenItem("stranger", [4])], 0.0))
-        assert placement.orphans == ["stranger"]  # cancelled already
-        table.step_tokens(StepTokens(0, [TokenItem("r", [5], "length")], 0.0))
-        assert tracked.num_generated == 4 and "r" not in table.requests
-        assert placement.unplaced == [("r", False)]
-        table.step_tokens(StepTokens(0, [TokenItem("r", [6])], 0.0))  # late: ended here
-        assert placement.orphans == ["stranger"] and table.counters["finished"] == 1
-
-    asyncio.run(main())
+async def test_tokens_fan_out_and_a_strangers_tokens_are_cancelled_once() -> None:
+    table, placement = _table()
+    tracked = table.open(_gen("r", 1))
+    assert table.prefilled(_first("r"), "prefill-0") is tracked
+    assert table.prefilled(_first("r"), "prefill-0") is None  # a second prefill of it
+    msg = StepTokens(0, [TokenItem("r", [1, 2]), TokenItem("stranger", [3])], 0.0)
+    table.step_tokens(msg)
+    assert tracked.num_generated == 3
+    assert placement.orphans == ["stranger"]
+    table.step_tokens(StepTokens(0, [TokenItem("stranger", [4])], 0.0))
+    assert placement.orphans == ["stranger"]  # cancelled already
+    table.step_tokens(StepTokens(0, [TokenItem("r", [5], "length")], 0.0))
+    assert tracked.num_generated == 4 and "r" not in table.requests
+    assert placement.unplaced == [("r", False)]
+    table.step_tokens(StepTokens(0, [TokenItem("r", [6])], 0.0))  # late: ended here
+    assert placement.orphans == ["stranger"] and table.counters["finished"] == 1
 
 
-def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> None:
-    async def main() -> None:
-        table, placement = _table()
-        tracked = table.open(_gen("r", 1))
-        for _ in range(MAX_RETRIES):
-            table.lost(tracked, "prefill-0", "down")
-        assert placement.replaced == ["r"] * MAX_RETRIES and "r" in table.requests
+async def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> None:
+    table, placement = _table()
+    tracked = table.open(_gen("r", 1))
+    for _ in range(MAX_RETRIES):
         table.lost(tracked, "prefill-0", "down")
-        assert "r" not in table.requests and table.counters["failed"] == 1
-
-    asyncio.run(main())
+    assert placement.replaced == ["r"] * MAX_RETRIES and "r" in table.requests
+    table.lost(tracked, "prefill-0", "down")
+    assert "r" not in table.requests and table.counters["failed"] == 1
 
 
 def _record(node: str, kind: str, index: int, capacity_tokens: int = 64) -> InstanceRecord:
