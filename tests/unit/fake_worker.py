@@ -31,7 +31,8 @@ from aegaeon_sched import SHARED, LatencyModel
 from aegaeon_sched import ModelSpec as SchedSpec
 from aegaeon_sim.worker import BLOCK_SIZE, VOCAB, AdvancingClock, FakeClock, SimWorker, token_at
 
-__all__ = ["FakeClock", "FakeWorker", "Outbox", "TimedInbox", "latency_model", "token_at"]
+__all__ = ["FakeClock", "FakeWorker", "Outbox", "TimedInbox", "latency_model", "run_loop",
+           "token_at"]
 
 DTYPE = "float32"
 
@@ -178,3 +179,16 @@ class TimedInbox:
         if nxt > self.clock.now():
             self.clock.t = min(nxt, self.clock.now() + timeout_s)
         return self.drain()
+
+
+def run_loop(loop_class: Any, worker: FakeWorker, timed: Sequence[tuple[float, Any]],
+             *args: Any, **kwargs: Any) -> tuple[Any, Outbox]:  # fmt: skip
+    """A ``loop_class`` (``PrefillLoop``, ``DecodeLoop``) on ``worker`` run until it idles
+    with nothing left in ``timed``; its profile: a copy of the worker's true latency
+    model (``loop.latency``, what it learns into)."""
+    inbox, outbox = TimedInbox(worker.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(worker.truth.to_dict())
+    loop = loop_class(worker, inbox, outbox, *args, clock=worker.clock,
+                      profile=lambda: estimator, **kwargs)  # fmt: skip
+    loop.run(inbox.stop)
+    return loop, outbox
