@@ -121,7 +121,8 @@ async def test_backend_refusals(client: Client, backend: ScriptedBackend) -> Non
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 429
     assert resp.headers["Retry-After"] == "3"
-    assert (await resp.json())["error"]["message"] == "queue full"
+    error = (await resp.json())["error"]
+    assert (error["message"], error["type"]) == ("queue full", "rate_limit_exceeded")
     backend.refuse = BackendError.unavailable("no decode instance")
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 503 and resp.headers["Retry-After"] == "1"

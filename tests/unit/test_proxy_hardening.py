@@ -14,7 +14,6 @@ import pytest
 from aegaeon_common.config import ApiKeyConfig, Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_admin_app, make_app
 from aegaeon_proxy.auth import KeyRing
-from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.server import LINGER_S
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
@@ -91,14 +90,6 @@ async def test_a_request_timeout_ends_it_with_deadline_exceeded(
     for bad in (0, -1, "1", True):
         resp = await client.post("/v1/completions", json={**body, "timeout": bad})
         assert resp.status == 400, bad
-
-
-async def test_overload_is_429_with_retry_after(client: Client, backend: ScriptedBackend) -> None:
-    backend.refuse = BackendError.overloaded("full", retry_after_s=2.5)
-    resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-    assert resp.status == 429 and resp.headers["Retry-After"] == "3"
-    data = await resp.json()
-    assert data["error"]["type"] == "rate_limit_exceeded"
 
 
 async def test_stop_and_stop_token_ids_are_bounded(client: Client,
