@@ -26,14 +26,11 @@ from aegaeon_common.messages.prefill import AddModel, SetModelAwake
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
-    INSTANCES,
     UNAVAILABLE_MODELS,
     InstanceLoadInfo,
     InstanceRecord,
     ServedModelsRecord,
     UnavailableModelsRecord,
-    encode,
-    instance_key,
     served_changes,
     with_change,
     with_unavailable,
@@ -45,6 +42,7 @@ from aegaeon_proxy.cluster.models import SharedModels
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
 from aegaeon_sched import SHARED, LatencyModel, ModelSpec
+from proxy_support import instance_record, put_records
 
 OLD, NEW = "old-model", "new-model"
 NODES = ("node-0", "node-1")
@@ -61,13 +59,11 @@ def _profile(models: list[str]) -> LatencyProfile:
 
 def _record(node: str, kind: str, models: list[str], *, resident: list[str] | None = None,
             version: int = 0, work: int = 0) -> InstanceRecord:  # fmt: skip
-    return InstanceRecord(
-        v=1, instance_id=f"{node}/{kind}-0", node=node, kind=kind, index=0,
-        address=f"tcp://{node}:1", incarnation=1, pid=1,
-        capacity_tokens=dict.fromkeys(models, 100), max_batch_size=8, latency=_profile(models),
+    return instance_record(
+        node, kind, address=f"tcp://{node}:1", capacity_tokens=dict.fromkeys(models, 100),
+        latency=_profile(models), cachemgr_address=f"tcp://{node}:2",
         load=InstanceLoadInfo(resident_models=resident or [], residency_version=version,
                               queued=work),
-        cachemgr_address=f"tcp://{node}:2",
     )  # fmt: skip
 
 
@@ -117,9 +113,7 @@ class Replica:
         self.models.follow_served(lambda n, m: self.applied.append((n, m)))
 
     async def put(self, *records: InstanceRecord) -> None:
-        for r in records:
-            await self.store.put(instance_key(r.instance_id), encode(r), 30.0)
-            await self.store.set_add(INSTANCES, r.instance_id)
+        await put_records(self.store, *records)
         await self.view.refresh()
         self.models.changed()
 

@@ -18,6 +18,7 @@ from aegaeon_proxy.cluster.node_caches import merge_model_caches, node_services
 from aegaeon_proxy.cluster.requests import MAX_RETRIES, RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked
 from aegaeon_sched.admission import Bounds
+from proxy_support import instance_record
 
 MODEL = "m"
 
@@ -126,13 +127,9 @@ async def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> Non
 
 
 def _record(node: str, kind: str, index: int, capacity_tokens: int = 64) -> InstanceRecord:
-    return InstanceRecord(
-        v=1, instance_id=f"{node}/{kind}-{index}", node=node, kind=kind, index=index,
-        address="tcp://127.0.0.1:1", incarnation=1, pid=1,
-        capacity_tokens={MODEL: capacity_tokens},
-        max_batch_size=8, http_url=f"http://{node}-{kind}", cachemgr_address=f"ipc://{node}",
-        cachemgr_http_url=f"http://{node}-cachemgr",
-    )  # fmt: skip
+    return instance_record(node, kind, index, capacity_tokens={MODEL: capacity_tokens},
+                           http_url=f"http://{node}-{kind}", cachemgr_address=f"ipc://{node}",
+                           cachemgr_http_url=f"http://{node}-cachemgr")  # fmt: skip
 
 
 def test_services_list_each_nodes_cachemgr_then_its_instances() -> None:
