@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import msgspec
 import zmq.asyncio
 from aegaeon_common.config import Config, config_from_dict
 from aegaeon_common.messages.decode import DECODE_CHANNEL, RunRequest
@@ -21,13 +20,13 @@ from aegaeon_common.messages.report import (
     StepTokens,
     TokenItem,
 )
-from aegaeon_common.messages.structs import LatencyProfile, RequestTimings, SamplingParams
+from aegaeon_common.messages.structs import RequestTimings, SamplingParams
 from aegaeon_common.registry import BASELINE, decode_baseline
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.cluster.backend import ClusterBackend
-from fake_worker import latency_model
+from fake_worker import latency_profile
 
 MODELS = ("a", "b")
 
@@ -54,7 +53,7 @@ async def _node(config: Config) -> AsyncIterator[tuple[ClusterBackend, list[Pull
     ctx = zmq.asyncio.Context()
     pulls = [Puller(ctx, config.decode_address(i), DECODE_CHANNEL) for i in range(2)]
     backend = ClusterBackend(config)
-    profile = msgspec.convert(latency_model(list(MODELS)).to_dict(), LatencyProfile)
+    profile = latency_profile(MODELS)
     for i in range(2):  # two unified instances: decode-0, decode-1
         backend.local.on_hello(InstanceHello("decode", i, 10 + i, 1 << 20, 1 << 20, 8,
                                              dict.fromkeys(MODELS, 4096), profile,

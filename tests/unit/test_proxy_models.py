@@ -24,7 +24,6 @@ from aegaeon_common.messages.cache import (
 )
 from aegaeon_common.messages.prefill import AddModel, SetModelAwake
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
-from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
     UNAVAILABLE_MODELS,
     InstanceLoadInfo,
@@ -41,7 +40,7 @@ from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.models import SharedModels
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
-from aegaeon_sched import SHARED, LatencyModel, ModelSpec
+from fake_worker import latency_profile
 from proxy_support import instance_record, put_records
 
 OLD, NEW = "old-model", "new-model"
@@ -49,19 +48,11 @@ NODES = ("node-0", "node-1")
 REPLY_TO = "tcp://127.0.0.1:9"
 
 
-def _profile(models: list[str]) -> LatencyProfile:
-    lat = LatencyModel([ModelSpec(m, 64, 128, 2, 1 << 20, 256) for m in models],
-                       pcie_bytes_per_s=1e9)  # fmt: skip
-    lat.set_prefill_coefficients(SHARED, (1e-9, 0.0, 0.0))
-    lat.set_decode_coefficients(SHARED, (1e-9, 0.0))
-    return msgspec.convert(lat.to_dict(), LatencyProfile)
-
-
 def _record(node: str, kind: str, models: list[str], *, resident: list[str] | None = None,
             version: int = 0, work: int = 0) -> InstanceRecord:  # fmt: skip
     return instance_record(
         node, kind, address=f"tcp://{node}:1", capacity_tokens=dict.fromkeys(models, 100),
-        latency=_profile(models), cachemgr_address=f"tcp://{node}:2",
+        latency=latency_profile(models), cachemgr_address=f"tcp://{node}:2",
         load=InstanceLoadInfo(resident_models=resident or [], residency_version=version,
                               queued=work),
     )  # fmt: skip

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import cast
 
-import msgspec
 from aegaeon_common.config import Config, RolesConfig
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
@@ -34,7 +33,7 @@ from aegaeon_sched.shared import (
     place_decode,
     prefill_backlog,
 )
-from fake_worker import latency_model
+from fake_worker import latency_model, latency_profile
 from proxy_support import instance_record, put_records
 
 ROLES = RolesConfig(enabled=True, high_util=0.5, low_util=0.2, up_hold_s=0.0, down_hold_s=1.0,
@@ -125,7 +124,7 @@ def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() ->
 def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -> None:
     """Dispatch by the roles: decode-0 moved to the prefill role is a prefill candidate;
     with hybrid prefill every instance of the node decodes, decode instances first."""
-    lat = msgspec.convert(latency_model(["a"]).to_dict(), LatencyProfile)
+    lat = latency_profile(["a"])
     view = RegistryView(cast(MemoryStore, None), hybrid_prefill=True)
     view.live = {n: _record(n, 0.0, 0.0, {"a": 4096}, lat) for n in BASE}
     assert [r.instance_id for r in view.prefill_candidates()] == ["prefill-0"]
@@ -135,7 +134,7 @@ def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -
 
 
 CONFIG = Config(models=(), roles=ROLES)
-PROFILE = msgspec.convert(latency_model(["m"]).to_dict(), LatencyProfile)
+PROFILE = latency_profile(["m"])
 
 
 def _shared_record(kind: str, draining: bool = False) -> InstanceRecord:
