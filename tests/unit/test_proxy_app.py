@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aegaeon_proxy.backend import BackendError, TokenQueue
 from aegaeon_proxy.state import STATE
-from prometheus_client.parser import text_string_to_metric_families
+from http_support import samples_of
 from proxy_support import MODEL, Client, ScriptedBackend, sse_chunks
 
 
@@ -241,11 +241,7 @@ async def test_models_health_ready_metrics(client: Client, backend: ScriptedBack
     backend.token_ids = [5, 6, 7]
     await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     text = await (await client.get("/metrics")).text()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = samples_of(text)
     http = ("endpoint", "/v1/completions"), ("status", "200")
     assert samples[("aegaeon_proxy_http_requests_total", http)] == 1
     assert samples[("aegaeon_requests_total", (("model", MODEL), ("outcome", "length")))] == 1

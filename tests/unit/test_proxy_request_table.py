@@ -5,7 +5,6 @@ view of every node (``cluster.node_caches``)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -168,30 +167,27 @@ def test_replicas_share_the_derived_bounds_and_each_node_adds_its_host_cache() -
     assert bounds_of(config(max_kv_blocks=32), two_nodes, replicas=2).kv_blocks == 32
 
 
-def test_engine_steps_count_prefills_and_bundled_decode_steps() -> None:
+async def test_engine_steps_count_prefills_and_bundled_decode_steps() -> None:
     """A decode report is one batch's steps: each open request's new tokens are counted
     (``vllm:iteration_tokens_total``), a stranger's left out."""
     from aegaeon_proxy.vllm_metrics import EngineSteps
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    async def main() -> dict[str, float]:
-        table, placement = _table()
-        registry = CollectorRegistry()
-        table.steps = EngineSteps()
-        table.steps.register(registry)
-        table.steps.prefill(MODEL, 12)
-        table.open(_gen("r1", 0, prompt=3))
-        table.open(_gen("r2", 0, prompt=5))
-        # two steps of a batch of two, sent together; an unknown request is left out
-        table.step_tokens(StepTokens(0, [TokenItem("r1", [1, 2]), TokenItem("r2", [3, 4]),
-                                         TokenItem("gone", [9, 9, 9])], 0.0))  # fmt: skip
-        table.step_tokens(StepTokens(0, [TokenItem("gone2", [1])], 0.0))  # no step of ours
-        assert placement.orphans == ["gone", "gone2"]
-        text = generate_latest(registry).decode()
-        return {s.name: s.value for f in text_string_to_metric_families(text)
-                for s in f.samples}  # fmt: skip
-
-    samples = asyncio.run(main())
+    table, placement = _table()
+    registry = CollectorRegistry()
+    table.steps = EngineSteps()
+    table.steps.register(registry)
+    table.steps.prefill(MODEL, 12)
+    table.open(_gen("r1", 0, prompt=3))
+    table.open(_gen("r2", 0, prompt=5))
+    # two steps of a batch of two, sent together; an unknown request is left out
+    table.step_tokens(StepTokens(0, [TokenItem("r1", [1, 2]), TokenItem("r2", [3, 4]),
+                                     TokenItem("gone", [9, 9, 9])], 0.0))  # fmt: skip
+    table.step_tokens(StepTokens(0, [TokenItem("gone2", [1])], 0.0))  # no step of ours
+    assert placement.orphans == ["gone", "gone2"]
+    text = generate_latest(registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}  # fmt: skip
     assert samples["vllm:iteration_tokens_total_count"] == 3  # one prefill, two decode steps
     assert samples["vllm:iteration_tokens_total_sum"] == 12 + 2 * 2

@@ -16,19 +16,9 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.cluster.tracked import Tracked, deliver
 from aegaeon_proxy.metrics import ProxyMetrics
 from aegaeon_sched import Request
+from http_support import Samples, samples_of
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import MODEL, ScriptedBackend, front, scripted_config
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _samples(text: str) -> Samples:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def _of(samples: Samples, name: str, model: str = "m", **labels: str) -> float:
@@ -37,7 +27,7 @@ def _of(samples: Samples, name: str, model: str = "m", **labels: str) -> float:
 
 
 def _scrape(metrics: ProxyMetrics) -> Samples:
-    return _samples(generate_latest(metrics.registry).decode())
+    return samples_of(generate_latest(metrics.registry).decode())
 
 
 def test_a_generation_moves_from_waiting_to_running_and_is_observed_once() -> None:
@@ -169,7 +159,7 @@ async def test_vllm_families_through_the_http_front(proxy_market: Path) -> None:
     async with front(scripted_config(proxy_market), backend) as client:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
         assert (await client.post("/v1/completions", json=body)).status == 200
-        s = _samples(await (await client.get("/metrics")).text())
+        s = samples_of(await (await client.get("/metrics")).text())
     assert _of(s, "vllm:request_success_total", MODEL, finished_reason="length") == 1
     assert _of(s, "vllm:generation_tokens_total", MODEL) == 4
     assert _of(s, "vllm:prompt_tokens_total", MODEL) > 0
