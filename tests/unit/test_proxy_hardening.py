@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aegaeon_common.config import ApiKeyConfig, Config, ModelConfig, ProxyConfig
+from aegaeon_common.config import ApiKeyConfig
 from aegaeon_proxy.app import make_admin_app, make_app
 from aegaeon_proxy.auth import KeyRing
 from aegaeon_proxy.server import LINGER_S
 from aegaeon_proxy.state import STATE
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import MODEL, Client, ScriptedBackend, sse_chunks
+from proxy_support import MODEL, Client, ScriptedBackend, scripted_config, sse_chunks
 
 KEY_ALL = "sk-all-0123456789"
 KEY_NONE = "sk-other-model-0123"
@@ -132,11 +132,8 @@ async def _raw_request(port: int, head: bytes, body: bytes,
 
 
 async def test_a_body_sent_a_byte_at_a_time_is_cut_at_the_read_timeout(proxy_market: Path) -> None:
-    config = Config(models=(ModelConfig(MODEL, proxy_market / MODEL),),
-                    proxy=ProxyConfig(read_timeout_s=0.5))  # fmt: skip
     backend = ScriptedBackend()
-    app = make_app(config, backend)
-    server = TestServer(app)
+    server = TestServer(make_app(scripted_config(proxy_market, read_timeout_s=0.5), backend))
     await server.start_server(lingering_time=LINGER_S)  # as the proxy's server runs
     async with TestClient(server) as client:
         body = json.dumps({"model": MODEL, "prompt": "x" * 200}).encode()
