@@ -53,6 +53,7 @@ async def test_tokens_sent_together_leave_in_one_write_as_separate_events(
         await original(self, data)
 
     monkeypatch.setattr(web.StreamResponse, "write", counting_write)
+
     backend.token_ids = tok.encode("one two three four five", add_special_tokens=False)
     backend.burst = True
     body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50,

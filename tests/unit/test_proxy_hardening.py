@@ -162,6 +162,7 @@ async def test_a_reader_that_stops_reading_is_cut_and_its_request_freed(
         await original(self, data)
 
     monkeypatch.setattr(web.StreamResponse, "write", stalling_write)
+
     backend.token_ids = list(range(5, 205))
     backend.step_s = 0.01
     body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True,
