@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from aegaeon_common.env import read_env
 from aegaeon_engine import DecodeSeq, Engine, ModelSpec, RopeSpec
 from aegaeon_engine import kernels as kernels_mod
 from aegaeon_engine import native as native_mod
@@ -39,7 +39,7 @@ LEVELS = native_mod.supported_levels()  # this CPU's: every kernel test runs on 
 def built_levels() -> tuple[str, ...]:
     """Every supported level built once per session (the missing ones in parallel); the
     tests that need them skip where there are none (no level, or ``AEGAEON_NATIVE=0``)."""
-    if not _native_expected() or not LEVELS:
+    if not read_env().native_kernels or not LEVELS:
         pytest.skip("no native kernels here")
     native_mod.prebuild(LEVELS)
     return LEVELS
@@ -67,10 +67,6 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
-
-
-def _native_expected() -> bool:
-    return os.environ.get("AEGAEON_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def test_native_kernels_load(isa: str) -> None:
