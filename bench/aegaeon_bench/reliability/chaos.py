@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import parse_bytes
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.launch import NodeError, start_node
+    from aegaeon_bench.node.launch import start_bench_node
     from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
     from aegaeon_bench.reliability.faults import FAULTS
 
@@ -186,10 +186,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))
     shape = ["--nodes", str(args.nodes), "--proxies", str(args.proxies)] if cluster else []
-    try:
-        node = start_node(market, "aegaeon", root, args.config, extra_args=shape)
-    except NodeError as exc:
-        print(f"aegaeon bench chaos: {exc}", file=sys.stderr)
+    node = start_bench_node("chaos", market, args.config, root, extra_args=shape,
+                            ports=args.proxies)
+    if node is None:
         return 1
     try:
         assert node.run_dir is not None

@@ -74,15 +74,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _bench_serve(url: str, models: int, args: argparse.Namespace, trace: Path) -> dict[str, Any]:
-    from aegaeon_bench.node.launch import aegaeon_argv
+    from aegaeon_bench.node.launch import bench_serve_argv
 
-    argv = aegaeon_argv(
-        "bench", "serve", "--url", url, "--models", str(models), "--rps", str(args.rps),
-        "--duration", str(args.duration), "--ttft", str(args.ttft), "--tbt", str(args.tbt),
-        "--seed", str(args.seed), "--input-scale", str(args.input_scale),
-        "--output-scale", str(args.output_scale), "--market", str(args.market),
-        "--trace", str(trace), "--json", "--quiet",
-    )  # fmt: skip
+    argv = bench_serve_argv(url, models=models, rps=args.rps, duration=args.duration,
+                            ttft=args.ttft, tbt=args.tbt, seed=args.seed,
+                            input_scale=args.input_scale, output_scale=args.output_scale,
+                            market=args.market, trace=trace)  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, check=False,
                           env=common.key_env(common.api_key(args)))  # fmt: skip
     lines = done.stdout.strip().splitlines()
