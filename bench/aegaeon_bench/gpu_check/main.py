@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_bench.gpu_check.paper import POLICIES as PAPER_POLICIES
+from aegaeon_bench.gpu_check.prepare import applies, requirement_name
 from aegaeon_bench.gpu_check.run import (
     Runner,
     StepResult,
@@ -118,16 +119,9 @@ IMPORT_NAMES = {"pyzmq": "zmq", "pyyaml": "yaml", "prometheus-client": "promethe
 
 def runtime_modules(root: Path = ROOT) -> list[str]:
     """The import names of pyproject's dependencies (for this platform)."""
-    import re
-
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    names = []
-    for spec in data["project"]["dependencies"]:
-        if re.search(r"sys_platform\s*==\s*['\"](win32|darwin)", spec.partition(";")[2]):
-            continue
-        name = re.split(r"[\s<>=!~;\[(]", spec.strip(), maxsplit=1)[0].lower()
-        names.append(IMPORT_NAMES.get(name, name.replace("-", "_")))
-    return names
+    names = [requirement_name(d) for d in data["project"]["dependencies"] if applies(d)]
+    return [IMPORT_NAMES.get(name, name.replace("-", "_")) for name in names]
 
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -38,7 +39,8 @@ class Cluster:
     def __init__(self, market: Path, nodes: int, root: Path) -> None:
         self.nodes = nodes
         started = time.monotonic()
-        self.node = start_node(market, "aegaeon", root / f"n{nodes}", None, ports=2,
+        here = Path(tempfile.mkdtemp(prefix=f"n{nodes}-", dir=root))  # a cluster's own
+        self.node = start_node(market, "aegaeon", here, None, ports=2,
                                extra_args=("--nodes", str(nodes), "--proxies", "2"))
         self.ready_s = time.monotonic() - started
         assert self.node.run_dir is not None
