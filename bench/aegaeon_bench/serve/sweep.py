@@ -58,17 +58,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="prompt lengths x this (0.25: the scaling above)")
     parser.add_argument("--output-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--market", type=Path,
-        help="market (default: runs/sweep-market-smallN, N the largest count, built)",
-    )
+    parser.add_argument("--market", type=Path, help="market (default: "
+                        "runs/sweep-market-smallN, N the largest count, built)")
     parser.add_argument("--config", type=Path, help="deployment YAML for every node")
     common.add_api_key_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("runs/sweep"), help="output dir")
-    parser.add_argument(
-        "--keep-going", action="store_true",
-        help="run every point (default: stop a policy after 2 points below 90%%)",
-    )  # fmt: skip
+    parser.add_argument("--keep-going", action="store_true",
+                        help="run every point (default: stop a policy after 2 points below 90%%)")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     parser.set_defaults(func=run)
 
