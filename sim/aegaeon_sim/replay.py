@@ -38,7 +38,7 @@ from aegaeon_workload.trace import RunFiles, TraceRecord, read_trace
 from aegaeon_sim.node import NodeSpec
 from aegaeon_sim.node_costs import measure, without_measurements
 
-ARENA_SLACK_BYTES = 1 << 20  # as the live proxy's static-mux budget (cluster.baselines)
+ARENA_SLACK_BYTES = 1 << 20  # as the live proxy's static-mux budget (cluster.placement.Baselines)
 
 
 @dataclass(frozen=True)

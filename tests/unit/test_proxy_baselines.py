@@ -1,4 +1,4 @@
-"""A request-level baseline over the store (``cluster.baselines``), one node: the
+"""A request-level baseline over the store (``cluster.placement.Baselines``), one node: the
 policy's picture lives in the store's ``baseline`` record; an arrival runs on a free
 instance or waits bound to one, a request's end starts what waited, a cancel reaches
 its instance, static multiplexing refuses a model it placed nowhere."""

@@ -231,10 +231,10 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
         timings = RequestTimings(prefill_s=0.25)
         backend._on_prefill_done(PrefillDone("r", 0, 7, None, handoff, timings, 0.0))
         for _ in range(100):
-            if (len(backend.held), len(backend.placement.held_decode)) == (0, 1):
+            if (len(backend.held), len(backend.held_decode)) == (0, 1):
                 break
             await asyncio.sleep(0.01)
-        assert (len(backend.held), len(backend.placement.held_decode)) == (0, 1)
+        assert (len(backend.held), len(backend.held_decode)) == (0, 1)
         assert backend.view.latency() is latency and taught == [("m", [8], 0.25)]
         backend.local.on_hello(_hello("decode", pid=11, incarnation=2))  # its successor
         await asyncio.sleep(0.05)  # (the record written)
@@ -243,7 +243,7 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
         placed = await _recv(decode, EnqueueDecode)
         assert isinstance(placed, EnqueueDecode) and placed.request_id == "r"
         assert placed.handoff == handoff and placed.incarnation == 2
-        assert (len(backend.held), len(backend.placement.held_decode)) == (0, 0)
+        assert (len(backend.held), len(backend.held_decode)) == (0, 0)
     finally:
         await backend.stop()
         prefill.close()

@@ -27,7 +27,7 @@ from aegaeon_common.registry import (
 )
 from aegaeon_common.store import MemoryStore
 from aegaeon_proxy.cluster.registry import RegistryView
-from aegaeon_proxy.cluster.roles import LEASE_S, RoleSwitcher, SharedRoles
+from aegaeon_proxy.cluster.roles import LEASE_S, SharedRoles
 from aegaeon_sched import AegaeonPolicy, EnqueuePrefill, Request, RoleChange, RoleLoad
 from aegaeon_sched.decode import DecodeWorkList
 from aegaeon_sched.prefill_queue import PrefillQueue
@@ -58,7 +58,15 @@ def _meters(prefill_tokens: float, prefill_s: float) -> list[InstanceRecord]:
     return [_record(n, prefill_tokens, prefill_s) for n in BASE]
 
 
-def _observe(switcher: RoleSwitcher, now_s: float, load: RoleLoad, meters: list[InstanceRecord],
+def _switcher(config: Config) -> SharedRoles:
+    """A proxy's roles over the configured ``BASE`` (no store: it only decides here)."""
+    roles = SharedRoles(config, cast(MemoryStore, None), RegistryView(cast(MemoryStore, None),
+                        hybrid_prefill=True), "p")  # fmt: skip
+    roles.controller.track(BASE)
+    return roles
+
+
+def _observe(switcher: SharedRoles, now_s: float, load: RoleLoad, meters: list[InstanceRecord],
              alive: bool) -> list[RoleChange]:  # fmt: skip
     return switcher.decide(now_s, meters, load.backlog_tokens, load.decode_demand, load.latency,
                            alive)  # fmt: skip
@@ -77,7 +85,7 @@ def _load(policy: AegaeonPolicy) -> RoleLoad:
 
 
 def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
-    switcher = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=True)
+    switcher = _switcher(Config(models=(), roles=ROLES))
     policy = _policy()
     meters = _meters(1000.0, 1.0)  # measured: 1000 prompt tokens/s while prefilling
     assert _observe(switcher, 0.0, _load(policy), meters, alive=True) == []  # nothing arrives
@@ -96,26 +104,21 @@ def test_a_burst_moves_the_decode_instance_and_its_end_moves_it_back() -> None:
     assert _observe(switcher, 3.0, _load(policy), meters, alive=True) == []
     (back,) = _observe(switcher, 4.1, _load(policy), meters, alive=True)
     assert (back.instance, back.role) == ("decode-0", "decode")
-    snap = switcher.snapshot(4.1, {})
-    assert snap["roles"] == {"prefill-0": "prefill", "decode-0": "decode"}
-    changes = cast(list[dict[str, object]], snap["changes"])
-    assert [c["role"] for c in changes] == ["prefill", "decode"]
+    assert switcher.snapshot(4.1)["roles"] == {"prefill-0": "prefill", "decode-0": "decode"}
+    assert [c["role"] for c in switcher.changes] == ["prefill", "decode"]
 
 
-def test_roles_hold_still_while_an_instance_is_down_or_switching_is_off() -> None:
+def test_roles_hold_still_while_an_instance_is_down() -> None:
     meters = _meters(1000.0, 1.0)
     policy = _policy()
-    switcher = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=True)
+    switcher = _switcher(Config(models=(), roles=ROLES))
     switcher.arrived(0.0, 100_000)
     assert _observe(switcher, 0.1, _load(policy), meters, alive=False) == []
-    off = RoleSwitcher(Config(models=(), roles=ROLES), BASE, enabled=False)
-    off.arrived(0.0, 100_000)
-    assert _observe(off, 0.1, _load(policy), meters, alive=True) == []
-    assert off.roles == {"prefill-0": "prefill", "decode-0": "decode"}
+    assert switcher.roles == BASE  # (with roles off nothing decides: the replicas' test)
 
 
 def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() -> None:
-    switcher = RoleSwitcher(Config(models=()), BASE, enabled=False)
+    switcher = _switcher(Config(models=()))
     lat = latency_model(["a"])
     prefill = _record("prefill-0", 3000.0, 1.5)
     decode = _record("decode-0", 0.0, 0.0, {"a": 4096})
@@ -164,7 +167,7 @@ async def _replica(store: MemoryStore, name: str) -> SharedRoles:
 async def _publish(store: MemoryStore, replica: SharedRoles, now_s: float) -> None:
     """``replica``'s heartbeat (its arrival velocity), as the backend's beat writes it."""
     record = ProxyRecord(v=1, proxy_id=replica.proxy_id, report_address="tcp://x:1", pid=1,
-                         arrival_tokens_per_s=replica.switcher.arrivals.rate(now_s))  # fmt: skip
+                         arrival_tokens_per_s=replica.arrivals.rate(now_s))  # fmt: skip
     await store.put(proxy_key(replica.proxy_id), encode(record), 60.0)
     await store.set_add(PROXIES, replica.proxy_id)
 
@@ -180,14 +183,14 @@ async def test_one_replica_decides_on_every_replicas_arrivals_and_the_others_fol
     a, b = await _replica(store, "a"), await _replica(store, "b")
     await a.refresh()
     await b.refresh()
-    assert a.deciding and not b.deciding and b.decider == "a"
+    assert a.deciding and not b.deciding and b.record.proxy == "a"
     assert _prefill_ids(a) == _prefill_ids(b) == ["a/prefill-0"]
     # a burst reaches replica b only: 4000 tokens over its 2 s window > 0.5 x 1000 tok/s
     now = time.monotonic()
-    b.switcher.arrived(now, 4000)
+    b.arrived(now, 4000)
     await _publish(store, b, now)
     await a.refresh()
-    assert a.view.roles["a/decode-0"] == "prefill" and a.switcher.switches["prefill"] == 1
+    assert a.view.roles["a/decode-0"] == "prefill" and a.switches["prefill"] == 1
     await b.refresh()
     assert _prefill_ids(b) == ["a/decode-0", "a/prefill-0"]
     snap = b.snapshot(now)
@@ -208,11 +211,11 @@ async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabl
     store = MemoryStore()
     await _register(store, _shared_record("prefill"), _shared_record("decode", draining=True))
     a = await _replica(store, "a")
-    a.switcher.arrived(time.monotonic(), 100_000)
+    a.arrived(time.monotonic(), 100_000)
     await a.refresh()
     assert a.deciding and a.view.roles == {"a/prefill-0": "prefill", "a/decode-0": "decode"}
     off = SharedRoles(Config(models=()), store, RegistryView(store, True), "off")
-    off.switcher.arrived(time.monotonic(), 100_000)
+    off.arrived(time.monotonic(), 100_000)
     await off.refresh()
     assert not off.deciding and off.view.roles == {}
 

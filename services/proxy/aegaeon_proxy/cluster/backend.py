@@ -99,12 +99,11 @@ from aegaeon_proxy.backend import (
     GenerationRequest,
     TokenQueue,
 )
-from aegaeon_proxy.cluster.baselines import Baselines
 from aegaeon_proxy.cluster.collector import BackendCollector
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from aegaeon_proxy.cluster.models import WATCH_S, SharedModels
 from aegaeon_proxy.cluster.node_caches import NodeCaches, merge_model_caches, node_services
-from aegaeon_proxy.cluster.placement import Booking, unqueue
+from aegaeon_proxy.cluster.placement import Baselines, Booking, unqueue
 from aegaeon_proxy.cluster.registry import REFRESH_S, RegistryView, StoreHealth
 from aegaeon_proxy.cluster.requests import RequestTable, bounds_of
 from aegaeon_proxy.cluster.roles import SharedRoles
@@ -139,15 +138,14 @@ class ClusterBackend(Backend):
         self.records = SharedRecords(self.store)
         self.ctx = zmq.asyncio.Context()
         self._reports, self.report_address = _report_socket(config, self.ctx)
-        # requests, their admission by SLO class, streams, ends and retries; placement
-        # (store transactions) is this backend's
+        # requests, their admission, streams, ends and retries (this backend places them)
         self.table = RequestTable(config, self)
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         self.counters = self.table.counters
-        self.counters.update(dict.fromkeys(
-            ("orphan_tokens", "reaped", "instances_lost", "store_errors", "store_losses"),
-            0))  # fmt: skip
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
+        # prefilled, no decode instance of its node takes work now (draining, restarting):
+        # placed when one does; its handoff stays leased to the prefill instance meanwhile
+        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
         self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
@@ -159,14 +157,12 @@ class ClusterBackend(Backend):
         self._checked = False  # the cachemgrs' unreadable models were read once
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
-                                    lambda record, msg: self._spawn(self._send(record, msg)))
-        # where admitted requests go: a request-level baseline's placement (its picture
-        # in the store), else Aegaeon's booking (Algorithms 1-2 over the shared queues)
+                                    lambda record, msg: self.spawn(self.send(record, msg)))
+        # where admitted requests go (one placement per policy family: cluster.placement)
         self.placement: Booking | Baselines = Baselines(self) if config.unified else Booking(self)
-        # models added, removed, put to sleep and woken on every node; the served set,
-        # the unreadable models and the settings the replicas share
-        self.models = SharedModels(config, self.view, self.caches, self.records, self._send,
-                                    self._spawn, self.report_address, self.proxy_id)  # fmt: skip
+        # the model operations on every node, and what the replicas share of the models
+        self.models = SharedModels(config, self.view, self.caches, self.records, self.send,
+                                    self.spawn, self.report_address, self.proxy_id)  # fmt: skip
         # with roles.enabled, which instances take prefill work (one replica decides)
         self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], object]] = {  # (results unread)
@@ -242,9 +238,8 @@ class ClusterBackend(Backend):
                 if n not in self.view.live and not self.local.up(n, now)]  # fmt: skip
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
-        registry.register(BackendCollector(
-            self.view, self.table, self.roles, self.store, self.down,
-            lambda: (len(self.held), len(self.placement.held_decode))))  # fmt: skip
+        registry.register(BackendCollector(self.table, self.roles, self.store, self.down,
+                                           lambda: (len(self.held), len(self.held_decode))))
         self.table.steps.register(registry)
 
     async def engine_snapshot(self) -> EngineSnapshot:
@@ -282,7 +277,7 @@ class ClusterBackend(Backend):
         its address there again)."""
         return None if self.local.expected else node_services(self.view.live.values())
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._jobs.add(task)
         task.add_done_callback(self._job_done)
@@ -308,18 +303,18 @@ class ClusterBackend(Backend):
     # ---- placement (the request table's Placement) ----------------------------
     def place(self, tracked: Tracked) -> None:
         """Admitted: listed as this replica's, then dispatched (a store transaction)."""
-        self.roles.switcher.arrived(time.monotonic(), tracked.sched.prompt_len)
-        self._spawn(self._arrive(tracked))
+        self.roles.arrived(time.monotonic(), tracked.sched.prompt_len)
+        self.spawn(self._arrive(tracked))
 
     def replace(self, tracked: Tracked) -> None:
-        self._spawn(self.placement.dispatch(tracked, again=True))
+        self.spawn(self.placement.dispatch(tracked, again=True))
 
     def unplace(self, tracked: Tracked, cancelled: bool) -> None:
         rid = tracked.gen.request_id
         self.held.pop(rid, None)
         where, tracked.where = tracked.where, None
         self.placement.release(tracked, where, cancelled)
-        self._spawn(self._forget(rid))
+        self.spawn(self._forget(rid))
 
     def cancel_orphan(self, request_id: str, msg: StepTokens) -> None:
         """At every node's decode-i (a report names only the index; a cancel of an
@@ -332,15 +327,15 @@ class ClusterBackend(Backend):
         cancel = CancelRequest(request_id, free_handoff=free_handoff)
         for r in list(self.view.live.values()):
             if r.index == index and kind in (None, r.kind) and node in (None, r.node):
-                self._spawn(self._send(r, cancel))
+                self.spawn(self.send(r, cancel))
 
     async def _arrive(self, tracked: Tracked) -> None:
         rid = tracked.gen.request_id
         try:
             await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
-            await self._put_meta(tracked)
+            await self.put_meta(tracked)
         except StoreError as exc:
-            self._store_failed(rid, exc)
+            self.store_failed(rid, exc)
             return
         await self.placement.dispatch(tracked)
 
@@ -358,12 +353,12 @@ class ClusterBackend(Backend):
         self.counters["store_errors"] += 1
         log.warning(event, error=str(exc), **fields)
 
-    def _store_failed(self, request_id: str, exc: StoreError) -> None:
+    def store_failed(self, request_id: str, exc: StoreError) -> None:
         self._store_trouble("store_error", exc, request_id=request_id)
         self.table.end(request_id, "error", f"the shared store failed: {exc}",
                        code=STORE_UNAVAILABLE)  # fmt: skip
 
-    async def _put_meta(self, tracked: Tracked) -> None:
+    async def put_meta(self, tracked: Tracked) -> None:
         """Its metadata: where it is, "decoding" there (an instance of the decode stage or
         a baseline's) or "queued" (for a prefill, or for none yet)."""
         gen, where = tracked.gen, tracked.where
@@ -378,13 +373,13 @@ class ClusterBackend(Backend):
         await self.store.put(request_key(gen.request_id), encode(meta), ttl_s)
         tracked.tokens_written = meta.tokens_sent
 
-    async def _send_to(self, where: Where, msg: Message) -> None:
+    async def send_to(self, where: Where, msg: Message) -> None:
         """Send ``msg`` to the process ``where`` names, if it still runs."""
         record = self.view.live.get(where.instance)
         if record is not None and record.incarnation == where.incarnation:
-            await self._send(record, msg)
+            await self.send(record, msg)
 
-    async def _send(self, record: InstanceRecord, msg: Message) -> None:
+    async def send(self, record: InstanceRecord, msg: Message) -> None:
         pusher = self._pushers.get(record.instance_id)
         if pusher is None or pusher.address != record.address:
             if pusher is not None:
@@ -460,7 +455,7 @@ class ClusterBackend(Backend):
             except StoreError as exc:
                 self._store_trouble("registry_write_failed", exc, instance=record.instance_id)
 
-        self._spawn(write())
+        self.spawn(write())
 
     def _on_draining(self, msg: InstanceDraining) -> None:
         record = self.local.on_draining(msg)
@@ -518,10 +513,10 @@ class ClusterBackend(Backend):
             for tracked in list(self.requests.values()):
                 where = tracked.where
                 if where is not None and not self.view.alive(where.instance, where.incarnation):
-                    self._lost(tracked, where)
+                    self.lost(tracked, where)
             if self.held and self.placement.takes_work():
                 for tracked in list(self.held.values()):
-                    self._spawn(self.placement.dispatch(tracked))
+                    self.spawn(self.placement.dispatch(tracked))
             self.placement.refresh(time.monotonic())
             try:  # (room is freed by events; this is a safety net, which must not die)
                 self._admission_bounds()
@@ -545,9 +540,9 @@ class ClusterBackend(Backend):
             for rid, tracked in list(self.requests.items()):
                 with contextlib.suppress(StoreError):
                     await self.store.set_add(proxy_requests_key(self.proxy_id), rid)
-                    await self._put_meta(tracked)
+                    await self.put_meta(tracked)
 
-        self._spawn(rewrite())
+        self.spawn(rewrite())
 
     def _admission_bounds(self) -> None:
         """The bounds of every node's instances, this replica's share of them."""
@@ -575,9 +570,9 @@ class ClusterBackend(Backend):
             with contextlib.suppress(StoreError):
                 await self.store.delete(*stale)
 
-        self._spawn(drop())
+        self.spawn(drop())
 
-    def _lost(self, tracked: Tracked, where: Where) -> None:
+    def lost(self, tracked: Tracked, where: Where) -> None:
         """``tracked``'s instance is gone: dispatch it again when no token was sent, else
         end it with ``instance_failed``."""
         rid, owner = tracked.gen.request_id, tracked.handoff_owner
@@ -595,14 +590,14 @@ class ClusterBackend(Backend):
             record = ProxyRecord(
                 v=1, proxy_id=self.proxy_id, report_address=self.report_address,
                 pid=os.getpid(), host=socket.gethostname(),
-                arrival_tokens_per_s=self.roles.switcher.arrivals.rate(time.monotonic()),
+                arrival_tokens_per_s=self.roles.arrivals.rate(time.monotonic()),
             )  # fmt: skip
             try:
                 await self.store.put(proxy_key(self.proxy_id), encode(record), ttl_s)
                 await self.store.set_add(PROXIES, self.proxy_id)
                 for tracked in list(self.requests.values()):  # (tokens sent since, placed)
                     if tracked.where and tracked.num_generated != tracked.tokens_written:
-                        await self._put_meta(tracked)
+                        await self.put_meta(tracked)
             except StoreError as exc:
                 self._store_trouble("beat_failed", exc)
             await asyncio.sleep(BEAT_S)
@@ -662,7 +657,7 @@ class ClusterBackend(Backend):
             for instance, free in sorted(instances.items()):
                 record = self.view.live.get(instance)
                 if record is not None:  # (a handoff its replica never placed is freed)
-                    await self._send(record, CancelRequest(rid, free_handoff=free))
+                    await self.send(record, CancelRequest(rid, free_handoff=free))
         for queue, ids in sorted(queued.items()):
             for rid in sorted(ids):
                 await unqueue(self.store, self.config, rid, queue)
@@ -733,7 +728,7 @@ class ClusterBackend(Backend):
             "proxy_id": self.proxy_id,
             "counters": dict(self.counters),
             "open_requests": len(self.requests),
-            "held_requests": len(self.held) + len(self.placement.held_decode),
+            "held_requests": len(self.held) + len(self.held_decode),
             "instances": self._instances(caches),
             # each instance's last heartbeat by name (one node's: with many nodes the
             # records' loads are in `instances`)

@@ -20,7 +20,7 @@ from aegaeon_common.wire import Message, to_plain
 
 from aegaeon_proxy.backend import BackendError
 
-__all__ = ["CACHE_TIMEOUT_S", "NodeCaches", "cache_error", "merge_model_caches", "node_services"]
+__all__ = ["CACHE_TIMEOUT_S", "NodeCaches", "merge_model_caches", "node_services"]
 
 CACHE_TIMEOUT_S = 10.0
 
@@ -33,14 +33,6 @@ _CACHE_ERRORS: dict[str, tuple[int, str]] = {
 
 SUMMED = ("budget_bytes", "used_bytes", "num_loads", "num_hits", "num_evictions",
           "load_s_total", "loaded_bytes_total")  # fmt: skip
-
-
-def cache_error(exc: RemoteError) -> BackendError:
-    """A cachemgr's refusal as the admin endpoints answer it; an unreadable checkpoint's
-    message is the cachemgr's own (it names the file: what the model is quarantined for)."""
-    status, code = _CACHE_ERRORS.get(exc.code, (503, "unavailable"))
-    message = exc.reply.message if exc.code == "checkpoint_error" else f"cachemgr: {exc}"
-    return BackendError(message, status=status, code=code)
 
 
 def _cachemgrs(records: Iterable[InstanceRecord]) -> dict[str, str]:
@@ -103,21 +95,22 @@ class NodeCaches:
         self._ctx = ctx
         self._clients: dict[str, RpcClient] = {}  # address -> client
 
-    def _client(self, address: str) -> RpcClient:
+    async def call(self, address: str, msg: Message,
+                   timeout_s: float = CACHE_TIMEOUT_S) -> Message:  # fmt: skip
+        """``msg`` to the cachemgr at ``address``; raises :class:`BackendError`: a refusal
+        as the admin endpoints answer it (an unreadable checkpoint's message is the
+        cachemgr's own: it names the file, what the model is quarantined for)."""
         client = self._clients.get(address)
         if client is None:
             client = self._clients[address] = RpcClient(self._ctx, address, REPLIES)
-        return client
-
-    async def call(self, address: str, msg: Message,
-                   timeout_s: float = CACHE_TIMEOUT_S) -> Message:  # fmt: skip
-        """``msg`` to the cachemgr at ``address``; raises :class:`BackendError`."""
         try:
-            return await self._client(address).call(msg, timeout_s=timeout_s)
+            return await client.call(msg, timeout_s=timeout_s)
         except TimeoutError:
             raise BackendError.unavailable(f"the cachemgr at {address} did not answer") from None
         except RemoteError as exc:
-            raise cache_error(exc) from None
+            status, code = _CACHE_ERRORS.get(exc.code, (503, "unavailable"))
+            why = exc.reply.message if exc.code == "checkpoint_error" else f"cachemgr: {exc}"
+            raise BackendError(why, status=status, code=code) from None
 
     async def call_all(self, records: Iterable[InstanceRecord], msg: Message,
                        timeout_s: float = CACHE_TIMEOUT_S) -> list[Message]:  # fmt: skip

@@ -9,9 +9,8 @@ backend (``cluster.backend``) calls without asking which it is.
   only if no other replica wrote any queue read meanwhile (Redis WATCH/MULTI/EXEC),
   else the decision is made again on fresh state. So two replicas never both
   book an instance on the same picture of it.
-* :class:`~aegaeon_proxy.cluster.baselines.Baselines`, the request-level
-  baselines' (``scheduler.policy`` other than ``aegaeon``): the policy's picture
-  in one store key.
+* :class:`Baselines`, the request-level baselines' (``scheduler.policy`` other
+  than ``aegaeon``; one node): the policy's picture in one store key.
 
 Both take what they need of the backend as a :class:`Host`.
 """
@@ -23,15 +22,33 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from aegaeon_common.config import Config
 from aegaeon_common.messages.prefill import CancelRequest
 from aegaeon_common.messages.report import PrefillDone
-from aegaeon_common.registry import QUEUE_TTL_S, InstanceRecord, encode
+from aegaeon_common.registry import (
+    BASELINE,
+    QUEUE_TTL_S,
+    InstanceRecord,
+    decode_baseline,
+    encode,
+    encode_baseline,
+)
 from aegaeon_common.store import Store, StoreError
 from aegaeon_common.wire import Message
-from aegaeon_sched import DecodeShare, NoInstance
+from aegaeon_sched import (
+    Action,
+    Cancel,
+    ClusterSpec,
+    DecodeShare,
+    NoInstance,
+    Policy,
+    PolicyOptions,
+    Reject,
+    RunOnInstance,
+    make_policy,
+)
 from aegaeon_sched.shared import (
     dispatch_prefill,
     place_decode,
@@ -39,14 +56,15 @@ from aegaeon_sched.shared import (
     queue_of,
     remove_requests,
 )
+from aegaeon_sched.shared_baselines import restore, snapshot
 
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.requests import RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked, Where
 
-__all__ = ["Booking", "Host", "unqueue"]
+__all__ = ["Baselines", "Booking", "Host", "unqueue"]
 
-_T = TypeVar("_T")
+ARENA_SLACK_BYTES = 1 << 20
 
 
 def _fresh_id() -> int:
@@ -63,19 +81,20 @@ class Host(Protocol):
     report_address: str
     table: RequestTable
     held: dict[str, Tracked]  # no instance to dispatch to yet
+    held_decode: dict[str, tuple[Tracked, Where]]  # prefilled, no decode instance yet
     dispatch_s: deque[float]  # how long each placement's transaction took
 
-    async def _send(self, record: InstanceRecord, msg: Message) -> None: ...
+    async def send(self, record: InstanceRecord, msg: Message) -> None: ...
 
-    async def _send_to(self, where: Where, msg: Message) -> None: ...
+    async def send_to(self, where: Where, msg: Message) -> None: ...
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None: ...
 
-    def _store_failed(self, request_id: str, exc: StoreError) -> None: ...
+    def store_failed(self, request_id: str, exc: StoreError) -> None: ...
 
-    async def _put_meta(self, tracked: Tracked) -> None: ...
+    async def put_meta(self, tracked: Tracked) -> None: ...
 
-    def _lost(self, tracked: Tracked, where: Where) -> None: ...
+    def lost(self, tracked: Tracked, where: Where) -> None: ...
 
 
 async def unqueue(store: Store, config: Config, request_id: str, queue: str) -> None:
@@ -99,9 +118,6 @@ class Booking:
 
     def __init__(self, host: Host) -> None:
         self.host = host
-        # prefilled, no decode instance of its node takes work now (draining, restarting):
-        # placed when one does; its handoff stays leased to the prefill instance meanwhile
-        self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         # each hybrid instance's share of time left for decoding, from its records' beats
         self._decode_shares: dict[str, DecodeShare] = {}
 
@@ -120,17 +136,14 @@ class Booking:
             host.held[rid] = tracked
             return
 
-        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[int, float | None]]:
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[Any, ...]]:
             instance, group_id, queue = dispatch_prefill(
                 states, tracked.sched, latency, time.time(), new_group_id=_fresh_id()
             )
             return instance, queue, (group_id, queue.group_key_s(group_id))
 
-        def message(record: InstanceRecord, placed: tuple[int, float | None]) -> Message:
-            return tracked.prefill_message(*placed, record.incarnation, host.report_address)
-
         try:
-            await self._book(tracked, candidates, "prefill", choose, message)
+            await self._book(tracked, candidates, "prefill", choose)
         except NoInstance:
             host.held[rid] = tracked
 
@@ -142,7 +155,7 @@ class Booking:
         if latency is not None and measured > 0:
             latency.observe_prefill(tracked.sched.switch_unit, [tracked.sched.prompt_len],
                                     measured)  # fmt: skip
-        self.host._spawn(self._after_prefill(tracked, where, msg))
+        self.host.spawn(self._after_prefill(tracked, where, msg))
 
     async def _after_prefill(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
         host, rid = self.host, msg.request_id
@@ -156,8 +169,8 @@ class Booking:
         try:
             await host.store.transact([where.queue], done, ttl_s=QUEUE_TTL_S)
         except StoreError as exc:
-            host._store_failed(rid, exc)
-            await host._send_to(where, CancelRequest(rid, free_handoff=True))
+            host.store_failed(rid, exc)
+            await host.send_to(where, CancelRequest(rid, free_handoff=True))
             return
         if tracked.where is where:
             tracked.where = None  # out of the prefill queue; not placed yet
@@ -170,18 +183,11 @@ class Booking:
         held for one (none takes work now: placed when one does). One ended or cancelled
         before its placement, or not placed: its KV handoff is still leased to the
         prefill instance, which frees it on a cancel."""
-        rid = tracked.gen.request_id
-        if not await self._placed_decode(tracked, prefilled):
-            await self.host._send_to(prefilled, CancelRequest(rid, free_handoff=True))
-
-    async def _placed_decode(self, tracked: Tracked, prefilled: Where) -> bool:
         host, rid = self.host, tracked.gen.request_id
-        if rid not in host.table.requests:
-            return False
         candidates = host.view.decode_candidates(prefilled.node)
-        if not candidates:
-            self.held_decode[rid] = (tracked, prefilled)
-            return True
+        if rid in host.table.requests and not candidates:
+            host.held_decode[rid] = (tracked, prefilled)
+            return
         config = host.config
         capacity = {r.instance_id: r.capacity_tokens for r in candidates}
         shares = {r.instance_id: self._decode_shares[r.instance_id].share for r in candidates
@@ -192,57 +198,57 @@ class Booking:
                     if config.role_switching and host.view.role(r) == "prefill"}
         latency = host.view.latency()
 
-        def choose(states: dict[str, Any]) -> tuple[str, Any, int]:
+        def choose(states: dict[str, Any]) -> tuple[str, Any, tuple[Any, ...]]:
             instance, batch_id, work_list = place_decode(
                 states, tracked.sched, new_batch_id=_fresh_id(), capacity_tokens=capacity,
                 decode_shares=shares, latency=latency, tbt_s=config.slo.tbt_s,
                 max_batch_size=config.scheduler.max_batch_size, reserved=reserved,
             )  # fmt: skip
-            return instance, work_list, batch_id
+            return instance, work_list, (batch_id,)
 
-        def message(record: InstanceRecord, batch_id: int) -> Message | None:
-            return tracked.decode_message(batch_id, record.incarnation, host.report_address)
-
-        return await self._book(tracked, candidates, "decode", choose, message)
+        if rid not in host.table.requests or not await self._book(tracked, candidates,
+                                                                   "decode", choose):
+            await host.send_to(prefilled, CancelRequest(rid, free_handoff=True))
 
     async def _book(
         self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
-        choose: Callable[[dict[str, Any]], tuple[str, Any, _T]],
-        message: Callable[[InstanceRecord, _T], Message | None],
+        choose: Callable[[dict[str, Any]], tuple[str, Any, tuple[Any, ...]]],
     ) -> bool:  # fmt: skip
         """Book the request on one of ``candidates`` in one store transaction: ``choose``
         picks it from their shared queues (``stage``'s) and changes its queue
         (decided again on fresh queues if another replica wrote one read meanwhile);
-        then ``message`` goes to it. False: the store failed (the request ended), or it
-        ended while deciding, or has no message (the booking undone)."""
+        then its work message goes to it, with the ids ``choose`` gave. False: the store
+        failed (the request ended), or it ended while deciding, or has no message (the
+        booking undone)."""
         host, rid = self.host, tracked.gen.request_id
         keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
         max_group = host.config.scheduler.max_group_size
 
-        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, _T]]:
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], tuple[str, Any]]:
             queues = {i: queue_of(v, stage == "prefill", max_group)
                       for i, v in zip(keys, values, strict=True)}  # fmt: skip
-            instance, queue, result = choose(queues)
-            return {keys[instance]: encode(queue)}, (instance, result)
+            instance, queue, ids = choose(queues)
+            return {keys[instance]: encode(queue)}, (instance, ids)
 
         started = time.perf_counter()
         try:
-            instance, result = await host.store.transact(list(keys.values()), decide,
+            instance, ids = await host.store.transact(list(keys.values()), decide,
                                                          ttl_s=QUEUE_TTL_S)  # fmt: skip
         except StoreError as exc:
-            host._store_failed(rid, exc)
+            host.store_failed(rid, exc)
             return False
         host.dispatch_s.append(time.perf_counter() - started)
         record = next(r for r in candidates if r.instance_id == instance)
         where = Where(instance, record.incarnation, record.node, keys[instance], stage)
-        msg = message(record, result)
+        make = tracked.prefill_message if stage == "prefill" else tracked.decode_message
+        msg = make(record.incarnation, host.report_address, *ids)
         if rid not in host.table.requests or msg is None:
             await unqueue(host.store, host.config, rid, where.queue)
             return False
         tracked.where = where
-        await host._send(record, msg)
+        await host.send(record, msg)
         with contextlib.suppress(StoreError):
-            await host._put_meta(tracked)
+            await host.put_meta(tracked)
         return True
 
     def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
@@ -250,15 +256,15 @@ class Booking:
         its prefill instance, its handoff may be sent already: it will not be placed
         now); a held decode placement's handoff, never claimed, is freed."""
         host, rid = self.host, tracked.gen.request_id
-        held = self.held_decode.pop(rid, None)
+        held = host.held_decode.pop(rid, None)
         if held is not None:
-            host._spawn(host._send_to(held[1], CancelRequest(rid, free_handoff=True)))
+            host.spawn(host.send_to(held[1], CancelRequest(rid, free_handoff=True)))
         if where is None:
             return
         if cancelled:
             cancel = CancelRequest(rid, free_handoff=where.stage == "prefill")
-            host._spawn(host._send_to(where, cancel))
-        host._spawn(unqueue(host.store, host.config, rid, where.queue))
+            host.spawn(host.send_to(where, cancel))
+        host.spawn(unqueue(host.store, host.config, rid, where.queue))
 
     def refresh(self, now_s: float) -> None:
         """After a registry refresh: the hybrid instances' decode shares from their
@@ -273,10 +279,155 @@ class Booking:
                 share = self._decode_shares.setdefault(record.instance_id,
                                                        DecodeShare(min_interval_s=0.0))
                 share.observe(now_s, record.load.prefill_s)
-        for rid, (tracked, prefilled) in list(self.held_decode.items()):
+        held = self.host.held_decode
+        for rid, (tracked, prefilled) in list(held.items()):
             if not view.alive(prefilled.instance, prefilled.incarnation):
-                del self.held_decode[rid]
-                self.host._lost(tracked, prefilled)
+                del held[rid]
+                self.host.lost(tracked, prefilled)
             elif view.decode_candidates(prefilled.node):
-                del self.held_decode[rid]
-                self.host._spawn(self._place_decode(tracked, prefilled))
+                del held[rid]
+                self.host.spawn(self._place_decode(tracked, prefilled))
+
+
+def _options(config: Config, records: list[InstanceRecord]) -> PolicyOptions:
+    capacity: dict[str, int] = {}
+    for record in records:
+        for model, tokens in record.capacity_tokens.items():
+            capacity[model] = min(tokens, capacity.get(model, tokens))
+    arena = config.decode.device_memory_bytes - config.decode.kv_memory_bytes  # unified: decode
+    return PolicyOptions(
+        max_batch_size=config.scheduler.max_batch_size,
+        decode_capacity_tokens=capacity,
+        unified_capacity_tokens=capacity,
+        decode_tbt_s=config.slo.tbt_s,
+        default_ttft_s=config.slo.ttft_s,
+        units={m.name: m.base for m in config.models if m.base is not None},
+        # static-mux: the models that stay resident on an instance fit its weights arena
+        # together (bump allocations, each aligned: a MiB of slack)
+        gpu_weight_budget_bytes=max(arena - ARENA_SLACK_BYTES, 0),
+    )
+
+
+class Baselines:
+    """A request-level baseline's placement over the store (one node: a replica of many
+    would start another replica's queued request, whose client and prompt it does not
+    hold).
+
+    A baseline (ServerlessLLM's request-level scheduling and its variants, MuxServe's
+    static multiplexing) binds each request to a unified instance at arrival and
+    keeps one global picture (each instance's model and running requests, the
+    queues). That picture is the store's :data:`~aegaeon_common.registry.BASELINE`
+    record, and each decision is one transaction over it
+    (``aegaeon_sched.shared_baselines``): build the policy over the instances the
+    registry lists (their KV room learned from their records), restore the picture,
+    run the event, write the picture back, then carry out the actions (``RunRequest``
+    to an instance, a cancel, a refusal). An arrival no instance is registered for
+    waits with the backend's held requests; a request's end releases its binding
+    and starts what waited for it."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
+
+    def records(self) -> list[InstanceRecord]:
+        """The instances that take work (registered, not draining), in id order."""
+        live = self.host.view.live.values()
+        return sorted((r for r in live if not r.draining), key=lambda r: r.instance_id)
+
+    def takes_work(self) -> bool:
+        return bool(self.records())
+
+    async def dispatch(self, tracked: Tracked, again: bool = False) -> None:
+        """The policy takes ``tracked`` (``again``: its instance failed before its first
+        token: its binding there goes first), or it waits for an instance."""
+        rid = tracked.gen.request_id
+        self.host.held.pop(rid, None)
+
+        def arrive(policy: Policy, now: float) -> list[Action]:
+            actions = list(policy.on_request_cancelled(rid, now)) if again else []
+            return actions + policy.on_arrival(tracked.sched, now)
+
+        started = time.perf_counter()
+        try:
+            decided = await self._transact(arrive)
+        except StoreError as exc:
+            self.host.store_failed(rid, exc)
+            return
+        if decided is None:
+            self.host.held[rid] = tracked
+            return
+        self.host.dispatch_s.append(time.perf_counter() - started)
+        await self._carry_out(*decided)
+
+    def prefilled(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
+        """Its first token came: the unified instance decodes it on."""
+        self.host.table.finish_first(tracked, msg)
+
+    def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
+        """``tracked`` ended (the policy cancels it at its instance)."""
+        self.host.spawn(self._release(tracked.gen.request_id, cancelled))
+
+    def refresh(self, now_s: float) -> None:
+        """(Its picture is the store's: nothing to bring up to date.)"""
+
+    async def _release(self, request_id: str, cancelled: bool) -> None:
+        """``request_id`` ended: its binding goes (at its instance too when cancelled),
+        and what waited for its room starts (no instance: nothing runs; the next
+        decision drops its binding)."""
+
+        def end(policy: Policy, now: float) -> list[Action]:
+            ended = policy.on_request_cancelled if cancelled else policy.on_request_finished
+            return list(ended(request_id, now))
+
+        with contextlib.suppress(StoreError):
+            decided = await self._transact(end)
+            if decided is not None:
+                await self._carry_out(*decided)
+
+    async def _transact(self, event: Callable[[Policy, float], list[Action]]
+                        ) -> tuple[list[Action], list[InstanceRecord]] | None:  # fmt: skip
+        """One decision: the policy built over the instances that take work (each with
+        its own KV room), restored from the store's picture, ``event`` run on it, the
+        picture written back (decided again if another replica wrote it meanwhile); its
+        actions and those instances. None: no instance takes work (or has a profile)."""
+        config, records, latency = self.host.config, self.records(), self.host.view.latency()
+        if not records or latency is None:
+            return None
+        names = tuple(r.instance_id for r in records)
+
+        def decide(values: list[bytes | None]) -> tuple[dict[str, bytes | None], list[Action]]:
+            policy = make_policy(config.scheduler.policy, ClusterSpec((), names), latency,
+                                 _options(config, records))  # fmt: skip
+            for record in records:
+                policy.learn(record.instance_id, record.capacity_tokens, None)
+            actions = event(restore(policy, decode_baseline(values[0])), time.time())
+            return {BASELINE: encode_baseline(snapshot(policy))}, actions
+
+        actions = await self.host.store.transact([BASELINE], decide, ttl_s=QUEUE_TTL_S)
+        return actions, records
+
+    async def _carry_out(self, actions: list[Action], records: list[InstanceRecord]) -> None:
+        by_id = {r.instance_id: r for r in records}
+        for action in actions:
+            await self._table[type(action)](action, by_id)  # type: ignore[operator]
+
+    async def _run(self, action: RunOnInstance, by_id: dict[str, InstanceRecord]) -> None:
+        rid = action.request.request_id
+        tracked, record = self.host.table.requests.get(rid), by_id[action.instance]
+        if tracked is None:  # ended while the policy decided: its binding goes
+            await self._release(rid, cancelled=True)
+            return
+        # no shared queue holds it (the policy's picture is no queue): its metadata names none
+        tracked.where = Where(action.instance, record.incarnation, record.node, "", "run")
+        await self.host.send(record, tracked.run_message(record.incarnation,
+                                                          self.host.report_address))  # fmt: skip
+
+    async def _cancel(self, action: Cancel, by_id: dict[str, InstanceRecord]) -> None:
+        record = by_id.get(action.instance) or self.host.view.live.get(action.instance)
+        if record is not None:
+            await self.host.send(record, CancelRequest(action.request_id))
+
+    async def _reject(self, action: Reject, by_id: dict[str, InstanceRecord]) -> None:
+        self.host.table.end(action.request.request_id, "error", action.reason,
+                            action.code or None)  # fmt: skip
+

@@ -45,8 +45,10 @@ __all__ = ["MAX_RETRIES", "RECENT_IDS", "Placement", "RequestTable", "bounds_of"
 
 MAX_RETRIES = 2  # dispatches again of a request whose instance failed before its first token
 RECENT_IDS = 4096  # request ids ended lately (their late tokens are expected)
+# (the backend's events too: its reports, the store, the instances and replicas lost)
 COUNTERS = ("finished", "failed", "cancelled", "retried", "rejected", "deferred",
-            "orphans_cancelled", "bad_frames", "report_errors")  # fmt: skip
+            "orphans_cancelled", "bad_frames", "report_errors", "orphan_tokens", "reaped",
+            "instances_lost", "store_errors", "store_losses")  # fmt: skip
 
 
 class Placement(Protocol):
@@ -106,8 +108,7 @@ def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int =
             if m.capacity_tokens:
                 # the host KV cache in tokens of the same (largest per-token) model:
                 # the device region scaled by the two regions' sizes
-                kind = config.decode if m.kind == "decode" else config.prefill
-                region = kind.kv_memory_bytes
+                region = (config.decode if m.kind == "decode" else config.prefill).kv_memory_bytes
                 tokens = min(m.capacity_tokens.values()) * config.cache.kv_cache_bytes // region
                 host_kv_tokens[m.node] = max(host_kv_tokens.get(m.node, 0), tokens)
     configured = Bounds(proxy.max_prefill_tokens, proxy.max_prefill_tokens_per_model,
@@ -235,13 +236,13 @@ class RequestTable:
 
     # ---- ends ----------------------------------------------------------------
     def end(self, request_id: str, reason: str, error: str | None = None,
-            code: str | None = None, cancelled: bool = False) -> Tracked | None:  # fmt: skip
+            code: str | None = None, cancelled: bool = False) -> None:  # fmt: skip
         """The request is over (finished, failed: ``reason`` "error", or ``cancelled``: its
         client went away): undo its placement (at its instance too when cancelled),
         close its stream."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
-            return None
+            return
         self._forget(request_id)
         self.counters["cancelled" if cancelled else "failed" if reason == "error"
                       else "finished"] += 1  # fmt: skip
@@ -255,7 +256,6 @@ class RequestTable:
         if cancelled or reason == "error":
             tracked.queue.finish("cancelled" if cancelled else "error", error, code)
         self.release_deferred()
-        return tracked
 
     def _forget(self, request_id: str) -> None:
         """It ended here: release its admission, remember its id for a while."""

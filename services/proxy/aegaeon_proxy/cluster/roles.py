@@ -1,10 +1,10 @@
 """Prefill/decode role switching in the proxy: token velocity in, role changes out.
 
-The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`RoleSwitcher` is its
-driver, run by the proxy holding the roles lease
+The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`SharedRoles` is every
+proxy's part, and its driver in the proxy holding the roles lease
 (:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
 every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
-later); :class:`SharedRoles` is every proxy's part. The decider meters the
+later). The decider meters the
 shared state as the simulator does (:class:`aegaeon_sched.RoleMeter`): every proxy's
 arrivals (:class:`~aegaeon_common.registry.ProxyRecord`), the store's queues and work
 lists, each instance's ``load.prefill_tokens`` and ``load.prefill_s`` (its record).
@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import msgspec
 from aegaeon_common.config import Config
@@ -64,7 +63,7 @@ from aegaeon_proxy.cluster.registry import RegistryView
 
 log = get_logger("cluster")
 
-__all__ = ["LEASE_S", "RoleSwitcher", "SharedRoles"]
+__all__ = ["LEASE_S", "SharedRoles"]
 
 MIN_MEASURED_S = 0.2  # prefill seconds before an instance's measured rate replaces the estimate
 MAX_CHANGES = 64  # role changes kept for /v1/aegaeon/stats
@@ -73,14 +72,19 @@ BEAT_EVERY_S = 1.0  # an instance's busy share is measured over at least this
 SHARED_CHANGES = 16  # the decider's last changes, in the record (every proxy's stats)
 
 
-class RoleSwitcher(RoleMeter):
-    """Feeds :class:`~aegaeon_sched.RoleController` from heartbeats (see the module
-    docstring). With ``enabled`` false it only keeps the velocities (metrics, stats):
-    every instance keeps its configured role."""
+class SharedRoles(RoleMeter):
+    """A proxy's part in the roles (see the module): it meters this proxy's arrivals
+    (``arrived``, for each request it accepts); ``refresh`` after each registry refresh.
+    Without ``roles.enabled`` it only keeps the velocities (metrics, stats): every
+    instance keeps its configured role."""
 
-    def __init__(self, config: Config, base_roles: Mapping[str, str], enabled: bool) -> None:
+    def __init__(self, config: Config, store: Store, view: RegistryView, proxy_id: str) -> None:
         super().__init__(beat_every_s=BEAT_EVERY_S, min_measured_s=MIN_MEASURED_S)
-        self.enabled = enabled
+        self.config = config
+        self.store = store
+        self.view = view
+        self.proxy_id = proxy_id
+        self.enabled = config.role_switching
         r = config.roles
         settings = RoleSettings(
             high_util=r.high_util, low_util=r.low_util, up_hold_s=r.up_hold_s,
@@ -89,10 +93,15 @@ class RoleSwitcher(RoleMeter):
             decode_high=r.decode_high, convert_max_demand=r.convert_max_demand,
             min_prefill=r.min_prefill, min_decode=r.min_decode,
         )  # fmt: skip
-        self.controller = RoleController(base_roles, settings)
+        self.controller = RoleController({}, settings)
         self._estimates: dict[tuple[str, int], float] = {}  # (instance, incarnation) -> tok/s
-        self.switches: Counter[str] = Counter()  # new role -> changes
-        self.changes: list[dict[str, object]] = []  # the last MAX_CHANGES, for stats
+        self.switches: Counter[str] = Counter()  # new role -> changes decided here
+        self.changes: list[dict[str, object]] = []  # the last MAX_CHANGES decided here
+        self.deciding = False
+        # the roles in force: the decider's record (its proxy, its last changes), as this
+        # replica read it last or wrote it (``_written``: else it writes at its next turn)
+        self.record = RolesRecord(v=1)
+        self._written = False
 
     @property
     def roles(self) -> dict[str, str]:
@@ -106,22 +115,8 @@ class RoleSwitcher(RoleMeter):
             return measured
         key = (record.instance_id, record.incarnation)
         if key not in self._estimates:
-            self._estimates[key] = self._estimate(record, fallback)
+            self._estimates[key] = _estimate(record, fallback)
         return self._estimates[key]
-
-    @staticmethod
-    def _estimate(record: InstanceRecord, fallback: LatencyModel) -> float:
-        models = tuple(record.capacity_tokens)
-        if record.latency is not None:
-            try:
-                own = LatencyModel.from_dict(to_plain(record.latency))
-                return estimated_prefill_velocity(own, models)
-            except (KeyError, ValueError, ZeroDivisionError):
-                pass  # a profile without prefill terms: the prefill instances' one
-        try:
-            return estimated_prefill_velocity(fallback, models)
-        except (KeyError, ValueError, ZeroDivisionError):
-            return 0.0
 
     def decide(self, now_s: float, records: Iterable[InstanceRecord], backlog_tokens: int,
                decode_demand: Mapping[str, float], fallback: LatencyModel, alive: bool,
@@ -129,7 +124,7 @@ class RoleSwitcher(RoleMeter):
         """One observation (prompt tokens queued for prefill, Eq. 3's demand of each
         work list; the arrival velocity, default this proxy's own); the changes, 0 or
         1, already applied to :attr:`roles`."""
-        if not self.enabled or not alive:
+        if not alive:
             return []
         signals = self.signals(
             now_s, backlog_tokens=backlog_tokens, decode_demand=decode_demand,
@@ -146,39 +141,6 @@ class RoleSwitcher(RoleMeter):
                      reason=change.reason, **self.controller.last)  # fmt: skip
         return changes
 
-    def snapshot(self, now_s: float, velocity: Mapping[str, float]) -> dict[str, object]:
-        """For ``/v1/aegaeon/stats``: roles, what they were decided on, changes;
-        ``velocity``: the cluster's tokens/s by stage."""
-        return {
-            "enabled": self.enabled,
-            "roles": self.roles,
-            "base_roles": dict(self.controller.base_roles),
-            "switches": dict(self.switches),
-            "changes": list(self.changes),
-            "signals": dict(self.controller.last),
-            "arrival_tokens_per_s": self.arrivals.rate(now_s),
-            "cluster_velocity": dict(velocity),
-            "prefill_busy": dict(self.busy),
-        }
-
-
-class SharedRoles:
-    """A proxy's part in the roles (see the module). ``refresh`` after each registry
-    refresh; ``switcher.arrived`` for each request this proxy accepts."""
-
-    def __init__(self, config: Config, store: Store, view: RegistryView, proxy_id: str) -> None:
-        self.config = config
-        self.store = store
-        self.view = view
-        self.proxy_id = proxy_id
-        self.enabled = config.role_switching
-        self.switcher = RoleSwitcher(config, {}, self.enabled)
-        self.deciding = False
-        self.decider = ""  # the replica whose roles these are
-        self.shared_changes: list[dict[str, Any]] = []  # the decider's last changes
-        self._written: dict[str, str] | None = None
-        self._followed = RolesRecord(v=1)  # the decider's record read last
-
     async def refresh(self) -> None:
         """Take or renew the lease; decide (the holder) or follow the record. Raises
         ``StoreError``."""
@@ -186,64 +148,56 @@ class SharedRoles:
             return
         records = list(self.view.live.values())
         base = {r.instance_id: PREFILL if r.kind == "prefill" else DECODE for r in records}
-        self.deciding = await self._hold_lease()
+        self.deciding = await self._lease(hold=True)
         if not self.deciding:
             raw = await self.store.get(ROLES)
             # (none: no decision yet, or the store lost it and the decider writes it again)
-            record = decode_roles(raw) if raw is not None else self._followed
-            self._followed = record
-            self.switcher.controller.track(base, record.roles)
-            self.decider, self.shared_changes = record.proxy, list(record.changes)
-            self._written = None  # (a replica that takes the lease over writes at once)
+            self.record = decode_roles(raw) if raw is not None else self.record
+            self.controller.track(base, self.record.roles)
+            self._written = False  # (a replica that takes the lease over writes at once)
         else:
-            self.switcher.controller.track(base)
+            self.controller.track(base)
             await self._decide(records)
-            self.decider = self.proxy_id
-        self.view.roles = self.switcher.roles
+        self.view.roles = self.roles
 
-    async def _hold_lease(self) -> bool:
+    async def _lease(self, hold: bool) -> bool:
+        """Take or renew the roles lease (``hold``), or give it up if this replica holds
+        it; whether it holds it now. Raises ``StoreError``."""
         me = self.proxy_id.encode()
 
         def claim(values: list[bytes | None]) -> tuple[dict[str, bytes | None], bool]:
-            holder = values[0]
-            return ({ROLES_LEASE: me}, True) if holder in (None, me) else ({}, False)
+            if values[0] not in (None, me):
+                return {}, False
+            return {ROLES_LEASE: me if hold else None}, hold
 
         return await self.store.transact([ROLES_LEASE], claim, ttl_s=LEASE_S)
 
     def store_lost(self) -> None:
         """The store restarted empty: the decider writes the roles again at its next
         refresh (the others keep following the roles they read last meanwhile)."""
-        self._written = None
+        self._written = False
 
     async def leave(self) -> None:
         """A replica that stops gives the lease up (another decides at once, from the
         roles it wrote). Raises ``StoreError``."""
-        me = self.proxy_id.encode()
-
-        def release(values: list[bytes | None]) -> tuple[dict[str, bytes | None], None]:
-            return ({ROLES_LEASE: None} if values[0] == me else {}), None
-
-        await self.store.transact([ROLES_LEASE], release)
-        self.deciding = False
+        self.deciding = await self._lease(hold=False)
 
     async def _decide(self, records: list[InstanceRecord]) -> None:
         now = time.monotonic()
         for r in records:  # (a record is rewritten every heartbeat, read every refresh)
-            self.switcher.beat(r.instance_id, now, r.load.prefill_s)  # busy: seconds prefilled
+            self.beat(r.instance_id, now, r.load.prefill_s)  # busy: seconds prefilled
         latency = self.view.latency()
         if latency is not None and records:
             backlog, demand = await self._shared_load(records, latency)
-            arrivals = self.switcher.arrivals.rate(now) + await self._others_arrivals()
+            arrivals = self.arrivals.rate(now) + await self._others_arrivals()
             alive = not any(r.draining for r in records)
-            self.switcher.decide(now, records, backlog, demand, latency, alive,
-                                 arrival_tokens_per_s=arrivals)  # fmt: skip
-        roles = self.switcher.roles
-        if roles != self._written:
-            changes = self.switcher.changes[-SHARED_CHANGES:]
-            await self.store.put(ROLES, encode(RolesRecord(v=1, roles=roles, proxy=self.proxy_id,
-                                                           changes=changes)))  # fmt: skip
-            self._written = dict(roles)
-            self.shared_changes = list(changes)
+            self.decide(now, records, backlog, demand, latency, alive,
+                        arrival_tokens_per_s=arrivals)  # fmt: skip
+        if not self._written or self.roles != self.record.roles:
+            record = RolesRecord(v=1, roles=self.roles, proxy=self.proxy_id,
+                                 changes=self.changes[-SHARED_CHANGES:])  # fmt: skip
+            await self.store.put(ROLES, encode(record))
+            self.record, self._written = record, True
 
     async def _shared_load(self, records: list[InstanceRecord], latency: LatencyModel
                            ) -> tuple[int, dict[str, float]]:  # fmt: skip
@@ -274,10 +228,33 @@ class SharedRoles:
         return total
 
     def snapshot(self, now_s: float) -> dict[str, object]:
-        """For ``/v1/aegaeon/stats``: the switcher's, with who decides; the changes are
-        the decider's."""
+        """For ``/v1/aegaeon/stats``: the roles, what they were decided on, who decides
+        and the decider's changes."""
         velocity = cluster_velocity(r.load.velocity for r in self.view.live.values())
-        out = self.switcher.snapshot(now_s, velocity)
-        out.update(decider=self.decider, deciding=self.deciding,
-                   changes=list(self.shared_changes))  # fmt: skip
-        return out
+        return {
+            "enabled": self.enabled,
+            "roles": self.roles,
+            "base_roles": dict(self.controller.base_roles),
+            "switches": dict(self.switches),
+            "changes": list(self.record.changes),
+            "signals": dict(self.controller.last),
+            "arrival_tokens_per_s": self.arrivals.rate(now_s),
+            "cluster_velocity": dict(velocity),
+            "prefill_busy": dict(self.busy),
+            "decider": self.record.proxy,
+            "deciding": self.deciding,
+        }
+
+
+def _estimate(record: InstanceRecord, fallback: LatencyModel) -> float:
+    models = tuple(record.capacity_tokens)
+    if record.latency is not None:
+        try:
+            own = LatencyModel.from_dict(to_plain(record.latency))
+            return estimated_prefill_velocity(own, models)
+        except (KeyError, ValueError, ZeroDivisionError):
+            pass  # a profile without prefill terms: the prefill instances' one
+    try:
+        return estimated_prefill_velocity(fallback, models)
+    except (KeyError, ValueError, ZeroDivisionError):
+        return 0.0

@@ -46,8 +46,8 @@ class Tracked:
 
     # ---- the work messages for its instances (one node or many: ``incarnation``, the
     # process it is for; ``reply_to``, the replica that holds its client)
-    def prefill_message(self, group_id: int, group_key_s: float | None, incarnation: int = 0,
-                        reply_to: str = "") -> EnqueuePrefill:  # fmt: skip
+    def prefill_message(self, incarnation: int, reply_to: str, group_id: int,
+                        group_key_s: float | None) -> EnqueuePrefill:  # fmt: skip
         gen, sched = self.gen, self.sched
         return EnqueuePrefill(gen.request_id, gen.model, group_id, list(gen.prompt_token_ids),
                               self.sampling, gen.arrival_s, incarnation=incarnation,
@@ -55,8 +55,8 @@ class Tracked:
                               ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
                               group_key_s=group_key_s)  # fmt: skip
 
-    def decode_message(self, batch_id: int, incarnation: int = 0,
-                       reply_to: str = "") -> EnqueueDecode | None:  # fmt: skip
+    def decode_message(self, incarnation: int, reply_to: str,
+                       batch_id: int) -> EnqueueDecode | None:  # fmt: skip
         """None before its first token and handoff."""
         gen, sched = self.gen, self.sched
         if self.handoff is None or self.first_token_id is None:
@@ -74,7 +74,7 @@ class Tracked:
             prompt_token_ids=prompt,
         )  # fmt: skip
 
-    def run_message(self, incarnation: int = 0, reply_to: str = "") -> RunRequest:
+    def run_message(self, incarnation: int, reply_to: str) -> RunRequest:
         gen = self.gen
         return RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), self.sampling,
                           gen.arrival_s, incarnation=incarnation, reply_to=reply_to)  # fmt: skip
