@@ -40,9 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--settle", type=float, default=60.0,
                         help="s the node may take to free everything (60)")
     parser.add_argument("--url", help="a running proxy instead of starting a node")
-    common.add_api_key_argument(parser)
-    common.add_node_arguments(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 

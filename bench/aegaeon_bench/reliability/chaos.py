@@ -62,15 +62,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--proxies", type=int, default=1, help="proxy replicas (1)")
     parser.add_argument("--concurrency", type=int, default=4, help="load clients (4)")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's (30 s)")
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
+    common.add_own_node_arguments(parser)
     parser.add_argument("--shm-size", default="3GiB",
                         help="as root: a private /dev/shm of this size for the run ('0': "
                         "use the machine's) (3GiB)")
     parser.add_argument("--shm-headroom", default="64MiB", help="fill_shm leaves this free")
     parser.add_argument("--shm-max-fill", default="2GiB",
                         help="fill_shm writes at most this much (bounds memory) (2GiB)")
-    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 

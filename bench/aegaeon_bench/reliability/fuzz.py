@@ -43,9 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--slow-limit", type=float, default=300.0,
                         help="s a slow client waits to be cut (300): a reader is cut "
                         "write_timeout after its buffers filled, which takes a while")
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 

@@ -42,9 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="s between the other requests (0.5)")
     parser.add_argument("--sample-interval", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 

@@ -51,9 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--input-scale", type=float, default=0.25)
     parser.add_argument("--output-scale", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 
