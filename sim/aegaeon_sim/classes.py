@@ -33,12 +33,10 @@ from aegaeon_sched import (
     SLO,
     Action,
     InstanceId,
-    LatencyModel,
     Policy,
     Reject,
     Request,
     RequestTrace,
-    RoleLoad,
     Shedder,
     SLOClasses,
     SLOReport,
@@ -126,11 +124,6 @@ class AdmissionGate:
         self.refused[self._class(request)] += 1
         return [Reject(request, "admission bounds (429)")]
 
-    def on_prefill_started(
-        self, instance: InstanceId, request_id: str, now_s: float
-    ) -> list[Action]:
-        return self.policy.on_prefill_started(instance, request_id, now_s)
-
     def on_prefill_done(
         self, instance: InstanceId, request_id: str, measured_s: float, now_s: float
     ) -> list[Action]:
@@ -149,34 +142,9 @@ class AdmissionGate:
             return []
         return self.policy.on_request_cancelled(request_id, now_s)
 
-    # (the rest of the contract is the policy's own)
-    def pause(self, instance: InstanceId) -> list[Action]:
-        return self.policy.pause(instance)
-
-    def resume(self, instance: InstanceId, now_s: float) -> list[Action]:
-        return self.policy.resume(instance, now_s)
-
-    def held_counts(self) -> tuple[int, int]:
-        return self.policy.held_counts()
-
-    def learn(self, instance: InstanceId, capacity_tokens: Mapping[str, int],
-              latency: LatencyModel | None) -> None:  # fmt: skip
-        self.policy.learn(instance, capacity_tokens, latency)
-
-    def set_decode_share(self, instance: InstanceId, share: float) -> None:
-        self.policy.set_decode_share(instance, share)
-
-    def role_load(self) -> RoleLoad | None:
-        return self.policy.role_load()
-
-    def set_role(self, instance: InstanceId, role: str, now_s: float) -> list[Action]:
-        return self.policy.set_role(instance, role, now_s)
-
-    def state(self) -> dict[str, Any]:
-        return self.policy.state()
-
-    def restore_state(self, state: dict[str, Any]) -> None:
-        self.policy.restore_state(state)
+    def __getattr__(self, name: str) -> Any:
+        """The rest of the :class:`~aegaeon_sched.Policy` contract is the policy's own."""
+        return getattr(self.policy, name)
 
     def snapshot(self) -> dict[str, object]:
         """Refused and deferred requests by class, the bounds, the deferral waits."""

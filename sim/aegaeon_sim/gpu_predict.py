@@ -36,10 +36,9 @@ from typing import Any
 from aegaeon_bench.gpu_check.paper_stats import rate_ratio, sustainable_rate
 from aegaeon_common.config import UNIFIED_POLICIES, BaselineConfig
 from aegaeon_sched import Request, RequestTrace, load_path_for, summarize
-from aegaeon_workload.plan import ModelLimits, plan_requests
 
 from aegaeon_sim.node import NodeSpec, simulate_node
-from aegaeon_sim.replay import ReplayCase, load_case
+from aegaeon_sim.replay import ReplayCase, load_case, plan
 
 
 def policy_spec(spec: NodeSpec, policy: str, baseline: Mapping[str, Any] | None = None
@@ -60,15 +59,9 @@ def policy_spec(spec: NodeSpec, policy: str, baseline: Mapping[str, Any] | None 
 def planned(case: ReplayCase, rps_per_model: float) -> list[Request]:
     """The requests ``bench serve`` sends at ``rps_per_model`` with the case's settings
     (model, seed, lengths, limits), as the proxy sees them (the median arrival lag)."""
-    s = case.settings
-    limits = {m: ModelLimits(**v) for m, v in s["limits"].items()}
-    plan = plan_requests(
-        s["models"], limits, rps_per_model=rps_per_model, duration_s=s["duration_s"],
-        seed=s["seed"], input_scale=s["input_scale"], output_scale=s["output_scale"],
-    )  # fmt: skip
     lag = case.spec.costs.arrival_lag_s
     return [Request(p.request_id, p.model, p.offset_s + lag, p.prompt_len, p.max_tokens,
-                    p.max_tokens) for p in plan]  # fmt: skip
+                    p.max_tokens) for p in plan(case, rps_per_model)]  # fmt: skip
 
 
 def predict_attainment(case: ReplayCase, spec: NodeSpec, rps_per_model: float,

@@ -53,26 +53,16 @@ class LiveCase:
                 f"-x{self.scale:g}-s{self.seed}")  # fmt: skip
 
 
-def write_serve_config(market: Path, case: LiveCase, out: Path) -> Path:
-    """``out/serve-config.yaml``: `aegaeon serve`'s default for ``market`` with the case's SLO."""
-    from aegaeon_bench.node.launch import slo_config
-
-    return slo_config(market, None, case.ttft_s, case.tbt_s, out)
-
-
 def run_bench(
     url: str, market: Path, case: LiveCase, trace: Path, timeout_s: float = 600.0
 ) -> None:
     """`aegaeon bench serve` for ``case`` against ``url``, writing ``trace`` (+ its side files)."""
-    from aegaeon_bench.node.launch import aegaeon_argv
+    from aegaeon_bench.node.launch import bench_serve_argv
 
-    argv = aegaeon_argv(
-        "bench", "serve", "--url", url, "--models", str(case.models),
-        "--rps", str(case.rps), "--duration", str(case.duration_s),
-        "--ttft", str(case.ttft_s), "--tbt", str(case.tbt_s), "--seed", str(case.seed),
-        "--input-scale", str(case.scale), "--output-scale", str(case.scale),
-        "--grace", str(case.grace_s), "--market", str(market), "--trace", str(trace),
-        "--json", "--quiet",
+    argv = bench_serve_argv(
+        url, models=case.models, rps=case.rps, duration=case.duration_s, ttft=case.ttft_s,
+        tbt=case.tbt_s, seed=case.seed, input_scale=case.scale, output_scale=case.scale,
+        grace=case.grace_s, market=market, trace=trace,
     )  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
@@ -81,9 +71,11 @@ def run_bench(
 
 def run_live(market: Path, case: LiveCase, out: Path) -> Path:
     """Serve ``case`` live; returns the trace (``out/trace.jsonl``, run dir ``out/run``)."""
-    from aegaeon_bench.node.launch import start_node
+    from aegaeon_bench.node.launch import slo_config, start_node
 
-    node = start_node(market, case.policy, out, write_serve_config(market, case, out))
+    # `aegaeon serve`'s default config for ``market`` with the case's SLO
+    config = slo_config(market, None, case.ttft_s, case.tbt_s, out)
+    node = start_node(market, case.policy, out, config)
     trace = out / "trace.jsonl"
     try:
         run_bench(node.url, market, case, trace)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aegaeon_sched import LatencyModel
-from aegaeon_workload.stats_json import heartbeats
+from aegaeon_workload.stats_json import instance_counter
 
 MIN_TURNS = 20
 COLD_SHARE = 0.05
@@ -124,10 +124,9 @@ def decode_costs(
             acc = per_model.setdefault(str(t["model"]), [0.0, 0.0])
             acc[0] += warm
             acc[1] += float(t["engine_s"])
-    counters = [(v or {}).get("counters") or {} for v in heartbeats(stats).values()]
     steps_total = sum(r[0] for r in rows)
-    counted = sum(float(c.get("steps", 0.0)) for c in counters)
-    engine = sum(float(c.get("decode_s", 0.0)) for c in counters) * min(
+    counted = instance_counter(stats, "steps")
+    engine = instance_counter(stats, "decode_s") * min(
         1.0, steps_total / max(counted, 1.0)
     )  # records may be truncated, counters are not
     warm_total = sum(r[1] for r in rows)

@@ -32,7 +32,7 @@ import yaml
 from aegaeon_common.config import BaselineConfig, InstancesConfig, SchedulerConfig, SLOConfig
 from aegaeon_common.config_parse import build_section
 from aegaeon_sched import SLO, LatencyModel, Request, load_path_for
-from aegaeon_workload.plan import ModelLimits, plan_requests
+from aegaeon_workload.plan import ModelLimits, PlannedRequest, plan_requests
 from aegaeon_workload.trace import RunFiles, TraceRecord, read_trace
 
 from aegaeon_sim.node import NodeSpec
@@ -134,14 +134,20 @@ def load_case(
     )  # fmt: skip
 
 
-def workload_check(case: ReplayCase) -> str:
-    """Regenerate the run's requests from its WorkloadSpec + seed; compare with the trace."""
+def plan(case: ReplayCase, rps_per_model: float) -> list[PlannedRequest]:
+    """The requests ``bench serve`` sends at ``rps_per_model`` with the run's settings
+    (models, seed, lengths, limits)."""
     s = case.settings
     limits = {m: ModelLimits(**v) for m, v in s["limits"].items()}
-    planned = plan_requests(
-        s["models"], limits, rps_per_model=s["rps_per_model"], duration_s=s["duration_s"],
+    return plan_requests(
+        s["models"], limits, rps_per_model=rps_per_model, duration_s=s["duration_s"],
         seed=s["seed"], input_scale=s["input_scale"], output_scale=s["output_scale"],
     )  # fmt: skip
+
+
+def workload_check(case: ReplayCase) -> str:
+    """Regenerate the run's requests from its WorkloadSpec + seed; compare with the trace."""
+    planned = plan(case, case.settings["rps_per_model"])
     live = {r.request_id: r for r in case.records}
     bad = [
         p.request_id for p in planned

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aegaeon_sched import RequestTrace, SLOReport, summarize
-from aegaeon_workload.stats_json import heartbeats
+from aegaeon_workload.stats_json import instance_counter
 
 from aegaeon_sim.node import NodeRun, simulate_node
 from aegaeon_sim.replay import ReplayCase, arrival_lags, sim_requests, workload_check
@@ -48,12 +48,6 @@ class ReplayResult:
         return 100.0 * (self.sim_attainment - self.live.attainment)
 
 
-def live_engine_s(case: ReplayCase) -> float:
-    """Seconds the live instances spent in decode steps (engine + sampling)."""
-    counters = [(v or {}).get("counters") or {} for v in heartbeats(case.stats).values()]
-    return sum(float(c.get("decode_s", 0.0)) for c in counters)
-
-
 def _traces(case: ReplayCase, run: NodeRun) -> list[RequestTrace]:
     """Simulated token times on the client's clock, scored from the planned arrivals."""
     delay = case.start_s + case.spec.costs.delivery_lag_s
@@ -79,13 +73,14 @@ def replay(case: ReplayCase, replicas: int = DEFAULT_REPLICAS) -> ReplayResult:
         first = first or (run, traces)
     assert first is not None
     run, traces = first
-    counters = [(v or {}).get("counters") or {} for v in heartbeats(case.stats).values()]
     extras: dict[str, Any] = {
-        "switches": {"live": round(sum(float(c.get("switches", 0)) for c in counters)),
+        "switches": {"live": round(instance_counter(case.stats, "switches")),
                      "sim": run.num_switches},
-        "decode_steps": {"live": round(sum(float(c.get("steps", 0)) for c in counters)),
+        "decode_steps": {"live": round(instance_counter(case.stats, "steps")),
                          "sim": run.num_steps},
-        "decode_engine_s": {"live": live_engine_s(case), "sim": run.engine_s},
+        # seconds the live instances spent in decode steps (engine + sampling)
+        "decode_engine_s": {"live": instance_counter(case.stats, "decode_s"),
+                            "sim": run.engine_s},
         "mean_decode_share": run.decode_shares,
     }  # fmt: skip
     live = summarize([r.to_slo() for r in case.records], slo)

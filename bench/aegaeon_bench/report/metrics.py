@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aegaeon_sched.slo import SLO, summarize
-from aegaeon_workload.stats_json import heartbeats
+from aegaeon_workload.stats_json import instance_counter
 from aegaeon_workload.trace import TraceRecord
 
 # The keys ``--json`` always prints, in this order (extras follow).
@@ -47,17 +47,6 @@ def token_times(event_times_s: Sequence[float], num_tokens: int | None,
     if last is None:
         return []
     return times + [last] * (num_tokens - len(times))
-
-
-def instance_counter(stats: Mapping[str, Any] | None, name: str) -> float:
-    """The sum of one counter over every instance of a ``/v1/aegaeon/stats`` answer."""
-    if not stats:
-        return 0.0
-    total = 0.0
-    for inst in heartbeats(stats).values():
-        if inst:
-            total += float((inst.get("counters") or {}).get(name, 0.0))
-    return total
 
 
 def counter_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None,

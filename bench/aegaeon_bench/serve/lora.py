@@ -166,7 +166,9 @@ def same_batch_ratio(ours: dict[int, list[float]], base: dict[int, list[float]])
 
 def _engine(stats: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any]:
     """The decode instances' work during the run: tokens, steps, engine seconds."""
-    from aegaeon_bench.report.metrics import counter_delta, instance_counter
+    from aegaeon_workload.stats_json import instance_counter
+
+    from aegaeon_bench.report.metrics import counter_delta
 
     tokens = counter_delta(before, stats, "tokens") or 0
     steps = counter_delta(before, stats, "steps") or 0

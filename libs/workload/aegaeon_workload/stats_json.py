@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["heartbeats", "holdings"]
+__all__ = ["heartbeats", "holdings", "instance_counter"]
 
 
 def heartbeats(stats: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -24,6 +24,12 @@ def heartbeats(stats: Mapping[str, Any] | None) -> dict[str, Any]:
         return by_name
     recorded = stats.get("instances")
     return recorded if isinstance(recorded, dict) else {}
+
+
+def instance_counter(stats: Mapping[str, Any] | None, name: str) -> float:
+    """The sum of one counter over every instance's last heartbeat."""
+    return sum((float(((h or {}).get("counters") or {}).get(name, 0.0))
+               for h in heartbeats(stats).values()), 0.0)  # fmt: skip
 
 
 def holdings(stats: Mapping[str, Any] | None) -> list[dict[str, Any]]:
