@@ -240,8 +240,7 @@ def _base(args: argparse.Namespace) -> Scenario:
     )  # fmt: skip
 
 
-def _planner_note(args: argparse.Namespace) -> str:
-    sc = _base(args)
+def _planner_note(sc: Scenario) -> str:
     if sc.round_ttft_fraction is None and not sc.fresh_first and not sc.hybrid_prefill:
         return f"Eq. 2-3 as published (Q_MAX {sc.q_max_s:g} s)"
     parts = [f"Q_MAX {sc.q_max_s:g} s"]
@@ -284,18 +283,20 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
     from aegaeon_sim.plots import plot_figure
 
     panels = FIGURES[args.figure]
+    base = _base(args)
+    planner = _planner_note(base)
     policies = args.policies.split(",") if args.policies else list(FIGURE_POLICIES)
     xs = [float(v) for v in args.points.split(",")] if args.points else None
     results = {}
     for panel in panels:
         results[panel.key] = sweep(
-            panel, policies, _base(args), xs=xs, jobs=args.jobs,
+            panel, policies, base, xs=xs, jobs=args.jobs,
             progress=lambda line: print_progress(args, line),
         )  # fmt: skip
     png = plot_figure(
         args.figure, panels, results, args.out / f"fig{args.figure}.png",
         note=f"H800 x16 (6 prefill + 10 decode for Aegaeon), {args.duration:g} s of arrivals, "
-        f"seed {args.seed}; Aegaeon: {_planner_note(args)}; request-level switch "
+        f"seed {args.seed}; Aegaeon: {planner}; request-level switch "
         + (f"{args.baseline_switch_gbps:g} GB/s" if args.baseline_switch_gbps else "Eq. 4"),
     )  # fmt: skip
     key = "max_rps_at_90" if args.figure == "11c" else "max_models_at_90"
@@ -318,9 +319,9 @@ def _figure(args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": args.duration,
         "seed": args.seed,
         "q_max_s": args.q_max,
-        "planner": _planner_note(args),
-        "round_ttft_fraction": _base(args).round_ttft_fraction,
-        "fresh_first": _base(args).fresh_first,
+        "planner": planner,
+        "round_ttft_fraction": base.round_ttft_fraction,
+        "fresh_first": base.fresh_first,
         "hybrid_prefill": args.hybrid_prefill,
         "hybrid_placement": args.hybrid_placement,
         "baseline_switch_gbps": args.baseline_switch_gbps,

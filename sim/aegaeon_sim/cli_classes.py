@@ -95,12 +95,10 @@ def kv_bound_at(base: Scenario, rps: float) -> int:
     """KV blocks in flight at ``rps`` (Little's law: arrival rate x mean time in the
     system x mean blocks per request), from a single-SLO run with no admission."""
     from aegaeon_sim.hardware import market
-    from aegaeon_sim.runner import workload
+    from aegaeon_sim.runner import run_scenario, workload
 
     sc = replace(base, rps_per_model=rps, class_mix=(), admission=False, roles=False, burst=None)
     requests, _ = workload(sc, tuple(market(sc.num_models)))
-    from aegaeon_sim.runner import run_scenario
-
     r = run_scenario(sc, keep_traces=True)
     spans = [t.token_times_s[-1] - t.arrival_s for t in r.traces if t.token_times_s]
     if not requests or not spans:

@@ -317,12 +317,12 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
             add(name, "unified", hw.usable_bytes - resident, lambda m, p, now: lat.switch_s(m))
         return _Built(sim, [])
     rate = sc.baseline_switch_bytes_per_s
-    if rate is None:
-        def baseline(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
+
+    def baseline(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
+        if rate is None:
             return lat.switch_s(model)
-    else:
-        def baseline(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
-            return lat.spec(model).weight_bytes * sc.switch_scale / rate
+        return lat.spec(model).weight_bytes * sc.switch_scale / rate
+
     largest = max(a.weight_bytes for a in models.values())
     for name in cluster.unified_instances:
         add(name, "unified", hw.usable_bytes - largest, baseline)
