@@ -93,10 +93,6 @@ class AdmissionGate:
         self.deferred: Counter[str] = Counter()
         self.defer_wait_s: list[float] = []  # arrival -> admitted, of deferred requests
 
-    @property
-    def name(self) -> str:
-        return self.policy.name
-
     def _admit(self, request: Request, now_s: float) -> list[Action]:
         self.gate.admit(request)
         return self.policy.on_arrival(request, now_s)

@@ -101,13 +101,9 @@ class SimClock:
     def now(self) -> float:
         return self.events.now
 
-    def wall(self) -> float:
-        return self.events.now
-
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             self.events.pass_time(seconds)
 
-    def advance(self, seconds: float) -> None:
-        if seconds > 0:
-            self.events.pass_time(seconds)
+    wall = now  # simulated time is the only time
+    advance = sleep
