@@ -57,10 +57,9 @@ class Tracked:
     failed: str | None = None  # the instance's error code
 
     def trace(self) -> RequestTrace:
-        r = self.request
-        expected = r.oracle_output_len if r.oracle_output_len is not None else r.max_tokens
-        return RequestTrace(r.request_id, r.arrival_s, expected, list(self.token_times_s),
-                            self.failed is not None)  # fmt: skip
+        r = self.request  # it ends by length at its expected output: sampling.max_tokens
+        return RequestTrace(r.request_id, r.arrival_s, self.sampling.max_tokens,
+                            list(self.token_times_s), self.failed is not None)  # fmt: skip
 
 
 class _Outbox:

@@ -157,8 +157,7 @@ def _cluster(spec: NodeSpec) -> ClusterSpec:
     names = spec.instance_names
     if spec.unified:
         return ClusterSpec((), names)
-    prefill = tuple(n for n in names if n.startswith("prefill-"))
-    decode = tuple(n for n in names if n.startswith("decode-"))
+    prefill, decode = names[: spec.num_prefill], names[spec.num_prefill :]
     if spec.hybrid_prefill:
         decode += prefill  # decode instances first, as the live proxy lists them
     return ClusterSpec(prefill, decode)
