@@ -56,8 +56,8 @@ from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
 
-__all__ = ["ROUTES", "follow_served", "follow_unavailable", "model_rows", "parse_settings",
-           "quarantine", "remove_model", "serve_model"]  # fmt: skip
+__all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings", "quarantine",
+           "remove_model", "serve_model"]  # fmt: skip
 
 
 # ---- request bodies ----------------------------------------------------------
@@ -209,7 +209,7 @@ async def quarantine(state: ProxyState, name: str, why: str | None) -> None:
         await state.backend.models.quarantine_model(name, why)
     except BackendError as exc:  # (the store is down: this replica knows, at least)
         log.warning("model_quarantine_not_shared", model=name, error=exc.message)
-        follow_unavailable(state)(name, why)
+        state.models.follow_unavailable(name, why)
 
 
 def _unknown(name: str) -> APIError:
@@ -269,10 +269,7 @@ async def patch_model(request: web.Request) -> web.Response:
     # fields not in the body keep their value of now (another PATCH may have run)
     settings = msgspec.structs.replace(entry.settings, **changes)
     state.models.update(name, settings)
-    try:  # the other replicas take them too
-        await state.backend.models.publish_model_settings(name, settings)
-    except BackendError as exc:
-        raise _backend_error(exc) from None
+    await state.backend.models.publish_model_settings(name, settings)  # the other replicas
     log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
     return json_response(model_row(state.models, entry, await state.backend.models.model_cache()))
 
@@ -306,18 +303,12 @@ async def add_model(request: web.Request) -> web.Response:
     if model is None:
         raise APIError(404, f"model '{name}' is not in the market folder {market}",
                        param="name", code="model_not_in_market")  # fmt: skip
-    if model.base is not None and not _serves_base(state, model.base):
+    if model.base is not None and model.base not in state.models.bases():
         raise APIError(409, f"model '{name}' is a LoRA adapter of '{model.base}', which is not "
                        "served (add it first)", param="name", code="base_not_served")
     entry = await serve_model(state, model, changes)
     cache = await state.backend.models.model_cache()
     return json_response(model_row(state.models, entry, cache), status=201)
-
-
-def _serves_base(state: ProxyState, name: str) -> bool:
-    """``name`` is served and no adapter itself (adapters may be added over it)."""
-    model = state.models.model_config(name)
-    return state.models.serving(name) and model is not None and model.base is None
 
 
 async def serve_model(state: ProxyState, model: ModelConfig,
@@ -442,10 +433,7 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
         raise APIError(409, f"model '{name}' has LoRA adapters served: {', '.join(adapters)} "
                        "(unload them first)", param="model", code="model_has_adapters")
     control = _control(state)
-    try:  # every other replica: 404 as well
-        await control.publish_served(name, None)
-    except BackendError as exc:
-        raise _backend_error(exc) from None
+    await control.publish_served(name, None)  # every other replica: 404 as well
     if state.models.get(name) is not entry or not state.models.serving(name):
         return _removal(entry, "removing"), 202  # (raced)
     state.models.begin_remove(name)
@@ -498,20 +486,6 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
             models.begin_remove(name)
             state.assets.remove(name)  # new requests: 404 from now on
             keep(loop.create_task(release(entry)))
-
-    return apply
-
-
-def follow_unavailable(state: ProxyState) -> Callable[[str, str | None], None]:
-    """What a replica does when a model is found unreadable (``why``) or read again
-    (None), here or on another replica: its table answers 503 for it, or serves it."""
-    models = state.models
-
-    def apply(name: str, why: str | None) -> None:
-        if why is None:
-            models.release(name)
-        else:
-            models.quarantine(name, why)
 
     return apply
 

@@ -85,7 +85,7 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     check_fields(body, endpoint.known)
     params = parse_common(body, endpoint.fields)
     assets = await model_assets(request, state, params.model)
-    slo = resolve(state.config, params.model, state.model_settings(params.model),
+    slo = resolve(state.config, params.model, state.models.settings(params.model),
                   request.get(API_KEY), priority=params.priority, ttft_s=params.ttft_s,
                   tbt_s=params.tbt_s, model_slo=state.slo(params.model))  # fmt: skip
     if (request.content_length or 0) > OFFLOAD_BODY_BYTES:

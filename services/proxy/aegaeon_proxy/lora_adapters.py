@@ -65,16 +65,6 @@ def _text(body: dict[str, Any], key: str, required: bool = True) -> str | None:
     return value
 
 
-def _bases(state: ProxyState) -> dict[str, ModelConfig]:
-    """The served models an adapter may be of (no adapters)."""
-    out: dict[str, ModelConfig] = {}
-    for name in state.models.names():
-        model = state.models.model_config(name)
-        if model is not None and model.base is None:
-            out[name] = model
-    return out
-
-
 def choose_base(path: Path, bases: dict[str, ModelConfig], asked: str | None) -> ModelConfig:
     """The served model the adapter in ``path`` is of (see the module docstring); a 400
     naming what is wrong otherwise. Blocking (reads JSON files)."""
@@ -164,8 +154,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise APIError(400, f"LoRA adapter '{name}' cannot be served: {path / ADAPTER_CONFIG}: "
                        "missing file (expected a PEFT adapter directory)", param="lora_path",
                        code="invalid_lora_adapter")  # fmt: skip
-    bases = _bases(state)
-    base = await asyncio.to_thread(choose_base, path, bases, asked)
+    base = await asyncio.to_thread(choose_base, path, state.models.bases(), asked)
     await asyncio.to_thread(_check, name, path, base)
     if state.models.get(name) is not None:  # (added meanwhile)
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-from aegaeon_common.config import Config, ModelConfig, ModelSettings
+from aegaeon_common.config import ModelConfig, ModelSettings
 
 from aegaeon_proxy.errors import APIError
 
@@ -88,10 +88,6 @@ class ModelSettingsTable:
         # yet: another replica's add may come after its quarantine)
         self._unavailable: dict[str, str] = {}
 
-    @classmethod
-    def from_config(cls, config: Config) -> ModelSettingsTable:
-        return cls(config.models, config.model_settings)
-
     # ---- reading -------------------------------------------------------------
     def __iter__(self) -> Iterator[LiveModel]:
         return iter(list(self._models.values()))
@@ -118,6 +114,11 @@ class ModelSettingsTable:
         return [m.name for m in self._models.values()
                 if m.state == "serving" and m.config.base is not None]
 
+    def bases(self) -> dict[str, ModelConfig]:
+        """The models among :meth:`names` that are no adapter (adapters may be added over them)."""
+        return {m.name: m.config for m in self._models.values()
+                if m.state == "serving" and m.config.base is None}  # fmt: skip
+
     def adapters_of(self, base: str) -> list[str]:
         """The LoRA adapters of ``base`` this proxy knows (serving or on their way)."""
         return [m.name for m in self._models.values() if m.config.base == base]
@@ -130,10 +131,6 @@ class ModelSettingsTable:
     def model_config(self, name: str) -> ModelConfig | None:
         entry = self._models.get(name)
         return entry.config if entry is not None else None
-
-    def in_flight(self, name: str) -> int:
-        entry = self._models.get(name)
-        return entry.in_flight if entry is not None else 0
 
     def unavailable(self, name: str) -> str | None:
         """Why ``name``'s checkpoint cannot be read, or None (it can, or is not known)."""
@@ -161,6 +158,14 @@ class ModelSettingsTable:
     def release(self, name: str) -> bool:
         """``name`` was read again: served as before; True if it was unavailable."""
         return self._unavailable.pop(name, None) is not None
+
+    def follow_unavailable(self, name: str, why: str | None) -> None:
+        """``name`` found unreadable (``why``) or read again (None), here or on another
+        replica (``ModelOps.follow_unavailable``)."""
+        if why is None:
+            self.release(name)
+        else:
+            self.quarantine(name, why)
 
     # ---- requests ------------------------------------------------------------
     def enter(self, name: str) -> None:
@@ -191,7 +196,11 @@ class ModelSettingsTable:
 
     # ---- changes (the admin endpoints) ---------------------------------------
     def update(self, name: str, settings: ModelSettings) -> None:
-        self._models[name].settings = settings
+        """``name``'s settings now (a no-op for a model it does not list: another replica's
+        PATCH of a model removed here meanwhile)."""
+        entry = self._models.get(name)
+        if entry is not None:
+            entry.settings = settings
 
     def begin_add(self, model: ModelConfig, settings: ModelSettings | None) -> LiveModel:
         """Reserve ``model.name`` while it is being added (not served yet)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aegaeon_common.config import Config, ModelSettings
+from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness
 from aiohttp import web
 
@@ -35,7 +35,7 @@ class ProxyState:
     @classmethod
     def create(cls, config: Config, backend: Backend) -> ProxyState:
         state = cls(config=config, backend=backend, assets=AssetRegistry(config.models),
-                    models=ModelSettingsTable.from_config(config))  # fmt: skip
+                    models=ModelSettingsTable(config.models, config.model_settings))  # fmt: skip
         state.readiness.set_ready()  # the front is; the backend's readiness is its own
         backend.register_metrics(state.metrics.registry)
         models = state.models
@@ -55,10 +55,6 @@ class ProxyState:
         ttft = m.ttft_s if m is not None and m.ttft_s is not None else slo.ttft_s
         tbt = m.tbt_s if m is not None and m.tbt_s is not None else slo.tbt_s
         return ttft, tbt
-
-    def model_settings(self, model: str) -> ModelSettings:
-        """``model_settings`` of ``model`` in force now (the admin endpoints change them)."""
-        return self.models.settings(model)
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("aegaeon_proxy_state", ProxyState)
