@@ -30,6 +30,7 @@ from typing import Any, Literal
 import msgspec
 from aegaeon_common.config import ModelConfig, ModelSettings
 
+from aegaeon_proxy.auth import model_not_found
 from aegaeon_proxy.errors import APIError
 
 ModelState = Literal["adding", "serving", "removing"]
@@ -173,10 +174,7 @@ class ModelSettingsTable:
         meanwhile), 429 at its ``max_concurrency``."""
         entry = self._models.get(name)
         if entry is None or entry.state != "serving":
-            raise APIError(
-                404, f"The model '{name}' does not exist or you do not have access to it",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+            raise model_not_found(name)
         unreadable = self._unavailable.get(name)
         if unreadable is not None:
             raise unavailable_error(name, unreadable)
