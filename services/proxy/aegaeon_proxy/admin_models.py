@@ -52,6 +52,7 @@ from aegaeon_proxy.errors import APIError, backend_api_error, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.model_table import LiveModel, ModelSettingsTable
+from aegaeon_proxy.params import check_bool
 from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
@@ -61,12 +62,6 @@ __all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings", "quarantin
 
 
 # ---- request bodies ----------------------------------------------------------
-def _flag(param: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise invalid(param, f"'{param}' must be a boolean")
-    return value
-
-
 def _concurrency(param: str, value: Any) -> int | None:
     if value is None:
         return None  # unbounded
@@ -97,9 +92,9 @@ def _ms(param: str, value: Any) -> float | None:
 
 # request field -> (ModelSettings field, checker)
 FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-    "pinned": ("pin", _flag),
-    "pin": ("pin", _flag),
-    "preload": ("preload", _flag),
+    "pinned": ("pin", check_bool),
+    "pin": ("pin", check_bool),
+    "preload": ("preload", check_bool),
     "max_concurrency": ("max_concurrency", _concurrency),
     "slo_classes": ("slo_classes", _classes),
     "min_ttft_ms": ("min_ttft_s", _ms),

@@ -82,7 +82,7 @@ def check_string(param: str, value: Any) -> str:
     return value
 
 
-def _bool(param: str, value: Any) -> bool:
+def check_bool(param: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise invalid(param, f"'{param}' must be a boolean")
     return value
@@ -201,7 +201,7 @@ def _completion_logprobs(param: str, value: Any) -> int:
 
 def _chat_logprobs(param: str, value: Any) -> int:
     """Chat's ``logprobs``: the chosen tokens' (0; ``top_logprobs`` adds more), or off."""
-    return 0 if _bool(param, value) else -1
+    return 0 if check_bool(param, value) else -1
 
 
 def _stream_options(param: str, value: Any) -> bool:
@@ -210,12 +210,12 @@ def _stream_options(param: str, value: Any) -> bool:
     include = value.get("include_usage", False)
     if include is None:
         return False
-    return _bool(f"{param}.include_usage", include)
+    return check_bool(f"{param}.include_usage", include)
 
 
 # request field -> (SamplingParams or CommonParams field, checker)
 FIELDS: dict[str, tuple[str, Checker]] = {
-    "stream": ("stream", _bool),
+    "stream": ("stream", check_bool),
     "stream_options": ("include_usage", _stream_options),
     "max_tokens": ("max_tokens", _max_tokens),
     "temperature": ("temperature", _temperature),
@@ -224,7 +224,7 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "seed": ("seed", _seed),
     "stop": ("stop", _stop),
     "stop_token_ids": ("stop_token_ids", _token_ids),
-    "ignore_eos": ("ignore_eos", _bool),
+    "ignore_eos": ("ignore_eos", check_bool),
     "timeout": ("timeout_s", _timeout),
     "priority": ("priority", _priority),
     "ttft_ms": ("ttft_s", _millis),
@@ -239,21 +239,21 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "allowed_token_ids": ("allowed_token_ids", _allowed_ids),
     "min_tokens": ("min_tokens", _min_tokens),
     "prompt_logprobs": ("prompt_logprobs", _top_count),
-    "skip_special_tokens": ("skip_special_tokens", _bool),
-    "return_tokens_as_token_ids": ("tokens_as_ids", _bool),
-    "return_token_ids": ("return_token_ids", _bool),
+    "skip_special_tokens": ("skip_special_tokens", check_bool),
+    "return_tokens_as_token_ids": ("tokens_as_ids", check_bool),
+    "return_token_ids": ("return_token_ids", check_bool),
 }
 COMPLETION_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "logprobs": ("logprobs", _completion_logprobs),
-    "echo": ("echo", _bool),
+    "echo": ("echo", check_bool),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "max_completion_tokens": ("max_tokens", _max_tokens),  # wins over max_tokens (after it)
     "logprobs": ("logprobs", _chat_logprobs),
     "top_logprobs": ("top_logprobs", _top_count),  # how many, with `logprobs: true`
-    "echo": ("echo", _bool),  # vLLM's: the last message first, when it is the assistant's
+    "echo": ("echo", check_bool),  # vLLM's: the last message first, when it is the assistant's
 }
 
 

@@ -22,14 +22,14 @@ from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.chat_template import ChatTemplate, ChatTemplateError
 from aegaeon_proxy.errors import APIError, invalid
-from aegaeon_proxy.params import CommonParams
+from aegaeon_proxy.params import CommonParams, check_bool
 from aegaeon_proxy.tool_calls import ToolSetup, tool_messages, tool_setup, tool_text
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 __all__ = ["CHAT_PROMPT_FIELDS", "Prompt", "bool_field", "build_request", "chat_prompt",
-           "chat_prompt_ids", "check_ids", "completion_prompt", "completion_prompt_ids",
+           "check_ids", "completion_prompt", "completion_prompt_ids",
            "render_chat", "request_tools"]
 
 
@@ -128,11 +128,7 @@ MAX_TEMPLATE_CHARS = 64 << 10
 
 def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, f"'{name}' must be a boolean")
-    return value
+    return default if value is None else check_bool(name, value)
 
 
 def _own_template(source: Any, assets: ModelAssets) -> ChatTemplate:
@@ -258,11 +254,6 @@ def chat_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
     if bool_field(body, "echo", False) and last.get("role") == "assistant":
         echoed = tool_text(last.get("content"))
     return Prompt(_truncated(ids, body, assets), echoed, setup)
-
-
-def chat_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
-    """:func:`chat_prompt`'s token ids."""
-    return chat_prompt(body, assets).ids
 
 
 def _truncated(ids: list[int], body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
