@@ -218,11 +218,6 @@ def _entry(state: ProxyState, name: str) -> LiveModel:
     return entry
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    proxy = request.app[STATE].config.proxy
-    return await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
-
-
 # ---- handlers ----------------------------------------------------------------
 async def list_models(request: web.Request) -> web.Response:
     """``GET /v1/aegaeon/models``."""
@@ -244,7 +239,7 @@ async def patch_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
     entry = _entry(state, name)
-    changes = parse_settings(await _body(request))
+    changes = parse_settings(await read_json_object(request))
     if entry.state == "removing":
         raise APIError(409, f"model '{name}' is being removed", code="model_removing")
     settings = state.models.replaced(name, changes)
@@ -272,7 +267,7 @@ async def patch_model(request: web.Request) -> web.Response:
 async def add_model(request: web.Request) -> web.Response:
     """``POST /v1/aegaeon/models`` ``{"name": ..., settings}``: serve a model of the market."""
     state = request.app[STATE]
-    body = await _body(request)
+    body = await read_json_object(request)
     name = body.get("name")
     if not isinstance(name, str) or not name:
         raise invalid("name", "'name' must be the name of a model in the market folder")

@@ -47,8 +47,7 @@ UNLOAD_FIELDS = ("lora_name", "lora_int_id")
 
 
 async def _body(request: web.Request, known: tuple[str, ...]) -> dict[str, Any]:
-    proxy = request.app[STATE].config.proxy
-    body = await read_body(request, proxy.max_body_bytes, proxy.read_timeout_s)
+    body = await read_body(request)
     for key in body:
         if key not in known:
             raise APIError(400, f"unknown field '{key}' (known: {', '.join(known)})", param=key,
