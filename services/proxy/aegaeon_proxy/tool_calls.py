@@ -41,6 +41,7 @@ from typing import Any, Literal
 from aegaeon_proxy.chat_template import ChatTemplate
 from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.json_schemas import closed
+from aegaeon_proxy.stop_strings import partial_suffix
 
 ToolFormat = Literal["hermes", "llama3_json"]
 JSON = dict[str, Any]
@@ -324,7 +325,7 @@ class ToolCallParser:
         held = self._held
         start = held.find(OPEN)
         if start < 0:
-            keep = _partial_suffix(held, OPEN) if not final else 0
+            keep = partial_suffix(held, OPEN) if not final else 0
             self._held = held[len(held) - keep:] if keep else ""
             return held[: len(held) - keep], []
         content = held[:start] if not self.called else held[:start].strip()
@@ -365,11 +366,3 @@ class ToolCallParser:
         if found is None:
             return text, []
         return "", self._fragments(found[1])
-
-
-def _partial_suffix(text: str, word: str) -> int:
-    """The length of the longest suffix of ``text`` that begins ``word``."""
-    for n in range(min(len(word) - 1, len(text)), 0, -1):
-        if text.endswith(word[:n]):
-            return n
-    return 0
