@@ -229,6 +229,7 @@ class ToolCallParser:
         self.names = names
         self.parallel = parallel
         self.called = False
+        self.calls: list[JSON] = []  # streaming: the calls sent as fragments so far, whole
         self._held = ""
         self._count = 0
         self._llama_json: bool | None = None  # a Llama answer is JSON (None: not known yet)
@@ -316,6 +317,7 @@ class ToolCallParser:
             out.append({"index": self._count, "id": call["id"], "type": "function",
                         "function": {"name": function["name"], "arguments": ""}})
             out.append({"index": self._count, "function": {"arguments": function["arguments"]}})
+            self.calls.append(call)
             self._count += 1
         if out:
             self.called = True
