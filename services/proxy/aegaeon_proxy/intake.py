@@ -44,6 +44,7 @@ from aegaeon_proxy.responses import CHAT, COMPLETION, Shapes
 from aegaeon_proxy.slo_classes import resolve
 from aegaeon_proxy.state import STATE
 from aegaeon_proxy.structured import STRUCTURED_FIELDS, constraint_of, grammar_for
+from aegaeon_proxy.tool_calls import OPEN as TOOL_CALL_OPEN
 
 OFFLOAD_BODY_BYTES = 16 << 10  # prompts larger than this are tokenized on a thread
 
@@ -93,7 +94,9 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     else:
         prompt = endpoint.prompt(body, assets)
     grammar = await grammar_for(constraint_of(body, prompt.tools, assets.special_texts))
-    tags_shown = prompt.tools is not None and prompt.tools.tags_special(assets.special_texts)
+    # the model's tool-call tags are special tokens: the text must show them (vLLM, too,
+    # keeps special tokens in the text of a request with tools)
+    tags_shown = prompt.tools is not None and TOOL_CALL_OPEN in assets.special_texts
     request_id = request_id_of(request, body)
     request[ACCESS].prompt_tokens = len(prompt.ids)
     req = build_request(request_id, params, prompt.ids, assets, chat=endpoint.chat,

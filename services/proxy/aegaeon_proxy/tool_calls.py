@@ -99,13 +99,6 @@ class ToolSetup:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.format, self.names, self.parallel)
 
-    @staticmethod
-    def tags_special(special: frozenset[str]) -> bool:
-        """The model's tool-call tags are special tokens (``special``: the tokenizer's):
-        the text must show them (vLLM, too, keeps special tokens in the text of a
-        request with tools)."""
-        return OPEN in special
-
     def grammar(self, special: frozenset[str] = frozenset()) -> str | None:
         """The Lark grammar (llguidance's) that forces a call, for ``required`` and a
         named function; None for ``auto``. ``special``: the tokenizer's special tokens
