@@ -431,9 +431,7 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
     if entry.in_flight == 0:
         evicted = await _finish_removal(state, control, entry)
         return {**_removal(entry, "removed"), "evicted": evicted}, 200
-    task = asyncio.get_running_loop().create_task(_finish_removal(state, control, entry))
-    state.models.background.add(task)
-    task.add_done_callback(state.models.background.discard)
+    state.models.spawn(_finish_removal(state, control, entry))
     log.info("model_removing", model=name, in_flight=entry.in_flight)
     return _removal(entry, "removing"), 202
 
@@ -445,10 +443,6 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
     replica that changed it (it also forgets a removed model once its own requests
     have ended; this replica's requests in flight finish first here)."""
     models = state.models
-
-    def keep(task: asyncio.Task[Any]) -> None:
-        models.background.add(task)
-        task.add_done_callback(models.background.discard)
 
     async def adopt(model: ModelConfig) -> None:
         try:
@@ -468,14 +462,13 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
 
     def apply(name: str, model: ModelConfig | None) -> None:
         entry = models.get(name)
-        loop = asyncio.get_running_loop()
         if model is not None and entry is None:
             models.begin_add(model, None)
-            keep(loop.create_task(adopt(model)))
+            models.spawn(adopt(model))
         elif model is None and entry is not None and entry.state == "serving":
             models.begin_remove(name)
             state.assets.remove(name)  # new requests: 404 from now on
-            keep(loop.create_task(release(entry)))
+            models.spawn(release(entry))
 
     return apply
 

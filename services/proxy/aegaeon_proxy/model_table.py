@@ -23,7 +23,7 @@ loop: no I/O.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -83,7 +83,8 @@ class ModelSettingsTable:
         self._models: dict[str, LiveModel] = {
             m.name: LiveModel(m, settings.get(m.name) or self._defaults) for m in models
         }
-        # DELETEs waiting for their model's last request (held so they are not collected)
+        # removals waiting for their model's last request, another replica's adds
+        # (:meth:`spawn`: held so they are not collected)
         self.background: set[asyncio.Task[Any]] = set()
         # models whose checkpoint cannot be read -> why (kept for names not listed
         # yet: another replica's add may come after its quarantine)
@@ -193,6 +194,12 @@ class ModelSettingsTable:
             entry.idle.set()
 
     # ---- changes (the admin endpoints) ---------------------------------------
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` (a change that waits) in the background."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     def update(self, name: str, settings: ModelSettings) -> None:
         """``name``'s settings now (a no-op for a model it does not list: another replica's
         PATCH of a model removed here meanwhile)."""

@@ -9,8 +9,8 @@ tokenized without adding any.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,8 +120,6 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
                       "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
                       "tools", "tool_choice", "parallel_tool_calls")
-# a request's own chat templates, compiled once (by source)
-_TEMPLATES: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], ChatTemplate] = OrderedDict()
 MAX_TEMPLATES = 32
 MAX_TEMPLATE_CHARS = 64 << 10
 
@@ -136,19 +134,17 @@ def _own_template(source: Any, assets: ModelAssets) -> ChatTemplate:
         raise invalid("chat_template", "'chat_template' must be a Jinja template of 1 to "
                       f"{MAX_TEMPLATE_CHARS} characters")  # fmt: skip
     special = assets.chat_template.special_tokens if assets.chat_template is not None else {}
-    key = (source, tuple(sorted(special.items())))
-    template = _TEMPLATES.get(key)
-    if template is None:
-        try:
-            template = ChatTemplate(source, special)
-        except jinja2.TemplateError as exc:
-            raise invalid("chat_template", f"'chat_template' is not a valid template: {exc}"
-                          ) from None  # fmt: skip
-        _TEMPLATES[key] = template
-        if len(_TEMPLATES) > MAX_TEMPLATES:
-            _TEMPLATES.popitem(last=False)
-    _TEMPLATES.move_to_end(key)
-    return template
+    try:
+        return _compiled(source, tuple(sorted(special.items())))
+    except jinja2.TemplateError as exc:
+        raise invalid("chat_template", f"'chat_template' is not a valid template: {exc}"
+                      ) from None  # fmt: skip
+
+
+@functools.lru_cache(maxsize=MAX_TEMPLATES)
+def _compiled(source: str, special: tuple[tuple[str, str], ...]) -> ChatTemplate:
+    """A request's own chat template, compiled once (by source and special tokens)."""
+    return ChatTemplate(source, dict(special))
 
 
 def request_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
