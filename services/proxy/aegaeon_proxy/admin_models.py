@@ -58,7 +58,7 @@ from aegaeon_proxy.state import STATE, ProxyState
 log = get_logger("proxy")
 
 __all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings", "quarantine",
-           "remove_model", "serve_model"]  # fmt: skip
+           "remove_model", "serve_model", "unknown_model"]  # fmt: skip
 
 
 # ---- request bodies ----------------------------------------------------------
@@ -207,14 +207,15 @@ async def quarantine(state: ProxyState, name: str, why: str | None) -> None:
         state.models.follow_unavailable(name, why)
 
 
-def _unknown(name: str) -> APIError:
+def unknown_model(name: str) -> APIError:
+    """A 404 for a model this proxy does not serve (or is still adding)."""
     return APIError(404, f"no model '{name}' is served", param="model", code="model_not_found")
 
 
 def _entry(state: ProxyState, name: str) -> LiveModel:
     entry = state.models.get(name)
     if entry is None or entry.state == "adding":
-        raise _unknown(name)
+        raise unknown_model(name)
     return entry
 
 
@@ -255,7 +256,7 @@ async def patch_model(request: web.Request) -> web.Response:
                 await quarantine(state, name, exc.message)
             raise _backend_error(exc, name) from None
     if state.models.get(name) is not entry:
-        raise _unknown(name)  # removed meanwhile
+        raise unknown_model(name)  # removed meanwhile
     # fields not in the body keep their value of now (another PATCH may have run)
     settings = msgspec.structs.replace(entry.settings, **changes)
     state.models.update(name, settings)

@@ -113,6 +113,4 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     log.debug("request_accepted", request_id=request_id, model=params.model,
               prompt_tokens=len(prompt.ids), max_tokens=req.sampling.max_tokens,
               slo_class=slo.slo_class)  # fmt: skip
-    spec = AnswerSpec(params, assets, endpoint.shapes, endpoint.chat, prompt.ids, prompt.text,
-                      prompt.tools)  # fmt: skip
-    return spec, gen
+    return AnswerSpec(params, assets, endpoint.shapes, endpoint.chat, prompt), gen

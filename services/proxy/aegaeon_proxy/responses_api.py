@@ -283,7 +283,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         await gen.admitted()
         out = _Output(body, gen)
-        parser = spec.tools.parser() if spec.tools is not None else None
+        parser = spec.prompt.tools.parser() if spec.prompt.tools is not None else None
         if spec.params.stream:
             return await _stream(request, out, parser)
         async with contextlib.aclosing(gen.deltas()) as deltas:

@@ -32,7 +32,8 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.admin_models import unknown_model
+from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
 
@@ -49,8 +50,7 @@ def _models(request: web.Request) -> list[str]:
     if name is None:
         return models.names()
     if not models.serving(name):
-        raise APIError(404, f"no model '{name}' is served", param="model",
-                       code="model_not_found")  # fmt: skip
+        raise unknown_model(name)
     return [name]
 
 
