@@ -8,17 +8,12 @@ choice per sequence (``n``); a chunk names its choice by ``index``.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 JSON = dict[str, Any]
 
-__all__ = ["CHAT", "COMPLETION", "JSON", "ChoiceResult", "Head", "Shapes", "Usage", "new_id"]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"
+__all__ = ["CHAT", "COMPLETION", "JSON", "ChoiceResult", "Head", "Shapes", "Usage"]
 
 
 @dataclass(frozen=True)

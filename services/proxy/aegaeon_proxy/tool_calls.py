@@ -78,10 +78,6 @@ def tool_format(template: ChatTemplate) -> ToolFormat:
     return "hermes"
 
 
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
 @dataclass(frozen=True)
 class ToolSetup:
     """A chat request's tools, as checked: what to render, enforce and parse."""
@@ -245,7 +241,7 @@ class ToolCallParser:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return {"id": new_call_id(), "type": "function",
+        return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
                 "function": {"name": data["name"],
                              "arguments": json.dumps(arguments, ensure_ascii=False)}}
 

@@ -285,11 +285,8 @@ class VllmGauges(Collector):
         if self._engine is not None:
             self.snapshot = await self._engine()
 
-    def _names(self) -> list[str]:
-        return sorted(set(self._models()) | set(self._m.open))
-
     def collect(self) -> Iterator[Metric]:
-        names = self._names()
+        names = sorted(set(self._models()) | set(self._m.open))
         snap = self.snapshot
 
         def gauge(name: str, doc: str, value: Callable[[str], float | None]) -> Metric:
