@@ -283,8 +283,6 @@ def plan_node(env: Mapping[str, str]) -> int:
     instance on the GPUs this container sees, the cachemgr within ``AEGAEON_SHM_SIZE``)
     and write it to :func:`plan_path` for every container; without, remove a plan an
     earlier run left (the file's devices and sizes apply)."""
-    import yaml
-
     path = plan_path(env)
     spec = env.get("AEGAEON_GPUS", "").strip()
     if not spec:
@@ -295,13 +293,7 @@ def plan_node(env: Mapping[str, str]) -> int:
     if env.get("AEGAEON_KIND_GPUS", "").strip():
         raise SettingError("AEGAEON_GPUS places every instance: unset AEGAEON_PREFILL_GPUS / "
                            "AEGAEON_DECODE_GPUS (AEGAEON_KIND_GPUS), or AEGAEON_GPUS")
-    from aegaeon_cli.machine import (
-        Assumed,
-        explicit_counts,
-        plan_comment,
-        sized,
-        with_absolute_paths,
-    )
+    from aegaeon_cli.machine import Assumed, explicit_counts, planned_yaml, sized
     from aegaeon_cli.plan import docker_size
     from aegaeon_common.config import config_from_dict
 
@@ -315,7 +307,7 @@ def plan_node(env: Mapping[str, str]) -> int:
     assumed = Assumed(shm_bytes=docker_size(shm)) if shm else None
     parsed = config_from_dict(raw, source="compose")
     config, out, plan = sized(raw, parsed, spec, explicit_counts(raw), assumed=assumed)
-    text = plan_comment(plan) + yaml.safe_dump(with_absolute_paths(out, config), sort_keys=False)
+    text = planned_yaml(out, config, plan)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)

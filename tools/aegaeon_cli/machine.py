@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from aegaeon_common.config import Config, ConfigError, InstancesConfig, config_from_dict
 from aegaeon_common.config_parse import parse_bytes
 from aegaeon_runtime.preflight import CudaDevices, no_driver
@@ -223,16 +224,12 @@ def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int
     sizes = [tp] if tp is not None and tp > 1 else [
         2**k for k in range(1, 8) if 2**k <= most and tp is None]  # fmt: skip
     shards = shard_bytes(config, sizes)
-    if only == "instances":
-        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
-                         shards)
-    if only is not None:
-        count = counts[0] if only == "prefill" else counts[1]
-        counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
-        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
-                         shards)
-    return plan_node(spec, gpus, assumed.host(), counts, models, config.dtype, cap_bytes, tp,
-                     shards)
+    if only == "prefill":
+        counts = (counts[0] or 1, 0)
+    elif only == "decode":
+        counts = (0, counts[1] or 1)
+    host = assumed.host() if only is None else None
+    return plan_node(spec, gpus, host, counts, models, config.dtype, cap_bytes, tp, shards)
 
 
 def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -350,9 +347,11 @@ def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:
     return out
 
 
-def plan_comment(plan: Plan) -> str:
-    """The plan as YAML comment lines (the head of the effective config)."""
-    return "".join(f"# {line}\n" for line in plan.describe().splitlines())
+def planned_yaml(raw: dict[str, Any], config: Config, plan: Plan | None) -> str:
+    """The effective config as YAML (paths absolute, :func:`with_absolute_paths`), the plan
+    (if any) as comment lines at its head."""
+    head = "" if plan is None else "".join(f"# {line}\n" for line in plan.describe().splitlines())
+    return head + yaml.safe_dump(with_absolute_paths(raw, config), sort_keys=False)
 
 
 if __name__ == "__main__":

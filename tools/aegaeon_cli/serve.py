@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from aegaeon_common.config import (
     Config,
     ConfigError,
@@ -218,14 +217,10 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.usage import fail
     from aegaeon_runtime.preflight import check_machine, instance_devices
 
-    from aegaeon_cli.machine import cuda_devices
+    from aegaeon_cli.checkpoints import unreadable_lines
+    from aegaeon_cli.machine import cuda_devices, planned_yaml, with_absolute_paths
     from aegaeon_cli.node import build_children
-    from aegaeon_cli.supervisor import (
-        DRAIN_MARGIN_S,
-        Supervisor,
-        install_stop_handlers,
-        supervise,
-    )
+    from aegaeon_cli.supervisor import supervise
 
     setup_logging("serve")
     if args.gpus is not None and args.nodes is not None:
@@ -248,19 +243,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # another user's, or a file
         return fail("aegaeon serve", f"run directory {config.run_dir}: {exc.strerror or exc}")
     effective = config.run_dir / "config.yaml"
-    raw_abs = {**raw, "market": str(config.market_dir) if config.market_dir else None}
-    if raw.get("models"):
-        raw_abs["models"] = [
-            {"name": m.name, "path": str(m.path)} for m in config.models
-        ]
-    head = ""
-    if plan is not None:
-        from aegaeon_cli.machine import plan_comment
-
-        head = plan_comment(plan)
-    write_atomic(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
-    from aegaeon_cli.checkpoints import unreadable_lines
-
+    raw_abs = with_absolute_paths(raw, config)
+    write_atomic(effective, planned_yaml(raw_abs, config, plan))  # may hold API keys
     for line in unreadable_lines(config):  # a file that changed since `market add`
         print(f"aegaeon serve: {line}", file=sys.stderr, flush=True)
     if args.nodes is not None:
@@ -269,20 +253,17 @@ def run(args: argparse.Namespace) -> int:
         base = args.config.parent.resolve() if args.config is not None else Path.cwd()
         return run_cluster(raw_abs, base, config.source, args.nodes,
                            2 if args.proxies is None else args.proxies, args.store_url)
-    sup = Supervisor(
-        build_children(config, effective),
-        stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,
-    )
-    install_stop_handlers(sup)
+    children = build_children(config, effective)
     url = f"http://{config.proxy.host}:{config.proxy.port}"
 
     def announce() -> None:
         names = ", ".join(config.model_names)
         print(f"Aegaeon is serving {len(config.models)} models at {url}/v1 ({names})", flush=True)
         print("Services (also at GET /v1/aegaeon/services):", flush=True)
-        order = ["proxy", *(c.name for c in sup.children if c.name != "proxy")]
+        order = ["proxy", *(c.name for c in children if c.name != "proxy")]
         for line in service_lines(config, order):
             print(line, flush=True)
         print("Press Ctrl-C to stop.", flush=True)
 
-    return supervise(sup, announce, "aegaeon serve", config.shm_prefix)
+    return supervise(children, config.drain_timeout_s, announce, "aegaeon serve",
+                     config.shm_prefix)

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
-from aegaeon_common.usage import at_least_one
+from aegaeon_common.usage import at_least_one, parsed_by
 from aegaeon_engine.lora_spec import DEFAULT_TARGETS
 
 from aegaeon_market.ladder import PROFILES
+from aegaeon_market.leftovers import parse_age
 from aegaeon_market.manifest import default_market_dir
 from aegaeon_market.presets import PRESETS, preset_named
 
@@ -29,15 +30,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("bfloat16", "float16", "float32")
 ADD_DTYPES = (*DTYPES, "fp8")
-
-
-def _age(text: str) -> float:
-    from aegaeon_market.leftovers import parse_age
-
-    try:
-        return parse_age(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,7 +148,7 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "here, once nothing was written to it for --stale-after. Every market "
                     "command does this first; a running writer's files are never touched.")
     _market_arg(gc)
-    gc.add_argument("--stale-after", type=_age, default=None, metavar="DURATION",
+    gc.add_argument("--stale-after", type=parsed_by(parse_age), default=None, metavar="DURATION",
                     help="remove what cannot be checked once unwritten this long "
                          "(90s, 30m, 2h, 1d; default 1h)")
     gc.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")

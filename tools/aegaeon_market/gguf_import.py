@@ -155,14 +155,19 @@ def _llama3_rope(gguf: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
     return {"rope_type": "llama3", **params}
 
 
-def _dequantized(gguf: GGUFFile, tensor: ReaderTensor) -> np.ndarray:
-    """The tensor as float32 in HF (row-major, outermost first) shape."""
+def _hf_shape(gguf: GGUFFile, tensor: ReaderTensor) -> tuple[int, ...]:
+    """The tensor's shape as HF gives it (outermost first); `CheckpointError` for a type
+    that is not supported."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         names = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise CheckpointError(gguf.path, tensor.name,
-                              f"tensor type {tensor.tensor_type.name} is not supported "
-                              f"(supported: {names})")
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        raise CheckpointError(gguf.path, tensor.name, f"tensor type {tensor.tensor_type.name} "
+                              f"is not supported (supported: {names})")
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _dequantized(gguf: GGUFFile, tensor: ReaderTensor) -> np.ndarray:
+    """The tensor as float32 in HF (row-major, outermost first) shape."""
+    shape = _hf_shape(gguf, tensor)
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except (ValueError, NotImplementedError) as exc:
@@ -253,12 +258,7 @@ def _check_tensors(gguf: GGUFFile, spec: ModelSpec) -> dict[str, str]:
         if hf not in by_hf:
             raise CheckpointError(gguf.path, _gguf_name(hf), "missing tensor")
         name = by_hf[hf]
-        tensor = gguf.tensors[name]
-        if tensor.tensor_type not in SUPPORTED_TYPES:
-            names = ", ".join(t.name for t in SUPPORTED_TYPES)
-            raise CheckpointError(gguf.path, name, f"tensor type {tensor.tensor_type.name} is "
-                                  f"not supported (supported: {names})")
-        found = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        found = _hf_shape(gguf, gguf.tensors[name])
         if found != shape:
             raise CheckpointError(gguf.path, name, f"shape {list(found)} disagrees with the "
                                   f"metadata (expected {list(shape)})")
