@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
 
 from aegaeon_common.config_parse import parse_bytes
 from aegaeon_common.market_index import MARKET_DIR_HELP
@@ -62,24 +61,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run)
 
 
-def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
-    """The deployment as plain data, the folder its paths are relative to, and
-    whether its instance counts are the user's."""
-    from aegaeon_common.config import read_config_file
-
-    if args.config is not None:
-        raw = read_config_file(args.config)
-        if args.market is not None:
-            raw["market"] = str(args.market.resolve())
-        return raw, args.config.parent.resolve(), True
-    from aegaeon_market import default_market_dir
-
-    from aegaeon_cli.serve import default_config_dict
-
-    market = (args.market or default_market_dir()).resolve()
-    return default_config_dict(market, 8000), Path.cwd(), False
-
-
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import ConfigError, config_from_dict
     from aegaeon_common.kept import write_atomic
@@ -88,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import Assumed, explicit_counts, planned_yaml, sized, with_tp
+    from aegaeon_cli.serve import deployment
 
     gpus = args.gpus if args.gpus is not None or args.assume_gpus is None else "all"
     if gpus is None and args.only != "cachemgr":
@@ -96,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
         assumed = Assumed(
             tuple(assumed_gpus(args.assume_gpus, parse_bytes)) if args.assume_gpus else None,
             args.assume_memory, args.shm_size)
-        raw, base, user_counts = _raw(args)
+        raw, base, source = deployment(args.config, args.market)
         raw = with_tp(raw, args.tp)
-        source = str(args.config) if args.config else "<embedded default>"
         config = config_from_dict(raw, source=source, base=base)
-        counts = explicit_counts(raw) if user_counts else (None, None)
+        # the embedded default's counts are not the user's: the plan picks them
+        counts = explicit_counts(raw) if args.config is not None else (None, None)
         config, out, plan = sized(raw, config, gpus, counts, args.only, base=base,
                                   assumed=assumed)  # fmt: skip
     except (OSError, ConfigError, PlacementError) as exc:

@@ -117,27 +117,35 @@ def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def deployment(config: Path | None, market: Path | None,
+               port: int = 8000) -> tuple[dict[str, Any], Path, str]:
+    """The deployment as plain data: the file ``config`` (``market`` over the one it names,
+    or supplying it), else the embedded default over ``market`` (default: $AEGAEON_MARKET
+    or ./market); the folder its paths are relative to, and the name of its source."""
+    if config is None:
+        from aegaeon_market import default_market_dir
+
+        market = (market or default_market_dir()).resolve()
+        return default_config_dict(market, port), Path.cwd(), "<embedded default>"
+    raw = read_config_file(config)
+    if market is not None:
+        raw["market"] = str(market.resolve())
+    return raw, config.parent.resolve(), str(config)
+
+
 def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any], Plan | None]:
     """The deployment this run serves, as a Config and as plain data, and the
     ``--gpus`` plan that sized it (None without ``--gpus``)."""
-    if args.config is not None:
-        raw = read_config_file(args.config)
-        base = args.config.parent.resolve()
-        source = str(args.config)
-        if args.market is None:  # (--market supplies what the file may leave out)
-            load_config(args.config)  # validate the file as written first
-    else:
+    if args.config is not None and args.market is None:
+        load_config(args.config)  # validate the file as written first
+    if args.config is None:
         from aegaeon_market import default_market_dir, ensure_market
 
         market = (args.market or default_market_dir()).resolve()
         if not (market / "market.json").exists():  # an existing market is served as it is
             print(f"Building the default market in {market} ...", file=sys.stderr, flush=True)
             ensure_market(market, real_models=True)
-        raw = default_config_dict(market, args.port or 8000)
-        base = Path.cwd()
-        source = "<embedded default>"
-    if args.market is not None and args.config is not None:
-        raw["market"] = str(args.market.resolve())
+    raw, base, source = deployment(args.config, args.market, args.port or 8000)
     if args.tp is not None:
         from aegaeon_cli.machine import with_tp
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
 from aegaeon_common.usage import at_least_one, parsed_by
 from aegaeon_engine.lora_spec import DEFAULT_TARGETS
@@ -28,7 +29,6 @@ from aegaeon_market.presets import PRESETS, preset_named
 if TYPE_CHECKING:
     from aegaeon_market.leftovers import Sweep
 
-DTYPES = ("bfloat16", "float16", "float32")
 ADD_DTYPES = (*DTYPES, "fp8")
 
 

@@ -34,6 +34,7 @@ from aegaeon_engine.weights import TORCH_DTYPES
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
+from aegaeon_market.fp8_out import PROJECTIONS
 from aegaeon_market.gguf_file import GGUFFile
 from aegaeon_market.gguf_vocab import Vocab, read_vocab
 from aegaeon_market.model_files import expected_tensors, write_model_files
@@ -42,8 +43,6 @@ from aegaeon_market.safetensors_out import TensorPlan
 Q = GGMLQuantizationType
 # block quantizations the engine serves as such (aegaeon_common.dtypes.QUANT_BLOCKS)
 KEPT_TYPES: dict[GGMLQuantizationType, str] = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1"}
-_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 # Types the gguf package dequantizes that these checkpoints use; others are refused.
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -284,7 +283,7 @@ def kept_quantization(model: GGUFModel) -> QuantSpec | None:
     all share one of ``KEPT_TYPES`` (else None: everything is dequantized), the
     embeddings' and the output layer's own types when kept (else float)."""
     types = {hf: model.gguf.tensors[name].tensor_type for hf, name in model.sources.items()}
-    linear = {t for hf, t in types.items() if hf.endswith(_PROJECTIONS)}
+    linear = {t for hf, t in types.items() if hf.endswith(PROJECTIONS)}
     if len(linear) != 1 or next(iter(linear)) not in KEPT_TYPES:
         return None
 
@@ -299,7 +298,7 @@ def _kept_names(quant: QuantSpec | None) -> dict[str, str]:
     """HF name suffix -> the quantization its tensors keep."""
     if quant is None:
         return {}
-    kept = {suffix: quant.linear for suffix in _PROJECTIONS}
+    kept = {suffix: quant.linear for suffix in PROJECTIONS}
     if quant.embed_tokens is not None:
         kept["model.embed_tokens.weight"] = quant.embed_tokens
     if quant.lm_head is not None:
