@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from gguf.quants import dequantize
 from aegaeon_market.fp8_out import PROJECTIONS
 from aegaeon_market.gguf_file import GGUFFile
 from aegaeon_market.gguf_vocab import Vocab, read_vocab
-from aegaeon_market.model_files import expected_tensors, write_model_files
+from aegaeon_market.model_files import expected_tensors, kept_blocks, write_model_files
 from aegaeon_market.safetensors_out import TensorPlan
 
 Q = GGMLQuantizationType
@@ -294,22 +294,6 @@ def kept_quantization(model: GGUFModel) -> QuantSpec | None:
                      kept("lm_head.weight"))
 
 
-def _kept_names(quant: QuantSpec | None) -> dict[str, str]:
-    """HF name suffix -> the quantization its tensors keep."""
-    if quant is None:
-        return {}
-    kept = {suffix: quant.linear for suffix in PROJECTIONS}
-    if quant.embed_tokens is not None:
-        kept["model.embed_tokens.weight"] = quant.embed_tokens
-    if quant.lm_head is not None:
-        kept["lm_head.weight"] = quant.lm_head
-    return kept
-
-
-def _quant_of(kept: dict[str, str], hf: str) -> str | None:
-    return next((q for suffix, q in kept.items() if hf.endswith(suffix)), None)
-
-
 def convert_gguf(model: GGUFModel, out: Path, dtype: str,
                  progress: Callable[[int], None] | None = None,
                  quant: QuantSpec | None = None) -> None:
@@ -318,12 +302,13 @@ def convert_gguf(model: GGUFModel, out: Path, dtype: str,
     target = TORCH_DTYPES[dtype]
     spec, gguf = model.spec, model.gguf
     arch = ARCHS[gguf.arch]
-    kept = _kept_names(quant)
+    # HF name -> the quantization whose blocks it keeps (what the engine will read)
+    kept = kept_blocks(replace(spec, quant=quant, dtype=dtype))
 
     def tensors() -> Any:
         for hf, name in model.sources.items():
             tensor = gguf.tensors[name]
-            if _quant_of(kept, hf) is not None:  # rows of blocks, as uint8 [rows, row_bytes]
+            if hf in kept:  # rows of blocks, as uint8 [rows, row_bytes]
                 values = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             else:
                 values = torch.from_numpy(_dequantized(gguf, tensor)).to(target)
@@ -337,7 +322,7 @@ def convert_gguf(model: GGUFModel, out: Path, dtype: str,
 
     plans = []
     for hf, shape in expected_tensors(spec).items():
-        qtype = _quant_of(kept, hf)
+        qtype = kept.get(hf)
         plans.append(TensorPlan(hf, target, shape) if qtype is None else
                      TensorPlan(hf, torch.uint8, (shape[0], quant_row_bytes(qtype, shape[1]))))
     vocab = model.vocab
