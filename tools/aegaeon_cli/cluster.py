@@ -38,12 +38,6 @@ from aegaeon_cli.supervisor import (
 PORT_STRIDE = 100  # node i's instances from base_port + PORT_STRIDE * i
 
 
-def _write(path: Path, raw: dict[str, Any]) -> None:
-    """The member's config, this user's only (0600: it may hold API keys), atomically."""
-    private_dir(path.parent)
-    write_atomic(path, yaml.safe_dump(raw, sort_keys=False))
-
-
 def _free_ports(count: int, taken: set[int]) -> int:
     try:
         return free_ports(count, taken)
@@ -70,13 +64,6 @@ def _redis_child(root: Path, port: int) -> Child:
             return False
 
     return Child(name="redis", argv=argv, ready=ready, log_path=root / "redis.log", stage=0)
-
-
-def _member(raw: dict[str, Any], **sections: Any) -> dict[str, Any]:
-    out = copy.deepcopy(raw)
-    for key, value in sections.items():
-        out[key] = {**(out.get(key) or {}), **value} if isinstance(value, dict) else value
-    return out
 
 
 def cluster_children(
@@ -106,10 +93,13 @@ def cluster_children(
         """Add the child running ``aegaeon COMMAND`` over ``raw`` with ``sections`` merged
         in; its config, validated and written to its run directory."""
         run_dir = root / name
-        merged = _member(raw, store=store, run_dir=str(run_dir), **sections)
+        merged = copy.deepcopy(raw)
+        for key, value in {"store": store, "run_dir": str(run_dir), **sections}.items():
+            merged[key] = {**(merged.get(key) or {}), **value} if isinstance(value, dict) else value
         config = config_from_dict(merged, source=f"{source} ({name})", base=base)  # validate
         path = run_dir / "config.yaml"
-        _write(path, merged)
+        private_dir(run_dir)
+        write_atomic(path, yaml.safe_dump(merged, sort_keys=False))  # 0600: may hold API keys
         child = Child(name=name, argv=python_argv(command, "--config", str(path)),
                       ready=lambda: False, log_path=root / f"{name}.log", stage=stage,
                       stop_timeout_s=stop_timeout_s)  # fmt: skip

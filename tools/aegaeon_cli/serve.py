@@ -89,12 +89,6 @@ def _gib_arg(text: str) -> float:
     return value
 
 
-def _largest_model_bytes(market: Path) -> int:
-    """Bytes of the market's largest model in the dtype it is served in."""
-    itemsize = DTYPE_BYTES[market_dtype(market)]
-    return max(e.params * itemsize for e in load_market(market))
-
-
 def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     """The embedded default: 1 prefill + 1 decode instance on the CPU.
 
@@ -102,7 +96,8 @@ def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     model plus one prefetched), far fewer than the market's models, so every
     change of model is a real switch through the Model Cache.
     """
-    largest = _largest_model_bytes(market)
+    itemsize = DTYPE_BYTES[market_dtype(market)]  # the market's largest model, as served
+    largest = max(e.params * itemsize for e in load_market(market))
     arena = 2 * largest + 16 * MiB
     return {
         "market": str(market),
