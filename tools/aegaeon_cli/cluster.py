@@ -16,7 +16,6 @@ import copy
 import secrets
 import shutil
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +128,14 @@ def cluster_children(
 
 def run_cluster(raw: dict[str, Any], base: Path, source: str, nodes: int, proxies: int,
                 store_url: str | None) -> int:  # fmt: skip
+    from aegaeon_common.usage import fail
+
     from aegaeon_cli.supervisor import supervise
 
     try:
         children, configs = cluster_children(raw, base, source, nodes, proxies, store_url)
     except (ConfigError, StartupError) as exc:
-        print(f"aegaeon serve: {exc}", file=sys.stderr)
-        return 2
+        return fail("aegaeon serve", exc)
 
     def announce() -> None:
         urls = ", ".join(f"http://{c.proxy.host}:{c.proxy.port}/v1" for c in configs)

@@ -33,17 +33,12 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
         return config, args.config.resolve()
     from aegaeon_common.config import read_config_file
     from aegaeon_common.kept import write_atomic
-    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import explicit_counts, planned_yaml, sized
 
+    raw = read_config_file(args.config)
     base = args.config.parent.resolve()
-    try:
-        raw = read_config_file(args.config)
-        config, out, plan = sized(raw, config, args.gpus, explicit_counts(raw), base=base)
-    except (ConfigError, PlacementError) as exc:
-        print(f"aegaeon node: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    config, out, plan = sized(raw, config, args.gpus, explicit_counts(raw), base=base)
     print(plan.describe(), file=sys.stderr, flush=True)
     path = config.run_dir / "planned.yaml"  # paths made absolute: the file moves there
     private_dir(config.run_dir)
@@ -58,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import mark_ready
     from aegaeon_common.usage import fail
     from aegaeon_runtime.preflight import check_machine, instance_devices
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import cuda_devices
     from aegaeon_cli.node import build_children
@@ -66,13 +62,12 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("node")
     config = load_config_or_exit(args.config, "node")
     if not config.distributed:
-        print(f"aegaeon node: {args.config}: store.kind: a node of many needs the shared "
-              "store (redis); one machine alone is `aegaeon serve`", file=sys.stderr)  # fmt: skip
-        return 2
-    config, path = _planned(args, config)
+        return fail("aegaeon node", f"{args.config}: store.kind: a node of many needs the "
+                    "shared store (redis); one machine alone is `aegaeon serve`")
     try:
+        config, path = _planned(args, config)
         check_machine(config, instance_devices(config), cuda_devices)
-    except (ConfigError, EnvError) as exc:
+    except (ConfigError, EnvError, PlacementError) as exc:
         return fail("aegaeon node", exc)
     private_dir(config.run_dir)
     children = [c for c in build_children(config, path) if c.name != "proxy"]

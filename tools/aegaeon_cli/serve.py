@@ -227,9 +227,8 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging("serve")
     if args.gpus is not None and args.nodes is not None:
-        print("aegaeon serve: --gpus places one node's instances; with --nodes every node "
-              "would take every GPU (give each node's config its devices)", file=sys.stderr)
-        return 2
+        return fail("aegaeon serve", "--gpus places one node's instances; with --nodes every "
+                    "node would take every GPU (give each node's config its devices)")
     if args.nodes is None and (args.proxies is not None or args.store_url is not None):
         flag = "--proxies" if args.proxies is not None else "--store-url"
         return fail("aegaeon serve", f"{flag} goes with --nodes N (many nodes on this "
