@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aegaeon_common.dtypes import DTYPES
-from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
+from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError, default_market_dir
 from aegaeon_common.usage import at_least_one, parsed_by
 from aegaeon_engine.lora_spec import DEFAULT_TARGETS
 
 from aegaeon_market.ladder import PROFILES
 from aegaeon_market.leftovers import parse_age
-from aegaeon_market.manifest import default_market_dir
 from aegaeon_market.presets import PRESETS, preset_named
 
 if TYPE_CHECKING:

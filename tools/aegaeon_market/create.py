@@ -19,20 +19,20 @@ from pathlib import Path
 
 from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.market_files import record_files
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import (
+    MANIFEST,
+    Manifest,
+    MarketEntry,
+    MarketError,
+    default_market_dir,
+    read_manifest,
+)
 from aegaeon_common.owner import stamp
 from tqdm import tqdm
 
 from aegaeon_market.families import FAMILIES
 from aegaeon_market.fingerprint import market_fingerprint
-from aegaeon_market.manifest import (
-    MANIFEST,
-    Manifest,
-    MarketEntry,
-    default_market_dir,
-    read_manifest,
-    write_manifest,
-)
+from aegaeon_market.manifest import write_manifest
 from aegaeon_market.plan import plan_market
 from aegaeon_market.wheel_models import DEFAULT_MODELS, FetchError, WheelModel
 from aegaeon_market.writer import tokenizer_json, write_model

@@ -23,14 +23,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aegaeon_common.market_files import record_files
-from aegaeon_common.market_index import InMemory, MarketError
+from aegaeon_common.market_index import (
+    MANIFEST,
+    InMemory,
+    Manifest,
+    MarketEntry,
+    MarketError,
+    read_manifest,
+)
 from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
 from aegaeon_engine.spec import FP8, ModelSpec
 from tqdm import tqdm
 
-from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
+from aegaeon_market.manifest import write_manifest
 from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset, write_recipe
 from aegaeon_market.presets import PRESET_DTYPE, Preset
 from aegaeon_market.shapes import tensor_shapes
