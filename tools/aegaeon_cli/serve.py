@@ -27,7 +27,7 @@ from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
-from aegaeon_common.usage import at_least_one, port_number
+from aegaeon_common.usage import at_least_one, port_number, positive_number
 from aegaeon_proxy.main import add_api_key_args, key_entries
 from aegaeon_sched.placement import PlacementError, Plan
 
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
                         "each sized from its GPU's free memory, the Model Cache from host memory "
                         "(docs/gpu.md); default: the config's devices and sizes")
-    parser.add_argument("--device-memory", type=_gib_arg, metavar="GiB",
+    parser.add_argument("--device-memory", type=positive_number, metavar="GiB",
                         help="cap each instance's device memory (GiB, e.g. 36 or 0.5): its "
                         "weights arena (twice the largest model when that leaves a quarter for "
                         "KV, else once) and its KV region are sized inside it (with --gpus: "
@@ -77,16 +77,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "gloo (default: the config's, 1)")  # fmt: skip
     add_api_key_args(parser)
     parser.set_defaults(func=run)
-
-
-def _gib_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GiB as a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
-    return value
 
 
 def default_config_dict(market: Path, port: int) -> dict[str, Any]:

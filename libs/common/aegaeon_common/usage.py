@@ -64,6 +64,17 @@ def at_least_zero(text: str) -> int:
     return _whole_number(text, 0)
 
 
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 (and finite), got {text}")
+    return value
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0..65535 (0: any free port)."""
     try:
