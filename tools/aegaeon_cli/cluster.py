@@ -37,13 +37,6 @@ from aegaeon_cli.supervisor import (
 PORT_STRIDE = 100  # node i's instances from base_port + PORT_STRIDE * i
 
 
-def _free_ports(count: int, taken: set[int]) -> int:
-    try:
-        return free_ports(count, taken)
-    except NoFreePortsError as exc:
-        raise StartupError(str(exc)) from None
-
-
 def _redis_child(root: Path, port: int) -> Child:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -77,7 +70,7 @@ def cluster_children(
     children: list[Child] = []
     taken: set[int] = set()
     if store_url is None:
-        port = _free_ports(1, taken)
+        port = free_ports(1, taken)
         store_url = f"redis://127.0.0.1:{port}/0"
         children.append(_redis_child(root, port))
     # one run, one namespace: a Redis shared with an earlier run (--store-url) holds
@@ -116,7 +109,7 @@ def cluster_children(
         # a configured base_port: node i from base_port + 100 i; else free ports of this
         # machine (several clusters, or tests, may run at once)
         base_port = (int(configured) + PORT_STRIDE * i if configured is not None
-                     else _free_ports(per_node, taken))  # fmt: skip
+                     else free_ports(per_node, taken))  # fmt: skip
         node = {"name": f"node-{i}", "advertise_address": "127.0.0.1", "base_port": base_port}
         member(f"node-{i}", "node", 1, node_stop_s, node=node)
     port = int((raw.get("proxy") or {}).get("port", 8000))
@@ -134,7 +127,7 @@ def run_cluster(raw: dict[str, Any], base: Path, source: str, nodes: int, proxie
 
     try:
         children, configs = cluster_children(raw, base, source, nodes, proxies, store_url)
-    except (ConfigError, StartupError) as exc:
+    except (ConfigError, StartupError, NoFreePortsError) as exc:
         return fail("aegaeon serve", exc)
 
     def announce() -> None:
