@@ -48,9 +48,8 @@ def market(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A market holding the source in FP8 (added on the command line), and that FP8
     model dequantized back to bfloat16."""
     root = tmp_path_factory.mktemp("fp8") / "market"
-    argv = [sys.executable, "-m", "aegaeon_cli.main", "market", "add", "--market", str(root),
-            "--name", "fp8", "--dtype", "fp8", "--quiet", str(source)]
-    subprocess.run(argv, check=True, capture_output=True, text=True)
+    _cli("market", "add", "--market", str(root), "--name", "fp8", "--dtype", "fp8", "--quiet",
+         str(source))
     add_model(root, root / "fp8", "back", "bfloat16", progress=False)
     return root
 
