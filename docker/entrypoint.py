@@ -214,8 +214,6 @@ def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
 def load_file(env: Mapping[str, str]) -> dict[str, Any]:
     """The mounted file (or the embedded default) as plain data, its paths absolute, its
     ``instance`` section folded into the roles' and ``AEGAEON_TP`` applied."""
-    import yaml
-
     source = env.get("AEGAEON_CONFIG", DEFAULT_CONFIG)
     market = Path(env.get("AEGAEON_MARKET", DEFAULT_MARKET))
     if source == "embedded":
@@ -224,16 +222,10 @@ def load_file(env: Mapping[str, str]) -> dict[str, Any]:
         if not (market / "market.json").is_file():
             raise SettingError(f"no market at {market} (mount one: AEGAEON_MARKET_DIR in compose)")
         return with_tp(default_config_dict(market, 8000), env)
-    path = Path(source)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise SettingError(f"cannot read the config {path}: {exc.strerror}") from None
-    if not isinstance(raw, dict):
-        raise SettingError(f"{path}: not a map")
-    from aegaeon_common.config import fold_instance
+    from aegaeon_common.config import read_config_file
 
-    raw = fold_instance(raw, str(path))  # `instance`'s keys in each role's section
+    path = Path(source)
+    raw = read_config_file(path)  # ConfigError; `instance`'s keys in each role's section
     # relative paths in the file are relative to it, as load_config reads them
     if raw.get("market"):
         raw["market"] = str((path.parent / str(raw["market"])).resolve())
