@@ -113,37 +113,24 @@ def host_info(meminfo: Path = Path("/proc/meminfo"), shm: Path = Path("/dev/shm"
     return HostInfo(available, shm_free)
 
 
-def _specs(config: Config) -> dict[str, Any]:
-    """Each model's spec (LoRA adapters: see :func:`_adapter_bytes`)."""
+def _weights(config: Config) -> tuple[dict[str, Any], dict[str, int]]:
+    """Each model's spec, and each LoRA adapter's bytes: its own A and B, checked against
+    its base (what the Model Cache holds of it; held whole, never sharded)."""
     from aegaeon_engine import CheckpointError, ModelSpec
-
-    out = {}
-    for model in config.models:
-        if model.base is not None:
-            continue
-        try:
-            out[model.name] = ModelSpec.from_dir(model.path)
-        except CheckpointError as exc:
-            raise PlacementError(f"model {model.name}: {exc}") from None
-    return out
-
-
-def _adapter_bytes(config: Config, specs: dict[str, Any]) -> dict[str, int]:
-    """Each LoRA adapter's bytes: its own A and B, checked against its base (what the
-    Model Cache holds of it; held whole, never sharded)."""
-    from aegaeon_engine import CheckpointError
     from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 
-    out = {}
-    for model in config.models:
-        if model.base is None:
-            continue
+    specs: dict[str, Any] = {}
+    adapters: dict[str, int] = {}
+    for model in sorted(config.models, key=lambda m: m.base is not None):  # bases first
         try:
-            adapter = AdapterSpec.from_dir(model.path, specs[model.base], model.name)
+            if model.base is None:
+                specs[model.name] = ModelSpec.from_dir(model.path)
+            else:
+                adapter = AdapterSpec.from_dir(model.path, specs[model.base], model.name)
+                adapters[model.name] = adapter_layout(adapter, config.dtype).total_bytes
         except CheckpointError as exc:
             raise PlacementError(f"model {model.name}: {exc}") from None
-        out[model.name] = adapter_layout(adapter, config.dtype).total_bytes
-    return out
+    return specs, adapters
 
 
 def model_bytes(config: Config) -> dict[str, int]:
@@ -151,10 +138,10 @@ def model_bytes(config: Config) -> dict[str, int]:
     adapter's are its own A and B."""
     from aegaeon_engine import weight_layout
 
-    specs = _specs(config)
+    specs, adapters = _weights(config)
     return {**{name: weight_layout(spec, config.dtype).total_bytes
                for name, spec in specs.items()},
-            **_adapter_bytes(config, specs)}  # fmt: skip
+            **adapters}  # fmt: skip
 
 
 def shard_bytes(config: Config, sizes: list[int]) -> dict[int, dict[str, TPSizes]]:
@@ -164,8 +151,7 @@ def shard_bytes(config: Config, sizes: list[int]) -> dict[int, dict[str, TPSizes
     from aegaeon_engine import weight_layout
     from aegaeon_engine.tp_layout import sharded_layout
 
-    specs = _specs(config)
-    adapters = _adapter_bytes(config, specs)
+    specs, adapters = _weights(config)
     out: dict[int, dict[str, TPSizes]] = {}
     for size in sizes:
         per: dict[str, TPSizes] = {name: TPSizes(n, n) for name, n in adapters.items()}
