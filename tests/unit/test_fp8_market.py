@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_common.dtypes import FP8
+from aegaeon_common.market_index import read_manifest
 from aegaeon_engine import SamplingParams
 from aegaeon_engine.fp8 import dequantize, quantize
 from aegaeon_engine.layout import weight_layout
@@ -28,7 +29,6 @@ from aegaeon_engine.loader import checkpoint_index, read_tensor
 from aegaeon_engine.spec import ModelSpec
 from aegaeon_market.edit import add_model, add_random
 from aegaeon_market.fp8_out import is_projection
-from aegaeon_market.manifest import read_manifest
 from proxy_support import market_dir
 
 SOURCE = "llama-gqa-5m"
