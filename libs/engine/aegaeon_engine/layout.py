@@ -8,10 +8,10 @@ fused projection is a single matmul over a single view.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+
+import msgspec
 
 from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype, quant_matrix_bytes
 
@@ -59,17 +59,11 @@ class WeightLayout:
 
     def to_json(self) -> str:
         """A manifest a cache can store beside the bytes (never pickle)."""
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return msgspec.json.encode(self).decode()
 
     @classmethod
     def from_json(cls, text: str) -> WeightLayout:
-        data: dict[str, Any] = json.loads(text)
-        slots = tuple(
-            TensorSlot(s["name"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"],
-                       tuple(s["sources"]), tuple(s["source_rows"]))
-            for s in data["slots"]
-        )
-        return cls(data["model"], data["dtype"], data["alignment"], data["total_bytes"], slots)
+        return msgspec.json.decode(text, type=cls)
 
 
 def weight_layout(spec: ModelSpec, dtype: str | None = None,

@@ -21,9 +21,9 @@ layout, so the engine binds and runs a shard like any model.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
+
+import msgspec
 
 from .layout import DEFAULT_ALIGNMENT, TensorSlot, WeightLayout, weight_layout
 from .spec import ModelSpec, canonical_dtype
@@ -122,14 +122,11 @@ class TPLayout:
 
     def to_json(self) -> str:
         """A manifest a cache can store beside the bytes (never pickle)."""
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return msgspec.json.encode(self).decode()
 
     @classmethod
     def from_json(cls, text: str) -> TPLayout:
-        data: dict[str, Any] = json.loads(text)
-        shards = tuple(WeightLayout.from_json(json.dumps(s)) for s in data["shards"])
-        return cls(data["model"], data["dtype"], data["size"], data["total_bytes"],
-                   tuple(data["offsets"]), shards)
+        return msgspec.json.decode(text, type=cls)
 
 
 def tp_layout(spec: ModelSpec, size: int, dtype: str | None = None,

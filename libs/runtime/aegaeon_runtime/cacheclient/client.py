@@ -58,9 +58,11 @@ from aegaeon_gpumem import EventTable, ShmRegion
 
 from aegaeon_runtime.cacheclient.convert import EventLike, ShapeLike, to_event, to_shape
 from aegaeon_runtime.cacheclient.mapped import MappedModel, Registration
+from aegaeon_runtime.errors import ModelGoneError, ModelUnavailableError
 
 __all__ = [
-    "CacheClient", "EventLike", "ShapeLike", "SyncCacheClient", "to_event", "to_shape",
+    "CacheClient", "EventLike", "ShapeLike", "SyncCacheClient", "model_region", "to_event",
+    "to_shape",
 ]  # fmt: skip
 
 R = TypeVar("R", bound=Message)
@@ -349,3 +351,25 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def model_region(cache: SyncCacheClient, name: str) -> MappedModel:
+    """``name``'s Model Cache region (a model's or an adapter's): the client's kept
+    mapping (the use is noted, reported later by the client), else (first use, or
+    evicted since) mapped under a pin that is dropped at once; a kept mapping is safe
+    to read unpinned (see the module docstring). ``ModelGoneError`` when the cachemgr
+    no longer holds it, ``ModelUnavailableError`` when it cannot read its checkpoint."""
+    mapped = cache.cached_model(name)
+    if mapped is not None:
+        cache.note_use(name)
+        return mapped
+    try:
+        mapped = cache.load_model(name, pin=True)
+    except RemoteError as exc:
+        if exc.code == "unknown_model":
+            raise ModelGoneError(name, str(exc)) from exc
+        if exc.code == "checkpoint_error":  # quarantined by the cachemgr
+            raise ModelUnavailableError(name, exc.reply.message) from exc
+        raise
+    cache.unpin(name)
+    return mapped

@@ -150,17 +150,15 @@ class Admission:
 
     def cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
-        for key in list(self.families.get(msg.request_id, ())):
-            seq = self.seqs.get(key)
-            if seq is not None:
-                self.finish(seq)
-                self.counters.cancelled += 1
-                self.worker.metrics.request_done("decode", seq.model, "cancelled")
+        family = (self.seqs.get(key) for key in list(self.families.get(msg.request_id, ())))
+        self._cancel([seq for seq in family if seq is not None])
 
     def drop_all(self) -> int:
         """Forget every request and free its KV (a new proxy started: the old one's
         requests have no client left). Returns how many."""
-        seqs = list(self.seqs.values())
+        return self._cancel(list(self.seqs.values()))
+
+    def _cancel(self, seqs: list[Seq]) -> int:
         for seq in seqs:
             self.finish(seq)
             self.counters.cancelled += 1
