@@ -22,17 +22,12 @@ from dataclasses import dataclass
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed, SwitchRecord
-from aegaeon_common.messages.structs import (
-    KVHandoff,
-    KVShapeSpec,
-    RequestTimings,
-    TokenLogprobs,
-)
+from aegaeon_common.messages.structs import KVHandoff, RequestTimings, TokenLogprobs
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import Request
 
-from aegaeon_runtime.cacheclient.client import to_event
+from aegaeon_runtime.cacheclient.client import to_event, to_shape
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.port import ModelGoneError, WorkerPort
@@ -168,9 +163,7 @@ def run_prefill(
             host, event = w.kv.swap_out(shape, blocks)
         except RemoteError as exc:
             return fail("kv_cache_full", f"unified KV cache: {exc}")
-        kv_spec = KVShapeSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                              shape.block_size, shape.dtype)  # fmt: skip
-        handoff = KVHandoff(kv_spec, host, len(prompt), to_event(event.handle()))
+        handoff = KVHandoff(to_shape(shape), host, len(prompt), to_event(event.handle()))
     else:
         w.kv.free(shape, blocks)
     done = clock.wall()
