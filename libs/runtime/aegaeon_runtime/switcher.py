@@ -167,10 +167,7 @@ class ModelSwitcher:
         # arena ranges that still hold a model's bytes as last copied there:
         # offset -> (model, nbytes); guarded by _views_lock (the prefetch thread copies)
         self._in_place: dict[int, tuple[str, int]] = {}
-        self.num_switches = 0
-        self.num_in_place = 0  # scale-ups and prefetches that found the bytes in place
         self.num_promotions = 0
-        self.num_placed_below = 0
         # changes to the models on the device (switch, prefetch, eviction): a reader on
         # another thread tells a newer picture of resident_models() from an older one
         self.residency_version = 0
@@ -265,7 +262,6 @@ class ModelSwitcher:
         key = (name, allocation.nbytes)
         with self._views_lock:
             if self._in_place.get(allocation.offset) == key:
-                self.num_in_place += 1
                 return 0.0, True
             self._forget_range(allocation.offset, allocation.nbytes)
         source = self._source(model_region(self.cache, name), name)
@@ -388,7 +384,6 @@ class ModelSwitcher:
             load_s, resident = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))
             prefetched = False
-        self.num_switches += 1
         self.residency_version += 1
         return SwitchRecord(
             from_model=previous,
@@ -481,7 +476,6 @@ class ModelSwitcher:
         if self.buffer.fits(nbytes):
             return self.buffer.alloc(nbytes)
         if active.offset >= nbytes:
-            self.num_placed_below += 1
             return Allocation(0, nbytes)  # the gap the previous model left below
         if active.offset > 0:
             self._promote_active()
