@@ -168,6 +168,7 @@ class ModelSwitcher:
         # offset -> (model, nbytes); guarded by _views_lock (the prefetch thread copies)
         self._in_place: dict[int, tuple[str, int]] = {}
         self.num_promotions = 0
+        self.num_placed_below = 0
         # changes to the models on the device (switch, prefetch, eviction): a reader on
         # another thread tells a newer picture of resident_models() from an older one
         self.residency_version = 0
@@ -476,6 +477,7 @@ class ModelSwitcher:
         if self.buffer.fits(nbytes):
             return self.buffer.alloc(nbytes)
         if active.offset >= nbytes:
+            self.num_placed_below += 1
             return Allocation(0, nbytes)  # the gap the previous model left below
         if active.offset > 0:
             self._promote_active()
