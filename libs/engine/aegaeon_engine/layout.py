@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Self
 
 import msgspec
 
@@ -39,8 +40,19 @@ class TensorSlot:
         return [(rows, *self.shape[1:]) for rows in self.source_rows]
 
 
+class Manifest:
+    """A layout's JSON form, a cache stores beside the bytes (never pickle)."""
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return msgspec.json.decode(text, type=cls)
+
+
 @dataclass(frozen=True)
-class WeightLayout:
+class WeightLayout(Manifest):
     """The slots of one model served in one dtype; ``total_bytes`` spans them all."""
 
     model: str
@@ -56,14 +68,6 @@ class WeightLayout:
     def slot(self, name: str) -> TensorSlot:
         """The slot called ``name`` (``KeyError`` if absent)."""
         return self.by_name[name]
-
-    def to_json(self) -> str:
-        """A manifest a cache can store beside the bytes (never pickle)."""
-        return msgspec.json.encode(self).decode()
-
-    @classmethod
-    def from_json(cls, text: str) -> WeightLayout:
-        return msgspec.json.decode(text, type=cls)
 
 
 def weight_layout(spec: ModelSpec, dtype: str | None = None,
