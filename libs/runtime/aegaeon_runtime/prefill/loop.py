@@ -279,12 +279,4 @@ class PrefillLoop(InstanceLoop):
         """A prefill instance's heartbeat: its prefill counters only."""
         snapshot = self.counters.snapshot(self.worker)
         counters = {key: snapshot.counters[key] for key in PREFILL_COUNTERS}
-        return InstanceStats(
-            kind="prefill",
-            index=self.worker.index,
-            active_model=snapshot.active_model,
-            queued=snapshot.queued,
-            running=snapshot.running,
-            counters=counters,
-            switches=snapshot.switches,
-        )
+        return msgspec.structs.replace(snapshot, kind="prefill", counters=counters, turns=[])
