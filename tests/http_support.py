@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "Reply", "Samples", "call_json", "fetch", "fetch_sync", "get_json", "get_text",
-    "metric_samples", "post_text", "sse_events", "sse_payloads",
+    "metric_samples", "post_text", "samples_of", "sse_events", "sse_payloads",
 ]  # fmt: skip
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -54,5 +54,10 @@ def metric_samples(url: str, headers: Mapping[str, str] | None = None) -> Sample
     """Every sample a ``/metrics`` URL shows: ``{(name, sorted labels): value}``."""
     status, text = get_text(url, headers)
     assert status == 200, (url, status, text[:300])
+    return samples_of(text)
+
+
+def samples_of(text: str) -> Samples:
+    """Every sample of a Prometheus exposition: ``{(name, sorted labels): value}``."""
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip

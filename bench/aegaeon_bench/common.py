@@ -89,8 +89,11 @@ def add_slo_arguments(parser: argparse.ArgumentParser, ttft_s: float, tbt_s: flo
                         help=f"TBT target, s ({note}{tbt_s:g})")  # fmt: skip
 
 
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--out`` and ``--json``: where the JSON report goes."""
+def add_own_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a bench that starts its own node and reports in JSON takes: the node's
+    arguments, ``--api-key``, and ``--out`` and ``--json`` (where the report goes)."""
+    add_node_arguments(parser)
+    add_api_key_argument(parser)
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     parser.add_argument("--json", action="store_true", help="last stdout line: the report")
 

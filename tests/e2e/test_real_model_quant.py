@@ -128,8 +128,7 @@ def _hf_forced(model: Any, prompt: list[int],
 # (on one torch thread, as every e2e test: tests/e2e/conftest.py)
 @pytest.mark.timeout(900)  # ~300 token steps of transformers in float32, hooked: minutes when busy
 def test_quantized_decode_stays_as_close_as_llamacpp_arithmetic(market: Path) -> None:
-    from aegaeon_bench.engine.agreement import teacher_forced
-    from aegaeon_bench.engine.quant import compare
+    from aegaeon_bench.engine.agreement import compare, teacher_forced
     from aegaeon_engine.llm import LLM
     from aegaeon_engine.quant import QUANT_MAX_ROWS
     from tokenizers import Tokenizer

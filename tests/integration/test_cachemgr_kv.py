@@ -67,7 +67,6 @@ async def test_alloc_beyond_capacity_is_a_typed_error(cm: CacheMgrProcess) -> No
     await client.close()
 
 
-
 async def test_blocks_freed_with_a_pending_event_are_not_reallocated(cm: CacheMgrProcess) -> None:
     client = CacheClient(cm.config.cachemgr_address, "w0")
     reg = await client.register()
@@ -99,7 +98,6 @@ async def test_blocks_freed_with_a_pending_event_are_not_reallocated(cm: CacheMg
     assert err.value.code == "bad_request"
     await client.close()
     assert (await probe_stats(cm)).kv.used_bytes == 0  # unregister freed the rest
-
 
 
 def timeline_event(table: str, slot: int, value: int) -> EventSpec:
@@ -136,7 +134,6 @@ async def test_reassign_and_reregister(cm: CacheMgrProcess) -> None:
     assert {w.worker_id for w in stats.workers} == {"w1", "w2"}
     await w1.close()
     await w2.close()
-
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:

@@ -50,7 +50,6 @@ async def test_mapping_outlives_the_pin_and_goes_with_eviction(cm: CacheMgrProce
     await client.close()
 
 
-
 async def test_noted_uses_reach_the_lru_order_once(cm: CacheMgrProcess) -> None:
     client = CacheClient(cm.config.cachemgr_address, "w0", use_report_interval_s=0.05)
     client.note_use("a")  # before register: reported once the reporter runs

@@ -42,74 +42,66 @@ def resident(stats: CacheStats) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_region_bytes_are_the_engine_layout(start: Start, dtype: str) -> None:
+async def test_region_bytes_are_the_engine_layout(start: Start, dtype: str) -> None:
     path = checkpoint(0)
     cm = start({"a": path}, dtype=dtype)
     layout = weight_layout(ModelSpec.from_dir(path), dtype)
     expected = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     fill_layout(path, layout, expected)
-
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        await client.register()
-        model = await client.load_model("a")
-        assert not model.hit and model.load_s > 0
-        assert model.dtype == dtype and model.nbytes == layout.total_bytes
-        assert model.region.readonly
-        assert torch.equal(model.data, expected)
-        assert [(t.name, t.offset, t.nbytes, tuple(t.shape)) for t in model.tensors] == [
-            (s.name, s.offset, s.nbytes, s.shape) for s in layout.slots
-        ]
-        assert model.view("norm").dtype == getattr(torch, dtype)
-        again = await client.load_model("a")
-        assert again.hit and again.region is model.region  # cached attachment
-        stats = await client.stats()
-        assert resident(stats) == {"a": 2}
-        assert stats.model_cache.num_loads == 1 and stats.model_cache.num_hits == 1
-        assert await client.unpin("a") == 1
-        await client.close()
-
-    asyncio.run(go())
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    await client.register()
+    model = await client.load_model("a")
+    assert not model.hit and model.load_s > 0
+    assert model.dtype == dtype and model.nbytes == layout.total_bytes
+    assert model.region.readonly
+    assert torch.equal(model.data, expected)
+    assert [(t.name, t.offset, t.nbytes, tuple(t.shape)) for t in model.tensors] == [
+        (s.name, s.offset, s.nbytes, s.shape) for s in layout.slots
+    ]
+    assert model.view("norm").dtype == getattr(torch, dtype)
+    again = await client.load_model("a")
+    assert again.hit and again.region is model.region  # cached attachment
+    stats = await client.stats()
+    assert resident(stats) == {"a": 2}
+    assert stats.model_cache.num_loads == 1 and stats.model_cache.num_hits == 1
+    assert await client.unpin("a") == 1
+    await client.close()
 
 
-def test_lru_eviction_never_evicts_pinned(start: Start) -> None:
+async def test_lru_eviction_never_evicts_pinned(start: Start) -> None:
     paths = {"a": checkpoint(0), "b": checkpoint(1), "c": checkpoint(2)}
     size = weight_layout(ModelSpec.from_dir(paths["a"]), "bfloat16").total_bytes
     cm = start(paths, model_cache=int(2.5 * size))
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    await client.register()
+    await client.load_model("a", pin=False)
+    await client.load_model("b", pin=False)
+    await client.load_model("a", pin=False)  # a is now the most recently used
+    await client.load_model("c", pin=False)
+    stats = await client.stats()
+    assert list(resident(stats)) == ["a", "c"]  # b was the least recently used
+    assert stats.model_cache.num_evictions == 1
+    assert not any(name.endswith("-b") for name in shm_segments(cm.prefix))
 
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        await client.register()
-        await client.load_model("a", pin=False)
+    # Pinned models stay even when least recently used.
+    await client.load_model("a")
+    await client.load_model("c")
+    with pytest.raises(RemoteError) as err:
         await client.load_model("b", pin=False)
-        await client.load_model("a", pin=False)  # a is now the most recently used
-        await client.load_model("c", pin=False)
-        stats = await client.stats()
-        assert list(resident(stats)) == ["a", "c"]  # b was the least recently used
-        assert stats.model_cache.num_evictions == 1
-        assert not any(name.endswith("-b") for name in shm_segments(cm.prefix))
+    assert err.value.code == "model_cache_full"
+    detail = err.value.reply.detail or {}
+    assert detail["budget_bytes"] == int(2.5 * size) and detail["requested_bytes"] == size
+    assert list(resident(await client.stats())) == ["a", "c"]
 
-        # Pinned models stay even when least recently used.
-        await client.load_model("a")
-        await client.load_model("c")
-        with pytest.raises(RemoteError) as err:
-            await client.load_model("b", pin=False)
-        assert err.value.code == "model_cache_full"
-        detail = err.value.reply.detail or {}
-        assert detail["budget_bytes"] == int(2.5 * size) and detail["requested_bytes"] == size
-        assert list(resident(await client.stats())) == ["a", "c"]
-
-        await client.unpin("a")  # a is LRU and now unpinned: it goes, c stays
-        await client.load_model("b")
-        stats = await client.stats()
-        assert resident(stats) == {"c": 1, "b": 1}
-        assert stats.model_cache.used_bytes == 2 * size <= stats.model_cache.budget_bytes
-        await client.close()
-        probe = CacheClient(cm.config.cachemgr_address, "probe")
-        assert resident(await probe.stats()) == {"c": 0, "b": 0}  # close ended the pins
-        await probe.close()
-
-    asyncio.run(go())
+    await client.unpin("a")  # a is LRU and now unpinned: it goes, c stays
+    await client.load_model("b")
+    stats = await client.stats()
+    assert resident(stats) == {"c": 1, "b": 1}
+    assert stats.model_cache.used_bytes == 2 * size <= stats.model_cache.budget_bytes
+    await client.close()
+    probe = CacheClient(cm.config.cachemgr_address, "probe")
+    assert resident(await probe.stats()) == {"c": 0, "b": 0}  # close ended the pins
+    await probe.close()
 
 
 def broken_checkpoints(tmp: Path) -> dict[str, Path]:
@@ -126,85 +118,73 @@ def broken_checkpoints(tmp: Path) -> dict[str, Path]:
     return out
 
 
-def test_bad_models_give_clear_errors_and_leave_the_cache_intact(
+async def test_bad_models_give_clear_errors_and_leave_the_cache_intact(
     start: Start, tmp_path: Path
 ) -> None:
     broken = broken_checkpoints(tmp_path)
     cm = start({"a": checkpoint(0), **broken})
-
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        await client.register()
-        await client.load_model("a")
-        before, segments = await client.stats(), shm_segments(cm.prefix)
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    await client.register()
+    await client.load_model("a")
+    before, segments = await client.stats(), shm_segments(cm.prefix)
+    with pytest.raises(RemoteError) as err:
+        await client.load_model("nope")
+    assert err.value.code == "unknown_model" and "'nope'" in str(err.value)
+    expect = {
+        "missing": "missing file",
+        "truncated": "model.safetensors",
+        "garbage": "corrupt safetensors header",
+        "noconfig": "config.json",
+    }
+    for name, words in expect.items():
         with pytest.raises(RemoteError) as err:
-            await client.load_model("nope")
-        assert err.value.code == "unknown_model" and "'nope'" in str(err.value)
-        expect = {
-            "missing": "missing file",
-            "truncated": "model.safetensors",
-            "garbage": "corrupt safetensors header",
-            "noconfig": "config.json",
-        }
-        for name, words in expect.items():
-            with pytest.raises(RemoteError) as err:
-                await client.load_model(name)
-            assert err.value.code == "checkpoint_error", err.value
-            assert words in str(err.value) and str(broken[name]) in str(err.value)
-        after = await client.stats()
-        assert after.model_cache.models == before.model_cache.models
-        assert after.model_cache.used_bytes == before.model_cache.used_bytes
-        assert after.model_cache.loading == []
-        assert shm_segments(cm.prefix) == segments
-        await client.close()
-
-    asyncio.run(go())
+            await client.load_model(name)
+        assert err.value.code == "checkpoint_error", err.value
+        assert words in str(err.value) and str(broken[name]) in str(err.value)
+    after = await client.stats()
+    assert after.model_cache.models == before.model_cache.models
+    assert after.model_cache.used_bytes == before.model_cache.used_bytes
+    assert after.model_cache.loading == []
+    assert shm_segments(cm.prefix) == segments
+    await client.close()
 
 
-def test_concurrent_loads_share_one_load_while_serving(start: Start) -> None:
+async def test_concurrent_loads_share_one_load_while_serving(start: Start) -> None:
     big = checkpoint(3, hidden=512, layers=4, vocab=8192, intermediate=1408)
     cm = start({"big": big}, model_cache="256MiB")
-
-    async def go() -> None:
-        clients = [CacheClient(cm.config.cachemgr_address, f"w{i}") for i in range(3)]
-        for client in clients:
-            await client.register()
-        loads = [asyncio.create_task(c.load_model("big")) for c in clients[:2]]
-        seen_loading = 0
-        while not all(t.done() for t in loads):
-            stats = await clients[2].stats()  # answered while the load runs
-            seen_loading += stats.model_cache.loading == ["big"]
-        first, second = [t.result() for t in loads]
-        assert seen_loading > 0
-        assert first.region.name == second.region.name and not first.hit and not second.hit
-        stats = await clients[2].stats()
-        assert stats.model_cache.num_loads == 1 and resident(stats) == {"big": 2}
-        assert torch.equal(first.data, second.data)
-        for client in clients:
-            await client.close()
-
-    asyncio.run(go())
+    clients = [CacheClient(cm.config.cachemgr_address, f"w{i}") for i in range(3)]
+    for client in clients:
+        await client.register()
+    loads = [asyncio.create_task(c.load_model("big")) for c in clients[:2]]
+    seen_loading = 0
+    while not all(t.done() for t in loads):
+        stats = await clients[2].stats()  # answered while the load runs
+        seen_loading += stats.model_cache.loading == ["big"]
+    first, second = [t.result() for t in loads]
+    assert seen_loading > 0
+    assert first.region.name == second.region.name and not first.hit and not second.hit
+    stats = await clients[2].stats()
+    assert stats.model_cache.num_loads == 1 and resident(stats) == {"big": 2}
+    assert torch.equal(first.data, second.data)
+    for client in clients:
+        await client.close()
 
 
-def test_prewarm_fills_the_budget_without_evicting(start: Start) -> None:
+async def test_prewarm_fills_the_budget_without_evicting(start: Start) -> None:
     paths = {"a": checkpoint(0), "b": checkpoint(1)}
     size = weight_layout(ModelSpec.from_dir(paths["a"]), "bfloat16").total_bytes
     cm = start(paths, model_cache=int(1.5 * size), prewarm=["*"])
-
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        for _ in range(200):
-            stats = await client.stats()
-            if stats.model_cache.models and not stats.model_cache.loading:
-                break
-            await asyncio.sleep(0.01)
-        assert list(resident(stats)) == ["a"] and stats.model_cache.num_evictions == 0
-        await client.close()
-
-    asyncio.run(go())
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    for _ in range(200):
+        stats = await client.stats()
+        if stats.model_cache.models and not stats.model_cache.loading:
+            break
+        await asyncio.sleep(0.01)
+    assert list(resident(stats)) == ["a"] and stats.model_cache.num_evictions == 0
+    await client.close()
 
 
-def test_models_come_and_go_and_operator_pins_hold_them() -> None:
+async def test_models_come_and_go_and_operator_pins_hold_them() -> None:
     """Model lifecycle on the Model Cache itself (in process): a model registered at run
     time loads in the background with its progress known, an operator pin survives LRU
     pressure, a forgotten model leaves once its last worker pin goes."""
@@ -216,37 +196,33 @@ def test_models_come_and_go_and_operator_pins_hold_them() -> None:
 
     paths = {name: checkpoint(seed) for seed, name in enumerate("abc")}
     nbytes = plan_model("a", paths["a"], "bfloat16").nbytes
-
-    async def go() -> None:
-        with ThreadPoolExecutor(2) as pool:
-            cache = ModelCache({"a": paths["a"]}, "bfloat16", 2 * nbytes + 100, "aegaeon-t-",
-                               pool)  # fmt: skip
-            try:
-                with pytest.raises(CacheError, match="unknown model 'b'"):
-                    cache.ensure_loading("b", pin=True)
-                cache.register("b", paths["b"])
-                cache.ensure_loading("b", pin=True)  # in the background
-                assert 0.0 <= cache.progress("b") < 1.0 and "b" in cache.stats().progress
-                entry, _ = await cache.acquire("b", "w0", pin=False)
-                assert cache.progress("b") == 1.0 and entry.pins == {OPERATOR: 1}
-                await cache.acquire("a", "w0", pin=False)
-                cache.register("c", paths["c"])
-                await cache.acquire("c", "w0", pin=False)  # room: a goes (LRU), b is pinned
-                assert [m.name for m in cache.stats().models] == ["b", "c"]
-                assert cache.stats().operator_pinned == ["b"]
-                cache.set_pinned("b", False)
-                await cache.acquire("c", "w0", pin=True)  # a worker reads c
-                assert not cache.forget("c")  # pinned by w0: it stays until unpinned
-                assert "c" not in cache.stats().known
-                with pytest.raises(CacheError, match="unknown model 'c'"):
-                    await cache.acquire("c", "w1", pin=False)
-                cache.unpin("c", "w0")
-                assert [m.name for m in cache.stats().models] == ["b"]
-                assert cache.forget("b") and cache.stats().models == []
-            finally:
-                cache.close()
-
-    asyncio.run(go())
+    with ThreadPoolExecutor(2) as pool:
+        cache = ModelCache({"a": paths["a"]}, "bfloat16", 2 * nbytes + 100, "aegaeon-t-",
+                           pool)  # fmt: skip
+        try:
+            with pytest.raises(CacheError, match="unknown model 'b'"):
+                cache.ensure_loading("b", pin=True)
+            cache.register("b", paths["b"])
+            cache.ensure_loading("b", pin=True)  # in the background
+            assert 0.0 <= cache.progress("b") < 1.0 and "b" in cache.stats().progress
+            entry, _ = await cache.acquire("b", "w0", pin=False)
+            assert cache.progress("b") == 1.0 and entry.pins == {OPERATOR: 1}
+            await cache.acquire("a", "w0", pin=False)
+            cache.register("c", paths["c"])
+            await cache.acquire("c", "w0", pin=False)  # room: a goes (LRU), b is pinned
+            assert [m.name for m in cache.stats().models] == ["b", "c"]
+            assert cache.stats().operator_pinned == ["b"]
+            cache.set_pinned("b", False)
+            await cache.acquire("c", "w0", pin=True)  # a worker reads c
+            assert not cache.forget("c")  # pinned by w0: it stays until unpinned
+            assert "c" not in cache.stats().known
+            with pytest.raises(CacheError, match="unknown model 'c'"):
+                await cache.acquire("c", "w1", pin=False)
+            cache.unpin("c", "w0")
+            assert [m.name for m in cache.stats().models] == ["b"]
+            assert cache.forget("b") and cache.stats().models == []
+        finally:
+            cache.close()
 
 
 def test_in_memory_entries_are_generated_in_the_region_at_every_load(start: Start,
@@ -301,7 +277,7 @@ def test_in_memory_entries_are_generated_in_the_region_at_every_load(start: Star
     assert sorted(str(p) for p in market.rglob("*")) == files_before  # nothing written
 
 
-def test_an_unreadable_checkpoint_is_quarantined_and_a_reload_brings_it_back(
+async def test_an_unreadable_checkpoint_is_quarantined_and_a_reload_brings_it_back(
     start: Start, tmp_path: Path
 ) -> None:
     """A market whose ``market.json`` records each file (size, sha256): a truncated file
@@ -329,46 +305,42 @@ def test_an_unreadable_checkpoint_is_quarantined_and_a_reload_brings_it_back(
     tensor = swap_a_shape(weights["shape"])
     flip_a_byte(weights["flipped"])
     cm = start({n: market / n for n in names}, market=market)
-
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        await client.register()
-        unavailable = (await client.stats()).model_cache.unavailable
-        assert unavailable == {
-            "truncated": f"{weights['truncated']}: 4096 bytes, market.json records "
-                         f"{checkpoint(1).joinpath('model.safetensors').stat().st_size}",
-            "shape": unavailable["shape"],
-        }  # fmt: skip
-        assert f"{weights['shape']}: {tensor}: wrong shape" in unavailable["shape"]
-        await client.load_model("good")
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    await client.register()
+    unavailable = (await client.stats()).model_cache.unavailable
+    assert unavailable == {
+        "truncated": f"{weights['truncated']}: 4096 bytes, market.json records "
+                     f"{checkpoint(1).joinpath('model.safetensors').stat().st_size}",
+        "shape": unavailable["shape"],
+    }  # fmt: skip
+    assert f"{weights['shape']}: {tensor}: wrong shape" in unavailable["shape"]
+    await client.load_model("good")
+    with pytest.raises(RemoteError) as err:
+        await client.load_model("flipped")  # its first load: the digest differs
+    assert err.value.code == "checkpoint_error"
+    assert f"{weights['flipped']}: content differs from what market.json records" in str(
+        err.value)
+    for name in ("truncated", "shape", "flipped"):  # refused, the disk not read again
         with pytest.raises(RemoteError) as err:
-            await client.load_model("flipped")  # its first load: the digest differs
-        assert err.value.code == "checkpoint_error"
-        assert f"{weights['flipped']}: content differs from what market.json records" in str(
-            err.value)
-        for name in ("truncated", "shape", "flipped"):  # refused, the disk not read again
-            with pytest.raises(RemoteError) as err:
-                await client.load_model(name)
-            assert err.value.code == "checkpoint_error" and str(weights[name]) in str(err.value)
-        stats = (await client.stats()).model_cache
-        assert sorted(stats.unavailable) == ["flipped", "shape", "truncated"]
-        assert [m.name for m in stats.models] == ["good"] and stats.loading == []
-        # restored: a reload reads it (and checks its digests) again; the others stay out
-        weights["flipped"].write_bytes(kept)
-        rpc = client._rpc
-        reply = await rpc.call(ReloadModel("flipped", str(market / "flipped")), 30.0)
-        assert reply == ModelReloaded("flipped", resident=True)
-        assert (await client.load_model("flipped")).hit
-        with pytest.raises(RemoteError) as err:
-            await rpc.call(ReloadModel("truncated", str(market / "truncated")), 30.0)
-        assert err.value.code == "checkpoint_error" and "4096 bytes" in str(err.value)
-        assert sorted((await client.stats()).model_cache.unavailable) == ["shape", "truncated"]
-        await client.close()
-
-    asyncio.run(go())
+            await client.load_model(name)
+        assert err.value.code == "checkpoint_error" and str(weights[name]) in str(err.value)
+    stats = (await client.stats()).model_cache
+    assert sorted(stats.unavailable) == ["flipped", "shape", "truncated"]
+    assert [m.name for m in stats.models] == ["good"] and stats.loading == []
+    # restored: a reload reads it (and checks its digests) again; the others stay out
+    weights["flipped"].write_bytes(kept)
+    rpc = client._rpc
+    reply = await rpc.call(ReloadModel("flipped", str(market / "flipped")), 30.0)
+    assert reply == ModelReloaded("flipped", resident=True)
+    assert (await client.load_model("flipped")).hit
+    with pytest.raises(RemoteError) as err:
+        await rpc.call(ReloadModel("truncated", str(market / "truncated")), 30.0)
+    assert err.value.code == "checkpoint_error" and "4096 bytes" in str(err.value)
+    assert sorted((await client.stats()).model_cache.unavailable) == ["shape", "truncated"]
+    await client.close()
 
 
-def test_a_broken_lora_adapter_is_quarantined_alone_and_a_reload_keeps_its_base(
+async def test_a_broken_lora_adapter_is_quarantined_alone_and_a_reload_keeps_its_base(
     start: Start, tmp_path: Path
 ) -> None:
     """LoRA adapters' files are recorded by ``market add`` as a model's are: a truncated
@@ -396,26 +368,22 @@ def test_a_broken_lora_adapter_is_quarantined_alone_and_a_reload_keeps_its_base(
     nbytes = adapter_layout(AdapterSpec.from_dir(paths["good"], ModelSpec.from_dir(
         checkpoint(0))), "bfloat16").total_bytes
     cm = start(paths, market=market, bases=dict.fromkeys(("good", "cut", "flipped"), "base"))
-
-    async def go() -> None:
-        client = CacheClient(cm.config.cachemgr_address, "w0")
-        await client.register()
-        unavailable = (await client.stats()).model_cache.unavailable
-        assert list(unavailable) == ["cut"] and str(files["cut"]) in unavailable["cut"]
-        await client.load_model("base")
-        assert (await client.load_model("good")).nbytes == nbytes
-        with pytest.raises(RemoteError) as err:
-            await client.load_model("flipped")
-        assert err.value.code == "checkpoint_error"
-        assert f"{files['flipped']}: content differs from what market.json records" in str(
-            err.value)
-        assert sorted((await client.stats()).model_cache.unavailable) == ["cut", "flipped"]
-        files["flipped"].write_bytes(kept)
-        reply = await client._rpc.call(ReloadModel("flipped", str(paths["flipped"])), 30.0)
-        assert reply == ModelReloaded("flipped", resident=True)
-        model = await client.load_model("flipped")
-        assert model.hit and model.nbytes == nbytes  # an adapter still: its base kept
-        assert sorted((await client.stats()).model_cache.unavailable) == ["cut"]
-        await client.close()
-
-    asyncio.run(go())
+    client = CacheClient(cm.config.cachemgr_address, "w0")
+    await client.register()
+    unavailable = (await client.stats()).model_cache.unavailable
+    assert list(unavailable) == ["cut"] and str(files["cut"]) in unavailable["cut"]
+    await client.load_model("base")
+    assert (await client.load_model("good")).nbytes == nbytes
+    with pytest.raises(RemoteError) as err:
+        await client.load_model("flipped")
+    assert err.value.code == "checkpoint_error"
+    assert f"{files['flipped']}: content differs from what market.json records" in str(
+        err.value)
+    assert sorted((await client.stats()).model_cache.unavailable) == ["cut", "flipped"]
+    files["flipped"].write_bytes(kept)
+    reply = await client._rpc.call(ReloadModel("flipped", str(paths["flipped"])), 30.0)
+    assert reply == ModelReloaded("flipped", resident=True)
+    model = await client.load_model("flipped")
+    assert model.hit and model.nbytes == nbytes  # an adapter still: its base kept
+    assert sorted((await client.stats()).model_cache.unavailable) == ["cut"]
+    await client.close()

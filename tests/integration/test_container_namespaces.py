@@ -31,8 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,8 +41,9 @@ import psutil
 import pytest
 import yaml
 from aegaeon_bench.node.launch import free_port
+from http_support import Samples, call_json, get_json, get_text, metric_samples
 from market_support import market_cache
-from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import until
 
 LAUNCHER = Path(__file__).with_name("namespace_launcher.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -134,26 +133,18 @@ class Node:
         while time.monotonic() < deadline:
             assert service.proc.poll() is None, f"{name} exited:\n{service.tail()}"
             try:
-                with urllib.request.urlopen(f"{self.url(name)}/ready", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
+                if get_text(f"{self.url(name)}/ready")[0] == 200:
+                    return
             except (OSError, ValueError, KeyError):
                 pass
             time.sleep(0.3)
         raise AssertionError(f"{name} not ready in {READY_S:g} s:\n{service.tail()}")
 
     def get(self, name: str, path: str) -> Any:
-        with urllib.request.urlopen(f"{self.url(name)}{path}", timeout=30) as resp:
-            body = resp.read()
-        return json.loads(body) if path != "/metrics" else body.decode()
+        return get_json(f"{self.url(name)}{path}")
 
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _metrics(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    def metrics(self, name: str) -> Samples:
+        return metric_samples(f"{self.url(name)}/metrics")
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +206,9 @@ def node(market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nod
 def _complete(node: Node, model: str, k: int) -> dict[str, Any]:
     body = {"model": model, "prompt": f"request {k}: once upon a time", "temperature": 0,
             "max_tokens": MAX_TOKENS, "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(f"{node.url('proxy')}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return out
+    status, out = call_json(node.url("proxy"), "POST", "/v1/completions", body)
+    assert status == 200, out
+    return dict(out)
 
 
 def test_namespace_boundaries_serve_hand_off_and_leave_nothing(node: Node) -> None:
@@ -241,7 +229,7 @@ def test_namespace_boundaries_serve_hand_off_and_leave_nothing(node: Node) -> No
     assert not Path(f"/proc/{inner['decode-0'].pid}/root/tmp/aegaeon-ns-probe").exists()
 
     models = [m["id"] for m in node.get("proxy", "/v1/models")["data"]]
-    before: Samples = _metrics(node.get("cachemgr", "/metrics"))
+    before = node.metrics("cachemgr")
     with ThreadPoolExecutor(max_workers=6) as pool:
         done = list(pool.map(lambda k: _complete(node, models[k % len(models)], k),
                              range(REQUESTS)))  # fmt: skip
@@ -251,23 +239,17 @@ def test_namespace_boundaries_serve_hand_off_and_leave_nothing(node: Node) -> No
         stats = node.get("proxy", "/v1/aegaeon/stats?light=1")
         held = [(i["name"], i["kv_blocks_in_use"], i["open_sequences"])
                 for i in stats["instances"]]  # fmt: skip
-        after = _metrics(node.get("cachemgr", "/metrics"))
+        after = node.metrics("cachemgr")
         owned = sum(v for (n, _), v in after.items() if n == "aegaeon_kv_blocks_owned")
         moving = after[("aegaeon_kv_cache_move_list_blocks", ())]
         if stats["open_requests"] or any(b or s for _, b, s in held) or owned or moving:
             return None
         return after
 
-    deadline = time.monotonic() + 30
-    after = settled()
-    while after is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-        after = settled()
-    assert after is not None, "blocks or sequences still held after every request ended"
+    after: Samples = until("no block or sequence held after every request ended", settled, 30)
 
     def count(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
-        assert after is not None
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     failed_frees = sum(v - before.get(k, 0.0) for k, v in after.items()

@@ -8,17 +8,13 @@ nothing is left running or mapped afterwards.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
-import psutil
 import pytest
+from gpu_check_support import assert_work_gone, dry_run
 from market_support import market_cache
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["install", "imports", "probe", "market", "gpu_tests", "namespaces", "tensor_parallel",
          "bench_engine", "bench_switch", "fp8_model", "fp8_switch", "serve", "leaks"]  # fmt: skip
 STATUSES = {"ok", "failed", "timeout", "error", "skipped"}
@@ -33,15 +29,9 @@ def small_market(pytestconfig: pytest.Config) -> Path:
 def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
                                                        small_market: Path) -> None:
     out = tmp_path / "out"
-    env = dict(os.environ, AEGAEON_PYTHON=sys.executable)
-    env.pop("OUT", None)
-    argv = ["bash", str(ROOT / "scripts" / "gpu-check"), "--dry-run", "--out", str(out),
-            "--market", str(small_market)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=450,
-                          check=False)
+    proc, summary = dry_run(out, "--market", str(small_market), timeout_s=450)
     console = proc.stdout + proc.stderr
-    summary = json.loads((out / "gpu-check.json").read_text())
-    steps = {s["name"]: s for s in summary["steps"]}
+    steps = summary["steps"]
     assert list(steps) == STEPS, console[-3000:]
     for step in steps.values():
         assert step["status"] in STATUSES
@@ -72,10 +62,4 @@ def test_dry_run_records_every_step_and_leaves_nothing(tmp_path: Path,
         names = tar.getnames()
     assert "logs/serve-run/proxy.log" in names and "logs/gpu-tests.xml" in names
 
-    # the work folder is gone and nothing of it runs
-    work = next(line.split(" work in ")[1].strip() for line in proc.stdout.splitlines()
-                if " work in " in line)
-    assert not Path(work).exists()
-    running = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-               if any(work in part or str(out) in part for part in p.info["cmdline"] or [])]
-    assert running == []
+    assert_work_gone(proc.stdout, str(out))

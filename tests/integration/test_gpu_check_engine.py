@@ -10,26 +10,15 @@ left running. Its numbers are a CPU's: only their presence is checked.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from gpu_check_support import dry_run
 
 
 def test_engine_dry_run_writes_its_section(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    env = dict(os.environ, AEGAEON_PYTHON=sys.executable)
-    env.pop("OUT", None)
-    argv = ["bash", str(ROOT / "scripts" / "gpu-check"), "--scenario", "engine", "--dry-run",
-            "--out", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
+    proc, summary = dry_run(tmp_path / "out", "--scenario", "engine", timeout_s=300)
     console = proc.stdout + proc.stderr
-    summary = json.loads((out / "gpu-check.json").read_text())
-    steps = {s["name"]: s for s in summary["steps"]}
+    steps = summary["steps"]
     assert list(steps) == ["install", "probe", "engine_bench", "fp8_switch", "leaks"], console
     assert steps["engine_bench"]["status"] == "ok", steps["engine_bench"].get("error")
     assert proc.returncode == 0 and summary["scenario"] == "engine", console[-3000:]

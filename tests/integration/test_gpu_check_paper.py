@@ -15,32 +15,22 @@ the GPU's (nor how fast this machine is).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
-import psutil
+from gpu_check_support import assert_work_gone, dry_run
 
-ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("aegaeon", "request-level-charged", "request-level", "static-mux")
 MAX_FILES = 8  # what the device tool brings back from one run
 
 
 def test_paper_dry_run_measures_every_policy(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = dict(os.environ, AEGAEON_PYTHON=sys.executable)
-    env.pop("OUT", None)
     # one second of arrivals per rate (the dry run's default is 4): what is checked is that
     # every policy runs and is recorded, which the plan's least requests per run give
-    argv = ["bash", str(ROOT / "scripts" / "gpu-check"), "--scenario", "paper", "--dry-run",
-            "--paper-load-s", "1", "--out", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900,
-                          check=False)
+    proc, summary = dry_run(out, "--scenario", "paper", "--paper-load-s", "1", timeout_s=900)
     console = proc.stdout + proc.stderr
-    summary = json.loads((out / "gpu-check.json").read_text())
-    steps = {s["name"]: s for s in summary["steps"]}
+    steps = summary["steps"]
     names = list(steps)
     assert names[:3] == ["install", "paper_models", "paper_plan"], names
     assert names[-2:] == ["paper_predict", "leaks"], names
@@ -109,10 +99,4 @@ def test_paper_dry_run_measures_every_policy(tmp_path: Path) -> None:
     assert any(n.startswith("logs/paper_request-level-charged-r0-trace.jsonl") for n in members)
     assert "paper:" in proc.stdout and "sustainable at 90%" in proc.stdout
     assert "simulated:" in proc.stdout
-
-    work = next(line.split(" work in ")[1].strip() for line in proc.stdout.splitlines()
-                if " work in " in line)
-    assert not Path(work).exists()
-    running = [p.info for p in psutil.process_iter(["pid", "cmdline"])
-               if any(work in part for part in p.info["cmdline"] or [])]
-    assert running == []
+    assert_work_gone(proc.stdout)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from aegaeon_bench.switch.check import greedy_tokens
 from aegaeon_bench.switch.rig import Rig, RigSizes, switch_rig
-from aegaeon_engine import DecodeSeq
 
 MiB = 1 << 20
 
@@ -25,23 +25,6 @@ def rig(default_market: Path) -> Iterator[Rig]:
     )  # fmt: skip
     with switch_rig(models, "bfloat16", sizes) as running:
         yield running
-
-
-def _greedy(rig: Rig, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens from the worker's engine as it is bound now."""
-    w = rig.worker
-    model = w.switcher.active_model
-    assert model is not None
-    shape = w.kv_shape(model)
-    blocks = w.kv.alloc(shape, shape.blocks_for(len(prompt) + n))
-    try:
-        out = [int(w.engine.prefill(prompt, blocks).argmax())]
-        for i in range(n - 1):
-            logits = w.engine.decode([DecodeSeq(out[-1], len(prompt) + i, blocks)])
-            out.append(int(logits[0].argmax()))
-        return out
-    finally:
-        w.kv.free(shape, blocks)
 
 
 def _region_bytes(rig: Rig, name: str) -> torch.Tensor:
@@ -66,7 +49,7 @@ def test_prefetched_switches_and_tokens_match_a_fresh_load(rig: Rig) -> None:
     switcher = rig.worker.switcher
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     switcher.activate("llama-gqa-5m")
-    fresh = _greedy(rig, prompt, 12)
+    fresh = greedy_tokens(rig.worker, prompt, 12)
     order = ["mistral-11m", "qwen2-19m", "llama-gqa-5m", "qwen2-19m", "mistral-11m",
              "llama-gqa-5m"]  # fmt: skip
     moves = switcher.num_promotions + switcher.num_placed_below
@@ -78,7 +61,7 @@ def test_prefetched_switches_and_tokens_match_a_fresh_load(rig: Rig) -> None:
         assert active is not None
         view = rig.worker.buffer.view(active.allocation.offset, active.allocation.nbytes)
         assert torch.equal(view, _region_bytes(rig, name))
-    assert _greedy(rig, prompt, 12) == fresh
+    assert greedy_tokens(rig.worker, prompt, 12) == fresh
     # The small arena forced placements below the active model and promotions;
     # every prefetched model landed intact all the same (checked above).
     assert switcher.num_promotions + switcher.num_placed_below > moves
@@ -108,7 +91,7 @@ def test_a_sleeping_model_leaves_the_device_and_comes_back_intact(rig: Rig) -> N
     switcher = w.switcher
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     switcher.activate("llama-gqa-5m")
-    fresh = _greedy(rig, prompt, 8)
+    fresh = greedy_tokens(rig.worker, prompt, 8)
     version = switcher.residency_version
 
     def sleep(name: str, busy: bool = False) -> list[str]:
@@ -122,13 +105,13 @@ def test_a_sleeping_model_leaves_the_device_and_comes_back_intact(rig: Rig) -> N
     assert sleep("llama-gqa-5m") == []  # asleep already: nothing changes
     awake = set_awake(w, SetModelAwake("llama-gqa-5m", True), lambda m: False, idle=True)
     assert awake.resident_models == ["llama-gqa-5m"]
-    assert _greedy(rig, prompt, 8) == fresh
+    assert greedy_tokens(rig.worker, prompt, 8) == fresh
     # busy with another model: a wake prefetches it; a sleep cancels that prefetch
     awake = set_awake(w, SetModelAwake("mistral-11m", True), lambda m: True, idle=False)
     assert awake.resident_models == ["llama-gqa-5m", "mistral-11m"]
     assert sleep("mistral-11m") == ["llama-gqa-5m"]
     assert switcher.prefetched_model() is None
-    assert _greedy(rig, prompt, 8) == fresh  # the active model was left alone
+    assert greedy_tokens(rig.worker, prompt, 8) == fresh  # the active model was left alone
     # unknown names are ignored
     assert sleep("nope") == ["llama-gqa-5m"]
 
@@ -142,7 +125,7 @@ def test_two_models_that_fit_together_stop_being_copied(rig: Rig) -> None:
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     switcher.activate("qwen2-19m")  # clear the arena of the others' bytes
     switcher.activate("llama-gqa-5m")
-    fresh = _greedy(rig, prompt, 8)
+    fresh = greedy_tokens(rig.worker, prompt, 8)
     records = []
     for name in ["mistral-11m", "llama-gqa-5m"] * 3:
         assert switcher.prefetch(name)
@@ -156,12 +139,12 @@ def test_two_models_that_fit_together_stop_being_copied(rig: Rig) -> None:
     # the first of each was copied (llama's from below the active model); then neither
     assert [r.resident for r in records] == [False, True, True, True, True, True]
     assert all(r.load_s == 0.0 for r in records[1:])
-    assert _greedy(rig, prompt, 8) == fresh
+    assert greedy_tokens(rig.worker, prompt, 8) == fresh
     record = switcher.activate("qwen2-19m")  # overwrites them: copied again after
     assert record is not None and not record.resident
     record = switcher.activate("llama-gqa-5m")
     assert record is not None and not record.resident and record.load_s > 0
-    assert _greedy(rig, prompt, 8) == fresh
+    assert greedy_tokens(rig.worker, prompt, 8) == fresh
 
 
 def test_static_mux_keeps_both_models_without_prefetch(rig: Rig) -> None:
@@ -177,7 +160,7 @@ def test_static_mux_keeps_both_models_without_prefetch(rig: Rig) -> None:
         assert all(r is not None and not r.prefetched for r in records)
         assert [r.resident for r in records if r is not None] == [False, False, True, True,
                                                                   True, True]  # fmt: skip
-        fresh = _greedy(rig, prompt, 8)
+        fresh = greedy_tokens(rig.worker, prompt, 8)
         active = switcher.active
         assert active is not None and active.allocation is not None
         view = rig.worker.buffer.view(active.allocation.offset, active.allocation.nbytes)
@@ -196,4 +179,4 @@ def test_static_mux_keeps_both_models_without_prefetch(rig: Rig) -> None:
     assert switcher.active.allocation is not None and switcher.active.allocation.offset == 0
     assert not record.resident  # qwen2-19m's copy went over it
     switcher.activate("mistral-11m")
-    assert _greedy(rig, prompt, 8) == fresh
+    assert greedy_tokens(rig.worker, prompt, 8) == fresh

@@ -43,44 +43,40 @@ def certificate(tmp_path: Path) -> Path:
     return secret
 
 
-def test_only_holders_of_the_certificate_get_through(certificate: Path) -> None:
+async def test_only_holders_of_the_certificate_get_through(certificate: Path) -> None:
     address = f"tcp://127.0.0.1:{_port()}"
     public, _ = zmq.auth.load_certificate(str(certificate))
+    configure_security(certificate)
+    try:
+        ctx = zmq.asyncio.Context()
 
-    async def main() -> None:
-        configure_security(certificate)
-        try:
-            ctx = zmq.asyncio.Context()
+        async def handler(msg: Message) -> Message:
+            return ErrorReply("ok", msg.TAG)
 
-            async def handler(msg: Message) -> Message:
-                return ErrorReply("ok", msg.TAG)
-
-            server = RpcServer(ctx, address, REQUESTS, handler)
-            serving = asyncio.create_task(server.serve_forever())
-            client = RpcClient(ctx, address, REPLIES)  # holds the certificate
-            with pytest.raises(RemoteError, match="ok"):  # the handler's typed answer
-                await client.call(GetStats(), timeout_s=10.0)
-            for keys in (None, zmq.curve_keypair()):  # no CURVE; a stranger's key pair
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                if keys is not None:
-                    sock.curve_publickey, sock.curve_secretkey = keys
-                    sock.curve_serverkey = public  # even knowing the server's public key
-                sock.connect(address)
-                await sock.send_multipart([struct.pack("<Q", 1), encode(GetStats())])
-                with pytest.raises(TimeoutError):
-                    await asyncio.wait_for(sock.recv_multipart(), 1.5)
-                sock.close(0)
-            assert server.num_requests == 1
-            serving.cancel()
-            client.close()
-            server.close()
-            release_security(ctx)
-            await asyncio.wait_for(asyncio.to_thread(ctx.term), 10.0)  # does not hang
-        finally:
-            configure_security(None)
-
-    asyncio.run(main())
+        server = RpcServer(ctx, address, REQUESTS, handler)
+        serving = asyncio.create_task(server.serve_forever())
+        client = RpcClient(ctx, address, REPLIES)  # holds the certificate
+        with pytest.raises(RemoteError, match="ok"):  # the handler's typed answer
+            await client.call(GetStats(), timeout_s=10.0)
+        for keys in (None, zmq.curve_keypair()):  # no CURVE; a stranger's key pair
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                sock.curve_publickey, sock.curve_secretkey = keys
+                sock.curve_serverkey = public  # even knowing the server's public key
+            sock.connect(address)
+            await sock.send_multipart([struct.pack("<Q", 1), encode(GetStats())])
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sock.recv_multipart(), 1.5)
+            sock.close(0)
+        assert server.num_requests == 1
+        serving.cancel()
+        client.close()
+        server.close()
+        release_security(ctx)
+        await asyncio.wait_for(asyncio.to_thread(ctx.term), 10.0)  # does not hang
+    finally:
+        configure_security(None)
 
 
 def test_a_certificate_without_its_secret_is_refused(certificate: Path) -> None:

@@ -21,9 +21,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aegaeon_common.config import BaselineConfig, Config, SchedulerConfig, SLOConfig
 from aegaeon_common.messages.decode import EnqueueDecode
-from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, SamplingParams
+from aegaeon_common.messages.structs import KVHandoff, KVShapeSpec, LatencyProfile, SamplingParams
 from aegaeon_engine import ModelSpec, RopeSpec, weight_layout
 from aegaeon_runtime.grammar import ModelVocab
 from aegaeon_runtime.metrics import WorkerMetrics
@@ -31,7 +32,8 @@ from aegaeon_sched import SHARED, LatencyModel
 from aegaeon_sched import ModelSpec as SchedSpec
 from aegaeon_sim.worker import BLOCK_SIZE, VOCAB, AdvancingClock, FakeClock, SimWorker, token_at
 
-__all__ = ["FakeClock", "FakeWorker", "Outbox", "TimedInbox", "latency_model", "token_at"]
+__all__ = ["FakeClock", "FakeWorker", "Outbox", "TimedInbox", "latency_model", "latency_profile",
+           "run_loop", "token_at"]
 
 DTYPE = "float32"
 
@@ -67,6 +69,11 @@ def latency_model(
         lat.set_decode_coefficients(m, (step_const_s / layer, 0.0, step_per_seq_s / layer))
         lat.set_prefill_coefficients(m, (prefill_per_token_s / layer, 0.0, 0.0))
     return lat
+
+
+def latency_profile(models: Sequence[str], **round_numbers: float) -> LatencyProfile:
+    """:func:`latency_model` as an instance's hello carries it (and its registry record)."""
+    return msgspec.convert(latency_model(models, **round_numbers).to_dict(), LatencyProfile)
 
 
 class FakeWorker(SimWorker):
@@ -178,3 +185,16 @@ class TimedInbox:
         if nxt > self.clock.now():
             self.clock.t = min(nxt, self.clock.now() + timeout_s)
         return self.drain()
+
+
+def run_loop(loop_class: Any, worker: FakeWorker, timed: Sequence[tuple[float, Any]],
+             *args: Any, **kwargs: Any) -> tuple[Any, Outbox]:  # fmt: skip
+    """A ``loop_class`` (``PrefillLoop``, ``DecodeLoop``) on ``worker`` run until it idles
+    with nothing left in ``timed``; its profile: a copy of the worker's true latency
+    model (``loop.latency``, what it learns into)."""
+    inbox, outbox = TimedInbox(worker.clock, timed), Outbox()
+    estimator = LatencyModel.from_dict(worker.truth.to_dict())
+    loop = loop_class(worker, inbox, outbox, *args, clock=worker.clock,
+                      profile=lambda: estimator, **kwargs)  # fmt: skip
+    loop.run(inbox.stop)
+    return loop, outbox

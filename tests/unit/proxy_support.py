@@ -10,7 +10,8 @@ import asyncio
 import json
 import os
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from aegaeon_bench.node.http_client import sse_payloads
 from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_common.messages.structs import TokenLogprobs
+from aegaeon_common.registry import INSTANCES, InstanceRecord, encode, instance_key
+from aegaeon_common.store import Store
 from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
     Backend,
@@ -47,6 +50,7 @@ def market_dir() -> Path:
 
 
 MODEL = "llama-gqa-5m"
+Client = TestClient[Any, Any]  # the scripted proxy's client (the `client` fixture)
 
 
 class ScriptedBackend(Backend):
@@ -154,23 +158,34 @@ def scripted_logprobs(token_id: int, k: int) -> TokenLogprobs:
                          [-j / 10 for j in range(k)], 1)
 
 
-Scenario = Callable[[TestClient[Any, Any], ScriptedBackend, Any], Awaitable[None]]
+def scripted_config(market: Path, **proxy: Any) -> Config:
+    """The scripted proxy's config: one model of ``market``, these ``ProxyConfig`` fields."""
+    return Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(**proxy))
 
 
-def run(market: Path, scenario: Scenario, **proxy: Any) -> None:
-    config = Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(**proxy))
-    backend = ScriptedBackend()
-
-    async def main() -> None:
-        app = make_app(config, backend)
-        async with TestClient(TestServer(app)) as client:
-            tok = await app[next(iter(app.keys()))].assets.get(MODEL)  # type: ignore[attr-defined]
-            await scenario(client, backend, tok)
-
-    asyncio.run(main())
+@asynccontextmanager
+async def front(config: Config, backend: Backend) -> AsyncIterator[TestClient[Any, Any]]:
+    """A client of the HTTP front of ``config`` over ``backend``, stopped on the way out."""
+    async with TestClient(TestServer(make_app(config, backend))) as client:
+        yield client
 
 
 async def sse_chunks(resp: Any) -> list[Any]:
     """A streamed answer's events as JSON, ``[DONE]`` left off, its framing checked
     (``sse_payloads``: one ``data: `` line an event, ``[DONE]`` last)."""
     return [json.loads(payload) for payload in sse_payloads(await resp.read())]
+
+
+def instance_record(node: str, kind: str, index: int = 0, **fields: Any) -> InstanceRecord:
+    """The store's record of ``{node}/{kind}-{index}`` (model ``m``; ``fields`` set the rest)."""
+    return InstanceRecord(**{  # type: ignore[arg-type]
+        "v": 1, "instance_id": f"{node}/{kind}-{index}", "node": node, "kind": kind,
+        "index": index, "address": "tcp://127.0.0.1:1", "incarnation": 1, "pid": 1,
+        "capacity_tokens": {"m": 100}, "max_batch_size": 8, **fields})  # fmt: skip
+
+
+async def put_records(store: Store, *records: InstanceRecord, ttl_s: float = 30.0) -> None:
+    """``records`` in the store as their instances' heartbeats write them."""
+    for record in records:
+        await store.put(instance_key(record.instance_id), encode(record), ttl_s)
+        await store.set_add(INSTANCES, record.instance_id)

@@ -11,8 +11,7 @@ from aegaeon_common.messages.report import InstanceModels, PrefillDone, RequestF
 from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefill.loop import PrefillLoop
-from aegaeon_sched import LatencyModel
-from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
+from fake_worker import FakeWorker, latency_model, run_loop, token_at
 
 
 def _job(rid: str, model: str, group: int, prompt_len: int, at_s: float) -> EnqueuePrefill:
@@ -25,10 +24,7 @@ def test_groups_run_in_order_with_the_next_model_prefetched() -> None:
     timed = [(0.0, _job("a1", "a", 0, 40, 0.0)), (0.0, _job("b1", "b", 1, 30, 0.0)),
              (0.0, _job("a2", "a", 0, 20, 0.0)), (0.0, _job("b2", "b", 1, 10, 0.0)),
              (0.0, CancelRequest("b2"))]  # fmt: skip
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    loop, outbox = run_loop(PrefillLoop, w, timed)
     done = outbox.of_type(PrefillDone)
     # Group a (both of its requests) first, then group b; b2 was cancelled.
     assert [(d.request_id, d.token_id) for d in done] == [
@@ -51,14 +47,11 @@ def test_an_added_model_is_served_without_a_restart_and_urgent_groups_go_first()
     urgent = EnqueuePrefill("n1", "new", 1, list(range(10)), SamplingParams(max_tokens=8), 0.0,
                             priority=0, ttft_s=0.5)  # fmt: skip
     timed = [(0.0, AddModel("new", "/market/3")), (0.0, batch), (0.0, urgent)]
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    loop, outbox = run_loop(PrefillLoop, w, timed)
     (models,) = outbox.of_type(InstanceModels)
     assert set(models.capacity_tokens) == {"a", "new"} and models.capacity_tokens["new"] > 0
     assert models.latency is not None and "new" in models.latency.models
-    assert "new" in estimator.specs  # the loop's own estimates cover it now
+    assert "new" in loop.latency.specs  # the loop's own estimates cover it now
     # The interactive request of the new model ran first, although it was queued last.
     assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["n1", "b1"]
 
@@ -74,10 +67,7 @@ def test_a_prompt_waits_for_blocks_of_copies_in_flight_and_only_a_too_large_one_
     timed = [(0.0, _job("p1", "a", 0, 150, 0.0)), (0.0, _job("p2", "a", 0, 150, 0.0)),
              (0.0, _job("huge", "a", 1, 300, 0.0)),
              (1.0, CancelRequest("nothing"))]  # keeps the inbox open until t = 1 s  # fmt: skip
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    loop, outbox = run_loop(PrefillLoop, w, timed)
     done = {d.request_id: d for d in outbox.of_type(PrefillDone)}
     assert set(done) == {"p1", "p2"}
     assert done["p2"].token_id == token_at(149)
@@ -111,10 +101,7 @@ def test_a_prompt_of_a_model_the_cachemgr_refuses_fails_and_the_next_runs(
 
     w.switcher.activate = refusing  # type: ignore[method-assign]
     timed = [(0.0, _job("b1", "b", 0, 30, 0.0)), (0.0, _job("a1", "a", 1, 30, 0.0))]
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    _, outbox = run_loop(PrefillLoop, w, timed)
     (failed,) = outbox.of_type(RequestFailed)
     assert (failed.request_id, failed.code) == ("b1", code) and why in failed.message
     assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["a1"]
@@ -128,10 +115,7 @@ def test_each_prefill_leaves_with_what_the_instance_still_holds() -> None:
     one = EnqueuePrefill("one", "a", 0, list(range(20)), SamplingParams(max_tokens=1), 0.0)
     timed = [(0.0, _job("a1", "a", 0, 40, 0.0)), (0.0, _job("a2", "a", 0, 20, 0.0)),
              (0.0, one)]  # fmt: skip
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    _, outbox = run_loop(PrefillLoop, w, timed)
     done = outbox.of_type(PrefillDone)
     assert [d.request_id for d in done] == ["a1", "a2", "one"]
     assert [d.holdings.open_sequences for d in done] == [2, 1, 0]
@@ -150,9 +134,6 @@ def test_a_request_for_a_group_that_ends_while_it_travels_keeps_the_groups_place
     b1 = _job("b1", "b", 1, 30, 0.001)
     a2 = msgspec.structs.replace(_job("a2", "a", 0, 20, 0.02), group_key_s=0.0)
     timed = [(0.0, a1), (0.001, b1), (0.02, a2)]
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    _, outbox = run_loop(PrefillLoop, w, timed)
     assert [d.request_id for d in outbox.of_type(PrefillDone)] == ["a1", "a2", "b1"]
     assert w.switcher.activations == ["a", "b"]

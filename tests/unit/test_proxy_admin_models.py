@@ -12,12 +12,10 @@ import pytest
 from aegaeon_common.config import Config, ModelConfig, ModelSettings
 from aegaeon_common.http_side import ServiceAddress, write_http_address
 from aegaeon_proxy.admin_models import parse_settings, quarantine
-from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import BackendError, ModelOps
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.state import STATE
-from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import MODEL, ScriptedBackend, market_dir
+from proxy_support import MODEL, Client, ScriptedBackend, front, market_dir
 
 EXTRA = "mistral-11m"  # in the market, not configured
 
@@ -78,19 +76,24 @@ class ControlledBackend(ScriptedBackend, ModelOps):
         }  # fmt: skip
 
 
-def _run(scenario: Any, settings: dict[str, ModelSettings] | None = None) -> None:
-    market = market_dir()
-    config = Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
-                    model_settings=settings or {})  # fmt: skip
+@pytest.fixture
+def backend() -> ControlledBackend:
     backend = ControlledBackend()
     assert backend.changes_models and not ScriptedBackend().models.changes_models
+    return backend
 
-    async def main() -> None:
-        app = make_app(config, backend)
-        async with TestClient(TestServer(app)) as client:
-            await scenario(client, backend)
 
-    asyncio.run(main())
+@pytest.fixture
+def settings() -> dict[str, ModelSettings]:
+    return {}
+
+
+@pytest.fixture
+def proxy_config(settings: dict[str, ModelSettings]) -> Config:
+    """One model served, the market's others to add, ``settings`` for the models."""
+    market = market_dir()
+    return Config(models=(ModelConfig(MODEL, market / MODEL),), market_dir=market,
+                  model_settings=settings)  # fmt: skip
 
 
 def _error(body: dict[str, Any]) -> dict[str, Any]:
@@ -132,222 +135,209 @@ def test_settings_are_normalized() -> None:
 
 
 # ---- the endpoints -------------------------------------------------------------
-def test_list_shows_settings_and_cache_state() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.resident[MODEL] = 1234
-        resp = await client.get("/v1/aegaeon/models")
-        assert resp.status == 200
-        body = await resp.json()
-        (row,) = body["data"]
-        assert row["name"] == MODEL and row["state"] == "serving" and row["source"] == "config"
-        assert row["pinned"] is True and row["max_concurrency"] == 3
-        assert row["slo_classes"] == ["standard"]
-        assert row["in_model_cache"] is True and row["load_progress"] == 1.0
-        assert row["bytes"] == 1234
-        assert body["model_cache"]["budget_bytes"] == 10_000
-        one = await client.get(f"/v1/aegaeon/models/{MODEL}")
-        assert (await one.json())["name"] == MODEL
-        missing = await client.get("/v1/aegaeon/models/nope")
-        assert missing.status == 404
-
-    settings = {MODEL: ModelSettings(pin=True, max_concurrency=3, slo_classes=("standard",))}
-    _run(scenario, settings)
-
-
-def test_patch_validates_and_applies() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        url = f"/v1/aegaeon/models/{MODEL}"
-        bad = await client.patch(url, json={"max_concurrency": "many"})
-        assert bad.status == 400
-        assert _error(await bad.json())["param"] == "max_concurrency"
-        unknown = await client.patch(url, json={"speed": 3})
-        assert unknown.status == 400 and _error(await unknown.json())["param"] == "speed"
-        not_json = await client.patch(url, data=b"[1]")
-        assert not_json.status == 400
-        gone = await client.patch("/v1/aegaeon/models/nope", json={"pin": True})
-        assert gone.status == 404
-        assert _error(await gone.json())["code"] == "model_not_found"
-        assert backend.calls == []  # nothing bad reached the cachemgr
-
-        resp = await client.patch(url, json={"pinned": True, "slo_classes": ["batch"]})
-        assert resp.status == 200
-        row = await resp.json()
-        assert row["pinned"] is True and row["slo_classes"] == ["batch"]
-        assert row["in_model_cache"] is True
-        assert backend.calls == [("flags", MODEL, True, False)]
-        # a change that is not a flag does not touch the cachemgr; others keep their value
-        resp = await client.patch(url, json={"max_concurrency": 7})
-        row = await resp.json()
-        assert row["max_concurrency"] == 7 and row["pinned"] is True
-        assert len(backend.calls) == 1
-        state = client.app[STATE]
-        assert state.models.settings(MODEL).max_concurrency == 7  # what admission reads
-
-    _run(scenario)
+@pytest.mark.parametrize("settings", [
+    {MODEL: ModelSettings(pin=True, max_concurrency=3, slo_classes=("standard",))}],
+    ids=["configured"])  # fmt: skip
+async def test_list_shows_settings_and_cache_state(client: Client,
+                                                   backend: ControlledBackend) -> None:  # fmt: skip
+    backend.resident[MODEL] = 1234
+    resp = await client.get("/v1/aegaeon/models")
+    assert resp.status == 200
+    body = await resp.json()
+    (row,) = body["data"]
+    assert row["name"] == MODEL and row["state"] == "serving" and row["source"] == "config"
+    assert row["pinned"] is True and row["max_concurrency"] == 3
+    assert row["slo_classes"] == ["standard"]
+    assert row["in_model_cache"] is True and row["load_progress"] == 1.0
+    assert row["bytes"] == 1234
+    assert body["model_cache"]["budget_bytes"] == 10_000
+    one = await client.get(f"/v1/aegaeon/models/{MODEL}")
+    assert (await one.json())["name"] == MODEL
+    missing = await client.get("/v1/aegaeon/models/nope")
+    assert missing.status == 404
 
 
-def test_max_concurrency_refuses_past_the_bound_at_once() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.hang = True
-        await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": 1})
-        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
-        first = asyncio.ensure_future(client.post("/v1/completions", json=body))
-        while not backend.submitted:
-            await asyncio.sleep(0.01)
-        second = await client.post("/v1/completions", json=body)
-        assert second.status == 429
-        assert _error(await second.json())["code"] == "overloaded"
-        await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": None})
-        backend.hang = False
-        backend.token_ids = [5, 6]
-        third = await client.post("/v1/completions", json=body)  # unbounded again
-        assert third.status == 200
-        first.cancel()
+async def test_patch_validates_and_applies(client: Client, backend: ControlledBackend) -> None:
+    url = f"/v1/aegaeon/models/{MODEL}"
+    bad = await client.patch(url, json={"max_concurrency": "many"})
+    assert bad.status == 400
+    assert _error(await bad.json())["param"] == "max_concurrency"
+    unknown = await client.patch(url, json={"speed": 3})
+    assert unknown.status == 400 and _error(await unknown.json())["param"] == "speed"
+    not_json = await client.patch(url, data=b"[1]")
+    assert not_json.status == 400
+    gone = await client.patch("/v1/aegaeon/models/nope", json={"pin": True})
+    assert gone.status == 404
+    assert _error(await gone.json())["code"] == "model_not_found"
+    assert backend.calls == []  # nothing bad reached the cachemgr
 
-    _run(scenario)
-
-
-def test_add_then_remove_a_market_model() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.token_ids = [7, 8, 9]
-        body = {"model": EXTRA, "prompt": "Hi", "max_tokens": 3}
-        assert (await client.post("/v1/completions", json=body)).status == 404
-        missing = await client.post("/v1/aegaeon/models", json={"name": "not-in-market"})
-        assert missing.status == 404
-        assert _error(await missing.json())["code"] == "model_not_in_market"
-        bad = await client.post("/v1/aegaeon/models", json={"name": EXTRA, "pin": "x"})
-        assert bad.status == 400 and _error(await bad.json())["param"] == "pin"
-        no_name = await client.post("/v1/aegaeon/models", json={"pin": True})
-        assert no_name.status == 400 and _error(await no_name.json())["param"] == "name"
-        dup = await client.post("/v1/aegaeon/models", json={"name": MODEL})
-        assert dup.status == 409
-
-        added = await client.post("/v1/aegaeon/models",
-                                  json={"name": EXTRA, "preload": True, "max_concurrency": 2})
-        assert added.status == 201, await added.text()
-        row = await added.json()
-        assert row["state"] == "serving" and row["source"] == "runtime"
-        assert row["preload"] is True and row["max_concurrency"] == 2
-        assert ("add", EXTRA) in backend.calls and ("flags", EXTRA, False, True) in backend.calls
-        listed = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
-        assert listed == [MODEL, EXTRA]
-        assert (await client.post("/v1/completions", json=body)).status == 200
-        assert (await client.post("/v1/aegaeon/models", json={"name": EXTRA})).status == 409
-
-        gone = await client.delete(f"/v1/aegaeon/models/{EXTRA}")
-        assert gone.status == 200
-        assert (await gone.json())["state"] == "removed"
-        assert backend.calls[-1] == ("forget", EXTRA)
-        assert (await client.post("/v1/completions", json=body)).status == 404
-        assert (await client.get(f"/v1/models/{EXTRA}")).status == 404
-        names = [m["name"] for m in (await (await client.get("/v1/aegaeon/models")).json())["data"]]
-        assert names == [MODEL]
-        assert (await client.delete(f"/v1/aegaeon/models/{EXTRA}")).status == 404
-
-    _run(scenario)
+    resp = await client.patch(url, json={"pinned": True, "slo_classes": ["batch"]})
+    assert resp.status == 200
+    row = await resp.json()
+    assert row["pinned"] is True and row["slo_classes"] == ["batch"]
+    assert row["in_model_cache"] is True
+    assert backend.calls == [("flags", MODEL, True, False)]
+    # a change that is not a flag does not touch the cachemgr; others keep their value
+    resp = await client.patch(url, json={"max_concurrency": 7})
+    row = await resp.json()
+    assert row["max_concurrency"] == 7 and row["pinned"] is True
+    assert len(backend.calls) == 1
+    state = client.app[STATE]
+    assert state.models.settings(MODEL).max_concurrency == 7  # what admission reads
 
 
-def test_a_failed_add_leaves_nothing() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.fail_add = BackendError("the instances are not all up yet")
-        resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
-        assert resp.status == 503
-        assert _error(await resp.json())["code"] == "unavailable"
-        assert backend.calls[-1] == ("forget", EXTRA)
-        listed = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
-        assert listed == [MODEL]
-        backend.fail_add = None
-        assert (await client.post("/v1/aegaeon/models", json={"name": EXTRA})).status == 201
-
-    _run(scenario)
-
-
-def test_an_unreadable_model_is_listed_unavailable_until_a_reload_reads_it() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.token_ids = [7, 8]
-        why = "/m/mistral-11m/model.safetensors: file truncated inside the tensor data"
-        backend.fail_add = BackendError(why, status=422, code="model_unavailable")
-        resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
-        assert resp.status == 422
-        err = _error(await resp.json())
-        assert err["code"] == "model_unavailable" and why in err["message"]
-        assert "reload" in err["message"]
-        assert ("quarantine", EXTRA, why) in backend.calls
-        # listed, with its state and why
-        models = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
-        assert models[EXTRA]["state"] == "unavailable" and models[EXTRA]["error"] == why
-        assert models[MODEL]["state"] == "serving" and "error" not in models[MODEL]
-        row = await (await client.get(f"/v1/aegaeon/models/{EXTRA}")).json()
-        assert row["state"] == "unavailable" and row["error"] == why
-        metrics = await (await client.get("/metrics")).text()
-        assert "aegaeon_models_unavailable 1.0" in metrics
-        # its requests: 503 naming the file; the other model's as before
-        body = {"model": EXTRA, "prompt": "Hi", "max_tokens": 2}
-        refused = await client.post("/v1/completions", json=body)
-        assert refused.status == 503
-        err = _error(await refused.json())
-        assert err["code"] == "model_unavailable" and why in err["message"]
-        assert err["type"] == "service_unavailable"
-        ok = await client.post("/v1/completions", json={**body, "model": MODEL})
-        assert ok.status == 200
-        again = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
-        assert again.status == 409 and "reload" in _error(await again.json())["message"]
-        # still broken: a reload says what is wrong now, and it stays unavailable
-        now = "/m/mistral-11m/model.safetensors: missing file"
-        backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
-        failed = await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")
-        assert failed.status == 422 and now in _error(await failed.json())["message"]
-        row = await (await client.get(f"/v1/aegaeon/models/{EXTRA}")).json()
-        assert row["state"] == "unavailable" and row["error"] == now
-        # fixed: served again
-        backend.fail_reload = None
-        fixed = await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")
-        assert fixed.status == 200, await fixed.text()
-        row = await fixed.json()
-        assert row["state"] == "serving" and row["error"] is None
-        assert (await client.post("/v1/completions", json=body)).status == 200
-        metrics = await (await client.get("/metrics")).text()
-        assert "aegaeon_models_unavailable 0.0" in metrics
-        assert (await client.post("/v1/aegaeon/models/nope/reload")).status == 404
-        # removed while unavailable: lifted once forgotten, so a later add starts afresh
-        backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
-        assert (await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")).status == 422
-        assert (await client.delete(f"/v1/aegaeon/models/{EXTRA}")).status == 200
-        assert backend.calls[-2:] == [("forget", EXTRA), ("quarantine", EXTRA, None)]
-        backend.fail_add = None
-        added = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
-        assert added.status == 201 and (await added.json())["state"] == "serving"
-
-    _run(scenario)
+async def test_max_concurrency_refuses_past_the_bound_at_once(
+    client: Client, backend: ControlledBackend
+) -> None:
+    backend.hang = True
+    await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": 1})
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+    first = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    while not backend.submitted:
+        await asyncio.sleep(0.01)
+    second = await client.post("/v1/completions", json=body)
+    assert second.status == 429
+    assert _error(await second.json())["code"] == "overloaded"
+    await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": None})
+    backend.hang = False
+    backend.token_ids = [5, 6]
+    third = await client.post("/v1/completions", json=body)  # unbounded again
+    assert third.status == 200
+    first.cancel()
 
 
-def test_remove_waits_for_requests_in_flight() -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ControlledBackend) -> None:
-        backend.token_ids = [7, 8, 9]
-        backend.step_s = 0.2
-        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
-        running = asyncio.ensure_future(client.post("/v1/completions", json=body))
-        while not backend.submitted:
-            await asyncio.sleep(0.01)
-        resp = await client.delete(f"/v1/aegaeon/models/{MODEL}")
-        assert resp.status == 202
-        assert (await resp.json())["state"] == "removing"
-        assert ("forget", MODEL) not in backend.calls
-        assert (await client.post("/v1/completions", json=body)).status == 404  # new ones: 404
-        patch = await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"pin": True})
-        assert patch.status == 409
-        finished = await running  # the one in flight completes
-        assert finished.status == 200
-        assert len((await finished.json())["choices"][0]["text"]) >= 0
-        state = client.app[STATE]
-        while state.models.get(MODEL) is not None:
-            await asyncio.sleep(0.01)
-        assert backend.calls[-1] == ("forget", MODEL)
+async def test_add_then_remove_a_market_model(client: Client, backend: ControlledBackend) -> None:
+    backend.token_ids = [7, 8, 9]
+    body = {"model": EXTRA, "prompt": "Hi", "max_tokens": 3}
+    assert (await client.post("/v1/completions", json=body)).status == 404
+    missing = await client.post("/v1/aegaeon/models", json={"name": "not-in-market"})
+    assert missing.status == 404
+    assert _error(await missing.json())["code"] == "model_not_in_market"
+    bad = await client.post("/v1/aegaeon/models", json={"name": EXTRA, "pin": "x"})
+    assert bad.status == 400 and _error(await bad.json())["param"] == "pin"
+    no_name = await client.post("/v1/aegaeon/models", json={"pin": True})
+    assert no_name.status == 400 and _error(await no_name.json())["param"] == "name"
+    dup = await client.post("/v1/aegaeon/models", json={"name": MODEL})
+    assert dup.status == 409
 
-    _run(scenario)
+    added = await client.post("/v1/aegaeon/models",
+                              json={"name": EXTRA, "preload": True, "max_concurrency": 2})
+    assert added.status == 201, await added.text()
+    row = await added.json()
+    assert row["state"] == "serving" and row["source"] == "runtime"
+    assert row["preload"] is True and row["max_concurrency"] == 2
+    assert ("add", EXTRA) in backend.calls and ("flags", EXTRA, False, True) in backend.calls
+    listed = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
+    assert listed == [MODEL, EXTRA]
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    assert (await client.post("/v1/aegaeon/models", json={"name": EXTRA})).status == 409
+
+    gone = await client.delete(f"/v1/aegaeon/models/{EXTRA}")
+    assert gone.status == 200
+    assert (await gone.json())["state"] == "removed"
+    assert backend.calls[-1] == ("forget", EXTRA)
+    assert (await client.post("/v1/completions", json=body)).status == 404
+    assert (await client.get(f"/v1/models/{EXTRA}")).status == 404
+    names = [m["name"] for m in (await (await client.get("/v1/aegaeon/models")).json())["data"]]
+    assert names == [MODEL]
+    assert (await client.delete(f"/v1/aegaeon/models/{EXTRA}")).status == 404
 
 
-def test_a_backend_without_the_optional_operations(tmp_path: Path) -> None:
+async def test_a_failed_add_leaves_nothing(client: Client, backend: ControlledBackend) -> None:
+    backend.fail_add = BackendError("the instances are not all up yet")
+    resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+    assert resp.status == 503
+    assert _error(await resp.json())["code"] == "unavailable"
+    assert backend.calls[-1] == ("forget", EXTRA)
+    listed = [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]]
+    assert listed == [MODEL]
+    backend.fail_add = None
+    assert (await client.post("/v1/aegaeon/models", json={"name": EXTRA})).status == 201
+
+
+async def test_an_unreadable_model_is_listed_unavailable_until_a_reload_reads_it(
+    client: Client, backend: ControlledBackend
+) -> None:
+    backend.token_ids = [7, 8]
+    why = "/m/mistral-11m/model.safetensors: file truncated inside the tensor data"
+    backend.fail_add = BackendError(why, status=422, code="model_unavailable")
+    resp = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+    assert resp.status == 422
+    err = _error(await resp.json())
+    assert err["code"] == "model_unavailable" and why in err["message"]
+    assert "reload" in err["message"]
+    assert ("quarantine", EXTRA, why) in backend.calls
+    # listed, with its state and why
+    models = {m["id"]: m for m in (await (await client.get("/v1/models")).json())["data"]}
+    assert models[EXTRA]["state"] == "unavailable" and models[EXTRA]["error"] == why
+    assert models[MODEL]["state"] == "serving" and "error" not in models[MODEL]
+    row = await (await client.get(f"/v1/aegaeon/models/{EXTRA}")).json()
+    assert row["state"] == "unavailable" and row["error"] == why
+    metrics = await (await client.get("/metrics")).text()
+    assert "aegaeon_models_unavailable 1.0" in metrics
+    # its requests: 503 naming the file; the other model's as before
+    body = {"model": EXTRA, "prompt": "Hi", "max_tokens": 2}
+    refused = await client.post("/v1/completions", json=body)
+    assert refused.status == 503
+    err = _error(await refused.json())
+    assert err["code"] == "model_unavailable" and why in err["message"]
+    assert err["type"] == "service_unavailable"
+    ok = await client.post("/v1/completions", json={**body, "model": MODEL})
+    assert ok.status == 200
+    again = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+    assert again.status == 409 and "reload" in _error(await again.json())["message"]
+    # still broken: a reload says what is wrong now, and it stays unavailable
+    now = "/m/mistral-11m/model.safetensors: missing file"
+    backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
+    failed = await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")
+    assert failed.status == 422 and now in _error(await failed.json())["message"]
+    row = await (await client.get(f"/v1/aegaeon/models/{EXTRA}")).json()
+    assert row["state"] == "unavailable" and row["error"] == now
+    # fixed: served again
+    backend.fail_reload = None
+    fixed = await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")
+    assert fixed.status == 200, await fixed.text()
+    row = await fixed.json()
+    assert row["state"] == "serving" and row["error"] is None
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert "aegaeon_models_unavailable 0.0" in metrics
+    assert (await client.post("/v1/aegaeon/models/nope/reload")).status == 404
+    # removed while unavailable: lifted once forgotten, so a later add starts afresh
+    backend.fail_reload = BackendError(now, status=422, code="model_unavailable")
+    assert (await client.post(f"/v1/aegaeon/models/{EXTRA}/reload")).status == 422
+    assert (await client.delete(f"/v1/aegaeon/models/{EXTRA}")).status == 200
+    assert backend.calls[-2:] == [("forget", EXTRA), ("quarantine", EXTRA, None)]
+    backend.fail_add = None
+    added = await client.post("/v1/aegaeon/models", json={"name": EXTRA})
+    assert added.status == 201 and (await added.json())["state"] == "serving"
+
+
+async def test_remove_waits_for_requests_in_flight(client: Client,
+                                                   backend: ControlledBackend) -> None:  # fmt: skip
+    backend.token_ids = [7, 8, 9]
+    backend.step_s = 0.2
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+    running = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    while not backend.submitted:
+        await asyncio.sleep(0.01)
+    resp = await client.delete(f"/v1/aegaeon/models/{MODEL}")
+    assert resp.status == 202
+    assert (await resp.json())["state"] == "removing"
+    assert ("forget", MODEL) not in backend.calls
+    assert (await client.post("/v1/completions", json=body)).status == 404  # new ones: 404
+    patch = await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"pin": True})
+    assert patch.status == 409
+    finished = await running  # the one in flight completes
+    assert finished.status == 200
+    assert len((await finished.json())["choices"][0]["text"]) >= 0
+    state = client.app[STATE]
+    while state.models.get(MODEL) is not None:
+        await asyncio.sleep(0.01)
+    assert backend.calls[-1] == ("forget", MODEL)
+
+
+async def test_a_backend_without_the_optional_operations(tmp_path: Path) -> None:
     """ScriptedBackend overrides none of them: changes, reloads and sleep are 501
     ``not_supported`` (nothing done), the live limits still apply, no detailed stats
     (404), the run directory's services, a quarantine on this proxy alone."""
@@ -356,29 +346,25 @@ def test_a_backend_without_the_optional_operations(tmp_path: Path) -> None:
                     run_dir=tmp_path)  # fmt: skip
     write_http_address(tmp_path, ServiceAddress("cachemgr", "cachemgr", "http://cm"))
 
-    async def main() -> None:
-        app = make_app(config, ScriptedBackend())
-        async with TestClient(TestServer(app)) as client:
-            for resp in (await client.post("/v1/aegaeon/models", json={"name": EXTRA}),
-                         await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"pin": True}),
-                         await client.delete(f"/v1/aegaeon/models/{MODEL}"),
-                         await client.post(f"/v1/aegaeon/models/{MODEL}/reload"),
-                         await client.get("/is_sleeping")):  # fmt: skip
-                assert resp.status == 501, await resp.text()
-                assert _error(await resp.json())["code"] == "not_supported"
-            ok = await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": 2})
-            assert ok.status == 200
-            row = (await (await client.get("/v1/aegaeon/models")).json())["data"][0]
-            assert row["max_concurrency"] == 2 and row["in_model_cache"] is None
-            assert row["state"] == "serving"  # the refused DELETE removed nothing
-            assert (await client.get("/v1/aegaeon/stats")).status == 404
-            services = (await (await client.get("/v1/aegaeon/services")).json())["services"]
-            assert [(s["name"], s["health_url"]) for s in services] == [
-                ("cachemgr", "http://cm/health")]  # fmt: skip
-            state = app[STATE]
-            await quarantine(state, MODEL, "model.safetensors: truncated")
-            assert state.models.unavailable(MODEL) == "model.safetensors: truncated"
-            await quarantine(state, MODEL, None)
-            assert state.models.unavailable(MODEL) is None
-
-    asyncio.run(main())
+    async with front(config, ScriptedBackend()) as client:
+        for resp in (await client.post("/v1/aegaeon/models", json={"name": EXTRA}),
+                     await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"pin": True}),
+                     await client.delete(f"/v1/aegaeon/models/{MODEL}"),
+                     await client.post(f"/v1/aegaeon/models/{MODEL}/reload"),
+                     await client.get("/is_sleeping")):  # fmt: skip
+            assert resp.status == 501, await resp.text()
+            assert _error(await resp.json())["code"] == "not_supported"
+        ok = await client.patch(f"/v1/aegaeon/models/{MODEL}", json={"max_concurrency": 2})
+        assert ok.status == 200
+        row = (await (await client.get("/v1/aegaeon/models")).json())["data"][0]
+        assert row["max_concurrency"] == 2 and row["in_model_cache"] is None
+        assert row["state"] == "serving"  # the refused DELETE removed nothing
+        assert (await client.get("/v1/aegaeon/stats")).status == 404
+        services = (await (await client.get("/v1/aegaeon/services")).json())["services"]
+        assert [(s["name"], s["health_url"]) for s in services] == [
+            ("cachemgr", "http://cm/health")]  # fmt: skip
+        state = client.app[STATE]
+        await quarantine(state, MODEL, "model.safetensors: truncated")
+        assert state.models.unavailable(MODEL) == "model.safetensors: truncated"
+        await quarantine(state, MODEL, None)
+        assert state.models.unavailable(MODEL) is None

@@ -6,9 +6,10 @@ its instance, static multiplexing refuses a model it placed nowhere."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
-import msgspec
 import zmq.asyncio
 from aegaeon_common.config import Config, config_from_dict
 from aegaeon_common.messages.decode import DECODE_CHANNEL, RunRequest
@@ -19,13 +20,13 @@ from aegaeon_common.messages.report import (
     StepTokens,
     TokenItem,
 )
-from aegaeon_common.messages.structs import LatencyProfile, RequestTimings, SamplingParams
+from aegaeon_common.messages.structs import RequestTimings, SamplingParams
 from aegaeon_common.registry import BASELINE, decode_baseline
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.cluster.backend import ClusterBackend
-from fake_worker import latency_model
+from fake_worker import latency_profile
 
 MODELS = ("a", "b")
 
@@ -45,11 +46,14 @@ async def _next_run(pull: Puller) -> Message:
             return msg
 
 
-async def _node(config: Config) -> tuple[ClusterBackend, zmq.asyncio.Context, list[Puller]]:
+@asynccontextmanager
+async def _node(config: Config) -> AsyncIterator[tuple[ClusterBackend, list[Puller]]]:
+    """A backend over two unified instances (their command sockets: the pullers),
+    stopped on the way out."""
     ctx = zmq.asyncio.Context()
     pulls = [Puller(ctx, config.decode_address(i), DECODE_CHANNEL) for i in range(2)]
     backend = ClusterBackend(config)
-    profile = msgspec.convert(latency_model(list(MODELS)).to_dict(), LatencyProfile)
+    profile = latency_profile(MODELS)
     for i in range(2):  # two unified instances: decode-0, decode-1
         backend.local.on_hello(InstanceHello("decode", i, 10 + i, 1 << 20, 1 << 20, 8,
                                              dict.fromkeys(MODELS, 4096), profile,
@@ -57,7 +61,13 @@ async def _node(config: Config) -> tuple[ClusterBackend, zmq.asyncio.Context, li
     await asyncio.sleep(0.05)  # (the records written)
     await backend.view.refresh()
     backend._store_ok = backend._checked = True
-    return backend, ctx, pulls
+    try:
+        yield backend, pulls
+    finally:
+        await backend.stop()
+        for pull in pulls:
+            pull.close()
+        ctx.destroy(linger=0)
 
 
 def _gen(rid: str, model: str) -> GenerationRequest:
@@ -67,8 +77,7 @@ def _gen(rid: str, model: str) -> GenerationRequest:
 async def test_a_request_level_baseline_binds_runs_and_releases_through_the_store(
     tmp_path: Path,
 ) -> None:
-    backend, ctx, pulls = await _node(_config(tmp_path, "request-level"))
-    try:
+    async with _node(_config(tmp_path, "request-level")) as (backend, pulls):
         assert backend.ready() and backend.local.expected == ("decode-0", "decode-1")
         streams = {rid: backend.submit(_gen(rid, m)) for rid, m in
                    (("r0", "a"), ("r1", "b"), ("r2", "a"))}  # fmt: skip
@@ -94,17 +103,10 @@ async def test_a_request_level_baseline_binds_runs_and_releases_through_the_stor
         state = decode_baseline(await backend.store.get(BASELINE))
         running = {n: [r[0] for r in v[1]] for n, v in state["instances"].items()}
         assert running == {f"decode-{on}": ["r2"], f"decode-{1 - on}": []}
-    finally:
-        await backend.stop()
-        for pull in pulls:
-            pull.close()
-        ctx.destroy(linger=0)
 
 
 async def test_static_multiplexing_refuses_a_model_it_placed_nowhere(tmp_path: Path) -> None:
-    config = _config(tmp_path, "static-mux")
-    backend, ctx, pulls = await _node(config)
-    try:
+    async with _node(_config(tmp_path, "static-mux")) as (backend, pulls):
         stream = backend.submit(_gen("r0", "a"))
         for _ in range(100):
             if backend.requests["r0"].where is not None:
@@ -118,8 +120,3 @@ async def test_static_multiplexing_refuses_a_model_it_placed_nowhere(tmp_path: P
         refused = backend.submit(_gen("r1", "zzz"))  # not a model of the placement
         await asyncio.sleep(0.05)
         assert refused.finished and not stream.finished
-    finally:
-        await backend.stop()
-        for pull in pulls:
-            pull.close()
-        ctx.destroy(linger=0)

@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 from typing import Any
 
 from aegaeon_bench.reliability.fuzz_inputs import HttpCase, check_http, http_cases
-from aegaeon_common.config import Config, ModelConfig, ProxyConfig
 from aegaeon_proxy.app import make_app
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
-from proxy_support import MODEL, ScriptedBackend, market_dir
+from proxy_support import MODEL, ScriptedBackend, market_dir, scripted_config
 
 EXAMPLES = int(os.environ.get("AEGAEON_FUZZ_EXAMPLES", "120"))
 
 
 def test_both_endpoints_answer_any_body_without_5xx() -> None:
-    market: Path = market_dir()
-    config = Config(models=(ModelConfig(MODEL, market / MODEL),),
-                    proxy=ProxyConfig(max_body_bytes=64 << 10))  # fmt: skip
+    config = scripted_config(market_dir(), max_body_bytes=64 << 10)
     backend = ScriptedBackend()
     backend.token_ids = [5, 6, 7]
     seen: dict[int, int] = {}

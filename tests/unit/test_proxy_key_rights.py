@@ -16,13 +16,12 @@ checked in tests/e2e/test_serve_key_rights.py.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from aegaeon_common.config import ApiKeyConfig, Config, ModelConfig, ProxyConfig
-from aegaeon_proxy.app import ACCESS, make_admin_app, make_app
+from aegaeon_proxy.app import ACCESS, make_admin_app
 from aegaeon_proxy.auth import Access
 from aegaeon_proxy.backend import ModelOps
 from aegaeon_proxy.state import STATE
@@ -40,7 +39,7 @@ from key_rights import (
     USER_KEY,
     Row,
 )
-from proxy_support import ScriptedBackend, market_dir
+from proxy_support import ScriptedBackend, front, market_dir
 
 KEYS = (ApiKeyConfig(USER_KEY), ApiKeyConfig(LIMITED_KEY, models=(MINE,)))
 ADMIN_KEYS = (ApiKeyConfig(ADMIN_KEY),)
@@ -126,21 +125,18 @@ def _config(setup: str) -> Config:
                                                        admin_port=admin_port))  # fmt: skip
 
 
-def _run(setup: str, scenario: Any) -> None:
+@pytest.fixture
+async def node(setup: str) -> AsyncIterator[Node]:
+    """A fresh proxy of ``setup`` over a :class:`Recorder`."""
     backend = Recorder()
     assert backend.changes_models
     config = _config(setup)
-
-    async def main() -> None:
-        app = make_app(config, backend)
-        async with TestClient(TestServer(app)) as public:
-            if config.proxy.admin_port is None:
-                await scenario(Node(public, None, backend, app))
-                return
-            async with TestClient(TestServer(make_admin_app(app[STATE]))) as admin:
-                await scenario(Node(public, admin, backend, app))
-
-    asyncio.run(main())
+    async with front(config, backend) as public:
+        if config.proxy.admin_port is None:
+            yield Node(public, None, backend, public.app)
+            return
+        async with TestClient(TestServer(make_admin_app(public.app[STATE]))) as admin:
+            yield Node(public, admin, backend, public.app)
 
 
 def _cases() -> Iterator[Any]:
@@ -154,33 +150,30 @@ def _cases() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize(("setup", "row", "kind", "want"), list(_cases()))
-def test_each_endpoint_answers_each_kind_of_key(setup: str, row: Row, kind: str,
-                                                want: int) -> None:  # fmt: skip
-    async def scenario(node: Node) -> None:
-        before = node.served()
-        client = node.client(row.route, row.method)
-        resp = await client.request(row.method, row.path, json=row.body, headers=HEADERS[kind])
-        assert resp.status == want, (await resp.read())[:300]
-        if want < 400:
-            return
-        body = await resp.json()
-        assert set(body) == {"error"}
-        assert set(body["error"]) == {"message", "type", "param", "code"}
-        code = {400: "invalid_value", 401: "invalid_api_key", 403: "insufficient_permissions",
-                404: "model_not_found"}[want]  # fmt: skip
-        assert body["error"]["code"] == code, body
-        if want == 401:
-            assert resp.headers["WWW-Authenticate"] == "Bearer"
-        if want == 403:
-            message = body["error"]["message"]
-            assert "'admin' right" in message and row.route in message, message
-            for name in (MINE, OTHER, EXTRA, "no-such-model"):
-                assert name not in message, message  # the key learns no model's name
-        if want in (401, 403):  # refused before anything was done
-            assert node.backend.changes == [] and node.backend.submitted == []
-            assert node.served() == before
-
-    _run(setup, scenario)
+async def test_each_endpoint_answers_each_kind_of_key(node: Node, row: Row, kind: str,
+                                                      want: int) -> None:  # fmt: skip
+    before = node.served()
+    client = node.client(row.route, row.method)
+    resp = await client.request(row.method, row.path, json=row.body, headers=HEADERS[kind])
+    assert resp.status == want, (await resp.read())[:300]
+    if want < 400:
+        return
+    body = await resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    code = {400: "invalid_value", 401: "invalid_api_key", 403: "insufficient_permissions",
+            404: "model_not_found"}[want]  # fmt: skip
+    assert body["error"]["code"] == code, body
+    if want == 401:
+        assert resp.headers["WWW-Authenticate"] == "Bearer"
+    if want == 403:
+        message = body["error"]["message"]
+        assert "'admin' right" in message and row.route in message, message
+        for name in (MINE, OTHER, EXTRA, "no-such-model"):
+            assert name not in message, message  # the key learns no model's name
+    if want in (401, 403):  # refused before anything was done
+        assert node.backend.changes == [] and node.backend.submitted == []
+        assert node.served() == before
 
 
 def test_the_table_covers_every_declared_route() -> None:
@@ -198,50 +191,43 @@ def test_the_table_covers_every_declared_route() -> None:
 
 
 @pytest.mark.parametrize("setup", ["keys", "keys+admin_port"])
-def test_the_tenant_sequence_is_refused_and_leaves_the_node_as_it_was(setup: str) -> None:
+async def test_the_tenant_sequence_is_refused_and_leaves_the_node_as_it_was(node: Node) -> None:
     """Issue 45's sequence with a key limited to one model: every administrative call
     is a 403, and the other model is still served, not pinned, not asleep."""
     tenant = HEADERS["limited"]
-
-    async def scenario(node: Node) -> None:
-        admin, api = node.client("/metrics", "GET"), node.public
-        before = node.served()
-        calls = [("PATCH", f"/v1/aegaeon/models/{OTHER}", {"pinned": True}),
-                 ("DELETE", f"/v1/aegaeon/models/{OTHER}", None),
-                 ("POST", f"/sleep?model={OTHER}", None),
-                 ("GET", "/v1/aegaeon/stats", None),
-                 ("GET", "/metrics", None)]  # fmt: skip
-        for method, path, body in calls:
-            resp = await admin.request(method, path, json=body, headers=tenant)
-            assert resp.status == 403, (method, path, await resp.read())
-        assert node.backend.changes == []
-        assert node.served() == before == {MINE: ("serving", False), OTHER: ("serving", False)}
-        listed = await (await api.get("/v1/models", headers=tenant)).json()
-        assert [m["id"] for m in listed["data"]] == [MINE]  # its own model only
-        listed = await (await api.get("/v1/models", headers=HEADERS["user"])).json()
-        assert sorted(m["id"] for m in listed["data"]) == sorted([MINE, OTHER])
-        resp = await api.post("/v1/completions", headers=HEADERS["user"],
-                              json={"model": OTHER, **COMPLETION})  # fmt: skip
-        assert resp.status == 200  # still served
-        asleep = await (await admin.get(f"/is_sleeping?model={OTHER}",
-                                        headers=HEADERS["admin"])).json()  # fmt: skip
-        assert asleep["is_sleeping"] is False
-        row = await (await admin.get(f"/v1/aegaeon/models/{OTHER}",
-                                     headers=HEADERS["admin"])).json()  # fmt: skip
-        assert row["state"] == "serving" and row["pinned"] is False
-
-    _run(setup, scenario)
+    admin, api = node.client("/metrics", "GET"), node.public
+    before = node.served()
+    calls = [("PATCH", f"/v1/aegaeon/models/{OTHER}", {"pinned": True}),
+             ("DELETE", f"/v1/aegaeon/models/{OTHER}", None),
+             ("POST", f"/sleep?model={OTHER}", None),
+             ("GET", "/v1/aegaeon/stats", None),
+             ("GET", "/metrics", None)]  # fmt: skip
+    for method, path, body in calls:
+        resp = await admin.request(method, path, json=body, headers=tenant)
+        assert resp.status == 403, (method, path, await resp.read())
+    assert node.backend.changes == []
+    assert node.served() == before == {MINE: ("serving", False), OTHER: ("serving", False)}
+    listed = await (await api.get("/v1/models", headers=tenant)).json()
+    assert [m["id"] for m in listed["data"]] == [MINE]  # its own model only
+    listed = await (await api.get("/v1/models", headers=HEADERS["user"])).json()
+    assert sorted(m["id"] for m in listed["data"]) == sorted([MINE, OTHER])
+    resp = await api.post("/v1/completions", headers=HEADERS["user"],
+                          json={"model": OTHER, **COMPLETION})  # fmt: skip
+    assert resp.status == 200  # still served
+    asleep = await (await admin.get(f"/is_sleeping?model={OTHER}",
+                                    headers=HEADERS["admin"])).json()  # fmt: skip
+    assert asleep["is_sleeping"] is False
+    row = await (await admin.get(f"/v1/aegaeon/models/{OTHER}",
+                                 headers=HEADERS["admin"])).json()  # fmt: skip
+    assert row["state"] == "serving" and row["pinned"] is False
 
 
-def test_an_admin_key_administers() -> None:
+@pytest.mark.parametrize("setup", ["keys"])
+async def test_an_admin_key_administers(node: Node) -> None:
     """The admin key's own calls do what they say (the rows' 2xx are real changes)."""
-
-    async def scenario(node: Node) -> None:
-        admin = HEADERS["admin"]
-        resp = await node.public.patch(f"/v1/aegaeon/models/{OTHER}", json={"pinned": True},
-                                       headers=admin)  # fmt: skip
-        assert resp.status == 200 and (await resp.json())["pinned"] is True
-        assert (await node.public.post(f"/sleep?model={MINE}", headers=admin)).status == 200
-        assert node.backend.changes == [("flags", OTHER, True, False), ("awake", MINE, False)]
-
-    _run("keys", scenario)
+    admin = HEADERS["admin"]
+    resp = await node.public.patch(f"/v1/aegaeon/models/{OTHER}", json={"pinned": True},
+                                   headers=admin)  # fmt: skip
+    assert resp.status == 200 and (await resp.json())["pinned"] is True
+    assert (await node.public.post(f"/sleep?model={MINE}", headers=admin)).status == 200
+    assert node.backend.changes == [("flags", OTHER, True, False), ("awake", MINE, False)]

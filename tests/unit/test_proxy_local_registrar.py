@@ -30,7 +30,6 @@ from aegaeon_common.messages.structs import (
     Holdings,
     KVHandoff,
     KVShapeSpec,
-    LatencyProfile,
     RequestTimings,
     SamplingParams,
 )
@@ -40,7 +39,7 @@ from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.cluster.backend import ClusterBackend
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
-from fake_worker import latency_model
+from fake_worker import latency_profile
 
 
 def _config(tmp_path: Path, **extra: object) -> Config:
@@ -204,7 +203,7 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
     prefill = Puller(ctx, config.prefill_address(0), PREFILL_CHANNEL)
     decode = Puller(ctx, config.decode_address(0), DECODE_CHANNEL)
     backend = ClusterBackend(config)
-    profile = msgspec.convert(latency_model(["m"]).to_dict(), LatencyProfile)
+    profile = latency_profile(["m"])
     try:
         for kind in ("prefill", "decode"):
             backend.local.on_hello(msgspec.structs.replace(_hello(kind), latency=profile))

@@ -24,16 +24,12 @@ from aegaeon_common.messages.cache import (
 )
 from aegaeon_common.messages.prefill import AddModel, SetModelAwake
 from aegaeon_common.messages.report import InstanceModels, ModelsResident
-from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
-    INSTANCES,
     UNAVAILABLE_MODELS,
     InstanceLoadInfo,
     InstanceRecord,
     ServedModelsRecord,
     UnavailableModelsRecord,
-    encode,
-    instance_key,
     served_changes,
     with_change,
     with_unavailable,
@@ -44,30 +40,21 @@ from aegaeon_proxy.backend import BackendError
 from aegaeon_proxy.cluster.models import SharedModels
 from aegaeon_proxy.cluster.registry import RegistryView
 from aegaeon_proxy.cluster.shared_records import SharedRecords
-from aegaeon_sched import SHARED, LatencyModel, ModelSpec
+from fake_worker import latency_profile
+from proxy_support import instance_record, put_records
 
 OLD, NEW = "old-model", "new-model"
 NODES = ("node-0", "node-1")
 REPLY_TO = "tcp://127.0.0.1:9"
 
 
-def _profile(models: list[str]) -> LatencyProfile:
-    lat = LatencyModel([ModelSpec(m, 64, 128, 2, 1 << 20, 256) for m in models],
-                       pcie_bytes_per_s=1e9)  # fmt: skip
-    lat.set_prefill_coefficients(SHARED, (1e-9, 0.0, 0.0))
-    lat.set_decode_coefficients(SHARED, (1e-9, 0.0))
-    return msgspec.convert(lat.to_dict(), LatencyProfile)
-
-
 def _record(node: str, kind: str, models: list[str], *, resident: list[str] | None = None,
             version: int = 0, work: int = 0) -> InstanceRecord:  # fmt: skip
-    return InstanceRecord(
-        v=1, instance_id=f"{node}/{kind}-0", node=node, kind=kind, index=0,
-        address=f"tcp://{node}:1", incarnation=1, pid=1,
-        capacity_tokens=dict.fromkeys(models, 100), max_batch_size=8, latency=_profile(models),
+    return instance_record(
+        node, kind, address=f"tcp://{node}:1", capacity_tokens=dict.fromkeys(models, 100),
+        latency=latency_profile(models), cachemgr_address=f"tcp://{node}:2",
         load=InstanceLoadInfo(resident_models=resident or [], residency_version=version,
                               queued=work),
-        cachemgr_address=f"tcp://{node}:2",
     )  # fmt: skip
 
 
@@ -117,9 +104,7 @@ class Replica:
         self.models.follow_served(lambda n, m: self.applied.append((n, m)))
 
     async def put(self, *records: InstanceRecord) -> None:
-        for r in records:
-            await self.store.put(instance_key(r.instance_id), encode(r), 30.0)
-            await self.store.set_add(INSTANCES, r.instance_id)
+        await put_records(self.store, *records)
         await self.view.refresh()
         self.models.changed()
 

@@ -11,12 +11,9 @@ import zmq.asyncio
 from aegaeon_common.config import config_from_dict
 from aegaeon_common.messages.prefill import PREFILL_CHANNEL, CancelRequest
 from aegaeon_common.registry import (
-    INSTANCES,
     PROXIES,
-    InstanceRecord,
     RequestMeta,
     encode,
-    instance_key,
     prefill_queue_key,
     proxy_requests_key,
     request_key,
@@ -26,6 +23,7 @@ from aegaeon_common.transport import Puller
 from aegaeon_proxy.cluster.backend import ClusterBackend
 from aegaeon_sched import DecodeWorkList, PrefillQueue, Request
 from aegaeon_sched.shared import queue_of, queued_request_ids
+from proxy_support import instance_record, put_records
 
 
 def _queue(group_id: int, *rids: str, prefill: bool) -> PrefillQueue | DecodeWorkList:
@@ -33,13 +31,6 @@ def _queue(group_id: int, *rids: str, prefill: bool) -> PrefillQueue | DecodeWor
     for rid in rids:
         queue.add(Request(rid, "m", 0.0, 8, 16), group_id)
     return queue
-
-
-def _record(kind: str, address: str) -> InstanceRecord:
-    return InstanceRecord(
-        v=1, instance_id=f"a/{kind}-0", node="a", kind=kind, index=0, address=address,
-        incarnation=1, pid=1, capacity_tokens={"m": 1000}, max_batch_size=8,
-    )  # fmt: skip
 
 
 def _meta(rid: str, proxy: str, instance: str, queue: str, state: str = "queued") -> bytes:
@@ -66,10 +57,8 @@ async def test_a_dead_replicas_requests_leave_every_queue_even_with_stale_metada
                                                    "run_dir": str(tmp_path)}))  # fmt: skip
     store = backend.store
     try:
-        for kind, pull in pulls.items():
-            record = _record(kind, pull.bound_address)
-            await store.put(instance_key(record.instance_id), encode(record), 30.0)
-            await store.set_add(INSTANCES, record.instance_id)
+        await put_records(store, *(instance_record("a", kind, address=pull.bound_address)
+                                   for kind, pull in pulls.items()))  # fmt: skip
         await backend.view.refresh()
         pq, dw = prefill_queue_key("a/prefill-0", 1), work_list_key("a/decode-0", 1)
         # "placed": its placement committed, its metadata still names the prefill queue;

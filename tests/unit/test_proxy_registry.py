@@ -6,25 +6,15 @@ from aegaeon_common.registry import (
     INSTANCES,
     InstanceLoadInfo,
     InstanceRecord,
-    encode,
-    instance_key,
 )
 from aegaeon_common.store import MemoryStore
 from aegaeon_proxy.cluster.registry import RegistryView
+from proxy_support import instance_record, put_records
 
 
 def _record(node: str, kind: str, incarnation: int = 1, busy: int = 0) -> InstanceRecord:
-    return InstanceRecord(
-        v=1, instance_id=f"{node}/{kind}-0", node=node, kind=kind, index=0,
-        address="tcp://127.0.0.1:1", incarnation=incarnation, pid=1,
-        capacity_tokens={"m": 100}, max_batch_size=8,
-        load=InstanceLoadInfo(open_sequences=busy),
-    )  # fmt: skip
-
-
-async def _put(store: MemoryStore, record: InstanceRecord, ttl_s: float = 3.0) -> None:
-    await store.put(instance_key(record.instance_id), encode(record), ttl_s)
-    await store.set_add(INSTANCES, record.instance_id)
+    return instance_record(node, kind, incarnation=incarnation,
+                           load=InstanceLoadInfo(open_sequences=busy))  # fmt: skip
 
 
 async def test_expired_and_restarted_instances_leave_and_the_idle_node_comes_first() -> None:
@@ -33,7 +23,7 @@ async def test_expired_and_restarted_instances_leave_and_the_idle_node_comes_fir
     view = RegistryView(store, hybrid_prefill=True)
     for rec in (_record("a", "prefill", busy=5), _record("a", "decode", busy=3),
                 _record("b", "prefill"), _record("b", "decode", busy=1)):  # fmt: skip
-        await _put(store, rec)
+        await put_records(store, rec, ttl_s=3.0)
     joined, left = await view.refresh()
     assert len(joined) == 4 and not left
     # ties in Algorithm 1 go to the first instance: the least busy node's
@@ -42,7 +32,7 @@ async def test_expired_and_restarted_instances_leave_and_the_idle_node_comes_fir
     # node a stops beating; b restarts its prefill instance (a new incarnation)
     now[0] = 2.0
     for rec in (_record("b", "prefill", incarnation=2), _record("b", "decode", busy=1)):
-        await _put(store, rec)
+        await put_records(store, rec, ttl_s=3.0)
     now[0] = 3.5
     joined, left = await view.refresh()
     assert {r.instance_id for r in left} == {"a/prefill-0", "a/decode-0", "b/prefill-0"}

@@ -5,7 +5,6 @@ view of every node (``cluster.node_caches``)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from aegaeon_proxy.cluster.node_caches import merge_model_caches, node_services
 from aegaeon_proxy.cluster.requests import MAX_RETRIES, RequestTable
 from aegaeon_proxy.cluster.tracked import Tracked
 from aegaeon_sched.admission import Bounds
+from proxy_support import instance_record
 
 MODEL = "m"
 
@@ -66,88 +66,69 @@ def _first(rid: str, finish: str | None = None) -> PrefillDone:
     return PrefillDone(rid, 0, 7, finish, None, RequestTimings(), 0.0)
 
 
-def test_batch_waits_past_its_share_and_goes_once_the_room_is_freed() -> None:
-    async def main() -> None:
-        table, placement = _table()
-        table.set_bounds(Bounds(prefill_tokens=100))
-        table.open(_gen("b0", 2, prompt=40))
-        waiting = table.open(_gen("b1", 2, prompt=20))  # 60 > 0.5 x 100: it waits
-        table.open(_gen("i0", 0, prompt=20))  # 60 <= 1.25 x 100: admitted at once
-        assert placement.placed == ["b0", "i0"] and waiting.deferred
-        assert table.prefilled(_first("b0"), "prefill-0") is not None  # its 40 tokens freed
-        assert placement.placed == ["b0", "i0", "b1"] and not waiting.deferred
-        assert table.counters["deferred"] == 1 and table.counters["rejected"] == 0
-
-    asyncio.run(main())
+async def test_batch_waits_past_its_share_and_goes_once_the_room_is_freed() -> None:
+    table, placement = _table()
+    table.set_bounds(Bounds(prefill_tokens=100))
+    table.open(_gen("b0", 2, prompt=40))
+    waiting = table.open(_gen("b1", 2, prompt=20))  # 60 > 0.5 x 100: it waits
+    table.open(_gen("i0", 0, prompt=20))  # 60 <= 1.25 x 100: admitted at once
+    assert placement.placed == ["b0", "i0"] and waiting.deferred
+    assert table.prefilled(_first("b0"), "prefill-0") is not None  # its 40 tokens freed
+    assert placement.placed == ["b0", "i0", "b1"] and not waiting.deferred
+    assert table.counters["deferred"] == 1 and table.counters["rejected"] == 0
 
 
-def test_a_full_table_is_a_429_naming_where() -> None:
-    async def main() -> None:
-        table, _ = _table(max_queued_requests=1)
-        table.open(_gen("a", 1))
-        with pytest.raises(BackendError) as err:
-            table.open(_gen("b", 1))
-        assert err.value.status == 429 and "at this proxy" in err.value.message
-
-    asyncio.run(main())
+async def test_a_full_table_is_a_429_naming_where() -> None:
+    table, _ = _table(max_queued_requests=1)
+    table.open(_gen("a", 1))
+    with pytest.raises(BackendError) as err:
+        table.open(_gen("b", 1))
+    assert err.value.status == 429 and "at this proxy" in err.value.message
 
 
-def test_an_id_in_flight_twice_is_a_409() -> None:
-    async def main() -> None:
-        table, placement = _table()
+async def test_an_id_in_flight_twice_is_a_409() -> None:
+    table, placement = _table()
+    table.open(_gen("same", 1))
+    with pytest.raises(BackendError) as err:
         table.open(_gen("same", 1))
-        with pytest.raises(BackendError) as err:
-            table.open(_gen("same", 1))
-        assert (err.value.status, err.value.code) == (409, "duplicate_request_id")
-        assert placement.placed == ["same"]
-        table.end("same", "stop")
-        table.open(_gen("same", 1))  # once it ended, the id may come again
-
-    asyncio.run(main())
+    assert (err.value.status, err.value.code) == (409, "duplicate_request_id")
+    assert placement.placed == ["same"]
+    table.end("same", "stop")
+    table.open(_gen("same", 1))  # once it ended, the id may come again
 
 
-def test_tokens_fan_out_and_a_strangers_tokens_are_cancelled_once() -> None:
-    async def main() -> None:
-        table, placement = _table()
-        tracked = table.open(_gen("r", 1))
-        assert table.prefilled(_first("r"), "prefill-0") is tracked
-        assert table.prefilled(_first("r"), "prefill-0") is None  # a second prefill of it
-        msg = StepTokens(0, [TokenItem("r", [1, 2]), TokenItem("stranger", [3])], 0.0)
-        table.step_tokens(msg)
-        assert tracked.num_generated == 3
-        assert placement.orphans == ["stranger"]
-        table.step_tokens(StepTokens(0, [TokenItem("stranger", [4])], 0.0))
-        assert placement.orphans == ["stranger"]  # cancelled already
-        table.step_tokens(StepTokens(0, [TokenItem("r", [5], "length")], 0.0))
-        assert tracked.num_generated == 4 and "r" not in table.requests
-        assert placement.unplaced == [("r", False)]
-        table.step_tokens(StepTokens(0, [TokenItem("r", [6])], 0.0))  # late: ended here
-        assert placement.orphans == ["stranger"] and table.counters["finished"] == 1
-
-    asyncio.run(main())
+async def test_tokens_fan_out_and_a_strangers_tokens_are_cancelled_once() -> None:
+    table, placement = _table()
+    tracked = table.open(_gen("r", 1))
+    assert table.prefilled(_first("r"), "prefill-0") is tracked
+    assert table.prefilled(_first("r"), "prefill-0") is None  # a second prefill of it
+    msg = StepTokens(0, [TokenItem("r", [1, 2]), TokenItem("stranger", [3])], 0.0)
+    table.step_tokens(msg)
+    assert tracked.num_generated == 3
+    assert placement.orphans == ["stranger"]
+    table.step_tokens(StepTokens(0, [TokenItem("stranger", [4])], 0.0))
+    assert placement.orphans == ["stranger"]  # cancelled already
+    table.step_tokens(StepTokens(0, [TokenItem("r", [5], "length")], 0.0))
+    assert tracked.num_generated == 4 and "r" not in table.requests
+    assert placement.unplaced == [("r", False)]
+    table.step_tokens(StepTokens(0, [TokenItem("r", [6])], 0.0))  # late: ended here
+    assert placement.orphans == ["stranger"] and table.counters["finished"] == 1
 
 
-def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> None:
-    async def main() -> None:
-        table, placement = _table()
-        tracked = table.open(_gen("r", 1))
-        for _ in range(MAX_RETRIES):
-            table.lost(tracked, "prefill-0", "down")
-        assert placement.replaced == ["r"] * MAX_RETRIES and "r" in table.requests
+async def test_a_lost_request_is_placed_again_until_the_retries_run_out() -> None:
+    table, placement = _table()
+    tracked = table.open(_gen("r", 1))
+    for _ in range(MAX_RETRIES):
         table.lost(tracked, "prefill-0", "down")
-        assert "r" not in table.requests and table.counters["failed"] == 1
-
-    asyncio.run(main())
+    assert placement.replaced == ["r"] * MAX_RETRIES and "r" in table.requests
+    table.lost(tracked, "prefill-0", "down")
+    assert "r" not in table.requests and table.counters["failed"] == 1
 
 
 def _record(node: str, kind: str, index: int, capacity_tokens: int = 64) -> InstanceRecord:
-    return InstanceRecord(
-        v=1, instance_id=f"{node}/{kind}-{index}", node=node, kind=kind, index=index,
-        address="tcp://127.0.0.1:1", incarnation=1, pid=1,
-        capacity_tokens={MODEL: capacity_tokens},
-        max_batch_size=8, http_url=f"http://{node}-{kind}", cachemgr_address=f"ipc://{node}",
-        cachemgr_http_url=f"http://{node}-cachemgr",
-    )  # fmt: skip
+    return instance_record(node, kind, index, capacity_tokens={MODEL: capacity_tokens},
+                           http_url=f"http://{node}-{kind}", cachemgr_address=f"ipc://{node}",
+                           cachemgr_http_url=f"http://{node}-cachemgr")  # fmt: skip
 
 
 def test_services_list_each_nodes_cachemgr_then_its_instances() -> None:
@@ -186,30 +167,27 @@ def test_replicas_share_the_derived_bounds_and_each_node_adds_its_host_cache() -
     assert bounds_of(config(max_kv_blocks=32), two_nodes, replicas=2).kv_blocks == 32
 
 
-def test_engine_steps_count_prefills_and_bundled_decode_steps() -> None:
+async def test_engine_steps_count_prefills_and_bundled_decode_steps() -> None:
     """A decode report is one batch's steps: each open request's new tokens are counted
     (``vllm:iteration_tokens_total``), a stranger's left out."""
     from aegaeon_proxy.vllm_metrics import EngineSteps
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    async def main() -> dict[str, float]:
-        table, placement = _table()
-        registry = CollectorRegistry()
-        table.steps = EngineSteps()
-        table.steps.register(registry)
-        table.steps.prefill(MODEL, 12)
-        table.open(_gen("r1", 0, prompt=3))
-        table.open(_gen("r2", 0, prompt=5))
-        # two steps of a batch of two, sent together; an unknown request is left out
-        table.step_tokens(StepTokens(0, [TokenItem("r1", [1, 2]), TokenItem("r2", [3, 4]),
-                                         TokenItem("gone", [9, 9, 9])], 0.0))  # fmt: skip
-        table.step_tokens(StepTokens(0, [TokenItem("gone2", [1])], 0.0))  # no step of ours
-        assert placement.orphans == ["gone", "gone2"]
-        text = generate_latest(registry).decode()
-        return {s.name: s.value for f in text_string_to_metric_families(text)
-                for s in f.samples}  # fmt: skip
-
-    samples = asyncio.run(main())
+    table, placement = _table()
+    registry = CollectorRegistry()
+    table.steps = EngineSteps()
+    table.steps.register(registry)
+    table.steps.prefill(MODEL, 12)
+    table.open(_gen("r1", 0, prompt=3))
+    table.open(_gen("r2", 0, prompt=5))
+    # two steps of a batch of two, sent together; an unknown request is left out
+    table.step_tokens(StepTokens(0, [TokenItem("r1", [1, 2]), TokenItem("r2", [3, 4]),
+                                     TokenItem("gone", [9, 9, 9])], 0.0))  # fmt: skip
+    table.step_tokens(StepTokens(0, [TokenItem("gone2", [1])], 0.0))  # no step of ours
+    assert placement.orphans == ["gone", "gone2"]
+    text = generate_latest(registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}  # fmt: skip
     assert samples["vllm:iteration_tokens_total_count"] == 3  # one prefill, two decode steps
     assert samples["vllm:iteration_tokens_total_sum"] == 12 + 2 * 2

@@ -4,14 +4,12 @@ response object and its stream as the OpenAI SDK reads them, errors naming its f
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aegaeon_proxy.responses_api import chat_body
-from aiohttp.test_utils import TestClient
 from openai.types.responses import Response
-from proxy_support import MODEL, ScriptedBackend, run
+from proxy_support import MODEL, Client, ScriptedBackend
 
 TOOL = {"type": "function", "name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}
@@ -43,77 +41,73 @@ def test_input_items_become_chat_messages() -> None:
     assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
 
 
-def test_response_whole_streamed_and_errors(proxy_market: Path) -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
-        backend.token_ids = tok.encode(" Paris it is", add_special_tokens=False)
-        body = {"model": MODEL, "input": "Capital of France?", "max_output_tokens": 50}
-        resp = await client.post("/v1/responses", json=body)
-        assert resp.status == 200
-        raw = await resp.json()
-        out = Response.model_validate(raw)
-        assert out.output_text == " Paris it is" and out.status == "incomplete"
-        assert raw["incomplete_details"] == {"reason": "max_output_tokens"}
-        assert raw["usage"]["output_tokens"] == len(backend.token_ids)
-        assert raw["id"] == f"resp_{backend.submitted[-1].request_id}"
-        # the chat endpoint's prompt for the same conversation
-        chat = await client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}]})
-        assert chat.status == 200
-        assert backend.submitted[-1].prompt_token_ids == backend.submitted[-2].prompt_token_ids
-        stream = await client.post("/v1/responses", json={**body, "stream": True})
-        events = []
-        for frame in (await stream.read()).decode().split("\n\n"):
-            if frame:
-                name, data = frame.split("\n", 1)
-                event = json.loads(data.removeprefix("data: "))
-                assert name == f"event: {event['type']}"
-                events.append(event)
-        types = [e["type"] for e in events]
-        assert types[:4] == ["response.created", "response.in_progress",
-                             "response.output_item.added", "response.content_part.added"]
-        assert types[-4:] == ["response.output_text.done", "response.content_part.done",
-                              "response.output_item.done", "response.incomplete"]
-        assert [e["sequence_number"] for e in events] == list(range(len(events)))
-        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
-        assert text == " Paris it is"
-        final = Response.model_validate(events[-1]["response"])
-        assert final.output_text == text
-        for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
-                             ({"max_output_tokens": 0}, "max_output_tokens"),
-                             ({"text": {"format": {"type": "json_schema", "name": "x",
-                                                   "schema": {"type": "objec"}}}},
-                              "text.format.schema"),
-                             ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-                              "input[0].content[0]"),
-                             ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-                             ({"background": True}, "background")]:
-            resp = await client.post("/v1/responses", json={**body, **extra})
-            assert resp.status == 400, extra
-            assert (await resp.json())["error"]["param"] == param
-
-    run(proxy_market, scenario)
+async def test_response_whole_streamed_and_errors(client: Client, backend: ScriptedBackend,
+                                                  tok: Any) -> None:  # fmt: skip
+    backend.token_ids = tok.encode(" Paris it is", add_special_tokens=False)
+    body = {"model": MODEL, "input": "Capital of France?", "max_output_tokens": 50}
+    resp = await client.post("/v1/responses", json=body)
+    assert resp.status == 200
+    raw = await resp.json()
+    out = Response.model_validate(raw)
+    assert out.output_text == " Paris it is" and out.status == "incomplete"
+    assert raw["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert raw["usage"]["output_tokens"] == len(backend.token_ids)
+    assert raw["id"] == f"resp_{backend.submitted[-1].request_id}"
+    # the chat endpoint's prompt for the same conversation
+    chat = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}]})
+    assert chat.status == 200
+    assert backend.submitted[-1].prompt_token_ids == backend.submitted[-2].prompt_token_ids
+    stream = await client.post("/v1/responses", json={**body, "stream": True})
+    events = []
+    for frame in (await stream.read()).decode().split("\n\n"):
+        if frame:
+            name, data = frame.split("\n", 1)
+            event = json.loads(data.removeprefix("data: "))
+            assert name == f"event: {event['type']}"
+            events.append(event)
+    types = [e["type"] for e in events]
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == " Paris it is"
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output_text == text
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"max_output_tokens": 0}, "max_output_tokens"),
+                         ({"text": {"format": {"type": "json_schema", "name": "x",
+                                               "schema": {"type": "objec"}}}},
+                          "text.format.schema"),
+                         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+                          "input[0].content[0]"),
+                         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+                         ({"background": True}, "background")]:
+        resp = await client.post("/v1/responses", json={**body, **extra})
+        assert resp.status == 400, extra
+        assert (await resp.json())["error"]["param"] == param
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_function_call_is_an_output_item(proxy_market: Path, stream: bool) -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
-        call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
-        backend.token_ids = tok.encode(call, add_special_tokens=False)
-        backend.finish = "stop"
-        body = {"model": MODEL, "input": "Time?", "tools": [TOOL], "tool_choice": "required",
-                "max_output_tokens": 200, "stream": stream}  # fmt: skip
-        resp = await client.post("/v1/responses", json=body)
-        assert resp.status == 200
-        if stream:
-            frames = [f for f in (await resp.read()).decode().split("\n\n") if f]
-            raw = json.loads(frames[-1].split("\n", 1)[1].removeprefix("data: "))["response"]
-        else:
-            raw = await resp.json()
-        out = Response.model_validate(raw)
-        assert out.status == "completed"
-        (item,) = out.output
-        assert item.type == "function_call" and item.name == "get_time"
-        assert json.loads(item.arguments) == {"tz": "UTC"}
-        assert backend.submitted[-1].sampling.grammar  # required: forced by the grammar
-
-    run(proxy_market, scenario)
+async def test_a_function_call_is_an_output_item(client: Client, backend: ScriptedBackend, tok: Any,
+                                                 stream: bool) -> None:  # fmt: skip
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    backend.token_ids = tok.encode(call, add_special_tokens=False)
+    backend.finish = "stop"
+    body = {"model": MODEL, "input": "Time?", "tools": [TOOL], "tool_choice": "required",
+            "max_output_tokens": 200, "stream": stream}  # fmt: skip
+    resp = await client.post("/v1/responses", json=body)
+    assert resp.status == 200
+    if stream:
+        frames = [f for f in (await resp.read()).decode().split("\n\n") if f]
+        raw = json.loads(frames[-1].split("\n", 1)[1].removeprefix("data: "))["response"]
+    else:
+        raw = await resp.json()
+    out = Response.model_validate(raw)
+    assert out.status == "completed"
+    (item,) = out.output
+    assert item.type == "function_call" and item.name == "get_time"
+    assert json.loads(item.arguments) == {"tz": "UTC"}
+    assert backend.submitted[-1].sampling.grammar  # required: forced by the grammar

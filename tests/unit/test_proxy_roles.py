@@ -12,17 +12,14 @@ from __future__ import annotations
 import time
 from typing import cast
 
-import msgspec
 from aegaeon_common.config import Config, RolesConfig
 from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import (
-    INSTANCES,
     PROXIES,
     InstanceLoadInfo,
     InstanceRecord,
     ProxyRecord,
     encode,
-    instance_key,
     proxy_key,
 )
 from aegaeon_common.store import MemoryStore
@@ -36,7 +33,8 @@ from aegaeon_sched.shared import (
     place_decode,
     prefill_backlog,
 )
-from fake_worker import latency_model
+from fake_worker import latency_model, latency_profile
+from proxy_support import instance_record, put_records
 
 ROLES = RolesConfig(enabled=True, high_util=0.5, low_util=0.2, up_hold_s=0.0, down_hold_s=1.0,
                     min_dwell_s=0.5)  # fmt: skip
@@ -129,7 +127,7 @@ def test_velocity_is_measured_once_an_instance_has_prefilled_else_estimated() ->
 def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -> None:
     """Dispatch by the roles: decode-0 moved to the prefill role is a prefill candidate;
     with hybrid prefill every instance of the node decodes, decode instances first."""
-    lat = msgspec.convert(latency_model(["a"]).to_dict(), LatencyProfile)
+    lat = latency_profile(["a"])
     view = RegistryView(cast(MemoryStore, None), hybrid_prefill=True)
     view.live = {n: _record(n, 0.0, 0.0, {"a": 4096}, lat) for n in BASE}
     assert [r.instance_id for r in view.prefill_candidates()] == ["prefill-0"]
@@ -139,23 +137,14 @@ def test_an_instance_in_the_prefill_role_takes_prefill_work_and_decodes_last() -
 
 
 CONFIG = Config(models=(), roles=ROLES)
-PROFILE = msgspec.convert(latency_model(["m"]).to_dict(), LatencyProfile)
+PROFILE = latency_profile(["m"])
 
 
 def _shared_record(kind: str, draining: bool = False) -> InstanceRecord:
     # measured: 1000 prompt tokens/s while prefilling
-    return InstanceRecord(
-        v=1, instance_id=f"a/{kind}-0", node="a", kind=kind, index=0,
-        address="tcp://127.0.0.1:1", incarnation=1, pid=1, capacity_tokens={"m": 4096},
-        max_batch_size=8, latency=PROFILE, draining=draining,
-        load=InstanceLoadInfo(prefill_s=1.0, prefill_tokens=1000),
-    )  # fmt: skip
-
-
-async def _register(store: MemoryStore, *records: InstanceRecord) -> None:
-    for record in records:
-        await store.put(instance_key(record.instance_id), encode(record), 60.0)
-        await store.set_add(INSTANCES, record.instance_id)
+    return instance_record("a", kind, capacity_tokens={"m": 4096}, latency=PROFILE,
+                           draining=draining,
+                           load=InstanceLoadInfo(prefill_s=1.0, prefill_tokens=1000))  # fmt: skip
 
 
 async def _replica(store: MemoryStore, name: str) -> SharedRoles:
@@ -179,7 +168,7 @@ def _prefill_ids(replica: SharedRoles) -> list[str]:
 async def test_one_replica_decides_on_every_replicas_arrivals_and_the_others_follow() -> None:
     clock = [0.0]
     store = MemoryStore(clock=lambda: clock[0])
-    await _register(store, _shared_record("prefill"), _shared_record("decode"))
+    await put_records(store, _shared_record("prefill"), _shared_record("decode"), ttl_s=60.0)
     a, b = await _replica(store, "a"), await _replica(store, "b")
     await a.refresh()
     await b.refresh()
@@ -209,7 +198,8 @@ async def test_one_replica_decides_on_every_replicas_arrivals_and_the_others_fol
 
 async def test_roles_hold_still_while_an_instance_drains_and_without_roles_enabled() -> None:
     store = MemoryStore()
-    await _register(store, _shared_record("prefill"), _shared_record("decode", draining=True))
+    await put_records(store, _shared_record("prefill"), _shared_record("decode", draining=True),
+                      ttl_s=60.0)  # fmt: skip
     a = await _replica(store, "a")
     a.arrived(time.monotonic(), 100_000)
     await a.refresh()

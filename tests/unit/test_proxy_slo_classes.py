@@ -4,7 +4,6 @@ class (the lowest class deferred or refused first, never the highest first)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,12 @@ from aegaeon_common.config import (
     SLOClassesConfig,
     SLOConfig,
 )
-from aegaeon_proxy.app import make_app
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.params import FIELDS, parse_common
 from aegaeon_proxy.slo_classes import class_table, resolve
 from aegaeon_sched import Request, Shedder, Verdict
 from aegaeon_sched.admission import AdmissionControl, Bounds, ClassAdmission
-from aiohttp.test_utils import TestClient, TestServer
-from proxy_support import MODEL, ScriptedBackend, market_dir
+from proxy_support import MODEL, ScriptedBackend, front, market_dir
 
 KEY = "sk-unit-slo-classes-1"
 BATCH_KEY = "sk-unit-slo-batch-only"
@@ -155,33 +152,22 @@ def test_classes_off_schedules_every_request_as_standard_but_still_checks() -> N
 # ---- through the HTTP front ----------------------------------------------------------
 
 
-def _serve(config: Config, scenario: Any) -> ScriptedBackend:
-    backend = ScriptedBackend()
-    backend.token_ids = [5, 6]
-
-    async def main() -> None:
-        async with TestClient(TestServer(make_app(config, backend))) as client:
-            await scenario(client)
-
-    asyncio.run(main())
-    return backend
-
-
-def test_the_front_answers_field_errors_and_passes_the_class_on() -> None:
+async def test_the_front_answers_field_errors_and_passes_the_class_on() -> None:
     market = market_dir()
     keys = (ApiKeyConfig(KEY), ApiKeyConfig(BATCH_KEY, slo_classes=("batch",)))
     config = Config(models=(ModelConfig(MODEL, market / MODEL),), proxy=ProxyConfig(api_keys=keys),
                     slo=SLOConfig(*SLO))  # fmt: skip
+    backend = ScriptedBackend()
+    backend.token_ids = [5, 6]
     answers: list[tuple[int, Any]] = []
-
-    async def scenario(client: TestClient[Any, Any]) -> None:
-        bodies: list[tuple[str, dict[str, Any], str]] = [
-            (KEY, {"priority": "urgent"}, "/v1/completions"),
-            (KEY, {"ttft_ms": -1}, "/v1/chat/completions"),
-            (BATCH_KEY, {"priority": "interactive"}, "/v1/completions"),
-            (KEY, {"priority": "interactive"}, "/v1/completions"),
-            (BATCH_KEY, {"tbt_ms": 500}, "/v1/chat/completions"),
-        ]
+    bodies: list[tuple[str, dict[str, Any], str]] = [
+        (KEY, {"priority": "urgent"}, "/v1/completions"),
+        (KEY, {"ttft_ms": -1}, "/v1/chat/completions"),
+        (BATCH_KEY, {"priority": "interactive"}, "/v1/completions"),
+        (KEY, {"priority": "interactive"}, "/v1/completions"),
+        (BATCH_KEY, {"tbt_ms": 500}, "/v1/chat/completions"),
+    ]
+    async with front(config, backend) as client:
         for key, extra, path in bodies:
             prompt = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
                       else {"prompt": "hi"})  # fmt: skip
@@ -189,8 +175,6 @@ def test_the_front_answers_field_errors_and_passes_the_class_on() -> None:
                                                  **extra},
                                      headers={"Authorization": f"Bearer {key}"})  # fmt: skip
             answers.append((resp.status, await resp.json()))
-
-    backend = _serve(config, scenario)
     statuses = [status for status, _ in answers]
     assert statuses == [400, 400, 403, 200, 200]
     params = [body["error"]["param"] for status, body in answers if status != 200]

@@ -11,7 +11,7 @@ from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_sched import LatencyModel
-from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model
+from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, run_loop
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -57,15 +57,12 @@ def test_a_prefill_instance_frees_unclaimed_handoffs_and_drops_its_queue() -> No
 
 def test_a_hybrid_drops_its_sequences_and_queue_and_frees_its_unclaimed_handoff() -> None:
     w = FakeWorker(latency_model(["a"]), kind="prefill")
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
     timed = [(0.0, w.enqueue("a1", "a", 0, 20, 300, 0.0)),
              (0.0, w.enqueue("a2", "a", 0, 20, 300, 0.0)),
              (0.0, _job("p1", 0, 30, 0.0)),
              (0.2, _job("p2", 1, 30, 0.2)),  # queued for the old proxy, not run
              (0.2, ProxyStarted(3))]  # fmt: skip
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    loop = DecodeLoop(w, inbox, outbox, True, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    loop, outbox = run_loop(DecodeLoop, w, timed, True)
     done = _done(outbox)
     assert set(done) == {"p1"}
     p1 = done["p1"].handoff

@@ -18,8 +18,7 @@ from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.prompts import chat_prompt, render_chat
 from aegaeon_proxy.structured import constraint_of, grammar_for
 from aegaeon_proxy.tool_calls import ToolCallParser, tool_format, tool_setup
-from aiohttp.test_utils import TestClient
-from proxy_support import MODEL, ScriptedBackend, run, sse_chunks
+from proxy_support import MODEL, Client, ScriptedBackend, sse_chunks
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"enum": ["c", "f"]}},
@@ -211,34 +210,32 @@ def test_a_bad_constraint_is_a_400_naming_its_field(body: dict[str, Any], param:
     assert (err.value.status, err.value.param) == (400, param)
 
 
-def test_tool_calls_through_the_front(proxy_market: Path) -> None:
-    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
-        backend.token_ids = tok.encode(HERMES, add_special_tokens=False)
-        backend.finish = "stop"
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
-                "tools": TOOLS, "max_tokens": 200}  # fmt: skip
-        out = await (await client.post("/v1/chat/completions", json=body)).json()
-        choice = out["choices"][0]
-        assert choice["finish_reason"] == "tool_calls"
-        assert choice["message"]["content"] == "Let me check."
-        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [
-            "get_weather", "get_time"]
-        assert backend.submitted[-1].sampling.grammar == ""  # auto: nothing forced
-        resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
-        chunks = await sse_chunks(resp)
-        deltas = [c["choices"][0] for c in chunks if c["choices"]]
-        assert deltas[-1]["finish_reason"] == "tool_calls"
-        fragments = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
-        args: dict[int, str] = {}
-        for f in fragments:
-            args[f["index"]] = args.get(f["index"], "") + f["function"]["arguments"]
-        assert [json.loads(a) for a in args.values()] == [
-            json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
-        forced = await client.post("/v1/chat/completions",
-                                   json={**body, "tool_choice": "required"})
-        assert forced.status == 200 and backend.submitted[-1].sampling.grammar  # forced
-        bad = await client.post("/v1/chat/completions", json={
-            **body, "tool_choice": "required", "response_format": {"type": "json_object"}})
-        assert (await bad.json())["error"]["param"] == "response_format"
-
-    run(proxy_market, scenario)
+async def test_tool_calls_through_the_front(client: Client, backend: ScriptedBackend,
+                                            tok: Any) -> None:  # fmt: skip
+    backend.token_ids = tok.encode(HERMES, add_special_tokens=False)
+    backend.finish = "stop"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": TOOLS, "max_tokens": 200}  # fmt: skip
+    out = await (await client.post("/v1/chat/completions", json=body)).json()
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [
+        "get_weather", "get_time"]
+    assert backend.submitted[-1].sampling.grammar == ""  # auto: nothing forced
+    resp = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = await sse_chunks(resp)
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    fragments = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    args: dict[int, str] = {}
+    for f in fragments:
+        args[f["index"]] = args.get(f["index"], "") + f["function"]["arguments"]
+    assert [json.loads(a) for a in args.values()] == [
+        json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    forced = await client.post("/v1/chat/completions",
+                               json={**body, "tool_choice": "required"})
+    assert forced.status == 200 and backend.submitted[-1].sampling.grammar  # forced
+    bad = await client.post("/v1/chat/completions", json={
+        **body, "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert (await bad.json())["error"]["param"] == "response_format"

@@ -10,11 +10,9 @@ Nothing is dropped silently.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from aiohttp.test_utils import TestClient
-from proxy_support import MODEL, ScriptedBackend, run
+from proxy_support import MODEL, Client, ScriptedBackend
 
 HONOURED = "honoured"
 REFUSED = "refused"
@@ -104,21 +102,19 @@ VLLM_CHAT_FIELDS: dict[str, tuple[Any, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def test_every_vllm_chat_field_is_honoured_or_refused_by_name(proxy_market: Path) -> None:
+async def test_every_vllm_chat_field_is_honoured_or_refused_by_name(
+    client: Client, backend: ScriptedBackend, tok: Any
+) -> None:
     wrong: list[str] = []
-
-    async def scenario(client: TestClient[Any, Any], backend: ScriptedBackend, tok: Any) -> None:
-        backend.token_ids = tok.encode(" fine", add_special_tokens=False)
-        for name, (value, status, more) in VLLM_CHAT_FIELDS.items():
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                    "max_tokens": 4, **more, name: value}  # fmt: skip
-            resp = await client.post("/v1/chat/completions", json=body)
-            answer = await resp.read()
-            param = json.loads(answer)["error"]["param"] if resp.status != 200 else None
-            want = (200, None) if status == HONOURED else (400, name)
-            right = (resp.status, param if status == REFUSED else None) == want
-            if not right:
-                wrong.append(f"{name}: {resp.status} {answer[:200]!r}")
-
-    run(proxy_market, scenario)
+    backend.token_ids = tok.encode(" fine", add_special_tokens=False)
+    for name, (value, status, more) in VLLM_CHAT_FIELDS.items():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4, **more, name: value}  # fmt: skip
+        resp = await client.post("/v1/chat/completions", json=body)
+        answer = await resp.read()
+        param = json.loads(answer)["error"]["param"] if resp.status != 200 else None
+        want = (200, None) if status == HONOURED else (400, name)
+        right = (resp.status, param if status == REFUSED else None) == want
+        if not right:
+            wrong.append(f"{name}: {resp.status} {answer[:200]!r}")
     assert not wrong, "\n".join(wrong)

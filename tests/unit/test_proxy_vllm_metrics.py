@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.messages.structs import RequestTimings, SamplingParams
-from aegaeon_proxy.app import make_app
 from aegaeon_proxy.backend import (
     EngineSnapshot,
     GenerationRequest,
@@ -18,20 +16,9 @@ from aegaeon_proxy.backend import (
 from aegaeon_proxy.cluster.tracked import Tracked, deliver
 from aegaeon_proxy.metrics import ProxyMetrics
 from aegaeon_sched import Request
-from aiohttp.test_utils import TestClient, TestServer
+from http_support import Samples, samples_of
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from proxy_support import MODEL, ScriptedBackend
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _samples(text: str) -> Samples:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+from proxy_support import MODEL, ScriptedBackend, front, scripted_config
 
 
 def _of(samples: Samples, name: str, model: str = "m", **labels: str) -> float:
@@ -40,7 +27,7 @@ def _of(samples: Samples, name: str, model: str = "m", **labels: str) -> float:
 
 
 def _scrape(metrics: ProxyMetrics) -> Samples:
-    return _samples(generate_latest(metrics.registry).decode())
+    return samples_of(generate_latest(metrics.registry).decode())
 
 
 def test_a_generation_moves_from_waiting_to_running_and_is_observed_once() -> None:
@@ -151,7 +138,7 @@ async def test_the_finishing_chunk_carries_the_merged_timings() -> None:
     assert last.timings.decode_s == 0.5
 
 
-def test_vllm_families_through_the_http_front(proxy_market: Path) -> None:
+async def test_vllm_families_through_the_http_front(proxy_market: Path) -> None:
     """A completion through the front (a scripted backend whose last chunk carries the
     instances' timings), then /metrics: every request family of the model moved."""
 
@@ -167,27 +154,23 @@ def test_vllm_families_through_the_http_front(proxy_market: Path) -> None:
         async def engine_snapshot(self) -> EngineSnapshot:
             return EngineSnapshot(device_kv_used_bytes=1, device_kv_capacity_bytes=2)
 
-    config = Config(models=(ModelConfig(MODEL, proxy_market / MODEL),))
     backend = Timed()
     backend.token_ids = [5, 6, 7, 8]
+    async with front(scripted_config(proxy_market), backend) as client:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        s = samples_of(await (await client.get("/metrics")).text())
+    assert _of(s, "vllm:request_success_total", MODEL, finished_reason="length") == 1
+    assert _of(s, "vllm:generation_tokens_total", MODEL) == 4
+    assert _of(s, "vllm:prompt_tokens_total", MODEL) > 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_max_tokens"):  # fmt: skip
+        assert _of(s, f"vllm:{name}_count", MODEL) == 1, name
+    assert _of(s, "vllm:inter_token_latency_seconds_count", MODEL) == 3
+    assert _of(s, "vllm:request_queue_time_seconds_sum", MODEL) == 0.01
+    assert _of(s, "vllm:kv_cache_usage_perc", MODEL) == 0.5
+    assert _of(s, "vllm:num_requests_running", MODEL) == 0
 
-    async def main() -> None:
-        async with TestClient(TestServer(make_app(config, backend))) as client:
-            body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
-            assert (await client.post("/v1/completions", json=body)).status == 200
-            s = _samples(await (await client.get("/metrics")).text())
-        assert _of(s, "vllm:request_success_total", MODEL, finished_reason="length") == 1
-        assert _of(s, "vllm:generation_tokens_total", MODEL) == 4
-        assert _of(s, "vllm:prompt_tokens_total", MODEL) > 0
-        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                     "request_queue_time_seconds", "request_prefill_time_seconds",
-                     "request_decode_time_seconds", "request_inference_time_seconds",
-                     "request_time_per_output_token_seconds", "request_prompt_tokens",
-                     "request_generation_tokens", "request_params_max_tokens"):  # fmt: skip
-            assert _of(s, f"vllm:{name}_count", MODEL) == 1, name
-        assert _of(s, "vllm:inter_token_latency_seconds_count", MODEL) == 3
-        assert _of(s, "vllm:request_queue_time_seconds_sum", MODEL) == 0.01
-        assert _of(s, "vllm:kv_cache_usage_perc", MODEL) == 0.5
-        assert _of(s, "vllm:num_requests_running", MODEL) == 0
-
-    asyncio.run(main())

@@ -8,17 +8,10 @@ from pathlib import Path
 import msgspec
 from aegaeon_common.config import Config, ModelConfig
 from aegaeon_common.messages.report import InstanceHello, InstanceStats
-from aegaeon_common.messages.structs import LatencyProfile
 from aegaeon_common.registry import decode_instance, instance_key
 from aegaeon_common.store import MemoryStore
 from aegaeon_runtime.registrar import Registrar
-from aegaeon_sched import LatencyModel, ModelSpec
-
-
-def _profile(models: list[str]) -> LatencyProfile:
-    lat = LatencyModel([ModelSpec(m, 64, 128, 2, 1 << 20, 256) for m in models],
-                       pcie_bytes_per_s=1e9)  # fmt: skip
-    return msgspec.convert(lat.to_dict(), LatencyProfile)
+from fake_worker import latency_profile
 
 
 async def test_the_record_lists_added_models_and_the_models_on_the_device(
@@ -26,7 +19,7 @@ async def test_the_record_lists_added_models_and_the_models_on_the_device(
 ) -> None:
     store = MemoryStore()
     config = Config(models=(ModelConfig("a", tmp_path / "a"),), run_dir=tmp_path)
-    hello = InstanceHello("prefill", 0, 42, 1, 1, 8, {"a": 100}, _profile(["a"]))
+    hello = InstanceHello("prefill", 0, 42, 1, 1, 8, {"a": 100}, latency_profile(["a"]))
     registrar = Registrar(config, store, hello, "http://127.0.0.1:1")
 
     async def record(stats: InstanceStats) -> tuple[list[str], list[str], list[str], int]:
@@ -41,6 +34,6 @@ async def test_the_record_lists_added_models_and_the_models_on_the_device(
     stats = InstanceStats("prefill", 0, "a", 0, 0, resident_models=["a"], residency_version=3)
     assert await record(stats) == (["a"], ["a"], ["a"], 3)
     registrar.serve(msgspec.structs.replace(hello, capacity_tokens={"a": 100, "b": 50},
-                                            latency=_profile(["a", "b"])))  # fmt: skip
+                                            latency=latency_profile(["a", "b"])))  # fmt: skip
     asleep = msgspec.structs.replace(stats, resident_models=[], residency_version=4)
     assert await record(asleep) == (["a", "b"], ["a", "b"], [], 4)

@@ -17,16 +17,7 @@ from aegaeon_common.messages.report import InstanceModels, ModelsResident, Prefi
 from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.prefill.loop import PrefillLoop
-from aegaeon_sched import LatencyModel
-from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
-
-
-def _decode(worker: FakeWorker, timed: list[tuple[float, object]]) -> tuple[DecodeLoop, Outbox]:
-    inbox, outbox = TimedInbox(worker.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(worker.truth.to_dict())
-    loop = DecodeLoop(worker, inbox, outbox, clock=worker.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
-    return loop, outbox
+from fake_worker import FakeWorker, latency_model, run_loop, token_at
 
 
 def test_a_base_and_its_adapters_decode_in_one_batch_with_one_switch() -> None:
@@ -37,7 +28,7 @@ def test_a_base_and_its_adapters_decode_in_one_batch_with_one_switch() -> None:
              (0.0, w.enqueue("a1", "lora-a", 0, 30, 12, 0.0)),
              (0.0, w.enqueue("a2", "lora-b", 0, 10, 12, 0.0)),
              (0.0, w.enqueue("o1", "other", 1, 10, 12, 0.0))]  # fmt: skip
-    loop, outbox = _decode(w, timed)
+    loop, outbox = run_loop(DecodeLoop, w, timed)
     assert set(w.switcher.activations) == {"base", "other"}  # never an adapter's switch
     # a turn per unit: the base's turns take its adapters' sequences with it
     turns = [t.model for t in loop.counters.new_turns]
@@ -65,10 +56,7 @@ def test_an_adapters_prompt_runs_on_its_base_in_the_bases_group() -> None:
     timed = [(0.0, EnqueuePrefill("b1", "base", 0, list(range(20)), spec, 0.0)),
              (0.0, EnqueuePrefill("o1", "other", 1, list(range(10)), spec, 0.0)),
              (0.0, EnqueuePrefill("a1", "lora-a", 0, list(range(30)), spec, 0.0))]  # fmt: skip
-    inbox, outbox = TimedInbox(w.clock, timed), Outbox()
-    estimator = LatencyModel.from_dict(w.truth.to_dict())
-    loop = PrefillLoop(w, inbox, outbox, clock=w.clock, profile=lambda: estimator)
-    loop.run(inbox.stop)
+    _, outbox = run_loop(PrefillLoop, w, timed)
     done = [(d.request_id, d.token_id) for d in outbox.of_type(PrefillDone)]
     # the adapter's request is in the base's group: it runs before the other model's
     assert done == [("b1", token_at(19)), ("a1", token_at(29)), ("o1", token_at(9))]
@@ -84,7 +72,7 @@ def test_an_adapter_added_at_run_time_is_served_and_sleeps_without_its_base() ->
              (0.01, msgspec.structs.replace(w.enqueue("x1", "base", 0, 20, 4, 0.0),
                                             model="lora-x")),
              (1.0, SetModelAwake("lora-x", False, ticket=2))]  # fmt: skip
-    loop, outbox = _decode(w, timed)
+    loop, outbox = run_loop(DecodeLoop, w, timed)
     (models,) = outbox.of_type(InstanceModels)
     assert set(models.capacity_tokens) == {"base", "lora-x"}
     assert models.latency is not None and "lora-x" in models.latency.models

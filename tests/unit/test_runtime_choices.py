@@ -15,21 +15,16 @@ from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.grammar import GrammarCache, ModelVocab
 from aegaeon_runtime.prefill.loop import PrefillLoop
-from aegaeon_sched import LatencyModel, RoundController, RoundRobinPlanner
-from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
+from aegaeon_sched import RoundController, RoundRobinPlanner
+from fake_worker import FakeWorker, Outbox, latency_model, run_loop, token_at
 from msgspec.structs import replace
 
 
 def _decode(worker: FakeWorker, timed: list[tuple[float, Any]]) -> tuple[DecodeLoop, Outbox]:
-    inbox = TimedInbox(worker.clock, timed)
-    outbox = Outbox()
-    estimator = LatencyModel.from_dict(worker.truth.to_dict())
     config = worker.config
     planner = RoundRobinPlanner(config.slo.tbt_s, config.scheduler.q_max_s,
                                 ttft_s=config.slo.ttft_s)
-    loop = DecodeLoop(worker, inbox, outbox, False, clock=worker.clock,
-                      rounds=RoundController(planner), profile=lambda: estimator)  # fmt: skip
-    loop.run(inbox.stop)
+    loop, outbox = run_loop(DecodeLoop, worker, timed, False, rounds=RoundController(planner))
     return loop, outbox
 
 
@@ -64,11 +59,7 @@ def test_n_sequences_share_one_handoff_and_report_their_index() -> None:
 
 
 def _prefill(worker: FakeWorker, msg: EnqueuePrefill) -> PrefillDone:
-    inbox = TimedInbox(worker.clock, [(0.0, msg)])
-    outbox = Outbox()
-    loop = PrefillLoop(worker, inbox, outbox, clock=worker.clock,
-                       profile=lambda: LatencyModel.from_dict(worker.truth.to_dict()))
-    loop.run(inbox.stop)
+    _, outbox = run_loop(PrefillLoop, worker, [(0.0, msg)])
     (done,) = outbox.of_type(PrefillDone)
     return done
 

@@ -4,9 +4,6 @@ aegaeon_runtime.kv with peers)."""
 
 from __future__ import annotations
 
-import os
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -80,15 +77,6 @@ class _Cache:
         out = [self.next + k * self.block_bytes for k in range(num_blocks)]
         self.next += num_blocks * self.block_bytes
         return _Allocated(out)
-
-
-@pytest.fixture
-def table() -> Iterator[EventTable]:
-    table = EventTable.create(f"aegaeon-test-{os.getpid()}-{uuid.uuid4().hex[:6]}", 4)
-    try:
-        yield table
-    finally:
-        table.close()
 
 
 def test_rank_0_moves_every_ranks_part_of_a_block(specs: dict[str, ModelSpec],

@@ -16,7 +16,6 @@ from aegaeon_sched import (
     DecodeDispatcher,
     DecodeWorkList,
     LatencyModel,
-    ModelSpec,
     PolicyOptions,
     PrefillDispatcher,
     Request,
@@ -24,15 +23,12 @@ from aegaeon_sched import (
     RunOnInstance,
     make_policy,
 )
+from sched_support import tiny_latency
 
 
 def make_latency(models: list[str]) -> LatencyModel:
     """Prefill of a prompt: 1 ms a token; a switch: 1 s a model."""
-    specs = [ModelSpec(m, 64, 128, 1, int(1e9), 1) for m in models]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)
-    lat.set_prefill_coefficients("*", [1e-3 / specs[0].layer_width, 0.0, 0.0])
-    lat.set_decode_coefficients("*", [0.0, 0.0])
-    return lat
+    return tiny_latency(models)
 
 
 def _req(rid: str, model: str, unit: str = "", arrival_s: float = 0.0) -> Request:

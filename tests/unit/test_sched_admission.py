@@ -148,7 +148,6 @@ def test_admin_keys_three_ways() -> None:
     assert "sk-admin" not in repr(proxy.keys)  # a key never reaches a log line
 
 
-
 def test_tcp_addresses_stay_on_the_loopback_without_curve() -> None:
     base = {"models": [{"name": "a", "path": "/x"}]}
     config_from_dict({**base, "addresses": {"proxy": "tcp://127.0.0.1:5555"}})

@@ -12,7 +12,6 @@ from aegaeon_sched import (
     ClusterSpec,
     EnqueuePrefill,
     LatencyModel,
-    ModelSpec,
     PinnedRequestLevelPolicy,
     PlaceDecode,
     Reject,
@@ -23,16 +22,12 @@ from aegaeon_sched import (
     attainment,
     make_policy,
 )
-from sched_support import req, run_actions
+from sched_support import req, run_actions, tiny_latency
 
 
 def _latency() -> LatencyModel:
-    specs = [ModelSpec(m, 64, 128, 1, 500_000_000, 1) for m in "xyz"]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)  # 0.5 s switches
-    width = specs[0].layer_width
-    lat.set_prefill_coefficients("*", [1e-4 / width, 0.0, 0.0])  # 50 tokens: 5 ms
-    lat.set_decode_coefficients("*", [0.01 / width, 0.0])  # 10 ms per step
-    return lat
+    # 50 tokens' prefill: 5 ms; 10 ms per decode step; 0.5 s switches
+    return tiny_latency("xyz", prefill_s=1e-4, decode_s=0.01, switch_s=0.5)
 
 
 def test_hol_blocking_request_level_vs_token_level() -> None:

@@ -5,19 +5,15 @@ from __future__ import annotations
 from aegaeon_sched import (
     AegaeonPolicy,
     EnqueuePrefill,
-    LatencyModel,
-    ModelSpec,
     PlaceDecode,
     Request,
 )
+from sched_support import tiny_latency
 
 
 def _policy() -> AegaeonPolicy:
-    specs = [ModelSpec(m, 64, 128, 1, 1_000_000_000, 1) for m in "ab"]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9)
-    width = specs[0].layer_width
-    lat.set_prefill_coefficients("*", [1e-4 / width, 0.0, 0.001])
-    lat.set_decode_coefficients("*", [0.01 / width, 0.0])
+    lat = tiny_latency("ab", prefill_s=1e-4, prefill_const_s=0.001, decode_s=0.01,
+                       switch_beta=0.625)  # fmt: skip
     return AegaeonPolicy(["p0", "p1"], ["d0"], lat)
 
 

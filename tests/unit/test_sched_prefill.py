@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from aegaeon_sched import LatencyModel, ModelSpec, PrefillDispatcher, PrefillQueue, Request
+from aegaeon_sched import LatencyModel, PrefillDispatcher, PrefillQueue, Request
+from sched_support import tiny_latency
 
 
 def _latency(switch: dict[str, float] | None = None) -> LatencyModel:
     """Prefill of a prompt = 1 ms per token; switch = given seconds per model."""
-    switch = switch or {"a": 1.0, "b": 1.0, "c": 1.0}
-    specs = [ModelSpec(m, 64, 128, 1, int(s * 1e9), 1) for m, s in switch.items()]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)
-    width = specs[0].layer_width
-    lat.set_prefill_coefficients("*", [1e-3 / width, 0.0, 0.0])
-    lat.set_decode_coefficients("*", [0.0, 0.0])
-    return lat
+    return tiny_latency(switch or {"a": 1.0, "b": 1.0, "c": 1.0})
 
 
 def _req(i: int, model: str, prompt: int = 100, at: float = 0.0) -> Request:

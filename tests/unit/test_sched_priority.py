@@ -7,7 +7,6 @@ from aegaeon_sched import (
     BatchLoad,
     DecodeWorkList,
     LatencyModel,
-    ModelSpec,
     PrefillDispatcher,
     PrefillQueue,
     Request,
@@ -15,17 +14,14 @@ from aegaeon_sched import (
     SLOClasses,
 )
 from aegaeon_sched.priority import BATCH, INTERACTIVE, STANDARD
+from sched_support import tiny_latency
 
 CLASSES = SLOClasses.default(ttft_s=2.0, tbt_s=0.1)  # interactive 1 s, batch 10 s
 
 
 def _latency() -> LatencyModel:
     """Prefill = 1 ms per prompt token (a 1000-token prompt: 1 s); switches 0.5 s."""
-    specs = [ModelSpec(m, 64, 128, 1, int(0.5e9), 1) for m in ("a", "b")]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)
-    lat.set_prefill_coefficients("*", [1e-3 / specs[0].layer_width, 0.0, 0.0])
-    lat.set_decode_coefficients("*", [0.0, 0.0])
-    return lat
+    return tiny_latency("ab", switch_s=0.5)
 
 
 def _req(rid: str, at: float, cls: str = "standard", model: str = "a") -> Request:

@@ -6,7 +6,6 @@ from aegaeon_sched import (
     AegaeonPolicy,
     EnqueuePrefill,
     LatencyModel,
-    ModelSpec,
     PlaceDecode,
     Request,
     RoleController,
@@ -15,6 +14,7 @@ from aegaeon_sched import (
     RoleSignals,
 )
 from aegaeon_sched.roles import DECODE, PREFILL, estimated_prefill_velocity
+from sched_support import tiny_latency
 
 V = {"p0": 1000.0, "d0": 1000.0, "d1": 1000.0}  # prompt tokens/s each prefills
 SETTINGS = RoleSettings(high_util=0.8, low_util=0.5, up_hold_s=0.5, down_hold_s=5.0,
@@ -96,9 +96,7 @@ def test_min_decode_keeps_a_decoder() -> None:
 
 
 def _latency() -> LatencyModel:
-    specs = [ModelSpec(m, 64, 128, 1, int(1e8), 1) for m in "abc"]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, switch_beta=1.0)
-    lat.set_prefill_coefficients("*", [1e-3 / specs[0].layer_width, 0.0, 0.0])
+    lat = tiny_latency("abc", switch_s=0.1)
     lat.set_decode_coefficients("*", [1e-4, 0.0])
     return lat
 

@@ -12,7 +12,6 @@ from aegaeon_sched import (
     DecodeDispatcher,
     DecodeWorkList,
     LatencyModel,
-    ModelSpec,
     NoInstance,
     PrefillDispatcher,
     PrefillQueue,
@@ -30,15 +29,12 @@ from aegaeon_sched.shared import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sched_support import tiny_latency
 
 
 def _latency() -> LatencyModel:
-    specs = [ModelSpec(m, 64, 128, 1, int(0.5e9), 1) for m in "abcd"]
-    lat = LatencyModel(specs, pcie_bytes_per_s=1e9, decode_per_seq_term=True)
-    width = specs[0].layer_width
-    lat.set_prefill_coefficients("*", [1e-3 / width, 0.0, 0.0])
-    lat.set_decode_coefficients("*", [0.0025 / width, 0.0, 0.001 / width])
-    return lat
+    return tiny_latency("abcd", decode_s=0.0025, decode_per_seq_s=0.001, switch_s=0.5,
+                        switch_beta=0.625)  # fmt: skip
 
 
 def _stored(queue: PrefillQueue) -> bytes:

@@ -22,6 +22,12 @@ class Node:
     def fits(self, request: Request, fraction: float) -> bool:
         return self.held + 10 <= 100 * fraction
 
+    def fits_and_admit(self, request: Request, fraction: float) -> bool:
+        """``fits``, and if so holds the request's 10 units (as a release admits it)."""
+        ok = self.fits(request, fraction)
+        self.held += 10 if ok else 0
+        return ok
+
 
 @pytest.mark.parametrize(
     ("held", "expected"),
@@ -104,14 +110,7 @@ def test_with_classes_off_requests_wait_their_turn_until_their_first_token_deadl
         Verdict.DEFER, Verdict.DEFER, Verdict.REFUSE]
     assert shed.next_expiry_s() == 11.0  # r1 arrived at 1 s, TTFT 10 s (the class's)
     # room for one: the earliest leaves first, the other keeps waiting
-    node = Node(85)
-
-    def fits_and_admit(request: Request, fraction: float) -> bool:
-        ok = node.fits(request, fraction)
-        node.held += 10 if ok else 0
-        return ok
-
-    assert [r.request_id for r in shed.release(fits_and_admit)] == ["r1"]
+    assert [r.request_id for r in shed.release(Node(85).fits_and_admit)] == ["r1"]
     assert shed.expire(11.9) == []  # r2 may still meet its TTFT
     assert [r.request_id for r in shed.expire(12.0)] == ["r2"]  # it cannot any more
     assert len(shed) == 0 and shed.next_expiry_s() is None
@@ -133,13 +132,7 @@ def test_with_wait_all_every_class_waits_and_room_goes_to_the_highest_first() ->
     urgent = _req("i", "interactive", at=2.0)  # deadline 3 s
     assert [shed.decide(r, full.fits) for r in (late_batch, std, urgent)] == [Verdict.DEFER] * 3
     node = Node(80)  # room for two requests of 10 under the whole bound
-
-    def fits_and_admit(request: Request, fraction: float) -> bool:
-        ok = node.fits(request, fraction)
-        node.held += 10 if ok else 0
-        return ok
-
-    assert [r.request_id for r in shed.release(fits_and_admit)] == ["i", "s"]
+    assert [r.request_id for r in shed.release(node.fits_and_admit)] == ["i", "s"]
     assert shed.next_expiry_s() == 10.0 and shed.expire(9.9) == []
     assert [r.request_id for r in shed.expire(10.0)] == ["b"]
     assert shed.refused == {"interactive": 0, "standard": 0, "batch": 1}

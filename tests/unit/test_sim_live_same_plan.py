@@ -24,7 +24,7 @@ from aegaeon_sched import LatencyModel, RoundController, RoundRobinPlanner
 from aegaeon_sim.events import EventLoop, SimClock
 from aegaeon_sim.instances import SimInbox
 from aegaeon_sim.switching import Eq4Switching, switch_cost
-from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model
+from fake_worker import FakeWorker, Outbox, latency_model, run_loop
 
 MODELS = ["a", "b", "c"]
 TTFT_S, TBT_S = 1.0, 0.05
@@ -91,10 +91,7 @@ def _run(truth: LatencyModel, arrivals: list[Any], simulated: bool) -> tuple[Rec
         events.run(math.inf)  # until the loop waits for a command that never comes
         events.close()
     else:
-        timed_inbox = TimedInbox(worker.clock, timed)
-        loop = DecodeLoop(worker, timed_inbox, Outbox(), clock=worker.clock, rounds=rounds,
-                          profile=lambda: estimator)  # fmt: skip
-        loop.run(timed_inbox.stop)
+        loop, _ = run_loop(DecodeLoop, worker, timed, rounds=rounds)
     assert loop.work.num_requests == 0
     turns = [(r.model, r.start_s, r.end_s, r.steps) for r in loop.counters.new_turns if r.steps]
     return rounds, turns

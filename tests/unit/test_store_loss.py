@@ -14,8 +14,6 @@ from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.registry import (
     INSTANCES,
     SERVED_MODELS,
-    InstanceLoadInfo,
-    InstanceRecord,
     ModelSettingsRecord,
     decode_model_settings,
     decode_served_models,
@@ -31,6 +29,7 @@ from aegaeon_runtime.registrar import Registrar
 from aegaeon_runtime.shared_queues import QueueSnapshots
 from aegaeon_sched import PrefillQueue, Request
 from aegaeon_sched.shared import prefill_queue_of, queued_request_ids
+from proxy_support import instance_record, put_records
 
 KEY = "modelsettings:m"
 
@@ -118,37 +117,24 @@ async def test_a_change_after_a_loss_builds_on_the_record_kept_not_an_empty_one(
     assert a.records.kept[SERVED_MODELS] == raw and a.records.num_written_back == 0
 
 
-def _record(node: str, kind: str, incarnation: int = 1) -> InstanceRecord:
-    return InstanceRecord(
-        v=1, instance_id=f"{node}/{kind}-0", node=node, kind=kind, index=0,
-        address="tcp://127.0.0.1:1", incarnation=incarnation, pid=1,
-        capacity_tokens={"m": 100}, max_batch_size=8, load=InstanceLoadInfo(),
-    )  # fmt: skip
-
-
 async def test_a_replica_takes_no_missing_record_for_a_death_until_the_store_settles() -> None:
     now = [0.0]
     store = MemoryStore(clock=lambda: now[0])
     health = StoreHealth(settle_s=3.5, clock=lambda: now[0])
     view = RegistryView(store, hybrid_prefill=True, health=health)
-
-    async def beat(*records: InstanceRecord) -> None:
-        for record in records:
-            await store.put(instance_key(record.instance_id), encode(record), 3.0)
-            await store.set_add(INSTANCES, record.instance_id)
-
-    await beat(_record("a", "prefill"), _record("b", "prefill"))
+    a, b = instance_record("a", "prefill"), instance_record("b", "prefill")
+    await put_records(store, a, b, ttl_s=3.0)
     assert len((await view.refresh())[0]) == 2
     _wipe(store)  # restarted empty: the replica saw a new epoch (or an error)
     health.troubled()
     joined, left = await view.refresh()
     assert not joined and not left and sorted(view.live) == ["a/prefill-0", "b/prefill-0"]
     now[0] = 0.5
-    await beat(_record("a", "prefill"))  # a beats again; b died meanwhile
+    await put_records(store, a, ttl_s=3.0)  # a beats again; b died meanwhile
     joined, left = await view.refresh()
     assert not joined and not left and len(view.prefill_candidates()) == 2
     now[0] = 3.6  # settled: b's record is still missing, b is gone
-    await beat(_record("a", "prefill"))
+    await put_records(store, a, ttl_s=3.0)
     joined, left = await view.refresh()
     assert [r.instance_id for r in left] == ["b/prefill-0"] and list(view.live) == ["a/prefill-0"]
 

@@ -59,45 +59,44 @@ def test_any_frame_decodes_to_a_message_of_the_channel_or_a_typed_wire_error(
         assert isinstance(msg, Message) and msg.TAG in channel.tags
 
 
-def test_the_router_answers_every_bad_frame_and_survives_an_oversized_one(tmp_path: Path) -> None:
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        address = f"ipc://{tmp_path / 'rpc.sock'}"
+async def test_the_router_answers_every_bad_frame_and_survives_an_oversized_one(
+    tmp_path: Path,
+) -> None:
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path / 'rpc.sock'}"
 
-        async def handler(msg: Message) -> Message:
-            return ErrorReply("ok", msg.TAG)
+    async def handler(msg: Message) -> Message:
+        return ErrorReply("ok", msg.TAG)
 
-        server = RpcServer(ctx, address, REQUESTS, handler)
-        serving = asyncio.create_task(server.serve_forever())
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(address)
-        rid = struct.pack("<Q", 1)
-        bad = [b"", b"\xc1", msgspec.msgpack.encode({"t": "nope", "v": 1}),
-               msgspec.msgpack.encode({"t": "cache.stats", "v": 2}), VALID[4][:-1],
-               msgspec.msgpack.encode([1, 2, 3])]  # fmt: skip
-        for frame in bad:
-            await dealer.send_multipart([rid, frame])
-            _, reply = await asyncio.wait_for(dealer.recv_multipart(), 5.0)
-            decoded = msgspec.msgpack.decode(reply)
-            assert decoded["t"] == "error" and decoded["code"] in CODES, decoded
-        await dealer.send_multipart([b"\x00" * 3])  # no request id frame
+    server = RpcServer(ctx, address, REQUESTS, handler)
+    serving = asyncio.create_task(server.serve_forever())
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    rid = struct.pack("<Q", 1)
+    bad = [b"", b"\xc1", msgspec.msgpack.encode({"t": "nope", "v": 1}),
+           msgspec.msgpack.encode({"t": "cache.stats", "v": 2}), VALID[4][:-1],
+           msgspec.msgpack.encode([1, 2, 3])]  # fmt: skip
+    for frame in bad:
+        await dealer.send_multipart([rid, frame])
         _, reply = await asyncio.wait_for(dealer.recv_multipart(), 5.0)
-        assert msgspec.msgpack.decode(reply)["code"] == "malformed"
-        await dealer.send_multipart([rid, b"\x00" * (MAX_FRAME_BYTES + 1)])  # dropped unread
-        await asyncio.sleep(0.3)
-        await dealer.send_multipart([rid, VALID[4]])  # the connection comes back
-        _, reply = await asyncio.wait_for(dealer.recv_multipart(), 10.0)
-        assert msgspec.msgpack.decode(reply) == {"t": "error", "code": "ok",
-                                                 "message": GetStats.TAG, "detail": None,
-                                                 "v": 1}  # fmt: skip
-        assert server.num_bad_frames == len(bad) + 1
-        serving.cancel()
-        dealer.close(0)
-        server.close()
-        ctx.term()
-
-    asyncio.run(main())
+        decoded = msgspec.msgpack.decode(reply)
+        assert decoded["t"] == "error" and decoded["code"] in CODES, decoded
+    await dealer.send_multipart([b"\x00" * 3])  # no request id frame
+    _, reply = await asyncio.wait_for(dealer.recv_multipart(), 5.0)
+    assert msgspec.msgpack.decode(reply)["code"] == "malformed"
+    await dealer.send_multipart([rid, b"\x00" * (MAX_FRAME_BYTES + 1)])  # dropped unread
+    await asyncio.sleep(0.3)
+    await dealer.send_multipart([rid, VALID[4]])  # the connection comes back
+    _, reply = await asyncio.wait_for(dealer.recv_multipart(), 10.0)
+    assert msgspec.msgpack.decode(reply) == {"t": "error", "code": "ok",
+                                             "message": GetStats.TAG, "detail": None,
+                                             "v": 1}  # fmt: skip
+    assert server.num_bad_frames == len(bad) + 1
+    serving.cancel()
+    dealer.close(0)
+    server.close()
+    ctx.term()
 
 
 PRODUCT = ["libs", "services", "tools", "bench", "sim"]

@@ -55,18 +55,27 @@ def top1_agreement(model: str | Path, reference: str | Path, prompts: Sequence[S
     ref_logp = [teacher_forced(ref, list(p), t)[1] for p, t in zip(prompts, texts, strict=True)]
     del ref
     cand = LLM(model, dtype=dtype, num_threads=num_threads)
+    forced = [teacher_forced(cand, list(p), t) for p, t in zip(prompts, texts, strict=True)]
+    return {**compare([f[0] for f in forced], [f[1] for f in forced], texts, ref_logp),
+            "reference": str(reference)}
+
+
+def compare(argmax: Sequence[Sequence[int]], logp: Sequence[Sequence[float]],
+            ref_argmax: Sequence[Sequence[int]],
+            ref_logp: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """Top-1 agreement and log-probability drift of one engine against another, over every
+    position (see the module docstring)."""
     agree = positions = 0
     drifts: list[float] = []
-    for prompt, tokens, ref_lp in zip(prompts, texts, ref_logp, strict=True):
-        argmax, logp = teacher_forced(cand, list(prompt), tokens)
-        agree += sum(a == t for a, t in zip(argmax, tokens, strict=True))
-        positions += len(tokens)
-        drifts += [abs(a - b) for a, b in zip(logp, ref_lp, strict=True)]
+    for a, lp, ra, rlp in zip(argmax, logp, ref_argmax, ref_logp, strict=True):
+        agree += sum(x == y for x, y in zip(a, ra, strict=True))
+        positions += len(ra)
+        drifts += [abs(x - y) for x, y in zip(lp, rlp, strict=True)]
     drift = torch.tensor(drifts, dtype=torch.float64)
     return {"top1_agreement": round(agree / positions, 4), "positions": positions,
             "logprob_drift": round(float(drift.mean()), 4),
             "logprob_drift_p99": round(float(drift.quantile(0.99)), 4),
-            "logprob_drift_max": round(float(drift.max()), 4), "reference": str(reference)}
+            "logprob_drift_max": round(float(drift.max()), 4)}
 
 
 def bench_prompts(vocab_size: int, num_prompts: int = 8, prompt_len: int = 128,

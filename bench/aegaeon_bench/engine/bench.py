@@ -279,7 +279,9 @@ def _measure(args: argparse.Namespace, scratch: Path) -> int:
         "repeats": args.repeats, "cpus": cpus, **dict.fromkeys(PEERS),
         "native_kernels": engine.native_kernels,
         "isa_choice": runners["ours"].choice.report(),
-        "device": args.device, "device_name": _device_name(args.device), **weights,
+        "device": args.device, "device_name": (  # the GPU's name (None on the CPU)
+            torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None),
+        **weights,
     }
     if args.device == "cpu":  # the core's limits, measured here, at these threads and caps
         result["machine"] = machine_limits(dtype)
@@ -363,13 +365,6 @@ def _peer_results(result: dict[str, Any], peer_runs: dict[str, list[dict[str, An
         peer = result.get(name)
         result[f"ours_over_{name}"] = ({k: round(result["ours"][k] / peer[k], 2) for k in KEYS}
                                        if peer else None)
-
-
-def _device_name(device: str) -> str | None:
-    """The GPU's name for a CUDA device (None on the CPU)."""
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else None
 
 
 def _print_table(result: dict[str, Any]) -> None:

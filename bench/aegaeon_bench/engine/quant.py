@@ -124,26 +124,6 @@ def dequantized_reference(model_dir: Path, prompts: Sequence[list[int]], num_new
     return texts, logps
 
 
-def compare(argmax: Sequence[Sequence[int]], logp: Sequence[Sequence[float]],
-            ref_argmax: Sequence[Sequence[int]],
-            ref_logp: Sequence[Sequence[float]]) -> dict[str, Any]:
-    """Top-1 agreement and log-probability drift of one engine against another, over every
-    position (see the module docstring)."""
-    import torch
-
-    agree = positions = 0
-    drifts: list[float] = []
-    for a, lp, ra, rlp in zip(argmax, logp, ref_argmax, ref_logp, strict=True):
-        agree += sum(x == y for x, y in zip(a, ra, strict=True))
-        positions += len(ra)
-        drifts += [abs(x - y) for x, y in zip(lp, rlp, strict=True)]
-    drift = torch.tensor(drifts, dtype=torch.float64)
-    return {"top1_agreement": round(agree / positions, 4), "positions": positions,
-            "logprob_drift": round(float(drift.mean()), 4),
-            "logprob_drift_p99": round(float(drift.quantile(0.99)), 4),
-            "logprob_drift_max": round(float(drift.max()), 4)}
-
-
 def _answer(tokenizer: Any, tokens: Sequence[int], eos: Sequence[int]) -> str:
     """The text of ``tokens`` up to the first EOS."""
     cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
@@ -158,7 +138,7 @@ def measure_file(gguf: Path, scratch: Path, args: argparse.Namespace,
     from aegaeon_market.edit import convert_source
     from transformers import AutoTokenizer
 
-    from aegaeon_bench.engine.agreement import teacher_forced
+    from aegaeon_bench.engine.agreement import compare, teacher_forced
 
     kept, dense = scratch / f"{gguf.stem}-kept", scratch / f"{gguf.stem}-float32"
     convert_source(gguf, kept, "kept", None, progress=False, quantized=True)

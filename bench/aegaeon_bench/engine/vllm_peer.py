@@ -12,6 +12,12 @@ What is measured (greedy, ``ignore_eos``, prefix caching off so repeats are
 not free): prefill = each prompt alone with ``max_tokens=1``; decode at batch
 B = ``B * (N - 1) / (t(max_tokens=N) - t(max_tokens=1))`` over the first B
 prompts, i.e. the steady decode rate with vLLM's own scheduling overheads.
+
+A workload without ``prompts`` is the switch bench's naive path instead
+(``aegaeon_bench.switch.naive``): how vLLM switches models, one model per server,
+so serving another means starting another engine. The worker builds the engine,
+generates one token and answers ``{"first_token": id, "init_s": ...}`` as soon as
+it has it, then ends; the parent times spawn -> that line.
 """
 
 from __future__ import annotations
@@ -50,9 +56,18 @@ def _bench(work: dict[str, Any], scratch: str, protocol: TextIO) -> int:
     # the same cores as the bench process (vLLM's own default pins to cores too)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", work.get("cpus") or "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    started = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if "prompts" not in work:  # an engine start (module docstring)
+        llm = LLM(model=work["model"], dtype=work["dtype"], seed=0, max_model_len=256,
+                  max_num_seqs=8, enable_prefix_caching=False, skip_tokenizer_init=True)
+        init_s = time.perf_counter() - started
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], params, use_tqdm=False)
+        _send(protocol, {"first_token": int(out[0].outputs[0].token_ids[0]), "init_s": init_s})
+        return 0
     prompts: list[list[int]] = work["prompts"]
     num_new = int(work["num_new"])
     llm = LLM(model=work["model"], dtype=work["dtype"], seed=0,

@@ -155,28 +155,12 @@ class Bench:
         """Median ms of a decode step of these contexts (after a warm-up step, which
         captures graphs where the engine replays them)."""
         seqs = self.seqs(contexts)
-        engine.decode(seqs)
-        self.sync()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.decode(seqs)
-            self.sync()
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+        return 1e3 * median_s(lambda: engine.decode(seqs), steps, self.sync)
 
     def prefill_tok_s(self, length: int) -> float:
         ids = [5 + i % 1000 for i in range(length)]
         blocks = list(range(-(-length // BLOCK_SIZE)))
-        self.graphs.prefill(ids, blocks)
-        self.sync()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            self.graphs.prefill(ids, blocks)
-            self.sync()
-            times.append(time.perf_counter() - start)
-        return length / statistics.median(times)
+        return length / median_s(lambda: self.graphs.prefill(ids, blocks), 3, self.sync)
 
     def greedy(self, engine: Any, lengths: Sequence[int]) -> list[list[int]]:
         from aegaeon_engine import DecodeSeq
@@ -233,18 +217,27 @@ def d2d_gb_s(device: Any, nbytes: int) -> float:
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    on_cuda = src.device.type == "cuda"
+
+    def sync() -> None:
+        if src.device.type == "cuda":
+            torch.cuda.synchronize(src.device)
+
+    sync()
+    return 2 * nbytes / median_s(lambda: dst.copy_(src), 5, sync) / 1e9
+
+
+def median_s(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    """Median seconds of ``fn()`` up to ``sync()`` over ``repeats`` runs, after one untimed
+    run (the warm-up)."""
+    fn()
+    sync()
     times = []
-    for _ in range(6):
-        if on_cuda:
-            torch.cuda.synchronize(src.device)
+    for _ in range(repeats):
         start = time.perf_counter()
-        dst.copy_(src)
-        if on_cuda:
-            torch.cuda.synchronize(src.device)
+        fn()
+        sync()
         times.append(time.perf_counter() - start)
-    del src, dst
-    return 2 * nbytes / statistics.median(times[1:]) / 1e9
+    return statistics.median(times)
 
 
 def measure_model(bench: Bench, spec: Any, d2d: float, small: Any,

@@ -153,4 +153,3 @@ def _ratios(ours: Mapping[str, Any], shapes: Mapping[str, Any]) -> dict[str, flo
         mine = (ours.get("decode", {}).get(key) or {}).get("tok_s")
         ratios[f"b{batch}"] = round(mine / theirs, 4) if mine and theirs else None
     return ratios
-

@@ -61,5 +61,3 @@ def model_spec(preset_name: str, dtype: str, tiny: bool) -> Any:
                                  name=f"{preset_name}-{dtype}")
     # the dry run's window: its contexts (a graph's static block table spans the window)
     return replace(spec, max_model_len=TINY_WINDOW) if tiny else spec
-
-

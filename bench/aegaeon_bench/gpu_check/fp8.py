@@ -38,13 +38,13 @@ MODEL = f"{PRESET}-fp8"
 TARGET_S = 0.2
 
 
-def switch_argv(python: str, market: Path, device: str, fp8_model: str, small_model: str,
-                dry: bool) -> list[str]:
-    """The ``aegaeon bench switch`` command of the step (as ``bench_switch`` runs it)."""
+def switch_argv(python: str, market: Path, device: str, *models: str, dry: bool) -> list[str]:
+    """The ``aegaeon bench switch`` command of the check's ``bench_switch`` step and of this
+    one (``models``: the FP8 one and the small one)."""
     size = (("--repeats", "1", "--switch-repeats", "1", "--kv-ops", "50", "--slice-ms", "20")
             if dry else ("--repeats", "5", "--switch-repeats", "2"))
     return [python, "-m", "aegaeon_cli.main", "bench", "switch", "--device", device,
-            "--market", str(market), "--models", f"{fp8_model},{small_model}", "--no-cold",
+            "--market", str(market), "--models", ",".join(models), "--no-cold",
             "--no-vllm", "--no-transformers", "--json", *size]
 
 

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_bench.gpu_check.paper import POLICIES as PAPER_POLICIES
+from aegaeon_bench.gpu_check.prepare import applies, requirement_name
 from aegaeon_bench.gpu_check.run import (
     Runner,
     StepResult,
@@ -118,16 +119,9 @@ IMPORT_NAMES = {"pyzmq": "zmq", "pyyaml": "yaml", "prometheus-client": "promethe
 
 def runtime_modules(root: Path = ROOT) -> list[str]:
     """The import names of pyproject's dependencies (for this platform)."""
-    import re
-
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    names = []
-    for spec in data["project"]["dependencies"]:
-        if re.search(r"sys_platform\s*==\s*['\"](win32|darwin)", spec.partition(";")[2]):
-            continue
-        name = re.split(r"[\s<>=!~;\[(]", spec.strip(), maxsplit=1)[0].lower()
-        names.append(IMPORT_NAMES.get(name, name.replace("-", "_")))
-    return names
+    names = [requirement_name(d) for d in data["project"]["dependencies"] if applies(d)]
+    return [IMPORT_NAMES.get(name, name.replace("-", "_")) for name in names]
 
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:
@@ -323,17 +317,12 @@ class Check:
                             reserve_s=self.reserve(), parse=_json_results)
 
     def bench_switch(self) -> None:
+        from aegaeon_bench.gpu_check.fp8 import switch_argv
+
         models = sorted(market_models(self.market), key=lambda e: int(e["params"]))
-        if self.dry:
-            names = [e["name"] for e in models[:2]]
-            size: tuple[str, ...] = ("--repeats", "1", "--switch-repeats", "1", "--kv-ops", "50",
-                                     "--slice-ms", "20")
-        else:
-            names = [e["name"] for e in models[-4:]]  # the largest: bytes, not latency
-            size = ("--repeats", "5", "--switch-repeats", "2")
-        argv = _cli("bench", "switch", "--device", self.device, "--market", str(self.market),
-                    "--models", ",".join(names), "--no-cold", "--no-vllm", "--no-transformers",
-                    "--json", *size)
+        # a dry run's two smallest; else the four largest: bytes, not latency
+        names = [e["name"] for e in (models[:2] if self.dry else models[-4:])]
+        argv = switch_argv(sys.executable, self.market, self.device, *names, dry=self.dry)
         self.runner.command("bench_switch", argv, DRY_STEP_S if self.dry else 90,
                             reserve_s=self.reserve(), parse=_json_results)
 
@@ -354,7 +343,7 @@ class Check:
             self.runner.skip("fp8_switch", "the FP8 model was not written")
             return
         argv = switch_argv(sys.executable, market, self.device, str(built.results["model"]),
-                           str(built.results["small_model"]), self.dry)
+                           str(built.results["small_model"]), dry=self.dry)
         self.runner.command("fp8_switch", argv, DRY_STEP_S if self.dry else 150,
                             reserve_s=self.reserve(),
                             parse=lambda out, _e: summarize(built.results, last_json_line(out)))

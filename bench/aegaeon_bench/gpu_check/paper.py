@@ -60,6 +60,7 @@ from aegaeon_bench.gpu_check.paper_plan import (
     choose_rates,
     extend,
     fit_budget,
+    node_starts,
     rate_grid,
 )
 from aegaeon_bench.gpu_check.paper_stats import (
@@ -326,14 +327,6 @@ class PaperScenario:
         stops = [float(s.get("stop_s") or 0.0) for s in self.sessions if s.get("stop_s")]
         return max(starts, default=self.plan.startup_s / 3) + max(stops, default=STOP_RESERVE_S)
 
-    def later_starts(self, policy: str) -> int:
-        """Nodes the rest of the order starts after this one's."""
-        starts, current = 0, policy
-        for other, _ in self.pending:
-            if other != current:
-                starts, current = starts + 1, other
-        return starts
-
     def run_s(self, policy: str, rate: float) -> float:
         """A run's expected seconds: its grace in full unless the prediction says it holds
         (then a late run that misses may leave a later one no time: it is skipped, said)."""
@@ -346,7 +339,7 @@ class PaperScenario:
         prediction at the end."""
         plan = self.plan
         keep = (max((float(s.get("stop_s") or 0) for s in self.sessions), default=STOP_RESERVE_S)
-                + self.later_starts(policy) * self.start_estimate_s() + plan.predict_s)
+                + node_starts(self.pending, policy) * self.start_estimate_s() + plan.predict_s)
         return self.runner.left_s() - keep >= self.run_s(policy, rate)
 
     # ---- a node -------------------------------------------------------------------

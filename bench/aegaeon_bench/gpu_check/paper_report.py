@@ -23,7 +23,7 @@ from typing import Any
 PERCENT = 100.0
 
 
-def _pct(value: Any) -> str:
+def pct(value: Any) -> str:
     return "-" if value is None else f"{PERCENT * float(value):.1f}%"
 
 
@@ -123,7 +123,7 @@ def markdown(paper: Mapping[str, Any]) -> str:
              "|---|---|---|---|---|"]  # fmt: skip
     for row in rows(paper):
         lines.append(f"| {row['policy']} | {row['rps_per_model']:.4g} | {row['requests']} | "
-                     f"{_pct(row['measured'])} | {_pct(row['predicted'])} |")
+                     f"{pct(row['measured'])} | {pct(row['predicted'])} |")
     sustainable = paper.get("sustainable") or {}
     sim = (paper.get("predicted") or {}).get("policies") or {}
     ratios = paper.get("ratios") or {}

@@ -63,7 +63,7 @@ def requirement_name(spec: str) -> str:
     return normalize(re.split(r"[\s<>=!~;\[(]", spec.strip(), maxsplit=1)[0])
 
 
-def _applies(spec: str) -> bool:
+def applies(spec: str) -> bool:
     """False for requirements behind an extra or a marker that excludes Linux / 3.12."""
     marker = spec.partition(";")[2]
     if not marker:
@@ -79,7 +79,7 @@ def _applies(spec: str) -> bool:
 def missing_packages(root: Path) -> list[str]:
     """The runtime dependencies the GPU machine lacks (normalised names)."""
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    names = {requirement_name(d) for d in data["project"]["dependencies"] if _applies(d)}
+    names = {requirement_name(d) for d in data["project"]["dependencies"] if applies(d)}
     return sorted(names - PREINSTALLED)
 
 
@@ -122,7 +122,7 @@ def unmet_requirements(wheels: list[Path]) -> dict[str, list[str]]:
             lines = zf.read(meta).decode().splitlines()
         needs = [line.split(":", 1)[1].strip() for line in lines
                  if line.startswith("Requires-Dist:")]
-        missing = [n for n in needs if _applies(n)
+        missing = [n for n in needs if applies(n)
                    and requirement_name(n) not in PREINSTALLED | carried]
         if missing:
             unmet[wheel.name] = missing

@@ -27,19 +27,10 @@ from typing import Any
 
 import torch
 
+from aegaeon_bench.gpu_check.models import cpu_model
+
 SMI_FIELDS = ("name", "driver_version", "memory.total", "pcie.link.gen.current",
               "pcie.link.width.current", "power.limit")  # fmt: skip
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def nvidia_smi() -> dict[str, Any] | None:
@@ -127,7 +118,7 @@ def probe(device: str, mib: int, repeats: int) -> dict[str, Any]:
     result: dict[str, Any] = {
         "python": sys.version.split()[0], "torch": torch.__version__,
         "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "device": device,
+        "cpu": cpu_model() or platform.processor(), "cpu_count": os.cpu_count(), "device": device,
         "nvidia_smi": nvidia_smi(), "copy_mib": mib,
     }  # fmt: skip
     if device.startswith("cuda"):

@@ -170,22 +170,18 @@ def print_summary(summary: dict[str, Any]) -> None:
         print_paper(summary["paper"])
 
 
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * float(value):.1f}%"
-
-
 def print_paper(paper: dict[str, Any]) -> None:
     """The paper scenario's table: per policy and rate the requests, the measured and the
     predicted attainment; the sustainable rates and aegaeon's ratio to each; what a switch
     cost each policy, measured (``paper_report``'s rows)."""
-    from aegaeon_bench.gpu_check.paper_report import headline, policy_lines, rows
+    from aegaeon_bench.gpu_check.paper_report import headline, pct, policy_lines, rows
 
     print(headline(paper))
     print(f"  {'policy':22} {'RPS/model':>10} {'requests':>8} {'measured':>9} "
           f"{'simulated:':>10}")
     for row in rows(paper):
         print(f"  {row['policy']:22} {row['rps_per_model']:10.4g} {row['requests'] or '-':>8} "
-              f"{_pct(row['measured']):>9} {_pct(row['predicted']):>10}")
+              f"{pct(row['measured']):>9} {pct(row['predicted']):>10}")
     for line in policy_lines(paper):
         print("  " + line)
 

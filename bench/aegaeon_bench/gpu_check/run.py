@@ -21,7 +21,7 @@ import tarfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,7 @@ class StepResult:
     logs: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "status": self.status, "duration_s": round(self.duration_s, 2),
-            "timeout_s": self.timeout_s, "returncode": self.returncode, "argv": self.argv,
-            "results": self.results, "error": self.error, "logs": self.logs,
-        }  # fmt: skip
+        return {**asdict(self), "duration_s": round(self.duration_s, 2)}
 
 
 def market_models(market: Path) -> list[dict[str, Any]]:

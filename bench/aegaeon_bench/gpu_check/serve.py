@@ -35,7 +35,7 @@ from aegaeon_bench.gpu_check.run import (
     shm_segments,
     tail,
 )
-from aegaeon_bench.node.launch import free_port
+from aegaeon_bench.node.launch import bench_serve_argv, free_port
 
 MiB = 1 << 20
 STOP_TIMEOUT_S = 30.0
@@ -268,16 +268,6 @@ def _serve(runner: Runner, market: Path, work: Path, plan: ServePlan,
     judge_node(node, result, leaks)
 
 
-def bench_serve_argv(url: str, market: Path, load: Load, trace: Path) -> list[str]:
-    """``aegaeon bench serve`` of ``load`` against ``url`` (JSON last, trace files)."""
-    return [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", url,
-            "--models", str(load.num_models), "--rps", f"{load.rps:.6g}",
-            "--duration", str(load.load_s), "--grace", str(load.grace_s),
-            "--input-scale", str(load.input_scale), "--output-scale", str(load.output_scale),
-            "--ttft", str(load.ttft_s), "--tbt", str(load.tbt_s), "--seed", str(load.seed),
-            "--market", str(market), "--trace", str(trace), "--json", "--quiet"]  # fmt: skip
-
-
 def drive(runner: Runner, market: Path, url: str, load: Load, name: str,
           reserve_s: float = 40.0) -> dict[str, Any]:
     """``aegaeon bench serve`` against the running node, as ``name`` (its stdout, stderr
@@ -287,7 +277,12 @@ def drive(runner: Runner, market: Path, url: str, load: Load, name: str,
     trace = runner.logs / f"{name}-trace.jsonl"
     out, err = runner.logs / f"{name}-bench.out", runner.logs / f"{name}-bench.err"
     bench_s = max(min(load.load_s + load.grace_s + 60, runner.left_s() - reserve_s), 10.0)
-    status, code = runner.spawn(bench_serve_argv(url, market, load, trace), out, err, bench_s)
+    argv = bench_serve_argv(url, models=load.num_models, rps=f"{load.rps:.6g}",
+                            duration=load.load_s, grace=load.grace_s,
+                            input_scale=load.input_scale, output_scale=load.output_scale,
+                            ttft=load.ttft_s, tbt=load.tbt_s, seed=load.seed, market=market,
+                            trace=trace)  # fmt: skip
+    status, code = runner.spawn(argv, out, err, bench_s)
     return {"bench_status": status, "bench_returncode": code, "bench": last_json_line(out),
             "bench_error": tail(err) if status != "ok" else None,
             "engine_ms_per_step": engine_ms_per_step(Path(f"{trace}.stats.json"))}

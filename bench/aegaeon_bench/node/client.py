@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aegaeon_workload.plan import PlannedRequest
 
-from aegaeon_bench.node.http_client import sse_events
+from aegaeon_bench.node.http_client import fetch_sync, sse_events
 
 ERROR_TEXT_CHARS = 300
 NEEDS_KEY = "the node wants an API key: --api-key KEY or $AEGAEON_API_KEY"
@@ -153,7 +153,19 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> Any:
 
 async def list_models(session: aiohttp.ClientSession, base_url: str) -> list[str]:
     """The ids of ``GET /v1/models``, in the server's order."""
-    listing = await get_json(session, f"{base_url}/v1/models")
+    return _model_ids(await get_json(session, f"{base_url}/v1/models"), base_url)
+
+
+def served_models(base_url: str, api_key: str | None = None) -> list[str]:
+    """:func:`list_models` from code that runs no event loop (``fetch_sync``)."""
+    url = f"{base_url}/v1/models"
+    reply = fetch_sync("GET", url, headers=auth_headers(api_key), timeout_s=30)
+    if reply.status != 200:
+        raise status_error(f"GET {url}", reply.status)
+    return _model_ids(reply.json(), base_url)
+
+
+def _model_ids(listing: Any, base_url: str) -> list[str]:
     try:
         return [str(m["id"]) for m in listing["data"]]
     except (KeyError, TypeError) as exc:

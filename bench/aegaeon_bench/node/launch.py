@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,11 +50,12 @@ def free_port(count: int = 1) -> int:
     return free_ports(count)
 
 
-def interrupt(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
-    """Ctrl-C ``proc`` as a user would and wait; kill it if it does not stop in
-    ``timeout_s``. Its exit status."""
+def interrupt(proc: subprocess.Popen[bytes], timeout_s: float = 60.0,
+              sig: int = signal.SIGINT) -> int:  # fmt: skip
+    """Ctrl-C ``proc`` as a user would (or send it ``sig``) and wait; kill it if it does
+    not stop in ``timeout_s``. Its exit status."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -64,6 +66,15 @@ def interrupt(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
 
 def aegaeon_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "aegaeon_cli.main", *args]
+
+
+def bench_serve_argv(url: str, **flags: object) -> list[str]:
+    """``aegaeon bench serve --url URL`` with each of ``flags`` as ``--name value`` (a
+    ``_`` in the name as ``-``), its JSON last on stdout and no progress bar."""
+    argv = aegaeon_argv("bench", "serve", "--url", url)
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return [*argv, "--json", "--quiet"]
 
 
 @dataclass
@@ -83,15 +94,16 @@ class Node:
 
 def start_node(
     market: Path, policy: str, run_dir: Path, config: Path | None, timeout_s: float = 300.0,
-    extra_args: Sequence[str] = (),
+    extra_args: Sequence[str] = (), ports: int = 1,
 ) -> Node:
-    """`aegaeon serve` with ``policy`` on a free port (``extra_args`` appended); returns
-    once it serves. What it would refuse (a ConfigError, EnvError or PlacementError: one
-    line) is raised before it starts."""
+    """`aegaeon serve` with ``policy`` on a free port (the first of ``ports`` free in a row:
+    one per ``--proxies`` replica; ``extra_args`` appended); returns once it serves. What
+    it would refuse (a ConfigError, EnvError or PlacementError: one line) is raised
+    before it starts."""
     from aegaeon_cli.serve import check_serve
 
     check_serve(market, config, policy)
-    port = free_port()
+    port = free_port(ports)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "serve.log"
     argv = ["serve", "--market", str(market), "--policy", policy, "--port", str(port),
@@ -111,3 +123,16 @@ def start_node(
         time.sleep(0.2)
     node.stop()
     raise NodeError(f"aegaeon serve not ready after {timeout_s:.0f} s:\n{node.tail()}")
+
+
+def start_bench_node(bench: str, market: Path, config: Path | None, root: Path | None = None,
+                     extra_args: Sequence[str] = (), ports: int = 1) -> Node | None:  # fmt: skip
+    """:func:`start_node` (policy ``aegaeon``) for ``aegaeon bench BENCH``, in ``root``
+    (default: a new temporary folder); None, with the reason printed, when it did not
+    come up."""
+    root = root or Path(tempfile.mkdtemp(prefix=f"aegaeon-{bench}-"))
+    try:
+        return start_node(market, "aegaeon", root, config, extra_args=extra_args, ports=ports)
+    except NodeError as exc:
+        print(f"aegaeon bench {bench}: {exc}", file=sys.stderr)
+        return None

@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,9 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--settle", type=float, default=60.0,
                         help="s the node may take to free everything (60)")
     parser.add_argument("--url", help="a running proxy instead of starting a node")
-    common.add_api_key_argument(parser)
-    common.add_node_arguments(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -143,17 +138,13 @@ async def cancel_run(base_url: str, requests: int, concurrency: int, max_tokens:
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.launch import NodeError, start_node
+    from aegaeon_bench.node.launch import start_bench_node
 
     node = None
     url = args.url
     if url is None:
-        market = common.node_market(args)
-        try:
-            node = start_node(market, "aegaeon", Path(tempfile.mkdtemp(prefix="aegaeon-cancel-")),
-                              args.config)  # fmt: skip
-        except NodeError as exc:
-            print(f"aegaeon bench cancel: {exc}", file=sys.stderr)
+        node = start_bench_node("cancel", common.node_market(args), args.config)
+        if node is None:
             return 1
         url = node.url
     from aegaeon_bench.node.client import auth_headers

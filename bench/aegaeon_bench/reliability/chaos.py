@@ -62,15 +62,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--proxies", type=int, default=1, help="proxy replicas (1)")
     parser.add_argument("--concurrency", type=int, default=4, help="load clients (4)")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's (30 s)")
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
+    common.add_own_node_arguments(parser)
     parser.add_argument("--shm-size", default="3GiB",
                         help="as root: a private /dev/shm of this size for the run ('0': "
                         "use the machine's) (3GiB)")
     parser.add_argument("--shm-headroom", default="64MiB", help="fill_shm leaves this free")
     parser.add_argument("--shm-max-fill", default="2GiB",
                         help="fill_shm writes at most this much (bounds memory) (2GiB)")
-    common.add_report_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -142,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.config import parse_bytes
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.launch import NodeError, start_node
+    from aegaeon_bench.node.launch import start_bench_node
     from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
     from aegaeon_bench.reliability.faults import FAULTS
 
@@ -186,10 +184,9 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="aegaeon-chaos-"))
     shape = ["--nodes", str(args.nodes), "--proxies", str(args.proxies)] if cluster else []
-    try:
-        node = start_node(market, "aegaeon", root, args.config, extra_args=shape)
-    except NodeError as exc:
-        print(f"aegaeon bench chaos: {exc}", file=sys.stderr)
+    node = start_bench_node("chaos", market, args.config, root, extra_args=shape,
+                            ports=args.proxies)
+    if node is None:
         return 1
     try:
         assert node.run_dir is not None

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import struct
-import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,9 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--slow-limit", type=float, default=300.0,
                         help="s a slow client waits to be cut (300): a reader is cut "
                         "write_timeout after its buffers filled, which takes a while")
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -245,30 +241,24 @@ async def fuzz_zmq(base_url: str, run_dir: Path, frames: int, seed: int, *,
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.client import auth_headers, list_models
-    from aegaeon_bench.node.launch import NodeError, start_node
+    from aegaeon_bench.node.client import auth_headers, served_models
+    from aegaeon_bench.node.http_client import fetch_sync
+    from aegaeon_bench.node.launch import start_bench_node
     from aegaeon_bench.node.probe import serve_children
 
     key = common.api_key(args)
     headers = auth_headers(key)
 
-    market = common.node_market(args)
-    try:
-        node = start_node(market, "aegaeon", Path(tempfile.mkdtemp(prefix="aegaeon-fuzz-")),
-                          args.config)  # fmt: skip
-    except NodeError as exc:
-        print(f"aegaeon bench fuzz: {exc}", file=sys.stderr)
+    node = start_bench_node("fuzz", common.node_market(args), args.config)
+    if node is None:
         return 1
-
-    async def models() -> list[str]:
-        async with aiohttp.ClientSession(headers=headers) as session:
-            return [*await list_models(session, node.url), "no-such-model"]
-
     try:
         assert node.run_dir is not None
+        models = served_models(node.url, key)
         pids = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
         start = time.monotonic()
-        http = fuzz_http(node.url, run_fast(models()), args.examples, args.seed, headers)
+        http = fuzz_http(node.url, [*models, "no-such-model"], args.examples, args.seed,
+                         headers)
         http["seconds"] = round(time.monotonic() - start, 1)
         zmq_report = run_fast(fuzz_zmq(node.url, node.run_dir, args.frames, args.seed,
                                        headers=headers))
@@ -276,12 +266,11 @@ def run(args: argparse.Namespace) -> int:
         if args.slow_clients:
             from aegaeon_bench.reliability.slow_clients import slow_clients
 
-            model = run_fast(models())[0]
-            slow = run_fast(slow_clients(node.url, node.proc.pid, model, args.slow_clients,
+            slow = run_fast(slow_clients(node.url, node.proc.pid, models[0], args.slow_clients,
                                          args.slow_max_tokens, args.slow_limit,
                                          api_key=key))  # fmt: skip
         after = {n: p.pid for n, p in serve_children(node.proc.pid).items()}
-        ready = run_fast(_ready(node.url))
+        ready = fetch_sync("GET", f"{node.url}/ready").status == 200
     finally:
         node.stop()
     zmq_ok = (zmq_report["cachemgr"]["unanswered"] == 0
@@ -302,8 +291,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"services unchanged {pids == after}, ready {ready}; "
           f"{'OK' if report['ok'] else 'FAILED'}")
     return common.emit_report(args, report)
-
-
-async def _ready(base_url: str) -> bool:
-    async with aiohttp.ClientSession() as session, session.get(f"{base_url}/ready") as resp:
-        return resp.status == 200

@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,9 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="s between the other requests (0.5)")
     parser.add_argument("--sample-interval", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -181,14 +177,10 @@ def format_report(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import run_fast
 
-    from aegaeon_bench.node.launch import NodeError, start_node
+    from aegaeon_bench.node.launch import start_bench_node
 
-    market = common.node_market(args)
-    try:
-        node = start_node(market, "aegaeon", Path(tempfile.mkdtemp(prefix="aegaeon-soak-")),
-                          args.config)  # fmt: skip
-    except NodeError as exc:
-        print(f"aegaeon bench soak: {exc}", file=sys.stderr)
+    node = start_bench_node("soak", common.node_market(args), args.config)
+    if node is None:
         return 1
     try:
         assert node.run_dir is not None

@@ -53,10 +53,8 @@ class RunData:
         """The SLO of the run (its summary), with explicit overrides; else the paper's."""
         result = (self.summary or {}).get("result") or {}
         default = SLO()
-        return SLO(
-            ttft_s if ttft_s is not None else float(result.get("ttft_s", default.ttft_s)),
-            tbt_s if tbt_s is not None else float(result.get("tbt_s", default.tbt_s)),
-        )
+        return SLO(ttft_s if ttft_s is not None else float(result.get("ttft_s", default.ttft_s)),
+                   tbt_s if tbt_s is not None else float(result.get("tbt_s", default.tbt_s)))
 
 
 def _read_json(path: Path) -> Any:

@@ -38,14 +38,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run)
 
 
-def write_report(
-    trace: Path | None,
-    out: Path,
-    *,
-    sweep: Path | None = None,
-    ttft_s: float | None = None,
-    tbt_s: float | None = None,
-) -> list[Path]:
+def write_report(trace: Path | None, out: Path, *, sweep: Path | None = None,
+                 ttft_s: float | None = None, tbt_s: float | None = None) -> list[Path]:
     """Write every figure the inputs allow; returns the paths written (PlotsUnavailableError
     without matplotlib)."""
     from aegaeon_bench.report.plotting import use_agg

@@ -23,9 +23,8 @@ SUMMARY_KEYS = ("slo_attainment", "qos", "ttft_p50", "ttft_p99", "tbt_p50", "tbt
                 "switches", "completed", "failed", "requests")  # fmt: skip
 
 
-def token_times(
-    event_times_s: Sequence[float], num_tokens: int | None, finish_s: float | None = None
-) -> list[float]:
+def token_times(event_times_s: Sequence[float], num_tokens: int | None,
+                finish_s: float | None = None) -> list[float]:  # fmt: skip
     """When each token reached the client, from the times of the SSE events with text.
 
     The stream says how many tokens there were (the final usage) but not how
@@ -61,22 +60,16 @@ def instance_counter(stats: Mapping[str, Any] | None, name: str) -> float:
     return total
 
 
-def counter_delta(
-    before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, name: str
-) -> int | None:
+def counter_delta(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None,
+                  name: str) -> int | None:  # fmt: skip
     """How much an instance counter grew during the run (``None`` without stats)."""
     if after is None:
         return None
     return round(instance_counter(after, name) - instance_counter(before, name))
 
 
-def summary(
-    records: Sequence[TraceRecord],
-    slo: SLO,
-    *,
-    switches: int | None = None,
-    prefetched_switches: int | None = None,
-) -> dict[str, Any]:
+def summary(records: Sequence[TraceRecord], slo: SLO, *, switches: int | None = None,
+            prefetched_switches: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The run's metrics: :data:`SUMMARY_KEYS` first, then token counts and extras."""
     report = summarize([r.to_slo() for r in records], slo)
     completed = sum(r.status == "ok" for r in records)
@@ -112,9 +105,8 @@ def per_model(records: Sequence[TraceRecord], slo: SLO) -> dict[str, dict[str, A
     return {m: summary([r for r in records if r.model == m], slo) for m in models}
 
 
-def by_class(
-    records: Sequence[TraceRecord], class_of: Mapping[str, str | None], slo: SLO
-) -> dict[str, dict[str, Any]]:
+def by_class(records: Sequence[TraceRecord], class_of: Mapping[str, str | None],
+             slo: SLO) -> dict[str, dict[str, Any]]:  # fmt: skip
     """:func:`summary` of each SLO class's requests against the class's default targets
     (:meth:`aegaeon_sched.SLOClasses.default` of ``slo``), no switch counts."""
     from aegaeon_sched import SLOClasses

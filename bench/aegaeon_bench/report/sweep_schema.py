@@ -55,20 +55,12 @@ class SweepPoint:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_result(
-        cls,
-        policy: str,
-        models: int,
-        result: Mapping[str, Any],
-        *,
-        rps_per_model: float | None = None,
-        trace: str | None = None,
-    ) -> SweepPoint:
+    def from_result(cls, policy: str, models: int, result: Mapping[str, Any], *,
+                    rps_per_model: float | None = None, trace: str | None = None
+                    ) -> SweepPoint:  # fmt: skip
         """A point from the object `bench serve --json` prints (extra keys go to ``extra``)."""
-        return cls.from_json(
-            {**result, "policy": policy, "models": models, "rps_per_model": rps_per_model,
-             "trace": trace}
-        )  # fmt: skip
+        return cls.from_json({**result, "policy": policy, "models": models,
+                              "rps_per_model": rps_per_model, "trace": trace})
 
     def to_json(self) -> dict[str, Any]:
         obj = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aegaeon_sched.slo import SLO, percentile, token_hits
-from aegaeon_workload.trace import TraceRecord
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
@@ -25,11 +24,6 @@ MET, MISSED = "#2ca02c", "#d62728"
 MIN_GAP_S = 1e-5  # log-axis floor: tokens that arrived together
 
 
-def _model_colors(records: Sequence[TraceRecord]) -> dict[str, str]:
-    models = sorted({r.model for r in records})
-    return {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(models)}
-
-
 def plot_timeline(data: RunData, slo: SLO, path: Path) -> Path:
     """Per-request token timeline, tokens colored by their deadlines."""
     records = sample_records(sorted(data.records, key=lambda r: r.arrival_s), MAX_ROWS)
@@ -39,7 +33,8 @@ def plot_timeline(data: RunData, slo: SLO, path: Path) -> Path:
         no_data(ax, "requests")
         return save(fig, path)
     t0 = data.start_s
-    colors = _model_colors(records)
+    models = sorted({r.model for r in records})
+    colors = {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(models)}
     end_s = data.end_s
     for row, record in enumerate(records):
         times = [t - t0 for t in record.token_times_s]

@@ -63,32 +63,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--input-scale", type=float, default=1.0, help="prompt lengths x (1)")
     parser.add_argument("--output-scale", type=float, default=1.0, help="output lengths x (1)")
     parser.add_argument("--market", type=Path, help="market dir: vocab and window per model")
-    parser.add_argument(
-        "--vocab-size", type=int, help="prompt ids below this (default: config.json, else 256)"
-    )
-    parser.add_argument(
-        "--max-context",
-        type=int,
-        default=4096,
-        help="cap on prompt + output tokens, below the window and the services' KV room "
-        "(4096; the window is 2048 when no config.json is known)",
-    )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=30.0,
-        help="seconds after the last arrival before open requests fail (30)",
-    )
-    parser.add_argument(
-        "--priority-mix", metavar="MIX",
-        help="SLO classes, e.g. interactive=0.3,batch=0.7: each request sends its class as "
-        "\"priority\"; the JSON gains by_class (attainment per class against the class's "
-        "default targets: interactive 0.5x TTFT, batch 5x TTFT and 4x TBT)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--burst", metavar="SHAPE",
-        help="ON/OFF arrivals, e.g. on=5,period=30,factor=10,first=10 (--rps: the OFF rate)",
-    )  # fmt: skip
+    parser.add_argument("--vocab-size", type=int,
+                        help="prompt ids below this (default: config.json, else 256)")
+    parser.add_argument("--max-context", type=int, default=4096,
+                        help="cap on prompt + output tokens, below the window and the services' "
+                        "KV room (4096; the window is 2048 when no config.json is known)")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="seconds after the last arrival before open requests fail (30)")
+    parser.add_argument("--priority-mix", metavar="MIX",
+                        help="SLO classes, e.g. interactive=0.3,batch=0.7: each request sends "
+                        "its class as \"priority\"; the JSON gains by_class (attainment per "
+                        "class against the class's default targets: interactive 0.5x TTFT, "
+                        "batch 5x TTFT and 4x TBT)")
+    parser.add_argument("--burst", metavar="SHAPE", help="ON/OFF arrivals, e.g. "
+                        "on=5,period=30,factor=10,first=10 (--rps: the OFF rate)")
     parser.add_argument("--trace", type=Path, help="write the per-request trace here")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -100,19 +88,8 @@ def _base_url(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-async def _models(base_url: str, api_key: str | None) -> list[str]:
-    import aiohttp
-
-    from aegaeon_bench.node.client import auth_headers, list_models
-
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(api_key)) as session:
-        return await list_models(session, base_url)
-
-
-def _settings(
-    args: argparse.Namespace, models: list[str], limits: dict[str, Any]
-) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, models: list[str], limits: dict[str, Any]
+              ) -> dict[str, Any]:  # fmt: skip
     return {
         "url": _base_url(args.url), "models": models, "rps_per_model": args.rps,
         "duration_s": args.duration, "seed": args.seed, "input_scale": args.input_scale,
@@ -134,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from aegaeon_bench.common import machine_info
-    from aegaeon_bench.node.client import ServiceError
+    from aegaeon_bench.node.client import ServiceError, served_models
     from aegaeon_bench.report.metrics import by_class, counter_delta, per_model, summary
     from aegaeon_bench.serve.output import print_result
     from aegaeon_bench.serve.run import RunOptions, run_load
@@ -149,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     base_url = _base_url(args.url)
     key = common.api_key(args)
     try:
-        served = run_fast(_models(base_url, key))
+        served = served_models(base_url, key)
         models = served[: args.models] if args.models else served
         if args.model:
             models = [m for m in args.model.split(",") if m]
@@ -157,30 +134,19 @@ def run(args: argparse.Namespace) -> int:
             if unknown:
                 raise ValueError(f"--model: not served by {base_url}: {', '.join(unknown)} "
                                  f"(served: {', '.join(served)})")
-        limits = model_limits(
-            models, args.market, vocab_size=args.vocab_size, max_context=args.max_context
-        )
-    except (ServiceError, aiohttp.ClientError, TimeoutError, MarketError, ValueError) as exc:
+        limits = model_limits(models, args.market, vocab_size=args.vocab_size,
+                              max_context=args.max_context)
+    except (ServiceError, OSError, MarketError, ValueError) as exc:  # OSError: no answer
         print(f"aegaeon bench serve: {exc}", file=sys.stderr)
         return 2
-    planned = plan_requests(
-        models,
-        limits,
-        rps_per_model=args.rps,
-        duration_s=args.duration,
-        seed=args.seed,
-        input_scale=args.input_scale,
-        output_scale=args.output_scale,
-        mix=mix,
-        burst=burst,
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
-    )
-    print(
-        f"{len(planned)} requests to {len(models)} models ({', '.join(models)}) over "
-        f"{args.duration:g} s; limits from {sorted({lim.source for lim in limits.values()})}",
-        file=sys.stderr,
-    )
+    planned = plan_requests(models, limits, rps_per_model=args.rps, duration_s=args.duration,
+                            seed=args.seed, input_scale=args.input_scale,
+                            output_scale=args.output_scale, mix=mix, burst=burst,
+                            prompt_tokens=args.prompt_tokens,
+                            output_tokens=args.output_tokens)  # fmt: skip
+    print(f"{len(planned)} requests to {len(models)} models ({', '.join(models)}) over "
+          f"{args.duration:g} s; limits from {sorted({lim.source for lim in limits.values()})}",
+          file=sys.stderr)  # fmt: skip
     bar = tqdm(total=len(planned), desc="requests", unit="req", file=sys.stderr, disable=args.quiet)
     num_failed = 0
 
@@ -204,12 +170,8 @@ def run(args: argparse.Namespace) -> int:
     records = outcome.records()
     slo = SLO(args.ttft, args.tbt)
     before, after = outcome.stats_before, outcome.stats_after
-    result = summary(
-        records,
-        slo,
-        switches=counter_delta(before, after, "switches"),
-        prefetched_switches=counter_delta(before, after, "prefetched_switches"),
-    )
+    result = summary(records, slo, switches=counter_delta(before, after, "switches"),
+                     prefetched_switches=counter_delta(before, after, "prefetched_switches"))
     models_result = per_model(records, slo)
     if mix:
         result["by_class"] = by_class(records, {p.request_id: p.priority for p in planned}, slo)
@@ -224,16 +186,9 @@ def run(args: argparse.Namespace) -> int:
         write_trace(files.trace, records)
         write_json(files.stats, after)
         write_jsonl(files.kv, outcome.kv_samples)
-        write_json(
-            files.summary,
-            {
-                "settings": _settings(args, models, limits),
-                "start_s": outcome.start_s,
-                "end_s": outcome.end_s,
-                "result": result,
-                "per_model": models_result,
-            },
-        )
+        write_json(files.summary, {"settings": _settings(args, models, limits),
+                                   "start_s": outcome.start_s, "end_s": outcome.end_s,
+                                   "result": result, "per_model": models_result})  # fmt: skip
         print(f"trace: {files.trace} (+ .stats.json .kv.jsonl .summary.json)", file=sys.stderr)
     print_result(result, models_result, as_json=args.json, out=sys.stdout)
     return 0

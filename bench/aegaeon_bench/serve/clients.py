@@ -46,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from aegaeon_common.env import read_env
+from aegaeon_common.kept import write_atomic
 
 from aegaeon_bench import common
+from aegaeon_bench.node.launch import bench_serve_argv
 
 CLIENTS = ("aegaeon", "vllm", "guidellm", "aiperf")
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", "/tmp/vllm-venv"))
@@ -108,28 +110,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the node's proxy")
     common.add_api_key_argument(parser)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the model asked for")
-    parser.add_argument(
-        "--market",
-        type=Path,
-        help="market dir: the model's tokenizer for the text clients (default: "
-        "$AEGAEON_MARKET or ./market)",
-    )
+    parser.add_argument("--market", type=Path, help="market dir: the model's tokenizer for "
+                        "the text clients (default: $AEGAEON_MARKET or ./market)")
     parser.add_argument("--rate", type=float, default=0.1, help="requests/s, Poisson (0.1)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (60)")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (256)")
     parser.add_argument("--output-tokens", type=int, default=64, help="output length (64)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--clients",
-        default=",".join(CLIENTS),
-        help=f"which, in this order (default: {','.join(CLIENTS)})",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("bench-clients"),
-        help="reports and logs of every client (bench-clients)",
-    )
+    parser.add_argument("--clients", default=",".join(CLIENTS),
+                        help=f"which, in this order (default: {','.join(CLIENTS)})")
+    parser.add_argument("--out", type=Path, default=Path("bench-clients"),
+                        help="reports and logs of every client (bench-clients)")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     parser.set_defaults(func=run)
 
@@ -157,10 +148,7 @@ def run(args: argparse.Namespace) -> int:
     results = [RUNNERS[c](load, args.out, key) for c in clients]
     report = {"load": {**asdict(load), "tokenizer": str(load.tokenizer)},
               "results": [asdict(r) for r in results]}  # fmt: skip
-    path = args.out / "clients.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, path)
+    write_atomic(args.out / "clients.json", json.dumps(report, indent=1))
     print(format_table(results))
     if args.json:
         print(json.dumps(report))
@@ -227,12 +215,10 @@ def _missing(name: str, path: Path, how: str) -> ClientResult:
 
 def run_aegaeon(load: Load, out: Path, api_key: str | None = None) -> ClientResult:
     report = out / "aegaeon.json"
-    argv = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", load.url,
-            "--model", load.model, "--rps", str(load.rate), "--duration", str(load.duration_s),
-            "--prompt-tokens", str(load.prompt_tokens), "--output-tokens",
-            str(load.output_tokens), "--seed", str(load.seed), "--market",
-            str(load.tokenizer.parent), "--json", "--quiet",
-            "--trace", str(out / "aegaeon-trace.jsonl")]  # fmt: skip
+    argv = bench_serve_argv(load.url, model=load.model, rps=load.rate,
+                            duration=load.duration_s, prompt_tokens=load.prompt_tokens,
+                            output_tokens=load.output_tokens, seed=load.seed,
+                            market=load.tokenizer.parent, trace=out / "aegaeon-trace.jsonl")
 
     def parse() -> ClientResult:
         lines = (out / "aegaeon.log").read_text().strip().splitlines()
@@ -351,7 +337,7 @@ def guidellm_result(data: dict[str, Any]) -> list[ClientResult]:
             ttft_p50_ms=stat(m, "time_to_first_token_ms"),
             ttft_p99_ms=stat(m, "time_to_first_token_ms", "p99"),
             itl_p50_ms=stat(m, "inter_token_latency_ms"),
-            e2e_p50_ms=_s_to_ms(stat(m, "request_latency")),
+            e2e_p50_ms=_ms(stat(m, "request_latency")),
             note=f"strategy {label}; failed = errored + incomplete",
         ))  # fmt: skip
     return results
@@ -363,10 +349,6 @@ def stat(metrics: dict[str, Any], key: str, field: str = "median") -> float | No
     if not ok.get("count"):
         return None
     return float(ok["percentiles"]["p99"] if field == "p99" else ok[field])
-
-
-def _s_to_ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
 
 
 # -- AIPerf ---------------------------------------------------------------------------------

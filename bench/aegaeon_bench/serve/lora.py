@@ -191,13 +191,11 @@ def run_case(name: str, market: Path, streams: list[str], args: argparse.Namespa
 
     names = [f"stream{i}" for i in range(len(streams))]
     limits = model_limits(sorted(set(streams)), market, max_context=4096)
-    planned = plan_requests(
-        names, {n: limits[m] for n, m in zip(names, streams, strict=True)},
-        rps_per_model=args.rps,
-        duration_s=args.duration, seed=args.seed, input_scale=args.input_scale,
-        output_scale=args.output_scale, prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
-    )  # fmt: skip
+    planned = plan_requests(names, {n: limits[m] for n, m in zip(names, streams, strict=True)},
+                            rps_per_model=args.rps, duration_s=args.duration, seed=args.seed,
+                            input_scale=args.input_scale, output_scale=args.output_scale,
+                            prompt_tokens=args.prompt_tokens,
+                            output_tokens=args.output_tokens)  # fmt: skip
     by_stream = dict(zip(names, streams, strict=True))
     planned = [replace(p, model=by_stream[p.model]) for p in planned]  # the case's names
     config = slo_config(market, args.config, args.ttft, args.tbt, work / name)

@@ -36,21 +36,14 @@ def format_table(result: Mapping[str, Any], per_model: Mapping[str, Mapping[str,
         width = max(len(m) for m in per_model)
         lines.append(f"{'model':<{width}}  reqs  fail  attain  ttft_p50   tbt_p50")
         for model, m in per_model.items():
-            lines.append(
-                f"{model:<{width}}  {m['requests']:>4}  {m['failed']:>4}  "
-                f"{_num(m['slo_attainment'], '%', 100, 1):>6}  {_num(m['ttft_p50'], ' s'):>8}  "
-                f"{_num(m['tbt_p50'], ' ms', 1e3, 1):>8}"
-            )
+            lines.append(f"{model:<{width}}  {m['requests']:>4}  {m['failed']:>4}  "
+                         f"{_num(m['slo_attainment'], '%', 100, 1):>6}  "
+                         f"{_num(m['ttft_p50'], ' s'):>8}  {_num(m['tbt_p50'], ' ms', 1e3, 1):>8}")
     return "\n".join(lines)
 
 
-def print_result(
-    result: Mapping[str, Any],
-    per_model: Mapping[str, Mapping[str, Any]],
-    *,
-    as_json: bool,
-    out: TextIO,
-) -> None:
+def print_result(result: Mapping[str, Any], per_model: Mapping[str, Mapping[str, Any]], *,
+                 as_json: bool, out: TextIO) -> None:  # fmt: skip
     """The table, then (``as_json``) the result as the last line: one JSON object."""
     print(format_table(result, per_model), file=out)
     if as_json:

@@ -51,9 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--input-scale", type=float, default=0.25)
     parser.add_argument("--output-scale", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
-    common.add_node_arguments(parser)
-    common.add_api_key_argument(parser)
-    common.add_report_arguments(parser)
+    common.add_own_node_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -179,12 +177,11 @@ async def _bounds(base_url: str, api_key: str | None) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import aiohttp
     from aegaeon_common.process import run_fast
     from aegaeon_workload.plan import model_limits
 
-    from aegaeon_bench.node.client import auth_headers, list_models
-    from aegaeon_bench.node.launch import NodeError, slo_config, start_node
+    from aegaeon_bench.node.client import served_models
+    from aegaeon_bench.node.launch import slo_config, start_bench_node
 
     if (args.rps is None) == (args.clients is None):
         print("aegaeon bench overload: give --rps (open-loop rates) or --clients "
@@ -198,10 +195,8 @@ def run(args: argparse.Namespace) -> int:
     market = common.node_market(args)
     root = Path(tempfile.mkdtemp(prefix="aegaeon-overload-"))
     config = slo_config(market, args.config, args.ttft, args.tbt, root)
-    try:
-        node = start_node(market, "aegaeon", root, config)
-    except NodeError as exc:
-        print(f"aegaeon bench overload: {exc}", file=sys.stderr)
+    node = start_bench_node("overload", market, config, root)
+    if node is None:
         return 1
 
     if args.clients is not None:
@@ -212,22 +207,16 @@ def run(args: argparse.Namespace) -> int:
 
     key = common.api_key(args)
 
-    async def main() -> list[dict[str, Any]]:
-        async with aiohttp.ClientSession(headers=auth_headers(key)) as session:
-            served = await list_models(session, node.url)
-        models = served[: args.models]
+    try:
+        models = served_models(node.url, key)[: args.models]
         limits = model_limits(models, market)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for multiple in multiples:
-            row = await run_multiple(node.url, node.proc.pid, models, limits,
-                                     args.rps * multiple, args)  # fmt: skip
+            row = run_fast(run_multiple(node.url, node.proc.pid, models, limits,
+                                        args.rps * multiple, args))  # fmt: skip
             rows.append({"multiple": multiple, **row})
             print(format_report({"rates": rows, "goodput_ratio": 0.0, "accounted": True,
                                  "ok": True}).splitlines()[-2], file=sys.stderr)  # fmt: skip
-        return rows
-
-    try:
-        rows = run_fast(main())
         bounds = run_fast(_bounds(node.url, key))
     finally:
         node.stop()

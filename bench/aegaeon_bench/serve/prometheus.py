@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import shutil
 import signal
@@ -29,9 +28,11 @@ from typing import Any
 
 import yaml
 from aegaeon_common.env import read_env
+from aegaeon_common.kept import write_atomic
 
 from aegaeon_bench.node.client import auth_headers
 from aegaeon_bench.node.http_client import Reply, fetch_sync
+from aegaeon_bench.node.launch import interrupt
 
 REPO = Path(__file__).resolve().parents[3]
 MONITORING = REPO / "docker" / "monitoring"
@@ -49,10 +50,8 @@ class PrometheusError(RuntimeError):
 def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if found is None:
-        raise PrometheusError(
-            "no prometheus binary on PATH: run scripts/prometheus once "
-            "(it installs Debian's package), or apt-get install prometheus"
-        )
+        raise PrometheusError("no prometheus binary on PATH: run scripts/prometheus once "
+                              "(it installs Debian's package), or apt-get install prometheus")
     return found
 
 
@@ -95,10 +94,7 @@ def write_targets(directory: Path, services: list[dict[str, str]]) -> None:
     targets = directory / "targets"
     targets.mkdir(parents=True, exist_ok=True)
     for role, groups in target_groups(services).items():
-        path = targets / f"{role}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(groups, indent=1))
-        os.replace(tmp, path)
+        write_atomic(targets / f"{role}.json", json.dumps(groups, indent=1))
 
 
 def write_config(directory: Path, listen: str, scrape_interval: str | None = None,
@@ -115,15 +111,10 @@ def write_config(directory: Path, listen: str, scrape_interval: str | None = Non
             job["static_configs"] = [{"targets": [listen]}]
         if job["job_name"] == "aegaeon-proxy" and api_key:
             key_file = directory / "proxy-key"
-            tmp = key_file.with_suffix(".tmp")
-            tmp.write_text(api_key)
-            tmp.chmod(0o600)
-            os.replace(tmp, key_file)
+            write_atomic(key_file, api_key)  # 0600
             job["authorization"] = {"type": "Bearer", "credentials_file": str(key_file.resolve())}
     path = directory / "prometheus.yml"
-    tmp = path.with_suffix(".yml.tmp")
-    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-    os.replace(tmp, path)
+    write_atomic(path, yaml.safe_dump(config, sort_keys=False))
     return path
 
 
@@ -178,12 +169,7 @@ def running(directory: Path, port: int, scrape_interval: str | None = None,
         _wait_ready(server)
         yield server
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc, 30.0, signal.SIGTERM)
 
 
 def _wait_ready(server: Prometheus) -> None:
@@ -252,29 +238,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxy", default="http://127.0.0.1:8000", help="the node's proxy URL")
     parser.add_argument("--port", type=port_number, default=9090,
                         help="Prometheus listens here")  # fmt: skip
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="config, targets and data (default: a temporary directory)",
-    )
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="config, targets and data (default: a temporary directory)")
     parser.add_argument("--scrape-interval", default=None, help="e.g. 1s (default: the config's)")
-    parser.add_argument(
-        "--api-key",
-        default=read_env().api_key,
-        help="an admin key of the proxy when it has keys: it lists the services and "
-        "Prometheus scrapes the proxy's /metrics with it (default: $AEGAEON_API_KEY)",
-    )
+    parser.add_argument("--api-key", default=read_env().api_key,
+                        help="an admin key of the proxy when it has keys: it lists the services "
+                        "and Prometheus scrapes the proxy's /metrics with it "
+                        "(default: $AEGAEON_API_KEY)")
     args = parser.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="aegaeon-prometheus-"))
     directory.mkdir(parents=True, exist_ok=True)
     try:
         write_targets(directory, fetch_services(args.proxy, args.api_key))
     except (OSError, PrometheusError) as exc:
-        print(
-            f"scripts/prometheus: cannot list the node's services at {args.proxy}: {exc}",
-            file=sys.stderr,
-        )
+        print(f"scripts/prometheus: cannot list the node's services at {args.proxy}: {exc}",
+              file=sys.stderr)
         return 2
     stop = False
 
@@ -286,11 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         with running(directory, args.port, args.scrape_interval, args.api_key) as server:
-            print(
-                f"prometheus at {server.url} scraping the node at {args.proxy} "
-                f"(config, targets and data in {directory}); Ctrl-C stops it",
-                flush=True,
-            )
+            print(f"prometheus at {server.url} scraping the node at {args.proxy} "
+                  f"(config, targets and data in {directory}); Ctrl-C stops it", flush=True)
             next_refresh = time.monotonic() + REFRESH_S
             while not stop and server.proc.poll() is None:
                 time.sleep(0.5)

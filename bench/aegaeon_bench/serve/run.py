@@ -62,18 +62,12 @@ class RunOutcome:
 
 def _record(p: Progress) -> TraceRecord:
     return TraceRecord(
-        request_id=p.planned.request_id,
-        model=p.planned.model,
-        arrival_s=p.arrival_s,
+        request_id=p.planned.request_id, model=p.planned.model, arrival_s=p.arrival_s,
         token_times_s=tuple(token_times(p.event_times_s, p.num_tokens, p.finish_s)),
-        expected_tokens=p.planned.max_tokens,
-        status="ok" if p.ok else "failed",
-        sent_s=p.sent_s,
-        prompt_tokens=p.planned.prompt_len,
-        num_events=len(p.event_times_s),
-        error=p.error,
-        server_id=p.server_id,
-    )
+        expected_tokens=p.planned.max_tokens, status="ok" if p.ok else "failed",
+        sent_s=p.sent_s, prompt_tokens=p.planned.prompt_len, num_events=len(p.event_times_s),
+        error=p.error, server_id=p.server_id,
+    )  # fmt: skip
 
 
 async def _sample_kv(
@@ -107,12 +101,8 @@ async def _stats(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any
         raise
 
 
-async def run_load(
-    planned: Sequence[PlannedRequest],
-    options: RunOptions,
-    *,
-    on_done: Callable[[Progress], None] | None = None,
-) -> RunOutcome:
+async def run_load(planned: Sequence[PlannedRequest], options: RunOptions, *,
+                   on_done: Callable[[Progress], None] | None = None) -> RunOutcome:  # fmt: skip
     """Run the plan against ``options.base_url``; ``on_done`` is told of each ended request."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
     connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side queue

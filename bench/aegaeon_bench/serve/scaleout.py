@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -29,28 +30,23 @@ from typing import Any
 import aiohttp
 import yaml
 
-from aegaeon_bench.node.client import status_error
+from aegaeon_bench.node.client import served_models, status_error
 from aegaeon_bench.node.http_client import fetch_sync, sse_events
-from aegaeon_bench.node.launch import free_port, interrupt
+from aegaeon_bench.node.launch import aegaeon_argv, bench_serve_argv, interrupt, start_node
 
 
 class Cluster:
     def __init__(self, market: Path, nodes: int, root: Path) -> None:
-        self.port = free_port()
-        self.run_dir = root / f"n{nodes}-{self.port}"
-        self.log = root / f"n{nodes}-{self.port}.log"
         self.nodes = nodes
-        argv = [sys.executable, "-m", "aegaeon_cli.main", "serve", "--market", str(market),
-                "--port", str(self.port), "--run-dir", str(self.run_dir), "--nodes", str(nodes),
-                "--proxies", "2"]  # fmt: skip
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
-        while "Press Ctrl-C to stop." not in self.log.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() - self.started > 300:
-                raise RuntimeError(self.log.read_text()[-3000:])
-            time.sleep(0.2)
-        self.ready_s = time.monotonic() - self.started
-        self.urls = [f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.port + 1}"]
+        started = time.monotonic()
+        here = Path(tempfile.mkdtemp(prefix=f"n{nodes}-", dir=root))  # a cluster's own
+        self.node = start_node(market, "aegaeon", here, None, ports=2,
+                               extra_args=("--nodes", str(nodes), "--proxies", "2"))
+        self.ready_s = time.monotonic() - started
+        assert self.node.run_dir is not None
+        self.run_dir = self.node.run_dir
+        port = int(self.node.url.rpartition(":")[2])
+        self.urls = [self.node.url, f"http://127.0.0.1:{port + 1}"]
         config = yaml.safe_load((self.run_dir / "node-0" / "config.yaml").read_text())
         self.store_url = config["store"]["url"]
 
@@ -65,14 +61,12 @@ class Cluster:
         return sorted({int(p.read_text()) for p in (self.run_dir / node).glob("*.ready")})
 
     def stop(self) -> None:
-        interrupt(self.proc, 120.0)
+        self.node.stop(120.0)
 
 
 def _bench(url: str, models: int, rps: float, duration: float, out: Path) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "aegaeon_cli.main", "bench", "serve", "--url", url,
-            "--models", str(models), "--rps", str(rps), "--duration", str(duration),
-            "--input-scale", "0.25", "--output-scale", "0.25", "--ttft", "2.5", "--tbt", "0.1",
-            "--json", "--quiet"]  # fmt: skip
+    argv = bench_serve_argv(url, models=models, rps=rps, duration=duration, input_scale=0.25,
+                            output_scale=0.25, ttft=2.5, tbt=0.1)
     done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=900)
     out.write_text(done.stdout + done.stderr)
     line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("{")), "{}")
@@ -140,19 +134,12 @@ async def _load(urls: list[str], models: list[str], seconds: float, gap_s: float
         await asyncio.gather(*tasks)
 
 
-def _models(url: str) -> list[str]:
-    reply = fetch_sync("GET", f"{url}/v1/models", timeout_s=10)
-    if reply.status != 200:
-        raise status_error("GET /v1/models", reply.status)
-    return [m["id"] for m in reply.json()["data"]][:4]
-
-
 def faults(market: Path, root: Path) -> dict[str, Any]:
     import threading
 
     cluster = Cluster(market, 2, root)
     out: dict[str, Any] = {"ready_s": cluster.ready_s}
-    models = _models(cluster.urls[0])
+    models = served_models(cluster.urls[0])[:4]
     try:
         # (b) one replica killed under load
         recs: list[dict[str, Any]] = []
@@ -203,7 +190,7 @@ def faults(market: Path, root: Path) -> dict[str, Any]:
         def add_node() -> None:
             joined["started"] = time.monotonic()
             joined["proc"] = subprocess.Popen(  # type: ignore[assignment]
-                [sys.executable, "-m", "aegaeon_cli.main", "node", "--config", str(path)],
+                aegaeon_argv("node", "--config", str(path)),
                 stdout=(root / "node-2.log").open("wb"), stderr=subprocess.STDOUT)
             while time.monotonic() - joined["started"] < 120:
                 if "node-2" in cluster.stats(0)["nodes"]:
@@ -227,8 +214,7 @@ def faults(market: Path, root: Path) -> dict[str, Any]:
         }  # fmt: skip
         proc = joined.get("proc")
         if isinstance(proc, subprocess.Popen):
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            interrupt(proc, 60.0, signal.SIGTERM)
     finally:
         cluster.stop()
     return out

@@ -58,31 +58,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         help="prompt lengths x this (0.25: the scaling above)")
     parser.add_argument("--output-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--market", type=Path,
-        help="market (default: runs/sweep-market-smallN, N the largest count, built)",
-    )
+    parser.add_argument("--market", type=Path, help="market (default: "
+                        "runs/sweep-market-smallN, N the largest count, built)")
     parser.add_argument("--config", type=Path, help="deployment YAML for every node")
     common.add_api_key_argument(parser)
     parser.add_argument("--out", type=Path, default=Path("runs/sweep"), help="output dir")
-    parser.add_argument(
-        "--keep-going", action="store_true",
-        help="run every point (default: stop a policy after 2 points below 90%%)",
-    )  # fmt: skip
+    parser.add_argument("--keep-going", action="store_true",
+                        help="run every point (default: stop a policy after 2 points below 90%%)")
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     parser.set_defaults(func=run)
 
 
 def _bench_serve(url: str, models: int, args: argparse.Namespace, trace: Path) -> dict[str, Any]:
-    from aegaeon_bench.node.launch import aegaeon_argv
+    from aegaeon_bench.node.launch import bench_serve_argv
 
-    argv = aegaeon_argv(
-        "bench", "serve", "--url", url, "--models", str(models), "--rps", str(args.rps),
-        "--duration", str(args.duration), "--ttft", str(args.ttft), "--tbt", str(args.tbt),
-        "--seed", str(args.seed), "--input-scale", str(args.input_scale),
-        "--output-scale", str(args.output_scale), "--market", str(args.market),
-        "--trace", str(trace), "--json", "--quiet",
-    )  # fmt: skip
+    argv = bench_serve_argv(url, models=models, rps=args.rps, duration=args.duration,
+                            ttft=args.ttft, tbt=args.tbt, seed=args.seed,
+                            input_scale=args.input_scale, output_scale=args.output_scale,
+                            market=args.market, trace=trace)  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, check=False,
                           env=common.key_env(common.api_key(args)))  # fmt: skip
     lines = done.stdout.strip().splitlines()

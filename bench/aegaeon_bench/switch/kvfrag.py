@@ -38,14 +38,9 @@ class FragmentationResult:
     per_shape_last: dict[str, float]
 
 
-def run_kv_workload(
-    cache: SyncCacheClient,
-    shapes: dict[str, KVShape],
-    num_ops: int,
-    seed: int,
-    target_fraction: float = 0.7,
-    sample_every: int = 20,
-) -> FragmentationResult:
+def run_kv_workload(cache: SyncCacheClient, shapes: dict[str, KVShape], num_ops: int, seed: int,
+                    target_fraction: float = 0.7, sample_every: int = 20
+                    ) -> FragmentationResult:  # fmt: skip
     """Run the workload (see module docstring) on an otherwise idle KV cache."""
     rng = random.Random(seed)
     names: Sequence[str] = sorted(shapes)
@@ -88,10 +83,7 @@ def run_kv_workload(
     }
     return FragmentationResult(
         mean=statistics.fmean(samples) if samples else stats.fragmentation,
-        max=max(samples, default=stats.fragmentation),
-        last=stats.fragmentation,
-        num_ops=num_ops,
-        num_refused=refused,
-        peak_used_fraction=stats.peak_used_bytes / capacity,
-        per_shape_last=per_shape,
-    )
+        max=max(samples, default=stats.fragmentation), last=stats.fragmentation,
+        num_ops=num_ops, num_refused=refused,
+        peak_used_fraction=stats.peak_used_bytes / capacity, per_shape_last=per_shape,
+    )  # fmt: skip

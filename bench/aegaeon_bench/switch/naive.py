@@ -2,9 +2,9 @@
 
 - cold worker (``switch_cold.py``): spawn -> first token of a fresh process
   that imports, builds our engine and loads the weights from disk;
-- vLLM engine start (``vllm_peer.py`` under ``--vllm-python``): spawn ->
-  first token of a fresh ``vllm.LLM`` for the model (one model per server is
-  how vLLM switches);
+- vLLM engine start (the engine bench's ``vllm_peer.py`` under
+  ``--vllm-python``): spawn -> first token of a fresh ``vllm.LLM`` for the model
+  (one model per server is how vLLM switches);
 - transformers ``from_pretrained`` in this (warm) process, for reference.
 
 The checkpoints are in the page cache by then (the cachemgr read them), so
@@ -107,9 +107,10 @@ def vllm_python(requested: str | None, disabled: bool) -> str | None:
 
 def vllm_start(python: str, model_dir: Path, dtype: str, threads: int) -> Spawned:
     """A fresh vLLM engine for the model, until its first token."""
-    script = Path(__file__).with_name("vllm_peer.py")
-    work = json.dumps({"model": str(model_dir), "dtype": dtype, "threads": threads})
-    return spawn_until_line([python, str(script)], work, VLLM_TIMEOUT_S)
+    script = Path(__file__).parents[1] / "engine" / "vllm_peer.py"
+    work = json.dumps({"model": str(model_dir), "dtype": dtype, "threads": threads,
+                       "cpus": f"0-{threads - 1}" if threads > 1 else "0"})
+    return spawn_until_line([python, str(script)], work + "\n", VLLM_TIMEOUT_S)
 
 
 def transformers_load(model_dir: Path, dtype: str) -> float:

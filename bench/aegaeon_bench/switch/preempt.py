@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -52,16 +52,10 @@ class SwitchSamples:
 
     def medians(self) -> dict[str, float | None]:
         """Median of every timing (ms), plus the share of trials that used the prefetch."""
+        timings = (f.name for f in fields(self) if f.name != "prefetched")
         out: dict[str, float | None] = {
-            key: round(statistics.median(values), 3) if values else None
-            for key, values in (
-                ("swap_out_ms", self.swap_out_ms), ("swap_out_done_ms", self.swap_out_done_ms),
-                ("scale_up_ms", self.scale_up_ms), ("scale_up_copy_ms", self.scale_up_copy_ms),
-                ("swap_in_ms", self.swap_in_ms),
-                ("total_ms", self.total_ms), ("prefetch_copy_ms", self.prefetch_copy_ms),
-                ("decode_step_ms", self.decode_step_ms),
-                ("decode_step_overlap_ms", self.decode_step_overlap_ms),
-            )
+            key: round(statistics.median(values), 3) if (values := getattr(self, key)) else None
+            for key in timings
         }
         out["prefetched_share"] = sum(self.prefetched) / max(len(self.prefetched), 1)
         return out

@@ -32,6 +32,8 @@ from aegaeon_common.process import is_ready
 from aegaeon_gpumem import cleanup_prefix
 from aegaeon_runtime.worker import Worker
 
+from aegaeon_bench.node.launch import aegaeon_argv, interrupt
+
 T = TypeVar("T")
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0  # a busy machine may take a while to close the client
@@ -61,13 +63,10 @@ def rig_sizes(model_bytes: Sequence[int], kv_bytes: int) -> RigSizes:
     defaults = CacheConfig()
     kv_region = -(-(2 * kv_bytes + 32 * mib) // (4 * mib)) * 4 * mib
     arena = -(-(2 * max(model_bytes) + 16 * mib) // mib) * mib
-    return RigSizes(
-        model_cache_bytes=sum(model_bytes) + 64 * mib,
-        kv_cache_bytes=max(kv_region, defaults.kv_cache_bytes),
-        slab_bytes=defaults.slab_bytes,
-        device_memory_bytes=arena + kv_region,
-        kv_memory_bytes=kv_region,
-    )
+    return RigSizes(model_cache_bytes=sum(model_bytes) + 64 * mib,
+                    kv_cache_bytes=max(kv_region, defaults.kv_cache_bytes),
+                    slab_bytes=defaults.slab_bytes, device_memory_bytes=arena + kv_region,
+                    kv_memory_bytes=kv_region)  # fmt: skip
 
 
 @dataclass
@@ -84,16 +83,9 @@ class Rig:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
 
-def write_config(
-    run_root: Path,
-    models: dict[str, Path],
-    dtype: str,
-    sizes: RigSizes,
-    threads: int,
-    weights: str = "copy",
-    device: str = "cpu",
-    bases: dict[str, str] | None = None,
-) -> Path:
+def write_config(run_root: Path, models: dict[str, Path], dtype: str, sizes: RigSizes,
+                 threads: int, weights: str = "copy", device: str = "cpu",
+                 bases: dict[str, str] | None = None) -> Path:  # fmt: skip
     """The deployment YAML of the rig (one decode instance on ``device``, prefetch on;
     ``weights``: the worker's mode, ``copy`` by default since the rig measures
     scale-up copies; ``bases``: the LoRA adapters among ``models`` and their bases)."""
@@ -127,30 +119,17 @@ def write_config(
 
 def _start_cachemgr(config_path: Path, config: Config, log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "aegaeon_cli.main", "cachemgr", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(aegaeon_argv("cachemgr", "--config", str(config_path)),
+                                stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not is_ready(config.run_dir, "cachemgr", proc.pid):
         if proc.poll() is not None:
             raise RuntimeError(f"cachemgr exited {proc.returncode}: {log_path.read_text()[-2000:]}")
         if time.monotonic() > deadline:
-            _stop(proc)
+            interrupt(proc, STOP_TIMEOUT_S, signal.SIGTERM)
             raise TimeoutError(f"cachemgr not ready after {START_TIMEOUT_S} s")
         time.sleep(0.02)
     return proc
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _wait_warm(rig: Rig, names: Sequence[str]) -> None:
@@ -177,15 +156,9 @@ def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 
 @contextmanager
-def switch_rig(
-    models: dict[str, Path],
-    dtype: str,
-    sizes: RigSizes,
-    threads: int = 1,
-    weights: str = "copy",
-    device: str = "cpu",
-    bases: dict[str, str] | None = None,
-) -> Iterator[Rig]:
+def switch_rig(models: dict[str, Path], dtype: str, sizes: RigSizes, threads: int = 1,
+               weights: str = "copy", device: str = "cpu",
+               bases: dict[str, str] | None = None) -> Iterator[Rig]:  # fmt: skip
     """A cachemgr process with every model of ``models`` warm, and a worker on it
     (``bases``: the LoRA adapters among them, as ``write_config``)."""
     from aegaeon_runtime.cacheclient.client import CacheClient
@@ -222,7 +195,7 @@ def switch_rig(
             thread.join(STOP_TIMEOUT_S)
         loop.close()
         if proc is not None:
-            _stop(proc)
+            interrupt(proc, STOP_TIMEOUT_S, signal.SIGTERM)
         if prefix:
             # The cachemgr unlinks its segments on a clean stop; a killed one cannot.
             left = cleanup_prefix(prefix)
@@ -230,4 +203,3 @@ def switch_rig(
                 print(f"switch bench: removed segments the cachemgr left: {left}",
                       file=sys.stderr)
         shutil.rmtree(run_root, ignore_errors=True)
-

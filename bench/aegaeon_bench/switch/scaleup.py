@@ -162,17 +162,11 @@ def scale_up_rows(samples: dict[str, ScaleUpSamples]) -> list[ScaleUpRow]:
         copy = statistics.median(s.copy_s)
         memcpy = statistics.median(s.memcpy_s)
         rows.append(ScaleUpRow(
-            model=name,
-            nbytes=s.nbytes,
-            first_scale_up_ms=s.first_s * 1e3,
-            scale_up_ms=scale_up * 1e3,
-            copy_ms=copy * 1e3,
-            overhead_ms=(scale_up - copy) * 1e3,
-            bind_ms=s.bind_s * 1e3,
-            engine_bind_ms=s.engine_bind_s * 1e3,
-            memcpy_ms=memcpy * 1e3,
-            scale_up_gb_s=_gb_s(s.nbytes, scale_up),
+            model=name, nbytes=s.nbytes, first_scale_up_ms=s.first_s * 1e3,
+            scale_up_ms=scale_up * 1e3, copy_ms=copy * 1e3, overhead_ms=(scale_up - copy) * 1e3,
+            bind_ms=s.bind_s * 1e3, engine_bind_ms=s.engine_bind_s * 1e3,
+            memcpy_ms=memcpy * 1e3, scale_up_gb_s=_gb_s(s.nbytes, scale_up),
             memcpy_gb_s=_gb_s(s.nbytes, memcpy),
             load_over_memcpy=memcpy / scale_up if scale_up > 0 else 0.0,
-        ))
+        ))  # fmt: skip
     return rows
