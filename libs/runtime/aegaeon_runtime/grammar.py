@@ -61,6 +61,10 @@ class GrammarState:
     def ready(self) -> bool:
         return self._future.done()
 
+    def wait(self, timeout_s: float = WAIT_S) -> None:
+        """Block until the matcher exists (the prefill job's first token needs it)."""
+        self._future.result(timeout=timeout_s)
+
     def _get(self) -> llguidance.LLMatcher:
         if self._matcher is None:
             pristine = self._future.result(timeout=WAIT_S)
