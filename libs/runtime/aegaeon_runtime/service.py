@@ -126,11 +126,6 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
                                    cuda_graphs=graphs)  # fmt: skip
 
 
-def instance_address(config: Config, kind: str, index: int) -> str:
-    """What the instance binds its command socket to."""
-    return config.instance_bind_address(kind, index)
-
-
 class _Live:
     """What a scrape may read of an instance that is still starting."""
 
@@ -263,7 +258,7 @@ async def _serve(
         return
     live.worker = worker
     loop = asyncio.get_running_loop()
-    commands = Puller(ctx, instance_address(config, kind, index), channel, bind=True)
+    commands = Puller(ctx, config.instance_bind_address(kind, index), channel, bind=True)
     to_proxy = Pusher(ctx, config.proxy_address)
     inbox: Inbox[Message] = Inbox()
     # many proxies: every message follows its request's reply_to (no default proxy)
