@@ -90,12 +90,16 @@ class Bound:
 
     def greedy(self, prompts: Sequence[Sequence[int]], num_tokens: int,
                blocks: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Prefill each prompt, then decode all of them together greedily."""
-        pairs = zip(prompts, blocks, strict=True)
-        outs = [[int(self.engine.prefill(p, b).argmax())] for p, b in pairs]
-        for _ in range(num_tokens - 1):
-            outs = decode_step(self.engine, prompts, outs, blocks)
-        return outs
+        return greedy(self.engine, prompts, num_tokens, blocks)
+
+
+def greedy(engine: Engine, prompts: Sequence[Sequence[int]], num_tokens: int,
+           blocks: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Prefill each prompt, then decode all of them together greedily."""
+    outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks, strict=True)]
+    for _ in range(num_tokens - 1):
+        outs = decode_step(engine, prompts, outs, blocks)
+    return outs
 
 
 def decode_step(engine: Engine, prompts: Sequence[Sequence[int]], outs: list[list[int]],

@@ -4,6 +4,7 @@ them the way llama.cpp's converter writes them (gguf writer, quantized, Q/K perm
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% endif %}")
 TEXT = "Hello, wörld! It costs 1234 coins.\n\tdef f(x):\n        return x  # 🙂"
+
+
+def market_tree(root: Path) -> dict[str, str]:
+    """Every file (hashed) and folder under the market's parent (the market, anything left
+    aside): equal before and after, a failed command left nothing behind."""
+    return {p.relative_to(root.parent).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            if p.is_file() else "dir" for p in sorted(root.parent.rglob("*"))}
 
 
 @dataclass(frozen=True)

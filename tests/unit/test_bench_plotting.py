@@ -19,12 +19,9 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 def test_report_and_sim_figures_print_the_install_hint(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text("")
-    report = _run("bench", "report", str(trace), "--out", str(tmp_path / "out"))
-    assert report.returncode == 2, report.stderr
-    assert "matplotlib" in report.stderr and "'.[sim]'" in report.stderr
-    theorem = _run("sim", "--theorem", "--out", str(tmp_path / "sim"))
-    assert theorem.returncode == 2, theorem.stderr
-    assert "matplotlib" in theorem.stderr and "'.[sim]'" in theorem.stderr
-    figure = _run("sim", "--figure", "11a", "--out", str(tmp_path / "fig"))
-    assert figure.returncode == 2, figure.stderr
-    assert "matplotlib" in figure.stderr and "'.[sim]'" in figure.stderr
+    for argv in (("bench", "report", str(trace), "--out", str(tmp_path / "out")),
+                 ("sim", "--theorem", "--out", str(tmp_path / "sim")),
+                 ("sim", "--figure", "11a", "--out", str(tmp_path / "fig"))):
+        done = _run(*argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert "matplotlib" in done.stderr and "'.[sim]'" in done.stderr, argv

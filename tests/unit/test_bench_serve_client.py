@@ -74,8 +74,10 @@ def _planned(model: str, offset_s: float, n: int = 4) -> PlannedRequest:
     return PlannedRequest(f"{model}/{offset_s}", model, offset_s, 8, n, 100, seed=0)
 
 
-async def _run(planned: list[PlannedRequest], options: dict[str, float]) -> RunOutcome:
-    app = web.Application()
+async def _run(planned: list[PlannedRequest], options: dict[str, Any],
+               middlewares: tuple[Any, ...] = ()) -> RunOutcome:
+    """``run_load`` against the fake proxy (behind ``middlewares``) on a port of its own."""
+    app = web.Application(middlewares=middlewares)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/aegaeon/stats", _stats_handler())
     runner = web.AppRunner(app, shutdown_timeout=0.1)
@@ -137,26 +139,16 @@ def test_a_user_key_runs_the_load_and_the_stats_it_may_not_read_are_left_out() -
                                      status=403)  # fmt: skip
         return await handler(request)
 
-    async def run(api_key: str | None) -> RunOutcome:
-        app = web.Application(middlewares=[keys])
-        app.router.add_post("/v1/completions", _completions)
-        app.router.add_get("/v1/aegaeon/stats", _stats_handler())
-        runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        options = RunOptions(f"http://127.0.0.1:{port}", 0.2, grace_s=5.0,
-                             sample_interval_s=0.05, api_key=api_key)  # fmt: skip
-        try:
-            return await run_load([_planned("good", 0.0), _planned("good", 0.1)], options)
-        finally:
-            await runner.cleanup()
+    def run(api_key: str | None) -> RunOutcome:
+        options = {"duration_s": 0.2, "grace_s": 5.0, "sample_interval_s": 0.05,
+                   "api_key": api_key}
+        return asyncio.run(_run([_planned("good", 0.0), _planned("good", 0.1)], options,
+                                (keys,)))
 
-    with_key = asyncio.run(run(key))
+    with_key = run(key)
     assert all(r.status == "ok" for r in with_key.records())
     assert with_key.stats_before is None and with_key.stats_after is None
     assert with_key.kv_samples == []
-    without = asyncio.run(run(None))
+    without = run(None)
     errors = [r.error or "" for r in without.records()]
     assert all("HTTP 401 (the node wants an API key: --api-key KEY" in e for e in errors), errors

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from aegaeon_workload.plan import (
     model_limits,
     plan_requests,
 )
+from cli_support import config_market
 
 LIMITS = {m: ModelLimits(1000, 4096, "test") for m in ("a", "b", "c")}
 
@@ -73,20 +73,10 @@ def test_fixed_lengths_keep_the_arrivals_and_clip_to_the_window() -> None:
     assert {(r.prompt_len, r.max_tokens) for r in clipped} == {(280, 20)}
 
 
-def _market(tmp_path: Path) -> Path:
-    models = {"big": (32000, 32768), "small": (4096, 1024)}
-    for name, (vocab, window) in models.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(
-            json.dumps({"vocab_size": vocab, "max_position_embeddings": window})
-        )
-    entries = [{"name": n, "path": n} for n in models]
-    (tmp_path / "market.json").write_text(json.dumps({"models": entries}))
-    return tmp_path
-
-
 def test_model_limits_from_the_market_configs(tmp_path: Path) -> None:
-    market = _market(tmp_path)
+    market = config_market(tmp_path, {
+        name: {"vocab_size": vocab, "max_position_embeddings": window}
+        for name, (vocab, window) in {"big": (32000, 32768), "small": (4096, 1024)}.items()})
     limits = model_limits(["big", "small", "elsewhere"], market)
     assert (limits["big"].vocab_size, limits["big"].window) == (32000, 4096)  # capped at 4096
     assert (limits["small"].vocab_size, limits["small"].window) == (4096, 1024)

@@ -3,7 +3,6 @@ parse stage), with the GPUs faked: no torch, no CUDA."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from aegaeon_cli.main import main
 from aegaeon_common.config import config_from_dict, load_config
 from aegaeon_market.presets import preset_config, preset_named
 from aegaeon_sched.placement import GpuInfo, HostInfo, PlacementError
+from cli_support import config_market, serve_args
 
 GiB = 1 << 30
 H100 = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB) for i in range(4)]
@@ -21,14 +21,9 @@ H100 = [GpuInfo(i, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB) for i in range(4
 @pytest.fixture
 def market(tmp_path: Path) -> Path:
     """Two real-shaped 7-8B models: their config.json only (sizing reads no weights)."""
-    entries = []
-    for name in ("llama-3.1-8b", "qwen2.5-7b"):
-        (tmp_path / name).mkdir()
-        config = preset_config(preset_named(name), "bfloat16")
-        (tmp_path / name / "config.json").write_text(json.dumps(config))
-        entries.append({"name": name, "path": name, "dtype": "bfloat16", "params": 1})
-    (tmp_path / "market.json").write_text(json.dumps({"models": entries}))
-    return tmp_path
+    return config_market(tmp_path / "market", {
+        name: preset_config(preset_named(name), "bfloat16")
+        for name in ("llama-3.1-8b", "qwen2.5-7b")})
 
 
 @pytest.fixture
@@ -127,7 +122,7 @@ def test_the_cap_sizes_the_arena_and_kv_inside_it(market: Path, tmp_path: Path) 
 
     path = tmp_path / "c.yaml"
     path.write_text(f"market: {market}\ndecode: {{kv_memory: 64MiB, weights: auto}}\n")
-    args = _serve_args(path, tmp_path, device_memory=40.0)
+    args = serve_args(path, run_dir=tmp_path / "run", device_memory=40.0)
     config, raw, plan = _effective_config(args)
     largest = max(machine.model_bytes(config).values())
     assert plan is None
@@ -143,7 +138,8 @@ def test_the_cap_sizes_the_arena_and_kv_inside_it(market: Path, tmp_path: Path) 
     # smaller: the largest model once (no prefetch room) while it leaves 64 MiB of KV
     once = split_buffer(int(18 * GiB), largest, 64 << 20)
     assert once is not None and not once.prefetch_room and once.weights_bytes < 2 * largest
-    config, _, _ = _effective_config(_serve_args(path, tmp_path, device_memory=18.0))
+    config, _, _ = _effective_config(serve_args(path, run_dir=tmp_path / "run",
+                                                     device_memory=18.0))
     assert config.decode.kv_memory_bytes == once.kv_memory_bytes
 
 
@@ -209,14 +205,3 @@ def test_with_gpus_the_cap_bounds_each_share(market: Path) -> None:
         assert cap.weights_bytes == full.weights_bytes  # the KV region gave way
     with pytest.raises(PlacementError, match=r"--device-memory caps it at 16\.0 GiB"):
         machine.sized(raw, config_from_dict(raw), "0", (1, 1), cap_bytes=16 * GiB)
-
-
-def _serve_args(config: Path, tmp_path: Path, **flags: object) -> object:
-    import argparse
-
-    base: dict[str, object] = {"config": config, "market": None, "api_key": [],
-                               "api_key_file": [], "admin_key": [], "admin_key_file": [],
-                               "host": None, "port": None, "policy": None,
-                               "run_dir": tmp_path / "run", "gpus": None,
-                               "device_memory": None, "tp": None}  # fmt: skip
-    return argparse.Namespace(**{**base, **flags})

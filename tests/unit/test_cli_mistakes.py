@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # the issue's row: `cuda` where no CUDA device is visible; on a GPU machine, one past them
 CUDA = "cuda" if no_driver() is not None else "cuda:99"
 SERVE_CONFIG = "market: {market}\nrun_dir: {dir}/run\n"
+SERVE = ("serve", "--market", "{market}", "--run-dir", "{dir}/run")  # a market, a run dir
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ ISSUE_ROWS = [
             r"bad\.yaml: line 2, column 1: not valid YAML: expected ',' or '\}'.*"
             r"flow mapping at line 1, column 8\)$",
             files={"bad.yaml": "proxy: {port: 8171\n"}, own_process=True),
-    Mistake("serve-isa-bogus", ("serve", "--market", "{market}", "--run-dir", "{dir}/run"),
+    Mistake("serve-isa-bogus", SERVE,
             r"^aegaeon: AEGAEON_ISA='bogus': one of avx2, avx512, amx, neon$",
             env={"AEGAEON_ISA": "bogus"}, own_process=True),
     _serve(f"prefill: {{device: '{CUDA}'}}\n", name="serve-cuda-without-gpu",
@@ -82,13 +83,10 @@ ROWS = [
             r"^aegaeon serve: --proxies goes with --nodes N"),
     Mistake("serve-gpus-with-nodes", ("serve", "--gpus", "all", "--nodes", "2"),
             r"^aegaeon serve: --gpus places one node's instances"),
-    Mistake("serve-gpus-bad-spec", ("serve", "--market", "{market}", "--run-dir", "{dir}/run",
-                                    "--gpus", "first"), r"^aegaeon serve: --gpus"),
-    Mistake("serve-policy-unknown", ("serve", "--market", "{market}", "--run-dir", "{dir}/run",
-                                     "--policy", "fastest"),
+    Mistake("serve-gpus-bad-spec", (*SERVE, "--gpus", "first"), r"^aegaeon serve: --gpus"),
+    Mistake("serve-policy-unknown", (*SERVE, "--policy", "fastest"),
             r"scheduler\.policy: .*\(one of aegaeon, request-level"),
-    Mistake("serve-api-key-file-missing", ("serve", "--market", "{market}", "--run-dir",
-                                           "{dir}/run", "--api-key-file", "{dir}/keys"),
+    Mistake("serve-api-key-file-missing", (*SERVE, "--api-key-file", "{dir}/keys"),
             r"keys: <file>: cannot read"),
     Mistake("serve-run-dir-is-a-file", ("serve", "--market", "{market}", "--run-dir",
                                         "{dir}/c.yaml"), r"^aegaeon serve: run directory .*c\.yaml",
@@ -130,7 +128,7 @@ ROWS = [
     _serve("store: {kind: redis, url: 'http://cache:6379'}\n", name="config-store-url",
            says=r"store\.url: 'http': a redis://, rediss:// or unix:// URL"),
     # the environment
-    Mistake("env-profile-cache", ("serve", "--market", "{market}", "--run-dir", "{dir}/run"),
+    Mistake("env-profile-cache", SERVE,
             r"^aegaeon: AEGAEON_PROFILE_CACHE='never': one of 1, true, yes, on, 0, false, no, "
             r"off$", env={"AEGAEON_PROFILE_CACHE": "never"}),
     Mistake("env-log-level", ("market", "list", "--market", "{market}"),
@@ -143,7 +141,7 @@ ROWS = [
     Mistake("env-advertise-host", ("cachemgr", "--config", "{dir}/c.yaml"),
             r"AEGAEON_ADVERTISE_HOST='http://node-1/': a host name or IP address",
             env={"AEGAEON_ADVERTISE_HOST": "http://node-1/"}),
-    Mistake("env-isa-this-cpu-lacks", ("serve", "--market", "{market}", "--run-dir", "{dir}/run"),
+    Mistake("env-isa-this-cpu-lacks", SERVE,
             r"^aegaeon serve: AEGAEON_ISA='(neon|avx2)': this CPU \(.*\) supports ",
             env={"AEGAEON_ISA": "neon" if os.uname().machine == "x86_64" else "avx2"}),
     # each service's own command

@@ -10,7 +10,6 @@ Sizes in GB are decimal (a "24 GB" card: 22.4 GiB), below what such cards report
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from aegaeon_cli.main import main
 from aegaeon_common.config import load_config
 from aegaeon_market.presets import preset_config, preset_named
 from aegaeon_sched.placement import GpuInfo, gpu_reserve_bytes
+from cli_support import config_market
 
 GiB = 1 << 30
 L8B = preset_config(preset_named("llama-3.1-8b"), "bfloat16")
@@ -35,15 +35,7 @@ MARKETS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def _market(root: Path, name: str) -> Path:
-    """Real-shaped models, their config.json only: a plan reads no weights."""
-    market = root / name
-    entries = []
-    for model, config in MARKETS[name].items():
-        (market / model).mkdir(parents=True)
-        (market / model / "config.json").write_text(json.dumps(config))
-        entries.append({"name": model, "path": model, "dtype": "bfloat16", "params": 1})
-    (market / "market.json").write_text(json.dumps({"models": entries}))
-    return market
+    return config_market(root / name, MARKETS[name])
 
 
 def _plan(tmp_path: Path, capsys: pytest.CaptureFixture[str], market: str,

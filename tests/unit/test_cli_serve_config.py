@@ -3,36 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pytest
 from aegaeon_cli.serve import _effective_config
 from aegaeon_common.config import ConfigError
-
-
-def _args(config: Path, **flags: object) -> argparse.Namespace:
-    base: dict[str, object] = {"config": config, "market": None, "api_key": [],
-                               "api_key_file": [], "admin_key": [], "admin_key_file": [],
-                               "host": None, "port": None,
-                               "policy": None, "run_dir": None, "gpus": None,
-                               "device_memory": None, "tp": None}  # fmt: skip
-    return argparse.Namespace(**{**base, **flags})
+from cli_support import index_market, serve_args
 
 
 def test_market_flag_completes_a_config_without_models(tmp_path: Path) -> None:
-    market = tmp_path / "market"
-    market.mkdir()
-    models = [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]
-    (market / "market.json").write_text(json.dumps({"seed": 0, "models": models}))
+    market = index_market(tmp_path / "market")
     path = tmp_path / "c.yaml"
     path.write_text("proxy: {admission_max_wait: 60}\n")
-    config, raw, plan = _effective_config(_args(path, market=market, run_dir=tmp_path / "run"))
+    config, raw, plan = _effective_config(serve_args(path, market=market, run_dir=tmp_path / "run"))
     assert config.model_names == ("a", "b") and plan is None
     assert config.proxy.admission_max_wait_s == 60.0 and raw["market"] == str(market.resolve())
     # without --market the file alone must name its models, and the error says where
     with pytest.raises(ConfigError, match=r"c\.yaml.*models"):
-        _effective_config(_args(path))
+        _effective_config(serve_args(path))
 
 
 def test_admin_key_arguments(tmp_path: Path) -> None:
@@ -60,14 +48,11 @@ def test_every_replica_and_node_is_given_the_same_keys(tmp_path: Path) -> None:
     from aegaeon_cli.cluster import cluster_children
     from aegaeon_common.config import load_config
 
-    market = tmp_path / "market"
-    market.mkdir()
-    models = [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]
-    (market / "market.json").write_text(json.dumps({"seed": 0, "models": models}))
+    market = index_market(tmp_path / "market")
     path = tmp_path / "c.yaml"
     path.write_text("proxy: {admin_keys: [sk-admin-file-1]}\n")
-    args = _args(path, market=market, run_dir=tmp_path / "run", api_key=["sk-tenant-1:a"],
-                 admin_key=["sk-admin-flag-1"])  # fmt: skip
+    args = serve_args(path, market=market, run_dir=tmp_path / "run", api_key=["sk-tenant-1:a"],
+                      admin_key=["sk-admin-flag-1"])  # fmt: skip
     config, raw, _ = _effective_config(args)
     want = [("sk-tenant-1", ("a",), False), ("sk-admin-flag-1", (), True),
             ("sk-admin-file-1", (), True)]  # fmt: skip

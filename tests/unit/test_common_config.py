@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,9 @@ from aegaeon_common.config import (
     parse_bytes,
     read_config_file,
 )
+from cli_support import index_market
 
-
-def _market(tmp_path: Path) -> Path:
-    market = tmp_path / "market"
-    market.mkdir()
-    (market / "market.json").write_text(
-        json.dumps({"seed": 0, "models": [{"name": "a", "path": "a"}, {"name": "b", "path": "b"}]})
-    )
-    return market
+A = "models: [{name: a, path: x}]\n"  # a config naming one model
 
 
 def test_sizes_with_units() -> None:
@@ -34,7 +27,7 @@ def test_sizes_with_units() -> None:
 
 
 def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) -> None:
-    market = _market(tmp_path)
+    market = index_market(tmp_path / "market")
     path = tmp_path / "c.yaml"
     path.write_text(
         "market: market\n"
@@ -54,42 +47,34 @@ def test_market_supplies_the_registry_and_addresses_are_derived(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("text", "field"),
     [
-        ("models: [{name: a, path: x}]\ndecode: {device_memory: lots}\n", "decode.device_memory"),
+        (A + "decode: {device_memory: lots}\n", "decode.device_memory"),
         ("modelz: []\n", "modelz"),
-        ("models: [{name: a, path: x}]\nscheduler: {policy: magic}\n", "scheduler.policy"),
-        ("models: [{name: a, path: x}]\nscheduler: {token_hold: 2}\n", "scheduler.token_hold"),
-        ("models: [{name: a, path: x}]\nproxy: {port: eighty}\n", "proxy.port"),
+        (A + "scheduler: {policy: magic}\n", "scheduler.policy"),
+        (A + "scheduler: {token_hold: 2}\n", "scheduler.token_hold"),
+        (A + "proxy: {port: eighty}\n", "proxy.port"),
         ("models: [{name: a, path: x}, {name: a, path: y}]\n", "models"),
         ("models: [{path: x}]\n", "models[0].name"),
-        ("models: [{name: a, path: x}]\ndecode: {device_memory: 1MiB, kv_memory: 2MiB}\n",
-         "decode.kv_memory"),
-        ("models: [{name: a, path: x}]\ndtype: float64\n", "dtype"),
-        ("models: [{name: a, path: x}]\ndecode: {weights: mmap}\n", "decode.weights"),
-        ("models: [{name: a, path: x}]\nprefill: {device: cuda, weights: map}\n",
-         "prefill.weights"),
-        ("models: [{name: a, path: x}]\nproxy: {admission_max_wait: 0}\n",
-         "proxy.admission_max_wait"),
-        ("models: [{name: a, path: x}]\ndecode: {threads: 0}\n", "decode.threads"),
-        ("models: [{name: a, path: x}]\nslo_classes: {batch: {ttft: 0}}\n",
-         "slo_classes.batch.ttft"),
-        ("models: [{name: a, path: x}]\nstore: {heartbeat_ttl: 0.5}\n", "store.heartbeat_ttl"),
-        ("models: [{name: a, path: x}]\nmodel_settings: {a: {max_concurrency: 0}}\n",
-         "model_settings.a.max_concurrency"),
-        ("models: [{name: a, path: x}]\nbaseline: {load_gb_s: 0}\n", "baseline.load_gb_s"),
-        ("models: [{name: a, path: x}]\nbaseline: {init_s: -1}\n", "baseline.init_s"),
-        ("models: [{name: a, path: x}]\nbaseline: {load: 16}\n", "baseline.load"),
-        ("models: [{name: a, path: x}]\nscheduler: {policy: request-level-free}\n",
-         "scheduler.policy"),
+        (A + "decode: {device_memory: 1MiB, kv_memory: 2MiB}\n", "decode.kv_memory"),
+        (A + "dtype: float64\n", "dtype"),
+        (A + "decode: {weights: mmap}\n", "decode.weights"),
+        (A + "prefill: {device: cuda, weights: map}\n", "prefill.weights"),
+        (A + "proxy: {admission_max_wait: 0}\n", "proxy.admission_max_wait"),
+        (A + "decode: {threads: 0}\n", "decode.threads"),
+        (A + "slo_classes: {batch: {ttft: 0}}\n", "slo_classes.batch.ttft"),
+        (A + "store: {heartbeat_ttl: 0.5}\n", "store.heartbeat_ttl"),
+        (A + "model_settings: {a: {max_concurrency: 0}}\n", "model_settings.a.max_concurrency"),
+        (A + "baseline: {load_gb_s: 0}\n", "baseline.load_gb_s"),
+        (A + "baseline: {init_s: -1}\n", "baseline.init_s"),
+        (A + "baseline: {load: 16}\n", "baseline.load"),
+        (A + "scheduler: {policy: request-level-free}\n", "scheduler.policy"),
         ("market: nowhere\n", "market"),
-        ("models: [{name: a, path: x}]\ninstance: {tp: 0}\n", "instance.tp"),
-        ("models: [{name: a, path: x}]\ninstance: {device_memory: lots}\n",
-         "instance.device_memory"),
-        ("models: [{name: a, path: x}]\ninstance: {device_memory: 1MiB, kv_memory: 2MiB}\n",
-         "instance.kv_memory"),
-        ("models: [{name: a, path: x}]\ninstance: {instances: 2}\n", "instance.instances"),
-        ("models: [{name: a, path: x}]\ninstance: {tpp: 2}\n", "instance.tpp"),
-        ("models: [{name: a, path: x}]\ninstance: [1]\n", "instance"),
-        ("models: [{name: a, path: x}]\ninstance: {tp: 2}\nprefill: {tp: 1}\n", "decode.tp"),
+        (A + "instance: {tp: 0}\n", "instance.tp"),
+        (A + "instance: {device_memory: lots}\n", "instance.device_memory"),
+        (A + "instance: {device_memory: 1MiB, kv_memory: 2MiB}\n", "instance.kv_memory"),
+        (A + "instance: {instances: 2}\n", "instance.instances"),
+        (A + "instance: {tpp: 2}\n", "instance.tpp"),
+        (A + "instance: [1]\n", "instance"),
+        (A + "instance: {tp: 2}\nprefill: {tp: 1}\n", "decode.tp"),
         (": : :\n", "line 1, column 1"),  # a YAML error: where, as editors count
     ],
 )
@@ -162,7 +147,7 @@ def test_the_docker_example_config_validates(tmp_path: Path) -> None:
 
     example = Path(__file__).parents[2] / "docker" / "config.example.yaml"
     raw = yaml.safe_load(example.read_text())
-    raw["market"] = str(_market(tmp_path))
+    raw["market"] = str(index_market(tmp_path / "market"))
     config = config_from_dict(raw, source=str(example))
     assert config.scheduler.policy == "aegaeon"
     assert config.model_names == ("a", "b")

@@ -18,16 +18,8 @@ from aegaeon_common.messages.report import SwitchRecord
 from aegaeon_common.metrics import kv_block_counts, new_registry, shape_label
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aiohttp import ClientSession
+from http_support import samples_of
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_kv_block_counts_add_what_empty_slabs_hold() -> None:
@@ -42,7 +34,7 @@ def test_registries_are_per_process_object_and_carry_process_metrics() -> None:
     a, b = new_registry(), new_registry()
     WorkerMetrics("decode-0", a).request_done("decode", "m", "length")
     WorkerMetrics("decode-0", b)  # same names in another registry: no clash
-    names = {name for name, _ in _samples(generate_latest(a).decode())}
+    names = {name for name, _ in samples_of(generate_latest(a).decode())}
     assert {"process_resident_memory_bytes", "process_open_fds"} <= names
     assert not any(name.endswith("_created") for name in names)
 
@@ -56,7 +48,7 @@ def test_worker_metric_names_and_labels() -> None:
     metrics.switch(SwitchRecord(None, "m1", 0.02, 0.015, True, 0.0))
     load = InstanceLoad(prefill_requests=3, prefill_groups=2)
     metrics.registry.register(InstanceCollector(metrics, lambda: None, lambda: load))
-    got = _samples(generate_latest(metrics.registry).decode())
+    got = samples_of(generate_latest(metrics.registry).decode())
     inst = ("instance", "prefill-0")
     assert got[("aegaeon_instance_requests_total",
                 (inst, ("model", "m1"), ("outcome", "ok"), ("stage", "prefill")))] == 2
@@ -70,7 +62,7 @@ def test_worker_metric_names_and_labels() -> None:
     velocity = got[("aegaeon_token_velocity_tokens_per_second", (inst, ("stage", "prefill")))]
     assert velocity == pytest.approx(0.7)  # 7 tokens over the 10 s window
     # a scrape reads only: a second one sees the same counters
-    assert _samples(generate_latest(metrics.registry).decode())[
+    assert samples_of(generate_latest(metrics.registry).decode())[
         ("aegaeon_model_switches_total", (inst, ("prefetched", "true")))
     ] == 1  # fmt: skip
 

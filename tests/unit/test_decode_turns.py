@@ -21,8 +21,8 @@ from aegaeon_common.messages.report import (
 from aegaeon_common.messages.structs import SamplingParams
 from aegaeon_runtime.decode.loop import DecodeLoop
 from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
-from aegaeon_sched import DecodeShare, LatencyModel, RoundController, RoundRobinPlanner, TurnEnd
-from fake_worker import FakeWorker, Outbox, TimedInbox, latency_model, token_at
+from aegaeon_sched import DecodeShare, RoundController, RoundRobinPlanner, TurnEnd
+from fake_worker import FakeWorker, Outbox, latency_model, run_loop, token_at
 
 STEP_S = 0.005  # one sequence: 4 ms + 1 ms per sequence
 SWITCH_S = 0.05
@@ -51,18 +51,12 @@ class Recording(RoundController):
 def _run(
     worker: FakeWorker, timed: list[tuple[float, Any]], *, hybrid: bool = False
 ) -> tuple[DecodeLoop, Outbox]:
-    inbox = TimedInbox(worker.clock, timed)
-    outbox = Outbox()
-    estimator = LatencyModel.from_dict(worker.truth.to_dict())
     config = worker.config
     planner = RoundRobinPlanner(config.slo.tbt_s, config.scheduler.q_max_s,
                                 ttft_s=config.slo.ttft_s,
                                 round_ttft_fraction=config.scheduler.round_ttft_fraction)
     rounds = Recording(planner, share=DecodeShare() if hybrid else None)
-    loop = DecodeLoop(worker, inbox, outbox, hybrid, clock=worker.clock, rounds=rounds,
-                      profile=lambda: estimator)  # fmt: skip
-    loop.run(inbox.stop)
-    return loop, outbox
+    return run_loop(DecodeLoop, worker, timed, hybrid, rounds=rounds)
 
 
 def _tokens(outbox: Outbox) -> dict[str, list[int]]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from aegaeon_engine import DecodeSeq, Engine, Sampler, SamplingParams
 from aegaeon_engine.sampling import make_generator
-from engine_support import VARIANTS, Bound, block_lists, decode_step, make_checkpoint, prompts_of
+from engine_support import VARIANTS, Bound, block_lists, greedy, make_checkpoint, prompts_of
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -85,10 +85,7 @@ def test_bfloat16_batched_decode_runs(ckpts: dict[str, Path], device: str) -> No
     gpu = DeviceBound(ckpts["mistral"], device, dtype="bfloat16")
     prompts = prompts_of(LENGTHS, seed=5)
     blocks = block_lists(3, 5)
-    outs = [[int(gpu.engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks,
-                                                                     strict=True)]
-    for _ in range(8):
-        outs = decode_step(gpu.engine, prompts, outs, blocks)
+    outs = greedy(gpu.engine, prompts, 9, blocks)
     logits = gpu.engine.decode([DecodeSeq(o[-1], len(p) + len(o) - 1, b)
                                 for p, o, b in zip(prompts, outs, blocks, strict=True)])
     assert logits.dtype == torch.float32 and bool(torch.isfinite(logits).all())

@@ -13,6 +13,7 @@ from engine_support import (
     Bound,
     block_lists,
     decode_step,
+    greedy,
     hf_greedy,
     hf_last_logits,
     make_checkpoint,
@@ -122,10 +123,7 @@ def test_switch_is_a_flat_byte_copy(ckpts: dict[str, Path]) -> None:
     arena[128:128 + src.layout.total_bytes].copy_(src.weights)
     engine = Engine()
     engine.bind(src.spec, arena[128:], src.kv, "float32")
-    out = [[int(engine.prefill(prompts[0], [0]).argmax())]]
-    for _ in range(7):
-        out = decode_step(engine, prompts, out, [[0]])
-    assert out == expect
+    assert greedy(engine, prompts, 8, [[0]]) == expect
 
 
 def test_window_is_enforced(ckpts: dict[str, Path]) -> None:
@@ -143,23 +141,12 @@ def test_window_is_enforced(ckpts: dict[str, Path]) -> None:
         bound.engine.import_kv([99], bound.engine.export_kv([0]))
 
 
-def _market_entries(request: pytest.FixtureRequest) -> list[Any]:
-    try:
-        market = request.getfixturevalue("default_market")
-    except pytest.FixtureLookupError:
-        pytest.skip("no default_market fixture (market not built in this checkout)")
+def test_market_variants_match_transformers(default_market: Path) -> None:
+    """The smallest market model of each architecture, in float32, against transformers."""
     from aegaeon_market import load_market
 
-    if isinstance(market, str | Path):
-        return list(load_market(market))
-    entries = getattr(market, "models", market)
-    return list(entries) if isinstance(entries, list | tuple) else list(load_market(market.path))
-
-
-def test_market_variants_match_transformers(request: pytest.FixtureRequest) -> None:
-    """The smallest market model of each architecture, in float32, against transformers."""
     seen: dict[str, Any] = {}
-    for entry in sorted(_market_entries(request), key=lambda e: e.params):
+    for entry in sorted(load_market(default_market), key=lambda e: e.params):
         seen.setdefault(entry.arch, entry)
     assert len(seen) == 4
     prompts = prompts_of(LENGTHS, seed=8, vocab=4000)

@@ -28,7 +28,7 @@ from aegaeon_engine.graphs import (
     GraphSlot,
     GraphTable,
 )
-from engine_support import block_lists, decode_step, make_checkpoint, prompts_of
+from engine_support import block_lists, greedy, make_checkpoint, prompts_of
 
 
 class FakeGraph:
@@ -190,14 +190,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             make_checkpoint(root / "b", "qwen3", seed=2))
 
 
-def _greedy(engine: Engine, prompts: list[list[int]], num_tokens: int,
-            blocks: list[list[int]]) -> list[list[int]]:
-    outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks, strict=True)]
-    for _ in range(num_tokens - 1):
-        outs = decode_step(engine, prompts, outs, blocks)
-    return outs
-
-
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
@@ -228,12 +220,12 @@ def test_graph_switches_a_b_a_decode_the_eager_tokens(pair: tuple[Path, Path],
     for data, spec in zip(packed, specs, strict=True):
         eager = Engine("cpu", native=False) if on_cpu else Engine(device, graphs=False)
         eager.bind(spec, data.to(device), torch.zeros_like(kv), "float32")
-        want.append(_greedy(eager, prompts, 6, blocks))
+        want.append(greedy(eager, prompts, 6, blocks))
     for turn, which in enumerate((0, 1, 0)):
         arena[:packed[which].numel()].copy_(packed[which])
         engine.bind(specs[which], arena[:packed[which].numel()], kv, "float32",
                     ready=f"copy-{turn}")
-        assert _greedy(engine, prompts, 6, blocks) == want[which], f"turn {turn}"
+        assert greedy(engine, prompts, 6, blocks) == want[which], f"turn {turn}"
     stats = engine.graph_stats
     assert stats.enabled, stats.disabled_reason
     assert stats.slots == 2 and stats.captures == 2 * len(stats.sizes)  # A's reused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -95,29 +96,21 @@ def _rewrite(model_dir: Path, edit: dict[str, torch.Tensor | None]) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def test_missing_tensor(ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("edit", "match"), [
+    ({"model.layers.1.self_attn.k_proj.bias": None},
+     r"model\.safetensors: model\.layers\.1\.self_attn\.k_proj\.bias: missing tensor"),
+    ({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 100, dtype=torch.bfloat16)},
+     r"down_proj\.weight: wrong shape \[64, 100\], expected \[64, 160\]"),
+    ({"model.norm.weight": torch.ones(64, dtype=torch.int32)},
+     r"model\.norm\.weight: wrong dtype I32"),
+], ids=["missing_tensor", "wrong_shape", "wrong_dtype"])
+def test_bad_tensor(ckpt: Path, tmp_path: Path, edit: dict[str, torch.Tensor | None],
+                    match: str) -> None:
     bad = _copy(ckpt, tmp_path)
-    _rewrite(bad, {"model.layers.1.self_attn.k_proj.bias": None})
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.1\.self_attn"
-                                              r"\.k_proj\.bias: missing tensor"):
-        _load(bad)
-
-
-def test_wrong_shape(ckpt: Path, tmp_path: Path) -> None:
-    bad = _copy(ckpt, tmp_path)
-    _rewrite(bad, {"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 100,
-                                                                      dtype=torch.bfloat16)})
-    with pytest.raises(CheckpointError, match=r"down_proj\.weight: wrong shape \[64, 100\], "
-                                              r"expected \[64, 160\]") as info:
+    _rewrite(bad, edit)
+    with pytest.raises(CheckpointError, match=match) as info:
         _load(bad)
     assert info.value.path.endswith("model.safetensors")
-
-
-def test_wrong_dtype(ckpt: Path, tmp_path: Path) -> None:
-    bad = _copy(ckpt, tmp_path)
-    _rewrite(bad, {"model.norm.weight": torch.ones(64, dtype=torch.int32)})
-    with pytest.raises(CheckpointError, match=r"model\.norm\.weight: wrong dtype I32"):
-        _load(bad)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "huge_length", "bad_json", "bad_offsets",
@@ -174,12 +167,6 @@ def test_destination_checks(ckpt: Path) -> None:
         load_weights(ckpt, spec, layout, torch.empty(layout.total_bytes, dtype=torch.float32))
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_digests_are_checked_while_the_files_are_read(ckpt: Path, tmp_path: Path,
                                                        dtype: str | None) -> None:
@@ -197,7 +184,7 @@ def test_digests_are_checked_while_the_files_are_read(ckpt: Path, tmp_path: Path
         spec = ModelSpec.from_dir(model_dir)
         layout = weight_layout(spec, dtype)
         files = sorted(model_dir.glob("*.safetensors"))
-        digests = {f: _sha256(f) for f in files}
+        digests = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
         expected = _load(model_dir, dtype)
         got = torch.empty(layout.total_bytes, dtype=torch.uint8)
         assert fill_layout(model_dir, layout, got, digests=digests) == set(files)

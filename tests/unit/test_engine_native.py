@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from aegaeon_common.env import read_env
 from aegaeon_engine import DecodeSeq, Engine, ModelSpec, RopeSpec
 from aegaeon_engine import kernels as kernels_mod
 from aegaeon_engine import native as native_mod
@@ -37,9 +37,11 @@ LEVELS = native_mod.supported_levels()  # this CPU's: every kernel test runs on 
 
 @pytest.fixture(scope="session")
 def built_levels() -> tuple[str, ...]:
-    """Every supported level built once per session (the missing ones in parallel)."""
-    if _native_expected():
-        native_mod.prebuild(LEVELS)
+    """Every supported level built once per session (the missing ones in parallel); the
+    tests that need them skip where there are none (no level, or ``AEGAEON_NATIVE=0``)."""
+    if not read_env().native_kernels or not LEVELS:
+        pytest.skip("no native kernels here")
+    native_mod.prebuild(LEVELS)
     return LEVELS
 
 
@@ -47,8 +49,6 @@ def built_levels() -> tuple[str, ...]:
     reason="no native level for this CPU"))])
 def isa(request: pytest.FixtureRequest, built_levels: tuple[str, ...]) -> str:
     """One supported level (the kernels of every level are loaded side by side)."""
-    if not _native_expected():
-        pytest.skip("AEGAEON_NATIVE=0")
     return str(request.param)
 
 
@@ -69,10 +69,6 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(before)
 
 
-def _native_expected() -> bool:
-    return os.environ.get("AEGAEON_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 def test_native_kernels_load(isa: str) -> None:
     ops: Any = native_mod.native_ops(isa)
     assert ops is not None, f"the {isa} kernels failed to build (see log)"
@@ -85,8 +81,6 @@ def test_native_kernels_load(isa: str) -> None:
 
 def test_best_level_is_chosen(monkeypatch: pytest.MonkeyPatch, fresh_native: None,
                               built_levels: tuple[str, ...]) -> None:
-    if not _native_expected() or not LEVELS:
-        pytest.skip("no native kernels here")
     monkeypatch.delenv("AEGAEON_ISA", raising=False)
     assert native_mod.native_isa() == LEVELS[-1]
     engine = Engine()
@@ -109,8 +103,6 @@ def test_supported_levels_follow_cpu_flags() -> None:
 
 def test_env_forces_a_lower_level(monkeypatch: pytest.MonkeyPatch, fresh_native: None,
                                   built_levels: tuple[str, ...]) -> None:
-    if not _native_expected() or not LEVELS:
-        pytest.skip("no native kernels here")
     monkeypatch.setenv("AEGAEON_ISA", LEVELS[0])
     assert native_mod.native_isa() == LEVELS[0]
     engine = Engine()
@@ -409,7 +401,7 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_build_failure_falls_back_a_level(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                           fresh_native: None, built_levels: tuple[str, ...],
                                           caplog: pytest.LogCaptureFixture) -> None:
-    if len(LEVELS) < 2 or not _native_expected():
+    if len(LEVELS) < 2:
         pytest.skip("needs two native levels")
     monkeypatch.delenv("AEGAEON_ISA", raising=False)
     _break_levels(monkeypatch, tmp_path, [LEVELS[-1]])

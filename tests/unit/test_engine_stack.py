@@ -4,6 +4,7 @@ loop's bit for bit, for every family, dtype, kernel level and GGUF quantization.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ def _steps(engine: Engine, prompts: list[list[int]], blocks: list[list[int]],
            fuse: bool) -> list[torch.Tensor]:
     """Prefill each prompt, then 4 ragged batched decode steps and one of batch 1."""
     engine.fuse_layers = fuse
+    if fuse:  # the stack takes this batch (the loop otherwise: the same logits)
+        assert engine._layer_stack(engine._model(), 1) is not None
     outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks, strict=True)]
     logits = []
     for _ in range(4):
@@ -38,7 +41,11 @@ def _steps(engine: Engine, prompts: list[list[int]], blocks: list[list[int]],
     return logits
 
 
-def _same(fused: list[torch.Tensor], loop: list[torch.Tensor]) -> None:
+def _assert_stack_equals_loop(engine: Callable[[], Engine], prompts: list[list[int]],
+                              blocks: list[list[int]]) -> None:
+    """The same steps on a fresh ``engine()`` each (a KV region of its own: both write the
+    same slots), fused into one native call and layer by layer: the same logits, bit for bit."""
+    fused, loop = (_steps(engine(), prompts, blocks, fuse) for fuse in (True, False))
     for got, want in zip(fused, loop, strict=True):
         assert torch.equal(got, want), (got - want).abs().max()
 
@@ -50,14 +57,8 @@ def test_stack_equals_the_layer_loop(tmp_path: Path, variant: str, dtype: str,
                                      level: str) -> None:
     ckpt = make_checkpoint(tmp_path / variant, variant, seed=5)
     prompts, blocks = prompts_of((5, 17, 33), seed=2), block_lists(3, 6)
-    runs = []
-    for fuse in (True, False):  # each on a fresh KV region: both write the same slots
-        bound = Bound(ckpt, dtype=dtype, engine=Engine(isa=level))
-        engine = bound.engine
-        runs.append(_steps(engine, prompts, blocks, fuse))
-        if fuse:
-            assert engine._layer_stack(engine._model(), 1) is not None
-    _same(*runs)
+    _assert_stack_equals_loop(lambda: Bound(ckpt, dtype=dtype, engine=Engine(isa=level)).engine,
+                              prompts, blocks)
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
@@ -69,14 +70,7 @@ def test_stack_runs_quantized_weights_as_the_loop_does(tmp_path: Path,
     entry = add_model(tmp_path / "market", source, "tiny", None, progress=False)
     assert entry.dtype == qtype.name.lower()  # kept quantized
     prompts, blocks = prompts_of((4, 19), seed=3, vocab=64), block_lists(2, 4)
-    runs = []
-    for fuse in (True, False):
-        llm = LLM(entry.path)
-        engine = llm.engine
-        runs.append(_steps(engine, prompts, blocks, fuse))
-        if fuse:
-            assert engine._layer_stack(engine._model(), 1) is not None
-    _same(*runs)
+    _assert_stack_equals_loop(lambda: LLM(entry.path).engine, prompts, blocks)
 
 
 def test_the_loop_runs_where_the_stack_cannot(tmp_path: Path) -> None:

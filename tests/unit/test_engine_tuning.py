@@ -5,11 +5,11 @@ nothing, and whatever is chosen computing the same tokens."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from aegaeon_common.env import read_env
 from aegaeon_common.kept import write_first
 from aegaeon_engine import Engine, tuning
 from aegaeon_engine import native as native_mod
@@ -19,7 +19,7 @@ from engine_support import Bound, block_lists, make_checkpoint, prompts_of
 
 LEVELS = native_mod.supported_levels()
 needs_native = pytest.mark.skipif(
-    not LEVELS or os.environ.get("AEGAEON_NATIVE", "1") in ("0", "false", "no", "off"),
+    not LEVELS or not read_env().native_kernels,
     reason="no native kernels on this CPU (or AEGAEON_NATIVE=0)")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from aegaeon_common.dtypes import FP8
+from aegaeon_common.market_index import read_manifest
 from aegaeon_engine import SamplingParams
 from aegaeon_engine.fp8 import dequantize, quantize
 from aegaeon_engine.layout import weight_layout
@@ -28,7 +29,6 @@ from aegaeon_engine.loader import checkpoint_index, read_tensor
 from aegaeon_engine.spec import ModelSpec
 from aegaeon_market.edit import add_model, add_random
 from aegaeon_market.fp8_out import is_projection
-from aegaeon_market.manifest import read_manifest
 from proxy_support import market_dir
 
 SOURCE = "llama-gqa-5m"
@@ -48,9 +48,8 @@ def market(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A market holding the source in FP8 (added on the command line), and that FP8
     model dequantized back to bfloat16."""
     root = tmp_path_factory.mktemp("fp8") / "market"
-    argv = [sys.executable, "-m", "aegaeon_cli.main", "market", "add", "--market", str(root),
-            "--name", "fp8", "--dtype", "fp8", "--quiet", str(source)]
-    subprocess.run(argv, check=True, capture_output=True, text=True)
+    _cli("market", "add", "--market", str(root), "--name", "fp8", "--dtype", "fp8", "--quiet",
+         str(source))
     add_model(root, root / "fp8", "back", "bfloat16", progress=False)
     return root
 

@@ -46,6 +46,24 @@ def random_weights(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return w
 
 
+def fp8_weights(w: torch.Tensor, device: str = "cpu") -> tuple[Fp8Tensor, torch.Tensor]:
+    """``w`` quantized into a slot's bytes (codes, then scales) on ``device``, and its
+    dequantized values in float64 (the exact reference)."""
+    codes, scale = quantize(w)
+    raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)])
+    return Fp8Tensor.over(raw.to(device), tuple(w.shape)), dequantize(codes, scale, torch.float64)
+
+
+def assert_within_activation_rounding(out: torch.Tensor, x: torch.Tensor, wd: torch.Tensor,
+                                      bias: torch.Tensor | None = None) -> None:
+    """``out`` against the exact ``x @ wd.T (+ bias)``: x rounded to e4m3 per token, so off
+    by that rounding times |w|, plus bfloat16's output rounding."""
+    exact = x.double() @ wd.t() + (0 if bias is None else bias.double())
+    bound = (rounding_bound(x.float()).double() @ wd.abs().t() + exact.abs() * EPS_BF16
+             + 1e-6 * exact.abs().amax())
+    assert out.dtype == torch.bfloat16 and bool(((out.double() - exact).abs() <= bound).all())
+
+
 def test_fp8_round_trip_error_is_bounded_by_the_rows_amax() -> None:
     w = random_weights(64, 96)
     codes, scale = quantize(w)
@@ -145,20 +163,14 @@ def test_fp8_scaled_matmul_stays_within_its_activation_rounding() -> None:
     the dequantized weight's exact product: x is rounded to e4m3 per token, so the
     difference is bounded by that rounding times |w|, plus bfloat16's output rounding."""
     gen = torch.Generator().manual_seed(1)
-    codes, scale = quantize(random_weights(64, 128, seed=2) * 1e-3)
-    raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)])
-    w = Fp8Tensor.over(raw, (64, 128))
-    wd = dequantize(codes, scale, torch.float64)
+    w, wd = fp8_weights(random_weights(64, 128, seed=2) * 1e-3)
     bias = torch.randn(64, generator=gen).to(torch.bfloat16)
     for n in (1, 5, 32):
         x = (torch.randn(n, 128, generator=gen) * torch.logspace(-2, 2, n)[:, None])
         x = x.to(torch.bfloat16)
         out = project_scaled(w, x, bias)
-        assert out.dtype == torch.bfloat16 and out.shape == (n, 64)
-        exact = x.double() @ wd.t() + bias.double()
-        x_err = rounding_bound(x.float()).double()
-        bound = x_err @ wd.abs().t() + exact.abs() * EPS_BF16 + 1e-6 * exact.abs().amax()
-        assert bool(((out.double() - exact).abs() <= bound).all()), n
+        assert out.shape == (n, 64), n
+        assert_within_activation_rounding(out, x, wd, bias)
 
 
 def test_fp8_fallback_is_the_dense_projection_of_the_dequantized_weight(
@@ -201,9 +213,7 @@ def test_fp8_projection_on_cuda_uses_scaled_mm_where_the_device_has_it() -> None
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     device = torch.device("cuda")
-    codes, scale = quantize(random_weights(256, 512, seed=3) * 1e-3)
-    raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)]).to(device)
-    w = Fp8Tensor.over(raw, (256, 512))
+    w, wd = fp8_weights(random_weights(256, 512, seed=3) * 1e-3, "cuda")
     gen = torch.Generator().manual_seed(4)
     x = (torch.randn(7, 512, generator=gen)).to(torch.bfloat16)
     reason = fp8.fallback_reason(w, x.to(device))
@@ -215,12 +225,7 @@ def test_fp8_projection_on_cuda_uses_scaled_mm_where_the_device_has_it() -> None
     def dense(*_: object) -> torch.Tensor:
         raise AssertionError("the dense fallback ran on an FP8-capable device")
 
-    out = fp8.project(w, x.to(device), None, dense).cpu()
-    wd = dequantize(codes, scale, torch.float64)
-    exact = x.double() @ wd.t()
-    bound = (rounding_bound(x.float()).double() @ wd.abs().t() + exact.abs() * EPS_BF16
-             + 1e-6 * exact.abs().amax())
-    assert bool(((out.double() - exact).abs() <= bound).all())
+    assert_within_activation_rounding(fp8.project(w, x.to(device), None, dense).cpu(), x, wd)
 
 
 @pytest.mark.gpu
@@ -236,13 +241,6 @@ def test_fp8_projection_on_cuda_triton_kernels(rows: int) -> None:
         pytest.skip("e4m3 needs compute capability >= 8.9")
     from aegaeon_engine.gpu.ops import project_fp8
 
-    codes, scale = quantize(random_weights(256, 512, seed=5) * 1e-3)
-    raw = torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)]).to(device)
-    w = Fp8Tensor.over(raw, (256, 512))
+    w, wd = fp8_weights(random_weights(256, 512, seed=5) * 1e-3, "cuda")
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    out = project_fp8(w, x.to(device), None).cpu()
-    wd = dequantize(codes, scale, torch.float64)
-    exact = x.double() @ wd.t()
-    bound = (rounding_bound(x.float()).double() @ wd.abs().t() + exact.abs() * EPS_BF16
-             + 1e-6 * exact.abs().amax())
-    assert out.dtype == torch.bfloat16 and bool(((out.double() - exact).abs() <= bound).all())
+    assert_within_activation_rounding(project_fp8(w, x.to(device), None).cpu(), x, wd)

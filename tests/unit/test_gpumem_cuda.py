@@ -30,6 +30,16 @@ pytestmark = [
 SPIN_CYCLES = 200_000_000  # ~0.1-0.2 s of torch.cuda._sleep on current GPUs
 
 
+def _busy_stream(spins: int = 1) -> CudaCopyStream:
+    """A copy stream kept busy for ``spins`` x SPIN_CYCLES: what is recorded on it now
+    is still pending for a while."""
+    stream = make_copy_stream("cuda")
+    assert isinstance(stream, CudaCopyStream)
+    with torch.cuda.stream(stream.torch_stream):
+        torch.cuda._sleep(SPIN_CYCLES * spins)  # type: ignore[no-untyped-call]
+    return stream
+
+
 def test_device_buffer_on_cuda_promote() -> None:
     buf = DeviceBuffer(8 << 20, kv_bytes=2 << 20, device="cuda")
     assert buf.device.type == "cuda"
@@ -43,14 +53,11 @@ def test_device_buffer_on_cuda_promote() -> None:
 
 
 def test_stream_events_and_wait_event_ordering() -> None:
-    a = make_copy_stream("cuda")
-    b = make_copy_stream("cuda")
-    assert isinstance(a, CudaCopyStream) and isinstance(b, CudaCopyStream)
+    a, b = _busy_stream(), make_copy_stream("cuda")
+    assert isinstance(b, CudaCopyStream)
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).pin_memory()
     mid = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     out = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-    with torch.cuda.stream(a.torch_stream):
-        torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
     a.copy(mid, src)
     produced = a.record()
     assert isinstance(produced, CudaEvent)
@@ -87,11 +94,7 @@ def test_ipc_event_in_another_process() -> None:
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "ready"
-        stream = make_copy_stream("cuda")
-        assert isinstance(stream, CudaCopyStream)
-        with torch.cuda.stream(stream.torch_stream):
-            torch.cuda._sleep(SPIN_CYCLES * 20)  # type: ignore[no-untyped-call]
-        event = stream.record()
+        event = _busy_stream(20).record()
         proc.stdin.write(msgpack.packb(event.handle().to_dict()).hex() + "\n")
         proc.stdin.flush()
         out, err = proc.communicate(timeout=120)
@@ -110,13 +113,9 @@ def test_copy_chunked_host_to_device_through_stage_buffer() -> None:
 
 
 def test_kv_pool_holds_blocks_until_the_cuda_event() -> None:
-    stream = make_copy_stream("cuda")
-    assert isinstance(stream, CudaCopyStream)
     with KVBlockPool(1 << 20, 64 << 10, reclaimer=False) as pool:
         blocks = pool.alloc("s", 4096, 16)
-        with torch.cuda.stream(stream.torch_stream):
-            torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
-        event = stream.record()
+        event = _busy_stream().record()
         pool.free(blocks, event)
         assert pool.stats().pending_blocks == 16
         assert event.wait(30.0)
@@ -126,11 +125,7 @@ def test_kv_pool_holds_blocks_until_the_cuda_event() -> None:
 def test_exported_event_outlives_its_last_local_reference() -> None:
     """A consumer may open a handle after the producer dropped the event (a prefill's
     swap-out event, reclaimed before the decode instance admits the request)."""
-    stream = make_copy_stream("cuda")
-    assert isinstance(stream, CudaCopyStream)
-    with torch.cuda.stream(stream.torch_stream):
-        torch.cuda._sleep(SPIN_CYCLES * 5)  # type: ignore[no-untyped-call]
-    event = stream.record()
+    event = _busy_stream(5).record()
     pending = msgpack.packb(event.handle().to_dict()).hex()
     assert event.wait(60.0)
     done = msgpack.packb(event.handle().to_dict()).hex()

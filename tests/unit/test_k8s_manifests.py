@@ -41,13 +41,18 @@ def _rendered(overlay: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
+@pytest.fixture(params=["gpu", "cpu"])
+def overlay(request: pytest.FixtureRequest) -> str:
+    """Each overlay of deploy/k8s in turn."""
+    return str(request.param)
+
+
 def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
     assert len(found) == 1, f"{kind} {name}: {len(found)}"
     return found[0]
 
 
-@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_every_object_validates_against_the_kubernetes_schemas(overlay: str) -> None:
     import kubernetes_validate
 
@@ -77,7 +82,6 @@ def test_a_broken_object_fails_validation() -> None:
         kubernetes_validate.validate(proxy, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_node_pods_share_host_memory_and_answer_probes(overlay: str) -> None:
     docs = _render(overlay)
     node = _one(docs, "StatefulSet", "aegaeon-node")["spec"]["template"]["spec"]
@@ -99,7 +103,6 @@ def test_node_pods_share_host_memory_and_answer_probes(overlay: str) -> None:
     assert (hpa["kind"], hpa["name"]) == ("Deployment", "aegaeon-proxy")
 
 
-@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_redis_keeps_nothing_on_disk(overlay: str) -> None:
     """The store needs no persistence (docs/reliability.md, "The shared store"): its
     owners rebuild every record after a restart and the proxy replicas write the
@@ -110,7 +113,6 @@ def test_redis_keeps_nothing_on_disk(overlay: str) -> None:
     assert not redis.get("volumes") and not redis["containers"][0].get("volumeMounts")
 
 
-@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_the_config_map_is_a_valid_deployment(overlay: str, default_market: Path,
                                               tmp_path: Path) -> None:  # fmt: skip
     """The pods' config as a container renders it (pod IP and name filled in)."""
@@ -130,7 +132,6 @@ def test_the_config_map_is_a_valid_deployment(overlay: str, default_market: Path
     assert config.prefill.device == ("cuda" if overlay == "gpu" else "cpu")
 
 
-@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_gpu_pods_size_each_container_from_the_machine(overlay: str) -> None:
     """The gpu overlay sets AEGAEON_GPUS, and each node container then plans its own
     part (`aegaeon plan --only NAME`) before it starts; the cpu overlay keeps its sizes."""
@@ -151,7 +152,6 @@ def test_gpu_pods_size_each_container_from_the_machine(overlay: str) -> None:
             assert probe["httpGet"]["path"] == "/health" and probe["failureThreshold"] <= 3
 
 
-@pytest.mark.parametrize("overlay", ["gpu", "cpu"])
 def test_proxies_and_the_scraper_share_the_keys_secret(overlay: str, tmp_path: Path) -> None:
     """Every proxy replica reads its keys from the Secret aegaeon-api-keys (the command
     line parses as `aegaeon proxy` does, each file in the mount); the ServiceMonitor

@@ -16,15 +16,10 @@ from aegaeon_cli.main import main
 from aegaeon_market import load_market
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from market_import_support import Tiny, hf_tensors, write_gguf
+from market_import_support import market_tree as _tree
 from safetensors.torch import load_file, save_file
 
 Q = GGMLQuantizationType
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every file and folder under the market's parent (the market, anything left aside)."""
-    return {p.relative_to(root.parent).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            if p.is_file() else "dir" for p in sorted(root.parent.rglob("*"))}
 
 
 @pytest.fixture

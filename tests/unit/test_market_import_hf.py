@@ -14,6 +14,7 @@ from aegaeon_engine.llm import LLM
 from aegaeon_engine.sampling import SamplingParams
 from aegaeon_engine.spec import ModelSpec
 from aegaeon_market.edit import add_model
+from engine_support import hf_greedy
 from market_import_support import TEXT, bpe_json
 from tokenizers import Tokenizer
 
@@ -144,18 +145,11 @@ def _save(tmp_path: Path, family: str) -> Path:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_transformers_written_directories_import_and_generate_alike(tmp_path: Path,
                                                                      family: str) -> None:
-    from transformers import AutoModelForCausalLM
-
     source = _save(tmp_path, family)
     entry = add_model(tmp_path / "market", source, family, "float32", progress=False)
     assert entry.arch == json.loads((source / "config.json").read_text())["architectures"][0]
     assert (entry.path / "tokenizer_config.json").is_file()
     prompt = Tokenizer.from_file(str(entry.path / "tokenizer.json")).encode(TEXT).ids
-    ref_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    ref = prompt[:]
-    with torch.inference_mode():
-        for _ in range(12):
-            ref.append(int(ref_model(input_ids=torch.tensor([ref])).logits[0, -1].argmax()))
     ours = LLM(entry.path).generate(  # the imported copy, served in its stored float32
         [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
-    assert ours == ref[len(prompt):]
+    assert ours == hf_greedy(source, [prompt], 12)[0]
