@@ -214,8 +214,6 @@ def load_raw(env: Mapping[str, str]) -> dict[str, Any]:
 def load_file(env: Mapping[str, str]) -> dict[str, Any]:
     """The mounted file (or the embedded default) as plain data, its paths absolute, its
     ``instance`` section folded into the roles' and ``AEGAEON_TP`` applied."""
-    import yaml
-
     source = env.get("AEGAEON_CONFIG", DEFAULT_CONFIG)
     market = Path(env.get("AEGAEON_MARKET", DEFAULT_MARKET))
     if source == "embedded":
@@ -224,16 +222,10 @@ def load_file(env: Mapping[str, str]) -> dict[str, Any]:
         if not (market / "market.json").is_file():
             raise SettingError(f"no market at {market} (mount one: AEGAEON_MARKET_DIR in compose)")
         return with_tp(default_config_dict(market, 8000), env)
-    path = Path(source)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise SettingError(f"cannot read the config {path}: {exc.strerror}") from None
-    if not isinstance(raw, dict):
-        raise SettingError(f"{path}: not a map")
-    from aegaeon_common.config import fold_instance
+    from aegaeon_common.config import read_config_file
 
-    raw = fold_instance(raw, str(path))  # `instance`'s keys in each role's section
+    path = Path(source)
+    raw = read_config_file(path)  # ConfigError; `instance`'s keys in each role's section
     # relative paths in the file are relative to it, as load_config reads them
     if raw.get("market"):
         raw["market"] = str((path.parent / str(raw["market"])).resolve())
@@ -283,8 +275,6 @@ def plan_node(env: Mapping[str, str]) -> int:
     instance on the GPUs this container sees, the cachemgr within ``AEGAEON_SHM_SIZE``)
     and write it to :func:`plan_path` for every container; without, remove a plan an
     earlier run left (the file's devices and sizes apply)."""
-    import yaml
-
     path = plan_path(env)
     spec = env.get("AEGAEON_GPUS", "").strip()
     if not spec:
@@ -295,13 +285,7 @@ def plan_node(env: Mapping[str, str]) -> int:
     if env.get("AEGAEON_KIND_GPUS", "").strip():
         raise SettingError("AEGAEON_GPUS places every instance: unset AEGAEON_PREFILL_GPUS / "
                            "AEGAEON_DECODE_GPUS (AEGAEON_KIND_GPUS), or AEGAEON_GPUS")
-    from aegaeon_cli.machine import (
-        Assumed,
-        explicit_counts,
-        plan_comment,
-        sized,
-        with_absolute_paths,
-    )
+    from aegaeon_cli.machine import Assumed, explicit_counts, planned_yaml, sized
     from aegaeon_cli.plan import docker_size
     from aegaeon_common.config import config_from_dict
 
@@ -315,7 +299,7 @@ def plan_node(env: Mapping[str, str]) -> int:
     assumed = Assumed(shm_bytes=docker_size(shm)) if shm else None
     parsed = config_from_dict(raw, source="compose")
     config, out, plan = sized(raw, parsed, spec, explicit_counts(raw), assumed=assumed)
-    text = plan_comment(plan) + yaml.safe_dump(with_absolute_paths(out, config), sort_keys=False)
+    text = planned_yaml(out, config, plan)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)

@@ -83,8 +83,9 @@ def lora_market(root: Path, bases: dict[str, Path]) -> Path:
     """A market in ``root`` whose models are ``bases`` (name -> checkpoint directory,
     linked in, not copied: a test adds adapters to it without touching the shared
     markets those checkpoints live in)."""
+    from aegaeon_common.market_index import Manifest, MarketEntry
     from aegaeon_engine import ModelSpec
-    from aegaeon_market.manifest import Manifest, MarketEntry, write_manifest
+    from aegaeon_market.manifest import write_manifest
 
     root.mkdir(parents=True, exist_ok=True)
     entries = []

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aegaeon_common.usage import at_least_one, at_least_zero
+from aegaeon_common.usage import at_least_one, at_least_zero, positive_number
 
 from aegaeon_sim.cli_classes import add_arguments as add_compare_arguments
 from aegaeon_sim.cli_classes import print_progress
@@ -81,22 +81,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "roles on ON/OFF bursts (roles); see aegaeon_sim.cli_classes",
     )  # fmt: skip
     parser.add_argument("--models", type=at_least_one, default=40, help="with --policy")
-    parser.add_argument("--rps", type=_positive, default=0.1, help="per model, with --policy")
+    parser.add_argument("--rps", type=positive_number, default=0.1, help="per model, with --policy")
     parser.add_argument("--adapters", type=at_least_zero, default=0, metavar="N",
                         help="with --policy: N LoRA adapters per model, each its own request "
                              "stream of --rps (the models none); a base and its adapters are "
                              "one switching unit (0)")
     parser.add_argument("--adapter-rank", type=at_least_one, default=16,
                         help="with --adapters: their rank on q, k, v, o (16)")
-    parser.add_argument("--input-scale", type=_positive, default=1.0, help="with --policy")
-    parser.add_argument("--output-scale", type=_positive, default=1.0, help="with --policy")
-    parser.add_argument("--slo-scale", type=_positive, default=1.0, help="with --policy")
+    parser.add_argument("--input-scale", type=positive_number, default=1.0, help="with --policy")
+    parser.add_argument("--output-scale", type=positive_number, default=1.0, help="with --policy")
+    parser.add_argument("--slo-scale", type=positive_number, default=1.0, help="with --policy")
     parser.add_argument("--policies", type=_policy_list,
                         help="comma-separated subset for --figure")  # fmt: skip
     parser.add_argument("--points", type=_points,
                         help="comma-separated x values overriding the figure's grid")  # fmt: skip
     parser.add_argument(
-        "--duration", type=_positive, default=None,
+        "--duration", type=positive_number, default=None,
         help=f"seconds of arrivals (default {DEFAULT_DURATION_S:g}; with --theorem: its served "
         f"run's, default {THEOREM_SERVED_S:g})",
     )  # fmt: skip
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="Aegaeon's rounds exactly as published (no round bound, no fresh-first)",
     )  # fmt: skip
     parser.add_argument(
-        "--switch-scale", type=_positive, default=1.0,
+        "--switch-scale", type=positive_number, default=1.0,
         help="every switch copies this share of a model's bf16 bytes (0.5: FP8/Q8 weights)",
     )  # fmt: skip
     parser.add_argument(
@@ -196,16 +196,6 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _policy_names() -> list[str]:
     from aegaeon_sched.factory import POLICIES
 
@@ -222,7 +212,7 @@ def _policy_list(text: str) -> str:
 
 def _points(text: str) -> str:
     for value in text.split(","):
-        _positive(value)
+        positive_number(value)
     return text
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from aegaeon_cli.main import main
+from aegaeon_common.market_index import read_manifest
 from aegaeon_market.edit import add_model
-from aegaeon_market.manifest import read_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from market_import_support import Tiny, hf_tensors, write_gguf

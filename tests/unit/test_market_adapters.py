@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from aegaeon_common.config import ConfigError, config_from_dict
+from aegaeon_common.market_index import read_manifest
 from aegaeon_market.adapters import add_adapter, add_random_adapter
-from aegaeon_market.manifest import read_manifest
 from engine_support import make_checkpoint
 from lora_support import lora_market, make_peft_adapter
 

@@ -11,7 +11,7 @@ from aegaeon_common.config import ModelConfig
 from aegaeon_proxy.assets import ModelAssets, load_assets
 from aegaeon_proxy.chat_template import ChatTemplate, ChatTemplateError
 from aegaeon_proxy.errors import APIError
-from aegaeon_proxy.prompts import chat_prompt_ids
+from aegaeon_proxy.prompts import chat_prompt
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello there!"}],
@@ -54,7 +54,7 @@ def test_same_text_and_ids_as_transformers(families: list[tuple[ModelAssets, Any
         ours = assets.chat_template.render(conversation, add_generation_prompt=True)
         theirs = hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         assert ours == theirs, assets.name
-        ids = chat_prompt_ids({"messages": conversation}, assets)
+        ids = chat_prompt({"messages": conversation}, assets).ids
         hf_ids = hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         if not isinstance(hf_ids, list):  # transformers 5 returns a BatchEncoding
             hf_ids = hf_ids["input_ids"]
@@ -63,7 +63,7 @@ def test_same_text_and_ids_as_transformers(families: list[tuple[ModelAssets, Any
 
 def test_special_tokens_are_not_added_twice(families: list[tuple[ModelAssets, Any]]) -> None:
     for assets, _ in families:
-        ids = chat_prompt_ids({"messages": CONVERSATIONS[0]}, assets)
+        ids = chat_prompt({"messages": CONVERSATIONS[0]}, assets).ids
         assert assets.chat_template is not None
         bos = assets.tokenizer.token_to_id(assets.chat_template.special_tokens.get("bos_token", ""))
         if bos is not None:
@@ -73,9 +73,9 @@ def test_special_tokens_are_not_added_twice(families: list[tuple[ModelAssets, An
 def test_list_of_text_parts_equals_joined_string(families: list[tuple[ModelAssets, Any]]) -> None:
     parts = [{"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}]
     for assets, _ in families:
-        as_parts = chat_prompt_ids({"messages": [{"role": "user", "content": parts}]}, assets)
+        as_parts = chat_prompt({"messages": [{"role": "user", "content": parts}]}, assets).ids
         joined = {"messages": [{"role": "user", "content": "first part\nsecond part"}]}
-        assert as_parts == chat_prompt_ids(joined, assets)
+        assert as_parts == chat_prompt(joined, assets).ids
 
 
 def test_raise_exception_is_a_client_error(families: list[tuple[ModelAssets, Any]]) -> None:
@@ -88,7 +88,7 @@ def test_raise_exception_is_a_client_error(families: list[tuple[ModelAssets, Any
         except jinja2.TemplateError:
             refused += 1
             with pytest.raises(APIError) as info:
-                chat_prompt_ids({"messages": bad}, assets)
+                chat_prompt({"messages": bad}, assets)
             assert info.value.status == 400
             assert info.value.param == "messages"
     assert refused >= 1

@@ -86,9 +86,8 @@ def test_stop_strings(deltas: list[str], stop: list[str], sent: str, stopped: bo
     matcher = StopStringMatcher(stop)
     out = []
     for delta in deltas:
-        result = matcher.push(delta)
-        out.append(result.text)
-        if result.stopped:
+        out.append(matcher.push(delta))
+        if matcher.stopped:
             break
     out.append(matcher.flush())
     assert "".join(out) == sent
@@ -97,9 +96,8 @@ def test_stop_strings(deltas: list[str], stop: list[str], sent: str, stopped: bo
 
 def test_stop_prefix_is_held_back_not_streamed() -> None:
     matcher = StopStringMatcher(["STOP"])
-    assert matcher.push("go ST").text == "go "
-    assert matcher.push("A").text == "STA"  # no longer a prefix of STOP
-    assert matcher.push("ST").text == ""
-    result = matcher.push("OP and more")
-    assert result.text == ""
-    assert result.stopped
+    assert matcher.push("go ST") == "go "
+    assert matcher.push("A") == "STA"  # no longer a prefix of STOP
+    assert matcher.push("ST") == ""
+    assert matcher.push("OP and more") == ""
+    assert matcher.stopped

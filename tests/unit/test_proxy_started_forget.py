@@ -47,9 +47,9 @@ def test_a_prefill_instance_frees_unclaimed_handoffs_and_drops_its_queue() -> No
     assert len(loop.handoffs) == 1  # n1's, the new proxy's
     assert w.kv.device_bytes_used() == 0
     # The same proxy again changes nothing; another one frees n1's handoff.
-    loop._apply([ProxyStarted(7)])
+    loop.apply([ProxyStarted(7)])
     assert w.cache.freed == list(unclaimed.block_offsets)
-    loop._apply([ProxyStarted(8)])
+    loop.apply([ProxyStarted(8)])
     n1 = _done(outbox)["n1"].handoff
     assert n1 is not None
     assert w.cache.freed == [*unclaimed.block_offsets, *n1.block_offsets]
@@ -89,11 +89,11 @@ def test_a_stopped_proxys_answer_ends_a_later_drain_at_once_until_a_new_proxy_st
     loop = PrefillLoop(w, TimedInbox(w.clock, []), Outbox(), clock=w.clock,
                        profile=lambda: estimator)  # fmt: skip
     loop.drain.ack_wait_s = 3600.0
-    loop._apply([ProxyStarted(7), AckDrain(os.getpid())])
+    loop.apply([ProxyStarted(7), AckDrain(os.getpid())])
     loop.drain.request()
     assert loop.drain.done(idle=True)
     # a new proxy may send work again: a drain waits for its answer
-    loop._apply([ProxyStarted(8)])
+    loop.apply([ProxyStarted(8)])
     assert not loop.drain.done(idle=True)
-    loop._apply([AckDrain(os.getpid() + 1)])  # an earlier process's answer
+    loop.apply([AckDrain(os.getpid() + 1)])  # an earlier process's answer
     assert not loop.drain.done(idle=True)

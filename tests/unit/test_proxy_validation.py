@@ -10,7 +10,7 @@ from aegaeon_common.config import ModelConfig
 from aegaeon_proxy.assets import ModelAssets, load_assets
 from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.params import CHAT_FIELDS, FIELDS, parse_common
-from aegaeon_proxy.prompts import build_request, chat_prompt_ids, completion_prompt_ids
+from aegaeon_proxy.prompts import build_request, chat_prompt, completion_prompt_ids
 
 BASE = {"model": "m"}
 
@@ -178,7 +178,7 @@ def test_completion_prompt_forms(assets: ModelAssets) -> None:
 )
 def test_bad_messages(assets: ModelAssets, messages: Any, param: str) -> None:
     with pytest.raises(APIError) as info:
-        chat_prompt_ids({"messages": messages}, assets)
+        chat_prompt({"messages": messages}, assets)
     assert (info.value.status, info.value.param) == (400, param)
 
 

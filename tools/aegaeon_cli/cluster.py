@@ -16,7 +16,6 @@ import copy
 import secrets
 import shutil
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,33 +23,18 @@ import yaml
 from aegaeon_common.config import Config, ConfigError, config_from_dict
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.ports import NoFreePortsError, free_ports
-from aegaeon_common.process import is_ready, private_dir
+from aegaeon_common.process import private_dir
 
-from aegaeon_cli.supervisor import DRAIN_MARGIN_S, Child, StartupError, Supervisor, python_argv
+from aegaeon_cli.machine import explicit_counts
+from aegaeon_cli.supervisor import (
+    DRAIN_MARGIN_S,
+    Child,
+    StartupError,
+    marked_ready,
+    python_argv,
+)
 
 PORT_STRIDE = 100  # node i's instances from base_port + PORT_STRIDE * i
-
-
-def _write(path: Path, raw: dict[str, Any]) -> None:
-    """The member's config, this user's only (0600: it may hold API keys), atomically."""
-    private_dir(path.parent)
-    write_atomic(path, yaml.safe_dump(raw, sort_keys=False))
-
-
-def _instances(raw: dict[str, Any]) -> int:
-    """Command ports one node needs (its prefill and decode instances)."""
-    count = 0
-    for kind in ("prefill", "decode"):
-        section = raw.get(kind) or {}
-        count += int(section.get("instances", 1)) if isinstance(section, dict) else 1
-    return max(count, 1)
-
-
-def _free_ports(count: int, taken: set[int]) -> int:
-    try:
-        return free_ports(count, taken)
-    except NoFreePortsError as exc:
-        raise StartupError(str(exc)) from None
 
 
 def _redis_child(root: Path, port: int) -> Child:
@@ -74,13 +58,6 @@ def _redis_child(root: Path, port: int) -> Child:
     return Child(name="redis", argv=argv, ready=ready, log_path=root / "redis.log", stage=0)
 
 
-def _member(raw: dict[str, Any], **sections: Any) -> dict[str, Any]:
-    out = copy.deepcopy(raw)
-    for key, value in sections.items():
-        out[key] = {**(out.get(key) or {}), **value} if isinstance(value, dict) else value
-    return out
-
-
 def cluster_children(
     raw: dict[str, Any], base: Path, source: str, nodes: int, proxies: int,
     store_url: str | None,
@@ -93,7 +70,7 @@ def cluster_children(
     children: list[Child] = []
     taken: set[int] = set()
     if store_url is None:
-        port = _free_ports(1, taken)
+        port = free_ports(1, taken)
         store_url = f"redis://127.0.0.1:{port}/0"
         children.append(_redis_child(root, port))
     # one run, one namespace: a Redis shared with an earlier run (--store-url) holds
@@ -102,63 +79,56 @@ def cluster_children(
     configured_store = raw.get("store") or {}
     namespace = configured_store.get("namespace") or f"aegaeon-{secrets.token_hex(4)}"
     store = {"kind": "redis", "url": store_url, "namespace": namespace}
-    per_node = _instances(raw)
+
+    def member(name: str, command: str, stage: int, stop_timeout_s: float | None = None,
+               **sections: Any) -> Config:
+        """Add the child running ``aegaeon COMMAND`` over ``raw`` with ``sections`` merged
+        in; its config, validated and written to its run directory."""
+        run_dir = root / name
+        merged = copy.deepcopy(raw)
+        for key, value in {"store": store, "run_dir": str(run_dir), **sections}.items():
+            merged[key] = {**(merged.get(key) or {}), **value} if isinstance(value, dict) else value
+        config = config_from_dict(merged, source=f"{source} ({name})", base=base)  # validate
+        path = run_dir / "config.yaml"
+        private_dir(run_dir)
+        write_atomic(path, yaml.safe_dump(merged, sort_keys=False))  # 0600: may hold API keys
+        child = Child(name=name, argv=python_argv(command, "--config", str(path)),
+                      ready=lambda: False, log_path=root / f"{name}.log", stage=stage,
+                      stop_timeout_s=stop_timeout_s)  # fmt: skip
+        child.ready = marked_ready(child, run_dir, command)
+        children.append(child)
+        return config
+
+    # command ports one node needs (its prefill and decode instances)
+    per_node = max(sum(1 if n is None else n for n in explicit_counts(raw)), 1)
     configured = (raw.get("node") or {}).get("base_port")
+    # a node's own supervisor stops its instances, then its cachemgr, each stage within
+    # drain + margin, and kills (stacks first) what overstays: let it
+    node_stop_s = 2 * (float(raw.get("drain_timeout", 30.0)) + DRAIN_MARGIN_S) + 5.0
     for i in range(nodes):
-        run_dir = root / f"node-{i}"
         # a configured base_port: node i from base_port + 100 i; else free ports of this
         # machine (several clusters, or tests, may run at once)
         base_port = (int(configured) + PORT_STRIDE * i if configured is not None
-                     else _free_ports(per_node, taken))  # fmt: skip
+                     else free_ports(per_node, taken))  # fmt: skip
         node = {"name": f"node-{i}", "advertise_address": "127.0.0.1", "base_port": base_port}
-        member = _member(raw, node=node, store=store, run_dir=str(run_dir))
-        config_from_dict(member, source=f"{source} (node-{i})", base=base)  # validate
-        path = run_dir / "config.yaml"
-        _write(path, member)
-        # its own supervisor stops its instances, then its cachemgr, each stage within
-        # drain + margin, and kills (stacks first) what overstays: let it
-        node_stop_s = 2 * (float(raw.get("drain_timeout", 30.0)) + DRAIN_MARGIN_S) + 5.0
-        child = Child(name=f"node-{i}", argv=python_argv("node", "--config", str(path)),
-                      ready=lambda: False, log_path=root / f"node-{i}.log", stage=1,
-                      stop_timeout_s=node_stop_s)  # fmt: skip
-        child.ready = _ready(child, run_dir, "node")
-        children.append(child)
+        member(f"node-{i}", "node", 1, node_stop_s, node=node)
     port = int((raw.get("proxy") or {}).get("port", 8000))
-    configs = []
-    for r in range(proxies):
-        run_dir = root / f"proxy-{r}"
-        member = _member(raw, store=store, run_dir=str(run_dir),
-                         node={"name": f"proxy-{r}", "advertise_address": "127.0.0.1"},
-                         proxy={"port": port + r})  # fmt: skip
-        configs.append(config_from_dict(member, source=f"{source} (proxy-{r})", base=base))
-        path = run_dir / "config.yaml"
-        _write(path, member)
-        child = Child(name=f"proxy-{r}", argv=python_argv("proxy", "--config", str(path)),
-                      ready=lambda: False, log_path=root / f"proxy-{r}.log", stage=2)  # fmt: skip
-        child.ready = _ready(child, run_dir, "proxy")
-        children.append(child)
+    configs = [member(f"proxy-{r}", "proxy", 2, proxy={"port": port + r},
+                      node={"name": f"proxy-{r}", "advertise_address": "127.0.0.1"})
+               for r in range(proxies)]  # fmt: skip
     return children, configs
-
-
-def _ready(child: Child, run_dir: Path, name: str) -> Any:
-    def ready() -> bool:
-        return child.proc is not None and is_ready(run_dir, name, child.proc.pid)
-
-    return ready
 
 
 def run_cluster(raw: dict[str, Any], base: Path, source: str, nodes: int, proxies: int,
                 store_url: str | None) -> int:  # fmt: skip
-    from aegaeon_cli.supervisor import install_stop_handlers, supervise
+    from aegaeon_common.usage import fail
+
+    from aegaeon_cli.supervisor import supervise
 
     try:
         children, configs = cluster_children(raw, base, source, nodes, proxies, store_url)
-    except (ConfigError, StartupError) as exc:
-        print(f"aegaeon serve: {exc}", file=sys.stderr)
-        return 2
-    drain_s = float(raw.get("drain_timeout", 30.0))
-    sup = Supervisor(children, stop_timeout_s=drain_s + DRAIN_MARGIN_S)
-    install_stop_handlers(sup)
+    except (ConfigError, StartupError, NoFreePortsError) as exc:
+        return fail("aegaeon serve", exc)
 
     def announce() -> None:
         urls = ", ".join(f"http://{c.proxy.host}:{c.proxy.port}/v1" for c in configs)
@@ -167,7 +137,8 @@ def run_cluster(raw: dict[str, Any], base: Path, source: str, nodes: int, proxie
         print(f"Store: {configs[0].store.url.rpartition('@')[2]}; run dirs under "
               f"{raw['run_dir']}. Press Ctrl-C to stop.", flush=True)  # fmt: skip
 
-    return supervise(sup, announce, "aegaeon serve")  # each node's supervisor cleans its shm
+    # each node's supervisor cleans its shm
+    return supervise(children, float(raw.get("drain_timeout", 30.0)), announce, "aegaeon serve")
 
 
 __all__ = ["cluster_children", "run_cluster"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 
@@ -28,12 +27,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import zmq.auth
+    from aegaeon_common.usage import fail
 
     public = args.file.resolve()
     secret = public.with_name(public.name + "_secret")
     if not args.force and (public.exists() or secret.exists()):
-        print(f"aegaeon keys: {public} or {secret} exists (--force replaces)", file=sys.stderr)
-        return 2
+        return fail("aegaeon keys", f"{public} or {secret} exists (--force replaces)")
     public.parent.mkdir(parents=True, exist_ok=True)
     made_public, made_secret = zmq.auth.create_certificates(str(public.parent), ".aegaeon-new")
     os.chmod(made_secret, 0o600)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from aegaeon_common.config import Config, ConfigError, InstancesConfig, config_from_dict
 from aegaeon_common.config_parse import parse_bytes
 from aegaeon_runtime.preflight import CudaDevices, no_driver
@@ -112,37 +113,24 @@ def host_info(meminfo: Path = Path("/proc/meminfo"), shm: Path = Path("/dev/shm"
     return HostInfo(available, shm_free)
 
 
-def _specs(config: Config) -> dict[str, Any]:
-    """Each model's spec (LoRA adapters: see :func:`_adapter_bytes`)."""
+def _weights(config: Config) -> tuple[dict[str, Any], dict[str, int]]:
+    """Each model's spec, and each LoRA adapter's bytes: its own A and B, checked against
+    its base (what the Model Cache holds of it; held whole, never sharded)."""
     from aegaeon_engine import CheckpointError, ModelSpec
-
-    out = {}
-    for model in config.models:
-        if model.base is not None:
-            continue
-        try:
-            out[model.name] = ModelSpec.from_dir(model.path)
-        except CheckpointError as exc:
-            raise PlacementError(f"model {model.name}: {exc}") from None
-    return out
-
-
-def _adapter_bytes(config: Config, specs: dict[str, Any]) -> dict[str, int]:
-    """Each LoRA adapter's bytes: its own A and B, checked against its base (what the
-    Model Cache holds of it; held whole, never sharded)."""
-    from aegaeon_engine import CheckpointError
     from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 
-    out = {}
-    for model in config.models:
-        if model.base is None:
-            continue
+    specs: dict[str, Any] = {}
+    adapters: dict[str, int] = {}
+    for model in sorted(config.models, key=lambda m: m.base is not None):  # bases first
         try:
-            adapter = AdapterSpec.from_dir(model.path, specs[model.base], model.name)
+            if model.base is None:
+                specs[model.name] = ModelSpec.from_dir(model.path)
+            else:
+                adapter = AdapterSpec.from_dir(model.path, specs[model.base], model.name)
+                adapters[model.name] = adapter_layout(adapter, config.dtype).total_bytes
         except CheckpointError as exc:
             raise PlacementError(f"model {model.name}: {exc}") from None
-        out[model.name] = adapter_layout(adapter, config.dtype).total_bytes
-    return out
+    return specs, adapters
 
 
 def model_bytes(config: Config) -> dict[str, int]:
@@ -150,10 +138,10 @@ def model_bytes(config: Config) -> dict[str, int]:
     adapter's are its own A and B."""
     from aegaeon_engine import weight_layout
 
-    specs = _specs(config)
+    specs, adapters = _weights(config)
     return {**{name: weight_layout(spec, config.dtype).total_bytes
                for name, spec in specs.items()},
-            **_adapter_bytes(config, specs)}  # fmt: skip
+            **adapters}  # fmt: skip
 
 
 def shard_bytes(config: Config, sizes: list[int]) -> dict[int, dict[str, TPSizes]]:
@@ -163,8 +151,7 @@ def shard_bytes(config: Config, sizes: list[int]) -> dict[int, dict[str, TPSizes
     from aegaeon_engine import weight_layout
     from aegaeon_engine.tp_layout import sharded_layout
 
-    specs = _specs(config)
-    adapters = _adapter_bytes(config, specs)
+    specs, adapters = _weights(config)
     out: dict[int, dict[str, TPSizes]] = {}
     for size in sizes:
         per: dict[str, TPSizes] = {name: TPSizes(n, n) for name, n in adapters.items()}
@@ -223,16 +210,12 @@ def plan_machine(config: Config, spec: str | None, counts: tuple[int | None, int
     sizes = [tp] if tp is not None and tp > 1 else [
         2**k for k in range(1, 8) if 2**k <= most and tp is None]  # fmt: skip
     shards = shard_bytes(config, sizes)
-    if only == "instances":
-        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
-                         shards)
-    if only is not None:
-        count = counts[0] if only == "prefill" else counts[1]
-        counts = (count or 1, 0) if only == "prefill" else (0, count or 1)
-        return plan_node(spec, gpus, None, counts, models, config.dtype, cap_bytes, tp,
-                         shards)
-    return plan_node(spec, gpus, assumed.host(), counts, models, config.dtype, cap_bytes, tp,
-                     shards)
+    if only == "prefill":
+        counts = (counts[0] or 1, 0)
+    elif only == "decode":
+        counts = (0, counts[1] or 1)
+    host = assumed.host() if only is None else None
+    return plan_node(spec, gpus, host, counts, models, config.dtype, cap_bytes, tp, shards)
 
 
 def explicit_counts(raw: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -350,9 +333,11 @@ def with_absolute_paths(raw: dict[str, Any], config: Config) -> dict[str, Any]:
     return out
 
 
-def plan_comment(plan: Plan) -> str:
-    """The plan as YAML comment lines (the head of the effective config)."""
-    return "".join(f"# {line}\n" for line in plan.describe().splitlines())
+def planned_yaml(raw: dict[str, Any], config: Config, plan: Plan | None) -> str:
+    """The effective config as YAML (paths absolute, :func:`with_absolute_paths`), the plan
+    (if any) as comment lines at its head."""
+    head = "" if plan is None else "".join(f"# {line}\n" for line in plan.describe().splitlines())
+    return head + yaml.safe_dump(with_absolute_paths(raw, config), sort_keys=False)
 
 
 if __name__ == "__main__":

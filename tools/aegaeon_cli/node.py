@@ -6,9 +6,8 @@ from pathlib import Path
 
 from aegaeon_common.config import Config
 from aegaeon_common.http_side import read_http_address
-from aegaeon_common.process import is_ready
 
-from aegaeon_cli.supervisor import Child, python_argv
+from aegaeon_cli.supervisor import Child, marked_ready, python_argv
 
 
 def _child(config: Config, name: str, argv: list[str], stage: int) -> Child:
@@ -16,14 +15,11 @@ def _child(config: Config, name: str, argv: list[str], stage: int) -> Child:
     child = Child(name=name, argv=argv, ready=lambda: False, log_path=log_path, stage=stage,
                   maps_cache=stage == 1)  # the instances map the cachemgr's memory
 
-    def ready() -> bool:
-        return child.proc is not None and is_ready(config.run_dir, name, child.proc.pid)
-
     def health_url() -> str | None:
         address = read_http_address(config.run_dir, name)
         return f"{address.url}/health" if address is not None else None
 
-    child.ready = ready
+    child.ready = marked_ready(child, config.run_dir, name)
     child.health_url = health_url
     return child
 

@@ -31,25 +31,18 @@ def _planned(args: argparse.Namespace, config: Config) -> tuple[Config, Path]:
     RUN_DIR/planned.yaml; else the config and its file as they are."""
     if args.gpus is None:
         return config, args.config.resolve()
-    import yaml
     from aegaeon_common.config import read_config_file
     from aegaeon_common.kept import write_atomic
-    from aegaeon_sched.placement import PlacementError
 
-    from aegaeon_cli.machine import explicit_counts, plan_comment, sized, with_absolute_paths
+    from aegaeon_cli.machine import explicit_counts, planned_yaml, sized
 
+    raw = read_config_file(args.config)
     base = args.config.parent.resolve()
-    try:
-        raw = read_config_file(args.config)
-        config, out, plan = sized(raw, config, args.gpus, explicit_counts(raw), base=base)
-    except (ConfigError, PlacementError) as exc:
-        print(f"aegaeon node: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    config, out, plan = sized(raw, config, args.gpus, explicit_counts(raw), base=base)
     print(plan.describe(), file=sys.stderr, flush=True)
-    out = with_absolute_paths(out, config)  # the file moves to the run directory
-    path = config.run_dir / "planned.yaml"
+    path = config.run_dir / "planned.yaml"  # paths made absolute: the file moves there
     private_dir(config.run_dir)
-    write_atomic(path, plan_comment(plan) + yaml.safe_dump(out, sort_keys=False))
+    write_atomic(path, planned_yaml(out, config, plan))
     return config, path
 
 
@@ -60,35 +53,30 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.process import mark_ready
     from aegaeon_common.usage import fail
     from aegaeon_runtime.preflight import check_machine, instance_devices
+    from aegaeon_sched.placement import PlacementError
 
     from aegaeon_cli.machine import cuda_devices
     from aegaeon_cli.node import build_children
-    from aegaeon_cli.supervisor import (
-        DRAIN_MARGIN_S,
-        Supervisor,
-        install_stop_handlers,
-        supervise,
-    )
+    from aegaeon_cli.supervisor import supervise
 
     setup_logging("node")
     config = load_config_or_exit(args.config, "node")
     if not config.distributed:
-        print(f"aegaeon node: {args.config}: store.kind: a node of many needs the shared "
-              "store (redis); one machine alone is `aegaeon serve`", file=sys.stderr)  # fmt: skip
-        return 2
-    config, path = _planned(args, config)
+        return fail("aegaeon node", f"{args.config}: store.kind: a node of many needs the "
+                    "shared store (redis); one machine alone is `aegaeon serve`")
     try:
+        config, path = _planned(args, config)
         check_machine(config, instance_devices(config), cuda_devices)
-    except (ConfigError, EnvError) as exc:
+    except (ConfigError, EnvError, PlacementError) as exc:
         return fail("aegaeon node", exc)
     private_dir(config.run_dir)
     children = [c for c in build_children(config, path) if c.name != "proxy"]
-    sup = Supervisor(children, stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S)
-    install_stop_handlers(sup)
+
     def announce() -> None:
         names = ", ".join(c.name for c in children)
         print(f"node {config.node.name} ready: {names} (instances at "
               f"{config.node.advertise_address})", flush=True)  # fmt: skip
         mark_ready(config.run_dir, "node")
 
-    return supervise(sup, announce, "aegaeon node", config.shm_prefix)
+    return supervise(children, config.drain_timeout_s, announce, "aegaeon node",
+                     config.shm_prefix)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
 
+from aegaeon_common.config_parse import parse_bytes
 from aegaeon_common.market_index import MARKET_DIR_HELP
-from aegaeon_common.usage import at_least_one
+from aegaeon_common.usage import at_least_one, parsed_by
 
 _DOCKER_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([bkmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 
@@ -34,16 +34,6 @@ def docker_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (like 48g or 512m)")
     shift = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40}[match.group(2).lower()]
     return int(float(match.group(1)) * (1 << shift))
-
-
-def size(text: str) -> int:
-    """An argparse type: a size in the config's units (``80GB`` = 80e9, ``80GiB``)."""
-    from aegaeon_common.config_parse import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -61,8 +51,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "alone on the GPUs it sees, or the cachemgr's memory")  # fmt: skip
     parser.add_argument("--assume-gpus", metavar="SPEC", help="plan for GPUs that are not "
                         "here, each idle: 8x80GB, 24GB, 40GiB,40GiB (no GPU is asked)")
-    parser.add_argument("--assume-memory", type=size, metavar="SIZE", help="the host's "
-                        "MemAvailable (default: /proc/meminfo's), e.g. 1TB")  # fmt: skip
+    parser.add_argument("--assume-memory", type=parsed_by(parse_bytes), metavar="SIZE",
+                        help="the host's MemAvailable (default: /proc/meminfo's), e.g. 1TB")
     parser.add_argument("--shm-size", type=docker_size, metavar="SIZE", help="the /dev/shm "
                         "the cachemgr will have, as compose's shm_size (48g: 48 GiB); "
                         "default: this machine's free /dev/shm")  # fmt: skip
@@ -71,41 +61,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run)
 
 
-def _raw(args: argparse.Namespace) -> tuple[dict[str, Any], Path, bool]:
-    """The deployment as plain data, the folder its paths are relative to, and
-    whether its instance counts are the user's."""
-    from aegaeon_common.config import read_config_file
-
-    if args.config is not None:
-        raw = read_config_file(args.config)
-        if args.market is not None:
-            raw["market"] = str(args.market.resolve())
-        return raw, args.config.parent.resolve(), True
-    from aegaeon_market import default_market_dir
-
-    from aegaeon_cli.serve import default_config_dict
-
-    market = (args.market or default_market_dir()).resolve()
-    return default_config_dict(market, 8000), Path.cwd(), False
-
-
 def run(args: argparse.Namespace) -> int:
-    import yaml
     from aegaeon_common.config import ConfigError, config_from_dict
-    from aegaeon_common.config_parse import parse_bytes
     from aegaeon_common.kept import write_atomic
     from aegaeon_common.usage import fail
     from aegaeon_sched.gpu_spec import assumed_gpus
     from aegaeon_sched.placement import PlacementError
 
-    from aegaeon_cli.machine import (
-        Assumed,
-        explicit_counts,
-        plan_comment,
-        sized,
-        with_absolute_paths,
-        with_tp,
-    )
+    from aegaeon_cli.machine import Assumed, explicit_counts, planned_yaml, sized, with_tp
+    from aegaeon_cli.serve import deployment
 
     gpus = args.gpus if args.gpus is not None or args.assume_gpus is None else "all"
     if gpus is None and args.only != "cachemgr":
@@ -114,17 +78,16 @@ def run(args: argparse.Namespace) -> int:
         assumed = Assumed(
             tuple(assumed_gpus(args.assume_gpus, parse_bytes)) if args.assume_gpus else None,
             args.assume_memory, args.shm_size)
-        raw, base, user_counts = _raw(args)
+        raw, base, source = deployment(args.config, args.market)
         raw = with_tp(raw, args.tp)
-        source = str(args.config) if args.config else "<embedded default>"
         config = config_from_dict(raw, source=source, base=base)
-        counts = explicit_counts(raw) if user_counts else (None, None)
+        # the embedded default's counts are not the user's: the plan picks them
+        counts = explicit_counts(raw) if args.config is not None else (None, None)
         config, out, plan = sized(raw, config, gpus, counts, args.only, base=base,
                                   assumed=assumed)  # fmt: skip
     except (OSError, ConfigError, PlacementError) as exc:
         return fail("aegaeon plan", exc)
     print(plan.describe(), flush=True)
     if args.write is not None:
-        text = yaml.safe_dump(with_absolute_paths(out, config), sort_keys=False)
-        write_atomic(args.write, plan_comment(plan) + text)
+        write_atomic(args.write, planned_yaml(out, config, plan))
     return 0

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from aegaeon_common.config import (
     Config,
     ConfigError,
@@ -28,7 +27,7 @@ from aegaeon_common.dtypes import DTYPE_BYTES
 from aegaeon_common.kept import write_atomic
 from aegaeon_common.logs import get_logger, setup_logging
 from aegaeon_common.market_index import MARKET_DIR_HELP, load_market
-from aegaeon_common.usage import at_least_one, port_number
+from aegaeon_common.usage import at_least_one, port_number, positive_number
 from aegaeon_proxy.main import add_api_key_args, key_entries
 from aegaeon_sched.placement import PlacementError, Plan
 
@@ -66,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--gpus", help="all | 0,1,...: one instance per GPU (CUDA indices), "
                         "each sized from its GPU's free memory, the Model Cache from host memory "
                         "(docs/gpu.md); default: the config's devices and sizes")
-    parser.add_argument("--device-memory", type=_gib_arg, metavar="GiB",
+    parser.add_argument("--device-memory", type=positive_number, metavar="GiB",
                         help="cap each instance's device memory (GiB, e.g. 36 or 0.5): its "
                         "weights arena (twice the largest model when that leaves a quarter for "
                         "KV, else once) and its KV region are sized inside it (with --gpus: "
@@ -80,22 +79,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run)
 
 
-def _gib_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GiB as a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
-    return value
-
-
-def _largest_model_bytes(market: Path) -> int:
-    """Bytes of the market's largest model in the dtype it is served in."""
-    itemsize = DTYPE_BYTES[market_dtype(market)]
-    return max(e.params * itemsize for e in load_market(market))
-
-
 def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     """The embedded default: 1 prefill + 1 decode instance on the CPU.
 
@@ -103,7 +86,8 @@ def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     model plus one prefetched), far fewer than the market's models, so every
     change of model is a real switch through the Model Cache.
     """
-    largest = _largest_model_bytes(market)
+    itemsize = DTYPE_BYTES[market_dtype(market)]  # the market's largest model, as served
+    largest = max(e.params * itemsize for e in load_market(market))
     arena = 2 * largest + 16 * MiB
     return {
         "market": str(market),
@@ -118,27 +102,35 @@ def default_config_dict(market: Path, port: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def deployment(config: Path | None, market: Path | None,
+               port: int = 8000) -> tuple[dict[str, Any], Path, str]:
+    """The deployment as plain data: the file ``config`` (``market`` over the one it names,
+    or supplying it), else the embedded default over ``market`` (default: $AEGAEON_MARKET
+    or ./market); the folder its paths are relative to, and the name of its source."""
+    if config is None:
+        from aegaeon_market import default_market_dir
+
+        market = (market or default_market_dir()).resolve()
+        return default_config_dict(market, port), Path.cwd(), "<embedded default>"
+    raw = read_config_file(config)
+    if market is not None:
+        raw["market"] = str(market.resolve())
+    return raw, config.parent.resolve(), str(config)
+
+
 def _effective_config(args: argparse.Namespace) -> tuple[Config, dict[str, Any], Plan | None]:
     """The deployment this run serves, as a Config and as plain data, and the
     ``--gpus`` plan that sized it (None without ``--gpus``)."""
-    if args.config is not None:
-        raw = read_config_file(args.config)
-        base = args.config.parent.resolve()
-        source = str(args.config)
-        if args.market is None:  # (--market supplies what the file may leave out)
-            load_config(args.config)  # validate the file as written first
-    else:
+    if args.config is not None and args.market is None:
+        load_config(args.config)  # validate the file as written first
+    if args.config is None:
         from aegaeon_market import default_market_dir, ensure_market
 
         market = (args.market or default_market_dir()).resolve()
         if not (market / "market.json").exists():  # an existing market is served as it is
             print(f"Building the default market in {market} ...", file=sys.stderr, flush=True)
             ensure_market(market, real_models=True)
-        raw = default_config_dict(market, args.port or 8000)
-        base = Path.cwd()
-        source = "<embedded default>"
-    if args.market is not None and args.config is not None:
-        raw["market"] = str(args.market.resolve())
+    raw, base, source = deployment(args.config, args.market, args.port or 8000)
     if args.tp is not None:
         from aegaeon_cli.machine import with_tp
 
@@ -218,20 +210,15 @@ def run(args: argparse.Namespace) -> int:
     from aegaeon_common.usage import fail
     from aegaeon_runtime.preflight import check_machine, instance_devices
 
-    from aegaeon_cli.machine import cuda_devices
+    from aegaeon_cli.checkpoints import unreadable_lines
+    from aegaeon_cli.machine import cuda_devices, planned_yaml, with_absolute_paths
     from aegaeon_cli.node import build_children
-    from aegaeon_cli.supervisor import (
-        DRAIN_MARGIN_S,
-        Supervisor,
-        install_stop_handlers,
-        supervise,
-    )
+    from aegaeon_cli.supervisor import supervise
 
     setup_logging("serve")
     if args.gpus is not None and args.nodes is not None:
-        print("aegaeon serve: --gpus places one node's instances; with --nodes every node "
-              "would take every GPU (give each node's config its devices)", file=sys.stderr)
-        return 2
+        return fail("aegaeon serve", "--gpus places one node's instances; with --nodes every "
+                    "node would take every GPU (give each node's config its devices)")
     if args.nodes is None and (args.proxies is not None or args.store_url is not None):
         flag = "--proxies" if args.proxies is not None else "--store-url"
         return fail("aegaeon serve", f"{flag} goes with --nodes N (many nodes on this "
@@ -248,19 +235,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # another user's, or a file
         return fail("aegaeon serve", f"run directory {config.run_dir}: {exc.strerror or exc}")
     effective = config.run_dir / "config.yaml"
-    raw_abs = {**raw, "market": str(config.market_dir) if config.market_dir else None}
-    if raw.get("models"):
-        raw_abs["models"] = [
-            {"name": m.name, "path": str(m.path)} for m in config.models
-        ]
-    head = ""
-    if plan is not None:
-        from aegaeon_cli.machine import plan_comment
-
-        head = plan_comment(plan)
-    write_atomic(effective, head + yaml.safe_dump(raw_abs, sort_keys=False))  # may hold API keys
-    from aegaeon_cli.checkpoints import unreadable_lines
-
+    raw_abs = with_absolute_paths(raw, config)
+    write_atomic(effective, planned_yaml(raw_abs, config, plan))  # may hold API keys
     for line in unreadable_lines(config):  # a file that changed since `market add`
         print(f"aegaeon serve: {line}", file=sys.stderr, flush=True)
     if args.nodes is not None:
@@ -269,20 +245,17 @@ def run(args: argparse.Namespace) -> int:
         base = args.config.parent.resolve() if args.config is not None else Path.cwd()
         return run_cluster(raw_abs, base, config.source, args.nodes,
                            2 if args.proxies is None else args.proxies, args.store_url)
-    sup = Supervisor(
-        build_children(config, effective),
-        stop_timeout_s=config.drain_timeout_s + DRAIN_MARGIN_S,
-    )
-    install_stop_handlers(sup)
+    children = build_children(config, effective)
     url = f"http://{config.proxy.host}:{config.proxy.port}"
 
     def announce() -> None:
         names = ", ".join(config.model_names)
         print(f"Aegaeon is serving {len(config.models)} models at {url}/v1 ({names})", flush=True)
         print("Services (also at GET /v1/aegaeon/services):", flush=True)
-        order = ["proxy", *(c.name for c in sup.children if c.name != "proxy")]
+        order = ["proxy", *(c.name for c in children if c.name != "proxy")]
         for line in service_lines(config, order):
             print(line, flush=True)
         print("Press Ctrl-C to stop.", flush=True)
 
-    return supervise(sup, announce, "aegaeon serve", config.shm_prefix)
+    return supervise(children, config.drain_timeout_s, announce, "aegaeon serve",
+                     config.shm_prefix)

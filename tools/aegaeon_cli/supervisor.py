@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aegaeon_common.logs import get_logger
-from aegaeon_common.process import STACKS_SIGNAL, TASKS_SIGNAL, last_fatal_line
+from aegaeon_common.process import STACKS_SIGNAL, TASKS_SIGNAL, is_ready, last_fatal_line
 
 log = get_logger("supervisor")
 
@@ -134,25 +134,15 @@ def stall_of(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         return None
 
 
-class HealthWatch:
-    """A daemon thread asking every child with a /health URL whether it stalled, so
-    the watch loop (which must not wait on HTTP) only reads ``Child.stalled``."""
+def watch_health(children: list[Child], poll_s: float = HEALTH_POLL_S) -> threading.Event:
+    """Start a daemon thread asking every child with a /health URL whether it stalled, so
+    the watch loop (which must not wait on HTTP) only reads ``Child.stalled``; setting
+    the event returned ends it."""
+    stop = threading.Event()
 
-    def __init__(self, children: list[Child], poll_s: float = HEALTH_POLL_S) -> None:
-        self.children = children
-        self.poll_s = poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="aegaeon-health", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            for child in self.children:
+    def run() -> None:
+        while not stop.wait(poll_s):
+            for child in children:
                 if child.health_url is None or not child.alive() or child.proc is None:
                     continue
                 if child.stalled is not None and child.stalled_pid == child.proc.pid:
@@ -161,6 +151,9 @@ class HealthWatch:
                 reason = stall_of(url) if url else None
                 if reason is not None:
                     child.stalled_pid, child.stalled = child.proc.pid, reason
+
+    threading.Thread(target=run, name="aegaeon-health", daemon=True).start()
+    return stop
 
 
 class Supervisor:
@@ -205,10 +198,7 @@ class Supervisor:
                 time.sleep(0.1)
 
     def _stages(self, children: list[Child]) -> list[list[Child]]:
-        stages: dict[int, list[Child]] = {}
-        for child in children:
-            stages.setdefault(child.stage, []).append(child)
-        return [stages[k] for k in sorted(stages)]
+        return [[c for c in children if c.stage == k] for k in sorted({c.stage for c in children})]
 
     def _start_stages(self, children: list[Child]) -> None:
         for stage in self._stages(children):
@@ -228,12 +218,11 @@ class Supervisor:
         """
         if on_ready is not None:
             on_ready()
-        health = HealthWatch(self.children)
-        health.start()
+        health = watch_health(self.children)
         try:
             self._watch()
         finally:
-            health.stop()
+            health.set()
 
     def _kill_stalled(self, child: Child) -> None:
         """A child whose /health says it stalled: its stacks to its log, then SIGKILL
@@ -331,6 +320,12 @@ def dump_stacks(proc: subprocess.Popen[bytes], wait_s: float = 1.0) -> None:
         proc.wait(timeout=wait_s)
 
 
+def marked_ready(child: Child, run_dir: Path, name: str) -> Callable[[], bool]:
+    """Whether ``child``'s current process marked itself ready as ``name`` in ``run_dir``
+    (``aegaeon_common.process.mark_ready``)."""
+    return lambda: child.proc is not None and is_ready(run_dir, name, child.proc.pid)
+
+
 def python_argv(*args: str) -> list[str]:
     """Run an ``aegaeon`` subcommand with this interpreter."""
     return [sys.executable, "-m", "aegaeon_cli.main", *args]
@@ -354,12 +349,14 @@ def install_stop_handlers(sup: Supervisor) -> None:
     signal.signal(TASKS_SIGNAL, pass_on)
 
 
-def supervise(
-    sup: Supervisor, on_ready: Callable[[], None], prog: str, shm_prefix: str | None = None
-) -> int:
-    """Start every child, watch them until stopped, stop them all; 1 if they could
-    not start. The cachemgr unlinks its shared memory; what is left under
-    ``shm_prefix`` (it was killed) is removed here."""
+def supervise(children: list[Child], drain_timeout_s: float, on_ready: Callable[[], None],
+              prog: str, shm_prefix: str | None = None) -> int:
+    """Start every child (a stage may take ``drain_timeout_s`` plus :data:`DRAIN_MARGIN_S`
+    to stop), watch them until a stop signal, stop them all; 1 if they could not start.
+    The cachemgr unlinks its shared memory; what is left under ``shm_prefix`` (it was
+    killed) is removed here."""
+    sup = Supervisor(children, stop_timeout_s=drain_timeout_s + DRAIN_MARGIN_S)
+    install_stop_handlers(sup)
     started = time.monotonic()
     try:
         sup.start_all()

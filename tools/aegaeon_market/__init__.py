@@ -14,14 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import MarketEntry, MarketError, default_market_dir, load_market
 
-from aegaeon_market.manifest import (
-    MarketEntry,
-    default_bench_model,
-    default_market_dir,
-    load_market,
-)
+from aegaeon_market.manifest import default_bench_model
 
 if TYPE_CHECKING:
     from aegaeon_market.create import create_market, ensure_market

@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import MANIFEST, Manifest, MarketEntry, MarketError
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.lora_spec import (
     ADAPTER_CONFIG,
@@ -37,7 +37,6 @@ from aegaeon_engine.lora_spec import (
 from aegaeon_engine.spec import ModelSpec
 
 from aegaeon_market.edit import _check_request, _manifest_or_new, _stage_and_commit
-from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry
 
 ADAPTER_ARCH = "LoRA"
 _B_STD = 0.02

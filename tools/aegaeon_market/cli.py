@@ -14,30 +14,17 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError
-from aegaeon_common.usage import at_least_one
+from aegaeon_common.dtypes import DTYPES
+from aegaeon_common.market_index import MARKET_DIR_HELP, MarketError, default_market_dir
+from aegaeon_common.usage import at_least_one, parsed_by
 from aegaeon_engine.lora_spec import DEFAULT_TARGETS
 
+from aegaeon_market import leftovers
 from aegaeon_market.ladder import PROFILES
-from aegaeon_market.manifest import default_market_dir
 from aegaeon_market.presets import PRESETS, preset_named
 
-if TYPE_CHECKING:
-    from aegaeon_market.leftovers import Sweep
-
-DTYPES = ("bfloat16", "float16", "float32")
 ADD_DTYPES = (*DTYPES, "fp8")
-
-
-def _age(text: str) -> float:
-    from aegaeon_market.leftovers import parse_age
-
-    try:
-        return parse_age(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,7 +143,8 @@ def _register_edits(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "here, once nothing was written to it for --stale-after. Every market "
                     "command does this first; a running writer's files are never touched.")
     _market_arg(gc)
-    gc.add_argument("--stale-after", type=_age, default=None, metavar="DURATION",
+    gc.add_argument("--stale-after", type=parsed_by(leftovers.parse_age),
+                    default=leftovers.STALE_AFTER_S, metavar="DURATION",
                     help="remove what cannot be checked once unwritten this long "
                          "(90s, 30m, 2h, 1d; default 1h)")
     gc.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
@@ -174,19 +162,17 @@ def _fail(command: str, exc: Exception) -> int:
     return 2
 
 
-def _sweep(command: str, market: Path, stale_after_s: float | None = None,
-           dry_run: bool = False) -> Sweep:
+def _sweep(command: str, market: Path, stale_after_s: float = leftovers.STALE_AFTER_S,
+           dry_run: bool = False) -> leftovers.Sweep:
     """Remove the leftovers of killed runs (under the market's lock when it exists) and
     say in one line on stderr what went; what is kept, and why, is returned."""
-    from aegaeon_market import leftovers
     from aegaeon_market.edit import market_lock
     from aegaeon_market.wheel_models import wheel_cache_dir
 
-    bound = leftovers.STALE_AFTER_S if stale_after_s is None else stale_after_s
     shm = leftovers.SHM_DIR if command == "gc" else None  # the Model Cache's: gc's alone
     with market_lock(market) if market.is_dir() else contextlib.nullcontext():
         done = leftovers.sweep(market.resolve(), wheel_cache_dir(), shm_dir=shm,
-                               stale_after_s=bound, dry_run=dry_run)  # fmt: skip
+                               stale_after_s=stale_after_s, dry_run=dry_run)  # fmt: skip
     line = done.summary()
     if line:
         print(f"aegaeon market {command}: {line}", file=sys.stderr, flush=True)

@@ -87,6 +87,14 @@ _VERBS: tuple[tuple[str, str, str, str], ...] = tuple(
 )
 
 
+# slots filled with a word of one list (words.json), and with a form of the verb drawn
+_WORDS = {"name": "FIRST_NAMES", "thing": "THINGS", "adj": "ADJECTIVES", "idea": "IDEAS",
+          "adverb": "ADVERBS", "feeling": "FEELINGS", "job": "JOBS", "animal": "ANIMALS",
+          "food": "FOODS", "color": "COLORS", "weather": "WEATHER", "weekday": "WEEKDAYS",
+          "month": "MONTHS", "intl": "NON_ASCII", "cverb": "CODE_VERBS", "cnoun": "CODE_NOUNS"}
+_VERB_FORMS = ("verb", "past", "ing", "third")
+
+
 class Slots(dict[str, str]):
     """Fills template slots on first use, so a slot repeats within one template."""
 
@@ -102,32 +110,19 @@ class Slots(dict[str, str]):
     def _make(self, kind: str) -> str:
         r = self.rng
         verb = r.choice(_VERBS)
+        if kind in _VERB_FORMS:
+            return verb[_VERB_FORMS.index(kind)]
+        if kind in _WORDS:
+            return str(r.choice(getattr(w, _WORDS[kind])))
         makers: dict[str, Callable[[], str]] = {
-            "name": lambda: r.choice(w.FIRST_NAMES),
             "full": lambda: f"{r.choice(w.FIRST_NAMES)} {r.choice(w.FAMILY_NAMES)}",
             "town": lambda: r.choice(w.TOWN_HEADS) + r.choice(w.TOWN_TAILS),
-            "thing": lambda: r.choice(w.THINGS),
             "things": lambda: plural(r.choice(w.THINGS)),
             "a_thing": lambda: article(r.choice(w.THINGS)),
-            "adj": lambda: r.choice(w.ADJECTIVES),
             "a_adj": lambda: article(r.choice(w.ADJECTIVES)),
-            "idea": lambda: r.choice(w.IDEAS),
             "ideas": lambda: plural(r.choice(w.IDEAS)),
-            "verb": lambda: verb[0],
-            "past": lambda: verb[1],
-            "ing": lambda: verb[2],
-            "third": lambda: verb[3],
-            "adverb": lambda: r.choice(w.ADVERBS),
-            "feeling": lambda: r.choice(w.FEELINGS),
-            "job": lambda: r.choice(w.JOBS),
             "a_job": lambda: article(r.choice(w.JOBS)),
             "cap_thing": lambda: r.choice(w.THINGS).capitalize(),
-            "animal": lambda: r.choice(w.ANIMALS),
-            "food": lambda: r.choice(w.FOODS),
-            "color": lambda: r.choice(w.COLORS),
-            "weather": lambda: r.choice(w.WEATHER),
-            "weekday": lambda: r.choice(w.WEEKDAYS),
-            "month": lambda: r.choice(w.MONTHS),
             "day": lambda: str(r.randint(1, 28)),
             "year": lambda: str(r.randint(1950, 2031)),
             "num": lambda: str(r.choice((2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30, 45, 90))),
@@ -136,9 +131,6 @@ class Slots(dict[str, str]):
             "price": lambda: f"{r.randint(1, 240)}.{r.randint(0, 99):02d}",
             "pct": lambda: f"{r.randint(1, 99)}%",
             "temp": lambda: str(r.choice((160, 170, 180, 190, 200, 220))),
-            "intl": lambda: r.choice(w.NON_ASCII),
-            "cverb": lambda: r.choice(w.CODE_VERBS),
-            "cnoun": lambda: r.choice(w.CODE_NOUNS),
         }
         return makers[kind]()
 

@@ -19,21 +19,21 @@ from pathlib import Path
 
 from aegaeon_common.dtypes import DTYPES
 from aegaeon_common.market_files import record_files
-from aegaeon_common.market_index import MarketError
+from aegaeon_common.market_index import (
+    MANIFEST,
+    Manifest,
+    MarketEntry,
+    MarketError,
+    default_market_dir,
+    read_manifest,
+)
 from aegaeon_common.owner import stamp
 from tqdm import tqdm
 
 from aegaeon_market.families import FAMILIES
 from aegaeon_market.fingerprint import market_fingerprint
-from aegaeon_market.manifest import (
-    MANIFEST,
-    Manifest,
-    MarketEntry,
-    default_market_dir,
-    read_manifest,
-    write_manifest,
-)
-from aegaeon_market.plan import ModelPlan, plan_market
+from aegaeon_market.manifest import write_manifest
+from aegaeon_market.plan import plan_market
 from aegaeon_market.wheel_models import DEFAULT_MODELS, FetchError, WheelModel
 from aegaeon_market.writer import tokenizer_json, write_model
 
@@ -58,12 +58,6 @@ def _clear_old_market(out: Path) -> None:
     for entry in old.entries:
         if entry.path.parent == out and entry.path.is_dir():
             shutil.rmtree(entry.path)
-
-
-def _entry(plan: ModelPlan, out: Path, dtype: str) -> MarketEntry:
-    arch = FAMILIES[plan.recipe.family].architecture
-    return MarketEntry(plan.name, out / plan.name, arch, plan.params, dtype, plan.role,
-                       files=record_files(out / plan.name))
 
 
 def import_wheel_model(model: WheelModel, root: Path, dtype: str, progress: bool) -> MarketEntry:
@@ -129,7 +123,9 @@ def create_market(
         for plan in plans:
             bar.set_postfix_str(plan.name)
             write_model(plan, root / plan.name, dtype)
-            entries.append(_entry(plan, root, dtype))
+            arch = FAMILIES[plan.recipe.family].architecture
+            entries.append(MarketEntry(plan.name, root / plan.name, arch, plan.params, dtype,
+                                       plan.role, files=record_files(root / plan.name)))
             bar.update()
     if real_models:
         entries += _wheel_entries(root, dtype, progress)

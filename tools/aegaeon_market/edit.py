@@ -23,14 +23,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from aegaeon_common.market_files import record_files
-from aegaeon_common.market_index import InMemory, MarketError
+from aegaeon_common.market_index import (
+    MANIFEST,
+    InMemory,
+    Manifest,
+    MarketEntry,
+    MarketError,
+    read_manifest,
+)
 from aegaeon_common.owner import stamp
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.loader import checkpoint_index
 from aegaeon_engine.spec import FP8, ModelSpec
 from tqdm import tqdm
 
-from aegaeon_market.manifest import MANIFEST, Manifest, MarketEntry, read_manifest, write_manifest
+from aegaeon_market.manifest import write_manifest
 from aegaeon_market.preset_writer import MAX_SHARD_BYTES, write_preset, write_recipe
 from aegaeon_market.presets import PRESET_DTYPE, Preset
 from aegaeon_market.shapes import tensor_shapes
@@ -178,32 +185,21 @@ def _add_in_memory(root: Path, preset: Preset, name: str, dtype: str, replace_ex
     market's lock, where the entry is committed."""
     if seed is not None and seed < 0:
         raise MarketError(f"--seed {seed}: must be a whole number >= 0")
-    created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        with market_lock(root):
-            manifest = _manifest_or_new(root, staging)
-            _check_clash(manifest, root, name, replace_existing)
-            chosen = next_seed(manifest) if seed is None else seed
-            owner = _seed_owner(manifest, chosen, name)
-            if owner is not None:
-                raise MarketError(f"--seed {chosen}: model {owner!r} has it (every in-memory "
-                                  "entry has its own seed, so no two share weights)")
-            write_recipe(preset, staging, dtype, chosen)
-            ModelSpec.from_dir(staging)  # what the engine will read
-            # its files (config, tokenizer, the recipe) with their digests, as any entry's
-            entry = MarketEntry(name, root / name, preset.architecture, preset.params, dtype,
-                                source=preset.source, files=record_files(staging),
-                                in_memory=InMemory(preset.name, chosen))
-            _commit(root, manifest, entry, staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created:
-            with contextlib.suppress(OSError):
-                root.rmdir()
-        raise
+    with _staging(root, name) as staging, market_lock(root):
+        manifest = _manifest_or_new(root, staging)
+        _check_clash(manifest, root, name, replace_existing)
+        chosen = next_seed(manifest) if seed is None else seed
+        owner = _seed_owner(manifest, chosen, name)
+        if owner is not None:
+            raise MarketError(f"--seed {chosen}: model {owner!r} has it (every in-memory "
+                              "entry has its own seed, so no two share weights)")
+        write_recipe(preset, staging, dtype, chosen)
+        ModelSpec.from_dir(staging)  # what the engine will read
+        # its files (config, tokenizer, the recipe) with their digests, as any entry's
+        entry = MarketEntry(name, root / name, preset.architecture, preset.params, dtype,
+                            source=preset.source, files=record_files(staging),
+                            in_memory=InMemory(preset.name, chosen))
+        _commit(root, manifest, entry, staging)
     return entry
 
 
@@ -222,11 +218,7 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
                       write: Callable[[Path], MarketEntry]) -> MarketEntry:
     """``write`` the model into a private folder of the market, then move it into place
     and list it under the lock; on any error nothing of it stays."""
-    created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with _staging(root, name) as staging:
         # each file's size and digest as written: `market verify` and the cachemgr
         # check them against what is on disk later
         entry = replace(write(staging), path=root / name, files=record_files(staging))
@@ -234,14 +226,25 @@ def _stage_and_commit(root: Path, name: str, replace_existing: bool,
             manifest = _manifest_or_new(root, staging)
             _check_clash(manifest, root, name, replace_existing)
             _commit(root, manifest, entry, staging)
-    except BaseException:
+    return entry
+
+
+@contextlib.contextmanager
+def _staging(root: Path, name: str) -> Iterator[Path]:
+    """A private folder of the market in ``root`` (made if missing) to write ``name`` into,
+    removed when done (committed, it was renamed away); a market this call began is
+    removed too when nothing was committed to it."""
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".add-{name}.{stamp()}.tmp"  # whose, for `market gc` (leftovers.py)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        yield staging
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        if created:  # a market this call began: nothing of it stays
+        if created:  # empty unless something was committed to it
             with contextlib.suppress(OSError):
                 root.rmdir()
-        raise
-    shutil.rmtree(staging, ignore_errors=True)
-    return entry
 
 
 def convert_source(src: Path, staging: Path, name: str, dtype: str | None,

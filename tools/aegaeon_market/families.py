@@ -8,7 +8,7 @@ Sizes live in `ladder`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 # Pre-tokenizer splits. Llama 3's (tiktoken style) keeps up to three digits
@@ -138,6 +138,14 @@ QWEN_VOCAB = Vocab(6144, (), _QWEN_SPECIALS, QWEN_SPLIT, nfc=True)
 # Mistral's real tokenizer is SentencePiece; ours is byte-level like the others.
 MISTRAL_VOCAB = Vocab(4096, _MISTRAL_SPECIALS, (), LLAMA3_SPLIT)
 
+# Qwen3 is Qwen2's conventions with q/k norms instead of the q/k/v bias
+_QWEN2 = Family(
+    key="qwen2", architecture="Qwen2ForCausalLM", model_type="qwen2",
+    vocab=QWEN_VOCAB, template="qwen2", bos_token=None, eos_token="<|im_end|>",
+    pad_token="<|endoftext|>", unk_token=None, add_bos_token=False,
+    stop_tokens=("<|im_end|>", "<|endoftext|>"), config_bos_token="<|endoftext|>",
+    qkv_bias=True, rms_norm_eps=1e-6,
+)
 FAMILIES: dict[str, Family] = {
     f.key: f
     for f in (
@@ -154,19 +162,8 @@ FAMILIES: dict[str, Family] = {
             pad_token="<unk>", unk_token="<unk>", add_bos_token=True, stop_tokens=("</s>",),
             config_bos_token="<s>",
         ),
-        Family(
-            key="qwen2", architecture="Qwen2ForCausalLM", model_type="qwen2",
-            vocab=QWEN_VOCAB, template="qwen2", bos_token=None, eos_token="<|im_end|>",
-            pad_token="<|endoftext|>", unk_token=None, add_bos_token=False,
-            stop_tokens=("<|im_end|>", "<|endoftext|>"), config_bos_token="<|endoftext|>",
-            qkv_bias=True, rms_norm_eps=1e-6,
-        ),
-        Family(
-            key="qwen3", architecture="Qwen3ForCausalLM", model_type="qwen3",
-            vocab=QWEN_VOCAB, template="qwen3", bos_token=None, eos_token="<|im_end|>",
-            pad_token="<|endoftext|>", unk_token=None, add_bos_token=False,
-            stop_tokens=("<|im_end|>", "<|endoftext|>"), config_bos_token="<|endoftext|>",
-            qk_norm=True, rms_norm_eps=1e-6,
-        ),
+        _QWEN2,
+        replace(_QWEN2, key="qwen3", architecture="Qwen3ForCausalLM", model_type="qwen3",
+                template="qwen3", qkv_bias=False, qk_norm=True),
     )
 }

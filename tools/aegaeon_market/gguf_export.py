@@ -22,7 +22,6 @@ checkpoint's matrices with the ``gguf`` package's Q8_0.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,8 @@ from aegaeon_engine.loader import checkpoint_index, read_tensor
 from aegaeon_engine.spec import ModelSpec
 from gguf.quants import quantize
 
+from aegaeon_market.families import LLAMA3_SPLIT, QWEN_SPLIT
 from aegaeon_market.gguf_import import llama3_factors
-from aegaeon_market.gguf_vocab import _LLAMA3, _QWEN2
 from aegaeon_market.model_files import expected_tensors, kept_blocks
 
 # serving dtype -> (GGML type of the matrices, the file type in general.file_type)
@@ -54,19 +53,10 @@ BLOCK_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
 }
 
 
-@dataclass(frozen=True)
-class ExportArch:
-    """How one served architecture is written for llama.cpp."""
-
-    arch: gguf.MODEL_ARCH
-    permute_qk: bool  # llama.cpp's llama arch rotates interleaved pairs
-
-
-ARCHS: dict[str, ExportArch] = {
-    "LlamaForCausalLM": ExportArch(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
-    "MistralForCausalLM": ExportArch(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
-    "Qwen2ForCausalLM": ExportArch(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
-    "Qwen3ForCausalLM": ExportArch(gguf.MODEL_ARCH.QWEN3, permute_qk=False),
+# served architecture -> llama.cpp's (whose ``llama`` rotates interleaved pairs: Q/K permuted)
+ARCHS: dict[str, gguf.MODEL_ARCH] = {
+    "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA, "MistralForCausalLM": gguf.MODEL_ARCH.LLAMA,
+    "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2, "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
 }
 
 
@@ -99,24 +89,25 @@ def write_gguf(model_dir: Path, out: Path, dtype: str | None = None) -> Path:
         raise CheckpointError(model_dir / "config.json", "dtype",
                               f"{dtype} has no GGUF export (supported: {', '.join(GGML_TYPES)})")
     arch = ARCHS[spec.architecture]
+    permute_qk = arch == gguf.MODEL_ARCH.LLAMA
     ggml_type, file_type = GGML_TYPES[dtype]
     if blocks and spec.quant is not None:
         file_type = BLOCK_TYPES[spec.quant.linear][1]
-    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch.arch])
+    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(model_dir.name)
     writer.add_file_type(file_type)
     _add_hparams(writer, spec)
     _add_vocab(writer, model_dir, spec)
-    names = gguf.get_tensor_name_map(arch.arch, spec.num_layers)
+    names = gguf.get_tensor_name_map(arch, spec.num_layers)
     index = checkpoint_index(model_dir)
     for hf in expected_tensors(spec):
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None or hf not in index:
             raise CheckpointError(model_dir, hf, "missing tensor" if name else "no GGUF name")
         values = read_tensor(index[hf], hf, blocks=hf in blocks)
-        if arch.permute_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
+        if permute_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
             values = permute_rows(values, spec.num_heads)
-        elif arch.permute_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permute_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
             values = permute_rows(values, spec.num_kv_heads)
         if hf in blocks:  # uint8 [rows, row_bytes]: the writer derives the logical shape
             writer.add_tensor(name, values.numpy(), raw_dtype=BLOCK_TYPES[blocks[hf]][0])
@@ -182,9 +173,9 @@ def pre_tokenizer_name(tokenizer: dict[str, Any]) -> str:
     steps = pre.get("pretokenizers", [pre])
     patterns = {s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"}
     kinds = [s.get("type") for s in steps]
-    if _QWEN2 in patterns:
+    if QWEN_SPLIT in patterns:
         return "qwen2"
-    if _LLAMA3 in patterns:
+    if LLAMA3_SPLIT in patterns:
         return "llama-bpe"
     if kinds == ["Digits", "ByteLevel"]:
         return "smollm"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +34,15 @@ from aegaeon_engine.weights import TORCH_DTYPES
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
+from aegaeon_market.fp8_out import PROJECTIONS
 from aegaeon_market.gguf_file import GGUFFile
 from aegaeon_market.gguf_vocab import Vocab, read_vocab
-from aegaeon_market.model_files import expected_tensors, write_model_files
+from aegaeon_market.model_files import expected_tensors, kept_blocks, write_model_files
 from aegaeon_market.safetensors_out import TensorPlan
 
 Q = GGMLQuantizationType
 # block quantizations the engine serves as such (aegaeon_common.dtypes.QUANT_BLOCKS)
 KEPT_TYPES: dict[GGMLQuantizationType, str] = {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1"}
-_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 # Types the gguf package dequantizes that these checkpoints use; others are refused.
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -155,14 +154,19 @@ def _llama3_rope(gguf: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
     return {"rope_type": "llama3", **params}
 
 
-def _dequantized(gguf: GGUFFile, tensor: ReaderTensor) -> np.ndarray:
-    """The tensor as float32 in HF (row-major, outermost first) shape."""
+def _hf_shape(gguf: GGUFFile, tensor: ReaderTensor) -> tuple[int, ...]:
+    """The tensor's shape as HF gives it (outermost first); `CheckpointError` for a type
+    that is not supported."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         names = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise CheckpointError(gguf.path, tensor.name,
-                              f"tensor type {tensor.tensor_type.name} is not supported "
-                              f"(supported: {names})")
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        raise CheckpointError(gguf.path, tensor.name, f"tensor type {tensor.tensor_type.name} "
+                              f"is not supported (supported: {names})")
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _dequantized(gguf: GGUFFile, tensor: ReaderTensor) -> np.ndarray:
+    """The tensor as float32 in HF (row-major, outermost first) shape."""
+    shape = _hf_shape(gguf, tensor)
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except (ValueError, NotImplementedError) as exc:
@@ -253,12 +257,7 @@ def _check_tensors(gguf: GGUFFile, spec: ModelSpec) -> dict[str, str]:
         if hf not in by_hf:
             raise CheckpointError(gguf.path, _gguf_name(hf), "missing tensor")
         name = by_hf[hf]
-        tensor = gguf.tensors[name]
-        if tensor.tensor_type not in SUPPORTED_TYPES:
-            names = ", ".join(t.name for t in SUPPORTED_TYPES)
-            raise CheckpointError(gguf.path, name, f"tensor type {tensor.tensor_type.name} is "
-                                  f"not supported (supported: {names})")
-        found = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        found = _hf_shape(gguf, gguf.tensors[name])
         if found != shape:
             raise CheckpointError(gguf.path, name, f"shape {list(found)} disagrees with the "
                                   f"metadata (expected {list(shape)})")
@@ -284,7 +283,7 @@ def kept_quantization(model: GGUFModel) -> QuantSpec | None:
     all share one of ``KEPT_TYPES`` (else None: everything is dequantized), the
     embeddings' and the output layer's own types when kept (else float)."""
     types = {hf: model.gguf.tensors[name].tensor_type for hf, name in model.sources.items()}
-    linear = {t for hf, t in types.items() if hf.endswith(_PROJECTIONS)}
+    linear = {t for hf, t in types.items() if hf.endswith(PROJECTIONS)}
     if len(linear) != 1 or next(iter(linear)) not in KEPT_TYPES:
         return None
 
@@ -295,22 +294,6 @@ def kept_quantization(model: GGUFModel) -> QuantSpec | None:
                      kept("lm_head.weight"))
 
 
-def _kept_names(quant: QuantSpec | None) -> dict[str, str]:
-    """HF name suffix -> the quantization its tensors keep."""
-    if quant is None:
-        return {}
-    kept = {suffix: quant.linear for suffix in _PROJECTIONS}
-    if quant.embed_tokens is not None:
-        kept["model.embed_tokens.weight"] = quant.embed_tokens
-    if quant.lm_head is not None:
-        kept["lm_head.weight"] = quant.lm_head
-    return kept
-
-
-def _quant_of(kept: dict[str, str], hf: str) -> str | None:
-    return next((q for suffix, q in kept.items() if hf.endswith(suffix)), None)
-
-
 def convert_gguf(model: GGUFModel, out: Path, dtype: str,
                  progress: Callable[[int], None] | None = None,
                  quant: QuantSpec | None = None) -> None:
@@ -319,12 +302,13 @@ def convert_gguf(model: GGUFModel, out: Path, dtype: str,
     target = TORCH_DTYPES[dtype]
     spec, gguf = model.spec, model.gguf
     arch = ARCHS[gguf.arch]
-    kept = _kept_names(quant)
+    # HF name -> the quantization whose blocks it keeps (what the engine will read)
+    kept = kept_blocks(replace(spec, quant=quant, dtype=dtype))
 
     def tensors() -> Any:
         for hf, name in model.sources.items():
             tensor = gguf.tensors[name]
-            if _quant_of(kept, hf) is not None:  # rows of blocks, as uint8 [rows, row_bytes]
+            if hf in kept:  # rows of blocks, as uint8 [rows, row_bytes]
                 values = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
             else:
                 values = torch.from_numpy(_dequantized(gguf, tensor)).to(target)
@@ -338,7 +322,7 @@ def convert_gguf(model: GGUFModel, out: Path, dtype: str,
 
     plans = []
     for hf, shape in expected_tensors(spec).items():
-        qtype = _quant_of(kept, hf)
+        qtype = kept.get(hf)
         plans.append(TensorPlan(hf, target, shape) if qtype is None else
                      TensorPlan(hf, torch.uint8, (shape[0], quant_row_bytes(qtype, shape[1]))))
     vocab = model.vocab

@@ -14,16 +14,12 @@ from typing import Any
 
 from aegaeon_engine.errors import CheckpointError
 from gguf import TokenType
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
 
+from aegaeon_market.families import LLAMA3_SPLIT, QWEN_SPLIT
 from aegaeon_market.gguf_file import GGUFFile
-
-# llama.cpp's splitting rules (llama-vocab.cpp) as tokenizers pre-tokenizers.
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+from aegaeon_market.tokenizer import split
 
 
 def _gpt2() -> pre.PreTokenizer:  # the GPT-2 regex is ByteLevel's own
@@ -32,11 +28,6 @@ def _gpt2() -> pre.PreTokenizer:  # the GPT-2 regex is ByteLevel's own
 
 def _digits_then_gpt2() -> pre.PreTokenizer:  # starcoder, smollm: every digit alone
     return pre.Sequence([pre.Digits(individual_digits=True), _gpt2()])
-
-
-def _split(pattern: str) -> pre.PreTokenizer:
-    return pre.Sequence([pre.Split(Regex(pattern), behavior="isolated", invert=False),
-                         pre.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 @dataclass(frozen=True)
@@ -52,9 +43,9 @@ class PreTokenizer:
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "gpt2": PreTokenizer(_gpt2), "gpt-2": PreTokenizer(_gpt2),
     "smollm": PreTokenizer(_digits_then_gpt2), "starcoder": PreTokenizer(_digits_then_gpt2),
-    "llama-bpe": PreTokenizer(lambda: _split(_LLAMA3), ignore_merges=True, add_bos=True),
-    "llama3": PreTokenizer(lambda: _split(_LLAMA3), ignore_merges=True, add_bos=True),
-    "qwen2": PreTokenizer(lambda: _split(_QWEN2), nfc=True),
+    "llama-bpe": PreTokenizer(lambda: split(LLAMA3_SPLIT), ignore_merges=True, add_bos=True),
+    "llama3": PreTokenizer(lambda: split(LLAMA3_SPLIT), ignore_merges=True, add_bos=True),
+    "qwen2": PreTokenizer(lambda: split(QWEN_SPLIT), nfc=True),
 }
 
 

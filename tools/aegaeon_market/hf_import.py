@@ -34,8 +34,9 @@ import numpy as np
 import torch
 from aegaeon_engine.errors import CheckpointError
 from aegaeon_engine.fp8 import dequantize
-from aegaeon_engine.loader import TensorEntry, checkpoint_index, read_tensor, scale_name
+from aegaeon_engine.loader import checkpoint_index, read_tensor, scale_name
 from aegaeon_engine.spec import FP8, ModelSpec, quant_row_bytes, read_json_object
+from aegaeon_engine.st_header import TensorEntry
 from aegaeon_engine.weights import TORCH_DTYPES
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as dequantize_blocks

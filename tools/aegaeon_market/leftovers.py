@@ -126,7 +126,7 @@ def format_bytes(nbytes: int) -> str:
     return f"{nbytes:,} bytes" + ("" if unit == "B" else f" ({human})")
 
 
-def _measure(path: Path) -> tuple[int, float]:
+def measure(path: Path) -> tuple[int, float]:
     """Bytes of the files under ``path`` (itself if a file) and the newest write to it or
     anything under it (a folder's time changes as entries come and go)."""
     try:
@@ -151,7 +151,7 @@ def _measure(path: Path) -> tuple[int, float]:
 def _leftover(path: Path, kind: str, match: re.Match[str], model: str = "") -> Leftover:
     groups = match.groupdict()
     owner = parse_stamp(groups["stamp"]) if groups.get("stamp") else None
-    nbytes, newest = _measure(path)
+    nbytes, newest = measure(path)
     return Leftover(path, kind, owner, nbytes, newest, model)
 
 
@@ -188,7 +188,7 @@ def find_segments(shm_dir: Path = SHM_DIR) -> Iterator[Leftover]:
         match = _SEGMENT.fullmatch(path.name)
         if match:
             owner = Stamp(match.group("tag"), int(match.group("pid")))
-            nbytes, newest = _measure(path)
+            nbytes, newest = measure(path)
             yield Leftover(path, "segment", owner, nbytes, newest)
 
 

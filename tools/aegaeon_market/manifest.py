@@ -1,35 +1,15 @@
 """``market.json``: written here, last and atomically; read by everyone through
-:mod:`aegaeon_common.market_index` (its reader and entries, re-exported)."""
+:mod:`aegaeon_common.market_index` (its reader and entries)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from aegaeon_common.market_index import (
-    MANIFEST,
-    Manifest,
-    MarketEntry,
-    MarketError,
-    default_market_dir,
-    load_market,
-    read_manifest,
-)
+from aegaeon_common.market_index import MANIFEST, Manifest, MarketEntry, MarketError, load_market
 from aegaeon_common.owner import stamp
 
 from aegaeon_market.plan import ROLE_BENCH
-
-__all__ = [
-    "MANIFEST",
-    "Manifest",
-    "MarketEntry",
-    "default_bench_model",
-    "default_market_dir",
-    "load_market",
-    "market_model",
-    "read_manifest",
-    "write_manifest",
-]
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:

@@ -93,34 +93,19 @@ def write_preset(preset: Preset, out: Path, dtype: str,
                  max_shard_bytes: int = MAX_SHARD_BYTES, seed: int = SEED) -> None:
     """Write ``preset`` into ``out`` (created if missing): config, tokenizer and the
     safetensors shards, with an index when there are several. ``progress`` is told of
-    every tensor written. ``seed`` 0 is what random presets always were."""
+    every tensor written. ``seed`` 0 is what random presets always were. In FP8 the
+    projections are codes with per-row scales (module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
-    if dtype == FP8:
-        _write_fp8(preset, out, progress, max_shard_bytes, seed)
-        return
-    plans = weight_plans(preset, dtype)
+    fp8 = dtype == FP8
+    float_dtype = FLOAT_DTYPE if fp8 else dtype
+    plans = weight_plans(preset, float_dtype)
+    if fp8:
+        plans = fp8_plans((p.name, p.shape) for p in plans)
     shards = plan_shards(plans, max_shard_bytes)
-    values = PeriodicValues(TORCH_DTYPES[dtype], seed)
-    for file, group in shards.items():
-        with SafetensorsWriter(out / file, group) as writer:
-            for plan in group:
-                writer.write_bytes(plan.name, _tensor_chunks(values, preset, plan, seed))
-                if progress is not None:
-                    progress(1)
-    if len(shards) > 1:
-        write_json(out / "model.safetensors.index.json", index_json(shards))
-    write_text_files(out, preset.recipe, preset_config(preset, dtype))
-
-
-def _write_fp8(preset: Preset, out: Path, progress: Callable[[int], None] | None,
-               max_shard_bytes: int, seed: int) -> None:
-    """``write_preset`` in FP8 (module docstring)."""
-    plans = fp8_plans((p.name, p.shape) for p in weight_plans(preset, FLOAT_DTYPE))
-    shards = plan_shards(plans, max_shard_bytes)
-    floats = PeriodicValues(TORCH_DTYPES[FLOAT_DTYPE], seed)
-    codes = PeriodicValues(FP8_DTYPE, seed)
+    floats = PeriodicValues(TORCH_DTYPES[float_dtype], seed)
+    codes = PeriodicValues(FP8_DTYPE, seed) if fp8 else floats
     code_scale = FP8_MAX / codes.max_abs  # the sequence as codes: its maximum at 448
-    scales = {scale_name(p.name): p for p in plans if is_projection(p.name)}
+    scales = {scale_name(p.name): p for p in plans if fp8 and is_projection(p.name)}
     for file, group in shards.items():
         with SafetensorsWriter(out / file, group) as writer:
             for plan in group:
@@ -129,7 +114,7 @@ def _write_fp8(preset: Preset, out: Path, progress: Callable[[int], None] | None
                     std, _ = value_scale(weight.name, weight.shape, preset.recipe)
                     writer.write(plan.name, torch.full(plan.shape, std / code_scale))
                     continue
-                if is_projection(plan.name):
+                if fp8 and is_projection(plan.name):
                     chunks = _tensor_chunks(codes, preset, plan, seed, (code_scale, 0.0))
                 else:
                     chunks = _tensor_chunks(floats, preset, plan, seed)
@@ -138,4 +123,5 @@ def _write_fp8(preset: Preset, out: Path, progress: Callable[[int], None] | None
                     progress(1)
     if len(shards) > 1:
         write_json(out / "model.safetensors.index.json", index_json(shards))
-    write_text_files(out, preset.recipe, fp8_config(preset_config(preset, FLOAT_DTYPE)))
+    config = preset_config(preset, float_dtype)
+    write_text_files(out, preset.recipe, fp8_config(config) if fp8 else config)

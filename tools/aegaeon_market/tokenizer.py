@@ -44,6 +44,15 @@ def training_key(vocab: Vocab) -> TrainingKey:
     return num_tokens, vocab.front_specials, vocab.split_pattern, vocab.nfc
 
 
+def split(pattern: str) -> pre_tokenizers.PreTokenizer:
+    """Split by ``pattern`` (the words, numbers and spaces BPE merges within), then map
+    bytes to the byte-level alphabet."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
 @functools.lru_cache(maxsize=8)
 def _trained(key: TrainingKey) -> str:
     """JSON of a BPE trained to ``num_tokens`` (front specials included)."""
@@ -51,10 +60,7 @@ def _trained(key: TrainingKey) -> str:
     tok = Tokenizer(models.BPE())
     if nfc:
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = split(split_pattern)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=num_tokens,

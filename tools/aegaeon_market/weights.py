@@ -9,7 +9,7 @@ the default market: docs/results.md, "Numbers behind defaults").
 from __future__ import annotations
 
 import torch
-from aegaeon_engine.random_weights import LOGIT_STD, Sizes
+from aegaeon_engine.random_weights import Sizes
 from aegaeon_engine.random_weights import value_scale as _value_scale
 
 from aegaeon_market.ladder import Recipe
@@ -18,18 +18,14 @@ from aegaeon_market.shapes import tensor_shapes
 # Untied output rows get log-normal norms (this sigma): the logits get a
 # heavier upper tail, which widens the top-1/top-2 gap without raising the std.
 LM_HEAD_ROW_SIGMA = 0.25
-__all__ = ["LOGIT_STD", "init_weights", "sizes", "value_scale"]
-
-
-def sizes(recipe: Recipe) -> Sizes:
-    """What the scales of ``recipe``'s tensors depend on (``aegaeon_engine.random_weights``,
-    shared with the weights the Model Cache generates at load)."""
-    return Sizes(recipe.hidden_size, recipe.num_layers, recipe.tie_embeddings)
 
 
 def value_scale(name: str, shape: tuple[int, ...], recipe: Recipe) -> tuple[float, float]:
-    """(std, mean) of a weight's values: standard normal draws are scaled, then shifted."""
-    return _value_scale(name, shape, sizes(recipe))
+    """(std, mean) of a weight's values: standard normal draws are scaled, then shifted
+    (``aegaeon_engine.random_weights``, shared with the weights the Model Cache generates
+    at load)."""
+    sizes = Sizes(recipe.hidden_size, recipe.num_layers, recipe.tie_embeddings)
+    return _value_scale(name, shape, sizes)
 
 
 def _value(name: str, shape: tuple[int, ...], recipe: Recipe,

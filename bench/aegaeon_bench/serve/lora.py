@@ -102,9 +102,9 @@ def build_markets(market: Path, base: str, out: Path, num: int, rank: int,
                   targets: list[str]) -> dict[str, tuple[Path, list[str]]]:  # fmt: skip
     """Per case: its market (in ``out``, the base linked in, not copied) and the model
     each stream asks."""
-    from aegaeon_common.market_index import MarketError, read_manifest
+    from aegaeon_common.market_index import Manifest, MarketError, read_manifest
     from aegaeon_market.adapters import add_random_adapter
-    from aegaeon_market.manifest import Manifest, write_manifest
+    from aegaeon_market.manifest import write_manifest
 
     entry = next((e for e in read_manifest(market).entries if e.name == base), None)
     if entry is None or entry.adapter:
@@ -289,9 +289,8 @@ def _print(results: dict[str, dict[str, Any]], report: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aegaeon_common.market_index import MarketError
+    from aegaeon_common.market_index import MarketError, default_market_dir
     from aegaeon_engine.errors import CheckpointError
-    from aegaeon_market.manifest import default_market_dir
 
     from aegaeon_bench.common import machine_info
     from aegaeon_bench.node.launch import NodeError

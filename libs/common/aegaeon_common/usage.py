@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,6 +29,19 @@ def fail(prog: str, problem: object) -> int:
     """Say ``problem`` in one line on stderr, after ``prog``; the exit code (2)."""
     print(f"{prog}: {' '.join(str(problem).split())}", file=sys.stderr)
     return 2
+
+
+def parsed_by(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type that reads its text with ``parse``, whose ValueError is the one-line
+    error (argparse would say only that the value is invalid)."""
+
+    def read(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return read
 
 
 def _whole_number(text: str, least: int) -> int:
@@ -46,6 +62,17 @@ def at_least_one(text: str) -> int:
 def at_least_zero(text: str) -> int:
     """An argparse type: a whole number >= 0 (a count that may be none)."""
     return _whole_number(text, 0)
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 (and finite), got {text}")
+    return value
 
 
 def port_number(text: str) -> int:

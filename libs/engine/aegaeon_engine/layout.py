@@ -8,10 +8,11 @@ fused projection is a single matmul over a single view.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Self
+
+import msgspec
 
 from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype, quant_matrix_bytes
 
@@ -39,8 +40,19 @@ class TensorSlot:
         return [(rows, *self.shape[1:]) for rows in self.source_rows]
 
 
+class Manifest:
+    """A layout's JSON form, a cache stores beside the bytes (never pickle)."""
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return msgspec.json.decode(text, type=cls)
+
+
 @dataclass(frozen=True)
-class WeightLayout:
+class WeightLayout(Manifest):
     """The slots of one model served in one dtype; ``total_bytes`` spans them all."""
 
     model: str
@@ -56,20 +68,6 @@ class WeightLayout:
     def slot(self, name: str) -> TensorSlot:
         """The slot called ``name`` (``KeyError`` if absent)."""
         return self.by_name[name]
-
-    def to_json(self) -> str:
-        """A manifest a cache can store beside the bytes (never pickle)."""
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> WeightLayout:
-        data: dict[str, Any] = json.loads(text)
-        slots = tuple(
-            TensorSlot(s["name"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"],
-                       tuple(s["sources"]), tuple(s["source_rows"]))
-            for s in data["slots"]
-        )
-        return cls(data["model"], data["dtype"], data["alignment"], data["total_bytes"], slots)
 
 
 def weight_layout(spec: ModelSpec, dtype: str | None = None,

@@ -1,26 +1,23 @@
 """Fill a caller's byte range with a model's packed weights from safetensors.
 
-The safetensors header is parsed here (it is 8 bytes of length + JSON) so that
-every defect is reported as a ``CheckpointError`` naming the file and tensor;
-tensor bytes are read straight into the destination when no dtype conversion
-is needed. A block-quantized slot (layout.py) reads its tensors' blocks, stored as
-U8 ``[rows, row_bytes]``, as they are; an FP8 slot reads each tensor's F8_E4M3
-codes as they are and its ``weight_scale`` (per row ``[rows, 1]`` or ``[rows]``, or
-one per tensor) as float32 row scales.
+The safetensors header is parsed by st_header (every defect a ``CheckpointError``
+naming the file and tensor); tensor bytes are read straight into the destination
+when no dtype conversion is needed. A block-quantized slot (layout.py) reads its
+tensors' blocks, stored as U8 ``[rows, row_bytes]``, as they are; an FP8 slot reads
+each tensor's F8_E4M3 codes as they are and its ``weight_scale`` (per row
+``[rows, 1]`` or ``[rows]``, or one per tensor) as float32 row scales.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import queue
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
-from typing import Any
 
 import torch
 from aegaeon_common.dtypes import fp8_scales_offset
@@ -29,6 +26,7 @@ from aegaeon_common.market_files import digest_mismatch
 from .errors import CheckpointError
 from .layout import TensorSlot, WeightLayout
 from .spec import FP8, QUANT_BLOCKS, ModelSpec, quant_row_bytes
+from .st_header import TensorEntry, read_header
 from .weights import TORCH_DTYPES
 
 # safetensors dtype code -> (torch dtype, item size); only float types load.
@@ -38,76 +36,9 @@ _FLOAT_CODES: dict[str, tuple[torch.dtype, int]] = {
 }
 # read_tensor's dtypes: the floats, and FP8 codes (an FP8 checkpoint's projections)
 _READ_CODES = {**_FLOAT_CODES, "F8_E4M3": (torch.float8_e4m3fn, 1)}
-_CODE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, **{k: v[1] for k, v in _FLOAT_CODES.items()}}
-_MAX_HEADER_BYTES = 100 << 20
 _HASH_CHUNK_BYTES = 8 << 20  # bytes read at a time for a digest alone
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one checkpoint tensor's bytes are: ``[start, start + nbytes)`` of ``file``."""
-
-    file: Path
-    code: str
-    shape: tuple[int, ...]
-    start: int
-    nbytes: int
-
-
-def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse and validate one safetensors file's header."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < length <= min(size - 8, _MAX_HEADER_BYTES):
-                raise CheckpointError(path, "header", f"corrupt safetensors header length "
-                                      f"{length} in a file of {size} bytes")
-            raw = f.read(length)
-    except FileNotFoundError:
-        raise CheckpointError(path, None, "missing file") from None
-    except OSError as exc:
-        raise CheckpointError(path, None, f"cannot read ({exc.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, "header", f"corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, "header", "corrupt safetensors header (not an object)")
-    data_start = 8 + length
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _entry(path, name, info, data_start, size)
-    return entries
-
-
-def _entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(path, name, f"corrupt safetensors header: {what}")
-
-    if not isinstance(info, dict):
-        raise bad("entry is not an object")
-    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if code not in _CODE_BYTES:
-        raise bad(f"unknown dtype {code!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise bad(f"bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-        raise bad(f"bad data_offsets {offsets!r}")
-    nbytes = offsets[1] - offsets[0]
-    if nbytes != math.prod(shape) * _CODE_BYTES[code]:
-        raise bad(f"data_offsets span {nbytes} bytes, shape {shape} of {code} needs "
-                  f"{math.prod(shape) * _CODE_BYTES[code]}")
-    if data_start + offsets[1] > size:
-        raise bad(f"data ends at byte {data_start + offsets[1]} past the end of the file ({size})")
-    return TensorEntry(path, code, tuple(shape), data_start + offsets[0], nbytes)
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, TensorEntry]:
@@ -191,19 +122,13 @@ def plan_reads(model_dir: str | Path, layout: WeightLayout) -> list[_Read]:
         quantized = slot.dtype in QUANT_BLOCKS
         dtype = torch.uint8 if quantized else TORCH_DTYPES[slot.dtype]
         for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
-            entry = _tensor_entry(index, root, name)
             # a quantized slot's blocks: uint8 [rows, row_bytes], copied as they are
             shape = ((logical[0], quant_row_bytes(slot.dtype, logical[1])) if quantized
                      else logical)
-            if entry.shape != shape:
-                raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
-                                      f"expected {list(shape)}")
+            entry = tensor_entry(index, root, name, shape, floats=not quantized)
             if quantized and entry.code != "U8":
                 raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; "
                                       f"{slot.dtype} blocks are stored as U8")
-            if not quantized and entry.code not in _FLOAT_CODES:
-                raise CheckpointError(entry.file, name,
-                                      f"wrong dtype {entry.code}; only float tensors load")
             reads.append(_Read(entry, name, pos, dtype))
             pos += reads[-1].out_bytes
     return reads
@@ -293,21 +218,16 @@ def _fp8_reads(index: dict[str, TensorEntry], root: Path, slot: TensorSlot) -> l
     reads: list[_Read] = []
     pos, row = slot.offset, 0
     for name, logical in zip(slot.sources, slot.source_shapes(), strict=True):
-        entry, scale_entry = (_tensor_entry(index, root, n) for n in (name, scale_name(name)))
-        if entry.shape != logical:
-            raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
-                                  f"expected {list(logical)}")
+        entry = tensor_entry(index, root, name, logical)
         if entry.code != "F8_E4M3":
             raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; "
                                   f"{FP8} weights are stored as F8_E4M3")
         count = logical[0]
+        scale_entry = tensor_entry(index, root, scale_name(name), floats=True)
         if scale_entry.shape not in ((), (1,), (count,), (count, 1)):
             raise CheckpointError(scale_entry.file, scale_name(name),
                                   f"wrong shape {list(scale_entry.shape)}, expected [{count}, 1] "
                                   "(per row) or [] (per tensor)")
-        if scale_entry.code not in _FLOAT_CODES:
-            raise CheckpointError(scale_entry.file, scale_name(name), f"wrong dtype "
-                                  f"{scale_entry.code}; only float tensors load")
         reads.append(_Read(entry, name, pos, torch.uint8))
         pos += reads[-1].out_bytes
         reads.append(_Read(scale_entry, scale_name(name), start + 4 * row, torch.float32,
@@ -316,11 +236,20 @@ def _fp8_reads(index: dict[str, TensorEntry], root: Path, slot: TensorSlot) -> l
     return reads
 
 
-def _tensor_entry(index: dict[str, TensorEntry], root: Path, name: str) -> TensorEntry:
+def tensor_entry(index: dict[str, TensorEntry], root: Path, name: str,
+                 shape: tuple[int, ...] | None = None, *, floats: bool = False) -> TensorEntry:
+    """``name``'s entry in checkpoint ``root``'s ``index``, of ``shape`` (when given) and,
+    with ``floats``, a float dtype (``CheckpointError`` naming the file otherwise)."""
     entry = index.get(name)
     if entry is None:
         where = root / (SINGLE_FILE if (root / SINGLE_FILE).is_file() else INDEX_FILE)
         raise CheckpointError(where, name, "missing tensor")
+    if shape is not None and entry.shape != shape:
+        raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
+                              f"expected {list(shape)}")
+    if floats and entry.code not in _FLOAT_CODES:
+        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; only float "
+                              "tensors load")
     return entry
 
 

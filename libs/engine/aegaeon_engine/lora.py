@@ -39,7 +39,7 @@ from .errors import CheckpointError
 from .layout import WeightLayout
 from .lora_spec import ADAPTER_WEIGHTS, GROUP_OF, MODULES, AdapterSpec, module_span
 from .model import LoraTerm
-from .weights import TORCH_DTYPES
+from .weights import TORCH_DTYPES, checked_dtype
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 _GROUP_MODULES: dict[str, tuple[str, ...]] = {
@@ -68,12 +68,7 @@ class AdapterWeights:
 
 def bind_adapter(spec: AdapterSpec, layout: WeightLayout, buffer: torch.Tensor) -> AdapterWeights:
     """Views of ``layout``'s slots over ``buffer`` (1-D uint8 holding its packed bytes)."""
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout.total_bytes:
-        raise ValueError(f"adapter buffer must be 1-D uint8 of >= {layout.total_bytes} bytes, "
-                         f"got {buffer.dtype} {tuple(buffer.shape)}")
-    dtype = TORCH_DTYPES[layout.dtype]
-    if buffer.data_ptr() % dtype.itemsize:
-        raise ValueError(f"adapter buffer start is not {dtype.itemsize}-byte aligned")
+    dtype = checked_dtype(buffer, layout, "adapter")
     slots = layout.by_name
 
     def view(name: str) -> torch.Tensor:
@@ -96,7 +91,8 @@ def fill_adapter(path: str | Path, spec: AdapterSpec, layout: WeightLayout,
     SHA-256 hex), a file whose content differs is one too. Returns the files read."""
     from aegaeon_common.market_files import digest_mismatch, file_sha256
 
-    from .loader import read_header, read_tensor
+    from .loader import read_tensor
+    from .st_header import read_header
 
     file = Path(path) / ADAPTER_WEIGHTS
     if dest.dtype != torch.uint8 or dest.dim() != 1 or dest.numel() < layout.total_bytes:

@@ -21,7 +21,6 @@ device) has two slots per layer and targeted module, in ``MODULES`` order:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 from .errors import CheckpointError
 from .layout import DEFAULT_ALIGNMENT, TensorSlot, WeightLayout
 from .spec import DTYPE_BYTES, ModelSpec, canonical_dtype, read_json_object
+from .st_header import TensorEntry, read_header
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -48,7 +48,6 @@ GROUP_OF: dict[str, str] = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate"
 _TARGET_NAMES = {PROJECTIONS[m].split(".")[1]: m for m in MODULES}
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # a random adapter's
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_MAX_HEADER_BYTES = 100 << 20
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "GROUP_OF", "MAX_RANK", "MODULES",
@@ -124,7 +123,7 @@ class AdapterSpec:
         if raw is None:
             raise CheckpointError(config_path, None, "missing file")
         rank, alpha, rslora, targets = _parse_config(raw, config_path)
-        header = _header(root / ADAPTER_WEIGHTS)
+        header = read_header(root / ADAPTER_WEIGHTS)
         spec = cls(name or root.name, base, rank, alpha, rslora, targets, "float32",
                    _prefix(header, root / ADAPTER_WEIGHTS))
         return _check_tensors(spec, header, root / ADAPTER_WEIGHTS)
@@ -179,30 +178,7 @@ def target_modules(raw: Any, where: str | Path) -> tuple[str, ...]:
     return tuple(m for m in MODULES if m in chosen)
 
 
-def _header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets)."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < length <= min(size - 8, _MAX_HEADER_BYTES):
-                raise CheckpointError(path, "header", f"corrupt safetensors header length "
-                                                      f"{length} in a file of {size} bytes")
-            header = json.loads(f.read(length))
-    except FileNotFoundError:
-        raise CheckpointError(path, None, "missing file") from None
-    except OSError as exc:
-        raise CheckpointError(path, None, f"cannot read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, "header", f"corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(path, "header", "corrupt safetensors header (not an object)")
-    header.pop("__metadata__", None)
-    return header
-
-
-def _prefix(header: dict[str, Any], where: Path) -> str:
+def _prefix(header: dict[str, TensorEntry], where: Path) -> str:
     """What comes before ``layers.`` in the file's tensor names (one for all of them)."""
     prefixes = {name[:name.find("layers.")] for name in header if "layers." in name}
     if len(prefixes) != 1:
@@ -213,7 +189,7 @@ def _prefix(header: dict[str, Any], where: Path) -> str:
     return prefixes.pop()
 
 
-def _check_tensors(spec: AdapterSpec, header: dict[str, Any], where: Path) -> AdapterSpec:
+def _check_tensors(spec: AdapterSpec, header: dict[str, TensorEntry], where: Path) -> AdapterSpec:
     """Every tensor the config promises, of its shape and one float dtype, and nothing
     else; the spec with the file's dtype."""
     expected: dict[str, tuple[int, int]] = {}
@@ -230,19 +206,18 @@ def _check_tensors(spec: AdapterSpec, header: dict[str, Any], where: Path) -> Ad
     dtypes: set[str] = set()
     for name, shape in expected.items():
         info = header.get(name)
-        if not isinstance(info, dict):
+        if info is None:
             raise CheckpointError(where, name, f"missing tensor (the base {spec.base.name!r} has "
                                                f"{spec.base.num_layers} layers)")
-        code = info.get("dtype")
-        if code not in _SAFETENSORS_FLOATS:
-            raise CheckpointError(where, name, f"wrong dtype {code!r}; only F32, BF16 and F16 "
+        if info.code not in _SAFETENSORS_FLOATS:
+            raise CheckpointError(where, name, f"wrong dtype {info.code!r}; only F32, BF16 and F16 "
                                                "load")
-        got = info.get("shape")
+        got = list(info.shape)
         if got != list(shape):
             raise CheckpointError(where, name, f"wrong shape {got}, expected {list(shape)} for "
                                                f"the base {spec.base.name!r} at rank "
                                                f"{spec.rank}")
-        dtypes.add(_SAFETENSORS_FLOATS[code])
+        dtypes.add(_SAFETENSORS_FLOATS[info.code])
     dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
     return AdapterSpec(spec.name, spec.base, spec.rank, spec.alpha, spec.rslora, spec.targets,
                        dtype, spec.prefix)

@@ -29,8 +29,9 @@ from torch._C._distributed_c10d import Store
 from .engine import Engine
 from .errors import CheckpointError
 from .layout import WeightLayout, weight_layout
-from .loader import _FLOAT_CODES, INDEX_FILE, SINGLE_FILE, TensorEntry, checkpoint_index
+from .loader import _FLOAT_CODES, checkpoint_index, tensor_entry
 from .spec import ModelSpec
+from .st_header import TensorEntry
 from .tp_layout import TPLayout, shard_spec, source_slices
 from .weights import TORCH_DTYPES
 
@@ -121,7 +122,7 @@ def fill_shard(model_dir: str | Path, spec: ModelSpec, layout: TPLayout, rank: i
             shapes = full.slot(slot.name).source_shapes()
             parts = source_slices(spec, slot, rank, layout.size)
             for part, shape in zip(parts, shapes, strict=True):
-                entry = _entry(index, root, part.name, shape)
+                entry = tensor_entry(index, root, part.name, shape, floats=True)
                 if entry.file not in maps:
                     maps[entry.file] = _map(entry.file)
                 data = _read_part(maps[entry.file], entry, part.axis, part.start, part.stop)
@@ -168,21 +169,6 @@ def load_shard(model_dir: str | Path, spec: ModelSpec, layout: TPLayout, rank: i
     fill_shard(model_dir, spec, layout, rank, staging)
     dest[:shard.total_bytes].copy_(staging)
     return shard
-
-
-def _entry(index: dict[str, TensorEntry], root: Path, name: str,
-           shape: tuple[int, ...]) -> TensorEntry:
-    entry = index.get(name)
-    if entry is None:
-        where = root / (SINGLE_FILE if (root / SINGLE_FILE).is_file() else INDEX_FILE)
-        raise CheckpointError(where, name, "missing tensor")
-    if entry.shape != shape:
-        raise CheckpointError(entry.file, name, f"wrong shape {list(entry.shape)}, "
-                              f"expected {list(shape)}")
-    if entry.code not in _FLOAT_CODES:
-        raise CheckpointError(entry.file, name, f"wrong dtype {entry.code}; only float "
-                              "tensors load")
-    return entry
 
 
 def _map(path: Path) -> mmap.mmap:

@@ -21,11 +21,9 @@ layout, so the engine binds and runs a shard like any model.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
-from .layout import DEFAULT_ALIGNMENT, TensorSlot, WeightLayout, weight_layout
+from .layout import DEFAULT_ALIGNMENT, Manifest, TensorSlot, WeightLayout, weight_layout
 from .spec import ModelSpec, canonical_dtype
 
 # slot name suffix -> the axis of the checkpoint tensor it is split along
@@ -103,7 +101,7 @@ def source_slices(spec: ModelSpec, slot: TensorSlot, rank: int, size: int) -> li
 
 
 @dataclass(frozen=True)
-class TPLayout:
+class TPLayout(Manifest):
     """A model split ``size`` ways, as the Model Cache holds it: rank ``r``'s shard is
     the byte range ``[offsets[r], offsets[r] + shards[r].total_bytes)``, laid out as
     ``shards[r]`` (offsets within it start at 0), so each rank copies one range."""
@@ -119,17 +117,6 @@ class TPLayout:
         """``[start, stop)`` of rank ``rank``'s shard within the cache's range."""
         start = self.offsets[rank]
         return start, start + self.shards[rank].total_bytes
-
-    def to_json(self) -> str:
-        """A manifest a cache can store beside the bytes (never pickle)."""
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> TPLayout:
-        data: dict[str, Any] = json.loads(text)
-        shards = tuple(WeightLayout.from_json(json.dumps(s)) for s in data["shards"])
-        return cls(data["model"], data["dtype"], data["size"], data["total_bytes"],
-                   tuple(data["offsets"]), shards)
 
 
 def tp_layout(spec: ModelSpec, size: int, dtype: str | None = None,
@@ -152,7 +139,6 @@ def tp_layout(spec: ModelSpec, size: int, dtype: str | None = None,
         offsets.append(offset)
         offset += -(-shard.total_bytes // _PAGE) * _PAGE
     return TPLayout(spec.name, dtype, size, offset, tuple(offsets), shards)
-
 
 
 def sharded_layout(spec: ModelSpec, size: int, dtype: str | None = None) -> TPLayout | None:

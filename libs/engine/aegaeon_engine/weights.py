@@ -63,21 +63,28 @@ def _view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return raw.view(TORCH_DTYPES[slot.dtype]).view(slot.shape)
 
 
+def checked_dtype(buffer: torch.Tensor, layout: WeightLayout, what: str) -> torch.dtype:
+    """``layout``'s float dtype, once ``buffer`` is known to hold it: 1-D uint8 of at least
+    ``layout.total_bytes``, its start aligned to the dtype (ValueError naming ``what``)."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"{what} buffer must be 1-D uint8, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)}")
+    if buffer.numel() < layout.total_bytes:
+        raise ValueError(f"{what} buffer holds {buffer.numel()} bytes, layout of "
+                         f"{layout.model!r} needs {layout.total_bytes}")
+    dtype = TORCH_DTYPES[layout.dtype]
+    if buffer.data_ptr() % dtype.itemsize:
+        raise ValueError(f"{what} buffer start is not {dtype.itemsize}-byte aligned")
+    return dtype
+
+
 def bind_weights(spec: ModelSpec, layout: WeightLayout, buffer: torch.Tensor) -> ModelWeights:
     """Views of ``layout``'s slots over ``buffer`` (a 1-D uint8 tensor, any device).
 
     ``buffer`` must start where the layout's byte 0 is and hold
     ``layout.total_bytes``; its start must be aligned to the dtype's size.
     """
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise ValueError(f"weights buffer must be 1-D uint8, got {buffer.dtype} "
-                         f"{tuple(buffer.shape)}")
-    if buffer.numel() < layout.total_bytes:
-        raise ValueError(f"weights buffer holds {buffer.numel()} bytes, layout of "
-                         f"{layout.model!r} needs {layout.total_bytes}")
-    dtype = TORCH_DTYPES[layout.dtype]
-    if buffer.data_ptr() % dtype.itemsize:
-        raise ValueError(f"weights buffer start is not {dtype.itemsize}-byte aligned")
+    dtype = checked_dtype(buffer, layout, "weights")
     slots = layout.by_name
 
     def get(name: str) -> torch.Tensor:

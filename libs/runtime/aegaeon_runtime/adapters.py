@@ -28,15 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from aegaeon_common.transport import RemoteError
 from aegaeon_engine import ModelSpec
 from aegaeon_engine.lora import AdapterWeights, LoraStacks, bind_adapter
 from aegaeon_engine.lora_spec import AdapterSpec, adapter_layout
 from aegaeon_gpumem import BumpArena, copy_chunked
 
-from aegaeon_runtime.cacheclient.client import SyncCacheClient
+from aegaeon_runtime.cacheclient.client import SyncCacheClient, model_region
 from aegaeon_runtime.cacheclient.mapped import MappedModel
-from aegaeon_runtime.errors import ModelGoneError
 
 
 @dataclass
@@ -94,7 +92,8 @@ class AdapterResidency:
         """Each row's adapter weights on the device: None for a row of the base (a None
         name), and for a row whose adapter found no room this step (copy mode: the
         caller leaves those rows for a later step). Raises ``ModelGoneError`` for an
-        adapter the node's cachemgr no longer holds."""
+        adapter the node's cachemgr no longer holds (``ModelUnavailableError``: cannot
+        read)."""
         wanted = list(dict.fromkeys(n for n in names if n is not None))
         placed = self._ensure(wanted)
         return [None if n is None else placed.get(n) for n in names]
@@ -137,20 +136,6 @@ class AdapterResidency:
         self.version += 1
         return {n: p.weights for n in names if (p := self._placed.get(n)) is not None}
 
-    def _region(self, name: str) -> MappedModel:
-        mapped = self.cache.cached_model(name)
-        if mapped is not None:
-            self.cache.note_use(name)
-            return mapped
-        try:
-            mapped = self.cache.load_model(name, pin=True)
-        except RemoteError as exc:
-            if exc.code == "unknown_model":
-                raise ModelGoneError(name, str(exc)) from exc
-            raise
-        self.cache.unpin(name)
-        return mapped
-
     def _check_size(self, name: str, mapped: MappedModel, nbytes: int) -> None:
         if mapped.nbytes != nbytes:
             raise RuntimeError(f"Model Cache region of adapter {name!r} holds {mapped.nbytes} "
@@ -160,7 +145,7 @@ class AdapterResidency:
     def _map(self, name: str) -> AdapterWeights:
         spec = self.specs[name]
         layout = adapter_layout(spec, self.dtype)
-        mapped = self._region(name)
+        mapped = model_region(self.cache, name)
         self._check_size(name, mapped, layout.total_bytes)
         old = self._placed.pop(name, None)
         if old is not None:
@@ -186,7 +171,7 @@ class AdapterResidency:
             if not arena.fits(sizes[name]):
                 continue  # no room this step: its rows wait
             allocation = arena.alloc(sizes[name])
-            mapped = self._region(name)
+            mapped = model_region(self.cache, name)
             self._check_size(name, mapped, sizes[name])
             dest = region[allocation.offset:allocation.offset + sizes[name]]
             copy_chunked(dest, mapped.data)

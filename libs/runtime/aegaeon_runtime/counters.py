@@ -10,6 +10,11 @@ from aegaeon_common.messages.report import InstanceStats, SwitchRecord, TurnReco
 from aegaeon_runtime.metrics import WorkerMetrics
 from aegaeon_runtime.port import WorkerPort
 
+# the counters a heartbeat carries (``InstanceStats.counters``), beside the KV pool's
+REPORTED = ("rounds", "turns", "steps", "tokens", "decode_s", "switches", "switch_s",
+            "prefetched_switches", "adapter_loads", "prefills", "prefill_tokens", "prefill_s",
+            "cancelled", "failed")
+
 
 @dataclass
 class InstanceCounters:
@@ -54,24 +59,9 @@ class InstanceCounters:
             switches, self.new_switches = self.new_switches, []
             turns, self.new_turns = self.new_turns, []
         pool = worker.kv.pool.stats()
-        counters = {
-            "rounds": float(self.rounds),
-            "turns": float(self.turns),
-            "steps": float(self.steps),
-            "tokens": float(self.tokens),
-            "decode_s": self.decode_s,
-            "switches": float(self.switches),
-            "switch_s": self.switch_s,
-            "prefetched_switches": float(self.prefetched_switches),
-            "adapter_loads": float(self.adapter_loads),
-            "prefills": float(self.prefills),
-            "prefill_tokens": float(self.prefill_tokens),
-            "prefill_s": self.prefill_s,
-            "cancelled": float(self.cancelled),
-            "failed": float(self.failed),
-            "kv_used_bytes": float(pool.slabs.used_bytes),
-            "kv_fragmentation": float(pool.slabs.fragmentation),
-        }
+        counters = {name: float(getattr(self, name)) for name in REPORTED}
+        counters.update(kv_used_bytes=float(pool.slabs.used_bytes),
+                        kv_fragmentation=float(pool.slabs.fragmentation))
         return InstanceStats(
             kind=worker.kind,
             index=worker.index,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import torch
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.structs import EventSpec
@@ -69,9 +70,7 @@ def event_from_spec(spec: EventSpec | None) -> Event | None:
     """Open another process's transfer event from its message form."""
     if spec is None:
         return None
-    fields = {"kind": spec.kind, "table": spec.table, "slot": spec.slot, "value": spec.value,
-              "handle": spec.handle, "device": spec.device}  # fmt: skip
-    return open_event(EventHandle.from_dict(fields))
+    return open_event(EventHandle.from_dict(msgspec.structs.asdict(spec)))
 
 
 class KVSpace:

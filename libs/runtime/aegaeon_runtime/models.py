@@ -55,49 +55,34 @@ def set_awake(
     worker: WorkerPort, msg: SetModelAwake, busy: Callable[[str], bool], idle: bool
 ) -> ModelsResident:
     """Sleep or wake ``msg.name`` on this device (on the compute thread, between two
-    steps). ``busy(model)``: work of it is queued here; ``idle``: no work at all."""
+    steps). ``busy(model)``: work of it is queued here; ``idle``: no work at all. A
+    LoRA adapter's sleep takes its matrices off the device (its base stays); its wake
+    brings its base in as a woken model comes, the adapter with it."""
     switcher = worker.switcher
     name = msg.name
-    unit = worker.unit_of(name) if name in worker.specs else name
-    if unit != name:  # a LoRA adapter: its matrices, its base's weights with them
-        _set_adapter_awake(worker, msg, busy, idle)
-    elif name in worker.specs:
+    if name in worker.specs:
+        unit = worker.unit_of(name)
+        adapter = unit != name
         if not msg.awake:
-            if not busy(name) and switcher.evict(name):
+            evict = worker.adapters.evict if adapter else switcher.evict
+            if not busy(name) and evict(name):
                 log.info("model_asleep", model=name)
-        elif name not in switcher.resident_models():
+        else:
             try:
-                if idle:
-                    switcher.activate(name)  # the weights come in now
-                else:
-                    switcher.prefetch(name)  # behind the active model, if it fits
-                log.info("model_awake", model=name, loaded=idle)
+                loading = unit not in switcher.resident_models()
+                if loading and idle:
+                    switcher.activate(unit)  # the weights come in now
+                elif loading:
+                    switcher.prefetch(unit)  # behind the active model, if it fits
+                if adapter and switcher.active_model == unit:
+                    worker.adapters.for_step([name])
+                if adapter:
+                    log.info("model_awake", model=name, base=unit)
+                elif loading:
+                    log.info("model_awake", model=name, loaded=idle)
             except (RemoteError, TimeoutError, OSError, ModelGoneError) as exc:  # its load
                 log.error("model_wake_failed", model=name, error=str(exc))
     return ModelsResident(worker.kind, worker.index, msg.ticket,
                           worker.adapters.with_adapters(switcher.resident_models()),
                           switcher.residency_version + worker.adapters.version,
                           reply_to=msg.reply_to)  # fmt: skip
-
-
-def _set_adapter_awake(worker: WorkerPort, msg: SetModelAwake, busy: Callable[[str], bool],
-                       idle: bool) -> None:
-    """Sleep: the adapter's matrices leave the device (not while work of it is queued);
-    wake: its base comes in as a woken model does, the adapter with it."""
-    name, switcher = msg.name, worker.switcher
-    unit = worker.unit_of(name)
-    if not msg.awake:
-        if not busy(name) and worker.adapters.evict(name):
-            log.info("model_asleep", model=name)
-        return
-    try:
-        if unit not in switcher.resident_models():
-            if idle:
-                switcher.activate(unit)
-            else:
-                switcher.prefetch(unit)
-        if switcher.active_model == unit:
-            worker.adapters.for_step([name])
-        log.info("model_awake", model=name, base=unit)
-    except (RemoteError, TimeoutError, OSError, ModelGoneError) as exc:
-        log.error("model_wake_failed", model=name, error=str(exc))

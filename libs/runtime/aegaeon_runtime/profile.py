@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 import torch
 from aegaeon_engine import DecodeSeq, SamplingParams
 from aegaeon_sched import DecodeSample, LatencyModel, PrefillSample
-from aegaeon_sched import ModelSpec as SchedSpec
 
 from aegaeon_runtime.port import ModelGoneError
 from aegaeon_runtime.worker import Worker
@@ -44,21 +43,15 @@ def mixed_contexts(batch: int, mean: int) -> list[int]:
 
 def served_step_s(worker: Worker, seqs: Sequence[DecodeSeq]) -> float:
     """One decode step of ``seqs`` as a turn runs it: the engine's step and the sampler."""
-    start = time.perf_counter()
-    logits = worker.engine.decode(seqs)
-    worker.sampler.sample(logits, [_SAMPLING] * len(seqs), [None] * len(seqs))
-    device = worker.engine.device
-    if device.type == "cuda":  # the kernels' time, not their launch
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    def step() -> None:
+        logits = worker.engine.decode(seqs)
+        worker.sampler.sample(logits, [_SAMPLING] * len(seqs), [None] * len(seqs))
+
+    return _time(worker, step)
 
 
 def median_s(measure: Callable[[], float], repeats: int = STEP_REPEATS) -> float:
     return statistics.median(measure() for _ in range(repeats))
-
-
-def sched_spec(worker: Worker, model: str) -> SchedSpec:
-    return worker.sched_spec(model)
 
 
 def profile_models(worker: Worker) -> list[str]:
@@ -73,9 +66,9 @@ def profile_models(worker: Worker) -> list[str]:
     return list(dict.fromkeys(picks))
 
 
-def _time(worker: Worker, fn: object, *args: object) -> float:
+def _time(worker: Worker, fn: Callable[[], object]) -> float:
     start = time.perf_counter()
-    fn(*args)  # type: ignore[operator]
+    fn()
     device = worker.engine.device
     if device.type == "cuda":  # the kernels' time, not their launch
         torch.cuda.synchronize(device)
@@ -107,7 +100,7 @@ def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel
             try:
                 tokens = [1] * length
                 worker.engine.prefill(tokens, blocks)  # warm-up of this shape
-                seconds = _time(worker, worker.engine.prefill, tokens, blocks)
+                seconds = _time(worker, lambda: worker.engine.prefill(tokens, blocks))  # noqa: B023
                 prefills.append(PrefillSample(model, (length,), seconds))
             finally:
                 worker.kv.free(shape, blocks)
@@ -128,7 +121,7 @@ def profile(worker: Worker, models: Sequence[str] | None = None) -> LatencyModel
             finally:
                 worker.kv.free(shape, blocks)
     latency = LatencyModel(
-        [sched_spec(worker, m) for m in worker.switcher.specs],
+        [worker.sched_spec(m) for m in worker.switcher.specs],
         pcie_bytes_per_s=bandwidth or 5e9,
         switch_beta=statistics.median(switch_ratios) if switch_ratios else 1.0,
         decode_per_seq_term=True,

@@ -62,8 +62,6 @@ class Registrar:
         self._check_epoch = False  # listed again: read the epoch (until that read succeeds)
         self.draining = False  # set on SIGTERM: the record says so until the exit
         self._warned_at = 0.0
-        self.num_beats = 0
-        self.num_failed = 0
 
     def serve(self, hello: InstanceHello) -> None:
         """The models it serves changed (``AddModel``): the record lists them, with the
@@ -97,9 +95,7 @@ class Registrar:
                     self.queues.lost()
                 self._check_epoch = False
             await self.queues.step()
-            self.num_beats += 1
         except StoreError as exc:
-            self.num_failed += 1
             now = time.monotonic()
             if now - self._warned_at > WARN_EVERY_S:
                 self._warned_at = now

@@ -20,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import zmq.asyncio
@@ -44,17 +43,15 @@ from aegaeon_common.registry import open_store
 from aegaeon_common.store import Store
 from aegaeon_common.transport import Puller, Pusher, RemoteError, release_security
 from aegaeon_common.wire import Channel, Message, WireError
-from aegaeon_sched import LatencyModel
 
 from aegaeon_runtime.bridge import ComputeThread, Inbox, Outbox
 from aegaeon_runtime.cacheclient.client import CacheClient
-from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.holdings import HoldingsBook
 from aegaeon_runtime.incarnation import INCARNATION
+from aegaeon_runtime.instance import InstanceLoop
 from aegaeon_runtime.liveness import Progress, Verdict, judge
 from aegaeon_runtime.metrics import InstanceCollector, InstanceLoad, WorkerMetrics
 from aegaeon_runtime.registrar import Registrar
-from aegaeon_runtime.shared_queues import QueueSnapshots
 from aegaeon_runtime.worker import Worker, build_worker, instance_config
 
 log = get_logger("instance")
@@ -66,29 +63,6 @@ PAUSE_GAP_S = 5.0
 POLL_S = 0.05
 NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
-
-
-class InstanceLoop(Protocol):
-    """What runs on an instance's compute thread.
-
-    ``run`` first profiles the worker (the latency model of its start-up
-    profile goes in ``latency``) and then sets ``ready``; the instance
-    announces itself only then. ``run`` returns when stopped, or once
-    ``drain`` says it drained.
-    """
-
-    ready: threading.Event
-    latency: LatencyModel | None
-    load: InstanceLoad  # queue depths for /metrics, replaced whole by the compute thread
-    holdings: HoldingsBook  # what it holds for its requests (aegaeon_runtime.holdings)
-    drain: Drain
-    snapshots: QueueSnapshots  # its queues on request (the registrar rebuilds the store's)
-
-    def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set (drain ``inbox``, compute, send via ``outbox``)."""
-
-    def stats(self) -> InstanceStats:
-        """A snapshot for the heartbeat (called on the event loop's thread)."""
 
 
 LoopFactory = Callable[[Worker, Inbox[Message], Outbox], InstanceLoop]
@@ -150,11 +124,6 @@ def with_holdings(stats: InstanceStats, worker: Worker, book: HoldingsBook) -> I
                                    resident_models=resident,
                                    residency_version=version, holdings=held,
                                    cuda_graphs=graphs)  # fmt: skip
-
-
-def instance_address(config: Config, kind: str, index: int) -> str:
-    """What the instance binds its command socket to."""
-    return config.instance_bind_address(kind, index)
 
 
 class _Live:
@@ -289,7 +258,7 @@ async def _serve(
         return
     live.worker = worker
     loop = asyncio.get_running_loop()
-    commands = Puller(ctx, instance_address(config, kind, index), channel, bind=True)
+    commands = Puller(ctx, config.instance_bind_address(kind, index), channel, bind=True)
     to_proxy = Pusher(ctx, config.proxy_address)
     inbox: Inbox[Message] = Inbox()
     # many proxies: every message follows its request's reply_to (no default proxy)

@@ -74,15 +74,13 @@ from typing import Protocol
 import torch
 from aegaeon_common.config import SchedulerConfig
 from aegaeon_common.messages.report import SwitchRecord
-from aegaeon_common.transport import RemoteError
 from aegaeon_engine import Engine, ModelSpec, ModelWeights, bind_weights
 from aegaeon_engine.model import ReduceFn
 from aegaeon_gpumem import Allocation, DeviceBuffer, copy_chunked
 from aegaeon_sched import CHARGED_POLICIES
 
-from aegaeon_runtime.cacheclient.client import SyncCacheClient
+from aegaeon_runtime.cacheclient.client import SyncCacheClient, model_region
 from aegaeon_runtime.cacheclient.mapped import MappedModel
-from aegaeon_runtime.port import ModelGoneError, ModelUnavailableError
 from aegaeon_runtime.prefetcher import PREFETCH_CHUNK_BYTES, Prefetcher, PrefetchJob
 from aegaeon_runtime.tp_shards import Shards
 
@@ -169,8 +167,6 @@ class ModelSwitcher:
         # arena ranges that still hold a model's bytes as last copied there:
         # offset -> (model, nbytes); guarded by _views_lock (the prefetch thread copies)
         self._in_place: dict[int, tuple[str, int]] = {}
-        self.num_switches = 0
-        self.num_in_place = 0  # scale-ups and prefetches that found the bytes in place
         self.num_promotions = 0
         self.num_placed_below = 0
         # changes to the models on the device (switch, prefetch, eviction): a reader on
@@ -259,26 +255,6 @@ class ModelSwitcher:
                 self._views[key] = weights
         return Resident(name, allocation, weights, self._ready_event())
 
-    def _region(self, name: str) -> MappedModel:
-        """``name``'s Model Cache region: the client's kept mapping (the use is noted,
-        reported later by the client), else (first use, or evicted since) mapped under
-        a pin that is dropped at once; a kept mapping is safe to read unpinned (see
-        ``aegaeon_runtime.cacheclient.client``)."""
-        mapped = self.cache.cached_model(name)
-        if mapped is not None:
-            self.cache.note_use(name)
-            return mapped
-        try:
-            mapped = self.cache.load_model(name, pin=True)
-        except RemoteError as exc:
-            if exc.code == "unknown_model":
-                raise ModelGoneError(name, str(exc)) from exc
-            if exc.code == "checkpoint_error":  # quarantined by the cachemgr
-                raise ModelUnavailableError(name, exc.reply.message) from exc
-            raise
-        self.cache.unpin(name)
-        return mapped
-
     def _copy_in(
         self, name: str, allocation: Allocation, job: PrefetchJob | None = None
     ) -> tuple[float, bool]:
@@ -287,10 +263,10 @@ class ModelSwitcher:
         key = (name, allocation.nbytes)
         with self._views_lock:
             if self._in_place.get(allocation.offset) == key:
-                self.num_in_place += 1
                 return 0.0, True
             self._forget_range(allocation.offset, allocation.nbytes)
-        seconds = self._copy_from(self._source(self._region(name), name), allocation, job)
+        source = self._source(model_region(self.cache, name), name)
+        seconds = self._copy_from(source, allocation, job)
         with self._views_lock:
             self._in_place[allocation.offset] = key
         return seconds, False
@@ -336,7 +312,7 @@ class ModelSwitcher:
         The result goes to ``job`` (a prefetch) or becomes the active model.
         """
         start = time.perf_counter()
-        mapped = self._region(name)
+        mapped = model_region(self.cache, name)
         spec = self.spec(name)
         layout = self.engine.layout(spec, self.dtype)
         source = self._source(mapped, name)
@@ -409,7 +385,6 @@ class ModelSwitcher:
             load_s, resident = self._copy_in(name, allocation)
             self._activate(self._bind(name, allocation))
             prefetched = False
-        self.num_switches += 1
         self.residency_version += 1
         return SwitchRecord(
             from_model=previous,

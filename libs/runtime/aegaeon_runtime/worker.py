@@ -136,20 +136,18 @@ class Worker:
             if base not in self.switcher.specs:
                 raise CheckpointError(path, None, f"its base {base!r} is not served here")
             self.adapters.add(name, path, self.specs[base])
-            self.specs[name] = self.specs[base]
-            self.model_dirs[name] = self.model_dirs[base]  # its tokenizer is its base's
-            self.grammars.forget(name)
-            return self.sched_spec(name)
-        spec = ModelSpec.from_dir(path)
-        if self.group is not None:  # the followers first: the next switch may need it
-            self.group.add_model(name, str(path))
-        self.switcher.forget_bytes(name)  # a model of that name served before had other bytes
-        self.switcher.add_model(name, spec)
-        self.engine.tune(self.switcher.spec(name), self.config.dtype)
-        self.specs[name] = spec
-        self.model_dirs[name] = Path(path)
+            spec, model_dir = self.specs[base], self.model_dirs[base]  # its base's tokenizer
+        else:
+            spec, model_dir = ModelSpec.from_dir(path), Path(path)
+            if self.group is not None:  # the followers first: the next switch may need it
+                self.group.add_model(name, str(path))
+            self.switcher.forget_bytes(name)  # one of that name served before had other bytes
+            self.switcher.add_model(name, spec)
+            self.engine.tune(self.switcher.spec(name), self.config.dtype)
+        self.specs[name], self.model_dirs[name] = spec, model_dir
         self.grammars.forget(name)
-        self.capture_graphs([name])
+        if base is None:
+            self.capture_graphs([name])
         return self.sched_spec(name)
 
     def capture_graphs(self, names: Iterable[str]) -> None:

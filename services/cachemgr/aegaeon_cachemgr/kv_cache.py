@@ -55,11 +55,6 @@ def _spec(key: object) -> KVShapeSpec:
     return KVShapeSpec(*key)
 
 
-def block_bytes_of(key: ShapeKey) -> int:
-    # The engine owns the block layout; ask it rather than repeat the formula.
-    return KVShape(*key).block_bytes
-
-
 class UnifiedKVCache:
     """Leased KV blocks over ``region`` (the region's owner is the caller)."""
 
@@ -77,7 +72,7 @@ class UnifiedKVCache:
     def alloc(self, owner: str, shape: KVShapeSpec, num_blocks: int) -> tuple[list[int], int]:
         """``num_blocks`` blocks of ``shape`` for ``owner``: (offsets, block_bytes)."""
         key = shape_key(shape)
-        block_bytes = block_bytes_of(key)
+        block_bytes = KVShape(*key).block_bytes  # the engine owns the block layout
         if num_blocks <= 0:
             raise CacheError("bad_request", f"num_blocks must be positive, got {num_blocks}")
         try:

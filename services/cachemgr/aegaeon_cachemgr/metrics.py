@@ -7,7 +7,7 @@ that owns it (reads only).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from aegaeon_common.metrics import kv_block_counts
@@ -39,13 +39,33 @@ class CacheCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self._manager
         models = m.models
-        gauges: list[tuple[str, str, float]] = [
-            ("aegaeon_model_cache_used_bytes", "Model Cache bytes resident or being loaded",
+        kv = m.kv.stats()
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        plain: list[tuple[Callable[..., Metric], str, str, float]] = [
+            (g, "aegaeon_model_cache_used_bytes", "Model Cache bytes resident or being loaded",
              models.used_bytes),
-            ("aegaeon_model_cache_capacity_bytes", "Model Cache budget", models.budget_bytes),
+            (g, "aegaeon_model_cache_capacity_bytes", "Model Cache budget", models.budget_bytes),
+            (c, "aegaeon_model_cache_hits", "Model Cache lookups found resident", models.num_hits),
+            (c, "aegaeon_model_cache_misses", "Model Cache lookups that waited for a load",
+             models.num_misses),
+            (c, "aegaeon_model_cache_evictions", "Models evicted (LRU)", models.num_evictions),
+            (c, "aegaeon_model_cache_loads", "Models loaded from disk", models.num_loads),
+            (c, "aegaeon_model_cache_loaded_bytes", "Bytes loaded from disk",
+             models.loaded_bytes_total),
+            (c, "aegaeon_model_cache_load_seconds", "Time spent loading from disk",
+             models.load_s_total),
+            (c, "aegaeon_model_quarantines", "Models made unavailable because their "
+             "checkpoint could not be read (missing, truncated, corrupt, or not as market.json "
+             "records)", models.num_quarantines),
+            (g, "aegaeon_kv_cache_capacity_bytes", "Unified CPU KV cache size", kv.capacity_bytes),
+            (g, "aegaeon_kv_cache_used_bytes", "Bytes of live KV blocks", kv.used_bytes),
+            (g, "aegaeon_kv_cache_held_bytes", "Bytes of slabs given to a shape", kv.held_bytes),
+            (g, "aegaeon_kv_cache_move_list_blocks", "Freed blocks waiting for their copy event",
+             kv.move_list_blocks),
+            (g, "aegaeon_cachemgr_workers", "Workers holding a lease", len(m.workers.leases())),
         ]  # fmt: skip
-        for name, help_text, value in gauges:
-            yield GaugeMetricFamily(name, help_text, value=float(value))
+        for kind, name, help_text, value in plain:
+            yield kind(name, help_text, value=float(value))
         stats = models.stats()
         resident = GaugeMetricFamily(
             "aegaeon_model_cache_models", "Models in the Model Cache, by state",
@@ -63,32 +83,6 @@ class CacheCollector(Collector):
         for model in stats.known:
             progress.add_metric([model], models.progress(model))
         yield progress
-        counters: list[tuple[str, str, float]] = [
-            ("aegaeon_model_cache_hits", "Model Cache lookups found resident", models.num_hits),
-            ("aegaeon_model_cache_misses", "Model Cache lookups that waited for a load",
-             models.num_misses),
-            ("aegaeon_model_cache_evictions", "Models evicted (LRU)", models.num_evictions),
-            ("aegaeon_model_cache_loads", "Models loaded from disk", models.num_loads),
-            ("aegaeon_model_cache_loaded_bytes", "Bytes loaded from disk",
-             models.loaded_bytes_total),
-            ("aegaeon_model_cache_load_seconds", "Time spent loading from disk",
-             models.load_s_total),
-            ("aegaeon_model_quarantines", "Models made unavailable because their checkpoint "
-             "could not be read (missing, truncated, corrupt, or not as market.json records)",
-             models.num_quarantines),
-        ]  # fmt: skip
-        for counter, counter_help, total in counters:
-            yield CounterMetricFamily(counter, counter_help, value=float(total))
-        kv = m.kv.stats()
-        kv_gauges: list[tuple[str, str, float]] = [
-            ("aegaeon_kv_cache_capacity_bytes", "Unified CPU KV cache size", kv.capacity_bytes),
-            ("aegaeon_kv_cache_used_bytes", "Bytes of live KV blocks", kv.used_bytes),
-            ("aegaeon_kv_cache_held_bytes", "Bytes of slabs given to a shape", kv.held_bytes),
-            ("aegaeon_kv_cache_move_list_blocks", "Freed blocks waiting for their copy event",
-             kv.move_list_blocks),
-        ]  # fmt: skip
-        for gauge, gauge_help, level in kv_gauges:
-            yield GaugeMetricFamily(gauge, gauge_help, value=float(level))
         freed = CounterMetricFamily(
             "aegaeon_kv_cache_freed_blocks", "Unified KV cache blocks freed, at once or after "
             "the event of a copy still in flight (through the move list)", labels=["when"],
@@ -111,6 +105,3 @@ class CacheCollector(Collector):
         for owner, count in kv.blocks_per_owner.items():
             owned.add_metric([owner], float(count))
         yield owned
-        yield GaugeMetricFamily(
-            "aegaeon_cachemgr_workers", "Workers holding a lease", value=len(m.workers.leases())
-        )

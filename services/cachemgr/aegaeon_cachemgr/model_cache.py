@@ -430,10 +430,7 @@ class ModelCache:
 
     def unpin(self, name: str, owner: str) -> int:
         """Drop one pin of ``owner``; return the model's remaining pins."""
-        entry = self._resident.get(name)
-        pins = entry.pins if entry is not None else None
-        if pins is None and name in self._loading:
-            pins = self._loading[name].pins
+        pins = self._pins_of(name)
         if pins is None or pins[owner] <= 0:
             raise CacheError(
                 "not_pinned",

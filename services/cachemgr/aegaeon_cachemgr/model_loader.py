@@ -65,22 +65,21 @@ def plan_model(name: str, path: Path, dtype: str, tp: int = 1,
         raise checkpoint_failure(exc) from None
     if adapter is not None:
         layout = adapter_layout(adapter, dtype)
-        tensors = [
-            TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
-        ]
-        return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout,
+        return ModelPlan(name, path, layout.dtype, layout.total_bytes, _manifest(layout), layout,
                          adapter=adapter)  # fmt: skip
     layout = weight_layout(spec, dtype)
     shards = sharded_layout(spec, tp, dtype)
     if shards is None:
-        tensors = [
-            TensorEntry(s.name, s.dtype, list(s.shape), s.offset, s.nbytes) for s in layout.slots
-        ]
-        return ModelPlan(name, path, layout.dtype, layout.total_bytes, tensors, layout)
-    tensors = [TensorEntry(f"rank{r}/{s.name}", s.dtype, list(s.shape), start + s.offset, s.nbytes)
-               for r, (shard, start) in enumerate(zip(shards.shards, shards.offsets, strict=True))
-               for s in shard.slots]  # fmt: skip
+        return ModelPlan(name, path, layout.dtype, layout.total_bytes, _manifest(layout), layout)
+    tensors = [entry for r, shard in enumerate(shards.shards)
+               for entry in _manifest(shard, f"rank{r}/", shards.offsets[r])]  # fmt: skip
     return ModelPlan(name, path, layout.dtype, shards.total_bytes, tensors, layout, shards, spec)
+
+
+def _manifest(layout: WeightLayout, prefix: str = "", start: int = 0) -> list[TensorEntry]:
+    """``layout``'s tensors as the region's manifest names them (at ``start`` in it)."""
+    return [TensorEntry(f"{prefix}{s.name}", s.dtype, list(s.shape), start + s.offset, s.nbytes)
+            for s in layout.slots]  # fmt: skip
 
 
 def check_plan(plan: ModelPlan) -> None:

@@ -52,21 +52,16 @@ from aegaeon_proxy.errors import APIError, backend_api_error, invalid
 from aegaeon_proxy.http_io import read_json_object
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.model_table import LiveModel, ModelSettingsTable
+from aegaeon_proxy.params import check_bool
 from aegaeon_proxy.state import STATE, ProxyState
 
 log = get_logger("proxy")
 
-__all__ = ["ROUTES", "follow_served", "follow_unavailable", "model_rows", "parse_settings",
-           "quarantine", "remove_model", "serve_model"]  # fmt: skip
+__all__ = ["ROUTES", "follow_served", "model_rows", "parse_settings", "quarantine",
+           "remove_model", "serve_model", "unknown_model"]  # fmt: skip
 
 
 # ---- request bodies ----------------------------------------------------------
-def _flag(param: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise invalid(param, f"'{param}' must be a boolean")
-    return value
-
-
 def _concurrency(param: str, value: Any) -> int | None:
     if value is None:
         return None  # unbounded
@@ -97,9 +92,9 @@ def _ms(param: str, value: Any) -> float | None:
 
 # request field -> (ModelSettings field, checker)
 FIELDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-    "pinned": ("pin", _flag),
-    "pin": ("pin", _flag),
-    "preload": ("preload", _flag),
+    "pinned": ("pin", check_bool),
+    "pin": ("pin", check_bool),
+    "preload": ("preload", check_bool),
     "max_concurrency": ("max_concurrency", _concurrency),
     "slo_classes": ("slo_classes", _classes),
     "min_ttft_ms": ("min_ttft_s", _ms),
@@ -209,23 +204,19 @@ async def quarantine(state: ProxyState, name: str, why: str | None) -> None:
         await state.backend.models.quarantine_model(name, why)
     except BackendError as exc:  # (the store is down: this replica knows, at least)
         log.warning("model_quarantine_not_shared", model=name, error=exc.message)
-        follow_unavailable(state)(name, why)
+        state.models.follow_unavailable(name, why)
 
 
-def _unknown(name: str) -> APIError:
+def unknown_model(name: str) -> APIError:
+    """A 404 for a model this proxy does not serve (or is still adding)."""
     return APIError(404, f"no model '{name}' is served", param="model", code="model_not_found")
 
 
 def _entry(state: ProxyState, name: str) -> LiveModel:
     entry = state.models.get(name)
     if entry is None or entry.state == "adding":
-        raise _unknown(name)
+        raise unknown_model(name)
     return entry
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    proxy = request.app[STATE].config.proxy
-    return await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
 
 
 # ---- handlers ----------------------------------------------------------------
@@ -249,7 +240,7 @@ async def patch_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
     entry = _entry(state, name)
-    changes = parse_settings(await _body(request))
+    changes = parse_settings(await read_json_object(request))
     if entry.state == "removing":
         raise APIError(409, f"model '{name}' is being removed", code="model_removing")
     settings = state.models.replaced(name, changes)
@@ -265,14 +256,11 @@ async def patch_model(request: web.Request) -> web.Response:
                 await quarantine(state, name, exc.message)
             raise _backend_error(exc, name) from None
     if state.models.get(name) is not entry:
-        raise _unknown(name)  # removed meanwhile
+        raise unknown_model(name)  # removed meanwhile
     # fields not in the body keep their value of now (another PATCH may have run)
     settings = msgspec.structs.replace(entry.settings, **changes)
     state.models.update(name, settings)
-    try:  # the other replicas take them too
-        await state.backend.models.publish_model_settings(name, settings)
-    except BackendError as exc:
-        raise _backend_error(exc) from None
+    await state.backend.models.publish_model_settings(name, settings)  # the other replicas
     log.info("model_settings_changed", model=name, **{k: str(v) for k, v in changes.items()})
     return json_response(model_row(state.models, entry, await state.backend.models.model_cache()))
 
@@ -280,7 +268,7 @@ async def patch_model(request: web.Request) -> web.Response:
 async def add_model(request: web.Request) -> web.Response:
     """``POST /v1/aegaeon/models`` ``{"name": ..., settings}``: serve a model of the market."""
     state = request.app[STATE]
-    body = await _body(request)
+    body = await read_json_object(request)
     name = body.get("name")
     if not isinstance(name, str) or not name:
         raise invalid("name", "'name' must be the name of a model in the market folder")
@@ -306,18 +294,12 @@ async def add_model(request: web.Request) -> web.Response:
     if model is None:
         raise APIError(404, f"model '{name}' is not in the market folder {market}",
                        param="name", code="model_not_in_market")  # fmt: skip
-    if model.base is not None and not _serves_base(state, model.base):
+    if model.base is not None and model.base not in state.models.bases():
         raise APIError(409, f"model '{name}' is a LoRA adapter of '{model.base}', which is not "
                        "served (add it first)", param="name", code="base_not_served")
     entry = await serve_model(state, model, changes)
     cache = await state.backend.models.model_cache()
     return json_response(model_row(state.models, entry, cache), status=201)
-
-
-def _serves_base(state: ProxyState, name: str) -> bool:
-    """``name`` is served and no adapter itself (adapters may be added over it)."""
-    model = state.models.model_config(name)
-    return state.models.serving(name) and model is not None and model.base is None
 
 
 async def serve_model(state: ProxyState, model: ModelConfig,
@@ -442,10 +424,7 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
         raise APIError(409, f"model '{name}' has LoRA adapters served: {', '.join(adapters)} "
                        "(unload them first)", param="model", code="model_has_adapters")
     control = _control(state)
-    try:  # every other replica: 404 as well
-        await control.publish_served(name, None)
-    except BackendError as exc:
-        raise _backend_error(exc) from None
+    await control.publish_served(name, None)  # every other replica: 404 as well
     if state.models.get(name) is not entry or not state.models.serving(name):
         return _removal(entry, "removing"), 202  # (raced)
     state.models.begin_remove(name)
@@ -453,9 +432,7 @@ async def remove_model(state: ProxyState, entry: LiveModel) -> tuple[dict[str, A
     if entry.in_flight == 0:
         evicted = await _finish_removal(state, control, entry)
         return {**_removal(entry, "removed"), "evicted": evicted}, 200
-    task = asyncio.get_running_loop().create_task(_finish_removal(state, control, entry))
-    state.models.background.add(task)
-    task.add_done_callback(state.models.background.discard)
+    state.models.spawn(_finish_removal(state, control, entry))
     log.info("model_removing", model=name, in_flight=entry.in_flight)
     return _removal(entry, "removing"), 202
 
@@ -467,10 +444,6 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
     replica that changed it (it also forgets a removed model once its own requests
     have ended; this replica's requests in flight finish first here)."""
     models = state.models
-
-    def keep(task: asyncio.Task[Any]) -> None:
-        models.background.add(task)
-        task.add_done_callback(models.background.discard)
 
     async def adopt(model: ModelConfig) -> None:
         try:
@@ -490,28 +463,13 @@ def follow_served(state: ProxyState) -> Callable[[str, ModelConfig | None], None
 
     def apply(name: str, model: ModelConfig | None) -> None:
         entry = models.get(name)
-        loop = asyncio.get_running_loop()
         if model is not None and entry is None:
             models.begin_add(model, None)
-            keep(loop.create_task(adopt(model)))
+            models.spawn(adopt(model))
         elif model is None and entry is not None and entry.state == "serving":
             models.begin_remove(name)
             state.assets.remove(name)  # new requests: 404 from now on
-            keep(loop.create_task(release(entry)))
-
-    return apply
-
-
-def follow_unavailable(state: ProxyState) -> Callable[[str, str | None], None]:
-    """What a replica does when a model is found unreadable (``why``) or read again
-    (None), here or on another replica: its table answers 503 for it, or serves it."""
-    models = state.models
-
-    def apply(name: str, why: str | None) -> None:
-        if why is None:
-            models.release(name)
-        else:
-            models.quarantine(name, why)
+            models.spawn(release(entry))
 
     return apply
 

@@ -24,8 +24,9 @@ from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.generation import Delta, Generation
 from aegaeon_proxy.logprobs import LogprobFormat
 from aegaeon_proxy.params import CommonParams
+from aegaeon_proxy.prompts import Prompt
 from aegaeon_proxy.responses import JSON, ChoiceResult, Head, Shapes, Usage
-from aegaeon_proxy.tool_calls import ToolCallParser, ToolSetup
+from aegaeon_proxy.tool_calls import ToolCallParser
 
 __all__ = ["Answer", "AnswerSpec"]
 
@@ -38,9 +39,7 @@ class AnswerSpec:
     assets: ModelAssets
     shapes: Shapes
     chat: bool
-    prompt_ids: list[int]
-    prompt_text: str | None = None  # what `echo` repeats (None: nothing to echo)
-    tools: ToolSetup | None = None  # chat: the tools the model may call
+    prompt: Prompt  # its ids, what `echo` repeats, chat's tools
 
 
 @dataclass
@@ -66,8 +65,8 @@ class Answer:
         p = spec.params
         self.want_logprobs = p.sampling.logprobs >= 0
         # completions: the prompt first; chat (vLLM's): the last, assistant's, message
-        self.echo = p.echo and spec.prompt_text is not None
-        self.choices = [_ChoiceLog(parser=spec.tools.parser() if spec.tools else None)
+        self.echo = p.echo and spec.prompt.text is not None
+        self.choices = [_ChoiceLog(parser=spec.prompt.tools.parser() if spec.prompt.tools else None)
                         for _ in range(p.sampling.n)]  # fmt: skip
         self.format = LogprobFormat(spec.assets, p.tokens_as_ids, chat=spec.chat,
                                     n=p.sampling.n)  # fmt: skip
@@ -77,7 +76,7 @@ class Answer:
         ``prompt_token_ids``, and ``prompt_logprobs`` when asked (not echo's): on each
         choice of a completion, on a chat response."""
         p = self.spec.params
-        response: JSON = {"prompt_token_ids": self.spec.prompt_ids} if p.return_token_ids else {}
+        response: JSON = {"prompt_token_ids": self.spec.prompt.ids} if p.return_token_ids else {}
         shared: JSON = {}
         if p.sampling.prompt_logprobs >= 0:
             (response if self.spec.chat else shared)["prompt_logprobs"] = self._prompt_logprobs
@@ -90,12 +89,12 @@ class Answer:
         """vLLM's ``prompt_logprobs``, made once for every choice (the prompt is scored
         by the time a choice ends)."""
         scored = self.gen.prompt_logprobs
-        return None if scored is None else self.format.prompt(self.spec.prompt_ids, scored)
+        return None if scored is None else self.format.prompt(self.spec.prompt.ids, scored)
 
     @cached_property
     def _echoed_logprobs(self) -> JSON | None:
         """The echoed prompt's log-probabilities, made once for every choice."""
-        return self.format.echo(self.spec.prompt_ids, self.gen.prompt_logprobs)
+        return self.format.echo(self.spec.prompt.ids, self.gen.prompt_logprobs)
 
     # ---- whole -----------------------------------------------------------------------
     async def whole(self) -> JSON:
@@ -123,7 +122,7 @@ class Answer:
                 echoed = self._echoed_logprobs if self.echo else None
                 logprobs = self.format.whole(choice.token_ids, choice.logprobs, echoed)
             if self.echo:
-                text = f"{self.spec.prompt_text}{text}"
+                text = f"{self.spec.prompt.text}{text}"
             results.append(ChoiceResult(index, text, finish, logprobs, tool_calls,
                                         choice_extras[index]))  # fmt: skip
         usage = Usage(self.gen.prompt_tokens, self.gen.completion_tokens)
@@ -143,7 +142,7 @@ class Answer:
                 yield chunk
             if self.echo:
                 for index in range(len(self.choices)):
-                    yield shapes.delta(head, index, self.spec.prompt_text or "", None,
+                    yield shapes.delta(head, index, self.spec.prompt.text or "", None,
                                        usage_field)  # fmt: skip
             # the echoed prompt's log-probabilities come with the first token
             echoed = not (self.echo and self.want_logprobs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aegaeon_common.config import Config, ModelSettings
+from aegaeon_common.config import Config
 from aegaeon_common.logs import get_logger
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -20,8 +20,8 @@ from aegaeon_proxy import (
     vllm_controls,
 )
 from aegaeon_proxy.auth import ROUTE_ACCESS, Access, KeyRing
-from aegaeon_proxy.backend import Backend
-from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.backend import Backend, BackendError
+from aegaeon_proxy.errors import APIError, backend_api_error
 from aegaeon_proxy.http_io import CLOSE_CONNECTION
 from aegaeon_proxy.request_ids import CLIENT_CLOSED
 from aegaeon_proxy.sse import CLIENT_GONE, STREAMING
@@ -88,12 +88,15 @@ def _access_logged(request: web.Request) -> bool:
 
 @web.middleware
 async def api_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure as an OpenAI error object; counts requests by status."""
+    """Every failure as an OpenAI error object (a backend's refusal with its status and
+    code); counts requests by status."""
     counter = request.app[STATE].metrics.http_requests
     try:
         response = await handler(request)
     except APIError as exc:
         response = exc.response()
+    except BackendError as exc:
+        response = backend_api_error(exc).response()
     except web.HTTPException as exc:  # routing: unknown path, wrong method
         if exc.status < 400:
             raise
@@ -133,16 +136,10 @@ def make_app(config: Config, backend: Backend) -> web.Application:
 
     async def start_backend(app: web.Application) -> None:
         state = app[STATE]
-        models = state.models
-
-        def apply(name: str, settings: ModelSettings) -> None:
-            if models.get(name) is not None:
-                models.update(name, settings)
-
         shared = state.backend.models
-        shared.follow_model_settings(apply)  # PATCHes of other replicas
+        shared.follow_model_settings(state.models.update)  # PATCHes of other replicas
         shared.follow_served(admin_models.follow_served(state))  # their adds, removals
-        shared.follow_unavailable(admin_models.follow_unavailable(state))  # unreadable
+        shared.follow_unavailable(state.models.follow_unavailable)  # unreadable
         await state.backend.start()
 
     async def stop_backend(app: web.Application) -> None:

@@ -36,10 +36,6 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
 
     @property
-    def token_ids(self) -> list[int]:
-        return self._ids
-
-    @property
     def text(self) -> str:
         """All text emitted so far."""
         return "".join(self._emitted)

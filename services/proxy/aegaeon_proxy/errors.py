@@ -13,17 +13,11 @@ from aegaeon_proxy.jsonfmt import json_response
 if TYPE_CHECKING:
     from aegaeon_proxy.backend import BackendError
 
-# status -> OpenAI error type
+# status -> OpenAI error type, where it is not invalid_request_error (4xx) or
+# server_error (5xx)
 _TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
     408: "timeout",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_exceeded",
-    500: "server_error",
     503: "service_unavailable",
     504: "timeout",
 }

@@ -80,7 +80,7 @@ class _Choice:
             self.num_tokens += 1
             text = "" if token_id in self.stop_ids else self.detok.push((token_id,))
             if self.num_tokens > self.min_tokens:  # vLLM: no stop string before min_tokens
-                text = self.stop.push(text).text
+                text = self.stop.push(text)
             if self.stop.stopped:
                 self.finish = "stop"
             out.append(Delta(chunk.index, text, (token_id,), chunk.logprobs[k:k + 1],
@@ -91,7 +91,7 @@ class _Choice:
 
     def end(self, reason: ClientFinish) -> str:
         """The sequence ended (``reason``): the text held back, if it is not a stop."""
-        text = self.stop.push(self.detok.finish()).text
+        text = self.stop.push(self.detok.finish())
         self.finish = "stop" if self.stop.stopped else reason
         return text + self.stop.flush()
 

@@ -31,8 +31,7 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     state = request.app[STATE]
     if state.readiness.draining:
         raise APIError(503, "the proxy is draining (shutting down)", code="draining")
-    proxy = state.config.proxy
-    return await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
+    return await read_json_object(request)
 
 
 async def generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:

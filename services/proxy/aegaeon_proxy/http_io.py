@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from aegaeon_proxy.errors import APIError
+from aegaeon_proxy.state import STATE
 
 # request key: the connection is closed after the response (its request was not read to the end)
 CLOSE_CONNECTION: web.RequestKey[bool] = web.RequestKey("aegaeon_close_connection", bool)
@@ -17,12 +18,12 @@ CLOSE_CONNECTION: web.RequestKey[bool] = web.RequestKey("aegaeon_close_connectio
 __all__ = ["CLOSE_CONNECTION", "read_json_object"]
 
 
-async def read_json_object(
-    request: web.Request, max_bytes: int, timeout_s: float | None = None
-) -> dict[str, Any]:
-    """The body as a JSON object; 413 when over ``max_bytes``, 408 when it has not all
-    arrived within ``timeout_s`` (a client sending a byte a second), 400 when it is
-    not a JSON object."""
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 413 when over ``proxy.max_body_bytes``, 408 when it has
+    not all arrived within ``proxy.read_timeout_s`` (a client sending a byte a second),
+    400 when it is not a JSON object."""
+    proxy = request.app[STATE].config.proxy
+    max_bytes, timeout_s = proxy.max_body_bytes, proxy.read_timeout_s
     too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large

@@ -44,6 +44,7 @@ from aegaeon_proxy.responses import CHAT, COMPLETION, Shapes
 from aegaeon_proxy.slo_classes import resolve
 from aegaeon_proxy.state import STATE
 from aegaeon_proxy.structured import STRUCTURED_FIELDS, constraint_of, grammar_for
+from aegaeon_proxy.tool_calls import OPEN as TOOL_CALL_OPEN
 
 OFFLOAD_BODY_BYTES = 16 << 10  # prompts larger than this are tokenized on a thread
 
@@ -85,7 +86,7 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     check_fields(body, endpoint.known)
     params = parse_common(body, endpoint.fields)
     assets = await model_assets(request, state, params.model)
-    slo = resolve(state.config, params.model, state.model_settings(params.model),
+    slo = resolve(state.config, params.model, state.models.settings(params.model),
                   request.get(API_KEY), priority=params.priority, ttft_s=params.ttft_s,
                   tbt_s=params.tbt_s, model_slo=state.slo(params.model))  # fmt: skip
     if (request.content_length or 0) > OFFLOAD_BODY_BYTES:
@@ -93,7 +94,9 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     else:
         prompt = endpoint.prompt(body, assets)
     grammar = await grammar_for(constraint_of(body, prompt.tools, assets.special_texts))
-    tags_shown = prompt.tools is not None and prompt.tools.tags_special(assets.special_texts)
+    # the model's tool-call tags are special tokens: the text must show them (vLLM, too,
+    # keeps special tokens in the text of a request with tools)
+    tags_shown = prompt.tools is not None and TOOL_CALL_OPEN in assets.special_texts
     request_id = request_id_of(request, body)
     request[ACCESS].prompt_tokens = len(prompt.ids)
     req = build_request(request_id, params, prompt.ids, assets, chat=endpoint.chat,
@@ -110,6 +113,4 @@ async def prepare(request: web.Request, endpoint: Endpoint,
     log.debug("request_accepted", request_id=request_id, model=params.model,
               prompt_tokens=len(prompt.ids), max_tokens=req.sampling.max_tokens,
               slo_class=slo.slo_class)  # fmt: skip
-    spec = AnswerSpec(params, assets, endpoint.shapes, endpoint.chat, prompt.ids, prompt.text,
-                      prompt.tools)  # fmt: skip
-    return spec, gen
+    return AnswerSpec(params, assets, endpoint.shapes, endpoint.chat, prompt), gen

@@ -9,12 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-__all__ = ["dumps", "json_response", "sse_event"]
-
-
-def dumps(obj: Any) -> str:
-    """Compact JSON text (non-ASCII as is)."""
-    return orjson.dumps(obj).decode()
+__all__ = ["json_response", "sse_event"]
 
 
 def json_response(body: Any, status: int = 200,

@@ -77,18 +77,14 @@ def parse_keep_alive(param: str, value: Any) -> float:
 class KeepAlive:
     """Each model's keep-alive, last request wins (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._held: dict[str, float] = {}  # model -> when its hold ends (loop time; inf)
-        self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._backend: ModelOps | None = None
-        self._models: ModelSettingsTable | None = None
-
-    def attach(self, backend: ModelOps, models: ModelSettingsTable) -> None:
+    def __init__(self, backend: ModelOps, models: ModelSettingsTable) -> None:
         """What it acts through: the backend's model controls, the live model table
         (the operator's pin, requests in flight)."""
         self._backend = backend
         self._models = models
+        self._held: dict[str, float] = {}  # model -> when its hold ends (loop time; inf)
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def held(self, model: str) -> bool:
         """A keep-alive holds ``model`` in the Model Cache now."""
@@ -105,7 +101,7 @@ class KeepAlive:
             self._held.pop(model, None)
             if was_held:
                 self._spawn(self._apply_pin(model))
-            entry = self._models.get(model) if self._models is not None else None
+            entry = self._models.get(model)
             if entry is None or entry.in_flight == 0:  # its other requests keep it
                 self._spawn(self._sleep(model))
             return
@@ -123,20 +119,17 @@ class KeepAlive:
 
     async def _apply_pin(self, model: str) -> None:
         """The cachemgr's pin of ``model``: the operator's or a keep-alive's."""
-        backend, models = self._backend, self._models
-        if backend is None or models is None or not models.serving(model):
+        if not self._models.serving(model):
             return
-        pinned = models.settings(model).pin or self.held(model)
+        pinned = self._models.settings(model).pin or self.held(model)
         try:
-            await backend.set_model_flags(model, pinned=pinned, preload=False)
+            await self._backend.set_model_flags(model, pinned=pinned, preload=False)
         except BackendError as exc:  # the request was served; the hold is best effort
             if exc.code != NOT_SUPPORTED:
                 log.warning("keep_alive_pin_failed", model=model, pinned=pinned,
                             error=exc.message)  # fmt: skip
 
     async def _sleep(self, model: str) -> None:
-        if self._backend is None:
-            return
         try:
             asleep = await self._backend.set_model_awake(model, False)
         except BackendError as exc:

@@ -36,8 +36,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from aegaeon_proxy.admin_models import remove_model, serve_model
-from aegaeon_proxy.errors import APIError, invalid
+from aegaeon_proxy.errors import APIError
 from aegaeon_proxy.http_io import read_json_object as read_body
+from aegaeon_proxy.params import check_string
 from aegaeon_proxy.state import STATE, ProxyState
 
 __all__ = ["ROUTES", "choose_base"]
@@ -47,8 +48,7 @@ UNLOAD_FIELDS = ("lora_name", "lora_int_id")
 
 
 async def _body(request: web.Request, known: tuple[str, ...]) -> dict[str, Any]:
-    proxy = request.app[STATE].config.proxy
-    body = await read_body(request, proxy.max_body_bytes, proxy.read_timeout_s)
+    body = await read_body(request)
     for key in body:
         if key not in known:
             raise APIError(400, f"unknown field '{key}' (known: {', '.join(known)})", param=key,
@@ -56,23 +56,9 @@ async def _body(request: web.Request, known: tuple[str, ...]) -> dict[str, Any]:
     return body
 
 
-def _text(body: dict[str, Any], key: str, required: bool = True) -> str | None:
+def _optional(body: dict[str, Any], key: str) -> str | None:
     value = body.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value:
-        raise invalid(key, f"'{key}' must be a non-empty string")
-    return value
-
-
-def _bases(state: ProxyState) -> dict[str, ModelConfig]:
-    """The served models an adapter may be of (no adapters)."""
-    out: dict[str, ModelConfig] = {}
-    for name in state.models.names():
-        model = state.models.model_config(name)
-        if model is not None and model.base is None:
-            out[name] = model
-    return out
+    return None if value is None else check_string(key, value)
 
 
 def choose_base(path: Path, bases: dict[str, ModelConfig], asked: str | None) -> ModelConfig:
@@ -152,10 +138,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     """``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"[, "base"]}``."""
     state = request.app[STATE]
     body = await _body(request, LOAD_FIELDS)
-    name = _text(body, "lora_name")
-    assert name is not None
-    raw_path = _text(body, "lora_path", required=False)
-    asked = _text(body, "base", required=False)
+    name = check_string("lora_name", body.get("lora_name"))
+    raw_path = _optional(body, "lora_path")
+    asked = _optional(body, "base")
     if state.models.get(name) is not None:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
                        param="lora_name", code="model_exists")  # fmt: skip
@@ -164,8 +149,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise APIError(400, f"LoRA adapter '{name}' cannot be served: {path / ADAPTER_CONFIG}: "
                        "missing file (expected a PEFT adapter directory)", param="lora_path",
                        code="invalid_lora_adapter")  # fmt: skip
-    bases = _bases(state)
-    base = await asyncio.to_thread(choose_base, path, bases, asked)
+    base = await asyncio.to_thread(choose_base, path, state.models.bases(), asked)
     await asyncio.to_thread(_check, name, path, base)
     if state.models.get(name) is not None:  # (added meanwhile)
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
@@ -178,8 +162,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     """``POST /v1/unload_lora_adapter`` ``{"lora_name"}``."""
     state = request.app[STATE]
     body = await _body(request, UNLOAD_FIELDS)
-    name = _text(body, "lora_name")
-    assert name is not None
+    name = check_string("lora_name", body.get("lora_name"))
     entry = state.models.get(name)
     if entry is None or entry.state == "adding":
         raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from aegaeon_common.metrics import E2E_BUCKETS_S, TBT_BUCKETS_S, TTFT_BUCKETS_S, new_registry
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -37,46 +38,33 @@ class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry()
         r = self.registry
-        self.http_requests = Counter(
-            "aegaeon_proxy_http_requests", "HTTP requests by endpoint and status",
-            ("endpoint", "status"), registry=r,
-        )  # fmt: skip
-        self.requests = Counter(
-            "aegaeon_requests", "Generation requests by model and outcome",
-            ("model", "outcome"), registry=r,
-        )  # fmt: skip
-        self.prompt_tokens = Counter(
-            "aegaeon_prompt_tokens", "Prompt tokens of accepted requests", ("model",), registry=r
-        )
-        self.generation_tokens = Counter(
-            "aegaeon_generation_tokens", "Generated tokens received", ("model",), registry=r
-        )
-        self.in_flight = Gauge(
-            "aegaeon_requests_in_flight", "Generations submitted and not finished", ("model",),
-            registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram(
-            "aegaeon_ttft_seconds", "Time to first token", ("model",), buckets=TTFT_BUCKETS_S,
-            registry=r,
-        )  # fmt: skip
-        self.tbt = Histogram(
-            "aegaeon_tbt_seconds", "Time between tokens", ("model",), buckets=TBT_BUCKETS_S,
-            registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "aegaeon_request_duration_seconds", "Request latency, arrival to last token",
-            ("model",), buckets=E2E_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self.slo_tokens = Counter(
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        histogram = partial(Histogram, registry=r)
+        self.http_requests = counter("aegaeon_proxy_http_requests",
+                                     "HTTP requests by endpoint and status", ("endpoint", "status"))
+        self.requests = counter("aegaeon_requests", "Generation requests by model and outcome",
+                                ("model", "outcome"))  # fmt: skip
+        self.prompt_tokens = counter("aegaeon_prompt_tokens", "Prompt tokens of accepted requests",
+                                     ("model",))  # fmt: skip
+        self.generation_tokens = counter("aegaeon_generation_tokens", "Generated tokens received",
+                                         ("model",))  # fmt: skip
+        self.in_flight = gauge("aegaeon_requests_in_flight",
+                               "Generations submitted and not finished", ("model",))  # fmt: skip
+        self.ttft = histogram("aegaeon_ttft_seconds", "Time to first token", ("model",),
+                              buckets=TTFT_BUCKETS_S)  # fmt: skip
+        self.tbt = histogram("aegaeon_tbt_seconds", "Time between tokens", ("model",),
+                             buckets=TBT_BUCKETS_S)  # fmt: skip
+        self.e2e = histogram("aegaeon_request_duration_seconds",
+                             "Request latency, arrival to last token", ("model",),
+                             buckets=E2E_BUCKETS_S)  # fmt: skip
+        self.slo_tokens = counter(
             "aegaeon_slo_tokens",
             "Tokens by whether they met their deadline (arrival + TTFT + k x TBT); the "
-            "tokens a failed request never produced count as missed",
-            ("model", "met"), registry=r,
+            "tokens a failed request never produced count as missed", ("model", "met"),
         )  # fmt: skip
-        self.attainment = Gauge(
-            "aegaeon_slo_attainment_ratio", "Share of tokens that met their deadlines, since start",
-            ("model",), registry=r,
-        )  # fmt: skip
+        self.attainment = gauge("aegaeon_slo_attainment_ratio",
+                                "Share of tokens that met their deadlines, since start",
+                                ("model",))  # fmt: skip
         # vLLM's families (vllm:*, by model_name), for dashboards and autoscalers made for it
         self.vllm = VllmMetrics(r)
         self.vllm_gauges = VllmGauges(self.vllm)

@@ -23,13 +23,14 @@ loop: no I/O.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-from aegaeon_common.config import Config, ModelConfig, ModelSettings
+from aegaeon_common.config import ModelConfig, ModelSettings
 
+from aegaeon_proxy.auth import model_not_found
 from aegaeon_proxy.errors import APIError
 
 ModelState = Literal["adding", "serving", "removing"]
@@ -82,15 +83,12 @@ class ModelSettingsTable:
         self._models: dict[str, LiveModel] = {
             m.name: LiveModel(m, settings.get(m.name) or self._defaults) for m in models
         }
-        # DELETEs waiting for their model's last request (held so they are not collected)
+        # removals waiting for their model's last request, another replica's adds
+        # (:meth:`spawn`: held so they are not collected)
         self.background: set[asyncio.Task[Any]] = set()
         # models whose checkpoint cannot be read -> why (kept for names not listed
         # yet: another replica's add may come after its quarantine)
         self._unavailable: dict[str, str] = {}
-
-    @classmethod
-    def from_config(cls, config: Config) -> ModelSettingsTable:
-        return cls(config.models, config.model_settings)
 
     # ---- reading -------------------------------------------------------------
     def __iter__(self) -> Iterator[LiveModel]:
@@ -118,6 +116,11 @@ class ModelSettingsTable:
         return [m.name for m in self._models.values()
                 if m.state == "serving" and m.config.base is not None]
 
+    def bases(self) -> dict[str, ModelConfig]:
+        """The models among :meth:`names` that are no adapter (adapters may be added over them)."""
+        return {m.name: m.config for m in self._models.values()
+                if m.state == "serving" and m.config.base is None}  # fmt: skip
+
     def adapters_of(self, base: str) -> list[str]:
         """The LoRA adapters of ``base`` this proxy knows (serving or on their way)."""
         return [m.name for m in self._models.values() if m.config.base == base]
@@ -130,10 +133,6 @@ class ModelSettingsTable:
     def model_config(self, name: str) -> ModelConfig | None:
         entry = self._models.get(name)
         return entry.config if entry is not None else None
-
-    def in_flight(self, name: str) -> int:
-        entry = self._models.get(name)
-        return entry.in_flight if entry is not None else 0
 
     def unavailable(self, name: str) -> str | None:
         """Why ``name``'s checkpoint cannot be read, or None (it can, or is not known)."""
@@ -162,16 +161,21 @@ class ModelSettingsTable:
         """``name`` was read again: served as before; True if it was unavailable."""
         return self._unavailable.pop(name, None) is not None
 
+    def follow_unavailable(self, name: str, why: str | None) -> None:
+        """``name`` found unreadable (``why``) or read again (None), here or on another
+        replica (``ModelOps.follow_unavailable``)."""
+        if why is None:
+            self.release(name)
+        else:
+            self.quarantine(name, why)
+
     # ---- requests ------------------------------------------------------------
     def enter(self, name: str) -> None:
         """One more request of ``name`` starts: 404 if it is not served (removed
         meanwhile), 429 at its ``max_concurrency``."""
         entry = self._models.get(name)
         if entry is None or entry.state != "serving":
-            raise APIError(
-                404, f"The model '{name}' does not exist or you do not have access to it",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+            raise model_not_found(name)
         unreadable = self._unavailable.get(name)
         if unreadable is not None:
             raise unavailable_error(name, unreadable)
@@ -190,8 +194,18 @@ class ModelSettingsTable:
             entry.idle.set()
 
     # ---- changes (the admin endpoints) ---------------------------------------
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` (a change that waits) in the background."""
+        task = asyncio.get_running_loop().create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     def update(self, name: str, settings: ModelSettings) -> None:
-        self._models[name].settings = settings
+        """``name``'s settings now (a no-op for a model it does not list: another replica's
+        PATCH of a model removed here meanwhile)."""
+        entry = self._models.get(name)
+        if entry is not None:
+            entry.settings = settings
 
     def begin_add(self, model: ModelConfig, settings: ModelSettings | None) -> LiveModel:
         """Reserve ``model.name`` while it is being added (not served yet)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from aegaeon_common.config import SLO_CLASS_NAMES
@@ -81,7 +82,7 @@ def check_string(param: str, value: Any) -> str:
     return value
 
 
-def _bool(param: str, value: Any) -> bool:
+def check_bool(param: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise invalid(param, f"'{param}' must be a boolean")
     return value
@@ -109,16 +110,18 @@ def _number(param: str, value: Any, low: float, high: float, low_open: bool = Fa
     return float(value)
 
 
-def _max_tokens(param: str, value: Any) -> int:
-    return _int(param, value, 1)
-
-
-def _temperature(param: str, value: Any) -> float:
-    return _number(param, value, 0.0, 2.0)
-
-
-def _top_p(param: str, value: Any) -> float:
-    return _number(param, value, 0.0, 1.0, low_open=True)
+# the fields that are a bounded integer or number
+_max_tokens = partial(_int, low=1)
+_min_tokens = partial(_int, low=0)
+_n = partial(_int, low=1, high=MAX_N)
+_top_count = partial(_int, low=0, high=MAX_LOGPROBS)  # top log-probabilities (OpenAI's bound)
+_temperature = partial(_number, low=0.0, high=2.0)
+_top_p = partial(_number, low=0.0, high=1.0, low_open=True)
+_unit = partial(_number, low=0.0, high=1.0)
+_penalty = partial(_number, low=-2.0, high=2.0)
+_repetition_penalty = partial(_number, low=0.0, high=100.0, low_open=True)
+# seconds until the server ends the request with a `deadline_exceeded` error
+_timeout = partial(_number, low=0.0, high=1e9, low_open=True)
 
 
 def _top_k(param: str, value: Any) -> int:
@@ -141,17 +144,18 @@ def _stop(param: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _token_ids(param: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise invalid(param, f"'{param}' must be a list of token ids")
-    if len(value) > MAX_STOP_TOKEN_IDS:
-        raise invalid(param, f"'{param}' may hold at most {MAX_STOP_TOKEN_IDS} token ids")
+def _ids(param: str, value: Any, most: int, empty: bool) -> tuple[int, ...]:
+    """A list of at most ``most`` token ids (``empty``: it may hold none)."""
+    if not isinstance(value, list) or not (value or empty):
+        kind = "list" if empty else "non-empty list"
+        raise invalid(param, f"'{param}' must be a {kind} of token ids")
+    if len(value) > most:
+        raise invalid(param, f"'{param}' may hold at most {most} token ids")
     return tuple(_int(param, v, 0) for v in value)
 
 
-def _timeout(param: str, value: Any) -> float:
-    # seconds until the server ends the request with a `deadline_exceeded` error
-    return _number(param, value, 0.0, 1e9, low_open=True)
+_token_ids = partial(_ids, most=MAX_STOP_TOKEN_IDS, empty=True)
+_allowed_ids = partial(_ids, most=MAX_ALLOWED_IDS, empty=False)
 
 
 def _priority(param: str, value: Any) -> str:
@@ -174,22 +178,6 @@ def _millis(param: str, value: Any) -> float:
     return _number(param, value, 0.0, MAX_TARGET_MS, low_open=True) / 1000.0
 
 
-def _n(param: str, value: Any) -> int:
-    return _int(param, value, 1, MAX_N)
-
-
-def _unit(param: str, value: Any) -> float:
-    return _number(param, value, 0.0, 1.0)
-
-
-def _penalty(param: str, value: Any) -> float:
-    return _number(param, value, -2.0, 2.0)
-
-
-def _repetition_penalty(param: str, value: Any) -> float:
-    return _number(param, value, 0.0, 100.0, low_open=True)
-
-
 def _logit_bias(param: str, value: Any) -> dict[int, float]:
     """OpenAI's: token ids (as JSON object keys) to a bias in [-100, 100]."""
     if not isinstance(value, dict):
@@ -204,23 +192,6 @@ def _logit_bias(param: str, value: Any) -> dict[int, float]:
     return out
 
 
-def _allowed_ids(param: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise invalid(param, f"'{param}' must be a non-empty list of token ids")
-    if len(value) > MAX_ALLOWED_IDS:
-        raise invalid(param, f"'{param}' may hold at most {MAX_ALLOWED_IDS} token ids")
-    return tuple(_int(param, v, 0) for v in value)
-
-
-def _min_tokens(param: str, value: Any) -> int:
-    return _int(param, value, 0)
-
-
-def _top_count(param: str, value: Any) -> int:
-    """A count of top log-probabilities (OpenAI's bound: 20)."""
-    return _int(param, value, 0, MAX_LOGPROBS)
-
-
 def _completion_logprobs(param: str, value: Any) -> int:
     """Completions' ``logprobs``: how many top tokens (0..20) per token; ``false`` off."""
     if value is False:
@@ -230,7 +201,7 @@ def _completion_logprobs(param: str, value: Any) -> int:
 
 def _chat_logprobs(param: str, value: Any) -> int:
     """Chat's ``logprobs``: the chosen tokens' (0; ``top_logprobs`` adds more), or off."""
-    return 0 if _bool(param, value) else -1
+    return 0 if check_bool(param, value) else -1
 
 
 def _stream_options(param: str, value: Any) -> bool:
@@ -239,12 +210,12 @@ def _stream_options(param: str, value: Any) -> bool:
     include = value.get("include_usage", False)
     if include is None:
         return False
-    return _bool(f"{param}.include_usage", include)
+    return check_bool(f"{param}.include_usage", include)
 
 
 # request field -> (SamplingParams or CommonParams field, checker)
 FIELDS: dict[str, tuple[str, Checker]] = {
-    "stream": ("stream", _bool),
+    "stream": ("stream", check_bool),
     "stream_options": ("include_usage", _stream_options),
     "max_tokens": ("max_tokens", _max_tokens),
     "temperature": ("temperature", _temperature),
@@ -253,7 +224,7 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "seed": ("seed", _seed),
     "stop": ("stop", _stop),
     "stop_token_ids": ("stop_token_ids", _token_ids),
-    "ignore_eos": ("ignore_eos", _bool),
+    "ignore_eos": ("ignore_eos", check_bool),
     "timeout": ("timeout_s", _timeout),
     "priority": ("priority", _priority),
     "ttft_ms": ("ttft_s", _millis),
@@ -268,21 +239,21 @@ FIELDS: dict[str, tuple[str, Checker]] = {
     "allowed_token_ids": ("allowed_token_ids", _allowed_ids),
     "min_tokens": ("min_tokens", _min_tokens),
     "prompt_logprobs": ("prompt_logprobs", _top_count),
-    "skip_special_tokens": ("skip_special_tokens", _bool),
-    "return_tokens_as_token_ids": ("tokens_as_ids", _bool),
-    "return_token_ids": ("return_token_ids", _bool),
+    "skip_special_tokens": ("skip_special_tokens", check_bool),
+    "return_tokens_as_token_ids": ("tokens_as_ids", check_bool),
+    "return_token_ids": ("return_token_ids", check_bool),
 }
 COMPLETION_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "logprobs": ("logprobs", _completion_logprobs),
-    "echo": ("echo", _bool),
+    "echo": ("echo", check_bool),
 }
 CHAT_FIELDS: dict[str, tuple[str, Checker]] = {
     **FIELDS,
     "max_completion_tokens": ("max_tokens", _max_tokens),  # wins over max_tokens (after it)
     "logprobs": ("logprobs", _chat_logprobs),
     "top_logprobs": ("top_logprobs", _top_count),  # how many, with `logprobs: true`
-    "echo": ("echo", _bool),  # vLLM's: the last message first, when it is the assistant's
+    "echo": ("echo", check_bool),  # vLLM's: the last message first, when it is the assistant's
 }
 
 

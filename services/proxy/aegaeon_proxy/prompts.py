@@ -9,8 +9,8 @@ tokenized without adding any.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,14 +22,14 @@ from aegaeon_proxy.assets import ModelAssets
 from aegaeon_proxy.backend import GenerationRequest
 from aegaeon_proxy.chat_template import ChatTemplate, ChatTemplateError
 from aegaeon_proxy.errors import APIError, invalid
-from aegaeon_proxy.params import CommonParams
+from aegaeon_proxy.params import CommonParams, check_bool
 from aegaeon_proxy.tool_calls import ToolSetup, tool_messages, tool_setup, tool_text
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 __all__ = ["CHAT_PROMPT_FIELDS", "Prompt", "bool_field", "build_request", "chat_prompt",
-           "chat_prompt_ids", "check_ids", "completion_prompt", "completion_prompt_ids",
+           "check_ids", "completion_prompt", "completion_prompt_ids",
            "render_chat", "request_tools"]
 
 
@@ -120,19 +120,13 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 CHAT_PROMPT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
                       "chat_template", "chat_template_kwargs", "documents", "reasoning_effort",
                       "tools", "tool_choice", "parallel_tool_calls")
-# a request's own chat templates, compiled once (by source)
-_TEMPLATES: OrderedDict[tuple[str, tuple[tuple[str, str], ...]], ChatTemplate] = OrderedDict()
 MAX_TEMPLATES = 32
 MAX_TEMPLATE_CHARS = 64 << 10
 
 
 def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(name, f"'{name}' must be a boolean")
-    return value
+    return default if value is None else check_bool(name, value)
 
 
 def _own_template(source: Any, assets: ModelAssets) -> ChatTemplate:
@@ -140,19 +134,17 @@ def _own_template(source: Any, assets: ModelAssets) -> ChatTemplate:
         raise invalid("chat_template", "'chat_template' must be a Jinja template of 1 to "
                       f"{MAX_TEMPLATE_CHARS} characters")  # fmt: skip
     special = assets.chat_template.special_tokens if assets.chat_template is not None else {}
-    key = (source, tuple(sorted(special.items())))
-    template = _TEMPLATES.get(key)
-    if template is None:
-        try:
-            template = ChatTemplate(source, special)
-        except jinja2.TemplateError as exc:
-            raise invalid("chat_template", f"'chat_template' is not a valid template: {exc}"
-                          ) from None  # fmt: skip
-        _TEMPLATES[key] = template
-        if len(_TEMPLATES) > MAX_TEMPLATES:
-            _TEMPLATES.popitem(last=False)
-    _TEMPLATES.move_to_end(key)
-    return template
+    try:
+        return _compiled(source, tuple(sorted(special.items())))
+    except jinja2.TemplateError as exc:
+        raise invalid("chat_template", f"'chat_template' is not a valid template: {exc}"
+                      ) from None  # fmt: skip
+
+
+@functools.lru_cache(maxsize=MAX_TEMPLATES)
+def _compiled(source: str, special: tuple[tuple[str, str], ...]) -> ChatTemplate:
+    """A request's own chat template, compiled once (by source and special tokens)."""
+    return ChatTemplate(source, dict(special))
 
 
 def request_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -258,11 +250,6 @@ def chat_prompt(body: Mapping[str, Any], assets: ModelAssets) -> Prompt:
     if bool_field(body, "echo", False) and last.get("role") == "assistant":
         echoed = tool_text(last.get("content"))
     return Prompt(_truncated(ids, body, assets), echoed, setup)
-
-
-def chat_prompt_ids(body: Mapping[str, Any], assets: ModelAssets) -> list[int]:
-    """:func:`chat_prompt`'s token ids."""
-    return chat_prompt(body, assets).ids
 
 
 def _truncated(ids: list[int], body: Mapping[str, Any], assets: ModelAssets) -> list[int]:

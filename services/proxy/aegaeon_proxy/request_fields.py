@@ -103,9 +103,6 @@ class FieldTable:
         refused = {n: _DEFAULT_ONLY.get(n, _empty) for n in default_only if n not in honoured}
         return cls(frozenset(honoured), refused)
 
-    def known(self, name: str) -> bool:
-        return name in self.honoured or name in self.default_only or name in HARMLESS
-
 
 def check_fields(body: Mapping[str, Any], table: FieldTable) -> None:
     """A 400 naming the first field of ``body`` that ``table`` does not know, or that

@@ -8,17 +8,12 @@ choice per sequence (``n``); a chunk names its choice by ``index``.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 JSON = dict[str, Any]
 
-__all__ = ["CHAT", "COMPLETION", "JSON", "ChoiceResult", "Head", "Shapes", "Usage", "new_id"]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(16)}"
+__all__ = ["CHAT", "COMPLETION", "JSON", "ChoiceResult", "Head", "Shapes", "Usage"]
 
 
 @dataclass(frozen=True)
@@ -59,18 +54,6 @@ class ChoiceResult:
     logprobs: JSON | None = None  # in the endpoint's shape
     tool_calls: list[JSON] | None = None  # chat: parsed from the text
     extra: JSON = field(default_factory=dict)  # vLLM's additions (token_ids, ...)
-
-
-class Shapes(Protocol):
-    id_prefix: str
-
-    def response(self, head: Head, choices: list[ChoiceResult], usage: Usage,
-                 extra: JSON) -> JSON: ...
-    def opening(self, head: Head, n: int, usage_field: bool) -> list[JSON]: ...
-    def delta(self, head: Head, index: int, text: str, logprobs: JSON | None,
-              usage_field: bool, tool_calls: list[JSON] | None = None) -> JSON: ...
-    def finish(self, head: Head, index: int, finish: str, usage_field: bool) -> JSON: ...
-    def usage(self, head: Head, usage: Usage) -> JSON: ...
 
 
 def _usage_null(usage_field: bool) -> JSON:
@@ -145,5 +128,7 @@ class ChatShapes:
         return head.obj(self.chunk_kind, [], usage=usage.as_json())
 
 
+# the endpoints' shapes: each makes the same objects (response, opening, delta, finish, usage)
+Shapes = CompletionShapes | ChatShapes
 COMPLETION: Shapes = CompletionShapes()
 CHAT: Shapes = ChatShapes()

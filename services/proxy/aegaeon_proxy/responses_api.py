@@ -283,7 +283,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         await gen.admitted()
         out = _Output(body, gen)
-        parser = spec.tools.parser() if spec.tools is not None else None
+        parser = spec.prompt.tools.parser() if spec.prompt.tools is not None else None
         if spec.params.stream:
             return await _stream(request, out, parser)
         async with contextlib.aclosing(gen.deltas()) as deltas:
@@ -333,22 +333,13 @@ async def _events(out: _Output, parser: ToolCallParser | None,
     try:
         yield send("response.created", response=out.response())
         yield send("response.in_progress", response=out.response())
-        calls: list[JSON] = []
         async with contextlib.aclosing(out.gen.deltas(before_wait)) as deltas:
             async for delta in deltas:
-                if parser is None:
-                    for event in text(delta.text):
-                        yield event
-                else:
-                    piece, fragments = parser.push(delta.text, final=delta.finish_reason
-                                                   is not None)
-                    for event in text(piece):
-                        yield event
-                    calls += [f for f in fragments if "id" in f]
-                    for f in fragments:  # the arguments come in the fragment after the id
-                        if "id" not in f:
-                            calls[-1] = {**calls[-1], "function": {
-                                **calls[-1]["function"], "arguments": f["function"]["arguments"]}}
+                piece = delta.text
+                if parser is not None:  # its calls (parser.calls) are sent after the text
+                    piece, _ = parser.push(piece, final=delta.finish_reason is not None)
+                for event in text(piece):
+                    yield event
                 out.finish = delta.finish_reason or out.finish
         out.finish = out.finish or "stop"
         if opened:
@@ -358,8 +349,8 @@ async def _events(out: _Output, parser: ToolCallParser | None,
                        content_index=0, part=out.part())
             yield send("response.output_item.done", output_index=0,
                        item=out.message("completed"))
-        out.calls = calls
-        for k, call in enumerate(calls, start=1 if opened else 0):
+        out.calls = parser.calls if parser is not None else []
+        for k, call in enumerate(out.calls, start=1 if opened else 0):
             item = out.call_item(call)
             yield send("response.output_item.added", output_index=k,
                        item=out.call_item(call, arguments=""))

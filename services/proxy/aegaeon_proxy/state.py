@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aegaeon_common.config import Config, ModelSettings
+from aegaeon_common.config import Config
 from aegaeon_common.http_side import Readiness
 from aiohttp import web
 
@@ -24,23 +24,22 @@ class ProxyState:
     assets: AssetRegistry
     # the models served now and their live model_settings (admin endpoints change them)
     models: ModelSettingsTable
+    # Ollama's keep_alive of each model (the requests' last word)
+    keep_alive: KeepAlive
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     # draining (SIGTERM): /ready answers 503 and new generations are refused
     readiness: Readiness = field(default_factory=Readiness)
     # where the proxy's API is reached (for /v1/aegaeon/services); set when it listens
     url: str | None = None
-    # Ollama's keep_alive of each model (the requests' last word)
-    keep_alive: KeepAlive = field(default_factory=KeepAlive)
 
     @classmethod
     def create(cls, config: Config, backend: Backend) -> ProxyState:
+        models = ModelSettingsTable(config.models, config.model_settings)
         state = cls(config=config, backend=backend, assets=AssetRegistry(config.models),
-                    models=ModelSettingsTable.from_config(config))  # fmt: skip
+                    models=models, keep_alive=KeepAlive(backend.models, models))  # fmt: skip
         state.readiness.set_ready()  # the front is; the backend's readiness is its own
         backend.register_metrics(state.metrics.registry)
-        models = state.models
         state.metrics.registry.register(UnavailableModels(lambda: len(models.unavailable_models())))
-        state.keep_alive.attach(backend.models, state.models)
         state.metrics.vllm_gauges.attach(state.models.names, backend.engine_snapshot,
                                          config.dtype, state.models.adapters)  # fmt: skip
         return state
@@ -55,10 +54,6 @@ class ProxyState:
         ttft = m.ttft_s if m is not None and m.ttft_s is not None else slo.ttft_s
         tbt = m.tbt_s if m is not None and m.tbt_s is not None else slo.tbt_s
         return ttft, tbt
-
-    def model_settings(self, model: str) -> ModelSettings:
-        """``model_settings`` of ``model`` in force now (the admin endpoints change them)."""
-        return self.models.settings(model)
 
 
 STATE: web.AppKey[ProxyState] = web.AppKey("aegaeon_proxy_state", ProxyState)

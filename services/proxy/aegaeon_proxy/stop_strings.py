@@ -9,15 +9,8 @@ already be complete, so searching ``held + new`` finds the first match.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-__all__ = ["StopResult", "StopStringMatcher"]
-
-
-@dataclass(frozen=True)
-class StopResult:
-    text: str  # safe to send now
-    stopped: bool  # a stop string matched; ``text`` ends just before it
+__all__ = ["StopStringMatcher", "partial_suffix"]
 
 
 class StopStringMatcher:
@@ -32,33 +25,33 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._stopped
 
-    def push(self, delta: str) -> StopResult:
-        """Add newly decoded text."""
+    def push(self, delta: str) -> str:
+        """Add newly decoded text; returns the text safe to send now (once :attr:`stopped`,
+        it ends just before the stop string)."""
         if self._stopped:
-            return StopResult("", True)
+            return ""
         if not self._stop:
-            return StopResult(delta, False)
+            return delta
         text = self._held + delta
         cut = min((i for s in self._stop if (i := text.find(s)) >= 0), default=-1)
         if cut >= 0:
             self._held = ""
             self._stopped = True
-            return StopResult(text[:cut], True)
-        keep = self._partial_suffix(text)
+            return text[:cut]
+        # the longest suffix of the text that is a proper prefix of a stop string
+        keep = max(partial_suffix(text, stop) for stop in self._stop)
         self._held = text[len(text) - keep :] if keep else ""
-        return StopResult(text[: len(text) - keep], False)
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         """At the end of generation: the held text is not a stop string, send it."""
         held, self._held = self._held, ""
         return "" if self._stopped else held
 
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+def partial_suffix(text: str, word: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of ``word``."""
+    for n in range(min(len(word) - 1, len(text)), 0, -1):
+        if text.endswith(word[:n]):
+            return n
+    return 0

@@ -47,8 +47,7 @@ async def _body_and_assets(
     request: web.Request, fields: FieldTable | None
 ) -> tuple[dict[str, Any], ModelAssets]:
     state = request.app[STATE]
-    proxy = state.config.proxy
-    body = await read_json_object(request, proxy.max_body_bytes, proxy.read_timeout_s)
+    body = await read_json_object(request)
     if fields is None:
         fields = CHAT_FIELDS if "messages" in body else COMPLETION_FIELDS
     check_fields(body, fields)

@@ -41,6 +41,7 @@ from typing import Any, Literal
 from aegaeon_proxy.chat_template import ChatTemplate
 from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.json_schemas import closed
+from aegaeon_proxy.stop_strings import partial_suffix
 
 ToolFormat = Literal["hermes", "llama3_json"]
 JSON = dict[str, Any]
@@ -77,10 +78,6 @@ def tool_format(template: ChatTemplate) -> ToolFormat:
     return "hermes"
 
 
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
 @dataclass(frozen=True)
 class ToolSetup:
     """A chat request's tools, as checked: what to render, enforce and parse."""
@@ -97,13 +94,6 @@ class ToolSetup:
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.format, self.names, self.parallel)
-
-    @staticmethod
-    def tags_special(special: frozenset[str]) -> bool:
-        """The model's tool-call tags are special tokens (``special``: the tokenizer's):
-        the text must show them (vLLM, too, keeps special tokens in the text of a
-        request with tools)."""
-        return OPEN in special
 
     def grammar(self, special: frozenset[str] = frozenset()) -> str | None:
         """The Lark grammar (llguidance's) that forces a call, for ``required`` and a
@@ -228,6 +218,7 @@ class ToolCallParser:
         self.names = names
         self.parallel = parallel
         self.called = False
+        self.calls: list[JSON] = []  # streaming: the calls sent as fragments so far, whole
         self._held = ""
         self._count = 0
         self._llama_json: bool | None = None  # a Llama answer is JSON (None: not known yet)
@@ -250,7 +241,7 @@ class ToolCallParser:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return {"id": new_call_id(), "type": "function",
+        return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
                 "function": {"name": data["name"],
                              "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
@@ -315,6 +306,7 @@ class ToolCallParser:
             out.append({"index": self._count, "id": call["id"], "type": "function",
                         "function": {"name": function["name"], "arguments": ""}})
             out.append({"index": self._count, "function": {"arguments": function["arguments"]}})
+            self.calls.append(call)
             self._count += 1
         if out:
             self.called = True
@@ -324,7 +316,7 @@ class ToolCallParser:
         held = self._held
         start = held.find(OPEN)
         if start < 0:
-            keep = _partial_suffix(held, OPEN) if not final else 0
+            keep = partial_suffix(held, OPEN) if not final else 0
             self._held = held[len(held) - keep:] if keep else ""
             return held[: len(held) - keep], []
         content = held[:start] if not self.called else held[:start].strip()
@@ -365,11 +357,3 @@ class ToolCallParser:
         if found is None:
             return text, []
         return "", self._fragments(found[1])
-
-
-def _partial_suffix(text: str, word: str) -> int:
-    """The length of the longest suffix of ``text`` that begins ``word``."""
-    for n in range(min(len(word) - 1, len(text)), 0, -1):
-        if text.endswith(word[:n]):
-            return n
-    return 0

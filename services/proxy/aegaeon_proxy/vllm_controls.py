@@ -32,8 +32,8 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from aegaeon_proxy.backend import BackendError
-from aegaeon_proxy.errors import APIError, backend_api_error, invalid
+from aegaeon_proxy.admin_models import unknown_model
+from aegaeon_proxy.errors import invalid
 from aegaeon_proxy.jsonfmt import json_response
 from aegaeon_proxy.state import STATE
 
@@ -50,8 +50,7 @@ def _models(request: web.Request) -> list[str]:
     if name is None:
         return models.names()
     if not models.serving(name):
-        raise APIError(404, f"no model '{name}' is served", param="model",
-                       code="model_not_found")  # fmt: skip
+        raise unknown_model(name)
     return [name]
 
 
@@ -64,10 +63,7 @@ async def _set(request: web.Request, awake: bool) -> web.Response:
     backend = request.app[STATE].backend
     sleeping: dict[str, bool] = {}
     for name in _models(request):
-        try:
-            sleeping[name] = await backend.models.set_model_awake(name, awake)
-        except BackendError as exc:
-            raise backend_api_error(exc) from None
+        sleeping[name] = await backend.models.set_model_awake(name, awake)
     return _answer(sleeping)
 
 
@@ -91,10 +87,7 @@ async def wake_up(request: web.Request) -> web.Response:
 async def is_sleeping(request: web.Request) -> web.Response:
     """``GET /is_sleeping``: whether the model is on no device."""
     backend = request.app[STATE].backend
-    try:
-        return _answer({name: backend.models.model_sleeping(name) for name in _models(request)})
-    except BackendError as exc:
-        raise backend_api_error(exc) from None
+    return _answer({name: backend.models.model_sleeping(name) for name in _models(request)})
 
 
 ROUTES: list[tuple[str, str, Handler]] = [

@@ -65,96 +65,79 @@ FINISHED_REASONS: dict[str, str] = {
 COMPLETED = frozenset({"stop", "length"})
 
 
-def _histogram(name: str, doc: str, buckets: Sequence[float], registry: CollectorRegistry
-               ) -> Histogram:  # fmt: skip
-    return Histogram(name, doc, (LABEL,), buckets=buckets, registry=registry)
-
-
 class VllmMetrics:
     """The request families; :meth:`request` makes one generation's recorder."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = self.registry = registry
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                     (LABEL,), registry=r)  # fmt: skip
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", (LABEL,),
-            registry=r,
-        )  # fmt: skip
+        self.registry = registry
+        self._per_model: list[Counter | Histogram] = []  # the families :meth:`serve` starts
+        c, h = self._counter, self._histogram
+        self.prompt_tokens = c("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = c("vllm:generation_tokens",
+                                   "Number of generation tokens processed.")  # fmt: skip
         self.success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
-            (LABEL, "finished_reason"), registry=r,
+            (LABEL, "finished_reason"), registry=registry,
         )  # fmt: skip
-        h = _histogram
-        self.ttft = h(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            TTFT_BUCKETS_S,
-            r,
-        )
-        self.itl = h(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            TOKEN_LATENCY_BUCKETS_S,
-            r,
-        )
+        self.ttft = h("vllm:time_to_first_token_seconds",
+                      "Histogram of time to first token in seconds.", TTFT_BUCKETS_S)  # fmt: skip
+        self.itl = h("vllm:inter_token_latency_seconds",
+                     "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS_S)
         self.tpot = h("vllm:time_per_output_token_seconds",
                       "Histogram of time per output token in seconds (the inter-token latency).",
-                      TOKEN_LATENCY_BUCKETS_S, r)  # fmt: skip
+                      TOKEN_LATENCY_BUCKETS_S)  # fmt: skip
         self.request_tpot = h("vllm:request_time_per_output_token_seconds",
                               "Histogram of time_per_output_token_seconds per request.",
-                              TOKEN_LATENCY_BUCKETS_S, r)  # fmt: skip
-        self.e2e = h(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS_S,
-            r,
-        )
+                              TOKEN_LATENCY_BUCKETS_S)  # fmt: skip
+        self.e2e = h("vllm:e2e_request_latency_seconds",
+                     "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS_S)
         self.queue = h("vllm:request_queue_time_seconds",
                        "Histogram of time spent in WAITING phase for request.",
-                       REQUEST_LATENCY_BUCKETS_S, r)  # fmt: skip
+                       REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
         self.time_in_queue = h("vllm:time_in_queue_requests",
                                "Histogram of time the request spent in the queue in seconds.",
-                               REQUEST_LATENCY_BUCKETS_S, r)  # fmt: skip
+                               REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
         self.inference = h("vllm:request_inference_time_seconds",
                            "Histogram of time spent in RUNNING phase for request.",
-                           REQUEST_LATENCY_BUCKETS_S, r)  # fmt: skip
+                           REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
         self.prefill = h("vllm:request_prefill_time_seconds",
                          "Histogram of time spent in PREFILL phase for request.",
-                         REQUEST_LATENCY_BUCKETS_S, r)  # fmt: skip
+                         REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
         self.decode = h("vllm:request_decode_time_seconds",
                         "Histogram of time spent in DECODE phase for request.",
-                        REQUEST_LATENCY_BUCKETS_S, r)  # fmt: skip
+                        REQUEST_LATENCY_BUCKETS_S)  # fmt: skip
         self.prompt_len = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                            TOKEN_COUNT_BUCKETS, r)  # fmt: skip
-        self.generation_len = h(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            TOKEN_COUNT_BUCKETS,
-            r,
-        )
+                            TOKEN_COUNT_BUCKETS)  # fmt: skip
+        self.generation_len = h("vllm:request_generation_tokens",
+                                "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS)
         self.max_generation_len = h("vllm:request_max_num_generation_tokens",
                                     "Histogram of maximum number of requested generation tokens.",
-                                    TOKEN_COUNT_BUCKETS, r)  # fmt: skip
+                                    TOKEN_COUNT_BUCKETS)  # fmt: skip
         self.params_n = h("vllm:request_params_n", "Histogram of the n request parameter.",
-                          N_BUCKETS, r)  # fmt: skip
+                          N_BUCKETS)  # fmt: skip
         self.params_max_tokens = h("vllm:request_params_max_tokens",
                                    "Histogram of the max_tokens request parameter.",
-                                   TOKEN_COUNT_BUCKETS, r)  # fmt: skip
+                                   TOKEN_COUNT_BUCKETS)  # fmt: skip
         # generations open at the front, by model: [waiting for a first token, running]
         self.open: dict[str, list[int]] = {}
         self._served: set[str] = set()
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        family = Counter(name, doc, (LABEL,), registry=self.registry)
+        self._per_model.append(family)
+        return family
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        family = Histogram(name, doc, (LABEL,), buckets=buckets, registry=self.registry)
+        self._per_model.append(family)
+        return family
 
     def serve(self, model: str) -> None:
         """Make ``model``'s series exist (at 0) before its first request."""
         if model in self._served:
             return
         self._served.add(model)
-        for family in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
-                       self.tpot, self.request_tpot, self.e2e, self.queue, self.time_in_queue,
-                       self.inference, self.prefill, self.decode, self.prompt_len,
-                       self.generation_len, self.max_generation_len, self.params_n,
-                       self.params_max_tokens):  # fmt: skip
+        for family in self._per_model:
             family.labels(model)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model, reason)
@@ -302,11 +285,8 @@ class VllmGauges(Collector):
         if self._engine is not None:
             self.snapshot = await self._engine()
 
-    def _names(self) -> list[str]:
-        return sorted(set(self._models()) | set(self._m.open))
-
     def collect(self) -> Iterator[Metric]:
-        names = self._names()
+        names = sorted(set(self._models()) | set(self._m.open))
         snap = self.snapshot
 
         def gauge(name: str, doc: str, value: Callable[[str], float | None]) -> Metric:

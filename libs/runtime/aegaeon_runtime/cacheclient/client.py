@@ -58,9 +58,11 @@ from aegaeon_gpumem import EventTable, ShmRegion
 
 from aegaeon_runtime.cacheclient.convert import EventLike, ShapeLike, to_event, to_shape
 from aegaeon_runtime.cacheclient.mapped import MappedModel, Registration
+from aegaeon_runtime.errors import ModelGoneError, ModelUnavailableError
 
 __all__ = [
-    "CacheClient", "EventLike", "ShapeLike", "SyncCacheClient", "to_event", "to_shape",
+    "CacheClient", "EventLike", "ShapeLike", "SyncCacheClient", "model_region", "to_event",
+    "to_shape",
 ]  # fmt: skip
 
 R = TypeVar("R", bound=Message)
@@ -100,7 +102,6 @@ class CacheClient:
         # Kept model mappings; read by other threads through cached_model().
         self._models: dict[str, MappedModel] = {}
         self._models_lock = threading.Lock()
-        self._pins: dict[str, int] = {}
         self._uses: set[str] = set()  # noted by any thread, reported by _report_uses
         self._uses_lock = threading.Lock()
         self._use_report_interval_s = use_report_interval_s
@@ -161,8 +162,6 @@ class CacheClient:
                 # (its pages go with the last reference).
                 cached = self._models[name] = MappedModel.attach(
                     reply, populate=True, pin=self._pin_host)
-        if pin:
-            self._pins[name] = self._pins.get(name, 0) + 1
         return cached.with_reply(reply)
 
     def cached_model(self, name: str) -> MappedModel | None:
@@ -176,13 +175,10 @@ class CacheClient:
                 model = None
         return model
 
-    async def touch(self, name: str) -> None:
-        """Count a use of ``name`` in the Model Cache (LRU recency), without pinning it."""
-        await self.load_model(name, pin=False)
-
     def note_use(self, name: str) -> None:
-        """Note a use of ``name`` (any thread; wakes nothing). Reported by :meth:`touch`
-        within ``use_report_interval_s`` once :meth:`register` started the reporter."""
+        """Note a use of ``name`` (any thread; wakes nothing). Reported (a load without a
+        pin: a use in the Model Cache's LRU order) within ``use_report_interval_s`` once
+        :meth:`register` started the reporter."""
         with self._uses_lock:
             self._uses.add(name)
 
@@ -195,7 +191,7 @@ class CacheClient:
                 names, self._uses = self._uses, set()
             for name in sorted(names):
                 try:
-                    await self.touch(name)
+                    await self.load_model(name, pin=False)
                 except (RemoteError, TimeoutError) as exc:
                     log.warning("model_use_report_failed", model=name, error=str(exc))
             self._drop_evicted()
@@ -211,11 +207,6 @@ class CacheClient:
         """Drop one of this worker's pins (the mapping is kept: module docstring).
         Returns the model's remaining pins."""
         reply = await self._call(UnpinModel(name, self.worker_id), ModelUnpinned)
-        left = self._pins.get(name, 0) - 1
-        if left > 0:
-            self._pins[name] = left
-        else:
-            self._pins.pop(name, None)
         return reply.pins
 
     async def alloc_blocks(self, shape: ShapeLike, num_blocks: int) -> BlocksAllocated:
@@ -272,7 +263,6 @@ class CacheClient:
             for model in self._models.values():
                 model.region.close()
             self._models.clear()
-        self._pins.clear()
         if self.registration is not None:
             self.registration.close()
             self.registration = None
@@ -349,3 +339,25 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def model_region(cache: SyncCacheClient, name: str) -> MappedModel:
+    """``name``'s Model Cache region (a model's or an adapter's): the client's kept
+    mapping (the use is noted, reported later by the client), else (first use, or
+    evicted since) mapped under a pin that is dropped at once; a kept mapping is safe
+    to read unpinned (see the module docstring). ``ModelGoneError`` when the cachemgr
+    no longer holds it, ``ModelUnavailableError`` when it cannot read its checkpoint."""
+    mapped = cache.cached_model(name)
+    if mapped is not None:
+        cache.note_use(name)
+        return mapped
+    try:
+        mapped = cache.load_model(name, pin=True)
+    except RemoteError as exc:
+        if exc.code == "unknown_model":
+            raise ModelGoneError(name, str(exc)) from exc
+        if exc.code == "checkpoint_error":  # quarantined by the cachemgr
+            raise ModelUnavailableError(name, exc.reply.message) from exc
+        raise
+    cache.unpin(name)
+    return mapped

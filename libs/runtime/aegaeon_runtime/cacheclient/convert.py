@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -44,6 +45,4 @@ def to_event(event: EventLike) -> EventSpec:
     if isinstance(event, EventSpec):
         return event
     handle = event if isinstance(event, EventHandle) else EventHandle.from_dict(event)
-    return EventSpec(
-        handle.kind, handle.table, handle.slot, handle.value, handle.handle, handle.device
-    )
+    return EventSpec(**dataclasses.asdict(handle))

@@ -62,12 +62,16 @@ class Admission:
         self.families.setdefault(seq.request_id, []).append(seq.key)
         return True
 
-    def _sampling(self, msg: EnqueueDecode | RunRequest, index: int,
-                  tokens: list[int]) -> SeqSampling:
+    def _seq(self, msg: EnqueueDecode | RunRequest, index: int, batch_id: int,
+             tokens: list[int], prompt_len: int) -> Seq:
+        """Sequence ``index`` of ``msg``'s request, joining now with ``tokens`` (its
+        sampling state reads the same list)."""
         w = self.worker
-        prompt = msg.prompt_token_ids
-        return SeqSampling.start(msg.sampling, index, model=msg.model, device=w.engine.device,
-                                 grammars=w.grammars, prompt_ids=prompt, output_ids=tokens)
+        sampling = SeqSampling.start(msg.sampling, index, model=msg.model,
+                                     device=w.engine.device, grammars=w.grammars,
+                                     prompt_ids=msg.prompt_token_ids, output_ids=tokens)
+        return Seq(msg.request_id, msg.model, batch_id, w.kv_shape(msg.model), sampling,
+                   prompt_len, msg.arrival_s, tokens, index=index, joined_s=self.clock.wall())
 
     def enqueue(self, msg: Message) -> None:
         """A prefilled request joins its batch (Alg. 2 line 2); its KV is in the host cache.
@@ -83,24 +87,10 @@ class Admission:
         shared = SharedHost(len(live)) if len(live) > 1 else None
         seqs: list[Seq] = []
         for i in live:
-            tokens = [firsts[i]]
-            seq = Seq(
-                request_id=msg.request_id,
-                model=msg.model,
-                batch_id=msg.batch_id,
-                shape=w.kv_shape(msg.model),
-                sampling=self._sampling(msg, i, tokens),
-                prompt_len=msg.prompt_len,
-                arrival_s=msg.arrival_s,
-                tokens=tokens,
-                index=i,
-                host_blocks=list(msg.handoff.block_offsets),
-                host_shared=shared,
-                host_event=event_from_spec(msg.handoff.event),
-                joined_s=self.clock.wall(),
-                ttft_s=msg.ttft_s or None,
-                tbt_s=msg.tbt_s or None,
-            )  # fmt: skip
+            seq = self._seq(msg, i, msg.batch_id, [firsts[i]], msg.prompt_len)
+            seq.host_blocks, seq.host_shared = list(msg.handoff.block_offsets), shared
+            seq.host_event = event_from_spec(msg.handoff.event)
+            seq.ttft_s, seq.tbt_s = msg.ttft_s or None, msg.tbt_s or None
             seqs.append(seq)
         if not seqs:
             return
@@ -126,20 +116,8 @@ class Admission:
         unit = w.unit_of(msg.model)  # a base and its adapters: one batch
         batch_id = self._local_batches.setdefault(unit, -1 - len(self._local_batches))
         for i in range(msg.sampling.n):
-            tokens: list[int] = []
-            seq = Seq(
-                request_id=msg.request_id,
-                model=msg.model,
-                batch_id=batch_id,
-                shape=w.kv_shape(msg.model),
-                sampling=self._sampling(msg, i, tokens),
-                prompt_len=len(msg.prompt_token_ids),
-                arrival_s=msg.arrival_s,
-                tokens=tokens,
-                prompt_token_ids=list(msg.prompt_token_ids),
-                index=i,
-                joined_s=self.clock.wall(),
-            )
+            seq = self._seq(msg, i, batch_id, [], len(msg.prompt_token_ids))
+            seq.prompt_token_ids = list(msg.prompt_token_ids)  # prefilled here first
             if self._add(seq, msg.sampling.max_tokens):
                 w.metrics.tokens("arrival", msg.model, len(msg.prompt_token_ids))
 
@@ -150,17 +128,15 @@ class Admission:
 
     def cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
-        for key in list(self.families.get(msg.request_id, ())):
-            seq = self.seqs.get(key)
-            if seq is not None:
-                self.finish(seq)
-                self.counters.cancelled += 1
-                self.worker.metrics.request_done("decode", seq.model, "cancelled")
+        family = (self.seqs.get(key) for key in list(self.families.get(msg.request_id, ())))
+        self._cancel([seq for seq in family if seq is not None])
 
     def drop_all(self) -> int:
         """Forget every request and free its KV (a new proxy started: the old one's
         requests have no client left). Returns how many."""
-        seqs = list(self.seqs.values())
+        return self._cancel(list(self.seqs.values()))
+
+    def _cancel(self, seqs: list[Seq]) -> int:
         for seq in seqs:
             self.finish(seq)
             self.counters.cancelled += 1

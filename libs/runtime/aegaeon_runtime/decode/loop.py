@@ -38,7 +38,6 @@ from aegaeon_common.messages.prefill import (
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats
-from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import (
     DecodeShare,
@@ -53,14 +52,13 @@ from aegaeon_runtime.counters import InstanceCounters
 from aegaeon_runtime.decode.admit import Admission
 from aegaeon_runtime.decode.residency import Residency
 from aegaeon_runtime.decode.turn import TurnRunner
-from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.holdings import HoldingsBook, used_blocks
+from aegaeon_runtime.instance import InstanceLoop
 from aegaeon_runtime.metrics import InstanceLoad
-from aegaeon_runtime.models import add_model, set_awake
+from aegaeon_runtime.models import set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill.loop import PrefillLoop
 from aegaeon_runtime.profile_cache import start_up_profile
-from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("decode")
 IDLE_WAIT_S = 0.05
@@ -69,7 +67,7 @@ IDLE_WAIT_S = 0.05
 KV_RETRY_S = 0.005
 
 
-class DecodeLoop:
+class DecodeLoop(InstanceLoop):
     """Runs on the compute thread; see the module docstring.
 
     ``clock``, ``rounds`` and ``profile`` (the latency model's source; default:
@@ -87,11 +85,8 @@ class DecodeLoop:
         rounds: RoundController | None = None,
         profile: Callable[[], LatencyModel] | None = None,
     ) -> None:
+        super().__init__(worker, inbox, outbox, clock)
         config = worker.config
-        self.worker = worker
-        self.inbox = inbox
-        self.outbox = outbox
-        self.clock = clock
         self.work = DecodeWorkList()
         # Eq. 2-3 plus the round bound (rounds within 0.7 x TTFT; see aegaeon_sched.quota);
         # a hybrid's prefills take part of its time: rounds are planned for the rest.
@@ -116,11 +111,6 @@ class DecodeLoop:
             self.turns.preempt = self.prefill.pending
             self.prefill.evict = self._evict_for_prefill
         self._profile = profile or start_up_profile(worker)
-        self._stop = threading.Event()
-        self.ready = threading.Event()
-        self.latency: LatencyModel | None = None
-        self.load = InstanceLoad()  # written here, read by a scrape
-        self.snapshots = QueueSnapshots()  # its queues, for the registrar (many nodes)
         # what it holds, read into each message that ends a request (its prefills' too)
         self.holdings = HoldingsBook(
             lambda: used_blocks(worker.kv.pool),
@@ -129,8 +119,7 @@ class DecodeLoop:
         self.admission.changed = self.admission.tokens.changed = self._changed
         if self.prefill is not None:
             self.prefill.changed = self._changed
-        self.drain = Drain()
-        self._handlers: dict[type[Message], Callable[[Message], None]] = {
+        self._handlers = {
             EnqueueDecode: self._on_enqueue_decode,
             RunRequest: self.admission.run_request,
             CancelRequest: self._on_cancel,
@@ -141,7 +130,6 @@ class DecodeLoop:
             ProxyStarted: self._on_proxy_started,
             SetModelAwake: self._on_set_awake,
         }
-        self._proxy = 0  # the proxy process that last said it started
 
     def _on_cancel(self, msg: Message) -> None:
         assert isinstance(msg, CancelRequest)
@@ -171,11 +159,8 @@ class DecodeLoop:
         """A new proxy (it sends this before any work): every request held here and
         every handoff sent from here are an old proxy's, which died with their
         clients; nobody would end or claim them. Drop them and free their KV."""
-        assert isinstance(msg, ProxyStarted)
-        if msg.proxy == self._proxy:
+        if not self._new_proxy(msg):
             return
-        self._proxy = msg.proxy
-        self.drain.acked = False  # a drain waits for this proxy's answer
         queued = self.prefill.drop_all() if self.prefill is not None else 0
         dropped = self.admission.drop_all()
         freed = (self.prefill.handoffs.free_unclaimed(self.worker.cache)
@@ -183,13 +168,6 @@ class DecodeLoop:
         if queued or dropped or freed:
             log.info("old_proxy_work_dropped", queued=queued, sequences=dropped,
                      handoffs_freed=freed)  # fmt: skip
-
-    def _on_shutdown(self, msg: Message) -> None:
-        self._stop.set()
-
-    def _on_add_model(self, msg: Message) -> None:
-        assert isinstance(msg, AddModel)
-        self.outbox.send(add_model(self.worker, self.latency, msg))
 
     def _on_set_awake(self, msg: Message) -> None:
         """Sleep or wake a model here (applied between two steps: a batch of it in the
@@ -203,10 +181,6 @@ class DecodeLoop:
         idle = not len(self.work) and not self._pending_prefill()
         self.outbox.send(set_awake(self.worker, msg, busy, idle))
 
-    def apply(self, msgs: list[Message]) -> None:
-        for msg in msgs:
-            self._handlers[type(msg)](msg)
-
     def run(self, stop: threading.Event) -> None:
         self.latency = self.turns.latency = self._profile()
         self.ready.set()
@@ -214,7 +188,7 @@ class DecodeLoop:
         if self.prefill is not None:
             self.prefill.poll = self.turns.poll
         while not (stop.is_set() or self._stop.is_set()):
-            busy = len(self.work) or (self.prefill is not None and self.prefill.pending())
+            busy = len(self.work) or self._pending_prefill()
             if self._prefill_waits_for_kv():
                 self.apply(self.inbox.wait(KV_RETRY_S))
             else:
@@ -255,12 +229,6 @@ class DecodeLoop:
 
     def _pending_prefill(self) -> bool:
         return self.prefill is not None and self.prefill.pending()
-
-    def _changed(self) -> Holdings:
-        """After a request's end (its KV freed): the load published, then the reading
-        its message carries (see ``aegaeon_runtime.holdings``)."""
-        self._publish_load()
-        return self.holdings.after_change()
 
     def _publish_load(self) -> None:
         queue = self.prefill.queue if self.prefill is not None else None

@@ -219,8 +219,7 @@ class TurnRunner:
             except OutOfBlocks:
                 return
             seq.device_blocks, seq.on_device, seq.ready_event = blocks, True, None
-            why = self._grammar_problem(seq)
-            if why:
+            if why := self._grammar_problem(seq):
                 self.admission.fail(seq, "bad_grammar", why)
                 continue
             stepping, adapters = self._adapters(batch, [seq])
@@ -236,8 +235,7 @@ class TurnRunner:
             tokens, logprobs = sample_step(w.sampler, logits[None], [seq.sampling])
             token, lp = tokens[0], [x for x in logprobs if x is not None]
             seq.prompt_token_ids = None
-            why = self._grammar_problem(seq)
-            if why:
+            if why := self._grammar_problem(seq):
                 self.admission.fail(seq, "bad_grammar", why)
                 continue
             done = self.clock.wall()
@@ -304,8 +302,7 @@ class TurnRunner:
             except OutOfBlocks:
                 continue  # waits for room; decoded when blocks free up
         for seq in [s for s in stepping if s.sampling.grammar is not None]:
-            why = self._grammar_problem(seq)
-            if why:
+            if why := self._grammar_problem(seq):
                 stepping.remove(seq)
                 self.admission.fail(seq, "bad_grammar", why)
         if not stepping:
@@ -345,11 +342,8 @@ class TurnRunner:
         self._turn_steps += 1
         self.counters.steps += 1
         self.counters.tokens += len(stepping)
-        if all(s.model == batch.model for s in stepping):  # no adapters among them
-            w.metrics.tokens("decode", batch.model, len(stepping))
-        else:
-            for model, count in Counter(s.model for s in stepping).items():
-                w.metrics.tokens("decode", model, count)
+        for model, count in Counter(s.model for s in stepping).items():  # adapters apart
+            w.metrics.tokens("decode", model, count)
         self.counters.decode_s += seconds
         if self.latency is not None:
             self.latency.observe_decode(batch.model, len(stepping), context, seconds)

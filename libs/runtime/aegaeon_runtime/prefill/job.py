@@ -22,17 +22,12 @@ from dataclasses import dataclass
 
 from aegaeon_common.messages.prefill import EnqueuePrefill
 from aegaeon_common.messages.report import PrefillDone, RequestFailed, SwitchRecord
-from aegaeon_common.messages.structs import (
-    KVHandoff,
-    KVShapeSpec,
-    RequestTimings,
-    TokenLogprobs,
-)
+from aegaeon_common.messages.structs import KVHandoff, RequestTimings, TokenLogprobs
 from aegaeon_common.transport import RemoteError
 from aegaeon_gpumem import OutOfBlocks
 from aegaeon_sched import Request
 
-from aegaeon_runtime.cacheclient.client import to_event
+from aegaeon_runtime.cacheclient.client import to_event, to_shape
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.kv import shape_key
 from aegaeon_runtime.port import ModelGoneError, WorkerPort
@@ -130,22 +125,25 @@ def run_prefill(
     prompt = msg.prompt_token_ids
 
     def fail(code: str, message: str) -> PrefillOutcome:
+        """The request fails; its blocks are freed."""
+        w.kv.free(shape, blocks)
         failed = RequestFailed(msg.request_id, w.kind, w.index, code, message)
         return PrefillOutcome(failed, record, 0.0, 0)
 
+    def grammar_problem() -> str:
+        """What a sequence's grammar found wrong (empty: nothing)."""
+        return next((why for seq in seqs if seq.grammar is not None
+                     and (why := seq.grammar.check())), "")  # fmt: skip
+
     if unit != msg.model and adapter is None:  # no room on the device for its matrices
-        w.kv.free(shape, blocks)
         return fail("adapter_capacity", f"adapter {msg.model!r} does not fit the device's "
                                         "adapter region (adapter_memory)")
     spec = msg.sampling
     seqs = [SeqSampling.start(spec, i, model=msg.model, device=w.engine.device,
                               grammars=w.grammars, prompt_ids=prompt)
             for i in range(spec.n)]  # fmt: skip
-    for seq in seqs:
-        why = seq.grammar.check() if seq.grammar is not None else ""
-        if why:
-            w.kv.free(shape, blocks)
-            return fail("bad_grammar", why)
+    if why := grammar_problem():
+        return fail("bad_grammar", why)
     compute_start = clock.now()
     scored: list[TokenLogprobs] = []
     if spec.prompt_logprobs >= 0:
@@ -156,22 +154,16 @@ def run_prefill(
     # the n sequences share the prompt's logits (and, below, its KV)
     tokens, logprobs = sample_step(w.sampler, logits[None].expand(len(seqs), -1), seqs)
     compute_s = clock.now() - compute_start
-    for seq in seqs:
-        why = seq.grammar.check() if seq.grammar is not None else ""
-        if why:
-            w.kv.free(shape, blocks)
-            return fail("bad_grammar", why)
+    if why := grammar_problem():
+        return fail("bad_grammar", why)
     finishes = [finish_reason(t, 1, seq.params) for t, seq in zip(tokens, seqs, strict=True)]
     handoff = None
     if any(f is None for f in finishes):
         try:
             host, event = w.kv.swap_out(shape, blocks)
         except RemoteError as exc:
-            w.kv.free(shape, blocks)
             return fail("kv_cache_full", f"unified KV cache: {exc}")
-        kv_spec = KVShapeSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                              shape.block_size, shape.dtype)  # fmt: skip
-        handoff = KVHandoff(kv_spec, host, len(prompt), to_event(event.handle()))
+        handoff = KVHandoff(to_shape(shape), host, len(prompt), to_event(event.handle()))
     else:
         w.kv.free(shape, blocks)
     done = clock.wall()

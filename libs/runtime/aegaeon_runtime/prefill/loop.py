@@ -43,17 +43,16 @@ from aegaeon_common.messages.prefill import (
     Shutdown,
 )
 from aegaeon_common.messages.report import InstanceStats, PrefillDone, RequestFailed
-from aegaeon_common.messages.structs import Holdings
 from aegaeon_common.wire import Message
 from aegaeon_sched import LatencyModel, PrefillQueue
 
 from aegaeon_runtime.clock import SYSTEM_CLOCK, Clock
 from aegaeon_runtime.counters import InstanceCounters
-from aegaeon_runtime.drain import Drain
 from aegaeon_runtime.handoffs import SentHandoffs
 from aegaeon_runtime.holdings import HoldingsBook, Reading, used_blocks
+from aegaeon_runtime.instance import InstanceLoop
 from aegaeon_runtime.metrics import InstanceLoad
-from aegaeon_runtime.models import add_model, set_awake
+from aegaeon_runtime.models import set_awake
 from aegaeon_runtime.port import MessageSink, MessageSource, WorkerPort
 from aegaeon_runtime.prefill.job import (
     Evict,
@@ -63,7 +62,6 @@ from aegaeon_runtime.prefill.job import (
     run_prefill,
 )
 from aegaeon_runtime.profile_cache import start_up_profile
-from aegaeon_runtime.shared_queues import QueueSnapshots
 
 log = get_logger("prefill")
 IDLE_WAIT_S = 0.05
@@ -74,7 +72,7 @@ PREFILL_COUNTERS = ("prefills", "prefill_tokens", "prefill_s", "switches", "swit
                     "adapter_loads", "failed")  # fmt: skip
 
 
-class PrefillLoop:
+class PrefillLoop(InstanceLoop):
     """The job queue and its runs; see the module docstring.
 
     ``counters``: the hybrid instance's (its heartbeat reports prefills beside
@@ -92,10 +90,7 @@ class PrefillLoop:
         clock: Clock = SYSTEM_CLOCK,
         profile: Callable[[], LatencyModel] | None = None,
     ) -> None:
-        self.worker = worker
-        self.inbox = inbox
-        self.outbox = outbox
-        self.clock = clock
+        super().__init__(worker, inbox, outbox, clock)
         self.counters = counters or InstanceCounters(metrics=worker.metrics)
         self.queue = PrefillQueue(max_group_size=worker.config.scheduler.max_group_size,
                                   default_ttft_s=worker.config.slo.ttft_s)  # fmt: skip
@@ -107,27 +102,20 @@ class PrefillLoop:
         # Between two prefills: the commands that arrived meanwhile, so a more urgent
         # group queued behind a deep backlog goes next (SLO classes) and a cancel
         # takes effect before its turn. A hybrid sets its own (its turns' poll).
-        self.poll: Callable[[], None] = lambda: self._apply(self.inbox.drain())
+        self.poll: Callable[[], None] = lambda: self.apply(self.inbox.drain())
         # A hybrid's: swaps its decode sequences out to make room for a prompt.
         self.evict: Evict | None = None
         # a prefill instance's own loop (run)
         self._profile = profile  # None: the worker's start-up profile, when it runs alone
-        self._stop = threading.Event()
-        self.ready = threading.Event()
-        self.latency: LatencyModel | None = None
-        self.load = InstanceLoad()  # written here, read by a scrape
-        self.snapshots = QueueSnapshots()  # its queue, for the registrar (many nodes)
         # what it holds, read into each message that takes a request out of its queue
         # (aegaeon_runtime.holdings); a hybrid sets ``changed`` to its own book's
         self.holdings = HoldingsBook(lambda: used_blocks(worker.kv.pool),
                                      lambda: self.load.prefill_requests)  # fmt: skip
         self.changed: Reading = self._changed
-        self.drain = Drain()
-        self._proxy = 0  # the proxy process that last said it started
-        self._handlers: dict[type[Message], Callable[[Message], None]] = {
+        self._handlers = {
             EnqueuePrefill: self._on_enqueue,
             CancelRequest: self._on_cancel,
-            Shutdown: lambda _: self._stop.set(),
+            Shutdown: self._on_shutdown,
             AckDrain: self.drain.on_ack,
             AddModel: self._on_add_model,
             ProxyStarted: self._on_proxy_started,
@@ -247,9 +235,9 @@ class PrefillLoop:
         self.ready.set()
         while not (stop.is_set() or self._stop.is_set()):
             if self.pending() and self.waiting_for_kv:
-                self._apply(self.inbox.wait(KV_RETRY_S))
+                self.apply(self.inbox.wait(KV_RETRY_S))
             else:
-                self._apply(self.inbox.drain() if self.pending() else
+                self.apply(self.inbox.drain() if self.pending() else
                             self.inbox.wait(IDLE_WAIT_S))  # fmt: skip
             self._publish_load()
             self.snapshots.offer(lambda: (msgspec.msgpack.encode(self.queue), None))
@@ -265,15 +253,6 @@ class PrefillLoop:
     def _publish_load(self) -> None:
         self.load = InstanceLoad(len(self.queue), sum(1 for _ in self.queue))
 
-    def _changed(self) -> Holdings:
-        """A prefill instance's own reading (see ``aegaeon_runtime.holdings``)."""
-        self._publish_load()
-        return self.holdings.after_change()
-
-    def _apply(self, msgs: list[Message]) -> None:
-        for msg in msgs:
-            self._handlers[type(msg)](msg)
-
     def _on_enqueue(self, msg: Message) -> None:
         assert isinstance(msg, EnqueuePrefill)
         self.enqueue(msg)
@@ -285,19 +264,12 @@ class PrefillLoop:
     def _on_proxy_started(self, msg: Message) -> None:
         """A new proxy (it sends this before any work): what the queue holds and the
         handoffs sent so far are an old proxy's; nobody will end or claim them."""
-        assert isinstance(msg, ProxyStarted)
-        if msg.proxy == self._proxy:
+        if not self._new_proxy(msg):
             return
-        self._proxy = msg.proxy
-        self.drain.acked = False  # a drain waits for this proxy's answer
         dropped = self.drop_all()
         freed = self.handoffs.free_unclaimed(self.worker.cache)
         if dropped or freed:
             log.info("old_proxy_work_dropped", queued=dropped, handoffs_freed=freed)
-
-    def _on_add_model(self, msg: Message) -> None:
-        assert isinstance(msg, AddModel)
-        self.outbox.send(add_model(self.worker, self.latency, msg))
 
     def _on_set_awake(self, msg: Message) -> None:
         assert isinstance(msg, SetModelAwake)
@@ -307,12 +279,4 @@ class PrefillLoop:
         """A prefill instance's heartbeat: its prefill counters only."""
         snapshot = self.counters.snapshot(self.worker)
         counters = {key: snapshot.counters[key] for key in PREFILL_COUNTERS}
-        return InstanceStats(
-            kind="prefill",
-            index=self.worker.index,
-            active_model=snapshot.active_model,
-            queued=snapshot.queued,
-            running=snapshot.running,
-            counters=counters,
-            switches=snapshot.switches,
-        )
+        return msgspec.structs.replace(snapshot, kind="prefill", counters=counters, turns=[])
