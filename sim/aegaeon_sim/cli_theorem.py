@@ -57,11 +57,12 @@ def _theorem_served(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:
         (t.request_id.split("/")[0], t.arrival_s, t.token_times_s[-1])
         for t in result.traces if t.token_times_s
     ]  # fmt: skip
+    out = {"num_models": sc.num_models, "rate": sc.rps_per_model, "mean_service_s": None,
+           "simulated": None, "expected": None}  # fmt: skip
     if not spans:
         print(f"served run (request-level, {sc.num_models} models x {sc.rps_per_model} RPS): "
               f"no request finished in {sc.duration_s:g} s of arrivals")
-        return {"num_models": sc.num_models, "rate": sc.rps_per_model, "mean_service_s": None,
-                "simulated": None, "expected": None}  # fmt: skip
+        return out
     active, expected, mean_t = serving_check(spans, sc.num_models, sc.rps_per_model,
                                              min(60.0, sc.duration_s / 2),
                                              sc.duration_s)  # fmt: skip
@@ -69,8 +70,8 @@ def _theorem_served(args: argparse.Namespace, base: Scenario) -> dict[str, Any]:
         f"served run (request-level, {sc.num_models} models x {sc.rps_per_model} RPS): "
         f"mean T={mean_t:.2f} s, active models {active:.2f}, formula {expected:.2f}"
     )
-    return {"num_models": sc.num_models, "rate": sc.rps_per_model, "mean_service_s": mean_t,
-            "simulated": round(active, 3), "expected": round(expected, 3)}  # fmt: skip
+    return out | {"mean_service_s": mean_t, "simulated": round(active, 3),
+                  "expected": round(expected, 3)}  # fmt: skip
 
 
 def _theorem_plot(args: argparse.Namespace) -> Path:

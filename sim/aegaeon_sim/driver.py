@@ -99,13 +99,10 @@ class Simulation:
         }
 
     # ---- wiring ---------------------------------------------------------
-    def outbox(self, instance: str) -> _Outbox:
-        return _Outbox(self, instance)
-
     def add_instance(self, name: str, role: str, node: NodeSetup, **kwargs: Any) -> SimInstance:
         """An instance running its role's loop (:class:`SimInstance`, whose keyword
         arguments ``kwargs`` are)."""
-        instance = SimInstance(name, role, node, self.events, self.host, self.outbox(name),
+        instance = SimInstance(name, role, node, self.events, self.host, _Outbox(self, name),
                                **kwargs)  # fmt: skip
         self.instances[name] = instance
         return instance
@@ -117,10 +114,6 @@ class Simulation:
     def schedule(self, at_s: float, callback: Callable[[float], None]) -> None:
         """Run ``callback(now)`` at simulated time ``at_s`` (heartbeats and the like)."""
         self.events.at(at_s, lambda: callback(self.events.now))
-
-    @property
-    def now(self) -> float:
-        return self.events.now
 
     # ---- actions: commands to the instances --------------------------------
     def apply(self, actions: list[Action], now_s: float) -> None:
