@@ -164,6 +164,7 @@ class _Built:
     decode: list[SimInstance]  # Aegaeon's decode-capable instances (their switches exposed)
     gate: AdmissionGate | None = None
     feed: RoleFeed | None = None
+    class_of: dict[str, str] = field(default_factory=dict)  # request id -> class (a mix's)
 
 
 def _hybrid(sc: Scenario) -> bool:
@@ -310,12 +311,12 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
                 controller = RoleController(base, settings)
             feed = RoleFeed(inner, prefills, requests, lat, tuple(models), sim.apply, controller)
             feed.start(sim.schedule, sc.duration_s + sc.drain_s)
-        return _Built(sim, decodes, gate, feed)
+        return _Built(sim, decodes, gate, feed, class_of)
     if isinstance(policy, StaticMuxPolicy):
         for name in cluster.unified_instances:
             resident = sum(models[m].weight_bytes for m in policy.models_on(name))
             add(name, "unified", hw.usable_bytes - resident, lambda m, p, now: lat.switch_s(m))
-        return _Built(sim, [])
+        return _Built(sim, [], class_of=class_of)
     rate = sc.baseline_switch_bytes_per_s
 
     def baseline(model: str, prefetch: tuple[str, float] | None, now_s: float) -> float:
@@ -326,7 +327,7 @@ def _build(sc: Scenario, models: dict[str, Arch], hw: Hardware, lat: LatencyMode
     largest = max(a.weight_bytes for a in models.values())
     for name in cluster.unified_instances:
         add(name, "unified", hw.usable_bytes - largest, baseline)
-    return _Built(sim, [])
+    return _Built(sim, [], class_of=class_of)
 
 
 def run_scenario(
@@ -347,8 +348,7 @@ def run_scenario(
     feed = built.feed
     by_class = {}
     if sc.class_mix:
-        _, class_of = workload(sc, tuple(models), adapters)
-        by_class = reports_by_class(traces, sc.slo_classes_spec, class_of,
+        by_class = reports_by_class(traces, sc.slo_classes_spec, built.class_of,
                                     tbt_percentiles=tbt_percentiles)  # fmt: skip
     return ScenarioResult(
         scenario=sc,
