@@ -788,28 +788,18 @@ def config_from_dict(
         raise ConfigError(source, "drain_timeout", "must be a number of seconds >= 0")
     _check_roles(sections["roles"], source)
     model_settings = _model_settings(raw.get("model_settings"), names, source)
+    # every section is a field of the same name; ``cachemgr`` is ``Config.cache``
+    fields = {"cache" if key == "cachemgr" else key: v for key, v in sections.items()}
     return Config(
         models=tuple(models),
         market_dir=market,
         dtype=dtype,
-        slo=sections["slo"],
-        scheduler=sched,
-        baseline=sections["baseline"],
-        cache=sections["cachemgr"],
-        prefill=sections["prefill"],
-        decode=sections["decode"],
-        proxy=sections["proxy"],
-        security=sections["security"],
-        node=sections["node"],
-        store=sections["store"],
         run_dir=run_dir,
         addresses={str(k): v for k, v in addresses.items()},
         drain_timeout_s=float(drain_raw),
-        slo_classes=sections["slo_classes"],
-        roles=sections["roles"],
-        health=sections["health"],
         model_settings=model_settings,
         source=source,
+        **fields,
     )
 
 

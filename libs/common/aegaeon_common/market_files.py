@@ -20,8 +20,6 @@ from aegaeon_common.market_index import MANIFEST, FileRecord, MarketError, read_
 __all__ = ["MarketRecords", "Signature", "digest_mismatch", "digest_problem", "file_sha256",
            "record_files", "size_problem", "stat_signature"]  # fmt: skip
 
-_CHUNK_BYTES = 8 << 20
-
 
 def file_sha256(path: Path) -> str:
     """The SHA-256 (hex) of the file at ``path`` (``OSError`` if unreadable)."""

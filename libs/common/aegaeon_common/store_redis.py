@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,6 +35,14 @@ def _ms(ttl_s: float) -> int:
 def _as_bytes(values: list[bytes | str | None]) -> list[bytes | None]:
     """MGET's values (bytes: the client never decodes responses here)."""
     return [v.encode() if isinstance(v, str) else v for v in values]
+
+
+async def _checked(call: Awaitable[T]) -> T:
+    """``call``'s result, a Redis failure raised as :class:`StoreError`."""
+    try:
+        return await call
+    except RedisError as exc:
+        raise StoreError(f"redis: {exc}") from None
 
 
 class RedisStore:
@@ -72,16 +80,10 @@ class RedisStore:
 
     async def put(self, key: str, value: bytes, ttl_s: float | None = None) -> None:
         px = None if ttl_s is None else _ms(ttl_s)
-        try:
-            await self._redis.set(self._k(key), value, px=px)
-        except RedisError as exc:
-            raise StoreError(f"redis: {exc}") from None
+        await _checked(self._redis.set(self._k(key), value, px=px))
 
     async def put_if_absent(self, key: str, value: bytes, ttl_s: float) -> bool:
-        try:
-            return bool(await self._redis.set(self._k(key), value, px=_ms(ttl_s), nx=True))
-        except RedisError as exc:
-            raise StoreError(f"redis: {exc}") from None
+        return bool(await _checked(self._redis.set(self._k(key), value, px=_ms(ttl_s), nx=True)))
 
     async def get(self, key: str) -> bytes | None:
         return (await self.get_many([key]))[0]
@@ -89,38 +91,23 @@ class RedisStore:
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        try:
-            return _as_bytes(await self._redis.mget([self._k(k) for k in keys]))
-        except RedisError as exc:
-            raise StoreError(f"redis: {exc}") from None
+        return _as_bytes(await _checked(self._redis.mget([self._k(k) for k in keys])))
 
     async def delete(self, *keys: str) -> None:
         if keys:
-            try:
-                await self._redis.delete(*(self._k(k) for k in keys))
-            except RedisError as exc:
-                raise StoreError(f"redis: {exc}") from None
+            await _checked(self._redis.delete(*(self._k(k) for k in keys)))
 
     async def set_add(self, name: str, *members: str) -> int:
         if not members:
             return 0
-        try:
-            return int(await self._redis.sadd(self._k(name), *members))
-        except RedisError as exc:
-            raise StoreError(f"redis: {exc}") from None
+        return int(await _checked(self._redis.sadd(self._k(name), *members)))
 
     async def set_remove(self, name: str, *members: str) -> None:
         if members:
-            try:
-                await self._redis.srem(self._k(name), *members)
-            except RedisError as exc:
-                raise StoreError(f"redis: {exc}") from None
+            await _checked(self._redis.srem(self._k(name), *members))
 
     async def set_members(self, name: str) -> set[str]:
-        try:
-            raw = await self._redis.smembers(self._k(name))
-        except RedisError as exc:
-            raise StoreError(f"redis: {exc}") from None
+        raw = await _checked(self._redis.smembers(self._k(name)))
         return {m.decode() if isinstance(m, bytes) else str(m) for m in raw}
 
     async def transact(

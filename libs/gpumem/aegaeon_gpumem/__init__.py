@@ -29,7 +29,6 @@ from aegaeon_gpumem.events import (
     CpuEvent,
     Event,
     EventHandle,
-    close_attachments,
     open_event,
     open_host_event,
 )
@@ -79,7 +78,6 @@ __all__ = [
     "Timeline",
     "byte_copy",
     "cleanup_prefix",
-    "close_attachments",
     "coalesce",
     "copy_blocks",
     "copy_chunked",

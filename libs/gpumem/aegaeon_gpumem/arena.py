@@ -95,14 +95,7 @@ class BumpArena:
         if nbytes < 0:
             raise ValueError(f"allocation size must be >= 0, got {nbytes}")
         offset = align_up(self._top, _check_align(align or self._default_align))
-        if offset + nbytes > self._capacity:
-            raise OutOfDeviceMemory(self._capacity, self._top, nbytes)
-        allocation = Allocation(offset, nbytes)
-        self._top = offset + nbytes
-        self._peak = max(self._peak, self._top)
-        if nbytes:
-            self._live.append(allocation)  # zero-byte allocations own nothing
-        return allocation
+        return self._take(offset, nbytes, self._top)
 
     def alloc_at(self, offset: int, nbytes: int) -> Allocation:
         """Allocate ``[offset, offset + nbytes)`` at or above the bump pointer (a place
@@ -111,13 +104,18 @@ class BumpArena:
         not fit, ValueError below the pointer."""
         if nbytes < 0 or offset < self._top:
             raise ValueError(f"alloc_at({offset}, {nbytes}) below the bump pointer {self._top}")
+        return self._take(offset, nbytes, offset)
+
+    def _take(self, offset: int, nbytes: int, used_bytes: int) -> Allocation:
+        """``[offset, offset + nbytes)``, the pointer past it; OutOfDeviceMemory naming
+        ``used_bytes`` (nothing changes) if it does not fit."""
         if offset + nbytes > self._capacity:
-            raise OutOfDeviceMemory(self._capacity, offset, nbytes)
+            raise OutOfDeviceMemory(self._capacity, used_bytes, nbytes)
         allocation = Allocation(offset, nbytes)
         self._top = offset + nbytes
         self._peak = max(self._peak, self._top)
         if nbytes:
-            self._live.append(allocation)
+            self._live.append(allocation)  # zero-byte allocations own nothing
         return allocation
 
     def mark(self) -> int:

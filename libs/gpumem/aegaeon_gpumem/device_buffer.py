@@ -9,7 +9,7 @@ active model, bookkept by its user (aegaeon_runtime.adapters).
 
 The buffer is allocated once at construction (on CUDA this is the single
 cudaMalloc of the worker). After that nothing is freed to or requested from
-torch's allocator: weights are bump-allocated (`alloc`/`release_to`/`reset`),
+torch's allocator: weights are bump-allocated (`alloc`/`reset`; `arena`),
 the engine binds parameters to `view`s, and switching models is moving the
 bump pointer. A model prefetched into the space right after the active one is
 moved to the bottom with `promote`, an on-device copy.
@@ -182,14 +182,6 @@ class DeviceBuffer:
     def fits(self, nbytes: int, align: int | None = None) -> bool:
         """True if `alloc(nbytes, align)` would succeed (e.g. room to prefetch)."""
         return self._arena.fits(nbytes, align)
-
-    def mark(self) -> int:
-        """The arena's bump pointer (see `release_to`)."""
-        return self._arena.mark()
-
-    def release_to(self, mark: int) -> None:
-        """Free every weight allocation made after `mark`."""
-        self._arena.release_to(mark)
 
     def reset(self) -> None:
         """Free every weight allocation (scale-down)."""

@@ -232,14 +232,6 @@ def attached_table(name: str) -> EventTable:
     return table
 
 
-def close_attachments() -> None:
-    """Drop every cached table attachment (events already opened keep working)."""
-    with _tables_lock:
-        for table in _tables.values():
-            table.close()
-        _tables.clear()
-
-
 def _open_cpu(handle: EventHandle) -> Event:
     if handle.trivially_complete:
         return Event.completed()

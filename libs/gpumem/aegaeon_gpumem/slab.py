@@ -71,31 +71,6 @@ class ShapeStats:
     peak_held_bytes: int
     fragmentation: float
 
-    @classmethod
-    def from_counts(
-        cls,
-        *,
-        block_bytes: int,
-        slab_bytes: int,
-        used_blocks: int,
-        free_blocks: int,
-        held_slabs: int,
-        peak_held_bytes: int,
-    ) -> ShapeStats:
-        """Derive the byte figures and fragmentation from the allocator's counters."""
-        used_bytes = used_blocks * block_bytes
-        held_bytes = held_slabs * slab_bytes
-        return cls(
-            block_bytes=block_bytes,
-            used_blocks=used_blocks,
-            free_blocks=free_blocks,
-            held_slabs=held_slabs,
-            used_bytes=used_bytes,
-            held_bytes=held_bytes,
-            peak_held_bytes=peak_held_bytes,
-            fragmentation=ratio(held_bytes - used_bytes, peak_held_bytes),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class SlabStats:
@@ -122,36 +97,6 @@ class SlabStats:
     peak_used_bytes: int
     fragmentation: float
     shapes: dict[Hashable, ShapeStats]
-
-    @classmethod
-    def from_counts(
-        cls,
-        *,
-        region_bytes: int,
-        slab_bytes: int,
-        free_slabs: int,
-        used_bytes: int,
-        peak_held_bytes: int,
-        peak_used_bytes: int,
-        shapes: dict[Hashable, ShapeStats],
-    ) -> SlabStats:
-        """Derive slab counts, held bytes and fragmentation from the allocator's counters."""
-        num_slabs = region_bytes // slab_bytes
-        held_slabs = num_slabs - free_slabs
-        held_bytes = held_slabs * slab_bytes
-        return cls(
-            region_bytes=region_bytes,
-            slab_bytes=slab_bytes,
-            num_slabs=num_slabs,
-            free_slabs=free_slabs,
-            held_slabs=held_slabs,
-            held_bytes=held_bytes,
-            used_bytes=used_bytes,
-            peak_held_bytes=peak_held_bytes,
-            peak_used_bytes=peak_used_bytes,
-            fragmentation=ratio(held_bytes - used_bytes, peak_held_bytes),
-            shapes=shapes,
-        )
 
 
 class _Slab:
@@ -400,24 +345,35 @@ class SlabAllocator:
 
     def stats(self) -> SlabStats:
         """Occupancy and fragmentation (definition in `SlabStats`)."""
-        shapes = {
-            key: ShapeStats.from_counts(
+        slab_bytes = self._slab_bytes
+        shapes: dict[Hashable, ShapeStats] = {}
+        for key, shape in self._shapes.items():
+            used_bytes = shape.used_blocks * shape.block_bytes
+            held_bytes = shape.held_slabs * slab_bytes
+            shapes[key] = ShapeStats(
                 block_bytes=shape.block_bytes,
-                slab_bytes=self._slab_bytes,
                 used_blocks=shape.used_blocks,
                 free_blocks=shape.free_blocks,
                 held_slabs=shape.held_slabs,
+                used_bytes=used_bytes,
+                held_bytes=held_bytes,
                 peak_held_bytes=shape.peak_held_bytes,
+                fragmentation=ratio(held_bytes - used_bytes, shape.peak_held_bytes),
             )
-            for key, shape in self._shapes.items()
-        }
-        return SlabStats.from_counts(
+        num_slabs = self._region_bytes // slab_bytes
+        held_slabs = num_slabs - len(self._pool)
+        held_bytes = held_slabs * slab_bytes
+        return SlabStats(
             region_bytes=self._region_bytes,
-            slab_bytes=self._slab_bytes,
+            slab_bytes=slab_bytes,
+            num_slabs=num_slabs,
             free_slabs=len(self._pool),
+            held_slabs=held_slabs,
+            held_bytes=held_bytes,
             used_bytes=self._used_bytes,
             peak_held_bytes=self._peak_held_bytes,
             peak_used_bytes=self._peak_used_bytes,
+            fragmentation=ratio(held_bytes - self._used_bytes, self._peak_held_bytes),
             shapes=shapes,
         )
 

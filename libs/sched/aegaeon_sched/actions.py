@@ -153,6 +153,18 @@ class Policy(Protocol):
 class PolicyBase:
     """The defaults of :class:`Policy`'s optional part: a policy overrides what it uses."""
 
+    def on_prefill_started(
+        self, instance: InstanceId, request_id: str, now_s: float
+    ) -> list[Action]:
+        """A prefill began on ``instance`` (a policy without prefill queues ignores it)."""
+        return []
+
+    def on_prefill_done(
+        self, instance: InstanceId, request_id: str, measured_s: float, now_s: float
+    ) -> list[Action]:
+        """A prefill ended after ``measured_s`` (ignored as ``on_prefill_started``)."""
+        return []
+
     def pause(self, instance: InstanceId) -> list[Action]:
         """``instance`` takes no new work (it drains, or died)."""
         return []

@@ -193,35 +193,27 @@ class RequestLevelPolicy(PolicyBase):
         return self._pull_queued(instance, now_s)
 
     # ---- events --------------------------------------------------------
-    def on_arrival(self, request: Request, now_s: float) -> list[Action]:
-        warm = [
-            i
-            for i, s in self.instances.items()
-            if s.model == request.switch_unit and self._fits(s, request)
-        ]
+    def _start(
+        self, free: Mapping[InstanceId, _Unified], request: Request, now_s: float
+    ) -> list[Action]:
+        """Run ``request`` at once on one of ``free`` if one can take it: the least busy
+        holding its model, else an idle one; ``[]`` if none can."""
+        warm = [i for i, s in free.items()
+                if s.model == request.switch_unit and self._fits(s, request)]
         if warm:
-            target = min(warm, key=lambda i: len(self.instances[i].running))
-            return [self._run(target, request, now_s)]
-        idle = [i for i, s in self.instances.items() if not s.running]
-        if idle:
-            # Keep warm models where possible: an empty instance first, then LRU.
-            target = min(
-                idle,
-                key=lambda i: (self.instances[i].model is not None, self.instances[i].last_used_s),
-            )
-            return [self._run(target, request, now_s)]
-        self._enqueue(request)
-        return []
+            return [self._run(min(warm, key=lambda i: len(free[i].running)), request, now_s)]
+        idle = [i for i, s in free.items() if not s.running]
+        if not idle:
+            return []
+        # Keep warm models where possible: an empty instance first, then LRU.
+        target = min(idle, key=lambda i: (free[i].model is not None, free[i].last_used_s))
+        return [self._run(target, request, now_s)]
 
-    def on_prefill_started(
-        self, instance: InstanceId, request_id: str, now_s: float
-    ) -> list[Action]:
-        return []
-
-    def on_prefill_done(
-        self, instance: InstanceId, request_id: str, measured_s: float, now_s: float
-    ) -> list[Action]:
-        return []
+    def on_arrival(self, request: Request, now_s: float) -> list[Action]:
+        started = self._start(self.instances, request, now_s)
+        if not started:
+            self._enqueue(request)
+        return started
 
     def on_request_finished(self, request_id: str, now_s: float) -> list[Action]:
         return self._release(request_id, now_s)

@@ -70,18 +70,9 @@ class PinnedRequestLevelPolicy(RequestLevelPolicy):
 
     def on_arrival(self, request: Request, now_s: float) -> list[Action]:
         free = {i: s for i, s in self.instances.items() if not self.pinned[i]}
-        warm = [i for i, s in free.items()
-                if s.model == request.switch_unit and self._fits(s, request)]
-        if warm:
-            target = min(warm, key=lambda i: len(self.instances[i].running))
-            return [self._run(target, request, now_s)]
-        idle = [i for i, s in free.items() if not s.running]
-        if idle:
-            target = min(
-                idle,
-                key=lambda i: (self.instances[i].model is not None, self.instances[i].last_used_s),
-            )
-            return [self._run(target, request, now_s)]
+        started = self._start(free, request, now_s)
+        if started:
+            return started
         batching = [i for i, q in self.pinned.items()
                     if self._batches_with(q, request.switch_unit)]
         target = min(

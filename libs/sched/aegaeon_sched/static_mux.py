@@ -87,16 +87,6 @@ class StaticMuxPolicy(PolicyBase):
         self._instance_of[request.request_id] = instance
         return [RunOnInstance(instance, request, request.switch_unit)]
 
-    def on_prefill_started(
-        self, instance: InstanceId, request_id: str, now_s: float
-    ) -> list[Action]:
-        return []
-
-    def on_prefill_done(
-        self, instance: InstanceId, request_id: str, measured_s: float, now_s: float
-    ) -> list[Action]:
-        return []
-
     def on_request_finished(self, request_id: str, now_s: float) -> list[Action]:
         self._instance_of.pop(request_id, None)
         return []
