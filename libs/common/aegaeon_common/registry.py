@@ -274,25 +274,13 @@ def encode(record: msgspec.Struct) -> bytes:
     return _encoder.encode(record)
 
 
-def decode_instance(raw: bytes) -> InstanceRecord:
-    """Raises ``msgspec.DecodeError`` / ``ValidationError`` for a bad record."""
-    return msgspec.msgpack.decode(raw, type=InstanceRecord)
-
-
-def decode_request(raw: bytes) -> RequestMeta:
-    return msgspec.msgpack.decode(raw, type=RequestMeta)
-
-
-def decode_model_settings(raw: bytes) -> ModelSettingsRecord:
-    return msgspec.msgpack.decode(raw, type=ModelSettingsRecord)
-
-
-def decode_served_models(raw: bytes) -> ServedModelsRecord:
-    return msgspec.msgpack.decode(raw, type=ServedModelsRecord)
-
-
-def decode_unavailable_models(raw: bytes) -> UnavailableModelsRecord:
-    return msgspec.msgpack.decode(raw, type=UnavailableModelsRecord)
+# A record's bytes back (``msgspec.DecodeError`` / ``ValidationError`` for a bad one).
+decode_instance = msgspec.msgpack.Decoder(InstanceRecord).decode
+decode_request = msgspec.msgpack.Decoder(RequestMeta).decode
+decode_model_settings = msgspec.msgpack.Decoder(ModelSettingsRecord).decode
+decode_served_models = msgspec.msgpack.Decoder(ServedModelsRecord).decode
+decode_unavailable_models = msgspec.msgpack.Decoder(UnavailableModelsRecord).decode
+decode_roles = msgspec.msgpack.Decoder(RolesRecord).decode
 
 
 def with_change(raw: bytes | None, name: str, path: str | None, proxy: str,
@@ -331,10 +319,6 @@ def served_changes(record: ServedModelsRecord,
     """What ``record`` changed since ``applied`` (what a replica applied last): (name,
     path) added, (name, None) removed, in the record's order."""
     return [(n, p) for n, p in record.models.items() if n not in applied or applied[n] != p]
-
-
-def decode_roles(raw: bytes) -> RolesRecord:
-    return msgspec.msgpack.decode(raw, type=RolesRecord)
 
 
 def decode_baseline(raw: bytes | None) -> Any:
