@@ -79,9 +79,6 @@ class DecodeWorkList(msgspec.Struct, array_like=True, dict=True):
     def batch(self, batch_id: int) -> DecodeBatch | None:
         return self._by_id.get(batch_id)
 
-    def batch_of(self, request_id: str) -> DecodeBatch | None:
-        return self._batch_of.get(request_id)
-
     def add(self, request: Request, batch_id: int) -> DecodeBatch:
         """Add to batch ``batch_id``; an unknown id opens a batch at the tail."""
         if request.request_id in self._batch_of:
