@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import psutil
 import yaml
 from aegaeon_bench.node.launch import free_port, interrupt
@@ -42,6 +43,17 @@ class Served:
         assert isinstance(data, dict)
         return data
 
+    def client(self, timeout_s: float = 120.0) -> openai.OpenAI:
+        """The official ``openai`` client of this node's API, without retries."""
+        return openai.OpenAI(base_url=self.base_url, api_key="none", max_retries=0,
+                             timeout=timeout_s)  # fmt: skip
+
+    def switches(self) -> float:
+        """The model switches so far, summed over the instances."""
+        stats = self.get_json("/v1/aegaeon/stats")["instance_stats"]
+        assert isinstance(stats, dict)
+        return sum(float(s["counters"].get("switches", 0.0)) for s in stats.values() if s)
+
     def children(self) -> list[psutil.Process]:
         try:
             return psutil.Process(self.proc.pid).children(recursive=True)
@@ -53,15 +65,17 @@ class Served:
         return "\n".join(lines[-num_lines:])
 
 
-def until(what: str, check: Any, timeout_s: float) -> Any:
-    """``check()``'s first truthy value, polled every 0.2 s; fails after ``timeout_s``."""
+def until(what: str | Callable[[], str], check: Any, timeout_s: float) -> Any:
+    """``check()``'s first truthy value, polled every 0.2 s; fails after ``timeout_s``
+    (saying ``what``, or what ``what()`` says then)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+            said = what if isinstance(what, str) else what()
+            raise AssertionError(f"not within {timeout_s:g} s: {said}")
         time.sleep(0.2)
 
 

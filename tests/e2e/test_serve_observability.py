@@ -10,7 +10,6 @@ import threading
 import time
 from collections import Counter
 
-import openai
 from http_support import Samples, get_text, metric_samples
 from serve_harness import Served
 
@@ -30,12 +29,9 @@ def _total(samples: Samples, name: str, **labels: str) -> float:
     )  # fmt: skip
 
 
-def _client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
-
 
 def _models(served: Served) -> list[str]:
-    return [m.id for m in _client(served).models.list().data][:3]
+    return [m.id for m in served.client().models.list().data][:3]
 
 
 def test_services_list_every_service_with_working_urls(served: Served) -> None:
@@ -59,7 +55,7 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     before = {name: metric_samples(url) for name, url in urls.items()}
     models = _models(served)
     sent = Counter(m for m in models for _ in range(2))
-    client = _client(served)
+    client = served.client()
     threads = [
         threading.Thread(target=client.completions.create, kwargs={
             "model": m, "prompt": "Count with me", "max_tokens": 6, "temperature": 0,
@@ -140,7 +136,7 @@ def test_vllm_families_after_traffic(served: Served) -> None:
     url = _services(served)["proxy"]["metrics_url"]
     before = metric_samples(url)
     models = _models(served)[:2]
-    client = _client(served)
+    client = served.client()
     max_tokens = 5
     for model in models:  # one streamed, one not, per model
         client.completions.create(model=model, prompt="Count with me", max_tokens=max_tokens,
@@ -216,7 +212,7 @@ def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
 
 def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> None:
     models = _models(served)
-    client = _client(served)
+    client = served.client()
     results: list[tuple[str, object]] = []
     stop = threading.Event()
     # a new request every 0.1 s, at most IN_FLIGHT at once: while an instance restarts
