@@ -13,16 +13,18 @@ from pathlib import Path
 from typing import Any
 
 REAL = "smollm2-135m-instruct"
+REAL_F32 = {"num_models": 2, "profile": "small", "dtype": "float32"}  # `ensure_market`'s
 
 
-def real_market_dir() -> Path:
-    """The market, built (or rebuilt after a failed download) when needed."""
+def real_market_dir(name: str = "real-f32", options: dict[str, Any] | None = None) -> Path:
+    """The market (or the market ``name`` of ``ensure_market(**options)`` with the real
+    models), built (or rebuilt after a failed download) when needed."""
     from aegaeon_market import ensure_market
 
     root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    market = root / f"aegaeon-e2e-market-{os.getuid()}-real-f32"
+    market = root / f"aegaeon-e2e-market-{os.getuid()}-{name}"
     for attempt in range(2):
-        entries = ensure_market(market, num_models=2, profile="small", dtype="float32",
+        entries = ensure_market(market, **(REAL_F32 if options is None else options),
                                 progress=False, real_models=True)
         if REAL in {e.name for e in entries}:
             return market

@@ -20,7 +20,6 @@ timing is asserted.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,11 +38,6 @@ DEFERRED = 3  # batch requests that wait behind the first
 ROLES = {"enabled": True, "high_util": 0.001, "low_util": 0.0005, "up_hold": 0.0,
          "down_hold": 600.0, "min_dwell": 0.5, "decode_high": 1e9, "convert_max_demand": 1.0}
 BURST = 8  # requests of the roles' burst, through both replicas
-
-
-@pytest.fixture(scope="module")
-def market_names(small_market: Path) -> list[str]:
-    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ from serve_harness import Served, serve_config, serving
 
 
 @pytest.fixture(scope="module")
-def market_names(small_market: Path) -> list[str]:
-    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
-
-
-@pytest.fixture(scope="module")
 def cluster(small_market: Path, market_names: list[str],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:  # fmt: skip
     """Two nodes, two replicas, their private store; all the market but its last model

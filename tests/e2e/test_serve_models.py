@@ -5,7 +5,6 @@ waits for the requests in flight. No restart at any point."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +24,6 @@ def _call(served: Served, method: str, path: str, body: Any = None) -> tuple[int
 
 def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
     return until(what, check, timeout_s)
-
-
-@pytest.fixture(scope="module")
-def market_names(small_market: Path) -> list[str]:
-    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
 
 
 @pytest.fixture(scope="module")

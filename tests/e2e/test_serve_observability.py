@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 
-from http_support import Samples, get_text, metric_samples
+from http_support import get_text, metric_samples, sample_sum
 from serve_harness import Served
 
 IN_FLIGHT = 32  # the rolling restart's load: requests at once, at most
@@ -19,14 +19,6 @@ IN_FLIGHT = 32  # the rolling restart's load: requests at once, at most
 def _services(served: Served) -> dict[str, dict[str, str]]:
     data = served.get_json("/v1/aegaeon/services")
     return {s["name"]: s for s in data["services"]}  # type: ignore[union-attr,index]
-
-
-def _total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of ``name`` over the samples whose labels include ``labels``."""
-    return sum(
-        v for (n, lbl), v in samples.items()
-        if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
-    )  # fmt: skip
 
 
 
@@ -69,7 +61,7 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     total = sum(sent.values())
 
     def delta(name: str, metric: str, **labels: str) -> float:
-        return _total(metric_samples(urls[name]), metric, **labels) - _total(
+        return sample_sum(metric_samples(urls[name]), metric, **labels) - sample_sum(
             before[name], metric, **labels
         )
 
@@ -95,9 +87,9 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     assert claims == total
     proxy = metric_samples(urls["proxy"])
     for model in sent:
-        assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
-        assert 0.0 <= _total(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
-    assert _total(proxy, "aegaeon_instance_up") == 2
+        assert sample_sum(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
+        assert 0.0 <= sample_sum(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
+    assert sample_sum(proxy, "aegaeon_instance_up") == 2
     # no prompt text (nor the client's API key) in any service's log
     for log in served.run_dir.glob("*.log"):
         text = log.read_text(errors="replace")
@@ -149,14 +141,14 @@ def test_vllm_families_after_traffic(served: Served) -> None:
     after = metric_samples(url)
 
     def delta(name: str, **labels: str) -> float:
-        return _total(after, name, **labels) - _total(before, name, **labels)
+        return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
 
     served_models = _models(served)
     for model in served_models:  # one series per served model, traffic or not
         for name in VLLM_GAUGES:
             assert (f"vllm:{name}", (("model_name", model),)) in after, (name, model)
         for name in VLLM_COUNTERS:
-            assert _total(after, f"vllm:{name}_total", model_name=model) >= 0, (name, model)
+            assert sample_sum(after, f"vllm:{name}_total", model_name=model) >= 0, (name, model)
             assert any(n == f"vllm:{name}_total" and dict(lbl).get("model_name") == model
                        for n, lbl in after), (name, model)  # fmt: skip
     for model in models:
@@ -180,12 +172,12 @@ def test_vllm_families_after_traffic(served: Served) -> None:
         assert 0 < ttft <= e2e
         assert prefill > 0 and queue + prefill <= ttft + 0.05 * sent  # wall vs monotonic clocks
         # every request finished: nothing running or waiting
-        assert _total(after, "vllm:num_requests_running", model_name=model) == 0
-        assert _total(after, "vllm:num_requests_waiting", model_name=model) == 0
+        assert sample_sum(after, "vllm:num_requests_running", model_name=model) == 0
+        assert sample_sum(after, "vllm:num_requests_waiting", model_name=model) == 0
     for model in served_models:
         for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc", "cpu_cache_usage_perc"):
             assert 0.0 <= after[(f"vllm:{name}", (("model_name", model),))] <= 1.0
-    assert _total(after, "vllm:cache_config_info") == 1
+    assert sample_sum(after, "vllm:cache_config_info") == 1
 
 
 def _instance_pid(served: Served, name: str) -> int | None:

