@@ -17,7 +17,7 @@ import psutil
 import yaml
 from aegaeon_bench.node.launch import free_port, interrupt
 from aegaeon_bench.node.probe import shm_segments
-from http_support import call_json, get_json, sse_events
+from http_support import call_json, fetch_sync, get_json, sse_events
 
 __all__ = [  # call_json: http_support's, here too for the tests that import it from here
     "READY_TIMEOUT_S", "Served", "call_json", "free_port", "prompt_body", "serve_config",
@@ -40,6 +40,14 @@ class Served:
 
     def get_json(self, path: str) -> dict[str, object]:
         data = get_json(self.url + path)
+        assert isinstance(data, dict)
+        return data
+
+    def post_json(self, path: str, body: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The JSON answer of a POST of ``body`` to ``path``, which must answer 200."""
+        reply = fetch_sync("POST", self.url + path, body, timeout_s=timeout_s)
+        assert reply.status == 200, (path, reply.status, reply.text()[:300])
+        data = reply.json()
         assert isinstance(data, dict)
         return data
 
