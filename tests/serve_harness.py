@@ -20,8 +20,8 @@ from aegaeon_bench.node.probe import shm_segments
 from http_support import call_json, fetch_sync, get_json, sse_events
 
 __all__ = [  # call_json: http_support's, here too for the tests that import it from here
-    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "prompt_body", "serve_config",
-    "serving", "start_serve", "stop_serve", "stream_completion", "until",
+    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "is_sleeping", "prompt_body",
+    "serve_config", "serving", "start_serve", "stop_serve", "stream_completion", "until",
 ]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
@@ -33,6 +33,7 @@ class Served:
     run_dir: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
+    urls: list[str]  # every proxy replica's API (``url`` the first)
 
     @property
     def base_url(self) -> str:
@@ -87,6 +88,13 @@ def until(what: str | Callable[[], str], check: Any, timeout_s: float) -> Any:
         time.sleep(0.2)
 
 
+def is_sleeping(url: str, model: str, headers: dict[str, str] | None = None) -> bool:
+    """What ``GET /is_sleeping?model=`` (a 200) says of ``model`` at ``url``."""
+    status, body = call_json(url, "GET", f"/is_sleeping?model={model}", headers=headers)
+    assert status == 200, body
+    return bool(body["is_sleeping"])
+
+
 def prompt_body(
     model: str, k: int, priority: str, max_tokens: int = 4, num_words: int = 600
 ) -> dict[str, Any]:
@@ -128,7 +136,8 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
             "--port", str(port), "--run-dir", str(run_dir), *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     out.close()
-    served = Served(f"http://127.0.0.1:{port}", run_dir, proc, log_path)
+    urls = [f"http://127.0.0.1:{port + k}" for k in range(proxies)]
+    served = Served(urls[0], run_dir, proc, log_path, urls)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

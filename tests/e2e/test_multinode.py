@@ -38,11 +38,6 @@ def cluster(
         yield served
 
 
-def _proxy_urls(cluster: Served) -> list[str]:
-    port = int(cluster.url.rpartition(":")[2])
-    return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
-
-
 def _models(market: Path) -> list[str]:
     names = [m["name"] for m in json.loads((market / "market.json").read_text())["models"]]
     return [n for n in MODELS if n in names] or names[:3]
@@ -137,7 +132,7 @@ def _node_pids(cluster: Served, node: str) -> list[int]:
 def test_both_replicas_serve_every_model_on_both_nodes(
     cluster: Served, small_market: Path, redis_url: str
 ) -> None:
-    urls = _proxy_urls(cluster)
+    urls = cluster.urls
     models = _models(small_market)
 
     async def load() -> list[dict[str, Any]]:
@@ -155,7 +150,7 @@ def test_both_replicas_serve_every_model_on_both_nodes(
 
 def test_a_killed_proxy_loses_only_its_own_streams(cluster: Served, small_market: Path,
                                                    redis_url: str) -> None:  # fmt: skip
-    urls = _proxy_urls(cluster)
+    urls = cluster.urls
     models = _models(small_market)
     victim_pid = int((cluster.run_dir / "proxy-1" / "proxy.ready").read_text())
     victim_id = _stats(urls[1])["proxy_id"]
@@ -195,7 +190,7 @@ def test_a_killed_proxy_loses_only_its_own_streams(cluster: Served, small_market
 
 def test_a_killed_node_leaves_dispatch(cluster: Served, small_market: Path,
                                        redis_url: str) -> None:  # fmt: skip
-    urls = _proxy_urls(cluster)
+    urls = cluster.urls
     # both replicas answer (the one killed before is the supervisor's to restart: a
     # stream sent to it while it starts is refused a connection) and see both nodes
     until("both replicas up, both nodes in their view",
