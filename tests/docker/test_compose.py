@@ -44,7 +44,6 @@ UP_TIMEOUT_S = 420
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 
-
 def _run(
     argv: list[str], timeout: float = 600, cwd: Path | None = None,
     env: dict[str, str] | None = None,

@@ -67,7 +67,6 @@ QUESTIONS = ["What's the weather in Paris?", "What time is it in Tokyo?",
              "Is it raining in London?", "What's the time in New York?"]
 
 
-
 def _many(fn: Any, n: int = SAMPLES, workers: int = 4) -> list[Any]:
     with ThreadPoolExecutor(workers) as pool:  # batched on the instances, within the
         return list(pool.map(fn, range(n)))  # default node's admission bounds

@@ -21,7 +21,6 @@ def _services(served: Served) -> dict[str, dict[str, str]]:
     return {s["name"]: s for s in data["services"]}  # type: ignore[union-attr,index]
 
 
-
 def _models(served: Served) -> list[str]:
     return [m.id for m in served.client().models.list().data][:3]
 
