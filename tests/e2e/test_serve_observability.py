@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from http_support import get_text, metric_samples, sample_sum
-from serve_harness import Served
+from serve_harness import Served, until
 
 IN_FLIGHT = 32  # the rolling restart's load: requests at once, at most
 
@@ -194,13 +194,6 @@ def _service_pids(served: Served) -> dict[str, int]:
     return out
 
 
-def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while get_text(url)[0] != 200:
-        assert time.monotonic() < deadline, f"{url} not ready"
-        time.sleep(0.1)
-
-
 def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> None:
     models = _models(served)
     client = served.client()
@@ -247,11 +240,10 @@ def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> No
             old = _instance_pid(served, name)
             assert old is not None and old == pids[name]
             os.kill(old, signal.SIGTERM)
-            deadline = time.monotonic() + 120
-            while _instance_pid(served, name) in (old, None):
-                assert time.monotonic() < deadline, f"{name} did not come back"
-                time.sleep(0.1)
-            _wait_ready(_services(served)[name]["ready_url"])  # its new address works
+            until(f"{name} came back",
+                  lambda n=name, o=old: _instance_pid(served, n) not in (o, None), 120)
+            ready = _services(served)[name]["ready_url"]  # its new address works
+            until(f"{ready} ready", lambda u=ready: get_text(u)[0] == 200, 60)
             after = _service_pids(served)
             assert after[name] != old
             # it rejoined alone: no other service restarted
