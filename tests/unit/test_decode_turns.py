@@ -166,11 +166,17 @@ def test_a_batch_that_does_not_fit_swaps_others_out() -> None:
     # 16 blocks of device KV: each batch holds one request of 150 + 80 tokens
     # (10 to 15 blocks), so only one batch fits at a time.
     w = FakeWorker(latency_model(["a", "b"]), kv_region_bytes=16 * 8192, slab_bytes=8192)
+    w.kv.swap_out_order_s = 0.001  # the loop's own time per swap-out: control overhead
     timed = [(0.0, w.enqueue("a1", "a", 0, 150, 80, 0.0)),
              (0.0, w.enqueue("b1", "b", 1, 150, 80, 0.0))]  # fmt: skip
     loop, outbox = _run(w, timed)
     assert len(w.kv.swapped_out) >= 2  # a out for b, then b out for a, ...
     assert loop.residency.num_swap_in >= 3  # a, b, a again (back from the host)
+    # each request's timings carry the bookkeeping of its own swaps (Fig. 14's control)
+    control = {item.request_id: item.timings.kv_control_s for msg in outbox.of_type(StepTokens)
+               for item in msg.items if item.timings is not None}
+    assert set(control) == {"a1", "b1"} and all(c >= 0.001 for c in control.values())
+    assert sum(control.values()) == pytest.approx(0.001 * len(w.kv.swapped_out))
     tokens = _tokens(outbox)
     assert tokens["a1"] == [token_at(150 + k) for k in range(79)]
     assert tokens["b1"] == [token_at(150 + k) for k in range(79)]

@@ -32,7 +32,7 @@ class Residency:
         self.clock = clock
         self.num_swap_in = 0
         self.num_swap_out = 0
-        self.control_s = 0.0  # bookkeeping time (paper Fig. 14: control overhead)
+        self.control_s = 0.0  # the swaps' bookkeeping time, each charged to its sequence
 
     def accept(self, seq: Seq) -> None:
         """Take over the handoff's host blocks from the prefill instance (lease); once
@@ -74,7 +74,7 @@ class Residency:
         """
         if seq.on_device:
             return
-        start = self.clock.now()
+        start, victims_s = self.clock.now(), self.control_s
         need = self._check_capacity(seq)
         num_host = len(seq.host_blocks)
         blocks = self._alloc(seq, need, victims)
@@ -91,7 +91,7 @@ class Residency:
         seq.on_device = True
         seq.num_swaps += 1
         self.num_swap_in += 1
-        self.control_s += self.clock.now() - start
+        self._charge(seq, start, self.control_s - victims_s)  # the victims' swap-outs are theirs
 
     def swap_out(self, seq: Seq) -> None:
         """Put ``seq``'s KV back in the host cache and free its device blocks
@@ -111,7 +111,15 @@ class Residency:
                 raise
         seq.device_blocks, seq.ready_event, seq.on_device = [], None, False
         self.num_swap_out += 1
-        self.control_s += self.clock.now() - start
+        self._charge(seq, start)
+
+    def _charge(self, seq: Seq, start: float, others_s: float = 0.0) -> None:
+        """Charge ``seq``'s request the bookkeeping since ``start`` (paper Fig. 14's
+        control overhead, its timings' ``kv_control_s``) but ``others_s``, charged to
+        other sequences meanwhile."""
+        spent = self.clock.now() - start - others_s
+        seq.kv_control_s += spent
+        self.control_s += spent
 
     def make_room(self, num_bytes: int, victims: Iterable[Seq]) -> int:
         """Swap ``victims`` out, in order, until at least ``num_bytes`` of their device

@@ -54,6 +54,7 @@ class Seq:
     prefill_timings: RequestTimings | None = None
     decode_s: float = 0.0
     kv_wait_s: float = 0.0
+    kv_control_s: float = 0.0  # its swaps' bookkeeping here (paper Fig. 14: control overhead)
     num_swaps: int = 0
     ttft_s: float | None = None  # its own targets (SLO class); None: the deployment's
     tbt_s: float | None = None
@@ -113,6 +114,6 @@ class Seq:
             decode_wait_s=max(0.0, total - self.decode_s - self.kv_wait_s),
             decode_s=self.decode_s,
             kv_wait_s=self.kv_wait_s,
-            kv_control_s=base.kv_control_s,
+            kv_control_s=base.kv_control_s + self.kv_control_s,
             extra={**base.extra, "swaps": float(self.num_swaps)},
         )
