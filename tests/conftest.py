@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -69,6 +70,12 @@ def small_market() -> Path:
     market = root / f"aegaeon-e2e-market-{os.getuid()}-small{E2E_MODELS}"
     ensure_market(market, num_models=E2E_MODELS, profile="small", progress=False)
     return market
+
+
+@pytest.fixture(scope="session")
+def market_names(small_market: Path) -> list[str]:
+    """The names of :func:`small_market`'s models, in its order."""
+    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
 
 
 @pytest.fixture(scope="session")

@@ -144,16 +144,10 @@ def config_key_problem(key: str) -> str | None:
         node: Any = raw
         parts = one.split(".")
         for k, part in enumerate(parts):
-            is_list = part.endswith("[]")
-            name = part.removesuffix("[]")
             last = k == len(parts) - 1
-            child: Any = DUMMY if last else {}
-            if is_list:
-                node[name] = [child] if not last else DUMMY
-                node = child
-            else:
-                node[name] = child
-                node = child
+            child: Any = DUMMY if last else {}  # a list's (``[]``) in a list of one
+            node[part.removesuffix("[]")] = [child] if part.endswith("[]") and not last else child
+            node = child
         try:
             config_from_dict(raw, source="docs")
         except ConfigError as exc:

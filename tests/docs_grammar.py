@@ -154,10 +154,6 @@ def _cells(line: str) -> list[str]:
     return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", body)]
 
 
-def _spans(text: str) -> list[str]:
-    return CODE.findall(text)
-
-
 def _skip_reason(lines: list[str], index: int) -> str | None:
     """The skip marker on the nearest non-blank line above ``lines[index]``."""
     k = index - 1
@@ -200,7 +196,7 @@ def read_doc(file: str, text: str) -> Doc:
             start = end
             while end < len(lines) and lines[end].strip():
                 end += 1
-            literals = [s for s in _spans(" ".join(lines[start:end])) if s.startswith("{")]
+            literals = [s for s in CODE.findall(" ".join(lines[start:end])) if s.startswith("{")]
             where = Where(file, start + 1)
             if not literals:
                 doc.problems.append(Problem(where, "a json marker's paragraph shows no literal"))
@@ -248,7 +244,7 @@ def _table(doc: Doc, lines: list[str], start: int, end: int) -> None:
     for k, cells in rows:
         where = Where(doc.file, k + 1)
         for column, cell in enumerate(cells):
-            for span in _spans(cell):
+            for span in CODE.findall(cell):
                 if _is_program(span):
                     doc.commands.append(Command(where, span, synopsis=True))
                 elif column == 0 and first in ("key", "config key"):
@@ -259,8 +255,8 @@ def _table(doc: Doc, lines: list[str], start: int, end: int) -> None:
         if first in ("call", "control"):
             _call_row(doc, where, header, cells)
         elif first == "field" and cells:
-            names = [s for s in _spans(cells[0]) if IDENT.match(s)]
-            values = [s.strip('"') for cell in cells[1:2] for s in _spans(cell)
+            names = [s for s in CODE.findall(cells[0]) if IDENT.match(s)]
+            values = [s.strip('"') for cell in cells[1:2] for s in CODE.findall(cell)
                       if re.fullmatch(r'"[^"]+"', s)]  # fmt: skip
             if names:
                 doc.request_fields.append(RequestField(where, names, values))
@@ -273,7 +269,7 @@ def _dotted_key(span: str) -> bool:
 
 
 def _call_row(doc: Doc, where: Where, header: list[str], cells: list[str]) -> None:
-    calls = _spans(cells[0]) if cells else []
+    calls = CODE.findall(cells[0]) if cells else []
     found = re.match(r"^(GET|POST|PATCH|DELETE|PUT)\s+(\S+)", calls[0]) if calls else None
     if found is None:
         return
@@ -281,10 +277,10 @@ def _call_row(doc: Doc, where: Where, header: list[str], cells: list[str]) -> No
     answer = column.get("answer", "")
     body = column.get("body", "")
     literals = [s for k, cell in enumerate(cells) if header[k:k + 1] != ["body"]
-                for s in _spans(cell) if s.startswith("{")]  # fmt: skip
+                for s in CODE.findall(cell) if s.startswith("{")]  # fmt: skip
     doc.calls.append(Call(
         where, found.group(1), found.group(2), field_specs(answer), field_specs(body),
-        [s for s in _spans(body) if s.startswith("{")], literals,
+        [s for s in CODE.findall(body) if s.startswith("{")], literals,
     ))  # fmt: skip
 
 
@@ -311,7 +307,7 @@ def field_specs(cell: str) -> list[FieldSpec]:
         start = tok.end() + opened.end() - 1
         close = _closing(cell, start)
         inner = cell[start + 1 : close]
-        names = [s for s in _spans(inner) if IDENT.match(s)]
+        names = [s for s in CODE.findall(inner) if IDENT.match(s)]
         glue = [g.strip() for g in CODE.sub("\0", inner).split("\0")[1:-1]]
         if re.match(r"\s*or\s", inner):
             spec.aliases = names

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = [
     "Reply", "Samples", "call_json", "fetch", "fetch_sync", "get_json", "get_text",
-    "metric_samples", "post_text", "samples_of", "sse_events", "sse_payloads",
+    "metric_samples", "post_text", "sample_sum", "samples_of", "sse_events", "sse_payloads",
 ]  # fmt: skip
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -55,6 +55,14 @@ def metric_samples(url: str, headers: Mapping[str, str] | None = None) -> Sample
     status, text = get_text(url, headers)
     assert status == 200, (url, status, text[:300])
     return samples_of(text)
+
+
+def sample_sum(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of ``name`` over the samples whose labels include ``labels``."""
+    return sum(
+        v for (n, lbl), v in samples.items()
+        if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
+    )  # fmt: skip
 
 
 def samples_of(text: str) -> Samples:

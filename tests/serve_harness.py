@@ -6,21 +6,22 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import psutil
 import yaml
 from aegaeon_bench.node.launch import free_port, interrupt
 from aegaeon_bench.node.probe import shm_segments
-from http_support import call_json, get_json, sse_events
+from http_support import call_json, fetch_sync, get_json, sse_events
 
 __all__ = [  # call_json: http_support's, here too for the tests that import it from here
-    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "prompt_body", "serve_config",
-    "serving", "start_serve", "stop_serve", "stream_completion", "until",
+    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "is_sleeping", "prompt_body",
+    "serve_config", "serving", "start_serve", "stop_serve", "stream_completion", "until",
 ]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
@@ -32,6 +33,7 @@ class Served:
     run_dir: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
+    urls: list[str]  # every proxy replica's API (``url`` the first)
 
     @property
     def base_url(self) -> str:
@@ -41,6 +43,25 @@ class Served:
         data = get_json(self.url + path)
         assert isinstance(data, dict)
         return data
+
+    def post_json(self, path: str, body: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The JSON answer of a POST of ``body`` to ``path``, which must answer 200."""
+        reply = fetch_sync("POST", self.url + path, body, timeout_s=timeout_s)
+        assert reply.status == 200, (path, reply.status, reply.text()[:300])
+        data = reply.json()
+        assert isinstance(data, dict)
+        return data
+
+    def client(self, timeout_s: float = 120.0) -> openai.OpenAI:
+        """The official ``openai`` client of this node's API, without retries."""
+        return openai.OpenAI(base_url=self.base_url, api_key="none", max_retries=0,
+                             timeout=timeout_s)  # fmt: skip
+
+    def switches(self) -> float:
+        """The model switches so far, summed over the instances."""
+        stats = self.get_json("/v1/aegaeon/stats")["instance_stats"]
+        assert isinstance(stats, dict)
+        return sum(float(s["counters"].get("switches", 0.0)) for s in stats.values() if s)
 
     def children(self) -> list[psutil.Process]:
         try:
@@ -53,16 +74,25 @@ class Served:
         return "\n".join(lines[-num_lines:])
 
 
-def until(what: str, check: Any, timeout_s: float) -> Any:
-    """``check()``'s first truthy value, polled every 0.2 s; fails after ``timeout_s``."""
+def until(what: str | Callable[[], str], check: Any, timeout_s: float) -> Any:
+    """``check()``'s first truthy value, polled every 0.2 s; fails after ``timeout_s``
+    (saying ``what``, or what ``what()`` says then)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+            said = what if isinstance(what, str) else what()
+            raise AssertionError(f"not within {timeout_s:g} s: {said}")
         time.sleep(0.2)
+
+
+def is_sleeping(url: str, model: str, headers: dict[str, str] | None = None) -> bool:
+    """What ``GET /is_sleeping?model=`` (a 200) says of ``model`` at ``url``."""
+    status, body = call_json(url, "GET", f"/is_sleeping?model={model}", headers=headers)
+    assert status == 200, body
+    return bool(body["is_sleeping"])
 
 
 def prompt_body(
@@ -106,7 +136,8 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
             "--port", str(port), "--run-dir", str(run_dir), *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     out.close()
-    served = Served(f"http://127.0.0.1:{port}", run_dir, proc, log_path)
+    urls = [f"http://127.0.0.1:{port + k}" for k in range(proxies)]
+    served = Served(urls[0], run_dir, proc, log_path, urls)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

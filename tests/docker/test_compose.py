@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aegaeon_bench.node.launch import free_port
-from http_support import Samples, fetch_sync, metric_samples, sse_events
+from http_support import fetch_sync, metric_samples, sample_sum, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("AEGAEON_CPU_IMAGE", "aegaeon:cpu")
@@ -42,7 +42,6 @@ MAX_TOKENS = 12
 UP_TIMEOUT_S = 420
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
-
 
 
 def _run(
@@ -194,13 +193,6 @@ def _stream_chat(api_url: str, model: str) -> tuple[str, int, str | None]:
     return asyncio.run(stream())
 
 
-def _total(samples: Samples, name: str, **labels: str) -> float:
-    return sum(
-        v for (n, lbl), v in samples.items()
-        if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
-    )  # fmt: skip
-
-
 def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: Stack) -> None:
     status, body = _get(f"{stack.api_url}/v1/models")
     assert status == 200
@@ -226,9 +218,9 @@ def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: 
                    for name, (svc, ip) in containers.items()}
         workers = [scraped[name] for name, (svc, _) in containers.items()
                    if svc in ("prefill-cpu", "decode-cpu")]
-        prefilled = sum(_total(w, "aegaeon_instance_requests_total", stage="prefill",
+        prefilled = sum(sample_sum(w, "aegaeon_instance_requests_total", stage="prefill",
                                outcome="ok") for w in workers)  # fmt: skip
-        decoded = sum(_total(w, "aegaeon_instance_requests_total", stage="decode",
+        decoded = sum(sample_sum(w, "aegaeon_instance_requests_total", stage="decode",
                              outcome="length") for w in workers)  # fmt: skip
         if (prefilled, decoded) == (3, 3) or time.monotonic() > deadline:
             break
@@ -241,13 +233,13 @@ def test_cpu_stack_serves_three_models_and_every_service_exports_metrics(stack: 
     by_service = {svc: scraped[name] for name, (svc, _) in containers.items()}
     proxy = by_service["proxy-cpu"]
     for model in models:
-        assert _total(proxy, "aegaeon_requests_total", model=model) == 1
-        assert _total(proxy, "aegaeon_requests_total", model=model, outcome="length") == 1
-        assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) == 1
-    assert _total(proxy, "aegaeon_instance_up") == 1 + DECODE_REPLICAS
+        assert sample_sum(proxy, "aegaeon_requests_total", model=model) == 1
+        assert sample_sum(proxy, "aegaeon_requests_total", model=model, outcome="length") == 1
+        assert sample_sum(proxy, "aegaeon_ttft_seconds_count", model=model) == 1
+    assert sample_sum(proxy, "aegaeon_instance_up") == 1 + DECODE_REPLICAS
     cachemgr = by_service["cachemgr-cpu"]
-    assert _total(cachemgr, "aegaeon_cachemgr_workers") == 1 + DECODE_REPLICAS
-    assert _total(cachemgr, "aegaeon_model_cache_models", state="resident") >= 3
+    assert sample_sum(cachemgr, "aegaeon_cachemgr_workers") == 1 + DECODE_REPLICAS
+    assert sample_sum(cachemgr, "aegaeon_model_cache_models", state="resident") >= 3
 
     # the proxy lists every service, at addresses the compose network resolves
     status, body = _get(f"{stack.api_url}/v1/aegaeon/services")

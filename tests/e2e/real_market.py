@@ -13,16 +13,18 @@ from pathlib import Path
 from typing import Any
 
 REAL = "smollm2-135m-instruct"
+REAL_F32 = {"num_models": 2, "profile": "small", "dtype": "float32"}  # `ensure_market`'s
 
 
-def real_market_dir() -> Path:
-    """The market, built (or rebuilt after a failed download) when needed."""
+def real_market_dir(name: str = "real-f32", options: dict[str, Any] | None = None) -> Path:
+    """The market (or the market ``name`` of ``ensure_market(**options)`` with the real
+    models), built (or rebuilt after a failed download) when needed."""
     from aegaeon_market import ensure_market
 
     root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    market = root / f"aegaeon-e2e-market-{os.getuid()}-real-f32"
+    market = root / f"aegaeon-e2e-market-{os.getuid()}-{name}"
     for attempt in range(2):
-        entries = ensure_market(market, num_models=2, profile="small", dtype="float32",
+        entries = ensure_market(market, **(REAL_F32 if options is None else options),
                                 progress=False, real_models=True)
         if REAL in {e.name for e in entries}:
             return market
@@ -41,3 +43,33 @@ def greedy_reference(model: Any, prompt_ids: list[int], num_tokens: int) -> list
     model.generation_config.eos_token_id = None  # else generate() takes the model's and stops
     out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
     return [int(t) for t in out[0, len(prompt_ids):]]
+
+
+def streamed_pieces(model_dir: Path, token_ids: list[int]) -> list[str]:
+    """The text each token adds, as the proxy's detokenizer streams it."""
+    from aegaeon_proxy.detokenizer import IncrementalDetokenizer
+    from tokenizers import Tokenizer
+
+    detok = IncrementalDetokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+    pieces = [detok.push([t]) for t in token_ids]
+    pieces.append(detok.finish())
+    return [p for p in pieces if p]
+
+
+def stream_greedy(client: Any, model: str, prompt: Any, num_tokens: int,
+                  chat: bool = False) -> tuple[list[str], int]:  # fmt: skip
+    """The text pieces of a greedy ``ignore_eos`` stream of ``num_tokens`` (a chat when
+    ``chat``: ``prompt`` is its messages) and the completion tokens its usage counts."""
+    common: dict[str, Any] = {"model": model, "max_tokens": num_tokens, "temperature": 0,
+                              "stream": True, "stream_options": {"include_usage": True},
+                              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    pieces, used = [], 0
+    if chat:
+        for chunk in client.chat.completions.create(messages=prompt, **common):
+            used = chunk.usage.completion_tokens if chunk.usage else used
+            pieces += [c.delta.content for c in chunk.choices if c.delta.content]
+    else:
+        for chunk in client.completions.create(prompt=prompt, **common):
+            used = chunk.usage.completion_tokens if chunk.usage else used
+            pieces += [c.text for c in chunk.choices if c.text]
+    return pieces, used

@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import json
 
-import openai
 from aegaeon_bench.reliability.chaos_run import ChaosNode, ChaosOptions, run_chaos
 from aegaeon_bench.reliability.faults import FAULTS
 from serve_harness import Served
@@ -26,7 +25,7 @@ CI_FAULTS = [
 
 
 def _greedy(served: Served, model: str) -> str:
-    client = openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=60)
+    client = served.client(60)
     reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
     return reply.choices[0].text
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 from serve_harness import Served, serving
 
@@ -47,8 +46,7 @@ def test_fp8_model_serves_the_engines_tokens_across_switches(served: Served,
         temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True))[0]
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     want_text = tokenizer.decode(want, skip_special_tokens=True)
-    client = openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0,
-                           timeout=120)
+    client = served.client()
     assert {m.id for m in client.models.list().data} == {FP8_NAME, OTHER}
 
     def ask(model: str) -> str:

@@ -20,12 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import torch
 from http_support import call_json, post_text
 from lora_support import ADAPTERS, lora_market, make_peft_adapter, peft_references
-from real_market import REAL, real_market_dir
+from real_market import REAL, real_market_dir, stream_greedy, streamed_pieces
 from serve_harness import Served, serving, until
 
 # the references (transformers + PEFT) and a node of the real model: minutes on a busy CPU
@@ -90,37 +89,6 @@ def served(market: Path, work: Path) -> Iterator[Served]:
         yield node
 
 
-def _pieces(base_dir: Path, token_ids: list[int]) -> list[str]:
-    """The text each token adds, as the proxy's detokenizer streams it."""
-    from aegaeon_proxy.detokenizer import IncrementalDetokenizer
-    from tokenizers import Tokenizer
-
-    detok = IncrementalDetokenizer(Tokenizer.from_file(str(base_dir / "tokenizer.json")))
-    pieces = [detok.push([t]) for t in token_ids]
-    pieces.append(detok.finish())
-    return [p for p in pieces if p]
-
-
-def _stream(client: openai.OpenAI, model: str, prompt: list[int]) -> tuple[list[str], int]:
-    pieces, used = [], 0
-    for chunk in client.completions.create(
-            model=model, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
-        used = chunk.usage.completion_tokens if chunk.usage else used
-        pieces += [c.text for c in chunk.choices if c.text]
-    return pieces, used
-
-
-def _switches(served: Served) -> float:
-    stats = served.get_json("/v1/aegaeon/stats")["instance_stats"]
-    assert isinstance(stats, dict)
-    return sum(float(s["counters"].get("switches", 0.0)) for s in stats.values() if s)
-
-
-def _client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=300)
-
-
 def test_models_list_adapters_with_parent_and_root(served: Served, market: Path) -> None:
     status, body = call_json(served.url, "GET", "/v1/models")
     assert status == 200
@@ -134,36 +102,37 @@ def test_models_list_adapters_with_parent_and_root(served: Served, market: Path)
 def test_each_adapter_alone_equals_peft(served: Served, base_dir: Path,
                                        prompt_ids: list[list[int]],
                                        references: dict[str | None, list[list[int]]]) -> None:
-    client = _client(served)
+    client = served.client(300)
     for name in (None, *NAMES):
         for ids, want in zip(prompt_ids, references[name], strict=True):
-            pieces, used = _stream(client, name or REAL, ids)
+            pieces, used = stream_greedy(client, name or REAL, ids, NUM_TOKENS)
             assert used == NUM_TOKENS
-            assert pieces == _pieces(base_dir, want), (name, ids)
+            assert pieces == streamed_pieces(base_dir, want), (name, ids)
     assert len({str(r) for r in references.values()}) == len(references)  # all differ
 
 
 def test_base_and_adapters_at_once_are_unchanged_with_no_switch(
         served: Served, base_dir: Path, prompt_ids: list[list[int]],
         references: dict[str | None, list[list[int]]]) -> None:
-    client = _client(served)
-    _stream(client, REAL, prompt_ids[0])  # the base on the device before counting
+    client = served.client(300)
+    # the base on the device before counting
+    stream_greedy(client, REAL, prompt_ids[0], NUM_TOKENS)
     jobs = [(name, k) for k in range(len(PROMPTS)) for name in (None, *NAMES)]
     got: dict[tuple[str | None, int], tuple[list[str], int]] = {}
-    before = _switches(served)
+    before = served.switches()
 
     def run(job: tuple[str | None, int]) -> None:
-        got[job] = _stream(client, job[0] or REAL, prompt_ids[job[1]])
+        got[job] = stream_greedy(client, job[0] or REAL, prompt_ids[job[1]], NUM_TOKENS)
 
     threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=600)
-    assert _switches(served) == before  # adapters of the resident base: no weight switch
+    assert served.switches() == before  # adapters of the resident base: no weight switch
     for (name, k), (pieces, used) in sorted(got.items(), key=str):
         assert used == NUM_TOKENS
-        assert pieces == _pieces(base_dir, references[name][k]), (name, k)
+        assert pieces == streamed_pieces(base_dir, references[name][k]), (name, k)
     assert len(got) == len(jobs)
 
 
@@ -191,13 +160,13 @@ def test_an_adapter_as_the_model_takes_the_api_fields(
     output."""
     name, k = NAMES[1], 2
     ids, want = prompt_ids[k], references[NAMES[1]][k]
-    client = _client(served)
+    client = served.client(300)
     out = client.completions.create(model=name, prompt=ids, max_tokens=NUM_TOKENS,
                                     temperature=0, logprobs=2, echo=True, n=2,
                                     extra_body={"ignore_eos": True})
     assert len(out.choices) == 2
     for choice in out.choices:
-        assert choice.text.endswith("".join(_pieces(base_dir, want))), choice.text
+        assert choice.text.endswith("".join(streamed_pieces(base_dir, want))), choice.text
         assert choice.logprobs is not None
         assert len(choice.logprobs.token_logprobs or []) == len(ids) + NUM_TOKENS
         assert all(len(t) >= 1 for t in (choice.logprobs.top_logprobs or [])[1:])
@@ -232,8 +201,8 @@ def test_load_then_request_then_unload(served: Served, base_dir: Path, market: P
     status, models = call_json(served.url, "GET", "/v1/models")
     assert {"id": "extra", "parent": REAL}.items() <= next(
         m for m in models["data"] if m["id"] == "extra").items()
-    pieces, _ = _stream(_client(served), "extra", prompt_ids[1])
-    assert pieces == _pieces(base_dir, references["extra"][1])
+    pieces, _ = stream_greedy(served.client(300), "extra", prompt_ids[1], NUM_TOKENS)
+    assert pieces == streamed_pieces(base_dir, references["extra"][1])
     status, body = post_text(served.url, "/v1/load_lora_adapter",
                          {"lora_name": "extra", "lora_path": str(extra_adapter)})
     assert status == 400 and "already been loaded" in body

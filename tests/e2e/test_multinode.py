@@ -14,8 +14,7 @@ import asyncio
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import pytest
 import redis
 import yaml
 from http_support import call_json, get_json, metric_samples, sse_events
-from serve_harness import Served, serving
+from serve_harness import Served, serving, until
 
 MODELS = ("llama-gqa-5m", "mistral-11m", "qwen2-19m")
 
@@ -37,11 +36,6 @@ def cluster(
     with serving(small_market, run_dir, "--nodes", "2", "--proxies", "2",
                  "--store-url", redis_url) as served:  # fmt: skip
         yield served
-
-
-def _proxy_urls(cluster: Served) -> list[str]:
-    port = int(cluster.url.rpartition(":")[2])
-    return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
 
 
 def _models(market: Path) -> list[str]:
@@ -99,15 +93,6 @@ def _nodes_seen(url: str) -> list[str] | None:
     return list(stats["nodes"]) if status == 200 else None
 
 
-def _wait(predicate: Any, timeout_s: float, what: str | Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            said = what if isinstance(what, str) else what()
-            raise AssertionError(f"not within {timeout_s} s: {said}")
-        time.sleep(0.1)
-
-
 def _shared_queues_empty(redis_url: str) -> bool:
     import msgspec
 
@@ -147,7 +132,7 @@ def _node_pids(cluster: Served, node: str) -> list[int]:
 def test_both_replicas_serve_every_model_on_both_nodes(
     cluster: Served, small_market: Path, redis_url: str
 ) -> None:
-    urls = _proxy_urls(cluster)
+    urls = cluster.urls
     models = _models(small_market)
 
     async def load() -> list[dict[str, Any]]:
@@ -160,12 +145,12 @@ def test_both_replicas_serve_every_model_on_both_nodes(
     assert all(r["tokens"] == 24 for r in results), results
     for url in urls:  # each replica reads both nodes from the registry
         assert _stats(url)["nodes"] == ["node-0", "node-1"]
-    _wait(lambda: _shared_queues_empty(redis_url), 5, "every shared queue empty")
+    until("every shared queue empty", lambda: _shared_queues_empty(redis_url), 5)
 
 
 def test_a_killed_proxy_loses_only_its_own_streams(cluster: Served, small_market: Path,
                                                    redis_url: str) -> None:  # fmt: skip
-    urls = _proxy_urls(cluster)
+    urls = cluster.urls
     models = _models(small_market)
     victim_pid = int((cluster.run_dir / "proxy-1" / "proxy.ready").read_text())
     victim_id = _stats(urls[1])["proxy_id"]
@@ -193,23 +178,23 @@ def test_a_killed_proxy_loses_only_its_own_streams(cluster: Served, small_market
                 and not client.sismember("aegaeon:proxies", victim_id))  # fmt: skip
 
     # its records expire (store.heartbeat_ttl)
-    _wait(reaped, 60, "the dead replica's requests reaped")
+    until("the dead replica's requests reaped", reaped, 60)
     client.close()
-    _wait(lambda: _shared_queues_empty(redis_url), 60, "every shared queue empty")
-    _wait(lambda: all(i["open_sequences"] == 0 for i in _stats(urls[0])["instances"]), 15,
-          "no instance holds a sequence of the dead replica")  # fmt: skip
+    until("every shared queue empty", lambda: _shared_queues_empty(redis_url), 60)
+    until("no instance holds a sequence of the dead replica",
+          lambda: all(i["open_sequences"] == 0 for i in _stats(urls[0])["instances"]), 15)
     # nor KV: a handoff the dead replica got but never placed is freed at its prefill
-    _wait(lambda: not _host_kv_owned(cluster), 30,
-          lambda: f"no KV block left leased (held: {_host_kv_owned(cluster)})")  # fmt: skip
+    until(lambda: f"no KV block left leased (held: {_host_kv_owned(cluster)})",
+          lambda: not _host_kv_owned(cluster), 30)
 
 
 def test_a_killed_node_leaves_dispatch(cluster: Served, small_market: Path,
                                        redis_url: str) -> None:  # fmt: skip
-    urls = _proxy_urls(cluster)
+    urls = cluster.urls
     # both replicas answer (the one killed before is the supervisor's to restart: a
     # stream sent to it while it starts is refused a connection) and see both nodes
-    _wait(lambda: all(_nodes_seen(url) == ["node-0", "node-1"] for url in urls), 60,
-          "both replicas up, both nodes in their view")  # fmt: skip
+    until("both replicas up, both nodes in their view",
+          lambda: all(_nodes_seen(url) == ["node-0", "node-1"] for url in urls), 60)
     models = _models(small_market)
     client = redis.Redis.from_url(redis_url)
     victims: list[str] = []
@@ -255,7 +240,7 @@ def test_a_killed_node_leaves_dispatch(cluster: Served, small_market: Path,
         kinds = {i["kind"] for i in _stats(url)["instances"] if i["node"] == victims[0]}
         return kinds >= {"prefill", "decode"}
 
-    _wait(lambda: all(rejoined(url) for url in urls), 150, "the node rejoined")
+    until("the node rejoined", lambda: all(rejoined(url) for url in urls), 150)
     before = _queue_keys(redis_url, cluster, victims[0])
 
     async def more() -> list[dict[str, Any]]:

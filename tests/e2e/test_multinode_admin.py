@@ -20,7 +20,6 @@ timing is asserted.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 from http_support import call_json, get_text, metric_samples, post_text
-from serve_harness import Served, serve_config, serving, stream_completion, until
+from serve_harness import Served, is_sleeping, serve_config, serving, stream_completion, until
 
 SETTLE_S = 120.0  # loads and heartbeats settle within this (a busy CI machine)
 MAX_TOKENS = 200  # a request's KV: ceil((prompt + 200) / 16) = 13-16 blocks
@@ -39,11 +38,6 @@ DEFERRED = 3  # batch requests that wait behind the first
 ROLES = {"enabled": True, "high_util": 0.001, "low_util": 0.0005, "up_hold": 0.0,
          "down_hold": 600.0, "min_dwell": 0.5, "decode_high": 1e9, "convert_max_demand": 1.0}
 BURST = 8  # requests of the roles' burst, through both replicas
-
-
-@pytest.fixture(scope="module")
-def market_names(small_market: Path) -> list[str]:
-    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +57,6 @@ def cluster(small_market: Path, market_names: list[str], redis_url: str,
 @pytest.fixture(scope="module")
 def model(market_names: list[str]) -> str:
     return market_names[0]
-
-
-def _urls(cluster: Served) -> list[str]:
-    port = int(cluster.url.rpartition(":")[2])
-    return [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
 
 
 def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
@@ -101,7 +90,7 @@ def _load_progress(metrics_url: str) -> dict[str, float]:
 
 
 def test_services_list_every_nodes_cachemgr_and_instances(cluster: Served) -> None:
-    urls = _urls(cluster)
+    urls = cluster.urls
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in urls))
 
     def listed() -> list[dict[str, str]] | None:
@@ -119,7 +108,7 @@ def test_services_list_every_nodes_cachemgr_and_instances(cluster: Served) -> No
 
 
 def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
-    urls = _urls(cluster)
+    urls = cluster.urls
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in urls))
     status, row = call_json(urls[0], "PATCH", f"/v1/aegaeon/models/{model}",
                         {"pinned": True, "max_concurrency": 8})  # fmt: skip
@@ -156,7 +145,7 @@ def test_patch_pins_a_model_on_every_node(cluster: Served, model: str) -> None:
 
 def test_batch_is_shed_before_interactive_at_a_replicas_bounds(cluster: Served,
                                                                model: str) -> None:  # fmt: skip
-    url = _urls(cluster)[0]
+    url = cluster.urls[0]
     _until("the replica sees both nodes", lambda: _both_nodes_up(url))
 
     def body(k: int, priority: str) -> dict[str, Any]:
@@ -212,7 +201,7 @@ def _listed(url: str) -> list[str]:
 def test_a_model_added_on_one_replica_is_served_and_removed_through_the_other(
     cluster: Served, market_names: list[str]
 ) -> None:
-    a, b = _urls(cluster)
+    a, b = cluster.urls
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
     configured, extra = market_names[:2], market_names[2]
     assert _listed(a) == configured and _listed(b) == configured
@@ -255,32 +244,27 @@ def test_a_model_added_on_one_replica_is_served_and_removed_through_the_other(
     assert _complete(a, configured[0])[0] == 200  # the others are served as before
 
 
-def _sleeping(url: str, model: str) -> bool:
-    status, body = call_json(url, "GET", f"/is_sleeping?model={model}")
-    assert status == 200, body
-    return bool(body["is_sleeping"])
-
-
 def test_sleep_on_one_replica_is_seen_by_the_other(cluster: Served, model: str) -> None:
-    a, b = _urls(cluster)
+    a, b = cluster.urls
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
     assert _complete(a, model)[0] == 200  # on a device of the node that served it
-    _until("awake on both replicas", lambda: not _sleeping(a, model) and not _sleeping(b, model))
+    _until("awake on both replicas",
+           lambda: not is_sleeping(a, model) and not is_sleeping(b, model))
 
     status, body = call_json(a, "POST", f"/sleep?model={model}")
     assert status == 200 and body == {"is_sleeping": True, "models": {model: True}}, body
     _until("asleep on the other replica (the instances' next heartbeats)",
-           lambda: _sleeping(b, model))  # fmt: skip
+           lambda: is_sleeping(b, model))  # fmt: skip
     status, body = call_json(b, "POST", f"/wake_up?model={model}")
     assert status == 200 and body["is_sleeping"] is False, body
-    _until("awake on the first replica", lambda: not _sleeping(a, model))
+    _until("awake on the first replica", lambda: not is_sleeping(a, model))
 
     # asleep again, a request for it is served: its prefill switches it in
     status, body = call_json(b, "POST", f"/sleep?model={model}")
     assert status == 200 and body["is_sleeping"] is True, body
     status, done = _complete(a, model)
     assert status == 200 and done["usage"]["completion_tokens"] == 4, done
-    _until("awake on the other replica", lambda: not _sleeping(b, model))
+    _until("awake on the other replica", lambda: not is_sleeping(b, model))
     for url in (a, b):
         status, body = call_json(url, "GET", "/is_sleeping?model=no-such-model")
         assert status == 404 and body["error"]["code"] == "model_not_found"
@@ -301,7 +285,7 @@ def _role_gauges(url: str) -> dict[tuple[str, str], float]:
 def test_roles_move_on_a_burst_and_every_replica_dispatches_by_them(
     cluster: Served, model: str
 ) -> None:
-    a, b = _urls(cluster)
+    a, b = cluster.urls
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
 
     async def burst() -> list[tuple[int, str | None]]:
@@ -356,7 +340,7 @@ def test_a_lora_adapter_loaded_on_one_replica_is_served_and_unloaded_through_the
     from aegaeon_market.adapters import add_random_adapter
     from lora_support import lora_market
 
-    a, b = _urls(cluster)
+    a, b = cluster.urls
     _until("both replicas see both nodes", lambda: all(_both_nodes_up(u) for u in (a, b)))
     base = market_names[0]
     # a random adapter of the served model, in a folder of its own (not the shared market)

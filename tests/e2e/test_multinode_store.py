@@ -26,11 +26,6 @@ from serve_harness import Served, serve_config, serving
 
 
 @pytest.fixture(scope="module")
-def market_names(small_market: Path) -> list[str]:
-    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
-
-
-@pytest.fixture(scope="module")
 def cluster(small_market: Path, market_names: list[str],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:  # fmt: skip
     """Two nodes, two replicas, their private store; all the market but its last model
@@ -45,9 +40,8 @@ def cluster(small_market: Path, market_names: list[str],
 def test_the_store_killed_or_paused_loses_no_request_node_or_setting(
     cluster: Served, market_names: list[str]
 ) -> None:
-    port = int(cluster.url.rpartition(":")[2])
-    node = ChaosNode(cluster.url, cluster.run_dir, cluster.proc.pid,
-                     (f"http://127.0.0.1:{port + 1}",), nodes=2)  # fmt: skip
+    node = ChaosNode(cluster.url, cluster.run_dir, cluster.proc.pid, tuple(cluster.urls[1:]),
+                     nodes=2)  # fmt: skip
     opts = ChaosOptions(faults=[FAULTS["store-kill"], FAULTS["store-pause"]], slot_s=6.0,
                         concurrency=3, request_timeout_s=30.0, offered_models=tuple(market_names),
                         stream=None, max_tokens=(32, 160))  # fmt: skip

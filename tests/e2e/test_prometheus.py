@@ -43,7 +43,7 @@ def prometheus(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def _traffic(served: Served, scraped: Callable[[list[str]], None]) -> str:
     """Completed and streamed requests to every model, one its client leaves, one past
     its deadline (the dashboard's error panel); returns the model they all reached."""
-    client = openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
+    client = served.client()
     models = [m.id for m in client.models.list().data]
 
     def one(model: str, i: int) -> None:

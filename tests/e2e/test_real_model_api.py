@@ -67,10 +67,6 @@ QUESTIONS = ["What's the weather in Paris?", "What time is it in Tokyo?",
              "Is it raining in London?", "What's the time in New York?"]
 
 
-def _client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=600)
-
-
 def _many(fn: Any, n: int = SAMPLES, workers: int = 4) -> list[Any]:
     with ThreadPoolExecutor(workers) as pool:  # batched on the instances, within the
         return list(pool.map(fn, range(n)))  # default node's admission bounds
@@ -78,7 +74,7 @@ def _many(fn: Any, n: int = SAMPLES, workers: int = 4) -> list[Any]:
 
 @pytest.mark.parametrize("model", [REAL, QUANTIZED])
 def test_sdk_parse_of_a_pydantic_model_at_temperature_one(real_served: Served, model: str) -> None:
-    client = _client(real_served)
+    client = real_served.client(600)
 
     def ask(k: int) -> Person | None:
         out = client.beta.chat.completions.parse(
@@ -107,7 +103,7 @@ def _streamed_call(client: openai.OpenAI, **args: Any) -> tuple[list[Any], str |
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_tool_loop_with_required_calls(real_served: Served, streamed: bool) -> None:
-    client = _client(real_served)
+    client = real_served.client(600)
 
     def loop(k: int) -> str | None:
         messages: Any = [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}]
@@ -138,7 +134,7 @@ def test_a_tool_loop_with_required_calls(real_served: Served, streamed: bool) ->
 
 
 def test_auto_either_calls_or_answers_never_broken_json(real_served: Served) -> None:
-    client = _client(real_served)
+    client = real_served.client(600)
 
     def ask(k: int) -> str:
         choice = client.chat.completions.create(
@@ -165,7 +161,7 @@ def test_prompt_logprobs_are_transformers(real_served: Served) -> None:
     model_dir = real_market_dir() / REAL
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer("Question: What is the capital of France?\nAnswer: Paris").input_ids
-    out = _client(real_served).completions.create(model=REAL, prompt=ids, max_tokens=1,
+    out = real_served.client(600).completions.create(model=REAL, prompt=ids, max_tokens=1,
                                              temperature=0, logprobs=1, echo=True)
     served_lps = out.choices[0].logprobs.token_logprobs[1:len(ids)]  # type: ignore[union-attr]
 

@@ -15,12 +15,8 @@ from serve_harness import Served, until
 from tokenizers import Tokenizer
 
 
-def _client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
-
-
 def _model(served: Served, k: int = 0) -> str:
-    return [m.id for m in _client(served).models.list().data][k]
+    return [m.id for m in served.client().models.list().data][k]
 
 
 def test_tokenize_ids_equal_the_models_tokenizer(served: Served, small_market: Path) -> None:
@@ -40,7 +36,7 @@ def test_tokenize_ids_equal_the_models_tokenizer(served: Served, small_market: P
     status, chat = call_json(served.url, "POST", "/tokenize",
                              {"model": model, "messages": messages})
     assert status == 200
-    reply = _client(served).chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+    reply = served.client().chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
                                                     max_tokens=1)
     assert reply.usage is not None and reply.usage.prompt_tokens == chat["count"]
     status, version = call_json(served.url, "GET", "/version")
@@ -81,7 +77,7 @@ def test_request_id_travels_to_the_stats_and_the_access_log(served: Served) -> N
 def test_an_unknown_or_unsupported_field_is_a_400_naming_it(served: Served, field: str,
                                                             value: Any) -> None:  # fmt: skip
     with pytest.raises(openai.BadRequestError) as info:
-        _client(served).completions.create(model=_model(served), prompt="x", max_tokens=1,
+        served.client().completions.create(model=_model(served), prompt="x", max_tokens=1,
                                            extra_body={field: value})
     assert info.value.body is not None
     assert info.value.body["param"] == field  # type: ignore[index]
@@ -98,7 +94,7 @@ def test_prompt_logprobs_equal_the_engine_alone(served: Served, small_market: Pa
     log-probabilities are the engine's own, from its raw logits."""
     model = _model(served)
     prompt = [5, 17, 99, 3, 250, 41, 7, 12, 600, 33]
-    out = _client(served).completions.create(model=model, prompt=prompt, max_tokens=1,
+    out = served.client().completions.create(model=model, prompt=prompt, max_tokens=1,
                                              temperature=0, logprobs=3, echo=True)
     lp = out.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
@@ -117,7 +113,7 @@ def test_prompt_logprobs_equal_the_engine_alone(served: Served, small_market: Pa
 
 
 def test_n_choices_logit_bias_and_allowed_tokens(served: Served) -> None:
-    client, model = _client(served), _model(served)
+    client, model = served.client(), _model(served)
     args: dict[str, Any] = dict(model=model, prompt="Once upon", max_tokens=6, temperature=1.0,
                                 seed=9, n=3, extra_body={"ignore_eos": True})
     first = client.completions.create(**args)
@@ -149,7 +145,7 @@ BOUNDED = {"type": "object", "properties": {
 def test_structured_outputs_hold_even_for_a_random_model(served: Served) -> None:
     import jsonschema
 
-    client, model = _client(served), _model(served, 1)
+    client, model = served.client(), _model(served, 1)
     messages: Any = [{"role": "user", "content": "A person, please."}]
     for _ in range(3):
         out = client.chat.completions.create(model=model, messages=messages, temperature=1.0,
@@ -170,7 +166,7 @@ def test_structured_outputs_hold_even_for_a_random_model(served: Served) -> None
 def test_forced_tool_calls_are_schema_valid_streamed_and_not(served: Served) -> None:
     import jsonschema
 
-    client, model = _client(served), _model(served, 2)
+    client, model = served.client(), _model(served, 2)
     params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                                "unit": {"enum": ["c", "f"]}},
               "required": ["city", "unit"]}  # fmt: skip
@@ -198,7 +194,7 @@ def test_forced_tool_calls_are_schema_valid_streamed_and_not(served: Served) -> 
 
 
 def test_responses_output_text_equals_the_chat_greedy_text(served: Served) -> None:
-    client, model = _client(served), _model(served)
+    client, model = served.client(), _model(served)
     text = "Tell me about rivers."
     chat = client.chat.completions.create(model=model, messages=[{"role": "user",
                                                                   "content": text}],

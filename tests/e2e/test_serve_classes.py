@@ -6,9 +6,7 @@ only: no timing is asserted. Role switching: test_serve_roles."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,8 +20,8 @@ REQUEST_TIMEOUT_S = 600.0  # a busy 2-core CI machine
 
 
 @pytest.fixture(scope="module")
-def model(small_market: Path) -> str:
-    return str(json.loads((small_market / "market.json").read_text())["models"][0]["name"])
+def model(market_names: list[str]) -> str:
+    return market_names[0]
 
 
 @pytest.fixture

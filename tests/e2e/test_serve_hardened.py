@@ -41,9 +41,10 @@ LIMITED_MODEL: list[str] = []
 
 
 @pytest.fixture(scope="module")
-def hardened(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def hardened(small_market: Path, market_names: list[str],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:  # fmt: skip
     admin_port = free_port()
-    first = json.loads((small_market / "market.json").read_text())["models"][0]["name"]
+    first = market_names[0]
     proxy = {"admin_port": admin_port, "max_kv_blocks": 48, "admission_wait": False,
              "read_timeout": 1.0, "write_timeout": 2.0, "send_buffer": "32KiB",
              "keepalive_timeout": 1.0,

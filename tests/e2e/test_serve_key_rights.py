@@ -33,7 +33,7 @@ from key_rights import (
     USER_KEY,
     Row,
 )
-from serve_harness import Served, serve_config, serving, until
+from serve_harness import Served, is_sleeping, serve_config, serving, until
 
 TOPOLOGIES = ("one node", "2 nodes, 2 proxies")
 SETTLE_S = 120.0
@@ -63,8 +63,7 @@ def live(request: pytest.FixtureRequest, small_market: Path,
     with serving(small_market, run_dir, "--nodes", "2", "--proxies", "2", "--store-url",
                  redis_url, "--api-key", USER_KEY, "--api-key", f"{LIMITED_KEY}:{MINE}",
                  "--admin-key", ADMIN_KEY, config=config) as served:  # fmt: skip
-        port = int(served.url.rpartition(":")[2])
-        urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        urls = served.urls
 
         def both_nodes_up() -> bool:
             stats = [call_json(u, "GET", "/v1/aegaeon/stats?light=1", headers=HEADERS["admin"])
@@ -91,12 +90,6 @@ def _rows_state(url: str) -> dict[str, tuple[str, bool]]:
     return {m["name"]: (m["state"], m["pinned"]) for m in body["data"]}
 
 
-def _sleeping(url: str, model: str) -> bool:
-    status, body = call_json(url, "GET", f"/is_sleeping?model={model}", headers=HEADERS["admin"])
-    assert status == 200, body
-    return bool(body["is_sleeping"])
-
-
 def test_every_replica_refuses_what_a_key_may_not_call(live: Live) -> None:
     """The no-key, user-key and limited-key columns, on every replica: a refusal
     changes nothing."""
@@ -117,7 +110,8 @@ def test_the_tenant_sequence_leaves_the_model_served_unpinned_and_awake(live: Li
     status, body = call_json(live.urls[0], "POST", "/v1/completions",
                          {"model": OTHER, **COMPLETION}, user)  # on a device now
     assert status == 200, body
-    until(f"{OTHER} on a device", lambda: not _sleeping(live.urls[-1], OTHER), SETTLE_S)
+    until(f"{OTHER} on a device",
+          lambda: not is_sleeping(live.urls[-1], OTHER, HEADERS["admin"]), SETTLE_S)
     for url in live.urls:
         status, listed = call_json(url, "GET", "/v1/models", headers=tenant)
         assert status == 200 and [m["id"] for m in listed["data"]] == [MINE]
@@ -133,7 +127,8 @@ def test_the_tenant_sequence_leaves_the_model_served_unpinned_and_awake(live: Li
         assert _rows_state(url)[OTHER] == ("serving", False)  # served, not pinned
         # a refused /sleep that went through would leave it asleep: no request wakes it
         # (a replica may read an instance's record a beat late under load: waited for)
-        until(f"{OTHER} awake at {url}", lambda url=url: not _sleeping(url, OTHER), 30)
+        until(f"{OTHER} awake at {url}",
+              lambda url=url: not is_sleeping(url, OTHER, HEADERS["admin"]), 30)
         status, body = call_json(url, "POST", "/v1/completions", {"model": OTHER, **COMPLETION},
                                  user)
         assert status == 200, body

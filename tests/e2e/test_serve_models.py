@@ -5,7 +5,6 @@ waits for the requests in flight. No restart at any point."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 from http_support import call_json, metric_samples
-from serve_harness import Served, serve_config, serving, until
+from serve_harness import Served, is_sleeping, serve_config, serving, until
 
 SETTLE_S = 60.0  # heartbeats and background loads settle within this (a busy CI machine)
 LONG_TOKENS = 6000  # a request that decodes for seconds on any machine (the models take 8192)
@@ -25,11 +24,6 @@ def _call(served: Served, method: str, path: str, body: Any = None) -> tuple[int
 
 def _until(what: str, check: Any, timeout_s: float = SETTLE_S) -> Any:
     return until(what, check, timeout_s)
-
-
-@pytest.fixture(scope="module")
-def market_names(small_market: Path) -> list[str]:
-    return [m["name"] for m in json.loads((small_market / "market.json").read_text())["models"]]
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +161,6 @@ def _on_devices(served: Served, model: str) -> list[str]:
     return sorted(n for n, s in stats.items() if s and model in s["resident_models"])
 
 
-def _sleeping(served: Served, model: str) -> bool:
-    status, body = _call(served, "GET", f"/is_sleeping?model={model}")
-    assert status == 200, body
-    return bool(body["is_sleeping"])
-
-
 def test_sleep_and_wake_move_the_weights_off_and_onto_a_device(
     partial: Served, market_names: list[str]
 ) -> None:
@@ -182,25 +170,25 @@ def test_sleep_and_wake_move_the_weights_off_and_onto_a_device(
     model = market_names[0]
     assert _complete(partial, model)[0] == 200  # on the devices that served it
     _until("its weights on a device", lambda: _on_devices(partial, model))
-    assert not _sleeping(partial, model)
+    assert not is_sleeping(partial.url, model)
 
     status, body = _call(partial, "POST", f"/sleep?model={model}")
     assert status == 200 and body == {"is_sleeping": True, "models": {model: True}}, body
-    assert _sleeping(partial, model)
+    assert is_sleeping(partial.url, model)
     _until("every heartbeat without it", lambda: _on_devices(partial, model) == [])
     rows = _rows(partial)
     assert rows[model]["in_model_cache"] is True  # asleep: off the devices, in host memory
 
     status, body = _call(partial, "POST", f"/wake_up?model={model}")
     assert status == 200 and body["is_sleeping"] is False, body
-    assert not _sleeping(partial, model)
+    assert not is_sleeping(partial.url, model)
     assert _until("its weights back on a device", lambda: _on_devices(partial, model))
 
     # asleep again, a request for it is served: its prefill switches it in
     assert _call(partial, "POST", f"/sleep?model={model}")[1]["is_sleeping"] is True
     status, done = _complete(partial, model)
     assert status == 200 and done["usage"]["completion_tokens"] == 4
-    _until("awake (the next heartbeat)", lambda: not _sleeping(partial, model))
+    _until("awake (the next heartbeat)", lambda: not is_sleeping(partial.url, model))
     status, body = _call(partial, "GET", "/is_sleeping?model=no-such-model")
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
@@ -214,7 +202,7 @@ def test_sleep_and_wake_move_the_weights_off_and_onto_a_device(
     _until("held by keep_alive -1", pinned)
     body["keep_alive"] = 0
     assert _call(partial, "POST", "/v1/completions", body)[0] == 200
-    _until("unloaded by keep_alive 0", lambda: _sleeping(partial, model) and not pinned())
+    _until("unloaded by keep_alive 0", lambda: is_sleeping(partial.url, model) and not pinned())
     body["keep_alive"] = "soon"
     status, err = _call(partial, "POST", "/v1/completions", body)
     assert status == 400 and err["error"]["param"] == "keep_alive"

@@ -10,9 +10,8 @@ import threading
 import time
 from collections import Counter
 
-import openai
-from http_support import Samples, get_text, metric_samples
-from serve_harness import Served
+from http_support import get_text, metric_samples, sample_sum
+from serve_harness import Served, until
 
 IN_FLIGHT = 32  # the rolling restart's load: requests at once, at most
 
@@ -22,20 +21,8 @@ def _services(served: Served) -> dict[str, dict[str, str]]:
     return {s["name"]: s for s in data["services"]}  # type: ignore[union-attr,index]
 
 
-def _total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of ``name`` over the samples whose labels include ``labels``."""
-    return sum(
-        v for (n, lbl), v in samples.items()
-        if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
-    )  # fmt: skip
-
-
-def _client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
-
-
 def _models(served: Served) -> list[str]:
-    return [m.id for m in _client(served).models.list().data][:3]
+    return [m.id for m in served.client().models.list().data][:3]
 
 
 def test_services_list_every_service_with_working_urls(served: Served) -> None:
@@ -59,7 +46,7 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     before = {name: metric_samples(url) for name, url in urls.items()}
     models = _models(served)
     sent = Counter(m for m in models for _ in range(2))
-    client = _client(served)
+    client = served.client()
     threads = [
         threading.Thread(target=client.completions.create, kwargs={
             "model": m, "prompt": "Count with me", "max_tokens": 6, "temperature": 0,
@@ -73,7 +60,7 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     total = sum(sent.values())
 
     def delta(name: str, metric: str, **labels: str) -> float:
-        return _total(metric_samples(urls[name]), metric, **labels) - _total(
+        return sample_sum(metric_samples(urls[name]), metric, **labels) - sample_sum(
             before[name], metric, **labels
         )
 
@@ -99,9 +86,9 @@ def test_request_counters_equal_the_requests_sent(served: Served) -> None:
     assert claims == total
     proxy = metric_samples(urls["proxy"])
     for model in sent:
-        assert _total(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
-        assert 0.0 <= _total(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
-    assert _total(proxy, "aegaeon_instance_up") == 2
+        assert sample_sum(proxy, "aegaeon_ttft_seconds_count", model=model) >= sent[model]
+        assert 0.0 <= sample_sum(proxy, "aegaeon_slo_attainment_ratio", model=model) <= 1.0
+    assert sample_sum(proxy, "aegaeon_instance_up") == 2
     # no prompt text (nor the client's API key) in any service's log
     for log in served.run_dir.glob("*.log"):
         text = log.read_text(errors="replace")
@@ -140,7 +127,7 @@ def test_vllm_families_after_traffic(served: Served) -> None:
     url = _services(served)["proxy"]["metrics_url"]
     before = metric_samples(url)
     models = _models(served)[:2]
-    client = _client(served)
+    client = served.client()
     max_tokens = 5
     for model in models:  # one streamed, one not, per model
         client.completions.create(model=model, prompt="Count with me", max_tokens=max_tokens,
@@ -153,14 +140,14 @@ def test_vllm_families_after_traffic(served: Served) -> None:
     after = metric_samples(url)
 
     def delta(name: str, **labels: str) -> float:
-        return _total(after, name, **labels) - _total(before, name, **labels)
+        return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
 
     served_models = _models(served)
     for model in served_models:  # one series per served model, traffic or not
         for name in VLLM_GAUGES:
             assert (f"vllm:{name}", (("model_name", model),)) in after, (name, model)
         for name in VLLM_COUNTERS:
-            assert _total(after, f"vllm:{name}_total", model_name=model) >= 0, (name, model)
+            assert sample_sum(after, f"vllm:{name}_total", model_name=model) >= 0, (name, model)
             assert any(n == f"vllm:{name}_total" and dict(lbl).get("model_name") == model
                        for n, lbl in after), (name, model)  # fmt: skip
     for model in models:
@@ -184,12 +171,12 @@ def test_vllm_families_after_traffic(served: Served) -> None:
         assert 0 < ttft <= e2e
         assert prefill > 0 and queue + prefill <= ttft + 0.05 * sent  # wall vs monotonic clocks
         # every request finished: nothing running or waiting
-        assert _total(after, "vllm:num_requests_running", model_name=model) == 0
-        assert _total(after, "vllm:num_requests_waiting", model_name=model) == 0
+        assert sample_sum(after, "vllm:num_requests_running", model_name=model) == 0
+        assert sample_sum(after, "vllm:num_requests_waiting", model_name=model) == 0
     for model in served_models:
         for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc", "cpu_cache_usage_perc"):
             assert 0.0 <= after[(f"vllm:{name}", (("model_name", model),))] <= 1.0
-    assert _total(after, "vllm:cache_config_info") == 1
+    assert sample_sum(after, "vllm:cache_config_info") == 1
 
 
 def _instance_pid(served: Served, name: str) -> int | None:
@@ -207,16 +194,9 @@ def _service_pids(served: Served) -> dict[str, int]:
     return out
 
 
-def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while get_text(url)[0] != 200:
-        assert time.monotonic() < deadline, f"{url} not ready"
-        time.sleep(0.1)
-
-
 def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> None:
     models = _models(served)
-    client = _client(served)
+    client = served.client()
     results: list[tuple[str, object]] = []
     stop = threading.Event()
     # a new request every 0.1 s, at most IN_FLIGHT at once: while an instance restarts
@@ -260,11 +240,10 @@ def test_rolling_restart_of_each_worker_kind_loses_nothing(served: Served) -> No
             old = _instance_pid(served, name)
             assert old is not None and old == pids[name]
             os.kill(old, signal.SIGTERM)
-            deadline = time.monotonic() + 120
-            while _instance_pid(served, name) in (old, None):
-                assert time.monotonic() < deadline, f"{name} did not come back"
-                time.sleep(0.1)
-            _wait_ready(_services(served)[name]["ready_url"])  # its new address works
+            until(f"{name} came back",
+                  lambda n=name, o=old: _instance_pid(served, n) not in (o, None), 120)
+            ready = _services(served)[name]["ready_url"]  # its new address works
+            until(f"{ready} ready", lambda u=ready: get_text(u)[0] == 200, 60)
             after = _service_pids(served)
             assert after[name] != old
             # it rejoined alone: no other service restarted

@@ -16,12 +16,8 @@ from http_support import call_json
 from serve_harness import Served, until
 
 
-def _client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.base_url, api_key="none", max_retries=0, timeout=120)
-
-
 def _models(served: Served) -> list[str]:
-    return [m.id for m in _client(served).models.list().data]
+    return [m.id for m in served.client().models.list().data]
 
 
 def test_models_come_from_the_market(served: Served, small_market: Path) -> None:
@@ -30,7 +26,7 @@ def test_models_come_from_the_market(served: Served, small_market: Path) -> None
 
 
 def test_three_models_stream_and_not(served: Served) -> None:
-    client = _client(served)
+    client = served.client()
     models = _models(served)[:3]
     assert len(set(models)) == 3
     results: dict[str, tuple[str, str]] = {}
@@ -80,7 +76,7 @@ def test_greedy_tokens_equal_the_engine_alone_across_switches(
     """A -> B -> A on the same instances gives A the same tokens as a fresh engine."""
     from tokenizers import Tokenizer
 
-    client = _client(served)
+    client = served.client()
     model_a, model_b = _models(served)[:2]
     prompt_ids = [5, 17, 99, 3, 250, 41, 7, 12, 600, 33, 21, 8, 19, 77, 101, 4, 16, 2]
     n = 24
@@ -152,7 +148,7 @@ def test_stats_count_nothing_once_a_request_has_returned(served: Served) -> None
     answer is back, no instance counts the request's sequence, and the instance that
     ended it none of its KV; blocks a copy to the host cache still reads (the prefill
     instance's handoff) count until that instance's next heartbeat (0.5 s)."""
-    client = _client(served)
+    client = served.client()
     model = _models(served)[0]
     prompt = "Tell me about ships and the sea. " * 12
     for max_tokens in (1, 300):  # ends at its first token (prefill) / on a decoder
@@ -191,13 +187,13 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(
     got, error = call_json(served.url, "POST", "/v1/completions", {"model": model, **body})
     assert got == status, error
     assert set(error["error"]) >= {"message", "type", "param", "code"}
-    ok = _client(served).completions.create(model=model, prompt="Hi", max_tokens=3)
+    ok = served.client().completions.create(model=model, prompt="Hi", max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
 def test_seeded_completion_streams_what_it_answers(served: Served) -> None:
     """The same seed gives the same text, streamed or not; other seeds differ."""
-    client = _client(served)
+    client = served.client()
     model = _models(served)[0]
     args: dict[str, Any] = dict(model=model, prompt="Once upon a time", max_tokens=8,
                                 temperature=0.9, seed=11,
@@ -217,7 +213,7 @@ def test_seeded_completion_streams_what_it_answers(served: Served) -> None:
 
 
 def test_chat_streams_what_it_answers(served: Served) -> None:
-    client = _client(served)
+    client = served.client()
     args: dict[str, Any] = dict(model=_models(served)[1], max_completion_tokens=6,
                                 messages=[{"role": "user", "content": "Hi! 👋"}], temperature=0,
                                 extra_body={"ignore_eos": True})  # fmt: skip
@@ -233,7 +229,7 @@ def test_chat_streams_what_it_answers(served: Served) -> None:
 
 
 def test_stop_string_trims_the_engine_text(served: Served) -> None:
-    client = _client(served)
+    client = served.client()
     args: dict[str, Any] = dict(model=_models(served)[0], prompt="The weather today",
                                 max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**args).choices[0].text
@@ -247,7 +243,7 @@ def test_stop_string_trims_the_engine_text(served: Served) -> None:
 
 
 def test_a_prompt_past_the_window_is_context_length_exceeded(served: Served) -> None:
-    client = _client(served)
+    client = served.client()
     model = _models(served)[0]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt=[5] * 9000, max_tokens=2)

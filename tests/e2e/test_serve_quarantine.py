@@ -79,8 +79,7 @@ def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     names = [p.name for p in sorted(market.iterdir()) if (p / "config.json").is_file()]
     good = tuple(n for n in names if n not in (truncated, reshaped))
     with serving(market, root / "run", *extra) as served:
-        port = int(served.url.rpartition(":")[2])
-        urls = (served.url,) if not extra else (served.url, f"http://127.0.0.1:{port + 1}")
+        urls = tuple(served.urls)
         for url in urls:  # (a replica reads every node's cachemgr within a second or two)
             until(f"{url} knows the broken models", lambda u=url: _unavailable(u) == {
                 truncated, reshaped}, SETTLE_S)  # fmt: skip

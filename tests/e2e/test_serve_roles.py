@@ -6,7 +6,6 @@ Behaviour only: no timing is asserted."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +28,8 @@ REQUEST_TIMEOUT_S = 600.0  # a busy 2-core CI machine
 
 
 @pytest.fixture(scope="module")
-def model(small_market: Path) -> str:
-    return str(json.loads((small_market / "market.json").read_text())["models"][0]["name"])
+def model(market_names: list[str]) -> str:
+    return market_names[0]
 
 
 @pytest.fixture(scope="module")

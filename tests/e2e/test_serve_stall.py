@@ -135,11 +135,7 @@ def served(small_market: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def _complete(served: Served, model: str, prompt: str) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(f"{served.base_url}/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return out
+    return served.post_json("/v1/completions", body)
 
 
 def _stream(served: Served, model: str, events: list[dict[str, Any]]) -> None:

