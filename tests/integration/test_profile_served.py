@@ -5,12 +5,16 @@ builds them) runs the start-up profile, and then a decode step of a batch the
 profile never measured (six sequences of mixed lengths), timed as a turn times
 it (the engine's step and the sampler). The fitted Eq. 6 must predict that step
 within 20%. Both sides are medians of several steps; a busy machine slows them
-alike, and the whole measurement is retried (five attempts in all) before the test fails.
+alike, and the whole measurement is retried (six attempts in all) before the test fails.
+A miss is followed by a pause, longer each time (2, 4, 8, 16, 32 s), so that the attempts
+are spread over a minute: in the suite the other worker may be starting a node, and a
+burst of its processes disturbs a second or two of measurement, not a minute of it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from aegaeon_bench.switch.rig import rig_sizes, switch_rig
@@ -19,7 +23,7 @@ from aegaeon_runtime.profile import median_s, profile, served_step_s
 
 MODEL = "mistral-11m"
 SERVED = [20, 45, 90, 130, 210, 300]  # a batch's contexts, none of the profile's
-ATTEMPTS = 5
+ATTEMPTS = 6
 TOLERANCE = 0.2
 
 
@@ -47,4 +51,6 @@ def test_profile_predicts_a_served_step_of_mixed_lengths(default_market: Path) -
             errors.append(abs(predicted - measured) / measured)
             if errors[-1] <= TOLERANCE:
                 break
+            if len(errors) < ATTEMPTS:
+                time.sleep(2.0 ** len(errors))  # spread the attempts (see the module)
         assert min(errors) <= TOLERANCE, f"relative errors per attempt: {errors}"
