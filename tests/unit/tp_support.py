@@ -80,12 +80,9 @@ def run_group(size: int, jobs: Sequence[Job], work_dir: Path, device: str = "cpu
 
 def _greedy(engine: Any, prompts: Sequence[Sequence[int]], num_tokens: int,
             blocks: Sequence[Sequence[int]]) -> list[list[int]]:
-    from engine_support import decode_step
+    from engine_support import greedy
 
-    outs = [[int(engine.prefill(p, b).argmax())] for p, b in zip(prompts, blocks, strict=True)]
-    for _ in range(num_tokens - 1):
-        outs = decode_step(engine, prompts, outs, blocks)
-    return outs
+    return greedy(engine, prompts, num_tokens, blocks)
 
 
 def _kv_region(spec: Any, dtype: str, num_blocks: int, device: str) -> torch.Tensor:
