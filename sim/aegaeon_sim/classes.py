@@ -140,6 +140,8 @@ class AdmissionGate:
 
     def __getattr__(self, name: str) -> Any:
         """The rest of the :class:`~aegaeon_sched.Policy` contract is the policy's own."""
+        if name == "policy":  # not set yet (a copy being made): no recursion through here
+            raise AttributeError(name)
         return getattr(self.policy, name)
 
     def snapshot(self) -> dict[str, object]:
