@@ -13,13 +13,15 @@ import pytest
 from market_support import market_cache
 
 # Which worker runs what (`--dist loadgroup`): a module's tests on one worker, the
-# modules that share the `served` node one after another on one worker, chaos last.
-from worker_groups import pytest_collection_modifyitems
+# modules that share the `served` node one after another on one worker, chaos last;
+# a test marked `alone` while the other worker runs none.
+from worker_groups import pytest_collection_modifyitems, pytest_runtest_protocol
 
 if TYPE_CHECKING:  # the harness imports the node's tooling: only where a test serves
     from serve_harness import Served
 
-__all__ = ["pytest_collection_modifyitems"]  # a hook: pytest finds it here by its name
+# hooks: pytest finds them here by their names
+__all__ = ["pytest_collection_modifyitems", "pytest_runtest_protocol"]
 
 E2E_MODELS = 4  # the "small" profile cycles its 3 smallest rungs: 3 families, 4 models
 

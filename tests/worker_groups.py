@@ -19,12 +19,21 @@ with an ``xdist_group`` mark on every test, put there by :func:`pytest_collectio
   that tuple's order, for the same reason (alphabetically most of them would be last).
 
 A test that carries an ``xdist_group`` mark of its own keeps it.
+
+A test marked ``alone`` (it compares times it measures) runs while the other worker runs
+no test: :func:`pytest_runtest_protocol` has it hold the suite's lock alone, where every
+other test shares it (a busy second core, or a node the other worker is starting, would
+otherwise disturb its measurement). The other worker waits between two of its tests, its
+module's node (if any) idle meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import PurePosixPath
+import fcntl
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -113,3 +122,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
     items[:] = with_long_units_first(in_shared_node_order(items))
+
+
+@contextmanager
+def _flock(path: Path, mode: int) -> Iterator[None]:
+    with path.open("a") as file:  # closing it releases the lock
+        fcntl.flock(file, mode)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Run a test marked ``alone`` while no other worker runs one (a readers-writer lock
+    over files every worker of the run shares): it closes the gate, then takes the lock
+    exclusively; every other test passes the gate and shares the lock. Without workers
+    there is nobody to wait for; without pytest's cache (``-p no:cacheprovider``) no
+    folder the workers share."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or item.config.cache is None:
+        return (yield)
+    folder = item.config.cache.mkdir("aegaeon-alone")
+    gate, lock = folder / "gate", folder / "lock"
+    if item.get_closest_marker("alone") is not None:
+        with _flock(gate, fcntl.LOCK_EX), _flock(lock, fcntl.LOCK_EX):
+            return (yield)
+    with _flock(gate, fcntl.LOCK_SH):
+        pass
+    with _flock(lock, fcntl.LOCK_SH):
+        return (yield)

@@ -4,11 +4,15 @@ A real worker (a cachemgr process and the worker over it, as the switch bench
 builds them) runs the start-up profile, and then a decode step of a batch the
 profile never measured (six sequences of mixed lengths), timed as a turn times
 it (the engine's step and the sampler). The fitted Eq. 6 must predict that step
-within 20%. Both sides are medians of several steps; a busy machine slows them
-alike, and the whole measurement is retried (six attempts in all) before the test fails.
-A miss is followed by a pause, longer each time (2, 4, 8, 16, 32 s), so that the attempts
-are spread over a minute: in the suite the other worker may be starting a node, and a
-burst of its processes disturbs a second or two of measurement, not a minute of it.
+within 20%. Both sides are medians of several steps of a few milliseconds each.
+
+It runs ``alone`` (tests/worker_groups.py): with the other pytest worker busy, three or
+more processes share the two cores, and a step is preempted or not by chance, so the
+medians of a profile and of the served step disagree by 25-60% (seen on a 2-core AMD
+EPYC with two busy loops beside it; -5 to -7% on the same machine quiet). Outside load
+is left, and the whole measurement is retried (six attempts in all) before the test
+fails: a miss is followed by a pause, longer each time (2, 4, 8, 16, 32 s), so that the
+attempts are spread over a minute.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from aegaeon_bench.switch.rig import rig_sizes, switch_rig
 from aegaeon_engine import DecodeSeq
 from aegaeon_runtime.profile import median_s, profile, served_step_s
@@ -25,6 +30,8 @@ MODEL = "mistral-11m"
 SERVED = [20, 45, 90, 130, 210, 300]  # a batch's contexts, none of the profile's
 ATTEMPTS = 6
 TOLERANCE = 0.2
+
+pytestmark = pytest.mark.alone
 
 
 def test_profile_predicts_a_served_step_of_mixed_lengths(default_market: Path) -> None:

@@ -107,3 +107,48 @@ def test_two_workers_keep_modules_whole_and_the_shared_node_modules_in_order(
         # shared node's), each module's tests in their own order
         assert len({next(iter(workers[m])) for m in modules}) == 1, modules
         assert shared == [(m, k) for m in modules for k in range(PER_MODULE)]
+
+
+ALONE_BODY = '''
+import os
+import time
+
+import pytest
+
+
+def _note(name, seconds):
+    start = time.monotonic()
+    time.sleep(seconds)
+    with open(os.environ["RAN_LOG"], "a") as log:
+        log.write(f"{os.environ['PYTEST_XDIST_WORKER']} {name} {start} {time.monotonic()}\\n")
+
+'''
+
+
+def test_a_test_marked_alone_runs_while_the_other_worker_runs_none(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_alone.py").write_text(
+        ALONE_BODY + "@pytest.mark.alone\ndef test_alone():\n    _note('alone', 1.0)\n")
+    (tests / "test_busy.py").write_text(ALONE_BODY + "".join(
+        f"def test_{k}():\n    _note('busy', 0.25)\n\n\n" for k in range(8)))
+    (tests / "conftest.py").write_text(
+        "from worker_groups import pytest_collection_modifyitems, pytest_runtest_protocol"
+        "  # noqa: F401\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    alone: alone\n")
+    log = tmp_path / "ran.log"
+    env = {**os.environ, "RAN_LOG": str(log), "PYTHONPATH": str(TESTS)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    argv = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "tests"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    runs = [(worker, name, float(start), float(end))
+            for worker, name, start, end in map(str.split, log.read_text().splitlines())]
+    alone = [run for run in runs if run[1] == "alone"]
+    busy = [run for run in runs if run[1] == "busy"]
+    assert len(alone) == 1 and len(busy) == 8
+    assert {run[0] for run in busy} != {alone[0][0]}  # the other worker ran them
+    _, _, start, end = alone[0]
+    assert all(b_end <= start or b_start >= end for _, _, b_start, b_end in busy), runs
