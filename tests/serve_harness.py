@@ -20,8 +20,9 @@ from aegaeon_bench.node.probe import shm_segments
 from http_support import call_json, fetch_sync, get_json, sse_events
 
 __all__ = [  # call_json: http_support's, here too for the tests that import it from here
-    "READY_TIMEOUT_S", "Served", "call_json", "free_port", "is_sleeping", "prompt_body",
-    "serve_config", "serving", "start_serve", "stop_serve", "stream_completion", "until",
+    "READY_TIMEOUT_S", "NodeArgs", "Served", "call_json", "free_port", "is_sleeping",
+    "launch_serve", "prompt_body", "serve_config", "serving", "serving_all", "start_serve",
+    "stop_serve", "stream_completion", "until", "wait_serving",
 ]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
@@ -125,7 +126,8 @@ async def stream_completion(
     return 200, finish
 
 
-def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
+def launch_serve(market: Path, run_dir: Path, *extra: str) -> Served:
+    """`aegaeon serve` started, not waited for (see :func:`wait_serving`)."""
     # --proxies N: the replicas listen on --port, --port + 1, ...
     proxies = int(extra[extra.index("--proxies") + 1]) if "--proxies" in extra else 1
     port = free_port(proxies)
@@ -137,17 +139,27 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     out.close()
     urls = [f"http://127.0.0.1:{port + k}" for k in range(proxies)]
-    served = Served(urls[0], run_dir, proc, log_path, urls)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    return Served(urls[0], run_dir, proc, log_path, urls)
+
+
+def wait_serving(served: Served, timeout_s: float = READY_TIMEOUT_S) -> Served:
+    """Until ``served`` says it serves; it is stopped, and this raises, when it exits first
+    or is not ready within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"aegaeon serve exited ({proc.returncode}):\n{served.log_tail()}")
+        if served.proc.poll() is not None:
+            raise RuntimeError(f"aegaeon serve exited ({served.proc.returncode}):\n"
+                               f"{served.log_tail()}")  # fmt: skip
         # the last line of the announcement (after every service's URLs)
-        if "Press Ctrl-C to stop." in log_path.read_text(errors="replace"):
+        if "Press Ctrl-C to stop." in served.log_path.read_text(errors="replace"):
             return served
         time.sleep(0.2)
     stop_serve(served)
-    raise RuntimeError(f"aegaeon serve not ready in {READY_TIMEOUT_S} s:\n{served.log_tail()}")
+    raise RuntimeError(f"aegaeon serve not ready in {timeout_s} s:\n{served.log_tail()}")
+
+
+def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
+    return wait_serving(launch_serve(market, run_dir, *extra))
 
 
 def stop_serve(served: Served, timeout_s: float = 60.0) -> list[psutil.Process]:
@@ -179,17 +191,40 @@ def serving(
     """`aegaeon serve` of ``market`` (with ``extra`` arguments, and ``config`` written
     as its config file beside ``run_dir``) for the ``with`` block; then Ctrl-C, and
     check that it exited 0 and left no process and no shared memory behind."""
-    args = list(extra)
-    if config is not None:
-        path = run_dir.parent / f"{run_dir.name}-config.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(config))
-        args = ["--config", str(path), *args]
-    served = start_serve(market, run_dir, *args)
-    try:
+    with serving_all([(market, run_dir, extra, config)]) as (served,):
         yield served
+
+
+# one node of :func:`serving_all`: its market, run directory, extra arguments and config
+NodeArgs = tuple[Path, Path, tuple[str, ...], "dict[str, Any] | None"]
+
+
+@contextmanager
+def serving_all(nodes: list[NodeArgs]) -> Iterator[list[Served]]:
+    """:func:`serving` of each of ``nodes`` (independent nodes), all started before the
+    first is waited for; stopped, and each checked, after the ``with`` block."""
+    launched: list[Served] = []
+    try:
+        for market, run_dir, extra, config in nodes:
+            args = list(extra)
+            if config is not None:
+                path = run_dir.parent / f"{run_dir.name}-config.yaml"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(yaml.safe_dump(config))
+                args = ["--config", str(path), *args]
+            launched.append(launch_serve(market, run_dir, *args))
+        for served in launched:
+            wait_serving(served)
+    except BaseException:  # one did not start: the others are stopped, unchecked
+        for served in launched:
+            stop_serve(served)
+        raise
+    try:
+        yield launched
     finally:
-        survivors = stop_serve(served)
-        assert served.proc.returncode == 0, served.log_tail()
-        assert not survivors, f"processes outlived aegaeon serve: {survivors}"
-        assert not shm_segments(run_dir), f"shared memory left: {shm_segments(run_dir)}"
+        for served in launched:
+            survivors = stop_serve(served)
+            assert served.proc.returncode == 0, served.log_tail()
+            assert not survivors, f"processes outlived aegaeon serve: {survivors}"
+            assert not shm_segments(served.run_dir), \
+                f"shared memory left: {shm_segments(served.run_dir)}"  # fmt: skip

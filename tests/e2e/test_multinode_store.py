@@ -44,7 +44,8 @@ def test_the_store_killed_or_paused_loses_no_request_node_or_setting(
                      nodes=2)  # fmt: skip
     opts = ChaosOptions(faults=[FAULTS["store-kill"], FAULTS["store-pause"]], slot_s=6.0,
                         concurrency=3, request_timeout_s=30.0, offered_models=tuple(market_names),
-                        stream=None, max_tokens=(32, 160))  # fmt: skip
+                        stream=None, max_tokens=(32, 160),
+                        after_answers=6)  # the "after" load: 2 answers per load slot # fmt: skip
     report = asyncio.run(run_chaos(node, opts))
     print(json.dumps(report, indent=1, default=str))  # the whole report, when one fails
     assert report["kept_state"]["added"] == market_names[-1]  # (a model the config lacks)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from http_support import get_text
 from real_market import REAL, real_market_dir
-from serve_harness import Served, serve_config, serving
+from serve_harness import Served, serve_config, serving_all
 
 PROMPTS = ["Once upon a time", "The three primary colors are"]
 NUM_TOKENS = 16
@@ -38,8 +38,10 @@ def nodes(readme_market: Path, tmp_path_factory: pytest.TempPathFactory,
           ) -> Iterator[tuple[Served, Served]]:  # fmt: skip
     config = serve_config(readme_market, dtype="float32")
     root = tmp_path_factory.mktemp("serve-tp")
-    with serving(readme_market, root / "tp2", "--tp", "2", config=config) as tp2, \
-            serving(readme_market, root / "tp1", config=config) as tp1:  # fmt: skip
+    # two independent nodes: the second starts while the first does (each node's
+    # cachemgr fills its Model Cache on one thread)
+    with serving_all([(readme_market, root / "tp2", ("--tp", "2"), config),
+                      (readme_market, root / "tp1", (), config)]) as (tp2, tp1):  # fmt: skip
         yield tp2, tp1
 
 

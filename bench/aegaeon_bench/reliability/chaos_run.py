@@ -97,6 +97,9 @@ class ChaosOptions:
     # streamed requests (False: plain ones, each status an answer; None: every other one)
     stream: bool | None = True
     max_tokens: tuple[int, int] = (8, 48)  # each request's, drawn between
+    # a store fault's "after" load (sent from SETTLE_S past the store's return) ends once
+    # this many of its requests are answered, or AFTER_S past SETTLE_S (None: AFTER_S)
+    after_answers: int | None = None
 
 
 @dataclass
@@ -203,11 +206,13 @@ async def _until_decoding(driver: LoadDriver, limit_s: float) -> None:
 
 
 async def _store_back(node: ChaosNode, session: aiohttp.ClientSession, t0: float,
-                      kept: KeptState | None) -> dict[str, Any]:  # fmt: skip
+                      kept: KeptState | None, driver: LoadDriver,
+                      after_answers: int | None) -> dict[str, Any]:  # fmt: skip
     """A store fault over: when the store answers, holds the run-time changes again and
     every replica lists every node's services again (seconds from ``t0``); the load
     goes on until the requests sent after :data:`SETTLE_S` are judged (``_back``: when
-    the store answered)."""
+    the store answered): :data:`AFTER_S` more, or until ``after_answers`` of them are
+    answered."""
     url, namespace = store_of(node.run_dir)
     back = await wait_store(url, namespace) or time.time()
     records = await wait_store(url, namespace, kept.keys()) if kept is not None else None
@@ -215,10 +220,20 @@ async def _store_back(node: ChaosNode, session: aiohttp.ClientSession, t0: float
     while not await nodes_listed(session, node.urls, node.nodes) and time.time() < deadline:
         await asyncio.sleep(0.1)
     listed = time.time() if time.time() < deadline else None
-    await asyncio.sleep(max(0.0, back + SETTLE_S + AFTER_S - time.time()))
+    end = back + SETTLE_S + AFTER_S
+    while time.time() < end and not _enough_after(driver, back + SETTLE_S, after_answers):
+        await asyncio.sleep(0.05)
     return {"store_back_s": round(back - t0, 2),
             "records_back_s": None if records is None else round(records - t0, 2),
             "services_back_s": None if listed is None else round(listed - t0, 2), "_back": back}
+
+
+def _enough_after(driver: LoadDriver, settled: float, after_answers: int | None) -> bool:
+    """Whether ``after_answers`` requests sent from ``settled`` on have their answers
+    (None: the load runs its whole time)."""
+    if after_answers is None:
+        return False
+    return sum(1 for a in driver.attempts if a.start_s >= settled and not a.open) >= after_answers
 
 
 async def _one_fault(
@@ -240,7 +255,7 @@ async def _one_fault(
         await _end(fault, done)
     fault_end = time.time()
     if fault.cluster:
-        done.update(await _store_back(node, session, t0, kept))
+        done.update(await _store_back(node, session, t0, kept, driver, opts.after_answers))
     # let the load run to the middle of the slot, then until probes succeed for good (or
     # give up): a probe that fails late (a restarted service's first request) counts
     await asyncio.sleep(max(0.0, t0 + opts.slot_s * 0.5 - time.time()))
