@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,14 +16,14 @@ from typing import Any
 import openai
 import psutil
 import yaml
-from aegaeon_bench.node.launch import free_port, interrupt
+from aegaeon_bench.node.launch import free_port
 from aegaeon_bench.node.probe import shm_segments
 from http_support import call_json, fetch_sync, get_json, sse_events
 
 __all__ = [  # call_json: http_support's, here too for the tests that import it from here
     "READY_TIMEOUT_S", "NodeArgs", "Served", "call_json", "free_port", "is_sleeping",
     "launch_serve", "prompt_body", "serve_config", "serving", "serving_all", "start_serve",
-    "stop_serve", "stream_completion", "until", "wait_serving",
+    "stop_serve", "stop_serves", "stream_completion", "until", "wait_serving",
 ]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
@@ -164,12 +165,29 @@ def start_serve(market: Path, run_dir: Path, *extra: str) -> Served:
 
 def stop_serve(served: Served, timeout_s: float = 60.0) -> list[psutil.Process]:
     """SIGINT (Ctrl-C) and wait; returns the processes that outlived it (killed)."""
-    children = served.children()
-    interrupt(served.proc, timeout_s)
-    _, alive = psutil.wait_procs(children, timeout=5)
-    for proc in alive:
-        proc.kill()
-    return alive
+    return stop_serves([served], timeout_s)[0]
+
+
+def stop_serves(nodes: list[Served], timeout_s: float = 60.0) -> list[list[psutil.Process]]:
+    """:func:`stop_serve` of each of ``nodes``, all Ctrl-C'd before the first is waited
+    for (each drains while the others do)."""
+    children = [served.children() for served in nodes]  # before any can exit
+    for served in nodes:
+        if served.proc.poll() is None:
+            served.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    outlived = []
+    for served, kids in zip(nodes, children, strict=True):
+        try:
+            served.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+            served.proc.wait()
+        _, alive = psutil.wait_procs(kids, timeout=5)
+        for proc in alive:
+            proc.kill()
+        outlived.append(alive)
+    return outlived
 
 
 def serve_config(market: Path, **sections: Any) -> dict[str, Any]:
@@ -216,14 +234,12 @@ def serving_all(nodes: list[NodeArgs]) -> Iterator[list[Served]]:
         for served in launched:
             wait_serving(served)
     except BaseException:  # one did not start: the others are stopped, unchecked
-        for served in launched:
-            stop_serve(served)
+        stop_serves(launched)
         raise
     try:
         yield launched
     finally:
-        for served in launched:
-            survivors = stop_serve(served)
+        for served, survivors in zip(launched, stop_serves(launched), strict=True):
             assert served.proc.returncode == 0, served.log_tail()
             assert not survivors, f"processes outlived aegaeon serve: {survivors}"
             assert not shm_segments(served.run_dir), \
