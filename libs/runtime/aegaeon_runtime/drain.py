@@ -4,8 +4,9 @@ SIGTERM (on the event loop) calls :meth:`Drain.request` and tells the proxy
 (``InstanceDraining``); the proxy stops giving the instance work and answers
 ``AckDrain`` behind everything it sent before. The compute loop keeps
 serving and stops once it is idle and acknowledged, or idle with no answer
-for ``ack_wait_s`` (no proxy: nothing more can come). The service bounds the
-whole drain by ``Config.drain_timeout_s``.
+for ``ack_wait_s`` (no proxy: nothing more can come). With many nodes no replica
+answers: the service sets ``acked`` itself once the store lists no replica. The
+service bounds the whole drain by ``Config.drain_timeout_s``.
 """
 
 from __future__ import annotations

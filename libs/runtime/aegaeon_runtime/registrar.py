@@ -27,6 +27,7 @@ from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.registry import (
     INSTANCES,
+    PROXIES,
     StoreEpoch,
     encode,
     instance_id,
@@ -100,6 +101,15 @@ class Registrar:
             if now - self._warned_at > WARN_EVERY_S:
                 self._warned_at = now
                 log.warning("registry_unreachable", instance=self.instance_id, error=str(exc))
+
+    async def no_replica(self) -> bool:
+        """Whether no proxy replica is listed (each takes itself off the list as it
+        leaves, as at a whole cluster's stop, proxies first): nothing more can come to a
+        draining instance. False while the store does not answer."""
+        try:
+            return not await self.store.set_members(PROXIES)
+        except StoreError:
+            return False
 
     async def deregister(self) -> None:
         try:

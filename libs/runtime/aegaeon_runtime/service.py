@@ -61,6 +61,7 @@ HEARTBEAT_S = 0.5
 # was paused, and the compute thread's silence over it is not its own
 PAUSE_GAP_S = 5.0
 POLL_S = 0.05
+REPLICAS_POLL_S = 0.25  # a draining instance of many nodes asks the store this often
 NOTICE_S = 1.0  # how long the drain notice may wait to be queued for the proxy
 T = TypeVar("T")
 
@@ -342,7 +343,7 @@ async def _serve(
                 registrar.draining = True
                 await registrar.beat(instance.stats())
             await _drain(config, kind, index, name, instance, compute, to_proxy, worker, readiness,
-                         notify=registrar is None)  # fmt: skip
+                         registrar)  # fmt: skip
     finally:
         closing = True  # the heartbeat stops beating even if its cancellation is lost
         stuck = await cancel_tasks(tasks)
@@ -388,16 +389,19 @@ async def _drain(
     to_proxy: Pusher,
     worker: Worker,
     readiness: Readiness,
-    notify: bool = True,
+    registrar: Registrar | None = None,
 ) -> None:
     """Finish what the instance holds (see the module docstring), within the drain timeout.
-    ``notify``: tell the proxy (one node; with many, the registry record says it)."""
+    One node: the proxy is told (it answers ``AckDrain``); many (``registrar``): the
+    registry record says it, and no replica answers; once none is listed (the cluster
+    stops, its replicas first) nothing more can come and the loop need not wait out
+    ``aegaeon_runtime.drain.ACK_WAIT_S`` for an answer."""
     timeout_s = config.drain_timeout_s
     deadline = time.monotonic() + timeout_s
     readiness.set_draining()
     instance.drain.request()
     with contextlib.suppress(TimeoutError):  # a proxy gone for long: its queue may be full
-        if notify:
+        if registrar is None:
             await asyncio.wait_for(
                 to_proxy.send(InstanceDraining(kind, index, os.getpid(), timeout_s)), NOTICE_S
             )
@@ -406,8 +410,14 @@ async def _drain(
         "draining", instance=name, timeout_s=timeout_s,
         prefill_requests=load.prefill_requests, decode_requests=load.decode_requests,
     )  # fmt: skip
+    asked_s = 0.0
     while compute.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
+        if registrar is not None and not instance.drain.acked and \
+                time.monotonic() - asked_s >= REPLICAS_POLL_S:  # fmt: skip
+            asked_s = time.monotonic()
+            if await registrar.no_replica():
+                instance.drain.acked = True  # (read by the compute thread: one flag)
     # Host KV blocks this instance still owns are handoffs no decode instance has
     # claimed yet: ending the lease now would free them under their requests.
     held = await _owned_blocks(worker, name)
