@@ -26,7 +26,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from real_market import REAL, greedy_reference, real_market_dir
+from lora_support import greedy_tokens
+from real_market import REAL, real_market_dir
 
 NUM_TOKENS = 32
 TOP = 20
@@ -70,7 +71,7 @@ def reference(model_dir: Path) -> Reference:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    greedy = [greedy_reference(model, p, NUM_TOKENS) for p in prompts]
+    greedy = greedy_tokens(model, prompts, NUM_TOKENS)
     logprobs = [_forced_logprobs(model, p, g) for p, g in zip(prompts, greedy, strict=True)]
     return Reference(prompts, greedy, logprobs)
 
