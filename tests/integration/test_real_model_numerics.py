@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from lora_support import greedy_tokens
 from real_market import REAL, real_market_dir
 
+# one torch thread, as in the e2e modules (two only wait on each other on a busy machine)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUM_TOKENS = 32
 TOP = 20
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
