@@ -65,9 +65,13 @@ async def test_only_holders_of_the_certificate_get_through(certificate: Path) ->
                 sock.curve_publickey, sock.curve_secretkey = keys
                 sock.curve_serverkey = public  # even knowing the server's public key
             sock.connect(address)
-            await sock.send_multipart([struct.pack("<Q", 1), encode(GetStats())])
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(sock.recv_multipart(), 1.5)
+
+            async def ask(sock: zmq.asyncio.Socket = sock) -> list[bytes]:
+                await sock.send_multipart([struct.pack("<Q", 1), encode(GetStats())])
+                return await sock.recv_multipart()
+
+            with pytest.raises(TimeoutError):  # no answer (the send may wait for a peer)
+                await asyncio.wait_for(ask(), 1.5)
             sock.close(0)
         assert server.num_requests == 1
         serving.cancel()
@@ -82,3 +86,20 @@ async def test_only_holders_of_the_certificate_get_through(certificate: Path) ->
 def test_a_certificate_without_its_secret_is_refused(certificate: Path) -> None:
     with pytest.raises(ValueError, match="no secret key"):
         configure_security(certificate.with_name("node.key"))
+
+
+async def test_a_call_with_no_peer_to_take_it_ends_at_its_timeout() -> None:
+    """The timeout bounds the send too: a DEALER that may only queue to a connected peer
+    (ZMQ_IMMEDIATE) waits in its send while nobody listens."""
+    address = f"tcp://127.0.0.1:{_port()}"  # nobody binds it
+    ctx = zmq.asyncio.Context()
+    client = RpcClient(ctx, address, REPLIES)
+    client._sock.disconnect(address)
+    client._sock.setsockopt(zmq.IMMEDIATE, 1)
+    client._sock.connect(address)
+    try:
+        with pytest.raises(TimeoutError):
+            await client.call(GetStats(), timeout_s=0.5)
+    finally:
+        client.close()
+        ctx.term()

@@ -278,15 +278,21 @@ class RpcClient:
                 fut.set_exception(exc)
 
     async def call(self, request: Message, timeout_s: float = 30.0) -> Message:
-        """Send ``request``; return its reply. :class:`RemoteError` for an ErrorReply."""
+        """Send ``request``; return its reply. :class:`RemoteError` for an ErrorReply;
+        TimeoutError when no reply came within ``timeout_s``, the send included (a DEALER
+        with no peer to hand it to waits for one)."""
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         rid = next(self._ids)
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        try:
+
+        async def exchange() -> Message:
             await self._sock.send_multipart([_RID.pack(rid), encode(request)])
-            reply = await asyncio.wait_for(fut, timeout_s)
+            return await fut
+
+        try:
+            reply = await asyncio.wait_for(exchange(), timeout_s)
         finally:
             self._pending.pop(rid, None)
         if isinstance(reply, ErrorReply):
