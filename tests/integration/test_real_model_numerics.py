@@ -26,8 +26,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from real_market import REAL, greedy_reference, real_market_dir
+from lora_support import greedy_tokens
+from real_market import REAL, real_market_dir
 
+# one torch thread, as in the e2e modules (two only wait on each other on a busy machine)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NUM_TOKENS = 32
 TOP = 20
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
@@ -70,7 +73,7 @@ def reference(model_dir: Path) -> Reference:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    greedy = [greedy_reference(model, p, NUM_TOKENS) for p in prompts]
+    greedy = greedy_tokens(model, prompts, NUM_TOKENS)
     logprobs = [_forced_logprobs(model, p, g) for p, g in zip(prompts, greedy, strict=True)]
     return Reference(prompts, greedy, logprobs)
 

@@ -31,9 +31,10 @@ and a small model (``qwen2.5-0.5b``) beside them:
 - ``targets``: the issue's bounds and whether each held.
 
 ``--tiny`` (the dry run, on the CPU): the same plan with the presets shrunk to two
-narrow layers and the contexts to an eighth; on the CPU the "graphs" runs the
-engine's static step on its eager capturer (the plumbing a GPU replays) and the
-peer runs eager. The last stdout line is the JSON object.
+narrow layers over a vocabulary of 2,048 ids, the contexts to an eighth, and one
+timed step (one timed generate of the peer) per measurement; on the CPU the
+"graphs" runs the engine's static step on its eager capturer (the plumbing a GPU
+replays) and the peer runs eager. The last stdout line is the JSON object.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from aegaeon_bench.gpu_check.engine_plan import BATCHES, MIXED, Plan
+from aegaeon_bench.gpu_check.engine_plan import BATCHES, MIXED, Plan, preset_bf16_config
 
 COMPILE_RESERVE_S = 90.0  # a compile of an 8B model's decode step, with room after it
 COMPILED_BATCHES = (8, 1)
@@ -31,12 +31,8 @@ def hf_model(preset: str, tiny: bool, device: str) -> Any:
     """transformers' model of ``preset``'s config (bf16, random weights) on ``device``."""
     import torch
     import transformers
-    from aegaeon_market.presets import preset_config, preset_named
 
-    from aegaeon_bench.gpu_check.models import tiny_preset
-
-    p = preset_named(preset)
-    config = dict(preset_config(tiny_preset(p) if tiny else p, "bfloat16"))
+    config = preset_bf16_config(preset, tiny)
     model_type = config.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     hf_config._attn_implementation = "sdpa"
@@ -61,8 +57,9 @@ def _batch(contexts: list[int], device: str) -> tuple[Any, Any]:
 
 
 def decode_tok_s(model: Any, contexts: list[int], steps: int, static: bool,
-                 device: str) -> float:
-    """Decode tokens/s of ``generate`` on these contexts (module docstring)."""
+                 device: str, repeats: int = 2) -> float:
+    """Decode tokens/s of ``generate`` on these contexts (module docstring): medians of
+    ``repeats`` timed generates, after a warm-up."""
     import torch
 
     ids, mask = _batch(contexts, device)
@@ -80,8 +77,8 @@ def decode_tok_s(model: Any, contexts: list[int], steps: int, static: bool,
         return time.perf_counter() - start
 
     gen(steps + 1)  # warm-up (and the compile, with the static cache)
-    prefill = statistics.median(gen(1) for _ in range(2))
-    whole = statistics.median(gen(steps + 1) for _ in range(2))
+    prefill = statistics.median(gen(1) for _ in range(repeats))
+    whole = statistics.median(gen(steps + 1) for _ in range(repeats))
     return len(contexts) * steps / max(whole - prefill, 1e-9)
 
 
@@ -121,7 +118,8 @@ def peer_results(device: str, plan: Plan, specs: Mapping[str, Any],
                     continue
                 static = (compile_ and preset == presets[0] and shape == MIXED
                           and batch in COMPILED_BATCHES and left > COMPILE_RESERVE_S)
-                tok_s = decode_tok_s(model, contexts, plan.peer_steps, static, device)
+                tok_s = decode_tok_s(model, contexts, plan.peer_steps, static, device,
+                                     plan.peer_repeats)
                 shapes[f"b{batch}_{shape}"] = {
                     "mode": "static+compile" if static else "eager-sdpa",
                     "decode_tok_s": round(tok_s, 2)}

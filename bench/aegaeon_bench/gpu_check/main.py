@@ -350,9 +350,10 @@ class Check:
 
     def serve(self, name: str = "serve") -> None:
         left = self.runner.left_s() - 5
-        if self.dry:
-            plan = ServePlan("cpu", load_s=4.0, grace_s=10.0, startup_s=60.0, rps=0.5,
-                             profile_s=self.args.profile_s)
+        if self.dry:  # the seed's four requests (as at 0.5 RPS over 4 s) arriving in 2 s,
+            # their lengths x0.1 of ShareGPT's (a GPU's x0.25: tokens a CPU decodes slowly)
+            plan = ServePlan("cpu", load_s=2.0, grace_s=10.0, startup_s=60.0, rps=1.0,
+                             scale=0.1, profile_s=self.args.profile_s)
         else:
             load = max(min(self.args.serve_load_s, left - SERVE_OVERHEAD_S), 20.0)
             device = self.device if ":" in self.device else f"{self.device}:0"

@@ -175,7 +175,7 @@ DRY_PLAN = PaperPlan(
     "TTFT scaled with the outputs (10 s x 0.1 = 1 s), TPOT the paper's 100 ms; seconds of "
     "load per point at one rate, every policy's (the real runs hold 60 s and 30 requests "
     "at the rates around each one's crossing)",
-    probe_load_s=2.0, probe_grace_s=4.0, load_s=4.0, grace_s=6.0, min_requests=6,
+    probe_load_s=1.0, probe_grace_s=4.0, load_s=4.0, grace_s=6.0, min_requests=6,
     startup_s=120.0, points=1, max_points=1, fallback_unit_rps=0.5, predict_s=60.0,
     # a grid of one rate, the probe's unit: every policy runs it, so each node starts once
     # (no policy's node comes back for a higher rate) and a run is a few requests

@@ -154,6 +154,10 @@ def run_service(
     resources. A fatal error gives exit status 1: first one line on stderr naming its
     cause (:func:`fatal_line`; a supervisor repeats it), then the logged traceback.
     """
+    # The service's modules are imported (torch among them): their objects live as long as
+    # the process. Frozen, a full collection while serving no longer walks them (shorter
+    # pauses), nor does the one at exit (a cachemgr's stop took a second more without).
+    gc.freeze()
     set_title(f"aegaeon-{name}")
     setup_logging(name)
     if child:
