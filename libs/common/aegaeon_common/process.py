@@ -180,18 +180,7 @@ def run_service(
         print(line, file=sys.stderr, flush=True)
         log.exception("fatal", service=name, cause=line)
         return 1
-    finally:
-        _exit_soon()
     return 0
-
-
-def _exit_soon() -> None:
-    """The process exits next: its objects (torch's alone are hundreds of thousands) go
-    to the permanent generation, which the interpreter's final garbage collections skip.
-    A stop, and so a restart, then no longer waits on those sweeps (0.4 s of CPU per
-    process, 2 s and more of wall time on a busy machine). Everything the service owns
-    (shared memory, sockets, files) it released itself before it returned."""
-    gc.freeze()
 
 
 def private_dir(path: Path) -> Path:
