@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Any
 import openai
 import psutil
 import yaml
-from aegaeon_bench.node.launch import free_port
+from aegaeon_bench.node.launch import free_port, interrupt_all
 from aegaeon_bench.node.probe import shm_segments
 from http_support import call_json, fetch_sync, get_json, sse_events
 
@@ -172,17 +171,9 @@ def stop_serves(nodes: list[Served], timeout_s: float = 60.0) -> list[list[psuti
     """:func:`stop_serve` of each of ``nodes``, all Ctrl-C'd before the first is waited
     for (each drains while the others do)."""
     children = [served.children() for served in nodes]  # before any can exit
-    for served in nodes:
-        if served.proc.poll() is None:
-            served.proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + timeout_s
+    interrupt_all([served.proc for served in nodes], timeout_s)
     outlived = []
-    for served, kids in zip(nodes, children, strict=True):
-        try:
-            served.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            served.proc.kill()
-            served.proc.wait()
+    for kids in children:
         _, alive = psutil.wait_procs(kids, timeout=5)
         for proc in alive:
             proc.kill()

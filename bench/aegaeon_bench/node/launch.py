@@ -49,14 +49,24 @@ def interrupt(proc: subprocess.Popen[bytes], timeout_s: float = 60.0,
               sig: int = signal.SIGINT) -> int:  # fmt: skip
     """Ctrl-C ``proc`` as a user would (or send it ``sig``) and wait; kill it if it does
     not stop in ``timeout_s``. Its exit status."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
+    return interrupt_all([proc], timeout_s, sig)[0]
+
+
+def interrupt_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0,
+                  sig: int = signal.SIGINT) -> list[int]:  # fmt: skip
+    """:func:`interrupt` of each of ``procs``, every one signalled before the first is
+    waited for (each stops while the others do), all within ``timeout_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
         try:
-            proc.wait(timeout=timeout_s)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return proc.returncode
+    return [proc.returncode for proc in procs]
 
 
 def aegaeon_argv(*args: str) -> list[str]:
