@@ -17,6 +17,7 @@ with an ``xdist_group`` mark on every test, put there by :func:`pytest_collectio
   short unit modules, so no long module starts last while the other worker idles. The
   :data:`LONG_UNIT_MODULES` (tens of seconds each) go first among the unit modules, in
   that tuple's order, for the same reason (alphabetically most of them would be last).
+- The tests marked ``alone`` go last (:func:`with_alone_last`): see below.
 
 A test that carries an ``xdist_group`` mark of its own keeps it.
 
@@ -24,7 +25,10 @@ A test marked ``alone`` (it compares times it measures) runs while the other wor
 no test: :func:`pytest_runtest_protocol` has it hold the suite's lock alone, where every
 other test shares it (a busy second core, or a node the other worker is starting, would
 otherwise disturb its measurement). The other worker waits between two of its tests, its
-module's node (if any) idle meanwhile.
+module's node (if any) idle meanwhile; and the test marked ``alone`` waits for the other
+worker's test to end, its own worker idle. Collected last, it waits for one of the short
+unit tests that end the run, not for a long e2e one (it had waited 25 s for a gpu-check
+dry run in the middle of the run, its worker idle all that time).
 """
 
 from __future__ import annotations
@@ -96,6 +100,12 @@ def with_long_units_first(items: list[pytest.Item]) -> list[pytest.Item]:
     return _gathered(items, LONG_UNIT_MODULES, before=lambda module: module.startswith(UNIT_DIR))
 
 
+def with_alone_last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` with the tests marked ``alone`` at the end (each's order kept)."""
+    alone = [item for item in items if item.get_closest_marker("alone") is not None]
+    return [item for item in items if item not in alone] + alone
+
+
 def _gathered(items: list[pytest.Item], modules: tuple[str, ...],
               before: Callable[[str], bool] | None = None) -> list[pytest.Item]:  # fmt: skip
     """``items`` with the tests of ``modules`` one after another in that order (a module's
@@ -116,12 +126,12 @@ def _gathered(items: list[pytest.Item], modules: tuple[str, ...],
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test in its group (:func:`group_of`), the shared-node tests in their order,
-    the long unit modules first among the unit tests (every worker collects, and so
-    reorders, the same way)."""
+    the long unit modules first among the unit tests, the tests marked ``alone`` last
+    (every worker collects, and so reorders, the same way)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
-    items[:] = with_long_units_first(in_shared_node_order(items))
+    items[:] = with_alone_last(with_long_units_first(in_shared_node_order(items)))
 
 
 @contextmanager

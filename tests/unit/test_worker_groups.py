@@ -23,6 +23,7 @@ from worker_groups import (
     SHARED_NODE_MODULES,
     group_of,
     module_of,
+    with_alone_last,
     with_long_units_first,
 )
 
@@ -63,6 +64,20 @@ def test_the_long_unit_modules_go_first_among_the_unit_tests() -> None:
     assert [item.nodeid for item in with_long_units_first(items)] == [
         *before[:2], *(f"{m}::test_{k}" for m in LONG_UNIT_MODULES for k in (1, 0)),
         before[2], collected[-1]]  # fmt: skip
+
+
+def test_the_tests_marked_alone_go_last() -> None:
+    collected = ["tests/e2e/test_a.py::test_0", "tests/integration/test_alone.py::test_0",
+                 "tests/unit/test_b.py::test_0", "tests/unit/test_alone2.py::test_0"]  # fmt: skip
+
+    def item(nodeid: str) -> pytest.Item:
+        marked = "alone" in nodeid
+        return cast(pytest.Item, SimpleNamespace(
+            nodeid=nodeid, get_closest_marker=lambda name: name if marked and name == "alone"
+            else None))  # fmt: skip
+
+    ordered = [i.nodeid for i in with_alone_last([item(n) for n in collected])]
+    assert ordered == [collected[0], collected[2], collected[1], collected[3]]
 
 
 def _suite_addopts() -> list[str]:
