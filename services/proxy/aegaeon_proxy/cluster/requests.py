@@ -178,7 +178,7 @@ class RequestTable:
                 f"this proxy is at its admission bound for {req.slo_class} requests "
                 f"({self.gate.why(sched)}); retry later", retry_after_s=retry_after_s,
             )  # fmt: skip
-        tracked = Tracked(req, sched, s, TokenQueue())
+        tracked = Tracked(req, sched, TokenQueue())
         self.requests[req.request_id] = tracked
         if verdict is Verdict.DEFER:  # it waits here for room (release_deferred)
             tracked.deferred = True
