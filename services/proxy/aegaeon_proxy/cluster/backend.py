@@ -470,9 +470,7 @@ class ClusterBackend(Backend):
         down now, not a TTL later; one draining exits on purpose. (A socket of its own
         that sends nothing: the one work goes on closes with the instance's record.)"""
         kind, _, index = name.rpartition("-")
-        address = (self.config.prefill_address(int(index)) if kind == "prefill"
-                   else self.config.decode_address(int(index)))  # fmt: skip
-        watcher = Pusher(self.ctx, address)
+        watcher = Pusher(self.ctx, self.config.instance_address(kind, int(index)))
         try:
             while not self._closing:
                 await watcher.disconnected()
