@@ -89,11 +89,8 @@ class Where:
 def merge_timings(
     prefill: RequestTimings | None, decode: RequestTimings | None
 ) -> RequestTimings:
-    """One request's breakdown: the prefill instance's part and the decode's part.
-
-    A unified instance (request-level policies) reports both parts itself, in
-    ``decode``; a decode instance never sees the prefill's, so they are merged here.
-    """
+    """One request's breakdown: a decode instance never sees the prefill's part (a
+    unified instance reports both, in ``decode``)."""
     if decode is None:
         return prefill or RequestTimings()
     if prefill is None or decode.prefill_s > 0:
@@ -110,12 +107,9 @@ def deliver(
     timings: RequestTimings | None = None, *, index: int = 0,
     logprobs: Sequence[TokenLogprobs] = (), prompt_logprobs: Sequence[TokenLogprobs] | None = None,
 ) -> bool:
-    """Push sequence ``index``'s ``token_ids`` to the request's stream as the instance
-    grouped them (one chunk; the front still sends each token as its own event), with
-    their log-probabilities. The chunk carries ``reason`` when it ends the sequence;
-    when that ends the request (no sequence left open) it finishes the stream, with
-    where its time went (the prefill's part merged with ``timings``, the decode
-    instance's). True when the request ended."""
+    """Push sequence ``index``'s ``token_ids`` to the request's stream as one chunk (as
+    the instance grouped them); when that ends the request (no sequence left open) it
+    finishes the stream, with where its time went. True when the request ended."""
     if reason is not None:
         tracked.open_seqs.discard(index)
     ended = reason is not None and not tracked.open_seqs
