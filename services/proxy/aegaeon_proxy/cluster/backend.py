@@ -161,7 +161,7 @@ class ClusterBackend(Backend):
         self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], object]] = {  # (results unread)
             PrefillDone: self._on_prefill_done,
-            StepTokens: self._on_step_tokens,
+            StepTokens: self.table.step_tokens,
             RequestFailed: self._on_failed,
             InstanceModels: self.models.on_instance_models,  # answers to this replica
             ModelsResident: self.models.on_models_resident,
@@ -390,13 +390,16 @@ class ClusterBackend(Backend):
                 log.warning("bad report frame", error=str(exc))
                 continue
             try:
+                if isinstance(msg, PrefillDone | StepTokens | RequestFailed):
+                    # before the request ends: once its client has the answer, the stats
+                    # no longer count it on the instance that ended it
+                    self.local.note_holdings(msg.kind, msg.index, msg.holdings)
                 self._handlers[type(msg)](msg)
             except Exception:
                 self.counters["report_errors"] += 1
                 log.exception("report_failed", tag=msg.TAG)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
-        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         known = self.requests.get(msg.request_id)
         where = known.where if known is not None else None
         owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
@@ -411,14 +414,7 @@ class ClusterBackend(Backend):
             return
         self.placement.prefilled(tracked, where, msg)
 
-    def _on_step_tokens(self, msg: StepTokens) -> None:
-        # before the request ends: once its client has the answer, the stats no
-        # longer count it on the instance that ended it
-        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        self.table.step_tokens(msg)
-
     def _on_failed(self, msg: RequestFailed) -> None:
-        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         tracked = self.requests.get(msg.request_id)
         where = tracked.where if tracked is not None else None
         name = where.instance if where else f"{msg.kind}-{msg.index}"
