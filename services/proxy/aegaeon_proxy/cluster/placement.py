@@ -70,6 +70,7 @@ def _fresh_id() -> int:
 
 
 class Host(Protocol):
+    """What a placement needs of the backend (``cluster.backend``)."""
 
     config: Config
     store: Store
