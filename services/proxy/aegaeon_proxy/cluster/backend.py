@@ -12,9 +12,6 @@ else is the same.
 
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
   a request's tokens to the replica that holds its client.
-* **Roles** (``roles.enabled``): one replica decides which instances take
-  prefill work, from the same shared state, and every replica dispatches by its
-  record (``cluster.roles``).
 * **A node that dies** stops beating; once its records expire (TTL) every
   replica drops it from dispatch, and each replica ends its own requests there
   (``instance_failed``) or dispatches again those that had no token yet. An
