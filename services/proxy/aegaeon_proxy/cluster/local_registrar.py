@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import msgspec
 from aegaeon_common.config import Config
-from aegaeon_common.http_side import read_http_address
+from aegaeon_common.http_side import with_http_urls
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import AckDrain, ProxyStarted
 from aegaeon_common.messages.report import (
@@ -100,7 +100,7 @@ class LocalRegistrar:
             if known is not None:
                 log.info("instance_restarted", instance=name, pid=msg.pid)
             self.instances[name] = known = _Local(record)
-        known.record = self._with_urls(record)
+        known.record = with_http_urls(record, self.config.run_dir)
         if first:
             # (before any work of ours: none goes to an instance before its record, one
             # ordered socket) it drops what it holds and frees the handoffs nobody claimed
@@ -115,7 +115,8 @@ class LocalRegistrar:
         self.note_holdings(msg.kind, msg.index, msg.holdings)
         self.switches.extend((local.record.instance_id, s) for s in msg.switches)
         self.turns.extend((local.record.instance_id, t) for t in msg.turns)
-        local.record = msgspec.structs.replace(self._with_urls(local.record), load=load_of(msg))
+        local.record = msgspec.structs.replace(with_http_urls(local.record, self.config.run_dir),
+                                              load=load_of(msg))  # fmt: skip
         self._write(local)
 
     def on_draining(self, msg: InstanceDraining) -> InstanceRecord | None:
@@ -181,13 +182,4 @@ class LocalRegistrar:
         local = self.instances.get(name)
         return local is not None and (now_s - local.written_s < self.ttl_s
                                       or self.restarting(name, now_s))  # fmt: skip
-
-    def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
-        """With its side HTTP server's and its node's cachemgr's, once they listen."""
-        for field, service in (("http_url", record.instance_id), ("cachemgr_http_url", "cachemgr")):
-            if not getattr(record, field):
-                address = read_http_address(self.config.run_dir, service)
-                if address is not None:
-                    record = msgspec.structs.replace(record, **{field: address.url})
-        return record
 
