@@ -91,7 +91,7 @@ async def test_a_request_level_baseline_binds_runs_and_releases_through_the_stor
         on = next(i for i, m in enumerate(runs) if getattr(m, "request_id", "") == "r0")
         backend._on_prefill_done(PrefillDone("r0", on, 7, None, None, RequestTimings(), 0.0,
                                              kind="decode"))  # fmt: skip
-        backend._on_step_tokens(StepTokens(on, [TokenItem("r0", [1, 2, 3], "length")], 0.0))
+        backend.table.step_tokens(StepTokens(on, [TokenItem("r0", [1, 2, 3], "length")], 0.0))
         nxt = await _next_run(pulls[on])
         assert isinstance(nxt, RunRequest) and nxt.request_id == "r2" and nxt.incarnation == 1 + on
         assert streams["r0"].finished

@@ -121,7 +121,7 @@ def _tracked(request_id: str, model: str, prompt_len: int, queue: TokenQueue) ->
     gen = GenerationRequest(request_id, model, tuple(range(prompt_len)),
                             SamplingParams(max_tokens=8), 0.0)
     sched = Request(request_id, model, 0.0, prompt_len, 8)
-    return Tracked(gen, sched, SamplingParams(max_tokens=8), queue)
+    return Tracked(gen, sched, queue)
 
 
 async def test_the_finishing_chunk_carries_the_merged_timings() -> None:

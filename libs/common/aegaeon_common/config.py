@@ -551,12 +551,15 @@ class Config(msgspec.Struct, frozen=True):
     def cachemgr_address(self) -> str:
         return self._address("cachemgr")
 
+    def instance_address(self, kind: str, index: int) -> str:
+        """Where instance ``kind-index`` is reached (advertised)."""
+        return self._instance_address(kind, index, self.node.advertise_address)
+
     def prefill_address(self, index: int) -> str:
-        """Where prefill instance ``index`` is reached (advertised)."""
-        return self._instance_address("prefill", index, self.node.advertise_address)
+        return self.instance_address("prefill", index)
 
     def decode_address(self, index: int) -> str:
-        return self._instance_address("decode", index, self.node.advertise_address)
+        return self.instance_address("decode", index)
 
     @property
     def run_id(self) -> str:

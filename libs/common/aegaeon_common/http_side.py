@@ -21,13 +21,17 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from aegaeon_common.env import read_env
 from aegaeon_common.process import private_dir
+
+if TYPE_CHECKING:
+    from aegaeon_common.registry import InstanceRecord
 
 __all__ = [
     "Readiness",
@@ -38,6 +42,7 @@ __all__ = [
     "metrics_response",
     "read_http_address",
     "remove_http_address",
+    "with_http_urls",
     "write_http_address",
 ]
 
@@ -135,6 +140,17 @@ def read_http_address(run_dir: Path, name: str) -> ServiceAddress | None:
         return ServiceAddress(str(data["name"]), str(data["role"]), str(data["url"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def with_http_urls(record: InstanceRecord, run_dir: Path) -> InstanceRecord:
+    """``record`` with its side HTTP server's URL and its node's cachemgr's, once each
+    recorded it (the instance's own registrar and one node's proxy both fill them in)."""
+    for field, service in (("http_url", record.instance_id), ("cachemgr_http_url", "cachemgr")):
+        if not getattr(record, field):
+            address = read_http_address(run_dir, service)
+            if address is not None:
+                record = msgspec.structs.replace(record, **{field: address.url})
+    return record
 
 
 def remove_http_address(run_dir: Path, name: str, url: str) -> None:

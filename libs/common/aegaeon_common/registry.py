@@ -129,11 +129,9 @@ def record_of(config: Config, hello: InstanceHello, instance_id: str,
     """The record of the instance that said ``hello`` (no load yet), as whoever writes
     it (the instance itself with many nodes, one node's proxy for it) writes it."""
     kind, index = hello.kind, hello.index
-    address = (config.prefill_address(index) if kind == "prefill"
-               else config.decode_address(index))  # fmt: skip
     return InstanceRecord(
         v=1, instance_id=instance_id, node=config.node.name, kind=kind, index=index,
-        address=address, incarnation=hello.incarnation, pid=hello.pid,
+        address=config.instance_address(kind, index), incarnation=hello.incarnation, pid=hello.pid,
         capacity_tokens=dict(hello.capacity_tokens), max_batch_size=hello.max_batch_size,
         latency=hello.latency, http_url=http_url, cachemgr_address=config.cachemgr_address,
     )  # fmt: skip

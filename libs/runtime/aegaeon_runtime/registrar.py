@@ -22,7 +22,7 @@ import time
 
 import msgspec
 from aegaeon_common.config import Config
-from aegaeon_common.http_side import read_http_address
+from aegaeon_common.http_side import with_http_urls
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.report import InstanceHello, InstanceStats
 from aegaeon_common.registry import (
@@ -72,11 +72,7 @@ class Registrar:
         )
 
     async def beat(self, stats: InstanceStats) -> None:
-        if not self.record.cachemgr_http_url:  # (the cachemgr records it once it listens)
-            cachemgr = read_http_address(self._run_dir, "cachemgr")
-            if cachemgr is not None:
-                self.record = msgspec.structs.replace(self.record,
-                                                      cachemgr_http_url=cachemgr.url)  # fmt: skip
+        self.record = with_http_urls(self.record, self._run_dir)
         record = msgspec.structs.replace(self.record, load=load_of(stats), draining=self.draining)
         try:
             await self.store.put(instance_key(self.instance_id), encode(record), self.ttl_s)

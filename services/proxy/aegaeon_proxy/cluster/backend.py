@@ -10,13 +10,8 @@ default) and the node's instances, which reach no store, report here: this
 backend writes their records for them (``cluster.local_registrar``); everything
 else is the same.
 
-* **Placement** is one object per policy family (``cluster.placement``): Aegaeon's
-  booking (Algorithms 1-2 as store transactions), or a request-level baseline's.
 * Work carries ``reply_to`` (this replica's report socket): an instance sends
   a request's tokens to the replica that holds its client.
-* **Roles** (``roles.enabled``): one replica decides which instances take
-  prefill work, from the same shared state, and every replica dispatches by its
-  record (``cluster.roles``).
 * **A node that dies** stops beating; once its records expire (TTL) every
   replica drops it from dispatch, and each replica ends its own requests there
   (``instance_failed``) or dispatches again those that had no token yet. An
@@ -138,8 +133,7 @@ class ClusterBackend(Backend):
         self.records = SharedRecords(self.store)
         self.ctx = zmq.asyncio.Context()
         self._reports, self.report_address = _report_socket(config, self.ctx)
-        # requests, their admission, streams, ends and retries (this backend places them)
-        self.table = RequestTable(config, self)
+        self.table = RequestTable(config, self)  # (this backend is its Placement)
         self.requests: dict[str, Tracked] = self.table.requests  # (the table's own dict)
         self.counters = self.table.counters
         self.held: dict[str, Tracked] = {}  # no instance to dispatch to yet
@@ -148,7 +142,7 @@ class ClusterBackend(Backend):
         self.held_decode: dict[str, tuple[Tracked, Where]] = {}
         self.dispatch_s: deque[float] = deque(maxlen=DISPATCH_SAMPLES)
         self._pushers: dict[str, Pusher] = {}
-        self.caches = NodeCaches(self.ctx)  # every node's cachemgr (models, flags, stats)
+        self.caches = NodeCaches(self.ctx)
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[None]] = set()
         self._store_ok = False
@@ -158,16 +152,13 @@ class ClusterBackend(Backend):
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self.spawn(self.send(record, msg)))
-        # where admitted requests go (one placement per policy family: cluster.placement)
         self.placement: Booking | Baselines = Baselines(self) if config.unified else Booking(self)
-        # the model operations on every node, and what the replicas share of the models
         self.models = SharedModels(config, self.view, self.caches, self.records, self.send,
                                     self.spawn, self.report_address, self.proxy_id)  # fmt: skip
-        # with roles.enabled, which instances take prefill work (one replica decides)
         self.roles = SharedRoles(config, self.store, self.view, self.proxy_id)
         self._handlers: dict[type[Message], Callable[[Any], object]] = {  # (results unread)
             PrefillDone: self._on_prefill_done,
-            StepTokens: self._on_step_tokens,
+            StepTokens: self.table.step_tokens,
             RequestFailed: self._on_failed,
             InstanceModels: self.models.on_instance_models,  # answers to this replica
             ModelsResident: self.models.on_models_resident,
@@ -218,13 +209,11 @@ class ClusterBackend(Backend):
             await self.roles.leave()
 
     def ready(self) -> bool:
-        """The store answers and: on one node, every instance is up or restarting after
-        a drain (its work waits here) and the cachemgr was asked which models it cannot
-        read; with many nodes, some prefill instance is registered (the nodes'
-        unreadable models are not waited for: a replica reads them within a second of
-        their records, and one that restarts while a node's cachemgr is dead would wait
-        for it; an unreadable model's request in between is refused by its instance,
-        503 ``model_unavailable`` all the same)."""
+        """The store answers and: on one node, every instance is up or restarting and
+        the cachemgr's unreadable models are known; with many nodes, some prefill
+        instance takes work (a node's unreadable models are not waited for: one whose
+        cachemgr is dead would hold every replica; its instance refuses such a request,
+        503 ``model_unavailable``, all the same)."""
         if not self._store_ok or self.down():
             return False
         if self.local.expected:
@@ -232,7 +221,7 @@ class ClusterBackend(Backend):
         return self.placement.takes_work()
 
     def down(self) -> list[str]:
-        """The instances that report here and are neither registered nor restarting."""
+        """The instances that report here and are neither up nor restarting."""
         now = time.monotonic()
         return [n for n in self.local.expected
                 if n not in self.view.live and not self.local.up(n, now)]  # fmt: skip
@@ -261,12 +250,12 @@ class ClusterBackend(Backend):
         return min(limits) if limits else None
 
     async def _unavailable_loop(self) -> None:
-        """Every :data:`WATCH_S`, the cachemgrs' unreadable models, shared; a failed poll
-        is tried again at the next turn (a cachemgr or the store may be restarting)."""
+        """The cachemgrs' unreadable models, shared; a failed poll is tried again at the
+        next turn (a cachemgr or the store may be restarting)."""
         while not self._closing:
             try:
                 await self.models.check_unavailable(time.time())
-                self._checked = True  # (ready: the cachemgrs' unreadable models are known)
+                self._checked = True
             except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
                 log.debug("unavailable_models_poll_failed", error=repr(exc))
             await asyncio.sleep(WATCH_S)
@@ -302,7 +291,6 @@ class ClusterBackend(Backend):
 
     # ---- placement (the request table's Placement) ----------------------------
     def place(self, tracked: Tracked) -> None:
-        """Admitted: listed as this replica's, then dispatched (a store transaction)."""
         self.roles.arrived(time.monotonic(), tracked.sched.prompt_len)
         self.spawn(self._arrive(tracked))
 
@@ -323,7 +311,7 @@ class ClusterBackend(Backend):
 
     def _cancel_at(self, request_id: str, kind: str | None, index: int, free_handoff: bool,
                    node: str | None = None) -> None:  # fmt: skip
-        """At every live instance of that kind (None: any), index and node (None: any)."""
+        """At every live instance of that index, kind and node (None: any)."""
         cancel = CancelRequest(request_id, free_handoff=free_handoff)
         for r in list(self.view.live.values()):
             if r.index == index and kind in (None, r.kind) and node in (None, r.node):
@@ -359,8 +347,8 @@ class ClusterBackend(Backend):
                        code=STORE_UNAVAILABLE)  # fmt: skip
 
     async def put_meta(self, tracked: Tracked) -> None:
-        """Its metadata: where it is, "decoding" there (an instance of the decode stage or
-        a baseline's) or "queued" (for a prefill, or for none yet)."""
+        """Its metadata: where it is, "decoding" there or "queued" (for a prefill, or
+        for none yet)."""
         gen, where = tracked.gen, tracked.where
         state = "decoding" if where is not None and where.stage != "prefill" else "queued"
         meta = RequestMeta(
@@ -374,7 +362,7 @@ class ClusterBackend(Backend):
         tracked.tokens_written = meta.tokens_sent
 
     async def send_to(self, where: Where, msg: Message) -> None:
-        """Send ``msg`` to the process ``where`` names, if it still runs."""
+        """To the process ``where`` names, if it still runs."""
         record = self.view.live.get(where.instance)
         if record is not None and record.incarnation == where.incarnation:
             await self.send(record, msg)
@@ -389,10 +377,8 @@ class ClusterBackend(Backend):
 
     # ---- reports -------------------------------------------------------------
     async def _receive_loop(self) -> None:
-        """Run each report's handler, forever. A bad frame is counted (``bad_frames``);
-        a bug handling one report must not stop every later one (heartbeats included:
-        the instances would all look dead), so it is logged and counted
-        (``report_errors``)."""
+        """Each report's handler, forever: a bug handling one must not stop every later
+        one (heartbeats included: the instances would all look dead)."""
         while True:
             try:
                 msg = await self._reports.recv()
@@ -401,13 +387,16 @@ class ClusterBackend(Backend):
                 log.warning("bad report frame", error=str(exc))
                 continue
             try:
+                if isinstance(msg, PrefillDone | StepTokens | RequestFailed):
+                    # before the request ends: once its client has the answer, the stats
+                    # no longer count it on the instance that ended it
+                    self.local.note_holdings(msg.kind, msg.index, msg.holdings)
                 self._handlers[type(msg)](msg)
             except Exception:
                 self.counters["report_errors"] += 1
                 log.exception("report_failed", tag=msg.TAG)
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
-        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         known = self.requests.get(msg.request_id)
         where = known.where if known is not None else None
         owner = f"{msg.kind}-{msg.index}"  # (its node's cachemgr knows it by this name)
@@ -422,14 +411,7 @@ class ClusterBackend(Backend):
             return
         self.placement.prefilled(tracked, where, msg)
 
-    def _on_step_tokens(self, msg: StepTokens) -> None:
-        # before the request ends: once its client has the answer, the stats no
-        # longer count it on the instance that ended it
-        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
-        self.table.step_tokens(msg)
-
     def _on_failed(self, msg: RequestFailed) -> None:
-        self.local.note_holdings(msg.kind, msg.index, msg.holdings)
         tracked = self.requests.get(msg.request_id)
         where = tracked.where if tracked is not None else None
         name = where.instance if where else f"{msg.kind}-{msg.index}"
@@ -440,7 +422,7 @@ class ClusterBackend(Backend):
     # ---- one node's instances (cluster.local_registrar) ------------------------
     def _put_record(self, record: InstanceRecord, live: bool) -> None:
         """Write (``live``) or delete an instance's record, as its own registrar would;
-        a draining record is dispatch's at once (no new work meanwhile)."""
+        dispatch reads the new one at once (a draining one takes no new work)."""
         if live and self.view.alive(record.instance_id, record.incarnation):
             self.view.live[record.instance_id] = record
         ttl_s = self.config.store.heartbeat_ttl_s
@@ -470,9 +452,7 @@ class ClusterBackend(Backend):
         down now, not a TTL later; one draining exits on purpose. (A socket of its own
         that sends nothing: the one work goes on closes with the instance's record.)"""
         kind, _, index = name.rpartition("-")
-        address = (self.config.prefill_address(int(index)) if kind == "prefill"
-                   else self.config.decode_address(int(index)))  # fmt: skip
-        watcher = Pusher(self.ctx, address)
+        watcher = Pusher(self.ctx, self.config.instance_address(kind, int(index)))
         try:
             while not self._closing:
                 await watcher.disconnected()
@@ -527,9 +507,8 @@ class ClusterBackend(Backend):
             await asyncio.sleep(REFRESH_S)
 
     def _store_lost(self) -> None:
-        """The store restarted empty (a new epoch): no record missing now means a death
-        (``store_health``); this replica's own records come back with its next beat, its
-        requests' metadata now; the roles' decider writes them again."""
+        """The store restarted empty (a new epoch): this replica's own records come back
+        with its next beat, its requests' metadata now."""
         self.store_health.troubled()
         self.counters["store_losses"] += 1
         log.warning("store_lost", requests=len(self.requests),
@@ -545,7 +524,6 @@ class ClusterBackend(Backend):
         self.spawn(rewrite())
 
     def _admission_bounds(self) -> None:
-        """The bounds of every node's instances, this replica's share of them."""
         live = list(self.view.live.values())
         if not any(r.latency is not None for r in live):
             return  # (nothing to derive them from yet: admitted unbounded meanwhile)
@@ -691,16 +669,14 @@ class ClusterBackend(Backend):
         }
 
     def _instances(self, caches: dict[str, CacheStats | None]) -> list[dict[str, object]]:
-        """What each instance holds now: device KV blocks and open sequences (its last
-        heartbeat, or a newer message about a request on one node), host KV blocks its
-        node's cachemgr leases to it (``-1``: that cachemgr did not answer). All 0 on
-        an idle deployment that leaked nothing."""
+        """What each instance holds now (``leases``: -1 where its node's cachemgr did not
+        answer); all 0 on an idle deployment that leaked nothing."""
         local = self.local.instances
         out: list[dict[str, object]] = []
         for r in self.view.live.values():
             cache = caches.get(r.node)
             kept = local[r.instance_id].holdings if r.instance_id in local else None
-            holding = kept or r.load  # (both count the blocks and sequences held)
+            holding = kept or r.load  # (one node: a report about a request may be newer)
             owner = f"{r.kind}-{r.index}"  # (its node's cachemgr knows it by this name)
             out.append({
                 "name": r.instance_id, "kind": r.kind, "index": r.index, "node": r.node,

@@ -1,13 +1,10 @@
 """This node's instances in the store: their hellos and heartbeats as registry records.
 
-On one node the instances report to the proxy over ZeroMQ (``InstanceHello`` and
-``InstanceStats`` every beat) and reach no store: the memory store lives in the
-proxy's process. The proxy writes for them what an instance of many nodes writes
-itself (``aegaeon_runtime.registrar``): its
-:class:`~aegaeon_common.registry.InstanceRecord` with its load
-(``registry.load_of``), with the ``store.heartbeat_ttl`` TTL. So dispatch reads
-the same records either way, and an instance that falls silent leaves it the same
-way: its record expires (``cluster.registry``).
+On one node the instances report to the proxy over ZeroMQ and reach no store (the
+memory store lives in the proxy's process): the proxy writes for them the record
+an instance of many nodes writes itself (``aegaeon_runtime.registrar``). So
+dispatch reads the same records either way, and an instance that falls silent
+leaves it the same way: its record expires.
 
 * a **first hello** this process got is answered with ``ProxyStarted`` before any
   work (what the instance holds is an earlier proxy's, whose clients are gone);
@@ -35,7 +32,7 @@ from dataclasses import dataclass
 
 import msgspec
 from aegaeon_common.config import Config
-from aegaeon_common.http_side import read_http_address
+from aegaeon_common.http_side import with_http_urls
 from aegaeon_common.logs import get_logger
 from aegaeon_common.messages.prefill import AckDrain, ProxyStarted
 from aegaeon_common.messages.report import (
@@ -67,10 +64,8 @@ class _Local:
 
 
 class LocalRegistrar:
-    """Writes the records of the instances that report here (see the module).
-
-    ``put(record, live)`` writes a record (``live`` False: deletes it); ``send``
-    sends a message to an instance's record; both run as the backend's jobs."""
+    """See the module. ``put(record, live)`` writes a record (``live`` False: deletes
+    it); ``send`` sends a message to an instance's record (both the backend's jobs)."""
 
     def __init__(self, config: Config, put: Callable[[InstanceRecord, bool], None],
                  send: Callable[[InstanceRecord, Message], None]) -> None:  # fmt: skip
@@ -105,7 +100,7 @@ class LocalRegistrar:
             if known is not None:
                 log.info("instance_restarted", instance=name, pid=msg.pid)
             self.instances[name] = known = _Local(record)
-        known.record = self._with_urls(record)
+        known.record = with_http_urls(record, self.config.run_dir)
         if first:
             # (before any work of ours: none goes to an instance before its record, one
             # ordered socket) it drops what it holds and frees the handoffs nobody claimed
@@ -120,11 +115,12 @@ class LocalRegistrar:
         self.note_holdings(msg.kind, msg.index, msg.holdings)
         self.switches.extend((local.record.instance_id, s) for s in msg.switches)
         self.turns.extend((local.record.instance_id, t) for t in msg.turns)
-        local.record = msgspec.structs.replace(self._with_urls(local.record), load=load_of(msg))
+        local.record = msgspec.structs.replace(with_http_urls(local.record, self.config.run_dir),
+                                              load=load_of(msg))  # fmt: skip
         self._write(local)
 
     def on_draining(self, msg: InstanceDraining) -> InstanceRecord | None:
-        """No new work for it; the ack follows everything sent to it so far."""
+        """The ack follows everything sent to it so far."""
         local = self.instances.get(f"{msg.kind}-{msg.index}")
         if local is None or local.record.pid != msg.pid:
             return None
@@ -135,9 +131,8 @@ class LocalRegistrar:
         return local.record
 
     def on_stalled(self, msg: InstanceStalled) -> bool:
-        """Its compute thread made no progress with work to do (its event loop still
-        beats: ``aegaeon_runtime.liveness``); see the module. True when it was this
-        process's."""
+        """(Its event loop still beats: ``aegaeon_runtime.liveness``.) True when it was
+        this process's."""
         name = f"{msg.kind}-{msg.index}"
         local = self.instances.get(name)
         if local is None or local.record.pid != msg.pid:
@@ -149,8 +144,7 @@ class LocalRegistrar:
         return True
 
     def ended(self, name: str) -> bool:
-        """Its process ended (not after a drain): its record goes at once (True when it
-        had one)."""
+        """Its process ended (not after a drain): True when it had a record (gone now)."""
         local = self.instances.get(name)
         if local is None or local.written_s == 0.0 or local.record.draining:
             return False
@@ -159,7 +153,7 @@ class LocalRegistrar:
         return True
 
     def leave(self) -> None:
-        """This proxy stops: each instance up hears that nothing more comes from it."""
+        """This proxy stops: nothing more comes from it."""
         for local in self.instances.values():
             if local.written_s > 0.0:
                 self._send(local.record, AckDrain(local.record.pid))
@@ -180,23 +174,12 @@ class LocalRegistrar:
             local.holdings = holdings
 
     def restarting(self, name: str, now_s: float) -> bool:
-        """Drained and not back yet, within its grace."""
         local = self.instances.get(name)
         return local is not None and local.record.draining and now_s < local.restart_by_s
 
     def up(self, name: str, now_s: float) -> bool:
-        """Its record was written within its TTL (it is dispatch's at the next refresh),
-        or it is restarting after a drain."""
+        """Its record was written within its TTL, or it is restarting after a drain."""
         local = self.instances.get(name)
         return local is not None and (now_s - local.written_s < self.ttl_s
                                       or self.restarting(name, now_s))  # fmt: skip
-
-    def _with_urls(self, record: InstanceRecord) -> InstanceRecord:
-        """Its side HTTP server and its node's cachemgr's, once they listen."""
-        for field, service in (("http_url", record.instance_id), ("cachemgr_http_url", "cachemgr")):
-            if not getattr(record, field):
-                address = read_http_address(self.config.run_dir, service)
-                if address is not None:
-                    record = msgspec.structs.replace(record, **{field: address.url})
-        return record
 

@@ -1,31 +1,21 @@
-"""Models added and removed at run time, put to sleep and woken (``/sleep``,
-``/wake_up``), over every node's instances (the registry) and cachemgrs
-(``cluster.node_caches``); and what the proxies share of the models.
+"""The model operations (add, remove, reload, flags, sleep and wake) over every node's
+instances and cachemgrs, and what the proxies share of the models.
 
 The admin endpoints (``aegaeon_proxy.admin_models``) decide; :class:`SharedModels`
-carries it out: the cachemgrs learn or forget the model (``RegisterModel``,
-``ForgetModel``) and take the operator's flags (``SetModelFlags``); every live
-instance is told (``AddModel``, ``SetModelAwake``) and answers the proxy that asked
-(``reply_to``), echoing the ticket it was sent with: an answer names only the
-instance's kind and index, so the ticket says which node's it is. An instance
-serves an added model once its registry record lists it (with its latency profile
-over it): a proxy that follows the add dispatches to it from the same records, so
-an add returns only then.
+carries it out. An instance answers the proxy that asked (``reply_to``), echoing
+the ticket it was sent with: an answer names only the instance's kind and index,
+so the ticket says which node's it is. An instance serves an added model once its
+registry record lists it: a proxy that follows the add dispatches to it from the
+same records, so an add returns only then.
 
-The models served, their settings and the unreadable ones (quarantine: a
-cachemgr's ``unavailable``, polled every :data:`WATCH_S`, or an instance's
-``model_unavailable``) are records in the store
-(:class:`~aegaeon_common.registry.ServedModelsRecord`,
-:class:`~aegaeon_common.registry.UnavailableModelsRecord`, one transaction per
-change), kept by every proxy as
+The models served, their settings and the unreadable ones (quarantine) are records
+in the store, kept by every proxy as
 :class:`~aegaeon_proxy.cluster.shared_records.SharedRecords` (written back if the
-store loses them). Every proxy reads them with its registry refresh and hands
-each change to its front (``follow_served``, ``follow_unavailable``,
-``follow_model_settings``): the model table and tokenizers of a proxy follow the
-one that changed them, an unreadable model is 503 ``model_unavailable``
-everywhere until a reload on any proxy lifts it. An instance or cachemgr that
-(re)starts comes back with the config file's models: it is given the models added
-here again and forgets those removed (``on_joined``).
+store loses them); each change goes to every proxy's front (``follow_*``): an
+unreadable model is 503 ``model_unavailable`` everywhere until a reload on any
+proxy lifts it. An instance or cachemgr that (re)starts knows only the config
+file's models: it is given those added here again and forgets those removed
+(``on_joined``).
 """
 
 from __future__ import annotations
@@ -103,9 +93,7 @@ def record_models(record: InstanceRecord) -> frozenset[str]:
 
 
 class SharedModels(ModelOps):
-    """The model operations over every node's instances and cachemgrs, and what the
-    proxies share of the models: the served set, the unreadable ones, their settings
-    (see the module). ``send`` sends to an instance's record; ``spawn`` runs a job of
+    """See the module. ``send`` sends to an instance's record; ``spawn`` runs a job of
     the backend."""
 
     changes_models = True
@@ -165,18 +153,15 @@ class SharedModels(ModelOps):
 
     # ---- the admin endpoints' operations ------------------------------------
     async def add_model(self, model: ModelConfig) -> None:
-        """Register ``model`` with every cachemgr, tell every live instance, and wait
-        until each serves it (a BackendError names the one that cannot)."""
         self._need_prefill()
         await self._cache_call(register_message(model))
         self._mark(model.name, model)
         await self._take(model)
 
     async def reload_model(self, model: ModelConfig) -> None:
-        """``ReloadModel`` on every node, then every live instance that does not serve
-        ``model`` (its config was unreadable when it started) takes it. Lifted everywhere
-        as of the reload's start; still unreadable: quarantined again for what is wrong
-        now."""
+        """Lifted everywhere as of the reload's start; still unreadable: quarantined
+        again for what is wrong now (an instance whose config was unreadable when it
+        started takes the model now)."""
         self._need_prefill()
         began = time.time()
         try:
@@ -235,9 +220,8 @@ class SharedModels(ModelOps):
         return not any(name in self._resident(r) for r in self.view.live.values())
 
     async def set_model_awake(self, name: str, awake: bool) -> bool:
-        """Sleep ``name`` on every live instance, or wake it on the least busy
-        prefill instance (none, if it is on a device already); returns once they
-        answered whether it sleeps now."""
+        """A wake goes to the least busy prefill instance (none, if the model is on a
+        device already)."""
         live = list(self.view.live.values())
         if not live:
             raise BackendError.unavailable("no instance is up")
@@ -273,8 +257,7 @@ class SharedModels(ModelOps):
                                                     base=model.base or ""))  # fmt: skip
 
     def _ask(self, record: InstanceRecord, make: Callable[[int], Message]) -> int:
-        """``make(ticket)`` to the instance (in order with its other work); the ticket
-        its answer echoes."""
+        """``make(ticket)`` to the instance; the ticket its answer echoes."""
         ticket = next(self._tickets)
         self._owners[ticket] = record.instance_id
         self._spawn(self._send(record, make(ticket)))
@@ -304,7 +287,6 @@ class SharedModels(ModelOps):
 
     async def _until(self, waiting: Callable[[], list[str]], what: str,
                      timeout_s: float = AWAKE_TIMEOUT_S) -> None:  # fmt: skip
-        """Until ``waiting()`` names no instance (answers arrive), at most ``timeout_s``."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while names := waiting():
             changed = self._changed
@@ -352,7 +334,6 @@ class SharedModels(ModelOps):
         self._apply_settings = apply
 
     def _settings_followed(self, key: str, raw: bytes) -> None:
-        """A model's live settings as another replica last changed them."""
         record = decode_model_settings(raw)
         self._apply_settings(record.model, record.settings)
 
@@ -397,7 +378,6 @@ class SharedModels(ModelOps):
                 self._tell(name, why)
 
     def _tell(self, name: str, why: str | None) -> None:
-        """``name`` unavailable (``why``) here, or no longer (None); the front follows."""
         if why is None:
             self.unavailable.pop(name, None)
         else:
@@ -413,7 +393,6 @@ class SharedModels(ModelOps):
                         if p is not None and n not in names]  # fmt: skip
 
     async def publish_served(self, name: str, model: ModelConfig | None) -> None:
-        """``name`` added (``model``) or removed (None), for every replica."""
         path = str(model.path) if model is not None else None
         adapts = model.base if model is not None else None
 
@@ -447,7 +426,6 @@ class SharedModels(ModelOps):
         return model
 
     def _mark(self, name: str, model: ModelConfig | None) -> None:
-        """``name`` served here as ``model`` (added), or no longer (None)."""
         if model is not None:
             self.added[name] = model
             self.removed.discard(name)

@@ -89,7 +89,7 @@ def merge_model_caches(by_node: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 class NodeCaches:
-    """One client per node's cachemgr, made on first use (see the module)."""
+    """One client per node's cachemgr, made on first use."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._ctx = ctx
@@ -129,8 +129,7 @@ class NodeCaches:
     async def stats(
         self, records: Iterable[InstanceRecord], timeout_s: float = CACHE_TIMEOUT_S
     ) -> dict[str, CacheStats | None]:
-        """Every node's cachemgr's stats, asked at once (None: it did not answer within
-        ``timeout_s``), by node."""
+        """By node (None: it did not answer within ``timeout_s``)."""
         nodes = _cachemgrs(records)
 
         async def one(address: str) -> CacheStats | None:
@@ -145,8 +144,7 @@ class NodeCaches:
 
     async def model_cache(self, records: Iterable[InstanceRecord],
                           timeout_s: float = CACHE_TIMEOUT_S) -> dict[str, Any] | None:  # fmt: skip
-        """Every node's Model Cache that answers within ``timeout_s``, merged
-        (:func:`merge_model_caches`); None when no node answered."""
+        """The Model Caches that answer, merged; None when none did."""
         by_node = {node: to_plain(stats.model_cache)
                    for node, stats in (await self.stats(records, timeout_s)).items()
                    if stats is not None}  # fmt: skip

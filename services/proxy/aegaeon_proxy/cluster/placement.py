@@ -1,18 +1,15 @@
 """Where an admitted request goes: one placement object per policy family, which the
-backend (``cluster.backend``) calls without asking which it is.
+backend (``cluster.backend``) calls without asking which it is; each takes what it
+needs of the backend as a :class:`Host`.
 
 * :class:`Booking`, Aegaeon's: **dispatch** (Algorithm 1 across every node's
   prefill instances) and **placement** (Algorithm 2 within the prefill's node: the
-  KV stays in that node's host memory) are store transactions: read the
-  candidates' queues (stored as they are: msgspec structs), run the dispatcher
-  (``aegaeon_sched.shared``), write back the queue it changed; the write commits
-  only if no other replica wrote any queue read meanwhile (Redis WATCH/MULTI/EXEC),
-  else the decision is made again on fresh state. So two replicas never both
+  KV stays in that node's host memory) are store transactions over the candidates'
+  queues (``aegaeon_sched.shared``), which commit only if no other replica wrote a
+  queue read meanwhile (else decided again on fresh state): two replicas never both
   book an instance on the same picture of it.
-* :class:`Baselines`, the request-level baselines' (``scheduler.policy`` other
-  than ``aegaeon``; one node): the policy's picture in one store key.
-
-Both take what they need of the backend as a :class:`Host`.
+* :class:`Baselines`, the request-level baselines' (one node): the policy's picture
+  in one store key.
 """
 
 from __future__ import annotations
@@ -122,7 +119,6 @@ class Booking:
         self._decode_shares: dict[str, DecodeShare] = {}
 
     def takes_work(self) -> bool:
-        """Some instance in the prefill role takes new requests."""
         return bool(self.host.view.prefill_candidates())
 
     async def dispatch(self, tracked: Tracked, again: bool = False) -> None:
@@ -214,12 +210,10 @@ class Booking:
         self, tracked: Tracked, candidates: list[InstanceRecord], stage: str,
         choose: Callable[[dict[str, Any]], tuple[str, Any, tuple[Any, ...]]],
     ) -> bool:  # fmt: skip
-        """Book the request on one of ``candidates`` in one store transaction: ``choose``
-        picks it from their shared queues (``stage``'s) and changes its queue
-        (decided again on fresh queues if another replica wrote one read meanwhile);
-        then its work message goes to it, with the ids ``choose`` gave. False: the store
-        failed (the request ended), or it ended while deciding, or has no message (the
-        booking undone)."""
+        """Book the request on one of ``candidates``: ``choose`` picks it from their
+        ``stage`` queues and changes its queue; then its work message goes to it, with
+        the ids ``choose`` gave. False: the store failed (the request ended), or it ended
+        while deciding, or has no message (the booking undone)."""
         host, rid = self.host, tracked.gen.request_id
         keys = {r.instance_id: RegistryView.queue_key(r, stage) for r in candidates}
         max_group = host.config.scheduler.max_group_size
@@ -313,24 +307,17 @@ class Baselines:
     would start another replica's queued request, whose client and prompt it does not
     hold).
 
-    A baseline (ServerlessLLM's request-level scheduling and its variants, MuxServe's
-    static multiplexing) binds each request to a unified instance at arrival and
-    keeps one global picture (each instance's model and running requests, the
-    queues). That picture is the store's :data:`~aegaeon_common.registry.BASELINE`
-    record, and each decision is one transaction over it
-    (``aegaeon_sched.shared_baselines``): build the policy over the instances the
-    registry lists (their KV room learned from their records), restore the picture,
-    run the event, write the picture back, then carry out the actions (``RunRequest``
-    to an instance, a cancel, a refusal). An arrival no instance is registered for
-    waits with the backend's held requests; a request's end releases its binding
-    and starts what waited for it."""
+    A baseline binds each request to a unified instance at arrival and keeps one
+    global picture (each instance's model and running requests, the queues): the
+    store's :data:`~aegaeon_common.registry.BASELINE` record, each decision one
+    transaction over it (``aegaeon_sched.shared_baselines``); its actions are carried
+    out after the commit."""
 
     def __init__(self, host: Host) -> None:
         self.host = host
         self._table = {RunOnInstance: self._run, Cancel: self._cancel, Reject: self._reject}
 
     def records(self) -> list[InstanceRecord]:
-        """The instances that take work (registered, not draining), in id order."""
         live = self.host.view.live.values()
         return sorted((r for r in live if not r.draining), key=lambda r: r.instance_id)
 
@@ -360,11 +347,9 @@ class Baselines:
         await self._carry_out(*decided)
 
     def prefilled(self, tracked: Tracked, where: Where, msg: PrefillDone) -> None:
-        """Its first token came: the unified instance decodes it on."""
-        self.host.table.finish_first(tracked, msg)
+        self.host.table.finish_first(tracked, msg)  # (its unified instance decodes it on)
 
     def release(self, tracked: Tracked, where: Where | None, cancelled: bool) -> None:
-        """``tracked`` ended (the policy cancels it at its instance)."""
         self.host.spawn(self._release(tracked.gen.request_id, cancelled))
 
     def refresh(self, now_s: float) -> None:
@@ -386,10 +371,9 @@ class Baselines:
 
     async def _transact(self, event: Callable[[Policy, float], list[Action]]
                         ) -> tuple[list[Action], list[InstanceRecord]] | None:  # fmt: skip
-        """One decision: the policy built over the instances that take work (each with
-        its own KV room), restored from the store's picture, ``event`` run on it, the
-        picture written back (decided again if another replica wrote it meanwhile); its
-        actions and those instances. None: no instance takes work (or has a profile)."""
+        """One decision: ``event`` run on the policy over the instances that take work,
+        restored from the store's picture and written back; its actions and those
+        instances. None: no instance takes work (or has a profile)."""
         config, records, latency = self.host.config, self.records(), self.host.view.latency()
         if not records or latency is None:
             return None

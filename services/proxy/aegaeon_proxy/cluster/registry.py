@@ -98,8 +98,7 @@ class RegistryView:
         return record is not None and record.incarnation == incarnation
 
     def role(self, record: InstanceRecord) -> str:
-        """Where new work for ``record`` goes: "prefill" (it takes prefill work) or
-        "decode"."""
+        """Where new work for ``record`` goes: "prefill" or "decode"."""
         return self.roles.get(record.instance_id) or ("prefill" if record.kind == "prefill"
                                                       else "decode")  # fmt: skip
 
@@ -141,7 +140,6 @@ class RegistryView:
 
     @staticmethod
     def queue_key(record: InstanceRecord, stage: str) -> str:
-        """Where the instance's prefill queue (``stage`` prefill) or work list lives."""
         if stage == "prefill":
             return prefill_queue_key(record.instance_id, record.incarnation)
         return work_list_key(record.instance_id, record.incarnation)

@@ -1,12 +1,6 @@
-"""The request table: every request the proxy backend holds.
-
-The backend (:mod:`~aegaeon_proxy.cluster.backend`, one node or many) gives only
-the :class:`Placement`; everything else is here: admission by SLO class (a request
-past its class's share of the bounds is deferred or refused;
-:mod:`aegaeon_sched.admission`; the bounds are ``proxy.max_*``, the unset ones
-derived from the instances' records: :func:`bounds_of`), the streams (first token,
-step-token fan-out), ends and their counters, failures and retries, the timing
-records.
+"""The request table: every request the proxy backend holds, its admission by SLO
+class (:mod:`aegaeon_sched.admission`), stream, end, failure and retries; the
+backend gives only the :class:`Placement`.
 
 Invariants: a request is in :attr:`RequestTable.requests` from its admission
 (or deferral) until it ends, exactly once; an ended id is remembered for a
@@ -52,7 +46,7 @@ COUNTERS = ("finished", "failed", "cancelled", "retried", "rejected", "deferred"
 
 
 class Placement(Protocol):
-    """What differs between backends: where requests go and how that is undone."""
+    """Where requests go and how that is undone (the backend's part)."""
 
     def place(self, tracked: Tracked) -> None:
         """``tracked`` was admitted: send it to an instance (or hold it for one)."""
@@ -119,10 +113,7 @@ def bounds_of(config: Config, records: Iterable[InstanceRecord], replicas: int =
 
 
 class RequestTable:
-    """The requests a backend holds, their admission, streams and ends (see the module).
-
-    Runs on the proxy's event loop; nothing here blocks or awaits.
-    """
+    """See the module. Runs on the proxy's event loop; nothing here blocks or awaits."""
 
     def __init__(self, config: Config, placement: Placement) -> None:
         self.config = config
@@ -141,7 +132,6 @@ class RequestTable:
         self._releasing = False
 
     def set_bounds(self, bounds: Bounds) -> None:
-        """The admission bounds (again, when the instances behind them changed)."""
         if self.admission is None:
             self.admission = AdmissionControl(bounds)
             self.gate = ClassAdmission(self.admission, self.shedder)
@@ -178,7 +168,7 @@ class RequestTable:
                 f"this proxy is at its admission bound for {req.slo_class} requests "
                 f"({self.gate.why(sched)}); retry later", retry_after_s=retry_after_s,
             )  # fmt: skip
-        tracked = Tracked(req, sched, s, TokenQueue())
+        tracked = Tracked(req, sched, TokenQueue())
         self.requests[req.request_id] = tracked
         if verdict is Verdict.DEFER:  # it waits here for room (release_deferred)
             tracked.deferred = True
@@ -258,7 +248,6 @@ class RequestTable:
         self.release_deferred()
 
     def _forget(self, request_id: str) -> None:
-        """It ended here: release its admission, remember its id for a while."""
         if self.admission is not None:
             self.admission.release(request_id)
         self._ended[request_id] = None
@@ -370,7 +359,6 @@ class RequestTable:
 
     # ---- observability -------------------------------------------------------
     def classes_snapshot(self) -> dict[str, object]:
-        """SLO classes: whether on, requests open by class, what shedding did."""
         by_class = Counter(t.gen.slo_class for t in self.requests.values())
         out: dict[str, object] = {"enabled": self.config.slo_classes.enabled,
                                   "open_by_class": dict(by_class)}  # fmt: skip

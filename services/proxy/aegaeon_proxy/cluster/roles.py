@@ -1,23 +1,14 @@
 """Prefill/decode role switching in the proxy: token velocity in, role changes out.
 
 The policy (:mod:`aegaeon_sched.roles`) is pure; :class:`SharedRoles` is every
-proxy's part, and its driver in the proxy holding the roles lease
-(:data:`~aegaeon_common.registry.ROLES_LEASE`, a key with a TTL it renews at
-every registry refresh; once it stops, another takes the lease :data:`LEASE_S`
-later). The decider meters the
-shared state as the simulator does (:class:`aegaeon_sched.RoleMeter`): every proxy's
-arrivals (:class:`~aegaeon_common.registry.ProxyRecord`), the store's queues and work
-lists, each instance's ``load.prefill_tokens`` and ``load.prefill_s`` (its record).
-
-It writes the roles as one :class:`~aegaeon_common.registry.RolesRecord`; every
-proxy reads that with its registry refresh and dispatches by it
-(:attr:`RegistryView.roles <aegaeon_proxy.cluster.registry.RegistryView.roles>`):
-new prefill work goes to the instances in the prefill role, and those are
-placed on for decode only while no decode-role instance of the node keeps up
-(``reserved``). A change is carried out by dispatch alone: with
-``roles.enabled`` every instance runs the hybrid loop (``Config.role_switching``:
-decode instances take prefill work on the hybrid channel), so no message tells
-an instance its role. An instance leaving the prefill role keeps its queued
+proxy's part, and its driver in the proxy holding the roles lease (a key with a TTL
+it renews at every registry refresh). The decider meters the shared state as the
+simulator does (:class:`aegaeon_sched.RoleMeter`) and writes the roles as one
+:class:`~aegaeon_common.registry.RolesRecord`, which every proxy dispatches by
+(:attr:`RegistryView.roles <aegaeon_proxy.cluster.registry.RegistryView.roles>`).
+A change is carried out by dispatch alone: with ``roles.enabled`` every instance
+runs the hybrid loop (decode instances take prefill work on the hybrid channel),
+so no message tells an instance its role. An instance leaving the prefill role keeps its queued
 prefills, which run to the end (standby); one joining it keeps its decode
 batches: no request moves, no KV is handed anywhere new. The roles hold still
 while any instance drains (its capacity is unknown); one that joins starts in
@@ -73,10 +64,9 @@ SHARED_CHANGES = 16  # the decider's last changes, in the record (every proxy's 
 
 
 class SharedRoles(RoleMeter):
-    """A proxy's part in the roles (see the module): it meters this proxy's arrivals
-    (``arrived``, for each request it accepts); ``refresh`` after each registry refresh.
-    Without ``roles.enabled`` it only keeps the velocities (metrics, stats): every
-    instance keeps its configured role."""
+    """See the module; ``arrived`` for each request this proxy accepts, ``refresh``
+    after each registry refresh. Without ``roles.enabled`` it only keeps the velocities
+    (metrics, stats)."""
 
     def __init__(self, config: Config, store: Store, view: RegistryView, proxy_id: str) -> None:
         super().__init__(beat_every_s=BEAT_EVERY_S, min_measured_s=MIN_MEASURED_S)
@@ -108,7 +98,7 @@ class SharedRoles(RoleMeter):
         return dict(self.controller.roles)
 
     def prefill_velocity(self, record: InstanceRecord, fallback: LatencyModel) -> float:
-        """Prompt tokens/s the instance prefills while busy: measured, else estimated."""
+        """Prompt tokens/s while busy: measured, else estimated."""
         load = record.load
         measured = self.measured(load.prefill_tokens, load.prefill_s, load.prefill_s)
         if measured is not None:
@@ -142,8 +132,7 @@ class SharedRoles(RoleMeter):
         return changes
 
     async def refresh(self) -> None:
-        """Take or renew the lease; decide (the holder) or follow the record. Raises
-        ``StoreError``."""
+        """Decide (the lease's holder) or follow the record. Raises ``StoreError``."""
         if not self.enabled:
             return
         records = list(self.view.live.values())
@@ -173,13 +162,10 @@ class SharedRoles(RoleMeter):
         return await self.store.transact([ROLES_LEASE], claim, ttl_s=LEASE_S)
 
     def store_lost(self) -> None:
-        """The store restarted empty: the decider writes the roles again at its next
-        refresh (the others keep following the roles they read last meanwhile)."""
-        self._written = False
+        self._written = False  # (the decider writes the roles again at its next refresh)
 
     async def leave(self) -> None:
-        """A replica that stops gives the lease up (another decides at once, from the
-        roles it wrote). Raises ``StoreError``."""
+        """Give the lease up (another decides at once). Raises ``StoreError``."""
         self.deciding = await self._lease(hold=False)
 
     async def _decide(self, records: list[InstanceRecord]) -> None:
@@ -228,8 +214,7 @@ class SharedRoles(RoleMeter):
         return total
 
     def snapshot(self, now_s: float) -> dict[str, object]:
-        """For ``/v1/aegaeon/stats``: the roles, what they were decided on, who decides
-        and the decider's changes."""
+        """For ``/v1/aegaeon/stats``."""
         velocity = cluster_velocity(r.load.velocity for r in self.view.live.values())
         return {
             "enabled": self.enabled,

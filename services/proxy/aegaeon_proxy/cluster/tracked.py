@@ -9,12 +9,7 @@ from typing import cast
 import msgspec
 from aegaeon_common.messages.decode import EnqueueDecode, RunRequest
 from aegaeon_common.messages.prefill import EnqueuePrefill
-from aegaeon_common.messages.structs import (
-    KVHandoff,
-    RequestTimings,
-    SamplingParams,
-    TokenLogprobs,
-)
+from aegaeon_common.messages.structs import KVHandoff, RequestTimings, TokenLogprobs
 from aegaeon_sched import Request
 
 from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, TokenQueue
@@ -24,7 +19,6 @@ from aegaeon_proxy.backend import FinishReason, GenerationRequest, TokenChunk, T
 class Tracked:
     gen: GenerationRequest
     sched: Request
-    sampling: SamplingParams
     queue: TokenQueue
     num_generated: int = 0
     first_token_id: int | None = None
@@ -42,7 +36,7 @@ class Tracked:
     tokens_written: int = 0  # num_generated as its metadata in the store last says
 
     def __post_init__(self) -> None:
-        self.open_seqs = set(range(self.sampling.n))
+        self.open_seqs = set(range(self.gen.sampling.n))
 
     # ---- the work messages for its instances (one node or many: ``incarnation``, the
     # process it is for; ``reply_to``, the replica that holds its client)
@@ -50,7 +44,7 @@ class Tracked:
                         group_key_s: float | None) -> EnqueuePrefill:  # fmt: skip
         gen, sched = self.gen, self.sched
         return EnqueuePrefill(gen.request_id, gen.model, group_id, list(gen.prompt_token_ids),
-                              self.sampling, gen.arrival_s, incarnation=incarnation,
+                              gen.sampling, gen.arrival_s, incarnation=incarnation,
                               reply_to=reply_to, priority=sched.priority,
                               ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
                               group_key_s=group_key_s)  # fmt: skip
@@ -63,11 +57,11 @@ class Tracked:
             return None
         # beyond one sequence's first token: the other sequences' and, for a
         # repetition penalty, the prompt
-        prompt = list(gen.prompt_token_ids) if self.sampling.repetition_penalty != 1.0 else []
+        prompt = list(gen.prompt_token_ids) if gen.sampling.repetition_penalty != 1.0 else []
         return EnqueueDecode(
             request_id=gen.request_id, model=gen.model, batch_id=batch_id,
             prompt_len=len(gen.prompt_token_ids), first_token_id=self.first_token_id,
-            num_generated=self.num_generated, sampling=self.sampling, handoff=self.handoff,
+            num_generated=self.num_generated, sampling=gen.sampling, handoff=self.handoff,
             arrival_s=gen.arrival_s, incarnation=incarnation, reply_to=reply_to,
             priority=sched.priority, ttft_s=sched.ttft_s or 0.0, tbt_s=sched.tbt_s or 0.0,
             first_token_ids=self.first_token_ids, finished=self.finished_first,
@@ -76,7 +70,7 @@ class Tracked:
 
     def run_message(self, incarnation: int, reply_to: str) -> RunRequest:
         gen = self.gen
-        return RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), self.sampling,
+        return RunRequest(gen.request_id, gen.model, list(gen.prompt_token_ids), gen.sampling,
                           gen.arrival_s, incarnation=incarnation, reply_to=reply_to)  # fmt: skip
 
 
@@ -95,11 +89,8 @@ class Where:
 def merge_timings(
     prefill: RequestTimings | None, decode: RequestTimings | None
 ) -> RequestTimings:
-    """One request's breakdown: the prefill instance's part and the decode's part.
-
-    A unified instance (request-level policies) reports both parts itself, in
-    ``decode``; a decode instance never sees the prefill's, so they are merged here.
-    """
+    """One request's breakdown: a decode instance never sees the prefill's part (a
+    unified instance reports both, in ``decode``)."""
     if decode is None:
         return prefill or RequestTimings()
     if prefill is None or decode.prefill_s > 0:
@@ -116,12 +107,9 @@ def deliver(
     timings: RequestTimings | None = None, *, index: int = 0,
     logprobs: Sequence[TokenLogprobs] = (), prompt_logprobs: Sequence[TokenLogprobs] | None = None,
 ) -> bool:
-    """Push sequence ``index``'s ``token_ids`` to the request's stream as the instance
-    grouped them (one chunk; the front still sends each token as its own event), with
-    their log-probabilities. The chunk carries ``reason`` when it ends the sequence;
-    when that ends the request (no sequence left open) it finishes the stream, with
-    where its time went (the prefill's part merged with ``timings``, the decode
-    instance's). True when the request ended."""
+    """Push sequence ``index``'s ``token_ids`` to the request's stream as one chunk (as
+    the instance grouped them); when that ends the request (no sequence left open) it
+    finishes the stream, with where its time went. True when the request ended."""
     if reason is not None:
         tracked.open_seqs.discard(index)
     ended = reason is not None and not tracked.open_seqs
