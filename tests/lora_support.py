@@ -1,15 +1,24 @@
 """LoRA adapters made by ``peft`` (the oracle) over small transformers checkpoints, and
 their references: transformers + PEFT's ``merge_and_unload`` greedy decoding (the
-greedy decoding, :func:`greedy_tokens`, the real-model tests' reference too)."""
+greedy decoding, :func:`greedy_tokens`, the real-model tests' reference too).
+
+The references are kept across sessions (:func:`kept`): a session computes them
+again only when something they depend on changed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
+from market_support import kept_root
 
 # (rank, target modules, rsLoRA): the three adapters the tests serve
 ADAPTERS: tuple[tuple[int, tuple[str, ...], bool], ...] = (
@@ -73,7 +82,17 @@ def peft_references(base_dir: Path, adapters: dict[str, Path | None],
                     prompts: Sequence[Sequence[int]],
                     num_tokens: int) -> dict[str, list[list[int]]]:  # fmt: skip
     """:func:`peft_greedy` for each adapter (name -> its directory, None: the base alone),
-    the base read once."""
+    the base read once; kept across sessions (:func:`kept`)."""
+    folders = [base_dir, *(d for _, d in sorted(adapters.items()) if d is not None)]
+    parts = ["greedy", [list(p) for p in prompts], num_tokens, sorted(adapters)]
+    refs: dict[str, list[list[int]]] = kept(
+        parts, folders, lambda: _peft_references(base_dir, adapters, prompts, num_tokens))
+    return refs
+
+
+def _peft_references(base_dir: Path, adapters: dict[str, Path | None],
+                     prompts: Sequence[Sequence[int]],
+                     num_tokens: int) -> dict[str, list[list[int]]]:  # fmt: skip
     import copy
 
     from peft import PeftModel
@@ -88,6 +107,75 @@ def peft_references(base_dir: Path, adapters: dict[str, Path | None],
             model = model.merge_and_unload().eval()
         out[name] = greedy_tokens(model, prompts, num_tokens)
     return out
+
+
+def peft_prompt_logprobs(base_dir: Path, adapter_dir: Path | None, ids: Sequence[int],
+                         dtype: torch.dtype) -> torch.Tensor:
+    """transformers + PEFT (merged) in ``dtype``: each prompt token's log-probability (after
+    the first), what lm-evaluation-harness's loglikelihood reads; the base alone when
+    ``adapter_dir`` is None. Kept across sessions (:func:`kept`)."""
+    folders = [base_dir] if adapter_dir is None else [base_dir, adapter_dir]
+    parts = ["prompt-logprobs", list(ids), str(dtype), adapter_dir is None]
+    logprobs: list[float] = kept(parts, folders,
+                                 lambda: _prompt_logprobs(base_dir, adapter_dir, ids, dtype))
+    return torch.tensor(logprobs, dtype=torch.float32)
+
+
+def _prompt_logprobs(base_dir: Path, adapter_dir: Path | None, ids: Sequence[int],
+                     dtype: torch.dtype) -> list[float]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(ids)])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    picked = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    return [float(x) for x in picked]
+
+
+def kept(parts: list[Any], folders: Sequence[Path], compute: Callable[[], Any]) -> Any:
+    """``compute()``'s JSON value, kept across sessions beside the e2e markets by a
+    digest of all it depends on: ``parts`` (its arguments), the files of ``folders``
+    (the checkpoints it reads), this module's code and the torch, transformers and peft
+    versions. A session computes it again only when one of those changed."""
+    from aegaeon_common.kept import write_atomic
+
+    versions = [version(name) for name in ("torch", "transformers", "peft")]
+    digest = hashlib.sha256(json.dumps([parts, versions]).encode())
+    digest.update(Path(__file__).read_bytes())
+    for read in map(Path, folders):
+        digest.update(_folder_digest(read, _signature(read)))
+    folder = kept_root() / f"aegaeon-test-references-{os.getuid()}"
+    path = folder / f"{digest.hexdigest()[:32]}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not kept yet (or cut short): computed, then kept
+        pass
+    value = compute()
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(value))
+    return value
+
+
+def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """The files of ``folder`` by name, size and modification time."""
+    files = sorted(f for f in folder.iterdir() if f.is_file())
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+@functools.cache
+def _folder_digest(folder: Path, signature: tuple[tuple[str, int, int], ...]) -> bytes:
+    """The digest of the files of ``folder`` (names and contents), once per ``signature``
+    in a session: a 135M checkpoint takes a third of a second to hash."""
+    digest = hashlib.sha256()
+    for name, _, _ in signature:
+        digest.update(name.encode())
+        with (folder / name).open("rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.digest()
 
 
 def lora_market(root: Path, bases: dict[str, Path]) -> Path:
