@@ -2,8 +2,8 @@
 their references: transformers + PEFT's ``merge_and_unload`` greedy decoding (the
 greedy decoding, :func:`greedy_tokens`, the real-model tests' reference too).
 
-The references are kept across sessions (:func:`kept`): a session computes them
-again only when something they depend on changed."""
+The adapters and references are kept across sessions (:func:`kept`): a session
+makes them again only when something they depend on changed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import functools
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -37,10 +39,31 @@ class PeftAdapter:
 
 
 def make_peft_adapter(base_dir: Path, out: Path, rank: int, targets: Sequence[str],
-                      rslora: bool = False, seed: int = 0,
-                      alpha: float | None = None) -> PeftAdapter:
-    """A random LoRA adapter of the checkpoint in ``base_dir``, saved by ``peft``: both A
-    and B random (``init_lora_weights=False``), so it changes what the model says."""
+                      rslora: bool = False, seed: int = 0, alpha: float | None = None,
+                      keep: bool = False) -> PeftAdapter:
+    """A random LoRA adapter of the checkpoint in ``base_dir``, saved by ``peft`` into
+    ``out``: both A and B random (``init_lora_weights=False``), so it changes what the
+    model says. With ``keep`` (a base kept across sessions: its adapter names its path)
+    it is made once and kept too (:func:`kept`; the same arguments make the same bytes),
+    then copied into ``out``."""
+    if not keep:
+        _save_peft_adapter(base_dir, out, rank, targets, rslora, seed, alpha)
+        return PeftAdapter(out, rank, tuple(targets), rslora)
+    parts = ["adapter", str(base_dir), rank, list(targets), rslora, seed, alpha]
+    made = _kept_path(parts, [base_dir]).with_suffix("")
+    if not made.is_dir():
+        aside = Path(tempfile.mkdtemp(prefix=f".{made.name}-", dir=made.parent))
+        _save_peft_adapter(base_dir, aside, rank, targets, rslora, seed, alpha)
+        try:
+            aside.rename(made)
+        except OSError:  # another session kept the same adapter first
+            shutil.rmtree(aside)
+    shutil.copytree(made, out, dirs_exist_ok=True)
+    return PeftAdapter(out, rank, tuple(targets), rslora)
+
+
+def _save_peft_adapter(base_dir: Path, out: Path, rank: int, targets: Sequence[str],
+                       rslora: bool, seed: int, alpha: float | None) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +74,6 @@ def make_peft_adapter(base_dir: Path, out: Path, rank: int, targets: Sequence[st
                         init_lora_weights=False, lora_dropout=0.0)
     peft_model = get_peft_model(model, config)
     peft_model.save_pretrained(out)
-    return PeftAdapter(out, rank, tuple(targets), rslora)
 
 
 def greedy_tokens(model: Any, prompts: Sequence[Sequence[int]],
@@ -123,11 +145,12 @@ def peft_prompt_logprobs(base_dir: Path, adapter_dir: Path | None, ids: Sequence
 
 def _prompt_logprobs(base_dir: Path, adapter_dir: Path | None, ids: Sequence[int],
                      dtype: torch.dtype) -> list[float]:
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
     if adapter_dir is not None:
+        from peft import PeftModel  # (seconds to import: only where an adapter is merged)
+
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
     with torch.inference_mode():
         logits = model(torch.tensor([list(ids)])).logits[0].float()
@@ -140,24 +163,30 @@ def kept(parts: list[Any], folders: Sequence[Path], compute: Callable[[], Any]) 
     """``compute()``'s JSON value, kept across sessions beside the e2e markets by a
     digest of all it depends on: ``parts`` (its arguments), the files of ``folders``
     (the checkpoints it reads), this module's code and the torch, transformers and peft
-    versions. A session computes it again only when one of those changed."""
+    versions. A session computes it again only when one of those changed (a file
+    rewritten with the same bytes: the same key)."""
     from aegaeon_common.kept import write_atomic
 
+    path = _kept_path(parts, folders)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not kept yet (or cut short): computed, then kept
+        pass
+    value = compute()
+    write_atomic(path, json.dumps(value))
+    return value
+
+
+def _kept_path(parts: list[Any], folders: Sequence[Path]) -> Path:
+    """Where what :func:`kept` keys by ``parts`` and ``folders`` is kept (its folder made)."""
     versions = [version(name) for name in ("torch", "transformers", "peft")]
     digest = hashlib.sha256(json.dumps([parts, versions]).encode())
     digest.update(Path(__file__).read_bytes())
     for read in map(Path, folders):
         digest.update(_folder_digest(read, _signature(read)))
     folder = kept_root() / f"aegaeon-test-references-{os.getuid()}"
-    path = folder / f"{digest.hexdigest()[:32]}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # not kept yet (or cut short): computed, then kept
-        pass
-    value = compute()
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(value))
-    return value
+    return folder / f"{digest.hexdigest()[:32]}.json"
 
 
 def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:

@@ -67,7 +67,7 @@ def market(base_dir: Path, work: Path) -> Path:
     root = lora_market(work / "market", {REAL: base_dir})
     for k, (rank, targets, rslora) in enumerate(ADAPTERS):
         made = make_peft_adapter(base_dir, work / "peft" / NAMES[k], rank, targets, rslora,
-                                 seed=100 + k)
+                                 seed=100 + k, keep=True)
         add_adapter(root, made.path, NAMES[k], REAL)
     return root
 
@@ -77,7 +77,7 @@ def extra_adapter(base_dir: Path, work: Path) -> Path:
     """A fourth adapter, left in its own folder (loaded at run time)."""
     return make_peft_adapter(base_dir, work / "peft" / "extra", 16, ("q_proj", "o_proj",
                                                                     "down_proj"),
-                             seed=200).path
+                             seed=200, keep=True).path
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,8 @@ def test_bad_adapters_are_400s_naming_them(served: Served, market: Path, work: P
     before = _market_bytes(market)
     # an adapter of another model (the e2e market's smallest): its shapes do not fit
     other_base = small_market / "llama-gqa-5m"
-    wrong = make_peft_adapter(other_base, work / "wrong-shapes", 8, ("q_proj", "v_proj")).path
+    wrong = make_peft_adapter(other_base, work / "wrong-shapes", 8, ("q_proj", "v_proj"),
+                              keep=True).path
     missing = work / "missing-file"
     shutil.copytree(extra_adapter, missing)
     (missing / "adapter_model.safetensors").unlink()
