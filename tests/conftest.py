@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from market_support import market_cache
+from market_support import kept_root, market_cache
 
 # Which worker runs what (`--dist loadgroup`): a module's tests on one worker, the
 # modules that share the `served` node one after another on one worker, chaos last;
@@ -84,8 +83,7 @@ def small_market() -> Path:
     """The e2e tests' 4-model market of the ``small`` profile, kept across sessions."""
     from aegaeon_market import ensure_market
 
-    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    market = root / f"aegaeon-e2e-market-{os.getuid()}-small{E2E_MODELS}"
+    market = kept_root() / f"aegaeon-e2e-market-{os.getuid()}-small{E2E_MODELS}"
     ensure_market(market, num_models=E2E_MODELS, profile="small", progress=False)
     return market
 

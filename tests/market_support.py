@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 
+def kept_root() -> Path:
+    """Where the tests keep what they build across sessions (the e2e markets, the
+    transformers references): ``$AEGAEON_TEST_CACHE``, by default the temp folder."""
+    return Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
+
+
 def market_cache(pytestconfig: pytest.Config) -> Path:
     """Where markets are kept across sessions: ``.pytest_cache/d/aegaeon-market``, or,
     with the cache plugin off (``-p no:cacheprovider``), ``$AEGAEON_TEST_CACHE`` (default:
@@ -18,8 +24,7 @@ def market_cache(pytestconfig: pytest.Config) -> Path:
     cache = getattr(pytestconfig, "cache", None)
     if cache is not None:
         return Path(cache.mkdir("aegaeon-market"))
-    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    base = root / f"aegaeon-test-markets-{os.getuid()}"
+    base = kept_root() / f"aegaeon-test-markets-{os.getuid()}"
     base.mkdir(parents=True, exist_ok=True)
     return base
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from market_support import kept_root
 
 REAL = "smollm2-135m-instruct"
 REAL_F32 = {"num_models": 2, "profile": "small", "dtype": "float32"}  # `ensure_market`'s
@@ -21,8 +22,7 @@ def real_market_dir(name: str = "real-f32", options: dict[str, Any] | None = Non
     models), built (or rebuilt after a failed download) when needed."""
     from aegaeon_market import ensure_market
 
-    root = Path(os.environ.get("AEGAEON_TEST_CACHE", tempfile.gettempdir()))
-    market = root / f"aegaeon-e2e-market-{os.getuid()}-{name}"
+    market = kept_root() / f"aegaeon-e2e-market-{os.getuid()}-{name}"
     for attempt in range(2):
         entries = ensure_market(market, **(REAL_F32 if options is None else options),
                                 progress=False, real_models=True)

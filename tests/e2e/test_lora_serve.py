@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 import torch
 from http_support import call_json, post_text
-from lora_support import ADAPTERS, lora_market, make_peft_adapter, peft_references
+from lora_support import (
+    ADAPTERS,
+    lora_market,
+    make_peft_adapter,
+    peft_prompt_logprobs,
+    peft_references,
+)
 from real_market import REAL, real_market_dir, stream_greedy, streamed_pieces
 from serve_harness import Served, serving, until
 
@@ -61,7 +67,7 @@ def market(base_dir: Path, work: Path) -> Path:
     root = lora_market(work / "market", {REAL: base_dir})
     for k, (rank, targets, rslora) in enumerate(ADAPTERS):
         made = make_peft_adapter(base_dir, work / "peft" / NAMES[k], rank, targets, rslora,
-                                 seed=100 + k)
+                                 seed=100 + k, keep=True)
         add_adapter(root, made.path, NAMES[k], REAL)
     return root
 
@@ -71,7 +77,7 @@ def extra_adapter(base_dir: Path, work: Path) -> Path:
     """A fourth adapter, left in its own folder (loaded at run time)."""
     return make_peft_adapter(base_dir, work / "peft" / "extra", 16, ("q_proj", "o_proj",
                                                                     "down_proj"),
-                             seed=200).path
+                             seed=200, keep=True).path
 
 
 @pytest.fixture(scope="module")
@@ -136,20 +142,6 @@ def test_base_and_adapters_at_once_are_unchanged_with_no_switch(
     assert len(got) == len(jobs)
 
 
-def _merged_prompt_logprobs(base_dir: Path, adapter_dir: Path, ids: list[int],
-                            dtype: torch.dtype) -> torch.Tensor:
-    """transformers + PEFT (merged) in ``dtype``: each prompt token's log-probability."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    model = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    logp = torch.log_softmax(logits, -1)
-    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-
-
 def test_an_adapter_as_the_model_takes_the_api_fields(
         served: Served, base_dir: Path, work: Path, prompt_ids: list[list[int]],
         references: dict[str | None, list[list[int]]]) -> None:
@@ -173,7 +165,7 @@ def test_an_adapter_as_the_model_takes_the_api_fields(
     first = out.choices[0].logprobs
     assert first is not None and first.token_logprobs is not None
     lps = first.token_logprobs[1:len(ids)]
-    f32, bf16 = (_merged_prompt_logprobs(base_dir, work / "peft" / name, ids, dtype)
+    f32, bf16 = (peft_prompt_logprobs(base_dir, work / "peft" / name, ids, dtype)
                  for dtype in (torch.float32, torch.bfloat16))
     assert (torch.tensor(lps, dtype=torch.float32) - f32).abs().max() <= (bf16 - f32).abs().max()
     chat = client.chat.completions.create(
@@ -219,7 +211,8 @@ def test_bad_adapters_are_400s_naming_them(served: Served, market: Path, work: P
     before = _market_bytes(market)
     # an adapter of another model (the e2e market's smallest): its shapes do not fit
     other_base = small_market / "llama-gqa-5m"
-    wrong = make_peft_adapter(other_base, work / "wrong-shapes", 8, ("q_proj", "v_proj")).path
+    wrong = make_peft_adapter(other_base, work / "wrong-shapes", 8, ("q_proj", "v_proj"),
+                              keep=True).path
     missing = work / "missing-file"
     shutil.copytree(extra_adapter, missing)
     (missing / "adapter_model.safetensors").unlink()

@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from lora_support import peft_prompt_logprobs
 from pydantic import BaseModel, Field
 from real_market import REAL, real_market_dir
 from serve_harness import Served
@@ -156,7 +157,7 @@ def test_prompt_logprobs_are_transformers(real_served: Served) -> None:
     """What lm-evaluation-harness's loglikelihood reads (echo, prompt log-probabilities)
     against transformers in float32 on the same weights; bounded by how far transformers
     itself moves between float32 and bfloat16."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model_dir = real_market_dir() / REAL
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -164,14 +165,7 @@ def test_prompt_logprobs_are_transformers(real_served: Served) -> None:
     out = real_served.client(600).completions.create(model=REAL, prompt=ids, max_tokens=1,
                                              temperature=0, logprobs=1, echo=True)
     served_lps = out.choices[0].logprobs.token_logprobs[1:len(ids)]  # type: ignore[union-attr]
-
-    def reference(dtype: torch.dtype) -> torch.Tensor:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float()
-        logp = torch.log_softmax(logits, -1)
-        return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-
-    f32, bf16 = reference(torch.float32), reference(torch.bfloat16)
+    f32, bf16 = (peft_prompt_logprobs(model_dir, None, ids, dtype)
+                 for dtype in (torch.float32, torch.bfloat16))
     ours = torch.tensor(served_lps, dtype=torch.float32)
     assert (ours - f32).abs().max() <= (bf16 - f32).abs().max()
