@@ -13,7 +13,8 @@ over it): a proxy that follows the add dispatches to it from the same records, s
 an add returns only then.
 
 The models served, their settings and the unreadable ones (quarantine: a
-cachemgr's ``unavailable``, polled every :data:`WATCH_S`, or an instance's
+cachemgr's ``unavailable``, polled every :data:`WATCH_S` and when an instance
+joins, or an instance's
 ``model_unavailable``) are records in the store
 (:class:`~aegaeon_common.registry.ServedModelsRecord`,
 :class:`~aegaeon_common.registry.UnavailableModelsRecord`, one transaction per
