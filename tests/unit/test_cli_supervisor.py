@@ -82,21 +82,6 @@ def test_children_that_start_early_start_with_the_first_stage_and_are_ready_afte
     assert not any(c.alive() for c in children)
 
 
-def test_a_child_started_early_that_dies_stops_the_start_with_its_log(tmp_path: Path) -> None:
-    bad = Child(name="decode-0", argv=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
-                ready=lambda: False, log_path=tmp_path / "decode-0.log", stage=1,
-                start_early=True)  # fmt: skip
-    # the cachemgr never gets ready: only decode-0's exit, in the first stage's wait, ends it
-    children = [_child(tmp_path, "cachemgr", 0, peers=("never",)), bad]
-    sup = Supervisor(children, ready_timeout_s=60)
-    try:
-        with pytest.raises(StartupError, match=r"decode-0 exited with status 3(.|\n)*boom"):
-            sup.start_all()
-    finally:
-        sup.stop_all(timeout_s=5)
-    assert not any(c.alive() for c in children)
-
-
 def _noting(wait: Callable[[list[Child], list[Child]], None],
             ready: list[str]) -> Callable[[list[Child], list[Child]], None]:  # fmt: skip
     """``Supervisor._wait_ready`` that notes, in ``ready``, each stage it waited for."""
@@ -107,12 +92,17 @@ def _noting(wait: Callable[[list[Child], list[Child]], None],
     return noted
 
 
-def test_a_child_dying_in_its_stage_stops_the_start_with_its_log(tmp_path: Path) -> None:
+@pytest.mark.parametrize("early", [False, True], ids=["in-its-stage", "started-early"])
+def test_a_child_dying_in_its_stage_stops_the_start_with_its_log(tmp_path: Path,
+                                                                 early: bool) -> None:  # fmt: skip
     bad = Child(name="decode-0", argv=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
-                ready=lambda: False, log_path=tmp_path / "decode-0.log", stage=1)  # fmt: skip
-    # prefill-0 waits for a peer that never starts: only decode-0's exit ends the stage
-    children = [_child(tmp_path, "cachemgr", 0),
-                _child(tmp_path, "prefill-0", 1, peers=("never",)), bad]  # fmt: skip
+                ready=lambda: False, log_path=tmp_path / "decode-0.log", stage=1,
+                start_early=early)  # fmt: skip
+    if early:  # the cachemgr never gets ready: decode-0's exit ends the first stage's wait
+        children = [_child(tmp_path, "cachemgr", 0, peers=("never",)), bad]
+    else:  # prefill-0 waits for a peer that never starts: only decode-0's exit ends the stage
+        children = [_child(tmp_path, "cachemgr", 0),
+                    _child(tmp_path, "prefill-0", 1, peers=("never",)), bad]  # fmt: skip
     sup = Supervisor(children, ready_timeout_s=60)
     try:
         with pytest.raises(StartupError, match=r"decode-0 exited with status 3(.|\n)*boom"):
