@@ -103,3 +103,33 @@ async def load(cm: CacheMgrProcess, name: str) -> None:
     model = await client.load_model(name)
     assert model.nbytes > 0
     await client.close()
+
+
+def test_a_worker_that_registers_before_its_cachemgr_is_up_waits_for_it(tmp_path: Path) -> None:
+    # A node starts its instances beside its cachemgr: a registration sent before the
+    # cachemgr binds outlasts the client's call timeout and is answered once it is up.
+    cm = CacheMgrProcess(write_config(tmp_path, {"a": checkpoint(0)}))
+
+    async def register_early() -> None:
+        client = CacheClient(cm.config.cachemgr_address, "early", timeout_s=0.2)
+        try:
+            registering = asyncio.ensure_future(client.register())
+            await asyncio.wait([registering], timeout=0.4)  # past the call timeout
+            assert not registering.done()
+            await asyncio.to_thread(cm.start)
+            registration = await registering
+            assert registration.worker_id == "early"
+            stats = await client.stats()
+            assert [w.worker_id for w in stats.workers] == ["early"]
+            model = await client.load_model("a")
+            assert model.nbytes > 0
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(register_early())
+        assert cm.stop() == 0
+    finally:
+        if cm.proc is not None and cm.proc.poll() is None:
+            cm.stop(signal.SIGKILL)
+    assert shm_segments(cm.prefix) == []

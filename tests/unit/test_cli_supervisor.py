@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,12 @@ time.sleep(60)
 NAMES = ("cachemgr", "prefill-0", "decode-0", "proxy")
 
 
-def _child(tmp: Path, name: str, stage: int, peers: tuple[str, ...] = ()) -> Child:
+def _child(tmp: Path, name: str, stage: int, peers: tuple[str, ...] = (),
+           start_early: bool = False) -> Child:  # fmt: skip
     flag = tmp / f"{name}.ready"
     argv = [sys.executable, "-c", SCRIPT, str(tmp), name, ",".join(NAMES), ",".join(peers)]
     return Child(name=name, argv=argv, ready=flag.exists, log_path=tmp / f"{name}.log",
-                 stage=stage)  # fmt: skip
+                 stage=stage, start_early=start_early)  # fmt: skip
 
 
 def _saw(tmp: Path, name: str) -> set[str]:
@@ -55,12 +57,52 @@ def test_instances_start_together_between_the_cachemgr_and_the_proxy(tmp_path: P
     assert not any(c.alive() for c in children)
 
 
-def test_a_child_dying_in_its_stage_stops_the_start_with_its_log(tmp_path: Path) -> None:
+def test_children_that_start_early_start_with_the_first_stage_and_are_ready_after_it(
+    tmp_path: Path,
+) -> None:
+    # a node's instances and proxy wait for their predecessors themselves: they start
+    # beside the cachemgr, which here gets ready only once both instances have started
+    children = [_child(tmp_path, "cachemgr", 0, peers=("prefill-0", "decode-0")),
+                _child(tmp_path, "prefill-0", 1, start_early=True),
+                _child(tmp_path, "decode-0", 1, start_early=True),
+                _child(tmp_path, "proxy", 2)]  # fmt: skip
+    sup = Supervisor(children, ready_timeout_s=60)
+    ready: list[str] = []
+    sup._wait_ready = _noting(sup._wait_ready, ready)  # type: ignore[method-assign]
+    try:
+        sup.start_all()
+        # the instances started before the cachemgr was ready
+        assert "cachemgr" not in _saw(tmp_path, "prefill-0") | _saw(tmp_path, "decode-0")
+        # readiness is still waited for stage by stage: the proxy (not early) started
+        # once every instance was ready
+        assert ready == ["cachemgr", "prefill-0,decode-0", "proxy"]
+        assert _saw(tmp_path, "proxy") == {"cachemgr", "prefill-0", "decode-0"}
+    finally:
+        sup.stop_all(timeout_s=5)
+    assert not any(c.alive() for c in children)
+
+
+def _noting(wait: Callable[[list[Child], list[Child]], None],
+            ready: list[str]) -> Callable[[list[Child], list[Child]], None]:  # fmt: skip
+    """``Supervisor._wait_ready`` that notes, in ``ready``, each stage it waited for."""
+    def noted(children: list[Child], early: list[Child]) -> None:
+        wait(children, early)
+        ready.append(",".join(c.name for c in children))
+
+    return noted
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["in-its-stage", "started-early"])
+def test_a_child_dying_in_its_stage_stops_the_start_with_its_log(tmp_path: Path,
+                                                                 early: bool) -> None:  # fmt: skip
     bad = Child(name="decode-0", argv=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
-                ready=lambda: False, log_path=tmp_path / "decode-0.log", stage=1)  # fmt: skip
-    # prefill-0 waits for a peer that never starts: only decode-0's exit ends the stage
-    children = [_child(tmp_path, "cachemgr", 0),
-                _child(tmp_path, "prefill-0", 1, peers=("never",)), bad]  # fmt: skip
+                ready=lambda: False, log_path=tmp_path / "decode-0.log", stage=1,
+                start_early=early)  # fmt: skip
+    if early:  # the cachemgr never gets ready: decode-0's exit ends the first stage's wait
+        children = [_child(tmp_path, "cachemgr", 0, peers=("never",)), bad]
+    else:  # prefill-0 waits for a peer that never starts: only decode-0's exit ends the stage
+        children = [_child(tmp_path, "cachemgr", 0),
+                    _child(tmp_path, "prefill-0", 1, peers=("never",)), bad]  # fmt: skip
     sup = Supervisor(children, ready_timeout_s=60)
     try:
         with pytest.raises(StartupError, match=r"decode-0 exited with status 3(.|\n)*boom"):

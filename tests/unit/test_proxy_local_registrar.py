@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq.asyncio
 from aegaeon_common.config import Config, config_from_dict
 from aegaeon_common.messages.decode import DECODE_CHANNEL, EnqueueDecode
@@ -36,7 +37,8 @@ from aegaeon_common.messages.structs import (
 from aegaeon_common.registry import InstanceRecord, decode_instance, instance_key
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
-from aegaeon_proxy.backend import GenerationRequest
+from aegaeon_proxy.backend import BackendError, GenerationRequest
+from aegaeon_proxy.cluster import backend as cluster_backend
 from aegaeon_proxy.cluster.backend import ClusterBackend
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from fake_worker import latency_profile
@@ -247,4 +249,43 @@ async def test_a_decode_placement_waits_for_a_decode_instance_and_prefills_teach
         await backend.stop()
         prefill.close()
         decode.close()
+        ctx.destroy(linger=0)
+
+
+async def test_an_instance_joining_has_its_cachemgr_asked_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The proxy is ready once a cachemgr said which models it cannot read, asked through
+    the live records: a start's first poll finds none, and the next one comes when an
+    instance joins, not a poll period later (here: never by the clock)."""
+    monkeypatch.setattr(cluster_backend, "WATCH_S", 3600.0)
+    config = _config(tmp_path)
+    ctx = zmq.asyncio.Context()
+    instance = Puller(ctx, config.prefill_address(0), PREFILL_CHANNEL)
+    backend = ClusterBackend(config)
+    asked: list[list[str]] = []
+
+    async def check_unavailable(asked_at: float) -> None:
+        asked.append(sorted(backend.view.live))
+        if not backend.view.live:  # no record: no cachemgr to ask
+            raise BackendError.unavailable("no node's cachemgr answered")
+
+    backend.models.check_unavailable = check_unavailable  # type: ignore[method-assign]
+    loops = [asyncio.create_task(backend._refresh_loop()),
+             asyncio.create_task(backend._unavailable_loop())]  # fmt: skip
+    try:
+        while not asked:
+            await asyncio.sleep(0.01)
+        assert asked == [[]] and not backend._checked
+        backend.local.on_hello(_hello())
+        async with asyncio.timeout(10.0):
+            while not backend._checked:
+                await asyncio.sleep(0.01)
+        assert asked == [[], ["prefill-0"]]
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await backend.stop()
+        instance.close()
         ctx.destroy(linger=0)

@@ -1,7 +1,12 @@
 """Start, watch and stop the service processes of one node.
 
 Children are started in dependency stages (cachemgr; every instance at once;
-the proxy), a stage's children all ready before the next stage starts; a
+the proxy), a stage's children all ready before the next stage starts, but a
+child that waits for its predecessors itself (``Child.start_early``: a node's
+instances reach for their cachemgr until it answers, its proxy takes the
+instances' reports whichever binds first) starts with the first stage, so its
+imports and its own building overlap theirs; it still counts as ready only when
+it says so, after the stages before it. A
 child that exits while the supervisor is not stopping is logged and
 restarted (with backoff), whether it died or drained after a SIGTERM sent to
 it alone (a rolling restart: the others keep serving). A child that dies says
@@ -52,6 +57,10 @@ class Child:
     # It maps the first child's (the cachemgr's) shared memory: when that child dies,
     # this one is killed and started again with it (its state lived in that memory).
     maps_cache: bool = False
+    # It waits for the children of the earlier stages itself (it retries reaching them):
+    # started with the first stage rather than once they are ready. Its stage still
+    # orders readiness (the start waits for it after the stages before) and the stop.
+    start_early: bool = False
     # how long it may take to stop after SIGTERM (None: the supervisor's stop_timeout_s);
     # a child that supervises children of its own needs their timeout and a margin
     stop_timeout_s: float | None = None
@@ -177,17 +186,19 @@ class Supervisor:
     def request_stop(self, *_: object) -> None:
         self._stopping = True
 
-    def _wait_ready(self, children: list[Child]) -> None:
-        """Until every one of ``children`` reports ready (one deadline for all)."""
+    def _wait_ready(self, children: list[Child], early: list[Child]) -> None:
+        """Until every one of ``children`` reports ready (one deadline for all); a child
+        of ``children`` or ``early`` (started before its stage) that exits ends it."""
         deadline = time.monotonic() + self.ready_timeout_s
         waiting = list(children)
         while waiting:
             if self._stopping:
                 raise StartupError("stopped during start-up")
-            for child in list(waiting):
+            for child in [*early, *waiting]:
                 if not child.alive():
                     code = child.proc.returncode if child.proc else None
                     raise StartupError(child.death(code, " during start-up"))
+            for child in list(waiting):
                 if child.ready():
                     log.info("ready", child=child.name)
                     waiting.remove(child)
@@ -201,10 +212,14 @@ class Supervisor:
         return [[c for c in children if c.stage == k] for k in sorted({c.stage for c in children})]
 
     def _start_stages(self, children: list[Child]) -> None:
+        early = [c for c in children if c.start_early]
+        for child in early:
+            child.start()
         for stage in self._stages(children):
             for child in stage:
-                child.start()
-            self._wait_ready(stage)
+                if not child.start_early:
+                    child.start()
+            self._wait_ready(stage, [c for c in early if c not in stage])
 
     def start_all(self) -> None:
         self._start_stages(self.children)
@@ -265,7 +280,8 @@ class Supervisor:
     def _restart_with_cache(self) -> None:
         """The cachemgr and every child that maps its memory: killed (nothing they
         hold outlives that memory; a drain would wait on a dead cachemgr), restarted
-        in stage order. The new cachemgr removes the old segments."""
+        in stage order (those that start early beside the new cachemgr). The new
+        cachemgr removes the old segments."""
         group = [self.children[0], *(c for c in self.children[1:] if c.maps_cache)]
         log.warning("restarting the cache manager and the instances that map its memory",
                     children=[c.name for c in group])  # fmt: skip

@@ -10,6 +10,8 @@ the worker serves the rest.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -187,20 +189,43 @@ async def build_worker(
     client: CacheClient,
     metrics: WorkerMetrics | None = None,
 ) -> Worker:
-    """Register with the cachemgr and build the worker (its slow parts on threads).
+    """Build the worker (its slow parts on threads) and register with the cachemgr.
 
+    What needs no cachemgr comes first (a tensor-parallel group's followers are
+    started at once, to build theirs meanwhile; the specs, the engine, the buffer):
+    an instance starts beside its cachemgr (``aegaeon_cli.node``) and its
+    registration waits until the cachemgr answers (``CacheClient.register``).
     Must be awaited on the loop that will serve ``client`` afterwards: the
     compute thread reaches the cachemgr through a :class:`SyncCacheClient`.
     """
-    import asyncio
-
     inst = instance_config(config, kind)
     device = torch.device(inst.device_of(index))
     if device.type == "cuda":
         if device.index is not None:  # streams, events and the stage buffer follow it
             torch.cuda.set_device(device)
         client.pin_host_memory()  # scale-ups and KV copies as single DMAs
-    registration = await client.register(os.getpid(), NUM_STREAMS)
+    # the followers import and build their engines while this process builds its own
+    forming = (asyncio.ensure_future(asyncio.to_thread(start_group, config, kind, index))
+               if inst.tp > 1 else None)  # fmt: skip
+    try:
+        return await _build(config, kind, index, client, metrics, device, forming)
+    except BaseException:
+        if forming is not None:  # a group formed meanwhile ends with this start
+            with contextlib.suppress(Exception):
+                (await forming).close()
+        raise
+
+
+async def _build(
+    config: Config,
+    kind: str,
+    index: int,
+    client: CacheClient,
+    metrics: WorkerMetrics | None,
+    device: torch.device,
+    forming: asyncio.Future[InstanceGroup] | None,
+) -> Worker:
+    inst = instance_config(config, kind)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
     specs: dict[str, ModelSpec] = {}
@@ -230,66 +255,62 @@ async def build_worker(
     buffer = await asyncio.to_thread(DeviceBuffer, inst.device_memory_bytes,
                                      inst.kv_memory_bytes, device,
                                      adapter_bytes=adapter_bytes)  # fmt: skip
+    registration = await client.register(os.getpid(), NUM_STREAMS)
     group = None
-    if inst.tp > 1:
-        group = await asyncio.to_thread(start_group, config, kind, index)
+    if forming is not None:  # shielded: a stop or failure leaves it to build_worker to close
+        group = await asyncio.shield(forming)
         assert isinstance(engine, MirroredEngine)
         engine.group = group.tp
-    try:
-        table = registration.event_table
-        streams = [make_copy_stream(device, table, registration.event_slots[i])
-                   for i in range(NUM_STREAMS)]  # fmt: skip
-        kv = KVSpace(
-            buffer.kv_region,
-            registration.kv_tensor,
-            cache,
-            streams[SWAP_OUT],
-            streams[SWAP_IN],
-            registration.slab_bytes,
-            peers=group.peer_tensors if group is not None else (),
-        )
-        switcher = ModelSwitcher(
-            engine,
-            buffer,
-            cache,
-            specs,
-            config.dtype,
-            prefetch=prefetches(config.scheduler),
-            map_weights=inst.maps_weights,
-            keep_resident=keeps_resident(config.scheduler),
-            shards=shards,
-            reduce=group.tp.all_reduce if group is not None else None,
-            mirror=group,
-        )
-        adapters = AdapterResidency(cache, config.dtype,
-                                    buffer.adapter_region if adapter_bytes else None,
-                                    engine.lora_stacks)  # fmt: skip
-        for model in config.models:  # LoRA adapters: checked against their bases now
-            if model.base is None:
-                continue
-            if model.base not in specs:
-                unavailable[model.name] = (f"its base {model.base!r} is unavailable: "
-                                           f"{unavailable.get(model.base, 'not served')}")
-                continue
-            try:
-                adapters.add(model.name, model.path, specs[model.base])
-            except (CheckpointError, OSError) as exc:  # served without it, as a broken model
-                unavailable[model.name] = str(exc)
-                log.error("model_unavailable", model=model.name, error=str(exc))
-        for name in specs:  # map every Model Cache region now, off the critical path
-            try:
-                await client.load_model(name, pin=True)
-            except RemoteError as exc:
-                if exc.code != "checkpoint_error":
-                    raise
-                unavailable[name] = exc.reply.message  # quarantined there; the rest is served
-                log.error("model_unavailable", model=name, error=exc.reply.message)
-                continue
-            await client.unpin(name)
-    except BaseException:
-        if group is not None:
-            group.close()
-        raise
+    table = registration.event_table
+    streams = [make_copy_stream(device, table, registration.event_slots[i])
+               for i in range(NUM_STREAMS)]  # fmt: skip
+    kv = KVSpace(
+        buffer.kv_region,
+        registration.kv_tensor,
+        cache,
+        streams[SWAP_OUT],
+        streams[SWAP_IN],
+        registration.slab_bytes,
+        peers=group.peer_tensors if group is not None else (),
+    )
+    switcher = ModelSwitcher(
+        engine,
+        buffer,
+        cache,
+        specs,
+        config.dtype,
+        prefetch=prefetches(config.scheduler),
+        map_weights=inst.maps_weights,
+        keep_resident=keeps_resident(config.scheduler),
+        shards=shards,
+        reduce=group.tp.all_reduce if group is not None else None,
+        mirror=group,
+    )
+    adapters = AdapterResidency(cache, config.dtype,
+                                buffer.adapter_region if adapter_bytes else None,
+                                engine.lora_stacks)  # fmt: skip
+    for model in config.models:  # LoRA adapters: checked against their bases now
+        if model.base is None:
+            continue
+        if model.base not in specs:
+            unavailable[model.name] = (f"its base {model.base!r} is unavailable: "
+                                       f"{unavailable.get(model.base, 'not served')}")
+            continue
+        try:
+            adapters.add(model.name, model.path, specs[model.base])
+        except (CheckpointError, OSError) as exc:  # served without it, as a broken model
+            unavailable[model.name] = str(exc)
+            log.error("model_unavailable", model=model.name, error=str(exc))
+    for name in specs:  # map every Model Cache region now, off the critical path
+        try:
+            await client.load_model(name, pin=True)
+        except RemoteError as exc:
+            if exc.code != "checkpoint_error":
+                raise
+            unavailable[name] = exc.reply.message  # quarantined there; the rest is served
+            log.error("model_unavailable", model=name, error=exc.reply.message)
+            continue
+        await client.unpin(name)
     by_name = {m.name: m for m in config.models}
     for model in config.models:  # the served adapters with them
         if model.base is not None and model.name in adapters.specs:

@@ -74,6 +74,11 @@ log = get_logger("cachemgr.client")
 # the report's round trip then rarely meets a switch, and all uses of a model
 # within an interval cost one. The cachemgr's LRU order lags by up to this.
 USE_REPORT_INTERVAL_S = 0.25
+# How long a registration waits for an answer. An instance starts beside its cachemgr
+# (``aegaeon_cli.node``) and registers once it has built what needs none: its request
+# waits in the socket until the cachemgr binds and answers, however slow that start
+# (a node's start has a deadline of its own, its supervisor's).
+REGISTER_WAIT_S = 600.0
 
 
 class CacheClient:
@@ -125,12 +130,14 @@ class CacheClient:
         """Start this worker's lease; attach the KV region and the event table.
 
         A second call (e.g. after the cachemgr restarted) starts a new lease:
-        the old one's blocks and pins are gone.
+        the old one's blocks and pins are gone. A cachemgr not up yet is waited
+        for (up to :data:`REGISTER_WAIT_S`).
         """
         reply = await self._call(
             RegisterWorker(self.worker_id, os.getpid() if pid is None else pid, num_event_slots,
                            _pid_namespace()),
             WorkerRegistered,
+            REGISTER_WAIT_S,
         )
         self._detach()
         kv_region = ShmRegion.attach(reply.kv_region)

@@ -59,7 +59,6 @@ async def run(config_path: Path, kind: str, index: int, rank: int, port: int,
     client = CacheClient(config.cachemgr_address, name, ctx)
     if device.type == "cuda":
         client.pin_host_memory()
-    await client.register(os.getpid(), 1)
     loop = asyncio.get_running_loop()
     cache = SyncCacheClient(client, loop)
     switcher: ModelSwitcher | None = None
@@ -79,6 +78,8 @@ async def run(config_path: Path, kind: str, index: int, rank: int, port: int,
             await asyncio.to_thread(engine.tune, shards.spec(spec_name), config.dtype)
         buffer, keep = await asyncio.to_thread(
             follower_buffer, inst.device_memory_bytes, inst.kv_memory_bytes, device)
+        # after what needs no cachemgr: the group may start beside it (aegaeon_runtime.worker)
+        await client.register(os.getpid(), 1)
         store = TCPStore("127.0.0.1", port, is_master=False)
         group = await asyncio.to_thread(join_group, store, rank, inst.tp, device, JOIN_TIMEOUT_S)
         switcher = ModelSwitcher(engine, buffer, cache, specs, config.dtype,

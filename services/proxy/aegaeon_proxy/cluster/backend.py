@@ -149,6 +149,9 @@ class ClusterBackend(Backend):
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
         self._closing = False  # stop() began: every loop ends
         self._checked = False  # the cachemgrs' unreadable models were read once
+        # set when an instance joins: its node's cachemgr is asked at once, not at the next
+        # poll (a start is ready once it answered)
+        self._node_joined = asyncio.Event()
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self.spawn(self.send(record, msg)))
@@ -250,15 +253,18 @@ class ClusterBackend(Backend):
         return min(limits) if limits else None
 
     async def _unavailable_loop(self) -> None:
-        """The cachemgrs' unreadable models, shared; a failed poll is tried again at the
-        next turn (a cachemgr or the store may be restarting)."""
+        """Every :data:`WATCH_S` and whenever an instance joins, the cachemgrs' unreadable
+        models, shared; a failed poll is tried again at the next turn (a cachemgr or the
+        store may be restarting)."""
         while not self._closing:
+            self._node_joined.clear()
             try:
                 await self.models.check_unavailable(time.time())
                 self._checked = True
             except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
                 log.debug("unavailable_models_poll_failed", error=repr(exc))
-            await asyncio.sleep(WATCH_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._node_joined.wait(), WATCH_S)
 
     def services(self) -> list[ServiceAddress] | None:
         """Every node's services as its instances registered them; one node's are those
@@ -487,6 +493,7 @@ class ClusterBackend(Backend):
                 log.info("instance_joined", instance=record.instance_id, node=record.node,
                          address=record.address)  # fmt: skip
                 self.models.on_joined(record)
+                self._node_joined.set()
             for record in left:
                 self._instance_left(record)
             self.models.changed()  # waits on the instances look again

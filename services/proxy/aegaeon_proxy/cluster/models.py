@@ -8,8 +8,9 @@ so the ticket says which node's it is. An instance serves an added model once it
 registry record lists it: a proxy that follows the add dispatches to it from the
 same records, so an add returns only then.
 
-The models served, their settings and the unreadable ones (quarantine) are records
-in the store, kept by every proxy as
+The models served, their settings and the unreadable ones (quarantine: polled from
+the cachemgrs every :data:`WATCH_S` and when an instance joins) are records in the
+store, kept by every proxy as
 :class:`~aegaeon_proxy.cluster.shared_records.SharedRecords` (written back if the
 store loses them); each change goes to every proxy's front (``follow_*``): an
 unreadable model is 503 ``model_unavailable`` everywhere until a reload on any
