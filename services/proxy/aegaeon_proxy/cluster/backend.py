@@ -119,6 +119,7 @@ DISPATCH_SAMPLES = 4096
 STOP_S = 5.0  # a stopping replica's last cancels and store writes
 ENGINE_STATS_TIMEOUT_S = 1.0  # the cachemgrs' KV stats for a scrape
 STATS_TIMEOUT_S = 5.0  # the cachemgrs' stats for /v1/aegaeon/stats
+FIRST_CHECK_S = 0.1  # the unreadable models' poll until it first answers (readiness waits)
 
 
 class ClusterBackend(Backend):
@@ -155,6 +156,9 @@ class ClusterBackend(Backend):
         self._replicas = 1  # replicas beating now (each admits its share of the bounds)
         self._closing = False  # stop() began: every loop ends
         self._checked = False  # the cachemgrs' unreadable models were read once
+        # set when an instance's record is new in the store: the registry is read again
+        # now, not a refresh later (a node's start waits on its instances joining)
+        self._joined = asyncio.Event()
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self.spawn(self.send(record, msg)))
@@ -269,7 +273,7 @@ class ClusterBackend(Backend):
                 self._checked = True  # (ready: the cachemgrs' unreadable models are known)
             except (BackendError, RemoteError, StoreError, TimeoutError) as exc:
                 log.debug("unavailable_models_poll_failed", error=repr(exc))
-            await asyncio.sleep(WATCH_S)
+            await asyncio.sleep(WATCH_S if self._checked else FIRST_CHECK_S)
 
     def services(self) -> list[ServiceAddress] | None:
         """Every node's services as its instances registered them; one node's are those
@@ -440,8 +444,10 @@ class ClusterBackend(Backend):
     # ---- one node's instances (cluster.local_registrar) ------------------------
     def _put_record(self, record: InstanceRecord, live: bool) -> None:
         """Write (``live``) or delete an instance's record, as its own registrar would;
-        a draining record is dispatch's at once (no new work meanwhile)."""
-        if live and self.view.alive(record.instance_id, record.incarnation):
+        a draining record is dispatch's at once (no new work meanwhile); a new one wakes
+        the registry's refresh."""
+        known = self.view.alive(record.instance_id, record.incarnation)
+        if live and known:
             self.view.live[record.instance_id] = record
         ttl_s = self.config.store.heartbeat_ttl_s
 
@@ -450,6 +456,8 @@ class ClusterBackend(Backend):
                 if live:
                     await self.store.put(instance_key(record.instance_id), encode(record), ttl_s)
                     await self.store.set_add(INSTANCES, record.instance_id)
+                    if not known:
+                        self._joined.set()
                 else:
                     await self.store.delete(instance_key(record.instance_id))
             except StoreError as exc:
@@ -524,7 +532,9 @@ class ClusterBackend(Backend):
                 self.table.expire_deferred(time.time())
             except Exception:
                 log.exception("deferred_requests_check_failed")
-            await asyncio.sleep(REFRESH_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._joined.wait(), REFRESH_S)
+            self._joined.clear()
 
     def _store_lost(self) -> None:
         """The store restarted empty (a new epoch): no record missing now means a death
