@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq.asyncio
 from aegaeon_common.config import Config, config_from_dict
 from aegaeon_common.messages.decode import DECODE_CHANNEL, EnqueueDecode
@@ -37,6 +38,7 @@ from aegaeon_common.registry import InstanceRecord, decode_instance, instance_ke
 from aegaeon_common.transport import Puller
 from aegaeon_common.wire import Message
 from aegaeon_proxy.backend import GenerationRequest
+from aegaeon_proxy.cluster import backend as backend_module
 from aegaeon_proxy.cluster.backend import ClusterBackend
 from aegaeon_proxy.cluster.local_registrar import LocalRegistrar
 from fake_worker import latency_profile
@@ -181,6 +183,32 @@ async def test_the_backend_over_the_memory_store_dispatches_from_those_records(
         await backend.stop()
         instance.close()
         ctx.destroy(linger=0)
+
+
+async def test_a_new_instance_joins_the_view_at_once_not_a_refresh_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's start waits on its instances joining the proxy's view: a new record wakes
+    the registry's refresh (here a refresh an hour apart: only the wake can do it)."""
+    monkeypatch.setattr(backend_module, "REFRESH_S", 3600.0)
+    backend = ClusterBackend(_config(tmp_path))
+    await backend.start()
+    try:
+        for _ in range(500):  # the first refresh (the store answered), before any hello
+            if backend._store_ok:
+                break
+            await asyncio.sleep(0.01)
+        assert backend._store_ok and not backend.view.live
+        for kind in ("prefill", "decode"):
+            backend.local.on_hello(_hello(kind))
+        for _ in range(500):
+            if set(backend.view.live) == {"prefill-0", "decode-0"}:
+                break
+            await asyncio.sleep(0.01)
+        assert set(backend.view.live) == {"prefill-0", "decode-0"}
+        assert backend.down() == []
+    finally:
+        await backend.stop()
 
 
 async def _recv(pull: Puller, tag: type[Message]) -> Message:
