@@ -185,6 +185,32 @@ async def test_the_backend_over_the_memory_store_dispatches_from_those_records(
         ctx.destroy(linger=0)
 
 
+async def test_a_new_instance_joins_the_view_at_once_not_a_refresh_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's start waits on its instances joining the proxy's view: a new record wakes
+    the registry's refresh (here a refresh an hour apart: only the wake can do it)."""
+    monkeypatch.setattr(cluster_backend, "REFRESH_S", 3600.0)
+    backend = ClusterBackend(_config(tmp_path))
+    await backend.start()
+    try:
+        for _ in range(500):  # the first refresh (the store answered), before any hello
+            if backend._store_ok:
+                break
+            await asyncio.sleep(0.01)
+        assert backend._store_ok and not backend.view.live
+        for kind in ("prefill", "decode"):
+            backend.local.on_hello(_hello(kind))
+        for _ in range(500):
+            if set(backend.view.live) == {"prefill-0", "decode-0"}:
+                break
+            await asyncio.sleep(0.01)
+        assert set(backend.view.live) == {"prefill-0", "decode-0"}
+        assert backend.down() == []
+    finally:
+        await backend.stop()
+
+
 async def _recv(pull: Puller, tag: type[Message]) -> Message:
     """The next message of type ``tag`` (the ProxyStarted before it skipped)."""
     while True:

@@ -152,6 +152,9 @@ class ClusterBackend(Backend):
         # set when an instance joins: its node's cachemgr is asked at once, not at the next
         # poll (a start is ready once it answered)
         self._node_joined = asyncio.Event()
+        # set when an instance's record is new in the store: the registry is read again
+        # now, not a refresh later (a node's start waits on its instances joining)
+        self._new_record = asyncio.Event()
         # one node: the instances report here and this replica writes their records
         self.local = LocalRegistrar(config, self._put_record,
                                     lambda record, msg: self.spawn(self.send(record, msg)))
@@ -428,8 +431,10 @@ class ClusterBackend(Backend):
     # ---- one node's instances (cluster.local_registrar) ------------------------
     def _put_record(self, record: InstanceRecord, live: bool) -> None:
         """Write (``live``) or delete an instance's record, as its own registrar would;
-        dispatch reads the new one at once (a draining one takes no new work)."""
-        if live and self.view.alive(record.instance_id, record.incarnation):
+        dispatch reads the new one at once (a draining one takes no new work); a record
+        new in the store wakes the registry's refresh."""
+        known = self.view.alive(record.instance_id, record.incarnation)
+        if live and known:
             self.view.live[record.instance_id] = record
         ttl_s = self.config.store.heartbeat_ttl_s
 
@@ -438,6 +443,8 @@ class ClusterBackend(Backend):
                 if live:
                     await self.store.put(instance_key(record.instance_id), encode(record), ttl_s)
                     await self.store.set_add(INSTANCES, record.instance_id)
+                    if not known:
+                        self._new_record.set()
                 else:
                     await self.store.delete(instance_key(record.instance_id))
             except StoreError as exc:
@@ -511,7 +518,9 @@ class ClusterBackend(Backend):
                 self.table.expire_deferred(time.time())
             except Exception:
                 log.exception("deferred_requests_check_failed")
-            await asyncio.sleep(REFRESH_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new_record.wait(), REFRESH_S)
+            self._new_record.clear()
 
     def _store_lost(self) -> None:
         """The store restarted empty (a new epoch): this replica's own records come back
