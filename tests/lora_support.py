@@ -2,8 +2,9 @@
 their references: transformers + PEFT's ``merge_and_unload`` greedy decoding (the
 greedy decoding, :func:`greedy_tokens`, the real-model tests' reference too).
 
-The adapters and references are kept across sessions (:func:`kept`): a session
-makes them again only when something they depend on changed."""
+The e2e modules' adapters and references (over the markets kept across sessions) are
+kept across sessions too (:func:`kept`): a session makes them again only when something
+they depend on changed."""
 
 from __future__ import annotations
 
@@ -101,10 +102,14 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts: Sequence[Sequ
 
 
 def peft_references(base_dir: Path, adapters: dict[str, Path | None],
-                    prompts: Sequence[Sequence[int]],
-                    num_tokens: int) -> dict[str, list[list[int]]]:  # fmt: skip
+                    prompts: Sequence[Sequence[int]], num_tokens: int,
+                    keep: bool = False) -> dict[str, list[list[int]]]:  # fmt: skip
     """:func:`peft_greedy` for each adapter (name -> its directory, None: the base alone),
-    the base read once; kept across sessions (:func:`kept`)."""
+    the base read once; with ``keep`` (checkpoints kept across sessions: a temporary
+    adapter names its temporary base, and would key a new entry every session), kept
+    across sessions too (:func:`kept`)."""
+    if not keep:
+        return _peft_references(base_dir, adapters, prompts, num_tokens)
     folders = [base_dir, *(d for _, d in sorted(adapters.items()) if d is not None)]
     parts = ["greedy", [list(p) for p in prompts], num_tokens, sorted(adapters)]
     refs: dict[str, list[list[int]]] = kept(

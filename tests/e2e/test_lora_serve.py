@@ -85,7 +85,7 @@ def references(base_dir: Path, work: Path, extra_adapter: Path,
                prompt_ids: list[list[int]]) -> dict[str | None, list[list[int]]]:  # fmt: skip
     dirs: dict[str, Path | None] = {"": None, "extra": extra_adapter}
     dirs |= {name: work / "peft" / name for name in NAMES}
-    refs = peft_references(base_dir, dirs, prompt_ids, NUM_TOKENS)
+    refs = peft_references(base_dir, dirs, prompt_ids, NUM_TOKENS, keep=True)
     return {(name or None): tokens for name, tokens in refs.items()}
 
 
